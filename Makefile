@@ -1,0 +1,53 @@
+# Two commands on a fresh machine: `make run` and `make test`. Both create .venv when needed.
+SHELL := /bin/bash
+PY_SYS ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export OMP_NUM_THREADS ?= 1
+export PYTHONDONTWRITEBYTECODE = 1
+
+# CI runs the subset that fits in its budget; `make test-all` runs every test.
+PYTEST_ARGS ?= -m "not slow" -x --durations=15
+
+.PHONY: run test test-all chaos proto lint bench bench-% clean venv
+
+venv: $(STAMP)
+
+# Re-install only when pyproject.toml changes; a second run is quick.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PY_SYS) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/unbroken up $(ARGS)
+
+test: $(STAMP)
+	$(PY) proto/generate.py --check
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(PY) -m pytest --durations=25
+
+chaos: $(STAMP)
+	$(PY) -m pytest tests/chaos --durations=25
+
+proto: $(STAMP)
+	$(PY) proto/generate.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy -p unbroken.driver -p unbroken.agent -p unbroken.diagnostics -p unbroken.recovery -p unbroken.trainer
+
+bench: $(STAMP)
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+bench-%: $(STAMP)
+	$(PY) bench/$*.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

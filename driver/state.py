@@ -1,0 +1,181 @@
+"""The job state as a pure fold over the event log: `state = fold(events, initial(job))`.
+
+`apply` never mutates its input and never reads a clock, a file or the network, so a
+driver that replays the log (after a crash, or as a new leader) rebuilds exactly the
+state the old leader had. Snapshots store the folded `JobState`; folding the tail onto
+a snapshot equals folding the whole history (tests/unit/test_state_fold.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from unbroken.proto import events_pb2 as ev
+
+KEEP_CHECKPOINTS = 16  # checkpoint records kept in the folded state (newest last)
+
+
+def initial(job_id: str) -> ev.JobState:
+    """The state of a job before its first event."""
+    return ev.JobState(job_id=job_id, phase=ev.PHASE_STARTING)
+
+
+def fold(events: Iterable[ev.Event], state: ev.JobState) -> ev.JobState:
+    """Apply `events` in order to a copy of `state`."""
+    out = ev.JobState()
+    out.CopyFrom(state)
+    for e in events:
+        _apply_in_place(out, e)
+    return out
+
+
+def apply(state: ev.JobState, event: ev.Event) -> ev.JobState:
+    """The state after `event`. Pure: `state` is not modified."""
+    return fold((event,), state)
+
+
+def _node(s: ev.JobState, node_id: str) -> ev.NodeRecord:
+    rec = s.nodes[node_id]  # map access creates the entry
+    if not rec.node_id:
+        rec.node_id = node_id
+    return rec
+
+
+def _apply_in_place(s: ev.JobState, e: ev.Event) -> None:
+    kind = e.WhichOneof("payload")
+    assert kind is not None, "an event without payload reached the fold"
+    assert e.seq == 0 or e.seq > s.last_seq, f"event {e.seq} folded after {s.last_seq}"
+    if e.seq:
+        s.last_seq = e.seq
+    s.event_counts[kind] += 1
+    handler = _HANDLERS.get(kind)
+    if handler is not None:
+        handler(s, e)
+
+
+def _job_started(s: ev.JobState, e: ev.Event) -> None:
+    p = e.job_started
+    s.trainer = p.trainer
+    s.world.CopyFrom(p.world)
+    s.min_nodes, s.max_nodes = p.min_nodes, p.max_nodes
+
+
+def _node_registered(s: ev.JobState, e: ev.Event) -> None:
+    p = e.node_registered
+    rec = _node(s, p.node_id)
+    rec.epoch = p.epoch
+    rec.hostname, rec.ip, rec.num_workers = p.hostname, p.ip, p.num_workers
+    rec.registered_seq = e.seq
+    rec.spare = p.spare
+    if rec.state != ev.NODE_STATE_EVICTED:
+        rec.state = ev.NODE_STATE_SPARE if p.spare else ev.NODE_STATE_ACTIVE
+
+
+def _node_lost(s: ev.JobState, e: ev.Event) -> None:
+    rec = _node(s, e.node_lost.node_id)
+    if rec.state != ev.NODE_STATE_EVICTED:
+        rec.state = ev.NODE_STATE_LOST
+    rec.failures += 1
+
+
+def _blame(field: str) -> object:
+    def handler(s: ev.JobState, e: ev.Event) -> None:
+        _node(s, getattr(e, field).node_id).failures += 1
+
+    return handler
+
+
+def _diagnosis_verdict(s: ev.JobState, e: ev.Event) -> None:
+    s.last_diagnosis_id = e.diagnosis_verdict.diagnosis_id
+
+
+def _node_evicted(s: ev.JobState, e: ev.Event) -> None:
+    _node(s, e.node_evicted.node_id).state = ev.NODE_STATE_EVICTED
+
+
+def _spare_assigned(s: ev.JobState, e: ev.Event) -> None:
+    p = e.spare_assigned
+    spare = _node(s, p.spare_node_id)
+    spare.state = ev.NODE_STATE_ACTIVE
+    spare.spare = False
+    ids = list(s.world.node_ids)
+    if p.replaces_node_id in ids:
+        ids[ids.index(p.replaces_node_id)] = p.spare_node_id
+        del s.world.node_ids[:]
+        s.world.node_ids.extend(ids)
+
+
+def _world_resized(s: ev.JobState, e: ev.Event) -> None:
+    s.world.CopyFrom(e.world_resized.new_world)
+
+
+def _checkpoint_committed(s: ev.JobState, e: ev.Event) -> None:
+    p = e.checkpoint_committed
+    s.checkpoints.add(step=p.step, uri=p.uri, bytes=p.bytes, seq=e.seq, world=p.world)
+    if len(s.checkpoints) > KEEP_CHECKPOINTS:
+        del s.checkpoints[: len(s.checkpoints) - KEEP_CHECKPOINTS]
+
+
+def _rollback(s: ev.JobState, e: ev.Event) -> None:
+    s.skipped_batches += e.rollback.skip_batches
+    s.step = e.rollback.to_step
+
+
+def _training_paused(s: ev.JobState, e: ev.Event) -> None:
+    s.phase = ev.PHASE_PAUSED
+    s.step = max(s.step, e.training_paused.at_step)
+
+
+def _training_resumed(s: ev.JobState, e: ev.Event) -> None:
+    p = e.training_resumed
+    s.phase = ev.PHASE_RUNNING
+    s.step = p.at_step
+    if p.HasField("world"):
+        s.world.CopyFrom(p.world)
+    s.incident_id = ""
+    s.incident_cause = ""
+    del s.suspects[:]
+
+
+def _leader_elected(s: ev.JobState, e: ev.Event) -> None:
+    s.leader = e.leader_elected.driver_id
+    s.leader_term = e.leader_elected.term
+
+
+def _recovery_transition(s: ev.JobState, e: ev.Event) -> None:
+    p = e.recovery_transition
+    s.phase = p.to_phase
+    if p.incident_id:
+        s.incident_id = p.incident_id
+    if p.to_phase == ev.PHASE_SUSPECTED and p.reason:
+        s.incident_cause = p.reason
+    if p.to_phase == ev.PHASE_RUNNING:
+        s.incident_id = ""
+        s.incident_cause = ""
+        del s.suspects[:]
+
+
+def _job_finished(s: ev.JobState, e: ev.Event) -> None:
+    s.phase = ev.PHASE_FINISHED if e.job_finished.ok else ev.PHASE_FAILED
+    s.step = e.job_finished.step
+
+
+_HANDLERS = {
+    "job_started": _job_started,
+    "node_registered": _node_registered,
+    "node_lost": _node_lost,
+    "worker_failed": _blame("worker_failed"),
+    "hang_suspected": _blame("hang_suspected"),
+    "log_alert": _blame("log_alert"),
+    "diagnosis_verdict": _diagnosis_verdict,
+    "node_evicted": _node_evicted,
+    "spare_assigned": _spare_assigned,
+    "world_resized": _world_resized,
+    "checkpoint_committed": _checkpoint_committed,
+    "rollback": _rollback,
+    "training_paused": _training_paused,
+    "training_resumed": _training_resumed,
+    "leader_elected": _leader_elected,
+    "recovery_transition": _recovery_transition,
+    "job_finished": _job_finished,
+}

