@@ -41,7 +41,11 @@ proto: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy -p unbroken.driver -p unbroken.agent -p unbroken.diagnostics -p unbroken.recovery -p unbroken.trainer
+	@# mypy cannot follow the editable install's package-dir mapping: give it a symlink tree.
+	@mkdir -p build/typecheck/unbroken
+	@for d in proto driver agent diagnostics recovery trainer; do ln -sfn ../../../$$d build/typecheck/unbroken/$$d; done
+	MYPYPATH=build/typecheck $(VENV)/bin/mypy --explicit-package-bases \
+		-p unbroken.driver -p unbroken.agent -p unbroken.diagnostics -p unbroken.recovery -p unbroken.trainer
 
 bench: $(STAMP)
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -86,8 +86,12 @@ class EtcdConfig:
 def add_etcd_flags(parser: argparse.ArgumentParser) -> None:
     """The flags every etcd-using command shares."""
     g = parser.add_argument_group("etcd")
-    g.add_argument("--etcd", default="", metavar="URLS",
-                   help="external etcd endpoints, comma-separated (default: start an embedded one)")
+    g.add_argument(
+        "--etcd",
+        default="",
+        metavar="URLS",
+        help="external etcd endpoints, comma-separated (default: start an embedded one)",
+    )
     g.add_argument("--etcd-ca", default=None, help="CA certificate for TLS to etcd")
     g.add_argument("--etcd-cert", default=None, help="client certificate for TLS to etcd")
     g.add_argument("--etcd-key", default=None, help="client key for TLS to etcd")
@@ -97,7 +101,10 @@ def add_etcd_flags(parser: argparse.ArgumentParser) -> None:
 def config_from_args(ns: argparse.Namespace) -> EtcdConfig:
     """An `EtcdConfig` from the flags of `add_etcd_flags` (ValueError on bad values)."""
     return EtcdConfig.parse_endpoints(
-        ns.etcd, ca_cert=ns.etcd_ca, client_cert=ns.etcd_cert, client_key=ns.etcd_key,
+        ns.etcd,
+        ca_cert=ns.etcd_ca,
+        client_cert=ns.etcd_cert,
+        client_key=ns.etcd_key,
         data_dir=ns.etcd_data_dir,
     )
 
@@ -122,8 +129,9 @@ class EmbeddedEtcd:
         self.name = name
         self.quota_backend_bytes = quota_backend_bytes
         self.start_timeout_s = start_timeout_s
-        self.log_path = Path(log_path) if log_path else self.data_dir.parent / (
-            self.data_dir.name + ".log")
+        self.log_path = (
+            Path(log_path) if log_path else self.data_dir.parent / (self.data_dir.name + ".log")
+        )
         self.client_port = 0
         self.peer_port = 0
         self.proc: subprocess.Popen[bytes] | None = None
@@ -140,18 +148,30 @@ class EmbeddedEtcd:
         peer = f"http://127.0.0.1:{self.peer_port}"
         cmd = [
             str(etcd_bin_dir() / "etcd"),
-            "--name", self.name,
-            "--data-dir", str(self.data_dir / "member-data"),
-            "--listen-client-urls", self.endpoint,
-            "--advertise-client-urls", self.endpoint,
-            "--listen-peer-urls", peer,
-            "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"{self.name}={peer}",
-            "--initial-cluster-state", "new",
-            "--log-level", "warn",
-            "--logger", "zap",
-            "--auto-compaction-mode", "revision",
-            "--auto-compaction-retention", "1000",
+            "--name",
+            self.name,
+            "--data-dir",
+            str(self.data_dir / "member-data"),
+            "--listen-client-urls",
+            self.endpoint,
+            "--advertise-client-urls",
+            self.endpoint,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"{self.name}={peer}",
+            "--initial-cluster-state",
+            "new",
+            "--log-level",
+            "warn",
+            "--logger",
+            "zap",
+            "--auto-compaction-mode",
+            "revision",
+            "--auto-compaction-retention",
+            "1000",
         ]
         if self.quota_backend_bytes:
             cmd += ["--quota-backend-bytes", str(self.quota_backend_bytes)]
@@ -163,11 +183,7 @@ class EmbeddedEtcd:
         for _attempt in range(3):  # a port taken between probe and bind: retry on new ports
             self.client_port, self.peer_port = free_port(), free_port()
             self.data_dir.mkdir(parents=True, exist_ok=True)
-            log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
-            self.proc = subprocess.Popen(
-                self._command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-            log.close()
+            self._spawn()
             try:
                 self._wait_healthy()
                 return self
@@ -209,11 +225,14 @@ class EmbeddedEtcd:
 
     def restart(self) -> None:
         """Start again on the same ports and data dir (after `kill()` or `stop(remove=False)`)."""
-        self.proc = subprocess.Popen(
-            self._command(), stdout=open(self.log_path, "ab"),  # noqa: SIM115
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        self._spawn()
         self._wait_healthy()
+
+    def _spawn(self) -> None:
+        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                self._command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def __enter__(self) -> EmbeddedEtcd:
         return self.start()
@@ -242,8 +261,10 @@ def run(ns: argparse.Namespace) -> int:
     """`unbroken etcd`: run an embedded etcd until Ctrl-C, printing how to reach it."""
     with EmbeddedEtcd(ns.data_dir) as etcd:
         print(f"etcd is up at {etcd.endpoint} (data: {etcd.data_dir}); Ctrl-C stops it")
-        print(f"look at it: {etcd_bin_dir() / 'etcdctl'} --endpoints {etcd.endpoint} "
-              "get --prefix /unbroken/ --keys-only")
+        print(
+            f"look at it: {etcd_bin_dir() / 'etcdctl'} --endpoints {etcd.endpoint} "
+            "get --prefix /unbroken/ --keys-only"
+        )
         try:
             while etcd.proc is not None and etcd.proc.poll() is None:
                 time.sleep(0.5)

@@ -8,7 +8,7 @@ a snapshot equals folding the whole history (tests/unit/test_state_fold.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from unbroken.proto import events_pb2 as ev
 
@@ -78,7 +78,7 @@ def _node_lost(s: ev.JobState, e: ev.Event) -> None:
     rec.failures += 1
 
 
-def _blame(field: str) -> object:
+def _blame(field: str) -> Callable[[ev.JobState, ev.Event], None]:
     def handler(s: ev.JobState, e: ev.Event) -> None:
         _node(s, getattr(e, field).node_id).failures += 1
 
@@ -160,7 +160,7 @@ def _job_finished(s: ev.JobState, e: ev.Event) -> None:
     s.step = e.job_finished.step
 
 
-_HANDLERS = {
+_HANDLERS: dict[str, Callable[[ev.JobState, ev.Event], None]] = {
     "job_started": _job_started,
     "node_registered": _node_registered,
     "node_lost": _node_lost,

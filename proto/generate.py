@@ -58,10 +58,12 @@ def stale() -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         fresh = generate(Path(tmp))
         names = {f.name for f in fresh}
-        bad = [f.name for f in fresh if not (HERE / f.name).exists()
-               or not filecmp.cmp(f, HERE / f.name, shallow=False)]
-        bad += [p.name for p in HERE.iterdir()
-                if p.name.endswith(SUFFIXES) and p.name not in names]
+        bad = [
+            f.name
+            for f in fresh
+            if not (HERE / f.name).exists() or not filecmp.cmp(f, HERE / f.name, shallow=False)
+        ]
+        bad += [p.name for p in HERE.iterdir() if p.name.endswith(SUFFIXES) and p.name not in names]
         return sorted(bad)
 
 

@@ -12,35 +12,65 @@ NODES = [f"n{i}" for i in range(5)]
 node = st.sampled_from(NODES)
 world = st.builds(
     lambda dp, ids: ev.WorldLayout(dp=dp, pp=1, tp=1, node_ids=ids, workers_per_node=1),
-    st.integers(1, 4), st.lists(node, max_size=4, unique=True),
+    st.integers(1, 4),
+    st.lists(node, max_size=4, unique=True),
 )
 phase = st.sampled_from([p for p in ev.Phase.values() if p])
 
 payloads = st.one_of(
-    st.builds(lambda n, e, s: ev.Event(node_registered=ev.NodeRegistered(
-        node_id=n, epoch=e, spare=s, num_workers=2)), node, st.integers(1, 9), st.booleans()),
+    st.builds(
+        lambda n, e, s: ev.Event(
+            node_registered=ev.NodeRegistered(node_id=n, epoch=e, spare=s, num_workers=2)
+        ),
+        node,
+        st.integers(1, 9),
+        st.booleans(),
+    ),
     st.builds(lambda n: ev.Event(node_lost=ev.NodeLost(node_id=n, silent_ms=300)), node),
-    st.builds(lambda n, c: ev.Event(worker_failed=ev.WorkerFailed(node_id=n, exit_code=c)),
-              node, st.integers(-15, 3)),
+    st.builds(
+        lambda n, c: ev.Event(worker_failed=ev.WorkerFailed(node_id=n, exit_code=c)),
+        node,
+        st.integers(-15, 3),
+    ),
     st.builds(lambda n: ev.Event(hang_suspected=ev.HangSuspected(node_id=n)), node),
     st.builds(lambda n: ev.Event(log_alert=ev.LogAlert(node_id=n, keyword="Xid")), node),
     st.builds(lambda n: ev.Event(node_evicted=ev.NodeEvicted(node_id=n)), node),
-    st.builds(lambda a, b: ev.Event(spare_assigned=ev.SpareAssigned(
-        spare_node_id=a, replaces_node_id=b)), node, node),
+    st.builds(
+        lambda a, b: ev.Event(spare_assigned=ev.SpareAssigned(spare_node_id=a, replaces_node_id=b)),
+        node,
+        node,
+    ),
     st.builds(lambda w: ev.Event(world_resized=ev.WorldResized(new_world=w)), world),
-    st.builds(lambda s: ev.Event(checkpoint_committed=ev.CheckpointCommitted(
-        step=s, uri=f"mem://{s}")), st.integers(0, 10**6)),
-    st.builds(lambda a, b: ev.Event(rollback=ev.Rollback(from_step=a, to_step=b,
-                                                         skip_batches=5)),
-              st.integers(0, 100), st.integers(0, 100)),
-    st.builds(lambda s: ev.Event(training_paused=ev.TrainingPaused(at_step=s)),
-              st.integers(0, 100)),
-    st.builds(lambda s, w: ev.Event(training_resumed=ev.TrainingResumed(at_step=s, world=w)),
-              st.integers(0, 100), world),
-    st.builds(lambda t: ev.Event(leader_elected=ev.LeaderElected(driver_id=f"d{t}", term=t)),
-              st.integers(1, 9)),
-    st.builds(lambda a, b: ev.Event(recovery_transition=ev.RecoveryTransition(
-        from_phase=a, to_phase=b, incident_id="i1", reason="x")), phase, phase),
+    st.builds(
+        lambda s: ev.Event(checkpoint_committed=ev.CheckpointCommitted(step=s, uri=f"mem://{s}")),
+        st.integers(0, 10**6),
+    ),
+    st.builds(
+        lambda a, b: ev.Event(rollback=ev.Rollback(from_step=a, to_step=b, skip_batches=5)),
+        st.integers(0, 100),
+        st.integers(0, 100),
+    ),
+    st.builds(
+        lambda s: ev.Event(training_paused=ev.TrainingPaused(at_step=s)), st.integers(0, 100)
+    ),
+    st.builds(
+        lambda s, w: ev.Event(training_resumed=ev.TrainingResumed(at_step=s, world=w)),
+        st.integers(0, 100),
+        world,
+    ),
+    st.builds(
+        lambda t: ev.Event(leader_elected=ev.LeaderElected(driver_id=f"d{t}", term=t)),
+        st.integers(1, 9),
+    ),
+    st.builds(
+        lambda a, b: ev.Event(
+            recovery_transition=ev.RecoveryTransition(
+                from_phase=a, to_phase=b, incident_id="i1", reason="x"
+            )
+        ),
+        phase,
+        phase,
+    ),
     st.builds(lambda ok: ev.Event(job_finished=ev.JobFinished(ok=ok, step=9)), st.booleans()),
 )
 
