@@ -225,14 +225,20 @@ class InMemoryEventLog(EventLog):
         if from_seq < 1:
             raise ValueError(f"from_seq must be >= 1, got {from_seq}")
         end = len(self.store.events) if to_seq is None else min(to_seq, len(self.store.events))
-        return [ev.Event.FromString(e.SerializeToString())
-                for e in self.store.events[from_seq - 1:end]]
+        return [
+            ev.Event.FromString(e.SerializeToString())
+            for e in self.store.events[from_seq - 1 : end]
+        ]
 
     async def watch(self, from_seq: int = 1) -> AsyncIterator[ev.Event]:
         nxt = max(from_seq, 1)
+
+        def ready() -> bool:
+            return len(self.store.events) >= nxt
+
         while True:
             async with self.store.changed:
-                await self.store.changed.wait_for(lambda: len(self.store.events) >= nxt)
+                await self.store.changed.wait_for(ready)
             for e in await self.read(nxt):
                 yield e
                 nxt = e.seq + 1
@@ -242,7 +248,9 @@ class InMemoryEventLog(EventLog):
 
     async def find(self, event_id: str) -> ev.Event | None:
         idx = self.store.by_id.get(event_id)
-        return None if idx is None else self.store.events[idx]
+        if idx is None:
+            return None
+        return ev.Event.FromString(self.store.events[idx].SerializeToString())
 
     async def latest_snapshot(self) -> ev.Snapshot | None:
         return self.store.snapshots[-1] if self.store.snapshots else None

@@ -1,0 +1,217 @@
+"""Benchmark of the etcd event log against the embedded etcd (not a test; see STYLE.md 19).
+
+Measures, each against a baseline taken in the same run on the same machine:
+- appends/s, one at a time (one fenced transaction each) and from 64 concurrent appenders
+  (group commit), against plain sequential etcd Puts of the same bytes (no fence, no index);
+- seconds to replay 100k events (read + fold, no snapshot), and to read them back from the
+  archive;
+- etcd's reported dbSize after 1M events with archival (snapshot every 1000) and without.
+
+Writes bench/results/eventlog.json (flat keys) and prints a markdown table.
+Usage: .venv/bin/python bench/eventlog.py [--events 1000000] [--replay-events 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from aetcd import rpc
+
+from unbroken.driver import state as statelib
+from unbroken.driver.election import Election
+from unbroken.driver.etcd import EmbeddedEtcd
+from unbroken.driver.etcdlog import NO_ARCHIVE, EtcdEventLog, connect
+from unbroken.proto import events_pb2 as ev
+
+RESULTS = Path(__file__).parent / "results" / "eventlog.json"
+
+
+def event(i: int) -> ev.Event:
+    """A typical small transition event (~110 bytes serialized)."""
+    return ev.Event(
+        node_lost=ev.NodeLost(
+            node_id=f"node-{i % 4096:05d}", epoch=i, silent_ms=312.5, reason="heartbeat timeout"
+        )
+    )
+
+
+async def open_log(
+    etcd: EmbeddedEtcd, job: str, **kw: object
+) -> tuple[object, Election, EtcdEventLog]:
+    client = await connect(etcd.config)
+    election = Election(client, job, "bench", ttl_s=10)
+    log = EtcdEventLog(client, job, await election.campaign(timeout_s=10), **kw)  # type: ignore[arg-type]
+    return client, election, log
+
+
+async def close(client: object, election: Election, log: EtcdEventLog) -> None:
+    await log.close()
+    await election.resign()
+    await client.close()  # type: ignore[attr-defined]
+
+
+async def fill(log: EtcdEventLog, n: int, tasks: int, *, chunk: int = 0) -> float:
+    """Append n events from `tasks` concurrent appenders; return the wall time in seconds."""
+    per = n // tasks
+
+    async def one(j: int) -> None:
+        base = j * per
+        if chunk:
+            for i in range(0, per, chunk):
+                await log.append_many([event(base + k) for k in range(i, min(per, i + chunk))])
+        else:
+            for i in range(per):
+                await log.append(event(base + i))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[one(j) for j in range(tasks)])
+    return time.perf_counter() - t0
+
+
+async def throughput(etcd: EmbeddedEtcd, out: dict[str, float]) -> None:
+    client, election, log = await open_log(
+        etcd, "tput", archive_url=NO_ARCHIVE, snapshot_every=1_000_000
+    )
+    n_seq = 2000
+    t0 = time.perf_counter()
+    for i in range(n_seq):
+        await log.append(event(i))
+    out["appends_per_s_sequential"] = n_seq / (time.perf_counter() - t0)
+    n_conc = 20_000
+    out["appends_per_s_concurrent"] = n_conc / await fill(log, n_conc, 64)
+    # Baseline: plain sequential Puts of the same bytes (no fence, no id index, no seq check).
+    data = event(0).SerializeToString()
+    t0 = time.perf_counter()
+    for i in range(n_seq):
+        await client.kvstub.Put(
+            rpc.PutRequest(key=b"/bench/raw/%d" % i, value=data),  # type: ignore[attr-defined]
+            timeout=5,
+        )
+    out["raw_puts_per_s_sequential"] = n_seq / (time.perf_counter() - t0)
+    out["sequential_append_vs_raw_put_ratio"] = (
+        out["appends_per_s_sequential"] / out["raw_puts_per_s_sequential"]
+    )
+    out["concurrent_vs_sequential_ratio"] = (
+        out["appends_per_s_concurrent"] / out["appends_per_s_sequential"]
+    )
+    await close(client, election, log)
+
+
+async def replay(etcd: EmbeddedEtcd, n: int, archive: str, out: dict[str, float]) -> None:
+    client, election, log = await open_log(
+        etcd, "replay", archive_url=NO_ARCHIVE, snapshot_every=10 * n
+    )
+    await fill(log, n, 8, chunk=60)
+    t0 = time.perf_counter()
+    state = await log.replay()
+    out["replay_100k_events_s"] = (time.perf_counter() - t0) * 100_000 / n
+    assert state.last_seq == n
+    assert state == statelib.fold(await log.read(), statelib.initial("replay"))
+    await close(client, election, log)
+    # The same history once archived: snapshot every 1000, all but the tail in the archive.
+    client, election, log = await open_log(
+        etcd, "replay-archived", archive_url=archive, snapshot_every=1000
+    )
+    await fill(log, n, 8, chunk=60)
+    await settle(log, n)
+    t0 = time.perf_counter()
+    events = await log.read()
+    out["read_100k_archived_events_s"] = (time.perf_counter() - t0) * 100_000 / n
+    assert len(events) == n
+    t0 = time.perf_counter()
+    assert (await log.replay()).last_seq == n
+    out["replay_100k_archived_events_from_snapshot_s"] = time.perf_counter() - t0
+    await close(client, election, log)
+
+
+async def settle(log: EtcdEventLog, n: int) -> None:
+    deadline = time.monotonic() + 600
+    while True:
+        snap = await log.latest_snapshot()
+        if snap is not None and snap.last_seq >= n - n % log.snapshot_every:
+            while await log.maintain_once():
+                pass
+            return
+        assert time.monotonic() < deadline, "archival did not catch up"
+        await asyncio.sleep(0.2)
+
+
+async def db_size(n: int, archive: str | None, out: dict[str, float], key: str) -> None:
+    d = tempfile.mkdtemp(prefix="bench-etcd-")
+    etcd = EmbeddedEtcd(d).start()
+    try:
+        client, election, log = await open_log(
+            etcd, "dbsize", archive_url=archive if archive else NO_ARCHIVE, snapshot_every=1000
+        )
+        took = await fill(log, n, 8, chunk=60)
+        if archive:
+            await settle(log, n)
+        status = await log.status()
+        out[key] = float(status.dbSize)
+        out[key.replace("db_bytes", "db_bytes_in_use")] = float(status.dbSizeInUse)
+        out[key.replace("db_bytes_after", "fill_s")] = took
+        await close(client, election, log)
+    finally:
+        etcd.stop(remove=True)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+async def main(args: argparse.Namespace) -> dict[str, float]:
+    out: dict[str, float] = {}
+    arch = tempfile.mkdtemp(prefix="bench-archive-")
+    try:
+        with EmbeddedEtcd() as etcd:
+            await throughput(etcd, out)
+            print(f"throughput done: {out}", flush=True)
+            await replay(etcd, args.replay_events, arch, out)
+            print("replay done", flush=True)
+        await db_size(args.events, arch, out, "db_bytes_after_1m_events_with_archival")
+        print("db with archival done", flush=True)
+        await db_size(args.events, None, out, "db_bytes_after_1m_events_without")
+        out["db_bytes_ratio_without_over_with"] = (
+            out["db_bytes_after_1m_events_without"] / out["db_bytes_after_1m_events_with_archival"]
+        )
+        out["events_for_db_figures"] = float(args.events)
+    finally:
+        shutil.rmtree(arch, ignore_errors=True)
+    return out
+
+
+def table(out: dict[str, float]) -> str:
+    rows = ["| metric | value |", "|---|---|"]
+    for k, v in out.items():
+        rows.append(f"| {k} | {v:,.3f} |" if v < 100 else f"| {k} | {v:,.0f} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--events", type=int, default=1_000_000)
+    p.add_argument("--replay-events", type=int, default=100_000)
+    ns = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import logging
+
+    import structlog
+
+    structlog.configure(  # quiet the per-round info logs
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING)
+    )
+    load_before = os.getloadavg()[0]
+    result = asyncio.run(main(ns))
+    result["load_avg_1m_before"] = load_before
+    result["load_avg_1m_after"] = os.getloadavg()[0]
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(
+        json.dumps({**result, "machine": platform.node(), "cpus": os.cpu_count()}, indent=2) + "\n"
+    )
+    print(table(result))
+    print(f"wrote {RESULTS}")

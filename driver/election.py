@@ -1,0 +1,314 @@
+"""Leader election among drivers through an etcd lease: one writer per job, fenced.
+
+A candidate grants itself a lease (`ttl_s`), keeps it alive every ttl/3, and wins by a
+transaction that creates `/unbroken/<job>/leader` on that lease only if the key does not
+exist, bumping `/unbroken/<job>/term` in the same transaction. The leader key disappears
+when the lease expires (the leader was killed, stopped or cut off) or is revoked
+(`resign`); standbys watch for that deletion and try again at once, so a successor leads
+within the TTL plus etcd's expiry tick (~0.5 s).
+
+The election only decides who may write; the event log enforces it: every append compares
+the leader key's lease with the writer's (driver/etcdlog.py), so a leader that was paused
+past its TTL and wakes up cannot write one event, whatever it believes. `lost` is set as
+soon as this process knows its lease is gone (keep-alive refused, or the TTL elapsed
+without a confirmed keep-alive), telling the driver to stop serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from typing import Any
+
+import aetcd
+import grpc
+import structlog
+from aetcd import rpc
+
+from unbroken.driver.etcdclient import Keys, cmp_op, endpoint_of, first_kv, get_op, put_op
+from unbroken.driver.eventlog import Leadership, LogUnavailableError
+
+log = structlog.get_logger(__name__)
+
+
+class Election:
+    """Campaign for, hold and resign the leadership of one job.
+
+    Args:
+        client: a connected client (`etcdlog.connect()`).
+        job_id: the job to lead.
+        driver_id: this driver's unique id (stored in the leader key).
+        ttl_s: lease time-to-live; etcd rounds it up to whole seconds (and to its minimum,
+            1.5 x its election timeout). A dead leader is replaced after about this long.
+        address: where agents reach this driver; readers get it from `current_leader`.
+        op_timeout_s: deadline of each etcd call the election makes.
+    """
+
+    def __init__(
+        self,
+        client: aetcd.Client,
+        job_id: str,
+        driver_id: str,
+        *,
+        ttl_s: float = 2.0,
+        address: str = "",
+        op_timeout_s: float = 2.0,
+    ) -> None:
+        if ttl_s < 1:
+            raise ValueError(f"ttl_s must be >= 1 (etcd leases have whole seconds), got {ttl_s}")
+        if not driver_id:
+            raise ValueError("driver_id must be non-empty")
+        if op_timeout_s <= 0:
+            raise ValueError(f"op_timeout_s must be > 0, got {op_timeout_s}")
+        self.client = client
+        self.keys = Keys(job_id)
+        self.job_id = job_id
+        self.driver_id = driver_id
+        self.ttl_s = ttl_s
+        self.address = address
+        self.op_timeout_s = op_timeout_s
+        self.lost = asyncio.Event()
+        self.leadership: Leadership | None = None
+        self._lease: int = 0
+        self._lease_dead = asyncio.Event()
+        self._keepalive: asyncio.Task[None] | None = None
+        self._guard: asyncio.Task[None] | None = None
+        self._log = log.bind(job=job_id, driver=driver_id)
+
+    async def _call(self, method: Any, request: Any) -> Any:
+        await self.client.connect()
+        try:
+            return await method(request, timeout=self.op_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise LogUnavailableError(
+                f"election for job {self.job_id}: etcd at {endpoint_of(self.client)} failed: "
+                f"{e.code().name}: {e.details()}"
+            ) from e
+
+    async def campaign(self, timeout_s: float | None = None) -> Leadership:
+        """Block until this driver leads the job; keep its lease alive from then on.
+
+        Args:
+            timeout_s: give up after this long (None: wait as long as another leads).
+
+        Returns:
+            The `Leadership` to open the event log with.
+
+        Raises:
+            TimeoutError: `timeout_s` passed while another driver led.
+            LogUnavailableError: etcd did not answer.
+        """
+        try:
+            won = await self._campaign(timeout_s)
+        except BaseException:  # gave up or cancelled: stop refreshing the unused lease
+            if self._keepalive is not None:
+                self._keepalive.cancel()
+                self._keepalive = None
+            self._lease = 0
+            raise
+        self.leadership = won
+        self.lost.clear()
+        self._guard = asyncio.create_task(self._guard_key(won.lease_id), name="leader-guard")
+        self._log.info("leading", term=won.term, lease=f"{won.lease_id:x}")
+        return won
+
+    async def _campaign(self, timeout_s: float | None) -> Leadership:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            if not self._lease or self._lease_dead.is_set():
+                await self._grant()
+            try:
+                won, rev = await self._try_acquire()
+            except LogUnavailableError as e:
+                if "lease not found" not in str(e):
+                    raise
+                self._lease_dead.set()  # it expired while we were away: take a new one
+                continue
+            if won is not None:
+                return won
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(
+                    f"{self.driver_id} did not win job {self.job_id} within "
+                    f"{timeout_s:g} s; the leader is {await self._holder()}"
+                )
+            # Re-check at least every TTL, in case a watch event was missed.
+            step = self.ttl_s if remaining is None else min(self.ttl_s, remaining)
+            await self._wait_deleted(rev + 1, step)
+
+    async def _grant(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+        ttl = max(1, math.ceil(self.ttl_s))
+        granted = await self._call(self.client.leasestub.LeaseGrant, rpc.LeaseGrantRequest(TTL=ttl))
+        self._lease = granted.ID
+        self._lease_dead = asyncio.Event()
+        self._keepalive = asyncio.create_task(
+            self._keep_alive(self._lease, granted.TTL, self._lease_dead),
+            name=f"lease-{self._lease:x}",
+        )
+
+    async def _holder(self) -> str:
+        r = await self._call(self.client.kvstub.Range, rpc.RangeRequest(key=self.keys.leader))
+        kvs = r.kvs
+        return json.loads(kvs[0].value)["driver_id"] if kvs else "nobody"
+
+    async def _try_acquire(self) -> tuple[Leadership | None, int]:
+        """One attempt: (leadership, _) when won, else (None, revision to watch after)."""
+        k = self.keys
+        for _ in range(8):  # a lost race on the term key only: try again at once
+            r = await self._call(self.client.kvstub.Range, rpc.RangeRequest(key=k.term))
+            kvs = r.kvs
+            term = int(kvs[0].value) if kvs else 0
+            term_cmp = (
+                cmp_op(k.term, "MOD", kvs[0].mod_revision) if kvs else cmp_op(k.term, "CREATE", 0)
+            )
+            value = json.dumps(
+                {
+                    "driver_id": self.driver_id,
+                    "address": self.address,
+                    "lease_id": self._lease,
+                    "term": term + 1,
+                }
+            ).encode()
+            resp = await self._call(
+                self.client.kvstub.Txn,
+                rpc.TxnRequest(
+                    compare=[cmp_op(k.leader, "CREATE", 0), term_cmp],
+                    success=[
+                        put_op(k.leader, value, self._lease),
+                        put_op(k.term, b"%d" % (term + 1)),
+                    ],
+                    failure=[get_op(k.leader)],
+                ),
+            )
+            if resp.succeeded:
+                return Leadership(self.driver_id, self._lease, term + 1), 0
+            leader = first_kv(resp.responses[0])
+            if leader is not None and leader.lease == self._lease:  # our earlier try landed
+                doc = json.loads(leader.value)
+                return Leadership(self.driver_id, self._lease, int(doc["term"])), 0
+            if leader is not None:
+                return None, resp.header.revision
+        raise LogUnavailableError(f"election for job {self.job_id} kept losing term races")
+
+    async def _guard_key(self, lease_id: int) -> None:
+        """While leading, set `lost` if the leader key is deleted or taken (e.g. by hand)."""
+        rev = 0
+        while not self.lost.is_set():
+            if rev:
+                await self._wait_deleted(rev + 1, 5 * self.ttl_s)
+            try:
+                r = await self._call(
+                    self.client.kvstub.Range, rpc.RangeRequest(key=self.keys.leader)
+                )
+            except LogUnavailableError:
+                await asyncio.sleep(self.ttl_s / 3)  # unreachable: the keep-alive decides
+                continue
+            if not r.kvs or r.kvs[0].lease != lease_id:
+                self._log.warning("leadership lost: the leader key is gone or not ours")
+                self.lost.set()
+                return
+            rev = r.header.revision
+
+    async def _wait_deleted(self, start_revision: int, timeout_s: float) -> None:
+        """Return when the leader key is deleted after `start_revision`, or after timeout_s."""
+        await self.client.connect()
+        call = rpc.WatchStub(self.client.channel).Watch()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await call.write(
+                    rpc.WatchRequest(
+                        create_request=rpc.WatchCreateRequest(
+                            key=self.keys.leader,
+                            start_revision=start_revision,
+                            filters=[rpc.WatchCreateRequest.NOPUT],
+                        )
+                    )
+                )
+                while True:
+                    resp = await call.read()
+                    if (
+                        resp is grpc.aio.EOF
+                        or resp.canceled
+                        or resp.compact_revision
+                        or resp.events
+                    ):
+                        return
+        except (TimeoutError, grpc.aio.AioRpcError):
+            return
+        finally:
+            call.cancel()
+
+    async def _keep_alive(self, lease_id: int, ttl: int, dead: asyncio.Event) -> None:
+        """Refresh the lease every ttl/3 until it is refused or its TTL passes unconfirmed."""
+        expires = time.monotonic() + ttl
+        while time.monotonic() < expires:
+            call = None
+            try:
+                call = self.client.leasestub.LeaseKeepAlive()
+                while True:
+                    sent = time.monotonic()
+                    async with asyncio.timeout(max(0.01, expires - sent)):
+                        await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
+                        resp = await call.read()
+                    if resp is grpc.aio.EOF:
+                        break
+                    if resp.TTL <= 0:
+                        expires = 0.0  # etcd says the lease is gone
+                        break
+                    expires = sent + resp.TTL
+                    await asyncio.sleep(ttl / 3)
+            except TimeoutError:
+                break
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:  # stream broke
+                self._log.warning(
+                    "lease keep-alive failed; retrying until the TTL passes", error=repr(e)
+                )
+                await asyncio.sleep(min(0.2, max(0.0, expires - time.monotonic())))
+            finally:
+                if call is not None:
+                    call.cancel()
+        dead.set()
+        if self.leadership is not None and self.leadership.lease_id == lease_id:
+            self._log.warning("leadership lost: lease expired or refused", lease=f"{lease_id:x}")
+            self.lost.set()
+
+    async def resign(self) -> None:
+        """Give up leadership (or candidacy) now: revoke the lease, which deletes the key."""
+        tasks = (self._keepalive, self._guard)
+        self._keepalive = self._guard = None
+        for task in tasks:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._lease:
+            with contextlib.suppress(LogUnavailableError):
+                await self._call(
+                    self.client.leasestub.LeaseRevoke, rpc.LeaseRevokeRequest(ID=self._lease)
+                )
+        if self.leadership is not None:
+            self.lost.set()
+            self._log.info("resigned", term=self.leadership.term)
+        self._lease = 0
+
+
+async def current_leader(client: aetcd.Client, job_id: str) -> tuple[str, str] | None:
+    """The job's leader as (driver_id, address), or None when nobody leads.
+
+    Raises:
+        LogUnavailableError: etcd did not answer within 5 s.
+    """
+    try:
+        await client.connect()
+        r = await client.kvstub.Range(rpc.RangeRequest(key=Keys(job_id).leader), timeout=5.0)
+    except grpc.aio.AioRpcError as e:
+        raise LogUnavailableError(f"etcd at {endpoint_of(client)}: {e.details()}") from e
+    if not r.kvs:
+        return None
+    doc = json.loads(r.kvs[0].value)
+    return str(doc["driver_id"]), str(doc["address"])

@@ -1,0 +1,262 @@
+"""etcd plumbing shared by the event log and the election: key layout, a TLS-capable client.
+
+`connect()` returns an `aetcd.Client` (subclassed here because aetcd has no TLS parameter)
+whose channel never retries a write on its own and notices a dead etcd through grpc
+keepalives. `Keys` is the one place that knows the key layout (see driver/etcdlog.py).
+The small request builders keep transactions readable where they are composed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import aetcd
+import grpc
+from aetcd import rpc
+from aetcd import watcher as aetcd_watcher
+
+from unbroken.driver.etcd import EtcdConfig
+from unbroken.driver.eventlog import (
+    EventLogError,
+    LogFullError,
+    LogUnavailableError,
+    SchemaError,
+)
+from unbroken.proto import events_pb2 as ev
+
+ROOT = "/unbroken"
+CHANNEL_OPTIONS: dict[str, Any] = {
+    "grpc.enable_retries": 0,  # never resend a write behind our back
+    "grpc.max_receive_message_length": 64 << 20,
+    "grpc.max_send_message_length": 4 << 20,
+    "grpc.keepalive_time_ms": 10_000,  # notice a dead etcd under a silent watch
+    "grpc.keepalive_timeout_ms": 5_000,
+    "grpc.keepalive_permit_without_calls": 1,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """The etcd key layout of one job (see the module docstring)."""
+
+    job_id: str
+    root: str = ROOT
+
+    def __post_init__(self) -> None:
+        if not self.job_id or "/" in self.job_id or not self.job_id.isprintable():
+            raise ValueError(f"job_id {self.job_id!r} must be non-empty, printable, without '/'")
+
+    @property
+    def base(self) -> bytes:
+        return f"{self.root}/{self.job_id}/".encode()
+
+    @property
+    def leader(self) -> bytes:
+        return self.base + b"leader"
+
+    @property
+    def term(self) -> bytes:
+        return self.base + b"term"
+
+    @property
+    def head(self) -> bytes:
+        return self.base + b"head"
+
+    @property
+    def snapshot(self) -> bytes:
+        return self.base + b"snapshot"
+
+    @property
+    def archived(self) -> bytes:
+        return self.base + b"archived"
+
+    @property
+    def ev_prefix(self) -> bytes:
+        return self.base + b"ev/"
+
+    @property
+    def ev_end(self) -> bytes:
+        return self.base + b"ev0"  # '0' follows '/': the end of the ev/ prefix range
+
+    def event(self, seq: int) -> bytes:
+        return self.ev_prefix + b"%020d" % seq
+
+    def event_id(self, event_id: str) -> bytes:
+        return self.base + b"id/" + event_id.encode()
+
+    @staticmethod
+    def seq_of(key: bytes) -> int:
+        return int(key.rsplit(b"/", 1)[-1])
+
+
+class EtcdClient(aetcd.Client):
+    """`aetcd.Client` that opens a TLS channel when asked (aetcd itself has no TLS parameter).
+
+    aetcd builds an insecure channel in `connect()`; this subclass builds the channel itself
+    (secure when a CA or client certificate is configured or the endpoint is https) and then
+    sets up the same stubs and watcher aetcd's own methods use.
+    """
+
+    def __init__(self, endpoint: str, config: EtcdConfig) -> None:
+        u = urlparse(endpoint)
+        assert u.hostname and u.port, endpoint
+        super().__init__(host=u.hostname, port=u.port, options=dict(CHANNEL_OPTIONS))
+        self.endpoint = endpoint
+        self._credentials = (
+            _credentials(config)
+            if (u.scheme == "https" or config.ca_cert or config.client_cert)
+            else None
+        )
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        target = f"{self._host}:{self._port}"
+        options = list(self._options.items())
+        if self._credentials is not None:
+            self.channel = grpc.aio.secure_channel(target, self._credentials, options=options)
+        else:
+            self.channel = grpc.aio.insecure_channel(target, options=options)
+        self.kvstub = rpc.KVStub(self.channel)
+        self.clusterstub = rpc.ClusterStub(self.channel)
+        self.leasestub = rpc.LeaseStub(self.channel)
+        self.maintenancestub = rpc.MaintenanceStub(self.channel)
+        self._watcher = aetcd_watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout)
+        self._connected.set()
+
+
+def _read_file(path: str, field_name: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"{field_name}: cannot read {path!r}: {e.strerror}") from e
+
+
+def _credentials(config: EtcdConfig) -> grpc.ChannelCredentials:
+    root = _read_file(config.ca_cert, "ca_cert") if config.ca_cert else None
+    key = _read_file(config.client_key, "client_key") if config.client_key else None
+    chain = _read_file(config.client_cert, "client_cert") if config.client_cert else None
+    return grpc.ssl_channel_credentials(
+        root_certificates=root, private_key=key, certificate_chain=chain
+    )
+
+
+async def connect(config: EtcdConfig) -> aetcd.Client:
+    """A connected client for the first reachable endpoint of `config`.
+
+    Each endpoint gets `config.connect_timeout_s` to answer a Status call (TLS when
+    configured). The returned client is an `aetcd.Client` whose channel never retries
+    writes by itself.
+
+    Raises:
+        ValueError: no endpoints, or a TLS file cannot be read.
+        LogUnavailableError: no endpoint answered in time; the message names each one.
+    """
+    if not config.endpoints:
+        raise ValueError(
+            "EtcdConfig.endpoints is empty: start an EmbeddedEtcd "
+            "(unbroken.driver.etcd) and pass its .config, or give --etcd URLs"
+        )
+    problems = []
+    for endpoint in config.endpoints:
+        client = EtcdClient(endpoint, config)
+        try:
+            await client.connect()
+            await client.maintenancestub.Status(
+                rpc.StatusRequest(), timeout=config.connect_timeout_s, wait_for_ready=True
+            )
+            return client
+        except grpc.aio.AioRpcError as e:
+            problems.append(f"{endpoint} ({e.code().name}: {e.details()})")
+        except (TimeoutError, OSError) as e:
+            problems.append(f"{endpoint} ({e!r})")
+        await client.close()
+    raise LogUnavailableError(
+        f"etcd unreachable at {', '.join(problems)} after {config.connect_timeout_s:g} s each; "
+        "check the --etcd endpoints and that etcd runs there (TLS: --etcd-ca/-cert/-key)"
+    )
+
+
+def endpoint_of(client: aetcd.Client) -> str:
+    """The endpoint a client talks to, for error messages."""
+    return getattr(client, "endpoint", f"{client._host}:{client._port}")
+
+
+# etcd's own words for "maybe applied, maybe not" (the server side saw our deadline, or
+# raft did not confirm in time); the caller must look before it resends.
+_UNKNOWN_OUTCOME = (
+    "context deadline exceeded",
+    "context canceled",
+    "request timed out",
+    "leader changed",
+    "too many requests",
+)
+
+
+def classify(e: grpc.aio.AioRpcError, client: aetcd.Client) -> EventLogError | None:
+    """Our error for a grpc failure, or None when the outcome is unknown (e.g. a timeout)."""
+    code, details = e.code(), e.details() or ""
+    where = endpoint_of(client)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "space exceeded" in details:
+        return LogFullError(
+            f"etcd at {where} is full (NOSPACE alarm: {details}); no event was written and "
+            "every acknowledged one is still readable. Free space (archive with a smaller "
+            "snapshot_every, `etcdctl compact`/`defrag`), raise --quota-backend-bytes, then "
+            "`etcdctl alarm disarm`"
+        )
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return LogUnavailableError(f"etcd at {where} is unavailable: {details}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED or any(m in details for m in _UNKNOWN_OUTCOME):
+        return None
+    return EventLogError(f"etcd at {where} refused the request: {code.name}: {details}")
+
+
+def is_compacted(e: grpc.aio.AioRpcError) -> bool:
+    return e.code() == grpc.StatusCode.OUT_OF_RANGE or "compacted" in (e.details() or "")
+
+
+def decode(data: bytes) -> ev.Event:
+    """An `Event` from stored bytes, refusing schema versions this code does not know."""
+    e = ev.Event.FromString(data)
+    if e.schema_version > max(ev.SchemaVersion.values()):
+        raise SchemaError(
+            f"event {e.seq} has schema version {e.schema_version}; this unbroken "
+            f"knows up to {max(ev.SchemaVersion.values())}: upgrade it"
+        )
+    return e
+
+
+def cmp_op(key: bytes, target: str, value: int | bytes) -> rpc.Compare:
+    c = rpc.Compare(key=key, result=rpc.Compare.EQUAL, target=getattr(rpc.Compare, target))
+    setattr(
+        c,
+        {
+            "VALUE": "value",
+            "CREATE": "create_revision",
+            "MOD": "mod_revision",
+            "LEASE": "lease",
+            "VERSION": "version",
+        }[target],
+        value,
+    )
+    return c
+
+
+def put_op(key: bytes, value: bytes, lease: int = 0) -> rpc.RequestOp:
+    return rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value, lease=lease))
+
+
+def get_op(key: bytes) -> rpc.RequestOp:
+    return rpc.RequestOp(request_range=rpc.RangeRequest(key=key))
+
+
+def delete_op(key: bytes, range_end: bytes = b"") -> rpc.RequestOp:
+    return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key, range_end=range_end))
+
+
+def first_kv(resp: rpc.ResponseOp) -> rpc.KeyValue | None:
+    kvs = resp.response_range.kvs
+    return kvs[0] if kvs else None

@@ -1,0 +1,206 @@
+"""Leader failover between two real driver processes sharing one etcd.
+
+The old leader is a separate Python process that wins the election and appends as fast as
+it can, printing every acknowledged event. The test process is the standby. When the old
+leader is SIGKILLed the standby must lead within the lease TTL + 1 s; when it is SIGSTOPped
+past its TTL and then SIGCONTed, every append it tries must be refused (by etcd's fence,
+not just by its own bookkeeping). In both cases every acknowledged event is in the log and
+no event of the old leader comes after the new leader's first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from unbroken.driver.election import Election, current_leader
+from unbroken.driver.etcd import EmbeddedEtcd
+from unbroken.driver.etcdlog import NO_ARCHIVE, EtcdEventLog, connect
+from unbroken.proto import events_pb2 as ev
+
+pytestmark = pytest.mark.integration
+
+TTL_S = 2.0
+
+CHILD = r"""
+import asyncio, sys
+from unbroken.driver.etcd import EtcdConfig
+from unbroken.driver.etcdlog import NO_ARCHIVE, EtcdEventLog, connect
+from unbroken.driver.election import Election
+from unbroken.driver.eventlog import NotLeaderError
+from unbroken.proto import events_pb2 as ev
+
+async def main(endpoint, job):
+    client = await connect(EtcdConfig(endpoints=[endpoint]))
+    election = Election(client, job, "old", ttl_s=float(sys.argv[3]), address="old:1")
+    lead = await election.campaign(timeout_s=10)
+    log = EtcdEventLog(client, job, lead, archive_url=NO_ARCHIVE, append_timeout_s=1.0)
+    print("LEADING", flush=True)
+    i = 0
+    while True:
+        try:
+            got = await log.append(ev.Event(node_lost=ev.NodeLost(node_id=f"old-{i}")))
+            print(f"ACK {got.seq} {got.event_id}", flush=True)
+        except NotLeaderError:
+            print(f"REFUSED lost={election.lost.is_set()}", flush=True)
+            # A fresh log object with the stale leadership: only etcd can refuse it now.
+            again = EtcdEventLog(client, job, lead, archive_url=NO_ARCHIVE)
+            try:
+                await again.append(ev.Event(node_lost=ev.NodeLost(node_id="old-late")))
+                print("ACCEPTED-LATE", flush=True)
+            except NotLeaderError:
+                print("REFUSED-BY-ETCD", flush=True)
+            return
+        i += 1
+        await asyncio.sleep(0.002)
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+class Child:
+    """The old leader: a real process whose stdout lines are collected by a thread."""
+
+    def __init__(self, endpoint: str, job: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, endpoint, job, str(TTL_S)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.strip())
+
+    def wait_for(self, pred: object, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not pred():  # type: ignore[operator]
+            if time.monotonic() > deadline:
+                err = self.proc.stderr.read() if self.proc.poll() is not None else ""  # type: ignore[union-attr]
+                raise AssertionError(f"child: {self.lines[-5:]} {err[-2000:]}")
+            time.sleep(0.01)
+
+    def acked(self) -> dict[int, str]:
+        return {int(p[1]): p[2] for p in (ln.split() for ln in list(self.lines)) if p[0] == "ACK"}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait(10)
+        self._reader.join(5)
+
+
+@pytest.fixture
+def child_factory(etcd_server: EmbeddedEtcd) -> Iterator[object]:
+    children: list[Child] = []
+
+    def make(job: str) -> Child:
+        c = Child(etcd_server.endpoint, job)
+        children.append(c)
+        return c
+
+    yield make
+    for c in children:
+        c.stop()
+
+
+async def _take_over(etcd: EmbeddedEtcd, job: str, fault: object) -> tuple[float, list[ev.Event]]:
+    """Standby campaigns, `fault()` hits the leader; returns (seconds to lead, the log)."""
+    client = await connect(etcd.config)
+    standby = Election(client, job, "new", ttl_s=TTL_S, address="new:1")
+    campaign = asyncio.create_task(standby.campaign(timeout_s=30))
+    await asyncio.sleep(0.2)
+    assert not campaign.done(), "the standby must not lead while the old leader lives"
+    t0 = time.monotonic()
+    fault()  # type: ignore[operator]
+    lead = await campaign
+    took = time.monotonic() - t0
+    assert await current_leader(client, job) == ("new", "new:1")
+    log = EtcdEventLog(client, job, lead, archive_url=NO_ARCHIVE)
+    try:
+        for i in range(5):
+            await log.append(ev.Event(node_lost=ev.NodeLost(node_id=f"new-{i}")))
+        return took, await log.read()
+    finally:
+        await log.close()
+        await standby.resign()
+        await client.close()
+
+
+def _check_history(stored: list[ev.Event], acked: dict[int, str]) -> None:
+    assert [e.seq for e in stored] == list(range(1, len(stored) + 1))  # dense
+    assert len({e.event_id for e in stored}) == len(stored)  # no duplicate
+    for seq, event_id in acked.items():  # every acknowledged event is there
+        assert stored[seq - 1].event_id == event_id
+    first_new = min(e.seq for e in stored if e.writer == "new")
+    assert all(e.seq < first_new for e in stored if e.writer == "old"), (
+        "an append of the old leader was accepted after the new leader took over"
+    )
+    assert [e.node_lost.node_id for e in stored if e.writer == "new"] == [
+        f"new-{i}" for i in range(5)
+    ]
+
+
+def test_sigkilled_leader_is_replaced_within_ttl_plus_one_second(
+    etcd_server: EmbeddedEtcd, child_factory: object
+) -> None:
+    job = "failover-" + uuid.uuid4().hex[:8]
+    old = child_factory(job)  # type: ignore[operator]
+    old.wait_for(lambda: len(old.acked()) >= 20, 30)
+    took, stored = asyncio.run(
+        asyncio.wait_for(
+            _take_over(etcd_server, job, lambda: old.proc.send_signal(signal.SIGKILL)), 60
+        )
+    )
+    print(f"standby led {took:.2f} s after SIGKILL")
+    assert took <= TTL_S + 1.0, f"standby led {took:.2f} s after the kill"
+    old.proc.wait(10)
+    _check_history(stored, old.acked())
+
+
+def test_sigstopped_leader_past_its_ttl_is_refused_after_sigcont(
+    etcd_server: EmbeddedEtcd, child_factory: object
+) -> None:
+    job = "failover-" + uuid.uuid4().hex[:8]
+    old = child_factory(job)  # type: ignore[operator]
+    old.wait_for(lambda: len(old.acked()) >= 20, 30)
+    took, stored = asyncio.run(
+        asyncio.wait_for(
+            _take_over(etcd_server, job, lambda: old.proc.send_signal(signal.SIGSTOP)), 60
+        )
+    )
+    print(f"standby led {took:.2f} s after SIGSTOP")
+    assert took <= TTL_S + 1.0, f"standby led {took:.2f} s after the stop"
+    old.proc.send_signal(signal.SIGCONT)
+    old.wait_for(lambda: old.proc.poll() is not None, 20)
+    assert old.proc.returncode == 0
+    assert any(ln.startswith("REFUSED lost=") for ln in old.lines)
+    assert "REFUSED-BY-ETCD" in old.lines and "ACCEPTED-LATE" not in old.lines
+
+    # Re-read: nothing the old leader tried after SIGCONT got in.
+    async def reread() -> list[ev.Event]:
+        client = await connect(etcd_server.config)
+        try:
+            return await EtcdEventLog(client, job, None, archive_url=NO_ARCHIVE).read()
+        finally:
+            await client.close()
+
+    final = asyncio.run(reread())
+    assert [e.event_id for e in final] == [e.event_id for e in stored]
+    _check_history(final, old.acked())
