@@ -19,6 +19,7 @@ from collections.abc import Sequence
 # name -> (module, one-line help). Add a subcommand by adding one line here.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "etcd": ("unbroken.driver.etcd", "run an embedded etcd server until Ctrl-C"),
+    "train": ("unbroken.trainer.train_cli", "train a model locally (torchrun for N processes)"),
     "plan": ("unbroken.trainer.plan_cli", "estimate days, memory per GPU, failures, ckpt interval"),
 }
 

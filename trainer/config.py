@@ -1,0 +1,277 @@
+"""Configuration tree of the embedded trainer: model, parallelism, optimizer, data, run.
+
+One source of truth: the CLI flags of `unbroken.trainer.run` map onto these dataclasses, and
+every invariant the parallel engine relies on (dp × pp × tp equals the world, heads and widths
+divide by tp, the batch divides into microbatches, enough microbatches and layers for the
+pipeline) is checked here, before any process group exists, with a message naming the field
+and the fix. This module imports no torch so the driver and the CLI can validate cheaply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B", "ZBV")
+# Schedules that place several (virtual) stages on each pipeline rank.
+MULTI_STAGE_SCHEDULES: frozenset[str] = frozenset({"Interleaved1F1B", "ZBV"})
+DP_MODES: tuple[str, ...] = ("zero3", "zero2", "replicate", "hsdp")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """Decoder-only transformer shape (byte-level vocabulary by default)."""
+
+    dim: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    ffn_hidden: int = 0  # 0: the SwiGLU default (8/3 · dim rounded up to a multiple of 32)
+    vocab_size: int = 256
+    max_seq_len: int = 64
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.ffn_hidden < 0:
+            raise ValueError(f"model.ffn_hidden must be >= 0 (0 = default), got {self.ffn_hidden}")
+        if self.dim % self.n_heads:
+            raise ValueError(
+                f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads}); "
+                "pick a head count that divides the width"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"model.dim / model.n_heads = {self.head_dim} must be even for rotary embeddings"
+            )
+        if self.vocab_size < 256:
+            raise ValueError(
+                f"model.vocab_size must be >= 256 for the byte tokenizer, got {self.vocab_size}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.dim // self.n_heads
+
+    @property
+    def hidden(self) -> int:
+        """SwiGLU hidden width."""
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return ((8 * self.dim // 3) + 31) // 32 * 32
+
+    def n_params(self) -> int:
+        """Number of parameters (embedding and output projection are untied)."""
+        per_layer = 4 * self.dim * self.dim + 3 * self.dim * self.hidden + 2 * self.dim
+        return self.n_layers * per_layer + 2 * self.vocab_size * self.dim + self.dim
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6N plus attention 12·L·H·Q·T (PaLM appendix B).
+
+        N excludes the input embedding (a lookup, not a matmul).
+        """
+        n = self.n_params() - self.vocab_size * self.dim
+        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        return float(6 * n + attention)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(dim=64, n_layers=4, n_heads=4, max_seq_len=64),
+    "small": ModelConfig(dim=256, n_layers=8, n_heads=8, max_seq_len=256),
+    "125m": ModelConfig(dim=768, n_layers=12, n_heads=12, max_seq_len=1024),
+    "1b": ModelConfig(dim=2048, n_layers=20, n_heads=16, max_seq_len=2048),
+}
+
+
+def preset(name: str, **overrides: int | float) -> ModelConfig:
+    """A named model size, optionally with some fields replaced.
+
+    Raises:
+        ValueError: the preset name is unknown or an override is invalid.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)  # type: ignore[arg-type]
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """How the world is split: dp × pp × tp ranks, pipeline schedule, ZeRO mode."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    dp_replicate: int = 1  # HSDP: replicate groups within dp (dp_mode="hsdp")
+    dp_mode: str = "zero3"
+    schedule: str = "1F1B"
+    microbatches: int = 1
+    sequence_parallel: bool = True
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "pp", "tp", "dp_replicate", "microbatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"parallel.schedule {self.schedule!r} is unknown; choose one of {list(SCHEDULES)}"
+            )
+        if self.dp_mode not in DP_MODES:
+            raise ValueError(
+                f"parallel.dp_mode {self.dp_mode!r} is unknown; choose one of {list(DP_MODES)}"
+            )
+        if self.dp_mode == "hsdp":
+            if self.dp % self.dp_replicate or self.dp_replicate == self.dp:
+                raise ValueError(
+                    f"parallel.dp_replicate ({self.dp_replicate}) must divide parallel.dp "
+                    f"({self.dp}) and leave a shard group of at least 2 for dp_mode='hsdp'"
+                )
+        elif self.dp_replicate != 1:
+            raise ValueError(
+                "parallel.dp_replicate is only used with dp_mode='hsdp'; set it to 1 "
+                f"or set dp_mode='hsdp' (got dp_replicate={self.dp_replicate})"
+            )
+        if self.pp > 1 and self.microbatches < self.pp:
+            raise ValueError(
+                f"parallel.microbatches ({self.microbatches}) must be >= parallel.pp "
+                f"({self.pp}) so every pipeline stage has work; raise --microbatches"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """dp × pp × tp."""
+        return self.dp * self.pp * self.tp
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages held by each pp rank (2 for interleaved and V schedules)."""
+        return 2 if self.pp > 1 and self.schedule in MULTI_STAGE_SCHEDULES else 1
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay, global-norm gradient clipping."""
+
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    decay_steps: int = 1000
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 disables clipping (the norm is still reported)
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"optim.min_lr must be in [0, optim.lr], got {self.min_lr}")
+        if self.warmup_steps < 0 or self.decay_steps < 1:
+            raise ValueError(
+                "optim.warmup_steps must be >= 0 and optim.decay_steps >= 1, got "
+                f"{self.warmup_steps} and {self.decay_steps}"
+            )
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"optim.beta1/beta2 must be in [0, 1), got {self.beta1}/{self.beta2}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"optim.max_grad_norm must be >= 0, got {self.max_grad_norm}")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Byte-level text data: a file or folder, or the Python stdlib sources by default."""
+
+    path: str | None = None  # None: the Python standard library's own .py files
+    seq_len: int = 64
+    global_batch: int = 8  # sequences per optimizer step across all dp ranks
+    max_corpus_bytes: int = 4 << 20
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 2:
+            raise ValueError(f"data.seq_len must be >= 2, got {self.seq_len}")
+        if self.global_batch < 1:
+            raise ValueError(f"data.global_batch must be >= 1, got {self.global_batch}")
+        if self.max_corpus_bytes < 1024:
+            raise ValueError(f"data.max_corpus_bytes must be >= 1024, got {self.max_corpus_bytes}")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """The root: one training job's full configuration, cross-checked."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    steps: int = 100
+    seed: int = 0
+    dtype: str = "auto"  # auto: bf16 mixed precision on GPU, fp32 on CPU
+    device: str = "auto"  # auto: cuda if available, else cpu
+
+    def __post_init__(self) -> None:
+        m, p, d = self.model, self.parallel, self.data
+        if self.steps < 0:
+            raise ValueError(f"steps must be >= 0, got {self.steps}")
+        if self.dtype not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"dtype must be one of auto, fp32, bf16; got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be one of auto, cpu, cuda; got {self.device!r}")
+        if m.n_heads % p.tp:
+            raise ValueError(
+                f"model.n_heads ({m.n_heads}) must be divisible by parallel.tp ({p.tp}); "
+                "choose a tp that divides the head count"
+            )
+        if m.hidden % p.tp:
+            raise ValueError(
+                f"model.ffn_hidden ({m.hidden}) must be divisible by parallel.tp ({p.tp})"
+            )
+        if m.vocab_size % p.tp:
+            raise ValueError(
+                f"model.vocab_size ({m.vocab_size}) must be divisible by parallel.tp ({p.tp})"
+            )
+        if p.tp > 1 and p.sequence_parallel and d.seq_len % p.tp:
+            raise ValueError(
+                f"data.seq_len ({d.seq_len}) must be divisible by parallel.tp ({p.tp}) with "
+                "sequence parallel; change --seq-len or pass --no-sequence-parallel"
+            )
+        if d.seq_len > m.max_seq_len:
+            raise ValueError(
+                f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})"
+            )
+        if d.global_batch % p.dp:
+            raise ValueError(
+                f"data.global_batch ({d.global_batch}) must be divisible by parallel.dp "
+                f"({p.dp}); each dp rank takes an equal slice"
+            )
+        local_batch = d.global_batch // p.dp
+        if p.pp > 1 and local_batch % p.microbatches:
+            raise ValueError(
+                f"the per-dp-rank batch (data.global_batch / parallel.dp = {local_batch}) must "
+                f"be divisible by parallel.microbatches ({p.microbatches})"
+            )
+        n_stages = p.pp * p.stages_per_rank
+        if m.n_layers < n_stages:
+            raise ValueError(
+                f"model.n_layers ({m.n_layers}) must be >= the number of pipeline stages "
+                f"({n_stages} = pp {p.pp} × {p.stages_per_rank} per rank for {p.schedule})"
+            )
+
+    def check_world(self, world_size: int) -> None:
+        """Check that dp × pp × tp equals the number of processes.
+
+        Raises:
+            ValueError: the product differs from `world_size`.
+        """
+        p = self.parallel
+        if p.world_size != world_size:
+            raise ValueError(
+                f"parallel.dp × parallel.pp × parallel.tp = {p.dp}×{p.pp}×{p.tp} = "
+                f"{p.world_size} must equal the world size ({world_size}); change the "
+                "layout or the number of processes"
+            )

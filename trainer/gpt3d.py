@@ -1,0 +1,279 @@
+"""`gpt3d`: the embedded 3D-parallel trainer (dp × pp × tp, ZeRO via FSDP2), a `Trainer` plugin.
+
+Every rank builds the whole model from the same seed on the host, then keeps only its pipeline
+stage(s) and its tensor/data-parallel shards (parallel.py), so any layout starts from the
+same weights and a parallel run matches a single process to float rounding. The step is a
+plain forward/backward without pipeline parallelism and a `torch.distributed.pipelining`
+schedule with it; the loss is the mean over all tokens of the global batch either way.
+`state_dict()` is sharded and DCP-compatible (model and flattened optimizer state through
+`torch.distributed.checkpoint.state_dict`, plus step, data position and RNG), so a checkpoint
+saved under one mesh loads under another.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from unbroken.trainer import parallel
+from unbroken.trainer.config import OptimConfig, TrainConfig
+from unbroken.trainer.data import TextLoader, load_corpus
+from unbroken.trainer.model import Transformer, cross_entropy
+
+log = structlog.get_logger(__name__)
+
+_SAVE_OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
+_LOAD_OPTS = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+
+
+def lr_at(step: int, o: OptimConfig) -> float:
+    """Linear warmup to `lr`, then cosine decay to `min_lr` over `decay_steps`."""
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    t = min(1.0, (step - o.warmup_steps) / o.decay_steps)
+    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * t))
+
+
+def _peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of this GPU from the planner's datasheet table, None on CPU/unknown."""
+    if device.type != "cuda":
+        return None
+    try:
+        from unbroken.trainer.plan import GPUS
+    except ImportError:
+        return None
+    name = "".join(c for c in torch.cuda.get_device_name(device).lower() if c.isalnum())
+    for key, spec in GPUS.items():
+        if key.split("-")[0] in name:
+            return float(spec.peak_tflops) * 1e12
+    return None
+
+
+class GPT3DTrainer:
+    """The embedded engine. Construct, then `setup(config)` on every rank."""
+
+    def __init__(self) -> None:
+        self.config: TrainConfig | None = None
+        self.step = 0
+        self._owns_pg = False
+
+    # ---- setup -------------------------------------------------------------------------
+    def setup(self, config: TrainConfig) -> None:
+        """Build mesh, model stages, optimizers and the data loader for this rank.
+
+        Raises:
+            ValueError: the layout does not match the world size.
+        """
+        if not dist.is_initialized():
+            # One process without a launcher: a private single-rank group.
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            self._owns_pg = True
+        world = dist.get_world_size()
+        config.check_world(world)
+        self.config = c = config
+        p = c.parallel
+        use_cuda = c.device == "cuda" or (c.device == "auto" and torch.cuda.is_available())
+        if use_cuda:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        bf16 = c.dtype == "bf16" or (c.dtype == "auto" and use_cuda)
+        self.topo = parallel.build_mesh(p, self.device.type)
+        self.log = log.bind(rank=dist.get_rank(), dp=self.topo.dp_rank, pp=self.topo.pp_rank)
+
+        torch.manual_seed(c.seed)
+        full = Transformer(c.model)
+        full.set_activation_checkpointing(p.activation_checkpointing)
+        if p.pp > 1:
+            self.stage_ids = parallel.stage_ids(p, self.topo.pp_rank)
+            n_stages = p.pp * p.stages_per_rank
+            parts = [parallel.cut_stage(full, s, n_stages) for s in self.stage_ids]
+            del full
+        else:
+            self.stage_ids, parts = [0], [full]
+        self.parts: list[Transformer] = [part.to(self.device) for part in parts]
+        for part in self.parts:
+            if p.tp > 1:
+                parallel.apply_tp(part, self.topo.mesh["tp"], p.sequence_parallel)
+            if p.dp > 1 or bf16:
+                parallel.apply_fsdp(part, self.topo, p, torch.bfloat16 if bf16 else None)
+        if p.dp > 1 and p.dp_mode != "zero2" and not parallel.reshards_after_forward(p):
+            self.log.warning(
+                "ZBV keeps parameters unsharded from forward to backward (ZeRO-2-like memory)",
+                dp_mode=p.dp_mode,
+            )
+        self.optimizers = [self._optimizer(part, c.optim) for part in self.parts]
+
+        corpus = load_corpus(c.data.path, c.data.max_corpus_bytes)
+        self.loader = TextLoader(
+            corpus,
+            seq_len=c.data.seq_len,
+            global_batch=c.data.global_batch,
+            dp_rank=self.topo.dp_rank,
+            dp_size=self.topo.dp_size,
+            seed=c.data.seed,
+        )
+        self.schedule: Any = None
+        self.timer: parallel.StageTimer | None = None
+        if p.pp > 1:
+            self.schedule, self.stages, self.timer = parallel.build_schedule(
+                self.parts, self.stage_ids, p, self.topo, self.device, cross_entropy
+            )
+        n_stages = p.pp * p.stages_per_rank
+        self.has_first = 0 in self.stage_ids
+        self.has_last = (n_stages - 1) in self.stage_ids
+        self._flops_per_token = c.model.flops_per_token(c.data.seq_len)
+        self._peak = _peak_flops(self.device)
+        self.log.info(
+            "trainer set up",
+            layout=f"dp{p.dp}×pp{p.pp}×tp{p.tp}",
+            schedule=p.schedule if p.pp > 1 else None,
+            stages=self.stage_ids,
+            params=c.model.n_params(),
+            device=str(self.device),
+        )
+
+    @staticmethod
+    def _optimizer(part: torch.nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
+        decay = [p for p in part.parameters() if p.dim() >= 2]
+        no_decay = [p for p in part.parameters() if p.dim() < 2]
+        return torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": o.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            foreach=False,
+        )
+
+    # ---- training ----------------------------------------------------------------------
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """This rank's parameters across its stages."""
+        return [prm for part in self.parts for prm in part.parameters()]
+
+    def skip(self, n_batches: int) -> None:
+        """Skip `n_batches` global batches of data (loss-spike recovery)."""
+        self.loader.skip(n_batches)
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over one global batch; returns the step's metrics."""
+        assert self.config is not None, "call setup() first"
+        c = self.config
+        t0 = time.perf_counter()
+        lr = lr_at(self.step, c.optim)
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.zero_grad(set_to_none=True)
+        inputs, targets = self.loader.next_batch()
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+
+        idle: float | None = None
+        if self.schedule is None:
+            loss_t = cross_entropy(self.parts[0](inputs), targets)
+            loss_t.backward()
+            loss = loss_t.detach()
+        else:
+            assert self.timer is not None
+            self.timer.busy_s = 0.0
+            ts = time.perf_counter()
+            losses: list[torch.Tensor] = []
+            kwargs: dict[str, Any] = {}
+            if self.has_last:
+                kwargs = {"target": targets, "losses": losses}
+            args = (inputs,) if self.has_first else ()
+            self.schedule.step(*args, **kwargs)
+            idle = max(0.0, 1.0 - self.timer.busy_s / (time.perf_counter() - ts))
+            if self.has_last:
+                loss = torch.stack([x.detach().float() for x in losses]).mean()
+            else:
+                loss = torch.zeros((), device=self.device)
+
+        pp_group = self.topo.pp_group if c.parallel.pp > 1 else None
+        grad_norm = parallel.clip_grad_norm(
+            self.parameters(), c.optim.max_grad_norm, pp_group, self.device
+        )
+        for opt in self.optimizers:
+            opt.step()
+
+        # Every (dp, tp) coordinate holds the last stage once; average their losses.
+        loss_sum = loss.detach().float().reshape(1).clone()
+        if dist.get_world_size() > 1:
+            if not self.has_last:
+                loss_sum.zero_()
+            dist.all_reduce(loss_sum)
+        mean_loss = float(loss_sum) / (c.parallel.dp * c.parallel.tp)
+        self.step += 1
+        dt = time.perf_counter() - t0
+        tokens = c.data.global_batch * c.data.seq_len
+        flops_per_s = self._flops_per_token * tokens / dt
+        mfu = None
+        if self._peak is not None:
+            mfu = flops_per_s / (self._peak * dist.get_world_size())
+        return {
+            "step": self.step,
+            "loss": mean_loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens_per_s": tokens / dt,
+            "step_time_s": dt,
+            "flops_per_s": flops_per_s,
+            "mfu": mfu,
+            "pipeline_idle_fraction": idle,
+        }
+
+    # ---- state -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Sharded state: model and optimizer as DTensors/FQN-keyed tensors, plus counters.
+
+        Every stage keeps global parameter names, so dicts from different pp ranks do not
+        collide and DCP reshards between layouts.
+        """
+        model: dict[str, Any] = {}
+        optim: dict[str, Any] = {}
+        for part, opt in zip(self.parts, self.optimizers, strict=True):
+            model.update(get_model_state_dict(part, options=_SAVE_OPTS))
+            optim.update(get_optimizer_state_dict(part, opt, options=_SAVE_OPTS))
+        return {
+            "model": model,
+            "optimizer": optim,
+            "step": self.step,
+            "data": self.loader.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore model, optimizer, step, data position and RNG (strict=False across stages)."""
+        for part, opt in zip(self.parts, self.optimizers, strict=True):
+            set_model_state_dict(part, state_dict["model"], options=_LOAD_OPTS)
+            set_optimizer_state_dict(part, opt, state_dict["optimizer"], options=_LOAD_OPTS)
+        self.step = int(state_dict["step"])
+        self.loader.load_state_dict(state_dict["data"])
+        torch.set_rng_state(state_dict["rng"].cpu())
+        self.log.info("trainer state loaded", step=self.step)
+
+    def close(self) -> None:
+        """Drop the schedule, stages and optimizers; destroy the group only if we made it."""
+        self.schedule = None
+        self.stages = []
+        self.parts = []
+        self.optimizers = []
+        gc.collect()
+        if self._owns_pg and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_pg = False

@@ -1,0 +1,89 @@
+"""The `Trainer` plugin interface and its discovery through the `unbroken.trainers` group.
+
+A worker process (started by torchrun or by the node agent) loads a trainer by name, calls
+`setup` once the process group exists, then `train_step` in a loop; flash checkpoints and the
+recovery loop use `state_dict` / `load_state_dict`, which must be sharded and
+torch.distributed.checkpoint (DCP) compatible so a checkpoint saved under one mesh loads under
+another. Any package can add a trainer by declaring an entry point, e.g. in pyproject.toml
+`[project.entry-points."unbroken.trainers"] mine = "pkg.module:MyTrainer"`; the core never
+needs to change. This module imports no torch, so listing plugins is cheap.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from unbroken.trainer.config import TrainConfig
+
+ENTRY_POINT_GROUP = "unbroken.trainers"
+
+# Keys every trainer's per-step metrics dict carries (values may be None when not measurable).
+METRIC_KEYS: tuple[str, ...] = (
+    "step",
+    "loss",
+    "grad_norm",
+    "lr",
+    "tokens_per_s",
+    "step_time_s",
+    "flops_per_s",
+    "mfu",
+    "pipeline_idle_fraction",
+)
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """What the runner, the agent and the flash checkpoint need from a training engine.
+
+    The object is also a DCP `Stateful`: `dcp.save({"trainer": t}, ...)` and
+    `dcp.load({"trainer": t}, ...)` work on it directly.
+    """
+
+    def setup(self, config: TrainConfig) -> None:
+        """Build model, optimizer and data for this rank; the process group already exists."""
+        ...
+
+    def train_step(self) -> dict[str, Any]:
+        """Run one optimizer step; return the metrics named in `METRIC_KEYS`."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sharded, DCP-compatible state: model, optimizer, step, data position, RNG."""
+        ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from a state dict shaped like `state_dict()` (possibly another layout)."""
+        ...
+
+    def close(self) -> None:
+        """Release what `setup` acquired; the process group is the caller's."""
+        ...
+
+
+def available() -> list[str]:
+    """Names of the trainers registered under `unbroken.trainers`."""
+    return sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def load_trainer(name: str) -> Trainer:
+    """Instantiate the trainer plugin registered as `name`.
+
+    Raises:
+        ValueError: no such plugin, or the object lacks the `Trainer` methods.
+    """
+    matches = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    if not matches:
+        raise ValueError(
+            f"no trainer plugin named {name!r} in entry-point group {ENTRY_POINT_GROUP!r}; "
+            f"installed: {available() or 'none'}. Install the package that provides it."
+        )
+    factory = matches[0].load()
+    trainer = factory()
+    if not isinstance(trainer, Trainer):
+        raise ValueError(
+            f"trainer plugin {name!r} ({matches[0].value}) does not implement the Trainer "
+            "protocol (setup, train_step, state_dict, load_state_dict, close)"
+        )
+    return trainer
