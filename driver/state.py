@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from unbroken.proto import events_pb2 as ev
 
 KEEP_CHECKPOINTS = 16  # checkpoint records kept in the folded state (newest last)
+KEEP_ROLLBACKS = 16  # rollback spike steps kept (the rollback policy looks at recent ones)
 
 
 def initial(job_id: str) -> ev.JobState:
@@ -57,6 +58,7 @@ def _job_started(s: ev.JobState, e: ev.Event) -> None:
     p = e.job_started
     s.trainer = p.trainer
     s.world.CopyFrom(p.world)
+    s.configured_world.CopyFrom(p.world)
     s.min_nodes, s.max_nodes = p.min_nodes, p.max_nodes
 
 
@@ -73,6 +75,8 @@ def _node_registered(s: ev.JobState, e: ev.Event) -> None:
 
 def _node_lost(s: ev.JobState, e: ev.Event) -> None:
     rec = _node(s, e.node_lost.node_id)
+    if e.node_lost.epoch and e.node_lost.epoch < rec.epoch:
+        return  # the loss of an agent that has since been replaced by a newer epoch
     if rec.state != ev.NODE_STATE_EVICTED:
         rec.state = ev.NODE_STATE_LOST
     rec.failures += 1
@@ -107,6 +111,11 @@ def _spare_assigned(s: ev.JobState, e: ev.Event) -> None:
 
 def _world_resized(s: ev.JobState, e: ev.Event) -> None:
     s.world.CopyFrom(e.world_resized.new_world)
+    for node_id in s.world.node_ids:  # spares taken into a resized world now work in it
+        rec = _node(s, node_id)
+        if rec.state == ev.NODE_STATE_SPARE:
+            rec.state = ev.NODE_STATE_ACTIVE
+            rec.spare = False
 
 
 def _checkpoint_committed(s: ev.JobState, e: ev.Event) -> None:
@@ -119,11 +128,33 @@ def _checkpoint_committed(s: ev.JobState, e: ev.Event) -> None:
 def _rollback(s: ev.JobState, e: ev.Event) -> None:
     s.skipped_batches += e.rollback.skip_batches
     s.step = e.rollback.to_step
+    s.rollback_to = e.rollback.to_step
+    s.rollback_steps.append(e.rollback.from_step)
+    if len(s.rollback_steps) > KEEP_ROLLBACKS:
+        del s.rollback_steps[: len(s.rollback_steps) - KEEP_ROLLBACKS]
+
+
+def _restore_started(s: ev.JobState, e: ev.Event) -> None:
+    s.phase = ev.PHASE_RESTORING
+    s.restore_step = e.restore_started.step
+    s.restore_attempts += 1
+
+
+def _close_incident(s: ev.JobState) -> None:
+    s.incident_id = ""
+    s.incident_cause = ""
+    del s.suspects[:]
+    del s.bad_nodes[:]
+    s.needs_diagnosis = False
+    s.restore_attempts = 0
+    s.ClearField("rollback_to")
+    s.ClearField("incident_world")
 
 
 def _training_paused(s: ev.JobState, e: ev.Event) -> None:
     s.phase = ev.PHASE_PAUSED
     s.step = max(s.step, e.training_paused.at_step)
+    s.restore_step = e.training_paused.restore_step
 
 
 def _training_resumed(s: ev.JobState, e: ev.Event) -> None:
@@ -132,9 +163,7 @@ def _training_resumed(s: ev.JobState, e: ev.Event) -> None:
     s.step = p.at_step
     if p.HasField("world"):
         s.world.CopyFrom(p.world)
-    s.incident_id = ""
-    s.incident_cause = ""
-    del s.suspects[:]
+    _close_incident(s)
 
 
 def _leader_elected(s: ev.JobState, e: ev.Event) -> None:
@@ -145,14 +174,20 @@ def _leader_elected(s: ev.JobState, e: ev.Event) -> None:
 def _recovery_transition(s: ev.JobState, e: ev.Event) -> None:
     p = e.recovery_transition
     s.phase = p.to_phase
+    if p.to_phase == ev.PHASE_RUNNING:
+        _close_incident(s)
+        return
+    if p.incident_id and not s.incident_id:  # a new incident: remember the world it hit
+        s.incident_world.CopyFrom(s.world)
     if p.incident_id:
         s.incident_id = p.incident_id
     if p.to_phase == ev.PHASE_SUSPECTED and p.reason:
         s.incident_cause = p.reason
-    if p.to_phase == ev.PHASE_RUNNING:
-        s.incident_id = ""
-        s.incident_cause = ""
-        del s.suspects[:]
+    del s.suspects[:]
+    s.suspects.extend(p.suspects)
+    del s.bad_nodes[:]
+    s.bad_nodes.extend(p.bad_nodes)
+    s.needs_diagnosis = p.diagnose
 
 
 def _job_finished(s: ev.JobState, e: ev.Event) -> None:
@@ -173,6 +208,7 @@ _HANDLERS: dict[str, Callable[[ev.JobState, ev.Event], None]] = {
     "world_resized": _world_resized,
     "checkpoint_committed": _checkpoint_committed,
     "rollback": _rollback,
+    "restore_started": _restore_started,
     "training_paused": _training_paused,
     "training_resumed": _training_resumed,
     "leader_elected": _leader_elected,

@@ -375,12 +375,14 @@ class Rollback(_message.Message):
     def __init__(self, from_step: _Optional[int] = ..., to_step: _Optional[int] = ..., skip_batches: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class TrainingPaused(_message.Message):
-    __slots__ = ("reason", "at_step")
+    __slots__ = ("reason", "at_step", "restore_step")
     REASON_FIELD_NUMBER: _ClassVar[int]
     AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
     reason: str
     at_step: int
-    def __init__(self, reason: _Optional[str] = ..., at_step: _Optional[int] = ...) -> None: ...
+    restore_step: int
+    def __init__(self, reason: _Optional[str] = ..., at_step: _Optional[int] = ..., restore_step: _Optional[int] = ...) -> None: ...
 
 class TrainingResumed(_message.Message):
     __slots__ = ("at_step", "world")
@@ -403,16 +405,22 @@ class LeaderElected(_message.Message):
     def __init__(self, driver_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., term: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class RecoveryTransition(_message.Message):
-    __slots__ = ("from_phase", "to_phase", "incident_id", "reason")
+    __slots__ = ("from_phase", "to_phase", "incident_id", "reason", "suspects", "bad_nodes", "diagnose")
     FROM_PHASE_FIELD_NUMBER: _ClassVar[int]
     TO_PHASE_FIELD_NUMBER: _ClassVar[int]
     INCIDENT_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    SUSPECTS_FIELD_NUMBER: _ClassVar[int]
+    BAD_NODES_FIELD_NUMBER: _ClassVar[int]
+    DIAGNOSE_FIELD_NUMBER: _ClassVar[int]
     from_phase: Phase
     to_phase: Phase
     incident_id: str
     reason: str
-    def __init__(self, from_phase: _Optional[_Union[Phase, str]] = ..., to_phase: _Optional[_Union[Phase, str]] = ..., incident_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    suspects: _containers.RepeatedScalarFieldContainer[str]
+    bad_nodes: _containers.RepeatedScalarFieldContainer[str]
+    diagnose: bool
+    def __init__(self, from_phase: _Optional[_Union[Phase, str]] = ..., to_phase: _Optional[_Union[Phase, str]] = ..., incident_id: _Optional[str] = ..., reason: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., diagnose: _Optional[bool] = ...) -> None: ...
 
 class NodeRefused(_message.Message):
     __slots__ = ("node_id", "epoch", "reason")
@@ -491,7 +499,7 @@ class CheckpointRecord(_message.Message):
     def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., seq: _Optional[int] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ...) -> None: ...
 
 class JobState(_message.Message):
-    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id")
+    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id", "bad_nodes", "needs_diagnosis", "restore_step", "configured_world", "incident_world", "restore_attempts", "rollback_to", "rollback_steps")
     class NodesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -524,6 +532,14 @@ class JobState(_message.Message):
     MIN_NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     LAST_DIAGNOSIS_ID_FIELD_NUMBER: _ClassVar[int]
+    BAD_NODES_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_DIAGNOSIS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
+    CONFIGURED_WORLD_FIELD_NUMBER: _ClassVar[int]
+    INCIDENT_WORLD_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_TO_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_STEPS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     last_seq: int
     phase: Phase
@@ -542,7 +558,15 @@ class JobState(_message.Message):
     min_nodes: int
     max_nodes: int
     last_diagnosis_id: str
-    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ...) -> None: ...
+    bad_nodes: _containers.RepeatedScalarFieldContainer[str]
+    needs_diagnosis: bool
+    restore_step: int
+    configured_world: WorldLayout
+    incident_world: WorldLayout
+    restore_attempts: int
+    rollback_to: int
+    rollback_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., needs_diagnosis: _Optional[bool] = ..., restore_step: _Optional[int] = ..., configured_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., incident_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., restore_attempts: _Optional[int] = ..., rollback_to: _Optional[int] = ..., rollback_steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Snapshot(_message.Message):
     __slots__ = ("last_seq", "state", "wall_time_unix_ns")

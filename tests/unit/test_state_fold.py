@@ -26,7 +26,19 @@ payloads = st.one_of(
         st.integers(1, 9),
         st.booleans(),
     ),
-    st.builds(lambda n: ev.Event(node_lost=ev.NodeLost(node_id=n, silent_ms=300)), node),
+    st.builds(
+        lambda n, e: ev.Event(node_lost=ev.NodeLost(node_id=n, epoch=e, silent_ms=300)),
+        node,
+        st.integers(0, 9),
+    ),
+    st.builds(lambda w: ev.Event(job_started=ev.JobStarted(world=w, min_nodes=1)), world),
+    st.builds(
+        lambda s, r: ev.Event(
+            restore_started=ev.RestoreStarted(step=s, source_by_rank={0: "memory"}, reshard=r)
+        ),
+        st.integers(0, 100),
+        st.booleans(),
+    ),
     st.builds(
         lambda n, c: ev.Event(worker_failed=ev.WorkerFailed(node_id=n, exit_code=c)),
         node,
@@ -51,7 +63,9 @@ payloads = st.one_of(
         st.integers(0, 100),
     ),
     st.builds(
-        lambda s: ev.Event(training_paused=ev.TrainingPaused(at_step=s)), st.integers(0, 100)
+        lambda s, r: ev.Event(training_paused=ev.TrainingPaused(at_step=s, restore_step=r)),
+        st.integers(0, 100),
+        st.integers(0, 100),
     ),
     st.builds(
         lambda s, w: ev.Event(training_resumed=ev.TrainingResumed(at_step=s, world=w)),
@@ -63,13 +77,23 @@ payloads = st.one_of(
         st.integers(1, 9),
     ),
     st.builds(
-        lambda a, b: ev.Event(
+        lambda a, b, i, sus, bad, dia: ev.Event(
             recovery_transition=ev.RecoveryTransition(
-                from_phase=a, to_phase=b, incident_id="i1", reason="x"
+                from_phase=a,
+                to_phase=b,
+                incident_id=i,
+                reason="x",
+                suspects=sus,
+                bad_nodes=bad,
+                diagnose=dia,
             )
         ),
         phase,
         phase,
+        st.sampled_from(["", "i1", "i2"]),
+        st.lists(node, max_size=3, unique=True),
+        st.lists(node, max_size=3, unique=True),
+        st.booleans(),
     ),
     st.builds(lambda ok: ev.Event(job_finished=ev.JobFinished(ok=ok, step=9)), st.booleans()),
 )

@@ -1,0 +1,795 @@
+"""The recovery state machine: a pure transition function and pure pending actions.
+
+DESIGN.md, "The recovery loop"::
+
+    RUNNING --fault--> SUSPECTED --pause all ranks, flash-save--> PAUSED
+    PAUSED --diagnose (only when the cause is unclear)--> DIAGNOSED
+    DIAGNOSED --evict bad nodes; take spares, or shrink dp--> RESHAPED
+    RESHAPED --restore every rank, reshard if the world changed--> RESTORING
+    RESTORING --all ranks report the restored step--> RUNNING
+
+Two pure functions make the whole loop; the asyncio shell around them only moves bytes:
+
+- `decide(state, observation, policy) -> Decision`: `state` is the folded job state
+  *before* the observation. `Decision.events` are appended in order (the observation
+  itself first when it is an event, then every transition as a typed event), and
+  `Decision.actions` are the commands the shell sends to agents.
+- `pending_actions(state, policy)`: what must (still) be done in the current phase,
+  derived only from the folded state. Every action is idempotent (re-pausing a paused
+  job, re-running a diagnosis with the same id, re-sending StartWorkers / Restore /
+  Resume), so a driver that crashed anywhere replays the log, calls `settle` (which
+  finishes a half-appended decision: the transient phases PAUSED-without-diagnosis,
+  DIAGNOSED and RESHAPED, a lost node still in a RUNNING world, an unapplied rollback,
+  a possible grow-back) and sends `pending_actions` again.
+
+Incident rules. A fault on a node of the world opens an incident (RUNNING) or folds into
+the open one: suspects and nodes to evict grow, and the machine goes back to SUSPECTED
+when the job's state may have changed under it (a node lost, or anything once workers are
+being restarted), or stays in PAUSED (more suspects to diagnose). Faults from lost or
+evicted nodes, and duplicates, are recorded and ignored; a fault on a spare (or an idle
+node outside the world) marks it bad (evicted). A loss spike rolls back to the newest
+committed checkpoint before the spike, without eviction (`unbroken.recovery.spike`).
+
+World rules: each removed node is replaced by a healthy spare in its rank position (same
+world); with too few spares dp shrinks to the largest dp with dp x pp x tp <= available
+workers (pp x tp fixed, whole nodes), never below `min_nodes` (then JobFinished ok=false
+with the reason); dp grows back, up to the configured world, when nodes return.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeAlias
+
+from unbroken.driver import state as statelib
+from unbroken.proto import events_pb2 as ev
+from unbroken.recovery import spike as spikelib
+
+#: Fault kinds that `Policy.diagnose_kinds` may name.
+DIAGNOSABLE = frozenset({"worker_failed", "hang_suspected", "log_alert", "self_check_reported"})
+MAX_SETTLE = 16  # automatic transitions per decision (the loop needs at most 4)
+
+Phase: TypeAlias = ev.Phase
+
+
+class Reshape(enum.Enum):
+    """What replaces a removed node."""
+
+    SPARES_FIRST = "spares"  # a spare in its place (same world); shrink dp only when short
+    SHRINK_FIRST = "shrink"  # shrink dp; spares only to stay at or above min_nodes
+
+
+@dataclass(kw_only=True, slots=True)
+class Policy:
+    """How the machine recovers. The limits are the job's (JobStarted carries the same)."""
+
+    min_nodes: int = 1
+    max_nodes: int = 1024
+    reshape: Reshape = Reshape.SPARES_FIRST
+    # Faults whose cause is unclear: the suspects are diagnosed (bisection) before
+    # reshaping. A clean worker crash needs none; a lost node needs none (it is gone). A
+    # NaN loss reaches the machine as the detectors' "non-finite loss" log alert on a node.
+    diagnose_kinds: frozenset[str] = frozenset(
+        {"hang_suspected", "log_alert", "self_check_reported"}
+    )
+    evict_slow: bool = True  # stragglers named by a diagnosis are evicted too
+    grow_back: bool = True  # grow dp back when nodes return, up to the configured world
+    max_restore_attempts: int = 3  # restores per incident before the job fails
+    spike: spikelib.SpikeConfig = field(default_factory=spikelib.SpikeConfig)
+
+    def __post_init__(self) -> None:
+        if self.min_nodes < 1:
+            raise ValueError(f"Policy.min_nodes must be >= 1, got {self.min_nodes}")
+        if self.max_nodes < self.min_nodes:
+            raise ValueError(
+                f"Policy.max_nodes ({self.max_nodes}) must be >= min_nodes ({self.min_nodes})"
+            )
+        if not isinstance(self.reshape, Reshape):
+            raise ValueError(
+                f"Policy.reshape must be one of {[r.value for r in Reshape]}, got {self.reshape!r}"
+            )
+        unknown = set(self.diagnose_kinds) - DIAGNOSABLE
+        if unknown:
+            raise ValueError(
+                f"Policy.diagnose_kinds has unknown kinds {sorted(unknown)}; choose from "
+                f"{sorted(DIAGNOSABLE)} (a lost node cannot be diagnosed: it is gone)"
+            )
+        if self.max_restore_attempts < 1:
+            raise ValueError(
+                f"Policy.max_restore_attempts must be >= 1, got {self.max_restore_attempts}"
+            )
+
+
+# ---------------------------------------------------------------- observations
+@dataclass(frozen=True, slots=True)
+class Paused:
+    """Progress report: every reachable agent of the world paused and flash-saved.
+
+    `step` is the step the workers stopped at; `restorable_step` the newest step every
+    rank of the world can obtain (memory, buddy or storage; `recovery.restore`), or None
+    when unknown (then the newest committed checkpoint at or before `step` is used).
+    """
+
+    step: int
+    restorable_step: int | None = None
+
+
+Observation = ev.Event | Paused
+
+
+# ---------------------------------------------------------------- actions
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A world layout: dp x pp x tp ranks on `node_ids` (node order = rank order)."""
+
+    dp: int
+    pp: int
+    tp: int
+    node_ids: tuple[str, ...]
+    workers_per_node: int
+
+    @staticmethod
+    def of(w: ev.WorldLayout) -> Layout:
+        """The layout of a `WorldLayout` message."""
+        return Layout(w.dp, w.pp, w.tp, tuple(w.node_ids), w.workers_per_node)
+
+    def to_proto(self) -> ev.WorldLayout:
+        """As the event message."""
+        return ev.WorldLayout(
+            dp=self.dp,
+            pp=self.pp,
+            tp=self.tp,
+            node_ids=list(self.node_ids),
+            workers_per_node=self.workers_per_node,
+        )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the world."""
+        return self.dp * self.pp * self.tp
+
+
+@dataclass(frozen=True, slots=True)
+class PauseAll:
+    """Send Pause to every node (idempotent: a paused worker stays paused)."""
+
+    nodes: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class FlashSaveAll:
+    """Send FlashSave (current step) to every node; each reports the step it saved."""
+
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RunDiagnosis:
+    """Run the bisection over `nodes` with `suspects` first; report `diagnosis_id`."""
+
+    diagnosis_id: str
+    suspects: tuple[str, ...]
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EvictNode:
+    """Send Evict to a node (a node without a session is skipped)."""
+
+    node_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class StartWorkers:
+    """Start the world's workers; `rank_base` is each node's global rank of local rank 0."""
+
+    world: Layout
+    rank_base: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    """Restore every rank at `step`; `sources` are the preferred sources, best first.
+
+    The agents' survey (`unbroken.recovery.restore.decide`) falls back from a preferred
+    source that turns out to be missing. (`incident_id`, `attempt`) identifies the restore
+    so a re-sent command is recognised.
+    """
+
+    step: int
+    sources: tuple[tuple[int, str], ...]
+    reshard: bool
+    incident_id: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeAll:
+    """Send Resume(at_step) to every node (a running worker ignores it)."""
+
+    step: int
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StopAll:
+    """The job failed: stop every worker."""
+
+    nodes: tuple[str, ...]
+
+
+Action = (
+    PauseAll
+    | FlashSaveAll
+    | RunDiagnosis
+    | EvictNode
+    | StartWorkers
+    | Restore
+    | ResumeAll
+    | StopAll
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What `decide` wants: events to append (in order), then actions to perform."""
+
+    events: tuple[ev.Event, ...]
+    actions: tuple[Action, ...]
+    phase: Phase  # the phase once `events` are folded
+    note: str = ""  # why an observation was ignored, for the log
+
+
+# ---------------------------------------------------------------- the fold as we go
+class _Draft:
+    """Events being decided, with the state they lead to (folded as they are added)."""
+
+    def __init__(self, state: ev.JobState, cause: str) -> None:
+        self.state = state
+        self.events: list[ev.Event] = []
+        self.cause = cause
+
+    def add(self, event: ev.Event, *, record: bool = False) -> None:
+        if not record and not event.cause:
+            event.cause = self.cause
+        self.events.append(event)
+        self.state = statelib.apply(self.state, event)
+
+    def transition(
+        self,
+        to: Phase,
+        reason: str,
+        *,
+        incident_id: str | None = None,
+        suspects: Iterable[str] | None = None,
+        bad: Iterable[str] | None = None,
+        diagnose: bool | None = None,
+    ) -> None:
+        s = self.state
+        self.add(
+            ev.Event(
+                recovery_transition=ev.RecoveryTransition(
+                    from_phase=s.phase,
+                    to_phase=to,
+                    incident_id=s.incident_id if incident_id is None else incident_id,
+                    reason=reason,
+                    suspects=sorted(set(s.suspects if suspects is None else suspects)),
+                    bad_nodes=sorted(set(s.bad_nodes if bad is None else bad)),
+                    diagnose=s.needs_diagnosis if diagnose is None else diagnose,
+                )
+            )
+        )
+
+
+# ---------------------------------------------------------------- helpers on the state
+def _state_of(s: ev.JobState, node_id: str) -> int:
+    rec = s.nodes.get(node_id)
+    return ev.NODE_STATE_UNSPECIFIED if rec is None else rec.state
+
+
+def _healthy(s: ev.JobState, node_id: str) -> bool:
+    return _state_of(s, node_id) in (ev.NODE_STATE_ACTIVE, ev.NODE_STATE_SPARE)
+
+
+def _reachable(s: ev.JobState) -> tuple[str, ...]:
+    """World nodes that can still take commands."""
+    return tuple(n for n in s.world.node_ids if _healthy(s, n))
+
+
+def diagnosis_id(s: ev.JobState) -> str:
+    """The id of the diagnosis the open incident needs (same suspects = same id)."""
+    digest = hashlib.sha1(",".join(sorted(s.suspects)).encode()).hexdigest()[:8]
+    return f"{s.incident_id}-d{digest}"
+
+
+def _pool(s: ev.JobState, survivors: Sequence[str], *, with_spares: bool) -> list[str]:
+    """Healthy nodes not working in the world: returned nodes first, then spares, oldest first.
+
+    A world node whose agent came back as a spare is a spare here.
+    """
+    taken = set(survivors) | set(s.bad_nodes)
+    free = [r for r in s.nodes.values() if r.node_id not in taken and _healthy(s, r.node_id)]
+    returned = [r for r in free if r.state == ev.NODE_STATE_ACTIVE]
+    spares = [r for r in free if r.state == ev.NODE_STATE_SPARE] if with_spares else []
+    key = lambda r: (r.registered_seq == 0, r.registered_seq, r.node_id)  # noqa: E731
+    return [r.node_id for r in sorted(returned, key=key) + sorted(spares, key=key)]
+
+
+def _best_dp(s: ev.JobState, policy: Policy, available: int) -> int | None:
+    """The largest dp (<= the configured dp) whose whole nodes fit in `available`."""
+    w = s.world
+    unit, wpn = w.pp * w.tp, w.workers_per_node
+    top = (s.configured_world.dp if s.HasField("configured_world") else 0) or w.dp
+    for dp in range(top, 0, -1):
+        if (dp * unit) % wpn:
+            continue
+        nodes = dp * unit // wpn
+        if policy.min_nodes <= nodes <= min(available, policy.max_nodes):
+            return dp
+    return None
+
+
+def plan_world(s: ev.JobState, policy: Policy) -> Layout | str:
+    """The world after removing lost, evicted and bad nodes, or why there is none.
+
+    Removed nodes are replaced in place by pool nodes when dp stays the same; otherwise
+    the survivors keep their order and pool nodes follow.
+    """
+    w = s.world
+    bad = set(s.bad_nodes)
+    survivors = [n for n in w.node_ids if _state_of(s, n) == ev.NODE_STATE_ACTIVE and n not in bad]
+    returned = _pool(s, survivors, with_spares=False)
+    everyone = _pool(s, survivors, with_spares=True)
+    dp = None
+    pool = everyone
+    if policy.reshape is Reshape.SHRINK_FIRST:
+        dp = _best_dp(s, policy, len(survivors) + len(returned))
+        pool = returned
+    if dp is None:
+        dp = _best_dp(s, policy, len(survivors) + len(everyone))
+        pool = everyone
+    if dp is None:
+        have = len(survivors) + len(everyone)
+        return (
+            f"only {have} healthy node(s) of {w.workers_per_node} worker(s) remain; "
+            f"pp x tp = {w.pp * w.tp} needs whole nodes and min_nodes is {policy.min_nodes}: "
+            "add nodes or spares and start the job again"
+        )
+    need = dp * w.pp * w.tp // w.workers_per_node
+    if dp == w.dp and len(w.node_ids) == need:
+        inplace = [n for n in w.node_ids if n in survivors or n in pool]
+        free = iter([n for n in pool if n not in inplace])
+        ids = [n if n in inplace else next(free) for n in w.node_ids]
+    else:
+        ids = (survivors + pool)[:need]
+    return Layout(dp, w.pp, w.tp, tuple(ids), w.workers_per_node)
+
+
+def restore_sources(s: ev.JobState) -> tuple[tuple[tuple[int, str], ...], bool]:
+    """Each rank's preferred restore source, and whether the world changed shape."""
+    w, old = s.world, s.incident_world
+    reshard = (w.dp, w.pp, w.tp, w.workers_per_node) != (
+        old.dp,
+        old.pp,
+        old.tp,
+        old.workers_per_node,
+    )
+    rollback = s.HasField("rollback_to")
+    out = []
+    for i, node_id in enumerate(w.node_ids):
+        same = i < len(old.node_ids) and old.node_ids[i] == node_id
+        src = "storage" if reshard or rollback else "memory" if same else "buddy"
+        for lr in range(w.workers_per_node):
+            out.append((i * w.workers_per_node + lr, src))
+    return tuple(out), reshard
+
+
+# ---------------------------------------------------------------- pending actions
+def pending_actions(state: ev.JobState, policy: Policy) -> list[Action]:
+    """What must (still) be done in the current phase; idempotent, from the state only.
+
+    Call `settle` first after a replay: DIAGNOSED and RESHAPED (and PAUSED without a
+    diagnosis) are transient and have no actions of their own.
+    """
+    s = state
+    nodes = _reachable(s)
+    phase = s.phase
+    if phase == ev.PHASE_RUNNING:
+        return [ResumeAll(s.step, nodes)]
+    if phase == ev.PHASE_SUSPECTED:
+        return [PauseAll(nodes, s.incident_cause), FlashSaveAll(nodes)]
+    if phase == ev.PHASE_PAUSED and s.needs_diagnosis:
+        return [
+            PauseAll(nodes, s.incident_cause),
+            RunDiagnosis(diagnosis_id(s), tuple(sorted(s.suspects)), nodes),
+        ]
+    if phase == ev.PHASE_RESTORING:
+        out: list[Action] = [EvictNode(n, f"incident {s.incident_id}") for n in sorted(s.bad_nodes)]
+        wpn = s.world.workers_per_node
+        out.append(
+            StartWorkers(
+                Layout.of(s.world), tuple((n, i * wpn) for i, n in enumerate(s.world.node_ids))
+            )
+        )
+        sources, reshard = restore_sources(s)
+        out.append(Restore(s.restore_step, sources, reshard, s.incident_id, s.restore_attempts))
+        return out
+    if phase == ev.PHASE_FAILED:
+        return [StopAll(nodes)]
+    return []
+
+
+# ---------------------------------------------------------------- the transition function
+def decide(state: ev.JobState, observation: Observation, policy: Policy) -> Decision:
+    """The events and actions for `observation`, given the state before it. Pure.
+
+    Args:
+        state: the folded job state before the observation.
+        observation: a fault or progress event (recorded as the decision's first event),
+            or a `Paused` progress report.
+        policy: the recovery policy.
+
+    Returns:
+        The decision: `fold(decision.events, state)` is the new state, whose phase is
+        `decision.phase` and whose `pending_actions` are `decision.actions`.
+    """
+    cause = observation.event_id if isinstance(observation, ev.Event) else "paused"
+    draft = _Draft(state, cause or "observation")
+    if isinstance(observation, ev.Event):
+        draft.add(observation, record=True)
+    note = _react(state, draft, observation, policy)
+    _settle(draft, policy)
+    return Decision(
+        events=tuple(draft.events),
+        actions=tuple(pending_actions(draft.state, policy)),
+        phase=draft.state.phase,
+        note=note,
+    )
+
+
+def settle(state: ev.JobState, policy: Policy) -> Decision:
+    """The automatic transitions due in `state` (after a replay, or a half-appended decision)."""
+    draft = _Draft(state, "settle")
+    _settle(draft, policy)
+    return Decision(
+        events=tuple(draft.events),
+        actions=tuple(pending_actions(draft.state, policy)),
+        phase=draft.state.phase,
+    )
+
+
+_CLEAR, _UNCLEAR, _LOST, _EVICT = "clear", "unclear", "lost", "evict"
+
+
+def _fault(e: ev.Event, policy: Policy, s: ev.JobState) -> tuple[str, list[str], str] | None:
+    """(kind, nodes, reason) of a node fault event, or None when it is not one."""
+    kind = e.WhichOneof("payload")
+    unclear = _UNCLEAR if kind in policy.diagnose_kinds else _CLEAR
+    if kind == "node_lost":
+        lost = e.node_lost
+        rec = s.nodes.get(lost.node_id)
+        if rec is not None and lost.epoch and lost.epoch < rec.epoch:
+            return None  # an older agent of a node that has since re-registered
+        why = lost.reason or "no heartbeat"
+        return _LOST, [lost.node_id], f"node {lost.node_id} lost ({why})"
+    if kind == "worker_failed":
+        wf = e.worker_failed
+        what = f"exited with {wf.exit_code} at step {wf.last_step}"
+        return unclear, [wf.node_id], f"worker {wf.node_id}/{wf.local_rank} {what}"
+    if kind == "hang_suspected":
+        h = e.hang_suspected
+        return unclear, [h.node_id], f"hang on {h.node_id}/{h.local_rank} at {h.stuck_at_step}"
+    if kind == "log_alert":
+        a = e.log_alert
+        return unclear, [a.node_id], f"log alert {a.keyword!r} on {a.node_id}/{a.local_rank}"
+    if kind == "self_check_reported" and not e.self_check_reported.ok:
+        c = e.self_check_reported
+        return unclear, [c.node_id], f"self-check failed on {c.node_id}: {list(c.failures)}"
+    if kind == "operator_action":
+        op = e.operator_action
+        who = op.who or "operator"
+        if op.action == "evict" and op.target:
+            return _EVICT, [op.target], f"evicted by {who}"
+        if op.action == "diagnose":
+            nodes = [op.target] if op.target else list(_reachable(s))
+            return _UNCLEAR, nodes, f"diagnosis requested by {who}"
+    return None
+
+
+def _react(before: ev.JobState, d: _Draft, obs: Observation, policy: Policy) -> str:
+    """Append the reaction to `obs`; return a note when it is ignored."""
+    phase = before.phase
+    if phase in (ev.PHASE_FINISHED, ev.PHASE_FAILED, ev.PHASE_STARTING, 0):
+        return f"recorded only: the job is {ev.Phase.Name(phase)}"
+    if isinstance(obs, Paused):
+        return _on_paused(before, d, obs)
+    kind = obs.WhichOneof("payload")
+    if kind == "diagnosis_verdict":
+        return _on_verdict(before, d, obs.diagnosis_verdict, policy)
+    if kind == "restore_finished":
+        return _on_restored(before, d, obs.restore_finished)
+    if kind == "loss_spike":
+        return _on_spike(before, d, obs.loss_spike, policy)
+    if kind == "node_registered":
+        p = obs.node_registered
+        rec = before.nodes.get(p.node_id)
+        restarted = (
+            rec is not None
+            and rec.state == ev.NODE_STATE_ACTIVE
+            and p.node_id in before.world.node_ids
+            and p.epoch != rec.epoch
+        )
+        if restarted:  # its workers and its flash memory went with the old agent
+            return _on_fault(before, d, _CLEAR, [p.node_id], f"agent on {p.node_id} restarted")
+        return "" if phase == ev.PHASE_RUNNING else "recorded: the reshape will consider it"
+    fault = _fault(obs, policy, before)
+    if fault is None:
+        return "recorded only"
+    return _on_fault(before, d, *fault)
+
+
+def _on_fault(before: ev.JobState, d: _Draft, kind: str, nodes: list[str], reason: str) -> str:
+    phase = before.phase
+    world = set(before.world.node_ids)
+    accepted: list[str] = []
+    for n in nodes:
+        st = _state_of(before, n)
+        if n not in world:
+            if st in (ev.NODE_STATE_SPARE, ev.NODE_STATE_ACTIVE) and kind != _LOST:
+                d.add(ev.Event(node_evicted=ev.NodeEvicted(node_id=n, reason=f"idle: {reason}")))
+            continue
+        if st == ev.NODE_STATE_EVICTED:
+            continue
+        if st == ev.NODE_STATE_LOST and phase != ev.PHASE_RUNNING:
+            continue  # already lost and handled by the open incident
+        if kind == _UNCLEAR and n in before.suspects and before.needs_diagnosis:
+            continue
+        if kind == _EVICT and n in before.bad_nodes:
+            continue
+        accepted.append(n)
+    if not accepted:
+        return f"ignored: {reason} (gone, duplicate, or not in the world)"
+    if kind == _CLEAR and phase in (ev.PHASE_SUSPECTED, ev.PHASE_PAUSED):
+        return f"ignored: {reason} (the job is being paused; workers restart anyway)"
+    suspects = set(before.suspects) | (set(accepted) if kind == _UNCLEAR else set())
+    bad = set(before.bad_nodes) | (set(accepted) if kind == _EVICT else set())
+    diagnose = before.needs_diagnosis or kind == _UNCLEAR
+    if phase == ev.PHASE_RUNNING:
+        d.transition(
+            ev.PHASE_SUSPECTED,
+            reason,
+            incident_id=_new_incident(d),
+            suspects=suspects,
+            bad=bad,
+            diagnose=diagnose,
+        )
+        return ""
+    to = ev.PHASE_SUSPECTED
+    if phase == ev.PHASE_PAUSED and kind != _LOST:
+        to = ev.PHASE_PAUSED  # workers are paused and their saved state is intact
+    d.transition(to, reason, suspects=suspects, bad=bad, diagnose=diagnose)
+    return ""
+
+
+def _on_paused(before: ev.JobState, d: _Draft, obs: Paused) -> str:
+    if before.phase != ev.PHASE_SUSPECTED:
+        return f"ignored: paused report in {ev.Phase.Name(before.phase)}"
+    if obs.restorable_step is not None:
+        restore = min(obs.restorable_step, obs.step)
+    else:
+        committed = [c.step for c in before.checkpoints if c.step <= obs.step]
+        restore = max(committed, default=0)
+    if before.HasField("rollback_to"):
+        restore = min(restore, before.rollback_to)
+    d.add(
+        ev.Event(
+            training_paused=ev.TrainingPaused(
+                reason=before.incident_cause, at_step=obs.step, restore_step=restore
+            )
+        )
+    )
+    return ""
+
+
+def _on_verdict(before: ev.JobState, d: _Draft, v: ev.DiagnosisVerdict, policy: Policy) -> str:
+    if before.phase != ev.PHASE_PAUSED or not before.needs_diagnosis:
+        return f"ignored: verdict {v.diagnosis_id} arrived in {ev.Phase.Name(before.phase)}"
+    if v.diagnosis_id != diagnosis_id(before):
+        return f"ignored: stale verdict {v.diagnosis_id} (waiting for {diagnosis_id(before)})"
+    named = list(v.bad_nodes) + (list(v.slow_nodes) if policy.evict_slow else [])
+    bad = set(before.bad_nodes) | {n for n in named if n in before.nodes}
+    d.transition(
+        ev.PHASE_DIAGNOSED,
+        f"diagnosis {v.diagnosis_id}: bad {sorted(v.bad_nodes)}, slow {sorted(v.slow_nodes)}",
+        bad=bad,
+        diagnose=False,
+    )
+    return ""
+
+
+def _on_restored(before: ev.JobState, d: _Draft, r: ev.RestoreFinished) -> str:
+    if before.phase != ev.PHASE_RESTORING:
+        return f"ignored: restore report in {ev.Phase.Name(before.phase)}"
+    if not r.ok:
+        d.transition(ev.PHASE_SUSPECTED, f"restore at step {r.step} failed: {r.error}")
+        return ""
+    if r.step != before.restore_step:
+        return f"ignored: restored step {r.step}, expected {before.restore_step}"
+    d.add(ev.Event(training_resumed=ev.TrainingResumed(at_step=r.step, world=before.world)))
+    return ""
+
+
+def _on_spike(before: ev.JobState, d: _Draft, p: ev.LossSpike, policy: Policy) -> str:
+    if before.phase != ev.PHASE_RUNNING:
+        return "ignored: loss spike during recovery (the restore goes back anyway)"
+    spike = spikelib.Spike(p.step, p.loss, p.baseline, p.baseline, p.factor, p.non_finite)
+    roll = spikelib.RollbackPolicy(policy.spike, list(before.rollback_steps)).decide(
+        spike, [c.step for c in before.checkpoints]
+    )
+    what = "non-finite loss" if p.non_finite else f"loss {p.loss:.6g} (baseline {p.baseline:.6g})"
+    if roll.halt:  # the policy's own reason ends with why it will not roll back again
+        why = roll.reason.rsplit("; ", 1)[-1]
+        reason = f"{what} at step {p.step}, and no rollback: {why}; restart from a checkpoint"
+        d.add(ev.Event(job_finished=ev.JobFinished(step=p.step, ok=False, reason=reason)))
+        return ""
+    d.add(
+        ev.Event(
+            rollback=ev.Rollback(
+                from_step=p.step,
+                to_step=roll.to_step,
+                skip_batches=roll.skip_batches,
+                reason=f"{what} at step {p.step}",
+            )
+        )
+    )
+    _open_rollback(d)
+    return ""
+
+
+def _open_rollback(d: _Draft) -> None:
+    """Open the incident of a rollback (no suspects, no eviction)."""
+    d.transition(
+        ev.PHASE_SUSPECTED,
+        f"loss spike: roll back to step {d.state.rollback_to}",
+        incident_id=_new_incident(d),
+        suspects=[],
+        bad=[],
+        diagnose=False,
+    )
+
+
+# ---------------------------------------------------------------- automatic transitions
+def _new_incident(d: _Draft) -> str:
+    """A fresh incident id: the sequence number the opening transition will get."""
+    return f"i{d.state.last_seq + 1 + len(d.events)}"
+
+
+def _settle(d: _Draft, policy: Policy) -> None:
+    for _ in range(MAX_SETTLE):
+        if not _settle_once(d, policy):
+            return
+    raise AssertionError(f"the machine did not settle in {MAX_SETTLE} steps")
+
+
+def _settle_once(d: _Draft, policy: Policy) -> bool:
+    s = d.state
+    phase = s.phase
+    if phase == ev.PHASE_RUNNING:
+        return _settle_running(d, policy)
+    if phase == ev.PHASE_PAUSED and not s.needs_diagnosis:
+        d.transition(ev.PHASE_DIAGNOSED, "the cause is known: no diagnosis needed")
+        return True
+    if phase == ev.PHASE_DIAGNOSED:
+        _reshape(d, policy)
+        return True
+    if phase == ev.PHASE_RESHAPED:
+        if s.restore_attempts >= policy.max_restore_attempts:
+            reason = (
+                f"incident {s.incident_id}: {s.restore_attempts} restores did not bring the "
+                f"job back (Policy.max_restore_attempts); last cause: {s.incident_cause}"
+            )
+            d.add(ev.Event(job_finished=ev.JobFinished(step=s.step, ok=False, reason=reason)))
+            return True
+        sources, reshard = restore_sources(s)
+        d.add(  # RESHAPED -> RESTORING (the fold moves the phase)
+            ev.Event(
+                restore_started=ev.RestoreStarted(
+                    step=s.restore_step, source_by_rank=dict(sources), reshard=reshard
+                )
+            )
+        )
+        return True
+    return False
+
+
+def _settle_running(d: _Draft, policy: Policy) -> bool:
+    """A RUNNING state that must not stay so (what a lost reaction left behind)."""
+    s = d.state
+    gone = [n for n in s.world.node_ids if _state_of(s, n) != ev.NODE_STATE_ACTIVE]
+    if gone:
+        d.transition(
+            ev.PHASE_SUSPECTED,
+            f"nodes {gone} left the world",
+            incident_id=_new_incident(d),
+            suspects=[],
+            bad=[],
+            diagnose=False,
+        )
+        return True
+    if s.HasField("rollback_to"):
+        _open_rollback(d)
+        return True
+    if policy.grow_back:
+        target = plan_world(s, policy)
+        if isinstance(target, Layout) and target.dp > s.world.dp:
+            d.transition(
+                ev.PHASE_SUSPECTED,
+                f"grow: dp {s.world.dp} -> {target.dp} with returned nodes",
+                incident_id=_new_incident(d),
+                suspects=[],
+                bad=[],
+                diagnose=False,
+            )
+            return True
+    return False
+
+
+def _reshape(d: _Draft, policy: Policy) -> None:
+    """DIAGNOSED -> RESHAPED: evict, replace or resize (or fail below min_nodes)."""
+    s = d.state
+    for n in sorted(s.bad_nodes):
+        if _state_of(s, n) != ev.NODE_STATE_EVICTED:
+            d.add(
+                ev.Event(
+                    node_evicted=ev.NodeEvicted(
+                        node_id=n,
+                        reason=f"incident {s.incident_id}: {s.incident_cause}",
+                        diagnosis_id=s.last_diagnosis_id,
+                    )
+                )
+            )
+    s = d.state
+    target = plan_world(s, policy)
+    if isinstance(target, str):
+        d.add(ev.Event(job_finished=ev.JobFinished(step=s.step, ok=False, reason=target)))
+        return
+    old = Layout.of(s.world)
+    if target != old or any(_state_of(s, n) != ev.NODE_STATE_ACTIVE for n in target.node_ids):
+        # One event moves the whole world, so a crash never leaves half a reshape whose
+        # completion would be planned differently; SpareAssigned records who replaced whom.
+        same = target.dp == old.dp and len(target.node_ids) == len(old.node_ids)
+        swaps = [
+            (was, now) for was, now in zip(old.node_ids, target.node_ids, strict=False) if same
+        ]
+        why = (
+            f"replace {[w for w, n in swaps if w != n]}" if same else f"dp {old.dp} -> {target.dp}"
+        )
+        d.add(
+            ev.Event(
+                world_resized=ev.WorldResized(
+                    old_world=s.world, new_world=target.to_proto(), reason=why
+                )
+            )
+        )
+        for was, now in swaps:
+            if was != now:
+                d.add(
+                    ev.Event(
+                        spare_assigned=ev.SpareAssigned(spare_node_id=now, replaces_node_id=was)
+                    )
+                )
+    d.transition(ev.PHASE_RESHAPED, f"world: dp={target.dp} on {list(target.node_ids)}")
+
+
+def phases(events: Sequence[ev.Event]) -> list[str]:
+    """The phase names the transitions in `events` lead to (for logs and tests)."""
+    out = []
+    for e in events:
+        if e.WhichOneof("payload") == "recovery_transition":
+            out.append(ev.Phase.Name(e.recovery_transition.to_phase))
+    return out

@@ -1,0 +1,332 @@
+"""The recovery state machine on named scenarios, and exhaustively over small clusters.
+
+Every scenario runs through `Sim` (tests/unit/test_machine_harness.py), which checks after
+each decision that the events fold to the intended phase, that a replay (and a crash after
+any prefix of a decision) gives the same pending actions, and the world invariants.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from tests.unit.test_machine_harness import (
+    Sim,
+    alert,
+    checkpoint,
+    crash,
+    feasible,
+    hang,
+    job,
+    lost,
+    operator,
+    register,
+    restored,
+    selfcheck,
+    spike,
+    verdict,
+)
+from unbroken.driver import machine as m
+from unbroken.proto import events_pb2 as ev
+
+
+def start(policy: m.Policy | None = None, **layout: int) -> Sim:
+    sim = Sim(policy or m.Policy())
+    sim.append(job(**layout))
+    assert sim.state.phase == ev.PHASE_RUNNING
+    return sim
+
+
+def kinds(d: m.Decision) -> list[str]:
+    return [str(e.WhichOneof("payload")) for e in d.events]
+
+
+def only(acts: tuple[m.Action, ...] | list[m.Action], cls: type) -> list:  # type: ignore[type-arg]
+    return [a for a in acts if isinstance(a, cls)]
+
+
+def test_worker_crash_on_healthy_node_restarts_without_diagnosis() -> None:
+    sim = start(nodes=4, wpn=2, pp=2)
+    sim.training_step = 40
+    d = sim.feed(crash("n2"))
+    assert d.phase == ev.PHASE_SUSPECTED
+    assert only(d.actions, m.PauseAll) and only(d.actions, m.FlashSaveAll)
+    d = sim.feed(m.Paused(step=40, restorable_step=40))
+    assert m.phases(d.events) == ["PHASE_DIAGNOSED", "PHASE_RESHAPED"]
+    assert d.phase == ev.PHASE_RESTORING
+    (rs,) = only(d.actions, m.Restore)
+    assert rs.step == 40 and not rs.reshard
+    assert {src for _, src in rs.sources} == {"memory"}
+    assert len(rs.sources) == 8
+    (sw,) = only(d.actions, m.StartWorkers)
+    assert sw.world.node_ids == ("n0", "n1", "n2", "n3")
+    assert sw.rank_base == (("n0", 0), ("n1", 2), ("n2", 4), ("n3", 6))
+    d = sim.feed(restored(40))
+    assert d.phase == ev.PHASE_RUNNING and d.actions == (m.ResumeAll(40, sw.world.node_ids),)
+    assert sim.state.incident_id == "" and not sim.state.suspects
+
+
+def test_node_lost_is_replaced_by_a_spare_in_its_rank_position() -> None:
+    sim = start(nodes=4, spares=1)
+    sim.feed(lost("n1"))
+    d = sim.feed(m.Paused(step=10, restorable_step=9))
+    assert kinds(d).count("spare_assigned") == 1 and sim.state.world.dp == 4
+    assert list(sim.state.world.node_ids) == ["n0", "s0", "n2", "n3"]
+    assert sim.state.nodes["s0"].state == ev.NODE_STATE_ACTIVE
+    (rs,) = only(d.actions, m.Restore)
+    assert rs.step == 9 and dict(rs.sources) == {0: "memory", 1: "buddy", 2: "memory", 3: "memory"}
+    sim.drive(set())
+    assert sim.state.phase == ev.PHASE_RUNNING
+
+
+def test_without_spares_dp_shrinks_and_grows_back_when_the_node_returns() -> None:
+    sim = start(nodes=4, wpn=1, tp=1, pp=1, extra=0)
+    sim.feed(lost("n3"))
+    d = sim.feed(m.Paused(step=12))
+    assert "world_resized" in kinds(d)
+    assert sim.state.world.dp == 3 and list(sim.state.world.node_ids) == ["n0", "n1", "n2"]
+    (rs,) = only(d.actions, m.Restore)
+    assert rs.reshard and rs.step == 0  # nothing committed and no survey: from the start
+    sim.drive(set())
+    assert sim.state.phase == ev.PHASE_RUNNING
+    # n3 comes back (a new agent epoch): the job grows back to dp 4
+    d = sim.feed(register("n3", 2))
+    assert d.phase == ev.PHASE_SUSPECTED and "grow" in sim.state.incident_cause
+    sim.drive(set())
+    assert sim.state.world.dp == 4 and sorted(sim.state.world.node_ids) == ["n0", "n1", "n2", "n3"]
+
+
+def test_shrink_keeps_whole_pipeline_replicas() -> None:
+    # 4 nodes x 1 worker, pp=2: dp=2. Losing one node leaves 3, dp=1 uses 2 nodes.
+    sim = start(nodes=4, pp=2)
+    sim.feed(lost("n0"))
+    sim.feed(m.Paused(step=5, restorable_step=5))
+    w = sim.state.world
+    assert (w.dp, w.pp, list(w.node_ids)) == (1, 2, ["n1", "n2"])
+
+
+def test_below_min_nodes_the_job_fails_with_a_reason() -> None:
+    sim = start(m.Policy(min_nodes=3), nodes=3)
+    sim.feed(lost("n0"))
+    d = sim.feed(m.Paused(step=5))
+    assert d.phase == ev.PHASE_FAILED
+    (fin,) = [e.job_finished for e in d.events if e.WhichOneof("payload") == "job_finished"]
+    assert not fin.ok and "min_nodes is 3" in fin.reason
+    assert d.actions == (m.StopAll(("n1", "n2")),)
+    assert sim.feed(crash("n1")).note.startswith("recorded only")
+
+
+def test_hang_is_diagnosed_then_the_bad_node_is_evicted_and_replaced() -> None:
+    sim = start(nodes=4, spares=1)
+    sim.feed(hang("n2"))
+    d = sim.feed(m.Paused(step=30, restorable_step=30))
+    assert d.phase == ev.PHASE_PAUSED
+    (run,) = only(d.actions, m.RunDiagnosis)
+    assert run.suspects == ("n2",) and set(run.nodes) == {"n0", "n1", "n2", "n3"}
+    # the verdict of an older diagnosis is ignored; a replay asks for the same id again
+    assert sim.feed(verdict("i1-dffffffff", ["n0"])).note.startswith("ignored: stale")
+    assert only(m.pending_actions(sim.state, sim.policy), m.RunDiagnosis) == [run]
+    d = sim.feed(verdict(run.diagnosis_id, ["n2"], ("n3",)))
+    assert sim.state.nodes["n2"].state == ev.NODE_STATE_EVICTED
+    assert sim.state.nodes["n3"].state == ev.NODE_STATE_EVICTED  # slow: evicted too
+    assert list(sim.state.world.node_ids) == ["n0", "n1", "s0"] and sim.state.world.dp == 3
+    assert {a.node_id for a in only(d.actions, m.EvictNode)} == {"n2", "n3"}
+    sim.drive(set())
+    assert sim.state.phase == ev.PHASE_RUNNING
+
+
+def test_second_node_lost_while_restoring_goes_back_to_suspected() -> None:
+    sim = start(nodes=4, spares=2)
+    sim.feed(lost("n0"))
+    sim.feed(m.Paused(step=8, restorable_step=8))
+    assert sim.state.phase == ev.PHASE_RESTORING
+    d = sim.feed(lost("n3"))
+    assert d.phase == ev.PHASE_SUSPECTED and sim.state.incident_id
+    incident = sim.state.incident_id
+    assert sim.feed(lost("n3")).note.startswith("ignored")  # duplicate
+    assert sim.feed(lost("n0")).note.startswith("ignored")  # already handled
+    sim.drive(set())
+    assert sim.state.phase == ev.PHASE_RUNNING
+    assert list(sim.state.world.node_ids) == ["s0", "n1", "n2", "s1"]
+    assert sum(1 for e in sim.log if e.recovery_transition.incident_id == incident) >= 4
+
+
+def test_unclear_fault_while_paused_grows_the_diagnosis() -> None:
+    sim = start(nodes=4)
+    sim.feed(alert("n1"))
+    sim.feed(m.Paused(step=3, restorable_step=3))
+    first = only(m.pending_actions(sim.state, sim.policy), m.RunDiagnosis)[0]
+    d = sim.feed(selfcheck("n3"))
+    assert d.phase == ev.PHASE_PAUSED
+    second = only(d.actions, m.RunDiagnosis)[0]
+    assert second.suspects == ("n1", "n3") and second.diagnosis_id != first.diagnosis_id
+    assert sim.feed(verdict(first.diagnosis_id, ["n1"])).note.startswith("ignored: stale")
+    sim.drive({"n3"})
+    assert list(sim.state.world.node_ids) == ["n0", "n1", "n2"]
+
+
+def test_fault_on_a_spare_only_marks_it_bad() -> None:
+    sim = start(nodes=2, spares=1)
+    d = sim.feed(alert("s0"))
+    assert d.phase == ev.PHASE_RUNNING and kinds(d) == ["log_alert", "node_evicted"]
+    assert sim.state.nodes["s0"].state == ev.NODE_STATE_EVICTED
+    assert sim.feed(lost("s0")).phase == ev.PHASE_RUNNING
+
+
+def test_loss_spike_rolls_back_to_the_checkpoint_before_it_without_eviction() -> None:
+    sim = start(nodes=2)
+    for step in (10, 20, 30):
+        sim.feed(checkpoint(step))
+    d = sim.feed(spike(30))
+    assert kinds(d) == ["loss_spike", "rollback", "recovery_transition"]
+    rb = d.events[1].rollback
+    assert (rb.from_step, rb.to_step, rb.skip_batches) == (30, 20, 200)
+    sim.training_step = 31
+    d = sim.feed(m.Paused(step=31, restorable_step=31))
+    (rs,) = only(d.actions, m.Restore)
+    assert rs.step == 20 and {s for _, s in rs.sources} == {"storage"}
+    assert not only(d.actions, m.EvictNode)
+    sim.drive(set())
+    assert sim.state.phase == ev.PHASE_RUNNING and sim.state.step == 20
+    assert not sim.state.HasField("rollback_to")
+
+
+def test_loss_spike_without_an_earlier_checkpoint_fails_the_job() -> None:
+    sim = start(nodes=2)
+    d = sim.feed(spike(5))
+    assert d.phase == ev.PHASE_FAILED
+    assert "no checkpoint before it" in d.events[-1].job_finished.reason
+
+
+def test_operator_evict_and_diagnose() -> None:
+    sim = start(nodes=4, spares=1)
+    d = sim.feed(operator("evict", "n1"))
+    assert sim.state.bad_nodes == ["n1"] and d.phase == ev.PHASE_SUSPECTED
+    sim.drive(set())
+    assert "n1" not in sim.state.world.node_ids
+    assert sim.state.nodes["n1"].state == ev.NODE_STATE_EVICTED
+    sim.feed(operator("diagnose"))
+    sim.feed(m.Paused(step=1))
+    (run,) = only(m.pending_actions(sim.state, sim.policy), m.RunDiagnosis)
+    assert set(run.suspects) == set(sim.state.world.node_ids)
+    sim.drive(set())
+    assert sim.state.phase == ev.PHASE_RUNNING
+
+
+def test_restore_failures_are_retried_up_to_the_limit() -> None:
+    sim = start(m.Policy(max_restore_attempts=2), nodes=2)
+    sim.feed(crash("n0"))
+    sim.feed(m.Paused(step=4))
+    assert only(sim.decisions[-1].actions, m.Restore)[0].attempt == 1
+    sim.feed(restored(0, ok=False))
+    d = sim.feed(m.Paused(step=4))
+    assert only(d.actions, m.Restore)[0].attempt == 2
+    sim.feed(restored(0, ok=False))
+    d = sim.feed(m.Paused(step=4))
+    assert d.phase == ev.PHASE_FAILED and "max_restore_attempts" in d.events[-1].job_finished.reason
+
+
+def test_shrink_first_keeps_spares_in_reserve() -> None:
+    policy = m.Policy(reshape=m.Reshape.SHRINK_FIRST, min_nodes=2)
+    sim = start(policy, nodes=3, spares=1)
+    sim.feed(lost("n0"))
+    sim.drive(set())
+    assert list(sim.state.world.node_ids) == ["n1", "n2"]
+    assert sim.state.nodes["s0"].state == ev.NODE_STATE_SPARE
+    sim.feed(lost("n1"))  # now only a spare keeps the job at min_nodes
+    sim.drive(set())
+    assert list(sim.state.world.node_ids) == ["s0", "n2"]  # in n1's rank position
+
+
+def test_agent_restart_of_a_world_node_is_a_fault() -> None:
+    sim = start(nodes=2)
+    d = sim.feed(register("n1", 7))
+    assert d.phase == ev.PHASE_SUSPECTED and "restarted" in sim.state.incident_cause
+
+
+def test_stale_epoch_loss_is_ignored() -> None:
+    sim = start(nodes=2)
+    sim.feed(lost("n1", epoch=1))
+    sim.drive(set())
+    sim.feed(register("n1", 2))  # n1 is back with a new agent
+    sim.drive(set())
+    d = sim.feed(lost("n1", epoch=1))  # a late report about the old agent
+    assert d.phase == ev.PHASE_RUNNING and sim.state.nodes["n1"].state == ev.NODE_STATE_ACTIVE
+
+
+def test_settle_finishes_a_half_appended_decision() -> None:
+    sim = start(nodes=3, spares=1)
+    sim.feed(lost("n2"))
+    d = m.decide(sim.state, m.Paused(step=6, restorable_step=6), sim.policy)
+    sim.append(d.events[:2])  # the driver died after two of its events
+    assert sim.state.phase == ev.PHASE_DIAGNOSED
+    rest = m.settle(sim.state, sim.policy)
+    sim.append(rest.events)
+    assert sim.state.phase == d.phase and rest.actions == d.actions
+    # and a lost node that never got its reaction opens the incident on replay
+    sim.drive(set())
+    sim.append([lost("n0")])
+    assert m.settle(sim.state, sim.policy).phase == ev.PHASE_SUSPECTED
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("min_nodes", 0, "min_nodes"),
+        ("max_nodes", 0, "max_nodes"),
+        ("diagnose_kinds", frozenset({"node_lost"}), "diagnose_kinds"),
+        ("max_restore_attempts", 0, "max_restore_attempts"),
+        ("reshape", "spares", "reshape"),
+    ],
+)
+def test_policy_validation_names_the_field(field: str, value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        m.Policy(**{field: value})  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- exhaustive small cases
+FAULTS = {
+    "lost": lost,
+    "crash": crash,
+    "hang": hang,
+    "alert": alert,
+    "selfcheck": selfcheck,
+    "evict": lambda n: operator("evict", n),
+}
+WAYPOINTS = (ev.PHASE_SUSPECTED, ev.PHASE_PAUSED, ev.PHASE_RESTORING, ev.PHASE_RUNNING)
+
+
+def test_exhaustive_two_faults_at_every_phase_of_the_loop() -> None:
+    """Every fault x every second fault x every phase it can land in, on 3 nodes + 1 spare.
+
+    The second fault lands when the first incident reaches the given phase; both nodes
+    are truly bad when the fault is unclear. The machine must end RUNNING whenever a
+    layout can still be built, else FAILED (by the brute-force `feasible`).
+    """
+    nodes = ["n0", "n1", "n2", "s0"]
+    runs = 0
+    for (k1, f1), a, (k2, f2), b, when in itertools.product(
+        FAULTS.items(), nodes, FAULTS.items(), nodes, WAYPOINTS
+    ):
+        sim = start(m.Policy(min_nodes=1), nodes=3, spares=1)
+        sim.crash_checks = runs % 7 == 0  # the prefix checks on a deterministic sample
+        bad = {a, b}
+        sim.training_step = 11
+        sim.feed(f1(a))
+        for _ in range(12):
+            if sim.state.phase == when or sim.state.phase == ev.PHASE_FAILED:
+                break
+            sim.progress(bad)
+        sim.feed(f2(b))
+        sim.drive(bad)
+        runs += 1
+        end = sim.state
+        if end.phase == ev.PHASE_FAILED:
+            assert sim.failed_state is not None and not feasible(sim.failed_state, sim.policy)
+        else:
+            assert end.phase == ev.PHASE_RUNNING, (k1, a, k2, b, when)
+            assert not set(end.world.node_ids) & {
+                n for n, r in end.nodes.items() if r.state != ev.NODE_STATE_ACTIVE
+            }
+    assert runs == len(FAULTS) ** 2 * len(nodes) ** 2 * len(WAYPOINTS)
