@@ -1,0 +1,350 @@
+"""Persistence: the owner writes completed flash copies to durable storage via fsspec.
+
+A flash copy is only as safe as its node. The agent therefore streams every completed
+copy to storage in the background (any fsspec URL; a local directory by default),
+recomputes the checksum over the bytes it wrote, re-reads the file and verifies it, and
+reports each verified "rank shard persisted". `CommitTracker` (pure) turns a full set of
+reports, one per rank of the world, into a commit record that the driver appends as a
+`CheckpointCommitted` event; nothing is committed while any rank's shard is missing or
+unverified. Retention keeps the newest K committed steps.
+
+Reading the flash slot while the worker may overwrite it is optimistic: the manifest is
+read, the bytes streamed and checksummed, and the manifest re-read; if the slot changed
+the attempt is dropped (a newer copy will be persisted instead).
+
+File format, one file per rank and step (`{url}/step-{step:012d}/rank-{rank:05d}.ubf`):
+8-byte magic, 8-byte manifest length, the manifest (JSON with its own crc), the data.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import struct
+import threading
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import fsspec
+import structlog
+
+from unbroken.recovery.flash import (
+    CopyRef,
+    CorruptCopyError,
+    Manifest,
+    checksum,
+    list_copies,
+    new_hasher,
+    read_manifest,
+)
+
+log = structlog.get_logger(__name__)
+
+MAGIC = b"UBFLASH1"
+_HEADER = struct.Struct("<8sQ")
+STREAM_CHUNK = 16 << 20
+
+
+@dataclass(kw_only=True, slots=True)
+class PersistConfig:
+    """Where and how completed copies are persisted."""
+
+    url: str  # fsspec URL or local directory
+    keep: int = 3  # committed steps kept in storage
+    queue_size: int = 64  # pending persist requests; older requests are dropped when full
+    verify_readback: bool = True  # re-read each written file and check its checksum
+
+    def __post_init__(self) -> None:
+        if not self.url:
+            raise ValueError("PersistConfig.url must name a directory or fsspec URL")
+        if self.keep < 1:
+            raise ValueError(f"PersistConfig.keep must be >= 1, got {self.keep}")
+        if self.queue_size < 1:
+            raise ValueError(f"PersistConfig.queue_size must be >= 1, got {self.queue_size}")
+
+
+@dataclass(frozen=True, slots=True)
+class Persisted:
+    """One rank's shard of one step, written and verified."""
+
+    rank: int
+    step: int
+    uri: str
+    nbytes: int
+    checksum: int
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """Every rank's shard of `step` is persisted and verified: commit it."""
+
+    step: int
+    uri: str
+    nbytes: int
+    ranks: int
+    checksum: str  # crc32 over the ranks' data checksums in rank order, hex
+
+
+def step_dir(url: str, step: int) -> str:
+    """The directory holding every rank's file for `step`."""
+    return f"{url.rstrip('/')}/step-{step:012d}"
+
+
+def shard_uri(url: str, step: int, rank: int) -> str:
+    """The file of `rank` at `step`."""
+    return f"{step_dir(url, step)}/rank-{rank:05d}.ubf"
+
+
+def _fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    fs, path = fsspec.core.url_to_fs(url)
+    return fs, path
+
+
+def write_shard(ref: CopyRef, url: str, *, verify_readback: bool = True) -> Persisted:
+    """Stream one flash copy to storage and verify it.
+
+    Raises:
+        CorruptCopyError: the slot's bytes do not match its checksum, or the slot was
+            overwritten during the write (the partial file is removed), or the file read
+            back differs.
+    """
+    m = ref.manifest
+    uri = shard_uri(url, m.step, m.rank)
+    fs, path = _fs(uri)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    head = m.to_bytes()
+    tmp = path + ".partial"
+    hasher = new_hasher()
+    try:
+        with open(ref.data_path, "rb") as src, fs.open(tmp, "wb") as dst:
+            dst.write(_HEADER.pack(MAGIC, len(head)))
+            dst.write(head)
+            left = m.data_nbytes
+            while left:
+                chunk = src.read(min(STREAM_CHUNK, left))
+                if not chunk:
+                    raise CorruptCopyError(f"{ref.data_path} is shorter than its manifest")
+                hasher.update(chunk)
+                dst.write(chunk)
+                left -= len(chunk)
+        crc = hasher.intdigest()
+        if crc != m.checksum:
+            raise CorruptCopyError(f"{ref.data_path} step {m.step} fails its checksum")
+        if read_manifest(ref.rank_dir, ref.slot) != m:
+            raise CorruptCopyError(f"{ref.data_path} was overwritten while being persisted")
+        fs.mv(tmp, path)
+    except BaseException:
+        if fs.exists(tmp):
+            fs.rm(tmp)
+        raise
+    if verify_readback:
+        read_shard(uri, verify=True)
+    return Persisted(rank=m.rank, step=m.step, uri=uri, nbytes=m.data_nbytes, checksum=crc)
+
+
+def read_shard(uri: str, *, verify: bool = True) -> tuple[Manifest, memoryview]:
+    """Read and verify a persisted shard.
+
+    Raises:
+        CorruptCopyError: bad magic, truncated, or the checksum does not match.
+    """
+    fs, path = _fs(uri)
+    size = fs.size(path)
+    raw = bytearray(size)  # writable, so tensors can view it without a copy
+    with fs.open(path, "rb") as f:
+        got = f.readinto(raw)
+    if got != size:
+        raise CorruptCopyError(f"{uri} changed size while read ({got} of {size} bytes)")
+    if len(raw) < _HEADER.size:
+        raise CorruptCopyError(f"{uri} truncated: {len(raw)} bytes, no header")
+    magic, mlen = _HEADER.unpack_from(raw)
+    if magic != MAGIC:
+        raise CorruptCopyError(f"{uri} is not an unbroken shard (magic {magic!r})")
+    end = _HEADER.size + mlen
+    if len(raw) < end:
+        raise CorruptCopyError(f"{uri} truncated inside its manifest")
+    manifest = Manifest.from_bytes(bytes(raw[_HEADER.size : end]))
+    data = memoryview(raw)[end:]
+    if len(data) != manifest.data_nbytes:
+        raise CorruptCopyError(f"{uri} truncated: {len(data)} of {manifest.data_nbytes} data bytes")
+    if verify:
+        if checksum(data) != manifest.checksum:
+            raise CorruptCopyError(f"{uri} checksum mismatch (bit flip or partial write)")
+    return manifest, data
+
+
+def list_persisted(url: str) -> dict[int, dict[int, str]]:
+    """step -> rank -> uri of every complete (renamed) shard file under `url`."""
+    fs, root = _fs(url)
+    if not fs.exists(root):
+        return {}
+    out: dict[int, dict[int, str]] = {}
+    proto = url.split("://")[0] + "://" if "://" in url else ""
+    for d in fs.ls(root, detail=False):
+        name = os.path.basename(str(d).rstrip("/"))
+        if not name.startswith("step-"):
+            continue
+        step = int(name.removeprefix("step-"))
+        for f in fs.ls(d, detail=False):
+            fname = os.path.basename(str(f))
+            if fname.startswith("rank-") and fname.endswith(".ubf"):
+                rank = int(fname.removeprefix("rank-").removesuffix(".ubf"))
+                out.setdefault(step, {})[rank] = proto + str(f) if proto else str(f)
+    return out
+
+
+def apply_retention(url: str, committed: Iterable[int], keep: int) -> list[int]:
+    """Delete step directories older than the newest `keep` committed steps.
+
+    Uncommitted steps newer than the newest kept commit are in flight and stay.
+
+    Returns:
+        The steps deleted.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    kept = sorted(set(committed))[-keep:]
+    if not kept:
+        return []
+    fs, _ = _fs(url)
+    deleted = []
+    for step in sorted(list_persisted(url)):
+        if step not in kept and step < kept[-1]:
+            _, path = _fs(step_dir(url, step))
+            fs.rm(path, recursive=True)
+            deleted.append(step)
+    return deleted
+
+
+def discard_after(url: str, step: int) -> list[int]:
+    """Delete persisted steps after `step` (after a rollback: a dead timeline).
+
+    Must run before the new timeline persists those step numbers again, so one step's
+    directory never mixes ranks from two timelines.
+    """
+    fs, _ = _fs(url)
+    gone = []
+    for s in sorted(list_persisted(url)):
+        if s > step:
+            fs.rm(_fs(step_dir(url, s))[1], recursive=True)
+            gone.append(s)
+    return gone
+
+
+@dataclass(slots=True)
+class CommitTracker:
+    """Pure bookkeeping: commit a step once every rank's shard is persisted and verified."""
+
+    world_size: int
+    url: str
+    max_pending: int = 16  # incomplete steps remembered; the oldest is forgotten first
+    _reports: dict[int, dict[int, Persisted]] = field(default_factory=dict)
+    committed: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"CommitTracker.world_size must be >= 1, got {self.world_size}")
+        if self.max_pending < 1:
+            raise ValueError(f"CommitTracker.max_pending must be >= 1, got {self.max_pending}")
+
+    def rollback(self, to_step: int) -> None:
+        """Forget commits and reports after `to_step`: those step numbers will recur."""
+        self.committed = [s for s in self.committed if s <= to_step]
+        for s in [s for s in self._reports if s > to_step]:
+            del self._reports[s]
+
+    def record(self, p: Persisted) -> Commit | None:
+        """Record one report; returns the commit when it completes its step."""
+        if not 0 <= p.rank < self.world_size:
+            raise ValueError(f"rank {p.rank} outside world of {self.world_size}")
+        if self.committed and p.step <= self.committed[-1]:
+            return None  # already committed, or older than the newest commit
+        by_rank = self._reports.setdefault(p.step, {})
+        by_rank[p.rank] = p
+        if len(by_rank) < self.world_size:
+            while len(self._reports) > self.max_pending:
+                del self._reports[min(self._reports)]
+            return None
+        del self._reports[p.step]
+        self.committed.append(p.step)
+        del self.committed[: -self.max_pending]
+        # Older incomplete steps can no longer become the newest commit: forget them.
+        for s in [s for s in self._reports if s < p.step]:
+            del self._reports[s]
+        crc = 0
+        for r in range(self.world_size):
+            crc = zlib.crc32(by_rank[r].checksum.to_bytes(8, "little"), crc)
+        return Commit(
+            step=p.step,
+            uri=step_dir(self.url, p.step),
+            nbytes=sum(x.nbytes for x in by_rank.values()),
+            ranks=self.world_size,
+            checksum=f"{crc:08x}",
+        )
+
+
+class Persister:
+    """The agent's background persister: a bounded queue and one thread.
+
+    `submit(rank_dir)` after a worker reports a completed save; the newest copy of that
+    rank is persisted if it is not yet. `on_persisted` is called from the thread.
+    """
+
+    def __init__(
+        self,
+        config: PersistConfig,
+        on_persisted: Callable[[Persisted], None],
+        on_error: Callable[[Path, Exception], None] | None = None,
+    ) -> None:
+        self.config = config
+        self._on_persisted = on_persisted
+        self._on_error = on_error
+        self._queue: queue.Queue[Path | None] = queue.Queue(maxsize=config.queue_size)
+        self._done: dict[str, int] = {}  # rank_dir -> generation persisted last
+        self._thread = threading.Thread(target=self._run, name="flash-persist", daemon=True)
+        self._thread.start()
+
+    def submit(self, rank_dir: Path) -> bool:
+        """Queue `rank_dir`'s newest copy; False (and dropped) when the queue is full."""
+        try:
+            self._queue.put_nowait(Path(rank_dir))
+            return True
+        except queue.Full:
+            log.warning("persist.queue_full", rank_dir=str(rank_dir))
+            return False
+
+    def persist_now(self, rank_dir: Path) -> Persisted | None:
+        """Persist the newest copy of `rank_dir` in the caller's thread."""
+        refs = list_copies(Path(rank_dir))
+        if not refs:
+            return None
+        ref = refs[0]
+        if self._done.get(str(ref.rank_dir)) == ref.manifest.generation:
+            return None
+        p = write_shard(ref, self.config.url, verify_readback=self.config.verify_readback)
+        self._done[str(ref.rank_dir)] = ref.manifest.generation
+        log.info("persist.done", rank=p.rank, step=p.step, bytes=p.nbytes, uri=p.uri)
+        return p
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                p = self.persist_now(item)
+                if p is not None:
+                    self._on_persisted(p)
+            except Exception as e:  # background loop: log, report, continue
+                log.warning("persist.failed", rank_dir=str(item), error=str(e))
+                if self._on_error is not None:
+                    self._on_error(item, e)
+
+    def close(self, timeout_s: float = 600.0) -> None:
+        """Finish queued work and stop the thread."""
+        self._queue.put(None, timeout=timeout_s)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"persister did not finish within {timeout_s} s")

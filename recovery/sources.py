@@ -1,0 +1,145 @@
+"""Where shards can be restored from: survey the sources, open one verified, fall back.
+
+The thin shell around the pure `restore.decide`: `survey` lists what each rank's memory
+(its node's flash store), the buddy's replica store and storage hold, reading manifests
+only; `ShardSource.open` maps or reads the bytes and verifies them against the checksum;
+`obtain` opens the best source of one rank's step and, when a copy turns out truncated or
+bit-flipped, records it as corrupt and falls back to the next source. A corrupt copy is
+never handed to a caller.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from unbroken.recovery.flash import CopyRef, CorruptCopyError, Manifest, list_copies, read_copy
+from unbroken.recovery.persist import list_persisted, read_shard
+from unbroken.recovery.restore import Availability, Source
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSource:
+    """One rank's shard of one step in one place."""
+
+    kind: Source
+    rank: int
+    step: int
+    ref: CopyRef | None = None  # memory and buddy copies
+    uri: str | None = None  # storage files
+
+    def manifest(self) -> Manifest:
+        """The manifest (memory/buddy: from the slot; storage: read with the file)."""
+        if self.ref is not None:
+            return self.ref.manifest
+        assert self.uri is not None
+        return read_shard(self.uri, verify=False)[0]
+
+    def open(self) -> tuple[Manifest, mmap.mmap | memoryview]:
+        """The verified manifest and data.
+
+        Raises:
+            CorruptCopyError: the copy fails its checksum or is truncated or gone.
+        """
+        if self.ref is not None:
+            return self.ref.manifest, read_copy(self.ref)
+        assert self.uri is not None
+        return read_shard(self.uri, verify=True)
+
+
+@dataclass(slots=True)
+class Survey:
+    """What every rank can obtain, and where each (rank, source, step) lives."""
+
+    shards: dict[tuple[int, Source, int], ShardSource]
+    corrupt: set[tuple[int, Source, int]]
+
+    def availability(self, ranks: Iterable[int]) -> dict[int, Availability]:
+        """The input of `restore.decide` for `ranks`."""
+        out = {}
+        for r in ranks:
+            steps: dict[Source, set[int]] = {s: set() for s in Source}
+            for rank, src, step in self.shards:
+                if rank == r:
+                    steps[src].add(step)
+            bad = frozenset((src, step) for rank, src, step in self.corrupt if rank == r)
+            out[r] = Availability(
+                frozenset(steps[Source.MEMORY]),
+                frozenset(steps[Source.BUDDY]),
+                frozenset(steps[Source.STORAGE]),
+                bad,
+            )
+        return out
+
+    def candidates(self, rank: int, step: int) -> list[ShardSource]:
+        """Usable sources of `rank`'s `step`, best first."""
+        return [
+            self.shards[(rank, src, step)]
+            for src in Source
+            if (rank, src, step) in self.shards and (rank, src, step) not in self.corrupt
+        ]
+
+
+def survey(
+    *,
+    memory: Mapping[int, Path] | None = None,
+    buddy: Mapping[int, Path] | None = None,
+    storage_url: str | None = None,
+) -> Survey:
+    """List every copy by manifest (no data is read).
+
+    Args:
+        memory: rank -> its slot directory in its node's flash store.
+        buddy: rank -> its slot directory in the buddy's replica store.
+        storage_url: the persistence URL.
+    """
+    shards: dict[tuple[int, Source, int], ShardSource] = {}
+    for kind, dirs in ((Source.MEMORY, memory or {}), (Source.BUDDY, buddy or {})):
+        for rank, d in dirs.items():
+            for ref in list_copies(Path(d)):
+                key = (rank, kind, ref.manifest.step)
+                shards.setdefault(key, ShardSource(kind, rank, ref.manifest.step, ref=ref))
+    if storage_url:
+        for step, by_rank in list_persisted(storage_url).items():
+            for rank, uri in by_rank.items():
+                shards[(rank, Source.STORAGE, step)] = ShardSource(
+                    Source.STORAGE, rank, step, uri=uri
+                )
+    return Survey(shards, set())
+
+
+def obtain(
+    survey: Survey, rank: int, step: int
+) -> tuple[ShardSource, Manifest, mmap.mmap | memoryview]:
+    """Open `rank`'s `step` from its best source, falling back past corrupt copies.
+
+    Corrupt copies are added to `survey.corrupt`, so a following `decide` avoids them.
+
+    Raises:
+        CorruptCopyError: every source of this shard is corrupt or missing.
+    """
+    errors = []
+    for src in survey.candidates(rank, step):
+        try:
+            manifest, data = src.open()
+        except CorruptCopyError as e:
+            log.warning(
+                "restore.corrupt_copy", rank=rank, step=step, source=src.kind.label, error=str(e)
+            )
+            survey.corrupt.add((rank, src.kind, step))
+            errors.append(f"{src.kind.label}: {e}")
+            continue
+        if manifest.rank != rank or manifest.step != step:
+            survey.corrupt.add((rank, src.kind, step))
+            errors.append(f"{src.kind.label}: holds rank {manifest.rank} step {manifest.step}")
+            continue
+        return src, manifest, data
+    raise CorruptCopyError(
+        f"no intact copy of rank {rank} step {step}: " + ("; ".join(errors) or "no source")
+    )

@@ -1,0 +1,195 @@
+"""Loss spikes: detect them over a robust moving baseline, decide rollback and skip. Pure.
+
+A spike is a loss above the median of the last `window` accepted losses by more than
+`factor` robust standard deviations (1.4826 x MAD, floored at `min_rel_spread` of the
+median so a flat loss curve does not turn noise into spikes), or a NaN/inf loss. Spiking
+losses never enter the baseline. The policy then picks the newest checkpoint taken
+*before* the spiking step (the state after that step already contains the bad update)
+and the batches to skip around it (PaLM skipped 200-500), and refuses to loop forever:
+after `max_rollbacks` rollbacks within `rollback_window_steps` it asks for a halt.
+
+The detector and policy return decisions; the driver turns them into `LossSpike` and
+`Rollback` events (proto/events.proto) and the trainer skips the batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from statistics import median
+
+from unbroken.proto import events_pb2 as ev
+
+MAD_TO_SIGMA = 1.4826
+
+
+@dataclass(kw_only=True, slots=True)
+class SpikeConfig:
+    """Detector and policy settings."""
+
+    window: int = 100  # accepted losses in the baseline
+    min_history: int = 10  # no spike is called before this many accepted losses
+    factor: float = 6.0  # robust sigmas above the median
+    min_rel_spread: float = 0.01  # spread floor, as a fraction of |median|
+    skip_before: int = 0  # batches before the spiking one to skip
+    skip_after: int = 200  # batches from the spiking one on to skip
+    min_checkpoint_gap: int = 0  # the rollback target is at least this many steps before
+    max_rollbacks: int = 3
+    rollback_window_steps: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.window < 3:
+            raise ValueError(f"SpikeConfig.window must be >= 3, got {self.window}")
+        if not 1 <= self.min_history <= self.window:
+            raise ValueError(
+                f"SpikeConfig.min_history must be in [1, window={self.window}], got "
+                f"{self.min_history}"
+            )
+        if not self.factor > 0:
+            raise ValueError(f"SpikeConfig.factor must be > 0, got {self.factor}")
+        if self.min_rel_spread < 0:
+            raise ValueError(f"SpikeConfig.min_rel_spread must be >= 0, got {self.min_rel_spread}")
+        for name in ("skip_before", "skip_after", "min_checkpoint_gap", "max_rollbacks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SpikeConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.rollback_window_steps < 1:
+            raise ValueError(
+                f"SpikeConfig.rollback_window_steps must be >= 1, got {self.rollback_window_steps}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Spike:
+    """A detected spike; maps onto the `LossSpike` event."""
+
+    step: int
+    loss: float
+    baseline: float  # median of the window
+    threshold: float
+    factor: float
+    non_finite: bool
+
+    def to_event(self) -> ev.LossSpike:
+        """The `LossSpike` payload the driver appends."""
+        return ev.LossSpike(
+            step=self.step,
+            loss=self.loss,
+            baseline=self.baseline,
+            factor=self.factor,
+            non_finite=self.non_finite,
+        )
+
+
+@dataclass(slots=True)
+class SpikeDetector:
+    """Feeds on (step, loss) and reports spikes."""
+
+    config: SpikeConfig
+    _window: deque[float] = field(default_factory=deque)
+
+    def baseline(self) -> tuple[float, float] | None:
+        """(median, threshold) of the current window, or None before `min_history`."""
+        if len(self._window) < self.config.min_history:
+            return None
+        xs = list(self._window)
+        med = median(xs)
+        mad = median(abs(x - med) for x in xs)
+        spread = max(MAD_TO_SIGMA * mad, self.config.min_rel_spread * abs(med))
+        return med, med + self.config.factor * spread
+
+    def observe(self, step: int, loss: float) -> Spike | None:
+        """Judge one loss; accepted losses extend the baseline, spikes do not."""
+        base = self.baseline()
+        if not math.isfinite(loss):
+            med = base[0] if base else math.nan
+            thr = base[1] if base else math.nan
+            return Spike(step, loss, med, thr, self.config.factor, True)
+        if base is not None and loss > base[1]:
+            return Spike(step, loss, base[0], base[1], self.config.factor, False)
+        self._window.append(loss)
+        if len(self._window) > self.config.window:
+            self._window.popleft()
+        return None
+
+    def reset(self) -> None:
+        """Forget the baseline (e.g. after a change of learning-rate schedule)."""
+        self._window.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class RollbackDecision:
+    """Maps onto the `Rollback` event; `halt` means stop and call a human."""
+
+    from_step: int
+    to_step: int
+    skip_first: int  # first batch index to skip (batch i is consumed by step i)
+    skip_last: int  # last batch index to skip, inclusive
+    reason: str
+    halt: bool = False
+
+    @property
+    def skip_batches(self) -> int:
+        """How many batches are skipped."""
+        return max(0, self.skip_last - self.skip_first + 1)
+
+    def skips(self, batch: int) -> bool:
+        """Whether the data loader must skip batch index `batch`."""
+        return self.skip_first <= batch <= self.skip_last
+
+    def to_event(self) -> ev.Rollback:
+        """The `Rollback` payload the driver appends (not for a halt)."""
+        assert not self.halt, "a halt is not a rollback"
+        return ev.Rollback(
+            from_step=self.from_step,
+            to_step=self.to_step,
+            skip_batches=self.skip_batches,
+            reason=self.reason,
+        )
+
+
+@dataclass(slots=True)
+class RollbackPolicy:
+    """Decides where to roll back to after a spike, and which batches to skip."""
+
+    config: SpikeConfig
+    _history: list[int] = field(default_factory=list)  # spike steps that caused rollbacks
+
+    def decide(self, spike: Spike, checkpoints: Sequence[int]) -> RollbackDecision:
+        """The rollback for `spike`, given the committed/available checkpoint steps.
+
+        Step `s`'s checkpoint holds the state after batch `s` was applied; batch
+        `spike.step` produced the spike, so the newest usable checkpoint is the newest
+        step `<= spike.step - 1 - min_checkpoint_gap`.
+        """
+        cfg = self.config
+        reason = (
+            f"non-finite loss {spike.loss} at step {spike.step}"
+            if spike.non_finite
+            else f"loss {spike.loss:.6g} > {spike.threshold:.6g} (median {spike.baseline:.6g}, "
+            f"{cfg.factor} robust sigmas) at step {spike.step}"
+        )
+        limit = spike.step - 1 - cfg.min_checkpoint_gap
+        usable = [c for c in checkpoints if c <= limit]
+        recent = [s for s in self._history if spike.step - s < cfg.rollback_window_steps]
+        if not usable:
+            return RollbackDecision(
+                spike.step, spike.step, 0, -1, reason + "; no checkpoint before it", halt=True
+            )
+        if len(recent) >= cfg.max_rollbacks:
+            return RollbackDecision(
+                spike.step,
+                spike.step,
+                0,
+                -1,
+                reason + f"; {len(recent)} rollbacks within {cfg.rollback_window_steps} steps",
+                halt=True,
+            )
+        target = max(usable)
+        self._history.append(spike.step)
+        first = max(target + 1, spike.step - cfg.skip_before)
+        last = spike.step + cfg.skip_after - 1 if cfg.skip_after else spike.step - 1
+        if cfg.skip_before == 0 and cfg.skip_after == 0:
+            first, last = 0, -1
+        return RollbackDecision(spike.step, target, first, last, reason)

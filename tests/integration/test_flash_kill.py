@@ -1,0 +1,134 @@
+"""A worker SIGKILLed mid-save restores from its agent's shared memory and continues exactly.
+
+Real processes: the test (standing in for the agent) owns the flash store; a worker
+process trains a small model with dropout (so the RNG state matters), flash-saves after
+every step, and SIGKILLs itself in the middle of copying step 4. The owner then finds
+step 3 intact and step 4 invalid; a restarted worker restores step 3 from memory,
+resumes at step 4, and its losses equal an uninterrupted run's exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+STEPS = 8
+KILL_AT = 4
+REPO = Path(__file__).resolve().parents[2]
+
+
+def worker_main(root: str, out: str, kill_at: int, restore: bool) -> None:
+    """One training worker (run in a subprocess)."""
+    import torch
+
+    from unbroken.recovery.flash import FlashConfig, FlashOwner, FlashWriter
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.Dropout(0.2), torch.nn.ReLU(), torch.nn.Linear(32, 1)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.zeros(1, 16)).sum().backward()  # materialise AdamW state for an in-place load
+    opt.step()
+    opt.zero_grad()
+    torch.manual_seed(1)
+    current = {"step": 0}
+
+    def hook(i: int) -> None:
+        if current["step"] == kill_at and i == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    # The provider would be the agent over its hook socket; here the same files directly.
+    writer = FlashWriter(0, FlashOwner(FlashConfig(root=root, job="kill")), progress_hook=hook)
+
+    def state() -> dict[str, object]:
+        return {
+            "model": model.state_dict(),
+            "optim": opt.state_dict(),
+            "data": {"step": current["step"]},
+            "rng": torch.get_rng_state(),
+        }
+
+    start = 0
+    if restore:
+        sd = state()
+        manifest = writer.load(sd)
+        model.load_state_dict(sd["model"])  # type: ignore[arg-type]
+        opt.load_state_dict(sd["optim"])  # type: ignore[arg-type]
+        torch.set_rng_state(sd["rng"])  # type: ignore[arg-type]
+        start = sd["data"]["step"]  # type: ignore[index]
+        assert start == manifest.step
+    losses = {}
+    for step in range(start + 1, STEPS + 1):
+        g = torch.Generator().manual_seed(step)  # deterministic data by position
+        x, y = torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses[step] = loss.item()
+        Path(out).write_text(json.dumps(losses))
+        current["step"] = step
+        writer.save(state(), step)  # the checksum/manifest finish in the background
+    writer.close()
+
+
+def _spawn(root: str, out: Path, kill_at: int, restore: bool) -> subprocess.CompletedProcess[str]:
+    code = (
+        "import sys; from tests.integration.test_flash_kill import worker_main; "
+        "worker_main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == '1')"
+    )
+    args = [sys.executable, "-c", code, root, str(out), str(kill_at), "1" if restore else "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def shm() -> Iterator[str]:
+    root = tempfile.mkdtemp(prefix="ub-kill-", dir="/dev/shm")
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_sigkilled_worker_restores_from_memory_and_matches_exactly(
+    shm: str, tmp_path: Path
+) -> None:
+    from unbroken.recovery.flash import FlashConfig, FlashOwner
+
+    ref_root = tempfile.mkdtemp(prefix="ub-kill-ref-", dir="/dev/shm")
+    try:  # the uninterrupted reference run needs no process of its own
+        worker_main(ref_root, str(tmp_path / "ref.json"), kill_at=-1, restore=False)
+    finally:
+        shutil.rmtree(ref_root, ignore_errors=True)
+    reference = json.loads((tmp_path / "ref.json").read_text())
+
+    killed = _spawn(shm, tmp_path / "killed.json", kill_at=KILL_AT, restore=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+
+    owner = FlashOwner(FlashConfig(root=shm, job="kill"))
+    copies = owner.copies()[0]
+    # The step being copied when the worker died has no manifest; the previous one is
+    # intact, and both slots' memory outlived the process.
+    assert [c.manifest.step for c in copies] == [KILL_AT - 1]
+    assert all((owner.rank_dir(0) / f"slot-{s}.data").exists() for s in (0, 1))
+
+    restarted = _spawn(shm, tmp_path / "restarted.json", kill_at=-1, restore=True)
+    assert restarted.returncode == 0, restarted.stderr
+    resumed = json.loads((tmp_path / "restarted.json").read_text())
+    assert sorted(int(s) for s in resumed) == list(range(KILL_AT, STEPS + 1))
+    for step, loss in resumed.items():
+        assert loss == reference[step], (step, loss, reference[step])

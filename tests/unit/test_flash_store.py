@@ -1,0 +1,370 @@
+"""Flash store: save/load, double buffering, corruption, persistence, source fallback."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from unbroken.recovery.flash import (
+    CorruptCopyError,
+    FlashConfig,
+    FlashOwner,
+    FlashWriter,
+    NoCopyError,
+    ShmTooSmallError,
+    find_copy,
+    list_copies,
+    read_copy,
+    write_raw_copy,
+)
+from unbroken.recovery.persist import (
+    CommitTracker,
+    PersistConfig,
+    Persisted,
+    Persister,
+    apply_retention,
+    discard_after,
+    list_persisted,
+    read_shard,
+    write_shard,
+)
+from unbroken.recovery.reshard import load_resharded
+from unbroken.recovery.restore import Source, decide
+from unbroken.recovery.sources import obtain, survey
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def owner() -> Iterator[FlashOwner]:
+    root = tempfile.mkdtemp(prefix="ub-test-", dir="/dev/shm")
+    own = FlashOwner(FlashConfig(root=root, job="t"))
+    try:
+        yield own
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {
+            "w": torch.randn(16, 8, generator=g),
+            "b16": torch.randn(5, generator=g).to(torch.bfloat16),
+            "i": torch.randint(0, 100, (3, 3), generator=g),
+            "empty": torch.empty(0, 4),
+            "scalar": torch.tensor(float(seed)),
+        },
+        "optim": {"param_groups": [{"lr": 0.1 * seed, "params": [0, 1]}]},
+        "data": {"position": seed * 10, "epoch": 1},
+        "rng": torch.get_rng_state(),
+    }
+
+
+def _zeros_like(sd: dict[str, Any]) -> dict[str, Any]:
+    def z(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return torch.zeros_like(v)
+        if isinstance(v, dict):
+            return {k: z(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [z(x) for x in v]
+        return None
+
+    return z(sd)
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], dict):
+            _assert_same(a[k], b[k])
+        elif isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+def test_save_load_roundtrip_keeps_dtypes_and_values(owner: FlashOwner) -> None:
+    w = FlashWriter(0, owner)
+    sd = _state(3)
+    m = w.save(sd, step=7, meta={"dp": 1}).wait()
+    assert (m.step, m.rank, m.meta["dp"]) == (7, 0, 1)
+    target = _zeros_like(sd)
+    assert w.load(target).step == 7
+    _assert_same(sd, target)
+    w.close()
+
+
+def test_double_buffer_keeps_previous_copy_and_alternates_slots(owner: FlashOwner) -> None:
+    w = FlashWriter(0, owner)
+    slots = []
+    for step in (1, 2, 3):
+        w.save(_state(step), step).wait()
+        slots.append(owner.newest(0).slot)  # type: ignore[union-attr]
+    assert slots == [0, 1, 0]
+    assert [r.manifest.step for r in list_copies(owner.rank_dir(0))] == [3, 2]
+    target = _zeros_like(_state(0))
+    w.load(target, step=2)
+    _assert_same(_state(2), target)
+    w.close()
+
+
+def test_crash_mid_copy_leaves_last_complete_copy(owner: FlashOwner) -> None:
+    FlashWriter(0, owner).save(_state(1), 1).wait()
+
+    class Crash(Exception):
+        pass
+
+    def crash(i: int) -> None:
+        if i == 2:
+            raise Crash
+
+    w = FlashWriter(0, owner, progress_hook=crash)
+    with pytest.raises(Crash):
+        w.save(_state(2), 2)
+    refs = list_copies(owner.rank_dir(0))
+    assert [r.manifest.step for r in refs] == [1]
+    target = _zeros_like(_state(0))
+    FlashWriter(0, owner).load(target)
+    _assert_same(_state(1), target)
+
+
+def test_too_small_shm_says_how_much_is_needed(owner: FlashOwner) -> None:
+    small = FlashOwner(FlashConfig(root=str(owner.job_dir.parent), job="t", headroom_bytes=1 << 50))
+    with pytest.raises(ShmTooSmallError, match=r"needs .* GiB more .*--shm-size"):
+        FlashWriter(0, small).save(_state(1), 1)
+
+
+def test_bit_flip_and_truncation_are_caught(owner: FlashOwner) -> None:
+    w = FlashWriter(0, owner)
+    w.save(_state(1), 1).wait()
+    w.close()
+    ref = find_copy(owner.rank_dir(0))
+    with open(ref.data_path, "r+b") as f:
+        f.seek(10)
+        byte = f.read(1)
+        f.seek(10)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(CorruptCopyError, match="checksum"):
+        read_copy(ref)
+    with pytest.raises(CorruptCopyError):
+        FlashWriter(0, owner).load(_zeros_like(_state(0)))
+    with open(ref.data_path, "r+b") as f:
+        f.truncate(ref.manifest.data_nbytes // 2)
+    with pytest.raises(CorruptCopyError, match="truncated"):
+        read_copy(ref)
+
+
+def test_damaged_manifest_means_no_copy(owner: FlashOwner) -> None:
+    FlashWriter(0, owner).save(_state(1), 1).wait()
+    mpath = owner.rank_dir(0) / "slot-0.manifest"
+    mpath.write_bytes(mpath.read_bytes()[:-3] + b"bad")
+    with pytest.raises(NoCopyError):
+        find_copy(owner.rank_dir(0))
+
+
+def test_owner_lists_discards_and_cleans(owner: FlashOwner) -> None:
+    for rank in (0, 1):
+        w = FlashWriter(rank, owner)
+        for step in (4, 5):
+            w.save(_state(step), step).wait()
+        w.close()
+    assert owner.ranks() == [0, 1]
+    assert {r: [c.manifest.step for c in cs] for r, cs in owner.copies().items()} == {
+        0: [5, 4],
+        1: [5, 4],
+    }
+    assert owner.used_bytes() > 0
+    assert owner.discard_newer_than(4) == 2
+    assert owner.newest(0).manifest.step == 4  # type: ignore[union-attr]
+    owner.delete_rank(1)
+    assert owner.ranks() == [0]
+    owner.cleanup()
+    assert not owner.job_dir.exists()
+
+
+def test_writer_generation_survives_restart(owner: FlashOwner) -> None:
+    FlashWriter(0, owner).save(_state(1), 1).wait()
+    w2 = FlashWriter(0, owner)  # a restarted worker
+    w2.save(_state(2), 2).wait()
+    assert owner.newest(0).manifest.step == 2  # type: ignore[union-attr]
+    w2.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"root": ""}, "root"), ({"job": "a/b"}, "job"), ({"headroom_bytes": -1}, "headroom")],
+)
+def test_flash_config_validation(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        FlashConfig(**kwargs)
+
+
+# ---------------------------------------------------------------- persistence
+
+
+def test_persist_verify_commit_and_retention(owner: FlashOwner, tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    tracker = CommitTracker(world_size=2, url=url)
+    commits = []
+    for step in (1, 2, 3, 4):
+        for rank in (0, 1):
+            FlashWriter(rank, owner).save(_state(step + rank), step).wait()
+            p = write_shard(owner.newest(rank), url)  # type: ignore[arg-type]
+            c = tracker.record(p)
+            assert (c is None) == (rank == 0)  # only the last rank's report commits
+            if c is not None:
+                commits.append(c)
+    assert [c.step for c in commits] == [1, 2, 3, 4]
+    assert commits[0].ranks == 2 and len(commits[0].checksum) == 8
+    manifest, _ = read_shard(list_persisted(url)[4][1])
+    assert (manifest.step, manifest.rank) == (4, 1)
+    assert apply_retention(url, tracker.committed, keep=2) == [1, 2]
+    assert sorted(list_persisted(url)) == [3, 4]
+
+
+def test_uncommitted_step_is_not_committed_and_not_deleted(tmp_path: Path) -> None:
+    tr = CommitTracker(world_size=3, url=str(tmp_path))
+    for r in (0, 1):
+        assert tr.record(Persisted(rank=r, step=9, uri="u", nbytes=1, checksum=r)) is None
+    assert tr.committed == []
+    with pytest.raises(ValueError, match="outside world"):
+        tr.record(Persisted(rank=3, step=9, uri="u", nbytes=1, checksum=0))
+
+
+def test_persisted_truncation_and_bit_flip_are_detected(owner: FlashOwner, tmp_path: Path) -> None:
+    FlashWriter(0, owner).save(_state(1), 1).wait()
+    p = write_shard(owner.newest(0), str(tmp_path))  # type: ignore[arg-type]
+    path = Path(p.uri)
+    raw = path.read_bytes()
+    path.write_bytes(raw[:-5])
+    with pytest.raises(CorruptCopyError, match="truncated"):
+        read_shard(p.uri)
+    flipped = bytearray(raw)
+    flipped[-20] ^= 0x04
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(CorruptCopyError, match="checksum"):
+        read_shard(p.uri)
+
+
+def test_background_persister_reports_each_new_copy_once(owner: FlashOwner, tmp_path: Path) -> None:
+    got: list[Persisted] = []
+    pers = Persister(PersistConfig(url=str(tmp_path), keep=2), got.append)
+    w = FlashWriter(0, owner)
+    w.save(_state(1), 1).wait()
+    pers.submit(owner.rank_dir(0))
+    pers.submit(owner.rank_dir(0))  # same copy: persisted once
+    deadline = time.monotonic() + 30
+    while len(got) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    w.save(_state(2), 2).wait()
+    pers.submit(owner.rank_dir(0))
+    pers.close(timeout_s=60)
+    w.close()
+    assert [(p.rank, p.step) for p in got] == [(0, 1), (0, 2)]
+
+
+def test_persist_config_validation() -> None:
+    with pytest.raises(ValueError, match="keep"):
+        PersistConfig(url="x", keep=0)
+
+
+# ---------------------------------------------------------------- restore with fallback
+
+
+def test_corrupt_memory_falls_back_to_buddy_then_storage(owner: FlashOwner, tmp_path: Path) -> None:
+    sd = _state(5)
+    w = FlashWriter(0, owner)
+    w.save(sd, 5).wait()
+    w.close()
+    ref = owner.newest(0)
+    assert ref is not None
+    buddy_dir = owner.rank_dir(0, "replica-nodeA")
+    with open(ref.data_path, "rb") as f:
+        write_raw_copy(buddy_dir, ref.manifest, f.read(ref.manifest.data_nbytes))
+    write_shard(ref, str(tmp_path))
+    # damage memory and buddy: the restore must come from storage, intact
+    for path in (ref.data_path, find_copy(buddy_dir).data_path):
+        with open(path, "r+b") as f:
+            f.write(b"\xff\xff\xff\xff")
+    sv = survey(memory={0: owner.rank_dir(0)}, buddy={0: buddy_dir}, storage_url=str(tmp_path))
+    plan = decide(sv.availability([0]))
+    assert plan.source_by_rank[0] is Source.MEMORY  # manifests alone look fine
+    src, _, _ = obtain(sv, 0, plan.step)
+    assert src.kind is Source.STORAGE
+    assert {(s, st) for _, s, st in sv.corrupt} == {(Source.MEMORY, 5), (Source.BUDDY, 5)}
+    assert decide(sv.availability([0])).source_by_rank[0] is Source.STORAGE
+    target = _zeros_like(sd)
+    load_resharded(target, [src])
+    _assert_same(sd, target)
+
+
+def test_all_sources_corrupt_is_an_error(owner: FlashOwner) -> None:
+    FlashWriter(0, owner).save(_state(1), 1).wait()
+    ref = owner.newest(0)
+    assert ref is not None
+    with open(ref.data_path, "r+b") as f:
+        f.write(b"\x00\x01\x02\x03\x04")
+    sv = survey(memory={0: owner.rank_dir(0)})
+    with pytest.raises(CorruptCopyError, match="no intact copy of rank 0 step 1"):
+        obtain(sv, 0, 1)
+
+
+class _Counter:
+    """A DCP `Stateful`, like the trainer: saved through its state dict."""
+
+    def __init__(self, value: float) -> None:
+        self.t = torch.full((4,), value)
+        self.pos = int(value)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"t": self.t, "pos": self.pos}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.t.copy_(sd["t"])
+        self.pos = sd["pos"]
+
+
+def test_stateful_objects_save_and_load_like_dcp(owner: FlashOwner) -> None:
+    w = FlashWriter(0, owner)
+    w.save({"trainer": _Counter(3.0)}, 1).wait()  # type: ignore[union-attr]
+    fresh = _Counter(0.0)
+    w.load({"trainer": fresh})
+    assert fresh.pos == 3 and torch.equal(fresh.t, torch.full((4,), 3.0))
+    w.close()
+
+
+def test_rollback_forgets_the_dead_timeline(owner: FlashOwner, tmp_path: Path) -> None:
+    url = str(tmp_path)
+    tr = CommitTracker(world_size=1, url=url)
+    w = FlashWriter(0, owner)
+    for step in (1, 2, 3):
+        w.save(_state(step), step).wait()  # type: ignore[union-attr]
+        assert tr.record(write_shard(owner.newest(0), url)) is not None  # type: ignore[arg-type]
+    assert discard_after(url, 1) == [2, 3]
+    tr.rollback(1)
+    owner.discard_newer_than(1)
+    w.save(_state(20), 2).wait()  # type: ignore[union-attr]
+    c = tr.record(write_shard(owner.newest(0), url))  # type: ignore[arg-type]
+    assert c is not None and c.step == 2 and tr.committed == [1, 2]
+    w.close()
+
+
+def test_prepare_sizes_both_slots_before_the_first_save(owner: FlashOwner) -> None:
+    w = FlashWriter(0, owner)
+    sd = _state(1)
+    nbytes = w.prepare(sd)
+    assert nbytes >= 16 * 8 * 4 + 5 * 2 + 9 * 8 + 4
+    for slot in (0, 1):
+        assert (owner.rank_dir(0) / f"slot-{slot}.data").stat().st_size >= nbytes
+    assert list_copies(owner.rank_dir(0)) == []  # sized, but no copy yet
+    w.save(sd, 1).wait()  # type: ignore[union-attr]
+    w.close()

@@ -1,0 +1,143 @@
+"""Loss-spike detection and the rollback/skip policy."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unbroken.recovery.spike import RollbackPolicy, Spike, SpikeConfig, SpikeDetector
+
+pytestmark = pytest.mark.unit
+
+
+def _noisy(n: int, seed: int = 0, level: float = 2.0) -> list[float]:
+    rng = random.Random(seed)
+    return [level + rng.gauss(0, 0.02) for _ in range(n)]
+
+
+def test_noise_is_not_a_spike_and_a_jump_is() -> None:
+    det = SpikeDetector(SpikeConfig(window=50, min_history=10, factor=6.0))
+    for i, x in enumerate(_noisy(200)):
+        assert det.observe(i, x) is None
+    spike = det.observe(200, 3.5)
+    assert spike is not None and not spike.non_finite
+    assert spike.baseline == pytest.approx(2.0, abs=0.02)
+    assert spike.loss > spike.threshold
+
+
+def test_spikes_do_not_enter_the_baseline() -> None:
+    det = SpikeDetector(SpikeConfig(window=20, min_history=5))
+    for i, x in enumerate(_noisy(20)):
+        det.observe(i, x)
+    before = det.baseline()
+    for i in range(20, 40):
+        assert det.observe(i, 50.0) is not None
+    assert det.baseline() == before
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_is_always_a_spike(bad: float) -> None:
+    det = SpikeDetector(SpikeConfig())
+    spike = det.observe(0, bad)  # even before any history
+    assert spike is not None and spike.non_finite
+
+
+def test_nothing_is_called_before_min_history() -> None:
+    det = SpikeDetector(SpikeConfig(window=10, min_history=5))
+    for i, x in enumerate([1.0, 1.0, 1.0, 1.0]):
+        assert det.observe(i, x) is None
+    assert det.observe(4, 100.0) is None  # fifth value still builds the baseline
+    assert det.observe(5, 100.0) is not None
+
+
+def test_flat_loss_uses_relative_spread_floor() -> None:
+    det = SpikeDetector(SpikeConfig(window=10, min_history=5, factor=5.0, min_rel_spread=0.01))
+    for i in range(10):
+        det.observe(i, 1.0)
+    assert det.observe(10, 1.04) is None  # within 5 x 1 % of the median
+    assert det.observe(11, 1.06) is not None
+
+
+def test_falling_loss_is_never_a_spike() -> None:
+    det = SpikeDetector(SpikeConfig(window=30, min_history=5))
+    for i in range(300):
+        assert det.observe(i, 10.0 * math.exp(-i / 50)) is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(0.1, 10.0), min_size=12, max_size=60), st.floats(2.0, 8.0))
+def test_property_a_huge_loss_after_history_is_a_spike(xs: list[float], factor: float) -> None:
+    det = SpikeDetector(SpikeConfig(window=len(xs), min_history=10, factor=factor))
+    for i, x in enumerate(xs):
+        det.observe(i, x)
+    base = det.baseline()
+    assert base is not None
+    assert det.observe(len(xs), base[1] * 2 + 1) is not None
+    assert det.observe(len(xs) + 1, min(xs)) is None
+
+
+def _spike(step: int) -> Spike:
+    return Spike(step, 9.0, 2.0, 3.0, 6.0, False)
+
+
+def test_rollback_to_newest_checkpoint_strictly_before_the_spike() -> None:
+    pol = RollbackPolicy(SpikeConfig(skip_before=2, skip_after=5))
+    d = pol.decide(_spike(100), [50, 90, 99, 100, 110])
+    assert (d.from_step, d.to_step, d.halt) == (100, 99, False)
+    # batches 98..104, but never before the restored step + 1
+    assert (d.skip_first, d.skip_last) == (100, 104)
+    d2 = RollbackPolicy(SpikeConfig(skip_before=5, skip_after=3)).decide(_spike(100), [80])
+    assert (d2.to_step, d2.skip_first, d2.skip_last, d2.skip_batches) == (80, 95, 102, 8)
+
+
+def test_min_checkpoint_gap_reaches_further_back() -> None:
+    pol = RollbackPolicy(SpikeConfig(min_checkpoint_gap=10))
+    assert pol.decide(_spike(100), [80, 89, 95, 99]).to_step == 89
+
+
+def test_no_checkpoint_before_the_spike_halts() -> None:
+    d = RollbackPolicy(SpikeConfig()).decide(_spike(5), [5, 6])
+    assert d.halt and "no checkpoint" in d.reason
+
+
+def test_repeated_rollbacks_halt() -> None:
+    pol = RollbackPolicy(SpikeConfig(max_rollbacks=2, rollback_window_steps=100))
+    assert not pol.decide(_spike(100), [90]).halt
+    assert not pol.decide(_spike(101), [90]).halt
+    d = pol.decide(_spike(102), [90])
+    assert d.halt and "2 rollbacks" in d.reason
+    assert not pol.decide(_spike(300), [290]).halt  # outside the window again
+
+
+def test_zero_skip_skips_nothing() -> None:
+    d = RollbackPolicy(SpikeConfig(skip_before=0, skip_after=0)).decide(_spike(10), [5])
+    assert d.skip_batches == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"window": 2}, "window"),
+        ({"min_history": 0}, "min_history"),
+        ({"factor": 0}, "factor"),
+        ({"skip_after": -1}, "skip_after"),
+        ({"rollback_window_steps": 0}, "rollback_window_steps"),
+    ],
+)
+def test_config_validation_names_the_field(kwargs: dict[str, float], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SpikeConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_decisions_map_onto_events() -> None:
+    s = Spike(7, math.inf, 2.0, 3.0, 6.0, True)
+    e = s.to_event()
+    assert (e.step, e.non_finite, e.factor) == (7, True, 6.0)
+    d = RollbackPolicy(SpikeConfig(skip_after=4)).decide(s, [5])
+    r = d.to_event()
+    assert (r.from_step, r.to_step, r.skip_batches) == (7, 5, 4)
+    assert "non-finite" in r.reason
