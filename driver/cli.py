@@ -20,6 +20,8 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "etcd": ("unbroken.driver.etcd", "run an embedded etcd server until Ctrl-C"),
     "train": ("unbroken.trainer.train_cli", "train a model locally (torchrun for N processes)"),
+    "driver": ("unbroken.driver.main", "run a driver (leader or standby) serving agents"),
+    "agent": ("unbroken.agent.main", "run a node agent: workers, heartbeats, checks"),
     "plan": ("unbroken.trainer.plan_cli", "estimate days, memory per GPU, failures, ckpt interval"),
 }
 

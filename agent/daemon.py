@@ -1,0 +1,412 @@
+"""The node agent: register with the driver, hold the session, heartbeat, obey commands.
+
+One asyncio process per node. It registers (node id, epoch = start time in ns, hostname,
+IP, pod name, hardware inventory), opens the bidirectional session and sends a heartbeat
+every interval on an absolute schedule (no drift). A heartbeat carries every local
+worker's status; host and GPU counters about once a second; log alerts since the last
+one; and flags telling the driver when something needs a detector's attention.
+
+Driver endpoints are a list: a driver that is not the leader answers UNAVAILABLE with the
+leader's address, which the agent tries next; other failures move to the next endpoint
+after a jittered exponential backoff. Without a successful registration for
+`max_disconnected_s` the agent gives up (exit 3): every retry has a limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+
+from unbroken.agent import checks, probes
+from unbroken.agent.hookserver import HookServer
+from unbroken.agent.workers import Supervisor, WorkerSpec
+from unbroken.proto import channel
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import driver_pb2_grpc as dgrpc
+from unbroken.proto import hooks_pb2 as hpb
+
+log = structlog.get_logger(__name__)
+
+AGENT_VERSION = "0.1.0"
+F_EXITED = dpb.HEARTBEAT_FLAG_WORKER_EXITED
+F_ALERTS = dpb.HEARTBEAT_FLAG_LOG_ALERTS
+
+
+class AgentExit(Exception):
+    """The agent must stop; `code` is the process exit code."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(kw_only=True, slots=True)
+class AgentConfig:
+    """Everything one agent needs."""
+
+    drivers: list[str]
+    node_id: str = field(default_factory=socket.gethostname)
+    heartbeat_interval_ms: int = 100  # until the driver says otherwise
+    workers: WorkerSpec | None = None
+    start_workers: bool = True
+    socket_path: str = ""
+    spare: bool = False
+    register_timeout_s: float = 2.0
+    backoff_base_s: float = 0.05
+    backoff_max_s: float = 2.0
+    max_disconnected_s: float = 600.0
+    host_stats_every_ms: int = 1000
+    check_timeout_s: float = 300.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    token: str | None = None
+    fault: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.drivers:
+            raise ValueError("drivers is empty; pass --driver host:port[,host:port...]")
+        for d in self.drivers:
+            if ":" not in d:
+                raise ValueError(f"driver endpoint {d!r} must be host:port")
+        if not 10 <= self.heartbeat_interval_ms <= 60_000:
+            raise ValueError(
+                f"heartbeat_interval_ms must be in [10, 60000], got {self.heartbeat_interval_ms}"
+            )
+        if self.register_timeout_s <= 0:
+            raise ValueError(f"register_timeout_s must be > 0, got {self.register_timeout_s}")
+        if not 0 < self.backoff_base_s <= self.backoff_max_s:
+            raise ValueError("backoff_base_s must be > 0 and <= backoff_max_s")
+        if self.max_disconnected_s <= 0:
+            raise ValueError(f"max_disconnected_s must be > 0, got {self.max_disconnected_s}")
+        given = [x is not None for x in (self.tls_cert, self.tls_key, self.tls_ca)]
+        if any(given) and not all(given):
+            raise ValueError("tls: --tls-cert, --tls-key and --tls-ca must be given together")
+        if not self.socket_path:
+            self.socket_path = f"/tmp/unbroken-agent-{os.getpid()}.sock"
+
+
+def local_ip() -> str:
+    """The address this host uses to reach the network (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+class Agent:
+    """One node's daemon."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.epoch = time.time_ns()
+        self.interval_s = config.heartbeat_interval_ms / 1000.0
+        self.supervisor = Supervisor(config.workers, config.socket_path) if config.workers else None
+        self.hooks = HookServer(config.socket_path, self.supervisor) if self.supervisor else None
+        self.gpus = probes.Gpus()
+        self.endpoints = list(config.drivers)
+        self.current = 0
+        self.stop = asyncio.Event()
+        self.exit_code = 0
+        self._write_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._metadata = self._token_md()
+
+    def _token_md(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.config.token}"),) if self.config.token else ()
+
+    def _channel(self, target: str) -> grpc.aio.Channel:
+        c = self.config
+        if c.tls_cert:
+            assert c.tls_key and c.tls_ca
+            with (
+                open(c.tls_ca, "rb") as ca,
+                open(c.tls_key, "rb") as k,
+                open(c.tls_cert, "rb") as crt,
+            ):
+                creds = grpc.ssl_channel_credentials(ca.read(), k.read(), crt.read())
+            return grpc.aio.secure_channel(target, creds, options=channel.CLIENT_OPTIONS)
+        return grpc.aio.insecure_channel(target, options=channel.CLIENT_OPTIONS)
+
+    def register_request(self) -> dpb.RegisterRequest:
+        n = len(self.supervisor.workers) if self.supervisor else 0
+        if self.config.workers is not None:
+            n = max(n, self.config.workers.nproc)
+        return dpb.RegisterRequest(
+            node_id=self.config.node_id,
+            epoch=self.epoch,
+            hostname=socket.gethostname(),
+            ip=local_ip(),
+            pod_name=os.environ.get("POD_NAME", ""),
+            inventory=probes.inventory(self.gpus),
+            agent_version=AGENT_VERSION,
+            num_workers=n,
+            spare=self.config.spare,
+        )
+
+    # ------------------------------------------------------------ lifecycle
+    async def run(self) -> int:
+        """Run until shut down; return the exit code."""
+        structlog.contextvars.bind_contextvars(node=self.config.node_id)
+        if self.hooks is not None:
+            await self.hooks.start()
+        try:
+            if self.supervisor is not None and self.config.start_workers:
+                await self.supervisor.start_all()
+            connect = asyncio.create_task(self._connect_loop())
+            stopped = asyncio.create_task(self.stop.wait())
+            done, _ = await asyncio.wait({connect, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if connect in done:
+                connect.result()
+            else:
+                connect.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await connect
+        except AgentExit as e:
+            log.error("agent stopping", reason=str(e))
+            self.exit_code = e.code
+        finally:
+            for t in list(self._tasks):
+                t.cancel()
+            if self.supervisor is not None:
+                await self.supervisor.stop_all(grace_s=2.0)
+            if self.hooks is not None:
+                self.hooks.close()
+        return self.exit_code
+
+    async def _connect_loop(self) -> None:
+        backoff = self.config.backoff_base_s
+        last_ok = time.monotonic()
+        request = self.register_request()
+        while not self.stop.is_set():
+            target = self.endpoints[self.current % len(self.endpoints)]
+            ch = self._channel(target)
+            try:
+                stub = dgrpc.DriverStub(ch)
+                resp = await stub.Register(
+                    request,
+                    timeout=self.config.register_timeout_s,
+                    metadata=self._metadata,
+                    wait_for_ready=False,
+                )
+                last_ok = time.monotonic()
+                backoff = self.config.backoff_base_s
+                self.interval_s = resp.heartbeat_interval_ms / 1000.0 or self.interval_s
+                log.info(
+                    "registered",
+                    driver=target,
+                    driver_id=resp.driver_id,
+                    interval_ms=resp.heartbeat_interval_ms,
+                    epoch=self.epoch,
+                )
+                await self._session(stub)
+            except grpc.aio.AioRpcError as e:
+                self._on_rpc_error(e, target)
+            finally:
+                await ch.close(grace=None)
+            if self.stop.is_set():
+                return
+            if time.monotonic() - last_ok > self.config.max_disconnected_s:
+                raise AgentExit(
+                    3,
+                    f"no driver reachable for {self.config.max_disconnected_s} s "
+                    f"(tried {', '.join(self.endpoints)})",
+                )
+            await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
+            backoff = min(backoff * 2, self.config.backoff_max_s)
+
+    def _on_rpc_error(self, e: grpc.aio.AioRpcError, target: str) -> None:
+        code = e.code()
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            raise AgentExit(2, f"driver {target} refused our credentials: {e.details()}")
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise AgentExit(2, f"driver {target} rejected the registration: {e.details()}")
+        details = (e.details() or "").lower()
+        if code == grpc.StatusCode.FAILED_PRECONDITION and "register" not in details:
+            raise AgentExit(1, f"driver {target} refused this node: {e.details()}")
+        leader = ""
+        for k, v in e.trailing_metadata() or ():
+            if k == channel.LEADER_KEY:
+                leader = str(v)
+        if leader and leader != target:
+            if leader not in self.endpoints:
+                self.endpoints.append(leader)
+            self.current = self.endpoints.index(leader)
+            log.info("redirected to the leader", leader=leader)
+        elif code != grpc.StatusCode.FAILED_PRECONDITION:
+            self.current += 1
+            log.warning(
+                "driver unreachable; trying the next one",
+                driver=target,
+                code=code.name,
+                details=(e.details() or "")[:200],
+            )
+
+    async def _session(self, stub: dgrpc.DriverStub) -> None:
+        md = (
+            *self._metadata,
+            (channel.NODE_KEY, self.config.node_id),
+            (channel.EPOCH_KEY, str(self.epoch)),
+        )
+        call = stub.Session(metadata=md)
+        beats = asyncio.create_task(self._heartbeats(call))
+        try:
+            async for msg in call:
+                self._spawn(self._command(call, msg))
+        finally:
+            beats.cancel()
+            with contextlib.suppress(BaseException):
+                await beats
+        # a clean end of stream: driver shutting down; reconnect
+        log.info("session ended by the driver")
+
+    def _spawn(self, coro: Any) -> None:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _write(self, call: Any, msg: dpb.AgentMessage) -> None:
+        async with self._write_lock:
+            await call.write(msg)
+
+    # ------------------------------------------------------------ heartbeats
+    async def _heartbeats(self, call: Any) -> None:
+        seq = 0
+        next_t = time.monotonic()
+        next_host = next_t
+        every_host = self.config.host_stats_every_ms / 1000.0
+        sup = self.supervisor
+        if sup is not None and any(w.exit_code for w in sup.workers.values()):
+            sup.exited = True  # a new session: re-announce exits the driver may have missed
+        while True:
+            now = time.monotonic()
+            seq += 1
+            hb = dpb.Heartbeat(seq=seq)
+            if sup is not None:
+                hb.workers.extend(sup.statuses(now))
+                if sup.exited:
+                    hb.flags |= F_EXITED
+                    sup.exited = False
+                alerts = sup.take_alerts()
+                if alerts:
+                    hb.alerts.extend(alerts)
+                    hb.flags |= F_ALERTS
+            if now >= next_host:
+                hb.host.CopyFrom(probes.host_stats())
+                hb.gpus.extend(self.gpus.stats())
+                next_host = now + every_host
+            hb.sent_mono_ns = time.monotonic_ns()
+            await self._write(call, dpb.AgentMessage(heartbeat=hb))
+            next_t += self.interval_s
+            delay = next_t - time.monotonic()
+            if delay < 0:  # fell behind (a stall): skip missed slots, do not burst
+                next_t = time.monotonic() + self.interval_s
+                delay = self.interval_s
+            await asyncio.sleep(delay)
+
+    # ------------------------------------------------------------ commands
+    async def _command(self, call: Any, msg: dpb.DriverMessage) -> None:
+        kind = msg.WhichOneof("kind")
+        cid = msg.command_id
+        log.info("command", kind=kind, command_id=cid)
+        try:
+            if kind == "run_check":
+                res = await checks.run_check(
+                    cid,
+                    msg.run_check.spec_json,
+                    self.config.fault,
+                    msg.run_check.timeout_s or self.config.check_timeout_s,
+                )
+                await self._write(call, dpb.AgentMessage(check_result=res))
+                return
+            detail = await self._do(kind, msg)
+            await self._write(
+                call,
+                dpb.AgentMessage(
+                    ack=dpb.CommandAck(command_id=cid, ok=True, detail=detail[:16000])
+                ),
+            )
+        except AgentExit:
+            raise
+        except Exception as e:
+            log.exception("command failed", kind=kind)
+            with contextlib.suppress(Exception):
+                await self._write(
+                    call,
+                    dpb.AgentMessage(
+                        ack=dpb.CommandAck(
+                            command_id=cid, ok=False, detail=f"{type(e).__name__}: {e}"[:4000]
+                        )
+                    ),
+                )
+        if kind in ("shutdown", "evict"):
+            self.stop.set()
+            with contextlib.suppress(Exception):
+                await call.done_writing()
+
+    async def _do(self, kind: str | None, msg: dpb.DriverMessage) -> str:
+        sup = self.supervisor
+        if kind in ("shutdown", "evict"):
+            if sup is not None:
+                await sup.stop_all(grace_s=2.0)
+            return f"{kind}: workers stopped"
+        if sup is None:
+            raise ValueError(f"{kind}: this agent runs no workers (no --worker-cmd)")
+        if kind == "start_workers":
+            p = msg.start_workers
+            if p.worker_cmd:
+                sup.spec.cmd = sup.spec.split(p.worker_cmd)
+            if p.world_size:
+                sup.spec.world_size = p.world_size
+                sup.spec.rank_base = p.global_rank_base
+            if p.master_addr:
+                sup.spec.master_addr, sup.spec.master_port = p.master_addr, p.master_port
+            await sup.stop_all(grace_s=2.0)
+            await sup.start_all()
+            return f"started {len(sup.workers)} workers"
+        if kind == "stop_workers":
+            dumps = await sup.stop_all(
+                grace_s=msg.stop_workers.grace_s or 5.0, dump=msg.stop_workers.dump_stacks
+            )
+            return _dumps_text(dumps)
+        if kind == "restart_workers":
+            ranks = list(msg.restart_workers.local_ranks) or list(sup.workers)
+            dumps = {}
+            for r in ranks:
+                if r not in sup.workers:
+                    raise ValueError(f"no local rank {r} on this node")
+                dumps[r] = await sup.stop(sup.workers[r], 2.0, dump=msg.restart_workers.dump_stacks)
+                await sup.start(r)
+            return _dumps_text(dumps)
+        assert self.hooks is not None
+        if kind == "pause":
+            n = self.hooks.send(
+                hpb.WorkerCommand(command_id=msg.command_id, pause=msg.pause.reason or "paused")
+            )
+        elif kind == "resume":
+            n = self.hooks.send(
+                hpb.WorkerCommand(command_id=msg.command_id, resume=msg.resume.at_step)
+            )
+        elif kind == "flash_save":
+            n = self.hooks.send(
+                hpb.WorkerCommand(command_id=msg.command_id, flash_save=msg.flash_save.step)
+            )
+        else:
+            raise ValueError(f"unknown command {kind!r}")
+        return f"{kind} forwarded to {n} workers"
+
+
+def _dumps_text(dumps: dict[int, str]) -> str:
+    return "\n".join(f"--- local rank {r} ---\n{d}" for r, d in dumps.items() if d)

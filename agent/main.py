@@ -1,0 +1,146 @@
+"""`unbroken agent`: the node daemon's entry point (flags -> config -> run -> close)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from unbroken.agent.daemon import Agent, AgentConfig
+from unbroken.agent.workers import DEFAULT_KEYWORDS, WorkerSpec
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Flags of `unbroken agent`."""
+    parser.add_argument(
+        "--driver", required=True, help="driver endpoints host:port, comma-separated (standbys too)"
+    )
+    parser.add_argument("--node-id", default=None, help="this node's id (default: hostname)")
+    parser.add_argument("--worker-cmd", default="", help="command run once per local rank")
+    parser.add_argument("--nproc-per-node", type=int, default=1)
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--master-addr", default="127.0.0.1")
+    parser.add_argument("--master-port", type=int, default=29500)
+    parser.add_argument(
+        "--no-start",
+        action="store_true",
+        help="wait for the driver's StartWorkers instead of starting at once",
+    )
+    parser.add_argument("--log-dir", default=None, help="worker logs (default: a temp dir)")
+    parser.add_argument(
+        "--keywords",
+        default=",".join(DEFAULT_KEYWORDS),
+        help="comma-separated log keywords that raise an alert",
+    )
+    parser.add_argument(
+        "--heartbeat-interval-ms",
+        type=int,
+        default=100,
+        help="interval until the driver sets its own (default 100)",
+    )
+    parser.add_argument("--socket", default="", help="unix socket of the local hooks channel")
+    parser.add_argument("--spare", action="store_true", help="register as a spare node")
+    parser.add_argument(
+        "--inject-fault",
+        default="",
+        help="fault spec passed to workers (UNBROKEN_FAULT) and to checks",
+    )
+    parser.add_argument(
+        "--max-disconnected-s",
+        type=float,
+        default=600.0,
+        help="give up after this long without a driver (default 600)",
+    )
+    parser.add_argument("--tls-cert", default=None, help="agent certificate (mTLS)")
+    parser.add_argument("--tls-key", default=None, help="agent private key (mTLS)")
+    parser.add_argument("--tls-ca", default=None, help="CA that signed the driver's cert")
+    parser.add_argument("--token", default=None, help="bearer token for the driver")
+    parser.add_argument("--token-file", default=None, help="file holding the bearer token")
+    parser.add_argument("--log-format", choices=("console", "json"), default="console")
+
+
+def config_from_args(ns: argparse.Namespace) -> AgentConfig:
+    """An `AgentConfig` from parsed flags (ValueError naming the bad one)."""
+    spec = None
+    if ns.worker_cmd:
+        spec = WorkerSpec(
+            cmd=WorkerSpec.split(ns.worker_cmd),
+            nproc=ns.nproc_per_node,
+            nnodes=ns.nnodes,
+            node_rank=ns.node_rank,
+            master_addr=ns.master_addr,
+            master_port=ns.master_port,
+            log_dir=ns.log_dir or tempfile.mkdtemp(prefix="unbroken-agent-logs-"),
+            keywords=tuple(k for k in ns.keywords.split(",") if k),
+            fault=ns.inject_fault,
+        )
+    kw = {"node_id": ns.node_id} if ns.node_id else {}
+    return AgentConfig(
+        drivers=[d.strip() for d in ns.driver.split(",") if d.strip()],
+        heartbeat_interval_ms=ns.heartbeat_interval_ms,
+        workers=spec,
+        start_workers=not ns.no_start,
+        socket_path=ns.socket,
+        spare=ns.spare,
+        max_disconnected_s=ns.max_disconnected_s,
+        tls_cert=ns.tls_cert,
+        tls_key=ns.tls_key,
+        tls_ca=ns.tls_ca,
+        token=read_token(ns.token, ns.token_file),
+        fault=ns.inject_fault,
+        **kw,
+    )
+
+
+def read_token(token: str | None, token_file: str | None) -> str | None:
+    """The bearer token from `--token` or `--token-file` (the file wins)."""
+    if token_file:
+        p = Path(token_file)
+        if not p.is_file():
+            raise ValueError(f"--token-file {token_file!r} does not exist")
+        token = p.read_text().strip()
+    return token or None
+
+
+def _setup_logging(fmt: str) -> None:
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+    )
+
+
+async def _main(cfg: AgentConfig) -> int:
+    agent = Agent(cfg)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, agent.stop.set)
+    return await agent.run()
+
+
+def run(ns: argparse.Namespace) -> int:
+    """`unbroken agent`."""
+    _setup_logging(ns.log_format)
+    try:
+        cfg = config_from_args(ns)
+    except ValueError as e:
+        print(f"unbroken agent: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(_main(cfg))

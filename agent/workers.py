@@ -1,0 +1,317 @@
+"""Worker supervision: spawn one process per local rank, log and scan its output, stop it.
+
+Each worker gets the environment torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, ...) plus UNBROKEN_AGENT_SOCKET
+(the local hooks channel) and UNBROKEN_FAULT (the agent's injected fault, if any). Its
+stdout and stderr go to one log file per rank; every line is scanned for keywords and
+a hit becomes an alert in the next heartbeat. Output is read in chunks, not lines, so an
+absurdly long line cannot exhaust memory: it is cut at `max_line_chars`.
+
+Before a worker is killed on command its Python stacks can be dumped: with py-spy when it
+is installed, else by SIGUSR1 to a worker that registered faulthandler through
+trainer/hooks.py (a SIGSTOPped worker is continued first so it can run the handler).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import shlex
+import shutil
+import signal
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from unbroken.proto import driver_pb2 as dpb
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_KEYWORDS = (
+    "NCCL WARN",
+    "CUDA error",
+    "Xid",
+    "ECC",
+    "Traceback",
+    "RuntimeError",
+    "out of memory",
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkerSpec:
+    """What to run and the torchrun-like world it runs in."""
+
+    cmd: list[str]
+    nproc: int = 1
+    node_rank: int = 0
+    world_size: int = 0  # 0: nnodes x nproc
+    nnodes: int = 1
+    rank_base: int | None = None  # RANK of local rank 0 (default node_rank x nproc)
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    log_dir: str = "."
+    keywords: tuple[str, ...] = DEFAULT_KEYWORDS
+    max_line_chars: int = 2048
+    fault: str = ""
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.cmd:
+            raise ValueError("worker cmd is empty; pass --worker-cmd 'python train.py ...'")
+        if not 1 <= self.nproc <= 1024:
+            raise ValueError(f"nproc must be in [1, 1024], got {self.nproc}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < max(self.nnodes, 1):
+            raise ValueError(f"node_rank {self.node_rank} must be in [0, nnodes={self.nnodes})")
+        if not 1 <= self.master_port <= 65535:
+            raise ValueError(f"master_port must be in [1, 65535], got {self.master_port}")
+        if self.max_line_chars < 80:
+            raise ValueError(f"max_line_chars must be >= 80, got {self.max_line_chars}")
+
+    @staticmethod
+    def split(cmd: str) -> list[str]:
+        return shlex.split(cmd)
+
+    def env(self, local_rank: int, socket_path: str) -> dict[str, str]:
+        world = self.world_size or self.nnodes * self.nproc
+        base = self.rank_base if self.rank_base is not None else self.node_rank * self.nproc
+        env = dict(os.environ)
+        env.update(self.extra_env)
+        env.update(
+            {
+                "RANK": str(base + local_rank),
+                "LOCAL_RANK": str(local_rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(self.nproc),
+                "GROUP_RANK": str(self.node_rank),
+                "ROLE_RANK": str(base + local_rank),
+                "ROLE_WORLD_SIZE": str(world),
+                "MASTER_ADDR": self.master_addr,
+                "MASTER_PORT": str(self.master_port),
+                "UNBROKEN_AGENT_SOCKET": socket_path,
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if self.fault:
+            env["UNBROKEN_FAULT"] = self.fault
+        return env
+
+
+class Worker:
+    """One local rank's process and what the agent knows about it."""
+
+    def __init__(self, local_rank: int, global_rank: int, log_path: Path) -> None:
+        self.local_rank = local_rank
+        self.global_rank = global_rank
+        self.log_path = log_path
+        self.proc: asyncio.subprocess.Process | None = None
+        self.state = dpb.WORKER_STATE_UNSPECIFIED
+        self.exit_code = 0
+        self.restarts = 0
+        self.step = 0
+        self.loss = 0.0
+        self.has_loss = False
+        self.step_time_ms = 0.0
+        self.last_progress = time.monotonic()
+        self.step_times: collections.deque[float] = collections.deque(maxlen=32)
+        self.reply_socket = ""
+        self.stack_signal = False
+        self.tail: collections.deque[str] = collections.deque(maxlen=400)
+        self.nlines = 0  # lines ever appended to `tail`
+        self.tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc is not None else 0
+
+    def on_step(self, step: int, loss: float | None, step_time_ms: float, now: float) -> None:
+        if step != self.step:
+            self.last_progress = now
+        self.step, self.step_time_ms = step, step_time_ms
+        self.has_loss = loss is not None
+        self.loss = loss if loss is not None else 0.0
+        if step_time_ms > 0:
+            self.step_times.append(step_time_ms)
+
+    def status(self, now: float) -> dpb.WorkerStatus:
+        return dpb.WorkerStatus(
+            local_rank=self.local_rank,
+            global_rank=self.global_rank,
+            pid=self.pid,
+            state=self.state,
+            exit_code=self.exit_code,
+            step=self.step,
+            loss=self.loss,
+            step_time_ms=self.step_time_ms,
+            since_progress_ms=(now - self.last_progress) * 1000.0,
+            median_step_ms=statistics.median(self.step_times) if self.step_times else 0.0,
+            restarts=self.restarts,
+            has_loss=self.has_loss,
+        )
+
+
+class Supervisor:
+    """The node's workers: start, watch, scan, stop."""
+
+    def __init__(self, spec: WorkerSpec, socket_path: str) -> None:
+        self.spec = spec
+        self.socket_path = socket_path
+        self.workers: dict[int, Worker] = {}
+        self.alerts: collections.deque[dpb.LogAlertLine] = collections.deque(maxlen=256)
+        self.exited = False  # a worker exited since the last heartbeat took the flag
+        Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
+
+    def by_pid(self, pid: int) -> Worker | None:
+        for w in self.workers.values():
+            if w.pid == pid:
+                return w
+        return None
+
+    async def start_all(self) -> None:
+        for r in range(self.spec.nproc):
+            await self.start(r)
+
+    async def start(self, local_rank: int) -> Worker:
+        """Start (or restart) one local rank."""
+        spec = self.spec
+        base = spec.rank_base if spec.rank_base is not None else spec.node_rank * spec.nproc
+        old = self.workers.get(local_rank)
+        w = Worker(local_rank, base + local_rank, Path(spec.log_dir) / f"worker-{local_rank}.log")
+        if old is not None:
+            w.restarts = old.restarts + 1
+        w.state = dpb.WORKER_STATE_STARTING
+        self.workers[local_rank] = w
+        logf = open(w.log_path, "ab", buffering=0)  # closed by _reap
+        w.proc = await asyncio.create_subprocess_exec(
+            *spec.cmd,
+            env=spec.env(local_rank, self.socket_path),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+        w.state = dpb.WORKER_STATE_RUNNING
+        w.last_progress = time.monotonic()
+        assert w.proc.stdout is not None and w.proc.stderr is not None
+        readers = [
+            asyncio.create_task(self._pump(w, w.proc.stdout, logf)),
+            asyncio.create_task(self._pump(w, w.proc.stderr, logf)),
+        ]
+        w.tasks = [*readers, asyncio.create_task(self._reap(w, readers, logf))]
+        log.info("worker started", local_rank=local_rank, pid=w.pid, restarts=w.restarts)
+        return w
+
+    async def _pump(self, w: Worker, stream: asyncio.StreamReader, logf: object) -> None:
+        cap = self.spec.max_line_chars
+        partial = b""
+        while True:
+            chunk = await stream.read(65536)
+            if not chunk:
+                if partial:
+                    self._line(w, partial, cap)
+                return
+            logf.write(chunk)  # type: ignore[attr-defined]
+            data = partial + chunk
+            *lines, partial = data.split(b"\n")
+            for line in lines:
+                self._line(w, line, cap)
+            if len(partial) > cap:  # an endless line: scan what we have, drop the rest
+                self._line(w, partial, cap)
+                partial = b""
+
+    def _line(self, w: Worker, raw: bytes, cap: int) -> None:
+        line = raw[: cap * 4].decode("utf-8", "replace")[:cap]
+        w.tail.append(line)
+        w.nlines += 1
+        for kw in self.spec.keywords:
+            if kw in line:
+                self.alerts.append(dpb.LogAlertLine(local_rank=w.local_rank, keyword=kw, line=line))
+                break
+
+    async def _reap(self, w: Worker, readers: list[asyncio.Task[None]], logf: object) -> None:
+        assert w.proc is not None
+        code = await w.proc.wait()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.gather(*readers), 2.0)
+        logf.close()  # type: ignore[attr-defined]
+        if w.state != dpb.WORKER_STATE_STOPPED:
+            w.state = dpb.WORKER_STATE_EXITED
+            w.exit_code = code
+            self.exited = self.exited or code != 0
+        log.info("worker exited", local_rank=w.local_rank, pid=w.pid, code=code)
+
+    async def dump_stacks(self, w: Worker, timeout_s: float = 2.0) -> str:
+        """The worker's Python stacks (py-spy, else faulthandler via SIGUSR1), or ""."""
+        if w.proc is None or w.proc.returncode is not None:
+            return ""
+        pyspy = shutil.which("py-spy")
+        if pyspy:
+            p = await asyncio.create_subprocess_exec(
+                pyspy,
+                "dump",
+                "--pid",
+                str(w.pid),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+            )
+            try:
+                out, _ = await asyncio.wait_for(p.communicate(), timeout_s)
+                if p.returncode == 0:
+                    return out.decode("utf-8", "replace")
+            except TimeoutError:
+                p.kill()
+                await p.wait()
+        if not w.stack_signal:
+            return ""
+        mark = w.nlines
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(w.pid, signal.SIGCONT)
+            os.kill(w.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + timeout_s
+        seen = -1
+        while time.monotonic() < deadline:  # wait until the dump stops growing
+            await asyncio.sleep(0.1)
+            if w.nlines == seen and w.nlines > mark:
+                break
+            seen = w.nlines
+        new = min(w.nlines - mark, len(w.tail))
+        return "\n".join(list(w.tail)[len(w.tail) - new :]) if new > 0 else ""
+
+    async def stop(self, w: Worker, grace_s: float = 5.0, *, dump: bool = False) -> str:
+        """Stop one worker (SIGTERM, SIGKILL after `grace_s`); return its stack dump."""
+        stacks = await self.dump_stacks(w) if dump else ""
+        if w.proc is None or w.proc.returncode is not None:
+            return stacks
+        w.state = dpb.WORKER_STATE_STOPPED
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(w.pid, sig)
+                if sig == signal.SIGTERM:
+                    os.killpg(w.pid, signal.SIGCONT)
+            try:
+                await asyncio.wait_for(w.proc.wait(), wait_s)
+                break
+            except TimeoutError:
+                continue
+        for t in w.tasks:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(t, 2.0)
+        return stacks
+
+    async def stop_all(self, grace_s: float = 5.0, *, dump: bool = False) -> dict[int, str]:
+        dumps = await asyncio.gather(
+            *(self.stop(w, grace_s, dump=dump) for w in self.workers.values())
+        )
+        return dict(zip(self.workers, dumps, strict=True))
+
+    def statuses(self, now: float) -> list[dpb.WorkerStatus]:
+        return [w.status(now) for w in self.workers.values()]
+
+    def take_alerts(self) -> list[dpb.LogAlertLine]:
+        out = list(self.alerts)
+        self.alerts.clear()
+        return out

@@ -1,0 +1,281 @@
+"""Failure detectors: pure functions from the live view (and a clock reading) to events.
+
+Each detector turns what heartbeats say into transition events (DESIGN.md: heartbeats are
+not events, transitions are):
+- node lost: no heartbeat for `miss_limit` x interval, by the driver's monotonic clock;
+- worker failed: a worker reported with a non-zero exit code (once per exit);
+- hang suspected: a running worker's step has not advanced for
+  max(`hang_k` x its median step time, `hang_floor_ms`) (once per stuck step);
+- log alert: a keyword line the agent's log scanner caught; also bad telemetry
+  (a step that went backwards, a non-finite loss) is reported as an alert, not trusted;
+- refusal: a stale epoch or a second live agent claiming a node id.
+
+Nothing here reads a clock, the network or etcd; the service passes `now` in and appends
+what comes out, so every rule is unit-tested without processes (tests/unit/test_detectors.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from unbroken.driver.liveview import LiveView, NodeSlot
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import events_pb2 as ev
+
+MAX_LINE_CHARS = 4096  # an alert line longer than this is cut (events have a size cap)
+MAX_STACK_CHARS = 32 * 1024
+
+
+@dataclass(kw_only=True, slots=True)
+class DetectorConfig:
+    """Thresholds of the worker-level detectors."""
+
+    hang_k: float = 5.0  # a hang is k x the worker's median step time without progress
+    hang_floor_ms: float = 30_000.0  # ...but never less than this
+    hang_sweep_ms: float = 1000.0  # how often the hang detector looks
+
+    def __post_init__(self) -> None:
+        if not self.hang_k >= 1.0:
+            raise ValueError(f"hang_k must be >= 1, got {self.hang_k}")
+        if not self.hang_floor_ms >= 10.0:
+            raise ValueError(f"hang_floor_ms must be >= 10, got {self.hang_floor_ms}")
+        if not 10.0 <= self.hang_sweep_ms <= 60_000.0:
+            raise ValueError(f"hang_sweep_ms must be in [10, 60000], got {self.hang_sweep_ms}")
+
+
+def truncate(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` characters, marking the cut."""
+    if len(text) <= limit:
+        return text
+    return text[: limit - 15] + " ...[truncated]"
+
+
+def silent(view: LiveView, now: float, slack_s: float = 0.0) -> list[tuple[NodeSlot, str]]:
+    """Alive nodes silent for longer than the timeout, with the reason (nothing is marked).
+
+    Reads only the front of `view.order` (oldest heartbeat first) and stops at the first
+    fresh node, so a healthy cluster costs O(1) per sweep; registered nodes that never
+    opened a session expire after `session_grace_ms`.
+
+    `slack_s` is how late the driver's own event loop recently ran: heartbeats that sat
+    in the driver's socket buffers during its stall are not the node's silence.
+    """
+    out: list[tuple[NodeSlot, str]] = []
+    grace_s = view.config.session_grace_ms / 1000.0
+    for queue, timeout, reason in (
+        (view.order, view.config.timeout_s + slack_s, "heartbeat timeout"),
+        (view.pending, grace_s + slack_s, "no session after registration"),
+    ):
+        for slot in queue.values():
+            if now - slot.last_seen <= timeout:
+                break
+            out.append((slot, reason))
+    return out
+
+
+def declare(view: LiveView, lost: list[tuple[NodeSlot, str]], now: float) -> list[ev.Event]:
+    """Mark `lost` nodes lost and return their NodeLost events."""
+    out = []
+    for slot, reason in lost:
+        view.mark_lost(slot)
+        out.append(
+            ev.Event(
+                node_lost=ev.NodeLost(
+                    node_id=slot.node_id,
+                    epoch=slot.epoch,
+                    silent_ms=(now - slot.last_seen) * 1000.0,
+                    reason=reason,
+                )
+            )
+        )
+    return out
+
+
+def expired(view: LiveView, now: float, slack_s: float = 0.0) -> list[ev.Event]:
+    """NodeLost events for every silent node (`silent` then `declare`)."""
+    return declare(view, silent(view, now, slack_s), now)
+
+
+def mass_limit(view: LiveView) -> int:
+    """More nodes than this silent at once is a mass silence (see `LiveViewConfig`).
+
+    A mass silence is more likely the driver's own overload or network than that many
+    nodes dying in the same 20 ms, so the service holds it back for `mass_loss_hold_ms`.
+    """
+    c = view.config
+    return max(c.mass_loss_min, int(c.mass_loss_fraction * view.alive_count()))
+
+
+def flagged(slot: NodeSlot, hb: dpb.Heartbeat) -> list[ev.Event]:
+    """Events from a heartbeat that carries flags: worker exits, log alerts, bad telemetry."""
+    out: list[ev.Event] = []
+    for w in hb.workers:
+        if w.state == dpb.WORKER_STATE_EXITED and w.exit_code != 0:
+            key = (w.local_rank, w.restarts)
+            if key not in slot.reported_exits:
+                slot.reported_exits.add(key)
+                out.append(
+                    ev.Event(
+                        worker_failed=ev.WorkerFailed(
+                            node_id=slot.node_id,
+                            local_rank=w.local_rank,
+                            global_rank=w.global_rank,
+                            exit_code=w.exit_code,
+                            last_step=w.step,
+                        )
+                    )
+                )
+    for a in hb.alerts:
+        out.append(
+            ev.Event(
+                log_alert=ev.LogAlert(
+                    node_id=slot.node_id,
+                    local_rank=a.local_rank,
+                    keyword=truncate(a.keyword, 128),
+                    line=truncate(a.line, MAX_LINE_CHARS),
+                )
+            )
+        )
+    out.extend(telemetry(slot, hb))
+    return out
+
+
+def telemetry(slot: NodeSlot, hb: dpb.Heartbeat) -> list[ev.Event]:
+    """Alerts for telemetry that cannot be right: a step that went backwards, a NaN loss.
+
+    A restarted worker (its `restarts` counter bumped) may legitimately start lower, so the
+    per-rank high-water mark is kept per (rank, restarts) via `slot.last_step`.
+    """
+    out = []
+    for w in hb.workers:
+        key = w.local_rank * 1_000_003 + w.restarts
+        prev = slot.last_step.get(key, 0)
+        if w.step < prev:
+            out.append(
+                _alert(
+                    slot,
+                    w.local_rank,
+                    "step went backwards",
+                    f"rank {w.local_rank} reported step {w.step} after {prev}",
+                )
+            )
+        else:
+            slot.last_step[key] = w.step
+        if w.has_loss and not math.isfinite(w.loss):
+            out.append(
+                _alert(
+                    slot,
+                    w.local_rank,
+                    "non-finite loss",
+                    f"rank {w.local_rank} reported loss {w.loss} at step {w.step}",
+                )
+            )
+    return out
+
+
+def _alert(slot: NodeSlot, local_rank: int, keyword: str, line: str) -> ev.Event:
+    return ev.Event(
+        log_alert=ev.LogAlert(
+            node_id=slot.node_id, local_rank=local_rank, keyword=keyword, line=line
+        )
+    )
+
+
+def hangs(view: LiveView, config: DetectorConfig) -> list[ev.Event]:
+    """HangSuspected for running workers whose step has not advanced for too long.
+
+    Uses the agent-measured `since_progress_ms` (no cross-host clock comparison) and only
+    workers that reported at least one step: a script without hooks is never "hung".
+    Reported once per (rank, stuck step); progress re-arms it.
+    """
+    out = []
+    for slot in view.order.values():
+        for w in slot.hb.workers:
+            if w.state != dpb.WORKER_STATE_RUNNING or w.median_step_ms <= 0.0:
+                continue
+            threshold = max(config.hang_k * w.median_step_ms, config.hang_floor_ms)
+            if w.since_progress_ms <= threshold:
+                if slot.hung_at.get(w.local_rank, -1) != w.step:
+                    slot.hung_at.pop(w.local_rank, None)
+                continue
+            if slot.hung_at.get(w.local_rank) == w.step:
+                continue
+            slot.hung_at[w.local_rank] = w.step
+            out.append(
+                ev.Event(
+                    hang_suspected=ev.HangSuspected(
+                        node_id=slot.node_id,
+                        local_rank=w.local_rank,
+                        global_rank=w.global_rank,
+                        stuck_at_step=w.step,
+                        silent_ms=w.since_progress_ms,
+                        threshold_ms=threshold,
+                    )
+                )
+            )
+    return out
+
+
+def admit(view: LiveView, req: dpb.RegisterRequest, now: float) -> tuple[str, ev.Event | None]:
+    """Decide a registration: ("", NodeRegistered) to admit, (reason, NodeRefused) to refuse.
+
+    Refused: an epoch older than the one already seen for this node id ("stale epoch"), or
+    a second agent while the current one is still connected and heartbeating ("duplicate
+    node id"). A known node coming back (same or newer epoch, old session gone) is admitted.
+    Returns ("", None) for a reconnect of the same live epoch that needs no new event.
+    """
+    slot = view.nodes.get(req.node_id)
+    if slot is not None and slot.epoch:
+        if req.epoch < slot.epoch:
+            reason = f"stale epoch {req.epoch}: this node id already registered epoch {slot.epoch}"
+            return reason, _refused(req, "stale epoch")
+        fresh = slot.alive and now - slot.last_seen <= view.config.timeout_s
+        if slot.connected and fresh:
+            reason = (
+                f"duplicate node id {req.node_id!r}: an agent with epoch {slot.epoch} "
+                "is connected and heartbeating; give each agent its own --node-id"
+            )
+            return reason, _refused(req, "duplicate node id")
+        if req.epoch == slot.epoch and slot.alive:
+            return "", None  # a reconnect (new session, or a new leader) of a live node
+    elif slot is None and len(view.nodes) >= view.config.max_nodes:
+        return f"node limit {view.config.max_nodes} reached", None
+    return "", ev.Event(
+        node_registered=ev.NodeRegistered(
+            node_id=req.node_id,
+            epoch=req.epoch,
+            hostname=req.hostname,
+            ip=req.ip,
+            pod_name=req.pod_name,
+            num_workers=req.num_workers,
+            num_gpus=len(req.inventory.gpus),
+            agent_version=req.agent_version,
+            spare=req.spare,
+        )
+    )
+
+
+def _refused(req: dpb.RegisterRequest, reason: str) -> ev.Event:
+    return ev.Event(
+        node_refused=ev.NodeRefused(node_id=req.node_id, epoch=req.epoch, reason=reason)
+    )
+
+
+def validate_register(req: dpb.RegisterRequest) -> str:
+    """What is wrong with a registration request ("" when it is fine)."""
+    nid = req.node_id
+    if not nid:
+        return "node_id is empty; pass --node-id (default: the hostname)"
+    if len(nid) > 128:
+        return f"node_id is {len(nid)} characters; at most 128 are allowed"
+    if not all(c.isalnum() or c in "._-:" for c in nid):
+        return f"node_id {nid[:40]!r} may contain only letters, digits and . _ - :"
+    if req.epoch == 0:
+        return "epoch must be > 0 (the agent's start time in ns)"
+    for name in ("hostname", "ip", "pod_name", "agent_version"):
+        if len(getattr(req, name)) > 256:
+            return f"{name} is longer than 256 characters"
+    if req.num_workers > 1024:
+        return f"num_workers {req.num_workers} is over 1024"
+    return ""

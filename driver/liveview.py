@@ -1,0 +1,163 @@
+"""The driver's in-memory live view of every node: the heartbeat hot path lives here.
+
+Heartbeats are never events (DESIGN.md): 20,000 of them a second would swamp etcd and
+say nothing new. The live view keeps, per node, a preallocated `NodeSlot` holding the
+last heartbeat message (by reference, never copied), a monotonic timestamp and a counter.
+`LiveView.order` is an insertion-ordered dict kept sorted by last heartbeat time (a beat
+moves its node to the end), so the node-lost sweep reads only the stale front of it
+instead of scanning every node on every tick.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from unbroken.proto import driver_pb2 as dpb
+
+
+@dataclass(kw_only=True, slots=True)
+class LiveViewConfig:
+    """Liveness timing: a node is lost after `miss_limit` x `heartbeat_interval_ms` of silence."""
+
+    heartbeat_interval_ms: int = 100
+    miss_limit: int = 3
+    max_nodes: int = 20_000  # a registration flood beyond this gets RESOURCE_EXHAUSTED
+    session_grace_ms: int = 5_000  # from Register to the session's start
+    # mass silence (more than max(mass_loss_min, mass_loss_fraction x nodes) at once) is
+    # held back for up to mass_loss_hold_ms: likely the driver's overload, not the nodes
+    mass_loss_fraction: float = 0.25
+    mass_loss_min: int = 8
+    mass_loss_hold_ms: int = 3_000
+
+    def __post_init__(self) -> None:
+        if not 10 <= self.heartbeat_interval_ms <= 60_000:
+            raise ValueError(
+                f"heartbeat_interval_ms must be in [10, 60000], got {self.heartbeat_interval_ms}"
+            )
+        if not 1 <= self.miss_limit <= 1000:
+            raise ValueError(f"miss_limit must be in [1, 1000], got {self.miss_limit}")
+        if self.session_grace_ms < self.heartbeat_interval_ms:
+            raise ValueError(
+                f"session_grace_ms must be >= heartbeat_interval_ms, got {self.session_grace_ms}"
+            )
+        if not 0.0 < self.mass_loss_fraction <= 1.0:
+            raise ValueError(f"mass_loss_fraction must be in (0, 1], got {self.mass_loss_fraction}")
+        if self.mass_loss_min < 1 or self.mass_loss_hold_ms < 0:
+            raise ValueError("mass_loss_min must be >= 1 and mass_loss_hold_ms >= 0")
+        if self.max_nodes < 1:
+            raise ValueError(f"max_nodes must be >= 1, got {self.max_nodes}")
+
+    @property
+    def timeout_s(self) -> float:
+        """Silence after which a node is declared lost, in seconds."""
+        return self.heartbeat_interval_ms * self.miss_limit / 1000.0
+
+
+class NodeSlot:
+    """One node's live state. Mutated only by the event loop thread."""
+
+    __slots__ = (
+        "alive",
+        "connected",
+        "epoch",
+        "hb",
+        "heartbeats",
+        "hung_at",
+        "info",
+        "last_seen",
+        "last_step",
+        "node_id",
+        "outbox",
+        "reported_exits",
+        "session",
+    )
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self.epoch = 0
+        self.info = dpb.RegisterRequest()
+        self.last_seen = 0.0  # time.monotonic() of the last heartbeat (or registration)
+        self.hb = dpb.Heartbeat()
+        self.heartbeats = 0
+        self.alive = False
+        self.connected = False
+        self.session = 0  # bumps per stream, so an old stream's exit does not clobber a new one
+        self.outbox: object | None = None  # the session's bounded command queue
+        self.reported_exits: set[tuple[int, int]] = set()  # (local_rank, restarts)
+        self.hung_at: dict[int, int] = {}  # local_rank -> step a hang was reported at
+        self.last_step: dict[int, int] = {}  # local_rank -> highest step seen
+
+
+class LiveView:
+    """Every node's slot plus the deadline order used by the node-lost sweep."""
+
+    def __init__(self, config: LiveViewConfig) -> None:
+        self.config = config
+        self.nodes: dict[str, NodeSlot] = {}
+        # alive nodes only, oldest heartbeat first (dicts keep insertion order)
+        self.order: dict[str, NodeSlot] = {}
+        # registered, session not started yet, oldest registration first: a registration
+        # storm must not turn into false NodeLost events while sessions are being opened
+        self.pending: dict[str, NodeSlot] = {}
+
+    def slot(self, node_id: str) -> NodeSlot:
+        """The slot of `node_id`, created on first use."""
+        s = self.nodes.get(node_id)
+        if s is None:
+            s = self.nodes[node_id] = NodeSlot(node_id)
+        return s
+
+    def mark_registered(self, slot: NodeSlot, now: float) -> None:
+        """`slot` registered at `now`; it has `session_grace_ms` to open its session."""
+        slot.alive = True
+        slot.last_seen = now
+        self.order.pop(slot.node_id, None)
+        self.pending.pop(slot.node_id, None)
+        self.pending[slot.node_id] = slot
+
+    def mark_alive(self, slot: NodeSlot, now: float) -> None:
+        """Start (or restart) tracking `slot`'s heartbeats from `now`."""
+        slot.alive = True
+        slot.last_seen = now
+        self.pending.pop(slot.node_id, None)
+        self.order.pop(slot.node_id, None)
+        self.order[slot.node_id] = slot
+
+    def beat(self, slot: NodeSlot, hb: dpb.Heartbeat, now: float) -> None:
+        """Record one heartbeat: the whole per-message cost of a healthy node."""
+        slot.last_seen = now
+        slot.hb = hb
+        slot.heartbeats += 1
+        order = self.order
+        if slot.alive:
+            # pop + reinsert moves the node to the end of the deadline order
+            del order[slot.node_id]
+            order[slot.node_id] = slot
+
+    def mark_lost(self, slot: NodeSlot) -> None:
+        """Stop tracking `slot` (it was declared lost)."""
+        slot.alive = False
+        self.order.pop(slot.node_id, None)
+        self.pending.pop(slot.node_id, None)
+
+    def alive_count(self) -> int:
+        return len(self.order) + len(self.pending)
+
+    def snapshot(self, now: float | None = None) -> list[dpb.NodeLive]:
+        """A copy of the view for tools (`LiveView` RPC, `unbroken nodes`)."""
+        t = time.monotonic() if now is None else now
+        out = []
+        for s in self.nodes.values():
+            n = dpb.NodeLive(
+                node_id=s.node_id,
+                epoch=s.epoch,
+                alive=s.alive,
+                silent_ms=(t - s.last_seen) * 1000.0 if s.last_seen else 0.0,
+                heartbeats=s.heartbeats,
+            )
+            n.workers.extend(s.hb.workers)
+            if s.hb.HasField("host"):
+                n.host.CopyFrom(s.hb.host)
+            out.append(n)
+        return out

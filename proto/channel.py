@@ -1,0 +1,34 @@
+"""gRPC channel and server options that both ends of driver.proto must share.
+
+Keepalive pings must be accepted by the server at the rate the client sends them, or the
+server answers with GOAWAY "too_many_pings"; keeping both sides' numbers in one place is
+how they stay the same. Plain constants: no imports of ours.
+"""
+
+from __future__ import annotations
+
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+
+COMMON_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    *COMMON_OPTIONS,
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.max_ping_strikes", 5),
+]
+
+# one TCP connection per channel (no subchannel sharing between channels to one target)
+CLIENT_OPTIONS: list[tuple[str, int]] = [*COMMON_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+
+NODE_KEY = "x-unbroken-node"
+EPOCH_KEY = "x-unbroken-epoch"
+LEADER_KEY = "x-unbroken-leader"

@@ -1,0 +1,375 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
+    WORKER_STATE_STARTING: _ClassVar[WorkerState]
+    WORKER_STATE_RUNNING: _ClassVar[WorkerState]
+    WORKER_STATE_EXITED: _ClassVar[WorkerState]
+    WORKER_STATE_STOPPED: _ClassVar[WorkerState]
+    WORKER_STATE_PAUSED: _ClassVar[WorkerState]
+
+class HeartbeatFlag(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HEARTBEAT_FLAG_NONE: _ClassVar[HeartbeatFlag]
+    HEARTBEAT_FLAG_WORKER_EXITED: _ClassVar[HeartbeatFlag]
+    HEARTBEAT_FLAG_LOG_ALERTS: _ClassVar[HeartbeatFlag]
+    HEARTBEAT_FLAG_STALLED: _ClassVar[HeartbeatFlag]
+WORKER_STATE_UNSPECIFIED: WorkerState
+WORKER_STATE_STARTING: WorkerState
+WORKER_STATE_RUNNING: WorkerState
+WORKER_STATE_EXITED: WorkerState
+WORKER_STATE_STOPPED: WorkerState
+WORKER_STATE_PAUSED: WorkerState
+HEARTBEAT_FLAG_NONE: HeartbeatFlag
+HEARTBEAT_FLAG_WORKER_EXITED: HeartbeatFlag
+HEARTBEAT_FLAG_LOG_ALERTS: HeartbeatFlag
+HEARTBEAT_FLAG_STALLED: HeartbeatFlag
+
+class GpuInfo(_message.Message):
+    __slots__ = ("index", "name", "uuid", "memory_total_bytes")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    name: str
+    uuid: str
+    memory_total_bytes: int
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., uuid: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ...) -> None: ...
+
+class HardwareInventory(_message.Message):
+    __slots__ = ("cpu_count", "memory_total_bytes", "gpus", "rdma_devices")
+    CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    RDMA_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    cpu_count: int
+    memory_total_bytes: int
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuInfo]
+    rdma_devices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, cpu_count: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., rdma_devices: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("node_id", "epoch", "hostname", "ip", "pod_name", "inventory", "agent_version", "num_workers", "spare")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    IP_FIELD_NUMBER: _ClassVar[int]
+    POD_NAME_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    hostname: str
+    ip: str
+    pod_name: str
+    inventory: HardwareInventory
+    agent_version: str
+    num_workers: int
+    spare: bool
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., pod_name: _Optional[str] = ..., inventory: _Optional[_Union[HardwareInventory, _Mapping]] = ..., agent_version: _Optional[str] = ..., num_workers: _Optional[int] = ..., spare: _Optional[bool] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("driver_id", "heartbeat_interval_ms", "miss_limit", "job_id", "global_rank_base", "world_size")
+    DRIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    MISS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_RANK_BASE_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    driver_id: str
+    heartbeat_interval_ms: int
+    miss_limit: int
+    job_id: str
+    global_rank_base: int
+    world_size: int
+    def __init__(self, driver_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., miss_limit: _Optional[int] = ..., job_id: _Optional[str] = ..., global_rank_base: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("local_rank", "global_rank", "pid", "state", "exit_code", "step", "loss", "step_time_ms", "since_progress_ms", "median_step_ms", "restarts", "has_loss")
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    SINCE_PROGRESS_MS_FIELD_NUMBER: _ClassVar[int]
+    MEDIAN_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
+    local_rank: int
+    global_rank: int
+    pid: int
+    state: WorkerState
+    exit_code: int
+    step: int
+    loss: float
+    step_time_ms: float
+    since_progress_ms: float
+    median_step_ms: float
+    restarts: int
+    has_loss: bool
+    def __init__(self, local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., exit_code: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_ms: _Optional[float] = ..., since_progress_ms: _Optional[float] = ..., median_step_ms: _Optional[float] = ..., restarts: _Optional[int] = ..., has_loss: _Optional[bool] = ...) -> None: ...
+
+class HostStats(_message.Message):
+    __slots__ = ("cpu_percent", "mem_used_bytes", "mem_total_bytes", "disk_used_bytes", "disk_total_bytes", "net_bytes_sent", "net_bytes_recv", "rdma_counters")
+    class RdmaCountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    CPU_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    MEM_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEM_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NET_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    NET_BYTES_RECV_FIELD_NUMBER: _ClassVar[int]
+    RDMA_COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    cpu_percent: float
+    mem_used_bytes: int
+    mem_total_bytes: int
+    disk_used_bytes: int
+    disk_total_bytes: int
+    net_bytes_sent: int
+    net_bytes_recv: int
+    rdma_counters: _containers.ScalarMap[str, int]
+    def __init__(self, cpu_percent: _Optional[float] = ..., mem_used_bytes: _Optional[int] = ..., mem_total_bytes: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., disk_total_bytes: _Optional[int] = ..., net_bytes_sent: _Optional[int] = ..., net_bytes_recv: _Optional[int] = ..., rdma_counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class GpuStats(_message.Message):
+    __slots__ = ("index", "utilization_percent", "memory_used_bytes", "ecc_errors", "xid_errors")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ECC_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    XID_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    utilization_percent: float
+    memory_used_bytes: int
+    ecc_errors: int
+    xid_errors: int
+    def __init__(self, index: _Optional[int] = ..., utilization_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., ecc_errors: _Optional[int] = ..., xid_errors: _Optional[int] = ...) -> None: ...
+
+class LogAlertLine(_message.Message):
+    __slots__ = ("local_rank", "keyword", "line")
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    KEYWORD_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    local_rank: int
+    keyword: str
+    line: str
+    def __init__(self, local_rank: _Optional[int] = ..., keyword: _Optional[str] = ..., line: _Optional[str] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("seq", "flags", "workers", "host", "gpus", "alerts", "sent_mono_ns")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    ALERTS_FIELD_NUMBER: _ClassVar[int]
+    SENT_MONO_NS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    flags: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    host: HostStats
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuStats]
+    alerts: _containers.RepeatedCompositeFieldContainer[LogAlertLine]
+    sent_mono_ns: int
+    def __init__(self, seq: _Optional[int] = ..., flags: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., alerts: _Optional[_Iterable[_Union[LogAlertLine, _Mapping]]] = ..., sent_mono_ns: _Optional[int] = ...) -> None: ...
+
+class CheckResult(_message.Message):
+    __slots__ = ("command_id", "result_json", "exit_code", "stderr_tail")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULT_JSON_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    STDERR_TAIL_FIELD_NUMBER: _ClassVar[int]
+    command_id: str
+    result_json: str
+    exit_code: int
+    stderr_tail: str
+    def __init__(self, command_id: _Optional[str] = ..., result_json: _Optional[str] = ..., exit_code: _Optional[int] = ..., stderr_tail: _Optional[str] = ...) -> None: ...
+
+class CommandAck(_message.Message):
+    __slots__ = ("command_id", "ok", "detail")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    command_id: str
+    ok: bool
+    detail: str
+    def __init__(self, command_id: _Optional[str] = ..., ok: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class AgentMessage(_message.Message):
+    __slots__ = ("heartbeat", "check_result", "ack")
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    CHECK_RESULT_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    heartbeat: Heartbeat
+    check_result: CheckResult
+    ack: CommandAck
+    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., check_result: _Optional[_Union[CheckResult, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ...) -> None: ...
+
+class StartWorkers(_message.Message):
+    __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port")
+    WORKER_CMD_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_RANK_BASE_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    worker_cmd: str
+    world_size: int
+    global_rank_base: int
+    master_addr: str
+    master_port: int
+    def __init__(self, worker_cmd: _Optional[str] = ..., world_size: _Optional[int] = ..., global_rank_base: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ...) -> None: ...
+
+class StopWorkers(_message.Message):
+    __slots__ = ("grace_s", "dump_stacks")
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    DUMP_STACKS_FIELD_NUMBER: _ClassVar[int]
+    grace_s: float
+    dump_stacks: bool
+    def __init__(self, grace_s: _Optional[float] = ..., dump_stacks: _Optional[bool] = ...) -> None: ...
+
+class RestartWorkers(_message.Message):
+    __slots__ = ("local_ranks", "dump_stacks")
+    LOCAL_RANKS_FIELD_NUMBER: _ClassVar[int]
+    DUMP_STACKS_FIELD_NUMBER: _ClassVar[int]
+    local_ranks: _containers.RepeatedScalarFieldContainer[int]
+    dump_stacks: bool
+    def __init__(self, local_ranks: _Optional[_Iterable[int]] = ..., dump_stacks: _Optional[bool] = ...) -> None: ...
+
+class Pause(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class Resume(_message.Message):
+    __slots__ = ("at_step",)
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    at_step: int
+    def __init__(self, at_step: _Optional[int] = ...) -> None: ...
+
+class FlashSave(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
+
+class RunCheck(_message.Message):
+    __slots__ = ("spec_json", "timeout_s")
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    spec_json: str
+    timeout_s: float
+    def __init__(self, spec_json: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class Evict(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class Shutdown(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class DriverMessage(_message.Message):
+    __slots__ = ("command_id", "start_workers", "stop_workers", "restart_workers", "pause", "resume", "flash_save", "run_check", "evict", "shutdown")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    START_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    STOP_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    RESTART_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    FLASH_SAVE_FIELD_NUMBER: _ClassVar[int]
+    RUN_CHECK_FIELD_NUMBER: _ClassVar[int]
+    EVICT_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    command_id: str
+    start_workers: StartWorkers
+    stop_workers: StopWorkers
+    restart_workers: RestartWorkers
+    pause: Pause
+    resume: Resume
+    flash_save: FlashSave
+    run_check: RunCheck
+    evict: Evict
+    shutdown: Shutdown
+    def __init__(self, command_id: _Optional[str] = ..., start_workers: _Optional[_Union[StartWorkers, _Mapping]] = ..., stop_workers: _Optional[_Union[StopWorkers, _Mapping]] = ..., restart_workers: _Optional[_Union[RestartWorkers, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., flash_save: _Optional[_Union[FlashSave, _Mapping]] = ..., run_check: _Optional[_Union[RunCheck, _Mapping]] = ..., evict: _Optional[_Union[Evict, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+
+class LiveViewRequest(_message.Message):
+    __slots__ = ("summary_only",)
+    SUMMARY_ONLY_FIELD_NUMBER: _ClassVar[int]
+    summary_only: bool
+    def __init__(self, summary_only: _Optional[bool] = ...) -> None: ...
+
+class LiveStats(_message.Message):
+    __slots__ = ("heartbeats", "nodes_alive", "nodes_lost", "events_appended", "delivery_p50_ms", "delivery_p99_ms", "handler_p50_us", "handler_p99_us", "samples")
+    HEARTBEATS_FIELD_NUMBER: _ClassVar[int]
+    NODES_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    NODES_LOST_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_APPENDED_FIELD_NUMBER: _ClassVar[int]
+    DELIVERY_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    DELIVERY_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    HANDLER_P50_US_FIELD_NUMBER: _ClassVar[int]
+    HANDLER_P99_US_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    heartbeats: int
+    nodes_alive: int
+    nodes_lost: int
+    events_appended: int
+    delivery_p50_ms: float
+    delivery_p99_ms: float
+    handler_p50_us: float
+    handler_p99_us: float
+    samples: int
+    def __init__(self, heartbeats: _Optional[int] = ..., nodes_alive: _Optional[int] = ..., nodes_lost: _Optional[int] = ..., events_appended: _Optional[int] = ..., delivery_p50_ms: _Optional[float] = ..., delivery_p99_ms: _Optional[float] = ..., handler_p50_us: _Optional[float] = ..., handler_p99_us: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
+
+class NodeLive(_message.Message):
+    __slots__ = ("node_id", "epoch", "alive", "silent_ms", "heartbeats", "workers", "host")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    SILENT_MS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEATS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    alive: bool
+    silent_ms: float
+    heartbeats: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    host: HostStats
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., alive: _Optional[bool] = ..., silent_ms: _Optional[float] = ..., heartbeats: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ...) -> None: ...
+
+class LiveViewResponse(_message.Message):
+    __slots__ = ("driver_id", "leader", "nodes", "stats")
+    DRIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    driver_id: str
+    leader: bool
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeLive]
+    stats: LiveStats
+    def __init__(self, driver_id: _Optional[str] = ..., leader: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeLive, _Mapping]]] = ..., stats: _Optional[_Union[LiveStats, _Mapping]] = ...) -> None: ...

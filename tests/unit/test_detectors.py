@@ -1,0 +1,255 @@
+"""The detectors' rules, on a live view built by hand (pure: no sockets, no clocks)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from unbroken.driver import detectors
+from unbroken.driver.liveview import LiveView, LiveViewConfig
+from unbroken.proto import driver_pb2 as dpb
+
+pytestmark = pytest.mark.unit
+
+RUNNING, EXITED = dpb.WORKER_STATE_RUNNING, dpb.WORKER_STATE_EXITED
+
+
+def view(**kw: int) -> LiveView:
+    return LiveView(LiveViewConfig(**kw))
+
+
+def req(node: str = "n0", epoch: int = 5, **kw: object) -> dpb.RegisterRequest:
+    return dpb.RegisterRequest(node_id=node, epoch=epoch, **kw)  # type: ignore[arg-type]
+
+
+def admitted(v: LiveView, r: dpb.RegisterRequest, now: float) -> None:
+    reason, event = detectors.admit(v, r, now)
+    assert reason == "" and event is not None and event.HasField("node_registered")
+    s = v.slot(r.node_id)
+    s.epoch = r.epoch
+    v.mark_alive(s, now)
+
+
+def test_node_lost_after_miss_limit_intervals_by_monotonic_time() -> None:
+    v = view()
+    for i, n in enumerate(("a", "b", "c")):
+        admitted(v, req(n), now=10.0 + i * 0.01)
+    assert detectors.expired(v, 10.299) == []  # a: 299 ms silent -> not yet
+    lost = detectors.expired(v, 10.305)
+    assert [e.node_lost.node_id for e in lost] == ["a"]
+    assert lost[0].node_lost.reason == "heartbeat timeout"
+    assert lost[0].node_lost.silent_ms == pytest.approx(305.0)
+    assert detectors.expired(v, 10.305) == []  # reported once
+    assert not v.nodes["a"].alive and v.nodes["b"].alive
+
+
+def test_a_heartbeat_moves_the_node_to_the_back_of_the_deadline_order() -> None:
+    v = view(heartbeat_interval_ms=100, miss_limit=3)
+    for n in ("a", "b"):
+        admitted(v, req(n), now=0.0)
+    v.beat(v.nodes["a"], dpb.Heartbeat(seq=1), 0.25)
+    assert list(v.order) == ["b", "a"]
+    assert [e.node_lost.node_id for e in detectors.expired(v, 0.31)] == ["b"]
+    assert [e.node_lost.node_id for e in detectors.expired(v, 0.56)] == ["a"]
+
+
+def test_driver_stall_is_slack_not_node_silence() -> None:
+    v = view()
+    admitted(v, req(), now=0.0)
+    assert detectors.expired(v, 0.5, slack_s=0.4) == []
+    assert len(detectors.expired(v, 0.71, slack_s=0.4)) == 1
+
+
+def test_registered_node_without_session_expires_after_grace() -> None:
+    v = view(session_grace_ms=1000)
+    s = v.slot("n0")
+    s.epoch = 1
+    v.mark_registered(s, 0.0)
+    assert detectors.expired(v, 0.9) == []
+    lost = detectors.expired(v, 1.01)
+    assert lost[0].node_lost.reason == "no session after registration"
+
+
+def test_worker_failure_reported_once_per_exit_and_again_after_a_restart() -> None:
+    v = view()
+    s = v.slot("n0")
+    hb = dpb.Heartbeat(
+        flags=dpb.HEARTBEAT_FLAG_WORKER_EXITED,
+        workers=[
+            dpb.WorkerStatus(local_rank=0, global_rank=4, state=RUNNING, step=7),
+            dpb.WorkerStatus(local_rank=1, global_rank=5, state=EXITED, exit_code=1, step=7),
+            dpb.WorkerStatus(local_rank=2, global_rank=6, state=EXITED, exit_code=0, step=7),
+        ],
+    )
+    out = detectors.flagged(s, hb)
+    assert [
+        (
+            e.worker_failed.local_rank,
+            e.worker_failed.global_rank,
+            e.worker_failed.exit_code,
+            e.worker_failed.last_step,
+        )
+        for e in out
+    ] == [(1, 5, 1, 7)]
+    assert detectors.flagged(s, hb) == []
+    hb.workers[1].restarts = 1
+    hb.workers[1].exit_code = -9
+    assert [e.worker_failed.exit_code for e in detectors.flagged(s, hb)] == [-9]
+
+
+def test_log_alerts_carry_the_line_truncated() -> None:
+    s = LiveView(LiveViewConfig()).slot("n0")
+    long = "NCCL WARN " + "x" * 10_000
+    hb = dpb.Heartbeat(alerts=[dpb.LogAlertLine(local_rank=1, keyword="NCCL WARN", line=long)])
+    (e,) = detectors.flagged(s, hb)
+    assert e.log_alert.keyword == "NCCL WARN" and e.log_alert.local_rank == 1
+    assert len(e.log_alert.line) <= detectors.MAX_LINE_CHARS
+    assert e.log_alert.line.startswith("NCCL WARN xxx")
+
+
+def test_bad_telemetry_becomes_alerts() -> None:
+    s = LiveView(LiveViewConfig()).slot("n0")
+    ok = dpb.Heartbeat(workers=[dpb.WorkerStatus(local_rank=0, step=10, loss=1.0, has_loss=True)])
+    assert detectors.flagged(s, ok) == []
+    back = dpb.Heartbeat(
+        workers=[dpb.WorkerStatus(local_rank=0, step=3, loss=math.nan, has_loss=True)]
+    )
+    kinds = sorted(e.log_alert.keyword for e in detectors.flagged(s, back))
+    assert kinds == ["non-finite loss", "step went backwards"]
+    # a restarted worker may start lower; no loss reported is not a NaN loss
+    restarted = dpb.Heartbeat(workers=[dpb.WorkerStatus(local_rank=0, step=1, restarts=1)])
+    assert detectors.flagged(s, restarted) == []
+
+
+def _hb(since_ms: float, median_ms: float, step: int = 5) -> dpb.Heartbeat:
+    return dpb.Heartbeat(
+        workers=[
+            dpb.WorkerStatus(
+                local_rank=1,
+                global_rank=3,
+                state=RUNNING,
+                step=step,
+                since_progress_ms=since_ms,
+                median_step_ms=median_ms,
+            )
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("median", "floor", "since", "hung"),
+    [
+        (100.0, 1000.0, 999.0, False),  # floor wins over 5 x 100
+        (100.0, 1000.0, 1001.0, True),
+        (400.0, 1000.0, 1999.0, False),  # 5 x 400 wins over the floor
+        (400.0, 1000.0, 2001.0, True),
+        (0.0, 1000.0, 1e9, False),  # never reported a step: not judged
+    ],
+)
+def test_hang_threshold_is_max_of_k_median_and_floor(
+    median: float, floor: float, since: float, hung: bool
+) -> None:
+    v = view()
+    admitted(v, req(), 0.0)
+    v.beat(v.nodes["n0"], _hb(since, median), 0.0)
+    out = detectors.hangs(v, detectors.DetectorConfig(hang_k=5, hang_floor_ms=floor))
+    assert bool(out) == hung
+    if hung:
+        h = out[0].hang_suspected
+        assert (h.local_rank, h.global_rank, h.stuck_at_step) == (1, 3, 5)
+        assert h.threshold_ms == max(5 * median, floor)
+
+
+def test_hang_reported_once_per_stuck_step_and_rearmed_by_progress() -> None:
+    v = view()
+    admitted(v, req(), 0.0)
+    cfg = detectors.DetectorConfig(hang_k=5, hang_floor_ms=1000)
+    slot = v.nodes["n0"]
+    v.beat(slot, _hb(1500, 100, step=5), 0.0)
+    assert len(detectors.hangs(v, cfg)) == 1
+    assert detectors.hangs(v, cfg) == []
+    v.beat(slot, _hb(10, 100, step=6), 0.0)
+    assert detectors.hangs(v, cfg) == []
+    v.beat(slot, _hb(1500, 100, step=6), 0.0)
+    assert [e.hang_suspected.stuck_at_step for e in detectors.hangs(v, cfg)] == [6]
+
+
+def test_stale_epoch_and_duplicate_node_are_refused() -> None:
+    v = view()
+    admitted(v, req(epoch=5), 0.0)
+    reason, e = detectors.admit(v, req(epoch=4), 0.1)
+    assert "stale epoch" in reason and e is not None
+    assert e.node_refused.reason == "stale epoch" and e.node_refused.epoch == 4
+    v.nodes["n0"].connected = True
+    reason, e = detectors.admit(v, req(epoch=6), 0.1)
+    assert "duplicate node id" in reason and e is not None
+    assert e.node_refused.reason == "duplicate node id"
+    # the old agent's session is gone: a restarted agent (newer epoch) is welcome
+    v.nodes["n0"].connected = False
+    reason, e = detectors.admit(v, req(epoch=6), 0.1)
+    assert reason == "" and e is not None and e.node_registered.epoch == 6
+    # the same live epoch reconnecting needs no new event
+    assert detectors.admit(v, req(epoch=5), 0.1) == ("", None)
+
+
+def test_node_limit_refuses_a_registration_flood() -> None:
+    v = view(max_nodes=2)
+    admitted(v, req("a"), 0.0)
+    admitted(v, req("b"), 0.0)
+    reason, e = detectors.admit(v, req("c"), 0.0)
+    assert "node limit 2" in reason and e is None
+
+
+@pytest.mark.parametrize(
+    ("r", "msg"),
+    [
+        (req(node=""), "node_id is empty"),
+        (req(node="x" * 129), "at most 128"),
+        (req(node="a/b"), "may contain only"),
+        (req(epoch=0), "epoch must be > 0"),
+        (req(hostname="h" * 300), "hostname is longer"),
+        (req(num_workers=5000), "num_workers"),
+    ],
+)
+def test_registration_validation(r: dpb.RegisterRequest, msg: str) -> None:
+    assert msg in detectors.validate_register(r)
+
+
+def test_valid_registration_passes() -> None:
+    assert detectors.validate_register(req(node="node-1.rack:2", hostname="h")) == ""
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"heartbeat_interval_ms": 5}, "heartbeat_interval_ms"),
+        ({"miss_limit": 0}, "miss_limit"),
+        ({"max_nodes": 0}, "max_nodes"),
+        ({"session_grace_ms": 50}, "session_grace_ms"),
+    ],
+)
+def test_live_config_validation_names_the_field(kw: dict[str, int], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        LiveViewConfig(**kw)
+
+
+def test_detector_config_validation() -> None:
+    with pytest.raises(ValueError, match="hang_k"):
+        detectors.DetectorConfig(hang_k=0.5)
+    with pytest.raises(ValueError, match="hang_floor_ms"):
+        detectors.DetectorConfig(hang_floor_ms=1)
+
+
+def test_mass_silence_limit() -> None:
+    v = view(mass_loss_fraction=0.25, mass_loss_min=2)
+    for i in range(20):
+        admitted(v, req(f"n{i}"), 0.0)
+    assert detectors.mass_limit(v) == 5
+    for i in range(14):  # 6 nodes stay silent
+        v.beat(v.nodes[f"n{i}"], dpb.Heartbeat(), 0.25)
+    silent = detectors.silent(v, 0.31)
+    assert len(silent) == 6 > detectors.mass_limit(v)
+    assert all(s.alive for s, _ in silent)  # nothing marked until declared
+    assert len(detectors.declare(v, silent, 0.31)) == 6
+    assert v.alive_count() == 14
