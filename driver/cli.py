@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 # name -> (module, one-line help). Add a subcommand by adding one line here.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("unbroken.driver.up", "a local cluster: etcd, drivers, agents, training, a drill"),
     "etcd": ("unbroken.driver.etcd", "run an embedded etcd server until Ctrl-C"),
     "train": ("unbroken.trainer.train_cli", "train a model locally (torchrun for N processes)"),
     "driver": ("unbroken.driver.main", "run a driver (leader or standby) serving agents"),

@@ -1,0 +1,72 @@
+"""`unbroken up` (what `make run` runs) brings up the cluster, trains, drills, and cleans up."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+
+def test_up_trains_drills_and_stops_everything(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "unbroken.driver.cli",
+            "up",
+            "--no-live",
+            "--nodes",
+            "2",
+            "--workers-per-node",
+            "1",
+            "--dp",
+            "1",
+            "--pp",
+            "2",
+            "--tp",
+            "1",
+            "--steps",
+            "200",
+            "--duration",
+            "150",
+            "--run-dir",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert "first training step" in text
+    for fault in ("driver SIGKILL", "node lost (agent SIGKILL)", "worker SIGKILL"):
+        assert fault in text
+    assert "not yet" not in text and "no event within" not in text
+    assert "leader_elected×2" in text
+    # nothing it started is left running: agents and drivers (their flags name the run dir)
+    # and the workers (their command line is this run's trainer command)
+    worker_cmd = "unbroken.trainer.run --preset tiny --dp 1 --pp 2 --tp 1 --steps 200"
+    leftovers = [
+        p.info["pid"]
+        for p in psutil.process_iter(["pid", "cmdline"])
+        if str(run_dir) in " ".join(p.info["cmdline"] or [])
+        or worker_cmd in " ".join(p.info["cmdline"] or [])
+    ]
+    assert leftovers == []
+
+
+def test_up_rejects_a_layout_that_does_not_fit() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "unbroken.driver.cli", "up", "--dp", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "dp × pp × tp" in out.stderr and "--dp/--pp/--tp" in out.stderr
