@@ -24,6 +24,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "driver": ("unbroken.driver.main", "run a driver (leader or standby) serving agents"),
     "agent": ("unbroken.agent.main", "run a node agent: workers, heartbeats, checks"),
     "plan": ("unbroken.trainer.plan_cli", "estimate days, memory per GPU, failures, ckpt interval"),
+    "status": ("unbroken.driver.cli_status", "the job at a glance: phase, step, nodes, events"),
+    "nodes": ("unbroken.driver.cli_nodes", "list the job's nodes with their state and heartbeats"),
+    "events": ("unbroken.driver.cli_events", "print the event log (--since SEQ, --follow)"),
+    "evict": ("unbroken.driver.cli_evict", "evict a node from the job"),
+    "diagnose": ("unbroken.driver.cli_diagnose", "find bad and slow nodes (pause, check, resume)"),
 }
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130

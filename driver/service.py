@@ -10,6 +10,8 @@ store never blocks the handler.
 
 A driver that is not the leader answers every agent call with UNAVAILABLE and the
 leader's address in the `x-unbroken-leader` trailer, so agents move on to it.
+The operator RPCs (status, nodes, events, diagnose, evict) live in driver/operator.py
+as a mixin of the same servicer.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from unbroken.driver import detectors
+from unbroken.driver.diagnose import DriverDiagnoseConfig
 from unbroken.driver.eventlog import EventLog, EventLogError, NotLeaderError
 from unbroken.driver.liveview import LiveView, LiveViewConfig, NodeSlot
 from unbroken.driver.metrics import DriverMetrics
+from unbroken.driver.operator import OperatorApi
 from unbroken.driver.security import TlsConfig, TokenInterceptor, server_credentials
 from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
@@ -57,8 +61,12 @@ class ServiceConfig:
     reflection: bool = False
     tls: TlsConfig = field(default_factory=TlsConfig)
     token: str | None = None
+    diagnose: DriverDiagnoseConfig = field(default_factory=DriverDiagnoseConfig)
+    read_timeout_s: float = 10.0  # deadline of event-log reads behind operator calls
 
     def __post_init__(self) -> None:
+        if not self.read_timeout_s > 0:
+            raise ValueError(f"read_timeout_s must be > 0, got {self.read_timeout_s}")
         if not 1 <= self.stream_buffer <= 100_000:
             raise ValueError(f"stream_buffer must be in [1, 100000], got {self.stream_buffer}")
         if self.event_queue < 16:
@@ -104,8 +112,11 @@ class _Ending:
         self.status: tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]] | None = None
 
 
-class DriverService(dgrpc.DriverServicer):
-    """Agent-facing service of one driver process (leader or standby)."""
+class DriverService(OperatorApi, dgrpc.DriverServicer):
+    """Agent-facing service of one driver process (leader or standby).
+
+    The operator RPCs (status, nodes, events, diagnose, evict) come from `OperatorApi`.
+    """
 
     def __init__(
         self,
@@ -135,6 +146,10 @@ class DriverService(dgrpc.DriverServicer):
         self._mass_since = 0.0  # monotonic time a mass silence was first held back
         self._ids = itertools.count(1)
         self.stopping = asyncio.Event()
+        self.diagnosis_running = ""  # id of the diagnosis in progress
+        self._diagnosis_task: asyncio.Task[None] | None = None
+        self._read_timeout_s = config.read_timeout_s
+        self._diagnose_config = config.diagnose
 
     # ------------------------------------------------------------ leadership
     @property
@@ -198,6 +213,8 @@ class DriverService(dgrpc.DriverServicer):
     async def close(self) -> None:
         """Stop the loops and end every session."""
         self.stopping.set()
+        if self._diagnosis_task is not None:
+            self._tasks.append(self._diagnosis_task)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -332,6 +349,7 @@ class DriverService(dgrpc.DriverServicer):
         if reason:
             if event is None:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, reason)
+            assert event is not None  # abort raised otherwise
             self.emit(event)
             log.warning("registration refused", node=request.node_id, reason=reason)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)

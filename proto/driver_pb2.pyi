@@ -1,3 +1,4 @@
+from unbroken.proto import events_pb2 as _events_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -315,6 +316,160 @@ class DriverMessage(_message.Message):
     evict: Evict
     shutdown: Shutdown
     def __init__(self, command_id: _Optional[str] = ..., start_workers: _Optional[_Union[StartWorkers, _Mapping]] = ..., stop_workers: _Optional[_Union[StopWorkers, _Mapping]] = ..., restart_workers: _Optional[_Union[RestartWorkers, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., flash_save: _Optional[_Union[FlashSave, _Mapping]] = ..., run_check: _Optional[_Union[RunCheck, _Mapping]] = ..., evict: _Optional[_Union[Evict, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("job_id", "driver_id", "leader_address", "leader_term", "phase", "step", "live_step", "nodes_total", "nodes_active", "nodes_spare", "nodes_lost", "nodes_evicted", "nodes_alive", "last_seq", "incident_id", "last_diagnosis_id", "diagnosis_running")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_TERM_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LIVE_STEP_FIELD_NUMBER: _ClassVar[int]
+    NODES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NODES_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    NODES_SPARE_FIELD_NUMBER: _ClassVar[int]
+    NODES_LOST_FIELD_NUMBER: _ClassVar[int]
+    NODES_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    NODES_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    INCIDENT_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_DIAGNOSIS_ID_FIELD_NUMBER: _ClassVar[int]
+    DIAGNOSIS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    driver_id: str
+    leader_address: str
+    leader_term: int
+    phase: _events_pb2.Phase
+    step: int
+    live_step: int
+    nodes_total: int
+    nodes_active: int
+    nodes_spare: int
+    nodes_lost: int
+    nodes_evicted: int
+    nodes_alive: int
+    last_seq: int
+    incident_id: str
+    last_diagnosis_id: str
+    diagnosis_running: str
+    def __init__(self, job_id: _Optional[str] = ..., driver_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., leader_term: _Optional[int] = ..., phase: _Optional[_Union[_events_pb2.Phase, str]] = ..., step: _Optional[int] = ..., live_step: _Optional[int] = ..., nodes_total: _Optional[int] = ..., nodes_active: _Optional[int] = ..., nodes_spare: _Optional[int] = ..., nodes_lost: _Optional[int] = ..., nodes_evicted: _Optional[int] = ..., nodes_alive: _Optional[int] = ..., last_seq: _Optional[int] = ..., incident_id: _Optional[str] = ..., last_diagnosis_id: _Optional[str] = ..., diagnosis_running: _Optional[str] = ...) -> None: ...
+
+class ListNodesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node_id", "state", "alive", "connected", "epoch", "hostname", "ip", "num_workers", "spare", "failures", "silent_ms", "step", "workers")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    IP_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SILENT_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    state: _events_pb2.NodeState
+    alive: bool
+    connected: bool
+    epoch: int
+    hostname: str
+    ip: str
+    num_workers: int
+    spare: bool
+    failures: int
+    silent_ms: float
+    step: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[_events_pb2.NodeState, str]] = ..., alive: _Optional[bool] = ..., connected: _Optional[bool] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., num_workers: _Optional[int] = ..., spare: _Optional[bool] = ..., failures: _Optional[int] = ..., silent_ms: _Optional[float] = ..., step: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+
+class ListNodesResponse(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("since_seq", "follow")
+    SINCE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    since_seq: int
+    follow: bool
+    def __init__(self, since_seq: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+
+class WatchEventsResponse(_message.Message):
+    __slots__ = ("event",)
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    event: _events_pb2.Event
+    def __init__(self, event: _Optional[_Union[_events_pb2.Event, _Mapping]] = ...) -> None: ...
+
+class DiagnoseRequest(_message.Message):
+    __slots__ = ("node_ids", "round_timeout_s", "check_timeout_s")
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    CHECK_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    round_timeout_s: float
+    check_timeout_s: float
+    def __init__(self, node_ids: _Optional[_Iterable[str]] = ..., round_timeout_s: _Optional[float] = ..., check_timeout_s: _Optional[float] = ...) -> None: ...
+
+class DiagnoseStarted(_message.Message):
+    __slots__ = ("diagnosis_id", "node_ids", "paused_nodes")
+    DIAGNOSIS_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_NODES_FIELD_NUMBER: _ClassVar[int]
+    diagnosis_id: str
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    paused_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, diagnosis_id: _Optional[str] = ..., node_ids: _Optional[_Iterable[str]] = ..., paused_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DiagnoseProgress(_message.Message):
+    __slots__ = ("round", "groups_total", "groups_done")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    groups_total: int
+    groups_done: int
+    def __init__(self, round: _Optional[int] = ..., groups_total: _Optional[int] = ..., groups_done: _Optional[int] = ...) -> None: ...
+
+class DiagnoseResponse(_message.Message):
+    __slots__ = ("started", "progress", "round", "verdict")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    started: DiagnoseStarted
+    progress: DiagnoseProgress
+    round: _events_pb2.DiagnosisRound
+    verdict: _events_pb2.DiagnosisVerdict
+    def __init__(self, started: _Optional[_Union[DiagnoseStarted, _Mapping]] = ..., progress: _Optional[_Union[DiagnoseProgress, _Mapping]] = ..., round: _Optional[_Union[_events_pb2.DiagnosisRound, _Mapping]] = ..., verdict: _Optional[_Union[_events_pb2.DiagnosisVerdict, _Mapping]] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("node_id", "reason")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    reason: str
+    def __init__(self, node_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("seq", "agent_notified")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NOTIFIED_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    agent_notified: bool
+    def __init__(self, seq: _Optional[int] = ..., agent_notified: _Optional[bool] = ...) -> None: ...
 
 class LiveViewRequest(_message.Message):
     __slots__ = ("summary_only",)

@@ -49,6 +49,31 @@ class DriverStub:
                 request_serializer=unbroken_dot_proto_dot_driver__pb2.LiveViewRequest.SerializeToString,
                 response_deserializer=unbroken_dot_proto_dot_driver__pb2.LiveViewResponse.FromString,
                 _registered_method=True)
+        self.GetStatus = channel.unary_unary(
+                '/unbroken.driver.v1.Driver/GetStatus',
+                request_serializer=unbroken_dot_proto_dot_driver__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=unbroken_dot_proto_dot_driver__pb2.GetStatusResponse.FromString,
+                _registered_method=True)
+        self.ListNodes = channel.unary_unary(
+                '/unbroken.driver.v1.Driver/ListNodes',
+                request_serializer=unbroken_dot_proto_dot_driver__pb2.ListNodesRequest.SerializeToString,
+                response_deserializer=unbroken_dot_proto_dot_driver__pb2.ListNodesResponse.FromString,
+                _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/unbroken.driver.v1.Driver/WatchEvents',
+                request_serializer=unbroken_dot_proto_dot_driver__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=unbroken_dot_proto_dot_driver__pb2.WatchEventsResponse.FromString,
+                _registered_method=True)
+        self.Diagnose = channel.unary_stream(
+                '/unbroken.driver.v1.Driver/Diagnose',
+                request_serializer=unbroken_dot_proto_dot_driver__pb2.DiagnoseRequest.SerializeToString,
+                response_deserializer=unbroken_dot_proto_dot_driver__pb2.DiagnoseResponse.FromString,
+                _registered_method=True)
+        self.Evict = channel.unary_unary(
+                '/unbroken.driver.v1.Driver/Evict',
+                request_serializer=unbroken_dot_proto_dot_driver__pb2.EvictRequest.SerializeToString,
+                response_deserializer=unbroken_dot_proto_dot_driver__pb2.EvictResponse.FromString,
+                _registered_method=True)
 
 
 class DriverServicer:
@@ -76,6 +101,49 @@ class DriverServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStatus(self, request, context):
+        """---- operator API (the `unbroken` CLI, launchers, dashboards). Every call below is
+        answered only by the leader; a standby answers FAILED_PRECONDITION and names the
+        leader's address in the message and in the `x-unbroken-leader` trailer.
+        The job at a glance: phase, step, node counts, the newest event's seq.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListNodes(self, request, context):
+        """Every node the job has seen: its folded state (events) joined with the live view.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchEvents(self, request, context):
+        """Events with seq > since_seq in order; with follow, then new ones as they are
+        appended until the client cancels.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Diagnose(self, request, context):
+        """Run a paired all-gather bisection over node_ids (empty: every connected node) and
+        stream its progress, each finished round and the verdict. Workers that are
+        training are paused first and resumed after. One diagnosis at a time
+        (FAILED_PRECONDITION while one runs); NOT_FOUND names an unknown node.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Evict(self, request, context):
+        """Evict a node: appends OperatorAction + NodeEvicted and tells its agent to stop.
+        NOT_FOUND for a node the job never saw; FAILED_PRECONDITION when already evicted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DriverServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +161,31 @@ def add_DriverServicer_to_server(servicer, server):
                     servicer.LiveView,
                     request_deserializer=unbroken_dot_proto_dot_driver__pb2.LiveViewRequest.FromString,
                     response_serializer=unbroken_dot_proto_dot_driver__pb2.LiveViewResponse.SerializeToString,
+            ),
+            'GetStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStatus,
+                    request_deserializer=unbroken_dot_proto_dot_driver__pb2.GetStatusRequest.FromString,
+                    response_serializer=unbroken_dot_proto_dot_driver__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'ListNodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNodes,
+                    request_deserializer=unbroken_dot_proto_dot_driver__pb2.ListNodesRequest.FromString,
+                    response_serializer=unbroken_dot_proto_dot_driver__pb2.ListNodesResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=unbroken_dot_proto_dot_driver__pb2.WatchEventsRequest.FromString,
+                    response_serializer=unbroken_dot_proto_dot_driver__pb2.WatchEventsResponse.SerializeToString,
+            ),
+            'Diagnose': grpc.unary_stream_rpc_method_handler(
+                    servicer.Diagnose,
+                    request_deserializer=unbroken_dot_proto_dot_driver__pb2.DiagnoseRequest.FromString,
+                    response_serializer=unbroken_dot_proto_dot_driver__pb2.DiagnoseResponse.SerializeToString,
+            ),
+            'Evict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evict,
+                    request_deserializer=unbroken_dot_proto_dot_driver__pb2.EvictRequest.FromString,
+                    response_serializer=unbroken_dot_proto_dot_driver__pb2.EvictResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +269,141 @@ class Driver:
             '/unbroken.driver.v1.Driver/LiveView',
             unbroken_dot_proto_dot_driver__pb2.LiveViewRequest.SerializeToString,
             unbroken_dot_proto_dot_driver__pb2.LiveViewResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/unbroken.driver.v1.Driver/GetStatus',
+            unbroken_dot_proto_dot_driver__pb2.GetStatusRequest.SerializeToString,
+            unbroken_dot_proto_dot_driver__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListNodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/unbroken.driver.v1.Driver/ListNodes',
+            unbroken_dot_proto_dot_driver__pb2.ListNodesRequest.SerializeToString,
+            unbroken_dot_proto_dot_driver__pb2.ListNodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/unbroken.driver.v1.Driver/WatchEvents',
+            unbroken_dot_proto_dot_driver__pb2.WatchEventsRequest.SerializeToString,
+            unbroken_dot_proto_dot_driver__pb2.WatchEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Diagnose(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/unbroken.driver.v1.Driver/Diagnose',
+            unbroken_dot_proto_dot_driver__pb2.DiagnoseRequest.SerializeToString,
+            unbroken_dot_proto_dot_driver__pb2.DiagnoseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/unbroken.driver.v1.Driver/Evict',
+            unbroken_dot_proto_dot_driver__pb2.EvictRequest.SerializeToString,
+            unbroken_dot_proto_dot_driver__pb2.EvictResponse.FromString,
             options,
             channel_credentials,
             insecure,

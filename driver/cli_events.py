@@ -1,0 +1,64 @@
+"""`unbroken events [--since SEQ] [--follow]`: the job's event log, one line per event."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+
+from unbroken.driver.client import ClientConfig, add_client_flags, print_json, run_command, to_dict
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import driver_pb2_grpc as dgrpc
+from unbroken.proto import events_pb2 as ev
+
+SUMMARY_CHARS = 160
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Flags of `unbroken events`."""
+    parser.add_argument(
+        "--since", type=int, default=0, metavar="SEQ", help="only events after this seq"
+    )
+    parser.add_argument(
+        "--follow", "-f", action="store_true", help="keep printing new events (Ctrl-C ends)"
+    )
+    add_client_flags(parser)
+
+
+def summary(e: ev.Event) -> str:
+    """The payload of `e` as one short `key=value` line."""
+    kind = e.WhichOneof("payload") or ""
+    fields = to_dict(getattr(e, kind)) if kind else {}
+    text = " ".join(f"{k}={v}" for k, v in fields.items() if v not in ("", 0, [], {}, False))
+    return text[:SUMMARY_CHARS]
+
+
+def run(ns: argparse.Namespace) -> int:
+    """`unbroken events`; exit 0, 2 for a negative --since, 3 when unreachable."""
+    if ns.since < 0:
+        print("unbroken events: --since must be >= 0 (a sequence number)", file=sys.stderr)
+        return 2
+
+    async def body(
+        cfg: ClientConfig, stub: dgrpc.DriverStub, md: tuple[tuple[str, str], ...]
+    ) -> int:
+        from rich.console import Console
+
+        console = Console(highlight=False)
+        req = dpb.WatchEventsRequest(since_seq=ns.since, follow=ns.follow)
+        # following has no overall deadline (it runs until Ctrl-C); a one-shot read has one
+        call = stub.WatchEvents(req, timeout=None if ns.follow else cfg.timeout_s, metadata=md)
+        async for resp in call:
+            e = resp.event
+            if ns.json:
+                print_json(to_dict(e))
+                continue
+            when = dt.datetime.fromtimestamp(e.wall_time_unix_ns / 1e9, dt.UTC)
+            console.print(
+                f"{e.seq:>6} {when:%H:%M:%S.%f}"[:-3]
+                + f" [bold]{e.WhichOneof('payload')}[/] {summary(e)}",
+                soft_wrap=True,
+            )
+        return 0
+
+    return run_command("events", ns, body)

@@ -1,0 +1,55 @@
+"""`unbroken status`: the job at a glance (phase, step, nodes, newest event) from the driver."""
+
+from __future__ import annotations
+
+import argparse
+
+from unbroken.driver.client import ClientConfig, add_client_flags, print_json, run_command, to_dict
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import driver_pb2_grpc as dgrpc
+from unbroken.proto import events_pb2 as ev
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Flags of `unbroken status`."""
+    add_client_flags(parser)
+
+
+def phase_name(phase: int) -> str:
+    """`PHASE_RUNNING` -> `running`."""
+    return ev.Phase.Name(phase).removeprefix("PHASE_").lower()
+
+
+def run(ns: argparse.Namespace) -> int:
+    """`unbroken status`; exit 0, or 3 when the driver is unreachable."""
+
+    async def body(
+        cfg: ClientConfig, stub: dgrpc.DriverStub, md: tuple[tuple[str, str], ...]
+    ) -> int:
+        st = await stub.GetStatus(dpb.GetStatusRequest(), timeout=cfg.timeout_s, metadata=md)
+        if ns.json:
+            data = to_dict(st)
+            data["phase"] = phase_name(st.phase)
+            print_json(data)
+            return 0
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=f"job {st.job_id}", show_header=False, title_justify="left")
+        t.add_column("field", style="bold")
+        t.add_column("value")
+        t.add_row("phase", phase_name(st.phase))
+        t.add_row("step", f"{st.step} (live {st.live_step})")
+        t.add_row(
+            "nodes",
+            f"{st.nodes_total} total: {st.nodes_active} active, {st.nodes_spare} spare, "
+            f"{st.nodes_lost} lost, {st.nodes_evicted} evicted; {st.nodes_alive} alive now",
+        )
+        t.add_row("leader", f"{st.driver_id} at {st.leader_address or '?'} (term {st.leader_term})")
+        t.add_row("last event", f"seq {st.last_seq}")
+        t.add_row("incident", st.incident_id or "none")
+        t.add_row("diagnosis", st.diagnosis_running or f"last: {st.last_diagnosis_id or 'none'}")
+        Console().print(t)
+        return 0
+
+    return run_command("status", ns, body)

@@ -1,0 +1,353 @@
+"""The driver's operator API: status, nodes, events, diagnose and evict over gRPC.
+
+These RPCs serve the `unbroken` CLI, launchers and dashboards, not the agents' hot path,
+so they live apart from the heartbeat service (driver/service.py), as a mixin of the
+same servicer. Only the leader answers: a standby has no event log and says where the
+leader is (FAILED_PRECONDITION plus the `x-unbroken-leader` trailer). Reads fold the log
+(newest snapshot + tail) under a deadline and join it with the live view. Diagnose runs
+as a task of the driver, not of the call: a client that goes away does not leave the
+workers paused; the call only watches the task through a bounded queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import replace
+from typing import Any
+
+import grpc
+import structlog
+
+from unbroken.diagnostics.runner import verdict_event
+from unbroken.driver.diagnose import DiagnoseError, DriverDiagnoseConfig, run_diagnosis
+from unbroken.driver.eventlog import EventLog, EventLogError
+from unbroken.driver.liveview import LiveView
+from unbroken.proto import channel
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import events_pb2 as ev
+
+log = structlog.get_logger(__name__)
+
+READ_CHUNK = 1000  # events read per call while streaming history
+MAX_NODE_ID = 128
+USER_KEY = "x-unbroken-user"  # who the operator is (the CLI sends user@host)
+DIAGNOSE_QUEUE = 1024  # progress messages buffered for one watching call
+
+
+def who(context: grpc.aio.ServicerContext) -> str:
+    """The operator behind a call: the CLI's user metadata, else the peer address."""
+    for k, v in context.invocation_metadata() or ():
+        if k == USER_KEY:
+            return str(v)[:128]
+    return str(context.peer())[:128]
+
+
+def node_infos(state: ev.JobState, view: LiveView, now: float) -> list[dpb.NodeInfo]:
+    """Every node of the folded state or the live view, joined, sorted by id (pure)."""
+    out = []
+    for node_id in sorted(set(state.nodes) | set(view.nodes)):
+        info = dpb.NodeInfo(node_id=node_id)
+        rec = state.nodes.get(node_id)
+        if rec is not None:
+            info.state = rec.state
+            info.epoch = rec.epoch
+            info.hostname = rec.hostname
+            info.ip = rec.ip
+            info.num_workers = rec.num_workers
+            info.spare = rec.spare
+            info.failures = rec.failures
+        slot = view.nodes.get(node_id)
+        if slot is not None:
+            info.alive = slot.alive
+            info.connected = slot.outbox is not None
+            info.epoch = slot.epoch or info.epoch
+            info.hostname = info.hostname or slot.info.hostname
+            info.ip = info.ip or slot.info.ip
+            info.num_workers = info.num_workers or slot.info.num_workers
+            info.silent_ms = (now - slot.last_seen) * 1000.0 if slot.last_seen else 0.0
+            info.workers.extend(slot.hb.workers)
+            info.step = max((w.step for w in slot.hb.workers), default=0)
+        out.append(info)
+    return out
+
+
+def status_of(state: ev.JobState, nodes: list[dpb.NodeInfo]) -> dpb.GetStatusResponse:
+    """The status counters of a folded state and its node list (pure)."""
+    st = dpb.GetStatusResponse(
+        job_id=state.job_id,
+        leader_term=state.leader_term,
+        phase=state.phase,
+        step=state.step,
+        last_seq=state.last_seq,
+        incident_id=state.incident_id,
+        last_diagnosis_id=state.last_diagnosis_id,
+        nodes_total=len(nodes),
+        nodes_alive=sum(n.alive for n in nodes),
+        live_step=max((n.step for n in nodes), default=0),
+    )
+    counts = {s: sum(n.state == s for n in nodes) for s in ev.NodeState.values()}
+    st.nodes_active = counts[ev.NODE_STATE_ACTIVE]
+    st.nodes_spare = counts[ev.NODE_STATE_SPARE]
+    st.nodes_lost = counts[ev.NODE_STATE_LOST]
+    st.nodes_evicted = counts[ev.NODE_STATE_EVICTED]
+    return st
+
+
+class OperatorApi:
+    """Operator RPCs; mixed into `DriverService`, whose attributes these are."""
+
+    driver_id: str
+    job_id: str
+    log: EventLog | None
+    leader_address: str
+    view: LiveView
+    diagnosis_running: str
+    _diagnosis_task: asyncio.Task[None] | None
+    _read_timeout_s: float
+    _diagnose_config: DriverDiagnoseConfig
+
+    async def request(
+        self, node_id: str, msg: dpb.DriverMessage, timeout_s: float
+    ) -> dpb.AgentMessage:
+        raise NotImplementedError  # provided by DriverService
+
+    # ------------------------------------------------------------ helpers
+    async def _leader_log(self, context: grpc.aio.ServicerContext) -> EventLog:
+        if self.log is None:
+            where = self.leader_address or "unknown yet"
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"driver {self.driver_id} is a standby, not the leader; the leader is at "
+                f"{where} (use --driver {where})",
+                trailing_metadata=((channel.LEADER_KEY, self.leader_address),),
+            )
+        assert self.log is not None
+        return self.log
+
+    async def _state(self, context: grpc.aio.ServicerContext) -> ev.JobState:
+        elog = await self._leader_log(context)
+        try:
+            return await asyncio.wait_for(elog.replay(), self._read_timeout_s)
+        except (TimeoutError, EventLogError) as e:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the event log did not answer within {self._read_timeout_s} s ({e!r}); "
+                "is etcd reachable from the driver?",
+            )
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------ reads
+    async def GetStatus(
+        self, request: dpb.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> dpb.GetStatusResponse:
+        state = await self._state(context)
+        st = status_of(state, node_infos(state, self.view, time.monotonic()))
+        st.job_id = st.job_id or self.job_id
+        st.driver_id = self.driver_id
+        st.leader_address = self.leader_address
+        st.diagnosis_running = self.diagnosis_running
+        return st
+
+    async def ListNodes(
+        self, request: dpb.ListNodesRequest, context: grpc.aio.ServicerContext
+    ) -> dpb.ListNodesResponse:
+        state = await self._state(context)
+        return dpb.ListNodesResponse(nodes=node_infos(state, self.view, time.monotonic()))
+
+    async def WatchEvents(
+        self, request: dpb.WatchEventsRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        elog = await self._leader_log(context)
+        nxt = request.since_seq + 1
+        if not request.follow:
+            try:
+                last = await asyncio.wait_for(elog.last_seq(), self._read_timeout_s)
+                while nxt <= last:
+                    chunk = await asyncio.wait_for(
+                        elog.read(nxt, min(last, nxt + READ_CHUNK - 1)), self._read_timeout_s
+                    )
+                    if not chunk:
+                        break
+                    for one in chunk:
+                        await context.write(dpb.WatchEventsResponse(event=one))
+                    nxt = chunk[-1].seq + 1
+            except (TimeoutError, EventLogError) as err:
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE, f"reading the event log failed: {err!r}"
+                )
+            return
+        # follow: ends when the client cancels (the call is then cancelled here too)
+        async for e in elog.watch(nxt):
+            await context.write(dpb.WatchEventsResponse(event=e))
+
+    # ------------------------------------------------------------ evict
+    async def Evict(
+        self, request: dpb.EvictRequest, context: grpc.aio.ServicerContext
+    ) -> dpb.EvictResponse:
+        node_id = request.node_id
+        if not node_id or len(node_id) > MAX_NODE_ID:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"node_id must be 1-{MAX_NODE_ID} characters, got {node_id[:MAX_NODE_ID]!r}",
+            )
+        state = await self._state(context)
+        elog = await self._leader_log(context)
+        rec = state.nodes.get(node_id)
+        if rec is None and node_id not in self.view.nodes:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"node {node_id!r} is not part of job {self.job_id}; `unbroken nodes` lists them",
+            )
+        if rec is not None and rec.state == ev.NODE_STATE_EVICTED:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"node {node_id!r} is already evicted"
+            )
+        reason = request.reason[:512] or "operator"
+        try:
+            action = await elog.append(
+                ev.Event(
+                    cause="operator",
+                    operator_action=ev.OperatorAction(
+                        action="evict", target=node_id, who=who(context)
+                    ),
+                )
+            )
+            evicted = await elog.append(
+                ev.Event(
+                    cause=action.event_id,
+                    node_evicted=ev.NodeEvicted(node_id=node_id, reason=reason),
+                )
+            )
+        except EventLogError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"appending the eviction failed: {e}")
+        notified = False
+        slot = self.view.nodes.get(node_id)
+        if slot is not None and slot.outbox is not None:
+            try:
+                reply = await self.request(
+                    node_id,
+                    dpb.DriverMessage(evict=dpb.Evict(reason=reason)),
+                    self._diagnose_config.ack_timeout_s,
+                )
+                notified = reply.ack.ok
+            except (TimeoutError, KeyError) as e:
+                log.warning("evicted node's agent did not acknowledge", node=node_id, error=str(e))
+        log.warning("node evicted by operator", node=node_id, reason=reason, seq=evicted.seq)
+        return dpb.EvictResponse(seq=evicted.seq, agent_notified=notified)
+
+    # ------------------------------------------------------------ diagnose
+    async def Diagnose(
+        self, request: dpb.DiagnoseRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        elog = await self._leader_log(context)
+        cfg = await self._diagnose_settings(request, context)
+        if self.diagnosis_running:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"diagnosis {self.diagnosis_running} is already running; wait for its verdict "
+                "(`unbroken events --follow` shows it)",
+            )
+        nodes = await self._diagnose_nodes(list(request.node_ids), context)
+        did = uuid.uuid4().hex[:12]
+        queue: asyncio.Queue[dpb.DiagnoseResponse | BaseException] = asyncio.Queue(DIAGNOSE_QUEUE)
+
+        def put(item: dpb.DiagnoseResponse | BaseException) -> None:
+            with contextlib.suppress(asyncio.QueueFull):  # a stuck watcher loses progress only
+                queue.put_nowait(item)
+
+        def progress(index: int, total: int, done: int) -> None:
+            put(
+                dpb.DiagnoseResponse(
+                    progress=dpb.DiagnoseProgress(round=index, groups_total=total, groups_done=done)
+                )
+            )
+
+        async def job() -> None:
+            try:
+                d = await run_diagnosis(
+                    self,  # type: ignore[arg-type]  # DriverService is the CommandSender
+                    elog,
+                    nodes,
+                    config=cfg,
+                    diagnosis_id=did,
+                    who=who(context),
+                    on_started=lambda s: put(dpb.DiagnoseResponse(started=s)),
+                    on_progress=progress,
+                    on_round=lambda r: put(dpb.DiagnoseResponse(round=r)),
+                )
+                put(dpb.DiagnoseResponse(verdict=verdict_event(d)))
+            except Exception as e:
+                log.exception("diagnosis failed", diagnosis_id=did)
+                put(e)
+            finally:
+                self.diagnosis_running = ""
+
+        self.diagnosis_running = did
+        self._diagnosis_task = asyncio.create_task(job())
+        while True:
+            item = await queue.get()
+            if isinstance(item, DiagnoseError):
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(item))
+            if isinstance(item, BaseException):
+                await context.abort(
+                    grpc.StatusCode.INTERNAL, f"diagnosis {did} failed: {item!r}; see driver log"
+                )
+            assert isinstance(item, dpb.DiagnoseResponse)
+            await context.write(item)
+            if item.WhichOneof("kind") == "verdict":
+                return
+
+    async def _diagnose_settings(
+        self, request: dpb.DiagnoseRequest, context: grpc.aio.ServicerContext
+    ) -> DriverDiagnoseConfig:
+        base = self._diagnose_config
+        try:
+            runner = base.runner
+            if request.round_timeout_s:
+                runner = replace(runner, round_timeout_s=request.round_timeout_s)
+            return DriverDiagnoseConfig(
+                runner=runner,
+                check_timeout_s=request.check_timeout_s or base.check_timeout_s,
+                reply_slack_s=base.reply_slack_s,
+                matmul_iters=base.matmul_iters,
+                ack_timeout_s=base.ack_timeout_s,
+            )
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        raise AssertionError("unreachable")
+
+    async def _diagnose_nodes(
+        self, asked: list[str], context: grpc.aio.ServicerContext
+    ) -> list[str]:
+        if len(set(asked)) != len(asked):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"node_ids has duplicates: {sorted(asked)}"
+            )
+        if not asked:
+            nodes = sorted(n for n, s in self.view.nodes.items() if s.alive and s.outbox)
+        else:
+            for n in asked:
+                if n not in self.view.nodes:
+                    await context.abort(
+                        grpc.StatusCode.NOT_FOUND,
+                        f"node {n[:MAX_NODE_ID]!r} is not known to this driver; "
+                        "`unbroken nodes` lists them",
+                    )
+                slot = self.view.nodes[n]
+                if not (slot.alive and slot.outbox is not None):
+                    await context.abort(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"node {n!r} has no open stream (lost or disconnected); "
+                        "leave it out of --nodes",
+                    )
+            nodes = list(asked)
+        if len(nodes) < 2:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"a diagnosis needs at least 2 connected nodes, got {nodes}; "
+                "start more agents or name more --nodes",
+            )
+        return nodes
