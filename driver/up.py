@@ -51,7 +51,7 @@ class UpConfig:
     pp: int = 2
     tp: int = 2
     preset: str = "tiny"
-    steps: int = 400
+    steps: int = 2000
     duration_s: float = 90.0
     drill: bool = True
     standby: bool = True
@@ -413,7 +413,8 @@ async def _supervise(c: Cluster, w: Watcher, console: Any, t0: float) -> int:
                 await drill.advance(now)
             if live is not None:
                 live.update(_render(w, cfg, faults, now - t0))
-            finished = w.step() >= cfg.steps or (drill is not None and drill.done)
+            # with a drill, the run lasts until the drill is over (or the duration ends)
+            finished = drill.done if drill is not None else w.step() >= cfg.steps
             if finished and done_at is None:
                 done_at = now
             if now - t0 > cfg.duration_s or (done_at is not None and now - done_at > 3):
@@ -433,7 +434,13 @@ async def _supervise(c: Cluster, w: Watcher, console: Any, t0: float) -> int:
         f"get --prefix /unbroken/{cfg.job_id}/ --keys-only"
     )
     missed = [f for f in faults if f.detected_s is None]
-    return 1 if missed else 0
+    if drill is not None and (drill.plan or missed):
+        console.print(
+            f"[red]drill incomplete[/]: {len(missed)} fault(s) not detected, "
+            f"{len(drill.plan)} not injected before --duration {cfg.duration_s:.0f} s ran out"
+        )
+        return 1
+    return 0
 
 
 class _Drill:

@@ -31,7 +31,7 @@ def test_up_trains_drills_and_stops_everything(tmp_path: Path) -> None:
             "--tp",
             "1",
             "--steps",
-            "200",
+            "5000",
             "--duration",
             "150",
             "--run-dir",
@@ -51,7 +51,7 @@ def test_up_trains_drills_and_stops_everything(tmp_path: Path) -> None:
     assert "leader_elected×2" in text
     # nothing it started is left running: agents and drivers (their flags name the run dir)
     # and the workers (their command line is this run's trainer command)
-    worker_cmd = "unbroken.trainer.run --preset tiny --dp 1 --pp 2 --tp 1 --steps 200"
+    worker_cmd = "unbroken.trainer.run --preset tiny --dp 1 --pp 2 --tp 1 --steps 5000"
     leftovers = [
         p.info["pid"]
         for p in psutil.process_iter(["pid", "cmdline"])
