@@ -198,8 +198,11 @@ def _si(x: float) -> str:
     return f"{x:.3g}"
 
 
-def _fmt(x: float | None, spec: str) -> str:
-    return "∞" if x is None or math.isinf(x) else format(x, spec)
+def _fmt(x: object, spec: str) -> str:
+    if x is None or (isinstance(x, float) and math.isinf(x)):
+        return "∞"
+    assert isinstance(x, int | float), f"not a number: {x!r}"
+    return format(x, spec)
 
 
 def print_plan(plan: Plan) -> None:
