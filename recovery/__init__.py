@@ -1,7 +1,8 @@
 """unbroken.recovery: the library the agent and the trainer use to survive failures.
 
 - `flash`: per-rank, double-buffered flash copies in agent-owned shared memory
-  (`FlashOwner` for the agent, `FlashWriter` for the worker).
+  (`FlashOwner` for the agent, `FlashWriter` for the worker; `save_async` overlaps the
+  copy with the next step). `flashcopy`: the copy format (manifest, checksum, verify).
 - `persist`: background persistence to fsspec storage, checksum-verified, commit tracking.
 - `replica`: buddy replicas over TCP on a ring of nodes.
 - `restore`: the pure restore decision (step, source per rank, storage readers).

@@ -4,7 +4,9 @@ Real processes: the test (standing in for the agent) owns the flash store; a wor
 process trains a small model with dropout (so the RNG state matters), flash-saves after
 every step, and SIGKILLs itself in the middle of copying step 4. The owner then finds
 step 3 intact and step 4 invalid; a restarted worker restores step 3 from memory,
-resumes at step 4, and its losses equal an uninterrupted run's exactly.
+resumes at step 4, and its losses equal an uninterrupted run's exactly. Run twice: with
+synchronous saves, and with overlapped ones (`save_async` + the optimizer guard), where the
+kill lands on the writer's copy thread while the main thread runs the next step.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +31,7 @@ KILL_AT = 4
 REPO = Path(__file__).resolve().parents[2]
 
 
-def worker_main(root: str, out: str, kill_at: int, restore: bool) -> None:
+def worker_main(root: str, out: str, kill_at: int, restore: bool, overlap: bool = False) -> None:
     """One training worker (run in a subprocess)."""
     import torch
 
@@ -48,10 +51,13 @@ def worker_main(root: str, out: str, kill_at: int, restore: bool) -> None:
 
     def hook(i: int) -> None:
         if current["step"] == kill_at and i == 2:
+            Path(out + ".killer").write_text(threading.current_thread().name)
             os.kill(os.getpid(), signal.SIGKILL)
 
     # The provider would be the agent over its hook socket; here the same files directly.
     writer = FlashWriter(0, FlashOwner(FlashConfig(root=root, job="kill")), progress_hook=hook)
+    if overlap:
+        writer.guard([opt])
 
     def state() -> dict[str, object]:
         return {
@@ -81,16 +87,23 @@ def worker_main(root: str, out: str, kill_at: int, restore: bool) -> None:
         losses[step] = loss.item()
         Path(out).write_text(json.dumps(losses))
         current["step"] = step
-        writer.save(state(), step)  # the checksum/manifest finish in the background
+        if overlap:  # the copy overlaps the next step's forward/backward
+            writer.save_async(state(), step)
+        else:  # the checksum/manifest finish in the background
+            writer.save(state(), step)
     writer.close()
 
 
-def _spawn(root: str, out: Path, kill_at: int, restore: bool) -> subprocess.CompletedProcess[str]:
+def _spawn(
+    root: str, out: Path, kill_at: int, restore: bool, overlap: bool
+) -> subprocess.CompletedProcess[str]:
     code = (
         "import sys; from tests.integration.test_flash_kill import worker_main; "
-        "worker_main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == '1')"
+        "worker_main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == '1', "
+        "sys.argv[5] == '1')"
     )
-    args = [sys.executable, "-c", code, root, str(out), str(kill_at), "1" if restore else "0"]
+    flags = ["1" if restore else "0", "1" if overlap else "0"]
+    args = [sys.executable, "-c", code, root, str(out), str(kill_at), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
@@ -104,8 +117,9 @@ def shm() -> Iterator[str]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])
 def test_sigkilled_worker_restores_from_memory_and_matches_exactly(
-    shm: str, tmp_path: Path
+    shm: str, tmp_path: Path, overlap: bool
 ) -> None:
     from unbroken.recovery.flash import FlashConfig, FlashOwner
 
@@ -116,8 +130,10 @@ def test_sigkilled_worker_restores_from_memory_and_matches_exactly(
         shutil.rmtree(ref_root, ignore_errors=True)
     reference = json.loads((tmp_path / "ref.json").read_text())
 
-    killed = _spawn(shm, tmp_path / "killed.json", kill_at=KILL_AT, restore=False)
+    killed = _spawn(shm, tmp_path / "killed.json", kill_at=KILL_AT, restore=False, overlap=overlap)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
+    killer = (tmp_path / "killed.json.killer").read_text()
+    assert killer.startswith("flash-") if overlap else killer == "MainThread"
 
     owner = FlashOwner(FlashConfig(root=shm, job="kill"))
     copies = owner.copies()[0]
@@ -126,7 +142,7 @@ def test_sigkilled_worker_restores_from_memory_and_matches_exactly(
     assert [c.manifest.step for c in copies] == [KILL_AT - 1]
     assert all((owner.rank_dir(0) / f"slot-{s}.data").exists() for s in (0, 1))
 
-    restarted = _spawn(shm, tmp_path / "restarted.json", kill_at=-1, restore=True)
+    restarted = _spawn(shm, tmp_path / "restarted.json", kill_at=-1, restore=True, overlap=overlap)
     assert restarted.returncode == 0, restarted.stderr
     resumed = json.loads((tmp_path / "restarted.json").read_text())
     assert sorted(int(s) for s in resumed) == list(range(KILL_AT, STEPS + 1))

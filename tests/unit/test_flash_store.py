@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -368,3 +369,89 @@ def test_prepare_sizes_both_slots_before_the_first_save(owner: FlashOwner) -> No
     assert list_copies(owner.rank_dir(0)) == []  # sized, but no copy yet
     w.save(sd, 1).wait()  # type: ignore[union-attr]
     w.close()
+
+
+def test_save_async_roundtrip_and_skip_if_busy(owner: FlashOwner) -> None:
+    release = threading.Event()
+
+    def hold(i: int) -> None:
+        release.wait(10)
+
+    w = FlashWriter(0, owner, progress_hook=hold)
+    h = w.save_async(_state(1), 1)
+    assert h is not None and not h.copied()  # the copy waits on the hook: still in flight
+    assert w.save_async(_state(2), 2, skip_if_busy=True) is None
+    release.set()
+    assert h.wait().step == 1 and h.copied()
+    h2 = w.save_async(_state(2), 2)
+    assert h2 is not None and h2.wait().step == 2
+    target = _zeros_like(_state(0))
+    w.load(target)
+    _assert_same(_state(2), target)
+    w.close()
+
+
+def test_failed_overlapped_copy_surfaces_once_and_keeps_last_copy(owner: FlashOwner) -> None:
+    class Crash(Exception):
+        pass
+
+    step = {"n": 0}
+
+    def crash(i: int) -> None:
+        if step["n"] == 2 and i == 2:
+            raise Crash
+
+    w = FlashWriter(0, owner, progress_hook=crash)
+    step["n"] = 1
+    w.save_async(_state(1), 1).wait()  # type: ignore[union-attr]
+    step["n"] = 2
+    h = w.save_async(_state(2), 2)
+    assert h is not None
+    with pytest.raises(Crash):
+        w.wait_copied()  # what the optimizer guard calls
+    with pytest.raises(Crash):
+        h.wait()
+    assert [r.manifest.step for r in list_copies(owner.rank_dir(0))] == [1]
+    with pytest.raises(Crash):  # the next save reports it, once
+        w.save_async(_state(3), 3)
+    step["n"] = 3
+    assert w.save_async(_state(3), 3).wait().step == 3  # type: ignore[union-attr]
+    assert [r.manifest.step for r in list_copies(owner.rank_dir(0))] == [3, 1]
+    w.close()
+
+
+@pytest.mark.parametrize("every_optimizer", [False, True], ids=["listed", "global"])
+def test_guard_makes_optimizer_step_wait_for_the_copy(
+    owner: FlashOwner, every_optimizer: bool
+) -> None:
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    release = threading.Event()
+    w = FlashWriter(0, owner, progress_hook=lambda i: release.wait(10))
+    guards = w.guard(None if every_optimizer else [opt])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    h = w.save_async({"model": model.state_dict()}, 1)
+    assert h is not None
+    model(torch.ones(1, 4)).sum().backward()
+    threading.Timer(0.2, release.set).start()
+    opt.step()  # waits in the guard until the copy is out
+    assert h.copied() and h.blocked_s > 0
+    target = {"model": {k: torch.zeros_like(v) for k, v in before.items()}}
+    w.load(target)
+    _assert_same({"model": before}, target)
+    for g in guards:
+        g.remove()
+    w.close()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [True, 1, 2**70, 0.0, -0.0, float("-inf"), "s", None, (0.9, 0.95), [1, 2], {"a": (1,)}],
+)
+def test_small_values_keep_their_type_and_sign(value: Any) -> None:
+    from unbroken.recovery.flash import _dump_object, load_object
+
+    for probe in (1, 0.0, value):  # after equal-but-different values were cached
+        load_object(_dump_object(probe))
+    back = load_object(_dump_object(value))
+    assert repr(back) == repr(value) and type(back) is type(value)

@@ -1,0 +1,296 @@
+"""The format of one flash copy in shared memory: slots, manifests, checksums.
+
+A rank's directory holds two slots, `slot-{i}.data` (the tensors' bytes, each at a 64-byte
+aligned offset) and `slot-{i}.manifest` (step, generation, entries, small values, checksum
+of the data; JSON with a CRC of its own). A slot is a valid copy exactly when its manifest
+exists and parses, and its data matches the checksum (`read_copy` verifies). Everything
+here is shared by the writer (`unbroken.recovery.flash`), the agent's owner side,
+persistence, buddy replicas and resharding; `unbroken.recovery.flash` re-exports it.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import mmap
+import os
+import warnings
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+import xxhash
+
+log = structlog.get_logger(__name__)
+
+MANIFEST_VERSION = 1
+LOCAL_STORE = "local"
+ALIGN = 64  # byte alignment of every tensor in a slot
+CHECKSUM_CHUNK = 64 << 20  # hash in pieces so a background thread yields the GIL often
+CHECKSUM_ALGO = "xxh3_64"
+
+
+class FlashError(Exception):
+    """Base class for flash-store errors."""
+
+
+class ShmTooSmallError(FlashError):
+    """The shared-memory file system cannot hold the requested slots."""
+
+
+class CorruptCopyError(FlashError):
+    """A copy's bytes do not match its manifest (truncated, bit-flipped or overwritten)."""
+
+
+class NoCopyError(FlashError):
+    """No valid copy exists for the requested rank (and step)."""
+
+
+def replica_store(node: str) -> str:
+    """The store name under which a buddy keeps `node`'s replicated copies."""
+    if not node or "/" in node or node.startswith("."):
+        raise ValueError(f"node name {node!r} cannot name a replica store (no '/', not empty)")
+    return f"replica-{node}"
+
+
+def new_hasher() -> xxhash.xxh3_64:
+    """An incremental hasher of copy data (`update(bytes)`, `intdigest()`)."""
+    return xxhash.xxh3_64()
+
+
+def checksum(buf: memoryview | bytes | bytearray | mmap.mmap) -> int:
+    """The checksum of a copy's data: xxh3-64, fed in chunks."""
+    mv = memoryview(buf).cast("B")
+    h = new_hasher()
+    for start in range(0, len(mv), CHECKSUM_CHUNK):
+        h.update(mv[start : start + CHECKSUM_CHUNK])
+    return h.intdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """Where one tensor (or one DTensor's local shard) lives inside a slot."""
+
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """What makes a slot a valid copy: written only after every byte is in place."""
+
+    rank: int
+    step: int
+    generation: int
+    data_nbytes: int
+    checksum: int
+    entries: tuple[TensorEntry, ...]
+    objects: Mapping[str, bytes]  # flattened key -> torch.save bytes of a non-tensor value
+    meta: Mapping[str, Any] = field(default_factory=dict)  # e.g. the mesh layout
+    created_unix: float = 0.0
+
+    def to_bytes(self) -> bytes:
+        """Serialise as JSON (objects base64) so any process can read it without pickle."""
+        doc = {
+            "version": MANIFEST_VERSION,
+            "rank": self.rank,
+            "step": self.step,
+            "generation": self.generation,
+            "data_nbytes": self.data_nbytes,
+            "checksum": self.checksum,
+            "checksum_algo": CHECKSUM_ALGO,
+            "entries": [
+                [e.fqn, e.dtype, e.shape, e.offset, e.nbytes, e.global_shape, e.global_offset]
+                for e in self.entries
+            ],
+            "objects": {k: base64.b64encode(v).decode() for k, v in self.objects.items()},
+            "meta": dict(self.meta),
+            "created_unix": self.created_unix,
+        }
+        body = json.dumps(doc, separators=(",", ":")).encode()
+        return body + b"\n" + f"{zlib.crc32(body):08x}".encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Manifest:
+        """Parse and verify a manifest; raises CorruptCopyError when it is damaged."""
+        body, sep, crc = raw.rpartition(b"\n")
+        if not sep or crc != f"{zlib.crc32(body):08x}".encode():
+            raise CorruptCopyError("manifest checksum mismatch (truncated or corrupted manifest)")
+        doc = json.loads(body)
+        if doc.get("version") != MANIFEST_VERSION:
+            raise CorruptCopyError(f"manifest version {doc.get('version')} is not supported")
+        if doc.get("checksum_algo") != CHECKSUM_ALGO:
+            raise CorruptCopyError(f"checksum {doc.get('checksum_algo')!r} is not {CHECKSUM_ALGO}")
+        return cls(
+            rank=doc["rank"],
+            step=doc["step"],
+            generation=doc["generation"],
+            data_nbytes=doc["data_nbytes"],
+            checksum=doc["checksum"],
+            entries=tuple(
+                TensorEntry(f, d, tuple(s), o, n, tuple(gs), tuple(go))
+                for f, d, s, o, n, gs, go in doc["entries"]
+            ),
+            objects={k: base64.b64decode(v) for k, v in doc["objects"].items()},
+            meta=doc["meta"],
+            created_unix=doc["created_unix"],
+        )
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """`"float32"` -> `torch.float32`, rejecting anything that is not a dtype."""
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise CorruptCopyError(f"unknown dtype {name!r} in manifest")
+    return dt
+
+
+def tensor_view(buf: memoryview | bytearray | mmap.mmap, entry: TensorEntry) -> torch.Tensor:
+    """A zero-copy tensor over `entry`'s bytes in `buf` (read-only when `buf` is)."""
+    dt = dtype_from_name(entry.dtype)
+    if entry.nbytes == 0:
+        return torch.empty(entry.shape, dtype=dt)
+    with warnings.catch_warnings():
+        # Read-only mappings give read-only tensors; callers only copy out of them.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        flat = torch.frombuffer(buf, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
+    return flat.view(dt).view(entry.shape)
+
+
+def load_object(raw: bytes) -> Any:
+    """Decode a non-tensor value saved in a manifest (weights_only: no arbitrary code)."""
+    return torch.load(io.BytesIO(raw), weights_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class CopyRef:
+    """One valid-looking copy on disk (its data is verified only by `read_copy`)."""
+
+    rank_dir: Path
+    slot: int
+    manifest: Manifest
+
+    @property
+    def data_path(self) -> Path:
+        """The slot's data file."""
+        return self.rank_dir / f"slot-{self.slot}.data"
+
+
+def manifest_path(rank_dir: Path, slot: int) -> Path:
+    return rank_dir / f"slot-{slot}.manifest"
+
+
+def data_path(rank_dir: Path, slot: int) -> Path:
+    return rank_dir / f"slot-{slot}.data"
+
+
+def read_manifest(rank_dir: Path, slot: int) -> Manifest | None:
+    """The slot's manifest, or None when the slot holds no complete copy."""
+    try:
+        raw = manifest_path(rank_dir, slot).read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        return Manifest.from_bytes(raw)
+    except (CorruptCopyError, ValueError, KeyError) as e:
+        log.warning("flash.manifest_unreadable", dir=str(rank_dir), slot=slot, error=str(e))
+        return None
+
+
+def list_copies(rank_dir: Path) -> list[CopyRef]:
+    """Copies with a manifest in `rank_dir`, newest generation first."""
+    refs = []
+    for slot in (0, 1):
+        m = read_manifest(rank_dir, slot)
+        if m is not None:
+            refs.append(CopyRef(rank_dir, slot, m))
+    return sorted(refs, key=lambda r: r.manifest.generation, reverse=True)
+
+
+def find_copy(rank_dir: Path, step: int | None = None) -> CopyRef:
+    """The newest copy (or the copy of `step`) in `rank_dir`; raises NoCopyError."""
+    for ref in list_copies(rank_dir):
+        if step is None or ref.manifest.step == step:
+            return ref
+    want = "any step" if step is None else f"step {step}"
+    raise NoCopyError(f"no flash copy of {want} in {rank_dir}")
+
+
+def read_copy(ref: CopyRef) -> mmap.mmap:
+    """The copy's data, mapped read-only, verified against its manifest and re-checked.
+
+    Returns:
+        A read-only mapping of the slot (zero-copy).
+
+    Raises:
+        CorruptCopyError: the bytes do not match the checksum, the file is truncated, or
+            the slot was overwritten while it was read.
+    """
+    m = ref.manifest
+    try:
+        fd = os.open(ref.data_path, os.O_RDONLY)
+    except FileNotFoundError as e:
+        raise CorruptCopyError(f"{ref.data_path} is gone") from e
+    try:
+        size = os.fstat(fd).st_size
+        if size < m.data_nbytes:
+            raise CorruptCopyError(f"{ref.data_path} truncated: {size} of {m.data_nbytes} bytes")
+        if m.data_nbytes == 0:
+            return mmap.mmap(-1, 1)
+        # Read-only and shared: a private writable mapping would copy every page on
+        # MAP_POPULATE. Tensors over it are only ever copied from.
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        data = mmap.mmap(fd, m.data_nbytes, flags=flags, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    if checksum(memoryview(data)[: m.data_nbytes]) != m.checksum:
+        data.close()
+        raise CorruptCopyError(f"{ref.data_path} checksum mismatch at step {m.step}")
+    if read_manifest(ref.rank_dir, ref.slot) != m:
+        data.close()
+        raise CorruptCopyError(f"{ref.data_path} was overwritten while it was read")
+    return data
+
+
+def write_raw_copy(rank_dir: Path, manifest: Manifest, data: memoryview | bytes) -> CopyRef:
+    """Store an already-serialised copy (a replica or a restored file) double-buffered.
+
+    The caller has verified `data` against `manifest`. The slot not holding the newest
+    copy is invalidated, filled, and then its manifest is renamed into place.
+    """
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    refs = list_copies(rank_dir)
+    slot = 1 - refs[0].slot if refs else 0
+    manifest_path(rank_dir, slot).unlink(missing_ok=True)
+    with open(data_path(rank_dir, slot), "wb") as f:
+        f.write(data)
+    write_manifest(rank_dir, slot, manifest)
+    return CopyRef(rank_dir, slot, manifest)
+
+
+def manifest_sig(rank_dir: Path) -> tuple[Any, ...]:
+    """Identity of both slots' manifest files (a rename gives a new inode)."""
+    sig: list[Any] = []
+    for slot in (0, 1):
+        try:
+            st = os.stat(manifest_path(rank_dir, slot))
+            sig.append((st.st_ino, st.st_mtime_ns, st.st_size))
+        except FileNotFoundError:
+            sig.append(None)
+    return tuple(sig)
+
+
+def write_manifest(rank_dir: Path, slot: int, manifest: Manifest) -> None:
+    tmp = rank_dir / f".slot-{slot}.manifest.tmp"
+    tmp.write_bytes(manifest.to_bytes())
+    os.replace(tmp, manifest_path(rank_dir, slot))
