@@ -10,7 +10,7 @@ export PYTHONDONTWRITEBYTECODE = 1
 # CI runs the subset that fits in its budget; `make test-all` runs every test.
 PYTEST_ARGS ?= -m "not slow" -x --durations=15
 
-.PHONY: run test test-all chaos proto lint bench bench-% clean venv
+.PHONY: run test test-all proto lint bench bench-% clean venv
 
 venv: $(STAMP)
 
@@ -31,9 +31,6 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest --durations=25
-
-chaos: $(STAMP)
-	$(PY) -m pytest tests/chaos --durations=25
 
 proto: $(STAMP)
 	$(PY) proto/generate.py
