@@ -3,7 +3,8 @@
 The driver's RunCheck command carries a JSON spec; the agent runs
 `python -m unbroken.diagnostics.check --spec '<json>'` (the diagnostics package owns the
 check itself) with the agent's injected fault added to the spec as "fault", and returns
-the last stdout line that parses as JSON. A timeout kills the check.
+the last stdout line that parses as JSON. A timeout kills the check. Checks run at a
+lower CPU priority than the agent and die with it (see `workers.exec_wrapper`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import json
 import sys
 
+from unbroken.agent.workers import exec_wrapper
 from unbroken.proto import driver_pb2 as dpb
 
 CHECK_MODULE = "unbroken.diagnostics.check"
@@ -42,6 +44,8 @@ async def run_check(
         res.stderr_tail = str(e)
         return res
     proc = await asyncio.create_subprocess_exec(
+        # below the agent's priority, and killed with it, like a worker
+        *exec_wrapper(nice=5, die_with_agent=True),
         sys.executable,
         "-m",
         module,

@@ -6,6 +6,10 @@ every interval on an absolute schedule (no drift). A heartbeat carries every loc
 worker's status; host and GPU counters about once a second; log alerts since the last
 one; and flags telling the driver when something needs a detector's attention.
 
+With workers, the agent also owns the node's flash-checkpoint memory (agent/flash.py):
+created before the workers start, persisted and replicated to the buddy in the
+background, freed on a clean shutdown.
+
 Driver endpoints are a list: a driver that is not the leader answers UNAVAILABLE with the
 leader's address, which the agent tries next; other failures move to the next endpoint
 after a jittered exponential backoff. Without a successful registration for
@@ -27,6 +31,7 @@ import grpc
 import structlog
 
 from unbroken.agent import checks, probes
+from unbroken.agent.flash import NodeFlash, NodeFlashConfig
 from unbroken.agent.hookserver import HookServer
 from unbroken.agent.workers import Supervisor, WorkerSpec
 from unbroken.proto import channel
@@ -71,6 +76,7 @@ class AgentConfig:
     tls_ca: str | None = None
     token: str | None = None
     fault: str = ""
+    flash: NodeFlashConfig | None = None  # None: no flash store (no workers, or disabled)
 
     def __post_init__(self) -> None:
         if not self.drivers:
@@ -114,6 +120,11 @@ class Agent:
         self.interval_s = config.heartbeat_interval_ms / 1000.0
         self.supervisor = Supervisor(config.workers, config.socket_path) if config.workers else None
         self.hooks = HookServer(config.socket_path, self.supervisor) if self.supervisor else None
+        self.flash: NodeFlash | None = None
+        if config.flash is not None and config.workers is not None:
+            spec = config.workers
+            self.flash = NodeFlash(config.flash, spec.world_size or spec.nnodes * spec.nproc)
+            spec.extra_env.update(self.flash.env())
         self.gpus = probes.Gpus()
         self.endpoints = list(config.drivers)
         self.current = 0
@@ -162,6 +173,8 @@ class Agent:
         if self.hooks is not None:
             await self.hooks.start()
         try:
+            if self.flash is not None:
+                await self.flash.start()
             if self.supervisor is not None and self.config.start_workers:
                 await self.supervisor.start_all()
             connect = asyncio.create_task(self._connect_loop())
@@ -184,6 +197,9 @@ class Agent:
                 await self.supervisor.stop_all(grace_s=2.0)
             if self.hooks is not None:
                 self.hooks.close()
+            if self.flash is not None:
+                # Keep the copies when the agent fails: a restarted agent can use them.
+                await self.flash.close(clean=self.exit_code == 0)
         return self.exit_code
 
     async def _connect_loop(self) -> None:
@@ -371,6 +387,8 @@ class Agent:
             if p.world_size:
                 sup.spec.world_size = p.world_size
                 sup.spec.rank_base = p.global_rank_base
+                if self.flash is not None:
+                    self.flash.world_size = p.world_size
             if p.master_addr:
                 sup.spec.master_addr, sup.spec.master_port = p.master_addr, p.master_port
             await sup.stop_all(grace_s=2.0)

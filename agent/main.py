@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 import structlog
 
 from unbroken.agent.daemon import Agent, AgentConfig
+from unbroken.agent.flash import NodeFlashConfig, default_persist_url
 from unbroken.agent.workers import DEFAULT_KEYWORDS, WorkerSpec
 
 
@@ -64,11 +66,49 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token", default=None, help="bearer token for the driver")
     parser.add_argument("--token-file", default=None, help="file holding the bearer token")
     parser.add_argument("--log-format", choices=("console", "json"), default="console")
+    parser.add_argument(
+        "--worker-nice",
+        type=int,
+        default=5,
+        help="niceness added for workers and checks, so heartbeats keep the CPU (default 5)",
+    )
+    g = parser.add_argument_group("flash checkpoints")
+    g.add_argument("--no-flash", action="store_true", help="own no flash-checkpoint memory")
+    g.add_argument(
+        "--flash-dir",
+        default=None,
+        help="tmpfs folder for flash copies (default /dev/shm/unbroken/<flash node>, so "
+        "several agents on one host never share one)",
+    )
+    g.add_argument("--flash-job", default="default", help="job name (a folder in --flash-dir)")
+    g.add_argument(
+        "--flash-node",
+        default=None,
+        help="ring slot this node fills (default: --node-id); a replacement for a lost node "
+        "passes the lost node's name to get its copies back from the buddy",
+    )
+    g.add_argument(
+        "--persist-url",
+        default=None,
+        help="fsspec URL or directory for persisted copies (default: <log-dir>/checkpoints)",
+    )
+    g.add_argument("--keep-checkpoints", type=int, default=3, help="persisted steps kept")
+    g.add_argument(
+        "--replica-listen",
+        default="127.0.0.1:0",
+        help="host:port of this node's replica server (port 0: a free one)",
+    )
+    g.add_argument(
+        "--buddy",
+        default="",
+        help="host:port of the next node's replica server (the ring); empty: no replicas",
+    )
 
 
 def config_from_args(ns: argparse.Namespace) -> AgentConfig:
     """An `AgentConfig` from parsed flags (ValueError naming the bad one)."""
     spec = None
+    flash = None
     if ns.worker_cmd:
         spec = WorkerSpec(
             cmd=WorkerSpec.split(ns.worker_cmd),
@@ -80,7 +120,19 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
             log_dir=ns.log_dir or tempfile.mkdtemp(prefix="unbroken-agent-logs-"),
             keywords=tuple(k for k in ns.keywords.split(",") if k),
             fault=ns.inject_fault,
+            nice=ns.worker_nice,
         )
+        if not ns.no_flash:
+            node = ns.flash_node or ns.node_id or socket.gethostname()
+            flash = NodeFlashConfig(
+                root=ns.flash_dir or f"/dev/shm/unbroken/{node}",
+                job=ns.flash_job,
+                node=node,
+                persist_url=ns.persist_url or default_persist_url(spec.log_dir),
+                keep=ns.keep_checkpoints,
+                listen=ns.replica_listen,
+                buddy=ns.buddy,
+            )
     kw = {"node_id": ns.node_id} if ns.node_id else {}
     return AgentConfig(
         drivers=[d.strip() for d in ns.driver.split(",") if d.strip()],
@@ -95,6 +147,7 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
         tls_ca=ns.tls_ca,
         token=read_token(ns.token, ns.token_file),
         fault=ns.inject_fault,
+        flash=flash,
         **kw,
     )
 

@@ -7,6 +7,15 @@ stdout and stderr go to one log file per rank; every line is scanned for keyword
 a hit becomes an alert in the next heartbeat. Output is read in chunks, not lines, so an
 absurdly long line cannot exhaust memory: it is cut at `max_line_chars`.
 
+Workers must not outlive their agent, and must not starve it: each is started through an
+exec wrapper, `setpriv --pdeathsig KILL` (util-linux; the kernel kills the worker when the
+agent dies, even by SIGKILL) and `nice -n 5` (so the agent's 100 ms heartbeats keep the
+CPU while 8 workers import torch on 2 cores). Both exec, so the worker keeps the pid the
+agent spawned and the agent stays its parent. No `preexec_fn`: forking with a callback
+while gRPC threads run crashed the agent (SIGSEGV). `UNBROKEN_AGENT_PID` lets the worker
+(trainer/hooks.py) check that its parent is still the agent, closing the race in which
+the agent dies between the fork and the prctl.
+
 Before a worker is killed on command its Python stacks can be dumped: with py-spy when it
 is installed, else by SIGUSR1 to a worker that registered faulthandler through
 trainer/hooks.py (a SIGSTOPped worker is continued first so it can run the handler).
@@ -60,6 +69,8 @@ class WorkerSpec:
     max_line_chars: int = 2048
     fault: str = ""
     extra_env: dict[str, str] = field(default_factory=dict)
+    nice: int = 5  # added to the agent's niceness for workers (0: same priority)
+    die_with_agent: bool = True  # setpriv --pdeathsig KILL
 
     def __post_init__(self) -> None:
         if not self.cmd:
@@ -72,6 +83,8 @@ class WorkerSpec:
             raise ValueError(f"master_port must be in [1, 65535], got {self.master_port}")
         if self.max_line_chars < 80:
             raise ValueError(f"max_line_chars must be >= 80, got {self.max_line_chars}")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"nice must be in [0, 19] (--worker-nice), got {self.nice}")
 
     @staticmethod
     def split(cmd: str) -> list[str]:
@@ -94,12 +107,36 @@ class WorkerSpec:
                 "MASTER_ADDR": self.master_addr,
                 "MASTER_PORT": str(self.master_port),
                 "UNBROKEN_AGENT_SOCKET": socket_path,
+                "UNBROKEN_AGENT_PID": str(os.getpid()),
                 "PYTHONUNBUFFERED": "1",
             }
         )
         if self.fault:
             env["UNBROKEN_FAULT"] = self.fault
         return env
+
+
+def exec_wrapper(*, nice: int, die_with_agent: bool) -> list[str]:
+    """The command prefix that lowers a child's priority and ties it to the agent's life.
+
+    `setpriv` and `nice` each exec the next program, so the child keeps its pid and its
+    parent. A missing tool is skipped with a warning (the worker's own prctl in
+    trainer/hooks.py still applies).
+    """
+    out: list[str] = []
+    if die_with_agent:
+        setpriv = shutil.which("setpriv")
+        if setpriv:
+            out += [setpriv, "--pdeathsig", "KILL", "--"]
+        else:
+            log.warning("setpriv not found (util-linux): workers may outlive a killed agent")
+    if nice:
+        nice_bin = shutil.which("nice")
+        if nice_bin:
+            out += [nice_bin, "-n", str(nice)]
+        else:
+            log.warning("nice not found (coreutils): workers run at the agent's priority")
+    return out
 
 
 class Worker:
@@ -188,6 +225,7 @@ class Supervisor:
         self.workers[local_rank] = w
         logf = open(w.log_path, "ab", buffering=0)  # closed by _reap
         w.proc = await asyncio.create_subprocess_exec(
+            *exec_wrapper(nice=spec.nice, die_with_agent=spec.die_with_agent),
             *spec.cmd,
             env=spec.env(local_rank, self.socket_path),
             stdout=asyncio.subprocess.PIPE,

@@ -9,7 +9,11 @@ checksum is refused and never stored.
 
 Wire format, per copy: one JSON header line (`node`, `rank`, `manifest_len`,
 `data_len`), the manifest, the data; the buddy answers one JSON line (`ok`, `error`).
-Sizes are bounded by `ReplicaConfig.max_copy_bytes`; every read has a deadline.
+A replacement node gets a lost node's copies back with `fetch_replica`: the header line
+`{"op": "get", "node": ...}` makes the buddy stream each rank's newest replica (a header
+line, the manifest, the data per copy, then `{"done": true}`); the fetcher verifies every
+checksum before storing a copy. Sizes are bounded by `ReplicaConfig.max_copy_bytes`;
+every read has a deadline.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from unbroken.recovery.flash import (
     CorruptCopyError,
     FlashOwner,
     Manifest,
+    list_copies,
     new_hasher,
     read_manifest,
     replica_store,
@@ -106,7 +111,9 @@ class ReplicaServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            reply = await asyncio.wait_for(self._receive(reader), self.config.timeout_s)
+            reply = await asyncio.wait_for(self._dispatch(reader, writer), self.config.timeout_s)
+            if reply is None:  # a fetch: the copies are sent already
+                return
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError) as e:
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         if not reply["ok"]:
@@ -120,38 +127,151 @@ class ReplicaServer:
         finally:
             writer.close()
 
-    async def _receive(self, reader: asyncio.StreamReader) -> dict[str, object]:
+    async def _dispatch(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> dict[str, object] | None:
         line = await reader.readline()
         if len(line) > MAX_HEADER or not line.endswith(b"\n"):
             raise ValueError("replica header too long or missing")
         head = json.loads(line)
-        node, rank = str(head["node"]), int(head["rank"])
-        mlen, dlen = int(head["manifest_len"]), int(head["data_len"])
+        if head.get("op", "put") == "get":
+            await self._serve_get(str(head["node"]), writer)
+            writer.close()
+            return None
+        return await self._receive(reader, head)
+
+    async def _serve_get(self, node: str, writer: asyncio.StreamWriter) -> None:
+        store = replica_store(node)
+        sent = 0
+        for rank in self.owner.ranks(store):
+            refs = list_copies(self.owner.rank_dir(rank, store))
+            if not refs:
+                continue
+            ref = refs[0]
+            m = ref.manifest
+            head = m.to_bytes()
+            hdr = {"rank": rank, "manifest_len": len(head), "data_len": m.data_nbytes}
+            writer.write(json.dumps(hdr).encode() + b"\n" + head)
+            await _stream_file(ref, writer)
+            sent += 1
+        writer.write(json.dumps({"done": True, "count": sent}).encode() + b"\n")
+        await writer.drain()
+        log.info("replica.served", node=node, copies=sent)
+
+    async def _receive(
+        self, reader: asyncio.StreamReader, head: dict[str, object]
+    ) -> dict[str, object]:
+        node, rank = str(head["node"]), int(head["rank"])  # type: ignore[call-overload]
+        mlen, dlen = int(head["manifest_len"]), int(head["data_len"])  # type: ignore[call-overload]
         if (
             not 0 < mlen <= self.config.max_copy_bytes
             or not 0 <= dlen <= self.config.max_copy_bytes
         ):
             raise ValueError(f"copy of {dlen} bytes exceeds the limit {self.config.max_copy_bytes}")
         manifest = Manifest.from_bytes(await reader.readexactly(mlen))
-        data = bytearray(dlen)
-        view = memoryview(data)
-        got, hasher = 0, new_hasher()
-        while got < dlen:
-            chunk = await reader.read(min(SEND_CHUNK, dlen - got))
-            if not chunk:
-                raise asyncio.IncompleteReadError(b"", dlen - got)
-            view[got : got + len(chunk)] = chunk
-            hasher.update(chunk)
-            got += len(chunk)
+        view, crc = await _read_data(reader, dlen)
         if manifest.rank != rank or manifest.data_nbytes != dlen:
             return {"ok": False, "error": "header does not match the manifest"}
-        if hasher.intdigest() != manifest.checksum:
+        if crc != manifest.checksum:
             return {"ok": False, "error": f"checksum mismatch for rank {rank} step {manifest.step}"}
         rank_dir = self.owner.rank_dir(rank, replica_store(node))
         await asyncio.to_thread(write_raw_copy, rank_dir, manifest, view)
         self.received += 1
         log.info("replica.stored", node=node, rank=rank, step=manifest.step, bytes=dlen)
         return {"ok": True, "error": ""}
+
+
+async def _read_data(reader: asyncio.StreamReader, nbytes: int) -> tuple[memoryview, int]:
+    """Read `nbytes` of copy data; returns them and their checksum."""
+    data = bytearray(nbytes)
+    view = memoryview(data)
+    got, hasher = 0, new_hasher()
+    while got < nbytes:
+        chunk = await reader.read(min(SEND_CHUNK, nbytes - got))
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"", nbytes - got)
+        view[got : got + len(chunk)] = chunk
+        hasher.update(chunk)
+        got += len(chunk)
+    return view, hasher.intdigest()
+
+
+async def _stream_file(ref: CopyRef, writer: asyncio.StreamWriter) -> None:
+    """Write a copy's data bytes to `writer`."""
+    left = ref.manifest.data_nbytes
+    with open(ref.data_path, "rb") as f:
+        while left:
+            chunk = f.read(min(SEND_CHUNK, left))
+            if not chunk:
+                raise CorruptCopyError(f"{ref.data_path} is shorter than its manifest")
+            writer.write(chunk)
+            await writer.drain()
+            left -= len(chunk)
+
+
+async def fetch_replica(
+    owner: FlashOwner,
+    node: str,
+    host: str,
+    port: int,
+    *,
+    config: ReplicaConfig | None = None,
+) -> list[CopyRef]:
+    """Get `node`'s replicated copies back from its buddy into `owner`'s `replica-<node>`.
+
+    Used by a node that replaces `node`: its workers then restore from these copies.
+    Every copy is verified against its checksum before it is stored; a bad one is skipped
+    (and logged), never stored.
+
+    Args:
+        owner: this node's flash store.
+        node: the lost node whose copies the buddy holds.
+        host: the buddy's replica server.
+        port: its port.
+        config: limits (`timeout_s` bounds the whole fetch).
+
+    Returns:
+        The copies stored.
+
+    Raises:
+        ConnectionError, OSError, TimeoutError: the buddy is unreachable or too slow.
+        ValueError: the buddy sent a malformed header.
+    """
+    cfg = config or ReplicaConfig()
+    store = replica_store(node)
+
+    async def go() -> list[CopyRef]:
+        reader, writer = await asyncio.open_connection(host, port)
+        stored: list[CopyRef] = []
+        try:
+            writer.write(json.dumps({"op": "get", "node": node}).encode() + b"\n")
+            await writer.drain()
+            while True:
+                line = await reader.readline()
+                if len(line) > MAX_HEADER or not line.endswith(b"\n"):
+                    raise ValueError("replica fetch: header too long or missing")
+                head = json.loads(line)
+                if head.get("done"):
+                    return stored
+                rank, mlen, dlen = (
+                    int(head["rank"]),
+                    int(head["manifest_len"]),
+                    int(head["data_len"]),
+                )
+                if not 0 < mlen <= cfg.max_copy_bytes or not 0 <= dlen <= cfg.max_copy_bytes:
+                    raise ValueError(f"replica fetch: copy of {dlen} bytes exceeds the limit")
+                manifest = Manifest.from_bytes(await reader.readexactly(mlen))
+                view, crc = await _read_data(reader, dlen)
+                if crc != manifest.checksum or manifest.rank != rank:
+                    log.warning("replica.fetch_refused", node=node, rank=rank, step=manifest.step)
+                    continue
+                rank_dir = owner.rank_dir(rank, store)
+                stored.append(await asyncio.to_thread(write_raw_copy, rank_dir, manifest, view))
+                log.info("replica.fetched", node=node, rank=rank, step=manifest.step, bytes=dlen)
+        finally:
+            writer.close()
+
+    return await asyncio.wait_for(go(), cfg.timeout_s)
 
 
 async def send_copy(

@@ -5,13 +5,16 @@ per step. Each call is one datagram on the agent's unix socket (env
 `UNBROKEN_AGENT_SOCKET`): no connection, no thread, no gRPC, no torch, a few microseconds;
 when the agent is gone or its buffer is full the report is dropped rather than slowing
 the step. `install()` also registers a faulthandler stack dump on SIGUSR1 so the agent
-can dump a hung worker's Python stacks before it kills it. Outside an agent (no env
-variable) every call is a no-op.
+can dump a hung worker's Python stacks before it kills it, and ties the worker's life to
+its agent's (`die_with_agent`: PR_SET_PDEATHSIG, then a check that the parent is still the
+agent named in `UNBROKEN_AGENT_PID`, which closes the race of an agent dying before the
+prctl). Outside an agent (no env variable) every call is a no-op.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import faulthandler
 import os
 import signal
@@ -23,7 +26,53 @@ from unbroken.proto import hooks_pb2 as hpb
 
 ENV_SOCKET = "UNBROKEN_AGENT_SOCKET"
 ENV_LOCAL_RANK = "LOCAL_RANK"
+ENV_AGENT_PID = "UNBROKEN_AGENT_PID"
 STACK_SIGNAL = signal.SIGUSR1
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_agent() -> bool:
+    """Have the kernel SIGKILL this process when its parent (the agent) dies.
+
+    The agent also starts workers under `setpriv --pdeathsig KILL`; this covers workers
+    started some other way. Setting the signal in the worker itself is safe (no fork with
+    threads involved). If the parent is already not the agent, the agent died before the
+    signal was armed: exit at once instead of training as an orphan.
+
+    Returns:
+        True when the death signal is armed (Linux, under an agent).
+    """
+    agent = os.environ.get(ENV_AGENT_PID, "")
+    if not agent.isdigit() or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if int(agent) not in _ancestors():
+        print(
+            f"unbroken: agent {agent} is gone (parent is now {os.getppid()}); exiting",
+            file=sys.stderr,
+        )
+        os._exit(70)
+    return True
+
+
+def _ancestors(limit: int = 8) -> list[int]:
+    """Pids of this process's parent, grandparent, ... (a worker may run under a shell)."""
+    out, pid = [], os.getppid()
+    for _ in range(limit):
+        if pid <= 1:
+            break
+        out.append(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return out
 
 
 class Hooks:
@@ -125,6 +174,8 @@ def install(*, stack_signal: bool = True) -> Hooks:
     global _default
     if _default is None:
         _default = Hooks()
+        if _default.enabled:
+            die_with_agent()
         if stack_signal and _default.enabled:
             faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
         _default.hello(stack_signal=stack_signal and _default.enabled)

@@ -5,6 +5,9 @@ MASTER_ADDR and MASTER_PORT from the environment (a single process needs none of
 joins the process group, loads the trainer plugin named by `--trainer` from the
 `unbroken.trainers` entry points, optionally resumes from a DCP checkpoint, trains, reports
 every step to the local agent when one is listening (trainer/hooks.py), and always closes.
+Under an agent that owns a flash store (trainer/flashckpt.py) it first restores the newest
+step every rank can obtain (memory, buddy replica, storage) and resumes at the next step,
+and flash-saves its full sharded state every `--flash-every` steps (default 1 there).
 Exit codes: 0 done, 1 training failed, 2 bad flags.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -59,8 +63,13 @@ def train(
     save_to: str | None = None,
     metrics_out: str | None = None,
     log_every: int = 10,
+    flash_every: int | None = None,
 ) -> list[dict[str, Any]]:
     """Train `config.steps` steps (counting a resumed step) inside an existing process group.
+
+    Args:
+        flash_every: flash-save every this many steps; None: 1 under an agent with a flash
+            store, else off; 0: off (and no flash restore).
 
     Returns:
         This rank's metrics, one dict per step run here.
@@ -68,6 +77,7 @@ def train(
     import torch.distributed as dist
 
     from unbroken.trainer import checkpoint
+    from unbroken.trainer.flashckpt import FlashCheckpointer, FlashEnv
     from unbroken.trainer.plugin import load_trainer
 
     try:
@@ -79,14 +89,26 @@ def train(
     trainer = load_trainer(trainer_name)
     history: list[dict[str, Any]] = []
     out = open(metrics_out, "a") if metrics_out and rank == 0 else None
+    env = FlashEnv.from_env()
+    if flash_every is None:
+        flash_every = 1 if env is not None else 0
+    if flash_every and env is None:
+        raise ValueError("--flash-every needs an agent's flash store (run under `unbroken agent`)")
+    flash = FlashCheckpointer(env, rank) if flash_every and env is not None else None
     try:
         trainer.setup(config)
-        if resume_from:
+        step = 0
+        restored = flash.restore(trainer) if flash is not None else None
+        if restored is not None:
+            step = restored.step
+        elif resume_from:
             checkpoint.load(trainer, resume_from)
-        step = int(trainer.state_dict()["step"]) if resume_from else 0
+            step = int(trainer.state_dict()["step"])
         while step < config.steps:
             m = trainer.train_step()
             step = int(m["step"])
+            if flash is not None and step % flash_every == 0:
+                flash.save(trainer, step)
             history.append(m)
             if hooks is not None:
                 hooks.step(step, m["loss"], m["step_time_s"] * 1000.0)
@@ -98,6 +120,8 @@ def train(
         if save_to:
             checkpoint.save(trainer, save_to)
     finally:
+        if flash is not None:
+            flash.close()
         trainer.close()
         if out is not None:
             out.close()
@@ -110,9 +134,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m unbroken.trainer.run", description=__doc__.split("\n")[0]
     )
     add_arguments(parser)
+    parser.add_argument(
+        "--flash-every",
+        type=int,
+        default=None,
+        help="flash-save every N steps into the agent's memory (default: 1 under an agent, "
+        "else off; 0: off)",
+    )
     args = parser.parse_args(argv)
+    if not structlog.is_configured():  # per-step debug lines (flash saves) would flood logs
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
     try:
         config = to_config(args)
+        if args.flash_every is not None and args.flash_every < 0:
+            raise ValueError(f"--flash-every must be >= 0, got {args.flash_every}")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -128,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             save_to=args.save_to,
             metrics_out=args.metrics_out,
             log_every=args.log_every,
+            flash_every=args.flash_every,
         )
         dist.barrier()  # every rank done with its last collective before teardown
     except ValueError as e:

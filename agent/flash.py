@@ -1,0 +1,204 @@
+"""The node's flash-checkpoint memory: owned, persisted and replicated by the agent.
+
+The agent, not the worker, owns the shared memory holding its ranks' flash copies, so a
+copy survives the worker's crash. `NodeFlash` creates the job's `FlashOwner` at start,
+tells workers where it is (environment variables read by `unbroken.trainer.flashckpt`),
+and runs one background loop that notices completed copies (a new manifest generation
+per rank, polled every `poll_ms`) and then (1) hands them to the fsspec `Persister`,
+which writes and verifies them off the event loop and keeps the newest `keep` complete
+steps, and (2) sends them to the buddy agent (the next node of the ring), whose
+`ReplicaServer` verifies the checksum before keeping them. It also serves its own replica
+store to a buddy and, when this node replaces a lost one, fetches that node's replicas
+back from the buddy before the workers start. A clean shutdown flushes persistence and
+removes the job's shared memory; a crash leaves it for a restarted agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from unbroken.recovery.flash import FlashConfig, FlashOwner, list_copies
+from unbroken.recovery.persist import (
+    PersistConfig,
+    Persisted,
+    Persister,
+    apply_retention,
+    list_persisted,
+)
+from unbroken.recovery.replica import (
+    ReplicaConfig,
+    ReplicaSender,
+    ReplicaServer,
+    fetch_replica,
+)
+from unbroken.recovery.sources import (
+    ENV_FLASH_JOB,
+    ENV_FLASH_NODE,
+    ENV_FLASH_ROOT,
+    ENV_PERSIST_URL,
+)
+
+log = structlog.get_logger(__name__)
+
+
+def parse_hostport(value: str, what: str) -> tuple[str, int]:
+    """`host:port` -> (host, port); ValueError naming `what` when malformed."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{what} {value!r} must be host:port (e.g. 10.0.0.2:29600)")
+    return host, int(port)
+
+
+@dataclass(kw_only=True, slots=True)
+class NodeFlashConfig:
+    """The agent's flash store: where, what is persisted, and who the buddy is."""
+
+    root: str = "/dev/shm/unbroken"
+    job: str = "default"
+    node: str  # the ring slot this node fills; a replacement node reuses the lost one's
+    persist_url: str = "unbroken-checkpoints"
+    keep: int = 3
+    listen: str = "127.0.0.1:0"  # replica server; port 0 picks a free one
+    buddy: str = ""  # host:port of the next node's replica server; empty: no replication
+    fetch_from_buddy: bool = True  # at start, get this node's replicas back from the buddy
+    poll_ms: int = 100
+    replica_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.node or "/" in self.node:
+            raise ValueError(f"flash node name {self.node!r} must be a plain, non-empty name")
+        if not self.persist_url:
+            raise ValueError("persist_url must name a directory or fsspec URL (--persist-url)")
+        if self.keep < 1:
+            raise ValueError(f"keep must be >= 1 (--keep-checkpoints), got {self.keep}")
+        if not 10 <= self.poll_ms <= 60_000:
+            raise ValueError(f"poll_ms must be in [10, 60000], got {self.poll_ms}")
+        if self.replica_timeout_s <= 0:
+            raise ValueError(f"replica_timeout_s must be > 0, got {self.replica_timeout_s}")
+        parse_hostport(self.listen, "--replica-listen")
+        if self.buddy:
+            parse_hostport(self.buddy, "--buddy")
+        FlashConfig(root=self.root, job=self.job)  # validates root and job
+
+
+class NodeFlash:
+    """One agent's flash store with its persister, replica server and replica sender."""
+
+    def __init__(self, config: NodeFlashConfig, world_size: int) -> None:
+        self.config = config
+        self.world_size = world_size
+        self.owner = FlashOwner(FlashConfig(root=config.root, job=config.job))
+        self.replica_cfg = ReplicaConfig(timeout_s=config.replica_timeout_s)
+        self.server = ReplicaServer(self.owner, self.replica_cfg)
+        self.port = 0
+        self.persister: Persister | None = None
+        self.sender: ReplicaSender | None = None
+        if config.buddy:
+            self.sender = ReplicaSender(
+                self.owner, config.node, parse_hostport(config.buddy, "--buddy"), self.replica_cfg
+            )
+        self._seen: dict[int, int] = {}  # rank -> generation handed to the persister
+        self._task: asyncio.Task[None] | None = None
+        self.persisted: list[Persisted] = []
+        self.fetched = 0
+
+    def env(self) -> dict[str, str]:
+        """What a worker needs to find the store (set in every worker's environment)."""
+        return {
+            ENV_FLASH_ROOT: self.config.root,
+            ENV_FLASH_JOB: self.config.job,
+            ENV_FLASH_NODE: self.config.node,
+            ENV_PERSIST_URL: self.config.persist_url,
+        }
+
+    async def start(self) -> None:
+        """Listen for the buddy, fetch this node's replicas back, start persisting."""
+        host, port = parse_hostport(self.config.listen, "--replica-listen")
+        self.port = await self.server.start(host, port)
+        log.info("flash.ready", dir=str(self.owner.job_dir), replica_port=self.port)
+        if self.sender is not None and self.config.fetch_from_buddy:
+            bhost, bport = self.sender.buddy
+            try:
+                refs = await fetch_replica(
+                    self.owner, self.config.node, bhost, bport, config=self.replica_cfg
+                )
+                self.fetched = len(refs)
+                log.info("flash.fetched_from_buddy", copies=len(refs), buddy=self.config.buddy)
+            except (OSError, TimeoutError, ValueError) as e:
+                # The buddy may not be up yet (first start of the job): nothing to get back.
+                log.info("flash.no_buddy_replica", buddy=self.config.buddy, error=str(e))
+        self.persister = Persister(
+            PersistConfig(url=self.config.persist_url, keep=self.config.keep),
+            self._on_persisted,
+        )
+        self._task = asyncio.create_task(self._loop())
+
+    def _on_persisted(self, p: Persisted) -> None:
+        """Persister thread: record it and keep the newest `keep` complete steps.
+
+        Complete: every rank this storage holds (the world's when storage is shared).
+        """
+        self.persisted.append(p)
+        del self.persisted[:-64]
+        try:
+            steps = list_persisted(self.config.persist_url)
+            # Shared storage holds every rank; a node-local default holds this node's only.
+            ranks = set().union(*(set(by_rank) for by_rank in steps.values()))
+            need = min(self.world_size, len(ranks))
+            complete = [s for s, by_rank in steps.items() if len(by_rank) >= need]
+            apply_retention(self.config.persist_url, complete, self.config.keep)
+        except OSError as e:  # another agent pruned the same step first
+            log.info("flash.retention_race", error=str(e))
+
+    async def _loop(self) -> None:
+        interval = self.config.poll_ms / 1000.0
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.tick()
+            except Exception:  # background loop: log and continue
+                log.exception("flash.tick_failed")
+
+    async def tick(self) -> None:
+        """Persist and replicate every local rank's newest copy not handled yet."""
+        changed = False
+        for rank in self.owner.ranks():
+            rank_dir = self.owner.rank_dir(rank)
+            refs = await asyncio.to_thread(list_copies, rank_dir)
+            if not refs or self._seen.get(rank) == refs[0].manifest.generation:
+                continue
+            self._seen[rank] = refs[0].manifest.generation
+            changed = True
+            if self.persister is not None:
+                self.persister.submit(rank_dir)
+        if changed and self.sender is not None:
+            await self.sender.tick()
+
+    async def close(self, *, clean: bool) -> None:
+        """Stop; on a clean shutdown flush persistence and free the shared memory."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.server.stop()
+        if self.persister is not None:
+            try:
+                await asyncio.to_thread(self.persister.close, 30.0)
+            except TimeoutError as e:
+                log.warning("flash.persist_flush_timeout", error=str(e))
+        if clean:
+            self.owner.cleanup()
+            with contextlib.suppress(OSError):  # the per-node default root, when now empty
+                os.rmdir(self.config.root)
+            log.info("flash.cleaned", dir=str(self.owner.job_dir))
+
+
+def default_persist_url(log_dir: str) -> str:
+    """The default persistence directory: `checkpoints/` next to the worker logs."""
+    return os.fspath(Path(log_dir).resolve() / "checkpoints")
