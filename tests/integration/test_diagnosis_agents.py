@@ -20,51 +20,23 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.diagnostics.check import free_port, group_specs
 from unbroken.diagnostics.runner import (
     DiagnosisConfig,
-    Group,
-    Results,
     RoundRecord,
     diagnose,
     round_event,
     verdict_event,
 )
-from unbroken.diagnostics.schema import CheckResult
+from unbroken.driver.diagnose import AgentRunGroup, DriverDiagnoseConfig
 from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
 from unbroken.driver.liveview import LiveViewConfig
 from unbroken.driver.service import DriverService, ServiceConfig, build_server
-from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 
 pytestmark = pytest.mark.integration
 
 FAULTS = {"n0": "", "n1": "wrong_matmul", "n2": "slow:2.0", "n3": ""}
 CHECK_TIMEOUT_S = 40.0
-
-
-class AgentRunGroup:
-    """Runs a group check by sending RunCheck to each member's agent."""
-
-    def __init__(self, service: DriverService) -> None:
-        self.service = service
-
-    async def __call__(self, check_id: str, group: Group, index: int) -> Results:
-        specs = group_specs(
-            check_id, group, store_port=free_port(), timeout_s=CHECK_TIMEOUT_S, matmul_iters=16
-        )
-
-        async def one(spec: object) -> CheckResult | None:
-            assert hasattr(spec, "to_json") and hasattr(spec, "node_id")
-            cmd = dpb.DriverMessage(
-                run_check=dpb.RunCheck(spec_json=spec.to_json(), timeout_s=CHECK_TIMEOUT_S + 10)
-            )
-            reply = await self.service.request(spec.node_id, cmd, CHECK_TIMEOUT_S + 20)
-            line = reply.check_result.result_json
-            return CheckResult.from_json(line) if line else None
-
-        results = await asyncio.gather(*(one(s) for s in specs))
-        return {s.node_id: r for s, r in zip(specs, results, strict=True)}
 
 
 async def _scenario(tmp: Path) -> tuple[object, list[ev.Event]]:
@@ -118,7 +90,9 @@ async def _scenario(tmp: Path) -> tuple[object, list[ev.Event]]:
 
         d = await diagnose(
             list(FAULTS),
-            run_group=AgentRunGroup(service),
+            run_group=AgentRunGroup(
+                service, DriverDiagnoseConfig(check_timeout_s=CHECK_TIMEOUT_S, reply_slack_s=20.0)
+            ),
             diagnosis_id="dg",
             on_round=record,
             config=DiagnosisConfig(round_timeout_s=120),
