@@ -8,7 +8,9 @@ one; and flags telling the driver when something needs a detector's attention.
 
 With workers, the agent also owns the node's flash-checkpoint memory (agent/flash.py):
 created before the workers start, persisted and replicated to the buddy in the
-background, freed on a clean shutdown.
+background, freed on a clean shutdown. Each shard the persister wrote and verified is
+reported to the driver (`ShardPersisted`, after a heartbeat), which commits the step once
+every rank's shard is in.
 
 Driver endpoints are a list: a driver that is not the leader answers UNAVAILABLE with the
 leader's address, which the agent tries next; other failures move to the next endpoint
@@ -325,12 +327,33 @@ class Agent:
                 next_host = now + every_host
             hb.sent_mono_ns = time.monotonic_ns()
             await self._write(call, dpb.AgentMessage(heartbeat=hb))
+            if self.flash is not None and self.flash.reports:
+                await self._report_shards(call, self.flash)
             next_t += self.interval_s
             delay = next_t - time.monotonic()
             if delay < 0:  # fell behind (a stall): skip missed slots, do not burst
                 next_t = time.monotonic() + self.interval_s
                 delay = self.interval_s
             await asyncio.sleep(delay)
+
+    async def _report_shards(self, call: Any, flash: NodeFlash) -> None:
+        """Send every verified shard not reported yet (the driver ignores duplicates)."""
+        while flash.reports:
+            p = flash.reports.popleft()
+            msg = dpb.ShardPersisted(
+                step=p.step,
+                rank=p.rank,
+                uri=p.uri,
+                bytes=p.nbytes,
+                checksum=p.checksum,
+                world_size=flash.world_size,
+                url=flash.config.persist_url,
+            )
+            try:
+                await self._write(call, dpb.AgentMessage(shard_persisted=msg))
+            except BaseException:
+                flash.reports.appendleft(p)  # the next session reports it
+                raise
 
     # ------------------------------------------------------------ commands
     async def _command(self, call: Any, msg: dpb.DriverMessage) -> None:

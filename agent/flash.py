@@ -6,7 +6,8 @@ tells workers where it is (environment variables read by `unbroken.trainer.flash
 and runs one background loop that notices completed copies (a new manifest generation
 per rank, polled every `poll_ms`) and then (1) hands them to the fsspec `Persister`,
 which writes and verifies them off the event loop and keeps the newest `keep` complete
-steps, and (2) sends them to the buddy agent (the next node of the ring), whose
+steps, and reports each verified shard to the driver (which commits a step once every
+rank's shard is in), and (2) sends them to the buddy agent (the next node of the ring), whose
 `ReplicaServer` verifies the checksum before keeping them. It also serves its own replica
 store to a buddy and, when this node replaces a lost one, fetches that node's replicas
 back from the buddy before the workers start. A clean shutdown flushes persistence and
@@ -16,6 +17,7 @@ removes the job's shared memory; a crash leaves it for a restarted agent.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 from dataclasses import dataclass
@@ -45,6 +47,8 @@ from unbroken.recovery.sources import (
 )
 
 log = structlog.get_logger(__name__)
+
+REPORTS_KEPT = 1024  # verified-shard reports held while the driver is unreachable
 
 
 def parse_hostport(value: str, what: str) -> tuple[str, int]:
@@ -106,6 +110,11 @@ class NodeFlash:
         self._seen: dict[int, int] = {}  # rank -> generation handed to the persister
         self._task: asyncio.Task[None] | None = None
         self.persisted: list[Persisted] = []
+        # Verified shards not yet reported to the driver (appended by the persister thread,
+        # taken by the agent's session; deque ends are thread-safe). Bounded: when the
+        # driver is unreachable for long, the oldest reports go first (they can no longer
+        # become the newest commit anyway).
+        self.reports: collections.deque[Persisted] = collections.deque(maxlen=REPORTS_KEPT)
         self.fetched = 0
 
     def env(self) -> dict[str, str]:
@@ -146,6 +155,7 @@ class NodeFlash:
         """
         self.persisted.append(p)
         del self.persisted[:-64]
+        self.reports.append(p)
         try:
             steps = list_persisted(self.config.persist_url)
             # Shared storage holds every rank; a node-local default holds this node's only.

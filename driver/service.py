@@ -4,9 +4,11 @@ The heartbeat handler is the hot path of the whole system (2,000 nodes x 10/s): 
 message it takes one monotonic timestamp, stores the message by reference in the node's
 slot and moves the node to the end of the deadline order (driver/liveview.py). Detectors
 run on timers (node lost every interval/5, hangs every `hang_sweep_ms`), or on the rare
-heartbeat that carries flags. Events go through one bounded queue to a single writer task
-that appends them to the event log, so the log sees them in detection order and a slow
-store never blocks the handler.
+heartbeat that carries flags. Agents' verified-shard reports feed the commit bookkeeping
+(driver/commits.py): a step's CheckpointCommitted is appended once every rank's shard is
+in. Events go through one bounded queue to a single writer task that appends them to the
+event log, so the log sees them in detection order and a slow store never blocks the
+handler.
 
 A driver that is not the leader answers every agent call with UNAVAILABLE and the
 leader's address in the `x-unbroken-leader` trailer, so agents move on to it.
@@ -32,6 +34,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from unbroken.driver import detectors
+from unbroken.driver.commits import Commits
 from unbroken.driver.diagnose import DriverDiagnoseConfig
 from unbroken.driver.eventlog import EventLog, EventLogError, NotLeaderError
 from unbroken.driver.liveview import LiveView, LiveViewConfig, NodeSlot
@@ -138,7 +141,8 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
         self.dropped_commands = 0
         self.delivery = _Ring()
         self.handler = _Ring()
-        self.listeners: list[Callable[[ev.Event], None]] = []
+        self.listeners: list[Callable[[ev.Event], None]] = [self._on_appended]
+        self.commits = Commits()
         self.metrics = DriverMetrics(self._metric_values)
         self._replies: dict[str, asyncio.Future[dpb.AgentMessage]] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -453,8 +457,17 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
                 if hb.sent_mono_ns:
                     delivery.add((mono_ns() - hb.sent_mono_ns) / 1e6)
                 handler.add((perf() - t0) / 1e3)
+            elif msg.WhichOneof("kind") == "shard_persisted":
+                commit = self.commits.record(slot.node_id, msg.shard_persisted)
+                if commit is not None:
+                    self.emit(commit)
             else:
                 self._on_reply(slot, msg)
+
+    def _on_appended(self, event: ev.Event) -> None:
+        """Bookkeeping that follows the log: a rollback reopens the steps after it."""
+        if event.WhichOneof("payload") == "rollback":
+            self.commits.rollback(event.rollback.to_step)
 
     def _on_reply(self, slot: NodeSlot, msg: dpb.AgentMessage) -> None:
         kind = msg.WhichOneof("kind")

@@ -215,15 +215,35 @@ class CommandAck(_message.Message):
     detail: str
     def __init__(self, command_id: _Optional[str] = ..., ok: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
+class ShardPersisted(_message.Message):
+    __slots__ = ("step", "rank", "uri", "bytes", "checksum", "world_size", "url")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    URI_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    rank: int
+    uri: str
+    bytes: int
+    checksum: int
+    world_size: int
+    url: str
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., world_size: _Optional[int] = ..., url: _Optional[str] = ...) -> None: ...
+
 class AgentMessage(_message.Message):
-    __slots__ = ("heartbeat", "check_result", "ack")
+    __slots__ = ("heartbeat", "check_result", "ack", "shard_persisted")
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     CHECK_RESULT_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
+    SHARD_PERSISTED_FIELD_NUMBER: _ClassVar[int]
     heartbeat: Heartbeat
     check_result: CheckResult
     ack: CommandAck
-    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., check_result: _Optional[_Union[CheckResult, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ...) -> None: ...
+    shard_persisted: ShardPersisted
+    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., check_result: _Optional[_Union[CheckResult, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., shard_persisted: _Optional[_Union[ShardPersisted, _Mapping]] = ...) -> None: ...
 
 class StartWorkers(_message.Message):
     __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port")

@@ -276,9 +276,11 @@ class CommitTracker:
         crc = 0
         for r in range(self.world_size):
             crc = zlib.crc32(by_rank[r].checksum.to_bytes(8, "little"), crc)
+        # Shared storage: the one directory every shard is in; node-local storage: ours.
+        dirs = {x.uri.rsplit("/", 1)[0] for x in by_rank.values()}
         return Commit(
             step=p.step,
-            uri=step_dir(self.url, p.step),
+            uri=dirs.pop() if len(dirs) == 1 else step_dir(self.url, p.step),
             nbytes=sum(x.nbytes for x in by_rank.values()),
             ranks=self.world_size,
             checksum=f"{crc:08x}",

@@ -6,6 +6,14 @@ agent/flash.py). A worker saves its rank's full sharded trainer state (model, op
 step, data position, RNG) into its slots with `FlashWriter`; the agent persists and
 replicates it.
 
+Saves overlap training: `save` takes the snapshot that must be taken now (the non-tensor
+values, the slot) and returns while the writer's thread copies the tensors during the
+next step's forward and backward; the writer's guard, installed once on the trainer's
+optimizers, makes the next `optimizer.step()` (the first in-place write to saved tensors)
+wait for that copy. Only what must block, blocks. A trainer that does not expose its
+`optimizers` gets the process-wide optimizer guard; one whose forward writes saved state
+in place (BatchNorm statistics) must not use the overlapped save.
+
 At start every rank surveys what it can obtain (its node's memory, the replica this node
 got back from its buddy after replacing a lost node, storage), the ranks exchange their
 availability (`all_gather_object`), and each computes the same `restore.decide` plan: the
@@ -24,7 +32,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch.distributed as dist
@@ -34,6 +42,7 @@ from unbroken.recovery.flash import (
     FlashConfig,
     FlashOwner,
     FlashWriter,
+    SaveHandle,
     load_into,
     replica_store,
 )
@@ -48,6 +57,9 @@ from unbroken.recovery.sources import (
     survey,
 )
 from unbroken.trainer.plugin import Trainer
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
 
 log = structlog.get_logger(__name__)
 
@@ -109,14 +121,40 @@ class FlashCheckpointer:
         self.owner = FlashOwner(FlashConfig(root=env.root, job=env.job))
         self.writer = FlashWriter(rank, self.owner)
         self.saves = 0
-        self.blocked_s = 0.0
+        self.blocked_s = 0.0  # of finished saves; the one in flight is added when replaced
+        self._last: SaveHandle | None = None
+        self._guards: list[RemovableHandle] | None = None
+
+    def guard(self, trainer: Trainer) -> None:
+        """Make the trainer's optimizer steps wait for the copy in flight (once; idempotent).
+
+        Uses `trainer.optimizers` when the trainer exposes them (the embedded gpt3d does),
+        else torch's process-wide optimizer hook.
+        """
+        if self._guards is not None:
+            return
+        optimizers = getattr(trainer, "optimizers", None)
+        self._guards = self.writer.guard(list(optimizers) if optimizers is not None else None)
 
     def save(self, trainer: Trainer, step: int) -> None:
-        """Copy the trainer's state of `step` into shared memory (checksum in background)."""
-        handle = self.writer.save({KEY: trainer}, step)
+        """Start saving the trainer's state of `step` into shared memory, overlapped.
+
+        Blocks only for the snapshot (and, if still running, the previous save); the copy
+        runs during the next step, whose optimizer step waits for it (`guard`, installed
+        here on the first save).
+        """
+        self.guard(trainer)
+        handle = self.writer.save_async({KEY: trainer}, step)
         if handle is not None:
+            self._account()
             self.saves += 1
-            self.blocked_s += handle.blocked_s
+            self._last = handle
+
+    def _account(self) -> None:
+        """Count the finished save's blocking (its guard waits included)."""
+        if self._last is not None:
+            self.blocked_s += self._last.blocked_s
+            self._last = None
 
     def _survey(self) -> Survey:
         mem = self.owner.rank_dir(self.rank)
@@ -187,8 +225,14 @@ class FlashCheckpointer:
         )
 
     def close(self) -> None:
-        """Finish the save in flight; the slots stay (the agent owns them)."""
-        self.writer.close()
+        """Finish the save in flight and remove the guard; the slots stay (the agent's)."""
+        try:
+            self.writer.close()
+        finally:
+            for h in self._guards or ():
+                h.remove()
+            self._guards = None
+        self._account()
         if self.saves:
             log.info(
                 "flash.save_stats",

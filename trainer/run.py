@@ -7,7 +7,8 @@ joins the process group, loads the trainer plugin named by `--trainer` from the
 every step to the local agent when one is listening (trainer/hooks.py), and always closes.
 Under an agent that owns a flash store (trainer/flashckpt.py) it first restores the newest
 step every rank can obtain (memory, buddy replica, storage) and resumes at the next step,
-and flash-saves its full sharded state every `--flash-every` steps (default 1 there).
+and flash-saves its full sharded state every `--flash-every` steps (default 1 there),
+overlapped with the next step (its optimizer step waits for the copy, nothing else does).
 Exit codes: 0 done, 1 training failed, 2 bad flags.
 """
 
@@ -104,6 +105,8 @@ def train(
         elif resume_from:
             checkpoint.load(trainer, resume_from)
             step = int(trainer.state_dict()["step"])
+        if flash is not None:
+            flash.guard(trainer)  # once: every optimizer step waits for the copy in flight
         while step < config.steps:
             m = trainer.train_step()
             step = int(m["step"])

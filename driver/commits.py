@@ -1,0 +1,108 @@
+"""Checkpoint commits on the driver: one CheckpointCommitted per step, once every rank is in.
+
+A flash copy becomes a checkpoint only when every rank's shard of that step is in durable
+storage and its checksum verified. Each agent's persister verifies what it writes and the
+agent reports it (`ShardPersisted`); `Commits` feeds the reports into one
+`CommitTracker` per world size (a resized world is a different set of ranks) and turns the
+report that completes a step into the `CheckpointCommitted` event the service appends.
+
+Pure (no I/O, no clock), so the service's read loop calls it inline. Idempotent: a report
+repeated after an agent reconnects, or one for a step at or below the newest commit, is
+ignored. Bounded: each tracker remembers at most `max_pending` incomplete steps and
+forgets those older than its newest commit; at most `MAX_WORLDS` world sizes are tracked.
+A Rollback event makes the steps after its target committable again (a new timeline).
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import events_pb2 as ev
+from unbroken.recovery.persist import CommitTracker, Persisted
+
+log = structlog.get_logger(__name__)
+
+MAX_WORLDS = 4  # world sizes tracked at once; the least recently reported is forgotten
+MAX_RANKS = 1 << 20
+
+
+class Commits:
+    """The driver's commit bookkeeping over every world size it has seen reports for."""
+
+    def __init__(self, *, max_pending: int = 16) -> None:
+        if max_pending < 1:
+            raise ValueError(f"Commits.max_pending must be >= 1, got {max_pending}")
+        self.max_pending = max_pending
+        self._trackers: dict[int, CommitTracker] = {}
+        self.ignored = 0  # malformed reports dropped
+
+    def record(self, node_id: str, msg: dpb.ShardPersisted) -> ev.Event | None:
+        """Record one agent's verified-shard report.
+
+        Returns:
+            The CheckpointCommitted event to append when this report completes its step,
+            else None (incomplete, duplicate, stale, or malformed: logged and dropped).
+        """
+        problem = _problem(msg)
+        if problem:
+            self.ignored += 1
+            log.warning("shard report ignored", node=node_id, problem=problem)
+            return None
+        tracker = self._trackers.pop(msg.world_size, None)
+        if tracker is None:
+            tracker = CommitTracker(
+                world_size=msg.world_size, url=msg.url, max_pending=self.max_pending
+            )
+            while len(self._trackers) >= MAX_WORLDS:
+                del self._trackers[next(iter(self._trackers))]
+        self._trackers[msg.world_size] = tracker  # most recently reported last
+        commit = tracker.record(
+            Persisted(
+                rank=msg.rank,
+                step=msg.step,
+                uri=msg.uri,
+                nbytes=msg.bytes,
+                checksum=msg.checksum,
+            )
+        )
+        if commit is None:
+            return None
+        log.info(
+            "checkpoint committed",
+            step=commit.step,
+            ranks=commit.ranks,
+            bytes=commit.nbytes,
+            uri=commit.uri,
+        )
+        return ev.Event(
+            cause="shards persisted",
+            checkpoint_committed=ev.CheckpointCommitted(
+                step=commit.step,
+                uri=commit.uri,
+                bytes=commit.nbytes,
+                ranks=commit.ranks,
+                checksum=commit.checksum,
+            ),
+        )
+
+    def rollback(self, to_step: int) -> None:
+        """Steps after `to_step` belong to a dead timeline: forget them, commit them anew."""
+        for tracker in self._trackers.values():
+            tracker.rollback(to_step)
+
+    def newest(self, world_size: int) -> int | None:
+        """The newest step committed for `world_size` by this driver, None when none."""
+        tracker = self._trackers.get(world_size)
+        return tracker.committed[-1] if tracker is not None and tracker.committed else None
+
+
+def _problem(msg: dpb.ShardPersisted) -> str:
+    """What is wrong with a report ("" when nothing)."""
+    if not 1 <= msg.world_size <= MAX_RANKS:
+        return f"world_size {msg.world_size} must be in [1, {MAX_RANKS}] (agent without a world?)"
+    if msg.rank >= msg.world_size:
+        return f"rank {msg.rank} outside a world of {msg.world_size}"
+    if not msg.uri:
+        return "empty shard uri"
+    return ""
