@@ -20,6 +20,7 @@ import asyncio
 import collections
 import contextlib
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,8 @@ from unbroken.recovery.sources import (
 log = structlog.get_logger(__name__)
 
 REPORTS_KEPT = 1024  # verified-shard reports held while the driver is unreachable
+RETRY_PERSIST_S = 1.0  # a copy handed to the persister but not persisted is retried after this
+PERSIST_TRIES = 5  # ...at most this often (a corrupt copy never persists)
 
 
 def parse_hostport(value: str, what: str) -> tuple[str, int]:
@@ -108,6 +111,8 @@ class NodeFlash:
                 self.owner, config.node, parse_hostport(config.buddy, "--buddy"), self.replica_cfg
             )
         self._seen: dict[int, int] = {}  # rank -> generation handed to the persister
+        self._submitted_at: dict[int, float] = {}  # rank -> monotonic time of the last submit
+        self._tries: dict[tuple[int, int], int] = {}  # (rank, generation) -> retries so far
         self._task: asyncio.Task[None] | None = None
         self.persisted: list[Persisted] = []
         # Verified shards not yet reported to the driver (appended by the persister thread,
@@ -181,14 +186,38 @@ class NodeFlash:
         for rank in self.owner.ranks():
             rank_dir = self.owner.rank_dir(rank)
             refs = await asyncio.to_thread(list_copies, rank_dir)
-            if not refs or self._seen.get(rank) == refs[0].manifest.generation:
+            if not refs:
                 continue
-            self._seen[rank] = refs[0].manifest.generation
-            changed = True
+            gen = refs[0].manifest.generation
+            if self._seen.get(rank) != gen:
+                self._seen[rank] = gen
+                changed = True
+            elif not self._persist_pending(rank, rank_dir, gen):
+                continue
             if self.persister is not None:
+                self._submitted_at[rank] = time.monotonic()
                 self.persister.submit(rank_dir)
         if changed and self.sender is not None:
             await self.sender.tick()
+
+    def _persist_pending(self, rank: int, rank_dir: Path, gen: int) -> bool:
+        """True when `gen` was handed over but not persisted, and is due for a retry.
+
+        A persist can fail (the worker overwrote the slot while it was read, or storage
+        was briefly unavailable); once the worker stops writing, the newest copy is stable
+        and a retry succeeds, so the last copy before a crash is never left unpersisted.
+        """
+        if self.persister is None or self.persister.done_generation(rank_dir) == gen:
+            return False
+        tries = self._tries.get((rank, gen), 0)
+        if tries >= PERSIST_TRIES or time.monotonic() - self._submitted_at.get(rank, 0.0) < (
+            RETRY_PERSIST_S
+        ):
+            return False
+        # only each rank's newest generation is retried: forget its older ones
+        self._tries = {k: v for k, v in self._tries.items() if k[0] != rank}
+        self._tries[(rank, gen)] = tries + 1
+        return True
 
     async def close(self, *, clean: bool) -> None:
         """Stop; on a clean shutdown flush persistence and free the shared memory."""

@@ -317,6 +317,10 @@ class Persister:
             log.warning("persist.queue_full", rank_dir=str(rank_dir))
             return False
 
+    def done_generation(self, rank_dir: Path) -> int | None:
+        """The manifest generation of `rank_dir` last persisted successfully, if any."""
+        return self._done.get(str(Path(rank_dir)))
+
     def persist_now(self, rank_dir: Path) -> Persisted | None:
         """Persist the newest copy of `rank_dir` in the caller's thread."""
         refs = list_copies(Path(rank_dir))

@@ -9,6 +9,12 @@ position in every non-data-parallel dimension): one of them reads, the others re
 broadcast. When another member of the group holds the step in memory or a replica, that
 member broadcasts instead and storage is not touched at all.
 
+When the world changed, copies of the newest step were saved under another layout and no
+rank's own shard fits: `newest_reshardable` picks the newest step, saved under a layout
+other than the current one, of which every new rank can reach every saved rank's shard
+(the input of a DCP load through `unbroken.recovery.reshard`); `same_layout_steps` keeps
+such steps out of `decide`.
+
 The shell around it (surveying the sources, verifying checksums) lives in
 `unbroken.recovery.sources`; the driver turns the plan into a `RestoreStarted` event.
 """
@@ -180,3 +186,87 @@ def availability_of(
 ) -> Availability:
     """Convenience constructor from any sets."""
     return Availability(frozenset(memory), frozenset(buddy), frozenset(storage), frozenset(corrupt))
+
+
+@dataclass(frozen=True, slots=True)
+class StepCopies:
+    """What one rank of the new world can reach of one saved step.
+
+    `layout` is the parallel layout the step was saved under (`{"world": 2, "dp_shard": 2,
+    ...}`; empty when the copies predate layouts in manifests), `ranks` the saved ranks whose
+    shard of the step the rank can open from some usable source.
+    """
+
+    layout: Mapping[str, int]
+    ranks: frozenset[int]
+
+
+def saved_layouts(
+    reach: Mapping[int, Mapping[int, StepCopies]],
+) -> dict[int, dict[str, int] | None]:
+    """Step -> the layout it was saved under, merged over what the ranks saw.
+
+    Empty when no rank knows it (copies without a layout); None when ranks saw different
+    layouts for the same step (such a step is never restored).
+    """
+    seen: dict[int, list[dict[str, int]]] = {}
+    for by_step in reach.values():
+        for step, c in by_step.items():
+            known = seen.setdefault(step, [])
+            if c.layout and dict(c.layout) not in known:
+                known.append(dict(c.layout))
+    return {s: (k[0] if len(k) == 1 else {} if not k else None) for s, k in seen.items()}
+
+
+def newest_reshardable(
+    reach: Mapping[int, Mapping[int, StepCopies]],
+    layout: Mapping[str, int],
+    *,
+    not_after: int | None = None,
+) -> int | None:
+    """The newest step saved under another layout that every rank can reshard from.
+
+    A step qualifies when it was saved under a known layout other than `layout` (and no
+    rank saw a different one), and every rank of the new world can reach every saved rank's
+    shard (`range(layout["world"])`): a DCP load planner may ask any of them.
+
+    Args:
+        reach: new rank -> step -> what that rank can reach of the step.
+        layout: the layout being restored into.
+        not_after: only steps <= this.
+
+    Returns:
+        The step, or None when no step qualifies.
+    """
+    if not reach:
+        return None
+    layouts = saved_layouts(reach)
+    steps = frozenset.intersection(*(frozenset(r) for r in reach.values()))
+    best: int | None = None
+    for step in steps:
+        saved = layouts[step]
+        if not saved or "world" not in saved or saved == dict(layout):
+            continue
+        if not_after is not None and step > not_after:
+            continue
+        need = frozenset(range(int(saved["world"])))
+        if all(need <= r[step].ranks for r in reach.values()) and (best is None or step > best):
+            best = step
+    return best
+
+
+def same_layout_steps(
+    reach: Mapping[int, Mapping[int, StepCopies]], layout: Mapping[str, int]
+) -> frozenset[int]:
+    """Steps saved under `layout`, or under no recorded layout (such copies restore as
+    before, shard by shard)."""
+    return frozenset(
+        s
+        for s, saved in saved_layouts(reach).items()
+        if saved is not None and saved in ({}, dict(layout))
+    )
+
+
+def restrict(a: Availability, steps: Set[int]) -> Availability:
+    """`a` with only `steps` left in every source."""
+    return Availability(a.memory & steps, a.buddy & steps, a.storage & steps, a.corrupt)

@@ -5,7 +5,9 @@ The thin shell around the pure `restore.decide`: `survey` lists what each rank's
 only; `ShardSource.open` maps or reads the bytes and verifies them against the checksum;
 `obtain` opens the best source of one rank's step and, when a copy turns out truncated or
 bit-flipped, records it as corrupt and falls back to the next source. A corrupt copy is
-never handed to a caller.
+never handed to a caller. `reach_of` says, per step, which saved ranks a survey can reach
+and the layout the step was saved under (from manifests; a persisted shard's manifest is
+read from its file header alone), the input of `restore.newest_reshardable`.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from pathlib import Path
 import structlog
 
 from unbroken.recovery.flash import CopyRef, CorruptCopyError, Manifest, list_copies, read_copy
-from unbroken.recovery.persist import list_persisted, read_shard
-from unbroken.recovery.restore import Availability, Source
+from unbroken.recovery.persist import _HEADER, MAGIC, _fs, list_persisted, read_shard
+from unbroken.recovery.restore import Availability, Source, StepCopies
 
 log = structlog.get_logger(__name__)
 
@@ -47,7 +49,7 @@ class ShardSource:
         if self.ref is not None:
             return self.ref.manifest
         assert self.uri is not None
-        return read_shard(self.uri, verify=False)[0]
+        return read_stored_manifest(self.uri)
 
     def open(self) -> tuple[Manifest, mmap.mmap | memoryview]:
         """The verified manifest and data.
@@ -151,3 +153,61 @@ def obtain(
     raise CorruptCopyError(
         f"no intact copy of rank {rank} step {step}: " + ("; ".join(errors) or "no source")
     )
+
+
+LAYOUT_META = "layout"  # manifest meta key: the parallel layout the copy was saved under
+
+
+def layout_of(manifest: Manifest) -> dict[str, int]:
+    """The layout recorded in a copy's manifest (empty for copies saved without one)."""
+    raw = manifest.meta.get(LAYOUT_META) or {}
+    return {str(k): int(v) for k, v in raw.items()}
+
+
+def read_stored_manifest(uri: str) -> Manifest:
+    """The manifest of a persisted shard, reading only the file's header (no data).
+
+    Raises:
+        CorruptCopyError: the header or the manifest is damaged or truncated.
+    """
+    fs, path = _fs(uri)
+    try:
+        with fs.open(path, "rb") as f:
+            head = f.read(_HEADER.size)
+            if len(head) < _HEADER.size:
+                raise CorruptCopyError(f"{uri} truncated: no header")
+            magic, mlen = _HEADER.unpack(head)
+            if magic != MAGIC:
+                raise CorruptCopyError(f"{uri} is not an unbroken shard (magic {magic!r})")
+            raw = f.read(mlen)
+    except OSError as e:  # removed by retention since it was listed
+        raise CorruptCopyError(f"{uri} cannot be read: {e}") from e
+    if len(raw) < mlen:
+        raise CorruptCopyError(f"{uri} truncated inside its manifest")
+    return Manifest.from_bytes(raw)
+
+
+def reach_of(survey: Survey, *, storage_layouts: bool = True) -> dict[int, StepCopies]:
+    """Step -> its saved layout and the saved ranks with a usable copy in `survey`.
+
+    Layouts come from memory and buddy manifests when there are any; a step found only in
+    storage costs one manifest read (the first rank's file header) to learn its layout,
+    unless `storage_layouts` is False (the layout is left empty: another rank of the world
+    reads it, and `restore.saved_layouts` merges what the ranks saw).
+    """
+    ranks: dict[int, set[int]] = {}
+    layouts: dict[int, dict[str, int]] = {}
+    for (rank, src, step), shard in sorted(
+        survey.shards.items(), key=lambda kv: (kv[0][1], kv[0][0])
+    ):
+        if (rank, src, step) in survey.corrupt:
+            continue
+        ranks.setdefault(step, set()).add(rank)
+        if step not in layouts and (storage_layouts or src is not Source.STORAGE):
+            try:
+                layouts[step] = layout_of(shard.manifest())
+            except CorruptCopyError as e:
+                log.warning("restore.unreadable_manifest", rank=rank, step=step, error=str(e))
+                survey.corrupt.add((rank, src, step))
+                ranks[step].discard(rank)
+    return {s: StepCopies(layouts.get(s, {}), frozenset(r)) for s, r in ranks.items()}

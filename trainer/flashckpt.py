@@ -20,8 +20,19 @@ availability (`all_gather_object`), and each computes the same `restore.decide` 
 newest step every rank can get, each from its best source. Each rank then opens its shard,
 verifying the checksum; a corrupt copy falls back to the next source of the same step
 (`sources.obtain`), and if some rank has no intact copy of that step left, the ranks decide
-again without it. Nothing found anywhere: a fresh start. Storage is read by every rank
-that needs it (no broadcast from one reader per replica group yet).
+again without it. Nothing found anywhere: a fresh start.
+
+From storage, one rank per replica group reads (the ranks holding identical state: the
+data-parallel replicas of one position under `dp_mode="replicate"` or HSDP) and broadcasts
+the verified copy over the group's `dp_replicate` process group; the others never open
+storage. Under ZeRO (no two ranks hold the same shard) every rank is its own group.
+
+Every copy records the layout it was saved under (world size and mesh shape, manifest meta
+`layout`). When the newest step every rank can get was saved under another layout (the
+world shrank or grew, or tp/pp changed), the ranks reshard instead: each opens every saved
+rank's copy of that step from the best place it can reach (this node's memory, the replica
+stores, else storage) and torch.distributed.checkpoint's load planner fills the new shards
+from them (`unbroken.recovery.reshard`).
 
 Only the shell (files, collectives) lives here; the decision is the pure
 `unbroken.recovery.restore.decide`.
@@ -30,11 +41,14 @@ Only the shell (files, collectives) lives here; the decision is the pure
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
+import torch
 import torch.distributed as dist
 
 from unbroken.recovery.flash import (
@@ -42,18 +56,35 @@ from unbroken.recovery.flash import (
     FlashConfig,
     FlashOwner,
     FlashWriter,
+    Manifest,
     SaveHandle,
+    checksum,
     load_into,
     replica_store,
 )
-from unbroken.recovery.restore import NoCommonStepError, decide
+from unbroken.recovery.flashcopy import LOCAL_STORE
+from unbroken.recovery.reshard import load_resharded, reader_from_survey
+from unbroken.recovery.restore import (
+    Availability,
+    NoCommonStepError,
+    RestorePlan,
+    Source,
+    StepCopies,
+    decide,
+    newest_reshardable,
+    restrict,
+    same_layout_steps,
+    saved_layouts,
+)
 from unbroken.recovery.sources import (
     ENV_FLASH_JOB,
     ENV_FLASH_NODE,
     ENV_FLASH_ROOT,
     ENV_PERSIST_URL,
+    LAYOUT_META,
     Survey,
     obtain,
+    reach_of,
     survey,
 )
 from unbroken.trainer.plugin import Trainer
@@ -65,6 +96,8 @@ log = structlog.get_logger(__name__)
 
 KEY = "trainer"
 MAX_DECISIONS = 4  # re-decide at most this often when shards turn out corrupt
+REPLICATE_DIM = "dp_replicate"  # the mesh dimension along which ranks hold the same state
+SPR = "stages_per_rank"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -102,8 +135,11 @@ class Restored:
     """What `FlashCheckpointer.restore` loaded."""
 
     step: int
-    source: str  # this rank's: memory, buddy or storage
+    source: str  # this rank's: memory, buddy or storage (for a broadcast: the root's)
     sources: dict[int, str]  # every rank's
+    read: bool = True  # this rank opened a copy itself (False: it received a broadcast)
+    broadcast_from: int | None = None  # the rank whose copy this rank received
+    resharded: bool = False  # saved under another layout, loaded through DCP's planner
 
 
 class FlashCheckpointer:
@@ -124,6 +160,7 @@ class FlashCheckpointer:
         self.blocked_s = 0.0  # of finished saves; the one in flight is added when replaced
         self._last: SaveHandle | None = None
         self._guards: list[RemovableHandle] | None = None
+        self._layout: dict[str, int] | None = None
 
     def guard(self, trainer: Trainer) -> None:
         """Make the trainer's optimizer steps wait for the copy in flight (once; idempotent).
@@ -144,7 +181,8 @@ class FlashCheckpointer:
         here on the first save).
         """
         self.guard(trainer)
-        handle = self.writer.save_async({KEY: trainer}, step)
+        meta = {LAYOUT_META: self.layout(trainer)}
+        handle = self.writer.save_async({KEY: trainer}, step, meta=meta)
         if handle is not None:
             self._account()
             self.saves += 1
@@ -156,6 +194,37 @@ class FlashCheckpointer:
             self.blocked_s += self._last.blocked_s
             self._last = None
 
+    def layout(self, trainer: Trainer) -> dict[str, int]:
+        """The layout this rank's copies are saved under: world size, mesh shape, stages.
+
+        A trainer without a `topo.mesh` (a plugin) records only the world size.
+        """
+        if self._layout is None:
+            layout = {"world": dist.get_world_size()}
+            mesh = getattr(getattr(trainer, "topo", None), "mesh", None)
+            if mesh is not None and mesh.mesh_dim_names:
+                layout.update(
+                    {str(n): int(x) for n, x in zip(mesh.mesh_dim_names, mesh.shape, strict=True)}
+                )
+            spr = getattr(getattr(getattr(trainer, "config", None), "parallel", None), SPR, None)
+            if isinstance(spr, int):
+                layout[SPR] = spr
+            self._layout = layout
+        return self._layout
+
+    def _replicas(self, trainer: Trainer) -> tuple[tuple[Any, ...], dist.ProcessGroup | None]:
+        """This rank's replica key (equal on ranks holding identical state) and the process
+        group of its replica group (None when it is alone)."""
+        mesh = getattr(getattr(trainer, "topo", None), "mesh", None)
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        if mesh is None or REPLICATE_DIM not in names:
+            return ("rank", self.rank), None
+        coord = mesh.get_coordinate()
+        assert coord is not None, "every rank of the world is in the trainer's mesh"
+        key = tuple((n, c) for n, c in zip(names, coord, strict=True) if n != REPLICATE_DIM)
+        sub = mesh[REPLICATE_DIM]
+        return key, (sub.get_group() if sub.size() > 1 else None)
+
     def _survey(self) -> Survey:
         mem = self.owner.rank_dir(self.rank)
         buddy = self.owner.rank_dir(self.rank, replica_store(self.env.node))
@@ -165,8 +234,26 @@ class FlashCheckpointer:
             storage_url=self.env.persist_url or None,
         )
 
+    def _wide_survey(self) -> Survey:
+        """Every rank's copies this process can reach: the node's store, every replica
+        store it holds, and storage (what a reshard may read)."""
+        memory = {r: self.owner.rank_dir(r) for r in self.owner.ranks()}
+        buddy: dict[int, Path] = {}
+        stores = self.owner.stores() if self.owner.job_dir.is_dir() else []
+        own = replica_store(self.env.node)
+        for store in sorted(stores, key=lambda x: x != own):  # this node's replica first
+            if store == LOCAL_STORE:
+                continue
+            for r in self.owner.ranks(store):
+                buddy.setdefault(r, self.owner.rank_dir(r, store))
+        return survey(memory=memory, buddy=buddy, storage_url=self.env.persist_url or None)
+
     def restore(self, trainer: Trainer) -> Restored | None:
         """Restore the newest step every rank can obtain (collective over the world).
+
+        Same layout: each rank loads its own shard (or receives it from its replica
+        group's reader). Another layout: every rank reshards through DCP from all saved
+        ranks' copies. The newer of the two candidates wins.
 
         Returns:
             What was restored, or None for a fresh start (no rank holds any copy, or no
@@ -175,54 +262,195 @@ class FlashCheckpointer:
         Raises:
             CorruptCopyError: shards stayed corrupt through `MAX_DECISIONS` decisions.
         """
-        s = self._survey()
+        layout = self.layout(trainer)
+        own, wide = self._survey(), self._wide_survey()
+        key, group = self._replicas(trainer)
         world = dist.get_world_size()
         for _ in range(MAX_DECISIONS):
-            mine = s.availability([self.rank])[self.rank]
+            mine = (
+                own.availability([self.rank])[self.rank],
+                reach_of(wide, storage_layouts=self.rank == 0),
+                key,
+            )
             everyone: list[Any] = [None] * world
             dist.all_gather_object(everyone, mine)
-            availability = dict(enumerate(everyone))
-            if not any(a.memory or a.buddy or a.storage for a in availability.values()):
+            availability: dict[int, Availability] = {r: e[0] for r, e in enumerate(everyone)}
+            reach: dict[int, dict[int, StepCopies]] = {r: e[1] for r, e in enumerate(everyone)}
+            if not any(a.memory or a.buddy or a.storage for a in availability.values()) and not any(
+                reach.values()
+            ):
                 log.info("flash.fresh_start", rank=self.rank)
                 return None
+            groups: dict[Any, list[int]] = {}
+            for r, e in enumerate(everyone):
+                groups.setdefault(e[2], []).append(r)
+            same = same_layout_steps(reach, layout)
+            plan: RestorePlan | None = None
+            why = ""
             try:
-                plan = decide(availability)
+                plan = decide(
+                    {r: restrict(a, same) for r, a in availability.items()},
+                    list(groups.values()),
+                )
             except NoCommonStepError as e:
-                log.warning("flash.no_common_step", rank=self.rank, error=str(e))
+                why = str(e)
+            other = newest_reshardable(reach, layout)
+            if other is not None and (plan is None or other > plan.step):
+                saved = saved_layouts(reach)[other]
+                assert saved, "a reshardable step has a known layout"
+                done = self._reshard(trainer, wide, other, saved, layout)
+            elif plan is not None:
+                done = self._load_own(trainer, own, plan, groups[key], group)
+            else:
+                log.warning("flash.no_common_step", rank=self.rank, error=why)
                 return None
-            opened = None
+            if done is not None:
+                return done
+            # some copy turned out corrupt: the surveys now exclude it, decide again
+        raise CorruptCopyError(
+            f"rank {self.rank}: no step restorable after {MAX_DECISIONS} decisions "
+            f"(corrupt: {sorted(own.corrupt | wide.corrupt)})"
+        )
+
+    def _all_ok(self, ok: bool, label: str) -> dict[int, str] | None:
+        """Every rank's label when every rank is ok, else None (collective)."""
+        oks: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(oks, (ok, label))
+        if not all(o[0] for o in oks):
+            return None
+        return {r: str(o[1]) for r, o in enumerate(oks)}
+
+    def _load_own(
+        self,
+        trainer: Trainer,
+        s: Survey,
+        plan: RestorePlan,
+        group_ranks: list[int],
+        group: dist.ProcessGroup | None,
+    ) -> Restored | None:
+        """Load this rank's own shard of `plan.step`: opened itself, or broadcast by the
+        reader of its replica group."""
+        bc = next((b for b in plan.broadcasts if b.root in group_ranks), None)
+        receiving = bc is not None and self.rank != bc.root
+        opened = None
+        if not receiving:
             try:
                 opened = obtain(s, self.rank, plan.step)
             except CorruptCopyError as e:
                 log.warning("flash.shard_unusable", rank=self.rank, step=plan.step, error=str(e))
-            oks: list[Any] = [None] * world
-            dist.all_gather_object(oks, opened[0].kind.label if opened else "")
-            if not all(oks):
-                if opened is not None and hasattr(opened[2], "close"):
-                    opened[2].close()
-                continue  # s.corrupt now excludes the bad copies: decide again
+        # A receiver's source is its root's (the plan's); only readers report their own.
+        label = plan.source_by_rank[self.rank].label if receiving else ""
+        if opened is not None:
+            label = opened[0].kind.label
+        sources = self._all_ok(receiving or opened is not None, label)
+        if sources is None:
+            if opened is not None and hasattr(opened[2], "close"):
+                opened[2].close()
+            return None
+        data: Any
+        if bc is not None:
+            assert group is not None, "a broadcast plan implies a replica group"
+            manifest, data = self._broadcast(bc.root, opened, group)
+        else:
             assert opened is not None
-            src, manifest, data = opened
-            try:
-                state = {KEY: trainer.state_dict()}
-                load_into(state, manifest, data)
-            finally:
-                if hasattr(data, "close"):
-                    data.close()
-            trainer.load_state_dict(state[KEY])
-            sources = {r: str(x) for r, x in enumerate(oks)}
-            log.info(
-                "flash.restored",
-                rank=self.rank,
-                step=manifest.step,
-                source=src.kind.label,
-                sources=sources,
-            )
-            return Restored(step=manifest.step, source=src.kind.label, sources=sources)
-        raise CorruptCopyError(
-            f"rank {self.rank}: no step restorable after {MAX_DECISIONS} decisions "
-            f"(corrupt: {sorted(s.corrupt)})"
+            manifest, data = opened[1], opened[2]
+        try:
+            state = {KEY: trainer.state_dict()}
+            load_into(state, manifest, data)
+        finally:
+            if hasattr(data, "close"):
+                data.close()
+        trainer.load_state_dict(state[KEY])
+        done = Restored(
+            step=manifest.step,
+            source=sources[self.rank],
+            sources=sources,
+            read=not receiving,
+            broadcast_from=bc.root if receiving and bc is not None else None,
         )
+        log.info(
+            "flash.restored",
+            rank=self.rank,
+            step=done.step,
+            source=done.source,
+            sources=sources,
+            read=done.read,
+            broadcast_from=done.broadcast_from,
+        )
+        return done
+
+    def _broadcast(
+        self,
+        root: int,
+        opened: tuple[Any, Manifest, Any] | None,
+        group: dist.ProcessGroup,
+    ) -> tuple[Manifest, Any]:
+        """Send the root's verified copy to its replica group (gloo/NCCL broadcast); every
+        member receives it and checks it against the checksum."""
+        head: list[Any] = [opened[1].to_bytes() if opened is not None else None]
+        dist.broadcast_object_list(head, src=root, group=group)
+        manifest = Manifest.from_bytes(head[0])
+        if self.rank == root:
+            assert opened is not None
+            with warnings.catch_warnings():  # a read-only mapping: gloo only reads it
+                warnings.simplefilter("ignore", UserWarning)
+                buf = (
+                    torch.frombuffer(opened[2], dtype=torch.uint8, count=manifest.data_nbytes)
+                    if manifest.data_nbytes
+                    else torch.empty(0, dtype=torch.uint8)
+                )
+        else:
+            buf = torch.empty(manifest.data_nbytes, dtype=torch.uint8)
+        dist.broadcast(buf, src=root, group=group)
+        if opened is not None:
+            del buf  # release the view of the root's own copy before it is closed
+            return opened[1], opened[2]
+        data = memoryview(buf.numpy().data)
+        if checksum(data) != manifest.checksum:
+            raise CorruptCopyError(
+                f"rank {self.rank}: the copy of step {manifest.step} broadcast by rank {root} "
+                "fails its checksum (corrupted in transfer)"
+            )
+        return manifest, data
+
+    def _reshard(
+        self,
+        trainer: Trainer,
+        wide: Survey,
+        step: int,
+        saved: Mapping[str, int],
+        layout: Mapping[str, int],
+    ) -> Restored | None:
+        """Load `step`, saved under `saved`, into this layout through DCP's load planner."""
+        reader = None
+        try:
+            reader = reader_from_survey(wide, range(int(saved["world"])), step)
+        except CorruptCopyError as e:
+            log.warning("flash.reshard_source_unusable", rank=self.rank, step=step, error=str(e))
+        label = ""
+        if reader is not None:
+            label = max((src.kind for src in reader.sources), default=Source.MEMORY).label
+        sources = self._all_ok(reader is not None, label)
+        if sources is None:
+            if reader is not None:
+                reader.close()
+            return None
+        assert reader is not None
+        state = {KEY: trainer.state_dict()}
+        load_resharded(state, reader)  # closes the reader
+        trainer.load_state_dict(state[KEY])
+        done = Restored(step=step, source=label, sources=sources, resharded=True)
+        log.info(
+            "flash.restored",
+            rank=self.rank,
+            step=step,
+            source=label,
+            sources=sources,
+            resharded=True,
+            saved_layout=dict(saved),
+            layout=dict(layout),
+        )
+        return done
 
     def close(self) -> None:
         """Finish the save in flight and remove the guard; the slots stay (the agent's)."""
