@@ -29,6 +29,8 @@ from unbroken.driver import detectors
 from unbroken.driver.etcd import EmbeddedEtcd, EtcdConfig, add_etcd_flags
 from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore, Leadership
 from unbroken.driver.liveview import LiveViewConfig
+from unbroken.driver.loop import LoopConfig, RecoveryLoop
+from unbroken.driver.machine import Policy
 from unbroken.driver.security import TlsConfig, read_token
 from unbroken.driver.service import DriverService, ServiceConfig, build_server
 from unbroken.proto import events_pb2 as ev
@@ -50,6 +52,7 @@ class DriverConfig:
     service: ServiceConfig = field(default_factory=ServiceConfig)
     port_file: str | None = None
     grace_s: float = 2.0
+    loop: LoopConfig = field(default_factory=LoopConfig)
 
     def __post_init__(self) -> None:
         if not self.job_id or len(self.job_id) > 64 or "/" in self.job_id:
@@ -122,6 +125,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--port-file", default=None, help="write {grpc_port, metrics_port, address} as JSON here"
     )
     parser.add_argument("--log-format", choices=("console", "json"), default="console")
+    g = parser.add_argument_group(
+        "the job (with --nodes the driver starts and recovers it; agents run --no-start)"
+    )
+    g.add_argument(
+        "--nodes", type=int, default=0, help="nodes in the world (default 0: no recovery loop)"
+    )
+    g.add_argument("--workers-per-node", type=int, default=1, help="workers per node")
+    g.add_argument("--dp", type=int, default=0, help="data parallel (default: the rest)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline parallel degree")
+    g.add_argument("--tp", type=int, default=1, help="tensor parallel degree")
+    g.add_argument("--min-nodes", type=int, default=1, help="fail below this many nodes")
+    g.add_argument(
+        "--worker-cmd", default="", help="worker command (default: each agent's --worker-cmd)"
+    )
+    g.add_argument("--master-addr", default="", help="rendezvous host (default: rank 0's node IP)")
+    g.add_argument("--trainer", default="external", help="trainer name recorded in JobStarted")
     add_etcd_flags(parser)
 
 
@@ -146,6 +165,17 @@ def config_from_args(ns: argparse.Namespace) -> DriverConfig:
         etcd=_etcd_config(ns),
         service=service,
         port_file=ns.port_file,
+        loop=LoopConfig(
+            nodes=ns.nodes,
+            workers_per_node=ns.workers_per_node,
+            dp=ns.dp,
+            pp=ns.pp,
+            tp=ns.tp,
+            worker_cmd=ns.worker_cmd,
+            master_addr=ns.master_addr,
+            trainer=ns.trainer,
+            policy=Policy(min_nodes=ns.min_nodes, diagnose_kinds=frozenset()),
+        ),
     )
 
 
@@ -209,8 +239,10 @@ async def serve(cfg: DriverConfig) -> int:
             store = InMemoryStore()
             leadership = store.elect(cfg.driver_id)
             mlog = InMemoryEventLog(store, cfg.job_id, leadership)
-            await _take_lead(service, mlog, leadership, advertise)
+            rloop = await _take_lead(service, mlog, leadership, advertise, cfg.loop)
             await stop.wait()
+            if rloop is not None:
+                await rloop.close()
         else:
             await _lead_on_etcd(cfg, service, advertise, stop)
         return 0
@@ -222,8 +254,13 @@ async def serve(cfg: DriverConfig) -> int:
 
 
 async def _take_lead(
-    service: DriverService, elog: Any, leadership: Leadership, address: str
-) -> None:
+    service: DriverService,
+    elog: Any,
+    leadership: Leadership,
+    address: str,
+    loop_cfg: LoopConfig,
+) -> RecoveryLoop | None:
+    """Replay, append LeaderElected, lead; start the recovery loop when a job is configured."""
     state = await elog.replay()
     await elog.append(
         ev.Event(
@@ -238,6 +275,11 @@ async def _take_lead(
     )
     service.lead(elog, address)
     log.info("leading", term=leadership.term, last_seq=state.last_seq, nodes=len(state.nodes))
+    if not loop_cfg.nodes:
+        return None
+    rloop = RecoveryLoop(loop_cfg, service, elog, state)
+    rloop.start()
+    return rloop
 
 
 async def _lead_on_etcd(
@@ -268,10 +310,12 @@ async def _lead_on_etcd(
                 break
             leadership = campaign.result()
             elog = etcdlog.EtcdEventLog(client, cfg.job_id, leadership)
-            await _take_lead(service, elog, leadership, address)
+            rloop = await _take_lead(service, elog, leadership, address, cfg.loop)
             lost = asyncio.create_task(election.lost.wait())
             await asyncio.wait({lost, stopped}, return_when=asyncio.FIRST_COMPLETED)
             lost.cancel()
+            if rloop is not None:
+                await rloop.close()
             if stop.is_set():
                 service.step_down()
                 with contextlib.suppress(Exception):

@@ -25,7 +25,7 @@ import itertools
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,8 @@ from unbroken.proto import events_pb2 as ev
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = "unbroken.driver.v1.Driver"
+#: What the recovery loop's decider returns: events to append in order, then a callback.
+Batch = tuple[list[ev.Event], Callable[[], None] | None]
 RING = 1 << 16  # latency samples kept for p50/p99
 
 
@@ -136,7 +138,11 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
         self.log = log_
         self.leader_address = leader_address  # the current leader's (maybe our own) address
         self.view = LiveView(config.live)
-        self.events: asyncio.Queue[tuple[ev.Event, float]] = asyncio.Queue(config.event_queue)
+        # detected events (and the recovery loop's observations) waiting for the writer
+        self.events: asyncio.Queue[tuple[Any, float]] = asyncio.Queue(config.event_queue)
+        # The recovery loop (driver/loop.py) turns each queued item into the events to
+        # append and a callback run once they all are; None: items are events, as they are.
+        self.decider: Callable[[Any], Awaitable[Batch]] | None = None
         self.appended = 0
         self.dropped_commands = 0
         self.delivery = _Ring()
@@ -305,35 +311,58 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
             log.error("event queue full; event dropped", kind=event.WhichOneof("payload"))
             return False
 
+    def submit(self, item: Any) -> bool:
+        """Queue a recovery-loop observation (not an event) for the writer's decider."""
+        try:
+            self.events.put_nowait((item, math.nan))
+            return True
+        except asyncio.QueueFull:
+            log.error("event queue full; observation dropped", kind=type(item).__name__)
+            return False
+
     async def _writer(self) -> None:
         while True:
-            event, last_seen = await self.events.get()
+            item, last_seen = await self.events.get()
             if self.log is None:
-                log.warning(
-                    "not leader; detector event discarded", kind=event.WhichOneof("payload")
-                )
+                log.warning("not leader; detector event discarded", kind=_kind(item))
                 continue
-            try:
-                stored = await self.log.append(event)
-            except NotLeaderError as e:
-                log.error("lost leadership while appending; stepping down", error=str(e))
-                self.step_down()
-                continue
-            except (EventLogError, ValueError) as e:
-                log.error(
-                    "event append failed; event dropped",
-                    error=str(e),
-                    kind=event.WhichOneof("payload"),
-                )
-                continue
-            self.appended += 1
-            if not math.isnan(last_seen):
-                self.metrics.detect_latency.observe(time.monotonic() - last_seen)
-            for fn in self.listeners:
+            batch: Batch = ([item], None) if isinstance(item, ev.Event) else ([], None)
+            if self.decider is not None:
                 try:
-                    fn(stored)
+                    batch = await self.decider(item)
                 except Exception:
-                    log.exception("event listener failed")
+                    log.exception("recovery decision failed; recording the event alone")
+            events, then = batch
+            for i, event in enumerate(events):
+                if not await self._append(event, last_seen if i == 0 else math.nan):
+                    then = None  # half a decision: the next settle finishes it
+                    break
+            if then is not None:
+                try:
+                    then()
+                except Exception:
+                    log.exception("recovery actions failed to start")
+
+    async def _append(self, event: ev.Event, last_seen: float) -> bool:
+        assert self.log is not None
+        try:
+            stored = await self.log.append(event)
+        except NotLeaderError as e:
+            log.error("lost leadership while appending; stepping down", error=str(e))
+            self.step_down()
+            return False
+        except (EventLogError, ValueError) as e:
+            log.error("event append failed; event dropped", error=str(e), kind=_kind(event))
+            return False
+        self.appended += 1
+        if not math.isnan(last_seen):
+            self.metrics.detect_latency.observe(time.monotonic() - last_seen)
+        for fn in self.listeners:
+            try:
+                fn(stored)
+            except Exception:
+                log.exception("event listener failed")
+        return True
 
     # ------------------------------------------------------------ RPCs
     async def Register(
@@ -574,6 +603,10 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
             "events": self.appended,
             "dropped": self.dropped_commands,
         }
+
+
+def _kind(item: Any) -> str:
+    return str(item.WhichOneof("payload")) if isinstance(item, ev.Event) else type(item).__name__
 
 
 async def build_server(

@@ -8,11 +8,17 @@ how fast each is detected and what the log recorded:
 
 - the leader driver is SIGKILLed: the standby wins the election, replays the log, the
   agents follow it, and training never stops (workers do not depend on the driver);
-- a spare node's agent is SIGKILLed: NodeLost, detected from missed heartbeats;
-- a worker is SIGKILLed: WorkerFailed.
+- a training node's agent is SIGKILLed: NodeLost from missed heartbeats; the recovery
+  loop (driver/loop.py) stops the workers, puts the spare in the lost node's place and
+  restarts the world, which restores from flash memory, the buddy replica or storage;
+- a worker is SIGKILLed: WorkerFailed; the loop restarts every worker, they restore from
+  their agents' flash memory.
 
-Every process it starts is stopped on exit, also on Ctrl-C. The full recovery loop
-(pause, diagnose, evict, restore, resume) joins the drill with issue 7.
+The drivers start the job themselves (`unbroken driver --nodes ...`; agents run
+`--no-start`). The table gives per fault the time to detect it, the time until training
+resumed (TrainingResumed in the log) and the steps lost (the step training had reached
+minus the step it restored, both from TrainingPaused). Every process it starts is stopped
+on exit, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
 
 EVENT_TAIL = 10
+RESUME_LIMIT_S = 120.0  # a drilled fault whose training has not resumed by then failed
 
 
 @dataclass(kw_only=True, slots=True)
@@ -91,6 +98,9 @@ class FaultRecord:
     event_seq: int | None = None
     note: str = ""
     given_up: bool = False
+    recovers: bool = False  # the recovery loop must resume training after it
+    resumed_s: float | None = None
+    steps_lost: int | None = None
 
 
 @dataclass(slots=True)
@@ -194,73 +204,54 @@ def run(ns: argparse.Namespace) -> int:
 async def _main(c: Cluster) -> int:
     from rich.console import Console
 
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    console = Console(width=None if sys.stdout.isatty() else 160)
     cfg = c.cfg
     t0 = time.monotonic()
     c.etcd = EmbeddedEtcd(c.run / "etcd").start()
     console.print(f"[bold]etcd[/] up at {c.etcd.endpoint} ({time.monotonic() - t0:.1f} s)")
     names = ["driver-a", "driver-b"] if cfg.standby else ["driver-a"]
+    worker_cmd = (
+        f"{sys.executable} -m unbroken.trainer.run --preset {cfg.preset} --dp {cfg.dp} "
+        f"--pp {cfg.pp} --tp {cfg.tp} --steps {cfg.steps} --log-every 10"
+    )
     for name in names:
         port_file = c.run / f"{name}.port.json"
         c.drivers[name] = c.spawn(
             name,
             [
-                "driver",
-                "--etcd",
-                c.etcd.endpoint,
-                "--job-id",
-                cfg.job_id,
-                "--driver-id",
-                name,
-                "--listen",
-                "127.0.0.1:0",
-                "--port-file",
-                str(port_file),
-                "--metrics-port",
-                "0",
+                "driver", "--etcd", c.etcd.endpoint, "--job-id", cfg.job_id,
+                "--driver-id", name, "--listen", "127.0.0.1:0",
+                "--port-file", str(port_file), "--metrics-port", "0",
+                # the job: the drivers start it and recover it (agents run --no-start)
+                "--nodes", str(cfg.nodes), "--workers-per-node", str(cfg.workers_per_node),
+                "--dp", str(cfg.dp), "--pp", str(cfg.pp), "--tp", str(cfg.tp),
+                "--worker-cmd", worker_cmd, "--master-addr", "127.0.0.1", "--trainer", "gpt3d",
+                # 3 s: torch imports on a 2-core machine starve an agent's heartbeats
+                "--miss-limit", "30",
             ],
-        )
+        )  # fmt: skip
     for name in names:
         info = await _wait_json(c.run / f"{name}.port.json", c.drivers[name], 60)
         c.addresses[name] = f"127.0.0.1:{info['grpc_port']}"
         console.print(f"[bold]{name}[/] serving at {c.addresses[name]}")
     endpoints = ",".join(c.addresses.values())
-    master_port = free_port()
-    worker_cmd = (
-        f"{sys.executable} -m unbroken.trainer.run --preset {cfg.preset} --dp {cfg.dp} "
-        f"--pp {cfg.pp} --tp {cfg.tp} --steps {cfg.steps} --log-every 10"
-    )
-    for i in range(cfg.nodes + cfg.spares):
-        spare = i >= cfg.nodes
-        node = f"spare-{i - cfg.nodes}" if spare else f"node-{i}"
+    names_of = [f"node-{i}" for i in range(cfg.nodes)] + [f"spare-{i}" for i in range(cfg.spares)]
+    replica = {n: free_port() for n in names_of}
+    for i, node in enumerate(names_of):
+        # the buddy ring over the training nodes; a spare's buddy is node-0
+        buddy = names_of[(i + 1) % cfg.nodes] if i < cfg.nodes else names_of[0]
         args = [
-            "agent",
-            "--driver",
-            endpoints,
-            "--node-id",
-            node,
-            "--log-dir",
-            str(c.run / "workers" / node),
-            "--socket",
-            str(c.run / f"{node}.sock"),
-            "--nproc-per-node",
-            str(cfg.workers_per_node),
-        ]
-        if spare:
-            args += ["--spare", "--no-start"]
-        else:
-            args += [
-                "--nnodes",
-                str(cfg.nodes),
-                "--node-rank",
-                str(i),
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(master_port),
-                "--worker-cmd",
-                worker_cmd,
-            ]
+            "agent", "--driver", endpoints, "--node-id", node, "--no-start",
+            "--worker-cmd", worker_cmd, "--nproc-per-node", str(cfg.workers_per_node),
+            "--log-dir", str(c.run / "workers" / node), "--socket", str(c.run / f"{node}.sock"),
+            # this run's own flash job: never restore another run's copies
+            "--flash-job", c.run.resolve().name, "--persist-url", str(c.run / "storage"),
+            "--replica-listen", f"127.0.0.1:{replica[node]}",
+        ]  # fmt: skip
+        if buddy != node:
+            args += ["--buddy", f"127.0.0.1:{replica[buddy]}"]
+        if i >= cfg.nodes:
+            args.append("--spare")
         c.agents[node] = c.spawn(f"agent-{node}", args)
     console.print(
         f"{cfg.nodes} nodes × {cfg.workers_per_node} workers (dp{cfg.dp}×pp{cfg.pp}×tp{cfg.tp}) "
@@ -375,11 +366,23 @@ def _fault_table(faults: list[FaultRecord]) -> Any:
     from rich.table import Table
 
     t = Table(title="drill")
-    for col in ("fault", "target", "detected in", "event (seq)", "note"):
+    for col in (
+        "fault",
+        "target",
+        "detected in",
+        "resumed in",
+        "steps lost",
+        "event (seq)",
+        "note",
+    ):
         t.add_column(col)
     for f in faults:
         det = f"{f.detected_s:.2f} s" if f.detected_s is not None else "[red]not yet[/]"
-        t.add_row(f.fault, f.target, det, f"{f.expect} ({f.event_seq or '-'})", f.note)
+        res = "-"
+        if f.recovers:
+            res = f"{f.resumed_s:.2f} s" if f.resumed_s is not None else "[red]not yet[/]"
+        lost = str(f.steps_lost) if f.steps_lost is not None else "-"
+        t.add_row(f.fault, f.target, det, res, lost, f"{f.expect} ({f.event_seq or '-'})", f.note)
     return t
 
 
@@ -433,10 +436,10 @@ async def _supervise(c: Cluster, w: Watcher, console: Any, t0: float) -> int:
         f"look at the log: .venv/bin/etcdctl --endpoints {c.etcd.endpoint if c.etcd else '?'} "
         f"get --prefix /unbroken/{cfg.job_id}/ --keys-only"
     )
-    missed = [f for f in faults if f.detected_s is None]
+    missed = [f for f in faults if f.detected_s is None or (f.recovers and f.resumed_s is None)]
     if drill is not None and (drill.plan or missed):
         console.print(
-            f"[red]drill incomplete[/]: {len(missed)} fault(s) not detected, "
+            f"[red]drill incomplete[/]: {len(missed)} fault(s) not detected or not recovered, "
             f"{len(drill.plan)} not injected before --duration {cfg.duration_s:.0f} s ran out"
         )
         return 1
@@ -454,15 +457,23 @@ class _Drill:
 
     def observe(self, new: list[ev.Event], now: float) -> None:
         for f in self.faults:
-            if f.detected_s is not None:
-                continue
             for e in new:
-                if e.WhichOneof("payload") == f.expect and _matches(e, f):
-                    # the event's own wall time: exact, not bounded by our polling
-                    f.detected_s = max(0.0, (e.wall_time_unix_ns - f.injected_wall_ns) / 1e9)
-                    f.event_seq = e.seq
+                if f.detected_s is None:
+                    if e.WhichOneof("payload") == f.expect and _matches(e, f):
+                        # the event's own wall time: exact, not bounded by our polling
+                        f.detected_s = max(0.0, (e.wall_time_unix_ns - f.injected_wall_ns) / 1e9)
+                        f.event_seq = e.seq
+                        if not f.recovers:
+                            self.next_at = now + 5.0
+                    continue
+                if not f.recovers or f.resumed_s is not None or e.seq <= (f.event_seq or 0):
+                    continue
+                if e.HasField("training_paused"):  # the last pause of the incident counts
+                    p = e.training_paused
+                    f.steps_lost = max(0, p.at_step - p.restore_step)
+                elif e.HasField("training_resumed"):
+                    f.resumed_s = max(0.0, (e.wall_time_unix_ns - f.injected_wall_ns) / 1e9)
                     self.next_at = now + 5.0
-                    break
 
     async def advance(self, now: float) -> None:
         pending = [f for f in self.faults if f.detected_s is None and not f.given_up]
@@ -470,6 +481,13 @@ class _Drill:
             if now - pending[0].injected_at > 30:
                 pending[0].note = "no event within 30 s"
                 pending[0].given_up = True
+                self.next_at = now + 1
+            return
+        waiting = [f for f in self.faults if f.recovers and f.resumed_s is None and not f.given_up]
+        if waiting:
+            if now - waiting[0].injected_at > RESUME_LIMIT_S:
+                waiting[0].note = f"training did not resume within {RESUME_LIMIT_S:.0f} s"
+                waiting[0].given_up = True
                 self.next_at = now + 1
             return
         if now < self.next_at or self.w.step() < 10:
@@ -501,17 +519,21 @@ class _Drill:
             )
         elif kind == "node_loss":
             spares = [n for n in self.c.agents if n.startswith("spare-")]
-            if not spares:
+            working = [n.node_id for n in self.w.nodes if n.alive and n.workers]
+            gone = next((n for n in reversed(working) if n in self.c.agents), None)
+            if gone is None:
                 return
-            _signal_group(self.c.agents[spares[0]], signal.SIGKILL)
+            _signal_group(self.c.agents[gone], signal.SIGKILL)
             self.faults.append(
                 FaultRecord(
                     fault="node lost (agent SIGKILL)",
-                    target=spares[0],
+                    target=gone,
                     injected_at=now,
                     expect="node_lost",
-                    note="missed heartbeats",
+                    note="a spare takes its place" if spares else "no spare: the job shrinks",
                     injected_wall_ns=wall,
+                    step_at_inject=self.w.step(),
+                    recovers=True,
                 )
             )
         elif kind == "worker_crash":
@@ -526,8 +548,10 @@ class _Drill:
                     target=f"{victim[0]} pid {victim[1]}",
                     injected_at=now,
                     expect="worker_failed",
-                    note="restart + restore: recovery loop (issue 7)",
+                    note="every worker restarts and restores from flash memory",
                     injected_wall_ns=wall,
+                    step_at_inject=self.w.step(),
+                    recovers=True,
                 )
             )
 

@@ -49,6 +49,10 @@ def test_up_trains_drills_and_stops_everything(tmp_path: Path) -> None:
         assert fault in text
     assert "not yet" not in text and "no event within" not in text
     assert "leader_elected×2" in text
+    # the recovery loop: the crash and the lost node were recovered (a drilled fault whose
+    # training did not resume shows "not yet" or makes the run exit 1), the spare took over
+    assert "resumed in" in text and "steps lost" in text
+    assert "spare_assigned×1" in text and "world_resized×1" in text and "job_started×1" in text
     # nothing it started is left running: agents and drivers (their flags name the run dir)
     # and the workers (their command line is this run's trainer command)
     worker_cmd = "unbroken.trainer.run --preset tiny --dp 1 --pp 2 --tp 1 --steps 5000"
