@@ -65,6 +65,8 @@ class UpConfig:
     job_id: str = "demo"
     run_dir: str = ""
     live: bool = True
+    # missed 100 ms heartbeats before NodeLost; the driver's default is 3 (see --miss-limit)
+    miss_limit: int = 5
 
     def __post_init__(self) -> None:
         for name in ("nodes", "workers_per_node", "dp", "pp", "tp", "steps"):
@@ -164,6 +166,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-drill", action="store_true", help="train without faults")
     parser.add_argument("--no-standby", action="store_true", help="run one driver only")
     parser.add_argument("--no-live", action="store_true", help="plain log lines, no live view")
+    parser.add_argument(
+        "--miss-limit",
+        type=int,
+        default=d.miss_limit,
+        help="missed 100 ms heartbeats before a node is lost (default 5 rather than 3: on 2 cores "
+        "workers importing torch can delay an agent's heartbeats)",
+    )
     parser.add_argument("--run-dir", default="", help="logs and etcd data (default: runs/up-*)")
 
 
@@ -183,6 +192,7 @@ def run(ns: argparse.Namespace) -> int:
             drill=not ns.no_drill,
             standby=not ns.no_standby,
             run_dir=ns.run_dir,
+            miss_limit=ns.miss_limit,
             live=not ns.no_live and sys.stdout.isatty(),
         )
     except ValueError as e:
@@ -226,8 +236,7 @@ async def _main(c: Cluster) -> int:
                 "--nodes", str(cfg.nodes), "--workers-per-node", str(cfg.workers_per_node),
                 "--dp", str(cfg.dp), "--pp", str(cfg.pp), "--tp", str(cfg.tp),
                 "--worker-cmd", worker_cmd, "--master-addr", "127.0.0.1", "--trainer", "gpt3d",
-                # 3 s: torch imports on a 2-core machine starve an agent's heartbeats
-                "--miss-limit", "30",
+                "--miss-limit", str(cfg.miss_limit),
             ],
         )  # fmt: skip
     for name in names:
