@@ -9,13 +9,11 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
-
-import structlog
 
 from unbroken.agent.daemon import Agent, AgentConfig
 from unbroken.agent.flash import NodeFlashConfig, default_persist_url
 from unbroken.agent.workers import DEFAULT_KEYWORDS, WorkerSpec
+from unbroken.proto.logsetup import setup_logging
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -162,24 +160,6 @@ def read_token(token: str | None, token_file: str | None) -> str | None:
     return token or None
 
 
-def _setup_logging(fmt: str) -> None:
-    renderer: Any = (
-        structlog.processors.JSONRenderer()
-        if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=False)
-    )
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-    )
-
-
 async def _main(cfg: AgentConfig) -> int:
     agent = Agent(cfg)
     loop = asyncio.get_running_loop()
@@ -190,7 +170,7 @@ async def _main(cfg: AgentConfig) -> int:
 
 def run(ns: argparse.Namespace) -> int:
     """`unbroken agent`."""
-    _setup_logging(ns.log_format)
+    setup_logging(ns.log_format)
     try:
         cfg = config_from_args(ns)
     except ValueError as e:

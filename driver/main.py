@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import logging
 import os
 import signal
 import socket
@@ -34,6 +33,7 @@ from unbroken.driver.machine import Policy
 from unbroken.driver.security import TlsConfig, read_token
 from unbroken.driver.service import DriverService, ServiceConfig, build_server
 from unbroken.proto import events_pb2 as ev
+from unbroken.proto.logsetup import setup_logging
 
 log = structlog.get_logger(__name__)
 
@@ -183,26 +183,6 @@ def _etcd_config(ns: argparse.Namespace) -> EtcdConfig:
     from unbroken.driver import etcd as etcdmod
 
     return etcdmod.config_from_args(ns)
-
-
-def setup_logging(fmt: str = "console", level: int = logging.INFO) -> None:
-    """structlog to stderr, one line per event, with a timestamp."""
-    renderer: Any = (
-        structlog.processors.JSONRenderer()
-        if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=False)
-    )
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-    )
 
 
 async def serve(cfg: DriverConfig) -> int:

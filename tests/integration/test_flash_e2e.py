@@ -37,6 +37,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.integration.trainenv import plain_worker_env
 from unbroken.diagnostics.check import free_port
 from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
 from unbroken.driver.liveview import LiveViewConfig
@@ -76,17 +77,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     procs = []
     try:
         for rank in (0, 1):
-            env = {
-                **os.environ,
-                "OMP_NUM_THREADS": "1",
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-            }
-            for k in ("UNBROKEN_AGENT_SOCKET", "UNBROKEN_FLASH_ROOT"):
-                env.pop(k, None)
+            env = plain_worker_env(rank, 2, port)
             log = open(tmp / f"rank{rank}.log", "wb")  # the child owns it
             procs.append(
                 psutil.Popen(

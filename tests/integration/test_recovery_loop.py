@@ -33,6 +33,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.integration.trainenv import plain_worker_env
 from unbroken.diagnostics.check import free_port
 from unbroken.driver.etcd import EtcdConfig
 from unbroken.driver.etcdlog import EtcdEventLog, connect
@@ -249,17 +250,7 @@ def reference(tmp: Path, steps: int) -> dict[int, float]:
     procs = []
     try:
         for rank in (0, 1):
-            env = {
-                **os.environ,
-                "OMP_NUM_THREADS": "1",
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-            }
-            for k in ("UNBROKEN_AGENT_SOCKET", "UNBROKEN_FLASH_ROOT"):
-                env.pop(k, None)
+            env = plain_worker_env(rank, 2, port)
             out = open(tmp / f"rank{rank}.log", "wb")  # the child owns it
             cmd = [*TRAIN, "--steps", "100000", "--metrics-out", str(metrics)]
             procs.append(subprocess.Popen([sys.executable, *cmd], env=env, stdout=out, stderr=out))
