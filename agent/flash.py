@@ -26,7 +26,8 @@ from pathlib import Path
 
 import structlog
 
-from unbroken.recovery.flash import FlashConfig, FlashOwner, list_copies
+from unbroken.recovery.flashcopy import list_copies
+from unbroken.recovery.flashowner import FlashConfig, FlashOwner
 from unbroken.recovery.persist import (
     PersistConfig,
     Persisted,

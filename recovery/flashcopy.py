@@ -20,11 +20,13 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
-import torch
 import xxhash
+
+if TYPE_CHECKING:
+    import torch
 
 log = structlog.get_logger(__name__)
 
@@ -149,6 +151,8 @@ class Manifest:
 
 def dtype_from_name(name: str) -> torch.dtype:
     """`"float32"` -> `torch.float32`, rejecting anything that is not a dtype."""
+    import torch  # lazily: the agent and the driver read manifests without torch
+
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
         raise CorruptCopyError(f"unknown dtype {name!r} in manifest")
@@ -157,6 +161,8 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def tensor_view(buf: memoryview | bytearray | mmap.mmap, entry: TensorEntry) -> torch.Tensor:
     """A zero-copy tensor over `entry`'s bytes in `buf` (read-only when `buf` is)."""
+    import torch
+
     dt = dtype_from_name(entry.dtype)
     if entry.nbytes == 0:
         return torch.empty(entry.shape, dtype=dt)
@@ -169,6 +175,8 @@ def tensor_view(buf: memoryview | bytearray | mmap.mmap, entry: TensorEntry) -> 
 
 def load_object(raw: bytes) -> Any:
     """Decode a non-tensor value saved in a manifest (weights_only: no arbitrary code)."""
+    import torch
+
     return torch.load(io.BytesIO(raw), weights_only=True)
 
 

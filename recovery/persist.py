@@ -30,7 +30,7 @@ from pathlib import Path
 import fsspec
 import structlog
 
-from unbroken.recovery.flash import (
+from unbroken.recovery.flashcopy import (
     CopyRef,
     CorruptCopyError,
     Manifest,

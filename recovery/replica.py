@@ -26,10 +26,9 @@ from pathlib import Path
 
 import structlog
 
-from unbroken.recovery.flash import (
+from unbroken.recovery.flashcopy import (
     CopyRef,
     CorruptCopyError,
-    FlashOwner,
     Manifest,
     list_copies,
     new_hasher,
@@ -37,6 +36,7 @@ from unbroken.recovery.flash import (
     replica_store,
     write_raw_copy,
 )
+from unbroken.recovery.flashowner import FlashOwner
 
 log = structlog.get_logger(__name__)
 

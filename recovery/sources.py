@@ -19,7 +19,7 @@ from pathlib import Path
 
 import structlog
 
-from unbroken.recovery.flash import CopyRef, CorruptCopyError, Manifest, list_copies, read_copy
+from unbroken.recovery.flashcopy import CopyRef, CorruptCopyError, Manifest, list_copies, read_copy
 from unbroken.recovery.persist import _HEADER, MAGIC, _fs, list_persisted, read_shard
 from unbroken.recovery.restore import Availability, Source, StepCopies
 

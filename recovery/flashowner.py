@@ -1,0 +1,157 @@
+"""The owner side of flash checkpoints (the agent): shared-memory slots per rank, no torch.
+
+Split out of `unbroken.recovery.flash` so that the node agent and the driver, which
+only reserve, list, discard and persist copies, never import torch (1-5 s and hundreds
+of MB per process on a loaded machine). `unbroken.recovery.flash` re-exports all of it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import structlog
+
+from unbroken.recovery.flashcopy import (
+    LOCAL_STORE,
+    CopyRef,
+    ShmTooSmallError,
+    data_path,
+    list_copies,
+    manifest_path,
+)
+
+log = structlog.get_logger(__name__)
+
+
+# ---------------------------------------------------------------- owner side (agent)
+
+
+@dataclass(kw_only=True, slots=True)
+class FlashConfig:
+    """Where flash copies live and how much shared memory must stay free."""
+
+    root: str = "/dev/shm/unbroken"
+    job: str = "default"
+    headroom_bytes: int = 64 << 20  # left free for everything else on the tmpfs
+
+    def __post_init__(self) -> None:
+        if not self.root:
+            raise ValueError("FlashConfig.root must name a directory on a tmpfs, e.g. /dev/shm")
+        if not self.job or "/" in self.job:
+            raise ValueError(f"FlashConfig.job must be a plain name, got {self.job!r}")
+        if self.headroom_bytes < 0:
+            raise ValueError(f"FlashConfig.headroom_bytes must be >= 0, got {self.headroom_bytes}")
+
+
+class SlotProvider(Protocol):
+    """What a writer needs from its owner: two slots of at least `nbytes` for `rank`."""
+
+    def reserve(self, rank: int, nbytes: int) -> str:
+        """Size both slots of `rank` to hold `nbytes`; return the rank's directory."""
+        ...
+
+
+class FlashOwner:
+    """The agent's side: creates and sizes slots, lists copies, deletes, keeps retention."""
+
+    def __init__(self, config: FlashConfig) -> None:
+        self.config = config
+        self.job_dir = Path(config.root) / config.job
+        self.job_dir.mkdir(parents=True, exist_ok=True)
+
+    def rank_dir(self, rank: int, store: str = LOCAL_STORE) -> Path:
+        """The directory of `rank`'s slots in `store`."""
+        if rank < 0:
+            raise ValueError(f"rank must be >= 0, got {rank}")
+        return self.job_dir / store / f"rank-{rank:05d}"
+
+    def reserve(self, rank: int, nbytes: int, store: str = LOCAL_STORE) -> str:
+        """Size both slots of `rank` to at least `nbytes`, allocating the memory now.
+
+        Raises:
+            ShmTooSmallError: the tmpfs has too little free space; the message says how
+                much is needed.
+        """
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        d = self.rank_dir(rank, store)
+        d.mkdir(parents=True, exist_ok=True)
+        grow = 0
+        for slot in (0, 1):
+            p = data_path(d, slot)
+            have = p.stat().st_size if p.exists() else 0
+            grow += max(0, nbytes - have)
+        if grow:
+            st = os.statvfs(d)
+            free = st.f_bavail * st.f_frsize
+            if grow + self.config.headroom_bytes > free:
+                raise ShmTooSmallError(
+                    f"flash checkpoint for rank {rank} needs {_gib(grow)} more in "
+                    f"{self.config.root} (2 slots x {_gib(nbytes)}, plus "
+                    f"{_gib(self.config.headroom_bytes)} headroom) but only {_gib(free)} is "
+                    "free; enlarge the tmpfs (docker: --shm-size; host: mount -o "
+                    "remount,size=... /dev/shm) or point FlashConfig.root elsewhere"
+                )
+            for slot in (0, 1):
+                p = data_path(d, slot)
+                with open(p, "ab") as f:
+                    if f.tell() < nbytes:
+                        # posix_fallocate makes tmpfs allocate now: a full tmpfs fails here
+                        # with a clear error instead of SIGBUS in the middle of a save.
+                        os.posix_fallocate(f.fileno(), 0, nbytes)
+            log.info("flash.reserved", rank=rank, store=store, nbytes=nbytes)
+        return str(d)
+
+    def stores(self) -> list[str]:
+        """Store names present (`local`, `replica-<node>`...)."""
+        return sorted(p.name for p in self.job_dir.iterdir() if p.is_dir())
+
+    def ranks(self, store: str = LOCAL_STORE) -> list[int]:
+        """Ranks with a directory in `store`."""
+        d = self.job_dir / store
+        if not d.is_dir():
+            return []
+        return sorted(int(p.name.split("-")[1]) for p in d.iterdir() if p.name.startswith("rank-"))
+
+    def copies(self, store: str = LOCAL_STORE) -> dict[int, list[CopyRef]]:
+        """Every rank's copies in `store`, newest first."""
+        return {r: list_copies(self.rank_dir(r, store)) for r in self.ranks(store)}
+
+    def newest(self, rank: int, store: str = LOCAL_STORE) -> CopyRef | None:
+        """The newest copy of `rank` in `store`, if any."""
+        refs = list_copies(self.rank_dir(rank, store))
+        return refs[0] if refs else None
+
+    def discard_newer_than(self, step: int, store: str = LOCAL_STORE) -> int:
+        """Invalidate copies after `step` (after a rollback they belong to a dead timeline)."""
+        n = 0
+        for refs in self.copies(store).values():
+            for ref in refs:
+                if ref.manifest.step > step:
+                    manifest_path(ref.rank_dir, ref.slot).unlink(missing_ok=True)
+                    n += 1
+        return n
+
+    def delete_rank(self, rank: int, store: str = LOCAL_STORE) -> None:
+        """Remove `rank`'s slots from `store`."""
+        shutil.rmtree(self.rank_dir(rank, store), ignore_errors=True)
+
+    def delete_store(self, store: str) -> None:
+        """Remove a whole store (e.g. a replica of a node that left the ring)."""
+        shutil.rmtree(self.job_dir / store, ignore_errors=True)
+
+    def used_bytes(self) -> int:
+        """Bytes allocated by this job's slots."""
+        return sum(p.stat().st_blocks * 512 for p in self.job_dir.rglob("*.data"))
+
+    def cleanup(self) -> None:
+        """Remove everything this job holds in shared memory."""
+        shutil.rmtree(self.job_dir, ignore_errors=True)
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
