@@ -1,0 +1,515 @@
+"""`torchrun --rdzv-backend=unbroken` against a real driver process on a real etcd.
+
+One driver (with a bearer token) per module. The fast tests drive the client pieces
+(DriverStore, DriverRendezvousBackend) in this process against it: store semantics,
+compare-and-set, the etcd keys, auth, an unreachable driver, an evicted node. The
+done-when test runs two real torchrun agents of one worker each, SIGKILLs one worker
+mid-run and checks that torch's elastic agents restart both, re-rendezvous through the
+driver and finish the job from the script's checkpoint. Scale down/up with a hot spare,
+and a refused evicted torchrun, are `slow` (several torchrun start-ups each).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+from unbroken.agent import rdzv
+from unbroken.driver.etcd import etcd_bin_dir
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import driver_pb2_grpc as dgrpc
+from unbroken.proto import events_pb2 as ev
+
+pytestmark = pytest.mark.integration
+
+CLI = [sys.executable, "-m", "unbroken.driver.cli"]
+TOKEN = "rdzv-test-token-0123456789"
+
+TRAIN = """
+import json, os, sys, time
+from pathlib import Path
+import torch
+import torch.distributed as dist
+
+out, steps = Path(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+tag = os.environ["NODE_TAG"]
+restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "?")
+(out / f"pid-{tag}").write_text(str(os.getpid()))
+ckpt = out / "ckpt.json"
+start = torch.tensor([json.loads(ckpt.read_text())["step"] if ckpt.exists() else 0])
+dist.broadcast(start, 0)  # everyone resumes from rank 0's checkpoint
+for step in range(int(start) + 1, steps + 1):
+    x = torch.tensor([1.0, float((out / "stop").exists())])
+    dist.all_reduce(x)
+    assert int(x[0]) == world
+    if x[1] > 0:  # an operator asked to stop: every rank agrees at the same step
+        break
+    if rank == 0:
+        tmp = out / "ckpt.tmp"
+        tmp.write_text(json.dumps({"step": step, "world": world}))
+        os.replace(tmp, ckpt)
+    with open(out / f"log-{tag}", "a") as f:
+        f.write(f"{restart} {step} {world} {os.getpid()}\\n")
+    time.sleep(float(os.environ.get("STEP_S", "0.2")))
+dist.destroy_process_group()
+"""
+
+
+# ---------------------------------------------------------------- fixtures and helpers
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+@pytest.fixture(scope="module")
+def driver(etcd_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("rdzv")
+    port_file = tmp / "driver.json"
+    job = f"rdzv-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(tmp / "driver.log", "wb") as out:
+        cmd = [
+            *CLI, "driver", "--listen", "127.0.0.1:0", "--port-file", str(port_file),
+            "--etcd", etcd_server.endpoint, "--job-id", job, "--token", TOKEN,
+            "--miss-limit", "100",
+        ]  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while not port_file.exists():
+            assert proc.poll() is None, (tmp / "driver.log").read_text()
+            assert time.monotonic() < deadline, "driver did not start within 120 s"
+            time.sleep(0.1)
+        address = f"127.0.0.1:{json.loads(port_file.read_text())['grpc_port']}"
+        client = _client(address, "probe", "probe")
+        client.call("GetState", client._rpb.GetStateRequest(), budget_s=60)  # leading
+        client.close()
+        yield {"address": address, "job": job, "tmp": tmp, "etcd": etcd_server.endpoint}
+    finally:
+        _stop([proc])
+
+
+def _client(
+    address: str, run_id: str, node_id: str, token: str | None = TOKEN, **kw: Any
+) -> rdzv.DriverClient:
+    return rdzv.DriverClient(
+        rdzv.RdzvClientConfig(endpoint=address, run_id=run_id, node_id=node_id, token=token, **kw)
+    )
+
+
+def _events(address: str) -> list[ev.Event]:
+    with grpc.insecure_channel(address) as ch:
+        stub = dgrpc.DriverStub(ch)
+        md = (("authorization", f"Bearer {TOKEN}"),)
+        return [
+            r.event for r in stub.WatchEvents(dpb.WatchEventsRequest(), metadata=md, timeout=30)
+        ]
+
+
+def _rounds(address: str, run_id: str) -> list[ev.RendezvousRound]:
+    return [
+        e.rendezvous_round
+        for e in _events(address)
+        if e.WhichOneof("payload") == "rendezvous_round" and e.rendezvous_round.run_id == run_id
+    ]
+
+
+def _wait_for(what: str, cond: Any, timeout_s: float, procs: list[Any] = ()) -> None:  # type: ignore[assignment]
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        for p in procs:
+            assert p.poll() is None or p.returncode == 0, f"a process exited {p.returncode}"
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.2)
+
+
+def _etcd_keys(driver: dict[str, Any], run_id: str) -> list[str]:
+    """The run's rendezvous keys in etcd, read with etcdctl (what an operator would do)."""
+    etcdctl = str(etcd_bin_dir() / "etcdctl")
+    prefix = f"/unbroken/{driver['job']}/rdzv/{run_id}/"
+    cmd = [etcdctl, "--endpoints", driver["etcd"], "get", "--prefix", prefix, "--keys-only"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
+    return out.split()
+
+
+def _torch_state(rnd: int) -> bytes:
+    s = _RendezvousState()
+    s.round = rnd
+    s.participants = {_NodeDesc("h", 1, 0): 0}
+    return pickle.dumps(s)
+
+
+# ---------------------------------------------------------------- the client pieces
+
+
+def test_store_semantics_through_the_driver(driver: dict[str, Any]) -> None:
+    client = _client(driver["address"], f"store-{uuid.uuid4().hex[:6]}", "n-store")
+    store = rdzv.DriverStore(client)
+    try:
+        store.set("a", b"1")
+        assert store.get("a") == b"1"
+        # what torch's agent does: a PrefixStore over ours
+        prefixed = dist.PrefixStore("torch.rendezvous.x.0", store)
+        prefixed.set("MASTER_ADDR", "127.0.0.1")
+        assert store.get("torch.rendezvous.x.0/MASTER_ADDR") == b"127.0.0.1"
+        assert prefixed.multi_get(["MASTER_ADDR"]) == [b"127.0.0.1"]
+
+        # a blocking get returns when another caller sets the key
+        got: list[bytes] = []
+        reader = threading.Thread(target=lambda: got.append(store.get("later")))
+        reader.start()
+        time.sleep(0.5)
+        rdzv.DriverStore(_client(driver["address"], client.config.run_id, "n-other")).set(
+            "later", b"x"
+        )
+        reader.join(30)
+        assert got == [b"x"]
+
+        # concurrent adds never lose an increment and each caller sees its own result
+        results: list[int] = []
+        lock = threading.Lock()
+
+        def adder() -> None:
+            s = rdzv.DriverStore(_client(driver["address"], client.config.run_id, "n-add"))
+            for _ in range(5):
+                v = s.add("counter", 1)
+                with lock:
+                    results.append(v)
+
+        threads = [threading.Thread(target=adder) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(results) == list(range(1, 21))
+
+        assert store.compare_set("cas", b"", b"v1") == b"v1"
+        assert store.compare_set("cas", b"wrong", b"v2") == b"v1"
+        assert store.compare_set("cas", b"v1", b"v2") == b"v2"
+        assert store.check(["a", "cas"]) and not store.check(["a", "nope"])
+        with pytest.raises(dist.DistStoreError, match=r"\['nope'\]"):
+            store.wait(["a", "nope"], timedelta(seconds=0.5))
+        store.set_timeout(timedelta(seconds=0.5))
+        with pytest.raises(dist.DistStoreError, match="waiting for key 'nope'"):
+            store.get("nope")
+        n = store.num_keys()
+        assert n >= 5
+        assert store.delete_key("a") and not store.delete_key("a")
+        assert store.num_keys() == n - 1
+    finally:
+        client.close()
+
+
+def test_backend_compare_and_set_and_the_etcd_keys(driver: dict[str, Any]) -> None:
+    run_id = f"cas-{uuid.uuid4().hex[:6]}"
+    backend = rdzv.DriverRendezvousBackend(_client(driver["address"], run_id, "n-cas"))
+    assert backend.name == "unbroken"
+    assert backend.get_state() is None
+    first = _torch_state(0)
+    state, token, ok = backend.set_state(first, None)
+    assert ok and state == first and token > 0
+    # token None again: the state exists, so it is returned unchanged
+    assert backend.set_state(_torch_state(5), None) == (first, token, False)
+    second = _torch_state(1)
+    state2, token2, ok2 = backend.set_state(second, token)
+    assert ok2 and state2 == second and token2 > token
+    # a stale token loses and learns the current state
+    assert backend.set_state(_torch_state(9), token) == (second, token2, False)
+    assert backend.get_state() == (second, token2)
+    # the state sits in etcd v3 under the job's prefix
+    assert _etcd_keys(driver, run_id) == [f"/unbroken/{driver['job']}/rdzv/{run_id}/state"]
+
+
+def test_wrong_token_and_unreachable_driver_say_what_to_do(driver: dict[str, Any]) -> None:
+    bad = _client(driver["address"], "auth", "n-auth", token="not-the-token-at-all")
+    with pytest.raises(RendezvousConnectionError, match=r"refused our credentials.*UNBROKEN_TOKEN"):
+        rdzv.DriverRendezvousBackend(bad).get_state()
+    nobody = _client("127.0.0.1:1", "x", "n-x", retry_timeout_s=1.0, rpc_timeout_s=1.0)
+    with pytest.raises(RendezvousConnectionError, match=r"driver at 127\.0\.0\.1:1 is unreachable"):
+        rdzv.DriverRendezvousBackend(nobody).get_state()
+    with pytest.raises(dist.DistNetworkError, match=r"127\.0\.0\.1:1 is unreachable"):
+        rdzv.DriverStore(nobody).set("k", b"v")
+    # a list of drivers (a leader and its standbys): a dead one is skipped
+    several = _client(f"127.0.0.1:1,{driver['address']}", "many", "n-many", retry_timeout_s=30)
+    assert rdzv.DriverRendezvousBackend(several).get_state() is None
+    assert several.endpoint == driver["address"]
+
+
+def _register_and_evict(address: str, node_id: str) -> None:
+    md = (("authorization", f"Bearer {TOKEN}"),)
+    with grpc.insecure_channel(address) as ch:
+        stub = dgrpc.DriverStub(ch)
+        stub.Register(
+            dpb.RegisterRequest(node_id=node_id, epoch=time.time_ns(), hostname="h"),
+            metadata=md,
+            timeout=30,
+        )
+        stub.Evict(
+            dpb.EvictRequest(node_id=node_id, reason="diagnosis: bad all-gather"),
+            metadata=md,
+            timeout=30,
+        )
+
+
+def test_an_evicted_node_is_refused(driver: dict[str, Any]) -> None:
+    run_id = f"evict-{uuid.uuid4().hex[:6]}"
+    node = f"bad-{uuid.uuid4().hex[:6]}"
+    backend = rdzv.DriverRendezvousBackend(_client(driver["address"], run_id, node))
+    assert backend.get_state() is None  # admitted before the eviction
+    _register_and_evict(driver["address"], node)
+    deadline = time.monotonic() + 30
+    with pytest.raises(rdzv.NodeEvictedError, match=f"node {node} was evicted") as info:
+        while time.monotonic() < deadline:  # the driver refreshes its evicted set each second
+            backend.get_state()
+            time.sleep(0.2)
+    assert "UNBROKEN_NODE_ID" in str(info.value)
+    with pytest.raises(rdzv.NodeEvictedError):  # the store refuses it too
+        rdzv.DriverStore(backend.client).set("k", b"v")
+    # a healthy node of the same run is still served
+    assert (
+        rdzv.DriverRendezvousBackend(_client(driver["address"], run_id, "good")).get_state() is None
+    )
+    _wait_for(
+        "RendezvousRefused in the log",
+        lambda: any(
+            e.WhichOneof("payload") == "rendezvous_refused" and e.rendezvous_refused.node_id == node
+            for e in _events(driver["address"])
+        ),
+        30,
+    )
+
+
+# ---------------------------------------------------------------- real torchrun
+
+
+def _torchrun(
+    driver: dict[str, Any],
+    tmp: Path,
+    run_id: str,
+    tag: str,
+    nnodes: str,
+    steps: int,
+    *,
+    step_s: float = 0.2,
+    node_id: str | None = None,
+) -> subprocess.Popen[bytes]:
+    script = tmp / "train.py"
+    if not script.exists():
+        script.write_text(TRAIN)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "NODE_TAG": tag,
+        "STEP_S": str(step_s),
+        rdzv.TOKEN_ENV: TOKEN,
+        rdzv.NODE_ID_ENV: node_id or f"tr-{tag}",
+    }
+    conf = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=600"
+    log = open(tmp / f"torchrun-{tag}.log", "wb")
+    try:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+            "--nproc-per-node=1", "--rdzv-backend=unbroken",
+            f"--rdzv-endpoint={driver['address']}", f"--rdzv-id={run_id}",
+            "--rdzv-conf", conf, "--max-restarts=3", "--monitor-interval=0.5",
+            "--local-addr=127.0.0.1", str(script), str(tmp), str(steps),
+        ]  # fmt: skip
+        return subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=tmp,  # not the repo: its stale *.egg-info could hide our entry point
+            start_new_session=True,
+        )
+    finally:
+        log.close()
+
+
+def _kill_node(proc: subprocess.Popen[bytes], tmp: Path, tag: str) -> None:
+    """A node dies: its torchrun agent and its worker (torch starts workers in a session
+    of their own, so killing the agent's process group alone leaves the worker training)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, FileNotFoundError, ValueError):
+        os.kill(int((tmp / f"pid-{tag}").read_text()), signal.SIGKILL)
+    proc.wait(30)
+
+
+def _kill_workers(tmp: Path) -> None:
+    """Stop any worker a test left behind (they run in sessions of their own)."""
+    for f in tmp.glob("pid-*"):
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(f.read_text()), signal.SIGKILL)
+
+
+def _log_lines(tmp: Path, tag: str) -> list[tuple[str, int, int]]:
+    p = tmp / f"log-{tag}"
+    if not p.exists():
+        return []
+    rows = [line.split() for line in p.read_text().splitlines()]
+    return [(r[0], int(r[1]), int(r[2])) for r in rows if len(r) == 4]
+
+
+def _worker_pids(tmp: Path, tag: str) -> list[int]:
+    """The worker processes that trained on node `tag`, in order."""
+    pids: list[int] = []
+    for line in (tmp / f"log-{tag}").read_text().splitlines():
+        pid = int(line.split()[3])
+        if pid not in pids:
+            pids.append(pid)
+    return pids
+
+
+def _tail(tmp: Path, *tags: str) -> str:
+    return "\n".join(f"--- {t}\n" + (tmp / f"torchrun-{t}.log").read_text()[-3000:] for t in tags)
+
+
+def test_torchrun_job_survives_a_killed_worker(driver: dict[str, Any], tmp_path: Path) -> None:
+    run_id = f"job-{uuid.uuid4().hex[:6]}"
+    steps = 20
+    procs = [_torchrun(driver, tmp_path, run_id, t, "2", steps) for t in ("a", "b")]
+    try:
+        _wait_for("3 steps trained", lambda: len(_log_lines(tmp_path, "b")) >= 3, 300, procs)
+        victim = int((tmp_path / "pid-b").read_text())
+        os.kill(victim, signal.SIGKILL)
+        for p in procs:
+            p.wait(300)
+        assert [p.returncode for p in procs] == [0, 0], _tail(tmp_path, "a", "b")
+    finally:
+        _stop(procs)
+        _kill_workers(tmp_path)
+    ckpt = json.loads((tmp_path / "ckpt.json").read_text())
+    assert ckpt == {"step": steps, "world": 2}
+    # b's agent counts a restart; a's may restart for b's re-join (a membership change,
+    # which torch does not count) before its worker notices the dead peer
+    assert {r for r, _, _ in _log_lines(tmp_path, "b")} == {"0", "1"}
+    for tag in ("a", "b"):
+        rows = _log_lines(tmp_path, tag)
+        assert len(_worker_pids(tmp_path, tag)) == 2, rows  # every node's worker restarted
+        assert rows[-1][1:] == (steps, 2)
+        steps_seen = [s for _, s, _ in rows]
+        assert steps_seen == sorted(steps_seen) and steps_seen[-1] == steps  # resumed
+        assert len(steps_seen) < steps + 3, rows  # from the checkpoint, not from scratch
+    rounds = _rounds(driver["address"], run_id)
+    full = [r for r in rounds if not r.closed and len(r.participants) == 2]
+    # the first round, and the one after the kill (membership changes between them,
+    # such as a restarting node leaving and queueing again, are events of their own)
+    assert len({r.round for r in full}) >= 2, rounds
+    names = " ".join(full[-1].participants)
+    assert "tr-a@" in names and "tr-b@" in names
+    assert rounds[-1].closed  # the finished job closed the rendezvous
+    state_key = f"/unbroken/{driver['job']}/rdzv/{run_id}/state"
+    _wait_for(  # the closed run's store keys are swept; its state stays
+        "store keys swept", lambda: _etcd_keys(driver, run_id) == [state_key], 30
+    )
+
+
+@pytest.mark.slow
+def test_scale_up_hot_spare_and_scale_down(driver: dict[str, Any], tmp_path: Path) -> None:
+    """--nnodes=1:2 with three agents, one after another.
+
+    a trains alone; b joins (scale up: a's agent restarts its worker into a world of 2);
+    c arrives beyond max nodes and waits as a hot spare; b's node dies (its whole agent
+    is SIGKILLed): the spare c takes its place; then c dies too: a goes on alone (scale
+    down). The script's checkpoint carries the step count through every change.
+    """
+    run_id = f"elastic-{uuid.uuid4().hex[:6]}"
+
+    def worlds(tag: str) -> set[int]:
+        return {w for _, _, w in _log_lines(tmp_path, tag)}
+
+    def start(tag: str) -> subprocess.Popen[bytes]:
+        return _torchrun(driver, tmp_path, run_id, tag, "1:2", 100_000, step_s=0.1)
+
+    a = start("a")
+    procs = [a]
+    try:
+        _wait_for("a trains alone", lambda: 1 in worlds("a"), 300, procs)
+        procs.append(b := start("b"))
+        _wait_for("scale up: b joins a", lambda: 2 in worlds("b"), 300, procs)
+        procs.append(c := start("c"))
+        _wait_for(
+            "c listed as a hot spare",
+            lambda: any(
+                any("tr-c@" in n for n in r.spares) for r in _rounds(driver["address"], run_id)
+            ),
+            300,
+            procs,
+        )
+        assert not _log_lines(tmp_path, "c")  # a spare beyond max nodes does not train
+        _kill_node(b, tmp_path, "b")
+        _wait_for("the spare c replaces b", lambda: 2 in worlds("c"), 300, [a, c])
+        _kill_node(c, tmp_path, "c")  # and so is c
+        before = len(_log_lines(tmp_path, "a"))
+        _wait_for(
+            "scale down: a alone again",
+            lambda: any(w == 1 for _, _, w in _log_lines(tmp_path, "a")[before:]),
+            300,
+            [a],
+        )
+        (tmp_path / "stop").write_text("")
+        a.wait(300)
+        assert a.returncode == 0, _tail(tmp_path, "a")
+    finally:
+        _stop(procs)
+        _kill_workers(tmp_path)
+    steps = [s for _, s, _ in _log_lines(tmp_path, "a")]
+    assert steps[-1] == json.loads((tmp_path / "ckpt.json").read_text())["step"]
+    assert all(x < y for x, y in itertools.pairwise(steps)), steps  # no step redone
+    sizes = [len(r.participants) for r in _rounds(driver["address"], run_id) if not r.closed]
+    assert 1 in sizes and 2 in sizes, sizes
+
+
+@pytest.mark.slow
+def test_torchrun_on_an_evicted_node_is_refused(driver: dict[str, Any], tmp_path: Path) -> None:
+    node = f"evicted-{uuid.uuid4().hex[:6]}"
+    _register_and_evict(driver["address"], node)
+    time.sleep(1.5)  # the driver's evicted set refreshes every second
+    proc = _torchrun(driver, tmp_path, f"ev-{uuid.uuid4().hex[:6]}", "x", "1", 3, node_id=node)
+    try:
+        proc.wait(300)
+    finally:
+        _stop([proc])
+    out = (tmp_path / "torchrun-x.log").read_text()
+    assert proc.returncode != 0
+    assert "NodeEvictedError" in out and f"node {node} was evicted" in out, out[-3000:]
+    assert not _log_lines(tmp_path, "x")
