@@ -1,0 +1,430 @@
+"""The driver's web dashboard over HTTP: its pure core, its HTTP edges, a live cluster, a standby.
+
+The cluster is real: the session's etcd, one `unbroken driver --dashboard-port 0 --token ...`
+process and two `unbroken agent` processes with two workers each (a small script using the
+hooks SDK, no torch: step, loss and step time like a trainer's; global rank 3 steps twice
+as slowly, so the heatmap must name it). `/api/state` must show both nodes alive, the four
+ranks, loss and step-time curves, the slow rank, and the log's events; the token is
+required for the page and the API but not for the static assets. A second driver on the
+same job is a standby: its dashboard serves the job state replayed from etcd, marked
+standby. The browser test (test_dashboard_browser.py) reuses `Cluster`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from unbroken.driver.dashboard import (
+    Dashboard,
+    DashboardConfig,
+    HttpError,
+    Series,
+    node_display_state,
+    node_rows,
+    parse_head,
+)
+from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
+from unbroken.driver.liveview import LiveView, LiveViewConfig, NodeSlot
+from unbroken.driver.service import DriverService, ServiceConfig
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import events_pb2 as ev
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "dashboard-token-0123456789"
+SLOW_RANK = 3
+WORKER = """
+import math, os, time
+from unbroken.trainer import hooks
+h = hooks.install()
+rank = int(os.environ["RANK"])
+pause = 0.1 if rank == int(os.environ.get("DASH_SLOW_RANK", "-1")) else 0.05
+step = 0
+while True:
+    step += 1
+    time.sleep(pause)
+    h.step(step, loss=2.4 * math.exp(-step / 150) + 0.7 + 0.03 * math.sin(step / 3 + rank))
+"""
+
+
+def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, step_s: float = 0.1) -> Any:
+    """Poll `pred` until it returns something truthy; fail naming `what` after the deadline."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = pred()
+        if last:
+            return last
+        time.sleep(step_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last: {last!r})")
+
+
+class Cluster:
+    """A driver with a dashboard and agents running hook workers; everything is stopped."""
+
+    def __init__(self, tmp: Path, etcd_endpoint: str, *, miss_limit: int = 10) -> None:
+        self.tmp = tmp
+        self.endpoint = etcd_endpoint
+        self.job = f"dash-{uuid.uuid4().hex[:6]}"
+        self.miss_limit = miss_limit
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.address = ""
+        self.dashboard = ""  # http://host:port of the first driver
+        self.pids = tmp / "worker-pids"
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        with open(self.tmp / f"{name}.log", "ab") as out:  # the child keeps its own fd
+            p = subprocess.Popen(
+                [sys.executable, "-m", "unbroken.driver.cli", *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1", "DASH_SLOW_RANK": str(SLOW_RANK)},
+            )
+        self.procs[name] = p
+        return p
+
+    def start_driver(self, name: str = "driver") -> str:
+        """Start a driver; return its dashboard's base URL."""
+        port_file = self.tmp / f"{name}.json"
+        self._spawn(
+            name,
+            [
+                "driver", "--etcd", self.endpoint, "--job-id", self.job, "--driver-id", name,
+                "--listen", "127.0.0.1:0", "--port-file", str(port_file),
+                "--dashboard-port", "0", "--token", TOKEN,
+                "--miss-limit", str(self.miss_limit),
+            ],
+        )  # fmt: skip
+        info = wait_for(
+            lambda: port_file.exists() and json.loads(port_file.read_text()),
+            120,  # importing torch on a loaded 2-core machine can take a minute
+            f"{name}'s port file",
+        )
+        assert info["dashboard_port"] > 0, info
+        if not self.address:
+            self.address = f"127.0.0.1:{info['grpc_port']}"
+            self.dashboard = f"http://127.0.0.1:{info['dashboard_port']}"
+        return f"http://127.0.0.1:{info['dashboard_port']}"
+
+    def start_agents(self, n: int = 2, nproc: int = 2) -> None:
+        script = self.tmp / "worker.py"
+        script.write_text(
+            f"import os\nopen({str(self.pids)!r}, 'a').write(str(os.getpid()) + ' ')\n" + WORKER
+        )
+        for i in range(n):
+            node = f"node-{i}"
+            self._spawn(
+                node,
+                [
+                    "agent", "--driver", self.address, "--node-id", node, "--token", TOKEN,
+                    "--nproc-per-node", str(nproc), "--nnodes", str(n), "--node-rank", str(i),
+                    "--worker-cmd", f"{sys.executable} {script}", "--no-flash",
+                    "--log-dir", str(self.tmp / f"logs-{node}"),
+                    "--socket", str(self.tmp / f"{node}.sock"),
+                ],
+            )  # fmt: skip
+
+    def kill(self, name: str) -> None:
+        """SIGKILL a process (its workers die with it: hooks arm PR_SET_PDEATHSIG)."""
+        os.kill(self.procs[name].pid, signal.SIGKILL)
+        self.procs[name].wait(10)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+        if self.pids.exists():
+            for pid in self.pids.read_text().split():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(int(pid), signal.SIGKILL)
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text(errors="replace")[-3000:]
+
+
+def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """GET `url`; (status, headers, body), also for error statuses."""
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def state(base: str) -> dict[str, Any]:
+    status, _, body = get(f"{base}/api/state", {"Authorization": f"Bearer {TOKEN}"})
+    assert status == 200, body
+    return dict(json.loads(body))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, etcd_server: Any) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("dash"), etcd_server.endpoint)
+    try:
+        c.start_driver()
+        c.start_agents()
+        yield c
+    finally:
+        c.stop()
+
+
+# ---------------------------------------------------------------- the pure core
+
+
+def _w(rank: int, step: int, ms: float, loss: float = 1.0, since: float = 0.0) -> dpb.WorkerStatus:
+    return dpb.WorkerStatus(
+        global_rank=rank, step=step, step_time_ms=ms, loss=loss, has_loss=True,
+        since_progress_ms=since,
+    )  # fmt: skip
+
+
+def test_series_names_the_slow_rank_and_stays_bounded() -> None:
+    s = Series(points=5, columns=4)
+    for i in range(10):
+        ms = [50.0, 51.0, 49.0, 100.0]
+        s.sample([_w(r, 10 + i, ms[r], loss=2.0 - 0.1 * i) for r in range(4)], 1000.0 + i)
+    assert len(s.points) == 5 and len(s.columns) == 4
+    curves = s.curves()
+    assert curves["step"] == [15, 16, 17, 18, 19]
+    assert curves["loss"][-1] == pytest.approx(2.0 - 0.9)
+    assert curves["step_ms_max"][-1] == 100.0
+    hm = s.heatmap(max_ranks=128, slow_ratio=1.5)
+    assert hm["ranks"] == [0, 1, 2, 3] and hm["slow"] == [3]
+    assert hm["ratio"][3] == pytest.approx(2.0, rel=0.05)
+    # only the slowest ranks when there are more than max_ranks
+    assert s.heatmap(max_ranks=1, slow_ratio=1.5)["ranks"] == [3]
+    # a hung rank (no progress for 800 ms) counts its silence, so it stands out too
+    s.sample([_w(r, 30, 50.0, since=800.0 if r == 1 else 10.0) for r in range(4)], 2000.0)
+    assert s.columns[-1][2][1] == 800.0
+    # a restore to an earlier step rewinds the curves; NaN losses are left out
+    s.sample([_w(r, 12, 50.0, loss=float("nan")) for r in range(4)], 2001.0)
+    assert s.curves()["step"] == [12] and s.curves()["loss"] == [None]
+    json.dumps(s.curves(), allow_nan=False)
+    json.dumps(s.heatmap(8, 1.5), allow_nan=False)
+
+
+def test_node_display_states() -> None:
+    def rec(state: int) -> ev.NodeRecord:
+        return ev.NodeRecord(node_id="n", state=state)  # type: ignore[arg-type]
+
+    alive, silent = NodeSlot("n"), NodeSlot("n")
+    alive.alive = True
+    active, spare, lost = (rec(s) for s in (1, 2, 3))
+    assert node_display_state(active, alive, live=True) == "alive"
+    assert node_display_state(active, silent, live=True) == "lost"
+    assert node_display_state(spare, alive, live=True) == "spare"
+    assert node_display_state(rec(ev.NODE_STATE_EVICTED), alive, live=True) == "evicted"
+    assert node_display_state(None, alive, live=True) == "alive"  # registered, not logged yet
+    # no live data (a standby, or a new leader the agent has not reached yet): the log says
+    assert node_display_state(active, None, live=True) == "active"
+    assert node_display_state(active, alive, live=False) == "active"
+    assert node_display_state(lost, None, live=False) == "lost"
+
+
+def test_node_rows_put_problem_nodes_first_when_capped() -> None:
+    st = ev.JobState()
+    view = LiveView(LiveViewConfig())
+    for i in range(10):
+        st.nodes[f"n{i}"].state = ev.NODE_STATE_ACTIVE
+        view.slot(f"n{i}").alive = i != 7
+    rows, counts, total = node_rows(st, view, live=True, now=0.0, max_nodes=3)
+    assert [r["id"] for r in rows] == ["n0", "n1", "n7"] and rows[2]["state"] == "lost"
+    assert counts == {"alive": 9, "lost": 1} and total == 10
+
+
+def test_parse_head() -> None:
+    r = parse_head(b"GET /api/state?since=5&token=x HTTP/1.1\r\nHost: a\r\nConnection: close")
+    assert (r.method, r.path, r.query["since"], r.keep_alive) == ("GET", "/api/state", ["5"], False)
+    assert parse_head(b"GET / HTTP/1.1\r\nHost: a").keep_alive
+    assert not parse_head(b"GET / HTTP/1.0").keep_alive
+    for bad in (b"GET /", b"GET / SPDY/3", b"GET / HTTP/1.1\r\nno colon", b"POST / HTTP/1.1\r\n"
+                b"Content-Length: 3"):  # fmt: skip
+        with pytest.raises(HttpError):
+            parse_head(bad)
+
+
+# ---------------------------------------------------------------- HTTP edges, in process
+
+
+async def _raw(port: int, data: bytes, timeout: float = 5.0) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        out = b""
+        with contextlib.suppress(TimeoutError):
+            while chunk := await asyncio.wait_for(reader.read(65536), timeout):
+                out += chunk
+        return out
+    finally:
+        writer.close()
+
+
+def test_http_edges_in_process() -> None:
+    """Keep-alive, HEAD, 404, 405, 400, 431, the token, and the connection cap."""
+
+    async def go() -> None:
+        svc = DriverService(ServiceConfig(), driver_id="d1", job_id="j")
+        store = InMemoryStore()
+        elog = InMemoryEventLog(store, "j", store.elect("d1"))
+        await elog.append(ev.Event(node_registered=ev.NodeRegistered(node_id="n0", epoch=1)))
+        svc.lead(elog, "127.0.0.1:1")
+        dash = Dashboard(DashboardConfig(token=TOKEN, max_connections=2, idle_timeout_s=1), svc)
+        port = await dash.start()
+        try:
+            auth = f"Authorization: Bearer {TOKEN}\r\n".encode()
+            two = await _raw(
+                port,
+                b"GET /api/state HTTP/1.1\r\n" + auth + b"\r\n"
+                b"HEAD / HTTP/1.1\r\n" + auth + b"Connection: close\r\n\r\n",
+            )
+            assert two.count(b"HTTP/1.1 200 OK") == 2, two[:300]
+            body = json.loads(two.split(b"\r\n\r\n", 1)[1].split(b"HTTP/1.1")[0])
+            assert body["role"] == "leader" and body["nodes"][0]["id"] == "n0"
+            assert body["nodes"][0]["state"] == "active"  # in the log; never heard from here
+            assert two.rstrip().endswith(b"Cache-Control: no-store")  # HEAD: no body
+            for head, status in (
+                (b"GET /nope HTTP/1.1", b"404"),
+                (b"DELETE /api/state HTTP/1.1", b"405"),
+                (b"GET / HTTP/1.1\r\nContent-Length: 5", b"400"),
+                (b"GET /api/state?since=x HTTP/1.1\r\n" + auth.strip(), b"400"),
+                (b"GET /api/state HTTP/1.1", b"401"),
+                (b"GET /?token=wrong HTTP/1.1", b"401"),
+                (b"GET /static/../dashboard.py HTTP/1.1", b"404"),
+                (b"GET / HTTP/1.1\r\nX: " + b"a" * 20_000, b"431"),
+            ):
+                out = await _raw(port, head + b"\r\nConnection: close\r\n\r\n")
+                assert out.startswith(b"HTTP/1.1 " + status), (head[:60], out[:200])
+            ok = await _raw(
+                port, f"GET /?token={TOKEN} HTTP/1.1\r\nConnection: close\r\n\r\n".encode()
+            )
+            assert ok.startswith(b"HTTP/1.1 200") and b"static/app.js" in ok
+            js = await _raw(port, b"GET /static/app.js HTTP/1.0\r\n\r\n")  # open: code, no data
+            assert js.startswith(b"HTTP/1.1 200") and b"api/state" in js
+            # two idle connections fill the cap: a third is turned away at once
+            held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+            await asyncio.sleep(0.2)
+            assert (await _raw(port, b"GET /healthz HTTP/1.1\r\n\r\n")).startswith(b"HTTP/1.1 503")
+            for _, w in held:
+                w.close()
+        finally:
+            await dash.close()
+            await svc.close()
+
+    asyncio.run(go())
+
+
+# ---------------------------------------------------------------- a live cluster
+
+
+def test_live_state_over_http(cluster: Cluster) -> None:
+    base = cluster.dashboard
+
+    def ready() -> dict[str, Any] | None:
+        s = state(base)
+        alive = [n for n in s["nodes"] if n["state"] == "alive"]
+        ok = (
+            len(alive) == 2
+            and len(s["heatmap"]["ranks"]) == 4
+            and len(s["curves"]["step"]) >= 5
+            and len(s["heatmap"]["t"]) >= 6
+        )
+        return s if ok else None
+
+    try:
+        s = wait_for(ready, 60, "2 alive nodes, 4 ranks and curves on /api/state", 0.5)
+    except AssertionError:
+        print(cluster.log("driver"), cluster.log("node-0"))
+        raise
+    assert s["role"] == "leader" and s["job_id"] == cluster.job and s["driver_id"] == "driver"
+    assert sorted(n["id"] for n in s["nodes"]) == ["node-0", "node-1"]
+    assert sorted(r for n in s["nodes"] for r in n["ranks"]) == [0, 1, 2, 3]
+    assert all(n["step"] > 0 and n["loss"] is not None for n in s["nodes"])
+    assert s["heatmap"]["slow"] == [SLOW_RANK], s["heatmap"]
+    assert s["curves"]["step"] == sorted(s["curves"]["step"])
+    assert all(x is not None and 0.5 < x < 3.5 for x in s["curves"]["loss"])
+    kinds = [e["kind"] for e in s["events"]]
+    assert kinds.count("node_registered") == 2 and "leader_elected" in kinds
+    seqs = [e["seq"] for e in s["events"]]
+    assert seqs == sorted(seqs) and seqs[-1] == s["last_seq"]
+    # only the events after `since`
+    status, _, body = get(f"{base}/api/state?since={s['last_seq']}&token={TOKEN}")
+    assert status == 200 and json.loads(body)["events"] == []
+    # the token guards the page and the API, not the static code
+    assert get(f"{base}/api/state")[0] == 401
+    assert get(f"{base}/")[0] == 401
+    status, headers, page = get(f"{base}/?token={TOKEN}")
+    assert status == 200 and b'<canvas id="heatmap"' in page
+    assert "default-src 'self'" in headers["Content-Security-Policy"]
+    for asset in ("app.js", "style.css"):
+        assert get(f"{base}/static/{asset}")[0] == 200
+
+
+def test_standby_dashboard_replays_the_log(cluster: Cluster, etcd_server: Any) -> None:
+    """A standby's dashboard (no live view, a read-only log on etcd): the replayed job."""
+    from unbroken.driver.etcdlog import EtcdEventLog, connect
+
+    wait_for(lambda: len(state(cluster.dashboard)["nodes"]) == 2, 60, "two nodes on the leader")
+
+    async def go() -> dict[str, Any]:
+        client = await connect(etcd_server.config)
+        svc = DriverService(
+            ServiceConfig(), driver_id="standby", job_id=cluster.job, leader_address=cluster.address
+        )
+        dash = Dashboard(DashboardConfig(token=TOKEN), svc)
+        dash.reader = EtcdEventLog(client, cluster.job, None)
+        port = await dash.start()
+        try:
+            return await asyncio.to_thread(state, f"http://127.0.0.1:{port}")
+        finally:
+            await dash.close()
+            await svc.close()
+            await client.close()
+
+    s = asyncio.run(go())
+    assert s["role"] == "standby" and s["leader_address"] == cluster.address
+    assert {n["id"]: n["state"] for n in s["nodes"]} == {"node-0": "active", "node-1": "active"}
+    assert [e["kind"] for e in s["events"]].count("node_registered") == 2
+    assert s["heatmap"]["ranks"] == [] and s["curves"]["step"] == [] and not s["error"]
+
+
+@pytest.mark.slow
+def test_standby_driver_process_serves_the_page(cluster: Cluster) -> None:
+    """The same through `unbroken driver` (main.py hands the standby its read-only log)."""
+    wait_for(lambda: len(state(cluster.dashboard)["nodes"]) == 2, 60, "two nodes on the leader")
+    standby = cluster.start_driver("standby")
+
+    def replayed() -> dict[str, Any] | None:
+        s = state(standby)
+        return s if s["role"] == "standby" and len(s["nodes"]) == 2 else None
+
+    s = wait_for(replayed, 30, "the standby's replayed state", 0.3)
+    assert {n["state"] for n in s["nodes"]} == {"active"}  # the log knows them, no heartbeats
+    assert s["leader_address"] in ("", cluster.address)
+    assert [e["kind"] for e in s["events"]].count("node_registered") == 2
+    assert s["heatmap"]["ranks"] == [] and s["curves"]["step"] == []
+    assert get(f"{standby}/healthz")[2] == b"ok standby\n"
