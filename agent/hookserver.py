@@ -2,8 +2,16 @@
 
 A unix datagram socket: each worker report is one datagram, read by the event loop
 without a connection per worker. Reports update the matching `Worker` (found by pid);
-commands for workers (pause, resume, flash-save) go back to the socket each worker named
-in its Hello.
+commands for workers (pause, resume, flash-save, stop) go back to the socket each worker
+named in its Hello.
+
+Processes the agent did not start (a script under torchrun or srun using the hooks SDK)
+attach: their Hello carries `attach`, the agent keeps them in its own table of
+`Attached` workers (never in the supervisor's, which the driver may restart) and answers
+with a `Welcome` naming the node's flash store, so they flash-save into the agent's
+memory exactly as its own workers do. Such a script finds the agent without the agent's
+environment through the default socket path `DEFAULT_SOCKET`, which the first agent of a
+node takes (later agents on the same host fall back to a per-process path).
 """
 
 from __future__ import annotations
@@ -13,35 +21,144 @@ import contextlib
 import os
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
 from unbroken.agent.workers import Supervisor
 from unbroken.proto import hooks_pb2 as hpb
+from unbroken.recovery.sources import (
+    ENV_FLASH_JOB,
+    ENV_FLASH_NODE,
+    ENV_FLASH_ROOT,
+    ENV_PERSIST_URL,
+)
 
 log = structlog.get_logger(__name__)
+
+# Where a node's agent listens when not told otherwise, and where the hooks SDK looks when
+# UNBROKEN_AGENT_SOCKET is unset (kept equal to unbroken.trainer.hooks.DEFAULT_SOCKET, which
+# cannot import this module: trainer/ never imports agent/).
+DEFAULT_SOCKET = "/tmp/unbroken-agent.sock"
+MAX_ATTACHED = 1024  # attached workers remembered (the oldest dead ones go first)
+
+
+@dataclass(kw_only=True, slots=True)
+class Attached:
+    """A worker process the agent did not start, known from its hooks SDK's Hello."""
+
+    pid: int
+    local_rank: int
+    rank: int
+    world_size: int
+    reply_socket: str
+    step: int = 0
+    loss: float | None = None
+    step_time_ms: float = 0.0
+    reports: int = 0
+    last_report: float = 0.0  # monotonic
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (signal 0 checks without sending)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def socket_in_use(path: str) -> bool:
+    """Whether a live process is bound to the unix datagram socket at `path`.
+
+    Connecting a datagram socket sends nothing; a stale file (its agent died) refuses.
+    """
+    if not os.path.exists(path):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(path)
+        except OSError:
+            return False
+    return True
+
+
+def claim(private: str, shared: str) -> bool:
+    """Link the bound socket file `private` to `shared` unless a live agent holds `shared`.
+
+    `os.link` fails when `shared` exists, so two agents starting at once cannot both win;
+    a stale file (its agent died) is removed first, once.
+    """
+    for _ in range(2):
+        try:
+            os.link(private, shared)
+            return True
+        except FileExistsError:
+            if socket_in_use(shared):
+                return False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(shared)
+    return False
 
 
 class HookServer(asyncio.DatagramProtocol):
     """Receives `WorkerReport`s and applies them to the supervisor's workers."""
 
-    def __init__(self, path: str, supervisor: Supervisor) -> None:
+    def __init__(self, path: str, supervisor: Supervisor, node_id: str = "") -> None:
         self.path = path
+        self.node_id = node_id
         self.supervisor = supervisor
         self.transport: asyncio.DatagramTransport | None = None
         self.bad = 0
         self.reports = 0
+        self.attached: dict[int, Attached] = {}  # pid -> an SDK process the agent did not start
+        self._bound = False
+
+    def welcome(self) -> hpb.Welcome:
+        """Where this node's flash store is (from the environment the agent gives workers)."""
+        env = self.supervisor.spec.extra_env
+        return hpb.Welcome(
+            node_id=self.node_id,
+            flash_root=env.get(ENV_FLASH_ROOT, ""),
+            flash_job=env.get(ENV_FLASH_JOB, ""),
+            flash_node=env.get(ENV_FLASH_NODE, ""),
+            persist_url=env.get(ENV_PERSIST_URL, ""),
+        )
 
     async def start(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        """Bind the socket. The shared default path is claimed atomically (a hard link to a
+        private socket file): taken only when no live agent holds it, else the agent keeps
+        its private path (and tells its own workers that one)."""
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sock.bind(self.path)
+        if self.path == DEFAULT_SOCKET:
+            private = f"{self.path}.{os.getpid()}"
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(private)
+            sock.bind(private)
+            if claim(private, self.path):
+                os.unlink(private)
+            else:
+                log.warning(
+                    "hooks.default_socket_taken",
+                    path=self.path,
+                    using=private,
+                    hint="another agent on this host holds it; scripts under other launchers "
+                    "find this agent only through UNBROKEN_AGENT_SOCKET",
+                )
+                self.path = private
+                self.supervisor.socket_path = private
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            sock.bind(self.path)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
         loop = asyncio.get_running_loop()
         await loop.create_datagram_endpoint(lambda: self, sock=sock)
+        self._bound = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -52,12 +169,24 @@ class HookServer(asyncio.DatagramProtocol):
         except Exception:
             self.bad += 1
             return
+        kind = rep.WhichOneof("kind")
+        if kind == "hello" and rep.hello.attach:
+            self._attach(rep)
+            return
+        a = self.attached.get(rep.pid)
+        if a is not None:
+            self.reports += 1
+            if kind == "step":
+                a.step, a.step_time_ms = rep.step.step, rep.step.step_time_ms
+                a.loss = rep.step.loss if rep.step.has_loss else None
+                a.reports += 1
+                a.last_report = time.monotonic()
+            return
         w = self.supervisor.by_pid(rep.pid) or self.supervisor.workers.get(rep.local_rank)
         if w is None:
             self.bad += 1
             return
         self.reports += 1
-        kind = rep.WhichOneof("kind")
         if kind == "step":
             s = rep.step
             w.on_step(s.step, s.loss if s.has_loss else None, s.step_time_ms, time.monotonic())
@@ -65,25 +194,73 @@ class HookServer(asyncio.DatagramProtocol):
             w.reply_socket = rep.hello.reply_socket
             w.stack_signal = rep.hello.stack_signal
 
+    def _attach(self, rep: hpb.WorkerReport) -> None:
+        """Remember an SDK process the agent did not start and tell it where flash lives."""
+        h = rep.hello
+        if not h.reply_socket:
+            self.bad += 1
+            return
+        own = self.supervisor.by_pid(rep.pid)
+        if own is not None:  # the SDK in a worker this agent started: it stays the agent's
+            own.reply_socket = h.reply_socket
+            self.reports += 1
+            self._sendto(hpb.WorkerCommand(welcome=self.welcome()), h.reply_socket, own.local_rank)
+            return
+        if len(self.attached) >= MAX_ATTACHED:
+            self.prune()
+        if len(self.attached) >= MAX_ATTACHED:  # all alive: forget the oldest
+            del self.attached[next(iter(self.attached))]
+        self.attached[rep.pid] = Attached(
+            pid=rep.pid,
+            local_rank=rep.local_rank,
+            rank=h.rank,
+            world_size=h.world_size,
+            reply_socket=h.reply_socket,
+        )
+        self.reports += 1
+        log.info(
+            "hooks.attached",
+            pid=rep.pid,
+            rank=h.rank,
+            local_rank=rep.local_rank,
+            world=h.world_size,
+        )
+        self._sendto(hpb.WorkerCommand(welcome=self.welcome()), h.reply_socket, rep.local_rank)
+
+    def prune(self) -> int:
+        """Forget attached workers whose process is gone; return how many were dropped."""
+        dead = [pid for pid in self.attached if not pid_alive(pid)]
+        for pid in dead:
+            del self.attached[pid]
+        return len(dead)
+
+    def _sendto(self, cmd: hpb.WorkerCommand, addr: str, local_rank: int) -> bool:
+        if self.transport is None:
+            return False
+        try:
+            self.transport.sendto(cmd.SerializeToString(), addr)
+            return True
+        except OSError as e:
+            log.warning("worker command not delivered", local_rank=local_rank, error=str(e))
+            return False
+
     def send(self, cmd: hpb.WorkerCommand) -> int:
-        """Send `cmd` to every worker that gave a reply socket; return how many got it."""
-        n = 0
+        """Send `cmd` to every worker that gave a reply socket, the agent's own and the
+        attached ones; return how many got it."""
         if self.transport is None:
             return 0
-        data = cmd.SerializeToString()
+        self.prune()
+        n = 0
         for w in self.supervisor.workers.values():
             if w.reply_socket:
-                try:
-                    self.transport.sendto(data, w.reply_socket)
-                    n += 1
-                except OSError as e:
-                    log.warning(
-                        "worker command not delivered", local_rank=w.local_rank, error=str(e)
-                    )
+                n += self._sendto(cmd, w.reply_socket, w.local_rank)
+        for a in self.attached.values():
+            n += self._sendto(cmd, a.reply_socket, a.local_rank)
         return n
 
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        if self._bound:  # never unlink a path another agent holds
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)

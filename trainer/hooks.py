@@ -1,4 +1,4 @@
-"""Worker-side hooks: report step, loss and timings to the node's agent.
+"""Worker-side hooks: the agent's local channel, and the hooks SDK for any launcher.
 
 A worker (the embedded engine, a plugin trainer or any script) calls `report_step` once
 per step. Each call is one datagram on the agent's unix socket (env
@@ -9,22 +9,52 @@ can dump a hung worker's Python stacks before it kills it, and ties the worker's
 its agent's (`die_with_agent`: PR_SET_PDEATHSIG, then a check that the parent is still the
 agent named in `UNBROKEN_AGENT_PID`, which closes the race of an agent dying before the
 prctl). Outside an agent (no env variable) every call is a no-op.
+
+The SDK (`init`, `report`, `save`, `restore`, `should_stop`, `should_save`, `close`) is
+for scripts the agent did not start (torchrun, srun, a Kubernetes operator). It finds the
+node's agent through `UNBROKEN_AGENT_SOCKET`, else the agent's default socket
+(`DEFAULT_SOCKET`), attaches (a Hello with `attach`, answered by a Welcome naming the
+node's flash store), and then saves each rank's state into the agent's shared memory,
+overlapped with the next step (`unbroken.trainer.flashckpt`, imported with torch only at
+the first save or restore), so a killed worker restarted by its launcher restores the
+newest step every rank holds (memory, then the buddy's replica, then storage). Without a
+reachable agent it warns once and every call is a cheap no-op (`restore` returns None),
+so the script stays portable.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import faulthandler
+import math
 import os
+import select
 import signal
 import socket
+import statistics
 import sys
+import threading
 import time
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from unbroken.proto import hooks_pb2 as hpb
 
+if TYPE_CHECKING:
+    from unbroken.trainer.flashckpt import FlashCheckpointer
+
 ENV_SOCKET = "UNBROKEN_AGENT_SOCKET"
+# The agent's default socket (equal to unbroken.agent.hookserver.DEFAULT_SOCKET; trainer/
+# never imports agent/): a script under another launcher finds its node's agent there.
+DEFAULT_SOCKET = "/tmp/unbroken-agent.sock"
+WELCOME_TIMEOUT_S = 2.0  # an agent answers an attaching Hello within this, or is ignored
+SAVE_BUDGET = 0.02  # share of the step time flash saves may cost (init(save_budget=...))
+CALIBRATE_CALLS = 8  # save() calls that all save, to measure a save's cost
+RETUNE_CALLS = 256  # save() calls between later re-tunings
+MAX_EVERY = 1000  # never fewer saves than one per this many steps
 ENV_LOCAL_RANK = "LOCAL_RANK"
 ENV_AGENT_PID = "UNBROKEN_AGENT_PID"
 STACK_SIGNAL = signal.SIGUSR1
@@ -187,3 +217,504 @@ def report_step(
 ) -> bool:
     """Report a finished step through the process-wide client (see `Hooks.step`)."""
     return install().step(step, loss, step_time_ms, **timings_ms)
+
+
+# ---------------------------------------------------------------- the SDK for any launcher
+
+
+def find_socket(env: Mapping[str, str] | None = None) -> str:
+    """The agent socket a script should use: `UNBROKEN_AGENT_SOCKET`, else the default."""
+    e = os.environ if env is None else env
+    return e.get(ENV_SOCKET) or DEFAULT_SOCKET
+
+
+def _rank() -> tuple[int, int]:
+    """(global rank, world size): from torch.distributed when initialised, else the env."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank()), int(dist.get_world_size())
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _require_dist(what: str) -> None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_initialized():
+        raise RuntimeError(
+            f"unbroken.hooks.{what} needs torch.distributed: call "
+            "torch.distributed.init_process_group(...) first (a single process too, with "
+            "world_size=1), so every rank agrees on the step to restore"
+        )
+
+
+class _Bundle:
+    """A user's state dict seen as a trainer by `FlashCheckpointer`.
+
+    Values with `state_dict`/`load_state_dict` (a DDP model, an optimizer, a scheduler)
+    are saved through them; plain tensors and nested dicts are saved as they are and
+    restored in place. An optimizer that has not stepped yet holds no state to restore
+    into, so for a restore it is primed first (`_prime`).
+    """
+
+    def __init__(self, state: dict[str, Any], *, loading: bool = False) -> None:
+        import torch
+
+        self.state = state
+        self.loading = loading
+        opts = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
+        # none in the state: guard every optimizer of the process (torch's global hook)
+        self.optimizers: list[Any] | None = opts or None
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.loading:
+            for opt in self.optimizers or ():
+                _prime(opt)
+        return {k: v.state_dict() if _stateful(v) else v for k, v in self.state.items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for k, v in list(self.state.items()):
+            if _stateful(v):
+                v.load_state_dict(state_dict[k])
+            elif not isinstance(v, dict):  # dicts were filled in place
+                self.state[k] = state_dict[k]
+
+
+def _stateful(v: object) -> bool:
+    return callable(getattr(v, "state_dict", None)) and callable(
+        getattr(v, "load_state_dict", None)
+    )
+
+
+def _prime(opt: Any) -> None:
+    """Create an optimizer's per-parameter state (one step with zero gradients and lr 0)
+    so a saved state has tensors to be copied into; the restore overwrites all of it."""
+    import torch
+
+    if opt.state:
+        return
+    params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+    grads = [p.grad for p in params]
+    lrs = [g.get("lr") for g in opt.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for g in opt.param_groups:
+            if "lr" in g:
+                g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+        opt.step()
+    finally:
+        for g, lr in zip(opt.param_groups, lrs, strict=True):
+            if lr is not None:
+                g["lr"] = lr
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
+
+
+def save_interval(cost_s: float, step_s: float, budget: float, max_every: int = MAX_EVERY) -> int:
+    """Steps between flash saves so that their cost stays within `budget` of the step time.
+
+    Args:
+        cost_s: what one save costs the training: the time it blocks the step plus the CPU
+            time its background copy, checksum and manifest take (on a machine without a
+            spare core that CPU is taken from training).
+        step_s: the time of one step without saving.
+        budget: the share of step time saves may take (0.02: 2 %).
+        max_every: the longest interval, in steps.
+
+    Returns:
+        1 (save every step) when a save is cheap enough, else the smallest interval within
+        budget, at most `max_every`.
+    """
+    if cost_s <= 0:
+        return 1
+    if step_s <= 0:
+        return max_every
+    return max(1, min(max_every, math.ceil(cost_s / (budget * step_s))))
+
+
+def _thread_cpu_s(prefix: str) -> float:
+    """CPU seconds used so far by this process's threads whose name starts with `prefix`."""
+    total = 0.0
+    for t in threading.enumerate():
+        if t.name.startswith(prefix) and t.ident is not None:
+            with contextlib.suppress(OSError, AttributeError):
+                total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+    return total
+
+
+class Pacer:
+    """Which `save` calls really save: all while calibrating, then one per `every` steps.
+
+    Every rank must choose the same steps (a restore needs a step every rank holds), so
+    the interval is agreed on collectively: each rank measures its saves' cost (blocking
+    plus the flash writer thread's CPU) and its step time over a window of calls, and the
+    ranks take the largest interval any of them needs. Calls are counted, not timed, so
+    the ranks tune at the same call.
+    """
+
+    def __init__(self, budget: float, writer_threads: str) -> None:
+        if not 0 < budget < 1:
+            raise ValueError(f"save_budget must be in (0, 1), got {budget}")
+        self.budget = budget
+        self.writer_threads = writer_threads
+        self.every = 1
+        self.calls = 0
+        self.saves = 0
+        self.blocked_s = 0.0  # of the saves of finished windows
+        self._handles: list[Any] = []  # this window's saves (their blocked_s grows later)
+        self._last: float | None = None  # the previous call's time
+        self._gaps: list[float] = []  # this window's times between calls
+        self._cpu0 = 0.0
+
+    def due(self, step: int) -> bool:
+        """Whether the call for `step` saves (counts the call)."""
+        self.calls += 1
+        now = time.perf_counter()
+        if self._last is None:
+            self._cpu0 = _thread_cpu_s(self.writer_threads)
+        else:
+            self._gaps.append(now - self._last)
+        self._last = now
+        return self.calls <= CALIBRATE_CALLS or step % self.every == 0
+
+    def saved(self, handle: Any) -> None:
+        if handle is not None:
+            self._handles.append(handle)
+            self.saves += 1
+
+    def measure(self) -> int | None:
+        """This rank's wanted interval when a window ends at this call, else None."""
+        end = CALIBRATE_CALLS if self.calls <= CALIBRATE_CALLS else 0
+        if self.calls != end and (self.calls - CALIBRATE_CALLS) % RETUNE_CALLS:
+            return None
+        cpu = _thread_cpu_s(self.writer_threads)
+        window = CALIBRATE_CALLS if end else RETUNE_CALLS
+        saves = max(1, len(self._handles))
+        blocked = sum(h.blocked_s for h in self._handles)
+        self.blocked_s += blocked
+        cost = (blocked + cpu - self._cpu0) / saves
+        # The median time between calls (robust to a pause or an evaluation between two
+        # steps) less what the saves cost per call: the step time without saving.
+        gap = statistics.median(self._gaps) if self._gaps else 0.0
+        step = max(0.0, gap - cost * len(self._handles) / window)
+        self._handles, self._gaps, self._cpu0 = [], [], cpu
+        return save_interval(cost, step, self.budget)
+
+
+class Session:
+    """One process's attachment to its node's agent (the SDK's state)."""
+
+    def __init__(self, hooks: Hooks, welcome: hpb.Welcome) -> None:
+        self.hooks = hooks
+        self.welcome = welcome
+        self.stop_reason = ""  # pause or stop received, no resume since
+        self.stopped = False  # a stop (eviction, shutdown) is final
+        self.save_at: int | None = None  # a FlashSave's step, until a save reaches it
+        self.pending: list[hpb.WorkerCommand] = []
+        self.flash: FlashCheckpointer | None = None
+        self.flash_off = not welcome.flash_root
+        self.restored_step: int | None = None
+        self.save_budget = SAVE_BUDGET
+        self.pacer: Pacer | None = None
+        self.last: Any = None  # the newest save's handle
+
+    def poll(self) -> None:
+        """Apply the commands the agent sent since the last poll (non-blocking)."""
+        cmds, self.pending = [*self.pending, *self.hooks.commands()], []
+        for c in cmds:
+            kind = c.WhichOneof("kind")
+            if kind == "pause" and not self.stopped:
+                self.stop_reason = c.pause
+            elif kind == "stop":  # eviction or shutdown: no resume follows
+                self.stop_reason, self.stopped = c.stop or "stop", True
+            elif kind == "resume" and not self.stopped:
+                self.stop_reason = ""
+            elif kind == "flash_save":
+                step = c.flash_save
+                self.save_at = step if self.save_at is None else min(self.save_at, step)
+
+    def checkpointer(self) -> FlashCheckpointer | None:
+        """The flash checkpointer over the agent's store (created at first use)."""
+        if self.flash is None and not self.flash_off:
+            import logging
+
+            import structlog
+
+            from unbroken.trainer.flashckpt import FlashCheckpointer, FlashEnv
+
+            if not structlog.is_configured():  # a debug line per save would flood the output
+                structlog.configure(
+                    wrapper_class=structlog.make_filtering_bound_logger(logging.INFO)
+                )
+
+            w = self.welcome
+            env = FlashEnv(
+                root=w.flash_root, job=w.flash_job, node=w.flash_node, persist_url=w.persist_url
+            )
+            self.flash = FlashCheckpointer(env, _rank()[0])
+            self.pacer = Pacer(self.save_budget, f"flash-{self.flash.rank}_")
+        return self.flash
+
+    def close(self) -> None:
+        if self.flash is not None:
+            self.flash.close()
+            self.flash = None
+        self.hooks.close()
+
+
+_session: Session | None = None
+_tried = False  # init ran (attached or not): later calls never look again
+_warned = False
+
+
+def _warn_once(message: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"unbroken.hooks: {message}", RuntimeWarning, stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """The `stacklevel` of the first frame outside this module (the user's call)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return level
+
+
+def _attach(path: str, timeout_s: float) -> Session | None:
+    """Say an attaching Hello on `path` and wait for the Welcome; None when nobody answers."""
+    rank, world = _rank()
+    hooks = Hooks(socket_path=path)
+    hello = hpb.Hello(
+        reply_socket=hooks._reply, stack_signal=False, attach=True, rank=rank, world_size=world
+    )
+    if not hooks._reply or not hooks._send(hpb.WorkerReport(hello=hello)):
+        hooks.close()
+        _warn_once(
+            f"no agent at {path} (set {ENV_SOCKET} to the node agent's --socket, or start "
+            "`unbroken agent` on this node); running without fault tolerance: save, restore "
+            "and report do nothing"
+        )
+        return None
+    assert hooks._sock is not None
+    deadline = time.monotonic() + timeout_s
+    early: list[hpb.WorkerCommand] = []
+    while (left := deadline - time.monotonic()) > 0:
+        select.select([hooks._sock], [], [], left)
+        for c in hooks.commands():
+            if c.WhichOneof("kind") == "welcome":
+                session = Session(hooks, c.welcome)
+                session.pending = early
+                import structlog  # here, not at import: importing this module stays cheap
+
+                structlog.get_logger(__name__).info(
+                    "hooks.attached",
+                    socket=path,
+                    rank=rank,
+                    node=c.welcome.node_id,
+                    flash=c.welcome.flash_root or None,
+                )
+                if session.flash_off:
+                    _warn_once(
+                        f"the agent at {path} owns no flash store (started without "
+                        "--worker-cmd, or with --no-flash): save and restore do nothing"
+                    )
+                return session
+            early.append(c)
+    hooks.close()
+    _warn_once(
+        f"the agent at {path} did not answer within {timeout_s} s (an older agent, or "
+        "overloaded); running without fault tolerance: save, restore and report do nothing"
+    )
+    return None
+
+
+def init(
+    socket_path: str | None = None,
+    *,
+    timeout_s: float = WELCOME_TIMEOUT_S,
+    save_budget: float = SAVE_BUDGET,
+) -> bool:
+    """Attach this process to its node's agent (idempotent; the other calls do it lazily).
+
+    Args:
+        socket_path: the agent's socket (default: `UNBROKEN_AGENT_SOCKET`, else
+            `DEFAULT_SOCKET`).
+        timeout_s: how long to wait for the agent's answer.
+        save_budget: the share of step time flash saves may cost (see `save`).
+
+    Returns:
+        True when attached; False (after one warning) when no agent answered, in which
+        case every other call is a no-op.
+    """
+    global _session, _tried
+    if not 0 < save_budget < 1:
+        raise ValueError(f"save_budget must be in (0, 1), got {save_budget}")
+    if not _tried:
+        _tried = True
+        _session = _attach(socket_path or find_socket(), timeout_s)
+        if _session is not None:
+            _session.save_budget = save_budget
+            atexit.register(close)
+    return _session is not None
+
+
+register = init  # the issue's name for it
+
+
+def _get() -> Session | None:
+    if not _tried:
+        init()
+    return _session
+
+
+def report(step: int, loss: float | None = None, **timings_ms: float) -> bool:
+    """Report a finished step to the agent: one datagram, dropped rather than blocking.
+
+    Args:
+        step: the step just finished.
+        loss: its loss (a float, or a 0-d tensor: `.item()` is taken).
+        **timings_ms: named phase durations in ms ("data", "forward", ...); the step time
+            is measured between reports.
+
+    Returns:
+        True when the report was sent.
+    """
+    s = _get()
+    if s is None:
+        return False
+    return s.hooks.step(step, None if loss is None else float(loss), **timings_ms)
+
+
+def save(step: int, state_dict: dict[str, Any], *, force: bool = False) -> bool:
+    """Flash-save `state_dict` as the state after `step` into the agent's memory.
+
+    Call it after every step, on every rank (it is collective now and then). Overlapped:
+    this returns after a snapshot of the small values, the tensors are copied on a
+    background thread during the next forward and backward, and the next
+    `optimizer.step()` (of an optimizer in `state_dict`, else of every optimizer) waits for
+    that copy. Do not change saved tensors in place before the next optimizer step.
+
+    Paced so that saving costs at most `save_budget` of the step time (`init`; 2 %): the
+    first calls all save and measure, then every rank saves each `every`-th step (the
+    same steps on every rank), every step when saves are cheap against the step.
+
+    Args:
+        step: the step this state belongs to (the one just finished).
+        state_dict: name -> a model (DDP or not), optimizer, scheduler (anything with
+            `state_dict`/`load_state_dict`), a tensor, or a nested dict of tensors and
+            small values. Pass the same dict to `restore`.
+        force: save this step regardless of the pacing (call it on every rank).
+
+    Returns:
+        True when a save started (False when paced out, or without an agent or its flash
+        store).
+    """
+    s = _get()
+    ckpt = s.checkpointer() if s is not None else None
+    if s is None or ckpt is None:
+        return False
+    assert s.pacer is not None, "created with the checkpointer"
+    _require_dist("save")
+    s.poll()  # a FlashSave request counts even when the script never asks should_save()
+    requested = s.save_at is not None and step >= s.save_at
+    due = s.pacer.due(step) or force or requested
+    if due:
+        from unbroken.recovery.sources import LAYOUT_META
+        from unbroken.trainer.flashckpt import KEY
+
+        bundle = _Bundle(state_dict)
+        ckpt.guard(bundle)  # type: ignore[arg-type]
+        meta = {LAYOUT_META: ckpt.layout(bundle)}  # type: ignore[arg-type]
+        handle = ckpt.writer.save_async({KEY: bundle}, step, meta=meta)
+        s.pacer.saved(handle)
+        s.last = handle
+        if requested:
+            s.save_at = None
+    wanted = s.pacer.measure()  # at the same call on every rank, saved or not
+    if wanted is not None:
+        s.pacer.every = _agree(wanted)
+    return due
+
+
+def _agree(wanted: int) -> int:
+    """The largest interval any rank wants (collective)."""
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, wanted)
+    return max(int(w) for w in everyone)
+
+
+def restore(state_dict: dict[str, Any]) -> int | None:
+    """Load the newest step every rank holds into `state_dict` (in place).
+
+    Collective under torch.distributed: call it on every rank, after
+    `init_process_group` and after building the model and optimizer. Sources in order:
+    this node's agent memory, the buddy's replica, storage.
+
+    Args:
+        state_dict: shaped as in `save` (the same objects).
+
+    Returns:
+        The restored step (continue with the next one), or None: nothing saved yet, no
+        agent, or no flash store.
+    """
+    s = _get()
+    ckpt = s.checkpointer() if s is not None else None
+    if s is None or ckpt is None:
+        return None
+    _require_dist("restore")
+    done = ckpt.restore(_Bundle(state_dict, loading=True))  # type: ignore[arg-type]
+    s.restored_step = done.step if done is not None else None
+    return s.restored_step
+
+
+def should_stop() -> bool:
+    """Whether the driver or agent asked this job to stop (pause, eviction, shutdown).
+
+    Save and leave the loop when it turns True; a resume turns it False again.
+    """
+    s = _get()
+    if s is None:
+        return False
+    s.poll()
+    return bool(s.stop_reason)
+
+
+def should_save() -> bool:
+    """Whether the driver asked for a flash save (FlashSave, e.g. `RequestCheckpoint`) that
+    no `save` has served yet: save after the step that just finished, then it turns False.
+    """
+    s = _get()
+    if s is None:
+        return False
+    s.poll()
+    return s.save_at is not None
+
+
+def flush(timeout_s: float = 600.0) -> None:
+    """Wait until the newest save is a valid copy in the agent's memory (e.g. before exit).
+
+    Raises:
+        TimeoutError: not done within `timeout_s`.
+    """
+    s = _session
+    if s is not None and s.last is not None:
+        s.last.wait(timeout_s)
+
+
+def close() -> None:
+    """Finish the save in flight and detach (also run at exit)."""
+    global _session
+    if _session is not None:
+        session, _session = _session, None
+        session.close()
+
+
+def reset() -> None:
+    """Forget the attachment and the warning, so `init` looks again (for tests)."""
+    global _tried, _warned
+    close()
+    _tried = False
+    _warned = False
