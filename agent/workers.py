@@ -37,6 +37,7 @@ from pathlib import Path
 
 import structlog
 
+from unbroken.agent import warm as warmlib
 from unbroken.proto import driver_pb2 as dpb
 
 log = structlog.get_logger(__name__)
@@ -71,6 +72,11 @@ class WorkerSpec:
     extra_env: dict[str, str] = field(default_factory=dict)
     nice: int = 5  # added to the agent's niceness for workers (0: same priority)
     die_with_agent: bool = True  # setpriv --pdeathsig KILL
+    warm: bool = False  # keep a warm standby per local rank (agent/warm.py, --warm-workers)
+    warm_preload: tuple[str, ...] = warmlib.DEFAULT_PRELOAD
+    warm_nice: int = 5  # added niceness while a standby waits (the workers' at hand-off)
+    # standbys are replaced once every restarted worker reports a step, or after this long
+    warm_refill_after_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.cmd:
@@ -85,6 +91,13 @@ class WorkerSpec:
             raise ValueError(f"max_line_chars must be >= 80, got {self.max_line_chars}")
         if not 0 <= self.nice <= 19:
             raise ValueError(f"nice must be in [0, 19] (--worker-nice), got {self.nice}")
+        if not 0 <= self.warm_nice <= 19:
+            raise ValueError(f"warm_nice must be in [0, 19] (--warm-nice), got {self.warm_nice}")
+        if not 0 <= self.warm_refill_after_s <= 3600:
+            raise ValueError(
+                f"warm_refill_after_s must be in [0, 3600] (--warm-refill-after-s), "
+                f"got {self.warm_refill_after_s}"
+            )
 
     @staticmethod
     def split(cmd: str) -> list[str]:
@@ -161,6 +174,7 @@ class Worker:
         self.tail: collections.deque[str] = collections.deque(maxlen=400)
         self.nlines = 0  # lines ever appended to `tail`
         self.tasks: list[asyncio.Task[None]] = []
+        self.warm = False  # started in a warm standby rather than a fresh process
 
     @property
     def pid(self) -> int:
@@ -201,6 +215,10 @@ class Supervisor:
         self.workers: dict[int, Worker] = {}
         self.alerts: collections.deque[dpb.LogAlertLine] = collections.deque(maxlen=256)
         self.exited = False  # a worker exited since the last heartbeat took the flag
+        self.standbys: list[warmlib.Standby] = []
+        self._refill: asyncio.Task[None] | None = None
+        self.warm_starts = 0
+        self.cold_starts = 0
         Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
 
     def by_pid(self, pid: int) -> Worker | None:
@@ -211,10 +229,15 @@ class Supervisor:
 
     async def start_all(self) -> None:
         for r in range(self.spec.nproc):
-            await self.start(r)
+            await self.start(r, refill=False)
+        self._schedule_refill(self.spec.warm_refill_after_s)
 
-    async def start(self, local_rank: int) -> Worker:
-        """Start (or restart) one local rank."""
+    def warm_up(self) -> None:
+        """Start the standbys now (an agent waiting for StartWorkers has the CPU to spare)."""
+        self._schedule_refill(0.0)
+
+    async def start(self, local_rank: int, *, refill: bool = True) -> Worker:
+        """Start (or restart) one local rank, in a warm standby when one fits."""
         spec = self.spec
         base = spec.rank_base if spec.rank_base is not None else spec.node_rank * spec.nproc
         old = self.workers.get(local_rank)
@@ -224,14 +247,22 @@ class Supervisor:
         w.state = dpb.WORKER_STATE_STARTING
         self.workers[local_rank] = w
         logf = open(w.log_path, "ab", buffering=0)  # closed by _reap
-        w.proc = await asyncio.create_subprocess_exec(
-            *exec_wrapper(nice=spec.nice, die_with_agent=spec.die_with_agent),
-            *spec.cmd,
-            env=spec.env(local_rank, self.socket_path),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-        )
+        env = spec.env(local_rank, self.socket_path)
+        w.proc = await self._from_standby(env)
+        w.warm = w.proc is not None
+        if w.proc is None:
+            w.proc = await asyncio.create_subprocess_exec(
+                *exec_wrapper(nice=spec.nice, die_with_agent=spec.die_with_agent),
+                *spec.cmd,
+                env=env,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+            )
+        if w.warm:
+            self.warm_starts += 1
+        else:
+            self.cold_starts += 1
         w.state = dpb.WORKER_STATE_RUNNING
         w.last_progress = time.monotonic()
         assert w.proc.stdout is not None and w.proc.stderr is not None
@@ -240,8 +271,85 @@ class Supervisor:
             asyncio.create_task(self._pump(w, w.proc.stderr, logf)),
         ]
         w.tasks = [*readers, asyncio.create_task(self._reap(w, readers, logf))]
-        log.info("worker started", local_rank=local_rank, pid=w.pid, restarts=w.restarts)
+        log.info(
+            "worker started", local_rank=local_rank, pid=w.pid, restarts=w.restarts, warm=w.warm
+        )
+        if refill:
+            self._schedule_refill(spec.warm_refill_after_s)
         return w
+
+    # ------------------------------------------------------------ warm standbys
+    async def _from_standby(self, env: dict[str, str]) -> asyncio.subprocess.Process | None:
+        """Hand `env` to a live, compatible standby; None: start cold."""
+        target = warmlib.parse_target(self.spec.cmd) if self.spec.warm else None
+        if target is None:
+            return None
+        while self.standbys:
+            s = self.standbys.pop(0)
+            why = "" if s.alive else f"exited with {s.proc.returncode}"
+            why = why or ("" if s.key == target.key else "another interpreter or options")
+            why = why or warmlib.compatible(s.env, env)
+            if not why:
+                try:
+                    return await s.hand_off(target, env)
+                except (OSError, TimeoutError) as e:
+                    why = f"hand-off failed: {e}"
+            log.info("standby discarded", pid=s.proc.pid, reason=why)
+            await s.kill()
+        return None
+
+    def _schedule_refill(self, after_s: float) -> None:
+        if not self.spec.warm or warmlib.parse_target(self.spec.cmd) is None:
+            return
+        if self._refill is not None and not self._refill.done():
+            self._refill.cancel()
+        self._refill = asyncio.create_task(self._refill_when_stepping(after_s))
+
+    async def _refill_when_stepping(self, after_s: float) -> None:
+        """Top the standbys up once the workers step (their imports would slow a restore)."""
+        deadline = time.monotonic() + after_s
+        while time.monotonic() < deadline:
+            if self.workers and all(
+                w.step > 0 or w.state != dpb.WORKER_STATE_RUNNING for w in self.workers.values()
+            ):
+                break
+            await asyncio.sleep(0.1)
+        target = warmlib.parse_target(self.spec.cmd)
+        if target is None:
+            return
+        spec = self.spec
+        # Wait at a lower priority when the standby may take the workers' back at hand-off.
+        target_nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + spec.nice)
+        low = spec.warm_nice > spec.nice and warmlib.may_raise_priority(target_nice)
+        wrapper = exec_wrapper(
+            nice=spec.warm_nice if low else spec.nice, die_with_agent=spec.die_with_agent
+        )
+        try:
+            for s in [s for s in self.standbys if not s.alive]:
+                self.standbys.remove(s)
+                await s.kill()
+            while len(self.standbys) < spec.nproc:
+                s = await warmlib.spawn_standby(
+                    target,
+                    spec.env(0, self.socket_path),
+                    wrapper=wrapper,
+                    preload=spec.warm_preload,
+                    nice=target_nice if low else None,
+                )
+                self.standbys.append(s)
+                log.info("standby started", pid=s.proc.pid, standbys=len(self.standbys))
+        except OSError as e:  # cannot fork now: workers start cold, the next start retries
+            log.warning("standby not started", error=str(e))
+
+    async def close(self, grace_s: float = 5.0) -> None:
+        """Stop every worker and every standby (the agent is going away)."""
+        if self._refill is not None:
+            self._refill.cancel()
+            with contextlib.suppress(BaseException):
+                await self._refill
+        await self.stop_all(grace_s)
+        standbys, self.standbys = self.standbys, []
+        await asyncio.gather(*(s.kill() for s in standbys))
 
     async def _pump(self, w: Worker, stream: asyncio.StreamReader, logf: object) -> None:
         cap = self.spec.max_line_chars

@@ -1,0 +1,813 @@
+"""Benchmark of recovery: per-fault detect/resume/steps lost, cold vs warm restarts, and ETTR.
+
+A real local cluster (the pieces of `unbroken up`): an embedded etcd, a leader driver and a
+standby running the recovery loop, 2 training agents x 1 worker (the tiny gpt3d model, dp2,
+flash-saving every step) and a spare agent. Faults are injected by signals:
+
+* worker crash: SIGKILL a worker (detected as WorkerFailed);
+* node loss: SIGKILL a training node's agent (its workers and standbys die with it through
+  pdeathsig; NodeLost); a new spare agent is started at once for the next one;
+* hang: SIGSTOP a worker (HangSuspected after `--hang-floor-ms`, 10 s here rather than the
+  30 s default, so a restore never looks like a hang);
+* driver kill: SIGKILL the leader driver (LeaderElected); it is restarted on the same port as
+  the new standby. Training never pauses for it: resume_s = 0, steps_lost = 0.
+
+* loss spike: the leader's InjectFault RPC (`unbroken inject loss-spike`) on every training
+  node, 2 steps ahead (LossSpike; the loop rolls back and restarts the world).
+
+A silently bad node (wrong matmul, found by a self-check or a diagnosis) is not driven here;
+it is listed under `not_injected` (the drill of `make run` covers it).
+
+Phases, all in one run:
+1. cold: a cluster whose agents start every worker as a fresh process (`--no-warm-workers`),
+   worker crash x N: the baseline of the warm standbys.
+2. warm (agents with `--warm-workers`; `--warm-nice N` is passed on): a fault-free stretch
+   (ETTR baseline), then each fault type x N one at a time (wait for the resume, then for
+   the standbys to be refilled), then two runs with faults at exponential inter-arrival
+   times (seeded) of mean 60 s and 20 s (each phase on a fresh cluster).
+
+detect_s and resume_s come from the events' own wall times (inject -> detection event ->
+TrainingResumed, which the driver appends once every rank of the restarted world reported a
+step); steps_lost from TrainingPaused (the step reached minus the step restored). ETTR =
+productive step time / wall time over the run, where productive step time is the sum of
+`step_time_s` over the steps that count (the last run of each step number; rank 0's
+metrics), and the wall time starts at the run's first step. Medians over N = 5 runs.
+
+Run: ``.venv/bin/python bench/recovery.py [--quick] [--runs N] [--ettr-s S] [--phases ...]``
+or ``make bench-recovery``. The default (5 runs per fault, 10-minute ETTR runs) takes about
+an hour on 2 idle cores; --quick about 10 minutes. The JSON is rewritten after every phase
+(`"partial": true` until the end), so a run cut short keeps what it measured. Each phase
+runs on a fresh cluster; a phase whose job the driver declares failed (on a saturated host,
+agents silent for seconds look lost) is recorded under `errors` and the next one goes on.
+Writes bench/results/recovery.json and prints the README table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import grpc
+
+from unbroken.driver import etcdlog
+from unbroken.driver.etcd import EmbeddedEtcd, free_port
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import driver_pb2_grpc as dgrpc
+from unbroken.proto import events_pb2 as ev
+
+RESULTS = Path(__file__).resolve().parent / "results" / "recovery.json"
+KINDS = ("worker_crash", "node_loss", "hang", "loss_spike", "driver_kill")
+EXPECT = {
+    "worker_crash": "worker_failed",
+    "node_loss": "node_lost",
+    "hang": "hang_suspected",
+    "loss_spike": "loss_spike",
+    "driver_kill": "leader_elected",
+}
+NOT_INJECTED = {
+    "silently_bad_node": "needs a wrong-matmul node found by a self-check or diagnosis run "
+    "by the loop; not driven by this bench (see `make run`'s drill)",
+}
+SPIKE_AHEAD = 2  # a loss spike is injected this many steps ahead of the newest step
+HANG_FLOOR_MS = 10_000
+# Missed 100 ms heartbeats before NodeLost. The driver's default is 3 and `unbroken up` uses
+# 5; with 8 people's jobs on 2 cores (load 20-30) an agent is often silent for 0.5 s, and
+# false node losses then failed the job (even at 2 s), so the bench waits 3 s.
+MISS_LIMIT = 30
+RESOLVE_LIMIT_S = 120.0
+
+
+@dataclass(slots=True)
+class Fault:
+    """One injected fault and what the log said about it."""
+
+    kind: str
+    target: str
+    wall_ns: int
+    mono: float
+    detect_s: float | None = None
+    resume_s: float | None = None
+    steps_lost: int | None = None
+    detect_seq: int = 0
+    warm_starts: int = 0  # workers the agents started in a warm standby for this fault
+    cold_starts: int = 0
+    load1: float = 0.0  # the machine's 1-minute load average at injection (2 cores)
+    note: str = ""
+
+    @property
+    def resolved(self) -> bool:
+        if self.kind == "driver_kill":
+            return self.detect_s is not None
+        return self.resume_s is not None
+
+
+@dataclass(slots=True)
+class Steps:
+    """Rank 0's metrics lines as they appear, with the time the bench saw them."""
+
+    path: Path
+    offset: int = 0
+    lines: list[tuple[float, int, float]] = field(default_factory=list)  # (t, step, step_s)
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        now = time.monotonic()
+        for raw in data[:end].splitlines():
+            with contextlib.suppress(ValueError, KeyError):
+                m = json.loads(raw)
+                self.lines.append((now, int(m["step"]), float(m["step_time_s"])))
+
+    def max_step(self) -> int:
+        return max((s for _, s, _ in self.lines), default=0)
+
+    def productive_s(self, t0: float, t1: float) -> tuple[float, int]:
+        """Step time of the steps that count (the last run of each step) seen in [t0, t1]."""
+        last: dict[int, float] = {}
+        for t, step, dt in self.lines:
+            if t0 <= t <= t1:
+                last[step] = dt
+        return sum(last.values()), len(last)
+
+
+def signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, sig)
+
+
+@dataclass(slots=True)
+class Cluster:
+    """The processes of one cluster, so they can all be stopped."""
+
+    run: Path
+    etcd: EmbeddedEtcd | None = None
+    drivers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    addresses: dict[str, str] = field(default_factory=dict)
+    agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        with open(self.run / f"{name}.log", "ab") as log:  # the child keeps its own fd
+            return subprocess.Popen(
+                [sys.executable, "-m", "unbroken.driver.cli", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+            )
+
+    def stop(self) -> None:
+        """SIGTERM every process group, SIGKILL what is left after a grace period."""
+        procs = [*self.agents.values(), *self.drivers.values()]
+        for p in procs:
+            signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.1, deadline - time.monotonic()))
+        for p in procs:
+            signal_group(p, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(5)
+        if self.etcd is not None:
+            self.etcd.stop(remove=False)
+
+
+class Watcher:
+    """The event log from etcd and the live view of whichever driver leads."""
+
+    def __init__(self, c: Cluster, job: str) -> None:
+        self.c = c
+        self.job = job
+        self.last_seq = 0
+        self.nodes: list[dpb.NodeLive] = []
+        self.leader = ""
+        self._client: Any = None
+        self._log: Any = None
+
+    async def open(self) -> None:
+        assert self.c.etcd is not None
+        self._client = await etcdlog.connect(self.c.etcd.config)
+        self._log = etcdlog.EtcdEventLog(self._client, self.job, None)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+    async def rpc(self, method: str, request: Any, timeout_s: float = 20.0) -> Any:
+        """Call the leader driver; None when it did not answer."""
+        addr = self.c.addresses.get(self.leader)
+        if not addr:
+            return None
+        try:
+            async with grpc.aio.insecure_channel(addr) as ch:
+                return await getattr(dgrpc.DriverStub(ch), method)(request, timeout=timeout_s)
+        except grpc.RpcError:
+            return None
+
+    async def poll(self) -> list[ev.Event]:
+        """Refresh the live view; return the events appended since the last poll."""
+        try:
+            new = list(await asyncio.wait_for(self._log.read(self.last_seq + 1), 5))
+        except Exception:  # a read that fails now is retried at the next poll
+            new = []
+        if new:
+            self.last_seq = new[-1].seq
+        for name, addr in self.c.addresses.items():
+            proc = self.c.drivers.get(name)
+            if proc is None or proc.poll() is not None:
+                continue
+            try:
+                async with grpc.aio.insecure_channel(addr) as ch:
+                    resp = await dgrpc.DriverStub(ch).LiveView(dpb.LiveViewRequest(), timeout=2)
+            except grpc.RpcError:
+                continue
+            if resp.leader:
+                self.leader = name
+                self.nodes = list(resp.nodes)
+                break
+        return new
+
+    def step(self) -> int:
+        return max((w.step for n in self.nodes if n.alive for w in n.workers), default=0)
+
+
+class JobFailed(Exception):
+    """The driver declared the job failed: the phase cannot go on."""
+
+
+class Bench:
+    """One cluster: start it, inject faults, read what happened."""
+
+    def __init__(self, run: Path, *, warm: bool, log: Any, warm_nice: int | None = None) -> None:
+        self.run = run
+        self.warm = warm
+        self.warm_nice = warm_nice
+        self.say = log
+        run.mkdir(parents=True, exist_ok=True)
+        self.c = Cluster(run=run)
+        self.w = Watcher(self.c, "bench")
+        self.steps = Steps(run / "metrics.jsonl")
+        self.ports: dict[str, int] = {}
+        self.replica: dict[str, int] = {}
+        self.spares = 0
+        self.endpoints = ""
+        self.faults: list[Fault] = []
+        self._marks: dict[Path, int] = {}
+        self.failed = ""
+        self.flash_job = f"bench-{run.name}-{os.getpid()}"
+        self._agent_flags = self._optional_agent_flags()
+
+    def _optional_agent_flags(self) -> list[str]:
+        out = subprocess.run(
+            [sys.executable, "-m", "unbroken.driver.cli", "agent", "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+        flags = ["--warm-workers"] if self.warm else ["--no-warm-workers"]
+        if self.warm and self.warm_nice is not None:
+            flags += ["--warm-nice", str(self.warm_nice)]
+        if "--no-selfcheck" in out:  # the self-check's CPU burst would skew resume times
+            flags.append("--no-selfcheck")
+        return flags
+
+    # ------------------------------------------------------------ processes
+    def _worker_cmd(self) -> str:
+        return (
+            f"{sys.executable} -m unbroken.trainer.run --preset tiny --dp 2 --steps 1000000 "
+            f"--log-every 50 --metrics-out {self.steps.path}"
+        )
+
+    def _driver(self, name: str) -> None:
+        port = self.ports.setdefault(name, free_port())
+        assert self.c.etcd is not None
+        self.c.drivers[name] = self.c.spawn(
+            name,
+            [
+                "driver", "--etcd", self.c.etcd.endpoint, "--job-id", "bench",
+                "--driver-id", name, "--listen", f"127.0.0.1:{port}",
+                "--nodes", "2", "--workers-per-node", "1", "--dp", "2",
+                "--worker-cmd", self._worker_cmd(), "--master-addr", "127.0.0.1",
+                "--trainer", "gpt3d", "--miss-limit", str(MISS_LIMIT),
+                "--hang-floor-ms", str(HANG_FLOOR_MS),
+            ],
+        )  # fmt: skip
+        self.c.addresses[name] = f"127.0.0.1:{port}"
+
+    def _agent(self, node: str, *, spare: bool) -> None:
+        buddy = "node-0" if node != "node-0" else "node-1"
+        for n in (node, buddy):
+            self.replica.setdefault(n, free_port())
+        args = [
+            "agent", "--driver", self.endpoints, "--node-id", node, "--no-start",
+            # the driver's --worker-cmd wins; the same here lets a spare warm its standbys
+            "--worker-cmd", self._worker_cmd(),
+            "--log-dir", str(self.run / "workers" / node),
+            "--socket", str(self.run / f"{node}.sock"),
+            "--flash-job", self.flash_job,
+            "--persist-url", str(self.run / "storage"),
+            "--replica-listen", f"127.0.0.1:{self.replica[node]}",
+            "--buddy", f"127.0.0.1:{self.replica[buddy]}",
+            *self._agent_flags,
+        ]  # fmt: skip
+        if spare:
+            args.append("--spare")
+        self.c.agents[node] = self.c.spawn(f"agent-{node}", args)
+
+    def new_spare(self) -> None:
+        self._agent(f"spare-{self.spares}", spare=True)
+        self.spares += 1
+
+    async def start(self) -> None:
+        self.c.etcd = EmbeddedEtcd(self.run / "etcd").start()
+        for name in ("driver-a", "driver-b"):
+            self._driver(name)
+        self.endpoints = ",".join(self.c.addresses.values())
+        await asyncio.sleep(1.0)
+        for node in ("node-0", "node-1"):
+            self._agent(node, spare=False)
+        self.new_spare()
+        await self.w.open()
+        await self.wait_for("the first steps", lambda: self.steps.max_step() >= 5, 240)
+
+    async def close(self) -> None:
+        await self.w.close()
+        self.c.stop()
+        # agents killed on purpose keep their flash copies (for a restart): drop them
+        for d in Path("/dev/shm/unbroken").glob(f"*/{self.flash_job}"):
+            shutil.rmtree(d, ignore_errors=True)
+
+    # ------------------------------------------------------------ observing
+    async def tick(self) -> None:
+        """Poll the log, the live view and the metrics; settle faults."""
+        new = await self.w.poll()
+        self.steps.poll()
+        for e in new:
+            for f in self.faults:
+                self._observe(f, e)
+            if e.HasField("job_finished") and not e.job_finished.ok:
+                self.failed = e.job_finished.reason or "job finished not ok"
+            elif (
+                e.HasField("recovery_transition")
+                and e.recovery_transition.to_phase == ev.PHASE_FAILED
+            ):
+                self.failed = e.recovery_transition.reason or "PHASE_FAILED"
+        if self.failed:
+            raise JobFailed(self.failed)
+
+    def _observe(self, f: Fault, e: ev.Event) -> None:
+        kind = e.WhichOneof("payload")
+        since = max(0.0, (e.wall_time_unix_ns - f.wall_ns) / 1e9)
+        if f.detect_s is None:
+            if kind == EXPECT[f.kind] and _matches(e, f) and e.wall_time_unix_ns >= f.wall_ns:
+                f.detect_s, f.detect_seq = since, e.seq
+                if f.kind == "driver_kill":
+                    f.resume_s, f.steps_lost = 0.0, 0
+            return
+        if f.resume_s is not None or e.seq <= f.detect_seq:
+            return
+        if kind == "training_paused":  # the last pause of the incident counts
+            f.steps_lost = max(0, e.training_paused.at_step - e.training_paused.restore_step)
+        elif kind == "training_resumed":
+            f.resume_s = since
+
+    async def wait_for(self, what: str, cond: Any, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            await self.tick()
+            if cond():
+                return True
+            await asyncio.sleep(0.2)
+        self.say(f"  (timed out after {timeout_s:.0f} s waiting for {what})")
+        return False
+
+    def _working(self) -> list[Any]:
+        return [n for n in self.w.nodes if n.alive and n.workers]
+
+    def _spare_ready(self) -> bool:
+        return any(
+            n.alive and not n.workers and n.node_id.startswith("spare-") for n in self.w.nodes
+        )
+
+    def _standbys_ready(self) -> bool:
+        """Every working node logged as many ready standbys as it has workers (warm only)."""
+        if not self.warm:
+            return True
+        for n in self._working():
+            text = (self.run / f"agent-{n.node_id}.log").read_text(errors="replace")
+            tail = text[text.rfind("worker started") :]
+            if tail.count("standby ready") < len(n.workers):
+                return False
+        return True
+
+    # ------------------------------------------------------------ injecting
+    def can(self, kind: str) -> bool:
+        if kind == "node_loss":
+            return self._spare_ready() and len(self._working()) >= 2
+        if kind == "driver_kill":
+            live = [n for n, p in self.c.drivers.items() if p.poll() is None]
+            return bool(self.w.leader) and len(live) == 2
+        return any(wk.pid for n in self._working() for wk in n.workers)
+
+    async def inject(self, kind: str) -> Fault | None:
+        await self.tick()
+        wall, mono = time.time_ns(), time.monotonic()
+        if kind in ("worker_crash", "hang"):
+            victims = [(n.node_id, wk.pid) for n in self._working() for wk in n.workers if wk.pid]
+            if not victims:
+                return None
+            node, pid = random.Random(mono).choice(victims)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL if kind == "worker_crash" else signal.SIGSTOP)
+            f = Fault(kind, f"{node} pid {pid}", wall, mono)
+        elif kind == "node_loss":
+            working = [n.node_id for n in self._working() if n.node_id in self.c.agents]
+            if not working:
+                return None
+            gone = working[-1]
+            signal_group(self.c.agents[gone], signal.SIGKILL)
+            f = Fault(kind, gone, wall, mono)
+            self.new_spare()
+        elif kind == "loss_spike":
+            nodes = [n.node_id for n in self._working()]
+            step = self.w.step() + SPIKE_AHEAD
+            f = Fault(kind, ",".join(nodes), wall, mono)
+            for n in nodes:
+                req = dpb.InjectFaultRequest(node_id=n, kind="loss-spike", step=step)
+                resp = await self.w.rpc("InjectFault", req)
+                if resp is None or not resp.ok:
+                    f.note = f"InjectFault failed on {n}"
+        elif kind == "driver_kill":
+            leader = self.w.leader
+            if not leader:
+                return None
+            proc = self.c.drivers[leader]
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            f = Fault(kind, leader, wall, mono)
+            self._driver(leader)  # back on its port, as the standby
+        else:
+            raise ValueError(f"unknown fault kind {kind!r}")
+        f.load1 = os.getloadavg()[0]
+        self.faults.append(f)
+        self._marks = {p: p.stat().st_size for p in self.run.glob("agent-*.log")}
+        return f
+
+    def _starts_since_mark(self) -> tuple[int, int]:
+        """Warm and cold worker starts the agents logged since the last injection."""
+        warm = cold = 0
+        for p in self.run.glob("agent-*.log"):
+            with open(p, "rb") as fh:
+                fh.seek(self._marks.get(p, 0))
+                text = fh.read().decode(errors="replace")
+            warm += text.count("warm=True")
+            cold += text.count("warm=False")
+        return warm, cold
+
+    async def one(self, kind: str) -> Fault | None:
+        """Inject one fault and wait until training resumed and standbys are back."""
+        ok = await self.wait_for(f"a chance to inject {kind}", lambda: self.can(kind), 90)
+        if not ok:
+            return None
+        f = await self.inject(kind)
+        if f is None:
+            return None
+        await self.wait_for(f"{kind} to be resolved", lambda: f.resolved, RESOLVE_LIMIT_S)
+        f.note = "" if f.resolved else "not resolved in time"
+        mark = self.steps.max_step()
+        await self.wait_for("steady training", lambda: self.steps.max_step() >= mark + 5, 60)
+        await self.wait_for("standbys", self._standbys_ready, 45)
+        f.warm_starts, f.cold_starts = self._starts_since_mark()
+        self.say(
+            f"  {kind:13s} {f.target:18s} detect {_fmt(f.detect_s)} resume {_fmt(f.resume_s)} "
+            f"lost {f.steps_lost} starts warm/cold {f.warm_starts}/{f.cold_starts} "
+            f"load {f.load1:.1f}"
+        )
+        return f
+
+    async def steady(self, seconds: float) -> dict[str, float]:
+        """Train without faults for `seconds`: the ETTR baseline."""
+        await self.tick()
+        t0 = time.monotonic()
+        await self.wait_for("the baseline", lambda: time.monotonic() - t0 >= seconds, seconds + 5)
+        return self._ettr(t0, time.monotonic(), [])
+
+    async def mtbf(self, mtbf_s: float, seconds: float, seed: int) -> dict[str, Any]:
+        """Faults at exponential inter-arrival times of mean `mtbf_s` for `seconds`."""
+        rng = random.Random(seed)
+        await self.tick()
+        t0 = time.monotonic()
+        faults: list[Fault] = []
+        next_at = t0 + rng.expovariate(1.0 / mtbf_s)
+        failed = ""
+        try:
+            while (now := time.monotonic()) < t0 + seconds:
+                await self.tick()
+                if now >= next_at:
+                    kind = rng.choice(KINDS)
+                    if not self.can(kind):
+                        kind = "worker_crash"
+                    f = await self.inject(kind) if self.can(kind) else None
+                    if f is not None:
+                        faults.append(f)
+                        self.say(f"  t+{now - t0:5.1f} s: {kind} on {f.target}")
+                    next_at = now + rng.expovariate(1.0 / mtbf_s)
+                await asyncio.sleep(0.2)
+        except JobFailed as e:  # the rest of the window trains nothing: it counts as lost
+            failed = str(e)
+            self.say(f"  job failed at t+{time.monotonic() - t0:.0f} s: {e}")
+        r = self._ettr(t0, max(time.monotonic(), t0 + seconds), faults)
+        r["job_failed"] = failed
+        return r
+
+    def _ettr(self, t0: float, t1: float, faults: list[Fault]) -> dict[str, Any]:
+        productive, nsteps = self.steps.productive_s(t0, t1)
+        kinds: dict[str, int] = {}
+        for f in faults:
+            kinds[f.kind] = kinds.get(f.kind, 0) + 1
+        return {
+            "ettr": productive / (t1 - t0),
+            "wall_s": t1 - t0,
+            "productive_s": productive,
+            "steps": nsteps,
+            "faults": len(faults),
+            "by_kind": kinds,
+            "unresolved": sum(not f.resolved for f in faults),
+        }
+
+
+def _matches(e: ev.Event, f: Fault) -> bool:
+    kind = e.WhichOneof("payload")
+    if kind == "leader_elected":
+        return e.leader_elected.driver_id != f.target
+    if kind == "node_lost":
+        return e.node_lost.node_id == f.target
+    if kind == "worker_failed":
+        return f.target.startswith(e.worker_failed.node_id + " ")
+    if kind == "hang_suspected":
+        return f.target.startswith(e.hang_suspected.node_id + " ")
+    return kind == "loss_spike"
+
+
+def _fmt(x: float | None) -> str:
+    return f"{x:6.2f} s" if x is not None else "   -   "
+
+
+def _median(xs: list[float | None]) -> float | None:
+    ys = [x for x in xs if x is not None]
+    return statistics.median(ys) if ys else None
+
+
+def summarize(faults: list[Fault]) -> dict[str, Any]:
+    """Per fault type: medians of detect_s, resume_s, steps_lost and the raw runs."""
+    out: dict[str, Any] = {}
+    for kind in KINDS:
+        fs = [f for f in faults if f.kind == kind]
+        if not fs:
+            continue
+        lost = _median([float(f.steps_lost) if f.steps_lost is not None else None for f in fs])
+        out[kind] = {
+            "detect_s": _median([f.detect_s for f in fs]),
+            "resume_s": _median([f.resume_s for f in fs]),
+            "steps_lost": lost,
+            "runs": len(fs),
+            "resolved": sum(f.resolved for f in fs),
+            "load1_median": statistics.median(f.load1 for f in fs),
+            "raw": [asdict(f) for f in fs],
+        }
+        if kind == "driver_kill":
+            out[kind]["note"] = "training never pauses: workers do not depend on the driver"
+    return out
+
+
+async def run(ns: argparse.Namespace) -> dict[str, Any]:
+    runs, say = ns.runs, print
+    root = Path(ns.run_dir)
+    out: dict[str, Any] = {
+        "quick": ns.quick,
+        "runs_per_fault": runs,
+        "seed": ns.seed,
+        "warm_nice": ns.warm_nice,
+        "miss_limit": MISS_LIMIT,
+        "hang_floor_ms": HANG_FLOOR_MS,
+        "cluster": "2 nodes x 1 worker (tiny gpt3d, dp2) + spare, leader + standby driver",
+        "errors": [],
+        "faults": {},
+        "cold": {},
+    }
+
+    def save() -> None:  # after every phase, so a run cut short still leaves its figures
+        Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(ns.out).write_text(json.dumps({**out, "partial": True}, indent=1) + "\n")
+
+    async def in_cluster(name: str, warm: bool, body: Any) -> None:
+        """Run `body(bench)` on a fresh cluster; a failed job ends only this phase."""
+        b = Bench(root / name, warm=warm, log=say, warm_nice=ns.warm_nice)
+        try:
+            await b.start()
+            await b.wait_for("standbys", b._standbys_ready, 90)
+            await body(b)
+        except JobFailed as e:
+            out["errors"].append(f"{name}: job failed: {e}")
+            say(f"  {name}: job failed: {e}")
+        finally:
+            await b.close()
+            save()
+
+    def series(kinds: list[str], into: list[Fault]) -> Any:
+        async def body(b: Bench) -> None:
+            while kinds:
+                f = await b.one(kinds[0])
+                kinds.pop(0)
+                if f is not None:
+                    into.append(f)
+
+        return body
+
+    if "cold" in ns.phases:
+        say(f"== cold restarts (--no-warm-workers): worker crash x{runs}")
+        cold: list[Fault] = []
+        todo = ["worker_crash"] * runs
+        for attempt in range(2):
+            if todo:
+                await in_cluster(f"cold-{attempt}", False, series(todo, cold))
+        out["cold"] = summarize(cold)
+
+    if "faults" in ns.phases:
+        say(f"== warm standbys: fault-free {ns.baseline_s:.0f} s, then each fault x{runs}")
+        seq: list[Fault] = []
+        todo = [k for k in ns.kinds for _ in range(runs)]
+
+        async def baseline(b: Bench) -> None:
+            out["fault_free"] = await b.steady(ns.baseline_s)
+            say(f"  ETTR fault-free {out['fault_free']['ettr']:.3f}")
+            await series(todo, seq)(b)
+
+        await in_cluster("faults-0", True, baseline)
+        for attempt in (1, 2):
+            if todo:
+                await in_cluster(f"faults-{attempt}", True, series(todo, seq))
+        out["faults"] = summarize(seq)
+
+    if "ettr" in ns.phases:
+        for mtbf_s in (60, 20):
+            say(f"== faults at MTBF {mtbf_s} s for {ns.ettr_s:.0f} s")
+
+            async def ettr(b: Bench, mtbf_s: int = mtbf_s) -> None:
+                r = await b.mtbf(mtbf_s, ns.ettr_s, ns.seed + mtbf_s)
+                out[f"mtbf_{mtbf_s}s"] = r
+                out[f"ettr_mtbf_{mtbf_s}s"] = r["ettr"]
+                say(f"  ETTR at MTBF {mtbf_s} s: {r['ettr']:.3f} ({r['faults']} faults)")
+
+            await in_cluster(f"mtbf-{mtbf_s}", True, ettr)
+
+    base = out.get("fault_free", {}).get("ettr")
+    for mtbf_s in (60, 20):
+        got = out.setdefault(f"ettr_mtbf_{mtbf_s}s", None)
+        out[f"ettr_mtbf_{mtbf_s}s_vs_fault_free"] = got / base if got and base else None
+    c = out["cold"].get("worker_crash", {}).get("resume_s")
+    w = out["faults"].get("worker_crash", {}).get("resume_s")
+    out["worker_crash_resume_s"] = {
+        "cold": c,
+        "warm": w,
+        "cold_over_warm": c / w if c and w else None,
+    }
+    out["not_injected"] = NOT_INJECTED
+    return out
+
+
+def table(out: dict[str, Any]) -> str:
+    """The README table (markdown)."""
+    rows = [
+        "| fault | detect (median) | resume (median) | steps lost (median) | runs |",
+        "|---|---|---|---|---|",
+    ]
+    names = {
+        "worker_crash": "worker SIGKILL",
+        "node_loss": "node lost (agent SIGKILL)",
+        "hang": f"hang (worker SIGSTOP, floor {HANG_FLOOR_MS / 1000:.0f} s)",
+        "loss_spike": "loss spike (injected at a step)",
+        "driver_kill": "leader driver SIGKILL",
+    }
+
+    def cell(x: float | None, unit: str = " s") -> str:
+        return "-" if x is None else f"{x:.2f}{unit}"
+
+    for kind, r in out["faults"].items():
+        rows.append(
+            f"| {names[kind]} | {cell(r['detect_s'])} | {cell(r['resume_s'])} | "
+            f"{cell(r['steps_lost'], '')} | {r['resolved']}/{r['runs']} |"
+        )
+    for kind, r in out["cold"].items():
+        rows.append(
+            f"| {names[kind]}, cold restart (--no-warm-workers) | {cell(r['detect_s'])} | "
+            f"{cell(r['resume_s'])} | {cell(r['steps_lost'], '')} | "
+            f"{r['resolved']}/{r['runs']} |"
+        )
+    for err in out.get("errors", []):
+        rows.append(f"| error | {err} | | | |")
+    for kind, why in out["not_injected"].items():
+        rows.append(f"| {kind.replace('_', ' ')} | not measured: {why} | | | |")
+    ff = out.get("fault_free", {}).get("ettr")
+    rows += [
+        "",
+        "| run | ETTR | vs fault-free | faults injected |",
+        "|---|---|---|---|",
+        f"| fault-free | {cell(ff, '')} | 1.00 | 0 |",
+    ]
+    for m in (60, 20):
+        r = out.get(f"mtbf_{m}s")
+        if r is None:
+            rows.append(f"| MTBF {m} s | not run | | |")
+            continue
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(r["by_kind"].items()))
+        rows.append(
+            f"| MTBF {m} s, {r['wall_s'] / 60:.0f} min | {r['ettr']:.3f} | "
+            f"{cell(r['ettr'] / ff if ff else None, '')} | {r['faults']} ({kinds}) |"
+        )
+    cw = out["worker_crash_resume_s"]
+    if cw["cold_over_warm"]:
+        rows.append("")
+        rows.append(
+            f"Worker crash → training resumed: cold {cw['cold']:.2f} s, warm {cw['warm']:.2f} s "
+            f"(cold / warm = {cw['cold_over_warm']:.2f})."
+        )
+    return "\n".join(rows)
+
+
+async def _cancel_on_sigterm(coro: Any) -> Any:
+    """Run `coro`; SIGTERM cancels it, so every cluster is stopped by its `finally`."""
+    task = asyncio.ensure_future(coro)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    return await task
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2 runs per fault, 90 s ETTR runs")
+    parser.add_argument("--runs", type=int, default=None, help="runs per fault type (default 5)")
+    parser.add_argument("--ettr-s", type=float, default=None, help="length of an ETTR run")
+    parser.add_argument("--baseline-s", type=float, default=None, help="fault-free stretch")
+    parser.add_argument("--seed", type=int, default=7, help="seed of the fault arrivals")
+    parser.add_argument("--run-dir", default="", help="logs (default: runs/bench-recovery-*)")
+    parser.add_argument("--out", default=str(RESULTS), help="results JSON")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="fault types of the faults phase")
+    parser.add_argument(
+        "--warm-nice", type=int, default=None, help="agents' --warm-nice (default: theirs)"
+    )
+    parser.add_argument(
+        "--phases", default="cold,faults,ettr", help="comma-separated subset of cold,faults,ettr"
+    )
+    ns = parser.parse_args(argv)
+    ns.runs = ns.runs or (2 if ns.quick else 5)
+    ns.ettr_s = ns.ettr_s or (90.0 if ns.quick else 600.0)
+    ns.baseline_s = ns.baseline_s or (30.0 if ns.quick else 180.0)
+    if ns.runs < 1 or ns.ettr_s < 10 or ns.baseline_s < 5:
+        print("error: --runs must be >= 1, --ettr-s >= 10, --baseline-s >= 5", file=sys.stderr)
+        return 2
+    ns.kinds = [k for k in ns.kinds.split(",") if k]
+    if not set(ns.kinds) <= set(KINDS):
+        print(f"error: --kinds takes {','.join(KINDS)}", file=sys.stderr)
+        return 2
+    ns.phases = set(ns.phases.split(","))
+    if not ns.phases <= {"cold", "faults", "ettr"}:
+        print("error: --phases takes cold, faults and ettr", file=sys.stderr)
+        return 2
+    ns.run_dir = ns.run_dir or time.strftime("runs/bench-recovery-%Y%m%d-%H%M%S")
+    t0 = time.monotonic()
+    try:
+        out = asyncio.run(_cancel_on_sigterm(run(ns)))
+    except asyncio.CancelledError:
+        print(f"interrupted: every cluster stopped; partial figures in {ns.out}", file=sys.stderr)
+        return 130
+    out["bench_s"] = time.monotonic() - t0
+    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(ns.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(table(out))
+    print(f"wrote {ns.out} ({out['bench_s'] / 60:.1f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

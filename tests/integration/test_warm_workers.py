@@ -1,0 +1,278 @@
+"""Warm standby workers (agent/warm.py) behave like cold starts, and a crash restarts in one.
+
+1. The supervisor alone, with a plain script and a `-m` module as the worker: a worker
+   started in a warm standby prints the same argv, environment, `__name__`, `sys.path[0]`
+   and niceness (a standby waits at nice 19) and exits with the same code as a cold one; it
+   is the standby's own process (same pid), the leader of its own session, a child of the
+   agent; its stacks can be dumped (SIGUSR1) and a SIGTERM of its group ends it as it ends a
+   cold one. A standby whose environment no
+   longer matches is discarded and the worker starts cold.
+2. A real driver (recovery loop) and a real agent with 2 workers training the tiny model
+   (dp2, flash every step): a worker is SIGKILLed; the loop restarts both ranks, each in a
+   standby that already imported torch, and training continues. Every step's loss, before
+   and after the restore, equals an uninterrupted cold run's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.integration.test_recovery_loop import TRAIN, reference, until
+from unbroken.agent import warm as warmlib
+from unbroken.agent.workers import Supervisor, WorkerSpec
+
+pytestmark = pytest.mark.integration
+
+PROBE = textwrap.dedent(
+    """
+    import json, os, sys
+    keys = ("RANK", "WORLD_SIZE", "MASTER_PORT", "UNBROKEN_AGENT_PID", "PYTHONUNBUFFERED")
+    print(json.dumps({
+        "argv": sys.argv, "name": __name__, "path0": sys.path[0],
+        "env": {k: os.environ.get(k) for k in keys},
+        "spec": getattr(__spec__, "name", None),
+        "pgid_is_pid": os.getpgid(0) == os.getpid(),
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
+    }))
+    if "--sleep" in sys.argv:
+        import faulthandler, signal, time
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        print("sleeping", flush=True)
+        time.sleep(60)
+    sys.exit(int(os.environ.get("PROBE_CODE", "0")))
+    """
+)
+
+
+def _line(log: Path, before: int) -> dict[str, object]:
+    lines = log.read_text().splitlines()[before:]
+    return json.loads(next(x for x in lines if x.startswith("{")))  # type: ignore[no-any-return]
+
+
+def _nlines(log: Path) -> int:
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+async def _wait_ready(sup: Supervisor, n: int, timeout_s: float = 60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while sum(s.ready for s in sup.standbys) < n:
+        assert asyncio.get_running_loop().time() < deadline, "standbys not ready in time"
+        await asyncio.sleep(0.05)
+
+
+def test_warm_start_is_a_cold_start(tmp_path: Path) -> None:
+    (tmp_path / "probe.py").write_text(PROBE)
+    (tmp_path / "probemod.py").write_text(PROBE)
+    env = {"PYTHONPATH": str(tmp_path), "PROBE_CODE": "3"}
+
+    async def run() -> None:
+        spec = WorkerSpec(
+            cmd=[sys.executable, str(tmp_path / "probe.py"), "x", "--y=1"],
+            nproc=1,
+            log_dir=str(tmp_path / "logs"),
+            extra_env=env,
+            warm_preload=("json",),  # cheap: this test is about behaviour, not speed
+            warm_nice=19,  # wait on idle CPU, take the workers' niceness (5) at hand-off
+            master_port=12345,
+        )
+        sup = Supervisor(spec, str(tmp_path / "agent.sock"))
+        log = tmp_path / "logs" / "worker-0.log"
+        try:
+            for cmd in (spec.cmd, [sys.executable, "-m", "probemod", "x", "--y=1"]):
+                spec.cmd = cmd
+                seen = []
+                for warm in (True, False):
+                    spec.warm = warm
+                    if warm:
+                        sup.warm_up()
+                        await asyncio.sleep(0)
+                        await _wait_ready(sup, 1)
+                        standby_pid = sup.standbys[0].proc.pid
+                        assert psutil.Process(standby_pid).nice() == 19  # waits on idle CPU
+                    mark = _nlines(log)
+                    w = await sup.start(0, refill=False)
+                    assert w.warm is warm
+                    if warm:
+                        assert w.pid == standby_pid
+                    assert psutil.Process(w.pid).ppid() == os.getpid()
+                    await asyncio.wait_for(w.tasks[-1], 60)
+                    assert w.exit_code == 3
+                    seen.append(_line(log, mark))
+                assert seen[0] == seen[1], seen
+                assert seen[0]["name"] == "__main__" and seen[0]["pgid_is_pid"] is True
+                assert seen[0]["argv"][1:] == ["x", "--y=1"]  # type: ignore[index]
+                assert seen[0]["nice"] == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5)
+                assert seen[0]["env"]["MASTER_PORT"] == "12345"  # type: ignore[index]
+
+            # A stop (SIGTERM to the group) ends a warm worker as it ends a cold one.
+            spec.cmd = [sys.executable, str(tmp_path / "probe.py"), "--sleep"]
+            codes = []
+            for warm in (True, False):
+                spec.warm = warm
+                if warm:
+                    sup.warm_up()
+                    await asyncio.sleep(0)
+                    await _wait_ready(sup, 1)
+                mark = _nlines(log)
+                w = await sup.start(0, refill=False)
+                assert w.warm is warm
+                while "sleeping" not in log.read_text().splitlines()[mark:]:  # it runs
+                    await asyncio.sleep(0.05)
+                w.stack_signal = True  # what the worker's hello says once hooks are installed
+                stacks = await sup.stop(w, grace_s=5.0, dump=True)
+                assert "probe.py" in stacks and "<module>" in stacks, stacks
+                assert w.proc is not None
+                codes.append(w.proc.returncode)
+            assert codes == [-signal.SIGTERM, -signal.SIGTERM]
+
+            # A standby started before the environment changed is not used.
+            spec.warm = True
+            sup.warm_up()
+            await asyncio.sleep(0)
+            await _wait_ready(sup, 1)
+            stale = sup.standbys[0].proc
+            spec.cmd = [sys.executable, str(tmp_path / "probe.py")]
+            spec.extra_env["OMP_NUM_THREADS"] = "2"
+            w = await sup.start(0, refill=False)
+            assert not w.warm and w.pid != stale.pid
+            await asyncio.wait_for(stale.wait(), 10)
+            await asyncio.wait_for(w.tasks[-1], 60)
+            assert w.exit_code == 3
+        finally:
+            await sup.close(grace_s=2.0)
+        assert not sup.standbys
+
+    asyncio.run(run())
+
+
+def test_parse_target() -> None:
+    py = sys.executable
+    t = warmlib.parse_target([py, "-u", "-X", "dev", "-m", "a.b", "--c"])
+    assert t == warmlib.Target(py, ("-u", "-X", "dev"), "a.b", "", ("--c",))
+    assert warmlib.parse_target([py, "s.py", "1"]) == warmlib.Target(py, (), "", "s.py", ("1",))
+    for cold in ([py, "-c", "pass"], ["bash", "x.sh"], [py], [py, "-m"], [py, "-"]):
+        assert warmlib.parse_target(cold) is None, cold
+    assert warmlib.compatible({"A": "1", "RANK": "0"}, {"A": "1", "RANK": "3"}) == ""
+    assert "OMP" in warmlib.compatible({"OMP": "1"}, {"OMP": "2"})
+
+
+def test_crashed_worker_restarts_warm_and_training_continues(
+    tmp_path: Path, etcd_server: object
+) -> None:
+    endpoint = etcd_server.endpoint  # type: ignore[attr-defined]
+    metrics = tmp_path / "metrics.jsonl"
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def spawn(name: str, args: list[str]) -> None:
+        out = open(tmp_path / f"{name}.log", "ab")  # the child owns it
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "unbroken.driver.cli", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        out.close()
+
+    def agent_log() -> str:
+        return (tmp_path / "agent.log").read_text(errors="replace")
+
+    def logs() -> str:
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+            for p in sorted(tmp_path.rglob("*.log"))
+        )
+
+    def steps() -> dict[int, list[float]]:
+        out: dict[int, list[float]] = {}
+        if metrics.exists():
+            for line in metrics.read_text().splitlines():
+                if line.endswith("}"):
+                    m = json.loads(line)
+                    out.setdefault(int(m["step"]), []).append(float(m["loss"]))
+        return out
+
+    try:
+        cmd = " ".join([sys.executable, *TRAIN, "--steps", "100000", "--metrics-out", str(metrics)])
+        job = f"warm-{os.getpid()}"
+        spawn(
+            "driver",
+            [
+                "driver", "--etcd", endpoint, "--job-id", job, "--listen", "127.0.0.1:0",
+                "--port-file", str(tmp_path / "driver.json"), "--miss-limit", "30",
+                "--nodes", "1", "--workers-per-node", "2", "--dp", "2",
+                "--worker-cmd", cmd, "--master-addr", "127.0.0.1",
+            ],
+        )  # fmt: skip
+        until("the driver's port file", (tmp_path / "driver.json").exists, 90)
+        port = json.loads((tmp_path / "driver.json").read_text())["grpc_port"]
+        spawn(
+            "agent",
+            [
+                "agent", "--driver", f"127.0.0.1:{port}", "--node-id", "n0", "--no-start",
+                "--worker-cmd", sys.executable + " -c pass", "--nproc-per-node", "2",
+                "--log-dir", str(tmp_path / "workers"), "--socket", str(tmp_path / "n0.sock"),
+                "--flash-dir", str(tmp_path / "shm"), "--flash-job", job,
+                "--persist-url", str(tmp_path / "storage"), "--no-selfcheck", "--warm-workers",
+            ],
+        )  # fmt: skip
+        until("training to start", lambda: max(steps(), default=0) >= 2, 120)
+        # Wait for the refill: two standbys started after the first workers (one still
+        # importing is handed the restart all the same: it is further along than a new one).
+        until(
+            "two standbys after the first start",
+            lambda: agent_log().split("worker started")[-1].count("standby started") >= 2,
+            90,
+        )
+        spare_pids = {
+            int(pid)
+            for pid in re.findall(
+                r"standby started\s+.*?pid=(\d+)", agent_log().split("worker started")[-1]
+            )
+        }
+        kids = [p for p in psutil.Process(procs["agent"].pid).children() if p.pid not in spare_pids]
+        assert len(kids) == 2, kids
+        crash_step = max(steps())
+        kids[1].kill()
+        until(
+            "training past the crash",
+            lambda: max(steps(), default=0) >= crash_step + 3,
+            90,
+        )
+        restarts = re.findall(r"worker started\s+.*?pid=(\d+) restarts=1 warm=(\w+)", agent_log())
+        assert len(restarts) == 2, agent_log()[-3000:]
+        assert all(w == "True" for _, w in restarts), restarts
+        assert {int(p) for p, _ in restarts} <= spare_pids, (restarts, spare_pids)
+        log0 = (tmp_path / "workers" / "worker-0.log").read_text(errors="replace")
+        assert "flash.restored" in log0, log0[-2000:]
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{logs()}") from None
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+
+    got = steps()
+    last = max(got)
+    assert sorted(got) == list(range(1, last + 1)), sorted(got)
+    ref = reference(tmp_path / "reference", last)
+    for step, values in got.items():
+        for v in values:
+            assert v == ref[step], (step, v, ref[step])
