@@ -36,6 +36,8 @@ class Commits:
         self.max_pending = max_pending
         self._trackers: dict[int, CommitTracker] = {}
         self.ignored = 0  # malformed reports dropped
+        # node -> global rank -> the step of its newest verified shard (ListCheckpoints)
+        self.by_node: dict[str, dict[int, int]] = {}
 
     def record(self, node_id: str, msg: dpb.ShardPersisted) -> ev.Event | None:
         """Record one agent's verified-shard report.
@@ -49,6 +51,7 @@ class Commits:
             self.ignored += 1
             log.warning("shard report ignored", node=node_id, problem=problem)
             return None
+        self.by_node.setdefault(node_id, {})[msg.rank] = msg.step
         tracker = self._trackers.pop(msg.world_size, None)
         if tracker is None:
             tracker = CommitTracker(

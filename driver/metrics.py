@@ -1,8 +1,17 @@
 """Prometheus metrics of the driver, served over HTTP (`--metrics-port`, 0 picks a free port).
 
 The heartbeat handler never touches a Prometheus object (a locked counter per message
-would cost more than the handler itself): it bumps plain ints in the live view, and a
-custom collector turns them into metrics when Prometheus scrapes.
+would cost more than the handler itself): it bumps plain ints in the live view, and
+custom collectors turn them into metrics when Prometheus scrapes. The per-node and
+per-worker series (step, step time, loss, silence) are read from the live view at scrape
+time, so the agents need no metrics endpoint of their own: the driver already holds every
+agent's newest heartbeat. Job-level series (phase, incidents, committed checkpoint,
+events by kind, time to resume) follow the events this driver appends (`on_event`, a
+listener of the service's writer); after a failover they start from the next event.
+
+`METRICS` names every exported series with its type and labels; the README's metrics
+table and the Grafana dashboard (driver/grafana/unbroken.json, checked by
+tests/unit/test_grafana.py) are written against it.
 """
 
 from __future__ import annotations
@@ -10,11 +19,66 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from unbroken.driver.liveview import LiveView
+from unbroken.proto import events_pb2 as ev
+
 DETECT_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+RESUME_BUCKETS = (0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+PHASES = tuple(ev.Phase.Name(p).removeprefix("PHASE_").lower() for p in ev.Phase.values())
+
+#: Every series this module exports, as Prometheus shows it: name -> (type, labels, help).
+METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "unbroken_heartbeats_total": ("counter", (), "Heartbeats received"),
+    "unbroken_nodes": ("gauge", ("state",), "Nodes by live state (alive, lost)"),
+    "unbroken_events_appended_total": (
+        "counter",
+        (),
+        "Events appended by the driver's writer (detectors, recovery loop, commits)",
+    ),
+    "unbroken_commands_dropped_total": (
+        "counter",
+        (),
+        "Commands dropped because a stream's buffer was full",
+    ),
+    "unbroken_detection_latency_seconds": (
+        "histogram",
+        (),
+        "Time to detect a lost node: its last heartbeat to its NodeLost event being durable",
+    ),
+    "unbroken_phase": ("gauge", ("phase",), "1 for the job's current recovery phase, else 0"),
+    "unbroken_incidents_total": ("counter", (), "Incidents opened (a fault left RUNNING)"),
+    "unbroken_time_to_resume_seconds": (
+        "histogram",
+        (),
+        "Incident opened (first RecoveryTransition) to TrainingResumed, by event wall time",
+    ),
+    "unbroken_events_total": ("counter", ("kind",), "Events appended by the writer, by payload"),
+    "unbroken_checkpoint_committed_step": ("gauge", (), "Step of the newest committed checkpoint"),
+    "unbroken_checkpoint_committed_bytes": (
+        "gauge",
+        (),
+        "Data bytes of the newest committed checkpoint (all ranks)",
+    ),
+    "unbroken_checkpoints_committed_total": ("counter", (), "CheckpointCommitted events"),
+    "unbroken_node_alive": ("gauge", ("node",), "1 while the node heartbeats, 0 once lost"),
+    "unbroken_node_silent_seconds": ("gauge", ("node",), "Time since the node's last heartbeat"),
+    "unbroken_worker_step": ("gauge", ("node", "local_rank"), "Newest step the worker reported"),
+    "unbroken_worker_step_time_seconds": (
+        "gauge",
+        ("node", "local_rank"),
+        "Median of the worker's recent step times (its last step time until there is one)",
+    ),
+    "unbroken_worker_loss": ("gauge", ("node", "local_rank"), "The worker's last reported loss"),
+    "unbroken_worker_restarts": (
+        "gauge",
+        ("node", "local_rank"),
+        "Times the node's agent (re)started this local rank",
+    ),
+}
 
 
 class _LiveCollector(Collector):
@@ -40,20 +104,147 @@ class _LiveCollector(Collector):
         yield d
 
 
+class _ViewCollector(Collector):
+    """Per-node and per-worker series from the live view's newest heartbeats."""
+
+    def __init__(self, view: LiveView, clock: Callable[[], float]) -> None:
+        self._view = view
+        self._clock = clock
+
+    def collect(self) -> Iterator[Any]:
+        now = self._clock()
+        slots = list(self._view.nodes.values())  # one C-level copy: safe from this thread
+        alive = GaugeMetricFamily(
+            "unbroken_node_alive", METRICS["unbroken_node_alive"][2], labels=["node"]
+        )
+        silent = GaugeMetricFamily(
+            "unbroken_node_silent_seconds",
+            METRICS["unbroken_node_silent_seconds"][2],
+            labels=["node"],
+        )
+        lab = ["node", "local_rank"]
+        step = GaugeMetricFamily(
+            "unbroken_worker_step", METRICS["unbroken_worker_step"][2], labels=lab
+        )
+        st = GaugeMetricFamily(
+            "unbroken_worker_step_time_seconds",
+            METRICS["unbroken_worker_step_time_seconds"][2],
+            labels=lab,
+        )
+        loss = GaugeMetricFamily(
+            "unbroken_worker_loss", METRICS["unbroken_worker_loss"][2], labels=lab
+        )
+        restarts = GaugeMetricFamily(
+            "unbroken_worker_restarts", METRICS["unbroken_worker_restarts"][2], labels=lab
+        )
+        for s in slots:
+            alive.add_metric([s.node_id], 1.0 if s.alive else 0.0)
+            silent.add_metric([s.node_id], max(0.0, now - s.last_seen) if s.last_seen else 0.0)
+            for w in list(s.hb.workers):
+                key = [s.node_id, str(w.local_rank)]
+                step.add_metric(key, w.step)
+                ms = w.median_step_ms or w.step_time_ms
+                if ms:
+                    st.add_metric(key, ms / 1000.0)
+                if w.has_loss:
+                    loss.add_metric(key, w.loss)
+                restarts.add_metric(key, w.restarts)
+        yield from (alive, silent, step, st, loss, restarts)
+
+
 class DriverMetrics:
-    """The driver's registry: live counters plus the detection-latency histogram."""
+    """The driver's registry: live counters, the view's per-node series, job-level series."""
 
     def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_LiveCollector(read))
         self.detect_latency = Histogram(
             "unbroken_detection_latency_seconds",
-            "From a node's last heartbeat to its NodeLost event being durable",
+            METRICS["unbroken_detection_latency_seconds"][2],
             buckets=DETECT_BUCKETS,
             registry=self.registry,
         )
+        r = self.registry
+        self.phase = Gauge("unbroken_phase", METRICS["unbroken_phase"][2], ["phase"], registry=r)
+        self.incidents = Counter(
+            "unbroken_incidents", METRICS["unbroken_incidents_total"][2], registry=r
+        )
+        self.time_to_resume = Histogram(
+            "unbroken_time_to_resume_seconds",
+            METRICS["unbroken_time_to_resume_seconds"][2],
+            buckets=RESUME_BUCKETS,
+            registry=r,
+        )
+        self.events = Counter(
+            "unbroken_events", METRICS["unbroken_events_total"][2], ["kind"], registry=r
+        )
+        self.ckpt_step = Gauge(
+            "unbroken_checkpoint_committed_step",
+            METRICS["unbroken_checkpoint_committed_step"][2],
+            registry=r,
+        )
+        self.ckpt_bytes = Gauge(
+            "unbroken_checkpoint_committed_bytes",
+            METRICS["unbroken_checkpoint_committed_bytes"][2],
+            registry=r,
+        )
+        self.ckpts = Counter(
+            "unbroken_checkpoints_committed",
+            METRICS["unbroken_checkpoints_committed_total"][2],
+            registry=r,
+        )
+        self._incident = ""
+        self._incident_ns = 0  # wall time of the open incident's first transition
         self.port = 0
         self._server: Any = None
+
+    def watch(
+        self,
+        view: LiveView,
+        listeners: list[Callable[[ev.Event], None]],
+        clock: Callable[[], float],
+    ) -> None:
+        """Export `view`'s per-node series and follow the events the writer appends."""
+        self.registry.register(_ViewCollector(view, clock))
+        listeners.append(self.on_event)
+
+    def set_phase(self, phase: int) -> None:
+        """Mark `phase` (an ev.Phase) as the current one."""
+        name = ev.Phase.Name(phase).removeprefix("PHASE_").lower()
+        for p in PHASES:
+            self.phase.labels(p).set(1.0 if p == name else 0.0)
+
+    def on_event(self, e: ev.Event) -> None:
+        """Update the job-level series from one appended event (event-loop thread)."""
+        kind = e.WhichOneof("payload") or "none"
+        self.events.labels(kind).inc()
+        if kind == "recovery_transition":
+            t = e.recovery_transition
+            self.set_phase(t.to_phase)
+            if t.to_phase == ev.PHASE_RUNNING:
+                self._resumed(e)
+            elif t.incident_id and t.incident_id != self._incident:
+                self._incident = t.incident_id
+                self._incident_ns = e.wall_time_unix_ns
+                self.incidents.inc()
+        elif kind == "training_paused":
+            self.set_phase(ev.PHASE_PAUSED)
+        elif kind == "restore_started":
+            self.set_phase(ev.PHASE_RESTORING)
+        elif kind == "training_resumed":
+            self.set_phase(ev.PHASE_RUNNING)
+            self._resumed(e)
+        elif kind == "job_finished":
+            self.set_phase(ev.PHASE_FINISHED if e.job_finished.ok else ev.PHASE_FAILED)
+        elif kind == "checkpoint_committed":
+            self.ckpt_step.set(e.checkpoint_committed.step)
+            self.ckpt_bytes.set(e.checkpoint_committed.bytes)
+            self.ckpts.inc()
+
+    def _resumed(self, e: ev.Event) -> None:
+        if self._incident_ns and e.wall_time_unix_ns >= self._incident_ns:
+            self.time_to_resume.observe((e.wall_time_unix_ns - self._incident_ns) / 1e9)
+        self._incident_ns = 0
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the HTTP endpoint; return the bound port."""

@@ -1,0 +1,322 @@
+"""The launcher gRPC API against a real driver process (on the session's etcd) and real agents.
+
+One driver without a recovery loop (a launcher runs the workers) and two agents without
+workers. A launcher registers its job, reports a failed worker and a lost node, lists
+checkpoints and asks for one; every call is judged by its gRPC status and by what lands
+in the event log, and the driver's Prometheus endpoint must show the same story (phase,
+events by kind, per-node series). The helpers here also serve test_cli_checkpoints.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from unbroken.diagnostics.check import free_port
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import driver_pb2_grpc as dgrpc
+from unbroken.proto import events_pb2 as ev
+
+pytestmark = pytest.mark.integration
+
+CLI = [sys.executable, "-m", "unbroken.driver.cli"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "UNBROKEN_DRIVER": "127.0.0.1:1"}
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every process group, then SIGKILL what is left after 10 s."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def start_driver(
+    etcd: Any, tmp: Path, procs: list[subprocess.Popen[bytes]], job: str
+) -> dict[str, Any]:
+    """A driver process on `etcd` (ports 0); returns its port file's content + address."""
+    port_file = tmp / "driver.json"
+    with open(tmp / "driver.log", "wb") as out:
+        procs.append(
+            subprocess.Popen(
+                [
+                    *CLI,
+                    "driver",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--port-file",
+                    str(port_file),
+                    "--metrics-port",
+                    "0",
+                    "--etcd",
+                    etcd.endpoint,
+                    "--job-id",
+                    job,
+                    "--miss-limit",
+                    "100",  # liveness is not under test: 2 shared cores starve heartbeats
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=ENV,
+                start_new_session=True,
+            )
+        )
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        assert procs[-1].poll() is None, (tmp / "driver.log").read_text()
+        assert time.monotonic() < deadline, "driver did not start within 60 s"
+        time.sleep(0.1)
+    time.sleep(0.2)  # the file is written whole, but give a reader no torn JSON
+    info: dict[str, Any] = json.loads(port_file.read_text())
+    info["driver"] = f"127.0.0.1:{info['grpc_port']}"
+    return info
+
+
+def start_agent(
+    driver: str, tmp: Path, procs: list[subprocess.Popen[bytes]], node: str, *extra: str
+) -> None:
+    """An agent process for `node` (its logs and socket under `tmp`)."""
+    with open(tmp / f"agent-{node}.log", "wb") as out:
+        procs.append(
+            subprocess.Popen(
+                [
+                    *CLI,
+                    "agent",
+                    "--driver",
+                    driver,
+                    "--node-id",
+                    node,
+                    "--log-dir",
+                    str(tmp / f"logs-{node}"),
+                    "--socket",
+                    str(tmp / f"{node}.sock"),
+                    "--no-selfcheck",  # not under test; it imports torch on start
+                    *extra,
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=ENV,
+                start_new_session=True,
+            )
+        )
+
+
+def wait_nodes(stub: dgrpc.DriverStub, nodes: list[str], what: str, timeout_s: float = 60) -> None:
+    """Until every node in `nodes` is alive and connected (and, for "stepping", training)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            listed = stub.ListNodes(dpb.ListNodesRequest(), timeout=10).nodes
+        except grpc.RpcError as e:  # not leading yet (the election is still running)
+            assert time.monotonic() < deadline, f"driver not answering in {timeout_s} s: {e}"
+            time.sleep(0.3)
+            continue
+        got = {n.node_id: n for n in listed}
+        ready = [
+            n
+            for n in nodes
+            if n in got
+            and got[n].alive
+            and got[n].connected
+            and (what != "stepping" or got[n].step > 0)
+        ]
+        if len(ready) == len(nodes):
+            return
+        assert time.monotonic() < deadline, f"nodes not {what} within {timeout_s} s: {got}"
+        time.sleep(0.3)
+
+
+def events(stub: dgrpc.DriverStub, since: int = 0) -> list[ev.Event]:
+    """The event log after `since`."""
+    req = dpb.WatchEventsRequest(since_seq=since)
+    return [r.event for r in stub.WatchEvents(req, timeout=30)]
+
+
+def scrape(port: int) -> str:
+    """The driver's Prometheus exposition text."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return str(r.read().decode())
+
+
+@pytest.fixture(scope="module")
+def cluster(etcd_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("launcher")
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        info = start_driver(etcd_server, tmp, procs, f"launcher-{uuid.uuid4().hex[:8]}")
+        for node in ("n0", "n1"):
+            start_agent(info["driver"], tmp, procs, node)
+        channel = grpc.insecure_channel(info["driver"])
+        stub = dgrpc.DriverStub(channel)
+        wait_nodes(stub, ["n0", "n1"], "connected")
+        yield {**info, "stub": stub, "tmp": tmp}
+        channel.close()
+    finally:
+        stop_all(procs)
+
+
+def code_of(call: Any, request: Any) -> tuple[grpc.StatusCode, str]:
+    """The status code and details of a call that must fail."""
+    with pytest.raises(grpc.RpcError) as err:
+        call(request, timeout=30)
+    e: Any = err.value
+    return e.code(), e.details()
+
+
+def _world(nodes: list[str], **kw: int) -> ev.WorldLayout:
+    return ev.WorldLayout(node_ids=nodes, workers_per_node=kw.pop("wpn", 1), **kw)
+
+
+def test_register_job(cluster: dict[str, Any]) -> None:
+    stub = cluster["stub"]
+    bad = [
+        (dpb.RegisterJobRequest(world=_world([])), "node_ids is empty"),
+        (dpb.RegisterJobRequest(world=_world(["n0", "n0"])), "duplicates"),
+        (dpb.RegisterJobRequest(world=_world(["n0", "n1"], dp=3)), "dp x pp x tp"),
+        (dpb.RegisterJobRequest(world=_world(["n0", "n1"]), min_nodes=3), "min_nodes"),
+        (dpb.RegisterJobRequest(world=_world(["n0"]), config_json="{oops"), "not valid JSON"),
+    ]
+    for req, words in bad:
+        code, details = code_of(stub.RegisterJob, req)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and words in details, details
+    ok = dpb.RegisterJobRequest(
+        trainer="torchrun", world=_world(["n0", "n1"], wpn=2, tp=2), config_json='{"lr": 0.1}'
+    )
+    resp = stub.RegisterJob(ok, timeout=30)
+    assert resp.job_id.startswith("launcher-") and resp.seq > 0
+    got = events(stub, resp.seq - 1)
+    started = got[0]
+    assert started.WhichOneof("payload") == "job_started" and started.cause == "launcher"
+    assert started.job_started.trainer == "torchrun"
+    w = started.job_started.world
+    assert (w.dp, w.pp, w.tp, list(w.node_ids)) == (2, 1, 2, ["n0", "n1"])
+    assert (started.job_started.min_nodes, started.job_started.max_nodes) == (1, 2)
+    assert got[1].WhichOneof("payload") == "training_resumed"
+    st = stub.GetStatus(dpb.GetStatusRequest(), timeout=30)
+    assert st.phase == ev.PHASE_RUNNING
+    code, details = code_of(stub.RegisterJob, ok)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "already active" in details
+    text = scrape(cluster["metrics_port"])
+    assert 'unbroken_phase{phase="running"} 1.0' in text
+    assert 'unbroken_events_total{kind="job_started"} 1.0' in text
+    assert 'unbroken_node_alive{node="n0"} 1.0' in text
+
+
+def test_checkpoints_without_workers(cluster: dict[str, Any]) -> None:
+    stub = cluster["stub"]
+    listed = stub.ListCheckpoints(dpb.ListCheckpointsRequest(), timeout=30)
+    assert list(listed.checkpoints) == []
+    assert [n.node_id for n in listed.nodes] == ["n0", "n1"]  # the registered world
+    assert all(n.persisted_step == 0 and not n.ranks for n in listed.nodes)
+    code, details = code_of(stub.RequestCheckpoint, dpb.RequestCheckpointRequest())
+    assert code == grpc.StatusCode.FAILED_PRECONDITION, details
+    assert "n0" in details and "n1" in details and "runs no workers" in details
+    code, details = code_of(stub.RequestCheckpoint, dpb.RequestCheckpointRequest(timeout_s=-1))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "timeout_s" in details
+
+
+def test_report_failure(cluster: dict[str, Any]) -> None:
+    stub = cluster["stub"]
+    bad = [
+        (dpb.ReportFailureRequest(node_id="n0"), grpc.StatusCode.INVALID_ARGUMENT, "kind"),
+        (
+            dpb.ReportFailureRequest(kind=dpb.FAILURE_KIND_WORKER),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "node_id",
+        ),
+        (
+            dpb.ReportFailureRequest(kind=dpb.FAILURE_KIND_NODE, node_id="nope"),
+            grpc.StatusCode.NOT_FOUND,
+            "unbroken nodes",
+        ),
+        (
+            dpb.ReportFailureRequest(kind=dpb.FAILURE_KIND_WORKER, node_id="n0", local_rank=99999),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "local_rank",
+        ),
+    ]
+    for req, want, words in bad:
+        code, details = code_of(stub.ReportFailure, req)
+        assert code == want and words in details, (code, details)
+    worker = stub.ReportFailure(
+        dpb.ReportFailureRequest(
+            kind=dpb.FAILURE_KIND_WORKER,
+            node_id="n0",
+            local_rank=1,
+            global_rank=1,
+            exit_code=-9,
+            last_step=42,
+        ),
+        timeout=30,
+    )
+    assert worker.event_kind == "worker_failed"
+    node = stub.ReportFailure(
+        dpb.ReportFailureRequest(kind=dpb.FAILURE_KIND_NODE, node_id="n1", reason="pod deleted"),
+        timeout=30,
+    )
+    assert node.event_kind == "node_lost" and node.seq > worker.seq
+    got = {e.seq: e for e in events(stub, worker.seq - 1)}
+    wf, nl = got[worker.seq], got[node.seq]
+    assert wf.cause == nl.cause == "launcher"
+    assert (wf.worker_failed.node_id, wf.worker_failed.exit_code) == ("n0", -9)
+    assert (wf.worker_failed.global_rank, wf.worker_failed.last_step) == (1, 42)
+    assert nl.node_lost.node_id == "n1" and nl.node_lost.reason == "launcher: pod deleted"
+    assert nl.node_lost.epoch > 0  # the registered agent's epoch: the fold applies it
+    nodes = {n.node_id: n for n in stub.ListNodes(dpb.ListNodesRequest(), timeout=30).nodes}
+    assert nodes["n1"].state == ev.NODE_STATE_LOST and nodes["n0"].failures == 1
+    text = scrape(cluster["metrics_port"])
+    assert 'unbroken_events_total{kind="worker_failed"} 1.0' in text
+    assert 'unbroken_events_total{kind="node_lost"} 1.0' in text
+    # an idempotency key: a retried report is not appended twice
+    keyed = dpb.ReportFailureRequest(
+        kind=dpb.FAILURE_KIND_WORKER, node_id="n0", exit_code=1, report_id="pod-n0-exit-1"
+    )
+    first = stub.ReportFailure(keyed, timeout=30)
+    again = stub.ReportFailure(keyed, timeout=30)
+    assert again.seq == first.seq and again.event_kind == "worker_failed"
+    assert sum(e.event_id == "launcher-pod-n0-exit-1" for e in events(stub)) == 1
+    keyed.report_id = "not a key"
+    code, details = code_of(stub.ReportFailure, keyed)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "report_id" in details
+
+
+def test_unreachable_driver() -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{free_port()}") as ch:
+        stub = dgrpc.DriverStub(ch)
+        code, _ = code_of(stub.ListCheckpoints, dpb.ListCheckpointsRequest())
+        assert code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_pure_helpers() -> None:
+    from unbroken.driver.launcher_api import job_problem, normalized_world, rank_nodes
+
+    ok = dpb.RegisterJobRequest(world=_world(["a", "b"], wpn=4, pp=2))
+    assert job_problem(ok) == ""
+    w = normalized_world(ok)
+    assert (w.dp, w.pp, w.tp) == (4, 2, 1)
+    assert "workers_per_node" in job_problem(dpb.RegisterJobRequest(world=_world(["a"], wpn=0)))
+    assert "max_nodes" in job_problem(dpb.RegisterJobRequest(world=_world(["a", "b"]), max_nodes=1))
+    # the node that reported the committed step wins over one with a newer, other step
+    by_node = {"a": {0: 10, 1: 12}, "b": {1: 10}}
+    assert rank_nodes(by_node, 10) == {0: "a", 1: "b"}
+    assert rank_nodes(by_node, 12) == {0: "a", 1: "a"}
