@@ -10,7 +10,7 @@ export PYTHONDONTWRITEBYTECODE = 1
 # CI runs the subset that fits in its budget; `make test-all` runs every test.
 PYTEST_ARGS ?= -m "not slow" -x --durations=15
 
-.PHONY: run test test-all proto lint bench bench-% clean venv
+.PHONY: run test test-all chaos proto lint bench bench-% clean venv
 
 venv: $(STAMP)
 
@@ -28,6 +28,10 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) proto/generate.py --check
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The whole chaos suite: every seed of tests/chaos (slow ones too); ~25 min on the shared 2 cores.
+chaos: $(STAMP)
+	$(PY) -m pytest tests/chaos --durations=0 -rA $(CHAOS_ARGS)
 
 test-all: $(STAMP)
 	$(PY) -m pytest --durations=25

@@ -278,6 +278,10 @@ class EtcdEventLog(EventLog):
                     self._log.exception("commit failed unexpectedly")
                     for p in batch:
                         _fail(p, EventLogError(f"append failed: {e!r}"))
+                except asyncio.CancelledError:  # close() mid-commit: no caller waits forever
+                    for p in batch:
+                        _fail(p, EventLogError("the event log was closed during this append"))
+                    raise
 
     async def _commit(self, batch: list[_Pending]) -> None:
         """Write `batch` in one fenced transaction, resolving each pending future."""
