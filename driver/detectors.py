@@ -8,7 +8,10 @@ not events, transitions are):
   max(`hang_k` x its median step time, `hang_floor_ms`) (once per stuck step);
 - log alert: a keyword line the agent's log scanner caught; also bad telemetry
   (a step that went backwards, a non-finite loss) is reported as an alert, not trusted;
-- refusal: a stale epoch or a second live agent claiming a node id.
+- refusal: a stale epoch or a second live agent claiming a node id;
+- loss spike: `LossWatch` feeds the job's loss curve (one loss per step, from the lowest
+  global rank of the world that reports one) into `recovery.spike.SpikeDetector`; a loss
+  far above the robust baseline, or a non-finite one, is a `LossSpike`.
 
 Nothing here reads a clock, the network or etcd; the service passes `now` in and appends
 what comes out, so every rule is unit-tested without processes (tests/unit/test_detectors.py).
@@ -17,11 +20,13 @@ what comes out, so every rule is unit-tested without processes (tests/unit/test_
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from unbroken.driver.liveview import LiveView, NodeSlot
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
+from unbroken.recovery.spike import SpikeConfig, SpikeDetector
 
 MAX_LINE_CHARS = 4096  # an alert line longer than this is cut (events have a size cap)
 MAX_STACK_CHARS = 32 * 1024
@@ -279,3 +284,43 @@ def validate_register(req: dpb.RegisterRequest) -> str:
     if req.num_workers > 1024:
         return f"num_workers {req.num_workers} is over 1024"
     return ""
+
+
+@dataclass(slots=True)
+class LossWatch:
+    """The job's loss curve from heartbeats, one loss per step, into a spike detector.
+
+    Every rank of the embedded engine reports the same (all-reduced) loss, so one rank
+    stands for the job: the lowest global rank among the world's running workers that
+    report a loss. A step is fed once (heartbeats repeat it until the next step); a step
+    lower than the last one fed (a restore) is fed too: it belongs to the new timeline.
+    Spiking losses never enter the baseline, so after a rollback the curve is judged
+    against the losses before the spike.
+    """
+
+    config: SpikeConfig
+    detector: SpikeDetector = field(init=False)
+    last_step: int = 0
+    last_restarts: int = -1
+
+    def __post_init__(self) -> None:
+        self.detector = SpikeDetector(self.config)
+
+    def sweep(self, view: LiveView, world: Sequence[str]) -> ev.Event | None:
+        """A `LossSpike` event when the newest step's loss spikes, else None."""
+        best: dpb.WorkerStatus | None = None
+        for node_id in world:
+            slot = view.nodes.get(node_id)
+            if slot is None or not slot.alive:
+                continue
+            for w in slot.hb.workers:
+                running = w.state == dpb.WORKER_STATE_RUNNING and w.has_loss and w.step > 0
+                if running and (best is None or w.global_rank < best.global_rank):
+                    best = w
+        if best is None:
+            return None
+        if best.step == self.last_step and best.restarts == self.last_restarts:
+            return None
+        self.last_step, self.last_restarts = best.step, best.restarts
+        spike = self.detector.observe(best.step, best.loss)
+        return None if spike is None else ev.Event(loss_spike=spike.to_event())

@@ -12,13 +12,28 @@ how fast each is detected and what the log recorded:
   loop (driver/loop.py) stops the workers, puts the spare in the lost node's place and
   restarts the world, which restores from flash memory, the buddy replica or storage;
 - a worker is SIGKILLed: WorkerFailed; the loop restarts every worker, they restore from
-  their agents' flash memory.
+  their agents' flash memory;
+- a worker is SIGSTOPped (a hang): HangSuspected once no rank progresses for
+  `--hang-floor` seconds; the loop stops (kills) and restarts the world;
+- a loss spike: `InjectFault loss-spike` makes every agent write its workers' fault file,
+  one step's batch targets are poisoned; the driver's loss watch appends LossSpike, the
+  machine rolls back to the newest committed step before it and skips the batches;
+- a silently bad node: `InjectFault wrong-matmul` then `RunSelfCheck` on that node; the
+  failed self-check (SelfCheckReported) is a fault the loop handles (skipped gracefully
+  when the driver has no InjectFault/RunSelfCheck);
+- the leader driver is SIGKILLed in the middle of a recovery (a worker is SIGKILLed, and
+  the leader right after the incident's TrainingPaused): the standby finishes the recovery.
+
+The node lost in the drill comes back (its agent restarts, an idle node the world can take),
+and the driver killed first comes back as the standby on its old address.
 
 The drivers start the job themselves (`unbroken driver --nodes ...`; agents run
 `--no-start`). The table gives per fault the time to detect it, the time until training
-resumed (TrainingResumed in the log) and the steps lost (the step training had reached
-minus the step it restored, both from TrainingPaused). Every process it starts is stopped
-on exit, also on Ctrl-C.
+resumed (TrainingResumed in the log), the steps lost (the step training had reached, from
+TrainingPaused, minus the step rank 0 actually restored, from its worker log), whether the
+loss curve continued (the loss 3 steps after the resume within 0.5-1.5x the loss before the
+fault) and the events written from the injection to the resume. Every process it starts is
+stopped on exit, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -38,13 +53,13 @@ from typing import Any
 
 import grpc
 
+from unbroken.driver.drill import DRILL, Drill, FaultRecord, fault_table, signal_group
 from unbroken.driver.etcd import EmbeddedEtcd, free_port
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
 
 EVENT_TAIL = 10
-RESUME_LIMIT_S = 120.0  # a drilled fault whose training has not resumed by then failed
 
 
 @dataclass(kw_only=True, slots=True)
@@ -53,13 +68,13 @@ class UpConfig:
 
     nodes: int = 2
     workers_per_node: int = 2
-    spares: int = 1
+    spares: int = 2  # the drill takes two nodes out of the world (node loss, hang or bad node)
     dp: int = 1
     pp: int = 2
     tp: int = 2
     preset: str = "tiny"
     steps: int = 2000
-    duration_s: float = 90.0
+    duration_s: float = 480.0  # an upper bound: the run ends once the drill is over
     drill: bool = True
     standby: bool = True
     job_id: str = "demo"
@@ -67,6 +82,9 @@ class UpConfig:
     live: bool = True
     # missed 100 ms heartbeats before NodeLost; the driver's default is 3 (see --miss-limit)
     miss_limit: int = 5
+    hang_floor_s: float = 4.0  # no progress for this long is a hang (the driver's default: 30)
+    faults: tuple[str, ...] = DRILL  # the drill's faults, in order
+    dashboard_port: int = 0  # the leader's web dashboard (the standby's: +1); 0: free ports
 
     def __post_init__(self) -> None:
         for name in ("nodes", "workers_per_node", "dp", "pp", "tp", "steps"):
@@ -82,27 +100,18 @@ class UpConfig:
             )
         if self.duration_s <= 0:
             raise ValueError(f"duration_s must be > 0, got {self.duration_s}")
+        if not self.hang_floor_s >= 0.01:
+            raise ValueError(f"hang_floor_s must be >= 0.01, got {self.hang_floor_s}")
+        unknown = [f for f in self.faults if f not in DRILL]
+        if unknown or not self.faults:
+            raise ValueError(
+                f"faults {unknown or '(none)'} unknown; choose from {', '.join(DRILL)} "
+                "(or --no-drill)"
+            )
+        if not 0 <= self.dashboard_port <= 65534:
+            raise ValueError(f"dashboard_port must be in [0, 65534], got {self.dashboard_port}")
         if not self.run_dir:
             self.run_dir = str(Path("runs") / time.strftime("up-%Y%m%d-%H%M%S"))
-
-
-@dataclass(slots=True)
-class FaultRecord:
-    """One drilled fault and what the log said about it."""
-
-    fault: str
-    target: str
-    injected_at: float  # monotonic
-    expect: str  # payload name of the event that proves detection
-    injected_wall_ns: int = 0
-    step_at_inject: int = 0
-    detected_s: float | None = None
-    event_seq: int | None = None
-    note: str = ""
-    given_up: bool = False
-    recovers: bool = False  # the recovery loop must resume training after it
-    resumed_s: float | None = None
-    steps_lost: int | None = None
 
 
 @dataclass(slots=True)
@@ -115,8 +124,11 @@ class Cluster:
     drivers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
     agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    args: dict[str, list[str]] = field(default_factory=dict)  # each process's, to respawn
+    stopping: bool = False
 
     def spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        self.args[name] = args
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         with open(self.run / f"{name}.log", "ab") as log:  # the child keeps its own fd
             return subprocess.Popen(
@@ -129,24 +141,20 @@ class Cluster:
 
     def stop(self) -> None:
         """SIGTERM every process group, SIGKILL what is left after a grace period."""
+        self.stopping = True
         procs = [*self.agents.values(), *self.drivers.values()]
         for p in procs:
-            _signal_group(p, signal.SIGTERM)
+            signal_group(p, signal.SIGTERM)
         deadline = time.monotonic() + 10
         for p in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(max(0.1, deadline - time.monotonic()))
         for p in procs:
-            _signal_group(p, signal.SIGKILL)
+            signal_group(p, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(5)
         if self.etcd is not None:
             self.etcd.stop(remove=False)
-
-
-def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(p.pid, sig)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -173,6 +181,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="missed 100 ms heartbeats before a node is lost (default 5 rather than 3: on 2 cores "
         "workers importing torch can delay an agent's heartbeats)",
     )
+    parser.add_argument(
+        "--hang-floor",
+        type=float,
+        default=d.hang_floor_s,
+        help="seconds without progress before a hang is suspected (the driver's default: 30)",
+    )
+    parser.add_argument(
+        "--faults",
+        default=",".join(d.faults),
+        help=f"the drill's faults, comma-separated, in order (default: {','.join(d.faults)})",
+    )
+    parser.add_argument(
+        "--dashboard-port", type=int, default=0, help="web dashboard port (default 0: a free one)"
+    )
     parser.add_argument("--run-dir", default="", help="logs and etcd data (default: runs/up-*)")
 
 
@@ -193,6 +215,9 @@ def run(ns: argparse.Namespace) -> int:
             standby=not ns.no_standby,
             run_dir=ns.run_dir,
             miss_limit=ns.miss_limit,
+            hang_floor_s=ns.hang_floor,
+            faults=tuple(f.strip() for f in ns.faults.split(",") if f.strip()),
+            dashboard_port=ns.dashboard_port,
             live=not ns.no_live and sys.stdout.isatty(),
         )
     except ValueError as e:
@@ -237,12 +262,17 @@ async def _main(c: Cluster) -> int:
                 "--dp", str(cfg.dp), "--pp", str(cfg.pp), "--tp", str(cfg.tp),
                 "--worker-cmd", worker_cmd, "--master-addr", "127.0.0.1", "--trainer", "gpt3d",
                 "--miss-limit", str(cfg.miss_limit),
+                "--hang-floor-ms", str(cfg.hang_floor_s * 1000.0),
+                "--dashboard-port",
+                str(cfg.dashboard_port + names.index(name) if cfg.dashboard_port else 0),
             ],
         )  # fmt: skip
     for name in names:
         info = await _wait_json(c.run / f"{name}.port.json", c.drivers[name], 60)
         c.addresses[name] = f"127.0.0.1:{info['grpc_port']}"
         console.print(f"[bold]{name}[/] serving at {c.addresses[name]}")
+        if info.get("dashboard_port"):
+            console.print(f"  dashboard: http://127.0.0.1:{info['dashboard_port']}/")
     endpoints = ",".join(c.addresses.values())
     names_of = [f"node-{i}" for i in range(cfg.nodes)] + [f"spare-{i}" for i in range(cfg.spares)]
     replica = {n: free_port() for n in names_of}
@@ -362,7 +392,7 @@ def _render(watcher: Watcher, cfg: UpConfig, faults: list[FaultRecord], elapsed:
         events.add_row(str(e.seq), e.WhichOneof("payload") or "?", escape(_detail(e)[:90]))
     parts: list[Any] = [nodes, events]
     if faults:
-        parts.append(_fault_table(faults))
+        parts.append(fault_table(faults))
     return Group(*parts)
 
 
@@ -371,36 +401,12 @@ def _detail(e: ev.Event) -> str:
     return " ".join(str(getattr(e, kind)).split()) if kind else ""
 
 
-def _fault_table(faults: list[FaultRecord]) -> Any:
-    from rich.table import Table
-
-    t = Table(title="drill")
-    for col in (
-        "fault",
-        "target",
-        "detected in",
-        "resumed in",
-        "steps lost",
-        "event (seq)",
-        "note",
-    ):
-        t.add_column(col)
-    for f in faults:
-        det = f"{f.detected_s:.2f} s" if f.detected_s is not None else "[red]not yet[/]"
-        res = "-"
-        if f.recovers:
-            res = f"{f.resumed_s:.2f} s" if f.resumed_s is not None else "[red]not yet[/]"
-        lost = str(f.steps_lost) if f.steps_lost is not None else "-"
-        t.add_row(f.fault, f.target, det, res, lost, f"{f.expect} ({f.event_seq or '-'})", f.note)
-    return t
-
-
 async def _supervise(c: Cluster, w: Watcher, console: Any, t0: float) -> int:
     from rich.live import Live
 
     cfg = c.cfg
     faults: list[FaultRecord] = []
-    drill = _Drill(c, w, faults) if cfg.drill else None
+    drill = Drill(c, w, faults) if cfg.drill else None
     first_step_at: float | None = None
     done_at: float | None = None
     live_ctx: Any = (
@@ -432,7 +438,7 @@ async def _supervise(c: Cluster, w: Watcher, console: Any, t0: float) -> int:
             if now - t0 > cfg.duration_s or (done_at is not None and now - done_at > 3):
                 break
             await asyncio.sleep(0.25)
-    console.print(_fault_table(faults) if faults else "no drill")
+    console.print(fault_table(faults) if faults else "no drill")
     counts: dict[str, int] = {}
     for e in w.events:
         k = e.WhichOneof("payload") or "?"
@@ -445,7 +451,11 @@ async def _supervise(c: Cluster, w: Watcher, console: Any, t0: float) -> int:
         f"look at the log: .venv/bin/etcdctl --endpoints {c.etcd.endpoint if c.etcd else '?'} "
         f"get --prefix /unbroken/{cfg.job_id}/ --keys-only"
     )
-    missed = [f for f in faults if f.detected_s is None or (f.recovers and f.resumed_s is None)]
+    missed = [
+        f
+        for f in faults
+        if not f.skipped and (f.detected_s is None or (f.recovers and f.resumed_s is None))
+    ]
     if drill is not None and (drill.plan or missed):
         console.print(
             f"[red]drill incomplete[/]: {len(missed)} fault(s) not detected or not recovered, "
@@ -453,124 +463,3 @@ async def _supervise(c: Cluster, w: Watcher, console: Any, t0: float) -> int:
         )
         return 1
     return 0
-
-
-class _Drill:
-    """Injects one fault at a time once training runs, and waits for its event."""
-
-    def __init__(self, c: Cluster, w: Watcher, faults: list[FaultRecord]) -> None:
-        self.c, self.w, self.faults = c, w, faults
-        self.plan = ["driver_kill", "node_loss", "worker_crash"]
-        self.next_at = 0.0
-        self.done = False
-
-    def observe(self, new: list[ev.Event], now: float) -> None:
-        for f in self.faults:
-            for e in new:
-                if f.detected_s is None:
-                    if e.WhichOneof("payload") == f.expect and _matches(e, f):
-                        # the event's own wall time: exact, not bounded by our polling
-                        f.detected_s = max(0.0, (e.wall_time_unix_ns - f.injected_wall_ns) / 1e9)
-                        f.event_seq = e.seq
-                        if not f.recovers:
-                            self.next_at = now + 5.0
-                    continue
-                if not f.recovers or f.resumed_s is not None or e.seq <= (f.event_seq or 0):
-                    continue
-                if e.HasField("training_paused"):  # the last pause of the incident counts
-                    p = e.training_paused
-                    f.steps_lost = max(0, p.at_step - p.restore_step)
-                elif e.HasField("training_resumed"):
-                    f.resumed_s = max(0.0, (e.wall_time_unix_ns - f.injected_wall_ns) / 1e9)
-                    self.next_at = now + 5.0
-
-    async def advance(self, now: float) -> None:
-        pending = [f for f in self.faults if f.detected_s is None and not f.given_up]
-        if pending:
-            if now - pending[0].injected_at > 30:
-                pending[0].note = "no event within 30 s"
-                pending[0].given_up = True
-                self.next_at = now + 1
-            return
-        waiting = [f for f in self.faults if f.recovers and f.resumed_s is None and not f.given_up]
-        if waiting:
-            if now - waiting[0].injected_at > RESUME_LIMIT_S:
-                waiting[0].note = f"training did not resume within {RESUME_LIMIT_S:.0f} s"
-                waiting[0].given_up = True
-                self.next_at = now + 1
-            return
-        if now < self.next_at or self.w.step() < 10:
-            return
-        if not self.plan:
-            self.done = True
-            return
-        if self.faults and self.faults[-1].fault == "driver SIGKILL":
-            last = self.faults[-1]
-            last.note += f" (step {last.step_at_inject} → {self.w.step()})"
-        kind = self.plan.pop(0)
-        wall = time.time_ns()
-        if kind == "driver_kill":
-            leader = self.w.leader
-            if len(self.c.drivers) < 2 or not leader:
-                return
-            os.kill(self.c.drivers[leader].pid, signal.SIGKILL)
-            other = next(n for n in self.c.drivers if n != leader)
-            self.faults.append(
-                FaultRecord(
-                    fault="driver SIGKILL",
-                    target=leader,
-                    injected_at=now,
-                    expect="leader_elected",
-                    note=f"standby {other} took over; training went on",
-                    injected_wall_ns=wall,
-                    step_at_inject=self.w.step(),
-                )
-            )
-        elif kind == "node_loss":
-            spares = [n for n in self.c.agents if n.startswith("spare-")]
-            working = [n.node_id for n in self.w.nodes if n.alive and n.workers]
-            gone = next((n for n in reversed(working) if n in self.c.agents), None)
-            if gone is None:
-                return
-            _signal_group(self.c.agents[gone], signal.SIGKILL)
-            self.faults.append(
-                FaultRecord(
-                    fault="node lost (agent SIGKILL)",
-                    target=gone,
-                    injected_at=now,
-                    expect="node_lost",
-                    note="a spare takes its place" if spares else "no spare: the job shrinks",
-                    injected_wall_ns=wall,
-                    step_at_inject=self.w.step(),
-                    recovers=True,
-                )
-            )
-        elif kind == "worker_crash":
-            running = [(n.node_id, wk.pid) for n in self.w.nodes if n.alive for wk in n.workers]
-            victim = next(((node, pid) for node, pid in running if pid), None)
-            if victim is None:
-                return
-            os.kill(victim[1], signal.SIGKILL)
-            self.faults.append(
-                FaultRecord(
-                    fault="worker SIGKILL",
-                    target=f"{victim[0]} pid {victim[1]}",
-                    injected_at=now,
-                    expect="worker_failed",
-                    note="every worker restarts and restores from flash memory",
-                    injected_wall_ns=wall,
-                    step_at_inject=self.w.step(),
-                    recovers=True,
-                )
-            )
-
-
-def _matches(e: ev.Event, f: FaultRecord) -> bool:
-    kind = e.WhichOneof("payload")
-    if kind == "leader_elected":
-        return e.leader_elected.driver_id != f.target
-    if kind == "node_lost":
-        return e.node_lost.node_id == f.target
-    if kind == "worker_failed":
-        return f.target.startswith(e.worker_failed.node_id + " ")
-    return False

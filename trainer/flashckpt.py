@@ -248,12 +248,17 @@ class FlashCheckpointer:
                 buddy.setdefault(r, self.owner.rank_dir(r, store))
         return survey(memory=memory, buddy=buddy, storage_url=self.env.persist_url or None)
 
-    def restore(self, trainer: Trainer) -> Restored | None:
+    def restore(self, trainer: Trainer, *, not_after: int | None = None) -> Restored | None:
         """Restore the newest step every rank can obtain (collective over the world).
 
         Same layout: each rank loads its own shard (or receives it from its replica
         group's reader). Another layout: every rank reshards through DCP from all saved
         ranks' copies. The newer of the two candidates wins.
+
+        Args:
+            trainer: the trainer to load into.
+            not_after: only steps <= this (a loss-spike rollback's committed target, which
+                the driver passes as UNBROKEN_RESTORE_STEP); None: the newest.
 
         Returns:
             What was restored, or None for a fresh start (no rank holds any copy, or no
@@ -291,10 +296,11 @@ class FlashCheckpointer:
                 plan = decide(
                     {r: restrict(a, same) for r, a in availability.items()},
                     list(groups.values()),
+                    not_after=not_after,
                 )
             except NoCommonStepError as e:
                 why = str(e)
-            other = newest_reshardable(reach, layout)
+            other = newest_reshardable(reach, layout, not_after=not_after)
             if other is not None and (plan is None or other > plan.step):
                 saved = saved_layouts(reach)[other]
                 assert saved, "a reshardable step has a known layout"
@@ -451,6 +457,27 @@ class FlashCheckpointer:
             layout=dict(layout),
         )
         return done
+
+    def discard_after(self, step: int) -> int:
+        """Forget this node's and storage's copies after `step`: a dead timeline (collective).
+
+        After a rollback those copies hold the state the spike spoiled, and their step
+        numbers will recur. Local rank 0 of each node discards every copy newer than `step`
+        in the node's stores (its own and the replicas it holds for buddies), global rank 0
+        those in storage; a barrier then keeps every rank from saving the next step before
+        the discard is done. Returns the copies discarded here.
+        """
+        n = 0
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0 and self.owner.job_dir.is_dir():
+            for store in self.owner.stores():
+                n += self.owner.discard_newer_than(step, store)
+        if self.rank == 0 and self.env.persist_url:
+            from unbroken.recovery.persist import discard_after
+
+            n += len(discard_after(self.env.persist_url, step))
+        dist.barrier()
+        log.info("flash.discarded_dead_timeline", rank=self.rank, after_step=step, copies=n)
+        return n
 
     def close(self) -> None:
         """Finish the save in flight and remove the guard; the slots stay (the agent's)."""

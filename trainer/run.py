@@ -9,19 +9,35 @@ Under an agent that owns a flash store (trainer/flashckpt.py) it first restores 
 step every rank can obtain (memory, buddy replica, storage) and resumes at the next step,
 and flash-saves its full sharded state every `--flash-every` steps (default 1 there),
 overlapped with the next step (its optimizer step waits for the copy, nothing else does).
+
+After a loss-spike rollback the driver names the restore point (the agent passes it on):
+`UNBROKEN_RESTORE_STEP` restores the newest step at or before it (the committed rollback
+target; the copies after it, a dead timeline, are discarded) and `UNBROKEN_SKIP_BATCHES`
+("<from_step>:<count>") skips `count` batches before step `from_step` runs.
+
+Drills inject faults through the file named by `UNBROKEN_FAULT_FILE`, which the agent
+writes atomically: `{"kind": "nan" | "loss-spike", "step": N, "id": "..."}`. It is checked
+once per step with one `os.stat`; each id is applied once (also across restarts: applied ids
+are remembered next to the file), at step N, or at the next step when N is 0 or past.
+`loss-spike` poisons that step's batch targets (every target a NUL byte, which text never
+holds), so the loss really spikes and the bad update is applied; `nan` makes the forward non-finite.
 Exit codes: 0 done, 1 training failed, 2 bad flags.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
+import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -32,6 +48,163 @@ from unbroken.trainer.flags import add_arguments, to_config
 log = structlog.get_logger(__name__)
 
 PG_TIMEOUT = timedelta(minutes=5)
+ENV_RESTORE_STEP = "UNBROKEN_RESTORE_STEP"
+ENV_SKIP_BATCHES = "UNBROKEN_SKIP_BATCHES"
+ENV_FAULT_FILE = "UNBROKEN_FAULT_FILE"
+FAULT_KINDS = ("nan", "loss-spike")
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePoint:
+    """Where to restore after a rollback, and which batches to skip (from the environment)."""
+
+    step: int | None = None  # None: the newest step every rank can obtain
+    skip_from_step: int = 0  # before running this step...
+    skip_batches: int = 0  # ...skip this many batches
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RestorePoint:
+        """Parse `UNBROKEN_RESTORE_STEP` and `UNBROKEN_SKIP_BATCHES`.
+
+        Raises:
+            ValueError: a value is malformed (the message names the variable).
+        """
+        e = os.environ if env is None else env
+        step: int | None = None
+        raw = e.get(ENV_RESTORE_STEP, "").strip()
+        if raw:
+            if not raw.isdigit():
+                raise ValueError(f"{ENV_RESTORE_STEP}={raw!r}: expected a step number >= 0")
+            step = int(raw)
+        skip = e.get(ENV_SKIP_BATCHES, "").strip()
+        if not skip:
+            return cls(step=step)
+        head, sep, tail = skip.partition(":")
+        if not (sep and head.isdigit() and tail.isdigit()):
+            raise ValueError(
+                f"{ENV_SKIP_BATCHES}={skip!r}: expected '<from_step>:<count>', e.g. '120:200'"
+            )
+        return cls(step=step, skip_from_step=int(head), skip_batches=int(tail))
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """One injected fault read from the fault file."""
+
+    kind: str
+    step: int
+    id: str
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        """A fault from the file's JSON text.
+
+        Raises:
+            ValueError: not JSON, or a field is missing or wrong.
+        """
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"fault file is not JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise ValueError("fault file must hold a JSON object {kind, step, id}")
+        kind, step, fid = d.get("kind"), d.get("step", 0), d.get("id")
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind {kind!r} unknown; the trainer applies {FAULT_KINDS}")
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"fault step {step!r} must be an integer >= 0")
+        if not isinstance(fid, str) or not fid:
+            raise ValueError("fault id must be a non-empty string")
+        return cls(kind=kind, step=step, id=fid)
+
+
+@dataclass(slots=True)
+class FaultFile:
+    """Watches the fault file (one `os.stat` per step) and yields each fault once.
+
+    Applied ids are appended to `<file>.applied-r<rank>`, so a worker restarted after the
+    rollback the fault caused does not apply it again.
+    """
+
+    path: Path
+    rank: int
+    applied: set[str] = field(default_factory=set)
+    pending: Fault | None = None
+    _seen: tuple[int, int, int] | None = None
+
+    def __post_init__(self) -> None:
+        with contextlib.suppress(OSError):
+            self.applied.update(self._marks().read_text().split())
+
+    @classmethod
+    def from_env(cls, rank: int, env: Mapping[str, str] | None = None) -> FaultFile | None:
+        """The fault file named by `UNBROKEN_FAULT_FILE`, or None."""
+        e = os.environ if env is None else env
+        raw = e.get(ENV_FAULT_FILE, "")
+        return cls(path=Path(raw), rank=rank) if raw else None
+
+    def _marks(self) -> Path:
+        return self.path.with_name(f"{self.path.name}.applied-r{self.rank}")
+
+    def due(self, next_step: int) -> Fault | None:
+        """The fault to apply to `next_step` (marked applied), or None."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            st = None
+        key = (st.st_ino, st.st_mtime_ns, st.st_size) if st is not None else None
+        if key is not None and key != self._seen:
+            self._seen = key
+            try:
+                fault = Fault.parse(self.path.read_text())
+            except (OSError, ValueError) as e:
+                log.warning("fault file ignored", path=str(self.path), error=str(e))
+            else:
+                if fault.id not in self.applied:
+                    self.pending = fault
+        f = self.pending
+        if f is None or f.step > next_step:
+            return None
+        self.pending = None
+        self.applied.add(f.id)
+        with contextlib.suppress(OSError), open(self._marks(), "a") as out:
+            out.write(f.id + "\n")
+        return f
+
+
+@contextlib.contextmanager
+def applied_fault(trainer: Any, fault: Fault) -> Iterator[None]:
+    """Make the next `train_step` suffer `fault` (the trainer's loader or its forward)."""
+    import torch
+
+    undo: Callable[[], None]
+    if fault.kind == "loss-spike":
+        loader = getattr(trainer, "loader", None)
+        if loader is None or not hasattr(loader, "next_batch"):
+            log.warning("loss-spike fault needs a trainer with a `loader`; not applied")
+            yield
+            return
+        original = loader.next_batch
+
+        def poisoned() -> tuple[Any, Any]:
+            inputs, targets = original()
+            return inputs, torch.zeros_like(targets)  # NUL bytes: the loss really spikes
+
+        loader.next_batch = poisoned
+        undo = lambda: delattr(loader, "next_batch")  # noqa: E731
+    else:
+
+        def to_nan(module: Any, args: Any, output: Any) -> Any:
+            if isinstance(output, torch.Tensor) and output.is_floating_point():
+                return output * math.nan
+            return None
+
+        handle = torch.nn.modules.module.register_module_forward_hook(to_nan)
+        undo = handle.remove
+    try:
+        yield
+    finally:
+        undo()
 
 
 def init_distributed(config: TrainConfig) -> bool:
@@ -99,16 +272,28 @@ def train(
     try:
         trainer.setup(config)
         step = 0
-        restored = flash.restore(trainer) if flash is not None else None
+        point = RestorePoint.from_env()
+        faults = FaultFile.from_env(rank)
+        restored = flash.restore(trainer, not_after=point.step) if flash is not None else None
         if restored is not None:
             step = restored.step
+            if flash is not None and point.step is not None:
+                flash.discard_after(step)  # a rollback: newer copies are a dead timeline
         elif resume_from:
             checkpoint.load(trainer, resume_from)
             step = int(trainer.state_dict()["step"])
         if flash is not None:
             flash.guard(trainer)  # once: every optimizer step waits for the copy in flight
         while step < config.steps:
-            m = trainer.train_step()
+            if point.skip_batches and step + 1 == point.skip_from_step:
+                _skip(trainer, point.skip_batches, step + 1)
+            fault = faults.due(step + 1) if faults is not None else None
+            if fault is not None:
+                log.warning("fault applied", kind=fault.kind, step=step + 1, id=fault.id)
+                with applied_fault(trainer, fault):
+                    m = trainer.train_step()
+            else:
+                m = trainer.train_step()
             step = int(m["step"])
             if flash is not None and step % flash_every == 0:
                 flash.save(trainer, step)
@@ -129,6 +314,16 @@ def train(
         if out is not None:
             out.close()
     return history
+
+
+def _skip(trainer: Any, n: int, before_step: int) -> None:
+    """Skip `n` batches (loss-spike recovery); a trainer without `skip` cannot."""
+    skip = getattr(trainer, "skip", None)
+    if skip is None:
+        log.warning("the trainer has no skip(n); batches not skipped", batches=n)
+        return
+    skip(n)
+    log.info("batches skipped", batches=n, before_step=before_step)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,69 @@
+"""A hung worker (SIGSTOP) is recovered by the driver's recovery loop without a person.
+
+`unbroken driver --nodes 2 --dp 2 --hang-floor-ms 3000` runs the tiny trainer on two
+`unbroken agent --no-start` processes. `InjectFault hang` SIGSTOPs one worker: its peer
+blocks in the next all-reduce, no rank makes progress, and the hang detector appends
+HangSuspected. The loop stops every worker (the stopped one is killed after the grace
+period), restarts the world, the workers restore from flash memory, and training goes on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.integration.test_loop_spike import LoopJob, inject
+from tests.integration.test_recovery_loop import Job, until
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def job(tmp_path: Path, etcd_server: object) -> Iterator[Job]:
+    j = LoopJob(tmp_path, etcd_server.endpoint)  # type: ignore[attr-defined]
+    try:
+        yield j
+    finally:
+        j.close()
+
+
+@pytest.mark.slow  # ~2 min on 2 loaded cores; `make run`'s drill covers a hang too
+def test_sigstopped_worker_is_detected_and_the_job_resumes(job: LoopJob) -> None:
+    job.start_driver("--hang-floor-ms", "3000")
+    job.start_agent("n0", buddy="n1")
+    job.start_agent("n1", buddy="n0")
+    until("training to start", lambda: job.max_step() >= 5, 180, job)
+
+    inject(job.address, "n1", "hang", rank=0)
+
+    # the agent's children include warm standbys: the victim is the one it stopped
+    def stopped() -> list[psutil.Process]:
+        kids = psutil.Process(job.procs["n1"].pid).children(recursive=True)
+        return [k for k in kids if k.status() == psutil.STATUS_STOPPED]
+
+    until("the worker to stop (SIGSTOP is delivered asynchronously)", stopped, 30, job)
+    (victim,) = stopped()
+    hung_at = job.max_step()
+
+    def resumed_after_hang() -> bool:
+        kinds = [e.WhichOneof("payload") for e in job.events()]
+        return (
+            "hang_suspected" in kinds
+            and "training_resumed" in kinds[kinds.index("hang_suspected") :]
+        )
+
+    until("the hang's recovery", resumed_after_hang, 120, job)
+    until("training past the hang", lambda: job.max_step() >= hung_at + 3, 120, job)
+
+    assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE
+    events = job.events()
+    hang = next(e.hang_suspected for e in events if e.HasField("hang_suspected"))
+    assert hang.stuck_at_step >= 1 and hang.silent_ms >= hang.threshold_ms >= 3000, hang
+    i = next(i for i, e in enumerate(events) if e.HasField("hang_suspected"))
+    kinds = [e.WhichOneof("payload") for e in events[i:]]
+    for k in ("recovery_transition", "training_paused", "restore_started", "training_resumed"):
+        assert k in kinds, kinds
+    assert "job_finished" not in kinds, kinds

@@ -1,0 +1,156 @@
+"""A loss spike from live losses is rolled back end to end by the driver's recovery loop.
+
+`unbroken driver --nodes 2 --dp 2` runs the tiny trainer on two `unbroken agent --no-start`
+processes (tests/integration/test_recovery_loop.py's `Job`). Once the loss curve has
+settled, `InjectFault loss-spike` (the operator RPC) makes each agent write its workers'
+fault file for one step: that step's batch targets are poisoned, the loss really spikes and
+the bad update is applied (`nan`, a slow variant: the forward turns non-finite, the model
+is spoiled). Nothing else is sent by the test:
+
+- the driver's loss watch (detectors.LossWatch over the heartbeats) appends LossSpike;
+- the machine appends Rollback to the newest committed step before the spike, pauses,
+  and restarts the world with a RestorePoint (UNBROKEN_RESTORE_STEP / _SKIP_BATCHES);
+- every worker restores exactly that step (from storage or flash memory), discards the
+  dead timeline, skips the poisoned batches and trains on; the fault is not applied twice.
+
+The loss curve after the rollback continues where it was before the spike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from statistics import median
+
+import grpc
+import pytest
+
+from tests.integration.test_recovery_loop import TRAIN, Job, until
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import driver_pb2_grpc as dgrpc
+
+pytestmark = pytest.mark.integration
+
+SETTLED = 30  # steps before the spike: the baseline needs the early descent behind it
+
+
+class LoopJob(Job):
+    """`Job` whose driver takes extra flags and gets minutes to start on a loaded machine."""
+
+    def start_driver(self, *extra: str) -> None:
+        port_file = self.tmp / "driver.json"
+        cmd = " ".join(
+            [sys.executable, *TRAIN, "--steps", "100000", "--metrics-out", str(self.metrics)]
+        )
+        self._spawn(
+            "driver",
+            [
+                "driver", "--etcd", self.endpoint, "--job-id", self.job,
+                "--listen", "127.0.0.1:0", "--port-file", str(port_file),
+                "--miss-limit", "30",  # 3 s: torch imports on 2 cores starve heartbeats
+                "--nodes", "2", "--workers-per-node", "1", "--dp", "2",
+                "--worker-cmd", cmd, "--master-addr", "127.0.0.1", *extra,
+            ],
+        )  # fmt: skip
+        until("the driver's port file", port_file.exists, 120, self)
+        self.address = f"127.0.0.1:{json.loads(port_file.read_text())['grpc_port']}"
+
+
+def inject(address: str, node: str, kind: str, *, step: int = 0, rank: int = 0) -> str:
+    """Call the driver's InjectFault RPC; return the agent's detail (asserting it applied)."""
+
+    async def call() -> dpb.InjectFaultResponse:
+        async with grpc.aio.insecure_channel(address) as ch:
+            req = dpb.InjectFaultRequest(node_id=node, kind=kind, step=step, local_rank=rank)
+            return await dgrpc.DriverStub(ch).InjectFault(req, timeout=30)
+
+    resp = asyncio.run(call())
+    assert resp.ok, resp.detail
+    return resp.detail
+
+
+def timeline(metrics: Path) -> list[tuple[int, float]]:
+    """Rank 0's (step, loss) lines in the order they were written (both timelines)."""
+    out = []
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        try:
+            m = json.loads(line)
+        except ValueError:
+            continue
+        out.append((int(m["step"]), float(m["loss"])))
+    return out
+
+
+@pytest.fixture
+def job(tmp_path: Path, etcd_server: object) -> Iterator[Job]:
+    j = LoopJob(tmp_path, etcd_server.endpoint)  # type: ignore[attr-defined]
+    try:
+        yield j
+    finally:
+        j.close()
+
+
+@pytest.mark.parametrize(
+    "kind", ["loss-spike", pytest.param("nan", marks=pytest.mark.slow, id="nan")]
+)
+def test_live_loss_spike_rolls_back_restores_the_committed_step_and_skips(
+    job: Job, kind: str
+) -> None:
+    job.start_driver()
+    job.start_agent("n0", buddy="n1")
+    job.start_agent("n1", buddy="n0")
+    until("the loss curve to settle", lambda: job.max_step() >= SETTLED, 180, job)
+
+    at = job.max_step() + 4
+    for node in ("n0", "n1"):  # both dp ranks' batches: the all-reduced loss spikes
+        inject(job.address, node, kind, step=at)
+
+    def resumed_after_rollback() -> bool:
+        kinds = [e.WhichOneof("payload") for e in job.events()]
+        return "rollback" in kinds and "training_resumed" in kinds[kinds.index("rollback") :]
+
+    until("the rollback's resume", resumed_after_rollback, 150, job)
+    until("training past the spike again", lambda: job.max_step() >= at + 6, 120, job)
+
+    events = job.events()
+    spike = next(e.loss_spike for e in events if e.HasField("loss_spike"))
+    rollback = next(e.rollback for e in events if e.HasField("rollback"))
+    assert spike.step == at and spike.non_finite == (kind == "nan"), spike
+    assert kind == "nan" or spike.loss > 1.5 * spike.baseline, spike
+    committed = [e.checkpoint_committed.step for e in events if e.HasField("checkpoint_committed")]
+    assert rollback.from_step == at
+    assert rollback.to_step in committed and rollback.to_step < at, (rollback, committed)
+    assert rollback.skip_batches > 0
+    i = next(i for i, e in enumerate(events) if e.HasField("rollback"))
+    after = events[i:]
+    paused = next(e.training_paused for e in after if e.HasField("training_paused"))
+    started = next(e.restore_started for e in after if e.HasField("restore_started"))
+    resumed = next(e.training_resumed for e in after if e.HasField("training_resumed"))
+    assert paused.restore_step == started.step == resumed.at_step == rollback.to_step
+    assert set(started.source_by_rank.values()) == {"storage"}
+    assert [e.loss_spike.step for e in events if e.HasField("loss_spike")] == [at]
+
+    # Every worker restored exactly the rollback's step and skipped the batches.
+    for node in ("n0", "n1"):
+        text = job.worker_log(node)
+        restored = [int(m) for m in re.findall(r"flash\.restored.*?step=(\d+)", text)]
+        assert restored and restored[-1] == rollback.to_step, (node, restored, text[-3000:])
+        assert "batches skipped" in text, text[-3000:]
+        assert text.count("fault applied") == 1, text[-3000:]  # not again after the restart
+
+    # The loss curve continues: after the rollback no step spikes, and the losses are in
+    # the band of those just before the spike.
+    curve = timeline(job.metrics)
+    first = next(k for k, (s, _) in enumerate(curve) if s == at)
+    before = [loss for s, loss in curve[:first] if s > SETTLED - 10]
+    resumed_curve = [loss for s, loss in curve[first + 1 :] if s > rollback.to_step]
+    assert resumed_curve, curve[-10:]
+    base = median(before)
+    spiked = curve[first][1]
+    assert math.isnan(spiked) if kind == "nan" else spiked > 1.5 * base, (curve[first], base)
+    assert all(0.5 * base < loss < 1.3 * base for loss in resumed_curve), (base, resumed_curve)

@@ -1,0 +1,103 @@
+"""The pure pieces of live loss spikes: the driver's loss watch, the worker's restore point
+and fault file (trainer/run.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from unbroken.driver.detectors import LossWatch
+from unbroken.driver.liveview import LiveView, LiveViewConfig
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.recovery.spike import SpikeConfig
+from unbroken.trainer.run import Fault, FaultFile, RestorePoint
+
+CFG = SpikeConfig(window=20, min_history=5, factor=6.0)
+
+
+def _beat(
+    view: LiveView, node: str, step: int, loss: float, *, rank: int, restarts: int = 0
+) -> None:
+    slot = view.slot(node)
+    view.mark_alive(slot, 0.0)
+    w = dpb.WorkerStatus(
+        global_rank=rank, step=step, loss=loss, has_loss=True, restarts=restarts,
+        state=dpb.WORKER_STATE_RUNNING,
+    )  # fmt: skip
+    view.beat(slot, dpb.Heartbeat(workers=[w]), 0.0)
+
+
+def test_one_loss_per_step_from_the_lowest_rank_and_a_spike_is_an_event() -> None:
+    view, watch = LiveView(LiveViewConfig()), LossWatch(CFG)
+    world = ["n0", "n1"]
+    for step in range(1, 11):
+        _beat(view, "n1", step, 99.0, rank=1)  # a higher rank's loss is not the job's
+        _beat(view, "n0", step, 3.0 + 0.01 * (step % 3), rank=0)
+        assert watch.sweep(view, world) is None
+        assert watch.sweep(view, world) is None  # the same step again: not fed twice
+    assert len(watch.detector._window) == 10
+    _beat(view, "n0", 11, 9.0, rank=0)
+    e = watch.sweep(view, world)
+    assert e is not None and e.loss_spike.step == 11 and not e.loss_spike.non_finite
+    assert e.loss_spike.baseline == pytest.approx(3.01, abs=0.02)
+    # a restore goes back to a lower step: the new timeline is fed, the spike is not baseline
+    _beat(view, "n0", 9, 3.02, rank=0, restarts=1)
+    assert watch.sweep(view, world) is None
+    assert 9.0 not in watch.detector._window
+
+
+def test_a_non_finite_loss_is_a_spike_even_without_history() -> None:
+    view, watch = LiveView(LiveViewConfig()), LossWatch(CFG)
+    _beat(view, "n0", 1, math.nan, rank=0)
+    e = watch.sweep(view, ["n0"])
+    assert e is not None and e.loss_spike.non_finite
+
+
+def test_nodes_outside_the_world_and_lost_nodes_are_not_read() -> None:
+    view, watch = LiveView(LiveViewConfig()), LossWatch(CFG)
+    _beat(view, "spare", 1, math.nan, rank=0)
+    assert watch.sweep(view, ["n0"]) is None
+    _beat(view, "n0", 1, math.nan, rank=0)
+    view.mark_lost(view.slot("n0"))
+    assert watch.sweep(view, ["n0"]) is None
+
+
+def test_restore_point_from_env() -> None:
+    assert RestorePoint.from_env({}) == RestorePoint()
+    p = RestorePoint.from_env({"UNBROKEN_RESTORE_STEP": "40", "UNBROKEN_SKIP_BATCHES": "42:200"})
+    assert (p.step, p.skip_from_step, p.skip_batches) == (40, 42, 200)
+    with pytest.raises(ValueError, match="UNBROKEN_SKIP_BATCHES"):
+        RestorePoint.from_env({"UNBROKEN_SKIP_BATCHES": "200"})
+    with pytest.raises(ValueError, match="UNBROKEN_RESTORE_STEP"):
+        RestorePoint.from_env({"UNBROKEN_RESTORE_STEP": "-1"})
+
+
+def test_fault_parse_names_what_is_wrong() -> None:
+    assert Fault.parse('{"kind": "nan", "step": 3, "id": "x"}') == Fault("nan", 3, "x")
+    for text, what in (
+        ("nope", "not JSON"),
+        ('{"kind": "melt", "step": 1, "id": "x"}', "kind"),
+        ('{"kind": "nan", "step": -2, "id": "x"}', "step"),
+        ('{"kind": "nan", "step": 1}', "id"),
+    ):
+        with pytest.raises(ValueError, match=what):
+            Fault.parse(text)
+
+
+def test_fault_file_applies_each_id_once_also_after_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "fault.json"
+    ff = FaultFile(path=path, rank=0)
+    assert ff.due(1) is None  # no file yet
+    path.write_text(json.dumps({"kind": "loss-spike", "step": 5, "id": "a"}))
+    assert ff.due(4) is None
+    f = ff.due(5)
+    assert f is not None and f.kind == "loss-spike"
+    assert ff.due(6) is None
+    assert FaultFile(path=path, rank=0).due(5) is None  # a restarted worker: applied already
+    assert FaultFile(path=path, rank=1).due(5) is not None  # another rank applies its own
+    path.write_text(json.dumps({"kind": "nan", "step": 0, "id": "b"}))  # step 0: the next
+    f = ff.due(9)
+    assert f is not None and f.kind == "nan" and f.id == "b"
