@@ -12,6 +12,15 @@ background, freed on a clean shutdown. Each shard the persister wrote and verifi
 reported to the driver (`ShardPersisted`, after a heartbeat), which commits the step once
 every rank's shard is in.
 
+Self-checks (diagnostics/selfcheck.py) run as a child process at nice +5 with a deadline,
+once after the first registration (re-sent on the next session until one takes it) and
+again on the driver's RunSelfCheck; the report goes up the session as SelfCheckReport.
+Faults can be injected at runtime (InjectFault; diagnostics/faults.py RUNTIME_FAULTS):
+check-level ones (wrong-matmul, slow) change the fault spec the checks and self-checks
+run with; crash / hang signal a worker; node-loss kills the workers and the agent without
+a goodbye; nan / loss-spike are written atomically as JSON to `<log dir>/fault.json`,
+the file the workers find in UNBROKEN_FAULT_FILE (the trainer reads it each step).
+
 Driver endpoints are a list: a driver that is not the leader answers UNAVAILABLE with the
 leader's address, which the agent tries next; other failures move to the next endpoint
 after a jittered exponential backoff. Without a successful registration for
@@ -22,20 +31,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
+import signal
 import socket
 import time
+import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 import grpc
 import structlog
 
 from unbroken.agent import checks, probes
 from unbroken.agent.flash import NodeFlash, NodeFlashConfig
-from unbroken.agent.hookserver import HookServer
+from unbroken.agent.hookserver import DEFAULT_SOCKET, HookServer
 from unbroken.agent.workers import Supervisor, WorkerSpec
+from unbroken.diagnostics.faults import WORKER_FILE_FAULTS, FaultSpec, RuntimeFault
 from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -46,6 +60,7 @@ log = structlog.get_logger(__name__)
 AGENT_VERSION = "0.1.0"
 F_EXITED = dpb.HEARTBEAT_FLAG_WORKER_EXITED
 F_ALERTS = dpb.HEARTBEAT_FLAG_LOG_ALERTS
+FAULT_FILE_ENV = "UNBROKEN_FAULT_FILE"
 
 
 class AgentExit(Exception):
@@ -73,6 +88,8 @@ class AgentConfig:
     max_disconnected_s: float = 600.0
     host_stats_every_ms: int = 1000
     check_timeout_s: float = 300.0
+    selfcheck_timeout_s: float = 120.0  # a self-check still running then is a failed one
+    selfcheck_at_register: bool = True
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
@@ -96,11 +113,14 @@ class AgentConfig:
             raise ValueError("backoff_base_s must be > 0 and <= backoff_max_s")
         if self.max_disconnected_s <= 0:
             raise ValueError(f"max_disconnected_s must be > 0, got {self.max_disconnected_s}")
+        if not self.selfcheck_timeout_s > 0:
+            raise ValueError(f"selfcheck_timeout_s must be > 0, got {self.selfcheck_timeout_s}")
+        FaultSpec.parse(self.fault)  # ValueError naming the known terms
         given = [x is not None for x in (self.tls_cert, self.tls_key, self.tls_ca)]
         if any(given) and not all(given):
             raise ValueError("tls: --tls-cert, --tls-key and --tls-ca must be given together")
         if not self.socket_path:
-            self.socket_path = f"/tmp/unbroken-agent-{os.getpid()}.sock"
+            self.socket_path = DEFAULT_SOCKET  # taken by the first agent on the host
 
 
 def local_ip() -> str:
@@ -121,12 +141,24 @@ class Agent:
         self.epoch = time.time_ns()
         self.interval_s = config.heartbeat_interval_ms / 1000.0
         self.supervisor = Supervisor(config.workers, config.socket_path) if config.workers else None
-        self.hooks = HookServer(config.socket_path, self.supervisor) if self.supervisor else None
+        self.hooks = (
+            HookServer(config.socket_path, self.supervisor, config.node_id)
+            if self.supervisor
+            else None
+        )
         self.flash: NodeFlash | None = None
         if config.flash is not None and config.workers is not None:
             spec = config.workers
             self.flash = NodeFlash(config.flash, spec.world_size or spec.nnodes * spec.nproc)
             spec.extra_env.update(self.flash.env())
+        self.fault_file: Path | None = None
+        if config.workers is not None:
+            self.fault_file = Path(config.workers.log_dir) / "fault.json"
+            config.workers.extra_env[FAULT_FILE_ENV] = str(self.fault_file)
+        # the registration self-check: pending until a session took its report
+        self._selfcheck_due = config.selfcheck_at_register
+        self._selfcheck_report: dpb.SelfCheckReport | None = None
+        self._selfcheck_lock = asyncio.Lock()
         self.gpus = probes.Gpus()
         self.endpoints = list(config.drivers)
         self.current = 0
@@ -179,6 +211,8 @@ class Agent:
                 await self.flash.start()
             if self.supervisor is not None and self.config.start_workers:
                 await self.supervisor.start_all()
+            elif self.supervisor is not None:
+                self.supervisor.warm_up()  # standbys import torch while we wait for the job
             connect = asyncio.create_task(self._connect_loop())
             stopped = asyncio.create_task(self.stop.wait())
             done, _ = await asyncio.wait({connect, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -196,7 +230,7 @@ class Agent:
             for t in list(self._tasks):
                 t.cancel()
             if self.supervisor is not None:
-                await self.supervisor.stop_all(grace_s=2.0)
+                await self.supervisor.close(grace_s=2.0)  # workers and warm standbys
             if self.hooks is not None:
                 self.hooks.close()
             if self.flash is not None:
@@ -280,6 +314,8 @@ class Agent:
         )
         call = stub.Session(metadata=md)
         beats = asyncio.create_task(self._heartbeats(call))
+        if self._selfcheck_due:
+            self._spawn(self._registration_selfcheck(call))
         try:
             async for msg in call:
                 self._spawn(self._command(call, msg))
@@ -361,6 +397,19 @@ class Agent:
         cid = msg.command_id
         log.info("command", kind=kind, command_id=cid)
         try:
+            if kind == "run_self_check":
+                rep = await self._selfcheck(cid, msg.run_self_check.timeout_s)
+                await self._write(call, dpb.AgentMessage(self_check_report=rep))
+                return
+            if kind == "inject_fault" and _is_node_loss(msg.inject_fault.kind):
+                await self._write(
+                    call,
+                    dpb.AgentMessage(
+                        ack=dpb.CommandAck(command_id=cid, ok=True, detail="node-loss: exiting")
+                    ),
+                )
+                await asyncio.sleep(0.2)  # let the ack leave; then die like a machine would
+                self._die()
             if kind == "run_check":
                 res = await checks.run_check(
                     cid,
@@ -395,14 +444,96 @@ class Agent:
             with contextlib.suppress(Exception):
                 await call.done_writing()
 
+    # ------------------------------------------------------------ self-checks
+    async def _selfcheck(self, command_id: str, timeout_s: float = 0.0) -> dpb.SelfCheckReport:
+        spec = self.config.workers
+        rep = await checks.run_selfcheck(
+            self.config.node_id,
+            self.config.fault,
+            timeout_s or self.config.selfcheck_timeout_s,
+            command_id=command_id,
+            disk_path=spec.log_dir if spec is not None else "/",
+            nice=spec.nice if spec is not None else 5,
+        )
+        log.info("self-check", ok=rep.ok, failures=list(rep.failures), command_id=command_id)
+        return rep
+
+    async def _registration_selfcheck(self, call: Any) -> None:
+        """Run the self-check once and send it; a session that ends first leaves it due."""
+        async with self._selfcheck_lock:  # a quick reconnect must not start a second run
+            if self._selfcheck_report is None:
+                self._selfcheck_report = await self._selfcheck("")
+        if not self._selfcheck_due:
+            return
+        try:
+            await self._write(call, dpb.AgentMessage(self_check_report=self._selfcheck_report))
+        except Exception as e:  # the session ended first: the next one sends it
+            log.info("self-check report not sent; the next session sends it", error=repr(e))
+            return
+        self._selfcheck_due = False
+
+    # ------------------------------------------------------------ injected faults
+    def _inject(self, p: dpb.InjectFault) -> str:
+        """Apply an injected fault (not node-loss: see `_die`); what was done."""
+        f = RuntimeFault.of(p.kind, p.local_rank, p.factor, p.step)
+        log.warning("fault injected", kind=f.kind, local_rank=f.local_rank, step=f.step)
+        if f.kind in ("wrong-matmul", "slow"):
+            spec = f.apply_to(FaultSpec.parse(self.config.fault))
+            self.config.fault = str(spec) if spec.any else ""
+            if self.supervisor is not None:  # workers started from now on see it too
+                self.supervisor.spec.fault = self.config.fault
+            return f"{f.kind}: checks now run with fault {spec}"
+        sup = self.supervisor
+        if sup is None or self.fault_file is None:
+            raise ValueError(f"{f.kind}: this agent runs no workers (no --worker-cmd)")
+        if f.kind in WORKER_FILE_FAULTS:
+            step = f.step or max((w.step for w in sup.workers.values()), default=0) + 1
+            data = {"kind": f.kind, "step": step, "id": uuid.uuid4().hex}
+            tmp = self.fault_file.with_name(self.fault_file.name + ".tmp")
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, self.fault_file)  # atomic: a worker never reads half a file
+            return f"{f.kind}: written to {self.fault_file} for step {step}"
+        w = sup.workers.get(f.local_rank)
+        if w is None or w.proc is None or w.proc.returncode is not None:
+            running = sorted(r for r, x in sup.workers.items() if x.pid and x.exit_code == 0)
+            raise ValueError(
+                f"{f.kind}: no running worker of local rank {f.local_rank} (running: {running})"
+            )
+        sig = signal.SIGKILL if f.kind == "crash" else signal.SIGSTOP
+        os.kill(w.pid, sig)
+        return f"{f.kind}: sent {sig.name} to local rank {f.local_rank} (pid {w.pid})"
+
+    def _die(self) -> NoReturn:
+        """node-loss: SIGKILL the workers and exit at once (no goodbye, no cleanup)."""
+        log.warning("fault injected: node-loss; exiting without a goodbye")
+        if self.supervisor is not None:
+            for w in self.supervisor.workers.values():
+                if w.pid:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(w.pid, signal.SIGKILL)
+        os._exit(137)
+
     async def _do(self, kind: str | None, msg: dpb.DriverMessage) -> str:
         sup = self.supervisor
+        if kind == "inject_fault":
+            return self._inject(msg.inject_fault)
         if kind in ("shutdown", "evict"):
+            if self.hooks is not None:  # scripts this agent did not start: save and exit
+                self.hooks.send(hpb.WorkerCommand(command_id=msg.command_id, stop=kind))
             if sup is not None:
                 await sup.stop_all(grace_s=2.0)
             return f"{kind}: workers stopped"
         if sup is None:
             raise ValueError(f"{kind}: this agent runs no workers (no --worker-cmd)")
+        if kind == "restore_point":  # for the next start (engineer "drill"; trainer/run.py)
+            rp, env = msg.restore_point, sup.spec.extra_env
+            env.pop("UNBROKEN_RESTORE_STEP", None)
+            env.pop("UNBROKEN_SKIP_BATCHES", None)
+            if rp.step:
+                env["UNBROKEN_RESTORE_STEP"] = str(rp.step)
+            if rp.skip_batches:
+                env["UNBROKEN_SKIP_BATCHES"] = f"{rp.skip_from_step}:{rp.skip_batches}"
+            return f"restore point: step {rp.step or 'newest'}, skip {rp.skip_batches}"
         if kind == "start_workers":
             p = msg.start_workers
             if p.worker_cmd:
@@ -414,6 +545,9 @@ class Agent:
                     self.flash.world_size = p.world_size
             if p.master_addr:
                 sup.spec.master_addr, sup.spec.master_port = p.master_addr, p.master_port
+            for name, degree in (("DP", p.dp), ("PP", p.pp), ("TP", p.tp)):
+                if degree:  # the driver's layout (elastic shrink/grow) wins over --dp/--pp/--tp
+                    sup.spec.extra_env[f"UNBROKEN_{name}"] = str(degree)
             await sup.stop_all(grace_s=2.0)
             await sup.start_all()
             return f"started {len(sup.workers)} workers"
@@ -451,3 +585,7 @@ class Agent:
 
 def _dumps_text(dumps: dict[int, str]) -> str:
     return "\n".join(f"--- local rank {r} ---\n{d}" for r, d in dumps.items() if d)
+
+
+def _is_node_loss(kind: str) -> bool:
+    return kind.strip().lower().replace("_", "-") == "node-loss"

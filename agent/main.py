@@ -12,6 +12,7 @@ from pathlib import Path
 
 from unbroken.agent.daemon import Agent, AgentConfig
 from unbroken.agent.flash import NodeFlashConfig, default_persist_url
+from unbroken.agent.warm import DEFAULT_PRELOAD
 from unbroken.agent.workers import DEFAULT_KEYWORDS, WorkerSpec
 from unbroken.proto.logsetup import setup_logging
 
@@ -53,6 +54,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="fault spec passed to workers (UNBROKEN_FAULT) and to checks",
     )
     parser.add_argument(
+        "--selfcheck-timeout-s",
+        type=float,
+        default=120.0,
+        help="deadline of a self-check run (default 120; later it counts as failed)",
+    )
+    parser.add_argument(
+        "--no-selfcheck",
+        action="store_true",
+        help="do not run the self-checks after registering (the driver can still ask)",
+    )
+    parser.add_argument(
         "--max-disconnected-s",
         type=float,
         default=600.0,
@@ -69,6 +81,33 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=5,
         help="niceness added for workers and checks, so heartbeats keep the CPU (default 5)",
+    )
+    w = parser.add_argument_group("warm standby workers (agent/warm.py)")
+    w.add_argument(
+        "--warm-workers",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="hand worker starts to warm standbys that already imported torch (a Python "
+        "worker command only; default off: see bench/results/recovery.json)",
+    )
+    w.add_argument(
+        "--warm-preload",
+        default=",".join(DEFAULT_PRELOAD),
+        help="comma-separated modules a standby imports while it waits",
+    )
+    w.add_argument(
+        "--warm-refill-after-s",
+        type=float,
+        default=30.0,
+        help="new standbys start once restarted workers step, or after this long (default 30)",
+    )
+    w.add_argument(
+        "--warm-nice",
+        type=int,
+        default=5,
+        help="niceness added while a standby waits; it takes the workers' at hand-off "
+        "(default 5, the workers'; 19 leaves the imports only idle CPU, which on a "
+        "saturated host kept standbys from getting ready in time)",
     )
     g = parser.add_argument_group("flash checkpoints")
     g.add_argument("--no-flash", action="store_true", help="own no flash-checkpoint memory")
@@ -119,6 +158,10 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
             keywords=tuple(k for k in ns.keywords.split(",") if k),
             fault=ns.inject_fault,
             nice=ns.worker_nice,
+            warm=ns.warm_workers,
+            warm_preload=tuple(m for m in ns.warm_preload.split(",") if m),
+            warm_refill_after_s=ns.warm_refill_after_s,
+            warm_nice=ns.warm_nice,
         )
         if not ns.no_flash:
             node = ns.flash_node or ns.node_id or socket.gethostname()
@@ -145,6 +188,8 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
         tls_ca=ns.tls_ca,
         token=read_token(ns.token, ns.token_file),
         fault=ns.inject_fault,
+        selfcheck_timeout_s=ns.selfcheck_timeout_s,
+        selfcheck_at_register=not ns.no_selfcheck,
         flash=flash,
         **kw,
     )

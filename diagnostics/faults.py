@@ -17,10 +17,16 @@ thing (no randomness):
 ==================  =============================================================
 
 Example: ``FaultSpec.parse("wrong_matmul+slow:2.0")``.
+
+Faults can also be injected into a running node (``unbroken inject FAULT --node N``, the
+drill): `RuntimeFault` validates one of `RUNTIME_FAULTS`. The check-level ones
+(wrong-matmul, slow) change the agent's `FaultSpec` from then on; the others act on the
+node's workers or on the agent itself (agent/daemon.py applies them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -86,3 +92,66 @@ class FaultSpec:
         if self.slow_factor != 1.0:
             terms.append(f"slow:{self.slow_factor:g}")
         return "+".join(terms) or "none"
+
+
+# ---------------------------------------------------------------- faults injected at runtime
+#: `unbroken inject FAULT`: what each kind does (the agent applies it, agent/daemon.py).
+RUNTIME_FAULTS: dict[str, str] = {
+    "wrong-matmul": "the node's checks and self-check compute wrong results (a corrupt GPU)",
+    "slow": "the node's checks run FACTOR times slower (--factor, >= 1)",
+    "crash": "SIGKILL the worker of local rank R (--rank)",
+    "hang": "SIGSTOP the worker of local rank R (--rank): no exit, no progress",
+    "node-loss": "the agent SIGKILLs its workers and exits without a goodbye",
+    "nan": "the workers see a NaN loss at step S (--step; 0: the next step)",
+    "loss-spike": "the workers see a loss spike at step S (--step; 0: the next step)",
+}
+WORKER_FILE_FAULTS = ("nan", "loss-spike")  # written to UNBROKEN_FAULT_FILE for the trainer
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RuntimeFault:
+    """A fault injected into a running node (`unbroken inject`, the drill).
+
+    Attributes:
+        kind: one of `RUNTIME_FAULTS` (``_`` is accepted for ``-``).
+        local_rank: the worker hit by crash / hang.
+        factor: the slowdown of ``slow`` (>= 1; 0 means 2).
+        step: the step of nan / loss-spike (0: the next step).
+    """
+
+    kind: str
+    local_rank: int = 0
+    factor: float = 0.0
+    step: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in RUNTIME_FAULTS:
+            raise ValueError(
+                f"unknown fault {self.kind!r}; choose one of {', '.join(RUNTIME_FAULTS)}"
+            )
+        if self.local_rank < 0:
+            raise ValueError(f"local_rank must be >= 0, got {self.local_rank}")
+        if self.step < 0:
+            raise ValueError(f"step must be >= 0, got {self.step}")
+        if self.factor and not (math.isfinite(self.factor) and self.factor >= 1.0):
+            raise ValueError(f"factor must be a finite number >= 1, got {self.factor}")
+        if self.factor and self.kind != "slow":
+            raise ValueError(f"factor applies to the 'slow' fault only, not {self.kind!r}")
+
+    @classmethod
+    def of(cls, kind: str, local_rank: int = 0, factor: float = 0.0, step: int = 0) -> RuntimeFault:
+        """Normalise ``kind`` (case, ``_`` for ``-``) and validate (ValueError naming the field)."""
+        return cls(
+            kind=kind.strip().lower().replace("_", "-"),
+            local_rank=local_rank,
+            factor=factor,
+            step=step,
+        )
+
+    def apply_to(self, spec: FaultSpec) -> FaultSpec:
+        """The check-level fault spec once this fault is on (unchanged for worker faults)."""
+        if self.kind == "wrong-matmul":
+            return dataclasses.replace(spec, wrong_matmul=True)
+        if self.kind == "slow":
+            return dataclasses.replace(spec, slow_factor=self.factor or 2.0)
+        return spec

@@ -12,13 +12,21 @@
 GPU checks use nvidia-ml-py (``pip install unbroken[gpu]``); without it or without a GPU
 they are reported as skipped, not failed. Xid errors have no NVML counter: the agent's
 log scanner reports them (LogAlert) from the kernel log.
+
+``python -m unbroken.diagnostics.selfcheck [--node-id N] [--fault SPEC]`` runs them and
+prints the report as one JSON line (exit 0 when every check passed, 1 otherwise). The agent
+runs it that way, as a child process, so the agent itself never imports torch.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import shutil
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +89,23 @@ class SelfCheckReport:
 
     def to_event(self) -> ev.SelfCheckReported:
         """The SelfCheckReported event payload."""
-        return ev.SelfCheckReported(node_id=self.node_id, ok=self.ok, failures=self.failures)
+        return ev.SelfCheckReported(
+            node_id=self.node_id,
+            ok=self.ok,
+            failures=self.failures,
+            details_json=json.dumps([asdict(i) for i in self.items]),
+        )
+
+    def to_json(self) -> str:
+        """One JSON line: node_id, ok, failures and every item."""
+        return json.dumps(
+            {
+                "node_id": self.node_id,
+                "ok": self.ok,
+                "failures": self.failures,
+                "items": [asdict(i) for i in self.items],
+            }
+        )
 
 
 def check_matmul(n: int = 256, *, fault: str = "") -> CheckItem:
@@ -218,3 +242,38 @@ def run_selfchecks(
         except Exception as e:
             report.items.append(CheckItem(name=name, ok=False, detail=f"check crashed: {e}"))
     return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m unbroken.diagnostics.selfcheck`: print the report as JSON.
+
+    Returns:
+        0 when every check passed, 1 when one failed, 2 for bad flags.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m unbroken.diagnostics.selfcheck",
+        description="Run this node's self-checks and print the report as one JSON line.",
+    )
+    parser.add_argument("--node-id", default=socket.gethostname(), help="default: hostname")
+    parser.add_argument("--fault", default="", help="simulated fault spec (diagnostics/faults.py)")
+    parser.add_argument("--disk-path", default="/", help="where checkpoints are persisted")
+    parser.add_argument("--min-free-disk-gb", type=float, default=10.0)
+    parser.add_argument("--matmul-n", type=int, default=256)
+    ns = parser.parse_args(argv)
+    try:
+        from unbroken.diagnostics.faults import FaultSpec
+
+        FaultSpec.parse(ns.fault)
+        cfg = SelfCheckConfig(
+            disk_path=ns.disk_path, min_free_disk_gb=ns.min_free_disk_gb, matmul_n=ns.matmul_n
+        )
+    except ValueError as e:
+        print(f"selfcheck: {e}", file=sys.stderr)
+        return 2
+    report = run_selfchecks(ns.node_id, cfg, fault=ns.fault)
+    print(report.to_json(), flush=True)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -29,6 +29,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "events": ("unbroken.driver.cli_events", "print the event log (--since SEQ, --follow)"),
     "evict": ("unbroken.driver.cli_evict", "evict a node from the job"),
     "diagnose": ("unbroken.driver.cli_diagnose", "find bad and slow nodes (pause, check, resume)"),
+    "checkpoints": ("unbroken.driver.cli_checkpoints", "committed checkpoints; --request one now"),
+    "selfcheck": ("unbroken.driver.cli_selfcheck", "run the node self-checks; exit 1 if one fails"),
+    "inject": ("unbroken.driver.cli_inject", "inject a simulated fault into a node (drills)"),
 }
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130

@@ -11,11 +11,19 @@ the paused agents get a Resume whatever happened in between.
 Pause and resume are recorded as OperatorAction events, not TrainingPaused/Resumed: an
 operator's check in the middle of training is not an incident, and TrainingResumed would
 close one that is open.
+
+`diagnose_incident` is the recovery loop's variant (driver/loop.py): the workers are
+already stopped, so it neither pauses nor resumes; it checks the incident's suspects
+against known-good partners and always returns a verdict, which the loop feeds to the
+state machine. A diagnosis that cannot finish (deadline, agents gone, an error) yields
+the fallback verdict: every suspect named bad, none confirmed directly, so the loop evicts
+the suspects rather than wedging in PAUSED.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -218,7 +226,7 @@ async def run_diagnosis(
     known_good: Sequence[str] = (),
     on_started: Callable[[dpb.DiagnoseStarted], None] | None = None,
     on_progress: Callable[[int, int, int], None] | None = None,
-    on_round: Callable[[ev.DiagnosisRound], None] | None = None,
+    on_round: Callable[[ev.DiagnosisRound], object] | None = None,
 ) -> Diagnosis:
     """Pause training (if any), diagnose `nodes`, append the events, resume.
 
@@ -324,3 +332,75 @@ async def _resume(
             ),
         )
     )
+
+
+async def diagnose_incident(
+    service: CommandSender,
+    diagnosis_id: str,
+    suspects: Sequence[str],
+    known_good: Sequence[str],
+    *,
+    config: DriverDiagnoseConfig,
+    deadline_s: float,
+    unreachable: Sequence[str] = (),
+    on_round: Callable[[ev.DiagnosisRound], object] | None = None,
+) -> ev.DiagnosisVerdict:
+    """Diagnose an incident's suspects against known-good partners; always a verdict.
+
+    Args:
+        service: sends RunCheck to the agents.
+        diagnosis_id: the incident's diagnosis id (``machine.diagnosis_id``): a re-run after
+            a driver failover reports under the same id.
+        suspects: the nodes under suspicion that can take commands.
+        known_good: trusted partners (healthy world nodes that are not suspects, spares).
+        config: check and round timeouts.
+        deadline_s: deadline of the whole diagnosis.
+        unreachable: suspects without a session: named bad at once (unconfirmed), not checked
+            (a partner would wait out the check's rendezvous for nothing).
+        on_round: called with each round's event payload, in order.
+
+    Returns:
+        The verdict. Suspects the checks could not decide are named bad (unconfirmed); when
+        the diagnosis fails or runs out of time every suspect is named bad and none is
+        confirmed directly (the fallback: evict the suspects).
+    """
+    t0 = time.monotonic()
+    gone = sorted(set(unreachable))
+    bound = log.bind(diagnosis_id=diagnosis_id)
+    if not suspects:
+        return ev.DiagnosisVerdict(diagnosis_id=diagnosis_id, bad_nodes=gone)
+
+    def record(r: RoundRecord) -> None:
+        if on_round is not None:
+            on_round(round_event(diagnosis_id, r))
+
+    try:
+        d = await asyncio.wait_for(
+            diagnose(
+                list(suspects),
+                run_group=AgentRunGroup(service, config),
+                known_good=[n for n in known_good if n not in suspects],
+                config=config.runner,
+                diagnosis_id=diagnosis_id,
+                on_round=record,
+            ),
+            deadline_s,
+        )
+    except Exception as e:  # TimeoutError included; CancelledError is not caught
+        bound.error(
+            "diagnosis failed; naming every suspect bad (unconfirmed)",
+            suspects=list(suspects),
+            error=repr(e),
+        )
+        return ev.DiagnosisVerdict(
+            diagnosis_id=diagnosis_id,
+            bad_nodes=sorted({*suspects, *gone}),
+            wall_s=time.monotonic() - t0,
+        )
+    v = verdict_event(d)
+    named = set(v.bad_nodes)
+    extra = [n for n in (*d.verdict.undetermined, *gone) if n not in named]
+    if extra:
+        bound.warning("suspects not decided by the checks are named bad", nodes=extra)
+        v.bad_nodes.extend(sorted(set(extra)))
+    return v

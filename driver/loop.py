@@ -19,7 +19,13 @@ restart anyway), StartWorkers -> StartWorkers (new world size, rank bases, a fre
 port), EvictNode -> Evict, ResumeAll -> Resume, StopAll -> StopWorkers. Restore and
 FlashSaveAll need no command: workers restore at start (memory -> buddy -> storage).
 On becoming leader the loop calls `machine.settle` on the replayed state and performs the
-pending actions again (each is idempotent).
+pending actions again (each is idempotent); a RUNNING job whose world nodes run no workers
+(the old leader died between JobStarted and StartWorkers) gets StartWorkers again.
+
+Loss spikes: the loop feeds the live loss curve (`detectors.LossWatch`) and queues a
+LossSpike while RUNNING; the machine decides the Rollback. Before the restarted world's
+StartWorkers each agent gets a RestorePoint: the rollback's committed step and the batches
+to skip (step 0 = the newest step every rank can obtain, for every other restore).
 """
 
 from __future__ import annotations
@@ -34,12 +40,13 @@ from typing import Any
 import structlog
 
 from unbroken.diagnostics.check import free_port
-from unbroken.driver import machine
+from unbroken.driver import detectors, machine
 from unbroken.driver import state as statelib
 from unbroken.driver.eventlog import EventLog
 from unbroken.driver.service import Batch, DriverService
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
+from unbroken.recovery import spike as spikelib
 
 log = structlog.get_logger(__name__)
 
@@ -146,11 +153,14 @@ class RecoveryLoop:
         self.state = state
         self._gen = 0  # bumped by every performed decision; older progress watchers stop
         self._tasks: set[asyncio.Task[None]] = set()
+        self._point = dpb.RestorePoint()  # sent before the next restore's StartWorkers
+        self._diagnosis: tuple[str, asyncio.Task[None]] | None = None  # id, task
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Take over the service's writer and settle the replayed state."""
         self.service.decider = self.decide
+        self._spawn(self._watch_losses())
         if self.state.phase == ev.PHASE_STARTING:
             self._spawn(self._wait_for_world())
         else:
@@ -199,6 +209,8 @@ class RecoveryLoop:
         if isinstance(item, _Settle):
             d = machine.settle(s, self.policy)
             log.info("settled after replay", phase=ev.Phase.Name(d.phase), events=len(d.events))
+            if d.phase == ev.PHASE_RUNNING:
+                self._spawn(self._start_if_idle(self._gen + 1))
             return list(d.events), self._then(d)
         if isinstance(item, _StartJob):
             return self._start_job(s, item)
@@ -208,6 +220,10 @@ class RecoveryLoop:
         if s.phase != ev.PHASE_STARTING:
             return [], None
         world = self.config.world(list(item.node_ids))
+        again = bool(s.world.node_ids)  # JobStarted is in: its leader died before resuming
+        if again:
+            world = ev.WorldLayout()
+            world.CopyFrom(s.world)
         started = ev.Event(
             cause="driver",
             job_started=ev.JobStarted(
@@ -223,15 +239,42 @@ class RecoveryLoop:
         action = machine.StartWorkers(
             layout, tuple((n, i * wpn) for i, n in enumerate(layout.node_ids))
         )
-        log.info("starting the job", world=list(item.node_ids), dp=world.dp)
-        return [started, resumed], lambda: self._perform((action,), restore=None)
+        log.info("starting the job", world=list(world.node_ids), dp=world.dp)
+        events = [resumed] if again else [started, resumed]
+        return events, lambda: self._perform((action,), restore=None)
 
     def _then(self, d: machine.Decision) -> Callable[[], None]:
         phases = machine.phases(d.events)
         if phases:
             log.info("recovery", phases=phases, actions=[type(a).__name__ for a in d.actions])
         restore = next((a for a in d.actions if isinstance(a, machine.Restore)), None)
-        return lambda: self._perform(d.actions, restore=restore)
+        point = self._restore_point(d, restore)
+
+        def then() -> None:
+            self._point = point
+            self._perform(d.actions, restore=restore)
+
+        return then
+
+    def _restore_point(
+        self, d: machine.Decision, restore: machine.Restore | None
+    ) -> dpb.RestorePoint:
+        """Where the restarted workers restore: a rollback's step and skip, else the newest."""
+        after = self.state
+        for e in d.events:
+            after = statelib.apply(after, e)
+        if restore is None or not after.HasField("rollback_to") or not after.rollback_steps:
+            return dpb.RestorePoint()
+        spike_step, target = after.rollback_steps[-1], after.rollback_to
+        # the same policy that chose the target names the batches (RollbackDecision.skips)
+        skip = spikelib.RollbackPolicy(self.policy.spike).decide(
+            spikelib.Spike(spike_step, 0.0, 0.0, 0.0, 0.0, False), [target]
+        )
+        point = dpb.RestorePoint(step=restore.step)
+        if not skip.halt and skip.skip_batches:
+            point.skip_from_step = skip.skip_first
+            point.skip_batches = skip.skip_batches
+        return point
 
     # ------------------------------------------------------------ acting
     def _perform(
@@ -276,13 +319,60 @@ class RecoveryLoop:
                 a.nodes, dpb.DriverMessage(stop_workers=dpb.StopWorkers(grace_s=cfg.stop_grace_s))
             )
         elif isinstance(a, machine.RunDiagnosis):
-            log.error(
-                "a diagnosis is needed but the loop does not run one yet; "
-                "run `unbroken diagnose` or evict the suspects",
-                diagnosis_id=a.diagnosis_id,
-                suspects=list(a.suspects),
-            )
+            self._start_diagnosis(a)
         # FlashSaveAll and Restore need no command: see the module docstring.
+
+    def _start_diagnosis(self, a: machine.RunDiagnosis) -> None:
+        """Run the incident's diagnosis in the background; its verdict is an observation.
+
+        The workers are already stopped (PAUSED). The suspects are checked against
+        known-good partners: the world's other healthy, connected nodes and connected
+        spares. Each round is appended as DiagnosisRound, then the DiagnosisVerdict is
+        queued like a detector event, so the machine evicts the named nodes and reshapes.
+        Idempotent: the same diagnosis id already running is left alone; another id (the
+        suspects changed) replaces it; a new leader that replays an unfinished diagnosis
+        runs it again under its id. It cannot wedge the loop: a diagnosis that fails or
+        runs out of time gives a verdict naming every suspect bad, unconfirmed (the
+        suspects are evicted; `diagnose.diagnose_incident`).
+        """
+        from unbroken.driver.diagnose import diagnose_incident
+
+        running = self._diagnosis
+        if running is not None and not running[1].done():
+            if running[0] == a.diagnosis_id:
+                return
+            running[1].cancel()
+        s = self.state
+        up = [n for n in a.suspects if self._connected(n)]
+        spares = [
+            r.node_id
+            for r in s.nodes.values()
+            if r.state == ev.NODE_STATE_SPARE and r.node_id not in s.world.node_ids
+        ]
+        good = [
+            n for n in (*a.nodes, *sorted(spares)) if n not in a.suspects and self._connected(n)
+        ]
+        cfg = self.service.config.diagnose
+        did = a.diagnosis_id
+        log.info("diagnosing the incident", diagnosis_id=did, suspects=up, known_good=good)
+
+        async def run() -> None:
+            verdict = await diagnose_incident(
+                self.service,
+                did,
+                up,
+                good,
+                config=cfg,
+                deadline_s=4 * cfg.runner.round_timeout_s,
+                unreachable=[n for n in a.suspects if n not in up],
+                on_round=lambda r: self.service.emit(ev.Event(cause=did, diagnosis_round=r)),
+            )
+            self.service.emit(ev.Event(cause=did, diagnosis_verdict=verdict))
+
+        task = asyncio.create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        self._diagnosis = (did, task)
 
     async def _broadcast(
         self, nodes: tuple[str, ...], msg: dpb.DriverMessage, *, wait: bool = True
@@ -338,7 +428,16 @@ class RecoveryLoop:
         t0 = time.monotonic()
         bases = dict(a.rank_base)
 
+        point = self._point
+
         async def one(n: str) -> str:
+            if restore is not None:  # an agent without RestorePoint restores the newest step
+                with contextlib.suppress(KeyError, TimeoutError):
+                    r = await self.service.request(
+                        n, dpb.DriverMessage(restore_point=point), cfg.command_timeout_s
+                    )
+                    if not r.ack.ok:
+                        log.warning("restore point refused", node=n, detail=r.ack.detail)
             msg = dpb.DriverMessage(
                 start_workers=dpb.StartWorkers(
                     worker_cmd=cfg.worker_cmd,
@@ -346,6 +445,9 @@ class RecoveryLoop:
                     global_rank_base=bases[n],
                     master_addr=addr or "127.0.0.1",
                     master_port=port,
+                    dp=a.world.dp,
+                    pp=a.world.pp,
+                    tp=a.world.tp,
                 )
             )
             try:
@@ -397,6 +499,60 @@ class RecoveryLoop:
                 if w.state != dpb.WORKER_STATE_RUNNING or w.step == 0:
                     return False
         return True
+
+    # ------------------------------------------------------------ loss spikes, idle worlds
+    async def _watch_losses(self) -> None:
+        """Feed the live loss curve to the spike detector; queue a LossSpike while RUNNING.
+
+        After a spike nothing more is queued until the log has moved past it (the machine
+        decided) and the job runs again.
+        """
+        watch = detectors.LossWatch(self.policy.spike)
+        period = self.service.config.live.heartbeat_interval_ms / 1000.0
+        spiked_at = -1  # the state's last_seq when the last spike was queued
+        while True:
+            await asyncio.sleep(period)
+            s = self.state
+            if s.phase != ev.PHASE_RUNNING or s.last_seq <= spiked_at:
+                continue
+            try:
+                e = watch.sweep(self.service.view, s.world.node_ids)
+            except Exception:
+                log.exception("loss watch failed; continuing")
+                continue
+            if e is not None:
+                spiked_at = s.last_seq
+                p = e.loss_spike
+                log.warning("loss spike", step=p.step, loss=p.loss, baseline=p.baseline)
+                self.service.emit(e)
+
+    async def _start_if_idle(self, gen: int) -> None:
+        """After a takeover: start the world's workers when some world node runs none.
+
+        The old leader may have died between appending JobStarted (or a TrainingResumed)
+        and sending StartWorkers. Waits (up to `start_timeout_s`) for every world node to
+        reconnect and heartbeat to this driver; a node whose agent reports no worker at all
+        was never started, and StartWorkers (idempotent) restarts the whole world.
+        """
+        cfg = self.config
+        deadline = time.monotonic() + cfg.start_timeout_s
+        nodes = tuple(self.state.world.node_ids)
+        while any(not self._connected(n) or self._beats(n) < 2 for n in nodes):
+            if time.monotonic() > deadline or gen < self._gen or not nodes:
+                return
+            await asyncio.sleep(0.1)
+        if gen < self._gen or self.state.phase != ev.PHASE_RUNNING:
+            return  # a newer decision acts on the world
+        idle = [n for n in nodes if not self.service.view.nodes[n].hb.workers]
+        if not idle:
+            return
+        layout = machine.Layout.of(self.state.world)
+        wpn = layout.workers_per_node
+        action = machine.StartWorkers(
+            layout, tuple((n, i * wpn) for i, n in enumerate(layout.node_ids))
+        )
+        log.warning("world nodes run no workers after the takeover; starting them", idle=idle)
+        self._perform((action,), restore=None)
 
     # ------------------------------------------------------------ starting the job
     async def _wait_for_world(self) -> None:

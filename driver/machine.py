@@ -50,6 +50,11 @@ from unbroken.recovery import spike as spikelib
 
 #: Fault kinds that `Policy.diagnose_kinds` may name.
 DIAGNOSABLE = frozenset({"worker_failed", "hang_suspected", "log_alert", "self_check_reported"})
+#: Log keywords that are symptoms, not faults: every rank prints a Traceback/RuntimeError
+#: when a peer dies (gloo "Connection reset by peer"), and a worker that raises exits, which
+#: the agent reports as WorkerFailed. Recorded only; hardware keywords (NCCL WARN, Xid, ECC,
+#: CUDA error, out of memory) and a non-finite loss open an incident.
+SYMPTOM_KEYWORDS = frozenset({"Traceback", "RuntimeError"})
 MAX_SETTLE = 16  # automatic transitions per decision (the loop needs at most 4)
 
 Phase: TypeAlias = ev.Phase
@@ -486,6 +491,8 @@ def _fault(e: ev.Event, policy: Policy, s: ev.JobState) -> tuple[str, list[str],
         return unclear, [h.node_id], f"hang on {h.node_id}/{h.local_rank} at {h.stuck_at_step}"
     if kind == "log_alert":
         a = e.log_alert
+        if a.keyword in SYMPTOM_KEYWORDS:
+            return None  # a consequence (a peer died, the worker is exiting): WorkerFailed follows
         return unclear, [a.node_id], f"log alert {a.keyword!r} on {a.node_id}/{a.local_rank}"
     if kind == "self_check_reported" and not e.self_check_reported.ok:
         c = e.self_check_reported

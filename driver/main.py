@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,17 +26,23 @@ from typing import Any
 import structlog
 
 from unbroken.driver import detectors
+from unbroken.driver.dashboard import Dashboard, DashboardConfig
 from unbroken.driver.etcd import EmbeddedEtcd, EtcdConfig, add_etcd_flags
-from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore, Leadership
+from unbroken.driver.eventlog import EventLogError, InMemoryEventLog, InMemoryStore, Leadership
 from unbroken.driver.liveview import LiveViewConfig
 from unbroken.driver.loop import LoopConfig, RecoveryLoop
 from unbroken.driver.machine import Policy
+from unbroken.driver.rendezvous import RendezvousService
 from unbroken.driver.security import TlsConfig, read_token
 from unbroken.driver.service import DriverService, ServiceConfig, build_server
+from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 from unbroken.proto.logsetup import setup_logging
 
 log = structlog.get_logger(__name__)
+
+ETCD_DOWN_LIMIT_S = 300.0  # a driver gives up after etcd was unreachable this long
+ETCD_RETRY_S = 1.0  # between campaigns while etcd is unreachable
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,6 +54,7 @@ class DriverConfig:
     listen: str = "0.0.0.0:50051"
     advertise: str = ""  # host:port agents should use; default: hostname + bound port
     metrics_port: int | None = None  # None: no metrics endpoint; 0: a free port
+    dashboard_port: int | None = None  # None: no web dashboard; 0: a free port
     event_log: str = "etcd"
     etcd: EtcdConfig = field(default_factory=EtcdConfig)
     service: ServiceConfig = field(default_factory=ServiceConfig)
@@ -63,6 +71,8 @@ class DriverConfig:
             raise ValueError(f"listen must be host:port, got {self.listen!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.dashboard_port is not None and not 0 <= self.dashboard_port <= 65535:
+            raise ValueError(f"dashboard_port must be in [0, 65535], got {self.dashboard_port}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if not self.driver_id:
@@ -108,6 +118,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="Prometheus HTTP port (0: a free one; default: off)",
+    )
+    parser.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=None,
+        help="web dashboard HTTP port on the --listen host (0: a free one; default: off)",
     )
     parser.add_argument("--reflection", action="store_true", help="enable gRPC reflection")
     parser.add_argument("--tls-cert", default=None, help="server certificate (mTLS)")
@@ -161,6 +177,7 @@ def config_from_args(ns: argparse.Namespace) -> DriverConfig:
         listen=ns.listen,
         advertise=ns.advertise,
         metrics_port=ns.metrics_port,
+        dashboard_port=ns.dashboard_port,
         event_log=ns.event_log,
         etcd=_etcd_config(ns),
         service=service,
@@ -174,7 +191,7 @@ def config_from_args(ns: argparse.Namespace) -> DriverConfig:
             worker_cmd=ns.worker_cmd,
             master_addr=ns.master_addr,
             trainer=ns.trainer,
-            policy=Policy(min_nodes=ns.min_nodes, diagnose_kinds=frozenset()),
+            policy=Policy(min_nodes=ns.min_nodes),  # diagnoses hangs, alerts, self-checks
         ),
     )
 
@@ -193,11 +210,19 @@ async def serve(cfg: DriverConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     service = DriverService(cfg.service, driver_id=cfg.driver_id, job_id=cfg.job_id)
     server, port, health_servicer = await build_server(service, cfg.listen)
+    RendezvousService.attach(server, service)  # torchrun --rdzv-backend=unbroken
     host = cfg.listen.rsplit(":", 1)[0]
     advertise = cfg.advertise or (
         f"{host if host not in ('0.0.0.0', '[::]', '') else socket.gethostname()}:{port}"
     )
     metrics_port = service.metrics.serve(cfg.metrics_port) if cfg.metrics_port is not None else 0
+    dashboard: Dashboard | None = None
+    if cfg.dashboard_port is not None:
+        dash_cfg = DashboardConfig(
+            host=host.strip("[]") or "0.0.0.0", port=cfg.dashboard_port, token=cfg.service.token
+        )
+        dashboard = Dashboard(dash_cfg, service)
+        await dashboard.start()
     structlog.contextvars.bind_contextvars(driver=cfg.driver_id, job=cfg.job_id)
     log.info("driver listening", address=advertise, metrics_port=metrics_port)
     if cfg.port_file:
@@ -207,6 +232,7 @@ async def serve(cfg: DriverConfig) -> int:
                 {
                     "grpc_port": port,
                     "metrics_port": metrics_port,
+                    "dashboard_port": dashboard.port if dashboard is not None else 0,
                     "address": advertise,
                     "driver_id": cfg.driver_id,
                 }
@@ -224,10 +250,12 @@ async def serve(cfg: DriverConfig) -> int:
             if rloop is not None:
                 await rloop.close()
         else:
-            await _lead_on_etcd(cfg, service, advertise, stop)
+            await _lead_on_etcd(cfg, service, advertise, stop, dashboard)
         return 0
     finally:
         log.info("driver shutting down")
+        if dashboard is not None:
+            await dashboard.close()
         await health_servicer.enter_graceful_shutdown()
         await server.stop(cfg.grace_s)
         await service.close()
@@ -257,13 +285,45 @@ async def _take_lead(
     log.info("leading", term=leadership.term, last_seq=state.last_seq, nodes=len(state.nodes))
     if not loop_cfg.nodes:
         return None
+    _expect_known_nodes(service, state)
     rloop = RecoveryLoop(loop_cfg, service, elog, state)
     rloop.start()
     return rloop
 
 
+def _expect_known_nodes(service: DriverService, state: ev.JobState) -> None:
+    """Track the log's active and spare nodes as registered, before they find this leader.
+
+    A node that died during the failover never registers with the new leader; without a
+    slot in the live view it would never be declared lost, and a restart of its world
+    would wait for its session forever. Each gets the registration grace twice over to
+    come back (agents need a few backoff rounds to find the new leader).
+    """
+    now = time.monotonic() + service.config.live.session_grace_ms / 1000.0
+    for node_id, rec in state.nodes.items():
+        if node_id in service.view.nodes:
+            continue
+        if rec.state not in (ev.NODE_STATE_ACTIVE, ev.NODE_STATE_SPARE):
+            continue
+        slot = service.view.slot(node_id)
+        slot.epoch = rec.epoch
+        slot.info = dpb.RegisterRequest(
+            node_id=node_id,
+            epoch=rec.epoch,
+            hostname=rec.hostname,
+            ip=rec.ip,
+            num_workers=rec.num_workers,
+            spare=rec.spare,
+        )
+        service.view.mark_registered(slot, now)
+
+
 async def _lead_on_etcd(
-    cfg: DriverConfig, service: DriverService, address: str, stop: asyncio.Event
+    cfg: DriverConfig,
+    service: DriverService,
+    address: str,
+    stop: asyncio.Event,
+    dashboard: Dashboard | None = None,
 ) -> None:
     from unbroken.driver import election as electionlib
     from unbroken.driver import etcdlog
@@ -275,6 +335,9 @@ async def _lead_on_etcd(
         etcd_cfg = embedded.config
         log.info("embedded etcd started", endpoint=embedded.endpoint)
     client = await etcdlog.connect(etcd_cfg)
+    if dashboard is not None:  # a standby's dashboard replays the log read-only
+        dashboard.reader = etcdlog.EtcdEventLog(client, cfg.job_id, None)
+    etcd_down_since: float | None = None
     try:
         while not stop.is_set():
             election = electionlib.Election(client, cfg.job_id, cfg.driver_id, address=address)
@@ -288,9 +351,22 @@ async def _lead_on_etcd(
                 with contextlib.suppress(BaseException):
                     await campaign
                 break
-            leadership = campaign.result()
+            # etcd down (killed, restarting, partitioned): campaign again, for a while
+            try:
+                leadership = campaign.result()
+            except EventLogError as e:
+                etcd_down_since = await _etcd_down(etcd_down_since, e, stop)
+                continue
             elog = etcdlog.EtcdEventLog(client, cfg.job_id, leadership)
-            rloop = await _take_lead(service, elog, leadership, address, cfg.loop)
+            try:
+                rloop = await _take_lead(service, elog, leadership, address, cfg.loop)
+            except EventLogError as e:
+                with contextlib.suppress(Exception):
+                    await election.resign()
+                await elog.close()
+                etcd_down_since = await _etcd_down(etcd_down_since, e, stop)
+                continue
+            etcd_down_since = None
             lost = asyncio.create_task(election.lost.wait())
             await asyncio.wait({lost, stopped}, return_when=asyncio.FIRST_COMPLETED)
             lost.cancel()
@@ -310,6 +386,18 @@ async def _lead_on_etcd(
             await client.close()
         if embedded is not None:
             embedded.stop()
+
+
+async def _etcd_down(since: float | None, error: Exception, stop: asyncio.Event) -> float:
+    """Wait before campaigning again; re-raise `error` once etcd was down too long."""
+    now = asyncio.get_running_loop().time()
+    since = since or now
+    if now - since > ETCD_DOWN_LIMIT_S:
+        raise error
+    log.warning("etcd unavailable while taking the lead; retrying", error=str(error))
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), ETCD_RETRY_S)
+    return since
 
 
 async def _follow_leader(client: Any, job_id: str, service: DriverService) -> None:

@@ -21,9 +21,11 @@ from typing import Any
 import grpc
 import structlog
 
+from unbroken.diagnostics.faults import RuntimeFault
 from unbroken.diagnostics.runner import verdict_event
 from unbroken.driver.diagnose import DiagnoseError, DriverDiagnoseConfig, run_diagnosis
 from unbroken.driver.eventlog import EventLog, EventLogError
+from unbroken.driver.launcher_api import LauncherApi
 from unbroken.driver.liveview import LiveView
 from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
@@ -35,6 +37,9 @@ READ_CHUNK = 1000  # events read per call while streaming history
 MAX_NODE_ID = 128
 USER_KEY = "x-unbroken-user"  # who the operator is (the CLI sends user@host)
 DIAGNOSE_QUEUE = 1024  # progress messages buffered for one watching call
+SELFCHECK_TIMEOUT_S = 120.0  # default deadline of one node's self-check (RunSelfCheck)
+SELFCHECK_SLACK_S = 15.0  # extra wait for the agent's report after the child's deadline
+MAX_DETAILS_JSON = 8000  # self-check details kept in the event
 
 
 def who(context: grpc.aio.ServicerContext) -> str:
@@ -96,7 +101,7 @@ def status_of(state: ev.JobState, nodes: list[dpb.NodeInfo]) -> dpb.GetStatusRes
     return st
 
 
-class OperatorApi:
+class OperatorApi(LauncherApi):
     """Operator RPCs; mixed into `DriverService`, whose attributes these are."""
 
     driver_id: str
@@ -112,6 +117,9 @@ class OperatorApi:
     async def request(
         self, node_id: str, msg: dpb.DriverMessage, timeout_s: float
     ) -> dpb.AgentMessage:
+        raise NotImplementedError  # provided by DriverService
+
+    def emit(self, event: ev.Event, last_seen: float = float("nan")) -> bool:
         raise NotImplementedError  # provided by DriverService
 
     # ------------------------------------------------------------ helpers
@@ -223,6 +231,7 @@ class OperatorApi:
             )
         except EventLogError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"appending the eviction failed: {e}")
+        self._notify(action, evicted)  # metrics follow the events appended here too
         notified = False
         slot = self.view.nodes.get(node_id)
         if slot is not None and slot.outbox is not None:
@@ -351,3 +360,141 @@ class OperatorApi:
                 "start more agents or name more --nodes",
             )
         return nodes
+
+    # ------------------------------------------------------------ self-checks, faults
+    def on_self_check(self, node_id: str, rep: dpb.SelfCheckReport) -> str:
+        """Queue a node's self-check report as SelfCheckReported; return its command id.
+
+        The machine treats ok=false on a world node as a fault and marks a failing spare
+        bad (driver/machine.py).
+        """
+        self.emit(
+            ev.Event(
+                cause="self-check",
+                self_check_reported=ev.SelfCheckReported(
+                    node_id=node_id,
+                    ok=rep.ok,
+                    failures=[f[:500] for f in rep.failures[:32]],
+                    details_json=rep.details_json[:MAX_DETAILS_JSON],
+                    trigger="on demand" if rep.command_id else "registration",
+                ),
+            )
+        )
+        return rep.command_id
+
+    async def _connected_nodes(
+        self, asked: list[str], context: grpc.aio.ServicerContext
+    ) -> list[str]:
+        """`asked` (or every connected node when empty), each known and connected."""
+        if not asked:
+            nodes = sorted(n for n, s in self.view.nodes.items() if s.alive and s.outbox)
+            if not nodes:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "no node is connected to this driver; start agents first",
+                )
+            return nodes
+        for n in asked:
+            slot = self.view.nodes.get(n)
+            if slot is None:
+                await context.abort(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"node {n[:MAX_NODE_ID]!r} is not known to this driver; "
+                    "`unbroken nodes` lists them",
+                )
+            assert slot is not None
+            if not (slot.alive and slot.outbox is not None):
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"node {n!r} has no open stream (lost or disconnected); "
+                    "`unbroken nodes` shows which are connected",
+                )
+        return list(dict.fromkeys(asked))
+
+    async def RunSelfCheck(
+        self, request: dpb.RunSelfCheckRequest, context: grpc.aio.ServicerContext
+    ) -> dpb.RunSelfCheckResponse:
+        elog = await self._leader_log(context)
+        if request.timeout_s < 0:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"timeout_s must be >= 0 (0: {SELFCHECK_TIMEOUT_S:g} s), got {request.timeout_s}",
+            )
+        nodes = await self._connected_nodes(list(request.node_ids), context)
+        timeout = request.timeout_s or SELFCHECK_TIMEOUT_S
+        try:
+            await elog.append(
+                ev.Event(
+                    cause="operator",
+                    operator_action=ev.OperatorAction(
+                        action="selfcheck", target=",".join(nodes), who=who(context)
+                    ),
+                )
+            )
+        except EventLogError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"appending the request failed: {e}")
+
+        async def one(n: str) -> dpb.NodeSelfCheck:
+            msg = dpb.DriverMessage(run_self_check=dpb.RunSelfCheck(timeout_s=timeout))
+            try:
+                reply = await self.request(n, msg, timeout + SELFCHECK_SLACK_S)
+            except TimeoutError:
+                return dpb.NodeSelfCheck(
+                    node_id=n, error=f"no report within {timeout + SELFCHECK_SLACK_S:g} s"
+                )
+            except KeyError as e:
+                return dpb.NodeSelfCheck(node_id=n, error=f"not connected: {e}")
+            if reply.WhichOneof("kind") != "self_check_report":
+                return dpb.NodeSelfCheck(node_id=n, error=reply.ack.detail or "the agent refused")
+            r = reply.self_check_report
+            return dpb.NodeSelfCheck(
+                node_id=n, ok=r.ok, failures=r.failures, details_json=r.details_json
+            )
+
+        results = await asyncio.gather(*(one(n) for n in nodes))
+        log.info(
+            "self-checks run on demand",
+            nodes=nodes,
+            failed=[r.node_id for r in results if not r.ok],
+        )
+        return dpb.RunSelfCheckResponse(results=results)
+
+    async def InjectFault(
+        self, request: dpb.InjectFaultRequest, context: grpc.aio.ServicerContext
+    ) -> dpb.InjectFaultResponse:
+        elog = await self._leader_log(context)
+        try:
+            f = RuntimeFault.of(request.kind, request.local_rank, request.factor, request.step)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not request.node_id:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "node_id is empty; `unbroken nodes` lists them"
+            )
+        (node_id,) = await self._connected_nodes([request.node_id], context)
+        what = f.kind + (f" rank={f.local_rank}" if f.kind in ("crash", "hang") else "")
+        what += f" factor={f.factor or 2.0:g}" if f.kind == "slow" else ""
+        what += f" step={f.step}" if f.step else ""
+        try:
+            action = await elog.append(
+                ev.Event(
+                    cause=f"inject {what}",
+                    operator_action=ev.OperatorAction(
+                        action="inject", target=node_id, who=who(context)
+                    ),
+                )
+            )
+        except EventLogError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"appending the request failed: {e}")
+        msg = dpb.DriverMessage(
+            inject_fault=dpb.InjectFault(
+                kind=f.kind, local_rank=f.local_rank, factor=f.factor, step=f.step
+            )
+        )
+        try:
+            reply = await self.request(node_id, msg, self._diagnose_config.ack_timeout_s)
+        except (TimeoutError, KeyError) as e:
+            detail = f"the agent did not acknowledge ({type(e).__name__}: {e})"
+            return dpb.InjectFaultResponse(seq=action.seq, ok=False, detail=detail)
+        log.warning("fault injected", node=node_id, fault=what, ok=reply.ack.ok)
+        return dpb.InjectFaultResponse(seq=action.seq, ok=reply.ack.ok, detail=reply.ack.detail)

@@ -150,6 +150,7 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
         self.listeners: list[Callable[[ev.Event], None]] = [self._on_appended]
         self.commits = Commits()
         self.metrics = DriverMetrics(self._metric_values)
+        self.metrics.watch(self.view, self.listeners, time.monotonic)
         self._replies: dict[str, asyncio.Future[dpb.AgentMessage]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._sessions: dict[str, _Ending] = {}
@@ -344,7 +345,9 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
                     log.exception("recovery actions failed to start")
 
     async def _append(self, event: ev.Event, last_seen: float) -> bool:
-        assert self.log is not None
+        if self.log is None:  # stepped down while the decider awaited the log
+            log.warning("not leader any more; event discarded", kind=_kind(event))
+            return False
         try:
             stored = await self.log.append(event)
         except NotLeaderError as e:
@@ -501,6 +504,10 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
     def _on_reply(self, slot: NodeSlot, msg: dpb.AgentMessage) -> None:
         kind = msg.WhichOneof("kind")
         cid = msg.check_result.command_id if kind == "check_result" else msg.ack.command_id
+        if kind == "self_check_report":  # appended as SelfCheckReported (driver/operator.py)
+            cid = self.on_self_check(slot.node_id, msg.self_check_report)
+            if not cid:
+                return
         fut = self._replies.pop(cid, None)
         if fut is not None and not fut.done():
             fut.set_result(msg)

@@ -23,6 +23,12 @@ class HeartbeatFlag(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HEARTBEAT_FLAG_WORKER_EXITED: _ClassVar[HeartbeatFlag]
     HEARTBEAT_FLAG_LOG_ALERTS: _ClassVar[HeartbeatFlag]
     HEARTBEAT_FLAG_STALLED: _ClassVar[HeartbeatFlag]
+
+class FailureKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAILURE_KIND_UNSPECIFIED: _ClassVar[FailureKind]
+    FAILURE_KIND_WORKER: _ClassVar[FailureKind]
+    FAILURE_KIND_NODE: _ClassVar[FailureKind]
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_STARTING: WorkerState
 WORKER_STATE_RUNNING: WorkerState
@@ -33,6 +39,9 @@ HEARTBEAT_FLAG_NONE: HeartbeatFlag
 HEARTBEAT_FLAG_WORKER_EXITED: HeartbeatFlag
 HEARTBEAT_FLAG_LOG_ALERTS: HeartbeatFlag
 HEARTBEAT_FLAG_STALLED: HeartbeatFlag
+FAILURE_KIND_UNSPECIFIED: FailureKind
+FAILURE_KIND_WORKER: FailureKind
+FAILURE_KIND_NODE: FailureKind
 
 class GpuInfo(_message.Message):
     __slots__ = ("index", "name", "uuid", "memory_total_bytes")
@@ -233,31 +242,51 @@ class ShardPersisted(_message.Message):
     url: str
     def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., world_size: _Optional[int] = ..., url: _Optional[str] = ...) -> None: ...
 
+class SelfCheckReport(_message.Message):
+    __slots__ = ("command_id", "ok", "failures", "details_json")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_JSON_FIELD_NUMBER: _ClassVar[int]
+    command_id: str
+    ok: bool
+    failures: _containers.RepeatedScalarFieldContainer[str]
+    details_json: str
+    def __init__(self, command_id: _Optional[str] = ..., ok: _Optional[bool] = ..., failures: _Optional[_Iterable[str]] = ..., details_json: _Optional[str] = ...) -> None: ...
+
 class AgentMessage(_message.Message):
-    __slots__ = ("heartbeat", "check_result", "ack", "shard_persisted")
+    __slots__ = ("heartbeat", "check_result", "ack", "shard_persisted", "self_check_report")
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     CHECK_RESULT_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     SHARD_PERSISTED_FIELD_NUMBER: _ClassVar[int]
+    SELF_CHECK_REPORT_FIELD_NUMBER: _ClassVar[int]
     heartbeat: Heartbeat
     check_result: CheckResult
     ack: CommandAck
     shard_persisted: ShardPersisted
-    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., check_result: _Optional[_Union[CheckResult, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., shard_persisted: _Optional[_Union[ShardPersisted, _Mapping]] = ...) -> None: ...
+    self_check_report: SelfCheckReport
+    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., check_result: _Optional[_Union[CheckResult, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., shard_persisted: _Optional[_Union[ShardPersisted, _Mapping]] = ..., self_check_report: _Optional[_Union[SelfCheckReport, _Mapping]] = ...) -> None: ...
 
 class StartWorkers(_message.Message):
-    __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port")
+    __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port", "dp", "pp", "tp")
     WORKER_CMD_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_BASE_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    DP_FIELD_NUMBER: _ClassVar[int]
+    PP_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
     worker_cmd: str
     world_size: int
     global_rank_base: int
     master_addr: str
     master_port: int
-    def __init__(self, worker_cmd: _Optional[str] = ..., world_size: _Optional[int] = ..., global_rank_base: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ...) -> None: ...
+    dp: int
+    pp: int
+    tp: int
+    def __init__(self, worker_cmd: _Optional[str] = ..., world_size: _Optional[int] = ..., global_rank_base: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., tp: _Optional[int] = ...) -> None: ...
 
 class StopWorkers(_message.Message):
     __slots__ = ("grace_s", "dump_stacks")
@@ -313,8 +342,36 @@ class Shutdown(_message.Message):
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
+class RestorePoint(_message.Message):
+    __slots__ = ("step", "skip_from_step", "skip_batches")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    SKIP_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    skip_from_step: int
+    skip_batches: int
+    def __init__(self, step: _Optional[int] = ..., skip_from_step: _Optional[int] = ..., skip_batches: _Optional[int] = ...) -> None: ...
+
+class RunSelfCheck(_message.Message):
+    __slots__ = ("timeout_s",)
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    timeout_s: float
+    def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...
+
+class InjectFault(_message.Message):
+    __slots__ = ("kind", "local_rank", "factor", "step")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    FACTOR_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    local_rank: int
+    factor: float
+    step: int
+    def __init__(self, kind: _Optional[str] = ..., local_rank: _Optional[int] = ..., factor: _Optional[float] = ..., step: _Optional[int] = ...) -> None: ...
+
 class DriverMessage(_message.Message):
-    __slots__ = ("command_id", "start_workers", "stop_workers", "restart_workers", "pause", "resume", "flash_save", "run_check", "evict", "shutdown")
+    __slots__ = ("command_id", "start_workers", "stop_workers", "restart_workers", "pause", "resume", "flash_save", "run_check", "evict", "shutdown", "run_self_check", "inject_fault", "restore_point")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     START_WORKERS_FIELD_NUMBER: _ClassVar[int]
     STOP_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +382,9 @@ class DriverMessage(_message.Message):
     RUN_CHECK_FIELD_NUMBER: _ClassVar[int]
     EVICT_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    RUN_SELF_CHECK_FIELD_NUMBER: _ClassVar[int]
+    INJECT_FAULT_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_POINT_FIELD_NUMBER: _ClassVar[int]
     command_id: str
     start_workers: StartWorkers
     stop_workers: StopWorkers
@@ -335,7 +395,10 @@ class DriverMessage(_message.Message):
     run_check: RunCheck
     evict: Evict
     shutdown: Shutdown
-    def __init__(self, command_id: _Optional[str] = ..., start_workers: _Optional[_Union[StartWorkers, _Mapping]] = ..., stop_workers: _Optional[_Union[StopWorkers, _Mapping]] = ..., restart_workers: _Optional[_Union[RestartWorkers, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., flash_save: _Optional[_Union[FlashSave, _Mapping]] = ..., run_check: _Optional[_Union[RunCheck, _Mapping]] = ..., evict: _Optional[_Union[Evict, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+    run_self_check: RunSelfCheck
+    inject_fault: InjectFault
+    restore_point: RestorePoint
+    def __init__(self, command_id: _Optional[str] = ..., start_workers: _Optional[_Union[StartWorkers, _Mapping]] = ..., stop_workers: _Optional[_Union[StopWorkers, _Mapping]] = ..., restart_workers: _Optional[_Union[RestartWorkers, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., flash_save: _Optional[_Union[FlashSave, _Mapping]] = ..., run_check: _Optional[_Union[RunCheck, _Mapping]] = ..., evict: _Optional[_Union[Evict, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., run_self_check: _Optional[_Union[RunSelfCheck, _Mapping]] = ..., inject_fault: _Optional[_Union[InjectFault, _Mapping]] = ..., restore_point: _Optional[_Union[RestorePoint, _Mapping]] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
@@ -491,6 +554,58 @@ class EvictResponse(_message.Message):
     agent_notified: bool
     def __init__(self, seq: _Optional[int] = ..., agent_notified: _Optional[bool] = ...) -> None: ...
 
+class RunSelfCheckRequest(_message.Message):
+    __slots__ = ("node_ids", "timeout_s")
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    timeout_s: float
+    def __init__(self, node_ids: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class NodeSelfCheck(_message.Message):
+    __slots__ = ("node_id", "ok", "failures", "details_json", "error")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_JSON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    ok: bool
+    failures: _containers.RepeatedScalarFieldContainer[str]
+    details_json: str
+    error: str
+    def __init__(self, node_id: _Optional[str] = ..., ok: _Optional[bool] = ..., failures: _Optional[_Iterable[str]] = ..., details_json: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class RunSelfCheckResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[NodeSelfCheck]
+    def __init__(self, results: _Optional[_Iterable[_Union[NodeSelfCheck, _Mapping]]] = ...) -> None: ...
+
+class InjectFaultRequest(_message.Message):
+    __slots__ = ("node_id", "kind", "local_rank", "factor", "step")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    FACTOR_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    kind: str
+    local_rank: int
+    factor: float
+    step: int
+    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[str] = ..., local_rank: _Optional[int] = ..., factor: _Optional[float] = ..., step: _Optional[int] = ...) -> None: ...
+
+class InjectFaultResponse(_message.Message):
+    __slots__ = ("seq", "ok", "detail")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    ok: bool
+    detail: str
+    def __init__(self, seq: _Optional[int] = ..., ok: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
 class LiveViewRequest(_message.Message):
     __slots__ = ("summary_only",)
     SUMMARY_ONLY_FIELD_NUMBER: _ClassVar[int]
@@ -548,3 +663,139 @@ class LiveViewResponse(_message.Message):
     nodes: _containers.RepeatedCompositeFieldContainer[NodeLive]
     stats: LiveStats
     def __init__(self, driver_id: _Optional[str] = ..., leader: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeLive, _Mapping]]] = ..., stats: _Optional[_Union[LiveStats, _Mapping]] = ...) -> None: ...
+
+class RegisterJobRequest(_message.Message):
+    __slots__ = ("trainer", "world", "min_nodes", "max_nodes", "config_json")
+    TRAINER_FIELD_NUMBER: _ClassVar[int]
+    WORLD_FIELD_NUMBER: _ClassVar[int]
+    MIN_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    trainer: str
+    world: _events_pb2.WorldLayout
+    min_nodes: int
+    max_nodes: int
+    config_json: str
+    def __init__(self, trainer: _Optional[str] = ..., world: _Optional[_Union[_events_pb2.WorldLayout, _Mapping]] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., config_json: _Optional[str] = ...) -> None: ...
+
+class RegisterJobResponse(_message.Message):
+    __slots__ = ("job_id", "seq")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    seq: int
+    def __init__(self, job_id: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class ReportFailureRequest(_message.Message):
+    __slots__ = ("kind", "node_id", "local_rank", "global_rank", "exit_code", "last_step", "reason", "report_id")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REPORT_ID_FIELD_NUMBER: _ClassVar[int]
+    kind: FailureKind
+    node_id: str
+    local_rank: int
+    global_rank: int
+    exit_code: int
+    last_step: int
+    reason: str
+    report_id: str
+    def __init__(self, kind: _Optional[_Union[FailureKind, str]] = ..., node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., last_step: _Optional[int] = ..., reason: _Optional[str] = ..., report_id: _Optional[str] = ...) -> None: ...
+
+class ReportFailureResponse(_message.Message):
+    __slots__ = ("seq", "event_kind")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EVENT_KIND_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    event_kind: str
+    def __init__(self, seq: _Optional[int] = ..., event_kind: _Optional[str] = ...) -> None: ...
+
+class ListCheckpointsRequest(_message.Message):
+    __slots__ = ("skip_shards",)
+    SKIP_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    skip_shards: bool
+    def __init__(self, skip_shards: _Optional[bool] = ...) -> None: ...
+
+class ShardInfo(_message.Message):
+    __slots__ = ("rank", "uri", "bytes", "node_id")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    URI_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    uri: str
+    bytes: int
+    node_id: str
+    def __init__(self, rank: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class CheckpointInfo(_message.Message):
+    __slots__ = ("step", "seq", "wall_time_unix_ns", "uri", "bytes", "ranks", "shards", "shards_error", "checksum", "pruned")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    WALL_TIME_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    URI_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_ERROR_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    PRUNED_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    seq: int
+    wall_time_unix_ns: int
+    uri: str
+    bytes: int
+    ranks: int
+    shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
+    shards_error: str
+    checksum: str
+    pruned: bool
+    def __init__(self, step: _Optional[int] = ..., seq: _Optional[int] = ..., wall_time_unix_ns: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., ranks: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., shards_error: _Optional[str] = ..., checksum: _Optional[str] = ..., pruned: _Optional[bool] = ...) -> None: ...
+
+class NodeFlashInfo(_message.Message):
+    __slots__ = ("node_id", "persisted_step", "ranks", "live_step")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PERSISTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_STEP_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    persisted_step: int
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    live_step: int
+    def __init__(self, node_id: _Optional[str] = ..., persisted_step: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., live_step: _Optional[int] = ...) -> None: ...
+
+class ListCheckpointsResponse(_message.Message):
+    __slots__ = ("checkpoints", "nodes")
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointInfo]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeFlashInfo]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeFlashInfo, _Mapping]]] = ...) -> None: ...
+
+class RequestCheckpointRequest(_message.Message):
+    __slots__ = ("wait", "timeout_s", "lead_steps")
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    LEAD_STEPS_FIELD_NUMBER: _ClassVar[int]
+    wait: bool
+    timeout_s: float
+    lead_steps: int
+    def __init__(self, wait: _Optional[bool] = ..., timeout_s: _Optional[float] = ..., lead_steps: _Optional[int] = ...) -> None: ...
+
+class RequestCheckpointResponse(_message.Message):
+    __slots__ = ("step", "node_ids", "seq", "committed_step", "uri")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    URI_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    seq: int
+    committed_step: int
+    uri: str
+    def __init__(self, step: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., seq: _Optional[int] = ..., committed_step: _Optional[int] = ..., uri: _Optional[str] = ...) -> None: ...

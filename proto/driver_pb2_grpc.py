@@ -74,6 +74,36 @@ class DriverStub:
                 request_serializer=unbroken_dot_proto_dot_driver__pb2.EvictRequest.SerializeToString,
                 response_deserializer=unbroken_dot_proto_dot_driver__pb2.EvictResponse.FromString,
                 _registered_method=True)
+        self.RunSelfCheck = channel.unary_unary(
+                '/unbroken.driver.v1.Driver/RunSelfCheck',
+                request_serializer=unbroken_dot_proto_dot_driver__pb2.RunSelfCheckRequest.SerializeToString,
+                response_deserializer=unbroken_dot_proto_dot_driver__pb2.RunSelfCheckResponse.FromString,
+                _registered_method=True)
+        self.InjectFault = channel.unary_unary(
+                '/unbroken.driver.v1.Driver/InjectFault',
+                request_serializer=unbroken_dot_proto_dot_driver__pb2.InjectFaultRequest.SerializeToString,
+                response_deserializer=unbroken_dot_proto_dot_driver__pb2.InjectFaultResponse.FromString,
+                _registered_method=True)
+        self.RegisterJob = channel.unary_unary(
+                '/unbroken.driver.v1.Driver/RegisterJob',
+                request_serializer=unbroken_dot_proto_dot_driver__pb2.RegisterJobRequest.SerializeToString,
+                response_deserializer=unbroken_dot_proto_dot_driver__pb2.RegisterJobResponse.FromString,
+                _registered_method=True)
+        self.ReportFailure = channel.unary_unary(
+                '/unbroken.driver.v1.Driver/ReportFailure',
+                request_serializer=unbroken_dot_proto_dot_driver__pb2.ReportFailureRequest.SerializeToString,
+                response_deserializer=unbroken_dot_proto_dot_driver__pb2.ReportFailureResponse.FromString,
+                _registered_method=True)
+        self.ListCheckpoints = channel.unary_unary(
+                '/unbroken.driver.v1.Driver/ListCheckpoints',
+                request_serializer=unbroken_dot_proto_dot_driver__pb2.ListCheckpointsRequest.SerializeToString,
+                response_deserializer=unbroken_dot_proto_dot_driver__pb2.ListCheckpointsResponse.FromString,
+                _registered_method=True)
+        self.RequestCheckpoint = channel.unary_unary(
+                '/unbroken.driver.v1.Driver/RequestCheckpoint',
+                request_serializer=unbroken_dot_proto_dot_driver__pb2.RequestCheckpointRequest.SerializeToString,
+                response_deserializer=unbroken_dot_proto_dot_driver__pb2.RequestCheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class DriverServicer:
@@ -144,6 +174,60 @@ class DriverServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunSelfCheck(self, request, context):
+        """Run the node self-checks on node_ids (empty: every connected node) now and return each
+        report; each is also appended as SelfCheckReported (a failing world node is a fault).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InjectFault(self, request, context):
+        """Inject a simulated fault into a node (drills, tests): appends OperatorAction "inject",
+        forwards InjectFault to the agent. INVALID_ARGUMENT: unknown fault; NOT_FOUND: node.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterJob(self, request, context):
+        """---- launcher API: for launchers that start their own workers (torchrun, srun,
+        Kubernetes operators) and for tools. Leader only, as above.
+        Register the job a launcher runs: appends JobStarted (trainer, world, min/max nodes)
+        and TrainingResumed(step 0). INVALID_ARGUMENT for a bad world; FAILED_PRECONDITION
+        while another job is active in the log or when this driver starts the job itself.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportFailure(self, request, context):
+        """A failed worker or node seen by the launcher: appended as WorkerFailed or NodeLost
+        with cause "launcher" and handled like a detector's finding (the recovery loop, when
+        on, reacts). NOT_FOUND for a node the job does not know; INVALID_ARGUMENT for bad input.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCheckpoints(self, request, context):
+        """Committed checkpoints (from CheckpointCommitted events, newest last) with each
+        rank's shard file, and the newest step each node's agent persisted from flash memory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RequestCheckpoint(self, request, context):
+        """Ask every world node to flash-save at a step just ahead of the live one and persist
+        it (FlashSave command); with wait, return once a CheckpointCommitted at or after that
+        step is in the log (DEADLINE_EXCEEDED otherwise). FAILED_PRECONDITION when the job is
+        recovering or a world node has no open stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DriverServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +270,36 @@ def add_DriverServicer_to_server(servicer, server):
                     servicer.Evict,
                     request_deserializer=unbroken_dot_proto_dot_driver__pb2.EvictRequest.FromString,
                     response_serializer=unbroken_dot_proto_dot_driver__pb2.EvictResponse.SerializeToString,
+            ),
+            'RunSelfCheck': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunSelfCheck,
+                    request_deserializer=unbroken_dot_proto_dot_driver__pb2.RunSelfCheckRequest.FromString,
+                    response_serializer=unbroken_dot_proto_dot_driver__pb2.RunSelfCheckResponse.SerializeToString,
+            ),
+            'InjectFault': grpc.unary_unary_rpc_method_handler(
+                    servicer.InjectFault,
+                    request_deserializer=unbroken_dot_proto_dot_driver__pb2.InjectFaultRequest.FromString,
+                    response_serializer=unbroken_dot_proto_dot_driver__pb2.InjectFaultResponse.SerializeToString,
+            ),
+            'RegisterJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterJob,
+                    request_deserializer=unbroken_dot_proto_dot_driver__pb2.RegisterJobRequest.FromString,
+                    response_serializer=unbroken_dot_proto_dot_driver__pb2.RegisterJobResponse.SerializeToString,
+            ),
+            'ReportFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFailure,
+                    request_deserializer=unbroken_dot_proto_dot_driver__pb2.ReportFailureRequest.FromString,
+                    response_serializer=unbroken_dot_proto_dot_driver__pb2.ReportFailureResponse.SerializeToString,
+            ),
+            'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCheckpoints,
+                    request_deserializer=unbroken_dot_proto_dot_driver__pb2.ListCheckpointsRequest.FromString,
+                    response_serializer=unbroken_dot_proto_dot_driver__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'RequestCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.RequestCheckpoint,
+                    request_deserializer=unbroken_dot_proto_dot_driver__pb2.RequestCheckpointRequest.FromString,
+                    response_serializer=unbroken_dot_proto_dot_driver__pb2.RequestCheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -404,6 +518,168 @@ class Driver:
             '/unbroken.driver.v1.Driver/Evict',
             unbroken_dot_proto_dot_driver__pb2.EvictRequest.SerializeToString,
             unbroken_dot_proto_dot_driver__pb2.EvictResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunSelfCheck(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/unbroken.driver.v1.Driver/RunSelfCheck',
+            unbroken_dot_proto_dot_driver__pb2.RunSelfCheckRequest.SerializeToString,
+            unbroken_dot_proto_dot_driver__pb2.RunSelfCheckResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InjectFault(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/unbroken.driver.v1.Driver/InjectFault',
+            unbroken_dot_proto_dot_driver__pb2.InjectFaultRequest.SerializeToString,
+            unbroken_dot_proto_dot_driver__pb2.InjectFaultResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/unbroken.driver.v1.Driver/RegisterJob',
+            unbroken_dot_proto_dot_driver__pb2.RegisterJobRequest.SerializeToString,
+            unbroken_dot_proto_dot_driver__pb2.RegisterJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/unbroken.driver.v1.Driver/ReportFailure',
+            unbroken_dot_proto_dot_driver__pb2.ReportFailureRequest.SerializeToString,
+            unbroken_dot_proto_dot_driver__pb2.ReportFailureResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/unbroken.driver.v1.Driver/ListCheckpoints',
+            unbroken_dot_proto_dot_driver__pb2.ListCheckpointsRequest.SerializeToString,
+            unbroken_dot_proto_dot_driver__pb2.ListCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RequestCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/unbroken.driver.v1.Driver/RequestCheckpoint',
+            unbroken_dot_proto_dot_driver__pb2.RequestCheckpointRequest.SerializeToString,
+            unbroken_dot_proto_dot_driver__pb2.RequestCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,7 +51,7 @@ NODE_STATE_LOST: NodeState
 NODE_STATE_EVICTED: NodeState
 
 class Event(_message.Message):
-    __slots__ = ("seq", "event_id", "wall_time_unix_ns", "job_id", "schema_version", "cause", "writer", "job_started", "node_registered", "node_lost", "worker_failed", "hang_suspected", "log_alert", "diagnosis_round", "diagnosis_verdict", "node_evicted", "spare_assigned", "world_resized", "checkpoint_committed", "restore_started", "restore_finished", "loss_spike", "rollback", "training_paused", "training_resumed", "leader_elected", "recovery_transition", "node_refused", "self_check_reported", "job_finished", "operator_action")
+    __slots__ = ("seq", "event_id", "wall_time_unix_ns", "job_id", "schema_version", "cause", "writer", "job_started", "node_registered", "node_lost", "worker_failed", "hang_suspected", "log_alert", "diagnosis_round", "diagnosis_verdict", "node_evicted", "spare_assigned", "world_resized", "checkpoint_committed", "restore_started", "restore_finished", "loss_spike", "rollback", "training_paused", "training_resumed", "leader_elected", "recovery_transition", "node_refused", "self_check_reported", "job_finished", "operator_action", "rendezvous_round", "rendezvous_refused")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     WALL_TIME_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,8 @@ class Event(_message.Message):
     SELF_CHECK_REPORTED_FIELD_NUMBER: _ClassVar[int]
     JOB_FINISHED_FIELD_NUMBER: _ClassVar[int]
     OPERATOR_ACTION_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_ROUND_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     seq: int
     event_id: str
     wall_time_unix_ns: int
@@ -114,7 +116,9 @@ class Event(_message.Message):
     self_check_reported: SelfCheckReported
     job_finished: JobFinished
     operator_action: OperatorAction
-    def __init__(self, seq: _Optional[int] = ..., event_id: _Optional[str] = ..., wall_time_unix_ns: _Optional[int] = ..., job_id: _Optional[str] = ..., schema_version: _Optional[int] = ..., cause: _Optional[str] = ..., writer: _Optional[str] = ..., job_started: _Optional[_Union[JobStarted, _Mapping]] = ..., node_registered: _Optional[_Union[NodeRegistered, _Mapping]] = ..., node_lost: _Optional[_Union[NodeLost, _Mapping]] = ..., worker_failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., hang_suspected: _Optional[_Union[HangSuspected, _Mapping]] = ..., log_alert: _Optional[_Union[LogAlert, _Mapping]] = ..., diagnosis_round: _Optional[_Union[DiagnosisRound, _Mapping]] = ..., diagnosis_verdict: _Optional[_Union[DiagnosisVerdict, _Mapping]] = ..., node_evicted: _Optional[_Union[NodeEvicted, _Mapping]] = ..., spare_assigned: _Optional[_Union[SpareAssigned, _Mapping]] = ..., world_resized: _Optional[_Union[WorldResized, _Mapping]] = ..., checkpoint_committed: _Optional[_Union[CheckpointCommitted, _Mapping]] = ..., restore_started: _Optional[_Union[RestoreStarted, _Mapping]] = ..., restore_finished: _Optional[_Union[RestoreFinished, _Mapping]] = ..., loss_spike: _Optional[_Union[LossSpike, _Mapping]] = ..., rollback: _Optional[_Union[Rollback, _Mapping]] = ..., training_paused: _Optional[_Union[TrainingPaused, _Mapping]] = ..., training_resumed: _Optional[_Union[TrainingResumed, _Mapping]] = ..., leader_elected: _Optional[_Union[LeaderElected, _Mapping]] = ..., recovery_transition: _Optional[_Union[RecoveryTransition, _Mapping]] = ..., node_refused: _Optional[_Union[NodeRefused, _Mapping]] = ..., self_check_reported: _Optional[_Union[SelfCheckReported, _Mapping]] = ..., job_finished: _Optional[_Union[JobFinished, _Mapping]] = ..., operator_action: _Optional[_Union[OperatorAction, _Mapping]] = ...) -> None: ...
+    rendezvous_round: RendezvousRound
+    rendezvous_refused: RendezvousRefused
+    def __init__(self, seq: _Optional[int] = ..., event_id: _Optional[str] = ..., wall_time_unix_ns: _Optional[int] = ..., job_id: _Optional[str] = ..., schema_version: _Optional[int] = ..., cause: _Optional[str] = ..., writer: _Optional[str] = ..., job_started: _Optional[_Union[JobStarted, _Mapping]] = ..., node_registered: _Optional[_Union[NodeRegistered, _Mapping]] = ..., node_lost: _Optional[_Union[NodeLost, _Mapping]] = ..., worker_failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., hang_suspected: _Optional[_Union[HangSuspected, _Mapping]] = ..., log_alert: _Optional[_Union[LogAlert, _Mapping]] = ..., diagnosis_round: _Optional[_Union[DiagnosisRound, _Mapping]] = ..., diagnosis_verdict: _Optional[_Union[DiagnosisVerdict, _Mapping]] = ..., node_evicted: _Optional[_Union[NodeEvicted, _Mapping]] = ..., spare_assigned: _Optional[_Union[SpareAssigned, _Mapping]] = ..., world_resized: _Optional[_Union[WorldResized, _Mapping]] = ..., checkpoint_committed: _Optional[_Union[CheckpointCommitted, _Mapping]] = ..., restore_started: _Optional[_Union[RestoreStarted, _Mapping]] = ..., restore_finished: _Optional[_Union[RestoreFinished, _Mapping]] = ..., loss_spike: _Optional[_Union[LossSpike, _Mapping]] = ..., rollback: _Optional[_Union[Rollback, _Mapping]] = ..., training_paused: _Optional[_Union[TrainingPaused, _Mapping]] = ..., training_resumed: _Optional[_Union[TrainingResumed, _Mapping]] = ..., leader_elected: _Optional[_Union[LeaderElected, _Mapping]] = ..., recovery_transition: _Optional[_Union[RecoveryTransition, _Mapping]] = ..., node_refused: _Optional[_Union[NodeRefused, _Mapping]] = ..., self_check_reported: _Optional[_Union[SelfCheckReported, _Mapping]] = ..., job_finished: _Optional[_Union[JobFinished, _Mapping]] = ..., operator_action: _Optional[_Union[OperatorAction, _Mapping]] = ..., rendezvous_round: _Optional[_Union[RendezvousRound, _Mapping]] = ..., rendezvous_refused: _Optional[_Union[RendezvousRefused, _Mapping]] = ...) -> None: ...
 
 class JobStarted(_message.Message):
     __slots__ = ("trainer", "world", "min_nodes", "max_nodes", "config_json")
@@ -433,14 +437,18 @@ class NodeRefused(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SelfCheckReported(_message.Message):
-    __slots__ = ("node_id", "ok", "failures")
+    __slots__ = ("node_id", "ok", "failures", "details_json", "trigger")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TRIGGER_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     ok: bool
     failures: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., ok: _Optional[bool] = ..., failures: _Optional[_Iterable[str]] = ...) -> None: ...
+    details_json: str
+    trigger: str
+    def __init__(self, node_id: _Optional[str] = ..., ok: _Optional[bool] = ..., failures: _Optional[_Iterable[str]] = ..., details_json: _Optional[str] = ..., trigger: _Optional[str] = ...) -> None: ...
 
 class JobFinished(_message.Message):
     __slots__ = ("step", "ok", "reason")
@@ -461,6 +469,32 @@ class OperatorAction(_message.Message):
     target: str
     who: str
     def __init__(self, action: _Optional[str] = ..., target: _Optional[str] = ..., who: _Optional[str] = ...) -> None: ...
+
+class RendezvousRound(_message.Message):
+    __slots__ = ("run_id", "round", "closed", "participants", "waiting", "spares")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    SPARES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    closed: bool
+    participants: _containers.RepeatedScalarFieldContainer[str]
+    waiting: _containers.RepeatedScalarFieldContainer[str]
+    spares: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., closed: _Optional[bool] = ..., participants: _Optional[_Iterable[str]] = ..., waiting: _Optional[_Iterable[str]] = ..., spares: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RendezvousRefused(_message.Message):
+    __slots__ = ("run_id", "node_id", "reason")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    node_id: str
+    reason: str
+    def __init__(self, run_id: _Optional[str] = ..., node_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class NodeRecord(_message.Message):
     __slots__ = ("node_id", "state", "epoch", "hostname", "ip", "num_workers", "registered_seq", "failures", "spare")

@@ -28,12 +28,32 @@ class StepReport(_message.Message):
     def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_ms: _Optional[float] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., has_loss: _Optional[bool] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("reply_socket", "stack_signal")
+    __slots__ = ("reply_socket", "stack_signal", "attach", "rank", "world_size")
     REPLY_SOCKET_FIELD_NUMBER: _ClassVar[int]
     STACK_SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     reply_socket: str
     stack_signal: bool
-    def __init__(self, reply_socket: _Optional[str] = ..., stack_signal: _Optional[bool] = ...) -> None: ...
+    attach: bool
+    rank: int
+    world_size: int
+    def __init__(self, reply_socket: _Optional[str] = ..., stack_signal: _Optional[bool] = ..., attach: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+
+class Welcome(_message.Message):
+    __slots__ = ("node_id", "flash_root", "flash_job", "flash_node", "persist_url")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    FLASH_ROOT_FIELD_NUMBER: _ClassVar[int]
+    FLASH_JOB_FIELD_NUMBER: _ClassVar[int]
+    FLASH_NODE_FIELD_NUMBER: _ClassVar[int]
+    PERSIST_URL_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    flash_root: str
+    flash_job: str
+    flash_node: str
+    persist_url: str
+    def __init__(self, node_id: _Optional[str] = ..., flash_root: _Optional[str] = ..., flash_job: _Optional[str] = ..., flash_node: _Optional[str] = ..., persist_url: _Optional[str] = ...) -> None: ...
 
 class WorkerReport(_message.Message):
     __slots__ = ("local_rank", "pid", "hello", "step")
@@ -48,13 +68,17 @@ class WorkerReport(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., step: _Optional[_Union[StepReport, _Mapping]] = ...) -> None: ...
 
 class WorkerCommand(_message.Message):
-    __slots__ = ("command_id", "pause", "resume", "flash_save")
+    __slots__ = ("command_id", "pause", "resume", "flash_save", "welcome", "stop")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     PAUSE_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     FLASH_SAVE_FIELD_NUMBER: _ClassVar[int]
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     command_id: str
     pause: str
     resume: int
     flash_save: int
-    def __init__(self, command_id: _Optional[str] = ..., pause: _Optional[str] = ..., resume: _Optional[int] = ..., flash_save: _Optional[int] = ...) -> None: ...
+    welcome: Welcome
+    stop: str
+    def __init__(self, command_id: _Optional[str] = ..., pause: _Optional[str] = ..., resume: _Optional[int] = ..., flash_save: _Optional[int] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., stop: _Optional[str] = ...) -> None: ...

@@ -330,3 +330,14 @@ def test_exhaustive_two_faults_at_every_phase_of_the_loop() -> None:
                 n for n, r in end.nodes.items() if r.state != ev.NODE_STATE_ACTIVE
             }
     assert runs == len(FAULTS) ** 2 * len(nodes) ** 2 * len(WAYPOINTS)
+
+
+def test_symptom_log_alerts_are_recorded_and_hardware_ones_open_an_incident() -> None:
+    sim = start(nodes=2)
+    # A peer died: every survivor prints a Traceback / RuntimeError. Recorded only.
+    for keyword in sorted(m.SYMPTOM_KEYWORDS):
+        d = sim.feed(ev.Event(log_alert=ev.LogAlert(node_id="n0", keyword=keyword, line="x")))
+        assert kinds(d) == ["log_alert"] and d.phase == ev.PHASE_RUNNING, keyword
+    assert sim.state.incident_id == ""
+    d = sim.feed(alert("n1"))  # "Xid": a hardware fault is a suspect, diagnosed
+    assert d.phase == ev.PHASE_SUSPECTED and list(sim.state.suspects) == ["n1"]
