@@ -8,6 +8,7 @@ single source of truth for defaults: the dataclasses in config.py.
 from __future__ import annotations
 
 import argparse
+import os
 
 from unbroken.trainer.config import (
     DP_MODES,
@@ -59,12 +60,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-every", type=int, default=10, help="log metrics every N steps")
 
 
+def _layout_from_env(args: argparse.Namespace) -> None:
+    """Let the driver's layout win: UNBROKEN_DP/PP/TP (set by the agent) override the flags.
+
+    After an elastic shrink or grow the driver restarts the same worker command on a
+    world of another size; the agent passes the new degrees in these variables.
+    """
+    for name in ("dp", "pp", "tp"):
+        var = f"UNBROKEN_{name.upper()}"
+        raw = os.environ.get(var, "")
+        if not raw:
+            continue
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"{var}={raw!r} must be a positive integer (set by the agent)")
+        setattr(args, name, int(raw))
+
+
 def to_config(args: argparse.Namespace) -> TrainConfig:
     """Build and validate the config from parsed flags.
 
     Raises:
         ValueError: a flag combination is invalid (the message names the field).
     """
+    _layout_from_env(args)
     overrides = {"n_layers": args.layers} if args.layers else {}
     model = preset(args.preset, **overrides)
     if args.seq_len > model.max_seq_len:

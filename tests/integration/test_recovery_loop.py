@@ -260,7 +260,7 @@ def reference(tmp: Path, steps: int) -> dict[int, float]:
             assert all(p.poll() is None for p in procs), (tmp / "rank0.log").read_text()[-3000:]
             return metrics.exists() and str(f'"step": {steps},') in metrics.read_text()
 
-        until("the reference run", done, 120)
+        until("the reference run", done, 300)
     finally:
         for p in procs:
             p.kill()
