@@ -52,6 +52,10 @@ def _torchrun(*extra: str) -> list[str]:
 
 def _env(socket_path: Path) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "UNBROKEN_AGENT_SOCKET": str(socket_path)}
+    # torch 2.13's c10d rendezvous shares one TCPStore with the workers across restarts, so
+    # restarted workers can read the dead ones' addresses and hang in init_process_group
+    # (pytorch#135712). Its documented switch gives every round a fresh store.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     for k in ("UNBROKEN_FLASH_ROOT", "UNBROKEN_AGENT_PID", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
         env.pop(k, None)
     return env
@@ -154,7 +158,7 @@ def agent(tmp_path: Path) -> Iterator[tuple[Path, FlashOwner, Path]]:
         _stop(proc, grace_s=1.0)
 
 
-@pytest.mark.timeout(1500)  # three torch start-ups and an agent's: minutes on a loaded host
+@pytest.mark.timeout(900)  # three torch start-ups and an agent's: minutes on a loaded host
 def test_killed_worker_resumes_from_agent_memory(
     reference: tuple[float, str], agent: tuple[Path, FlashOwner, Path], tmp_path: Path
 ) -> None:

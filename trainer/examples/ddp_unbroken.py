@@ -5,6 +5,11 @@ unbroken.trainer.examples.ddp_unbroken` on a node whose `unbroken agent` runs (i
 in UNBROKEN_AGENT_SOCKET, or the default one). Every step is flash-saved into the agent's
 memory; when a worker dies, torchrun restarts both and they resume at the newest saved step.
 Without an agent it warns once and trains exactly like `ddp_plain`.
+
+With torch 2.13's own c10d rendezvous (`--standalone`, `--rdzv-backend=c10d`) also set
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: otherwise restarted workers can read the dead ones'
+addresses from the shared store and hang in init_process_group (pytorch#135712).
+`--rdzv-backend=unbroken` needs no such switch (a fresh store every round).
 """
 
 from __future__ import annotations
