@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 import os
 import shlex
 import shutil
@@ -166,6 +167,9 @@ class Worker:
         self.step = 0
         self.loss = 0.0
         self.has_loss = False
+        self.has_peak = False  # the highest loss since the last heartbeat (see status)
+        self.peak_loss = 0.0
+        self.peak_step = 0
         self.step_time_ms = 0.0
         self.last_progress = time.monotonic()
         self.step_times: collections.deque[float] = collections.deque(maxlen=32)
@@ -186,10 +190,19 @@ class Worker:
         self.step, self.step_time_ms = step, step_time_ms
         self.has_loss = loss is not None
         self.loss = loss if loss is not None else 0.0
+        if loss is not None and (
+            not self.has_peak
+            or not math.isfinite(loss)
+            or (math.isfinite(self.peak_loss) and loss > self.peak_loss)
+        ):
+            self.has_peak, self.peak_loss, self.peak_step = True, loss, step
         if step_time_ms > 0:
             self.step_times.append(step_time_ms)
 
     def status(self, now: float) -> dpb.WorkerStatus:
+        """This worker's heartbeat entry; the loss peak restarts with every heartbeat."""
+        peak = (self.has_peak, self.peak_loss, self.peak_step)
+        self.has_peak = False
         return dpb.WorkerStatus(
             local_rank=self.local_rank,
             global_rank=self.global_rank,
@@ -203,6 +216,9 @@ class Worker:
             median_step_ms=statistics.median(self.step_times) if self.step_times else 0.0,
             restarts=self.restarts,
             has_loss=self.has_loss,
+            has_peak=peak[0],
+            peak_loss=peak[1],
+            peak_step=peak[2],
         )
 
 

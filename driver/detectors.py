@@ -321,6 +321,17 @@ class LossWatch:
             return None
         if best.step == self.last_step and best.restarts == self.last_restarts:
             return None
+        new_timeline = best.restarts != self.last_restarts or best.step < self.last_step
+        # Steps faster than heartbeats: the peak since the previous heartbeat stands for the
+        # steps this heartbeat skipped over (a spike there must not go unseen).
+        points = []
+        skipped = best.has_peak and best.peak_step != best.step
+        if skipped and (new_timeline or best.peak_step > self.last_step):
+            points.append((best.peak_step, best.peak_loss))
+        points.append((best.step, best.loss))
         self.last_step, self.last_restarts = best.step, best.restarts
-        spike = self.detector.observe(best.step, best.loss)
-        return None if spike is None else ev.Event(loss_spike=spike.to_event())
+        for step, loss in points:
+            spike = self.detector.observe(step, loss)
+            if spike is not None:
+                return ev.Event(loss_spike=spike.to_event())
+        return None

@@ -101,3 +101,34 @@ def test_fault_file_applies_each_id_once_also_after_a_restart(tmp_path: Path) ->
     path.write_text(json.dumps({"kind": "nan", "step": 0, "id": "b"}))  # step 0: the next
     f = ff.due(9)
     assert f is not None and f.kind == "nan" and f.id == "b"
+
+
+def test_a_spike_between_heartbeats_is_seen_through_the_peak() -> None:
+    """Steps faster than heartbeats: the spiking step is not the newest one any more."""
+    view, watch = LiveView(LiveViewConfig()), LossWatch(CFG)
+    for step in range(1, 11):
+        _beat(view, "n0", step, 3.0 + 0.01 * (step % 3), rank=0)
+        assert watch.sweep(view, ["n0"]) is None
+    slot = view.slot("n0")
+    w = dpb.WorkerStatus(
+        global_rank=0, step=14, loss=3.01, has_loss=True, state=dpb.WORKER_STATE_RUNNING,
+        has_peak=True, peak_loss=9.0, peak_step=12,
+    )  # fmt: skip
+    view.beat(slot, dpb.Heartbeat(workers=[w]), 0.0)
+    e = watch.sweep(view, ["n0"])
+    assert e is not None and e.loss_spike.step == 12 and e.loss_spike.loss == 9.0
+
+
+def test_the_agent_reports_each_heartbeat_s_peak_once() -> None:
+    from unbroken.agent.workers import Worker
+
+    w = Worker(0, 0, Path("/nonexistent/worker-0.log"))
+    for step, loss in ((1, 3.0), (2, 9.0), (3, 3.1)):
+        w.on_step(step, loss, 10.0, 0.0)
+    s = w.status(0.0)
+    assert (s.step, s.loss, s.has_peak, s.peak_step, s.peak_loss) == (3, 3.1, True, 2, 9.0)
+    assert not w.status(0.0).has_peak  # reported once
+    w.on_step(4, math.nan, 10.0, 0.0)
+    w.on_step(5, 3.0, 10.0, 0.0)
+    s = w.status(0.0)
+    assert s.peak_step == 4 and math.isnan(s.peak_loss)  # a non-finite loss wins
