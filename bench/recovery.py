@@ -65,6 +65,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import grpc
 
 from unbroken.driver import etcdlog
+from unbroken.driver.drill import signal_group, stop_groups
 from unbroken.driver.etcd import EmbeddedEtcd, free_port
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -150,11 +151,6 @@ class Steps:
         return sum(last.values()), len(last)
 
 
-def signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(p.pid, sig)
-
-
 @dataclass(slots=True)
 class Cluster:
     """The processes of one cluster, so they can all be stopped."""
@@ -178,17 +174,7 @@ class Cluster:
 
     def stop(self) -> None:
         """SIGTERM every process group, SIGKILL what is left after a grace period."""
-        procs = [*self.agents.values(), *self.drivers.values()]
-        for p in procs:
-            signal_group(p, signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(max(0.1, deadline - time.monotonic()))
-        for p in procs:
-            signal_group(p, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(5)
+        stop_groups([*self.agents.values(), *self.drivers.values()], grace_s=15)
         if self.etcd is not None:
             self.etcd.stop(remove=False)
 

@@ -106,6 +106,20 @@ def signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
         os.killpg(p.pid, sig)
 
 
+def stop_groups(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """SIGTERM every process group, SIGKILL what is left after `grace_s` in all."""
+    for p in procs:
+        signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        signal_group(p, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(5)
+
+
 def fault_table(faults: list[FaultRecord]) -> Any:
     """The drill's table (rich)."""
     from rich.table import Table

@@ -43,7 +43,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -53,7 +52,7 @@ from typing import Any
 
 import grpc
 
-from unbroken.driver.drill import DRILL, Drill, FaultRecord, fault_table, signal_group
+from unbroken.driver.drill import DRILL, Drill, FaultRecord, fault_table, stop_groups
 from unbroken.driver.etcd import EmbeddedEtcd, free_port
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -142,17 +141,7 @@ class Cluster:
     def stop(self) -> None:
         """SIGTERM every process group, SIGKILL what is left after a grace period."""
         self.stopping = True
-        procs = [*self.agents.values(), *self.drivers.values()]
-        for p in procs:
-            signal_group(p, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(max(0.1, deadline - time.monotonic()))
-        for p in procs:
-            signal_group(p, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(5)
+        stop_groups([*self.agents.values(), *self.drivers.values()], grace_s=10)
         if self.etcd is not None:
             self.etcd.stop(remove=False)
 
