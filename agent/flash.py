@@ -34,6 +34,7 @@ from unbroken.recovery.persist import (
     Persister,
     apply_retention,
     list_persisted,
+    persistable,
 )
 from unbroken.recovery.replica import (
     ReplicaConfig,
@@ -112,6 +113,7 @@ class NodeFlash:
                 self.owner, config.node, parse_hostport(config.buddy, "--buddy"), self.replica_cfg
             )
         self._seen: dict[int, int] = {}  # rank -> generation handed to the persister
+        self._newest: dict[int, int] = {}  # rank -> newest generation (sent to the buddy)
         self._submitted_at: dict[int, float] = {}  # rank -> monotonic time of the last submit
         self._tries: dict[tuple[int, int], int] = {}  # (rank, generation) -> retries so far
         self._task: asyncio.Task[None] | None = None
@@ -189,10 +191,15 @@ class NodeFlash:
             refs = await asyncio.to_thread(list_copies, rank_dir)
             if not refs:
                 continue
-            gen = refs[0].manifest.generation
+            if self._newest.get(rank) != refs[0].manifest.generation:  # for the buddy
+                self._newest[rank] = refs[0].manifest.generation
+                changed = True
+            keep = persistable(refs)  # the SDK marks most copies memory-only
+            if not keep:
+                continue
+            gen = keep[0].manifest.generation
             if self._seen.get(rank) != gen:
                 self._seen[rank] = gen
-                changed = True
             elif not self._persist_pending(rank, rank_dir, gen):
                 continue
             if self.persister is not None:

@@ -189,7 +189,13 @@ class HookServer(asyncio.DatagramProtocol):
         self.reports += 1
         if kind == "step":
             s = rep.step
-            w.on_step(s.step, s.loss if s.has_loss else None, s.step_time_ms, time.monotonic())
+            w.on_step(
+                s.step,
+                s.loss if s.has_loss else None,
+                s.step_time_ms,
+                time.monotonic(),
+                (s.peak_loss, s.peak_step) if s.has_peak else None,
+            )
         elif kind == "hello":
             w.reply_socket = rep.hello.reply_socket
             w.stack_signal = rep.hello.stack_signal

@@ -184,18 +184,28 @@ class Worker:
     def pid(self) -> int:
         return self.proc.pid if self.proc is not None else 0
 
-    def on_step(self, step: int, loss: float | None, step_time_ms: float, now: float) -> None:
+    def on_step(
+        self,
+        step: int,
+        loss: float | None,
+        step_time_ms: float,
+        now: float,
+        peak: tuple[float, int] | None = None,
+    ) -> None:
+        """A step report; `peak` is the highest loss (and its step) of the steps it stands
+        for when it stands for several (the SDK's coalesced reports)."""
         if step != self.step:
             self.last_progress = now
         self.step, self.step_time_ms = step, step_time_ms
         self.has_loss = loss is not None
         self.loss = loss if loss is not None else 0.0
-        if loss is not None and (
-            not self.has_peak
-            or not math.isfinite(loss)
-            or (math.isfinite(self.peak_loss) and loss > self.peak_loss)
-        ):
-            self.has_peak, self.peak_loss, self.peak_step = True, loss, step
+        for cand, at in [peak or (None, 0), (loss, step)]:
+            if cand is not None and (
+                not self.has_peak
+                or not math.isfinite(cand)
+                or (math.isfinite(self.peak_loss) and cand > self.peak_loss)
+            ):
+                self.has_peak, self.peak_loss, self.peak_step = True, cand, at
         if step_time_ms > 0:
             self.step_times.append(step_time_ms)
 

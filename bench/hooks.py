@@ -1,16 +1,18 @@
-"""What the hooks SDK costs a training step: a small DDP model with and without it, same run.
+"""What the hooks SDK costs a training step: DDP models with and without it, same run.
 
 Two ranks (gloo, one thread each) train two identical copies of an MLP + AdamW in
 alternating blocks of steps: the plain loop, and the same loop with the SDK attached to a
 real `unbroken agent` (started here with `--no-start`: it owns the flash memory, starts no
 workers) calling `hooks.report`, `hooks.save` (a flash save of model + optimizer into the
-agent's memory, paced by the SDK to its 2 % budget) and `hooks.should_stop` every step.
-Blocks alternate (ABBA) so load on the shared machine hits both modes alike. Figures: the
-ratio of the median step times, sdk / plain, and, less sensitive to other load on the
-machine, the ratio of process CPU time per step (it includes the flash writer thread's
-copies; the agent's own work, persisting the copies, is not in it). Also measured in this
-process: the cost of the same three calls per step when no agent is reachable (the
-portable no-op path).
+agent's memory, paced by the SDK to its 2 % budget, one save per 30 s persisted) and
+`hooks.should_stop` every step. Three models, from 1 ms steps (the example's; shorter than
+any real GPU step) to about 130 ms. Blocks alternate (ABBA) so load on the shared machine
+hits both modes alike. Figures: the ratio of the median step times, sdk / plain; the ratio
+of process CPU time per step (less sensitive to other load; it includes the flash writer
+thread's copies); the time inside the three calls per step; and the agent's CPU per step
+in SDK blocks against plain blocks (where it only idles), which on a node without a spare
+core would come out of training. Also measured in this process: the cost of the same three
+calls per step when no agent is reachable (the portable no-op path).
 
 Writes bench/results/hooks.json and prints a markdown table. Run:
 `OMP_NUM_THREADS=1 .venv/bin/python bench/hooks.py [--steps 100 --rounds 4]`
@@ -38,6 +40,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "hooks.json"
 MODELS = {  # name -> (input width, hidden widths, batch)
     "mlp-64x256 (example)": (64, [256], 32),
     "mlp-512x3": (512, [512, 512, 512], 64),
+    "mlp-1024x4": (1024, [1024, 1024, 1024, 1024], 512),  # tens of ms per step on a CPU
 }
 
 
@@ -54,6 +57,12 @@ def _model(width: int, hidden: list[int], seed: int) -> Any:
     return torch.nn.Sequential(*layers)
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) a process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def worker(out: str, steps: int, rounds: int) -> None:
     """One rank: time blocks of plain and SDK steps for every model; write JSON to `out`."""
     import torch
@@ -64,6 +73,7 @@ def worker(out: str, steps: int, rounds: int) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    agent_pid = int(os.environ["BENCH_AGENT_PID"])
     rank = dist.get_rank()
     results: dict[str, Any] = {}
     step_no = 0
@@ -76,13 +86,16 @@ def worker(out: str, steps: int, rounds: int) -> None:
             model = DDP(_model(width, hidden, seed=0))
             pairs[mode] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
         times: dict[str, list[float]] = {"plain": [], "sdk": []}
+        agent_ms: dict[str, list[float]] = {"plain": [], "sdk": []}  # agent CPU ms per step
         cpu: dict[str, list[float]] = {"plain": [], "sdk": []}  # process CPU s per step, per block
         order = ["plain", "sdk", "sdk", "plain"] * rounds
+        calls_s = 0.0  # time inside the three SDK calls (the measured sdk steps)
         for block, mode in enumerate([*order[:2], *order]):  # the first two blocks warm up
             model, opt = pairs[mode]
             state = {"model": model, "opt": opt}
             dist.barrier()
             c0 = time.process_time()
+            a0 = _cpu_s(agent_pid)
             for _ in range(steps):
                 g = torch.Generator().manual_seed(step_no * 1000 + rank)
                 x = torch.randn(bs, width, generator=g)
@@ -93,9 +106,13 @@ def worker(out: str, steps: int, rounds: int) -> None:
                 loss.backward()
                 opt.step()
                 if mode == "sdk":
-                    hooks.report(step_no, loss.item())
+                    lv = loss.item()
+                    t1 = time.perf_counter()
+                    hooks.report(step_no, lv)
                     hooks.save(step_no, state)
                     hooks.should_stop()
+                    if block >= 2:
+                        calls_s += time.perf_counter() - t1
                 else:
                     loss.item()
                 if block >= 2:
@@ -105,6 +122,8 @@ def worker(out: str, steps: int, rounds: int) -> None:
                 hooks.flush()  # the block's last copy is part of its cost
             if block >= 2:
                 cpu[mode].append((time.process_time() - c0) / steps)
+                dist.barrier()  # both ranks' steps of the block are done
+                agent_ms[mode].append((_cpu_s(agent_pid) - a0) * 1000.0 / steps)
         session = hooks._session
         pacer = session.pacer if session is not None else None
         state_bytes = sum(
@@ -122,6 +141,8 @@ def worker(out: str, steps: int, rounds: int) -> None:
             "saves_total": pacer.saves if pacer is not None else 0,
             "blocked_s_total": pacer.blocked_s if pacer is not None else 0.0,
             "save_every": pacer.every if pacer is not None else 0,
+            "calls_us_per_step": calls_s / max(1, len(times["sdk"])) * 1e6,
+            "agent_cpu_ms_per_step": {k: statistics.fmean(v) for k, v in agent_ms.items()},
         }
     hooks.close()
     Path(out).write_text(json.dumps(results))
@@ -201,6 +222,7 @@ def run(steps: int, rounds: int) -> dict[str, Any]:
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
                 "UNBROKEN_AGENT_SOCKET": str(sock),
+                "BENCH_AGENT_PID": str(agent.pid),
             }
             args = ["--worker", str(tmp / f"rank-{rank}.json"), "--steps", str(steps)]
             workers.append(
@@ -244,6 +266,11 @@ def run(steps: int, rounds: int) -> dict[str, Any]:
             "steps_per_mode": len(plain),
             "save_every_steps": ranks[0][name]["save_every"],
             "saves_per_rank": ranks[0][name]["saves_total"],
+            "sdk_calls_us_per_step": statistics.fmean(r[name]["calls_us_per_step"] for r in ranks),
+            # the agent's CPU per step (both ranks' reports and saves: reading reports,
+            # noticing copies, persisting one per 30 s) beyond what it uses in plain blocks
+            "agent_cpu_ms_per_step_sdk": ranks[0][name]["agent_cpu_ms_per_step"]["sdk"],
+            "agent_cpu_ms_per_step_plain": ranks[0][name]["agent_cpu_ms_per_step"]["plain"],
         }
     return out
 
@@ -279,15 +306,16 @@ def main() -> int:
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(
         "| model | state / rank | plain step (median) | with SDK | ratio | CPU / step ratio "
-        "| saves every | save blocks |"
+        "| saves every | save blocks | agent CPU / step, SDK (plain) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in results["models"].items():
         print(
             f"| {name} | {r['state_bytes_per_rank'] / 1e6:.2f} MB "
             f"| {r['plain_step_ms_median']:.2f} ms | {r['sdk_step_ms_median']:.2f} ms "
             f"| {r['ratio_median']:.3f} | {r['cpu_ratio']:.3f} | {r['save_every_steps']} steps "
-            f"| {r['save_blocked_ms_mean']:.2f} ms |"
+            f"| {r['save_blocked_ms_mean']:.2f} ms | {r['agent_cpu_ms_per_step_sdk']:.3f} ms "
+            f"({r['agent_cpu_ms_per_step_plain']:.3f} ms) |"
         )
     print(
         f"no agent: report + save + should_stop cost "

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StepReport(_message.Message):
-    __slots__ = ("step", "loss", "step_time_ms", "timings_ms", "has_loss")
+    __slots__ = ("step", "loss", "step_time_ms", "timings_ms", "has_loss", "has_peak", "peak_loss", "peak_step", "steps")
     class TimingsMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -20,12 +20,20 @@ class StepReport(_message.Message):
     STEP_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_MS_FIELD_NUMBER: _ClassVar[int]
     HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
+    HAS_PEAK_FIELD_NUMBER: _ClassVar[int]
+    PEAK_LOSS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     step: int
     loss: float
     step_time_ms: float
     timings_ms: _containers.ScalarMap[str, float]
     has_loss: bool
-    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_ms: _Optional[float] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., has_loss: _Optional[bool] = ...) -> None: ...
+    has_peak: bool
+    peak_loss: float
+    peak_step: int
+    steps: int
+    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_ms: _Optional[float] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., has_loss: _Optional[bool] = ..., has_peak: _Optional[bool] = ..., peak_loss: _Optional[float] = ..., peak_step: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("reply_socket", "stack_signal", "attach", "rank", "world_size")

@@ -242,6 +242,7 @@ class SaveHandle:
         self._copied = copied
         self._valid = valid
         self.blocked_s = blocked_s
+        self._copied_ok = False
 
     def wait_copied(self, timeout_s: float = 600.0) -> None:
         """Block until the state's tensors are copied out; they may be modified after.
@@ -249,12 +250,16 @@ class SaveHandle:
         Raises:
             TimeoutError: the copy is not done within `timeout_s`.
         """
+        if self._copied_ok:  # the common case, once per optimizer step: no lock taken
+            return
         if self._copied.done():
             self._copied.result()  # re-raises a failed copy's error
+            self._copied_ok = True
             return
         t0 = time.perf_counter()
         try:
             self._copied.result(timeout=timeout_s)
+            self._copied_ok = True
         finally:
             self.blocked_s += time.perf_counter() - t0
 

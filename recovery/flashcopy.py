@@ -202,17 +202,34 @@ def data_path(rank_dir: Path, slot: int) -> Path:
     return rank_dir / f"slot-{slot}.data"
 
 
+# Parsed manifests by path, with the file identity they were parsed from: the agent polls
+# every slot ten times a second, and a manifest is only ever replaced whole (os.replace:
+# a new inode), so an unchanged identity means an unchanged manifest.
+_parsed: dict[str, tuple[tuple[int, int, int], Manifest]] = {}
+
+
 def read_manifest(rank_dir: Path, slot: int) -> Manifest | None:
     """The slot's manifest, or None when the slot holds no complete copy."""
+    path = manifest_path(rank_dir, slot)
     try:
-        raw = manifest_path(rank_dir, slot).read_bytes()
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            ident = (st.st_ino, st.st_size, st.st_mtime_ns)
+            hit = _parsed.get(str(path))
+            if hit is not None and hit[0] == ident:
+                return hit[1]
+            raw = f.read()
     except FileNotFoundError:
         return None
     try:
-        return Manifest.from_bytes(raw)
+        m = Manifest.from_bytes(raw)
     except (CorruptCopyError, ValueError, KeyError) as e:
         log.warning("flash.manifest_unreadable", dir=str(rank_dir), slot=slot, error=str(e))
         return None
+    if len(_parsed) > 4096:  # slots of long-gone jobs
+        _parsed.clear()
+    _parsed[str(path)] = (ident, m)
+    return m
 
 
 def list_copies(rank_dir: Path) -> list[CopyRef]:

@@ -287,6 +287,14 @@ class CommitTracker:
         )
 
 
+PERSIST_META = "persist"  # manifest meta key; False: a copy for memory only, not persisted
+
+
+def persistable(refs: list[CopyRef]) -> list[CopyRef]:
+    """The copies (newest first) that may be persisted: all but those marked memory-only."""
+    return [r for r in refs if r.manifest.meta.get(PERSIST_META, True) is not False]
+
+
 class Persister:
     """The agent's background persister: a bounded queue and one thread.
 
@@ -322,8 +330,8 @@ class Persister:
         return self._done.get(str(Path(rank_dir)))
 
     def persist_now(self, rank_dir: Path) -> Persisted | None:
-        """Persist the newest copy of `rank_dir` in the caller's thread."""
-        refs = list_copies(Path(rank_dir))
+        """Persist the newest persistable copy of `rank_dir` in the caller's thread."""
+        refs = persistable(list_copies(Path(rank_dir)))
         if not refs:
             return None
         ref = refs[0]

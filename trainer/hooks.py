@@ -2,12 +2,13 @@
 
 A worker (the embedded engine, a plugin trainer or any script) calls `report_step` once
 per step. Each call is one datagram on the agent's unix socket (env
-`UNBROKEN_AGENT_SOCKET`): no connection, no thread, no gRPC, no torch, a few microseconds;
-when the agent is gone or its buffer is full the report is dropped rather than slowing
-the step. `install()` also registers a faulthandler stack dump on SIGUSR1 so the agent
-can dump a hung worker's Python stacks before it kills it, and ties the worker's life to
-its agent's (`die_with_agent`: PR_SET_PDEATHSIG, then a check that the parent is still the
-agent named in `UNBROKEN_AGENT_PID`, which closes the race of an agent dying before the
+`UNBROKEN_AGENT_SOCKET`; the SDK sends at most one per `REPORT_EVERY_S`): no connection,
+no thread, no gRPC, no torch, a few microseconds; when the agent is gone or its buffer is
+full the report is dropped rather than slowing the step. `install()` also registers a
+faulthandler stack dump on SIGUSR1 so the agent can dump a hung worker's Python stacks
+before it kills it, and ties the worker's life to its agent's (`die_with_agent`:
+PR_SET_PDEATHSIG, then a check that the parent is still the agent named in
+`UNBROKEN_AGENT_PID`, which closes the race of an agent dying before the
 prctl). Outside an agent (no env variable) every call is a no-op.
 
 The SDK (`init`, `report`, `save`, `restore`, `should_stop`, `should_save`, `close`) is
@@ -25,6 +26,7 @@ so the script stays portable.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import ctypes
 import faulthandler
@@ -52,9 +54,20 @@ ENV_SOCKET = "UNBROKEN_AGENT_SOCKET"
 DEFAULT_SOCKET = "/tmp/unbroken-agent.sock"
 WELCOME_TIMEOUT_S = 2.0  # an agent answers an attaching Hello within this, or is ignored
 SAVE_BUDGET = 0.02  # share of the step time flash saves may cost (init(save_budget=...))
+# Of the flash copies, the agent persists to storage about one per this many seconds (the
+# others live in memory and the buddy's replica): persisting every copy would cost the node
+# far more than the save itself (init(persist_every_s=...)).
+PERSIST_EVERY_S = 30.0
 CALIBRATE_CALLS = 8  # save() calls that all save, to measure a save's cost
+FIRST_RETUNE_CALLS = 64  # save() calls after calibrating to the first full measurement
 RETUNE_CALLS = 256  # save() calls between later re-tunings
+PROBE_CALLS = 16  # saving every step, skip every this-many-th so a save's cost shows
 MAX_EVERY = 1000  # never fewer saves than one per this many steps
+# The SDK sends at most one step report per this many seconds (the agent's heartbeat
+# carries one per 100 ms): shorter steps ride along in the next report, so a 1 ms step
+# loop does not wake the agent a thousand times a second.
+REPORT_EVERY_S = 0.05
+POLL_EVERY_S = 0.005  # the agent's commands are read at most this often
 ENV_LOCAL_RANK = "LOCAL_RANK"
 ENV_AGENT_PID = "UNBROKEN_AGENT_PID"
 STACK_SIGNAL = signal.SIGUSR1
@@ -108,12 +121,33 @@ def _ancestors(limit: int = 8) -> list[int]:
 class Hooks:
     """A connectionless client of the agent's local channel."""
 
-    def __init__(self, socket_path: str | None = None, local_rank: int | None = None) -> None:
+    def __init__(
+        self,
+        socket_path: str | None = None,
+        local_rank: int | None = None,
+        *,
+        coalesce_s: float = 0.0,
+    ) -> None:
+        """A client of the agent at `socket_path` (default: `UNBROKEN_AGENT_SOCKET`).
+
+        Args:
+            socket_path: the agent's socket; empty: every call is a no-op.
+            local_rank: this worker's local rank (default: `LOCAL_RANK`).
+            coalesce_s: send at most one step report per this many seconds; the steps in
+                between ride along in the next report (their mean step time, their peak
+                loss). 0 sends every step.
+        """
         self.path = socket_path if socket_path is not None else os.environ.get(ENV_SOCKET, "")
         rank = local_rank if local_rank is not None else os.environ.get(ENV_LOCAL_RANK, "0")
         self.local_rank = int(rank)
         self.pid = os.getpid()
+        self.coalesce_s = coalesce_s
         self._last_t: float | None = None
+        self._sent_t: float | None = None  # when the last step report went out
+        self._held: tuple[int, float | None, dict[str, float]] | None = None  # newest unsent
+        self._held_steps = 0
+        self._held_ms = 0.0  # their summed step time
+        self._peak: tuple[float, int] | None = None  # their highest (or non-finite) loss
         self._sock: socket.socket | None = None
         self._reply = ""
         if self.path:
@@ -163,19 +197,48 @@ class Hooks:
             **timings_ms: named phase durations in ms ("forward", "backward", ...).
 
         Returns:
-            True when the datagram was sent.
+            True when a datagram was sent now; False when the step is held for the next
+            report (`coalesce_s`) or the datagram was dropped.
         """
         now = time.monotonic()
         if step_time_ms is None:
             step_time_ms = 0.0 if self._last_t is None else (now - self._last_t) * 1000.0
         self._last_t = now
-        rep = hpb.WorkerReport(step=hpb.StepReport(step=step, step_time_ms=step_time_ms))
         if loss is not None:
-            rep.step.loss = float(loss)
-            rep.step.has_loss = True
+            loss = float(loss)
+            p = self._peak  # a non-finite loss, once held, is never replaced
+            if p is None or (math.isfinite(p[0]) and (not math.isfinite(loss) or loss > p[0])):
+                self._peak = (loss, step)
+        # the newest step, as plain values: the message is built only when it is sent
+        self._held = (step, loss, timings_ms)
+        self._held_steps += 1
+        self._held_ms += step_time_ms
+        if (
+            self.coalesce_s > 0
+            and self._sent_t is not None
+            and now - self._sent_t < self.coalesce_s
+            and (loss is None or math.isfinite(loss))
+        ):
+            return False
+        return self.flush_steps(now)
+
+    def flush_steps(self, now: float | None = None) -> bool:
+        """Send the held step report, if any (True when a datagram went out)."""
+        if self._held is None:
+            return False
+        step, loss, timings_ms = self._held
+        rep = hpb.StepReport(
+            step=step, steps=self._held_steps, step_time_ms=self._held_ms / self._held_steps
+        )
+        if loss is not None:
+            rep.loss, rep.has_loss = loss, True
         for k, v in timings_ms.items():
-            rep.step.timings_ms[k] = float(v)
-        return self._send(rep)
+            rep.timings_ms[k] = float(v)
+        if self._peak is not None:
+            rep.has_peak, (rep.peak_loss, rep.peak_step) = True, self._peak
+        self._held, self._held_steps, self._held_ms, self._peak = None, 0, 0.0, None
+        self._sent_t = time.monotonic() if now is None else now
+        return self._send(hpb.WorkerReport(step=rep))
 
     def commands(self) -> list[hpb.WorkerCommand]:
         """Commands the agent sent (pause, resume, flash-save), without blocking."""
@@ -192,6 +255,7 @@ class Hooks:
 
     def close(self) -> None:
         if self._sock is not None:
+            self.flush_steps()
             self._sock.close()
             self._sock = None
 
@@ -236,7 +300,13 @@ def _rank() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+_dist_ready = False  # torch.distributed was seen initialized (it stays so in a step loop)
+
+
 def _require_dist(what: str) -> None:
+    global _dist_ready
+    if _dist_ready:
+        return
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_initialized():
         raise RuntimeError(
@@ -244,6 +314,7 @@ def _require_dist(what: str) -> None:
             "torch.distributed.init_process_group(...) first (a single process too, with "
             "world_size=1), so every rank agrees on the step to restore"
         )
+    _dist_ready = True
 
 
 class _Bundle:
@@ -328,7 +399,7 @@ def save_interval(cost_s: float, step_s: float, budget: float, max_every: int = 
         return 1
     if step_s <= 0:
         return max_every
-    return max(1, min(max_every, math.ceil(cost_s / (budget * step_s))))
+    return max(1, min(max_every, math.ceil(cost_s / (budget * step_s) - 1e-9)))
 
 
 def _thread_cpu_s(prefix: str) -> float:
@@ -345,59 +416,120 @@ class Pacer:
     """Which `save` calls really save: all while calibrating, then one per `every` steps.
 
     Every rank must choose the same steps (a restore needs a step every rank holds), so
-    the interval is agreed on collectively: each rank measures its saves' cost (blocking
-    plus the flash writer thread's CPU) and its step time over a window of calls, and the
-    ranks take the largest interval any of them needs. Calls are counted, not timed, so
-    the ranks tune at the same call.
+    the interval is agreed on collectively: each rank measures what its saves cost and what
+    a step costs over a window of calls, and the ranks take the largest interval any of
+    them needs. Calls are counted, not timed, so the ranks tune at the same call.
+
+    A save costs more than the time it blocks: its background copy takes CPU (on a node
+    without a spare core, from training), and copying megabytes evicts the step's data
+    from the caches. So the cost is measured in this process's CPU time (every thread,
+    which is also what other processes on the machine do not change): the CPU of the
+    steps that carried a save's copy (the step after it; the latest 32) less that of the
+    others (the latest 512), medians, so that a pause between two calls (an evaluation,
+    a data stall) weighs no more than any other step. The interval is the
+    larger of that CPU cost over `budget` of a step's CPU, and of the blocking over
+    `budget` of a step's wall time. The calibrating window (every call saves, so no step
+    is free of a save) falls back to the blocking plus the flash writer thread's CPU; the
+    next window, `FIRST_RETUNE_CALLS` later, measures the whole cost. Saving every step,
+    every `PROBE_CALLS`-th call skips its save so that the comparison stays possible.
     """
 
-    def __init__(self, budget: float, writer_threads: str) -> None:
+    def __init__(
+        self, budget: float, writer_threads: str, persist_every_s: float = PERSIST_EVERY_S
+    ) -> None:
         if not 0 < budget < 1:
             raise ValueError(f"save_budget must be in (0, 1), got {budget}")
         self.budget = budget
         self.writer_threads = writer_threads
+        self.persist_every_s = persist_every_s
         self.every = 1
+        self.persist_every = 0  # steps between persisted saves, agreed (0: none yet)
+        self.persist_wanted = 0  # this rank's wish: persist_every_s over its step time
         self.calls = 0
         self.saves = 0
         self.blocked_s = 0.0  # of the saves of finished windows
+        self.cost_s = 0.0  # the newest window's estimate of one save's cost (CPU s)
+        self.step_cpu_s = 0.0  # and of one step's CPU without a save
         self._handles: list[Any] = []  # this window's saves (their blocked_s grows later)
-        self._last: float | None = None  # the previous call's time
-        self._gaps: list[float] = []  # this window's times between calls
+        self._last: tuple[float, float] | None = None  # the previous call's (wall, CPU)
+        self._prev_saved = False  # whether the previous call saved
+        # this window's steps (time between calls): (wall s, CPU s, followed a save)
+        self._steps: list[tuple[float, float, bool]] = []
         self._cpu0 = 0.0
+        # CPU s of the latest steps that carried a save's copy, and of the others
+        self._carried: collections.deque[float] = collections.deque(maxlen=32)
+        self._free: collections.deque[float] = collections.deque(maxlen=512)
 
     def due(self, step: int) -> bool:
         """Whether the call for `step` saves (counts the call)."""
         self.calls += 1
-        now = time.perf_counter()
+        now = (time.perf_counter(), time.process_time())
         if self._last is None:
             self._cpu0 = _thread_cpu_s(self.writer_threads)
         else:
-            self._gaps.append(now - self._last)
-        self._last = now
-        return self.calls <= CALIBRATE_CALLS or step % self.every == 0
+            self._steps.append((now[0] - self._last[0], now[1] - self._last[1], self._prev_saved))
+        self._last, self._prev_saved = now, False
+        if self.calls <= CALIBRATE_CALLS:
+            return True
+        if self.every == 1:  # all but every PROBE_CALLS-th, so some steps follow no save
+            return self.calls % PROBE_CALLS != 0
+        return step % self.every == 0
 
     def saved(self, handle: Any) -> None:
         if handle is not None:
             self._handles.append(handle)
             self.saves += 1
+            self._prev_saved = True
+
+    def _window_ends(self) -> bool:
+        n = self.calls - CALIBRATE_CALLS
+        return n == 0 or n == FIRST_RETUNE_CALLS or (n > 0 and n % RETUNE_CALLS == 0)
 
     def measure(self) -> int | None:
         """This rank's wanted interval when a window ends at this call, else None."""
-        end = CALIBRATE_CALLS if self.calls <= CALIBRATE_CALLS else 0
-        if self.calls != end and (self.calls - CALIBRATE_CALLS) % RETUNE_CALLS:
+        if not self._window_ends():
             return None
         cpu = _thread_cpu_s(self.writer_threads)
-        window = CALIBRATE_CALLS if end else RETUNE_CALLS
-        saves = max(1, len(self._handles))
-        blocked = sum(h.blocked_s for h in self._handles)
+        steps, handles = self._steps, self._handles
+        blocked = sum(h.blocked_s for h in handles)
         self.blocked_s += blocked
-        cost = (blocked + cpu - self._cpu0) / saves
-        # The median time between calls (robust to a pause or an evaluation between two
-        # steps) less what the saves cost per call: the step time without saving.
-        gap = statistics.median(self._gaps) if self._gaps else 0.0
-        step = max(0.0, gap - cost * len(self._handles) / window)
-        self._handles, self._gaps, self._cpu0 = [], [], cpu
-        return save_interval(cost, step, self.budget)
+        self._handles, self._steps, self._cpu0, writer_cpu = [], [], cpu, cpu - self._cpu0
+        free = [s for s in steps if not s[2]]
+        if free:  # (not the calibrating window: its steps are the slower first ones)
+            self._carried.extend(s[1] for s in steps if s[2])
+            self._free.extend(s[1] for s in free)
+        if self._carried and self._free:
+            self.step_cpu_s = statistics.median(self._free)
+            self.cost_s = max(0.0, statistics.median(self._carried) - self.step_cpu_s)
+            wanted = save_interval(self.cost_s, self.step_cpu_s, self.budget)
+            if free:
+                wall = statistics.median(s[0] for s in free)
+                self._wish_persist(wall)
+                if handles:
+                    blocking = save_interval(blocked / len(handles), wall, self.budget)
+                    wanted = max(wanted, blocking)
+            return wanted
+        if not handles:  # nothing saved yet: nothing to learn
+            return self.every
+        # Every step followed a save (calibration): its blocking and the writer's CPU,
+        # against the median time between calls less that cost.
+        self.cost_s = (blocked + writer_cpu) / len(handles)
+        gap = statistics.median(s[0] for s in steps) if steps else 0.0
+        self._wish_persist(max(0.0, gap - self.cost_s))
+        return save_interval(self.cost_s, max(0.0, gap - self.cost_s), self.budget)
+
+    def _wish_persist(self, step_s: float) -> None:
+        every = math.ceil(self.persist_every_s / step_s) if step_s > 0 else MAX_EVERY
+        self.persist_wanted = max(1, every)
+
+    def agreed(self, every: int, persist_every: int) -> None:
+        """Take the intervals all ranks agreed on; persisted saves fall on saved steps."""
+        self.every = every
+        self.persist_every = every * math.ceil(persist_every / every)
+
+    def persist(self, step: int) -> bool:
+        """Whether the save of `step` is one for the agent to persist."""
+        return self.persist_every > 0 and step % self.persist_every == 0
 
 
 class Session:
@@ -414,11 +546,19 @@ class Session:
         self.flash_off = not welcome.flash_root
         self.restored_step: int | None = None
         self.save_budget = SAVE_BUDGET
+        self.persist_every_s = PERSIST_EVERY_S
         self.pacer: Pacer | None = None
         self.last: Any = None  # the newest save's handle
+        self._polled = -math.inf  # when the socket was last read
 
     def poll(self) -> None:
-        """Apply the commands the agent sent since the last poll (non-blocking)."""
+        """Apply the commands the agent sent since the last poll (non-blocking; the socket
+        is read at most once per `POLL_EVERY_S`, so a step loop calling this twice a step
+        costs a clock read, not two system calls)."""
+        now = time.monotonic()
+        if not self.pending and now - self._polled < POLL_EVERY_S:
+            return
+        self._polled = now
         cmds, self.pending = [*self.pending, *self.hooks.commands()], []
         for c in cmds:
             kind = c.WhichOneof("kind")
@@ -451,7 +591,7 @@ class Session:
                 root=w.flash_root, job=w.flash_job, node=w.flash_node, persist_url=w.persist_url
             )
             self.flash = FlashCheckpointer(env, _rank()[0])
-            self.pacer = Pacer(self.save_budget, f"flash-{self.flash.rank}_")
+            self.pacer = Pacer(self.save_budget, f"flash-{self.flash.rank}_", self.persist_every_s)
         return self.flash
 
     def close(self) -> None:
@@ -484,7 +624,7 @@ def _caller_level() -> int:
 def _attach(path: str, timeout_s: float) -> Session | None:
     """Say an attaching Hello on `path` and wait for the Welcome; None when nobody answers."""
     rank, world = _rank()
-    hooks = Hooks(socket_path=path)
+    hooks = Hooks(socket_path=path, coalesce_s=REPORT_EVERY_S)
     hello = hpb.Hello(
         reply_socket=hooks._reply, stack_signal=False, attach=True, rank=rank, world_size=world
     )
@@ -534,6 +674,7 @@ def init(
     *,
     timeout_s: float = WELCOME_TIMEOUT_S,
     save_budget: float = SAVE_BUDGET,
+    persist_every_s: float = PERSIST_EVERY_S,
 ) -> bool:
     """Attach this process to its node's agent (idempotent; the other calls do it lazily).
 
@@ -542,6 +683,8 @@ def init(
             `DEFAULT_SOCKET`).
         timeout_s: how long to wait for the agent's answer.
         save_budget: the share of step time flash saves may cost (see `save`).
+        persist_every_s: about how often a save is also persisted to storage by the agent
+            (the others stay in memory and in the buddy's replica; see `save`).
 
     Returns:
         True when attached; False (after one warning) when no agent answered, in which
@@ -550,11 +693,14 @@ def init(
     global _session, _tried
     if not 0 < save_budget < 1:
         raise ValueError(f"save_budget must be in (0, 1), got {save_budget}")
+    if not persist_every_s > 0:
+        raise ValueError(f"persist_every_s must be > 0, got {persist_every_s}")
     if not _tried:
         _tried = True
         _session = _attach(socket_path or find_socket(), timeout_s)
         if _session is not None:
             _session.save_budget = save_budget
+            _session.persist_every_s = persist_every_s
             atexit.register(close)
     return _session is not None
 
@@ -577,8 +723,12 @@ def report(step: int, loss: float | None = None, **timings_ms: float) -> bool:
         **timings_ms: named phase durations in ms ("data", "forward", ...); the step time
             is measured between reports.
 
+    Steps shorter than `REPORT_EVERY_S` are held and sent with the next report (the newest
+    step and loss, their mean step time and their highest loss), so the agent is woken at
+    most 20 times a second however short the steps; `close` sends what is held.
+
     Returns:
-        True when the report was sent.
+        True when a report was sent now (False: held for the next one, or no agent).
     """
     s = _get()
     if s is None:
@@ -597,7 +747,10 @@ def save(step: int, state_dict: dict[str, Any], *, force: bool = False) -> bool:
 
     Paced so that saving costs at most `save_budget` of the step time (`init`; 2 %): the
     first calls all save and measure, then every rank saves each `every`-th step (the
-    same steps on every rank), every step when saves are cheap against the step.
+    same steps on every rank), every step when saves are cheap against the step. About
+    one save per `persist_every_s` (`init`; 30 s), again the same steps on every rank, is
+    also persisted to storage by the agent, as is a forced or requested save; the others
+    live in the agent's memory and the buddy's replica.
 
     Args:
         step: the step this state belongs to (the one just finished).
@@ -620,12 +773,16 @@ def save(step: int, state_dict: dict[str, Any], *, force: bool = False) -> bool:
     requested = s.save_at is not None and step >= s.save_at
     due = s.pacer.due(step) or force or requested
     if due:
+        from unbroken.recovery.persist import PERSIST_META
         from unbroken.recovery.sources import LAYOUT_META
         from unbroken.trainer.flashckpt import KEY
 
         bundle = _Bundle(state_dict)
         ckpt.guard(bundle)  # type: ignore[arg-type]
-        meta = {LAYOUT_META: ckpt.layout(bundle)}  # type: ignore[arg-type]
+        meta = {
+            LAYOUT_META: ckpt.layout(bundle),  # type: ignore[arg-type]
+            PERSIST_META: force or requested or s.pacer.persist(step),
+        }
         handle = ckpt.writer.save_async({KEY: bundle}, step, meta=meta)
         s.pacer.saved(handle)
         s.last = handle
@@ -633,17 +790,17 @@ def save(step: int, state_dict: dict[str, Any], *, force: bool = False) -> bool:
             s.save_at = None
     wanted = s.pacer.measure()  # at the same call on every rank, saved or not
     if wanted is not None:
-        s.pacer.every = _agree(wanted)
+        s.pacer.agreed(*_agree(wanted, s.pacer.persist_wanted))
     return due
 
 
-def _agree(wanted: int) -> int:
-    """The largest interval any rank wants (collective)."""
+def _agree(*wanted: int) -> tuple[int, ...]:
+    """The largest of each interval any rank wants (collective)."""
     import torch.distributed as dist
 
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, wanted)
-    return max(int(w) for w in everyone)
+    return tuple(max(int(w[i]) for w in everyone) for i in range(len(wanted)))
 
 
 def restore(state_dict: dict[str, Any]) -> int | None:
@@ -714,7 +871,8 @@ def close() -> None:
 
 def reset() -> None:
     """Forget the attachment and the warning, so `init` looks again (for tests)."""
-    global _tried, _warned
+    global _tried, _warned, _dist_ready
     close()
     _tried = False
     _warned = False
+    _dist_ready = False

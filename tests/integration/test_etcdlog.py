@@ -121,7 +121,8 @@ def test_unknown_outcomes_never_duplicate_and_retries_find_the_event(
         hasty_logs = []
         outcomes: list[object] = []
         try:
-            for k, deadline_s in enumerate((0.002, 0.004, 0.008, 0.016, 0.032)):
+            # 0.1 ms: no etcd transaction completes that fast, even on an idle machine
+            for k, deadline_s in enumerate((0.0001, 0.0005, 0.002, 0.008, 0.032)):
                 hasty = EtcdEventLog(
                     client, j, lead, archive_url=NO_ARCHIVE, append_timeout_s=deadline_s
                 )

@@ -26,6 +26,7 @@ from unbroken.recovery.flash import (
     write_raw_copy,
 )
 from unbroken.recovery.persist import (
+    PERSIST_META,
     CommitTracker,
     PersistConfig,
     Persisted,
@@ -33,6 +34,7 @@ from unbroken.recovery.persist import (
     apply_retention,
     discard_after,
     list_persisted,
+    persistable,
     read_shard,
     write_shard,
 )
@@ -271,6 +273,24 @@ def test_background_persister_reports_each_new_copy_once(owner: FlashOwner, tmp_
     pers.close(timeout_s=60)
     w.close()
     assert [(p.rank, p.step) for p in got] == [(0, 1), (0, 2)]
+
+
+def test_memory_only_copies_are_not_persisted(owner: FlashOwner, tmp_path: Path) -> None:
+    """The hooks SDK marks most saves memory-only: the persister takes the newest copy that
+    is not, and a memory-only copy never reaches storage."""
+    got: list[Persisted] = []
+    pers = Persister(PersistConfig(url=str(tmp_path), keep=2), got.append)
+    w = FlashWriter(0, owner)
+    w.save(_state(1), 1, meta={PERSIST_META: True}).wait()
+    w.save(_state(2), 2, meta={PERSIST_META: False}).wait()
+    refs = list_copies(owner.rank_dir(0))
+    assert [r.manifest.step for r in refs] == [2, 1]
+    assert [r.manifest.step for r in persistable(refs)] == [1]
+    pers.submit(owner.rank_dir(0))
+    pers.close(timeout_s=60)
+    w.close()
+    assert [p.step for p in got] == [1]
+    assert sorted(list_persisted(str(tmp_path))) == [1]
 
 
 def test_persist_config_validation() -> None:

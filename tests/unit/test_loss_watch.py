@@ -132,3 +132,16 @@ def test_the_agent_reports_each_heartbeat_s_peak_once() -> None:
     w.on_step(5, 3.0, 10.0, 0.0)
     s = w.status(0.0)
     assert s.peak_step == 4 and math.isnan(s.peak_loss)  # a non-finite loss wins
+
+
+def test_a_report_standing_for_several_steps_brings_their_peak() -> None:
+    from unbroken.agent.workers import Worker
+
+    w = Worker(0, 0, Path("/nonexistent/worker-0.log"))
+    w.on_step(10, 3.0, 1.0, 0.0, peak=(9.0, 7))  # the SDK's coalesced report of steps 6-10
+    s = w.status(0.0)
+    assert (s.step, s.loss, s.peak_step, s.peak_loss) == (10, 3.0, 7, 9.0)
+    w.on_step(11, 3.0, 1.0, 0.0, peak=(3.0, 11))
+    w.on_step(12, 2.0, 1.0, 0.0, peak=(math.inf, 12))
+    s = w.status(0.0)
+    assert s.peak_step == 12 and math.isinf(s.peak_loss)
