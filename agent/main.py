@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import socket
 import sys
@@ -13,6 +14,16 @@ from pathlib import Path
 from unbroken.agent.daemon import Agent, AgentConfig
 from unbroken.agent.flash import NodeFlashConfig, default_persist_url
 from unbroken.agent.warm import DEFAULT_PRELOAD
+
+#: Cores per local worker from which warm standbys are on by default (`--warm-workers`).
+WARM_CORES_PER_WORKER = 4
+
+
+def warm_default(nproc: int, cpus: int | None = None) -> bool:
+    """Warm standbys by default when the node has spare cores for their imports: at least
+    `WARM_CORES_PER_WORKER` per local worker (a GPU node: 8 workers, 64+ cores)."""
+    cpus = os.cpu_count() if cpus is None else cpus
+    return bool(cpus) and cpus >= WARM_CORES_PER_WORKER * max(1, nproc)
 from unbroken.agent.workers import DEFAULT_KEYWORDS, WorkerSpec
 from unbroken.proto.logsetup import setup_logging
 
@@ -86,9 +97,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     w.add_argument(
         "--warm-workers",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=None,
         help="hand worker starts to warm standbys that already imported torch (a Python "
-        "worker command only; default off: see bench/results/recovery.json)",
+        "worker command only). Default: on when the node has spare cores (at least "
+        f"{WARM_CORES_PER_WORKER} per local worker), as GPU nodes do; off on smaller hosts, "
+        "where the standbys' imports compete with training (bench/results/recovery.json)",
     )
     w.add_argument(
         "--warm-preload",
@@ -158,7 +171,7 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
             keywords=tuple(k for k in ns.keywords.split(",") if k),
             fault=ns.inject_fault,
             nice=ns.worker_nice,
-            warm=ns.warm_workers,
+            warm=warm_default(ns.nproc_per_node) if ns.warm_workers is None else ns.warm_workers,
             warm_preload=tuple(m for m in ns.warm_preload.split(",") if m),
             warm_refill_after_s=ns.warm_refill_after_s,
             warm_nice=ns.warm_nice,

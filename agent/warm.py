@@ -23,11 +23,13 @@ imports take only idle CPU); the hand-off then sets every thread back to the nic
 worker gets. That needs the right to raise a priority (root / CAP_SYS_NICE, or RLIMIT_NICE); an
 agent without it starts standbys at the workers' niceness.
 
-Off by default (`unbroken agent --warm-workers` turns it on): on this project's shared 2-core
-machine the standbys' imports compete with everything else and the measured gain was small
-(bench/recovery.py, `worker_crash_resume_s`); on a node with idle cores it removes the
-interpreter and torch start-up from every restart. A worker started this way shows the
-standby's command line in `ps` (`python -m unbroken.agent.warm ...`), not the worker's.
+On by default where the node has spare cores (`unbroken agent`: at least 4 per local
+worker, as a GPU node has), off on smaller hosts such as this project's 2-core machine,
+where the standbys' imports compete with training; `--warm-workers` / `--no-warm-workers`
+decide either way. Measured (bench/recovery.py, `worker_crash_resume_s`): a worker crash
+resumed training in 0.6 s warm on an idle 2-core host, against several seconds cold. A worker
+started this way shows the standby's command line in `ps` (`python -m unbroken.agent.warm
+...`), not the worker's.
 
 The standby side (`python -m unbroken.agent.warm --fd N --preload a,b`) imports modules by
 name only (nothing of the agent's, no logging set-up) so the worker's code runs in a clean

@@ -13,10 +13,11 @@ flash-saving every step) and a spare agent. Faults are injected by signals:
   the new standby. Training never pauses for it: resume_s = 0, steps_lost = 0.
 
 * loss spike: the leader's InjectFault RPC (`unbroken inject loss-spike`) on every training
-  node, 2 steps ahead (LossSpike; the loop rolls back and restarts the world).
-
-A silently bad node (wrong matmul, found by a self-check or a diagnosis) is not driven here;
-it is listed under `not_injected` (the drill of `make run` covers it).
+  node, 2 steps ahead (LossSpike; the loop rolls back and restarts the world);
+* silently bad node: InjectFault `wrong-matmul` on a training node, then an on-demand
+  self-check of it (`unbroken selfcheck`); detected when its failed SelfCheckReported is
+  appended; the loop diagnoses, evicts it and a spare takes its rank (a new spare is
+  started at once; the evicted agent is stopped).
 
 Phases, all in one run:
 1. cold: a cluster whose agents start every worker as a fresh process (`--no-warm-workers`),
@@ -72,18 +73,16 @@ from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
 
 RESULTS = Path(__file__).resolve().parent / "results" / "recovery.json"
-KINDS = ("worker_crash", "node_loss", "hang", "loss_spike", "driver_kill")
+KINDS = ("worker_crash", "node_loss", "hang", "loss_spike", "silently_bad_node", "driver_kill")
 EXPECT = {
     "worker_crash": "worker_failed",
     "node_loss": "node_lost",
     "hang": "hang_suspected",
     "loss_spike": "loss_spike",
+    "silently_bad_node": "self_check_reported",
     "driver_kill": "leader_elected",
 }
-NOT_INJECTED = {
-    "silently_bad_node": "needs a wrong-matmul node found by a self-check or diagnosis run "
-    "by the loop; not driven by this bench (see `make run`'s drill)",
-}
+NOT_INJECTED: dict[str, str] = {}
 SPIKE_AHEAD = 2  # a loss spike is injected this many steps ahead of the newest step
 HANG_FLOOR_MS = 10_000
 # Missed 100 ms heartbeats before NodeLost. The driver's default is 3 and `unbroken up` uses
@@ -260,6 +259,7 @@ class Bench:
         self.endpoints = ""
         self.faults: list[Fault] = []
         self._marks: dict[Path, int] = {}
+        self._checks: set[asyncio.Future[Any]] = set()
         self.failed = ""
         self.flash_job = f"bench-{run.name}-{os.getpid()}"
         self._agent_flags = self._optional_agent_flags()
@@ -352,6 +352,9 @@ class Bench:
         for e in new:
             for f in self.faults:
                 self._observe(f, e)
+            if e.HasField("node_evicted") and e.node_evicted.node_id in self.c.agents:
+                # an evicted node waits idle for an operator: stop it (its spare replaced it)
+                stop_groups([self.c.agents.pop(e.node_evicted.node_id)], grace_s=15)
             if e.HasField("job_finished") and not e.job_finished.ok:
                 self.failed = e.job_finished.reason or "job finished not ok"
             elif (
@@ -409,7 +412,7 @@ class Bench:
 
     # ------------------------------------------------------------ injecting
     def can(self, kind: str) -> bool:
-        if kind == "node_loss":
+        if kind in ("node_loss", "silently_bad_node"):
             return self._spare_ready() and len(self._working()) >= 2
         if kind == "driver_kill":
             live = [n for n, p in self.c.drivers.items() if p.poll() is None]
@@ -444,6 +447,21 @@ class Bench:
                 resp = await self.w.rpc("InjectFault", req)
                 if resp is None or not resp.ok:
                     f.note = f"InjectFault failed on {n}"
+        elif kind == "silently_bad_node":
+            working = [n.node_id for n in self._working() if n.node_id in self.c.agents]
+            if not working:
+                return None
+            bad = working[0]
+            f = Fault(kind, bad, wall, mono)
+            req = dpb.InjectFaultRequest(node_id=bad, kind="wrong-matmul")
+            resp = await self.w.rpc("InjectFault", req)
+            if resp is None or not resp.ok:
+                f.note = "InjectFault failed"
+            # its self-check (run on demand, in the background) finds it; the loop evicts it
+            check = self.w.rpc("RunSelfCheck", dpb.RunSelfCheckRequest(node_ids=[bad]), 120.0)
+            self._checks.add(t := asyncio.ensure_future(check))
+            t.add_done_callback(self._checks.discard)
+            self.new_spare()
         elif kind == "driver_kill":
             leader = self.w.leader
             if not leader:
@@ -553,6 +571,8 @@ def _matches(e: ev.Event, f: Fault) -> bool:
         return f.target.startswith(e.worker_failed.node_id + " ")
     if kind == "hang_suspected":
         return f.target.startswith(e.hang_suspected.node_id + " ")
+    if kind == "self_check_reported":
+        return e.self_check_reported.node_id == f.target and not e.self_check_reported.ok
     return kind == "loss_spike"
 
 
@@ -694,6 +714,7 @@ def table(out: dict[str, Any]) -> str:
         "node_loss": "node lost (agent SIGKILL)",
         "hang": f"hang (worker SIGSTOP, floor {HANG_FLOOR_MS / 1000:.0f} s)",
         "loss_spike": "loss spike (injected at a step)",
+        "silently_bad_node": "silently bad node (wrong matmul, self-check)",
         "driver_kill": "leader driver SIGKILL",
     }
 
