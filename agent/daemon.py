@@ -54,6 +54,7 @@ from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import hooks_pb2 as hpb
+from unbroken.recovery.persist import ENV_TIMELINE
 
 log = structlog.get_logger(__name__)
 
@@ -384,6 +385,7 @@ class Agent:
                 checksum=p.checksum,
                 world_size=flash.world_size,
                 url=flash.config.persist_url,
+                timeline=p.timeline,
             )
             try:
                 await self._write(call, dpb.AgentMessage(shard_persisted=msg))
@@ -536,6 +538,7 @@ class Agent:
             return f"restore point: step {rp.step or 'newest'}, skip {rp.skip_batches}"
         if kind == "start_workers":
             p = msg.start_workers
+            sup.spec.extra_env[ENV_TIMELINE] = str(p.timeline)  # stamped on every copy
             if p.worker_cmd:
                 sup.spec.cmd = sup.spec.split(p.worker_cmd)
             if p.world_size:

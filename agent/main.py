@@ -14,6 +14,8 @@ from pathlib import Path
 from unbroken.agent.daemon import Agent, AgentConfig
 from unbroken.agent.flash import NodeFlashConfig, default_persist_url
 from unbroken.agent.warm import DEFAULT_PRELOAD
+from unbroken.agent.workers import DEFAULT_KEYWORDS, WorkerSpec
+from unbroken.proto.logsetup import setup_logging
 
 #: Cores per local worker from which warm standbys are on by default (`--warm-workers`).
 WARM_CORES_PER_WORKER = 4
@@ -22,10 +24,8 @@ WARM_CORES_PER_WORKER = 4
 def warm_default(nproc: int, cpus: int | None = None) -> bool:
     """Warm standbys by default when the node has spare cores for their imports: at least
     `WARM_CORES_PER_WORKER` per local worker (a GPU node: 8 workers, 64+ cores)."""
-    cpus = os.cpu_count() if cpus is None else cpus
-    return bool(cpus) and cpus >= WARM_CORES_PER_WORKER * max(1, nproc)
-from unbroken.agent.workers import DEFAULT_KEYWORDS, WorkerSpec
-from unbroken.proto.logsetup import setup_logging
+    n = (os.cpu_count() or 0) if cpus is None else cpus
+    return n >= WARM_CORES_PER_WORKER * max(1, nproc)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

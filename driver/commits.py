@@ -10,7 +10,9 @@ Pure (no I/O, no clock), so the service's read loop calls it inline. Idempotent:
 repeated after an agent reconnects, or one for a step at or below the newest commit, is
 ignored. Bounded: each tracker remembers at most `max_pending` incomplete steps and
 forgets those older than its newest commit; at most `MAX_WORLDS` world sizes are tracked.
-A Rollback event makes the steps after its target committable again (a new timeline).
+A Rollback event makes the steps after its target committable again (a new timeline), from
+shards saved in that timeline only: workers stamp each copy with the job's rollback count
+(StartWorkers.timeline), and a shard of the dead timeline persisted late is dropped.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class Commits:
         self.max_pending = max_pending
         self._trackers: dict[int, CommitTracker] = {}
         self.ignored = 0  # malformed reports dropped
+        self.stale = 0  # reports of a dead timeline dropped
+        # Rollbacks so far (the leader sets it from the replayed state): a shard saved in
+        # an earlier timeline belongs to steps a rollback abandoned.
+        self.timeline = 0
         # node -> global rank -> the step of its newest verified shard (ListCheckpoints)
         self.by_node: dict[str, dict[int, int]] = {}
 
@@ -50,6 +56,17 @@ class Commits:
         if problem:
             self.ignored += 1
             log.warning("shard report ignored", node=node_id, problem=problem)
+            return None
+        if msg.timeline < self.timeline:
+            self.stale += 1
+            log.info(
+                "shard of a dead timeline ignored",
+                node=node_id,
+                rank=msg.rank,
+                step=msg.step,
+                timeline=msg.timeline,
+                current=self.timeline,
+            )
             return None
         self.by_node.setdefault(node_id, {})[msg.rank] = msg.step
         tracker = self._trackers.pop(msg.world_size, None)
@@ -90,7 +107,9 @@ class Commits:
         )
 
     def rollback(self, to_step: int) -> None:
-        """Steps after `to_step` belong to a dead timeline: forget them, commit them anew."""
+        """Steps after `to_step` belong to a dead timeline: forget them, commit them anew
+        from shards of the new timeline only."""
+        self.timeline += 1
         for tracker in self._trackers.values():
             tracker.rollback(to_step)
 

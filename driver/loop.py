@@ -140,6 +140,11 @@ class _StartJob:
     node_ids: tuple[str, ...]
 
 
+def timeline(state: ev.JobState) -> int:
+    """The job's timeline: rollbacks so far (each abandons the steps after its target)."""
+    return int(state.event_counts.get("rollback", 0))
+
+
 class RecoveryLoop:
     """The leader's recovery loop (one per term)."""
 
@@ -154,6 +159,7 @@ class RecoveryLoop:
         self._gen = 0  # bumped by every performed decision; older progress watchers stop
         self._tasks: set[asyncio.Task[None]] = set()
         self._point = dpb.RestorePoint()  # sent before the next restore's StartWorkers
+        self._timeline = timeline(state)  # sent with every StartWorkers
         self._diagnosis: tuple[str, asyncio.Task[None]] | None = None  # id, task
 
     # ------------------------------------------------------------ lifecycle
@@ -249,9 +255,13 @@ class RecoveryLoop:
             log.info("recovery", phases=phases, actions=[type(a).__name__ for a in d.actions])
         restore = next((a for a in d.actions if isinstance(a, machine.Restore)), None)
         point = self._restore_point(d, restore)
+        after = self.state
+        for e in d.events:
+            after = statelib.apply(after, e)
 
         def then() -> None:
             self._point = point
+            self._timeline = timeline(after)
             self._perform(d.actions, restore=restore)
 
         return then
@@ -448,6 +458,7 @@ class RecoveryLoop:
                     dp=a.world.dp,
                     pp=a.world.pp,
                     tp=a.world.tp,
+                    timeline=self._timeline,
                 )
             )
             try:

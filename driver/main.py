@@ -30,7 +30,7 @@ from unbroken.driver.dashboard import Dashboard, DashboardConfig
 from unbroken.driver.etcd import EmbeddedEtcd, EtcdConfig, add_etcd_flags
 from unbroken.driver.eventlog import EventLogError, InMemoryEventLog, InMemoryStore, Leadership
 from unbroken.driver.liveview import LiveViewConfig
-from unbroken.driver.loop import LoopConfig, RecoveryLoop
+from unbroken.driver.loop import LoopConfig, RecoveryLoop, timeline
 from unbroken.driver.machine import Policy
 from unbroken.driver.rendezvous import RendezvousService
 from unbroken.driver.security import TlsConfig, read_token
@@ -281,6 +281,7 @@ async def _take_lead(
             ),
         )
     )
+    service.commits.timeline = timeline(state)  # rollbacks so far: older shards are stale
     service.lead(elog, address)
     log.info("leading", term=leadership.term, last_seq=state.last_seq, nodes=len(state.nodes))
     if not loop_cfg.nodes:

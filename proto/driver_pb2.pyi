@@ -231,7 +231,7 @@ class CommandAck(_message.Message):
     def __init__(self, command_id: _Optional[str] = ..., ok: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class ShardPersisted(_message.Message):
-    __slots__ = ("step", "rank", "uri", "bytes", "checksum", "world_size", "url")
+    __slots__ = ("step", "rank", "uri", "bytes", "checksum", "world_size", "url", "timeline")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     URI_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,7 @@ class ShardPersisted(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     URL_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
     step: int
     rank: int
     uri: str
@@ -246,7 +247,8 @@ class ShardPersisted(_message.Message):
     checksum: int
     world_size: int
     url: str
-    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., world_size: _Optional[int] = ..., url: _Optional[str] = ...) -> None: ...
+    timeline: int
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., world_size: _Optional[int] = ..., url: _Optional[str] = ..., timeline: _Optional[int] = ...) -> None: ...
 
 class SelfCheckReport(_message.Message):
     __slots__ = ("command_id", "ok", "failures", "details_json")
@@ -275,7 +277,7 @@ class AgentMessage(_message.Message):
     def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., check_result: _Optional[_Union[CheckResult, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., shard_persisted: _Optional[_Union[ShardPersisted, _Mapping]] = ..., self_check_report: _Optional[_Union[SelfCheckReport, _Mapping]] = ...) -> None: ...
 
 class StartWorkers(_message.Message):
-    __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port", "dp", "pp", "tp")
+    __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port", "dp", "pp", "tp", "timeline")
     WORKER_CMD_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_BASE_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +286,7 @@ class StartWorkers(_message.Message):
     DP_FIELD_NUMBER: _ClassVar[int]
     PP_FIELD_NUMBER: _ClassVar[int]
     TP_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
     worker_cmd: str
     world_size: int
     global_rank_base: int
@@ -292,7 +295,8 @@ class StartWorkers(_message.Message):
     dp: int
     pp: int
     tp: int
-    def __init__(self, worker_cmd: _Optional[str] = ..., world_size: _Optional[int] = ..., global_rank_base: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., tp: _Optional[int] = ...) -> None: ...
+    timeline: int
+    def __init__(self, worker_cmd: _Optional[str] = ..., world_size: _Optional[int] = ..., global_rank_base: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., tp: _Optional[int] = ..., timeline: _Optional[int] = ...) -> None: ...
 
 class StopWorkers(_message.Message):
     __slots__ = ("grace_s", "dump_stacks")

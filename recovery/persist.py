@@ -42,6 +42,24 @@ from unbroken.recovery.flashcopy import (
 
 log = structlog.get_logger(__name__)
 
+PERSIST_META = "persist"  # manifest meta key; False: a copy for memory only, not persisted
+TIMELINE_META = "timeline"  # manifest meta key: the job's rollbacks before the copy was saved
+ENV_TIMELINE = "UNBROKEN_TIMELINE"  # ...as the agent tells its workers (StartWorkers.timeline)
+
+
+def current_timeline() -> int:
+    """This worker's timeline (0 outside an agent, or before any rollback)."""
+    try:
+        return max(0, int(os.environ.get(ENV_TIMELINE, "0")))
+    except ValueError:
+        return 0
+
+
+def persistable(refs: list[CopyRef]) -> list[CopyRef]:
+    """The copies (newest first) that may be persisted: all but those marked memory-only."""
+    return [r for r in refs if r.manifest.meta.get(PERSIST_META, True) is not False]
+
+
 MAGIC = b"UBFLASH1"
 _HEADER = struct.Struct("<8sQ")
 STREAM_CHUNK = 16 << 20
@@ -74,6 +92,7 @@ class Persisted:
     uri: str
     nbytes: int
     checksum: int
+    timeline: int = 0  # the copy's TIMELINE_META: rollbacks before it was saved
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +160,14 @@ def write_shard(ref: CopyRef, url: str, *, verify_readback: bool = True) -> Pers
         raise
     if verify_readback:
         read_shard(uri, verify=True)
-    return Persisted(rank=m.rank, step=m.step, uri=uri, nbytes=m.data_nbytes, checksum=crc)
+    return Persisted(
+        rank=m.rank,
+        step=m.step,
+        uri=uri,
+        nbytes=m.data_nbytes,
+        checksum=crc,
+        timeline=int(m.meta.get(TIMELINE_META, 0)),
+    )
 
 
 def read_shard(uri: str, *, verify: bool = True) -> tuple[Manifest, memoryview]:
@@ -285,14 +311,6 @@ class CommitTracker:
             ranks=self.world_size,
             checksum=f"{crc:08x}",
         )
-
-
-PERSIST_META = "persist"  # manifest meta key; False: a copy for memory only, not persisted
-
-
-def persistable(refs: list[CopyRef]) -> list[CopyRef]:
-    """The copies (newest first) that may be persisted: all but those marked memory-only."""
-    return [r for r in refs if r.manifest.meta.get(PERSIST_META, True) is not False]
 
 
 class Persister:

@@ -63,6 +63,7 @@ from unbroken.recovery.flash import (
     replica_store,
 )
 from unbroken.recovery.flashcopy import LOCAL_STORE
+from unbroken.recovery.persist import TIMELINE_META, current_timeline
 from unbroken.recovery.reshard import load_resharded, reader_from_survey
 from unbroken.recovery.restore import (
     Availability,
@@ -181,7 +182,7 @@ class FlashCheckpointer:
         here on the first save).
         """
         self.guard(trainer)
-        meta = {LAYOUT_META: self.layout(trainer)}
+        meta = {LAYOUT_META: self.layout(trainer), TIMELINE_META: current_timeline()}
         handle = self.writer.save_async({KEY: trainer}, step, meta=meta)
         if handle is not None:
             self._account()

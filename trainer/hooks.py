@@ -773,7 +773,7 @@ def save(step: int, state_dict: dict[str, Any], *, force: bool = False) -> bool:
     requested = s.save_at is not None and step >= s.save_at
     due = s.pacer.due(step) or force or requested
     if due:
-        from unbroken.recovery.persist import PERSIST_META
+        from unbroken.recovery.persist import PERSIST_META, TIMELINE_META, current_timeline
         from unbroken.recovery.sources import LAYOUT_META
         from unbroken.trainer.flashckpt import KEY
 
@@ -782,6 +782,7 @@ def save(step: int, state_dict: dict[str, Any], *, force: bool = False) -> bool:
         meta = {
             LAYOUT_META: ckpt.layout(bundle),  # type: ignore[arg-type]
             PERSIST_META: force or requested or s.pacer.persist(step),
+            TIMELINE_META: current_timeline(),
         }
         handle = ckpt.writer.save_async({KEY: bundle}, step, meta=meta)
         s.pacer.saved(handle)

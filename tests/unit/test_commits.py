@@ -13,8 +13,11 @@ from unbroken.recovery.persist import shard_uri, step_dir
 URL = "/ckpt"
 
 
-def _shard(step: int, rank: int, world: int = 2, url: str = URL) -> dpb.ShardPersisted:
+def _shard(
+    step: int, rank: int, world: int = 2, url: str = URL, timeline: int = 0
+) -> dpb.ShardPersisted:
     return dpb.ShardPersisted(
+        timeline=timeline,
         step=step,
         rank=rank,
         uri=shard_uri(url, step, rank),
@@ -69,9 +72,22 @@ def test_rollback_reopens_later_steps() -> None:
     assert c.newest(2) == 8
     c.rollback(6)
     assert c.newest(2) is None
-    assert c.record("n0", _shard(7, 0)) is None
-    e = c.record("n1", _shard(7, 1))
+    assert c.record("n0", _shard(7, 0, timeline=1)) is None
+    e = c.record("n1", _shard(7, 1, timeline=1))
     assert e is not None and e.checkpoint_committed.step == 7
+
+
+def test_shards_of_a_dead_timeline_never_commit() -> None:
+    """A rank persisted step 9 before the rollback to 6 but reported it after: its shard
+    must not complete the new timeline's step 9 (which the other rank saved anew)."""
+    c = Commits()
+    c.rollback(6)
+    assert c.timeline == 1
+    assert c.record("n0", _shard(9, 0, timeline=0)) is None  # late, from the dead timeline
+    assert c.stale == 1
+    assert c.record("n1", _shard(9, 1, timeline=1)) is None  # still waits for rank 0
+    e = c.record("n0", _shard(9, 0, timeline=1))
+    assert e is not None and e.checkpoint_committed.step == 9
 
 
 def test_node_local_storage_and_world_sizes() -> None:

@@ -26,12 +26,15 @@ from unbroken.recovery.flash import (
     write_raw_copy,
 )
 from unbroken.recovery.persist import (
+    ENV_TIMELINE,
     PERSIST_META,
+    TIMELINE_META,
     CommitTracker,
     PersistConfig,
     Persisted,
     Persister,
     apply_retention,
+    current_timeline,
     discard_after,
     list_persisted,
     persistable,
@@ -291,6 +294,20 @@ def test_memory_only_copies_are_not_persisted(owner: FlashOwner, tmp_path: Path)
     w.close()
     assert [p.step for p in got] == [1]
     assert sorted(list_persisted(str(tmp_path))) == [1]
+
+
+def test_a_persisted_shard_carries_its_copys_timeline(
+    owner: FlashOwner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV_TIMELINE, "2")  # as the agent sets it after two rollbacks
+    assert current_timeline() == 2
+    w = FlashWriter(0, owner)
+    w.save(_state(1), 1, meta={TIMELINE_META: current_timeline()}).wait()
+    (ref,) = list_copies(owner.rank_dir(0))
+    assert write_shard(ref, str(tmp_path)).timeline == 2
+    w.close()
+    monkeypatch.setenv(ENV_TIMELINE, "junk")
+    assert current_timeline() == 0
 
 
 def test_persist_config_validation() -> None:
