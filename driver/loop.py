@@ -269,18 +269,25 @@ class RecoveryLoop:
     def _restore_point(
         self, d: machine.Decision, restore: machine.Restore | None
     ) -> dpb.RestorePoint:
-        """Where the restarted workers restore: a rollback's step and skip, else the newest."""
+        """Where the restarted workers restore (a rollback's step, else the newest) and the
+        newest rollback's batches to skip.
+
+        The skip goes with every restore, not only the rollback's own: a worker that crashes
+        after the rollback but before the skipped step restores a copy from before the skip
+        and must skip again (it skips only when its next step is the skip's; later copies
+        hold the data position past the skipped batches).
+        """
         after = self.state
         for e in d.events:
             after = statelib.apply(after, e)
-        if restore is None or not after.HasField("rollback_to") or not after.rollback_steps:
+        if restore is None or not after.rollback_steps:
             return dpb.RestorePoint()
-        spike_step, target = after.rollback_steps[-1], after.rollback_to
+        spike_step, target = after.rollback_steps[-1], after.last_rollback_to
         # the same policy that chose the target names the batches (RollbackDecision.skips)
         skip = spikelib.RollbackPolicy(self.policy.spike).decide(
             spikelib.Spike(spike_step, 0.0, 0.0, 0.0, 0.0, False), [target]
         )
-        point = dpb.RestorePoint(step=restore.step)
+        point = dpb.RestorePoint(step=restore.step if after.HasField("rollback_to") else 0)
         if not skip.halt and skip.skip_batches:
             point.skip_from_step = skip.skip_first
             point.skip_batches = skip.skip_batches

@@ -533,7 +533,7 @@ class CheckpointRecord(_message.Message):
     def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., seq: _Optional[int] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ...) -> None: ...
 
 class JobState(_message.Message):
-    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id", "bad_nodes", "needs_diagnosis", "restore_step", "configured_world", "incident_world", "restore_attempts", "rollback_to", "rollback_steps")
+    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id", "bad_nodes", "needs_diagnosis", "restore_step", "configured_world", "incident_world", "restore_attempts", "rollback_to", "rollback_steps", "last_rollback_to")
     class NodesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -574,6 +574,7 @@ class JobState(_message.Message):
     RESTORE_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_TO_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROLLBACK_TO_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     last_seq: int
     phase: Phase
@@ -600,7 +601,8 @@ class JobState(_message.Message):
     restore_attempts: int
     rollback_to: int
     rollback_steps: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., needs_diagnosis: _Optional[bool] = ..., restore_step: _Optional[int] = ..., configured_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., incident_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., restore_attempts: _Optional[int] = ..., rollback_to: _Optional[int] = ..., rollback_steps: _Optional[_Iterable[int]] = ...) -> None: ...
+    last_rollback_to: int
+    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., needs_diagnosis: _Optional[bool] = ..., restore_step: _Optional[int] = ..., configured_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., incident_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., restore_attempts: _Optional[int] = ..., rollback_to: _Optional[int] = ..., rollback_steps: _Optional[_Iterable[int]] = ..., last_rollback_to: _Optional[int] = ...) -> None: ...
 
 class Snapshot(_message.Message):
     __slots__ = ("last_seq", "state", "wall_time_unix_ns")

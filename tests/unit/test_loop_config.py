@@ -38,3 +38,33 @@ def test_no_nodes_means_no_loop_and_no_layout_check() -> None:
 def test_bad_config_names_the_field(kw: dict[str, int], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         LoopConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_every_restore_after_a_rollback_carries_its_skip() -> None:
+    """The rollback's own restart restores its target and skips; a later crash restart
+    restores the newest copy and carries the same skip, which a worker applies only when
+    its next step is the skipped one (a crash before it replays no poisoned batch)."""
+    from types import SimpleNamespace
+
+    from unbroken.driver import machine
+    from unbroken.driver import state as statelib
+    from unbroken.driver.loop import RecoveryLoop
+    from unbroken.proto import events_pb2 as ev
+
+    s = statelib.apply(
+        statelib.initial("j"),
+        ev.Event(seq=1, rollback=ev.Rollback(from_step=50, to_step=40, skip_batches=12)),
+    )
+    fake = SimpleNamespace(state=s, policy=machine.Policy())
+    restore = machine.Restore(step=40, sources=(), reshard=False, incident_id="i", attempt=1)
+    d = machine.Decision(events=(), actions=(restore,), phase=ev.PHASE_RESTORING)
+    first = RecoveryLoop._restore_point(fake, d, restore)  # type: ignore[arg-type]
+    assert first.step == 40 and first.skip_batches > 0
+    assert first.skip_from_step == 50  # from the spike's batch (batch i feeds step i)
+    # the rollback resumed (its target cleared), then a worker crashed: newest, same skip
+    fake.state = statelib.apply(s, ev.Event(seq=2, training_resumed=ev.TrainingResumed(at_step=40)))
+    assert not fake.state.HasField("rollback_to")
+    later = RecoveryLoop._restore_point(fake, d, restore)  # type: ignore[arg-type]
+    assert later.step == 0  # the newest copy
+    assert (later.skip_from_step, later.skip_batches) == (first.skip_from_step, first.skip_batches)
+    assert RecoveryLoop._restore_point(fake, d, None) == type(first)()  # no restore, no point
