@@ -32,7 +32,10 @@ class SpikeConfig:
     window: int = 100  # accepted losses in the baseline
     min_history: int = 10  # no spike is called before this many accepted losses
     factor: float = 6.0  # robust sigmas above the median
-    min_rel_spread: float = 0.01  # spread floor, as a fraction of |median|
+    # spread floor, as a fraction of |median|: with the default factor a spike is at least 30 %
+    # above the median. At 1 % (6 % above) a converged tiny model's natural bumps were called
+    # spikes after 1,500 steps; real spikes (OPT, BLOOM) are jumps of tens of percent or more.
+    min_rel_spread: float = 0.05
     skip_before: int = 0  # batches before the spiking one to skip
     skip_after: int = 200  # batches from the spiking one on to skip
     min_checkpoint_gap: int = 0  # the rollback target is at least this many steps before
