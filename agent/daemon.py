@@ -349,6 +349,8 @@ class Agent:
             now = time.monotonic()
             seq += 1
             hb = dpb.Heartbeat(seq=seq)
+            if self.hooks is not None and self.hooks.attached:
+                hb.attached.extend(self.hooks.statuses(now))
             if sup is not None:
                 hb.workers.extend(sup.statuses(now))
                 if sup.exited:

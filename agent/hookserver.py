@@ -27,6 +27,7 @@ from pathlib import Path
 import structlog
 
 from unbroken.agent.workers import Supervisor
+from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import hooks_pb2 as hpb
 from unbroken.recovery.sources import (
     ENV_FLASH_JOB,
@@ -58,6 +59,7 @@ class Attached:
     step_time_ms: float = 0.0
     reports: int = 0
     last_report: float = 0.0  # monotonic
+    last_progress: float = 0.0  # monotonic: when `step` last changed
 
 
 def pid_alive(pid: int) -> bool:
@@ -177,6 +179,8 @@ class HookServer(asyncio.DatagramProtocol):
         if a is not None:
             self.reports += 1
             if kind == "step":
+                if rep.step.step != a.step:
+                    a.last_progress = time.monotonic()
                 a.step, a.step_time_ms = rep.step.step, rep.step.step_time_ms
                 a.loss = rep.step.loss if rep.step.has_loss else None
                 a.reports += 1
@@ -232,6 +236,24 @@ class HookServer(asyncio.DatagramProtocol):
             world=h.world_size,
         )
         self._sendto(hpb.WorkerCommand(welcome=self.welcome()), h.reply_socket, rep.local_rank)
+
+    def statuses(self, now: float) -> list[dpb.WorkerStatus]:
+        """Heartbeat entries of the attached workers still alive (the dead are forgotten)."""
+        self.prune()
+        return [
+            dpb.WorkerStatus(
+                local_rank=a.local_rank,
+                global_rank=a.rank,
+                pid=a.pid,
+                state=dpb.WORKER_STATE_RUNNING,
+                step=a.step,
+                loss=a.loss if a.loss is not None else 0.0,
+                has_loss=a.loss is not None,
+                step_time_ms=a.step_time_ms,
+                since_progress_ms=(now - a.last_progress) * 1000.0 if a.last_progress else 0.0,
+            )
+            for a in self.attached.values()
+        ]
 
     def prune(self) -> int:
         """Forget attached workers whose process is gone; return how many were dropped."""

@@ -39,17 +39,20 @@ def run(ns: argparse.Namespace) -> int:
         from rich.table import Table
 
         t = Table(title=f"{len(resp.nodes)} nodes", title_justify="left")
-        for col in ("node", "state", "alive", "host", "ip", "workers", "step", "silent ms", "fail"):
+        cols = ("node", "state", "alive", "host", "ip", "workers", "step", "silent ms", "fail")
+        for col in cols:
             t.add_column(col, justify="right" if col in ("step", "silent ms", "fail") else "left")
         for n in resp.nodes:
             running = sum(w.state == dpb.WORKER_STATE_RUNNING for w in n.workers)
+            # processes another launcher started, attached through the hooks SDK
+            extra = f" + {len(n.attached)} attached" if n.attached else ""
             t.add_row(
                 n.node_id,
                 state_name(n.state) + (" (spare)" if n.spare and n.state != 2 else ""),
                 "[green]yes[/]" if n.alive else "[red]no[/]",
                 n.hostname,
                 n.ip,
-                f"{running}/{n.num_workers}",
+                f"{running}/{n.num_workers}{extra}",
                 str(n.step),
                 f"{n.silent_ms:.0f}",
                 str(n.failures),

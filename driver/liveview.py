@@ -157,6 +157,7 @@ class LiveView:
                 heartbeats=s.heartbeats,
             )
             n.workers.extend(s.hb.workers)
+            n.attached.extend(s.hb.attached)
             if s.hb.HasField("host"):
                 n.host.CopyFrom(s.hb.host)
             out.append(n)

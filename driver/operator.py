@@ -74,7 +74,8 @@ def node_infos(state: ev.JobState, view: LiveView, now: float) -> list[dpb.NodeI
             info.num_workers = info.num_workers or slot.info.num_workers
             info.silent_ms = (now - slot.last_seen) * 1000.0 if slot.last_seen else 0.0
             info.workers.extend(slot.hb.workers)
-            info.step = max((w.step for w in slot.hb.workers), default=0)
+            info.attached.extend(slot.hb.attached)
+            info.step = max((w.step for w in [*slot.hb.workers, *slot.hb.attached]), default=0)
         out.append(info)
     return out
 

@@ -191,7 +191,7 @@ class LogAlertLine(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., keyword: _Optional[str] = ..., line: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "flags", "workers", "host", "gpus", "alerts", "sent_mono_ns")
+    __slots__ = ("seq", "flags", "workers", "host", "gpus", "alerts", "sent_mono_ns", "attached")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     FLAGS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,7 @@ class Heartbeat(_message.Message):
     GPUS_FIELD_NUMBER: _ClassVar[int]
     ALERTS_FIELD_NUMBER: _ClassVar[int]
     SENT_MONO_NS_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
     seq: int
     flags: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -206,7 +207,8 @@ class Heartbeat(_message.Message):
     gpus: _containers.RepeatedCompositeFieldContainer[GpuStats]
     alerts: _containers.RepeatedCompositeFieldContainer[LogAlertLine]
     sent_mono_ns: int
-    def __init__(self, seq: _Optional[int] = ..., flags: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., alerts: _Optional[_Iterable[_Union[LogAlertLine, _Mapping]]] = ..., sent_mono_ns: _Optional[int] = ...) -> None: ...
+    attached: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    def __init__(self, seq: _Optional[int] = ..., flags: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., alerts: _Optional[_Iterable[_Union[LogAlertLine, _Mapping]]] = ..., sent_mono_ns: _Optional[int] = ..., attached: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class CheckResult(_message.Message):
     __slots__ = ("command_id", "result_json", "exit_code", "stderr_tail")
@@ -457,7 +459,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "state", "alive", "connected", "epoch", "hostname", "ip", "num_workers", "spare", "failures", "silent_ms", "step", "workers")
+    __slots__ = ("node_id", "state", "alive", "connected", "epoch", "hostname", "ip", "num_workers", "spare", "failures", "silent_ms", "step", "workers", "attached")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
@@ -471,6 +473,7 @@ class NodeInfo(_message.Message):
     SILENT_MS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: _events_pb2.NodeState
     alive: bool
@@ -484,7 +487,8 @@ class NodeInfo(_message.Message):
     silent_ms: float
     step: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[_events_pb2.NodeState, str]] = ..., alive: _Optional[bool] = ..., connected: _Optional[bool] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., num_workers: _Optional[int] = ..., spare: _Optional[bool] = ..., failures: _Optional[int] = ..., silent_ms: _Optional[float] = ..., step: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+    attached: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[_events_pb2.NodeState, str]] = ..., alive: _Optional[bool] = ..., connected: _Optional[bool] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., num_workers: _Optional[int] = ..., spare: _Optional[bool] = ..., failures: _Optional[int] = ..., silent_ms: _Optional[float] = ..., step: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., attached: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class ListNodesResponse(_message.Message):
     __slots__ = ("nodes",)
@@ -645,7 +649,7 @@ class LiveStats(_message.Message):
     def __init__(self, heartbeats: _Optional[int] = ..., nodes_alive: _Optional[int] = ..., nodes_lost: _Optional[int] = ..., events_appended: _Optional[int] = ..., delivery_p50_ms: _Optional[float] = ..., delivery_p99_ms: _Optional[float] = ..., handler_p50_us: _Optional[float] = ..., handler_p99_us: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class NodeLive(_message.Message):
-    __slots__ = ("node_id", "epoch", "alive", "silent_ms", "heartbeats", "workers", "host")
+    __slots__ = ("node_id", "epoch", "alive", "silent_ms", "heartbeats", "workers", "host", "attached")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
@@ -653,6 +657,7 @@ class NodeLive(_message.Message):
     HEARTBEATS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     alive: bool
@@ -660,7 +665,8 @@ class NodeLive(_message.Message):
     heartbeats: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     host: HostStats
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., alive: _Optional[bool] = ..., silent_ms: _Optional[float] = ..., heartbeats: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ...) -> None: ...
+    attached: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., alive: _Optional[bool] = ..., silent_ms: _Optional[float] = ..., heartbeats: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., attached: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class LiveViewResponse(_message.Message):
     __slots__ = ("driver_id", "leader", "nodes", "stats")

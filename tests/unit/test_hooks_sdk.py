@@ -143,6 +143,9 @@ def test_attach_reports_and_commands(agent: Agent) -> None:
     assert hooks.report(7, 0.25, data=1.5) is True
     _until(lambda: agent.server.attached[pid].step == 7, "the step report")
     assert agent.server.attached[pid].loss == 0.25
+    # the agent's heartbeats carry it (for operators; the driver never acts on it)
+    (st,) = [w for w in agent.server.statuses(time.monotonic()) if w.pid == pid]
+    assert (st.step, st.loss, st.has_loss, st.state) == (7, 0.25, True, 2)  # RUNNING
 
     assert hooks.should_stop() is False and hooks.should_save() is False
     assert agent.send(hpb.WorkerCommand(command_id="p", pause="drill")) == 1
