@@ -54,6 +54,9 @@ DEFAULT_KEYWORDS = (
 )
 
 
+PEAK_BEATS = 3  # heartbeats a loss peak is repeated in (see Worker.status)
+
+
 @dataclass(kw_only=True, slots=True)
 class WorkerSpec:
     """What to run and the torchrun-like world it runs in."""
@@ -170,6 +173,10 @@ class Worker:
         self.has_peak = False  # the highest loss since the last heartbeat (see status)
         self.peak_loss = 0.0
         self.peak_step = 0
+        # the peaks of the last PEAK_BEATS heartbeats (None: no loss in that one)
+        self.peaks: collections.deque[tuple[float, int] | None] = collections.deque(
+            maxlen=PEAK_BEATS
+        )
         self.step_time_ms = 0.0
         self.last_progress = time.monotonic()
         self.step_times: collections.deque[float] = collections.deque(maxlen=32)
@@ -210,9 +217,21 @@ class Worker:
             self.step_times.append(step_time_ms)
 
     def status(self, now: float) -> dpb.WorkerStatus:
-        """This worker's heartbeat entry; the loss peak restarts with every heartbeat."""
-        peak = (self.has_peak, self.peak_loss, self.peak_step)
+        """This worker's heartbeat entry. Its peak is the highest loss (a non-finite one
+        first) of the last `PEAK_BEATS` heartbeats' steps: the driver keeps only a node's
+        newest heartbeat and its loss watch looks once per heartbeat interval, so a peak
+        sent once could be overwritten unseen when two heartbeats land between two looks.
+        """
+        self.peaks.append((self.peak_loss, self.peak_step) if self.has_peak else None)
         self.has_peak = False
+        best: tuple[float, int] | None = None
+        for p in self.peaks:
+            if p is not None and (
+                best is None
+                or (math.isfinite(best[0]) and (not math.isfinite(p[0]) or p[0] > best[0]))
+            ):
+                best = p
+        peak = (True, *best) if best is not None else (False, 0.0, 0)
         return dpb.WorkerStatus(
             local_rank=self.local_rank,
             global_rank=self.global_rank,

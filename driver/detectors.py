@@ -302,6 +302,7 @@ class LossWatch:
     detector: SpikeDetector = field(init=False)
     last_step: int = 0
     last_restarts: int = -1
+    last_peak: tuple[int, float] | None = None  # (step, loss) of the last peak fed
 
     def __post_init__(self) -> None:
         self.detector = SpikeDetector(self.config)
@@ -322,12 +323,17 @@ class LossWatch:
         if best.step == self.last_step and best.restarts == self.last_restarts:
             return None
         new_timeline = best.restarts != self.last_restarts or best.step < self.last_step
-        # Steps faster than heartbeats: the peak since the previous heartbeat stands for the
-        # steps this heartbeat skipped over (a spike there must not go unseen).
+        if new_timeline:
+            self.last_peak = None
+        # Steps faster than heartbeats: the peak of the last few heartbeats' steps (the
+        # agent repeats it in PEAK_BEATS heartbeats, so one overwritten unseen is not
+        # lost) stands for the steps the heartbeats skipped over; each peak is fed once.
         points = []
-        skipped = best.has_peak and best.peak_step != best.step
+        peak = (best.peak_step, best.peak_loss)
+        skipped = best.has_peak and best.peak_step != best.step and peak != self.last_peak
         if skipped and (new_timeline or best.peak_step > self.last_step):
-            points.append((best.peak_step, best.peak_loss))
+            points.append(peak)
+            self.last_peak = peak
         points.append((best.step, best.loss))
         self.last_step, self.last_restarts = best.step, best.restarts
         for step, loss in points:

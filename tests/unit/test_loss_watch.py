@@ -119,19 +119,55 @@ def test_a_spike_between_heartbeats_is_seen_through_the_peak() -> None:
     assert e is not None and e.loss_spike.step == 12 and e.loss_spike.loss == 9.0
 
 
+def test_a_peak_in_a_heartbeat_overwritten_unseen_arrives_with_the_next_and_counts_once() -> None:
+    """Two heartbeats between two sweeps: the first's peak is repeated in the second (the
+    agent's PEAK_BEATS), so the spike is still seen; repeats are not fed twice."""
+    view, watch = LiveView(LiveViewConfig()), LossWatch(CFG)
+    for step in range(1, 11):
+        _beat(view, "n0", step, 3.0 + 0.01 * (step % 3), rank=0)
+        assert watch.sweep(view, ["n0"]) is None
+    slot = view.slot("n0")
+
+    def beat(step: int, peak: tuple[int, float]) -> None:
+        w = dpb.WorkerStatus(
+            global_rank=0, step=step, loss=3.01, has_loss=True, state=dpb.WORKER_STATE_RUNNING,
+            has_peak=True, peak_step=peak[0], peak_loss=peak[1],
+        )  # fmt: skip
+        view.beat(slot, dpb.Heartbeat(workers=[w]), 0.0)
+
+    beat(12, (11, 3.02))  # never swept: overwritten by the next heartbeat
+    beat(14, (11, 3.02))  # a flat window: its peak is the same old one
+    assert watch.sweep(view, ["n0"]) is None
+    fed = len(watch.detector._window)
+    beat(16, (11, 3.02))  # repeated: not fed again
+    assert watch.sweep(view, ["n0"]) is None
+    assert len(watch.detector._window) == fed + 1  # step 16 only
+    beat(18, (17, 9.0))  # overwritten unseen...
+    beat(20, (17, 9.0))  # ...but repeated
+    e = watch.sweep(view, ["n0"])
+    assert e is not None and e.loss_spike.step == 17 and e.loss_spike.loss == 9.0
+
+
 def test_the_agent_reports_each_heartbeat_s_peak_once() -> None:
-    from unbroken.agent.workers import Worker
+    from unbroken.agent.workers import PEAK_BEATS, Worker
 
     w = Worker(0, 0, Path("/nonexistent/worker-0.log"))
     for step, loss in ((1, 3.0), (2, 9.0), (3, 3.1)):
         w.on_step(step, loss, 10.0, 0.0)
     s = w.status(0.0)
     assert (s.step, s.loss, s.has_peak, s.peak_step, s.peak_loss) == (3, 3.1, True, 2, 9.0)
-    assert not w.status(0.0).has_peak  # reported once
+    # repeated in the next heartbeats (the driver may overwrite one unseen), then dropped
+    for _ in range(PEAK_BEATS - 1):
+        s = w.status(0.0)
+        assert (s.has_peak, s.peak_step) == (True, 2)
+    assert not w.status(0.0).has_peak
     w.on_step(4, math.nan, 10.0, 0.0)
     w.on_step(5, 3.0, 10.0, 0.0)
     s = w.status(0.0)
     assert s.peak_step == 4 and math.isnan(s.peak_loss)  # a non-finite loss wins
+    w.on_step(6, 50.0, 10.0, 0.0)
+    s = w.status(0.0)
+    assert s.peak_step == 4 and math.isnan(s.peak_loss)  # still, within PEAK_BEATS
 
 
 def test_a_report_standing_for_several_steps_brings_their_peak() -> None:
