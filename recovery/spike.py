@@ -2,8 +2,12 @@
 
 A spike is a loss above the median of the last `window` accepted losses by more than
 `factor` robust standard deviations (1.4826 x MAD, floored at `min_rel_spread` of the
-median so a flat loss curve does not turn noise into spikes), or a NaN/inf loss. Spiking
-losses never enter the baseline. The policy then picks the newest checkpoint taken
+median so a flat loss curve does not turn noise into spikes) in `confirm` observations in a
+row, or at once when it is `instant_ratio` times the median or more, or NaN/inf. A single
+moderate outlier followed by a normal loss is a noisy batch, not a spike: the tiny model's
+small batches give +80 % ones every thousand steps or so, which rolled it back (and, three
+in 1,000 steps, halted it); the spikes PaLM and OPT rolled back from lasted many steps.
+Spiking losses never enter the baseline. The policy then picks the newest checkpoint taken
 *before* the spiking step (the state after that step already contains the bad update)
 and the batches to skip around it (PaLM skipped 200-500), and refuses to loop forever:
 after `max_rollbacks` rollbacks within `rollback_window_steps` it asks for a halt.
@@ -36,6 +40,8 @@ class SpikeConfig:
     # above the median. At 1 % (6 % above) a converged tiny model's natural bumps were called
     # spikes after 1,500 steps; real spikes (OPT, BLOOM) are jumps of tens of percent or more.
     min_rel_spread: float = 0.05
+    confirm: int = 2  # observations in a row above the threshold before a spike is called...
+    instant_ratio: float = 3.0  # ...unless the loss is this many times the median (or more)
     skip_before: int = 0  # batches before the spiking one to skip
     skip_after: int = 200  # batches from the spiking one on to skip
     min_checkpoint_gap: int = 0  # the rollback target is at least this many steps before
@@ -57,6 +63,10 @@ class SpikeConfig:
         for name in ("skip_before", "skip_after", "min_checkpoint_gap", "max_rollbacks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SpikeConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.confirm < 1:
+            raise ValueError(f"SpikeConfig.confirm must be >= 1, got {self.confirm}")
+        if not self.instant_ratio > 1:
+            raise ValueError(f"SpikeConfig.instant_ratio must be > 1, got {self.instant_ratio}")
         if self.rollback_window_steps < 1:
             raise ValueError(
                 f"SpikeConfig.rollback_window_steps must be >= 1, got {self.rollback_window_steps}"
@@ -91,6 +101,7 @@ class SpikeDetector:
 
     config: SpikeConfig
     _window: deque[float] = field(default_factory=deque)
+    _pending: list[tuple[int, float]] = field(default_factory=list)  # high, not yet confirmed
 
     def baseline(self) -> tuple[float, float] | None:
         """(median, threshold) of the current window, or None before `min_history`."""
@@ -110,7 +121,15 @@ class SpikeDetector:
             thr = base[1] if base else math.nan
             return Spike(step, loss, med, thr, self.config.factor, True)
         if base is not None and loss > base[1]:
-            return Spike(step, loss, base[0], base[1], self.config.factor, False)
+            med, thr = base
+            c = self.config
+            self._pending.append((step, loss))
+            if len(self._pending) >= c.confirm or (med > 0 and loss >= c.instant_ratio * med):
+                first = self._pending[0]  # where it began: the rollback goes before it
+                self._pending.clear()
+                return Spike(first[0], first[1], med, thr, c.factor, False)
+            return None
+        self._pending.clear()  # a lone outlier (kept out of the baseline): noise
         self._window.append(loss)
         if len(self._window) > self.config.window:
             self._window.popleft()
@@ -119,6 +138,7 @@ class SpikeDetector:
     def reset(self) -> None:
         """Forget the baseline (e.g. after a change of learning-rate schedule)."""
         self._window.clear()
+        self._pending.clear()
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,14 +39,14 @@ def test_one_loss_per_step_from_the_lowest_rank_and_a_spike_is_an_event() -> Non
         assert watch.sweep(view, world) is None
         assert watch.sweep(view, world) is None  # the same step again: not fed twice
     assert len(watch.detector._window) == 10
-    _beat(view, "n0", 11, 9.0, rank=0)
+    _beat(view, "n0", 11, 30.0, rank=0)
     e = watch.sweep(view, world)
     assert e is not None and e.loss_spike.step == 11 and not e.loss_spike.non_finite
     assert e.loss_spike.baseline == pytest.approx(3.01, abs=0.02)
     # a restore goes back to a lower step: the new timeline is fed, the spike is not baseline
     _beat(view, "n0", 9, 3.02, rank=0, restarts=1)
     assert watch.sweep(view, world) is None
-    assert 9.0 not in watch.detector._window
+    assert 30.0 not in watch.detector._window
 
 
 def test_a_non_finite_loss_is_a_spike_even_without_history() -> None:
@@ -112,11 +112,11 @@ def test_a_spike_between_heartbeats_is_seen_through_the_peak() -> None:
     slot = view.slot("n0")
     w = dpb.WorkerStatus(
         global_rank=0, step=14, loss=3.01, has_loss=True, state=dpb.WORKER_STATE_RUNNING,
-        has_peak=True, peak_loss=9.0, peak_step=12,
+        has_peak=True, peak_loss=30.0, peak_step=12,
     )  # fmt: skip
     view.beat(slot, dpb.Heartbeat(workers=[w]), 0.0)
     e = watch.sweep(view, ["n0"])
-    assert e is not None and e.loss_spike.step == 12 and e.loss_spike.loss == 9.0
+    assert e is not None and e.loss_spike.step == 12 and e.loss_spike.loss == 30.0
 
 
 def test_a_peak_in_a_heartbeat_overwritten_unseen_arrives_with_the_next_and_counts_once() -> None:
@@ -142,10 +142,10 @@ def test_a_peak_in_a_heartbeat_overwritten_unseen_arrives_with_the_next_and_coun
     beat(16, (11, 3.02))  # repeated: not fed again
     assert watch.sweep(view, ["n0"]) is None
     assert len(watch.detector._window) == fed + 1  # step 16 only
-    beat(18, (17, 9.0))  # overwritten unseen...
-    beat(20, (17, 9.0))  # ...but repeated
+    beat(18, (17, 30.0))  # overwritten unseen...
+    beat(20, (17, 30.0))  # ...but repeated
     e = watch.sweep(view, ["n0"])
-    assert e is not None and e.loss_spike.step == 17 and e.loss_spike.loss == 9.0
+    assert e is not None and e.loss_spike.step == 17 and e.loss_spike.loss == 30.0
 
 
 def test_the_agent_reports_each_heartbeat_s_peak_once() -> None:

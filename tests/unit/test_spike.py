@@ -23,10 +23,23 @@ def test_noise_is_not_a_spike_and_a_jump_is() -> None:
     det = SpikeDetector(SpikeConfig(window=50, min_history=10, factor=6.0))
     for i, x in enumerate(_noisy(200)):
         assert det.observe(i, x) is None
-    spike = det.observe(200, 3.5)
-    assert spike is not None and not spike.non_finite
+    assert det.observe(200, 3.5) is None  # one high loss could be a noisy batch...
+    spike = det.observe(201, 3.6)  # ...two in a row are a spike, from the first
+    assert spike is not None and not spike.non_finite and spike.step == 200
     assert spike.baseline == pytest.approx(2.0, abs=0.02)
-    assert spike.loss > spike.threshold
+    assert spike.loss == 3.5 and spike.loss > spike.threshold
+
+
+def test_a_lone_outlier_is_noise_and_a_huge_one_is_a_spike_at_once() -> None:
+    det = SpikeDetector(SpikeConfig(window=50, min_history=10, factor=6.0))
+    for i, x in enumerate(_noisy(200)):
+        det.observe(i, x)
+    assert det.observe(200, 3.5) is None  # +75 %, as the tiny model's noisy batches
+    assert det.observe(201, 2.0) is None  # back to normal: it was noise
+    assert det.observe(202, 3.5) is None  # a new lone one starts over
+    assert det.observe(203, 2.0) is None
+    spike = det.observe(204, 6.1)  # 3x the median: no need to wait
+    assert spike is not None and spike.step == 204
 
 
 def test_spikes_do_not_enter_the_baseline() -> None:
@@ -55,7 +68,9 @@ def test_nothing_is_called_before_min_history() -> None:
 
 
 def test_flat_loss_uses_relative_spread_floor() -> None:
-    det = SpikeDetector(SpikeConfig(window=10, min_history=5, factor=5.0, min_rel_spread=0.01))
+    det = SpikeDetector(
+        SpikeConfig(window=10, min_history=5, factor=5.0, min_rel_spread=0.01, confirm=1)
+    )
     for i in range(10):
         det.observe(i, 1.0)
     assert det.observe(10, 1.04) is None  # within 5 x 1 % of the median
@@ -71,7 +86,7 @@ def test_falling_loss_is_never_a_spike() -> None:
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.floats(0.1, 10.0), min_size=12, max_size=60), st.floats(2.0, 8.0))
 def test_property_a_huge_loss_after_history_is_a_spike(xs: list[float], factor: float) -> None:
-    det = SpikeDetector(SpikeConfig(window=len(xs), min_history=10, factor=factor))
+    det = SpikeDetector(SpikeConfig(window=len(xs), min_history=10, factor=factor, confirm=1))
     for i, x in enumerate(xs):
         det.observe(i, x)
     base = det.baseline()
@@ -126,6 +141,8 @@ def test_zero_skip_skips_nothing() -> None:
         ({"factor": 0}, "factor"),
         ({"skip_after": -1}, "skip_after"),
         ({"rollback_window_steps": 0}, "rollback_window_steps"),
+        ({"confirm": 0}, "confirm"),
+        ({"instant_ratio": 1.0}, "instant_ratio"),
     ],
 )
 def test_config_validation_names_the_field(kwargs: dict[str, float], field: str) -> None:
