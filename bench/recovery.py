@@ -563,8 +563,8 @@ class Bench:
 
 def _matches(e: ev.Event, f: Fault) -> bool:
     kind = e.WhichOneof("payload")
-    if kind == "leader_elected":
-        return e.leader_elected.driver_id != f.target
+    if kind == "leader_elected":  # whoever wins: the killed driver, restarted, may win the race
+        return True
     if kind == "node_lost":
         return e.node_lost.node_id == f.target
     if kind == "worker_failed":
