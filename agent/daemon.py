@@ -387,7 +387,7 @@ class Agent:
                 checksum=p.checksum,
                 world_size=flash.world_size,
                 url=flash.config.persist_url,
-                timeline=p.timeline,
+                timeline=p.timeline,  # None (unset) when the worker did not stamp one
             )
             try:
                 await self._write(call, dpb.AgentMessage(shard_persisted=msg))

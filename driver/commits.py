@@ -57,7 +57,7 @@ class Commits:
             self.ignored += 1
             log.warning("shard report ignored", node=node_id, problem=problem)
             return None
-        if msg.timeline < self.timeline:
+        if msg.HasField("timeline") and msg.timeline < self.timeline:
             self.stale += 1
             log.info(
                 "shard of a dead timeline ignored",

@@ -92,7 +92,7 @@ class Persisted:
     uri: str
     nbytes: int
     checksum: int
-    timeline: int = 0  # the copy's TIMELINE_META: rollbacks before it was saved
+    timeline: int | None = None  # the copy's TIMELINE_META (rollbacks before it), if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +166,7 @@ def write_shard(ref: CopyRef, url: str, *, verify_readback: bool = True) -> Pers
         uri=uri,
         nbytes=m.data_nbytes,
         checksum=crc,
-        timeline=int(m.meta.get(TIMELINE_META, 0)),
+        timeline=int(m.meta[TIMELINE_META]) if TIMELINE_META in m.meta else None,
     )
 
 

@@ -14,7 +14,7 @@ URL = "/ckpt"
 
 
 def _shard(
-    step: int, rank: int, world: int = 2, url: str = URL, timeline: int = 0
+    step: int, rank: int, world: int = 2, url: str = URL, timeline: int | None = 0
 ) -> dpb.ShardPersisted:
     return dpb.ShardPersisted(
         timeline=timeline,
@@ -88,6 +88,10 @@ def test_shards_of_a_dead_timeline_never_commit() -> None:
     assert c.record("n1", _shard(9, 1, timeline=1)) is None  # still waits for rank 0
     e = c.record("n0", _shard(9, 0, timeline=1))
     assert e is not None and e.checkpoint_committed.step == 9
+    # an older agent sends no timeline: not checked (a rolling upgrade keeps committing)
+    assert c.record("n0", _shard(10, 0, timeline=None)) is None
+    e = c.record("n1", _shard(10, 1, timeline=None))
+    assert e is not None and e.checkpoint_committed.step == 10
 
 
 def test_node_local_storage_and_world_sizes() -> None:
