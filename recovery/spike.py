@@ -41,7 +41,10 @@ class SpikeConfig:
     # spikes after 1,500 steps; real spikes (OPT, BLOOM) are jumps of tens of percent or more.
     min_rel_spread: float = 0.05
     confirm: int = 2  # observations in a row above the threshold before a spike is called...
-    instant_ratio: float = 3.0  # ...unless the loss is this many times the median (or more)
+    # ...unless the loss is this many times the median or more: the tiny model's noisy batches
+    # reached 2.0x, a poisoned batch 2.8x early in training (steps 1-33 in the window) and 7x
+    # to 13x later
+    instant_ratio: float = 2.5
     skip_before: int = 0  # batches before the spiking one to skip
     skip_after: int = 200  # batches from the spiking one on to skip
     min_checkpoint_gap: int = 0  # the rollback target is at least this many steps before

@@ -38,7 +38,7 @@ def test_a_lone_outlier_is_noise_and_a_huge_one_is_a_spike_at_once() -> None:
     assert det.observe(201, 2.0) is None  # back to normal: it was noise
     assert det.observe(202, 3.5) is None  # a new lone one starts over
     assert det.observe(203, 2.0) is None
-    spike = det.observe(204, 6.1)  # 3x the median: no need to wait
+    spike = det.observe(204, 5.1)  # 2.5x the median: no need to wait
     assert spike is not None and spike.step == 204
 
 
