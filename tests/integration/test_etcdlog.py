@@ -5,6 +5,7 @@ unknown outcomes, bad input, unreachable and full etcd, and etcd dying mid-strea
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from pathlib import Path
@@ -354,7 +355,7 @@ def test_new_leader_carries_on_archival_where_the_old_one_stopped(
             # (how many depends on when its archiver ran)
             segs = Archive(str(tmp_path / "arch2"), j).segments()
             assert segs and segs[0].first_seq == 21 and segs[-1].last_seq == 40, segs
-            assert all(a.last_seq + 1 == b.first_seq for a, b in zip(segs, segs[1:])), segs
+            assert all(a.last_seq + 1 == b.first_seq for a, b in itertools.pairwise(segs)), segs
         finally:
             if log2 is not None:
                 await log2.close()
