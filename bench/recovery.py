@@ -66,7 +66,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import grpc
 
 from unbroken.driver import etcdlog
-from unbroken.driver.drill import signal_group, stop_groups
+from unbroken.driver.drill import leader_view, signal_group, stop_groups
 from unbroken.driver.etcd import EmbeddedEtcd, free_port
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -218,19 +218,9 @@ class Watcher:
             new = []
         if new:
             self.last_seq = new[-1].seq
-        for name, addr in self.c.addresses.items():
-            proc = self.c.drivers.get(name)
-            if proc is None or proc.poll() is not None:
-                continue
-            try:
-                async with grpc.aio.insecure_channel(addr) as ch:
-                    resp = await dgrpc.DriverStub(ch).LiveView(dpb.LiveViewRequest(), timeout=2)
-            except grpc.RpcError:
-                continue
-            if resp.leader:
-                self.leader = name
-                self.nodes = list(resp.nodes)
-                break
+        found = await leader_view(self.c.addresses, self.c.drivers)
+        if found is not None:
+            self.leader, self.nodes = found
         return new
 
     def step(self) -> int:

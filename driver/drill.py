@@ -106,6 +106,24 @@ def signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
         os.killpg(p.pid, sig)
 
 
+async def leader_view(
+    addresses: dict[str, str], drivers: dict[str, subprocess.Popen[bytes]]
+) -> tuple[str, list[dpb.NodeLive]] | None:
+    """The leading driver's name and live view, asking each running driver; None if none leads."""
+    for name, addr in addresses.items():
+        proc = drivers.get(name)
+        if proc is None or proc.poll() is not None:
+            continue
+        try:
+            async with grpc.aio.insecure_channel(addr) as ch:
+                resp = await dgrpc.DriverStub(ch).LiveView(dpb.LiveViewRequest(), timeout=2)
+        except grpc.RpcError:
+            continue
+        if resp.leader:
+            return name, list(resp.nodes)
+    return None
+
+
 def stop_groups(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
     """SIGTERM every process group, SIGKILL what is left after `grace_s` in all."""
     for p in procs:

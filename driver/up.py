@@ -50,12 +50,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
-
-from unbroken.driver.drill import DRILL, Drill, FaultRecord, fault_table, stop_groups
+from unbroken.driver.drill import DRILL, Drill, FaultRecord, fault_table, leader_view, stop_groups
 from unbroken.driver.etcd import EmbeddedEtcd, free_port
 from unbroken.proto import driver_pb2 as dpb
-from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
 
 EVENT_TAIL = 10
@@ -334,19 +331,9 @@ class Watcher:
         except (TimeoutError, Exception):  # a read that fails now is retried next poll
             new = []
         self.events.extend(new)
-        for name, addr in self.c.addresses.items():
-            proc = self.c.drivers.get(name)
-            if proc is None or proc.poll() is not None:
-                continue
-            try:
-                async with grpc.aio.insecure_channel(addr) as ch:
-                    resp = await dgrpc.DriverStub(ch).LiveView(dpb.LiveViewRequest(), timeout=2)
-            except grpc.RpcError:
-                continue
-            if resp.leader:
-                self.leader = name
-                self.nodes = list(resp.nodes)
-                break
+        found = await leader_view(self.c.addresses, self.c.drivers)
+        if found is not None:
+            self.leader, self.nodes = found
         return list(new)
 
     def step(self) -> int:
