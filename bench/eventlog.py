@@ -5,7 +5,12 @@ Measures, each against a baseline taken in the same run on the same machine:
   (group commit), against plain sequential etcd Puts of the same bytes (no fence, no index);
 - seconds to replay 100k events (read + fold, no snapshot), and to read them back from the
   archive;
-- etcd's reported dbSize after 1M events with archival (snapshot every 1000) and without.
+- etcd's reported dbSize after 1M events with archival (snapshot every 1000) and without;
+- the journal (issue 13): a 20-event recovery decision as ONE transaction against the same
+  20 events appended one by one (`decision_append_ms`, a ratio); GetStatus over gRPC
+  against a real driver process whose log holds 100k events (served from memory, against
+  LiveView, the cheapest call, as baseline); the driver's RSS with 10 `WatchEvents(follow)`
+  streams from seq 0 of those 100k events, against its RSS before them.
 
 Writes bench/results/eventlog.json (flat keys) and prints a markdown table.
 Usage: .venv/bin/python bench/eventlog.py [--events 1000000] [--replay-events 100000]
@@ -19,16 +24,25 @@ import json
 import os
 import platform
 import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import grpc
+import psutil
 from aetcd import rpc
 
 from unbroken.driver import state as statelib
 from unbroken.driver.election import Election
 from unbroken.driver.etcd import EmbeddedEtcd
 from unbroken.driver.etcdlog import NO_ARCHIVE, EtcdEventLog, connect
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
 
 RESULTS = Path(__file__).parent / "results" / "eventlog.json"
@@ -164,6 +178,120 @@ async def db_size(n: int, archive: str | None, out: dict[str, float], key: str) 
         shutil.rmtree(d, ignore_errors=True)
 
 
+async def decisions(etcd: EmbeddedEtcd, out: dict[str, float], rounds: int = 50) -> None:
+    """A 20-event decision: one transaction (the journal) vs one append per event."""
+    client, election, log = await open_log(
+        etcd, "decision", archive_url=NO_ARCHIVE, snapshot_every=1_000_000
+    )
+    one_txn, one_by_one = [], []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        await log.append_many([event(r * 40 + i) for i in range(20)])
+        one_txn.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for i in range(20):
+            await log.append(event(r * 40 + 20 + i))
+        one_by_one.append(time.perf_counter() - t0)
+    out["decision_append_ms"] = statistics.median(one_txn) * 1000
+    out["decision_append_ms_event_by_event"] = statistics.median(one_by_one) * 1000
+    out["decision_one_txn_speedup"] = (
+        out["decision_append_ms_event_by_event"] / out["decision_append_ms"]
+    )
+    await close(client, election, log)
+
+
+async def driver_reads(etcd: EmbeddedEtcd, n: int, out: dict[str, float]) -> None:
+    """GetStatus latency and WatchEvents memory of a real driver over an `n`-event log."""
+    job = "reads"
+    client, election, log = await open_log(etcd, job, archive_url=NO_ARCHIVE, snapshot_every=1000)
+    await fill(log, n, 8, chunk=60)
+    await settle(log, n)
+    await close(client, election, log)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-driver-"))
+    port_file = tmp / "driver.json"
+    argv = f"driver --etcd {etcd.endpoint} --job-id {job} --listen 127.0.0.1:0".split()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unbroken.driver.cli", *argv, "--port-file", str(port_file)],
+        stdout=open(tmp / "driver.log", "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not port_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "driver did not start"
+            await asyncio.sleep(0.1)
+        addr = f"127.0.0.1:{json.loads(port_file.read_text())['grpc_port']}"
+        channel = grpc.insecure_channel(addr)
+        stub = dgrpc.DriverStub(channel)
+        while True:  # leading, with the whole log replayed
+            try:
+                if stub.GetStatus(dpb.GetStatusRequest(), timeout=5).last_seq >= n:
+                    break
+            except grpc.RpcError:
+                pass
+            assert time.monotonic() < deadline, "driver did not lead"
+            await asyncio.sleep(0.2)
+
+        def median_ms(call: Any, req: Any, k: int = 300) -> float:
+            ts = []
+            for _ in range(k):
+                t0 = time.perf_counter()
+                call(req, timeout=5)
+                ts.append(time.perf_counter() - t0)
+            return statistics.median(ts) * 1000
+
+        out["getstatus_ms_at_100k_events"] = median_ms(stub.GetStatus, dpb.GetStatusRequest())
+        out["liveview_ms_baseline"] = median_ms(stub.LiveView, dpb.LiveViewRequest())
+        out["getstatus_vs_liveview_ratio"] = (
+            out["getstatus_ms_at_100k_events"] / out["liveview_ms_baseline"]
+        )
+        ps = psutil.Process(proc.pid)
+        before = ps.memory_info().rss
+        peak = [before]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], ps.memory_info().rss)
+                time.sleep(0.02)
+
+        def follow(counts: list[int], i: int) -> None:
+            calls = dgrpc.DriverStub(grpc.insecure_channel(addr)).WatchEvents(
+                dpb.WatchEventsRequest(since_seq=0, follow=True)
+            )
+            for got in calls:
+                counts[i] += 1
+                if got.event.seq >= n:
+                    calls.cancel()
+                    return
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        counts = [0] * 10
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=follow, args=(counts, i)) for i in range(10)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        out["watch_follow_10_watchers_s"] = time.perf_counter() - t0
+        done.set()
+        sampler.join()
+        assert counts == [n] * 10, counts
+        out["watch_follow_rss_mb_before"] = before / 2**20
+        out["watch_follow_rss_mb_10_watchers_100k_events"] = peak[0] / 2**20
+        out["watch_follow_rss_ratio"] = peak[0] / before
+        channel.close()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 async def main(args: argparse.Namespace) -> dict[str, float]:
     out: dict[str, float] = {}
     arch = tempfile.mkdtemp(prefix="bench-archive-")
@@ -173,6 +301,11 @@ async def main(args: argparse.Namespace) -> dict[str, float]:
             print(f"throughput done: {out}", flush=True)
             await replay(etcd, args.replay_events, arch, out)
             print("replay done", flush=True)
+            await decisions(etcd, out)
+            await driver_reads(etcd, args.replay_events, out)
+            print(f"journal done: {out}", flush=True)
+            if args.journal_only:
+                return out
         await db_size(args.events, arch, out, "db_bytes_after_1m_events_with_archival")
         print("db with archival done", flush=True)
         await db_size(args.events, None, out, "db_bytes_after_1m_events_without")
@@ -196,6 +329,11 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--events", type=int, default=1_000_000)
     p.add_argument("--replay-events", type=int, default=100_000)
+    p.add_argument(
+        "--journal-only",
+        action="store_true",
+        help="skip the 1M-event dbSize runs (~7 min); the JSON keeps their last figures",
+    )
     ns = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import logging
@@ -210,8 +348,10 @@ if __name__ == "__main__":
     result["load_avg_1m_before"] = load_before
     result["load_avg_1m_after"] = os.getloadavg()[0]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    old = json.loads(RESULTS.read_text()) if ns.journal_only and RESULTS.exists() else {}
     RESULTS.write_text(
-        json.dumps({**result, "machine": platform.node(), "cpus": os.cpu_count()}, indent=2) + "\n"
+        json.dumps({**old, **result, "machine": platform.node(), "cpus": os.cpu_count()}, indent=2)
+        + "\n"
     )
     print(table(result))
     print(f"wrote {RESULTS}")

@@ -29,7 +29,12 @@ def run(ns: argparse.Namespace) -> int:
         if ns.json:
             print_json({"node_id": ns.node, **to_dict(resp)})
             return 0
-        told = "its agent stopped" if resp.agent_notified else "its agent was not reachable"
+        if resp.recovering:
+            told = "the recovery loop takes it out now (a spare, or a smaller world)"
+        elif resp.agent_notified:
+            told = "its agent stopped"
+        else:
+            told = "its agent was not reachable"
         print(f"evicted {ns.node} (event seq {resp.seq}); {told}")
         return 0
 

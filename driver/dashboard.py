@@ -47,6 +47,7 @@ from google.protobuf import text_format
 
 from unbroken.driver import state as statelib
 from unbroken.driver.eventlog import EventLog, EventLogError
+from unbroken.driver.journal import Journal
 from unbroken.driver.liveview import LiveView, NodeSlot
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
@@ -449,6 +450,7 @@ class Dashboard:
         self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=config.events)
         self._state: ev.JobState | None = None
         self._source: EventLog | None = None
+        self._journal: Journal | None = None  # the term whose events the ring follows
         self._read_at = -math.inf
         self._read_lock = asyncio.Lock()
         self._error = ""
@@ -514,7 +516,16 @@ class Dashboard:
         return elog if elog is not None else self.reader
 
     async def refresh(self) -> None:
-        """Bring the folded state and the event ring up to date (rate-limited, one reader)."""
+        """Bring the folded state and the event ring up to date.
+
+        On the leader the state is the journal's (memory) and the ring follows the journal;
+        the log is read once per term for the ring's history. A standby folds the log
+        read-only (rate-limited, one reader).
+        """
+        journal = self.service.journal
+        if journal is not None and journal is self._journal and self._state is not None:
+            self._state = journal.state
+            return
         elog = self._log()
         if elog is None:
             self._error = "this driver has no event log yet (still connecting to etcd)"
@@ -528,6 +539,8 @@ class Dashboard:
             try:
                 await asyncio.wait_for(self._read(elog), self.config.read_timeout_s)
                 self._error = ""
+                if journal is not None and journal is self.service.journal:
+                    self._follow(journal)
             except (TimeoutError, EventLogError) as e:
                 self._error = (
                     f"the event log did not answer within {self.config.read_timeout_s:g} s "
@@ -535,6 +548,18 @@ class Dashboard:
                 )
                 log.warning("dashboard could not read the event log", error=repr(e))
             self._read_at = time.monotonic()
+
+    def _follow(self, journal: Journal) -> None:
+        """Follow `journal`'s events into the ring from the state just read."""
+        self._journal = journal
+        have = self._state.last_seq if self._state is not None else 0
+
+        def on_event(e: ev.Event) -> None:
+            if e.seq > have and self._journal is journal:
+                self._events.append(event_json(e))
+
+        journal.subscribers.append(on_event)
+        self._state = journal.state
 
     async def _read(self, elog: EventLog) -> None:
         if elog is not self._source or self._state is None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -43,7 +43,6 @@ from unbroken.diagnostics.runner import (
     verdict_event,
 )
 from unbroken.diagnostics.schema import CheckResult
-from unbroken.driver.eventlog import EventLog
 from unbroken.driver.liveview import LiveView
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
@@ -55,6 +54,10 @@ LOOPBACK = "127.0.0.1"
 
 class DiagnoseError(Exception):
     """The diagnosis could not run (e.g. an agent did not acknowledge Pause)."""
+
+
+#: How a diagnosis records its events: the journal's `record` (one transaction per call).
+Recorder = Callable[..., Awaitable[list[ev.Event]]]
 
 
 class CommandSender(Protocol):
@@ -217,7 +220,7 @@ async def _command_all(
 
 async def run_diagnosis(
     service: CommandSender,
-    elog: EventLog,
+    record: Recorder,
     nodes: Sequence[str],
     *,
     config: DriverDiagnoseConfig,
@@ -232,7 +235,7 @@ async def run_diagnosis(
 
     Args:
         service: sends commands to agents (the driver service).
-        elog: the event log (leader's); every round and the verdict are appended.
+        record: the term journal's `record`; every round and the verdict are recorded.
         nodes: the nodes to check (each with an open session).
         config: timeouts and check size.
         diagnosis_id: id for events and check ids (default: fresh).
@@ -249,7 +252,7 @@ async def run_diagnosis(
     """
     did = diagnosis_id or uuid.uuid4().hex[:12]
     bound = log.bind(diagnosis_id=did)
-    start = await elog.append(
+    (start,) = await record(
         ev.Event(
             cause="operator",
             operator_action=ev.OperatorAction(action="diagnose", target=",".join(nodes), who=who),
@@ -267,7 +270,7 @@ async def run_diagnosis(
         )
         paused = [n for n in to_pause if not problems[n]]
         failed = {n: p for n, p in problems.items() if p}
-        await elog.append(
+        await record(
             ev.Event(
                 cause=start.event_id,
                 operator_action=ev.OperatorAction(action="pause", target=",".join(paused), who=who),
@@ -275,7 +278,7 @@ async def run_diagnosis(
         )
         bound.info("training paused for diagnosis", nodes=paused, step=at_step)
         if failed:
-            await _resume(service, elog, paused, at_step, config, start.event_id, who)
+            await _resume(service, record, paused, at_step, config, start.event_id, who)
             raise DiagnoseError(
                 "could not pause training on "
                 + "; ".join(f"{n}: {p}" for n, p in sorted(failed.items()))
@@ -284,9 +287,9 @@ async def run_diagnosis(
     if on_started is not None:
         on_started(dpb.DiagnoseStarted(diagnosis_id=did, node_ids=list(nodes), paused_nodes=paused))
 
-    async def record(r: RoundRecord) -> None:
+    async def record_round(r: RoundRecord) -> None:
         payload = round_event(did, r)
-        await elog.append(ev.Event(cause=start.event_id, diagnosis_round=payload))
+        await record(ev.Event(cause=start.event_id, diagnosis_round=payload))
         if on_round is not None:
             on_round(payload)
 
@@ -297,18 +300,18 @@ async def run_diagnosis(
             known_good=known_good,
             config=config.runner,
             diagnosis_id=did,
-            on_round=record,
+            on_round=record_round,
         )
-        await elog.append(ev.Event(cause=start.event_id, diagnosis_verdict=verdict_event(d)))
+        await record(ev.Event(cause=start.event_id, diagnosis_verdict=verdict_event(d)))
         return d
     finally:
         if paused:
-            await _resume(service, elog, paused, at_step, config, start.event_id, who)
+            await _resume(service, record, paused, at_step, config, start.event_id, who)
 
 
 async def _resume(
     service: CommandSender,
-    elog: EventLog,
+    record: Recorder,
     nodes: Sequence[str],
     at_step: int,
     config: DriverDiagnoseConfig,
@@ -324,7 +327,7 @@ async def _resume(
     for n, p in problems.items():
         if p:
             log.error("resume after diagnosis not acknowledged", node=n, problem=p)
-    await elog.append(
+    await record(
         ev.Event(
             cause=cause,
             operator_action=ev.OperatorAction(

@@ -94,6 +94,7 @@ MAX_BATCH_EVENTS = 60  # 2 ops per event + head = 121 <= etcd's default --max-tx
 MAX_BATCH_BYTES = 1 << 20  # under etcd's 1.5 MiB request limit with room for keys
 MAX_ATTEMPTS = 5  # per batch, for unreachable etcd or an unknown outcome
 READ_PAGE = 500  # keys per range request (each event <= 64 KiB; grpc messages <= 64 MiB)
+READ_PARALLEL = 4  # range requests of one read in flight at once
 MAINTAIN_MAX_SNAPSHOTS = 10  # multiples of snapshot_every archived per maintenance round
 DEFRAG_MIN_BYTES = 64 << 20  # defragment only a DB this large whose file is mostly free
 
@@ -105,6 +106,7 @@ class _Pending:
     event: ev.Event
     data: bytes
     futures: list[asyncio.Future[ev.Event]] = field(default_factory=list)
+    group: int = 0  # the append_many call it came with (a group shares one transaction)
 
 
 class EtcdEventLog(EventLog):
@@ -163,6 +165,7 @@ class EtcdEventLog(EventLog):
         self._maintain_wake = asyncio.Event()
         self._maintaining = asyncio.Lock()
         self._head: int | None = None
+        self._groups = 0
         self._fenced: NotLeaderError | None = None
         self._closed = False
         self.unknown_outcomes = 0  # append transactions whose outcome had to be looked up
@@ -206,7 +209,8 @@ class EtcdEventLog(EventLog):
         return (await self.append_many([event]))[0]
 
     async def append_many(self, events: Iterable[ev.Event]) -> list[ev.Event]:
-        """Append events in order (queued together, so they share transactions)."""
+        """Append events in order, in ONE transaction when they fit one (<= 60 events,
+        <= 1 MiB; a larger group is split at those limits, in order)."""
         writer = self.leadership.driver_id if self.leadership else ""
         events = list(events)
         datas = []
@@ -222,23 +226,31 @@ class EtcdEventLog(EventLog):
             raise NotLeaderError(str(self._fenced))
         if self._closed:
             raise EventLogError("the event log is closed")
+        if not events:
+            return []
         loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future[ev.Event]] = []
-        for e, data in zip(events, datas, strict=True):
-            try:
+        taken = 0
+        try:
+            for _ in events:  # room for the whole group before any of it is queued
                 await asyncio.wait_for(self._slots.acquire(), self.append_timeout_s)
-            except TimeoutError as err:
-                raise LogUnavailableError(
-                    f"{len(self._pending)} appends are queued and etcd at "
-                    f"{endpoint_of(self.client)} is not keeping up"
-                ) from err
+                taken += 1
+        except TimeoutError as err:
+            for _ in range(taken):
+                self._slots.release()
+            raise LogUnavailableError(
+                f"{len(self._pending)} appends are queued and etcd at "
+                f"{endpoint_of(self.client)} is not keeping up"
+            ) from err
+        self._groups += 1
+        futures: list[asyncio.Future[ev.Event]] = []
+        for e, data in zip(events, datas, strict=True):  # no await: the group stays together
             fut: asyncio.Future[ev.Event] = loop.create_future()
             fut.add_done_callback(lambda _f: self._slots.release())
-            self._pending.append(_Pending(e, data, [fut]))
+            self._pending.append(_Pending(e, data, [fut], self._groups))
             futures.append(fut)
-            self._wake.set()  # the committer drains while we queue the rest
-            if self._committer is None or self._committer.done():
-                self._committer = asyncio.create_task(self._commit_loop(), name="etcdlog-commit")
+        self._wake.set()
+        if self._committer is None or self._committer.done():
+            self._committer = asyncio.create_task(self._commit_loop(), name="etcdlog-commit")
         return list(await asyncio.gather(*futures))
 
     def _take_batch(self) -> list[_Pending]:
@@ -253,9 +265,26 @@ class EtcdEventLog(EventLog):
                 continue
             if batch and size + len(p.data) > MAX_BATCH_BYTES:
                 break
+            if batch and p.group != self._pending_group_of(batch) and not self._fits(p, batch):
+                break  # the next group would be split: it goes whole into the next batch
             batch[p.event.event_id] = self._pending.popleft()
             size += len(p.data)
         return list(batch.values())
+
+    @staticmethod
+    def _pending_group_of(batch: dict[str, _Pending]) -> int:
+        return next(reversed(batch.values())).group
+
+    def _fits(self, first: _Pending, batch: dict[str, _Pending]) -> bool:
+        """Whether the whole group starting at `first` fits the batch's remaining room."""
+        n, size = len(batch), sum(len(p.data) for p in batch.values())
+        for p in self._pending:
+            if p.group != first.group:
+                break
+            n, size = n + 1, size + len(p.data)
+            if n > MAX_BATCH_EVENTS or size > MAX_BATCH_BYTES:
+                return False
+        return True
 
     async def _commit_loop(self) -> None:
         while not self._closed:
@@ -568,17 +597,31 @@ class EtcdEventLog(EventLog):
             assert lo == archived + 1, f"archive marker parts end at {lo - 1}, not {archived}"
         if to_seq is not None and from_seq > to_seq:
             return out, rev
-        key = k.event(from_seq)
-        end = k.ev_end if to_seq is None else k.event(to_seq + 1)
-        while True:
-            r = await self._call(
-                self.client.kvstub.Range,
-                rpc.RangeRequest(key=key, range_end=end, revision=rev, limit=READ_PAGE),
+        # the head at the same revision bounds the pages exactly
+        h = await self._call(self.client.kvstub.Range, rpc.RangeRequest(key=k.head, revision=rev))
+        head = int(h.kvs[0].value) if h.kvs else 0
+        to_seq = head if to_seq is None else min(to_seq, head)
+        # Event keys are dense: each page is an exact key range, so etcd never walks past it
+        # (a `limit` over an open range made etcd scan the rest of the log on every page:
+        # 3.5 s for 100k events against 0.4 s), and a few pages are in flight at once.
+        starts = list(range(from_seq, to_seq + 1, READ_PAGE))
+        for i in range(0, len(starts), READ_PARALLEL):
+            pages = await asyncio.gather(
+                *(
+                    self._call(
+                        self.client.kvstub.Range,
+                        rpc.RangeRequest(
+                            key=k.event(a),
+                            range_end=k.event(min(a + READ_PAGE, to_seq + 1)),
+                            revision=rev,
+                        ),
+                    )
+                    for a in starts[i : i + READ_PARALLEL]
+                )
             )
-            out.extend(decode(kv.value) for kv in r.kvs)
-            if not r.more or not r.kvs:
-                return out, rev
-            key = r.kvs[-1].key + b"\0"
+            for r in pages:
+                out.extend(decode(kv.value) for kv in r.kvs)
+        return out, rev
 
     async def _read_archive(self, url: str, from_seq: int, upto: int) -> list[ev.Event]:
         archive = self.archive if self.archive and self.archive.url == url else None

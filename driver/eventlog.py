@@ -194,23 +194,38 @@ class InMemoryEventLog(EventLog):
         self._state: ev.JobState | None = None
 
     async def append(self, event: ev.Event) -> ev.Event:
+        return (await self.append_many([event]))[0]
+
+    async def append_many(self, events: Iterable[ev.Event]) -> list[ev.Event]:
+        """Append all of `events` or none (one fence check, no await in between)."""
         writer = self.leadership.driver_id if self.leadership else ""
-        stamp(event, job_id=self.job_id, writer=writer)
-        data = check_size(event, self.max_event_bytes)
+        events = list(events)
+        datas = []
+        for e in events:
+            e.ClearField("seq")
+            stamp(e, job_id=self.job_id, writer=writer)
+            datas.append(check_size(e, self.max_event_bytes))
         if self.leadership is None or self.store.leader != self.leadership:
             raise NotLeaderError(f"{writer or 'this driver'} does not hold leadership")
-        existing = self.store.by_id.get(event.event_id)
-        if existing is not None:
-            return self.store.events[existing]
-        stored = ev.Event.FromString(data)
-        stored.seq = len(self.store.events) + 1
-        self.store.events.append(stored)
-        self.store.by_id[stored.event_id] = stored.seq - 1
-        if stored.seq % self.snapshot_every == 0:
-            await self._snapshot(stored.seq)
+        out = []
+        snapshot_at = 0
+        for e, data in zip(events, datas, strict=True):
+            existing = self.store.by_id.get(e.event_id)
+            if existing is not None:
+                out.append(self.store.events[existing])
+                continue
+            stored = ev.Event.FromString(data)
+            stored.seq = len(self.store.events) + 1
+            self.store.events.append(stored)
+            self.store.by_id[stored.event_id] = stored.seq - 1
+            if stored.seq % self.snapshot_every == 0:
+                snapshot_at = stored.seq
+            out.append(stored)
+        if snapshot_at:
+            await self._snapshot(snapshot_at)
         async with self.store.changed:
             self.store.changed.notify_all()
-        return stored
+        return out
 
     async def _snapshot(self, upto: int) -> None:
         snap = self.store.snapshots[-1] if self.store.snapshots else None

@@ -8,8 +8,8 @@ servicer, and like those calls only the leader answers.
 - `RegisterJob` appends JobStarted (+ TrainingResumed at step 0) for a job whose workers a
   launcher runs; a driver that starts the job itself (`--nodes`) refuses it.
 - `ReportFailure` turns a launcher's "worker/node failed" into the WorkerFailed / NodeLost
-  event a detector would have produced (cause "launcher"). It goes through the service's
-  single writer, so the recovery loop (when on) decides on it like on any detector event;
+  event a detector would have produced (cause "launcher"). It is an observation for the
+  term's journal, so the recovery loop (when on) decides on it like on any detector event;
   the call returns once the event is durable.
 - `ListCheckpoints` joins the folded state's committed checkpoints with their events
   (time, ranks, checksum), the storage's per-rank shard files (read under a deadline; a
@@ -18,25 +18,24 @@ servicer, and like those calls only the leader answers.
 - `RequestCheckpoint` sends FlashSave(step) to every world node, where `step` is a little
   ahead of the newest step any worker reported, so every rank saves the same step; the
   agents persist it and report the shards, and the driver commits it like any other step.
-  With `wait` the call watches the log until that CheckpointCommitted (or a later one).
+  With `wait` the call follows the journal until that CheckpointCommitted (or a later one).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import re
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
 
 from unbroken.driver.diagnose import DriverDiagnoseConfig
-from unbroken.driver.eventlog import EventLog, EventLogError, new_event_id
+from unbroken.driver.eventlog import EventLogError, new_event_id
+from unbroken.driver.journal import Journal
 from unbroken.driver.liveview import LiveView
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
@@ -201,26 +200,18 @@ class LauncherApi:
 
     driver_id: str
     job_id: str
-    log: EventLog | None
     view: LiveView
     commits: Commits
-    decider: Any
-    listeners: list[Callable[[ev.Event], None]]
     _read_timeout_s: float
     _diagnose_config: DriverDiagnoseConfig
-
-    def emit(self, event: ev.Event, last_seen: float = math.nan) -> bool:
-        raise NotImplementedError  # provided by DriverService
+    _register_job_lock: asyncio.Lock
 
     async def request(
         self, node_id: str, msg: dpb.DriverMessage, timeout_s: float
     ) -> dpb.AgentMessage:
         raise NotImplementedError  # provided by DriverService
 
-    async def _leader_log(self, context: grpc.aio.ServicerContext) -> EventLog:
-        raise NotImplementedError  # provided by OperatorApi
-
-    async def _state(self, context: grpc.aio.ServicerContext) -> ev.JobState:
+    async def _journal(self, context: grpc.aio.ServicerContext) -> Journal:
         raise NotImplementedError  # provided by OperatorApi
 
     def _who(self, context: grpc.aio.ServicerContext) -> str:
@@ -228,42 +219,32 @@ class LauncherApi:
 
         return who(context)
 
-    def _notify(self, *events: ev.Event) -> None:
-        """Tell the service's listeners (metrics) about events appended here directly."""
-        for e in events:
-            for fn in list(self.listeners):
-                try:
-                    fn(e)
-                except Exception:
-                    log.exception("event listener failed")
-
     # ------------------------------------------------------------ RegisterJob
     async def RegisterJob(
         self, request: dpb.RegisterJobRequest, context: grpc.aio.ServicerContext
     ) -> dpb.RegisterJobResponse:
-        elog = await self._leader_log(context)
+        journal = await self._journal(context)
         problem = job_problem(request)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if self.decider is not None:
+        if journal.decider is not None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"driver {self.driver_id} starts and recovers job {self.job_id} itself "
                 "(--nodes); RegisterJob is for launchers that start their own workers: run "
                 "the driver without --nodes",
             )
-        # one RegisterJob at a time: the check below and the append must not interleave
-        lock: asyncio.Lock = self.__dict__.setdefault("_register_job_lock", asyncio.Lock())
-        async with lock:
-            return await self._register_job(request, elog, context)
+        # one RegisterJob at a time: the check below and the record must not interleave
+        async with self._register_job_lock:
+            return await self._register_job(request, journal, context)
 
     async def _register_job(
         self,
         request: dpb.RegisterJobRequest,
-        elog: EventLog,
+        journal: Journal,
         context: grpc.aio.ServicerContext,
     ) -> dpb.RegisterJobResponse:
-        state = await self._state(context)
+        state = journal.state
         if state.event_counts["job_started"] and state.phase not in ACTIVE_DONE:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -273,25 +254,22 @@ class LauncherApi:
                 "runs one job: finish it first or start a driver with another --job-id",
             )
         world = normalized_world(request)
+        started = ev.Event(
+            event_id=new_event_id(),
+            cause="launcher",
+            job_started=ev.JobStarted(
+                trainer=request.trainer or "external",
+                world=world,
+                min_nodes=request.min_nodes or 1,
+                max_nodes=request.max_nodes or len(world.node_ids),
+                config_json=request.config_json,
+            ),
+        )
+        resumed = ev.Event(cause=started.event_id, training_resumed=ev.TrainingResumed(world=world))
         try:
-            started = await elog.append(
-                ev.Event(
-                    cause="launcher",
-                    job_started=ev.JobStarted(
-                        trainer=request.trainer or "external",
-                        world=world,
-                        min_nodes=request.min_nodes or 1,
-                        max_nodes=request.max_nodes or len(world.node_ids),
-                        config_json=request.config_json,
-                    ),
-                )
-            )
-            resumed = await elog.append(
-                ev.Event(cause=started.event_id, training_resumed=ev.TrainingResumed(world=world))
-            )
+            started, _ = await journal.record(started, resumed)
         except EventLogError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"appending JobStarted failed: {e}")
-        self._notify(started, resumed)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"recording JobStarted failed: {e}")
         log.info(
             "job registered by a launcher",
             trainer=request.trainer,
@@ -304,7 +282,7 @@ class LauncherApi:
     async def ReportFailure(
         self, request: dpb.ReportFailureRequest, context: grpc.aio.ServicerContext
     ) -> dpb.ReportFailureResponse:
-        await self._leader_log(context)
+        journal = await self._journal(context)
         node = request.node_id
         if request.kind not in (dpb.FAILURE_KIND_WORKER, dpb.FAILURE_KIND_NODE):
             await context.abort(
@@ -333,7 +311,9 @@ class LauncherApi:
             raise AssertionError("unreachable")
         if request.report_id:
             try:
-                seen = await self._leader_log_find(report_event_id(request.report_id), context)
+                seen = await asyncio.wait_for(
+                    journal.log.find(report_event_id(request.report_id)), self._read_timeout_s
+                )
             except (EventLogError, TimeoutError) as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"looking up report_id: {e!r}")
                 raise AssertionError("unreachable") from e
@@ -341,7 +321,7 @@ class LauncherApi:
                 return dpb.ReportFailureResponse(
                     seq=seen.seq, event_kind=seen.WhichOneof("payload") or ""
                 )
-        state = await self._state(context)
+        state = journal.state
         rec = state.nodes.get(node)
         if rec is None and node not in state.world.node_ids and node not in self.view.nodes:
             await context.abort(
@@ -355,57 +335,30 @@ class LauncherApi:
                 f"node {node!r} is already evicted; its failures no longer count",
             )
         event = failure_event(request, state, self.view, time.monotonic())
-        stored = await self._append_via_writer(event, context)
+        try:
+            recorded = await journal.observe(event, self._read_timeout_s)
+        except (EventLogError, TimeoutError) as e:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the report was not durable within {self._read_timeout_s:g} s ({e!r}); it "
+                "stays queued: report it again with the same report_id (is etcd reachable "
+                "from the driver? see its log)",
+            )
+            raise AssertionError("unreachable") from e
+        stored = next((e for e in recorded if e.event_id == event.event_id), None)
+        if stored is None:  # it had landed before (a retry): read it back
+            stored = await journal.log.find(event.event_id) or event
         kind = stored.WhichOneof("payload") or ""
         log.warning("failure reported by a launcher", node=node, kind=kind, seq=stored.seq)
         return dpb.ReportFailureResponse(seq=stored.seq, event_kind=kind)
-
-    async def _leader_log_find(
-        self, event_id: str, context: grpc.aio.ServicerContext
-    ) -> ev.Event | None:
-        elog = await self._leader_log(context)
-        return await asyncio.wait_for(elog.find(event_id), self._read_timeout_s)
-
-    async def _append_via_writer(
-        self, event: ev.Event, context: grpc.aio.ServicerContext
-    ) -> ev.Event:
-        """Queue `event` for the service's writer (the recovery loop decides on it) and
-        wait until it is durable."""
-        fut: asyncio.Future[ev.Event] = asyncio.get_running_loop().create_future()
-
-        def seen(e: ev.Event) -> None:
-            if e.event_id == event.event_id and not fut.done():
-                fut.set_result(e)
-
-        self.listeners.append(seen)
-        try:
-            if not self.emit(event):
-                await context.abort(
-                    grpc.StatusCode.UNAVAILABLE, "the driver's event queue is full; retry later"
-                )
-            try:
-                return await asyncio.wait_for(fut, self._read_timeout_s)
-            except TimeoutError:
-                pass
-        finally:
-            self.listeners.remove(seen)
-        assert self.log is not None
-        found = await self.log.find(event.event_id)  # appended by a writer we did not see
-        if found is None:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"the event was not appended within {self._read_timeout_s} s (is etcd "
-                "reachable from the driver? see its log); report it again",
-            )
-        assert found is not None
-        return found
 
     # ------------------------------------------------------------ ListCheckpoints
     async def ListCheckpoints(
         self, request: dpb.ListCheckpointsRequest, context: grpc.aio.ServicerContext
     ) -> dpb.ListCheckpointsResponse:
-        elog = await self._leader_log(context)
-        state = await self._state(context)
+        journal = await self._journal(context)
+        elog = journal.log
+        state = journal.state
         out = dpb.ListCheckpointsResponse()
         records = list(state.checkpoints)
 
@@ -462,7 +415,7 @@ class LauncherApi:
     async def RequestCheckpoint(
         self, request: dpb.RequestCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> dpb.RequestCheckpointResponse:
-        elog = await self._leader_log(context)
+        journal = await self._journal(context)
         if not 0 <= request.timeout_s <= MAX_WAIT_S:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -474,7 +427,7 @@ class LauncherApi:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"lead_steps must be at most {MAX_LEAD_STEPS}, got {request.lead_steps}",
             )
-        state = await self._state(context)
+        state = journal.state
         phase = ev.Phase.Name(state.phase).removeprefix("PHASE_").lower()
         if state.phase in RECOVERING or state.phase in ACTIVE_DONE:
             await context.abort(
@@ -499,45 +452,55 @@ class LauncherApi:
             (w.step for n in nodes for w in self.view.nodes[n].hb.workers), default=state.step
         )
         target = max(live, state.step) + (request.lead_steps or DEFAULT_LEAD_STEPS)
+        committed: asyncio.Future[ev.Event] = asyncio.get_running_loop().create_future()
+
+        def on_event(e: ev.Event) -> None:
+            if (
+                e.WhichOneof("payload") == "checkpoint_committed"
+                and e.checkpoint_committed.step >= target
+                and not committed.done()
+            ):
+                committed.set_result(e)
+
+        journal.subscribers.append(on_event)  # before FlashSave: no commit goes unseen
         try:
-            action = await elog.append(
-                ev.Event(
-                    cause="operator",
-                    operator_action=ev.OperatorAction(
-                        action="checkpoint", target=f"step {target}", who=self._who(context)
-                    ),
+            try:
+                (action,) = await journal.record(
+                    ev.Event(
+                        cause="operator",
+                        operator_action=ev.OperatorAction(
+                            action="checkpoint", target=f"step {target}", who=self._who(context)
+                        ),
+                    )
                 )
-            )
-        except EventLogError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"appending the request failed: {e}")
-        self._notify(action)
-        errors = await self._flash_save_all(nodes, target)
-        if errors:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "FlashSave was not accepted by "
-                + "; ".join(f"{n}: {e}" for n, e in sorted(errors.items())[:10])
-                + " (the node's agent must run workers)",
-            )
-        resp = dpb.RequestCheckpointResponse(step=target, node_ids=nodes, seq=action.seq)
-        log.info("checkpoint requested", step=target, nodes=len(nodes), seq=action.seq)
-        if not request.wait:
-            return resp
-        wait_s = request.timeout_s or DEFAULT_WAIT_S
-        try:
-            async with asyncio.timeout(wait_s):
-                async for got in elog.watch(action.seq + 1):
-                    if (
-                        got.WhichOneof("payload") == "checkpoint_committed"
-                        and got.checkpoint_committed.step >= target
-                    ):
-                        resp.committed_step = got.checkpoint_committed.step
-                        resp.uri = got.checkpoint_committed.uri
-                        return resp
-        except TimeoutError:
-            pass
-        except EventLogError as err:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"watching the log failed: {err!r}")
+            except EventLogError as e:
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE, f"recording the request failed: {e}"
+                )
+                raise AssertionError("unreachable") from e
+            errors = await self._flash_save_all(nodes, target)
+            if errors:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "FlashSave was not accepted by "
+                    + "; ".join(f"{n}: {e}" for n, e in sorted(errors.items())[:10])
+                    + " (the node's agent must run workers)",
+                )
+            resp = dpb.RequestCheckpointResponse(step=target, node_ids=nodes, seq=action.seq)
+            log.info("checkpoint requested", step=target, nodes=len(nodes), seq=action.seq)
+            if not request.wait:
+                return resp
+            wait_s = request.timeout_s or DEFAULT_WAIT_S
+            try:
+                got = await asyncio.wait_for(asyncio.shield(committed), wait_s)
+                resp.committed_step = got.checkpoint_committed.step
+                resp.uri = got.checkpoint_committed.uri
+                return resp
+            except TimeoutError:
+                pass
+        finally:
+            if on_event in journal.subscribers:
+                journal.subscribers.remove(on_event)
         await context.abort(
             grpc.StatusCode.DEADLINE_EXCEEDED,
             f"no checkpoint at step >= {target} was committed within {wait_s:g} s: every "

@@ -5,10 +5,11 @@ non-spare agents are registered (started with `--no-start`), it appends JobStart
 TrainingResumed(step 0, world) and sends StartWorkers with each node's rank base and a
 fresh master port. From then on every observation goes through `machine.decide`:
 
-- detector events (WorkerFailed, NodeLost, HangSuspected, LogAlert, ...) are queued by the
-  service as before; the service's single writer calls `RecoveryLoop.decide`, which folds
-  the log's tail into the loop's state and returns the decision's events (the observation
-  first) plus a callback that performs the decision's actions once all are appended;
+- detector events (WorkerFailed, NodeLost, HangSuspected, LogAlert, ...) and operator,
+  launcher and diagnosis observations are queued in the term's journal
+  (driver/journal.py); its writer calls `RecoveryLoop.decide` on the journal's folded
+  state, which returns the decision's events (the observation first) plus a callback that
+  performs the decision's actions once all are durable (one transaction);
 - progress is observed here and queued the same way: every reachable agent acknowledged
   the stop (`machine.Paused`), every rank of the restarted world reports a step
   (RestoreFinished).
@@ -42,8 +43,8 @@ import structlog
 from unbroken.diagnostics.check import free_port
 from unbroken.driver import detectors, machine
 from unbroken.driver import state as statelib
-from unbroken.driver.eventlog import EventLog
-from unbroken.driver.service import Batch, DriverService
+from unbroken.driver.journal import Batch, Journal
+from unbroken.driver.service import DriverService
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 from unbroken.recovery import spike as spikelib
@@ -148,34 +149,43 @@ def timeline(state: ev.JobState) -> int:
 class RecoveryLoop:
     """The leader's recovery loop (one per term)."""
 
-    def __init__(
-        self, config: LoopConfig, service: DriverService, elog: EventLog, state: ev.JobState
-    ) -> None:
+    def __init__(self, config: LoopConfig, service: DriverService, journal: Journal) -> None:
         self.config = config
         self.policy = config.policy
         self.service = service
-        self.elog = elog
-        self.state = state
+        self.journal = journal
         self._gen = 0  # bumped by every performed decision; older progress watchers stop
         self._tasks: set[asyncio.Task[None]] = set()
         self._point = dpb.RestorePoint()  # sent before the next restore's StartWorkers
-        self._timeline = timeline(state)  # sent with every StartWorkers
+        self._timeline = timeline(journal.state)  # sent with every StartWorkers
         self._diagnosis: tuple[str, asyncio.Task[None]] | None = None  # id, task
+
+    @property
+    def state(self) -> ev.JobState:
+        """The journal's folded state: every recorded event, by anyone (while the journal
+        decides, also its decisions earlier in the same transaction)."""
+        return self.journal.deciding_state
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Take over the service's writer and settle the replayed state."""
-        self.service.decider = self.decide
+        """Decide for the journal's writer and settle the replayed state."""
+        self.journal.decider = self.decide
+        self.journal.on_resync = self._resettle
         self._spawn(self._watch_losses())
         if self.state.phase == ev.PHASE_STARTING:
             self._spawn(self._wait_for_world())
         else:
             self.service.submit(_Settle())
 
+    def _resettle(self) -> None:
+        """Events landed unseen (an append that reported failure): finish their decision."""
+        self.journal.submit(_Settle())
+
     async def close(self) -> None:
         """Stop watching (the service keeps running as a standby)."""
-        if self.service.decider == self.decide:
-            self.service.decider = None
+        if self.journal.decider == self.decide:
+            self.journal.decider = None
+            self.journal.on_resync = None
         for t in list(self._tasks):
             t.cancel()
         for t in list(self._tasks):
@@ -188,14 +198,8 @@ class RecoveryLoop:
         t.add_done_callback(self._tasks.discard)
 
     # ------------------------------------------------------------ deciding (writer task)
-    async def _catch_up(self) -> None:
-        """Fold every event appended since the state's last one (by anyone)."""
-        for e in await self.elog.read(self.state.last_seq + 1):
-            self.state = statelib.apply(self.state, e)
-
     async def decide(self, item: Any) -> Batch:
-        """The events to append for a queued item, and the actions to run after them."""
-        await self._catch_up()
+        """The events to record for a queued item, and the actions to run after them."""
         s = self.state
         if isinstance(item, ev.Event):
             if item.WhichOneof("payload") not in OBSERVED:

@@ -268,26 +268,31 @@ async def _take_lead(
     address: str,
     loop_cfg: LoopConfig,
 ) -> RecoveryLoop | None:
-    """Replay, append LeaderElected, lead; start the recovery loop when a job is configured."""
+    """Replay, open the term's journal, record LeaderElected, lead; start the recovery loop
+    when a job is configured."""
     state = await elog.replay()
-    await elog.append(
-        ev.Event(
-            cause="election",
-            leader_elected=ev.LeaderElected(
-                driver_id=leadership.driver_id,
-                lease_id=leadership.lease_id,
-                term=leadership.term,
-                address=address,
-            ),
-        )
-    )
     service.commits.timeline = timeline(state)  # rollbacks so far: older shards are stale
-    service.lead(elog, address)
+    journal = service.lead(elog, address, state)
+    try:
+        await journal.record(
+            ev.Event(
+                cause="election",
+                leader_elected=ev.LeaderElected(
+                    driver_id=leadership.driver_id,
+                    lease_id=leadership.lease_id,
+                    term=leadership.term,
+                    address=address,
+                ),
+            )
+        )
+    except BaseException:
+        service.step_down()
+        raise
     log.info("leading", term=leadership.term, last_seq=state.last_seq, nodes=len(state.nodes))
     if not loop_cfg.nodes:
         return None
     _expect_known_nodes(service, state)
-    rloop = RecoveryLoop(loop_cfg, service, elog, state)
+    rloop = RecoveryLoop(loop_cfg, service, journal)
     rloop.start()
     return rloop
 

@@ -49,6 +49,22 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         (),
         "Time to detect a lost node: its last heartbeat to its NodeLost event being durable",
     ),
+    "unbroken_fault_durable_seconds": (
+        "histogram",
+        (),
+        "A fault's detection to its event being durable (the journal's fault lane)",
+    ),
+    "unbroken_faults_pending": ("gauge", (), "Detected faults not yet durable (etcd slow or down)"),
+    "unbroken_log_alerts_coalesced_total": (
+        "counter",
+        (),
+        "Log-alert lines folded into an earlier LogAlert of the same node and keyword",
+    ),
+    "unbroken_log_alerts_shed_total": (
+        "counter",
+        (),
+        "Log alerts dropped under pressure (faults never are)",
+    ),
     "unbroken_phase": ("gauge", ("phase",), "1 for the job's current recovery phase, else 0"),
     "unbroken_incidents_total": ("counter", (), "Incidents opened (a fault left RUNNING)"),
     "unbroken_time_to_resume_seconds": (
@@ -102,6 +118,22 @@ class _LiveCollector(Collector):
         )
         d.add_metric([], v["dropped"])
         yield d
+        for name, kind in (
+            ("unbroken_log_alerts_coalesced", "alerts_coalesced"),
+            ("unbroken_log_alerts_shed", "alerts_shed"),
+        ):
+            c = CounterMetricFamily(name, METRICS[name + "_total"][2])
+            c.add_metric([], v.get(kind, 0))
+            yield c
+        g = GaugeMetricFamily("unbroken_faults_pending", METRICS["unbroken_faults_pending"][2])
+        g.add_metric([], v.get("faults_pending", 0))
+        yield g
+        # read from the journal's folded state, never re-derived (all 0 on a standby)
+        name = ev.Phase.Name(v["phase"]).removeprefix("PHASE_").lower() if "phase" in v else ""
+        g = GaugeMetricFamily("unbroken_phase", METRICS["unbroken_phase"][2], labels=["phase"])
+        for p in PHASES:
+            g.add_metric([p], 1.0 if p == name else 0.0)
+        yield g
 
 
 class _ViewCollector(Collector):
@@ -165,7 +197,12 @@ class DriverMetrics:
             registry=self.registry,
         )
         r = self.registry
-        self.phase = Gauge("unbroken_phase", METRICS["unbroken_phase"][2], ["phase"], registry=r)
+        self.fault_durable = Histogram(
+            "unbroken_fault_durable_seconds",
+            METRICS["unbroken_fault_durable_seconds"][2],
+            buckets=DETECT_BUCKETS,
+            registry=r,
+        )
         self.incidents = Counter(
             "unbroken_incidents", METRICS["unbroken_incidents_total"][2], registry=r
         )
@@ -208,34 +245,23 @@ class DriverMetrics:
         self.registry.register(_ViewCollector(view, clock))
         listeners.append(self.on_event)
 
-    def set_phase(self, phase: int) -> None:
-        """Mark `phase` (an ev.Phase) as the current one."""
-        name = ev.Phase.Name(phase).removeprefix("PHASE_").lower()
-        for p in PHASES:
-            self.phase.labels(p).set(1.0 if p == name else 0.0)
-
     def on_event(self, e: ev.Event) -> None:
-        """Update the job-level series from one appended event (event-loop thread)."""
+        """Update the job-level series from one recorded event (event-loop thread).
+
+        The phase is not derived here: the collector reads it from the journal's state.
+        """
         kind = e.WhichOneof("payload") or "none"
         self.events.labels(kind).inc()
         if kind == "recovery_transition":
             t = e.recovery_transition
-            self.set_phase(t.to_phase)
             if t.to_phase == ev.PHASE_RUNNING:
                 self._resumed(e)
             elif t.incident_id and t.incident_id != self._incident:
                 self._incident = t.incident_id
                 self._incident_ns = e.wall_time_unix_ns
                 self.incidents.inc()
-        elif kind == "training_paused":
-            self.set_phase(ev.PHASE_PAUSED)
-        elif kind == "restore_started":
-            self.set_phase(ev.PHASE_RESTORING)
         elif kind == "training_resumed":
-            self.set_phase(ev.PHASE_RUNNING)
             self._resumed(e)
-        elif kind == "job_finished":
-            self.set_phase(ev.PHASE_FINISHED if e.job_finished.ok else ev.PHASE_FAILED)
         elif kind == "checkpoint_committed":
             self.ckpt_step.set(e.checkpoint_committed.step)
             self.ckpt_bytes.set(e.checkpoint_committed.bytes)

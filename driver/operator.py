@@ -2,9 +2,10 @@
 
 These RPCs serve the `unbroken` CLI, launchers and dashboards, not the agents' hot path,
 so they live apart from the heartbeat service (driver/service.py), as a mixin of the
-same servicer. Only the leader answers: a standby has no event log and says where the
-leader is (FAILED_PRECONDITION plus the `x-unbroken-leader` trailer). Reads fold the log
-(newest snapshot + tail) under a deadline and join it with the live view. Diagnose runs
+same servicer. Only the leader answers: a standby has no journal and says where the
+leader is (FAILED_PRECONDITION plus the `x-unbroken-leader` trailer). Reads come from the
+journal's folded state in memory, joined with the live view; writes go through the
+journal (an eviction is an observation the recovery loop decides on at once). Diagnose runs
 as a task of the driver, not of the call: a client that goes away does not leave the
 workers paused; the call only watches the task through a bounded queue.
 """
@@ -24,7 +25,8 @@ import structlog
 from unbroken.diagnostics.faults import RuntimeFault
 from unbroken.diagnostics.runner import verdict_event
 from unbroken.driver.diagnose import DiagnoseError, DriverDiagnoseConfig, run_diagnosis
-from unbroken.driver.eventlog import EventLog, EventLogError
+from unbroken.driver.eventlog import EventLogError, new_event_id
+from unbroken.driver.journal import Journal
 from unbroken.driver.launcher_api import LauncherApi
 from unbroken.driver.liveview import LiveView
 from unbroken.proto import channel
@@ -33,7 +35,8 @@ from unbroken.proto import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
 
-READ_CHUNK = 1000  # events read per call while streaming history
+READ_CHUNK = 500  # events read per call while streaming history (one exact key range)
+WATCH_BUFFER = 4096  # live events queued for one follower before it is dropped
 MAX_NODE_ID = 128
 USER_KEY = "x-unbroken-user"  # who the operator is (the CLI sends user@host)
 DIAGNOSE_QUEUE = 1024  # progress messages buffered for one watching call
@@ -107,10 +110,12 @@ class OperatorApi(LauncherApi):
 
     driver_id: str
     job_id: str
-    log: EventLog | None
+    journal: Journal | None
     leader_address: str
     view: LiveView
+    watchers: int
     diagnosis_running: str
+    _max_watchers: int
     _diagnosis_task: asyncio.Task[None] | None
     _read_timeout_s: float
     _diagnose_config: DriverDiagnoseConfig
@@ -124,8 +129,10 @@ class OperatorApi(LauncherApi):
         raise NotImplementedError  # provided by DriverService
 
     # ------------------------------------------------------------ helpers
-    async def _leader_log(self, context: grpc.aio.ServicerContext) -> EventLog:
-        if self.log is None:
+    async def _journal(self, context: grpc.aio.ServicerContext) -> Journal:
+        """This term's journal; a standby aborts, naming the leader."""
+        journal = self.journal
+        if journal is None:
             where = self.leader_address or "unknown yet"
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -133,20 +140,12 @@ class OperatorApi(LauncherApi):
                 f"{where} (use --driver {where})",
                 trailing_metadata=((channel.LEADER_KEY, self.leader_address),),
             )
-        assert self.log is not None
-        return self.log
+        assert journal is not None
+        return journal
 
     async def _state(self, context: grpc.aio.ServicerContext) -> ev.JobState:
-        elog = await self._leader_log(context)
-        try:
-            return await asyncio.wait_for(elog.replay(), self._read_timeout_s)
-        except (TimeoutError, EventLogError) as e:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"the event log did not answer within {self._read_timeout_s} s ({e!r}); "
-                "is etcd reachable from the driver?",
-            )
-        raise AssertionError("unreachable")
+        """The leader's folded state, from memory (never a read of etcd)."""
+        return (await self._journal(context)).state
 
     # ------------------------------------------------------------ reads
     async def GetStatus(
@@ -169,28 +168,78 @@ class OperatorApi(LauncherApi):
     async def WatchEvents(
         self, request: dpb.WatchEventsRequest, context: grpc.aio.ServicerContext
     ) -> Any:
-        elog = await self._leader_log(context)
-        nxt = request.since_seq + 1
-        if not request.follow:
+        """Stream history page by page (archive included), then, with `follow`, live events.
+
+        Memory per watcher is one page plus a bounded live buffer; a follower that does not
+        keep up with the live buffer is dropped (RESOURCE_EXHAUSTED), and at most
+        `max_watchers` calls stream at once.
+        """
+        journal = await self._journal(context)
+        if self.watchers >= self._max_watchers:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.watchers} event watchers are already streaming from driver "
+                f"{self.driver_id} (the limit); close one or retry later",
+            )
+        self.watchers += 1
+        live: asyncio.Queue[ev.Event] = asyncio.Queue(WATCH_BUFFER)
+        overflow = asyncio.Event()
+
+        def on_event(e: ev.Event) -> None:
             try:
-                last = await asyncio.wait_for(elog.last_seq(), self._read_timeout_s)
-                while nxt <= last:
+                live.put_nowait(e)
+            except asyncio.QueueFull:
+                overflow.set()
+
+        if request.follow:
+            journal.subscribers.append(on_event)
+        try:
+            nxt = request.since_seq + 1
+            last = journal.state.last_seq
+            while nxt <= last:  # history: exact key ranges, one page at a time
+                try:
                     chunk = await asyncio.wait_for(
-                        elog.read(nxt, min(last, nxt + READ_CHUNK - 1)), self._read_timeout_s
+                        journal.log.read(nxt, min(last, nxt + READ_CHUNK - 1)),
+                        self._read_timeout_s,
                     )
-                    if not chunk:
-                        break
-                    for one in chunk:
+                except (TimeoutError, EventLogError) as err:
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE, f"reading the event log failed: {err!r}"
+                    )
+                    raise AssertionError("unreachable") from err
+                if not chunk:
+                    break
+                for one in chunk:
+                    await context.write(dpb.WatchEventsResponse(event=one))
+                nxt = chunk[-1].seq + 1
+            if not request.follow:
+                return
+            while True:  # live: what the journal records from now on (ends on cancel)
+                if overflow.is_set():
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"this watcher fell {WATCH_BUFFER} events behind; watch again with "
+                        f"--since {nxt - 1}",
+                    )
+                e = await live.get()
+                if e.seq < nxt:
+                    continue  # already sent from history
+                if e.seq > nxt:  # recorded before we subscribed ... after our last page
+                    for one in await journal.log.read(nxt, e.seq - 1):
                         await context.write(dpb.WatchEventsResponse(event=one))
-                    nxt = chunk[-1].seq + 1
-            except (TimeoutError, EventLogError) as err:
-                await context.abort(
-                    grpc.StatusCode.UNAVAILABLE, f"reading the event log failed: {err!r}"
-                )
-            return
-        # follow: ends when the client cancels (the call is then cancelled here too)
-        async for e in elog.watch(nxt):
-            await context.write(dpb.WatchEventsResponse(event=e))
+                await context.write(dpb.WatchEventsResponse(event=e))
+                nxt = e.seq + 1
+                if self.journal is not journal:
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"driver {self.driver_id} stepped down; watch the new leader from "
+                        f"--since {nxt - 1}",
+                        trailing_metadata=((channel.LEADER_KEY, self.leader_address),),
+                    )
+        finally:
+            self.watchers -= 1
+            if on_event in journal.subscribers:
+                journal.subscribers.remove(on_event)
 
     # ------------------------------------------------------------ evict
     async def Evict(
@@ -202,8 +251,8 @@ class OperatorApi(LauncherApi):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"node_id must be 1-{MAX_NODE_ID} characters, got {node_id[:MAX_NODE_ID]!r}",
             )
-        state = await self._state(context)
-        elog = await self._leader_log(context)
+        journal = await self._journal(context)
+        state = journal.state
         rec = state.nodes.get(node_id)
         if rec is None and node_id not in self.view.nodes:
             await context.abort(
@@ -215,27 +264,28 @@ class OperatorApi(LauncherApi):
                 grpc.StatusCode.FAILED_PRECONDITION, f"node {node_id!r} is already evicted"
             )
         reason = request.reason[:512] or "operator"
+        action = ev.Event(
+            event_id=new_event_id(),
+            cause="operator",
+            operator_action=ev.OperatorAction(action="evict", target=node_id, who=who(context)),
+        )
         try:
-            action = await elog.append(
-                ev.Event(
-                    cause="operator",
-                    operator_action=ev.OperatorAction(
-                        action="evict", target=node_id, who=who(context)
-                    ),
-                )
+            if journal.decider is not None:
+                # the recovery loop decides: pause, evict, take a spare or shrink, restore
+                stored = await journal.observe(action, self._read_timeout_s)
+            else:
+                evicted = ev.Event(node_evicted=ev.NodeEvicted(node_id=node_id, reason=reason))
+                evicted.cause = action.event_id
+                stored = await journal.record(action, evicted)
+        except (EventLogError, TimeoutError) as e:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"recording the eviction failed: {e!r}; retry"
             )
-            evicted = await elog.append(
-                ev.Event(
-                    cause=action.event_id,
-                    node_evicted=ev.NodeEvicted(node_id=node_id, reason=reason),
-                )
-            )
-        except EventLogError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"appending the eviction failed: {e}")
-        self._notify(action, evicted)  # metrics follow the events appended here too
+            raise AssertionError("unreachable") from e
+        seq = max(e.seq for e in stored) if stored else journal.state.last_seq
         notified = False
         slot = self.view.nodes.get(node_id)
-        if slot is not None and slot.outbox is not None:
+        if journal.decider is None and slot is not None and slot.outbox is not None:
             try:
                 reply = await self.request(
                     node_id,
@@ -245,14 +295,16 @@ class OperatorApi(LauncherApi):
                 notified = reply.ack.ok
             except (TimeoutError, KeyError) as e:
                 log.warning("evicted node's agent did not acknowledge", node=node_id, error=str(e))
-        log.warning("node evicted by operator", node=node_id, reason=reason, seq=evicted.seq)
-        return dpb.EvictResponse(seq=evicted.seq, agent_notified=notified)
+        log.warning("node evicted by operator", node=node_id, reason=reason, seq=seq)
+        return dpb.EvictResponse(
+            seq=seq, agent_notified=notified, recovering=journal.decider is not None
+        )
 
     # ------------------------------------------------------------ diagnose
     async def Diagnose(
         self, request: dpb.DiagnoseRequest, context: grpc.aio.ServicerContext
     ) -> Any:
-        elog = await self._leader_log(context)
+        journal = await self._journal(context)
         cfg = await self._diagnose_settings(request, context)
         if self.diagnosis_running:
             await context.abort(
@@ -279,7 +331,7 @@ class OperatorApi(LauncherApi):
             try:
                 d = await run_diagnosis(
                     self,  # type: ignore[arg-type]  # DriverService is the CommandSender
-                    elog,
+                    journal.record,
                     nodes,
                     config=cfg,
                     diagnosis_id=did,
@@ -415,7 +467,7 @@ class OperatorApi(LauncherApi):
     async def RunSelfCheck(
         self, request: dpb.RunSelfCheckRequest, context: grpc.aio.ServicerContext
     ) -> dpb.RunSelfCheckResponse:
-        elog = await self._leader_log(context)
+        journal = await self._journal(context)
         if request.timeout_s < 0:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -424,7 +476,7 @@ class OperatorApi(LauncherApi):
         nodes = await self._connected_nodes(list(request.node_ids), context)
         timeout = request.timeout_s or SELFCHECK_TIMEOUT_S
         try:
-            await elog.append(
+            await journal.record(
                 ev.Event(
                     cause="operator",
                     operator_action=ev.OperatorAction(
@@ -463,7 +515,7 @@ class OperatorApi(LauncherApi):
     async def InjectFault(
         self, request: dpb.InjectFaultRequest, context: grpc.aio.ServicerContext
     ) -> dpb.InjectFaultResponse:
-        elog = await self._leader_log(context)
+        journal = await self._journal(context)
         try:
             f = RuntimeFault.of(request.kind, request.local_rank, request.factor, request.step)
         except ValueError as e:
@@ -477,7 +529,7 @@ class OperatorApi(LauncherApi):
         what += f" factor={f.factor or 2.0:g}" if f.kind == "slow" else ""
         what += f" step={f.step}" if f.step else ""
         try:
-            action = await elog.append(
+            (action,) = await journal.record(
                 ev.Event(
                     cause=f"inject {what}",
                     operator_action=ev.OperatorAction(

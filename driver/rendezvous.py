@@ -321,18 +321,15 @@ class RendezvousService(rgrpc.RendezvousServicer):
         return f"{node_id}@{desc}" if node_id else desc
 
     async def _evicted(self, elog: EventLog, node_id: str) -> str:
+        """Why `node_id` is evicted ("" when it is not), from the journal's state in memory."""
+        journal = self.driver.journal
+        if journal is None:
+            return ""
         ev_ = self._evictions
-        now = time.monotonic()
-        if now - ev_.at >= self.config.evictions_refresh_s:
-            async with ev_.lock:
-                if time.monotonic() - ev_.at >= self.config.evictions_refresh_s:
-                    timeout = self.config.etcd_timeout_s
-                    head = await asyncio.wait_for(elog.last_seq(), timeout)
-                    if head != ev_.seq:
-                        state = await asyncio.wait_for(elog.replay(), timeout * 2)
-                        ev_.nodes = evicted_nodes(state)
-                        ev_.seq = head
-                    ev_.at = time.monotonic()
+        state = journal.state
+        if state.last_seq != ev_.seq:
+            ev_.nodes = evicted_nodes(state)
+            ev_.seq = state.last_seq
         return ev_.nodes.get(node_id, "")
 
     def _later(self, work: Coroutine[Any, Any, None], what: str) -> None:
@@ -349,12 +346,21 @@ class RendezvousService(rgrpc.RendezvousServicer):
         task.add_done_callback(self._tasks.discard)
 
     def _append_later(self, elog: EventLog, event: ev.Event) -> None:
-        """Record `event` without holding up the caller."""
+        """Record `event` through the term's journal without holding up the caller.
 
-        async def append() -> None:
-            await elog.append(event)
+        Dropped (with a log line) only when `elog`'s term has ended meanwhile.
+        """
+        journal = self.driver.journal
+        if journal is None or journal.log is not elog:
+            log.warning(
+                "term ended; rendezvous event not recorded", kind=event.WhichOneof("payload")
+            )
+            return
 
-        self._later(append(), f"record {event.WhichOneof('payload')}")
+        async def record() -> None:
+            await journal.record(event)
+
+        self._later(record(), f"record {event.WhichOneof('payload')}")
 
     def _record_refusal(self, elog: EventLog, caller: rpb.Caller, why: str) -> None:
         key = (caller.run_id, caller.node_id)

@@ -6,9 +6,9 @@ slot and moves the node to the end of the deadline order (driver/liveview.py). D
 run on timers (node lost every interval/5, hangs every `hang_sweep_ms`), or on the rare
 heartbeat that carries flags. Agents' verified-shard reports feed the commit bookkeeping
 (driver/commits.py): a step's CheckpointCommitted is appended once every rank's shard is
-in. Events go through one bounded queue to a single writer task that appends them to the
-event log, so the log sees them in detection order and a slow store never blocks the
-handler.
+in. Detections are observations for the term's journal (driver/journal.py), the driver's
+one writer: faults never wait behind log alerts and are never dropped, and what the live
+view knows (a silent node) is recorded again whenever the log missed it.
 
 A driver that is not the leader answers every agent call with UNAVAILABLE and the
 leader's address in the `x-unbroken-leader` trailer, so agents move on to it.
@@ -25,7 +25,7 @@ import itertools
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,9 +34,11 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from unbroken.driver import detectors
+from unbroken.driver import state as statelib
 from unbroken.driver.commits import Commits
 from unbroken.driver.diagnose import DriverDiagnoseConfig
-from unbroken.driver.eventlog import EventLog, EventLogError, NotLeaderError
+from unbroken.driver.eventlog import EventLog, NotLeaderError, new_event_id
+from unbroken.driver.journal import FAULT_KINDS, Batch, Journal, JournalConfig, Pending
 from unbroken.driver.liveview import LiveView, LiveViewConfig, NodeSlot
 from unbroken.driver.metrics import DriverMetrics
 from unbroken.driver.operator import OperatorApi
@@ -49,8 +51,8 @@ from unbroken.proto import events_pb2 as ev
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = "unbroken.driver.v1.Driver"
-#: What the recovery loop's decider returns: events to append in order, then a callback.
-Batch = tuple[list[ev.Event], Callable[[], None] | None]
+__all__ = ["Batch", "DriverService", "ServiceConfig", "build_server"]
+CARRY_LIMIT = 100_000  # unrecorded observations kept between terms
 RING = 1 << 16  # latency samples kept for p50/p99
 
 
@@ -61,21 +63,28 @@ class ServiceConfig:
     live: LiveViewConfig = field(default_factory=LiveViewConfig)
     detectors: detectors.DetectorConfig = field(default_factory=detectors.DetectorConfig)
     stream_buffer: int = 64  # commands queued per stream before the consumer is dropped
-    event_queue: int = 10_000  # detected events waiting for the log
+    journal: JournalConfig = field(default_factory=JournalConfig)
+    register_backlog: int = 10_000  # observations waiting: Register answers "busy" past this
+    slot_retention_s: float = 600.0  # live-view slots of nodes gone this long are freed
     max_message_bytes: int = channel.MAX_MESSAGE_BYTES
     reflection: bool = False
     tls: TlsConfig = field(default_factory=TlsConfig)
     token: str | None = None
     diagnose: DriverDiagnoseConfig = field(default_factory=DriverDiagnoseConfig)
     read_timeout_s: float = 10.0  # deadline of event-log reads behind operator calls
+    max_watchers: int = 64  # WatchEvents calls streaming at once
 
     def __post_init__(self) -> None:
+        if self.max_watchers < 1:
+            raise ValueError(f"max_watchers must be >= 1, got {self.max_watchers}")
         if not self.read_timeout_s > 0:
             raise ValueError(f"read_timeout_s must be > 0, got {self.read_timeout_s}")
         if not 1 <= self.stream_buffer <= 100_000:
             raise ValueError(f"stream_buffer must be in [1, 100000], got {self.stream_buffer}")
-        if self.event_queue < 16:
-            raise ValueError(f"event_queue must be >= 16, got {self.event_queue}")
+        if self.register_backlog < 16:
+            raise ValueError(f"register_backlog must be >= 16, got {self.register_backlog}")
+        if not self.slot_retention_s > 0:
+            raise ValueError(f"slot_retention_s must be > 0, got {self.slot_retention_s}")
         if not 1024 <= self.max_message_bytes <= 64 * 1024 * 1024:
             raise ValueError(
                 f"max_message_bytes must be in [1 KiB, 64 MiB], got {self.max_message_bytes}"
@@ -135,14 +144,15 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
         self.config = config
         self.driver_id = driver_id
         self.job_id = job_id
-        self.log = log_
+        self.log: EventLog | None = None  # the leader's log, for reads; writes: `journal`
+        self.journal: Journal | None = None  # this term's only writer (None: standby)
         self.leader_address = leader_address  # the current leader's (maybe our own) address
         self.view = LiveView(config.live)
-        # detected events (and the recovery loop's observations) waiting for the writer
-        self.events: asyncio.Queue[tuple[Any, float]] = asyncio.Queue(config.event_queue)
-        # The recovery loop (driver/loop.py) turns each queued item into the events to
-        # append and a callback run once they all are; None: items are events, as they are.
-        self.decider: Callable[[Any], Awaitable[Batch]] | None = None
+        # observations of an ended term, for the next one (a failure once detected stays)
+        self._carry: list[Pending] = []
+        # fault event id -> (fault began, detected): latency histograms once it is durable
+        self._detected: dict[str, tuple[float, float]] = {}
+        self._closing: set[asyncio.Task[None]] = set()
         self.appended = 0
         self.dropped_commands = 0
         self.delivery = _Ring()
@@ -161,25 +171,75 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
         self._diagnosis_task: asyncio.Task[None] | None = None
         self._read_timeout_s = config.read_timeout_s
         self._diagnose_config = config.diagnose
+        self._max_watchers = config.max_watchers
+        self.watchers = 0  # WatchEvents calls streaming now
+        self._register_job_lock = asyncio.Lock()  # RegisterJob's check-then-record
+        if log_ is not None:
+            self.lead(log_, leader_address)
 
     # ------------------------------------------------------------ leadership
     @property
     def leader(self) -> bool:
-        return self.log is not None
+        return self.journal is not None
 
-    def lead(self, log_: EventLog, address: str) -> None:
-        """Become the leader: detectors start writing to `log_`."""
+    @property
+    def state(self) -> ev.JobState:
+        """The leader's folded job state (from memory); an empty state on a standby."""
+        if self.journal is None:
+            return statelib.initial(self.job_id)
+        return self.journal.state
+
+    @property
+    def decider(self) -> Any:
+        """The recovery loop's decider when a job is configured (None: record as is)."""
+        return self.journal.decider if self.journal is not None else None
+
+    def lead(self, log_: EventLog, address: str, state: ev.JobState | None = None) -> Journal:
+        """Become the leader of a new term: `log_`'s journal records from now on.
+
+        Args:
+            log_: the log, fenced by this term's leadership.
+            address: where agents reach this driver.
+            state: `log_.replay()` (default: an empty job, for a fresh log).
+
+        Returns:
+            The term's journal (started; the previous term's unrecorded observations are
+            queued in it).
+        """
+        journal = Journal(
+            log_,
+            state if state is not None else statelib.initial(self.job_id),
+            config=self.config.journal,
+            conditions=self.conditions,
+            on_fenced=self._fenced,
+        )
+        journal.subscribers.append(self._on_recorded)
         self.log = log_
+        self.journal = journal
         self.leader_address = address
         now = time.monotonic()
         for slot in self.view.nodes.values():
-            if slot.alive:  # every node gets a full timeout to find the new leader
+            # every node gets a full timeout (with no session yet: the registration grace)
+            # to find this leader before it can be judged lost
+            if slot.alive and slot.outbox is not None:
                 self.view.mark_alive(slot, now)
+            elif slot.alive:
+                self.view.mark_registered(slot, now)
+        journal.start()
+        if self._carry and not self._closing:
+            journal.carry_over(self._carry)
+            self._carry = []
+        return journal
 
     def step_down(self, leader_address: str = "") -> None:
-        """Stop leading: agents are sent away to `leader_address`."""
-        self.log = None
+        """Stop leading: agents are sent away to `leader_address`; the journal closes and
+        what it did not record is kept for the next term."""
+        journal, self.journal, self.log = self.journal, None, None
         self.leader_address = leader_address
+        if journal is not None:
+            task = asyncio.get_running_loop().create_task(self._end_term(journal))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
         for node_id in list(self._sessions):
             self._end_session(
                 node_id,
@@ -188,6 +248,50 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
                 f"{leader_address or 'unknown yet'}",
                 ((channel.LEADER_KEY, leader_address),),
             )
+
+    async def _end_term(self, journal: Journal) -> None:
+        left = await journal.close()
+        left = [p for p in left if p.done is None][:CARRY_LIMIT]
+        if self.journal is not None:  # a new term began meanwhile
+            self.journal.carry_over([*self._carry, *left])
+            self._carry = []
+        else:
+            self._carry = [*self._carry, *left][:CARRY_LIMIT]
+        if left:
+            log.warning("observations carried into the next term", count=len(left))
+
+    def _fenced(self, error: NotLeaderError) -> None:
+        log.error("lost leadership while appending; stepping down", error=str(error))
+        self.step_down()
+
+    def conditions(self, state: ev.JobState) -> list[ev.Event]:
+        """What the live view knows that `state` does not: nodes declared lost (the level
+        check of driver/journal.py). Also frees the slots of nodes gone for good."""
+        out = []
+        now = time.monotonic()
+        retention = self.config.slot_retention_s
+        for slot in list(self.view.nodes.values()):
+            if slot.alive or not slot.epoch:
+                continue
+            rec = state.nodes.get(slot.node_id)
+            if (
+                rec is not None
+                and rec.epoch == slot.epoch
+                and rec.state in (ev.NODE_STATE_ACTIVE, ev.NODE_STATE_SPARE)
+            ):
+                out.append(
+                    ev.Event(
+                        node_lost=ev.NodeLost(
+                            node_id=slot.node_id,
+                            epoch=slot.epoch,
+                            silent_ms=(now - slot.last_seen) * 1000.0,
+                            reason="heartbeat timeout",
+                        )
+                    )
+                )
+            elif now - slot.last_seen > retention and slot.outbox is None:
+                del self.view.nodes[slot.node_id]  # its history stays in the log
+        return out
 
     def _end_session(
         self,
@@ -212,13 +316,12 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
 
     # ------------------------------------------------------------ background loops
     def start(self) -> None:
-        """Start the detector sweeps and the event writer (call inside the event loop)."""
+        """Start the detector sweeps (call inside the event loop)."""
         self._tasks = [
             asyncio.create_task(self._lost_loop()),
             asyncio.create_task(
                 self._loop("hang", self._sweep_hangs, self.config.detectors.hang_sweep_ms / 1000.0)
             ),
-            asyncio.create_task(self._writer()),
         ]
 
     async def close(self) -> None:
@@ -229,6 +332,11 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.journal is not None:
+            await self.journal.close()
+        for task in list(self._closing):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self.metrics.close()
@@ -303,69 +411,44 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
             )
 
     def emit(self, event: ev.Event, last_seen: float = math.nan) -> bool:
-        """Queue `event` for the log; False (and an error log) when the queue is full."""
+        """Hand a detection to the journal; False only when a log alert was shed.
+
+        `last_seen`: when the fault began (a lost node's last heartbeat), for the
+        detection-latency histogram (fault began -> durable). Without a term (stepping
+        down), detections are kept for the next one.
+        """
         event.cause = event.cause or "detector"
-        try:
-            self.events.put_nowait((event, last_seen))
+        if not event.event_id:
+            event.event_id = new_event_id()
+        now = time.monotonic()
+        if event.WhichOneof("payload") in FAULT_KINDS and len(self._detected) < CARRY_LIMIT:
+            self._detected[event.event_id] = (last_seen, now)
+        return self.submit(event, now)
+
+    def submit(self, item: Any, detected: float = math.nan) -> bool:
+        """Queue an observation (an event or a recovery-loop progress report)."""
+        if self.journal is not None:
+            return self.journal.submit(item, detected)
+        if len(self._carry) < CARRY_LIMIT and isinstance(item, ev.Event):
+            self._carry.append(Pending(item, detected))
             return True
-        except asyncio.QueueFull:
-            log.error("event queue full; event dropped", kind=event.WhichOneof("payload"))
-            return False
+        log.warning("not leader; observation discarded", kind=_kind(item))
+        return False
 
-    def submit(self, item: Any) -> bool:
-        """Queue a recovery-loop observation (not an event) for the writer's decider."""
-        try:
-            self.events.put_nowait((item, math.nan))
-            return True
-        except asyncio.QueueFull:
-            log.error("event queue full; observation dropped", kind=type(item).__name__)
-            return False
-
-    async def _writer(self) -> None:
-        while True:
-            item, last_seen = await self.events.get()
-            if self.log is None:
-                log.warning("not leader; detector event discarded", kind=_kind(item))
-                continue
-            batch: Batch = ([item], None) if isinstance(item, ev.Event) else ([], None)
-            if self.decider is not None:
-                try:
-                    batch = await self.decider(item)
-                except Exception:
-                    log.exception("recovery decision failed; recording the event alone")
-            events, then = batch
-            for i, event in enumerate(events):
-                if not await self._append(event, last_seen if i == 0 else math.nan):
-                    then = None  # half a decision: the next settle finishes it
-                    break
-            if then is not None:
-                try:
-                    then()
-                except Exception:
-                    log.exception("recovery actions failed to start")
-
-    async def _append(self, event: ev.Event, last_seen: float) -> bool:
-        if self.log is None:  # stepped down while the decider awaited the log
-            log.warning("not leader any more; event discarded", kind=_kind(event))
-            return False
-        try:
-            stored = await self.log.append(event)
-        except NotLeaderError as e:
-            log.error("lost leadership while appending; stepping down", error=str(e))
-            self.step_down()
-            return False
-        except (EventLogError, ValueError) as e:
-            log.error("event append failed; event dropped", error=str(e), kind=_kind(event))
-            return False
+    def _on_recorded(self, event: ev.Event) -> None:
         self.appended += 1
-        if not math.isnan(last_seen):
-            self.metrics.detect_latency.observe(time.monotonic() - last_seen)
-        for fn in self.listeners:
+        seen = self._detected.pop(event.event_id, None)
+        if seen is not None:
+            last_seen, detected = seen
+            now = time.monotonic()
+            if not math.isnan(last_seen):
+                self.metrics.detect_latency.observe(now - last_seen)
+            self.metrics.fault_durable.observe(now - detected)
+        for fn in list(self.listeners):
             try:
-                fn(stored)
+                fn(event)
             except Exception:
                 log.exception("event listener failed")
-        return True
 
     # ------------------------------------------------------------ RPCs
     async def Register(
@@ -376,7 +459,8 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
         problem = detectors.validate_register(request)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if self.events.full():
+        journal = self.journal
+        if journal is not None and journal.pending() >= self.config.register_backlog:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "driver busy writing events; retry with backoff"
             )
@@ -585,6 +669,7 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
         d50, d99 = self.delivery.percentiles()
         h50, h99 = self.handler.percentiles()
         alive = self.view.alive_count()
+        j = self.journal
         return dpb.LiveStats(
             heartbeats=sum(s.heartbeats for s in self.view.nodes.values()),
             nodes_alive=alive,
@@ -595,6 +680,9 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
             handler_p50_us=h50,
             handler_p99_us=h99,
             samples=self.delivery.n,
+            alerts_coalesced=j.stats.alerts_coalesced if j else 0,
+            alerts_shed=j.stats.alerts_shed if j else 0,
+            faults_pending=j.faults_pending() if j else 0,
         )
 
     def reset_samples(self) -> None:
@@ -604,11 +692,16 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
 
     def _metric_values(self) -> dict[str, Any]:
         alive = self.view.alive_count()
+        j = self.journal
         return {
             "heartbeats": sum(s.heartbeats for s in self.view.nodes.values()),
             "nodes": {"alive": alive, "lost": len(self.view.nodes) - alive},
             "events": self.appended,
             "dropped": self.dropped_commands,
+            "alerts_shed": j.stats.alerts_shed if j else 0,
+            "alerts_coalesced": j.stats.alerts_coalesced if j else 0,
+            "faults_pending": j.faults_pending() if j else 0,
+            **({"phase": j.state.phase} if j else {}),
         }
 
 

@@ -561,12 +561,14 @@ class EvictRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
-    __slots__ = ("seq", "agent_notified")
+    __slots__ = ("seq", "agent_notified", "recovering")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     AGENT_NOTIFIED_FIELD_NUMBER: _ClassVar[int]
+    RECOVERING_FIELD_NUMBER: _ClassVar[int]
     seq: int
     agent_notified: bool
-    def __init__(self, seq: _Optional[int] = ..., agent_notified: _Optional[bool] = ...) -> None: ...
+    recovering: bool
+    def __init__(self, seq: _Optional[int] = ..., agent_notified: _Optional[bool] = ..., recovering: _Optional[bool] = ...) -> None: ...
 
 class RunSelfCheckRequest(_message.Message):
     __slots__ = ("node_ids", "timeout_s")
@@ -627,7 +629,7 @@ class LiveViewRequest(_message.Message):
     def __init__(self, summary_only: _Optional[bool] = ...) -> None: ...
 
 class LiveStats(_message.Message):
-    __slots__ = ("heartbeats", "nodes_alive", "nodes_lost", "events_appended", "delivery_p50_ms", "delivery_p99_ms", "handler_p50_us", "handler_p99_us", "samples")
+    __slots__ = ("heartbeats", "nodes_alive", "nodes_lost", "events_appended", "delivery_p50_ms", "delivery_p99_ms", "handler_p50_us", "handler_p99_us", "samples", "alerts_coalesced", "alerts_shed", "faults_pending")
     HEARTBEATS_FIELD_NUMBER: _ClassVar[int]
     NODES_ALIVE_FIELD_NUMBER: _ClassVar[int]
     NODES_LOST_FIELD_NUMBER: _ClassVar[int]
@@ -637,6 +639,9 @@ class LiveStats(_message.Message):
     HANDLER_P50_US_FIELD_NUMBER: _ClassVar[int]
     HANDLER_P99_US_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    ALERTS_COALESCED_FIELD_NUMBER: _ClassVar[int]
+    ALERTS_SHED_FIELD_NUMBER: _ClassVar[int]
+    FAULTS_PENDING_FIELD_NUMBER: _ClassVar[int]
     heartbeats: int
     nodes_alive: int
     nodes_lost: int
@@ -646,7 +651,10 @@ class LiveStats(_message.Message):
     handler_p50_us: float
     handler_p99_us: float
     samples: int
-    def __init__(self, heartbeats: _Optional[int] = ..., nodes_alive: _Optional[int] = ..., nodes_lost: _Optional[int] = ..., events_appended: _Optional[int] = ..., delivery_p50_ms: _Optional[float] = ..., delivery_p99_ms: _Optional[float] = ..., handler_p50_us: _Optional[float] = ..., handler_p99_us: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
+    alerts_coalesced: int
+    alerts_shed: int
+    faults_pending: int
+    def __init__(self, heartbeats: _Optional[int] = ..., nodes_alive: _Optional[int] = ..., nodes_lost: _Optional[int] = ..., events_appended: _Optional[int] = ..., delivery_p50_ms: _Optional[float] = ..., delivery_p99_ms: _Optional[float] = ..., handler_p50_us: _Optional[float] = ..., handler_p99_us: _Optional[float] = ..., samples: _Optional[int] = ..., alerts_coalesced: _Optional[int] = ..., alerts_shed: _Optional[int] = ..., faults_pending: _Optional[int] = ...) -> None: ...
 
 class NodeLive(_message.Message):
     __slots__ = ("node_id", "epoch", "alive", "silent_ms", "heartbeats", "workers", "host", "attached")

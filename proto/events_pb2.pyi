@@ -201,16 +201,18 @@ class HangSuspected(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., stuck_at_step: _Optional[int] = ..., silent_ms: _Optional[float] = ..., threshold_ms: _Optional[float] = ..., stack_dump: _Optional[str] = ...) -> None: ...
 
 class LogAlert(_message.Message):
-    __slots__ = ("node_id", "local_rank", "keyword", "line")
+    __slots__ = ("node_id", "local_rank", "keyword", "line", "repeats")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     KEYWORD_FIELD_NUMBER: _ClassVar[int]
     LINE_FIELD_NUMBER: _ClassVar[int]
+    REPEATS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     local_rank: int
     keyword: str
     line: str
-    def __init__(self, node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., keyword: _Optional[str] = ..., line: _Optional[str] = ...) -> None: ...
+    repeats: int
+    def __init__(self, node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., keyword: _Optional[str] = ..., line: _Optional[str] = ..., repeats: _Optional[int] = ...) -> None: ...
 
 class GroupResult(_message.Message):
     __slots__ = ("node_ids", "ok", "failure", "matmul_ms", "allgather_ms", "total_ms", "per_node_ms")
@@ -497,7 +499,7 @@ class RendezvousRefused(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., node_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class NodeRecord(_message.Message):
-    __slots__ = ("node_id", "state", "epoch", "hostname", "ip", "num_workers", "registered_seq", "failures", "spare")
+    __slots__ = ("node_id", "state", "epoch", "hostname", "ip", "num_workers", "registered_seq", "failures", "spare", "gone_seq")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -507,6 +509,7 @@ class NodeRecord(_message.Message):
     REGISTERED_SEQ_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     SPARE_FIELD_NUMBER: _ClassVar[int]
+    GONE_SEQ_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: NodeState
     epoch: int
@@ -516,7 +519,8 @@ class NodeRecord(_message.Message):
     registered_seq: int
     failures: int
     spare: bool
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_seq: _Optional[int] = ..., failures: _Optional[int] = ..., spare: _Optional[bool] = ...) -> None: ...
+    gone_seq: int
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_seq: _Optional[int] = ..., failures: _Optional[int] = ..., spare: _Optional[bool] = ..., gone_seq: _Optional[int] = ...) -> None: ...
 
 class CheckpointRecord(_message.Message):
     __slots__ = ("step", "uri", "bytes", "seq", "world")
@@ -533,7 +537,7 @@ class CheckpointRecord(_message.Message):
     def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., seq: _Optional[int] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ...) -> None: ...
 
 class JobState(_message.Message):
-    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id", "bad_nodes", "needs_diagnosis", "restore_step", "configured_world", "incident_world", "restore_attempts", "rollback_to", "rollback_steps", "last_rollback_to")
+    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id", "bad_nodes", "needs_diagnosis", "restore_step", "configured_world", "incident_world", "restore_attempts", "rollback_to", "rollback_steps", "last_rollback_to", "gone_nodes", "pruned_nodes")
     class NodesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -575,6 +579,8 @@ class JobState(_message.Message):
     ROLLBACK_TO_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_STEPS_FIELD_NUMBER: _ClassVar[int]
     LAST_ROLLBACK_TO_FIELD_NUMBER: _ClassVar[int]
+    GONE_NODES_FIELD_NUMBER: _ClassVar[int]
+    PRUNED_NODES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     last_seq: int
     phase: Phase
@@ -602,7 +608,9 @@ class JobState(_message.Message):
     rollback_to: int
     rollback_steps: _containers.RepeatedScalarFieldContainer[int]
     last_rollback_to: int
-    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., needs_diagnosis: _Optional[bool] = ..., restore_step: _Optional[int] = ..., configured_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., incident_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., restore_attempts: _Optional[int] = ..., rollback_to: _Optional[int] = ..., rollback_steps: _Optional[_Iterable[int]] = ..., last_rollback_to: _Optional[int] = ...) -> None: ...
+    gone_nodes: int
+    pruned_nodes: int
+    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., needs_diagnosis: _Optional[bool] = ..., restore_step: _Optional[int] = ..., configured_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., incident_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., restore_attempts: _Optional[int] = ..., rollback_to: _Optional[int] = ..., rollback_steps: _Optional[_Iterable[int]] = ..., last_rollback_to: _Optional[int] = ..., gone_nodes: _Optional[int] = ..., pruned_nodes: _Optional[int] = ...) -> None: ...
 
 class Snapshot(_message.Message):
     __slots__ = ("last_seq", "state", "wall_time_unix_ns")

@@ -7,8 +7,8 @@
    `<record-dir>/acks-<pid>.txt` with one unbuffered O_APPEND write, before the caller
    sees the result. A SIGKILL after the write loses nothing; a SIGKILL before it means
    the append was never acknowledged to anyone.
-2. The recovery loop's live state: every time `RecoveryLoop` folds the log's tail into
-   the state it decides on, the state (a serialized `JobState`) is appended to
+2. The journal's live state: every time the journal folds recorded events into the state
+   the recovery loop decides on, the state (a serialized `JobState`) is appended to
    `<record-dir>/states-<pid>.bin` as a length-prefixed record. The check folds the log
    from seq 1 to each record's `last_seq` and requires the very same message.
 
@@ -25,8 +25,8 @@ from typing import Any
 
 
 def install(record_dir: str) -> None:
-    """Wrap the append and the loop's catch-up with recorders writing under `record_dir`."""
-    from unbroken.driver import loop as looplib
+    """Wrap the append and the journal's fold with recorders writing under `record_dir`."""
+    from unbroken.driver import journal as journallib
     from unbroken.driver.etcdlog import EtcdEventLog
     from unbroken.proto import events_pb2 as ev
 
@@ -35,7 +35,7 @@ def install(record_dir: str) -> None:
     acks = os.open(os.path.join(record_dir, f"acks-{pid}.txt"), flags, 0o644)
     states = os.open(os.path.join(record_dir, f"states-{pid}.bin"), flags, 0o644)
     append_many = EtcdEventLog.append_many
-    catch_up = looplib.RecoveryLoop._catch_up
+    notify = journallib.Journal._notify
 
     async def recorded_append_many(self: EtcdEventLog, events: Iterable[ev.Event]) -> Any:
         stored = await append_many(self, events)
@@ -45,15 +45,15 @@ def install(record_dir: str) -> None:
 
     last = [0]
 
-    async def recorded_catch_up(self: looplib.RecoveryLoop) -> None:
-        await catch_up(self)
+    def recorded_notify(self: journallib.Journal, events: list[ev.Event]) -> None:
+        notify(self, events)
         if self.state.last_seq != last[0]:
             last[0] = self.state.last_seq
             data = self.state.SerializeToString()
             os.write(states, struct.pack("<I", len(data)) + data)
 
     EtcdEventLog.append_many = recorded_append_many  # type: ignore[method-assign]
-    looplib.RecoveryLoop._catch_up = recorded_catch_up  # type: ignore[method-assign]
+    journallib.Journal._notify = recorded_notify  # type: ignore[method-assign]
 
 
 def read_acks(record_dir: str) -> list[tuple[int, str, str]]:

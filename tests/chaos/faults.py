@@ -18,6 +18,14 @@ Fault kinds (issue 7, item 5):
                      a chosen step of the recovery (half-appended decision, mid-restore, ...)
 - etcd_kill          SIGKILL etcd, restart it on the same ports and data dir after 0.5-4 s
 - net_cut            cut a world agent at the proxy (drop or blackhole) for 1-6 s
+
+Journal faults (issue 13), not drawn by default (`JOURNAL_KINDS`):
+
+- etcd_stop_agent_kill  SIGSTOP etcd, SIGKILL a world node's agent, keep etcd stopped past
+                     the leader's lease (35 s), SIGCONT: the NodeLost must still be recorded
+                     and the recovery complete (leadership may change meanwhile)
+- etcd_full_agent_kill  raise etcd's NOSPACE alarm (what a full backend raises), SIGKILL a
+                     world node's agent, disarm the alarm after 10 s: the same outcome
 """
 
 from __future__ import annotations
@@ -45,6 +53,9 @@ KINDS = (
     "etcd_kill",
     "net_cut",
 )
+JOURNAL_KINDS = ("etcd_stop_agent_kill", "etcd_full_agent_kill")
+ETCD_STOP_S = 35.0  # past the leader's 2 s lease, as the issue measured it
+ETCD_FULL_S = 10.0
 #: Log events after which driver_kill_recovery may strike (the first one after the fault).
 #: Events that are no sign of recovery progress (they flow while a job is stuck too).
 QUIET = frozenset({"checkpoint_committed", "self_check_reported"})
@@ -71,9 +82,11 @@ class Fault:
 
 def plan(seed: int, n: int, kinds: tuple[str, ...] = KINDS) -> list[Fault]:
     """`n` faults drawn from `kinds` by a `random.Random(seed)` (pure)."""
-    unknown = set(kinds) - set(KINDS)
+    unknown = set(kinds) - set(KINDS) - set(JOURNAL_KINDS)
     if unknown or not kinds:
-        raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {kinds}")
+        raise ValueError(
+            f"kinds must be a non-empty subset of {KINDS + JOURNAL_KINDS}, got {kinds}"
+        )
     rng = random.Random(seed)
     out = []
     bag: list[str] = []
@@ -91,6 +104,10 @@ def plan(seed: int, n: int, kinds: tuple[str, ...] = KINDS) -> list[Fault]:
             out.append(Fault(kind, pick, duration_s=dur, mode=mode, gap_s=gap))
         elif kind == "etcd_kill":
             out.append(Fault(kind, pick, duration_s=round(rng.uniform(0.5, 4.0), 2), gap_s=gap))
+        elif kind == "etcd_stop_agent_kill":
+            out.append(Fault(kind, pick, duration_s=ETCD_STOP_S, gap_s=gap))
+        elif kind == "etcd_full_agent_kill":
+            out.append(Fault(kind, pick, duration_s=ETCD_FULL_S, gap_s=gap))
         elif kind == "driver_kill_recovery":
             out.append(Fault(kind, pick, point=rng.choice(RECOVERY_POINTS), gap_s=gap))
         else:
@@ -278,6 +295,38 @@ class Injector:
         with self.c.marked():
             etcd.restart()
 
+    def _etcd_stop_agent_kill(self, f: Fault, rec: Injected) -> None:
+        etcd = self.c.etcd
+        assert etcd is not None and etcd.proc is not None
+        node = self._world_node(f)
+        rec.target = f"etcd {etcd.endpoint} stopped {f.duration_s:g} s, agent of {node} killed"
+        etcd.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(1.0)  # the leader is mid-term when the node dies
+            self._kill_agent(node, rec)
+            time.sleep(max(0.0, f.duration_s - 1.0))
+        finally:
+            etcd.proc.send_signal(signal.SIGCONT)
+
+    def _etcd_full_agent_kill(self, f: Fault, rec: Injected) -> None:
+        etcd = self.c.etcd
+        assert etcd is not None
+        node = self._world_node(f)
+        rec.target = f"etcd {etcd.endpoint} NOSPACE {f.duration_s:g} s, agent of {node} killed"
+        _nospace(etcd.endpoint, activate=True)
+        try:
+            time.sleep(0.5)
+            self._kill_agent(node, rec)
+            time.sleep(f.duration_s)
+        finally:
+            _nospace(etcd.endpoint, activate=False)
+
+    def _kill_agent(self, node: str, rec: Injected) -> None:
+        proc = self.c.agents.pop(node)
+        proc.kill()
+        proc.wait(10)
+        rec.note += f" agent of {node} killed;"
+
     def _net_cut(self, f: Fault, rec: Injected) -> None:
         node = self._world_node(f)
         pid = self.c.agents[node].pid
@@ -288,6 +337,31 @@ class Injector:
         finally:
             for p in self.c.proxies.values():
                 p.heal(pid)
+
+
+def _nospace(endpoint: str, *, activate: bool) -> None:
+    """Raise or disarm etcd's NOSPACE alarm on every member (the alarm a full backend raises;
+    etcd then refuses every write that is not a delete)."""
+    import asyncio
+
+    from aetcd import rpc
+
+    from unbroken.driver.etcd import EtcdConfig
+    from unbroken.driver.etcdlog import connect
+
+    async def go() -> None:
+        client = await connect(EtcdConfig(endpoints=[endpoint], connect_timeout_s=5.0))
+        try:
+            st = await client.maintenancestub.Status(rpc.StatusRequest(), timeout=5)
+            action = rpc.AlarmRequest.ACTIVATE if activate else rpc.AlarmRequest.DEACTIVATE
+            await client.maintenancestub.Alarm(
+                rpc.AlarmRequest(action=action, memberID=st.header.member_id, alarm=rpc.NOSPACE),
+                timeout=5,
+            )
+        finally:
+            await client.close()
+
+    asyncio.run(asyncio.wait_for(go(), 20))
 
 
 def _kill(pid: int, sig: int) -> None:

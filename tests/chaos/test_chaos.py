@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.faults import KINDS, plan
+from tests.chaos.faults import JOURNAL_KINDS, KINDS, plan
 from tests.chaos.run import run_chaos
 
 pytestmark = pytest.mark.chaos
@@ -57,3 +57,19 @@ def test_chaos_ci(tmp_path: Path, chaos_seed: int) -> None:
 def test_chaos_seeded(tmp_path: Path, chaos_seed: int) -> None:
     """`make chaos`: five faults of any kind per seed."""
     run_chaos(tmp_path, chaos_seed, 5, test="test_chaos_seeded")
+
+
+@pytest.mark.chaos_ci
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("chaos_seed", [13], indirect=True)
+@pytest.mark.parametrize("kind", JOURNAL_KINDS)
+def test_a_detected_failure_survives_the_store(tmp_path: Path, chaos_seed: int, kind: str) -> None:
+    """Issue 13: etcd stopped past the leader's lease (or full) while a node dies.
+
+    The NodeLost is recorded once etcd is back (whoever leads then), the spare takes the
+    node's rank and every step's loss equals the uninterrupted run's (run_chaos's checks).
+    """
+    report = run_chaos(tmp_path, chaos_seed, 1, kinds=(kind,), test=f"journal {kind}")
+    (injected,) = report["injected"]
+    assert "node_lost" in injected["events"], injected
+    assert "spare_assigned" in injected["events"], injected

@@ -292,7 +292,7 @@ def test_http_edges_in_process() -> None:
         store = InMemoryStore()
         elog = InMemoryEventLog(store, "j", store.elect("d1"))
         await elog.append(ev.Event(node_registered=ev.NodeRegistered(node_id="n0", epoch=1)))
-        svc.lead(elog, "127.0.0.1:1")
+        svc.lead(elog, "127.0.0.1:1", await elog.replay())
         dash = Dashboard(DashboardConfig(token=TOKEN, max_connections=2, idle_timeout_s=1), svc)
         port = await dash.start()
         try:

@@ -271,3 +271,55 @@ def reference(tmp: Path, steps: int) -> dict[int, float]:
             m = json.loads(line)
             losses.setdefault(int(m["step"]), float(m["loss"]))
     return losses
+
+
+def test_an_operator_eviction_starts_the_recovery_at_once(job: Job) -> None:
+    """`unbroken evict n1`: the spare takes n1's rank without waiting for a NodeLost."""
+    job.start_driver()
+    job.start_agent("n0", buddy="n1")
+    job.start_agent("n1", buddy="n0")
+    job.start_agent("s0", buddy="n0", spare=True)
+    until("training to start", lambda: job.max_step() >= 3, 120, job)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "unbroken.driver.cli",
+            "evict",
+            "n1",
+            "--driver",
+            job.address,
+            "--reason",
+            "bad ECC counts",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "recovery loop" in out.stdout, out.stdout
+    evicted_step = job.max_step()
+    until(
+        "the spare to train past the eviction",
+        lambda: job.worker("s0") is not None and job.max_step() >= evicted_step + 3,
+        150,
+        job,
+    )
+    events = job.events()
+    kinds = [e.WhichOneof("payload") for e in events]
+    at = kinds.index("operator_action")
+    after = events[at:]
+    evicted = next(i for i, e in enumerate(after) if e.HasField("node_evicted"))
+    assert after[evicted].node_evicted.node_id == "n1"
+    spare = next(i for i, e in enumerate(after) if e.HasField("spare_assigned"))
+    assert (
+        after[spare].spare_assigned.spare_node_id,
+        after[spare].spare_assigned.replaces_node_id,
+    ) == ("s0", "n1")
+    assert evicted < spare
+    lost = [
+        i for i, e in enumerate(after) if e.HasField("node_lost") and e.node_lost.node_id == "n1"
+    ]
+    assert not lost or lost[0] > spare, kinds[at:]  # no NodeLost was needed to start it
+    assert after[0].operator_action.action == "evict"
+    assert after[1].HasField("recovery_transition"), kinds[at:]  # decided in the same breath

@@ -37,8 +37,14 @@ def _metrics() -> DriverMetrics:
     hb.workers.add(local_rank=0, step=7, median_step_ms=250.0, loss=2.5, has_loss=True)
     hb.workers.add(local_rank=1, step=7, step_time_ms=300.0, restarts=1)
     view.beat(slot, hb, 100.5)
-    m = DriverMetrics(
-        lambda: {"heartbeats": 3, "nodes": {"alive": 1, "lost": 0}, "events": 4, "dropped": 0}
+    m = DriverMetrics(  # the phase is the journal's state's, read at scrape time
+        lambda: {
+            "heartbeats": 3,
+            "nodes": {"alive": 1, "lost": 0},
+            "events": 4,
+            "dropped": 0,
+            "phase": ev.PHASE_RUNNING,
+        }
     )
     listeners: list[Any] = []
     m.watch(view, listeners, lambda: 101.0)
