@@ -7,8 +7,11 @@ commits, metrics, the dashboard, watchers). `submit(observation)` queues what a 
 an operator, a launcher or a diagnosis saw; the journal's writer task asks the decider
 (the recovery loop's `machine.decide`, or "record it as it is" when no job is configured)
 what to record and records the whole decision at once, so there is never half a decision
-to repair. Nothing else in the driver calls `EventLog.append` or `append_many`
-(tests/unit/test_one_writer.py checks it). This is eventsourcing's `Application.save ->
+to repair. Up to 64 queued observations are decided in a row, each on the state after the
+decisions before it, and recorded in one transaction (<= 60 events): group commit without
+concurrent appenders (20,000 node churns took 200 s one transaction each, 19 s batched).
+Nothing else in the driver calls `EventLog.append` or `append_many` (tests/unit/
+test_journal.py checks it). This is eventsourcing's `Application.save ->
 recorder.insert(list) -> notify` shape.
 
 A detected failure is never lost:
@@ -17,8 +20,9 @@ A detected failure is never lost:
   NodeRegistered, NodeRefused, so a loss never overtakes its node's registration),
   **main** (every other observation: progress, verdicts, commits, operator requests) and
   **alerts** (LogAlert).
-  Faults and main are never dropped; a storm of log alerts cannot delay a fault: the
-  journal measured "NCCL WARN" at 1,000 lines a second on one node while another node died.
+  Faults and main are never dropped, and a storm of log alerts cannot delay a fault (one
+  node printing "NCCL WARN" 1,000 times a second once delayed another node's NodeLost by
+  10-22 s through a shared queue; tests/chaos/test_log_storm.py).
 - Log alerts are coalesced per node and keyword: the first line of a window is recorded at
   once, the rest of the window's lines are counted into one LogAlert (`repeats`) at its
   end. Only alerts are shed when their lane is full, and a counter says how many.

@@ -197,7 +197,7 @@ class RecoveryLoop:
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    # ------------------------------------------------------------ deciding (writer task)
+    # ------------------------------------------------------------ deciding (the journal's writer)
     async def decide(self, item: Any) -> Batch:
         """The events to record for a queued item, and the actions to run after them."""
         s = self.state
@@ -276,25 +276,29 @@ class RecoveryLoop:
         """Where the restarted workers restore (a rollback's step, else the newest) and the
         newest rollback's batches to skip.
 
-        The skip goes with every restore, not only the rollback's own: a worker that crashes
-        after the rollback but before the skipped step restores a copy from before the skip
-        and must skip again (it skips only when its next step is the skip's; later copies
-        hold the data position past the skipped batches).
+        The skip range is the newest Rollback event's (folded into the state), so nothing
+        re-runs the policy. The skip goes with every restore, not only the rollback's own: a
+        worker that crashes after the rollback but before the skipped step restores a copy
+        from before the skip and must skip again (it skips only when its next step is the
+        skip's; later copies hold the data position past the skipped batches).
         """
         after = self.state
         for e in d.events:
             after = statelib.apply(after, e)
         if restore is None or not after.rollback_steps:
             return dpb.RestorePoint()
-        spike_step, target = after.rollback_steps[-1], after.last_rollback_to
-        # the same policy that chose the target names the batches (RollbackDecision.skips)
-        skip = spikelib.RollbackPolicy(self.policy.spike).decide(
-            spikelib.Spike(spike_step, 0.0, 0.0, 0.0, 0.0, False), [target]
-        )
         point = dpb.RestorePoint(step=restore.step if after.HasField("rollback_to") else 0)
-        if not skip.halt and skip.skip_batches:
-            point.skip_from_step = skip.skip_first
-            point.skip_batches = skip.skip_batches
+        if after.last_skip_batches and after.last_skip_from:
+            point.skip_from_step = after.last_skip_from
+            point.skip_batches = after.last_skip_batches
+        elif after.last_skip_batches:  # a Rollback recorded before it carried its range
+            spike_step, target = after.rollback_steps[-1], after.last_rollback_to
+            skip = spikelib.RollbackPolicy(self.policy.spike).decide(
+                spikelib.Spike(spike_step, 0.0, 0.0, 0.0, 0.0, False), [target]
+            )
+            if not skip.halt and skip.skip_batches:
+                point.skip_from_step = skip.skip_first
+                point.skip_batches = skip.skip_batches
         return point
 
     # ------------------------------------------------------------ acting

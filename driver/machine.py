@@ -650,6 +650,7 @@ def _on_spike(before: ev.JobState, d: _Draft, p: ev.LossSpike, policy: Policy) -
                 from_step=p.step,
                 to_step=roll.to_step,
                 skip_batches=roll.skip_batches,
+                skip_from_step=roll.skip_first if roll.skip_batches else 0,
                 reason=f"{what} at step {p.step}",
             )
         )

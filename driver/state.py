@@ -161,6 +161,8 @@ def _rollback(s: ev.JobState, e: ev.Event) -> None:
     s.step = e.rollback.to_step
     s.rollback_to = e.rollback.to_step
     s.last_rollback_to = e.rollback.to_step
+    s.last_skip_from = e.rollback.skip_from_step
+    s.last_skip_batches = e.rollback.skip_batches
     s.rollback_steps.append(e.rollback.from_step)
     if len(s.rollback_steps) > KEEP_ROLLBACKS:
         del s.rollback_steps[: len(s.rollback_steps) - KEEP_ROLLBACKS]

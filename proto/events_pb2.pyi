@@ -369,16 +369,18 @@ class LossSpike(_message.Message):
     def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., baseline: _Optional[float] = ..., factor: _Optional[float] = ..., non_finite: _Optional[bool] = ...) -> None: ...
 
 class Rollback(_message.Message):
-    __slots__ = ("from_step", "to_step", "skip_batches", "reason")
+    __slots__ = ("from_step", "to_step", "skip_batches", "reason", "skip_from_step")
     FROM_STEP_FIELD_NUMBER: _ClassVar[int]
     TO_STEP_FIELD_NUMBER: _ClassVar[int]
     SKIP_BATCHES_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FROM_STEP_FIELD_NUMBER: _ClassVar[int]
     from_step: int
     to_step: int
     skip_batches: int
     reason: str
-    def __init__(self, from_step: _Optional[int] = ..., to_step: _Optional[int] = ..., skip_batches: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    skip_from_step: int
+    def __init__(self, from_step: _Optional[int] = ..., to_step: _Optional[int] = ..., skip_batches: _Optional[int] = ..., reason: _Optional[str] = ..., skip_from_step: _Optional[int] = ...) -> None: ...
 
 class TrainingPaused(_message.Message):
     __slots__ = ("reason", "at_step", "restore_step")
@@ -537,7 +539,7 @@ class CheckpointRecord(_message.Message):
     def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., seq: _Optional[int] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ...) -> None: ...
 
 class JobState(_message.Message):
-    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id", "bad_nodes", "needs_diagnosis", "restore_step", "configured_world", "incident_world", "restore_attempts", "rollback_to", "rollback_steps", "last_rollback_to", "gone_nodes", "pruned_nodes")
+    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id", "bad_nodes", "needs_diagnosis", "restore_step", "configured_world", "incident_world", "restore_attempts", "rollback_to", "rollback_steps", "last_rollback_to", "gone_nodes", "pruned_nodes", "last_skip_from", "last_skip_batches")
     class NodesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -581,6 +583,8 @@ class JobState(_message.Message):
     LAST_ROLLBACK_TO_FIELD_NUMBER: _ClassVar[int]
     GONE_NODES_FIELD_NUMBER: _ClassVar[int]
     PRUNED_NODES_FIELD_NUMBER: _ClassVar[int]
+    LAST_SKIP_FROM_FIELD_NUMBER: _ClassVar[int]
+    LAST_SKIP_BATCHES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     last_seq: int
     phase: Phase
@@ -610,7 +614,9 @@ class JobState(_message.Message):
     last_rollback_to: int
     gone_nodes: int
     pruned_nodes: int
-    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., needs_diagnosis: _Optional[bool] = ..., restore_step: _Optional[int] = ..., configured_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., incident_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., restore_attempts: _Optional[int] = ..., rollback_to: _Optional[int] = ..., rollback_steps: _Optional[_Iterable[int]] = ..., last_rollback_to: _Optional[int] = ..., gone_nodes: _Optional[int] = ..., pruned_nodes: _Optional[int] = ...) -> None: ...
+    last_skip_from: int
+    last_skip_batches: int
+    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., needs_diagnosis: _Optional[bool] = ..., restore_step: _Optional[int] = ..., configured_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., incident_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., restore_attempts: _Optional[int] = ..., rollback_to: _Optional[int] = ..., rollback_steps: _Optional[_Iterable[int]] = ..., last_rollback_to: _Optional[int] = ..., gone_nodes: _Optional[int] = ..., pruned_nodes: _Optional[int] = ..., last_skip_from: _Optional[int] = ..., last_skip_batches: _Optional[int] = ...) -> None: ...
 
 class Snapshot(_message.Message):
     __slots__ = ("last_seq", "state", "wall_time_unix_ns")

@@ -172,6 +172,7 @@ class RollbackDecision:
             to_step=self.to_step,
             skip_batches=self.skip_batches,
             reason=self.reason,
+            skip_from_step=self.skip_first if self.skip_batches else 0,
         )
 
 

@@ -307,6 +307,7 @@ class Injector:
             time.sleep(max(0.0, f.duration_s - 1.0))
         finally:
             etcd.proc.send_signal(signal.SIGCONT)
+        rec.step = self.c.max_step()  # the world cannot step on without the dead node
 
     def _etcd_full_agent_kill(self, f: Fault, rec: Injected) -> None:
         etcd = self.c.etcd
@@ -320,6 +321,7 @@ class Injector:
             time.sleep(f.duration_s)
         finally:
             _nospace(etcd.endpoint, activate=False)
+        rec.step = self.c.max_step()  # the world cannot step on without the dead node
 
     def _kill_agent(self, node: str, rec: Injected) -> None:
         proc = self.c.agents.pop(node)

@@ -104,6 +104,8 @@ def _check_live(c: ChaosCluster) -> list[str]:
     assert c.reader is not None
     st = nodes = None
     events: list[Any] | None = None
+    acks: list[tuple[int, str, str]] = []
+    states: list[bytes] = []
     for _ in range(STATUS_TRIES):
         first = c.status()
         if first is None:
@@ -112,6 +114,10 @@ def _check_live(c: ChaosCluster) -> list[str]:
         slot, st = first
         nodes = c.list_nodes(slot)
         again = c.status()
+        # what was acknowledged BEFORE the log is read must be in what is read (the job
+        # keeps committing checkpoints: acks read after the log raced with new appends)
+        acks = read_acks(str(c.records))
+        states = read_states(str(c.records))
         events = c.reader.read()
         if nodes is not None and again is not None and again[1].last_seq == st.last_seq:
             break
@@ -119,8 +125,6 @@ def _check_live(c: ChaosCluster) -> list[str]:
         time.sleep(0.2)
     if st is None or nodes is None or events is None:
         return ["the leader never gave a consistent GetStatus/ListNodes pair"]
-    acks = read_acks(str(c.records))
-    states = read_states(str(c.records))
     out = checks.check_log(events, acks)
     out += checks.check_loop_states(c.job, events, states)
     out += checks.check_status(c.job, events, st, nodes)
