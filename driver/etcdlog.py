@@ -92,6 +92,7 @@ log = structlog.get_logger(__name__)
 NO_ARCHIVE = ""  # archive_url value that keeps every event in etcd (snapshots still taken)
 MAX_BATCH_EVENTS = 60  # 2 ops per event + head = 121 <= etcd's default --max-txn-ops 128
 MAX_BATCH_BYTES = 1 << 20  # under etcd's 1.5 MiB request limit with room for keys
+MAX_SNAPSHOT_BYTES = 1400 * 1024  # one put under etcd's default 1.5 MiB request limit
 MAX_ATTEMPTS = 5  # per batch, for unreachable etcd or an unknown outcome
 READ_PAGE = 500  # keys per range request (each event <= 64 KiB; grpc messages <= 64 MiB)
 READ_PARALLEL = 4  # range requests of one read in flight at once
@@ -169,6 +170,7 @@ class EtcdEventLog(EventLog):
         self._fenced: NotLeaderError | None = None
         self._closed = False
         self.unknown_outcomes = 0  # append transactions whose outcome had to be looked up
+        self.snapshots_too_large = 0  # snapshots refused before the put (see maintain_once)
 
     # ------------------------------------------------------------ small helpers
 
@@ -463,9 +465,16 @@ class EtcdEventLog(EventLog):
             base = snap.state if snap else statelib.initial(self.job_id)
             state = statelib.fold((e for e in events if e.seq > snap_seq), base)
             new = ev.Snapshot(last_seq=target, state=state, wall_time_unix_ns=time.time_ns())
-            resp = await self._txn(
-                [self._fence()], [put_op(self.keys.snapshot, new.SerializeToString())]
-            )
+            data = new.SerializeToString()
+            if len(data) > MAX_SNAPSHOT_BYTES:
+                self.snapshots_too_large += 1
+                raise EventLogError(
+                    f"the snapshot at seq {target} is {len(data)} bytes, over the "
+                    f"{MAX_SNAPSHOT_BYTES}-byte limit under etcd's 1.5 MiB request cap: it is "
+                    "not written and events are not archived until it fits (too many nodes "
+                    "in the job's state?); unbroken_snapshots_too_large_total counts these"
+                )
+            resp = await self._txn([self._fence()], [put_op(self.keys.snapshot, data)])
             if not resp.succeeded:
                 raise NotLeaderError(
                     f"{self.leadership.driver_id} lost leadership while writing a snapshot"

@@ -54,6 +54,11 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         (),
         "A fault's detection to its event being durable (the journal's fault lane)",
     ),
+    "unbroken_snapshots_too_large_total": (
+        "counter",
+        (),
+        "State snapshots too large for etcd (not written; archival waits until one fits)",
+    ),
     "unbroken_faults_pending": ("gauge", (), "Detected faults not yet durable (etcd slow or down)"),
     "unbroken_log_alerts_coalesced_total": (
         "counter",
@@ -121,6 +126,7 @@ class _LiveCollector(Collector):
         for name, kind in (
             ("unbroken_log_alerts_coalesced", "alerts_coalesced"),
             ("unbroken_log_alerts_shed", "alerts_shed"),
+            ("unbroken_snapshots_too_large", "snapshots_too_large"),
         ):
             c = CounterMetricFamily(name, METRICS[name + "_total"][2])
             c.add_metric([], v.get(kind, 0))
