@@ -32,6 +32,7 @@ from unbroken.driver.service import DriverService, ServiceConfig, build_server
 from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
+from unbroken.proto import events_pb2 as ev
 
 pytestmark = pytest.mark.integration
 
@@ -319,5 +320,42 @@ def test_standby_sends_agents_to_the_leader() -> None:
                 assert "not the leader" in (e.details() or "")
                 assert dict(e.trailing_metadata() or ())[channel.LEADER_KEY] == "10.0.0.7:50051"
                 assert svc.view.nodes == {} and store.events == []
+
+    asyncio.run(go())
+
+
+def test_a_returning_leader_gives_every_node_time_to_reconnect() -> None:
+    """Re-elected (same driver, new term): a node whose session the step-down ended is not
+    judged lost before the registration grace, and a node still streaming keeps a full
+    miss limit; a node the old term declared lost is recorded by the level check."""
+    from unbroken.driver import detectors
+
+    async def go() -> None:
+        cfg = ServiceConfig(live=LiveViewConfig(session_grace_ms=2_000))
+        async with driver(cfg) as (svc, store, addr):
+            ch = grpc.aio.insecure_channel(addr)
+            stub = dgrpc.DriverStub(ch)
+            for n in ("a", "b"):
+                await stub.Register(reg(n, epoch=1), timeout=5)
+            live = stub.Session(metadata=session_md("a", 1))
+            await live.write(dpb.AgentMessage(heartbeat=dpb.Heartbeat(seq=1)))
+            await until(lambda: svc.view.nodes["a"].heartbeats == 1, 5, "a's heartbeat")
+            await until(lambda: kinds(store).count("node_registered") == 2, 5, "registrations")
+            svc.view.mark_lost(svc.view.nodes["b"])  # declared lost, never recorded
+            svc.step_down()  # ends a's stream
+            await until(lambda: svc.view.nodes["a"].outbox is None, 5, "a's stream to end")
+            elog = InMemoryEventLog(store, "job", store.elect("d1"))
+            journal = svc.lead(elog, "", await elog.replay())
+            now = time.monotonic()
+            timeout_s = cfg.live.timeout_s
+            silent = {s.node_id for s, _ in detectors.silent(svc.view, now + timeout_s + 0.5)}
+            assert "a" not in silent  # no session yet: it has the registration grace
+            silent = {s.node_id for s, _ in detectors.silent(svc.view, now + 2.5)}
+            assert "a" in silent  # ... and no more
+            await until(
+                lambda: journal.state.nodes["b"].state == ev.NODE_STATE_LOST, 5, "b's NodeLost"
+            )
+            assert kinds(store).count("node_lost") == 1
+            await ch.close()
 
     asyncio.run(go())
