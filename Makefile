@@ -52,7 +52,7 @@ bench: $(STAMP)
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 bench-%: $(STAMP)
-	$(PY) bench/$*.py
+	$(PY) bench/$*.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
