@@ -37,6 +37,7 @@ from unbroken.driver.diagnose import DriverDiagnoseConfig
 from unbroken.driver.eventlog import EventLogError, new_event_id
 from unbroken.driver.journal import Journal
 from unbroken.driver.liveview import LiveView
+from unbroken.driver.rpc import abort
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 
@@ -226,9 +227,10 @@ class LauncherApi:
         journal = await self._journal(context)
         problem = job_problem(request)
         if problem:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
         if journal.decider is not None:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"driver {self.driver_id} starts and recovers job {self.job_id} itself "
                 "(--nodes); RegisterJob is for launchers that start their own workers: run "
@@ -246,7 +248,8 @@ class LauncherApi:
     ) -> dpb.RegisterJobResponse:
         state = journal.state
         if state.event_counts["job_started"] and state.phase not in ACTIVE_DONE:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"job {self.job_id} is already active ({state.trainer or 'unnamed'} on "
                 f"{len(state.world.node_ids)} nodes, phase "
@@ -269,7 +272,7 @@ class LauncherApi:
         try:
             started, _ = await journal.record(started, resumed)
         except EventLogError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"recording JobStarted failed: {e}")
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"recording JobStarted failed: {e}")
         log.info(
             "job registered by a launcher",
             trainer=request.trainer,
@@ -285,38 +288,40 @@ class LauncherApi:
         journal = await self._journal(context)
         node = request.node_id
         if request.kind not in (dpb.FAILURE_KIND_WORKER, dpb.FAILURE_KIND_NODE):
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "kind must be FAILURE_KIND_WORKER (one worker failed) or FAILURE_KIND_NODE "
                 "(the node is gone)",
             )
         if not node or len(node) > MAX_ID:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"node_id must be 1-{MAX_ID} characters, got {node[:MAX_ID]!r}",
             )
         if request.local_rank > MAX_LOCAL_RANK:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"local_rank {request.local_rank} is over {MAX_LOCAL_RANK}",
             )
         if len(request.reason) > 512:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "reason is over 512 characters")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "reason is over 512 characters")
         if request.report_id and not REPORT_ID.fullmatch(request.report_id):
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "report_id must be 1-64 characters of A-Z, a-z, 0-9, '_' and '-' "
                 f"(an idempotency key), got {request.report_id[:64]!r}",
             )
-            raise AssertionError("unreachable")
         if request.report_id:
             try:
                 seen = await asyncio.wait_for(
                     journal.log.find(report_event_id(request.report_id)), self._read_timeout_s
                 )
             except (EventLogError, TimeoutError) as e:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"looking up report_id: {e!r}")
-                raise AssertionError("unreachable") from e
+                await abort(context, grpc.StatusCode.UNAVAILABLE, f"looking up report_id: {e!r}")
             if seen is not None:  # a retry of a report that is already in the log
                 return dpb.ReportFailureResponse(
                     seq=seen.seq, event_kind=seen.WhichOneof("payload") or ""
@@ -324,13 +329,15 @@ class LauncherApi:
         state = journal.state
         rec = state.nodes.get(node)
         if rec is None and node not in state.world.node_ids and node not in self.view.nodes:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.NOT_FOUND,
                 f"node {node!r} is not part of job {self.job_id} (neither registered by an "
                 "agent nor in the world of RegisterJob); `unbroken nodes` lists them",
             )
         if rec is not None and rec.state == ev.NODE_STATE_EVICTED:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"node {node!r} is already evicted; its failures no longer count",
             )
@@ -338,13 +345,13 @@ class LauncherApi:
         try:
             recorded = await journal.observe(event, self._read_timeout_s)
         except (EventLogError, TimeoutError) as e:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.UNAVAILABLE,
                 f"the report was not durable within {self._read_timeout_s:g} s ({e!r}); it "
                 "stays queued: report it again with the same report_id (is etcd reachable "
                 "from the driver? see its log)",
             )
-            raise AssertionError("unreachable") from e
         stored = next((e for e in recorded if e.event_id == event.event_id), None)
         if stored is None:  # it had landed before (a retry): read it back
             stored = await journal.log.find(event.event_id) or event
@@ -371,8 +378,8 @@ class LauncherApi:
                 asyncio.gather(*(event_of(r.seq) for r in records)), self._read_timeout_s
             )
         except (TimeoutError, EventLogError) as e:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"reading the checkpoint events failed: {e!r}"
+            await abort(
+                context, grpc.StatusCode.UNAVAILABLE, f"reading the checkpoint events failed: {e!r}"
             )
         by_node = {n: dict(r) for n, r in self.commits.by_node.items()}
         for rec, one in zip(records, events, strict=True):
@@ -417,33 +424,38 @@ class LauncherApi:
     ) -> dpb.RequestCheckpointResponse:
         journal = await self._journal(context)
         if not 0 <= request.timeout_s <= MAX_WAIT_S:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"timeout_s must be in [0, {MAX_WAIT_S:g}] (0: {DEFAULT_WAIT_S:g} s), "
                 f"got {request.timeout_s}",
             )
         if request.lead_steps > MAX_LEAD_STEPS:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"lead_steps must be at most {MAX_LEAD_STEPS}, got {request.lead_steps}",
             )
         state = journal.state
         phase = ev.Phase.Name(state.phase).removeprefix("PHASE_").lower()
         if state.phase in RECOVERING or state.phase in ACTIVE_DONE:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"job {self.job_id} is {phase}; a checkpoint can be requested only while it "
                 "trains (`unbroken status` shows the phase)",
             )
         nodes = self._checkpoint_nodes(state)
         if not nodes:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "no node runs workers: nothing to checkpoint (`unbroken nodes` shows them)",
             )
         missing = [n for n in nodes if (s := self.view.nodes.get(n)) is None or s.outbox is None]
         if missing:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"world nodes {missing[:10]} have no open stream (lost or disconnected); "
                 "wait for the recovery, then ask again",
@@ -474,13 +486,13 @@ class LauncherApi:
                     )
                 )
             except EventLogError as e:
-                await context.abort(
-                    grpc.StatusCode.UNAVAILABLE, f"recording the request failed: {e}"
+                await abort(
+                    context, grpc.StatusCode.UNAVAILABLE, f"recording the request failed: {e}"
                 )
-                raise AssertionError("unreachable") from e
             errors = await self._flash_save_all(nodes, target)
             if errors:
-                await context.abort(
+                await abort(
+                    context,
                     grpc.StatusCode.FAILED_PRECONDITION,
                     "FlashSave was not accepted by "
                     + "; ".join(f"{n}: {e}" for n, e in sorted(errors.items())[:10])
@@ -501,14 +513,14 @@ class LauncherApi:
         finally:
             if on_event in journal.subscribers:
                 journal.subscribers.remove(on_event)
-        await context.abort(
+        await abort(
+            context,
             grpc.StatusCode.DEADLINE_EXCEEDED,
             f"no checkpoint at step >= {target} was committed within {wait_s:g} s: every "
             "rank must save on FlashSave (the hooks SDK's should_save, or a flash save every "
             "step) and its agent persist it; `unbroken checkpoints` shows what each node "
             "persisted",
         )
-        raise AssertionError("unreachable")
 
     def _checkpoint_nodes(self, state: ev.JobState) -> list[str]:
         """The world's nodes; without a registered world, every non-spare node with workers."""

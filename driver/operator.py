@@ -29,6 +29,7 @@ from unbroken.driver.eventlog import EventLogError, new_event_id
 from unbroken.driver.journal import Journal
 from unbroken.driver.launcher_api import LauncherApi
 from unbroken.driver.liveview import LiveView
+from unbroken.driver.rpc import abort
 from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
@@ -134,7 +135,8 @@ class OperatorApi(LauncherApi):
         journal = self.journal
         if journal is None:
             where = self.leader_address or "unknown yet"
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"driver {self.driver_id} is a standby, not the leader; the leader is at "
                 f"{where} (use --driver {where})",
@@ -176,7 +178,8 @@ class OperatorApi(LauncherApi):
         """
         journal = await self._journal(context)
         if self.watchers >= self._max_watchers:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self.watchers} event watchers are already streaming from driver "
                 f"{self.driver_id} (the limit); close one or retry later",
@@ -203,10 +206,11 @@ class OperatorApi(LauncherApi):
                         self._read_timeout_s,
                     )
                 except (TimeoutError, EventLogError) as err:
-                    await context.abort(
-                        grpc.StatusCode.UNAVAILABLE, f"reading the event log failed: {err!r}"
+                    await abort(
+                        context,
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"reading the event log failed: {err!r}",
                     )
-                    raise AssertionError("unreachable") from err
                 if not chunk:
                     break
                 for one in chunk:
@@ -216,7 +220,8 @@ class OperatorApi(LauncherApi):
                 return
             while True:  # live: what the journal records from now on (ends on cancel)
                 if overflow.is_set():
-                    await context.abort(
+                    await abort(
+                        context,
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"this watcher fell {WATCH_BUFFER} events behind; watch again with "
                         f"--since {nxt - 1}",
@@ -230,7 +235,8 @@ class OperatorApi(LauncherApi):
                 await context.write(dpb.WatchEventsResponse(event=e))
                 nxt = e.seq + 1
                 if self.journal is not journal:
-                    await context.abort(
+                    await abort(
+                        context,
                         grpc.StatusCode.UNAVAILABLE,
                         f"driver {self.driver_id} stepped down; watch the new leader from "
                         f"--since {nxt - 1}",
@@ -247,7 +253,8 @@ class OperatorApi(LauncherApi):
     ) -> dpb.EvictResponse:
         node_id = request.node_id
         if not node_id or len(node_id) > MAX_NODE_ID:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"node_id must be 1-{MAX_NODE_ID} characters, got {node_id[:MAX_NODE_ID]!r}",
             )
@@ -255,13 +262,14 @@ class OperatorApi(LauncherApi):
         state = journal.state
         rec = state.nodes.get(node_id)
         if rec is None and node_id not in self.view.nodes:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.NOT_FOUND,
                 f"node {node_id!r} is not part of job {self.job_id}; `unbroken nodes` lists them",
             )
         if rec is not None and rec.state == ev.NODE_STATE_EVICTED:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, f"node {node_id!r} is already evicted"
+            await abort(
+                context, grpc.StatusCode.FAILED_PRECONDITION, f"node {node_id!r} is already evicted"
             )
         reason = request.reason[:512] or "operator"
         action = ev.Event(
@@ -278,10 +286,9 @@ class OperatorApi(LauncherApi):
                 evicted.cause = action.event_id
                 stored = await journal.record(action, evicted)
         except (EventLogError, TimeoutError) as e:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"recording the eviction failed: {e!r}; retry"
+            await abort(
+                context, grpc.StatusCode.UNAVAILABLE, f"recording the eviction failed: {e!r}; retry"
             )
-            raise AssertionError("unreachable") from e
         seq = max(e.seq for e in stored) if stored else journal.state.last_seq
         notified = False
         slot = self.view.nodes.get(node_id)
@@ -307,7 +314,8 @@ class OperatorApi(LauncherApi):
         journal = await self._journal(context)
         cfg = await self._diagnose_settings(request, context)
         if self.diagnosis_running:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"diagnosis {self.diagnosis_running} is already running; wait for its verdict "
                 "(`unbroken events --follow` shows it)",
@@ -352,10 +360,12 @@ class OperatorApi(LauncherApi):
         while True:
             item = await queue.get()
             if isinstance(item, DiagnoseError):
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(item))
+                await abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(item))
             if isinstance(item, BaseException):
-                await context.abort(
-                    grpc.StatusCode.INTERNAL, f"diagnosis {did} failed: {item!r}; see driver log"
+                await abort(
+                    context,
+                    grpc.StatusCode.INTERNAL,
+                    f"diagnosis {did} failed: {item!r}; see driver log",
                 )
             assert isinstance(item, dpb.DiagnoseResponse)
             await context.write(item)
@@ -378,36 +388,40 @@ class OperatorApi(LauncherApi):
                 ack_timeout_s=base.ack_timeout_s,
             )
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        raise AssertionError("unreachable")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def _diagnose_nodes(
         self, asked: list[str], context: grpc.aio.ServicerContext
     ) -> list[str]:
         if len(set(asked)) != len(asked):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"node_ids has duplicates: {sorted(asked)}"
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"node_ids has duplicates: {sorted(asked)}",
             )
         if not asked:
             nodes = sorted(n for n, s in self.view.nodes.items() if s.alive and s.outbox)
         else:
             for n in asked:
                 if n not in self.view.nodes:
-                    await context.abort(
+                    await abort(
+                        context,
                         grpc.StatusCode.NOT_FOUND,
                         f"node {n[:MAX_NODE_ID]!r} is not known to this driver; "
                         "`unbroken nodes` lists them",
                     )
                 slot = self.view.nodes[n]
                 if not (slot.alive and slot.outbox is not None):
-                    await context.abort(
+                    await abort(
+                        context,
                         grpc.StatusCode.FAILED_PRECONDITION,
                         f"node {n!r} has no open stream (lost or disconnected); "
                         "leave it out of --nodes",
                     )
             nodes = list(asked)
         if len(nodes) < 2:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"a diagnosis needs at least 2 connected nodes, got {nodes}; "
                 "start more agents or name more --nodes",
@@ -442,7 +456,8 @@ class OperatorApi(LauncherApi):
         if not asked:
             nodes = sorted(n for n, s in self.view.nodes.items() if s.alive and s.outbox)
             if not nodes:
-                await context.abort(
+                await abort(
+                    context,
                     grpc.StatusCode.FAILED_PRECONDITION,
                     "no node is connected to this driver; start agents first",
                 )
@@ -450,14 +465,16 @@ class OperatorApi(LauncherApi):
         for n in asked:
             slot = self.view.nodes.get(n)
             if slot is None:
-                await context.abort(
+                await abort(
+                    context,
                     grpc.StatusCode.NOT_FOUND,
                     f"node {n[:MAX_NODE_ID]!r} is not known to this driver; "
                     "`unbroken nodes` lists them",
                 )
             assert slot is not None
             if not (slot.alive and slot.outbox is not None):
-                await context.abort(
+                await abort(
+                    context,
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"node {n!r} has no open stream (lost or disconnected); "
                     "`unbroken nodes` shows which are connected",
@@ -469,7 +486,8 @@ class OperatorApi(LauncherApi):
     ) -> dpb.RunSelfCheckResponse:
         journal = await self._journal(context)
         if request.timeout_s < 0:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"timeout_s must be >= 0 (0: {SELFCHECK_TIMEOUT_S:g} s), got {request.timeout_s}",
             )
@@ -485,7 +503,7 @@ class OperatorApi(LauncherApi):
                 )
             )
         except EventLogError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"appending the request failed: {e}")
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"appending the request failed: {e}")
 
         async def one(n: str) -> dpb.NodeSelfCheck:
             msg = dpb.DriverMessage(run_self_check=dpb.RunSelfCheck(timeout_s=timeout))
@@ -519,10 +537,12 @@ class OperatorApi(LauncherApi):
         try:
             f = RuntimeFault.of(request.kind, request.local_rank, request.factor, request.step)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if not request.node_id:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "node_id is empty; `unbroken nodes` lists them"
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "node_id is empty; `unbroken nodes` lists them",
             )
         (node_id,) = await self._connected_nodes([request.node_id], context)
         what = f.kind + (f" rank={f.local_rank}" if f.kind in ("crash", "hang") else "")
@@ -538,7 +558,7 @@ class OperatorApi(LauncherApi):
                 )
             )
         except EventLogError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"appending the request failed: {e}")
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"appending the request failed: {e}")
         msg = dpb.DriverMessage(
             inject_fault=dpb.InjectFault(
                 kind=f.kind, local_rank=f.local_rank, factor=f.factor, step=f.step

@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 import structlog
@@ -42,6 +42,7 @@ from unbroken.driver.journal import FAULT_KINDS, Batch, Journal, JournalConfig, 
 from unbroken.driver.liveview import LiveView, LiveViewConfig, NodeSlot
 from unbroken.driver.metrics import DriverMetrics
 from unbroken.driver.operator import OperatorApi
+from unbroken.driver.rpc import abort
 from unbroken.driver.security import TlsConfig, TokenInterceptor, server_credentials
 from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
@@ -306,9 +307,10 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
             ending.status = (code, details, trailing)
             ending.event.set()
 
-    async def _not_leader(self, context: grpc.aio.ServicerContext) -> None:
+    async def _not_leader(self, context: grpc.aio.ServicerContext) -> NoReturn:
         where = self.leader_address or "unknown yet"
-        await context.abort(
+        await abort(
+            context,
             grpc.StatusCode.UNAVAILABLE,
             f"driver {self.driver_id} is not the leader; the leader is at {where}",
             trailing_metadata=((channel.LEADER_KEY, self.leader_address),),
@@ -458,21 +460,23 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
             await self._not_leader(context)
         problem = detectors.validate_register(request)
         if problem:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
         journal = self.journal
         if journal is not None and journal.pending() >= self.config.register_backlog:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "driver busy writing events; retry with backoff"
+            await abort(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                "driver busy writing events; retry with backoff",
             )
         now = time.monotonic()
         reason, event = detectors.admit(self.view, request, now)
         if reason:
             if event is None:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, reason)
+                await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, reason)
             assert event is not None  # abort raised otherwise
             self.emit(event)
             log.warning("registration refused", node=request.node_id, reason=reason)
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, reason)
         slot = self.view.slot(request.node_id)
         if event is not None:
             if slot.epoch != request.epoch:
@@ -509,7 +513,8 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
                 epoch = int(v) if str(v).isdigit() else -1
         slot = self.view.nodes.get(node_id)
         if slot is None or slot.epoch != epoch or not slot.alive:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"node {node_id[:128]!r} epoch {epoch} is not registered with this driver "
                 "(or was declared lost); call Register first",
@@ -536,7 +541,7 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
                         await asyncio.wait_for(asyncio.shield(pump), 2.0)
                 pump.cancel()
                 code, details, trailing = ending.status
-                await context.abort(code, details, trailing_metadata=trailing)
+                await abort(context, code, details, trailing_metadata=trailing)
         finally:
             for t in (pump, reader, stop):
                 t.cancel()
@@ -562,7 +567,8 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
             if msg.WhichOneof("kind") == "heartbeat":
                 hb = msg.heartbeat
                 if not slot.alive:
-                    await context.abort(
+                    await abort(
+                        context,
                         grpc.StatusCode.FAILED_PRECONDITION,
                         f"node {slot.node_id} was declared lost; call Register again",
                     )
