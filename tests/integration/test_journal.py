@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from unbroken.driver import state as statelib
 from unbroken.driver.election import Election
 from unbroken.driver.etcdlog import EtcdEventLog, connect
+from unbroken.driver.eventlog import EventLogError
 from unbroken.driver.journal import Journal
 from unbroken.driver.liveview import LiveViewConfig
 from unbroken.driver.service import DriverService, ServiceConfig, build_server
@@ -137,3 +138,36 @@ def test_twenty_thousand_nodes_come_and_go_and_the_state_stays_small(
             assert statistics.median(times) < 0.010, times  # from memory, not a replay
 
     asyncio.run(asyncio.wait_for(go(), 600))
+
+
+def test_a_snapshot_too_large_for_etcd_is_a_clear_error_and_counted(
+    etcd_server: Any, tmp_path: Path
+) -> None:
+    """1,000 active nodes with 1.5 KB hostnames: a 1.5 MB state. The snapshot is refused
+    before the put (etcd would reject it), the driver says why and counts it; every event
+    stays in etcd (nothing archived without a snapshot) and appends go on."""
+
+    async def go() -> None:
+        async with leading(etcd_server, tmp_path / "archive") as (svc, journal, _, elog):
+            for i in range(0, 1000, 50):
+                await journal.record(
+                    *(
+                        ev.Event(
+                            node_registered=ev.NodeRegistered(
+                                node_id=f"n{k}", epoch=1, hostname="h" * 1500
+                            )
+                        )
+                        for k in range(i, i + 50)
+                    )
+                )
+            with pytest.raises(EventLogError, match=r"over the \d+-byte limit"):
+                await elog.maintain_once()
+            assert elog.snapshots_too_large >= 1
+            text = generate_latest(svc.metrics.registry).decode()
+            assert "unbroken_snapshots_too_large_total 0.0" not in text
+            assert await elog.latest_snapshot() is None
+            assert len(await elog.read()) == 1000  # nothing lost, nothing archived
+            (more,) = await journal.record(ev.Event(node_lost=ev.NodeLost(node_id="n0", epoch=1)))
+            assert more.seq == 1001
+
+    asyncio.run(asyncio.wait_for(go(), 120))
