@@ -14,10 +14,12 @@ from unbroken.proto import events_pb2 as ev
 
 KEEP_CHECKPOINTS = 16  # checkpoint records kept in the folded state (newest last)
 KEEP_ROLLBACKS = 16  # rollback spike steps kept (the rollback policy looks at recent ones)
-#: Records of LOST/EVICTED nodes kept in the state (oldest dropped first, a quarter at a
-#: time; their history stays in the log). A 2,500-registration state measured 1.99 MB
-#: unpruned, over etcd's 1.5 MiB request limit, so every snapshot failed.
+#: Records of LOST/EVICTED nodes kept in the state (oldest dropped first, PRUNE_SLACK at a
+#: time, so the sort is paid once per PRUNE_SLACK losses; their history stays in the log).
+#: A 2,500-registration state measured 1.99 MB unpruned, over etcd's 1.5 MiB request
+#: limit, so every snapshot failed.
 KEEP_GONE_NODES = 1000
+PRUNE_SLACK = KEEP_GONE_NODES // 2
 _GONE = (ev.NODE_STATE_LOST, ev.NODE_STATE_EVICTED)
 
 
@@ -60,8 +62,8 @@ def _set_state(s: ev.JobState, rec: ev.NodeRecord, state: int, seq: int) -> None
 
 
 def _prune(s: ev.JobState) -> None:
-    """Drop the oldest gone node records once there are a quarter more than kept."""
-    if s.gone_nodes <= KEEP_GONE_NODES + KEEP_GONE_NODES // 4:
+    """Drop the oldest gone node records once there are PRUNE_SLACK more than kept."""
+    if s.gone_nodes <= KEEP_GONE_NODES + PRUNE_SLACK:
         return
     keep = {*s.world.node_ids, *s.suspects, *s.bad_nodes, *s.incident_world.node_ids}
     gone = sorted((r.gone_seq, n) for n, r in s.nodes.items() if r.state in _GONE and n not in keep)

@@ -267,7 +267,7 @@ def test_gone_nodes_are_pruned_from_the_state_but_not_the_world() -> None:
         seq += 1
     assert "w0" in s.nodes  # the world's own nodes are never pruned
     assert s.gone_nodes == sum(r.state == ev.NODE_STATE_LOST for r in s.nodes.values())
-    assert s.gone_nodes <= statelib.KEEP_GONE_NODES + statelib.KEEP_GONE_NODES // 4
+    assert s.gone_nodes <= statelib.KEEP_GONE_NODES + statelib.PRUNE_SLACK
     assert s.pruned_nodes == 3 * statelib.KEEP_GONE_NODES + 1 - s.gone_nodes
     assert f"n{3 * statelib.KEEP_GONE_NODES - 1}" in s.nodes  # newest kept, oldest dropped
     assert "n0" not in s.nodes
