@@ -2,8 +2,8 @@
 
 Launchers that start their own workers (torchrun, srun, Kubernetes operators, in any
 language) and operator tools use these RPCs next to the operator ones (status, nodes,
-events, evict, diagnose in driver/operator.py); `LauncherApi` is a mixin of the same
-servicer, and like those calls only the leader answers.
+events, evict, diagnose in driver/operator.py); `LauncherApi` is its own handler object,
+and like those calls only the leader answers.
 
 - `RegisterJob` appends JobStarted (+ TrainingResumed at step 0) for a job whose workers a
   launcher runs; a driver that starts the job itself (`--nodes`) refuses it.
@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING
 import grpc
 import structlog
 
-from unbroken.driver.diagnose import DriverDiagnoseConfig
 from unbroken.driver.eventlog import EventLogError, new_event_id
 from unbroken.driver.journal import Journal
+from unbroken.driver.leadership import Commands, Leadership
 from unbroken.driver.liveview import LiveView
 from unbroken.driver.rpc import abort
 from unbroken.proto import driver_pb2 as dpb
@@ -43,6 +43,7 @@ from unbroken.proto import events_pb2 as ev
 
 if TYPE_CHECKING:  # commits.py imports recovery (torch): keep the CLI's imports light
     from unbroken.driver.commits import Commits
+    from unbroken.driver.service import ServiceConfig
 
 log = structlog.get_logger(__name__)
 
@@ -197,23 +198,31 @@ def rank_nodes(by_node: dict[str, dict[int, int]], step: int) -> dict[int, str]:
 
 
 class LauncherApi:
-    """Launcher RPCs; mixed into `DriverService` (through `OperatorApi`)."""
+    """Launcher RPCs: register a job, report a failure, list and request checkpoints.
 
-    driver_id: str
-    job_id: str
-    view: LiveView
-    commits: Commits
-    _read_timeout_s: float
-    _diagnose_config: DriverDiagnoseConfig
-    _register_job_lock: asyncio.Lock
+    Args:
+        lead: who leads (the journal of the current term).
+        commands: the agent sessions (request) and the live view.
+        commits: the verified shards agents reported (for ListCheckpoints).
+        config: deadlines.
+    """
 
-    async def request(
-        self, node_id: str, msg: dpb.DriverMessage, timeout_s: float
-    ) -> dpb.AgentMessage:
-        raise NotImplementedError  # provided by DriverService
+    def __init__(
+        self, lead: Leadership, commands: Commands, commits: Commits, config: ServiceConfig
+    ) -> None:
+        self._lead = lead
+        self._cmd = commands
+        self.commits = commits
+        self._read_timeout_s = config.read_timeout_s
+        self._diagnose_config = config.diagnose
+        self._register_job_lock = asyncio.Lock()  # RegisterJob's check-then-record
+
+    @property
+    def view(self) -> LiveView:
+        return self._cmd.view
 
     async def _journal(self, context: grpc.aio.ServicerContext) -> Journal:
-        raise NotImplementedError  # provided by OperatorApi
+        return await self._lead.require(context)
 
     def _who(self, context: grpc.aio.ServicerContext) -> str:
         from unbroken.driver.operator import who
@@ -232,7 +241,7 @@ class LauncherApi:
             await abort(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"driver {self.driver_id} starts and recovers job {self.job_id} itself "
+                f"driver {self._lead.driver_id} starts and recovers job {self._lead.job_id} itself "
                 "(--nodes); RegisterJob is for launchers that start their own workers: run "
                 "the driver without --nodes",
             )
@@ -251,7 +260,7 @@ class LauncherApi:
             await abort(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"job {self.job_id} is already active ({state.trainer or 'unnamed'} on "
+                f"job {self._lead.job_id} is already active ({state.trainer or 'unnamed'} on "
                 f"{len(state.world.node_ids)} nodes, phase "
                 f"{ev.Phase.Name(state.phase).removeprefix('PHASE_').lower()}); one driver "
                 "runs one job: finish it first or start a driver with another --job-id",
@@ -279,7 +288,7 @@ class LauncherApi:
             nodes=len(world.node_ids),
             who=self._who(context),
         )
-        return dpb.RegisterJobResponse(job_id=self.job_id, seq=started.seq)
+        return dpb.RegisterJobResponse(job_id=self._lead.job_id, seq=started.seq)
 
     # ------------------------------------------------------------ ReportFailure
     async def ReportFailure(
@@ -332,7 +341,7 @@ class LauncherApi:
             await abort(
                 context,
                 grpc.StatusCode.NOT_FOUND,
-                f"node {node!r} is not part of job {self.job_id} (neither registered by an "
+                f"node {node!r} is not part of job {self._lead.job_id} (neither registered by an "
                 "agent nor in the world of RegisterJob); `unbroken nodes` lists them",
             )
         if rec is not None and rec.state == ev.NODE_STATE_EVICTED:
@@ -442,7 +451,7 @@ class LauncherApi:
             await abort(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"job {self.job_id} is {phase}; a checkpoint can be requested only while it "
+                f"job {self._lead.job_id} is {phase}; a checkpoint can be requested only while it "
                 "trains (`unbroken status` shows the phase)",
             )
         nodes = self._checkpoint_nodes(state)
@@ -541,7 +550,7 @@ class LauncherApi:
 
         async def one(n: str) -> str:
             try:
-                reply = await self.request(
+                reply = await self._cmd.request(
                     n, dpb.DriverMessage(flash_save=dpb.FlashSave(step=step)), self._ack_s()
                 )
             except (KeyError, TimeoutError) as e:

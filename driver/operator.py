@@ -1,11 +1,12 @@
 """The driver's operator API: status, nodes, events, diagnose and evict over gRPC.
 
 These RPCs serve the `unbroken` CLI, launchers and dashboards, not the agents' hot path,
-so they live apart from the heartbeat service (driver/service.py), as a mixin of the
-same servicer. Only the leader answers: a standby has no journal and says where the
-leader is (FAILED_PRECONDITION plus the `x-unbroken-leader` trailer). Reads come from the
-journal's folded state in memory, joined with the live view; writes go through the
-journal (an eviction is an observation the recovery loop decides on at once). Diagnose runs
+so they live apart from the heartbeat service (driver/service.py), in their own handler
+object built with what it needs (who leads, the agent sessions, the config). Only the
+leader answers: a standby has no journal and says where the leader is
+(FAILED_PRECONDITION plus the `x-unbroken-leader` trailer). Reads come from the journal's
+folded state in memory, joined with the live view; writes go through the journal (an
+eviction is an observation the recovery loop decides on at once). Diagnose runs
 as a task of the driver, not of the call: a client that goes away does not leave the
 workers paused; the call only watches the task through a bounded queue.
 """
@@ -17,7 +18,7 @@ import contextlib
 import time
 import uuid
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
@@ -27,12 +28,15 @@ from unbroken.diagnostics.runner import verdict_event
 from unbroken.driver.diagnose import DiagnoseError, DriverDiagnoseConfig, run_diagnosis
 from unbroken.driver.eventlog import EventLogError, new_event_id
 from unbroken.driver.journal import Journal
-from unbroken.driver.launcher_api import LauncherApi
+from unbroken.driver.leadership import Commands, Leadership
 from unbroken.driver.liveview import LiveView
 from unbroken.driver.rpc import abort
 from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
+
+if TYPE_CHECKING:  # service.py builds this object: only the type is needed here
+    from unbroken.driver.service import ServiceConfig
 
 log = structlog.get_logger(__name__)
 
@@ -106,44 +110,39 @@ def status_of(state: ev.JobState, nodes: list[dpb.NodeInfo]) -> dpb.GetStatusRes
     return st
 
 
-class OperatorApi(LauncherApi):
-    """Operator RPCs; mixed into `DriverService`, whose attributes these are."""
+class OperatorApi:
+    """Operator RPCs: status, nodes, events, evict, diagnose, self-checks, fault drills.
 
-    driver_id: str
-    job_id: str
-    journal: Journal | None
-    leader_address: str
-    view: LiveView
-    watchers: int
-    diagnosis_running: str
-    _max_watchers: int
-    _diagnosis_task: asyncio.Task[None] | None
-    _read_timeout_s: float
-    _diagnose_config: DriverDiagnoseConfig
+    Args:
+        lead: who leads (the journal of the current term).
+        commands: the agent sessions (send, request) and the live view.
+        config: deadlines, watcher cap, diagnosis settings.
+    """
 
-    async def request(
-        self, node_id: str, msg: dpb.DriverMessage, timeout_s: float
-    ) -> dpb.AgentMessage:
-        raise NotImplementedError  # provided by DriverService
+    def __init__(self, lead: Leadership, commands: Commands, config: ServiceConfig) -> None:
+        self._lead = lead
+        self._cmd = commands
+        self._read_timeout_s = config.read_timeout_s
+        self._max_watchers = config.max_watchers
+        self._diagnose_config = config.diagnose
+        self.watchers = 0  # WatchEvents calls streaming now
+        self.diagnosis_running = ""  # id of the operator's diagnosis in progress
+        self._diagnosis_task: asyncio.Task[None] | None = None
 
-    def emit(self, event: ev.Event, last_seen: float = float("nan")) -> bool:
-        raise NotImplementedError  # provided by DriverService
+    async def close(self) -> None:
+        """Cancel an operator's diagnosis still running (the driver is stopping)."""
+        task = self._diagnosis_task
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
 
-    # ------------------------------------------------------------ helpers
+    @property
+    def view(self) -> LiveView:
+        return self._cmd.view
+
     async def _journal(self, context: grpc.aio.ServicerContext) -> Journal:
-        """This term's journal; a standby aborts, naming the leader."""
-        journal = self.journal
-        if journal is None:
-            where = self.leader_address or "unknown yet"
-            await abort(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"driver {self.driver_id} is a standby, not the leader; the leader is at "
-                f"{where} (use --driver {where})",
-                trailing_metadata=((channel.LEADER_KEY, self.leader_address),),
-            )
-        assert journal is not None
-        return journal
+        return await self._lead.require(context)
 
     async def _state(self, context: grpc.aio.ServicerContext) -> ev.JobState:
         """The leader's folded state, from memory (never a read of etcd)."""
@@ -155,9 +154,9 @@ class OperatorApi(LauncherApi):
     ) -> dpb.GetStatusResponse:
         state = await self._state(context)
         st = status_of(state, node_infos(state, self.view, time.monotonic()))
-        st.job_id = st.job_id or self.job_id
-        st.driver_id = self.driver_id
-        st.leader_address = self.leader_address
+        st.job_id = st.job_id or self._lead.job_id
+        st.driver_id = self._lead.driver_id
+        st.leader_address = self._lead.address
         st.diagnosis_running = self.diagnosis_running
         return st
 
@@ -182,7 +181,7 @@ class OperatorApi(LauncherApi):
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self.watchers} event watchers are already streaming from driver "
-                f"{self.driver_id} (the limit); close one or retry later",
+                f"{self._lead.driver_id} (the limit); close one or retry later",
             )
         self.watchers += 1
         live: asyncio.Queue[ev.Event] = asyncio.Queue(WATCH_BUFFER)
@@ -234,13 +233,13 @@ class OperatorApi(LauncherApi):
                         await context.write(dpb.WatchEventsResponse(event=one))
                 await context.write(dpb.WatchEventsResponse(event=e))
                 nxt = e.seq + 1
-                if self.journal is not journal:
+                if self._lead.journal is not journal:
                     await abort(
                         context,
                         grpc.StatusCode.UNAVAILABLE,
-                        f"driver {self.driver_id} stepped down; watch the new leader from "
+                        f"driver {self._lead.driver_id} stepped down; watch the new leader from "
                         f"--since {nxt - 1}",
-                        trailing_metadata=((channel.LEADER_KEY, self.leader_address),),
+                        trailing_metadata=((channel.LEADER_KEY, self._lead.address),),
                     )
         finally:
             self.watchers -= 1
@@ -265,7 +264,8 @@ class OperatorApi(LauncherApi):
             await abort(
                 context,
                 grpc.StatusCode.NOT_FOUND,
-                f"node {node_id!r} is not part of job {self.job_id}; `unbroken nodes` lists them",
+                f"node {node_id!r} is not part of job {self._lead.job_id}; "
+                "`unbroken nodes` lists them",
             )
         if rec is not None and rec.state == ev.NODE_STATE_EVICTED:
             await abort(
@@ -294,7 +294,7 @@ class OperatorApi(LauncherApi):
         slot = self.view.nodes.get(node_id)
         if journal.decider is None and slot is not None and slot.outbox is not None:
             try:
-                reply = await self.request(
+                reply = await self._cmd.request(
                     node_id,
                     dpb.DriverMessage(evict=dpb.Evict(reason=reason)),
                     self._diagnose_config.ack_timeout_s,
@@ -338,7 +338,7 @@ class OperatorApi(LauncherApi):
         async def job() -> None:
             try:
                 d = await run_diagnosis(
-                    self,  # type: ignore[arg-type]  # DriverService is the CommandSender
+                    self._cmd,
                     journal.record,
                     nodes,
                     config=cfg,
@@ -435,7 +435,7 @@ class OperatorApi(LauncherApi):
         The machine treats ok=false on a world node as a fault and marks a failing spare
         bad (driver/machine.py).
         """
-        self.emit(
+        self._cmd.emit(
             ev.Event(
                 cause="self-check",
                 self_check_reported=ev.SelfCheckReported(
@@ -508,7 +508,7 @@ class OperatorApi(LauncherApi):
         async def one(n: str) -> dpb.NodeSelfCheck:
             msg = dpb.DriverMessage(run_self_check=dpb.RunSelfCheck(timeout_s=timeout))
             try:
-                reply = await self.request(n, msg, timeout + SELFCHECK_SLACK_S)
+                reply = await self._cmd.request(n, msg, timeout + SELFCHECK_SLACK_S)
             except TimeoutError:
                 return dpb.NodeSelfCheck(
                     node_id=n, error=f"no report within {timeout + SELFCHECK_SLACK_S:g} s"
@@ -565,7 +565,7 @@ class OperatorApi(LauncherApi):
             )
         )
         try:
-            reply = await self.request(node_id, msg, self._diagnose_config.ack_timeout_s)
+            reply = await self._cmd.request(node_id, msg, self._diagnose_config.ack_timeout_s)
         except (TimeoutError, KeyError) as e:
             detail = f"the agent did not acknowledge ({type(e).__name__}: {e})"
             return dpb.InjectFaultResponse(seq=action.seq, ok=False, detail=detail)

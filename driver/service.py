@@ -12,8 +12,10 @@ view knows (a silent node) is recorded again whenever the log missed it.
 
 A driver that is not the leader answers every agent call with UNAVAILABLE and the
 leader's address in the `x-unbroken-leader` trailer, so agents move on to it.
-The operator RPCs (status, nodes, events, diagnose, evict) live in driver/operator.py
-as a mixin of the same servicer.
+`DriverService` is the one gRPC servicer of the `Driver` service; it handles the agents'
+calls itself and hands the operators' (driver/operator.py) and the launchers'
+(driver/launcher_api.py) to handler objects built with what they need: `Leadership` (who
+leads, driver/leadership.py), this object's sessions and live view, the config.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from unbroken.driver.commits import Commits
 from unbroken.driver.diagnose import DriverDiagnoseConfig
 from unbroken.driver.eventlog import EventLog, NotLeaderError, new_event_id
 from unbroken.driver.journal import FAULT_KINDS, Batch, Journal, JournalConfig, Pending
+from unbroken.driver.launcher_api import LauncherApi
+from unbroken.driver.leadership import Leadership
 from unbroken.driver.liveview import LiveView, LiveViewConfig, NodeSlot
 from unbroken.driver.metrics import DriverMetrics
 from unbroken.driver.operator import OperatorApi
@@ -127,10 +131,11 @@ class _Ending:
         self.status: tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]] | None = None
 
 
-class DriverService(OperatorApi, dgrpc.DriverServicer):
-    """Agent-facing service of one driver process (leader or standby).
+class DriverService(dgrpc.DriverServicer):
+    """The driver's gRPC service (leader or standby): agents' calls here, the rest delegated.
 
-    The operator RPCs (status, nodes, events, diagnose, evict) come from `OperatorApi`.
+    Operator RPCs go to `self.operators` (`OperatorApi`), launcher RPCs to
+    `self.launchers` (`LauncherApi`).
     """
 
     def __init__(
@@ -145,9 +150,7 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
         self.config = config
         self.driver_id = driver_id
         self.job_id = job_id
-        self.log: EventLog | None = None  # the leader's log, for reads; writes: `journal`
-        self.journal: Journal | None = None  # this term's only writer (None: standby)
-        self.leader_address = leader_address  # the current leader's (maybe our own) address
+        self.leadership = Leadership(driver_id, job_id, leader_address)
         self.view = LiveView(config.live)
         # observations of an ended term, for the next one (a failure once detected stays)
         self._carry: list[Pending] = []
@@ -168,17 +171,37 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
         self._mass_since = 0.0  # monotonic time a mass silence was first held back
         self._ids = itertools.count(1)
         self.stopping = asyncio.Event()
-        self.diagnosis_running = ""  # id of the diagnosis in progress
-        self._diagnosis_task: asyncio.Task[None] | None = None
-        self._read_timeout_s = config.read_timeout_s
-        self._diagnose_config = config.diagnose
-        self._max_watchers = config.max_watchers
-        self.watchers = 0  # WatchEvents calls streaming now
-        self._register_job_lock = asyncio.Lock()  # RegisterJob's check-then-record
+        self.operators = OperatorApi(self.leadership, self, config)
+        self.launchers = LauncherApi(self.leadership, self, self.commits, config)
         if log_ is not None:
             self.lead(log_, leader_address)
 
     # ------------------------------------------------------------ leadership
+    @property
+    def journal(self) -> Journal | None:
+        """This term's only writer (None: standby)."""
+        return self.leadership.journal
+
+    @property
+    def log(self) -> EventLog | None:
+        """The leader's log, for reads (writes go through `journal`)."""
+        journal = self.leadership.journal
+        return journal.log if journal is not None else None
+
+    @property
+    def leader_address(self) -> str:
+        """The current leader's address (maybe our own)."""
+        return self.leadership.address
+
+    @leader_address.setter
+    def leader_address(self, address: str) -> None:
+        self.leadership.address = address
+
+    @property
+    def diagnosis_running(self) -> str:
+        """The id of an operator's diagnosis in progress ("" when none)."""
+        return self.operators.diagnosis_running
+
     @property
     def leader(self) -> bool:
         return self.journal is not None
@@ -215,8 +238,7 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
             on_fenced=self._fenced,
         )
         journal.subscribers.append(self._on_recorded)
-        self.log = log_
-        self.journal = journal
+        self.leadership.journal = journal
         self.leader_address = address
         now = time.monotonic()
         for slot in self.view.nodes.values():
@@ -235,7 +257,7 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
     def step_down(self, leader_address: str = "") -> None:
         """Stop leading: agents are sent away to `leader_address`; the journal closes and
         what it did not record is kept for the next term."""
-        journal, self.journal, self.log = self.journal, None, None
+        journal, self.leadership.journal = self.journal, None
         self.leader_address = leader_address
         if journal is not None:
             task = asyncio.get_running_loop().create_task(self._end_term(journal))
@@ -329,8 +351,7 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
     async def close(self) -> None:
         """Stop the loops and end every session."""
         self.stopping.set()
-        if self._diagnosis_task is not None:
-            self._tasks.append(self._diagnosis_task)
+        await self.operators.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -338,6 +359,7 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
                 await task
         if self.journal is not None:
             await self.journal.close()
+            self.leadership.journal = None
         for task in list(self._closing):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
@@ -594,8 +616,8 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
     def _on_reply(self, slot: NodeSlot, msg: dpb.AgentMessage) -> None:
         kind = msg.WhichOneof("kind")
         cid = msg.check_result.command_id if kind == "check_result" else msg.ack.command_id
-        if kind == "self_check_report":  # appended as SelfCheckReported (driver/operator.py)
-            cid = self.on_self_check(slot.node_id, msg.self_check_report)
+        if kind == "self_check_report":  # recorded as SelfCheckReported (driver/operator.py)
+            cid = self.operators.on_self_check(slot.node_id, msg.self_check_report)
             if not cid:
                 return
         fut = self._replies.pop(cid, None)
@@ -627,6 +649,62 @@ class DriverService(OperatorApi, dgrpc.DriverServicer):
         if not request.summary_only:
             out.nodes.extend(self.view.snapshot())
         return out
+
+    # ------------------------------------------------------------ operators, launchers
+    async def GetStatus(
+        self, request: dpb.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> dpb.GetStatusResponse:
+        return await self.operators.GetStatus(request, context)
+
+    async def ListNodes(
+        self, request: dpb.ListNodesRequest, context: grpc.aio.ServicerContext
+    ) -> dpb.ListNodesResponse:
+        return await self.operators.ListNodes(request, context)
+
+    async def WatchEvents(
+        self, request: dpb.WatchEventsRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        await self.operators.WatchEvents(request, context)
+
+    async def Diagnose(
+        self, request: dpb.DiagnoseRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        await self.operators.Diagnose(request, context)
+
+    async def Evict(
+        self, request: dpb.EvictRequest, context: grpc.aio.ServicerContext
+    ) -> dpb.EvictResponse:
+        return await self.operators.Evict(request, context)
+
+    async def RunSelfCheck(
+        self, request: dpb.RunSelfCheckRequest, context: grpc.aio.ServicerContext
+    ) -> dpb.RunSelfCheckResponse:
+        return await self.operators.RunSelfCheck(request, context)
+
+    async def InjectFault(
+        self, request: dpb.InjectFaultRequest, context: grpc.aio.ServicerContext
+    ) -> dpb.InjectFaultResponse:
+        return await self.operators.InjectFault(request, context)
+
+    async def RegisterJob(
+        self, request: dpb.RegisterJobRequest, context: grpc.aio.ServicerContext
+    ) -> dpb.RegisterJobResponse:
+        return await self.launchers.RegisterJob(request, context)
+
+    async def ReportFailure(
+        self, request: dpb.ReportFailureRequest, context: grpc.aio.ServicerContext
+    ) -> dpb.ReportFailureResponse:
+        return await self.launchers.ReportFailure(request, context)
+
+    async def ListCheckpoints(
+        self, request: dpb.ListCheckpointsRequest, context: grpc.aio.ServicerContext
+    ) -> dpb.ListCheckpointsResponse:
+        return await self.launchers.ListCheckpoints(request, context)
+
+    async def RequestCheckpoint(
+        self, request: dpb.RequestCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> dpb.RequestCheckpointResponse:
+        return await self.launchers.RequestCheckpoint(request, context)
 
     # ------------------------------------------------------------ commands
     def send(self, node_id: str, msg: dpb.DriverMessage) -> str:
