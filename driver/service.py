@@ -23,10 +23,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import itertools
 import math
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -48,6 +46,7 @@ from unbroken.driver.metrics import DriverMetrics
 from unbroken.driver.operator import OperatorApi
 from unbroken.driver.rpc import abort
 from unbroken.driver.security import TlsConfig, TokenInterceptor, server_credentials
+from unbroken.driver.sessions import Sessions
 from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -120,17 +119,6 @@ class _Ring:
         self.n = 0
 
 
-class _Ending:
-    """How a session should end when the driver ends it (set from any task)."""
-
-    __slots__ = ("event", "status", "writing")
-
-    def __init__(self) -> None:
-        self.event = asyncio.Event()
-        self.writing = False
-        self.status: tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]] | None = None
-
-
 class DriverService(dgrpc.DriverServicer):
     """The driver's gRPC service (leader or standby): agents' calls here, the rest delegated.
 
@@ -158,18 +146,15 @@ class DriverService(dgrpc.DriverServicer):
         self._detected: dict[str, tuple[float, float]] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self.appended = 0
-        self.dropped_commands = 0
         self.delivery = _Ring()
         self.handler = _Ring()
         self.listeners: list[Callable[[ev.Event], None]] = [self._on_appended]
         self.commits = Commits()
         self.metrics = DriverMetrics(self._metric_values)
         self.metrics.watch(self.view, self.listeners, time.monotonic)
-        self._replies: dict[str, asyncio.Future[dpb.AgentMessage]] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._sessions: dict[str, _Ending] = {}
+        self.sessions = Sessions(self.view, driver_id)
         self._mass_since = 0.0  # monotonic time a mass silence was first held back
-        self._ids = itertools.count(1)
         self.stopping = asyncio.Event()
         self.operators = OperatorApi(self.leadership, self, config)
         self.launchers = LauncherApi(self.leadership, self, self.commits, config)
@@ -263,14 +248,12 @@ class DriverService(dgrpc.DriverServicer):
             task = asyncio.get_running_loop().create_task(self._end_term(journal))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
-        for node_id in list(self._sessions):
-            self._end_session(
-                node_id,
-                grpc.StatusCode.UNAVAILABLE,
-                f"driver {self.driver_id} stepped down; the leader is at "
-                f"{leader_address or 'unknown yet'}",
-                ((channel.LEADER_KEY, leader_address),),
-            )
+        self.sessions.end_all(
+            grpc.StatusCode.UNAVAILABLE,
+            f"driver {self.driver_id} stepped down; the leader is at "
+            f"{leader_address or 'unknown yet'}",
+            ((channel.LEADER_KEY, leader_address),),
+        )
 
     async def _end_term(self, journal: Journal) -> None:
         left = await journal.close()
@@ -315,19 +298,6 @@ class DriverService(dgrpc.DriverServicer):
             elif now - slot.last_seen > retention and slot.outbox is None:
                 del self.view.nodes[slot.node_id]  # its history stays in the log
         return out
-
-    def _end_session(
-        self,
-        node_id: str,
-        code: grpc.StatusCode,
-        details: str,
-        trailing: tuple[tuple[str, str], ...] = (),
-    ) -> None:
-        """Ask `node_id`'s session handler to end its stream with this status."""
-        ending = self._sessions.pop(node_id, None)
-        if ending is not None:
-            ending.status = (code, details, trailing)
-            ending.event.set()
 
     async def _not_leader(self, context: grpc.aio.ServicerContext) -> NoReturn:
         where = self.leader_address or "unknown yet"
@@ -548,8 +518,8 @@ class DriverService(dgrpc.DriverServicer):
         self.view.mark_alive(slot, time.monotonic())
         outbox: asyncio.Queue[dpb.DriverMessage] = asyncio.Queue(self.config.stream_buffer)
         slot.outbox = outbox
-        ending = self._sessions[node_id] = _Ending()
-        pump = asyncio.create_task(self._pump(outbox, context, ending))
+        ending = self.sessions.opened(node_id)
+        pump = asyncio.create_task(self.sessions.pump(outbox, context, ending))
         reader = asyncio.create_task(self._read_loop(slot, context))
         stop = asyncio.create_task(ending.event.wait())
         try:
@@ -570,8 +540,7 @@ class DriverService(dgrpc.DriverServicer):
             if slot.session == mine:
                 slot.connected = False
                 slot.outbox = None
-                if self._sessions.get(node_id) is ending:
-                    del self._sessions[node_id]
+                self.sessions.closed(node_id, ending)
 
     async def _read_loop(self, slot: NodeSlot, context: grpc.aio.ServicerContext) -> None:
         read = context.read
@@ -620,27 +589,8 @@ class DriverService(dgrpc.DriverServicer):
             cid = self.operators.on_self_check(slot.node_id, msg.self_check_report)
             if not cid:
                 return
-        fut = self._replies.pop(cid, None)
-        if fut is not None and not fut.done():
-            fut.set_result(msg)
-        else:
+        if not self.sessions.reply(cid, msg):
             log.info("unsolicited reply", node=slot.node_id, kind=kind, command_id=cid[:64])
-
-    async def _pump(
-        self,
-        outbox: asyncio.Queue[dpb.DriverMessage],
-        context: grpc.aio.ServicerContext,
-        ending: _Ending,
-    ) -> None:
-        while not ending.event.is_set():
-            msg = await outbox.get()
-            if ending.event.is_set():
-                return
-            ending.writing = True
-            try:
-                await context.write(msg)
-            finally:
-                ending.writing = False
 
     async def LiveView(
         self, request: dpb.LiveViewRequest, context: grpc.aio.ServicerContext
@@ -708,45 +658,18 @@ class DriverService(dgrpc.DriverServicer):
 
     # ------------------------------------------------------------ commands
     def send(self, node_id: str, msg: dpb.DriverMessage) -> str:
-        """Queue a command for `node_id`'s agent; return its command id.
-
-        Raises:
-            KeyError: the node has no open session.
-        A stream whose buffer is full is a consumer that cannot keep up: it is dropped
-        (the agent reconnects), and the command is lost with it.
-        """
-        slot = self.view.nodes.get(node_id)
-        if slot is None or slot.outbox is None:
-            raise KeyError(f"node {node_id!r} has no open session")
-        if not msg.command_id:
-            msg.command_id = f"{self.driver_id}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        outbox = slot.outbox
-        assert isinstance(outbox, asyncio.Queue)
-        try:
-            outbox.put_nowait(msg)
-        except asyncio.QueueFull:
-            self.dropped_commands += 1
-            log.error("command buffer full; dropping the stream", node=node_id)
-            slot.outbox = None
-            self._end_session(
-                node_id,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the driver's command buffer for {node_id} is full (the agent "
-                "does not read its stream); reconnect",
-            )
-        return msg.command_id
+        """Queue a command for `node_id`'s agent (`Sessions.send`)."""
+        return self.sessions.send(node_id, msg)
 
     async def request(
         self, node_id: str, msg: dpb.DriverMessage, timeout_s: float
     ) -> dpb.AgentMessage:
-        """Send a command and wait (at most `timeout_s`) for its ack or check result."""
-        cid = self.send(node_id, msg)
-        fut: asyncio.Future[dpb.AgentMessage] = asyncio.get_running_loop().create_future()
-        self._replies[cid] = fut
-        try:
-            return await asyncio.wait_for(fut, timeout_s)
-        finally:
-            self._replies.pop(cid, None)
+        """Send a command and wait for its reply (`Sessions.request`)."""
+        return await self.sessions.request(node_id, msg, timeout_s)
+
+    @property
+    def dropped_commands(self) -> int:
+        return self.sessions.dropped_commands
 
     # ------------------------------------------------------------ stats
     def stats(self) -> dpb.LiveStats:

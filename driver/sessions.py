@@ -1,0 +1,137 @@
+"""The agents' command streams: bounded outboxes, requests and their replies.
+
+Each agent's `Session` stream has one bounded outbox (`stream_buffer` commands); a command
+that does not fit means the agent does not read its stream, so the stream is ended
+(RESOURCE_EXHAUSTED; the agent reconnects) instead of letting the driver's memory grow.
+`request` sends a command and waits, under a deadline, for the agent's reply carrying the
+same command id. The `Session` handler (driver/service.py) owns the stream itself and asks
+`Sessions` how and when to end it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+
+import grpc
+import structlog
+
+from unbroken.driver.liveview import LiveView
+from unbroken.proto import driver_pb2 as dpb
+
+log = structlog.get_logger(__name__)
+
+Trailer = tuple[tuple[str, str], ...]
+
+
+class Ending:
+    """How a session should end when the driver ends it (set from any task)."""
+
+    __slots__ = ("event", "status", "writing")
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.writing = False
+        self.status: tuple[grpc.StatusCode, str, Trailer] | None = None
+
+
+class Sessions:
+    """Open sessions by node, their outboxes (in the live view's slots) and pending replies."""
+
+    def __init__(self, view: LiveView, driver_id: str) -> None:
+        self.view = view
+        self.driver_id = driver_id
+        self.dropped_commands = 0
+        self._open: dict[str, Ending] = {}
+        self._replies: dict[str, asyncio.Future[dpb.AgentMessage]] = {}
+        self._ids = itertools.count(1)
+
+    def opened(self, node_id: str) -> Ending:
+        """A new session of `node_id` began; returns how the driver may end it."""
+        ending = self._open[node_id] = Ending()
+        return ending
+
+    def closed(self, node_id: str, ending: Ending) -> None:
+        """The session that `opened` returned `ending` for is over."""
+        if self._open.get(node_id) is ending:
+            del self._open[node_id]
+
+    def end(
+        self, node_id: str, code: grpc.StatusCode, details: str, trailing: Trailer = ()
+    ) -> None:
+        """Ask `node_id`'s session handler to end its stream with this status."""
+        ending = self._open.pop(node_id, None)
+        if ending is not None:
+            ending.status = (code, details, trailing)
+            ending.event.set()
+
+    def end_all(self, code: grpc.StatusCode, details: str, trailing: Trailer = ()) -> None:
+        for node_id in list(self._open):
+            self.end(node_id, code, details, trailing)
+
+    def send(self, node_id: str, msg: dpb.DriverMessage) -> str:
+        """Queue a command for `node_id`'s agent; return its command id.
+
+        Raises:
+            KeyError: the node has no open session.
+        A stream whose buffer is full is a consumer that cannot keep up: it is dropped
+        (the agent reconnects), and the command is lost with it.
+        """
+        slot = self.view.nodes.get(node_id)
+        if slot is None or slot.outbox is None:
+            raise KeyError(f"node {node_id!r} has no open session")
+        if not msg.command_id:
+            msg.command_id = f"{self.driver_id}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        outbox = slot.outbox
+        assert isinstance(outbox, asyncio.Queue)
+        try:
+            outbox.put_nowait(msg)
+        except asyncio.QueueFull:
+            self.dropped_commands += 1
+            log.error("command buffer full; dropping the stream", node=node_id)
+            slot.outbox = None
+            self.end(
+                node_id,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the driver's command buffer for {node_id} is full (the agent "
+                "does not read its stream); reconnect",
+            )
+        return msg.command_id
+
+    async def request(
+        self, node_id: str, msg: dpb.DriverMessage, timeout_s: float
+    ) -> dpb.AgentMessage:
+        """Send a command and wait (at most `timeout_s`) for its ack or check result."""
+        cid = self.send(node_id, msg)
+        fut: asyncio.Future[dpb.AgentMessage] = asyncio.get_running_loop().create_future()
+        self._replies[cid] = fut
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._replies.pop(cid, None)
+
+    def reply(self, command_id: str, msg: dpb.AgentMessage) -> bool:
+        """Hand an agent's reply to the request waiting for it; False when none waits."""
+        fut = self._replies.pop(command_id, None)
+        if fut is None or fut.done():
+            return False
+        fut.set_result(msg)
+        return True
+
+    @staticmethod
+    async def pump(
+        outbox: asyncio.Queue[dpb.DriverMessage],
+        context: grpc.aio.ServicerContext,
+        ending: Ending,
+    ) -> None:
+        """Write the outbox to the stream until the session ends."""
+        while not ending.event.is_set():
+            msg = await outbox.get()
+            if ending.event.is_set():
+                return
+            ending.writing = True
+            try:
+                await context.write(msg)
+            finally:
+                ending.writing = False
