@@ -200,6 +200,7 @@ class Journal:
         self._fenced: NotLeaderError | None = None
         self._recent_ids: set[str] = set()  # ids of events a resync folded
         self._draft: ev.JobState | None = None  # see `deciding_state`
+        self._dirty = False  # an append failed: fold what landed before the next one
 
     # ------------------------------------------------------------ reading
     @property
@@ -254,20 +255,28 @@ class Journal:
         return left
 
     # ------------------------------------------------------------ writing
-    async def record(self, *events: ev.Event) -> list[ev.Event]:
+    async def record(self, *events: ev.Event, wait_s: float | None = None) -> list[ev.Event]:
         """Append `events` in one fenced transaction, fold them, notify; return them stored.
 
         For writes that are facts, not observations to decide on (LeaderElected, an
-        operator's request, a diagnosis round). Raises what the log raises.
+        operator's request, a diagnosis round). `wait_s` bounds the wait for the writer
+        (busy retrying while etcd is down); the append itself is bounded by the log's own
+        deadlines and is never abandoned half way. Raises what the log raises, and
+        TimeoutError when the writer stayed busy for `wait_s`.
         """
         if self._closed:
             raise JournalClosedError("this driver's term has ended; it is not the leader")
-        async with self._lock:
+        await asyncio.wait_for(self._lock.acquire(), wait_s)
+        try:
             return await self._record_locked(list(events))
+        finally:
+            self._lock.release()
 
     async def _record_locked(self, events: list[ev.Event]) -> list[ev.Event]:
         if not events:
             return []
+        if self._dirty:  # an earlier append failed: what landed must be folded first
+            await self._resync_locked()
         try:
             stored = await self.log.append_many(events)
         except NotLeaderError as e:
@@ -275,6 +284,7 @@ class Journal:
             raise
         except EventLogError:
             self.stats.failed_appends += 1
+            self._dirty = True  # its outcome may be unknown (landed after all)
             raise
         self.stats.transactions += 1
         state = statelib.fold(stored, self._state)
@@ -531,18 +541,24 @@ class Journal:
         """Fold what landed in the log although its append reported a failure."""
         async with self._lock:
             try:
-                tail = await self.log.read(self._state.last_seq + 1)
+                landed = await self._resync_locked()
             except EventLogError as e:
                 log.info("log still unavailable after a failed append", error=str(e))
                 return
-            if not tail:
-                return
-            log.warning("events landed despite a failed append; folding them", events=len(tail))
-            self._recent_ids = {one.event_id for one in tail}
-            self._state = statelib.fold(tail, self._state)
-            self._notify(tail)
-        if self.on_resync is not None:
+        if landed and self.on_resync is not None:
             self.on_resync()
+
+    async def _resync_locked(self) -> int:
+        """Read the log past the state and fold it (raises when the log cannot be read)."""
+        tail = await self.log.read(self._state.last_seq + 1)
+        self._dirty = False
+        if not tail:
+            return 0
+        log.warning("events landed despite a failed append; folding them", events=len(tail))
+        self._recent_ids = {one.event_id for one in tail}
+        self._state = statelib.fold(tail, self._state)
+        self._notify(tail)
+        return len(tail)
 
     def reconcile(self) -> int:
         """Queue every live-view truth that is not durable yet; return how many."""

@@ -279,8 +279,8 @@ class LauncherApi:
         )
         resumed = ev.Event(cause=started.event_id, training_resumed=ev.TrainingResumed(world=world))
         try:
-            started, _ = await journal.record(started, resumed)
-        except EventLogError as e:
+            started, _ = await journal.record(started, resumed, wait_s=self._read_timeout_s)
+        except (EventLogError, TimeoutError) as e:
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"recording JobStarted failed: {e}")
         log.info(
             "job registered by a launcher",
@@ -492,9 +492,10 @@ class LauncherApi:
                         operator_action=ev.OperatorAction(
                             action="checkpoint", target=f"step {target}", who=self._who(context)
                         ),
-                    )
+                    ),
+                    wait_s=self._read_timeout_s,
                 )
-            except EventLogError as e:
+            except (EventLogError, TimeoutError) as e:
                 await abort(
                     context, grpc.StatusCode.UNAVAILABLE, f"recording the request failed: {e}"
                 )

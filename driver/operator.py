@@ -284,7 +284,7 @@ class OperatorApi:
             else:
                 evicted = ev.Event(node_evicted=ev.NodeEvicted(node_id=node_id, reason=reason))
                 evicted.cause = action.event_id
-                stored = await journal.record(action, evicted)
+                stored = await journal.record(action, evicted, wait_s=self._read_timeout_s)
         except (EventLogError, TimeoutError) as e:
             await abort(
                 context, grpc.StatusCode.UNAVAILABLE, f"recording the eviction failed: {e!r}; retry"
@@ -500,9 +500,10 @@ class OperatorApi:
                     operator_action=ev.OperatorAction(
                         action="selfcheck", target=",".join(nodes), who=who(context)
                     ),
-                )
+                ),
+                wait_s=self._read_timeout_s,
             )
-        except EventLogError as e:
+        except (EventLogError, TimeoutError) as e:
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"appending the request failed: {e}")
 
         async def one(n: str) -> dpb.NodeSelfCheck:
@@ -555,9 +556,10 @@ class OperatorApi:
                     operator_action=ev.OperatorAction(
                         action="inject", target=node_id, who=who(context)
                     ),
-                )
+                ),
+                wait_s=self._read_timeout_s,
             )
-        except EventLogError as e:
+        except (EventLogError, TimeoutError) as e:
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"appending the request failed: {e}")
         msg = dpb.DriverMessage(
             inject_fault=dpb.InjectFault(

@@ -277,3 +277,29 @@ def test_gone_nodes_are_pruned_from_the_state_but_not_the_world() -> None:
 def _stamped(e: ev.Event, seq: int) -> ev.Event:
     e.seq = seq
     return e
+
+
+class LandsThenFails(InMemoryEventLog):
+    """An append whose outcome the store never confirmed: it landed, the caller got an error."""
+
+    lie = True
+
+    async def append_many(self, events: Iterable[ev.Event]) -> list[ev.Event]:
+        stored = await super().append_many(events)
+        if self.lie:
+            self.lie = False
+            raise LogUnavailableError("etcd at test:0 did not confirm an append")
+        return stored
+
+
+@_sync
+async def test_an_append_that_landed_despite_its_error_is_folded_before_the_next() -> None:
+    store = InMemoryStore()
+    elog = LandsThenFails(store, "job", store.elect("d1"))
+    j = Journal(elog, statelib.initial("job"))
+    with pytest.raises(LogUnavailableError):
+        await j.record(_registered("a"))
+    assert j.state.last_seq == 0  # not folded: the journal does not know it landed
+    (b,) = await j.record(_registered("b"))
+    assert b.seq == 2 and j.state.last_seq == 2
+    assert j.state == await elog.replay()  # "a" was read back and folded first
