@@ -427,4 +427,9 @@ def run(ns: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"unbroken driver: {e}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(cfg))
+    try:
+        return asyncio.run(serve(cfg))
+    except EventLogError as e:  # etcd unreachable, full, or refusing: said once, no traceback
+        log.error("driver stopped", error=str(e))
+        print(f"unbroken driver: {e}", file=sys.stderr)
+        return 1

@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -212,6 +213,11 @@ def run(ns: argparse.Namespace) -> int:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(cfg=cfg, run=run_dir)
+    # SIGTERM (timeout, systemd, CI) and SIGHUP (a closed terminal, a dropped SSH session)
+    # stop the cluster like Ctrl-C does; their default action killed `up` alone and left
+    # etcd, the drivers, the agents and their trainers running as orphans
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     try:
         return asyncio.run(_main(cluster))
     except KeyboardInterrupt:
@@ -220,6 +226,11 @@ def run(ns: argparse.Namespace) -> int:
     finally:
         cluster.stop()
         print(f"stopped every process; logs in {run_dir}/")
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    signal.signal(signum, signal.SIG_IGN)  # one stop; a second signal must not cut it short
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 async def _main(c: Cluster) -> int:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 
 def test_up_trains_drills_and_stops_everything(tmp_path: Path) -> None:
@@ -82,3 +85,54 @@ def test_up_rejects_a_layout_that_does_not_fit() -> None:
     )
     assert out.returncode == 2
     assert "dp × pp × tp" in out.stderr and "--dp/--pp/--tp" in out.stderr
+
+
+def _ours(run_dir: Path, worker_cmd: str, but: int) -> list[int]:
+    """Processes of an `up` run: their flags name the run dir, or they run its trainer."""
+    return [
+        p.info["pid"]
+        for p in psutil.process_iter(["pid", "cmdline"])
+        if p.info["pid"] != but
+        and (
+            str(run_dir) in " ".join(p.info["cmdline"] or [])
+            or worker_cmd in " ".join(p.info["cmdline"] or [])
+        )
+    ]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_stops_the_whole_cluster(tmp_path: Path, sig: signal.Signals) -> None:
+    """`timeout`, systemd and CI send SIGTERM; a closed terminal sends SIGHUP. Either stops
+    etcd, both drivers, the agents and their trainers, as Ctrl-C does (the default action
+    killed `up` alone and left the rest running as orphans)."""
+    run_dir = tmp_path / "run"
+    worker_cmd = "unbroken.trainer.run --preset tiny --dp 2 --pp 1 --tp 1 --steps 99999"
+    argv = (
+        "up --no-live --no-drill --nodes 2 --workers-per-node 1 --dp 2 --pp 1 --tp 1 --steps 99999"
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "unbroken.driver.cli",
+            *argv.split(),
+            "--spares",
+            "0",
+            "--run-dir",
+            str(run_dir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    deadline = time.monotonic() + 180
+    while not (run_dir / "storage").exists():  # a step was saved: everything runs
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.5)
+    assert len(_ours(run_dir, worker_cmd, proc.pid)) >= 5  # etcd, 2 drivers, 2 agents, ...
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    assert "stopped every process" in out
+    assert _ours(run_dir, worker_cmd, proc.pid) == []
