@@ -229,9 +229,17 @@ class EmbeddedEtcd:
         self._wait_healthy()
 
     def _spawn(self) -> None:
+        # The embedded etcd dies with the process (thread) that started it: a SIGKILLed
+        # `unbroken driver` or `unbroken up` left it running as an orphan (ppid 1) that
+        # held its ports and data dir. `setpriv` execs etcd, so the pid stays the same.
+        setpriv = shutil.which("setpriv")
+        prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
-                self._command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                [*prefix, *self._command()],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
 
     def __enter__(self) -> EmbeddedEtcd:
