@@ -79,22 +79,23 @@ def silent(view: LiveView, now: float, slack_s: float = 0.0) -> list[tuple[NodeS
     return out
 
 
+def node_lost(slot: NodeSlot, now: float, reason: str) -> ev.Event:
+    """The NodeLost event of `slot`'s agent, silent since its last heartbeat."""
+    return ev.Event(
+        node_lost=ev.NodeLost(
+            node_id=slot.node_id,
+            epoch=slot.epoch,
+            silent_ms=(now - slot.last_seen) * 1000.0,
+            reason=reason,
+        )
+    )
+
+
 def declare(view: LiveView, lost: list[tuple[NodeSlot, str]], now: float) -> list[ev.Event]:
     """Mark `lost` nodes lost and return their NodeLost events."""
-    out = []
-    for slot, reason in lost:
+    for slot, _ in lost:
         view.mark_lost(slot)
-        out.append(
-            ev.Event(
-                node_lost=ev.NodeLost(
-                    node_id=slot.node_id,
-                    epoch=slot.epoch,
-                    silent_ms=(now - slot.last_seen) * 1000.0,
-                    reason=reason,
-                )
-            )
-        )
-    return out
+    return [node_lost(slot, now, reason) for slot, reason in lost]
 
 
 def expired(view: LiveView, now: float, slack_s: float = 0.0) -> list[ev.Event]:

@@ -285,16 +285,7 @@ class DriverService(dgrpc.DriverServicer):
                 and rec.epoch == slot.epoch
                 and rec.state in (ev.NODE_STATE_ACTIVE, ev.NODE_STATE_SPARE)
             ):
-                out.append(
-                    ev.Event(
-                        node_lost=ev.NodeLost(
-                            node_id=slot.node_id,
-                            epoch=slot.epoch,
-                            silent_ms=(now - slot.last_seen) * 1000.0,
-                            reason="heartbeat timeout",
-                        )
-                    )
-                )
+                out.append(detectors.node_lost(slot, now, "heartbeat timeout"))
             elif now - slot.last_seen > retention and slot.outbox is None:
                 del self.view.nodes[slot.node_id]  # its history stays in the log
         return out
