@@ -168,6 +168,7 @@ class Agent:
         self._write_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._metadata = self._token_md()
+        self.term_seen = 0  # the newest leader term a command came with (older ones dropped)
 
     def _token_md(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.config.token}"),) if self.config.token else ()
@@ -399,7 +400,24 @@ class Agent:
     async def _command(self, call: Any, msg: dpb.DriverMessage) -> None:
         kind = msg.WhichOneof("kind")
         cid = msg.command_id
-        log.info("command", kind=kind, command_id=cid)
+        log.info("command", kind=kind, command_id=cid, term=msg.term)
+        if msg.term < self.term_seen:
+            log.warning(
+                "command of an older leader term dropped", term=msg.term, newest=self.term_seen
+            )
+            with contextlib.suppress(Exception):
+                await self._write(
+                    call,
+                    dpb.AgentMessage(
+                        ack=dpb.CommandAck(
+                            command_id=cid,
+                            ok=False,
+                            detail=f"stale leader term {msg.term} < {self.term_seen}: dropped",
+                        )
+                    ),
+                )
+            return
+        self.term_seen = msg.term
         try:
             if kind == "run_self_check":
                 rep = await self._selfcheck(cid, msg.run_self_check.timeout_s)

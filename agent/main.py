@@ -9,7 +9,6 @@ import signal
 import socket
 import sys
 import tempfile
-from pathlib import Path
 
 from unbroken.agent.daemon import Agent, AgentConfig
 from unbroken.agent.flash import NodeFlashConfig, default_persist_url
@@ -84,8 +83,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", default=None, help="agent certificate (mTLS)")
     parser.add_argument("--tls-key", default=None, help="agent private key (mTLS)")
     parser.add_argument("--tls-ca", default=None, help="CA that signed the driver's cert")
-    parser.add_argument("--token", default=None, help="bearer token for the driver")
-    parser.add_argument("--token-file", default=None, help="file holding the bearer token")
+    parser.add_argument(
+        "--token-file",
+        default=os.environ.get("UNBROKEN_TOKEN_FILE"),
+        help="file holding this node's token (default $UNBROKEN_TOKEN_FILE; or the token itself "
+        "in $UNBROKEN_TOKEN); never on the command line",
+    )
+    parser.add_argument("--token", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--log-format", choices=("console", "json"), default="console")
     parser.add_argument(
         "--worker-nice",
@@ -209,13 +213,15 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
 
 
 def read_token(token: str | None, token_file: str | None) -> str | None:
-    """The bearer token from `--token` or `--token-file` (the file wins)."""
-    if token_file:
-        p = Path(token_file)
-        if not p.is_file():
-            raise ValueError(f"--token-file {token_file!r} does not exist")
-        token = p.read_text().strip()
-    return token or None
+    """The node's bearer token: `--token-file`, else $UNBROKEN_TOKEN (never argv)."""
+    from unbroken.driver.security import read_token as read
+
+    if token is not None:
+        raise ValueError(
+            "--token is gone: a token on the command line is visible to every local user "
+            "(ps). Use --token-file PATH or $UNBROKEN_TOKEN"
+        )
+    return read(os.environ.get("UNBROKEN_TOKEN") or None, token_file)
 
 
 async def _main(cfg: AgentConfig) -> int:

@@ -63,9 +63,7 @@ def principal_of_peercert(cert: dict | None) -> str | None:
     if not cert:
         return None
     sans = cert.get("subjectAltName", ())
-    return principal_of_san(
-        [v for k, v in sans if k == "URI"] + [v for k, v in sans if k == "DNS"]
-    )
+    return principal_of_san([v for k, v in sans if k == "URI"] + [v for k, v in sans if k == "DNS"])
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:
@@ -99,9 +97,15 @@ def make_ca(directory: str | Path, *, name: str = "unbroken-ca", days: int = 365
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                crl_sign=True, encipher_only=False, decipher_only=False,
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
         )
@@ -152,7 +156,9 @@ def issue(
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
         .add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
             critical=False,
         )
         .sign(ca_key, hashes.SHA256())
@@ -171,10 +177,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     ca.add_argument("--dir", required=True, help="folder for the CA files")
     ca.add_argument("--days", type=int, default=3650)
     iss = sub.add_parser("issue", help="issue a certificate for ROLE:NAME signed by the CA")
-    iss.add_argument("principal", help="node:ID, operator:NAME, launcher:NAME, driver:NAME, viewer:NAME")
+    iss.add_argument(
+        "principal", help="node:ID, operator:NAME, launcher:NAME, driver:NAME, viewer:NAME"
+    )
     iss.add_argument("--dir", required=True, help="folder holding ca.pem and ca.key")
     iss.add_argument(
-        "--host", action="append", default=None,
+        "--host",
+        action="append",
+        default=None,
         help="a DNS name or IP the holder serves on (repeat; default localhost and 127.0.0.1)",
     )
     iss.add_argument("--days", type=int, default=365)

@@ -32,7 +32,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "checkpoints": ("unbroken.driver.cli_checkpoints", "committed checkpoints; --request one now"),
     "selfcheck": ("unbroken.driver.cli_selfcheck", "run the node self-checks; exit 1 if one fails"),
     "inject": ("unbroken.driver.cli_inject", "inject a simulated fault into a node (drills)"),
-    "certs": ("unbroken.driver.certs", "a CA and per-principal certificates (node:ID, operator:NAME)"),
+    "certs": (
+        "unbroken.driver.certs",
+        "a CA and per-principal certificates (node:ID, operator:NAME)",
+    ),
 }
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130

@@ -116,6 +116,7 @@ def shards_text(c: dpb.CheckpointInfo) -> str:
 def print_list(resp: dpb.ListCheckpointsResponse) -> None:
     """The two tables: committed checkpoints, then flash copies by node."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -129,8 +130,8 @@ def print_list(resp: dpb.ListCheckpointsResponse) -> None:
             when(c.wall_time_unix_ns),
             str(c.ranks or "?"),
             human_bytes(c.bytes),
-            c.uri,
-            shards_text(c),
+            escape(c.uri),
+            escape(shards_text(c)),
         )
     if not resp.checkpoints:
         console.print("no checkpoint committed yet")
@@ -141,7 +142,7 @@ def print_list(resp: dpb.ListCheckpointsResponse) -> None:
         n.add_column(col, justify="left" if col in ("node", "ranks") else "right")
     for x in resp.nodes:
         n.add_row(
-            x.node_id,
+            escape(x.node_id),
             str(x.persisted_step) if x.persisted_step or x.ranks else "-",
             ",".join(map(str, x.ranks)) or "-",
             str(x.live_step),

@@ -45,6 +45,7 @@ def run(ns: argparse.Namespace) -> int:
         cfg: ClientConfig, stub: dgrpc.DriverStub, md: tuple[tuple[str, str], ...]
     ) -> int:
         from rich.console import Console
+        from rich.markup import escape
         from rich.progress import Progress, TaskID
 
         err = Console(stderr=True, highlight=False)
@@ -61,7 +62,9 @@ def run(ns: argparse.Namespace) -> int:
                     paused = f"; paused training on {', '.join(s.paused_nodes)}" * bool(
                         s.paused_nodes
                     )
-                    err.print(f"diagnosis {s.diagnosis_id} of {', '.join(s.node_ids)}{paused}")
+                    err.print(
+                        escape(f"diagnosis {s.diagnosis_id} of {', '.join(s.node_ids)}{paused}")
+                    )
                 elif kind == "progress":
                     p = msg.progress
                     if p.round not in bars:
@@ -69,7 +72,7 @@ def run(ns: argparse.Namespace) -> int:
                     progress.update(bars[p.round], total=p.groups_total, completed=p.groups_done)
                 elif kind == "round":
                     if not ns.json:
-                        progress.console.print(_round_line(msg.round))
+                        progress.console.print(escape(_round_line(msg.round)))
                 elif kind == "verdict":
                     verdict = msg.verdict
         if verdict is None:
@@ -79,14 +82,15 @@ def run(ns: argparse.Namespace) -> int:
             print_json(to_dict(verdict))
             return 0
         from rich.console import Console as Out
+        from rich.markup import escape
         from rich.table import Table
 
         t = Table(title=f"verdict of diagnosis {verdict.diagnosis_id}", show_header=False)
         t.add_column("what", style="bold")
         t.add_column("nodes")
-        t.add_row("bad", ", ".join(verdict.bad_nodes) or "none")
-        t.add_row("slow", ", ".join(verdict.slow_nodes) or "none")
-        t.add_row("confirmed directly", ", ".join(verdict.confirmed_directly) or "-")
+        t.add_row("bad", escape(", ".join(verdict.bad_nodes) or "none"))
+        t.add_row("slow", escape(", ".join(verdict.slow_nodes) or "none"))
+        t.add_row("confirmed directly", escape(", ".join(verdict.confirmed_directly) or "-"))
         t.add_row("rounds / checks", f"{verdict.rounds} / {verdict.checks}")
         t.add_row("wall", f"{verdict.wall_s:.1f} s")
         Out().print(t)

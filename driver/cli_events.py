@@ -43,6 +43,7 @@ def run(ns: argparse.Namespace) -> int:
         cfg: ClientConfig, stub: dgrpc.DriverStub, md: tuple[tuple[str, str], ...]
     ) -> int:
         from rich.console import Console
+        from rich.markup import escape
 
         console = Console(highlight=False)
         req = dpb.WatchEventsRequest(since_seq=ns.since, follow=ns.follow)
@@ -56,7 +57,7 @@ def run(ns: argparse.Namespace) -> int:
             when = dt.datetime.fromtimestamp(e.wall_time_unix_ns / 1e9, dt.UTC)
             console.print(
                 f"{e.seq:>6} {when:%H:%M:%S.%f}"[:-3]
-                + f" [bold]{e.WhichOneof('payload')}[/] {summary(e)}",
+                + f" [bold]{e.WhichOneof('payload')}[/] {escape(summary(e))}",  # data: no markup
                 soft_wrap=True,
             )
         return 0

@@ -36,6 +36,7 @@ def run(ns: argparse.Namespace) -> int:
             print_json(out)
             return 0
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
 
         t = Table(title=f"{len(resp.nodes)} nodes", title_justify="left")
@@ -47,11 +48,11 @@ def run(ns: argparse.Namespace) -> int:
             # processes another launcher started, attached through the hooks SDK
             extra = f" + {len(n.attached)} attached" if n.attached else ""
             t.add_row(
-                n.node_id,
+                escape(n.node_id),
                 state_name(n.state) + (" (spare)" if n.spare and n.state != 2 else ""),
                 "[green]yes[/]" if n.alive else "[red]no[/]",
-                n.hostname,
-                n.ip,
+                escape(n.hostname),
+                escape(n.ip),
                 f"{running}/{n.num_workers}{extra}",
                 str(n.step),
                 f"{n.silent_ms:.0f}",

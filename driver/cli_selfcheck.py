@@ -68,6 +68,7 @@ def run(ns: argparse.Namespace) -> int:
             print_json(out)
             return 1 if failed else 0
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
 
         t = Table(title=f"self-checks of {len(resp.results)} node(s)", title_justify="left")
@@ -78,10 +79,10 @@ def run(ns: argparse.Namespace) -> int:
             passed = sum(bool(i.get("ok")) and not i.get("skipped") for i in items)
             skipped = sum(bool(i.get("skipped")) for i in items)
             t.add_row(
-                r.node_id,
+                escape(r.node_id),
                 "[green]ok[/]" if r.ok else "[red]FAILED[/]",
                 f"{passed} passed, {skipped} skipped" if items else "-",
-                "; ".join([*r.failures, *([r.error] if r.error else [])]) or "",
+                escape("; ".join([*r.failures, *([r.error] if r.error else [])])),
             )
         Console().print(t)
         if failed:

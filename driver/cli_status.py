@@ -33,6 +33,7 @@ def run(ns: argparse.Namespace) -> int:
             print_json(data)
             return 0
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
 
         t = Table(title=f"job {st.job_id}", show_header=False, title_justify="left")
@@ -45,10 +46,16 @@ def run(ns: argparse.Namespace) -> int:
             f"{st.nodes_total} total: {st.nodes_active} active, {st.nodes_spare} spare, "
             f"{st.nodes_lost} lost, {st.nodes_evicted} evicted; {st.nodes_alive} alive now",
         )
-        t.add_row("leader", f"{st.driver_id} at {st.leader_address or '?'} (term {st.leader_term})")
+        t.add_row(
+            "leader",
+            escape(f"{st.driver_id} at {st.leader_address or '?'} (term {st.leader_term})"),
+        )
         t.add_row("last event", f"seq {st.last_seq}")
-        t.add_row("incident", st.incident_id or "none")
-        t.add_row("diagnosis", st.diagnosis_running or f"last: {st.last_diagnosis_id or 'none'}")
+        t.add_row("incident", escape(st.incident_id or "none"))
+        t.add_row(
+            "diagnosis",
+            escape(st.diagnosis_running or f"last: {st.last_diagnosis_id or 'none'}"),
+        )
         Console().print(t)
         return 0
 

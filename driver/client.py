@@ -30,6 +30,8 @@ from unbroken.proto import channel
 from unbroken.proto import driver_pb2_grpc as dgrpc
 
 DRIVER_ENV = "UNBROKEN_DRIVER"
+TOKEN_ENV = "UNBROKEN_TOKEN"  # the token itself
+TOKEN_FILE_ENV = "UNBROKEN_TOKEN_FILE"  # a file holding it
 DEFAULT_DRIVER = "127.0.0.1:50051"
 
 
@@ -70,8 +72,13 @@ def add_client_flags(parser: argparse.ArgumentParser, *, json_flag: bool = True)
     parser.add_argument(
         "--timeout", type=float, default=10.0, help="deadline per call in seconds (default 10)"
     )
-    parser.add_argument("--token", default=None, help="bearer token for the driver")
-    parser.add_argument("--token-file", default=None, help="file holding the bearer token")
+    parser.add_argument(
+        "--token-file",
+        default=os.environ.get(TOKEN_FILE_ENV),
+        help=f"file holding this client's role token (default ${TOKEN_FILE_ENV}; or the token "
+        f"itself in ${TOKEN_ENV}); tokens are never taken from the command line",
+    )
+    parser.add_argument("--token", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tls-cert", default=None, help="client certificate (mTLS)")
     parser.add_argument("--tls-key", default=None, help="client private key (mTLS)")
     parser.add_argument("--tls-ca", default=None, help="CA that signed the driver's cert")
@@ -82,10 +89,15 @@ def add_client_flags(parser: argparse.ArgumentParser, *, json_flag: bool = True)
 def config_from_args(ns: argparse.Namespace) -> ClientConfig:
     """A `ClientConfig` from parsed flags (CliError with exit code 2 on bad input)."""
     try:
+        if ns.token is not None:
+            raise ValueError(
+                "--token is gone: a token on the command line is visible to every local user "
+                f"(ps). Use --token-file PATH or ${TOKEN_ENV}"
+            )
         return ClientConfig(
             driver=ns.driver,
             timeout_s=ns.timeout,
-            token=read_token(ns.token, ns.token_file),
+            token=read_token(os.environ.get(TOKEN_ENV) or None, ns.token_file),
             tls=TlsConfig(cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca),
         )
     except ValueError as e:
@@ -123,9 +135,11 @@ def explain(e: grpc.aio.AioRpcError, cfg: ClientConfig) -> CliError:
         )
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return CliError(
-            f"the driver refused the credentials: {details} (--token/--token-file, --tls-*)",
+            f"the driver refused the credentials: {details} (--token-file, ${TOKEN_ENV}, --tls-*)",
             EXIT_USAGE,
         )
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return CliError(f"not allowed: {details}", EXIT_USAGE)
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
         return CliError(details, EXIT_USAGE)
     return CliError(f"{details} ({code.name})", EXIT_FAILED)

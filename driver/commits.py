@@ -27,6 +27,7 @@ log = structlog.get_logger(__name__)
 
 MAX_WORLDS = 4  # world sizes tracked at once; the least recently reported is forgotten
 MAX_RANKS = 1 << 20
+MAX_OWNERS = 1 << 20  # (world size, rank) owners remembered
 
 
 class Commits:
@@ -44,6 +45,18 @@ class Commits:
         self.timeline = 0
         # node -> global rank -> the step of its newest verified shard (ListCheckpoints)
         self.by_node: dict[str, dict[int, int]] = {}
+        # (world size, rank) -> the node that first reported it (worlds we did not lay out)
+        self._owners: dict[tuple[int, int], str] = {}
+
+    def claim(self, node_id: str, world_size: int, rank: int) -> str:
+        """Bind a rank of a world to the first node that reports it; why not ("" if ok)."""
+        owner = self._owners.setdefault((world_size, rank), node_id)
+        if len(self._owners) > MAX_OWNERS:
+            self._owners.clear()
+            self._owners[(world_size, rank)] = owner
+        if owner != node_id:
+            return f"rank {rank} of world {world_size} is node {owner!r}'s"
+        return ""
 
     def record(self, node_id: str, msg: dpb.ShardPersisted) -> ev.Event | None:
         """Record one agent's verified-shard report.

@@ -20,9 +20,13 @@ event log incrementally (only events newer than the last read, at most once per
 Roles: the leader serves its live view and its log. A standby serves the page too, marked
 "standby": its job state is replayed read-only from etcd (nodes, events, checkpoints), but
 it has no heartbeats (agents talk to the leader only), so it shows no live curves and
-names the leader's gRPC address. Auth: when the driver runs with a bearer token, the page
-and the API require it (`Authorization: Bearer <token>` or `?token=<token>`); the static
-assets (code, no data) and `/healthz` are open.
+names the leader's gRPC address. Auth: when the driver runs with role tokens, the page and
+the API require a *viewer* token (`--token-file viewer=PATH`; `Authorization: Bearer
+<token>` or `?token=<token>`), never the control tokens of operators or nodes; the static
+assets (code, no data) and `/healthz` are open. The dashboard binds loopback by default.
+
+Connections are capped; at the cap, the connection idle longest (waiting for a request) is
+closed to make room, so idle sockets cannot lock operators out.
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ import asyncio
 import collections
 import contextlib
 import heapq
-import hmac
 import json
 import math
 import statistics
@@ -49,6 +52,7 @@ from unbroken.driver import state as statelib
 from unbroken.driver.eventlog import EventLog, EventLogError
 from unbroken.driver.journal import Journal
 from unbroken.driver.liveview import LiveView, NodeSlot
+from unbroken.driver.security import RoleTokens
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 
@@ -91,7 +95,9 @@ class DashboardConfig:
 
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port
-    token: str | None = None  # the driver's bearer token; None: open
+    # The driver's role tokens: the dashboard accepts the viewer role's only (read-only; an
+    # operator's or a node's token is refused here). None: open (a driver without tokens).
+    tokens: RoleTokens | None = None
     sample_ms: int = 500  # how often the live view is sampled into the rings
     points: int = 600  # loss / step-time points kept
     columns: int = 60  # heatmap columns kept (one per sample)
@@ -447,6 +453,7 @@ class Dashboard:
         self.series = Series(config.points, config.columns, config.max_ranks)
         self.port = 0
         self.requests = 0
+        self.evicted_idle = 0  # idle connections closed to make room at the cap
         self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=config.events)
         self._state: ev.JobState | None = None
         self._source: EventLog | None = None
@@ -458,6 +465,8 @@ class Dashboard:
         self._server: asyncio.Server | None = None
         self._sampler: asyncio.Task[None] | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        # connections waiting for a request head -> since when (the first to close at the cap)
+        self._idle: dict[asyncio.StreamWriter, float] = {}
         self._static = {name: (WEB_DIR / name).read_bytes() for name in STATIC_TYPES}
         self._index = (WEB_DIR / "index.html").read_bytes()
 
@@ -617,7 +626,13 @@ class Dashboard:
 
     # ------------------------------------------------------------ HTTP
     async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._conns >= self.config.max_connections:
+        full = self._conns >= self.config.max_connections
+        if full and self._idle:
+            oldest = min(self._idle, key=self._idle.__getitem__)
+            self._idle.pop(oldest)
+            oldest.close()  # its task ends (and frees its place) on its next read
+            self.evicted_idle += 1
+        elif full:
             with contextlib.suppress(ConnectionError):
                 writer.write(
                     response_bytes(
@@ -631,14 +646,17 @@ class Dashboard:
         self._writers.add(writer)
         try:
             for _ in range(MAX_REQUESTS_PER_CONN):
+                self._idle[writer] = time.monotonic()
                 try:
                     head = await asyncio.wait_for(
                         reader.readuntil(b"\r\n\r\n"), self.config.idle_timeout_s
                     )
                 except asyncio.IncompleteReadError:
-                    return  # the client closed the connection
+                    return  # the client closed the connection (or we closed it at the cap)
                 except asyncio.LimitOverrunError:
                     raise HttpError(431, f"request head larger than {MAX_HEAD} bytes") from None
+                finally:
+                    self._idle.pop(writer, None)
                 req = parse_head(head[:-4])
                 status, ctype, body, extra = await self._route(req)
                 writer.write(
@@ -669,11 +687,12 @@ class Dashboard:
         finally:
             self._conns -= 1
             self._writers.discard(writer)
+            self._idle.pop(writer, None)
             writer.close()
 
     def _authorized(self, req: Request) -> bool:
-        token = self.config.token
-        if not token:
+        tokens = self.config.tokens
+        if not tokens:
             return True
         given = ""
         auth = req.headers.get("authorization", "")
@@ -681,7 +700,8 @@ class Dashboard:
             given = auth[7:].strip()
         elif req.query.get("token"):
             given = req.query["token"][0]
-        return hmac.compare_digest(given.encode(), token.encode())
+        who = tokens.principal(given.encode()) if given else None
+        return who is not None and who.role == "viewer"
 
     async def _route(self, req: Request) -> tuple[int, str, bytes, tuple[tuple[str, str], ...]]:
         self.requests += 1
@@ -705,8 +725,9 @@ class Dashboard:
             )
         if not self._authorized(req):
             msg = (
-                "this driver requires its bearer token: open /?token=<token> or send "
-                "'Authorization: Bearer <token>' (the driver's --token / --token-file)\n"
+                "this dashboard requires a viewer token (read-only; the driver's "
+                "--token-file viewer=PATH): open /?token=<token> or send "
+                "'Authorization: Bearer <token>'\n"
             )
             return 401, "text/plain; charset=utf-8", msg.encode(), (("WWW-Authenticate", "Bearer"),)
         if path == "/api/state":

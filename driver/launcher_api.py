@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import posixpath
 import re
 import time
 from typing import TYPE_CHECKING
@@ -155,6 +156,33 @@ class PrunedError(Exception):
     """The step's directory is gone while the storage root is there: retention removed it."""
 
 
+def outside_roots(uri: str, roots: tuple[str, ...]) -> str:
+    """Why the driver will not open `uri` ("" when it may): only under the configured
+    persist roots, or, with none configured, only local paths (an agent-reported URI must
+    not make the driver connect anywhere)."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep:
+        scheme, rest = "file", uri
+    path = posixpath.normpath(rest) if scheme == "file" else rest
+    if ".." in path.split("/"):
+        return f"{uri[:200]!r} climbs out of its folder ('..'): not listed"
+    if not roots:
+        if scheme != "file":
+            return (
+                f"{uri[:200]!r} is not a local path and the driver has no --persist-root: "
+                "shards not listed"
+            )
+        return ""
+    for root in roots:
+        r_scheme, r_sep, r_rest = root.partition("://")
+        if not r_sep:
+            r_scheme, r_rest = "file", root
+        r_path = posixpath.normpath(r_rest) if r_scheme == "file" else r_rest.rstrip("/")
+        if r_scheme == scheme and (path == r_path or path.startswith(r_path.rstrip("/") + "/")):
+            return ""
+    return f"{uri[:200]!r} is outside the driver's --persist-root: shards not listed"
+
+
 def list_shards(uri: str) -> list[dpb.ShardInfo]:
     """Every rank's shard file in a step directory (blocking: run it in a thread).
 
@@ -215,6 +243,7 @@ class LauncherApi:
         self.commits = commits
         self._read_timeout_s = config.read_timeout_s
         self._diagnose_config = config.diagnose
+        self._persist_roots = config.persist_roots
         self._register_job_lock = asyncio.Lock()  # RegisterJob's check-then-record
 
     @property
@@ -398,6 +427,10 @@ class LauncherApi:
                 info.ranks = one.checkpoint_committed.ranks
                 info.checksum = one.checkpoint_committed.checksum
             if request.skip_shards:
+                continue
+            outside = outside_roots(rec.uri, self._persist_roots)
+            if outside:
+                info.shards_error = outside
                 continue
             try:
                 shards = await asyncio.wait_for(

@@ -69,6 +69,7 @@ class NodeSlot:
         "last_step",
         "node_id",
         "outbox",
+        "peer_host",
         "reported_exits",
         "session",
     )
@@ -77,6 +78,7 @@ class NodeSlot:
         self.node_id = node_id
         self.epoch = 0
         self.info = dpb.RegisterRequest()
+        self.peer_host = ""  # the address the registration came from (transport, not claimed)
         self.last_seen = 0.0  # time.monotonic() of the last heartbeat (or registration)
         self.hb = dpb.Heartbeat()
         self.heartbeats = 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import json
 import os
 import signal
@@ -33,7 +34,7 @@ from unbroken.driver.liveview import LiveViewConfig
 from unbroken.driver.loop import LoopConfig, RecoveryLoop, timeline
 from unbroken.driver.machine import Policy
 from unbroken.driver.rendezvous import RendezvousService
-from unbroken.driver.security import TlsConfig, read_token
+from unbroken.driver.security import RoleTokens, TlsConfig
 from unbroken.driver.service import DriverService, ServiceConfig, build_server
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
@@ -51,10 +52,13 @@ class DriverConfig:
 
     job_id: str = "default"
     driver_id: str = ""
-    listen: str = "0.0.0.0:50051"
+    listen: str = "127.0.0.1:50051"
     advertise: str = ""  # host:port agents should use; default: hostname + bound port
     metrics_port: int | None = None  # None: no metrics endpoint; 0: a free port
     dashboard_port: int | None = None  # None: no web dashboard; 0: a free port
+    dashboard_host: str = "127.0.0.1"
+    metrics_host: str = "127.0.0.1"
+    insecure: bool = False  # listen beyond loopback without TLS or tokens (says so loudly)
     event_log: str = "etcd"
     etcd: EtcdConfig = field(default_factory=EtcdConfig)
     service: ServiceConfig = field(default_factory=ServiceConfig)
@@ -75,8 +79,33 @@ class DriverConfig:
             raise ValueError(f"dashboard_port must be in [0, 65535], got {self.dashboard_port}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        svc = self.service
+        if not (svc.tls.enabled or svc.tokens) and not self.insecure:
+            for what, host in (("--listen", self.listen.rsplit(":", 1)[0]),) + (
+                (("--dashboard-host", self.dashboard_host),)
+                if self.dashboard_port is not None
+                else ()
+            ):
+                if not is_loopback(host):
+                    raise ValueError(
+                        f"{what} {host} is not a loopback address and the driver has no "
+                        "credentials: anyone who reaches it could evict nodes and read the job. "
+                        "Give it certificates (--tls-cert/--tls-key/--tls-ca) or role tokens "
+                        "(--token-file ROLE=PATH), or pass --insecure to run open anyway"
+                    )
         if not self.driver_id:
             self.driver_id = f"driver-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an IP or a name) is a loopback address."""
+    h = host.strip("[]")
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -85,8 +114,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--driver-id", default="", help="this driver's id (default: random)")
     parser.add_argument(
         "--listen",
-        default="0.0.0.0:50051",
-        help="gRPC listen address host:port (port 0 picks a free one)",
+        default="127.0.0.1:50051",
+        help="gRPC listen address host:port (port 0 picks a free one; a non-loopback host "
+        "needs --tls-* or --token-file, or --insecure)",
     )
     parser.add_argument("--advertise", default="", help="address agents should use")
     parser.add_argument(
@@ -120,17 +150,50 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="Prometheus HTTP port (0: a free one; default: off)",
     )
     parser.add_argument(
+        "--metrics-host", default="127.0.0.1", help="Prometheus endpoint host (default loopback)"
+    )
+    parser.add_argument(
         "--dashboard-port",
         type=int,
         default=None,
-        help="web dashboard HTTP port on the --listen host (0: a free one; default: off)",
+        help="web dashboard HTTP port (0: a free one; default: off)",
+    )
+    parser.add_argument(
+        "--dashboard-host",
+        default="127.0.0.1",
+        help="web dashboard host (default loopback; it accepts viewer tokens only)",
     )
     parser.add_argument("--reflection", action="store_true", help="enable gRPC reflection")
     parser.add_argument("--tls-cert", default=None, help="server certificate (mTLS)")
     parser.add_argument("--tls-key", default=None, help="server private key (mTLS)")
     parser.add_argument("--tls-ca", default=None, help="CA that signs agent certificates")
-    parser.add_argument("--token", default=None, help="bearer token agents must present")
-    parser.add_argument("--token-file", default=None, help="file holding the bearer token")
+    parser.add_argument(
+        "--token-file",
+        action="append",
+        default=[],
+        metavar="ROLE=PATH",
+        help="accepted bearer tokens of ROLE (node, operator, launcher, viewer, driver), one "
+        "per line, optionally followed by the one name it may act as; repeat per role",
+    )
+    parser.add_argument("--token", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --listen or --dashboard-host without TLS or tokens",
+    )
+    parser.add_argument(
+        "--persist-root",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="storage root the agents persist to; ListCheckpoints reads shards only under it "
+        "(repeat; default: local paths only)",
+    )
+    parser.add_argument(
+        "--allow-fault-injection",
+        action="store_true",
+        help="accept InjectFault from operators (drills; `unbroken up` sets it)",
+    )
     parser.add_argument(
         "--event-log",
         choices=("etcd", "memory"),
@@ -169,8 +232,15 @@ def config_from_args(ns: argparse.Namespace) -> DriverConfig:
         detectors=detectors.DetectorConfig(hang_k=ns.hang_k, hang_floor_ms=ns.hang_floor_ms),
         reflection=ns.reflection,
         tls=TlsConfig(cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca),
-        token=read_token(ns.token, ns.token_file),
+        tokens=RoleTokens.from_files(ns.token_file) if ns.token_file else None,
+        allow_fault_injection=ns.allow_fault_injection,
+        persist_roots=tuple(ns.persist_root),
     )
+    if ns.token is not None:
+        raise ValueError(
+            "--token is gone: a token on the command line is visible to every local user "
+            "(ps). Put the tokens in files, one per role: --token-file node=PATH"
+        )
     return DriverConfig(
         job_id=ns.job_id,
         driver_id=ns.driver_id,
@@ -178,6 +248,9 @@ def config_from_args(ns: argparse.Namespace) -> DriverConfig:
         advertise=ns.advertise,
         metrics_port=ns.metrics_port,
         dashboard_port=ns.dashboard_port,
+        dashboard_host=ns.dashboard_host,
+        metrics_host=ns.metrics_host,
+        insecure=ns.insecure,
         event_log=ns.event_log,
         etcd=_etcd_config(ns),
         service=service,
@@ -215,11 +288,19 @@ async def serve(cfg: DriverConfig) -> int:
     advertise = cfg.advertise or (
         f"{host if host not in ('0.0.0.0', '[::]', '') else socket.gethostname()}:{port}"
     )
-    metrics_port = service.metrics.serve(cfg.metrics_port) if cfg.metrics_port is not None else 0
+    if cfg.insecure and not (cfg.service.tls.enabled or cfg.service.tokens):
+        log.warning(
+            "INSECURE: no TLS and no tokens; every caller may do everything", listen=cfg.listen
+        )
+    metrics_port = (
+        service.metrics.serve(cfg.metrics_port, cfg.metrics_host)
+        if cfg.metrics_port is not None
+        else 0
+    )
     dashboard: Dashboard | None = None
     if cfg.dashboard_port is not None:
         dash_cfg = DashboardConfig(
-            host=host.strip("[]") or "0.0.0.0", port=cfg.dashboard_port, token=cfg.service.token
+            host=cfg.dashboard_host, port=cfg.dashboard_port, tokens=cfg.service.tokens
         )
         dashboard = Dashboard(dash_cfg, service)
         await dashboard.start()

@@ -31,6 +31,7 @@ from unbroken.driver.journal import Journal
 from unbroken.driver.leadership import Commands, Leadership
 from unbroken.driver.liveview import LiveView
 from unbroken.driver.rpc import abort
+from unbroken.driver.security import ANONYMOUS, caller
 from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
@@ -51,11 +52,19 @@ MAX_DETAILS_JSON = 8000  # self-check details kept in the event
 
 
 def who(context: grpc.aio.ServicerContext) -> str:
-    """The operator behind a call: the CLI's user metadata, else the peer address."""
-    for k, v in context.invocation_metadata() or ():
-        if k == USER_KEY:
-            return str(v)[:128]
-    return str(context.peer())[:128]
+    """Who made a call, for the audit trail: the authenticated principal.
+
+    Without credentials configured (`*:anonymous`), the client's own claim (the CLI's
+    user@host metadata, else the peer address) follows it, marked as a claim.
+    """
+    p = caller()
+    if p is not ANONYMOUS:
+        return str(p)
+    claim = next(
+        (str(v) for k, v in context.invocation_metadata() or () if k == USER_KEY),
+        str(context.peer()),
+    )
+    return f"{p} (claims {claim[:100]})"
 
 
 def node_infos(state: ev.JobState, view: LiveView, now: float) -> list[dpb.NodeInfo]:
@@ -125,6 +134,7 @@ class OperatorApi:
         self._read_timeout_s = config.read_timeout_s
         self._max_watchers = config.max_watchers
         self._diagnose_config = config.diagnose
+        self._allow_fault_injection = config.allow_fault_injection
         self.watchers = 0  # WatchEvents calls streaming now
         self.diagnosis_running = ""  # id of the operator's diagnosis in progress
         self._diagnosis_task: asyncio.Task[None] | None = None
@@ -534,6 +544,13 @@ class OperatorApi:
     async def InjectFault(
         self, request: dpb.InjectFaultRequest, context: grpc.aio.ServicerContext
     ) -> dpb.InjectFaultResponse:
+        if not self._allow_fault_injection:
+            await abort(
+                context,
+                grpc.StatusCode.PERMISSION_DENIED,
+                "fault injection is off on this driver: start it with --allow-fault-injection "
+                "(`unbroken up` does) to run drills",
+            )
         journal = await self._journal(context)
         try:
             f = RuntimeFault.of(request.kind, request.local_rank, request.factor, request.step)

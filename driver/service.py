@@ -45,7 +45,13 @@ from unbroken.driver.liveview import LiveView, LiveViewConfig, NodeSlot
 from unbroken.driver.metrics import DriverMetrics
 from unbroken.driver.operator import OperatorApi
 from unbroken.driver.rpc import abort
-from unbroken.driver.security import TlsConfig, TokenInterceptor, server_credentials
+from unbroken.driver.security import (
+    AuthInterceptor,
+    RoleTokens,
+    TlsConfig,
+    caller,
+    server_credentials,
+)
 from unbroken.driver.sessions import Sessions
 from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
@@ -73,7 +79,10 @@ class ServiceConfig:
     max_message_bytes: int = channel.MAX_MESSAGE_BYTES
     reflection: bool = False
     tls: TlsConfig = field(default_factory=TlsConfig)
-    token: str | None = None
+    tokens: RoleTokens | None = None  # accepted bearer tokens by role (driver/security.py)
+    allow_fault_injection: bool = False  # InjectFault is refused unless set (drills, `up`)
+    # where ListCheckpoints may read shards (URLs or paths); empty: local paths only
+    persist_roots: tuple[str, ...] = ()
     diagnose: DriverDiagnoseConfig = field(default_factory=DriverDiagnoseConfig)
     read_timeout_s: float = 10.0  # deadline of event-log reads behind operator calls
     max_watchers: int = 64  # WatchEvents calls streaming at once
@@ -153,7 +162,11 @@ class DriverService(dgrpc.DriverServicer):
         self.metrics = DriverMetrics(self._metric_values)
         self.metrics.watch(self.view, self.listeners, time.monotonic)
         self._tasks: list[asyncio.Task[None]] = []
-        self.sessions = Sessions(self.view, driver_id)
+        self.sessions = Sessions(
+            self.view,
+            driver_id,
+            term=lambda: self.journal.state.leader_term if self.journal is not None else 0,
+        )
         self._mass_since = 0.0  # monotonic time a mass silence was first held back
         self.stopping = asyncio.Event()
         self.operators = OperatorApi(self.leadership, self, config)
@@ -444,6 +457,14 @@ class DriverService(dgrpc.DriverServicer):
         problem = detectors.validate_register(request)
         if problem:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+        who = caller()
+        if not who.is_node(request.node_id):
+            await abort(
+                context,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{who} may not register as node {request.node_id!r}: a node registers only "
+                "under its own id (the node:<id> of its certificate or named token)",
+            )
         journal = self.journal
         if journal is not None and journal.pending() >= self.config.register_backlog:
             await abort(
@@ -469,6 +490,7 @@ class DriverService(dgrpc.DriverServicer):
                 slot.hb = dpb.Heartbeat()
             slot.epoch = request.epoch
             slot.info = request
+            slot.peer_host = peer_host(context.peer())
             self.emit(event)
             log.info(
                 "node registered",
@@ -494,6 +516,13 @@ class DriverService(dgrpc.DriverServicer):
                 node_id = str(v)
             elif k == channel.EPOCH_KEY:
                 epoch = int(v) if str(v).isdigit() else -1
+        who = caller()
+        if not who.is_node(node_id):
+            await abort(
+                context,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{who} may not open a session as node {node_id[:128]!r}",
+            )
         slot = self.view.nodes.get(node_id)
         if slot is None or slot.epoch != epoch or not slot.alive:
             await abort(
@@ -562,11 +591,37 @@ class DriverService(dgrpc.DriverServicer):
                     delivery.add((mono_ns() - hb.sent_mono_ns) / 1e6)
                 handler.add((perf() - t0) / 1e3)
             elif msg.WhichOneof("kind") == "shard_persisted":
+                problem = self._not_its_shard(slot.node_id, msg.shard_persisted)
+                if problem:
+                    self.commits.ignored += 1
+                    log.warning("shard report refused", node=slot.node_id, problem=problem)
+                    continue
                 commit = self.commits.record(slot.node_id, msg.shard_persisted)
                 if commit is not None:
                     self.emit(commit)
             else:
                 self._on_reply(slot, msg)
+
+    def _not_its_shard(self, node_id: str, msg: dpb.ShardPersisted) -> str:
+        """Why `node_id` may not report this shard ("" when it may).
+
+        A node reports only its own ranks of the current world: in a world the driver laid
+        out, ranks [i * workers_per_node, (i + 1) * workers_per_node) of the i-th node; in a
+        world an outside launcher owns (torchrun), a rank belongs to the first node that
+        reported it at that world size.
+        """
+        journal = self.journal
+        world = journal.state.world if journal is not None else None
+        if world is not None and node_id in world.node_ids and world.workers_per_node:
+            wpn = world.workers_per_node
+            size = len(world.node_ids) * wpn
+            if msg.world_size != size:
+                return f"world size {msg.world_size} is not the current world's {size}"
+            first = list(world.node_ids).index(node_id) * wpn
+            if not first <= msg.rank < first + wpn:
+                return f"rank {msg.rank} is not one of its ranks [{first}, {first + wpn})"
+            return ""
+        return self.commits.claim(node_id, msg.world_size, msg.rank)
 
     def _on_appended(self, event: ev.Event) -> None:
         """Bookkeeping that follows the log: a rollback reopens the steps after it."""
@@ -704,6 +759,16 @@ class DriverService(dgrpc.DriverServicer):
         }
 
 
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string (`ipv4:10.0.0.5:4242`, `ipv6:[::1]:4242`); "" else."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return rest.rpartition(":")[0]
+    if kind == "ipv6":
+        return rest.rpartition(":")[0].strip("[]")
+    return ""
+
+
 def _kind(item: Any) -> str:
     return str(item.WhichOneof("payload")) if isinstance(item, ev.Event) else type(item).__name__
 
@@ -718,7 +783,11 @@ async def build_server(
         servicer (set NOT_SERVING when stepping down).
     """
     cfg = service.config
-    interceptors = [TokenInterceptor(cfg.token)] if cfg.token else []
+    # without any credential every caller is `*:anonymous` (the CALLER default): no
+    # interceptor, no cost; main.py refuses that beyond loopback unless --insecure
+    interceptors = (
+        [AuthInterceptor(cfg.tokens, tls=cfg.tls.enabled)] if cfg.tokens or cfg.tls.enabled else []
+    )
     options = [
         *channel.SERVER_OPTIONS,
         ("grpc.max_receive_message_length", cfg.max_message_bytes),

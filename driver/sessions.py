@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import uuid
+from collections.abc import Callable
 
 import grpc
 import structlog
@@ -39,13 +40,14 @@ class Ending:
 class Sessions:
     """Open sessions by node, their outboxes (in the live view's slots) and pending replies."""
 
-    def __init__(self, view: LiveView, driver_id: str) -> None:
+    def __init__(self, view: LiveView, driver_id: str, term: Callable[[], int] = lambda: 0) -> None:
         self.view = view
         self.driver_id = driver_id
         self.dropped_commands = 0
         self._open: dict[str, Ending] = {}
         self._replies: dict[str, asyncio.Future[dpb.AgentMessage]] = {}
         self._ids = itertools.count(1)
+        self._term = term  # the leader term stamped on every command
 
     def opened(self, node_id: str) -> Ending:
         """A new session of `node_id` began; returns how the driver may end it."""
@@ -83,6 +85,7 @@ class Sessions:
             raise KeyError(f"node {node_id!r} has no open session")
         if not msg.command_id:
             msg.command_id = f"{self.driver_id}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        msg.term = self._term()
         outbox = slot.outbox
         assert isinstance(outbox, asyncio.Queue)
         try:

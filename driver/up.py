@@ -254,6 +254,8 @@ async def _main(c: Cluster) -> int:
                 "driver", "--etcd", c.etcd.endpoint, "--job-id", cfg.job_id,
                 "--driver-id", name, "--listen", "127.0.0.1:0",
                 "--port-file", str(port_file), "--metrics-port", "0",
+                "--allow-fault-injection",  # the drill injects its faults through the driver
+                "--persist-root", str(c.run / "storage"),
                 # the job: the drivers start it and recover it (agents run --no-start)
                 "--nodes", str(cfg.nodes), "--workers-per-node", str(cfg.workers_per_node),
                 "--dp", str(cfg.dp), "--pp", str(cfg.pp), "--tp", str(cfg.tp),

@@ -383,8 +383,9 @@ class InjectFault(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., local_rank: _Optional[int] = ..., factor: _Optional[float] = ..., step: _Optional[int] = ...) -> None: ...
 
 class DriverMessage(_message.Message):
-    __slots__ = ("command_id", "start_workers", "stop_workers", "restart_workers", "pause", "resume", "flash_save", "run_check", "evict", "shutdown", "run_self_check", "inject_fault", "restore_point")
+    __slots__ = ("command_id", "term", "start_workers", "stop_workers", "restart_workers", "pause", "resume", "flash_save", "run_check", "evict", "shutdown", "run_self_check", "inject_fault", "restore_point")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
     START_WORKERS_FIELD_NUMBER: _ClassVar[int]
     STOP_WORKERS_FIELD_NUMBER: _ClassVar[int]
     RESTART_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -398,6 +399,7 @@ class DriverMessage(_message.Message):
     INJECT_FAULT_FIELD_NUMBER: _ClassVar[int]
     RESTORE_POINT_FIELD_NUMBER: _ClassVar[int]
     command_id: str
+    term: int
     start_workers: StartWorkers
     stop_workers: StopWorkers
     restart_workers: RestartWorkers
@@ -410,7 +412,7 @@ class DriverMessage(_message.Message):
     run_self_check: RunSelfCheck
     inject_fault: InjectFault
     restore_point: RestorePoint
-    def __init__(self, command_id: _Optional[str] = ..., start_workers: _Optional[_Union[StartWorkers, _Mapping]] = ..., stop_workers: _Optional[_Union[StopWorkers, _Mapping]] = ..., restart_workers: _Optional[_Union[RestartWorkers, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., flash_save: _Optional[_Union[FlashSave, _Mapping]] = ..., run_check: _Optional[_Union[RunCheck, _Mapping]] = ..., evict: _Optional[_Union[Evict, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., run_self_check: _Optional[_Union[RunSelfCheck, _Mapping]] = ..., inject_fault: _Optional[_Union[InjectFault, _Mapping]] = ..., restore_point: _Optional[_Union[RestorePoint, _Mapping]] = ...) -> None: ...
+    def __init__(self, command_id: _Optional[str] = ..., term: _Optional[int] = ..., start_workers: _Optional[_Union[StartWorkers, _Mapping]] = ..., stop_workers: _Optional[_Union[StopWorkers, _Mapping]] = ..., restart_workers: _Optional[_Union[RestartWorkers, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., flash_save: _Optional[_Union[FlashSave, _Mapping]] = ..., run_check: _Optional[_Union[RunCheck, _Mapping]] = ..., evict: _Optional[_Union[Evict, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., run_self_check: _Optional[_Union[RunSelfCheck, _Mapping]] = ..., inject_fault: _Optional[_Union[InjectFault, _Mapping]] = ..., restore_point: _Optional[_Union[RestorePoint, _Mapping]] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

@@ -195,7 +195,7 @@ class ChaosCluster:
             [
                 sys.executable, PROBE, str(self.records), "driver",
                 "--etcd", self.etcd.endpoint, "--job-id", self.job, "--driver-id", driver_id,
-                "--listen", "127.0.0.1:0", "--advertise", proxy.address,
+                "--listen", "127.0.0.1:0", "--allow-fault-injection", "--advertise", proxy.address,
                 "--port-file", str(port_file), "--miss-limit", str(MISS_LIMIT),
                 "--nodes", str(self.nodes), "--workers-per-node", "1", "--dp", str(self.nodes),
                 "--worker-cmd", self.worker_cmd(), "--master-addr", "127.0.0.1",

@@ -1,4 +1,4 @@
-"""Security of the driver's API: mTLS and the bearer token.
+"""Security of the driver's API: mTLS and role tokens.
 
 A client without valid credentials is refused (UNAUTHENTICATED for a missing or wrong
 token; a failed TLS handshake for a missing or foreign client certificate) and changes
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
-import ipaddress
 import os
 import subprocess
 import sys
@@ -21,14 +19,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from unbroken.driver import certs
 from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
-from unbroken.driver.security import TlsConfig
+from unbroken.driver.security import RoleTokens, TlsConfig
 from unbroken.driver.service import DriverService, ServiceConfig, build_server
 from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
@@ -38,77 +33,22 @@ pytestmark = pytest.mark.integration
 TOKEN = "s3cret-token-0123456789"
 
 
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def make_ca(tmp: Path, name: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(_name(name))
-        .issuer_name(_name(name))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    (tmp / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return key, cert
-
-
-def make_leaf(
-    tmp: Path, name: str, ca: tuple[ec.EllipticCurvePrivateKey, x509.Certificate], *, server: bool
-) -> tuple[str, str]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    b = (
-        x509.CertificateBuilder()
-        .subject_name(_name(name))
-        .issuer_name(ca[1].subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-    )
-    if server:
-        b = b.add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-    cert = b.sign(ca[0], hashes.SHA256())
-    crt, k = tmp / f"{name}.crt", tmp / f"{name}.key"
-    crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    k.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return str(crt), str(k)
-
-
 @pytest.fixture
 def pki(tmp_path: Path) -> dict[str, str]:
-    ca = make_ca(tmp_path, "ca")
-    other = make_ca(tmp_path, "other-ca")
-    scrt, skey = make_leaf(tmp_path, "driver", ca, server=True)
-    ccrt, ckey = make_leaf(tmp_path, "agent", ca, server=False)
-    fcrt, fkey = make_leaf(tmp_path, "foreign", other, server=False)
+    """A CA, the driver's certificate, two nodes' and a foreign CA's client certificate."""
+    certs.make_ca(tmp_path)
+    other = tmp_path / "other"
+    certs.make_ca(other)
+    scrt, skey = certs.issue(tmp_path, "driver:main")
+    ccrt, ckey = certs.issue(tmp_path, "node:good")
+    secrt, sekey = certs.issue(tmp_path, "node:secure")
+    fcrt, fkey = certs.issue(other, "node:foreign")
     return {
         "ca": str(tmp_path / "ca.pem"),
-        "scrt": scrt,
-        "skey": skey,
-        "ccrt": ccrt,
-        "ckey": ckey,
-        "fcrt": fcrt,
-        "fkey": fkey,
+        **{k: str(v) for k, v in {"scrt": scrt, "skey": skey, "ccrt": ccrt, "ckey": ckey}.items()},
+        **{k: str(v) for k, v in {"secrt": secrt, "sekey": sekey}.items()},
+        "fcrt": str(fcrt),
+        "fkey": str(fkey),
     }
 
 
@@ -140,7 +80,11 @@ async def register(
 
 def test_bearer_token() -> None:
     async def go() -> None:
-        async with driver(ServiceConfig(token=TOKEN)) as (svc, store, addr):
+        async with driver(ServiceConfig(tokens=RoleTokens({"node": [TOKEN]}))) as (
+            svc,
+            store,
+            addr,
+        ):
             async with grpc.aio.insecure_channel(addr) as ch:
                 U = grpc.StatusCode.UNAUTHENTICATED
                 assert await register(ch, "a") == U
@@ -195,7 +139,11 @@ def test_agent_process_with_mtls_and_token(pki: dict[str, str], tmp_path: Path) 
 
     async def go() -> None:
         tls = TlsConfig(cert=pki["scrt"], key=pki["skey"], ca=pki["ca"])
-        async with driver(ServiceConfig(tls=tls, token=TOKEN)) as (svc, _store, addr):
+        async with driver(ServiceConfig(tls=tls, tokens=RoleTokens({"node": [TOKEN]}))) as (
+            svc,
+            _store,
+            addr,
+        ):
             token_file = tmp_path / "token"
             token_file.write_text(TOKEN + "\n")
             args = [
@@ -208,9 +156,9 @@ def test_agent_process_with_mtls_and_token(pki: dict[str, str], tmp_path: Path) 
                 "--node-id",
                 "secure",
                 "--tls-cert",
-                pki["ccrt"],
+                pki["secrt"],
                 "--tls-key",
-                pki["ckey"],
+                pki["sekey"],
                 "--tls-ca",
                 pki["ca"],
                 "--token-file",
@@ -223,10 +171,10 @@ def test_agent_process_with_mtls_and_token(pki: dict[str, str], tmp_path: Path) 
                 env={**os.environ, "OMP_NUM_THREADS": "1"},
             )
             bad = subprocess.Popen(
-                [*args[:-2], "--token", "not-the-token-at-all", "--node-id", "intruder"],
+                [*args[:-2], "--node-id", "intruder"],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
-                env={**os.environ},
+                env={**os.environ, "UNBROKEN_TOKEN": "not-the-token-at-all"},
             )
             try:
                 deadline = time.monotonic() + 30

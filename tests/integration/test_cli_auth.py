@@ -18,15 +18,17 @@ from pathlib import Path
 import pytest
 
 from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
+from unbroken.driver.security import RoleTokens
 from unbroken.driver.service import DriverService, ServiceConfig, build_server
 
 pytestmark = pytest.mark.integration
 
 TOKEN = "a-token-of-at-least-16-characters"
+VIEWER = "a-viewer-token-of-16-characters"
 LEADER_AT = "10.9.8.7:50051"
 
 
-async def _cli(*args: str) -> tuple[int, str, str]:
+async def _cli(*args: str, token: str | None = None) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -34,7 +36,11 @@ async def _cli(*args: str) -> tuple[int, str, str]:
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_TOKEN")},
+            "OMP_NUM_THREADS": "1",
+            **({"UNBROKEN_TOKEN": token} if token is not None else {}),
+        },
     )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode is not None
@@ -43,7 +49,11 @@ async def _cli(*args: str) -> tuple[int, str, str]:
 
 async def _scenario(tmp: Path) -> None:
     store = InMemoryStore()
-    leader = DriverService(ServiceConfig(token=TOKEN), driver_id="lead", job_id="auth")
+    leader = DriverService(
+        ServiceConfig(tokens=RoleTokens({"operator": [TOKEN], "viewer": [VIEWER]})),
+        driver_id="lead",
+        job_id="auth",
+    )
     leader.lead(InMemoryEventLog(store, "auth", store.elect("lead")), "127.0.0.1:0")
     standby = DriverService(
         ServiceConfig(), driver_id="standby", job_id="auth", leader_address=LEADER_AT
@@ -57,16 +67,23 @@ async def _scenario(tmp: Path) -> None:
         lead, stand = f"127.0.0.1:{port1}", f"127.0.0.1:{port2}"
 
         rc, _, err = await _cli("status", "--driver", lead, "--json")
-        assert rc == 2 and "--token" in err, err
-        rc, out, err = await _cli("status", "--driver", lead, "--json", "--token", TOKEN)
+        assert rc == 2 and "--token-file" in err, err
+        rc, _, err = await _cli("status", "--driver", lead, "--json", "--token", TOKEN)
+        assert rc == 2 and "visible to every local user" in err, err  # never on argv
+        rc, out, err = await _cli("status", "--driver", lead, "--json", token=TOKEN)
         assert rc == 0, err
         assert json.loads(out)["job_id"] == "auth" and json.loads(out)["driver_id"] == "lead"
         token_file = tmp / "token"
         token_file.write_text(TOKEN + "\n")
         rc, out, err = await _cli("nodes", "--driver", lead, "--token-file", str(token_file))
         assert rc == 0 and "0 nodes" in out, err
-        rc, _, err = await _cli("events", "--driver", lead, "--token", "short")
+        rc, _, err = await _cli("events", "--driver", lead, token="short")
         assert rc == 2 and "16 characters" in err
+        # a viewer reads but may not act
+        rc, out, err = await _cli("status", "--driver", lead, token=VIEWER)
+        assert rc == 0, err
+        rc, _, err = await _cli("evict", "n0", "--driver", lead, token=VIEWER)
+        assert rc == 2 and "viewer:* may not call Evict" in err, err
 
         for args in (["status"], ["evict", "n0"], ["events"], ["diagnose"]):
             rc, _, err = await _cli(*args, "--driver", stand)

@@ -40,13 +40,17 @@ from unbroken.driver.dashboard import (
 )
 from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
 from unbroken.driver.liveview import LiveView, LiveViewConfig, NodeSlot
+from unbroken.driver.security import RoleTokens
 from unbroken.driver.service import DriverService, ServiceConfig
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 
 pytestmark = pytest.mark.integration
 
-TOKEN = "dashboard-token-0123456789"
+TOKEN = "dashboard-token-0123456789"  # the dashboard's read-only (viewer) token
+NODE_TOKEN = "node-token-0123456789-abcdef"
+OPERATOR_TOKEN = "operator-token-0123456789-abc"
+TOKENS = RoleTokens({"viewer": [TOKEN], "node": [NODE_TOKEN], "operator": [OPERATOR_TOKEN]})
 SLOW_RANK = 3
 WORKER = """
 import math, os, time
@@ -94,10 +98,24 @@ class Cluster:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1", "DASH_SLOW_RANK": str(SLOW_RANK)},
+                env={
+                    **os.environ,
+                    "OMP_NUM_THREADS": "1",
+                    "DASH_SLOW_RANK": str(SLOW_RANK),
+                    "UNBROKEN_TOKEN": NODE_TOKEN,
+                },
             )
         self.procs[name] = p
         return p
+
+    def token_flags(self) -> list[str]:
+        """The driver's --token-file flags: one file per role (viewer, node)."""
+        out = []
+        for role, token in (("viewer", TOKEN), ("node", NODE_TOKEN)):
+            f = self.tmp / f"{role}.tokens"
+            f.write_text(token + "\n")
+            out += ["--token-file", f"{role}={f}"]
+        return out
 
     def start_driver(self, name: str = "driver") -> str:
         """Start a driver; return its dashboard's base URL."""
@@ -106,8 +124,8 @@ class Cluster:
             name,
             [
                 "driver", "--etcd", self.endpoint, "--job-id", self.job, "--driver-id", name,
-                "--listen", "127.0.0.1:0", "--port-file", str(port_file),
-                "--dashboard-port", "0", "--token", TOKEN,
+                "--listen", "127.0.0.1:0", "--allow-fault-injection", "--port-file", str(port_file),
+                "--dashboard-port", "0", *self.token_flags(),
                 "--miss-limit", str(self.miss_limit),
             ],
         )  # fmt: skip
@@ -132,7 +150,7 @@ class Cluster:
             self._spawn(
                 node,
                 [
-                    "agent", "--driver", self.address, "--node-id", node, "--token", TOKEN,
+                    "agent", "--driver", self.address, "--node-id", node,
                     "--nproc-per-node", str(nproc), "--nnodes", str(n), "--node-rank", str(i),
                     "--worker-cmd", f"{sys.executable} {script}", "--no-flash",
                     "--log-dir", str(self.tmp / f"logs-{node}"),
@@ -293,7 +311,7 @@ def test_http_edges_in_process() -> None:
         elog = InMemoryEventLog(store, "j", store.elect("d1"))
         await elog.append(ev.Event(node_registered=ev.NodeRegistered(node_id="n0", epoch=1)))
         svc.lead(elog, "127.0.0.1:1", await elog.replay())
-        dash = Dashboard(DashboardConfig(token=TOKEN, max_connections=2, idle_timeout_s=1), svc)
+        dash = Dashboard(DashboardConfig(tokens=TOKENS, max_connections=2, idle_timeout_s=1), svc)
         port = await dash.start()
         try:
             auth = f"Authorization: Bearer {TOKEN}\r\n".encode()
@@ -314,6 +332,9 @@ def test_http_edges_in_process() -> None:
                 (b"GET /api/state?since=x HTTP/1.1\r\n" + auth.strip(), b"400"),
                 (b"GET /api/state HTTP/1.1", b"401"),
                 (b"GET /?token=wrong HTTP/1.1", b"401"),
+                # the control tokens are refused: the dashboard takes viewer tokens only
+                (f"GET /?token={OPERATOR_TOKEN} HTTP/1.1".encode(), b"401"),
+                (f"GET /api/state HTTP/1.1\r\nAuthorization: Bearer {NODE_TOKEN}".encode(), b"401"),
                 (b"GET /static/../dashboard.py HTTP/1.1", b"404"),
                 (b"GET / HTTP/1.1\r\nX: " + b"a" * 20_000, b"431"),
             ):
@@ -325,10 +346,14 @@ def test_http_edges_in_process() -> None:
             assert ok.startswith(b"HTTP/1.1 200") and b"static/app.js" in ok
             js = await _raw(port, b"GET /static/app.js HTTP/1.0\r\n\r\n")  # open: code, no data
             assert js.startswith(b"HTTP/1.1 200") and b"api/state" in js
-            # two idle connections fill the cap: a third is turned away at once
+            # two idle connections fill the cap: a third closes the oldest idle one and is
+            # served (idle sockets cannot lock operators out)
             held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
             await asyncio.sleep(0.2)
-            assert (await _raw(port, b"GET /healthz HTTP/1.1\r\n\r\n")).startswith(b"HTTP/1.1 503")
+            out = await _raw(port, b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n")
+            assert out.startswith(b"HTTP/1.1 200"), out[:100]
+            assert dash.evicted_idle == 1
+            assert await asyncio.wait_for(held[0][0].read(), 2) == b""  # the oldest: closed
             for _, w in held:
                 w.close()
         finally:
@@ -395,7 +420,7 @@ def test_standby_dashboard_replays_the_log(cluster: Cluster, etcd_server: Any) -
         svc = DriverService(
             ServiceConfig(), driver_id="standby", job_id=cluster.job, leader_address=cluster.address
         )
-        dash = Dashboard(DashboardConfig(token=TOKEN), svc)
+        dash = Dashboard(DashboardConfig(tokens=TOKENS), svc)
         dash.reader = EtcdEventLog(client, cluster.job, None)
         port = await dash.start()
         try:

@@ -69,7 +69,7 @@ class FaultyJob(Job):
             "driver",
             [
                 "driver", "--etcd", self.endpoint, "--job-id", self.job,
-                "--listen", "127.0.0.1:0", "--port-file", str(port_file),
+                "--listen", "127.0.0.1:0", "--allow-fault-injection", "--port-file", str(port_file),
                 # 10 s: torch imports and checks on 2 loaded cores starve heartbeats; a
                 # node lost here would be replaced without the diagnosis under test
                 "--miss-limit", "100",

@@ -78,7 +78,7 @@ class Job:
             "driver",
             [
                 "driver", "--etcd", self.endpoint, "--job-id", self.job,
-                "--listen", "127.0.0.1:0", "--port-file", str(port_file),
+                "--listen", "127.0.0.1:0", "--allow-fault-injection", "--port-file", str(port_file),
                 "--miss-limit", "30",  # 3 s: torch imports on 2 cores starve heartbeats
                 "--nodes", "2", "--workers-per-node", "1", "--dp", "2",
                 "--worker-cmd", cmd, "--master-addr", "127.0.0.1",

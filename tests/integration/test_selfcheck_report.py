@@ -75,7 +75,7 @@ class Cluster:
             "driver",
             [
                 "driver", "--etcd", self.endpoint, "--job-id", self.job,
-                "--listen", "127.0.0.1:0", "--port-file", str(port_file),
+                "--listen", "127.0.0.1:0", "--allow-fault-injection", "--port-file", str(port_file),
                 "--miss-limit", "50",  # liveness is not under test; torch imports starve beats
             ],
         )  # fmt: skip

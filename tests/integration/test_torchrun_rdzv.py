@@ -42,7 +42,9 @@ from unbroken.proto import events_pb2 as ev
 pytestmark = pytest.mark.integration
 
 CLI = [sys.executable, "-m", "unbroken.driver.cli"]
-TOKEN = "rdzv-test-token-0123456789"
+TOKEN = "rdzv-test-token-0123456789"  # the nodes' (torchrun agents') role token
+VIEWER = "rdzv-viewer-token-0123456789"
+OPERATOR = "rdzv-operator-token-0123456789"
 
 TRAIN = """
 import json, os, sys, time
@@ -99,10 +101,17 @@ def driver(etcd_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     port_file = tmp / "driver.json"
     job = f"rdzv-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    tokens = tmp / "node.tokens"
+    tokens.write_text(TOKEN + "\n")
+    viewers = tmp / "viewer.tokens"
+    viewers.write_text(VIEWER + "\n")
+    operators = tmp / "operator.tokens"
+    operators.write_text(OPERATOR + "\n")
     with open(tmp / "driver.log", "wb") as out:
         cmd = [
             *CLI, "driver", "--listen", "127.0.0.1:0", "--port-file", str(port_file),
-            "--etcd", etcd_server.endpoint, "--job-id", job, "--token", TOKEN,
+            "--etcd", etcd_server.endpoint, "--job-id", job, "--token-file", f"node={tokens}",
+            "--token-file", f"viewer={viewers}", "--token-file", f"operator={operators}",
             "--miss-limit", "100",
         ]  # fmt: skip
         proc = subprocess.Popen(
@@ -138,7 +147,7 @@ def _client(
 def _events(address: str) -> list[ev.Event]:
     with grpc.insecure_channel(address) as ch:
         stub = dgrpc.DriverStub(ch)
-        md = (("authorization", f"Bearer {TOKEN}"),)
+        md = (("authorization", f"Bearer {VIEWER}"),)
         return [
             r.event for r in stub.WatchEvents(dpb.WatchEventsRequest(), metadata=md, timeout=30)
         ]
@@ -284,7 +293,7 @@ def _register_and_evict(address: str, node_id: str) -> None:
         )
         stub.Evict(
             dpb.EvictRequest(node_id=node_id, reason="diagnosis: bad all-gather"),
-            metadata=md,
+            metadata=(("authorization", f"Bearer {OPERATOR}"),),
             timeout=30,
         )
 
