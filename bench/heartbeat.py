@@ -16,7 +16,11 @@ measures the heartbeat plane, not etcd). Figures, all from the same run:
 - handler_vs_transport_ratio: driver CPU per heartbeat with our handler divided by that
   with a do-nothing handler at the same load (1.0 = our handler costs nothing);
 - agent_cpu_percent: a real `unbroken agent` with 2 hook-reporting workers, default
-  interval, CPU of the agent process alone.
+  interval, CPU of the agent process alone;
+- auth_vs_open_ratio: driver CPU per heartbeat with role tokens and the authorization
+  interceptor (every node presents a node token; Register and Session are checked) divided
+  by that of the same driver with no credentials, alternating runs in the same process
+  tree (median of the pairs). `--auth-only` runs just this comparison.
 
 Usage: `python bench/heartbeat.py` (writes bench/results/heartbeat.json, prints a table).
 `--quick` runs smaller loads for a smoke test.
@@ -48,6 +52,10 @@ from unbroken.proto import driver_pb2_grpc as dgrpc
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "heartbeat.json"
+RESULTS_AUTH = HERE / "results" / "heartbeat_auth.json"
+NODE_TOKEN = "bench-node-token-0123456789"  # every simulated node presents it
+VIEWER_TOKEN = "bench-viewer-token-0123456789"  # the bench's own LiveView reads
+AUTH_MD = (("authorization", f"Bearer {NODE_TOKEN}"),)
 NODES_PER_SIM = 500
 WORKERS_PER_NODE = 8
 
@@ -77,15 +85,19 @@ class NullService(dgrpc.DriverServicer):
 
 async def serve(mode: str, port_file: str, events_file: str) -> None:
     from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
+    from unbroken.driver.security import AuthInterceptor, RoleTokens
     from unbroken.driver.service import DriverService, ServiceConfig
 
-    server = grpc.aio.server(options=channel.SERVER_OPTIONS)
+    tokens = RoleTokens({"node": [NODE_TOKEN], "viewer": [VIEWER_TOKEN]})
+    interceptors = [AuthInterceptor(tokens, tls=False)] if mode == "auth" else []
+    server = grpc.aio.server(interceptors=interceptors, options=channel.SERVER_OPTIONS)
     service: Any
     if mode == "null":
         service = NullService()
     else:
         store = InMemoryStore()
-        service = DriverService(ServiceConfig(), driver_id="bench", job_id="bench")
+        cfg = ServiceConfig(tokens=tokens) if mode == "auth" else ServiceConfig()
+        service = DriverService(cfg, driver_id="bench", job_id="bench")
         service.lead(InMemoryEventLog(store, "bench", store.elect("bench")), "")
         out = open(events_file, "a", buffering=1)
 
@@ -145,7 +157,9 @@ async def sim_node(
             break
         except grpc.aio.AioRpcError:
             await asyncio.sleep(0.2 * (attempt + 1))
-    call = stub.Session(metadata=((channel.NODE_KEY, node_id), (channel.EPOCH_KEY, str(epoch))))
+    call = stub.Session(
+        metadata=((channel.NODE_KEY, node_id), (channel.EPOCH_KEY, str(epoch)), *AUTH_MD)
+    )
     workers = _workers()
     host = dpb.HostStats(cpu_percent=50.0, mem_used_bytes=1 << 34, mem_total_bytes=1 << 36)
     await asyncio.sleep(random.uniform(0, interval_s))
@@ -255,6 +269,7 @@ class WireNode(asyncio.Protocol):
             (":authority", self.authority),
             ("content-type", "application/grpc"),
             ("te", "trailers"),
+            *AUTH_MD,  # ignored by a driver without tokens: both modes parse it
             *extra,
         ]
 
@@ -481,7 +496,8 @@ def stats(target: str, attempts: int = 3) -> dpb.LiveStats:
         try:
             with grpc.insecure_channel(target) as ch:
                 req = dpb.LiveViewRequest(summary_only=True)
-                return dgrpc.DriverStub(ch).LiveView(req, timeout=10).stats
+                md = (("authorization", f"Bearer {VIEWER_TOKEN}"),)
+                return dgrpc.DriverStub(ch).LiveView(req, timeout=10, metadata=md).stats
         except grpc.RpcError:
             if i == attempts - 1:
                 raise
@@ -642,6 +658,50 @@ def agent_cpu(b: Bench, measure_s: float) -> dict[str, Any]:
         b.stop([agent, drv])
 
 
+def auth_overhead(b: Bench, nodes: int, warm: float, measure: float, pairs: int) -> dict[str, Any]:
+    """Driver CPU per heartbeat, role tokens + authorization vs none, alternating pairs."""
+    runs = []
+    for _ in range(pairs):
+        open_ = load_level(b, "real", nodes, warm, measure)
+        auth = load_level(b, "auth", nodes, warm, measure)
+        runs.append((open_, auth))
+    ratios = [
+        a["driver_cpu_us_per_heartbeat"] / o["driver_cpu_us_per_heartbeat"]
+        for o, a in runs
+        if a["driver_cpu_us_per_heartbeat"] and o["driver_cpu_us_per_heartbeat"]
+    ]
+    return {
+        "nodes": nodes,
+        "pairs": [
+            {
+                "open_cpu_us_per_hb": o["driver_cpu_us_per_heartbeat"],
+                "auth_cpu_us_per_hb": a["driver_cpu_us_per_heartbeat"],
+                "open_handler_p50_us": o["handler_p50_us"],
+                "auth_handler_p50_us": a["handler_p50_us"],
+                "auth_false_node_lost": a["false_node_lost"],
+            }
+            for o, a in runs
+        ],
+        "auth_vs_open_ratio": round(statistics.median(ratios), 3) if ratios else None,
+    }
+
+
+def auth_table(r: dict[str, Any]) -> str:
+    rows = [
+        f"| pair ({r['nodes']} nodes) | open CPU µs/hb | auth CPU µs/hb | ratio "
+        "| handler p50 µs open / auth |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for i, p in enumerate(r["pairs"], 1):
+        ratio = p["auth_cpu_us_per_hb"] / p["open_cpu_us_per_hb"]
+        rows.append(
+            f"| {i} | {p['open_cpu_us_per_hb']} | {p['auth_cpu_us_per_hb']} | {ratio:.3f} | "
+            f"{p['open_handler_p50_us']} / {p['auth_handler_p50_us']} |"
+        )
+    rows.append(f"| **median** | | | **{r['auth_vs_open_ratio']}** | |")
+    return "\n".join(rows)
+
+
 def table(r: dict[str, Any]) -> str:
     rows = [
         "| nodes | heartbeats/s (expected) | delivery p50 / p99 ms | handler p50 / p99 µs "
@@ -676,7 +736,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--serve", choices=("real", "null"))
+    ap.add_argument("--serve", choices=("real", "null", "auth"))
+    ap.add_argument(
+        "--auth-only", action="store_true", help="only the authorization overhead comparison"
+    )
     ap.add_argument("--port-file")
     ap.add_argument("--events-file", default=os.devnull)
     ap.add_argument("--sim")
@@ -707,6 +770,23 @@ def main() -> None:
     )
     warm, measure = (2.0, 3.0) if ns.quick else (3.0, 8.0)
     load_at_start = round(os.getloadavg()[0], 2)
+    if ns.auth_only:
+        with tempfile.TemporaryDirectory(prefix="bench-hb-") as tmp:
+            b = Bench(Path(tmp), ns.sim_client)
+            try:
+                n = levels[0] if ns.levels else (250 if ns.quick else 1000)
+                r = auth_overhead(b, n, warm, measure, 2 if ns.quick else 3)
+            finally:
+                b.close()
+        r["machine"] = {
+            "loadavg_1m_at_start": load_at_start,
+            "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
+            "cpus": os.cpu_count(),
+        }
+        RESULTS_AUTH.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS_AUTH.write_text(json.dumps(r, indent=2) + "\n")
+        print(auth_table(r))
+        return
     with tempfile.TemporaryDirectory(prefix="bench-hb-") as tmp:
         b = Bench(Path(tmp), ns.sim_client)
         try:

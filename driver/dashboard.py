@@ -37,6 +37,7 @@ import contextlib
 import heapq
 import json
 import math
+import ssl
 import statistics
 import time
 from collections.abc import Iterable
@@ -98,6 +99,9 @@ class DashboardConfig:
     # The driver's role tokens: the dashboard accepts the viewer role's only (read-only; an
     # operator's or a node's token is refused here). None: open (a driver without tokens).
     tokens: RoleTokens | None = None
+    # HTTPS with this certificate and key (the driver's, when it runs with mTLS); None: HTTP
+    tls_cert: str | None = None
+    tls_key: str | None = None
     sample_ms: int = 500  # how often the live view is sampled into the rings
     points: int = 600  # loss / step-time points kept
     columns: int = 60  # heatmap columns kept (one per sample)
@@ -474,8 +478,17 @@ class Dashboard:
     async def start(self) -> int:
         """Listen and start the sampler; return the bound port."""
         try:
+            ctx = None
+            if self.config.tls_cert and self.config.tls_key:
+                ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+                ctx.load_cert_chain(self.config.tls_cert, self.config.tls_key)
             self._server = await asyncio.start_server(
-                self._serve_conn, self.config.host, self.config.port, limit=MAX_HEAD
+                self._serve_conn,
+                self.config.host,
+                self.config.port,
+                limit=MAX_HEAD,
+                ssl=ctx,
+                ssl_handshake_timeout=self.config.idle_timeout_s if ctx else None,
             )
         except OSError as e:
             raise OSError(
@@ -484,7 +497,8 @@ class Dashboard:
             ) from e
         self.port = int(self._server.sockets[0].getsockname()[1])
         self._sampler = asyncio.create_task(self._sample_loop())
-        log.info("dashboard listening", url=f"http://{self.config.host}:{self.port}/")
+        scheme = "https" if self.config.tls_cert else "http"
+        log.info("dashboard listening", url=f"{scheme}://{self.config.host}:{self.port}/")
         return self.port
 
     async def close(self) -> None:

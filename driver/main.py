@@ -299,8 +299,13 @@ async def serve(cfg: DriverConfig) -> int:
     )
     dashboard: Dashboard | None = None
     if cfg.dashboard_port is not None:
+        tls = cfg.service.tls
         dash_cfg = DashboardConfig(
-            host=cfg.dashboard_host, port=cfg.dashboard_port, tokens=cfg.service.tokens
+            host=cfg.dashboard_host,
+            port=cfg.dashboard_port,
+            tokens=cfg.service.tokens,
+            tls_cert=tls.cert,  # HTTPS with the driver's certificate when it has one
+            tls_key=tls.key,
         )
         dashboard = Dashboard(dash_cfg, service)
         await dashboard.start()

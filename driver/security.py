@@ -254,8 +254,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     Bearer tokens are checked here, on the metadata, before the request is parsed (a
     refused call's body is never deserialized). With mTLS the certificate's principal is
     read inside the call (gRPC exposes the peer only there); the handshake has already
-    proven the peer holds a key our CA signed. With tokens and TLS both, a call needs a
-    valid token and a certificate, and the two must name the same role.
+    proven the peer holds a key our CA signed. With tokens and TLS both, the certificate is
+    enough; a token sent along must be valid and name the certificate's role.
     """
 
     def __init__(self, tokens: RoleTokens | None, *, tls: bool) -> None:
@@ -289,7 +289,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                     break
             if got.startswith(b"Bearer "):
                 by_token = self.tokens.principal(got[7:])
-            if by_token is None:
+            # with mTLS the certificate is enough; a token, when sent, must be valid
+            if by_token is None and (got or not self.tls):
                 return _denied(
                     handler,
                     grpc.StatusCode.UNAUTHENTICATED,
