@@ -100,11 +100,11 @@ class DriverDiagnoseConfig:
 def store_host(view: LiveView, group: Sequence[str]) -> str:
     """Where the group's members reach the TCPStore on its first member.
 
-    Loopback when every member registered the same address (one machine), otherwise the
-    address the first member registered.
+    Loopback when every member connected from the same address (one machine), otherwise
+    the address the first member connected from (the transport's, not a claimed one).
     """
-    ips = {view.nodes[n].info.ip if n in view.nodes else "" for n in group}
-    first = view.nodes[group[0]].info.ip if group[0] in view.nodes else ""
+    ips = {view.nodes[n].peer_host if n in view.nodes else "" for n in group}
+    first = view.nodes[group[0]].peer_host if group[0] in view.nodes else ""
     return LOOPBACK if len(ips) <= 1 or not first else first
 
 

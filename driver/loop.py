@@ -447,7 +447,8 @@ class RecoveryLoop:
                 break
             await asyncio.sleep(0.05)
         first = self.service.view.nodes.get(nodes[0])
-        addr = cfg.master_addr or (first.info.ip if first is not None else "")
+        # rank 0's node as the driver saw it connect (not the IP it claimed in Register)
+        addr = cfg.master_addr or (first.peer_host if first is not None else "")
         port = free_port()
         marks = {n: self._beats(n) for n in nodes}
         t0 = time.monotonic()
