@@ -266,7 +266,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    """`unbroken etcd`: run an embedded etcd until Ctrl-C, printing how to reach it."""
+    """`unbroken etcd`: run an embedded etcd until Ctrl-C or SIGTERM, printing how to reach it."""
+    from unbroken.driver import reaper
+
+    def stop(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # stop the server as Ctrl-C does
+        signal.signal(sig, stop)
+    reaper.start()  # and when this process is SIGKILLed
     with EmbeddedEtcd(ns.data_dir) as etcd:
         print(f"etcd is up at {etcd.endpoint} (data: {etcd.data_dir}); Ctrl-C stops it")
         print(

@@ -26,7 +26,7 @@ from typing import Any
 
 import structlog
 
-from unbroken.driver import detectors
+from unbroken.driver import detectors, reaper
 from unbroken.driver.dashboard import Dashboard, DashboardConfig
 from unbroken.driver.etcd import EmbeddedEtcd, EtcdConfig, add_etcd_flags
 from unbroken.driver.eventlog import EventLogError, InMemoryEventLog, InMemoryStore, Leadership
@@ -423,6 +423,7 @@ async def _lead_on_etcd(
     embedded: EmbeddedEtcd | None = None
     etcd_cfg = cfg.etcd
     if not etcd_cfg.endpoints:
+        reaper.start()  # the embedded etcd dies with this driver, however it dies
         embedded = EmbeddedEtcd(etcd_cfg.data_dir).start()
         etcd_cfg = embedded.config
         log.info("embedded etcd started", endpoint=embedded.endpoint)

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from unbroken.driver import reaper
 from unbroken.driver.drill import DRILL, Drill, FaultRecord, fault_table, leader_view, stop_groups
 from unbroken.driver.etcd import EmbeddedEtcd, free_port
 from unbroken.proto import driver_pb2 as dpb
@@ -239,6 +240,7 @@ async def _main(c: Cluster) -> int:
     console = Console(width=None if sys.stdout.isatty() else 160)
     cfg = c.cfg
     t0 = time.monotonic()
+    reaper.start()  # everything below dies with `up`, even when `up` is SIGKILLed
     c.etcd = EmbeddedEtcd(c.run / "etcd").start()
     console.print(f"[bold]etcd[/] up at {c.etcd.endpoint} ({time.monotonic() - t0:.1f} s)")
     names = ["driver-a", "driver-b"] if cfg.standby else ["driver-a"]

@@ -100,11 +100,20 @@ def _ours(run_dir: Path, worker_cmd: str, but: int) -> list[int]:
     ]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize(
+    "sig",
+    [
+        signal.SIGTERM,
+        # the same handler as SIGTERM: only in `make test-all` (CI budget)
+        pytest.param(signal.SIGHUP, marks=pytest.mark.slow),
+        signal.SIGKILL,
+    ],
+)
 def test_a_stop_signal_stops_the_whole_cluster(tmp_path: Path, sig: signal.Signals) -> None:
     """`timeout`, systemd and CI send SIGTERM; a closed terminal sends SIGHUP. Either stops
     etcd, both drivers, the agents and their trainers, as Ctrl-C does (the default action
-    killed `up` alone and left the rest running as orphans)."""
+    killed `up` alone and left the rest running as orphans). A SIGKILLed `up` cannot stop
+    anything itself: its reaper (driver/reaper.py) does, within its grace period."""
     run_dir = tmp_path / "run"
     worker_cmd = "unbroken.trainer.run --preset tiny --dp 2 --pp 1 --tp 1 --steps 99999"
     argv = (
@@ -133,6 +142,39 @@ def test_a_stop_signal_stops_the_whole_cluster(tmp_path: Path, sig: signal.Signa
     assert len(_ours(run_dir, worker_cmd, proc.pid)) >= 5  # etcd, 2 drivers, 2 agents, ...
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 130, out[-3000:]
-    assert "stopped every process" in out
+    if sig == signal.SIGKILL:
+        deadline = time.monotonic() + 30  # the reaper's 10 s grace, plus slack
+        while _ours(run_dir, worker_cmd, proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    else:
+        assert proc.returncode == 130, out[-3000:]
+        assert "stopped every process" in out
     assert _ours(run_dir, worker_cmd, proc.pid) == []
+
+
+def test_a_sigkilled_driver_takes_its_embedded_etcd_with_it(tmp_path: Path) -> None:
+    data = tmp_path / "etcd-data"
+    port_file = tmp_path / "driver.json"
+    drv = subprocess.Popen(
+        [
+            sys.executable, "-m", "unbroken.driver.cli", "driver", "--listen", "127.0.0.1:0",
+            "--etcd-data-dir", str(data), "--port-file", str(port_file),
+        ],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while not [p for p in _ours(data, "\0", drv.pid) if p != drv.pid]:  # its etcd runs
+            assert drv.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        drv.kill()
+        drv.wait()
+        deadline = time.monotonic() + 20
+        while _ours(data, "\0", drv.pid) and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert _ours(data, "\0", drv.pid) == []
+    finally:
+        if drv.poll() is None:
+            drv.kill()
+            drv.wait()

@@ -1,0 +1,137 @@
+"""The reaper: when a process dies, however it dies, the processes it started die too.
+
+A parent-death signal (`prctl(PR_SET_PDEATHSIG)`, `setpriv --pdeathsig`) covers only a
+direct child, is cleared across setuid, and is not delivered at all by some kernels (this
+project's CI sandbox, measured). Process groups do not help once a child starts its own
+session (agents do, so that stopping one does not signal the others). So a small watcher
+process does it from outside:
+
+    python -m unbroken.driver.reaper --parent PID
+
+It notes every descendant of PID (pid and start time, so a reused pid is never
+signalled) twice a second, including ones that later move to their own session or get
+re-parented. When PID exits, on SIGKILL too, it sends SIGTERM to every noted process still
+alive (an agent then stops its workers, a driver its etcd), waits `--grace` seconds, then
+SIGKILLs what is left, then exits. When PID exits after stopping its children itself (the
+normal case), it finds nothing alive and exits at once.
+
+`unbroken up` starts one for itself (everything it runs dies with it); `unbroken driver`
+starts one when it runs an embedded etcd, and `unbroken agent` one for its workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+POLL_S = 0.5
+REAPER = (sys.executable, "-m", "unbroken.driver.reaper")
+
+
+def start(parent: int | None = None, grace_s: float = 10.0) -> subprocess.Popen[bytes] | None:
+    """Start a reaper for `parent` (default: this process); None where it cannot run."""
+    pid = os.getpid() if parent is None else parent
+    try:
+        return subprocess.Popen(
+            [*REAPER, "--parent", str(pid), "--grace", str(grace_s)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C to the parent's group must not stop it
+            close_fds=True,
+        )
+    except OSError:
+        return None
+
+
+def _key(p: psutil.Process) -> tuple[int, float] | None:
+    try:
+        return p.pid, p.create_time()
+    except psutil.Error:
+        return None
+
+
+def _alive(pid: int, created: float) -> psutil.Process | None:
+    try:
+        p = psutil.Process(pid)
+        if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+            return p
+    except psutil.Error:
+        pass
+    return None
+
+
+def watch(parent: int, grace_s: float, poll_s: float = POLL_S) -> int:
+    """Note `parent`'s descendants until it exits, then stop them; how many were stopped."""
+    me = os.getpid()
+    try:
+        root = psutil.Process(parent)
+        root_created = root.create_time()
+    except psutil.Error:
+        return 0
+    seen: dict[int, float] = {}
+    while True:
+        if _alive(parent, root_created) is None:
+            break
+        try:
+            kids = root.children(recursive=True)
+        except psutil.Error:
+            kids = []
+        for k in kids:
+            key = _key(k)
+            if key is not None and key[0] != me:
+                seen[key[0]] = key[1]
+        # descendants of processes already noted (re-parented ones included)
+        for pid, created in list(seen.items()):
+            p = _alive(pid, created)
+            if p is None:
+                del seen[pid]
+                continue
+            try:
+                for k in p.children(recursive=True):
+                    key = _key(k)
+                    if key is not None and key[0] != me:
+                        seen.setdefault(key[0], key[1])
+            except psutil.Error:
+                pass
+        time.sleep(poll_s)
+    left = [p for pid, c in seen.items() if (p := _alive(pid, c)) is not None]
+    for p in left:
+        try:
+            for k in p.children(recursive=True):  # started since the last look
+                left.append(k)
+        except psutil.Error:
+            pass
+    for p in left:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(left, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    return len(left)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parent", type=int, required=True, help="the process to watch")
+    ap.add_argument("--grace", type=float, default=10.0, help="SIGTERM -> SIGKILL seconds")
+    ns = ap.parse_args()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    watch(ns.parent, ns.grace)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
