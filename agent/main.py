@@ -200,16 +200,22 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
         socket_path=ns.socket,
         spare=ns.spare,
         max_disconnected_s=ns.max_disconnected_s,
-        tls_cert=ns.tls_cert,
-        tls_key=ns.tls_key,
-        tls_ca=ns.tls_ca,
         token=read_token(ns.token, ns.token_file),
+        **_checked_tls(ns),
         fault=ns.inject_fault,
         selfcheck_timeout_s=ns.selfcheck_timeout_s,
         selfcheck_at_register=not ns.no_selfcheck,
         flash=flash,
         **kw,
     )
+
+
+def _checked_tls(ns: argparse.Namespace) -> dict[str, str | None]:
+    """The --tls-* files, all three or none, each existing (ValueError naming the flag)."""
+    from unbroken.driver.security import TlsConfig
+
+    tls = TlsConfig(cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca)
+    return {"tls_cert": tls.cert, "tls_key": tls.key, "tls_ca": tls.ca}
 
 
 def read_token(token: str | None, token_file: str | None) -> str | None:

@@ -23,6 +23,7 @@ import datetime
 import ipaddress
 import os
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -195,7 +196,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.certs_command == "ca":
             if (Path(args.dir) / "ca.key").exists():
-                print(f"error: {args.dir}/ca.key exists; refusing to overwrite a CA")
+                print(
+                    f"unbroken certs: {args.dir}/ca.key exists; refusing to overwrite a CA",
+                    file=sys.stderr,
+                )
                 return 2
             print(make_ca(args.dir, days=args.days))
             return 0
@@ -204,6 +208,6 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"{crt}\n{key}")
         return 0
-    except ValueError as e:
-        print(f"error: {e}")
+    except (ValueError, OSError) as e:
+        print(f"unbroken certs: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -41,35 +42,165 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
+CONFIGURABLE = ("driver", "agent")  # subcommands that take --config FILE / --print-config
+NOT_IN_CONFIG = {"help", "config", "print_config", "token"}
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used (its message names the file and the key)."""
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The argument parser; with `only`, import just that subcommand's module."""
     parser = argparse.ArgumentParser(
         prog="unbroken",
-        description="Keeps PyTorch training runs alive through node, GPU and process faults.",
+        description="Keeps PyTorch training runs alive through node, GPU and process faults. "
+        "--debug (anywhere) shows tracebacks.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
         if only is None or only == name:
             importlib.import_module(module).configure(p)
+            if name in CONFIGURABLE:
+                p.add_argument(
+                    "--config",
+                    metavar="FILE",
+                    help="TOML file of settings named as the flags, without the dashes "
+                    '(listen = "0.0.0.0:50051", miss-limit = 5); flags override it',
+                )
+                p.add_argument(
+                    "--print-config",
+                    action="store_true",
+                    help="print the effective settings as TOML and exit",
+                )
+            SUBPARSERS[name] = p
     return parser
+
+
+SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
+
+
+def _options(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {
+        a.dest: a
+        for a in p._actions
+        if a.option_strings and a.dest not in NOT_IN_CONFIG and a.help != argparse.SUPPRESS
+    }
+
+
+def apply_config(p: argparse.ArgumentParser, path: str) -> None:
+    """Make `path`'s settings the defaults of `p` (flags given on the line still win)."""
+    import tomllib
+    from pathlib import Path
+
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} does not exist") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
+    options = _options(p)
+    values: dict[str, object] = {}
+    for key, value in data.items():
+        a = options.get(key.replace("-", "_"))
+        if a is None:
+            raise ConfigError(
+                f"{path}: unknown key {key!r}; keys are the flags of `unbroken {p.prog.split()[-1]}"
+                " --help` without the dashes"
+            )
+        if isinstance(a, argparse._StoreTrueAction | argparse._StoreFalseAction):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{path}: {key} must be true or false, got {value!r}")
+        elif isinstance(a, argparse._AppendAction):
+            value = value if isinstance(value, list) else [value]
+            value = [str(v) for v in value]
+        elif a.type is not None and not isinstance(value, bool):
+            try:
+                value = a.type(value)  # type: ignore[misc,operator]
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"{path}: {key} = {value!r} is not valid: {e}") from None
+        elif isinstance(value, dict | list):
+            raise ConfigError(f"{path}: {key} must be a single value, got {value!r}")
+        if a.choices is not None and value not in a.choices:
+            raise ConfigError(f"{path}: {key} must be one of {list(a.choices)}, got {value!r}")
+        values[a.dest] = value
+        a.required = False
+    p.set_defaults(**values)
+
+
+def effective_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """The settings `args` holds, as a TOML file `--config` accepts."""
+    import json
+
+    lines = []
+    for dest, a in _options(p).items():
+        v = getattr(args, dest, None)
+        key = a.option_strings[-1].lstrip("-")
+        if v is None:
+            lines.append(f"# {key} =  (unset)")
+        elif isinstance(v, bool):
+            lines.append(f"{key} = {'true' if v else 'false'}")
+        elif isinstance(v, int | float):
+            lines.append(f"{key} = {v}")
+        elif isinstance(v, list):
+            lines.append(f"{key} = {json.dumps([str(x) for x in v])}")
+        else:
+            lines.append(f"{key} = {json.dumps(str(v))}")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `unbroken` console script."""
     args_list = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args_list or os.environ.get("UNBROKEN_DEBUG") == "1"
+    args_list = [a for a in args_list if a != "--debug"]
     chosen = next((a for a in args_list if a in SUBCOMMANDS), None)
     wants_help = not args_list or args_list[0] in ("-h", "--help")
     parser = build_parser(None if wants_help else chosen)
+    if chosen in CONFIGURABLE and chosen in SUBPARSERS:
+        path = _config_path(args_list)
+        if path is not None:
+            try:
+                apply_config(SUBPARSERS[chosen], path)
+            except ConfigError as e:
+                print(f"unbroken {chosen}: {e}", file=sys.stderr)
+                return EXIT_USAGE
     args = parser.parse_args(args_list)
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    if getattr(args, "print_config", False):
+        print(effective_config(SUBPARSERS[args.command], args), end="")
+        return EXIT_OK
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
     try:
         return int(module.run(args))
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
+        if debug:
+            raise
+        print(f"unbroken {args.command}: {e}; check the path and its permissions", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:  # a bug or an unforeseen condition: one line, unless --debug
+        if debug:
+            raise
+        print(
+            f"unbroken {args.command}: {type(e).__name__}: {e} (run with --debug for the "
+            "traceback)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+
+
+def _config_path(args: list[str]) -> str | None:
+    for i, a in enumerate(args):
+        if a == "--config" and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith("--config="):
+            return a.split("=", 1)[1]
+    return None
 
 
 if __name__ == "__main__":

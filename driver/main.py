@@ -29,7 +29,13 @@ import structlog
 from unbroken.driver import detectors, reaper
 from unbroken.driver.dashboard import Dashboard, DashboardConfig
 from unbroken.driver.etcd import EmbeddedEtcd, EtcdConfig, add_etcd_flags
-from unbroken.driver.eventlog import EventLogError, InMemoryEventLog, InMemoryStore, Leadership
+from unbroken.driver.eventlog import (
+    EventLogError,
+    InMemoryEventLog,
+    InMemoryStore,
+    Leadership,
+    LogUnavailableError,
+)
 from unbroken.driver.liveview import LiveViewConfig
 from unbroken.driver.loop import LoopConfig, RecoveryLoop, timeline
 from unbroken.driver.machine import Policy
@@ -519,4 +525,4 @@ def run(ns: argparse.Namespace) -> int:
     except EventLogError as e:  # etcd unreachable, full, or refusing: said once, no traceback
         log.error("driver stopped", error=str(e))
         print(f"unbroken driver: {e}", file=sys.stderr)
-        return 1
+        return 3 if isinstance(e, LogUnavailableError) else 1

@@ -47,7 +47,7 @@ class TwoDrivers(Job):
             [
                 "driver", "--etcd", self.endpoint, "--job-id", self.job, "--driver-id", name,
                 "--listen", f"127.0.0.1:{port}", "--port-file", str(port_file),
-                "--miss-limit", "30",
+                "--miss-limit", "30", "--allow-fault-injection",
                 "--nodes", str(nodes), "--workers-per-node", "1", "--dp", str(nodes),
                 "--worker-cmd", cmd, "--master-addr", "127.0.0.1",
             ],

@@ -37,12 +37,12 @@ def test_certificates_tokens_driver_agent_operator_dashboard(tmp_path: Path) -> 
     pki = tmp_path / "pki"
     assert unbroken("certs", "ca", "--dir", str(pki)).returncode == 0
     again = unbroken("certs", "ca", "--dir", str(pki))
-    assert again.returncode == 2 and "refusing to overwrite" in again.stdout
+    assert again.returncode == 2 and "refusing to overwrite" in again.stderr
     for who in ("driver:main", "node:gpu-017", "operator:alice"):
         r = unbroken("certs", "issue", "--dir", str(pki), who, "--host", "127.0.0.1")
         assert r.returncode == 0, r.stdout + r.stderr
     bad = unbroken("certs", "issue", "--dir", str(pki), "root")
-    assert bad.returncode == 2 and "ROLE:NAME" in bad.stdout
+    assert bad.returncode == 2 and "ROLE:NAME" in bad.stderr
     for key in ("ca.key", "driver-main.key", "node-gpu-017.key", "operator-alice.key"):
         assert stat.S_IMODE((pki / key).stat().st_mode) == 0o600, key
     viewer = "v-" + os.urandom(16).hex()
