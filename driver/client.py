@@ -127,6 +127,11 @@ def metadata(cfg: ClientConfig) -> tuple[tuple[str, str], ...]:
 def explain(e: grpc.aio.AioRpcError, cfg: ClientConfig) -> CliError:
     """The operator-facing message and exit code of a failed call."""
     code, details = e.code(), e.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE and "etcd" in details:
+        return CliError(
+            f"the driver at {cfg.driver} cannot reach its etcd: {details[:300]}",
+            EXIT_UNREACHABLE,
+        )
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return CliError(
             f"cannot reach the driver at {cfg.driver} ({code.name}: {details[:300]}). "

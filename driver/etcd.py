@@ -135,6 +135,7 @@ class EmbeddedEtcd:
         self.client_port = 0
         self.peer_port = 0
         self.proc: subprocess.Popen[bytes] | None = None
+        self.initial_cluster = ""  # a member of an EmbeddedEtcdCluster: every member's peer URL
 
     @property
     def endpoint(self) -> str:
@@ -161,7 +162,7 @@ class EmbeddedEtcd:
             "--initial-advertise-peer-urls",
             peer,
             "--initial-cluster",
-            f"{self.name}={peer}",
+            self.initial_cluster or f"{self.name}={peer}",
             "--initial-cluster-state",
             "new",
             "--log-level",
@@ -251,6 +252,63 @@ class EmbeddedEtcd:
         self.stop()
 
 
+class EmbeddedEtcdCluster:
+    """`members` etcd servers forming one cluster on loopback (drills of a member's loss).
+
+    `config` lists every member's client URL; `members[i].kill()` / `.restart()` take one
+    down and bring it back with its data.
+    """
+
+    def __init__(self, members: int = 3, data_dir: str | os.PathLike[str] | None = None) -> None:
+        if members < 1:
+            raise ValueError(f"an etcd cluster needs at least one member, got {members}")
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="unbroken-etcd-cluster-"))
+        self.members = [EmbeddedEtcd(self.data_dir / f"m{i}", name=f"m{i}") for i in range(members)]
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.members]
+
+    @property
+    def endpoint(self) -> str:
+        return ",".join(self.endpoints)
+
+    @property
+    def config(self) -> EtcdConfig:
+        return EtcdConfig(endpoints=self.endpoints)
+
+    def start(self, timeout_s: float = 30.0) -> EmbeddedEtcdCluster:
+        for m in self.members:
+            m.client_port, m.peer_port = free_port(), free_port()
+        spec = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in self.members)
+        for m in self.members:
+            m.initial_cluster = spec
+            m.data_dir.mkdir(parents=True, exist_ok=True)
+            m._spawn()
+        deadline = time.monotonic() + timeout_s
+        while not all(health(m.endpoint, 0.5) for m in self.members):
+            if time.monotonic() > deadline or any(
+                m.proc is None or m.proc.poll() is not None for m in self.members
+            ):
+                self.stop()
+                raise EtcdError(f"the {len(self.members)}-member etcd cluster did not start")
+            time.sleep(0.1)
+        return self
+
+    def stop(self, *, remove: bool | None = None) -> None:
+        for m in self.members:
+            m.stop(remove=False)
+        if remove if remove is not None else self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedEtcdCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 def health(endpoint: str, timeout_s: float = 1.0) -> bool:
     """True when etcd at `endpoint` answers /health with health=true (http only)."""
     try:
@@ -276,10 +334,11 @@ def run(ns: argparse.Namespace) -> int:
         signal.signal(sig, stop)
     reaper.start()  # and when this process is SIGKILLed
     with EmbeddedEtcd(ns.data_dir) as etcd:
-        print(f"etcd is up at {etcd.endpoint} (data: {etcd.data_dir}); Ctrl-C stops it")
+        print(f"etcd is up at {etcd.endpoint} (data: {etcd.data_dir}); Ctrl-C stops it", flush=True)
         print(
             f"look at it: {etcd_bin_dir() / 'etcdctl'} --endpoints {etcd.endpoint} "
-            "get --prefix /unbroken/ --keys-only"
+            "get --prefix /unbroken/ --keys-only",
+            flush=True,
         )
         try:
             while etcd.proc is not None and etcd.proc.poll() is None:

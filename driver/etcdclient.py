@@ -8,12 +8,15 @@ The small request builders keep transactions readable where they are composed.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
 import aetcd
 import grpc
+import structlog
 from aetcd import rpc
 from aetcd import watcher as aetcd_watcher
 
@@ -25,6 +28,8 @@ from unbroken.driver.eventlog import (
     SchemaError,
 )
 from unbroken.proto import events_pb2 as ev
+
+log = structlog.get_logger(__name__)
 
 ROOT = "/unbroken"
 CHANNEL_OPTIONS: dict[str, Any] = {
@@ -92,39 +97,165 @@ class Keys:
 
 
 class EtcdClient(aetcd.Client):
-    """`aetcd.Client` that opens a TLS channel when asked (aetcd itself has no TLS parameter).
+    """`aetcd.Client` over every endpoint of a cluster, failing over when one dies.
 
-    aetcd builds an insecure channel in `connect()`; this subclass builds the channel itself
-    (secure when a CA or client certificate is configured or the endpoint is https) and then
-    sets up the same stubs and watcher aetcd's own methods use.
+    aetcd builds one insecure channel to one host in `connect()`. This subclass builds the
+    channel itself (TLS when a CA or client certificate is configured or the endpoint is
+    https) to one member at a time, and a watchdog task moves every stub to another member
+    that answers when the current one's channel fails (TRANSIENT_FAILURE) or a caller
+    reports it unreachable (`suspect()`). Calls in flight on the dead member fail with
+    UNAVAILABLE and their callers retry (the log, the election and its keep-alive all do),
+    now on a live member. Every call carries etcd's `hasleader` metadata, so a member cut
+    off from its cluster answers at once instead of hanging.
     """
 
-    def __init__(self, endpoint: str, config: EtcdConfig) -> None:
-        u = urlparse(endpoint)
-        assert u.hostname and u.port, endpoint
+    def __init__(self, endpoints: str | list[str], config: EtcdConfig) -> None:
+        eps = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        u = urlparse(eps[0])
+        assert u.hostname and u.port, eps[0]
         super().__init__(host=u.hostname, port=u.port, options=dict(CHANNEL_OPTIONS))
-        self.endpoint = endpoint
+        self.endpoints = eps
+        self.endpoint = eps[0]
+        self._config = config
+        self._index = 0
+        self.failovers = 0  # members given up on so far
+        self._watchdog: asyncio.Task[None] | None = None
+        self._suspected = asyncio.Event()
         self._credentials = (
             _credentials(config)
-            if (u.scheme == "https" or config.ca_cert or config.client_cert)
+            if (
+                any(urlparse(e).scheme == "https" for e in eps)
+                or config.ca_cert
+                or config.client_cert
+            )
             else None
         )
+
+    def _channel(self, endpoint: str) -> grpc.aio.Channel:
+        u = urlparse(endpoint)
+        target = f"{u.hostname}:{u.port}"
+        options = list(self._options.items())
+        if self._credentials is not None:
+            return grpc.aio.secure_channel(
+                target, self._credentials, options=options, interceptors=_LEADER_REQUIRED
+            )
+        return grpc.aio.insecure_channel(target, options=options, interceptors=_LEADER_REQUIRED)
+
+    def _use(self, index: int, chan: grpc.aio.Channel) -> None:
+        u = urlparse(self.endpoints[index])
+        self._index, self.endpoint = index, self.endpoints[index]
+        self._host, self._port = u.hostname or "", u.port or 0
+        self.channel = chan
+        self.kvstub = rpc.KVStub(chan)
+        self.clusterstub = rpc.ClusterStub(chan)
+        self.leasestub = rpc.LeaseStub(chan)
+        self.maintenancestub = rpc.MaintenanceStub(chan)
+        self._watcher = aetcd_watcher.Watcher(rpc.WatchStub(chan), timeout=self._timeout)
 
     async def connect(self) -> None:
         if self._connected.is_set():
             return
-        target = f"{self._host}:{self._port}"
-        options = list(self._options.items())
-        if self._credentials is not None:
-            self.channel = grpc.aio.secure_channel(target, self._credentials, options=options)
-        else:
-            self.channel = grpc.aio.insecure_channel(target, options=options)
-        self.kvstub = rpc.KVStub(self.channel)
-        self.clusterstub = rpc.ClusterStub(self.channel)
-        self.leasestub = rpc.LeaseStub(self.channel)
-        self.maintenancestub = rpc.MaintenanceStub(self.channel)
-        self._watcher = aetcd_watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout)
+        self._use(self._index, self._channel(self.endpoints[self._index]))
         self._connected.set()
+        if len(self.endpoints) > 1 and self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+
+    def suspect(self) -> None:
+        """A caller found the current member unreachable: look for another one now."""
+        self._suspected.set()
+
+    async def _watch(self) -> None:
+        """Move to another member when the current one's channel fails."""
+        bad = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
+        while True:
+            chan = self.channel
+            state = chan.get_state(try_to_connect=True) if chan is not None else None
+            if state in bad or self._suspected.is_set():
+                self._suspected.clear()
+                if not await self._failover():
+                    await asyncio.sleep(FAILOVER_RETRY_S)
+                continue
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(WATCHDOG_POLL_S):
+                    waiters = [asyncio.ensure_future(self._suspected.wait())]
+                    if chan is not None and state is not None:
+                        waiters.append(asyncio.ensure_future(chan.wait_for_state_change(state)))
+                    try:
+                        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        for w in waiters:
+                            w.cancel()
+
+    async def _failover(self) -> bool:
+        """Switch to the next member that answers a Status call; False when none does."""
+        n = len(self.endpoints)
+        for step in range(1, n + 1):
+            i = (self._index + step) % n
+            chan = self._channel(self.endpoints[i])
+            try:
+                await rpc.MaintenanceStub(chan).Status(
+                    rpc.StatusRequest(), timeout=FAILOVER_PROBE_S, wait_for_ready=True
+                )
+            except (grpc.aio.AioRpcError, TimeoutError, OSError):
+                await chan.close()
+                continue
+            old, old_endpoint = self.channel, self.endpoint
+            if i == self._index:  # the same member answers again: keep it
+                await chan.close()
+                return True
+            self._use(i, chan)
+            self.failovers += 1
+            log.warning(
+                "etcd member unreachable; moved to another", old=old_endpoint, new=self.endpoint
+            )
+            if old is not None:
+                asyncio.get_running_loop().call_later(
+                    1.0, lambda c=old: asyncio.ensure_future(c.close())
+                )
+            return True
+        return False
+
+    async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+            self._watchdog = None
+        await super().close()
+
+
+class _LeaderRequired(
+    grpc.aio.UnaryUnaryClientInterceptor,
+    grpc.aio.UnaryStreamClientInterceptor,
+    grpc.aio.StreamUnaryClientInterceptor,
+    grpc.aio.StreamStreamClientInterceptor,
+):
+    """Adds etcd's `hasleader: true` to every call: a member without a raft leader (cut off
+    from the others) refuses at once instead of hanging until the deadline."""
+
+    @staticmethod
+    def _details(d: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        md = grpc.aio.Metadata(*(d.metadata or ()))
+        md.add("hasleader", "true")
+        return grpc.aio.ClientCallDetails(d.method, d.timeout, md, d.credentials, d.wait_for_ready)
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+    async def intercept_stream_unary(self, continuation: Any, details: Any, it: Any) -> Any:
+        return await continuation(self._details(details), it)
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, it: Any) -> Any:
+        return await continuation(self._details(details), it)
+
+
+_LEADER_REQUIRED = [_LeaderRequired()]
+WATCHDOG_POLL_S = 1.0
+FAILOVER_PROBE_S = 1.0
+FAILOVER_RETRY_S = 0.2
 
 
 def _read_file(path: str, field_name: str) -> bytes:
@@ -145,11 +276,11 @@ def _credentials(config: EtcdConfig) -> grpc.ChannelCredentials:
 
 
 async def connect(config: EtcdConfig) -> aetcd.Client:
-    """A connected client for the first reachable endpoint of `config`.
+    """A connected client over every endpoint of `config` (see `EtcdClient`).
 
-    Each endpoint gets `config.connect_timeout_s` to answer a Status call (TLS when
-    configured). The returned client is an `aetcd.Client` whose channel never retries
-    writes by itself.
+    Starting from the first endpoint, each gets `config.connect_timeout_s` to answer a
+    Status call (TLS when configured); the client starts on the first that answers and
+    fails over to the others later. Its channel never retries writes by itself.
 
     Raises:
         ValueError: no endpoints, or a TLS file cannot be read.
@@ -161,8 +292,9 @@ async def connect(config: EtcdConfig) -> aetcd.Client:
             "(unbroken.driver.etcd) and pass its .config, or give --etcd URLs"
         )
     problems = []
-    for endpoint in config.endpoints:
-        client = EtcdClient(endpoint, config)
+    for i, endpoint in enumerate(config.endpoints):
+        eps = list(config.endpoints[i:]) + list(config.endpoints[:i])
+        client = EtcdClient(eps, config)
         try:
             await client.connect()
             await client.maintenancestub.Status(
@@ -207,7 +339,9 @@ def classify(e: grpc.aio.AioRpcError, client: aetcd.Client) -> EventLogError | N
             "snapshot_every, `etcdctl compact`/`defrag`), raise --quota-backend-bytes, then "
             "`etcdctl alarm disarm`"
         )
-    if code == grpc.StatusCode.UNAVAILABLE:
+    if code == grpc.StatusCode.UNAVAILABLE or "no leader" in details:
+        if isinstance(client, EtcdClient):
+            client.suspect()  # look for another member now
         return LogUnavailableError(f"etcd at {where} is unavailable: {details}")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED or any(m in details for m in _UNKNOWN_OUTCOME):
         return None

@@ -61,6 +61,7 @@ from unbroken.proto import events_pb2 as ev
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = "unbroken.driver.v1.Driver"
+LEADER_HEALTH = "unbroken.driver.v1.Driver.leader"  # health: SERVING on the leader only
 __all__ = ["Batch", "DriverService", "ServiceConfig", "build_server"]
 CARRY_LIMIT = 100_000  # unrecorded observations kept between terms
 RING = 1 << 16  # latency samples kept for p50/p99
@@ -315,7 +316,7 @@ class DriverService(dgrpc.DriverServicer):
     # ------------------------------------------------------------ background loops
     def start(self) -> None:
         """Start the detector sweeps (call inside the event loop)."""
-        self._tasks = [
+        self._tasks += [
             asyncio.create_task(self._lost_loop()),
             asyncio.create_task(
                 self._loop("hang", self._sweep_hangs, self.config.detectors.hang_sweep_ms / 1000.0)
@@ -813,4 +814,21 @@ async def build_server(
     status = health_pb2.HealthCheckResponse.SERVING
     await health_servicer.set(SERVICE_NAME, status)
     await health_servicer.set("", status)
+    service._tasks.append(asyncio.create_task(_leader_health(service, health_servicer)))
     return server, port, health_servicer
+
+
+async def _leader_health(service: DriverService, servicer: health.aio.HealthServicer) -> None:
+    """`LEADER_HEALTH` is SERVING on the leader only: a load balancer's health check finds
+    the driver that answers operator calls (every driver serves agents: SERVICE_NAME)."""
+    leading: bool | None = None
+    while True:
+        if service.leader != leading:
+            leading = service.leader
+            await servicer.set(
+                LEADER_HEALTH,
+                health_pb2.HealthCheckResponse.SERVING
+                if leading
+                else health_pb2.HealthCheckResponse.NOT_SERVING,
+            )
+        await asyncio.sleep(0.2)

@@ -53,7 +53,7 @@ from typing import Any
 
 from unbroken.driver import reaper
 from unbroken.driver.drill import DRILL, Drill, FaultRecord, fault_table, leader_view, stop_groups
-from unbroken.driver.etcd import EmbeddedEtcd, free_port
+from unbroken.driver.etcd import EmbeddedEtcd, EmbeddedEtcdCluster, free_port
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 
@@ -83,6 +83,7 @@ class UpConfig:
     hang_floor_s: float = 4.0  # no progress for this long is a hang (the driver's default: 30)
     faults: tuple[str, ...] = DRILL  # the drill's faults, in order
     dashboard_port: int = 0  # the leader's web dashboard (the standby's: +1); 0: free ports
+    etcd_members: int = 1  # 3 or 5: a real etcd cluster, to drill a member's loss
 
     def __post_init__(self) -> None:
         for name in ("nodes", "workers_per_node", "dp", "pp", "tp", "steps"):
@@ -90,6 +91,8 @@ class UpConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.spares < 0:
             raise ValueError(f"spares must be >= 0, got {self.spares}")
+        if not 1 <= self.etcd_members <= 7:
+            raise ValueError(f"etcd_members must be in [1, 7], got {self.etcd_members}")
         world = self.nodes * self.workers_per_node
         if self.dp * self.pp * self.tp != world:
             raise ValueError(
@@ -118,7 +121,7 @@ class Cluster:
 
     cfg: UpConfig
     run: Path
-    etcd: EmbeddedEtcd | None = None
+    etcd: EmbeddedEtcd | EmbeddedEtcdCluster | None = None
     drivers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
     agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
@@ -184,6 +187,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--dashboard-port", type=int, default=0, help="web dashboard port (default 0: a free one)"
     )
     parser.add_argument("--run-dir", default="", help="logs and etcd data (default: runs/up-*)")
+    parser.add_argument(
+        "--etcd-members",
+        type=int,
+        default=d.etcd_members,
+        help="embedded etcd cluster size (3 or 5 to drill the loss of a member; default 1)",
+    )
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -206,6 +215,7 @@ def run(ns: argparse.Namespace) -> int:
             hang_floor_s=ns.hang_floor,
             faults=tuple(f.strip() for f in ns.faults.split(",") if f.strip()),
             dashboard_port=ns.dashboard_port,
+            etcd_members=ns.etcd_members,
             live=not ns.no_live and sys.stdout.isatty(),
         )
     except ValueError as e:
@@ -241,7 +251,11 @@ async def _main(c: Cluster) -> int:
     cfg = c.cfg
     t0 = time.monotonic()
     reaper.start()  # everything below dies with `up`, even when `up` is SIGKILLed
-    c.etcd = EmbeddedEtcd(c.run / "etcd").start()
+    c.etcd = (
+        EmbeddedEtcdCluster(cfg.etcd_members, c.run / "etcd").start()
+        if cfg.etcd_members > 1
+        else EmbeddedEtcd(c.run / "etcd").start()
+    )
     console.print(f"[bold]etcd[/] up at {c.etcd.endpoint} ({time.monotonic() - t0:.1f} s)")
     names = ["driver-a", "driver-b"] if cfg.standby else ["driver-a"]
     worker_cmd = (

@@ -1,0 +1,137 @@
+"""The control plane through the loss of an etcd member.
+
+A real 3-member etcd cluster on loopback. The leader's client starts on member 0; member 0
+is SIGKILLed while the leader appends, then, after it heals, the member the client moved
+to. The client must move to a live member by itself (it used to retry the dead one until
+the driver gave up), the leader must keep its lease (or lead again within the TTL + 1 s),
+and every acknowledged event must be in the log exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from unbroken.driver import election as electionlib
+from unbroken.driver import etcdlog
+from unbroken.driver.etcd import EmbeddedEtcdCluster, EtcdConfig, health
+from unbroken.driver.etcdclient import EtcdClient
+from unbroken.driver.eventlog import EventLogError
+from unbroken.proto import events_pb2 as ev
+
+pytestmark = pytest.mark.integration
+
+TTL_S = 2.0
+
+
+async def _append_through(elog: etcdlog.EtcdEventLog, seconds: float, acked: list[str]) -> int:
+    """Append one event every 50 ms for `seconds`; return how many appends failed."""
+    failed = 0
+    end = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < end:
+        i += 1
+        e = ev.Event(cause=f"ha-{len(acked)}-{i}", log_alert=ev.LogAlert(node_id="n", line="x"))
+        e.event_id = f"ha-{time.monotonic_ns()}"
+        try:
+            await elog.append(e)
+            acked.append(e.event_id)
+        except EventLogError:
+            failed += 1
+        await asyncio.sleep(0.05)
+    return failed
+
+
+def test_the_leader_keeps_writing_through_the_loss_of_its_etcd_member(tmp_path: Path) -> None:
+    cluster = EmbeddedEtcdCluster(3, tmp_path / "etcd").start()
+
+    async def go() -> None:
+        client = await etcdlog.connect(EtcdConfig(endpoints=cluster.endpoints))
+        assert isinstance(client, EtcdClient) and client.endpoint == cluster.members[0].endpoint
+        election = electionlib.Election(client, "ha", "d1", ttl_s=TTL_S)
+        leadership = await election.campaign(timeout_s=10)
+        elog = etcdlog.EtcdEventLog(client, "ha", leadership, archive_url="")
+        acked: list[str] = []
+        try:
+            await _append_through(elog, 1.0, acked)
+            before = len(acked)
+            for victim in (0, None):  # member 0, then (healed) the member the client moved to
+                index = victim if victim is not None else cluster.endpoints.index(client.endpoint)
+                cluster.members[index].kill()
+                killed_at = time.monotonic()
+                await _append_through(elog, TTL_S + 2.0, acked)
+                assert client.endpoint != cluster.members[index].endpoint, "still on the dead one"
+                assert not election.lost.is_set(), "the lease was lost with a quorum alive"
+                # writes resumed well within the TTL + 1 s
+                n = len(acked)
+                await _append_through(elog, 0.5, acked)
+                assert len(acked) > n
+                assert time.monotonic() - killed_at < 2 * (TTL_S + 2.0) + 2
+                cluster.members[index].restart()
+                deadline = time.monotonic() + 20
+                while not health(cluster.members[index].endpoint):
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.1)
+            assert len(acked) > before and client.failovers >= 2
+            events = await elog.read()
+            ids = [e.event_id for e in events]
+            assert len(ids) == len(set(ids)), "an event appended twice"
+            assert set(acked) <= set(ids), "an acknowledged event is missing"
+        finally:
+            await elog.close()
+            await election.resign()
+            await client.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        cluster.stop()
+
+
+def test_only_the_leader_reports_the_leader_health_service() -> None:
+    """A load balancer finds the driver that answers operator calls by its health check."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
+    from unbroken.driver.service import (
+        LEADER_HEALTH,
+        SERVICE_NAME,
+        DriverService,
+        ServiceConfig,
+        build_server,
+    )
+
+    async def status(addr: str, name: str) -> int:
+        async with grpc.aio.insecure_channel(addr) as ch:
+            r = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=name), timeout=5
+            )
+            return int(r.status)
+
+    async def go() -> None:
+        store = InMemoryStore()
+        lead = DriverService(ServiceConfig(), driver_id="a", job_id="j")
+        lead.lead(InMemoryEventLog(store, "j", store.elect("a")), "")
+        standby = DriverService(ServiceConfig(), driver_id="b", job_id="j")
+        servers = [await build_server(s, "127.0.0.1:0") for s in (lead, standby)]
+        try:
+            await asyncio.sleep(0.5)
+            a, b = (f"127.0.0.1:{port}" for _, port, _ in servers)
+            serving = health_pb2.HealthCheckResponse.SERVING
+            assert await status(a, SERVICE_NAME) == serving == await status(b, SERVICE_NAME)
+            assert await status(a, LEADER_HEALTH) == serving
+            assert await status(b, LEADER_HEALTH) == health_pb2.HealthCheckResponse.NOT_SERVING
+            lead.step_down()
+            await asyncio.sleep(0.5)
+            assert await status(a, LEADER_HEALTH) == health_pb2.HealthCheckResponse.NOT_SERVING
+        finally:
+            for server, _, _ in servers:
+                await server.stop(0)
+            await lead.close()
+            await standby.close()
+
+    asyncio.run(go())
