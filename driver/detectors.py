@@ -287,6 +287,16 @@ def validate_register(req: dpb.RegisterRequest) -> str:
     return ""
 
 
+def _lowest_rank(slot: NodeSlot) -> dpb.WorkerStatus | None:
+    """The node's running worker with the lowest global rank that reports a loss."""
+    best: dpb.WorkerStatus | None = None
+    for w in slot.hb.workers:
+        running = w.state == dpb.WORKER_STATE_RUNNING and w.has_loss and w.step > 0
+        if running and (best is None or w.global_rank < best.global_rank):
+            best = w
+    return best
+
+
 @dataclass(slots=True)
 class LossWatch:
     """The job's loss curve from heartbeats, one loss per step, into a spike detector.
@@ -304,21 +314,45 @@ class LossWatch:
     last_step: int = 0
     last_restarts: int = -1
     last_peak: tuple[int, float] | None = None  # (step, loss) of the last peak fed
+    rescan_every: int = 50  # sweeps between full scans of the world (5 s at 100 ms)
+    sweeps: int = 0
+    full_scans: int = 0
+    _node: str = ""  # the node holding the lowest reporting rank at the last full scan
 
     def __post_init__(self) -> None:
         self.detector = SpikeDetector(self.config)
 
-    def sweep(self, view: LiveView, world: Sequence[str]) -> ev.Event | None:
-        """A `LossSpike` event when the newest step's loss spikes, else None."""
+    @staticmethod
+    def _scan(view: LiveView, world: Sequence[str]) -> tuple[dpb.WorkerStatus | None, str]:
+        """The lowest global rank reporting a loss in the whole world, and its node."""
         best: dpb.WorkerStatus | None = None
+        node = ""
         for node_id in world:
             slot = view.nodes.get(node_id)
             if slot is None or not slot.alive:
                 continue
-            for w in slot.hb.workers:
-                running = w.state == dpb.WORKER_STATE_RUNNING and w.has_loss and w.step > 0
-                if running and (best is None or w.global_rank < best.global_rank):
-                    best = w
+            w = _lowest_rank(slot)
+            if w is not None and (best is None or w.global_rank < best.global_rank):
+                best, node = w, node_id
+        return best, node
+
+    def sweep(self, view: LiveView, world: Sequence[str]) -> ev.Event | None:
+        """A `LossSpike` event when the newest step's loss spikes, else None.
+
+        O(workers of one node) per sweep: the node that held the lowest rank at the last
+        full scan is read alone; the whole world is scanned again when that node stops
+        reporting, when it looks like a new timeline (restarts changed, step went back), and
+        every `rescan_every` sweeps (a lower rank may have appeared elsewhere).
+        """
+        self.sweeps += 1
+        best: dpb.WorkerStatus | None = None
+        if self._node and self.sweeps % self.rescan_every:
+            slot = view.nodes.get(self._node)
+            if slot is not None and slot.alive and self._node in world:
+                best = _lowest_rank(slot)
+        if best is None or best.restarts != self.last_restarts or best.step < self.last_step:
+            best, self._node = self._scan(view, world)
+            self.full_scans += 1
         if best is None:
             return None
         if best.step == self.last_step and best.restarts == self.last_restarts:
