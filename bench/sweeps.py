@@ -9,7 +9,8 @@ heartbeats (8 workers each, every one running and reporting a loss):
   the full scan it replaced (rescan_every=1), same view, same run: the ratio;
 - the hang sweep (every `hang_sweep_ms`, 1 s), still O(all ranks);
 - the node-lost sweep (every interval/5), O(1) on a healthy cluster;
-- ListNodes' response (`node_infos`) and the LiveView snapshot at 10,000 nodes.
+- ListNodes' response (`node_infos`: all nodes, and one page of 1,000 as `unbroken nodes`
+  fetches them), GetStatus (`status_of`) and the LiveView snapshot at 10,000 nodes.
 
 Each figure is the median of `--repeat` timings; "% of a core" is the median time divided
 by the sweep's period. Writes bench/results/sweeps.json and prints a table.
@@ -29,7 +30,7 @@ from typing import Any
 from unbroken.driver import detectors
 from unbroken.driver import state as statelib
 from unbroken.driver.liveview import LiveView, LiveViewConfig
-from unbroken.driver.operator import node_infos
+from unbroken.driver.operator import node_infos, status_of
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.recovery.spike import SpikeConfig
 
@@ -94,6 +95,8 @@ def main() -> None:
     t_lost = timed(lambda: detectors.silent(view, now), ns.repeat)
     state = statelib.initial("bench")
     t_nodes = timed(lambda: node_infos(state, view, now), max(3, ns.repeat // 5))
+    t_page = timed(lambda: node_infos(state, view, now, limit=1000), max(3, ns.repeat // 5))
+    t_status = timed(lambda: status_of(state, view), max(3, ns.repeat // 5))
     t_live = timed(lambda: view.snapshot(now), max(3, ns.repeat // 5))
 
     period = view.config.heartbeat_interval_ms / 1000.0
@@ -102,7 +105,9 @@ def main() -> None:
         "loss_watch_full_scan": (t_full, period),
         "hang_sweep": (t_hangs, cfg.hang_sweep_ms / 1000.0),
         "node_lost_sweep": (t_lost, period / 5),
-        "list_nodes_response": (t_nodes, None),
+        "list_nodes_all": (t_nodes, None),
+        "list_nodes_page_1000": (t_page, None),
+        "get_status": (t_status, None),
         "live_view_snapshot": (t_live, None),
     }
     out: dict[str, Any] = {

@@ -44,6 +44,7 @@ log = structlog.get_logger(__name__)
 READ_CHUNK = 500  # events read per call while streaming history (one exact key range)
 WATCH_BUFFER = 4096  # live events queued for one follower before it is dropped
 MAX_NODE_ID = 128
+MAX_PAGE = 100_000  # ListNodes page_size cap
 USER_KEY = "x-unbroken-user"  # who the operator is (the CLI sends user@host)
 DIAGNOSE_QUEUE = 1024  # progress messages buffered for one watching call
 SELFCHECK_TIMEOUT_S = 120.0  # default deadline of one node's self-check (RunSelfCheck)
@@ -67,10 +68,14 @@ def who(context: grpc.aio.ServicerContext) -> str:
     return f"{p} (claims {claim[:100]})"
 
 
-def node_infos(state: ev.JobState, view: LiveView, now: float) -> list[dpb.NodeInfo]:
-    """Every node of the folded state or the live view, joined, sorted by id (pure)."""
+def node_infos(
+    state: ev.JobState, view: LiveView, now: float, *, after: str = "", limit: int = 0
+) -> list[dpb.NodeInfo]:
+    """The nodes of the folded state or the live view, joined, sorted by id (pure): those
+    with ids after `after`, at most `limit` of them (0: all)."""
     out = []
-    for node_id in sorted(set(state.nodes) | set(view.nodes)):
+    ids = sorted(n for n in set(state.nodes) | set(view.nodes) if n > after)
+    for node_id in ids[:limit] if limit else ids:
         info = dpb.NodeInfo(node_id=node_id)
         rec = state.nodes.get(node_id)
         if rec is not None:
@@ -97,8 +102,24 @@ def node_infos(state: ev.JobState, view: LiveView, now: float) -> list[dpb.NodeI
     return out
 
 
-def status_of(state: ev.JobState, nodes: list[dpb.NodeInfo]) -> dpb.GetStatusResponse:
-    """The status counters of a folded state and its node list (pure)."""
+def status_of(state: ev.JobState, view: LiveView) -> dpb.GetStatusResponse:
+    """The status counters of a folded state and the live view (pure; no NodeInfo is built,
+    so it stays cheap at 10,000 nodes)."""
+    ids = set(state.nodes) | set(view.nodes)
+    counts = dict.fromkeys(ev.NodeState.values(), 0)
+    alive = live_step = 0
+    for node_id in ids:
+        rec = state.nodes.get(node_id)
+        counts[rec.state if rec is not None else 0] += 1
+        slot = view.nodes.get(node_id)
+        if slot is not None:
+            alive += slot.alive
+            for w in slot.hb.workers:
+                if w.step > live_step:
+                    live_step = w.step
+            for w in slot.hb.attached:
+                if w.step > live_step:
+                    live_step = w.step
     st = dpb.GetStatusResponse(
         job_id=state.job_id,
         leader_term=state.leader_term,
@@ -107,11 +128,10 @@ def status_of(state: ev.JobState, nodes: list[dpb.NodeInfo]) -> dpb.GetStatusRes
         last_seq=state.last_seq,
         incident_id=state.incident_id,
         last_diagnosis_id=state.last_diagnosis_id,
-        nodes_total=len(nodes),
-        nodes_alive=sum(n.alive for n in nodes),
-        live_step=max((n.step for n in nodes), default=0),
+        nodes_total=len(ids),
+        nodes_alive=alive,
+        live_step=live_step,
     )
-    counts = {s: sum(n.state == s for n in nodes) for s in ev.NodeState.values()}
     st.nodes_active = counts[ev.NODE_STATE_ACTIVE]
     st.nodes_spare = counts[ev.NODE_STATE_SPARE]
     st.nodes_lost = counts[ev.NODE_STATE_LOST]
@@ -163,7 +183,7 @@ class OperatorApi:
         self, request: dpb.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> dpb.GetStatusResponse:
         state = await self._state(context)
-        st = status_of(state, node_infos(state, self.view, time.monotonic()))
+        st = status_of(state, self.view)
         st.job_id = st.job_id or self._lead.job_id
         st.driver_id = self._lead.driver_id
         st.leader_address = self._lead.address
@@ -174,7 +194,17 @@ class OperatorApi:
         self, request: dpb.ListNodesRequest, context: grpc.aio.ServicerContext
     ) -> dpb.ListNodesResponse:
         state = await self._state(context)
-        return dpb.ListNodesResponse(nodes=node_infos(state, self.view, time.monotonic()))
+        if request.page_size > MAX_PAGE:
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"page_size {request.page_size} is over {MAX_PAGE}",
+            )
+        nodes = node_infos(
+            state, self.view, time.monotonic(), after=request.after, limit=request.page_size
+        )
+        more = bool(request.page_size) and len(nodes) == request.page_size
+        return dpb.ListNodesResponse(nodes=nodes, next_after=nodes[-1].node_id if more else "")
 
     async def WatchEvents(
         self, request: dpb.WatchEventsRequest, context: grpc.aio.ServicerContext

@@ -457,8 +457,12 @@ class GetStatusResponse(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., driver_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., leader_term: _Optional[int] = ..., phase: _Optional[_Union[_events_pb2.Phase, str]] = ..., step: _Optional[int] = ..., live_step: _Optional[int] = ..., nodes_total: _Optional[int] = ..., nodes_active: _Optional[int] = ..., nodes_spare: _Optional[int] = ..., nodes_lost: _Optional[int] = ..., nodes_evicted: _Optional[int] = ..., nodes_alive: _Optional[int] = ..., last_seq: _Optional[int] = ..., incident_id: _Optional[str] = ..., last_diagnosis_id: _Optional[str] = ..., diagnosis_running: _Optional[str] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "after")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    after: str
+    def __init__(self, page_size: _Optional[int] = ..., after: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
     __slots__ = ("node_id", "state", "alive", "connected", "epoch", "hostname", "ip", "num_workers", "spare", "failures", "silent_ms", "step", "workers", "attached")
@@ -493,10 +497,12 @@ class NodeInfo(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[_events_pb2.NodeState, str]] = ..., alive: _Optional[bool] = ..., connected: _Optional[bool] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., num_workers: _Optional[int] = ..., spare: _Optional[bool] = ..., failures: _Optional[int] = ..., silent_ms: _Optional[float] = ..., step: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., attached: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class ListNodesResponse(_message.Message):
-    __slots__ = ("nodes",)
+    __slots__ = ("nodes", "next_after")
     NODES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+    next_after: str
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., next_after: _Optional[str] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("since_seq", "follow")
