@@ -107,7 +107,9 @@ def signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
 
 
 async def leader_view(
-    addresses: dict[str, str], drivers: dict[str, subprocess.Popen[bytes]]
+    addresses: dict[str, str],
+    drivers: dict[str, subprocess.Popen[bytes]],
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> tuple[str, list[dpb.NodeLive]] | None:
     """The leading driver's name and live view, asking each running driver; None if none leads."""
     for name, addr in addresses.items():
@@ -116,7 +118,9 @@ async def leader_view(
             continue
         try:
             async with grpc.aio.insecure_channel(addr) as ch:
-                resp = await dgrpc.DriverStub(ch).LiveView(dpb.LiveViewRequest(), timeout=2)
+                resp = await dgrpc.DriverStub(ch).LiveView(
+                    dpb.LiveViewRequest(), timeout=2, metadata=metadata
+                )
         except grpc.RpcError:
             continue
         if resp.leader:
@@ -450,7 +454,9 @@ class Drill:
             return False, "no leader"
         try:
             async with grpc.aio.insecure_channel(addr) as ch:
-                resp = await getattr(dgrpc.DriverStub(ch), method)(req, timeout=timeout_s)
+                resp = await getattr(dgrpc.DriverStub(ch), method)(
+                    req, timeout=timeout_s, metadata=self.c.metadata()
+                )
         except (grpc.RpcError, AttributeError) as e:
             detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
             return False, detail or type(e).__name__

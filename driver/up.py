@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -125,6 +126,28 @@ class Cluster:
     drivers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
     agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    tokens: dict[str, str] = field(default_factory=dict)  # role -> this run's token
+
+    def metadata(self, role: str = "operator") -> tuple[tuple[str, str], ...]:
+        """Call metadata with this run's token of `role` (none: an open cluster)."""
+        token = self.tokens.get(role)
+        return (("authorization", f"Bearer {token}"),) if token else ()
+
+    def make_tokens(self) -> list[str]:
+        """One fresh token per role in run/tokens/ (0600), as a secured cluster runs; the
+        driver flags that accept them."""
+        d = self.run / "tokens"
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        flags = []
+        for role in ("node", "operator", "viewer"):
+            token = self.tokens[role] = secrets.token_hex(24)
+            for path in (d / f"{role}.tokens", d / f"{role}.token"):
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(token + "\n")
+            flags += ["--token-file", f"{role}={d / f'{role}.tokens'}"]
+        return flags
+
     args: dict[str, list[str]] = field(default_factory=dict)  # each process's, to respawn
     stopping: bool = False
 
@@ -258,6 +281,7 @@ async def _main(c: Cluster) -> int:
     )
     console.print(f"[bold]etcd[/] up at {c.etcd.endpoint} ({time.monotonic() - t0:.1f} s)")
     names = ["driver-a", "driver-b"] if cfg.standby else ["driver-a"]
+    token_flags = c.make_tokens()  # role tokens, as a secured deployment runs
     worker_cmd = (
         f"{sys.executable} -m unbroken.trainer.run --preset {cfg.preset} --dp {cfg.dp} "
         f"--pp {cfg.pp} --tp {cfg.tp} --steps {cfg.steps} --log-every 10"
@@ -271,7 +295,7 @@ async def _main(c: Cluster) -> int:
                 "--driver-id", name, "--listen", "127.0.0.1:0",
                 "--port-file", str(port_file), "--metrics-port", "0",
                 "--allow-fault-injection",  # the drill injects its faults through the driver
-                "--persist-root", str(c.run / "storage"),
+                "--persist-root", str(c.run / "storage"), *token_flags,
                 # the job: the drivers start it and recover it (agents run --no-start)
                 "--nodes", str(cfg.nodes), "--workers-per-node", str(cfg.workers_per_node),
                 "--dp", str(cfg.dp), "--pp", str(cfg.pp), "--tp", str(cfg.tp),
@@ -287,7 +311,8 @@ async def _main(c: Cluster) -> int:
         c.addresses[name] = f"127.0.0.1:{info['grpc_port']}"
         console.print(f"[bold]{name}[/] serving at {c.addresses[name]}")
         if info.get("dashboard_port"):
-            console.print(f"  dashboard: http://127.0.0.1:{info['dashboard_port']}/")
+            url = f"http://127.0.0.1:{info['dashboard_port']}/?token={c.tokens['viewer']}"
+            console.print(f"  dashboard: {url}")
     endpoints = ",".join(c.addresses.values())
     names_of = [f"node-{i}" for i in range(cfg.nodes)] + [f"spare-{i}" for i in range(cfg.spares)]
     replica = {n: free_port() for n in names_of}
@@ -306,6 +331,7 @@ async def _main(c: Cluster) -> int:
             args += ["--buddy", f"127.0.0.1:{replica[buddy]}"]
         if i >= cfg.nodes:
             args.append("--spare")
+        args += ["--token-file", str(c.run / "tokens" / "node.token")]
         c.agents[node] = c.spawn(f"agent-{node}", args)
     console.print(
         f"{cfg.nodes} nodes × {cfg.workers_per_node} workers (dp{cfg.dp}×pp{cfg.pp}×tp{cfg.tp}) "
@@ -360,7 +386,7 @@ class Watcher:
         except (TimeoutError, Exception):  # a read that fails now is retried next poll
             new = []
         self.events.extend(new)
-        found = await leader_view(self.c.addresses, self.c.drivers)
+        found = await leader_view(self.c.addresses, self.c.drivers, self.c.metadata())
         if found is not None:
             self.leader, self.nodes = found
         return list(new)
@@ -455,6 +481,12 @@ async def _supervise(c: Cluster, w: Watcher, console: Any, t0: float) -> int:
     console.print(
         f"look at the log: .venv/bin/etcdctl --endpoints {c.etcd.endpoint if c.etcd else '?'} "
         f"get --prefix /unbroken/{cfg.job_id}/ --keys-only"
+    )
+    console.print(
+        "this cluster ran with role tokens (SECURITY.md); an operator command against a "
+        f"running one: UNBROKEN_TOKEN_FILE={c.run / 'tokens' / 'operator.token'} unbroken "
+        "status --driver HOST:PORT",
+        soft_wrap=True,
     )
     missed = [
         f
