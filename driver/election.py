@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import math
+import threading
 import time
 from typing import Any
 
@@ -28,7 +29,15 @@ import grpc
 import structlog
 from aetcd import rpc
 
-from unbroken.driver.etcdclient import Keys, cmp_op, endpoint_of, first_kv, get_op, put_op
+from unbroken.driver.etcdclient import (
+    EtcdClient,
+    Keys,
+    cmp_op,
+    endpoint_of,
+    first_kv,
+    get_op,
+    put_op,
+)
 from unbroken.driver.eventlog import Leadership, LogUnavailableError
 
 log = structlog.get_logger(__name__)
@@ -244,7 +253,38 @@ class Election:
             call.cancel()
 
     async def _keep_alive(self, lease_id: int, ttl: int, dead: asyncio.Event) -> None:
-        """Refresh the lease every ttl/3 until it is refused or its TTL passes unconfirmed."""
+        """Refresh the lease every ttl/3 until it is refused or its TTL passes unconfirmed.
+
+        The refreshes run in their own thread over a synchronous channel (`LeaseKeeper`),
+        so a driver whose event loop is busy (a registration storm, heartbeats of thousands
+        of nodes, a long fold) does not lose its lease by itself: only a process that cannot
+        run at all, or an etcd that refuses, ends the lease. A client that is not ours (no
+        endpoint list) is refreshed from the event loop instead.
+        """
+        if isinstance(self.client, EtcdClient):
+            keeper = LeaseKeeper(self.client, lease_id, ttl, self.op_timeout_s)
+            ended = asyncio.get_running_loop().create_future()
+            keeper.on_end = lambda: ended.get_loop().call_soon_threadsafe(
+                lambda: ended.done() or ended.set_result(None)
+            )
+            keeper.start()
+            try:
+                await ended
+            finally:
+                keeper.stop()
+            if keeper.error:
+                self._log.warning("lease keep-alive ended", reason=keeper.error)
+            self._lease_ended(lease_id, dead)
+            return
+        await self._keep_alive_in_loop(lease_id, ttl, dead)
+
+    def _lease_ended(self, lease_id: int, dead: asyncio.Event) -> None:
+        dead.set()
+        if self.leadership is not None and self.leadership.lease_id == lease_id:
+            self._log.warning("leadership lost: lease expired or refused", lease=f"{lease_id:x}")
+            self.lost.set()
+
+    async def _keep_alive_in_loop(self, lease_id: int, ttl: int, dead: asyncio.Event) -> None:
         expires = time.monotonic() + ttl
         while time.monotonic() < expires:
             call = None
@@ -272,10 +312,7 @@ class Election:
             finally:
                 if call is not None:
                     call.cancel()
-        dead.set()
-        if self.leadership is not None and self.leadership.lease_id == lease_id:
-            self._log.warning("leadership lost: lease expired or refused", lease=f"{lease_id:x}")
-            self.lost.set()
+        self._lease_ended(lease_id, dead)
 
     async def resign(self) -> None:
         """Give up leadership (or candidacy) now: revoke the lease, which deletes the key."""
@@ -295,6 +332,64 @@ class Election:
             self.lost.set()
             self._log.info("resigned", term=self.leadership.term)
         self._lease = 0
+
+
+class LeaseKeeper(threading.Thread):
+    """Refreshes one lease every ttl/3 from its own thread, over a synchronous gRPC channel
+    to the member the client currently uses (it follows the client's failovers), until
+    etcd refuses the lease, its TTL passes unconfirmed, or `stop()`. `on_end` is called
+    (from this thread) when it ends by itself; `error` says why."""
+
+    def __init__(self, client: EtcdClient, lease_id: int, ttl: int, op_timeout_s: float) -> None:
+        super().__init__(name=f"lease-{lease_id:x}", daemon=True)
+        self.client = client
+        self.lease_id = lease_id
+        self.ttl = ttl
+        self.op_timeout_s = op_timeout_s
+        self.on_end: Any = None
+        self.error = ""
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def run(self) -> None:
+        expires = time.monotonic() + self.ttl
+        channels: dict[str, grpc.Channel] = {}
+        try:
+            while not self._stop_event.is_set():
+                now = time.monotonic()
+                if now >= expires:
+                    self.error = f"no keep-alive confirmed for {self.ttl} s (the TTL)"
+                    break
+                endpoint = self.client.endpoint
+                chan = channels.get(endpoint)
+                if chan is None:
+                    chan = channels[endpoint] = self.client.sync_channel(endpoint)
+                req = rpc.LeaseKeepAliveRequest(ID=self.lease_id)
+                try:
+                    call = rpc.LeaseStub(chan).LeaseKeepAlive(
+                        iter([req]),
+                        timeout=max(0.05, min(self.op_timeout_s, expires - now)),
+                        metadata=(("hasleader", "true"),),
+                    )
+                    resp = next(iter(call))
+                    if resp.TTL <= 0:
+                        self.error = "etcd says the lease is gone"
+                        break
+                    expires = now + resp.TTL
+                    wait = self.ttl / 3
+                except (grpc.RpcError, StopIteration) as e:
+                    self.client.suspect()  # the async watchdog looks for a live member
+                    code = e.code().name if isinstance(e, grpc.RpcError) else "no reply"
+                    self.error = f"keep-alive failed ({code}); retrying until the TTL passes"
+                    wait = 0.1
+                self._stop_event.wait(wait)
+        finally:
+            for c in channels.values():
+                c.close()
+        if not self._stop_event.is_set() and self.on_end is not None:
+            self.on_end()
 
 
 async def current_leader(client: aetcd.Client, job_id: str) -> tuple[str, str] | None:

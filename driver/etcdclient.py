@@ -121,6 +121,7 @@ class EtcdClient(aetcd.Client):
         self.failovers = 0  # members given up on so far
         self._watchdog: asyncio.Task[None] | None = None
         self._suspected = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._credentials = (
             _credentials(config)
             if (
@@ -141,6 +142,15 @@ class EtcdClient(aetcd.Client):
             )
         return grpc.aio.insecure_channel(target, options=options, interceptors=_LEADER_REQUIRED)
 
+    def sync_channel(self, endpoint: str) -> grpc.Channel:
+        """A synchronous channel to `endpoint` (the lease keeper's own thread uses it)."""
+        u = urlparse(endpoint)
+        target = f"{u.hostname}:{u.port}"
+        options = list(self._options.items())
+        if self._credentials is not None:
+            return grpc.secure_channel(target, self._credentials, options=options)
+        return grpc.insecure_channel(target, options=options)
+
     def _use(self, index: int, chan: grpc.aio.Channel) -> None:
         u = urlparse(self.endpoints[index])
         self._index, self.endpoint = index, self.endpoints[index]
@@ -156,13 +166,25 @@ class EtcdClient(aetcd.Client):
         if self._connected.is_set():
             return
         self._use(self._index, self._channel(self.endpoints[self._index]))
+        self._loop = asyncio.get_running_loop()
         self._connected.set()
         if len(self.endpoints) > 1 and self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
 
     def suspect(self) -> None:
-        """A caller found the current member unreachable: look for another one now."""
-        self._suspected.set()
+        """A caller found the current member unreachable: look for another one now (safe
+        to call from any thread)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._suspected.set()
+        else:
+            loop.call_soon_threadsafe(self._suspected.set)
 
     async def _watch(self) -> None:
         """Move to another member when the current one's channel fails."""

@@ -135,3 +135,28 @@ def test_only_the_leader_reports_the_leader_health_service() -> None:
             await standby.close()
 
     asyncio.run(go())
+
+
+def test_a_stalled_event_loop_does_not_cost_the_lease(etcd_server: object) -> None:
+    """The keep-alive runs in its own thread: a driver whose loop is blocked for longer
+    than the TTL (a registration storm, a long fold) still leads when it wakes up."""
+
+    async def go() -> None:
+        client = await etcdlog.connect(etcd_server.config)  # type: ignore[attr-defined]
+        election = electionlib.Election(client, "stall", "d1", ttl_s=TTL_S)
+        won = await election.campaign(timeout_s=10)
+        try:
+            time.sleep(TTL_S * 2 + 1)  # the whole event loop stalls, well past the TTL
+            await asyncio.sleep(0.5)
+            assert not election.lost.is_set()
+            holder = await electionlib.current_leader(client, "stall")
+            assert holder is not None and holder[0] == "d1"
+            # the log's fence agrees: the lease is still the leader key's
+            elog = etcdlog.EtcdEventLog(client, "stall", won, archive_url="")
+            await elog.append(ev.Event(log_alert=ev.LogAlert(node_id="n", line="after stall")))
+            await elog.close()
+        finally:
+            await election.resign()
+            await client.close()
+
+    asyncio.run(go())
