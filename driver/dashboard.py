@@ -49,6 +49,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import structlog
 from google.protobuf import text_format
 
+from unbroken.driver import goodput as goodputlib
 from unbroken.driver import state as statelib
 from unbroken.driver.eventlog import EventLog, EventLogError
 from unbroken.driver.journal import Journal
@@ -358,6 +359,16 @@ def state_json(
             for c in reversed(st.checkpoints)
         ],
         "event_counts": dict(st.event_counts),
+        "goodput": _goodput_json(st, view),
+    }
+
+
+def _goodput_json(st: ev.JobState, view: LiveView) -> dict[str, Any]:
+    gp = goodputlib.goodput(st, time.time_ns(), goodputlib.median_step_s(view))
+    return {
+        "ratio": round(gp.ratio, 4),
+        "wall_s": round(gp.wall_s, 1),
+        "lost_s": {k: round(v, 1) for k, v in gp.lost_s_by_cause.items()},
     }
 
 

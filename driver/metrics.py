@@ -71,6 +71,16 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "Log alerts dropped under pressure (faults never are)",
     ),
     "unbroken_phase": ("gauge", ("phase",), "1 for the job's current recovery phase, else 0"),
+    "unbroken_goodput_ratio": (
+        "gauge",
+        (),
+        "Share of wall time since training began not lost to incidents (driver/goodput.py)",
+    ),
+    "unbroken_training_lost_seconds": (
+        "gauge",
+        ("cause",),
+        "Training time lost so far, by the fault kind that opened each incident",
+    ),
     "unbroken_incidents_total": ("counter", (), "Incidents opened (a fault left RUNNING)"),
     "unbroken_time_to_resume_seconds": (
         "histogram",
@@ -140,6 +150,19 @@ class _LiveCollector(Collector):
         for p in PHASES:
             g.add_metric([p], 1.0 if p == name else 0.0)
         yield g
+        gp = v.get("goodput")
+        if gp is not None and gp.ratio >= 0:
+            g = GaugeMetricFamily("unbroken_goodput_ratio", METRICS["unbroken_goodput_ratio"][2])
+            g.add_metric([], gp.ratio)
+            yield g
+            g = GaugeMetricFamily(
+                "unbroken_training_lost_seconds",
+                METRICS["unbroken_training_lost_seconds"][2],
+                labels=["cause"],
+            )
+            for cause, lost in gp.lost_s_by_cause.items():
+                g.add_metric([cause], lost)
+            yield g
 
 
 class _ViewCollector(Collector):

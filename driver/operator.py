@@ -25,6 +25,7 @@ import structlog
 
 from unbroken.diagnostics.faults import RuntimeFault
 from unbroken.diagnostics.runner import verdict_event
+from unbroken.driver import goodput as goodputlib
 from unbroken.driver.diagnose import DiagnoseError, DriverDiagnoseConfig, run_diagnosis
 from unbroken.driver.eventlog import EventLogError, new_event_id
 from unbroken.driver.journal import Journal
@@ -184,6 +185,10 @@ class OperatorApi:
     ) -> dpb.GetStatusResponse:
         state = await self._state(context)
         st = status_of(state, self.view)
+        gp = goodputlib.goodput(state, time.time_ns(), goodputlib.median_step_s(self.view))
+        st.goodput, st.training_wall_s = gp.ratio, gp.wall_s
+        for cause, lost in gp.lost_s_by_cause.items():
+            st.lost_s_by_cause[cause] = lost
         st.job_id = st.job_id or self._lead.job_id
         st.driver_id = self._lead.driver_id
         st.leader_address = self._lead.address

@@ -34,6 +34,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from unbroken.driver import detectors
+from unbroken.driver import goodput as goodputlib
 from unbroken.driver import state as statelib
 from unbroken.driver.commits import Commits
 from unbroken.driver.diagnose import DriverDiagnoseConfig
@@ -744,6 +745,13 @@ class DriverService(dgrpc.DriverServicer):
         self.delivery.clear()
         self.handler.clear()
 
+    def goodput(self) -> goodputlib.Goodput:
+        """The job's goodput now (-1 ratio on a standby or before training began)."""
+        j = self.journal
+        if j is None:
+            return goodputlib.Goodput(-1.0, 0.0)
+        return goodputlib.goodput(j.state, time.time_ns(), goodputlib.median_step_s(self.view))
+
     def _metric_values(self) -> dict[str, Any]:
         alive = self.view.alive_count()
         j = self.journal
@@ -755,6 +763,7 @@ class DriverService(dgrpc.DriverServicer):
             "alerts_shed": j.stats.alerts_shed if j else 0,
             "alerts_coalesced": j.stats.alerts_coalesced if j else 0,
             "faults_pending": j.faults_pending() if j else 0,
+            **({"goodput": self.goodput()} if j else {}),
             "snapshots_too_large": getattr(j.log, "snapshots_too_large", 0) if j else 0,
             **({"phase": j.state.phase} if j else {}),
         }

@@ -80,12 +80,42 @@ def _apply_in_place(s: ev.JobState, e: ev.Event) -> None:
     if e.seq:
         s.last_seq = e.seq
     s.event_counts[kind] += 1
+    if kind in CAUSE_KINDS:
+        s.goodput.last_fault = kind
     handler = _HANDLERS.get(kind)
     if handler is not None:
         handler(s, e)
 
 
+def _incident_began(s: ev.JobState, e: ev.Event) -> None:
+    """Goodput: the job left RUNNING at this event's wall time (the first one counts)."""
+    g = s.goodput
+    if e.wall_time_unix_ns and not g.incident_began_ns:
+        g.incident_began_ns = e.wall_time_unix_ns
+        g.incident_cause = g.last_fault or "other"
+
+
+def _incident_ended(s: ev.JobState, e: ev.Event, resumed_at: int | None) -> None:
+    """Goodput: training runs again; the downtime goes to the incident's cause, and the
+    steps between the newest one reached and the one resumed from are trained again."""
+    g = s.goodput
+    if not e.wall_time_unix_ns:
+        return
+    if not g.started_ns:
+        g.started_ns = e.wall_time_unix_ns
+    if g.incident_began_ns:
+        lost = max(0, e.wall_time_unix_ns - g.incident_began_ns) / 1e9
+        g.lost_s_by_cause[g.incident_cause or "other"] += lost
+        g.incidents += 1
+        g.incident_began_ns = 0
+        g.incident_cause = ""
+    if resumed_at is not None and s.step > resumed_at:
+        g.steps_redone += s.step - resumed_at
+
+
 def _job_started(s: ev.JobState, e: ev.Event) -> None:
+    if e.wall_time_unix_ns and not s.goodput.started_ns:
+        s.goodput.started_ns = e.wall_time_unix_ns
     p = e.job_started
     s.trainer = p.trainer
     s.world.CopyFrom(p.world)
@@ -188,6 +218,7 @@ def _close_incident(s: ev.JobState) -> None:
 
 
 def _training_paused(s: ev.JobState, e: ev.Event) -> None:
+    _incident_began(s, e)
     s.phase = ev.PHASE_PAUSED
     s.step = max(s.step, e.training_paused.at_step)
     s.restore_step = e.training_paused.restore_step
@@ -195,6 +226,7 @@ def _training_paused(s: ev.JobState, e: ev.Event) -> None:
 
 def _training_resumed(s: ev.JobState, e: ev.Event) -> None:
     p = e.training_resumed
+    _incident_ended(s, e, p.at_step)
     s.phase = ev.PHASE_RUNNING
     s.step = p.at_step
     if p.HasField("world"):
@@ -209,6 +241,10 @@ def _leader_elected(s: ev.JobState, e: ev.Event) -> None:
 
 def _recovery_transition(s: ev.JobState, e: ev.Event) -> None:
     p = e.recovery_transition
+    if p.to_phase == ev.PHASE_RUNNING:
+        _incident_ended(s, e, None)
+    elif p.to_phase not in (ev.PHASE_FINISHED, ev.PHASE_FAILED):
+        _incident_began(s, e)
     s.phase = p.to_phase
     if p.to_phase == ev.PHASE_RUNNING:
         _close_incident(s)
@@ -230,6 +266,22 @@ def _job_finished(s: ev.JobState, e: ev.Event) -> None:
     s.phase = ev.PHASE_FINISHED if e.job_finished.ok else ev.PHASE_FAILED
     s.step = e.job_finished.step
 
+
+# the events whose kind names an incident's cause in the goodput ledger
+CAUSE_KINDS = frozenset(
+    {
+        "node_lost",
+        "worker_failed",
+        "hang_suspected",
+        "log_alert",
+        "loss_spike",
+        "self_check_reported",
+        "diagnosis_verdict",
+        "operator_action",
+        "node_evicted",
+        "world_resized",
+    }
+)
 
 _HANDLERS: dict[str, Callable[[ev.JobState, ev.Event], None]] = {
     "job_started": _job_started,

@@ -57,6 +57,8 @@ function renderHeader(s) {
   $("role").className = `pill ${s.role}`;
   $("phase").textContent = `phase ${s.phase}`;
   $("step").textContent = `step ${s.live_step || s.step}`;
+  const g = s.goodput;
+  $("goodput").textContent = g && g.ratio >= 0 ? `goodput ${g.ratio.toFixed(3)}` : "goodput -";
   $("seq").textContent = `seq ${s.last_seq}`;
   const c = s.counts;
   $("counts").replaceChildren(...["alive", "active", "spare", "lost", "evicted"]

@@ -18,6 +18,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from unbroken.driver.goodput import Goodput
 from unbroken.driver.liveview import LiveView, LiveViewConfig
 from unbroken.driver.metrics import METRICS, DriverMetrics
 from unbroken.proto import driver_pb2 as dpb
@@ -44,6 +45,7 @@ def _metrics() -> DriverMetrics:
             "events": 4,
             "dropped": 0,
             "phase": ev.PHASE_RUNNING,
+            "goodput": Goodput(0.9, 100.0, {"node_lost": 10.0}),
         }
     )
     listeners: list[Any] = []
