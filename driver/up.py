@@ -52,10 +52,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from unbroken.driver import reaper
 from unbroken.driver.drill import DRILL, Drill, FaultRecord, fault_table, leader_view, stop_groups
 from unbroken.driver.etcd import EmbeddedEtcd, EmbeddedEtcdCluster, free_port
 from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
 
 EVENT_TAIL = 10
@@ -267,6 +270,19 @@ def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
+async def _leader_status(c: Cluster) -> dpb.GetStatusResponse | None:
+    """GetStatus from whichever driver leads (None when none answers)."""
+    for addr in c.addresses.values():
+        try:
+            async with grpc.aio.insecure_channel(addr) as ch:
+                return await dgrpc.DriverStub(ch).GetStatus(
+                    dpb.GetStatusRequest(), timeout=5, metadata=c.metadata()
+                )
+        except grpc.RpcError:
+            continue
+    return None
+
+
 async def _main(c: Cluster) -> int:
     from rich.console import Console
 
@@ -470,6 +486,11 @@ async def _supervise(c: Cluster, w: Watcher, console: Any, t0: float) -> int:
                 break
             await asyncio.sleep(0.25)
     console.print(fault_table(faults) if faults else "no drill")
+    status = await _leader_status(c)
+    if status is not None:
+        from unbroken.driver.cli_status import goodput_line
+
+        console.print(f"goodput: {goodput_line(status)}", markup=False, highlight=False)
     counts: dict[str, int] = {}
     for e in w.events:
         k = e.WhichOneof("payload") or "?"
