@@ -97,19 +97,10 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "unbroken_checkpoints_committed_total": ("counter", (), "CheckpointCommitted events"),
     "unbroken_node_alive": ("gauge", ("node",), "1 while the node heartbeats, 0 once lost"),
     "unbroken_node_silent_seconds": ("gauge", ("node",), "Time since the node's last heartbeat"),
-    "unbroken_worker_step": ("gauge", ("node", "local_rank"), "Newest step the worker reported"),
-    "unbroken_worker_step_time_seconds": (
-        "gauge",
-        ("node", "local_rank"),
-        "Median of the worker's recent step times (its last step time until there is one)",
-    ),
-    "unbroken_worker_loss": ("gauge", ("node", "local_rank"), "The worker's last reported loss"),
-    "unbroken_worker_restarts": (
-        "gauge",
-        ("node", "local_rank"),
-        "Times the node's agent (re)started this local rank",
-    ),
 }
+# Per-worker series come from each agent's own endpoint (agent/metrics.py AGENT_METRICS),
+# not from the driver: at 10,000 nodes x 8 workers the driver would build ~320k series per
+# scrape.
 
 
 class _LiveCollector(Collector):
@@ -166,7 +157,7 @@ class _LiveCollector(Collector):
 
 
 class _ViewCollector(Collector):
-    """Per-node and per-worker series from the live view's newest heartbeats."""
+    """Per-node series from the live view (per-worker ones are the agents' own)."""
 
     def __init__(self, view: LiveView, clock: Callable[[], float]) -> None:
         self._view = view
@@ -183,34 +174,10 @@ class _ViewCollector(Collector):
             METRICS["unbroken_node_silent_seconds"][2],
             labels=["node"],
         )
-        lab = ["node", "local_rank"]
-        step = GaugeMetricFamily(
-            "unbroken_worker_step", METRICS["unbroken_worker_step"][2], labels=lab
-        )
-        st = GaugeMetricFamily(
-            "unbroken_worker_step_time_seconds",
-            METRICS["unbroken_worker_step_time_seconds"][2],
-            labels=lab,
-        )
-        loss = GaugeMetricFamily(
-            "unbroken_worker_loss", METRICS["unbroken_worker_loss"][2], labels=lab
-        )
-        restarts = GaugeMetricFamily(
-            "unbroken_worker_restarts", METRICS["unbroken_worker_restarts"][2], labels=lab
-        )
         for s in slots:
             alive.add_metric([s.node_id], 1.0 if s.alive else 0.0)
             silent.add_metric([s.node_id], max(0.0, now - s.last_seen) if s.last_seen else 0.0)
-            for w in list(s.hb.workers):
-                key = [s.node_id, str(w.local_rank)]
-                step.add_metric(key, w.step)
-                ms = w.median_step_ms or w.step_time_ms
-                if ms:
-                    st.add_metric(key, ms / 1000.0)
-                if w.has_loss:
-                    loss.add_metric(key, w.loss)
-                restarts.add_metric(key, w.restarts)
-        yield from (alive, silent, step, st, loss, restarts)
+        yield from (alive, silent)
 
 
 class DriverMetrics:

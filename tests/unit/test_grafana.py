@@ -18,6 +18,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from unbroken.agent.metrics import AGENT_METRICS, AgentMetrics
 from unbroken.driver.goodput import Goodput
 from unbroken.driver.liveview import LiveView, LiveViewConfig
 from unbroken.driver.metrics import METRICS, DriverMetrics
@@ -108,13 +109,57 @@ def test_event_driven_series() -> None:
     assert samples[("unbroken_time_to_resume_seconds_sum", ())] == pytest.approx(3.0)
     assert samples[("unbroken_checkpoint_committed_step", ())] == 6.0
     assert samples[("unbroken_events_total", (("kind", "recovery_transition"),))] == 2.0
-    w0 = (("local_rank", "0"), ("node", "n0"))
-    assert samples[("unbroken_worker_step_time_seconds", w0)] == pytest.approx(0.25)
-    assert samples[("unbroken_worker_loss", w0)] == 2.5
-    w1 = (("local_rank", "1"), ("node", "n0"))
-    assert samples[("unbroken_worker_step_time_seconds", w1)] == pytest.approx(0.3)
-    assert ("unbroken_worker_loss", w1) not in samples  # no loss reported: no sample
+    assert not any(name.startswith("unbroken_worker_") for name, _ in samples)  # agents'
     assert samples[("unbroken_node_silent_seconds", (("node", "n0"),))] == pytest.approx(0.5)
+
+
+def _agent_metrics() -> AgentMetrics:
+    m = AgentMetrics(
+        lambda: {
+            "connected": True,
+            "term": 3,
+            "shards_persisted": 2,
+            "persisted_bytes": 1000,
+            "replicas_sent": 1,
+            "replica_bytes_sent": 500,
+            "replicas_received": 1,
+            "replicas_refused": 0,
+            "warm_starts": 1,
+            "cold_starts": 1,
+        }
+    )
+    hb = dpb.Heartbeat(seq=1)
+    hb.workers.add(
+        local_rank=0, step=7, median_step_ms=250.0, loss=2.5, has_loss=True,
+        state=dpb.WORKER_STATE_RUNNING,
+    )  # fmt: skip
+    hb.workers.add(local_rank=1, step=7, step_time_ms=300.0, restarts=1)
+    m.sent(hb)
+    return m
+
+
+def test_agent_metrics_table_matches_the_exposition() -> None:
+    text = generate_latest(_agent_metrics().registry).decode()
+    exposed: dict[str, tuple[str, set[str]]] = {}
+    samples = {}
+    for f in text_string_to_metric_families(text):
+        for s in f.samples:
+            if s.name.endswith("_created"):
+                continue
+            exposed.setdefault(s.name, (f.type, set()))[1].update(s.labels)
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    assert set(exposed) == set(AGENT_METRICS), set(exposed) ^ set(AGENT_METRICS)
+    for name, (kind, labels) in exposed.items():
+        assert kind == AGENT_METRICS[name][0], name
+        assert labels == set(AGENT_METRICS[name][1]), (name, labels)
+    r0, r1 = (("local_rank", "0"),), (("local_rank", "1"),)
+    assert samples[("unbroken_agent_worker_step_time_seconds", r0)] == pytest.approx(0.25)
+    assert samples[("unbroken_agent_worker_step_time_seconds", r1)] == pytest.approx(0.3)
+    assert ("unbroken_agent_worker_loss", r1) not in samples
+    assert (
+        samples[("unbroken_agent_worker_state", (("local_rank", "0"), ("state", "running")))] == 1
+    )
+    assert samples[("unbroken_agent_heartbeats_sent_total", ())] == 1
 
 
 def _dashboard() -> dict[str, Any]:
@@ -136,17 +181,18 @@ def test_dashboard_queries_reference_real_metrics() -> None:
     assert dash["uid"] and dash["title"]
     exprs = _exprs(dash["panels"])
     assert len(exprs) >= 10
-    histograms = {n for n, (kind, _, _) in METRICS.items() if kind == "histogram"}
+    every = {**METRICS, **AGENT_METRICS}
+    histograms = {n for n, (kind, _, _) in every.items() if kind == "histogram"}
     used = set()
     for expr in exprs:
         names = NAME.findall(expr)
         assert names, f"query {expr!r} uses no unbroken metric"
         for n in names:
             base = next((n[: -len(s)] for s in HIST_SUFFIXES if n.endswith(s)), n)
-            ok = n in METRICS or base in histograms
-            assert ok, f"query {expr!r} references {n!r}, which driver/metrics.py does not export"
-            used.add(n if n in METRICS else base)
-    unused = set(METRICS) - used
+            ok = n in every or base in histograms
+            assert ok, f"query {expr!r} references {n!r}, which no unbroken process exports"
+            used.add(n if n in every else base)
+    unused = set(METRICS) - used  # the driver's: each on a panel (agents' are per node)
     assert not unused, f"metrics missing from the dashboard: {sorted(unused)}"
 
 
