@@ -17,7 +17,10 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
-def test_unbroken_etcd_serves_until_ctrl_c(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sigkill"])
+def test_unbroken_etcd_serves_until_stopped_and_leaves_nothing(tmp_path: Path, how: str) -> None:
+    """Ctrl-C (the group's SIGINT), a SIGTERM to the process alone (systemd, `kill`), or a
+    SIGKILL (then its reaper stops the server): no etcd is left behind."""
     data = tmp_path / "etcd-data"
     p = subprocess.Popen(
         [sys.executable, "-m", "unbroken.driver.cli", "etcd", "--data-dir", str(data)],
@@ -39,8 +42,15 @@ def test_unbroken_etcd_serves_until_ctrl_c(tmp_path: Path) -> None:
         assert "etcdctl" in p.stdout.readline()  # how to look at it
         children = psutil.Process(p.pid).children(recursive=True)
         assert children, "the etcd server process"
-        os.killpg(p.pid, signal.SIGINT)  # Ctrl-C
-        assert p.wait(60) == 0
+        if how == "ctrl-c":
+            os.killpg(p.pid, signal.SIGINT)
+            assert p.wait(60) == 0
+        elif how == "sigterm":
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(60) == 0
+        else:
+            p.kill()
+            p.wait(60)
         _, alive = psutil.wait_procs(children, timeout=30)
         assert not alive, alive
         assert data.exists()  # the data dir asked for is kept
