@@ -150,7 +150,9 @@ class Agent:
         self.flash: NodeFlash | None = None
         if config.flash is not None and config.workers is not None:
             spec = config.workers
-            self.flash = NodeFlash(config.flash, spec.world_size or spec.nnodes * spec.nproc)
+            self.flash = NodeFlash(
+                config.flash, spec.world_size or spec.nnodes * spec.nproc, config.node_id
+            )
             spec.extra_env.update(self.flash.env())
         self.fault_file: Path | None = None
         if config.workers is not None:

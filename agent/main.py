@@ -9,12 +9,14 @@ import signal
 import socket
 import sys
 import tempfile
+from pathlib import Path
 
 from unbroken.agent.daemon import Agent, AgentConfig
 from unbroken.agent.flash import NodeFlashConfig, default_persist_url
 from unbroken.agent.warm import DEFAULT_PRELOAD
 from unbroken.agent.workers import DEFAULT_KEYWORDS, WorkerSpec
 from unbroken.proto.logsetup import setup_logging
+from unbroken.recovery.replica import KEY_ENV as REPLICA_KEY_ENV
 
 #: Cores per local worker from which warm standbys are on by default (`--warm-workers`).
 WARM_CORES_PER_WORKER = 4
@@ -157,6 +159,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="",
         help="host:port of the next node's replica server (the ring); empty: no replicas",
     )
+    g.add_argument(
+        "--replica-key-file",
+        default=None,
+        help="file holding the job's replica key (HMAC of the buddy stream without TLS; the "
+        f"same on every node; or env {REPLICA_KEY_ENV}). With --tls-* the stream is mTLS",
+    )
+    g.add_argument(
+        "--replica-grants",
+        default=None,
+        help='JSON file {lost node: ["node:REPLACEMENT", ...]}: who besides the node itself '
+        "may fetch its replicas from this buddy (mTLS only; re-read on every fetch)",
+    )
 
 
 def config_from_args(ns: argparse.Namespace) -> AgentConfig:
@@ -190,6 +204,9 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
                 keep=ns.keep_checkpoints,
                 listen=ns.replica_listen,
                 buddy=ns.buddy,
+                replica_key=read_replica_key(ns.replica_key_file),
+                tls=(ns.tls_cert, ns.tls_key, ns.tls_ca) if ns.tls_cert else None,
+                replica_grants=ns.replica_grants,
             )
     kw = {"node_id": ns.node_id} if ns.node_id else {}
     return AgentConfig(
@@ -216,6 +233,16 @@ def _checked_tls(ns: argparse.Namespace) -> dict[str, str | None]:
 
     tls = TlsConfig(cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca)
     return {"tls_cert": tls.cert, "tls_key": tls.key, "tls_ca": tls.ca}
+
+
+def read_replica_key(path: str | None) -> bytes | None:
+    """The job's replica key from `--replica-key-file`, else UNBROKEN_REPLICA_KEY, else None."""
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"--replica-key-file {path!r} does not exist")
+        return p.read_bytes().strip() or None
+    return os.environ.get(REPLICA_KEY_ENV, "").strip().encode() or None
 
 
 def read_token(token: str | None, token_file: str | None) -> str | None:

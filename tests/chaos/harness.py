@@ -118,6 +118,7 @@ class ChaosCluster:
             **os.environ,
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
+            "UNBROKEN_REPLICA_KEY": "test-job-replica-key-0123456789",  # the buddy stream's HMAC
             MARKER: self.marker,
             "UNBROKEN_ARCHIVE": str(tmp / "archive"),
         }
