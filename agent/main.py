@@ -16,6 +16,8 @@ from unbroken.agent.flash import NodeFlashConfig, default_persist_url
 from unbroken.agent.warm import DEFAULT_PRELOAD
 from unbroken.agent.workers import DEFAULT_KEYWORDS, WorkerSpec
 from unbroken.proto.logsetup import setup_logging
+from unbroken.proto.runtime import UnsafeRuntimeDirError
+from unbroken.recovery.flashowner import UnsafeFlashRootError
 from unbroken.recovery.replica import KEY_ENV as REPLICA_KEY_ENV
 
 #: Cores per local worker from which warm standbys are on by default (`--warm-workers`).
@@ -273,4 +275,8 @@ def run(ns: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"unbroken agent: {e}", file=sys.stderr)
         return 2
-    return asyncio.run(_main(cfg))
+    try:
+        return asyncio.run(_main(cfg))
+    except (UnsafeFlashRootError, UnsafeRuntimeDirError) as e:  # the node is not closed
+        print(f"unbroken agent: {e}", file=sys.stderr)
+        return 2
