@@ -38,10 +38,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--node-id", default=None, help="this node's id (default: hostname)")
     parser.add_argument("--worker-cmd", default="", help="command run once per local rank")
+    parser.add_argument(
+        "--allow-remote-cmd",
+        action="store_true",
+        help="run the worker command the driver sends in StartWorkers when it differs from "
+        "--worker-cmd (off: a driver, or whoever holds its credentials, cannot make this node "
+        "run a command of its choosing)",
+    )
     parser.add_argument("--nproc-per-node", type=int, default=1)
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument("--node-rank", type=int, default=0)
-    parser.add_argument("--master-addr", default="127.0.0.1")
+    parser.add_argument(
+        "--master-addr",
+        default=None,
+        help="rendezvous host of the workers; given, it wins over the driver's "
+        "(default: the driver's choice, else 127.0.0.1)",
+    )
     parser.add_argument("--master-port", type=int, default=29500)
     parser.add_argument(
         "--no-start",
@@ -185,7 +197,7 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
             nproc=ns.nproc_per_node,
             nnodes=ns.nnodes,
             node_rank=ns.node_rank,
-            master_addr=ns.master_addr,
+            master_addr=ns.master_addr or "127.0.0.1",
             master_port=ns.master_port,
             log_dir=ns.log_dir or tempfile.mkdtemp(prefix="unbroken-agent-logs-"),
             keywords=tuple(k for k in ns.keywords.split(",") if k),
@@ -225,6 +237,8 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
         selfcheck_timeout_s=ns.selfcheck_timeout_s,
         selfcheck_at_register=not ns.no_selfcheck,
         flash=flash,
+        allow_remote_cmd=ns.allow_remote_cmd,
+        pin_master_addr=ns.master_addr is not None,
         **kw,
     )
 

@@ -136,6 +136,13 @@ class RdzvClientConfig:
         tls = [self.tls_cert, self.tls_key, self.tls_ca]
         if any(tls) and not all(tls):
             raise ValueError("tls_cert, tls_key and tls_ca must be given together (rdzv conf)")
+        if self.token and not self.tls_cert:
+            remote = [e for e in self.endpoints if not _loopback(e)]
+            if remote:
+                raise ValueError(
+                    f"the token would travel in cleartext to {', '.join(remote)}: give "
+                    "tls_cert, tls_key and tls_ca (rdzv conf), or reach the driver on loopback"
+                )
         for name, p in zip(("tls_cert", "tls_key", "tls_ca"), tls, strict=True):
             if p and not Path(p).is_file():
                 raise ValueError(f"{name}: no such file {p!r}")
@@ -150,6 +157,16 @@ class RdzvClientConfig:
     def endpoints(self) -> list[str]:
         """The drivers to try, in order."""
         return [e.strip() for e in self.endpoint.split(",") if e.strip()]
+
+
+def _loopback(endpoint: str) -> bool:
+    import ipaddress
+
+    host = endpoint.rpartition(":")[0].strip("[]")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def config_from_params(params: RendezvousParameters) -> RdzvClientConfig:
@@ -323,6 +340,9 @@ class DriverClient:
                     ) from None
                 last = f"{code.name}: {details}"
                 leader = dict(e.trailing_metadata() or ()).get(LEADER_KEY, "")
+                if leader and leader != where and leader not in self.endpoints:
+                    log.warning("ignoring a redirect to a driver not in --rdzv-endpoint", to=leader)
+                    leader = ""
                 if leader and leader != where:
                     log.info("following the driver leader", leader=leader, was=where)
                     with self._lock:

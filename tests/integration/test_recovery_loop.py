@@ -100,6 +100,7 @@ class Job:
         args = [
             "agent", "--driver", self.address, "--node-id", node, "--no-start",
             "--worker-cmd", sys.executable + " -c pass",  # the driver's --worker-cmd wins
+            "--allow-remote-cmd",
             "--log-dir", str(self.tmp / f"logs-{node}"),
             "--socket", str(self.tmp / f"{node}.sock"),
             "--flash-dir", str(self.tmp / f"shm-{node}"), "--flash-job", self.job,
