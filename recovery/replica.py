@@ -535,6 +535,8 @@ async def _connect(
         if auth.client_ssl is not None and node_of_peercert(_peercert(writer)) is None:
             raise ReplicaRefused(f"the buddy at {host}:{port} has no node:<id> certificate")
         hello = _parse_line(await reader.readline())
+        if hello.get("ok") is False:  # busy, or refused before the greeting
+            raise ReplicaRefused(f"the buddy at {host}:{port} refused: {hello.get('error')}")
         if hello.get("v") != PROTOCOL:
             raise ReplicaRefused(f"the buddy at {host}:{port} speaks replica protocol "
                                  f"{hello.get('v')!r}, not {PROTOCOL}")  # fmt: skip

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -251,6 +252,13 @@ def test_huge_declared_copy_allocates_nothing_and_connections_are_capped(
         time.sleep(0.3)
         answers = _raw(port, b"")
         assert answers and "busy" in str(answers[-1]["error"]), answers
+        fetch = ReplicaConfig(timeout_s=5, auth=ReplicaAuth.keyed(KEY))
+        owner = FlashOwner(FlashConfig(root=f"{root}-fetcher", job="j"))
+        try:
+            with pytest.raises(ValueError, match="refused: busy"):
+                asyncio.run(fetch_replica(owner, "node-a", "127.0.0.1", port, config=fetch))
+        finally:
+            shutil.rmtree(f"{root}-fetcher", ignore_errors=True)
         for s in idle:
             s.close()
         assert proc.poll() is None
