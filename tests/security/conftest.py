@@ -28,7 +28,7 @@ def driver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     log = open(tmp / "driver.log", "wb")
     cmd = [
         *CLI, "driver", "--listen", "127.0.0.1:0", "--port-file", str(port_file),
-        "--event-log", "memory", "--token-file", str(token_file), "--job-id", "sec",
+        "--event-log", "memory", "--token-file", f"node={token_file}", "--job-id", "sec",
     ]  # fmt: skip
     proc = subprocess.Popen(
         cmd,
