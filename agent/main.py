@@ -223,6 +223,7 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
                 replica_grants=ns.replica_grants,
             )
     kw = {"node_id": ns.node_id} if ns.node_id else {}
+    tls = _checked_tls(ns)
     return AgentConfig(
         drivers=[d.strip() for d in ns.driver.split(",") if d.strip()],
         heartbeat_interval_ms=ns.heartbeat_interval_ms,
@@ -232,7 +233,9 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
         spare=ns.spare,
         max_disconnected_s=ns.max_disconnected_s,
         token=read_token(ns.token, ns.token_file),
-        **_checked_tls(ns),
+        tls_cert=tls["tls_cert"],
+        tls_key=tls["tls_key"],
+        tls_ca=tls["tls_ca"],
         fault=ns.inject_fault,
         selfcheck_timeout_s=ns.selfcheck_timeout_s,
         selfcheck_at_register=not ns.no_selfcheck,
