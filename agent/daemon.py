@@ -22,15 +22,23 @@ a goodbye; nan / loss-spike are written atomically as JSON to `<log dir>/fault.j
 the file the workers find in UNBROKEN_FAULT_FILE (the trainer reads it each step).
 
 Driver endpoints are a list: a driver that is not the leader answers UNAVAILABLE with the
-leader's address, which the agent tries next; other failures move to the next endpoint
-after a jittered exponential backoff. Without a successful registration for
-`max_disconnected_s` the agent gives up (exit 3): every retry has a limit.
+leader's address, which the agent tries next when it is one of its configured endpoints
+(a redirect elsewhere is ignored: it could carry the token to anyone); other failures
+move to the next endpoint after a jittered exponential backoff. Without a successful
+registration for `max_disconnected_s` the agent gives up (exit 3): every retry has a limit.
+
+What the network may make an agent do is bounded (issue 14): a driver-sent
+`StartWorkers.worker_cmd` other than the agent's own is run only with `allow_remote_cmd`
+(--allow-remote-cmd); a bearer token is never configured for a non-loopback driver without
+TLS (it would travel in cleartext); a --master-addr given to the agent wins over the one
+the driver derives.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import os
 import random
@@ -97,6 +105,8 @@ class AgentConfig:
     token: str | None = None
     fault: str = ""
     flash: NodeFlashConfig | None = None  # None: no flash store (no workers, or disabled)
+    allow_remote_cmd: bool = False  # run a driver-sent worker_cmd (else only our own)
+    pin_master_addr: bool = False  # the configured master address wins over the driver's
 
     def __post_init__(self) -> None:
         if not self.drivers:
@@ -120,8 +130,26 @@ class AgentConfig:
         given = [x is not None for x in (self.tls_cert, self.tls_key, self.tls_ca)]
         if any(given) and not all(given):
             raise ValueError("tls: --tls-cert, --tls-key and --tls-ca must be given together")
+        if self.token and not self.tls_cert:
+            remote = [d for d in self.drivers if not channel_is_loopback(d)]
+            if remote:
+                raise ValueError(
+                    f"the token would travel in cleartext to {', '.join(remote)}: give the "
+                    "agent --tls-cert/--tls-key/--tls-ca, or reach the driver on loopback"
+                )
         if not self.socket_path:
             self.socket_path = DEFAULT_SOCKET  # taken by the first agent on the host
+
+
+def channel_is_loopback(endpoint: str) -> bool:
+    """Whether `host:port` names this host's loopback (a literal address or localhost)."""
+    host = endpoint.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def local_ip() -> str:
@@ -150,7 +178,9 @@ class Agent:
         self.flash: NodeFlash | None = None
         if config.flash is not None and config.workers is not None:
             spec = config.workers
-            self.flash = NodeFlash(config.flash, spec.world_size or spec.nnodes * spec.nproc)
+            self.flash = NodeFlash(
+                config.flash, spec.world_size or spec.nnodes * spec.nproc, config.node_id
+            )
             spec.extra_env.update(self.flash.env())
         self.fault_file: Path | None = None
         if config.workers is not None:
@@ -294,11 +324,14 @@ class Agent:
         for k, v in e.trailing_metadata() or ():
             if k == channel.LEADER_KEY:
                 leader = str(v)
-        if leader and leader != target:
-            if leader not in self.endpoints:
-                self.endpoints.append(leader)
+        if leader and leader != target and leader in self.config.drivers:
             self.current = self.endpoints.index(leader)
             log.info("redirected to the leader", leader=leader)
+        elif leader and leader != target:  # not one of ours: never follow (nor send it a token)
+            self.current += 1
+            log.warning(
+                "ignoring a redirect to a driver not in --driver", leader=leader, driver=target
+            )
         elif code != grpc.StatusCode.FAILED_PRECONDITION:
             self.current += 1
             log.warning(
@@ -451,7 +484,10 @@ class Agent:
         except AgentExit:
             raise
         except Exception as e:
-            log.exception("command failed", kind=kind)
+            if isinstance(e, ValueError):  # refused as asked: say why, no traceback
+                log.warning("command refused", kind=kind, error=str(e))
+            else:
+                log.exception("command failed", kind=kind)
             with contextlib.suppress(Exception):
                 await self._write(
                     call,
@@ -559,14 +595,20 @@ class Agent:
         if kind == "start_workers":
             p = msg.start_workers
             sup.spec.extra_env[ENV_TIMELINE] = str(p.timeline)  # stamped on every copy
-            if p.worker_cmd:
+            if p.worker_cmd and sup.spec.split(p.worker_cmd) != sup.spec.cmd:
+                if not self.config.allow_remote_cmd:
+                    raise ValueError(
+                        "start_workers: the driver sent a worker command other than this "
+                        "agent's --worker-cmd; refused (start the agent with "
+                        "--allow-remote-cmd to run the driver's)"
+                    )
                 sup.spec.cmd = sup.spec.split(p.worker_cmd)
             if p.world_size:
                 sup.spec.world_size = p.world_size
                 sup.spec.rank_base = p.global_rank_base
                 if self.flash is not None:
                     self.flash.world_size = p.world_size
-            if p.master_addr:
+            if p.master_addr and not self.config.pin_master_addr:
                 sup.spec.master_addr, sup.spec.master_port = p.master_addr, p.master_port
             for name, degree in (("DP", p.dp), ("PP", p.pp), ("TP", p.tp)):
                 if degree:  # the driver's layout (elastic shrink/grow) wins over --dp/--pp/--tp

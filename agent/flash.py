@@ -12,6 +12,12 @@ rank's shard is in), and (2) sends them to the buddy agent (the next node of the
 store to a buddy and, when this node replaces a lost one, fetches that node's replicas
 back from the buddy before the workers start. A clean shutdown flushes persistence and
 removes the job's shared memory; a crash leaves it for a restarted agent.
+
+The replica stream is authenticated (recovery/replica.py): mutual TLS with the agent's own
+certificate when it has one (a PUT only from the node itself; a GET only by the node or a
+replacement named in `replica_grants`), else an HMAC under the job's replica key
+(`--replica-key-file` or UNBROKEN_REPLICA_KEY, the same on every node). An agent with
+neither keeps no replicas: it serves nobody, and a --buddy without one is refused at start.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from unbroken.recovery.persist import (
     persistable,
 )
 from unbroken.recovery.replica import (
+    ReplicaAuth,
     ReplicaConfig,
     ReplicaSender,
     ReplicaServer,
@@ -78,6 +85,9 @@ class NodeFlashConfig:
     fetch_from_buddy: bool = True  # at start, get this node's replicas back from the buddy
     poll_ms: int = 100
     replica_timeout_s: float = 60.0
+    replica_key: bytes | None = None  # HMAC key of the replica stream (without TLS)
+    tls: tuple[str, str, str] | None = None  # (cert, key, ca): mutual TLS replaces the key
+    replica_grants: str | None = None  # JSON {lost node: [principals that may GET it]}
 
     def __post_init__(self) -> None:
         if not self.node or "/" in self.node:
@@ -93,17 +103,28 @@ class NodeFlashConfig:
         parse_hostport(self.listen, "--replica-listen")
         if self.buddy:
             parse_hostport(self.buddy, "--buddy")
+            if self.tls is None and self.replica_key is None:
+                raise ValueError(
+                    "--buddy needs an authenticated replica stream: give the agent "
+                    "--tls-cert/--tls-key/--tls-ca, or the job's replica key "
+                    "(--replica-key-file PATH or UNBROKEN_REPLICA_KEY, the same on every node)"
+                )
+        if self.replica_key is not None and len(self.replica_key) < 16:
+            raise ValueError("the replica key must be at least 16 bytes")
         FlashConfig(root=self.root, job=self.job)  # validates root and job
 
 
 class NodeFlash:
     """One agent's flash store with its persister, replica server and replica sender."""
 
-    def __init__(self, config: NodeFlashConfig, world_size: int) -> None:
+    def __init__(self, config: NodeFlashConfig, world_size: int, node_id: str = "") -> None:
         self.config = config
+        self.node_id = node_id or config.node
         self.world_size = world_size
         self.owner = FlashOwner(FlashConfig(root=config.root, job=config.job))
-        self.replica_cfg = ReplicaConfig(timeout_s=config.replica_timeout_s)
+        self.replica_cfg = ReplicaConfig(
+            timeout_s=config.replica_timeout_s, auth=replica_auth(config)
+        )
         self.server = ReplicaServer(self.owner, self.replica_cfg)
         self.port = 0
         self.persister: Persister | None = None
@@ -137,13 +158,21 @@ class NodeFlash:
     async def start(self) -> None:
         """Listen for the buddy, fetch this node's replicas back, start persisting."""
         host, port = parse_hostport(self.config.listen, "--replica-listen")
-        self.port = await self.server.start(host, port)
+        if self.replica_cfg.auth.enabled:
+            self.port = await self.server.start(host, port)
+        else:
+            log.info("flash.no_replica_server", why="no TLS and no replica key: serves nobody")
         log.info("flash.ready", dir=str(self.owner.job_dir), replica_port=self.port)
         if self.sender is not None and self.config.fetch_from_buddy:
             bhost, bport = self.sender.buddy
             try:
                 refs = await fetch_replica(
-                    self.owner, self.config.node, bhost, bport, config=self.replica_cfg
+                    self.owner,
+                    self.config.node,
+                    bhost,
+                    bport,
+                    config=self.replica_cfg,
+                    requester=self.node_id,
                 )
                 self.fetched = len(refs)
                 log.info("flash.fetched_from_buddy", copies=len(refs), buddy=self.config.buddy)
@@ -244,6 +273,16 @@ class NodeFlash:
             with contextlib.suppress(OSError):  # the per-node default root, when now empty
                 os.rmdir(self.config.root)
             log.info("flash.cleaned", dir=str(self.owner.job_dir))
+
+
+def replica_auth(config: NodeFlashConfig) -> ReplicaAuth:
+    """The replica stream's credentials: mutual TLS, else the job key, else none."""
+    if config.tls is not None:
+        cert, key, ca = config.tls
+        return ReplicaAuth.tls(cert, key, ca, grants_file=config.replica_grants)
+    if config.replica_key is not None:
+        return ReplicaAuth.keyed(config.replica_key)
+    return ReplicaAuth.none()
 
 
 def default_persist_url(log_dir: str) -> str:

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ import structlog
 from unbroken.agent.workers import Supervisor
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import hooks_pb2 as hpb
+from unbroken.proto.runtime import private_dir, runtime_dir
 from unbroken.recovery.sources import (
     ENV_FLASH_JOB,
     ENV_FLASH_NODE,
@@ -41,8 +43,10 @@ log = structlog.get_logger(__name__)
 # Where a node's agent listens when not told otherwise, and where the hooks SDK looks when
 # UNBROKEN_AGENT_SOCKET is unset (kept equal to unbroken.trainer.hooks.DEFAULT_SOCKET, which
 # cannot import this module: trainer/ never imports agent/).
-DEFAULT_SOCKET = "/tmp/unbroken-agent.sock"
+DEFAULT_SOCKET = os.path.join(runtime_dir(), "agent.sock")
 MAX_ATTACHED = 1024  # attached workers remembered (the oldest dead ones go first)
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+_CMSG_SPACE = socket.CMSG_SPACE(_UCRED.size)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -106,15 +110,25 @@ def claim(private: str, shared: str) -> bool:
     return False
 
 
-class HookServer(asyncio.DatagramProtocol):
+def _bind_private(sock: socket.socket, path: str) -> None:
+    """Bind `sock` at `path` as a socket file only this user may send to (0600)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    sock.bind(path)
+    os.chmod(path, 0o600)
+
+
+class HookServer:
     """Receives `WorkerReport`s and applies them to the supervisor's workers."""
 
     def __init__(self, path: str, supervisor: Supervisor, node_id: str = "") -> None:
         self.path = path
         self.node_id = node_id
         self.supervisor = supervisor
-        self.transport: asyncio.DatagramTransport | None = None
+        self._sock: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.bad = 0
+        self.foreign = 0  # datagrams from another user, dropped
         self.reports = 0
         self.attached: dict[int, Attached] = {}  # pid -> an SDK process the agent did not start
         self._bound = False
@@ -134,13 +148,15 @@ class HookServer(asyncio.DatagramProtocol):
         """Bind the socket. The shared default path is claimed atomically (a hard link to a
         private socket file): taken only when no live agent holds it, else the agent keeps
         its private path (and tells its own workers that one)."""
-        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        parent = os.path.dirname(os.path.abspath(self.path))
+        if self.path == DEFAULT_SOCKET:
+            private_dir(parent)  # refuses a planted or shared directory
+        else:
+            Path(parent).mkdir(mode=0o700, parents=True, exist_ok=True)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         if self.path == DEFAULT_SOCKET:
             private = f"{self.path}.{os.getpid()}"
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(private)
-            sock.bind(private)
+            _bind_private(sock, private)
             if claim(private, self.path):
                 os.unlink(private)
             else:
@@ -154,23 +170,51 @@ class HookServer(asyncio.DatagramProtocol):
                 self.path = private
                 self.supervisor.socket_path = private
         else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
-            sock.bind(self.path)
+            _bind_private(sock, self.path)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
-        loop = asyncio.get_running_loop()
-        await loop.create_datagram_endpoint(lambda: self, sock=sock)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        sock.setblocking(False)
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(sock.fileno(), self._readable)
         self._bound = True
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+    def _readable(self) -> None:
+        """Read every queued datagram with its sender's credentials."""
+        assert self._sock is not None
+        me = os.geteuid()
+        while True:
+            try:
+                data, anc, _, _ = self._sock.recvmsg(1 << 16, _CMSG_SPACE)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                log.warning("hooks.recv_failed", error=str(e))
+                return
+            cred = None
+            for level, kind, raw in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                    cred = _UCRED.unpack(raw[: _UCRED.size])
+            if cred is None or cred[1] not in (me, 0):
+                self.foreign += 1
+                if self.foreign in (1, 100, 10_000):
+                    log.warning(
+                        "hooks.foreign_sender_dropped",
+                        uid=cred[1] if cred else None,
+                        pid=cred[0] if cred else None,
+                        dropped=self.foreign,
+                    )
+                continue
+            self.datagram_received(data, cred[0])
 
-    def datagram_received(self, data: bytes, addr: object) -> None:
+    def datagram_received(self, data: bytes, pid: int) -> None:
+        """One report from process `pid` (the kernel's word for who sent it)."""
         try:
             rep = hpb.WorkerReport.FromString(data)
         except Exception:
             self.bad += 1
             return
+        rep.pid = pid
         kind = rep.WhichOneof("kind")
         if kind == "hello" and rep.hello.attach:
             self._attach(rep)
@@ -263,10 +307,10 @@ class HookServer(asyncio.DatagramProtocol):
         return len(dead)
 
     def _sendto(self, cmd: hpb.WorkerCommand, addr: str, local_rank: int) -> bool:
-        if self.transport is None:
+        if self._sock is None:
             return False
         try:
-            self.transport.sendto(cmd.SerializeToString(), addr)
+            self._sock.sendto(cmd.SerializeToString(), addr)
             return True
         except OSError as e:
             log.warning("worker command not delivered", local_rank=local_rank, error=str(e))
@@ -275,7 +319,7 @@ class HookServer(asyncio.DatagramProtocol):
     def send(self, cmd: hpb.WorkerCommand) -> int:
         """Send `cmd` to every worker that gave a reply socket, the agent's own and the
         attached ones; return how many got it."""
-        if self.transport is None:
+        if self._sock is None:
             return 0
         self.prune()
         n = 0
@@ -287,8 +331,11 @@ class HookServer(asyncio.DatagramProtocol):
         return n
 
     def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
+        if self._sock is not None:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
         if self._bound:  # never unlink a path another agent holds
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)

@@ -9,12 +9,16 @@ import signal
 import socket
 import sys
 import tempfile
+from pathlib import Path
 
 from unbroken.agent.daemon import Agent, AgentConfig
 from unbroken.agent.flash import NodeFlashConfig, default_persist_url
 from unbroken.agent.warm import DEFAULT_PRELOAD
 from unbroken.agent.workers import DEFAULT_KEYWORDS, WorkerSpec
 from unbroken.proto.logsetup import setup_logging
+from unbroken.proto.runtime import UnsafeRuntimeDirError
+from unbroken.recovery.flashowner import UnsafeFlashRootError
+from unbroken.recovery.replica import KEY_ENV as REPLICA_KEY_ENV
 
 #: Cores per local worker from which warm standbys are on by default (`--warm-workers`).
 WARM_CORES_PER_WORKER = 4
@@ -34,10 +38,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--node-id", default=None, help="this node's id (default: hostname)")
     parser.add_argument("--worker-cmd", default="", help="command run once per local rank")
+    parser.add_argument(
+        "--allow-remote-cmd",
+        action="store_true",
+        help="run the worker command the driver sends in StartWorkers when it differs from "
+        "--worker-cmd (off: a driver, or whoever holds its credentials, cannot make this node "
+        "run a command of its choosing)",
+    )
     parser.add_argument("--nproc-per-node", type=int, default=1)
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument("--node-rank", type=int, default=0)
-    parser.add_argument("--master-addr", default="127.0.0.1")
+    parser.add_argument(
+        "--master-addr",
+        default=None,
+        help="rendezvous host of the workers; given, it wins over the driver's "
+        "(default: the driver's choice, else 127.0.0.1)",
+    )
     parser.add_argument("--master-port", type=int, default=29500)
     parser.add_argument(
         "--no-start",
@@ -157,6 +173,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="",
         help="host:port of the next node's replica server (the ring); empty: no replicas",
     )
+    g.add_argument(
+        "--replica-key-file",
+        default=None,
+        help="file holding the job's replica key (HMAC of the buddy stream without TLS; the "
+        f"same on every node; or env {REPLICA_KEY_ENV}). With --tls-* the stream is mTLS",
+    )
+    g.add_argument(
+        "--replica-grants",
+        default=None,
+        help='JSON file {lost node: ["node:REPLACEMENT", ...]}: who besides the node itself '
+        "may fetch its replicas from this buddy (mTLS only; re-read on every fetch)",
+    )
 
 
 def config_from_args(ns: argparse.Namespace) -> AgentConfig:
@@ -169,7 +197,7 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
             nproc=ns.nproc_per_node,
             nnodes=ns.nnodes,
             node_rank=ns.node_rank,
-            master_addr=ns.master_addr,
+            master_addr=ns.master_addr or "127.0.0.1",
             master_port=ns.master_port,
             log_dir=ns.log_dir or tempfile.mkdtemp(prefix="unbroken-agent-logs-"),
             keywords=tuple(k for k in ns.keywords.split(",") if k),
@@ -190,8 +218,12 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
                 keep=ns.keep_checkpoints,
                 listen=ns.replica_listen,
                 buddy=ns.buddy,
+                replica_key=read_replica_key(ns.replica_key_file),
+                tls=(ns.tls_cert, ns.tls_key, ns.tls_ca) if ns.tls_cert else None,
+                replica_grants=ns.replica_grants,
             )
     kw = {"node_id": ns.node_id} if ns.node_id else {}
+    tls = _checked_tls(ns)
     return AgentConfig(
         drivers=[d.strip() for d in ns.driver.split(",") if d.strip()],
         heartbeat_interval_ms=ns.heartbeat_interval_ms,
@@ -201,11 +233,15 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
         spare=ns.spare,
         max_disconnected_s=ns.max_disconnected_s,
         token=read_token(ns.token, ns.token_file),
-        **_checked_tls(ns),
+        tls_cert=tls["tls_cert"],
+        tls_key=tls["tls_key"],
+        tls_ca=tls["tls_ca"],
         fault=ns.inject_fault,
         selfcheck_timeout_s=ns.selfcheck_timeout_s,
         selfcheck_at_register=not ns.no_selfcheck,
         flash=flash,
+        allow_remote_cmd=ns.allow_remote_cmd,
+        pin_master_addr=ns.master_addr is not None,
         **kw,
     )
 
@@ -216,6 +252,16 @@ def _checked_tls(ns: argparse.Namespace) -> dict[str, str | None]:
 
     tls = TlsConfig(cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca)
     return {"tls_cert": tls.cert, "tls_key": tls.key, "tls_ca": tls.ca}
+
+
+def read_replica_key(path: str | None) -> bytes | None:
+    """The job's replica key from `--replica-key-file`, else UNBROKEN_REPLICA_KEY, else None."""
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"--replica-key-file {path!r} does not exist")
+        return p.read_bytes().strip() or None
+    return os.environ.get(REPLICA_KEY_ENV, "").strip().encode() or None
 
 
 def read_token(token: str | None, token_file: str | None) -> str | None:
@@ -246,4 +292,8 @@ def run(ns: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"unbroken agent: {e}", file=sys.stderr)
         return 2
-    return asyncio.run(_main(cfg))
+    try:
+        return asyncio.run(_main(cfg))
+    except (UnsafeFlashRootError, UnsafeRuntimeDirError) as e:  # the node is not closed
+        print(f"unbroken agent: {e}", file=sys.stderr)
+        return 2

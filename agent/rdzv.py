@@ -24,14 +24,17 @@ every process that imports its rendezvous package, whatever the backend.
 
 rdzv conf keys (`--rdzv-conf k=v,...`), besides torch's join_timeout, last_call_timeout,
 close_timeout, heartbeat_timeout, keep_alive_interval, keep_alive_max_attempt:
-node_id, token, token_file, tls_cert, tls_key, tls_ca, rpc_timeout, retry_timeout,
-connect_timeout. Environment: UNBROKEN_NODE_ID, UNBROKEN_TOKEN.
+node_id, token, token_file, key_file, tls_cert, tls_key, tls_ca, rpc_timeout, retry_timeout,
+connect_timeout. Environment: UNBROKEN_NODE_ID, UNBROKEN_TOKEN, UNBROKEN_RDZV_KEY(_FILE).
+
+The state torch pickles is sealed with an HMAC under the run's key and opened with a
+restricted unpickler before torch sees it (agent/rdzvauth.py): a state written by anything
+but a torchrun agent holding the key is refused with RendezvousStateError, never unpickled.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import random
 import socket
 import threading
@@ -72,6 +75,14 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (  # noqa: E
     RendezvousTimeout,
 )
 
+from unbroken.agent.rdzvauth import (  # noqa: E402
+    StateAuthError,
+    load_state,
+    open_sealed,
+    rdzv_key,
+    seal,
+)
+
 log = structlog.get_logger(__name__)
 
 BACKEND_NAME = "unbroken"
@@ -100,6 +111,8 @@ class RdzvClientConfig:
     rpc_timeout_s: float = 10.0  # deadline of one call (plus its wait, for store waits)
     retry_timeout_s: float = 60.0  # keep retrying an unreachable driver this long
     connect_timeout_s: float = 15.0  # the first contact, when the handler is created
+    key_file: str | None = None  # the rendezvous state's key (else env, else the token)
+    state_key: bytes = b""  # seals the rendezvous state (default: rdzvauth.rdzv_key)
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -123,17 +136,37 @@ class RdzvClientConfig:
         tls = [self.tls_cert, self.tls_key, self.tls_ca]
         if any(tls) and not all(tls):
             raise ValueError("tls_cert, tls_key and tls_ca must be given together (rdzv conf)")
+        if self.token and not self.tls_cert:
+            remote = [e for e in self.endpoints if not _loopback(e)]
+            if remote:
+                raise ValueError(
+                    f"the token would travel in cleartext to {', '.join(remote)}: give "
+                    "tls_cert, tls_key and tls_ca (rdzv conf), or reach the driver on loopback"
+                )
         for name, p in zip(("tls_cert", "tls_key", "tls_ca"), tls, strict=True):
             if p and not Path(p).is_file():
                 raise ValueError(f"{name}: no such file {p!r}")
         for name in ("rpc_timeout_s", "retry_timeout_s", "connect_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.state_key:
+            conf = {"key_file": self.key_file} if self.key_file else {}
+            self.state_key = rdzv_key(conf, self.token, self.run_id)
 
     @property
     def endpoints(self) -> list[str]:
         """The drivers to try, in order."""
         return [e.strip() for e in self.endpoint.split(",") if e.strip()]
+
+
+def _loopback(endpoint: str) -> bool:
+    import ipaddress
+
+    host = endpoint.rpartition(":")[0].strip("[]")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def config_from_params(params: RendezvousParameters) -> RdzvClientConfig:
@@ -172,6 +205,7 @@ def config_from_params(params: RendezvousParameters) -> RdzvClientConfig:
         tls_cert=params.get("tls_cert"),
         tls_key=params.get("tls_key"),
         tls_ca=params.get("tls_ca"),
+        key_file=params.get("key_file"),
         rpc_timeout_s=seconds("rpc_timeout", 10.0),
         retry_timeout_s=seconds("retry_timeout", 60.0),
         connect_timeout_s=seconds("connect_timeout", 15.0),
@@ -306,6 +340,9 @@ class DriverClient:
                     ) from None
                 last = f"{code.name}: {details}"
                 leader = dict(e.trailing_metadata() or ()).get(LEADER_KEY, "")
+                if leader and leader != where and leader not in self.endpoints:
+                    log.warning("ignoring a redirect to a driver not in --rdzv-endpoint", to=leader)
+                    leader = ""
                 if leader and leader != where:
                     log.info("following the driver leader", leader=leader, was=where)
                     with self._lock:
@@ -327,7 +364,7 @@ def summarize(state: bytes) -> Any:
     """A RoundSummary of torch's pickled rendezvous state (our own bytes; for events)."""
     from unbroken.proto import rendezvous_pb2 as rpb
 
-    s = pickle.loads(state)  # the bytes this process just pickled
+    s = load_state(state)  # the bytes this process just pickled, loaded the careful way
     ranked = sorted(s.participants.items(), key=lambda kv: kv[1])
     return rpb.RoundSummary(
         round=int(s.round),
@@ -344,15 +381,27 @@ class DriverRendezvousBackend(RendezvousBackend):
 
     def __init__(self, client: DriverClient) -> None:
         self.client = client
+        self._key = client.config.state_key
 
     @property
     def name(self) -> str:
         return BACKEND_NAME
 
+    def _open(self, blob: bytes) -> bytes:
+        """torch's pickle inside a stored state, authenticated (RendezvousStateError if not)."""
+        try:
+            return open_sealed(self._key, self.client.config.run_id, blob)
+        except StateAuthError as e:
+            log.error("rendezvous state refused", run=self.client.config.run_id, error=str(e))
+            raise RendezvousStateError(
+                f"the unbroken driver at {self.client.endpoint} holds a rendezvous state this "
+                f"node refuses: {e}"
+            ) from e
+
     def get_state(self) -> tuple[bytes, Any] | None:
         rpb = self.client._rpb
         resp = self.client.call("GetState", rpb.GetStateRequest())
-        return (bytes(resp.state), int(resp.token)) if resp.found else None
+        return (self._open(bytes(resp.state)), int(resp.token)) if resp.found else None
 
     def set_state(self, state: bytes, token: Any | None = None) -> tuple[bytes, Any, bool] | None:
         rpb = self.client._rpb
@@ -360,13 +409,15 @@ class DriverRendezvousBackend(RendezvousBackend):
             summary = summarize(state)
         except Exception:  # a state torch changed the shape of: record no summary
             summary = rpb.RoundSummary()
+        sealed = seal(self._key, self.client.config.run_id, state)
         resp = self.client.call(
             "SetState",
-            rpb.SetStateRequest(state=state, token=int(token or 0), summary=summary),
+            rpb.SetStateRequest(state=sealed, token=int(token or 0), summary=summary),
         )
         if not resp.ok and not resp.token:
             return None  # no state stored at all (it was expected to exist)
-        return bytes(resp.state), int(resp.token), bool(resp.ok)
+        stored = state if resp.ok else self._open(bytes(resp.state))
+        return stored, int(resp.token), bool(resp.ok)
 
 
 class DriverStore(dist.Store):

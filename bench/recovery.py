@@ -162,6 +162,7 @@ class Cluster:
 
     def spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env["UNBROKEN_REPLICA_KEY"] = "bench-job-replica-key-0123456789"  # the buddy stream
         with open(self.run / f"{name}.log", "ab") as log:  # the child keeps its own fd
             return subprocess.Popen(
                 [sys.executable, "-m", "unbroken.driver.cli", *args],

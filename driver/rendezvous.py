@@ -28,6 +28,15 @@ Exclusion: a node whose id has a NodeEvicted event in the log (a diagnosis verdi
 RendezvousRefused event records it. Completed rounds are recorded as RendezvousRound
 events, so the log tells which nodes trained in which round.
 
+Quotas: a run keeps at most `max_keys_per_run` keys and `max_run_bytes` of keys and values,
+a job at most `max_runs` runs and `max_job_bytes` in all; a write past one is refused with
+RESOURCE_EXHAUSTED naming the limit, before it reaches etcd (114 unbounded StoreSets once
+filled a 64 MiB etcd and stopped the event log). The usage is counted in memory, read from
+etcd once per leader term (`Quota`), and updated by every write, delete and sweep.
+
+The state itself is opaque here: torchrun agents seal it with an HMAC and open it with a
+restricted unpickler (agent/rdzvauth.py), so the driver neither can nor needs to check it.
+
 The stores are in driver/rendezvous_kv.py: `EtcdKV`, and in the in-memory event-log
 mode (`--event-log memory`) a `MemoryKV` (demos and tests; nothing survives the process).
 """
@@ -75,6 +84,10 @@ class RendezvousConfig:
     cas_attempts: int = 32  # compare-and-set retries of add / compare_set under contention
     evictions_refresh_s: float = 1.0  # how stale the evicted-node set may be
     names_kept: int = 100_000  # node descriptors remembered for events
+    max_keys_per_run: int = 4096  # store keys of one run (torch uses a few per node per round)
+    max_run_bytes: int = 8 << 20  # keys and values of one run, its state included
+    max_runs: int = 64  # runs (torchrun --rdzv-id) of one job with keys in etcd
+    max_job_bytes: int = 32 << 20  # all runs of the job (etcd's quota is 2 GiB, tests' 64 MiB)
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_value_bytes <= 1024 * 1024:
@@ -93,6 +106,11 @@ class RendezvousConfig:
             raise ValueError(f"evictions_refresh_s must be >= 0, got {self.evictions_refresh_s}")
         if self.names_kept < 1:
             raise ValueError(f"names_kept must be >= 1, got {self.names_kept}")
+        for name in ("max_keys_per_run", "max_run_bytes", "max_runs", "max_job_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_run_bytes < self.max_value_bytes:
+            raise ValueError("max_run_bytes must be >= max_value_bytes (one value must fit)")
 
 
 # ---------------------------------------------------------------- pure core
@@ -229,6 +247,74 @@ def stale_store_prefixes(run_id: str, first: int, current: int, keep: int = 64) 
     return [f"torch.rendezvous.{run_id}.{r}/" for r in range(max(first, current - keep), current)]
 
 
+class QuotaError(Exception):
+    """A write would take a run or the job past a rendezvous quota (RESOURCE_EXHAUSTED)."""
+
+
+class Quota:
+    """What the job's rendezvous keys use, per run: full etcd key -> bytes (key + value).
+
+    Pure bookkeeping; the service loads it from the store once per term (`load`) and
+    reports every write (`charge`) and removal (`forget`). A charge is made before the write
+    is sent, so concurrent writes can never overshoot together; a write that then fails
+    leaves an overcount until the next term, which errs on the safe side.
+    """
+
+    def __init__(self, config: RendezvousConfig, base: bytes) -> None:
+        self.config = config
+        self.base = base  # /unbroken/<job>/rdzv/
+        self.runs: dict[str, dict[bytes, int]] = {}
+
+    def load(self, sizes: dict[bytes, int]) -> None:
+        self.runs.clear()
+        for key, size in sizes.items():
+            run = key[len(self.base) :].split(b"/", 1)[0].decode(errors="replace")
+            self.runs.setdefault(run, {})[key] = len(key) + size
+
+    def total(self) -> int:
+        return sum(sum(r.values()) for r in self.runs.values())
+
+    def charge(self, run_id: str, key: bytes, value_len: int) -> None:
+        """Account for writing `value_len` bytes at `key`.
+
+        Raises:
+            QuotaError: naming the limit the write would pass (nothing is charged then).
+        """
+        c = self.config
+        run = self.runs.get(run_id, {})
+        if not run and len(self.runs) >= c.max_runs:
+            raise QuotaError(
+                f"job has {len(self.runs)} rendezvous runs, the most it keeps (max_runs="
+                f"{c.max_runs}); delete finished runs (etcdctl del --prefix <job>/rdzv/<run>/)"
+            )
+        new, old = len(key) + value_len, run.get(key, 0)
+        if key not in run and len(run) >= c.max_keys_per_run:
+            raise QuotaError(
+                f"run {run_id!r} holds {len(run)} store keys, the most a run keeps "
+                f"(max_keys_per_run={c.max_keys_per_run})"
+            )
+        if sum(run.values()) - old + new > c.max_run_bytes:
+            raise QuotaError(
+                f"run {run_id!r} would hold more than {c.max_run_bytes} bytes of rendezvous "
+                "keys and values (max_run_bytes)"
+            )
+        if self.total() - old + new > c.max_job_bytes:
+            raise QuotaError(
+                f"the job's rendezvous would hold more than {c.max_job_bytes} bytes (max_job_bytes)"
+            )
+        self.runs.setdefault(run_id, {})[key] = new
+
+    def forget(self, run_id: str, key: bytes, *, prefix: bool = False) -> None:
+        """A key (or every key under a prefix) of `run_id` is gone."""
+        run = self.runs.get(run_id)
+        if run is None:
+            return
+        for k in [k for k in run if (k.startswith(key) if prefix else k == key)]:
+            del run[k]
+        if not run:
+            del self.runs[run_id]
+
+
 # ---------------------------------------------------------------- the service
 
 
@@ -263,6 +349,8 @@ class RendezvousService(rgrpc.RendezvousServicer):
         self._refused: set[tuple[str, str]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._kv: tuple[EventLog, KV] | None = None
+        self._quota: tuple[KV, Quota] | None = None
+        self._quota_lock = asyncio.Lock()
 
     @classmethod
     def attach(
@@ -282,6 +370,19 @@ class RendezvousService(rgrpc.RendezvousServicer):
         if self._kv is None or self._kv[0] is not elog:
             self._kv = (elog, kv_for(elog, self.memory, self.config.etcd_timeout_s))
         return self._kv[1]
+
+    async def _quota_of(self, kv: KV) -> Quota:
+        """The usage of this term's store (read from it once per term)."""
+        async with self._quota_lock:
+            if self._quota is None or self._quota[0] is not kv:
+                base = Keys(self.driver.job_id).base + b"rdzv/"
+                quota = Quota(self.config, base)
+                quota.load(await kv.scan(base))
+                self._quota = (kv, quota)
+            return self._quota[1]
+
+    async def _charge(self, kv: KV, run_id: str, key: bytes, value_len: int) -> None:
+        (await self._quota_of(kv)).charge(run_id, key, value_len)
 
     async def _begin(
         self, caller: rpb.Caller, context: grpc.aio.ServicerContext
@@ -403,6 +504,9 @@ class RendezvousService(rgrpc.RendezvousServicer):
             )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QuotaError as e:
+            log.warning("rendezvous quota", error=str(e))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         raise AssertionError("unreachable")
 
     def _check_key(self, key: str) -> None:
@@ -451,6 +555,7 @@ class RendezvousService(rgrpc.RendezvousServicer):
             self._check_value("the rendezvous state", request.state)
             if request.token < 0:
                 raise ValueError(f"token must be >= 0, got {request.token}")
+            await self._charge(kv, run_id, keys.state, len(request.state))
             return await kv.cas(keys.state, request.state, request.token)
 
         ok, value, token = await self._guard(context, body)
@@ -484,6 +589,7 @@ class RendezvousService(rgrpc.RendezvousServicer):
             n = 0
             for p in prefixes:
                 n += await kv.delete_prefix(p)
+                (await self._quota_of(kv)).forget(run_id, p, prefix=True)
             if n:
                 log.info("rendezvous store swept", run=run_id, keys=n, round=summary.round)
 
@@ -499,6 +605,7 @@ class RendezvousService(rgrpc.RendezvousServicer):
         async def body() -> None:
             self._check_key(request.key)
             self._check_value(f"store value of {request.key!r}", request.value)
+            await self._charge(kv, request.caller.run_id, keys.kv(request.key), len(request.value))
             await kv.put(keys.kv(request.key), request.value)
 
         await self._guard(context, body)
@@ -519,7 +626,11 @@ class RendezvousService(rgrpc.RendezvousServicer):
         return rpb.StoreGetResponse(found=got is not None, value=got[0] if got else b"")
 
     async def _update(
-        self, kv: KV, key: bytes, change: Callable[[bytes | None], tuple[bool, bytes, T]]
+        self,
+        kv: KV,
+        run_id: str,
+        key: bytes,
+        change: Callable[[bytes | None], tuple[bool, bytes, T]],
     ) -> T:
         """Read-modify-write `key` with compare-and-set; `change` -> (write?, value, answer)."""
         for _ in range(self.config.cas_attempts):
@@ -527,6 +638,7 @@ class RendezvousService(rgrpc.RendezvousServicer):
             write, value, answer = change(got[0] if got else None)
             if not write:
                 return answer
+            await self._charge(kv, run_id, key, len(value))
             ok, _, _ = await kv.cas(key, value, got[1] if got else 0)
             if ok:
                 self._notify()
@@ -548,7 +660,7 @@ class RendezvousService(rgrpc.RendezvousServicer):
 
         async def body() -> int:
             self._check_key(request.key)
-            return await self._update(kv, key, change)
+            return await self._update(kv, request.caller.run_id, key, change)
 
         return rpb.StoreAddResponse(value=await self._guard(context, body))
 
@@ -565,7 +677,7 @@ class RendezvousService(rgrpc.RendezvousServicer):
         async def body() -> bytes:
             self._check_key(request.key)
             self._check_value(f"store value of {request.key!r}", request.desired)
-            return await self._update(kv, key, change)
+            return await self._update(kv, request.caller.run_id, key, change)
 
         return rpb.StoreCompareSetResponse(value=await self._guard(context, body))
 
@@ -608,7 +720,13 @@ class RendezvousService(rgrpc.RendezvousServicer):
     ) -> rpb.StoreDeleteResponse:
         _, kv = await self._begin(request.caller, context)
         key = RdzvKeys(self.driver.job_id, request.caller.run_id).kv(request.key)
-        deleted = await self._guard(context, lambda: kv.delete(key))
+
+        async def body() -> bool:
+            deleted = await kv.delete(key)
+            (await self._quota_of(kv)).forget(request.caller.run_id, key)
+            return deleted
+
+        deleted = await self._guard(context, body)
         self._notify()
         return rpb.StoreDeleteResponse(deleted=deleted)
 

@@ -60,6 +60,10 @@ class KV(abc.ABC):
     async def delete_prefix(self, prefix: bytes) -> int:
         """Remove every key that starts with `prefix`; return how many there were."""
 
+    @abc.abstractmethod
+    async def scan(self, prefix: bytes) -> dict[bytes, int]:
+        """Every key that starts with `prefix` -> the size of its value in bytes."""
+
 
 class MemoryKV(KV):
     """The in-memory reference `KV` (the driver's `--event-log memory` mode, tests)."""
@@ -95,6 +99,9 @@ class MemoryKV(KV):
         for k in gone:
             del self._data[k]
         return len(gone)
+
+    async def scan(self, prefix: bytes) -> dict[bytes, int]:
+        return {k: len(v[0]) for k, v in self._data.items() if k.startswith(prefix)}
 
 
 class EtcdKV(KV):
@@ -215,6 +222,14 @@ class EtcdKV(KV):
                 "the leader fence failed"
             )
         return int(resp.responses[0].response_delete_range.deleted)
+
+    async def scan(self, prefix: bytes) -> dict[bytes, int]:
+        # the values are read to size them: bounded by the rendezvous' job quota
+        resp = await self._call(
+            self.client.kvstub.Range,
+            rpc.RangeRequest(key=prefix, range_end=prefix_end(prefix)),
+        )
+        return {bytes(kv.key): len(kv.value) for kv in resp.kvs}
 
 
 def prefix_end(prefix: bytes) -> bytes:

@@ -332,6 +332,11 @@ async def _main(c: Cluster) -> int:
     endpoints = ",".join(c.addresses.values())
     names_of = [f"node-{i}" for i in range(cfg.nodes)] + [f"spare-{i}" for i in range(cfg.spares)]
     replica = {n: free_port() for n in names_of}
+    # the job's replica key: the buddy stream is HMAC-authenticated (no TLS in a local demo)
+    key_file = c.run / "replica.key"
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
     for i, node in enumerate(names_of):
         # the buddy ring over the training nodes; a spare's buddy is node-0
         buddy = names_of[(i + 1) % cfg.nodes] if i < cfg.nodes else names_of[0]
@@ -342,6 +347,7 @@ async def _main(c: Cluster) -> int:
             # this run's own flash job: never restore another run's copies
             "--flash-job", c.run.resolve().name, "--persist-url", str(c.run / "storage"),
             "--replica-listen", f"127.0.0.1:{replica[node]}",
+            "--replica-key-file", str(key_file),
         ]  # fmt: skip
         if buddy != node:
             args += ["--buddy", f"127.0.0.1:{replica[buddy]}"]

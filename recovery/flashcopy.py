@@ -293,11 +293,12 @@ def write_raw_copy(rank_dir: Path, manifest: Manifest, data: memoryview | bytes)
     The caller has verified `data` against `manifest`. The slot not holding the newest
     copy is invalidated, filled, and then its manifest is renamed into place.
     """
-    rank_dir.mkdir(parents=True, exist_ok=True)
+    rank_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     refs = list_copies(rank_dir)
     slot = 1 - refs[0].slot if refs else 0
     manifest_path(rank_dir, slot).unlink(missing_ok=True)
-    with open(data_path(rank_dir, slot), "wb") as f:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+    with os.fdopen(os.open(data_path(rank_dir, slot), flags, 0o600), "wb") as f:
         f.write(data)
     write_manifest(rank_dir, slot, manifest)
     return CopyRef(rank_dir, slot, manifest)
@@ -317,5 +318,7 @@ def manifest_sig(rank_dir: Path) -> tuple[Any, ...]:
 
 def write_manifest(rank_dir: Path, slot: int, manifest: Manifest) -> None:
     tmp = rank_dir / f".slot-{slot}.manifest.tmp"
-    tmp.write_bytes(manifest.to_bytes())
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+    with os.fdopen(os.open(tmp, flags, 0o600), "wb") as f:
+        f.write(manifest.to_bytes())
     os.replace(tmp, manifest_path(rank_dir, slot))

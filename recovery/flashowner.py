@@ -3,12 +3,21 @@
 Split out of `unbroken.recovery.flash` so that the node agent and the driver, which
 only reserve, list, discard and persist copies, never import torch (1-5 s and hundreds
 of MB per process on a loaded machine). `unbroken.recovery.flash` re-exports all of it.
+
+The flash root holds a model's weights and decides what a node restores, so it is closed
+to other local users (issue 14: `nobody` read the weights from 0644 files, and a
+pre-created `/dev/shm/unbroken/<node>` symlink made the agent's cleanup delete an unrelated
+directory): directories are created 0700 and files 0600; an existing root that is a
+symlink, not a directory, or not owned by this user is refused with `UnsafeFlashRootError`;
+so is one under a directory another user could rename it in (`secure_dir`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -18,6 +27,7 @@ import structlog
 from unbroken.recovery.flashcopy import (
     LOCAL_STORE,
     CopyRef,
+    FlashError,
     ShmTooSmallError,
     data_path,
     list_copies,
@@ -28,6 +38,78 @@ log = structlog.get_logger(__name__)
 
 
 # ---------------------------------------------------------------- owner side (agent)
+
+
+class UnsafeFlashRootError(FlashError):
+    """The flash directory is a symlink, not ours, or open to other users' renames."""
+
+
+def _check_parent(path: Path) -> None:
+    """Refuse `path` when a directory above it lets another user replace it."""
+    me = os.geteuid()
+    for parent in path.parents:
+        try:
+            lst, st = os.lstat(parent), os.stat(parent)
+        except FileNotFoundError:
+            continue
+        for s in (lst, st):
+            if s.st_uid not in (me, 0):
+                raise UnsafeFlashRootError(
+                    f"{parent} (above the flash directory {path}) belongs to uid {s.st_uid}, "
+                    "who could replace it; choose a flash directory (--flash-dir) under a "
+                    "directory you or root own"
+                )
+        if st.st_uid != me and st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise UnsafeFlashRootError(
+                f"{parent} is writable by others without the sticky bit; choose another --flash-dir"
+            )
+
+
+def secure_dir(path: Path) -> None:
+    """Make `path` (and its missing parents) a directory only this user can enter.
+
+    Missing components are created 0700. An existing `path` that is a symlink, not a
+    directory, or owned by another user is refused; one of ours with a looser mode is
+    tightened to 0700. The directories above must be ours or root's (sticky when others
+    may write them, as /dev/shm and /tmp are).
+
+    Raises:
+        UnsafeFlashRootError: naming the component and what is wrong with it.
+    """
+    me = os.geteuid()
+    missing: list[Path] = []
+    p = path
+    while not os.path.lexists(p):
+        missing.append(p)
+        p = p.parent
+    _check_parent(missing[-1] if missing else path)
+    if not missing:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            raise UnsafeFlashRootError(
+                f"flash directory {path} is a symlink or not a directory; refused (remove "
+                "it, or choose another --flash-dir)"
+            )
+        if st.st_uid != me:
+            raise UnsafeFlashRootError(
+                f"flash directory {path} exists and belongs to uid {st.st_uid}, not to this "
+                f"agent (uid {me}); refused (remove it, or choose another --flash-dir)"
+            )
+        if st.st_mode & 0o077:
+            os.chmod(path, 0o700)
+        return
+    for q in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another agent of ours, at this moment
+            os.mkdir(q, 0o700)
+        st = os.lstat(q)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != me:
+            raise UnsafeFlashRootError(f"{q} was replaced while it was created; refused")
+        os.chmod(q, 0o700)
+
+
+def open_private(path: Path, flags: int) -> int:
+    """os.open for a slot file: created 0600, never through a symlink."""
+    return os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW, 0o600)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -61,7 +143,8 @@ class FlashOwner:
     def __init__(self, config: FlashConfig) -> None:
         self.config = config
         self.job_dir = Path(config.root) / config.job
-        self.job_dir.mkdir(parents=True, exist_ok=True)
+        secure_dir(Path(config.root))
+        secure_dir(self.job_dir)
 
     def rank_dir(self, rank: int, store: str = LOCAL_STORE) -> Path:
         """The directory of `rank`'s slots in `store`."""
@@ -79,7 +162,7 @@ class FlashOwner:
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         d = self.rank_dir(rank, store)
-        d.mkdir(parents=True, exist_ok=True)
+        secure_dir(d)
         grow = 0
         for slot in (0, 1):
             p = data_path(d, slot)
@@ -98,7 +181,7 @@ class FlashOwner:
                 )
             for slot in (0, 1):
                 p = data_path(d, slot)
-                with open(p, "ab") as f:
+                with os.fdopen(open_private(p, os.O_WRONLY | os.O_APPEND), "ab") as f:
                     if f.tell() < nbytes:
                         # posix_fallocate makes tmpfs allocate now: a full tmpfs fails here
                         # with a clear error instead of SIGBUS in the middle of a save.

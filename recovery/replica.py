@@ -2,27 +2,53 @@
 
 When a node is lost, its flash copies go with it. Each agent therefore sends its ranks'
 newest completed copies to a buddy agent (node i -> node i+1 of a ring, `ring`) in the
-background, over a plain asyncio TCP stream. The buddy verifies the data against the
-manifest's checksum before storing it (double-buffered, like a local copy) under the
-store `replica-<node>`, so a replacement node can restore from it. A copy that fails the
-checksum is refused and never stored.
+background, over an asyncio TCP stream. The buddy verifies the data against the
+manifest's checksum while it streams it into a slot of the store `replica-<node>`
+(double-buffered, like a local copy), so a replacement node can restore from it. A copy
+that fails the checksum is refused and never becomes a valid copy.
 
-Wire format, per copy: one JSON header line (`node`, `rank`, `manifest_len`,
-`data_len`), the manifest, the data; the buddy answers one JSON line (`ok`, `error`).
-A replacement node gets a lost node's copies back with `fetch_replica`: the header line
-`{"op": "get", "node": ...}` makes the buddy stream each rank's newest replica (a header
-line, the manifest, the data per copy, then `{"done": true}`); the fetcher verifies every
-checksum before storing a copy. Sizes are bounded by `ReplicaConfig.max_copy_bytes`;
-every read has a deadline.
+**Who may talk to the buddy** (`ReplicaAuth`; issue 14: anyone could GET a node's weights,
+PUT a forged replica, or make the agent allocate 64 GiB with one header):
+
+- With TLS (the agent's --tls-cert/--tls-key/--tls-ca) the stream is mutual TLS and the
+  peer's principal is the `node:<id>` URI of its certificate. A PUT for node X is accepted
+  only from `node:X`. A GET of X's copies is served only to `node:X` (the node restarted)
+  or to a principal the buddy's grants file names for X (`{"X": ["node:X2"]}`, re-read on
+  every GET): whoever can write that file on the buddy (the operator, `unbroken up`) names
+  the replacement. The grant proves the operator's decision, nothing about the replacement.
+- Without TLS, every line and every data chunk carries an HMAC-SHA256 under the job's
+  replica key, bound to both sides' nonces and a per-direction sequence number (no replay,
+  no reordering, no tampering). That proves only that the peer holds the job's key: any
+  agent of the job may then PUT or GET any node's copies. Per-node rules need TLS.
+- A server with neither answers every request with an error (`ReplicaAuth.none()`).
+
+Bounds: the declared sizes are checked (manifest <= MAX_MANIFEST, data equal to the
+manifest's and <= `max_copy_bytes`, and within the tmpfs' free space) before a byte is
+written; data is streamed into the slot file chunk by chunk, never pre-allocated; at most
+`max_connections` streams at a time; a malformed header is answered with one error line.
+
+Wire format (v2). The server speaks first: `{"v": 2, "nonce": hex}`. The client sends one
+JSON header line (`op`, `node`, `cnonce`, `as` for a get; `rank`, `manifest_len`,
+`data_len`, `manifest_sha256` for a put; plus `mac` with a key), then for a put the
+manifest and the data, in chunks of `SEND_CHUNK` bytes each followed by its 32-byte MAC
+when keyed. The buddy answers one line (`ok`, `error`). A GET is answered by one header
+line per copy (`rank`, `manifest_len`, `data_len`, `manifest_sha256`), the manifest, the
+data chunks, and finally `{"done": true}`; the fetcher verifies every MAC and checksum
+while streaming a copy into its own slot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
+import os
+import ssl
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -30,18 +56,28 @@ from unbroken.recovery.flashcopy import (
     CopyRef,
     CorruptCopyError,
     Manifest,
+    data_path,
     list_copies,
+    manifest_path,
     new_hasher,
     read_manifest,
     replica_store,
-    write_raw_copy,
+    write_manifest,
 )
-from unbroken.recovery.flashowner import FlashOwner
+from unbroken.recovery.flashowner import FlashOwner, secure_dir
 
 log = structlog.get_logger(__name__)
 
 SEND_CHUNK = 8 << 20
 MAX_HEADER = 4096
+MAX_MANIFEST = 16 << 20  # a manifest lists tensors and small values: far below this
+MAC_LEN = 32
+PROTOCOL = 2
+KEY_ENV = "UNBROKEN_REPLICA_KEY"
+
+
+class ReplicaRefused(ValueError):
+    """A request the buddy refuses (bad header, not authenticated, not allowed)."""
 
 
 def ring(nodes: Sequence[str]) -> dict[str, str]:
@@ -63,18 +99,86 @@ def ring(nodes: Sequence[str]) -> dict[str, str]:
     return {n: nodes[(i + 1) % len(nodes)] for i, n in enumerate(nodes)}
 
 
+def node_of_peercert(cert: dict[str, Any] | None) -> str | None:
+    """The node id of a `node:<id>` SAN URI in a peer certificate (`ssl` getpeercert()).
+
+    The same URI `unbroken certs issue node:<id>` writes (driver/certs.py); recovery/ does
+    not import driver/, so the one rule is restated here.
+    """
+    for kind, value in (cert or {}).get("subjectAltName", ()):
+        if kind == "URI" and isinstance(value, str) and value.startswith("node:"):
+            return value[len("node:") :] or None
+    return None
+
+
+@dataclass(kw_only=True, slots=True)
+class ReplicaAuth:
+    """How the replica stream is authenticated: mTLS contexts, or a job key, or nothing.
+
+    Build with `tls(cert, key, ca)`, `keyed(key)` or `none()`; `grants_file` names, per
+    lost node, the principals that may GET its copies besides the node itself (TLS only).
+    """
+
+    server_ssl: ssl.SSLContext | None = None
+    client_ssl: ssl.SSLContext | None = None
+    key: bytes | None = None
+    grants_file: str | None = None
+
+    @classmethod
+    def tls(cls, cert: str, key: str, ca: str, *, grants_file: str | None = None) -> ReplicaAuth:
+        server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca)
+        server.load_cert_chain(cert, key)
+        server.verify_mode = ssl.CERT_REQUIRED
+        client = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+        client.load_cert_chain(cert, key)
+        client.check_hostname = False  # the peer is checked by its node principal instead
+        client.verify_mode = ssl.CERT_REQUIRED
+        return cls(server_ssl=server, client_ssl=client, grants_file=grants_file)
+
+    @classmethod
+    def keyed(cls, key: bytes) -> ReplicaAuth:
+        if len(key) < 16:
+            raise ValueError("the replica key must be at least 16 bytes")
+        return cls(key=key)
+
+    @classmethod
+    def none(cls) -> ReplicaAuth:
+        return cls()
+
+    @property
+    def enabled(self) -> bool:
+        return self.server_ssl is not None or self.key is not None
+
+    def grants(self, node: str) -> set[str]:
+        """Principals the grants file allows to GET `node`'s copies (re-read each time)."""
+        if not self.grants_file:
+            return set()
+        try:
+            data = json.loads(Path(self.grants_file).read_text())
+        except (OSError, ValueError) as e:
+            log.warning("replica.grants_unreadable", file=self.grants_file, error=str(e))
+            return set()
+        got = data.get(node, []) if isinstance(data, dict) else []
+        return {g for g in got if isinstance(g, str)}
+
+
 @dataclass(kw_only=True, slots=True)
 class ReplicaConfig:
-    """Limits of the replica transfer."""
+    """Limits and credentials of the replica transfer."""
 
     timeout_s: float = 60.0  # whole transfer of one copy, either side
     max_copy_bytes: int = 64 << 30
+    max_connections: int = 8  # concurrent streams a server serves; more are refused
+    headroom_bytes: int = 64 << 20  # left free on the tmpfs by a received copy
+    auth: ReplicaAuth = field(default_factory=ReplicaAuth.none)
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:
             raise ValueError(f"ReplicaConfig.timeout_s must be > 0, got {self.timeout_s}")
         if self.max_copy_bytes <= 0:
             raise ValueError(f"ReplicaConfig.max_copy_bytes must be > 0, got {self.max_copy_bytes}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +191,173 @@ class SendResult:
     error: str = ""
 
 
+class _Framing:
+    """Per-connection MACs (keyed mode): lines and chunks, per direction and sequence."""
+
+    def __init__(self, key: bytes | None, snonce: bytes, cnonce: bytes, *, server: bool) -> None:
+        self.reset(key, snonce, cnonce, server=server)
+
+    def reset(self, key: bytes | None, snonce: bytes, cnonce: bytes, *, server: bool) -> None:
+        self.key = key
+        self.bind = snonce + cnonce
+        self.out_dir, self.in_dir = (b"s2c", b"c2s") if server else (b"c2s", b"s2c")
+        self.sent = 0
+        self.received = 0
+
+    def _mac(self, direction: bytes, seq: int, payload: bytes) -> bytes:
+        assert self.key is not None
+        msg = direction + self.bind + seq.to_bytes(8, "big") + payload
+        return hmac.new(self.key, msg, hashlib.sha256).digest()
+
+    def line(self, obj: dict[str, Any]) -> bytes:
+        if self.key is not None:
+            body = json.dumps(obj, sort_keys=True).encode()
+            obj = {**obj, "mac": self._mac(self.out_dir, self.sent, body).hex()}
+            self.sent += 1
+        return json.dumps(obj).encode() + b"\n"
+
+    def check(self, obj: dict[str, Any]) -> dict[str, Any]:
+        if self.key is None:
+            return obj
+        obj = dict(obj)
+        mac = obj.pop("mac", "")
+        body = json.dumps(obj, sort_keys=True).encode()
+        want = self._mac(self.in_dir, self.received, body)
+        if not isinstance(mac, str) or not hmac.compare_digest(mac.encode(), want.hex().encode()):
+            raise ReplicaRefused(
+                "replica message fails its MAC (not sent by a holder of the job's replica key)"
+            )
+        self.received += 1
+        return obj
+
+    def chunk_mac(self, chunk: bytes) -> bytes:
+        if self.key is None:
+            return b""
+        mac = self._mac(self.out_dir, self.sent, chunk)
+        self.sent += 1
+        return mac
+
+    def check_chunk(self, chunk: bytes, mac: bytes) -> None:
+        if self.key is None:
+            return
+        if not hmac.compare_digest(mac, self._mac(self.in_dir, self.received, chunk)):
+            raise ReplicaRefused("replica data fails its MAC (altered or forged in transit)")
+        self.received += 1
+
+
+def _parse_line(line: bytes) -> dict[str, Any]:
+    if len(line) > MAX_HEADER or not line.endswith(b"\n"):
+        raise ReplicaRefused(f"replica header too long (> {MAX_HEADER} bytes) or missing")
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        raise ReplicaRefused("replica header is not JSON") from None
+    if not isinstance(obj, dict):
+        raise ReplicaRefused("replica header is not a JSON object")
+    return obj
+
+
+def _int(head: dict[str, Any], name: str) -> int:
+    v = head.get(name)
+    if type(v) is not int or v < 0:
+        raise ReplicaRefused(f"replica header field {name!r} must be an integer >= 0, got {v!r}")
+    return v
+
+
+def _str(head: dict[str, Any], name: str) -> str:
+    v = head.get(name)
+    if not isinstance(v, str) or not v or len(v) > 256 or "/" in v or not v.isprintable():
+        raise ReplicaRefused(f"replica header field {name!r} must be a plain name, got {v!r}")
+    return v
+
+
+def _check_sizes(mlen: int, dlen: int, cfg: ReplicaConfig) -> None:
+    if not 0 < mlen <= MAX_MANIFEST:
+        raise ReplicaRefused(f"manifest of {mlen} bytes (at most {MAX_MANIFEST})")
+    if dlen > cfg.max_copy_bytes:
+        raise ReplicaRefused(f"copy of {dlen} bytes exceeds the limit {cfg.max_copy_bytes}")
+
+
+async def _read_manifest(
+    reader: asyncio.StreamReader, mlen: int, dlen: int, rank: int, sha: object
+) -> Manifest:
+    raw = await reader.readexactly(mlen)
+    if sha != hashlib.sha256(raw).hexdigest():
+        raise ReplicaRefused("manifest does not match the header's manifest_sha256")
+    try:
+        manifest = Manifest.from_bytes(raw)
+    except (CorruptCopyError, ValueError, KeyError, TypeError) as e:
+        raise ReplicaRefused(f"malformed manifest: {e}") from None
+    if manifest.rank != rank or manifest.data_nbytes != dlen:
+        raise ReplicaRefused("header does not match the manifest")
+    return manifest
+
+
+async def _stream_into_slot(
+    reader: asyncio.StreamReader,
+    framing: _Framing,
+    rank_dir: Path,
+    manifest: Manifest,
+    headroom: int,
+) -> CopyRef | None:
+    """Stream a copy's data into the free slot of `rank_dir`, chunk by chunk.
+
+    The slot not holding the newest copy is invalidated first; its manifest is written
+    only when every byte arrived and the checksum matched. Returns None on a checksum
+    mismatch (the slot stays invalid; the newest copy is untouched).
+
+    Raises:
+        ReplicaRefused: not enough room on the tmpfs, or a chunk fails its MAC.
+    """
+    secure_dir(rank_dir)
+    nbytes = manifest.data_nbytes
+    st = os.statvfs(rank_dir)
+    free = st.f_bavail * st.f_frsize
+    refs = list_copies(rank_dir)
+    slot = 1 - refs[0].slot if refs else 0
+    path = data_path(rank_dir, slot)
+    have = path.stat().st_size if path.exists() else 0
+    if nbytes - have + headroom > free:
+        raise ReplicaRefused(
+            f"copy of {nbytes} bytes does not fit: {free} bytes free on the buddy's tmpfs"
+        )
+    manifest_path(rank_dir, slot).unlink(missing_ok=True)
+    hasher, got = new_hasher(), 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        while got < nbytes:
+            chunk = await reader.readexactly(min(SEND_CHUNK, nbytes - got))
+            if framing.key is not None:
+                framing.check_chunk(chunk, await reader.readexactly(MAC_LEN))
+            hasher.update(chunk)
+            f.write(chunk)
+            got += len(chunk)
+    if hasher.intdigest() != manifest.checksum:
+        return None
+    write_manifest(rank_dir, slot, manifest)
+    return CopyRef(rank_dir, slot, manifest)
+
+
+async def _send_data(
+    path: Path, nbytes: int, writer: asyncio.StreamWriter, framing: _Framing, flip: int | None
+) -> None:
+    """Write a slot's data (and, keyed, each chunk's MAC) to `writer`."""
+    sent = 0
+    with open(path, "rb") as f:
+        while sent < nbytes:
+            chunk = f.read(min(SEND_CHUNK, nbytes - sent))
+            if len(chunk) != min(SEND_CHUNK, nbytes - sent):
+                raise CorruptCopyError(f"{path} is shorter than its manifest")
+            if flip is not None and sent <= flip < sent + len(chunk):
+                b = bytearray(chunk)
+                b[flip - sent] ^= 0x01
+                chunk = bytes(b)
+            mac = framing.chunk_mac(chunk)  # of what is sent: a flipped bit fails the checksum
+            writer.write(chunk + mac)
+            await writer.drain()
+            sent += len(chunk)
+
+
 class ReplicaServer:
     """The buddy side: receives copies over TCP, verifies, stores them in its shm."""
 
@@ -94,12 +365,16 @@ class ReplicaServer:
         self.owner = owner
         self.config = config or ReplicaConfig()
         self._server: asyncio.Server | None = None
+        self._active = 0
+        self._locks: dict[Path, asyncio.Lock] = {}
         self.received = 0
         self.refused = 0
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Listen; returns the bound port (pass 0 for a free one)."""
-        self._server = await asyncio.start_server(self._handle, host, port)
+        self._server = await asyncio.start_server(
+            self._handle, host, port, ssl=self.config.auth.server_ssl, limit=MAX_HEADER + 2
+        )
         return int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
@@ -110,37 +385,87 @@ class ReplicaServer:
             self._server = None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            reply = await asyncio.wait_for(self._dispatch(reader, writer), self.config.timeout_s)
-            if reply is None:  # a fetch: the copies are sent already
-                return
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError) as e:
-            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        framing = _Framing(None, b"", b"", server=True)
+        if self._active >= self.config.max_connections:
+            reply: dict[str, object] | None = {
+                "ok": False,
+                "error": f"busy: {self._active} replica streams already open; retry later",
+            }
+        else:
+            self._active += 1
+            try:
+                reply = await asyncio.wait_for(
+                    self._dispatch(reader, writer, framing), self.config.timeout_s
+                )
+            except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+                reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            except (ReplicaRefused, ValueError, ssl.SSLError, OSError) as e:
+                reply = {"ok": False, "error": str(e)}
+            finally:
+                self._active -= 1
+        if reply is None:  # a fetch: the copies are sent already
+            writer.close()
+            return
         if not reply["ok"]:
             self.refused += 1
-            log.warning("replica.refused", error=reply["error"])
+            log.warning("replica.refused", error=reply["error"], peer=_peer(writer))
         try:
-            writer.write(json.dumps(reply).encode() + b"\n")
+            writer.write(framing.line(reply))
             await writer.drain()
-        except ConnectionError:
+        except (ConnectionError, OSError):
             pass
         finally:
             writer.close()
 
     async def _dispatch(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, framing: _Framing
     ) -> dict[str, object] | None:
-        line = await reader.readline()
-        if len(line) > MAX_HEADER or not line.endswith(b"\n"):
-            raise ValueError("replica header too long or missing")
-        head = json.loads(line)
+        auth = self.config.auth
+        snonce = os.urandom(16)
+        writer.write(json.dumps({"v": PROTOCOL, "nonce": snonce.hex()}).encode() + b"\n")
+        await writer.drain()
+        try:
+            line = await reader.readline()
+        except ValueError:  # longer than the stream's limit
+            raise ReplicaRefused(f"replica header too long (> {MAX_HEADER} bytes)") from None
+        head = _parse_line(line)
+        if not auth.enabled:
+            raise ReplicaRefused(
+                "this buddy has no replica credential (TLS or a job key) and serves nobody"
+            )
+        try:
+            cnonce = bytes.fromhex(str(head.get("cnonce", "")))
+        except ValueError:
+            raise ReplicaRefused("replica header: cnonce must be hex") from None
+        framing.reset(auth.key if auth.server_ssl is None else None, snonce, cnonce, server=True)
+        head = framing.check(head)
+        peer = node_of_peercert(_peercert(writer)) if auth.server_ssl is not None else None
+        node = _str(head, "node")
         if head.get("op", "put") == "get":
-            await self._serve_get(str(head["node"]), writer)
-            writer.close()
+            self._authorize_get(peer, node, head)
+            await self._serve_get(node, writer, framing)
             return None
-        return await self._receive(reader, head)
+        if head.get("op", "put") != "put":
+            raise ReplicaRefused(f"unknown replica op {head.get('op')!r}")
+        if auth.server_ssl is not None and peer != node:
+            raise ReplicaRefused(
+                f"a copy of node {node!r} may only come from node:{node} (the peer is "
+                f"{'node:' + peer if peer else 'no node'})"
+            )
+        return await self._receive(reader, head, framing)
 
-    async def _serve_get(self, node: str, writer: asyncio.StreamWriter) -> None:
+    def _authorize_get(self, peer: str | None, node: str, head: dict[str, Any]) -> None:
+        auth = self.config.auth
+        if auth.server_ssl is None:
+            return  # keyed: the MAC proved job membership, all the key can prove
+        if peer == node or (peer is not None and f"node:{peer}" in auth.grants(node)):
+            return
+        raise ReplicaRefused(
+            f"node {node!r}'s copies are served only to node:{node} or a replacement named "
+            f"in this buddy's grants file; the peer is {'node:' + peer if peer else 'no node'}"
+        )
+
+    async def _serve_get(self, node: str, writer: asyncio.StreamWriter, fr: _Framing) -> None:
         store = replica_store(node)
         sent = 0
         for rank in self.owner.ranks(store):
@@ -150,63 +475,88 @@ class ReplicaServer:
             ref = refs[0]
             m = ref.manifest
             head = m.to_bytes()
-            hdr = {"rank": rank, "manifest_len": len(head), "data_len": m.data_nbytes}
-            writer.write(json.dumps(hdr).encode() + b"\n" + head)
-            await _stream_file(ref, writer)
+            hdr = {
+                "rank": rank,
+                "manifest_len": len(head),
+                "data_len": m.data_nbytes,
+                "manifest_sha256": hashlib.sha256(head).hexdigest(),
+            }
+            writer.write(fr.line(hdr) + head)
+            await _send_data(ref.data_path, m.data_nbytes, writer, fr, None)
             sent += 1
-        writer.write(json.dumps({"done": True, "count": sent}).encode() + b"\n")
+        writer.write(fr.line({"done": True, "count": sent}))
         await writer.drain()
-        log.info("replica.served", node=node, copies=sent)
+        log.info("replica.served", node=node, copies=sent, peer=_peer(writer))
 
     async def _receive(
-        self, reader: asyncio.StreamReader, head: dict[str, object]
+        self, reader: asyncio.StreamReader, head: dict[str, Any], fr: _Framing
     ) -> dict[str, object]:
-        node, rank = str(head["node"]), int(head["rank"])  # type: ignore[call-overload]
-        mlen, dlen = int(head["manifest_len"]), int(head["data_len"])  # type: ignore[call-overload]
-        if (
-            not 0 < mlen <= self.config.max_copy_bytes
-            or not 0 <= dlen <= self.config.max_copy_bytes
-        ):
-            raise ValueError(f"copy of {dlen} bytes exceeds the limit {self.config.max_copy_bytes}")
-        manifest = Manifest.from_bytes(await reader.readexactly(mlen))
-        view, crc = await _read_data(reader, dlen)
-        if manifest.rank != rank or manifest.data_nbytes != dlen:
-            return {"ok": False, "error": "header does not match the manifest"}
-        if crc != manifest.checksum:
-            return {"ok": False, "error": f"checksum mismatch for rank {rank} step {manifest.step}"}
+        node, rank = _str(head, "node"), _int(head, "rank")
+        mlen, dlen = _int(head, "manifest_len"), _int(head, "data_len")
+        _check_sizes(mlen, dlen, self.config)
+        manifest = await _read_manifest(reader, mlen, dlen, rank, head.get("manifest_sha256"))
         rank_dir = self.owner.rank_dir(rank, replica_store(node))
-        await asyncio.to_thread(write_raw_copy, rank_dir, manifest, view)
+        lock = self._locks.setdefault(rank_dir, asyncio.Lock())
+        async with lock:
+            ref = await _stream_into_slot(
+                reader, fr, rank_dir, manifest, self.config.headroom_bytes
+            )
+        if ref is None:
+            return {"ok": False, "error": f"checksum mismatch for rank {rank} step {manifest.step}"}
         self.received += 1
         log.info("replica.stored", node=node, rank=rank, step=manifest.step, bytes=dlen)
         return {"ok": True, "error": ""}
 
 
-async def _read_data(reader: asyncio.StreamReader, nbytes: int) -> tuple[memoryview, int]:
-    """Read `nbytes` of copy data; returns them and their checksum."""
-    data = bytearray(nbytes)
-    view = memoryview(data)
-    got, hasher = 0, new_hasher()
-    while got < nbytes:
-        chunk = await reader.read(min(SEND_CHUNK, nbytes - got))
-        if not chunk:
-            raise asyncio.IncompleteReadError(b"", nbytes - got)
-        view[got : got + len(chunk)] = chunk
-        hasher.update(chunk)
-        got += len(chunk)
-    return view, hasher.intdigest()
+def _peercert(writer: asyncio.StreamWriter) -> dict[str, Any] | None:
+    obj = writer.get_extra_info("ssl_object")
+    return obj.getpeercert() if obj is not None else None  # type: ignore[no-any-return]
 
 
-async def _stream_file(ref: CopyRef, writer: asyncio.StreamWriter) -> None:
-    """Write a copy's data bytes to `writer`."""
-    left = ref.manifest.data_nbytes
-    with open(ref.data_path, "rb") as f:
-        while left:
-            chunk = f.read(min(SEND_CHUNK, left))
-            if not chunk:
-                raise CorruptCopyError(f"{ref.data_path} is shorter than its manifest")
-            writer.write(chunk)
-            await writer.drain()
-            left -= len(chunk)
+def _peer(writer: asyncio.StreamWriter) -> str:
+    return str(writer.get_extra_info("peername"))
+
+
+async def _connect(
+    host: str, port: int, cfg: ReplicaConfig
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    """Open a stream to a buddy and read its greeting; returns its nonce.
+
+    Raises:
+        ReplicaRefused: no credential here, or the peer is not a node of our CA.
+    """
+    auth = cfg.auth
+    if not auth.enabled:
+        raise ReplicaRefused("no replica credential (TLS or a job key) configured")
+    reader, writer = await asyncio.open_connection(
+        host, port, ssl=auth.client_ssl, limit=MAX_HEADER + 2
+    )
+    try:
+        if auth.client_ssl is not None and node_of_peercert(_peercert(writer)) is None:
+            raise ReplicaRefused(f"the buddy at {host}:{port} has no node:<id> certificate")
+        hello = _parse_line(await reader.readline())
+        if hello.get("ok") is False:  # busy, or refused before the greeting
+            raise ReplicaRefused(f"the buddy at {host}:{port} refused: {hello.get('error')}")
+        if hello.get("v") != PROTOCOL:
+            raise ReplicaRefused(f"the buddy at {host}:{port} speaks replica protocol "
+                                 f"{hello.get('v')!r}, not {PROTOCOL}")  # fmt: skip
+        return reader, writer, bytes.fromhex(str(hello.get("nonce", "")))
+    except BaseException:
+        writer.close()
+        raise
+
+
+def _client_framing(cfg: ReplicaConfig, snonce: bytes) -> tuple[_Framing, str]:
+    cnonce = os.urandom(16)
+    key = cfg.auth.key if cfg.auth.client_ssl is None else None
+    return _Framing(key, snonce, cnonce, server=False), cnonce.hex()
+
+
+async def _reply(reader: asyncio.StreamReader, fr: _Framing) -> dict[str, Any]:
+    obj = _parse_line(await reader.readline())
+    if "mac" not in obj and obj.get("ok") is False:  # refused before it could authenticate us
+        raise ReplicaRefused(f"the buddy refused: {obj.get('error')} (an unauthenticated answer)")
+    return fr.check(obj)
 
 
 async def fetch_replica(
@@ -216,57 +566,57 @@ async def fetch_replica(
     port: int,
     *,
     config: ReplicaConfig | None = None,
+    requester: str = "",
 ) -> list[CopyRef]:
     """Get `node`'s replicated copies back from its buddy into `owner`'s `replica-<node>`.
 
     Used by a node that replaces `node`: its workers then restore from these copies.
-    Every copy is verified against its checksum before it is stored; a bad one is skipped
-    (and logged), never stored.
+    Every copy is verified against its MACs and checksum while it is streamed into a slot;
+    a bad one is skipped (and logged), never a valid copy.
 
     Args:
         owner: this node's flash store.
         node: the lost node whose copies the buddy holds.
         host: the buddy's replica server.
         port: its port.
-        config: limits (`timeout_s` bounds the whole fetch).
+        config: limits and credentials (`timeout_s` bounds the whole fetch).
+        requester: this node's id (for the buddy's log; with TLS its certificate says it).
 
     Returns:
         The copies stored.
 
     Raises:
         ConnectionError, OSError, TimeoutError: the buddy is unreachable or too slow.
-        ValueError: the buddy sent a malformed header.
+        ValueError: the buddy refused us or sent a malformed or unauthenticated stream.
     """
     cfg = config or ReplicaConfig()
     store = replica_store(node)
 
     async def go() -> list[CopyRef]:
-        reader, writer = await asyncio.open_connection(host, port)
+        reader, writer, snonce = await _connect(host, port, cfg)
+        fr, cnonce = _client_framing(cfg, snonce)
         stored: list[CopyRef] = []
         try:
-            writer.write(json.dumps({"op": "get", "node": node}).encode() + b"\n")
+            writer.write(fr.line({"op": "get", "node": node, "as": requester, "cnonce": cnonce}))
             await writer.drain()
             while True:
-                line = await reader.readline()
-                if len(line) > MAX_HEADER or not line.endswith(b"\n"):
-                    raise ValueError("replica fetch: header too long or missing")
-                head = json.loads(line)
+                head = await _reply(reader, fr)
                 if head.get("done"):
                     return stored
-                rank, mlen, dlen = (
-                    int(head["rank"]),
-                    int(head["manifest_len"]),
-                    int(head["data_len"]),
+                if "ok" in head and not head["ok"]:
+                    raise ReplicaRefused(f"the buddy refused the fetch: {head.get('error')}")
+                rank, mlen, dlen = (_int(head, k) for k in ("rank", "manifest_len", "data_len"))
+                _check_sizes(mlen, dlen, cfg)
+                manifest = await _read_manifest(
+                    reader, mlen, dlen, rank, head.get("manifest_sha256")
                 )
-                if not 0 < mlen <= cfg.max_copy_bytes or not 0 <= dlen <= cfg.max_copy_bytes:
-                    raise ValueError(f"replica fetch: copy of {dlen} bytes exceeds the limit")
-                manifest = Manifest.from_bytes(await reader.readexactly(mlen))
-                view, crc = await _read_data(reader, dlen)
-                if crc != manifest.checksum or manifest.rank != rank:
+                ref = await _stream_into_slot(
+                    reader, fr, owner.rank_dir(rank, store), manifest, cfg.headroom_bytes
+                )
+                if ref is None:
                     log.warning("replica.fetch_refused", node=node, rank=rank, step=manifest.step)
                     continue
-                rank_dir = owner.rank_dir(rank, store)
-                stored.append(await asyncio.to_thread(write_raw_copy, rank_dir, manifest, view))
+                stored.append(ref)
                 log.info("replica.fetched", node=node, rank=rank, step=manifest.step, bytes=dlen)
         finally:
             writer.close()
@@ -293,37 +643,29 @@ async def send_copy(
         node: this node's name (the buddy stores under `replica-<node>`).
         host: the buddy's replica server.
         port: its port.
-        config: limits.
+        config: limits and credentials.
         flip_bit_at: fault injection: flip one bit at this data offset in transit.
     """
     cfg = config or ReplicaConfig()
     m = ref.manifest
 
     async def go() -> SendResult:
-        reader, writer = await asyncio.open_connection(host, port)
+        reader, writer, snonce = await _connect(host, port, cfg)
+        fr, cnonce = _client_framing(cfg, snonce)
         try:
             head = m.to_bytes()
             hdr = {
+                "op": "put",
                 "node": node,
                 "rank": m.rank,
                 "manifest_len": len(head),
                 "data_len": m.data_nbytes,
+                "manifest_sha256": hashlib.sha256(head).hexdigest(),
+                "cnonce": cnonce,
             }
-            writer.write(json.dumps(hdr).encode() + b"\n" + head)
-            with open(ref.data_path, "rb") as f:
-                sent = 0
-                while sent < m.data_nbytes:
-                    chunk = f.read(min(SEND_CHUNK, m.data_nbytes - sent))
-                    if not chunk:
-                        raise CorruptCopyError(f"{ref.data_path} is shorter than its manifest")
-                    if flip_bit_at is not None and sent <= flip_bit_at < sent + len(chunk):
-                        b = bytearray(chunk)
-                        b[flip_bit_at - sent] ^= 0x01
-                        chunk = bytes(b)
-                    writer.write(chunk)
-                    await writer.drain()
-                    sent += len(chunk)
-            reply = json.loads(await reader.readline())
+            writer.write(fr.line(hdr) + head)
+            await _send_data(ref.data_path, m.data_nbytes, writer, fr, flip_bit_at)
+            reply = await _reply(reader, fr)
         finally:
             writer.close()
         ok = bool(reply.get("ok"))
@@ -333,7 +675,7 @@ async def send_copy(
 
     try:
         return await asyncio.wait_for(go(), cfg.timeout_s)
-    except (TimeoutError, ConnectionError, OSError, CorruptCopyError) as e:
+    except (TimeoutError, ConnectionError, OSError, CorruptCopyError, ValueError) as e:
         return SendResult(m.rank, m.step, False, f"{type(e).__name__}: {e}")
 
 

@@ -44,6 +44,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from unbroken.proto import hooks_pb2 as hpb
+from unbroken.proto.runtime import private_dir, runtime_dir, trusted_socket
 
 if TYPE_CHECKING:
     from unbroken.trainer.flashckpt import FlashCheckpointer
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 ENV_SOCKET = "UNBROKEN_AGENT_SOCKET"
 # The agent's default socket (equal to unbroken.agent.hookserver.DEFAULT_SOCKET; trainer/
 # never imports agent/): a script under another launcher finds its node's agent there.
-DEFAULT_SOCKET = "/tmp/unbroken-agent.sock"
+DEFAULT_SOCKET = os.path.join(runtime_dir(), "agent.sock")
 WELCOME_TIMEOUT_S = 2.0  # an agent answers an attaching Hello within this, or is ignored
 SAVE_BUDGET = 0.02  # share of the step time flash saves may cost (init(save_budget=...))
 # Of the flash copies, the agent persists to storage about one per this many seconds (the
@@ -153,11 +154,17 @@ class Hooks:
         if self.path:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._sock.setblocking(False)
-            # an abstract-namespace address for the agent's replies (Linux; no file to clean)
-            self._reply = f"\0unbroken-worker-{self.pid}-{id(self)}"
+            # The agent's replies come to a socket file in this user's private runtime
+            # directory: unlike an abstract-namespace name, no other user can send to it.
             try:
-                self._sock.bind(self._reply)
-            except OSError:
+                reply = os.path.join(private_dir(), f"w-{self.pid}-{id(self):x}.sock")
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(reply)
+                self._sock.bind(reply)
+                os.chmod(reply, 0o600)
+                self._reply = reply
+            except OSError as e:
+                _warn_once(f"no private reply socket ({e}); agent commands cannot reach us")
                 self._reply = ""
 
     @property
@@ -258,6 +265,9 @@ class Hooks:
             self.flush_steps()
             self._sock.close()
             self._sock = None
+            if self._reply:
+                with contextlib.suppress(OSError):
+                    os.unlink(self._reply)
 
 
 _default: Hooks | None = None
@@ -624,6 +634,13 @@ def _caller_level() -> int:
 def _attach(path: str, timeout_s: float) -> Session | None:
     """Say an attaching Hello on `path` and wait for the Welcome; None when nobody answers."""
     rank, world = _rank()
+    why = trusted_socket(path) if os.path.exists(path) else ""
+    if why:
+        _warn_once(
+            f"not attaching to the agent socket {path}: {why}; running without fault "
+            "tolerance (an agent's socket belongs to its user, in a private directory)"
+        )
+        return None
     hooks = Hooks(socket_path=path, coalesce_s=REPORT_EVERY_S)
     hello = hpb.Hello(
         reply_socket=hooks._reply, stack_signal=False, attach=True, rank=rank, world_size=world

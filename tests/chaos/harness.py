@@ -118,6 +118,7 @@ class ChaosCluster:
             **os.environ,
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
+            "UNBROKEN_REPLICA_KEY": "test-job-replica-key-0123456789",  # the buddy stream's HMAC
             MARKER: self.marker,
             "UNBROKEN_ARCHIVE": str(tmp / "archive"),
         }
@@ -221,6 +222,7 @@ class ChaosCluster:
             sys.executable, "-m", "unbroken.driver.cli", "agent",
             "--driver", drivers, "--node-id", node, "--no-start",
             "--worker-cmd", sys.executable + " -c pass",  # the driver's --worker-cmd wins
+            "--allow-remote-cmd",
             "--log-dir", str(self.tmp / f"logs-{node}"),
             "--socket", str(self.tmp / f"{node}.sock"),
             "--flash-dir", str(self.tmp / f"shm-{node}"), "--flash-job", self.job,

@@ -167,7 +167,11 @@ class Cluster:
             stdout=out,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            env={
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "UNBROKEN_REPLICA_KEY": "test-job-replica-key-0123456789",
+            },
         )
         out.close()
 

@@ -23,7 +23,13 @@ from unbroken.recovery.flash import (
     read_copy,
     replica_store,
 )
-from unbroken.recovery.replica import ReplicaSender, ReplicaServer, fetch_replica
+from unbroken.recovery.replica import (
+    ReplicaAuth,
+    ReplicaConfig,
+    ReplicaSender,
+    ReplicaServer,
+    fetch_replica,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -36,6 +42,9 @@ def owners() -> Iterator[tuple[FlashOwner, FlashOwner, FlashOwner]]:
     finally:
         for r in roots:
             shutil.rmtree(r, ignore_errors=True)
+
+
+CFG = ReplicaConfig(auth=ReplicaAuth.keyed(b"test-replica-key-0123456789"))
 
 
 def _save(owner: FlashOwner, rank: int, step: int) -> None:
@@ -52,16 +61,16 @@ def test_replacement_fetches_verified_replicas(
     a, b, replacement = owners
 
     async def go() -> None:
-        server = ReplicaServer(b)
+        server = ReplicaServer(b, CFG)
         port = await server.start("127.0.0.1", 0)
         try:
             for step in (1, 2):
                 for rank in (0, 1):
                     _save(a, rank, step)
-                sent = await ReplicaSender(a, "A", ("127.0.0.1", port)).tick()
+                sent = await ReplicaSender(a, "A", ("127.0.0.1", port), CFG).tick()
                 assert all(r.ok for r in sent) and len(sent) == 2
             # A is lost; A' gets its copies back.
-            got = await fetch_replica(replacement, "A", "127.0.0.1", port)
+            got = await fetch_replica(replacement, "A", "127.0.0.1", port, config=CFG)
             assert sorted((r.manifest.rank, r.manifest.step) for r in got) == [(0, 2), (1, 2)]
             for ref in got:
                 src = next(
@@ -79,11 +88,11 @@ def test_replacement_fetches_verified_replicas(
                 f.seek(8)
                 f.write(bytes([byte[0] ^ 1]))
             shutil.rmtree(replacement.job_dir / replica_store("A"))
-            got = await fetch_replica(replacement, "A", "127.0.0.1", port)
+            got = await fetch_replica(replacement, "A", "127.0.0.1", port, config=CFG)
             assert [r.manifest.rank for r in got] == [0]
             assert list_copies(replacement.rank_dir(1, replica_store("A"))) == []
             # Nothing held for an unknown node: an empty answer, not an error.
-            assert await fetch_replica(replacement, "nobody", "127.0.0.1", port) == []
+            assert await fetch_replica(replacement, "nobody", "127.0.0.1", port, config=CFG) == []
         finally:
             await server.stop()
 

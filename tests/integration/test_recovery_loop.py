@@ -63,7 +63,11 @@ class Job:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            env={
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "UNBROKEN_REPLICA_KEY": "test-job-replica-key-0123456789",
+            },
         )
         out.close()
         self.procs[name] = p
@@ -96,6 +100,7 @@ class Job:
         args = [
             "agent", "--driver", self.address, "--node-id", node, "--no-start",
             "--worker-cmd", sys.executable + " -c pass",  # the driver's --worker-cmd wins
+            "--allow-remote-cmd",
             "--log-dir", str(self.tmp / f"logs-{node}"),
             "--socket", str(self.tmp / f"{node}.sock"),
             "--flash-dir", str(self.tmp / f"shm-{node}"), "--flash-job", self.job,

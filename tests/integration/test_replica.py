@@ -19,6 +19,7 @@ import torch
 
 from unbroken.recovery.flash import FlashConfig, FlashOwner, FlashWriter, load_into
 from unbroken.recovery.replica import (
+    ReplicaAuth,
     ReplicaConfig,
     ReplicaSender,
     ReplicaServer,
@@ -30,6 +31,8 @@ from unbroken.recovery.restore import Source, decide
 from unbroken.recovery.sources import obtain, survey
 
 pytestmark = pytest.mark.integration
+AUTH = ReplicaAuth.keyed(b"test-replica-key-0123456789")  # the job's key (no TLS here)
+CFG = ReplicaConfig(auth=AUTH)
 
 
 @pytest.fixture
@@ -59,10 +62,10 @@ def test_lost_node_restores_from_buddy_replica(nodes: tuple[FlashOwner, FlashOwn
     a, b = nodes
 
     async def scenario() -> None:
-        server = ReplicaServer(b, ReplicaConfig(timeout_s=30))
+        server = ReplicaServer(b, ReplicaConfig(timeout_s=30, auth=AUTH))
         port = await server.start()
         try:
-            sender = ReplicaSender(a, "nodeA", ("127.0.0.1", port))
+            sender = ReplicaSender(a, "nodeA", ("127.0.0.1", port), CFG)
             writers = [FlashWriter(r, a) for r in (0, 1)]
             for step in (1, 2):
                 for r, w in enumerate(writers):
@@ -101,12 +104,12 @@ def test_copy_damaged_in_transit_is_refused(nodes: tuple[FlashOwner, FlashOwner]
     a, b = nodes
 
     async def scenario() -> None:
-        server = ReplicaServer(b)
+        server = ReplicaServer(b, CFG)
         port = await server.start()
         try:
             w = FlashWriter(0, a)
             w.save(_state(1), 1).wait()
-            ok = await send_copy(a.newest(0), "nodeA", "127.0.0.1", port)  # type: ignore[arg-type]
+            ok = await send_copy(a.newest(0), "nodeA", "127.0.0.1", port, config=CFG)  # type: ignore[arg-type]
             assert ok.ok
             w.save(_state(2), 2).wait()
             w.close()
@@ -115,6 +118,7 @@ def test_copy_damaged_in_transit_is_refused(nodes: tuple[FlashOwner, FlashOwner]
                 "nodeA",
                 "127.0.0.1",
                 port,
+                config=CFG,
                 flip_bit_at=100,
             )
             assert not bad.ok and "checksum" in bad.error
@@ -144,6 +148,8 @@ def test_unreachable_buddy_is_a_failed_send_not_a_hang(
 
     port = asyncio.run(closed_port())
     res = asyncio.run(
-        send_copy(a.newest(0), "nodeA", "127.0.0.1", port, config=ReplicaConfig(timeout_s=5))  # type: ignore[arg-type]
+        send_copy(
+            a.newest(0), "nodeA", "127.0.0.1", port, config=ReplicaConfig(timeout_s=5, auth=AUTH)
+        )  # type: ignore[arg-type]
     )
     assert not res.ok and res.error

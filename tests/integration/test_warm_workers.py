@@ -225,6 +225,7 @@ def test_crashed_worker_restarts_warm_and_training_continues(
                 "--log-dir", str(tmp_path / "workers"), "--socket", str(tmp_path / "n0.sock"),
                 "--flash-dir", str(tmp_path / "shm"), "--flash-job", job,
                 "--persist-url", str(tmp_path / "storage"), "--no-selfcheck", "--warm-workers",
+                "--allow-remote-cmd",  # the driver's --worker-cmd wins
             ],
         )  # fmt: skip
         until("training to start", lambda: max(steps(), default=0) >= 2, 120)

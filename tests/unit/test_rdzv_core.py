@@ -168,14 +168,17 @@ def _params(endpoint: str = "drv:1234", **conf: str) -> RendezvousParameters:
 def test_client_config_from_torchrun_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(rdzv.TOKEN_ENV, "t" * 20)
     monkeypatch.setenv(rdzv.NODE_ID_ENV, "node-7")
-    cfg = rdzv.config_from_params(_params(rpc_timeout="3"))
+    cfg = rdzv.config_from_params(_params("localhost:1234", rpc_timeout="3"))
     assert (cfg.endpoint, cfg.run_id, cfg.node_id, cfg.token) == (
-        "drv:1234",
+        "localhost:1234",
         "job-1",
         "node-7",
         "t" * 20,
     )
     assert cfg.rpc_timeout_s == 3.0
+    # a token goes to loopback only (without TLS); elsewhere the job's key seals the state
+    monkeypatch.delenv(rdzv.TOKEN_ENV)
+    monkeypatch.setenv("UNBROKEN_RDZV_KEY", "k" * 20)
     assert rdzv.config_from_params(_params("drv")).endpoint == "drv:50051"
     assert rdzv.config_from_params(_params(node_id="n9")).node_id == "n9"
     several = rdzv.config_from_params(_params("d1, d2:7"))

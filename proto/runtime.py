@@ -1,0 +1,90 @@
+"""Runtime paths every process of a node shares: the private directory of local sockets.
+
+The agent's hook socket and the workers' reply sockets are unix datagram sockets; any
+local user who can reach one can send to it (issue 14: `/tmp/unbroken-agent.sock` could be
+squatted, and the workers' abstract-namespace reply sockets took a `stop` from anyone).
+They therefore live in a directory only this user can enter, `runtime_dir()`:
+`$XDG_RUNTIME_DIR/unbroken` when that is ours, else `/run/unbroken` for root, else
+`<tmp>/unbroken-<uid>`; `private_dir` creates it 0700 and refuses one that is a symlink,
+not a directory, or owned by someone else. The socket files are 0600 as well.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+
+
+class UnsafeRuntimeDirError(OSError):
+    """A runtime directory another user could read, write or replace."""
+
+
+def runtime_dir() -> str:
+    """This user's directory for local sockets (not created here; see `private_dir`)."""
+    uid = os.geteuid()
+    xdg = os.environ.get("XDG_RUNTIME_DIR", "")
+    if xdg:
+        try:
+            st = os.stat(xdg)
+            if st.st_uid == uid and stat.S_ISDIR(st.st_mode):
+                return os.path.join(xdg, "unbroken")
+        except OSError:
+            pass
+    if uid == 0 and os.access("/run", os.W_OK):
+        return "/run/unbroken"
+    return os.path.join(tempfile.gettempdir(), f"unbroken-{uid}")
+
+
+def check_private(path: str) -> None:
+    """UnsafeRuntimeDirError unless `path` is a real directory of ours, closed to others."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UnsafeRuntimeDirError(f"{path} is a symlink or not a directory; refused")
+    if st.st_uid != os.geteuid():
+        raise UnsafeRuntimeDirError(
+            f"{path} belongs to uid {st.st_uid}, not to us (uid {os.geteuid()}); another user "
+            "may have planted it. Remove it, or set XDG_RUNTIME_DIR / --socket elsewhere"
+        )
+    if st.st_mode & 0o077:
+        raise UnsafeRuntimeDirError(f"{path} is open to other users (mode {st.st_mode & 0o777:o})")
+
+
+def private_dir(path: str | None = None) -> str:
+    """Create (0700) or check the directory `path` (default `runtime_dir()`); return it.
+
+    Raises:
+        UnsafeRuntimeDirError: it exists as a symlink, a file, or another user's directory.
+    """
+    path = path or runtime_dir()
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        st = os.lstat(path)
+        if st.st_uid == os.geteuid() and stat.S_ISDIR(st.st_mode) and st.st_mode & 0o077:
+            os.chmod(path, 0o700)  # ours, too open: close it
+    check_private(path)
+    return path
+
+
+def trusted_socket(path: str) -> str:
+    """Why the agent socket at `path` must not be trusted ('' when it may).
+
+    Its owner must be this user or root, and so must its directory, which others may not
+    write unless it is sticky (as /tmp is): then nobody else can have replaced the file.
+    """
+    me = os.geteuid()
+    try:
+        st = os.stat(path)
+        dst = os.stat(os.path.dirname(os.path.abspath(path)))
+    except OSError as e:
+        return f"cannot stat {path}: {e.strerror}"
+    if not stat.S_ISSOCK(st.st_mode):
+        return f"{path} is not a socket"
+    if st.st_uid not in (me, 0):
+        return f"{path} belongs to uid {st.st_uid}, not to us or root (a squatter?)"
+    if dst.st_uid not in (me, 0):
+        return f"the directory of {path} belongs to uid {dst.st_uid}"
+    if dst.st_mode & 0o022 and not dst.st_mode & stat.S_ISVTX:
+        return f"the directory of {path} is writable by others"
+    return ""

@@ -1,0 +1,67 @@
+"""Fixtures of the security suite: a real driver process (in-memory event log, a token)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CLI = [sys.executable, "-m", "unbroken.driver.cli"]
+TOKEN = "security-suite-token-0123456789"
+
+
+@pytest.fixture(scope="package")
+def driver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """`unbroken driver --event-log memory` on loopback with a token (no etcd needed)."""
+    tmp = tmp_path_factory.mktemp("driver")
+    token_file = tmp / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    port_file = tmp / "driver.json"
+    log = open(tmp / "driver.log", "wb")
+    cmd = [
+        *CLI, "driver", "--listen", "127.0.0.1:0", "--port-file", str(port_file),
+        "--event-log", "memory", "--token-file", f"node={token_file}", "--job-id", "sec",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,
+    )
+    log.close()
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert proc.poll() is None, (tmp / "driver.log").read_text()
+            assert time.monotonic() < deadline, "driver did not start within 60 s"
+            time.sleep(0.1)
+        port = json.loads(port_file.read_text())["grpc_port"]
+        yield {"address": f"127.0.0.1:{port}", "tmp": tmp, "token_file": token_file}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def marker_payload(marker: Path) -> bytes:
+    """A pickle that creates `marker` when anything unpickles it."""
+
+    class Boom:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, (f"touch {marker}",))
+
+    import pickle
+
+    return pickle.dumps(Boom())

@@ -1,0 +1,87 @@
+"""Attack: StoreSets with fresh keys and run ids fill etcd until the event log stops.
+
+Against a real driver with its default quotas: a run takes at most 8 MiB, a job 64 runs
+and 32 MiB; each write past a limit is answered RESOURCE_EXHAUSTED naming it and stores
+nothing, while other runs keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+
+from tests.security.conftest import TOKEN
+from unbroken.driver.rendezvous import Quota, RendezvousConfig
+from unbroken.proto import rendezvous_pb2 as rpb
+from unbroken.proto import rendezvous_pb2_grpc as rgrpc
+
+pytestmark = pytest.mark.integration
+MD = (("authorization", f"Bearer {TOKEN}"),)
+BIG = b"x" * (512 * 1024 - 64)  # just under the per-value limit
+
+
+def _set(stub: Any, run: str, key: str, value: bytes) -> grpc.StatusCode:
+    try:
+        caller = rpb.Caller(run_id=run, node_id="n-evil")
+        stub.StoreSet(
+            rpb.StoreSetRequest(caller=caller, key=key, value=value),
+            metadata=MD,
+            timeout=20,
+        )
+        return grpc.StatusCode.OK
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+        _set.last = e.details()  # type: ignore[attr-defined]
+        return e.code()
+
+
+def _keys(stub: Any, run: str) -> int:
+    caller = rpb.Caller(run_id=run, node_id="n-evil")
+    return stub.StoreNumKeys(rpb.StoreNumKeysRequest(caller=caller), metadata=MD, timeout=10).count
+
+
+def test_store_quotas_answer_resource_exhausted(driver: dict[str, Any]) -> None:
+    with grpc.insecure_channel(
+        driver["address"], options=[("grpc.max_send_message_length", 4 << 20)]
+    ) as ch:
+        stub = rgrpc.RendezvousStub(ch)
+        # bytes per run: the 17th half-MiB value of one run passes 8 MiB
+        codes = [_set(stub, "fill-0", f"k{i}", BIG) for i in range(17)]
+        assert codes[:16] == [grpc.StatusCode.OK] * 16
+        assert codes[16] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_run_bytes" in _set.last  # type: ignore[attr-defined]
+        assert _keys(stub, "fill-0") == 16  # nothing of the refused write landed
+        # bytes per job: three more full runs come near 32 MiB; a fifth run's value is refused
+        codes = [_set(stub, f"fill-{r}", f"k{i}", BIG) for r in (1, 2, 3, 4) for i in range(16)]
+        assert grpc.StatusCode.OK not in codes[codes.index(grpc.StatusCode.RESOURCE_EXHAUSTED) :]
+        assert codes.count(grpc.StatusCode.OK) == 48 and _keys(stub, "fill-4") == 0
+        assert "max_job_bytes" in _set.last  # type: ignore[attr-defined]
+        for r in (1, 2, 3):  # free the bytes again
+            for i in range(16):
+                caller = rpb.Caller(run_id=f"fill-{r}", node_id="n")
+                req = rpb.StoreDeleteRequest(caller=caller, key=f"k{i}")
+                stub.StoreDelete(req, metadata=MD, timeout=10)
+        # runs per job: small keys in fresh runs; by the 64th run at the latest it is refused
+        codes = [_set(stub, f"many-{i}", "k", b"1") for i in range(64)]
+        assert codes[-1] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_runs=64" in _set.last  # type: ignore[attr-defined]
+        assert _keys(stub, "many-63") == 0
+        # an existing run keeps working once it frees space
+        caller = rpb.Caller(run_id="fill-0", node_id="n")
+        stub.StoreDelete(rpb.StoreDeleteRequest(caller=caller, key="k0"), metadata=MD, timeout=10)
+        assert _set(stub, "fill-0", "small", b"ok") == grpc.StatusCode.OK
+
+
+def test_keys_per_run_quota() -> None:
+    """The key-count limit, on the same bookkeeping the service uses (4096 RPCs are slow)."""
+    cfg = RendezvousConfig(max_keys_per_run=3)
+    q = Quota(cfg, b"/unbroken/j/rdzv/")
+    for i in range(3):
+        q.charge("r", f"/unbroken/j/rdzv/r/kv/{i}".encode(), 1)
+    q.charge("r", b"/unbroken/j/rdzv/r/kv/0", 5)  # overwriting a key adds none
+    with pytest.raises(Exception, match="max_keys_per_run=3"):
+        q.charge("r", b"/unbroken/j/rdzv/r/kv/3", 1)
+    q.forget("r", b"/unbroken/j/rdzv/r/kv/", prefix=True)
+    q.charge("r", b"/unbroken/j/rdzv/r/kv/3", 1)

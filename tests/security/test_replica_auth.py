@@ -1,0 +1,269 @@
+"""Attacks on the buddy replica port: read a node's weights, plant a forged replica, make
+the agent allocate gigabytes with one header, crash it with a bad header, exhaust it.
+
+Real sockets, real TLS, a real replica server (for the memory test, in its own process so
+its RSS can be read); each attack is answered with one error line and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from unbroken.driver.certs import issue, make_ca
+from unbroken.recovery.flash import FlashConfig, FlashOwner, FlashWriter
+from unbroken.recovery.flashcopy import replica_store
+from unbroken.recovery.replica import (
+    ReplicaAuth,
+    ReplicaConfig,
+    ReplicaServer,
+    fetch_replica,
+    send_copy,
+)
+
+pytestmark = pytest.mark.integration
+KEY = b"the-jobs-replica-key-0123456789"
+KEYED = ReplicaConfig(timeout_s=10, auth=ReplicaAuth.keyed(KEY))
+
+
+@pytest.fixture
+def owners(tmp_path: Path) -> Iterator[dict[str, FlashOwner]]:
+    roots = {n: Path(f"/dev/shm/ub-sec-{os.getpid()}-{n}") for n in ("a", "b", "c")}
+    try:
+        yield {n: FlashOwner(FlashConfig(root=str(r), job="j")) for n, r in roots.items()}
+    finally:
+        for r in roots.values():
+            subprocess.run(["rm", "-rf", str(r)], check=False)
+
+
+def _copy(owner: FlashOwner, step: int = 1) -> None:
+    w = FlashWriter(0, owner)
+    try:
+        w.save({"w": torch.full((4096,), float(step))}, step).wait()  # type: ignore[union-attr]
+    finally:
+        w.close()
+
+
+def _raw(port: int, *lines: bytes, read_s: float = 5.0) -> list[dict[str, object]]:
+    """Send raw lines as an attacker would (no credential); the answers, parsed."""
+    with socket.create_connection(("127.0.0.1", port), timeout=read_s) as s:
+        for line in lines:
+            s.sendall(line)
+        s.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return [json.loads(x) for x in data.splitlines() if x.strip()]
+
+
+def test_unauthenticated_get_and_bad_headers_get_an_error_line(
+    owners: dict[str, FlashOwner],
+) -> None:
+    a, b = owners["a"], owners["b"]
+    _copy(a)
+
+    async def go() -> None:
+        server = ReplicaServer(b, KEYED)
+        port = await server.start()
+        try:
+            assert (await send_copy(a.newest(0), "node-a", "127.0.0.1", port, config=KEYED)).ok  # type: ignore[arg-type]
+            attacks = [
+                b'{"op": "get", "node": "node-a"}\n',  # the issue's one-liner
+                b'{"op": "get", "node": "node-a", "cnonce": "00", "mac": "00"}\n',
+                b"not json at all\n",
+                b'{"node": 7, "rank": "x"}\n',
+                b"[1, 2]\n",
+                b"x" * 10_000 + b"\n",
+            ]
+            for line in attacks:
+                answers = await asyncio.to_thread(_raw, port, line)
+                assert answers[0]["v"] == 2  # the greeting
+                assert answers[1:] and answers[-1]["ok"] is False, (line[:40], answers)
+                assert "rank" not in json.dumps(answers[1:])  # no copy header, no data
+            assert server.refused == len(attacks)
+        finally:
+            await server.stop()
+
+    asyncio.run(go())
+
+
+def test_forged_put_with_a_valid_checksum_is_not_stored(owners: dict[str, FlashOwner]) -> None:
+    """The attacker has a real copy (valid checksum) but not the job's key."""
+    evil, b = owners["c"], owners["b"]
+    _copy(evil, step=99)
+
+    async def go() -> None:
+        server = ReplicaServer(b, KEYED)
+        port = await server.start()
+        try:
+            wrong = ReplicaConfig(auth=ReplicaAuth.keyed(b"a-guessed-key-0123456789"))
+            res = await send_copy(evil.newest(0), "node-a", "127.0.0.1", port, config=wrong)  # type: ignore[arg-type]
+            assert not res.ok and "MAC" in res.error
+        finally:
+            await server.stop()
+
+    asyncio.run(go())
+    assert b.ranks(replica_store("node-a")) == [] or b.newest(0, replica_store("node-a")) is None
+
+
+def _pki(tmp: Path) -> dict[str, ReplicaConfig]:
+    make_ca(tmp)
+    out = {}
+    for n in ("node-a", "node-b", "node-c", "node-a2"):
+        crt, key = issue(tmp, f"node:{n}")
+        auth = ReplicaAuth.tls(str(crt), str(key), str(tmp / "ca.pem"), grants_file=str(tmp / "g"))
+        out[n] = ReplicaConfig(timeout_s=10, auth=auth)
+    return out
+
+
+def test_mtls_put_only_as_yourself_get_only_by_the_node_or_a_granted_replacement(
+    owners: dict[str, FlashOwner], tmp_path: Path
+) -> None:
+    a, b, c = owners["a"], owners["b"], owners["c"]
+    cfg = _pki(tmp_path)
+    _copy(a, step=1)
+    _copy(c, step=66)
+
+    async def go() -> None:
+        server = ReplicaServer(b, cfg["node-b"])
+        port = await server.start()
+        try:
+            ok = await send_copy(a.newest(0), "node-a", "127.0.0.1", port, config=cfg["node-a"])  # type: ignore[arg-type]
+            assert ok.ok, ok.error
+            # node-c (a valid certificate of the same CA) claims to be node-a
+            forged = await send_copy(c.newest(0), "node-a", "127.0.0.1", port, config=cfg["node-c"])  # type: ignore[arg-type]
+            assert not forged.ok and "may only come from node:node-a" in forged.error
+            # the issue's GET, from a node with a valid certificate that is not node-a
+            with pytest.raises(ValueError, match="served only to node:node-a"):
+                await fetch_replica(c, "node-a", "127.0.0.1", port, config=cfg["node-c"])
+            with pytest.raises(ValueError, match="served only to node:node-a"):
+                await fetch_replica(c, "node-a", "127.0.0.1", port, config=cfg["node-a2"])
+            # the operator names node-a2 as node-a's replacement on the buddy
+            (tmp_path / "g").write_text(json.dumps({"node-a": ["node:node-a2"]}))
+            got = await fetch_replica(c, "node-a", "127.0.0.1", port, config=cfg["node-a2"])
+            assert [r.manifest.step for r in got] == [1]
+            # no certificate at all: the TLS handshake fails; nothing is served
+            plain = ReplicaConfig(timeout_s=2, auth=ReplicaAuth.keyed(KEY))
+            with pytest.raises((OSError, ValueError, TimeoutError)):
+                await fetch_replica(c, "node-a", "127.0.0.1", port, config=plain)
+        finally:
+            await server.stop()
+
+    asyncio.run(go())
+    stored = b.newest(0, replica_store("node-a"))
+    assert stored is not None and stored.manifest.step == 1  # never the forged step 66
+
+
+SERVER = """
+import asyncio, sys
+from unbroken.recovery.flash import FlashConfig, FlashOwner
+from unbroken.recovery.replica import ReplicaAuth, ReplicaConfig, ReplicaServer
+async def main():
+    auth = ReplicaAuth.keyed(sys.argv[2].encode())
+    cfg = ReplicaConfig(timeout_s=5, max_connections=3, auth=auth)
+    s = ReplicaServer(FlashOwner(FlashConfig(root=sys.argv[1], job="j")), cfg)
+    print(await s.start(), flush=True)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+
+def _signed_header(fields: dict[str, object], greeting: dict[str, object]) -> bytes:
+    """A header with a valid MAC: this attacker holds the job's key."""
+    import hmac
+
+    cnonce = os.urandom(16)
+    obj = {**fields, "cnonce": cnonce.hex()}
+    body = json.dumps(obj, sort_keys=True).encode()
+    bind = bytes.fromhex(str(greeting["nonce"])) + cnonce
+    mac = hmac.new(KEY, b"c2s" + bind + (0).to_bytes(8, "big") + body, hashlib.sha256)
+    return json.dumps({**obj, "mac": mac.hexdigest()}).encode() + b"\n"
+
+
+def test_huge_declared_copy_allocates_nothing_and_connections_are_capped(
+    tmp_path: Path, owners: dict[str, FlashOwner]
+) -> None:
+    _copy(owners["a"])
+    real = owners["a"].newest(0)
+    assert real is not None
+    root = f"/dev/shm/ub-sec-{os.getpid()}-srv"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER, root, KEY.decode()],
+        stdout=subprocess.PIPE,
+        stderr=open(tmp_path / "server.log", "wb"),
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        port = int(proc.stdout.readline())  # type: ignore[union-attr]
+        rss0 = psutil.Process(proc.pid).memory_info().rss
+        free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+        # a manifest that is valid but for its size; the issue's 64 GiB first
+        for dlen, expect in ((64 << 30, "does not fit"), (1 << 40, "exceeds the limit")):
+            if dlen < free:
+                continue
+            manifest = dataclasses.replace(real.manifest, data_nbytes=dlen).to_bytes()
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                f = s.makefile("rwb")
+                greeting = json.loads(f.readline())
+                head = {"op": "put", "node": "node-a", "rank": 0, "data_len": dlen}
+                head |= {"manifest_len": len(manifest)}
+                head |= {"manifest_sha256": hashlib.sha256(manifest).hexdigest()}
+                f.write(_signed_header(head, greeting) + manifest)
+                f.flush()
+                answer = json.loads(f.readline())
+                f.close()
+            assert answer["ok"] is False and expect in str(answer["error"]), answer
+        # 1 GiB that would fit, of which 1 MiB arrives: streamed, nothing is pre-allocated
+        dlen = 1 << 30
+        manifest = dataclasses.replace(real.manifest, data_nbytes=dlen).to_bytes()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            f = s.makefile("rwb")
+            greeting = json.loads(f.readline())
+            head = {"op": "put", "node": "node-a", "rank": 0, "data_len": dlen}
+            head |= {"manifest_len": len(manifest)}
+            head |= {"manifest_sha256": hashlib.sha256(manifest).hexdigest()}
+            f.write(_signed_header(head, greeting) + manifest + b"z" * (1 << 20))
+            f.flush()
+            time.sleep(0.5)
+            rss = psutil.Process(proc.pid).memory_info().rss
+            used = sum(p.stat().st_blocks * 512 for p in Path(root).rglob("*.data"))
+            assert used < 64 << 20, f"{used >> 20} MiB of shm taken before the data arrived"
+            f.close()
+        assert rss - rss0 < 64 << 20, f"RSS grew {(rss - rss0) >> 20} MiB on a declared size"
+        time.sleep(0.2)
+        grown = psutil.Process(proc.pid).memory_info().rss - rss0
+        assert grown < 64 << 20, f"RSS grew {grown >> 20} MiB on declared sizes alone"
+        # connections beyond the cap (3) are answered "busy" at once
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
+        time.sleep(0.3)
+        answers = _raw(port, b"")
+        assert answers and "busy" in str(answers[-1]["error"]), answers
+        fetch = ReplicaConfig(timeout_s=5, auth=ReplicaAuth.keyed(KEY))
+        owner = FlashOwner(FlashConfig(root=f"{root}-fetcher", job="j"))
+        try:
+            with pytest.raises(ValueError, match="refused: busy"):
+                asyncio.run(fetch_replica(owner, "node-a", "127.0.0.1", port, config=fetch))
+        finally:
+            shutil.rmtree(f"{root}-fetcher", ignore_errors=True)
+        for s in idle:
+            s.close()
+        assert proc.poll() is None
+        assert "Traceback" not in (tmp_path / "server.log").read_text()
+    finally:
+        proc.kill()
+        proc.wait()
+        subprocess.run(["rm", "-rf", root], check=False)
