@@ -56,6 +56,7 @@ import structlog
 from unbroken.agent import checks, probes
 from unbroken.agent.flash import NodeFlash, NodeFlashConfig
 from unbroken.agent.hookserver import DEFAULT_SOCKET, HookServer
+from unbroken.agent.metrics import AgentMetrics
 from unbroken.agent.workers import Supervisor, WorkerSpec
 from unbroken.diagnostics.faults import WORKER_FILE_FAULTS, FaultSpec, RuntimeFault
 from unbroken.proto import channel
@@ -106,6 +107,8 @@ class AgentConfig:
     fault: str = ""
     flash: NodeFlashConfig | None = None  # None: no flash store (no workers, or disabled)
     allow_remote_cmd: bool = False  # run a driver-sent worker_cmd (else only our own)
+    metrics_port: int | None = None  # this node's Prometheus endpoint (None: off; 0: free)
+    metrics_host: str = "127.0.0.1"
     pin_master_addr: bool = False  # the configured master address wins over the driver's
 
     def __post_init__(self) -> None:
@@ -175,6 +178,8 @@ class Agent:
             if self.supervisor
             else None
         )
+        self.session_open = False
+        self.metrics = AgentMetrics(self._metric_values)
         self.flash: NodeFlash | None = None
         if config.flash is not None and config.workers is not None:
             spec = config.workers
@@ -233,9 +238,29 @@ class Agent:
         )
 
     # ------------------------------------------------------------ lifecycle
+    def _metric_values(self) -> dict[str, Any]:
+        """Counters for this node's Prometheus endpoint (plain reads; any thread)."""
+        v: dict[str, Any] = {"connected": self.session_open, "term": self.term_seen}
+        f = self.flash
+        if f is not None:
+            v["shards_persisted"] = f.persisted_count
+            v["persisted_bytes"] = f.persisted_bytes
+            v["replicas_received"] = f.server.received
+            v["replicas_refused"] = f.server.refused
+            if f.sender is not None:
+                v["replicas_sent"] = f.sender.sent_copies
+                v["replica_bytes_sent"] = f.sender.sent_bytes
+        sup = self.supervisor
+        if sup is not None:
+            v["warm_starts"], v["cold_starts"] = sup.warm_starts, sup.cold_starts
+        return v
+
     async def run(self) -> int:
         """Run until shut down; return the exit code."""
         structlog.contextvars.bind_contextvars(node=self.config.node_id)
+        if self.config.metrics_port is not None:
+            port = self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
+            log.info("agent metrics", url=f"http://{self.config.metrics_host}:{port}/metrics")
         if self.hooks is not None:
             await self.hooks.start()
         try:
@@ -268,6 +293,7 @@ class Agent:
             if self.flash is not None:
                 # Keep the copies when the agent fails: a restarted agent can use them.
                 await self.flash.close(clean=self.exit_code == 0)
+            self.metrics.close()
         return self.exit_code
 
     async def _connect_loop(self) -> None:
@@ -349,12 +375,14 @@ class Agent:
         )
         call = stub.Session(metadata=md)
         beats = asyncio.create_task(self._heartbeats(call))
+        self.session_open = True
         if self._selfcheck_due:
             self._spawn(self._registration_selfcheck(call))
         try:
             async for msg in call:
                 self._spawn(self._command(call, msg))
         finally:
+            self.session_open = False
             beats.cancel()
             with contextlib.suppress(BaseException):
                 await beats
@@ -400,6 +428,7 @@ class Agent:
                 next_host = now + every_host
             hb.sent_mono_ns = time.monotonic_ns()
             await self._write(call, dpb.AgentMessage(heartbeat=hb))
+            self.metrics.sent(hb)
             if self.flash is not None and self.flash.reports:
                 await self._report_shards(call, self.flash)
             next_t += self.interval_s

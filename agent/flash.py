@@ -145,6 +145,8 @@ class NodeFlash:
         # become the newest commit anyway).
         self.reports: collections.deque[Persisted] = collections.deque(maxlen=REPORTS_KEPT)
         self.fetched = 0
+        self.persisted_count = 0  # shards persisted and verified (metrics)
+        self.persisted_bytes = 0
 
     def env(self) -> dict[str, str]:
         """What a worker needs to find the store (set in every worker's environment)."""
@@ -192,6 +194,8 @@ class NodeFlash:
         """
         self.persisted.append(p)
         del self.persisted[:-64]
+        self.persisted_count += 1
+        self.persisted_bytes += p.nbytes
         self.reports.append(p)
         try:
             steps = list_persisted(self.config.persist_url)

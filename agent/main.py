@@ -108,6 +108,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--log-format", choices=("console", "json"), default="console")
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="this node's Prometheus endpoint (workers, flash, replicas; 0: a free port; "
+        "default: off)",
+    )
+    parser.add_argument(
+        "--metrics-host", default="127.0.0.1", help="metrics endpoint host (default loopback)"
+    )
+    parser.add_argument(
         "--worker-nice",
         type=int,
         default=5,
@@ -241,6 +251,8 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
         selfcheck_at_register=not ns.no_selfcheck,
         flash=flash,
         allow_remote_cmd=ns.allow_remote_cmd,
+        metrics_port=ns.metrics_port,
+        metrics_host=ns.metrics_host,
         pin_master_addr=ns.master_addr is not None,
         **kw,
     )
@@ -277,6 +289,9 @@ def read_token(token: str | None, token_file: str | None) -> str | None:
 
 
 async def _main(cfg: AgentConfig) -> int:
+    from unbroken.driver import reaper
+
+    reaper.start()  # the workers and their children die with this agent, however it dies
     agent = Agent(cfg)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -697,6 +697,8 @@ class ReplicaSender:
         self.buddy = buddy
         self.config = config or ReplicaConfig()
         self._sent: dict[int, int] = {}  # rank -> generation acknowledged by the buddy
+        self.sent_copies = 0  # copies the buddy accepted (metrics)
+        self.sent_bytes = 0
 
     async def tick(self) -> list[SendResult]:
         """Send every rank's newest copy the buddy does not have yet."""
@@ -709,6 +711,8 @@ class ReplicaSender:
             res = await send_copy(ref, self.node, host, port, config=self.config)
             if res.ok:
                 self._sent[rank] = ref.manifest.generation
+                self.sent_copies += 1
+                self.sent_bytes += ref.manifest.data_nbytes
             else:
                 log.warning("replica.send_failed", rank=rank, step=res.step, error=res.error)
             results.append(res)
