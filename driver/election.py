@@ -263,10 +263,13 @@ class Election:
         """
         if isinstance(self.client, EtcdClient):
             keeper = LeaseKeeper(self.client, lease_id, ttl, self.op_timeout_s)
-            ended = asyncio.get_running_loop().create_future()
-            keeper.on_end = lambda: ended.get_loop().call_soon_threadsafe(
-                lambda: ended.done() or ended.set_result(None)
-            )
+            ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+            def finish() -> None:
+                if not ended.done():
+                    ended.set_result(None)
+
+            keeper.on_end = lambda: ended.get_loop().call_soon_threadsafe(finish)
             keeper.start()
             try:
                 await ended

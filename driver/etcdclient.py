@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -231,9 +232,7 @@ class EtcdClient(aetcd.Client):
                 "etcd member unreachable; moved to another", old=old_endpoint, new=self.endpoint
             )
             if old is not None:
-                asyncio.get_running_loop().call_later(
-                    1.0, lambda c=old: asyncio.ensure_future(c.close())
-                )
+                asyncio.get_running_loop().call_later(1.0, _closer(old))
             return True
         return False
 
@@ -244,6 +243,20 @@ class EtcdClient(aetcd.Client):
                 await self._watchdog
             self._watchdog = None
         await super().close()
+
+
+def _closer(chan: grpc.aio.Channel) -> Callable[[], None]:
+    """A callback that closes `chan` (the old member's, once calls on it have ended)."""
+
+    def close() -> None:
+        task = asyncio.ensure_future(chan.close())
+        _CLOSING.add(task)
+        task.add_done_callback(_CLOSING.discard)
+
+    return close
+
+
+_CLOSING: set[asyncio.Future[None]] = set()  # old channels being closed (kept referenced)
 
 
 class _LeaderRequired(

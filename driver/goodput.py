@@ -35,7 +35,7 @@ class Goodput:
 
 def median_step_s(view: LiveView) -> float:
     """The live median step time over a sample of alive nodes (0 when unknown)."""
-    times = []
+    times: list[float] = []
     for slot in view.order.values():
         if len(times) >= SAMPLE_NODES * 8:
             break

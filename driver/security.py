@@ -298,6 +298,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                     "file (--token-file) or $UNBROKEN_TOKEN",
                 )
             if not self.tls:
+                assert by_token is not None  # refused above otherwise
                 if not by_token.may(roles):
                     return _denied(
                         handler,
