@@ -17,6 +17,8 @@ shards saved in that timeline only: workers stamp each copy with the job's rollb
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import structlog
 
 from unbroken.proto import driver_pb2 as dpb
@@ -48,9 +50,16 @@ class Commits:
         # (world size, rank) -> the node that first reported it (worlds we did not lay out)
         self._owners: dict[tuple[int, int], str] = {}
 
-    def claim(self, node_id: str, world_size: int, rank: int) -> str:
-        """Bind a rank of a world to the first node that reports it; why not ("" if ok)."""
+    def claim(
+        self, node_id: str, world_size: int, rank: int, alive: Callable[[str], bool]
+    ) -> str:
+        """Bind a rank of a world to the first node that reports it; why not ("" if ok).
+
+        A rank whose owner is no longer alive (lost, evicted: a replacement took its
+        ranks) passes to the node reporting it now."""
         owner = self._owners.setdefault((world_size, rank), node_id)
+        if owner != node_id and not alive(owner):
+            owner = self._owners[(world_size, rank)] = node_id
         if len(self._owners) > MAX_OWNERS:
             self._owners.clear()
             self._owners[(world_size, rank)] = owner

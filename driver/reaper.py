@@ -38,15 +38,17 @@ def start(parent: int | None = None, grace_s: float = 10.0) -> subprocess.Popen[
     """Start a reaper for `parent` (default: this process); None where it cannot run."""
     pid = os.getpid() if parent is None else parent
     try:
-        return subprocess.Popen(
-            [*REAPER, "--parent", str(pid), "--grace", str(grace_s)],
+        p = subprocess.Popen(
+            [*REAPER, "--parent", str(pid), "--grace", str(grace_s), "--detach"],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,  # a Ctrl-C to the parent's group must not stop it
             close_fds=True,
         )
-    except OSError:
+        p.wait(30)  # the first process forks the watcher and exits: no child of ours
+        return p
+    except (OSError, subprocess.TimeoutExpired):
         return None
 
 
@@ -126,7 +128,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parent", type=int, required=True, help="the process to watch")
     ap.add_argument("--grace", type=float, default=10.0, help="SIGTERM -> SIGKILL seconds")
+    ap.add_argument("--detach", action="store_true", help="fork and let the caller go on")
     ns = ap.parse_args()
+    if ns.detach and os.fork() > 0:
+        os._exit(0)  # the watcher is nobody's child: counting a process's children ignores it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     watch(ns.parent, ns.grace)

@@ -623,7 +623,11 @@ class DriverService(dgrpc.DriverServicer):
             if not first <= msg.rank < first + wpn:
                 return f"rank {msg.rank} is not one of its ranks [{first}, {first + wpn})"
             return ""
-        return self.commits.claim(node_id, msg.world_size, msg.rank)
+        return self.commits.claim(node_id, msg.world_size, msg.rank, self._alive)
+
+    def _alive(self, node_id: str) -> bool:
+        slot = self.view.nodes.get(node_id)
+        return slot is not None and slot.alive
 
     def _on_appended(self, event: ev.Event) -> None:
         """Bookkeeping that follows the log: a rollback reopens the steps after it."""
