@@ -9,7 +9,9 @@ rank's (loss, global grad norm) curve must match within 1e-5 (observed ≤ 1.2e-
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -110,3 +112,16 @@ def test_more_moe_layouts(moe: list[float], layout: dict[str, Any]) -> None:
 )
 def test_more_dense_layouts(dense: list[float], layout: dict[str, Any]) -> None:
     _assert_parity(dense, curves(config(**layout)))
+
+
+@pytest.mark.slow
+def test_expert_layout_reshards_ep2_to_ep1_through_dcp(moe: list[float], tmp_path: Path) -> None:
+    """A shrink from dp2 × ep2 to one process: the experts (DTensors over ep) reshard."""
+    ckpt = str(tmp_path / "ckpt")
+    half = dataclasses.replace(config("moe-tiny", dp=2, ep=2), steps=STEPS // 2)
+    first = spawn(functools.partial(train, half, save_to=ckpt), 2, timeout_s=240)[0]
+    rest = spawn(functools.partial(train, config("moe-tiny"), resume_from=ckpt), 1)[0]
+    losses = [m["loss"] for m in first + rest]
+    diff = max(abs(a - b) for a, b in zip(moe[::2], losses, strict=True))
+    print(f"ep2 -> ep1 through DCP: max |Δloss| {diff:.3g}")
+    assert len(losses) == STEPS and diff < 1e-6
