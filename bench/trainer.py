@@ -10,15 +10,23 @@ Every figure is measured in this run against a baseline from the same run:
   reshard_after_forward=False) and replication at dp 2 and 4, against the ZeRO paper's
   model-state formula for fp32 AdamW (4 B params + 4 B grads + K = 8 B optimizer state per
   parameter): replication 16Ψ, ZeRO-2 (P_os+g) 4Ψ + 12Ψ/N, ZeRO-3 (P_os+g+p) 16Ψ/N.
+- engine: setup time and peak host memory per rank (ru_maxrss) of meta-device init against
+  building the whole model first (125m preset, dp4); step time with 4-way gradient
+  accumulation against one chunk (same global batch); cp2 against dp2 and ep2 (MoE preset,
+  inside dp2) against dp2 with the same 2 processes and global batch; AdamW for-loop vs
+  foreach vs fused; torch.compile of each block against eager (one process).
 
-Writes bench/results/trainer.json and prints a markdown table. Run: `make bench-trainer`.
+Writes bench/results/trainer.json (sections not run keep their previous values) and prints a
+markdown table. Run: `make bench-trainer` (all) or `make bench-trainer ARGS="--only engine"`.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -36,13 +44,23 @@ from unbroken.trainer.run import train
 RESULTS = Path(__file__).parent / "results" / "trainer.json"
 
 
-def _config(model: str, steps: int, seq: int, batch: int, **parallel: Any) -> TrainConfig:
+def _config(
+    model: str,
+    steps: int,
+    seq: int,
+    batch: int,
+    *,
+    init: str = "meta",
+    impl: str = "foreach",
+    **parallel: Any,
+) -> TrainConfig:
     return TrainConfig(
         model=preset(model, max_seq_len=max(seq, 64)),
         parallel=ParallelConfig(**parallel),
-        optim=OptimConfig(warmup_steps=5, decay_steps=max(steps, 1)),
+        optim=OptimConfig(warmup_steps=5, decay_steps=max(steps, 1), impl=impl),
         data=DataConfig(seq_len=seq, global_batch=batch, max_corpus_bytes=1 << 20),
         steps=steps,
+        init=init,
     )
 
 
@@ -150,6 +168,83 @@ def memory() -> list[dict[str, Any]]:
     return rows
 
 
+def _setup_cost(cfg: TrainConfig) -> dict[str, float]:
+    """Inside spawn: setup seconds and how much the peak RSS grew during setup."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    trainer = GPT3DTrainer()
+    t0 = time.perf_counter()
+    trainer.setup(cfg)
+    dt = time.perf_counter() - t0
+    grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+    trainer.close()
+    return {"setup_s": dt, "init_s": trainer.init_s, "peak_growth_bytes": float(grew)}
+
+
+def _steps(cfg: TrainConfig, skip: int = 2) -> float:
+    return _median_step(_run(cfg), skip=skip)
+
+
+def engine() -> dict[str, Any]:
+    """Meta vs full init; accumulation; cp and ep against dp; optimizer kernels; compile."""
+    out: dict[str, Any] = {}
+    for init in ("meta", "full"):
+        cfg = _config("125m", 1, 64, 4, init=init, dp=4)
+        rows = spawn(functools.partial(_setup_cost, cfg), 4, timeout_s=900)
+        out[f"init_{init}_setup_s"] = max(r["setup_s"] for r in rows)
+        out[f"init_{init}_peak_growth_mib"] = max(r["peak_growth_bytes"] for r in rows) / 2**20
+    out["init_params"] = preset("125m").n_params()
+    one = _steps(_config("small", 8, 128, 8))
+    acc = _steps(_config("small", 8, 128, 8, microbatches=4))
+    out |= {"accum1_step_s": one, "accum4_step_s": acc, "accum4_vs_1_step_time_ratio": acc / one}
+    dp2 = _steps(_config("small", 8, 128, 8, dp=2))
+    cp2 = _steps(_config("small", 8, 128, 8, cp=2))
+    out |= {"dp2_step_s": dp2, "cp2_step_s": cp2, "cp2_vs_dp2_step_time_ratio": cp2 / dp2}
+    moe_dp2 = _steps(_config("moe-small", 8, 128, 8, dp=2))
+    moe_ep2 = _steps(_config("moe-small", 8, 128, 8, dp=2, ep=2))
+    out |= {
+        "moe_dp2_step_s": moe_dp2,
+        "moe_ep2_step_s": moe_ep2,
+        "ep2_vs_dp2_step_time_ratio": moe_ep2 / moe_dp2,
+    }
+    for impl in ("for-loop", "foreach", "fused"):
+        out[f"adamw_{impl}_step_s"] = _steps(_config("small", 8, 128, 8, impl=impl))
+    eager = _steps(_config("small", 10, 128, 8), skip=4)
+    compiled = _steps(_config("small", 10, 128, 8, compile=True), skip=4)
+    out |= {
+        "eager_step_s": eager,
+        "compiled_step_s": compiled,
+        "compile_vs_eager_step_time_ratio": compiled / eager,
+    }
+    return out
+
+
+def engine_table(e: dict[str, Any]) -> str:
+    """Rows of the engine section."""
+    return "\n".join(
+        [
+            "| metric | value |",
+            "|---|---|",
+            f"| setup, 125m preset, dp4: meta init / full init (max over ranks) "
+            f"| {e['init_meta_setup_s']:.1f} s / {e['init_full_setup_s']:.1f} s |",
+            f"| peak host memory growth per rank at setup: meta / full "
+            f"| {e['init_meta_peak_growth_mib']:.0f} MiB / "
+            f"{e['init_full_peak_growth_mib']:.0f} MiB "
+            f"(whole model {e['init_params'] * 4 / 2**20:.0f} MiB fp32) |",
+            f"| accum4_vs_1_step_time_ratio (small, 1 proc, same global batch) "
+            f"| {e['accum4_vs_1_step_time_ratio']:.2f} |",
+            f"| cp2_vs_dp2_step_time_ratio (small, 2 procs, same global batch) "
+            f"| {e['cp2_vs_dp2_step_time_ratio']:.2f} |",
+            f"| ep2_vs_dp2_step_time_ratio (moe-small, 2 procs, same global batch) "
+            f"| {e['ep2_vs_dp2_step_time_ratio']:.2f} |",
+            f"| AdamW step time for-loop / foreach / fused (small, 1 proc) "
+            f"| {e['adamw_for-loop_step_s']:.3f} / {e['adamw_foreach_step_s']:.3f} / "
+            f"{e['adamw_fused_step_s']:.3f} s |",
+            f"| compile_vs_eager_step_time_ratio (small, 1 proc, CPU inductor) "
+            f"| {e['compile_vs_eager_step_time_ratio']:.2f} |",
+        ]
+    )
+
+
 def table(r: dict[str, Any]) -> str:
     """The README's markdown table."""
     lines = [
@@ -180,22 +275,33 @@ def table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    """Run every measurement, write the JSON, print the table."""
+def main(argv: list[str] | None = None) -> int:
+    """Run the measurements, write the JSON, print the tables."""
+    parser = argparse.ArgumentParser(description="bench of the embedded trainer")
+    parser.add_argument("--only", choices=("3d", "engine"), help="run one section")
+    args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.perf_counter()
-    result: dict[str, Any] = {"torch": torch.__version__, "cpus": os.cpu_count()}
-    result |= parity()
-    result |= dp_scaling()
-    result["bubbles"] = bubbles()
-    result["memory"] = memory()
-    result["zero_formula"] = (
-        "fp32 AdamW, K=8: replication 16Ψ; ZeRO-2 (P_os+g) 4Ψ + 12Ψ/N; ZeRO-3 (P_os+g+p) 16Ψ/N"
-    )
+    result: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    result |= {"torch": torch.__version__, "cpus": os.cpu_count()}
+    if args.only in (None, "3d"):
+        result |= parity()
+        result |= dp_scaling()
+        result["bubbles"] = bubbles()
+        result["memory"] = memory()
+        result["zero_formula"] = (
+            "fp32 AdamW, K=8: replication 16Ψ; ZeRO-2 (P_os+g) 4Ψ + 12Ψ/N; ZeRO-3 (P_os+g+p) 16Ψ/N"
+        )
+    if args.only in (None, "engine"):
+        result["engine"] = engine()
     result["bench_seconds"] = time.perf_counter() - t0
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(table(result))
+    if "parity_max_abs_loss_diff" in result:
+        print(table(result))
+    if "engine" in result:
+        print()
+        print(engine_table(result["engine"]))
     return 0
 
 

@@ -13,6 +13,11 @@ import dataclasses
 from dataclasses import dataclass, field
 
 SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B", "ZBV")
+# none; full: recompute whole blocks (every `ac_every`-th one); op: selective, per operator
+# (matmul outputs are kept, the cheap elementwise/norm/softmax ops are recomputed).
+AC_MODES: tuple[str, ...] = ("none", "full", "op")
+OPTIMIZER_IMPLS: tuple[str, ...] = ("for-loop", "foreach", "fused")
+INIT_MODES: tuple[str, ...] = ("meta", "full")
 # Schedules that place several (virtual) stages on each pipeline rank.
 MULTI_STAGE_SCHEDULES: frozenset[str] = frozenset({"Interleaved1F1B", "ZBV"})
 DP_MODES: tuple[str, ...] = ("zero3", "zero2", "replicate", "hsdp")
@@ -30,11 +35,21 @@ class ModelConfig:
     max_seq_len: int = 64
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    moe_experts: int = 0  # 0: dense SwiGLU; E > 0: a mixture of E SwiGLU experts per block
+    moe_top_k: int = 2  # experts each token is routed to
+    moe_aux_weight: float = 0.01  # weight of the load-balancing loss (per sequence)
 
     def __post_init__(self) -> None:
-        for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "moe_top_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.moe_experts < 0 or (self.moe_experts and self.moe_top_k > self.moe_experts):
+            raise ValueError(
+                f"model.moe_experts ({self.moe_experts}) must be 0 (dense) or >= "
+                f"model.moe_top_k ({self.moe_top_k})"
+            )
+        if self.moe_aux_weight < 0:
+            raise ValueError(f"model.moe_aux_weight must be >= 0, got {self.moe_aux_weight}")
         if self.ffn_hidden < 0:
             raise ValueError(f"model.ffn_hidden must be >= 0 (0 = default), got {self.ffn_hidden}")
         if self.dim % self.n_heads:
@@ -63,17 +78,32 @@ class ModelConfig:
             return self.ffn_hidden
         return ((8 * self.dim // 3) + 31) // 32 * 32
 
-    def n_params(self) -> int:
-        """Number of parameters (embedding and output projection are untied)."""
-        per_layer = 4 * self.dim * self.dim + 3 * self.dim * self.hidden + 2 * self.dim
+    @property
+    def is_moe(self) -> bool:
+        """Mixture-of-experts feed-forward layers."""
+        return self.moe_experts > 0
+
+    def n_params(self, *, active: bool = False) -> int:
+        """Number of parameters (embedding and output projection are untied).
+
+        Args:
+            active: count only the experts one token passes through (top-k of E).
+        """
+        ffn = 3 * self.dim * self.hidden
+        if self.is_moe:
+            ffn = (
+                ffn * (self.moe_top_k if active else self.moe_experts) + self.dim * self.moe_experts
+            )
+        per_layer = 4 * self.dim * self.dim + ffn + 2 * self.dim
         return self.n_layers * per_layer + 2 * self.vocab_size * self.dim + self.dim
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N plus attention 12·L·H·Q·T (PaLM appendix B).
 
-        N excludes the input embedding (a lookup, not a matmul).
+        N excludes the input embedding (a lookup, not a matmul) and counts only the experts
+        a token is routed to.
         """
-        n = self.n_params() - self.vocab_size * self.dim
+        n = self.n_params(active=True) - self.vocab_size * self.dim
         attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
         return float(6 * n + attention)
 
@@ -83,6 +113,13 @@ PRESETS: dict[str, ModelConfig] = {
     "small": ModelConfig(dim=256, n_layers=8, n_heads=8, max_seq_len=256),
     "125m": ModelConfig(dim=768, n_layers=12, n_heads=12, max_seq_len=1024),
     "1b": ModelConfig(dim=2048, n_layers=20, n_heads=16, max_seq_len=2048),
+    # Mixture of experts: 8 SwiGLU experts of a quarter width per block, top-2 routing.
+    "moe-tiny": ModelConfig(
+        dim=64, n_layers=4, n_heads=4, max_seq_len=64, ffn_hidden=64, moe_experts=8
+    ),
+    "moe-small": ModelConfig(
+        dim=256, n_layers=8, n_heads=8, max_seq_len=256, ffn_hidden=256, moe_experts=8
+    ),
 }
 
 
@@ -99,9 +136,18 @@ def preset(name: str, **overrides: int | float) -> ModelConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:
-    """How the world is split: dp × pp × tp ranks, pipeline schedule, ZeRO mode."""
+    """How the world is split: dp × cp × pp × tp ranks (ep inside dp), schedule, ZeRO mode.
+
+    Context parallelism (cp) splits every sequence over cp ranks; they hold the same
+    parameters, so FSDP shards (and averages gradients) over dp × cp. Expert parallelism (ep)
+    borrows its ranks from the dp shard group, as in torchtitan: the experts of each MoE layer
+    are split over ep consecutive dp ranks, and tokens travel to them by all-to-all. So ep
+    must divide dp / dp_replicate; an elastic shrink of dp lowers ep with it (flags.py).
+    """
 
     dp: int = 1
+    cp: int = 1
+    ep: int = 1
     pp: int = 1
     tp: int = 1
     dp_replicate: int = 1  # HSDP: replicate groups within dp (dp_mode="hsdp")
@@ -109,11 +155,18 @@ class ParallelConfig:
     schedule: str = "1F1B"
     microbatches: int = 1
     sequence_parallel: bool = True
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "none"  # one of AC_MODES
+    ac_every: int = 1  # with "full": recompute every k-th block (1: all of them)
     cpu_offload: bool = False
+    compile: bool = False  # torch.compile each block (off by default: no gain on CPU, bench)
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp", "dp_replicate", "microbatches"):
+        if self.activation_checkpointing not in AC_MODES:
+            raise ValueError(
+                f"parallel.activation_checkpointing {self.activation_checkpointing!r} is "
+                f"unknown; choose one of {list(AC_MODES)}"
+            )
+        for name in ("dp", "cp", "ep", "pp", "tp", "dp_replicate", "microbatches", "ac_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         if self.schedule not in SCHEDULES:
@@ -140,11 +193,30 @@ class ParallelConfig:
                 f"parallel.microbatches ({self.microbatches}) must be >= parallel.pp "
                 f"({self.pp}) so every pipeline stage has work; raise --microbatches"
             )
+        if self.ep > 1:
+            if self.dp_shard % self.ep:
+                raise ValueError(
+                    f"parallel.ep ({self.ep}) must divide the dp shard group (parallel.dp / "
+                    f"parallel.dp_replicate = {self.dp_shard}): expert parallelism borrows "
+                    "its ranks from data parallelism; raise --dp or lower --ep"
+                )
+            if self.cp > 1 or self.tp > 1:
+                raise ValueError(
+                    f"parallel.ep ({self.ep}) cannot be combined with parallel.cp ({self.cp}) "
+                    f"or parallel.tp ({self.tp}) yet; use dp × ep × pp for MoE models"
+                )
 
     @property
     def world_size(self) -> int:
-        """dp × pp × tp."""
-        return self.dp * self.pp * self.tp
+        """dp × cp × pp × tp (ep lives inside dp)."""
+        return self.dp * self.cp * self.pp * self.tp
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks of one FSDP shard group within dp (1 under pure replication)."""
+        if self.dp_mode == "replicate":
+            return 1
+        return self.dp // self.dp_replicate
 
     @property
     def stages_per_rank(self) -> int:
@@ -165,8 +237,13 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     max_grad_norm: float = 1.0  # 0 disables clipping (the norm is still reported)
+    impl: str = "foreach"  # AdamW kernels: for-loop, foreach (multi-tensor) or fused
 
     def __post_init__(self) -> None:
+        if self.impl not in OPTIMIZER_IMPLS:
+            raise ValueError(
+                f"optim.impl {self.impl!r} is unknown; choose one of {list(OPTIMIZER_IMPLS)}"
+            )
         if self.lr <= 0:
             raise ValueError(f"optim.lr must be > 0, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:
@@ -213,9 +290,12 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "auto"  # auto: bf16 mixed precision on GPU, fp32 on CPU
     device: str = "auto"  # auto: cuda if available, else cpu
+    init: str = "meta"  # meta: each rank materialises only its shards; full: whole model first
 
     def __post_init__(self) -> None:
         m, p, d = self.model, self.parallel, self.data
+        if self.init not in INIT_MODES:
+            raise ValueError(f"init must be one of {list(INIT_MODES)}; got {self.init!r}")
         if self.steps < 0:
             raise ValueError(f"steps must be >= 0, got {self.steps}")
         if self.dtype not in ("auto", "fp32", "bf16"):
@@ -235,10 +315,26 @@ class TrainConfig:
             raise ValueError(
                 f"model.vocab_size ({m.vocab_size}) must be divisible by parallel.tp ({p.tp})"
             )
-        if p.tp > 1 and p.sequence_parallel and d.seq_len % p.tp:
+        if d.seq_len % (2 * p.cp) and p.cp > 1:
             raise ValueError(
-                f"data.seq_len ({d.seq_len}) must be divisible by parallel.tp ({p.tp}) with "
-                "sequence parallel; change --seq-len or pass --no-sequence-parallel"
+                f"data.seq_len ({d.seq_len}) must be divisible by 2 × parallel.cp "
+                f"({2 * p.cp}): each cp rank takes two chunks (load-balanced causal mask)"
+            )
+        if p.tp > 1 and p.sequence_parallel and (d.seq_len // p.cp) % p.tp:
+            raise ValueError(
+                f"data.seq_len / parallel.cp ({d.seq_len // p.cp}) must be divisible by "
+                f"parallel.tp ({p.tp}) with sequence parallel; change --seq-len or pass "
+                "--no-sequence-parallel"
+            )
+        if p.ep > 1 and (not m.is_moe or m.moe_experts % p.ep):
+            raise ValueError(
+                f"model.moe_experts ({m.moe_experts}) must be a positive multiple of "
+                f"parallel.ep ({p.ep}); a dense model has no experts to shard (pick a moe preset)"
+            )
+        if m.is_moe and p.tp > 1:
+            raise ValueError(
+                f"parallel.tp ({p.tp}) is not supported with a mixture-of-experts model yet; "
+                "shard the experts with --ep instead"
             )
         if d.seq_len > m.max_seq_len:
             raise ValueError(
@@ -250,7 +346,7 @@ class TrainConfig:
                 f"({p.dp}); each dp rank takes an equal slice"
             )
         local_batch = d.global_batch // p.dp
-        if p.pp > 1 and local_batch % p.microbatches:
+        if local_batch % p.microbatches:
             raise ValueError(
                 f"the per-dp-rank batch (data.global_batch / parallel.dp = {local_batch}) must "
                 f"be divisible by parallel.microbatches ({p.microbatches})"
@@ -263,7 +359,7 @@ class TrainConfig:
             )
 
     def check_world(self, world_size: int) -> None:
-        """Check that dp × pp × tp equals the number of processes.
+        """Check that dp × cp × pp × tp equals the number of processes.
 
         Raises:
             ValueError: the product differs from `world_size`.
@@ -271,7 +367,8 @@ class TrainConfig:
         p = self.parallel
         if p.world_size != world_size:
             raise ValueError(
-                f"parallel.dp × parallel.pp × parallel.tp = {p.dp}×{p.pp}×{p.tp} = "
+                f"parallel.dp × parallel.cp × parallel.pp × parallel.tp = "
+                f"{p.dp}×{p.cp}×{p.pp}×{p.tp} = "
                 f"{p.world_size} must equal the world size ({world_size}); change the "
                 "layout or the number of processes"
             )

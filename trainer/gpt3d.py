@@ -1,10 +1,14 @@
-"""`gpt3d`: the embedded 3D-parallel trainer (dp × pp × tp, ZeRO via FSDP2), a `Trainer` plugin.
+"""`gpt3d`: the embedded parallel trainer (dp × cp × pp × tp, ep for MoE, ZeRO via FSDP2), a plugin.
 
-Every rank builds the whole model from the same seed on the host, then keeps only its pipeline
-stage(s) and its tensor/data-parallel shards (parallel.py), so any layout starts from the
-same weights and a parallel run matches a single process to float rounding. The step is a
-plain forward/backward without pipeline parallelism and a `torch.distributed.pipelining`
-schedule with it; the loss is the mean over all tokens of the global batch either way.
+Every rank builds the model on the meta device, keeps only its pipeline stage(s), applies
+its tensor/expert/context/data-parallel sharding, and only then allocates and initialises
+its own shards (init.py: values are a function of seed, name and row, so any layout starts
+from the same weights and a parallel run matches a single process to float rounding;
+`init="full"` builds the whole model on the host first, as before, for comparison). The
+step is forward/backward over `microbatches` chunks of the local batch (gradient
+accumulation) without pipeline parallelism and a `torch.distributed.pipelining` schedule
+with it; the loss is the mean over all tokens of the global batch either way. Under context
+parallelism each rank takes its two chunks of every sequence (context.py).
 `state_dict()` is sharded and DCP-compatible (model and flattened optimizer state through
 `torch.distributed.checkpoint.state_dict`, plus step, data position and RNG), so a checkpoint
 saved under one mesh loads under another.
@@ -28,10 +32,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from unbroken.trainer import parallel
+from unbroken.trainer import context, init, parallel
 from unbroken.trainer.config import OptimConfig, TrainConfig
 from unbroken.trainer.data import TextLoader, load_corpus
-from unbroken.trainer.model import Transformer, cross_entropy
+from unbroken.trainer.model import Transformer, cross_entropy, moe_layers
 
 log = structlog.get_logger(__name__)
 
@@ -94,9 +98,12 @@ class GPT3DTrainer:
         self.topo = parallel.build_mesh(p, self.device.type)
         self.log = log.bind(rank=dist.get_rank(), dp=self.topo.dp_rank, pp=self.topo.pp_rank)
 
+        t_init = time.perf_counter()
         torch.manual_seed(c.seed)
-        full = Transformer(c.model)
-        full.set_activation_checkpointing(p.activation_checkpointing)
+        meta = c.init == "meta"
+        with torch.device("meta" if meta else self.device):
+            full = Transformer(c.model, seed=c.seed)
+        full.set_activation_checkpointing(p.activation_checkpointing, p.ac_every)
         if p.pp > 1:
             self.stage_ids = parallel.stage_ids(p, self.topo.pp_rank)
             n_stages = p.pp * p.stages_per_rank
@@ -104,12 +111,24 @@ class GPT3DTrainer:
             del full
         else:
             self.stage_ids, parts = [0], [full]
-        self.parts: list[Transformer] = [part.to(self.device) for part in parts]
+        self.parts: list[Transformer] = parts
         for part in self.parts:
             if p.tp > 1:
                 parallel.apply_tp(part, self.topo.mesh["tp"], p.sequence_parallel)
-            if p.dp > 1 or bf16:
+            if p.ep > 1:
+                parallel.apply_ep(part, self.topo)
+            if p.cp > 1:
+                parallel.apply_cp(part, self.topo)
+            if p.compile:
+                for block in parallel.blocks(part):
+                    block.compile()
+            if p.dp > 1 or p.cp > 1 or bf16:
                 parallel.apply_fsdp(part, self.topo, p, torch.bfloat16 if bf16 else None)
+            if meta:
+                init.materialize(part, self.device)
+        self.init_s = time.perf_counter() - t_init
+        self.experts = [prm for part in self.parts for prm in parallel.expert_params(part)]
+        self.moes = [m for part in self.parts for m in moe_layers(part)]
         if p.dp > 1 and p.dp_mode != "zero2" and not parallel.reshards_after_forward(p):
             self.log.warning(
                 "ZBV keeps parameters unsharded from forward to backward (ZeRO-2-like memory)",
@@ -139,7 +158,9 @@ class GPT3DTrainer:
         self._peak = _peak_flops(self.device)
         self.log.info(
             "trainer set up",
-            layout=f"dp{p.dp}×pp{p.pp}×tp{p.tp}",
+            layout=f"dp{p.dp}×cp{p.cp}×pp{p.pp}×tp{p.tp}" + (f" (ep{p.ep})" if p.ep > 1 else ""),
+            init=c.init,
+            init_s=round(self.init_s, 3),
             schedule=p.schedule if p.pp > 1 else None,
             stages=self.stage_ids,
             params=c.model.n_params(),
@@ -148,6 +169,8 @@ class GPT3DTrainer:
 
     @staticmethod
     def _optimizer(part: torch.nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
+        """AdamW with decay on matrices only; `o.impl` picks the kernels (fused and foreach
+        run on CPU and CUDA in torch 2.13; for-loop is the per-parameter reference)."""
         decay = [p for p in part.parameters() if p.dim() >= 2]
         no_decay = [p for p in part.parameters() if p.dim() < 2]
         return torch.optim.AdamW(
@@ -158,7 +181,8 @@ class GPT3DTrainer:
             lr=o.lr,
             betas=(o.beta1, o.beta2),
             eps=o.eps,
-            foreach=False,
+            foreach=o.impl == "foreach",
+            fused=True if o.impl == "fused" else None,
         )
 
     # ---- training ----------------------------------------------------------------------
@@ -182,12 +206,12 @@ class GPT3DTrainer:
             opt.zero_grad(set_to_none=True)
         inputs, targets = self.loader.next_batch()
         inputs, targets = inputs.to(self.device), targets.to(self.device)
+        cp, cp_rank = c.parallel.cp, self.topo.cp_rank
+        inputs, targets = context.split(inputs, cp, cp_rank), context.split(targets, cp, cp_rank)
 
         idle: float | None = None
         if self.schedule is None:
-            loss_t = cross_entropy(self.parts[0](inputs), targets)
-            loss_t.backward()
-            loss = loss_t.detach()
+            loss = self._accumulate(inputs, targets, c.parallel.microbatches)
         else:
             assert self.timer is not None
             self.timer.busy_s = 0.0
@@ -204,6 +228,8 @@ class GPT3DTrainer:
             else:
                 loss = torch.zeros((), device=self.device)
 
+        if self.experts:
+            parallel.sync_expert_grads(self.experts, self.topo, c.parallel)
         pp_group = self.topo.pp_group if c.parallel.pp > 1 else None
         grad_norm = parallel.clip_grad_norm(
             self.parameters(), c.optim.max_grad_norm, pp_group, self.device
@@ -217,7 +243,7 @@ class GPT3DTrainer:
             if not self.has_last:
                 loss_sum.zero_()
             dist.all_reduce(loss_sum)
-        mean_loss = float(loss_sum) / (c.parallel.dp * c.parallel.tp)
+        mean_loss = float(loss_sum) / (c.parallel.dp * c.parallel.cp * c.parallel.tp)
         self.step += 1
         dt = time.perf_counter() - t0
         tokens = c.data.global_batch * c.data.seq_len
@@ -236,6 +262,25 @@ class GPT3DTrainer:
             "mfu": mfu,
             "pipeline_idle_fraction": idle,
         }
+
+    def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor, m: int) -> torch.Tensor:
+        """Forward/backward over `m` equal chunks of the local batch, gradients summed with
+        each chunk's loss scaled by 1/m (so the step sees the mean over all its tokens).
+
+        FSDP reduce-scatters gradients only after the last chunk.
+        """
+        model = self.parts[0]
+        for moe in self.moes:
+            moe.aux_scale = 1.0 / m
+        total = torch.zeros((), device=self.device)
+        fsdp = hasattr(model, "set_requires_gradient_sync")
+        for i, (x, y) in enumerate(zip(inputs.chunk(m), targets.chunk(m), strict=True)):
+            if fsdp:
+                model.set_requires_gradient_sync(i == m - 1)  # type: ignore[operator]
+            loss = cross_entropy(model(x), y)
+            (loss / m).backward()
+            total += loss.detach() / m
+        return total
 
     # ---- state -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

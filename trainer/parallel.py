@@ -1,14 +1,19 @@
-"""Applying dp × pp × tp to the transformer with torch-native APIs.
+"""Applying dp × cp × pp × tp (and ep inside dp) to the transformer with torch-native APIs.
 
 The device mesh is laid out as in the production recipe: tp innermost (consecutive ranks, the
-same node, NVLink), pp next (across nodes), data parallel outermost; the dp dimension is itself
-(dp_replicate, dp_shard) so plain FSDP/ZeRO, pure replication and HSDP are one code path
-(replication is HSDP with a shard group of 1). Order of application follows what the APIs
-need: split the pipeline stages first (each keeps its parameters' fully-qualified names), then
-tensor parallel with DTensor `parallelize_module` (+ sequence parallel), then FSDP2
-`fully_shard` per block and per stage, then wrap the stages in a
-`torch.distributed.pipelining` schedule. Gradient clipping groups gradients by mesh because
-`clip_grad_norm_` cannot mix DTensors of different meshes (pytorch issue 180346).
+same node, NVLink), pp next, cp next, data parallel outermost; the dp dimension is itself
+(dp_replicate, dp_mod_ep, ep) so plain FSDP/ZeRO, pure replication, HSDP and expert
+parallelism are one code path (replication is HSDP with a shard group of 1; `dp_shard` is
+dp_mod_ep × ep flattened). FSDP shards over dp_shard × cp (`dp_shard_cp`): context-parallel
+ranks hold the same parameters and see different tokens, so they are data parallel to FSDP.
+Order of application follows what the APIs need: build every stage on the meta device and
+split the pipeline stages (each keeps its parameters' fully-qualified names), then tensor
+parallel with DTensor `parallelize_module` (+ sequence parallel), expert parallel (experts
+become DTensors sharded over `ep`, outside FSDP), context parallel (attention modules learn
+their cp group), optionally `torch.compile` per block, then FSDP2 `fully_shard` per block
+and per stage, then allocate and initialise only the local shards (init.py), then wrap the
+stages in a `torch.distributed.pipelining` schedule. Gradient clipping groups gradients by
+mesh because `clip_grad_norm_` cannot mix DTensors of different meshes (pytorch issue 180346).
 """
 
 from __future__ import annotations
@@ -44,9 +49,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from unbroken.trainer.config import ParallelConfig
-from unbroken.trainer.model import Block, Transformer
+from unbroken.trainer.context import ContextParallel
+from unbroken.trainer.model import Attention, Block, Transformer, moe_layers
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "pp", "tp")
+MESH_DIMS = ("dp_replicate", "dp_mod_ep", "ep", "cp", "pp", "tp")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -58,6 +64,12 @@ class Topology:
     dp_size: int
     pp_rank: int
     tp_rank: int
+    cp_rank: int = 0
+    cp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    fsdp_mesh: DeviceMesh | None = None  # dp_shard × cp flattened (FSDP shards over it)
+    expert_replicas: DeviceMesh | None = None  # ranks holding copies of the same experts
 
     @property
     def pp_group(self) -> dist.ProcessGroup:
@@ -66,17 +78,29 @@ class Topology:
 
 
 def build_mesh(p: ParallelConfig, device_type: str) -> Topology:
-    """A 4-D mesh (dp_replicate, dp_shard, pp, tp) over the default process group."""
+    """A 6-D mesh (dp_replicate, dp_mod_ep, ep, cp, pp, tp) over the default process group,
+    with the flattened `dp_shard` (dp_mod_ep × ep), `dp_shard_cp` (× cp, FSDP's) and
+    `expert_replicas` (dp_replicate × dp_mod_ep: the ranks holding the same experts)."""
     rep = p.dp if p.dp_mode == "replicate" else p.dp_replicate
     shard = p.dp // rep
-    mesh = init_device_mesh(device_type, (rep, shard, p.pp, p.tp), mesh_dim_names=MESH_DIMS)
-    r, s = mesh["dp_replicate"].get_local_rank(), mesh["dp_shard"].get_local_rank()
+    shape = (rep, shard // p.ep, p.ep, p.cp, p.pp, p.tp)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    dp_shard = mesh["dp_mod_ep", "ep"]._flatten("dp_shard")
+    fsdp_mesh = mesh["dp_mod_ep", "ep", "cp"]._flatten("dp_shard_cp")
+    replicas = mesh["dp_replicate", "dp_mod_ep"]._flatten("expert_replicas")
+    r, s = mesh["dp_replicate"].get_local_rank(), dp_shard.get_local_rank()
     return Topology(
         mesh=mesh,
         dp_rank=r * shard + s,
         dp_size=p.dp,
         pp_rank=mesh["pp"].get_local_rank(),
         tp_rank=mesh["tp"].get_local_rank(),
+        cp_rank=mesh["cp"].get_local_rank(),
+        cp_size=p.cp,
+        ep_rank=mesh["ep"].get_local_rank(),
+        ep_size=p.ep,
+        fsdp_mesh=fsdp_mesh,
+        expert_replicas=replicas,
     )
 
 
@@ -154,6 +178,65 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
         parallelize_module(block, tp_mesh, plan)
 
 
+def apply_cp(model: Transformer, topo: Topology) -> None:
+    """Make every attention module of `model` context parallel over the cp group."""
+    cp = ContextParallel(group=topo.mesh["cp"].get_group(), size=topo.cp_size, rank=topo.cp_rank)
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.cp = cp
+
+
+def apply_ep(model: Transformer, topo: Topology) -> None:
+    """Shard each MoE layer's experts over the ep mesh (DTensor, Shard(0)) and give the
+    layer its all-to-all group. Works on the meta device (nothing is allocated)."""
+    ep_mesh = topo.mesh["ep"]
+    for moe in moe_layers(model):
+        for name in ("w1", "w2", "w3"):
+            full = getattr(moe, name)
+            local = full.detach().chunk(topo.ep_size, dim=0)[topo.ep_rank]
+            dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            setattr(moe, name, nn.Parameter(dt))
+        moe.ep_group = ep_mesh.get_group()
+        moe.ep_size, moe.ep_rank = topo.ep_size, topo.ep_rank
+
+
+def expert_params(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters of expert-parallel experts (kept out of FSDP)."""
+    out: list[nn.Parameter] = []
+    for moe in moe_layers(model):
+        if moe.ep_group is not None:
+            out += [moe.w1, moe.w2, moe.w3]
+    return out
+
+
+def sync_expert_grads(params: list[nn.Parameter], topo: Topology, p: ParallelConfig) -> None:
+    """Average expert gradients the way FSDP averages the rest: over every data rank.
+
+    Each rank's loss is the mean over its own tokens, and an expert's gradient arrives
+    summed over the tokens of its ep group (the all-to-all's backward); the ranks of
+    `expert_replicas` hold copies of the same experts. Sum over them, divide by dp.
+    """
+    grads = [_local_grad(prm) for prm in params if prm.grad is not None]
+    if not grads:
+        return
+    rep = topo.expert_replicas
+    assert rep is not None, "build_mesh sets it"
+    if rep.size() > 1:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=rep.get_group())
+        off = 0
+        for g in grads:
+            g.copy_(flat[off : off + g.numel()].view_as(g))
+            off += g.numel()
+    torch._foreach_div_(grads, float(p.dp))
+
+
+def _local_grad(prm: nn.Parameter) -> torch.Tensor:
+    g = prm.grad
+    assert g is not None
+    return g.to_local() if isinstance(g, DTensor) else g
+
+
 def reshards_after_forward(p: ParallelConfig) -> bool:
     """FSDP2 `reshard_after_forward` for this layout.
 
@@ -170,10 +253,18 @@ def reshards_after_forward(p: ParallelConfig) -> bool:
 def apply_fsdp(
     model: Transformer, topo: Topology, p: ParallelConfig, param_dtype: torch.dtype | None
 ) -> None:
-    """FSDP2 per block and per stage root: ZeRO-3, ZeRO-2-like, replication or HSDP."""
+    """FSDP2 per block and per stage root: ZeRO-3, ZeRO-2-like, replication or HSDP, over
+    dp × cp; expert-parallel experts are left out (they are sharded over ep already)."""
     mesh = topo.mesh
-    dp_mesh = mesh["dp_shard"] if mesh["dp_replicate"].size() == 1 else mesh[MESH_DIMS[:2]]
+    if mesh["dp_replicate"].size() == 1:
+        assert topo.fsdp_mesh is not None, "build_mesh sets it"
+        dp_mesh = topo.fsdp_mesh
+    else:
+        dp_mesh = mesh["dp_replicate", "dp_shard_cp"]
     kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshards_after_forward(p)}
+    experts = set(expert_params(model))
+    if experts:
+        kwargs["ignored_params"] = experts
     if param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=param_dtype, reduce_dtype=torch.float32

@@ -156,6 +156,9 @@ class PlanConfig:
     mfu: float = 0.4
     recompute: Recompute = "none"
     layouts: list[tuple[int, int]] = field(default_factory=lambda: [(1, 1)])  # (tp, pp)
+    cp: int = 1  # context parallel: each sequence split over cp GPUs (dp = GPUs / tp·pp·cp)
+    ep: int = 1  # expert parallel: experts split over ep of the dp GPUs
+    expert_params: float = 0.0  # the part of the parameters that are MoE experts
     micro_batch: int = 1
     sequence_parallel: bool = False
     failure_rate_per_gpu_day: float = 0.001
@@ -180,13 +183,25 @@ class PlanConfig:
             )
         if not self.layouts:
             raise ValueError("layouts: give at least one tp×pp layout")
+        if self.cp <= 0 or self.ep <= 0:
+            raise ValueError(f"cp, ep: must be positive, got cp={self.cp} ep={self.ep}")
+        if not 0 <= self.expert_params < (self.params or math.inf):
+            raise ValueError(f"expert_params: must be in [0, params), got {self.expert_params}")
+        if self.ep > 1 and not self.expert_params:
+            raise ValueError("ep: expert parallelism needs expert_params (the experts' share)")
         for tp, pp in self.layouts:
             if tp <= 0 or pp <= 0:
                 raise ValueError(f"layouts: tp and pp must be positive, got {tp}x{pp}")
-            if self.gpus % (tp * pp):
+            if self.gpus % (tp * pp * self.cp):
                 raise ValueError(
-                    f"layouts: {self.gpus} GPUs are not divisible by tp×pp = {tp}x{pp}; "
-                    "pick a layout whose product divides the GPU count"
+                    f"layouts: {self.gpus} GPUs are not divisible by tp×pp×cp = "
+                    f"{tp}x{pp}x{self.cp}; pick a layout whose product divides the GPU count"
+                )
+            dp = self.gpus // (tp * pp * self.cp)
+            if dp % self.ep:
+                raise ValueError(
+                    f"ep: {self.ep} must divide dp = {dp} for layout {tp}x{pp} (expert "
+                    "parallelism borrows its GPUs from data parallelism)"
                 )
         if self.micro_batch <= 0:
             raise ValueError(f"micro_batch: must be a positive integer, got {self.micro_batch}")
@@ -253,6 +268,8 @@ class Memory:
     grads_bytes: float
     optimizer_bytes: float
     activations_bytes: float | None  # None when the model shape is unknown
+    cp: int = 1
+    ep: int = 1
 
     @property
     def total_bytes(self) -> float:
@@ -340,6 +357,7 @@ def activation_bytes_per_gpu(
     pp: int,
     sequence_parallel: bool,
     recompute: Recompute,
+    cp: int = 1,
 ) -> float:
     """Peak activation bytes on the busiest GPU: the first pipeline stage.
 
@@ -347,9 +365,12 @@ def activation_bytes_per_gpu(
     the activations of pp micro-batches in flight, each over L/pp layers, so it stores L
     layers' worth whatever pp is: L × (bytes per layer). Without a pipeline it is the same
     L layers for the one micro-batch. The embedding and loss terms (a few sbh) are left out.
+    Context parallelism keeps s/cp tokens (and s/cp query rows of the attention scores)
+    per GPU, so every term divides by cp; the all-gathered keys and values of the whole
+    sequence (16-bit, 2 × sbh/t) stay for backward (the all-gather form, context.py).
     """
     del pp  # the first stage's activations do not depend on pp; kept for the call's clarity
-    return model.layers * activation_bytes_per_layer(
+    per = activation_bytes_per_layer(
         seq_len=model.seq_len,
         micro_batch=micro_batch,
         hidden=model.hidden,
@@ -358,13 +379,18 @@ def activation_bytes_per_gpu(
         sequence_parallel=sequence_parallel,
         recompute=recompute,
     )
+    if cp > 1 and recompute != "full":
+        per = per / cp + 4.0 * model.seq_len * micro_batch * model.hidden / tp
+    elif cp > 1:
+        per = per / cp
+    return model.layers * per
 
 
 def memory_table(cfg: PlanConfig) -> list[Memory]:
     """Per-GPU memory for every configured tp×pp layout under ZeRO stages 0-3."""
     rows: list[Memory] = []
     for tp, pp in cfg.layouts:
-        dp = cfg.gpus // (tp * pp)
+        dp = cfg.gpus // (tp * pp * cfg.cp)
         acts = (
             activation_bytes_per_gpu(
                 cfg.model,
@@ -373,12 +399,25 @@ def memory_table(cfg: PlanConfig) -> list[Memory]:
                 pp=pp,
                 sequence_parallel=cfg.sequence_parallel,
                 recompute=cfg.recompute,
+                cp=cfg.cp,
             )
             if cfg.model is not None
             else None
         )
+        dense = cfg.n_params - cfg.expert_params
         for stage in (0, 1, 2, 3):
-            p, g, o = model_state_bytes(cfg.n_params, zero_stage=stage, dp=dp, tp=tp, pp=pp)
+            # cp GPUs hold the same weights as dp replicas do, so ZeRO shards over dp × cp;
+            # experts are split over ep first and ZeRO-sharded over the remaining dp·cp/ep.
+            p, g, o = model_state_bytes(dense, zero_stage=stage, dp=dp * cfg.cp, tp=tp, pp=pp)
+            if cfg.expert_params:
+                ep_, eg, eo = model_state_bytes(
+                    cfg.expert_params / cfg.ep,
+                    zero_stage=stage,
+                    dp=dp * cfg.cp // cfg.ep,
+                    tp=tp,
+                    pp=pp,
+                )
+                p, g, o = p + ep_, g + eg, o + eo
             rows.append(
                 Memory(
                     zero_stage=stage,
@@ -389,6 +428,8 @@ def memory_table(cfg: PlanConfig) -> list[Memory]:
                     grads_bytes=g,
                     optimizer_bytes=o,
                     activations_bytes=acts,
+                    cp=cfg.cp,
+                    ep=cfg.ep,
                 )
             )
     return rows
@@ -505,6 +546,8 @@ class Plan:
                     "tp": m.tp,
                     "pp": m.pp,
                     "dp": m.dp,
+                    "cp": m.cp,
+                    "ep": m.ep,
                     "params_gb": m.params_bytes / GB,
                     "grads_gb": m.grads_bytes / GB,
                     "optimizer_gb": m.optimizer_bytes / GB,

@@ -126,6 +126,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="append",
         help="tensor x pipeline parallel layout TPxPP; repeat to compare (default 1x1)",
     )
+    r.add_argument(
+        "--cp", type=parse_int, default=1, help="context parallel: GPUs sharing each sequence"
+    )
+    r.add_argument(
+        "--ep", type=parse_int, default=1, help="expert parallel: GPUs (of dp) sharing experts"
+    )
+    r.add_argument(
+        "--expert-params",
+        type=parse_count,
+        default=0.0,
+        help="MoE: how many of the parameters are experts, e.g. 40B",
+    )
     r.add_argument("--micro-batch", type=parse_int, default=1, help="micro-batch size")
     r.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallel")
     f = parser.add_argument_group("failures and checkpoints")
@@ -183,6 +195,9 @@ def build_config(ns: argparse.Namespace) -> PlanConfig:
         mfu=ns.mfu,
         recompute=ns.recompute,
         layouts=ns.layout or [(1, 1)],
+        cp=ns.cp,
+        ep=ns.ep,
+        expert_params=ns.expert_params,
         micro_batch=ns.micro_batch,
         sequence_parallel=ns.sequence_parallel,
         failure_rate_per_gpu_day=ns.failure_rate,
@@ -238,14 +253,23 @@ def print_plan(plan: Plan) -> None:
     console.print(summary)
 
     mem = Table(title=f"Memory per GPU (GB of {plan.gpu.memory_gb:g})", title_justify="left")
-    for col in ("tp×pp×dp", "ZeRO", "params", "grads", "optimizer", "activations", "total"):
+    for col in (
+        "tp×pp×dp" + ("×cp" if plan.memory[0].cp > 1 else ""),
+        "ZeRO",
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "total",
+    ):
         mem.add_column(col, justify="right")
     mem.add_column("fits")
     for m in plan.memory:
         acts = "?" if m.activations_bytes is None else f"{m.activations_bytes / GB:.1f}"
         fits = m.total_bytes <= plan.gpu.memory_gb * GB
+        layout = f"{m.tp}×{m.pp}×{m.dp}" + (f"×{m.cp}" if m.cp > 1 else "")
         mem.add_row(
-            f"{m.tp}×{m.pp}×{m.dp}",
+            layout + (f" (ep{m.ep})" if m.ep > 1 else ""),
             str(m.zero_stage),
             f"{m.params_bytes / GB:.1f}",
             f"{m.grads_bytes / GB:.1f}",

@@ -183,3 +183,35 @@ def test_storage_restore_reads_once_per_replica_group_and_broadcasts(
     assert {Path(u).name for u in again[0]["storage_reads"]} == {"rank-00000.ubf"}
     assert again[1]["storage_reads"] == []
     assert again[0]["losses"] == {s: first[0]["losses"][s] for s in (4, 5)}
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param({"tp": 2}, id="tp2-tp1-tp2"),
+        pytest.param({"pp": 2, "microbatches": 2}, id="pp2-pp1-pp2"),
+    ],
+)
+def test_flash_restore_reshards_tp_and_pp_to_one_process_and_back(
+    shm: str, tmp_path: Path, layout: dict[str, Any]
+) -> None:
+    """A lost node with no spare may force another tp or pp layout, not only another dp."""
+    env = _env(shm, tmp_path / "storage")
+    dcp3 = str(tmp_path / "dcp3")
+    first = _run(config(3, **layout), env, dcp_to=dcp3)
+    assert first[0]["restored"] is None and sorted(first[0]["losses"]) == [1, 2, 3]
+
+    one = _run(config(5), env)[0]
+    r = one["restored"]
+    assert r is not None and r.resharded and r.step == 3 and r.source == "memory", r
+
+    again = _run(config(TOTAL, **layout), env)
+    for out in again:
+        r = out["restored"]
+        assert r is not None and r.resharded and r.step == 5 and r.source == "memory", r
+    last = again[0]  # every rank reports the global loss (all-reduced over stages)
+    assert sorted(last["losses"]) == [6, 7]
+
+    reference = train_from_dcp(config(TOTAL), dcp3)
+    _close(one["losses"], reference)
+    _close(last["losses"], reference)

@@ -87,7 +87,7 @@ def test_hsdp_at_dp4(reference: list[float]) -> None:
     "layout",
     [
         {"tp": 2, "sequence_parallel": False},
-        {"tp": 2, "activation_checkpointing": True},
+        {"tp": 2, "activation_checkpointing": "full"},
         {"dp": 2, "tp": 2},
         {"pp": 2, "tp": 2, "microbatches": 4, "schedule": "Interleaved1F1B"},
         {"pp": 2, "dp": 2, "microbatches": 2, "schedule": "ZBV"},

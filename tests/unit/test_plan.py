@@ -325,3 +325,28 @@ def test_gpu_names_match_loosely() -> None:
     assert P.lookup_gpu("H100 SXM").name == "h100-sxm"
     assert P.lookup_gpu("MI300X").name == "mi300x"
     assert P.lookup_gpu("a100_80GB").memory_gb == 80
+
+
+def test_context_and_expert_parallel_shrink_memory_per_gpu() -> None:
+    shape = P.ModelShape(
+        layers=32, hidden=4096, heads=32, seq_len=32768, vocab=32000, learned_positions=False
+    )
+    base = dict(params=47e9, model=shape, tokens=1e12, gpus=256, gpu="h100-sxm")
+    plain = P.memory_table(P.PlanConfig(**base, layouts=[(2, 4)]))  # type: ignore[arg-type]
+    cp = P.memory_table(P.PlanConfig(**base, layouts=[(2, 4)], cp=2))  # type: ignore[arg-type]
+    # ZeRO-3 shards over dp × cp: the same GPUs, the same model-state bytes per GPU
+    assert cp[3].params_bytes == pytest.approx(plain[3].params_bytes)
+    assert cp[3].dp == plain[3].dp // 2 and cp[3].cp == 2
+    acts, acts_cp = plain[0].activations_bytes, cp[0].activations_bytes
+    assert acts is not None and acts_cp is not None
+    assert acts / 2 < acts_cp < acts  # s/cp tokens, but keys still span the sequence
+    moe = dict(base, expert_params=45e9)
+    e1 = P.memory_table(P.PlanConfig(**moe, layouts=[(2, 4)]))  # type: ignore[arg-type]
+    e8 = P.memory_table(P.PlanConfig(**moe, layouts=[(2, 4)], ep=8))  # type: ignore[arg-type]
+    state = [m.params_bytes + m.grads_bytes + m.optimizer_bytes for m in (e1[0], e8[0])]
+    assert state[1] < state[0] / 4  # experts split 8 ways even without ZeRO
+    assert e8[3].params_bytes == pytest.approx(e1[3].params_bytes)  # ZeRO-3 already did
+    with pytest.raises(ValueError, match="ep"):
+        P.PlanConfig(**moe, layouts=[(2, 4)], ep=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tp×pp×cp"):
+        P.PlanConfig(**base, layouts=[(2, 4)], cp=3)  # type: ignore[arg-type]

@@ -90,6 +90,34 @@ def _cfg(**kw: object) -> TrainConfig:
             "model.n_layers",
         ),
         (lambda: preset("huge"), "preset"),
+        (lambda: ParallelConfig(cp=0), "parallel.cp"),
+        (lambda: ParallelConfig(activation_checkpointing="some"), "parallel.activation_ch"),
+        (lambda: ParallelConfig(ac_every=0), "parallel.ac_every"),
+        (lambda: ParallelConfig(dp=2, ep=4), "parallel.ep"),
+        (lambda: ParallelConfig(dp=4, ep=2, dp_mode="replicate"), "parallel.ep"),
+        (lambda: ParallelConfig(dp=2, ep=2, cp=2), "parallel.ep"),
+        (lambda: OptimConfig(impl="apex"), "optim.impl"),
+        (lambda: ModelConfig(moe_experts=1, moe_top_k=2), "model.moe_experts"),
+        (lambda: _cfg(init="lazy"), "init"),
+        (lambda: _cfg(data=DataConfig(seq_len=30), parallel=ParallelConfig(cp=2)), "data.seq_len"),
+        (
+            lambda: _cfg(data=DataConfig(seq_len=40), parallel=ParallelConfig(cp=4, tp=4)),
+            "data.seq_len / parallel.cp",
+        ),
+        (lambda: _cfg(parallel=ParallelConfig(dp=2, ep=2)), "model.moe_experts"),
+        (
+            lambda: _cfg(
+                model=preset("moe-tiny", moe_experts=6), parallel=ParallelConfig(dp=4, ep=4)
+            ),
+            "model.moe_experts",
+        ),
+        (lambda: _cfg(model=preset("moe-tiny"), parallel=ParallelConfig(tp=2)), "parallel.tp"),
+        (
+            lambda: _cfg(
+                data=DataConfig(seq_len=32, global_batch=6), parallel=ParallelConfig(microbatches=4)
+            ),
+            "parallel.microbatches",
+        ),
     ],
 )
 def test_each_invalid_field_is_named(build: object, field: str) -> None:
@@ -100,8 +128,10 @@ def test_each_invalid_field_is_named(build: object, field: str) -> None:
 def test_world_size_mismatch_names_the_layout() -> None:
     cfg = _cfg(parallel=ParallelConfig(dp=2, tp=2))
     cfg.check_world(4)
-    with pytest.raises(ValueError, match=r"dp × parallel.pp × parallel.tp = 2×1×2 = 4 .* \(3\)"):
+    with pytest.raises(ValueError, match=r"parallel.tp = 2×1×1×2 = 4 .* \(3\)"):
         cfg.check_world(3)
+    assert _cfg(parallel=ParallelConfig(dp=2, cp=2, tp=2)).parallel.world_size == 8
+    assert ParallelConfig(dp=4, ep=2).world_size == 4  # ep borrows its ranks from dp
 
 
 def test_valid_layouts() -> None:
@@ -120,6 +150,10 @@ def test_model_counts() -> None:
     assert m.n_params() == 4 * per_layer + 2 * 256 * 64 + 64
     assert m.flops_per_token(64) == 6 * (m.n_params() - 256 * 64) + 12 * 4 * 4 * 16 * 64
     assert 0.9e9 < preset("1b").n_params() < 1.3e9
+    moe = preset("moe-tiny")
+    experts = 3 * 64 * 64
+    assert moe.n_params() - moe.n_params(active=True) == 4 * (8 - 2) * experts
+    assert moe.flops_per_token(64) == 6 * (moe.n_params(active=True) - 256 * 64) + 12 * 4 * 64 * 64
 
 
 def test_flags_map_onto_the_config_and_back() -> None:
@@ -135,6 +169,40 @@ def test_flags_map_onto_the_config_and_back() -> None:
     assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
     with pytest.raises(ValueError, match=r"model\.n_heads"):
         to_config(parser.parse_args(["--tp", "3"]))
+
+
+def test_new_dimensions_and_engine_options_round_trip_through_flags() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--preset", "moe-tiny", "--dp", "4", "--ep", "2", "--microbatches", "2"]
+    argv += ["--activation-checkpointing", "op", "--optimizer-impl", "fused", "--init", "full"]
+    args = parser.parse_args(argv)
+    cfg = to_config(args)
+    assert (cfg.parallel.ep, cfg.parallel.microbatches, cfg.init) == (2, 2, "full")
+    assert cfg.parallel.activation_checkpointing == "op" and cfg.optim.impl == "fused"
+    again = to_config(parser.parse_args(to_argv(args)))
+    assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
+    bare = to_config(parser.parse_args(["--activation-checkpointing", "--cp", "2"]))
+    assert bare.parallel.activation_checkpointing == "full" and bare.parallel.world_size == 2
+
+
+def test_driver_layout_counts_cp_in_dp_and_lowers_ep_on_a_shrink(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    monkeypatch.setenv("UNBROKEN_DP", "4")
+    cfg = to_config(parser.parse_args(["--cp", "2", "--dp", "2"]))
+    assert (cfg.parallel.dp, cfg.parallel.cp) == (2, 2)
+    monkeypatch.setenv("UNBROKEN_DP", "3")
+    with pytest.raises(ValueError, match="UNBROKEN_DP=3"):
+        to_config(parser.parse_args(["--cp", "2"]))
+    monkeypatch.setenv("UNBROKEN_DP", "2")
+    cfg = to_config(parser.parse_args(["--preset", "moe-tiny", "--dp", "4", "--ep", "4"]))
+    assert (cfg.parallel.dp, cfg.parallel.ep) == (2, 2)
+    monkeypatch.setenv("UNBROKEN_DP", "1")
+    cfg = to_config(parser.parse_args(["--preset", "moe-tiny", "--dp", "2", "--ep", "2"]))
+    assert (cfg.parallel.dp, cfg.parallel.ep) == (1, 1)
 
 
 def test_microbatches_default_to_pp() -> None:
