@@ -282,7 +282,7 @@ def config_from_args(ns: argparse.Namespace) -> DriverConfig:
         ),
         scheduler=ns.scheduler,
         slurm=slurm_config(ns),
-        bridge=BridgeConfig(poll_s=ns.scheduler_poll_s),
+        bridge=BridgeConfig(poll_s=ns.scheduler_poll_s, spares=ns.scheduler_spares),
     )
 
 

@@ -189,6 +189,12 @@ class BridgeConfig:
     timeout_s: float = 30.0  # per call, on top of the scheduler's own command deadlines
     poll_s: float = 2.0  # how often the scheduler's view of the nodes is read (0: never)
     replace: bool = True  # ask the scheduler for a node when a world node goes and no spare is left
+    # Spares kept registered: the bridge asks the scheduler for a node (and its agent) until
+    # this many healthy spares are registered, so a lost node is replaced at once, in place
+    # (same world, no shrink), and the pool is refilled after each replacement.
+    spares: int = 0
+    drain_lost: bool = True  # a lost world node is drained too (it crashed: check it first)
+    register_s: float = 60.0  # a requested agent counts as on its way this long
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -221,7 +227,9 @@ class SchedulerBridge:
         self._incident = ""  # the open incident (the journal's state may have moved on)
         self._drained: set[str] = set()  # nodes this driver drained, until resumed
         self._signalled: set[str] = set()  # nodes whose scheduler fault was submitted
-        self._replacing = 0  # replacement requests in flight
+        self._replacing = 0  # replacement requests in flight (and agents not registered yet)
+        self._exhausted = False  # the scheduler had no node for the last request
+        self._coming: dict[str, float] = {}  # node -> deadline: started, not registered yet
 
     @property
     def timeout_s(self) -> float:
@@ -243,7 +251,15 @@ class SchedulerBridge:
             self.drain_evicted(p.node_id, p.reason, f"s{e.seq}")
             self._maybe_replace(p.node_id)
         elif kind == "node_lost":
-            self._maybe_replace(e.node_lost.node_id)
+            n = e.node_lost.node_id
+            rec = self.journal.state.nodes.get(n)
+            stale = rec is not None and e.node_lost.epoch and e.node_lost.epoch < rec.epoch
+            if self.config.drain_lost and not stale and n in self.journal.state.world.node_ids:
+                why = e.node_lost.reason or "no heartbeat"
+                self.drain_evicted(n, f"node {n} lost ({why})", f"s{e.seq}")
+            self._maybe_replace(n)
+        elif kind in ("node_registered", "spare_assigned", "job_started"):
+            self._top_up()
 
     def drain_evicted(self, node_id: str, why: str, fallback: str = "") -> None:
         """Drain an evicted node in the background and record the answer.
@@ -251,13 +267,18 @@ class SchedulerBridge:
         The reason is `unbroken: <incident id> <cause>`; an eviction outside an incident (an
         operator's, with no recovery loop) names the eviction's sequence number instead.
         """
-        incident, cause = self._incident, why
-        if why.startswith("incident ") and ": " in why:  # machine._reshape's reason
-            head, cause = why.split(": ", 1)
-            incident = head.split(" ", 1)[1]
-        reason = drain_reason(incident or fallback, cause)
         self._drained.add(node_id)
-        self._spawn(self.call("drain", node_id, reason, self._drain(node_id, reason)))
+
+        async def later() -> None:
+            # run after the whole transaction is folded: the incident it opened is known
+            incident, cause = self.journal.state.incident_id or self._incident, why
+            if why.startswith("incident ") and ": " in why:  # machine._reshape's reason
+                head, cause = why.split(": ", 1)
+                incident = head.split(" ", 1)[1]
+            reason = drain_reason(incident or fallback, cause)
+            await self.call("drain", node_id, reason, self._drain(node_id, reason))
+
+        self._spawn(later())
 
     async def _drain(self, node_id: str, reason: str) -> str:
         for info in await self.scheduler.nodes():
@@ -270,19 +291,38 @@ class SchedulerBridge:
                 return f"{node_id} already {info.raw_state}: {info.reason}"
         return await self.scheduler.drain(node_id, reason)
 
+    def _spares(self) -> int:
+        """Registered healthy spares, plus requested agents not registered yet."""
+        s = self.journal.state
+        now = time.monotonic()
+        for n, deadline in list(self._coming.items()):
+            if n in s.nodes or now > deadline:
+                del self._coming[n]
+        return len(self._coming) + sum(
+            1
+            for r in s.nodes.values()
+            if r.state == ev.NODE_STATE_SPARE and r.node_id not in s.world.node_ids
+        )
+
     def _maybe_replace(self, node_id: str) -> None:
         s = self.journal.state
         if not self.config.replace or node_id not in s.world.node_ids:
             return
-        spares = [
-            r.node_id
-            for r in s.nodes.values()
-            if r.state == ev.NODE_STATE_SPARE and r.node_id not in s.world.node_ids
-        ]
-        if len(spares) + self._replacing > 0:
+        if self._spares() + self._replacing >= max(1, self.config.spares):
             return
         self._replacing += 1
         self._spawn(self._replace(node_id, set(s.nodes)))
+
+    def _top_up(self) -> None:
+        """Ask for spares until `config.spares` are registered or on their way."""
+        s = self.journal.state
+        if s.phase in (ev.PHASE_STARTING, ev.PHASE_FINISHED, ev.PHASE_FAILED, 0):
+            return  # before the job starts its world is not known; after it, no need
+        if self._exhausted:
+            return
+        while self._spares() + self._replacing < self.config.spares:
+            self._replacing += 1
+            self._spawn(self._replace("", set(s.nodes)))
 
     async def _replace(self, node_id: str, known: set[str]) -> None:
         try:
@@ -293,7 +333,13 @@ class SchedulerBridge:
                     raise SchedulerError("no healthy node free for a replacement")
                 return ",".join(got)
 
-            await self.call("replace", node_id, f"replace {node_id}", one())
+            what = f"replace {node_id}" if node_id else "keep a spare"
+            answer = await self.call("replace", node_id, what, one())
+            if not answer.scheduler_call.ok:
+                self._exhausted = True  # no more until a node comes back (a resume)
+            else:  # its agent registers a few seconds later: on its way until then
+                for got in answer.scheduler_call.detail.split(","):
+                    self._coming[got] = time.monotonic() + self.config.register_s
         finally:
             self._replacing -= 1
 
@@ -358,6 +404,7 @@ class SchedulerBridge:
                 and info.health is not (NodeHealth.UNKNOWN)
             ):
                 self._drained.discard(n)
+                self._exhausted = False
                 await self._record(
                     self._answer("resumed", n, True, f"{n} {info.raw_state}", "cleared", 0.0)
                 )

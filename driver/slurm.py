@@ -339,6 +339,13 @@ def add_slurm_flags(parser: argparse.ArgumentParser) -> None:
         "--slurm-timeout-s", type=float, default=20.0, help="deadline of every Slurm command"
     )
     g.add_argument(
+        "--scheduler-spares",
+        type=int,
+        default=0,
+        help="spares to keep registered: the driver starts their agents through the "
+        "scheduler (--slurm-agent-cmd) and refills the pool after each replacement",
+    )
+    g.add_argument(
         "--scheduler-poll-s",
         type=float,
         default=2.0,
