@@ -169,9 +169,10 @@ exec {sys.executable} -m unbroken.driver.cli agent --driver {job.address} --node
         world = list(resumed[-1].training_resumed.world.node_ids)
         assert world == [n if n != "n2" else "n4" for n in start], (list(start), world)
         crash_wall = time.time() - (time.monotonic() - t_crash)
+        detect = lost.wall_time_unix_ns / 1e9 - crash_wall
         print(
-            f"\nslurm replacement: crash -> NodeLost {lost.wall_time_unix_ns / 1e9 - crash_wall:.1f}"
-            f" s, crash -> training past it {t_resumed - t_crash:.1f} s"
+            f"\nslurm replacement: crash -> NodeLost {detect:.1f} s, "
+            f"crash -> training past it {t_resumed - t_crash:.1f} s"
         )
 
         # Every step's loss, before and after the restore, equals an uninterrupted run's.
