@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -244,83 +245,127 @@ async def _wait(cond: Callable[[], bool], timeout_s: float = 30.0) -> None:
 
 
 # ---------------------------------------------------------------- a real driver
-def test_unbroken_evict_drains_the_node_in_slurm(
-    cluster: SlurmCluster, tmp_path: Path, etcd_server: object
-) -> None:
-    """`unbroken driver --scheduler slurm`, an agent on n3, `unbroken evict n3`."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_CONF": str(cluster.conf)}
-    procs: list[subprocess.Popen[bytes]] = []
+class Driver:
+    """A real `unbroken driver --scheduler slurm` and agents, as processes."""
 
-    def spawn(name: str, args: list[str]) -> None:
-        out = open(tmp_path / f"{name}.log", "ab")  # the child owns it
-        procs.append(
+    def __init__(self, cluster: SlurmCluster, tmp: Path, endpoint: str) -> None:
+        self.cluster, self.tmp, self.endpoint = cluster, tmp, endpoint
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_CONF": str(cluster.conf)}
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.address = ""
+
+    def spawn(self, name: str, args: list[str]) -> None:
+        out = open(self.tmp / f"{name}.log", "ab")  # the child owns it
+        self.procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "unbroken.driver.cli", *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env=env,
+                env=self.env,
                 start_new_session=True,
             )
         )
         out.close()
 
-    def logs() -> str:
+    def logs(self) -> str:
         return "\n".join(
             f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
-            for p in sorted(tmp_path.glob("*.log"))
+            for p in sorted(self.tmp.glob("*.log"))
         )
 
-    port_file = tmp_path / "driver.json"
-    endpoint = etcd_server.endpoint  # type: ignore[attr-defined]
-    try:
-        spawn(
+    def start(self, *extra: str) -> None:
+        port_file = self.tmp / "driver.json"
+        self.spawn(
             "driver",
-            ["driver", "--etcd", endpoint, "--job-id", f"slurm-{os.getpid()}",
+            ["driver", "--etcd", self.endpoint, "--job-id", f"slurm-{uuid.uuid4().hex[:6]}",
              "--listen", "127.0.0.1:0", "--port-file", str(port_file),
-             "--scheduler", "slurm", "--slurm-conf", str(cluster.conf),
-             "--scheduler-poll-s", "0.5"],
+             "--scheduler", "slurm", "--slurm-conf", str(self.cluster.conf),
+             "--scheduler-poll-s", "0.5", *extra],
         )  # fmt: skip
-        until("the driver's port file", port_file.exists, 60, logs())
-        address = f"127.0.0.1:{json.loads(port_file.read_text())['grpc_port']}"
-        spawn(
-            "n3",
-            ["agent", "--driver", address, "--node-id", "n3", "--no-start",
-             "--worker-cmd", f"{sys.executable} -c pass", "--log-dir", str(tmp_path / "logs"),
-             "--socket", str(tmp_path / "n3.sock"), "--flash-dir", str(tmp_path / "shm")],
+        until("the driver's port file", port_file.exists, 60, self.logs())
+        self.address = f"127.0.0.1:{json.loads(port_file.read_text())['grpc_port']}"
+
+    def agent(self, node: str, *extra: str) -> None:
+        self.spawn(
+            node,
+            ["agent", "--driver", self.address, "--node-id", node, "--no-start",
+             "--worker-cmd", f"{sys.executable} -c pass", "--log-dir", str(self.tmp / node),
+             "--socket", str(self.tmp / f"{node}.sock"), "--flash-dir", str(self.tmp / "shm"),
+             *extra],
         )  # fmt: skip
 
-        def cli(*args: str) -> subprocess.CompletedProcess[str]:
-            return subprocess.run(
-                [sys.executable, "-m", "unbroken.driver.cli", *args, "--driver", address],
-                capture_output=True, text=True, timeout=60, env=env,
-            )  # fmt: skip
-
-        until("n3 to register", lambda: '"n3"' in cli("nodes", "--json").stdout, 60, logs())
-        r = cli("evict", "n3", "--reason", "bad ECC counts")
-        assert r.returncode == 0, r.stderr
-        until("n3 drained in Slurm", lambda: cluster.state("n3").startswith("drain"), 30, logs())
-        assert cluster.reason("n3").startswith("unbroken: "), cluster.reason("n3")
-        assert "bad ECC counts" in cluster.reason("n3")
-
-        def recorded(action: str) -> bool:
-            out = cli("events", "--json").stdout
-            return f'"action": "{action}"' in out
-
-        until("the drain recorded", lambda: recorded("drain"), 30, logs())
-        r = subprocess.run(
-            [sys.executable, "-m", "unbroken.driver.cli", "slurm", "resume", "n3"],
-            capture_output=True, text=True, timeout=60, env=env,
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "unbroken.driver.cli", *args, "--driver", self.address],
+            capture_output=True, text=True, timeout=60, env=self.env,
         )  # fmt: skip
-        assert r.returncode == 0, r.stderr
-        until("n3 idle again", lambda: cluster.state("n3").startswith("idle"), 30)
-        until("the clearing recorded", lambda: recorded("resumed"), 30, logs())
-    finally:
-        for p in procs:
+
+    def calls(self) -> list[dict[str, object]]:
+        events = [json.loads(line) for line in self.cli("events", "--json").stdout.splitlines()]
+        return [e["scheduler_call"] for e in events if "scheduler_call" in e]
+
+    def close(self) -> None:
+        for p in self.procs:
             if p.poll() is None:
                 p.terminate()
-        for p in procs:
+        for p in self.procs:
             try:
                 p.wait(15)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+
+
+@pytest.fixture
+def driver(cluster: SlurmCluster, tmp_path: Path, etcd_server: object) -> Iterator[Driver]:
+    d = Driver(cluster, tmp_path, etcd_server.endpoint)  # type: ignore[attr-defined]
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+def test_unbroken_evict_drains_the_node_and_clearing_resumes_it(driver: Driver) -> None:
+    """`unbroken driver --scheduler slurm`, an agent on n3, `unbroken evict n3`, then
+    `unbroken slurm resume n3`."""
+    cluster = driver.cluster
+    driver.start()
+    driver.agent("n3")
+    until(
+        "n3 to register", lambda: '"n3"' in driver.cli("nodes", "--json").stdout, 60, driver.logs()
+    )
+    r = driver.cli("evict", "n3", "--reason", "bad ECC counts")
+    assert r.returncode == 0, r.stderr
+    until("n3 drained", lambda: cluster.state("n3").startswith("drain"), 30, driver.logs())
+    assert cluster.reason("n3").startswith("unbroken: "), cluster.reason("n3")
+    assert "bad ECC counts" in cluster.reason("n3")
+    until("the drain recorded", lambda: any(c["action"] == "drain" for c in driver.calls()), 30)
+    r = subprocess.run(
+        [sys.executable, "-m", "unbroken.driver.cli", "slurm", "resume", "n3"],
+        capture_output=True, text=True, timeout=60, env=driver.env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    until("n3 idle again", lambda: cluster.state("n3").startswith("idle"), 30)
+    until(
+        "the clearing recorded",
+        lambda: any(c["action"] == "resumed" for c in driver.calls()),
+        30,
+        driver.logs(),
+    )
+
+
+def test_a_node_found_bad_is_drained_and_a_new_allocation_avoids_it(driver: Driver) -> None:
+    """A job on n1 (recovery loop on); a spare on n4 whose device computes wrong matmuls
+    (`--inject-fault wrong_matmul`): its self-check fails, the machine marks it bad, the
+    bridge drains it with the cause, and `srun -N3` lands on n1..n3."""
+    cluster = driver.cluster
+    sleeper = f"{sys.executable} -c 'import time; time.sleep(600)'"
+    driver.start("--nodes", "1", "--worker-cmd", sleeper)
+    driver.agent("n1")
+    driver.agent("n4", "--spare", "--inject-fault", "wrong_matmul")
+    until("n4 drained", lambda: cluster.state("n4").startswith("drain"), 120, driver.logs())
+    reason = cluster.reason("n4")
+    assert reason.startswith("unbroken: ") and "self-check failed on n4" in reason, reason
+    r = cluster.cmd("srun", "-N3", "--immediate=5", "bash", "-c", "echo $SLURMD_NODENAME")
+    assert sorted(r.stdout.split()) == ["n1", "n2", "n3"], r.stdout
+    until("the drain recorded", lambda: any(c["node_id"] == "n4" for c in driver.calls()), 30)
