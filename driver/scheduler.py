@@ -224,12 +224,12 @@ class SchedulerBridge:
         self.journal = journal
         self.config = config or BridgeConfig()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._incident = ""  # the open incident (the journal's state may have moved on)
         self._drained: set[str] = set()  # nodes this driver drained, until resumed
         self._signalled: set[str] = set()  # nodes whose scheduler fault was submitted
         self._replacing = 0  # replacement requests in flight (and agents not registered yet)
         self._exhausted = False  # the scheduler had no node for the last request
         self._coming: dict[str, float] = {}  # node -> deadline: started, not registered yet
+        self._seeded = False  # `_drained` learned the drains of earlier terms
 
     @property
     def timeout_s(self) -> float:
@@ -244,9 +244,7 @@ class SchedulerBridge:
     def on_event(self, e: ev.Event) -> None:
         """A journal subscriber (never blocks: calls run in the background)."""
         kind = e.WhichOneof("payload")
-        if kind == "recovery_transition" and e.recovery_transition.incident_id:
-            self._incident = e.recovery_transition.incident_id
-        elif kind == "node_evicted":
+        if kind == "node_evicted":
             p = e.node_evicted
             self.drain_evicted(p.node_id, p.reason, f"s{e.seq}")
             self._maybe_replace(p.node_id)
@@ -271,7 +269,7 @@ class SchedulerBridge:
 
         async def later() -> None:
             # run after the whole transaction is folded: the incident it opened is known
-            incident, cause = self.journal.state.incident_id or self._incident, why
+            incident, cause = self.journal.state.incident_id, why
             if why.startswith("incident ") and ": " in why:  # machine._reshape's reason
                 head, cause = why.split(": ", 1)
                 incident = head.split(" ", 1)[1]
@@ -396,6 +394,12 @@ class SchedulerBridge:
 
     async def _look(self, infos: Iterable[NodeInfo]) -> None:
         s = self.journal.state
+        infos = list(infos)
+        if not self._seeded:  # a new term: the drains earlier terms made are ours too
+            self._seeded = True
+            self._drained |= {
+                i.node_id for i in infos if i.health.faulty and i.reason.startswith(REASON_PREFIX)
+            }
         for info in infos:
             n = info.node_id
             if (
