@@ -33,6 +33,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "checkpoints": ("unbroken.driver.cli_checkpoints", "committed checkpoints; --request one now"),
     "selfcheck": ("unbroken.driver.cli_selfcheck", "run the node self-checks; exit 1 if one fails"),
     "inject": ("unbroken.driver.cli_inject", "inject a simulated fault into a node (drills)"),
+    "slurm": ("unbroken.driver.cli_slurm", "run under Slurm: submit, nodes, resume a drained node"),
     "certs": (
         "unbroken.driver.certs",
         "a CA and per-principal certificates (node:ID, operator:NAME)",

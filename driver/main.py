@@ -40,8 +40,10 @@ from unbroken.driver.liveview import LiveViewConfig
 from unbroken.driver.loop import LoopConfig, RecoveryLoop, timeline
 from unbroken.driver.machine import Policy
 from unbroken.driver.rendezvous import RendezvousService
+from unbroken.driver.scheduler import BridgeConfig, Scheduler, SchedulerBridge
 from unbroken.driver.security import RoleTokens, TlsConfig
 from unbroken.driver.service import DriverService, ServiceConfig, build_server
+from unbroken.driver.slurm import SlurmConfig, SlurmScheduler, add_slurm_flags, slurm_config
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 from unbroken.proto.logsetup import setup_logging
@@ -71,8 +73,13 @@ class DriverConfig:
     port_file: str | None = None
     grace_s: float = 2.0
     loop: LoopConfig = field(default_factory=LoopConfig)
+    scheduler: str = "none"  # "slurm": drain evicted nodes, take spares (driver/slurm.py)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    bridge: BridgeConfig = field(default_factory=BridgeConfig)
 
     def __post_init__(self) -> None:
+        if self.scheduler not in ("none", "slurm"):
+            raise ValueError(f"scheduler must be 'none' or 'slurm', got {self.scheduler!r}")
         if not self.job_id or len(self.job_id) > 64 or "/" in self.job_id:
             raise ValueError(f"job_id must be 1-64 characters without '/', got {self.job_id!r}")
         if self.event_log not in ("etcd", "memory"):
@@ -227,6 +234,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--master-addr", default="", help="rendezvous host (default: rank 0's node IP)")
     g.add_argument("--trainer", default="external", help="trainer name recorded in JobStarted")
     add_etcd_flags(parser)
+    add_slurm_flags(parser)
 
 
 def config_from_args(ns: argparse.Namespace) -> DriverConfig:
@@ -272,6 +280,9 @@ def config_from_args(ns: argparse.Namespace) -> DriverConfig:
             trainer=ns.trainer,
             policy=Policy(min_nodes=ns.min_nodes),  # diagnoses hangs, alerts, self-checks
         ),
+        scheduler=ns.scheduler,
+        slurm=slurm_config(ns),
+        bridge=BridgeConfig(poll_s=ns.scheduler_poll_s, spares=ns.scheduler_spares),
     )
 
 
@@ -332,20 +343,25 @@ async def serve(cfg: DriverConfig) -> int:
         )
         os.replace(tmp, cfg.port_file)
     service.start()
+    scheduler = SlurmScheduler(cfg.slurm) if cfg.scheduler == "slurm" else None
     try:
         if cfg.event_log == "memory":
             store = InMemoryStore()
             leadership = store.elect(cfg.driver_id)
             mlog = InMemoryEventLog(store, cfg.job_id, leadership)
-            rloop = await _take_lead(service, mlog, leadership, advertise, cfg.loop)
+            rloop = await _take_lead(
+                service, mlog, leadership, advertise, cfg.loop, _bridge(cfg, scheduler)
+            )
             await stop.wait()
             if rloop is not None:
                 await rloop.close()
         else:
-            await _lead_on_etcd(cfg, service, advertise, stop, dashboard)
+            await _lead_on_etcd(cfg, service, advertise, stop, dashboard, scheduler)
         return 0
     finally:
         log.info("driver shutting down")
+        if isinstance(scheduler, SlurmScheduler):
+            scheduler.stop_steps()
         if dashboard is not None:
             await dashboard.close()
         await health_servicer.enter_graceful_shutdown()
@@ -359,6 +375,7 @@ async def _take_lead(
     leadership: Leadership,
     address: str,
     loop_cfg: LoopConfig,
+    bridge: Any = None,
 ) -> RecoveryLoop | None:
     """Replay, open the term's journal, record LeaderElected, lead; start the recovery loop
     when a job is configured."""
@@ -381,12 +398,21 @@ async def _take_lead(
         service.step_down()
         raise
     log.info("leading", term=leadership.term, last_seq=state.last_seq, nodes=len(state.nodes))
+    if bridge is not None:
+        bridge(journal).start()  # evictions reach the scheduler; its faults reach the loop
     if not loop_cfg.nodes:
         return None
     _expect_known_nodes(service, state)
     rloop = RecoveryLoop(loop_cfg, service, journal)
     rloop.start()
     return rloop
+
+
+def _bridge(cfg: DriverConfig, scheduler: Scheduler | None) -> Any:
+    """A factory of the term's scheduler bridge (None: no scheduler)."""
+    if scheduler is None:
+        return None
+    return lambda journal: SchedulerBridge(scheduler, journal, cfg.bridge)
 
 
 def _expect_known_nodes(service: DriverService, state: ev.JobState) -> None:
@@ -422,6 +448,7 @@ async def _lead_on_etcd(
     address: str,
     stop: asyncio.Event,
     dashboard: Dashboard | None = None,
+    scheduler: Scheduler | None = None,
 ) -> None:
     from unbroken.driver import election as electionlib
     from unbroken.driver import etcdlog
@@ -458,7 +485,9 @@ async def _lead_on_etcd(
                 continue
             elog = etcdlog.EtcdEventLog(client, cfg.job_id, leadership)
             try:
-                rloop = await _take_lead(service, elog, leadership, address, cfg.loop)
+                rloop = await _take_lead(
+                    service, elog, leadership, address, cfg.loop, _bridge(cfg, scheduler)
+                )
             except EventLogError as e:
                 with contextlib.suppress(Exception):
                     await election.resign()

@@ -1,0 +1,143 @@
+"""`unbroken slurm`: run a job under Slurm, list its nodes, clear a node unbroken drained.
+
+- `unbroken slurm submit --nodes N --spares S -- <agent flags>` writes the batch script the
+  recipe in shared/slurm/README.md says works and submits it with `sbatch` (`--print` shows
+  it instead): an `sbatch --no-kill` job of N+S nodes; the driver runs in the batch step on
+  the first node with `--scheduler slurm` and is told the job id (SLURM_JOB_ID); one
+  `srun -N1 -n1 -w <node>` step per training node starts its agent with the Slurm node name
+  as node id (a multi-node step would be killed whole when one node fails). The S spare
+  nodes run no agent until the driver needs one: it starts it as a job step then.
+- `unbroken slurm nodes` prints Slurm's view (state, reason) of every node.
+- `unbroken slurm resume NODE` clears a node unbroken drained (`scontrol update
+  State=RESUME`); a node drained by someone else needs `--force`. The driver sees the node
+  back in service and records it (SchedulerCall "resumed").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import subprocess
+import sys
+
+from unbroken.driver.scheduler import SchedulerError
+from unbroken.driver.slurm import SlurmConfig, SlurmScheduler
+
+SCRIPT = """\
+#!/bin/bash
+#SBATCH --job-name={name}
+#SBATCH --nodes={total}
+#SBATCH --ntasks-per-node=1
+#SBATCH --no-kill
+#SBATCH --output={output}
+# Written by `unbroken slurm submit`. --no-kill: a failed node leaves the job, the job goes on.
+set -u
+NODES=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
+TRAIN=("${{NODES[@]:0:{nodes}}}")
+PORT=$({python} -c 'from unbroken.diagnostics.check import free_port; print(free_port())')
+DRIVER_ADDR="{advertise}:$PORT"
+SPARE_AGENT="{python} -m unbroken.driver.cli agent --node-id {{node}} --driver $DRIVER_ADDR"
+{python} -m unbroken.driver.cli driver --scheduler slurm --slurm-job-id "$SLURM_JOB_ID" \\
+  --listen "{listen_host}:$PORT" --advertise "$DRIVER_ADDR" --nodes {nodes} \\
+  --slurm-agent-cmd "$SPARE_AGENT --no-start --spare {agent_args}" \\
+  {driver_args} &
+DRIVER_PID=$!
+for node in "${{TRAIN[@]}}"; do
+  srun --overlap -N1 -n1 -w "$node" --job-name="unbroken-agent-$node" \\
+    {python} -m unbroken.driver.cli agent --node-id "$node" --driver "$DRIVER_ADDR" --no-start \\
+    {train_agent_args} &
+done
+wait "$DRIVER_PID"
+"""
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Flags of `unbroken slurm`."""
+    sub = parser.add_subparsers(dest="slurm_cmd", required=True, metavar="COMMAND")
+    p = sub.add_parser("submit", help="submit the job with sbatch (--print: show the script)")
+    p.add_argument("--nodes", type=int, required=True, help="training nodes")
+    p.add_argument("--spares", type=int, default=1, help="spare nodes in the allocation")
+    p.add_argument("--name", default="unbroken", help="Slurm job name")
+    p.add_argument(
+        "--listen-host",
+        default="0.0.0.0",
+        help="the driver's listen host (beyond loopback it needs --tls-*/--token-file in "
+        "--driver-args, or --insecure)",
+    )
+    p.add_argument(
+        "--advertise-host", default="$(hostname)", help="host agents use to reach the driver"
+    )
+    p.add_argument("--output", default="unbroken-%j.out", help="sbatch --output")
+    p.add_argument("--driver-args", default="", help="more `unbroken driver` flags (one string)")
+    p.add_argument(
+        "--agent-args",
+        default="",
+        help="more `unbroken agent` flags (one string; {node} is the node's name)",
+    )
+    p.add_argument("--print", action="store_true", help="print the script, do not submit")
+    p.add_argument("--slurm-conf", default="", help="SLURM_CONF for sbatch")
+    n = sub.add_parser("nodes", help="Slurm's state and reason of every node")
+    n.add_argument("--slurm-conf", default="", help="SLURM_CONF for scontrol")
+    r = sub.add_parser("resume", help="clear a node unbroken drained (scontrol State=RESUME)")
+    r.add_argument("node", metavar="NODE")
+    r.add_argument("--force", action="store_true", help="also a node someone else drained")
+    r.add_argument("--slurm-conf", default="", help="SLURM_CONF for scontrol")
+
+
+def script(ns: argparse.Namespace) -> str:
+    """The batch script of `unbroken slurm submit`."""
+    if ns.nodes < 1 or ns.spares < 0:
+        raise ValueError(f"--nodes must be >= 1 and --spares >= 0, got {ns.nodes}, {ns.spares}")
+    text = SCRIPT.format(
+        name=ns.name,
+        total=ns.nodes + ns.spares,
+        nodes=ns.nodes,
+        output=ns.output,
+        listen_host=ns.listen_host,
+        advertise=ns.advertise_host,
+        python=shlex.quote(sys.executable),
+        driver_args=ns.driver_args,
+        agent_args=ns.agent_args,
+        train_agent_args=ns.agent_args.replace("{node}", "$node"),
+    )
+    return text
+
+
+def run(ns: argparse.Namespace) -> int:
+    """`unbroken slurm`; exit 0, 1 when Slurm refused, 2 on bad input."""
+    sched = SlurmScheduler(SlurmConfig(slurm_conf=ns.slurm_conf))
+    try:
+        if ns.slurm_cmd == "submit":
+            return _submit(ns, sched)
+        if ns.slurm_cmd == "nodes":
+            for i in asyncio.run(sched.nodes()):
+                print(f"{i.node_id:<16} {i.health.value:<10} {i.raw_state:<24} {i.reason}")
+            return 0
+        print(asyncio.run(sched.resume(ns.node, force=ns.force)))
+        return 0
+    except ValueError as e:
+        print(f"unbroken slurm: {e}", file=sys.stderr)
+        return 2
+    except SchedulerError as e:
+        print(f"unbroken slurm: {e}", file=sys.stderr)
+        return 1
+
+
+def _submit(ns: argparse.Namespace, sched: SlurmScheduler) -> int:
+    text = script(ns)
+    if ns.print:
+        print(text, end="")
+        return 0
+    r = subprocess.run(
+        [sched._bin("sbatch"), "--parsable"],
+        input=text,
+        text=True,
+        capture_output=True,
+        env=sched._env(),
+        timeout=sched.config.timeout_s,
+    )
+    if r.returncode:
+        raise SchedulerError(f"sbatch refused the job: {r.stderr.strip()}")
+    print(f"submitted job {r.stdout.strip()}")
+    return 0

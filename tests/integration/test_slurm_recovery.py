@@ -1,0 +1,246 @@
+"""End to end on a real 4-node Slurm cluster: a node crash is recovered with a spare from Slurm.
+
+An `sbatch --no-kill` job holds n1..n4. The driver (`--scheduler slurm --scheduler-spares 1`)
+starts the job on three agents that run as one-node job steps (`srun --jobid -w nX`, as
+`unbroken slurm submit` does) and itself starts the spare's agent on n4 through Slurm
+(`srun --jobid=J -N1 -n1 -w n4 ...`). Then n2 crashes: its slurmd, its slurmstepd and the
+agent and worker it ran are SIGKILLed. The driver records NodeLost, the spare takes n2's
+rank, training resumes with every loss equal to an uninterrupted run's, and n2 is drained
+in Slurm with the incident in its reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_recovery_loop import Job, until
+from tests.integration.trainenv import plain_worker_env
+from tests.slurmcluster import SlurmCluster, ensure_installed
+from unbroken.diagnostics.check import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+TRAIN = [
+    "-m", "unbroken.trainer.run", "--preset", "tiny", "--dp", "3", "--global-batch", "12",
+    "--log-every", "1000",
+]  # fmt: skip
+BUDDY = {"n1": "n2", "n2": "n1", "n3": "n1", "n4": "n1"}
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[SlurmCluster]:
+    why = ensure_installed()
+    if why:
+        pytest.skip(why)
+    c = SlurmCluster(tmp_path / "slurm", 4).start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def test_a_crashed_node_is_replaced_by_a_spare_from_slurm(
+    cluster: SlurmCluster, tmp_path: Path, etcd_server: object
+) -> None:
+    job = Job(tmp_path, etcd_server.endpoint)  # type: ignore[attr-defined]
+    ports = {n: free_port() for n in BUDDY}
+    agent = tmp_path / "agent.sh"
+    cases = "\n".join(f"  {n}) REPL={ports[n]}; BUDDY={ports[BUDDY[n]]};;" for n in sorted(BUDDY))
+    driver_port = free_port()
+    job.address = f"127.0.0.1:{driver_port}"
+    agent.write_text(
+        f"""#!/bin/bash
+node=$1; shift
+case $node in
+{cases}
+esac
+exec {sys.executable} -m unbroken.driver.cli agent --driver {job.address} --node-id $node \\
+  --no-start --worker-cmd '{sys.executable} -c pass' --log-dir {tmp_path}/logs-$node \\
+  --socket {tmp_path}/$node.sock --flash-dir {tmp_path}/shm-$node --flash-job {job.job} \\
+  --persist-url {tmp_path}/storage --replica-listen 127.0.0.1:$REPL \\
+  --buddy 127.0.0.1:$BUDDY "$@" >> {tmp_path}/$node.log 2>&1
+"""
+    )
+    script = tmp_path / "hold.sh"
+    script.write_text("#!/bin/bash\nsleep 3600\n")
+    r = cluster.cmd("sbatch", "--parsable", "--no-kill", "-N4", "-o", "/dev/null", str(script))
+    jid = r.stdout.strip().split(";")[0]
+    steps: list[subprocess.Popen[bytes]] = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_CONF": str(cluster.conf)}
+    try:
+        until(
+            "the allocation",
+            lambda: cluster.cmd("squeue", "-h", "-j", jid, "-o", "%t").stdout.strip() == "R",
+            30,
+        )
+        cmd = " ".join(
+            [sys.executable, *TRAIN, "--steps", "100000", "--metrics-out", str(job.metrics)]
+        )
+        port_file = tmp_path / "driver.json"
+        os.environ["SLURM_CONF"] = str(cluster.conf)  # Job._spawn passes os.environ on
+        try:
+            job._spawn(
+                "driver",
+                ["driver", "--etcd", job.endpoint, "--job-id", job.job,
+                 "--listen", job.address, "--port-file", str(port_file),
+                 "--miss-limit", "30", "--nodes", "3", "--workers-per-node", "1", "--dp", "3",
+                 "--worker-cmd", cmd, "--master-addr", "127.0.0.1",
+                 "--scheduler", "slurm", "--slurm-job-id", jid,
+                 "--slurm-conf", str(cluster.conf), "--scheduler-spares", "1",
+                 "--slurm-agent-cmd", f"bash {agent} {{node}} --spare"],
+            )  # fmt: skip
+        finally:
+            os.environ.pop("SLURM_CONF", None)
+        until("the driver's port file", port_file.exists, 60, job)
+        for n in ("n1", "n2", "n3"):
+            steps.append(
+                subprocess.Popen(
+                    [
+                        "srun",
+                        f"--jobid={jid}",
+                        "--overlap",
+                        "-N1",
+                        "-n1",
+                        f"-w{n}",
+                        "bash",
+                        str(agent),
+                        n,
+                    ],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
+        until("training to start", lambda: job.max_step() >= 3, 240, job)
+        until(
+            "the spare's agent started through Slurm",
+            lambda: '"n4"' in _nodes(job),
+            120,
+            job,
+        )
+        cluster.crash_node("n2")
+        t_crash = time.monotonic()
+        crash_step = job.max_step()
+        until(
+            "training on n4 past the crash",
+            lambda: job.max_step() >= crash_step + 3 and _worker_on("n4", tmp_path),
+            240,
+            job,
+        )
+        t_resumed = time.monotonic()
+        until(
+            "n2 drained in Slurm",
+            lambda: "DRAIN" in _slurm_state(cluster, "n2"),
+            60,
+            job,
+        )
+        reason = cluster.reason("n2")
+        assert reason.startswith("unbroken: i") and "n2 lost" in reason, reason
+
+        events = job.events()
+        kinds = [e.WhichOneof("payload") for e in events]
+        lost = next(e for e in events if e.HasField("node_lost") and e.node_lost.node_id == "n2")
+        spares = [e.spare_assigned for e in events if e.HasField("spare_assigned")]
+        assert [(s.spare_node_id, s.replaces_node_id) for s in spares] == [("n4", "n2")]
+        calls = [e.scheduler_call for e in events if e.HasField("scheduler_call")]
+        started = [c for c in calls if c.action == "replace" and c.ok]
+        assert started and started[0].detail == "n4", calls
+        drains = [c for c in calls if c.action == "drain" and c.node_id == "n2"]
+        assert drains and drains[0].ok and drains[0].reason == reason, (drains, reason)
+        incident = reason.split()[1]
+        opened = [
+            e.recovery_transition
+            for e in events
+            if e.HasField("recovery_transition") and e.recovery_transition.incident_id
+        ]
+        assert incident in {t.incident_id for t in opened}, (incident, opened)
+        resumed = [e for e in events if e.HasField("training_resumed")]
+        start = events[kinds.index("job_started")].job_started.world.node_ids
+        world = list(resumed[-1].training_resumed.world.node_ids)
+        assert world == [n if n != "n2" else "n4" for n in start], (list(start), world)
+        crash_wall = time.time() - (time.monotonic() - t_crash)
+        detect = lost.wall_time_unix_ns / 1e9 - crash_wall
+        print(
+            f"\nslurm replacement: crash -> NodeLost {detect:.1f} s, "
+            f"crash -> training past it {t_resumed - t_crash:.1f} s"
+        )
+
+        # Every step's loss, before and after the restore, equals an uninterrupted run's.
+        got = job.steps()
+        last = max(got)
+        assert sorted(got) == list(range(1, last + 1)), sorted(got)
+        ref = reference(tmp_path / "reference", last)
+        for step, values in got.items():
+            for v in values:
+                assert v == ref[step], (step, v, ref[step])
+    finally:
+        job.close()
+        for p in steps:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.terminate()
+        for p in steps:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(10)
+        cluster.cmd("scancel", jid, check=False)
+
+
+def _nodes(job: Job) -> str:
+    r = subprocess.run(
+        [sys.executable, "-m", "unbroken.driver.cli", "nodes", "--json", "--driver", job.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return r.stdout
+
+
+def _worker_on(node: str, tmp: Path) -> bool:
+    p = tmp / f"logs-{node}" / "worker-0.log"
+    return p.exists() and "restored" in p.read_text(errors="replace")
+
+
+def _slurm_state(cluster: SlurmCluster, node: str) -> str:
+    out = cluster.cmd("scontrol", "show", "node", "-o", node, check=False).stdout
+    return next((f for f in out.split() if f.startswith("State=")), "")
+
+
+def reference(tmp: Path, steps: int) -> dict[int, float]:
+    """The same training (dp 3), uninterrupted and without agents, until `steps`."""
+    tmp.mkdir()
+    metrics = tmp / "metrics.jsonl"
+    port = free_port()
+    procs = []
+    try:
+        for rank in range(3):
+            env = plain_worker_env(rank, 3, port)
+            out = open(tmp / f"rank{rank}.log", "wb")  # the child owns it
+            cmd = [*TRAIN, "--steps", "100000", "--metrics-out", str(metrics)]
+            procs.append(subprocess.Popen([sys.executable, *cmd], env=env, stdout=out, stderr=out))
+            out.close()
+
+        def done() -> bool:
+            assert all(p.poll() is None for p in procs), (tmp / "rank0.log").read_text()[-3000:]
+            return metrics.exists() and str(f'"step": {steps},') in metrics.read_text()
+
+        until("the reference run", done, 300)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+    losses: dict[int, float] = {}
+    for line in metrics.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            m = json.loads(line)
+            losses.setdefault(int(m["step"]), float(m["loss"]))
+    return losses
