@@ -50,9 +50,7 @@ class Commits:
         # (world size, rank) -> the node that first reported it (worlds we did not lay out)
         self._owners: dict[tuple[int, int], str] = {}
 
-    def claim(
-        self, node_id: str, world_size: int, rank: int, alive: Callable[[str], bool]
-    ) -> str:
+    def claim(self, node_id: str, world_size: int, rank: int, alive: Callable[[str], bool]) -> str:
         """Bind a rank of a world to the first node that reports it; why not ("" if ok).
 
         A rank whose owner is no longer alive (lost, evicted: a replacement took its
