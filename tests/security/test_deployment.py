@@ -15,8 +15,12 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from unbroken.driver.etcd import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -31,6 +35,13 @@ def unbroken(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
     return subprocess.run(
         [*CLI, *args], capture_output=True, text=True, env=env or ENV, timeout=120
     )
+
+
+def scrape(url: str) -> dict[str, list[Any]]:
+    """Every sample of a /metrics page by family name (prometheus_client's parser)."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
 
 
 def test_certificates_tokens_driver_agent_operator_dashboard(tmp_path: Path) -> None:
@@ -54,7 +65,7 @@ def test_certificates_tokens_driver_agent_operator_dashboard(tmp_path: Path) -> 
             *CLI, "driver", "--event-log", "memory", "--listen", "127.0.0.1:0",
             "--tls-cert", str(pki / "driver-main.crt"), "--tls-key", str(pki / "driver-main.key"),
             *tls, "--token-file", f"viewer={tmp_path / 'viewer.tokens'}",
-            "--dashboard-port", "0", "--port-file", str(port_file),
+            "--dashboard-port", "0", "--port-file", str(port_file), "--metrics-port", "0",
         ],
         env=ENV, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "driver.log", "wb"),
     )  # fmt: skip
@@ -67,10 +78,12 @@ def test_certificates_tokens_driver_agent_operator_dashboard(tmp_path: Path) -> 
             time.sleep(0.1)
         info = json.loads(port_file.read_text())
         addr = f"127.0.0.1:{info['grpc_port']}"
+        agent_metrics = free_port()
         agent = subprocess.Popen(
             [
                 *CLI, "agent", "--driver", addr, "--node-id", "gpu-017", "--no-flash",
-                "--no-selfcheck", "--tls-cert", str(pki / "node-gpu-017.crt"),
+                "--no-selfcheck", "--metrics-port", str(agent_metrics),
+                "--tls-cert", str(pki / "node-gpu-017.crt"),
                 "--tls-key", str(pki / "node-gpu-017.key"), *tls,
             ],
             env=ENV, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "agent.log", "wb"),
@@ -97,6 +110,12 @@ def test_certificates_tokens_driver_agent_operator_dashboard(tmp_path: Path) -> 
         with pytest.raises(urllib.error.HTTPError) as ei:
             urllib.request.urlopen(url, context=ctx, timeout=10)
         assert ei.value.code == 401
+        # both processes' metrics, read by Prometheus' own parser
+        drv_m = scrape(f"http://127.0.0.1:{info['metrics_port']}/metrics")
+        assert drv_m["unbroken_node_alive"] and "unbroken_agent_connected" not in drv_m
+        agent_m = scrape(f"http://127.0.0.1:{agent_metrics}/metrics")
+        assert agent_m["unbroken_agent_connected"][0].value == 1.0
+        assert agent_m["unbroken_agent_heartbeats_sent"][0].value > 0
     finally:
         for p in (agent, drv):
             if p is not None and p.poll() is None:
