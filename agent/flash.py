@@ -33,7 +33,7 @@ from pathlib import Path
 import structlog
 
 from unbroken.recovery.flashcopy import list_copies
-from unbroken.recovery.flashowner import FlashConfig, FlashOwner
+from unbroken.recovery.flashowner import FLASH_COPIES, FlashConfig, FlashOwner
 from unbroken.recovery.persist import (
     PersistConfig,
     Persisted,
@@ -50,10 +50,13 @@ from unbroken.recovery.replica import (
     fetch_replica,
 )
 from unbroken.recovery.sources import (
+    ENV_FLASH_COPIES,
     ENV_FLASH_JOB,
     ENV_FLASH_NODE,
     ENV_FLASH_ROOT,
+    ENV_PERSIST_EVERY_S,
     ENV_PERSIST_URL,
+    PERSIST_EVERY_S,
 )
 
 log = structlog.get_logger(__name__)
@@ -80,6 +83,8 @@ class NodeFlashConfig:
     node: str  # the ring slot this node fills; a replacement node reuses the lost one's
     persist_url: str = "unbroken-checkpoints"
     keep: int = 3
+    persist_every_s: float = PERSIST_EVERY_S  # workers' persistence interval until the driver's
+    copies: int = FLASH_COPIES  # the ring: flash copies per rank in shared memory
     listen: str = "127.0.0.1:0"  # replica server; port 0 picks a free one
     buddy: str = ""  # host:port of the next node's replica server; empty: no replication
     fetch_from_buddy: bool = True  # at start, get this node's replicas back from the buddy
@@ -96,6 +101,11 @@ class NodeFlashConfig:
             raise ValueError("persist_url must name a directory or fsspec URL (--persist-url)")
         if self.keep < 1:
             raise ValueError(f"keep must be >= 1 (--keep-checkpoints), got {self.keep}")
+        if not 0 < self.persist_every_s <= 86400:
+            raise ValueError(
+                f"persist_every_s must be in (0, 86400] (--persist-every-s), got "
+                f"{self.persist_every_s}"
+            )
         if not 10 <= self.poll_ms <= 60_000:
             raise ValueError(f"poll_ms must be in [10, 60000], got {self.poll_ms}")
         if self.replica_timeout_s <= 0:
@@ -111,7 +121,7 @@ class NodeFlashConfig:
                 )
         if self.replica_key is not None and len(self.replica_key) < 16:
             raise ValueError("the replica key must be at least 16 bytes")
-        FlashConfig(root=self.root, job=self.job)  # validates root and job
+        FlashConfig(root=self.root, job=self.job, copies=self.copies)  # validates them
 
 
 class NodeFlash:
@@ -121,7 +131,7 @@ class NodeFlash:
         self.config = config
         self.node_id = node_id or config.node
         self.world_size = world_size
-        self.owner = FlashOwner(FlashConfig(root=config.root, job=config.job))
+        self.owner = FlashOwner(FlashConfig(root=config.root, job=config.job, copies=config.copies))
         self.replica_cfg = ReplicaConfig(
             timeout_s=config.replica_timeout_s, auth=replica_auth(config)
         )
@@ -155,6 +165,8 @@ class NodeFlash:
             ENV_FLASH_JOB: self.config.job,
             ENV_FLASH_NODE: self.config.node,
             ENV_PERSIST_URL: self.config.persist_url,
+            ENV_PERSIST_EVERY_S: repr(self.config.persist_every_s),
+            ENV_FLASH_COPIES: str(self.config.copies),
         }
 
     async def start(self) -> None:

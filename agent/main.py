@@ -17,8 +17,9 @@ from unbroken.agent.warm import DEFAULT_PRELOAD
 from unbroken.agent.workers import DEFAULT_KEYWORDS, WorkerSpec
 from unbroken.proto.logsetup import setup_logging
 from unbroken.proto.runtime import UnsafeRuntimeDirError
-from unbroken.recovery.flashowner import UnsafeFlashRootError
+from unbroken.recovery.flashowner import FLASH_COPIES, UnsafeFlashRootError
 from unbroken.recovery.replica import KEY_ENV as REPLICA_KEY_ENV
+from unbroken.recovery.sources import PERSIST_EVERY_S
 
 #: Cores per local worker from which warm standbys are on by default (`--warm-workers`).
 WARM_CORES_PER_WORKER = 4
@@ -174,6 +175,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--keep-checkpoints", type=int, default=3, help="persisted steps kept")
     g.add_argument(
+        "--persist-every-s",
+        type=float,
+        default=PERSIST_EVERY_S,
+        help="about how often workers mark a flash copy for persistence, until the driver "
+        "sends its own interval (Young/Daly from the job's failure rate and save cost)",
+    )
+    g.add_argument(
+        "--flash-copies",
+        type=int,
+        default=FLASH_COPIES,
+        help="flash copies kept per rank in shared memory (the ring; fewer when the tmpfs "
+        "cannot hold them, never under 2)",
+    )
+    g.add_argument(
         "--replica-listen",
         default="127.0.0.1:0",
         help="host:port of this node's replica server (port 0: a free one)",
@@ -226,6 +241,8 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
                 node=node,
                 persist_url=ns.persist_url or default_persist_url(spec.log_dir),
                 keep=ns.keep_checkpoints,
+                persist_every_s=ns.persist_every_s,
+                copies=ns.flash_copies,
                 listen=ns.replica_listen,
                 buddy=ns.buddy,
                 replica_key=read_replica_key(ns.replica_key_file),

@@ -45,10 +45,11 @@ import functools
 import io
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,8 @@ from unbroken.recovery.flashcopy import (
     CHECKSUM_CHUNK,
     LOCAL_STORE,
     MANIFEST_VERSION,
+    MIN_SLOTS,
+    PERSIST_META,
     CopyRef,
     CorruptCopyError,
     FlashError,
@@ -85,7 +88,9 @@ from unbroken.recovery.flashcopy import (
     new_hasher,
     read_copy,
     read_manifest,
+    read_persisted_mark,
     replica_store,
+    slots,
     tensor_view,
     write_manifest,
     write_raw_copy,
@@ -93,6 +98,8 @@ from unbroken.recovery.flashcopy import (
 from unbroken.recovery.flashowner import FlashConfig, FlashOwner, SlotProvider
 
 log = structlog.get_logger(__name__)
+
+PIN_TIMEOUT_S = 120.0  # a copy marked for persistence keeps its slot at most this long
 
 # The copy format is re-exported: callers import everything flash from here.
 __all__ = [
@@ -112,6 +119,7 @@ __all__ = [
     "SaveHandle",
     "ShmTooSmallError",
     "SlotProvider",
+    "Snapshot",
     "TensorEntry",
     "checksum",
     "data_path",
@@ -199,6 +207,33 @@ class _Plan:
     objects: dict[str, Any]
     nbytes: int
     tensors: list[torch.Tensor]  # the local tensors (DTensor shards), detached
+    index: dict[str, int] = field(default_factory=dict)  # key -> position in `tensors`
+    dumped: dict[str, bytes] = field(default_factory=dict)  # objects, serialised once
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """How to take a cheap snapshot of a state whose tensors stay the same objects.
+
+    Training updates parameters and optimizer state in place, so the flattened state's
+    tensors (and the plan of where each goes in a slot) are the same from step to step:
+    only the small values change (step, data position, learning rate, RNG). The writer
+    builds the plan from `full()` once per `key`, then takes only `fresh()` each save.
+
+    Attributes:
+        key: changes whenever a tensor of the state may have been replaced (a load, a
+            reshard, an optimizer that created its state); equal keys promise the same
+            tensor objects, updated in place.
+        full: the whole state dict (as `save` takes it).
+        fresh: the values that change between saves, nested as in `full()`; a tensor
+            here (the RNG state) replaces the planned one for this save and must keep its
+            shape and dtype. A key that `full()` did not have makes the save take the full
+            path (logged once).
+    """
+
+    key: Any
+    full: Callable[[], Mapping[str, Any]]
+    fresh: Callable[[], Mapping[str, Any]]
 
 
 @torch.no_grad()  # DTensor.to_local() then records no autograd node (60 % of the cost)
@@ -225,7 +260,7 @@ def _plan(flat: Mapping[str, Any]) -> _Plan:
         keys.append(key)
         tensors.append(local)
         off += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-    return _Plan(keys, entries, objects, off, tensors)
+    return _Plan(keys, entries, objects, off, tensors, {k: i for i, k in enumerate(keys)})
 
 
 class SaveHandle:
@@ -243,6 +278,7 @@ class SaveHandle:
         self._valid = valid
         self.blocked_s = blocked_s
         self._copied_ok = False
+        self.generation = -1  # the copy's manifest generation (set by the writer)
 
     def wait_copied(self, timeout_s: float = 600.0) -> None:
         """Block until the state's tensors are copied out; they may be modified after.
@@ -283,7 +319,14 @@ class SaveHandle:
 
 
 class FlashWriter:
-    """A worker's side: saves its rank's state into the owner's slots and loads it back.
+    """A worker's side: saves its rank's state into the owner's ring of slots, loads it back.
+
+    A save picks the slot to fill: an empty one, else the oldest copy, never the newest
+    complete copy, a slot whose copy is still being checksummed, or the newest copy marked
+    for persistence until the agent says it is persisted (`PERSISTED_MARK`; at most
+    `PIN_TIMEOUT_S`). The copy runs on one thread and the checksum and manifest on another,
+    so a save never waits for the previous save's checksum while the ring has a free slot;
+    when it has none, `skip_if_busy` skips the save (counted in `skipped_busy`) instead.
 
     Args:
         rank: the global rank whose state this is.
@@ -304,22 +347,41 @@ class FlashWriter:
         self._progress_hook = progress_hook
         self._dir: Path | None = None
         self._capacity = 0
+        self._nslots = 0
         self._maps: dict[int, mmap.mmap] = {}
+        # Thread names start with f"flash-{rank}_": the SDK's pacer measures their CPU.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"flash-{rank}")
+        self._sums = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"flash-{rank}_sum")
         self._pending: SaveHandle | None = None
+        self._inflight: dict[int, SaveHandle] = {}  # slot -> save not yet valid
         self._generation = -1
-        self._newest: tuple[int, tuple[Any, ...]] | None = None  # (slot, manifest_sig)
+        self._lock = threading.Lock()
+        self._known: dict[int, int] = {}  # slot -> generation of its complete copy
+        self._sig: tuple[Any, ...] | None = None  # manifest_sig that `_known` reflects
+        self._pin: tuple[int, int, float] | None = None  # (slot, generation, since)
+        self._cache: tuple[Any, _Plan] | None = None  # (Snapshot.key, plan)
+        self._cache_miss_logged = False
         self._cuda_registered: set[int] = set()
         self._side_stream: Any = None
+        self.saves = 0  # saves started
+        self.skipped_busy = 0  # saves skipped: no free slot in the ring
+        self.snapshot_hits = 0  # saves that reused the cached plan (Snapshot)
+
+    @property
+    def copies(self) -> int:
+        """Slots in this rank's ring (0 before the first save or `prepare`)."""
+        return self._nslots
 
     def _ensure(self, nbytes: int) -> Path:
         if self._dir is None or nbytes > self._capacity:
             for m in self._maps.values():
                 m.close()
             self._maps.clear()
+            self._cuda_registered.clear()
             self._dir = Path(self._provider.reserve(self.rank, nbytes))
             self._capacity = nbytes
-            for slot in (0, 1):  # map (and fault in) both slots now, not in a later save
+            self._nslots = len(slots(self._dir))
+            for slot in range(self._nslots):  # map (and fault in) every slot now
                 self._map(slot)
         if self._generation < 0:
             refs = list_copies(self._dir)
@@ -343,18 +405,23 @@ class FlashWriter:
         return m
 
     def prepare(self, state_dict: Mapping[str, Any]) -> int:
-        """Size and map both slots for `state_dict` ahead of the first save.
+        """Size and map the ring for `state_dict` ahead of the first save.
 
         Call it once at start-up (outside the training step): allocating and faulting in
         the shared memory costs far more than a copy into it (see bench/checkpoint.py).
+        With CUDA tensors in the state, every slot is registered as pinned memory here,
+        not inside the first save.
 
         Returns:
             The bytes per slot.
         """
         flat, _ = flatten_state_dict(_resolve_stateful(state_dict))
-        nbytes = _plan(flat).nbytes
-        self._ensure(nbytes)
-        return nbytes
+        plan = _plan(flat)
+        self._ensure(plan.nbytes)
+        if any(t.is_cuda for t in plan.tensors):  # pragma: no cover - needs a GPU
+            for slot in range(self._nslots):
+                self._register_cuda(slot)
+        return plan.nbytes
 
     def save(
         self,
@@ -367,15 +434,17 @@ class FlashWriter:
         """Copy `state_dict` (nested dicts/lists of tensors, DTensors and small values).
 
         Blocks for the copy (on CPU) or to enqueue it (on GPU); the checksum and the
-        manifest follow in the background. The previous save is awaited first, so at most
-        one copy is in flight and the other slot always holds a complete copy.
+        manifest follow in the background. When every slot the save may take is busy (a
+        ring of 2 whose other slot is still being checksummed), it waits for the oldest
+        save in flight, or with `skip_if_busy` skips.
 
         Args:
             state_dict: what to save; tensors may be DTensors (their local shard is saved).
             step: the training step the state belongs to (after that step's update).
-            meta: small JSON-able facts stored in the manifest (e.g. the mesh layout).
-            skip_if_busy: when the previous save is still being finished, skip this one
-                (return None) instead of waiting; for saving at every short step.
+            meta: small JSON-able facts stored in the manifest (e.g. the mesh layout);
+                `{"persist": False}` marks a copy for memory only.
+            skip_if_busy: when no slot is free, skip this save (return None) instead of
+                waiting; for saving at every short step.
 
         Returns:
             A handle (`handle.wait()` returns the manifest once the copy is valid), or
@@ -385,7 +454,7 @@ class FlashWriter:
 
     def save_async(
         self,
-        state_dict: Mapping[str, Any],
+        state_dict: Mapping[str, Any] | Snapshot,
         step: int,
         *,
         meta: Mapping[str, Any] | None = None,
@@ -402,6 +471,10 @@ class FlashWriter:
         by itself. A model whose forward updates state in place (BatchNorm running
         statistics) must wait before its forward. On GPUs the copy is asynchronous already
         (a side stream); there this is `save`.
+
+        A `Snapshot` instead of a state dict takes the cheap path: the plan and the tensor
+        references are built once per `Snapshot.key`, each save takes only the fresh
+        small values.
 
         Args and returns are those of `save`; `handle.blocked_s` grows by the time the
         caller later spends waiting for the copy.
@@ -436,9 +509,121 @@ class FlashWriter:
             return [register_optimizer_step_pre_hook(wait_before_step)]
         return [opt.register_step_pre_hook(wait_before_step) for opt in optimizers]
 
+    # ------------------------------------------------------------ choosing a slot
+
+    def _reap(self) -> None:
+        """Forget finished saves; a failed one raises here, once."""
+        for slot, h in list(self._inflight.items()):
+            if h.done():
+                del self._inflight[slot]
+                h._result(0.0)
+
+    def _pin_holds(self, rank_dir: Path) -> int | None:
+        """The pinned slot while its copy awaits persistence, else None (pin released)."""
+        if self._pin is None:
+            return None
+        slot, gen, since = self._pin
+        if self._known.get(slot, gen) != gen:  # invalidated by the owner (a discard)
+            self._pin = None
+            return None
+        mark = read_persisted_mark(rank_dir)
+        if mark is not None and mark >= gen:
+            self._pin = None
+            return None
+        if time.monotonic() - since > PIN_TIMEOUT_S:
+            log.warning(
+                "flash.pin_expired",
+                rank=self.rank,
+                generation=gen,
+                waited_s=PIN_TIMEOUT_S,
+                why="the agent did not persist the copy; its slot is reused",
+            )
+            self._pin = None
+            return None
+        return slot
+
+    def _free_slot(self, rank_dir: Path) -> int | None:
+        """The slot the next save fills, or None when every slot is taken."""
+        self._reap()
+        sig = manifest_sig(rank_dir)
+        with self._lock:
+            if sig != self._sig:  # another process changed a manifest (a discard, a restore)
+                self._known = {r.slot: r.manifest.generation for r in list_copies(rank_dir)}
+                self._sig = sig
+            known = dict(self._known)
+        busy = set(self._inflight)
+        if known:
+            busy.add(max(known, key=lambda s: known[s]))
+        pinned = self._pin_holds(rank_dir)
+        if pinned is not None:
+            busy.add(pinned)
+        free = [s for s in range(self._nslots) if s not in busy]
+        if not free:
+            return None
+        return min(free, key=lambda s: (s in known, known.get(s, -1), s))
+
+    # ------------------------------------------------------------ taking the snapshot
+
+    def _take(
+        self, state: Mapping[str, Any] | Snapshot
+    ) -> tuple[_Plan, list[torch.Tensor], dict[str, bytes]]:
+        """The plan, this save's tensors and its serialised small values."""
+        if not isinstance(state, Snapshot):
+            flat, _ = flatten_state_dict(_resolve_stateful(state))
+            plan = _plan(flat)
+            return plan, list(plan.tensors), {k: _dump_object(v) for k, v in plan.objects.items()}
+        if self._cache is not None and self._cache[0] == state.key:
+            plan = self._cache[1]
+            got = self._fresh(plan, state)
+            if got is not None:
+                self.snapshot_hits += 1
+                return plan, got[0], got[1]
+        flat, _ = flatten_state_dict(_resolve_stateful(state.full()))
+        plan = _plan(flat)
+        plan.dumped = {k: _dump_object(v) for k, v in plan.objects.items()}
+        self._cache = (state.key, plan)
+        return plan, list(plan.tensors), dict(plan.dumped)
+
+    @torch.no_grad()
+    def _fresh(
+        self, plan: _Plan, snap: Snapshot
+    ) -> tuple[list[torch.Tensor], dict[str, bytes]] | None:
+        flat, _ = flatten_state_dict(_resolve_stateful(snap.fresh()))
+        sources = list(plan.tensors)
+        dumped = dict(plan.dumped)
+        for key, value in flat.items():
+            if isinstance(value, torch.Tensor):
+                i = plan.index.get(key)
+                local = _local(value).detach()
+                if (
+                    i is None
+                    or tuple(local.shape) != plan.entries[i].shape
+                    or str(local.dtype).removeprefix("torch.") != plan.entries[i].dtype
+                ):
+                    self._miss(key)
+                    return None
+                sources[i] = local
+            elif key in dumped:
+                dumped[key] = _dump_object(value)
+            else:
+                self._miss(key)
+                return None
+        return sources, dumped
+
+    def _miss(self, key: str) -> None:
+        if not self._cache_miss_logged:
+            self._cache_miss_logged = True
+            log.warning(
+                "flash.snapshot_full_path",
+                rank=self.rank,
+                key=key,
+                why="a fresh value is not in the cached plan; this save reads the full state",
+            )
+        self._cache = None
+
     def _save(
         self,
-        state_dict: Mapping[str, Any],
+        state: Mapping[str, Any] | Snapshot,
         step: int,
         meta: Mapping[str, Any] | None,
         skip_if_busy: bool,
@@ -449,20 +634,39 @@ class FlashWriter:
         t0 = time.perf_counter()
         pending, self._pending = self._pending, None
         if pending is not None:
-            if skip_if_busy and not pending.done():
+            # In a training loop the guard made sure the previous copy is out; its
+            # checksum is never waited for.
+            if skip_if_busy and not pending.copied():
                 self._pending = pending
+                self.skipped_busy += 1
                 return None
-            pending._result(600.0)  # a failed previous save raises here, once
-        flat, _ = flatten_state_dict(_resolve_stateful(state_dict))
-        plan = _plan(flat)
+            try:
+                pending.wait_copied(600.0)
+            except BaseException:  # a failed copy is reported once, here
+                self._inflight = {s: h for s, h in self._inflight.items() if h is not pending}
+                raise
+        if skip_if_busy and self._dir is not None and self._free_slot(self._dir) is None:
+            self.skipped_busy += 1
+            log.debug("flash.skipped_busy", rank=self.rank, step=step, copies=self._nslots)
+            return None
+        plan, sources, objects = self._take(state)
         rank_dir = self._ensure(plan.nbytes)
-        newest = self._newest_slot(rank_dir)
-        slot = 1 - newest if newest is not None else 0
+        slot = self._free_slot(rank_dir)
+        while slot is None:
+            if skip_if_busy:
+                self.skipped_busy += 1
+                return None
+            if self._inflight:
+                oldest = min(self._inflight.values(), key=lambda h: h.generation)
+                oldest._result(600.0)
+            else:  # only a pin blocks (a ring of 2 never pins): release it
+                self._pin = None
+            slot = self._free_slot(rank_dir)
         manifest_path(rank_dir, slot).unlink(missing_ok=True)
+        with self._lock:
+            self._known.pop(slot, None)
+            self._sig = None
         buf = self._map(slot)
-        sources = plan.tensors
-        # Serialised now: the data position and the param groups change as training goes on.
-        objects = {k: _dump_object(v) for k, v in plan.objects.items()}
         self._generation += 1
         generation = self._generation
         events: list[Any] = []
@@ -497,7 +701,9 @@ class FlashWriter:
                 created_unix=time.time(),
             )
             write_manifest(rank_dir, slot, manifest)
-            self._newest = (slot, manifest_sig(rank_dir))
+            with self._lock:
+                self._known[slot] = generation
+                self._sig = None  # re-read at the next save: cheap, and always right
             log.debug("flash.saved", rank=self.rank, step=step, slot=slot, bytes=plan.nbytes)
             return manifest
 
@@ -508,18 +714,21 @@ class FlashWriter:
             copy()
             copied = Future()
             copied.set_result(None)
-        handle = SaveHandle(copied, self._pool.submit(finish), time.perf_counter() - t0)
+        handle = SaveHandle(copied, self._sums.submit(finish), time.perf_counter() - t0)
+        handle.generation = generation
+        self._inflight[slot] = handle
         self._pending = handle
+        self.saves += 1
+        if self._nslots > MIN_SLOTS and (meta or {}).get(PERSIST_META, True) is not False:
+            self._pin = (slot, generation, time.monotonic())
         return handle
 
-    def _newest_slot(self, rank_dir: Path) -> int | None:
-        """The slot holding the newest valid copy, without parsing both manifests when
-        neither manifest file changed since this writer's last save (the owner may have
-        invalidated one, or restored a copy into the store, in between)."""
-        if self._newest is not None and self._newest[1] == manifest_sig(rank_dir):
-            return self._newest[0]
-        refs = list_copies(rank_dir)
-        return refs[0].slot if refs else None
+    def _register_cuda(self, slot: int) -> None:  # pragma: no cover - needs a GPU
+        """Register the slot's whole mapping as pinned memory once (async DMA into it)."""
+        if slot not in self._cuda_registered:
+            ptr = torch.frombuffer(self._map(slot), dtype=torch.uint8).data_ptr()
+            torch.cuda.cudart().cudaHostRegister(ptr, len(self._map(slot)), 0)
+            self._cuda_registered.add(slot)
 
     def _copy_from_cuda(
         self, buf: mmap.mmap, slot: int, dst: torch.Tensor, src: torch.Tensor
@@ -530,11 +739,7 @@ class FlashWriter:
         the device (so the next optimizer step cannot overwrite `src` early), the host
         does not block.
         """
-        if slot not in self._cuda_registered:
-            # Register the whole mapping as pinned memory once, so copies are async DMA.
-            ptr = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
-            torch.cuda.cudart().cudaHostRegister(ptr, len(buf), 0)
-            self._cuda_registered.add(slot)
+        self._register_cuda(slot)
         main = torch.cuda.current_stream(src.device)
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream(src.device)
@@ -546,6 +751,18 @@ class FlashWriter:
         event.record(side)
         main.wait_event(event)
         return event
+
+    def _drain(self, timeout_s: float = 600.0) -> None:
+        """Wait until every save in flight is valid (a failed one raises)."""
+        if self._pending is not None:
+            self._pending.wait(timeout_s)
+        for h in list(self._inflight.values()):
+            h._result(timeout_s)
+        self._reap()
+
+    def invalidate_snapshot(self) -> None:
+        """Forget the cached plan: the next `Snapshot` save reads the full state."""
+        self._cache = None
 
     def load(self, state_dict: dict[str, Any], step: int | None = None) -> Manifest:
         """Restore this rank's own copy into `state_dict` in place (same layout).
@@ -559,8 +776,8 @@ class FlashWriter:
             NoCopyError: no copy (of `step`).
             CorruptCopyError: the copy fails its checksum.
         """
-        if self._pending is not None:  # the copy in flight reads the tensors loaded into
-            self._pending.wait()
+        self._drain()  # the copies in flight read the tensors loaded into
+        self._cache = None  # loading may replace the state's tensors
         rank_dir = Path(self._provider.reserve(self.rank, 0))
         ref = find_copy(rank_dir, step)
         data = read_copy(ref)
@@ -578,10 +795,10 @@ class FlashWriter:
         return ref.manifest
 
     def close(self, timeout_s: float = 600.0) -> None:
-        """Finish the save in flight and unmap the slots (the files stay: the owner's)."""
-        if self._pending is not None:
-            self._pending.wait(timeout_s)
+        """Finish the saves in flight and unmap the slots (the files stay: the owner's)."""
+        self._drain(timeout_s)
         self._pool.shutdown(wait=True)
+        self._sums.shutdown(wait=True)
         for m in self._maps.values():
             m.close()
         self._maps.clear()

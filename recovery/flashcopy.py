@@ -1,9 +1,12 @@
 """The format of one flash copy in shared memory: slots, manifests, checksums.
 
-A rank's directory holds two slots, `slot-{i}.data` (the tensors' bytes, each at a 64-byte
-aligned offset) and `slot-{i}.manifest` (step, generation, entries, small values, checksum
-of the data; JSON with a CRC of its own). A slot is a valid copy exactly when its manifest
-exists and parses, and its data matches the checksum (`read_copy` verifies). Everything
+A rank's directory holds a ring of k >= 2 slots (the owner decides k from the tmpfs and the
+state's size), `slot-{i}.data` (the tensors' bytes, each at a 64-byte aligned offset) and
+`slot-{i}.manifest` (step, generation, entries, small values, checksum of the data; JSON
+with a CRC of its own). A slot is a valid copy exactly when its manifest exists and parses,
+and its data matches the checksum (`read_copy` verifies). The agent's persister writes the
+generation it last persisted into `persisted` (`PERSISTED_MARK`), which releases the
+writer's pin on that slot. Everything
 here is shared by the writer (`unbroken.recovery.flash`), the agent's owner side,
 persistence, buddy replicas and resharding; `unbroken.recovery.flash` re-exports it.
 """
@@ -33,6 +36,9 @@ log = structlog.get_logger(__name__)
 MANIFEST_VERSION = 1
 LOCAL_STORE = "local"
 ALIGN = 64  # byte alignment of every tensor in a slot
+MIN_SLOTS = 2  # a ring never has fewer: one copy being written, one complete
+PERSIST_META = "persist"  # manifest meta key; False: a copy for memory only, not persisted
+PERSISTED_MARK = "persisted"  # file in a rank's directory: the generation last persisted
 CHECKSUM_CHUNK = 64 << 20  # hash in pieces so a background thread yields the GIL often
 CHECKSUM_ALGO = "xxh3_64"
 
@@ -232,10 +238,46 @@ def read_manifest(rank_dir: Path, slot: int) -> Manifest | None:
     return m
 
 
+def slots(rank_dir: Path) -> list[int]:
+    """The ring's slot numbers in `rank_dir` (those with a data file), ascending."""
+    try:
+        names = os.listdir(rank_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for name in names:
+        if name.startswith("slot-") and name.endswith(".data"):
+            num = name[5:-5]
+            if num.isdigit():
+                out.append(int(num))
+    return sorted(out)
+
+
+def read_persisted_mark(rank_dir: Path) -> int | None:
+    """The generation the agent last persisted from `rank_dir`, if it says."""
+    try:
+        raw = (rank_dir / PERSISTED_MARK).read_bytes()
+    except OSError:
+        return None
+    try:
+        return int(raw.strip() or b"-1")
+    except ValueError:
+        return None
+
+
+def write_persisted_mark(rank_dir: Path, generation: int) -> None:
+    """Record (atomically) that `generation` of `rank_dir` is persisted."""
+    tmp = rank_dir / f".{PERSISTED_MARK}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+    with os.fdopen(os.open(tmp, flags, 0o600), "wb") as f:
+        f.write(str(int(generation)).encode())
+    os.replace(tmp, rank_dir / PERSISTED_MARK)
+
+
 def list_copies(rank_dir: Path) -> list[CopyRef]:
     """Copies with a manifest in `rank_dir`, newest generation first."""
     refs = []
-    for slot in (0, 1):
+    for slot in slots(rank_dir):
         m = read_manifest(rank_dir, slot)
         if m is not None:
             refs.append(CopyRef(rank_dir, slot, m))
@@ -287,15 +329,32 @@ def read_copy(ref: CopyRef) -> mmap.mmap:
     return data
 
 
-def write_raw_copy(rank_dir: Path, manifest: Manifest, data: memoryview | bytes) -> CopyRef:
-    """Store an already-serialised copy (a replica or a restored file) double-buffered.
+def oldest_free_slot(rank_dir: Path, busy: set[int] | frozenset[int] = frozenset()) -> int | None:
+    """The slot to overwrite next: empty first, else the oldest copy; never the newest
+    copy nor a slot in `busy`. None when every slot is taken."""
+    refs = list_copies(rank_dir)
+    keep = set(busy) | ({refs[0].slot} if refs else set())
+    held = {r.slot: r.manifest.generation for r in refs}
+    free = [s for s in slots(rank_dir) if s not in keep]
+    if not free:
+        return None
+    return min(free, key=lambda s: (s in held, held.get(s, -1), s))
 
-    The caller has verified `data` against `manifest`. The slot not holding the newest
-    copy is invalidated, filled, and then its manifest is renamed into place.
+
+def write_raw_copy(rank_dir: Path, manifest: Manifest, data: memoryview | bytes) -> CopyRef:
+    """Store an already-serialised copy (a replica or a restored file) in the ring.
+
+    The caller has verified `data` against `manifest`. The oldest slot (never the newest
+    copy's) is invalidated, filled, and then its manifest is renamed into place; a fresh
+    directory gets a ring of `MIN_SLOTS`.
     """
     rank_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    refs = list_copies(rank_dir)
-    slot = 1 - refs[0].slot if refs else 0
+    if len(slots(rank_dir)) < MIN_SLOTS:
+        for s in range(MIN_SLOTS):
+            fd = os.open(data_path(rank_dir, s), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            os.close(fd)
+    slot = oldest_free_slot(rank_dir)
+    assert slot is not None, "a ring of >= 2 slots always has one not holding the newest"
     manifest_path(rank_dir, slot).unlink(missing_ok=True)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
     with os.fdopen(os.open(data_path(rank_dir, slot), flags, 0o600), "wb") as f:
@@ -305,9 +364,9 @@ def write_raw_copy(rank_dir: Path, manifest: Manifest, data: memoryview | bytes)
 
 
 def manifest_sig(rank_dir: Path) -> tuple[Any, ...]:
-    """Identity of both slots' manifest files (a rename gives a new inode)."""
+    """Identity of every slot's manifest file (a rename gives a new inode)."""
     sig: list[Any] = []
-    for slot in (0, 1):
+    for slot in slots(rank_dir):
         try:
             st = os.stat(manifest_path(rank_dir, slot))
             sig.append((st.st_ino, st.st_mtime_ns, st.st_size))

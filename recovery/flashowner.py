@@ -26,15 +26,19 @@ import structlog
 
 from unbroken.recovery.flashcopy import (
     LOCAL_STORE,
+    MIN_SLOTS,
     CopyRef,
     FlashError,
     ShmTooSmallError,
     data_path,
     list_copies,
     manifest_path,
+    slots,
 )
 
 log = structlog.get_logger(__name__)
+
+FLASH_COPIES = 3  # the ring's default size: copies per rank in shared memory
 
 
 # ---------------------------------------------------------------- owner side (agent)
@@ -119,8 +123,17 @@ class FlashConfig:
     root: str = "/dev/shm/unbroken"
     job: str = "default"
     headroom_bytes: int = 64 << 20  # left free for everything else on the tmpfs
+    # Copies kept per rank (the ring): one being written, one being checksummed, the newest
+    # complete one, and older ones a rollback may return to. Fewer (down to 2) when the tmpfs
+    # cannot hold them; `ring_share` of the tmpfs is what one rank's ring may take.
+    copies: int = FLASH_COPIES
+    ring_share: float = 1.0
 
     def __post_init__(self) -> None:
+        if not MIN_SLOTS <= self.copies <= 64:
+            raise ValueError(f"FlashConfig.copies must be in [{MIN_SLOTS}, 64], got {self.copies}")
+        if not 0 < self.ring_share <= 1:
+            raise ValueError(f"FlashConfig.ring_share must be in (0, 1], got {self.ring_share}")
         if not self.root:
             raise ValueError("FlashConfig.root must name a directory on a tmpfs, e.g. /dev/shm")
         if not self.job or "/" in self.job:
@@ -130,10 +143,10 @@ class FlashConfig:
 
 
 class SlotProvider(Protocol):
-    """What a writer needs from its owner: two slots of at least `nbytes` for `rank`."""
+    """What a writer needs from its owner: a ring of >= 2 slots of `nbytes` for `rank`."""
 
     def reserve(self, rank: int, nbytes: int) -> str:
-        """Size both slots of `rank` to hold `nbytes`; return the rank's directory."""
+        """Size the ring of `rank` to hold `nbytes` per slot; return the rank's directory."""
         ...
 
 
@@ -153,40 +166,57 @@ class FlashOwner:
         return self.job_dir / store / f"rank-{rank:05d}"
 
     def reserve(self, rank: int, nbytes: int, store: str = LOCAL_STORE) -> str:
-        """Size both slots of `rank` to at least `nbytes`, allocating the memory now.
+        """Size the ring of `rank` to `nbytes` per slot, allocating the memory now.
+
+        The ring gets `config.copies` slots, fewer (never under 2) when the tmpfs cannot
+        hold them with the headroom left free; a ring that exists keeps its slot count.
 
         Raises:
-            ShmTooSmallError: the tmpfs has too little free space; the message says how
+            ShmTooSmallError: the tmpfs cannot hold even 2 slots; the message says how
                 much is needed.
         """
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         d = self.rank_dir(rank, store)
         secure_dir(d)
-        grow = 0
-        for slot in (0, 1):
-            p = data_path(d, slot)
-            have = p.stat().st_size if p.exists() else 0
-            grow += max(0, nbytes - have)
-        if grow:
+        have_slots = slots(d)
+        k = max(len(have_slots), MIN_SLOTS) if have_slots else self.config.copies
+        sizes = {s: data_path(d, s).stat().st_size for s in have_slots}
+
+        def grow_for(n: int) -> int:
+            return sum(max(0, nbytes - sizes.get(s, 0)) for s in range(n))
+
+        if grow_for(k):
             st = os.statvfs(d)
             free = st.f_bavail * st.f_frsize
-            if grow + self.config.headroom_bytes > free:
+            total = st.f_blocks * st.f_frsize
+            room = min(free - self.config.headroom_bytes, int(total * self.config.ring_share))
+            while k > MIN_SLOTS and grow_for(k) > room:
+                k -= 1
+            if grow_for(k) + self.config.headroom_bytes > free:
                 raise ShmTooSmallError(
-                    f"flash checkpoint for rank {rank} needs {_gib(grow)} more in "
-                    f"{self.config.root} (2 slots x {_gib(nbytes)}, plus "
+                    f"flash checkpoint for rank {rank} needs {_gib(grow_for(k))} more in "
+                    f"{self.config.root} ({k} slots x {_gib(nbytes)}, plus "
                     f"{_gib(self.config.headroom_bytes)} headroom) but only {_gib(free)} is "
                     "free; enlarge the tmpfs (docker: --shm-size; host: mount -o "
                     "remount,size=... /dev/shm) or point FlashConfig.root elsewhere"
                 )
-            for slot in (0, 1):
+            for slot in range(k):
                 p = data_path(d, slot)
                 with os.fdopen(open_private(p, os.O_WRONLY | os.O_APPEND), "ab") as f:
                     if f.tell() < nbytes:
                         # posix_fallocate makes tmpfs allocate now: a full tmpfs fails here
                         # with a clear error instead of SIGBUS in the middle of a save.
                         os.posix_fallocate(f.fileno(), 0, nbytes)
-            log.info("flash.reserved", rank=rank, store=store, nbytes=nbytes)
+            if k < self.config.copies and not have_slots:
+                log.warning(
+                    "flash.ring_reduced",
+                    rank=rank,
+                    copies=k,
+                    wanted=self.config.copies,
+                    why="the tmpfs cannot hold more copies of this size",
+                )
+            log.info("flash.reserved", rank=rank, store=store, nbytes=nbytes, copies=k)
         return str(d)
 
     def stores(self) -> list[str]:

@@ -18,6 +18,7 @@ File format, one file per rank and step (`{url}/step-{step:012d}/rank-{rank:05d}
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import struct
@@ -26,11 +27,13 @@ import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import structlog
 
 from unbroken.recovery.flashcopy import (
+    PERSIST_META,
     CopyRef,
     CorruptCopyError,
     Manifest,
@@ -38,11 +41,11 @@ from unbroken.recovery.flashcopy import (
     list_copies,
     new_hasher,
     read_manifest,
+    write_persisted_mark,
 )
 
 log = structlog.get_logger(__name__)
 
-PERSIST_META = "persist"  # manifest meta key; False: a copy for memory only, not persisted
 TIMELINE_META = "timeline"  # manifest meta key: the job's rollbacks before the copy was saved
 ENV_TIMELINE = "UNBROKEN_TIMELINE"  # ...as the agent tells its workers (StartWorkers.timeline)
 
@@ -148,12 +151,14 @@ def write_shard(ref: CopyRef, url: str, *, verify_readback: bool = True) -> Pers
                 hasher.update(chunk)
                 dst.write(chunk)
                 left -= len(chunk)
+            _sync_file(dst)  # on the medium before it is renamed into place
         crc = hasher.intdigest()
         if crc != m.checksum:
             raise CorruptCopyError(f"{ref.data_path} step {m.step} fails its checksum")
         if read_manifest(ref.rank_dir, ref.slot) != m:
             raise CorruptCopyError(f"{ref.data_path} was overwritten while being persisted")
         fs.mv(tmp, path)
+        _sync_dir(fs, path.rsplit("/", 1)[0])  # the rename, and the step directory itself
     except BaseException:
         if fs.exists(tmp):
             fs.rm(tmp)
@@ -168,6 +173,31 @@ def write_shard(ref: CopyRef, url: str, *, verify_readback: bool = True) -> Pers
         checksum=crc,
         timeline=int(m.meta[TIMELINE_META]) if TIMELINE_META in m.meta else None,
     )
+
+
+def _sync_file(f: Any) -> None:
+    """fsync a file being written through fsspec, where it is a local file.
+
+    Object stores (s3, gcs) have no fsync: a closed object is durable, or the close fails.
+    """
+    try:
+        fd = f.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return
+    f.flush()
+    os.fsync(fd)
+
+
+def _sync_dir(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """fsync a local directory (and its parent) so renames and new entries survive a crash."""
+    if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        return
+    for d in (path, os.path.dirname(path.rstrip("/"))):
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def read_shard(uri: str, *, verify: bool = True) -> tuple[Manifest, memoryview]:
@@ -357,6 +387,10 @@ class Persister:
             return None
         p = write_shard(ref, self.config.url, verify_readback=self.config.verify_readback)
         self._done[str(ref.rank_dir)] = ref.manifest.generation
+        try:  # releases the writer's pin on the slot
+            write_persisted_mark(ref.rank_dir, ref.manifest.generation)
+        except OSError as e:
+            log.warning("persist.mark_failed", rank_dir=str(ref.rank_dir), error=str(e))
         log.info("persist.done", rank=p.rank, step=p.step, bytes=p.nbytes, uri=p.uri)
         return p
 

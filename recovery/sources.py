@@ -32,6 +32,9 @@ ENV_FLASH_ROOT = "UNBROKEN_FLASH_ROOT"
 ENV_FLASH_JOB = "UNBROKEN_FLASH_JOB"
 ENV_FLASH_NODE = "UNBROKEN_FLASH_NODE"
 ENV_PERSIST_URL = "UNBROKEN_PERSIST_URL"
+ENV_PERSIST_EVERY_S = "UNBROKEN_PERSIST_EVERY_S"  # about how often a copy is persisted
+ENV_FLASH_COPIES = "UNBROKEN_FLASH_COPIES"  # the ring: copies per rank in shared memory
+PERSIST_EVERY_S = 30.0  # the persistence interval when neither agent nor driver set one
 
 
 @dataclass(frozen=True, slots=True)

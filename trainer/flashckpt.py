@@ -40,7 +40,11 @@ Only the shell (files, collectives) lives here; the decision is the pure
 
 from __future__ import annotations
 
+import collections
+import math
 import os
+import statistics
+import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -52,17 +56,20 @@ import torch
 import torch.distributed as dist
 
 from unbroken.recovery.flash import (
+    PERSIST_META,
     CorruptCopyError,
     FlashConfig,
     FlashOwner,
     FlashWriter,
     Manifest,
     SaveHandle,
+    Snapshot,
     checksum,
     load_into,
     replica_store,
 )
 from unbroken.recovery.flashcopy import LOCAL_STORE
+from unbroken.recovery.flashowner import FLASH_COPIES
 from unbroken.recovery.persist import TIMELINE_META, current_timeline
 from unbroken.recovery.reshard import load_resharded, reader_from_survey
 from unbroken.recovery.restore import (
@@ -78,17 +85,20 @@ from unbroken.recovery.restore import (
     saved_layouts,
 )
 from unbroken.recovery.sources import (
+    ENV_FLASH_COPIES,
     ENV_FLASH_JOB,
     ENV_FLASH_NODE,
     ENV_FLASH_ROOT,
+    ENV_PERSIST_EVERY_S,
     ENV_PERSIST_URL,
     LAYOUT_META,
+    PERSIST_EVERY_S,
     Survey,
     obtain,
     reach_of,
     survey,
 )
-from unbroken.trainer.plugin import Trainer
+from unbroken.trainer.plugin import Snapshots, Trainer
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -109,6 +119,7 @@ class FlashEnv:
     job: str
     node: str
     persist_url: str = ""
+    copies: int = FLASH_COPIES  # the ring's size the agent asks for
 
     def __post_init__(self) -> None:
         if not self.root or not self.job or not self.node:
@@ -128,7 +139,16 @@ class FlashEnv:
             job=e.get(ENV_FLASH_JOB, ""),
             node=e.get(ENV_FLASH_NODE, ""),
             persist_url=e.get(ENV_PERSIST_URL, ""),
+            copies=_int(e.get(ENV_FLASH_COPIES, ""), FLASH_COPIES),
         )
+
+
+def _int(raw: str, default: int) -> int:
+    try:
+        return int(raw) if raw else default
+    except ValueError:
+        log.warning("flash.bad_env_value", value=raw, using=default)
+        return default
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +175,7 @@ class FlashCheckpointer:
         self.env = env
         self.rank = rank
         # The agent created and owns the job's folder; the worker only sizes its own slots.
-        self.owner = FlashOwner(FlashConfig(root=env.root, job=env.job))
+        self.owner = FlashOwner(FlashConfig(root=env.root, job=env.job, copies=env.copies))
         self.writer = FlashWriter(rank, self.owner)
         self.saves = 0
         self.blocked_s = 0.0  # of finished saves; the one in flight is added when replaced
@@ -174,20 +194,39 @@ class FlashCheckpointer:
         optimizers = getattr(trainer, "optimizers", None)
         self._guards = self.writer.guard(list(optimizers) if optimizers is not None else None)
 
-    def save(self, trainer: Trainer, step: int) -> None:
-        """Start saving the trainer's state of `step` into shared memory, overlapped.
+    def save(self, trainer: Trainer, step: int, *, persist: bool = True) -> bool:
+        """Start saving the trainer's state of `step` into the ring in shared memory.
 
-        Blocks only for the snapshot (and, if still running, the previous save); the copy
+        Blocks only for the snapshot: with a trainer that implements `Snapshots` (the
+        embedded engine) that is its few changing values, not `state_dict()`. The copy
         runs during the next step, whose optimizer step waits for it (`guard`, installed
-        here on the first save).
+        here on the first save); the checksum is never waited for. A copy for memory only
+        (`persist=False`) is skipped when the ring has no free slot (counted in
+        `writer.skipped_busy`); one the agent must persist always happens.
+
+        Returns:
+            Whether a save started.
         """
         self.guard(trainer)
-        meta = {LAYOUT_META: self.layout(trainer), TIMELINE_META: current_timeline()}
-        handle = self.writer.save_async({KEY: trainer}, step, meta=meta)
-        if handle is not None:
-            self._account()
-            self.saves += 1
-            self._last = handle
+        meta = {
+            LAYOUT_META: self.layout(trainer),
+            TIMELINE_META: current_timeline(),
+            PERSIST_META: persist,
+        }
+        state: Any = {KEY: trainer}
+        key = trainer.snapshot_key() if isinstance(trainer, Snapshots) else None
+        if key is not None:
+            snap: Snapshots = trainer  # type: ignore[assignment]
+            state = Snapshot(
+                key=key, full=lambda: {KEY: trainer}, fresh=lambda: {KEY: snap.snapshot_fresh()}
+            )
+        handle = self.writer.save_async(state, step, meta=meta, skip_if_busy=not persist)
+        if handle is None:
+            return False
+        self._account()
+        self.saves += 1
+        self._last = handle
+        return True
 
     def _account(self) -> None:
         """Count the finished save's blocking (its guard waits included)."""
@@ -368,6 +407,7 @@ class FlashCheckpointer:
             if hasattr(data, "close"):
                 data.close()
         trainer.load_state_dict(state[KEY])
+        self.writer.invalidate_snapshot()
         done = Restored(
             step=manifest.step,
             source=sources[self.rank],
@@ -446,6 +486,7 @@ class FlashCheckpointer:
         state = {KEY: trainer.state_dict()}
         load_resharded(state, reader)  # closes the reader
         trainer.load_state_dict(state[KEY])
+        self.writer.invalidate_snapshot()
         done = Restored(step=step, source=label, sources=sources, resharded=True)
         log.info(
             "flash.restored",
@@ -494,5 +535,68 @@ class FlashCheckpointer:
                 "flash.save_stats",
                 rank=self.rank,
                 saves=self.saves,
+                skipped_busy=self.writer.skipped_busy,
+                snapshot_hits=self.writer.snapshot_hits,
+                copies=self.writer.copies,
                 blocked_ms_mean=round(1000.0 * self.blocked_s / self.saves, 3),
             )
+
+
+CALIBRATE_CALLS = 8  # calls before the first agreement (the first steps are slow)
+AGREE_CALLS = 128  # calls between agreements
+
+
+def persist_every_s_from_env(env: Mapping[str, str] | None = None) -> float:
+    """The persistence interval the agent passed (seconds), else `PERSIST_EVERY_S`."""
+    raw = (os.environ if env is None else env).get(ENV_PERSIST_EVERY_S, "")
+    try:
+        value = float(raw) if raw else PERSIST_EVERY_S
+    except ValueError:
+        log.warning("flash.bad_persist_interval", value=raw, using=PERSIST_EVERY_S)
+        return PERSIST_EVERY_S
+    return value if math.isfinite(value) and value > 0 else PERSIST_EVERY_S
+
+
+class PersistClock:
+    """Which saves the agent persists: about one per `every_s`, the same steps on every rank.
+
+    Every rank must mark the same steps (a commit needs every rank's shard of one step), so
+    the interval is counted in steps and agreed collectively: at the `CALIBRATE_CALLS`-th
+    call and every `AGREE_CALLS` calls after, each rank turns `every_s` into steps with its
+    median step time and the ranks take the smallest wish (the slowest rank's steps are
+    the longest, so the most frequent persistence any rank wants). Calls are counted, not
+    timed, so the ranks agree at the same call. Before the first agreement nothing is
+    persisted (the ring and the buddy hold the copies).
+    """
+
+    def __init__(self, every_s: float, agree: Any = None) -> None:
+        if not every_s > 0:
+            raise ValueError(f"every_s must be > 0, got {every_s}")
+        self.every_s = every_s
+        self.every_steps = 0  # agreed; 0: not yet
+        self.calls = 0
+        self._agree = agree if agree is not None else _agree_min
+        self._last: float | None = None
+        self._times: collections.deque[float] = collections.deque(maxlen=AGREE_CALLS)
+
+    def due(self, step: int) -> bool:
+        """Whether the save of `step` is persisted (counts the call; collective now and then)."""
+        now = time.perf_counter()
+        if self._last is not None:
+            self._times.append(now - self._last)
+        self._last = now
+        self.calls += 1
+        if self.calls == CALIBRATE_CALLS or (
+            self.calls > CALIBRATE_CALLS and (self.calls - CALIBRATE_CALLS) % AGREE_CALLS == 0
+        ):
+            step_s = statistics.median(self._times) if self._times else 0.0
+            wish = max(1, math.ceil(self.every_s / step_s)) if step_s > 0 else 1
+            self.every_steps = int(self._agree(wish))
+        return self.every_steps > 0 and step % self.every_steps == 0
+
+
+def _agree_min(wish: int) -> int:
+    """The smallest wish of any rank (collective)."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, wish)
+    return min(int(w) for w in everyone)

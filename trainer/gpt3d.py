@@ -51,6 +51,13 @@ def lr_at(step: int, o: OptimConfig) -> float:
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * t))
 
 
+def _clean_fqn(name: str) -> str:
+    """A parameter name as DCP writes it: without wrapper modules' prefixes."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
 def _peak_flops(device: torch.device) -> float | None:
     """Dense bf16 peak of this GPU from the planner's datasheet table, None on CPU/unknown."""
     if device.type != "cuda":
@@ -73,6 +80,10 @@ class GPT3DTrainer:
         self.config: TrainConfig | None = None
         self.step = 0
         self._owns_pg = False
+        self.state_version = 0  # bumped whenever the state's tensors may be replaced
+        # (flat optimizer key, param group, group key) of every param-group value
+        self._groups: list[tuple[str, dict[str, Any], str]] | None = None
+        self._unmapped = -1  # the state_version whose param groups did not map
 
     # ---- setup -------------------------------------------------------------------------
     def setup(self, config: TrainConfig) -> None:
@@ -135,6 +146,8 @@ class GPT3DTrainer:
                 dp_mode=p.dp_mode,
             )
         self.optimizers = [self._optimizer(part, c.optim) for part in self.parts]
+        self.state_version += 1
+        self._groups = None
 
         corpus = load_corpus(c.data.path, c.data.max_corpus_bytes)
         self.loader = TextLoader(
@@ -302,6 +315,56 @@ class GPT3DTrainer:
             "rng": torch.get_rng_state(),
         }
 
+    # ---- cheap per-step snapshots (plugin.Snapshots) ---------------------------------------
+    def snapshot_key(self) -> Any:
+        """Changes when a state tensor may be new: a load, a setup, optimizer state created.
+
+        None (full path) when the param-group values cannot be mapped to DCP's keys.
+        """
+        if self._groups is None:
+            if self._unmapped == self.state_version or not self._map_groups():
+                self._unmapped = self.state_version  # tried for this state: full path
+                return None
+        return (self.state_version, tuple(len(o.state) for o in self.optimizers))
+
+    def snapshot_fresh(self) -> dict[str, Any]:
+        """What changes per step: the learning rate (param groups), step, data, RNG."""
+        assert self._groups is not None, "snapshot_key() first"
+        return {
+            "optimizer": {key: group[k] for key, group, k in self._groups},
+            "step": self.step,
+            "data": self.loader.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+
+    def _map_groups(self) -> bool:
+        """Map DCP's flattened `param_groups.<fqn>.<key>` entries to the live param groups,
+        checked once against DCP's own optimizer state dict."""
+        groups: list[tuple[str, dict[str, Any], str]] = []
+        dcp: dict[str, Any] = {}
+        for part, opt in zip(self.parts, self.optimizers, strict=True):
+            names = {id(prm): _clean_fqn(n) for n, prm in part.named_parameters()}
+            for group in opt.param_groups:
+                for prm in group["params"]:
+                    fqn = names.get(id(prm))
+                    if fqn is None:
+                        return False
+                    groups.extend(
+                        (f"param_groups.{fqn}.{k}", group, k) for k in group if k != "params"
+                    )
+            dcp.update(get_optimizer_state_dict(part, opt, options=_SAVE_OPTS))
+        want = {k: v for k, v in dcp.items() if k.startswith("param_groups.")}
+        mine = {key: group[k] for key, group, k in groups}
+        if set(mine) != set(want) or any(repr(mine[k]) != repr(want[k]) for k in want):
+            self.log.warning(
+                "flash snapshot disabled: param groups do not map to DCP's keys",
+                missing=sorted(set(want) - set(mine))[:3],
+                extra=sorted(set(mine) - set(want))[:3],
+            )
+            return False
+        self._groups = groups
+        return True
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore model, optimizer, step, data position and RNG (strict=False across stages)."""
         for part, opt in zip(self.parts, self.optimizers, strict=True):
@@ -310,6 +373,8 @@ class GPT3DTrainer:
         self.step = int(state_dict["step"])
         self.loader.load_state_dict(state_dict["data"])
         torch.set_rng_state(state_dict["rng"].cpu())
+        self.state_version += 1
+        self._groups = None
         self.log.info("trainer state loaded", step=self.step)
 
     def close(self) -> None:

@@ -62,6 +62,26 @@ class Trainer(Protocol):
         ...
 
 
+@runtime_checkable
+class Snapshots(Protocol):
+    """Optional: a trainer whose per-step flash save can skip `state_dict()`.
+
+    Parameters and optimizer state are updated in place, so the tensors of `state_dict()`
+    are the same objects from step to step; only a few small values change. A trainer that
+    says so saves each step by serialising `snapshot_fresh()` alone (the embedded engine:
+    ~0.1 ms instead of the 6-7 ms of DCP's state-dict calls over FSDP2).
+    """
+
+    def snapshot_key(self) -> Any:
+        """A value that changes whenever a tensor of `state_dict()` may have been replaced
+        (a load, new optimizer state); None: take the full `state_dict()` this time."""
+        ...
+
+    def snapshot_fresh(self) -> dict[str, Any]:
+        """The values of `state_dict()` that change between steps, nested the same way."""
+        ...
+
+
 def available() -> list[str]:
     """Names of the trainers registered under `unbroken.trainers`."""
     return sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})

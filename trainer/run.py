@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -251,7 +252,12 @@ def train(
     import torch.distributed as dist
 
     from unbroken.trainer import checkpoint
-    from unbroken.trainer.flashckpt import FlashCheckpointer, FlashEnv
+    from unbroken.trainer.flashckpt import (
+        FlashCheckpointer,
+        FlashEnv,
+        PersistClock,
+        persist_every_s_from_env,
+    )
     from unbroken.trainer.plugin import load_trainer
 
     try:
@@ -269,6 +275,8 @@ def train(
     if flash_every and env is None:
         raise ValueError("--flash-every needs an agent's flash store (run under `unbroken agent`)")
     flash = FlashCheckpointer(env, rank) if flash_every and env is not None else None
+    clock = PersistClock(persist_every_s_from_env()) if flash is not None else None
+    requests = SaveRequests(hooks)
     try:
         trainer.setup(config)
         step = 0
@@ -295,8 +303,12 @@ def train(
             else:
                 m = trainer.train_step()
             step = int(m["step"])
-            if flash is not None and step % flash_every == 0:
-                flash.save(trainer, step)
+            if flash is not None and clock is not None:
+                # every rank calls the clock at every step (it agrees collectively)
+                timed, asked = clock.due(step), requests.due(step)
+                persist = timed or asked or step == config.steps
+                if persist or step % flash_every == 0:
+                    flash.save(trainer, step, persist=persist)
             history.append(m)
             if hooks is not None:
                 hooks.step(step, m["loss"], m["step_time_s"] * 1000.0)
@@ -314,6 +326,34 @@ def train(
         if out is not None:
             out.close()
     return history
+
+
+class SaveRequests:
+    """FlashSave requests from the driver (`RequestCheckpoint`), read from the hooks socket.
+
+    The socket is read at most every `POLL_S`; a request for step s makes the first save at
+    or after s a persisted one. Only the lowest requested step is remembered.
+    """
+
+    POLL_S = 0.05
+
+    def __init__(self, hooks: Any) -> None:
+        self.hooks = hooks
+        self.at: int | None = None
+        self._polled = 0.0
+
+    def due(self, step: int) -> bool:
+        now = time.monotonic()
+        if self.hooks is not None and now - self._polled >= self.POLL_S:
+            self._polled = now
+            for c in self.hooks.commands():
+                if c.WhichOneof("kind") == "flash_save":
+                    want = int(c.flash_save)
+                    self.at = want if self.at is None else min(self.at, want)
+        if self.at is not None and step >= self.at:
+            self.at = None
+            return True
+        return False
 
 
 def _skip(trainer: Any, n: int, before_step: int) -> None:

@@ -152,6 +152,7 @@ class Cluster:
             "--flash-job", JOB,
             "--flash-node", flash_node,
             "--persist-url", str(self.persist),
+            "--persist-every-s", "0.001",  # every copy after the first agreement (8 steps)
             "--replica-listen", f"127.0.0.1:{self.replica_port(node)}",
             "--buddy", f"127.0.0.1:{self.replica_port(buddy)}",
         ]  # fmt: skip
@@ -331,7 +332,7 @@ def test_worker_kill_corrupt_shard_and_lost_node_all_resume_exactly(
         await c.registered("n0", "n1")
 
         # 1. Rank 1's worker is SIGKILLed; rank 0's memory copy of that step is corrupted.
-        await c.until("step 4", lambda: c.max_step() >= 4)
+        await c.until("step 12", lambda: c.max_step() >= 12)  # persisting every step by now
         victim = c.worker("n1")
         # workers run below the agent's priority, so its heartbeats keep the CPU
         assert victim.nice() == psutil.Process(c.agents["n1"].pid).nice() + 5

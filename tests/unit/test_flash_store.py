@@ -109,14 +109,15 @@ def test_save_load_roundtrip_keeps_dtypes_and_values(owner: FlashOwner) -> None:
     w.close()
 
 
-def test_double_buffer_keeps_previous_copy_and_alternates_slots(owner: FlashOwner) -> None:
+def test_ring_keeps_previous_copies_and_cycles_slots(owner: FlashOwner) -> None:
     w = FlashWriter(0, owner)
     slots = []
-    for step in (1, 2, 3):
+    for step in (1, 2, 3, 4):
         w.save(_state(step), step).wait()
         slots.append(owner.newest(0).slot)  # type: ignore[union-attr]
-    assert slots == [0, 1, 0]
-    assert [r.manifest.step for r in list_copies(owner.rank_dir(0))] == [3, 2]
+    assert w.copies == 3
+    assert slots == [0, 1, 2, 0]
+    assert [r.manifest.step for r in list_copies(owner.rank_dir(0))] == [4, 3, 2]
     target = _zeros_like(_state(0))
     w.load(target, step=2)
     _assert_same(_state(2), target)
