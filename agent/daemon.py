@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import ipaddress
 import json
+import math
 import os
 import random
 import signal
@@ -64,6 +65,7 @@ from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import hooks_pb2 as hpb
 from unbroken.recovery.persist import ENV_TIMELINE
+from unbroken.recovery.sources import ENV_PERSIST_EVERY_S
 
 log = structlog.get_logger(__name__)
 
@@ -415,6 +417,10 @@ class Agent:
                 hb.attached.extend(self.hooks.statuses(now))
             if sup is not None:
                 hb.workers.extend(sup.statuses(now))
+                if self.flash is not None:  # the steps each rank can restore from memory
+                    for w in hb.workers:
+                        if w.global_rank >= 0:
+                            w.ring_steps.extend(self.flash.ring_steps(w.global_rank))
                 if sup.exited:
                     hb.flags |= F_EXITED
                     sup.exited = False
@@ -451,6 +457,7 @@ class Agent:
                 world_size=flash.world_size,
                 url=flash.config.persist_url,
                 timeline=p.timeline,  # None (unset) when the worker did not stamp one
+                persist_s=p.seconds,
             )
             try:
                 await self._write(call, dpb.AgentMessage(shard_persisted=msg))
@@ -610,6 +617,13 @@ class Agent:
             if sup is not None:
                 await sup.stop_all(grace_s=2.0)
             return f"{kind}: workers stopped"
+        if kind == "retention":
+            if self.flash is None:
+                return "retention: no flash store"
+            gone = await asyncio.to_thread(
+                self.flash.retain, list(msg.retention.keep_steps), msg.retention.below
+            )
+            return f"retention: deleted steps {gone}"
         if sup is None:
             raise ValueError(f"{kind}: this agent runs no workers (no --worker-cmd)")
         if kind == "restore_point":  # for the next start (engineer "drill"; trainer/run.py)
@@ -624,6 +638,8 @@ class Agent:
         if kind == "start_workers":
             p = msg.start_workers
             sup.spec.extra_env[ENV_TIMELINE] = str(p.timeline)  # stamped on every copy
+            if p.persist_every_s > 0 and math.isfinite(p.persist_every_s):
+                sup.spec.extra_env[ENV_PERSIST_EVERY_S] = repr(p.persist_every_s)
             if p.worker_cmd and sup.spec.split(p.worker_cmd) != sup.spec.cmd:
                 if not self.config.allow_remote_cmd:
                     raise ValueError(

@@ -34,11 +34,12 @@ import structlog
 
 from unbroken.recovery.flashcopy import list_copies
 from unbroken.recovery.flashowner import FLASH_COPIES, FlashConfig, FlashOwner
+from unbroken.recovery.lifecycle import deletable
 from unbroken.recovery.persist import (
     PersistConfig,
     Persisted,
     Persister,
-    apply_retention,
+    delete_steps,
     list_persisted,
     persistable,
 )
@@ -82,7 +83,6 @@ class NodeFlashConfig:
     job: str = "default"
     node: str  # the ring slot this node fills; a replacement node reuses the lost one's
     persist_url: str = "unbroken-checkpoints"
-    keep: int = 3
     persist_every_s: float = PERSIST_EVERY_S  # workers' persistence interval until the driver's
     copies: int = FLASH_COPIES  # the ring: flash copies per rank in shared memory
     listen: str = "127.0.0.1:0"  # replica server; port 0 picks a free one
@@ -99,8 +99,6 @@ class NodeFlashConfig:
             raise ValueError(f"flash node name {self.node!r} must be a plain, non-empty name")
         if not self.persist_url:
             raise ValueError("persist_url must name a directory or fsspec URL (--persist-url)")
-        if self.keep < 1:
-            raise ValueError(f"keep must be >= 1 (--keep-checkpoints), got {self.keep}")
         if not 0 < self.persist_every_s <= 86400:
             raise ValueError(
                 f"persist_every_s must be in (0, 86400] (--persist-every-s), got "
@@ -144,6 +142,7 @@ class NodeFlash:
                 self.owner, config.node, parse_hostport(config.buddy, "--buddy"), self.replica_cfg
             )
         self._seen: dict[int, int] = {}  # rank -> generation handed to the persister
+        self._ring: dict[int, list[int]] = {}  # rank -> steps its ring holds, newest first
         self._newest: dict[int, int] = {}  # rank -> newest generation (sent to the buddy)
         self._submitted_at: dict[int, float] = {}  # rank -> monotonic time of the last submit
         self._tries: dict[tuple[int, int], int] = {}  # (rank, generation) -> retries so far
@@ -194,30 +193,40 @@ class NodeFlash:
                 # The buddy may not be up yet (first start of the job): nothing to get back.
                 log.info("flash.no_buddy_replica", buddy=self.config.buddy, error=str(e))
         self.persister = Persister(
-            PersistConfig(url=self.config.persist_url, keep=self.config.keep),
+            PersistConfig(url=self.config.persist_url),
             self._on_persisted,
         )
         self._task = asyncio.create_task(self._loop())
 
     def _on_persisted(self, p: Persisted) -> None:
-        """Persister thread: record it and keep the newest `keep` complete steps.
+        """Persister thread: record it for the driver's report.
 
-        Complete: every rank this storage holds (the world's when storage is shared).
+        Retention is the driver's (a `Retention` command, decided from the log): the agent
+        never deletes a persisted step on its own, so it cannot delete a rollback target.
         """
         self.persisted.append(p)
         del self.persisted[:-64]
         self.persisted_count += 1
         self.persisted_bytes += p.nbytes
         self.reports.append(p)
+
+    def retain(self, keep_steps: list[int], below: int) -> list[int]:
+        """Apply the driver's retention: delete persisted steps under `below` not kept."""
         try:
-            steps = list_persisted(self.config.persist_url)
-            # Shared storage holds every rank; a node-local default holds this node's only.
-            ranks = set().union(*(set(by_rank) for by_rank in steps.values()))
-            need = min(self.world_size, len(ranks))
-            complete = [s for s, by_rank in steps.items() if len(by_rank) >= need]
-            apply_retention(self.config.persist_url, complete, self.config.keep)
-        except OSError as e:  # another agent pruned the same step first
-            log.info("flash.retention_race", error=str(e))
+            gone = delete_steps(
+                self.config.persist_url,
+                deletable(list_persisted(self.config.persist_url), keep_steps, below),
+            )
+        except OSError as e:
+            log.warning("flash.retention_failed", error=str(e))
+            return []
+        if gone:
+            log.info("flash.retention", deleted=gone, kept=sorted(keep_steps), below=below)
+        return gone
+
+    def ring_steps(self, rank: int) -> list[int]:
+        """The steps `rank`'s ring holds (complete copies, newest first), as last polled."""
+        return self._ring.get(rank, [])
 
     async def _loop(self) -> None:
         interval = self.config.poll_ms / 1000.0
@@ -234,6 +243,7 @@ class NodeFlash:
         for rank in self.owner.ranks():
             rank_dir = self.owner.rank_dir(rank)
             refs = await asyncio.to_thread(list_copies, rank_dir)
+            self._ring[rank] = [r.manifest.step for r in refs]
             if not refs:
                 continue
             if self._newest.get(rank) != refs[0].manifest.generation:  # for the buddy

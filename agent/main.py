@@ -173,7 +173,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="fsspec URL or directory for persisted copies (default: <log-dir>/checkpoints)",
     )
-    g.add_argument("--keep-checkpoints", type=int, default=3, help="persisted steps kept")
     g.add_argument(
         "--persist-every-s",
         type=float,
@@ -240,7 +239,6 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
                 job=ns.flash_job,
                 node=node,
                 persist_url=ns.persist_url or default_persist_url(spec.log_dir),
-                keep=ns.keep_checkpoints,
                 persist_every_s=ns.persist_every_s,
                 copies=ns.flash_copies,
                 listen=ns.replica_listen,

@@ -17,6 +17,7 @@ shards saved in that timeline only: workers stamp each copy with the job's rollb
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import structlog
@@ -30,6 +31,7 @@ log = structlog.get_logger(__name__)
 MAX_WORLDS = 4  # world sizes tracked at once; the least recently reported is forgotten
 MAX_RANKS = 1 << 20
 MAX_OWNERS = 1 << 20  # (world size, rank) owners remembered
+PERSIST_COST_ALPHA = 0.1  # weight of a new report in the persist-cost moving average
 
 
 class Commits:
@@ -49,6 +51,8 @@ class Commits:
         self.by_node: dict[str, dict[int, int]] = {}
         # (world size, rank) -> the node that first reported it (worlds we did not lay out)
         self._owners: dict[tuple[int, int], str] = {}
+        self.url_of: dict[str, str] = {}  # node -> the storage root it persists to
+        self.persist_cost_s = 0.0  # moving average of one shard's write-and-verify time
 
     def claim(self, node_id: str, world_size: int, rank: int, alive: Callable[[str], bool]) -> str:
         """Bind a rank of a world to the first node that reports it; why not ("" if ok).
@@ -89,6 +93,10 @@ class Commits:
             )
             return None
         self.by_node.setdefault(node_id, {})[msg.rank] = msg.step
+        self.url_of[node_id] = msg.url
+        if msg.persist_s > 0 and math.isfinite(msg.persist_s):
+            a = PERSIST_COST_ALPHA if self.persist_cost_s else 1.0
+            self.persist_cost_s += a * (msg.persist_s - self.persist_cost_s)
         tracker = self._trackers.pop(msg.world_size, None)
         if tracker is None:
             tracker = CommitTracker(

@@ -51,6 +51,8 @@ from unbroken.recovery import spike as spikelib
 
 log = structlog.get_logger(__name__)
 
+RING_SETTLE_S = 0.5  # after a stop, wait at most this for heartbeats with the final ring
+
 #: Event kinds the machine reacts to; everything else is appended as it is.
 OBSERVED = frozenset(
     {
@@ -328,7 +330,10 @@ class RecoveryLoop:
                 a.nodes, dpb.DriverMessage(stop_workers=dpb.StopWorkers(grace_s=cfg.stop_grace_s))
             )
             if gen == self._gen:
-                self.service.submit(machine.Paused(step=self._live_step(a.nodes)))
+                restorable = await self._ring_common(a.nodes)
+                self.service.submit(
+                    machine.Paused(step=self._live_step(a.nodes), restorable_step=restorable)
+                )
         elif isinstance(a, machine.EvictNode):
             await self._broadcast(
                 (a.node_id,), dpb.DriverMessage(evict=dpb.Evict(reason=a.reason)), wait=False
@@ -422,6 +427,31 @@ class RecoveryLoop:
             log.warning("command not done everywhere", kind=msg.WhichOneof("kind"), errors=bad)
         return bad
 
+    async def _ring_common(self, nodes: tuple[str, ...]) -> int | None:
+        """The newest step every rank of the world holds in its node's flash ring, from the
+        heartbeats that follow the stop (each rank's last copy is in them by then); None
+        when a node's ranks are not all reported (a lost node: then the commits decide)."""
+        marks = {n: self._beats(n) for n in nodes}
+        deadline = time.monotonic() + RING_SETTLE_S
+        while time.monotonic() < deadline and any(self._beats(n) < marks[n] + 2 for n in nodes):
+            await asyncio.sleep(0.02)
+        world = self.state.world.world_size
+        common: set[int] | None = None
+        ranks: set[int] = set()
+        for n in nodes:
+            slot = self.service.view.nodes.get(n)
+            if slot is None or not slot.alive:
+                return None
+            for w in slot.hb.workers:
+                if w.global_rank < 0:
+                    continue
+                ranks.add(w.global_rank)
+                held = set(w.ring_steps)
+                common = held if common is None else common & held
+        if not common or (world and len(ranks) < world):
+            return None
+        return max(common)
+
     def _live_step(self, nodes: tuple[str, ...]) -> int:
         """The newest step any worker of `nodes` reported (the step the job stopped at)."""
         step = self.state.step
@@ -455,6 +485,7 @@ class RecoveryLoop:
         bases = dict(a.rank_base)
 
         point = self._point
+        persist_every_s = self.service.persist_every_s()
 
         async def one(n: str) -> str:
             if restore is not None:  # an agent without RestorePoint restores the newest step
@@ -475,6 +506,7 @@ class RecoveryLoop:
                     pp=a.world.pp,
                     tp=a.world.tp,
                     timeline=self._timeline,
+                    persist_every_s=persist_every_s,
                 )
             )
             try:

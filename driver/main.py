@@ -47,6 +47,7 @@ from unbroken.driver.slurm import SlurmConfig, SlurmScheduler, add_slurm_flags, 
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 from unbroken.proto.logsetup import setup_logging
+from unbroken.recovery import lifecycle
 
 log = structlog.get_logger(__name__)
 
@@ -202,6 +203,33 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="storage root the agents persist to; ListCheckpoints reads shards only under it "
         "(repeat; default: local paths only)",
     )
+    c = parser.add_argument_group("checkpoint lifecycle (recovery/lifecycle.py)")
+    c.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=3,
+        help="committed steps storage keeps (the rollback target and a restore's step too)",
+    )
+    c.add_argument(
+        "--persist-floor-s",
+        type=float,
+        default=lifecycle.FLOOR_S,
+        help="shortest persistence interval the driver sends workers (Young/Daly: "
+        "sqrt(2 x persist cost x MTBF))",
+    )
+    c.add_argument(
+        "--persist-ceiling-s",
+        type=float,
+        default=lifecycle.CEILING_S,
+        help="longest persistence interval",
+    )
+    c.add_argument(
+        "--mtbf-prior-s",
+        type=float,
+        default=lifecycle.PRIOR_MTBF_S,
+        help="the MTBF believed before the log has seen failures (one interval of it is "
+        "added to the job's wall time, one failure to its count)",
+    )
     parser.add_argument(
         "--allow-fault-injection",
         action="store_true",
@@ -249,6 +277,12 @@ def config_from_args(ns: argparse.Namespace) -> DriverConfig:
         tokens=RoleTokens.from_files(ns.token_file) if ns.token_file else None,
         allow_fault_injection=ns.allow_fault_injection,
         persist_roots=tuple(ns.persist_root),
+        keep_checkpoints=ns.keep_checkpoints,
+        persist=lifecycle.PersistPolicy(
+            floor_s=ns.persist_floor_s,
+            ceiling_s=ns.persist_ceiling_s,
+            prior_mtbf_s=ns.mtbf_prior_s,
+        ),
     )
     if ns.token is not None:
         raise ValueError(

@@ -58,6 +58,8 @@ from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
+from unbroken.recovery import lifecycle
+from unbroken.recovery.lifecycle import PersistPolicy
 
 log = structlog.get_logger(__name__)
 
@@ -88,10 +90,16 @@ class ServiceConfig:
     diagnose: DriverDiagnoseConfig = field(default_factory=DriverDiagnoseConfig)
     read_timeout_s: float = 10.0  # deadline of event-log reads behind operator calls
     max_watchers: int = 64  # WatchEvents calls streaming at once
+    keep_checkpoints: int = 3  # committed steps storage keeps (plus rollback/restore targets)
+    persist: PersistPolicy = field(default_factory=PersistPolicy)  # the interval's bounds
 
     def __post_init__(self) -> None:
         if self.max_watchers < 1:
             raise ValueError(f"max_watchers must be >= 1, got {self.max_watchers}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(
+                f"keep_checkpoints must be >= 1 (--keep-checkpoints), got {self.keep_checkpoints}"
+            )
         if not self.read_timeout_s > 0:
             raise ValueError(f"read_timeout_s must be > 0, got {self.read_timeout_s}")
         if not 1 <= self.stream_buffer <= 100_000:
@@ -630,9 +638,60 @@ class DriverService(dgrpc.DriverServicer):
         return slot is not None and slot.alive
 
     def _on_appended(self, event: ev.Event) -> None:
-        """Bookkeeping that follows the log: a rollback reopens the steps after it."""
-        if event.WhichOneof("payload") == "rollback":
+        """Bookkeeping that follows the log: a rollback reopens the steps after it; a
+        commit or a rollback updates what storage keeps."""
+        kind = event.WhichOneof("payload")
+        if kind == "rollback":
             self.commits.rollback(event.rollback.to_step)
+        if kind in ("checkpoint_committed", "rollback"):
+            self._send_retention(event)
+
+    def retention(self, event: ev.Event | None = None) -> dpb.Retention | None:
+        """What storage keeps, from the log (None before the first commit).
+
+        The newest `keep_checkpoints` committed steps, the rollback target (pending or
+        last), and the step the open incident restores; `below` is the newest commit.
+        """
+        journal = self.journal
+        if journal is None:
+            return None
+        st = journal.state
+        committed = [c.step for c in st.checkpoints]
+        if event is not None and event.WhichOneof("payload") == "checkpoint_committed":
+            committed.append(event.checkpoint_committed.step)
+        if not committed:
+            return None
+        protect = [st.restore_step, st.last_rollback_to]
+        if st.HasField("rollback_to"):
+            protect.append(st.rollback_to)
+        keep = lifecycle.retained(
+            committed, self.config.keep_checkpoints, (p for p in protect if p)
+        )
+        return dpb.Retention(keep_steps=sorted(keep), below=max(committed))
+
+    def _send_retention(self, event: ev.Event) -> None:
+        """Tell one connected agent per storage root to apply the retention."""
+        r = self.retention(event)
+        if r is None:
+            return
+        done: set[str] = set()
+        for node_id, url in list(self.commits.url_of.items()):
+            if url in done:
+                continue
+            with contextlib.suppress(KeyError):  # not connected now: another node, or later
+                self.send(node_id, dpb.DriverMessage(retention=r))
+                done.add(url)
+
+    def persist_every_s(self) -> float:
+        """The persistence interval for the next StartWorkers (Young/Daly, bounded)."""
+        journal = self.journal
+        cost = self.commits.persist_cost_s
+        if journal is None or cost <= 0:
+            return 0.0  # nothing measured yet: the agents' own --persist-every-s
+        g = journal.state.goodput
+        wall = max(0.0, (time.time_ns() - g.started_ns) / 1e9) if g.started_ns else 0.0
+        failures = g.incidents + (1 if g.incident_began_ns else 0)
+        return lifecycle.persist_interval_s(cost, wall, failures, self.config.persist)
 
     def _on_reply(self, slot: NodeSlot, msg: dpb.AgentMessage) -> None:
         kind = msg.WhichOneof("kind")

@@ -106,7 +106,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, driver_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., miss_limit: _Optional[int] = ..., job_id: _Optional[str] = ..., global_rank_base: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("local_rank", "global_rank", "pid", "state", "exit_code", "step", "loss", "step_time_ms", "since_progress_ms", "median_step_ms", "restarts", "has_loss", "has_peak", "peak_loss", "peak_step")
+    __slots__ = ("local_rank", "global_rank", "pid", "state", "exit_code", "step", "loss", "step_time_ms", "since_progress_ms", "median_step_ms", "restarts", "has_loss", "has_peak", "peak_loss", "peak_step", "ring_steps")
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class WorkerStatus(_message.Message):
     HAS_PEAK_FIELD_NUMBER: _ClassVar[int]
     PEAK_LOSS_FIELD_NUMBER: _ClassVar[int]
     PEAK_STEP_FIELD_NUMBER: _ClassVar[int]
+    RING_STEPS_FIELD_NUMBER: _ClassVar[int]
     local_rank: int
     global_rank: int
     pid: int
@@ -137,7 +138,8 @@ class WorkerStatus(_message.Message):
     has_peak: bool
     peak_loss: float
     peak_step: int
-    def __init__(self, local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., exit_code: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_ms: _Optional[float] = ..., since_progress_ms: _Optional[float] = ..., median_step_ms: _Optional[float] = ..., restarts: _Optional[int] = ..., has_loss: _Optional[bool] = ..., has_peak: _Optional[bool] = ..., peak_loss: _Optional[float] = ..., peak_step: _Optional[int] = ...) -> None: ...
+    ring_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., exit_code: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_ms: _Optional[float] = ..., since_progress_ms: _Optional[float] = ..., median_step_ms: _Optional[float] = ..., restarts: _Optional[int] = ..., has_loss: _Optional[bool] = ..., has_peak: _Optional[bool] = ..., peak_loss: _Optional[float] = ..., peak_step: _Optional[int] = ..., ring_steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HostStats(_message.Message):
     __slots__ = ("cpu_percent", "mem_used_bytes", "mem_total_bytes", "disk_used_bytes", "disk_total_bytes", "net_bytes_sent", "net_bytes_recv", "rdma_counters")
@@ -233,7 +235,7 @@ class CommandAck(_message.Message):
     def __init__(self, command_id: _Optional[str] = ..., ok: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class ShardPersisted(_message.Message):
-    __slots__ = ("step", "rank", "uri", "bytes", "checksum", "world_size", "url", "timeline")
+    __slots__ = ("step", "rank", "uri", "bytes", "checksum", "world_size", "url", "timeline", "persist_s")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     URI_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +244,7 @@ class ShardPersisted(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     URL_FIELD_NUMBER: _ClassVar[int]
     TIMELINE_FIELD_NUMBER: _ClassVar[int]
+    PERSIST_S_FIELD_NUMBER: _ClassVar[int]
     step: int
     rank: int
     uri: str
@@ -250,7 +253,8 @@ class ShardPersisted(_message.Message):
     world_size: int
     url: str
     timeline: int
-    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., world_size: _Optional[int] = ..., url: _Optional[str] = ..., timeline: _Optional[int] = ...) -> None: ...
+    persist_s: float
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., world_size: _Optional[int] = ..., url: _Optional[str] = ..., timeline: _Optional[int] = ..., persist_s: _Optional[float] = ...) -> None: ...
 
 class SelfCheckReport(_message.Message):
     __slots__ = ("command_id", "ok", "failures", "details_json")
@@ -279,7 +283,7 @@ class AgentMessage(_message.Message):
     def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., check_result: _Optional[_Union[CheckResult, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., shard_persisted: _Optional[_Union[ShardPersisted, _Mapping]] = ..., self_check_report: _Optional[_Union[SelfCheckReport, _Mapping]] = ...) -> None: ...
 
 class StartWorkers(_message.Message):
-    __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port", "dp", "pp", "tp", "timeline")
+    __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port", "dp", "pp", "tp", "timeline", "persist_every_s")
     WORKER_CMD_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_BASE_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +293,7 @@ class StartWorkers(_message.Message):
     PP_FIELD_NUMBER: _ClassVar[int]
     TP_FIELD_NUMBER: _ClassVar[int]
     TIMELINE_FIELD_NUMBER: _ClassVar[int]
+    PERSIST_EVERY_S_FIELD_NUMBER: _ClassVar[int]
     worker_cmd: str
     world_size: int
     global_rank_base: int
@@ -298,7 +303,8 @@ class StartWorkers(_message.Message):
     pp: int
     tp: int
     timeline: int
-    def __init__(self, worker_cmd: _Optional[str] = ..., world_size: _Optional[int] = ..., global_rank_base: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., tp: _Optional[int] = ..., timeline: _Optional[int] = ...) -> None: ...
+    persist_every_s: float
+    def __init__(self, worker_cmd: _Optional[str] = ..., world_size: _Optional[int] = ..., global_rank_base: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., tp: _Optional[int] = ..., timeline: _Optional[int] = ..., persist_every_s: _Optional[float] = ...) -> None: ...
 
 class StopWorkers(_message.Message):
     __slots__ = ("grace_s", "dump_stacks")
@@ -383,7 +389,7 @@ class InjectFault(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., local_rank: _Optional[int] = ..., factor: _Optional[float] = ..., step: _Optional[int] = ...) -> None: ...
 
 class DriverMessage(_message.Message):
-    __slots__ = ("command_id", "term", "start_workers", "stop_workers", "restart_workers", "pause", "resume", "flash_save", "run_check", "evict", "shutdown", "run_self_check", "inject_fault", "restore_point")
+    __slots__ = ("command_id", "term", "start_workers", "stop_workers", "restart_workers", "pause", "resume", "flash_save", "run_check", "evict", "shutdown", "run_self_check", "inject_fault", "restore_point", "retention")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     START_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -398,6 +404,7 @@ class DriverMessage(_message.Message):
     RUN_SELF_CHECK_FIELD_NUMBER: _ClassVar[int]
     INJECT_FAULT_FIELD_NUMBER: _ClassVar[int]
     RESTORE_POINT_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     command_id: str
     term: int
     start_workers: StartWorkers
@@ -412,7 +419,16 @@ class DriverMessage(_message.Message):
     run_self_check: RunSelfCheck
     inject_fault: InjectFault
     restore_point: RestorePoint
-    def __init__(self, command_id: _Optional[str] = ..., term: _Optional[int] = ..., start_workers: _Optional[_Union[StartWorkers, _Mapping]] = ..., stop_workers: _Optional[_Union[StopWorkers, _Mapping]] = ..., restart_workers: _Optional[_Union[RestartWorkers, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., flash_save: _Optional[_Union[FlashSave, _Mapping]] = ..., run_check: _Optional[_Union[RunCheck, _Mapping]] = ..., evict: _Optional[_Union[Evict, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., run_self_check: _Optional[_Union[RunSelfCheck, _Mapping]] = ..., inject_fault: _Optional[_Union[InjectFault, _Mapping]] = ..., restore_point: _Optional[_Union[RestorePoint, _Mapping]] = ...) -> None: ...
+    retention: Retention
+    def __init__(self, command_id: _Optional[str] = ..., term: _Optional[int] = ..., start_workers: _Optional[_Union[StartWorkers, _Mapping]] = ..., stop_workers: _Optional[_Union[StopWorkers, _Mapping]] = ..., restart_workers: _Optional[_Union[RestartWorkers, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., flash_save: _Optional[_Union[FlashSave, _Mapping]] = ..., run_check: _Optional[_Union[RunCheck, _Mapping]] = ..., evict: _Optional[_Union[Evict, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., run_self_check: _Optional[_Union[RunSelfCheck, _Mapping]] = ..., inject_fault: _Optional[_Union[InjectFault, _Mapping]] = ..., restore_point: _Optional[_Union[RestorePoint, _Mapping]] = ..., retention: _Optional[_Union[Retention, _Mapping]] = ...) -> None: ...
+
+class Retention(_message.Message):
+    __slots__ = ("keep_steps", "below")
+    KEEP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    BELOW_FIELD_NUMBER: _ClassVar[int]
+    keep_steps: _containers.RepeatedScalarFieldContainer[int]
+    below: int
+    def __init__(self, keep_steps: _Optional[_Iterable[int]] = ..., below: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

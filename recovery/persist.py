@@ -23,6 +23,7 @@ import os
 import queue
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -96,6 +97,7 @@ class Persisted:
     nbytes: int
     checksum: int
     timeline: int | None = None  # the copy's TIMELINE_META (rollbacks before it), if any
+    seconds: float = 0.0  # how long writing and verifying it took
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +134,7 @@ def write_shard(ref: CopyRef, url: str, *, verify_readback: bool = True) -> Pers
             overwritten during the write (the partial file is removed), or the file read
             back differs.
     """
+    t0 = time.monotonic()
     m = ref.manifest
     uri = shard_uri(url, m.step, m.rank)
     fs, path = _fs(uri)
@@ -172,6 +175,7 @@ def write_shard(ref: CopyRef, url: str, *, verify_readback: bool = True) -> Pers
         nbytes=m.data_nbytes,
         checksum=crc,
         timeline=int(m.meta[TIMELINE_META]) if TIMELINE_META in m.meta else None,
+        seconds=time.monotonic() - t0,
     )
 
 
@@ -272,6 +276,21 @@ def apply_retention(url: str, committed: Iterable[int], keep: int) -> list[int]:
             fs.rm(path, recursive=True)
             deleted.append(step)
     return deleted
+
+
+def delete_steps(url: str, steps: Iterable[int]) -> list[int]:
+    """Delete the persisted step directories `steps` (those that exist)."""
+    fs, _ = _fs(url)
+    have = list_persisted(url)
+    gone = []
+    for step in sorted(set(steps)):
+        if step in have:
+            try:
+                fs.rm(_fs(step_dir(url, step))[1], recursive=True)
+            except FileNotFoundError:  # another agent of a shared storage deleted it first
+                pass
+            gone.append(step)
+    return gone
 
 
 def discard_after(url: str, step: int) -> list[int]:

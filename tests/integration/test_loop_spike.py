@@ -13,7 +13,11 @@ is spoiled). Nothing else is sent by the test:
 - every worker restores exactly that step (from storage or flash memory), discards the
   dead timeline, skips the poisoned batches and trains on; the fault is not applied twice.
 
-The loss curve after the rollback continues where it was before the spike.
+Persistence runs at every step and the driver keeps only 2 committed steps, so by the time
+the workers stop, 3 or more steps after the rollback target are committed: the target
+survives because retention is the driver's, decided from the log (it never deletes the
+rollback target). The losses after the rollback equal, exactly, those of a reference run
+that never saw the skipped batches (two plain processes with UNBROKEN_SKIP_BATCHES).
 """
 
 from __future__ import annotations
@@ -23,20 +27,26 @@ import json
 import math
 import re
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from statistics import median
 
 import grpc
+import psutil
 import pytest
 
 from tests.integration.test_recovery_loop import TRAIN, Job, until
+from tests.integration.trainenv import plain_worker_env
+from unbroken.diagnostics.check import free_port
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 
 pytestmark = pytest.mark.integration
 
 SETTLED = 30  # steps before the spike: the baseline needs the early descent behind it
+KEEP = 2  # committed steps the driver keeps: fewer than are committed after the target
+EVERY_STEP = ("--persist-every-s", "0.001")  # agents: persist every copy after calibrating
 
 
 class LoopJob(Job):
@@ -54,7 +64,9 @@ class LoopJob(Job):
                 "--listen", "127.0.0.1:0", "--allow-fault-injection", "--port-file", str(port_file),
                 "--miss-limit", "30",  # 3 s: torch imports on 2 cores starve heartbeats
                 "--nodes", "2", "--workers-per-node", "1", "--dp", "2",
-                "--worker-cmd", cmd, "--master-addr", "127.0.0.1", *extra,
+                "--worker-cmd", cmd, "--master-addr", "127.0.0.1",
+                "--keep-checkpoints", str(KEEP),
+                "--persist-floor-s", "0.001", "--persist-ceiling-s", "0.001", *extra,
             ],
         )  # fmt: skip
         until("the driver's port file", port_file.exists, 120, self)
@@ -102,8 +114,8 @@ def test_live_loss_spike_rolls_back_restores_the_committed_step_and_skips(
     job: Job, kind: str
 ) -> None:
     job.start_driver()
-    job.start_agent("n0", buddy="n1")
-    job.start_agent("n1", buddy="n0")
+    job.start_agent("n0", buddy="n1", extra=EVERY_STEP)
+    job.start_agent("n1", buddy="n0", extra=EVERY_STEP)
     until("the loss curve to settle", lambda: job.max_step() >= SETTLED, 180, job)
 
     at = job.max_step() + 4
@@ -132,6 +144,16 @@ def test_live_loss_spike_rolls_back_restores_the_committed_step_and_skips(
     assert rollback.to_step in committed and rollback.to_step < at, (rollback, committed)
     assert rollback.skip_batches > 0
     i = next(i for i, e in enumerate(events) if e.HasField("rollback"))
+    # Retention kept the target although more than KEEP steps after it were committed
+    # before the restore read it (the agents' own retention used to delete it).
+    j = next(k for k, e in enumerate(events) if e.HasField("restore_started"))
+    committed_before_restore = [
+        e.checkpoint_committed.step for e in events[:j] if e.HasField("checkpoint_committed")
+    ]
+    assert len([s for s in committed_before_restore if s > rollback.to_step]) > KEEP, (
+        rollback,
+        committed_before_restore,
+    )
     after = events[i:]
     paused = next(e.training_paused for e in after if e.HasField("training_paused"))
     started = next(e.restore_started for e in after if e.HasField("restore_started"))
@@ -159,3 +181,40 @@ def test_live_loss_spike_rolls_back_restores_the_committed_step_and_skips(
     spiked = curve[first][1]
     assert math.isnan(spiked) if kind == "nan" else spiked > 1.5 * base, (curve[first], base)
     assert all(0.5 * base < loss < 1.3 * base for loss in resumed_curve), (base, resumed_curve)
+
+    # Exactly the losses of a run that never saw the skipped batches.
+    last = job.max_step()
+    want = reference_with_skip(job.tmp, last, f"{rollback.skip_from_step}:{rollback.skip_batches}")
+    got = {s: loss for s, loss in curve[first + 1 :] if s > rollback.to_step}
+    assert got and all(got[s] == want[s] for s in got if s in want), (got, want)
+    assert len([s for s in got if s in want]) >= 5, (got, want)
+
+
+def reference_with_skip(tmp: Path, steps: int, skip: str) -> dict[int, float]:
+    """Rank 0's losses of two plain processes (no agent) that skip `skip` batches."""
+    out = tmp / "reference"
+    out.mkdir()
+    metrics = out / "metrics.jsonl"
+    port = free_port()
+    procs = []
+    try:
+        for rank in (0, 1):
+            env = {**plain_worker_env(rank, 2, port), "UNBROKEN_SKIP_BATCHES": skip}
+            with open(out / f"rank{rank}.log", "wb") as log:
+                procs.append(
+                    psutil.Popen(
+                        [sys.executable, *TRAIN, "--steps", str(steps), "--metrics-out",
+                         str(metrics)],
+                        env=env, stdout=log, stderr=log,
+                    )
+                )  # fmt: skip
+        deadline = time.monotonic() + 300
+        for p in procs:
+            assert p.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, (
+                out / "rank0.log"
+            ).read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.is_running():
+                p.kill()
+    return dict(timeline(metrics))

@@ -96,7 +96,9 @@ class Job:
             self.replica[node] = free_port()
         return self.replica[node]
 
-    def start_agent(self, node: str, buddy: str, *, spare: bool = False) -> None:
+    def start_agent(
+        self, node: str, buddy: str, *, spare: bool = False, extra: tuple[str, ...] = ()
+    ) -> None:
         args = [
             "agent", "--driver", self.address, "--node-id", node, "--no-start",
             "--worker-cmd", sys.executable + " -c pass",  # the driver's --worker-cmd wins
@@ -110,7 +112,7 @@ class Job:
         ]  # fmt: skip
         if spare:
             args.append("--spare")
-        self._spawn(node, args)
+        self._spawn(node, [*args, *extra])
 
     def worker(self, node: str) -> psutil.Process | None:
         kids = psutil.Process(self.procs[node].pid).children()

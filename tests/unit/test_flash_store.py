@@ -25,6 +25,7 @@ from unbroken.recovery.flash import (
     read_copy,
     write_raw_copy,
 )
+from unbroken.recovery.flashcopy import read_persisted_mark
 from unbroken.recovery.persist import (
     ENV_TIMELINE,
     PERSIST_META,
@@ -493,3 +494,108 @@ def test_small_values_keep_their_type_and_sign(value: Any) -> None:
         load_object(_dump_object(probe))
     back = load_object(_dump_object(value))
     assert repr(back) == repr(value) and type(back) is type(value)
+
+
+# ---------------------------------------------------------------- lifecycle (issue 15)
+
+
+def test_a_shard_is_fsynced_before_it_is_reported(
+    owner: FlashOwner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shard file and its directory reach the disk (os.fsync) before the report."""
+    import os
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    FlashWriter(0, owner).save(_state(1), 1).wait()
+    reported: list[tuple[str, list[str]]] = []
+    url = str(tmp_path / "ckpt")
+    persister = Persister(PersistConfig(url=url), lambda p: reported.append((p.uri, list(synced))))
+    try:
+        persister.submit(owner.rank_dir(0))
+        deadline = time.monotonic() + 30
+        while not reported and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        persister.close()
+    assert reported, "the persister never reported"
+    uri, synced_before = reported[0]
+    step_dir = os.path.dirname(uri)
+    assert any(s.endswith("rank-00000.ubf.partial") for s in synced_before), synced_before
+    assert step_dir in synced_before and os.path.dirname(step_dir) in synced_before
+    # the persister told the writer the copy is on storage (its ring slot is released)
+    assert read_persisted_mark(owner.rank_dir(0)) == owner.newest(0).manifest.generation  # type: ignore[union-attr]
+
+
+def test_a_truncated_shard_is_skipped_for_the_next_source(
+    owner: FlashOwner, tmp_path: Path
+) -> None:
+    """A truncated stored shard is detected at restore and the memory copy used instead;
+    with no other source the step is marked corrupt so the next decision avoids it."""
+    FlashWriter(0, owner).save(_state(5), 5).wait()
+    url = str(tmp_path / "ckpt")
+    p = write_shard(owner.newest(0), url)  # type: ignore[arg-type]
+    Path(p.uri).write_bytes(Path(p.uri).read_bytes()[:-7])
+    s = survey(storage_url=url)
+    with pytest.raises(CorruptCopyError, match="truncated"):
+        obtain(s, 0, 5)
+    assert (0, Source.STORAGE, 5) in s.corrupt
+    s = survey(memory={0: owner.rank_dir(0)}, storage_url=url)
+    src, manifest, data = obtain(s, 0, 5)
+    assert src.kind == Source.MEMORY and manifest.step == 5
+    data.close()  # type: ignore[union-attr]
+
+
+def _trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return model, opt
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    for g in opt.param_groups:
+        g["lr"] = 0.01 / (1 + step)  # a schedule: a small value that changes every step
+    x = torch.randn(4, 8)
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_snapshot_saves_equal_full_saves_step_after_step(owner: FlashOwner) -> None:
+    """The cheap path (plan and tensor references cached, fresh small values only) writes
+    exactly what a full state-dict save writes, every step, and a key change re-plans."""
+    from unbroken.recovery.flash import Snapshot
+
+    model, opt = _trained()
+    step = {"n": 0}
+
+    def full() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step["n"],
+                "rng": torch.get_rng_state()}  # fmt: skip
+
+    def fresh() -> dict[str, Any]:
+        return {"optim": {"param_groups": opt.state_dict()["param_groups"]}, "step": step["n"],
+                "rng": torch.get_rng_state()}  # fmt: skip
+
+    fast = FlashWriter(0, owner)
+    slow = FlashWriter(1, owner)
+    for n in range(1, 6):
+        _train_step(model, opt, n)
+        step["n"] = n
+        key = ("v1", len(opt.state))
+        a = fast.save_async(Snapshot(key=key, full=full, fresh=fresh), n)
+        b = slow.save_async(full(), n)
+        assert a is not None and b is not None
+        ma, mb = a.wait(), b.wait()
+        assert ma.checksum == mb.checksum, n  # the same bytes
+        assert ma.objects == mb.objects, n  # the same small values (lr of this step)
+    assert fast.snapshot_hits == 4  # planned at step 1, reused at steps 2-5
+    fast.close()
+    slow.close()

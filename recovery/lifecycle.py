@@ -1,0 +1,85 @@
+"""The checkpoint lifecycle's decisions, pure: how often to persist, what storage keeps.
+
+    step -> ring (k copies per rank in the agent's shared memory, every step)
+         -> buddy (the newest copy, replicated to the next node)
+         -> storage (one copy per interval T, every rank's shard of the same step)
+         -> commit (CheckpointCommitted once every rank's shard is verified)
+
+**The interval.** Persisting costs the node I/O and a pinned ring slot; not persisting
+risks redoing the work since the last persisted step when memory and the buddy are both
+lost. Young's first-order optimum (Daly's refinement changes it little while the cost is
+far below the MTBF) is T = sqrt(2 * C * MTBF), with C the cost of one persisted save and
+MTBF the job's mean time between failures. C is measured (the agents report how long each
+shard took to write and verify); the MTBF is estimated from the log: the job's wall time
+over its failures, with a prior of one failure per `prior_mtbf_s` so a young job without
+failures does not persist once a week. A floor and a ceiling bound T.
+
+**Retention.** Decided in one place (the driver) from the log: storage keeps the newest
+`keep` committed steps, the step a loss-spike rollback returns to, and the step a restore
+in progress reads; everything older than the newest commit and not kept may go; nothing at
+or above the newest commit is touched (it is in flight).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+PRIOR_MTBF_S = 24 * 3600.0  # one failure a day: the belief before the log has any
+FLOOR_S = 10.0
+CEILING_S = 1800.0
+
+
+@dataclass(frozen=True, slots=True)
+class PersistPolicy:
+    """The bounds of the persistence interval (driver flags `--persist-*`)."""
+
+    floor_s: float = FLOOR_S
+    ceiling_s: float = CEILING_S
+    prior_mtbf_s: float = PRIOR_MTBF_S
+
+    def __post_init__(self) -> None:
+        if not 0 < self.floor_s <= self.ceiling_s:
+            raise ValueError(
+                f"persist interval floor ({self.floor_s} s) must be > 0 and <= the ceiling "
+                f"({self.ceiling_s} s)"
+            )
+        if not self.prior_mtbf_s > 0:
+            raise ValueError(f"prior MTBF must be > 0 s, got {self.prior_mtbf_s}")
+
+
+def young_daly_s(cost_s: float, mtbf_s: float) -> float:
+    """Young's optimal checkpoint interval sqrt(2 * C * MTBF) (seconds)."""
+    if cost_s < 0 or mtbf_s <= 0:
+        raise ValueError(f"need cost >= 0 and MTBF > 0, got {cost_s} and {mtbf_s}")
+    return math.sqrt(2.0 * cost_s * mtbf_s)
+
+
+def mtbf_estimate_s(wall_s: float, failures: int, prior_s: float = PRIOR_MTBF_S) -> float:
+    """The job's MTBF: (wall time + one prior interval) over (failures + 1)."""
+    return (max(0.0, wall_s) + prior_s) / (max(0, failures) + 1)
+
+
+def persist_interval_s(
+    cost_s: float, wall_s: float, failures: int, policy: PersistPolicy = PersistPolicy()
+) -> float:
+    """How often to persist, bounded by the policy's floor and ceiling."""
+    t = young_daly_s(max(0.0, cost_s), mtbf_estimate_s(wall_s, failures, policy.prior_mtbf_s))
+    return min(policy.ceiling_s, max(policy.floor_s, t))
+
+
+def retained(committed: Iterable[int], keep: int, protect: Iterable[int] = ()) -> set[int]:
+    """The persisted steps storage keeps: the newest `keep` committed ones and `protect`
+    (the rollback target, the step a restore in progress reads)."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    newest = sorted(set(committed))[-keep:]
+    return set(newest) | {int(s) for s in protect if s is not None and s >= 0}
+
+
+def deletable(persisted: Iterable[int], keep_steps: Iterable[int], below: int) -> list[int]:
+    """The persisted steps that may be deleted: under `below` (the newest commit) and not
+    kept. Steps at or above `below` are in flight and never deleted."""
+    keep = set(keep_steps)
+    return sorted(s for s in set(persisted) if s < below and s not in keep)
