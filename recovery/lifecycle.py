@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 PRIOR_MTBF_S = 24 * 3600.0  # one failure a day: the belief before the log has any
-FLOOR_S = 10.0
+FLOOR_S = 30.0
 CEILING_S = 1800.0
 
 

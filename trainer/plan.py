@@ -29,6 +29,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from unbroken.recovery import lifecycle
+
 SECONDS_PER_DAY = 86_400.0
 GB = 1e9  # memory sizes below are decimal gigabytes, as in GPU datasheets
 
@@ -470,7 +472,7 @@ def optimal_checkpoint_interval_s(save_cost_s: float, mtbf_s: float) -> float:
     """
     if math.isinf(mtbf_s):
         return math.inf
-    return math.sqrt(2.0 * save_cost_s * mtbf_s)
+    return lifecycle.young_daly_s(save_cost_s, mtbf_s)  # the driver's formula, the same T
 
 
 def goodput(interval_s: float, save_cost_s: float, restart_cost_s: float, mtbf_s: float) -> float:

@@ -13,6 +13,7 @@ import json
 import math
 import sys
 
+from unbroken.recovery import lifecycle
 from unbroken.trainer.plan import (
     GB,
     GPUS,
@@ -213,6 +214,14 @@ def _si(x: float) -> str:
     return f"{x:.3g}"
 
 
+def _bounded_min(minutes: float | None) -> float | None:
+    """The interval the driver would send (its default floor and ceiling), in minutes."""
+    if minutes is None or not math.isfinite(minutes):
+        return None
+    policy = lifecycle.PersistPolicy()
+    return min(policy.ceiling_s, max(policy.floor_s, minutes * 60.0)) / 60.0
+
+
 def _fmt(x: object, spec: str) -> str:
     if x is None or (isinstance(x, float) and math.isinf(x)):
         return "∞"
@@ -242,6 +251,11 @@ def print_plan(plan: Plan) -> None:
             f"{plan.failures_per_day:.2f} (MTBF {_fmt(d['mtbf_hours'], '.1f')} h)",
         ),
         ("checkpoint every", f"{_fmt(d['checkpoint_interval_min'], '.1f')} min (Young/Daly)"),
+        (
+            "driver persists every",
+            f"{_fmt(_bounded_min(d['checkpoint_interval_min']), '.1f')} min "
+            "(within the driver's --persist-floor-s, --persist-ceiling-s)",
+        ),
         ("goodput", f"{plan.goodput:.1%}"),
         (
             "wall clock",
