@@ -309,8 +309,3 @@ def replica_auth(config: NodeFlashConfig) -> ReplicaAuth:
     if config.replica_key is not None:
         return ReplicaAuth.keyed(config.replica_key)
     return ReplicaAuth.none()
-
-
-def default_persist_url(log_dir: str) -> str:
-    """The default persistence directory: `checkpoints/` next to the worker logs."""
-    return os.fspath(Path(log_dir).resolve() / "checkpoints")

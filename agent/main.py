@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from unbroken.agent.daemon import Agent, AgentConfig
-from unbroken.agent.flash import NodeFlashConfig, default_persist_url
+from unbroken.agent.flash import NodeFlashConfig
 from unbroken.agent.warm import DEFAULT_PRELOAD
 from unbroken.agent.workers import DEFAULT_KEYWORDS, WorkerSpec
 from unbroken.proto.logsetup import setup_logging
@@ -171,7 +171,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--persist-url",
         default=None,
-        help="fsspec URL or directory for persisted copies (default: <log-dir>/checkpoints)",
+        help="fsspec URL or directory for persisted copies, shared by every node and "
+        "outliving them (required unless --no-flash)",
     )
     g.add_argument(
         "--persist-every-s",
@@ -233,12 +234,20 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
             warm_nice=ns.warm_nice,
         )
         if not ns.no_flash:
+            if not ns.persist_url:
+                raise ValueError(
+                    "--persist-url is required with flash checkpoints: storage every node "
+                    "can read and that outlives this node (a shared filesystem path or an "
+                    "fsspec URL such as s3://bucket/job); a checkpoint committed to this "
+                    "node's own disk dies with the node. Or pass --no-flash; `unbroken up` "
+                    "passes its run directory"
+                )
             node = ns.flash_node or ns.node_id or socket.gethostname()
             flash = NodeFlashConfig(
                 root=ns.flash_dir or f"/dev/shm/unbroken/{node}",
                 job=ns.flash_job,
                 node=node,
-                persist_url=ns.persist_url or default_persist_url(spec.log_dir),
+                persist_url=ns.persist_url,
                 persist_every_s=ns.persist_every_s,
                 copies=ns.flash_copies,
                 listen=ns.replica_listen,

@@ -632,6 +632,8 @@ def agent_cpu(b: Bench, measure_s: float) -> dict[str, Any]:
             "2",
             "--worker-cmd",
             f"{sys.executable} {script}",
+            "--persist-url",
+            str(b.tmp / "storage"),
             "--log-dir",
             str(b.tmp / "alogs"),
             "--socket",

@@ -284,6 +284,13 @@ def config_from_args(ns: argparse.Namespace) -> DriverConfig:
             prior_mtbf_s=ns.mtbf_prior_s,
         ),
     )
+    if ns.event_log == "etcd" and not ns.etcd and not ns.etcd_data_dir:
+        raise ValueError(
+            "the embedded etcd needs --etcd-data-dir DIR: the job's history (every event, "
+            "the committed checkpoints) lives there and must survive a restart of this "
+            "driver. Or pass --etcd URL of an etcd cluster (several drivers share it), or "
+            "--event-log memory for a throwaway demo; `unbroken up` passes its run directory"
+        )
     if ns.token is not None:
         raise ValueError(
             "--token is gone: a token on the command line is visible to every local user "

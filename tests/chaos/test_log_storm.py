@@ -64,6 +64,8 @@ def _agent(procs: Procs, tmp: Path, addr: str, node: str, storm: bool) -> Any:
             "1",
             "--worker-cmd",
             f"{sys.executable} {script}",
+            "--persist-url",
+            str(tmp / "storage"),
             "--log-dir",
             str(tmp / f"logs-{node}"),
             "--socket",

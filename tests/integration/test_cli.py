@@ -110,7 +110,9 @@ def cluster(etcd_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
         script.write_text(WORKER)
         for node, fault in AGENTS.items():
             cmd = f"{sys.executable} {script} {commands}"
-            extra = ["--worker-cmd", cmd] if node == "n3" else []
+            extra = (
+                ["--worker-cmd", cmd, "--persist-url", str(tmp / "storage")] if node == "n3" else []
+            )
             out = open(tmp / f"agent-{node}.log", "wb")
             procs.append(
                 subprocess.Popen(

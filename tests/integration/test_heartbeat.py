@@ -166,6 +166,8 @@ def start_agent(
             str(nproc),
             "--worker-cmd",
             f"{sys.executable} {script}",
+            "--persist-url",
+            str(tmp / "storage"),
             "--log-dir",
             str(tmp / f"logs-{node}"),
             "--socket",

@@ -118,6 +118,8 @@ def test_commands_reach_a_real_agent(tmp_path: Path) -> None:
                 "2",
                 "--worker-cmd",
                 f"{sys.executable} {script}",
+                "--persist-url",
+                str(tmp_path / "storage"),
                 "--log-dir",
                 str(tmp_path),
                 "--socket",

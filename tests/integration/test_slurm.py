@@ -290,6 +290,7 @@ class Driver:
             node,
             ["agent", "--driver", self.address, "--node-id", node, "--no-start",
              "--worker-cmd", f"{sys.executable} -c pass", "--log-dir", str(self.tmp / node),
+             "--persist-url", str(self.tmp / "storage"),
              "--socket", str(self.tmp / f"{node}.sock"), "--flash-dir", str(self.tmp / "shm"),
              *extra],
         )  # fmt: skip

@@ -57,6 +57,7 @@ def _agent(flash_dir: Path, tmp: Path) -> subprocess.CompletedProcess[str]:
         sys.executable, "-m", "unbroken.driver.cli", "agent", "--driver", "127.0.0.1:1",
         "--node-id", "node-a", "--worker-cmd", "true", "--no-start", "--no-selfcheck",
         "--flash-dir", str(flash_dir), "--log-dir", str(tmp / "logs"),
+        "--persist-url", str(tmp / "storage"),
         "--socket", str(tmp / "a.sock"), "--max-disconnected-s", "1",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
