@@ -84,7 +84,8 @@ class NodeFlashConfig:
     node: str  # the ring slot this node fills; a replacement node reuses the lost one's
     persist_url: str = "unbroken-checkpoints"
     persist_every_s: float = PERSIST_EVERY_S  # workers' persistence interval until the driver's
-    copies: int = FLASH_COPIES  # the ring: flash copies per rank in shared memory
+    copies: int = FLASH_COPIES  # the ring: flash copies per rank in shared memory (0: auto)
+    local_ranks: int = 1  # the node's workers (they share the tmpfs budget)
     listen: str = "127.0.0.1:0"  # replica server; port 0 picks a free one
     buddy: str = ""  # host:port of the next node's replica server; empty: no replication
     fetch_from_buddy: bool = True  # at start, get this node's replicas back from the buddy
@@ -129,7 +130,14 @@ class NodeFlash:
         self.config = config
         self.node_id = node_id or config.node
         self.world_size = world_size
-        self.owner = FlashOwner(FlashConfig(root=config.root, job=config.job, copies=config.copies))
+        self.owner = FlashOwner(
+            FlashConfig(
+                root=config.root,
+                job=config.job,
+                copies=config.copies,
+                local_ranks=max(1, config.local_ranks),
+            )
+        )
         self.replica_cfg = ReplicaConfig(
             timeout_s=config.replica_timeout_s, auth=replica_auth(config)
         )

@@ -185,8 +185,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--flash-copies",
         type=int,
         default=FLASH_COPIES,
-        help="flash copies kept per rank in shared memory (the ring; fewer when the tmpfs "
-        "cannot hold them, never under 2)",
+        help="flash copies kept per rank in shared memory (the ring; default 0: from a "
+        "quarter of the tmpfs over the node's ranks, 2 to 8; fewer when the tmpfs cannot "
+        "hold them, never under 2). More copies let a loss-spike rollback restore from "
+        "memory a step from before the spike was detected",
     )
     g.add_argument(
         "--replica-listen",
@@ -250,6 +252,7 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
                 persist_url=ns.persist_url,
                 persist_every_s=ns.persist_every_s,
                 copies=ns.flash_copies,
+                local_ranks=ns.nproc_per_node,
                 listen=ns.replica_listen,
                 buddy=ns.buddy,
                 replica_key=read_replica_key(ns.replica_key_file),

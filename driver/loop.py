@@ -330,9 +330,13 @@ class RecoveryLoop:
                 a.nodes, dpb.DriverMessage(stop_workers=dpb.StopWorkers(grace_s=cfg.stop_grace_s))
             )
             if gen == self._gen:
-                restorable = await self._ring_common(a.nodes)
+                held = await self._ring_common(a.nodes)
                 self.service.submit(
-                    machine.Paused(step=self._live_step(a.nodes), restorable_step=restorable)
+                    machine.Paused(
+                        step=self._live_step(a.nodes),
+                        restorable_step=max(held) if held else None,
+                        memory_steps=frozenset(held or ()),
+                    )
                 )
         elif isinstance(a, machine.EvictNode):
             await self._broadcast(
@@ -427,14 +431,18 @@ class RecoveryLoop:
             log.warning("command not done everywhere", kind=msg.WhichOneof("kind"), errors=bad)
         return bad
 
-    async def _ring_common(self, nodes: tuple[str, ...]) -> int | None:
-        """The newest step every rank of the world holds in its node's flash ring, from the
-        heartbeats that follow the stop (each rank's last copy is in them by then); None
-        when a node's ranks are not all reported (a lost node: then the commits decide)."""
+    async def _ring_common(self, nodes: tuple[str, ...]) -> set[int] | None:
+        """The steps every rank of the world holds in its node's flash ring, from the
+        heartbeats that follow the stop (each rank's last copy is in them by then)."""
         marks = {n: self._beats(n) for n in nodes}
         deadline = time.monotonic() + RING_SETTLE_S
         while time.monotonic() < deadline and any(self._beats(n) < marks[n] + 2 for n in nodes):
             await asyncio.sleep(0.02)
+        return self._ring_held(nodes)
+
+    def _ring_held(self, nodes: tuple[str, ...]) -> set[int] | None:
+        """The steps every rank of the world holds in memory now; None when a node's ranks
+        are not all reported (a lost node: then the commits decide)."""
         world = self.state.world.world_size
         common: set[int] | None = None
         ranks: set[int] = set()
@@ -448,9 +456,9 @@ class RecoveryLoop:
                 ranks.add(w.global_rank)
                 held = set(w.ring_steps)
                 common = held if common is None else common & held
-        if not common or (world and len(ranks) < world):
+        if common is None or (world and len(ranks) < world):
             return None
-        return max(common)
+        return common
 
     def _live_step(self, nodes: tuple[str, ...]) -> int:
         """The newest step any worker of `nodes` reported (the step the job stopped at)."""
@@ -582,6 +590,8 @@ class RecoveryLoop:
             if e is not None:
                 spiked_at = s.last_seq
                 p = e.loss_spike
+                held = self._ring_held(tuple(s.world.node_ids))
+                p.memory_steps.extend(sorted(x for x in held or () if x < p.step))
                 log.warning("loss spike", step=p.step, loss=p.loss, baseline=p.baseline)
                 self.service.emit(e)
 

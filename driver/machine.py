@@ -120,6 +120,7 @@ class Paused:
 
     step: int
     restorable_step: int | None = None
+    memory_steps: frozenset[int] = frozenset()  # every rank holds these in its ring now
 
 
 Observation = ev.Event | Paused
@@ -592,7 +593,11 @@ def _on_paused(before: ev.JobState, d: _Draft, obs: Paused) -> str:
         committed = [c.step for c in before.checkpoints if c.step <= obs.step]
         restore = max(committed, default=0)
     if before.HasField("rollback_to"):
-        restore = min(restore, before.rollback_to)
+        # the target itself when some copy of it is left (a memory target may have been
+        # overwritten by the steps trained before the stop), else the newest one before it
+        target = before.rollback_to
+        have = {c.step for c in before.checkpoints} | set(obs.memory_steps)
+        restore = max((x for x in have if x <= target), default=min(restore, target))
     d.add(
         ev.Event(
             training_paused=ev.TrainingPaused(
@@ -635,9 +640,9 @@ def _on_spike(before: ev.JobState, d: _Draft, p: ev.LossSpike, policy: Policy) -
     if before.phase != ev.PHASE_RUNNING:
         return "ignored: loss spike during recovery (the restore goes back anyway)"
     spike = spikelib.Spike(p.step, p.loss, p.baseline, p.baseline, p.factor, p.non_finite)
-    roll = spikelib.RollbackPolicy(policy.spike, list(before.rollback_steps)).decide(
-        spike, [c.step for c in before.checkpoints]
-    )
+    # Targets: the committed steps and the steps every rank still holds in memory.
+    targets = sorted({c.step for c in before.checkpoints} | set(p.memory_steps))
+    roll = spikelib.RollbackPolicy(policy.spike, list(before.rollback_steps)).decide(spike, targets)
     what = "non-finite loss" if p.non_finite else f"loss {p.loss:.6g} (baseline {p.baseline:.6g})"
     if roll.halt:  # the policy's own reason ends with why it will not roll back again
         why = roll.reason.rsplit("; ", 1)[-1]

@@ -357,18 +357,20 @@ class RestoreFinished(_message.Message):
     def __init__(self, step: _Optional[int] = ..., duration_s: _Optional[float] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class LossSpike(_message.Message):
-    __slots__ = ("step", "loss", "baseline", "factor", "non_finite")
+    __slots__ = ("step", "loss", "baseline", "factor", "non_finite", "memory_steps")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     BASELINE_FIELD_NUMBER: _ClassVar[int]
     FACTOR_FIELD_NUMBER: _ClassVar[int]
     NON_FINITE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_STEPS_FIELD_NUMBER: _ClassVar[int]
     step: int
     loss: float
     baseline: float
     factor: float
     non_finite: bool
-    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., baseline: _Optional[float] = ..., factor: _Optional[float] = ..., non_finite: _Optional[bool] = ...) -> None: ...
+    memory_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., baseline: _Optional[float] = ..., factor: _Optional[float] = ..., non_finite: _Optional[bool] = ..., memory_steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Rollback(_message.Message):
     __slots__ = ("from_step", "to_step", "skip_batches", "reason", "skip_from_step")

@@ -38,7 +38,9 @@ from unbroken.recovery.flashcopy import (
 
 log = structlog.get_logger(__name__)
 
-FLASH_COPIES = 3  # the ring's default size: copies per rank in shared memory
+FLASH_COPIES = 0  # the ring's size per rank; 0: from the tmpfs budget and the state's size
+MAX_AUTO_COPIES = 8  # an automatic ring never grows past this
+RING_SHARE = 0.25  # of the tmpfs, what the rings of one node's ranks may take together
 
 
 # ---------------------------------------------------------------- owner side (agent)
@@ -124,14 +126,22 @@ class FlashConfig:
     job: str = "default"
     headroom_bytes: int = 64 << 20  # left free for everything else on the tmpfs
     # Copies kept per rank (the ring): one being written, one being checksummed, the newest
-    # complete one, and older ones a rollback may return to. Fewer (down to 2) when the tmpfs
-    # cannot hold them; `ring_share` of the tmpfs is what one rank's ring may take.
+    # complete one, and older ones a loss-spike rollback may return to from memory. 0 sizes
+    # it from the budget: `ring_share` of the tmpfs split over the node's `local_ranks`, at
+    # most MAX_AUTO_COPIES; an explicit count is reduced (never under 2) only when the tmpfs
+    # cannot hold it.
     copies: int = FLASH_COPIES
-    ring_share: float = 1.0
+    ring_share: float = RING_SHARE
+    local_ranks: int = 1
 
     def __post_init__(self) -> None:
-        if not MIN_SLOTS <= self.copies <= 64:
-            raise ValueError(f"FlashConfig.copies must be in [{MIN_SLOTS}, 64], got {self.copies}")
+        if self.copies != 0 and not MIN_SLOTS <= self.copies <= 64:
+            raise ValueError(
+                f"FlashConfig.copies must be 0 (automatic) or in [{MIN_SLOTS}, 64], "
+                f"got {self.copies}"
+            )
+        if self.local_ranks < 1:
+            raise ValueError(f"FlashConfig.local_ranks must be >= 1, got {self.local_ranks}")
         if not 0 < self.ring_share <= 1:
             raise ValueError(f"FlashConfig.ring_share must be in (0, 1], got {self.ring_share}")
         if not self.root:
@@ -180,17 +190,17 @@ class FlashOwner:
         d = self.rank_dir(rank, store)
         secure_dir(d)
         have_slots = slots(d)
-        k = max(len(have_slots), MIN_SLOTS) if have_slots else self.config.copies
         sizes = {s: data_path(d, s).stat().st_size for s in have_slots}
+        st = os.statvfs(d)
+        wanted = self.config.copies or self._auto_copies(nbytes, st.f_blocks * st.f_frsize)
+        k = max(len(have_slots), MIN_SLOTS) if have_slots else wanted
 
         def grow_for(n: int) -> int:
             return sum(max(0, nbytes - sizes.get(s, 0)) for s in range(n))
 
         if grow_for(k):
-            st = os.statvfs(d)
             free = st.f_bavail * st.f_frsize
-            total = st.f_blocks * st.f_frsize
-            room = min(free - self.config.headroom_bytes, int(total * self.config.ring_share))
+            room = free - self.config.headroom_bytes
             while k > MIN_SLOTS and grow_for(k) > room:
                 k -= 1
             if grow_for(k) + self.config.headroom_bytes > free:
@@ -208,16 +218,22 @@ class FlashOwner:
                         # posix_fallocate makes tmpfs allocate now: a full tmpfs fails here
                         # with a clear error instead of SIGBUS in the middle of a save.
                         os.posix_fallocate(f.fileno(), 0, nbytes)
-            if k < self.config.copies and not have_slots:
+            if k < wanted and not have_slots:
                 log.warning(
                     "flash.ring_reduced",
                     rank=rank,
                     copies=k,
-                    wanted=self.config.copies,
+                    wanted=wanted,
                     why="the tmpfs cannot hold more copies of this size",
                 )
             log.info("flash.reserved", rank=rank, store=store, nbytes=nbytes, copies=k)
         return str(d)
+
+    def _auto_copies(self, nbytes: int, tmpfs_bytes: int) -> int:
+        """Copies per rank from the budget: `ring_share` of the tmpfs over the local ranks."""
+        budget = tmpfs_bytes * self.config.ring_share / self.config.local_ranks
+        fit = int(budget // nbytes) if nbytes else MAX_AUTO_COPIES
+        return max(MIN_SLOTS, min(MAX_AUTO_COPIES, fit))
 
     def stores(self) -> list[str]:
         """Store names present (`local`, `replica-<node>`...)."""

@@ -175,7 +175,10 @@ class FlashCheckpointer:
         self.env = env
         self.rank = rank
         # The agent created and owns the job's folder; the worker only sizes its own slots.
-        self.owner = FlashOwner(FlashConfig(root=env.root, job=env.job, copies=env.copies))
+        local = _int(os.environ.get("LOCAL_WORLD_SIZE", ""), 1)
+        self.owner = FlashOwner(
+            FlashConfig(root=env.root, job=env.job, copies=env.copies, local_ranks=max(1, local))
+        )
         self.writer = FlashWriter(rank, self.owner)
         self.saves = 0
         self.blocked_s = 0.0  # of finished saves; the one in flight is added when replaced

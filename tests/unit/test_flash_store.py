@@ -25,7 +25,7 @@ from unbroken.recovery.flash import (
     read_copy,
     write_raw_copy,
 )
-from unbroken.recovery.flashcopy import read_persisted_mark
+from unbroken.recovery.flashcopy import read_persisted_mark, slots
 from unbroken.recovery.persist import (
     ENV_TIMELINE,
     PERSIST_META,
@@ -111,6 +111,7 @@ def test_save_load_roundtrip_keeps_dtypes_and_values(owner: FlashOwner) -> None:
 
 
 def test_ring_keeps_previous_copies_and_cycles_slots(owner: FlashOwner) -> None:
+    owner = FlashOwner(FlashConfig(root=owner.config.root, job="ring3", copies=3))
     w = FlashWriter(0, owner)
     slots = []
     for step in (1, 2, 3, 4):
@@ -599,3 +600,21 @@ def test_snapshot_saves_equal_full_saves_step_after_step(owner: FlashOwner) -> N
     assert fast.snapshot_hits == 4  # planned at step 1, reused at steps 2-5
     fast.close()
     slow.close()
+
+
+def test_an_automatic_ring_is_sized_from_the_tmpfs_budget(owner: FlashOwner) -> None:
+    import os
+
+    root = owner.config.root
+    st = os.statvfs(root)
+    tmpfs = st.f_blocks * st.f_frsize
+    small = FlashOwner(FlashConfig(root=root, job="auto-small"))
+    assert len(slots(Path(small.reserve(0, 4096)))) == 8  # tiny state: the cap
+    # a state of a tenth of the tmpfs, 1 rank per node, a quarter of the tmpfs: 2 copies
+    big = FlashOwner(FlashConfig(root=root, job="auto-big", local_ranks=1))
+    assert big._auto_copies(tmpfs // 10, tmpfs) == 2
+    assert big._auto_copies(tmpfs // 40, tmpfs) == 8
+    shared = FlashOwner(FlashConfig(root=root, job="auto-8", local_ranks=8))
+    assert shared._auto_copies(tmpfs // 160, tmpfs) == 5  # 1/32 of the tmpfs per rank
+    with pytest.raises(ValueError, match="copies"):
+        FlashConfig(root=root, copies=1)
