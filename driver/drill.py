@@ -76,6 +76,8 @@ class FaultRecord:
     seq_at_inject: int = 0  # the newest event's seq when injected
     events_written: int | None = None  # from the injection to the resume (or detection)
     paused_at: int | None = None  # TrainingPaused.at_step of the incident
+    log_restore: int | None = None  # TrainingPaused.restore_step (the driver's, from the rings)
+    worker_restore: int | None = None  # the step rank 0 restored (its worker log)
     restores_at_inject: int = 0  # rank 0's flash.restored lines in the worker logs then
     loss_before: float | None = None
     resumed_step: int | None = None
@@ -170,6 +172,17 @@ def fault_table(faults: list[FaultRecord]) -> Any:
         if f.recovers:
             res = f"{f.resumed_s:.2f} s" if f.resumed_s is not None else "[red]not yet[/]"
             lost = str(f.steps_lost) if f.steps_lost is not None else "?"
+            restored, paused = f.log_restore, f.paused_at
+            if (
+                restored is not None
+                and paused is not None
+                and f.worker_restore
+                not in (
+                    None,
+                    restored,
+                )
+            ):
+                lost += f" [yellow](log said {paused - restored})[/]"
             c = f.continued
             if c is not None and f.loss_before is not None and f.loss_after is not None:
                 cont = f"{'yes' if c else '[red]no[/]'} ({f.loss_before:.2f} → {f.loss_after:.2f})"
@@ -212,6 +225,7 @@ class Drill:
                     continue
                 if kind == "training_paused" and f.recovers and f.resumed_s is None:
                     f.paused_at = e.training_paused.at_step  # the incident's last pause counts
+                    f.log_restore = e.training_paused.restore_step
                 if not f.armed:
                     if kind == "training_paused":  # the mid-recovery moment: kill the leader
                         self._kill_leader_now(f, now)
@@ -236,7 +250,10 @@ class Drill:
             return
         restores = rank0_restores(self.c.run)
         restored = restores[-1] if len(restores) > f.restores_at_inject else f.resumed_step
+        f.worker_restore = restored
         if f.paused_at is not None:
+            # exact: the driver restores the newest step every rank holds (ring steps in the
+            # heartbeats); rank 0's own log says which step it really restored
             f.steps_lost = max(0, f.paused_at - restored)
         if self.w.step() >= restored + LOSS_AFTER_STEPS:
             f.loss_after = self.w.loss()

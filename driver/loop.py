@@ -443,7 +443,8 @@ class RecoveryLoop:
     def _ring_held(self, nodes: tuple[str, ...]) -> set[int] | None:
         """The steps every rank of the world holds in memory now; None when a node's ranks
         are not all reported (a lost node: then the commits decide)."""
-        world = self.state.world.world_size
+        w = self.state.world
+        world = len(w.node_ids) * w.workers_per_node
         common: set[int] | None = None
         ranks: set[int] = set()
         for n in nodes:

@@ -385,7 +385,8 @@ def restore_sources(s: ev.JobState) -> tuple[tuple[tuple[int, str], ...], bool]:
         old.tp,
         old.workers_per_node,
     )
-    rollback = s.HasField("rollback_to")
+    # a rollback to a committed step reads storage; to a step only the rings hold, memory
+    rollback = s.HasField("rollback_to") and s.restore_step in {c.step for c in s.checkpoints}
     out = []
     for i, node_id in enumerate(w.node_ids):
         same = i < len(old.node_ids) and old.node_ids[i] == node_id

@@ -505,6 +505,13 @@ async def _supervise(c: Cluster, w: Watcher, console: Any, t0: float) -> int:
         f"trained to step {w.step()}, last loss {w.loss()}; {len(w.events)} events in etcd: "
         + ", ".join(f"{k}×{v}" for k, v in sorted(counts.items()))
     )
+    commits = counts.get("checkpoint_committed", 0)
+    if w.step():
+        console.print(
+            f"checkpoints committed: {commits} in {w.step()} steps "
+            f"({1000.0 * commits / w.step():.1f} per 1,000 steps; the rest stayed in the "
+            "flash rings and buddy replicas)"
+        )
     console.print(
         f"look at the log: .venv/bin/etcdctl --endpoints {c.etcd.endpoint if c.etcd else '?'} "
         f"get --prefix /unbroken/{cfg.job_id}/ --keys-only"

@@ -192,6 +192,29 @@ def test_loss_spike_rolls_back_to_the_checkpoint_before_it_without_eviction() ->
     assert not sim.state.HasField("rollback_to")
 
 
+def test_loss_spike_rolls_back_from_memory_to_the_step_before_it() -> None:
+    """The rings hold steps after the newest commit: the target is the step before the
+    spike, restored from memory; if the copy is gone by the pause, the newest commit."""
+    for left in (True, False):
+        sim = start(nodes=2)
+        sim.feed(checkpoint(10))
+        e = spike(30)
+        e.loss_spike.memory_steps.extend([27, 28, 29])
+        d = sim.feed(e)
+        rb = d.events[1].rollback
+        assert (rb.from_step, rb.to_step) == (30, 29)
+        sim.training_step = 33
+        held = frozenset({29, 30, 31, 32, 33} if left else {31, 32, 33})
+        d = sim.feed(m.Paused(step=33, restorable_step=max(held), memory_steps=held))
+        (rs,) = only(d.actions, m.Restore)
+        if left:
+            assert rs.step == 29 and {s for _, s in rs.sources} == {"memory"}
+        else:  # overwritten by the steps trained before the stop: the newest commit
+            assert rs.step == 10 and {s for _, s in rs.sources} == {"storage"}
+        sim.drive(set())
+        assert sim.state.phase == ev.PHASE_RUNNING and sim.state.step == rs.step
+
+
 def test_loss_spike_without_an_earlier_checkpoint_fails_the_job() -> None:
     sim = start(nodes=2)
     d = sim.feed(spike(5))
