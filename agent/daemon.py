@@ -640,6 +640,13 @@ class Agent:
             sup.spec.extra_env[ENV_TIMELINE] = str(p.timeline)  # stamped on every copy
             if p.persist_every_s > 0 and math.isfinite(p.persist_every_s):
                 sup.spec.extra_env[ENV_PERSIST_EVERY_S] = repr(p.persist_every_s)
+            if self.flash is not None and p.flash_bytes_per_rank:
+                spec = sup.spec
+                first = p.global_rank_base if p.world_size else spec.rank_base
+                if first is None:
+                    first = spec.node_rank * spec.nproc
+                mine = range(first, first + spec.nproc)
+                await asyncio.to_thread(self.flash.prepare, mine, p.flash_bytes_per_rank)
             if p.worker_cmd and sup.spec.split(p.worker_cmd) != sup.spec.cmd:
                 if not self.config.allow_remote_cmd:
                     raise ValueError(

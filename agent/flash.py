@@ -32,7 +32,7 @@ from pathlib import Path
 
 import structlog
 
-from unbroken.recovery.flashcopy import list_copies
+from unbroken.recovery.flashcopy import FlashError, list_copies
 from unbroken.recovery.flashowner import FLASH_COPIES, FlashConfig, FlashOwner
 from unbroken.recovery.lifecycle import deletable
 from unbroken.recovery.persist import (
@@ -231,6 +231,22 @@ class NodeFlash:
         if gone:
             log.info("flash.retention", deleted=gone, kept=sorted(keep_steps), below=below)
         return gone
+
+    def prepare(self, ranks: range, nbytes: int) -> float:
+        """Allocate the rings of `ranks` for copies of `nbytes` before the workers start
+        (the first touch of fresh shared memory is paid here, not in a worker's save).
+        Returns the seconds it took; a tmpfs too small is logged, not raised (the worker
+        then says so itself)."""
+        t0 = time.monotonic()
+        for r in ranks:
+            try:
+                self.owner.reserve(r, nbytes)
+            except (OSError, ValueError, FlashError) as e:
+                log.warning("flash.prepare_failed", rank=r, nbytes=nbytes, error=str(e))
+                return time.monotonic() - t0
+        took = time.monotonic() - t0
+        log.info("flash.prepared", ranks=list(ranks), nbytes=nbytes, seconds=round(took, 3))
+        return took
 
     def ring_steps(self, rank: int) -> list[int]:
         """The steps `rank`'s ring holds (complete copies, newest first), as last polled."""

@@ -53,6 +53,7 @@ class Commits:
         self._owners: dict[tuple[int, int], str] = {}
         self.url_of: dict[str, str] = {}  # node -> the storage root it persists to
         self.persist_cost_s = 0.0  # moving average of one shard's write-and-verify time
+        self.shard_bytes = 0  # the largest shard of the newest reports (ring slot size)
 
     def claim(self, node_id: str, world_size: int, rank: int, alive: Callable[[str], bool]) -> str:
         """Bind a rank of a world to the first node that reports it; why not ("" if ok).
@@ -94,6 +95,7 @@ class Commits:
             return None
         self.by_node.setdefault(node_id, {})[msg.rank] = msg.step
         self.url_of[node_id] = msg.url
+        self.shard_bytes = max(self.shard_bytes, msg.bytes)
         if msg.persist_s > 0 and math.isfinite(msg.persist_s):
             a = PERSIST_COST_ALPHA if self.persist_cost_s else 1.0
             self.persist_cost_s += a * (msg.persist_s - self.persist_cost_s)

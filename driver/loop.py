@@ -451,11 +451,11 @@ class RecoveryLoop:
             slot = self.service.view.nodes.get(n)
             if slot is None or not slot.alive:
                 return None
-            for w in slot.hb.workers:
-                if w.global_rank < 0:
+            for ws in slot.hb.workers:
+                if ws.global_rank < 0:
                     continue
-                ranks.add(w.global_rank)
-                held = set(w.ring_steps)
+                ranks.add(ws.global_rank)
+                held = set(ws.ring_steps)
                 common = held if common is None else common & held
         if common is None or (world and len(ranks) < world):
             return None
@@ -516,6 +516,7 @@ class RecoveryLoop:
                     tp=a.world.tp,
                     timeline=self._timeline,
                     persist_every_s=persist_every_s,
+                    flash_bytes_per_rank=self.service.commits.shard_bytes,
                 )
             )
             try:

@@ -283,7 +283,7 @@ class AgentMessage(_message.Message):
     def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., check_result: _Optional[_Union[CheckResult, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., shard_persisted: _Optional[_Union[ShardPersisted, _Mapping]] = ..., self_check_report: _Optional[_Union[SelfCheckReport, _Mapping]] = ...) -> None: ...
 
 class StartWorkers(_message.Message):
-    __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port", "dp", "pp", "tp", "timeline", "persist_every_s")
+    __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port", "dp", "pp", "tp", "timeline", "persist_every_s", "flash_bytes_per_rank")
     WORKER_CMD_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_BASE_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +294,7 @@ class StartWorkers(_message.Message):
     TP_FIELD_NUMBER: _ClassVar[int]
     TIMELINE_FIELD_NUMBER: _ClassVar[int]
     PERSIST_EVERY_S_FIELD_NUMBER: _ClassVar[int]
+    FLASH_BYTES_PER_RANK_FIELD_NUMBER: _ClassVar[int]
     worker_cmd: str
     world_size: int
     global_rank_base: int
@@ -304,7 +305,8 @@ class StartWorkers(_message.Message):
     tp: int
     timeline: int
     persist_every_s: float
-    def __init__(self, worker_cmd: _Optional[str] = ..., world_size: _Optional[int] = ..., global_rank_base: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., tp: _Optional[int] = ..., timeline: _Optional[int] = ..., persist_every_s: _Optional[float] = ...) -> None: ...
+    flash_bytes_per_rank: int
+    def __init__(self, worker_cmd: _Optional[str] = ..., world_size: _Optional[int] = ..., global_rank_base: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., tp: _Optional[int] = ..., timeline: _Optional[int] = ..., persist_every_s: _Optional[float] = ..., flash_bytes_per_rank: _Optional[int] = ...) -> None: ...
 
 class StopWorkers(_message.Message):
     __slots__ = ("grace_s", "dump_stacks")

@@ -214,9 +214,9 @@ def _si(x: float) -> str:
     return f"{x:.3g}"
 
 
-def _bounded_min(minutes: float | None) -> float | None:
+def _bounded_min(minutes: object) -> float | None:
     """The interval the driver would send (its default floor and ceiling), in minutes."""
-    if minutes is None or not math.isfinite(minutes):
+    if not isinstance(minutes, (int, float)) or not math.isfinite(minutes):
         return None
     policy = lifecycle.PersistPolicy()
     return min(policy.ceiling_s, max(policy.floor_s, minutes * 60.0)) / 60.0
