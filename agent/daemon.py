@@ -64,10 +64,12 @@ from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import hooks_pb2 as hpb
-from unbroken.recovery.persist import ENV_TIMELINE
+from unbroken.recovery.persist import ENV_TIMELINE, Persisted
 from unbroken.recovery.sources import ENV_PERSIST_EVERY_S
 
 log = structlog.get_logger(__name__)
+
+REPORT_BATCH = 256  # verified shards per ShardsPersisted message
 
 AGENT_VERSION = "0.1.0"
 F_EXITED = dpb.HEARTBEAT_FLAG_WORKER_EXITED
@@ -445,24 +447,32 @@ class Agent:
             await asyncio.sleep(delay)
 
     async def _report_shards(self, call: Any, flash: NodeFlash) -> None:
-        """Send every verified shard not reported yet (the driver ignores duplicates)."""
+        """Send every verified shard not reported yet, in one message per `REPORT_BATCH`
+        (the driver ignores duplicates)."""
         while flash.reports:
-            p = flash.reports.popleft()
-            msg = dpb.ShardPersisted(
-                step=p.step,
-                rank=p.rank,
-                uri=p.uri,
-                bytes=p.nbytes,
-                checksum=p.checksum,
-                world_size=flash.world_size,
-                url=flash.config.persist_url,
-                timeline=p.timeline,  # None (unset) when the worker did not stamp one
-                persist_s=p.seconds,
+            batch: list[Persisted] = []
+            while flash.reports and len(batch) < REPORT_BATCH:
+                batch.append(flash.reports.popleft())
+            msg = dpb.ShardsPersisted(
+                shards=[
+                    dpb.ShardPersisted(
+                        step=p.step,
+                        rank=p.rank,
+                        uri=p.uri,
+                        bytes=p.nbytes,
+                        checksum=p.checksum,
+                        world_size=flash.world_size,
+                        url=flash.config.persist_url,
+                        timeline=p.timeline,  # None (unset) when the worker did not stamp one
+                        persist_s=p.seconds,
+                    )
+                    for p in batch
+                ]
             )
             try:
-                await self._write(call, dpb.AgentMessage(shard_persisted=msg))
+                await self._write(call, dpb.AgentMessage(shards_persisted=msg))
             except BaseException:
-                flash.reports.appendleft(p)  # the next session reports it
+                flash.reports.extendleft(reversed(batch))  # the next session reports them
                 raise
 
     # ------------------------------------------------------------ commands

@@ -70,6 +70,9 @@ CARRY_LIMIT = 100_000  # unrecorded observations kept between terms
 RING = 1 << 16  # latency samples kept for p50/p99
 
 
+MAX_SHARDS_PER_REPORT = 4096  # shards read from one ShardsPersisted (a node's ranks, many steps)
+
+
 @dataclass(kw_only=True, slots=True)
 class ServiceConfig:
     """Everything the agent-facing service needs to know."""
@@ -601,16 +604,23 @@ class DriverService(dgrpc.DriverServicer):
                     delivery.add((mono_ns() - hb.sent_mono_ns) / 1e6)
                 handler.add((perf() - t0) / 1e3)
             elif msg.WhichOneof("kind") == "shard_persisted":
-                problem = self._not_its_shard(slot.node_id, msg.shard_persisted)
-                if problem:
-                    self.commits.ignored += 1
-                    log.warning("shard report refused", node=slot.node_id, problem=problem)
-                    continue
-                commit = self.commits.record(slot.node_id, msg.shard_persisted)
-                if commit is not None:
-                    self.emit(commit)
+                self._on_shard(slot.node_id, msg.shard_persisted)
+            elif msg.WhichOneof("kind") == "shards_persisted":
+                for shard in msg.shards_persisted.shards[:MAX_SHARDS_PER_REPORT]:
+                    self._on_shard(slot.node_id, shard)
             else:
                 self._on_reply(slot, msg)
+
+    def _on_shard(self, node_id: str, msg: dpb.ShardPersisted) -> None:
+        """One verified shard: checked to be the node's own, then counted toward a commit."""
+        problem = self._not_its_shard(node_id, msg)
+        if problem:
+            self.commits.ignored += 1
+            log.warning("shard report refused", node=node_id, problem=problem)
+            return
+        commit = self.commits.record(node_id, msg)
+        if commit is not None:
+            self.emit(commit)
 
     def _not_its_shard(self, node_id: str, msg: dpb.ShardPersisted) -> str:
         """Why `node_id` may not report this shard ("" when it may).

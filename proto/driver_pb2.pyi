@@ -269,18 +269,26 @@ class SelfCheckReport(_message.Message):
     def __init__(self, command_id: _Optional[str] = ..., ok: _Optional[bool] = ..., failures: _Optional[_Iterable[str]] = ..., details_json: _Optional[str] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("heartbeat", "check_result", "ack", "shard_persisted", "self_check_report")
+    __slots__ = ("heartbeat", "check_result", "ack", "shard_persisted", "self_check_report", "shards_persisted")
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     CHECK_RESULT_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     SHARD_PERSISTED_FIELD_NUMBER: _ClassVar[int]
     SELF_CHECK_REPORT_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_PERSISTED_FIELD_NUMBER: _ClassVar[int]
     heartbeat: Heartbeat
     check_result: CheckResult
     ack: CommandAck
     shard_persisted: ShardPersisted
     self_check_report: SelfCheckReport
-    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., check_result: _Optional[_Union[CheckResult, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., shard_persisted: _Optional[_Union[ShardPersisted, _Mapping]] = ..., self_check_report: _Optional[_Union[SelfCheckReport, _Mapping]] = ...) -> None: ...
+    shards_persisted: ShardsPersisted
+    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., check_result: _Optional[_Union[CheckResult, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., shard_persisted: _Optional[_Union[ShardPersisted, _Mapping]] = ..., self_check_report: _Optional[_Union[SelfCheckReport, _Mapping]] = ..., shards_persisted: _Optional[_Union[ShardsPersisted, _Mapping]] = ...) -> None: ...
+
+class ShardsPersisted(_message.Message):
+    __slots__ = ("shards",)
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardPersisted]
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardPersisted, _Mapping]]] = ...) -> None: ...
 
 class StartWorkers(_message.Message):
     __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port", "dp", "pp", "tp", "timeline", "persist_every_s", "flash_bytes_per_rank")

@@ -292,6 +292,8 @@ def train(
             step = int(trainer.state_dict()["step"])
         if flash is not None:
             flash.guard(trainer)  # once: every optimizer step waits for the copy in flight
+            if restored is not None:  # the state is whole (optimizer state included): size
+                flash.prepare(trainer)  # and map the ring now, not inside the first save
         while step < config.steps:
             if point.skip_batches and step + 1 == point.skip_from_step:
                 _skip(trainer, point.skip_batches, step + 1)

@@ -195,8 +195,10 @@ def _shard(rank: int, world_size: int, uri: str = "/tmp/x") -> dpb.AgentMessage:
     )
 
 
-def test_a_node_reports_only_its_own_ranks() -> None:
-    """A forged ShardPersisted for another node's rank never completes a checkpoint."""
+@pytest.mark.parametrize("batched", [False, True], ids=["one", "batched"])
+def test_a_node_reports_only_its_own_ranks(batched: bool) -> None:
+    """A forged ShardPersisted for another node's rank never completes a checkpoint, alone
+    or hidden in a batch (ShardsPersisted) next to the node's own shard."""
 
     async def go() -> None:
         async with driver() as (svc, store, addr):
@@ -210,9 +212,13 @@ def test_a_node_reports_only_its_own_ranks() -> None:
                 call = stub.Session(
                     metadata=md(NODE_A, (channel.NODE_KEY, "node-a"), (channel.EPOCH_KEY, "1"))
                 )
-                await call.write(_shard(1, 2))  # node-b's rank
-                await call.write(_shard(0, 4))  # not the current world
-                await call.write(_shard(0, 2))  # its own
+                shards = [_shard(1, 2), _shard(0, 4), _shard(0, 2)]  # node-b's, stale, own
+                if batched:
+                    batch = dpb.ShardsPersisted(shards=[m.shard_persisted for m in shards])
+                    await call.write(dpb.AgentMessage(shards_persisted=batch))
+                else:
+                    for m in shards:
+                        await call.write(m)
                 await until(lambda: svc.commits.by_node.get("node-a") == {0: 10})
                 await until(lambda: svc.commits.ignored >= 2)
                 call.cancel()
