@@ -574,8 +574,9 @@ class PersistClock:
     call and every `AGREE_CALLS` calls after, each rank turns `every_s` into steps with its
     median step time and the ranks take the smallest wish (the slowest rank's steps are
     the longest, so the most frequent persistence any rank wants). Calls are counted, not
-    timed, so the ranks agree at the same call. Before the first agreement nothing is
-    persisted (the ring and the buddy hold the copies).
+    timed, so the ranks agree at the same call. The step of the first agreement is persisted
+    too, so that a job has a committed step a few steps after it starts (a node lost before
+    the first interval is over then restores it, not step 0); before it nothing is.
     """
 
     def __init__(self, every_s: float, agree: Any = None) -> None:
@@ -601,6 +602,8 @@ class PersistClock:
             step_s = statistics.median(self._times) if self._times else 0.0
             wish = max(1, math.ceil(self.every_s / step_s)) if step_s > 0 else 1
             self.every_steps = int(self._agree(wish))
+            if self.calls == CALIBRATE_CALLS:
+                return True  # the first agreed call persists: a job always has a commit early
         return self.every_steps > 0 and step % self.every_steps == 0
 
 

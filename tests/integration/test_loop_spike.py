@@ -110,6 +110,7 @@ def job(tmp_path: Path, etcd_server: object) -> Iterator[Job]:
         j.close()
 
 
+@pytest.mark.timeout(900)  # the cluster, then a reference run of the same training
 @pytest.mark.parametrize(
     "kind", ["loss-spike", pytest.param("nan", marks=pytest.mark.slow, id="nan")]
 )
