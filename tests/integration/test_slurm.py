@@ -212,7 +212,7 @@ def test_the_bridge_drains_evicted_nodes_and_records_the_answers(cluster: SlurmC
             # an operator clears it: the bridge sees it back and records that
             r = subprocess.run(
                 [sys.executable, "-m", "unbroken.driver.cli", "slurm", "resume", "n2",
-                 "--slurm-conf", str(cluster.conf)],
+                 "--direct", "--slurm-conf", str(cluster.conf)],
                 capture_output=True, text=True, timeout=60,
             )  # fmt: skip
             assert r.returncode == 0, r.stderr
@@ -340,18 +340,27 @@ def test_unbroken_evict_drains_the_node_and_clearing_resumes_it(driver: Driver) 
     assert cluster.reason("n3").startswith("unbroken: "), cluster.reason("n3")
     assert "bad ECC counts" in cluster.reason("n3")
     until("the drain recorded", lambda: any(c["action"] == "drain" for c in driver.calls()), 30)
-    r = subprocess.run(
-        [sys.executable, "-m", "unbroken.driver.cli", "slurm", "resume", "n3"],
-        capture_output=True, text=True, timeout=60, env=driver.env,
-    )  # fmt: skip
+    # someone else's drain is refused without --force, with what to do
+    cluster.cmd("scontrol", "update", "NodeName=n2", "State=DRAIN", "Reason=bad fan")
+    r = driver.cli("slurm", "resume", "n2")
+    assert r.returncode == 1 and "drained by someone else" in r.stderr, r
+    assert "--force" in r.stderr and cluster.state("n2").startswith("drain")
+    # the operator clears n3 through the driver (role-checked ClearNode): Slurm resumes it
+    r = driver.cli("slurm", "resume", "n3")
     assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("cleared n3: slurm says n3 IDLE"), r.stdout
     until("n3 idle again", lambda: cluster.state("n3").startswith("idle"), 30)
-    until(
-        "the clearing recorded",
-        lambda: any(c["action"] == "resumed" for c in driver.calls()),
-        30,
-        driver.logs(),
-    )
+    events = [json.loads(line) for line in driver.cli("events", "--json").stdout.splitlines()]
+    clear = [e for e in events if e.get("operator_action", {}).get("action") == "clear"]
+    assert [c["operator_action"]["target"] for c in clear] == ["n3"], clear
+    resume = [e for e in events if e.get("scheduler_call", {}).get("action") == "resume"]
+    ok = [e["scheduler_call"] for e in resume if e["scheduler_call"].get("ok")]
+    assert [c["node_id"] for c in ok] == ["n3"], resume
+    assert resume[-1]["cause"] == clear[-1]["event_id"], (resume, clear)
+    # the refused one is in the log too, with Slurm's reason
+    assert any(
+        e["scheduler_call"]["node_id"] == "n2" and not e["scheduler_call"].get("ok") for e in resume
+    ), resume
 
 
 def test_a_node_found_bad_is_drained_and_a_new_allocation_avoids_it(driver: Driver) -> None:
