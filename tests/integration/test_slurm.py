@@ -179,6 +179,72 @@ def test_a_replacement_agent_starts_as_a_step_of_the_job(
         cluster.cmd("scancel", job, check=False)
 
 
+def test_spares_beyond_the_allocation_held_expanded_and_new(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """`--slurm-spares job,held,expand,new` on a job of n1,n2 with n4 held back by an
+    administrator (DRAIN, reason "spare"): the job has no spare, so the held n4 is resumed
+    and added to the job, then n3 by growing the job; with "new" alone, n3 is taken in an
+    allocation of its own. Each agent runs as a step of the allocation that holds its node."""
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\nsleep 300\n")
+    r = cluster.cmd(
+        "sbatch", "--parsable", "--no-kill", "-N2", "-w", "n1,n2", "-o", "/dev/null", str(script)
+    )
+    job = r.stdout.strip().split(";")[0]
+    cluster.cmd("scontrol", "update", "NodeName=n4", "State=DRAIN", "Reason=spare (held)")
+    until(
+        "the job to run",
+        lambda: cluster.cmd("squeue", "-h", "-j", job, "-o", "%t").stdout.strip() == "R",
+        30,
+    )
+    out = tmp_path / "agent-{node}.txt"
+    sched = sched_of(
+        cluster,
+        job_id=job,
+        spares=("job", "held", "expand", "new"),
+        agent_cmd=f"bash -c 'echo $SLURMD_NODENAME $SLURM_JOB_ID > {out}; sleep 300'",
+    )
+
+    def agent_on(node: str) -> list[str]:
+        f = Path(str(out).format(node=node))
+        until(f"the agent step on {node}", lambda: f.exists() and f.read_text().strip(), 30)
+        return f.read_text().split()
+
+    try:
+        world = {"n1", "n2"}
+        # "new" alone: n3 (free) in an allocation of its own, not the job's
+        alone = sched_of(cluster, job_id=job, spares=("new",), agent_cmd=sched.config.agent_cmd)
+        assert asyncio.run(alone.request_replacement(1, exclude=world)) == ["n3"]
+        node, new_job = agent_on("n3")
+        assert node == "n3" and new_job != job
+        names = cluster.cmd("squeue", "-h", "-j", new_job, "-o", "%j").stdout.strip()
+        assert names == "unbroken-spare", names
+        assert asyncio.run(alone.request_replacement(1, exclude=world)) == []  # n4 is held
+        alone.stop_steps()
+        cluster.cmd("scancel", new_job)
+        Path(str(out).format(node="n3")).unlink()
+        until("n3 idle", lambda: cluster.state("n3") == "idle", 30)
+        # every source in order: the job has no spare, the held n4, then the job grows
+        assert asyncio.run(sched.request_replacement(1, exclude=world)) == ["n4"]
+        assert agent_on("n4") == ["n4", job]
+        assert cluster.state("n4") == "alloc", cluster.state("n4")
+        assert asyncio.run(sched.job_nodes(job)) == ["n1", "n2", "n4"]
+        assert asyncio.run(sched.request_replacement(1, exclude=world | {"n4"})) == ["n3"]
+        assert agent_on("n3") == ["n3", job]
+        assert asyncio.run(sched.job_nodes(job)) == ["n1", "n2", "n3", "n4"]
+        # nothing left anywhere
+        assert asyncio.run(sched.request_replacement(1, exclude=world)) == []
+    finally:
+        sched.stop_steps()
+        cluster.cmd("scancel", job, check=False)
+
+
+def test_a_spare_source_name_is_checked() -> None:
+    with pytest.raises(ValueError, match="spare sources must be some of job, held, expand"):
+        SlurmConfig(spares=("job", "cloud"))
+
+
 # ---------------------------------------------------------------- the bridge on a real journal
 def test_the_bridge_drains_evicted_nodes_and_records_the_answers(cluster: SlurmCluster) -> None:
     async def body() -> list[ev.Event]:
