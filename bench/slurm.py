@@ -203,7 +203,7 @@ def figures(events: list[ev.Event], crash_wall: float) -> dict[str, Any]:
             out["spare"] = e.spare_assigned.spare_node_id
         elif out["resumed_s"] is None and e.HasField("training_resumed"):
             out["resumed_s"] = after(e)
-            out["resumed_step"] = e.training_resumed.step
+            out["resumed_step"] = e.training_resumed.at_step
         elif e.HasField("scheduler_call"):
             c = e.scheduler_call
             if c.action == "drain" and c.node_id == "n2" and c.ok and out["drained_s"] is None:
@@ -236,6 +236,14 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out[mode]["load1_median"] = _median([r["load1"] for r in mine])
     a, b = out["slurm"]["resumed_s"], out["static"]["resumed_s"]
     out["resumed_ratio_slurm_vs_static"] = round(a / b, 2) if a and b else None
+    # the load moves both modes a lot on a shared host: each slurm run against the static
+    # run just before it (same round)
+    rounds: dict[int, dict[str, float]] = {}
+    for r in runs:
+        if r.get("resumed_s") is not None:
+            rounds.setdefault(r["round"], {})[r["mode"]] = r["resumed_s"]
+    paired = [x["slurm"] / x["static"] for x in rounds.values() if len(x) == 2]
+    out["resumed_ratio_paired_median"] = round(statistics.median(paired), 2) if paired else None
     return out
 
 
@@ -262,7 +270,10 @@ def table(result: dict[str, Any]) -> str:
         f"| load average (1 min) at the crash | {s['static']['load1_median']} | "
         f"{s['slurm']['load1_median']} |"
     )
-    lines.append(f"\nresumed, Slurm / static: {s['resumed_ratio_slurm_vs_static']}")
+    lines.append(
+        f"\nresumed, Slurm / static: {s['resumed_ratio_slurm_vs_static']} (medians), "
+        f"{s['resumed_ratio_paired_median']} (median of each round's pair)"
+    )
     return "\n".join(lines)
 
 
@@ -291,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                     errors.append(f"{mode}-{i}: {str(e)[:300]}")
                     print(f"run {mode}-{i} failed: {str(e)[:2000]}", file=sys.stderr)
                     continue
+                r["round"] = i
                 runs.append(r)
                 print(json.dumps(r), flush=True)
     finally:

@@ -218,8 +218,11 @@ class SchedulerBridge:
       scheduler starts (it registers as a spare and the recovery takes it).
     - Every `poll_s` reads the scheduler's nodes: a node of the job that the scheduler marks
       DOWN, or DRAIN by someone else, is a fault signal (NodeLost resp. an eviction by
-      "slurm"); a node unbroken drained that is back in service (an operator cleared it:
-      `unbroken slurm resume`) is recorded as a SchedulerCall "resumed".
+      "slurm"); a node unbroken drained that is back in service (cleared outside the
+      driver: `unbroken slurm resume --direct`, scontrol) is recorded as a SchedulerCall
+      "resumed".
+    - `clear(node)` (the operator's ClearNode RPC, `unbroken slurm resume`): the scheduler
+      resumes the node; its answer is recorded as a SchedulerCall "resume".
 
     `journal` is the term's `Journal` (the driver's only writer of the log).
     """

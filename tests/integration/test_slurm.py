@@ -125,6 +125,13 @@ def test_scheduler_contract(scheduler: Scheduler) -> None:
             await scheduler.resume("n2")
         with pytest.raises(SchedulerError):
             await scheduler.drain("nope", "unbroken: x")
+        # a drain for someone else's reason is theirs to clear: only with force
+        await scheduler.drain("n3", "bad fan")
+        with pytest.raises(SchedulerError, match="someone else"):
+            await scheduler.resume("n3")
+        await scheduler.resume("n3", force=True)
+        n3 = next(i for i in await scheduler.nodes() if i.node_id == "n3")
+        assert not n3.health.faulty, n3
 
     asyncio.run(body())
 
