@@ -431,7 +431,7 @@ def test_unbroken_evict_drains_the_node_and_clearing_resumes_it(driver: Driver) 
     until("n3 idle again", lambda: cluster.state("n3").startswith("idle"), 30)
     events = [json.loads(line) for line in driver.cli("events", "--json").stdout.splitlines()]
     clear = [e for e in events if e.get("operator_action", {}).get("action") == "clear"]
-    assert [c["operator_action"]["target"] for c in clear] == ["n3"], clear
+    assert [c["operator_action"]["target"] for c in clear] == ["n2", "n3"], clear
     resume = [e for e in events if e.get("scheduler_call", {}).get("action") == "resume"]
     ok = [e["scheduler_call"] for e in resume if e["scheduler_call"].get("ok")]
     assert [c["node_id"] for c in ok] == ["n3"], resume
