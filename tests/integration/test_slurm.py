@@ -457,3 +457,73 @@ def test_a_node_found_bad_is_drained_and_a_new_allocation_avoids_it(driver: Driv
     r = cluster.cmd("srun", "-N3", "--immediate=5", "bash", "-c", "echo $SLURMD_NODENAME")
     assert sorted(r.stdout.split()) == ["n1", "n2", "n3"], r.stdout
     until("the drain recorded", lambda: any(c["node_id"] == "n4" for c in driver.calls()), 30)
+
+
+def test_unbroken_slurm_submit_runs_the_job_as_the_recipe_says(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """`unbroken slurm submit --nodes 2 --spares 1`: sbatch --no-kill on 3 nodes, the driver
+    in the batch step told the job id, one agent step per training node named by its Slurm
+    node, and the spare's agent started by the driver as a step of the job."""
+    sleeper = f"{sys.executable} -c 'import time; time.sleep(600)'"
+    port_file = tmp_path / "driver.json"
+    agent_args = (
+        f"--socket {tmp_path}/{{node}}.sock --log-dir {tmp_path}/logs-{{node}} "
+        f"--flash-dir {tmp_path}/shm-{{node}} --allow-remote-cmd"
+    )
+    driver_args = (
+        f"--event-log memory --port-file {port_file} --scheduler-spares 1 "
+        f'--scheduler-poll-s 0.5 --miss-limit 30 --worker-cmd "{sleeper}"'
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "unbroken.driver.cli", "slurm", "submit", "--nodes", "2",
+         "--spares", "1", "--listen-host", "127.0.0.1", "--advertise-host", "127.0.0.1",
+         "--output", str(tmp_path / "job-%j.out"), "--agent-args", agent_args,
+         "--driver-args", driver_args, "--slurm-conf", str(cluster.conf)],
+        capture_output=True, text=True, timeout=60, env=cluster.env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("submitted job "), r.stdout
+    job = r.stdout.split()[-1]
+
+    def logs() -> str:
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+            for p in sorted(tmp_path.glob("job-*.out"))
+        )
+
+    try:
+        until("the driver's port file", port_file.exists, 60, logs())
+        address = f"127.0.0.1:{json.loads(port_file.read_text())['grpc_port']}"
+        hosts = cluster.cmd("squeue", "-h", "-j", job, "-o", "%N").stdout.strip()
+        nodes = cluster.cmd("scontrol", "show", "hostnames", hosts).stdout.split()
+        assert len(nodes) == 3, nodes
+
+        def events() -> list[dict[str, object]]:
+            r = subprocess.run(
+                [sys.executable, "-m", "unbroken.driver.cli", "events", "--json",
+                 "--driver", address],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            return [json.loads(line) for line in r.stdout.splitlines()]
+
+        def registered() -> set[str]:
+            return {
+                str(e["node_registered"]["node_id"])  # type: ignore[index]
+                for e in events()
+                if "node_registered" in e
+            }
+
+        until("three agents registered", lambda: registered() == set(nodes), 120, logs())
+        got = events()
+        started = next(e["job_started"] for e in got if "job_started" in e)
+        assert sorted(started["world"]["node_ids"]) == nodes[:2], started  # type: ignore[index]
+        calls = [e["scheduler_call"] for e in got if "scheduler_call" in e]
+        assert any(
+            c["action"] == "replace" and c["detail"] == nodes[2] and c.get("ok") for c in calls
+        ), calls
+        steps = cluster.cmd("squeue", "-h", "-s", "-j", job, "-o", "%j %N").stdout
+        names = sorted(line.split()[0] for line in steps.splitlines() if "agent" in line)
+        assert names == [f"unbroken-agent-{n}" for n in nodes], steps
+    finally:
+        cluster.cmd("scancel", job, check=False)
