@@ -256,7 +256,15 @@ class SchedulerBridge:
         kind = e.WhichOneof("payload")
         if kind == "node_evicted":
             p = e.node_evicted
-            self.drain_evicted(p.node_id, p.reason, f"s{e.seq}")
+            why = p.reason
+            if p.diagnosis_id and p.diagnosis_id not in why:  # the verdict that named it
+                head, sep, cause = why.partition(": ")
+                why = (
+                    f"{head}: diagnosis {p.diagnosis_id}: {cause}"
+                    if sep and head.startswith("incident ")
+                    else f"diagnosis {p.diagnosis_id}: {why}"
+                )
+            self.drain_evicted(p.node_id, why, f"s{e.seq}")
             self._maybe_replace(p.node_id)
         elif kind == "node_lost":
             n = e.node_lost.node_id

@@ -459,6 +459,43 @@ def test_a_node_found_bad_is_drained_and_a_new_allocation_avoids_it(driver: Driv
     until("the drain recorded", lambda: any(c["node_id"] == "n4" for c in driver.calls()), 30)
 
 
+def test_a_node_a_diagnosis_names_bad_is_drained_and_avoided(driver: Driver) -> None:
+    """A world node corrupted at runtime (`unbroken inject wrong-matmul`), reported by
+    `unbroken selfcheck`: the recovery loop diagnoses, the verdict names it, the eviction
+    drains it in Slurm with the incident and the diagnosis in the reason, and a new
+    allocation of three nodes avoids it."""
+    cluster = driver.cluster
+    sleeper = f"{sys.executable} -c 'import time; time.sleep(600)'"
+    driver.start("--nodes", "2", "--worker-cmd", sleeper, "--allow-fault-injection")
+    for n in ("n1", "n2"):
+        driver.agent(n, "--allow-remote-cmd")
+    driver.agent("n4", "--spare", "--allow-remote-cmd")
+
+    def started() -> bool:
+        out = driver.cli("events", "--json").stdout
+        return '"job_started"' in out and '"n4"' in driver.cli("nodes", "--json").stdout
+
+    until("the job on n1, n2 and the spare n4", started, 120, driver.logs())
+    r = driver.cli("inject", "wrong-matmul", "--node", "n2")
+    assert r.returncode == 0, r.stderr
+    r = driver.cli("selfcheck", "--node", "n2", "--check-timeout", "300")
+    assert r.returncode == 1, (r.stdout, r.stderr)  # the check fails on n2
+    until("n2 drained", lambda: cluster.state("n2").startswith("drain"), 300, driver.logs())
+    reason = cluster.reason("n2")
+    events = [json.loads(line) for line in driver.cli("events", "--json").stdout.splitlines()]
+    verdict = next(e["diagnosis_verdict"] for e in events if "diagnosis_verdict" in e)
+    assert verdict["bad_nodes"] == ["n2"], verdict
+    incident = next(
+        e["recovery_transition"]["incident_id"]
+        for e in events
+        if e.get("recovery_transition", {}).get("incident_id")
+    )
+    assert reason.startswith(f"unbroken: {incident} diagnosis {verdict['diagnosis_id']}: "), reason
+    assert "self-check failed on n2" in reason, reason
+    r = cluster.cmd("srun", "-N3", "--immediate=5", "bash", "-c", "echo $SLURMD_NODENAME")
+    assert sorted(r.stdout.split()) == ["n1", "n3", "n4"], r.stdout
+
+
 def test_unbroken_slurm_submit_runs_the_job_as_the_recipe_says(
     cluster: SlurmCluster, tmp_path: Path
 ) -> None:
