@@ -258,6 +258,7 @@ class SlurmScheduler:
             node = held[0]
             await self.run("scontrol", "update", f"NodeName={node}", "State=RESUME")
             log.info("held spare resumed", node=node)
+            await self._until_responding(node)
             if job:
                 return await self._expand(job, skip, node)
             new = await self.allocate(1, nodelist=node)
@@ -275,6 +276,22 @@ class SlurmScheduler:
             self.start_step(new, node)
             return node
         raise SchedulerError(f"unknown spare source {source!r}; use job, held, expand or new")
+
+    async def _until_responding(self, node: str) -> None:
+        """Wait (up to the command deadline) until a just resumed node answers Slurm's ping:
+        it is `IDLE+NOT_RESPONDING` for 1-2 s and no allocation takes it until then."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.timeout_s
+        while True:
+            info = await self.node(node)
+            if info.health is NodeHealth.IDLE and "NOT_RESPONDING" not in info.raw_state:
+                return
+            if loop.time() > deadline:
+                raise SchedulerError(
+                    f"{node} was resumed but is {info.raw_state} after {self.config.timeout_s} s"
+                    " (is its slurmd up?)"
+                )
+            await asyncio.sleep(0.1)
 
     async def _expand(self, job: str, skip: set[str], node: str = "") -> str | None:
         """Grow `job` by one node (`node`, or any free one outside `skip`) and start the
