@@ -363,8 +363,9 @@ class SchedulerBridge:
         """An operator cleared `node_id` (the ClearNode RPC): the scheduler resumes it.
 
         Returns the recorded SchedulerCall "resume" (stored, with its seq, when the log took
-        it); ok=false with the scheduler's refusal in `detail`. A cleared node may be handed
-        out as a replacement again.
+        it); ok=false with the scheduler's refusal in `detail`. The node takes new work from
+        the scheduler again (it stays evicted in this job's log); the bridge asks for spares
+        again if it had stopped because none was left.
         """
         was = node_id in self._drained
         self._drained.discard(node_id)  # the watch must not record this clearing twice
