@@ -8,9 +8,11 @@
   as node id (a multi-node step would be killed whole when one node fails). The S spare
   nodes run no agent until the driver needs one: it starts it as a job step then.
 - `unbroken slurm nodes` prints Slurm's view (state, reason) of every node.
-- `unbroken slurm resume NODE` clears a node unbroken drained (`scontrol update
-  State=RESUME`); a node drained by someone else needs `--force`. The driver sees the node
-  back in service and records it (SchedulerCall "resumed").
+- `unbroken slurm resume NODE` clears a node unbroken drained: an operator's call to the
+  driver (the ClearNode RPC, role "operator"), which resumes it in Slurm (`scontrol update
+  State=RESUME`) and records OperatorAction "clear" and Slurm's answer (SchedulerCall
+  "resume"); a node drained by someone else needs `--force`. `--direct` runs scontrol here
+  without a driver (no driver running; the next driver's watch records it as "resumed").
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ import shlex
 import subprocess
 import sys
 
+from unbroken.driver.client import ClientConfig, add_client_flags, print_json, run_command, to_dict
 from unbroken.driver.scheduler import SchedulerError
 from unbroken.driver.slurm import SlurmConfig, SlurmScheduler
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import driver_pb2_grpc as dgrpc
 
 SCRIPT = """\
 #!/bin/bash
@@ -79,10 +84,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--slurm-conf", default="", help="SLURM_CONF for sbatch")
     n = sub.add_parser("nodes", help="Slurm's state and reason of every node")
     n.add_argument("--slurm-conf", default="", help="SLURM_CONF for scontrol")
-    r = sub.add_parser("resume", help="clear a node unbroken drained (scontrol State=RESUME)")
+    r = sub.add_parser(
+        "resume", help="clear a node unbroken drained (through the driver; Slurm State=RESUME)"
+    )
     r.add_argument("node", metavar="NODE")
     r.add_argument("--force", action="store_true", help="also a node someone else drained")
-    r.add_argument("--slurm-conf", default="", help="SLURM_CONF for scontrol")
+    r.add_argument(
+        "--direct",
+        action="store_true",
+        help="no driver: run scontrol here (not role-checked, recorded by the next driver)",
+    )
+    r.add_argument("--slurm-conf", default="", help="SLURM_CONF for scontrol (--direct)")
+    add_client_flags(r)
 
 
 def script(ns: argparse.Namespace) -> str:
@@ -114,6 +127,8 @@ def run(ns: argparse.Namespace) -> int:
             for i in asyncio.run(sched.nodes()):
                 print(f"{i.node_id:<16} {i.health.value:<10} {i.raw_state:<24} {i.reason}")
             return 0
+        if not ns.direct:
+            return _clear(ns)
         print(asyncio.run(sched.resume(ns.node, force=ns.force)))
         return 0
     except ValueError as e:
@@ -122,6 +137,27 @@ def run(ns: argparse.Namespace) -> int:
     except SchedulerError as e:
         print(f"unbroken slurm: {e}", file=sys.stderr)
         return 1
+
+
+def _clear(ns: argparse.Namespace) -> int:
+    """`unbroken slurm resume NODE` through the driver (exit 0 resumed, 1 refused, 2 bad
+    input or not allowed, 3 driver unreachable)."""
+
+    async def body(
+        cfg: ClientConfig, stub: dgrpc.DriverStub, md: tuple[tuple[str, str], ...]
+    ) -> int:
+        resp = await stub.ClearNode(
+            dpb.ClearNodeRequest(node_id=ns.node, force=ns.force),
+            timeout=cfg.timeout_s,
+            metadata=md,
+        )
+        if ns.json:
+            print_json({"node_id": ns.node, **to_dict(resp)})
+        else:
+            print(f"cleared {ns.node}: {resp.scheduler} says {resp.answer} (event seq {resp.seq})")
+        return 0
+
+    return run_command("slurm resume", ns, body)
 
 
 def _submit(ns: argparse.Namespace, sched: SlurmScheduler) -> int:

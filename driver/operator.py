@@ -32,6 +32,7 @@ from unbroken.driver.journal import Journal
 from unbroken.driver.leadership import Commands, Leadership
 from unbroken.driver.liveview import LiveView
 from unbroken.driver.rpc import abort
+from unbroken.driver.scheduler import bridge_of
 from unbroken.driver.security import ANONYMOUS, caller
 from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
@@ -351,6 +352,52 @@ class OperatorApi:
         return dpb.EvictResponse(
             seq=seq, agent_notified=notified, recovering=journal.decider is not None
         )
+
+    # ------------------------------------------------------------ clear
+    async def ClearNode(
+        self, request: dpb.ClearNodeRequest, context: grpc.aio.ServicerContext
+    ) -> dpb.ClearNodeResponse:
+        """An operator clears a node the cluster scheduler holds out of service."""
+        node_id = request.node_id
+        if not node_id or len(node_id) > MAX_NODE_ID:
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"node_id must be 1-{MAX_NODE_ID} characters, got {node_id[:MAX_NODE_ID]!r}",
+            )
+        journal = await self._journal(context)
+        bridge = bridge_of(journal)
+        if bridge is None:
+            await abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this driver runs without a cluster scheduler (--scheduler none): there is "
+                "nothing to clear; `unbroken slurm resume --direct NODE` resumes a Slurm node "
+                "without a driver",
+            )
+        action = ev.Event(
+            event_id=new_event_id(),
+            cause="operator",
+            operator_action=ev.OperatorAction(
+                action="clear", target=node_id, who=who(context) + (" (force)" * request.force)
+            ),
+        )
+        try:
+            await journal.record(action, wait_s=self._read_timeout_s)
+        except (EventLogError, TimeoutError) as e:
+            await abort(
+                context, grpc.StatusCode.UNAVAILABLE, f"recording the clearing failed: {e!r}; retry"
+            )
+        answer = await bridge.clear(node_id, force=request.force, cause=action.event_id)
+        call = answer.scheduler_call
+        if not call.ok:
+            await abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{call.scheduler} did not resume {node_id}: {call.detail}",
+            )
+        log.warning("node cleared by operator", node=node_id, answer=call.detail)
+        return dpb.ClearNodeResponse(seq=answer.seq, answer=call.detail, scheduler=call.scheduler)
 
     # ------------------------------------------------------------ diagnose
     async def Diagnose(

@@ -91,8 +91,10 @@ class Scheduler(Protocol):
         """Stop new work going to `node_id`; return the scheduler's answer (one line)."""
         ...
 
-    async def resume(self, node_id: str) -> str:
-        """Return a drained node to service; return the scheduler's answer."""
+    async def resume(self, node_id: str, *, force: bool = False) -> str:
+        """Return a drained node to service; return the scheduler's answer. A node drained
+        by someone else for their own reason (not `unbroken: ...`) is refused unless
+        `force`."""
         ...
 
     async def request_replacement(self, n: int, exclude: Iterable[str]) -> list[str]:
@@ -146,10 +148,15 @@ class InMemoryScheduler:
         self.calls.append(("drain", node_id))
         return f"{node_id} {health.value}: {reason}"
 
-    async def resume(self, node_id: str) -> str:
+    async def resume(self, node_id: str, *, force: bool = False) -> str:
         info = self._get(node_id)
         if not info.health.faulty:
             raise SchedulerError(f"{node_id} is {info.health.value}, not drained or down")
+        if not force and info.reason and not info.reason.startswith(REASON_PREFIX):
+            raise SchedulerError(
+                f"{node_id} was drained by someone else ({info.reason!r}); clear it with "
+                "--force if it is fixed"
+            )
         self.nodes_[node_id] = NodeInfo(node_id, NodeHealth.IDLE, "", "idle")
         self.spares.append(node_id)
         self.calls.append(("resume", node_id))
@@ -211,8 +218,11 @@ class SchedulerBridge:
       scheduler starts (it registers as a spare and the recovery takes it).
     - Every `poll_s` reads the scheduler's nodes: a node of the job that the scheduler marks
       DOWN, or DRAIN by someone else, is a fault signal (NodeLost resp. an eviction by
-      "slurm"); a node unbroken drained that is back in service (an operator cleared it:
-      `unbroken slurm resume`) is recorded as a SchedulerCall "resumed".
+      "slurm"); a node unbroken drained that is back in service (cleared outside the
+      driver: `unbroken slurm resume --direct`, scontrol) is recorded as a SchedulerCall
+      "resumed".
+    - `clear(node)` (the operator's ClearNode RPC, `unbroken slurm resume`): the scheduler
+      resumes the node; its answer is recorded as a SchedulerCall "resume".
 
     `journal` is the term's `Journal` (the driver's only writer of the log).
     """
@@ -246,7 +256,15 @@ class SchedulerBridge:
         kind = e.WhichOneof("payload")
         if kind == "node_evicted":
             p = e.node_evicted
-            self.drain_evicted(p.node_id, p.reason, f"s{e.seq}")
+            why = p.reason
+            if p.diagnosis_id and p.diagnosis_id not in why:  # the verdict that named it
+                head, sep, cause = why.partition(": ")
+                why = (
+                    f"{head}: diagnosis {p.diagnosis_id}: {cause}"
+                    if sep and head.startswith("incident ")
+                    else f"diagnosis {p.diagnosis_id}: {why}"
+                )
+            self.drain_evicted(p.node_id, why, f"s{e.seq}")
             self._maybe_replace(p.node_id)
         elif kind == "node_lost":
             n = e.node_lost.node_id
@@ -341,8 +359,35 @@ class SchedulerBridge:
         finally:
             self._replacing -= 1
 
-    async def call(self, action: str, node_id: str, reason: str, coro: Any) -> ev.Event:
-        """Await a scheduler call (with the bridge's deadline) and record its answer."""
+    async def clear(self, node_id: str, *, force: bool = False, cause: str = "") -> ev.Event:
+        """An operator cleared `node_id` (the ClearNode RPC): the scheduler resumes it.
+
+        Returns the recorded SchedulerCall "resume" (stored, with its seq, when the log took
+        it); ok=false with the scheduler's refusal in `detail`. The node takes new work from
+        the scheduler again (it stays evicted in this job's log); the bridge asks for spares
+        again if it had stopped because none was left.
+        """
+        was = node_id in self._drained
+        self._drained.discard(node_id)  # the watch must not record this clearing twice
+        answer = await self.call(
+            "resume",
+            node_id,
+            "cleared by an operator" + (" (force)" if force else ""),
+            self.scheduler.resume(node_id, force=force),
+            cause=cause,
+        )
+        if answer.scheduler_call.ok:
+            self._signalled.discard(node_id)
+            self._exhausted = False
+        elif was:
+            self._drained.add(node_id)
+        return answer
+
+    async def call(
+        self, action: str, node_id: str, reason: str, coro: Any, *, cause: str = ""
+    ) -> ev.Event:
+        """Await a scheduler call (with the bridge's deadline) and record its answer;
+        return the answer as stored (with its seq) or, when the log refused it, as made."""
         t0 = time.monotonic()
         try:
             detail = str(await asyncio.wait_for(coro, self.timeout_s))
@@ -352,11 +397,12 @@ class SchedulerBridge:
         except SchedulerError as e:
             detail, ok = str(e), False
         answer = self._answer(action, node_id, ok, detail, reason, time.monotonic() - t0)
+        if cause:
+            answer.cause = cause
         (log.info if ok else log.error)(
             "scheduler call", action=action, node=node_id, ok=ok, detail=detail
         )
-        await self._record(answer)
-        return answer
+        return await self._record(answer)
 
     def _answer(
         self, action: str, node_id: str, ok: bool, detail: str, reason: str, took: float
@@ -374,11 +420,13 @@ class SchedulerBridge:
             ),
         )
 
-    async def _record(self, e: ev.Event) -> None:
+    async def _record(self, e: ev.Event) -> ev.Event:
         try:
-            await self.journal.record(e, wait_s=self.timeout_s)
+            stored = await self.journal.record(e, wait_s=self.timeout_s)
+            return stored[0] if stored else e
         except Exception as err:  # the term ended, etcd is down: the call was still made
             log.warning("scheduler answer not recorded", error=str(err))
+            return e
 
     async def _watch(self) -> None:
         """Poll the scheduler's nodes: faults as signals, cleared drains as answers."""
@@ -456,3 +504,12 @@ class SchedulerBridge:
             t.cancel()
             with contextlib.suppress(BaseException):
                 await t
+
+
+def bridge_of(journal: Any) -> SchedulerBridge | None:
+    """The scheduler bridge serving `journal`'s term (None: the driver runs without one)."""
+    for sub in getattr(journal, "subscribers", ()):
+        owner = getattr(sub, "__self__", None)
+        if isinstance(owner, SchedulerBridge):
+            return owner
+    return None

@@ -150,6 +150,7 @@ AUTHZ: dict[str, frozenset[str]] = {
     _D + "ListCheckpoints": READERS,
     _D + "Diagnose": OPERATOR,
     _D + "Evict": OPERATOR,
+    _D + "ClearNode": OPERATOR,  # resumes a drained node in the cluster scheduler
     _D + "RunSelfCheck": OPERATOR,
     _D + "InjectFault": OPERATOR,  # and only on a driver run with --allow-fault-injection
     _D + "RegisterJob": LAUNCHER,

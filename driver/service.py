@@ -747,6 +747,11 @@ class DriverService(dgrpc.DriverServicer):
     ) -> dpb.EvictResponse:
         return await self.operators.Evict(request, context)
 
+    async def ClearNode(
+        self, request: dpb.ClearNodeRequest, context: grpc.aio.ServicerContext
+    ) -> dpb.ClearNodeResponse:
+        return await self.operators.ClearNode(request, context)
+
     async def RunSelfCheck(
         self, request: dpb.RunSelfCheckRequest, context: grpc.aio.ServicerContext
     ) -> dpb.RunSelfCheckResponse:

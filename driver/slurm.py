@@ -16,12 +16,21 @@ Measured on one host with one slurmd per node (shared/slurm/README.md): `scontro
 State=DRAIN` takes effect at once and new allocations avoid the node; a spare's agent
 started with `srun --jobid=J -N1 -n1 -w <node>` runs ~1.8 s later.
 
-Replacements, in the order tried (`request_replacement`):
-1. a node of the job's own allocation (`SlurmConfig.job_id`) that is not excluded (not in
-   the world, not a spare already used) and healthy: its agent starts as a job step;
-2. with `SlurmConfig.allow_new_allocation`, a new one-node allocation
-   (`salloc --no-shell -N1 --exclude=...`; drained and down nodes are never chosen), and
-   the agent as a step of it.
+Replacements (`request_replacement`) come from the sources of `SlurmConfig.spares`, in the
+order given (`--slurm-spares job,held,expand,new`; default `job`):
+- `job`: a node of the job's own allocation (`SlurmConfig.job_id`) that is not excluded
+  (not in the world, not a spare already used) and healthy: its agent starts as a step;
+- `held`: a node an administrator holds back as `State=DRAIN Reason="spare ..."` is
+  resumed, added to the job's allocation (as `expand`; without a job, a new allocation on
+  it), and its agent started there;
+- `expand`: the job's allocation grows by one free node (`salloc --no-shell -N1
+  --dependency=expand:J`, then `NumNodes=0` on the new allocation hands its node to J;
+  Slurm needs `SchedulerParameters=permit_job_expansion`), the agent a step of J;
+- `new`: a new one-node allocation (`salloc --no-shell -N1 --exclude=...`), the agent a
+  step of it.
+Drained and down nodes are never chosen. A FUTURE node (configured, not booted) or a
+powered-down one (Slurm's power saving) is not started by the driver: once its slurmd
+registers (or Slurm's ResumeProgram boots it), it is a free node for `expand` and `new`.
 """
 
 from __future__ import annotations
@@ -43,6 +52,9 @@ from unbroken.driver.scheduler import REASON_PREFIX, NodeHealth, NodeInfo, Sched
 log = structlog.get_logger(__name__)
 
 
+SPARE_SOURCES = ("job", "held", "expand", "new")
+
+
 @dataclass(kw_only=True, slots=True)
 class SlurmConfig:
     """How the driver reaches Slurm and what it may ask of it."""
@@ -53,18 +65,35 @@ class SlurmConfig:
     timeout_s: float = 20.0  # every command's deadline
     # The agent of a replacement node, started as a job step; {node} is the Slurm node name.
     agent_cmd: str = ""
-    allow_new_allocation: bool = False  # else only spares inside the job's allocation
+    allow_new_allocation: bool = False  # also "new" after `spares` (the old flag)
+    # Where a replacement comes from, tried in this order (module docstring): "job" (a
+    # spare inside the job's allocation), "held" (a node drained with `held_reason`),
+    # "expand" (the job's allocation grows by a free node), "new" (a new allocation).
+    spares: tuple[str, ...] = ("job",)
+    held_reason: str = "spare"  # a node drained with this first word is a held spare
     partition: str = ""
     step_log_dir: str = ""  # where a step's output goes ("" = /dev/null)
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"SlurmConfig.timeout_s must be > 0, got {self.timeout_s}")
+        bad = [x for x in self.spares if x not in SPARE_SOURCES]
+        if bad or not self.spares:
+            raise ValueError(
+                f"spare sources must be some of {', '.join(SPARE_SOURCES)}, got "
+                f"{','.join(self.spares)!r}"
+            )
         if self.agent_cmd and "{node}" not in self.agent_cmd:
             raise ValueError(
                 "SlurmConfig.agent_cmd must contain {node} (the Slurm node name becomes "
                 f"the agent's --node-id), got {self.agent_cmd!r}"
             )
+
+    def sources(self) -> tuple[str, ...]:
+        """The spare sources in order (`allow_new_allocation` adds "new" last)."""
+        if self.allow_new_allocation and "new" not in self.spares:
+            return (*self.spares, "new")
+        return self.spares
 
 
 # Slurm's base states and flags (scontrol's State=IDLE+DRAIN, sinfo's idle*, ...)
@@ -135,6 +164,10 @@ class SlurmScheduler:
 
     async def run(self, *argv: str) -> str:
         """Run a Slurm command with the deadline; its stdout, or SchedulerError."""
+        return (await self.run2(*argv))[0]
+
+    async def run2(self, *argv: str) -> tuple[str, str]:
+        """Run a Slurm command with the deadline; (stdout, stderr), or SchedulerError."""
         cmd = [self._bin(argv[0]), *argv[1:]]
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -162,7 +195,7 @@ class SlurmScheduler:
         if proc.returncode != 0:
             said = (err or out).decode(errors="replace").strip().replace("\n", "; ")
             raise SchedulerError(f"{shlex.join(argv)} failed ({proc.returncode}): {said}")
-        return out.decode(errors="replace")
+        return out.decode(errors="replace"), err.decode(errors="replace")
 
     # ------------------------------------------------------------ the interface
     async def drain(self, node_id: str, reason: str) -> str:
@@ -188,25 +221,104 @@ class SlurmScheduler:
         return f"{node_id} {info.raw_state}"
 
     async def request_replacement(self, n: int, exclude: Iterable[str]) -> list[str]:
+        """Up to `n` nodes, from the sources of `SlurmConfig.spares` in order (see the
+        module docstring), each with its agent started as a one-node job step."""
         skip = set(exclude) | set(self.steps)
         out: list[str] = []
-        if self.config.job_id:
-            alloc = await self.job_nodes(self.config.job_id)
-            health = {i.node_id: i.health for i in await self.nodes()}
-            for node in alloc:
-                if len(out) >= n:
+        for source in self.config.sources():
+            while len(out) < n:
+                node = await self._take(source, skip | set(out))
+                if node is None:
                     break
-                if node not in skip and not health.get(node, NodeHealth.UNKNOWN).faulty:
-                    self.start_step(self.config.job_id, node)
-                    out.append(node)
-        while len(out) < n and self.config.allow_new_allocation:
-            job = await self.allocate(1, exclude=skip | set(out))
-            if job is None:
-                break
-            node = (await self.job_nodes(job))[0]
-            self.start_step(job, node)
-            out.append(node)
+                out.append(node)
         return out
+
+    async def _take(self, source: str, skip: set[str]) -> str | None:
+        """One node from `source` with its agent started, or None when it has none."""
+        job = self.config.job_id
+        if source == "job":
+            if not job:
+                return None
+            health = {i.node_id: i.health for i in await self.nodes()}
+            for node in await self.job_nodes(job):
+                if node not in skip and not health.get(node, NodeHealth.UNKNOWN).faulty:
+                    self.start_step(job, node)
+                    return node
+            return None
+        if source == "held":
+            held = [
+                i.node_id
+                for i in await self.nodes()
+                if i.health is NodeHealth.DRAINED
+                and i.node_id not in skip
+                and i.reason.split(" ", 1)[0] == self.config.held_reason
+            ]
+            if not held:
+                return None
+            node = held[0]
+            await self.run("scontrol", "update", f"NodeName={node}", "State=RESUME")
+            log.info("held spare resumed", node=node)
+            await self._until_responding(node)
+            if job:
+                return await self._expand(job, skip, node)
+            new = await self.allocate(1, nodelist=node)
+            if new is None:
+                raise SchedulerError(f"held spare {node} was resumed but not allocatable")
+            self.start_step(new, node)
+            return node
+        if source == "expand":
+            return await self._expand(job, skip) if job else None
+        if source == "new":
+            new = await self.allocate(1, exclude=skip)
+            if new is None:
+                return None
+            node = (await self.job_nodes(new))[0]
+            self.start_step(new, node)
+            return node
+        raise SchedulerError(f"unknown spare source {source!r}; use job, held, expand or new")
+
+    async def _until_responding(self, node: str) -> None:
+        """Wait (up to the command deadline) until a just resumed node answers Slurm's ping:
+        it is `IDLE+NOT_RESPONDING` for 1-2 s and no allocation takes it until then."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.timeout_s
+        while True:
+            info = await self.node(node)
+            if info.health is NodeHealth.IDLE and "NOT_RESPONDING" not in info.raw_state:
+                return
+            if loop.time() > deadline:
+                raise SchedulerError(
+                    f"{node} was resumed but is {info.raw_state} after {self.config.timeout_s} s"
+                    " (is its slurmd up?)"
+                )
+            await asyncio.sleep(0.1)
+
+    async def _expand(self, job: str, skip: set[str], node: str = "") -> str | None:
+        """Grow `job` by one node (`node`, or any free one outside `skip`) and start the
+        agent on it: `salloc --dependency=expand:JOB`, the new allocation's node handed to
+        the job (`NumNodes=0` on it), the empty allocation cancelled.
+        Needs `SchedulerParameters=permit_job_expansion`."""
+        new = await self.allocate(
+            1,
+            exclude=() if node else skip,
+            nodelist=node,
+            extra=(f"--dependency=expand:{job}",),
+        )
+        if new is None:
+            return None
+        got = (await self.job_nodes(new))[0]
+        try:  # the node moves to `job` (Slurm 22.05 needs no `NumNodes=ALL` on it)
+            await self.run("scontrol", "update", f"JobId={new}", "NumNodes=0")
+        finally:
+            with contextlib.suppress(SchedulerError):
+                await self.run("scancel", new)
+        if got not in await self.job_nodes(job):
+            raise SchedulerError(
+                f"expanding job {job} with {got} failed (is permit_job_expansion in Slurm's "
+                "SchedulerParameters?)"
+            )
+        self.start_step(job, got)
+        return got
 
     async def release(self, node_id: str) -> str:
         """Take `node_id` out of the job's allocation (the job shrinks and goes on)."""
@@ -243,25 +355,39 @@ class SlurmScheduler:
             return []
         return (await self.run("scontrol", "show", "hostnames", hostlist)).split()
 
-    async def allocate(self, n: int, *, exclude: Iterable[str] = ()) -> str | None:
-        """A new n-node allocation outside `exclude` (None when none is free now)."""
+    async def allocate(
+        self,
+        n: int,
+        *,
+        exclude: Iterable[str] = (),
+        nodelist: str = "",
+        extra: Sequence[str] = (),
+    ) -> str | None:
+        """A new n-node allocation outside `exclude` (or on `nodelist`); its job id, or
+        None when no node is free now."""
         argv = ["salloc", "--no-shell", f"-N{n}", "--immediate=5", "-J", "unbroken-spare"]
         if self.config.partition:
             argv.append(f"--partition={self.config.partition}")
         ex = sorted(exclude)
         if ex:
             argv.append(f"--exclude={','.join(ex)}")
+        if nodelist:
+            argv.append(f"--nodelist={nodelist}")
+        argv.extend(extra)
         try:
-            out = await self.run(*argv)
+            out, err = await self.run2(*argv)
         except SchedulerError as e:
-            if "Unable to allocate" in str(e) or "Requested node configuration" in str(e):
+            said = str(e)
+            if any(
+                w in said
+                for w in ("Unable to allocate", "Requested node configuration", "not available")
+            ):
                 return None
             raise
-        # salloc prints "salloc: Granted job allocation 12" on stderr; stdout may be empty
-        m = re.search(r"allocation (\d+)", out)
+        # salloc prints "salloc: Granted job allocation 12" on stderr
+        m = re.search(r"allocation (\d+)", out + err)
         if m is None:
-            jobs = await self.run("squeue", "-h", "-n", "unbroken-spare", "-o", "%i", "-S", "-V")
-            return jobs.split()[0] if jobs.split() else None
+            raise SchedulerError(f"salloc gave no job id: {(out + err).strip()[:300]}")
         return m.group(1)
 
     def start_step(self, job_id: str, node: str, argv: Sequence[str] | None = None) -> None:
@@ -331,9 +457,16 @@ def add_slurm_flags(parser: argparse.ArgumentParser) -> None:
         help="a replacement's agent command, run with srun on the node; {node} is its name",
     )
     g.add_argument(
+        "--slurm-spares",
+        default="job",
+        help="where replacements come from, tried in order, comma-separated: job (a spare "
+        "node of the job's allocation), held (a node drained with reason 'spare'), expand "
+        "(grow the job's allocation), new (a new allocation); default job",
+    )
+    g.add_argument(
         "--slurm-new-allocations",
         action="store_true",
-        help="when the job's allocation has no spare, take a node in a new allocation",
+        help="same as adding 'new' to --slurm-spares",
     )
     g.add_argument(
         "--slurm-timeout-s", type=float, default=20.0, help="deadline of every Slurm command"
@@ -360,5 +493,6 @@ def slurm_config(ns: argparse.Namespace) -> SlurmConfig:
         slurm_conf=ns.slurm_conf,
         agent_cmd=ns.slurm_agent_cmd,
         allow_new_allocation=ns.slurm_new_allocations,
+        spares=tuple(x.strip() for x in ns.slurm_spares.split(",") if x.strip()),
         timeout_s=ns.slurm_timeout_s,
     )

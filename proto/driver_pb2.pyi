@@ -617,6 +617,24 @@ class EvictResponse(_message.Message):
     recovering: bool
     def __init__(self, seq: _Optional[int] = ..., agent_notified: _Optional[bool] = ..., recovering: _Optional[bool] = ...) -> None: ...
 
+class ClearNodeRequest(_message.Message):
+    __slots__ = ("node_id", "force")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    force: bool
+    def __init__(self, node_id: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class ClearNodeResponse(_message.Message):
+    __slots__ = ("seq", "answer", "scheduler")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    answer: str
+    scheduler: str
+    def __init__(self, seq: _Optional[int] = ..., answer: _Optional[str] = ..., scheduler: _Optional[str] = ...) -> None: ...
+
 class RunSelfCheckRequest(_message.Message):
     __slots__ = ("node_ids", "timeout_s")
     NODE_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -104,6 +104,11 @@ class DriverStub:
                 request_serializer=unbroken_dot_proto_dot_driver__pb2.RequestCheckpointRequest.SerializeToString,
                 response_deserializer=unbroken_dot_proto_dot_driver__pb2.RequestCheckpointResponse.FromString,
                 _registered_method=True)
+        self.ClearNode = channel.unary_unary(
+                '/unbroken.driver.v1.Driver/ClearNode',
+                request_serializer=unbroken_dot_proto_dot_driver__pb2.ClearNodeRequest.SerializeToString,
+                response_deserializer=unbroken_dot_proto_dot_driver__pb2.ClearNodeResponse.FromString,
+                _registered_method=True)
 
 
 class DriverServicer:
@@ -228,6 +233,17 @@ class DriverServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClearNode(self, request, context):
+        """Clear a node the cluster scheduler holds out of service (Slurm: a drain unbroken made,
+        or with force anyone's): the scheduler resumes it; appends OperatorAction "clear" and
+        the scheduler's answer (SchedulerCall "resume"). FAILED_PRECONDITION when the driver
+        runs without a scheduler (--scheduler none) or the scheduler refuses (the node is not
+        drained, someone else drained it and force is unset); INVALID_ARGUMENT for a bad id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DriverServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -300,6 +316,11 @@ def add_DriverServicer_to_server(servicer, server):
                     servicer.RequestCheckpoint,
                     request_deserializer=unbroken_dot_proto_dot_driver__pb2.RequestCheckpointRequest.FromString,
                     response_serializer=unbroken_dot_proto_dot_driver__pb2.RequestCheckpointResponse.SerializeToString,
+            ),
+            'ClearNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClearNode,
+                    request_deserializer=unbroken_dot_proto_dot_driver__pb2.ClearNodeRequest.FromString,
+                    response_serializer=unbroken_dot_proto_dot_driver__pb2.ClearNodeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -680,6 +701,33 @@ class Driver:
             '/unbroken.driver.v1.Driver/RequestCheckpoint',
             unbroken_dot_proto_dot_driver__pb2.RequestCheckpointRequest.SerializeToString,
             unbroken_dot_proto_dot_driver__pb2.RequestCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClearNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/unbroken.driver.v1.Driver/ClearNode',
+            unbroken_dot_proto_dot_driver__pb2.ClearNodeRequest.SerializeToString,
+            unbroken_dot_proto_dot_driver__pb2.ClearNodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

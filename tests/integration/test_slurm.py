@@ -125,6 +125,13 @@ def test_scheduler_contract(scheduler: Scheduler) -> None:
             await scheduler.resume("n2")
         with pytest.raises(SchedulerError):
             await scheduler.drain("nope", "unbroken: x")
+        # a drain for someone else's reason is theirs to clear: only with force
+        await scheduler.drain("n3", "bad fan")
+        with pytest.raises(SchedulerError, match="someone else"):
+            await scheduler.resume("n3")
+        await scheduler.resume("n3", force=True)
+        n3 = next(i for i in await scheduler.nodes() if i.node_id == "n3")
+        assert not n3.health.faulty, n3
 
     asyncio.run(body())
 
@@ -179,6 +186,72 @@ def test_a_replacement_agent_starts_as_a_step_of_the_job(
         cluster.cmd("scancel", job, check=False)
 
 
+def test_spares_beyond_the_allocation_held_expanded_and_new(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """`--slurm-spares job,held,expand,new` on a job of n1,n2 with n4 held back by an
+    administrator (DRAIN, reason "spare"): the job has no spare, so the held n4 is resumed
+    and added to the job, then n3 by growing the job; with "new" alone, n3 is taken in an
+    allocation of its own. Each agent runs as a step of the allocation that holds its node."""
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\nsleep 300\n")
+    r = cluster.cmd(
+        "sbatch", "--parsable", "--no-kill", "-N2", "-w", "n1,n2", "-o", "/dev/null", str(script)
+    )
+    job = r.stdout.strip().split(";")[0]
+    cluster.cmd("scontrol", "update", "NodeName=n4", "State=DRAIN", "Reason=spare (held)")
+    until(
+        "the job to run",
+        lambda: cluster.cmd("squeue", "-h", "-j", job, "-o", "%t").stdout.strip() == "R",
+        30,
+    )
+    out = tmp_path / "agent-{node}.txt"
+    sched = sched_of(
+        cluster,
+        job_id=job,
+        spares=("job", "held", "expand", "new"),
+        agent_cmd=f"bash -c 'echo $SLURMD_NODENAME $SLURM_JOB_ID > {out}; sleep 300'",
+    )
+
+    def agent_on(node: str) -> list[str]:
+        f = Path(str(out).format(node=node))
+        until(f"the agent step on {node}", lambda: f.exists() and f.read_text().strip(), 30)
+        return f.read_text().split()
+
+    try:
+        world = {"n1", "n2"}
+        # "new" alone: n3 (free) in an allocation of its own, not the job's
+        alone = sched_of(cluster, job_id=job, spares=("new",), agent_cmd=sched.config.agent_cmd)
+        assert asyncio.run(alone.request_replacement(1, exclude=world)) == ["n3"]
+        node, new_job = agent_on("n3")
+        assert node == "n3" and new_job != job
+        names = cluster.cmd("squeue", "-h", "-j", new_job, "-o", "%j").stdout.strip()
+        assert names == "unbroken-spare", names
+        assert asyncio.run(alone.request_replacement(1, exclude=world)) == []  # n4 is held
+        alone.stop_steps()
+        cluster.cmd("scancel", new_job)
+        Path(str(out).format(node="n3")).unlink()
+        until("n3 idle", lambda: cluster.state("n3") == "idle", 30)
+        # every source in order: the job has no spare, the held n4, then the job grows
+        assert asyncio.run(sched.request_replacement(1, exclude=world)) == ["n4"]
+        assert agent_on("n4") == ["n4", job]
+        assert cluster.state("n4") == "alloc", cluster.state("n4")
+        assert asyncio.run(sched.job_nodes(job)) == ["n1", "n2", "n4"]
+        assert asyncio.run(sched.request_replacement(1, exclude=world | {"n4"})) == ["n3"]
+        assert agent_on("n3") == ["n3", job]
+        assert asyncio.run(sched.job_nodes(job)) == ["n1", "n2", "n3", "n4"]
+        # nothing left anywhere
+        assert asyncio.run(sched.request_replacement(1, exclude=world)) == []
+    finally:
+        sched.stop_steps()
+        cluster.cmd("scancel", job, check=False)
+
+
+def test_a_spare_source_name_is_checked() -> None:
+    with pytest.raises(ValueError, match="spare sources must be some of job, held, expand"):
+        SlurmConfig(spares=("job", "cloud"))
+
+
 # ---------------------------------------------------------------- the bridge on a real journal
 def test_the_bridge_drains_evicted_nodes_and_records_the_answers(cluster: SlurmCluster) -> None:
     async def body() -> list[ev.Event]:
@@ -212,7 +285,7 @@ def test_the_bridge_drains_evicted_nodes_and_records_the_answers(cluster: SlurmC
             # an operator clears it: the bridge sees it back and records that
             r = subprocess.run(
                 [sys.executable, "-m", "unbroken.driver.cli", "slurm", "resume", "n2",
-                 "--slurm-conf", str(cluster.conf)],
+                 "--direct", "--slurm-conf", str(cluster.conf)],
                 capture_output=True, text=True, timeout=60,
             )  # fmt: skip
             assert r.returncode == 0, r.stderr
@@ -220,6 +293,12 @@ def test_the_bridge_drains_evicted_nodes_and_records_the_answers(cluster: SlurmC
             # someone else drains a node of the job: a fault signal (an eviction by slurm)
             cluster.cmd("scontrol", "update", "NodeName=n3", "State=DRAIN", "Reason=bad fan")
             await _wait(lambda: journal.state.event_counts["operator_action"] >= 1)
+            # Slurm marks a node of the job DOWN (its slurmd stopped answering): a fault
+            # signal, NodeLost by slurm. (A DOWN set by hand on a live slurmd lasts only
+            # until its next ping here, ReturnToService=2: too short to test reliably.)
+            cluster.crash_node("n1")
+            await _wait(lambda: journal.state.event_counts["node_lost"] >= 1)
+            cluster.start_node("n1")
             return await elog.read()
         finally:
             await bridge.close()
@@ -234,6 +313,9 @@ def test_the_bridge_drains_evicted_nodes_and_records_the_answers(cluster: SlurmC
     assert any(c.action == "resumed" and c.node_id == "n2" and c.ok for c in calls), calls
     op = next(e.operator_action for e in events if e.HasField("operator_action"))
     assert (op.action, op.target) == ("evict", "n3") and "bad fan" in op.who, op
+    lost = next(e.node_lost for e in events if e.HasField("node_lost"))
+    assert lost.node_id == "n1" and lost.reason.startswith("slurm: DOWN"), lost
+    assert "Not responding" in lost.reason, lost
 
 
 async def _wait(cond: Callable[[], bool], timeout_s: float = 30.0) -> None:
@@ -341,18 +423,27 @@ def test_unbroken_evict_drains_the_node_and_clearing_resumes_it(driver: Driver) 
     assert cluster.reason("n3").startswith("unbroken: "), cluster.reason("n3")
     assert "bad ECC counts" in cluster.reason("n3")
     until("the drain recorded", lambda: any(c["action"] == "drain" for c in driver.calls()), 30)
-    r = subprocess.run(
-        [sys.executable, "-m", "unbroken.driver.cli", "slurm", "resume", "n3"],
-        capture_output=True, text=True, timeout=60, env=driver.env,
-    )  # fmt: skip
+    # someone else's drain is refused without --force, with what to do
+    cluster.cmd("scontrol", "update", "NodeName=n2", "State=DRAIN", "Reason=bad fan")
+    r = driver.cli("slurm", "resume", "n2")
+    assert r.returncode == 1 and "drained by someone else" in r.stderr, r
+    assert "--force" in r.stderr and cluster.state("n2").startswith("drain")
+    # the operator clears n3 through the driver (role-checked ClearNode): Slurm resumes it
+    r = driver.cli("slurm", "resume", "n3")
     assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("cleared n3: slurm says n3 IDLE"), r.stdout
     until("n3 idle again", lambda: cluster.state("n3").startswith("idle"), 30)
-    until(
-        "the clearing recorded",
-        lambda: any(c["action"] == "resumed" for c in driver.calls()),
-        30,
-        driver.logs(),
-    )
+    events = [json.loads(line) for line in driver.cli("events", "--json").stdout.splitlines()]
+    clear = [e for e in events if e.get("operator_action", {}).get("action") == "clear"]
+    assert [c["operator_action"]["target"] for c in clear] == ["n2", "n3"], clear
+    resume = [e for e in events if e.get("scheduler_call", {}).get("action") == "resume"]
+    ok = [e["scheduler_call"] for e in resume if e["scheduler_call"].get("ok")]
+    assert [c["node_id"] for c in ok] == ["n3"], resume
+    assert resume[-1]["cause"] == clear[-1]["event_id"], (resume, clear)
+    # the refused one is in the log too, with Slurm's reason
+    assert any(
+        e["scheduler_call"]["node_id"] == "n2" and not e["scheduler_call"].get("ok") for e in resume
+    ), resume
 
 
 def test_a_node_found_bad_is_drained_and_a_new_allocation_avoids_it(driver: Driver) -> None:
@@ -370,3 +461,110 @@ def test_a_node_found_bad_is_drained_and_a_new_allocation_avoids_it(driver: Driv
     r = cluster.cmd("srun", "-N3", "--immediate=5", "bash", "-c", "echo $SLURMD_NODENAME")
     assert sorted(r.stdout.split()) == ["n1", "n2", "n3"], r.stdout
     until("the drain recorded", lambda: any(c["node_id"] == "n4" for c in driver.calls()), 30)
+
+
+def test_a_node_a_diagnosis_names_bad_is_drained_and_avoided(driver: Driver) -> None:
+    """A world node corrupted at runtime (`unbroken inject wrong-matmul`), reported by
+    `unbroken selfcheck`: the recovery loop diagnoses, the verdict names it, the eviction
+    drains it in Slurm with the incident and the diagnosis in the reason, and a new
+    allocation of three nodes avoids it."""
+    cluster = driver.cluster
+    sleeper = f"{sys.executable} -c 'import time; time.sleep(600)'"
+    driver.start("--nodes", "2", "--worker-cmd", sleeper, "--allow-fault-injection")
+    for n in ("n1", "n2"):
+        driver.agent(n, "--allow-remote-cmd")
+    driver.agent("n4", "--spare", "--allow-remote-cmd")
+
+    def started() -> bool:
+        out = driver.cli("events", "--json").stdout
+        return '"job_started"' in out and '"n4"' in driver.cli("nodes", "--json").stdout
+
+    until("the job on n1, n2 and the spare n4", started, 120, driver.logs())
+    r = driver.cli("inject", "wrong-matmul", "--node", "n2")
+    assert r.returncode == 0, r.stderr
+    r = driver.cli("selfcheck", "--node", "n2", "--check-timeout", "300")
+    assert r.returncode == 1, (r.stdout, r.stderr)  # the check fails on n2
+    until("n2 drained", lambda: cluster.state("n2").startswith("drain"), 300, driver.logs())
+    reason = cluster.reason("n2")
+    events = [json.loads(line) for line in driver.cli("events", "--json").stdout.splitlines()]
+    verdict = next(e["diagnosis_verdict"] for e in events if "diagnosis_verdict" in e)
+    assert verdict["bad_nodes"] == ["n2"], verdict
+    incident = next(
+        e["recovery_transition"]["incident_id"]
+        for e in events
+        if e.get("recovery_transition", {}).get("incident_id")
+    )
+    assert reason.startswith(f"unbroken: {incident} diagnosis {verdict['diagnosis_id']}: "), reason
+    assert "self-check failed on n2" in reason, reason
+    r = cluster.cmd("srun", "-N3", "--immediate=5", "bash", "-c", "echo $SLURMD_NODENAME")
+    assert sorted(r.stdout.split()) == ["n1", "n3", "n4"], r.stdout
+
+
+def test_unbroken_slurm_submit_runs_the_job_as_the_recipe_says(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """`unbroken slurm submit --nodes 2 --spares 1`: sbatch --no-kill on 3 nodes, the driver
+    in the batch step told the job id, one agent step per training node named by its Slurm
+    node, and the spare's agent started by the driver as a step of the job."""
+    sleeper = f"{sys.executable} -c 'import time; time.sleep(600)'"
+    port_file = tmp_path / "driver.json"
+    agent_args = (
+        f"--socket {tmp_path}/{{node}}.sock --log-dir {tmp_path}/logs-{{node}} "
+        f"--flash-dir {tmp_path}/shm-{{node}} --allow-remote-cmd"
+    )
+    driver_args = (
+        f"--event-log memory --port-file {port_file} --scheduler-spares 1 "
+        f'--scheduler-poll-s 0.5 --miss-limit 30 --worker-cmd "{sleeper}"'
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "unbroken.driver.cli", "slurm", "submit", "--nodes", "2",
+         "--spares", "1", "--listen-host", "127.0.0.1", "--advertise-host", "127.0.0.1",
+         "--output", str(tmp_path / "job-%j.out"), "--agent-args", agent_args,
+         "--driver-args", driver_args, "--slurm-conf", str(cluster.conf)],
+        capture_output=True, text=True, timeout=60, env=cluster.env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("submitted job "), r.stdout
+    job = r.stdout.split()[-1]
+
+    def logs() -> str:
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+            for p in sorted(tmp_path.glob("job-*.out"))
+        )
+
+    try:
+        until("the driver's port file", port_file.exists, 60, logs())
+        address = f"127.0.0.1:{json.loads(port_file.read_text())['grpc_port']}"
+        hosts = cluster.cmd("squeue", "-h", "-j", job, "-o", "%N").stdout.strip()
+        nodes = cluster.cmd("scontrol", "show", "hostnames", hosts).stdout.split()
+        assert len(nodes) == 3, nodes
+
+        def events() -> list[dict[str, object]]:
+            r = subprocess.run(
+                [sys.executable, "-m", "unbroken.driver.cli", "events", "--json",
+                 "--driver", address],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            return [json.loads(line) for line in r.stdout.splitlines()]
+
+        def registered() -> set[str]:
+            return {
+                str(e["node_registered"]["node_id"])  # type: ignore[index]
+                for e in events()
+                if "node_registered" in e
+            }
+
+        until("three agents registered", lambda: registered() == set(nodes), 120, logs())
+        got = events()
+        started = next(e["job_started"] for e in got if "job_started" in e)
+        assert sorted(started["world"]["node_ids"]) == nodes[:2], started  # type: ignore[index]
+        calls = [e["scheduler_call"] for e in got if "scheduler_call" in e]
+        assert any(
+            c["action"] == "replace" and c["detail"] == nodes[2] and c.get("ok") for c in calls
+        ), calls
+        steps = cluster.cmd("squeue", "-h", "-s", "-j", job, "-o", "%j %N").stdout
+        names = sorted(line.split()[0] for line in steps.splitlines() if "agent" in line)
+        assert names == [f"unbroken-agent-{n}" for n in nodes], steps
+    finally:
+        cluster.cmd("scancel", job, check=False)

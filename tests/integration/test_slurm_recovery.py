@@ -64,7 +64,8 @@ case $node in
 {cases}
 esac
 exec {sys.executable} -m unbroken.driver.cli agent --driver {job.address} --node-id $node \\
-  --no-start --worker-cmd '{sys.executable} -c pass' --log-dir {tmp_path}/logs-$node \\
+  --no-start --worker-cmd '{sys.executable} -c pass' --allow-remote-cmd \\
+  --log-dir {tmp_path}/logs-$node \\
   --socket {tmp_path}/$node.sock --flash-dir {tmp_path}/shm-$node --flash-job {job.job} \\
   --persist-url {tmp_path}/storage --replica-listen 127.0.0.1:$REPL \\
   --buddy 127.0.0.1:$BUDDY "$@" >> {tmp_path}/$node.log 2>&1
@@ -75,7 +76,12 @@ exec {sys.executable} -m unbroken.driver.cli agent --driver {job.address} --node
     r = cluster.cmd("sbatch", "--parsable", "--no-kill", "-N4", "-o", "/dev/null", str(script))
     jid = r.stdout.strip().split(";")[0]
     steps: list[subprocess.Popen[bytes]] = []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_CONF": str(cluster.conf)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "SLURM_CONF": str(cluster.conf),
+        "UNBROKEN_REPLICA_KEY": "test-job-replica-key-0123456789",  # as Job._spawn's
+    }
     try:
         until(
             "the allocation",

@@ -26,6 +26,7 @@ from unbroken.driver import certs
 from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
 from unbroken.driver.launcher_api import outside_roots
 from unbroken.driver.main import DriverConfig
+from unbroken.driver.scheduler import BridgeConfig, InMemoryScheduler, SchedulerBridge
 from unbroken.driver.security import AUTHZ, RoleTokens, TlsConfig
 from unbroken.driver.service import DriverService, ServiceConfig, build_server
 from unbroken.proto import channel
@@ -112,6 +113,7 @@ def test_a_node_token_cannot_operate_or_launch() -> None:
                 m = md(NODE_A)
                 calls = {
                     "Evict": stub.Evict(dpb.EvictRequest(node_id="node-a"), metadata=m),
+                    "ClearNode": stub.ClearNode(dpb.ClearNodeRequest(node_id="node-a"), metadata=m),
                     "InjectFault": stub.InjectFault(
                         dpb.InjectFaultRequest(node_id="node-a", kind="node-loss"), metadata=m
                     ),
@@ -515,5 +517,51 @@ def test_the_cli_prints_event_text_literally(tmp_path: Path) -> None:
             out, err = await asyncio.wait_for(proc.communicate(), 120)
             assert proc.returncode == 0, err.decode()
             assert "[/data/shard-17]" in out.decode() and "[bold red]" in out.decode()
+
+    asyncio.run(go())
+
+
+def test_an_operator_clears_a_drained_node_through_the_driver() -> None:
+    """ClearNode: refused without a scheduler; with one (the in-memory pool) the node is
+    resumed and both the operator's action and the scheduler's answer are in the log."""
+
+    async def go() -> None:
+        async with driver() as (svc, store, addr):
+            async with grpc.aio.insecure_channel(addr) as ch:
+                stub = dgrpc.DriverStub(ch)
+                req = dpb.ClearNodeRequest(node_id="n2")
+                with pytest.raises(grpc.aio.AioRpcError) as ei:
+                    await stub.ClearNode(req, metadata=md(OPERATOR))
+                assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert "without a cluster scheduler" in (ei.value.details() or "")
+                pool = InMemoryScheduler.of(["n1", "n2"], ["n3"])
+                await pool.drain("n2", "unbroken: i1 node n2 lost")
+                bridge = SchedulerBridge(pool, svc.journal, BridgeConfig(poll_s=0))
+                bridge.start()
+                try:
+                    for token in (VIEWER, LAUNCHER, NODE_A):
+                        assert await status_of(stub.ClearNode(req, metadata=md(token))) == DENIED
+                    resp = await stub.ClearNode(req, metadata=md(OPERATOR))
+                    assert resp.scheduler == "memory" and resp.answer == "n2 idle", resp
+                    assert pool.calls[-1] == ("resume", "n2")
+                    # not drained any more: the scheduler's refusal is the error
+                    with pytest.raises(grpc.aio.AioRpcError) as ei:
+                        await stub.ClearNode(req, metadata=md(OPERATOR))
+                    assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                    assert "not drained or down" in (ei.value.details() or "")
+                finally:
+                    await bridge.close()
+                events = list(store.events)
+                ops = [e.operator_action for e in events if e.HasField("operator_action")]
+                assert [(o.action, o.target, o.who) for o in ops] == [
+                    ("clear", "n2", "operator:alice")
+                ] * 2, ops
+                calls = [e for e in events if e.HasField("scheduler_call")]
+                assert [(c.scheduler_call.action, c.scheduler_call.ok) for c in calls] == [
+                    ("resume", True),
+                    ("resume", False),
+                ]
+                first = next(e for e in events if e.HasField("operator_action"))
+                assert calls[0].seq == resp.seq and calls[0].cause == first.event_id
 
     asyncio.run(go())
