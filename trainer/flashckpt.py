@@ -574,9 +574,11 @@ class PersistClock:
     call and every `AGREE_CALLS` calls after, each rank turns `every_s` into steps with its
     median step time and the ranks take the smallest wish (the slowest rank's steps are
     the longest, so the most frequent persistence any rank wants). Calls are counted, not
-    timed, so the ranks agree at the same call. The step of the first agreement is persisted
-    too, so that a job has a committed step a few steps after it starts (a node lost before
-    the first interval is over then restores it, not step 0); before it nothing is.
+    timed, so the ranks agree at the same call. The first save of every process is persisted
+    too (every rank of a world starts together), so a job has a committed step one step
+    after it starts or restores: a node lost before the first interval is over restores
+    that step from storage (its memory copies died with it, and a spare taking its place
+    cannot reach the replica its buddy holds), not step 0.
     """
 
     def __init__(self, every_s: float, agree: Any = None) -> None:
@@ -602,8 +604,8 @@ class PersistClock:
             step_s = statistics.median(self._times) if self._times else 0.0
             wish = max(1, math.ceil(self.every_s / step_s)) if step_s > 0 else 1
             self.every_steps = int(self._agree(wish))
-            if self.calls == CALIBRATE_CALLS:
-                return True  # the first agreed call persists: a job always has a commit early
+        if self.calls == 1:
+            return True  # a process's first save persists: every (re)start commits at once
         return self.every_steps > 0 and step % self.every_steps == 0
 
 

@@ -46,6 +46,7 @@ from unbroken.recovery.persist import list_persisted
 pytestmark = pytest.mark.integration
 
 SETTLED = 30  # steps before the spike: the baseline needs the early descent behind it
+JOB_STEPS = 100_000  # the job's --steps (its cosine schedule spans them)
 KEEP = 2  # committed steps the driver keeps: fewer than are committed after the target
 # agents: persist every copy after calibrating; a ring of 2 copies, so the rollback target is
 # a committed step read back from storage (tests/unit/test_machine.py covers memory targets)
@@ -58,7 +59,7 @@ class LoopJob(Job):
     def start_driver(self, *extra: str) -> None:
         port_file = self.tmp / "driver.json"
         cmd = " ".join(
-            [sys.executable, *TRAIN, "--steps", "100000", "--metrics-out", str(self.metrics)]
+            [sys.executable, *TRAIN, "--steps", str(JOB_STEPS), "--metrics-out", str(self.metrics)]
         )
         self._spawn(
             "driver",
@@ -197,30 +198,27 @@ def test_live_loss_spike_rolls_back_restores_the_committed_step_and_skips(
 
 
 def reference_with_skip(tmp: Path, steps: int, skip: str) -> dict[int, float]:
-    """Rank 0's losses of two plain processes (no agent) that skip `skip` batches."""
+    """Rank 0's losses of two plain processes (no agent) that skip `skip` batches, trained
+    with the job's own `--steps` (the learning-rate schedule depends on it) until `steps`."""
     out = tmp / "reference"
     out.mkdir()
     metrics = out / "metrics.jsonl"
     port = free_port()
     procs = []
+    cmd = [sys.executable, *TRAIN, "--steps", str(JOB_STEPS), "--metrics-out", str(metrics)]
     try:
         for rank in (0, 1):
             env = {**plain_worker_env(rank, 2, port), "UNBROKEN_SKIP_BATCHES": skip}
             with open(out / f"rank{rank}.log", "wb") as log:
-                procs.append(
-                    psutil.Popen(
-                        [sys.executable, *TRAIN, "--steps", str(steps), "--metrics-out",
-                         str(metrics)],
-                        env=env, stdout=log, stderr=log,
-                    )
-                )  # fmt: skip
-        deadline = time.monotonic() + 300
-        for p in procs:
-            assert p.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, (
-                out / "rank0.log"
-            ).read_text()[-3000:]
+                procs.append(psutil.Popen(cmd, env=env, stdout=log, stderr=log))
+        deadline = time.monotonic() + 600
+        while max((s for s, _ in timeline(metrics)), default=0) < steps:
+            assert all(p.poll() is None for p in procs), (out / "rank0.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the reference run is too slow"
+            time.sleep(0.5)
     finally:
         for p in procs:
             if p.is_running():
                 p.kill()
+                p.wait(10)
     return dict(timeline(metrics))
