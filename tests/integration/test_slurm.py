@@ -362,7 +362,9 @@ class Driver:
             ["driver", "--etcd", self.endpoint, "--job-id", f"slurm-{uuid.uuid4().hex[:6]}",
              "--listen", "127.0.0.1:0", "--port-file", str(port_file),
              "--scheduler", "slurm", "--slurm-conf", str(self.cluster.conf),
-             "--scheduler-poll-s", "0.5", *extra],
+             "--scheduler-poll-s", "0.5",
+             "--miss-limit", "20",  # 2 s: a self-check's torch import on 2 busy cores
+             *extra],
         )  # fmt: skip
         until("the driver's port file", port_file.exists, 60, self.logs())
         self.address = f"127.0.0.1:{json.loads(port_file.read_text())['grpc_port']}"
