@@ -70,7 +70,9 @@ log = structlog.get_logger(__name__)
 AGENT_VERSION = "0.1.0"
 F_EXITED = dpb.HEARTBEAT_FLAG_WORKER_EXITED
 F_ALERTS = dpb.HEARTBEAT_FLAG_LOG_ALERTS
+F_STALLED = dpb.HEARTBEAT_FLAG_STALLED
 FAULT_FILE_ENV = "UNBROKEN_FAULT_FILE"
+SLOW_FILE = "slow-train.json"  # trainer/run.py reads it beside the fault file
 
 
 class AgentExit(Exception):
@@ -415,6 +417,10 @@ class Agent:
                 hb.attached.extend(self.hooks.statuses(now))
             if sup is not None:
                 hb.workers.extend(sup.statuses(now))
+                stalled, stacks = sup.hang_check(list(hb.workers))
+                if stalled:
+                    hb.flags |= F_STALLED
+                    hb.hang_stacks = stacks
                 if sup.exited:
                     hb.flags |= F_EXITED
                     sup.exited = False
@@ -573,6 +579,12 @@ class Agent:
         sup = self.supervisor
         if sup is None or self.fault_file is None:
             raise ValueError(f"{f.kind}: this agent runs no workers (no --worker-cmd)")
+        if f.kind == "slow-train":
+            path = self.fault_file.with_name(SLOW_FILE)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps({"factor": f.factor or 2.0}))
+            os.replace(tmp, path)  # the trainer reads it each step (trainer/run.py SlowFile)
+            return f"slow-train: the workers compute {f.factor or 2.0:g}x slower"
         if f.kind in WORKER_FILE_FAULTS:
             step = f.step or max((w.step for w in sup.workers.values()), default=0) + 1
             data = {"kind": f.kind, "step": step, "id": uuid.uuid4().hex}

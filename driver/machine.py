@@ -489,6 +489,14 @@ def _fault(e: ev.Event, policy: Policy, s: ev.JobState) -> tuple[str, list[str],
     if kind == "hang_suspected":
         h = e.hang_suspected
         return unclear, [h.node_id], f"hang on {h.node_id}/{h.local_rank} at {h.stuck_at_step}"
+    if kind == "straggler_suspected":
+        st = e.straggler_suspected
+        if st.policy != "evict" or st.node_id not in s.world.node_ids:
+            return None  # alert only; or not (any longer) in the world
+        if not _pool(s, list(s.world.node_ids), with_spares=True):
+            return None  # no spare to take its ranks: a slow node beats a smaller world
+        why = f"straggler: {st.slowdown:.2f}x slower than the other nodes"
+        return _EVICT, [st.node_id], why
     if kind == "log_alert":
         a = e.log_alert
         if a.keyword in SYMPTOM_KEYWORDS:

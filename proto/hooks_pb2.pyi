@@ -63,17 +63,25 @@ class Welcome(_message.Message):
     persist_url: str
     def __init__(self, node_id: _Optional[str] = ..., flash_root: _Optional[str] = ..., flash_job: _Optional[str] = ..., flash_node: _Optional[str] = ..., persist_url: _Optional[str] = ...) -> None: ...
 
+class PhaseReport(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
 class WorkerReport(_message.Message):
-    __slots__ = ("local_rank", "pid", "hello", "step")
+    __slots__ = ("local_rank", "pid", "hello", "step", "phase")
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
     local_rank: int
     pid: int
     hello: Hello
     step: StepReport
-    def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., step: _Optional[_Union[StepReport, _Mapping]] = ...) -> None: ...
+    phase: PhaseReport
+    def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., step: _Optional[_Union[StepReport, _Mapping]] = ..., phase: _Optional[_Union[PhaseReport, _Mapping]] = ...) -> None: ...
 
 class WorkerCommand(_message.Message):
     __slots__ = ("command_id", "pause", "resume", "flash_save", "welcome", "stop")

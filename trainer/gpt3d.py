@@ -73,6 +73,7 @@ class GPT3DTrainer:
         self.config: TrainConfig | None = None
         self.step = 0
         self._owns_pg = False
+        self.slow_factor = 1.0  # an injected slowdown of this rank's compute (drills)
 
     # ---- setup -------------------------------------------------------------------------
     def setup(self, config: TrainConfig) -> None:
@@ -228,6 +229,12 @@ class GPT3DTrainer:
             else:
                 loss = torch.zeros((), device=self.device)
 
+        # Straggler telemetry: what this rank waited for its peers (pipeline idle, the
+        # final all-reduce) is not compute; an injected slowdown is spent here, before
+        # the all-reduce, so the peers' wait for it lands where it is timed.
+        pipe_wait = 0.0 if idle is None else idle * (time.perf_counter() - ts)
+        if self.slow_factor > 1.0:
+            time.sleep((self.slow_factor - 1.0) * max(0.0, time.perf_counter() - t0 - pipe_wait))
         if self.experts:
             parallel.sync_expert_grads(self.experts, self.topo, c.parallel)
         pp_group = self.topo.pp_group if c.parallel.pp > 1 else None
@@ -239,10 +246,12 @@ class GPT3DTrainer:
 
         # Every (dp, tp) coordinate holds the last stage once; average their losses.
         loss_sum = loss.detach().float().reshape(1).clone()
+        tw = time.perf_counter()
         if dist.get_world_size() > 1:
             if not self.has_last:
                 loss_sum.zero_()
             dist.all_reduce(loss_sum)
+        wait = pipe_wait + time.perf_counter() - tw
         mean_loss = float(loss_sum) / (c.parallel.dp * c.parallel.cp * c.parallel.tp)
         self.step += 1
         dt = time.perf_counter() - t0
@@ -258,6 +267,8 @@ class GPT3DTrainer:
             "lr": lr,
             "tokens_per_s": tokens / dt,
             "step_time_s": dt,
+            "compute_s": max(0.0, dt - wait),
+            "collective_wait_s": wait,
             "flops_per_s": flops_per_s,
             "mfu": mfu,
             "pipeline_idle_fraction": idle,

@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from unbroken.proto import hooks_pb2 as hpb
@@ -149,6 +149,7 @@ class Hooks:
         self._held_steps = 0
         self._held_ms = 0.0  # their summed step time
         self._peak: tuple[float, int] | None = None  # their highest (or non-finite) loss
+        self._wait_ms = 0.0  # collective waits marked since the last step (`collective`)
         self._sock: socket.socket | None = None
         self._reply = ""
         if self.path:
@@ -188,6 +189,26 @@ class Hooks:
             hpb.WorkerReport(hello=hpb.Hello(reply_socket=self._reply, stack_signal=stack_signal))
         )
 
+    def phase(self, name: str) -> bool:
+        """Tell the agent this rank enters phase `name` (now).
+
+        "train" is judged for hangs by the rank's step rhythm (about a second at 100 ms
+        steps); any other name ("restore", "checkpoint", "eval") by the agent's longer
+        phase limit, so a slow restore or evaluation is not a hang. The next step report
+        puts the rank back into "train".
+        """
+        return self._send(hpb.WorkerReport(phase=hpb.PhaseReport(name=name)))
+
+    @contextlib.contextmanager
+    def collective(self) -> Iterator[None]:
+        """Mark a wait for peers (an all-reduce, a barrier): its time is reported as
+        `collective_wait` and the rest of the step as `compute`, for straggler detection."""
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self._wait_ms += (time.monotonic() - t0) * 1000.0
+
     def step(
         self,
         step: int,
@@ -211,6 +232,10 @@ class Hooks:
         if step_time_ms is None:
             step_time_ms = 0.0 if self._last_t is None else (now - self._last_t) * 1000.0
         self._last_t = now
+        if self._wait_ms and "collective_wait" not in timings_ms:  # marked by `collective`
+            wait = min(self._wait_ms, step_time_ms)
+            timings_ms = {**timings_ms, "compute": step_time_ms - wait, "collective_wait": wait}
+        self._wait_ms = 0.0
         if loss is not None:
             loss = float(loss)
             p = self._peak  # a non-finite loss, once held, is never replaced
@@ -729,6 +754,25 @@ def _get() -> Session | None:
     if not _tried:
         init()
     return _session
+
+
+@contextlib.contextmanager
+def collective() -> Iterator[None]:
+    """Mark a wait for peers in a script (`with hooks.collective(): dist.all_reduce(t)`):
+    its time is reported as the step's `collective_wait`, the rest as `compute`."""
+    s = _get()
+    if s is None:
+        yield
+        return
+    with s.hooks.collective():
+        yield
+
+
+def phase(name: str) -> bool:
+    """Announce a phase ("eval", "checkpoint", "restore"; "train" to go back): the agent
+    judges a hang in it by its phase limit, not the step rhythm (see `Hooks.phase`)."""
+    s = _get()
+    return s.hooks.phase(name) if s is not None else False
 
 
 def report(step: int, loss: float | None = None, **timings_ms: float) -> bool:

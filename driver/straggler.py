@@ -1,0 +1,154 @@
+"""Straggler detection while the job trains (pure; the service's sweep calls it).
+
+Each agent reports, per rank, the median compute time per step and its median absolute
+deviation over a window of recent steps (compute = the step minus the time spent waiting
+for peers in collectives; agent/workers.py). In a synchronous job a slow rank computes
+longer and waits least; its peers' step time grows with it, so the step time alone cannot
+name it, but compute time can.
+
+The test is a change point per node, normalised by the rest of the world: each node's
+compute median is compared with its own baseline (the best window seen since its workers
+started), and its ratio with the median ratio of the other nodes. Nodes of different roles
+(pipeline stages, the loss stage) have different compute times, but a healthy node's ratio
+stays near the others' whatever its role, and a load that slows every node moves every
+ratio alike. A node is suspected when
+
+    slowdown = ratio / median(others' ratios) >= `min_slowdown`, and
+    slowdown - 1 >= `k` x the relative standard error of its median (1.2533 x 1.4826 x
+    MAD / sqrt(window) / baseline: median + k x MAD over a sliding window),
+
+for `confirm` sweeps in a row. One `StragglerSuspected` per node until it recovers or its
+workers restart. Nothing here reads a clock or the network (tests/unit/test_straggler.py).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import events_pb2 as ev
+
+POLICIES = ("evict", "alert", "off")
+
+
+@dataclass(kw_only=True, slots=True)
+class StragglerConfig:
+    """The straggler detector's thresholds and what the driver does with a finding."""
+
+    policy: str = "evict"  # evict (when a spare exists), alert (record only), off
+    min_slowdown: float = 1.04  # at least this much slower than the others, relatively
+    k: float = 4.0  # ...and k standard errors of its window median
+    confirm: int = 3  # consecutive sweeps before it is reported
+    sweep_ms: float = 2_000.0
+    min_steps: int = 32  # window steps a node needs before it is judged
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"straggler policy must be one of {POLICIES}, got {self.policy!r}")
+        if not self.min_slowdown > 1.0:
+            raise ValueError(f"straggler min_slowdown must be > 1, got {self.min_slowdown}")
+        if not self.k > 0:
+            raise ValueError(f"straggler k must be > 0, got {self.k}")
+        if self.confirm < 1:
+            raise ValueError(f"straggler confirm must be >= 1, got {self.confirm}")
+        if not 100.0 <= self.sweep_ms <= 600_000.0:
+            raise ValueError(f"straggler sweep_ms must be in [100, 600000], got {self.sweep_ms}")
+        if self.min_steps < 4:
+            raise ValueError(f"straggler min_steps must be >= 4, got {self.min_steps}")
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One node's window: medians over its running ranks of each rank's window medians."""
+
+    node_id: str
+    generation: int  # changes when its workers restart (a new baseline)
+    compute_ms: float
+    mad_ms: float
+    wait_ms: float
+    steps: int
+
+
+def sample(node_id: str, workers: Iterable[dpb.WorkerStatus]) -> Sample | None:
+    """The node's `Sample` from its newest heartbeat's workers, None without timings."""
+    ranks = [w for w in workers if w.state == dpb.WORKER_STATE_RUNNING and w.window_steps > 0]
+    if not ranks:
+        return None
+    return Sample(
+        node_id=node_id,
+        generation=sum(w.restarts for w in ranks) * 1_000_003 + sum(w.pid for w in ranks),
+        compute_ms=statistics.median(w.compute_ms for w in ranks),
+        mad_ms=statistics.median(w.compute_mad_ms for w in ranks),
+        wait_ms=statistics.median(w.wait_ms for w in ranks),
+        steps=min(w.window_steps for w in ranks),
+    )
+
+
+@dataclass(slots=True)
+class _Track:
+    generation: int
+    baseline: float
+    streak: int = 0
+    reported: bool = False
+
+
+@dataclass(slots=True)
+class StragglerWatch:
+    """Per-node baselines and streaks across sweeps."""
+
+    config: StragglerConfig
+    tracks: dict[str, _Track] = field(default_factory=dict)
+
+    def sweep(self, samples: Sequence[Sample]) -> list[ev.Event]:
+        """`StragglerSuspected` for each node that just became a confirmed straggler."""
+        c = self.config
+        ready = [s for s in samples if s.steps >= c.min_steps and s.compute_ms > 0]
+        seen = {s.node_id for s in samples}
+        for gone in [n for n in self.tracks if n not in seen]:
+            del self.tracks[gone]
+        ratios: dict[str, float] = {}
+        for s in ready:
+            t = self.tracks.get(s.node_id)
+            if t is None or t.generation != s.generation:
+                t = self.tracks[s.node_id] = _Track(s.generation, s.compute_ms)
+            # the best window since its workers started: a slow warm-up is not the baseline
+            t.baseline = min(t.baseline, s.compute_ms)
+            ratios[s.node_id] = s.compute_ms / t.baseline
+        if len(ratios) < 2:
+            return []
+        out = []
+        for s in ready:
+            t = self.tracks[s.node_id]
+            others = [r for n, r in ratios.items() if n != s.node_id]
+            ref = statistics.median(others)
+            slowdown = ratios[s.node_id] / ref
+            se = 1.2533 * 1.4826 * s.mad_ms / math.sqrt(s.steps) / t.baseline
+            z = (slowdown - 1.0) / max(se, 1e-6)
+            if slowdown >= c.min_slowdown and z >= c.k:
+                t.streak += 1
+            else:
+                t.streak, t.reported = 0, False
+                continue
+            if t.streak < c.confirm or t.reported:
+                continue
+            t.reported = True
+            rest = [x for x in ready if x.node_id != s.node_id]
+            out.append(
+                ev.Event(
+                    straggler_suspected=ev.StragglerSuspected(
+                        node_id=s.node_id,
+                        slowdown=slowdown,
+                        compute_ms=s.compute_ms,
+                        others_ms=statistics.median(x.compute_ms for x in rest),
+                        wait_ms=s.wait_ms,
+                        others_wait_ms=statistics.median(x.wait_ms for x in rest),
+                        z=z,
+                        window_steps=s.steps,
+                        policy=c.policy,
+                    )
+                )
+            )
+        return out
