@@ -6,10 +6,11 @@ slot and moves the node to the end of the deadline order (driver/liveview.py). D
 run on timers (node lost every interval/5, stragglers every `straggler.sweep_ms` over the
 world's nodes), or on the rare heartbeat that carries flags: hangs are judged by the agents
 and reach the driver only as a STALLED flag, so no sweep looks at every rank. Agents'
-verified-shard reports feed the commit bookkeeping (driver/commits.py): a step's CheckpointCommitted is appended once every rank's shard is
-in. Detections are observations for the term's journal (driver/journal.py), the driver's
-one writer: faults never wait behind log alerts and are never dropped, and what the live
-view knows (a silent node) is recorded again whenever the log missed it.
+verified-shard reports feed the commit bookkeeping (driver/commits.py): a step's
+CheckpointCommitted is appended once every rank's shard is in. Detections are observations
+for the term's journal (driver/journal.py), the driver's one writer: faults never wait
+behind log alerts and are never dropped, and what the live view knows (a silent node) is
+recorded again whenever the log missed it.
 
 A driver that is not the leader answers every agent call with UNAVAILABLE and the
 leader's address in the `x-unbroken-leader` trailer, so agents move on to it.
