@@ -344,7 +344,7 @@ class Drill:
             os.kill(victim[1], signal.SIGSTOP)
         return self._record(
             "hang (worker SIGSTOP)", f"{victim[0]} pid {victim[1]}", "hang_suspected", now,
-            note=f"no progress for {self.c.cfg.hang_floor_s:g} s; the world restarts",
+            note=f"no progress for max({self.c.cfg.hang_floor_s:g} s, 5 steps); the world restarts",
             recovers=True,
         )  # fmt: skip
 

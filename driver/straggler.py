@@ -23,6 +23,7 @@ workers restart. Nothing here reads a clock or the network (tests/unit/test_stra
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections.abc import Iterable, Sequence
@@ -74,17 +75,40 @@ class Sample:
 
 def sample(node_id: str, workers: Iterable[dpb.WorkerStatus]) -> Sample | None:
     """The node's `Sample` from its newest heartbeat's workers, None without timings."""
-    ranks = [w for w in workers if w.state == dpb.WORKER_STATE_RUNNING and w.window_steps > 0]
-    if not ranks:
+    compute, mad, wait = [], [], []
+    generation, steps = 0, 1 << 30
+    running = dpb.WORKER_STATE_RUNNING
+    for w in workers:  # one pass: this runs for every world node every sweep
+        if w.state == running and w.window_steps:
+            compute.append(w.compute_ms)
+            mad.append(w.compute_mad_ms)
+            wait.append(w.wait_ms)
+            generation += w.restarts * 1_000_003 + w.pid
+            steps = min(steps, w.window_steps)
+    if not compute:
         return None
+    mid = len(compute) // 2  # the upper median: one of the ranks' own values
     return Sample(
         node_id=node_id,
-        generation=sum(w.restarts for w in ranks) * 1_000_003 + sum(w.pid for w in ranks),
-        compute_ms=statistics.median(w.compute_ms for w in ranks),
-        mad_ms=statistics.median(w.compute_mad_ms for w in ranks),
-        wait_ms=statistics.median(w.wait_ms for w in ranks),
-        steps=min(w.window_steps for w in ranks),
+        generation=generation,
+        compute_ms=sorted(compute)[mid],
+        mad_ms=sorted(mad)[mid],
+        wait_ms=sorted(wait)[mid],
+        steps=steps,
     )
+
+
+def median_without(ordered: Sequence[float], x: float) -> float:
+    """The median of sorted `ordered` with one element equal to `x` left out: O(log n)."""
+    i = bisect.bisect_left(ordered, x)
+    m = len(ordered) - 1
+
+    def rest(k: int) -> float:
+        return ordered[k] if k < i else ordered[k + 1]
+
+    if m % 2:
+        return rest(m // 2)
+    return (rest(m // 2 - 1) + rest(m // 2)) / 2.0
 
 
 @dataclass(slots=True)
@@ -119,11 +143,11 @@ class StragglerWatch:
             ratios[s.node_id] = s.compute_ms / t.baseline
         if len(ratios) < 2:
             return []
+        order = sorted(ratios.values())
         out = []
         for s in ready:
             t = self.tracks[s.node_id]
-            others = [r for n, r in ratios.items() if n != s.node_id]
-            ref = statistics.median(others)
+            ref = median_without(order, ratios[s.node_id])
             slowdown = ratios[s.node_id] / ref
             se = 1.2533 * 1.4826 * s.mad_ms / math.sqrt(s.steps) / t.baseline
             z = (slowdown - 1.0) / max(se, 1e-6)
