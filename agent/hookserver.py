@@ -250,6 +250,7 @@ class HookServer:
         elif kind == "hello":
             w.reply_socket = rep.hello.reply_socket
             w.stack_signal = rep.hello.stack_signal
+            w.restop_signal = rep.hello.restop_signal
 
     def _attach(self, rep: hpb.WorkerReport) -> None:
         """Remember an SDK process the agent did not start and tell it where flash lives."""

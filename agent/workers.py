@@ -23,8 +23,8 @@ trainer/hooks.py (a SIGSTOPped worker is continued first so it can run the handl
 Hangs are judged here, per rank, from the rank's own step rhythm and phase (agent/hang.py):
 `Supervisor.hang_check` turns the statuses of one heartbeat into the STALLED flag and, once
 per hang episode, the capped stacks of every rank of the node. A worker found SIGSTOPped
-(a drill's hang) is continued only for the moment its faulthandler needs and stopped again,
-so the dump does not end the hang it describes.
+(a drill's hang) runs only its faulthandler and is stopped again (SIGUSR1, SIGCONT, SIGSTOP
+back to back), so the dump does not end the hang it describes.
 """
 
 from __future__ import annotations
@@ -191,6 +191,7 @@ class Worker:
         self.step_times: collections.deque[float] = collections.deque(maxlen=32)
         self.reply_socket = ""
         self.stack_signal = False
+        self.restop_signal = False  # SIGUSR2 dumps the stacks and stops again (trainer/hooks.py)
         self.tail: collections.deque[str] = collections.deque(maxlen=400)
         self.nlines = 0  # lines ever appended to `tail`
         self.tasks: list[asyncio.Task[None]] = []
@@ -482,8 +483,8 @@ class Supervisor:
     async def dump_stacks(self, w: Worker, timeout_s: float = 2.0, *, restop: bool = False) -> str:
         """The worker's Python stacks (py-spy, else faulthandler via SIGUSR1), or "".
 
-        With `restop`, a worker found stopped (SIGSTOP) is continued only until its dump is
-        written and then stopped again (the hang detector must not end the hang it reports).
+        With `restop`, a worker found stopped (SIGSTOP) runs only its stack handler and is
+        stopped again (the hang detector must not end the hang it reports).
         """
         if w.proc is None or w.proc.returncode is not None:
             return ""
@@ -504,34 +505,43 @@ class Supervisor:
             except TimeoutError:
                 p.kill()
                 await p.wait()
+        if restop and process_stopped(w.pid):
+            return await self._dump_stopped(w, timeout_s)
         if not w.stack_signal:
             return ""
         mark = w.nlines
-        stopped = restop and process_stopped(w.pid)
         with contextlib.suppress(ProcessLookupError):
-            if stopped:  # pending SIGUSR1 runs first when the process continues
-                os.kill(w.pid, signal.SIGUSR1)
-                os.kill(w.pid, signal.SIGCONT)
-            else:
-                os.kill(w.pid, signal.SIGCONT)
-                os.kill(w.pid, signal.SIGUSR1)
+            os.kill(w.pid, signal.SIGCONT)
+            os.kill(w.pid, signal.SIGUSR1)
+        return await self._collect(w, mark, timeout_s)
+
+    async def _dump_stopped(self, w: Worker, timeout_s: float) -> str:
+        """A stopped worker's stacks without ending its stop.
+
+        Its SDK's SIGUSR2 handler (trainer/hooks.py) dumps the stacks and stops the process
+        again before a step can run; a worker without one is left stopped, undumped.
+        """
+        head = "(process stopped: SIGSTOP)"
+        if not w.restop_signal:
+            return head + " (no SIGUSR2 handler: install py-spy for its stacks)"
+        mark = w.nlines
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(w.pid, signal.SIGUSR2)
+            os.kill(w.pid, signal.SIGCONT)
+        return head + "\n" + await self._collect(w, mark, timeout_s)
+
+    @staticmethod
+    async def _collect(w: Worker, mark: int, timeout_s: float) -> str:
+        """The lines `w` wrote after line `mark`, once they stop growing (or at the deadline)."""
         deadline = time.monotonic() + timeout_s
         seen = -1
-        poll = 0.01 if stopped else 0.1
         while time.monotonic() < deadline:  # wait until the dump stops growing
-            await asyncio.sleep(poll)
-            if stopped and w.nlines > mark and seen == -1:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(w.pid, signal.SIGSTOP)  # the handler's output is on its way
+            await asyncio.sleep(0.05)
             if w.nlines == seen and w.nlines > mark:
                 break
             seen = w.nlines
-        if stopped:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(w.pid, signal.SIGSTOP)
         new = min(w.nlines - mark, len(w.tail))
-        text = "\n".join(list(w.tail)[len(w.tail) - new :]) if new > 0 else ""
-        return ("(process stopped: SIGSTOP)\n" + text) if stopped else text
+        return "\n".join(list(w.tail)[len(w.tail) - new :]) if new > 0 else ""
 
     def hang_check(self, statuses: list[dpb.WorkerStatus]) -> tuple[bool, str]:
         """(flag STALLED?, stacks to send) for one heartbeat's statuses.

@@ -97,6 +97,7 @@ def main() -> None:
             if got is not None:
                 samples.append(got)
         watch.sweep(samples)
+
     spike = SpikeConfig()
 
     cached = detectors.LossWatch(spike)

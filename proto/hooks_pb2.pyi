@@ -36,18 +36,20 @@ class StepReport(_message.Message):
     def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_ms: _Optional[float] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., has_loss: _Optional[bool] = ..., has_peak: _Optional[bool] = ..., peak_loss: _Optional[float] = ..., peak_step: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("reply_socket", "stack_signal", "attach", "rank", "world_size")
+    __slots__ = ("reply_socket", "stack_signal", "attach", "rank", "world_size", "restop_signal")
     REPLY_SOCKET_FIELD_NUMBER: _ClassVar[int]
     STACK_SIGNAL_FIELD_NUMBER: _ClassVar[int]
     ATTACH_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESTOP_SIGNAL_FIELD_NUMBER: _ClassVar[int]
     reply_socket: str
     stack_signal: bool
     attach: bool
     rank: int
     world_size: int
-    def __init__(self, reply_socket: _Optional[str] = ..., stack_signal: _Optional[bool] = ..., attach: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    restop_signal: bool
+    def __init__(self, reply_socket: _Optional[str] = ..., stack_signal: _Optional[bool] = ..., attach: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., restop_signal: _Optional[bool] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("node_id", "flash_root", "flash_job", "flash_node", "persist_url")

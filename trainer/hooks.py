@@ -72,6 +72,7 @@ POLL_EVERY_S = 0.005  # the agent's commands are read at most this often
 ENV_LOCAL_RANK = "LOCAL_RANK"
 ENV_AGENT_PID = "UNBROKEN_AGENT_PID"
 STACK_SIGNAL = signal.SIGUSR1
+RESTOP_SIGNAL = signal.SIGUSR2  # dump the stacks, then stop again (a stopped worker's dump)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -183,10 +184,16 @@ class Hooks:
         except OSError:  # agent gone or its buffer full: drop, never block the step
             return False
 
-    def hello(self, *, stack_signal: bool) -> bool:
-        """Tell the agent where to send commands and whether SIGUSR1 dumps stacks."""
+    def hello(self, *, stack_signal: bool, restop_signal: bool = False) -> bool:
+        """Tell the agent where to send commands and which signals dump stacks."""
         return self._send(
-            hpb.WorkerReport(hello=hpb.Hello(reply_socket=self._reply, stack_signal=stack_signal))
+            hpb.WorkerReport(
+                hello=hpb.Hello(
+                    reply_socket=self._reply,
+                    stack_signal=stack_signal,
+                    restop_signal=restop_signal,
+                )
+            )
         )
 
     def phase(self, name: str) -> bool:
@@ -305,10 +312,34 @@ def install(*, stack_signal: bool = True) -> Hooks:
         _default = Hooks()
         if _default.enabled:
             die_with_agent()
+        restop = False
         if stack_signal and _default.enabled:
             faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
-        _default.hello(stack_signal=stack_signal and _default.enabled)
+            restop = _install_restop()
+        _default.hello(stack_signal=stack_signal and _default.enabled, restop_signal=restop)
     return _default
+
+
+def _dump_and_stop(signum: int, frame: Any) -> None:
+    """SIGUSR2: the agent continued this stopped process only to read its stacks.
+
+    A Python-level handler runs at the first bytecode after SIGCONT (an interrupted sleep
+    returns into it), so the stacks show where it was stopped and no step runs before the
+    process stops itself again.
+    """
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _install_restop() -> bool:
+    """Register `_dump_and_stop` unless the script owns SIGUSR2 or this is not the main thread."""
+    try:
+        if signal.getsignal(RESTOP_SIGNAL) is not signal.SIG_DFL:
+            return False
+        signal.signal(RESTOP_SIGNAL, _dump_and_stop)
+    except ValueError:  # not the main thread
+        return False
+    return True
 
 
 def report_step(
