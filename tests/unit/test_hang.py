@@ -93,3 +93,31 @@ def test_worker_status_flags_a_rank_silent_past_its_rhythm(tmp_path: object) -> 
 def test_a_script_without_step_reports_is_never_judged(tmp_path: object) -> None:
     w = _worker(tmp_path)
     assert not w.status(w.last_progress + 1e6, CFG).hung
+
+
+FRAMES = '  File "/venv/torch/nn/module.py", line 1 in _call_impl\n' * 200
+DUMP = """--- local rank 0 ---
+Current thread 0x00007fdac9011b80 (most recent call first):
+  File "/venv/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
+  File "/venv/torch/distributed/c10d_logger.py", line 83 in wrapper
+  File "/tmp/worker.py", line 16 in <module>
+--- local rank 1 ---
+(process stopped: SIGSTOP)
+Current thread 0x00007fdac9011b81 (most recent call first):
+  File "/tmp/worker.py", line 13 in <module>"""
+
+
+def test_events_cli_abbreviates_the_stacks_to_each_ranks_innermost_frame() -> None:
+    from unbroken.driver.cli_events import summary
+    from unbroken.proto import events_pb2 as ev
+
+    e = ev.Event(
+        hang_suspected=ev.HangSuspected(
+            node_id="n0",
+            local_rank=1,
+            stack_dump=DUMP.replace("--- local rank 1", FRAMES + "--- local rank 1"),
+        )
+    )
+    line = summary(e)
+    assert "r0 all_reduce (distributed_c10d.py:3252) | r1 stopped <module> (worker.py:13)" in line
+    assert "--json for all" in line and "c10d_logger" not in line and len(line) < 400
