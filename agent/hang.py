@@ -5,9 +5,16 @@ A rank is hung when it has made no progress for longer than its own threshold:
 - in phase "train" (the default), max(`floor_ms`, `k` x the `quantile` of its recent step
   times): a 100 ms-step job is judged hung after about a second, a 20 s-step job after k
   slow steps, and neither needs a job-wide constant;
+- waiting in a collective ("collective", reported as it enters one), `collective_k` times
+  that: a rank that waits for a peer is a victim, and the peer that stopped (in its own
+  compute) is named first; a collective that never completes is still a hang;
 - in a phase the worker announced as long and irregular ("restore", "checkpoint", "eval",
   "startup"), and before its first step after a (re)start (there is no rhythm yet),
   `phase_limit_ms`: these are excluded from the rhythm rule by the worker's own report.
+
+Time the rank spent runnable but not running (the kernel's run-queue delay of its main
+thread, /proc/<pid>/schedstat) is added to its threshold: a rank starved of CPU by a
+loaded machine is slow, not hung (the detector knows its node's health).
 
 The agent knows the time since progress per rank without any cross-host clock, so the
 decision is made on the node and only its verdict (a flag in the heartbeat) travels: the
@@ -22,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 #: phases judged by the step rhythm; every other phase name gets `phase_limit_ms`
-RHYTHM_PHASES = frozenset({"", "train"})
+RHYTHM_PHASES = frozenset({"", "train", "collective"})
 MAX_STACKS_CHARS = 48 * 1024  # the stacks of a whole node in one HangSuspected
 
 
@@ -35,6 +42,7 @@ class HangConfig:
     quantile: float = 0.9
     phase_limit_ms: float = 300_000.0  # restore, checkpoint, eval, startup, first step
     min_steps: int = 3  # step times needed before the rhythm rule applies
+    collective_k: float = 3.0  # a rank waiting in a collective gets this many times longer
 
     def __post_init__(self) -> None:
         if not self.floor_ms >= 10.0:
@@ -73,12 +81,22 @@ def threshold_ms(step_times_ms: Sequence[float], phase: str, config: HangConfig)
     """
     if phase not in RHYTHM_PHASES or len(step_times_ms) < config.min_steps:
         return config.phase_limit_ms
-    return max(config.floor_ms, config.k * quantile(step_times_ms, config.quantile))
+    rhythm = max(config.floor_ms, config.k * quantile(step_times_ms, config.quantile))
+    return rhythm * config.collective_k if phase == "collective" else rhythm
 
 
-def is_hung(since_progress_ms: float, threshold: float) -> bool:
-    """True when the silence passed the threshold."""
-    return since_progress_ms > threshold
+def is_hung(since_progress_ms: float, threshold: float, starved_ms: float = 0.0) -> bool:
+    """True when the silence, less the time the rank waited for a CPU, passed the threshold."""
+    return since_progress_ms - starved_ms > threshold
+
+
+def run_delay_ms(pid: int) -> float:
+    """The kernel's run-queue delay of `pid`'s main thread so far, in ms (0.0 if unknown)."""
+    try:
+        with open(f"/proc/{pid}/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e6
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def cap_stacks(dumps: dict[int, str], limit: int = MAX_STACKS_CHARS) -> str:

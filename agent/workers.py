@@ -201,6 +201,8 @@ class Worker:
         self.compute_times: collections.deque[float] = collections.deque(maxlen=WINDOW_STEPS)
         self.wait_times: collections.deque[float] = collections.deque(maxlen=WINDOW_STEPS)
         self.hung = False
+        self.delay_at_progress = -1.0  # run-queue delay (ms) at the step last seen progressing
+        self.step_seen = -1
 
     @property
     def pid(self) -> int:
@@ -220,8 +222,7 @@ class Worker:
         "compute" and "collective_wait" (the straggler detector's input)."""
         if step != self.step:
             self.last_progress = now
-            if self.phase not in hanglib.RHYTHM_PHASES:
-                self.phase = "train"  # a step ends a restore / checkpoint phase
+            self.phase = "train"  # a step ends a restore / checkpoint / collective phase
         if timings_ms and "compute" in timings_ms:
             self.compute_times.append(timings_ms["compute"])
             self.wait_times.append(timings_ms.get("collective_wait", 0.0))
@@ -263,7 +264,13 @@ class Worker:
         threshold = hanglib.threshold_ms(self.step_times, self.phase, hang or hanglib.HangConfig())
         running = self.state == dpb.WORKER_STATE_RUNNING
         judged = running and (bool(self.step_times) or bool(self.phase))  # hookless: never
-        self.hung = judged and hanglib.is_hung(since_ms, threshold)
+        starved = 0.0
+        if judged and self.pid:
+            delay = hanglib.run_delay_ms(self.pid)
+            if self.step != self.step_seen or self.delay_at_progress < 0:
+                self.step_seen, self.delay_at_progress = self.step, delay
+            starved = delay - self.delay_at_progress
+        self.hung = judged and hanglib.is_hung(since_ms, threshold, starved)
         compute = sorted(self.compute_times)
         mid = compute[len(compute) // 2] if compute else 0.0
         mad = statistics.median(abs(x - mid) for x in compute) if compute else 0.0

@@ -609,6 +609,17 @@ class DriverService(dgrpc.DriverServicer):
                 if hb.flags:
                     for e in detectors.flagged(slot, hb):
                         self.emit(e)
+                        if e.HasField("hang_suspected"):
+                            h = e.hang_suspected
+                            log.warning(
+                                "hang suspected",
+                                node=h.node_id,
+                                ranks=list(h.hung_ranks),
+                                step=h.stuck_at_step,
+                                silent_ms=round(h.silent_ms),
+                                threshold_ms=round(h.threshold_ms),
+                                phase=h.phase,
+                            )
                 if hb.sent_mono_ns:
                     delivery.add((mono_ns() - hb.sent_mono_ns) / 1e6)
                 handler.add((perf() - t0) / 1e3)

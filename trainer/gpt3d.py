@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -74,6 +75,8 @@ class GPT3DTrainer:
         self.step = 0
         self._owns_pg = False
         self.slow_factor = 1.0  # an injected slowdown of this rank's compute (drills)
+        # called as the step's timed collective begins (the hooks' "collective" phase)
+        self.on_collective: Callable[[], object] | None = None
 
     # ---- setup -------------------------------------------------------------------------
     def setup(self, config: TrainConfig) -> None:
@@ -230,11 +233,8 @@ class GPT3DTrainer:
                 loss = torch.zeros((), device=self.device)
 
         # Straggler telemetry: what this rank waited for its peers (pipeline idle, the
-        # final all-reduce) is not compute; an injected slowdown is spent here, before
-        # the all-reduce, so the peers' wait for it lands where it is timed.
+        # final all-reduce) is not compute. Waits inside FSDP's collectives are not timed.
         pipe_wait = 0.0 if idle is None else idle * (time.perf_counter() - ts)
-        if self.slow_factor > 1.0:
-            time.sleep((self.slow_factor - 1.0) * max(0.0, time.perf_counter() - t0 - pipe_wait))
         if self.experts:
             parallel.sync_expert_grads(self.experts, self.topo, c.parallel)
         pp_group = self.topo.pp_group if c.parallel.pp > 1 else None
@@ -246,8 +246,14 @@ class GPT3DTrainer:
 
         # Every (dp, tp) coordinate holds the last stage once; average their losses.
         loss_sum = loss.detach().float().reshape(1).clone()
+        if self.slow_factor > 1.0:
+            # an injected slowdown is spent just before the one timed all-reduce, so the
+            # peers' wait for it lands where it is measured
+            time.sleep((self.slow_factor - 1.0) * max(0.0, time.perf_counter() - t0 - pipe_wait))
         tw = time.perf_counter()
         if dist.get_world_size() > 1:
+            if self.on_collective is not None:
+                self.on_collective()
             if not self.has_last:
                 loss_sum.zero_()
             dist.all_reduce(loss_sum)

@@ -210,6 +210,7 @@ class Hooks:
     def collective(self) -> Iterator[None]:
         """Mark a wait for peers (an all-reduce, a barrier): its time is reported as
         `collective_wait` and the rest of the step as `compute`, for straggler detection."""
+        self.phase("collective")  # a long wait here is a peer's hang, judged as such
         t0 = time.monotonic()
         try:
             yield

@@ -330,6 +330,8 @@ def train(
             flash.guard(trainer)  # once: every optimizer step waits for the copy in flight
         if hooks is not None:
             hooks.phase("train")
+            if hasattr(trainer, "on_collective"):  # a waiting rank is judged as a victim
+                trainer.on_collective = lambda: hooks.phase("collective")
         while step < config.steps:
             if point.skip_batches and step + 1 == point.skip_from_step:
                 _skip(trainer, point.skip_batches, step + 1)

@@ -4,8 +4,8 @@ with the stacks of both ranks in HangSuspected; continued, it trains on and is r
 One driver (etcd-backed log, no recovery loop) and one agent with two workers that
 all-reduce every 100 ms step through torch.distributed (gloo), marking the wait with the
 SDK's `hooks.collective()`. SIGSTOP on rank 1 stalls rank 0 in its all-reduce: both ranks
-stop progressing, the agent judges them hung from their own rhythm (1 s floor), dumps the
-stacks (the stopped rank through its SIGUSR2 dump-and-stop handler, so it stays stopped)
+stop progressing, the agent judges rank 1 hung from its own rhythm (1 s floor; rank 0,
+waiting in a collective, is a victim judged later), dumps the stacks of both ranks (the stopped rank through its SIGUSR2 dump-and-stop handler, so it stays stopped)
 and raises the STALLED flag; the driver appends one HangSuspected for the node.
 """
 
@@ -87,8 +87,10 @@ def test_sigstopped_rank_is_flagged_with_stacks_and_rearmed(
     stopped_at = time.monotonic()
     (h,) = wait_for(hangs, 30, "HangSuspected", step_s=0.1)
     took = time.monotonic() - stopped_at
-    assert h.node_id == "n0" and sorted(h.hung_ranks) == [0, 1], h
-    assert h.silent_ms > h.threshold_ms >= 1000.0 and h.phase == "train"
+    # rank 1 stopped in its compute: named first; rank 0 waits in the all-reduce (a victim,
+    # judged collective_k times later), so it may or may not be flagged yet
+    assert h.node_id == "n0" and h.local_rank == 1 and 1 in h.hung_ranks, h
+    assert h.silent_ms > h.threshold_ms >= 1000.0 and h.phase in ("train", "collective")
     assert "--- local rank 1 ---\n(process stopped: SIGSTOP)" in h.stack_dump, h.stack_dump
     assert "worker.py" in h.stack_dump and "--- local rank 0 ---" in h.stack_dump
     assert took < 10.0, f"HangSuspected {took:.1f} s after SIGSTOP"  # generous: a loaded host

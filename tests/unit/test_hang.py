@@ -23,6 +23,7 @@ CFG = hang.HangConfig(floor_ms=1000.0, k=5.0, quantile=0.9, phase_limit_ms=60_00
         ([400.0] * 10, "train", 2000.0),  # 5 x p90 wins over the floor
         ([100.0] * 9 + [900.0] * 1, "train", 1000.0),  # one outlier is above p90 of 10
         ([100.0] * 8 + [900.0] * 2, "train", 4500.0),  # two are the p90
+        ([100.0] * 10, "collective", 3000.0),  # waiting for a peer: a victim, judged later
         ([100.0] * 10, "restore", 60_000.0),  # a phase the worker announced: its own limit
         ([100.0] * 10, "checkpoint", 60_000.0),
         ([100.0] * 10, "eval", 60_000.0),
@@ -45,8 +46,17 @@ def test_threshold_is_never_below_the_floor_nor_above_the_phase_limit_for_phases
     assert t >= CFG.floor_ms
     if phase in ("restore", "eval"):
         assert t == CFG.phase_limit_ms
+    elif phase == "collective":
+        assert t >= CFG.collective_k * CFG.floor_ms
     else:
         assert t >= CFG.k * hang.quantile(steps, CFG.quantile) - 1e-9
+
+
+def test_time_starved_of_cpu_is_not_silence() -> None:
+    assert hang.is_hung(1500.0, 1000.0)
+    assert not hang.is_hung(1500.0, 1000.0, starved_ms=600.0)  # waited 600 ms for a CPU
+    assert hang.run_delay_ms(__import__("os").getpid()) >= 0.0
+    assert hang.run_delay_ms(2**22 + 12345) == 0.0  # no such process
 
 
 def test_config_validation_names_the_field() -> None:
