@@ -62,7 +62,7 @@ DEFAULT_KEYWORDS = (
 
 
 PEAK_BEATS = 3  # heartbeats a loss peak is repeated in (see Worker.status)
-WINDOW_STEPS = 64  # steps the reported compute / wait medians stand for
+WINDOW_STEPS = 128  # steps the reported compute / wait medians stand for
 
 
 @dataclass(kw_only=True, slots=True)

@@ -7,17 +7,19 @@ longer and waits least; its peers' step time grows with it, so the step time alo
 name it, but compute time can.
 
 The test is a change point per node, normalised by the rest of the world: each node's
-compute median is compared with its own baseline (the best window seen since its workers
-started), and its ratio with the median ratio of the other nodes. Nodes of different roles
-(pipeline stages, the loss stage) have different compute times, but a healthy node's ratio
-stays near the others' whatever its role, and a load that slows every node moves every
-ratio alike. A node is suspected when
+compute median relative to the other nodes' median at the same sweep (a load that slows
+every node moves every value alike) is compared with its own usual relative cost, its
+role, learned over its first `baseline_sweeps` sweeps after its workers (re)started. Nodes
+of different roles (pipeline stages, the loss stage) have different compute times, but
+each keeps its own relative cost while healthy. A node is suspected when
 
-    slowdown = ratio / median(others' ratios) >= `min_slowdown`, and
+    slowdown = relative cost / role >= `min_slowdown`, and
     slowdown - 1 >= `k` x the relative standard error of its median (1.2533 x 1.4826 x
-    MAD / sqrt(window) / baseline: median + k x MAD over a sliding window),
+    MAD / sqrt(window) / median: median + k x MAD over a sliding window),
 
-for `confirm` sweeps in a row. One `StragglerSuspected` per node until it recovers or its
+and it waits in collectives less than the others' median (in a synchronous job the slow
+rank is the one that waits least; a node slowed by noise alone does not make its peers
+wait), for `confirm` sweeps in a row. One `StragglerSuspected` per node until it recovers or its
 workers restart. Nothing here reads a clock or the network (tests/unit/test_straggler.py).
 """
 
@@ -41,10 +43,11 @@ class StragglerConfig:
 
     policy: str = "evict"  # evict (when a spare exists), alert (record only), off
     min_slowdown: float = 1.04  # at least this much slower than the others, relatively
-    k: float = 4.0  # ...and k standard errors of its window median
+    k: float = 3.0  # ...and k standard errors of its window median
     confirm: int = 3  # consecutive sweeps before it is reported
     sweep_ms: float = 2_000.0
     min_steps: int = 32  # window steps a node needs before it is judged
+    baseline_sweeps: int = 3  # sweeps whose median relative cost is a node's role
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -57,6 +60,8 @@ class StragglerConfig:
             raise ValueError(f"straggler confirm must be >= 1, got {self.confirm}")
         if not 100.0 <= self.sweep_ms <= 600_000.0:
             raise ValueError(f"straggler sweep_ms must be in [100, 600000], got {self.sweep_ms}")
+        if self.baseline_sweeps < 1:
+            raise ValueError(f"straggler baseline_sweeps must be >= 1, got {self.baseline_sweeps}")
         if self.min_steps < 4:
             raise ValueError(f"straggler min_steps must be >= 4, got {self.min_steps}")
 
@@ -114,14 +119,15 @@ def median_without(ordered: Sequence[float], x: float) -> float:
 @dataclass(slots=True)
 class _Track:
     generation: int
-    baseline: float
+    rels: list[float] = field(default_factory=list)  # its first relative windows
+    role: float = 0.0  # its usual compute relative to the others (0: not known yet)
     streak: int = 0
     reported: bool = False
 
 
 @dataclass(slots=True)
 class StragglerWatch:
-    """Per-node baselines and streaks across sweeps."""
+    """Per-node roles (baselines) and streaks across sweeps."""
 
     config: StragglerConfig
     tracks: dict[str, _Track] = field(default_factory=dict)
@@ -133,25 +139,27 @@ class StragglerWatch:
         seen = {s.node_id for s in samples}
         for gone in [n for n in self.tracks if n not in seen]:
             del self.tracks[gone]
-        ratios: dict[str, float] = {}
+        if len(ready) < 2:
+            return []
+        computes = sorted(s.compute_ms for s in ready)
+        waits = sorted(s.wait_ms for s in ready)
+        out = []
         for s in ready:
             t = self.tracks.get(s.node_id)
             if t is None or t.generation != s.generation:
-                t = self.tracks[s.node_id] = _Track(s.generation, s.compute_ms)
-            # the best window since its workers started: a slow warm-up is not the baseline
-            t.baseline = min(t.baseline, s.compute_ms)
-            ratios[s.node_id] = s.compute_ms / t.baseline
-        if len(ratios) < 2:
-            return []
-        order = sorted(ratios.values())
-        out = []
-        for s in ready:
-            t = self.tracks[s.node_id]
-            ref = median_without(order, ratios[s.node_id])
-            slowdown = ratios[s.node_id] / ref
-            se = 1.2533 * 1.4826 * s.mad_ms / math.sqrt(s.steps) / t.baseline
+                t = self.tracks[s.node_id] = _Track(s.generation)
+            # its compute relative to the others' now: a load on every node cancels out
+            rel = s.compute_ms / median_without(computes, s.compute_ms)
+            if not t.role:
+                t.rels.append(rel)
+                if len(t.rels) >= c.baseline_sweeps:  # its role: the usual relative cost
+                    t.role = statistics.median(t.rels)
+                continue
+            slowdown = rel / t.role
+            se = 1.2533 * 1.4826 * s.mad_ms / math.sqrt(s.steps) / s.compute_ms
             z = (slowdown - 1.0) / max(se, 1e-6)
-            if slowdown >= c.min_slowdown and z >= c.k:
+            waits_least = s.wait_ms < median_without(waits, s.wait_ms)
+            if slowdown >= c.min_slowdown and z >= c.k and waits_least:
                 t.streak += 1
             else:
                 t.streak, t.reported = 0, False

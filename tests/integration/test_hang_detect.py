@@ -5,8 +5,9 @@ One driver (etcd-backed log, no recovery loop) and one agent with two workers th
 all-reduce every 100 ms step through torch.distributed (gloo), marking the wait with the
 SDK's `hooks.collective()`. SIGSTOP on rank 1 stalls rank 0 in its all-reduce: both ranks
 stop progressing, the agent judges rank 1 hung from its own rhythm (1 s floor; rank 0,
-waiting in a collective, is a victim judged later), dumps the stacks of both ranks (the stopped rank through its SIGUSR2 dump-and-stop handler, so it stays stopped)
-and raises the STALLED flag; the driver appends one HangSuspected for the node.
+waiting in a collective, is a victim judged later), dumps the stacks of both ranks (the
+stopped rank through its SIGUSR2 dump-and-stop handler, so it stays stopped) and raises
+the STALLED flag; the driver appends one HangSuspected for the node.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def test_slowed_node_is_named_evicted_and_replaced_by_the_spare(job: LoopJob) ->
     job.start_agent("n0", buddy="n1")
     job.start_agent("n1", buddy="n0")
     job.start_agent("s0", buddy="n0", spare=True)
-    until("training to start", lambda: job.max_step() >= 50, 240, job)  # a full window
+    until("training to start", lambda: job.max_step() >= 70, 240, job)  # windows, roles learnt
 
     slow(job.address, "n1", 1.3)
     t0 = time.monotonic()

@@ -23,9 +23,19 @@ from unbroken.proto import events_pb2 as ev
 pytestmark = pytest.mark.unit
 
 
-def samples(compute: dict[str, float], mad: float = 2.0, steps: int = 64) -> list[Sample]:
+def samples(
+    compute: dict[str, float], mad: float = 2.0, steps: int = 64, slow: str = ""
+) -> list[Sample]:
+    """Node windows; `slow` waits least (its peers wait for it in the collectives)."""
     return [
-        Sample(node_id=n, generation=1, compute_ms=c, mad_ms=mad, wait_ms=10.0, steps=steps)
+        Sample(
+            node_id=n,
+            generation=1,
+            compute_ms=c,
+            mad_ms=mad,
+            wait_ms=1.0 if n == slow else 10.0,
+            steps=steps,
+        )
         for n, c in compute.items()
     ]
 
@@ -34,39 +44,45 @@ BASE = {"n0": 50.0, "n1": 80.0, "n2": 50.0, "n3": 80.0}  # two roles (pipeline s
 
 
 def test_a_slowed_node_is_named_after_confirm_sweeps_and_only_once() -> None:
-    w = StragglerWatch(StragglerConfig(confirm=3))
+    w = StragglerWatch(StragglerConfig(baseline_sweeps=1, confirm=3))
     assert w.sweep(samples(BASE)) == []  # baselines
     slow = {**BASE, "n1": 80.0 * 1.10}
-    assert w.sweep(samples(slow)) == []
-    assert w.sweep(samples(slow)) == []
-    (e,) = w.sweep(samples(slow))
+    assert w.sweep(samples(slow, slow="n1")) == []
+    assert w.sweep(samples(slow, slow="n1")) == []
+    (e,) = w.sweep(samples(slow, slow="n1"))
     s = e.straggler_suspected
     assert s.node_id == "n1" and s.slowdown == pytest.approx(1.10) and s.policy == "evict"
     assert s.compute_ms == pytest.approx(88.0) and s.window_steps == 64
-    assert w.sweep(samples(slow)) == []  # reported once
+    assert w.sweep(samples(slow, slow="n1")) == []  # reported once
+
+
+def test_a_node_that_computes_longer_but_makes_nobody_wait_is_not_named() -> None:
+    w = StragglerWatch(StragglerConfig(baseline_sweeps=1, confirm=1))
+    w.sweep(samples(BASE))
+    assert w.sweep(samples({**BASE, "n1": 80.0 * 1.2})) == []  # waits as much as the rest
 
 
 def test_roles_differ_but_nobody_is_a_straggler() -> None:
-    w = StragglerWatch(StragglerConfig(confirm=1))
+    w = StragglerWatch(StragglerConfig(baseline_sweeps=1, confirm=1))
     for _ in range(5):
         assert w.sweep(samples(BASE)) == []
 
 
 def test_a_load_that_slows_every_node_alike_is_not_a_straggler() -> None:
-    w = StragglerWatch(StragglerConfig(confirm=1))
+    w = StragglerWatch(StragglerConfig(baseline_sweeps=1, confirm=1))
     w.sweep(samples(BASE))
     assert w.sweep(samples({n: c * 1.5 for n, c in BASE.items()})) == []
 
 
 def test_a_small_difference_within_the_noise_is_not_a_straggler() -> None:
-    w = StragglerWatch(StragglerConfig(confirm=1, min_slowdown=1.04, k=4.0))
+    w = StragglerWatch(StragglerConfig(baseline_sweeps=1, confirm=1, min_slowdown=1.04, k=4.0))
     w.sweep(samples(BASE, mad=10.0, steps=16))
     # 6 % slower, but the standard error of a 16-step median with MAD 10 ms is ~9 %
     assert w.sweep(samples({**BASE, "n1": 80.0 * 1.06}, mad=10.0, steps=16)) == []
 
 
 def test_a_restart_sets_a_new_baseline() -> None:
-    w = StragglerWatch(StragglerConfig(confirm=1))
+    w = StragglerWatch(StragglerConfig(baseline_sweeps=1, confirm=1))
     w.sweep(samples(BASE))
     moved = [
         Sample(
@@ -83,10 +99,10 @@ def test_a_restart_sets_a_new_baseline() -> None:
 
 
 def test_too_few_steps_or_one_node_is_not_judged() -> None:
-    w = StragglerWatch(StragglerConfig(confirm=1, min_steps=32))
+    w = StragglerWatch(StragglerConfig(baseline_sweeps=1, confirm=1, min_steps=32))
     w.sweep(samples(BASE, steps=8))
     assert w.sweep(samples({**BASE, "n1": 200.0}, steps=8)) == []
-    w2 = StragglerWatch(StragglerConfig(confirm=1))
+    w2 = StragglerWatch(StragglerConfig(baseline_sweeps=1, confirm=1))
     w2.sweep(samples({"n0": 50.0}))
     assert w2.sweep(samples({"n0": 100.0})) == []
 
@@ -105,7 +121,19 @@ def test_no_false_straggler_in_noisy_healthy_windows() -> None:
     rnd = random.Random(7)
     w = StragglerWatch(StragglerConfig())
     for _ in range(2000):  # 2000 sweeps of 8 nodes whose window medians jitter 2 %
-        got = w.sweep(samples({f"n{i}": 60.0 * rnd.gauss(1.0, 0.02) for i in range(8)}, mad=6.0))
+        got = w.sweep(
+            [
+                Sample(
+                    node_id=f"n{i}",
+                    generation=1,
+                    compute_ms=60.0 * rnd.gauss(1.0, 0.02),
+                    mad_ms=6.0,
+                    wait_ms=abs(rnd.gauss(10.0, 3.0)),
+                    steps=128,
+                )
+                for i in range(8)
+            ]
+        )
         assert got == []
 
 
