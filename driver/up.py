@@ -19,6 +19,9 @@ how fast each is detected and what the log recorded:
 - a loss spike: `InjectFault loss-spike` makes every agent write its workers' fault file,
   one step's batch targets are poisoned; the driver's loss watch appends LossSpike, the
   machine rolls back to the newest committed step before it and skips the batches;
+- a straggler: `InjectFault slow-train --factor 1.2` on a world node; the driver's
+  straggler sweep appends StragglerSuspected, the node is evicted and a spare takes its
+  ranks;
 - a silently bad node: `InjectFault wrong-matmul` then `RunSelfCheck` on that node; the
   failed self-check (SelfCheckReported) is a fault the loop handles (skipped gracefully
   when the driver has no InjectFault/RunSelfCheck);
