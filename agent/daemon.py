@@ -326,6 +326,8 @@ class Agent:
                 await self._session(stub)
             except grpc.aio.AioRpcError as e:
                 self._on_rpc_error(e, target)
+                if "declared lost" in (e.details() or ""):
+                    await self._fence()
             finally:
                 await ch.close(grace=None)
             if self.stop.is_set():
@@ -338,6 +340,18 @@ class Agent:
                 )
             await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
             backoff = min(backoff * 2, self.config.backoff_max_s)
+
+    async def _fence(self) -> None:
+        """The driver declared this node lost (it was silent: SIGSTOPped, partitioned) and
+        the world went on without it: its workers belong to a dead timeline. Stop them
+        before registering again, so they neither fail as faults of the node nor write
+        into the new world; the node comes back idle, for the driver to take again."""
+        sup = self.supervisor
+        if sup is None or not any(w.pid and w.exit_code == 0 for w in sup.workers.values()):
+            return
+        log.warning("declared lost: stopping the workers of the old world before registering")
+        await sup.stop_all(grace_s=2.0)
+        sup.exited = False  # their exits are this cleanup, not faults
 
     def _on_rpc_error(self, e: grpc.aio.AioRpcError, target: str) -> None:
         code = e.code()

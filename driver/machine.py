@@ -56,6 +56,10 @@ DIAGNOSABLE = frozenset({"worker_failed", "hang_suspected", "log_alert", "self_c
 #: CUDA error, out of memory) and a non-finite loss open an incident.
 SYMPTOM_KEYWORDS = frozenset({"Traceback", "RuntimeError"})
 MAX_SETTLE = 16  # automatic transitions per decision (the loop needs at most 4)
+#: Faults of an idle node that are its own cleanup, not its health: a node that came back
+#: after it was replaced (SIGSTOPped, partitioned) still has the old world's workers, which
+#: exit or stall. Recorded only; a failed self-check or a hardware alert still evicts it.
+STALE_KINDS = frozenset({"worker_failed", "hang_suspected", "straggler_suspected"})
 
 Phase: TypeAlias = ev.Phase
 
@@ -545,17 +549,26 @@ def _react(before: ev.JobState, d: _Draft, obs: Observation, policy: Policy) -> 
     fault = _fault(obs, policy, before)
     if fault is None:
         return "recorded only"
-    return _on_fault(before, d, *fault)
+    return _on_fault(before, d, *fault, idle_evicts=kind not in STALE_KINDS)
 
 
-def _on_fault(before: ev.JobState, d: _Draft, kind: str, nodes: list[str], reason: str) -> str:
+def _on_fault(
+    before: ev.JobState,
+    d: _Draft,
+    kind: str,
+    nodes: list[str],
+    reason: str,
+    *,
+    idle_evicts: bool = True,
+) -> str:
     phase = before.phase
     world = set(before.world.node_ids)
     accepted: list[str] = []
     for n in nodes:
         st = _state_of(before, n)
         if n not in world:
-            if st in (ev.NODE_STATE_SPARE, ev.NODE_STATE_ACTIVE) and kind != _LOST:
+            healthy = st in (ev.NODE_STATE_SPARE, ev.NODE_STATE_ACTIVE)
+            if healthy and kind != _LOST and idle_evicts:
                 d.add(ev.Event(node_evicted=ev.NodeEvicted(node_id=n, reason=f"idle: {reason}")))
             continue
         if st == ev.NODE_STATE_EVICTED:
