@@ -48,17 +48,26 @@ def silent(view: LiveView, now: float, slack_s: float = 0.0) -> list[tuple[NodeS
     opened a session expire after `session_grace_ms`.
 
     `slack_s` is how late the driver's own event loop recently ran: heartbeats that sat
-    in the driver's socket buffers during its stall are not the node's silence.
+    in the driver's socket buffers during its stall are not the node's silence. A node
+    whose own heartbeats recently came with long gaps (a loaded host) gets up to
+    `jitter_k` x its largest recent gap, capped (`LiveViewConfig`): a jitter-adaptive miss
+    limit, so each node is judged against its own rhythm.
     """
     out: list[tuple[NodeSlot, str]] = []
-    grace_s = view.config.session_grace_ms / 1000.0
-    for queue, timeout, reason in (
-        (view.order, view.config.timeout_s + slack_s, "heartbeat timeout"),
-        (view.pending, grace_s + slack_s, "no session after registration"),
+    c = view.config
+    grace_s = c.session_grace_ms / 1000.0
+    cap = c.jitter_cap * c.timeout_s
+    for queue, timeout, reason, adaptive in (
+        (view.order, c.timeout_s + slack_s, "heartbeat timeout", c.jitter_k > 0),
+        (view.pending, grace_s + slack_s, "no session after registration", False),
     ):
         for slot in queue.values():
-            if now - slot.last_seen <= timeout:
+            silence = now - slot.last_seen
+            if silence <= timeout:
                 break
+            # only the stale front is read: the nodes past the fixed timeout
+            if adaptive and silence <= min(cap, c.jitter_k * slot.gap_s) + slack_s:
+                continue
             out.append((slot, reason))
     return out
 

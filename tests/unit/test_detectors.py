@@ -251,3 +251,34 @@ def test_mass_silence_limit() -> None:
     assert all(s.alive for s, _ in silent)  # nothing marked until declared
     assert len(detectors.declare(v, silent, 0.31)) == 6
     assert v.alive_count() == 14
+
+
+def test_miss_limit_adapts_to_each_nodes_own_jitter() -> None:
+    """A node whose heartbeats came with 400 ms gaps gets 2 x 400 ms (capped at 4 x the
+    300 ms timeout); a steady node keeps the 300 ms limit."""
+    v = view()
+    admitted(v, req("steady"), 0.0)
+    admitted(v, req("jittery"), 0.0)
+    t = 0.0
+    for _ in range(5):
+        t += 0.1
+        v.beat(v.nodes["steady"], dpb.Heartbeat(seq=1), t)
+    v.beat(v.nodes["jittery"], dpb.Heartbeat(seq=1), 0.1)
+    v.beat(v.nodes["jittery"], dpb.Heartbeat(seq=2), 0.5)  # a 400 ms gap (a loaded host)
+    assert [e.node_lost.node_id for e in detectors.expired(v, 0.85)] == ["steady"]
+    assert detectors.expired(v, 1.25) == []  # 750 ms silent: within 2 x 400 ms
+    assert [e.node_lost.node_id for e in detectors.expired(v, 1.35)] == ["jittery"]
+
+
+def test_adaptive_miss_limit_is_capped_and_can_be_turned_off() -> None:
+    v = view(jitter_k=0)
+    admitted(v, req(), 0.0)
+    v.beat(v.nodes["n0"], dpb.Heartbeat(seq=1), 0.1)
+    v.beat(v.nodes["n0"], dpb.Heartbeat(seq=2), 5.0)  # a 4.9 s gap
+    assert len(detectors.expired(v, 5.31)) == 1  # off: the fixed 300 ms
+    w = view()
+    admitted(w, req(), 0.0)
+    w.beat(w.nodes["n0"], dpb.Heartbeat(seq=1), 0.1)
+    w.beat(w.nodes["n0"], dpb.Heartbeat(seq=2), 5.0)
+    assert detectors.expired(w, 6.1) == []  # 1.1 s: within the cap (4 x 300 ms)
+    assert len(detectors.expired(w, 6.25)) == 1  # past the cap, whatever the jitter
