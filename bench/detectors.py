@@ -51,7 +51,8 @@ from unbroken.proto import events_pb2 as ev
 
 RESULTS = Path(__file__).parent / "results" / "detectors.json"
 FACTORS = (1.20, 1.10, 1.05)
-MISS_LIMITS = (3, 5, 10, 20)  # the table's settings (x 100 ms heartbeats)
+MISS_LIMITS = (3, 5, 10, 20)
+REPLICA_KEY = "bench-detectors-replica-key-0123456789"  # the table's settings (x 100 ms heartbeats)
 
 HANG_WORKER = """
 import time
@@ -86,7 +87,12 @@ class Procs:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+                env=dict(
+                    os.environ,
+                    OMP_NUM_THREADS="1",
+                    PYTHONUNBUFFERED="1",
+                    UNBROKEN_REPLICA_KEY=REPLICA_KEY,  # the buddy stream is authenticated
+                ),
             )
         self.procs[name] = p
         return p
@@ -402,6 +408,7 @@ def main() -> None:
     ap.add_argument("--hog", type=int, default=2, help="busy processes during it (0: none)")
     ap.add_argument("--straggler-timeout", type=float, default=120.0)
     ns = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop what it started, then exit
     parts = {x.strip() for x in ns.parts.split(",") if x.strip()}
     out: dict[str, Any] = {"load1_start": os.getloadavg()[0], "cores": os.cpu_count()}
     if RESULTS.exists():  # keep the parts not run now
