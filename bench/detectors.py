@@ -411,9 +411,6 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop what it started, then exit
     parts = {x.strip() for x in ns.parts.split(",") if x.strip()}
     out: dict[str, Any] = {"load1_start": os.getloadavg()[0], "cores": os.cpu_count()}
-    if RESULTS.exists():  # keep the parts not run now
-        with contextlib.suppress(ValueError):
-            out = {**json.loads(RESULTS.read_text()), **out}
     base = Path(tempfile.mkdtemp(prefix="bench-detectors-"))
     etcd = EmbeddedEtcd(base / "etcd").start()
     try:
@@ -437,6 +434,9 @@ def main() -> None:
     out["load1_end"] = os.getloadavg()[0]
     out["logs"] = str(base)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    if RESULTS.exists():  # keep the parts not run now (read now: another run may have ended)
+        with contextlib.suppress(ValueError):
+            out = {**json.loads(RESULTS.read_text()), **out}
     RESULTS.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
     print(json.dumps({k: v for k, v in out.items() if not isinstance(v, dict)}, indent=2))
     for k in ("straggler_detect_s", "false_positives"):
