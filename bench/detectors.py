@@ -446,7 +446,7 @@ def main() -> None:
     for k in ("straggler_detect_s", "false_positives"):
         if k in out:
             print(k, json.dumps(out[k]))
-    if "false_positive_run" in out:
+    if (out.get("false_positive_run") or {}).get("miss_limit_table"):
         print("| miss limit | detection latency (ms) | false NodeLost | per node-day |")
         print("|---:|---:|---:|---:|")
         for row in out["false_positive_run"]["miss_limit_table"]:
