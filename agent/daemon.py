@@ -74,7 +74,9 @@ REPORT_BATCH = 256  # verified shards per ShardsPersisted message
 AGENT_VERSION = "0.1.0"
 F_EXITED = dpb.HEARTBEAT_FLAG_WORKER_EXITED
 F_ALERTS = dpb.HEARTBEAT_FLAG_LOG_ALERTS
+F_STALLED = dpb.HEARTBEAT_FLAG_STALLED
 FAULT_FILE_ENV = "UNBROKEN_FAULT_FILE"
+SLOW_FILE = "slow-train.json"  # trainer/run.py reads it beside the fault file
 
 
 class AgentExit(Exception):
@@ -328,6 +330,8 @@ class Agent:
                 await self._session(stub)
             except grpc.aio.AioRpcError as e:
                 self._on_rpc_error(e, target)
+                if "declared lost" in (e.details() or ""):
+                    await self._fence()
             finally:
                 await ch.close(grace=None)
             if self.stop.is_set():
@@ -340,6 +344,18 @@ class Agent:
                 )
             await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
             backoff = min(backoff * 2, self.config.backoff_max_s)
+
+    async def _fence(self) -> None:
+        """The driver declared this node lost (it was silent: SIGSTOPped, partitioned) and
+        the world went on without it: its workers belong to a dead timeline. Stop them
+        before registering again, so they neither fail as faults of the node nor write
+        into the new world; the node comes back idle, for the driver to take again."""
+        sup = self.supervisor
+        if sup is None or not any(w.pid and w.exit_code == 0 for w in sup.workers.values()):
+            return
+        log.warning("declared lost: stopping the workers of the old world before registering")
+        await sup.stop_all(grace_s=2.0)
+        sup.exited = False  # their exits are this cleanup, not faults
 
     def _on_rpc_error(self, e: grpc.aio.AioRpcError, target: str) -> None:
         code = e.code()
@@ -423,6 +439,10 @@ class Agent:
                     for w in hb.workers:
                         if w.global_rank >= 0:
                             w.ring_steps.extend(self.flash.ring_steps(w.global_rank))
+                stalled, stacks = sup.hang_check(list(hb.workers))
+                if stalled:
+                    hb.flags |= F_STALLED
+                    hb.hang_stacks = stacks
                 if sup.exited:
                     hb.flags |= F_EXITED
                     sup.exited = False
@@ -590,6 +610,12 @@ class Agent:
         sup = self.supervisor
         if sup is None or self.fault_file is None:
             raise ValueError(f"{f.kind}: this agent runs no workers (no --worker-cmd)")
+        if f.kind == "slow-train":
+            path = self.fault_file.with_name(SLOW_FILE)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps({"factor": f.factor or 2.0}))
+            os.replace(tmp, path)  # the trainer reads it each step (trainer/run.py SlowFile)
+            return f"slow-train: the workers compute {f.factor or 2.0:g}x slower"
         if f.kind in WORKER_FILE_FAULTS:
             step = f.step or max((w.step for w in sup.workers.values()), default=0) + 1
             data = {"kind": f.kind, "step": step, "id": uuid.uuid4().hex}

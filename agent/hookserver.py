@@ -243,10 +243,14 @@ class HookServer:
                 s.step_time_ms,
                 time.monotonic(),
                 (s.peak_loss, s.peak_step) if s.has_peak else None,
+                dict(s.timings_ms) if s.timings_ms else None,
             )
+        elif kind == "phase":
+            w.on_phase(rep.phase.name, time.monotonic())
         elif kind == "hello":
             w.reply_socket = rep.hello.reply_socket
             w.stack_signal = rep.hello.stack_signal
+            w.restop_signal = rep.hello.restop_signal
 
     def _attach(self, rep: hpb.WorkerReport) -> None:
         """Remember an SDK process the agent did not start and tell it where flash lives."""

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from unbroken.agent.daemon import Agent, AgentConfig
 from unbroken.agent.flash import NodeFlashConfig
+from unbroken.agent.hang import HangConfig
 from unbroken.agent.warm import DEFAULT_PRELOAD
 from unbroken.agent.workers import DEFAULT_KEYWORDS, WorkerSpec
 from unbroken.proto.logsetup import setup_logging
@@ -124,6 +125,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=5,
         help="niceness added for workers and checks, so heartbeats keep the CPU (default 5)",
     )
+    h = parser.add_argument_group("hang detection (agent/hang.py)")
+    h.add_argument(
+        "--hang-floor-ms",
+        type=float,
+        default=1000.0,
+        help="a rank is hung after no progress for max(this, k x its p90 step time) (default 1000)",
+    )
+    h.add_argument("--hang-k", type=float, default=5.0, help="k of the rule above (default 5)")
+    h.add_argument(
+        "--hang-phase-limit-ms",
+        type=float,
+        default=300_000.0,
+        help="the limit in restore / checkpoint / eval / startup and before the first steps "
+        "(default 300000)",
+    )
     w = parser.add_argument_group("warm standby workers (agent/warm.py)")
     w.add_argument(
         "--warm-workers",
@@ -234,6 +250,9 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
             warm_preload=tuple(m for m in ns.warm_preload.split(",") if m),
             warm_refill_after_s=ns.warm_refill_after_s,
             warm_nice=ns.warm_nice,
+            hang=HangConfig(
+                floor_ms=ns.hang_floor_ms, k=ns.hang_k, phase_limit_ms=ns.hang_phase_limit_ms
+            ),
         )
         if not ns.no_flash:
             if not ns.persist_url:

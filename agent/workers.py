@@ -19,6 +19,12 @@ the agent dies between the fork and the prctl.
 Before a worker is killed on command its Python stacks can be dumped: with py-spy when it
 is installed, else by SIGUSR1 to a worker that registered faulthandler through
 trainer/hooks.py (a SIGSTOPped worker is continued first so it can run the handler).
+
+Hangs are judged here, per rank, from the rank's own step rhythm and phase (agent/hang.py):
+`Supervisor.hang_check` turns the statuses of one heartbeat into the STALLED flag and, once
+per hang episode, the capped stacks of every rank of the node. A worker found SIGSTOPped
+(a drill's hang) runs only its faulthandler and is stopped again (SIGUSR1, SIGCONT, SIGSTOP
+back to back), so the dump does not end the hang it describes.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from pathlib import Path
 
 import structlog
 
+from unbroken.agent import hang as hanglib
 from unbroken.agent import warm as warmlib
 from unbroken.proto import driver_pb2 as dpb
 
@@ -55,6 +62,7 @@ DEFAULT_KEYWORDS = (
 
 
 PEAK_BEATS = 3  # heartbeats a loss peak is repeated in (see Worker.status)
+WINDOW_STEPS = 128  # steps the reported compute / wait medians stand for
 
 
 @dataclass(kw_only=True, slots=True)
@@ -81,6 +89,7 @@ class WorkerSpec:
     warm_nice: int = 5  # added niceness while a standby waits (the workers' at hand-off)
     # standbys are replaced once every restarted worker reports a step, or after this long
     warm_refill_after_s: float = 30.0
+    hang: hanglib.HangConfig = field(default_factory=hanglib.HangConfig)
 
     def __post_init__(self) -> None:
         if not self.cmd:
@@ -182,10 +191,18 @@ class Worker:
         self.step_times: collections.deque[float] = collections.deque(maxlen=32)
         self.reply_socket = ""
         self.stack_signal = False
+        self.restop_signal = False  # SIGUSR2 dumps the stacks and stops again (trainer/hooks.py)
         self.tail: collections.deque[str] = collections.deque(maxlen=400)
         self.nlines = 0  # lines ever appended to `tail`
         self.tasks: list[asyncio.Task[None]] = []
         self.warm = False  # started in a warm standby rather than a fresh process
+        self.phase = ""  # the worker's own phase report ("" until one: judged as "train")
+        # per-step compute and collective-wait times (the straggler detector's input)
+        self.compute_times: collections.deque[float] = collections.deque(maxlen=WINDOW_STEPS)
+        self.wait_times: collections.deque[float] = collections.deque(maxlen=WINDOW_STEPS)
+        self.hung = False
+        self.delay_at_progress = -1.0  # run-queue delay (ms) at the step last seen progressing
+        self.step_seen = -1
 
     @property
     def pid(self) -> int:
@@ -198,11 +215,17 @@ class Worker:
         step_time_ms: float,
         now: float,
         peak: tuple[float, int] | None = None,
+        timings_ms: dict[str, float] | None = None,
     ) -> None:
         """A step report; `peak` is the highest loss (and its step) of the steps it stands
-        for when it stands for several (the SDK's coalesced reports)."""
+        for when it stands for several (the SDK's coalesced reports); `timings_ms` may name
+        "compute" and "collective_wait" (the straggler detector's input)."""
         if step != self.step:
             self.last_progress = now
+            self.phase = "train"  # a step ends a restore / checkpoint / collective phase
+        if timings_ms and "compute" in timings_ms:
+            self.compute_times.append(timings_ms["compute"])
+            self.wait_times.append(timings_ms.get("collective_wait", 0.0))
         self.step, self.step_time_ms = step, step_time_ms
         self.has_loss = loss is not None
         self.loss = loss if loss is not None else 0.0
@@ -216,7 +239,12 @@ class Worker:
         if step_time_ms > 0:
             self.step_times.append(step_time_ms)
 
-    def status(self, now: float) -> dpb.WorkerStatus:
+    def on_phase(self, name: str, now: float) -> None:
+        """The worker entered phase `name`; the phase's own limit counts from now."""
+        self.phase = name[:32]
+        self.last_progress = now
+
+    def status(self, now: float, hang: hanglib.HangConfig | None = None) -> dpb.WorkerStatus:
         """This worker's heartbeat entry. Its peak is the highest loss (a non-finite one
         first) of the last `PEAK_BEATS` heartbeats' steps: the driver keeps only a node's
         newest heartbeat and its loss watch looks once per heartbeat interval, so a peak
@@ -232,6 +260,20 @@ class Worker:
             ):
                 best = p
         peak = (True, *best) if best is not None else (False, 0.0, 0)
+        since_ms = (now - self.last_progress) * 1000.0
+        threshold = hanglib.threshold_ms(self.step_times, self.phase, hang or hanglib.HangConfig())
+        running = self.state == dpb.WORKER_STATE_RUNNING
+        judged = running and (bool(self.step_times) or bool(self.phase))  # hookless: never
+        starved = 0.0
+        if judged and self.pid:
+            delay = hanglib.run_delay_ms(self.pid)
+            if self.step != self.step_seen or self.delay_at_progress < 0:
+                self.step_seen, self.delay_at_progress = self.step, delay
+            starved = delay - self.delay_at_progress
+        self.hung = judged and hanglib.is_hung(since_ms, threshold, starved)
+        compute = sorted(self.compute_times)
+        mid = compute[len(compute) // 2] if compute else 0.0
+        mad = statistics.median(abs(x - mid) for x in compute) if compute else 0.0
         return dpb.WorkerStatus(
             local_rank=self.local_rank,
             global_rank=self.global_rank,
@@ -241,13 +283,20 @@ class Worker:
             step=self.step,
             loss=self.loss,
             step_time_ms=self.step_time_ms,
-            since_progress_ms=(now - self.last_progress) * 1000.0,
+            since_progress_ms=since_ms,
             median_step_ms=statistics.median(self.step_times) if self.step_times else 0.0,
             restarts=self.restarts,
             has_loss=self.has_loss,
             has_peak=peak[0],
             peak_loss=peak[1],
             peak_step=peak[2],
+            hung=self.hung,
+            hang_threshold_ms=threshold,
+            phase=self.phase or "train",
+            compute_ms=mid,
+            compute_mad_ms=mad,
+            wait_ms=statistics.median(self.wait_times) if self.wait_times else 0.0,
+            window_steps=len(compute),
         )
 
 
@@ -264,6 +313,9 @@ class Supervisor:
         self._refill: asyncio.Task[None] | None = None
         self.warm_starts = 0
         self.cold_starts = 0
+        # a hang episode: None (none), a task dumping the stacks, or "" once they were sent
+        self._hang_dump: asyncio.Task[str] | None = None
+        self._hang_sent = False
         Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
 
     def by_pid(self, pid: int) -> Worker | None:
@@ -435,8 +487,12 @@ class Supervisor:
             self.exited = self.exited or code != 0
         log.info("worker exited", local_rank=w.local_rank, pid=w.pid, code=code)
 
-    async def dump_stacks(self, w: Worker, timeout_s: float = 2.0) -> str:
-        """The worker's Python stacks (py-spy, else faulthandler via SIGUSR1), or ""."""
+    async def dump_stacks(self, w: Worker, timeout_s: float = 2.0, *, restop: bool = False) -> str:
+        """The worker's Python stacks (py-spy, else faulthandler via SIGUSR1), or "".
+
+        With `restop`, a worker found stopped (SIGSTOP) runs only its stack handler and is
+        stopped again (the hang detector must not end the hang it reports).
+        """
         if w.proc is None or w.proc.returncode is not None:
             return ""
         pyspy = shutil.which("py-spy")
@@ -456,21 +512,73 @@ class Supervisor:
             except TimeoutError:
                 p.kill()
                 await p.wait()
+        if restop and process_stopped(w.pid):
+            return await self._dump_stopped(w, timeout_s)
         if not w.stack_signal:
             return ""
         mark = w.nlines
         with contextlib.suppress(ProcessLookupError):
             os.kill(w.pid, signal.SIGCONT)
             os.kill(w.pid, signal.SIGUSR1)
+        return await self._collect(w, mark, timeout_s)
+
+    async def _dump_stopped(self, w: Worker, timeout_s: float) -> str:
+        """A stopped worker's stacks without ending its stop.
+
+        Its SDK's SIGUSR2 handler (trainer/hooks.py) dumps the stacks and stops the process
+        again before a step can run; a worker without one is left stopped, undumped.
+        """
+        head = "(process stopped: SIGSTOP)"
+        if not w.restop_signal:
+            return head + " (no SIGUSR2 handler: install py-spy for its stacks)"
+        mark = w.nlines
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(w.pid, signal.SIGUSR2)
+            os.kill(w.pid, signal.SIGCONT)
+        return head + "\n" + await self._collect(w, mark, timeout_s)
+
+    @staticmethod
+    async def _collect(w: Worker, mark: int, timeout_s: float) -> str:
+        """The lines `w` wrote after line `mark`, once they stop growing (or at the deadline)."""
         deadline = time.monotonic() + timeout_s
         seen = -1
         while time.monotonic() < deadline:  # wait until the dump stops growing
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.05)
             if w.nlines == seen and w.nlines > mark:
                 break
             seen = w.nlines
         new = min(w.nlines - mark, len(w.tail))
         return "\n".join(list(w.tail)[len(w.tail) - new :]) if new > 0 else ""
+
+    def hang_check(self, statuses: list[dpb.WorkerStatus]) -> tuple[bool, str]:
+        """(flag STALLED?, stacks to send) for one heartbeat's statuses.
+
+        A hang episode starts when a rank is hung: the stacks of every running rank are
+        dumped once (in the background); the flag is raised when they are in, so the one
+        flagged heartbeat that opens the episode carries them, and stays up while any rank
+        is hung. Progress on every rank ends the episode.
+        """
+        if not any(s.hung for s in statuses):
+            if self._hang_dump is not None and not self._hang_dump.done():
+                self._hang_dump.cancel()
+            self._hang_dump, self._hang_sent = None, False
+            return False, ""
+        if self._hang_dump is None:
+            self._hang_dump = asyncio.ensure_future(self._dump_node())
+        if not self._hang_dump.done():
+            return False, ""
+        if self._hang_sent:
+            return True, ""
+        self._hang_sent = True
+        try:
+            return True, self._hang_dump.result()
+        except Exception as e:  # a dump that failed must not hold back the flag
+            return True, f"(stacks unavailable: {e})"
+
+    async def _dump_node(self) -> str:
+        running = [w for w in self.workers.values() if w.state == dpb.WORKER_STATE_RUNNING]
+        dumps = await asyncio.gather(*(self.dump_stacks(w, 1.0, restop=True) for w in running))
+        return hanglib.cap_stacks({w.local_rank: d for w, d in zip(running, dumps, strict=True)})
 
     async def stop(self, w: Worker, grace_s: float = 5.0, *, dump: bool = False) -> str:
         """Stop one worker (SIGTERM, SIGKILL after `grace_s`); return its stack dump."""
@@ -500,9 +608,19 @@ class Supervisor:
         return dict(zip(self.workers, dumps, strict=True))
 
     def statuses(self, now: float) -> list[dpb.WorkerStatus]:
-        return [w.status(now) for w in self.workers.values()]
+        return [w.status(now, self.spec.hang) for w in self.workers.values()]
 
     def take_alerts(self) -> list[dpb.LogAlertLine]:
         out = list(self.alerts)
         self.alerts.clear()
         return out
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether `pid` is stopped by a signal (state T in /proc/<pid>/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] == b"T"

@@ -7,8 +7,9 @@ flash-saving every step) and a spare agent. Faults are injected by signals:
 * worker crash: SIGKILL a worker (detected as WorkerFailed);
 * node loss: SIGKILL a training node's agent (its workers and standbys die with it through
   pdeathsig; NodeLost); a new spare agent is started at once for the next one;
-* hang: SIGSTOP a worker (HangSuspected after `--hang-floor-ms`, 10 s here rather than the
-  30 s default, so a restore never looks like a hang);
+* hang: SIGSTOP a worker (HangSuspected once the agent sees no progress for
+  max(`--hang-floor-ms`, 5 x the rank's p90 step time); a restore is excluded by the
+  worker's own phase report, so the agents' 1 s default is used);
 * driver kill: SIGKILL the leader driver (LeaderElected); it is restarted on the same port as
   the new standby. Training never pauses for it: resume_s = 0, steps_lost = 0.
 
@@ -84,7 +85,7 @@ EXPECT = {
 }
 NOT_INJECTED: dict[str, str] = {}
 SPIKE_AHEAD = 2  # a loss spike is injected this many steps ahead of the newest step
-HANG_FLOOR_MS = 10_000
+HANG_FLOOR_MS = 1_000
 # Missed 100 ms heartbeats before NodeLost: 5, as `unbroken up` (`--miss-limit`; an older,
 # loaded machine needed 30, where agents were often silent for 0.5 s).
 MISS_LIMIT = 5
@@ -298,7 +299,6 @@ class Bench:
                 "--nodes", "2", "--workers-per-node", "1", "--dp", "2",
                 "--worker-cmd", self._worker_cmd(), "--master-addr", "127.0.0.1",
                 "--trainer", "gpt3d", "--miss-limit", str(self.miss_limit),
-                "--hang-floor-ms", str(HANG_FLOOR_MS),
             ],
         )  # fmt: skip
         self.c.addresses[name] = f"127.0.0.1:{port}"
@@ -317,6 +317,7 @@ class Bench:
             "--persist-url", str(self.run / "storage"),
             "--replica-listen", f"127.0.0.1:{self.replica[node]}",
             "--buddy", f"127.0.0.1:{self.replica[buddy]}",
+            "--hang-floor-ms", str(HANG_FLOOR_MS),
             *self._agent_flags,
         ]  # fmt: skip
         if spare:

@@ -7,7 +7,8 @@ heartbeats (8 workers each, every one running and reporting a loss):
 - the loss watch (every heartbeat interval, 100 ms): the cached sweep, which reads the
   node holding the lowest rank and rescans the world every `rescan_every` sweeps, against
   the full scan it replaced (rescan_every=1), same view, same run: the ratio;
-- the hang sweep (every `hang_sweep_ms`, 1 s), still O(all ranks);
+- the straggler sweep (every `straggler.sweep_ms`, 2 s), O(world ranks) while training
+  (the hang sweep is gone: agents flag their hung ranks in the heartbeat);
 - the node-lost sweep (every interval/5), O(1) on a healthy cluster;
 - ListNodes' response (`node_infos`: all nodes, and one page of 1,000 as `unbroken nodes`
   fetches them), GetStatus (`status_of`) and the LiveView snapshot at 10,000 nodes.
@@ -31,6 +32,7 @@ from unbroken.driver import detectors
 from unbroken.driver import state as statelib
 from unbroken.driver.liveview import LiveView, LiveViewConfig
 from unbroken.driver.operator import node_infos, status_of
+from unbroken.driver.straggler import StragglerConfig, StragglerWatch, sample
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.recovery.spike import SpikeConfig
 
@@ -58,6 +60,10 @@ def build(nodes: int, now: float) -> tuple[LiveView, list[str]]:
                 has_loss=True,
                 median_step_ms=100.0,
                 since_progress_ms=50.0,
+                compute_ms=80.0 + (i % 7),
+                compute_mad_ms=2.0,
+                wait_ms=20.0,
+                window_steps=64,
             )
         view.beat(slot, hb, now)
     return view, world
@@ -81,7 +87,17 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     now = time.monotonic() + 3600.0  # every heartbeat "just arrived" when the sweeps run
     view, world = build(ns.nodes, now)
-    cfg = detectors.DetectorConfig()
+    cfg = StragglerConfig()
+    watch = StragglerWatch(cfg)
+
+    def stragglers() -> None:
+        samples = []
+        for n in world:
+            got = sample(n, view.nodes[n].hb.workers)
+            if got is not None:
+                samples.append(got)
+        watch.sweep(samples)
+
     spike = SpikeConfig()
 
     cached = detectors.LossWatch(spike)
@@ -91,7 +107,7 @@ def main() -> None:
     # amortized: 50 sweeps include one full scan (rescan_every = 50)
     t_cached = timed(lambda: [cached.sweep(view, world) for _ in range(50)], ns.repeat) / 50
     t_full = timed(lambda: full.sweep(view, world), ns.repeat)
-    t_hangs = timed(lambda: detectors.hangs(view, cfg), max(5, ns.repeat // 3))
+    t_straggler = timed(stragglers, max(5, ns.repeat // 3))
     t_lost = timed(lambda: detectors.silent(view, now), ns.repeat)
     state = statelib.initial("bench")
     t_nodes = timed(lambda: node_infos(state, view, now), max(3, ns.repeat // 5))
@@ -103,7 +119,7 @@ def main() -> None:
     rows = {
         "loss_watch_cached": (t_cached, period),
         "loss_watch_full_scan": (t_full, period),
-        "hang_sweep": (t_hangs, cfg.hang_sweep_ms / 1000.0),
+        "straggler_sweep": (t_straggler, cfg.sweep_ms / 1000.0),
         "node_lost_sweep": (t_lost, period / 5),
         "list_nodes_all": (t_nodes, None),
         "list_nodes_page_1000": (t_page, None),

@@ -99,6 +99,7 @@ class FaultSpec:
 RUNTIME_FAULTS: dict[str, str] = {
     "wrong-matmul": "the node's checks and self-check compute wrong results (a corrupt GPU)",
     "slow": "the node's checks run FACTOR times slower (--factor, >= 1)",
+    "slow-train": "the node's workers compute FACTOR times slower (--factor, >= 1; 1 ends it)",
     "crash": "SIGKILL the worker of local rank R (--rank)",
     "hang": "SIGSTOP the worker of local rank R (--rank): no exit, no progress",
     "node-loss": "the agent SIGKILLs its workers and exits without a goodbye",
@@ -135,7 +136,7 @@ class RuntimeFault:
             raise ValueError(f"step must be >= 0, got {self.step}")
         if self.factor and not (math.isfinite(self.factor) and self.factor >= 1.0):
             raise ValueError(f"factor must be a finite number >= 1, got {self.factor}")
-        if self.factor and self.kind != "slow":
+        if self.factor and self.kind not in ("slow", "slow-train"):
             raise ValueError(f"factor applies to the 'slow' fault only, not {self.kind!r}")
 
     @classmethod

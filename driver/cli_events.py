@@ -12,6 +12,8 @@ from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
 
 SUMMARY_CHARS = 160
+#: lines of a stack dump that are not frames (faulthandler's and py-spy's headers)
+HEADERS = ("Current thread", "Thread ", "Process ", "Python v", "(")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -26,11 +28,41 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def summary(e: ev.Event) -> str:
-    """The payload of `e` as one short `key=value` line."""
+    """The payload of `e` as one short `key=value` line (stacks abbreviated: `stacks`)."""
     kind = e.WhichOneof("payload") or ""
     fields = to_dict(getattr(e, kind)) if kind else {}
+    dump = fields.pop("stack_dump", "") if kind == "hang_suspected" else ""
     text = " ".join(f"{k}={v}" for k, v in fields.items() if v not in ("", 0, [], {}, False))
-    return text[:SUMMARY_CHARS]
+    text = text[:SUMMARY_CHARS]
+    return f"{text} stacks: {stacks(dump)}" if dump else text
+
+
+def stacks(dump: str) -> str:
+    """One line from a HangSuspected's stacks: each rank's innermost frame (where it is stuck).
+
+    faulthandler and py-spy both list the most recent call first, so the first frame line
+    of a rank's section is where it waits; `--json` prints the whole dump.
+    """
+    parts = []
+    rank, frame, stopped = "", "", False
+    for line in [*dump.splitlines(), "--- end ---"]:
+        if line.startswith("--- "):
+            if rank:
+                parts.append(f"r{rank}{' stopped' if stopped else ''} {frame or '?'}")
+            rank, frame, stopped = line.strip("- ").removeprefix("local rank "), "", False
+        elif "process stopped" in line:
+            stopped = True
+        elif frame or line.startswith(HEADERS) or not line.strip():
+            continue
+        elif line.strip().startswith("File "):
+            # faulthandler: File "/path/x.py", line 16 in fn
+            where, _, fn = line.strip().removeprefix("File ").rpartition(" in ")
+            path, _, lineno = where.partition(", line ")
+            frame = f"{fn} ({path.strip(chr(34)).rsplit('/', 1)[-1]}:{lineno})"
+        elif line.rstrip().endswith(")"):
+            frame = line.strip()  # py-spy: "all_reduce (torch/distributed/c10d.py:3252)"
+    lines = len(dump.splitlines())
+    return " | ".join(parts) + f" [{lines} lines; --json for all]"
 
 
 def run(ns: argparse.Namespace) -> int:

@@ -4,8 +4,9 @@ Each detector turns what heartbeats say into transition events (DESIGN.md: heart
 not events, transitions are):
 - node lost: no heartbeat for `miss_limit` x interval, by the driver's monotonic clock;
 - worker failed: a worker reported with a non-zero exit code (once per exit);
-- hang suspected: a running worker's step has not advanced for
-  max(`hang_k` x its median step time, `hang_floor_ms`) (once per stuck step);
+- hang suspected: the agent flagged a heartbeat STALLED, having judged a rank hung from
+  its own step rhythm and phase (agent/hang.py); one event per node and episode, with the
+  stacks of the node's ranks (`hung`);
 - log alert: a keyword line the agent's log scanner caught; also bad telemetry
   (a step that went backwards, a non-finite loss) is reported as an alert, not trusted;
 - refusal: a stale epoch or a second live agent claiming a node id;
@@ -29,24 +30,7 @@ from unbroken.proto import events_pb2 as ev
 from unbroken.recovery.spike import SpikeConfig, SpikeDetector
 
 MAX_LINE_CHARS = 4096  # an alert line longer than this is cut (events have a size cap)
-MAX_STACK_CHARS = 32 * 1024
-
-
-@dataclass(kw_only=True, slots=True)
-class DetectorConfig:
-    """Thresholds of the worker-level detectors."""
-
-    hang_k: float = 5.0  # a hang is k x the worker's median step time without progress
-    hang_floor_ms: float = 30_000.0  # ...but never less than this
-    hang_sweep_ms: float = 1000.0  # how often the hang detector looks
-
-    def __post_init__(self) -> None:
-        if not self.hang_k >= 1.0:
-            raise ValueError(f"hang_k must be >= 1, got {self.hang_k}")
-        if not self.hang_floor_ms >= 10.0:
-            raise ValueError(f"hang_floor_ms must be >= 10, got {self.hang_floor_ms}")
-        if not 10.0 <= self.hang_sweep_ms <= 60_000.0:
-            raise ValueError(f"hang_sweep_ms must be in [10, 60000], got {self.hang_sweep_ms}")
+MAX_STACK_CHARS = 48 * 1024  # the agent caps a node's stacks at this (agent/hang.py)
 
 
 def truncate(text: str, limit: int) -> str:
@@ -64,17 +48,26 @@ def silent(view: LiveView, now: float, slack_s: float = 0.0) -> list[tuple[NodeS
     opened a session expire after `session_grace_ms`.
 
     `slack_s` is how late the driver's own event loop recently ran: heartbeats that sat
-    in the driver's socket buffers during its stall are not the node's silence.
+    in the driver's socket buffers during its stall are not the node's silence. A node
+    whose own heartbeats recently came with long gaps (a loaded host) gets up to
+    `jitter_k` x its largest recent gap, capped (`LiveViewConfig`): a jitter-adaptive miss
+    limit, so each node is judged against its own rhythm.
     """
     out: list[tuple[NodeSlot, str]] = []
-    grace_s = view.config.session_grace_ms / 1000.0
-    for queue, timeout, reason in (
-        (view.order, view.config.timeout_s + slack_s, "heartbeat timeout"),
-        (view.pending, grace_s + slack_s, "no session after registration"),
+    c = view.config
+    grace_s = c.session_grace_ms / 1000.0
+    cap = c.jitter_cap * c.timeout_s
+    for queue, timeout, reason, adaptive in (
+        (view.order, c.timeout_s + slack_s, "heartbeat timeout", c.jitter_k > 0),
+        (view.pending, grace_s + slack_s, "no session after registration", False),
     ):
         for slot in queue.values():
-            if now - slot.last_seen <= timeout:
+            silence = now - slot.last_seen
+            if silence <= timeout:
                 break
+            # only the stale front is read: the nodes past the fixed timeout
+            if adaptive and silence <= min(cap, c.jitter_k * slot.gap_s) + slack_s:
+                continue
             out.append((slot, reason))
     return out
 
@@ -143,6 +136,8 @@ def flagged(slot: NodeSlot, hb: dpb.Heartbeat) -> list[ev.Event]:
                 )
             )
         )
+    if hb.flags & dpb.HEARTBEAT_FLAG_STALLED:
+        out.extend(hung(slot, hb))
     out.extend(telemetry(slot, hb))
     return out
 
@@ -188,39 +183,40 @@ def _alert(slot: NodeSlot, local_rank: int, keyword: str, line: str) -> ev.Event
     )
 
 
-def hangs(view: LiveView, config: DetectorConfig) -> list[ev.Event]:
-    """HangSuspected for running workers whose step has not advanced for too long.
+def hung(slot: NodeSlot, hb: dpb.Heartbeat) -> list[ev.Event]:
+    """HangSuspected from a heartbeat flagged STALLED: the agent judged ranks hung.
 
-    Uses the agent-measured `since_progress_ms` (no cross-host clock comparison) and only
-    workers that reported at least one step: a script without hooks is never "hung".
-    Reported once per (rank, stuck step); progress re-arms it.
+    The agent decides from each rank's own rhythm and phase (agent/hang.py), so the driver
+    reads only flagged heartbeats and never sweeps every rank. One event per node and hang
+    episode: it names the longest-silent hung rank, every hung local rank, and carries the
+    stacks of the node's ranks the agent sent with the flag. A hung rank whose stuck step
+    was already reported is not reported again; progress (a new step) re-arms it.
     """
-    out = []
-    for slot in view.order.values():
-        for w in slot.hb.workers:
-            if w.state != dpb.WORKER_STATE_RUNNING or w.median_step_ms <= 0.0:
-                continue
-            threshold = max(config.hang_k * w.median_step_ms, config.hang_floor_ms)
-            if w.since_progress_ms <= threshold:
-                if slot.hung_at.get(w.local_rank, -1) != w.step:
-                    slot.hung_at.pop(w.local_rank, None)
-                continue
-            if slot.hung_at.get(w.local_rank) == w.step:
-                continue
-            slot.hung_at[w.local_rank] = w.step
-            out.append(
-                ev.Event(
-                    hang_suspected=ev.HangSuspected(
-                        node_id=slot.node_id,
-                        local_rank=w.local_rank,
-                        global_rank=w.global_rank,
-                        stuck_at_step=w.step,
-                        silent_ms=w.since_progress_ms,
-                        threshold_ms=threshold,
-                    )
-                )
+    ranks = [w for w in hb.workers if w.hung and w.state == dpb.WORKER_STATE_RUNNING]
+    live = {w.local_rank for w in ranks}
+    for r in [r for r in slot.hung_at if r not in live]:
+        del slot.hung_at[r]
+    new = [w for w in ranks if slot.hung_at.get(w.local_rank) != w.step]
+    if not new:
+        return []
+    for w in ranks:
+        slot.hung_at[w.local_rank] = w.step
+    worst = max(ranks, key=lambda w: w.since_progress_ms)
+    return [
+        ev.Event(
+            hang_suspected=ev.HangSuspected(
+                node_id=slot.node_id,
+                local_rank=worst.local_rank,
+                global_rank=worst.global_rank,
+                stuck_at_step=worst.step,
+                silent_ms=worst.since_progress_ms,
+                threshold_ms=worst.hang_threshold_ms,
+                stack_dump=truncate(hb.hang_stacks, MAX_STACK_CHARS),
+                phase=worst.phase,
+                hung_ranks=sorted(live),
             )
-    return out
+        )
+    ]
 
 
 def admit(view: LiveView, req: dpb.RegisterRequest, now: float) -> tuple[str, ev.Event | None]:

@@ -44,6 +44,7 @@ DRILL = (
     "hang",
     "loss_spike",
     "bad_node",
+    "straggler",
     "driver_kill",
     "driver_kill_mid_recovery",
 )
@@ -52,6 +53,9 @@ LOSS_AFTER_STEPS = 3
 SPIKE_AHEAD = 1  # the loss-spike fault hits the next step ("detected in" includes its wait)
 # ... and waits for this step: the detector's baseline needs the early descent behind it
 SPIKE_MIN_STEP = 30
+STRAGGLER_FACTOR = 1.2  # the straggler fault: one world node computes 20 % slower
+STRAGGLER_WARM_STEPS = 64  # steps in every worker's window before the straggler is injected
+STRAGGLER_DETECT_LIMIT_S = 180.0  # its windows must fill and shift first (driver/straggler.py)
 RESPAWN_DRIVER_S = 8.0  # a killed driver restarts this long after (its lease is 2 s)
 RESTORED = re.compile(r"flash\.restored.*\brank=0\b.*\bstep=(\d+)")
 
@@ -84,6 +88,7 @@ class FaultRecord:
     loss_after: float | None = None
     skipped: bool = False  # not injectable here (the note says why)
     armed: bool = True  # False: the fault waits for a trigger (mid-recovery driver kill)
+    detect_limit_s: float = DETECT_LIMIT_S
 
     @property
     def continued(self) -> bool | None:
@@ -269,10 +274,10 @@ class Drill:
                 if f.loss_after is None and now - f.injected_at > RESUME_LIMIT_S:
                     f.note += "; no steps after the resume"
                     f.given_up = True
-            elif f.detected_s is None and now - f.injected_at > DETECT_LIMIT_S:
-                f.note += f"; no {f.expect} within {DETECT_LIMIT_S:.0f} s"
+            elif f.detected_s is None and now - f.injected_at > f.detect_limit_s:
+                f.note += f"; no {f.expect} within {f.detect_limit_s:.0f} s"
                 f.given_up = True
-            elif now - f.injected_at > RESUME_LIMIT_S:
+            elif now - f.injected_at > RESUME_LIMIT_S + f.detect_limit_s - DETECT_LIMIT_S:
                 f.note += f"; training did not resume within {RESUME_LIMIT_S:.0f} s"
                 f.given_up = True
             if f.over:
@@ -361,9 +366,28 @@ class Drill:
             os.kill(victim[1], signal.SIGSTOP)
         return self._record(
             "hang (worker SIGSTOP)", f"{victim[0]} pid {victim[1]}", "hang_suspected", now,
-            note=f"no progress for {self.c.cfg.hang_floor_s:g} s; the world restarts",
+            note=f"no progress for max({self.c.cfg.hang_floor_s:g} s, 5 steps); the world restarts",
             recovers=True,
         )  # fmt: skip
+
+    async def _inject_straggler(self, now: float) -> FaultRecord | None:
+        world = self._world()
+        steps = [w.window_steps for n in world for w in n.workers]
+        if not steps or min(steps) < STRAGGLER_WARM_STEPS:
+            # not yet: the detector learns each node's usual cost from its first windows
+            self.plan.insert(0, "straggler")
+            return None
+        target = world[0].node_id
+        f = self._record(
+            f"straggler (node {STRAGGLER_FACTOR - 1:.0%} slower)", target, "straggler_suspected",
+            now, recovers=True, detect_limit_s=STRAGGLER_DETECT_LIMIT_S,
+            note="named by the straggler sweep; evicted, a spare takes its ranks",
+        )  # fmt: skip
+        req = dpb.InjectFaultRequest(node_id=target, kind="slow-train", factor=STRAGGLER_FACTOR)
+        ok, detail = await self._rpc("InjectFault", req)
+        if not ok:
+            f.skipped, f.note = True, f"the driver cannot inject it ({detail[:60]})"
+        return f
 
     async def _inject_loss_spike(self, now: float) -> FaultRecord | None:
         if self.w.step() < SPIKE_MIN_STEP:
@@ -490,6 +514,8 @@ def _matches(e: ev.Event, f: FaultRecord) -> bool:
         return e.node_lost.node_id == f.target
     if kind in ("worker_failed", "hang_suspected"):
         return f.target.startswith(getattr(e, kind).node_id + " ")
+    if kind == "straggler_suspected":
+        return e.straggler_suspected.node_id == f.target
     if kind == "self_check_reported":
         return e.self_check_reported.node_id == f.target and not e.self_check_reported.ok
     return kind == "loss_spike"

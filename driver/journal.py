@@ -65,7 +65,14 @@ MAX_BATCH_EVENTS = 60  # events per transaction (etcd's default --max-txn-ops 12
 MAX_BATCH_BYTES = 512 * 1024  # of serialized events per transaction
 #: Event kinds that are faults: their own lane, served first, never dropped.
 FAULT_KINDS = frozenset(
-    {"node_lost", "worker_failed", "hang_suspected", "loss_spike", "self_check_reported"}
+    {
+        "node_lost",
+        "worker_failed",
+        "hang_suspected",
+        "loss_spike",
+        "self_check_reported",
+        "straggler_suspected",
+    }
 )
 #: Membership rides in the fault lane too, so a node's loss never overtakes its own
 #: registration (a NodeLost folded before its NodeRegistered would leave it ACTIVE).

@@ -29,6 +29,13 @@ class LiveViewConfig:
     mass_loss_fraction: float = 0.25
     mass_loss_min: int = 8
     mass_loss_hold_ms: int = 3_000
+    # Jitter-adaptive miss limit: a node whose heartbeats recently came with gaps of g ms
+    # is lost only after min(jitter_k x g, jitter_cap x the timeout) (and never sooner than
+    # the timeout): a node on a loaded host is given the slack its own rhythm shows, a
+    # steady node keeps the fast limit. 0 turns it off.
+    jitter_k: float = 2.0
+    jitter_cap: float = 4.0
+    jitter_decay: float = 0.998  # per heartbeat: an old gap is forgotten in about a minute
 
     def __post_init__(self) -> None:
         if not 10 <= self.heartbeat_interval_ms <= 60_000:
@@ -47,6 +54,11 @@ class LiveViewConfig:
             raise ValueError("mass_loss_min must be >= 1 and mass_loss_hold_ms >= 0")
         if self.max_nodes < 1:
             raise ValueError(f"max_nodes must be >= 1, got {self.max_nodes}")
+        if self.jitter_k < 0 or self.jitter_cap < 1.0 or not 0.0 < self.jitter_decay <= 1.0:
+            raise ValueError(
+                "jitter_k must be >= 0, jitter_cap >= 1 and jitter_decay in (0, 1], got "
+                f"{self.jitter_k}, {self.jitter_cap}, {self.jitter_decay}"
+            )
 
     @property
     def timeout_s(self) -> float:
@@ -61,6 +73,7 @@ class NodeSlot:
         "alive",
         "connected",
         "epoch",
+        "gap_s",
         "hb",
         "heartbeats",
         "hung_at",
@@ -80,6 +93,7 @@ class NodeSlot:
         self.info = dpb.RegisterRequest()
         self.peer_host = ""  # the address the registration came from (transport, not claimed)
         self.last_seen = 0.0  # time.monotonic() of the last heartbeat (or registration)
+        self.gap_s = 0.0  # the largest recent gap between its heartbeats (decaying)
         self.hb = dpb.Heartbeat()
         self.heartbeats = 0
         self.alive = False
@@ -102,6 +116,7 @@ class LiveView:
         # registered, session not started yet, oldest registration first: a registration
         # storm must not turn into false NodeLost events while sessions are being opened
         self.pending: dict[str, NodeSlot] = {}
+        self.decay = config.jitter_decay
 
     def slot(self, node_id: str) -> NodeSlot:
         """The slot of `node_id`, created on first use."""
@@ -128,6 +143,10 @@ class LiveView:
 
     def beat(self, slot: NodeSlot, hb: dpb.Heartbeat, now: float) -> None:
         """Record one heartbeat: the whole per-message cost of a healthy node."""
+        if slot.heartbeats:  # the gap since the previous heartbeat (not the registration)
+            gap = now - slot.last_seen
+            decayed = slot.gap_s * self.decay
+            slot.gap_s = gap if gap > decayed else decayed
         slot.last_seen = now
         slot.hb = hb
         slot.heartbeats += 1

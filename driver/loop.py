@@ -59,6 +59,7 @@ OBSERVED = frozenset(
         "node_lost",
         "worker_failed",
         "hang_suspected",
+        "straggler_suspected",
         "log_alert",
         "self_check_reported",
         "operator_action",

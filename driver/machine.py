@@ -56,6 +56,10 @@ DIAGNOSABLE = frozenset({"worker_failed", "hang_suspected", "log_alert", "self_c
 #: CUDA error, out of memory) and a non-finite loss open an incident.
 SYMPTOM_KEYWORDS = frozenset({"Traceback", "RuntimeError"})
 MAX_SETTLE = 16  # automatic transitions per decision (the loop needs at most 4)
+#: Faults of an idle node that are its own cleanup, not its health: a node that came back
+#: after it was replaced (SIGSTOPped, partitioned) still has the old world's workers, which
+#: exit or stall. Recorded only; a failed self-check or a hardware alert still evicts it.
+STALE_KINDS = frozenset({"worker_failed", "hang_suspected", "straggler_suspected"})
 
 Phase: TypeAlias = ev.Phase
 
@@ -491,6 +495,14 @@ def _fault(e: ev.Event, policy: Policy, s: ev.JobState) -> tuple[str, list[str],
     if kind == "hang_suspected":
         h = e.hang_suspected
         return unclear, [h.node_id], f"hang on {h.node_id}/{h.local_rank} at {h.stuck_at_step}"
+    if kind == "straggler_suspected":
+        st = e.straggler_suspected
+        if st.policy != "evict" or st.node_id not in s.world.node_ids:
+            return None  # alert only; or not (any longer) in the world
+        if not _pool(s, list(s.world.node_ids), with_spares=True):
+            return None  # no spare to take its ranks: a slow node beats a smaller world
+        why = f"straggler: {st.slowdown:.2f}x slower than the other nodes"
+        return _EVICT, [st.node_id], why
     if kind == "log_alert":
         a = e.log_alert
         if a.keyword in SYMPTOM_KEYWORDS:
@@ -539,17 +551,26 @@ def _react(before: ev.JobState, d: _Draft, obs: Observation, policy: Policy) -> 
     fault = _fault(obs, policy, before)
     if fault is None:
         return "recorded only"
-    return _on_fault(before, d, *fault)
+    return _on_fault(before, d, *fault, idle_evicts=kind not in STALE_KINDS)
 
 
-def _on_fault(before: ev.JobState, d: _Draft, kind: str, nodes: list[str], reason: str) -> str:
+def _on_fault(
+    before: ev.JobState,
+    d: _Draft,
+    kind: str,
+    nodes: list[str],
+    reason: str,
+    *,
+    idle_evicts: bool = True,
+) -> str:
     phase = before.phase
     world = set(before.world.node_ids)
     accepted: list[str] = []
     for n in nodes:
         st = _state_of(before, n)
         if n not in world:
-            if st in (ev.NODE_STATE_SPARE, ev.NODE_STATE_ACTIVE) and kind != _LOST:
+            healthy = st in (ev.NODE_STATE_SPARE, ev.NODE_STATE_ACTIVE)
+            if healthy and kind != _LOST and idle_evicts:
                 d.add(ev.Event(node_evicted=ev.NodeEvicted(node_id=n, reason=f"idle: {reason}")))
             continue
         if st == ev.NODE_STATE_EVICTED:

@@ -26,7 +26,7 @@ from typing import Any
 
 import structlog
 
-from unbroken.driver import detectors, reaper
+from unbroken.driver import reaper
 from unbroken.driver.dashboard import Dashboard, DashboardConfig
 from unbroken.driver.etcd import EmbeddedEtcd, EtcdConfig, add_etcd_flags
 from unbroken.driver.eventlog import (
@@ -44,6 +44,7 @@ from unbroken.driver.scheduler import BridgeConfig, Scheduler, SchedulerBridge
 from unbroken.driver.security import RoleTokens, TlsConfig
 from unbroken.driver.service import DriverService, ServiceConfig, build_server
 from unbroken.driver.slurm import SlurmConfig, SlurmScheduler, add_slurm_flags, slurm_config
+from unbroken.driver.straggler import POLICIES, StragglerConfig
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 from unbroken.proto.logsetup import setup_logging
@@ -146,16 +147,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="missed heartbeats before a node is lost (default 3)",
     )
     parser.add_argument(
-        "--hang-k",
-        type=float,
-        default=5.0,
-        help="hang = no progress for k x median step time (default 5)",
+        "--straggler-policy",
+        choices=POLICIES,
+        default="evict",
+        help="a node persistently slower than the rest: evict it when a spare exists, "
+        "alert (record StragglerSuspected only), or off (default evict). Hangs are judged "
+        "by the agents (unbroken agent --hang-floor-ms)",
     )
     parser.add_argument(
-        "--hang-floor-ms",
+        "--straggler-min-slowdown",
         type=float,
-        default=30_000.0,
-        help="...but at least this long (default 30000)",
+        default=1.04,
+        help="relative slowdown a straggler must reach, among other tests (default 1.04)",
     )
     parser.add_argument(
         "--metrics-port",
@@ -271,7 +274,9 @@ def config_from_args(ns: argparse.Namespace) -> DriverConfig:
         live=LiveViewConfig(
             heartbeat_interval_ms=ns.heartbeat_interval_ms, miss_limit=ns.miss_limit
         ),
-        detectors=detectors.DetectorConfig(hang_k=ns.hang_k, hang_floor_ms=ns.hang_floor_ms),
+        straggler=StragglerConfig(
+            policy=ns.straggler_policy, min_slowdown=ns.straggler_min_slowdown
+        ),
         reflection=ns.reflection,
         tls=TlsConfig(cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca),
         tokens=RoleTokens.from_files(ns.token_file) if ns.token_file else None,

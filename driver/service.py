@@ -3,12 +3,14 @@
 The heartbeat handler is the hot path of the whole system (2,000 nodes x 10/s): per
 message it takes one monotonic timestamp, stores the message by reference in the node's
 slot and moves the node to the end of the deadline order (driver/liveview.py). Detectors
-run on timers (node lost every interval/5, hangs every `hang_sweep_ms`), or on the rare
-heartbeat that carries flags. Agents' verified-shard reports feed the commit bookkeeping
-(driver/commits.py): a step's CheckpointCommitted is appended once every rank's shard is
-in. Detections are observations for the term's journal (driver/journal.py), the driver's
-one writer: faults never wait behind log alerts and are never dropped, and what the live
-view knows (a silent node) is recorded again whenever the log missed it.
+run on timers (node lost every interval/5, stragglers every `straggler.sweep_ms` over the
+world's nodes), or on the rare heartbeat that carries flags: hangs are judged by the agents
+and reach the driver only as a STALLED flag, so no sweep looks at every rank. Agents'
+verified-shard reports feed the commit bookkeeping (driver/commits.py): a step's
+CheckpointCommitted is appended once every rank's shard is in. Detections are observations
+for the term's journal (driver/journal.py), the driver's one writer: faults never wait
+behind log alerts and are never dropped, and what the live view knows (a silent node) is
+recorded again whenever the log missed it.
 
 A driver that is not the leader answers every agent call with UNAVAILABLE and the
 leader's address in the `x-unbroken-leader` trailer, so agents move on to it.
@@ -54,6 +56,7 @@ from unbroken.driver.security import (
     server_credentials,
 )
 from unbroken.driver.sessions import Sessions
+from unbroken.driver.straggler import Sample, StragglerConfig, StragglerWatch, sample
 from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -78,7 +81,7 @@ class ServiceConfig:
     """Everything the agent-facing service needs to know."""
 
     live: LiveViewConfig = field(default_factory=LiveViewConfig)
-    detectors: detectors.DetectorConfig = field(default_factory=detectors.DetectorConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
     stream_buffer: int = 64  # commands queued per stream before the consumer is dropped
     journal: JournalConfig = field(default_factory=JournalConfig)
     register_backlog: int = 10_000  # observations waiting: Register answers "busy" past this
@@ -166,6 +169,7 @@ class DriverService(dgrpc.DriverServicer):
         self._carry: list[Pending] = []
         # fault event id -> (fault began, detected): latency histograms once it is durable
         self._detected: dict[str, tuple[float, float]] = {}
+        self.stragglers = StragglerWatch(config.straggler)
         self._closing: set[asyncio.Task[None]] = set()
         self.appended = 0
         self.delivery = _Ring()
@@ -328,12 +332,13 @@ class DriverService(dgrpc.DriverServicer):
     # ------------------------------------------------------------ background loops
     def start(self) -> None:
         """Start the detector sweeps (call inside the event loop)."""
-        self._tasks += [
-            asyncio.create_task(self._lost_loop()),
-            asyncio.create_task(
-                self._loop("hang", self._sweep_hangs, self.config.detectors.hang_sweep_ms / 1000.0)
-            ),
-        ]
+        self._tasks.append(asyncio.create_task(self._lost_loop()))
+        st = self.config.straggler
+        if st.policy != "off":
+            period = st.sweep_ms / 1000.0
+            self._tasks.append(
+                asyncio.create_task(self._loop("straggler", self._sweep_stragglers, period))
+            )
 
     async def close(self) -> None:
         """Stop the loops and end every session."""
@@ -409,16 +414,31 @@ class DriverService(dgrpc.DriverServicer):
                 "node lost", node=e.node_lost.node_id, silent_ms=round(e.node_lost.silent_ms, 1)
             )
 
-    def _sweep_hangs(self) -> None:
-        for e in detectors.hangs(self.view, self.config.detectors):
+    def _sweep_stragglers(self) -> None:
+        """StragglerSuspected for a world node persistently slower (driver/straggler.py).
+
+        O(world ranks) every `sweep_ms` (2 s), only while the job trains.
+        """
+        journal = self.journal
+        if journal is None or journal.state.phase != ev.PHASE_RUNNING:
+            self.stragglers.tracks.clear()  # a recovery restarts the workers: new baselines
+            return
+        samples: list[Sample] = []
+        for node_id in journal.state.world.node_ids:
+            slot = self.view.nodes.get(node_id)
+            if slot is not None and slot.alive:
+                got = sample(node_id, slot.hb.workers)
+                if got is not None:
+                    samples.append(got)
+        for e in self.stragglers.sweep(samples):
             self.emit(e)
-            h = e.hang_suspected
+            s = e.straggler_suspected
             log.warning(
-                "hang suspected",
-                node=h.node_id,
-                local_rank=h.local_rank,
-                step=h.stuck_at_step,
-                silent_ms=round(h.silent_ms),
+                "straggler suspected",
+                node=s.node_id,
+                slowdown=round(s.slowdown, 3),
+                z=round(s.z, 1),
+                policy=s.policy,
             )
 
     def emit(self, event: ev.Event, last_seen: float = math.nan) -> bool:
@@ -600,6 +620,17 @@ class DriverService(dgrpc.DriverServicer):
                 if hb.flags:
                     for e in detectors.flagged(slot, hb):
                         self.emit(e)
+                        if e.HasField("hang_suspected"):
+                            h = e.hang_suspected
+                            log.warning(
+                                "hang suspected",
+                                node=h.node_id,
+                                ranks=list(h.hung_ranks),
+                                step=h.stuck_at_step,
+                                silent_ms=round(h.silent_ms),
+                                threshold_ms=round(h.threshold_ms),
+                                phase=h.phase,
+                            )
                 if hb.sent_mono_ns:
                     delivery.add((mono_ns() - hb.sent_mono_ns) / 1e6)
                 handler.add((perf() - t0) / 1e3)

@@ -14,10 +14,14 @@ how fast each is detected and what the log recorded:
 - a worker is SIGKILLed: WorkerFailed; the loop restarts every worker, they restore from
   their agents' flash memory;
 - a worker is SIGSTOPped (a hang): HangSuspected once no rank progresses for
-  `--hang-floor` seconds; the loop stops (kills) and restarts the world;
+  max(`--hang-floor` seconds, 5 x its p90 step time), judged by each agent; the loop
+  stops (kills) and restarts the world;
 - a loss spike: `InjectFault loss-spike` makes every agent write its workers' fault file,
   one step's batch targets are poisoned; the driver's loss watch appends LossSpike, the
   machine rolls back to the newest committed step before it and skips the batches;
+- a straggler: `InjectFault slow-train --factor 1.2` on a world node; the driver's
+  straggler sweep appends StragglerSuspected, the node is evicted and a spare takes its
+  ranks;
 - a silently bad node: `InjectFault wrong-matmul` then `RunSelfCheck` on that node; the
   failed self-check (SelfCheckReported) is a fault the loop handles (skipped gracefully
   when the driver has no InjectFault/RunSelfCheck);
@@ -84,7 +88,7 @@ class UpConfig:
     live: bool = True
     # missed 100 ms heartbeats before NodeLost; the driver's default is 3 (see --miss-limit)
     miss_limit: int = 5
-    hang_floor_s: float = 4.0  # no progress for this long is a hang (the driver's default: 30)
+    hang_floor_s: float = 1.0  # the agents' hang floor (agent/hang.py; their default too)
     faults: tuple[str, ...] = DRILL  # the drill's faults, in order
     dashboard_port: int = 0  # the leader's web dashboard (the standby's: +1); 0: free ports
     etcd_members: int = 1  # 3 or 5: a real etcd cluster, to drill a member's loss
@@ -202,7 +206,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--hang-floor",
         type=float,
         default=d.hang_floor_s,
-        help="seconds without progress before a hang is suspected (the driver's default: 30)",
+        help="the agents' hang floor: a rank is hung after no progress for max(this, 5 x its "
+        "p90 step time) (default 1)",
     )
     parser.add_argument(
         "--faults",
@@ -317,7 +322,6 @@ async def _main(c: Cluster) -> int:
                 "--dp", str(cfg.dp), "--pp", str(cfg.pp), "--tp", str(cfg.tp),
                 "--worker-cmd", worker_cmd, "--master-addr", "127.0.0.1", "--trainer", "gpt3d",
                 "--miss-limit", str(cfg.miss_limit),
-                "--hang-floor-ms", str(cfg.hang_floor_s * 1000.0),
                 "--dashboard-port",
                 str(cfg.dashboard_port + names.index(name) if cfg.dashboard_port else 0),
             ],
@@ -348,6 +352,7 @@ async def _main(c: Cluster) -> int:
             "--flash-job", c.run.resolve().name, "--persist-url", str(c.run / "storage"),
             "--replica-listen", f"127.0.0.1:{replica[node]}",
             "--replica-key-file", str(key_file),
+            "--hang-floor-ms", str(cfg.hang_floor_s * 1000.0),
         ]  # fmt: skip
         if buddy != node:
             args += ["--buddy", f"127.0.0.1:{replica[buddy]}"]

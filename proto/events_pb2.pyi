@@ -51,7 +51,7 @@ NODE_STATE_LOST: NodeState
 NODE_STATE_EVICTED: NodeState
 
 class Event(_message.Message):
-    __slots__ = ("seq", "event_id", "wall_time_unix_ns", "job_id", "schema_version", "cause", "writer", "job_started", "node_registered", "node_lost", "worker_failed", "hang_suspected", "log_alert", "diagnosis_round", "diagnosis_verdict", "node_evicted", "spare_assigned", "world_resized", "checkpoint_committed", "restore_started", "restore_finished", "loss_spike", "rollback", "training_paused", "training_resumed", "leader_elected", "recovery_transition", "node_refused", "self_check_reported", "job_finished", "operator_action", "rendezvous_round", "rendezvous_refused", "scheduler_call")
+    __slots__ = ("seq", "event_id", "wall_time_unix_ns", "job_id", "schema_version", "cause", "writer", "job_started", "node_registered", "node_lost", "worker_failed", "hang_suspected", "log_alert", "diagnosis_round", "diagnosis_verdict", "node_evicted", "spare_assigned", "world_resized", "checkpoint_committed", "restore_started", "restore_finished", "loss_spike", "rollback", "training_paused", "training_resumed", "leader_elected", "recovery_transition", "node_refused", "self_check_reported", "job_finished", "operator_action", "rendezvous_round", "rendezvous_refused", "scheduler_call", "straggler_suspected")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     WALL_TIME_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class Event(_message.Message):
     RENDEZVOUS_ROUND_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_CALL_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_SUSPECTED_FIELD_NUMBER: _ClassVar[int]
     seq: int
     event_id: str
     wall_time_unix_ns: int
@@ -120,7 +121,8 @@ class Event(_message.Message):
     rendezvous_round: RendezvousRound
     rendezvous_refused: RendezvousRefused
     scheduler_call: SchedulerCall
-    def __init__(self, seq: _Optional[int] = ..., event_id: _Optional[str] = ..., wall_time_unix_ns: _Optional[int] = ..., job_id: _Optional[str] = ..., schema_version: _Optional[int] = ..., cause: _Optional[str] = ..., writer: _Optional[str] = ..., job_started: _Optional[_Union[JobStarted, _Mapping]] = ..., node_registered: _Optional[_Union[NodeRegistered, _Mapping]] = ..., node_lost: _Optional[_Union[NodeLost, _Mapping]] = ..., worker_failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., hang_suspected: _Optional[_Union[HangSuspected, _Mapping]] = ..., log_alert: _Optional[_Union[LogAlert, _Mapping]] = ..., diagnosis_round: _Optional[_Union[DiagnosisRound, _Mapping]] = ..., diagnosis_verdict: _Optional[_Union[DiagnosisVerdict, _Mapping]] = ..., node_evicted: _Optional[_Union[NodeEvicted, _Mapping]] = ..., spare_assigned: _Optional[_Union[SpareAssigned, _Mapping]] = ..., world_resized: _Optional[_Union[WorldResized, _Mapping]] = ..., checkpoint_committed: _Optional[_Union[CheckpointCommitted, _Mapping]] = ..., restore_started: _Optional[_Union[RestoreStarted, _Mapping]] = ..., restore_finished: _Optional[_Union[RestoreFinished, _Mapping]] = ..., loss_spike: _Optional[_Union[LossSpike, _Mapping]] = ..., rollback: _Optional[_Union[Rollback, _Mapping]] = ..., training_paused: _Optional[_Union[TrainingPaused, _Mapping]] = ..., training_resumed: _Optional[_Union[TrainingResumed, _Mapping]] = ..., leader_elected: _Optional[_Union[LeaderElected, _Mapping]] = ..., recovery_transition: _Optional[_Union[RecoveryTransition, _Mapping]] = ..., node_refused: _Optional[_Union[NodeRefused, _Mapping]] = ..., self_check_reported: _Optional[_Union[SelfCheckReported, _Mapping]] = ..., job_finished: _Optional[_Union[JobFinished, _Mapping]] = ..., operator_action: _Optional[_Union[OperatorAction, _Mapping]] = ..., rendezvous_round: _Optional[_Union[RendezvousRound, _Mapping]] = ..., rendezvous_refused: _Optional[_Union[RendezvousRefused, _Mapping]] = ..., scheduler_call: _Optional[_Union[SchedulerCall, _Mapping]] = ...) -> None: ...
+    straggler_suspected: StragglerSuspected
+    def __init__(self, seq: _Optional[int] = ..., event_id: _Optional[str] = ..., wall_time_unix_ns: _Optional[int] = ..., job_id: _Optional[str] = ..., schema_version: _Optional[int] = ..., cause: _Optional[str] = ..., writer: _Optional[str] = ..., job_started: _Optional[_Union[JobStarted, _Mapping]] = ..., node_registered: _Optional[_Union[NodeRegistered, _Mapping]] = ..., node_lost: _Optional[_Union[NodeLost, _Mapping]] = ..., worker_failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., hang_suspected: _Optional[_Union[HangSuspected, _Mapping]] = ..., log_alert: _Optional[_Union[LogAlert, _Mapping]] = ..., diagnosis_round: _Optional[_Union[DiagnosisRound, _Mapping]] = ..., diagnosis_verdict: _Optional[_Union[DiagnosisVerdict, _Mapping]] = ..., node_evicted: _Optional[_Union[NodeEvicted, _Mapping]] = ..., spare_assigned: _Optional[_Union[SpareAssigned, _Mapping]] = ..., world_resized: _Optional[_Union[WorldResized, _Mapping]] = ..., checkpoint_committed: _Optional[_Union[CheckpointCommitted, _Mapping]] = ..., restore_started: _Optional[_Union[RestoreStarted, _Mapping]] = ..., restore_finished: _Optional[_Union[RestoreFinished, _Mapping]] = ..., loss_spike: _Optional[_Union[LossSpike, _Mapping]] = ..., rollback: _Optional[_Union[Rollback, _Mapping]] = ..., training_paused: _Optional[_Union[TrainingPaused, _Mapping]] = ..., training_resumed: _Optional[_Union[TrainingResumed, _Mapping]] = ..., leader_elected: _Optional[_Union[LeaderElected, _Mapping]] = ..., recovery_transition: _Optional[_Union[RecoveryTransition, _Mapping]] = ..., node_refused: _Optional[_Union[NodeRefused, _Mapping]] = ..., self_check_reported: _Optional[_Union[SelfCheckReported, _Mapping]] = ..., job_finished: _Optional[_Union[JobFinished, _Mapping]] = ..., operator_action: _Optional[_Union[OperatorAction, _Mapping]] = ..., rendezvous_round: _Optional[_Union[RendezvousRound, _Mapping]] = ..., rendezvous_refused: _Optional[_Union[RendezvousRefused, _Mapping]] = ..., scheduler_call: _Optional[_Union[SchedulerCall, _Mapping]] = ..., straggler_suspected: _Optional[_Union[StragglerSuspected, _Mapping]] = ...) -> None: ...
 
 class JobStarted(_message.Message):
     __slots__ = ("trainer", "world", "min_nodes", "max_nodes", "config_json")
@@ -185,7 +187,7 @@ class WorkerFailed(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., last_step: _Optional[int] = ...) -> None: ...
 
 class HangSuspected(_message.Message):
-    __slots__ = ("node_id", "local_rank", "global_rank", "stuck_at_step", "silent_ms", "threshold_ms", "stack_dump")
+    __slots__ = ("node_id", "local_rank", "global_rank", "stuck_at_step", "silent_ms", "threshold_ms", "stack_dump", "phase", "hung_ranks")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +195,8 @@ class HangSuspected(_message.Message):
     SILENT_MS_FIELD_NUMBER: _ClassVar[int]
     THRESHOLD_MS_FIELD_NUMBER: _ClassVar[int]
     STACK_DUMP_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    HUNG_RANKS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     local_rank: int
     global_rank: int
@@ -200,7 +204,31 @@ class HangSuspected(_message.Message):
     silent_ms: float
     threshold_ms: float
     stack_dump: str
-    def __init__(self, node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., stuck_at_step: _Optional[int] = ..., silent_ms: _Optional[float] = ..., threshold_ms: _Optional[float] = ..., stack_dump: _Optional[str] = ...) -> None: ...
+    phase: str
+    hung_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., stuck_at_step: _Optional[int] = ..., silent_ms: _Optional[float] = ..., threshold_ms: _Optional[float] = ..., stack_dump: _Optional[str] = ..., phase: _Optional[str] = ..., hung_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StragglerSuspected(_message.Message):
+    __slots__ = ("node_id", "slowdown", "compute_ms", "others_ms", "wait_ms", "others_wait_ms", "z", "window_steps", "policy")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOWDOWN_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    OTHERS_MS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    OTHERS_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    Z_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    slowdown: float
+    compute_ms: float
+    others_ms: float
+    wait_ms: float
+    others_wait_ms: float
+    z: float
+    window_steps: int
+    policy: str
+    def __init__(self, node_id: _Optional[str] = ..., slowdown: _Optional[float] = ..., compute_ms: _Optional[float] = ..., others_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., others_wait_ms: _Optional[float] = ..., z: _Optional[float] = ..., window_steps: _Optional[int] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class LogAlert(_message.Message):
     __slots__ = ("node_id", "local_rank", "keyword", "line", "repeats")

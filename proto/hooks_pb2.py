@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aunbroken/proto/hooks.proto\x12\x11unbroken.hooks.v1\"\x8b\x02\n\nStepReport\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x14\n\x0cstep_time_ms\x18\x03 \x01(\x01\x12@\n\ntimings_ms\x18\x04 \x03(\x0b\x32,.unbroken.hooks.v1.StepReport.TimingsMsEntry\x12\x10\n\x08has_loss\x18\x05 \x01(\x08\x12\x10\n\x08has_peak\x18\x06 \x01(\x08\x12\x11\n\tpeak_loss\x18\x07 \x01(\x01\x12\x11\n\tpeak_step\x18\x08 \x01(\x04\x12\r\n\x05steps\x18\t \x01(\r\x1a\x30\n\x0eTimingsMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"e\n\x05Hello\x12\x14\n\x0creply_socket\x18\x01 \x01(\t\x12\x14\n\x0cstack_signal\x18\x02 \x01(\x08\x12\x0e\n\x06\x61ttach\x18\x03 \x01(\x08\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\"j\n\x07Welcome\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nflash_root\x18\x02 \x01(\t\x12\x11\n\tflash_job\x18\x03 \x01(\t\x12\x12\n\nflash_node\x18\x04 \x01(\t\x12\x13\n\x0bpersist_url\x18\x05 \x01(\t\"\x91\x01\n\x0cWorkerReport\x12\x12\n\nlocal_rank\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12)\n\x05hello\x18\n \x01(\x0b\x32\x18.unbroken.hooks.v1.HelloH\x00\x12-\n\x04step\x18\x0b \x01(\x0b\x32\x1d.unbroken.hooks.v1.StepReportH\x00\x42\x06\n\x04kind\"\xa3\x01\n\rWorkerCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x0f\n\x05pause\x18\n \x01(\tH\x00\x12\x10\n\x06resume\x18\x0b \x01(\x04H\x00\x12\x14\n\nflash_save\x18\x0c \x01(\x04H\x00\x12-\n\x07welcome\x18\r \x01(\x0b\x32\x1a.unbroken.hooks.v1.WelcomeH\x00\x12\x0e\n\x04stop\x18\x0e \x01(\tH\x00\x42\x06\n\x04kindb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aunbroken/proto/hooks.proto\x12\x11unbroken.hooks.v1\"\x8b\x02\n\nStepReport\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x14\n\x0cstep_time_ms\x18\x03 \x01(\x01\x12@\n\ntimings_ms\x18\x04 \x03(\x0b\x32,.unbroken.hooks.v1.StepReport.TimingsMsEntry\x12\x10\n\x08has_loss\x18\x05 \x01(\x08\x12\x10\n\x08has_peak\x18\x06 \x01(\x08\x12\x11\n\tpeak_loss\x18\x07 \x01(\x01\x12\x11\n\tpeak_step\x18\x08 \x01(\x04\x12\r\n\x05steps\x18\t \x01(\r\x1a\x30\n\x0eTimingsMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"|\n\x05Hello\x12\x14\n\x0creply_socket\x18\x01 \x01(\t\x12\x14\n\x0cstack_signal\x18\x02 \x01(\x08\x12\x0e\n\x06\x61ttach\x18\x03 \x01(\x08\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x15\n\rrestop_signal\x18\x06 \x01(\x08\"j\n\x07Welcome\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nflash_root\x18\x02 \x01(\t\x12\x11\n\tflash_job\x18\x03 \x01(\t\x12\x12\n\nflash_node\x18\x04 \x01(\t\x12\x13\n\x0bpersist_url\x18\x05 \x01(\t\"\x1b\n\x0bPhaseReport\x12\x0c\n\x04name\x18\x01 \x01(\t\"\xc2\x01\n\x0cWorkerReport\x12\x12\n\nlocal_rank\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12)\n\x05hello\x18\n \x01(\x0b\x32\x18.unbroken.hooks.v1.HelloH\x00\x12-\n\x04step\x18\x0b \x01(\x0b\x32\x1d.unbroken.hooks.v1.StepReportH\x00\x12/\n\x05phase\x18\x14 \x01(\x0b\x32\x1e.unbroken.hooks.v1.PhaseReportH\x00\x42\x06\n\x04kind\"\xa3\x01\n\rWorkerCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x0f\n\x05pause\x18\n \x01(\tH\x00\x12\x10\n\x06resume\x18\x0b \x01(\x04H\x00\x12\x14\n\nflash_save\x18\x0c \x01(\x04H\x00\x12-\n\x07welcome\x18\r \x01(\x0b\x32\x1a.unbroken.hooks.v1.WelcomeH\x00\x12\x0e\n\x04stop\x18\x0e \x01(\tH\x00\x42\x06\n\x04kindb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,11 +38,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPREPORT_TIMINGSMSENTRY']._serialized_start=269
   _globals['_STEPREPORT_TIMINGSMSENTRY']._serialized_end=317
   _globals['_HELLO']._serialized_start=319
-  _globals['_HELLO']._serialized_end=420
-  _globals['_WELCOME']._serialized_start=422
-  _globals['_WELCOME']._serialized_end=528
-  _globals['_WORKERREPORT']._serialized_start=531
-  _globals['_WORKERREPORT']._serialized_end=676
-  _globals['_WORKERCOMMAND']._serialized_start=679
-  _globals['_WORKERCOMMAND']._serialized_end=842
+  _globals['_HELLO']._serialized_end=443
+  _globals['_WELCOME']._serialized_start=445
+  _globals['_WELCOME']._serialized_end=551
+  _globals['_PHASEREPORT']._serialized_start=553
+  _globals['_PHASEREPORT']._serialized_end=580
+  _globals['_WORKERREPORT']._serialized_start=583
+  _globals['_WORKERREPORT']._serialized_end=777
+  _globals['_WORKERCOMMAND']._serialized_start=780
+  _globals['_WORKERCOMMAND']._serialized_end=943
 # @@protoc_insertion_point(module_scope)

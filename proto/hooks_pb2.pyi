@@ -36,18 +36,20 @@ class StepReport(_message.Message):
     def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_ms: _Optional[float] = ..., timings_ms: _Optional[_Mapping[str, float]] = ..., has_loss: _Optional[bool] = ..., has_peak: _Optional[bool] = ..., peak_loss: _Optional[float] = ..., peak_step: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("reply_socket", "stack_signal", "attach", "rank", "world_size")
+    __slots__ = ("reply_socket", "stack_signal", "attach", "rank", "world_size", "restop_signal")
     REPLY_SOCKET_FIELD_NUMBER: _ClassVar[int]
     STACK_SIGNAL_FIELD_NUMBER: _ClassVar[int]
     ATTACH_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESTOP_SIGNAL_FIELD_NUMBER: _ClassVar[int]
     reply_socket: str
     stack_signal: bool
     attach: bool
     rank: int
     world_size: int
-    def __init__(self, reply_socket: _Optional[str] = ..., stack_signal: _Optional[bool] = ..., attach: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    restop_signal: bool
+    def __init__(self, reply_socket: _Optional[str] = ..., stack_signal: _Optional[bool] = ..., attach: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., restop_signal: _Optional[bool] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("node_id", "flash_root", "flash_job", "flash_node", "persist_url")
@@ -63,17 +65,25 @@ class Welcome(_message.Message):
     persist_url: str
     def __init__(self, node_id: _Optional[str] = ..., flash_root: _Optional[str] = ..., flash_job: _Optional[str] = ..., flash_node: _Optional[str] = ..., persist_url: _Optional[str] = ...) -> None: ...
 
+class PhaseReport(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
 class WorkerReport(_message.Message):
-    __slots__ = ("local_rank", "pid", "hello", "step")
+    __slots__ = ("local_rank", "pid", "hello", "step", "phase")
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
     local_rank: int
     pid: int
     hello: Hello
     step: StepReport
-    def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., step: _Optional[_Union[StepReport, _Mapping]] = ...) -> None: ...
+    phase: PhaseReport
+    def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., step: _Optional[_Union[StepReport, _Mapping]] = ..., phase: _Optional[_Union[PhaseReport, _Mapping]] = ...) -> None: ...
 
 class WorkerCommand(_message.Message):
     __slots__ = ("command_id", "pause", "resume", "flash_save", "welcome", "stop")

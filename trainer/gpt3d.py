@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -84,6 +85,9 @@ class GPT3DTrainer:
         # (flat optimizer key, param group, group key) of every param-group value
         self._groups: list[tuple[str, dict[str, Any], str]] | None = None
         self._unmapped = -1  # the state_version whose param groups did not map
+        self.slow_factor = 1.0  # an injected slowdown of this rank's compute (drills)
+        # called as the step's timed collective begins (the hooks' "collective" phase)
+        self.on_collective: Callable[[], object] | None = None
 
     # ---- setup -------------------------------------------------------------------------
     def setup(self, config: TrainConfig) -> None:
@@ -241,6 +245,9 @@ class GPT3DTrainer:
             else:
                 loss = torch.zeros((), device=self.device)
 
+        # Straggler telemetry: what this rank waited for its peers (pipeline idle, the
+        # final all-reduce) is not compute. Waits inside FSDP's collectives are not timed.
+        pipe_wait = 0.0 if idle is None else idle * (time.perf_counter() - ts)
         if self.experts:
             parallel.sync_expert_grads(self.experts, self.topo, c.parallel)
         pp_group = self.topo.pp_group if c.parallel.pp > 1 else None
@@ -252,10 +259,18 @@ class GPT3DTrainer:
 
         # Every (dp, tp) coordinate holds the last stage once; average their losses.
         loss_sum = loss.detach().float().reshape(1).clone()
+        if self.slow_factor > 1.0:
+            # an injected slowdown is spent just before the one timed all-reduce, so the
+            # peers' wait for it lands where it is measured
+            time.sleep((self.slow_factor - 1.0) * max(0.0, time.perf_counter() - t0 - pipe_wait))
+        tw = time.perf_counter()
         if dist.get_world_size() > 1:
+            if self.on_collective is not None:
+                self.on_collective()
             if not self.has_last:
                 loss_sum.zero_()
             dist.all_reduce(loss_sum)
+        wait = pipe_wait + time.perf_counter() - tw
         mean_loss = float(loss_sum) / (c.parallel.dp * c.parallel.cp * c.parallel.tp)
         self.step += 1
         dt = time.perf_counter() - t0
@@ -271,6 +286,8 @@ class GPT3DTrainer:
             "lr": lr,
             "tokens_per_s": tokens / dt,
             "step_time_s": dt,
+            "compute_s": max(0.0, dt - wait),
+            "collective_wait_s": wait,
             "flops_per_s": flops_per_s,
             "mfu": mfu,
             "pipeline_idle_fraction": idle,

@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from unbroken.proto import hooks_pb2 as hpb
@@ -72,6 +72,7 @@ POLL_EVERY_S = 0.005  # the agent's commands are read at most this often
 ENV_LOCAL_RANK = "LOCAL_RANK"
 ENV_AGENT_PID = "UNBROKEN_AGENT_PID"
 STACK_SIGNAL = signal.SIGUSR1
+RESTOP_SIGNAL = signal.SIGUSR2  # dump the stacks, then stop again (a stopped worker's dump)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -149,6 +150,7 @@ class Hooks:
         self._held_steps = 0
         self._held_ms = 0.0  # their summed step time
         self._peak: tuple[float, int] | None = None  # their highest (or non-finite) loss
+        self._wait_ms = 0.0  # collective waits marked since the last step (`collective`)
         self._sock: socket.socket | None = None
         self._reply = ""
         if self.path:
@@ -182,11 +184,38 @@ class Hooks:
         except OSError:  # agent gone or its buffer full: drop, never block the step
             return False
 
-    def hello(self, *, stack_signal: bool) -> bool:
-        """Tell the agent where to send commands and whether SIGUSR1 dumps stacks."""
+    def hello(self, *, stack_signal: bool, restop_signal: bool = False) -> bool:
+        """Tell the agent where to send commands and which signals dump stacks."""
         return self._send(
-            hpb.WorkerReport(hello=hpb.Hello(reply_socket=self._reply, stack_signal=stack_signal))
+            hpb.WorkerReport(
+                hello=hpb.Hello(
+                    reply_socket=self._reply,
+                    stack_signal=stack_signal,
+                    restop_signal=restop_signal,
+                )
+            )
         )
+
+    def phase(self, name: str) -> bool:
+        """Tell the agent this rank enters phase `name` (now).
+
+        "train" is judged for hangs by the rank's step rhythm (about a second at 100 ms
+        steps); any other name ("restore", "checkpoint", "eval") by the agent's longer
+        phase limit, so a slow restore or evaluation is not a hang. The next step report
+        puts the rank back into "train".
+        """
+        return self._send(hpb.WorkerReport(phase=hpb.PhaseReport(name=name)))
+
+    @contextlib.contextmanager
+    def collective(self) -> Iterator[None]:
+        """Mark a wait for peers (an all-reduce, a barrier): its time is reported as
+        `collective_wait` and the rest of the step as `compute`, for straggler detection."""
+        self.phase("collective")  # a long wait here is a peer's hang, judged as such
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self._wait_ms += (time.monotonic() - t0) * 1000.0
 
     def step(
         self,
@@ -211,6 +240,10 @@ class Hooks:
         if step_time_ms is None:
             step_time_ms = 0.0 if self._last_t is None else (now - self._last_t) * 1000.0
         self._last_t = now
+        if self._wait_ms and "collective_wait" not in timings_ms:  # marked by `collective`
+            wait = min(self._wait_ms, step_time_ms)
+            timings_ms = {**timings_ms, "compute": step_time_ms - wait, "collective_wait": wait}
+        self._wait_ms = 0.0
         if loss is not None:
             loss = float(loss)
             p = self._peak  # a non-finite loss, once held, is never replaced
@@ -280,10 +313,34 @@ def install(*, stack_signal: bool = True) -> Hooks:
         _default = Hooks()
         if _default.enabled:
             die_with_agent()
+        restop = False
         if stack_signal and _default.enabled:
             faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
-        _default.hello(stack_signal=stack_signal and _default.enabled)
+            restop = _install_restop()
+        _default.hello(stack_signal=stack_signal and _default.enabled, restop_signal=restop)
     return _default
+
+
+def _dump_and_stop(signum: int, frame: Any) -> None:
+    """SIGUSR2: the agent continued this stopped process only to read its stacks.
+
+    A Python-level handler runs at the first bytecode after SIGCONT (an interrupted sleep
+    returns into it), so the stacks show where it was stopped and no step runs before the
+    process stops itself again.
+    """
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _install_restop() -> bool:
+    """Register `_dump_and_stop` unless the script owns SIGUSR2 or this is not the main thread."""
+    try:
+        if signal.getsignal(RESTOP_SIGNAL) is not signal.SIG_DFL:
+            return False
+        signal.signal(RESTOP_SIGNAL, _dump_and_stop)
+    except ValueError:  # not the main thread
+        return False
+    return True
 
 
 def report_step(
@@ -729,6 +786,25 @@ def _get() -> Session | None:
     if not _tried:
         init()
     return _session
+
+
+@contextlib.contextmanager
+def collective() -> Iterator[None]:
+    """Mark a wait for peers in a script (`with hooks.collective(): dist.all_reduce(t)`):
+    its time is reported as the step's `collective_wait`, the rest as `compute`."""
+    s = _get()
+    if s is None:
+        yield
+        return
+    with s.hooks.collective():
+        yield
+
+
+def phase(name: str) -> bool:
+    """Announce a phase ("eval", "checkpoint", "restore"; "train" to go back): the agent
+    judges a hang in it by its phase limit, not the step rhythm (see `Hooks.phase`)."""
+    s = _get()
+    return s.hooks.phase(name) if s is not None else False
 
 
 def report(step: int, loss: float | None = None, **timings_ms: float) -> bool:

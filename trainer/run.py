@@ -53,6 +53,7 @@ ENV_RESTORE_STEP = "UNBROKEN_RESTORE_STEP"
 ENV_SKIP_BATCHES = "UNBROKEN_SKIP_BATCHES"
 ENV_FAULT_FILE = "UNBROKEN_FAULT_FILE"
 FAULT_KINDS = ("nan", "loss-spike")
+SLOW_FILE = "slow-train.json"  # beside the fault file: the node's lasting compute slowdown
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +174,46 @@ class FaultFile:
         return f
 
 
+@dataclass(slots=True)
+class SlowFile:
+    """The node's injected compute slowdown (`unbroken inject slow-train --factor F`).
+
+    The agent writes `{"factor": F}` atomically next to the fault file; unlike the one-shot
+    faults it lasts (a slow machine stays slow) until a factor of 1 is written. One
+    `os.stat` per step.
+    """
+
+    path: Path
+    factor: float = 1.0
+    _seen: tuple[int, int, int] | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> SlowFile | None:
+        """The slow file beside the one `UNBROKEN_FAULT_FILE` names, or None."""
+        e = os.environ if env is None else env
+        raw = e.get(ENV_FAULT_FILE, "")
+        return cls(path=Path(raw).with_name(SLOW_FILE)) if raw else None
+
+    def current(self) -> float:
+        """The factor now in force (1.0: none)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            self._seen, self.factor = None, 1.0
+            return self.factor
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if key != self._seen:
+            self._seen = key
+            try:
+                f = float(json.loads(self.path.read_text())["factor"])
+                if not (math.isfinite(f) and f >= 1.0):
+                    raise ValueError(f"factor {f} must be a finite number >= 1")
+                self.factor = f
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                log.warning("slow file ignored", path=str(self.path), error=str(e))
+        return self.factor
+
+
 @contextlib.contextmanager
 def applied_fault(trainer: Any, fault: Fault) -> Iterator[None]:
     """Make the next `train_step` suffer `fault` (the trainer's loader or its forward)."""
@@ -282,6 +323,9 @@ def train(
         step = 0
         point = RestorePoint.from_env()
         faults = FaultFile.from_env(rank)
+        slow = SlowFile.from_env()
+        if hooks is not None:
+            hooks.phase("restore")  # judged by the phase limit, not the step rhythm
         restored = flash.restore(trainer, not_after=point.step) if flash is not None else None
         if restored is not None:
             step = restored.step
@@ -294,9 +338,15 @@ def train(
             flash.guard(trainer)  # once: every optimizer step waits for the copy in flight
             if restored is not None:  # the state is whole (optimizer state included): size
                 flash.prepare(trainer)  # and map the ring now, not inside the first save
+        if hooks is not None:
+            hooks.phase("train")
+            if hasattr(trainer, "on_collective"):  # a waiting rank is judged as a victim
+                trainer.on_collective = lambda: hooks.phase("collective")
         while step < config.steps:
             if point.skip_batches and step + 1 == point.skip_from_step:
                 _skip(trainer, point.skip_batches, step + 1)
+            if slow is not None and hasattr(trainer, "slow_factor"):
+                trainer.slow_factor = slow.current()
             fault = faults.due(step + 1) if faults is not None else None
             if fault is not None:
                 log.warning("fault applied", kind=fault.kind, step=step + 1, id=fault.id)
@@ -313,7 +363,15 @@ def train(
                     flash.save(trainer, step, persist=persist)
             history.append(m)
             if hooks is not None:
-                hooks.step(step, m["loss"], m["step_time_s"] * 1000.0)
+                timings = {
+                    name: m[key] * 1000.0
+                    for name, key in (
+                        ("compute", "compute_s"),
+                        ("collective_wait", "collective_wait_s"),
+                    )
+                    if m.get(key) is not None
+                }
+                hooks.step(step, m["loss"], m["step_time_s"] * 1000.0, **timings)
             if out is not None:
                 out.write(json.dumps(m) + "\n")
                 out.flush()

@@ -199,9 +199,7 @@ def read_events(etcd_config: Any, job_id: str) -> list[ev.Event]:
 
 def test_detectors_end_to_end(procs: Procs, tmp_path: Path, etcd_server: Any) -> None:
     job = f"hb-{uuid.uuid4().hex[:8]}"
-    addr, stub = start_driver(
-        procs, tmp_path, "--etcd", etcd_server.endpoint, "--job-id", job, "--hang-floor-ms", "1000"
-    )
+    addr, stub = start_driver(procs, tmp_path, "--etcd", etcd_server.endpoint, "--job-id", job)
     victim = start_agent(procs, tmp_path, addr, "n0")
     start_agent(procs, tmp_path, addr, "n1", mode="exit1:1")
     start_agent(procs, tmp_path, addr, "n2", mode="nccl:0")

@@ -1,6 +1,6 @@
 """A hung worker (SIGSTOP) is recovered by the driver's recovery loop without a person.
 
-`unbroken driver --nodes 2 --dp 2 --hang-floor-ms 3000` runs the tiny trainer on two
+`unbroken driver --nodes 2 --dp 2` runs the tiny trainer on two
 `unbroken agent --no-start` processes. `InjectFault hang` SIGSTOPs one worker: its peer
 blocks in the next all-reduce, no rank makes progress, and the hang detector appends
 HangSuspected. The loop stops every worker (the stopped one is killed after the grace
@@ -32,7 +32,7 @@ def job(tmp_path: Path, etcd_server: object) -> Iterator[Job]:
 
 @pytest.mark.slow  # ~2 min on 2 loaded cores; `make run`'s drill covers a hang too
 def test_sigstopped_worker_is_detected_and_the_job_resumes(job: LoopJob) -> None:
-    job.start_driver("--hang-floor-ms", "3000")
+    job.start_driver()
     job.start_agent("n0", buddy="n1")
     job.start_agent("n1", buddy="n0")
     until("training to start", lambda: job.max_step() >= 5, 180, job)
@@ -61,7 +61,7 @@ def test_sigstopped_worker_is_detected_and_the_job_resumes(job: LoopJob) -> None
     assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE
     events = job.events()
     hang = next(e.hang_suspected for e in events if e.HasField("hang_suspected"))
-    assert hang.stuck_at_step >= 1 and hang.silent_ms >= hang.threshold_ms >= 3000, hang
+    assert hang.stuck_at_step >= 1 and hang.silent_ms >= hang.threshold_ms >= 1000, hang
     i = next(i for i, e in enumerate(events) if e.HasField("hang_suspected"))
     kinds = [e.WhichOneof("payload") for e in events[i:]]
     for k in ("recovery_transition", "training_paused", "restore_started", "training_resumed"):

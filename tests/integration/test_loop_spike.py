@@ -68,9 +68,7 @@ class LoopJob(Job):
                 "--listen", "127.0.0.1:0", "--allow-fault-injection", "--port-file", str(port_file),
                 "--miss-limit", "30",  # 3 s: torch imports on 2 cores starve heartbeats
                 "--nodes", "2", "--workers-per-node", "1", "--dp", "2",
-                "--worker-cmd", cmd, "--master-addr", "127.0.0.1",
-                "--keep-checkpoints", str(KEEP),
-                "--persist-floor-s", "0.001", "--persist-ceiling-s", "0.001", *extra,
+                "--worker-cmd", cmd, "--master-addr", "127.0.0.1", *extra,
             ],
         )  # fmt: skip
         until("the driver's port file", port_file.exists, 120, self)
@@ -118,7 +116,10 @@ def job(tmp_path: Path, etcd_server: object) -> Iterator[Job]:
 def test_live_loss_spike_rolls_back_restores_the_committed_step_and_skips(
     job: Job, kind: str
 ) -> None:
-    job.start_driver()
+    job.start_driver(
+        "--keep-checkpoints", str(KEEP), "--persist-floor-s", "0.001", "--persist-ceiling-s",
+        "0.001",
+    )  # fmt: skip
     job.start_agent("n0", buddy="n1", extra=EVERY_STEP)
     job.start_agent("n1", buddy="n0", extra=EVERY_STEP)
     until("the loss curve to settle", lambda: job.max_step() >= SETTLED, 180, job)

@@ -174,6 +174,22 @@ def test_fault_on_a_spare_only_marks_it_bad() -> None:
     assert sim.feed(lost("s0")).phase == ev.PHASE_RUNNING
 
 
+def test_a_returning_node_is_not_evicted_for_its_leftover_workers() -> None:
+    """A node replaced while silent (SIGSTOPped agent) comes back with the old world's
+    workers: their exits and stalls are its cleanup, not its health (issue 16)."""
+    sim = start(nodes=2, spares=1)
+    sim.feed(lost("n1", epoch=1))
+    sim.drive(set())
+    assert "n1" not in sim.state.world.node_ids and sim.state.phase == ev.PHASE_RUNNING
+    sim.feed(register("n1", 1))  # the same agent (same epoch), resumed
+    for obs in (crash("n1"), hang("n1")):
+        d = sim.feed(obs)
+        assert "node_evicted" not in kinds(d) and d.phase == ev.PHASE_RUNNING, kinds(d)
+    assert sim.state.nodes["n1"].state == ev.NODE_STATE_ACTIVE  # idle: the world can take it
+    d = sim.feed(alert("n1"))  # its own hardware alert still marks it bad
+    assert "node_evicted" in kinds(d)
+
+
 def test_loss_spike_rolls_back_to_the_checkpoint_before_it_without_eviction() -> None:
     sim = start(nodes=2)
     for step in (10, 20, 30):

@@ -1,0 +1,460 @@
+"""Detector quality: hang and straggler detection latency, false alarms under CPU stress.
+
+Real processes only: an embedded etcd, `unbroken driver`, `unbroken agent`s and their
+workers on loopback. Three parts (`--parts`, default all):
+
+* hang: one agent, two workers of a 100 ms-step gloo job (sleep 100 ms, all-reduce through
+  `hooks.collective()`). `--hangs` times: SIGSTOP rank 1, time until HangSuspected is in
+  the log (`hang_detect_s`); SIGCONT, time until the driver's live view shows the next step
+  (`hang_resume_s`; no recovery loop here, the worker itself resumes).
+* straggler: `unbroken driver --nodes 2 --dp 2` training the tiny preset with
+  `--straggler-policy alert`; `InjectFault slow-train --factor F` on node-1 for F in 1.20,
+  1.10, 1.05 (each reset to 1.0 after, and the window washed out): time until
+  StragglerSuspected, and which node it names (`straggler_detect_s`).
+* false_positives: `unbroken up --no-drill` (the defaults `make run` uses: 2 nodes x 2
+  workers, 2 spares, pp2 x tp2, two drivers, miss limit 5, the agents' 1 s hang floor) for
+  `--minutes` while `--hog` busy processes load the CPU (stress-ng when installed); then
+  the log's NodeLost, HangSuspected, StragglerSuspected and leader changes after the first
+  are counted, and extrapolated per node-day. The load average is sampled every 10 s.
+  A poller reads the leader's live view every 100 ms: each node's longest silences give
+  the latency / false-positive table for other miss limits (`miss_limit_table`).
+
+Writes bench/results/detectors.json and prints tables. `make bench-detectors`
+(`ARGS="--minutes 20"` for the full false-positive run; the default is short).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from unbroken.driver import etcdlog
+from unbroken.driver.drill import stop_groups
+from unbroken.driver.etcd import EmbeddedEtcd, free_port
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import driver_pb2_grpc as dgrpc
+from unbroken.proto import events_pb2 as ev
+
+RESULTS = Path(__file__).parent / "results" / "detectors.json"
+FACTORS = (1.20, 1.10, 1.05)
+MISS_LIMITS = (3, 5, 10, 20)
+REPLICA_KEY = "bench-detectors-replica-key-0123456789"  # the table's settings (x 100 ms heartbeats)
+
+HANG_WORKER = """
+import time
+import torch
+import torch.distributed as dist
+from unbroken.trainer import hooks
+h = hooks.install()
+dist.init_process_group("gloo")
+t = torch.ones(1)
+step = 0
+while True:
+    step += 1
+    time.sleep(0.1)  # the step's compute
+    with h.collective():
+        dist.all_reduce(t)
+    h.step(step, loss=1.0)
+"""
+
+
+class Procs:
+    """The processes a part started, each in its own group, all stopped at the end."""
+
+    def __init__(self, run: Path) -> None:
+        self.run = run
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def spawn(self, name: str, args: list[str], *, module: bool = True) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "unbroken.driver.cli", *args] if module else args
+        with open(self.run / f"{name}.log", "ab") as log:
+            p = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=dict(
+                    os.environ,
+                    OMP_NUM_THREADS="1",
+                    PYTHONUNBUFFERED="1",
+                    UNBROKEN_REPLICA_KEY=REPLICA_KEY,  # the buddy stream is authenticated
+                ),
+            )
+        self.procs[name] = p
+        return p
+
+    def stop(self) -> None:
+        stop_groups(list(self.procs.values()), grace_s=15)
+
+
+def wait_for(what: str, cond: Any, timeout_s: float, step_s: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(step_s)
+    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def read_events(etcd: EmbeddedEtcd, job: str) -> list[ev.Event]:
+    async def go() -> list[ev.Event]:
+        client = await etcdlog.connect(etcd.config)
+        try:
+            return await etcdlog.EtcdEventLog(client, job, None).read()
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def live(address: str, metadata: tuple[tuple[str, str], ...] = ()) -> list[dpb.NodeLive]:
+    try:
+        with grpc.insecure_channel(address) as ch:
+            stub = dgrpc.DriverStub(ch)
+            return list(stub.LiveView(dpb.LiveViewRequest(), timeout=5, metadata=metadata).nodes)
+    except grpc.RpcError:
+        return []
+
+
+def inject(address: str, node: str, kind: str, factor: float = 0.0) -> None:
+    with grpc.insecure_channel(address) as ch:
+        req = dpb.InjectFaultRequest(node_id=node, kind=kind, factor=factor)
+        resp = dgrpc.DriverStub(ch).InjectFault(req, timeout=30)
+    if not resp.ok:
+        raise RuntimeError(f"inject {kind} on {node}: {resp.detail}")
+
+
+def start_driver(p: Procs, etcd: EmbeddedEtcd, job: str, *extra: str) -> str:
+    port = free_port()
+    p.spawn(
+        "driver",
+        ["driver", "--etcd", etcd.endpoint, "--job-id", job, "--listen", f"127.0.0.1:{port}",
+         "--allow-fault-injection", *extra],
+    )  # fmt: skip
+    address = f"127.0.0.1:{port}"
+    wait_for("the driver", lambda: live(address) is not None and _serving(address), 120, 0.5)
+    return address
+
+
+def _serving(address: str) -> bool:
+    try:
+        with grpc.insecure_channel(address) as ch:
+            dgrpc.DriverStub(ch).LiveView(dpb.LiveViewRequest(), timeout=2)
+        return True
+    except grpc.RpcError:
+        return False
+
+
+def p50(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+# ---------------------------------------------------------------- hang
+def hang_part(run: Path, etcd: EmbeddedEtcd, n: int) -> dict[str, Any]:
+    p = Procs(run)
+    job = f"hang-{os.getpid()}"
+    try:
+        address = start_driver(p, etcd, job, "--straggler-policy", "off")
+        script = run / "worker.py"
+        script.write_text(HANG_WORKER)
+        p.spawn(
+            "agent-n0",
+            ["agent", "--driver", address, "--node-id", "n0", "--nproc-per-node", "2",
+             "--worker-cmd", f"{sys.executable} {script}", "--master-port", str(free_port()),
+             "--log-dir", str(run / "logs-n0"), "--socket", str(run / "n0.sock"), "--no-flash"],
+        )  # fmt: skip
+
+        def ranks(at_least: int) -> dict[int, dpb.WorkerStatus] | None:
+            nodes = live(address)
+            if not nodes or len(nodes[0].workers) != 2:
+                return None
+            ws = {w.local_rank: w for w in nodes[0].workers}
+            return ws if min(w.step for w in ws.values()) >= at_least else None
+
+        ws = wait_for("two ranks stepping", lambda: ranks(30), 300, 0.5)
+        detect, resume, thresholds = [], [], []
+        for i in range(n):
+            ws = wait_for("a steady rhythm", lambda: ranks(0), 60)
+            before = len([e for e in read_events(etcd, job) if e.HasField("hang_suspected")])
+            pid, stuck = ws[1].pid, ws[1].step
+            os.kill(pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+
+            def hung(before: int = before) -> list[ev.HangSuspected]:
+                got = [
+                    e.hang_suspected for e in read_events(etcd, job) if e.HasField("hang_suspected")
+                ]
+                return got[before:]
+
+            found = wait_for("HangSuspected", hung, 60, 0.05)
+            detect.append(time.monotonic() - t0)
+            thresholds.append(found[0].threshold_ms)
+            os.kill(pid, signal.SIGCONT)
+            t1 = time.monotonic()
+            wait_for(
+                "the next step",
+                lambda stuck=stuck: (w := ranks(0)) and w[1].step > stuck + 1,
+                60,
+                0.02,
+            )
+            resume.append(time.monotonic() - t1)
+            print(f"  hang {i + 1}/{n}: detected {detect[-1]:.2f} s, resumed {resume[-1]:.2f} s")
+            time.sleep(3.0)  # a few steps of rhythm again
+        step_ms = [w.median_step_ms for w in (ranks(0) or {}).values()]
+        return {
+            "hangs": n,
+            "hang_detect_s": detect,
+            "hang_detect_p50_s": p50(detect),
+            "hang_resume_s": resume,
+            "hang_resume_p50_s": p50(resume),
+            "hang_threshold_ms": thresholds,
+            "step_ms": p50(step_ms),
+            "hang_resume_meaning": "SIGCONT to the next step in the live view (no recovery loop)",
+        }
+    finally:
+        p.stop()
+
+
+# ---------------------------------------------------------------- straggler
+def straggler_part(run: Path, etcd: EmbeddedEtcd, timeout_s: float) -> dict[str, Any]:
+    p = Procs(run)
+    job = f"straggler-{os.getpid()}"
+    metrics = run / "metrics.jsonl"
+    train = (
+        f"{sys.executable} -m unbroken.trainer.run --preset tiny --dp 2 --steps 10000000 "
+        f"--log-every 1000 --metrics-out {metrics}"
+    )
+    try:
+        address = start_driver(
+            p, etcd, job, "--nodes", "2", "--workers-per-node", "1", "--dp", "2",
+            "--worker-cmd", train, "--master-addr", "127.0.0.1", "--miss-limit", "30",
+            "--straggler-policy", "alert",
+        )  # fmt: skip
+        replica = {n: free_port() for n in ("node-0", "node-1")}
+        for node, buddy in (("node-0", "node-1"), ("node-1", "node-0")):
+            p.spawn(
+                f"agent-{node}",
+                ["agent", "--driver", address, "--node-id", node, "--no-start",
+                 "--worker-cmd", f"{sys.executable} -c pass", "--allow-remote-cmd",
+                 "--log-dir", str(run / f"logs-{node}"), "--socket", str(run / f"{node}.sock"),
+                 "--flash-dir", str(run / f"shm-{node}"), "--flash-job", job,
+                 "--persist-url", str(run / "storage"),
+                 "--replica-listen", f"127.0.0.1:{replica[node]}",
+                 "--buddy", f"127.0.0.1:{replica[buddy]}"],
+            )  # fmt: skip
+
+        def step() -> int:
+            steps = [w.step for n in live(address) for w in n.workers]
+            return min(steps) if len(steps) == 2 else 0
+
+        wait_for("training past its first windows", lambda: step() >= 150, 600, 1.0)
+        out: dict[str, Any] = {}
+        for f in FACTORS:
+            before = len([e for e in read_events(etcd, job) if e.HasField("straggler_suspected")])
+            inject(address, "node-1", "slow-train", f)
+            t0 = time.monotonic()
+
+            def named(before: int = before) -> list[ev.StragglerSuspected]:
+                got = [
+                    e.straggler_suspected
+                    for e in read_events(etcd, job)
+                    if e.HasField("straggler_suspected")
+                ]
+                return got[before:]
+
+            try:
+                s = wait_for(f"StragglerSuspected at {f}x", named, timeout_s, 0.5)[0]
+                out[f"{f:.2f}"] = {
+                    "detect_s": time.monotonic() - t0,
+                    "node": s.node_id,
+                    "right_node": s.node_id == "node-1",
+                    "slowdown": s.slowdown,
+                    "z": s.z,
+                }
+            except TimeoutError:
+                out[f"{f:.2f}"] = {"detect_s": None, "node": "", "right_node": False}
+            print(f"  straggler {f:.2f}x: {out[f'{f:.2f}']}")
+            inject(address, "node-1", "slow-train", 1.0)
+            at = step()
+            wait_for("the window to wash out", lambda at=at: step() >= at + 200, 900, 1.0)
+        nodes = live(address)
+        return {
+            "straggler_detect_s": out,
+            "step_ms": p50([w.median_step_ms for n in nodes for w in n.workers]),
+            "timeout_s": timeout_s,
+        }
+    finally:
+        p.stop()
+
+
+# ---------------------------------------------------------------- false positives
+def start_hog(run: Path, n: int) -> list[subprocess.Popen[bytes]]:
+    if n <= 0:
+        return []
+    stress = shutil.which("stress-ng")
+    if stress:
+        cmd = [stress, "--cpu", str(n), "--timeout", "0"]
+        return [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True)]
+    busy = "while True: pass"
+    return [
+        subprocess.Popen([sys.executable, "-c", busy], start_new_session=True) for _ in range(n)
+    ]
+
+
+def fp_part(run: Path, minutes: float, hog: int) -> dict[str, Any]:
+    up_dir = run / "up"
+    hogs = start_hog(run, hog)
+    loads: list[float] = []
+    silences: dict[str, list[float]] = {}
+    p = Procs(run)
+    try:
+        p.spawn(
+            "up",
+            ["up", "--no-drill", "--no-live", "--duration", str(minutes * 60.0 + 120.0),
+             "--steps", "100000000", "--run-dir", str(up_dir)],
+        )  # fmt: skip
+        # the drivers' port files name their gRPC ports
+        wait_for("up's drivers", lambda: list(up_dir.glob("*.port.json")), 300, 1.0)
+        addresses = []
+        for f in sorted(up_dir.glob("*.port.json")):
+            with contextlib.suppress(ValueError, KeyError):
+                addresses.append(f"127.0.0.1:{json.loads(f.read_text())['grpc_port']}")
+        # `up` runs secured: the viewer token reads the live view
+        token = (up_dir / "tokens" / "viewer.token").read_text().strip()
+        md = (("authorization", f"Bearer {token}"),)
+        t_end = time.monotonic() + minutes * 60.0 + 60.0  # + start-up
+        next_load = 0.0
+        last: dict[str, float] = {}
+        while time.monotonic() < t_end and p.procs["up"].poll() is None:
+            now = time.monotonic()
+            if now >= next_load:
+                loads.append(os.getloadavg()[0])
+                next_load = now + 10.0
+            for a in addresses:
+                nodes = live(a, md)
+                if nodes and any(n.alive for n in nodes):
+                    for n in nodes:
+                        if not n.alive:
+                            continue
+                        # a silence episode is the largest silent_ms seen before it drops
+                        prev = last.get(n.node_id, 0.0)
+                        if n.silent_ms < prev:
+                            silences.setdefault(n.node_id, []).append(prev)
+                        last[n.node_id] = n.silent_ms
+                    break
+            time.sleep(0.1)
+    finally:
+        for h in hogs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(h.pid, signal.SIGKILL)
+        p.stop()
+    etcd = EmbeddedEtcd(up_dir / "etcd").start()
+    try:
+        events = read_events(etcd, "demo")
+    finally:
+        etcd.stop(remove=False)
+    kinds = [e.WhichOneof("payload") for e in events]
+    world_nodes = 4  # 2 training nodes + 2 spares heartbeat the whole time
+    counts = {
+        "node_lost": kinds.count("node_lost"),
+        "hang_suspected": kinds.count("hang_suspected"),
+        "straggler_suspected": kinds.count("straggler_suspected"),
+        "leader_changes": max(0, kinds.count("leader_elected") - 1),
+    }
+    node_days = world_nodes * minutes / 1440.0
+    all_gaps = [g for gs in silences.values() for g in gs]
+    table: list[dict[str, Any]] | None = [] if all_gaps else None  # None: no live view read
+    for m in MISS_LIMITS if all_gaps else ():
+        timeout_ms = m * 100.0
+        table.append(  # type: ignore[union-attr]
+            {
+                "miss_limit": m,
+                "detect_latency_ms": timeout_ms + 20.0,  # + the sweep period (interval / 5)
+                "false_node_lost": sum(1 for g in all_gaps if g > timeout_ms),
+                "per_node_day": sum(1 for g in all_gaps if g > timeout_ms) / max(node_days, 1e-9),
+            }
+        )
+    return {
+        "minutes": minutes,
+        "hog_processes": hog,
+        "hog": "stress-ng" if shutil.which("stress-ng") else "busy python",
+        "load1_samples": loads,
+        "load1_p50": p50(loads),
+        "load1_min": min(loads) if loads else None,
+        "false_positives": counts,
+        "false_positives_per_node_day": {k: v / max(node_days, 1e-9) for k, v in counts.items()},
+        "events": len(events),
+        "max_silence_ms": max(all_gaps) if all_gaps else None,
+        "miss_limit_table": table,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="hang,straggler,false_positives")
+    ap.add_argument("--hangs", type=int, default=5)
+    ap.add_argument("--minutes", type=float, default=3.0, help="false-positive run (issue: 20)")
+    ap.add_argument("--hog", type=int, default=2, help="busy processes during it (0: none)")
+    ap.add_argument("--straggler-timeout", type=float, default=120.0)
+    ns = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop what it started, then exit
+    parts = {x.strip() for x in ns.parts.split(",") if x.strip()}
+    out: dict[str, Any] = {"load1_start": os.getloadavg()[0], "cores": os.cpu_count()}
+    base = Path(tempfile.mkdtemp(prefix="bench-detectors-"))
+    etcd = EmbeddedEtcd(base / "etcd").start()
+    try:
+        if "hang" in parts:
+            (base / "hang").mkdir()
+            out["hang"] = hang_part(base / "hang", etcd, ns.hangs)
+            out["hang_detect_p50_s"] = out["hang"]["hang_detect_p50_s"]
+            out["hang_resume_p50_s"] = out["hang"]["hang_resume_p50_s"]
+        if "straggler" in parts:
+            (base / "straggler").mkdir()
+            out["straggler"] = straggler_part(base / "straggler", etcd, ns.straggler_timeout)
+            out["straggler_detect_s"] = {
+                k: v["detect_s"] for k, v in out["straggler"]["straggler_detect_s"].items()
+            }
+    finally:
+        etcd.stop()
+    if "false_positives" in parts:
+        (base / "fp").mkdir()
+        out["false_positive_run"] = fp_part(base / "fp", ns.minutes, ns.hog)
+        out["false_positives"] = out["false_positive_run"]["false_positives"]
+    out["load1_end"] = os.getloadavg()[0]
+    out["logs"] = str(base)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    if RESULTS.exists():  # keep the parts not run now (read now: another run may have ended)
+        with contextlib.suppress(ValueError):
+            out = {**json.loads(RESULTS.read_text()), **out}
+    RESULTS.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    print(json.dumps({k: v for k, v in out.items() if not isinstance(v, dict)}, indent=2))
+    for k in ("straggler_detect_s", "false_positives"):
+        if k in out:
+            print(k, json.dumps(out[k]))
+    if (out.get("false_positive_run") or {}).get("miss_limit_table"):
+        print("| miss limit | detection latency (ms) | false NodeLost | per node-day |")
+        print("|---:|---:|---:|---:|")
+        for row in out["false_positive_run"]["miss_limit_table"]:
+            print(
+                f"| {row['miss_limit']} | {row['detect_latency_ms']:.0f} | "
+                f"{row['false_node_lost']} | {row['per_node_day']:.1f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

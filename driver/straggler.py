@@ -1,0 +1,186 @@
+"""Straggler detection while the job trains (pure; the service's sweep calls it).
+
+Each agent reports, per rank, the median compute time per step and its median absolute
+deviation over a window of recent steps (compute = the step minus the time spent waiting
+for peers in collectives; agent/workers.py). In a synchronous job a slow rank computes
+longer and waits least; its peers' step time grows with it, so the step time alone cannot
+name it, but compute time can.
+
+The test is a change point per node, normalised by the rest of the world: each node's
+compute median relative to the other nodes' median at the same sweep (a load that slows
+every node moves every value alike) is compared with its own usual relative cost, its
+role, learned over its first `baseline_sweeps` sweeps after its workers (re)started. Nodes
+of different roles (pipeline stages, the loss stage) have different compute times, but
+each keeps its own relative cost while healthy. A node is suspected when
+
+    slowdown = relative cost / role >= `min_slowdown`, and
+    slowdown - 1 >= `k` x the relative standard error of its median (1.2533 x 1.4826 x
+    MAD / sqrt(window) / median: median + k x MAD over a sliding window),
+
+and it waits in collectives less than the others' median (in a synchronous job the slow
+rank is the one that waits least; a node slowed by noise alone does not make its peers
+wait), for `confirm` sweeps in a row. One `StragglerSuspected` per node until it recovers or its
+workers restart. Nothing here reads a clock or the network (tests/unit/test_straggler.py).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import events_pb2 as ev
+
+POLICIES = ("evict", "alert", "off")
+
+
+@dataclass(kw_only=True, slots=True)
+class StragglerConfig:
+    """The straggler detector's thresholds and what the driver does with a finding."""
+
+    policy: str = "evict"  # evict (when a spare exists), alert (record only), off
+    min_slowdown: float = 1.04  # at least this much slower than the others, relatively
+    k: float = 3.0  # ...and k standard errors of its window median
+    confirm: int = 3  # consecutive sweeps before it is reported
+    sweep_ms: float = 2_000.0
+    min_steps: int = 32  # window steps a node needs before it is judged
+    baseline_sweeps: int = 3  # sweeps whose median relative cost is a node's role
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"straggler policy must be one of {POLICIES}, got {self.policy!r}")
+        if not self.min_slowdown > 1.0:
+            raise ValueError(f"straggler min_slowdown must be > 1, got {self.min_slowdown}")
+        if not self.k > 0:
+            raise ValueError(f"straggler k must be > 0, got {self.k}")
+        if self.confirm < 1:
+            raise ValueError(f"straggler confirm must be >= 1, got {self.confirm}")
+        if not 100.0 <= self.sweep_ms <= 600_000.0:
+            raise ValueError(f"straggler sweep_ms must be in [100, 600000], got {self.sweep_ms}")
+        if self.baseline_sweeps < 1:
+            raise ValueError(f"straggler baseline_sweeps must be >= 1, got {self.baseline_sweeps}")
+        if self.min_steps < 4:
+            raise ValueError(f"straggler min_steps must be >= 4, got {self.min_steps}")
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One node's window: medians over its running ranks of each rank's window medians."""
+
+    node_id: str
+    generation: int  # changes when its workers restart (a new baseline)
+    compute_ms: float
+    mad_ms: float
+    wait_ms: float
+    steps: int
+
+
+def sample(node_id: str, workers: Iterable[dpb.WorkerStatus]) -> Sample | None:
+    """The node's `Sample` from its newest heartbeat's workers, None without timings."""
+    compute, mad, wait = [], [], []
+    generation, steps = 0, 1 << 30
+    running = dpb.WORKER_STATE_RUNNING
+    for w in workers:  # one pass: this runs for every world node every sweep
+        if w.state == running and w.window_steps:
+            compute.append(w.compute_ms)
+            mad.append(w.compute_mad_ms)
+            wait.append(w.wait_ms)
+            generation += w.restarts * 1_000_003 + w.pid
+            steps = min(steps, w.window_steps)
+    if not compute:
+        return None
+    mid = len(compute) // 2  # the upper median: one of the ranks' own values
+    return Sample(
+        node_id=node_id,
+        generation=generation,
+        compute_ms=sorted(compute)[mid],
+        mad_ms=sorted(mad)[mid],
+        wait_ms=sorted(wait)[mid],
+        steps=steps,
+    )
+
+
+def median_without(ordered: Sequence[float], x: float) -> float:
+    """The median of sorted `ordered` with one element equal to `x` left out: O(log n)."""
+    i = bisect.bisect_left(ordered, x)
+    m = len(ordered) - 1
+
+    def rest(k: int) -> float:
+        return ordered[k] if k < i else ordered[k + 1]
+
+    if m % 2:
+        return rest(m // 2)
+    return (rest(m // 2 - 1) + rest(m // 2)) / 2.0
+
+
+@dataclass(slots=True)
+class _Track:
+    generation: int
+    rels: list[float] = field(default_factory=list)  # its first relative windows
+    role: float = 0.0  # its usual compute relative to the others (0: not known yet)
+    streak: int = 0
+    reported: bool = False
+
+
+@dataclass(slots=True)
+class StragglerWatch:
+    """Per-node roles (baselines) and streaks across sweeps."""
+
+    config: StragglerConfig
+    tracks: dict[str, _Track] = field(default_factory=dict)
+
+    def sweep(self, samples: Sequence[Sample]) -> list[ev.Event]:
+        """`StragglerSuspected` for each node that just became a confirmed straggler."""
+        c = self.config
+        ready = [s for s in samples if s.steps >= c.min_steps and s.compute_ms > 0]
+        seen = {s.node_id for s in samples}
+        for gone in [n for n in self.tracks if n not in seen]:
+            del self.tracks[gone]
+        if len(ready) < 2:
+            return []
+        computes = sorted(s.compute_ms for s in ready)
+        waits = sorted(s.wait_ms for s in ready)
+        out = []
+        for s in ready:
+            t = self.tracks.get(s.node_id)
+            if t is None or t.generation != s.generation:
+                t = self.tracks[s.node_id] = _Track(s.generation)
+            # its compute relative to the others' now: a load on every node cancels out
+            rel = s.compute_ms / median_without(computes, s.compute_ms)
+            if not t.role:
+                t.rels.append(rel)
+                if len(t.rels) >= c.baseline_sweeps:  # its role: the usual relative cost
+                    t.role = statistics.median(t.rels)
+                continue
+            slowdown = rel / t.role
+            se = 1.2533 * 1.4826 * s.mad_ms / math.sqrt(s.steps) / s.compute_ms
+            z = (slowdown - 1.0) / max(se, 1e-6)
+            waits_least = s.wait_ms < median_without(waits, s.wait_ms)
+            if slowdown >= c.min_slowdown and z >= c.k and waits_least:
+                t.streak += 1
+            else:
+                t.streak, t.reported = 0, False
+                continue
+            if t.streak < c.confirm or t.reported:
+                continue
+            t.reported = True
+            rest = [x for x in ready if x.node_id != s.node_id]
+            out.append(
+                ev.Event(
+                    straggler_suspected=ev.StragglerSuspected(
+                        node_id=s.node_id,
+                        slowdown=slowdown,
+                        compute_ms=s.compute_ms,
+                        others_ms=statistics.median(x.compute_ms for x in rest),
+                        wait_ms=s.wait_ms,
+                        others_wait_ms=statistics.median(x.wait_ms for x in rest),
+                        z=z,
+                        window_steps=s.steps,
+                        policy=c.policy,
+                    )
+                )
+            )
+        return out

@@ -1,0 +1,107 @@
+"""A SIGSTOPped rank of a real 2-rank gloo job is flagged by its agent within a few seconds,
+with the stacks of both ranks in HangSuspected; continued, it trains on and is re-armed.
+
+One driver (etcd-backed log, no recovery loop) and one agent with two workers that
+all-reduce every 100 ms step through torch.distributed (gloo), marking the wait with the
+SDK's `hooks.collective()`. SIGSTOP on rank 1 stalls rank 0 in its all-reduce: both ranks
+stop progressing, the agent judges rank 1 hung from its own rhythm (1 s floor; rank 0,
+waiting in a collective, is a victim judged later), dumps the stacks of both ranks (the
+stopped rank through its SIGUSR2 dump-and-stop handler, so it stays stopped) and raises
+the STALLED flag; the driver appends one HangSuspected for the node.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.test_heartbeat import Procs, live, procs, read_events, start_driver, wait_for
+from tests.integration.test_recovery_loop import free_port
+
+pytestmark = pytest.mark.integration
+__all__ = ["procs"]
+
+WORKER = """
+import os, time
+import torch
+import torch.distributed as dist
+from unbroken.trainer import hooks
+h = hooks.install()
+dist.init_process_group("gloo")
+t = torch.ones(1)
+step = 0
+while True:
+    step += 1
+    time.sleep(0.1)  # the step's compute
+    with h.collective():
+        dist.all_reduce(t)
+    h.step(step, loss=1.0)
+"""
+
+
+def test_sigstopped_rank_is_flagged_with_stacks_and_rearmed(
+    procs: Procs, tmp_path: Path, etcd_server: Any
+) -> None:
+    job = f"hang-{uuid.uuid4().hex[:8]}"
+    addr, stub = start_driver(procs, tmp_path, "--etcd", etcd_server.endpoint, "--job-id", job)
+    script = tmp_path / "worker.py"
+    script.write_text(
+        f"import os\nopen({str(tmp_path / 'worker-pids')!r}, 'a').write(str(os.getpid()) + ' ')\n"
+        + WORKER
+    )
+    procs.start(
+        "agent-n0",
+        [
+            "agent", "--driver", addr, "--node-id", "n0", "--nproc-per-node", "2",
+            "--worker-cmd", f"{sys.executable} {script}", "--master-port", str(free_port()),
+            "--log-dir", str(tmp_path / "logs-n0"), "--socket", str(tmp_path / "n0.sock"),
+            "--no-flash",
+        ],
+    )  # fmt: skip
+
+    def stepping(at_least: int) -> dict[int, Any] | None:
+        n = live(stub).get("n0")
+        if n is None or len(n.workers) != 2:
+            return None
+        ws = {w.local_rank: w for w in n.workers}
+        return ws if all(w.step >= at_least and w.window_steps > 0 for w in ws.values()) else None
+
+    ws = wait_for(lambda: stepping(10), 120, "two ranks all-reducing for 10 steps", step_s=0.2)
+    assert all(w.wait_ms >= 0.0 and w.compute_ms > 50.0 for w in ws.values()), ws
+
+    def hangs() -> list[Any]:
+        return [
+            e.hang_suspected
+            for e in read_events(etcd_server.config, job)
+            if e.HasField("hang_suspected")
+        ]
+
+    victim = ws[1].pid
+    os.kill(victim, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    (h,) = wait_for(hangs, 30, "HangSuspected", step_s=0.1)
+    took = time.monotonic() - stopped_at
+    # rank 1 stopped in its compute: named first; rank 0 waits in the all-reduce (a victim,
+    # judged collective_k times later), so it may or may not be flagged yet
+    assert h.node_id == "n0" and h.local_rank == 1 and 1 in h.hung_ranks, h
+    assert h.silent_ms > h.threshold_ms >= 1000.0 and h.phase in ("train", "collective")
+    assert "--- local rank 1 ---\n(process stopped: SIGSTOP)" in h.stack_dump, h.stack_dump
+    assert "worker.py" in h.stack_dump and "--- local rank 0 ---" in h.stack_dump
+    assert took < 10.0, f"HangSuspected {took:.1f} s after SIGSTOP"  # generous: a loaded host
+    # the dump did not end the stop: the rank is still stopped, no step ran
+    state = Path(f"/proc/{victim}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    assert state == "T", state
+
+    before = max(w.step for w in live(stub)["n0"].workers)
+    os.kill(victim, signal.SIGCONT)
+    wait_for(lambda: stepping(before + 5), 30, "training on after SIGCONT", step_s=0.2)
+    os.kill(victim, signal.SIGSTOP)  # progress re-armed the detector: a second hang is reported
+    wait_for(lambda: len(hangs()) == 2, 30, "a second HangSuspected", step_s=0.1)
+    os.kill(victim, signal.SIGCONT)

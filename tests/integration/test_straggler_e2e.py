@@ -1,0 +1,102 @@
+"""A node slowed while training is named a straggler, evicted, and a spare takes its ranks.
+
+`unbroken driver --nodes 2 --dp 2` runs the tiny trainer on two `unbroken agent --no-start`
+processes plus a spare. Once both nodes have a full window of steps, `InjectFault
+slow-train --factor 1.3` makes n1's trainer spend 30 % more time computing each step (a
+fault the trainer applies, trainer/run.py SlowFile). Nothing else is sent by the test:
+
+- each worker reports its compute and collective-wait time per step; n0 now waits for n1
+  in the all-reduce, so only n1's compute grows;
+- the driver's straggler sweep (driver/straggler.py) appends StragglerSuspected(n1);
+- with the default policy (evict) and a spare, the machine evicts n1 and the spare takes
+  its rank; the world restores and trains on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests.integration.test_loop_spike import LoopJob
+from tests.integration.test_recovery_loop import Job, until
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import driver_pb2_grpc as dgrpc
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def job(tmp_path: Path, etcd_server: object) -> Iterator[Job]:
+    j = LoopJob(tmp_path, etcd_server.endpoint)  # type: ignore[attr-defined]
+    try:
+        yield j
+    finally:
+        j.close()
+
+
+def slow(address: str, node: str, factor: float) -> str:
+    async def call() -> dpb.InjectFaultResponse:
+        async with grpc.aio.insecure_channel(address) as ch:
+            req = dpb.InjectFaultRequest(node_id=node, kind="slow-train", factor=factor)
+            return await dgrpc.DriverStub(ch).InjectFault(req, timeout=30)
+
+    resp = asyncio.run(call())
+    assert resp.ok, resp.detail
+    return resp.detail
+
+
+def live_timings(address: str) -> list[tuple[str, float, float, float, int]]:
+    """(node, compute, MAD, wait, window) per worker from the driver's live view."""
+
+    async def call() -> dpb.LiveViewResponse:
+        async with grpc.aio.insecure_channel(address) as ch:
+            return await dgrpc.DriverStub(ch).LiveView(dpb.LiveViewRequest(), timeout=10)
+
+    nodes = asyncio.run(call()).nodes
+    return [
+        (n.node_id, w.compute_ms, w.compute_mad_ms, w.wait_ms, w.window_steps)
+        for n in nodes
+        for w in n.workers
+    ]
+
+
+def test_slowed_node_is_named_evicted_and_replaced_by_the_spare(job: LoopJob) -> None:
+    job.start_driver()
+    job.start_agent("n0", buddy="n1")
+    job.start_agent("n1", buddy="n0")
+    job.start_agent("s0", buddy="n0", spare=True)
+    until("training to start", lambda: job.max_step() >= 70, 240, job)  # windows, roles learnt
+
+    slow(job.address, "n1", 1.3)
+    t0 = time.monotonic()
+
+    def kinds() -> list[str]:
+        return [str(e.WhichOneof("payload")) for e in job.events()]
+
+    try:
+        until("StragglerSuspected", lambda: "straggler_suspected" in kinds(), 120, job)
+    finally:
+        print(live_timings(job.address))
+    took = time.monotonic() - t0
+    until(
+        "the spare to take over and training to resume",
+        lambda: "training_resumed" in (k := kinds())[k.index("straggler_suspected") :],
+        180,
+        job,
+    )
+    events = job.events()
+    (s,) = [e.straggler_suspected for e in events if e.HasField("straggler_suspected")]
+    assert s.node_id == "n1" and s.slowdown >= 1.1 and s.policy == "evict", s
+    assert s.wait_ms <= s.others_wait_ms, s  # the straggler waits least
+    evicted = [e.node_evicted.node_id for e in events if e.HasField("node_evicted")]
+    assert evicted == ["n1"], evicted
+    worlds = [e.world_resized for e in events if e.HasField("world_resized")]
+    assert worlds and sorted(worlds[-1].new_world.node_ids) == ["n0", "s0"], worlds
+    resumed_at = job.max_step()
+    until("training past the eviction", lambda: job.max_step() >= resumed_at + 5, 120, job)
+    print(f"StragglerSuspected {took:.1f} s after the 1.3x slowdown; slowdown {s.slowdown:.2f}")

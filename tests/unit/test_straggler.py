@@ -1,0 +1,193 @@
+"""The straggler detector (driver/straggler.py): change point per node, normalised by the rest."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.unit.test_machine_harness import Sim, job
+from unbroken.driver import machine
+from unbroken.driver.straggler import (
+    Sample,
+    StragglerConfig,
+    StragglerWatch,
+    median_without,
+    sample,
+)
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import events_pb2 as ev
+
+pytestmark = pytest.mark.unit
+
+
+def samples(
+    compute: dict[str, float], mad: float = 2.0, steps: int = 64, slow: str = ""
+) -> list[Sample]:
+    """Node windows; `slow` waits least (its peers wait for it in the collectives)."""
+    return [
+        Sample(
+            node_id=n,
+            generation=1,
+            compute_ms=c,
+            mad_ms=mad,
+            wait_ms=1.0 if n == slow else 10.0,
+            steps=steps,
+        )
+        for n, c in compute.items()
+    ]
+
+
+BASE = {"n0": 50.0, "n1": 80.0, "n2": 50.0, "n3": 80.0}  # two roles (pipeline stages)
+
+
+def test_a_slowed_node_is_named_after_confirm_sweeps_and_only_once() -> None:
+    w = StragglerWatch(StragglerConfig(baseline_sweeps=1, confirm=3))
+    assert w.sweep(samples(BASE)) == []  # baselines
+    slow = {**BASE, "n1": 80.0 * 1.10}
+    assert w.sweep(samples(slow, slow="n1")) == []
+    assert w.sweep(samples(slow, slow="n1")) == []
+    (e,) = w.sweep(samples(slow, slow="n1"))
+    s = e.straggler_suspected
+    assert s.node_id == "n1" and s.slowdown == pytest.approx(1.10) and s.policy == "evict"
+    assert s.compute_ms == pytest.approx(88.0) and s.window_steps == 64
+    assert w.sweep(samples(slow, slow="n1")) == []  # reported once
+
+
+def test_a_node_that_computes_longer_but_makes_nobody_wait_is_not_named() -> None:
+    w = StragglerWatch(StragglerConfig(baseline_sweeps=1, confirm=1))
+    w.sweep(samples(BASE))
+    assert w.sweep(samples({**BASE, "n1": 80.0 * 1.2})) == []  # waits as much as the rest
+
+
+def test_roles_differ_but_nobody_is_a_straggler() -> None:
+    w = StragglerWatch(StragglerConfig(baseline_sweeps=1, confirm=1))
+    for _ in range(5):
+        assert w.sweep(samples(BASE)) == []
+
+
+def test_a_load_that_slows_every_node_alike_is_not_a_straggler() -> None:
+    w = StragglerWatch(StragglerConfig(baseline_sweeps=1, confirm=1))
+    w.sweep(samples(BASE))
+    assert w.sweep(samples({n: c * 1.5 for n, c in BASE.items()})) == []
+
+
+def test_a_small_difference_within_the_noise_is_not_a_straggler() -> None:
+    w = StragglerWatch(StragglerConfig(baseline_sweeps=1, confirm=1, min_slowdown=1.04, k=4.0))
+    w.sweep(samples(BASE, mad=10.0, steps=16))
+    # 6 % slower, but the standard error of a 16-step median with MAD 10 ms is ~9 %
+    assert w.sweep(samples({**BASE, "n1": 80.0 * 1.06}, mad=10.0, steps=16)) == []
+
+
+def test_a_restart_sets_a_new_baseline() -> None:
+    w = StragglerWatch(StragglerConfig(baseline_sweeps=1, confirm=1))
+    w.sweep(samples(BASE))
+    moved = [
+        Sample(
+            node_id=s.node_id,
+            generation=2,
+            compute_ms=s.compute_ms * (1.3 if s.node_id == "n1" else 1.0),
+            mad_ms=2.0,
+            wait_ms=10.0,
+            steps=64,
+        )
+        for s in samples(BASE)
+    ]
+    assert w.sweep(moved) == []  # n1 restarted: a new baseline, nothing to compare yet
+
+
+def test_too_few_steps_or_one_node_is_not_judged() -> None:
+    w = StragglerWatch(StragglerConfig(baseline_sweeps=1, confirm=1, min_steps=32))
+    w.sweep(samples(BASE, steps=8))
+    assert w.sweep(samples({**BASE, "n1": 200.0}, steps=8)) == []
+    w2 = StragglerWatch(StragglerConfig(baseline_sweeps=1, confirm=1))
+    w2.sweep(samples({"n0": 50.0}))
+    assert w2.sweep(samples({"n0": 100.0})) == []
+
+
+@settings(max_examples=200)
+@given(st.lists(st.floats(min_value=0.1, max_value=100), min_size=2, max_size=30), st.data())
+def test_median_without_equals_the_median_of_the_rest(xs: list[float], data: st.DataObject) -> None:
+    import statistics
+
+    i = data.draw(st.integers(min_value=0, max_value=len(xs) - 1))
+    rest = xs[:i] + xs[i + 1 :]
+    assert median_without(sorted(xs), xs[i]) == pytest.approx(statistics.median(rest))
+
+
+def test_no_false_straggler_in_noisy_healthy_windows() -> None:
+    rnd = random.Random(7)
+    w = StragglerWatch(StragglerConfig())
+    for _ in range(2000):  # 2000 sweeps of 8 nodes whose window medians jitter 2 %
+        got = w.sweep(
+            [
+                Sample(
+                    node_id=f"n{i}",
+                    generation=1,
+                    compute_ms=60.0 * rnd.gauss(1.0, 0.02),
+                    mad_ms=6.0,
+                    wait_ms=abs(rnd.gauss(10.0, 3.0)),
+                    steps=128,
+                )
+                for i in range(8)
+            ]
+        )
+        assert got == []
+
+
+def test_sample_takes_the_running_ranks_medians() -> None:
+    ws = [
+        dpb.WorkerStatus(
+            local_rank=r,
+            state=dpb.WORKER_STATE_RUNNING,
+            pid=10 + r,
+            compute_ms=c,
+            compute_mad_ms=1.0,
+            wait_ms=5.0,
+            window_steps=40,
+        )
+        for r, c in enumerate((50.0, 60.0, 70.0))
+    ] + [dpb.WorkerStatus(local_rank=9, state=dpb.WORKER_STATE_EXITED, compute_ms=999.0)]
+    s = sample("n0", ws)
+    assert s is not None and s.compute_ms == 60.0 and s.steps == 40
+    assert sample("n0", []) is None
+
+
+def test_config_validation_names_the_field() -> None:
+    with pytest.raises(ValueError, match="policy"):
+        StragglerConfig(policy="kill")
+    with pytest.raises(ValueError, match="min_slowdown"):
+        StragglerConfig(min_slowdown=1.0)
+
+
+def _straggler(policy: str, node: str = "n1") -> ev.Event:
+    return ev.Event(
+        straggler_suspected=ev.StragglerSuspected(node_id=node, slowdown=1.2, policy=policy)
+    )
+
+
+def _start(spares: int) -> Sim:
+    sim = Sim(machine.Policy())
+    sim.append(job(nodes=2, spares=spares))
+    assert sim.state.phase == ev.PHASE_RUNNING
+    return sim
+
+
+def test_policy_evict_replaces_the_straggler_with_a_spare() -> None:
+    sim = _start(spares=1)
+    d = sim.feed(_straggler("evict"))
+    assert sim.state.bad_nodes == ["n1"] and d.phase == ev.PHASE_SUSPECTED
+    sim.drive(set())
+    assert "n1" not in sim.state.world.node_ids and len(sim.state.world.node_ids) == 2
+    assert sim.state.nodes["n1"].state == ev.NODE_STATE_EVICTED
+    assert sim.state.phase == ev.PHASE_RUNNING
+
+
+@pytest.mark.parametrize(("policy", "spares"), [("alert", 1), ("evict", 0)])
+def test_alert_only_or_no_spare_records_without_a_recovery(policy: str, spares: int) -> None:
+    sim = _start(spares=spares)
+    d = sim.feed(_straggler(policy))
+    assert [e.WhichOneof("payload") for e in d.events] == ["straggler_suspected"]
+    assert d.phase == ev.PHASE_RUNNING and "n1" in sim.state.world.node_ids
