@@ -57,6 +57,7 @@ from unbroken.agent import checks, probes
 from unbroken.agent.flash import NodeFlash, NodeFlashConfig
 from unbroken.agent.hookserver import DEFAULT_SOCKET, HookServer
 from unbroken.agent.metrics import AgentMetrics
+from unbroken.agent.relay import Relay, RelayConfig, parse_relay
 from unbroken.agent.workers import Supervisor, WorkerSpec
 from unbroken.diagnostics.faults import WORKER_FILE_FAULTS, FaultSpec, RuntimeFault
 from unbroken.proto import channel
@@ -110,6 +111,8 @@ class AgentConfig:
     metrics_port: int | None = None  # this node's Prometheus endpoint (None: off; 0: free)
     metrics_host: str = "127.0.0.1"
     pin_master_addr: bool = False  # the configured master address wins over the driver's
+    relay_listen: str = ""  # act as a relay for a group of nodes on host:port
+    relay: str = ""  # heartbeat through this relay: ID@HOST:PORT
 
     def __post_init__(self) -> None:
         if not self.drivers:
@@ -140,6 +143,17 @@ class AgentConfig:
                     f"the token would travel in cleartext to {', '.join(remote)}: give the "
                     "agent --tls-cert/--tls-key/--tls-ca, or reach the driver on loopback"
                 )
+        if self.relay:
+            rid, endpoint = parse_relay(self.relay)
+            if rid == self.node_id:
+                raise ValueError("--relay names this node itself; a relay needs no relay")
+            if self.token and not self.tls_cert and not channel_is_loopback(endpoint):
+                raise ValueError(
+                    f"the token would travel in cleartext to the relay {endpoint}: give the "
+                    "agent --tls-cert/--tls-key/--tls-ca"
+                )
+        if self.relay_listen and self.relay:
+            raise ValueError("--relay-listen and --relay exclude each other")
         if not self.socket_path:
             self.socket_path = DEFAULT_SOCKET  # taken by the first agent on the host
 
@@ -204,6 +218,21 @@ class Agent:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._metadata = self._token_md()
         self.term_seen = 0  # the newest leader term a command came with (older ones dropped)
+        self.relay: Relay | None = None
+        if config.relay_listen:
+            self.relay = Relay(
+                RelayConfig(
+                    listen=config.relay_listen,
+                    tls_cert=config.tls_cert,
+                    tls_key=config.tls_key,
+                    tls_ca=config.tls_ca,
+                    token=config.token,
+                ),
+                config.node_id,
+                self.interval_s,
+            )
+        self.via: tuple[str, str] | None = parse_relay(config.relay) if config.relay else None
+        self._relay_down = False  # the relay failed us: go to the driver directly
 
     def _token_md(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.config.token}"),) if self.config.token else ()
@@ -263,6 +292,8 @@ class Agent:
             log.info("agent metrics", url=f"http://{self.config.metrics_host}:{port}/metrics")
         if self.hooks is not None:
             await self.hooks.start()
+        if self.relay is not None:
+            await self.relay.start()
         try:
             if self.flash is not None:
                 await self.flash.start()
@@ -290,6 +321,8 @@ class Agent:
                 await self.supervisor.close(grace_s=2.0)  # workers and warm standbys
             if self.hooks is not None:
                 self.hooks.close()
+            if self.relay is not None:
+                await self.relay.close()
             if self.flash is not None:
                 # Keep the copies when the agent fails: a restarted agent can use them.
                 await self.flash.close(clean=self.exit_code == 0)
@@ -305,10 +338,14 @@ class Agent:
             ch = self._channel(target)
             try:
                 stub = dgrpc.DriverStub(ch)
+                via = self.via if self.via is not None and not self._relay_down else None
+                md = self._metadata
+                if via is not None:
+                    md = (*md, (channel.RELAY_KEY, via[0]))
                 resp = await stub.Register(
                     request,
                     timeout=self.config.register_timeout_s,
-                    metadata=self._metadata,
+                    metadata=md,
                     wait_for_ready=False,
                 )
                 last_ok = time.monotonic()
@@ -320,8 +357,17 @@ class Agent:
                     driver_id=resp.driver_id,
                     interval_ms=resp.heartbeat_interval_ms,
                     epoch=self.epoch,
+                    relay=via[0] if via else "",
                 )
-                await self._session(stub)
+                if self.relay is not None:
+                    self.relay.interval_s = self.interval_s
+                    self.relay.miss_limit = resp.miss_limit or 3
+                if via is not None:
+                    if await self._relayed_session(via):
+                        continue  # the relay failed us: straight to the driver, no backoff
+                else:
+                    await self._session(stub)
+                    self._relay_down = False  # next time, try the relay again
             except grpc.aio.AioRpcError as e:
                 self._on_rpc_error(e, target)
             finally:
@@ -336,6 +382,25 @@ class Agent:
                 )
             await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
             backoff = min(backoff * 2, self.config.backoff_max_s)
+
+    async def _relayed_session(self, via: tuple[str, str]) -> bool:
+        """Hold the session through the relay; True when the relay failed (unreachable,
+        refused, died): the caller goes to the driver directly at once."""
+        ch = self._channel(via[1])
+        try:
+            await self._session(dgrpc.DriverStub(ch))
+            return False
+        except grpc.aio.AioRpcError as e:
+            log.warning(
+                "relay failed; going to the driver directly",
+                relay=via[0],
+                code=e.code().name,
+                details=(e.details() or "")[:200],
+            )
+            self._relay_down = True
+            return True
+        finally:
+            await ch.close(grace=None)
 
     def _on_rpc_error(self, e: grpc.aio.AioRpcError, target: str) -> None:
         code = e.code()
@@ -375,17 +440,33 @@ class Agent:
         )
         call = stub.Session(metadata=md)
         beats = asyncio.create_task(self._heartbeats(call))
+        forward = None
+        if self.relay is not None:
+            relay = self.relay
+
+            async def up(msg: dpb.AgentMessage) -> None:
+                await self._write(call, msg)
+
+            forward = asyncio.create_task(relay.forward(up))
         self.session_open = True
         if self._selfcheck_due:
             self._spawn(self._registration_selfcheck(call))
         try:
             async for msg in call:
+                if msg.WhichOneof("kind") == "relayed" and self.relay is not None:
+                    self.relay.deliver(msg.relayed)
+                    continue
                 self._spawn(self._command(call, msg))
         finally:
             self.session_open = False
             beats.cancel()
+            if forward is not None:
+                forward.cancel()
             with contextlib.suppress(BaseException):
                 await beats
+            if forward is not None:
+                with contextlib.suppress(BaseException):
+                    await forward
         # a clean end of stream: driver shutting down; reconnect
         log.info("session ended by the driver")
 

@@ -53,7 +53,7 @@ from unbroken.driver.security import (
     caller,
     server_credentials,
 )
-from unbroken.driver.sessions import Sessions
+from unbroken.driver.sessions import RelayOutbox, Sessions
 from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -170,6 +170,9 @@ class DriverService(dgrpc.DriverServicer):
             term=lambda: self.journal.state.leader_term if self.journal is not None else 0,
         )
         self._mass_since = 0.0  # monotonic time a mass silence was first held back
+        self.relayed: dict[str, set[str]] = {}  # relay node id -> members attached through it
+        self.relay_refused = 0  # batch entries for nodes that did not name the relay
+        self.relay_held = 0  # sweeps that held back a relayed node whose relay was lost
         self.stopping = asyncio.Event()
         self.operators = OperatorApi(self.leadership, self, config)
         self.launchers = LauncherApi(self.leadership, self, self.commits, config)
@@ -377,6 +380,10 @@ class DriverService(dgrpc.DriverServicer):
 
     def _sweep_lost(self, now: float, slack_s: float) -> None:
         lost = detectors.silent(self.view, now, slack_s)
+        if lost and self.relayed:
+            kept = [x for x in lost if not self._held_for_relay(x[0], now)]
+            self.relay_held += len(lost) - len(kept)
+            lost = kept
         if not lost:
             self._mass_since = 0.0
             return
@@ -397,6 +404,18 @@ class DriverService(dgrpc.DriverServicer):
             log.warning(
                 "node lost", node=e.node_lost.node_id, silent_ms=round(e.node_lost.silent_ms, 1)
             )
+
+    def _held_for_relay(self, slot: NodeSlot, now: float) -> bool:
+        """Whether `slot`'s silence began with its relay's loss (and is still young enough
+        to wait for the node to come to us directly)."""
+        if not slot.relay or not isinstance(slot.outbox, RelayOutbox | None):
+            return False
+        relay = self.view.nodes.get(slot.relay)
+        if relay is None:
+            return False
+        live = self.view.config
+        down = not relay.connected or now - relay.last_seen > 2 * live.heartbeat_interval_ms / 1e3
+        return down and now - slot.last_seen <= live.timeout_s + live.relay_hold_ms / 1e3
 
     def _sweep_hangs(self) -> None:
         for e in detectors.hangs(self.view, self.config.detectors):
@@ -484,6 +503,11 @@ class DriverService(dgrpc.DriverServicer):
             log.warning("registration refused", node=request.node_id, reason=reason)
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION, reason)
         slot = self.view.slot(request.node_id)
+        relay = ""
+        for k, v in context.invocation_metadata() or ():
+            if k == channel.RELAY_KEY:
+                relay = str(v)[:128]
+        slot.relay = relay if relay != request.node_id else ""
         if event is not None:
             if slot.epoch != request.epoch:
                 slot.reported_exits.clear()
@@ -563,6 +587,7 @@ class DriverService(dgrpc.DriverServicer):
                 slot.connected = False
                 slot.outbox = None
                 self.sessions.closed(node_id, ending)
+                self._detach_members(node_id)
 
     async def _read_loop(self, slot: NodeSlot, context: grpc.aio.ServicerContext) -> None:
         read = context.read
@@ -592,17 +617,112 @@ class DriverService(dgrpc.DriverServicer):
                 if hb.sent_mono_ns:
                     delivery.add((mono_ns() - hb.sent_mono_ns) / 1e6)
                 handler.add((perf() - t0) / 1e3)
-            elif msg.WhichOneof("kind") == "shard_persisted":
-                problem = self._not_its_shard(slot.node_id, msg.shard_persisted)
-                if problem:
-                    self.commits.ignored += 1
-                    log.warning("shard report refused", node=slot.node_id, problem=problem)
-                    continue
-                commit = self.commits.record(slot.node_id, msg.shard_persisted)
-                if commit is not None:
-                    self.emit(commit)
+            elif msg.WhichOneof("kind") == "relay_batch":
+                self._relay_batch(slot, msg.relay_batch, t0)
+            elif msg.WhichOneof("kind") == "relayed":
+                up = msg.relayed
+                member = self._member(slot, up.node_id, up.epoch)
+                if member is not None:
+                    self._on_message(member, up.message)
             else:
-                self._on_reply(slot, msg)
+                self._on_message(slot, msg)
+
+    def _on_message(self, slot: NodeSlot, msg: dpb.AgentMessage) -> None:
+        """A node's message other than a heartbeat (direct or relayed)."""
+        kind = msg.WhichOneof("kind")
+        if kind == "shard_persisted":
+            problem = self._not_its_shard(slot.node_id, msg.shard_persisted)
+            if problem:
+                self.commits.ignored += 1
+                log.warning("shard report refused", node=slot.node_id, problem=problem)
+                return
+            commit = self.commits.record(slot.node_id, msg.shard_persisted)
+            if commit is not None:
+                self.emit(commit)
+        elif kind in ("check_result", "ack", "self_check_report"):
+            self._on_reply(slot, msg)
+        else:
+            log.warning("unexpected message refused", node=slot.node_id, kind=kind)
+
+    # ------------------------------------------------------------ relays
+    def _member(self, relay: NodeSlot, node_id: str, epoch: int) -> NodeSlot | None:
+        """`node_id`'s slot when `relay` may speak for it (its own registration named this
+        relay, same epoch, not declared lost), attached to the relay's stream; else None."""
+        m = self.view.nodes.get(node_id)
+        if m is None or m.relay != relay.node_id or (epoch and m.epoch != epoch) or not m.alive:
+            self.relay_refused += 1
+            return None
+        if m.outbox is None and isinstance(relay.outbox, asyncio.Queue):
+            m.outbox = RelayOutbox(relay.node_id, relay.outbox, node_id)
+            m.connected = True
+            self.relayed.setdefault(relay.node_id, set()).add(node_id)
+            self.view.mark_alive(m, time.monotonic())
+        elif not isinstance(m.outbox, RelayOutbox):
+            self.relay_refused += 1  # it holds its own session with us now
+            return None
+        return m
+
+    def _relay_batch(self, relay: NodeSlot, batch: dpb.RelayBatch, t0: int) -> None:
+        """One relay's batch: each member entry costs what a direct heartbeat does, minus
+        the gRPC message."""
+        now = time.monotonic()
+        order = self.view.order
+        nodes = self.view.nodes
+        rid = relay.node_id
+        delivery, mono_ns = self.delivery, time.monotonic_ns
+        n = 0
+        for b in batch.beats:
+            m = nodes.get(b.node_id)
+            if m is None or m.relay != rid or m.epoch != b.epoch or m.outbox is None:
+                m = self._member(relay, b.node_id, b.epoch)
+                if m is None:
+                    continue
+            if not m.alive:
+                continue
+            hb = b.heartbeat
+            m.last_seen = now
+            m.hb = hb
+            m.heartbeats += 1
+            order.pop(m.node_id, None)
+            order[m.node_id] = m
+            n += 1
+            if hb.flags:
+                for e in detectors.flagged(m, hb):
+                    self.emit(e)
+            if hb.sent_mono_ns:
+                delivery.add((mono_ns() - hb.sent_mono_ns) / 1e6)
+        for node_id in batch.alive:
+            m = nodes.get(node_id)
+            if m is None or m.relay != rid or m.outbox is None:
+                m = self._member(relay, node_id, 0)
+                if m is None:
+                    continue
+            if not m.alive:
+                continue
+            m.last_seen = now
+            m.heartbeats += 1
+            order.pop(node_id, None)
+            order[node_id] = m
+            n += 1
+        for s in batch.silent:
+            m = nodes.get(s.node_id)
+            if m is None or m.relay != rid or m.epoch != s.epoch or not m.alive:
+                continue
+            for e in detectors.declare(self.view, [(m, "silent at its relay")], now):
+                e.node_lost.silent_ms = s.silent_ms
+                self.emit(e, now - s.silent_ms / 1000.0)
+                log.warning("node lost (its relay)", node=m.node_id, relay=rid)
+        if n:
+            self.handler.add((time.perf_counter_ns() - t0) / 1e3 / n)
+
+    def _detach_members(self, relay_id: str) -> None:
+        """The relay's session ended: its members have no command path until they come
+        back (through it, or to us directly); their silence is held back meanwhile."""
+        for node_id in self.relayed.pop(relay_id, ()):
+            m = self.view.nodes.get(node_id)
+            if m is not None and isinstance(m.outbox, RelayOutbox) and m.outbox.relay == relay_id:
+                m.outbox = None
+                m.connected = False
 
     def _not_its_shard(self, node_id: str, msg: dpb.ShardPersisted) -> str:
         """Why `node_id` may not report this shard ("" when it may).
