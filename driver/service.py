@@ -707,6 +707,7 @@ class DriverService(dgrpc.DriverServicer):
         for s in batch.silent:
             m = nodes.get(s.node_id)
             if m is None or m.relay != rid or m.epoch != s.epoch or not m.alive:
+                self.relay_refused += m is None or m.relay != rid or m.epoch != s.epoch
                 continue
             for e in detectors.declare(self.view, [(m, "silent at its relay")], now):
                 e.node_lost.silent_ms = s.silent_ms
