@@ -508,7 +508,13 @@ class Agent:
                 hb.gpus.extend(self.gpus.stats())
                 next_host = now + every_host
             hb.sent_mono_ns = time.monotonic_ns()
-            await self._write(call, dpb.AgentMessage(heartbeat=hb))
+            relay = self.relay
+            if relay is not None and relay.upstream is not None:
+                # one message per interval: the group's batch carries our own heartbeat
+                batch = relay.batch(time.monotonic(), own=hb)
+                await self._write(call, dpb.AgentMessage(relay_batch=batch))
+            else:
+                await self._write(call, dpb.AgentMessage(heartbeat=hb))
             self.metrics.sent(hb)
             if self.flash is not None and self.flash.reports:
                 await self._report_shards(call, self.flash)

@@ -4,7 +4,8 @@ Python gRPC costs the driver ~55-100 us per message while its heartbeat work is 
 past ~1,000 nodes the driver cannot take one message per node per interval. An agent
 started with `--relay-listen HOST:PORT` serves the `Driver.Session` stream to its group's
 members (each started with `--relay ID@HOST:PORT`) and forwards one `RelayBatch` per
-heartbeat interval up its own Session to the driver:
+heartbeat interval up its own Session to the driver, with the relay's own heartbeat in it (one message per
+interval carries the whole group):
 
 - `beats`: the members whose heartbeat changed (step, worker state, flags, alerts, loss
   peaks), and every `full_every` batches every member's latest heartbeat (host stats);
@@ -83,7 +84,16 @@ def parse_relay(text: str) -> tuple[str, str]:
 class Member:
     """One member's stream at this relay."""
 
-    __slots__ = ("ending", "epoch", "hb", "last_seen", "node_id", "outbox", "sent_sig", "sig")
+    __slots__ = (
+        "ending",
+        "epoch",
+        "hb",
+        "last_seen",
+        "node_id",
+        "outbox",
+        "sent_sig",
+        "sig",
+    )
 
     def __init__(self, node_id: str, epoch: int) -> None:
         self.node_id = node_id
@@ -271,12 +281,18 @@ class Relay(dgrpc.DriverServicer):
             me.ending.set()
 
     # ------------------------------------------------------------ batches up
-    def batch(self, now: float) -> dpb.RelayBatch:
-        """The next batch (members silent past the timeout leave the group)."""
-        self.batches += 1
-        full = self.batches % self.config.full_every == 0
+    def batch(self, now: float, own: dpb.Heartbeat | None = None) -> dpb.RelayBatch:
+        """The next batch: the periodic one carries the relay's `own` heartbeat (and every
+        `full_every`-th every member's full heartbeat); members silent past the timeout
+        leave the group."""
+        full = False
+        if own is not None:
+            self.batches += 1
+            full = self.batches % self.config.full_every == 0
         timeout = self.interval_s * self.miss_limit
         out = dpb.RelayBatch()
+        if own is not None:
+            out.own.CopyFrom(own)
         for me in list(self.members.values()):
             silent = now - me.last_seen
             if silent > timeout:
@@ -297,23 +313,21 @@ class Relay(dgrpc.DriverServicer):
         return out
 
     async def forward(self, send: Send) -> None:
-        """Send a batch every interval (at once on news) while the driver session is open."""
+        """While the driver session is open: between the periodic batches (the agent's
+        heartbeat loop sends them, with its own heartbeat), send one at once when a member's
+        heartbeat carries flags or a member went silent."""
         self.upstream = send
         try:
-            due = time.monotonic() + self.interval_s
             tick = self.interval_s / 5  # silence is looked for 5x per interval
-            timeout = self.interval_s * self.miss_limit
             while True:
                 with contextlib.suppress(TimeoutError):
-                    wait = min(tick, max(0.0, due - time.monotonic()))
-                    await asyncio.wait_for(self.flush.wait(), wait)
+                    await asyncio.wait_for(self.flush.wait(), tick)
                 now = time.monotonic()
-                if not self.flush.is_set() and now < due:
+                if not self.flush.is_set():
+                    timeout = self.interval_s * self.miss_limit
                     if not any(now - m.last_seen > timeout for m in self.members.values()):
                         continue
                 self.flush.clear()
-                if now >= due:
-                    due = now + self.interval_s
                 b = self.batch(now)
                 if b.beats or b.alive or b.silent:
                     await send(dpb.AgentMessage(relay_batch=b))

@@ -507,7 +507,12 @@ class DriverService(dgrpc.DriverServicer):
         for k, v in context.invocation_metadata() or ():
             if k == channel.RELAY_KEY:
                 relay = str(v)[:128]
-        slot.relay = relay if relay != request.node_id else ""
+        relay = relay if relay != request.node_id else ""
+        if slot.relay and relay != slot.relay:
+            # a relayed node coming to us directly (its relay is gone): it has the session
+            # grace to open its own stream, rather than its relay's silence against it
+            self.view.mark_registered(slot, now)
+        slot.relay = relay
         if event is not None:
             if slot.epoch != request.epoch:
                 slot.reported_exits.clear()
@@ -618,7 +623,20 @@ class DriverService(dgrpc.DriverServicer):
                     delivery.add((mono_ns() - hb.sent_mono_ns) / 1e6)
                 handler.add((perf() - t0) / 1e3)
             elif msg.WhichOneof("kind") == "relay_batch":
-                self._relay_batch(slot, msg.relay_batch, t0)
+                batch = msg.relay_batch
+                if batch.HasField("own"):
+                    if not slot.alive:
+                        await abort(
+                            context,
+                            grpc.StatusCode.FAILED_PRECONDITION,
+                            f"node {slot.node_id} was declared lost; call Register again",
+                        )
+                    own = batch.own
+                    beat(slot, own, mono())
+                    if own.flags:
+                        for e in detectors.flagged(slot, own):
+                            self.emit(e)
+                self._relay_batch(slot, batch, t0)
             elif msg.WhichOneof("kind") == "relayed":
                 up = msg.relayed
                 member = self._member(slot, up.node_id, up.epoch)

@@ -303,14 +303,16 @@ class RelaySilent(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., silent_ms: _Optional[float] = ...) -> None: ...
 
 class RelayBatch(_message.Message):
-    __slots__ = ("beats", "alive", "silent")
+    __slots__ = ("beats", "alive", "silent", "own")
     BEATS_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     SILENT_FIELD_NUMBER: _ClassVar[int]
+    OWN_FIELD_NUMBER: _ClassVar[int]
     beats: _containers.RepeatedCompositeFieldContainer[RelayedBeat]
     alive: _containers.RepeatedScalarFieldContainer[str]
     silent: _containers.RepeatedCompositeFieldContainer[RelaySilent]
-    def __init__(self, beats: _Optional[_Iterable[_Union[RelayedBeat, _Mapping]]] = ..., alive: _Optional[_Iterable[str]] = ..., silent: _Optional[_Iterable[_Union[RelaySilent, _Mapping]]] = ...) -> None: ...
+    own: Heartbeat
+    def __init__(self, beats: _Optional[_Iterable[_Union[RelayedBeat, _Mapping]]] = ..., alive: _Optional[_Iterable[str]] = ..., silent: _Optional[_Iterable[_Union[RelaySilent, _Mapping]]] = ..., own: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
 class RelayedUp(_message.Message):
     __slots__ = ("node_id", "epoch", "message")

@@ -10,6 +10,7 @@ cannot open a session as one of its members either.
 from __future__ import annotations
 
 import asyncio
+
 import grpc
 import pytest
 
