@@ -4,8 +4,8 @@ Python gRPC costs the driver ~55-100 us per message while its heartbeat work is 
 past ~1,000 nodes the driver cannot take one message per node per interval. An agent
 started with `--relay-listen HOST:PORT` serves the `Driver.Session` stream to its group's
 members (each started with `--relay ID@HOST:PORT`) and forwards one `RelayBatch` per
-heartbeat interval up its own Session to the driver, with the relay's own heartbeat in it (one message per
-interval carries the whole group):
+heartbeat interval up its own Session to the driver, with the relay's own heartbeat in it
+(one message per interval carries the whole group):
 
 - `beats`: the members whose heartbeat changed (step, worker state, flags, alerts, loss
   peaks), and every `full_every` batches every member's latest heartbeat (host stats);

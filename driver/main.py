@@ -488,9 +488,7 @@ async def _lead_on_etcd(
         log.info("embedded etcd started", endpoint=embedded.endpoint)
     client = await etcdlog.connect(etcd_cfg)
     if dashboard is not None:  # a standby's dashboard replays the log read-only
-        dashboard.reader = etcdlog.EtcdEventLog(
-            client, cfg.job_id, None, archive_url=_archive(cfg)
-        )
+        dashboard.reader = etcdlog.EtcdEventLog(client, cfg.job_id, None, archive_url=_archive(cfg))
     etcd_down_since: float | None = None
     try:
         while not stop.is_set():
@@ -511,9 +509,7 @@ async def _lead_on_etcd(
             except EventLogError as e:
                 etcd_down_since = await _etcd_down(etcd_down_since, e, stop)
                 continue
-            elog = etcdlog.EtcdEventLog(
-                client, cfg.job_id, leadership, archive_url=_archive(cfg)
-            )
+            elog = etcdlog.EtcdEventLog(client, cfg.job_id, leadership, archive_url=_archive(cfg))
             try:
                 rloop = await _take_lead(
                     service, elog, leadership, address, cfg.loop, _bridge(cfg, scheduler)

@@ -58,7 +58,7 @@ def cases(tmp: Path) -> list[tuple[list[str], int, str]]:
             ],
             3,
             "unreachable",
-        ),  # fmt: skip
+        ),
         # outside `unbroken up` the archive every driver shares must be named
         (["driver", "--etcd", "http://127.0.0.1:1", "--listen", "127.0.0.1:0"], 2, "--archive-url"),
         (["driver", *mem, "--miss-limit", "-1"], 2, "miss_limit"),
