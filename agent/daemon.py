@@ -391,6 +391,10 @@ class Agent:
             await self._session(dgrpc.DriverStub(ch))
             return False
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                # the driver sent us away through the relay (declared lost): register again
+                log.warning("the driver asks us to register again", details=e.details())
+                return True
             log.warning(
                 "relay failed; going to the driver directly",
                 relay=via[0],

@@ -85,6 +85,7 @@ class Member:
     """One member's stream at this relay."""
 
     __slots__ = (
+        "end",
         "ending",
         "epoch",
         "hb",
@@ -104,6 +105,7 @@ class Member:
         self.sent_sig: tuple[Any, ...] = ()
         self.outbox: asyncio.Queue[dpb.DriverMessage] = asyncio.Queue(MEMBER_BUFFER)
         self.ending = asyncio.Event()
+        self.end = ""  # the driver sent this member away: the reason (it registers again)
 
 
 def signature(hb: dpb.Heartbeat) -> tuple[Any, ...]:
@@ -219,6 +221,8 @@ class Relay(dgrpc.DriverServicer):
             await asyncio.wait({pump, reader, stop}, return_when=asyncio.FIRST_COMPLETED)
             if reader.done() and not reader.cancelled():
                 reader.result()
+            elif me.ending.is_set() and me.end:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, me.end)
             elif me.ending.is_set():
                 await context.abort(
                     grpc.StatusCode.UNAVAILABLE,
@@ -266,6 +270,10 @@ class Relay(dgrpc.DriverServicer):
         me = self.members.get(down.node_id)
         if me is None:
             log.warning("command for a member not connected here", member=down.node_id)
+            return
+        if down.end:
+            me.end = down.end
+            me.ending.set()
             return
         try:
             me.outbox.put_nowait(down.command)

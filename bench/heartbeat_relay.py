@@ -189,8 +189,9 @@ async def sim_relays(target: str, prefix: str, relays: int, mode: str) -> None:
                 await asyncio.sleep(delay)
 
     beats = asyncio.create_task(beat())
-    for start in range(0, relays, 8):  # a few relays at a time (the members' session grace)
-        await asyncio.gather(*(join(r) for r in range(start, min(relays, start + 8))))
+    for r in range(relays):  # one relay at a time: a join storm must not delay the beats
+        await join(r)
+        await asyncio.sleep(0.02)
     await stop.wait()
     beats.cancel()
 

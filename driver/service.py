@@ -173,6 +173,7 @@ class DriverService(dgrpc.DriverServicer):
         self.relayed: dict[str, set[str]] = {}  # relay node id -> members attached through it
         self.relay_refused = 0  # batch entries for nodes that did not name the relay
         self.relay_held = 0  # sweeps that held back a relayed node whose relay was lost
+        self._told_to_register: set[str] = set()  # relayed nodes sent away (until Register)
         self.stopping = asyncio.Event()
         self.operators = OperatorApi(self.leadership, self, config)
         self.launchers = LauncherApi(self.leadership, self, self.commits, config)
@@ -513,6 +514,7 @@ class DriverService(dgrpc.DriverServicer):
             # grace to open its own stream, rather than its relay's silence against it
             self.view.mark_registered(slot, now)
         slot.relay = relay
+        self._told_to_register.discard(request.node_id)
         if event is not None:
             if slot.epoch != request.epoch:
                 slot.reported_exits.clear()
@@ -667,7 +669,10 @@ class DriverService(dgrpc.DriverServicer):
         """`node_id`'s slot when `relay` may speak for it (its own registration named this
         relay, same epoch, not declared lost), attached to the relay's stream; else None."""
         m = self.view.nodes.get(node_id)
-        if m is None or m.relay != relay.node_id or (epoch and m.epoch != epoch) or not m.alive:
+        if m is not None and m.relay == relay.node_id and not m.alive:
+            self._send_away(relay, node_id)  # declared lost: it must register again
+            return None
+        if m is None or m.relay != relay.node_id or (epoch and m.epoch != epoch):
             self.relay_refused += 1
             return None
         if m.outbox is None and isinstance(relay.outbox, asyncio.Queue):
@@ -691,12 +696,10 @@ class DriverService(dgrpc.DriverServicer):
         n = 0
         for b in batch.beats:
             m = nodes.get(b.node_id)
-            if m is None or m.relay != rid or m.epoch != b.epoch or m.outbox is None:
+            if m is None or m.relay != rid or m.epoch != b.epoch or not m.alive or m.outbox is None:
                 m = self._member(relay, b.node_id, b.epoch)
                 if m is None:
                     continue
-            if not m.alive:
-                continue
             hb = b.heartbeat
             m.last_seen = now
             m.hb = hb
@@ -711,12 +714,10 @@ class DriverService(dgrpc.DriverServicer):
                 delivery.add((mono_ns() - hb.sent_mono_ns) / 1e6)
         for node_id in batch.alive:
             m = nodes.get(node_id)
-            if m is None or m.relay != rid or m.outbox is None:
+            if m is None or m.relay != rid or not m.alive or m.outbox is None:
                 m = self._member(relay, node_id, 0)
                 if m is None:
                     continue
-            if not m.alive:
-                continue
             m.last_seen = now
             m.heartbeats += 1
             order.pop(node_id, None)
@@ -733,6 +734,18 @@ class DriverService(dgrpc.DriverServicer):
                 log.warning("node lost (its relay)", node=m.node_id, relay=rid)
         if n:
             self.handler.add((time.perf_counter_ns() - t0) / 1e3 / n)
+
+    def _send_away(self, relay: NodeSlot, node_id: str) -> None:
+        """Tell `relay` to end `node_id`'s stream: the driver declared it lost, and a
+        member learns that only this way (it registers again)."""
+        if node_id in self._told_to_register or not isinstance(relay.outbox, asyncio.Queue):
+            return
+        self._told_to_register.add(node_id)
+        end = f"node {node_id} was declared lost; call Register again"
+        with contextlib.suppress(asyncio.QueueFull):
+            relay.outbox.put_nowait(
+                dpb.DriverMessage(relayed=dpb.RelayedDown(node_id=node_id, end=end))
+            )
 
     def _detach_members(self, relay_id: str) -> None:
         """The relay's session ended: its members have no command path until they come

@@ -325,12 +325,14 @@ class RelayedUp(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., message: _Optional[_Union[AgentMessage, _Mapping]] = ...) -> None: ...
 
 class RelayedDown(_message.Message):
-    __slots__ = ("node_id", "command")
+    __slots__ = ("node_id", "command", "end")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     COMMAND_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     command: DriverMessage
-    def __init__(self, node_id: _Optional[str] = ..., command: _Optional[_Union[DriverMessage, _Mapping]] = ...) -> None: ...
+    end: str
+    def __init__(self, node_id: _Optional[str] = ..., command: _Optional[_Union[DriverMessage, _Mapping]] = ..., end: _Optional[str] = ...) -> None: ...
 
 class StartWorkers(_message.Message):
     __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port", "dp", "pp", "tp", "timeline")
