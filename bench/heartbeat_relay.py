@@ -515,7 +515,11 @@ def real_relay(r: Run, background: int, victims: int, survivors: int) -> dict[st
         relay_killed = time.time_ns()
         time.sleep(5.0)  # the driver's timeout + its relay hold (2 s) are long over
         after = r.lost()
-        false = sorted(n for n in after if n not in before and n != "relay-0")
+        # the relay's group (g-*): any NodeLost of theirs is false; the background
+        # simulators' losses are counted apart (a starved simulator, not the relay's loss)
+        new = [n for n in after if n not in before and n != "relay-0"]
+        false = sorted(n for n in new if n.startswith("g-"))
+        background_lost = len(new) - len(false)
         fallback = (
             [json.loads(x)["fallback_ms"] for x in fallback_log.read_text().splitlines()]
             if fallback_log.exists()
@@ -538,6 +542,7 @@ def real_relay(r: Run, background: int, victims: int, survivors: int) -> dict[st
             else None,
             "false_node_lost_relay_kill": len(false),
             "false_nodes": false[:10],
+            "background_lost_during_relay_kill": background_lost,
             "fallback_count": len(fallback),
             "fallback_p99_ms": round(max(fallback), 1) if fallback else None,
             "nodes_alive_after": alive,
