@@ -57,7 +57,7 @@ from unbroken.agent import checks, probes
 from unbroken.agent.flash import NodeFlash, NodeFlashConfig
 from unbroken.agent.hookserver import DEFAULT_SOCKET, HookServer
 from unbroken.agent.metrics import AgentMetrics
-from unbroken.agent.relay import Relay, RelayConfig, parse_relay
+from unbroken.agent.relay import SILENT_S, Relay, RelayConfig, parse_relay
 from unbroken.agent.workers import Supervisor, WorkerSpec
 from unbroken.diagnostics.faults import WORKER_FILE_FAULTS, FaultSpec, RuntimeFault
 from unbroken.proto import channel
@@ -233,6 +233,7 @@ class Agent:
             )
         self.via: tuple[str, str] | None = parse_relay(config.relay) if config.relay else None
         self._relay_down = False  # the relay failed us: go to the driver directly
+        self._heard = 0.0  # monotonic time of the last message down the session
 
     def _token_md(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.config.token}"),) if self.config.token else ()
@@ -387,8 +388,21 @@ class Agent:
         """Hold the session through the relay; True when the relay failed (unreachable,
         refused, died): the caller goes to the driver directly at once."""
         ch = self._channel(via[1])
+        session = asyncio.create_task(self._session(dgrpc.DriverStub(ch)))
+        self._heard = time.monotonic()
         try:
-            await self._session(dgrpc.DriverStub(ch))
+            while not session.done():
+                await asyncio.wait({session}, timeout=0.1)
+                if not session.done() and time.monotonic() - self._heard > SILENT_S:
+                    session.cancel()  # stopped or cut off: it breaks no connection
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await session
+                    log.warning(
+                        "relay silent; going to the driver directly", relay=via[0], s=SILENT_S
+                    )
+                    self._relay_down = True
+                    return True
+            session.result()
             return False
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
@@ -404,6 +418,8 @@ class Agent:
             self._relay_down = True
             return True
         finally:
+            if not session.done():  # (we are being cancelled)
+                session.cancel()
             await ch.close(grace=None)
 
     def _on_rpc_error(self, e: grpc.aio.AioRpcError, target: str) -> None:
@@ -457,6 +473,9 @@ class Agent:
             self._spawn(self._registration_selfcheck(call))
         try:
             async for msg in call:
+                self._heard = time.monotonic()
+                if msg.WhichOneof("kind") is None:
+                    continue  # a relay's tick: it is alive
                 if msg.WhichOneof("kind") == "relayed" and self.relay is not None:
                     self.relay.deliver(msg.relayed)
                     continue

@@ -22,7 +22,8 @@ that named this relay, at its registered epoch. Here, a member must prove its no
 client certificate's `node:<id>` SAN (mTLS) or the node token this relay holds itself.
 
 When the relay loses its driver session it ends every member's stream (UNAVAILABLE), and a
-member whose relay is gone or refuses goes to the driver directly at once (agent/daemon.py);
+member whose relay is gone, refuses, or sends nothing (not even its empty tick every
+`TICK_S`) for `SILENT_S` goes to the driver directly at once (agent/daemon.py);
 the driver holds back a group's silence that coincides with its relay's loss.
 """
 
@@ -48,6 +49,11 @@ log = structlog.get_logger(__name__)
 
 Send = Callable[[dpb.AgentMessage], Awaitable[None]]
 MEMBER_BUFFER = 64  # commands queued per member before its stream is dropped
+# an empty DriverMessage goes down every member's stream when no command did for this long:
+# a member that hears nothing for SILENT_S takes its relay for stopped or cut off and goes
+# to the driver directly (a SIGSTOPped or partitioned relay breaks no connection)
+TICK_S = 0.25
+SILENT_S = 1.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -238,7 +244,11 @@ class Relay(dgrpc.DriverServicer):
 
     async def _pump(self, me: Member, context: grpc.aio.ServicerContext) -> None:
         while True:
-            await context.write(await me.outbox.get())
+            try:
+                msg = await asyncio.wait_for(me.outbox.get(), TICK_S)
+            except TimeoutError:
+                msg = dpb.DriverMessage()  # no command: "this relay is alive"
+            await context.write(msg)
 
     async def _read(self, me: Member, context: grpc.aio.ServicerContext) -> None:
         eof = grpc.aio.EOF
