@@ -58,6 +58,7 @@ from unbroken.agent import checks, probes
 from unbroken.agent.flash import NodeFlash, NodeFlashConfig
 from unbroken.agent.hookserver import DEFAULT_SOCKET, HookServer
 from unbroken.agent.metrics import AgentMetrics
+from unbroken.agent.relay import SILENT_S, Relay, RelayConfig, parse_relay
 from unbroken.agent.workers import Supervisor, WorkerSpec
 from unbroken.diagnostics.faults import WORKER_FILE_FAULTS, FaultSpec, RuntimeFault
 from unbroken.proto import channel
@@ -116,6 +117,8 @@ class AgentConfig:
     metrics_port: int | None = None  # this node's Prometheus endpoint (None: off; 0: free)
     metrics_host: str = "127.0.0.1"
     pin_master_addr: bool = False  # the configured master address wins over the driver's
+    relay_listen: str = ""  # act as a relay for a group of nodes on host:port
+    relay: str = ""  # heartbeat through this relay: ID@HOST:PORT
 
     def __post_init__(self) -> None:
         if not self.drivers:
@@ -146,6 +149,17 @@ class AgentConfig:
                     f"the token would travel in cleartext to {', '.join(remote)}: give the "
                     "agent --tls-cert/--tls-key/--tls-ca, or reach the driver on loopback"
                 )
+        if self.relay:
+            rid, endpoint = parse_relay(self.relay)
+            if rid == self.node_id:
+                raise ValueError("--relay names this node itself; a relay needs no relay")
+            if self.token and not self.tls_cert and not channel_is_loopback(endpoint):
+                raise ValueError(
+                    f"the token would travel in cleartext to the relay {endpoint}: give the "
+                    "agent --tls-cert/--tls-key/--tls-ca"
+                )
+        if self.relay_listen and self.relay:
+            raise ValueError("--relay-listen and --relay exclude each other")
         if not self.socket_path:
             self.socket_path = DEFAULT_SOCKET  # taken by the first agent on the host
 
@@ -210,6 +224,22 @@ class Agent:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._metadata = self._token_md()
         self.term_seen = 0  # the newest leader term a command came with (older ones dropped)
+        self.relay: Relay | None = None
+        if config.relay_listen:
+            self.relay = Relay(
+                RelayConfig(
+                    listen=config.relay_listen,
+                    tls_cert=config.tls_cert,
+                    tls_key=config.tls_key,
+                    tls_ca=config.tls_ca,
+                    token=config.token,
+                ),
+                config.node_id,
+                self.interval_s,
+            )
+        self.via: tuple[str, str] | None = parse_relay(config.relay) if config.relay else None
+        self._relay_down = False  # the relay failed us: go to the driver directly
+        self._heard = 0.0  # monotonic time of the last message down the session
 
     def _token_md(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.config.token}"),) if self.config.token else ()
@@ -269,6 +299,8 @@ class Agent:
             log.info("agent metrics", url=f"http://{self.config.metrics_host}:{port}/metrics")
         if self.hooks is not None:
             await self.hooks.start()
+        if self.relay is not None:
+            await self.relay.start()
         try:
             if self.flash is not None:
                 await self.flash.start()
@@ -296,6 +328,8 @@ class Agent:
                 await self.supervisor.close(grace_s=2.0)  # workers and warm standbys
             if self.hooks is not None:
                 self.hooks.close()
+            if self.relay is not None:
+                await self.relay.close()
             if self.flash is not None:
                 # Keep the copies when the agent fails: a restarted agent can use them.
                 await self.flash.close(clean=self.exit_code == 0)
@@ -311,10 +345,14 @@ class Agent:
             ch = self._channel(target)
             try:
                 stub = dgrpc.DriverStub(ch)
+                via = self.via if self.via is not None and not self._relay_down else None
+                md = self._metadata
+                if via is not None:
+                    md = (*md, (channel.RELAY_KEY, via[0]))
                 resp = await stub.Register(
                     request,
                     timeout=self.config.register_timeout_s,
-                    metadata=self._metadata,
+                    metadata=md,
                     wait_for_ready=False,
                 )
                 last_ok = time.monotonic()
@@ -326,8 +364,17 @@ class Agent:
                     driver_id=resp.driver_id,
                     interval_ms=resp.heartbeat_interval_ms,
                     epoch=self.epoch,
+                    relay=via[0] if via else "",
                 )
-                await self._session(stub)
+                if self.relay is not None:
+                    self.relay.interval_s = self.interval_s
+                    self.relay.miss_limit = resp.miss_limit or 3
+                if via is not None:
+                    if await self._relayed_session(via):
+                        continue  # the relay failed us: straight to the driver, no backoff
+                else:
+                    await self._session(stub)
+                    self._relay_down = False  # next time, try the relay again
             except grpc.aio.AioRpcError as e:
                 self._on_rpc_error(e, target)
                 if "declared lost" in (e.details() or ""):
@@ -356,6 +403,44 @@ class Agent:
         log.warning("declared lost: stopping the workers of the old world before registering")
         await sup.stop_all(grace_s=2.0)
         sup.exited = False  # their exits are this cleanup, not faults
+
+    async def _relayed_session(self, via: tuple[str, str]) -> bool:
+        """Hold the session through the relay; True when the relay failed (unreachable,
+        refused, died): the caller goes to the driver directly at once."""
+        ch = self._channel(via[1])
+        session = asyncio.create_task(self._session(dgrpc.DriverStub(ch)))
+        self._heard = time.monotonic()
+        try:
+            while not session.done():
+                await asyncio.wait({session}, timeout=0.1)
+                if not session.done() and time.monotonic() - self._heard > SILENT_S:
+                    session.cancel()  # stopped or cut off: it breaks no connection
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await session
+                    log.warning(
+                        "relay silent; going to the driver directly", relay=via[0], s=SILENT_S
+                    )
+                    self._relay_down = True
+                    return True
+            session.result()
+            return False
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                # the driver sent us away through the relay (declared lost): register again
+                log.warning("the driver asks us to register again", details=e.details())
+                return True
+            log.warning(
+                "relay failed; going to the driver directly",
+                relay=via[0],
+                code=e.code().name,
+                details=(e.details() or "")[:200],
+            )
+            self._relay_down = True
+            return True
+        finally:
+            if not session.done():  # (we are being cancelled)
+                session.cancel()
+            await ch.close(grace=None)
 
     def _on_rpc_error(self, e: grpc.aio.AioRpcError, target: str) -> None:
         code = e.code()
@@ -395,17 +480,36 @@ class Agent:
         )
         call = stub.Session(metadata=md)
         beats = asyncio.create_task(self._heartbeats(call))
+        forward = None
+        if self.relay is not None:
+            relay = self.relay
+
+            async def up(msg: dpb.AgentMessage) -> None:
+                await self._write(call, msg)
+
+            forward = asyncio.create_task(relay.forward(up))
         self.session_open = True
         if self._selfcheck_due:
             self._spawn(self._registration_selfcheck(call))
         try:
             async for msg in call:
+                self._heard = time.monotonic()
+                if msg.WhichOneof("kind") is None:
+                    continue  # a relay's tick: it is alive
+                if msg.WhichOneof("kind") == "relayed" and self.relay is not None:
+                    self.relay.deliver(msg.relayed)
+                    continue
                 self._spawn(self._command(call, msg))
         finally:
             self.session_open = False
             beats.cancel()
+            if forward is not None:
+                forward.cancel()
             with contextlib.suppress(BaseException):
                 await beats
+            if forward is not None:
+                with contextlib.suppress(BaseException):
+                    await forward
         # a clean end of stream: driver shutting down; reconnect
         log.info("session ended by the driver")
 
@@ -455,7 +559,13 @@ class Agent:
                 hb.gpus.extend(self.gpus.stats())
                 next_host = now + every_host
             hb.sent_mono_ns = time.monotonic_ns()
-            await self._write(call, dpb.AgentMessage(heartbeat=hb))
+            relay = self.relay
+            if relay is not None and relay.upstream is not None:
+                # one message per interval: the group's batch carries our own heartbeat
+                batch = relay.batch(time.monotonic(), own=hb)
+                await self._write(call, dpb.AgentMessage(relay_batch=batch))
+            else:
+                await self._write(call, dpb.AgentMessage(heartbeat=hb))
             self.metrics.sent(hb)
             if self.flash is not None and self.flash.reports:
                 await self._report_shards(call, self.flash)

@@ -119,6 +119,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-host", default="127.0.0.1", help="metrics endpoint host (default loopback)"
     )
+    r = parser.add_argument_group("relays (agent/relay.py; past ~1,000 nodes)")
+    r.add_argument(
+        "--relay-listen",
+        default="",
+        help="act as the relay of a group of nodes: serve their sessions on HOST:PORT and "
+        "forward one batch per heartbeat interval to the driver",
+    )
+    r.add_argument(
+        "--relay",
+        default="",
+        help="heartbeat through this relay, ID@HOST:PORT (its node id and --relay-listen); "
+        "the driver is used directly whenever the relay is unreachable",
+    )
     parser.add_argument(
         "--worker-nice",
         type=int,
@@ -300,6 +313,8 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
         metrics_port=ns.metrics_port,
         metrics_host=ns.metrics_host,
         pin_master_addr=ns.master_addr is not None,
+        relay_listen=ns.relay_listen,
+        relay=ns.relay,
         **kw,
     )
 

@@ -144,6 +144,7 @@ def start_driver(p: Procs, etcd: EmbeddedEtcd, job: str, *extra: str) -> str:
     p.spawn(
         "driver",
         ["driver", "--etcd", etcd.endpoint, "--job-id", job, "--listen", f"127.0.0.1:{port}",
+         "--archive-url", str(etcd.data_dir.parent / "archive"),
          "--allow-fault-injection", *extra],
     )  # fmt: skip
     address = f"127.0.0.1:{port}"

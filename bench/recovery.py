@@ -295,6 +295,7 @@ class Bench:
             name,
             [
                 "driver", "--etcd", self.c.etcd.endpoint, "--job-id", "bench",
+                "--archive-url", str(self.c.run / "archive"),
                 "--driver-id", name, "--listen", f"127.0.0.1:{port}", "--allow-fault-injection",
                 "--nodes", "2", "--workers-per-node", "1", "--dp", "2",
                 "--worker-cmd", self._worker_cmd(), "--master-addr", "127.0.0.1",

@@ -120,6 +120,7 @@ exec {sys.executable} -m unbroken.driver.cli agent --driver {job.address} --node
                 "driver",
                 ["driver", "--etcd", job.endpoint, "--job-id", job.job,
                  "--listen", job.address, "--port-file", str(port_file),
+                 "--archive-url", str(tmp / "archive"),
                  "--miss-limit", "30", "--nodes", "3", "--workers-per-node", "1", "--dp", "3",
                  "--worker-cmd", cmd, "--master-addr", "127.0.0.1", *sched],
             )  # fmt: skip

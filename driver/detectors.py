@@ -233,7 +233,9 @@ def admit(view: LiveView, req: dpb.RegisterRequest, now: float) -> tuple[str, ev
             reason = f"stale epoch {req.epoch}: this node id already registered epoch {slot.epoch}"
             return reason, _refused(req, "stale epoch")
         fresh = slot.alive and now - slot.last_seen <= view.config.timeout_s
-        if slot.connected and fresh:
+        # the same agent process (same epoch) of a relayed node coming to us directly
+        # after its relay's loss is a reconnect, never a duplicate
+        if slot.connected and fresh and not (slot.relay and req.epoch == slot.epoch):
             reason = (
                 f"duplicate node id {req.node_id!r}: an agent with epoch {slot.epoch} "
                 "is connected and heartbeating; give each agent its own --node-id"

@@ -36,6 +36,9 @@ class LiveViewConfig:
     jitter_k: float = 2.0
     jitter_cap: float = 4.0
     jitter_decay: float = 0.998  # per heartbeat: an old gap is forgotten in about a minute
+    # a relayed node whose silence began with its relay's loss is held back this long
+    # (beyond the timeout) while it reconnects to the driver directly
+    relay_hold_ms: int = 2_000
 
     def __post_init__(self) -> None:
         if not 10 <= self.heartbeat_interval_ms <= 60_000:
@@ -52,6 +55,8 @@ class LiveViewConfig:
             raise ValueError(f"mass_loss_fraction must be in (0, 1], got {self.mass_loss_fraction}")
         if self.mass_loss_min < 1 or self.mass_loss_hold_ms < 0:
             raise ValueError("mass_loss_min must be >= 1 and mass_loss_hold_ms >= 0")
+        if not 0 <= self.relay_hold_ms <= 600_000:
+            raise ValueError(f"relay_hold_ms must be in [0, 600000], got {self.relay_hold_ms}")
         if self.max_nodes < 1:
             raise ValueError(f"max_nodes must be >= 1, got {self.max_nodes}")
         if self.jitter_k < 0 or self.jitter_cap < 1.0 or not 0.0 < self.jitter_decay <= 1.0:
@@ -83,6 +88,7 @@ class NodeSlot:
         "node_id",
         "outbox",
         "peer_host",
+        "relay",
         "reported_exits",
         "session",
     )
@@ -98,6 +104,7 @@ class NodeSlot:
         self.heartbeats = 0
         self.alive = False
         self.connected = False
+        self.relay = ""  # the relay its registration named ("": it heartbeats to us directly)
         self.session = 0  # bumps per stream, so an old stream's exit does not clobber a new one
         self.outbox: object | None = None  # the session's bounded command queue
         self.reported_exits: set[tuple[int, int]] = set()  # (local_rank, restarts)

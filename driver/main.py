@@ -70,6 +70,10 @@ class DriverConfig:
     metrics_host: str = "127.0.0.1"
     insecure: bool = False  # listen beyond loopback without TLS or tokens (says so loudly)
     event_log: str = "etcd"
+    # where events older than the newest snapshot go: an fsspec URL every driver of the
+    # job shares ("none": keep them all in etcd; "": the library default, a local directory
+    # -- the CLI refuses that, since a failover would split the history across hosts)
+    archive_url: str = ""
     etcd: EtcdConfig = field(default_factory=EtcdConfig)
     service: ServiceConfig = field(default_factory=ServiceConfig)
     port_file: str | None = None
@@ -110,6 +114,13 @@ class DriverConfig:
                     )
         if not self.driver_id:
             self.driver_id = f"driver-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+
+
+def _archive(cfg: DriverConfig) -> str | None:
+    """The event log's archive_url ("none" -> "": keep every event in etcd)."""
+    if cfg.archive_url == "none":
+        return ""
+    return cfg.archive_url or None
 
 
 def is_loopback(host: str) -> bool:
@@ -245,6 +256,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="where events go (memory: no etcd, for demos and benches)",
     )
     parser.add_argument(
+        "--archive-url",
+        default=os.environ.get("UNBROKEN_ARCHIVE", ""),
+        help="where events older than the newest snapshot are archived: an fsspec URL every "
+        "driver of the job shares (s3://..., a shared path); 'none': keep all in etcd "
+        "(default: $UNBROKEN_ARCHIVE; required with the etcd event log)",
+    )
+    parser.add_argument(
         "--port-file", default=None, help="write {grpc_port, metrics_port, address} as JSON here"
     )
     parser.add_argument("--log-format", choices=("console", "json"), default="console")
@@ -296,6 +314,13 @@ def config_from_args(ns: argparse.Namespace) -> DriverConfig:
             "driver. Or pass --etcd URL of an etcd cluster (several drivers share it), or "
             "--event-log memory for a throwaway demo; `unbroken up` passes its run directory"
         )
+    if ns.event_log == "etcd" and not ns.archive_url:
+        raise ValueError(
+            "the driver needs an archive every driver of the job shares: pass "
+            "--archive-url URL (an fsspec URL or shared path, e.g. s3://bucket/unbroken or "
+            "/shared/unbroken/archive; or $UNBROKEN_ARCHIVE), or --archive-url none to "
+            "keep every event in etcd; `unbroken up` uses its run directory"
+        )
     if ns.token is not None:
         raise ValueError(
             "--token is gone: a token on the command line is visible to every local user "
@@ -312,6 +337,7 @@ def config_from_args(ns: argparse.Namespace) -> DriverConfig:
         metrics_host=ns.metrics_host,
         insecure=ns.insecure,
         event_log=ns.event_log,
+        archive_url=ns.archive_url,
         etcd=_etcd_config(ns),
         service=service,
         port_file=ns.port_file,
@@ -508,7 +534,7 @@ async def _lead_on_etcd(
         log.info("embedded etcd started", endpoint=embedded.endpoint)
     client = await etcdlog.connect(etcd_cfg)
     if dashboard is not None:  # a standby's dashboard replays the log read-only
-        dashboard.reader = etcdlog.EtcdEventLog(client, cfg.job_id, None)
+        dashboard.reader = etcdlog.EtcdEventLog(client, cfg.job_id, None, archive_url=_archive(cfg))
     etcd_down_since: float | None = None
     try:
         while not stop.is_set():
@@ -529,7 +555,7 @@ async def _lead_on_etcd(
             except EventLogError as e:
                 etcd_down_since = await _etcd_down(etcd_down_since, e, stop)
                 continue
-            elog = etcdlog.EtcdEventLog(client, cfg.job_id, leadership)
+            elog = etcdlog.EtcdEventLog(client, cfg.job_id, leadership, archive_url=_archive(cfg))
             try:
                 rloop = await _take_lead(
                     service, elog, leadership, address, cfg.loop, _bridge(cfg, scheduler)

@@ -55,7 +55,7 @@ from unbroken.driver.security import (
     caller,
     server_credentials,
 )
-from unbroken.driver.sessions import Sessions
+from unbroken.driver.sessions import RelayOutbox, Sessions
 from unbroken.driver.straggler import Sample, StragglerConfig, StragglerWatch, sample
 from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
@@ -185,6 +185,10 @@ class DriverService(dgrpc.DriverServicer):
             term=lambda: self.journal.state.leader_term if self.journal is not None else 0,
         )
         self._mass_since = 0.0  # monotonic time a mass silence was first held back
+        self.relayed: dict[str, set[str]] = {}  # relay node id -> members attached through it
+        self.relay_refused = 0  # batch entries for nodes that did not name the relay
+        self.relay_held = 0  # sweeps that held back a relayed node whose relay was lost
+        self._told_to_register: set[str] = set()  # relayed nodes sent away (until Register)
         self.stopping = asyncio.Event()
         self.operators = OperatorApi(self.leadership, self, config)
         self.launchers = LauncherApi(self.leadership, self, self.commits, config)
@@ -393,6 +397,10 @@ class DriverService(dgrpc.DriverServicer):
 
     def _sweep_lost(self, now: float, slack_s: float) -> None:
         lost = detectors.silent(self.view, now, slack_s)
+        if lost and self.relayed:
+            kept = [x for x in lost if not self._held_for_relay(x[0], now)]
+            self.relay_held += len(lost) - len(kept)
+            lost = kept
         if not lost:
             self._mass_since = 0.0
             return
@@ -413,6 +421,18 @@ class DriverService(dgrpc.DriverServicer):
             log.warning(
                 "node lost", node=e.node_lost.node_id, silent_ms=round(e.node_lost.silent_ms, 1)
             )
+
+    def _held_for_relay(self, slot: NodeSlot, now: float) -> bool:
+        """Whether `slot`'s silence began with its relay's loss (and is still young enough
+        to wait for the node to come to us directly)."""
+        if not slot.relay or not isinstance(slot.outbox, RelayOutbox | None):
+            return False
+        relay = self.view.nodes.get(slot.relay)
+        if relay is None:
+            return False
+        live = self.view.config
+        down = not relay.connected or now - relay.last_seen > 2 * live.heartbeat_interval_ms / 1e3
+        return down and now - slot.last_seen <= live.timeout_s + live.relay_hold_ms / 1e3
 
     def _sweep_stragglers(self) -> None:
         """StragglerSuspected for a world node persistently slower (driver/straggler.py).
@@ -515,6 +535,17 @@ class DriverService(dgrpc.DriverServicer):
             log.warning("registration refused", node=request.node_id, reason=reason)
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION, reason)
         slot = self.view.slot(request.node_id)
+        relay = ""
+        for k, v in context.invocation_metadata() or ():
+            if k == channel.RELAY_KEY:
+                relay = str(v)[:128]
+        relay = relay if relay != request.node_id else ""
+        if slot.relay and relay != slot.relay:
+            # a relayed node coming to us directly (its relay is gone): it has the session
+            # grace to open its own stream, rather than its relay's silence against it
+            self.view.mark_registered(slot, now)
+        slot.relay = relay
+        self._told_to_register.discard(request.node_id)
         if event is not None:
             if slot.epoch != request.epoch:
                 slot.reported_exits.clear()
@@ -594,6 +625,7 @@ class DriverService(dgrpc.DriverServicer):
                 slot.connected = False
                 slot.outbox = None
                 self.sessions.closed(node_id, ending)
+                self._detach_members(node_id)
 
     async def _read_loop(self, slot: NodeSlot, context: grpc.aio.ServicerContext) -> None:
         read = context.read
@@ -634,13 +666,133 @@ class DriverService(dgrpc.DriverServicer):
                 if hb.sent_mono_ns:
                     delivery.add((mono_ns() - hb.sent_mono_ns) / 1e6)
                 handler.add((perf() - t0) / 1e3)
-            elif msg.WhichOneof("kind") == "shard_persisted":
-                self._on_shard(slot.node_id, msg.shard_persisted)
-            elif msg.WhichOneof("kind") == "shards_persisted":
-                for shard in msg.shards_persisted.shards[:MAX_SHARDS_PER_REPORT]:
-                    self._on_shard(slot.node_id, shard)
+            elif msg.WhichOneof("kind") == "relay_batch":
+                batch = msg.relay_batch
+                if batch.HasField("own"):
+                    if not slot.alive:
+                        await abort(
+                            context,
+                            grpc.StatusCode.FAILED_PRECONDITION,
+                            f"node {slot.node_id} was declared lost; call Register again",
+                        )
+                    own = batch.own
+                    beat(slot, own, mono())
+                    if own.flags:
+                        for e in detectors.flagged(slot, own):
+                            self.emit(e)
+                self._relay_batch(slot, batch, t0)
+            elif msg.WhichOneof("kind") == "relayed":
+                up = msg.relayed
+                member = self._member(slot, up.node_id, up.epoch)
+                if member is not None:
+                    self._on_message(member, up.message)
             else:
-                self._on_reply(slot, msg)
+                self._on_message(slot, msg)
+
+    def _on_message(self, slot: NodeSlot, msg: dpb.AgentMessage) -> None:
+        """A node's message other than a heartbeat (direct or relayed)."""
+        kind = msg.WhichOneof("kind")
+        if kind == "shard_persisted":
+            self._on_shard(slot.node_id, msg.shard_persisted)
+        elif kind == "shards_persisted":
+            for shard in msg.shards_persisted.shards[:MAX_SHARDS_PER_REPORT]:
+                self._on_shard(slot.node_id, shard)
+        elif kind in ("check_result", "ack", "self_check_report"):
+            self._on_reply(slot, msg)
+        else:
+            log.warning("unexpected message refused", node=slot.node_id, kind=kind)
+
+    # ------------------------------------------------------------ relays
+    def _member(self, relay: NodeSlot, node_id: str, epoch: int) -> NodeSlot | None:
+        """`node_id`'s slot when `relay` may speak for it (its own registration named this
+        relay, same epoch, not declared lost), attached to the relay's stream; else None."""
+        m = self.view.nodes.get(node_id)
+        if m is not None and m.relay == relay.node_id and not m.alive:
+            self._send_away(relay, node_id)  # declared lost: it must register again
+            return None
+        if m is None or m.relay != relay.node_id or (epoch and m.epoch != epoch):
+            self.relay_refused += 1
+            return None
+        if m.outbox is None and isinstance(relay.outbox, asyncio.Queue):
+            m.outbox = RelayOutbox(relay.node_id, relay.outbox, node_id)
+            m.connected = True
+            self.relayed.setdefault(relay.node_id, set()).add(node_id)
+            self.view.mark_alive(m, time.monotonic())
+        elif not isinstance(m.outbox, RelayOutbox):
+            self.relay_refused += 1  # it holds its own session with us now
+            return None
+        return m
+
+    def _relay_batch(self, relay: NodeSlot, batch: dpb.RelayBatch, t0: int) -> None:
+        """One relay's batch: each member entry costs what a direct heartbeat does, minus
+        the gRPC message."""
+        now = time.monotonic()
+        order = self.view.order
+        nodes = self.view.nodes
+        rid = relay.node_id
+        delivery, mono_ns = self.delivery, time.monotonic_ns
+        n = 0
+        for b in batch.beats:
+            m = nodes.get(b.node_id)
+            if m is None or m.relay != rid or m.epoch != b.epoch or not m.alive or m.outbox is None:
+                m = self._member(relay, b.node_id, b.epoch)
+                if m is None:
+                    continue
+            hb = b.heartbeat
+            m.last_seen = now
+            m.hb = hb
+            m.heartbeats += 1
+            order.pop(m.node_id, None)
+            order[m.node_id] = m
+            n += 1
+            if hb.flags:
+                for e in detectors.flagged(m, hb):
+                    self.emit(e)
+            if hb.sent_mono_ns:
+                delivery.add((mono_ns() - hb.sent_mono_ns) / 1e6)
+        for node_id in batch.alive:
+            m = nodes.get(node_id)
+            if m is None or m.relay != rid or not m.alive or m.outbox is None:
+                m = self._member(relay, node_id, 0)
+                if m is None:
+                    continue
+            m.last_seen = now
+            m.heartbeats += 1
+            order.pop(node_id, None)
+            order[node_id] = m
+            n += 1
+        for s in batch.silent:
+            m = nodes.get(s.node_id)
+            if m is None or m.relay != rid or m.epoch != s.epoch or not m.alive:
+                self.relay_refused += m is None or m.relay != rid or m.epoch != s.epoch
+                continue
+            for e in detectors.declare(self.view, [(m, "silent at its relay")], now):
+                e.node_lost.silent_ms = s.silent_ms
+                self.emit(e, now - s.silent_ms / 1000.0)
+                log.warning("node lost (its relay)", node=m.node_id, relay=rid)
+        if n:
+            self.handler.add((time.perf_counter_ns() - t0) / 1e3 / n)
+
+    def _send_away(self, relay: NodeSlot, node_id: str) -> None:
+        """Tell `relay` to end `node_id`'s stream: the driver declared it lost, and a
+        member learns that only this way (it registers again)."""
+        if node_id in self._told_to_register or not isinstance(relay.outbox, asyncio.Queue):
+            return
+        self._told_to_register.add(node_id)
+        end = f"node {node_id} was declared lost; call Register again"
+        with contextlib.suppress(asyncio.QueueFull):
+            relay.outbox.put_nowait(
+                dpb.DriverMessage(relayed=dpb.RelayedDown(node_id=node_id, end=end))
+            )
+
+    def _detach_members(self, relay_id: str) -> None:
+        """The relay's session ended: its members have no command path until they come
+        back (through it, or to us directly); their silence is held back meanwhile."""
+        for node_id in self.relayed.pop(relay_id, ()):
+            m = self.view.nodes.get(node_id)
+            if m is not None and isinstance(m.outbox, RelayOutbox) and m.outbox.relay == relay_id:
+                m.outbox = None
+                m.connected = False
 
     def _on_shard(self, node_id: str, msg: dpb.ShardPersisted) -> None:
         """One verified shard: checked to be the node's own, then counted toward a commit."""

@@ -37,6 +37,23 @@ class Ending:
         self.status: tuple[grpc.StatusCode, str, Trailer] | None = None
 
 
+class RelayOutbox:
+    """A relayed node's outbox: its commands go down its relay's Session, wrapped."""
+
+    __slots__ = ("node_id", "queue", "relay")
+
+    def __init__(self, relay: str, queue: asyncio.Queue[dpb.DriverMessage], node_id: str) -> None:
+        self.relay = relay
+        self.queue = queue
+        self.node_id = node_id
+
+    def put_nowait(self, msg: dpb.DriverMessage) -> None:
+        """Queue `msg` for the relay (QueueFull when the relay's buffer is full)."""
+        self.queue.put_nowait(
+            dpb.DriverMessage(relayed=dpb.RelayedDown(node_id=self.node_id, command=msg))
+        )
+
+
 class Sessions:
     """Open sessions by node, their outboxes (in the live view's slots) and pending replies."""
 
@@ -87,7 +104,7 @@ class Sessions:
             msg.command_id = f"{self.driver_id}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         msg.term = self._term()
         outbox = slot.outbox
-        assert isinstance(outbox, asyncio.Queue)
+        assert isinstance(outbox, asyncio.Queue | RelayOutbox)
         try:
             outbox.put_nowait(msg)
         except asyncio.QueueFull:

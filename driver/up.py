@@ -317,6 +317,7 @@ async def _main(c: Cluster) -> int:
                 "--port-file", str(port_file), "--metrics-port", "0",
                 "--allow-fault-injection",  # the drill injects its faults through the driver
                 "--persist-root", str(c.run / "storage"), *token_flags,
+                "--archive-url", str(c.run / "archive"),  # one archive both drivers share
                 # the job: the drivers start it and recover it (agents run --no-start)
                 "--nodes", str(cfg.nodes), "--workers-per-node", str(cfg.workers_per_node),
                 "--dp", str(cfg.dp), "--pp", str(cfg.pp), "--tp", str(cfg.tp),
@@ -399,7 +400,9 @@ class Watcher:
 
         assert self.c.etcd is not None
         self._client = await etcdlog.connect(self.c.etcd.config)
-        self._log = etcdlog.EtcdEventLog(self._client, self.c.cfg.job_id, None)
+        self._log = etcdlog.EtcdEventLog(
+            self._client, self.c.cfg.job_id, None, archive_url=str(self.c.run / "archive")
+        )
 
     async def close(self) -> None:
         if self._client is not None:

@@ -32,3 +32,4 @@ CLIENT_OPTIONS: list[tuple[str, int]] = [*COMMON_OPTIONS, ("grpc.use_local_subch
 NODE_KEY = "x-unbroken-node"
 EPOCH_KEY = "x-unbroken-epoch"
 LEADER_KEY = "x-unbroken-leader"
+RELAY_KEY = "x-unbroken-relay"  # on Register: the node id of the relay the node heartbeats through

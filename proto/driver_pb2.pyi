@@ -285,26 +285,82 @@ class SelfCheckReport(_message.Message):
     def __init__(self, command_id: _Optional[str] = ..., ok: _Optional[bool] = ..., failures: _Optional[_Iterable[str]] = ..., details_json: _Optional[str] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("heartbeat", "check_result", "ack", "shard_persisted", "self_check_report", "shards_persisted")
+    __slots__ = ("heartbeat", "check_result", "ack", "shard_persisted", "self_check_report", "shards_persisted", "relay_batch", "relayed")
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     CHECK_RESULT_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     SHARD_PERSISTED_FIELD_NUMBER: _ClassVar[int]
     SELF_CHECK_REPORT_FIELD_NUMBER: _ClassVar[int]
     SHARDS_PERSISTED_FIELD_NUMBER: _ClassVar[int]
+    RELAY_BATCH_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FIELD_NUMBER: _ClassVar[int]
     heartbeat: Heartbeat
     check_result: CheckResult
     ack: CommandAck
     shard_persisted: ShardPersisted
     self_check_report: SelfCheckReport
     shards_persisted: ShardsPersisted
-    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., check_result: _Optional[_Union[CheckResult, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., shard_persisted: _Optional[_Union[ShardPersisted, _Mapping]] = ..., self_check_report: _Optional[_Union[SelfCheckReport, _Mapping]] = ..., shards_persisted: _Optional[_Union[ShardsPersisted, _Mapping]] = ...) -> None: ...
+    relay_batch: RelayBatch
+    relayed: RelayedUp
+    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., check_result: _Optional[_Union[CheckResult, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., shard_persisted: _Optional[_Union[ShardPersisted, _Mapping]] = ..., self_check_report: _Optional[_Union[SelfCheckReport, _Mapping]] = ..., shards_persisted: _Optional[_Union[ShardsPersisted, _Mapping]] = ..., relay_batch: _Optional[_Union[RelayBatch, _Mapping]] = ..., relayed: _Optional[_Union[RelayedUp, _Mapping]] = ...) -> None: ...
 
 class ShardsPersisted(_message.Message):
     __slots__ = ("shards",)
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedCompositeFieldContainer[ShardPersisted]
     def __init__(self, shards: _Optional[_Iterable[_Union[ShardPersisted, _Mapping]]] = ...) -> None: ...
+
+class RelayedBeat(_message.Message):
+    __slots__ = ("node_id", "epoch", "heartbeat")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    heartbeat: Heartbeat
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+
+class RelaySilent(_message.Message):
+    __slots__ = ("node_id", "epoch", "silent_ms")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SILENT_MS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    silent_ms: float
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., silent_ms: _Optional[float] = ...) -> None: ...
+
+class RelayBatch(_message.Message):
+    __slots__ = ("beats", "alive", "silent", "own")
+    BEATS_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    SILENT_FIELD_NUMBER: _ClassVar[int]
+    OWN_FIELD_NUMBER: _ClassVar[int]
+    beats: _containers.RepeatedCompositeFieldContainer[RelayedBeat]
+    alive: _containers.RepeatedScalarFieldContainer[str]
+    silent: _containers.RepeatedCompositeFieldContainer[RelaySilent]
+    own: Heartbeat
+    def __init__(self, beats: _Optional[_Iterable[_Union[RelayedBeat, _Mapping]]] = ..., alive: _Optional[_Iterable[str]] = ..., silent: _Optional[_Iterable[_Union[RelaySilent, _Mapping]]] = ..., own: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+
+class RelayedUp(_message.Message):
+    __slots__ = ("node_id", "epoch", "message")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    message: AgentMessage
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., message: _Optional[_Union[AgentMessage, _Mapping]] = ...) -> None: ...
+
+class RelayedDown(_message.Message):
+    __slots__ = ("node_id", "command", "end")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    command: DriverMessage
+    end: str
+    def __init__(self, node_id: _Optional[str] = ..., command: _Optional[_Union[DriverMessage, _Mapping]] = ..., end: _Optional[str] = ...) -> None: ...
 
 class StartWorkers(_message.Message):
     __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port", "dp", "pp", "tp", "timeline", "persist_every_s", "flash_bytes_per_rank")
@@ -415,7 +471,7 @@ class InjectFault(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., local_rank: _Optional[int] = ..., factor: _Optional[float] = ..., step: _Optional[int] = ...) -> None: ...
 
 class DriverMessage(_message.Message):
-    __slots__ = ("command_id", "term", "start_workers", "stop_workers", "restart_workers", "pause", "resume", "flash_save", "run_check", "evict", "shutdown", "run_self_check", "inject_fault", "restore_point", "retention")
+    __slots__ = ("command_id", "term", "start_workers", "stop_workers", "restart_workers", "pause", "resume", "flash_save", "run_check", "evict", "shutdown", "run_self_check", "inject_fault", "restore_point", "retention", "relayed")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     START_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -431,6 +487,7 @@ class DriverMessage(_message.Message):
     INJECT_FAULT_FIELD_NUMBER: _ClassVar[int]
     RESTORE_POINT_FIELD_NUMBER: _ClassVar[int]
     RETENTION_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FIELD_NUMBER: _ClassVar[int]
     command_id: str
     term: int
     start_workers: StartWorkers
@@ -446,7 +503,8 @@ class DriverMessage(_message.Message):
     inject_fault: InjectFault
     restore_point: RestorePoint
     retention: Retention
-    def __init__(self, command_id: _Optional[str] = ..., term: _Optional[int] = ..., start_workers: _Optional[_Union[StartWorkers, _Mapping]] = ..., stop_workers: _Optional[_Union[StopWorkers, _Mapping]] = ..., restart_workers: _Optional[_Union[RestartWorkers, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., flash_save: _Optional[_Union[FlashSave, _Mapping]] = ..., run_check: _Optional[_Union[RunCheck, _Mapping]] = ..., evict: _Optional[_Union[Evict, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., run_self_check: _Optional[_Union[RunSelfCheck, _Mapping]] = ..., inject_fault: _Optional[_Union[InjectFault, _Mapping]] = ..., restore_point: _Optional[_Union[RestorePoint, _Mapping]] = ..., retention: _Optional[_Union[Retention, _Mapping]] = ...) -> None: ...
+    relayed: RelayedDown
+    def __init__(self, command_id: _Optional[str] = ..., term: _Optional[int] = ..., start_workers: _Optional[_Union[StartWorkers, _Mapping]] = ..., stop_workers: _Optional[_Union[StopWorkers, _Mapping]] = ..., restart_workers: _Optional[_Union[RestartWorkers, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., flash_save: _Optional[_Union[FlashSave, _Mapping]] = ..., run_check: _Optional[_Union[RunCheck, _Mapping]] = ..., evict: _Optional[_Union[Evict, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., run_self_check: _Optional[_Union[RunSelfCheck, _Mapping]] = ..., inject_fault: _Optional[_Union[InjectFault, _Mapping]] = ..., restore_point: _Optional[_Union[RestorePoint, _Mapping]] = ..., retention: _Optional[_Union[Retention, _Mapping]] = ..., relayed: _Optional[_Union[RelayedDown, _Mapping]] = ...) -> None: ...
 
 class Retention(_message.Message):
     __slots__ = ("keep_steps", "below")

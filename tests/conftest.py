@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# drivers the tests start need an archive every driver of a job shares (`unbroken driver`
+# refuses to start without one): one per test session, passed through the environment
+os.environ.setdefault(
+    "UNBROKEN_ARCHIVE", os.path.join(tempfile.mkdtemp(prefix="unbroken-test-archive-"), "a")
+)
 
 
 @pytest.fixture(scope="session")

@@ -36,7 +36,7 @@ import psutil
 
 from tests.chaos.proxy import DriverProxy, ProxyLoop
 from tests.integration.trainenv import plain_worker_env
-from unbroken.driver.etcd import EmbeddedEtcd, free_port
+from unbroken.driver.etcd import EmbeddedEtcd, EmbeddedEtcdCluster, free_port
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
@@ -65,6 +65,7 @@ class LogReader:
     """Reads the job's event log from etcd on the proxy loop (retrying while etcd is down)."""
 
     def __init__(self, loop: ProxyLoop, endpoint: str, job: str) -> None:
+        # `endpoint`: one URL or a comma-separated list (every member of a cluster)
         self.loop, self.endpoint, self.job = loop, endpoint, job
         self._client: Any = None
         self._log: Any = None
@@ -74,7 +75,7 @@ class LogReader:
         from unbroken.driver.etcdlog import EtcdEventLog, connect
 
         if self._log is None:
-            cfg = EtcdConfig(endpoints=[self.endpoint], connect_timeout_s=2.0)
+            cfg = EtcdConfig(endpoints=self.endpoint.split(","), connect_timeout_s=2.0)
             self._client = await connect(cfg)
             self._log = EtcdEventLog(self._client, self.job, None)
         return self._log
@@ -106,7 +107,9 @@ class LogReader:
 class ChaosCluster:
     """The processes of one chaos run and the handles to hurt them."""
 
-    def __init__(self, tmp: Path, *, nodes: int = 2, spares: int = 1) -> None:
+    def __init__(
+        self, tmp: Path, *, nodes: int = 2, spares: int = 1, etcd_members: int = 1
+    ) -> None:
         self.tmp = tmp
         self.nodes = nodes
         self.marker = uuid.uuid4().hex
@@ -122,7 +125,9 @@ class ChaosCluster:
             MARKER: self.marker,
             "UNBROKEN_ARCHIVE": str(tmp / "archive"),
         }
-        self.etcd: EmbeddedEtcd | None = None
+        self.etcd: EmbeddedEtcd | None = None  # the single member (etcd_members == 1)
+        self.etcd_members = etcd_members
+        self.etcd_cluster: EmbeddedEtcdCluster | None = None  # etcd_members > 1
         self.loop = ProxyLoop()
         self.proxies = {s: DriverProxy(self.loop, s) for s in ("a", "b")}
         self.drivers: dict[str, subprocess.Popen[bytes]] = {}  # slot -> process
@@ -143,8 +148,12 @@ class ChaosCluster:
     def start(self) -> None:
         """Start everything and wait for the first training steps."""
         with self.marked():
-            self.etcd = EmbeddedEtcd(self.tmp / "etcd").start()
-        self.reader = LogReader(self.loop, self.etcd.endpoint, self.job)
+            if self.etcd_members > 1:
+                self.etcd_cluster = EmbeddedEtcdCluster(self.etcd_members, self.tmp / "etcd")
+                self.etcd_cluster.start()
+            else:
+                self.etcd = EmbeddedEtcd(self.tmp / "etcd").start()
+        self.reader = LogReader(self.loop, self.etcd_endpoint, self.job)
         for p in self.proxies.values():
             p.start()
         for slot in self.proxies:
@@ -155,6 +164,14 @@ class ChaosCluster:
             self.start_spare()
         self.start_reference()
         until("the first training steps", lambda: self.max_step() >= 2, 600, 0.25)
+
+    @property
+    def etcd_endpoint(self) -> str:
+        """What drivers are given as --etcd (every member's URL, comma-separated)."""
+        if self.etcd_cluster is not None:
+            return self.etcd_cluster.endpoint
+        assert self.etcd is not None
+        return self.etcd.endpoint
 
     @contextlib.contextmanager
     def marked(self) -> Iterator[None]:
@@ -186,7 +203,6 @@ class ChaosCluster:
 
     def start_driver(self, slot: str) -> None:
         """Start (or restart) the driver of `slot` behind its proxy."""
-        assert self.etcd is not None
         self._driver_gen += 1
         driver_id = f"{slot}{self._driver_gen}"
         port_file = self.tmp / f"driver-{driver_id}.json"
@@ -195,7 +211,7 @@ class ChaosCluster:
             f"driver-{driver_id}",
             [
                 sys.executable, PROBE, str(self.records), "driver",
-                "--etcd", self.etcd.endpoint, "--job-id", self.job, "--driver-id", driver_id,
+                "--etcd", self.etcd_endpoint, "--job-id", self.job, "--driver-id", driver_id,
                 "--listen", "127.0.0.1:0", "--allow-fault-injection", "--advertise", proxy.address,
                 "--port-file", str(port_file), "--miss-limit", str(MISS_LIMIT),
                 "--nodes", str(self.nodes), "--workers-per-node", "1", "--dp", str(self.nodes),
@@ -365,6 +381,13 @@ class ChaosCluster:
                 with contextlib.suppress(ProcessLookupError):
                     self.etcd.proc.send_signal(signal.SIGCONT)
             self.etcd.stop(remove=False)
+        if self.etcd_cluster is not None:
+            with self.marked():  # (nothing is spawned; kept symmetric with start)
+                for m in self.etcd_cluster.members:
+                    if m.proc is not None:
+                        with contextlib.suppress(ProcessLookupError):
+                            m.proc.send_signal(signal.SIGCONT)
+                self.etcd_cluster.stop(remove=False)
 
     def leftovers(self) -> list[psutil.Process]:
         """Processes of this run (by the inherited marker) still alive, this one excepted."""

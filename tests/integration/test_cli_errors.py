@@ -46,7 +46,21 @@ def cases(tmp: Path) -> list[tuple[list[str], int, str]]:
     mem = ["--event-log", "memory", "--listen", "127.0.0.1:0"]
     tls = ["--tls-cert", "/nx", "--tls-key", "/nx", "--tls-ca", "/nx"]
     out += [
-        (["driver", "--etcd", "http://127.0.0.1:1", "--listen", "127.0.0.1:0"], 3, "unreachable"),
+        (
+            [
+                "driver",
+                "--etcd",
+                "http://127.0.0.1:1",
+                "--listen",
+                "127.0.0.1:0",
+                "--archive-url",
+                "none",
+            ],
+            3,
+            "unreachable",
+        ),
+        # outside `unbroken up` the archive every driver shares must be named
+        (["driver", "--etcd", "http://127.0.0.1:1", "--listen", "127.0.0.1:0"], 2, "--archive-url"),
         (["driver", *mem, "--miss-limit", "-1"], 2, "miss_limit"),
         (["driver", *mem, "--token-file", "node=/nx"], 2, "does not exist"),
         (["driver", *mem, "--token-file", "/nx"], 2, "ROLE=PATH"),

@@ -1,0 +1,358 @@
+"""An agent acting as the relay of a group of nodes (issue 17: the control plane at 10k nodes).
+
+Python gRPC costs the driver ~55-100 us per message while its heartbeat work is ~1 us, so
+past ~1,000 nodes the driver cannot take one message per node per interval. An agent
+started with `--relay-listen HOST:PORT` serves the `Driver.Session` stream to its group's
+members (each started with `--relay ID@HOST:PORT`) and forwards one `RelayBatch` per
+heartbeat interval up its own Session to the driver, with the relay's own heartbeat in it
+(one message per interval carries the whole group):
+
+- `beats`: the members whose heartbeat changed (step, worker state, flags, alerts, loss
+  peaks), and every `full_every` batches every member's latest heartbeat (host stats);
+- `alive`: the ids of members that beat on time with nothing new;
+- `silent`: members silent for the relay's timeout (detected here, where the heartbeats
+  arrive): the driver declares them lost at once.
+A batch goes at once (not at the next interval) when a member's heartbeat carries flags or
+a member went silent. Members' other messages (acks, check results, shard and self-check
+reports) go up as `RelayedUp` the moment they arrive; commands come down as `RelayedDown`.
+
+Authority: a member registers with the driver itself, under its own credentials, naming its
+relay (call metadata x-unbroken-relay); the driver accepts a batch entry only for a member
+that named this relay, at its registered epoch. Here, a member must prove its node id: its
+client certificate's `node:<id>` SAN (mTLS) or the node token this relay holds itself.
+
+When the relay loses its driver session it ends every member's stream (UNAVAILABLE), and a
+member whose relay is gone, refuses, or sends nothing (not even its empty tick every
+`TICK_S`) for `SILENT_S` goes to the driver directly at once (agent/daemon.py);
+the driver holds back a group's silence that coincides with its relay's loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+
+from unbroken.proto import channel
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import driver_pb2_grpc as dgrpc
+
+log = structlog.get_logger(__name__)
+
+Send = Callable[[dpb.AgentMessage], Awaitable[None]]
+MEMBER_BUFFER = 64  # commands queued per member before its stream is dropped
+# an empty DriverMessage goes down every member's stream when no command did for this long:
+# a member that hears nothing for SILENT_S takes its relay for stopped or cut off and goes
+# to the driver directly (a SIGSTOPped or partitioned relay breaks no connection)
+TICK_S = 0.25
+SILENT_S = 1.0
+
+
+@dataclass(kw_only=True, slots=True)
+class RelayConfig:
+    """A relay's listening address and pace."""
+
+    listen: str  # host:port members connect to (port 0: a free one)
+    full_every: int = 10  # every member's full heartbeat once per this many batches
+    max_members: int = 1024
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    token: str | None = None  # members must present this bearer token (without mTLS)
+
+    def __post_init__(self) -> None:
+        if ":" not in self.listen:
+            raise ValueError(f"relay listen address {self.listen!r} must be host:port")
+        if not 1 <= self.full_every <= 1000:
+            raise ValueError(f"full_every must be in [1, 1000], got {self.full_every}")
+        if not 1 <= self.max_members <= 100_000:
+            raise ValueError(f"max_members must be in [1, 100000], got {self.max_members}")
+
+
+def parse_relay(text: str) -> tuple[str, str]:
+    """`ID@HOST:PORT` -> (relay node id, endpoint); ValueError saying what to pass."""
+    rid, at, endpoint = text.partition("@")
+    if not at or not rid or ":" not in endpoint:
+        raise ValueError(
+            f"--relay {text!r}: pass the relay agent's node id and address as ID@HOST:PORT"
+        )
+    return rid, endpoint
+
+
+class Member:
+    """One member's stream at this relay."""
+
+    __slots__ = (
+        "end",
+        "ending",
+        "epoch",
+        "hb",
+        "last_seen",
+        "node_id",
+        "outbox",
+        "sent_sig",
+        "sig",
+    )
+
+    def __init__(self, node_id: str, epoch: int) -> None:
+        self.node_id = node_id
+        self.epoch = epoch
+        self.hb: dpb.Heartbeat | None = None  # newest, not forwarded yet (None: forwarded)
+        self.last_seen = time.monotonic()
+        self.sig: tuple[Any, ...] = ()
+        self.sent_sig: tuple[Any, ...] = ()
+        self.outbox: asyncio.Queue[dpb.DriverMessage] = asyncio.Queue(MEMBER_BUFFER)
+        self.ending = asyncio.Event()
+        self.end = ""  # the driver sent this member away: the reason (it registers again)
+
+
+def signature(hb: dpb.Heartbeat) -> tuple[Any, ...]:
+    """What makes a heartbeat news for the driver (a step, a state, a restart)."""
+    return (
+        tuple((w.step, w.state, w.restarts) for w in hb.workers),
+        tuple((w.pid, w.step) for w in hb.attached),
+    )
+
+
+class Relay(dgrpc.DriverServicer):
+    """The relay's `Driver.Session` server for members, and its batcher."""
+
+    def __init__(self, config: RelayConfig, node_id: str, interval_s: float) -> None:
+        self.config = config
+        self.node_id = node_id
+        self.interval_s = interval_s
+        self.miss_limit = 3
+        self.members: dict[str, Member] = {}
+        self.upstream: Send | None = None
+        self.flush = asyncio.Event()
+        self.batches = 0
+        self.forwarded = 0  # member heartbeats that went up
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+
+    # ------------------------------------------------------------ server
+    async def start(self) -> int:
+        """Listen for members; returns the bound port."""
+        c = self.config
+        server = grpc.aio.server(options=channel.SERVER_OPTIONS)
+        dgrpc.add_DriverServicer_to_server(self, server)
+        if c.tls_cert:
+            assert c.tls_key and c.tls_ca
+            creds = grpc.ssl_server_credentials(
+                [(Path(c.tls_key).read_bytes(), Path(c.tls_cert).read_bytes())],
+                root_certificates=Path(c.tls_ca).read_bytes(),
+                require_client_auth=True,
+            )
+            port = server.add_secure_port(c.listen, creds)
+        else:
+            port = server.add_insecure_port(c.listen)
+        if port == 0:
+            raise ValueError(f"could not bind the relay's port {c.listen!r}")
+        await server.start()
+        self.server, self.port = server, port
+        log.info("relay listening", port=port)
+        return port
+
+    async def close(self) -> None:
+        self.drop_members("the relay is stopping")
+        if self.server is not None:
+            await self.server.stop(0.5)
+
+    def _authentic(self, context: grpc.aio.ServicerContext, node_id: str) -> str:
+        """Why the caller may not be member `node_id` ("" when it may)."""
+        c = self.config
+        if c.tls_cert:
+            auth = context.auth_context() or {}
+            names = [
+                v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+                for v in (*auth.get("x509_uri", ()), *auth.get("x509_subject_alternative_name", ()))
+            ]
+            if f"node:{node_id}" not in names:
+                return f"the client certificate does not name node:{node_id}"
+            return ""
+        if c.token:
+            got = ""
+            for k, v in context.invocation_metadata() or ():
+                if k == "authorization":
+                    got = str(v)
+            if not hmac.compare_digest(got.encode(), f"Bearer {c.token}".encode()):
+                return "missing or wrong node token"
+        return ""
+
+    async def Register(
+        self, request: dpb.RegisterRequest, context: grpc.aio.ServicerContext
+    ) -> dpb.RegisterResponse:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "a relay takes only Session: register with the driver, naming this relay",
+        )
+        raise AssertionError  # abort raised
+
+    async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        node_id, epoch = "", 0
+        for k, v in context.invocation_metadata() or ():
+            if k == channel.NODE_KEY:
+                node_id = str(v)[:128]
+            elif k == channel.EPOCH_KEY:
+                epoch = int(v) if str(v).isdigit() else 0
+        problem = self._authentic(context, node_id) if node_id and epoch else "no node id/epoch"
+        if problem:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"relay: {problem}")
+        if self.upstream is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"relay {self.node_id} has no driver session now; go to the driver directly",
+            )
+        old = self.members.get(node_id)
+        if old is None and len(self.members) >= self.config.max_members:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"relay {self.node_id} is full ({self.config.max_members} members)",
+            )
+        if old is not None:
+            old.ending.set()
+        me = self.members[node_id] = Member(node_id, epoch)
+        pump = asyncio.create_task(self._pump(me, context))
+        reader = asyncio.create_task(self._read(me, context))
+        stop = asyncio.create_task(me.ending.wait())
+        try:
+            await asyncio.wait({pump, reader, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if reader.done() and not reader.cancelled():
+                reader.result()
+            elif me.ending.is_set() and me.end:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, me.end)
+            elif me.ending.is_set():
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"relay {self.node_id} dropped this member; go to the driver directly",
+                )
+        finally:
+            for t in (pump, reader, stop):
+                t.cancel()
+            # a stream that broke stays a member until it comes back or the batcher finds
+            # it silent (and tells the driver); one the relay ended leaves at once
+            if self.members.get(node_id) is me and me.ending.is_set():
+                del self.members[node_id]
+
+    async def _pump(self, me: Member, context: grpc.aio.ServicerContext) -> None:
+        while True:
+            try:
+                msg = await asyncio.wait_for(me.outbox.get(), TICK_S)
+            except TimeoutError:
+                msg = dpb.DriverMessage()  # no command: "this relay is alive"
+            await context.write(msg)
+
+    async def _read(self, me: Member, context: grpc.aio.ServicerContext) -> None:
+        eof = grpc.aio.EOF
+        while True:
+            msg = await context.read()
+            if msg is eof:
+                return
+            if msg.WhichOneof("kind") == "heartbeat":
+                hb = msg.heartbeat
+                me.hb = hb
+                me.last_seen = time.monotonic()
+                me.sig = signature(hb)
+                if hb.flags or hb.alerts:
+                    self.flush.set()
+                continue
+            up = self.upstream
+            if up is None:
+                log.warning("member message dropped: no driver session", member=me.node_id)
+                continue
+            await up(
+                dpb.AgentMessage(
+                    relayed=dpb.RelayedUp(node_id=me.node_id, epoch=me.epoch, message=msg)
+                )
+            )
+
+    # ------------------------------------------------------------ commands down
+    def deliver(self, down: dpb.RelayedDown) -> None:
+        """A command from the driver for one member (dropped when it is not here)."""
+        me = self.members.get(down.node_id)
+        if me is None:
+            log.warning("command for a member not connected here", member=down.node_id)
+            return
+        if down.end:
+            me.end = down.end
+            me.ending.set()
+            return
+        try:
+            me.outbox.put_nowait(down.command)
+        except asyncio.QueueFull:
+            log.error("member does not read its stream; dropping it", member=down.node_id)
+            me.ending.set()
+
+    def drop_members(self, why: str) -> None:
+        """End every member's stream (they go to the driver directly)."""
+        if self.members:
+            log.warning("relay dropping its members", members=len(self.members), why=why)
+        for me in list(self.members.values()):
+            me.ending.set()
+
+    # ------------------------------------------------------------ batches up
+    def batch(self, now: float, own: dpb.Heartbeat | None = None) -> dpb.RelayBatch:
+        """The next batch: the periodic one carries the relay's `own` heartbeat (and every
+        `full_every`-th every member's full heartbeat); members silent past the timeout
+        leave the group."""
+        full = False
+        if own is not None:
+            self.batches += 1
+            full = self.batches % self.config.full_every == 0
+        timeout = self.interval_s * self.miss_limit
+        out = dpb.RelayBatch()
+        if own is not None:
+            out.own.CopyFrom(own)
+        for me in list(self.members.values()):
+            silent = now - me.last_seen
+            if silent > timeout:
+                out.silent.add(node_id=me.node_id, epoch=me.epoch, silent_ms=silent * 1000.0)
+                del self.members[me.node_id]
+                me.ending.set()
+                continue
+            hb = me.hb
+            if hb is None:
+                continue  # nothing since the last batch: its silence grows
+            if full or hb.flags or hb.alerts or me.sig != me.sent_sig or _peaks(hb):
+                out.beats.add(node_id=me.node_id, epoch=me.epoch).heartbeat.CopyFrom(hb)
+                me.sent_sig = me.sig
+            else:
+                out.alive.append(me.node_id)
+            me.hb = None
+        self.forwarded += len(out.beats) + len(out.alive)
+        return out
+
+    async def forward(self, send: Send) -> None:
+        """While the driver session is open: between the periodic batches (the agent's
+        heartbeat loop sends them, with its own heartbeat), send one at once when a member's
+        heartbeat carries flags or a member went silent."""
+        self.upstream = send
+        try:
+            tick = self.interval_s / 5  # silence is looked for 5x per interval
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.flush.wait(), tick)
+                now = time.monotonic()
+                if not self.flush.is_set():
+                    timeout = self.interval_s * self.miss_limit
+                    if not any(now - m.last_seen > timeout for m in self.members.values()):
+                        continue
+                self.flush.clear()
+                b = self.batch(now)
+                if b.beats or b.alive or b.silent:
+                    await send(dpb.AgentMessage(relay_batch=b))
+        finally:
+            self.upstream = None
+            self.drop_members("the relay lost its driver session")
+
+
+def _peaks(hb: dpb.Heartbeat) -> bool:
+    return any(w.has_peak for w in hb.workers)

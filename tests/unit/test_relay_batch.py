@@ -1,0 +1,76 @@
+"""What a relay forwards per interval (agent/relay.py `Relay.batch`): news in full, the rest
+as ids, silence at the timeout, everything in full every `full_every` batches."""
+
+from __future__ import annotations
+
+import pytest
+
+from unbroken.agent.relay import Member, Relay, RelayConfig, parse_relay, signature
+from unbroken.proto import driver_pb2 as dpb
+
+
+def beat(step: int, flags: int = 0) -> dpb.Heartbeat:
+    hb = dpb.Heartbeat(flags=flags)
+    hb.workers.add(local_rank=0, state=dpb.WORKER_STATE_RUNNING, step=step)
+    return hb
+
+
+def member(relay: Relay, node: str, hb: dpb.Heartbeat, seen: float) -> Member:
+    m = relay.members[node] = Member(node, 7)
+    m.hb, m.sig, m.last_seen = hb, signature(hb), seen
+    return m
+
+
+def test_news_in_full_the_rest_as_ids_silence_at_the_timeout() -> None:
+    r = Relay(RelayConfig(listen="127.0.0.1:0", full_every=3), "r0", 0.1)
+    a = member(r, "a", beat(1), 10.0)
+    member(r, "b", beat(1, flags=dpb.HEARTBEAT_FLAG_WORKER_EXITED), 10.0)
+    member(r, "gone", beat(1), 9.0)  # silent 1 s > 3 x 100 ms
+    own = dpb.Heartbeat(seq=5)
+    b = r.batch(10.05, own=own)
+    assert b.own.seq == 5
+    assert sorted(x.node_id for x in b.beats) == ["a", "b"]  # first sight, and a flag
+    assert [(s.node_id, s.epoch) for s in b.silent] == [("gone", 7)]
+    assert b.silent[0].silent_ms == pytest.approx(1050.0)
+    assert "gone" not in r.members
+
+    # same step again: only its id; nothing new at all: not even that (its silence grows)
+    a.hb, a.last_seen = beat(1), 10.1
+    b2 = r.batch(10.15, own=own)
+    assert list(b2.alive) == ["a"] and not b2.beats
+    # a new step is news
+    a.hb, a.sig = beat(2), signature(beat(2))
+    b3 = r.batch(10.2, own=own)  # (the 3rd periodic batch: full anyway)
+    assert [x.node_id for x in b3.beats] == ["a"]
+    a.hb = beat(2)
+    assert list(r.batch(10.25, own=own).alive) == ["a"]
+
+
+def test_every_full_every_th_batch_carries_everyone_in_full() -> None:
+    r = Relay(RelayConfig(listen="127.0.0.1:0", full_every=2), "r0", 0.1)
+    m = member(r, "a", beat(1), 1.0)
+    r.batch(1.0, own=dpb.Heartbeat())
+    m.hb = beat(1)
+    assert [x.node_id for x in r.batch(1.05, own=dpb.Heartbeat()).beats] == ["a"]
+
+
+def test_relay_flags_are_checked() -> None:
+    assert parse_relay("r0@10.0.0.5:7000") == ("r0", "10.0.0.5:7000")
+    for bad in ("10.0.0.5:7000", "r0@", "@h:1", "r0@host"):
+        with pytest.raises(ValueError, match="ID@HOST:PORT"):
+            parse_relay(bad)
+    with pytest.raises(ValueError, match="host:port"):
+        RelayConfig(listen="7000")
+
+
+def test_agent_relay_flags() -> None:
+    from unbroken.agent.daemon import AgentConfig
+
+    with pytest.raises(ValueError, match="names this node itself"):
+        AgentConfig(drivers=["127.0.0.1:1"], node_id="n0", relay="n0@127.0.0.1:7000")
+    with pytest.raises(ValueError, match="exclude each other"):
+        AgentConfig(
+            drivers=["127.0.0.1:1"], node_id="n0", relay="r0@127.0.0.1:7000", relay_listen=":1"
+        )
+    with pytest.raises(ValueError, match="cleartext to the relay"):
+        AgentConfig(drivers=["127.0.0.1:1"], node_id="n0", relay="r0@10.0.0.5:7000", token="x" * 32)
