@@ -329,6 +329,7 @@ def _tiny3d_rank(layout: dict[str, int], shm_root: str, rounds: int) -> dict[str
     guards = writer.guard(trainer.optimizers)
     times: dict[str, list[float]] = {}
     blocking: list[float] = []
+    snap_blocking: list[float] = []
     try:
         nbytes = writer.prepare(trainer.state_dict())
         for _ in range(3):
@@ -343,10 +344,22 @@ def _tiny3d_rank(layout: dict[str, int], shm_root: str, rounds: int) -> dict[str
                         handles.append(writer.save(trainer.state_dict(), step))
                     elif mode == "async":
                         handles.append(writer.save_async(trainer.state_dict(), step))
+                    elif mode == "snapshot":  # what the embedded trainer does every step
+                        snap = Snapshot(
+                            key=trainer.snapshot_key(),
+                            full=lambda: {"trainer": trainer},
+                            fresh=lambda: {"trainer": trainer.snapshot_fresh()},
+                        )
+                        handles.append(
+                            writer.save_async(
+                                snap, step, meta={"persist": False}, skip_if_busy=True
+                            )
+                        )
                     if i > 0:
                         times.setdefault(mode, []).append(time.perf_counter() - t0)
-                if mode == "async":
-                    blocking += [h.blocked_s for h in handles[:-1] if h is not None]
+                if mode in ("async", "snapshot"):
+                    into = blocking if mode == "async" else snap_blocking
+                    into += [h.blocked_s for h in handles[:-1] if h is not None]
                 if handles and handles[-1] is not None:
                     handles[-1].wait()
     finally:
@@ -363,6 +376,11 @@ def _tiny3d_rank(layout: dict[str, int], shm_root: str, rounds: int) -> dict[str
         "flash_async_blocking_s": statistics.median(blocking),
         "async_overhead_ratio": med["async"] / med["none"],
         "sync_overhead_ratio": med["sync"] / med["none"],
+        "step_snapshot_save_s": med["snapshot"],
+        "flash_snapshot_blocking_s": statistics.median(snap_blocking) if snap_blocking else 0.0,
+        "snapshot_overhead_ratio": med["snapshot"] / med["none"],
+        "snapshot_throughput_vs_no_save": med["none"] / med["snapshot"],
+        "snapshot_skipped_busy": writer.skipped_busy,
     }
 
 
@@ -433,6 +451,9 @@ def summarize(results: dict[str, Any]) -> None:
         first = next(iter(tiny.values()))
         results["step_time_overhead_tiny_3d_model"] = first["async_overhead_ratio"]
         results["step_time_overhead_tiny_3d_model_layout"] = first["layout"]
+        results["snapshot_throughput_vs_no_save_tiny_3d"] = first.get(
+            "snapshot_throughput_vs_no_save"
+        )
     results["notes"] = (
         "ratios are baseline_time / flash_time (how many times less flash blocks); "
         "flash_vs_torch_save_ratio_* is the mode the trainer uses: an overlapped save "
@@ -606,8 +627,10 @@ def table(results: dict[str, Any]) -> str:
         rows += [
             "",
             "| tiny gpt3d | state/rank | step, no save | step + sync save | "
-            "step + overlapped save | overlapped blocks | overhead (overlapped) |",
-            "|---|---|---|---|---|---|---|",
+            "step + overlapped save | overlapped blocks | overhead (overlapped) | "
+            "step + snapshot save (the trainer's) | snapshot blocks | "
+            "**throughput, snapshot every step / none** |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in tiny.items():
             rows.append(
@@ -615,7 +638,10 @@ def table(results: dict[str, Any]) -> str:
                 f"{r['step_no_save_s'] * 1e3:.1f} ms | "
                 f"{r['step_sync_save_s'] * 1e3:.1f} ms | {r['step_async_save_s'] * 1e3:.1f} ms | "
                 f"{r['flash_async_blocking_s'] * 1e3:.1f} ms | "
-                f"{(r['async_overhead_ratio'] - 1) * 100:+.0f} % |"
+                f"{(r['async_overhead_ratio'] - 1) * 100:+.0f} % | "
+                f"{r.get('step_snapshot_save_s', 0) * 1e3:.1f} ms | "
+                f"{r.get('flash_snapshot_blocking_s', 0) * 1e3:.2f} ms | "
+                f"**{r.get('snapshot_throughput_vs_no_save', 0):.3f}** |"
             )
     return "\n".join(rows)
 
