@@ -66,10 +66,14 @@ def live_timings(address: str) -> list[tuple[str, float, float, float, int]]:
 
 
 def test_slowed_node_is_named_evicted_and_replaced_by_the_spare(job: LoopJob) -> None:
-    job.start_driver()
-    job.start_agent("n0", buddy="n1")
-    job.start_agent("n1", buddy="n0")
-    job.start_agent("s0", buddy="n0", spare=True)
+    job.start_driver("--persist-floor-s", "0.001", "--persist-ceiling-s", "0.001")
+    # persist every step: the evicted node's ranks restore on the spare from storage (a
+    # spare cannot reach the replica of the node it replaces yet), so the step after the
+    # eviction is the newest one, not the last interval's
+    every = ("--persist-every-s", "0.001")
+    job.start_agent("n0", buddy="n1", extra=every)
+    job.start_agent("n1", buddy="n0", extra=every)
+    job.start_agent("s0", buddy="n0", spare=True, extra=every)
     until("training to start", lambda: job.max_step() >= 70, 240, job)  # windows, roles learnt
 
     slow(job.address, "n1", 1.3)
