@@ -66,7 +66,7 @@ from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import hooks_pb2 as hpb
 from unbroken.recovery.persist import ENV_TIMELINE, Persisted
-from unbroken.recovery.sources import ENV_PERSIST_EVERY_S
+from unbroken.recovery.sources import ENV_FLASH_NODE, ENV_PERSIST_EVERY_S
 
 log = structlog.get_logger(__name__)
 
@@ -786,6 +786,11 @@ class Agent:
             sup.spec.extra_env[ENV_TIMELINE] = str(p.timeline)  # stamped on every copy
             if p.persist_every_s > 0 and math.isfinite(p.persist_every_s):
                 sup.spec.extra_env[ENV_PERSIST_EVERY_S] = repr(p.persist_every_s)
+            if self.flash is not None and p.replaces:
+                # the replaced node's newest copies, from the buddy (which holds them when
+                # it was the replaced node's buddy too); the workers look for them there
+                if await self.flash.take_over(p.replaces, self.config.node_id):
+                    sup.spec.extra_env[ENV_FLASH_NODE] = p.replaces
             if self.flash is not None and p.flash_bytes_per_rank:
                 spec = sup.spec
                 first = p.global_rank_base if p.world_size else spec.rank_base

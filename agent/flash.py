@@ -248,6 +248,22 @@ class NodeFlash:
         log.info("flash.prepared", ranks=list(ranks), nbytes=nbytes, seconds=round(took, 3))
         return took
 
+    async def take_over(self, node: str, requester: str) -> bool:
+        """Fetch `node`'s replicas from this node's buddy (a spare taking over `node`'s
+        ranks). True when some copy came back; failures are logged (storage remains)."""
+        if self.sender is None:
+            return False
+        host, port = self.sender.buddy
+        try:
+            refs = await fetch_replica(
+                self.owner, node, host, port, config=self.replica_cfg, requester=requester
+            )
+        except (OSError, TimeoutError, ValueError) as e:
+            log.info("flash.take_over_failed", node=node, buddy=self.config.buddy, error=str(e))
+            return False
+        log.info("flash.took_over", node=node, copies=len(refs), buddy=self.config.buddy)
+        return bool(refs)
+
     def ring_steps(self, rank: int) -> list[int]:
         """The steps `rank`'s ring holds (complete copies, newest first), as last polled."""
         return self._ring.get(rank, [])

@@ -496,6 +496,13 @@ class RecoveryLoop:
 
         point = self._point
         persist_every_s = self.service.persist_every_s()
+        # a node in the slot of a node that left the world takes over its ranks' copies
+        old = list(self.state.incident_world.node_ids)
+        replaces = {
+            n: old[i]
+            for i, n in enumerate(nodes)
+            if i < len(old) and old[i] != n and old[i] not in nodes
+        }
 
         async def one(n: str) -> str:
             if restore is not None:  # an agent without RestorePoint restores the newest step
@@ -518,6 +525,7 @@ class RecoveryLoop:
                     timeline=self._timeline,
                     persist_every_s=persist_every_s,
                     flash_bytes_per_rank=self.service.commits.shard_bytes,
+                    replaces=replaces.get(n, ""),
                 )
             )
             try:
