@@ -295,6 +295,9 @@ def _lowest_rank(slot: NodeSlot) -> dpb.WorkerStatus | None:
     return best
 
 
+RESTORE_RESET_STEPS = 16  # a restore further back than this starts a new loss baseline
+
+
 @dataclass(slots=True)
 class LossWatch:
     """The job's loss curve from heartbeats, one loss per step, into a spike detector.
@@ -304,7 +307,8 @@ class LossWatch:
     report a loss. A step is fed once (heartbeats repeat it until the next step); a step
     lower than the last one fed (a restore) is fed too: it belongs to the new timeline.
     Spiking losses never enter the baseline, so after a rollback the curve is judged
-    against the losses before the spike.
+    against the losses before the spike; a restore more than `RESTORE_RESET_STEPS` back
+    starts a new baseline.
     """
 
     config: SpikeConfig
@@ -358,6 +362,11 @@ class LossWatch:
         new_timeline = best.restarts != self.last_restarts or best.step < self.last_step
         if new_timeline:
             self.last_peak = None
+            if best.step + RESTORE_RESET_STEPS < self.last_step:
+                # A restore far behind the curve (an older commit): the baseline's losses
+                # belong to later training and would flag the earlier, higher losses as
+                # spikes; the detector learns the curve again from here.
+                self.detector = SpikeDetector(self.config)
         # Steps faster than heartbeats: the peak of the last few heartbeats' steps (the
         # agent repeats it in PEAK_BEATS heartbeats, so one overwritten unseen is not
         # lost) stands for the steps the heartbeats skipped over; each peak is fed once.
