@@ -27,7 +27,8 @@ from tests.integration.test_recovery_loop import Job, until
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 
-pytestmark = pytest.mark.integration
+# 70-160 s on 2 cores: `make test-all` runs it; CI's `make test` stays under 20 minutes
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture
