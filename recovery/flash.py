@@ -703,7 +703,10 @@ class FlashWriter:
             write_manifest(rank_dir, slot, manifest)
             with self._lock:
                 self._known[slot] = generation
-                self._sig = None  # re-read at the next save: cheap, and always right
+                # the ring as it is now (on this thread, off the training thread): the next
+                # save then need not re-list the manifests; a manifest the training thread
+                # unlinks meanwhile resets it again
+                self._sig = manifest_sig(rank_dir)
             log.debug("flash.saved", rank=self.rank, step=step, slot=slot, bytes=plan.nbytes)
             return manifest
 
