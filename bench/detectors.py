@@ -42,8 +42,8 @@ from typing import Any
 
 import grpc
 
+from unbroken.cli.drill import stop_groups
 from unbroken.driver import etcdlog
-from unbroken.driver.drill import stop_groups
 from unbroken.driver.etcd import EmbeddedEtcd, free_port
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -80,7 +80,7 @@ class Procs:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def spawn(self, name: str, args: list[str], *, module: bool = True) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "unbroken.driver.cli", *args] if module else args
+        cmd = [sys.executable, "-m", "unbroken.cli", *args] if module else args
         with open(self.run / f"{name}.log", "ab") as log:
             p = subprocess.Popen(
                 cmd,

@@ -220,7 +220,7 @@ class AgentCluster:
             with open(self.tmp / f"agent-{node}.log", "wb") as out:
                 self.procs.append(
                     await asyncio.create_subprocess_exec(
-                        sys.executable, "-m", "unbroken.driver.cli", "agent",
+                        sys.executable, "-m", "unbroken.cli", "agent",
                         "--driver", f"127.0.0.1:{port}", "--node-id", node,
                         "--inject-fault", fault, "--log-dir", str(self.tmp / f"logs-{node}"),
                         "--socket", str(self.tmp / f"{node}.sock"),

@@ -211,7 +211,7 @@ async def driver_reads(etcd: EmbeddedEtcd, n: int, out: dict[str, float]) -> Non
     port_file = tmp / "driver.json"
     argv = f"driver --etcd {etcd.endpoint} --job-id {job} --listen 127.0.0.1:0".split()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "unbroken.driver.cli", *argv, "--port-file", str(port_file)],
+        [sys.executable, "-m", "unbroken.cli", *argv, "--port-file", str(port_file)],
         stdout=open(tmp / "driver.log", "wb"),
         stderr=subprocess.STDOUT,
         start_new_session=True,

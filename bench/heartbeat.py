@@ -622,7 +622,7 @@ def agent_cpu(b: Bench, measure_s: float) -> dict[str, Any]:
         [
             sys.executable,
             "-m",
-            "unbroken.driver.cli",
+            "unbroken.cli.main",
             "agent",
             "--driver",
             target,

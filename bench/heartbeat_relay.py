@@ -296,7 +296,7 @@ class Run:
         self.events.write_text("")
 
     def spawn(self, *args: str, module: bool = False) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, *(("-m", "unbroken.driver.cli") if module else (__file__,)), *args]
+        cmd = [sys.executable, *(("-m", "unbroken.cli") if module else (__file__,)), *args]
         p = subprocess.Popen(
             cmd,
             env={**os.environ, "OMP_NUM_THREADS": "1"},

@@ -195,7 +195,7 @@ def run(steps: int, rounds: int) -> dict[str, Any]:
     sock, agent_log = tmp / "agent.sock", tmp / "agent.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [
-        sys.executable, "-m", "unbroken.driver.cli", "agent",
+        sys.executable, "-m", "unbroken.cli", "agent",
         "--driver", f"127.0.0.1:{_free_port()}", "--node-id", "bench",
         "--worker-cmd", "true", "--nproc-per-node", "2", "--no-start",
         "--socket", str(sock), "--log-dir", str(tmp / "logs"),

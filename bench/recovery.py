@@ -66,8 +66,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import grpc
 
+from unbroken.cli.drill import leader_view, signal_group, stop_groups
 from unbroken.driver import etcdlog
-from unbroken.driver.drill import leader_view, signal_group, stop_groups
 from unbroken.driver.etcd import EmbeddedEtcd, free_port
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -165,7 +165,7 @@ class Cluster:
         env["UNBROKEN_REPLICA_KEY"] = "bench-job-replica-key-0123456789"  # the buddy stream
         with open(self.run / f"{name}.log", "ab") as log:  # the child keeps its own fd
             return subprocess.Popen(
-                [sys.executable, "-m", "unbroken.driver.cli", *args],
+                [sys.executable, "-m", "unbroken.cli", *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -268,7 +268,7 @@ class Bench:
 
     def _optional_agent_flags(self) -> list[str]:
         out = subprocess.run(
-            [sys.executable, "-m", "unbroken.driver.cli", "agent", "--help"],
+            [sys.executable, "-m", "unbroken.cli", "agent", "--help"],
             capture_output=True,
             text=True,
             timeout=60,

@@ -78,7 +78,7 @@ node=$1; shift
 case $node in
 {cases}
 esac
-exec {sys.executable} -m unbroken.driver.cli agent --driver {job.address} --node-id $node \\
+exec {sys.executable} -m unbroken.cli agent --driver {job.address} --node-id $node \\
   --no-start --worker-cmd '{sys.executable} -c pass' --allow-remote-cmd \\
   --log-dir {tmp}/logs-$node \\
   --socket {tmp}/$node.sock --flash-dir {tmp}/shm-$node --flash-job {job.job} \\

@@ -88,7 +88,7 @@ def read_states(record_dir: str) -> list[bytes]:
 def main(argv: list[str]) -> int:
     """`driverprobe.py <record-dir> driver ...`: install the recorders, run the CLI."""
     install(argv[0])
-    from unbroken.driver.cli import main as cli_main
+    from unbroken.cli.main import main as cli_main
 
     return cli_main(argv[1:])
 

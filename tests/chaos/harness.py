@@ -235,7 +235,7 @@ class ChaosCluster:
     def start_agent(self, node: str, buddy: str, *, spare: bool = False) -> None:
         drivers = ",".join(p.address for p in self.proxies.values())
         args = [
-            sys.executable, "-m", "unbroken.driver.cli", "agent",
+            sys.executable, "-m", "unbroken.cli", "agent",
             "--driver", drivers, "--node-id", node, "--no-start",
             "--worker-cmd", sys.executable + " -c pass",  # the driver's --worker-cmd wins
             "--allow-remote-cmd",

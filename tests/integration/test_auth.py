@@ -149,7 +149,7 @@ def test_agent_process_with_mtls_and_token(pki: dict[str, str], tmp_path: Path) 
             args = [
                 sys.executable,
                 "-m",
-                "unbroken.driver.cli",
+                "unbroken.cli.main",
                 "agent",
                 "--driver",
                 addr,

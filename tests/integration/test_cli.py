@@ -3,7 +3,7 @@
 One driver process and four agent processes per module: n1 runs checks with an injected
 wrong-matmul fault; n3 runs one "training" worker (a hooks-SDK loop that records every
 command it receives) so `unbroken diagnose` must pause it before checking and resume it
-after. Every command is run as `python -m unbroken.driver.cli ...` and judged by its exit
+after. Every command is run as `python -m unbroken.cli ...` and judged by its exit
 code and output; a last test points each command at a port nobody listens on (exit 3).
 """
 
@@ -27,7 +27,7 @@ from unbroken.proto import events_pb2 as ev
 
 pytestmark = pytest.mark.integration
 
-CLI = [sys.executable, "-m", "unbroken.driver.cli"]
+CLI = [sys.executable, "-m", "unbroken.cli"]
 AGENTS = {"n0": "", "n1": "wrong_matmul", "n2": "", "n3": ""}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "UNBROKEN_DRIVER": "127.0.0.1:1"}
 

@@ -32,7 +32,7 @@ async def _cli(*args: str, token: str | None = None) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "unbroken.driver.cli",
+        "unbroken.cli.main",
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,

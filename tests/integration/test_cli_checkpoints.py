@@ -6,7 +6,7 @@ forwards a FlashSave, at the step it names, the way a script under the hooks SDK
 a checkpoint is committed only if `checkpoints --request` reaches every rank, both save
 the same step, both agents persist and report it and the driver commits it. The command
 is judged by its exit code and output; `--request --wait` runs as a real process
-(`python -m unbroken.driver.cli`), the others through the same `main()` in this process,
+(`python -m unbroken.cli`), the others through the same `main()` in this process,
 since each interpreter start-up costs seconds on a loaded machine.
 """
 
@@ -79,7 +79,7 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 def inproc(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
     """`unbroken checkpoints ARGS` run in this process (interpreter start-ups cost seconds on
     a loaded machine); the same code path as the console script."""
-    from unbroken.driver.cli import main
+    from unbroken.cli.main import main
 
     capsys.readouterr()
     code = main(["checkpoints", *args])
@@ -238,7 +238,7 @@ def test_unreachable_driver_exits_3(capsys: pytest.CaptureFixture[str], args: li
 
 
 def test_table_helpers() -> None:
-    from unbroken.driver.cli_checkpoints import human_bytes, shards_text, when
+    from unbroken.cli.checkpoints import human_bytes, shards_text, when
     from unbroken.proto import driver_pb2 as dpb
 
     assert human_bytes(512) == "512 B" and human_bytes(1536) == "1.5 KiB"
@@ -252,6 +252,6 @@ def test_table_helpers() -> None:
 
 def test_cli_does_not_import_torch() -> None:
     # every operator command imports the client; torch would cost seconds per command
-    code = "import sys, unbroken.driver.cli_checkpoints; sys.exit('torch' in sys.modules)"
+    code = "import sys, unbroken.cli.checkpoints; sys.exit('torch' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], env=ENV, timeout=120, check=False)
     assert r.returncode == 0

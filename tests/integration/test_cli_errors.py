@@ -95,7 +95,7 @@ def test_bad_input_gets_one_line_and_the_documented_exit_code(tmp_path: Path) ->
     def one(case: tuple[list[str], int, str]) -> str:
         argv, code, phrase = case
         r = subprocess.run(
-            [sys.executable, "-m", "unbroken.driver.cli", *argv],
+            [sys.executable, "-m", "unbroken.cli", *argv],
             capture_output=True,
             text=True,
             env=env,
@@ -120,7 +120,7 @@ def test_bad_input_gets_one_line_and_the_documented_exit_code(tmp_path: Path) ->
 def test_print_config_is_a_config_file_that_reproduces_itself(tmp_path: Path) -> None:
     conf = tmp_path / "driver.toml"
     conf.write_text('listen = "127.0.0.1:0"\nmiss-limit = 7\ntoken-file = ["viewer=/v"]\n')
-    cmd = [sys.executable, "-m", "unbroken.driver.cli", "driver"]
+    cmd = [sys.executable, "-m", "unbroken.cli", "driver"]
     first = subprocess.run(
         [*cmd, "--config", str(conf), "--miss-limit", "9", "--print-config"],
         capture_output=True, text=True, timeout=120, check=True,

@@ -23,7 +23,7 @@ def test_unbroken_etcd_serves_until_stopped_and_leaves_nothing(tmp_path: Path, h
     SIGKILL (then its reaper stops the server): no etcd is left behind."""
     data = tmp_path / "etcd-data"
     p = subprocess.Popen(
-        [sys.executable, "-m", "unbroken.driver.cli", "etcd", "--data-dir", str(data)],
+        [sys.executable, "-m", "unbroken.cli", "etcd", "--data-dir", str(data)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from tests.integration.test_selfcheck_report import WAIT_S, Cluster, until
-from unbroken.driver import cli
+from unbroken.cli import main as cli
 
 pytestmark = pytest.mark.integration
 

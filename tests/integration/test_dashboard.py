@@ -94,7 +94,7 @@ class Cluster:
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         with open(self.tmp / f"{name}.log", "ab") as out:  # the child keeps its own fd
             p = subprocess.Popen(
-                [sys.executable, "-m", "unbroken.driver.cli", *args],
+                [sys.executable, "-m", "unbroken.cli", *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -57,7 +57,7 @@ async def _scenario(tmp: Path) -> tuple[object, list[ev.Event]]:
                 await asyncio.create_subprocess_exec(
                     sys.executable,
                     "-m",
-                    "unbroken.driver.cli",
+                    "unbroken.cli.main",
                     "agent",
                     "--driver",
                     f"127.0.0.1:{port}",

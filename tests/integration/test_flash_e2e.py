@@ -162,7 +162,7 @@ class Cluster:
         self.agents[node] = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "unbroken.driver.cli",
+            "unbroken.cli.main",
             "agent",
             *args,
             stdout=out,

@@ -62,7 +62,7 @@ class Procs:
     ) -> subprocess.Popen[bytes]:
         out = open(self.tmp / f"{name}.log", "wb")
         p = subprocess.Popen(
-            [sys.executable, "-m", "unbroken.driver.cli", *args],
+            [sys.executable, "-m", "unbroken.cli", *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},

@@ -108,7 +108,7 @@ def test_commands_reach_a_real_agent(tmp_path: Path) -> None:
             agent = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "unbroken.driver.cli",
+                "unbroken.cli.main",
                 "agent",
                 "--driver",
                 addr,

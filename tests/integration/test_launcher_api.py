@@ -32,7 +32,7 @@ from unbroken.proto import events_pb2 as ev
 
 pytestmark = pytest.mark.integration
 
-CLI = [sys.executable, "-m", "unbroken.driver.cli"]
+CLI = [sys.executable, "-m", "unbroken.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "UNBROKEN_DRIVER": "127.0.0.1:1"}
 
 

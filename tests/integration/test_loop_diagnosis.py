@@ -41,7 +41,7 @@ WAIT_S = 600.0  # 2 shared cores: torch imports, checks and restores take their 
 def unbroken(j: Job, *args: str) -> subprocess.CompletedProcess[str]:
     """`unbroken ARGS --driver <the job's driver>` as an operator would run it."""
     return subprocess.run(
-        [sys.executable, "-m", "unbroken.driver.cli", *args, "--driver", j.address],
+        [sys.executable, "-m", "unbroken.cli", *args, "--driver", j.address],
         capture_output=True,
         text=True,
         timeout=WAIT_S,

@@ -59,7 +59,7 @@ class Job:
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         out = open(self.tmp / f"{name}.log", "ab")  # the child owns it
         p = subprocess.Popen(
-            [sys.executable, "-m", "unbroken.driver.cli", *args],
+            [sys.executable, "-m", "unbroken.cli", *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -294,7 +294,7 @@ def test_an_operator_eviction_starts_the_recovery_at_once(job: Job) -> None:
         [
             sys.executable,
             "-m",
-            "unbroken.driver.cli",
+            "unbroken.cli.main",
             "evict",
             "n1",
             "--driver",

@@ -133,7 +133,7 @@ def agent(tmp_path: Path) -> Iterator[tuple[Path, FlashOwner, Path]]:
     ]  # fmt: skip
     with open(log, "wb") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "unbroken.driver.cli", "agent", *args],
+            [sys.executable, "-m", "unbroken.cli", "agent", *args],
             stdout=f,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -59,7 +59,7 @@ class Cluster:
     def spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         out = open(self.tmp / f"{name}.log", "ab")  # the child owns it
         p = subprocess.Popen(
-            [sys.executable, "-m", "unbroken.driver.cli", *args],
+            [sys.executable, "-m", "unbroken.cli", *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -95,7 +95,7 @@ class Cluster:
     def cli(self, *args: str, timeout_s: float = WAIT_S) -> subprocess.CompletedProcess[str]:
         """Run `unbroken ARGS --driver <ours>`."""
         return subprocess.run(
-            [sys.executable, "-m", "unbroken.driver.cli", *args, "--driver", self.address],
+            [sys.executable, "-m", "unbroken.cli", *args, "--driver", self.address],
             capture_output=True,
             text=True,
             timeout=timeout_s,

@@ -284,7 +284,7 @@ def test_the_bridge_drains_evicted_nodes_and_records_the_answers(cluster: SlurmC
             await _wait(lambda: "drain" in actions)
             # an operator clears it: the bridge sees it back and records that
             r = subprocess.run(
-                [sys.executable, "-m", "unbroken.driver.cli", "slurm", "resume", "n2",
+                [sys.executable, "-m", "unbroken.cli", "slurm", "resume", "n2",
                  "--direct", "--slurm-conf", str(cluster.conf)],
                 capture_output=True, text=True, timeout=60,
             )  # fmt: skip
@@ -340,7 +340,7 @@ class Driver:
         out = open(self.tmp / f"{name}.log", "ab")  # the child owns it
         self.procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "unbroken.driver.cli", *args],
+                [sys.executable, "-m", "unbroken.cli", *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=self.env,
@@ -381,7 +381,7 @@ class Driver:
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "unbroken.driver.cli", *args, "--driver", self.address],
+            [sys.executable, "-m", "unbroken.cli", *args, "--driver", self.address],
             capture_output=True, text=True, timeout=60, env=self.env,
         )  # fmt: skip
 
@@ -519,7 +519,7 @@ def test_unbroken_slurm_submit_runs_the_job_as_the_recipe_says(
         f'--scheduler-poll-s 0.5 --miss-limit 30 --worker-cmd "{sleeper}"'
     )
     r = subprocess.run(
-        [sys.executable, "-m", "unbroken.driver.cli", "slurm", "submit", "--nodes", "2",
+        [sys.executable, "-m", "unbroken.cli", "slurm", "submit", "--nodes", "2",
          "--spares", "1", "--listen-host", "127.0.0.1", "--advertise-host", "127.0.0.1",
          "--output", str(tmp_path / "job-%j.out"), "--agent-args", agent_args,
          "--driver-args", driver_args, "--slurm-conf", str(cluster.conf)],
@@ -544,7 +544,7 @@ def test_unbroken_slurm_submit_runs_the_job_as_the_recipe_says(
 
         def events() -> list[dict[str, object]]:
             r = subprocess.run(
-                [sys.executable, "-m", "unbroken.driver.cli", "events", "--json",
+                [sys.executable, "-m", "unbroken.cli", "events", "--json",
                  "--driver", address],
                 capture_output=True, text=True, timeout=60,
             )  # fmt: skip

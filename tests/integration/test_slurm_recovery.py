@@ -63,7 +63,7 @@ node=$1; shift
 case $node in
 {cases}
 esac
-exec {sys.executable} -m unbroken.driver.cli agent --driver {job.address} --node-id $node \\
+exec {sys.executable} -m unbroken.cli agent --driver {job.address} --node-id $node \\
   --no-start --worker-cmd '{sys.executable} -c pass' --allow-remote-cmd \\
   --log-dir {tmp_path}/logs-$node \\
   --socket {tmp_path}/$node.sock --flash-dir {tmp_path}/shm-$node --flash-job {job.job} \\
@@ -203,7 +203,7 @@ exec {sys.executable} -m unbroken.driver.cli agent --driver {job.address} --node
 
 def _nodes(job: Job) -> str:
     r = subprocess.run(
-        [sys.executable, "-m", "unbroken.driver.cli", "nodes", "--json", "--driver", job.address],
+        [sys.executable, "-m", "unbroken.cli", "nodes", "--json", "--driver", job.address],
         capture_output=True,
         text=True,
         timeout=60,

@@ -41,7 +41,7 @@ from unbroken.proto import events_pb2 as ev
 
 pytestmark = pytest.mark.integration
 
-CLI = [sys.executable, "-m", "unbroken.driver.cli"]
+CLI = [sys.executable, "-m", "unbroken.cli"]
 TOKEN = "rdzv-test-token-0123456789"  # the nodes' (torchrun agents') role token
 VIEWER = "rdzv-viewer-token-0123456789"
 OPERATOR = "rdzv-operator-token-0123456789"

@@ -57,7 +57,7 @@ def test_torchrun_4_processes_trains_on_the_default_corpus(tmp_path: Path) -> No
 
 
 def test_unbroken_train_subcommand_and_bad_flags(tmp_path: Path) -> None:
-    unbroken = [sys.executable, "-m", "unbroken.driver.cli", "train"]
+    unbroken = [sys.executable, "-m", "unbroken.cli", "train"]
     ok = _run([*unbroken, "--steps", "3", "--max-corpus-bytes", "65536"], timeout_s=120)
     assert ok.returncode == 0, ok.stderr[-2000:]
     bad = _run([*unbroken, "--tp", "3"], timeout_s=120)

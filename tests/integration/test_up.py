@@ -21,7 +21,7 @@ def test_up_trains_drills_and_stops_everything(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "unbroken.driver.cli",
+            "unbroken.cli.main",
             "up",
             "--no-live",
             "--nodes",
@@ -78,7 +78,7 @@ def test_up_trains_drills_and_stops_everything(tmp_path: Path) -> None:
 
 def test_up_rejects_a_layout_that_does_not_fit() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "unbroken.driver.cli", "up", "--dp", "3"],
+        [sys.executable, "-m", "unbroken.cli", "up", "--dp", "3"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -123,7 +123,7 @@ def test_a_stop_signal_stops_the_whole_cluster(tmp_path: Path, sig: signal.Signa
         [
             sys.executable,
             "-m",
-            "unbroken.driver.cli",
+            "unbroken.cli.main",
             *argv.split(),
             "--spares",
             "0",
@@ -157,7 +157,7 @@ def test_a_sigkilled_driver_takes_its_embedded_etcd_with_it(tmp_path: Path) -> N
     port_file = tmp_path / "driver.json"
     drv = subprocess.Popen(
         [
-            sys.executable, "-m", "unbroken.driver.cli", "driver", "--listen", "127.0.0.1:0",
+            sys.executable, "-m", "unbroken.cli", "driver", "--listen", "127.0.0.1:0",
             "--etcd-data-dir", str(data), "--port-file", str(port_file),
         ],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

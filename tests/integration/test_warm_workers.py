@@ -177,7 +177,7 @@ def test_crashed_worker_restarts_warm_and_training_continues(
     def spawn(name: str, args: list[str]) -> None:
         out = open(tmp_path / f"{name}.log", "ab")  # the child owns it
         procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "unbroken.driver.cli", *args],
+            [sys.executable, "-m", "unbroken.cli", *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,

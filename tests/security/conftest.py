@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-CLI = [sys.executable, "-m", "unbroken.driver.cli"]
+CLI = [sys.executable, "-m", "unbroken.cli"]
 TOKEN = "security-suite-token-0123456789"
 
 

@@ -24,7 +24,7 @@ from unbroken.driver.etcd import free_port
 
 pytestmark = pytest.mark.integration
 
-CLI = [sys.executable, "-m", "unbroken.driver.cli"]
+CLI = [sys.executable, "-m", "unbroken.cli"]
 ENV = {
     **{k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_TOKEN")},
     "OMP_NUM_THREADS": "1",

@@ -54,7 +54,7 @@ def test_flash_copies_are_closed_to_other_users(shm: Path) -> None:
 def _agent(flash_dir: Path, tmp: Path) -> subprocess.CompletedProcess[str]:
     """`unbroken agent` with workers, flash at `flash_dir`, no driver to reach."""
     cmd = [
-        sys.executable, "-m", "unbroken.driver.cli", "agent", "--driver", "127.0.0.1:1",
+        sys.executable, "-m", "unbroken.cli", "agent", "--driver", "127.0.0.1:1",
         "--node-id", "node-a", "--worker-cmd", "true", "--no-start", "--no-selfcheck",
         "--flash-dir", str(flash_dir), "--log-dir", str(tmp / "logs"),
         "--persist-url", str(tmp / "storage"),

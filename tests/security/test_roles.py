@@ -437,7 +437,7 @@ def test_a_driver_beyond_loopback_needs_credentials_or_insecure(tmp_path: Path) 
     assert DriverConfig().listen.startswith("127.0.0.1:")
     assert DriverConfig().dashboard_host == "127.0.0.1"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cli = [sys.executable, "-m", "unbroken.driver.cli", "driver", "--event-log", "memory"]
+    cli = [sys.executable, "-m", "unbroken.cli", "driver", "--event-log", "memory"]
     out = subprocess.run(
         [*cli, "--listen", "0.0.0.0:0"], capture_output=True, text=True, env=env, timeout=120
     )
@@ -510,7 +510,7 @@ def test_the_cli_prints_event_text_literally(tmp_path: Path) -> None:
                 ev.Event(log_alert=ev.LogAlert(node_id="n0", keyword="error", line=line))
             )
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "unbroken.driver.cli", "events", "--driver", addr,
+                sys.executable, "-m", "unbroken.cli", "events", "--driver", addr,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                 env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "300"},
             )  # fmt: skip

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.driver import cli
+from unbroken.cli import main as cli
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 UNITS = sorted((DEPLOY / "systemd").glob("*.service"))

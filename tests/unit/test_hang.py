@@ -118,7 +118,7 @@ Current thread 0x00007fdac9011b81 (most recent call first):
 
 
 def test_events_cli_abbreviates_the_stacks_to_each_ranks_innermost_frame() -> None:
-    from unbroken.driver.cli_events import summary
+    from unbroken.cli.events import summary
     from unbroken.proto import events_pb2 as ev
 
     e = ev.Event(

@@ -15,7 +15,7 @@ import pytest
 
 @pytest.mark.parametrize(
     "module",
-    ["unbroken.driver.main", "unbroken.driver.cli", "unbroken.agent.main", "unbroken.agent.daemon"],
+    ["unbroken.driver.main", "unbroken.cli.main", "unbroken.agent.main", "unbroken.agent.daemon"],
 )
 def test_module_does_not_import_torch(module: str) -> None:
     code = f"import sys, {module}; print('torch' in sys.modules)"

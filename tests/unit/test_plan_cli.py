@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.driver import cli
+from unbroken.cli import main as cli
 from unbroken.trainer import plan_cli
 
 OPT = ["--params", "175B", "--tokens", "300B", "--gpus", "1024", "--gpu", "a100-80gb"]

@@ -58,8 +58,8 @@ from typing import Any
 
 import grpc
 
+from unbroken.cli.drill import DRILL, Drill, FaultRecord, fault_table, leader_view, stop_groups
 from unbroken.driver import reaper
-from unbroken.driver.drill import DRILL, Drill, FaultRecord, fault_table, leader_view, stop_groups
 from unbroken.driver.etcd import EmbeddedEtcd, EmbeddedEtcdCluster, free_port
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -163,7 +163,7 @@ class Cluster:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         with open(self.run / f"{name}.log", "ab") as log:  # the child keeps its own fd
             return subprocess.Popen(
-                [sys.executable, "-m", "unbroken.driver.cli", *args],
+                [sys.executable, "-m", "unbroken.cli", *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -502,7 +502,7 @@ async def _supervise(c: Cluster, w: Watcher, console: Any, t0: float) -> int:
     console.print(fault_table(faults) if faults else "no drill")
     status = await _leader_status(c)
     if status is not None:
-        from unbroken.driver.cli_status import goodput_line
+        from unbroken.cli.status import goodput_line
 
         console.print(f"goodput: {goodput_line(status)}", markup=False, highlight=False)
     counts: dict[str, int] = {}

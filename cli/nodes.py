@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from unbroken.driver.client import ClientConfig, add_client_flags, print_json, run_command, to_dict
+from unbroken.cli.client import ClientConfig, add_client_flags, print_json, run_command, to_dict
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev

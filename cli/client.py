@@ -23,7 +23,7 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from unbroken.driver.cli import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE
+from unbroken.cli.main import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE
 from unbroken.driver.operator import USER_KEY
 from unbroken.driver.security import TlsConfig, channel_credentials, read_token, token_metadata
 from unbroken.proto import channel

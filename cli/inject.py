@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from unbroken.cli.client import ClientConfig, add_client_flags, print_json, run_command, to_dict
 from unbroken.diagnostics.faults import RUNTIME_FAULTS, RuntimeFault
-from unbroken.driver.client import ClientConfig, add_client_flags, print_json, run_command, to_dict
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 

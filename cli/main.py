@@ -2,8 +2,8 @@
 
 Each subcommand module exposes `configure(parser)` (add its flags) and `run(args) -> int`
 (the exit code). Modules are imported only when their subcommand is chosen, except to
-build `--help`, so they must not import torch at module level. This dispatcher lives in
-driver/ but is the only driver module allowed to reach into agent/ (for `unbroken agent`).
+build `--help`, so they must not import torch at module level. cli/ may import every other
+part (it starts the driver, the agent and the trainer); nothing imports cli/.
 
 Exit codes: 0 success, 1 the operation failed, 2 bad usage or input, 3 the driver or etcd
 is unreachable, 130 interrupted.
@@ -19,21 +19,21 @@ from collections.abc import Sequence
 
 # name -> (module, one-line help). Add a subcommand by adding one line here.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("unbroken.driver.up", "a local cluster: etcd, drivers, agents, training, a drill"),
+    "up": ("unbroken.cli.up", "a local cluster: etcd, drivers, agents, training, a drill"),
     "etcd": ("unbroken.driver.etcd", "run an embedded etcd server until Ctrl-C"),
     "train": ("unbroken.trainer.train_cli", "train a model locally (torchrun for N processes)"),
     "driver": ("unbroken.driver.main", "run a driver (leader or standby) serving agents"),
     "agent": ("unbroken.agent.main", "run a node agent: workers, heartbeats, checks"),
     "plan": ("unbroken.trainer.plan_cli", "estimate days, memory per GPU, failures, ckpt interval"),
-    "status": ("unbroken.driver.cli_status", "the job at a glance: phase, step, nodes, events"),
-    "nodes": ("unbroken.driver.cli_nodes", "list the job's nodes with their state and heartbeats"),
-    "events": ("unbroken.driver.cli_events", "print the event log (--since SEQ, --follow)"),
-    "evict": ("unbroken.driver.cli_evict", "evict a node from the job"),
-    "diagnose": ("unbroken.driver.cli_diagnose", "find bad and slow nodes (pause, check, resume)"),
-    "checkpoints": ("unbroken.driver.cli_checkpoints", "committed checkpoints; --request one now"),
-    "selfcheck": ("unbroken.driver.cli_selfcheck", "run the node self-checks; exit 1 if one fails"),
-    "inject": ("unbroken.driver.cli_inject", "inject a simulated fault into a node (drills)"),
-    "slurm": ("unbroken.driver.cli_slurm", "run under Slurm: submit, nodes, resume a drained node"),
+    "status": ("unbroken.cli.status", "the job at a glance: phase, step, nodes, events"),
+    "nodes": ("unbroken.cli.nodes", "list the job's nodes with their state and heartbeats"),
+    "events": ("unbroken.cli.events", "print the event log (--since SEQ, --follow)"),
+    "evict": ("unbroken.cli.evict", "evict a node from the job"),
+    "diagnose": ("unbroken.cli.diagnose", "find bad and slow nodes (pause, check, resume)"),
+    "checkpoints": ("unbroken.cli.checkpoints", "committed checkpoints; --request one now"),
+    "selfcheck": ("unbroken.cli.selfcheck", "run the node self-checks; exit 1 if one fails"),
+    "inject": ("unbroken.cli.inject", "inject a simulated fault into a node (drills)"),
+    "slurm": ("unbroken.cli.slurm", "run under Slurm: submit, nodes, resume a drained node"),
     "certs": (
         "unbroken.driver.certs",
         "a CA and per-principal certificates (node:ID, operator:NAME)",

@@ -23,7 +23,7 @@ import shlex
 import subprocess
 import sys
 
-from unbroken.driver.client import ClientConfig, add_client_flags, print_json, run_command, to_dict
+from unbroken.cli.client import ClientConfig, add_client_flags, print_json, run_command, to_dict
 from unbroken.driver.scheduler import SchedulerError
 from unbroken.driver.slurm import SlurmConfig, SlurmScheduler
 from unbroken.proto import driver_pb2 as dpb
@@ -42,15 +42,15 @@ NODES=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
 TRAIN=("${{NODES[@]:0:{nodes}}}")
 PORT=$({python} -c 'from unbroken.diagnostics.check import free_port; print(free_port())')
 DRIVER_ADDR="{advertise}:$PORT"
-SPARE_AGENT="{python} -m unbroken.driver.cli agent --node-id {{node}} --driver $DRIVER_ADDR"
-{python} -m unbroken.driver.cli driver --scheduler slurm --slurm-job-id "$SLURM_JOB_ID" \\
+SPARE_AGENT="{python} -m unbroken.cli agent --node-id {{node}} --driver $DRIVER_ADDR"
+{python} -m unbroken.cli driver --scheduler slurm --slurm-job-id "$SLURM_JOB_ID" \\
   --listen "{listen_host}:$PORT" --advertise "$DRIVER_ADDR" --nodes {nodes} \\
   --slurm-agent-cmd "$SPARE_AGENT --no-start --spare {agent_args}" \\
   {driver_args} &
 DRIVER_PID=$!
 for node in "${{TRAIN[@]}}"; do
   srun --overlap -N1 -n1 -w "$node" --job-name="unbroken-agent-$node" \\
-    {python} -m unbroken.driver.cli agent --node-id "$node" --driver "$DRIVER_ADDR" --no-start \\
+    {python} -m unbroken.cli agent --node-id "$node" --driver "$DRIVER_ADDR" --no-start \\
     {train_agent_args} &
 done
 wait "$DRIVER_PID"

@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from unbroken.driver.client import ClientConfig, add_client_flags, print_json, run_command, to_dict
+from unbroken.cli.client import ClientConfig, add_client_flags, print_json, run_command, to_dict
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 

@@ -33,7 +33,7 @@ from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
 
 if TYPE_CHECKING:
-    from unbroken.driver.up import Cluster, Watcher
+    from unbroken.cli.up import Cluster, Watcher
 
 RESUME_LIMIT_S = 120.0  # a drilled fault whose training has not resumed by then failed
 DETECT_LIMIT_S = 60.0  # ... or whose event has not come by then

@@ -16,8 +16,7 @@ import sys
 
 import grpc
 
-from unbroken.driver.cli import EXIT_FAILED, EXIT_USAGE
-from unbroken.driver.client import (
+from unbroken.cli.client import (
     ClientConfig,
     CliError,
     add_client_flags,
@@ -25,6 +24,7 @@ from unbroken.driver.client import (
     run_command,
     to_dict,
 )
+from unbroken.cli.main import EXIT_FAILED, EXIT_USAGE
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 

@@ -1,0 +1,94 @@
+"""The top-level folders are the architecture: each part imports only the parts below it.
+
+The table is ../shared/DESIGN.md's "may import" column. Imports are read from the source with
+`ast`, static ones and dynamic ones alike: `importlib.import_module("unbroken.x")`,
+`__import__("unbroken.x")` and any string constant naming a module of ours ("unbroken.agent.main",
+an entry point "unbroken.trainer.gpt3d:GPT3DTrainer") count, because a dispatcher that keeps
+module names in a table imports them all the same.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# part -> the parts it may import (itself always allowed).
+MAY_IMPORT: dict[str, set[str]] = {
+    "proto": set(),
+    "diagnostics": {"proto"},
+    "recovery": {"proto"},
+    "trainer": {"proto", "recovery"},
+    "driver": {"proto", "diagnostics", "recovery"},
+    "agent": {"proto", "diagnostics", "recovery"},
+    "cli": {"proto", "diagnostics", "recovery", "trainer", "driver", "agent"},
+}
+PARTS = set(MAY_IMPORT)
+# (file, part) -> why the file may name that part anyway.
+EXEMPT: dict[tuple[str, str], str] = {
+    ("agent/warm.py", "trainer"): "a warm standby is a worker process: the module names are "
+    "preloaded in the child interpreter, never imported by the agent",
+}
+MODULE_STRING = re.compile(r"^unbroken\.([a-z_]+)(\.[A-Za-z_][\w]*)*(:[A-Za-z_]\w*)?$")
+
+
+def referenced_parts(path: Path) -> dict[str, int]:
+    """Every part of ours the file imports or names as a module string -> the first line."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: dict[str, int] = {}
+
+    def note(module: str, line: int) -> None:
+        parts = module.split(".")
+        if len(parts) >= 2 and parts[0] == "unbroken" and parts[1] in PARTS:
+            found.setdefault(parts[1], line)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                note(alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "unbroken":
+                for alias in node.names:
+                    note(f"unbroken.{alias.name}", node.lineno)
+            else:
+                note(node.module, node.lineno)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if MODULE_STRING.match(node.value):
+                note(node.value.split(":")[0], node.lineno)
+    return found
+
+
+def sources(part: str) -> list[Path]:
+    return sorted(
+        p for p in (ROOT / part).rglob("*.py") if not p.name.endswith(("_pb2.py", "_pb2_grpc.py"))
+    )
+
+
+@pytest.mark.parametrize("part", sorted(PARTS))
+def test_part_imports_only_what_the_design_allows(part: str) -> None:
+    allowed = MAY_IMPORT[part] | {part}
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} uses unbroken.{other}"
+        for path in sources(part)
+        for other, line in referenced_parts(path).items()
+        if other not in allowed and (str(path.relative_to(ROOT)), other) not in EXEMPT
+    ]
+    assert not bad, f"{part}/ may import only {sorted(allowed)}:\n" + "\n".join(bad)
+
+
+def test_the_rule_sees_dynamic_imports(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text(
+        "import importlib\n"
+        "TABLE = {'a': ('unbroken.agent.main', 'help')}\n"
+        "importlib.import_module(TABLE['a'][0])\n"
+        "__import__('unbroken.trainer.gpt3d')\n"
+        "EP = 'unbroken.cli.main:main'\n"
+    )
+    assert set(referenced_parts(src)) == {"agent", "trainer", "cli"}
