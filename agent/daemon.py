@@ -271,6 +271,7 @@ class Agent:
             agent_version=AGENT_VERSION,
             num_workers=n,
             spare=self.config.spare,
+            replica_buddy=self.flash.config.buddy if self.flash is not None else "",
         )
 
     # ------------------------------------------------------------ lifecycle
@@ -787,9 +788,10 @@ class Agent:
             if p.persist_every_s > 0 and math.isfinite(p.persist_every_s):
                 sup.spec.extra_env[ENV_PERSIST_EVERY_S] = repr(p.persist_every_s)
             if self.flash is not None and p.replaces:
-                # the replaced node's newest copies, from the buddy (which holds them when
-                # it was the replaced node's buddy too); the workers look for them there
-                if await self.flash.take_over(p.replaces, self.config.node_id):
+                # the replaced node's newest copies, from the replica server that holds them
+                # (the driver knows it from the node's registration; else this node's buddy);
+                # the workers look for them there
+                if await self.flash.take_over(p.replaces, self.config.node_id, p.replaces_from):
                     sup.spec.extra_env[ENV_FLASH_NODE] = p.replaces
             if self.flash is not None and p.flash_bytes_per_rank:
                 spec = sup.spec

@@ -8,10 +8,12 @@ per rank, polled every `poll_ms`) and then (1) hands them to the fsspec `Persist
 which writes and verifies them off the event loop and keeps the newest `keep` complete
 steps, and reports each verified shard to the driver (which commits a step once every
 rank's shard is in), and (2) sends them to the buddy agent (the next node of the ring), whose
-`ReplicaServer` verifies the checksum before keeping them. It also serves its own replica
-store to a buddy and, when this node replaces a lost one, fetches that node's replicas
-back from the buddy before the workers start. A clean shutdown flushes persistence and
-removes the job's shared memory; a crash leaves it for a restarted agent.
+`ReplicaServer` verifies the checksum before keeping them (the newest copy every few saves,
+spaced so the replicated step stays inside every rank's ring: `ReplicaSender`). It also
+serves its own replica store to a buddy and, when this node replaces a lost one, fetches
+that node's replicas back from the server holding them before the workers start. A clean
+shutdown flushes persistence and removes the job's shared memory; a crash leaves it for a
+restarted agent.
 
 The replica stream is authenticated (recovery/replica.py): mutual TLS with the agent's own
 certificate when it has one (a PUT only from the node itself; a GET only by the node or a
@@ -151,7 +153,6 @@ class NodeFlash:
             )
         self._seen: dict[int, int] = {}  # rank -> generation handed to the persister
         self._ring: dict[int, list[int]] = {}  # rank -> steps its ring holds, newest first
-        self._newest: dict[int, int] = {}  # rank -> newest generation (sent to the buddy)
         self._submitted_at: dict[int, float] = {}  # rank -> monotonic time of the last submit
         self._tries: dict[tuple[int, int], int] = {}  # (rank, generation) -> retries so far
         self._task: asyncio.Task[None] | None = None
@@ -248,20 +249,29 @@ class NodeFlash:
         log.info("flash.prepared", ranks=list(ranks), nbytes=nbytes, seconds=round(took, 3))
         return took
 
-    async def take_over(self, node: str, requester: str) -> bool:
-        """Fetch `node`'s replicas from this node's buddy (a spare taking over `node`'s
-        ranks). True when some copy came back; failures are logged (storage remains)."""
-        if self.sender is None:
+    async def take_over(self, node: str, requester: str, source: str = "") -> bool:
+        """Fetch `node`'s replicas from `source` (host:port of the replica server that holds
+        them; "": this node's buddy): a spare taking over `node`'s ranks. True when some
+        copy came back; failures are logged (storage remains)."""
+        if not self.replica_cfg.auth.enabled or not (source or self.sender):
             return False
-        host, port = self.sender.buddy
+        try:
+            if source:
+                host, port = parse_hostport(source, "replaces_from")
+            else:
+                assert self.sender is not None
+                host, port = self.sender.buddy
+        except ValueError as e:
+            log.warning("flash.take_over_failed", node=node, source=source, error=str(e))
+            return False
         try:
             refs = await fetch_replica(
                 self.owner, node, host, port, config=self.replica_cfg, requester=requester
             )
         except (OSError, TimeoutError, ValueError) as e:
-            log.info("flash.take_over_failed", node=node, buddy=self.config.buddy, error=str(e))
+            log.info("flash.take_over_failed", node=node, source=f"{host}:{port}", error=str(e))
             return False
-        log.info("flash.took_over", node=node, copies=len(refs), buddy=self.config.buddy)
+        log.info("flash.took_over", node=node, copies=len(refs), source=f"{host}:{port}")
         return bool(refs)
 
     def ring_steps(self, rank: int) -> list[int]:
@@ -279,16 +289,12 @@ class NodeFlash:
 
     async def tick(self) -> None:
         """Persist and replicate every local rank's newest copy not handled yet."""
-        changed = False
         for rank in self.owner.ranks():
             rank_dir = self.owner.rank_dir(rank)
             refs = await asyncio.to_thread(list_copies, rank_dir)
             self._ring[rank] = [r.manifest.step for r in refs]
             if not refs:
                 continue
-            if self._newest.get(rank) != refs[0].manifest.generation:  # for the buddy
-                self._newest[rank] = refs[0].manifest.generation
-                changed = True
             keep = persistable(refs)  # the SDK marks most copies memory-only
             if not keep:
                 continue
@@ -300,7 +306,7 @@ class NodeFlash:
             if self.persister is not None:
                 self._submitted_at[rank] = time.monotonic()
                 self.persister.submit(rank_dir)
-        if changed and self.sender is not None:
+        if self.sender is not None:  # it decides which copies are due (spacing, idle flush)
             await self.sender.tick()
 
     def _persist_pending(self, rank: int, rank_dir: Path, gen: int) -> bool:

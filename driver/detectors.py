@@ -256,6 +256,7 @@ def admit(view: LiveView, req: dpb.RegisterRequest, now: float) -> tuple[str, ev
             num_gpus=len(req.inventory.gpus),
             agent_version=req.agent_version,
             spare=req.spare,
+            replica_buddy=req.replica_buddy,
         )
     )
 
@@ -277,9 +278,12 @@ def validate_register(req: dpb.RegisterRequest) -> str:
         return f"node_id {nid[:40]!r} may contain only letters, digits and . _ - :"
     if req.epoch == 0:
         return "epoch must be > 0 (the agent's start time in ns)"
-    for name in ("hostname", "ip", "pod_name", "agent_version"):
+    for name in ("hostname", "ip", "pod_name", "agent_version", "replica_buddy"):
         if len(getattr(req, name)) > 256:
             return f"{name} is longer than 256 characters"
+    host, sep, port = req.replica_buddy.rpartition(":")
+    if req.replica_buddy and not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        return f"replica_buddy {req.replica_buddy[:60]!r} must be host:port (the agent's --buddy)"
     if req.num_workers > 1024:
         return f"num_workers {req.num_workers} is over 1024"
     return ""

@@ -503,6 +503,8 @@ class RecoveryLoop:
             for i, n in enumerate(nodes)
             if i < len(old) and old[i] != n and old[i] not in nodes
         }
+        known = self.state.nodes  # where each replaced node's copies live, as it registered
+        buddy_of = {o: known[o].replica_buddy for o in replaces.values() if o in known}
 
         async def one(n: str) -> str:
             if restore is not None:  # an agent without RestorePoint restores the newest step
@@ -526,6 +528,7 @@ class RecoveryLoop:
                     persist_every_s=persist_every_s,
                     flash_bytes_per_rank=self.service.commits.shard_bytes,
                     replaces=replaces.get(n, ""),
+                    replaces_from=buddy_of.get(replaces.get(n, ""), ""),
                 )
             )
             try:

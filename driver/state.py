@@ -130,6 +130,7 @@ def _node_registered(s: ev.JobState, e: ev.Event) -> None:
     rec.hostname, rec.ip, rec.num_workers = p.hostname, p.ip, p.num_workers
     rec.registered_seq = e.seq
     rec.spare = p.spare
+    rec.replica_buddy = p.replica_buddy
     if rec.state != ev.NODE_STATE_EVICTED:
         _set_state(s, rec, ev.NODE_STATE_SPARE if p.spare else ev.NODE_STATE_ACTIVE, e.seq)
 

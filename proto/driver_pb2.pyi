@@ -68,7 +68,7 @@ class HardwareInventory(_message.Message):
     def __init__(self, cpu_count: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., rdma_devices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node_id", "epoch", "hostname", "ip", "pod_name", "inventory", "agent_version", "num_workers", "spare")
+    __slots__ = ("node_id", "epoch", "hostname", "ip", "pod_name", "inventory", "agent_version", "num_workers", "spare", "replica_buddy")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class RegisterRequest(_message.Message):
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     SPARE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_BUDDY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     hostname: str
@@ -87,7 +88,8 @@ class RegisterRequest(_message.Message):
     agent_version: str
     num_workers: int
     spare: bool
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., pod_name: _Optional[str] = ..., inventory: _Optional[_Union[HardwareInventory, _Mapping]] = ..., agent_version: _Optional[str] = ..., num_workers: _Optional[int] = ..., spare: _Optional[bool] = ...) -> None: ...
+    replica_buddy: str
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., pod_name: _Optional[str] = ..., inventory: _Optional[_Union[HardwareInventory, _Mapping]] = ..., agent_version: _Optional[str] = ..., num_workers: _Optional[int] = ..., spare: _Optional[bool] = ..., replica_buddy: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("driver_id", "heartbeat_interval_ms", "miss_limit", "job_id", "global_rank_base", "world_size")
@@ -363,7 +365,7 @@ class RelayedDown(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., command: _Optional[_Union[DriverMessage, _Mapping]] = ..., end: _Optional[str] = ...) -> None: ...
 
 class StartWorkers(_message.Message):
-    __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port", "dp", "pp", "tp", "timeline", "persist_every_s", "flash_bytes_per_rank", "replaces")
+    __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port", "dp", "pp", "tp", "timeline", "persist_every_s", "flash_bytes_per_rank", "replaces", "replaces_from")
     WORKER_CMD_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_BASE_FIELD_NUMBER: _ClassVar[int]
@@ -376,6 +378,7 @@ class StartWorkers(_message.Message):
     PERSIST_EVERY_S_FIELD_NUMBER: _ClassVar[int]
     FLASH_BYTES_PER_RANK_FIELD_NUMBER: _ClassVar[int]
     REPLACES_FIELD_NUMBER: _ClassVar[int]
+    REPLACES_FROM_FIELD_NUMBER: _ClassVar[int]
     worker_cmd: str
     world_size: int
     global_rank_base: int
@@ -388,7 +391,8 @@ class StartWorkers(_message.Message):
     persist_every_s: float
     flash_bytes_per_rank: int
     replaces: str
-    def __init__(self, worker_cmd: _Optional[str] = ..., world_size: _Optional[int] = ..., global_rank_base: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., tp: _Optional[int] = ..., timeline: _Optional[int] = ..., persist_every_s: _Optional[float] = ..., flash_bytes_per_rank: _Optional[int] = ..., replaces: _Optional[str] = ...) -> None: ...
+    replaces_from: str
+    def __init__(self, worker_cmd: _Optional[str] = ..., world_size: _Optional[int] = ..., global_rank_base: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., tp: _Optional[int] = ..., timeline: _Optional[int] = ..., persist_every_s: _Optional[float] = ..., flash_bytes_per_rank: _Optional[int] = ..., replaces: _Optional[str] = ..., replaces_from: _Optional[str] = ...) -> None: ...
 
 class StopWorkers(_message.Message):
     __slots__ = ("grace_s", "dump_stacks")

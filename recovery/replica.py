@@ -45,6 +45,7 @@ import hmac
 import json
 import os
 import ssl
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -679,10 +680,22 @@ async def send_copy(
         return SendResult(m.rank, m.step, False, f"{type(e).__name__}: {e}")
 
 
-class ReplicaSender:
-    """The sending agent's side: ships each local rank's newest copy once, when it changes.
+# How far inside the ring a replicated step is kept when sends are spaced out (copies).
+REPLICA_MARGIN = 3
+# A newest copy no newer save has followed for this long is sent whatever the spacing.
+IDLE_FLUSH_S = 1.0
 
-    The agent calls `tick()` from a background task after saves complete (or on a timer).
+
+class ReplicaSender:
+    """The sending agent's side: ships each local rank's newest copy to the buddy.
+
+    Not every copy: with a ring of k copies a copy goes every `k - REPLICA_MARGIN` saves
+    (every save when k <= 4), so the replicated step stays inside every rank's ring (a
+    restore after this node is lost needs one step that all ranks hold in memory, and the
+    survivors' rings turn at the same pace as this one), while the agent spends a fraction
+    of the CPU it would copying every step. A copy no newer save has followed for
+    `IDLE_FLUSH_S` goes at once: when training pauses or stops, the last copy is the one
+    worth having. The agent calls `tick()` on its poll timer.
     """
 
     def __init__(
@@ -691,21 +704,47 @@ class ReplicaSender:
         node: str,
         buddy: tuple[str, int],
         config: ReplicaConfig | None = None,
+        *,
+        idle_flush_s: float = IDLE_FLUSH_S,
     ) -> None:
         self.owner = owner
         self.node = node
         self.buddy = buddy
         self.config = config or ReplicaConfig()
+        self.idle_flush_s = idle_flush_s
         self._sent: dict[int, int] = {}  # rank -> generation acknowledged by the buddy
+        self._newest_seen: dict[int, tuple[int, float]] = {}  # rank -> (generation, first seen)
         self.sent_copies = 0  # copies the buddy accepted (metrics)
         self.sent_bytes = 0
+        self.spaced_out = 0  # ticks that left a newer copy for a later send (metrics)
+
+    def due(self, rank: int, refs: list[CopyRef], now: float) -> CopyRef | None:
+        """The copy of `rank` to send now (its newest), or None; `refs` newest first."""
+        if not refs:
+            return None
+        newest = refs[0]
+        gen = newest.manifest.generation
+        acked = self._sent.get(rank)
+        if acked == gen:
+            return None
+        seen = self._newest_seen.get(rank)
+        if seen is None or seen[0] != gen:
+            seen = self._newest_seen[rank] = (gen, now)
+        gens = [r.manifest.generation for r in refs]
+        if acked is None or acked not in gens:
+            return newest
+        newer = sum(1 for g in gens if g > acked)
+        if newer >= max(1, len(refs) - REPLICA_MARGIN) or now - seen[1] >= self.idle_flush_s:
+            return newest
+        self.spaced_out += 1
+        return None
 
     async def tick(self) -> list[SendResult]:
-        """Send every rank's newest copy the buddy does not have yet."""
+        """Send every rank's newest copy that is due (see the class docstring)."""
         results = []
         for rank in self.owner.ranks():
-            ref = self.owner.newest(rank)
-            if ref is None or self._sent.get(rank) == ref.manifest.generation:
+            ref = self.due(rank, list_copies(self.owner.rank_dir(rank)), time.monotonic())
+            if ref is None:
                 continue
             host, port = self.buddy
             res = await send_copy(ref, self.node, host, port, config=self.config)

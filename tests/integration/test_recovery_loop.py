@@ -190,7 +190,9 @@ def test_worker_crash_and_lost_node_are_recovered(job: Job) -> None:
     job.start_driver()
     job.start_agent("n0", buddy="n1")
     job.start_agent("n1", buddy="n0")
-    job.start_agent("s0", buddy="n0", spare=True)
+    # the spare's own buddy is n1, the node it will replace: n1's copies are on n0, and the
+    # driver tells the spare so (n1's registration named its replica holder)
+    job.start_agent("s0", buddy="n1", spare=True)
     until("training to start", lambda: job.max_step() >= 3, 120, job)
 
     # 1. A worker crash: both workers restart and restore; training goes on.
@@ -220,6 +222,8 @@ def test_worker_crash_and_lost_node_are_recovered(job: Job) -> None:
         job,
     )
     assert "restored" in job.worker_log("s0"), job.worker_log("s0")[-3000:]
+    took = [ln for ln in (job.tmp / "s0.log").read_text().splitlines() if "flash.took_over" in ln]
+    assert took and f"source=127.0.0.1:{job.port('n0')}" in took[0], took
 
     events = job.events()
     kinds = [e.WhichOneof("payload") for e in events]

@@ -215,6 +215,8 @@ def test_node_limit_refuses_a_registration_flood() -> None:
         (req(epoch=0), "epoch must be > 0"),
         (req(hostname="h" * 300), "hostname is longer"),
         (req(num_workers=5000), "num_workers"),
+        (dpb.RegisterRequest(node_id="n", epoch=1, replica_buddy="nowhere"), "host:port"),
+        (dpb.RegisterRequest(node_id="n", epoch=1, replica_buddy="h:99999"), "host:port"),
     ],
 )
 def test_registration_validation(r: dpb.RegisterRequest, msg: str) -> None:
@@ -223,6 +225,8 @@ def test_registration_validation(r: dpb.RegisterRequest, msg: str) -> None:
 
 def test_valid_registration_passes() -> None:
     assert detectors.validate_register(req(node="node-1.rack:2", hostname="h")) == ""
+    ok = dpb.RegisterRequest(node_id="n", epoch=1, replica_buddy="10.0.0.2:29600")
+    assert detectors.validate_register(ok) == ""
 
 
 @pytest.mark.parametrize(

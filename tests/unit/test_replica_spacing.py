@@ -1,0 +1,73 @@
+"""Which copy the replica sender ships, and when (`ReplicaSender.due`)."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from unbroken.recovery.flashcopy import CopyRef, Manifest
+from unbroken.recovery.replica import REPLICA_MARGIN, ReplicaSender
+
+pytestmark = pytest.mark.unit
+
+
+def ring(newest_step: int, k: int) -> list[CopyRef]:
+    """A full ring of k copies, newest first; generation == step."""
+    return [
+        CopyRef(Path("/nonexistent"), (s % k), Manifest(0, s, s, 0, 0, (), {}))
+        for s in range(newest_step, newest_step - k, -1)
+        if s >= 0
+    ]
+
+
+def sender() -> ReplicaSender:
+    return ReplicaSender(None, "n0", ("127.0.0.1", 1), idle_flush_s=1.0)  # type: ignore[arg-type]
+
+
+def sent_steps(k: int, steps: int) -> list[int]:
+    """The steps shipped when one save lands per tick, 0.1 s apart."""
+    s, out = sender(), []
+    for step in range(steps):
+        ref = s.due(0, ring(step, k), now=step * 0.1)
+        if ref is not None:
+            s._sent[0] = ref.manifest.generation  # the buddy acknowledged it
+            out.append(ref.manifest.step)
+    return out
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_a_short_ring_ships_every_copy(k: int) -> None:
+    assert sent_steps(k, 20) == list(range(20))
+
+
+@pytest.mark.parametrize("k", [5, 6, 8])
+def test_a_long_ring_ships_every_few_copies_and_the_replica_stays_in_the_ring(k: int) -> None:
+    got = sent_steps(k, 60)
+    full = [s for s in got if s >= k]  # while the ring fills it is short: every copy goes
+    gaps = {b - a for a, b in itertools.pairwise(full)}
+    assert gaps == {k - REPLICA_MARGIN}
+    # at every step, the newest replicated step is still one the ring holds, with margin
+    for step in range(got[0], 60):
+        replica = max(s for s in got if s <= step)
+        assert step - replica <= k - REPLICA_MARGIN < k - 1
+
+
+def test_a_copy_nothing_follows_is_flushed_after_the_idle_time() -> None:
+    s = sender()
+    s._sent[0] = 10
+    refs = ring(11, 8)  # one newer copy: not due by spacing
+    assert s.due(0, refs, now=100.0) is None
+    assert s.due(0, refs, now=100.5) is None
+    ref = s.due(0, refs, now=101.0)
+    assert ref is not None and ref.manifest.step == 11
+    assert s.spaced_out == 2
+
+
+def test_a_replica_that_left_the_ring_is_replaced_at_once() -> None:
+    s = sender()
+    s._sent[0] = 3  # long gone from a ring holding 20..13
+    ref = s.due(0, ring(20, 8), now=0.0)
+    assert ref is not None and ref.manifest.step == 20
+    assert s.due(0, [], now=0.0) is None
