@@ -24,7 +24,9 @@ from unbroken.proto import events_pb2 as ev
 
 pytestmark = pytest.mark.integration
 
-TTL_S = 2.0
+# The lease TTL: short so the test is quick, long enough that one keep-alive lost to a
+# dying member plus a raft election on 2 busy cores does not expire it (2 s was flaky in CI).
+TTL_S = 3.0
 
 
 async def _append_through(elog: etcdlog.EtcdEventLog, seconds: float, acked: list[str]) -> int:
@@ -61,15 +63,16 @@ def test_the_leader_keeps_writing_through_the_loss_of_its_etcd_member(tmp_path: 
             for victim in (0, None):  # member 0, then (healed) the member the client moved to
                 index = victim if victim is not None else cluster.endpoints.index(client.endpoint)
                 cluster.members[index].kill()
-                killed_at = time.monotonic()
-                await _append_through(elog, TTL_S + 2.0, acked)
+                failed = await _append_through(elog, TTL_S + 2.0, acked)
                 assert client.endpoint != cluster.members[index].endpoint, "still on the dead one"
-                assert not election.lost.is_set(), "the lease was lost with a quorum alive"
-                # writes resumed well within the TTL + 1 s
+                assert not election.lost.is_set(), (
+                    f"the lease was lost with a quorum alive ({failed} appends failed, "
+                    f"{client.failovers} failovers)"
+                )
+                # and writes go on: every append of the next half second is acknowledged
                 n = len(acked)
-                await _append_through(elog, 0.5, acked)
+                assert await _append_through(elog, 0.5, acked) == 0
                 assert len(acked) > n
-                assert time.monotonic() - killed_at < 2 * (TTL_S + 2.0) + 2
                 cluster.members[index].restart()
                 deadline = time.monotonic() + 20
                 while not health(cluster.members[index].endpoint):
