@@ -574,17 +574,19 @@ class PersistClock:
     call and every `AGREE_CALLS` calls after, each rank turns `every_s` into steps with its
     median step time and the ranks take the smallest wish (the slowest rank's steps are
     the longest, so the most frequent persistence any rank wants). Calls are counted, not
-    timed, so the ranks agree at the same call. The first save of every process is persisted
-    too (every rank of a world starts together), so a job has a committed step one step
-    after it starts or restores: a node lost before the first interval is over restores
-    that step from storage (its memory copies died with it, and a spare taking its place
-    cannot reach the replica its buddy holds), not step 0.
+    timed, so the ranks agree at the same call. The first save of a job that starts from
+    nothing is persisted too (every rank of a world starts together), so storage is proven
+    and a step is committed one step in. A process that restored does not persist its first
+    save: what it restored is committed or in every rank's ring, and a spare replacing a
+    lost node fetches that node's copies from the replica server holding them (one commit
+    per restart would be most of the commits of a job that sees a fault every few minutes).
     """
 
-    def __init__(self, every_s: float, agree: Any = None) -> None:
+    def __init__(self, every_s: float, agree: Any = None, *, persist_first: bool = True) -> None:
         if not every_s > 0:
             raise ValueError(f"every_s must be > 0, got {every_s}")
         self.every_s = every_s
+        self.persist_first = persist_first  # the run.py loop clears it after a restore
         self.every_steps = 0  # agreed; 0: not yet
         self.calls = 0
         self._agree = agree if agree is not None else _agree_min
@@ -604,8 +606,8 @@ class PersistClock:
             step_s = statistics.median(self._times) if self._times else 0.0
             wish = max(1, math.ceil(self.every_s / step_s)) if step_s > 0 else 1
             self.every_steps = int(self._agree(wish))
-        if self.calls == 1:
-            return True  # a process's first save persists: every (re)start commits at once
+        if self.calls == 1 and self.persist_first:
+            return True  # a job's first save persists: storage proven, a step committed
         return self.every_steps > 0 and step % self.every_steps == 0
 
 

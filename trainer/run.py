@@ -329,11 +329,15 @@ def train(
         restored = flash.restore(trainer, not_after=point.step) if flash is not None else None
         if restored is not None:
             step = restored.step
+            if clock is not None:
+                clock.persist_first = False  # the restored step is committed or in memory
             if flash is not None and point.step is not None:
                 flash.discard_after(step)  # a rollback: newer copies are a dead timeline
         elif resume_from:
             checkpoint.load(trainer, resume_from)
             step = int(trainer.state_dict()["step"])
+            if clock is not None:
+                clock.persist_first = False
         if flash is not None:
             flash.guard(trainer)  # once: every optimizer step waits for the copy in flight
             if restored is not None:  # the state is whole (optimizer state included): size
