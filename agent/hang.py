@@ -99,6 +99,22 @@ def run_delay_ms(pid: int) -> float:
         return 0.0
 
 
+def process_stopped(pid: int) -> bool:
+    """Whether `pid` is stopped (SIGSTOP, a job-control stop, a debugger's trace stop).
+
+    A hung rank whose process is stopped is the culprit, whatever phase it last reported:
+    the driver restarts it without a diagnosis (driver/machine.py `hang_diagnose_after`).
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return False
+    # pid (comm) state ...: comm may hold spaces and parentheses; the state follows the last ")"
+    state = raw[raw.rfind(b")") + 2 : raw.rfind(b")") + 3]
+    return state in (b"T", b"t")
+
+
 def cap_stacks(dumps: dict[int, str], limit: int = MAX_STACKS_CHARS) -> str:
     """One text of every rank's stacks, each rank given an equal share of `limit`.
 

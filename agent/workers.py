@@ -292,7 +292,10 @@ class Worker:
             peak_step=peak[2],
             hung=self.hung,
             hang_threshold_ms=threshold,
-            phase=self.phase or "train",
+            # a hung rank whose process is stopped says so: it is the culprit
+            phase="stopped"
+            if self.hung and self.pid and hanglib.process_stopped(self.pid)
+            else self.phase or "train",
             compute_ms=mid,
             compute_mad_ms=mad,
             wait_ms=statistics.median(self.wait_times) if self.wait_times else 0.0,

@@ -201,7 +201,8 @@ def hung(slot: NodeSlot, hb: dpb.Heartbeat) -> list[ev.Event]:
         return []
     for w in ranks:
         slot.hung_at[w.local_rank] = w.step
-    worst = max(ranks, key=lambda w: w.since_progress_ms)
+    # the rank that stopped in its own work, not one waiting for it in a collective
+    worst = max(ranks, key=lambda w: (w.phase != "collective", w.since_progress_ms))
     return [
         ev.Event(
             hang_suspected=ev.HangSuspected(

@@ -84,6 +84,10 @@ class Policy:
     diagnose_kinds: frozenset[str] = frozenset(
         {"hang_suspected", "log_alert", "self_check_reported"}
     )
+    # A hang whose rank stopped in its own work (not waiting in a collective: the culprit is
+    # known) restarts without a diagnosis, until its node has this many faults on record;
+    # then it is diagnosed like any unclear fault (a GPU that hangs again is not bad luck).
+    hang_diagnose_after: int = 2
     evict_slow: bool = True  # stragglers named by a diagnosis are evicted too
     grow_back: bool = True  # grow dp back when nodes return, up to the configured world
     max_restore_attempts: int = 3  # restores per incident before the job fails
@@ -494,7 +498,12 @@ def _fault(e: ev.Event, policy: Policy, s: ev.JobState) -> tuple[str, list[str],
         return unclear, [wf.node_id], f"worker {wf.node_id}/{wf.local_rank} {what}"
     if kind == "hang_suspected":
         h = e.hang_suspected
-        return unclear, [h.node_id], f"hang on {h.node_id}/{h.local_rank} at {h.stuck_at_step}"
+        why = f"hang on {h.node_id}/{h.local_rank} at {h.stuck_at_step}"
+        rec = s.nodes.get(h.node_id)
+        earlier = rec.failures if rec is not None else 0
+        if unclear == _UNCLEAR and h.phase != "collective" and earlier < policy.hang_diagnose_after:
+            return _CLEAR, [h.node_id], f"{why} (stopped in {h.phase or 'its step'}: restart)"
+        return unclear, [h.node_id], why
     if kind == "straggler_suspected":
         st = e.straggler_suspected
         if st.policy != "evict" or st.node_id not in s.world.node_ids:

@@ -154,6 +154,21 @@ def test_a_stalled_flag_becomes_one_hang_event_with_the_stacks() -> None:
     assert list(h.hung_ranks) == [1] and "File x.py" in h.stack_dump
 
 
+def test_the_hang_names_the_rank_that_stopped_not_one_waiting_for_it() -> None:
+    v = view()
+    admitted(v, req(), 0.0)
+    hb = _hb(1500)
+    hb.workers[0].CopyFrom(
+        dpb.WorkerStatus(
+            local_rank=0, state=RUNNING, step=5, since_progress_ms=4000, hung=True,
+            phase="collective",
+        )
+    )  # fmt: skip
+    (e,) = detectors.flagged(v.nodes["n0"], hb)
+    assert e.hang_suspected.local_rank == 1 and e.hang_suspected.phase == "train"
+    assert list(e.hang_suspected.hung_ranks) == [0, 1]
+
+
 def test_an_unflagged_heartbeat_is_not_read_for_hangs() -> None:
     v = view()
     admitted(v, req(), 0.0)

@@ -56,9 +56,9 @@ def crash(node: str, code: int = 1) -> ev.Event:
     return ev.Event(worker_failed=ev.WorkerFailed(node_id=node, exit_code=code))
 
 
-def hang(node: str) -> ev.Event:
-    """A HangSuspected event."""
-    return ev.Event(hang_suspected=ev.HangSuspected(node_id=node, stuck_at_step=3))
+def hang(node: str, phase: str = "collective") -> ev.Event:
+    """A HangSuspected event (by default a rank stuck waiting in a collective: unclear)."""
+    return ev.Event(hang_suspected=ev.HangSuspected(node_id=node, stuck_at_step=3, phase=phase))
 
 
 def alert(node: str) -> ev.Event:
