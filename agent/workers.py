@@ -261,9 +261,17 @@ class Worker:
                 best = p
         peak = (True, *best) if best is not None else (False, 0.0, 0)
         since_ms = (now - self.last_progress) * 1000.0
-        threshold = hanglib.threshold_ms(self.step_times, self.phase, hang or hanglib.HangConfig())
+        cfg = hang or hanglib.HangConfig()
         running = self.state == dpb.WORKER_STATE_RUNNING
         judged = running and (bool(self.step_times) or bool(self.phase))  # hookless: never
+        # a silent rank whose process is stopped is the culprit, whatever phase it was in: it
+        # is judged by its step rhythm (not a collective's longer wait) and says "stopped"
+        stopped = (
+            judged and bool(self.pid) and since_ms >= cfg.floor_ms
+            and hanglib.process_stopped(self.pid)
+        )  # fmt: skip
+        phase = "stopped" if stopped else self.phase
+        threshold = hanglib.threshold_ms(self.step_times, "train" if stopped else phase, cfg)
         starved = 0.0
         if judged and self.pid:
             delay = hanglib.run_delay_ms(self.pid)
@@ -292,10 +300,7 @@ class Worker:
             peak_step=peak[2],
             hung=self.hung,
             hang_threshold_ms=threshold,
-            # a hung rank whose process is stopped says so: it is the culprit
-            phase="stopped"
-            if self.hung and self.pid and hanglib.process_stopped(self.pid)
-            else self.phase or "train",
+            phase=phase or "train",
             compute_ms=mid,
             compute_mad_ms=mad,
             wait_ms=statistics.median(self.wait_times) if self.wait_times else 0.0,

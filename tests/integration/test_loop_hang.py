@@ -3,7 +3,8 @@
 `unbroken driver --nodes 2 --dp 2` runs the tiny trainer on two
 `unbroken agent --no-start` processes. `InjectFault hang` SIGSTOPs one worker: its peer
 blocks in the next all-reduce, no rank makes progress, and the hang detector appends
-HangSuspected. The loop stops every worker (the stopped one is killed after the grace
+HangSuspected naming the stopped rank (its process is stopped: the culprit, so no
+diagnosis). The loop stops every worker (the stopped one is killed after the grace
 period), restarts the world, the workers restore from flash memory, and training goes on.
 """
 
@@ -67,3 +68,7 @@ def test_sigstopped_worker_is_detected_and_the_job_resumes(job: LoopJob) -> None
     for k in ("recovery_transition", "training_paused", "restore_started", "training_resumed"):
         assert k in kinds, kinds
     assert "job_finished" not in kinds, kinds
+    # the stopped rank is the culprit: named as such, and restarted without a diagnosis
+    assert (hang.node_id, hang.phase) == ("n1", "stopped"), hang
+    first = next(e.recovery_transition for e in events[i:] if e.HasField("recovery_transition"))
+    assert not first.diagnose and "diagnosis_verdict" not in kinds, first
