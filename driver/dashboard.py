@@ -306,13 +306,36 @@ def event_json(e: ev.Event) -> dict[str, Any]:
     """One timeline entry: seq, wall time, kind and a one-line, truncated detail."""
     kind = e.WhichOneof("payload") or "?"
     detail = text_format.MessageToString(getattr(e, kind), as_one_line=True) if kind != "?" else ""
-    return {
+    out: dict[str, Any] = {
         "seq": e.seq,
         "t": e.wall_time_unix_ns // 1_000_000,
         "kind": kind,
         "detail": detail[:DETAIL_CHARS],
         "cause": e.cause[:64],
     }
+    if kind == "straggler_suspected":  # the heatmap marks the node's ranks
+        out["node"] = e.straggler_suspected.node_id
+        out["slowdown"] = _num(e.straggler_suspected.slowdown, 3)
+    return out
+
+
+def stragglers_json(events: Iterable[dict[str, Any]], world: ev.WorldLayout) -> dict[str, float]:
+    """Nodes of the current world the straggler detector named since the world last changed,
+    with their slowdown (the newest), from the page's event ring."""
+    in_world = set(world.node_ids)
+    out: dict[str, float] = {}
+    for e in events:
+        if e["kind"] in ("job_started", "world_resized"):
+            out.clear()  # a new world: earlier suspicions were acted on or are stale
+        elif e["kind"] == "straggler_suspected" and e.get("node") in in_world:
+            out[e["node"]] = e["slowdown"]
+    return out
+
+
+def rank_nodes(ranks: Iterable[int], world: ev.WorldLayout) -> list[str]:
+    """The node of each global rank in `world` ("" when the world does not place it)."""
+    wpn, nodes = world.workers_per_node, list(world.node_ids)
+    return [nodes[r // wpn] if wpn and 0 <= r // wpn < len(nodes) else "" for r in ranks]
 
 
 def world_json(w: ev.WorldLayout) -> dict[str, Any]:
@@ -637,7 +660,7 @@ class Dashboard:
                 "error": self._error,
                 "events": [e for e in self._events if e["seq"] > since],
                 "curves": self.series.curves(),
-                "heatmap": self.series.heatmap(self.config.max_ranks, self.config.slow_ratio),
+                "heatmap": self._heatmap(),
                 "live_step": self.series.step if live else 0,
                 "sample_ms": self.config.sample_ms,
                 "stats": {
@@ -648,6 +671,14 @@ class Dashboard:
             }
         )
         return body
+
+    def _heatmap(self) -> dict[str, Any]:
+        """The series' heatmap, its rows' nodes, and the nodes suspected of straggling."""
+        hm = self.series.heatmap(self.config.max_ranks, self.config.slow_ratio)
+        world = self._state.world if self._state is not None else ev.WorldLayout()
+        hm["nodes"] = rank_nodes(hm["ranks"], world)
+        hm["stragglers"] = stragglers_json(self._events, world)
+        return hm
 
     # ------------------------------------------------------------ HTTP
     async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

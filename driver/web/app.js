@@ -206,10 +206,14 @@ function renderHeatmap(s) {
   const left = 92 * dpr, top = 4 * dpr, bottom = 16 * dpr;
   const cw = (w - left - 4 * dpr) / cols, rh = (h - top - bottom) / rows;
   const meds = hm.median; // over every rank, not only the rows shown
+  const stragglers = hm.stragglers || {};
   hm.ranks.forEach((rank, i) => {
     const slow = hm.slow.includes(rank);
-    ctx.fillStyle = slow ? "#f85149" : "#8a94a6";
-    ctx.fillText(`rank ${rank} ${hm.ratio[i].toFixed(2)}×`, 4 * dpr, top + rh * i + rh / 2 + 4 * dpr);
+    const node = (hm.nodes || [])[i] || "";
+    const named = node in stragglers; // the driver's straggler detector named its node
+    ctx.fillStyle = named ? "#d29922" : slow ? "#f85149" : "#8a94a6";
+    const label = `${named ? "⚑ " : ""}rank ${rank} ${hm.ratio[i].toFixed(2)}×`;
+    ctx.fillText(label, 4 * dpr, top + rh * i + rh / 2 + 4 * dpr);
     for (let j = 0; j < cols; j++) {
       const v = hm.ms[i][j];
       if (v === null || !meds[j]) continue;
@@ -224,7 +228,12 @@ function renderHeatmap(s) {
   $("heat-legend").replaceChildren(
     el("span", {}, "colour: step time / median of all ranks at that moment (blue ≈ 1×, red ≥ 2×). "),
     el("span", { id: "slow-ranks", "data-slow": hm.slow.join(",") },
-      hm.slow.length ? `slow: rank ${hm.slow.join(", ")}` : "no slow rank"));
+      hm.slow.length ? `slow: rank ${hm.slow.join(", ")}` : "no slow rank"),
+    el("span", { id: "straggler-nodes", "data-nodes": Object.keys(stragglers).join(",") },
+      Object.keys(stragglers).length
+        ? ` · ⚑ straggler (StragglerSuspected): ` +
+          Object.entries(stragglers).map(([n, x]) => `${n} ${x.toFixed(2)}×`).join(", ")
+        : ""));
 }
 
 function renderCharts(s) {

@@ -34,9 +34,12 @@ from unbroken.driver.dashboard import (
     DashboardConfig,
     HttpError,
     Series,
+    event_json,
     node_display_state,
     node_rows,
     parse_head,
+    rank_nodes,
+    stragglers_json,
 )
 from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
 from unbroken.driver.liveview import LiveView, LiveViewConfig, NodeSlot
@@ -243,6 +246,29 @@ def test_series_names_the_slow_rank_and_stays_bounded() -> None:
     assert s.curves()["step"] == [12] and s.curves()["loss"] == [None]
     json.dumps(s.curves(), allow_nan=False)
     json.dumps(s.heatmap(8, 1.5), allow_nan=False)
+
+
+def test_the_heatmap_marks_the_nodes_the_straggler_detector_named() -> None:
+    world = ev.WorldLayout(node_ids=["n0", "n1"], workers_per_node=2, dp=4)
+    assert rank_nodes([0, 1, 2, 3, 9], world) == ["n0", "n0", "n1", "n1", ""]
+
+    def e(seq: int, **payload: Any) -> dict[str, Any]:
+        return event_json(ev.Event(seq=seq, **payload))
+
+    def slow(node: str, x: float) -> ev.StragglerSuspected:
+        return ev.StragglerSuspected(node_id=node, slowdown=x)
+
+    ring = [
+        e(1, job_started=ev.JobStarted(world=world)),
+        e(2, straggler_suspected=slow("n1", 1.1)),
+        e(3, straggler_suspected=slow("n1", 1.25)),
+        e(4, straggler_suspected=slow("n7", 2.0)),  # not in this world
+    ]
+    assert ring[1]["node"] == "n1" and ring[1]["slowdown"] == 1.1
+    assert stragglers_json(ring, world) == {"n1": 1.25}
+    # a reshape (the straggler evicted, a spare in) starts over
+    ring.append(e(5, world_resized=ev.WorldResized(new_world=world)))
+    assert stragglers_json(ring, world) == {}
 
 
 def test_node_display_states() -> None:
