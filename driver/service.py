@@ -27,7 +27,7 @@ import collections
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -74,6 +74,7 @@ RING = 1 << 16  # latency samples kept for p50/p99
 
 
 MAX_SHARDS_PER_REPORT = 4096  # shards read from one ShardsPersisted (a node's ranks, many steps)
+SWEEP_CHUNK = 512  # nodes a straggler sweep samples between yields to the event loop
 
 
 @dataclass(kw_only=True, slots=True)
@@ -361,12 +362,12 @@ class DriverService(dgrpc.DriverServicer):
                 await task
         self.metrics.close()
 
-    async def _loop(self, name: str, body: Callable[[], None], period_s: float) -> None:
+    async def _loop(self, name: str, body: Callable[[], Awaitable[None]], period_s: float) -> None:
         while True:
             await asyncio.sleep(period_s)
             try:
                 if self.leader:
-                    body()
+                    await body()
             except Exception:
                 log.exception("detector sweep failed; continuing", detector=name)
 
@@ -434,17 +435,23 @@ class DriverService(dgrpc.DriverServicer):
         down = not relay.connected or now - relay.last_seen > 2 * live.heartbeat_interval_ms / 1e3
         return down and now - slot.last_seen <= live.timeout_s + live.relay_hold_ms / 1e3
 
-    def _sweep_stragglers(self) -> None:
+    async def _sweep_stragglers(self) -> None:
         """StragglerSuspected for a world node persistently slower (driver/straggler.py).
 
-        O(world ranks) every `sweep_ms` (2 s), only while the job trains.
+        O(world ranks) every `sweep_ms` (2 s), only while the job trains. The sampling
+        yields to the event loop every `SWEEP_CHUNK` nodes, so at 10,000 nodes heartbeats and
+        operator calls wait for a chunk, not the whole sweep.
         """
         journal = self.journal
         if journal is None or journal.state.phase != ev.PHASE_RUNNING:
             self.stragglers.tracks.clear()  # a recovery restarts the workers: new baselines
             return
         samples: list[Sample] = []
-        for node_id in journal.state.world.node_ids:
+        for i, node_id in enumerate(list(journal.state.world.node_ids)):
+            if i and i % SWEEP_CHUNK == 0:
+                await asyncio.sleep(0)
+                if self.journal is not journal or journal.state.phase != ev.PHASE_RUNNING:
+                    return  # the term or the world changed under the sweep: next period
             slot = self.view.nodes.get(node_id)
             if slot is not None and slot.alive:
                 got = sample(node_id, slot.hb.workers)
