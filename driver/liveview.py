@@ -10,7 +10,9 @@ instead of scanning every node on every tick.
 
 from __future__ import annotations
 
+import bisect
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from unbroken.proto import driver_pb2 as dpb
@@ -172,11 +174,19 @@ class LiveView:
     def alive_count(self) -> int:
         return len(self.order) + len(self.pending)
 
-    def snapshot(self, now: float | None = None) -> list[dpb.NodeLive]:
-        """A copy of the view for tools (`LiveView` RPC, `unbroken nodes`)."""
+    def snapshot(
+        self, now: float | None = None, *, after: str = "", limit: int = 0
+    ) -> list[dpb.NodeLive]:
+        """A copy of the view for tools (`LiveView` RPC): every node in registration order,
+        or, with `limit`, a page of `limit` nodes in node-id order after the id `after`."""
         t = time.monotonic() if now is None else now
         out = []
-        for s in self.nodes.values():
+        slots: Iterable[NodeSlot] = self.nodes.values()
+        if limit:
+            ids = sorted(self.nodes)
+            start = bisect.bisect_right(ids, after) if after else 0
+            slots = [self.nodes[i] for i in ids[start : start + limit]]
+        for s in slots:
             n = dpb.NodeLive(
                 node_id=s.node_id,
                 epoch=s.epoch,

@@ -74,6 +74,7 @@ RING = 1 << 16  # latency samples kept for p50/p99
 
 
 MAX_SHARDS_PER_REPORT = 4096  # shards read from one ShardsPersisted (a node's ranks, many steps)
+LIVE_VIEW_MAX_PAGE = 10_000  # LiveView page_size cap
 SWEEP_CHUNK = 512  # nodes a straggler sweep samples between yields to the event loop
 
 
@@ -907,8 +908,16 @@ class DriverService(dgrpc.DriverServicer):
         self, request: dpb.LiveViewRequest, context: grpc.aio.ServicerContext
     ) -> dpb.LiveViewResponse:
         out = dpb.LiveViewResponse(driver_id=self.driver_id, leader=self.leader, stats=self.stats())
+        if request.page_size > LIVE_VIEW_MAX_PAGE:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"page_size {request.page_size} is over {LIVE_VIEW_MAX_PAGE}",
+            )
         if not request.summary_only:
-            out.nodes.extend(self.view.snapshot())
+            nodes = self.view.snapshot(after=request.after, limit=request.page_size)
+            out.nodes.extend(nodes)
+            if request.page_size and len(nodes) == request.page_size:
+                out.next_after = nodes[-1].node_id
         return out
 
     # ------------------------------------------------------------ operators, launchers

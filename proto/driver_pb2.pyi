@@ -768,10 +768,14 @@ class InjectFaultResponse(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., ok: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class LiveViewRequest(_message.Message):
-    __slots__ = ("summary_only",)
+    __slots__ = ("summary_only", "page_size", "after")
     SUMMARY_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
     summary_only: bool
-    def __init__(self, summary_only: _Optional[bool] = ...) -> None: ...
+    page_size: int
+    after: str
+    def __init__(self, summary_only: _Optional[bool] = ..., page_size: _Optional[int] = ..., after: _Optional[str] = ...) -> None: ...
 
 class LiveStats(_message.Message):
     __slots__ = ("heartbeats", "nodes_alive", "nodes_lost", "events_appended", "delivery_p50_ms", "delivery_p99_ms", "handler_p50_us", "handler_p99_us", "samples", "alerts_coalesced", "alerts_shed", "faults_pending")
@@ -822,16 +826,18 @@ class NodeLive(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., alive: _Optional[bool] = ..., silent_ms: _Optional[float] = ..., heartbeats: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., attached: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class LiveViewResponse(_message.Message):
-    __slots__ = ("driver_id", "leader", "nodes", "stats")
+    __slots__ = ("driver_id", "leader", "nodes", "stats", "next_after")
     DRIVER_ID_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_AFTER_FIELD_NUMBER: _ClassVar[int]
     driver_id: str
     leader: bool
     nodes: _containers.RepeatedCompositeFieldContainer[NodeLive]
     stats: LiveStats
-    def __init__(self, driver_id: _Optional[str] = ..., leader: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeLive, _Mapping]]] = ..., stats: _Optional[_Union[LiveStats, _Mapping]] = ...) -> None: ...
+    next_after: str
+    def __init__(self, driver_id: _Optional[str] = ..., leader: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeLive, _Mapping]]] = ..., stats: _Optional[_Union[LiveStats, _Mapping]] = ..., next_after: _Optional[str] = ...) -> None: ...
 
 class RegisterJobRequest(_message.Message):
     __slots__ = ("trainer", "world", "min_nodes", "max_nodes", "config_json")

@@ -301,3 +301,18 @@ def test_adaptive_miss_limit_is_capped_and_can_be_turned_off() -> None:
     w.beat(w.nodes["n0"], dpb.Heartbeat(seq=2), 5.0)
     assert detectors.expired(w, 6.1) == []  # 1.1 s: within the cap (4 x 300 ms)
     assert len(detectors.expired(w, 6.25)) == 1  # past the cap, whatever the jitter
+
+
+def test_the_live_view_pages_in_node_id_order() -> None:
+    v = view()
+    for n in ("n3", "n1", "n2", "n0", "n4"):
+        v.mark_registered(v.slot(n), 0.0)
+    assert [n.node_id for n in v.snapshot(1.0)] == ["n3", "n1", "n2", "n0", "n4"]
+    pages, after = [], ""
+    while True:
+        page = [n.node_id for n in v.snapshot(1.0, after=after, limit=2)]
+        pages.append(page)
+        if len(page) < 2:
+            break
+        after = page[-1]
+    assert pages == [["n0", "n1"], ["n2", "n3"], ["n4"]]
