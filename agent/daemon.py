@@ -92,33 +92,117 @@ class AgentExit(Exception):
 class AgentConfig:
     """Everything one agent needs."""
 
-    drivers: list[str]
-    node_id: str = field(default_factory=socket.gethostname)
-    heartbeat_interval_ms: int = 100  # until the driver says otherwise
-    workers: WorkerSpec | None = None
-    start_workers: bool = True
-    socket_path: str = ""
-    spare: bool = False
-    register_timeout_s: float = 2.0
-    backoff_base_s: float = 0.05
-    backoff_max_s: float = 2.0
-    max_disconnected_s: float = 600.0
-    host_stats_every_ms: int = 1000
-    check_timeout_s: float = 300.0
-    selfcheck_timeout_s: float = 120.0  # a self-check still running then is a failed one
-    selfcheck_at_register: bool = True
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
-    token: str | None = None
-    fault: str = ""
-    flash: NodeFlashConfig | None = None  # None: no flash store (no workers, or disabled)
-    allow_remote_cmd: bool = False  # run a driver-sent worker_cmd (else only our own)
-    metrics_port: int | None = None  # this node's Prometheus endpoint (None: off; 0: free)
-    metrics_host: str = "127.0.0.1"
-    pin_master_addr: bool = False  # the configured master address wins over the driver's
-    relay_listen: str = ""  # act as a relay for a group of nodes on host:port
-    relay: str = ""  # heartbeat through this relay: ID@HOST:PORT
+    drivers: list[str] = field(
+        metadata={
+            "flag": "--driver",
+            "parse": lambda text: [d.strip() for d in text.split(",") if d.strip()],
+            "required": True,
+            "help": "driver endpoints host:port, comma-separated (standbys too)",
+        }
+    )
+    node_id: str = field(
+        default_factory=socket.gethostname, metadata={"help": "this node's id (unset: hostname)"}
+    )
+    heartbeat_interval_ms: int = field(
+        default=100, metadata={"help": "interval until the driver sets its own"}
+    )
+    workers: WorkerSpec | None = field(
+        default=None, metadata={"flag": None, "why": "built from --worker-cmd and its flags"}
+    )
+    start_workers: bool = field(
+        default=True,
+        metadata={
+            "negate": "--no-start",
+            "help": "wait for the driver's StartWorkers instead of starting at once",
+        },
+    )
+    socket_path: str = field(
+        default="",
+        metadata={"flag": "--socket", "help": "unix socket of the local hooks channel"},
+    )
+    spare: bool = field(default=False, metadata={"help": "register as a spare node"})
+    register_timeout_s: float = field(
+        default=2.0, metadata={"help": "deadline of one Register call"}
+    )
+    backoff_base_s: float = field(
+        default=0.05, metadata={"help": "first wait before reconnecting to a driver"}
+    )
+    backoff_max_s: float = field(
+        default=2.0, metadata={"help": "longest wait between reconnection attempts"}
+    )
+    max_disconnected_s: float = field(
+        default=600.0, metadata={"help": "give up after this long without a driver"}
+    )
+    host_stats_every_ms: int = field(
+        default=1000, metadata={"help": "how often host statistics join a heartbeat"}
+    )
+    check_timeout_s: float = field(
+        default=300.0, metadata={"help": "deadline of a diagnosis check the driver asks for"}
+    )
+    selfcheck_timeout_s: float = field(
+        default=120.0,
+        metadata={"help": "deadline of a self-check run (later it counts as failed)"},
+    )
+    selfcheck_at_register: bool = field(
+        default=True,
+        metadata={
+            "negate": "--no-selfcheck",
+            "help": "do not run the self-checks after registering (the driver can still ask)",
+        },
+    )
+    tls_cert: str | None = field(default=None, metadata={"help": "agent certificate (mTLS)"})
+    tls_key: str | None = field(default=None, metadata={"help": "agent private key (mTLS)"})
+    tls_ca: str | None = field(default=None, metadata={"help": "CA that signed the driver's cert"})
+    token: str | None = field(
+        default=None, metadata={"flag": None, "why": "read from --token-file or $UNBROKEN_TOKEN"}
+    )
+    fault: str = field(
+        default="",
+        metadata={
+            "flag": "--inject-fault",
+            "help": "fault spec passed to workers (UNBROKEN_FAULT) and to checks",
+        },
+    )
+    # None: no flash store (no workers, or disabled)
+    flash: NodeFlashConfig | None = field(
+        default=None, metadata={"flag": None, "why": "built from the flash flags"}
+    )
+    allow_remote_cmd: bool = field(
+        default=False,
+        metadata={
+            "help": "run the worker command the driver sends in StartWorkers when it differs "
+            "from --worker-cmd (off: a driver, or whoever holds its credentials, cannot make "
+            "this node run a command of its choosing)"
+        },
+    )
+    metrics_port: int | None = field(
+        default=None,
+        metadata={
+            "help": "this node's Prometheus endpoint (workers, flash, replicas; 0: a free "
+            "port; unset: off)"
+        },
+    )
+    metrics_host: str = field(default="127.0.0.1", metadata={"help": "metrics endpoint host"})
+    pin_master_addr: bool = field(
+        default=False,
+        metadata={"flag": None, "why": "set when --master-addr is given (it wins then)"},
+    )
+    relay_listen: str = field(
+        default="",
+        metadata={
+            "group": "relays (agent/relay.py; past ~1,000 nodes)",
+            "help": "act as the relay of a group of nodes: serve their sessions on HOST:PORT "
+            "and forward one batch per heartbeat interval to the driver",
+        },
+    )
+    relay: str = field(
+        default="",
+        metadata={
+            "group": "relays (agent/relay.py; past ~1,000 nodes)",
+            "help": "heartbeat through this relay, ID@HOST:PORT (its node id and "
+            "--relay-listen); the driver is used directly whenever the relay is unreachable",
+        },
+    )
 
     def __post_init__(self) -> None:
         if not self.drivers:

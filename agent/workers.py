@@ -61,6 +61,17 @@ DEFAULT_KEYWORDS = (
 )
 
 
+#: Cores per local worker from which warm standbys are on by default (`--warm-workers`).
+WARM_CORES_PER_WORKER = 4
+
+
+def warm_default(nproc: int, cpus: int | None = None) -> bool:
+    """Warm standbys by default when the node has spare cores for their imports: at least
+    `WARM_CORES_PER_WORKER` per local worker (a GPU node: 8 workers, 64+ cores)."""
+    n = (os.cpu_count() or 0) if cpus is None else cpus
+    return n >= WARM_CORES_PER_WORKER * max(1, nproc)
+
+
 PEAK_BEATS = 3  # heartbeats a loss peak is repeated in (see Worker.status)
 WINDOW_STEPS = 128  # steps the reported compute / wait medians stand for
 
@@ -69,27 +80,95 @@ WINDOW_STEPS = 128  # steps the reported compute / wait medians stand for
 class WorkerSpec:
     """What to run and the torchrun-like world it runs in."""
 
-    cmd: list[str]
-    nproc: int = 1
-    node_rank: int = 0
-    world_size: int = 0  # 0: nnodes x nproc
-    nnodes: int = 1
-    rank_base: int | None = None  # RANK of local rank 0 (default node_rank x nproc)
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    log_dir: str = "."
-    keywords: tuple[str, ...] = DEFAULT_KEYWORDS
-    max_line_chars: int = 2048
-    fault: str = ""
-    extra_env: dict[str, str] = field(default_factory=dict)
-    nice: int = 5  # added to the agent's niceness for workers (0: same priority)
-    die_with_agent: bool = True  # setpriv --pdeathsig KILL
-    warm: bool = False  # keep a warm standby per local rank (agent/warm.py, --warm-workers)
-    warm_preload: tuple[str, ...] = warmlib.DEFAULT_PRELOAD
-    warm_nice: int = 5  # added niceness while a standby waits (the workers' at hand-off)
-    # standbys are replaced once every restarted worker reports a step, or after this long
-    warm_refill_after_s: float = 30.0
-    hang: hanglib.HangConfig = field(default_factory=hanglib.HangConfig)
+    cmd: list[str] = field(
+        metadata={
+            "flag": "--worker-cmd",
+            "parse": shlex.split,
+            "help": "command run once per local rank",
+        }
+    )
+    nproc: int = field(default=1, metadata={"flag": "--nproc-per-node", "help": "local workers"})
+    node_rank: int = field(default=0, metadata={"help": "this node's place in the world"})
+    # runtime facts of a StartWorkers (the driver's world): not flags
+    world_size: int = field(default=0, metadata={"flag": None, "why": "0: nnodes x nproc"})
+    nnodes: int = field(default=1, metadata={"help": "nodes in the world"})
+    rank_base: int | None = field(
+        default=None, metadata={"flag": None, "why": "RANK of local rank 0 (StartWorkers)"}
+    )
+    master_addr: str = field(
+        default="127.0.0.1",
+        metadata={
+            "unset": True,
+            "help": "rendezvous host of the workers; given, it wins over the driver's "
+            "(unset: the driver's choice, else loopback)",
+        },
+    )
+    master_port: int = field(default=29500, metadata={"help": "rendezvous port of the workers"})
+    log_dir: str = field(
+        default=".", metadata={"unset": True, "help": "worker logs (unset: a temp dir)"}
+    )
+    keywords: tuple[str, ...] = field(
+        default=DEFAULT_KEYWORDS,
+        metadata={"help": "comma-separated log keywords that raise an alert"},
+    )
+    max_line_chars: int = field(
+        default=2048, metadata={"help": "a worker log line is cut after this many characters"}
+    )
+    fault: str = field(default="", metadata={"flag": None, "why": "--inject-fault"})
+    extra_env: dict[str, str] = field(
+        default_factory=dict, metadata={"flag": None, "why": "set by the agent per start"}
+    )
+    nice: int = field(
+        default=5,
+        metadata={
+            "flag": "--worker-nice",
+            "help": "niceness added for workers and checks, so heartbeats keep the CPU "
+            "(0: same priority)",
+        },
+    )
+    die_with_agent: bool = field(
+        default=True, metadata={"flag": None, "why": "always on outside tests (pdeathsig)"}
+    )
+    warm: bool = field(
+        default=False,
+        metadata={
+            "flag": "--warm-workers",
+            "unset": True,
+            "group": "warm standby workers (agent/warm.py)",
+            "help": "hand worker starts to warm standbys that already imported torch (a "
+            "Python worker command only). Unset: on when the node has spare cores (at least "
+            f"{WARM_CORES_PER_WORKER} per local worker), as GPU nodes do; off on smaller "
+            "hosts, where the standbys' imports compete with training "
+            "(bench/results/recovery.json)",
+        },
+    )
+    warm_preload: tuple[str, ...] = field(
+        default=warmlib.DEFAULT_PRELOAD,
+        metadata={
+            "group": "warm standby workers (agent/warm.py)",
+            "help": "comma-separated modules a standby imports while it waits",
+        },
+    )
+    warm_nice: int = field(
+        default=5,
+        metadata={
+            "group": "warm standby workers (agent/warm.py)",
+            "help": "niceness added while a standby waits; it takes the workers' at hand-off "
+            "(the workers' by default; 19 leaves the imports only idle CPU, which on a "
+            "saturated host kept standbys from getting ready in time)",
+        },
+    )
+    warm_refill_after_s: float = field(
+        default=30.0,
+        metadata={
+            "group": "warm standby workers (agent/warm.py)",
+            "help": "new standbys start once restarted workers step, or after this long",
+        },
+    )
+    hang: hanglib.HangConfig = field(
+        default_factory=hanglib.HangConfig,
+        metadata={"prefix": "hang-", "group": "hang detection (agent/hang.py)"},
+    )
 
     def __post_init__(self) -> None:
         if not self.cmd:

@@ -144,8 +144,10 @@ def effective_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> st
             lines.append(f"{key} = {'true' if v else 'false'}")
         elif isinstance(v, int | float):
             lines.append(f"{key} = {v}")
-        elif isinstance(v, list):
+        elif isinstance(v, list | tuple) and isinstance(a, argparse._AppendAction):
             lines.append(f"{key} = {json.dumps([str(x) for x in v])}")
+        elif isinstance(v, list | tuple):  # a comma-separated flag, parsed
+            lines.append(f"{key} = {json.dumps(','.join(str(x) for x in v))}")
         else:
             lines.append(f"{key} = {json.dumps(str(v))}")
     return "\n".join(lines) + "\n"
