@@ -17,6 +17,8 @@ A field's metadata (`field(default=..., metadata={"help": "..."})`) may hold:
   unset    the flag defaults to unset (None), so the caller can tell "not given" apart
            (the field's default still applies when it is not given).
   append   a repeatable flag collected into a tuple.
+  env      an environment variable that gives the flag's default when set (a flag given
+           on the line wins; nothing overrides a flag).
   metavar  as in argparse.
   group    the title of the argument group the flag is listed under.
 On a nested dataclass field: `prefix` (put before its fields' flag names), `group` (the title
@@ -32,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
+import os
 import types
 import typing
 from collections.abc import Callable, Iterator
@@ -97,7 +101,9 @@ def _comma_list(text: str) -> tuple[str, ...]:
 
 def _shown(value: Any) -> str:
     if isinstance(value, tuple | list | frozenset):
-        return ",".join(str(v) for v in value)
+        return ",".join(sorted(str(v) for v in value) if isinstance(value, frozenset) else value)
+    if isinstance(value, enum.Enum):
+        return str(value.value)
     return str(value)
 
 
@@ -137,10 +143,14 @@ def add_config_flags(
         elif meta.get("append"):
             kw.update(action="append", default=list(default or ()))
         else:
-            kw["default"] = _shown(default) if _is_seq(ff.type) and default is not None else default
+            shown = _shown(default) if default is not None else None
+            if meta.get("env"):  # the variable names the default; a flag still wins
+                help_ = f"{help_} (default: ${meta['env']}, else {shown or 'empty'})"
+                default = os.environ.get(meta["env"]) or default
+            elif shown:
+                help_ = f"{help_} (default: {shown})"
+            kw["default"] = default if isinstance(default, str | int | float) else shown
             kw["type"] = meta.get("parse") or _scalar(ff.type)
-            if default is not None and default != "" and default != ():
-                help_ = f"{help_} (default: {_shown(f.default if meta.get('unset') else default)})"
         for key in ("choices", "metavar", "required"):
             if key in meta:
                 kw[key] = meta[key]
@@ -149,12 +159,13 @@ def add_config_flags(
 
 
 def _group_title(cls: type, path: str) -> str:
-    """The `group` metadata of the outermost nested field on `path` ("" : none)."""
-    head = path.split(".")[0]
-    if "." not in path:
-        return ""
-    f = next(f for f in dataclasses.fields(cls) if f.name == head)
-    return str(f.metadata.get("group", ""))
+    """The `group` metadata of the innermost nested field on `path` that has one ("": none)."""
+    title = ""
+    for name in path.split(".")[:-1]:
+        f = next(f for f in dataclasses.fields(cls) if f.name == name)
+        title = str(f.metadata.get("group", title))
+        cls = _strip_none(typing.get_type_hints(cls)[name])
+    return title
 
 
 def _scalar(t: Any) -> Callable[[str], Any]:
