@@ -19,7 +19,7 @@ A field's metadata (`field(default=..., metadata={"help": "..."})`) may hold:
   append   a repeatable flag collected into a tuple.
   env      an environment variable that gives the flag's default when set (a flag given
            on the line wins; nothing overrides a flag).
-  metavar  as in argparse.
+  metavar, nargs, const  as in argparse.
   group    the title of the argument group the flag is listed under.
 On a nested dataclass field: `prefix` (put before its fields' flag names), `group` (the title
 of an argument group for them), or `flag: None` (its fields get no flags; the caller builds it).
@@ -151,7 +151,7 @@ def add_config_flags(
                 help_ = f"{help_} (default: {shown})"
             kw["default"] = default if isinstance(default, str | int | float) else shown
             kw["type"] = meta.get("parse") or _scalar(ff.type)
-        for key in ("choices", "metavar", "required"):
+        for key in ("choices", "metavar", "required", "nargs", "const"):
             if key in meta:
                 kw[key] = meta[key]
         where.add_argument(ff.flag, help=help_.strip() or None, **kw)
@@ -178,8 +178,8 @@ def _scalar(t: Any) -> Callable[[str], Any]:
     raise TypeError(f"no flag type for {t!r}: give the field `parse` or `flag: None` metadata")
 
 
-def config_from_args(cls: type, ns: argparse.Namespace, prefix: str = "", **given: Any) -> Any:
-    """Build `cls` from the flags `add_config_flags(parser, cls, prefix)` declared.
+def config_from_args(cls: type, ns: argparse.Namespace, /, **given: Any) -> Any:
+    """Build `cls` from the flags `add_config_flags(parser, cls)` declared.
 
     `given` sets fields that have no flag of their own, or overrides a flag with a value the
     caller derived (keys are field names; a nested dataclass may be given whole). A flag left
@@ -188,7 +188,7 @@ def config_from_args(cls: type, ns: argparse.Namespace, prefix: str = "", **give
     Raises:
         ValueError: the dataclass refuses the values (its message names the field).
     """
-    return _build(cls, ns, prefix, given)
+    return _build(cls, ns, "", given)
 
 
 def _build(cls: type, ns: argparse.Namespace, prefix: str, given: dict[str, Any]) -> Any:
