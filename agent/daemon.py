@@ -40,14 +40,13 @@ import asyncio
 import contextlib
 import ipaddress
 import json
-import math
 import os
 import random
 import signal
 import socket
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -65,8 +64,8 @@ from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import hooks_pb2 as hpb
-from unbroken.recovery.persist import ENV_TIMELINE, Persisted
-from unbroken.recovery.sources import ENV_FLASH_NODE, ENV_PERSIST_EVERY_S
+from unbroken.recovery.persist import Persisted
+from unbroken.recovery.sources import ENV_FLASH_NODE
 
 log = structlog.get_logger(__name__)
 
@@ -88,7 +87,7 @@ class AgentExit(Exception):
         self.code = code
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class AgentConfig:
     """Everything one agent needs."""
 
@@ -244,8 +243,8 @@ class AgentConfig:
                 )
         if self.relay_listen and self.relay:
             raise ValueError("--relay-listen and --relay exclude each other")
-        if not self.socket_path:
-            self.socket_path = DEFAULT_SOCKET  # taken by the first agent on the host
+        if not self.socket_path:  # taken by the first agent on the host
+            object.__setattr__(self, "socket_path", DEFAULT_SOCKET)  # a derived default
 
 
 def channel_is_loopback(endpoint: str) -> bool:
@@ -285,16 +284,15 @@ class Agent:
         self.session_open = False
         self.metrics = AgentMetrics(self._metric_values)
         self.flash: NodeFlash | None = None
-        if config.flash is not None and config.workers is not None:
-            spec = config.workers
-            self.flash = NodeFlash(
-                config.flash, spec.world_size or spec.nnodes * spec.nproc, config.node_id
-            )
-            spec.extra_env.update(self.flash.env())
+        self.fault = config.fault  # the fault spec in force: --inject-fault, then drills'
         self.fault_file: Path | None = None
-        if config.workers is not None:
-            self.fault_file = Path(config.workers.log_dir) / "fault.json"
-            config.workers.extra_env[FAULT_FILE_ENV] = str(self.fault_file)
+        if self.supervisor is not None:
+            sup, spec = self.supervisor, self.supervisor.spec
+            if config.flash is not None:
+                self.flash = NodeFlash(config.flash, sup.launch.world_size, config.node_id)
+                sup.launch = sup.launch.with_env(**self.flash.env())
+            self.fault_file = Path(spec.log_dir) / "fault.json"
+            sup.launch = sup.launch.with_env(**{FAULT_FILE_ENV: str(self.fault_file)})
         # the registration self-check: pending until a session took its report
         self._selfcheck_due = config.selfcheck_at_register
         self._selfcheck_report: dpb.SelfCheckReport | None = None
@@ -729,7 +727,7 @@ class Agent:
                 res = await checks.run_check(
                     cid,
                     msg.run_check.spec_json,
-                    self.config.fault,
+                    self.fault,
                     msg.run_check.timeout_s or self.config.check_timeout_s,
                 )
                 await self._write(call, dpb.AgentMessage(check_result=res))
@@ -767,7 +765,7 @@ class Agent:
         spec = self.config.workers
         rep = await checks.run_selfcheck(
             self.config.node_id,
-            self.config.fault,
+            self.fault,
             timeout_s or self.config.selfcheck_timeout_s,
             command_id=command_id,
             disk_path=spec.log_dir if spec is not None else "/",
@@ -796,10 +794,10 @@ class Agent:
         f = RuntimeFault.of(p.kind, p.local_rank, p.factor, p.step)
         log.warning("fault injected", kind=f.kind, local_rank=f.local_rank, step=f.step)
         if f.kind in ("wrong-matmul", "slow"):
-            spec = f.apply_to(FaultSpec.parse(self.config.fault))
-            self.config.fault = str(spec) if spec.any else ""
+            spec = f.apply_to(FaultSpec.parse(self.fault))
+            self.fault = str(spec) if spec.any else ""
             if self.supervisor is not None:  # workers started from now on see it too
-                self.supervisor.spec.fault = self.config.fault
+                self.supervisor.launch = replace(self.supervisor.launch, fault=self.fault)
             return f"{f.kind}: checks now run with fault {spec}"
         sup = self.supervisor
         if sup is None or self.fault_file is None:
@@ -857,49 +855,35 @@ class Agent:
         if sup is None:
             raise ValueError(f"{kind}: this agent runs no workers (no --worker-cmd)")
         if kind == "restore_point":  # for the next start (engineer "drill"; trainer/run.py)
-            rp, env = msg.restore_point, sup.spec.extra_env
-            env.pop("UNBROKEN_RESTORE_STEP", None)
-            env.pop("UNBROKEN_SKIP_BATCHES", None)
-            if rp.step:
-                env["UNBROKEN_RESTORE_STEP"] = str(rp.step)
-            if rp.skip_batches:
-                env["UNBROKEN_SKIP_BATCHES"] = f"{rp.skip_from_step}:{rp.skip_batches}"
+            rp = msg.restore_point
+            sup.launch = sup.launch.with_env(
+                UNBROKEN_RESTORE_STEP=str(rp.step) if rp.step else None,
+                UNBROKEN_SKIP_BATCHES=(
+                    f"{rp.skip_from_step}:{rp.skip_batches}" if rp.skip_batches else None
+                ),
+            )
             return f"restore point: step {rp.step or 'newest'}, skip {rp.skip_batches}"
         if kind == "start_workers":
             p = msg.start_workers
-            sup.spec.extra_env[ENV_TIMELINE] = str(p.timeline)  # stamped on every copy
-            if p.persist_every_s > 0 and math.isfinite(p.persist_every_s):
-                sup.spec.extra_env[ENV_PERSIST_EVERY_S] = repr(p.persist_every_s)
+            cmd = sup.spec.split(p.worker_cmd) if p.worker_cmd else None
+            if cmd is not None and cmd != sup.spec.cmd and not self.config.allow_remote_cmd:
+                raise ValueError(
+                    "start_workers: the driver sent a worker command other than this "
+                    "agent's --worker-cmd; refused (start the agent with "
+                    "--allow-remote-cmd to run the driver's)"
+                )
+            launch = sup.launch.started(p, cmd=cmd, pin_master=self.config.pin_master_addr)
             if self.flash is not None and p.replaces:
                 # the replaced node's newest copies, from the buddy (which holds them when
                 # it was the replaced node's buddy too); the workers look for them there
                 if await self.flash.take_over(p.replaces, self.config.node_id):
-                    sup.spec.extra_env[ENV_FLASH_NODE] = p.replaces
-            if self.flash is not None and p.flash_bytes_per_rank:
-                spec = sup.spec
-                first = p.global_rank_base if p.world_size else spec.rank_base
-                if first is None:
-                    first = spec.node_rank * spec.nproc
-                mine = range(first, first + spec.nproc)
-                await asyncio.to_thread(self.flash.prepare, mine, p.flash_bytes_per_rank)
-            if p.worker_cmd and sup.spec.split(p.worker_cmd) != sup.spec.cmd:
-                if not self.config.allow_remote_cmd:
-                    raise ValueError(
-                        "start_workers: the driver sent a worker command other than this "
-                        "agent's --worker-cmd; refused (start the agent with "
-                        "--allow-remote-cmd to run the driver's)"
-                    )
-                sup.spec.cmd = sup.spec.split(p.worker_cmd)
-            if p.world_size:
-                sup.spec.world_size = p.world_size
-                sup.spec.rank_base = p.global_rank_base
-                if self.flash is not None:
-                    self.flash.world_size = p.world_size
-            if p.master_addr and not self.config.pin_master_addr:
-                sup.spec.master_addr, sup.spec.master_port = p.master_addr, p.master_port
-            for name, degree in (("DP", p.dp), ("PP", p.pp), ("TP", p.tp)):
-                if degree:  # the driver's layout (elastic shrink/grow) wins over --dp/--pp/--tp
-                    sup.spec.extra_env[f"UNBROKEN_{name}"] = str(degree)
+                    launch = launch.with_env(**{ENV_FLASH_NODE: p.replaces})
+            if self.flash is not None:
+                self.flash.world_size = launch.world_size
+                if p.flash_bytes_per_rank:
+                    mine = launch.ranks(sup.spec.nproc)
+                    await asyncio.to_thread(self.flash.prepare, mine, p.flash_bytes_per_rank)
+            sup.launch = launch
             await sup.stop_all(grace_s=2.0)
             await sup.start_all()
             return f"started {len(sup.workers)} workers"

@@ -75,7 +75,7 @@ def parse_hostport(value: str, what: str) -> tuple[str, int]:
     return host, int(port)
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class NodeFlashConfig:
     """The agent's flash store: where, what is persisted, and who the buddy is."""
 

@@ -33,7 +33,7 @@ RHYTHM_PHASES = frozenset({"", "train", "collective"})
 MAX_STACKS_CHARS = 48 * 1024  # the stacks of a whole node in one HangSuspected
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class HangConfig:
     """Thresholds of the agent's hang detector."""
 

@@ -48,7 +48,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class EtcdConfig:
     """Where the event log lives: embedded (no endpoints) or an external cluster."""
 

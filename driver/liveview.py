@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from unbroken.proto import driver_pb2 as dpb
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class LiveViewConfig:
     """Liveness timing: a node is lost after `miss_limit` x `heartbeat_interval_ms` of silence."""
 

@@ -71,7 +71,7 @@ OBSERVED = frozenset(
 )
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class LoopConfig:
     """The job the driver starts and recovers (`unbroken driver --nodes ...`).
 
@@ -129,7 +129,7 @@ class LoopConfig:
                     f"nodes x workers_per_node ({ranks}) is not a multiple of pp x tp "
                     f"({self.pp * self.tp}); set dp, pp and tp so that dp x pp x tp = {ranks}"
                 )
-            self.dp = ranks // (self.pp * self.tp)
+            object.__setattr__(self, "dp", ranks // (self.pp * self.tp))  # a derived default
         if self.dp * self.pp * self.tp != ranks:
             raise ValueError(
                 f"dp x pp x tp = {self.dp * self.pp * self.tp} but nodes x workers_per_node "

@@ -71,7 +71,7 @@ class Reshape(enum.Enum):
     SHRINK_FIRST = "shrink"  # shrink dp; spares only to stay at or above min_nodes
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Policy:
     """How the machine recovers. The limits are the job's (JobStarted carries the same)."""
 

@@ -58,7 +58,7 @@ JOB_FLAGS = "the job (with --nodes the driver starts and recovers it; agents run
 SCHEDULER_FLAGS = "the cluster scheduler (README: Running under Slurm)"
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DriverConfig:
     """The root config of `unbroken driver`."""
 
@@ -182,7 +182,8 @@ class DriverConfig:
                         "(--token-file ROLE=PATH), or pass --insecure to run open anyway"
                     )
         if not self.driver_id:
-            self.driver_id = f"driver-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+            driver_id = f"driver-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+            object.__setattr__(self, "driver_id", driver_id)  # a derived default
 
 
 def _archive(cfg: DriverConfig) -> str | None:

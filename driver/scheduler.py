@@ -189,7 +189,7 @@ class InMemoryScheduler:
 
 
 # ---------------------------------------------------------------- the bridge
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class BridgeConfig:
     """How the driver uses its scheduler."""
 

@@ -76,7 +76,7 @@ RING = 1 << 16  # latency samples kept for p50/p99
 MAX_SHARDS_PER_REPORT = 4096  # shards read from one ShardsPersisted (a node's ranks, many steps)
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ServiceConfig:
     """Everything the agent-facing service needs to know."""
 

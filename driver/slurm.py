@@ -54,7 +54,7 @@ log = structlog.get_logger(__name__)
 SPARE_SOURCES = ("job", "held", "expand", "new")
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class SlurmConfig:
     """How the driver reaches Slurm and what it may ask of it."""
 

@@ -37,7 +37,7 @@ from unbroken.proto import events_pb2 as ev
 POLICIES = ("evict", "alert", "off")
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class StragglerConfig:
     """The straggler detector's thresholds and what the driver does with a finding."""
 

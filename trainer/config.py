@@ -26,7 +26,7 @@ DATA_OPTIM = "data and optimizer"
 OUTPUT = "checkpoint and output"
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     """Decoder-only transformer shape (byte-level vocabulary by default)."""
 
@@ -181,7 +181,7 @@ def preset(name: str, **overrides: int | float) -> ModelConfig:
     return dataclasses.replace(PRESETS[name], **overrides)  # type: ignore[arg-type]
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelConfig:
     """How the world is split: dp × cp × pp × tp ranks (ep inside dp), schedule, ZeRO mode.
 
@@ -302,7 +302,7 @@ class ParallelConfig:
         return 2 if self.pp > 1 and self.schedule in MULTI_STAGE_SCHEDULES else 1
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class OptimConfig:
     """AdamW with linear warmup and cosine decay, global-norm gradient clipping."""
 
@@ -349,7 +349,7 @@ class OptimConfig:
             raise ValueError(f"optim.max_grad_norm must be >= 0, got {self.max_grad_norm}")
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
     """Byte-level text data: a file or folder, or the Python stdlib sources by default."""
 
@@ -376,7 +376,7 @@ class DataConfig:
             raise ValueError(f"data.max_corpus_bytes must be >= 1024, got {self.max_corpus_bytes}")
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """The root: one training job's full configuration, cross-checked."""
 
