@@ -58,11 +58,6 @@ class FlagField:
         """The flag's name in the argparse namespace."""
         return None if self.flag is None else self.flag.lstrip("-").replace("-", "_")
 
-    @property
-    def default(self) -> Any:
-        """The field's default (MISSING when it has none, or a factory builds it)."""
-        return self.field.default
-
 
 def _strip_none(t: Any) -> Any:
     if typing.get_origin(t) in (typing.Union, types.UnionType):
@@ -193,6 +188,7 @@ def config_from_args(cls: type, ns: argparse.Namespace, /, **given: Any) -> Any:
 
 def _build(cls: type, ns: argparse.Namespace, prefix: str, given: dict[str, Any]) -> Any:
     hints = typing.get_type_hints(cls)
+    flags = {x.path: x for x in flag_fields(cls, prefix) if "." not in x.path}
     kw: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         if f.name in given:
@@ -204,7 +200,7 @@ def _build(cls: type, ns: argparse.Namespace, prefix: str, given: dict[str, Any]
             if meta.get("flag", "") is not None and t is hints[f.name]:  # not optional
                 kw[f.name] = _build(t, ns, prefix + meta.get("prefix", ""), {})  # type: ignore[arg-type]
             continue
-        ff = next(x for x in flag_fields(cls, prefix) if x.path == f.name)
+        ff = flags[f.name]
         if ff.dest is None or not hasattr(ns, ff.dest):
             continue
         value = getattr(ns, ff.dest)
