@@ -40,14 +40,13 @@ import asyncio
 import contextlib
 import ipaddress
 import json
-import math
 import os
 import random
 import signal
 import socket
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -65,8 +64,8 @@ from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import hooks_pb2 as hpb
-from unbroken.recovery.persist import ENV_TIMELINE, Persisted
-from unbroken.recovery.sources import ENV_FLASH_NODE, ENV_PERSIST_EVERY_S
+from unbroken.recovery.persist import Persisted
+from unbroken.recovery.sources import ENV_FLASH_NODE
 
 log = structlog.get_logger(__name__)
 
@@ -88,37 +87,121 @@ class AgentExit(Exception):
         self.code = code
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class AgentConfig:
     """Everything one agent needs."""
 
-    drivers: list[str]
-    node_id: str = field(default_factory=socket.gethostname)
-    heartbeat_interval_ms: int = 100  # until the driver says otherwise
-    workers: WorkerSpec | None = None
-    start_workers: bool = True
-    socket_path: str = ""
-    spare: bool = False
-    register_timeout_s: float = 2.0
-    backoff_base_s: float = 0.05
-    backoff_max_s: float = 2.0
-    max_disconnected_s: float = 600.0
-    host_stats_every_ms: int = 1000
-    check_timeout_s: float = 300.0
-    selfcheck_timeout_s: float = 120.0  # a self-check still running then is a failed one
-    selfcheck_at_register: bool = True
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
-    token: str | None = None
-    fault: str = ""
-    flash: NodeFlashConfig | None = None  # None: no flash store (no workers, or disabled)
-    allow_remote_cmd: bool = False  # run a driver-sent worker_cmd (else only our own)
-    metrics_port: int | None = None  # this node's Prometheus endpoint (None: off; 0: free)
-    metrics_host: str = "127.0.0.1"
-    pin_master_addr: bool = False  # the configured master address wins over the driver's
-    relay_listen: str = ""  # act as a relay for a group of nodes on host:port
-    relay: str = ""  # heartbeat through this relay: ID@HOST:PORT
+    drivers: list[str] = field(
+        metadata={
+            "flag": "--driver",
+            "parse": lambda text: [d.strip() for d in text.split(",") if d.strip()],
+            "required": True,
+            "help": "driver endpoints host:port, comma-separated (standbys too)",
+        }
+    )
+    node_id: str = field(
+        default_factory=socket.gethostname, metadata={"help": "this node's id (unset: hostname)"}
+    )
+    heartbeat_interval_ms: int = field(
+        default=100, metadata={"help": "interval until the driver sets its own"}
+    )
+    workers: WorkerSpec | None = field(
+        default=None, metadata={"flag": None, "why": "built from --worker-cmd and its flags"}
+    )
+    start_workers: bool = field(
+        default=True,
+        metadata={
+            "negate": "--no-start",
+            "help": "wait for the driver's StartWorkers instead of starting at once",
+        },
+    )
+    socket_path: str = field(
+        default="",
+        metadata={"flag": "--socket", "help": "unix socket of the local hooks channel"},
+    )
+    spare: bool = field(default=False, metadata={"help": "register as a spare node"})
+    register_timeout_s: float = field(
+        default=2.0, metadata={"help": "deadline of one Register call"}
+    )
+    backoff_base_s: float = field(
+        default=0.05, metadata={"help": "first wait before reconnecting to a driver"}
+    )
+    backoff_max_s: float = field(
+        default=2.0, metadata={"help": "longest wait between reconnection attempts"}
+    )
+    max_disconnected_s: float = field(
+        default=600.0, metadata={"help": "give up after this long without a driver"}
+    )
+    host_stats_every_ms: int = field(
+        default=1000, metadata={"help": "how often host statistics join a heartbeat"}
+    )
+    check_timeout_s: float = field(
+        default=300.0, metadata={"help": "deadline of a diagnosis check the driver asks for"}
+    )
+    selfcheck_timeout_s: float = field(
+        default=120.0,
+        metadata={"help": "deadline of a self-check run (later it counts as failed)"},
+    )
+    selfcheck_at_register: bool = field(
+        default=True,
+        metadata={
+            "negate": "--no-selfcheck",
+            "help": "do not run the self-checks after registering (the driver can still ask)",
+        },
+    )
+    tls_cert: str | None = field(default=None, metadata={"help": "agent certificate (mTLS)"})
+    tls_key: str | None = field(default=None, metadata={"help": "agent private key (mTLS)"})
+    tls_ca: str | None = field(default=None, metadata={"help": "CA that signed the driver's cert"})
+    token: str | None = field(
+        default=None, metadata={"flag": None, "why": "read from --token-file or $UNBROKEN_TOKEN"}
+    )
+    fault: str = field(
+        default="",
+        metadata={
+            "flag": "--inject-fault",
+            "help": "fault spec passed to workers (UNBROKEN_FAULT) and to checks",
+        },
+    )
+    # None: no flash store (no workers, or disabled)
+    flash: NodeFlashConfig | None = field(
+        default=None, metadata={"flag": None, "why": "built from the flash flags"}
+    )
+    allow_remote_cmd: bool = field(
+        default=False,
+        metadata={
+            "help": "run the worker command the driver sends in StartWorkers when it differs "
+            "from --worker-cmd (off: a driver, or whoever holds its credentials, cannot make "
+            "this node run a command of its choosing)"
+        },
+    )
+    metrics_port: int | None = field(
+        default=None,
+        metadata={
+            "help": "this node's Prometheus endpoint (workers, flash, replicas; 0: a free "
+            "port; unset: off)"
+        },
+    )
+    metrics_host: str = field(default="127.0.0.1", metadata={"help": "metrics endpoint host"})
+    pin_master_addr: bool = field(
+        default=False,
+        metadata={"flag": None, "why": "set when --master-addr is given (it wins then)"},
+    )
+    relay_listen: str = field(
+        default="",
+        metadata={
+            "group": "relays (agent/relay.py; past ~1,000 nodes)",
+            "help": "act as the relay of a group of nodes: serve their sessions on HOST:PORT "
+            "and forward one batch per heartbeat interval to the driver",
+        },
+    )
+    relay: str = field(
+        default="",
+        metadata={
+            "group": "relays (agent/relay.py; past ~1,000 nodes)",
+            "help": "heartbeat through this relay, ID@HOST:PORT (its node id and "
+            "--relay-listen); the driver is used directly whenever the relay is unreachable",
+        },
+    )
 
     def __post_init__(self) -> None:
         if not self.drivers:
@@ -160,8 +243,8 @@ class AgentConfig:
                 )
         if self.relay_listen and self.relay:
             raise ValueError("--relay-listen and --relay exclude each other")
-        if not self.socket_path:
-            self.socket_path = DEFAULT_SOCKET  # taken by the first agent on the host
+        if not self.socket_path:  # taken by the first agent on the host
+            object.__setattr__(self, "socket_path", DEFAULT_SOCKET)  # a derived default
 
 
 def channel_is_loopback(endpoint: str) -> bool:
@@ -201,16 +284,15 @@ class Agent:
         self.session_open = False
         self.metrics = AgentMetrics(self._metric_values)
         self.flash: NodeFlash | None = None
-        if config.flash is not None and config.workers is not None:
-            spec = config.workers
-            self.flash = NodeFlash(
-                config.flash, spec.world_size or spec.nnodes * spec.nproc, config.node_id
-            )
-            spec.extra_env.update(self.flash.env())
+        self.fault = config.fault  # the fault spec in force: --inject-fault, then drills'
         self.fault_file: Path | None = None
-        if config.workers is not None:
-            self.fault_file = Path(config.workers.log_dir) / "fault.json"
-            config.workers.extra_env[FAULT_FILE_ENV] = str(self.fault_file)
+        if self.supervisor is not None:
+            sup, spec = self.supervisor, self.supervisor.spec
+            if config.flash is not None:
+                self.flash = NodeFlash(config.flash, sup.launch.world_size, config.node_id)
+                sup.launch = sup.launch.with_env(**self.flash.env())
+            self.fault_file = Path(spec.log_dir) / "fault.json"
+            sup.launch = sup.launch.with_env(**{FAULT_FILE_ENV: str(self.fault_file)})
         # the registration self-check: pending until a session took its report
         self._selfcheck_due = config.selfcheck_at_register
         self._selfcheck_report: dpb.SelfCheckReport | None = None
@@ -646,7 +728,7 @@ class Agent:
                 res = await checks.run_check(
                     cid,
                     msg.run_check.spec_json,
-                    self.config.fault,
+                    self.fault,
                     msg.run_check.timeout_s or self.config.check_timeout_s,
                 )
                 await self._write(call, dpb.AgentMessage(check_result=res))
@@ -684,7 +766,7 @@ class Agent:
         spec = self.config.workers
         rep = await checks.run_selfcheck(
             self.config.node_id,
-            self.config.fault,
+            self.fault,
             timeout_s or self.config.selfcheck_timeout_s,
             command_id=command_id,
             disk_path=spec.log_dir if spec is not None else "/",
@@ -713,10 +795,10 @@ class Agent:
         f = RuntimeFault.of(p.kind, p.local_rank, p.factor, p.step)
         log.warning("fault injected", kind=f.kind, local_rank=f.local_rank, step=f.step)
         if f.kind in ("wrong-matmul", "slow"):
-            spec = f.apply_to(FaultSpec.parse(self.config.fault))
-            self.config.fault = str(spec) if spec.any else ""
+            spec = f.apply_to(FaultSpec.parse(self.fault))
+            self.fault = str(spec) if spec.any else ""
             if self.supervisor is not None:  # workers started from now on see it too
-                self.supervisor.spec.fault = self.config.fault
+                self.supervisor.launch = replace(self.supervisor.launch, fault=self.fault)
             return f"{f.kind}: checks now run with fault {spec}"
         sup = self.supervisor
         if sup is None or self.fault_file is None:
@@ -774,50 +856,36 @@ class Agent:
         if sup is None:
             raise ValueError(f"{kind}: this agent runs no workers (no --worker-cmd)")
         if kind == "restore_point":  # for the next start (engineer "drill"; trainer/run.py)
-            rp, env = msg.restore_point, sup.spec.extra_env
-            env.pop("UNBROKEN_RESTORE_STEP", None)
-            env.pop("UNBROKEN_SKIP_BATCHES", None)
-            if rp.step:
-                env["UNBROKEN_RESTORE_STEP"] = str(rp.step)
-            if rp.skip_batches:
-                env["UNBROKEN_SKIP_BATCHES"] = f"{rp.skip_from_step}:{rp.skip_batches}"
+            rp = msg.restore_point
+            sup.launch = sup.launch.with_env(
+                UNBROKEN_RESTORE_STEP=str(rp.step) if rp.step else None,
+                UNBROKEN_SKIP_BATCHES=(
+                    f"{rp.skip_from_step}:{rp.skip_batches}" if rp.skip_batches else None
+                ),
+            )
             return f"restore point: step {rp.step or 'newest'}, skip {rp.skip_batches}"
         if kind == "start_workers":
             p = msg.start_workers
-            sup.spec.extra_env[ENV_TIMELINE] = str(p.timeline)  # stamped on every copy
-            if p.persist_every_s > 0 and math.isfinite(p.persist_every_s):
-                sup.spec.extra_env[ENV_PERSIST_EVERY_S] = repr(p.persist_every_s)
+            cmd = sup.spec.split(p.worker_cmd) if p.worker_cmd else None
+            if cmd is not None and cmd != sup.spec.cmd and not self.config.allow_remote_cmd:
+                raise ValueError(
+                    "start_workers: the driver sent a worker command other than this "
+                    "agent's --worker-cmd; refused (start the agent with "
+                    "--allow-remote-cmd to run the driver's)"
+                )
+            launch = sup.launch.started(p, cmd=cmd, pin_master=self.config.pin_master_addr)
             if self.flash is not None and p.replaces:
                 # the replaced node's newest copies, from the replica server that holds them
                 # (the driver knows it from the node's registration; else this node's buddy);
                 # the workers look for them there
                 if await self.flash.take_over(p.replaces, self.config.node_id, p.replaces_from):
-                    sup.spec.extra_env[ENV_FLASH_NODE] = p.replaces
-            if self.flash is not None and p.flash_bytes_per_rank:
-                spec = sup.spec
-                first = p.global_rank_base if p.world_size else spec.rank_base
-                if first is None:
-                    first = spec.node_rank * spec.nproc
-                mine = range(first, first + spec.nproc)
-                await asyncio.to_thread(self.flash.prepare, mine, p.flash_bytes_per_rank)
-            if p.worker_cmd and sup.spec.split(p.worker_cmd) != sup.spec.cmd:
-                if not self.config.allow_remote_cmd:
-                    raise ValueError(
-                        "start_workers: the driver sent a worker command other than this "
-                        "agent's --worker-cmd; refused (start the agent with "
-                        "--allow-remote-cmd to run the driver's)"
-                    )
-                sup.spec.cmd = sup.spec.split(p.worker_cmd)
-            if p.world_size:
-                sup.spec.world_size = p.world_size
-                sup.spec.rank_base = p.global_rank_base
-                if self.flash is not None:
-                    self.flash.world_size = p.world_size
-            if p.master_addr and not self.config.pin_master_addr:
-                sup.spec.master_addr, sup.spec.master_port = p.master_addr, p.master_port
-            for name, degree in (("DP", p.dp), ("PP", p.pp), ("TP", p.tp)):
-                if degree:  # the driver's layout (elastic shrink/grow) wins over --dp/--pp/--tp
-                    sup.spec.extra_env[f"UNBROKEN_{name}"] = str(degree)
+                    launch = launch.with_env(**{ENV_FLASH_NODE: p.replaces})
+            if self.flash is not None:
+                self.flash.world_size = launch.world_size
+                if p.flash_bytes_per_rank:
+                    mine = launch.ranks(sup.spec.nproc)
+                    await asyncio.to_thread(self.flash.prepare, mine, p.flash_bytes_per_rank)
+            sup.launch = launch
             await sup.stop_all(grace_s=2.0)
             await sup.start_all()
             return f"started {len(sup.workers)} workers"

@@ -29,7 +29,7 @@ import collections
 import contextlib
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
@@ -77,25 +77,115 @@ def parse_hostport(value: str, what: str) -> tuple[str, int]:
     return host, int(port)
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class NodeFlashConfig:
     """The agent's flash store: where, what is persisted, and who the buddy is."""
 
-    root: str = "/dev/shm/unbroken"
-    job: str = "default"
-    node: str  # the ring slot this node fills; a replacement node reuses the lost one's
-    persist_url: str = "unbroken-checkpoints"
-    persist_every_s: float = PERSIST_EVERY_S  # workers' persistence interval until the driver's
-    copies: int = FLASH_COPIES  # the ring: flash copies per rank in shared memory (0: auto)
-    local_ranks: int = 1  # the node's workers (they share the tmpfs budget)
-    listen: str = "127.0.0.1:0"  # replica server; port 0 picks a free one
-    buddy: str = ""  # host:port of the next node's replica server; empty: no replication
-    fetch_from_buddy: bool = True  # at start, get this node's replicas back from the buddy
-    poll_ms: int = 100
-    replica_timeout_s: float = 60.0
-    replica_key: bytes | None = None  # HMAC key of the replica stream (without TLS)
-    tls: tuple[str, str, str] | None = None  # (cert, key, ca): mutual TLS replaces the key
-    replica_grants: str | None = None  # JSON {lost node: [principals that may GET it]}
+    root: str = field(
+        default="/dev/shm/unbroken",
+        metadata={
+            "flag": "--flash-dir",
+            "unset": True,
+            "group": "flash checkpoints",
+            "help": "tmpfs folder for flash copies (unset: /dev/shm/unbroken/<flash node>, so "
+            "several agents on one host never share one)",
+        },
+    )
+    job: str = field(
+        default="default",
+        metadata={
+            "flag": "--flash-job",
+            "group": "flash checkpoints",
+            "help": "job name (a folder in --flash-dir)",
+        },
+    )
+    # the ring slot this node fills; a replacement node reuses the lost one's
+    node: str = field(
+        metadata={
+            "flag": "--flash-node",
+            "group": "flash checkpoints",
+            "help": "ring slot this node fills (unset: --node-id); a replacement for a lost "
+            "node passes the lost node's name to get its copies back from the buddy",
+        }
+    )
+    persist_url: str = field(
+        default="unbroken-checkpoints",
+        metadata={
+            "unset": True,
+            "group": "flash checkpoints",
+            "help": "fsspec URL or directory for persisted copies, shared by every node and "
+            "outliving them (required unless --no-flash)",
+        },
+    )
+    persist_every_s: float = field(
+        default=PERSIST_EVERY_S,
+        metadata={
+            "group": "flash checkpoints",
+            "help": "about how often workers mark a flash copy for persistence, until the "
+            "driver sends its own interval (Young/Daly from the job's failure rate and save "
+            "cost)",
+        },
+    )
+    copies: int = field(
+        default=FLASH_COPIES,
+        metadata={
+            "flag": "--flash-copies",
+            "group": "flash checkpoints",
+            "help": "flash copies kept per rank in shared memory (the ring; 0: from a quarter "
+            "of the tmpfs over the node's ranks, 2 to 8; fewer when the tmpfs cannot hold "
+            "them, never under 2). More copies let a loss-spike rollback restore from memory "
+            "a step from before the spike was detected",
+        },
+    )
+    local_ranks: int = field(
+        default=1, metadata={"flag": None, "why": "--nproc-per-node (they share the tmpfs)"}
+    )
+    listen: str = field(
+        default="127.0.0.1:0",
+        metadata={
+            "flag": "--replica-listen",
+            "group": "flash checkpoints",
+            "help": "host:port of this node's replica server (port 0: a free one)",
+        },
+    )
+    buddy: str = field(
+        default="",
+        metadata={
+            "group": "flash checkpoints",
+            "help": "host:port of the next node's replica server (the ring); empty: no replicas",
+        },
+    )
+    fetch_from_buddy: bool = field(
+        default=True,
+        metadata={"flag": None, "why": "at start, get this node's replicas back (always)"},
+    )
+    poll_ms: int = field(
+        default=100,
+        metadata={
+            "flag": "--flash-poll-ms",
+            "group": "flash checkpoints",
+            "help": "how often the ring is scanned",
+        },
+    )
+    replica_timeout_s: float = field(
+        default=60.0,
+        metadata={"group": "flash checkpoints", "help": "deadline of one replica transfer"},
+    )
+    replica_key: bytes | None = field(
+        default=None, metadata={"flag": None, "why": "--replica-key-file or its variable"}
+    )
+    # (cert, key, ca): mutual TLS replaces the key
+    tls: tuple[str, str, str] | None = field(
+        default=None, metadata={"flag": None, "why": "--tls-cert/--tls-key/--tls-ca"}
+    )
+    replica_grants: str | None = field(
+        default=None,
+        metadata={
+            "group": "flash checkpoints",
+            "help": 'JSON file {lost node: ["node:REPLACEMENT", ...]}: who besides the node '
+            "itself may fetch its replicas from this buddy (mTLS only; re-read on every fetch)",
+        },
+    )
 
     def __post_init__(self) -> None:
         if not self.node or "/" in self.node:

@@ -26,23 +26,37 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: phases judged by the step rhythm; every other phase name gets `phase_limit_ms`
 RHYTHM_PHASES = frozenset({"", "train", "collective"})
 MAX_STACKS_CHARS = 48 * 1024  # the stacks of a whole node in one HangSuspected
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class HangConfig:
     """Thresholds of the agent's hang detector."""
 
-    floor_ms: float = 1_000.0  # never judge a rank hung sooner than this
-    k: float = 5.0  # ...or than k x the quantile of its recent step times
-    quantile: float = 0.9
-    phase_limit_ms: float = 300_000.0  # restore, checkpoint, eval, startup, first step
-    min_steps: int = 3  # step times needed before the rhythm rule applies
-    collective_k: float = 3.0  # a rank waiting in a collective gets this many times longer
+    floor_ms: float = field(
+        default=1_000.0,
+        metadata={"help": "a rank is hung after no progress for max(this, k x its p90 step time)"},
+    )
+    k: float = field(default=5.0, metadata={"help": "k of the rule above"})
+    quantile: float = field(
+        default=0.9, metadata={"help": "the step-time quantile of the rule above"}
+    )
+    phase_limit_ms: float = field(
+        default=300_000.0,
+        metadata={
+            "help": "the limit in restore / checkpoint / eval / startup and before the first steps"
+        },
+    )
+    min_steps: int = field(
+        default=3, metadata={"help": "step times needed before the rhythm rule applies"}
+    )
+    collective_k: float = field(
+        default=3.0, metadata={"help": "a rank waiting in a collective gets this many times longer"}
+    )
 
     def __post_init__(self) -> None:
         if not self.floor_ms >= 10.0:

@@ -135,7 +135,7 @@ class HookServer:
 
     def welcome(self) -> hpb.Welcome:
         """Where this node's flash store is (from the environment the agent gives workers)."""
-        env = self.supervisor.spec.extra_env
+        env = self.supervisor.launch.env
         return hpb.Welcome(
             node_id=self.node_id,
             flash_root=env.get(ENV_FLASH_ROOT, ""),

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import math
 import os
 import shlex
@@ -39,6 +40,7 @@ import shutil
 import signal
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +49,8 @@ import structlog
 from unbroken.agent import hang as hanglib
 from unbroken.agent import warm as warmlib
 from unbroken.proto import driver_pb2 as dpb
+from unbroken.recovery.persist import ENV_TIMELINE
+from unbroken.recovery.sources import ENV_PERSIST_EVERY_S
 
 log = structlog.get_logger(__name__)
 
@@ -61,35 +65,110 @@ DEFAULT_KEYWORDS = (
 )
 
 
+#: Cores per local worker from which warm standbys are on by default (`--warm-workers`).
+WARM_CORES_PER_WORKER = 4
+
+
+def warm_default(nproc: int, cpus: int | None = None) -> bool:
+    """Warm standbys by default when the node has spare cores for their imports: at least
+    `WARM_CORES_PER_WORKER` per local worker (a GPU node: 8 workers, 64+ cores)."""
+    n = (os.cpu_count() or 0) if cpus is None else cpus
+    return n >= WARM_CORES_PER_WORKER * max(1, nproc)
+
+
 PEAK_BEATS = 3  # heartbeats a loss peak is repeated in (see Worker.status)
 WINDOW_STEPS = 128  # steps the reported compute / wait medians stand for
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerSpec:
     """What to run and the torchrun-like world it runs in."""
 
-    cmd: list[str]
-    nproc: int = 1
-    node_rank: int = 0
-    world_size: int = 0  # 0: nnodes x nproc
-    nnodes: int = 1
-    rank_base: int | None = None  # RANK of local rank 0 (default node_rank x nproc)
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    log_dir: str = "."
-    keywords: tuple[str, ...] = DEFAULT_KEYWORDS
-    max_line_chars: int = 2048
-    fault: str = ""
-    extra_env: dict[str, str] = field(default_factory=dict)
-    nice: int = 5  # added to the agent's niceness for workers (0: same priority)
-    die_with_agent: bool = True  # setpriv --pdeathsig KILL
-    warm: bool = False  # keep a warm standby per local rank (agent/warm.py, --warm-workers)
-    warm_preload: tuple[str, ...] = warmlib.DEFAULT_PRELOAD
-    warm_nice: int = 5  # added niceness while a standby waits (the workers' at hand-off)
-    # standbys are replaced once every restarted worker reports a step, or after this long
-    warm_refill_after_s: float = 30.0
-    hang: hanglib.HangConfig = field(default_factory=hanglib.HangConfig)
+    cmd: list[str] = field(
+        metadata={
+            "flag": "--worker-cmd",
+            "parse": shlex.split,
+            "help": "command run once per local rank",
+        }
+    )
+    nproc: int = field(default=1, metadata={"flag": "--nproc-per-node", "help": "local workers"})
+    node_rank: int = field(default=0, metadata={"help": "this node's place in the world"})
+    nnodes: int = field(default=1, metadata={"help": "nodes in the world"})
+    master_addr: str = field(
+        default="127.0.0.1",
+        metadata={
+            "unset": True,
+            "help": "rendezvous host of the workers; given, it wins over the driver's "
+            "(unset: the driver's choice, else loopback)",
+        },
+    )
+    master_port: int = field(default=29500, metadata={"help": "rendezvous port of the workers"})
+    log_dir: str = field(
+        default=".", metadata={"unset": True, "help": "worker logs (unset: a temp dir)"}
+    )
+    keywords: tuple[str, ...] = field(
+        default=DEFAULT_KEYWORDS,
+        metadata={"help": "comma-separated log keywords that raise an alert"},
+    )
+    max_line_chars: int = field(
+        default=2048, metadata={"help": "a worker log line is cut after this many characters"}
+    )
+    fault: str = field(default="", metadata={"flag": None, "why": "--inject-fault"})
+    extra_env: dict[str, str] = field(
+        default_factory=dict,
+        metadata={"flag": None, "why": "the embedder's; the agent adds its own per launch"},
+    )
+    nice: int = field(
+        default=5,
+        metadata={
+            "flag": "--worker-nice",
+            "help": "niceness added for workers and checks, so heartbeats keep the CPU "
+            "(0: same priority)",
+        },
+    )
+    die_with_agent: bool = field(
+        default=True, metadata={"flag": None, "why": "always on outside tests (pdeathsig)"}
+    )
+    warm: bool = field(
+        default=False,
+        metadata={
+            "flag": "--warm-workers",
+            "unset": True,
+            "group": "warm standby workers (agent/warm.py)",
+            "help": "hand worker starts to warm standbys that already imported torch (a "
+            "Python worker command only). Unset: on when the node has spare cores (at least "
+            f"{WARM_CORES_PER_WORKER} per local worker), as GPU nodes do; off on smaller "
+            "hosts, where the standbys' imports compete with training "
+            "(bench/results/recovery.json)",
+        },
+    )
+    warm_preload: tuple[str, ...] = field(
+        default=warmlib.DEFAULT_PRELOAD,
+        metadata={
+            "group": "warm standby workers (agent/warm.py)",
+            "help": "comma-separated modules a standby imports while it waits",
+        },
+    )
+    warm_nice: int = field(
+        default=5,
+        metadata={
+            "group": "warm standby workers (agent/warm.py)",
+            "help": "niceness added while a standby waits; it takes the workers' at hand-off "
+            "(the workers' by default; 19 leaves the imports only idle CPU, which on a "
+            "saturated host kept standbys from getting ready in time)",
+        },
+    )
+    warm_refill_after_s: float = field(
+        default=30.0,
+        metadata={
+            "group": "warm standby workers (agent/warm.py)",
+            "help": "new standbys start once restarted workers step, or after this long",
+        },
+    )
+    hang: hanglib.HangConfig = field(
+        default_factory=hanglib.HangConfig,
+        metadata={"prefix": "hang-", "group": "hang detection (agent/hang.py)"},
+    )
 
     def __post_init__(self) -> None:
         if not self.cmd:
@@ -116,20 +195,89 @@ class WorkerSpec:
     def split(cmd: str) -> list[str]:
         return shlex.split(cmd)
 
-    def env(self, local_rank: int, socket_path: str) -> dict[str, str]:
-        world = self.world_size or self.nnodes * self.nproc
-        base = self.rank_base if self.rank_base is not None else self.node_rank * self.nproc
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerLaunch:
+    """One start of the node's workers: what runs, in which world, with which environment.
+
+    The agent's `WorkerSpec` is its config and never changes. The first launch comes from it;
+    each StartWorkers (and each fault or restore point the driver sends for the next start)
+    builds the next launch from the current one (`started`, `replace`, `with_env`). The RANK
+    of local rank 0 is decided here and nowhere else.
+    """
+
+    cmd: tuple[str, ...]
+    world_size: int
+    rank_base: int  # RANK of local rank 0
+    master_addr: str
+    master_port: int
+    fault: str = ""  # UNBROKEN_FAULT of the workers (and the agent's checks)
+    env: dict[str, str] = field(default_factory=dict)  # beyond the agent's own environment
+
+    @classmethod
+    def of(cls, spec: WorkerSpec) -> WorkerLaunch:
+        """The first launch: the spec's command, torchrun's world (nnodes x nproc)."""
+        return cls(
+            cmd=tuple(spec.cmd),
+            world_size=spec.nnodes * spec.nproc,
+            rank_base=spec.node_rank * spec.nproc,
+            master_addr=spec.master_addr,
+            master_port=spec.master_port,
+            fault=spec.fault,
+            env=dict(spec.extra_env),
+        )
+
+    def started(
+        self, p: dpb.StartWorkers, *, cmd: Sequence[str] | None, pin_master: bool
+    ) -> WorkerLaunch:
+        """The launch a StartWorkers asks for: its world (when it names one), its rendezvous
+        (unless the agent's --master-addr is pinned), its layout and timeline; `cmd` replaces
+        the command when the caller accepted the driver's."""
+        env = {**self.env, ENV_TIMELINE: str(p.timeline)}  # stamped on every copy
+        if p.persist_every_s > 0 and math.isfinite(p.persist_every_s):
+            env[ENV_PERSIST_EVERY_S] = repr(p.persist_every_s)
+        for name, degree in (("DP", p.dp), ("PP", p.pp), ("TP", p.tp)):
+            if degree:  # the driver's layout (elastic shrink/grow) wins over --dp/--pp/--tp
+                env[f"UNBROKEN_{name}"] = str(degree)
+        world = (p.world_size, p.global_rank_base) if p.world_size else None
+        master = (p.master_addr, p.master_port) if p.master_addr and not pin_master else None
+        return dataclasses.replace(
+            self,
+            cmd=tuple(cmd) if cmd is not None else self.cmd,
+            world_size=world[0] if world else self.world_size,
+            rank_base=world[1] if world else self.rank_base,
+            master_addr=master[0] if master else self.master_addr,
+            master_port=master[1] if master else self.master_port,
+            env=env,
+        )
+
+    def with_env(self, **changes: str | None) -> WorkerLaunch:
+        """This launch with variables set (a None value removes the variable)."""
+        env = dict(self.env)
+        for k, v in changes.items():
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
+        return dataclasses.replace(self, env=env)
+
+    def ranks(self, nproc: int) -> range:
+        """The global ranks of this node's `nproc` workers."""
+        return range(self.rank_base, self.rank_base + nproc)
+
+    def environ(self, spec: WorkerSpec, local_rank: int, socket_path: str) -> dict[str, str]:
+        """The full environment of one local rank (torchrun's variables and ours)."""
         env = dict(os.environ)
-        env.update(self.extra_env)
+        env.update(self.env)
         env.update(
             {
-                "RANK": str(base + local_rank),
+                "RANK": str(self.rank_base + local_rank),
                 "LOCAL_RANK": str(local_rank),
-                "WORLD_SIZE": str(world),
-                "LOCAL_WORLD_SIZE": str(self.nproc),
-                "GROUP_RANK": str(self.node_rank),
-                "ROLE_RANK": str(base + local_rank),
-                "ROLE_WORLD_SIZE": str(world),
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_WORLD_SIZE": str(spec.nproc),
+                "GROUP_RANK": str(spec.node_rank),
+                "ROLE_RANK": str(self.rank_base + local_rank),
+                "ROLE_WORLD_SIZE": str(self.world_size),
                 "MASTER_ADDR": self.master_addr,
                 "MASTER_PORT": str(self.master_port),
                 "UNBROKEN_AGENT_SOCKET": socket_path,
@@ -313,6 +461,7 @@ class Supervisor:
 
     def __init__(self, spec: WorkerSpec, socket_path: str) -> None:
         self.spec = spec
+        self.launch = WorkerLaunch.of(spec)  # replaced, never changed, per start command
         self.socket_path = socket_path
         self.workers: dict[int, Worker] = {}
         self.alerts: collections.deque[dpb.LogAlertLine] = collections.deque(maxlen=256)
@@ -343,22 +492,25 @@ class Supervisor:
 
     async def start(self, local_rank: int, *, refill: bool = True) -> Worker:
         """Start (or restart) one local rank, in a warm standby when one fits."""
-        spec = self.spec
-        base = spec.rank_base if spec.rank_base is not None else spec.node_rank * spec.nproc
+        spec, launch = self.spec, self.launch
         old = self.workers.get(local_rank)
-        w = Worker(local_rank, base + local_rank, Path(spec.log_dir) / f"worker-{local_rank}.log")
+        w = Worker(
+            local_rank,
+            launch.rank_base + local_rank,
+            Path(spec.log_dir) / f"worker-{local_rank}.log",
+        )
         if old is not None:
             w.restarts = old.restarts + 1
         w.state = dpb.WORKER_STATE_STARTING
         self.workers[local_rank] = w
         logf = open(w.log_path, "ab", buffering=0)  # closed by _reap
-        env = spec.env(local_rank, self.socket_path)
+        env = launch.environ(spec, local_rank, self.socket_path)
         w.proc = await self._from_standby(env)
         w.warm = w.proc is not None
         if w.proc is None:
             w.proc = await asyncio.create_subprocess_exec(
                 *exec_wrapper(nice=spec.nice, die_with_agent=spec.die_with_agent),
-                *spec.cmd,
+                *launch.cmd,
                 env=env,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
@@ -386,7 +538,7 @@ class Supervisor:
     # ------------------------------------------------------------ warm standbys
     async def _from_standby(self, env: dict[str, str]) -> asyncio.subprocess.Process | None:
         """Hand `env` to a live, compatible standby; None: start cold."""
-        target = warmlib.parse_target(self.spec.cmd) if self.spec.warm else None
+        target = warmlib.parse_target(self.launch.cmd) if self.spec.warm else None
         if target is None:
             return None
         while self.standbys:
@@ -404,7 +556,7 @@ class Supervisor:
         return None
 
     def _schedule_refill(self, after_s: float) -> None:
-        if not self.spec.warm or warmlib.parse_target(self.spec.cmd) is None:
+        if not self.spec.warm or warmlib.parse_target(self.launch.cmd) is None:
             return
         if self._refill is not None and not self._refill.done():
             self._refill.cancel()
@@ -419,7 +571,7 @@ class Supervisor:
             ):
                 break
             await asyncio.sleep(0.1)
-        target = warmlib.parse_target(self.spec.cmd)
+        target = warmlib.parse_target(self.launch.cmd)
         if target is None:
             return
         spec = self.spec
@@ -436,7 +588,7 @@ class Supervisor:
             while len(self.standbys) < spec.nproc:
                 s = await warmlib.spawn_standby(
                     target,
-                    spec.env(0, self.socket_path),
+                    self.launch.environ(spec, 0, self.socket_path),
                     wrapper=wrapper,
                     preload=spec.warm_preload,
                     nice=target_nice if low else None,

@@ -12,6 +12,7 @@ is unreachable, 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import enum
 import importlib
 import os
 import sys
@@ -144,8 +145,13 @@ def effective_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> st
             lines.append(f"{key} = {'true' if v else 'false'}")
         elif isinstance(v, int | float):
             lines.append(f"{key} = {v}")
-        elif isinstance(v, list):
+        elif isinstance(v, list | tuple) and isinstance(a, argparse._AppendAction):
             lines.append(f"{key} = {json.dumps([str(x) for x in v])}")
+        elif isinstance(v, list | tuple | frozenset):  # a comma-separated flag, parsed
+            items = sorted(v) if isinstance(v, frozenset) else v
+            lines.append(f"{key} = {json.dumps(','.join(str(x) for x in items))}")
+        elif isinstance(v, enum.Enum):
+            lines.append(f"{key} = {json.dumps(str(v.value))}")
         else:
             lines.append(f"{key} = {json.dumps(str(v))}")
     return "\n".join(lines) + "\n"

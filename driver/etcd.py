@@ -48,17 +48,39 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class EtcdConfig:
     """Where the event log lives: embedded (no endpoints) or an external cluster."""
 
-    endpoints: list[str] = field(default_factory=list)
-    ca_cert: str | None = None
-    client_cert: str | None = None
-    client_key: str | None = None
-    connect_timeout_s: float = 5.0
-    data_dir: str | None = None  # embedded only; default: a fresh temporary folder
-    quota_backend_bytes: int | None = None  # embedded only; etcd's default is 2 GiB
+    endpoints: list[str] = field(
+        default_factory=list,
+        metadata={
+            "flag": "--etcd",
+            "metavar": "URLS",
+            "help": "external etcd endpoints, comma-separated (none: start an embedded one)",
+        },
+    )
+    ca_cert: str | None = field(
+        default=None, metadata={"flag": "--etcd-ca", "help": "CA certificate for TLS to etcd"}
+    )
+    client_cert: str | None = field(
+        default=None,
+        metadata={"flag": "--etcd-cert", "help": "client certificate for TLS to etcd"},
+    )
+    client_key: str | None = field(
+        default=None, metadata={"flag": "--etcd-key", "help": "client key for TLS to etcd"}
+    )
+    connect_timeout_s: float = field(
+        default=5.0, metadata={"help": "deadline of connecting to etcd"}
+    )
+    data_dir: str | None = field(
+        default=None,
+        metadata={"help": "data dir of the embedded etcd (unset: a fresh temporary folder)"},
+    )
+    quota_backend_bytes: int | None = field(
+        default=None,
+        metadata={"help": "the embedded etcd's database quota (unset: etcd's 2 GiB)"},
+    )
 
     def __post_init__(self) -> None:
         for ep in self.endpoints:
@@ -81,32 +103,6 @@ class EtcdConfig:
     @property
     def tls(self) -> bool:
         return any(ep.startswith("https://") for ep in self.endpoints) or bool(self.ca_cert)
-
-
-def add_etcd_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags every etcd-using command shares."""
-    g = parser.add_argument_group("etcd")
-    g.add_argument(
-        "--etcd",
-        default="",
-        metavar="URLS",
-        help="external etcd endpoints, comma-separated (default: start an embedded one)",
-    )
-    g.add_argument("--etcd-ca", default=None, help="CA certificate for TLS to etcd")
-    g.add_argument("--etcd-cert", default=None, help="client certificate for TLS to etcd")
-    g.add_argument("--etcd-key", default=None, help="client key for TLS to etcd")
-    g.add_argument("--etcd-data-dir", default=None, help="data dir of the embedded etcd")
-
-
-def config_from_args(ns: argparse.Namespace) -> EtcdConfig:
-    """An `EtcdConfig` from the flags of `add_etcd_flags` (ValueError on bad values)."""
-    return EtcdConfig.parse_endpoints(
-        ns.etcd,
-        ca_cert=ns.etcd_ca,
-        client_cert=ns.etcd_cert,
-        client_key=ns.etcd_key,
-        data_dir=ns.etcd_data_dir,
-    )
 
 
 class EmbeddedEtcd:

@@ -13,34 +13,64 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from unbroken.proto import driver_pb2 as dpb
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class LiveViewConfig:
     """Liveness timing: a node is lost after `miss_limit` x `heartbeat_interval_ms` of silence."""
 
-    heartbeat_interval_ms: int = 100
-    miss_limit: int = 3
-    max_nodes: int = 20_000  # a registration flood beyond this gets RESOURCE_EXHAUSTED
-    session_grace_ms: int = 5_000  # from Register to the session's start
+    heartbeat_interval_ms: int = field(
+        default=100, metadata={"help": "agent heartbeat interval (10-60000)"}
+    )
+    miss_limit: int = field(default=3, metadata={"help": "missed heartbeats before a node is lost"})
+    max_nodes: int = field(
+        default=20_000,
+        metadata={
+            "flag": "--max-registered-nodes",
+            "help": "a registration flood beyond this gets RESOURCE_EXHAUSTED",
+        },
+    )
+    session_grace_ms: int = field(
+        default=5_000, metadata={"help": "from Register to the session's start"}
+    )
     # mass silence (more than max(mass_loss_min, mass_loss_fraction x nodes) at once) is
     # held back for up to mass_loss_hold_ms: likely the driver's overload, not the nodes
-    mass_loss_fraction: float = 0.25
-    mass_loss_min: int = 8
-    mass_loss_hold_ms: int = 3_000
+    mass_loss_fraction: float = field(
+        default=0.25,
+        metadata={"help": "silence of more than this fraction of the nodes at once is held back"},
+    )
+    mass_loss_min: int = field(default=8, metadata={"help": "...and of more than this many nodes"})
+    mass_loss_hold_ms: int = field(
+        default=3_000, metadata={"help": "how long such a mass silence is held back"}
+    )
     # Jitter-adaptive miss limit: a node whose heartbeats recently came with gaps of g ms
     # is lost only after min(jitter_k x g, jitter_cap x the timeout) (and never sooner than
     # the timeout): a node on a loaded host is given the slack its own rhythm shows, a
     # steady node keeps the fast limit. 0 turns it off.
-    jitter_k: float = 2.0
-    jitter_cap: float = 4.0
-    jitter_decay: float = 0.998  # per heartbeat: an old gap is forgotten in about a minute
+    jitter_k: float = field(
+        default=2.0,
+        metadata={
+            "help": "a node whose heartbeats came with gaps of g ms is lost after "
+            "min(this x g, --jitter-cap x the timeout), never sooner than the timeout (0: off)"
+        },
+    )
+    jitter_cap: float = field(default=4.0, metadata={"help": "cap of the rule above"})
+    jitter_decay: float = field(
+        default=0.998,
+        metadata={"help": "per heartbeat: an old gap is forgotten in about a minute"},
+    )
     # a relayed node whose silence began with its relay's loss is held back this long
     # (beyond the timeout) while it reconnects to the driver directly
-    relay_hold_ms: int = 2_000
+    relay_hold_ms: int = field(
+        default=2_000,
+        metadata={
+            "help": "a relayed node silent since its relay's loss is held back this long "
+            "while it reconnects directly"
+        },
+    )
 
     def __post_init__(self) -> None:
         if not 10 <= self.heartbeat_interval_ms <= 60_000:

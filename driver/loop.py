@@ -71,7 +71,7 @@ OBSERVED = frozenset(
 )
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class LoopConfig:
     """The job the driver starts and recovers (`unbroken driver --nodes ...`).
 
@@ -79,19 +79,36 @@ class LoopConfig:
     recorded (the mode of the heartbeat-plane tests).
     """
 
-    nodes: int = 0
-    workers_per_node: int = 1
-    dp: int = 0  # 0: nodes x workers_per_node / (pp x tp)
-    pp: int = 1
-    tp: int = 1
-    min_nodes: int = 1
-    trainer: str = "external"
-    worker_cmd: str = ""  # empty: each agent's own --worker-cmd
-    master_addr: str = ""  # empty: the registered IP of the node holding rank 0
-    stop_grace_s: float = 5.0
-    command_timeout_s: float = 60.0
-    start_timeout_s: float = 600.0  # for the world's nodes to register
-    restore_timeout_s: float = 300.0  # for every rank of a restarted world to report a step
+    nodes: int = field(default=0, metadata={"help": "nodes in the world (0: no recovery loop)"})
+    workers_per_node: int = field(default=1, metadata={"help": "workers per node"})
+    dp: int = field(default=0, metadata={"help": "data parallel (0: the rest)"})
+    pp: int = field(default=1, metadata={"help": "pipeline parallel degree"})
+    tp: int = field(default=1, metadata={"help": "tensor parallel degree"})
+    min_nodes: int = field(
+        default=1, metadata={"flag": None, "why": "--min-nodes (policy.min_nodes)"}
+    )
+    trainer: str = field(
+        default="external", metadata={"help": "trainer name recorded in JobStarted"}
+    )
+    worker_cmd: str = field(
+        default="", metadata={"help": "worker command (empty: each agent's --worker-cmd)"}
+    )
+    master_addr: str = field(
+        default="", metadata={"help": "rendezvous host (empty: rank 0's node IP)"}
+    )
+    stop_grace_s: float = field(
+        default=5.0, metadata={"help": "workers' grace between SIGTERM and SIGKILL"}
+    )
+    command_timeout_s: float = field(
+        default=60.0, metadata={"help": "deadline of one command to an agent"}
+    )
+    start_timeout_s: float = field(
+        default=600.0, metadata={"help": "for the world's nodes to register"}
+    )
+    restore_timeout_s: float = field(
+        default=300.0,
+        metadata={"help": "for every rank of a restarted world to report a step"},
+    )
     policy: machine.Policy = field(default_factory=machine.Policy)
 
     def __post_init__(self) -> None:
@@ -112,7 +129,7 @@ class LoopConfig:
                     f"nodes x workers_per_node ({ranks}) is not a multiple of pp x tp "
                     f"({self.pp * self.tp}); set dp, pp and tp so that dp x pp x tp = {ranks}"
                 )
-            self.dp = ranks // (self.pp * self.tp)
+            object.__setattr__(self, "dp", ranks // (self.pp * self.tp))  # a derived default
         if self.dp * self.pp * self.tp != ranks:
             raise ValueError(
                 f"dp x pp x tp = {self.dp * self.pp * self.tp} but nodes x workers_per_node "

@@ -71,27 +71,60 @@ class Reshape(enum.Enum):
     SHRINK_FIRST = "shrink"  # shrink dp; spares only to stay at or above min_nodes
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Policy:
     """How the machine recovers. The limits are the job's (JobStarted carries the same)."""
 
-    min_nodes: int = 1
-    max_nodes: int = 1024
-    reshape: Reshape = Reshape.SPARES_FIRST
+    min_nodes: int = field(default=1, metadata={"help": "fail below this many nodes"})
+    max_nodes: int = field(default=1024, metadata={"help": "grow to at most this many nodes"})
+    reshape: Reshape = field(
+        default=Reshape.SPARES_FIRST,
+        metadata={
+            "parse": Reshape,
+            "metavar": "{spares,shrink}",
+            "help": "what replaces a removed node: a spare (shrink dp only when short), or "
+            "shrink dp (spares only to stay at or above --min-nodes)",
+        },
+    )
     # Faults whose cause is unclear: the suspects are diagnosed (bisection) before
     # reshaping. A clean worker crash needs none; a lost node needs none (it is gone). A
     # NaN loss reaches the machine as the detectors' "non-finite loss" log alert on a node.
-    diagnose_kinds: frozenset[str] = frozenset(
-        {"hang_suspected", "log_alert", "self_check_reported"}
+    diagnose_kinds: frozenset[str] = field(
+        default=frozenset({"hang_suspected", "log_alert", "self_check_reported"}),
+        metadata={
+            "parse": lambda text: frozenset(x.strip() for x in text.split(",") if x.strip()),
+            "help": "comma-separated fault kinds whose suspects are diagnosed (bisection) "
+            "before reshaping",
+        },
     )
-    # A hang whose rank stopped in its own work (not waiting in a collective: the culprit is
-    # known) restarts without a diagnosis, until its node has this many faults on record;
-    # then it is diagnosed like any unclear fault (a GPU that hangs again is not bad luck).
-    hang_diagnose_after: int = 2
-    evict_slow: bool = True  # stragglers named by a diagnosis are evicted too
-    grow_back: bool = True  # grow dp back when nodes return, up to the configured world
-    max_restore_attempts: int = 3  # restores per incident before the job fails
-    spike: spikelib.SpikeConfig = field(default_factory=spikelib.SpikeConfig)
+    evict_slow: bool = field(
+        default=True,
+        metadata={
+            "negate": "--no-evict-slow",
+            "help": "keep the stragglers a diagnosis names (they are evicted otherwise)",
+        },
+    )
+    grow_back: bool = field(
+        default=True,
+        metadata={
+            "negate": "--no-grow-back",
+            "help": "do not grow dp back when nodes return (it grows up to the configured world)",
+        },
+    )
+    max_restore_attempts: int = field(
+        default=3, metadata={"help": "restores per incident before the job fails"}
+    )
+    spike: spikelib.SpikeConfig = field(
+        default_factory=spikelib.SpikeConfig,
+        metadata={"flag": None, "why": "loss-spike detector tuning (recovery/spike.py)"},
+    )
+    hang_diagnose_after: int = field(
+        default=2,
+        metadata={
+            "help": "a hang whose rank stopped in its own work (not waiting in a collective) "
+            "restarts without a diagnosis until its node has this many faults on record"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.min_nodes < 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import os
@@ -26,9 +27,11 @@ from typing import Any
 
 import structlog
 
+from unbroken.common.config import add_config_flags
+from unbroken.common.config import config_from_args as build
 from unbroken.driver import reaper
 from unbroken.driver.dashboard import Dashboard, DashboardConfig
-from unbroken.driver.etcd import EmbeddedEtcd, EtcdConfig, add_etcd_flags
+from unbroken.driver.etcd import EmbeddedEtcd, EtcdConfig
 from unbroken.driver.eventlog import (
     EventLogError,
     InMemoryEventLog,
@@ -36,52 +39,118 @@ from unbroken.driver.eventlog import (
     Leadership,
     LogUnavailableError,
 )
-from unbroken.driver.liveview import LiveViewConfig
 from unbroken.driver.loop import LoopConfig, RecoveryLoop, timeline
-from unbroken.driver.machine import Policy
 from unbroken.driver.rendezvous import RendezvousService
 from unbroken.driver.scheduler import BridgeConfig, Scheduler, SchedulerBridge
 from unbroken.driver.security import RoleTokens, TlsConfig
 from unbroken.driver.service import DriverService, ServiceConfig, build_server
-from unbroken.driver.slurm import SlurmConfig, SlurmScheduler, add_slurm_flags, slurm_config
-from unbroken.driver.straggler import POLICIES, StragglerConfig
+from unbroken.driver.slurm import SlurmConfig, SlurmScheduler
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 from unbroken.proto.logsetup import setup_logging
-from unbroken.recovery import lifecycle
 
 log = structlog.get_logger(__name__)
 
 ETCD_DOWN_LIMIT_S = 300.0  # a driver gives up after etcd was unreachable this long
 ETCD_RETRY_S = 1.0  # between campaigns while etcd is unreachable
+# titles of flag groups in `unbroken driver --help`
+JOB_FLAGS = "the job (with --nodes the driver starts and recovers it; agents run --no-start)"
+SCHEDULER_FLAGS = "the cluster scheduler (README: Running under Slurm)"
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DriverConfig:
     """The root config of `unbroken driver`."""
 
-    job_id: str = "default"
-    driver_id: str = ""
-    listen: str = "127.0.0.1:50051"
-    advertise: str = ""  # host:port agents should use; default: hostname + bound port
-    metrics_port: int | None = None  # None: no metrics endpoint; 0: a free port
-    dashboard_port: int | None = None  # None: no web dashboard; 0: a free port
-    dashboard_host: str = "127.0.0.1"
-    metrics_host: str = "127.0.0.1"
-    insecure: bool = False  # listen beyond loopback without TLS or tokens (says so loudly)
-    event_log: str = "etcd"
-    # where events older than the newest snapshot go: an fsspec URL every driver of the
-    # job shares ("none": keep them all in etcd; "": the library default, a local directory
-    # -- the CLI refuses that, since a failover would split the history across hosts)
-    archive_url: str = ""
-    etcd: EtcdConfig = field(default_factory=EtcdConfig)
+    job_id: str = field(default="default", metadata={"help": "job name (etcd key prefix)"})
+    driver_id: str = field(
+        default="", metadata={"help": "this driver's id (empty: driver-<host>-<random>)"}
+    )
+    listen: str = field(
+        default="127.0.0.1:50051",
+        metadata={
+            "help": "gRPC listen address host:port (port 0 picks a free one; a non-loopback "
+            "host needs --tls-* or --token-file, or --insecure)"
+        },
+    )
+    advertise: str = field(
+        default="",
+        metadata={"help": "host:port agents should use (empty: hostname + bound port)"},
+    )
+    metrics_port: int | None = field(
+        default=None, metadata={"help": "Prometheus HTTP port (0: a free one; unset: off)"}
+    )
+    dashboard_port: int | None = field(
+        default=None, metadata={"help": "web dashboard HTTP port (0: a free one; unset: off)"}
+    )
+    dashboard_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "web dashboard host (it accepts viewer tokens only)"},
+    )
+    metrics_host: str = field(default="127.0.0.1", metadata={"help": "Prometheus endpoint host"})
+    insecure: bool = field(
+        default=False,
+        metadata={
+            "help": "allow a non-loopback --listen or --dashboard-host without TLS or tokens "
+            "(says so loudly)"
+        },
+    )
+    event_log: str = field(
+        default="etcd",
+        metadata={
+            "choices": ("etcd", "memory"),
+            "help": "where events go (memory: no etcd, for demos and benches)",
+        },
+    )
+    # "": the library default, a local directory -- the CLI refuses that, since a failover
+    # would split the history across hosts
+    archive_url: str = field(
+        default="",
+        metadata={
+            "env": "UNBROKEN_ARCHIVE",
+            "help": "where events older than the newest snapshot are archived: an fsspec URL "
+            "every driver of the job shares (s3://..., a shared path); 'none': keep all in "
+            "etcd (required with the etcd event log)",
+        },
+    )
+    etcd: EtcdConfig = field(
+        default_factory=EtcdConfig, metadata={"prefix": "etcd-", "group": "etcd"}
+    )
     service: ServiceConfig = field(default_factory=ServiceConfig)
-    port_file: str | None = None
-    grace_s: float = 2.0
-    loop: LoopConfig = field(default_factory=LoopConfig)
-    scheduler: str = "none"  # "slurm": drain evicted nodes, take spares (driver/slurm.py)
-    slurm: SlurmConfig = field(default_factory=SlurmConfig)
-    bridge: BridgeConfig = field(default_factory=BridgeConfig)
+    port_file: str | None = field(
+        default=None,
+        metadata={"help": "write {grpc_port, metrics_port, address} as JSON here"},
+    )
+    grace_s: float = field(
+        default=2.0, metadata={"help": "how long in-flight RPCs may finish at shutdown"}
+    )
+    loop: LoopConfig = field(
+        default_factory=LoopConfig,
+        metadata={"group": JOB_FLAGS},
+    )
+    scheduler: str = field(
+        default="none",
+        metadata={
+            "choices": ("none", "slurm"),
+            "group": SCHEDULER_FLAGS,
+            "help": "slurm: drain evicted nodes, start replacements' agents as job steps, "
+            "treat DOWN/DRAIN as faults",
+        },
+    )
+    slurm: SlurmConfig = field(
+        default_factory=SlurmConfig,
+        metadata={
+            "prefix": "slurm-",
+            "group": SCHEDULER_FLAGS,
+        },
+    )
+    bridge: BridgeConfig = field(
+        default_factory=BridgeConfig,
+        metadata={
+            "prefix": "scheduler-",
+            "group": SCHEDULER_FLAGS,
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.scheduler not in ("none", "slurm"):
@@ -113,7 +182,8 @@ class DriverConfig:
                         "(--token-file ROLE=PATH), or pass --insecure to run open anyway"
                     )
         if not self.driver_id:
-            self.driver_id = f"driver-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+            driver_id = f"driver-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+            object.__setattr__(self, "driver_id", driver_id)  # a derived default
 
 
 def _archive(cfg: DriverConfig) -> str | None:
@@ -135,63 +205,9 @@ def is_loopback(host: str) -> bool:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    """Flags of `unbroken driver`."""
-    parser.add_argument("--job-id", default="default", help="job name (etcd key prefix)")
-    parser.add_argument("--driver-id", default="", help="this driver's id (default: random)")
-    parser.add_argument(
-        "--listen",
-        default="127.0.0.1:50051",
-        help="gRPC listen address host:port (port 0 picks a free one; a non-loopback host "
-        "needs --tls-* or --token-file, or --insecure)",
-    )
-    parser.add_argument("--advertise", default="", help="address agents should use")
-    parser.add_argument(
-        "--heartbeat-interval-ms",
-        type=int,
-        default=100,
-        help="agent heartbeat interval (10-60000, default 100)",
-    )
-    parser.add_argument(
-        "--miss-limit",
-        type=int,
-        default=3,
-        help="missed heartbeats before a node is lost (default 3)",
-    )
-    parser.add_argument(
-        "--straggler-policy",
-        choices=POLICIES,
-        default="evict",
-        help="a node persistently slower than the rest: evict it when a spare exists, "
-        "alert (record StragglerSuspected only), or off (default evict). Hangs are judged "
-        "by the agents (unbroken agent --hang-floor-ms)",
-    )
-    parser.add_argument(
-        "--straggler-min-slowdown",
-        type=float,
-        default=1.04,
-        help="relative slowdown a straggler must reach, among other tests (default 1.04)",
-    )
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="Prometheus HTTP port (0: a free one; default: off)",
-    )
-    parser.add_argument(
-        "--metrics-host", default="127.0.0.1", help="Prometheus endpoint host (default loopback)"
-    )
-    parser.add_argument(
-        "--dashboard-port",
-        type=int,
-        default=None,
-        help="web dashboard HTTP port (0: a free one; default: off)",
-    )
-    parser.add_argument(
-        "--dashboard-host",
-        default="127.0.0.1",
-        help="web dashboard host (default loopback; it accepts viewer tokens only)",
-    )
-    parser.add_argument("--reflection", action="store_true", help="enable gRPC reflection")
+    """Flags of `unbroken driver`: the config tree's (common/config.py), and the few that are
+    not a field (credentials' files, the log format)."""
+    add_config_flags(parser, DriverConfig)
     parser.add_argument("--tls-cert", default=None, help="server certificate (mTLS)")
     parser.add_argument("--tls-key", default=None, help="server private key (mTLS)")
     parser.add_argument("--tls-ca", default=None, help="CA that signs agent certificates")
@@ -204,109 +220,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "per line, optionally followed by the one name it may act as; repeat per role",
     )
     parser.add_argument("--token", default=None, help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--insecure",
-        action="store_true",
-        help="allow a non-loopback --listen or --dashboard-host without TLS or tokens",
-    )
-    parser.add_argument(
-        "--persist-root",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="storage root the agents persist to; ListCheckpoints reads shards only under it "
-        "(repeat; default: local paths only)",
-    )
-    c = parser.add_argument_group("checkpoint lifecycle (recovery/lifecycle.py)")
-    c.add_argument(
-        "--keep-checkpoints",
-        type=int,
-        default=3,
-        help="committed steps storage keeps (the rollback target and a restore's step too)",
-    )
-    c.add_argument(
-        "--persist-floor-s",
-        type=float,
-        default=lifecycle.FLOOR_S,
-        help="shortest persistence interval the driver sends workers (Young/Daly: "
-        "sqrt(2 x persist cost x MTBF))",
-    )
-    c.add_argument(
-        "--persist-ceiling-s",
-        type=float,
-        default=lifecycle.CEILING_S,
-        help="longest persistence interval",
-    )
-    c.add_argument(
-        "--mtbf-prior-s",
-        type=float,
-        default=lifecycle.PRIOR_MTBF_S,
-        help="the MTBF believed before the log has seen failures (one interval of it is "
-        "added to the job's wall time, one failure to its count)",
-    )
-    parser.add_argument(
-        "--allow-fault-injection",
-        action="store_true",
-        help="accept InjectFault from operators (drills; `unbroken up` sets it)",
-    )
-    parser.add_argument(
-        "--event-log",
-        choices=("etcd", "memory"),
-        default="etcd",
-        help="where events go (memory: no etcd, for demos and benches)",
-    )
-    parser.add_argument(
-        "--archive-url",
-        default=os.environ.get("UNBROKEN_ARCHIVE", ""),
-        help="where events older than the newest snapshot are archived: an fsspec URL every "
-        "driver of the job shares (s3://..., a shared path); 'none': keep all in etcd "
-        "(default: $UNBROKEN_ARCHIVE; required with the etcd event log)",
-    )
-    parser.add_argument(
-        "--port-file", default=None, help="write {grpc_port, metrics_port, address} as JSON here"
-    )
     parser.add_argument("--log-format", choices=("console", "json"), default="console")
-    g = parser.add_argument_group(
-        "the job (with --nodes the driver starts and recovers it; agents run --no-start)"
-    )
-    g.add_argument(
-        "--nodes", type=int, default=0, help="nodes in the world (default 0: no recovery loop)"
-    )
-    g.add_argument("--workers-per-node", type=int, default=1, help="workers per node")
-    g.add_argument("--dp", type=int, default=0, help="data parallel (default: the rest)")
-    g.add_argument("--pp", type=int, default=1, help="pipeline parallel degree")
-    g.add_argument("--tp", type=int, default=1, help="tensor parallel degree")
-    g.add_argument("--min-nodes", type=int, default=1, help="fail below this many nodes")
-    g.add_argument(
-        "--worker-cmd", default="", help="worker command (default: each agent's --worker-cmd)"
-    )
-    g.add_argument("--master-addr", default="", help="rendezvous host (default: rank 0's node IP)")
-    g.add_argument("--trainer", default="external", help="trainer name recorded in JobStarted")
-    add_etcd_flags(parser)
-    add_slurm_flags(parser)
 
 
 def config_from_args(ns: argparse.Namespace) -> DriverConfig:
     """A `DriverConfig` from parsed flags (ValueError naming the bad one)."""
-    service = ServiceConfig(
-        live=LiveViewConfig(
-            heartbeat_interval_ms=ns.heartbeat_interval_ms, miss_limit=ns.miss_limit
-        ),
-        straggler=StragglerConfig(
-            policy=ns.straggler_policy, min_slowdown=ns.straggler_min_slowdown
-        ),
-        reflection=ns.reflection,
-        tls=TlsConfig(cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca),
-        tokens=RoleTokens.from_files(ns.token_file) if ns.token_file else None,
-        allow_fault_injection=ns.allow_fault_injection,
-        persist_roots=tuple(ns.persist_root),
-        keep_checkpoints=ns.keep_checkpoints,
-        persist=lifecycle.PersistPolicy(
-            floor_s=ns.persist_floor_s,
-            ceiling_s=ns.persist_ceiling_s,
-            prior_mtbf_s=ns.mtbf_prior_s,
-        ),
-    )
     if ns.event_log == "etcd" and not ns.etcd and not ns.etcd_data_dir:
         raise ValueError(
             "the embedded etcd needs --etcd-data-dir DIR: the job's history (every event, "
@@ -326,42 +244,19 @@ def config_from_args(ns: argparse.Namespace) -> DriverConfig:
             "--token is gone: a token on the command line is visible to every local user "
             "(ps). Put the tokens in files, one per role: --token-file node=PATH"
         )
-    return DriverConfig(
-        job_id=ns.job_id,
-        driver_id=ns.driver_id,
-        listen=ns.listen,
-        advertise=ns.advertise,
-        metrics_port=ns.metrics_port,
-        dashboard_port=ns.dashboard_port,
-        dashboard_host=ns.dashboard_host,
-        metrics_host=ns.metrics_host,
-        insecure=ns.insecure,
-        event_log=ns.event_log,
-        archive_url=ns.archive_url,
-        etcd=_etcd_config(ns),
-        service=service,
-        port_file=ns.port_file,
-        loop=LoopConfig(
-            nodes=ns.nodes,
-            workers_per_node=ns.workers_per_node,
-            dp=ns.dp,
-            pp=ns.pp,
-            tp=ns.tp,
-            worker_cmd=ns.worker_cmd,
-            master_addr=ns.master_addr,
-            trainer=ns.trainer,
-            policy=Policy(min_nodes=ns.min_nodes),  # diagnoses hangs, alerts, self-checks
-        ),
-        scheduler=ns.scheduler,
-        slurm=slurm_config(ns),
-        bridge=BridgeConfig(poll_s=ns.scheduler_poll_s, spares=ns.scheduler_spares),
+    service = build(
+        ServiceConfig,
+        ns,
+        tls=TlsConfig(cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca),
+        tokens=RoleTokens.from_files(ns.token_file) if ns.token_file else None,
     )
-
-
-def _etcd_config(ns: argparse.Namespace) -> EtcdConfig:
-    from unbroken.driver import etcd as etcdmod
-
-    return etcdmod.config_from_args(ns)
+    return build(
+        DriverConfig,
+        ns,
+        service=service,
+        # one --min-nodes: the machine's policy, checked against --nodes by the loop
+        loop=build(LoopConfig, ns, min_nodes=ns.min_nodes),
+    )
 
 
 async def serve(cfg: DriverConfig) -> int:
@@ -529,8 +424,12 @@ async def _lead_on_etcd(
     etcd_cfg = cfg.etcd
     if not etcd_cfg.endpoints:
         reaper.start()  # the embedded etcd dies with this driver, however it dies
-        embedded = EmbeddedEtcd(etcd_cfg.data_dir).start()
-        etcd_cfg = embedded.config
+        embedded = EmbeddedEtcd(
+            etcd_cfg.data_dir, quota_backend_bytes=etcd_cfg.quota_backend_bytes
+        ).start()
+        etcd_cfg = dataclasses.replace(
+            embedded.config, connect_timeout_s=etcd_cfg.connect_timeout_s
+        )
         log.info("embedded etcd started", endpoint=embedded.endpoint)
     client = await etcdlog.connect(etcd_cfg)
     if dashboard is not None:  # a standby's dashboard replays the log read-only

@@ -189,19 +189,46 @@ class InMemoryScheduler:
 
 
 # ---------------------------------------------------------------- the bridge
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class BridgeConfig:
     """How the driver uses its scheduler."""
 
-    timeout_s: float = 30.0  # per call, on top of the scheduler's own command deadlines
-    poll_s: float = 2.0  # how often the scheduler's view of the nodes is read (0: never)
-    replace: bool = True  # ask the scheduler for a node when a world node goes and no spare is left
+    timeout_s: float = field(
+        default=30.0,
+        metadata={"help": "per call, on top of the scheduler's own command deadlines"},
+    )
+    poll_s: float = field(
+        default=2.0, metadata={"help": "how often the scheduler's node states are read (0: never)"}
+    )
+    replace: bool = field(
+        default=True,
+        metadata={
+            "negate": "--no-scheduler-replace",
+            "help": "do not ask the scheduler for a node when a world node goes and no spare "
+            "is left",
+        },
+    )
     # Spares kept registered: the bridge asks the scheduler for a node (and its agent) until
     # this many healthy spares are registered, so a lost node is replaced at once, in place
     # (same world, no shrink), and the pool is refilled after each replacement.
-    spares: int = 0
-    drain_lost: bool = True  # a lost world node is drained too (it crashed: check it first)
-    register_s: float = 60.0  # a requested agent counts as on its way this long
+    spares: int = field(
+        default=0,
+        metadata={
+            "help": "spares to keep registered: the driver starts their agents through the "
+            "scheduler (--slurm-agent-cmd) and refills the pool after each replacement"
+        },
+    )
+    drain_lost: bool = field(
+        default=True,
+        metadata={
+            "negate": "--no-scheduler-drain-lost",
+            "help": "do not drain a lost world node (it is drained by default: it crashed, "
+            "check it first)",
+        },
+    )
+    register_s: float = field(
+        default=60.0, metadata={"help": "a requested agent counts as on its way this long"}
+    )
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:

@@ -78,28 +78,73 @@ LIVE_VIEW_MAX_PAGE = 10_000  # LiveView page_size cap
 SWEEP_CHUNK = 512  # nodes a straggler sweep samples between yields to the event loop
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ServiceConfig:
     """Everything the agent-facing service needs to know."""
 
     live: LiveViewConfig = field(default_factory=LiveViewConfig)
-    straggler: StragglerConfig = field(default_factory=StragglerConfig)
-    stream_buffer: int = 64  # commands queued per stream before the consumer is dropped
-    journal: JournalConfig = field(default_factory=JournalConfig)
-    register_backlog: int = 10_000  # observations waiting: Register answers "busy" past this
-    slot_retention_s: float = 600.0  # live-view slots of nodes gone this long are freed
-    max_message_bytes: int = channel.MAX_MESSAGE_BYTES
-    reflection: bool = False
-    tls: TlsConfig = field(default_factory=TlsConfig)
-    tokens: RoleTokens | None = None  # accepted bearer tokens by role (driver/security.py)
-    allow_fault_injection: bool = False  # InjectFault is refused unless set (drills, `up`)
-    # where ListCheckpoints may read shards (URLs or paths); empty: local paths only
-    persist_roots: tuple[str, ...] = ()
-    diagnose: DriverDiagnoseConfig = field(default_factory=DriverDiagnoseConfig)
-    read_timeout_s: float = 10.0  # deadline of event-log reads behind operator calls
-    max_watchers: int = 64  # WatchEvents calls streaming at once
-    keep_checkpoints: int = 3  # committed steps storage keeps (plus rollback/restore targets)
-    persist: PersistPolicy = field(default_factory=PersistPolicy)  # the interval's bounds
+    straggler: StragglerConfig = field(
+        default_factory=StragglerConfig, metadata={"prefix": "straggler-"}
+    )
+    stream_buffer: int = field(
+        default=64,
+        metadata={"help": "commands queued per stream before the consumer is dropped"},
+    )
+    journal: JournalConfig = field(
+        default_factory=JournalConfig,
+        metadata={"flag": None, "why": "bounds and cadences of the journal (driver/journal.py)"},
+    )
+    register_backlog: int = field(
+        default=10_000,
+        metadata={"help": "observations waiting: Register answers busy past this"},
+    )
+    slot_retention_s: float = field(
+        default=600.0, metadata={"help": "live-view slots of nodes gone this long are freed"}
+    )
+    max_message_bytes: int = field(
+        default=channel.MAX_MESSAGE_BYTES, metadata={"help": "largest gRPC message accepted"}
+    )
+    reflection: bool = field(default=False, metadata={"help": "enable gRPC reflection"})
+    tls: TlsConfig = field(
+        default_factory=TlsConfig,
+        metadata={"flag": None, "why": "--tls-cert/--tls-key/--tls-ca"},
+    )
+    tokens: RoleTokens | None = field(
+        default=None, metadata={"flag": None, "why": "read from --token-file ROLE=PATH"}
+    )
+    allow_fault_injection: bool = field(
+        default=False,
+        metadata={"help": "accept InjectFault from operators (drills; `unbroken up` sets it)"},
+    )
+    persist_roots: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "flag": "--persist-root",
+            "append": True,
+            "metavar": "URL",
+            "help": "storage root the agents persist to; ListCheckpoints reads shards only "
+            "under it (repeat; none: local paths only)",
+        },
+    )
+    diagnose: DriverDiagnoseConfig = field(
+        default_factory=DriverDiagnoseConfig,
+        metadata={"flag": None, "why": "diagnosis tuning (driver/diagnose.py)"},
+    )
+    read_timeout_s: float = field(
+        default=10.0, metadata={"help": "deadline of event-log reads behind operator calls"}
+    )
+    max_watchers: int = field(default=64, metadata={"help": "WatchEvents calls streaming at once"})
+    keep_checkpoints: int = field(
+        default=3,
+        metadata={
+            "group": "checkpoint lifecycle (recovery/lifecycle.py)",
+            "help": "committed steps storage keeps (the rollback target and a restore's step too)",
+        },
+    )
+    persist: PersistPolicy = field(
+        default_factory=PersistPolicy,
+        metadata={"prefix": "persist-", "group": "checkpoint lifecycle (recovery/lifecycle.py)"},
+    )
 
     def __post_init__(self) -> None:
         if self.max_watchers < 1:

@@ -35,7 +35,6 @@ registers (or Slurm's ResumeProgram boots it), it is a free node for `expand` an
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -55,24 +54,57 @@ log = structlog.get_logger(__name__)
 SPARE_SOURCES = ("job", "held", "expand", "new")
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class SlurmConfig:
     """How the driver reaches Slurm and what it may ask of it."""
 
-    job_id: str = ""  # the job's allocation (SLURM_JOB_ID of the sbatch job); "" = none
-    slurm_conf: str = ""  # SLURM_CONF for every command ("" = Slurm's default)
-    bin_dir: str = ""  # where scontrol/srun/salloc live ("" = PATH)
-    timeout_s: float = 20.0  # every command's deadline
+    job_id: str = field(
+        default="",
+        metadata={
+            "env": "SLURM_JOB_ID",
+            "help": "the job's allocation (the sbatch job's SLURM_JOB_ID): spares are taken "
+            "from it",
+        },
+    )
+    slurm_conf: str = field(
+        default="", metadata={"flag": "--slurm-conf", "help": "SLURM_CONF for Slurm's commands"}
+    )
+    bin_dir: str = field(
+        default="", metadata={"help": "where scontrol/srun/salloc live (empty: PATH)"}
+    )
+    timeout_s: float = field(default=20.0, metadata={"help": "deadline of every Slurm command"})
     # The agent of a replacement node, started as a job step; {node} is the Slurm node name.
-    agent_cmd: str = ""
-    allow_new_allocation: bool = False  # also "new" after `spares` (the old flag)
+    agent_cmd: str = field(
+        default="",
+        metadata={
+            "help": "a replacement's agent command, run with srun on the node; {node} is its name"
+        },
+    )
+    allow_new_allocation: bool = field(
+        default=False,
+        metadata={
+            "flag": "--slurm-new-allocations",
+            "help": "same as adding 'new' to --slurm-spares",
+        },
+    )
     # Where a replacement comes from, tried in this order (module docstring): "job" (a
     # spare inside the job's allocation), "held" (a node drained with `held_reason`),
     # "expand" (the job's allocation grows by a free node), "new" (a new allocation).
-    spares: tuple[str, ...] = ("job",)
-    held_reason: str = "spare"  # a node drained with this first word is a held spare
-    partition: str = ""
-    step_log_dir: str = ""  # where a step's output goes ("" = /dev/null)
+    spares: tuple[str, ...] = field(
+        default=("job",),
+        metadata={
+            "help": "where replacements come from, tried in order, comma-separated: job (a "
+            "spare node of the job's allocation), held (a node drained with reason "
+            "--slurm-held-reason), expand (grow the job's allocation), new (a new allocation)"
+        },
+    )
+    held_reason: str = field(
+        default="spare", metadata={"help": "a node drained with this first word is a held spare"}
+    )
+    partition: str = field(default="", metadata={"help": "partition of new allocations"})
+    step_log_dir: str = field(
+        default="", metadata={"help": "where a step's output goes (empty: /dev/null)"}
+    )
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -433,66 +465,3 @@ class SlurmScheduler:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(10)
         self.steps.clear()
-
-
-def add_slurm_flags(parser: argparse.ArgumentParser) -> None:
-    """`unbroken driver`'s scheduler flags."""
-    g = parser.add_argument_group("the cluster scheduler (README: Running under Slurm)")
-    g.add_argument(
-        "--scheduler",
-        choices=("none", "slurm"),
-        default="none",
-        help="slurm: drain evicted nodes, start replacements' agents as job steps, treat "
-        "DOWN/DRAIN as faults (default none)",
-    )
-    g.add_argument(
-        "--slurm-job-id",
-        default=os.environ.get("SLURM_JOB_ID", ""),
-        help="the job's allocation (default $SLURM_JOB_ID): spares are taken from it",
-    )
-    g.add_argument("--slurm-conf", default="", help="SLURM_CONF for Slurm's commands")
-    g.add_argument(
-        "--slurm-agent-cmd",
-        default="",
-        help="a replacement's agent command, run with srun on the node; {node} is its name",
-    )
-    g.add_argument(
-        "--slurm-spares",
-        default="job",
-        help="where replacements come from, tried in order, comma-separated: job (a spare "
-        "node of the job's allocation), held (a node drained with reason 'spare'), expand "
-        "(grow the job's allocation), new (a new allocation); default job",
-    )
-    g.add_argument(
-        "--slurm-new-allocations",
-        action="store_true",
-        help="same as adding 'new' to --slurm-spares",
-    )
-    g.add_argument(
-        "--slurm-timeout-s", type=float, default=20.0, help="deadline of every Slurm command"
-    )
-    g.add_argument(
-        "--scheduler-spares",
-        type=int,
-        default=0,
-        help="spares to keep registered: the driver starts their agents through the "
-        "scheduler (--slurm-agent-cmd) and refills the pool after each replacement",
-    )
-    g.add_argument(
-        "--scheduler-poll-s",
-        type=float,
-        default=2.0,
-        help="how often the scheduler's node states are read (0: never)",
-    )
-
-
-def slurm_config(ns: argparse.Namespace) -> SlurmConfig:
-    """A `SlurmConfig` from parsed flags."""
-    return SlurmConfig(
-        job_id=ns.slurm_job_id,
-        slurm_conf=ns.slurm_conf,
-        agent_cmd=ns.slurm_agent_cmd,
-        allow_new_allocation=ns.slurm_new_allocations,
-        spares=tuple(x.strip() for x in ns.slurm_spares.split(",") if x.strip()),
-        timeout_s=ns.slurm_timeout_s,
-    )

@@ -37,17 +37,36 @@ from unbroken.proto import events_pb2 as ev
 POLICIES = ("evict", "alert", "off")
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class StragglerConfig:
     """The straggler detector's thresholds and what the driver does with a finding."""
 
-    policy: str = "evict"  # evict (when a spare exists), alert (record only), off
-    min_slowdown: float = 1.04  # at least this much slower than the others, relatively
-    k: float = 3.0  # ...and k standard errors of its window median
-    confirm: int = 3  # consecutive sweeps before it is reported
-    sweep_ms: float = 2_000.0
-    min_steps: int = 32  # window steps a node needs before it is judged
-    baseline_sweeps: int = 3  # sweeps whose median relative cost is a node's role
+    policy: str = field(
+        default="evict",
+        metadata={
+            "choices": POLICIES,
+            "help": "a node persistently slower than the rest: evict it when a spare exists, "
+            "alert (record StragglerSuspected only), or off. Hangs are judged by the agents "
+            "(unbroken agent --hang-floor-ms)",
+        },
+    )
+    min_slowdown: float = field(
+        default=1.04,
+        metadata={"help": "relative slowdown a straggler must reach, among other tests"},
+    )
+    k: float = field(
+        default=3.0, metadata={"help": "...and k standard errors of its window median"}
+    )
+    confirm: int = field(
+        default=3, metadata={"help": "consecutive sweeps before a straggler is reported"}
+    )
+    sweep_ms: float = field(default=2_000.0, metadata={"help": "between straggler sweeps"})
+    min_steps: int = field(
+        default=32, metadata={"help": "window steps a node needs before it is judged"}
+    )
+    baseline_sweeps: int = field(
+        default=3, metadata={"help": "sweeps whose median relative cost is a node's role"}
+    )
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

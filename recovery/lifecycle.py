@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PRIOR_MTBF_S = 24 * 3600.0  # one failure a day: the belief before the log has any
 FLOOR_S = 30.0
@@ -35,9 +35,22 @@ CEILING_S = 1800.0
 class PersistPolicy:
     """The bounds of the persistence interval (driver flags `--persist-*`)."""
 
-    floor_s: float = FLOOR_S
-    ceiling_s: float = CEILING_S
-    prior_mtbf_s: float = PRIOR_MTBF_S
+    floor_s: float = field(
+        default=FLOOR_S,
+        metadata={
+            "help": "shortest persistence interval the driver sends workers (Young/Daly: "
+            "sqrt(2 x persist cost x MTBF))"
+        },
+    )
+    ceiling_s: float = field(default=CEILING_S, metadata={"help": "longest persistence interval"})
+    prior_mtbf_s: float = field(
+        default=PRIOR_MTBF_S,
+        metadata={
+            "flag": "--mtbf-prior-s",
+            "help": "the MTBF believed before the log has seen failures (one interval of it is "
+            "added to the job's wall time, one failure to its count)",
+        },
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.floor_s <= self.ceiling_s:

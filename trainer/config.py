@@ -21,23 +21,70 @@ INIT_MODES: tuple[str, ...] = ("meta", "full")
 # Schedules that place several (virtual) stages on each pipeline rank.
 MULTI_STAGE_SCHEDULES: frozenset[str] = frozenset({"Interleaved1F1B", "ZBV"})
 DP_MODES: tuple[str, ...] = ("zero3", "zero2", "replicate", "hsdp")
+# titles of flag groups in `unbroken train --help`
+DATA_OPTIM = "data and optimizer"
+OUTPUT = "checkpoint and output"
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     """Decoder-only transformer shape (byte-level vocabulary by default)."""
 
-    dim: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
-    ffn_hidden: int = 0  # 0: the SwiGLU default (8/3 · dim rounded up to a multiple of 32)
-    vocab_size: int = 256
-    max_seq_len: int = 64
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    moe_experts: int = 0  # 0: dense SwiGLU; E > 0: a mixture of E SwiGLU experts per block
-    moe_top_k: int = 2  # experts each token is routed to
-    moe_aux_weight: float = 0.01  # weight of the load-balancing loss (per sequence)
+    dim: int = field(
+        default=64, metadata={"unset": True, "help": "model width (unset: the preset's)"}
+    )
+    n_layers: int = field(
+        default=4,
+        metadata={
+            "unset": True,
+            "flag": "--layers",
+            "help": "transformer blocks (unset: the preset's)",
+        },
+    )
+    n_heads: int = field(
+        default=4, metadata={"unset": True, "help": "attention heads (unset: the preset's)"}
+    )
+    ffn_hidden: int = field(
+        default=0,
+        metadata={
+            "unset": True,
+            "help": "SwiGLU hidden width (0: 8/3 x dim rounded up to a multiple of 32; unset: "
+            "the preset's)",
+        },
+    )
+    vocab_size: int = field(
+        default=256,
+        metadata={"unset": True, "help": "vocabulary (>= 256, the bytes; unset: the preset's)"},
+    )
+    max_seq_len: int = field(
+        default=64,
+        metadata={
+            "unset": True,
+            "help": "longest sequence (unset: the preset's, or --seq-len if longer)",
+        },
+    )
+    norm_eps: float = field(
+        default=1e-5, metadata={"unset": True, "help": "RMSNorm epsilon (unset: the preset's)"}
+    )
+    rope_theta: float = field(
+        default=10000.0, metadata={"unset": True, "help": "rotary base (unset: the preset's)"}
+    )
+    moe_experts: int = field(
+        default=0,
+        metadata={
+            "unset": True,
+            "help": "0: dense SwiGLU; E > 0: a mixture of E SwiGLU experts per block (unset: "
+            "the preset's)",
+        },
+    )
+    moe_top_k: int = field(
+        default=2,
+        metadata={"unset": True, "help": "experts each token is routed to (unset: the preset's)"},
+    )
+    moe_aux_weight: float = field(
+        default=0.01,
+        metadata={"unset": True, "help": "weight of the load-balancing loss (unset: the preset's)"},
+    )
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "moe_top_k"):
@@ -134,7 +181,7 @@ def preset(name: str, **overrides: int | float) -> ModelConfig:
     return dataclasses.replace(PRESETS[name], **overrides)  # type: ignore[arg-type]
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelConfig:
     """How the world is split: dp × cp × pp × tp ranks (ep inside dp), schedule, ZeRO mode.
 
@@ -145,20 +192,51 @@ class ParallelConfig:
     must divide dp / dp_replicate; an elastic shrink of dp lowers ep with it (flags.py).
     """
 
-    dp: int = 1
-    cp: int = 1
-    ep: int = 1
-    pp: int = 1
-    tp: int = 1
-    dp_replicate: int = 1  # HSDP: replicate groups within dp (dp_mode="hsdp")
-    dp_mode: str = "zero3"
-    schedule: str = "1F1B"
-    microbatches: int = 1
-    sequence_parallel: bool = True
-    activation_checkpointing: str = "none"  # one of AC_MODES
-    ac_every: int = 1  # with "full": recompute every k-th block (1: all of them)
-    cpu_offload: bool = False
-    compile: bool = False  # torch.compile each block (off by default: no gain on CPU, bench)
+    dp: int = field(default=1, metadata={"help": "data-parallel degree"})
+    cp: int = field(default=1, metadata={"help": "context-parallel degree (splits each sequence)"})
+    ep: int = field(
+        default=1,
+        metadata={
+            "help": "expert-parallel degree for MoE presets (ranks borrowed from dp; must "
+            "divide it)"
+        },
+    )
+    pp: int = field(default=1, metadata={"help": "pipeline-parallel degree"})
+    tp: int = field(default=1, metadata={"help": "tensor-parallel degree"})
+    dp_replicate: int = field(
+        default=1, metadata={"help": "HSDP: replicate groups within dp (--dp-mode hsdp)"}
+    )
+    dp_mode: str = field(default="zero3", metadata={"choices": DP_MODES, "help": "ZeRO mode"})
+    schedule: str = field(
+        default="1F1B", metadata={"choices": SCHEDULES, "help": "pipeline schedule"}
+    )
+    microbatches: int = field(
+        default=1,
+        metadata={"unset": True, "help": "microbatches per step (unset or 0: pp, 1 without pp)"},
+    )
+    sequence_parallel: bool = field(
+        default=True,
+        metadata={"negate": "--no-sequence-parallel", "help": "no sequence parallel with tp"},
+    )
+    activation_checkpointing: str = field(
+        default="none",
+        metadata={
+            "choices": AC_MODES,
+            "nargs": "?",
+            "const": "full",
+            "help": "recompute in backward: full blocks, or op (selective: keep matmul "
+            "outputs); the bare flag means full",
+        },
+    )
+    ac_every: int = field(
+        default=1,
+        metadata={"help": "with full: recompute every k-th block only (1: all of them)"},
+    )
+    cpu_offload: bool = field(default=False, metadata={"help": "FSDP2 CPU offload"})
+    compile: bool = field(
+        default=False,
+        metadata={"help": "torch.compile each block (off by default: no gain on CPU, bench)"},
+    )
 
     def __post_init__(self) -> None:
         if self.activation_checkpointing not in AC_MODES:
@@ -224,20 +302,32 @@ class ParallelConfig:
         return 2 if self.pp > 1 and self.schedule in MULTI_STAGE_SCHEDULES else 1
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class OptimConfig:
     """AdamW with linear warmup and cosine decay, global-norm gradient clipping."""
 
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 10
-    decay_steps: int = 1000
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    max_grad_norm: float = 1.0  # 0 disables clipping (the norm is still reported)
-    impl: str = "foreach"  # AdamW kernels: for-loop, foreach (multi-tensor) or fused
+    lr: float = field(default=3e-3, metadata={"help": "peak learning rate"})
+    min_lr: float = field(
+        default=3e-4, metadata={"help": "learning rate at the end of the decay (<= --lr)"}
+    )
+    warmup_steps: int = field(default=10, metadata={"help": "linear warmup steps"})
+    decay_steps: int = field(default=1000, metadata={"flag": None, "why": "--steps"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay"})
+    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
+    beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
+    eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon"})
+    max_grad_norm: float = field(
+        default=1.0,
+        metadata={"help": "global-norm gradient clipping (0 disables it; the norm is reported)"},
+    )
+    impl: str = field(
+        default="foreach",
+        metadata={
+            "flag": "--optimizer-impl",
+            "choices": OPTIMIZER_IMPLS,
+            "help": "AdamW kernels: for-loop, foreach (multi-tensor) or fused",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.impl not in OPTIMIZER_IMPLS:
@@ -259,15 +349,23 @@ class OptimConfig:
             raise ValueError(f"optim.max_grad_norm must be >= 0, got {self.max_grad_norm}")
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
     """Byte-level text data: a file or folder, or the Python stdlib sources by default."""
 
-    path: str | None = None  # None: the Python standard library's own .py files
-    seq_len: int = 64
-    global_batch: int = 8  # sequences per optimizer step across all dp ranks
-    max_corpus_bytes: int = 4 << 20
-    seed: int = 1234
+    path: str | None = field(
+        default=None,
+        metadata={
+            "flag": "--data",
+            "help": "text file or folder (unset: the Python standard library's own .py files)",
+        },
+    )
+    seq_len: int = field(default=64, metadata={"help": "tokens per sequence"})
+    global_batch: int = field(
+        default=8, metadata={"help": "sequences per optimizer step across all dp ranks"}
+    )
+    max_corpus_bytes: int = field(default=4 << 20, metadata={"help": "bytes of text read"})
+    seed: int = field(default=1234, metadata={"flag": "--data-seed", "help": "data order seed"})
 
     def __post_init__(self) -> None:
         if self.seq_len < 2:
@@ -278,22 +376,64 @@ class DataConfig:
             raise ValueError(f"data.max_corpus_bytes must be >= 1024, got {self.max_corpus_bytes}")
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """The root: one training job's full configuration, cross-checked."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    steps: int = 100
-    seed: int = 0
-    dtype: str = "auto"  # auto: bf16 mixed precision on GPU, fp32 on CPU
-    device: str = "auto"  # auto: cuda if available, else cpu
-    init: str = "meta"  # meta: each rank materialises only its shards; full: whole model first
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"group": "model"})
+    parallel: ParallelConfig = field(
+        default_factory=ParallelConfig, metadata={"group": "parallelism"}
+    )
+    optim: OptimConfig = field(default_factory=OptimConfig, metadata={"group": DATA_OPTIM})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"group": DATA_OPTIM})
+    steps: int = field(default=100, metadata={"group": "model", "help": "optimizer steps to run"})
+    seed: int = field(default=0, metadata={"group": "model", "help": "model init seed"})
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "group": "model",
+            "choices": ("auto", "fp32", "bf16"),
+            "help": "auto: bf16 mixed precision on GPU, fp32 on CPU",
+        },
+    )
+    device: str = field(
+        default="auto",
+        metadata={
+            "group": "model",
+            "choices": ("auto", "cpu", "cuda"),
+            "help": "auto: cuda if available, else cpu",
+        },
+    )
+    init: str = field(
+        default="meta",
+        metadata={
+            "group": "model",
+            "choices": INIT_MODES,
+            "help": "meta: each rank materialises only its own shards; full: the whole model first",
+        },
+    )
+    trainer: str = field(
+        default="gpt3d",
+        metadata={"group": "model", "help": "trainer plugin (entry point name)"},
+    )
+    log_every: int = field(
+        default=10, metadata={"group": OUTPUT, "help": "log metrics every N steps"}
+    )
+    flash_every: int | None = field(
+        default=None,
+        metadata={
+            "group": OUTPUT,
+            "help": "flash-save every N steps into the agent's memory (unset: 1 under an "
+            "agent with a flash store, else off; 0: off, and no flash restore)",
+        },
+    )
 
     def __post_init__(self) -> None:
         m, p, d = self.model, self.parallel, self.data
+        if self.log_every < 1:
+            raise ValueError(f"log_every must be >= 1, got {self.log_every}")
+        if self.flash_every is not None and self.flash_every < 0:
+            raise ValueError(f"flash_every must be >= 0 (--flash-every), got {self.flash_every}")
         if self.init not in INIT_MODES:
             raise ValueError(f"init must be one of {list(INIT_MODES)}; got {self.init!r}")
         if self.steps < 0:

@@ -1,100 +1,53 @@
-"""Command-line flags of the trainer, mapped one-to-one onto `TrainConfig` (no torch import).
+"""Command-line flags of the trainer, generated from `TrainConfig` (no torch import).
 
 Shared by `python -m unbroken.trainer.run` (the worker entry point for torchrun and the node
-agent) and `unbroken train` (the CLI subcommand), so both accept the same flags and there is a
-single source of truth for defaults: the dataclasses in config.py.
+agent) and `unbroken train` (the CLI subcommand), so both accept the same flags; each flag's
+default and help live on its field in config.py (common/config.py generates the flags).
+
+The agent passes the driver's layout in UNBROKEN_DP/PP/TP; where it differs from the flags
+it wins, and the trainer says so in its log (`layout from the environment`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
+from typing import Any
 
+import structlog
+
+from unbroken.common.config import add_config_flags, flag_fields
+from unbroken.common.config import config_from_args as build
 from unbroken.trainer.config import (
-    AC_MODES,
-    DP_MODES,
-    INIT_MODES,
-    OPTIMIZER_IMPLS,
+    OUTPUT,
     PRESETS,
-    SCHEDULES,
     DataConfig,
+    ModelConfig,
     OptimConfig,
     ParallelConfig,
     TrainConfig,
     preset,
 )
 
+log = structlog.get_logger(__name__)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the training flags to `parser`."""
-    d, p, o = DataConfig(), ParallelConfig(), OptimConfig()
-    g = parser.add_argument_group("model")
-    g.add_argument("--trainer", default="gpt3d", help="trainer plugin (entry point name)")
-    g.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model size")
-    g.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
-    g.add_argument("--steps", type=int, default=100, help="optimizer steps to run")
-    g.add_argument("--seed", type=int, default=0, help="model init seed")
-    g.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"))
-    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    g.add_argument(
-        "--init",
-        default=INIT_MODES[0],
-        choices=INIT_MODES,
-        help="meta: each rank materialises only its own shards; full: the whole model first",
+    groups = add_config_flags(parser, TrainConfig)
+    groups["model"].add_argument(
+        "--preset", default="tiny", choices=sorted(PRESETS), help="model size (default: tiny)"
     )
-    g = parser.add_argument_group("parallelism")
-    g.add_argument("--dp", type=int, default=p.dp, help="data-parallel degree")
-    g.add_argument(
-        "--cp", type=int, default=p.cp, help="context-parallel degree (splits each sequence)"
-    )
-    g.add_argument(
-        "--ep",
-        type=int,
-        default=p.ep,
-        help="expert-parallel degree for MoE presets (ranks borrowed from dp; must divide it)",
-    )
-    g.add_argument("--pp", type=int, default=p.pp, help="pipeline-parallel degree")
-    g.add_argument("--tp", type=int, default=p.tp, help="tensor-parallel degree")
-    g.add_argument("--dp-mode", default=p.dp_mode, choices=DP_MODES, help="ZeRO mode")
-    g.add_argument("--dp-replicate", type=int, default=p.dp_replicate, help="HSDP groups")
-    g.add_argument("--schedule", default=p.schedule, choices=SCHEDULES)
-    g.add_argument("--microbatches", type=int, default=0, help="0: pp (or 1 without pp)")
-    g.add_argument("--no-sequence-parallel", action="store_true")
-    g.add_argument(
-        "--activation-checkpointing",
-        nargs="?",
-        const="full",
-        default=p.activation_checkpointing,
-        choices=AC_MODES,
-        help="recompute in backward: full blocks, or op (selective: keep matmul outputs)",
-    )
-    g.add_argument(
-        "--ac-every", type=int, default=p.ac_every, help="with full: every k-th block only"
-    )
-    g.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload")
-    g.add_argument("--compile", action="store_true", help="torch.compile each block")
-    g = parser.add_argument_group("data and optimizer")
-    g.add_argument("--data", default=None, help="text file or folder (default: Python stdlib)")
-    g.add_argument("--seq-len", type=int, default=d.seq_len)
-    g.add_argument("--global-batch", type=int, default=d.global_batch)
-    g.add_argument("--max-corpus-bytes", type=int, default=d.max_corpus_bytes)
-    g.add_argument("--lr", type=float, default=o.lr)
-    g.add_argument("--min-lr", type=float, default=o.min_lr)
-    g.add_argument("--warmup-steps", type=int, default=o.warmup_steps)
-    g.add_argument("--max-grad-norm", type=float, default=o.max_grad_norm)
-    g.add_argument(
-        "--optimizer-impl", default=o.impl, choices=OPTIMIZER_IMPLS, help="AdamW kernels"
-    )
-    g = parser.add_argument_group("checkpoint and output")
+    g = groups[OUTPUT]
     g.add_argument("--resume-from", default=None, help="DCP checkpoint folder to load first")
     g.add_argument("--save-to", default=None, help="DCP checkpoint folder written at the end")
     g.add_argument("--metrics-out", default=None, help="JSON-lines file of rank 0's metrics")
-    g.add_argument("--log-every", type=int, default=10, help="log metrics every N steps")
 
 
-def _layout_from_env(args: argparse.Namespace) -> None:
-    """Let the driver's layout win: UNBROKEN_DP/PP/TP (set by the agent) override the flags.
+def layout_from_env(args: argparse.Namespace, env: dict[str, str] | None = None) -> dict[str, int]:
+    """The driver's layout: UNBROKEN_DP/PP/TP (set by the agent) win over the flags.
 
     After an elastic shrink or grow the driver restarts the same worker command on a
     world of another size; the agent passes the new degrees in these variables. The driver
@@ -102,10 +55,19 @@ def _layout_from_env(args: argparse.Namespace) -> None:
     its dp is dp × cp here. Expert parallelism borrows ranks from dp; when a shrink leaves a
     dp that ep no longer divides, ep drops to gcd(ep, dp) and the experts reshard through
     DCP (their layout is in the checkpoint) instead of the job failing its config check.
+    Each value that differs from its flag is logged (a warning naming both).
+
+    Returns:
+        The degrees to use: dp, pp, tp and ep.
+
+    Raises:
+        ValueError: a variable is malformed (the message names it).
     """
+    e = os.environ if env is None else env
+    out = {"dp": args.dp, "pp": args.pp, "tp": args.tp, "ep": args.ep}
     for name in ("dp", "pp", "tp"):
         var = f"UNBROKEN_{name.upper()}"
-        raw = os.environ.get(var, "")
+        raw = e.get(var, "")
         if not raw:
             continue
         if not raw.isdigit() or int(raw) < 1:
@@ -118,9 +80,20 @@ def _layout_from_env(args: argparse.Namespace) -> None:
                     f"divisible by --cp {args.cp}; this world cannot keep context parallelism"
                 )
             value //= args.cp
-        setattr(args, name, value)
-    if args.ep > 1 and args.dp % args.ep:
-        args.ep = math.gcd(args.ep, args.dp)
+        if value != out[name]:
+            log.warning(
+                "layout from the environment overrides a flag",
+                variable=var,
+                env_value=value,
+                flag=f"--{name}",
+                flag_value=out[name],
+            )
+        out[name] = value
+    if out["ep"] > 1 and out["dp"] % out["ep"]:
+        ep = math.gcd(out["ep"], out["dp"])
+        log.warning("--ep lowered to divide the driver's dp", flag_value=out["ep"], ep=ep)
+        out["ep"] = ep
+    return out
 
 
 def to_config(args: argparse.Namespace) -> TrainConfig:
@@ -129,49 +102,26 @@ def to_config(args: argparse.Namespace) -> TrainConfig:
     Raises:
         ValueError: a flag combination is invalid (the message names the field).
     """
-    _layout_from_env(args)
-    overrides = {"n_layers": args.layers} if args.layers else {}
+    layout = layout_from_env(args)
+    overrides: dict[str, Any] = {
+        ff.field.name: getattr(args, ff.dest)
+        for ff in flag_fields(ModelConfig)
+        if ff.dest is not None and getattr(args, ff.dest, None) is not None
+    }
     model = preset(args.preset, **overrides)
-    if args.seq_len > model.max_seq_len:
-        model = preset(args.preset, **overrides, max_seq_len=args.seq_len)
-    microbatches = args.microbatches or args.pp
-    return TrainConfig(
+    if args.seq_len > model.max_seq_len and "max_seq_len" not in overrides:
+        model = dataclasses.replace(model, max_seq_len=args.seq_len)
+    return build(
+        TrainConfig,
+        args,
         model=model,
-        parallel=ParallelConfig(
-            dp=args.dp,
-            cp=args.cp,
-            ep=args.ep,
-            pp=args.pp,
-            tp=args.tp,
-            dp_mode=args.dp_mode,
-            dp_replicate=args.dp_replicate,
-            schedule=args.schedule,
-            microbatches=microbatches,
-            sequence_parallel=not args.no_sequence_parallel,
-            activation_checkpointing=args.activation_checkpointing,
-            ac_every=args.ac_every,
-            cpu_offload=args.cpu_offload,
-            compile=args.compile,
+        parallel=build(
+            ParallelConfig, args, microbatches=args.microbatches or layout["pp"], **layout
         ),
-        optim=OptimConfig(
-            lr=args.lr,
-            min_lr=min(args.min_lr, args.lr),
-            warmup_steps=args.warmup_steps,
-            decay_steps=max(1, args.steps),
-            max_grad_norm=args.max_grad_norm,
-            impl=args.optimizer_impl,
+        optim=build(
+            OptimConfig, args, min_lr=min(args.min_lr, args.lr), decay_steps=max(1, args.steps)
         ),
-        data=DataConfig(
-            path=args.data,
-            seq_len=args.seq_len,
-            global_batch=args.global_batch,
-            max_corpus_bytes=args.max_corpus_bytes,
-        ),
-        steps=args.steps,
-        seed=args.seed,
-        dtype=args.dtype,
-        device=args.device,
-        init=args.init,
+        data=build(DataConfig, args),
     )
 
 

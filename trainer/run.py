@@ -274,18 +274,15 @@ def init_distributed(config: TrainConfig) -> bool:
 def train(
     config: TrainConfig,
     *,
-    trainer_name: str = "gpt3d",
     resume_from: str | None = None,
     save_to: str | None = None,
     metrics_out: str | None = None,
-    log_every: int = 10,
-    flash_every: int | None = None,
 ) -> list[dict[str, Any]]:
     """Train `config.steps` steps (counting a resumed step) inside an existing process group.
 
-    Args:
-        flash_every: flash-save every this many steps; None: 1 under an agent with a flash
-            store, else off; 0: off (and no flash restore).
+    The trainer plugin is `config.trainer`; rank 0 logs every `config.log_every` steps;
+    `config.flash_every` (None: 1 under an agent with a flash store, else off; 0: off, and no
+    flash restore) paces the flash saves.
 
     Returns:
         This rank's metrics, one dict per step run here.
@@ -307,10 +304,11 @@ def train(
         hooks_mod = None  # type: ignore[assignment]
     hooks = hooks_mod.install() if hooks_mod is not None else None
     rank = dist.get_rank()
-    trainer = load_trainer(trainer_name)
+    trainer = load_trainer(config.trainer)
     history: list[dict[str, Any]] = []
     out = open(metrics_out, "a") if metrics_out and rank == 0 else None
     env = FlashEnv.from_env()
+    flash_every = config.flash_every
     if flash_every is None:
         flash_every = 1 if env is not None else 0
     if flash_every and env is None:
@@ -379,7 +377,7 @@ def train(
             if out is not None:
                 out.write(json.dumps(m) + "\n")
                 out.flush()
-            if rank == 0 and (step % log_every == 0 or step == config.steps):
+            if rank == 0 and (step % config.log_every == 0 or step == config.steps):
                 log.info("step", **{k: v for k, v in m.items() if v is not None})
         if save_to:
             checkpoint.save(trainer, save_to)
@@ -436,20 +434,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m unbroken.trainer.run", description=__doc__.split("\n")[0]
     )
     add_arguments(parser)
-    parser.add_argument(
-        "--flash-every",
-        type=int,
-        default=None,
-        help="flash-save every N steps into the agent's memory (default: 1 under an agent, "
-        "else off; 0: off)",
-    )
     args = parser.parse_args(argv)
     if not structlog.is_configured():  # per-step debug lines (flash saves) would flood logs
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
     try:
         config = to_config(args)
-        if args.flash_every is not None and args.flash_every < 0:
-            raise ValueError(f"--flash-every must be >= 0, got {args.flash_every}")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -460,12 +449,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.check_world(dist.get_world_size())
         train(
             config,
-            trainer_name=args.trainer,
             resume_from=args.resume_from,
             save_to=args.save_to,
             metrics_out=args.metrics_out,
-            log_every=args.log_every,
-            flash_every=args.flash_every,
         )
         dist.barrier()  # every rank done with its last collective before teardown
     except ValueError as e:

@@ -13,6 +13,7 @@ import functools
 import sys
 import textwrap
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -137,7 +138,7 @@ def test_plugin_is_discovered_next_to_gpt3d(plugin_on_path: Path) -> None:
 
 def test_plugin_trains_and_round_trips_through_dcp(plugin_on_path: Path, tmp_path: Path) -> None:
     def losses(steps: int, **kw: str) -> list[float]:
-        fn = functools.partial(train, config(steps), trainer_name="ddp_bigram", **kw)
+        fn = functools.partial(train, replace(config(steps), trainer="ddp_bigram"), **kw)
         return [m["loss"] for m in spawn(fn, 2, timeout_s=240)[0]]
 
     ref = losses(6)

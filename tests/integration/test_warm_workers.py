@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -90,10 +91,10 @@ def test_warm_start_is_a_cold_start(tmp_path: Path) -> None:
         log = tmp_path / "logs" / "worker-0.log"
         try:
             for cmd in (spec.cmd, [sys.executable, "-m", "probemod", "x", "--y=1"]):
-                spec.cmd = cmd
+                sup.launch = replace(sup.launch, cmd=tuple(cmd))
                 seen = []
                 for warm in (True, False):
-                    spec.warm = warm
+                    sup.spec = replace(spec, warm=warm)
                     if warm:
                         sup.warm_up()
                         await asyncio.sleep(0)
@@ -116,10 +117,12 @@ def test_warm_start_is_a_cold_start(tmp_path: Path) -> None:
                 assert seen[0]["env"]["MASTER_PORT"] == "12345"  # type: ignore[index]
 
             # A stop (SIGTERM to the group) ends a warm worker as it ends a cold one.
-            spec.cmd = [sys.executable, str(tmp_path / "probe.py"), "--sleep"]
+            sup.launch = replace(
+                sup.launch, cmd=(sys.executable, str(tmp_path / "probe.py"), "--sleep")
+            )
             codes = []
             for warm in (True, False):
-                spec.warm = warm
+                sup.spec = replace(spec, warm=warm)
                 if warm:
                     sup.warm_up()
                     await asyncio.sleep(0)
@@ -137,13 +140,13 @@ def test_warm_start_is_a_cold_start(tmp_path: Path) -> None:
             assert codes == [-signal.SIGTERM, -signal.SIGTERM]
 
             # A standby started before the environment changed is not used.
-            spec.warm = True
+            sup.spec = replace(spec, warm=True)
             sup.warm_up()
             await asyncio.sleep(0)
             await _wait_ready(sup, 1)
             stale = sup.standbys[0].proc
-            spec.cmd = [sys.executable, str(tmp_path / "probe.py")]
-            spec.extra_env["OMP_NUM_THREADS"] = "2"
+            sup.launch = replace(sup.launch, cmd=(sys.executable, str(tmp_path / "probe.py")))
+            sup.launch = sup.launch.with_env(OMP_NUM_THREADS="2")
             w = await sup.start(0, refill=False)
             assert not w.warm and w.pid != stale.pid
             await asyncio.wait_for(stale.wait(), 10)

@@ -1,0 +1,1 @@
+"""What every process shares that is not a wire format."""
