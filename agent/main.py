@@ -16,8 +16,9 @@ from unbroken.agent.flash import NodeFlashConfig
 from unbroken.agent.hang import HangConfig
 from unbroken.agent.warm import DEFAULT_PRELOAD
 from unbroken.agent.workers import DEFAULT_KEYWORDS, WorkerSpec
-from unbroken.proto.logsetup import setup_logging
-from unbroken.proto.runtime import UnsafeRuntimeDirError
+from unbroken.common.logsetup import setup_logging
+from unbroken.common.paths import UnsafeRuntimeDirError
+from unbroken.common.tls import TOKEN_ENV, TOKEN_FILE_ENV, TlsConfig, read_token
 from unbroken.recovery.flashowner import FLASH_COPIES, UnsafeFlashRootError
 from unbroken.recovery.replica import KEY_ENV as REPLICA_KEY_ENV
 from unbroken.recovery.sources import PERSIST_EVERY_S
@@ -103,7 +104,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-ca", default=None, help="CA that signed the driver's cert")
     parser.add_argument(
         "--token-file",
-        default=os.environ.get("UNBROKEN_TOKEN_FILE"),
+        default=os.environ.get(TOKEN_FILE_ENV),
         help="file holding this node's token (default $UNBROKEN_TOKEN_FILE; or the token itself "
         "in $UNBROKEN_TOKEN); never on the command line",
     )
@@ -288,11 +289,10 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
                 listen=ns.replica_listen,
                 buddy=ns.buddy,
                 replica_key=read_replica_key(ns.replica_key_file),
-                tls=(ns.tls_cert, ns.tls_key, ns.tls_ca) if ns.tls_cert else None,
+                tls=TlsConfig(cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca),
                 replica_grants=ns.replica_grants,
             )
     kw = {"node_id": ns.node_id} if ns.node_id else {}
-    tls = _checked_tls(ns)
     return AgentConfig(
         drivers=[d.strip() for d in ns.driver.split(",") if d.strip()],
         heartbeat_interval_ms=ns.heartbeat_interval_ms,
@@ -301,10 +301,8 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
         socket_path=ns.socket,
         spare=ns.spare,
         max_disconnected_s=ns.max_disconnected_s,
-        token=read_token(ns.token, ns.token_file),
-        tls_cert=tls["tls_cert"],
-        tls_key=tls["tls_key"],
-        tls_ca=tls["tls_ca"],
+        token=read_token(os.environ.get(TOKEN_ENV) or None, ns.token_file, argv_token=ns.token),
+        tls=TlsConfig(cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca),
         fault=ns.inject_fault,
         selfcheck_timeout_s=ns.selfcheck_timeout_s,
         selfcheck_at_register=not ns.no_selfcheck,
@@ -319,14 +317,6 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
     )
 
 
-def _checked_tls(ns: argparse.Namespace) -> dict[str, str | None]:
-    """The --tls-* files, all three or none, each existing (ValueError naming the flag)."""
-    from unbroken.driver.security import TlsConfig
-
-    tls = TlsConfig(cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca)
-    return {"tls_cert": tls.cert, "tls_key": tls.key, "tls_ca": tls.ca}
-
-
 def read_replica_key(path: str | None) -> bytes | None:
     """The job's replica key from `--replica-key-file`, else UNBROKEN_REPLICA_KEY, else None."""
     if path:
@@ -337,20 +327,8 @@ def read_replica_key(path: str | None) -> bytes | None:
     return os.environ.get(REPLICA_KEY_ENV, "").strip().encode() or None
 
 
-def read_token(token: str | None, token_file: str | None) -> str | None:
-    """The node's bearer token: `--token-file`, else $UNBROKEN_TOKEN (never argv)."""
-    from unbroken.driver.security import read_token as read
-
-    if token is not None:
-        raise ValueError(
-            "--token is gone: a token on the command line is visible to every local user "
-            "(ps). Use --token-file PATH or $UNBROKEN_TOKEN"
-        )
-    return read(os.environ.get("UNBROKEN_TOKEN") or None, token_file)
-
-
 async def _main(cfg: AgentConfig) -> int:
-    from unbroken.driver import reaper
+    from unbroken.common import reaper
 
     reaper.start()  # the workers and their children die with this agent, however it dies
     agent = Agent(cfg)

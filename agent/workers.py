@@ -1,8 +1,9 @@
 """Worker supervision: spawn one process per local rank, log and scan its output, stop it.
 
 Each worker gets the environment torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, ...) plus UNBROKEN_AGENT_SOCKET
-(the local hooks channel) and UNBROKEN_FAULT (the agent's injected fault, if any). Its
+LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, ...) plus the agent's part of
+the environment contract (common/workerenv.py `WorkerEnv`: UNBROKEN_AGENT_SOCKET, the
+local hooks channel; UNBROKEN_FAULT, the agent's injected fault, if any; ...). Its
 stdout and stderr go to one log file per rank; every line is scanned for keywords and
 a hit becomes an alert in the next heartbeat. Output is read in chunks, not lines, so an
 absurdly long line cannot exhaust memory: it is cut at `max_line_chars`.
@@ -46,6 +47,7 @@ import structlog
 
 from unbroken.agent import hang as hanglib
 from unbroken.agent import warm as warmlib
+from unbroken.common.workerenv import WorkerEnv
 from unbroken.proto import driver_pb2 as dpb
 
 log = structlog.get_logger(__name__)
@@ -132,13 +134,11 @@ class WorkerSpec:
                 "ROLE_WORLD_SIZE": str(world),
                 "MASTER_ADDR": self.master_addr,
                 "MASTER_PORT": str(self.master_port),
-                "UNBROKEN_AGENT_SOCKET": socket_path,
-                "UNBROKEN_AGENT_PID": str(os.getpid()),
                 "PYTHONUNBUFFERED": "1",
             }
         )
-        if self.fault:
-            env["UNBROKEN_FAULT"] = self.fault
+        ours = WorkerEnv(agent_socket=socket_path, agent_pid=os.getpid(), fault=self.fault)
+        env.update(ours.to_env())
         return env
 
 

@@ -24,81 +24,13 @@ from typing import Any
 
 import grpc
 
+from unbroken.common.tls import MIN_TOKEN
 from unbroken.driver.certs import ROLES, parse_principal, principal_of_san
 
 OPEN_METHODS = ("/grpc.health.v1.Health/",)
 
 
-@dataclass(kw_only=True, slots=True)
-class TlsConfig:
-    """Certificate files; all three (cert, key, CA) are needed for mTLS."""
-
-    cert: str | None = None
-    key: str | None = None
-    ca: str | None = None
-    server_name: str | None = None  # client side: override the name checked in the cert
-
-    def __post_init__(self) -> None:
-        given = [x is not None for x in (self.cert, self.key, self.ca)]
-        if any(given) and not all(given):
-            raise ValueError(
-                "tls: cert, key and ca must be given together (--tls-cert, --tls-key, --tls-ca)"
-            )
-        for name in ("cert", "key", "ca"):
-            p = getattr(self, name)
-            if p is not None and not Path(p).is_file():
-                raise ValueError(f"tls.{name}: no such file {p!r}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.cert is not None
-
-
-def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
-    """mTLS server credentials: our cert, and client certificates required and verified."""
-    assert tls.cert and tls.key and tls.ca
-    return grpc.ssl_server_credentials(
-        [(Path(tls.key).read_bytes(), Path(tls.cert).read_bytes())],
-        root_certificates=Path(tls.ca).read_bytes(),
-        require_client_auth=True,
-    )
-
-
-def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
-    """mTLS client credentials (the agent's certificate, the CA that signed the driver's)."""
-    assert tls.cert and tls.key and tls.ca
-    return grpc.ssl_channel_credentials(
-        root_certificates=Path(tls.ca).read_bytes(),
-        private_key=Path(tls.key).read_bytes(),
-        certificate_chain=Path(tls.cert).read_bytes(),
-    )
-
-
-def read_token(token: str | None, token_file: str | None) -> str | None:
-    """A client's bearer token: `token_file`'s first word, else `token` ($UNBROKEN_TOKEN).
-
-    Tokens never come from argv (every local user sees argv in `ps`); callers pass the
-    environment's value as `token`.
-    """
-    if token_file:
-        p = Path(token_file)
-        if not p.is_file():
-            raise ValueError(f"token file {token_file!r} does not exist")
-        words = [
-            ln.split()[0]
-            for ln in p.read_text().splitlines()
-            if ln.strip() and not ln.lstrip().startswith("#")
-        ]
-        if not words:
-            raise ValueError(f"token file {token_file!r} holds no token")
-        token = words[0]
-    if token is not None and len(token) < MIN_TOKEN:
-        raise ValueError(f"the bearer token must be at least {MIN_TOKEN} characters")
-    return token or None
-
-
 # ---------------------------------------------------------------- principals and roles
-MIN_TOKEN = 16
 ANY_ROLE = "*"  # the anonymous principal of a driver without credentials (loopback only)
 
 
@@ -410,8 +342,3 @@ def _denied(
 def _unparsed(data: bytes) -> None:
     """The request deserializer of a refused call: its bytes are never parsed."""
     return None
-
-
-def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    """Call metadata carrying the bearer token (empty without one)."""
-    return (("authorization", f"Bearer {token}"),) if token else ()

@@ -35,6 +35,8 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from unbroken.common import channel
+from unbroken.common.tls import TlsConfig, server_credentials
 from unbroken.driver import detectors
 from unbroken.driver import goodput as goodputlib
 from unbroken.driver import state as statelib
@@ -48,16 +50,9 @@ from unbroken.driver.liveview import LiveView, LiveViewConfig, NodeSlot
 from unbroken.driver.metrics import DriverMetrics
 from unbroken.driver.operator import OperatorApi
 from unbroken.driver.rpc import abort
-from unbroken.driver.security import (
-    AuthInterceptor,
-    RoleTokens,
-    TlsConfig,
-    caller,
-    server_credentials,
-)
+from unbroken.driver.security import AuthInterceptor, RoleTokens, caller
 from unbroken.driver.sessions import RelayOutbox, Sessions
 from unbroken.driver.straggler import Sample, StragglerConfig, StragglerWatch, sample
-from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev

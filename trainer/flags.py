@@ -11,6 +11,8 @@ import argparse
 import math
 import os
 
+from unbroken.common import workerenv
+from unbroken.common.workerenv import WorkerEnv
 from unbroken.trainer.config import (
     AC_MODES,
     DP_MODES,
@@ -103,18 +105,14 @@ def _layout_from_env(args: argparse.Namespace) -> None:
     dp that ep no longer divides, ep drops to gcd(ep, dp) and the experts reshard through
     DCP (their layout is in the checkpoint) instead of the job failing its config check.
     """
-    for name in ("dp", "pp", "tp"):
-        var = f"UNBROKEN_{name.upper()}"
-        raw = os.environ.get(var, "")
-        if not raw:
+    env = WorkerEnv.from_env(os.environ)
+    for name, value in (("dp", env.dp), ("pp", env.pp), ("tp", env.tp)):
+        if value is None:
             continue
-        if not raw.isdigit() or int(raw) < 1:
-            raise ValueError(f"{var}={raw!r} must be a positive integer (set by the agent)")
-        value = int(raw)
         if name == "dp" and args.cp > 1:
             if value % args.cp:
                 raise ValueError(
-                    f"UNBROKEN_DP={value} (the driver's dp, which counts cp ranks) is not "
+                    f"{workerenv.DP}={value} (the driver's dp, which counts cp ranks) is not "
                     f"divisible by --cp {args.cp}; this world cannot keep context parallelism"
                 )
             value //= args.cp

@@ -22,12 +22,13 @@ ROOT = Path(__file__).resolve().parents[2]
 # part -> the parts it may import (itself always allowed).
 MAY_IMPORT: dict[str, set[str]] = {
     "proto": set(),
-    "diagnostics": {"proto"},
-    "recovery": {"proto"},
-    "trainer": {"proto", "recovery"},
-    "driver": {"proto", "diagnostics", "recovery"},
-    "agent": {"proto", "diagnostics", "recovery"},
-    "cli": {"proto", "diagnostics", "recovery", "trainer", "driver", "agent"},
+    "common": {"proto"},
+    "diagnostics": {"proto", "common"},
+    "recovery": {"proto", "common"},
+    "trainer": {"proto", "common", "recovery"},
+    "driver": {"proto", "common", "diagnostics", "recovery"},
+    "agent": {"proto", "common", "diagnostics", "recovery"},
+    "cli": {"proto", "common", "diagnostics", "recovery", "trainer", "driver", "agent"},
 }
 PARTS = set(MAY_IMPORT)
 # (file, part) -> why the file may name that part anyway.
