@@ -41,6 +41,7 @@ import grpc
 import structlog
 
 from unbroken.common import channel
+from unbroken.common.serving import MalformedRequests
 from unbroken.common.tls import TlsConfig, server_credentials, token_metadata
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -140,7 +141,7 @@ class Relay(dgrpc.DriverServicer):
     async def start(self) -> int:
         """Listen for members; returns the bound port."""
         c = self.config
-        server = grpc.aio.server(options=channel.SERVER_OPTIONS)
+        server = grpc.aio.server(interceptors=[MalformedRequests()], options=channel.SERVER_OPTIONS)
         dgrpc.add_DriverServicer_to_server(self, server)
         if c.tls.enabled:
             port = server.add_secure_port(c.listen, server_credentials(c.tls))

@@ -6,6 +6,8 @@
 - `paths`: the private runtime directory and the agent's default socket.
 - `workerenv`: the agent -> worker environment contract (`WorkerEnv`).
 - `faults`: the fault-spec format and the kinds of injectable faults.
+- `serving`: what every gRPC server of ours does to a request first (malformed bytes get
+  INVALID_ARGUMENT).
 - `logsetup`: structlog set-up; `reaper`: the watcher that takes a process's children down
   with it.
 

@@ -36,6 +36,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from unbroken.common import channel
+from unbroken.common.serving import MalformedRequests
 from unbroken.common.tls import TlsConfig, server_credentials
 from unbroken.driver import detectors
 from unbroken.driver import goodput as goodputlib
@@ -1050,10 +1051,12 @@ async def build_server(
     """
     cfg = service.config
     # without any credential every caller is `*:anonymous` (the CALLER default): no
-    # interceptor, no cost; main.py refuses that beyond loopback unless --insecure
-    interceptors = (
+    # authentication; main.py refuses that beyond loopback unless --insecure. Malformed
+    # request bytes get INVALID_ARGUMENT, checked after authentication (innermost).
+    interceptors: list[grpc.aio.ServerInterceptor] = (
         [AuthInterceptor(cfg.tokens, tls=cfg.tls.enabled)] if cfg.tokens or cfg.tls.enabled else []
     )
+    interceptors.append(MalformedRequests())
     options = [
         *channel.SERVER_OPTIONS,
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
