@@ -64,11 +64,57 @@ class _CheckedContext:
         return getattr(self._context, name)
 
 
-def checked(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-    """`handler` with a tolerant deserializer and malformed requests refused."""
+Prepare = Callable[[Any, Any], Awaitable[tuple[Any, Any]]]
+
+
+def of_shape(
+    handler: grpc.RpcMethodHandler,
+    call: Callable[..., Any],
+    deserializer: Callable[[bytes], Any] | None,
+) -> grpc.RpcMethodHandler:
+    """A handler of `handler`'s streaming shape and response serializer that runs `call`."""
+    ser = handler.response_serializer
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(call, deserializer, ser)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(call, deserializer, ser)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(call, deserializer, ser)
+    return grpc.unary_unary_rpc_method_handler(call, deserializer, ser)
+
+
+def around(
+    handler: grpc.RpcMethodHandler,
+    prepare: Prepare,
+    deserializer: Callable[[bytes], Any] | None,
+) -> grpc.RpcMethodHandler:
+    """`handler` with `prepare(request, context)` awaited first, in the call's own task; the
+    handler then runs with the request and context `prepare` returns."""
     inner = (
         handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
     )
+    call: Callable[..., Any]
+    if inspect.isasyncgenfunction(inner):
+
+        async def gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            request, ctx = await prepare(request, context)
+            async for item in inner(request, ctx):
+                yield item
+
+        call = gen
+    else:
+
+        async def plain(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            request, ctx = await prepare(request, context)
+            result = inner(request, ctx)
+            return await result if inspect.isawaitable(result) else result
+
+        call = plain
+    return of_shape(handler, call, deserializer)
+
+
+def checked(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """`handler` with a tolerant deserializer and malformed requests refused."""
     des = handler.request_deserializer
     expected = _message_name(des) if des is not None else "request"
 
@@ -91,31 +137,7 @@ def checked(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandle
             await refuse(context, request)
         return request, context
 
-    call: Callable[..., Any]
-    if inspect.isasyncgenfunction(inner):
-
-        async def gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            request, ctx = await prepare(request, context)
-            async for item in inner(request, ctx):
-                yield item
-
-        call = gen
-    else:
-
-        async def plain(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            request, ctx = await prepare(request, context)
-            result = inner(request, ctx)
-            return await result if inspect.isawaitable(result) else result
-
-        call = plain
-    ser, parse = handler.response_serializer, _tolerant(des)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(call, parse, ser)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(call, parse, ser)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(call, parse, ser)
-    return grpc.unary_unary_rpc_method_handler(call, parse, ser)
+    return around(handler, prepare, _tolerant(des))
 
 
 class MalformedRequests(grpc.aio.ServerInterceptor):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import Any
 
 import grpc
 
+from unbroken.common.serving import around, of_shape
 from unbroken.common.tls import MIN_TOKEN
 from unbroken.driver.certs import ROLES, parse_principal, principal_of_san
 
@@ -255,33 +255,12 @@ def _wrap(
     handler: grpc.RpcMethodHandler, before: Callable[[Any], Awaitable[None]]
 ) -> grpc.RpcMethodHandler:
     """`handler` with `before(context)` awaited first, in the call's own task."""
-    inner = (
-        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
-    )
-    des, ser = handler.request_deserializer, handler.response_serializer
-    call: Any
-    if inspect.isasyncgenfunction(inner):
 
-        async def gen(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await before(context)
-            async for item in inner(request, context):
-                yield item
+    async def prepare(request: Any, context: Any) -> tuple[Any, Any]:
+        await before(context)
+        return request, context
 
-        call = gen
-    else:
-
-        async def plain(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await before(context)
-            return await inner(request, context)
-
-        call = plain
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(call, des, ser)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(call, des, ser)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(call, des, ser)
-    return grpc.unary_unary_rpc_method_handler(call, des, ser)
+    return around(handler, prepare, handler.request_deserializer)
 
 
 def _as(handler: grpc.RpcMethodHandler, principal: Principal) -> grpc.RpcMethodHandler:
@@ -323,20 +302,10 @@ def _denied(
 ) -> grpc.RpcMethodHandler:
     """A handler of `handler`'s shape that aborts with `code` without parsing the request."""
 
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
         await context.abort(code, message)
 
-    async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(code, message)
-
-    ser = handler.response_serializer
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(stream, _unparsed, ser)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(stream, _unparsed, ser)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(unary, _unparsed, ser)
-    return grpc.unary_unary_rpc_method_handler(unary, _unparsed, ser)
+    return of_shape(handler, deny, _unparsed)
 
 
 def _unparsed(data: bytes) -> None:

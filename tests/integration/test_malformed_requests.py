@@ -51,6 +51,17 @@ async def unary(ch: grpc.aio.Channel, path: str, md: tuple[tuple[str, str], ...]
     return info.value
 
 
+async def session(ch: grpc.aio.Channel, node: str) -> Exception:
+    """Garbage as the first message of node `node`'s (epoch 1) Session stream."""
+    call = ch.stream_stream(D + "Session", request_serializer=None, response_deserializer=None)(
+        iter([GARBAGE]), metadata=((channel.NODE_KEY, node), (channel.EPOCH_KEY, "1")), timeout=10
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in call:
+            pass
+    return info.value
+
+
 def assert_invalid(err: Exception, path: str, message_type: str) -> None:
     assert isinstance(err, grpc.aio.AioRpcError)
     details = err.details() or ""
@@ -84,18 +95,8 @@ def test_driver_answers_invalid_argument_to_garbage() -> None:
             assert_invalid(await unary(ch, path), path, "grpc.health.v1.HealthCheckRequest")
             # the bidirectional session (read with context.read()) of a registered node
             await dgrpc.DriverStub(ch).Register(dpb.RegisterRequest(node_id="n0", epoch=1))
-            session = ch.stream_stream(
-                D + "Session", request_serializer=None, response_deserializer=None
-            )
-            call = session(
-                iter([GARBAGE]),
-                metadata=((channel.NODE_KEY, "n0"), (channel.EPOCH_KEY, "1")),
-                timeout=10,
-            )
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                async for _ in call:
-                    pass
-            assert_invalid(info.value, D + "Session", "unbroken.driver.v1.AgentMessage")
+            err = await session(ch, "n0")
+            assert_invalid(err, D + "Session", "unbroken.driver.v1.AgentMessage")
             # and the driver still serves well-formed calls
             status = await dgrpc.DriverStub(ch).GetStatus(dpb.GetStatusRequest(), timeout=10)
             assert status.job_id == "job"
@@ -129,18 +130,8 @@ def test_relay_answers_invalid_argument_to_garbage() -> None:
         port = await relay.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                session = ch.stream_stream(
-                    D + "Session", request_serializer=None, response_deserializer=None
-                )
-                call = session(
-                    iter([GARBAGE]),
-                    metadata=((channel.NODE_KEY, "m0"), (channel.EPOCH_KEY, "1")),
-                    timeout=10,
-                )
-                with pytest.raises(grpc.aio.AioRpcError) as info:
-                    async for _ in call:
-                        pass
-                assert_invalid(info.value, D + "Session", "unbroken.driver.v1.AgentMessage")
+                err = await session(ch, "m0")
+                assert_invalid(err, D + "Session", "unbroken.driver.v1.AgentMessage")
                 assert sent == []  # nothing went up
                 path = D + "Register"
                 assert_invalid(await unary(ch, path), path, "unbroken.driver.v1.RegisterRequest")
