@@ -44,7 +44,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	@# mypy cannot follow the editable install's package-dir mapping: give it a symlink tree.
 	@mkdir -p build/typecheck/unbroken
-	@for d in proto driver agent diagnostics recovery trainer cli common; do ln -sfn ../../../$$d build/typecheck/unbroken/$$d; done
+	@for d in proto common driver agent diagnostics recovery trainer cli; do ln -sfn ../../../$$d build/typecheck/unbroken/$$d; done
 	MYPYPATH=build/typecheck $(VENV)/bin/mypy --explicit-package-bases \
 		-p unbroken.driver -p unbroken.agent -p unbroken.diagnostics -p unbroken.recovery -p unbroken.trainer -p unbroken.cli -p unbroken.common
 

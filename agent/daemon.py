@@ -15,7 +15,7 @@ every rank's shard is in.
 Self-checks (diagnostics/selfcheck.py) run as a child process at nice +5 with a deadline,
 once after the first registration (re-sent on the next session until one takes it) and
 again on the driver's RunSelfCheck; the report goes up the session as SelfCheckReport.
-Faults can be injected at runtime (InjectFault; diagnostics/faults.py RUNTIME_FAULTS):
+Faults can be injected at runtime (InjectFault; common/faults.py RUNTIME_FAULTS):
 check-level ones (wrong-matmul, slow) change the fault spec the checks and self-checks
 run with; crash / hang signal a worker; node-loss kills the workers and the agent without
 a goodbye; nan / loss-spike are written atomically as JSON to `<log dir>/fault.json`,
@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
-import json
 import os
 import random
 import signal
@@ -55,17 +53,28 @@ import structlog
 
 from unbroken.agent import checks, probes
 from unbroken.agent.flash import NodeFlash, NodeFlashConfig
-from unbroken.agent.hookserver import DEFAULT_SOCKET, HookServer
+from unbroken.agent.hookserver import HookServer
 from unbroken.agent.metrics import AgentMetrics
 from unbroken.agent.relay import SILENT_S, Relay, RelayConfig, parse_relay
 from unbroken.agent.workers import Supervisor, WorkerSpec
-from unbroken.diagnostics.faults import WORKER_FILE_FAULTS, FaultSpec, RuntimeFault
-from unbroken.proto import channel
+from unbroken.common import channel, workerenv
+from unbroken.common.channel import endpoint_is_loopback
+from unbroken.common.faults import (
+    FAULT_FILE,
+    SLOW_FILE,
+    WORKER_FILE_FAULTS,
+    FaultSpec,
+    RuntimeFault,
+    WorkerFault,
+    write_slow_factor,
+)
+from unbroken.common.paths import DEFAULT_SOCKET
+from unbroken.common.tls import TlsConfig, channel_credentials, token_metadata
+from unbroken.common.workerenv import WorkerEnv
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import hooks_pb2 as hpb
 from unbroken.recovery.persist import Persisted
-from unbroken.recovery.sources import ENV_FLASH_NODE
 
 log = structlog.get_logger(__name__)
 
@@ -75,8 +84,6 @@ AGENT_VERSION = "0.1.0"
 F_EXITED = dpb.HEARTBEAT_FLAG_WORKER_EXITED
 F_ALERTS = dpb.HEARTBEAT_FLAG_LOG_ALERTS
 F_STALLED = dpb.HEARTBEAT_FLAG_STALLED
-FAULT_FILE_ENV = "UNBROKEN_FAULT_FILE"
-SLOW_FILE = "slow-train.json"  # trainer/run.py reads it beside the fault file
 
 
 class AgentExit(Exception):
@@ -149,9 +156,10 @@ class AgentConfig:
             "help": "do not run the self-checks after registering (the driver can still ask)",
         },
     )
-    tls_cert: str | None = field(default=None, metadata={"help": "agent certificate (mTLS)"})
-    tls_key: str | None = field(default=None, metadata={"help": "agent private key (mTLS)"})
-    tls_ca: str | None = field(default=None, metadata={"help": "CA that signed the driver's cert"})
+    tls: TlsConfig = field(
+        default_factory=TlsConfig,
+        metadata={"flag": None, "why": "built from --tls-cert, --tls-key and --tls-ca"},
+    )
     token: str | None = field(
         default=None, metadata={"flag": None, "why": "read from --token-file or $UNBROKEN_TOKEN"}
     )
@@ -222,11 +230,8 @@ class AgentConfig:
         if not self.selfcheck_timeout_s > 0:
             raise ValueError(f"selfcheck_timeout_s must be > 0, got {self.selfcheck_timeout_s}")
         FaultSpec.parse(self.fault)  # ValueError naming the known terms
-        given = [x is not None for x in (self.tls_cert, self.tls_key, self.tls_ca)]
-        if any(given) and not all(given):
-            raise ValueError("tls: --tls-cert, --tls-key and --tls-ca must be given together")
-        if self.token and not self.tls_cert:
-            remote = [d for d in self.drivers if not channel_is_loopback(d)]
+        if self.token and not self.tls.enabled:
+            remote = [d for d in self.drivers if not endpoint_is_loopback(d)]
             if remote:
                 raise ValueError(
                     f"the token would travel in cleartext to {', '.join(remote)}: give the "
@@ -236,7 +241,7 @@ class AgentConfig:
             rid, endpoint = parse_relay(self.relay)
             if rid == self.node_id:
                 raise ValueError("--relay names this node itself; a relay needs no relay")
-            if self.token and not self.tls_cert and not channel_is_loopback(endpoint):
+            if self.token and not self.tls.enabled and not endpoint_is_loopback(endpoint):
                 raise ValueError(
                     f"the token would travel in cleartext to the relay {endpoint}: give the "
                     "agent --tls-cert/--tls-key/--tls-ca"
@@ -245,17 +250,6 @@ class AgentConfig:
             raise ValueError("--relay-listen and --relay exclude each other")
         if not self.socket_path:  # taken by the first agent on the host
             object.__setattr__(self, "socket_path", DEFAULT_SOCKET)  # a derived default
-
-
-def channel_is_loopback(endpoint: str) -> bool:
-    """Whether `host:port` names this host's loopback (a literal address or localhost)."""
-    host = endpoint.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def local_ip() -> str:
@@ -291,8 +285,8 @@ class Agent:
             if config.flash is not None:
                 self.flash = NodeFlash(config.flash, sup.launch.world_size, config.node_id)
                 sup.launch = sup.launch.with_env(**self.flash.env())
-            self.fault_file = Path(spec.log_dir) / "fault.json"
-            sup.launch = sup.launch.with_env(**{FAULT_FILE_ENV: str(self.fault_file)})
+            self.fault_file = Path(spec.log_dir) / FAULT_FILE
+            sup.launch = sup.launch.with_env(**WorkerEnv(fault_file=str(self.fault_file)).to_env())
         # the registration self-check: pending until a session took its report
         self._selfcheck_due = config.selfcheck_at_register
         self._selfcheck_report: dpb.SelfCheckReport | None = None
@@ -311,9 +305,7 @@ class Agent:
             self.relay = Relay(
                 RelayConfig(
                     listen=config.relay_listen,
-                    tls_cert=config.tls_cert,
-                    tls_key=config.tls_key,
-                    tls_ca=config.tls_ca,
+                    tls=config.tls,
                     token=config.token,
                 ),
                 config.node_id,
@@ -324,18 +316,11 @@ class Agent:
         self._heard = 0.0  # monotonic time of the last message down the session
 
     def _token_md(self) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {self.config.token}"),) if self.config.token else ()
+        return token_metadata(self.config.token)
 
     def _channel(self, target: str) -> grpc.aio.Channel:
-        c = self.config
-        if c.tls_cert:
-            assert c.tls_key and c.tls_ca
-            with (
-                open(c.tls_ca, "rb") as ca,
-                open(c.tls_key, "rb") as k,
-                open(c.tls_cert, "rb") as crt,
-            ):
-                creds = grpc.ssl_channel_credentials(ca.read(), k.read(), crt.read())
+        if self.config.tls.enabled:
+            creds = channel_credentials(self.config.tls)
             return grpc.aio.secure_channel(target, creds, options=channel.CLIENT_OPTIONS)
         return grpc.aio.insecure_channel(target, options=channel.CLIENT_OPTIONS)
 
@@ -804,17 +789,12 @@ class Agent:
         if sup is None or self.fault_file is None:
             raise ValueError(f"{f.kind}: this agent runs no workers (no --worker-cmd)")
         if f.kind == "slow-train":
-            path = self.fault_file.with_name(SLOW_FILE)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps({"factor": f.factor or 2.0}))
-            os.replace(tmp, path)  # the trainer reads it each step (trainer/run.py SlowFile)
+            # the trainer reads it each step (trainer/run.py SlowFile)
+            write_slow_factor(self.fault_file.with_name(SLOW_FILE), f.factor or 2.0)
             return f"slow-train: the workers compute {f.factor or 2.0:g}x slower"
         if f.kind in WORKER_FILE_FAULTS:
             step = f.step or max((w.step for w in sup.workers.values()), default=0) + 1
-            data = {"kind": f.kind, "step": step, "id": uuid.uuid4().hex}
-            tmp = self.fault_file.with_name(self.fault_file.name + ".tmp")
-            tmp.write_text(json.dumps(data))
-            os.replace(tmp, self.fault_file)  # atomic: a worker never reads half a file
+            WorkerFault(f.kind, step, uuid.uuid4().hex).write(self.fault_file)
             return f"{f.kind}: written to {self.fault_file} for step {step}"
         w = sup.workers.get(f.local_rank)
         if w is None or w.proc is None or w.proc.returncode is not None:
@@ -857,12 +837,12 @@ class Agent:
             raise ValueError(f"{kind}: this agent runs no workers (no --worker-cmd)")
         if kind == "restore_point":  # for the next start (engineer "drill"; trainer/run.py)
             rp = msg.restore_point
-            sup.launch = sup.launch.with_env(
-                UNBROKEN_RESTORE_STEP=str(rp.step) if rp.step else None,
-                UNBROKEN_SKIP_BATCHES=(
-                    f"{rp.skip_from_step}:{rp.skip_batches}" if rp.skip_batches else None
-                ),
+            point = WorkerEnv(
+                restore_step=rp.step or None,
+                skip_batches=(rp.skip_from_step, rp.skip_batches) if rp.skip_batches else None,
             )
+            cleared: dict[str, str | None] = dict.fromkeys(workerenv.RESTORE_VARIABLES)
+            sup.launch = sup.launch.with_env(**{**cleared, **point.to_env()})
             return f"restore point: step {rp.step or 'newest'}, skip {rp.skip_batches}"
         if kind == "start_workers":
             p = msg.start_workers
@@ -879,7 +859,7 @@ class Agent:
                 # (the driver knows it from the node's registration; else this node's buddy);
                 # the workers look for them there
                 if await self.flash.take_over(p.replaces, self.config.node_id, p.replaces_from):
-                    launch = launch.with_env(**{ENV_FLASH_NODE: p.replaces})
+                    launch = launch.with_env(**WorkerEnv(flash_node=p.replaces).to_env())
             if self.flash is not None:
                 self.flash.world_size = launch.world_size
                 if p.flash_bytes_per_rank:

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import structlog
 
+from unbroken.common.tls import TlsConfig
+from unbroken.common.workerenv import WorkerEnv
 from unbroken.recovery.flashcopy import FlashError, list_copies
 from unbroken.recovery.flashowner import FLASH_COPIES, FlashConfig, FlashOwner
 from unbroken.recovery.lifecycle import deletable
@@ -52,15 +54,7 @@ from unbroken.recovery.replica import (
     ReplicaServer,
     fetch_replica,
 )
-from unbroken.recovery.sources import (
-    ENV_FLASH_COPIES,
-    ENV_FLASH_JOB,
-    ENV_FLASH_NODE,
-    ENV_FLASH_ROOT,
-    ENV_PERSIST_EVERY_S,
-    ENV_PERSIST_URL,
-    PERSIST_EVERY_S,
-)
+from unbroken.recovery.sources import PERSIST_EVERY_S
 
 log = structlog.get_logger(__name__)
 
@@ -174,9 +168,9 @@ class NodeFlashConfig:
     replica_key: bytes | None = field(
         default=None, metadata={"flag": None, "why": "--replica-key-file or its variable"}
     )
-    # (cert, key, ca): mutual TLS replaces the key
-    tls: tuple[str, str, str] | None = field(
-        default=None, metadata={"flag": None, "why": "--tls-cert/--tls-key/--tls-ca"}
+    # mutual TLS (the agent's certificate) replaces the key
+    tls: TlsConfig = field(
+        default_factory=TlsConfig, metadata={"flag": None, "why": "--tls-cert/--tls-key/--tls-ca"}
     )
     replica_grants: str | None = field(
         default=None,
@@ -204,7 +198,7 @@ class NodeFlashConfig:
         parse_hostport(self.listen, "--replica-listen")
         if self.buddy:
             parse_hostport(self.buddy, "--buddy")
-            if self.tls is None and self.replica_key is None:
+            if not self.tls.enabled and self.replica_key is None:
                 raise ValueError(
                     "--buddy needs an authenticated replica stream: give the agent "
                     "--tls-cert/--tls-key/--tls-ca, or the job's replica key "
@@ -258,14 +252,15 @@ class NodeFlash:
 
     def env(self) -> dict[str, str]:
         """What a worker needs to find the store (set in every worker's environment)."""
-        return {
-            ENV_FLASH_ROOT: self.config.root,
-            ENV_FLASH_JOB: self.config.job,
-            ENV_FLASH_NODE: self.config.node,
-            ENV_PERSIST_URL: self.config.persist_url,
-            ENV_PERSIST_EVERY_S: repr(self.config.persist_every_s),
-            ENV_FLASH_COPIES: str(self.config.copies),
-        }
+        c = self.config
+        return WorkerEnv(
+            flash_root=c.root,
+            flash_job=c.job,
+            flash_node=c.node,
+            persist_url=c.persist_url,
+            persist_every_s=c.persist_every_s,
+            flash_copies=c.copies,
+        ).to_env()
 
     async def start(self) -> None:
         """Listen for the buddy, fetch this node's replicas back, start persisting."""
@@ -439,9 +434,10 @@ class NodeFlash:
 
 def replica_auth(config: NodeFlashConfig) -> ReplicaAuth:
     """The replica stream's credentials: mutual TLS, else the job key, else none."""
-    if config.tls is not None:
-        cert, key, ca = config.tls
-        return ReplicaAuth.tls(cert, key, ca, grants_file=config.replica_grants)
+    tls = config.tls
+    if tls.enabled:
+        assert tls.cert and tls.key and tls.ca
+        return ReplicaAuth.tls(tls.cert, tls.key, tls.ca, grants_file=config.replica_grants)
     if config.replica_key is not None:
         return ReplicaAuth.keyed(config.replica_key)
     return ReplicaAuth.none()

@@ -28,22 +28,13 @@ from pathlib import Path
 import structlog
 
 from unbroken.agent.workers import Supervisor
+from unbroken.common.paths import DEFAULT_SOCKET, private_dir
+from unbroken.common.workerenv import WorkerEnv
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import hooks_pb2 as hpb
-from unbroken.proto.runtime import private_dir, runtime_dir
-from unbroken.recovery.sources import (
-    ENV_FLASH_JOB,
-    ENV_FLASH_NODE,
-    ENV_FLASH_ROOT,
-    ENV_PERSIST_URL,
-)
 
 log = structlog.get_logger(__name__)
 
-# Where a node's agent listens when not told otherwise, and where the hooks SDK looks when
-# UNBROKEN_AGENT_SOCKET is unset (kept equal to unbroken.trainer.hooks.DEFAULT_SOCKET, which
-# cannot import this module: trainer/ never imports agent/).
-DEFAULT_SOCKET = os.path.join(runtime_dir(), "agent.sock")
 MAX_ATTACHED = 1024  # attached workers remembered (the oldest dead ones go first)
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 _CMSG_SPACE = socket.CMSG_SPACE(_UCRED.size)
@@ -135,13 +126,13 @@ class HookServer:
 
     def welcome(self) -> hpb.Welcome:
         """Where this node's flash store is (from the environment the agent gives workers)."""
-        env = self.supervisor.launch.env
+        env = WorkerEnv.from_env(self.supervisor.launch.env)
         return hpb.Welcome(
             node_id=self.node_id,
-            flash_root=env.get(ENV_FLASH_ROOT, ""),
-            flash_job=env.get(ENV_FLASH_JOB, ""),
-            flash_node=env.get(ENV_FLASH_NODE, ""),
-            persist_url=env.get(ENV_PERSIST_URL, ""),
+            flash_root=env.flash_root,
+            flash_job=env.flash_job,
+            flash_node=env.flash_node,
+            persist_url=env.persist_url,
         )
 
     async def start(self) -> None:

@@ -16,8 +16,9 @@ from unbroken.agent.flash import NodeFlashConfig
 from unbroken.agent.workers import WorkerSpec, warm_default
 from unbroken.common.config import add_config_flags
 from unbroken.common.config import config_from_args as build
-from unbroken.proto.logsetup import setup_logging
-from unbroken.proto.runtime import UnsafeRuntimeDirError
+from unbroken.common.logsetup import setup_logging
+from unbroken.common.paths import UnsafeRuntimeDirError
+from unbroken.common.tls import TOKEN_ENV, TOKEN_FILE_ENV, TlsConfig, read_token
 from unbroken.recovery.flashowner import UnsafeFlashRootError
 from unbroken.recovery.replica import KEY_ENV as REPLICA_KEY_ENV
 
@@ -30,11 +31,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     flash = add_config_flags(parser, NodeFlashConfig)["flash checkpoints"]
     parser.add_argument(
         "--token-file",
-        default=os.environ.get("UNBROKEN_TOKEN_FILE"),
+        default=os.environ.get(TOKEN_FILE_ENV),
         help="file holding this node's token (default $UNBROKEN_TOKEN_FILE; or the token itself "
         "in $UNBROKEN_TOKEN); never on the command line",
     )
     parser.add_argument("--token", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--tls-cert", default=None, help="this node's certificate (mTLS)")
+    parser.add_argument("--tls-key", default=None, help="this node's private key (mTLS)")
+    parser.add_argument("--tls-ca", default=None, help="CA that signed the driver's certificate")
     parser.add_argument("--log-format", choices=("console", "json"), default="console")
     flash.add_argument("--no-flash", action="store_true", help="own no flash-checkpoint memory")
     flash.add_argument(
@@ -49,6 +53,7 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
     """An `AgentConfig` from parsed flags (ValueError naming the bad one)."""
     spec = None
     flash = None
+    tls = TlsConfig(cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca)
     if ns.worker_cmd:
         spec = build(
             WorkerSpec,
@@ -74,26 +79,17 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
                 node=node,
                 local_ranks=ns.nproc_per_node,
                 replica_key=read_replica_key(ns.replica_key_file),
-                tls=(ns.tls_cert, ns.tls_key, ns.tls_ca) if ns.tls_cert else None,
+                tls=tls,
             )
-    tls = _checked_tls(ns)
     return build(
         AgentConfig,
         ns,
         workers=spec,
-        token=read_token(ns.token, ns.token_file),
+        token=read_token(os.environ.get(TOKEN_ENV) or None, ns.token_file, argv_token=ns.token),
+        tls=tls,
         flash=flash,
         pin_master_addr=ns.master_addr is not None,
-        **tls,
     )
-
-
-def _checked_tls(ns: argparse.Namespace) -> dict[str, str | None]:
-    """The --tls-* files, all three or none, each existing (ValueError naming the flag)."""
-    from unbroken.driver.security import TlsConfig
-
-    tls = TlsConfig(cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca)
-    return {"tls_cert": tls.cert, "tls_key": tls.key, "tls_ca": tls.ca}
 
 
 def read_replica_key(path: str | None) -> bytes | None:
@@ -106,20 +102,8 @@ def read_replica_key(path: str | None) -> bytes | None:
     return os.environ.get(REPLICA_KEY_ENV, "").strip().encode() or None
 
 
-def read_token(token: str | None, token_file: str | None) -> str | None:
-    """The node's bearer token: `--token-file`, else $UNBROKEN_TOKEN (never argv)."""
-    from unbroken.driver.security import read_token as read
-
-    if token is not None:
-        raise ValueError(
-            "--token is gone: a token on the command line is visible to every local user "
-            "(ps). Use --token-file PATH or $UNBROKEN_TOKEN"
-        )
-    return read(os.environ.get("UNBROKEN_TOKEN") or None, token_file)
-
-
 async def _main(cfg: AgentConfig) -> int:
-    from unbroken.driver import reaper
+    from unbroken.common import reaper
 
     reaper.start()  # the workers and their children die with this agent, however it dies
     agent = Agent(cfg)

@@ -40,9 +40,8 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 
@@ -82,14 +81,20 @@ from unbroken.agent.rdzvauth import (  # noqa: E402
     rdzv_key,
     seal,
 )
+from unbroken.common.channel import LEADER_KEY, endpoint_is_loopback  # noqa: E402
+from unbroken.common.tls import (  # noqa: E402
+    TOKEN_ENV,
+    TlsConfig,
+    channel_credentials,
+    read_token,
+    token_metadata,
+)
 
 log = structlog.get_logger(__name__)
 
 BACKEND_NAME = "unbroken"
 DEFAULT_PORT = 50051  # the driver's default --listen port
 NODE_ID_ENV = "UNBROKEN_NODE_ID"
-TOKEN_ENV = "UNBROKEN_TOKEN"
-LEADER_KEY = "x-unbroken-leader"  # same as unbroken.proto.channel.LEADER_KEY
 LONG_POLL_S = 10.0  # longest a blocking store call waits in one RPC
 
 
@@ -105,9 +110,7 @@ class RdzvClientConfig:
     run_id: str
     node_id: str
     token: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
+    tls: TlsConfig = field(default_factory=TlsConfig)
     rpc_timeout_s: float = 10.0  # deadline of one call (plus its wait, for store waits)
     retry_timeout_s: float = 60.0  # keep retrying an unreachable driver this long
     connect_timeout_s: float = 15.0  # the first contact, when the handler is created
@@ -133,19 +136,13 @@ class RdzvClientConfig:
                 f"node_id {self.node_id!r} must be 1-256 characters "
                 f"(rdzv conf node_id=..., or {NODE_ID_ENV})"
             )
-        tls = [self.tls_cert, self.tls_key, self.tls_ca]
-        if any(tls) and not all(tls):
-            raise ValueError("tls_cert, tls_key and tls_ca must be given together (rdzv conf)")
-        if self.token and not self.tls_cert:
-            remote = [e for e in self.endpoints if not _loopback(e)]
+        if self.token and not self.tls.enabled:
+            remote = [e for e in self.endpoints if not endpoint_is_loopback(e)]
             if remote:
                 raise ValueError(
                     f"the token would travel in cleartext to {', '.join(remote)}: give "
                     "tls_cert, tls_key and tls_ca (rdzv conf), or reach the driver on loopback"
                 )
-        for name, p in zip(("tls_cert", "tls_key", "tls_ca"), tls, strict=True):
-            if p and not Path(p).is_file():
-                raise ValueError(f"{name}: no such file {p!r}")
         for name in ("rpc_timeout_s", "retry_timeout_s", "connect_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -157,16 +154,6 @@ class RdzvClientConfig:
     def endpoints(self) -> list[str]:
         """The drivers to try, in order."""
         return [e.strip() for e in self.endpoint.split(",") if e.strip()]
-
-
-def _loopback(endpoint: str) -> bool:
-    import ipaddress
-
-    host = endpoint.rpartition(":")[0].strip("[]")
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def config_from_params(params: RendezvousParameters) -> RdzvClientConfig:
@@ -182,13 +169,9 @@ def config_from_params(params: RendezvousParameters) -> RdzvClientConfig:
         for e in (x.strip() for x in endpoint.split(","))
         if e
     )
-    token = params.get("token") or os.environ.get(TOKEN_ENV) or None
-    token_file = params.get("token_file")
-    if token_file:
-        p = Path(token_file)
-        if not p.is_file():
-            raise ValueError(f"rdzv conf token_file={token_file!r}: no such file")
-        token = p.read_text().strip() or None
+    token = read_token(
+        params.get("token") or os.environ.get(TOKEN_ENV) or None, params.get("token_file")
+    )
 
     def seconds(key: str, default: float) -> float:
         raw = params.get(key)
@@ -202,9 +185,9 @@ def config_from_params(params: RendezvousParameters) -> RdzvClientConfig:
         run_id=params.run_id,
         node_id=params.get("node_id") or os.environ.get(NODE_ID_ENV) or socket.gethostname(),
         token=token,
-        tls_cert=params.get("tls_cert"),
-        tls_key=params.get("tls_key"),
-        tls_ca=params.get("tls_ca"),
+        tls=TlsConfig(
+            cert=params.get("tls_cert"), key=params.get("tls_key"), ca=params.get("tls_ca")
+        ),
         key_file=params.get("key_file"),
         rpc_timeout_s=seconds("rpc_timeout", 10.0),
         retry_timeout_s=seconds("retry_timeout", 60.0),
@@ -231,23 +214,18 @@ class DriverClient:
         self._grpc = grpc
         self._rpb = rpb
         self._lock = threading.Lock()
-        self._metadata = (("authorization", f"Bearer {config.token}"),) if config.token else ()
+        self._metadata = token_metadata(config.token)
         self._channel: Any = None
         self._stub: Any = None
         self._open(self.endpoint)
 
     def _open(self, endpoint: str) -> None:
-        from unbroken.proto import channel as chan
+        from unbroken.common import channel as chan
         from unbroken.proto import rendezvous_pb2_grpc as rgrpc
 
         grpc, cfg = self._grpc, self.config
-        if cfg.tls_cert:
-            assert cfg.tls_key and cfg.tls_ca
-            creds = grpc.ssl_channel_credentials(
-                root_certificates=Path(cfg.tls_ca).read_bytes(),
-                private_key=Path(cfg.tls_key).read_bytes(),
-                certificate_chain=Path(cfg.tls_cert).read_bytes(),
-            )
+        if cfg.tls.enabled:
+            creds = channel_credentials(cfg.tls)
             ch = grpc.secure_channel(endpoint, creds, options=chan.CLIENT_OPTIONS)
         else:
             ch = grpc.insecure_channel(endpoint, options=chan.CLIENT_OPTIONS)

@@ -34,14 +34,15 @@ import contextlib
 import hmac
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import structlog
 
-from unbroken.proto import channel
+from unbroken.common import channel
+from unbroken.common.serving import MalformedRequests
+from unbroken.common.tls import TlsConfig, server_credentials, token_metadata
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 
@@ -63,9 +64,7 @@ class RelayConfig:
     listen: str  # host:port members connect to (port 0: a free one)
     full_every: int = 10  # every member's full heartbeat once per this many batches
     max_members: int = 1024
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
+    tls: TlsConfig = field(default_factory=TlsConfig)
     token: str | None = None  # members must present this bearer token (without mTLS)
 
     def __post_init__(self) -> None:
@@ -142,16 +141,10 @@ class Relay(dgrpc.DriverServicer):
     async def start(self) -> int:
         """Listen for members; returns the bound port."""
         c = self.config
-        server = grpc.aio.server(options=channel.SERVER_OPTIONS)
+        server = grpc.aio.server(interceptors=[MalformedRequests()], options=channel.SERVER_OPTIONS)
         dgrpc.add_DriverServicer_to_server(self, server)
-        if c.tls_cert:
-            assert c.tls_key and c.tls_ca
-            creds = grpc.ssl_server_credentials(
-                [(Path(c.tls_key).read_bytes(), Path(c.tls_cert).read_bytes())],
-                root_certificates=Path(c.tls_ca).read_bytes(),
-                require_client_auth=True,
-            )
-            port = server.add_secure_port(c.listen, creds)
+        if c.tls.enabled:
+            port = server.add_secure_port(c.listen, server_credentials(c.tls))
         else:
             port = server.add_insecure_port(c.listen)
         if port == 0:
@@ -169,7 +162,7 @@ class Relay(dgrpc.DriverServicer):
     def _authentic(self, context: grpc.aio.ServicerContext, node_id: str) -> str:
         """Why the caller may not be member `node_id` ("" when it may)."""
         c = self.config
-        if c.tls_cert:
+        if c.tls.enabled:
             auth = context.auth_context() or {}
             names = [
                 v.decode(errors="replace") if isinstance(v, bytes) else str(v)
@@ -183,7 +176,8 @@ class Relay(dgrpc.DriverServicer):
             for k, v in context.invocation_metadata() or ():
                 if k == "authorization":
                     got = str(v)
-            if not hmac.compare_digest(got.encode(), f"Bearer {c.token}".encode()):
+            expected = dict(token_metadata(c.token))["authorization"]
+            if not hmac.compare_digest(got.encode(), expected.encode()):
                 return "missing or wrong node token"
         return ""
 

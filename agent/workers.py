@@ -1,8 +1,9 @@
 """Worker supervision: spawn one process per local rank, log and scan its output, stop it.
 
 Each worker gets the environment torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, ...) plus UNBROKEN_AGENT_SOCKET
-(the local hooks channel) and UNBROKEN_FAULT (the agent's injected fault, if any). Its
+LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, ...) plus the agent's part of
+the environment contract (common/workerenv.py `WorkerEnv`: UNBROKEN_AGENT_SOCKET, the
+local hooks channel; UNBROKEN_FAULT, the agent's injected fault, if any; ...). Its
 stdout and stderr go to one log file per rank; every line is scanned for keywords and
 a hit becomes an alert in the next heartbeat. Output is read in chunks, not lines, so an
 absurdly long line cannot exhaust memory: it is cut at `max_line_chars`.
@@ -48,9 +49,8 @@ import structlog
 
 from unbroken.agent import hang as hanglib
 from unbroken.agent import warm as warmlib
+from unbroken.common.workerenv import WorkerEnv
 from unbroken.proto import driver_pb2 as dpb
-from unbroken.recovery.persist import ENV_TIMELINE
-from unbroken.recovery.sources import ENV_PERSIST_EVERY_S
 
 log = structlog.get_logger(__name__)
 
@@ -233,12 +233,19 @@ class WorkerLaunch:
         """The launch a StartWorkers asks for: its world (when it names one), its rendezvous
         (unless the agent's --master-addr is pinned), its layout and timeline; `cmd` replaces
         the command when the caller accepted the driver's."""
-        env = {**self.env, ENV_TIMELINE: str(p.timeline)}  # stamped on every copy
-        if p.persist_every_s > 0 and math.isfinite(p.persist_every_s):
-            env[ENV_PERSIST_EVERY_S] = repr(p.persist_every_s)
-        for name, degree in (("DP", p.dp), ("PP", p.pp), ("TP", p.tp)):
-            if degree:  # the driver's layout (elastic shrink/grow) wins over --dp/--pp/--tp
-                env[f"UNBROKEN_{name}"] = str(degree)
+        given = WorkerEnv(
+            timeline=p.timeline,  # stamped on every copy
+            persist_every_s=(
+                p.persist_every_s
+                if p.persist_every_s > 0 and math.isfinite(p.persist_every_s)
+                else None
+            ),
+            # the driver's layout (elastic shrink/grow) wins over --dp/--pp/--tp
+            dp=p.dp or None,
+            pp=p.pp or None,
+            tp=p.tp or None,
+        )
+        env = {**self.env, **given.to_env()}
         world = (p.world_size, p.global_rank_base) if p.world_size else None
         master = (p.master_addr, p.master_port) if p.master_addr and not pin_master else None
         return dataclasses.replace(
@@ -280,13 +287,11 @@ class WorkerLaunch:
                 "ROLE_WORLD_SIZE": str(self.world_size),
                 "MASTER_ADDR": self.master_addr,
                 "MASTER_PORT": str(self.master_port),
-                "UNBROKEN_AGENT_SOCKET": socket_path,
-                "UNBROKEN_AGENT_PID": str(os.getpid()),
                 "PYTHONUNBUFFERED": "1",
             }
         )
-        if self.fault:
-            env["UNBROKEN_FAULT"] = self.fault
+        ours = WorkerEnv(agent_socket=socket_path, agent_pid=os.getpid(), fault=self.fault)
+        env.update(ours.to_env())
         return env
 
 

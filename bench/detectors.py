@@ -43,6 +43,7 @@ from typing import Any
 import grpc
 
 from unbroken.cli.drill import stop_groups
+from unbroken.common.tls import read_token, token_metadata
 from unbroken.driver import etcdlog
 from unbroken.driver.etcd import EmbeddedEtcd, free_port
 from unbroken.proto import driver_pb2 as dpb
@@ -336,8 +337,7 @@ def fp_part(run: Path, minutes: float, hog: int) -> dict[str, Any]:
             with contextlib.suppress(ValueError, KeyError):
                 addresses.append(f"127.0.0.1:{json.loads(f.read_text())['grpc_port']}")
         # `up` runs secured: the viewer token reads the live view
-        token = (up_dir / "tokens" / "viewer.token").read_text().strip()
-        md = (("authorization", f"Bearer {token}"),)
+        md = token_metadata(read_token(None, str(up_dir / "tokens" / "viewer.token")))
         t_end = time.monotonic() + minutes * 60.0 + 60.0  # + start-up
         next_load = 0.0
         last: dict[str, float] = {}

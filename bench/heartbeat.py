@@ -46,7 +46,8 @@ from typing import Any
 import grpc
 import psutil
 
-from unbroken.proto import channel
+from unbroken.common import channel
+from unbroken.common.tls import token_metadata
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 
@@ -55,7 +56,7 @@ RESULTS = HERE / "results" / "heartbeat.json"
 RESULTS_AUTH = HERE / "results" / "heartbeat_auth.json"
 NODE_TOKEN = "bench-node-token-0123456789"  # every simulated node presents it
 VIEWER_TOKEN = "bench-viewer-token-0123456789"  # the bench's own LiveView reads
-AUTH_MD = (("authorization", f"Bearer {NODE_TOKEN}"),)
+AUTH_MD = token_metadata(NODE_TOKEN)
 NODES_PER_SIM = 500
 WORKERS_PER_NODE = 8
 
@@ -496,7 +497,7 @@ def stats(target: str, attempts: int = 3) -> dpb.LiveStats:
         try:
             with grpc.insecure_channel(target) as ch:
                 req = dpb.LiveViewRequest(summary_only=True)
-                md = (("authorization", f"Bearer {VIEWER_TOKEN}"),)
+                md = token_metadata(VIEWER_TOKEN)
                 return dgrpc.DriverStub(ch).LiveView(req, timeout=10, metadata=md).stats
         except grpc.RpcError:
             if i == attempts - 1:

@@ -48,7 +48,7 @@ from typing import Any
 import grpc
 import psutil
 
-from unbroken.proto import channel
+from unbroken.common import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev

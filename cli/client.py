@@ -24,14 +24,18 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from unbroken.cli.main import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE
-from unbroken.driver.operator import USER_KEY
-from unbroken.driver.security import TlsConfig, channel_credentials, read_token, token_metadata
-from unbroken.proto import channel
+from unbroken.common import channel
+from unbroken.common.tls import (
+    TOKEN_ENV,
+    TOKEN_FILE_ENV,
+    TlsConfig,
+    channel_credentials,
+    read_token,
+    token_metadata,
+)
 from unbroken.proto import driver_pb2_grpc as dgrpc
 
 DRIVER_ENV = "UNBROKEN_DRIVER"
-TOKEN_ENV = "UNBROKEN_TOKEN"  # the token itself
-TOKEN_FILE_ENV = "UNBROKEN_TOKEN_FILE"  # a file holding it
 DEFAULT_DRIVER = "127.0.0.1:50051"
 
 
@@ -89,15 +93,10 @@ def add_client_flags(parser: argparse.ArgumentParser, *, json_flag: bool = True)
 def config_from_args(ns: argparse.Namespace) -> ClientConfig:
     """A `ClientConfig` from parsed flags (CliError with exit code 2 on bad input)."""
     try:
-        if ns.token is not None:
-            raise ValueError(
-                "--token is gone: a token on the command line is visible to every local user "
-                f"(ps). Use --token-file PATH or ${TOKEN_ENV}"
-            )
         return ClientConfig(
             driver=ns.driver,
             timeout_s=ns.timeout,
-            token=read_token(os.environ.get(TOKEN_ENV) or None, ns.token_file),
+            token=read_token(os.environ.get(TOKEN_ENV) or None, ns.token_file, argv_token=ns.token),
             tls=TlsConfig(cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca),
         )
     except ValueError as e:
@@ -121,7 +120,7 @@ def metadata(cfg: ClientConfig) -> tuple[tuple[str, str], ...]:
         user = f"{getpass.getuser()}@{socket.gethostname()}"
     except (KeyError, OSError):
         user = f"uid{os.getuid()}@{socket.gethostname()}"
-    return (*token_metadata(cfg.token), (USER_KEY, user))
+    return (*token_metadata(cfg.token), (channel.USER_KEY, user))
 
 
 def explain(e: grpc.aio.AioRpcError, cfg: ClientConfig) -> CliError:

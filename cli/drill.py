@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
 import signal
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from unbroken.common.faults import FAULT_FILE, LOSS_SPIKE, WorkerFault
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
@@ -400,14 +400,11 @@ class Drill:
             note="rollback to the newest committed step before it; batches skipped",
         )  # fmt: skip
         for n in nodes:
-            req = dpb.InjectFaultRequest(node_id=n, kind="loss-spike", step=step)
+            req = dpb.InjectFaultRequest(node_id=n, kind=LOSS_SPIKE, step=step)
             ok, _ = await self._rpc("InjectFault", req)
             if not ok:  # an agent without InjectFault: write its workers' fault file
-                path = self.c.run / "workers" / n / "fault.json"
-                tmp = path.with_suffix(".tmp")
-                data = {"kind": "loss-spike", "step": step, "id": uuid.uuid4().hex}
-                tmp.write_text(json.dumps(data))
-                os.replace(tmp, path)
+                fault = WorkerFault(LOSS_SPIKE, step, uuid.uuid4().hex)
+                fault.write(self.c.run / "workers" / n / FAULT_FILE)
         return f
 
     async def _inject_bad_node(self, now: float) -> FaultRecord | None:

@@ -1,7 +1,7 @@
 """`unbroken inject FAULT --node NODE`: inject a simulated fault into a running node (drills).
 
 The driver logs an OperatorAction ("inject", who) and forwards the fault to the node's
-agent, which applies it (diagnostics/faults.py RUNTIME_FAULTS lists the kinds). What
+agent, which applies it (common/faults.py RUNTIME_FAULTS lists the kinds). What
 follows is the system's own doing: detection, diagnosis, eviction, recovery. Exit 0 when
 the agent applied the fault, 1 when it refused or did not answer, 2 for an unknown fault
 or node, 3 when the driver is unreachable.
@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from unbroken.cli.client import ClientConfig, add_client_flags, print_json, run_command, to_dict
-from unbroken.diagnostics.faults import RUNTIME_FAULTS, RuntimeFault
+from unbroken.common.faults import RUNTIME_FAULTS, RuntimeFault
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 

@@ -59,7 +59,8 @@ from typing import Any
 import grpc
 
 from unbroken.cli.drill import DRILL, Drill, FaultRecord, fault_table, leader_view, stop_groups
-from unbroken.driver import reaper
+from unbroken.common import reaper
+from unbroken.common.tls import token_metadata
 from unbroken.driver.etcd import EmbeddedEtcd, EmbeddedEtcdCluster, free_port
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -137,8 +138,7 @@ class Cluster:
 
     def metadata(self, role: str = "operator") -> tuple[tuple[str, str], ...]:
         """Call metadata with this run's token of `role` (none: an open cluster)."""
-        token = self.tokens.get(role)
-        return (("authorization", f"Bearer {token}"),) if token else ()
+        return token_metadata(self.tokens.get(role))
 
     def make_tokens(self) -> list[str]:
         """One fresh token per role in run/tokens/ (0600), as a secured cluster runs; the

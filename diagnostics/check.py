@@ -42,7 +42,7 @@ allgather_numel    int       int64 elements each member contributes (default 655
 allgather_iters    int       timed all-gathers (default 4)
 seed               int       input seed (default 0)
 device             str       "auto" (default), "cpu" or "cuda"
-fault              str       optional simulated fault (unbroken.diagnostics.faults);
+fault              str       optional simulated fault (unbroken.common.faults);
                              absent from specs the driver sends, so an agent started with
                              ``--inject-fault`` adds its own
 =================  ========  =============================================================
@@ -74,7 +74,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from unbroken.diagnostics.faults import FaultSpec
+from unbroken.common.faults import FaultSpec
 from unbroken.diagnostics.schema import CheckResult, CheckSpec
 
 EXIT_OK, EXIT_USAGE = 0, 2

@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from unbroken.diagnostics.faults import FaultSpec
+from unbroken.common.faults import FaultSpec
 
 RESULT_SCHEMA = 1
 FAILURES = ("", "matmul", "nan", "allgather", "timeout", "rendezvous", "error", "missing")

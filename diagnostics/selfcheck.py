@@ -112,7 +112,7 @@ def check_matmul(n: int = 256, *, fault: str = "") -> CheckItem:
     """Multiply small-integer matrices on each device and compare exact row sums."""
     import torch
 
-    from unbroken.diagnostics.faults import FaultSpec
+    from unbroken.common.faults import FaultSpec
 
     f = FaultSpec.parse(fault)
     gen = torch.Generator().manual_seed(1234)
@@ -225,7 +225,7 @@ def run_selfchecks(
     Args:
         node_id: this node's id (for the report and event).
         config: limits.
-        fault: a simulated fault (unbroken.diagnostics.faults) applied to the matmul.
+        fault: a simulated fault (unbroken.common.faults) applied to the matmul.
 
     Returns:
         The report; a crashed check is a failed item, never an exception.
@@ -255,13 +255,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Run this node's self-checks and print the report as one JSON line.",
     )
     parser.add_argument("--node-id", default=socket.gethostname(), help="default: hostname")
-    parser.add_argument("--fault", default="", help="simulated fault spec (diagnostics/faults.py)")
+    parser.add_argument("--fault", default="", help="simulated fault spec (common/faults.py)")
     parser.add_argument("--disk-path", default="/", help="where checkpoints are persisted")
     parser.add_argument("--min-free-disk-gb", type=float, default=10.0)
     parser.add_argument("--matmul-n", type=int, default=256)
     ns = parser.parse_args(argv)
     try:
-        from unbroken.diagnostics.faults import FaultSpec
+        from unbroken.common.faults import FaultSpec
 
         FaultSpec.parse(ns.fault)
         cfg = SelfCheckConfig(

@@ -321,7 +321,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(ns: argparse.Namespace) -> int:
     """`unbroken etcd`: run an embedded etcd until Ctrl-C or SIGTERM, printing how to reach it."""
-    from unbroken.driver import reaper
+    from unbroken.common import reaper
 
     # The handlers only set a flag: a KeyboardInterrupt raised inside Popen.poll() can leave
     # its internal waitpid lock held, and the stop's wait() then blocks for good (the likely

@@ -21,6 +21,7 @@ import structlog
 from aetcd import rpc
 from aetcd import watcher as aetcd_watcher
 
+from unbroken.common.tls import channel_credentials_from
 from unbroken.driver.etcd import EtcdConfig
 from unbroken.driver.eventlog import (
     EventLogError,
@@ -293,20 +294,12 @@ FAILOVER_PROBE_S = 1.0
 FAILOVER_RETRY_S = 0.2
 
 
-def _read_file(path: str, field_name: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise ValueError(f"{field_name}: cannot read {path!r}: {e.strerror}") from e
-
-
 def _credentials(config: EtcdConfig) -> grpc.ChannelCredentials:
-    root = _read_file(config.ca_cert, "ca_cert") if config.ca_cert else None
-    key = _read_file(config.client_key, "client_key") if config.client_key else None
-    chain = _read_file(config.client_cert, "client_cert") if config.client_cert else None
-    return grpc.ssl_channel_credentials(
-        root_certificates=root, private_key=key, certificate_chain=chain
+    return channel_credentials_from(
+        ca=config.ca_cert,
+        key=config.client_key,
+        cert=config.client_cert,
+        names=("ca_cert", "client_key", "client_cert"),
     )
 
 

@@ -12,10 +12,10 @@ from typing import Protocol
 
 import grpc
 
+from unbroken.common import channel
 from unbroken.driver.journal import Journal
 from unbroken.driver.liveview import LiveView
 from unbroken.driver.rpc import abort
-from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 

@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import ipaddress
 import json
 import os
 import signal
@@ -27,9 +26,12 @@ from typing import Any
 
 import structlog
 
+from unbroken.common import reaper
+from unbroken.common.channel import is_loopback
 from unbroken.common.config import add_config_flags
 from unbroken.common.config import config_from_args as build
-from unbroken.driver import reaper
+from unbroken.common.logsetup import setup_logging
+from unbroken.common.tls import TlsConfig
 from unbroken.driver.dashboard import Dashboard, DashboardConfig
 from unbroken.driver.etcd import EmbeddedEtcd, EtcdConfig
 from unbroken.driver.eventlog import (
@@ -42,12 +44,11 @@ from unbroken.driver.eventlog import (
 from unbroken.driver.loop import LoopConfig, RecoveryLoop, timeline
 from unbroken.driver.rendezvous import RendezvousService
 from unbroken.driver.scheduler import BridgeConfig, Scheduler, SchedulerBridge
-from unbroken.driver.security import RoleTokens, TlsConfig
+from unbroken.driver.security import RoleTokens
 from unbroken.driver.service import DriverService, ServiceConfig, build_server
 from unbroken.driver.slurm import SlurmConfig, SlurmScheduler
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
-from unbroken.proto.logsetup import setup_logging
 
 log = structlog.get_logger(__name__)
 
@@ -191,17 +192,6 @@ def _archive(cfg: DriverConfig) -> str | None:
     if cfg.archive_url == "none":
         return ""
     return cfg.archive_url or None
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (an IP or a name) is a loopback address."""
-    h = host.strip("[]")
-    if h == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(h).is_loopback
-    except ValueError:
-        return False
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

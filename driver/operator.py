@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import structlog
 
-from unbroken.diagnostics.faults import RuntimeFault
+from unbroken.common import channel
+from unbroken.common.faults import RuntimeFault
 from unbroken.diagnostics.runner import verdict_event
 from unbroken.driver import goodput as goodputlib
 from unbroken.driver.diagnose import DiagnoseError, DriverDiagnoseConfig, run_diagnosis
@@ -34,7 +35,6 @@ from unbroken.driver.liveview import LiveView
 from unbroken.driver.rpc import abort
 from unbroken.driver.scheduler import bridge_of
 from unbroken.driver.security import ANONYMOUS, caller
-from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 
@@ -47,7 +47,6 @@ READ_CHUNK = 500  # events read per call while streaming history (one exact key 
 WATCH_BUFFER = 4096  # live events queued for one follower before it is dropped
 MAX_NODE_ID = 128
 MAX_PAGE = 100_000  # ListNodes page_size cap
-USER_KEY = "x-unbroken-user"  # who the operator is (the CLI sends user@host)
 DIAGNOSE_QUEUE = 1024  # progress messages buffered for one watching call
 SELFCHECK_TIMEOUT_S = 120.0  # default deadline of one node's self-check (RunSelfCheck)
 SELFCHECK_SLACK_S = 15.0  # extra wait for the agent's report after the child's deadline
@@ -64,7 +63,7 @@ def who(context: grpc.aio.ServicerContext) -> str:
     if p is not ANONYMOUS:
         return str(p)
     claim = next(
-        (str(v) for k, v in context.invocation_metadata() or () if k == USER_KEY),
+        (str(v) for k, v in context.invocation_metadata() or () if k == channel.USER_KEY),
         str(context.peer()),
     )
     return f"{p} (claims {claim[:100]})"

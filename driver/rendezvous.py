@@ -54,6 +54,7 @@ from typing import Any, TypeVar
 import grpc
 import structlog
 
+from unbroken.common import channel
 from unbroken.driver.etcdclient import Keys
 from unbroken.driver.eventlog import (
     EventLog,
@@ -62,7 +63,6 @@ from unbroken.driver.eventlog import (
     NotLeaderError,
 )
 from unbroken.driver.rendezvous_kv import KV, MemoryKV, UnknownOutcomeError, kv_for
-from unbroken.proto import channel
 from unbroken.proto import events_pb2 as ev
 from unbroken.proto import rendezvous_pb2 as rpb
 from unbroken.proto import rendezvous_pb2_grpc as rgrpc

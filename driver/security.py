@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -24,81 +23,14 @@ from typing import Any
 
 import grpc
 
+from unbroken.common.serving import around, of_shape
+from unbroken.common.tls import MIN_TOKEN
 from unbroken.driver.certs import ROLES, parse_principal, principal_of_san
 
 OPEN_METHODS = ("/grpc.health.v1.Health/",)
 
 
-@dataclass(kw_only=True, slots=True)
-class TlsConfig:
-    """Certificate files; all three (cert, key, CA) are needed for mTLS."""
-
-    cert: str | None = None
-    key: str | None = None
-    ca: str | None = None
-    server_name: str | None = None  # client side: override the name checked in the cert
-
-    def __post_init__(self) -> None:
-        given = [x is not None for x in (self.cert, self.key, self.ca)]
-        if any(given) and not all(given):
-            raise ValueError(
-                "tls: cert, key and ca must be given together (--tls-cert, --tls-key, --tls-ca)"
-            )
-        for name in ("cert", "key", "ca"):
-            p = getattr(self, name)
-            if p is not None and not Path(p).is_file():
-                raise ValueError(f"tls.{name}: no such file {p!r}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.cert is not None
-
-
-def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
-    """mTLS server credentials: our cert, and client certificates required and verified."""
-    assert tls.cert and tls.key and tls.ca
-    return grpc.ssl_server_credentials(
-        [(Path(tls.key).read_bytes(), Path(tls.cert).read_bytes())],
-        root_certificates=Path(tls.ca).read_bytes(),
-        require_client_auth=True,
-    )
-
-
-def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
-    """mTLS client credentials (the agent's certificate, the CA that signed the driver's)."""
-    assert tls.cert and tls.key and tls.ca
-    return grpc.ssl_channel_credentials(
-        root_certificates=Path(tls.ca).read_bytes(),
-        private_key=Path(tls.key).read_bytes(),
-        certificate_chain=Path(tls.cert).read_bytes(),
-    )
-
-
-def read_token(token: str | None, token_file: str | None) -> str | None:
-    """A client's bearer token: `token_file`'s first word, else `token` ($UNBROKEN_TOKEN).
-
-    Tokens never come from argv (every local user sees argv in `ps`); callers pass the
-    environment's value as `token`.
-    """
-    if token_file:
-        p = Path(token_file)
-        if not p.is_file():
-            raise ValueError(f"token file {token_file!r} does not exist")
-        words = [
-            ln.split()[0]
-            for ln in p.read_text().splitlines()
-            if ln.strip() and not ln.lstrip().startswith("#")
-        ]
-        if not words:
-            raise ValueError(f"token file {token_file!r} holds no token")
-        token = words[0]
-    if token is not None and len(token) < MIN_TOKEN:
-        raise ValueError(f"the bearer token must be at least {MIN_TOKEN} characters")
-    return token or None
-
-
 # ---------------------------------------------------------------- principals and roles
-MIN_TOKEN = 16
 ANY_ROLE = "*"  # the anonymous principal of a driver without credentials (loopback only)
 
 
@@ -323,33 +255,12 @@ def _wrap(
     handler: grpc.RpcMethodHandler, before: Callable[[Any], Awaitable[None]]
 ) -> grpc.RpcMethodHandler:
     """`handler` with `before(context)` awaited first, in the call's own task."""
-    inner = (
-        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
-    )
-    des, ser = handler.request_deserializer, handler.response_serializer
-    call: Any
-    if inspect.isasyncgenfunction(inner):
 
-        async def gen(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await before(context)
-            async for item in inner(request, context):
-                yield item
+    async def prepare(request: Any, context: Any) -> tuple[Any, Any]:
+        await before(context)
+        return request, context
 
-        call = gen
-    else:
-
-        async def plain(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await before(context)
-            return await inner(request, context)
-
-        call = plain
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(call, des, ser)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(call, des, ser)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(call, des, ser)
-    return grpc.unary_unary_rpc_method_handler(call, des, ser)
+    return around(handler, prepare, handler.request_deserializer)
 
 
 def _as(handler: grpc.RpcMethodHandler, principal: Principal) -> grpc.RpcMethodHandler:
@@ -391,27 +302,12 @@ def _denied(
 ) -> grpc.RpcMethodHandler:
     """A handler of `handler`'s shape that aborts with `code` without parsing the request."""
 
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
         await context.abort(code, message)
 
-    async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(code, message)
-
-    ser = handler.response_serializer
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(stream, _unparsed, ser)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(stream, _unparsed, ser)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(unary, _unparsed, ser)
-    return grpc.unary_unary_rpc_method_handler(unary, _unparsed, ser)
+    return of_shape(handler, deny, _unparsed)
 
 
 def _unparsed(data: bytes) -> None:
     """The request deserializer of a refused call: its bytes are never parsed."""
     return None
-
-
-def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    """Call metadata carrying the bearer token (empty without one)."""
-    return (("authorization", f"Bearer {token}"),) if token else ()

@@ -35,6 +35,9 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from unbroken.common import channel
+from unbroken.common.serving import MalformedRequests
+from unbroken.common.tls import TlsConfig, server_credentials
 from unbroken.driver import detectors
 from unbroken.driver import goodput as goodputlib
 from unbroken.driver import state as statelib
@@ -48,16 +51,9 @@ from unbroken.driver.liveview import LiveView, LiveViewConfig, NodeSlot
 from unbroken.driver.metrics import DriverMetrics
 from unbroken.driver.operator import OperatorApi
 from unbroken.driver.rpc import abort
-from unbroken.driver.security import (
-    AuthInterceptor,
-    RoleTokens,
-    TlsConfig,
-    caller,
-    server_credentials,
-)
+from unbroken.driver.security import AuthInterceptor, RoleTokens, caller
 from unbroken.driver.sessions import RelayOutbox, Sessions
 from unbroken.driver.straggler import Sample, StragglerConfig, StragglerWatch, sample
-from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
@@ -1116,10 +1112,12 @@ async def build_server(
     """
     cfg = service.config
     # without any credential every caller is `*:anonymous` (the CALLER default): no
-    # interceptor, no cost; main.py refuses that beyond loopback unless --insecure
-    interceptors = (
+    # authentication; main.py refuses that beyond loopback unless --insecure. Malformed
+    # request bytes get INVALID_ARGUMENT, checked after authentication (innermost).
+    interceptors: list[grpc.aio.ServerInterceptor] = (
         [AuthInterceptor(cfg.tokens, tls=cfg.tls.enabled)] if cfg.tokens or cfg.tls.enabled else []
     )
+    interceptors.append(MalformedRequests())
     options = [
         *channel.SERVER_OPTIONS,
         ("grpc.max_receive_message_length", cfg.max_message_bytes),

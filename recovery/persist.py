@@ -33,6 +33,7 @@ from typing import Any
 import fsspec
 import structlog
 
+from unbroken.common import workerenv
 from unbroken.recovery.flashcopy import (
     PERSIST_META,
     CopyRef,
@@ -48,13 +49,13 @@ from unbroken.recovery.flashcopy import (
 log = structlog.get_logger(__name__)
 
 TIMELINE_META = "timeline"  # manifest meta key: the job's rollbacks before the copy was saved
-ENV_TIMELINE = "UNBROKEN_TIMELINE"  # ...as the agent tells its workers (StartWorkers.timeline)
 
 
 def current_timeline() -> int:
     """This worker's timeline (0 outside an agent, or before any rollback)."""
     try:
-        return max(0, int(os.environ.get(ENV_TIMELINE, "0")))
+        # as the agent tells its workers (StartWorkers.timeline; common/workerenv.py)
+        return max(0, int(os.environ.get(workerenv.TIMELINE, "0")))
     except ValueError:
         return 0
 

@@ -25,15 +25,6 @@ from unbroken.recovery.restore import Availability, Source, StepCopies
 
 log = structlog.get_logger(__name__)
 
-# How a node agent tells its workers where its flash store is (agent/flash.py sets them,
-# trainer/flashckpt.py reads them): the store's root and job, the ring slot the node fills
-# (its buddy replicas are fetched back under `replica-<node>`), and the persistence URL.
-ENV_FLASH_ROOT = "UNBROKEN_FLASH_ROOT"
-ENV_FLASH_JOB = "UNBROKEN_FLASH_JOB"
-ENV_FLASH_NODE = "UNBROKEN_FLASH_NODE"
-ENV_PERSIST_URL = "UNBROKEN_PERSIST_URL"
-ENV_PERSIST_EVERY_S = "UNBROKEN_PERSIST_EVERY_S"  # about how often a copy is persisted
-ENV_FLASH_COPIES = "UNBROKEN_FLASH_COPIES"  # the ring: copies per rank in shared memory
 PERSIST_EVERY_S = 30.0  # the persistence interval when neither agent nor driver set one
 
 

@@ -18,8 +18,10 @@ from typing import Any
 
 import structlog
 
+from unbroken.common import workerenv
 from unbroken.common.config import add_config_flags, flag_fields
 from unbroken.common.config import config_from_args as build
+from unbroken.common.workerenv import WorkerEnv
 from unbroken.trainer.config import (
     OUTPUT,
     PRESETS,
@@ -63,20 +65,16 @@ def layout_from_env(args: argparse.Namespace, env: dict[str, str] | None = None)
     Raises:
         ValueError: a variable is malformed (the message names it).
     """
-    e = os.environ if env is None else env
+    given = WorkerEnv.from_env(os.environ if env is None else env)
     out = {"dp": args.dp, "pp": args.pp, "tp": args.tp, "ep": args.ep}
-    for name in ("dp", "pp", "tp"):
-        var = f"UNBROKEN_{name.upper()}"
-        raw = e.get(var, "")
-        if not raw:
+    for name, value in (("dp", given.dp), ("pp", given.pp), ("tp", given.tp)):
+        var = workerenv.VARIABLES[name]
+        if value is None:
             continue
-        if not raw.isdigit() or int(raw) < 1:
-            raise ValueError(f"{var}={raw!r} must be a positive integer (set by the agent)")
-        value = int(raw)
         if name == "dp" and args.cp > 1:
             if value % args.cp:
                 raise ValueError(
-                    f"UNBROKEN_DP={value} (the driver's dp, which counts cp ranks) is not "
+                    f"{workerenv.DP}={value} (the driver's dp, which counts cp ranks) is not "
                     f"divisible by --cp {args.cp}; this world cannot keep context parallelism"
                 )
             value //= args.cp

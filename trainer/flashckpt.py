@@ -1,10 +1,10 @@
 """Flash checkpoints for a trainer running under a node agent: save every N steps, restore.
 
 The agent owns the node's flash memory and tells its workers where it is through the
-environment (`UNBROKEN_FLASH_ROOT`, `_JOB`, `_NODE`, `UNBROKEN_PERSIST_URL`; see
-agent/flash.py). A worker saves its rank's full sharded trainer state (model, optimizer,
-step, data position, RNG) into its slots with `FlashWriter`; the agent persists and
-replicates it.
+environment (`UNBROKEN_FLASH_ROOT`, `_JOB`, `_NODE`, `UNBROKEN_PERSIST_URL`: the
+`WorkerEnv` contract of common/workerenv.py, which agent/flash.py writes). A worker
+saves its rank's full sharded trainer state (model, optimizer, step, data position, RNG)
+into its slots with `FlashWriter`; the agent persists and replicates it.
 
 Saves overlap training: `save` takes the snapshot that must be taken now (the non-tensor
 values, the slot) and returns while the writer's thread copies the tensors during the
@@ -55,6 +55,8 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from unbroken.common import workerenv
+from unbroken.common.workerenv import WorkerEnv
 from unbroken.recovery.flash import (
     PERSIST_META,
     CorruptCopyError,
@@ -85,12 +87,6 @@ from unbroken.recovery.restore import (
     saved_layouts,
 )
 from unbroken.recovery.sources import (
-    ENV_FLASH_COPIES,
-    ENV_FLASH_JOB,
-    ENV_FLASH_NODE,
-    ENV_FLASH_ROOT,
-    ENV_PERSIST_EVERY_S,
-    ENV_PERSIST_URL,
     LAYOUT_META,
     PERSIST_EVERY_S,
     Survey,
@@ -124,22 +120,23 @@ class FlashEnv:
     def __post_init__(self) -> None:
         if not self.root or not self.job or not self.node:
             raise ValueError(
-                f"{ENV_FLASH_ROOT}, {ENV_FLASH_JOB} and {ENV_FLASH_NODE} must all be set "
+                f"{workerenv.FLASH_ROOT}, {workerenv.FLASH_JOB} and {workerenv.FLASH_NODE} "
+                "must all be set "
                 "(the agent sets them)"
             )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> FlashEnv | None:
         """The agent's flash store, or None when not running under an agent that has one."""
-        e = os.environ if env is None else env
-        if not e.get(ENV_FLASH_ROOT):
+        w = WorkerEnv.from_env(os.environ if env is None else env)
+        if not w.flash_root:
             return None
         return cls(
-            root=e[ENV_FLASH_ROOT],
-            job=e.get(ENV_FLASH_JOB, ""),
-            node=e.get(ENV_FLASH_NODE, ""),
-            persist_url=e.get(ENV_PERSIST_URL, ""),
-            copies=_int(e.get(ENV_FLASH_COPIES, ""), FLASH_COPIES),
+            root=w.flash_root,
+            job=w.flash_job,
+            node=w.flash_node,
+            persist_url=w.persist_url,
+            copies=FLASH_COPIES if w.flash_copies is None else w.flash_copies,
         )
 
 
@@ -557,13 +554,8 @@ AGREE_CALLS = 128  # calls between agreements
 
 def persist_every_s_from_env(env: Mapping[str, str] | None = None) -> float:
     """The persistence interval the agent passed (seconds), else `PERSIST_EVERY_S`."""
-    raw = (os.environ if env is None else env).get(ENV_PERSIST_EVERY_S, "")
-    try:
-        value = float(raw) if raw else PERSIST_EVERY_S
-    except ValueError:
-        log.warning("flash.bad_persist_interval", value=raw, using=PERSIST_EVERY_S)
-        return PERSIST_EVERY_S
-    return value if math.isfinite(value) and value > 0 else PERSIST_EVERY_S
+    every = WorkerEnv.from_env(os.environ if env is None else env).persist_every_s
+    return PERSIST_EVERY_S if every is None else every
 
 
 class PersistClock:

@@ -43,16 +43,14 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from unbroken.common.paths import DEFAULT_SOCKET, private_dir, trusted_socket
+from unbroken.common.workerenv import AGENT_PID as ENV_AGENT_PID
+from unbroken.common.workerenv import AGENT_SOCKET as ENV_SOCKET
 from unbroken.proto import hooks_pb2 as hpb
-from unbroken.proto.runtime import private_dir, runtime_dir, trusted_socket
 
 if TYPE_CHECKING:
     from unbroken.trainer.flashckpt import FlashCheckpointer
 
-ENV_SOCKET = "UNBROKEN_AGENT_SOCKET"
-# The agent's default socket (equal to unbroken.agent.hookserver.DEFAULT_SOCKET; trainer/
-# never imports agent/): a script under another launcher finds its node's agent there.
-DEFAULT_SOCKET = os.path.join(runtime_dir(), "agent.sock")
 WELCOME_TIMEOUT_S = 2.0  # an agent answers an attaching Hello within this, or is ignored
 SAVE_BUDGET = 0.02  # share of the step time flash saves may cost (init(save_budget=...))
 # Of the flash copies, the agent persists to storage about one per this many seconds (the
@@ -70,7 +68,6 @@ MAX_EVERY = 1000  # never fewer saves than one per this many steps
 REPORT_EVERY_S = 0.05
 POLL_EVERY_S = 0.005  # the agent's commands are read at most this often
 ENV_LOCAL_RANK = "LOCAL_RANK"
-ENV_AGENT_PID = "UNBROKEN_AGENT_PID"
 STACK_SIGNAL = signal.SIGUSR1
 RESTOP_SIGNAL = signal.SIGUSR2  # dump the stacks, then stop again (a stopped worker's dump)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h

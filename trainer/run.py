@@ -16,7 +16,8 @@ target; the copies after it, a dead timeline, are discarded) and `UNBROKEN_SKIP_
 ("<from_step>:<count>") skips `count` batches before step `from_step` runs.
 
 Drills inject faults through the file named by `UNBROKEN_FAULT_FILE`, which the agent
-writes atomically: `{"kind": "nan" | "loss-spike", "step": N, "id": "..."}`. It is checked
+writes atomically (common/faults.py `WorkerFault`: `{"kind": "nan" | "loss-spike", "step": N,
+"id": "..."}`). It is checked
 once per step with one `os.stat`; each id is applied once (also across restarts: applied ids
 are remembered next to the file), at step N, or at the next step when N is 0 or past.
 `loss-spike` poisons that step's batch targets (every target a NUL byte, which text never
@@ -43,17 +44,14 @@ from typing import Any
 
 import structlog
 
+from unbroken.common.faults import LOSS_SPIKE, SLOW_FILE, WorkerFault, parse_slow_factor
+from unbroken.common.workerenv import WorkerEnv
 from unbroken.trainer.config import TrainConfig
 from unbroken.trainer.flags import add_arguments, to_config
 
 log = structlog.get_logger(__name__)
 
 PG_TIMEOUT = timedelta(minutes=5)
-ENV_RESTORE_STEP = "UNBROKEN_RESTORE_STEP"
-ENV_SKIP_BATCHES = "UNBROKEN_SKIP_BATCHES"
-ENV_FAULT_FILE = "UNBROKEN_FAULT_FILE"
-FAULT_KINDS = ("nan", "loss-spike")
-SLOW_FILE = "slow-train.json"  # beside the fault file: the node's lasting compute slowdown
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,58 +64,14 @@ class RestorePoint:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RestorePoint:
-        """Parse `UNBROKEN_RESTORE_STEP` and `UNBROKEN_SKIP_BATCHES`.
+        """Parse `UNBROKEN_RESTORE_STEP` and `UNBROKEN_SKIP_BATCHES` (common/workerenv.py).
 
         Raises:
             ValueError: a value is malformed (the message names the variable).
         """
-        e = os.environ if env is None else env
-        step: int | None = None
-        raw = e.get(ENV_RESTORE_STEP, "").strip()
-        if raw:
-            if not raw.isdigit():
-                raise ValueError(f"{ENV_RESTORE_STEP}={raw!r}: expected a step number >= 0")
-            step = int(raw)
-        skip = e.get(ENV_SKIP_BATCHES, "").strip()
-        if not skip:
-            return cls(step=step)
-        head, sep, tail = skip.partition(":")
-        if not (sep and head.isdigit() and tail.isdigit()):
-            raise ValueError(
-                f"{ENV_SKIP_BATCHES}={skip!r}: expected '<from_step>:<count>', e.g. '120:200'"
-            )
-        return cls(step=step, skip_from_step=int(head), skip_batches=int(tail))
-
-
-@dataclass(frozen=True, slots=True)
-class Fault:
-    """One injected fault read from the fault file."""
-
-    kind: str
-    step: int
-    id: str
-
-    @classmethod
-    def parse(cls, text: str) -> Fault:
-        """A fault from the file's JSON text.
-
-        Raises:
-            ValueError: not JSON, or a field is missing or wrong.
-        """
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"fault file is not JSON: {e}") from e
-        if not isinstance(d, dict):
-            raise ValueError("fault file must hold a JSON object {kind, step, id}")
-        kind, step, fid = d.get("kind"), d.get("step", 0), d.get("id")
-        if kind not in FAULT_KINDS:
-            raise ValueError(f"fault kind {kind!r} unknown; the trainer applies {FAULT_KINDS}")
-        if not isinstance(step, int) or step < 0:
-            raise ValueError(f"fault step {step!r} must be an integer >= 0")
-        if not isinstance(fid, str) or not fid:
-            raise ValueError("fault id must be a non-empty string")
-        return cls(kind=kind, step=step, id=fid)
+        w = WorkerEnv.from_env(os.environ if env is None else env)
+        skip_from, skip = w.skip_batches or (0, 0)
+        return cls(step=w.restore_step, skip_from_step=skip_from, skip_batches=skip)
 
 
 @dataclass(slots=True)
@@ -131,7 +85,7 @@ class FaultFile:
     path: Path
     rank: int
     applied: set[str] = field(default_factory=set)
-    pending: Fault | None = None
+    pending: WorkerFault | None = None
     _seen: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
@@ -141,14 +95,13 @@ class FaultFile:
     @classmethod
     def from_env(cls, rank: int, env: Mapping[str, str] | None = None) -> FaultFile | None:
         """The fault file named by `UNBROKEN_FAULT_FILE`, or None."""
-        e = os.environ if env is None else env
-        raw = e.get(ENV_FAULT_FILE, "")
+        raw = WorkerEnv.from_env(os.environ if env is None else env).fault_file
         return cls(path=Path(raw), rank=rank) if raw else None
 
     def _marks(self) -> Path:
         return self.path.with_name(f"{self.path.name}.applied-r{self.rank}")
 
-    def due(self, next_step: int) -> Fault | None:
+    def due(self, next_step: int) -> WorkerFault | None:
         """The fault to apply to `next_step` (marked applied), or None."""
         try:
             st = os.stat(self.path)
@@ -158,7 +111,7 @@ class FaultFile:
         if key is not None and key != self._seen:
             self._seen = key
             try:
-                fault = Fault.parse(self.path.read_text())
+                fault = WorkerFault.parse(self.path.read_text())
             except (OSError, ValueError) as e:
                 log.warning("fault file ignored", path=str(self.path), error=str(e))
             else:
@@ -190,8 +143,7 @@ class SlowFile:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SlowFile | None:
         """The slow file beside the one `UNBROKEN_FAULT_FILE` names, or None."""
-        e = os.environ if env is None else env
-        raw = e.get(ENV_FAULT_FILE, "")
+        raw = WorkerEnv.from_env(os.environ if env is None else env).fault_file
         return cls(path=Path(raw).with_name(SLOW_FILE)) if raw else None
 
     def current(self) -> float:
@@ -205,22 +157,19 @@ class SlowFile:
         if key != self._seen:
             self._seen = key
             try:
-                f = float(json.loads(self.path.read_text())["factor"])
-                if not (math.isfinite(f) and f >= 1.0):
-                    raise ValueError(f"factor {f} must be a finite number >= 1")
-                self.factor = f
-            except (OSError, ValueError, KeyError, TypeError) as e:
+                self.factor = parse_slow_factor(self.path.read_text())
+            except (OSError, ValueError) as e:
                 log.warning("slow file ignored", path=str(self.path), error=str(e))
         return self.factor
 
 
 @contextlib.contextmanager
-def applied_fault(trainer: Any, fault: Fault) -> Iterator[None]:
+def applied_fault(trainer: Any, fault: WorkerFault) -> Iterator[None]:
     """Make the next `train_step` suffer `fault` (the trainer's loader or its forward)."""
     import torch
 
     undo: Callable[[], None]
-    if fault.kind == "loss-spike":
+    if fault.kind == LOSS_SPIKE:
         loader = getattr(trainer, "loader", None)
         if loader is None or not hasattr(loader, "next_batch"):
             log.warning("loss-spike fault needs a trainer with a `loader`; not applied")

@@ -21,11 +21,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from unbroken.common import channel
+from unbroken.common.tls import TlsConfig
 from unbroken.driver import certs
 from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
-from unbroken.driver.security import RoleTokens, TlsConfig
+from unbroken.driver.security import RoleTokens
 from unbroken.driver.service import DriverService, ServiceConfig, build_server
-from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 

@@ -25,11 +25,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from unbroken.common import channel
 from unbroken.driver.etcd import free_port
 from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
 from unbroken.driver.liveview import LiveViewConfig
 from unbroken.driver.service import DriverService, ServiceConfig, build_server
-from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev

@@ -113,7 +113,7 @@ def test_a_stop_signal_stops_the_whole_cluster(tmp_path: Path, sig: signal.Signa
     """`timeout`, systemd and CI send SIGTERM; a closed terminal sends SIGHUP. Either stops
     etcd, both drivers, the agents and their trainers, as Ctrl-C does (the default action
     killed `up` alone and left the rest running as orphans). A SIGKILLed `up` cannot stop
-    anything itself: its reaper (driver/reaper.py) does, within its grace period."""
+    anything itself: its reaper (common/reaper.py) does, within its grace period."""
     run_dir = tmp_path / "run"
     worker_cmd = "unbroken.trainer.run --preset tiny --dp 2 --pp 1 --tp 1 --steps 99999"
     argv = (

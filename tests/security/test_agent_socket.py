@@ -24,8 +24,8 @@ import pytest
 from tests.security.nobody import NOBODY_GID, NOBODY_UID, as_nobody
 from unbroken.agent.hookserver import HookServer
 from unbroken.agent.workers import Supervisor, WorkerSpec
+from unbroken.common.paths import UnsafeRuntimeDirError, private_dir
 from unbroken.proto import hooks_pb2 as hpb
-from unbroken.proto.runtime import UnsafeRuntimeDirError, private_dir
 from unbroken.trainer import hooks
 
 pytestmark = pytest.mark.integration

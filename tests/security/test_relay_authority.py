@@ -15,9 +15,9 @@ import grpc
 import pytest
 
 from tests.integration.test_heartbeat_service import driver, session_md, until
+from unbroken.common import channel
 from unbroken.driver.security import RoleTokens
 from unbroken.driver.service import ServiceConfig
-from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 

@@ -22,14 +22,15 @@ import grpc
 import pytest
 
 from unbroken.agent.daemon import Agent, AgentConfig
+from unbroken.common import channel
+from unbroken.common.tls import TlsConfig
 from unbroken.driver import certs
 from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
 from unbroken.driver.launcher_api import outside_roots
 from unbroken.driver.main import DriverConfig
 from unbroken.driver.scheduler import BridgeConfig, InMemoryScheduler, SchedulerBridge
-from unbroken.driver.security import AUTHZ, RoleTokens, TlsConfig
+from unbroken.driver.security import AUTHZ, RoleTokens
 from unbroken.driver.service import DriverService, ServiceConfig, build_server
-from unbroken.proto import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from unbroken.diagnostics.faults import FaultSpec
+from unbroken.common.faults import FaultSpec
 from unbroken.diagnostics.judge import SlowReport
 from unbroken.diagnostics.planner import GroupOutcome, Verdict
 from unbroken.diagnostics.runner import Diagnosis, RoundRecord, round_event, verdict_event

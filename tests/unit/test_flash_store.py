@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from unbroken.common.workerenv import TIMELINE as ENV_TIMELINE
 from unbroken.recovery.flash import (
     CorruptCopyError,
     FlashConfig,
@@ -27,7 +28,6 @@ from unbroken.recovery.flash import (
 )
 from unbroken.recovery.flashcopy import read_persisted_mark, slots
 from unbroken.recovery.persist import (
-    ENV_TIMELINE,
     PERSIST_META,
     TIMELINE_META,
     CommitTracker,

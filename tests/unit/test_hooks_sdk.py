@@ -30,9 +30,9 @@ import pytest
 from unbroken.agent import hookserver
 from unbroken.agent.hookserver import HookServer
 from unbroken.agent.workers import Supervisor, WorkerSpec
+from unbroken.common.workerenv import FLASH_JOB, FLASH_NODE, FLASH_ROOT
 from unbroken.proto import hooks_pb2 as hpb
 from unbroken.recovery.flash import FlashConfig, FlashOwner
-from unbroken.recovery.sources import ENV_FLASH_JOB, ENV_FLASH_NODE, ENV_FLASH_ROOT
 from unbroken.trainer import examples, hooks
 
 pytestmark = pytest.mark.unit
@@ -55,7 +55,7 @@ class Agent:
             cmd=["true"],
             nproc=2,
             log_dir=str(tmp / "logs"),
-            extra_env={ENV_FLASH_ROOT: self.flash_root, ENV_FLASH_JOB: "sdk", ENV_FLASH_NODE: "n0"},
+            extra_env={FLASH_ROOT: self.flash_root, FLASH_JOB: "sdk", FLASH_NODE: "n0"},
         )
         self.server = HookServer(path, Supervisor(spec, path), "n0")
         self.loop = asyncio.new_event_loop()

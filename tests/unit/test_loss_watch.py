@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from unbroken.common.faults import WorkerFault
 from unbroken.driver.detectors import LossWatch
 from unbroken.driver.liveview import LiveView, LiveViewConfig
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.recovery.spike import SpikeConfig
-from unbroken.trainer.run import Fault, FaultFile, RestorePoint
+from unbroken.trainer.run import FaultFile, RestorePoint
 
 CFG = SpikeConfig(window=20, min_history=5, factor=6.0)
 
@@ -76,7 +77,7 @@ def test_restore_point_from_env() -> None:
 
 
 def test_fault_parse_names_what_is_wrong() -> None:
-    assert Fault.parse('{"kind": "nan", "step": 3, "id": "x"}') == Fault("nan", 3, "x")
+    assert WorkerFault.parse('{"kind": "nan", "step": 3, "id": "x"}') == WorkerFault("nan", 3, "x")
     for text, what in (
         ("nope", "not JSON"),
         ('{"kind": "melt", "step": 1, "id": "x"}', "kind"),
@@ -84,7 +85,7 @@ def test_fault_parse_names_what_is_wrong() -> None:
         ('{"kind": "nan", "step": 1}', "id"),
     ):
         with pytest.raises(ValueError, match=what):
-            Fault.parse(text)
+            WorkerFault.parse(text)
 
 
 def test_fault_file_applies_each_id_once_also_after_a_restart(tmp_path: Path) -> None:

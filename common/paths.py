@@ -7,6 +7,10 @@ They therefore live in a directory only this user can enter, `runtime_dir()`:
 `$XDG_RUNTIME_DIR/unbroken` when that is ours, else `/run/unbroken` for root, else
 `<tmp>/unbroken-<uid>`; `private_dir` creates it 0700 and refuses one that is a symlink,
 not a directory, or owned by someone else. The socket files are 0600 as well.
+
+`DEFAULT_SOCKET` is the agent's hook socket when neither `--socket` nor
+`UNBROKEN_AGENT_SOCKET` names one: the first agent of a host takes it, and a script started
+by another launcher finds it there.
 """
 
 from __future__ import annotations
@@ -88,3 +92,6 @@ def trusted_socket(path: str) -> str:
     if dst.st_mode & 0o022 and not dst.st_mode & stat.S_ISVTX:
         return f"the directory of {path} is writable by others"
     return ""
+
+
+DEFAULT_SOCKET = os.path.join(runtime_dir(), "agent.sock")

@@ -2,10 +2,13 @@
 
 Keepalive pings must be accepted by the server at the rate the client sends them, or the
 server answers with GOAWAY "too_many_pings"; keeping both sides' numbers in one place is
-how they stay the same. Plain constants: no imports of ours.
+how they stay the same. Also the metadata keys of ours and the one loopback test every
+"may a token travel in cleartext to this address?" check uses.
 """
 
 from __future__ import annotations
+
+import ipaddress
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 KEEPALIVE_TIME_MS = 10_000
@@ -33,3 +36,20 @@ NODE_KEY = "x-unbroken-node"
 EPOCH_KEY = "x-unbroken-epoch"
 LEADER_KEY = "x-unbroken-leader"
 RELAY_KEY = "x-unbroken-relay"  # on Register: the node id of the relay the node heartbeats through
+USER_KEY = "x-unbroken-user"  # who the operator is (the CLI sends user@host)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an IP, bracketed or not, or `localhost`) is a loopback address."""
+    h = host.strip("[]")
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+def endpoint_is_loopback(endpoint: str) -> bool:
+    """Whether `host:port` names this host's loopback."""
+    return is_loopback(endpoint.rpartition(":")[0])

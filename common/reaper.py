@@ -6,7 +6,7 @@ project's CI sandbox, measured). Process groups do not help once a child starts 
 session (agents do, so that stopping one does not signal the others). So a small watcher
 process does it from outside:
 
-    python -m unbroken.driver.reaper --parent PID
+    python -m unbroken.common.reaper --parent PID
 
 It notes every descendant of PID (pid and start time, so a reused pid is never
 signalled) twice a second, including ones that later move to their own session or get
@@ -31,7 +31,7 @@ import time
 import psutil
 
 POLL_S = 0.5
-REAPER = (sys.executable, "-m", "unbroken.driver.reaper")
+REAPER = (sys.executable, "-m", "unbroken.common.reaper")
 
 
 def start(parent: int | None = None, grace_s: float = 10.0) -> subprocess.Popen[bytes] | None:

@@ -22,13 +22,23 @@ Faults can also be injected into a running node (``unbroken inject FAULT --node 
 drill): `RuntimeFault` validates one of `RUNTIME_FAULTS`. The check-level ones
 (wrong-matmul, slow) change the agent's `FaultSpec` from then on; the others act on the
 node's workers or on the agent itself (agent/daemon.py applies them).
+
+The worker faults (`WORKER_FILE_FAULTS`) reach the trainer through a file, not a signal:
+the agent writes a `WorkerFault` atomically as JSON, ``{"kind": "nan" | "loss-spike",
+"step": N, "id": "..."}``, to the file its workers find in ``UNBROKEN_FAULT_FILE``
+(`FAULT_FILE` in the worker log directory), and the trainer reads it each step
+(trainer/run.py). A lasting compute slowdown (``slow-train``) is ``{"factor": F}`` in
+`SLOW_FILE` beside it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 _FLAGS = ("wrong_matmul", "nan", "wrong_allgather", "hang_allgather")
 _HELP = "known terms: wrong_matmul, nan, wrong_allgather, hang_allgather, slow:F (F >= 1), none"
@@ -106,7 +116,10 @@ RUNTIME_FAULTS: dict[str, str] = {
     "nan": "the workers see a NaN loss at step S (--step; 0: the next step)",
     "loss-spike": "the workers see a loss spike at step S (--step; 0: the next step)",
 }
-WORKER_FILE_FAULTS = ("nan", "loss-spike")  # written to UNBROKEN_FAULT_FILE for the trainer
+NAN, LOSS_SPIKE = "nan", "loss-spike"
+WORKER_FILE_FAULTS = (NAN, LOSS_SPIKE)  # written to UNBROKEN_FAULT_FILE for the trainer
+FAULT_FILE = "fault.json"  # the worker fault file's name in the workers' log directory
+SLOW_FILE = "slow-train.json"  # beside it: the node's lasting compute slowdown
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -156,3 +169,67 @@ class RuntimeFault:
         if self.kind == "slow":
             return dataclasses.replace(spec, slow_factor=self.factor or 2.0)
         return spec
+
+
+# ---------------------------------------------------------------- the worker fault file
+@dataclass(frozen=True, slots=True)
+class WorkerFault:
+    """One fault for the trainer, as written to the worker fault file."""
+
+    kind: str  # one of WORKER_FILE_FAULTS
+    step: int  # apply at this step (0 or past: the next step)
+    id: str  # applied once per id, also across worker restarts
+
+    def __post_init__(self) -> None:
+        if self.kind not in WORKER_FILE_FAULTS:
+            raise ValueError(
+                f"fault kind {self.kind!r} unknown; the trainer applies {WORKER_FILE_FAULTS}"
+            )
+        if not isinstance(self.step, int) or isinstance(self.step, bool) or self.step < 0:
+            raise ValueError(f"fault step {self.step!r} must be an integer >= 0")
+        if not isinstance(self.id, str) or not self.id:
+            raise ValueError("fault id must be a non-empty string")
+
+    @classmethod
+    def parse(cls, text: str) -> WorkerFault:
+        """A fault from the file's JSON text.
+
+        Raises:
+            ValueError: not JSON, or a field is missing or wrong (the message names it).
+        """
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"fault file is not JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise ValueError("fault file must hold a JSON object {kind, step, id}")
+        return cls(kind=d.get("kind", ""), step=d.get("step", 0), id=d.get("id", ""))
+
+    def write(self, path: Path) -> None:
+        """Write atomically to `path`: a worker never reads half a file."""
+        write_atomic(path, {"kind": self.kind, "step": self.step, "id": self.id})
+
+
+def write_slow_factor(path: Path, factor: float) -> None:
+    """Write the lasting compute slowdown (1.0 ends it) atomically to `path`."""
+    if not (math.isfinite(factor) and factor >= 1.0):
+        raise ValueError(f"factor {factor} must be a finite number >= 1")
+    write_atomic(path, {"factor": factor})
+
+
+def parse_slow_factor(text: str) -> float:
+    """The factor of a slow file's JSON text (ValueError when malformed or below 1)."""
+    try:
+        f = float(json.loads(text)["factor"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f'slow file must hold {{"factor": F}}: {e}') from e
+    if not (math.isfinite(f) and f >= 1.0):
+        raise ValueError(f"factor {f} must be a finite number >= 1")
+    return f
+
+
+def write_atomic(path: Path, data: object) -> None:
+    """`data` as JSON to `path` through a temporary file and a rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)

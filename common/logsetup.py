@@ -1,4 +1,4 @@
-"""structlog set-up shared by the driver and the agent (both may import proto/, not each other)."""
+"""structlog set-up shared by every process (driver, agent, cli, trainer tools)."""
 
 from __future__ import annotations
 
