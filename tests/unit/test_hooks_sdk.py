@@ -158,7 +158,9 @@ def test_attach_reports_and_commands(agent: Agent) -> None:
     agent.send(hpb.WorkerCommand(command_id="e", stop="evict"))
     _until(hooks.should_stop, "the stop")
     agent.send(hpb.WorkerCommand(command_id="r2", resume=9))
-    time.sleep(0.2)
+    # a later request proves the resume was read (the socket keeps the agent's order)
+    agent.send(hpb.WorkerCommand(command_id="f2", flash_save=1))
+    _until(lambda: hooks.should_save() and session.save_at == 1, "the later request")
     assert hooks.should_stop() is True  # an eviction is final: no resume undoes it
 
 
