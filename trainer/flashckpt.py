@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import math
+import mmap
 import os
 import statistics
 import time
@@ -94,7 +95,7 @@ from unbroken.recovery.sources import (
     reach_of,
     survey,
 )
-from unbroken.trainer.plugin import Snapshots, Trainer
+from unbroken.trainer.plugin import Meshed, Optimizers, Snapshots, Stateful
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -183,24 +184,24 @@ class FlashCheckpointer:
         self._guards: list[RemovableHandle] | None = None
         self._layout: dict[str, int] | None = None
 
-    def guard(self, trainer: Trainer) -> None:
+    def guard(self, trainer: Stateful) -> None:
         """Make the trainer's optimizer steps wait for the copy in flight (once; idempotent).
 
-        Uses `trainer.optimizers` when the trainer exposes them (the embedded gpt3d does),
-        else torch's process-wide optimizer hook.
+        Guards the trainer's own optimizers when it names them (`plugin.Optimizers`: the
+        embedded gpt3d does), else every optimizer (torch's process-wide optimizer hook).
         """
         if self._guards is not None:
             return
-        optimizers = getattr(trainer, "optimizers", None)
-        self._guards = self.writer.guard(list(optimizers) if optimizers is not None else None)
+        optimizers = list(trainer.optimizers) if isinstance(trainer, Optimizers) else None
+        self._guards = self.writer.guard(optimizers)
 
-    def prepare(self, trainer: Trainer) -> int:
+    def prepare(self, trainer: Stateful) -> int:
         """Size, map (and on CUDA pin) the ring for the trainer's state before training, so
         the first save pays no allocation, page-table building or host registration.
         Returns the bytes per copy."""
         return self.writer.prepare({KEY: trainer})
 
-    def save(self, trainer: Trainer, step: int, *, persist: bool = True) -> bool:
+    def save(self, trainer: Stateful, step: int, *, persist: bool = True) -> bool:
         """Start saving the trainer's state of `step` into the ring in shared memory.
 
         Blocks only for the snapshot: with a trainer that implements `Snapshots` (the
@@ -240,29 +241,27 @@ class FlashCheckpointer:
             self.blocked_s += self._last.blocked_s
             self._last = None
 
-    def layout(self, trainer: Trainer) -> dict[str, int]:
+    def layout(self, trainer: Stateful) -> dict[str, int]:
         """The layout this rank's copies are saved under: world size, mesh shape, stages.
 
-        A trainer without a `topo.mesh` (a plugin) records only the world size.
+        A trainer without a mesh (not `plugin.Meshed`: a plugin) records only the world size.
         """
         if self._layout is None:
             layout = {"world": dist.get_world_size()}
-            mesh = getattr(getattr(trainer, "topo", None), "mesh", None)
-            if mesh is not None and mesh.mesh_dim_names:
-                layout.update(
-                    {str(n): int(x) for n, x in zip(mesh.mesh_dim_names, mesh.shape, strict=True)}
-                )
-            spr = getattr(getattr(getattr(trainer, "config", None), "parallel", None), SPR, None)
-            if isinstance(spr, int):
-                layout[SPR] = spr
+            if isinstance(trainer, Meshed):
+                mesh = trainer.device_mesh()
+                if mesh.mesh_dim_names:
+                    dims = zip(mesh.mesh_dim_names, mesh.shape, strict=True)
+                    layout.update({str(n): int(x) for n, x in dims})
+                layout[SPR] = trainer.stages_per_rank()
             self._layout = layout
         return self._layout
 
-    def _replicas(self, trainer: Trainer) -> tuple[tuple[Any, ...], dist.ProcessGroup | None]:
+    def _replicas(self, trainer: Stateful) -> tuple[tuple[Any, ...], dist.ProcessGroup | None]:
         """This rank's replica key (equal on ranks holding identical state) and the process
         group of its replica group (None when it is alone)."""
-        mesh = getattr(getattr(trainer, "topo", None), "mesh", None)
-        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        mesh = trainer.device_mesh() if isinstance(trainer, Meshed) else None
+        names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
         if mesh is None or REPLICATE_DIM not in names:
             return ("rank", self.rank), None
         coord = mesh.get_coordinate()
@@ -294,7 +293,7 @@ class FlashCheckpointer:
                 buddy.setdefault(r, self.owner.rank_dir(r, store))
         return survey(memory=memory, buddy=buddy, storage_url=self.env.persist_url or None)
 
-    def restore(self, trainer: Trainer, *, not_after: int | None = None) -> Restored | None:
+    def restore(self, trainer: Stateful, *, not_after: int | None = None) -> Restored | None:
         """Restore the newest step every rank can obtain (collective over the world).
 
         Same layout: each rank loads its own shard (or receives it from its replica
@@ -374,7 +373,7 @@ class FlashCheckpointer:
 
     def _load_own(
         self,
-        trainer: Trainer,
+        trainer: Stateful,
         s: Survey,
         plan: RestorePlan,
         group_ranks: list[int],
@@ -396,7 +395,7 @@ class FlashCheckpointer:
             label = opened[0].kind.label
         sources = self._all_ok(receiving or opened is not None, label)
         if sources is None:
-            if opened is not None and hasattr(opened[2], "close"):
+            if opened is not None and isinstance(opened[2], mmap.mmap):
                 opened[2].close()
             return None
         data: Any
@@ -410,7 +409,7 @@ class FlashCheckpointer:
             state = {KEY: trainer.state_dict()}
             load_into(state, manifest, data)
         finally:
-            if hasattr(data, "close"):
+            if isinstance(data, mmap.mmap):
                 data.close()
         trainer.load_state_dict(state[KEY])
         self.writer.invalidate_snapshot()
@@ -468,7 +467,7 @@ class FlashCheckpointer:
 
     def _reshard(
         self,
-        trainer: Trainer,
+        trainer: Stateful,
         wide: Survey,
         step: int,
         saved: Mapping[str, int],

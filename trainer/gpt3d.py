@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
 
 from unbroken.trainer import context, init, parallel
 from unbroken.trainer.config import OptimConfig, TrainConfig
@@ -201,6 +202,15 @@ class GPT3DTrainer:
             foreach=o.impl == "foreach",
             fused=True if o.impl == "fused" else None,
         )
+
+    def device_mesh(self) -> DeviceMesh:
+        """This rank's 6-D mesh (`plugin.Meshed`: flash copies record its shape)."""
+        return self.topo.mesh
+
+    def stages_per_rank(self) -> int:
+        """Pipeline stages this rank holds (`plugin.Meshed`)."""
+        assert self.config is not None, "set up"
+        return self.config.parallel.stages_per_rank
 
     # ---- training ----------------------------------------------------------------------
     def parameters(self) -> list[torch.nn.Parameter]:

@@ -1,353 +1,70 @@
-"""Worker-side hooks: the agent's local channel, and the hooks SDK for any launcher.
+"""The hooks SDK: fault tolerance for scripts under any launcher (torchrun, srun, ...).
 
-A worker (the embedded engine, a plugin trainer or any script) calls `report_step` once
-per step. Each call is one datagram on the agent's unix socket (env
-`UNBROKEN_AGENT_SOCKET`; the SDK sends at most one per `REPORT_EVERY_S`): no connection,
-no thread, no gRPC, no torch, a few microseconds; when the agent is gone or its buffer is
-full the report is dropped rather than slowing the step. `install()` also registers a
-faulthandler stack dump on SIGUSR1 so the agent can dump a hung worker's Python stacks
-before it kills it, and ties the worker's life to its agent's (`die_with_agent`:
-PR_SET_PDEATHSIG, then a check that the parent is still the agent named in
-`UNBROKEN_AGENT_PID`, which closes the race of an agent dying before the
-prctl). Outside an agent (no env variable) every call is a no-op.
+The SDK (`init`, `report`, `save`, `restore`, `should_stop`, `should_save`, `flush`,
+`close`, `collective`, `phase`) is for scripts the agent did not start. It finds the node's
+agent through `UNBROKEN_AGENT_SOCKET`, else the agent's default socket (`DEFAULT_SOCKET`),
+attaches over the agent's local channel (`unbroken.trainer.hookchannel`: a Hello with
+`attach`, answered by a Welcome naming the node's flash store), and then saves each rank's
+state into the agent's shared memory, overlapped with the next step
+(`unbroken.trainer.flashckpt`, imported with torch only at the first save or restore) and
+paced to a share of the step time (`unbroken.trainer.pacer`), so a killed worker restarted
+by its launcher restores the newest step every rank holds (memory, then the buddy's
+replica, then storage). Without a reachable agent it warns once and every call is a cheap
+no-op (`restore` returns None), so the script stays portable.
 
-The SDK (`init`, `report`, `save`, `restore`, `should_stop`, `should_save`, `close`) is
-for scripts the agent did not start (torchrun, srun, a Kubernetes operator). It finds the
-node's agent through `UNBROKEN_AGENT_SOCKET`, else the agent's default socket
-(`DEFAULT_SOCKET`), attaches (a Hello with `attach`, answered by a Welcome naming the
-node's flash store), and then saves each rank's state into the agent's shared memory,
-overlapped with the next step (`unbroken.trainer.flashckpt`, imported with torch only at
-the first save or restore), so a killed worker restarted by its launcher restores the
-newest step every rank holds (memory, then the buddy's replica, then storage). Without a
-reachable agent it warns once and every call is a cheap no-op (`restore` returns None),
-so the script stays portable.
+`install` (the process-wide channel client of a worker the agent started: step reports,
+stack dumps, dying with the agent) and the socket names come from the channel and are
+part of this module's public names, so `from unbroken.trainer import hooks` is all a
+script imports.
 """
 
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
-import ctypes
-import faulthandler
 import math
 import os
-import select
-import signal
-import socket
-import statistics
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from unbroken.common.paths import DEFAULT_SOCKET, private_dir, trusted_socket
-from unbroken.common.workerenv import AGENT_PID as ENV_AGENT_PID
+from unbroken.common.paths import DEFAULT_SOCKET, trusted_socket
 from unbroken.common.workerenv import AGENT_SOCKET as ENV_SOCKET
 from unbroken.proto import hooks_pb2 as hpb
+from unbroken.trainer.hookchannel import Hooks, install
+from unbroken.trainer.pacer import PERSIST_EVERY_S, SAVE_BUDGET, Pacer
+from unbroken.trainer.plugin import Stateful
 
 if TYPE_CHECKING:
     from unbroken.trainer.flashckpt import FlashCheckpointer
 
+__all__ = [
+    "DEFAULT_SOCKET",
+    "ENV_SOCKET",
+    "close",
+    "collective",
+    "find_socket",
+    "flush",
+    "init",
+    "install",
+    "phase",
+    "register",
+    "report",
+    "reset",
+    "restore",
+    "save",
+    "should_save",
+    "should_stop",
+]
+
 WELCOME_TIMEOUT_S = 2.0  # an agent answers an attaching Hello within this, or is ignored
-SAVE_BUDGET = 0.02  # share of the step time flash saves may cost (init(save_budget=...))
-# Of the flash copies, the agent persists to storage about one per this many seconds (the
-# others live in memory and the buddy's replica): persisting every copy would cost the node
-# far more than the save itself (init(persist_every_s=...)).
-PERSIST_EVERY_S = 30.0
-CALIBRATE_CALLS = 8  # save() calls that all save, to measure a save's cost
-FIRST_RETUNE_CALLS = 64  # save() calls after calibrating to the first full measurement
-RETUNE_CALLS = 256  # save() calls between later re-tunings
-PROBE_CALLS = 16  # saving every step, skip every this-many-th so a save's cost shows
-MAX_EVERY = 1000  # never fewer saves than one per this many steps
 # The SDK sends at most one step report per this many seconds (the agent's heartbeat
 # carries one per 100 ms): shorter steps ride along in the next report, so a 1 ms step
 # loop does not wake the agent a thousand times a second.
 REPORT_EVERY_S = 0.05
 POLL_EVERY_S = 0.005  # the agent's commands are read at most this often
-ENV_LOCAL_RANK = "LOCAL_RANK"
-STACK_SIGNAL = signal.SIGUSR1
-RESTOP_SIGNAL = signal.SIGUSR2  # dump the stacks, then stop again (a stopped worker's dump)
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def die_with_agent() -> bool:
-    """Have the kernel SIGKILL this process when its parent (the agent) dies.
-
-    The agent also starts workers under `setpriv --pdeathsig KILL`; this covers workers
-    started some other way. Setting the signal in the worker itself is safe (no fork with
-    threads involved). If the parent is already not the agent, the agent died before the
-    signal was armed: exit at once instead of training as an orphan.
-
-    Returns:
-        True when the death signal is armed (Linux, under an agent).
-    """
-    agent = os.environ.get(ENV_AGENT_PID, "")
-    if not agent.isdigit() or not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-            return False
-    except (OSError, AttributeError):
-        return False
-    if int(agent) not in _ancestors():
-        print(
-            f"unbroken: agent {agent} is gone (parent is now {os.getppid()}); exiting",
-            file=sys.stderr,
-        )
-        os._exit(70)
-    return True
-
-
-def _ancestors(limit: int = 8) -> list[int]:
-    """Pids of this process's parent, grandparent, ... (a worker may run under a shell)."""
-    out, pid = [], os.getppid()
-    for _ in range(limit):
-        if pid <= 1:
-            break
-        out.append(pid)
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-    return out
-
-
-class Hooks:
-    """A connectionless client of the agent's local channel."""
-
-    def __init__(
-        self,
-        socket_path: str | None = None,
-        local_rank: int | None = None,
-        *,
-        coalesce_s: float = 0.0,
-    ) -> None:
-        """A client of the agent at `socket_path` (default: `UNBROKEN_AGENT_SOCKET`).
-
-        Args:
-            socket_path: the agent's socket; empty: every call is a no-op.
-            local_rank: this worker's local rank (default: `LOCAL_RANK`).
-            coalesce_s: send at most one step report per this many seconds; the steps in
-                between ride along in the next report (their mean step time, their peak
-                loss). 0 sends every step.
-        """
-        self.path = socket_path if socket_path is not None else os.environ.get(ENV_SOCKET, "")
-        rank = local_rank if local_rank is not None else os.environ.get(ENV_LOCAL_RANK, "0")
-        self.local_rank = int(rank)
-        self.pid = os.getpid()
-        self.coalesce_s = coalesce_s
-        self._last_t: float | None = None
-        self._sent_t: float | None = None  # when the last step report went out
-        self._held: tuple[int, float | None, dict[str, float]] | None = None  # newest unsent
-        self._held_steps = 0
-        self._held_ms = 0.0  # their summed step time
-        self._peak: tuple[float, int] | None = None  # their highest (or non-finite) loss
-        self._wait_ms = 0.0  # collective waits marked since the last step (`collective`)
-        self._sock: socket.socket | None = None
-        self._reply = ""
-        if self.path:
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            self._sock.setblocking(False)
-            # The agent's replies come to a socket file in this user's private runtime
-            # directory: unlike an abstract-namespace name, no other user can send to it.
-            try:
-                reply = os.path.join(private_dir(), f"w-{self.pid}-{id(self):x}.sock")
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(reply)
-                self._sock.bind(reply)
-                os.chmod(reply, 0o600)
-                self._reply = reply
-            except OSError as e:
-                _warn_once(f"no private reply socket ({e}); agent commands cannot reach us")
-                self._reply = ""
-
-    @property
-    def enabled(self) -> bool:
-        return self._sock is not None
-
-    def _send(self, report: hpb.WorkerReport) -> bool:
-        if self._sock is None:
-            return False
-        report.local_rank = self.local_rank
-        report.pid = self.pid
-        try:
-            self._sock.sendto(report.SerializeToString(), self.path)
-            return True
-        except OSError:  # agent gone or its buffer full: drop, never block the step
-            return False
-
-    def hello(self, *, stack_signal: bool, restop_signal: bool = False) -> bool:
-        """Tell the agent where to send commands and which signals dump stacks."""
-        return self._send(
-            hpb.WorkerReport(
-                hello=hpb.Hello(
-                    reply_socket=self._reply,
-                    stack_signal=stack_signal,
-                    restop_signal=restop_signal,
-                )
-            )
-        )
-
-    def phase(self, name: str) -> bool:
-        """Tell the agent this rank enters phase `name` (now).
-
-        "train" is judged for hangs by the rank's step rhythm (about a second at 100 ms
-        steps); any other name ("restore", "checkpoint", "eval") by the agent's longer
-        phase limit, so a slow restore or evaluation is not a hang. The next step report
-        puts the rank back into "train".
-        """
-        return self._send(hpb.WorkerReport(phase=hpb.PhaseReport(name=name)))
-
-    @contextlib.contextmanager
-    def collective(self) -> Iterator[None]:
-        """Mark a wait for peers (an all-reduce, a barrier): its time is reported as
-        `collective_wait` and the rest of the step as `compute`, for straggler detection."""
-        self.phase("collective")  # a long wait here is a peer's hang, judged as such
-        t0 = time.monotonic()
-        try:
-            yield
-        finally:
-            self._wait_ms += (time.monotonic() - t0) * 1000.0
-
-    def step(
-        self,
-        step: int,
-        loss: float | None = None,
-        step_time_ms: float | None = None,
-        **timings_ms: float,
-    ) -> bool:
-        """Report a finished step; `step_time_ms` defaults to the time since the last report.
-
-        Args:
-            step: the step just finished (non-decreasing).
-            loss: its loss (None when unknown).
-            step_time_ms: its duration in ms (default: measured between reports).
-            **timings_ms: named phase durations in ms ("forward", "backward", ...).
-
-        Returns:
-            True when a datagram was sent now; False when the step is held for the next
-            report (`coalesce_s`) or the datagram was dropped.
-        """
-        now = time.monotonic()
-        if step_time_ms is None:
-            step_time_ms = 0.0 if self._last_t is None else (now - self._last_t) * 1000.0
-        self._last_t = now
-        if self._wait_ms and "collective_wait" not in timings_ms:  # marked by `collective`
-            wait = min(self._wait_ms, step_time_ms)
-            timings_ms = {**timings_ms, "compute": step_time_ms - wait, "collective_wait": wait}
-        self._wait_ms = 0.0
-        if loss is not None:
-            loss = float(loss)
-            p = self._peak  # a non-finite loss, once held, is never replaced
-            if p is None or (math.isfinite(p[0]) and (not math.isfinite(loss) or loss > p[0])):
-                self._peak = (loss, step)
-        # the newest step, as plain values: the message is built only when it is sent
-        self._held = (step, loss, timings_ms)
-        self._held_steps += 1
-        self._held_ms += step_time_ms
-        if (
-            self.coalesce_s > 0
-            and self._sent_t is not None
-            and now - self._sent_t < self.coalesce_s
-            and (loss is None or math.isfinite(loss))
-        ):
-            return False
-        return self.flush_steps(now)
-
-    def flush_steps(self, now: float | None = None) -> bool:
-        """Send the held step report, if any (True when a datagram went out)."""
-        if self._held is None:
-            return False
-        step, loss, timings_ms = self._held
-        rep = hpb.StepReport(
-            step=step, steps=self._held_steps, step_time_ms=self._held_ms / self._held_steps
-        )
-        if loss is not None:
-            rep.loss, rep.has_loss = loss, True
-        for k, v in timings_ms.items():
-            rep.timings_ms[k] = float(v)
-        if self._peak is not None:
-            rep.has_peak, (rep.peak_loss, rep.peak_step) = True, self._peak
-        self._held, self._held_steps, self._held_ms, self._peak = None, 0, 0.0, None
-        self._sent_t = time.monotonic() if now is None else now
-        return self._send(hpb.WorkerReport(step=rep))
-
-    def commands(self) -> list[hpb.WorkerCommand]:
-        """Commands the agent sent (pause, resume, flash-save), without blocking."""
-        out: list[hpb.WorkerCommand] = []
-        if self._sock is None:
-            return out
-        while True:
-            try:
-                data = self._sock.recv(65536)
-            except (BlockingIOError, OSError):
-                return out
-            with contextlib.suppress(Exception):
-                out.append(hpb.WorkerCommand.FromString(data))
-
-    def close(self) -> None:
-        if self._sock is not None:
-            self.flush_steps()
-            self._sock.close()
-            self._sock = None
-            if self._reply:
-                with contextlib.suppress(OSError):
-                    os.unlink(self._reply)
-
-
-_default: Hooks | None = None
-
-
-def install(*, stack_signal: bool = True) -> Hooks:
-    """The process-wide hooks client; registers the SIGUSR1 stack dump and says hello."""
-    global _default
-    if _default is None:
-        _default = Hooks()
-        if _default.enabled:
-            die_with_agent()
-        restop = False
-        if stack_signal and _default.enabled:
-            faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
-            restop = _install_restop()
-        _default.hello(stack_signal=stack_signal and _default.enabled, restop_signal=restop)
-    return _default
-
-
-def _dump_and_stop(signum: int, frame: Any) -> None:
-    """SIGUSR2: the agent continued this stopped process only to read its stacks.
-
-    A Python-level handler runs at the first bytecode after SIGCONT (an interrupted sleep
-    returns into it), so the stacks show where it was stopped and no step runs before the
-    process stops itself again.
-    """
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    os.kill(os.getpid(), signal.SIGSTOP)
-
-
-def _install_restop() -> bool:
-    """Register `_dump_and_stop` unless the script owns SIGUSR2 or this is not the main thread."""
-    try:
-        if signal.getsignal(RESTOP_SIGNAL) is not signal.SIG_DFL:
-            return False
-        signal.signal(RESTOP_SIGNAL, _dump_and_stop)
-    except ValueError:  # not the main thread
-        return False
-    return True
-
-
-def report_step(
-    step: int, loss: float | None = None, step_time_ms: float | None = None, **timings_ms: float
-) -> bool:
-    """Report a finished step through the process-wide client (see `Hooks.step`)."""
-    return install().step(step, loss, step_time_ms, **timings_ms)
-
-
-# ---------------------------------------------------------------- the SDK for any launcher
 
 
 def find_socket(env: Mapping[str, str] | None = None) -> str:
@@ -382,41 +99,49 @@ def _require_dist(what: str) -> None:
 
 
 class _Bundle:
-    """A user's state dict seen as a trainer by `FlashCheckpointer`.
+    """A user's state dict seen as a trainer (`plugin.Stateful`) by `FlashCheckpointer`.
 
     Values with `state_dict`/`load_state_dict` (a DDP model, an optimizer, a scheduler)
     are saved through them; plain tensors and nested dicts are saved as they are and
     restored in place. An optimizer that has not stepped yet holds no state to restore
-    into, so for a restore it is primed first (`_prime`).
+    into, so for a restore it is primed first (`_prime`). Build it with `_bundle`.
     """
 
-    def __init__(self, state: dict[str, Any], *, loading: bool = False) -> None:
-        import torch
-
+    def __init__(self, state: dict[str, Any], opts: list[Any], *, loading: bool) -> None:
         self.state = state
         self.loading = loading
-        opts = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
-        # none in the state: guard every optimizer of the process (torch's global hook)
-        self.optimizers: list[Any] | None = opts or None
+        self._opts = opts
 
     def state_dict(self) -> dict[str, Any]:
         if self.loading:
-            for opt in self.optimizers or ():
+            for opt in self._opts:
                 _prime(opt)
-        return {k: v.state_dict() if _stateful(v) else v for k, v in self.state.items()}
+        return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in self.state.items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for k, v in list(self.state.items()):
-            if _stateful(v):
+            if isinstance(v, Stateful):
                 v.load_state_dict(state_dict[k])
             elif not isinstance(v, dict):  # dicts were filled in place
                 self.state[k] = state_dict[k]
 
 
-def _stateful(v: object) -> bool:
-    return callable(getattr(v, "state_dict", None)) and callable(
-        getattr(v, "load_state_dict", None)
-    )
+class _BundleOptimizers(_Bundle):
+    """A state dict holding optimizers: only their steps wait for a save's copy
+    (`plugin.Optimizers`)."""
+
+    @property
+    def optimizers(self) -> list[Any]:
+        return self._opts
+
+
+def _bundle(state: dict[str, Any], *, loading: bool = False) -> _Bundle:
+    """The state dict as a `_Bundle`; with no optimizer in it every optimizer of the
+    process is guarded (torch's global hook)."""
+    import torch
+
+    opts = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
+    return (_BundleOptimizers if opts else _Bundle)(state, opts, loading=loading)
 
 
 def _prime(opt: Any) -> None:
@@ -442,158 +167,6 @@ def _prime(opt: Any) -> None:
                 g["lr"] = lr
         for p, grad in zip(params, grads, strict=True):
             p.grad = grad
-
-
-def save_interval(cost_s: float, step_s: float, budget: float, max_every: int = MAX_EVERY) -> int:
-    """Steps between flash saves so that their cost stays within `budget` of the step time.
-
-    Args:
-        cost_s: what one save costs the training: the time it blocks the step plus the CPU
-            time its background copy, checksum and manifest take (on a machine without a
-            spare core that CPU is taken from training).
-        step_s: the time of one step without saving.
-        budget: the share of step time saves may take (0.02: 2 %).
-        max_every: the longest interval, in steps.
-
-    Returns:
-        1 (save every step) when a save is cheap enough, else the smallest interval within
-        budget, at most `max_every`.
-    """
-    if cost_s <= 0:
-        return 1
-    if step_s <= 0:
-        return max_every
-    return max(1, min(max_every, math.ceil(cost_s / (budget * step_s) - 1e-9)))
-
-
-def _thread_cpu_s(prefix: str) -> float:
-    """CPU seconds used so far by this process's threads whose name starts with `prefix`."""
-    total = 0.0
-    for t in threading.enumerate():
-        if t.name.startswith(prefix) and t.ident is not None:
-            with contextlib.suppress(OSError, AttributeError):
-                total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
-    return total
-
-
-class Pacer:
-    """Which `save` calls really save: all while calibrating, then one per `every` steps.
-
-    Every rank must choose the same steps (a restore needs a step every rank holds), so
-    the interval is agreed on collectively: each rank measures what its saves cost and what
-    a step costs over a window of calls, and the ranks take the largest interval any of
-    them needs. Calls are counted, not timed, so the ranks tune at the same call.
-
-    A save costs more than the time it blocks: its background copy takes CPU (on a node
-    without a spare core, from training), and copying megabytes evicts the step's data
-    from the caches. So the cost is measured in this process's CPU time (every thread,
-    which is also what other processes on the machine do not change): the CPU of the
-    steps that carried a save's copy (the step after it; the latest 32) less that of the
-    others (the latest 512), medians, so that a pause between two calls (an evaluation,
-    a data stall) weighs no more than any other step. The interval is the
-    larger of that CPU cost over `budget` of a step's CPU, and of the blocking over
-    `budget` of a step's wall time. The calibrating window (every call saves, so no step
-    is free of a save) falls back to the blocking plus the flash writer thread's CPU; the
-    next window, `FIRST_RETUNE_CALLS` later, measures the whole cost. Saving every step,
-    every `PROBE_CALLS`-th call skips its save so that the comparison stays possible.
-    """
-
-    def __init__(
-        self, budget: float, writer_threads: str, persist_every_s: float = PERSIST_EVERY_S
-    ) -> None:
-        if not 0 < budget < 1:
-            raise ValueError(f"save_budget must be in (0, 1), got {budget}")
-        self.budget = budget
-        self.writer_threads = writer_threads
-        self.persist_every_s = persist_every_s
-        self.every = 1
-        self.persist_every = 0  # steps between persisted saves, agreed (0: none yet)
-        self.persist_wanted = 0  # this rank's wish: persist_every_s over its step time
-        self.calls = 0
-        self.saves = 0
-        self.blocked_s = 0.0  # of the saves of finished windows
-        self.cost_s = 0.0  # the newest window's estimate of one save's cost (CPU s)
-        self.step_cpu_s = 0.0  # and of one step's CPU without a save
-        self._handles: list[Any] = []  # this window's saves (their blocked_s grows later)
-        self._last: tuple[float, float] | None = None  # the previous call's (wall, CPU)
-        self._prev_saved = False  # whether the previous call saved
-        # this window's steps (time between calls): (wall s, CPU s, followed a save)
-        self._steps: list[tuple[float, float, bool]] = []
-        self._cpu0 = 0.0
-        # CPU s of the latest steps that carried a save's copy, and of the others
-        self._carried: collections.deque[float] = collections.deque(maxlen=32)
-        self._free: collections.deque[float] = collections.deque(maxlen=512)
-
-    def due(self, step: int) -> bool:
-        """Whether the call for `step` saves (counts the call)."""
-        self.calls += 1
-        now = (time.perf_counter(), time.process_time())
-        if self._last is None:
-            self._cpu0 = _thread_cpu_s(self.writer_threads)
-        else:
-            self._steps.append((now[0] - self._last[0], now[1] - self._last[1], self._prev_saved))
-        self._last, self._prev_saved = now, False
-        if self.calls <= CALIBRATE_CALLS:
-            return True
-        if self.every == 1:  # all but every PROBE_CALLS-th, so some steps follow no save
-            return self.calls % PROBE_CALLS != 0
-        return step % self.every == 0
-
-    def saved(self, handle: Any) -> None:
-        if handle is not None:
-            self._handles.append(handle)
-            self.saves += 1
-            self._prev_saved = True
-
-    def _window_ends(self) -> bool:
-        n = self.calls - CALIBRATE_CALLS
-        return n == 0 or n == FIRST_RETUNE_CALLS or (n > 0 and n % RETUNE_CALLS == 0)
-
-    def measure(self) -> int | None:
-        """This rank's wanted interval when a window ends at this call, else None."""
-        if not self._window_ends():
-            return None
-        cpu = _thread_cpu_s(self.writer_threads)
-        steps, handles = self._steps, self._handles
-        blocked = sum(h.blocked_s for h in handles)
-        self.blocked_s += blocked
-        self._handles, self._steps, self._cpu0, writer_cpu = [], [], cpu, cpu - self._cpu0
-        free = [s for s in steps if not s[2]]
-        if free:  # (not the calibrating window: its steps are the slower first ones)
-            self._carried.extend(s[1] for s in steps if s[2])
-            self._free.extend(s[1] for s in free)
-        if self._carried and self._free:
-            self.step_cpu_s = statistics.median(self._free)
-            self.cost_s = max(0.0, statistics.median(self._carried) - self.step_cpu_s)
-            wanted = save_interval(self.cost_s, self.step_cpu_s, self.budget)
-            if free:
-                wall = statistics.median(s[0] for s in free)
-                self._wish_persist(wall)
-                if handles:
-                    blocking = save_interval(blocked / len(handles), wall, self.budget)
-                    wanted = max(wanted, blocking)
-            return wanted
-        if not handles:  # nothing saved yet: nothing to learn
-            return self.every
-        # Every step followed a save (calibration): its blocking and the writer's CPU,
-        # against the median time between calls less that cost.
-        self.cost_s = (blocked + writer_cpu) / len(handles)
-        gap = statistics.median(s[0] for s in steps) if steps else 0.0
-        self._wish_persist(max(0.0, gap - self.cost_s))
-        return save_interval(self.cost_s, max(0.0, gap - self.cost_s), self.budget)
-
-    def _wish_persist(self, step_s: float) -> None:
-        every = math.ceil(self.persist_every_s / step_s) if step_s > 0 else MAX_EVERY
-        self.persist_wanted = max(1, every)
-
-    def agreed(self, every: int, persist_every: int) -> None:
-        """Take the intervals all ranks agreed on; persisted saves fall on saved steps."""
-        self.every = every
-        self.persist_every = every * math.ceil(persist_every / every)
-
-    def persist(self, step: int) -> bool:
-        """Whether the save of `step` is one for the agent to persist."""
-        return self.persist_every > 0 and step % self.persist_every == 0
 
 
 class Session:
@@ -696,10 +269,11 @@ def _attach(path: str, timeout_s: float) -> Session | None:
         )
         return None
     hooks = Hooks(socket_path=path, coalesce_s=REPORT_EVERY_S)
-    hello = hpb.Hello(
-        reply_socket=hooks._reply, stack_signal=False, attach=True, rank=rank, world_size=world
-    )
-    if not hooks._reply or not hooks._send(hpb.WorkerReport(hello=hello)):
+    if hooks.reply_error:
+        _warn_once(hooks.reply_error)
+    if not hooks.replies or not hooks.hello(
+        stack_signal=False, attach=True, rank=rank, world_size=world
+    ):
         hooks.close()
         _warn_once(
             f"no agent at {path} (set {ENV_SOCKET} to the node agent's --socket, or start "
@@ -707,11 +281,10 @@ def _attach(path: str, timeout_s: float) -> Session | None:
             "and report do nothing"
         )
         return None
-    assert hooks._sock is not None
     deadline = time.monotonic() + timeout_s
     early: list[hpb.WorkerCommand] = []
     while (left := deadline - time.monotonic()) > 0:
-        select.select([hooks._sock], [], [], left)
+        hooks.wait(left)
         for c in hooks.commands():
             if c.WhichOneof("kind") == "welcome":
                 session = Session(hooks, c.welcome)
@@ -867,10 +440,10 @@ def save(step: int, state_dict: dict[str, Any], *, force: bool = False) -> bool:
         from unbroken.recovery.sources import LAYOUT_META
         from unbroken.trainer.flashckpt import KEY
 
-        bundle = _Bundle(state_dict)
-        ckpt.guard(bundle)  # type: ignore[arg-type]
+        bundle = _bundle(state_dict)
+        ckpt.guard(bundle)
         meta = {
-            LAYOUT_META: ckpt.layout(bundle),  # type: ignore[arg-type]
+            LAYOUT_META: ckpt.layout(bundle),
             PERSIST_META: force or requested or s.pacer.persist(step),
             TIMELINE_META: current_timeline(),
         }
@@ -913,7 +486,7 @@ def restore(state_dict: dict[str, Any]) -> int | None:
     if s is None or ckpt is None:
         return None
     _require_dist("restore")
-    done = ckpt.restore(_Bundle(state_dict, loading=True))  # type: ignore[arg-type]
+    done = ckpt.restore(_bundle(state_dict, loading=True))
     s.restored_step = done.step if done is not None else None
     return s.restored_step
 

@@ -11,10 +11,13 @@ needs to change. This module imports no torch, so listing plugins is cheap.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from unbroken.trainer.config import TrainConfig
 
 ENTRY_POINT_GROUP = "unbroken.trainers"
@@ -34,11 +37,29 @@ METRIC_KEYS: tuple[str, ...] = (
 
 
 @runtime_checkable
-class Trainer(Protocol):
+class Stateful(Protocol):
+    """What a flash checkpoint saves and restores: a DCP `Stateful`.
+
+    Every `Trainer` is one (`dcp.save({"trainer": t}, ...)` and `dcp.load(...)` work on it
+    directly); so is the hooks SDK's view of a script's state dict.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sharded, DCP-compatible state: model, optimizer, step, data position, RNG."""
+        ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from a state dict shaped like `state_dict()` (possibly another layout)."""
+        ...
+
+
+@runtime_checkable
+class Trainer(Stateful, Protocol):
     """What the runner, the agent and the flash checkpoint need from a training engine.
 
-    The object is also a DCP `Stateful`: `dcp.save({"trainer": t}, ...)` and
-    `dcp.load({"trainer": t}, ...)` work on it directly.
+    The optional protocols below name what else the runner (`unbroken.trainer.run`) and
+    the flash checkpoint (`unbroken.trainer.flashckpt`) use when a trainer offers it; they
+    check for each with `isinstance`, and a trainer without it loses only that feature.
     """
 
     def setup(self, config: TrainConfig) -> None:
@@ -47,14 +68,6 @@ class Trainer(Protocol):
 
     def train_step(self) -> dict[str, Any]:
         """Run one optimizer step; return the metrics named in `METRIC_KEYS`."""
-        ...
-
-    def state_dict(self) -> dict[str, Any]:
-        """Sharded, DCP-compatible state: model, optimizer, step, data position, RNG."""
-        ...
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore from a state dict shaped like `state_dict()` (possibly another layout)."""
         ...
 
     def close(self) -> None:
@@ -80,6 +93,79 @@ class Snapshots(Protocol):
     def snapshot_fresh(self) -> dict[str, Any]:
         """The values of `state_dict()` that change between steps, nested the same way."""
         ...
+
+
+@runtime_checkable
+class Optimizers(Protocol):
+    """Optional: a trainer that names its optimizers (after `setup`).
+
+    A flash save's copy runs during the next step; only these optimizers' `step()` then
+    waits for it. Without them every optimizer of the process waits (torch's global hook).
+    """
+
+    optimizers: Sequence[Any]  # torch.optim.Optimizer
+
+
+@runtime_checkable
+class Meshed(Protocol):
+    """Optional: a trainer laid out on a named DeviceMesh (the embedded engine).
+
+    Its flash copies record the mesh shape and stages per rank as their layout, so a restore
+    under another layout reshards instead of loading a shard that no longer fits; ranks that
+    differ only along the mesh's `dp_replicate` dimension hold the same state, so one of
+    them reads a copy from storage and broadcasts it. Without it a copy records only the
+    world size and every rank reads its own.
+    """
+
+    def device_mesh(self) -> DeviceMesh:
+        """This rank's mesh (after `setup`)."""
+        ...
+
+    def stages_per_rank(self) -> int:
+        """Pipeline stages this rank holds (1 without pipelining)."""
+        ...
+
+
+@runtime_checkable
+class Skips(Protocol):
+    """Optional: a trainer that can skip batches (loss-spike recovery skips the batches that
+    spoiled the step; without it, a rollback replays them)."""
+
+    def skip(self, n_batches: int) -> None:
+        """Skip `n_batches` global batches of data."""
+        ...
+
+
+@runtime_checkable
+class BatchSource(Protocol):
+    """A data loader whose next global batch is `next_batch()` (inputs, targets)."""
+
+    def next_batch(self) -> tuple[Any, Any]: ...
+
+
+@runtime_checkable
+class Batches(Protocol):
+    """Optional: a trainer that draws its batches from `loader` (after `setup`); a
+    `loss-spike` drill poisons the targets of one batch (not applied without it)."""
+
+    loader: BatchSource
+
+
+@runtime_checkable
+class Throttled(Protocol):
+    """Optional: a trainer whose compute a drill can slow down: each step's compute takes
+    `slow_factor` times as long (1.0: none). Without it the slow-node drill does nothing."""
+
+    slow_factor: float
+
+
+@runtime_checkable
+class Collectives(Protocol):
+    """Optional: a trainer that calls `on_collective` (when set) as a step's timed
+    collective begins, so the agent judges a rank waiting there for a stalled peer as that
+    peer's victim (the hooks' "collective" phase), not as hung itself."""
+
+    on_collective: Callable[[], object] | None
 
 
 def available() -> list[str]:

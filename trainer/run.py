@@ -4,7 +4,9 @@ Usable by torchrun and by the node agent alike: it reads RANK, WORLD_SIZE, LOCAL
 MASTER_ADDR and MASTER_PORT from the environment (a single process needs none of them),
 joins the process group, loads the trainer plugin named by `--trainer` from the
 `unbroken.trainers` entry points, optionally resumes from a DCP checkpoint, trains, reports
-every step to the local agent when one is listening (trainer/hooks.py), and always closes.
+every step to the local agent when one is listening (trainer/hookchannel.py), and always
+closes. What it uses of a trainer beyond the `Trainer` protocol (skipping batches, the drills'
+hooks, the collective phase) is named by the optional protocols of trainer/plugin.py.
 Under an agent that owns a flash store (trainer/flashckpt.py) it first restores the newest
 step every rank can obtain (memory, buddy replica, storage) and resumes at the next step,
 and flash-saves its full sharded state every `--flash-every` steps (default 1 there),
@@ -40,7 +42,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -48,6 +50,10 @@ from unbroken.common.faults import LOSS_SPIKE, SLOW_FILE, WorkerFault, parse_slo
 from unbroken.common.workerenv import WorkerEnv
 from unbroken.trainer.config import TrainConfig
 from unbroken.trainer.flags import add_arguments, to_config
+from unbroken.trainer.plugin import Batches, BatchSource, Collectives, Skips, Throttled
+
+if TYPE_CHECKING:
+    from unbroken.trainer.hookchannel import Hooks
 
 log = structlog.get_logger(__name__)
 
@@ -164,24 +170,24 @@ class SlowFile:
 
 
 @contextlib.contextmanager
-def applied_fault(trainer: Any, fault: WorkerFault) -> Iterator[None]:
+def applied_fault(trainer: object, fault: WorkerFault) -> Iterator[None]:
     """Make the next `train_step` suffer `fault` (the trainer's loader or its forward)."""
     import torch
 
     undo: Callable[[], None]
     if fault.kind == LOSS_SPIKE:
-        loader = getattr(trainer, "loader", None)
-        if loader is None or not hasattr(loader, "next_batch"):
+        if not (isinstance(trainer, Batches) and isinstance(trainer.loader, BatchSource)):
             log.warning("loss-spike fault needs a trainer with a `loader`; not applied")
             yield
             return
+        loader = trainer.loader
         original = loader.next_batch
 
         def poisoned() -> tuple[Any, Any]:
             inputs, targets = original()
             return inputs, torch.zeros_like(targets)  # NUL bytes: the loss really spikes
 
-        loader.next_batch = poisoned
+        loader.next_batch = poisoned  # type: ignore[method-assign]
         undo = lambda: delattr(loader, "next_batch")  # noqa: E731
     else:
 
@@ -245,13 +251,10 @@ def train(
         PersistClock,
         persist_every_s_from_env,
     )
+    from unbroken.trainer.hookchannel import install
     from unbroken.trainer.plugin import load_trainer
 
-    try:
-        from unbroken.trainer import hooks as hooks_mod
-    except ImportError:  # the hooks SDK is optional for the engine
-        hooks_mod = None  # type: ignore[assignment]
-    hooks = hooks_mod.install() if hooks_mod is not None else None
+    hooks = install()
     rank = dist.get_rank()
     trainer = load_trainer(config.trainer)
     history: list[dict[str, Any]] = []
@@ -271,8 +274,7 @@ def train(
         point = RestorePoint.from_env()
         faults = FaultFile.from_env(rank)
         slow = SlowFile.from_env()
-        if hooks is not None:
-            hooks.phase("restore")  # judged by the phase limit, not the step rhythm
+        hooks.phase("restore")  # judged by the phase limit, not the step rhythm
         restored = flash.restore(trainer, not_after=point.step) if flash is not None else None
         if restored is not None:
             step = restored.step
@@ -289,15 +291,15 @@ def train(
             flash.guard(trainer)  # once: every optimizer step waits for the copy in flight
             if restored is not None:  # the state is whole (optimizer state included): size
                 flash.prepare(trainer)  # and map the ring now, not inside the first save
-        if hooks is not None:
-            hooks.phase("train")
-            if hasattr(trainer, "on_collective"):  # a waiting rank is judged as a victim
-                trainer.on_collective = lambda: hooks.phase("collective")
+        hooks.phase("train")
+        if isinstance(trainer, Collectives):  # a waiting rank is judged as a victim
+            trainer.on_collective = lambda: hooks.phase("collective")
+        throttled = trainer if isinstance(trainer, Throttled) else None
         while step < config.steps:
             if point.skip_batches and step + 1 == point.skip_from_step:
                 _skip(trainer, point.skip_batches, step + 1)
-            if slow is not None and hasattr(trainer, "slow_factor"):
-                trainer.slow_factor = slow.current()
+            if slow is not None and throttled is not None:
+                throttled.slow_factor = slow.current()
             fault = faults.due(step + 1) if faults is not None else None
             if fault is not None:
                 log.warning("fault applied", kind=fault.kind, step=step + 1, id=fault.id)
@@ -313,16 +315,15 @@ def train(
                 if persist or step % flash_every == 0:
                     flash.save(trainer, step, persist=persist)
             history.append(m)
-            if hooks is not None:
-                timings = {
-                    name: m[key] * 1000.0
-                    for name, key in (
-                        ("compute", "compute_s"),
-                        ("collective_wait", "collective_wait_s"),
-                    )
-                    if m.get(key) is not None
-                }
-                hooks.step(step, m["loss"], m["step_time_s"] * 1000.0, **timings)
+            timings = {
+                name: m[key] * 1000.0
+                for name, key in (
+                    ("compute", "compute_s"),
+                    ("collective_wait", "collective_wait_s"),
+                )
+                if m.get(key) is not None
+            }
+            hooks.step(step, m["loss"], m["step_time_s"] * 1000.0, **timings)
             if out is not None:
                 out.write(json.dumps(m) + "\n")
                 out.flush()
@@ -348,14 +349,14 @@ class SaveRequests:
 
     POLL_S = 0.05
 
-    def __init__(self, hooks: Any) -> None:
+    def __init__(self, hooks: Hooks) -> None:
         self.hooks = hooks
         self.at: int | None = None
         self._polled = 0.0
 
     def due(self, step: int) -> bool:
         now = time.monotonic()
-        if self.hooks is not None and now - self._polled >= self.POLL_S:
+        if now - self._polled >= self.POLL_S:
             self._polled = now
             for c in self.hooks.commands():
                 if c.WhichOneof("kind") == "flash_save":
@@ -367,13 +368,12 @@ class SaveRequests:
         return False
 
 
-def _skip(trainer: Any, n: int, before_step: int) -> None:
+def _skip(trainer: object, n: int, before_step: int) -> None:
     """Skip `n` batches (loss-spike recovery); a trainer without `skip` cannot."""
-    skip = getattr(trainer, "skip", None)
-    if skip is None:
+    if not isinstance(trainer, Skips):
         log.warning("the trainer has no skip(n); batches not skipped", batches=n)
         return
-    skip(n)
+    trainer.skip(n)
     log.info("batches skipped", batches=n, before_step=before_step)
 
 

@@ -115,6 +115,12 @@ def test_only_the_leader_reports_the_leader_health_service() -> None:
             )
             return int(r.status)
 
+    async def until(addr: str, name: str, want: int) -> None:
+        deadline = time.monotonic() + 30
+        while (got := await status(addr, name)) != want:
+            assert time.monotonic() < deadline, f"{addr} {name}: {got}, not {want}"
+            await asyncio.sleep(0.05)
+
     async def go() -> None:
         store = InMemoryStore()
         lead = DriverService(ServiceConfig(), driver_id="a", job_id="j")
@@ -122,15 +128,14 @@ def test_only_the_leader_reports_the_leader_health_service() -> None:
         standby = DriverService(ServiceConfig(), driver_id="b", job_id="j")
         servers = [await build_server(s, "127.0.0.1:0") for s in (lead, standby)]
         try:
-            await asyncio.sleep(0.5)
             a, b = (f"127.0.0.1:{port}" for _, port, _ in servers)
             serving = health_pb2.HealthCheckResponse.SERVING
-            assert await status(a, SERVICE_NAME) == serving == await status(b, SERVICE_NAME)
-            assert await status(a, LEADER_HEALTH) == serving
+            await until(a, SERVICE_NAME, serving)
+            await until(b, SERVICE_NAME, serving)
+            await until(a, LEADER_HEALTH, serving)
             assert await status(b, LEADER_HEALTH) == health_pb2.HealthCheckResponse.NOT_SERVING
             lead.step_down()
-            await asyncio.sleep(0.5)
-            assert await status(a, LEADER_HEALTH) == health_pb2.HealthCheckResponse.NOT_SERVING
+            await until(a, LEADER_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
         finally:
             for server, _, _ in servers:
                 await server.stop(0)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -85,9 +84,7 @@ def test_sigstopped_rank_is_flagged_with_stacks_and_rearmed(
 
     victim = ws[1].pid
     os.kill(victim, signal.SIGSTOP)
-    stopped_at = time.monotonic()
-    (h,) = wait_for(hangs, 30, "HangSuspected", step_s=0.1)
-    took = time.monotonic() - stopped_at
+    (h,) = wait_for(hangs, 30, "HangSuspected", step_s=0.1)  # how fast: bench/detectors.py
     # rank 1's process is stopped: named first, as "stopped" (the culprit: a restart without a
     # diagnosis); rank 0 waits in the all-reduce (a victim, judged collective_k times later),
     # so it may or may not be flagged yet
@@ -95,7 +92,6 @@ def test_sigstopped_rank_is_flagged_with_stacks_and_rearmed(
     assert h.silent_ms > h.threshold_ms >= 1000.0 and h.phase == "stopped", h
     assert "--- local rank 1 ---\n(process stopped: SIGSTOP)" in h.stack_dump, h.stack_dump
     assert "worker.py" in h.stack_dump and "--- local rank 0 ---" in h.stack_dump
-    assert took < 10.0, f"HangSuspected {took:.1f} s after SIGSTOP"  # generous: a loaded host
     # the dump did not end the stop: the rank is still stopped, no step ran
     state = Path(f"/proc/{victim}/stat").read_text().rsplit(")", 1)[1].split()[0]
     assert state == "T", state

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import statistics
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -129,13 +128,9 @@ def test_twenty_thousand_nodes_come_and_go_and_the_state_stays_small(
             )
             assert keys.count < 2 * elog.snapshot_every, keys.count  # only the tail stays
             stub = dgrpc.DriverStub(grpc.aio.insecure_channel(addr))
-            times = []
-            for _ in range(50):
-                t0 = time.perf_counter()
-                st = await stub.GetStatus(dpb.GetStatusRequest(), timeout=5)
-                times.append(time.perf_counter() - t0)
+            # served from memory, not a replay (its latency: bench/eventlog.py, GetStatus)
+            st = await stub.GetStatus(dpb.GetStatusRequest(), timeout=5)
             assert st.last_seq == journal.state.last_seq
-            assert statistics.median(times) < 0.010, times  # from memory, not a replay
 
     asyncio.run(asyncio.wait_for(go(), 600))
 

@@ -86,7 +86,7 @@ def start_driver(
         assert procs[-1].poll() is None, (tmp / "driver.log").read_text()
         assert time.monotonic() < deadline, "driver did not start within 60 s"
         time.sleep(0.1)
-    time.sleep(0.2)  # the file is written whole, but give a reader no torn JSON
+    # the driver writes the file whole (os.replace), so no reader sees torn JSON
     info: dict[str, Any] = json.loads(port_file.read_text())
     info["driver"] = f"127.0.0.1:{info['grpc_port']}"
     return info

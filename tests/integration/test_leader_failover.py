@@ -1,8 +1,10 @@
 """Leader failover between two real driver processes sharing one etcd.
 
 The old leader is a separate Python process that wins the election and appends as fast as
-it can, printing every acknowledged event. The test process is the standby. When the old
-leader is SIGKILLed the standby must lead within the lease TTL + 1 s; when it is SIGSTOPped
+it can, printing every acknowledged event. The test process is the standby. It must not lead
+while the old leader keeps appending; when the old leader is SIGKILLed the standby must lead
+once its lease expires (how fast a new leader takes over is measured by bench/recovery.py's
+driver kill; tests never assert on wall time); when it is SIGSTOPped
 past its TTL and then SIGCONTed, every append it tries must be refused (by etcd's fence,
 not just by its own bookkeeping). In both cases every acknowledged event is in the log and
 no event of the old leader comes after the new leader's first.
@@ -120,23 +122,26 @@ def child_factory(etcd_server: EmbeddedEtcd) -> Iterator[object]:
         c.stop()
 
 
-async def _take_over(etcd: EmbeddedEtcd, job: str, fault: object) -> tuple[float, list[ev.Event]]:
-    """Standby campaigns, `fault()` hits the leader; returns (seconds to lead, the log)."""
+async def _take_over(etcd: EmbeddedEtcd, job: str, old: Child, fault: object) -> list[ev.Event]:
+    """Standby campaigns, `fault()` hits the leader; returns the log."""
     client = await connect(etcd.config)
     standby = Election(client, job, "new", ttl_s=TTL_S, address="new:1")
     campaign = asyncio.create_task(standby.campaign(timeout_s=30))
-    await asyncio.sleep(0.2)
+    acked = len(old.acked())
+    deadline = time.monotonic() + 30
+    while len(old.acked()) < acked + 20:  # the old leader goes on appending meanwhile
+        assert time.monotonic() < deadline, f"the old leader stopped appending: {old.lines[-5:]}"
+        assert not campaign.done(), "the standby must not lead while the old leader lives"
+        await asyncio.sleep(0.01)
     assert not campaign.done(), "the standby must not lead while the old leader lives"
-    t0 = time.monotonic()
     fault()  # type: ignore[operator]
-    lead = await campaign
-    took = time.monotonic() - t0
+    lead = await campaign  # within its timeout_s: the old lease expires after TTL_S
     assert await current_leader(client, job) == ("new", "new:1")
     log = EtcdEventLog(client, job, lead, archive_url=NO_ARCHIVE)
     try:
         for i in range(5):
             await log.append(ev.Event(node_lost=ev.NodeLost(node_id=f"new-{i}")))
-        return took, await log.read()
+        return await log.read()
     finally:
         await log.close()
         await standby.resign()
@@ -157,19 +162,17 @@ def _check_history(stored: list[ev.Event], acked: dict[int, str]) -> None:
     ]
 
 
-def test_sigkilled_leader_is_replaced_within_ttl_plus_one_second(
+def test_sigkilled_leader_is_replaced_once_its_lease_expires(
     etcd_server: EmbeddedEtcd, child_factory: object
 ) -> None:
     job = "failover-" + uuid.uuid4().hex[:8]
     old = child_factory(job)  # type: ignore[operator]
     old.wait_for(lambda: len(old.acked()) >= 20, 30)
-    took, stored = asyncio.run(
+    stored = asyncio.run(
         asyncio.wait_for(
-            _take_over(etcd_server, job, lambda: old.proc.send_signal(signal.SIGKILL)), 60
+            _take_over(etcd_server, job, old, lambda: old.proc.send_signal(signal.SIGKILL)), 60
         )
     )
-    print(f"standby led {took:.2f} s after SIGKILL")
-    assert took <= TTL_S + 1.0, f"standby led {took:.2f} s after the kill"
     old.proc.wait(10)
     _check_history(stored, old.acked())
 
@@ -180,13 +183,11 @@ def test_sigstopped_leader_past_its_ttl_is_refused_after_sigcont(
     job = "failover-" + uuid.uuid4().hex[:8]
     old = child_factory(job)  # type: ignore[operator]
     old.wait_for(lambda: len(old.acked()) >= 20, 30)
-    took, stored = asyncio.run(
+    stored = asyncio.run(
         asyncio.wait_for(
-            _take_over(etcd_server, job, lambda: old.proc.send_signal(signal.SIGSTOP)), 60
+            _take_over(etcd_server, job, old, lambda: old.proc.send_signal(signal.SIGSTOP)), 60
         )
     )
-    print(f"standby led {took:.2f} s after SIGSTOP")
-    assert took <= TTL_S + 1.0, f"standby led {took:.2f} s after the stop"
     old.proc.send_signal(signal.SIGCONT)
     old.wait_for(lambda: old.proc.poll() is not None, 20)
     assert old.proc.returncode == 0

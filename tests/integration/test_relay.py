@@ -86,24 +86,21 @@ def test_relay_member_loss_and_relay_loss(
     m2.kill()
     got = wait_for(lambda: "m2" in (x := lost()) and x, 10, "NodeLost of m2", step_s=0.2)
     assert got["m2"].reason == "silent at its relay", got["m2"]
-    assert 250 <= got["m2"].silent_ms < 1000, got["m2"]
+    assert got["m2"].silent_ms >= 250, got["m2"]  # only after the timeout (speed: the bench)
 
     # the relay dies: m1 goes to the driver directly, and is never declared lost
     os.killpg(relay.pid, how)
     killed = time.monotonic()
-    wait_for(
+    wait_for(  # how fast: bench/heartbeat_relay.py (relay kill, fallback_ms)
         lambda: "going to the driver directly" in procs.log("agent-m1"),
         5,
         "m1 to leave its dead relay",
     )
     hb = live(stub)["m1"].heartbeats
     wait_for(lambda: live(stub)["m1"].heartbeats > hb + 5, 5, "m1 heartbeating directly")
-    fallback_s = time.monotonic() - killed
     # the driver's timeout (300 ms) plus its hold for the relay (2 s) are over: still alive
     wait_for(lambda: "r0" in lost(), 10, "NodeLost of the relay", step_s=0.2)
     wait_for(lambda: time.monotonic() - killed > 2.6, 5, "the driver's relay hold to pass")
     final = lost()
     assert set(final) == {"m2", "r0"}, final
     assert live(stub)["m1"].alive
-    assert fallback_s < 3.0, f"m1 heartbeating directly {fallback_s:.2f} s after the relay died"
-    print(f"relay kill -> m1 heartbeating directly after {fallback_s * 1000:.0f} ms")

@@ -512,7 +512,16 @@ def test_scale_up_hot_spare_and_scale_down(driver: dict[str, Any], tmp_path: Pat
 def test_torchrun_on_an_evicted_node_is_refused(driver: dict[str, Any], tmp_path: Path) -> None:
     node = f"evicted-{uuid.uuid4().hex[:6]}"
     _register_and_evict(driver["address"], node)
-    time.sleep(1.5)  # the driver's evicted set refreshes every second
+    probe = rdzv.DriverRendezvousBackend(_client(driver["address"], f"probe-{node}", node))
+
+    def refused() -> bool:  # the driver's evicted set refreshes every second
+        try:
+            probe.get_state()
+        except rdzv.NodeEvictedError:
+            return True
+        return False
+
+    _wait_for("the driver refuses the evicted node", refused, 30)
     proc = _torchrun(driver, tmp_path, f"ev-{uuid.uuid4().hex[:6]}", "x", "1", 3, node_id=node)
     try:
         proc.wait(300)

@@ -26,7 +26,7 @@ from unbroken.agent.hookserver import HookServer
 from unbroken.agent.workers import Supervisor, WorkerSpec
 from unbroken.common.paths import UnsafeRuntimeDirError, private_dir
 from unbroken.proto import hooks_pb2 as hpb
-from unbroken.trainer import hooks
+from unbroken.trainer import hookchannel, hooks
 
 pytestmark = pytest.mark.integration
 
@@ -145,7 +145,7 @@ def test_sdk_refuses_a_squatted_agent_socket(open_dir: Path) -> None:
 
 
 def test_worker_reply_socket_refuses_another_users_stop(tmp_path: Path) -> None:
-    h = hooks.Hooks(socket_path=str(tmp_path / "no-agent.sock"))
+    h = hookchannel.Hooks(socket_path=str(tmp_path / "no-agent.sock"))
     try:
         reply = h._reply
         assert reply.startswith("/") and not reply.startswith("\0")  # a path, not abstract

@@ -10,6 +10,8 @@ from unbroken.driver.commits import MAX_WORLDS, Commits
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.recovery.persist import shard_uri, step_dir
 
+pytestmark = pytest.mark.unit
+
 URL = "/ckpt"
 
 

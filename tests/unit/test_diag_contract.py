@@ -13,6 +13,8 @@ from unbroken.diagnostics.runner import Diagnosis, RoundRecord, round_event, ver
 from unbroken.diagnostics.schema import CheckResult, CheckSpec
 from unbroken.diagnostics.selfcheck import SelfCheckConfig, check_disk, run_selfchecks
 
+pytestmark = pytest.mark.unit
+
 
 def test_fault_parse_and_roundtrip() -> None:
     f = FaultSpec.parse("wrong_matmul+slow:2.0")

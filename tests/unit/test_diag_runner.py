@@ -5,8 +5,12 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
+
 from unbroken.diagnostics.runner import DiagnosisConfig, Group, Results, RoundRecord, diagnose
 from unbroken.diagnostics.schema import CheckResult
+
+pytestmark = pytest.mark.unit
 
 NODES = [f"n{i}" for i in range(8)]
 

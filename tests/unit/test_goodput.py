@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from unbroken.driver import state as statelib
 from unbroken.driver.goodput import goodput
 from unbroken.proto import events_pb2 as ev
+
+pytestmark = pytest.mark.unit
 
 S = 1_000_000_000  # ns per second
 T0 = 1_700_000_000 * S

@@ -33,7 +33,8 @@ from unbroken.agent.workers import Supervisor, WorkerSpec
 from unbroken.common.workerenv import FLASH_JOB, FLASH_NODE, FLASH_ROOT
 from unbroken.proto import hooks_pb2 as hpb
 from unbroken.recovery.flash import FlashConfig, FlashOwner
-from unbroken.trainer import examples, hooks
+from unbroken.trainer import examples, hookchannel, hooks
+from unbroken.trainer import pacer as pacing
 
 pytestmark = pytest.mark.unit
 
@@ -157,7 +158,9 @@ def test_attach_reports_and_commands(agent: Agent) -> None:
     agent.send(hpb.WorkerCommand(command_id="e", stop="evict"))
     _until(hooks.should_stop, "the stop")
     agent.send(hpb.WorkerCommand(command_id="r2", resume=9))
-    time.sleep(0.2)
+    # a later request proves the resume was read (the socket keeps the agent's order)
+    agent.send(hpb.WorkerCommand(command_id="f2", flash_save=1))
+    _until(lambda: hooks.should_save() and session.save_at == 1, "the later request")
     assert hooks.should_stop() is True  # an eviction is final: no resume undoes it
 
 
@@ -264,18 +267,18 @@ def test_the_fault_tolerant_example_adds_fewer_than_10_lines() -> None:
 
 
 def test_save_interval_keeps_saves_within_the_budget() -> None:
-    assert hooks.save_interval(0.0005, 0.1, 0.02) == 1  # cheap against the step: every step
-    assert hooks.save_interval(0.01, 0.01, 0.02) == 50  # 10 ms per save, 10 ms steps: 1 in 50
-    assert hooks.save_interval(10.0, 0.001, 0.02) == hooks.MAX_EVERY
-    assert hooks.save_interval(0.01, 0.0, 0.02) == hooks.MAX_EVERY
-    assert hooks.save_interval(0.0, 0.0, 0.02) == 1
+    assert pacing.save_interval(0.0005, 0.1, 0.02) == 1  # cheap against the step: every step
+    assert pacing.save_interval(0.01, 0.01, 0.02) == 50  # 10 ms per save, 10 ms steps: 1 in 50
+    assert pacing.save_interval(10.0, 0.001, 0.02) == pacing.MAX_EVERY
+    assert pacing.save_interval(0.01, 0.0, 0.02) == pacing.MAX_EVERY
+    assert pacing.save_interval(0.0, 0.0, 0.02) == 1
     with pytest.raises(ValueError, match="save_budget"):
-        hooks.Pacer(1.5, "x")
+        pacing.Pacer(1.5, "x")
 
 
 def test_pacer_saves_every_step_while_calibrating_then_the_agreed_steps() -> None:
-    pacer = hooks.Pacer(0.02, "no-such-thread")
-    due = [pacer.due(step) for step in range(1, hooks.CALIBRATE_CALLS + 1)]
+    pacer = pacing.Pacer(0.02, "no-such-thread")
+    due = [pacer.due(step) for step in range(1, pacing.CALIBRATE_CALLS + 1)]
     assert all(due)
     assert pacer.measure() == 1  # nothing saved, no cost measured
     pacer.every = 5
@@ -306,8 +309,8 @@ def test_pacer_measures_a_saves_whole_cost_in_cpu_time(monkeypatch: pytest.Monke
     against 2 ms CPU steps is paced at 4 / (2 % of 2) = 1 in 100 steps, whatever the wall
     time of the steps (here inflated 3x by other load)."""
     clock = _Clock()
-    monkeypatch.setattr(hooks, "time", clock)
-    pacer = hooks.Pacer(0.02, "no-such-thread")
+    monkeypatch.setattr(pacing, "time", clock)
+    pacer = pacing.Pacer(0.02, "no-such-thread")
     after_save = False
     wanted: list[int] = []
     for step in range(1, 2000):
@@ -337,8 +340,8 @@ def test_short_steps_ride_along_in_the_next_report_with_their_peak(
     rx.bind(path)
     rx.settimeout(1.0)
     now = [100.0]
-    monkeypatch.setattr(hooks.time, "monotonic", lambda: now[0])
-    h = hooks.Hooks(socket_path=path, local_rank=0, coalesce_s=0.05)
+    monkeypatch.setattr(hookchannel.time, "monotonic", lambda: now[0])
+    h = hookchannel.Hooks(socket_path=path, local_rank=0, coalesce_s=0.05)
 
     def received() -> list[hpb.StepReport]:
         out = []
@@ -372,7 +375,7 @@ def test_short_steps_ride_along_in_the_next_report_with_their_peak(
 
 
 def test_persisted_saves_are_agreed_and_fall_on_saved_steps() -> None:
-    pacer = hooks.Pacer(0.02, "no-such-thread", persist_every_s=30.0)
+    pacer = pacing.Pacer(0.02, "no-such-thread", persist_every_s=30.0)
     assert not pacer.persist(1000)  # nothing agreed yet: memory only
     pacer._wish_persist(0.012)  # 12 ms steps: 30 s is 2500 steps
     assert pacer.persist_wanted == 2500

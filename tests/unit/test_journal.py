@@ -164,8 +164,8 @@ async def test_a_failed_append_keeps_the_fault_and_records_it_once_the_log_is_ba
     j.start()
     try:
         j.submit(_lost("dead"), detected=0.0)
-        await asyncio.sleep(0.2)
-        assert j.stats.failed_appends >= 2 and j.faults_pending() == 1
+        await _until(lambda: j.stats.failed_appends >= 2)  # retried, and still held
+        assert j.faults_pending() == 1
         assert await elog.last_seq() == 0
         elog.down = False
         await _until(lambda: j.faults_pending() == 0)
@@ -177,8 +177,10 @@ async def test_a_failed_append_keeps_the_fault_and_records_it_once_the_log_is_ba
 @_sync
 async def test_level_check_records_what_the_view_knows_and_the_log_does_not() -> None:
     truths: list[ev.Event] = []
+    checks = [0]
 
     def conditions(state: ev.JobState) -> list[ev.Event]:
+        checks[0] += 1
         return [e for e in truths if state.nodes[e.node_lost.node_id].state == ev.NODE_STATE_ACTIVE]
 
     elog = _log()
@@ -190,7 +192,8 @@ async def test_level_check_records_what_the_view_knows_and_the_log_does_not() ->
     j.start()
     try:
         await _until(lambda: j.state.nodes["a"].state == ev.NODE_STATE_LOST)
-        await asyncio.sleep(0.1)  # several more checks: the condition holds, nothing repeats
+        seen = checks[0]
+        await _until(lambda: checks[0] >= seen + 3)  # more checks ran: nothing repeats
         assert j.state.event_counts["node_lost"] == 1
         assert j.state.nodes["b"].state == ev.NODE_STATE_ACTIVE
     finally:
@@ -207,7 +210,7 @@ async def test_a_closed_term_hands_its_observations_to_the_next() -> None:
     j1.submit(_lost("dead"))
     j1.submit(_registered("late"))
     waiter = asyncio.ensure_future(j1.observe(_lost("other"), 5.0))
-    await asyncio.sleep(0.05)
+    await _until(lambda: j1.pending() == 3)  # the observation is queued
     left = await j1.close()
     with pytest.raises(JournalClosedError):
         await waiter

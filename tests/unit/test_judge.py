@@ -9,6 +9,8 @@ import pytest
 from unbroken.diagnostics.judge import JudgeConfig, find_slow, judge_group, scaled_mad
 from unbroken.diagnostics.schema import CheckResult
 
+pytestmark = pytest.mark.unit
+
 
 def res(
     node: str, *, ok: bool = True, failure: str = "", ms: float = 10.0, **kw: object

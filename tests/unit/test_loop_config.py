@@ -6,6 +6,8 @@ import pytest
 
 from unbroken.driver.loop import LoopConfig
 
+pytestmark = pytest.mark.unit
+
 
 def test_dp_defaults_to_the_rest_of_the_world() -> None:
     cfg = LoopConfig(nodes=4, workers_per_node=2, pp=2, tp=2)

@@ -16,6 +16,8 @@ from unbroken.proto import driver_pb2 as dpb
 from unbroken.recovery.spike import SpikeConfig
 from unbroken.trainer.run import FaultFile, RestorePoint
 
+pytestmark = pytest.mark.unit
+
 CFG = SpikeConfig(window=20, min_history=5, factor=6.0)
 
 

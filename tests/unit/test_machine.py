@@ -30,6 +30,8 @@ from tests.unit.test_machine_harness import (
 from unbroken.driver import machine as m
 from unbroken.proto import events_pb2 as ev
 
+pytestmark = pytest.mark.unit
+
 
 def start(policy: m.Policy | None = None, **layout: int) -> Sim:
     sim = Sim(policy or m.Policy())

@@ -14,9 +14,13 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+import pytest
+
 from unbroken.driver import machine as m
 from unbroken.driver import state as statelib
 from unbroken.proto import events_pb2 as ev
+
+pytestmark = pytest.mark.unit
 
 HEALTHY = (ev.NODE_STATE_ACTIVE, ev.NODE_STATE_SPARE)
 

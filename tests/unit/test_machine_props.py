@@ -12,6 +12,7 @@ is RUNNING again unless no layout could be built (then it FAILED, checked by bru
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,6 +34,8 @@ from tests.unit.test_machine_harness import (
 from unbroken.driver import machine as m
 from unbroken.proto import events_pb2 as ev
 from unbroken.recovery.spike import SpikeConfig
+
+pytestmark = pytest.mark.unit
 
 LAYOUTS = [  # (nodes, workers per node, pp, tp)
     (2, 1, 1, 1),

@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 
 from unbroken.trainer import plan as P
 
+pytestmark = pytest.mark.unit
+
 # ------------------------------------------------------------------------------------------
 # Published runs
 

@@ -1,18 +1,17 @@
-"""`unbroken plan` end to end through the real dispatcher and, once, the installed script:
-readable tables, `--json`, and exit code 2 with a useful message on bad input."""
+"""`unbroken plan` end to end through the real dispatcher: readable tables, `--json`, and
+exit code 2 with a useful message on bad input (the installed script's exit codes:
+tests/integration/test_plan_script.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from unbroken.cli import main as cli
 from unbroken.trainer import plan_cli
+
+pytestmark = pytest.mark.unit
 
 OPT = ["--params", "175B", "--tokens", "300B", "--gpus", "1024", "--gpu", "a100-80gb"]
 
@@ -143,28 +142,3 @@ def test_parsers() -> None:
     assert plan_cli.parse_seconds("2m") == 120
     assert plan_cli.parse_seconds("1h") == 3600
     assert plan_cli.parse_layout("4x12") == (4, 12)
-
-
-def test_installed_script_exit_codes() -> None:
-    script = Path(sys.executable).with_name("unbroken")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ok = subprocess.run(
-        [str(script), "plan", *OPT, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-        check=False,
-    )
-    assert ok.returncode == 0, ok.stderr
-    assert json.loads(ok.stdout)["gpus"] == 1024
-    bad = subprocess.run(
-        [str(script), "plan", *OPT[:-1], "tpu"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-        check=False,
-    )
-    assert bad.returncode == 2
-    assert "unknown GPU type 'tpu'" in bad.stderr

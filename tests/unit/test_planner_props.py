@@ -14,6 +14,8 @@ from unbroken.diagnostics.planner import (
     next_step,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def simulate(
     nodes: list[str],

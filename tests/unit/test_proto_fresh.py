@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 GEN = Path(__file__).resolve().parents[2] / "proto" / "generate.py"
 
 

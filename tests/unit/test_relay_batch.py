@@ -8,6 +8,8 @@ import pytest
 from unbroken.agent.relay import Member, Relay, RelayConfig, parse_relay, signature
 from unbroken.proto import driver_pb2 as dpb
 
+pytestmark = pytest.mark.unit
+
 
 def beat(step: int, flags: int = 0) -> dpb.Heartbeat:
     hb = dpb.Heartbeat(flags=flags)

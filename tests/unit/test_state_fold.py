@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unbroken.driver import state as statelib
 from unbroken.proto import events_pb2 as ev
+
+pytestmark = pytest.mark.unit
 
 NODES = [f"n{i}" for i in range(5)]
 node = st.sampled_from(NODES)

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.parametrize(
     "module",

@@ -14,6 +14,8 @@ import pytest
 
 from unbroken.cli import main as cli
 
+pytestmark = pytest.mark.integration
+
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
 
