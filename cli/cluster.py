@@ -294,7 +294,7 @@ class LocalCluster:
         self.addresses[name] = f"127.0.0.1:{info['grpc_port']}"
         return info
 
-    def address(self, name: str = "driver") -> str:
+    def driver_address(self, name: str = "driver") -> str:
         """The driver's gRPC address (waiting for its port file if not yet read)."""
         if name not in self.addresses:
             self.wait_driver(name)
