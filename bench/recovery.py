@@ -168,7 +168,7 @@ class Bench:
             grace_s=15,
         )
         self.w = LogWatch(self.c)
-        self.inject = Faults(self.c, watch=self.w)
+        self.hurt = Faults(self.c, watch=self.w)
         self.steps = Steps(run / "metrics.jsonl")
         self.spares = 0
         self.faults: list[Fault] = []
@@ -335,7 +335,7 @@ class Bench:
             if not victims:
                 return None
             node, pid = random.Random(mono).choice(victims)
-            hurt = self.inject.worker_kill if kind == "worker_crash" else self.inject.worker_stop
+            hurt = self.hurt.worker_kill if kind == "worker_crash" else self.hurt.worker_stop
             hurt(node, pid=pid)
             f = Fault(kind, f"{node} pid {pid}", wall, mono)
         elif kind == "node_loss":
@@ -343,14 +343,14 @@ class Bench:
             if not working:
                 return None
             gone = working[-1]
-            await asyncio.to_thread(self.inject.agent_kill, gone)
+            await asyncio.to_thread(self.hurt.agent_kill, gone)
             f = Fault(kind, gone, wall, mono)
             self.new_spare()
         elif kind == "loss_spike":
             nodes = [n.node_id for n in self._working()]
             f = Fault(kind, ",".join(nodes), wall, mono)
-            await asyncio.to_thread(self.inject.loss_spike, step=self.w.step() + SPIKE_AHEAD)
-            f.note = self.inject.injections[-1].note
+            await asyncio.to_thread(self.hurt.loss_spike, step=self.w.step() + SPIKE_AHEAD)
+            f.note = self.hurt.injections[-1].note
         elif kind == "silently_bad_node":
             working = [n.node_id for n in self._working() if n.node_id in self.c.agents]
             if not working:
@@ -358,14 +358,14 @@ class Bench:
             bad = working[0]
             f = Fault(kind, bad, wall, mono)
             # its self-check (run on demand, in the background) finds it; the loop evicts it
-            await asyncio.to_thread(self.inject.bad_matmul, bad, check_timeout_s=120.0)
-            f.note = self.inject.injections[-1].note
+            await asyncio.to_thread(self.hurt.bad_matmul, bad, check_timeout_s=120.0)
+            f.note = self.hurt.injections[-1].note
             self.new_spare()
         elif kind == "driver_kill":
             leader = self.w.leader
             if not leader:
                 return None
-            await asyncio.to_thread(self.inject.driver_kill, leader, respawn=False)
+            await asyncio.to_thread(self.hurt.driver_kill, leader, respawn=False)
             f = Fault(kind, leader, wall, mono)
             self.c.respawn(leader, wait_s=None)  # back on its address, as the standby
         else:

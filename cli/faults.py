@@ -175,19 +175,22 @@ class Faults:
         self, node: str | None = None, *, pid: int | None = None, when: str | None = None
     ) -> Faults:
         """SIGKILL a worker of `node`: WorkerFailed."""
+        return self._signal_worker("worker_kill", signal.SIGKILL, node, pid, when)
+
+    def worker_stop(
+        self, node: str | None = None, *, pid: int | None = None, when: str | None = None
+    ) -> Faults:
+        """SIGSTOP a worker of `node` (a hang): HangSuspected."""
+        return self._signal_worker("worker_stop", signal.SIGSTOP, node, pid, when)
+
+    def _signal_worker(
+        self, kind: str, sig: int, node: str | None, pid: int | None, when: str | None
+    ) -> Faults:
         self._when(when)
         node = node or self.world_node()
         pid = pid or self.worker_pid(node)
-        _kill(pid, signal.SIGKILL)
-        self._record("worker_kill", f"{node} pid {pid}", node)
-        return self
-
-    def worker_stop(self, node: str | None = None, *, pid: int | None = None) -> Faults:
-        """SIGSTOP a worker of `node` (a hang): HangSuspected."""
-        node = node or self.world_node()
-        pid = pid or self.worker_pid(node)
-        _kill(pid, signal.SIGSTOP)
-        self._record("worker_stop", f"{node} pid {pid}", node)
+        _kill(pid, sig)
+        self._record(kind, f"{node} pid {pid}", node)
         return self
 
     def agent_kill(self, node: str | None = None, *, when: str | None = None) -> Faults:
