@@ -429,6 +429,10 @@ class LocalCluster:
 
         return asyncio.run(read())
 
+    def payloads(self, kind: str) -> list[Any]:
+        """The payloads of every `kind` event in the log (`kind`: a payload name)."""
+        return [getattr(e, kind) for e in self.events() if e.WhichOneof("payload") == kind]
+
     # ------------------------------------------------------------ roles and tokens
     def make_tokens(self) -> list[str]:
         """One fresh token per role in <run>/tokens/ (0600), as a secured cluster runs;
@@ -462,6 +466,22 @@ class LocalCluster:
                 )
         except grpc.RpcError:
             return None
+
+    def cli(
+        self, *args: str, driver: str | None = None, timeout_s: float = 120.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Run `unbroken ARGS --driver <every driver>` as an operator would (this run's
+        operator token when it has one); its exit code and output."""
+        env = {**self.env, "COLUMNS": "200"}
+        if "operator" in self.tokens:
+            env["UNBROKEN_TOKEN_FILE"] = str(self.run / "tokens" / "operator.token")
+        return subprocess.run(
+            [*CLI, *args, "--driver", driver or ",".join(self.addresses.values())],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
+        )
 
     # ------------------------------------------------------------ stop
     def stop(self, grace_s: float | None = None) -> None:
