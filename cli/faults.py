@@ -120,6 +120,7 @@ class Faults:
     ) -> None:
         self.c = cluster
         self.rng = random.Random(seed)
+        self._own_watch = watch is None
         self.w = watch if watch is not None else LogWatch(cluster)
         self.timeout_s = timeout_s
         self.injections: list[Injection] = []
@@ -296,6 +297,11 @@ class Faults:
         req = dpb.InjectFaultRequest(node_id=node, kind="slow-train", factor=factor)
         self._record("straggler", node, node, note=self._inject(node, req))
         return self
+
+    def close(self) -> None:
+        """Close the log watch this injector opened (a watch it was given stays open)."""
+        if self._own_watch:
+            self.w.close()
 
     # ------------------------------------------------------------ results
     def proven(self, inj: Injection) -> ev.Event | None:

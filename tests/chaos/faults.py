@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from tests.chaos.harness import ChaosCluster, ChaosError
-from unbroken.cli.cluster import LogWatch, UntilTimeout, until
+from unbroken.cli.cluster import UntilTimeout, until
 from unbroken.cli.faults import Faults
 from unbroken.proto import events_pb2 as ev
 
@@ -140,7 +140,7 @@ class Injector:
         self.stall_s = stall_s
         self.done: list[Injected] = []
         # the shipped injector for what it covers (its targets are given: the plan drew them)
-        self.faults = Faults(c.local, watch=LogWatch(c.local), timeout_s=60.0)
+        self.faults = Faults(c.local, timeout_s=60.0)
 
     def run(self, faults: list[Fault]) -> None:
         for f in faults:

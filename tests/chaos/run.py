@@ -66,6 +66,7 @@ def run_chaos(
             error = e
         logs = c.logs() if error is not None or problems else ""
     finally:  # also on a pytest timeout or Ctrl-C: nothing of the run survives it
+        inj.faults.close()
         c.stop()
         problems += _leftovers(c)
     if error is None:

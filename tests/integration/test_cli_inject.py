@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 import psutil
 import pytest
 
+from tests.jobs import operator_cluster
 from unbroken.cli import main as cli
 from unbroken.cli.cluster import LocalCluster, until
 
@@ -58,12 +59,7 @@ def cluster(
     tmp_path_factory: pytest.TempPathFactory, etcd_server: object
 ) -> Iterator[LocalCluster]:
     """A driver (no job), n0 with one sleeping worker and n1 without workers."""
-    with LocalCluster(
-        tmp_path_factory.mktemp("inject"),
-        etcd=etcd_server,  # type: ignore[arg-type]
-        driver_args=("--allow-fault-injection", "--miss-limit", "50"),
-    ) as c:
-        c.start_driver(wait_s=WAIT_S)
+    with operator_cluster(tmp_path_factory.mktemp("inject"), etcd_server, wait_s=WAIT_S) as c:
         c.start_agent("n0", ["--worker-cmd", SLEEPER, "--no-flash"])
         c.start_agent("n1")
         until(

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
+from tests.jobs import operator_cluster
 from unbroken.cli.cluster import LocalCluster, until
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -32,12 +33,7 @@ def cluster(
     tmp_path_factory: pytest.TempPathFactory, etcd_server: object
 ) -> Iterator[LocalCluster]:
     """A driver (no job: the recovery loop is off) and two agents without workers."""
-    with LocalCluster(
-        tmp_path_factory.mktemp("selfcheck"),
-        etcd=etcd_server,  # type: ignore[arg-type]
-        driver_args=("--allow-fault-injection", "--miss-limit", "50"),  # torch imports
-    ) as c:  # starve heartbeats; liveness is not under test
-        c.start_driver(wait_s=60)
+    with operator_cluster(tmp_path_factory.mktemp("selfcheck"), etcd_server, wait_s=WAIT_S) as c:
         c.start_agent("n0")
         c.start_agent("n1", ["--inject-fault", "wrong_matmul"])
         yield c
