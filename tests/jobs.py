@@ -9,7 +9,9 @@ The `job` fixture (tests/conftest.py) gives one and stops everything after the t
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -129,3 +131,104 @@ def reference(
             p.kill()
             p.wait(10)
     return {step: losses[0] for step, losses in read_metrics(metrics).items()}
+
+
+def operator_cluster(run: Path, etcd: object, *, wait_s: float = 120.0) -> LocalCluster:
+    """A `LocalCluster` on `etcd` with one driver and no job (the recovery loop is off),
+    fault injection allowed and liveness relaxed (50 missed heartbeats: torch imports on 2
+    loaded cores starve them; liveness is not under test): for tests of operator commands
+    and self-checks, which start their own agents. Use it as a context manager."""
+    c = LocalCluster(
+        run,
+        etcd=etcd,  # type: ignore[arg-type]
+        driver_args=("--allow-fault-injection", "--miss-limit", "50"),
+    )
+    try:
+        c.start_driver(wait_s=wait_s)
+    except BaseException:
+        c.stop()
+        raise
+    return c
+
+
+TOKEN = "dashboard-token-0123456789"  # the dashboard's read-only (viewer) token
+NODE_TOKEN = "node-token-0123456789-abcdef"
+OPERATOR_TOKEN = "operator-token-0123456789-abc"
+SLOW_RANK = 3
+HOOK_WORKER = """
+import math, os, time
+from unbroken.trainer import hooks
+h = hooks.install()
+rank = int(os.environ["RANK"])
+pause = 0.1 if rank == int(os.environ.get("DASH_SLOW_RANK", "-1")) else 0.05
+step = 0
+while True:
+    step += 1
+    time.sleep(pause)
+    h.step(step, loss=2.4 * math.exp(-step / 150) + 0.7 + 0.03 * math.sin(step / 3 + rank))
+"""
+
+
+class DashCluster(LocalCluster):
+    """Drivers with a dashboard (`TOKEN` reads it) and agents running hook workers (no
+    torch: step, loss and step time like a trainer's; global rank `SLOW_RANK` steps twice
+    as slowly): the dashboard tests' cluster."""
+
+    def __init__(self, tmp: Path, etcd: object, *, miss_limit: int = 10) -> None:
+        super().__init__(
+            tmp,
+            job=f"dash-{uuid.uuid4().hex[:6]}",
+            etcd=etcd,  # type: ignore[arg-type]
+            env={"DASH_SLOW_RANK": str(SLOW_RANK), "UNBROKEN_TOKEN": NODE_TOKEN},
+        )
+        self.tmp = tmp
+        self.miss_limit = miss_limit
+        self.address = ""  # the first driver's
+        self.dashboard = ""  # http://host:port of the first driver's dashboard
+        self.pids = tmp / "worker-pids"
+
+    def token_flags(self) -> list[str]:
+        """The driver's --token-file flags: one file per role (viewer, node)."""
+        out = []
+        for role, token in (("viewer", TOKEN), ("node", NODE_TOKEN)):
+            f = self.tmp / f"{role}.tokens"
+            f.write_text(token + "\n")
+            out += ["--token-file", f"{role}={f}"]
+        return out
+
+    def start_driver(self, name: str = "driver") -> str:  # type: ignore[override]
+        """Start a driver; return its dashboard's base URL."""
+        super().start_driver(
+            name,
+            ["--allow-fault-injection", "--dashboard-port", "0", *self.token_flags(),
+             "--miss-limit", str(self.miss_limit)],
+            wait_s=None,
+        )  # fmt: skip
+        info = self.wait_driver(name, 120)  # importing torch on a loaded 2-core machine
+        assert info["dashboard_port"] > 0, info
+        if not self.address:
+            self.address = self.addresses[name]
+            self.dashboard = f"http://127.0.0.1:{info['dashboard_port']}"
+        return f"http://127.0.0.1:{info['dashboard_port']}"
+
+    def start_agents(self, n: int = 2, nproc: int = 2) -> None:
+        script = self.tmp / "worker.py"
+        script.write_text(
+            f"import os\nopen({str(self.pids)!r}, 'a').write(str(os.getpid()) + ' ')\n"
+            + HOOK_WORKER
+        )
+        for i in range(n):
+            self.start_agent(
+                f"node-{i}",
+                ["--nproc-per-node", str(nproc), "--nnodes", str(n), "--node-rank", str(i),
+                 "--worker-cmd", f"{sys.executable} {script}", "--no-flash"],
+                drivers=self.address,
+            )  # fmt: skip
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop everything, then the hook workers (sessions of their own) by their pids."""
+        super().stop(grace_s)
+        if self.pids.exists():
+            for pid in self.pids.read_text().split():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(int(pid), signal.SIGKILL)
