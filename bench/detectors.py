@@ -26,7 +26,6 @@ Writes bench/results/detectors.json and prints tables. `make bench-detectors`
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -42,9 +41,8 @@ from typing import Any
 
 import grpc
 
-from unbroken.cli.drill import stop_groups
+from unbroken.cli.cluster import LocalCluster, UntilTimeout, until
 from unbroken.common.tls import read_token, token_metadata
-from unbroken.driver import etcdlog
 from unbroken.driver.etcd import EmbeddedEtcd, free_port
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -73,54 +71,15 @@ while True:
 """
 
 
-class Procs:
-    """The processes a part started, each in its own group, all stopped at the end."""
-
-    def __init__(self, run: Path) -> None:
-        self.run = run
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def spawn(self, name: str, args: list[str], *, module: bool = True) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "unbroken.cli", *args] if module else args
-        with open(self.run / f"{name}.log", "ab") as log:
-            p = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=dict(
-                    os.environ,
-                    OMP_NUM_THREADS="1",
-                    PYTHONUNBUFFERED="1",
-                    UNBROKEN_REPLICA_KEY=REPLICA_KEY,  # the buddy stream is authenticated
-                ),
-            )
-        self.procs[name] = p
-        return p
-
-    def stop(self) -> None:
-        stop_groups(list(self.procs.values()), grace_s=15)
-
-
-def wait_for(what: str, cond: Any, timeout_s: float, step_s: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(step_s)
-    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-
-
-def read_events(etcd: EmbeddedEtcd, job: str) -> list[ev.Event]:
-    async def go() -> list[ev.Event]:
-        client = await etcdlog.connect(etcd.config)
-        try:
-            return await etcdlog.EtcdEventLog(client, job, None).read()
-        finally:
-            await client.close()
-
-    return asyncio.run(go())
+def cluster(run: Path, job: str = "", etcd: EmbeddedEtcd | None = None) -> LocalCluster:
+    """The processes a part starts (each in its own group, all stopped at the end)."""
+    return LocalCluster(
+        run,
+        job=job,
+        etcd=etcd,
+        env={"UNBROKEN_REPLICA_KEY": REPLICA_KEY},  # the buddy stream is authenticated
+        grace_s=15,
+    )
 
 
 def live(address: str, metadata: tuple[tuple[str, str], ...] = ()) -> list[dpb.NodeLive]:
@@ -140,26 +99,14 @@ def inject(address: str, node: str, kind: str, factor: float = 0.0) -> None:
         raise RuntimeError(f"inject {kind} on {node}: {resp.detail}")
 
 
-def start_driver(p: Procs, etcd: EmbeddedEtcd, job: str, *extra: str) -> str:
-    port = free_port()
-    p.spawn(
+def start_driver(p: LocalCluster, *extra: str) -> str:
+    assert p.etcd is not None
+    return p.start_driver(
         "driver",
-        ["driver", "--etcd", etcd.endpoint, "--job-id", job, "--listen", f"127.0.0.1:{port}",
-         "--archive-url", str(etcd.data_dir.parent / "archive"),
-         "--allow-fault-injection", *extra],
+        ["--archive-url", str(p.etcd.data_dir.parent / "archive"), "--allow-fault-injection",
+         *extra],
+        wait_s=120,
     )  # fmt: skip
-    address = f"127.0.0.1:{port}"
-    wait_for("the driver", lambda: live(address) is not None and _serving(address), 120, 0.5)
-    return address
-
-
-def _serving(address: str) -> bool:
-    try:
-        with grpc.insecure_channel(address) as ch:
-            dgrpc.DriverStub(ch).LiveView(dpb.LiveViewRequest(), timeout=2)
-        return True
-    except grpc.RpcError:
-        return False
 
 
 def p50(xs: list[float]) -> float | None:
@@ -168,10 +115,9 @@ def p50(xs: list[float]) -> float | None:
 
 # ---------------------------------------------------------------- hang
 def hang_part(run: Path, etcd: EmbeddedEtcd, n: int) -> dict[str, Any]:
-    p = Procs(run)
-    job = f"hang-{os.getpid()}"
+    p = cluster(run, f"hang-{os.getpid()}", etcd)
     try:
-        address = start_driver(p, etcd, job, "--straggler-policy", "off")
+        address = start_driver(p, "--straggler-policy", "off")
         script = run / "worker.py"
         script.write_text(HANG_WORKER)
         p.spawn(
@@ -188,31 +134,29 @@ def hang_part(run: Path, etcd: EmbeddedEtcd, n: int) -> dict[str, Any]:
             ws = {w.local_rank: w for w in nodes[0].workers}
             return ws if min(w.step for w in ws.values()) >= at_least else None
 
-        ws = wait_for("two ranks stepping", lambda: ranks(30), 300, 0.5)
+        ws = until(lambda: ranks(30), 300, "two ranks stepping", poll_s=0.5)
         detect, resume, thresholds = [], [], []
         for i in range(n):
-            ws = wait_for("a steady rhythm", lambda: ranks(0), 60)
-            before = len([e for e in read_events(etcd, job) if e.HasField("hang_suspected")])
+            ws = until(lambda: ranks(0), 60, "a steady rhythm")
+            before = len([e for e in p.events() if e.HasField("hang_suspected")])
             pid, stuck = ws[1].pid, ws[1].step
             os.kill(pid, signal.SIGSTOP)
             t0 = time.monotonic()
 
             def hung(before: int = before) -> list[ev.HangSuspected]:
-                got = [
-                    e.hang_suspected for e in read_events(etcd, job) if e.HasField("hang_suspected")
-                ]
+                got = [e.hang_suspected for e in p.events() if e.HasField("hang_suspected")]
                 return got[before:]
 
-            found = wait_for("HangSuspected", hung, 60, 0.05)
+            found = until(hung, 60, "HangSuspected", poll_s=0.05)
             detect.append(time.monotonic() - t0)
             thresholds.append(found[0].threshold_ms)
             os.kill(pid, signal.SIGCONT)
             t1 = time.monotonic()
-            wait_for(
-                "the next step",
+            until(
                 lambda stuck=stuck: (w := ranks(0)) and w[1].step > stuck + 1,
                 60,
-                0.02,
+                "the next step",
+                poll_s=0.02,
             )
             resume.append(time.monotonic() - t1)
             print(f"  hang {i + 1}/{n}: detected {detect[-1]:.2f} s, resumed {resume[-1]:.2f} s")
@@ -234,8 +178,8 @@ def hang_part(run: Path, etcd: EmbeddedEtcd, n: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- straggler
 def straggler_part(run: Path, etcd: EmbeddedEtcd, timeout_s: float) -> dict[str, Any]:
-    p = Procs(run)
-    job = f"straggler-{os.getpid()}"
+    p = cluster(run, f"straggler-{os.getpid()}", etcd)
+    job = p.job
     metrics = run / "metrics.jsonl"
     train = (
         f"{sys.executable} -m unbroken.trainer.run --preset tiny --dp 2 --steps 10000000 "
@@ -243,44 +187,37 @@ def straggler_part(run: Path, etcd: EmbeddedEtcd, timeout_s: float) -> dict[str,
     )
     try:
         address = start_driver(
-            p, etcd, job, "--nodes", "2", "--workers-per-node", "1", "--dp", "2",
+            p, "--nodes", "2", "--workers-per-node", "1", "--dp", "2",
             "--worker-cmd", train, "--master-addr", "127.0.0.1", "--miss-limit", "30",
             "--straggler-policy", "alert",
         )  # fmt: skip
-        replica = {n: free_port() for n in ("node-0", "node-1")}
         for node, buddy in (("node-0", "node-1"), ("node-1", "node-0")):
-            p.spawn(
-                f"agent-{node}",
-                ["agent", "--driver", address, "--node-id", node, "--no-start",
-                 "--worker-cmd", f"{sys.executable} -c pass", "--allow-remote-cmd",
-                 "--log-dir", str(run / f"logs-{node}"), "--socket", str(run / f"{node}.sock"),
-                 "--flash-dir", str(run / f"shm-{node}"), "--flash-job", job,
-                 "--persist-url", str(run / "storage"),
-                 "--replica-listen", f"127.0.0.1:{replica[node]}",
-                 "--buddy", f"127.0.0.1:{replica[buddy]}"],
+            p.start_agent(
+                node,
+                ["--no-start", "--worker-cmd", f"{sys.executable} -c pass", "--allow-remote-cmd",
+                 "--flash-dir", str(run / f"shm-{node}"), "--flash-job", job],
+                buddy=buddy,
             )  # fmt: skip
 
         def step() -> int:
             steps = [w.step for n in live(address) for w in n.workers]
             return min(steps) if len(steps) == 2 else 0
 
-        wait_for("training past its first windows", lambda: step() >= 150, 600, 1.0)
+        until(lambda: step() >= 150, 600, "training past its first windows", poll_s=1.0)
         out: dict[str, Any] = {}
         for f in FACTORS:
-            before = len([e for e in read_events(etcd, job) if e.HasField("straggler_suspected")])
+            before = len([e for e in p.events() if e.HasField("straggler_suspected")])
             inject(address, "node-1", "slow-train", f)
             t0 = time.monotonic()
 
             def named(before: int = before) -> list[ev.StragglerSuspected]:
                 got = [
-                    e.straggler_suspected
-                    for e in read_events(etcd, job)
-                    if e.HasField("straggler_suspected")
+                    e.straggler_suspected for e in p.events() if e.HasField("straggler_suspected")
                 ]
                 return got[before:]
 
             try:
-                s = wait_for(f"StragglerSuspected at {f}x", named, timeout_s, 0.5)[0]
+                s = until(named, timeout_s, f"StragglerSuspected at {f}x", poll_s=0.5)[0]
                 out[f"{f:.2f}"] = {
                     "detect_s": time.monotonic() - t0,
                     "node": s.node_id,
@@ -288,12 +225,12 @@ def straggler_part(run: Path, etcd: EmbeddedEtcd, timeout_s: float) -> dict[str,
                     "slowdown": s.slowdown,
                     "z": s.z,
                 }
-            except TimeoutError:
+            except UntilTimeout:
                 out[f"{f:.2f}"] = {"detect_s": None, "node": "", "right_node": False}
             print(f"  straggler {f:.2f}x: {out[f'{f:.2f}']}")
             inject(address, "node-1", "slow-train", 1.0)
             at = step()
-            wait_for("the window to wash out", lambda at=at: step() >= at + 200, 900, 1.0)
+            until(lambda at=at: step() >= at + 200, 900, "the window to wash out", poll_s=1.0)
         nodes = live(address)
         return {
             "straggler_detect_s": out,
@@ -323,7 +260,7 @@ def fp_part(run: Path, minutes: float, hog: int) -> dict[str, Any]:
     hogs = start_hog(run, hog)
     loads: list[float] = []
     silences: dict[str, list[float]] = {}
-    p = Procs(run)
+    p = cluster(run)
     try:
         p.spawn(
             "up",
@@ -331,7 +268,7 @@ def fp_part(run: Path, minutes: float, hog: int) -> dict[str, Any]:
              "--steps", "100000000", "--run-dir", str(up_dir)],
         )  # fmt: skip
         # the drivers' port files name their gRPC ports
-        wait_for("up's drivers", lambda: list(up_dir.glob("*.port.json")), 300, 1.0)
+        until(lambda: list(up_dir.glob("*.port.json")), 300, "up's drivers", poll_s=1.0)
         addresses = []
         for f in sorted(up_dir.glob("*.port.json")):
             with contextlib.suppress(ValueError, KeyError):
@@ -364,11 +301,8 @@ def fp_part(run: Path, minutes: float, hog: int) -> dict[str, Any]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(h.pid, signal.SIGKILL)
         p.stop()
-    etcd = EmbeddedEtcd(up_dir / "etcd").start()
-    try:
-        events = read_events(etcd, "demo")
-    finally:
-        etcd.stop(remove=False)
+    with LocalCluster(up_dir, job="demo") as c:  # up's etcd, on its data
+        events = c.events()
     kinds = [e.WhichOneof("payload") for e in events]
     world_nodes = 4  # 2 training nodes + 2 spares heartbeat the whole time
     counts = {

@@ -64,25 +64,13 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import grpc
 
-from unbroken.cli.drill import leader_view, signal_group, stop_groups
-from unbroken.driver import etcdlog
-from unbroken.driver.etcd import EmbeddedEtcd, free_port
-from unbroken.proto import driver_pb2 as dpb
-from unbroken.proto import driver_pb2_grpc as dgrpc
+from unbroken.cli.cluster import LocalCluster, LogWatch, stop_groups
+from unbroken.cli.faults import Faults, proves
 from unbroken.proto import events_pb2 as ev
 
 RESULTS = Path(__file__).resolve().parent / "results" / "recovery.json"
 KINDS = ("worker_crash", "node_loss", "hang", "loss_spike", "silently_bad_node", "driver_kill")
-EXPECT = {
-    "worker_crash": "worker_failed",
-    "node_loss": "node_lost",
-    "hang": "hang_suspected",
-    "loss_spike": "loss_spike",
-    "silently_bad_node": "self_check_reported",
-    "driver_kill": "leader_elected",
-}
 NOT_INJECTED: dict[str, str] = {}
 SPIKE_AHEAD = 2  # a loss spike is injected this many steps ahead of the newest step
 HANG_FLOOR_MS = 1_000
@@ -150,84 +138,6 @@ class Steps:
         return sum(last.values()), len(last)
 
 
-@dataclass(slots=True)
-class Cluster:
-    """The processes of one cluster, so they can all be stopped."""
-
-    run: Path
-    etcd: EmbeddedEtcd | None = None
-    drivers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    addresses: dict[str, str] = field(default_factory=dict)
-    agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-
-    def spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        env["UNBROKEN_REPLICA_KEY"] = "bench-job-replica-key-0123456789"  # the buddy stream
-        with open(self.run / f"{name}.log", "ab") as log:  # the child keeps its own fd
-            return subprocess.Popen(
-                [sys.executable, "-m", "unbroken.cli", *args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=env,
-            )
-
-    def stop(self) -> None:
-        """SIGTERM every process group, SIGKILL what is left after a grace period."""
-        stop_groups([*self.agents.values(), *self.drivers.values()], grace_s=15)
-        if self.etcd is not None:
-            self.etcd.stop(remove=False)
-
-
-class Watcher:
-    """The event log from etcd and the live view of whichever driver leads."""
-
-    def __init__(self, c: Cluster, job: str) -> None:
-        self.c = c
-        self.job = job
-        self.last_seq = 0
-        self.nodes: list[dpb.NodeLive] = []
-        self.leader = ""
-        self._client: Any = None
-        self._log: Any = None
-
-    async def open(self) -> None:
-        assert self.c.etcd is not None
-        self._client = await etcdlog.connect(self.c.etcd.config)
-        self._log = etcdlog.EtcdEventLog(self._client, self.job, None)
-
-    async def close(self) -> None:
-        if self._client is not None:
-            await self._client.close()
-
-    async def rpc(self, method: str, request: Any, timeout_s: float = 20.0) -> Any:
-        """Call the leader driver; None when it did not answer."""
-        addr = self.c.addresses.get(self.leader)
-        if not addr:
-            return None
-        try:
-            async with grpc.aio.insecure_channel(addr) as ch:
-                return await getattr(dgrpc.DriverStub(ch), method)(request, timeout=timeout_s)
-        except grpc.RpcError:
-            return None
-
-    async def poll(self) -> list[ev.Event]:
-        """Refresh the live view; return the events appended since the last poll."""
-        try:
-            new = list(await asyncio.wait_for(self._log.read(self.last_seq + 1), 5))
-        except Exception:  # a read that fails now is retried at the next poll
-            new = []
-        if new:
-            self.last_seq = new[-1].seq
-        found = await leader_view(self.c.addresses, self.c.drivers)
-        if found is not None:
-            self.leader, self.nodes = found
-        return new
-
-    def step(self) -> int:
-        return max((w.step for n in self.nodes if n.alive for w in n.workers), default=0)
-
-
 class JobFailed(Exception):
     """The driver declared the job failed: the phase cannot go on."""
 
@@ -251,17 +161,18 @@ class Bench:
         self.warm = warm
         self.warm_nice = warm_nice
         self.say = log
-        run.mkdir(parents=True, exist_ok=True)
-        self.c = Cluster(run=run)
-        self.w = Watcher(self.c, "bench")
+        self.c = LocalCluster(
+            run,
+            job="bench",
+            env={"UNBROKEN_REPLICA_KEY": "bench-job-replica-key-0123456789"},  # the buddy stream
+            grace_s=15,
+        )
+        self.w = LogWatch(self.c)
+        self.hurt = Faults(self.c, watch=self.w)
         self.steps = Steps(run / "metrics.jsonl")
-        self.ports: dict[str, int] = {}
-        self.replica: dict[str, int] = {}
         self.spares = 0
-        self.endpoints = ""
         self.faults: list[Fault] = []
         self._marks: dict[Path, int] = {}
-        self._checks: set[asyncio.Future[Any]] = set()
         self.failed = ""
         self.flash_job = f"bench-{run.name}-{os.getpid()}"
         self._agent_flags = self._optional_agent_flags()
@@ -289,60 +200,52 @@ class Bench:
         )
 
     def _driver(self, name: str) -> None:
-        port = self.ports.setdefault(name, free_port())
-        assert self.c.etcd is not None
-        self.c.drivers[name] = self.c.spawn(
+        self.c.start_driver(
             name,
             [
-                "driver", "--etcd", self.c.etcd.endpoint, "--job-id", "bench",
-                "--archive-url", str(self.c.run / "archive"),
-                "--driver-id", name, "--listen", f"127.0.0.1:{port}", "--allow-fault-injection",
+                "--archive-url", str(self.c.run / "archive"), "--allow-fault-injection",
                 "--nodes", "2", "--workers-per-node", "1", "--dp", "2",
                 "--worker-cmd", self._worker_cmd(), "--master-addr", "127.0.0.1",
                 "--trainer", "gpt3d", "--miss-limit", str(self.miss_limit),
             ],
+            wait_s=None,
         )  # fmt: skip
-        self.c.addresses[name] = f"127.0.0.1:{port}"
 
     def _agent(self, node: str, *, spare: bool) -> None:
-        buddy = "node-0" if node != "node-0" else "node-1"
-        for n in (node, buddy):
-            self.replica.setdefault(n, free_port())
-        args = [
-            "agent", "--driver", self.endpoints, "--node-id", node, "--no-start",
-            # the driver's --worker-cmd wins; the same here lets a spare warm its standbys
-            "--worker-cmd", self._worker_cmd(),
-            "--log-dir", str(self.run / "workers" / node),
-            "--socket", str(self.run / f"{node}.sock"),
-            "--flash-job", self.flash_job,
-            "--persist-url", str(self.run / "storage"),
-            "--replica-listen", f"127.0.0.1:{self.replica[node]}",
-            "--buddy", f"127.0.0.1:{self.replica[buddy]}",
-            "--hang-floor-ms", str(HANG_FLOOR_MS),
-            *self._agent_flags,
-        ]  # fmt: skip
-        if spare:
-            args.append("--spare")
-        self.c.agents[node] = self.c.spawn(f"agent-{node}", args)
+        self.c.start_agent(
+            node,
+            [
+                "--no-start",
+                # the driver's --worker-cmd wins; the same here lets a spare warm its standbys
+                "--worker-cmd", self._worker_cmd(),
+                "--flash-job", self.flash_job,
+                "--hang-floor-ms", str(HANG_FLOOR_MS),
+                *self._agent_flags,
+            ],
+            buddy="node-0" if node != "node-0" else "node-1",
+            spare=spare,
+        )  # fmt: skip
 
     def new_spare(self) -> None:
         self._agent(f"spare-{self.spares}", spare=True)
         self.spares += 1
 
+    def _agent_logs(self) -> list[Path]:
+        return sorted([*self.run.glob("node-*.log"), *self.run.glob("spare-*.log")])
+
     async def start(self) -> None:
-        self.c.etcd = EmbeddedEtcd(self.run / "etcd").start()
+        self.c.start()
         for name in ("driver-a", "driver-b"):
             self._driver(name)
-        self.endpoints = ",".join(self.c.addresses.values())
-        await asyncio.sleep(1.0)
+        for name in ("driver-a", "driver-b"):
+            await asyncio.to_thread(self.c.wait_driver, name)
         for node in ("node-0", "node-1"):
             self._agent(node, spare=False)
         self.new_spare()
-        await self.w.open()
         await self.wait_for("the first steps", lambda: self.steps.max_step() >= 5, 240)
 
     async def close(self) -> None:
-        await self.w.close()
+        self.w.close()
         self.c.stop()
         # agents killed on purpose keep their flash copies (for a restart): drop them
         for d in Path("/dev/shm/unbroken").glob(f"*/{self.flash_job}"):
@@ -351,14 +254,14 @@ class Bench:
     # ------------------------------------------------------------ observing
     async def tick(self) -> None:
         """Poll the log, the live view and the metrics; settle faults."""
-        new = await self.w.poll()
+        new = await asyncio.to_thread(self.w.poll)
         self.steps.poll()
         for e in new:
             for f in self.faults:
                 self._observe(f, e)
             if e.HasField("node_evicted") and e.node_evicted.node_id in self.c.agents:
                 # an evicted node waits idle for an operator: stop it (its spare replaced it)
-                stop_groups([self.c.agents.pop(e.node_evicted.node_id)], grace_s=15)
+                stop_groups([self.c.forget(e.node_evicted.node_id)], grace_s=15)
             if e.HasField("job_finished") and not e.job_finished.ok:
                 self.failed = e.job_finished.reason or "job finished not ok"
             elif (
@@ -373,7 +276,8 @@ class Bench:
         kind = e.WhichOneof("payload")
         since = max(0.0, (e.wall_time_unix_ns - f.wall_ns) / 1e9)
         if f.detect_s is None:
-            if kind == EXPECT[f.kind] and _matches(e, f) and e.wall_time_unix_ns >= f.wall_ns:
+            node = f.target.split(" ")[0]
+            if proves(e, f.kind, node) and e.wall_time_unix_ns >= f.wall_ns:
                 f.detect_s, f.detect_seq = since, e.seq
                 if f.kind == "driver_kill":
                     f.resume_s, f.steps_lost = 0.0, 0
@@ -408,7 +312,7 @@ class Bench:
         if not self.warm:
             return True
         for n in self._working():
-            text = (self.run / f"agent-{n.node_id}.log").read_text(errors="replace")
+            text = self.c.log(n.node_id)
             tail = text[text.rfind("worker started") :]
             if tail.count("standby ready") < len(n.workers):
                 return False
@@ -431,61 +335,50 @@ class Bench:
             if not victims:
                 return None
             node, pid = random.Random(mono).choice(victims)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL if kind == "worker_crash" else signal.SIGSTOP)
+            hurt = self.hurt.worker_kill if kind == "worker_crash" else self.hurt.worker_stop
+            hurt(node, pid=pid)
             f = Fault(kind, f"{node} pid {pid}", wall, mono)
         elif kind == "node_loss":
             working = [n.node_id for n in self._working() if n.node_id in self.c.agents]
             if not working:
                 return None
             gone = working[-1]
-            signal_group(self.c.agents[gone], signal.SIGKILL)
+            await asyncio.to_thread(self.hurt.agent_kill, gone)
             f = Fault(kind, gone, wall, mono)
             self.new_spare()
         elif kind == "loss_spike":
             nodes = [n.node_id for n in self._working()]
-            step = self.w.step() + SPIKE_AHEAD
             f = Fault(kind, ",".join(nodes), wall, mono)
-            for n in nodes:
-                req = dpb.InjectFaultRequest(node_id=n, kind="loss-spike", step=step)
-                resp = await self.w.rpc("InjectFault", req)
-                if resp is None or not resp.ok:
-                    f.note = f"InjectFault failed on {n}"
+            await asyncio.to_thread(self.hurt.loss_spike, step=self.w.step() + SPIKE_AHEAD)
+            f.note = self.hurt.injections[-1].note
         elif kind == "silently_bad_node":
             working = [n.node_id for n in self._working() if n.node_id in self.c.agents]
             if not working:
                 return None
             bad = working[0]
             f = Fault(kind, bad, wall, mono)
-            req = dpb.InjectFaultRequest(node_id=bad, kind="wrong-matmul")
-            resp = await self.w.rpc("InjectFault", req)
-            if resp is None or not resp.ok:
-                f.note = "InjectFault failed"
             # its self-check (run on demand, in the background) finds it; the loop evicts it
-            check = self.w.rpc("RunSelfCheck", dpb.RunSelfCheckRequest(node_ids=[bad]), 120.0)
-            self._checks.add(t := asyncio.ensure_future(check))
-            t.add_done_callback(self._checks.discard)
+            await asyncio.to_thread(self.hurt.bad_matmul, bad, check_timeout_s=120.0)
+            f.note = self.hurt.injections[-1].note
             self.new_spare()
         elif kind == "driver_kill":
             leader = self.w.leader
             if not leader:
                 return None
-            proc = self.c.drivers[leader]
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+            await asyncio.to_thread(self.hurt.driver_kill, leader, respawn=False)
             f = Fault(kind, leader, wall, mono)
-            self._driver(leader)  # back on its port, as the standby
+            self.c.respawn(leader, wait_s=None)  # back on its address, as the standby
         else:
             raise ValueError(f"unknown fault kind {kind!r}")
         f.load1 = os.getloadavg()[0]
         self.faults.append(f)
-        self._marks = {p: p.stat().st_size for p in self.run.glob("agent-*.log")}
+        self._marks = {p: p.stat().st_size for p in self._agent_logs()}
         return f
 
     def _starts_since_mark(self) -> tuple[int, int]:
         """Warm and cold worker starts the agents logged since the last injection."""
         warm = cold = 0
-        for p in self.run.glob("agent-*.log"):
+        for p in self._agent_logs():
             with open(p, "rb") as fh:
                 fh.seek(self._marks.get(p, 0))
                 text = fh.read().decode(errors="replace")
@@ -563,21 +456,6 @@ class Bench:
             "by_kind": kinds,
             "unresolved": sum(not f.resolved for f in faults),
         }
-
-
-def _matches(e: ev.Event, f: Fault) -> bool:
-    kind = e.WhichOneof("payload")
-    if kind == "leader_elected":  # whoever wins: the killed driver, restarted, may win the race
-        return True
-    if kind == "node_lost":
-        return e.node_lost.node_id == f.target
-    if kind == "worker_failed":
-        return f.target.startswith(e.worker_failed.node_id + " ")
-    if kind == "hang_suspected":
-        return f.target.startswith(e.hang_suspected.node_id + " ")
-    if kind == "self_check_reported":
-        return e.self_check_reported.node_id == f.target and not e.self_check_reported.ok
-    return kind == "loss_spike"
 
 
 def _fmt(x: float | None) -> str:

@@ -44,8 +44,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.integration.test_recovery_loop import Job, until  # noqa: E402
+from tests.jobs import Job  # noqa: E402
 from tests.slurmcluster import SlurmCluster, ensure_installed  # noqa: E402
+from unbroken.cli.cluster import until  # noqa: E402
 from unbroken.diagnostics.check import free_port  # noqa: E402
 from unbroken.driver.etcd import EmbeddedEtcd  # noqa: E402
 from unbroken.proto import events_pb2 as ev  # noqa: E402
@@ -93,9 +94,9 @@ exec {sys.executable} -m unbroken.cli agent --driver {job.address} --node-id $no
         )
         jid = r.stdout.strip().split(";")[0]
         until(
-            "the allocation",
             lambda: cluster.cmd("squeue", "-h", "-j", jid, "-o", "%t").stdout.strip() == "R",
             30,
+            "the allocation",
         )
         env = {
             **os.environ,
@@ -126,7 +127,7 @@ exec {sys.executable} -m unbroken.cli agent --driver {job.address} --node-id $no
             )  # fmt: skip
         finally:
             os.environ.pop("SLURM_CONF", None)
-        until("the driver's port file", port_file.exists, 60, job)
+        until(port_file.exists, 60, "the driver's port file", job)
         by_hand = ["n1", "n2", "n3"] + (["n4"] if mode == "static" else [])
         for n in by_hand:
             extra = ["--spare"] if n == "n4" else []
@@ -140,10 +141,10 @@ exec {sys.executable} -m unbroken.cli agent --driver {job.address} --node-id $no
                     start_new_session=True,
                 )
             )
-        until("training to start", lambda: job.max_step() >= 3, 300, job)
-        until("the spare n4 registered", lambda: _registered(job, "n4"), 120, job)
+        until(lambda: job.max_step() >= 3, 300, "training to start", job)
+        until(lambda: _registered(job, "n4"), 120, "the spare n4 registered", job)
         step0 = job.max_step()
-        until("two more steps", lambda: job.max_step() >= step0 + 2, 60, job)
+        until(lambda: job.max_step() >= step0 + 2, 60, "two more steps", job)
         load = os.getloadavg()[0]
         crash_wall = time.time()
         cluster.crash_node("n2")
@@ -155,7 +156,7 @@ exec {sys.executable} -m unbroken.cli agent --driver {job.address} --node-id $no
                 not want_refill or (f["refill_reg_s"] is not None and f["drained_s"] is not None)
             )
 
-        until("the recovery", done, 300, job)
+        until(done, 300, "the recovery", job)
         out = figures(job.events(), crash_wall)
         out.update(mode=mode, load1=round(load, 2))
         return out

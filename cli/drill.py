@@ -8,32 +8,24 @@ step rank 0 really restored, read from its worker log: the machine's restore ste
 newest *committed* one, while workers restore the newest step in flash memory), whether
 the loss curve continued (the loss 3 steps after the resume within `LOSS_BAND` of the loss
 before the fault) and the events written from the injection to the resume. `up.py` owns the
-processes; this module only injects and measures.
+processes (a `LocalCluster`); this module picks the targets, injects through `Faults` and
+measures from the log with cli/faults.py's table of which event proves which fault.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import re
-import signal
-import subprocess
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import grpc
-
-from unbroken.common.faults import FAULT_FILE, LOSS_SPIKE, WorkerFault
+from unbroken.cli.cluster import LocalCluster, LogWatch
+from unbroken.cli.faults import Faults, Injection, proof, proves
 from unbroken.proto import driver_pb2 as dpb
-from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
-
-if TYPE_CHECKING:
-    from unbroken.cli.up import Cluster, Watcher
 
 RESUME_LIMIT_S = 120.0  # a drilled fault whose training has not resumed by then failed
 DETECT_LIMIT_S = 60.0  # ... or whose event has not come by then
@@ -68,6 +60,9 @@ class FaultRecord:
     target: str
     injected_at: float  # monotonic
     expect: str  # payload name of the event that proves detection
+    kind: str = ""  # the drill's fault (DRILL), whose proof is in cli/faults.py's table
+    node: str = ""  # the node the proving event must name (when it names one)
+    injection: Injection | None = None
     injected_wall_ns: int = 0
     step_at_inject: int = 0
     detected_s: float | None = None
@@ -105,48 +100,6 @@ class FaultRecord:
         if self.detected_s is None:
             return False
         return not self.recovers or (self.resumed_s is not None and self.loss_after is not None)
-
-
-def signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
-    """Send `sig` to `p`'s process group (gone already: nothing)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(p.pid, sig)
-
-
-async def leader_view(
-    addresses: dict[str, str],
-    drivers: dict[str, subprocess.Popen[bytes]],
-    metadata: tuple[tuple[str, str], ...] = (),
-) -> tuple[str, list[dpb.NodeLive]] | None:
-    """The leading driver's name and live view, asking each running driver; None if none leads."""
-    for name, addr in addresses.items():
-        proc = drivers.get(name)
-        if proc is None or proc.poll() is not None:
-            continue
-        try:
-            async with grpc.aio.insecure_channel(addr) as ch:
-                resp = await dgrpc.DriverStub(ch).LiveView(
-                    dpb.LiveViewRequest(), timeout=2, metadata=metadata
-                )
-        except grpc.RpcError:
-            continue
-        if resp.leader:
-            return name, list(resp.nodes)
-    return None
-
-
-def stop_groups(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
-    """SIGTERM every process group, SIGKILL what is left after `grace_s` in all."""
-    for p in procs:
-        signal_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(max(0.1, deadline - time.monotonic()))
-    for p in procs:
-        signal_group(p, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(5)
 
 
 def fault_table(faults: list[FaultRecord]) -> Any:
@@ -213,12 +166,20 @@ def rank0_restores(run: Path) -> list[int]:
 class Drill:
     """Injects one fault at a time once training runs, and measures each from the log."""
 
-    def __init__(self, c: Cluster, w: Watcher, faults: list[FaultRecord]) -> None:
+    def __init__(
+        self,
+        c: LocalCluster,
+        w: LogWatch,
+        faults: list[FaultRecord],
+        plan: tuple[str, ...] = DRILL,
+        hang_floor_s: float = 1.0,
+    ) -> None:
         self.c, self.w, self.faults = c, w, faults
-        self.plan = list(c.cfg.faults)
+        self.inject = Faults(c, watch=w)
+        self.plan = list(plan)
+        self.hang_floor_s = hang_floor_s
         self.next_at = 0.0
         self.done = False
-        self._checks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------ measuring
     def observe(self, new: list[ev.Event], now: float) -> None:
@@ -236,7 +197,7 @@ class Drill:
                         self._kill_leader_now(f, now)
                     continue
                 if f.detected_s is None:
-                    if kind == f.expect and _matches(e, f):
+                    if proves(e, f.kind, f.node):
                         # the event's own wall time: exact, not bounded by our polling
                         f.detected_s = max(0.0, (e.wall_time_unix_ns - f.injected_wall_ns) / 1e9)
                         f.event_seq = e.seq
@@ -269,7 +230,9 @@ class Drill:
         for f in self.faults:
             if f.over:
                 continue
-            if f.recovers and f.resumed_s is not None:
+            if f.injection is not None and f.injection.note and f.detected_s is None:
+                f.skipped, f.note = True, f.injection.note[:70]  # (no self-check)
+            elif f.recovers and f.resumed_s is not None:
                 self._measure_after_resume(f)
                 if f.loss_after is None and now - f.injected_at > RESUME_LIMIT_S:
                     f.note += "; no steps after the resume"
@@ -306,12 +269,17 @@ class Drill:
                 return False
         return False
 
-    def _record(self, fault: str, target: str, expect: str, now: float, **kw: Any) -> FaultRecord:
+    def _record(
+        self, fault: str, target: str, kind: str, now: float, node: str = "", **kw: Any
+    ) -> FaultRecord:
+        p = proof(kind) if kind != "-" else None
         return FaultRecord(
             fault=fault,
             target=target,
             injected_at=now,
-            expect=expect,
+            expect=p.event if p is not None else "-",
+            kind=kind,
+            node=node,
             injected_wall_ns=time.time_ns(),
             step_at_inject=self.w.step(),
             seq_at_inject=self.w.events[-1].seq if self.w.events else 0,
@@ -331,10 +299,9 @@ class Drill:
         victim = self._worker_pid()
         if victim is None:
             return None
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(victim[1], signal.SIGKILL)
+        self.inject.worker_kill(victim[0], pid=victim[1])
         return self._record(
-            "worker SIGKILL", f"{victim[0]} pid {victim[1]}", "worker_failed", now,
+            "worker SIGKILL", f"{victim[0]} pid {victim[1]}", "worker_crash", now, victim[0],
             note="every worker restarts and restores from flash memory", recovers=True,
         )  # fmt: skip
 
@@ -344,29 +311,29 @@ class Drill:
         gone = next((n for n in reversed(working) if n in self.c.agents), None)
         if gone is None:
             return None
-        signal_group(self.c.agents[gone], signal.SIGKILL)
+        await asyncio.to_thread(self.inject.agent_kill, gone)
         f = self._record(
-            "node lost (agent SIGKILL)", gone, "node_lost", now, recovers=True,
+            "node lost (agent SIGKILL)", gone, "node_loss", now, gone, recovers=True,
             note="a spare takes its place" if spares else "no spare: the job shrinks",
         )  # fmt: skip
         # the node comes back later as an idle node the world can take (a replacement)
-        asyncio.get_running_loop().call_later(15.0, self._respawn_agent, gone)
+        asyncio.get_running_loop().call_later(15.0, self._respawn, gone)
         return f
 
-    def _respawn_agent(self, name: str) -> None:
-        if self.c.stopping or self.c.agents[name].poll() is None:
+    def _respawn(self, name: str) -> None:
+        """A killed agent comes back; a killed driver as the standby, on its old address."""
+        if self.c.stopping or self.c.alive(name):
             return
-        self.c.agents[name] = self.c.spawn(f"agent-{name}", self.c.args[f"agent-{name}"])
+        self.c.respawn(name, wait_s=None)
 
     async def _inject_hang(self, now: float) -> FaultRecord | None:
         victim = self._worker_pid()
         if victim is None:
             return None
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(victim[1], signal.SIGSTOP)
+        self.inject.worker_stop(victim[0], pid=victim[1])
         return self._record(
-            "hang (worker SIGSTOP)", f"{victim[0]} pid {victim[1]}", "hang_suspected", now,
-            note=f"no progress for max({self.c.cfg.hang_floor_s:g} s, 5 steps); the world restarts",
+            "hang (worker SIGSTOP)", f"{victim[0]} pid {victim[1]}", "hang", now, victim[0],
+            note=f"no progress for max({self.hang_floor_s:g} s, 5 steps); the world restarts",
             recovers=True,
         )  # fmt: skip
 
@@ -379,13 +346,12 @@ class Drill:
             return None
         target = world[0].node_id
         f = self._record(
-            f"straggler (node {STRAGGLER_FACTOR - 1:.0%} slower)", target, "straggler_suspected",
-            now, recovers=True, detect_limit_s=STRAGGLER_DETECT_LIMIT_S,
+            f"straggler (node {STRAGGLER_FACTOR - 1:.0%} slower)", target, "straggler",
+            now, target, recovers=True, detect_limit_s=STRAGGLER_DETECT_LIMIT_S,
             note="named by the straggler sweep; evicted, a spare takes its ranks",
         )  # fmt: skip
-        req = dpb.InjectFaultRequest(node_id=target, kind="slow-train", factor=STRAGGLER_FACTOR)
-        ok, detail = await self._rpc("InjectFault", req)
-        if not ok:
+        await asyncio.to_thread(self.inject.straggler, target, factor=STRAGGLER_FACTOR)
+        if detail := self.inject.injections[-1].note:
             f.skipped, f.note = True, f"the driver cannot inject it ({detail[:60]})"
         return f
 
@@ -394,17 +360,11 @@ class Drill:
             self.plan.insert(0, "loss_spike")  # not yet: asked again at the next poll
             return None
         nodes = [n.node_id for n in self._world()]
-        step = self.w.step() + SPIKE_AHEAD
         f = self._record(
             "loss spike (poisoned batch)", ",".join(nodes), "loss_spike", now, recovers=True,
             note="rollback to the newest committed step before it; batches skipped",
         )  # fmt: skip
-        for n in nodes:
-            req = dpb.InjectFaultRequest(node_id=n, kind=LOSS_SPIKE, step=step)
-            ok, _ = await self._rpc("InjectFault", req)
-            if not ok:  # an agent without InjectFault: write its workers' fault file
-                fault = WorkerFault(LOSS_SPIKE, step, uuid.uuid4().hex)
-                fault.write(self.c.run / "workers" / n / FAULT_FILE)
+        await asyncio.to_thread(self.inject.loss_spike, step=self.w.step() + SPIKE_AHEAD)
         return f
 
     async def _inject_bad_node(self, now: float) -> FaultRecord | None:
@@ -413,52 +373,33 @@ class Drill:
             return None
         target = nodes[0]
         f = self._record(
-            "silently bad node (wrong matmul)", target, "self_check_reported", now,
+            "silently bad node (wrong matmul)", target, "bad_node", now, target,
             recovers=True, note="found by its self-check",
         )  # fmt: skip
-        ok, detail = await self._rpc(
-            "InjectFault", dpb.InjectFaultRequest(node_id=target, kind="wrong-matmul")
-        )
-        if not ok:
+        # its self-check runs in the background: the live view keeps updating
+        await asyncio.to_thread(self.inject.bad_matmul, target, check_timeout_s=90.0)
+        f.injection = self.inject.injections[-1]
+        if detail := f.injection.note:
             f.skipped, f.note = True, f"the driver cannot inject it ({detail[:60]})"
-            return f
-
-        async def check() -> None:  # in the background: the live view keeps updating
-            ok, detail = await self._rpc(
-                "RunSelfCheck", dpb.RunSelfCheckRequest(node_ids=[target]), timeout_s=90.0
-            )
-            if not ok and f.detected_s is None:
-                f.skipped, f.note = True, f"no self-check ({detail[:60]})"
-
-        self._checks.add(t := asyncio.create_task(check()))
-        t.add_done_callback(self._checks.discard)
         return f
 
     async def _inject_driver_kill(self, now: float) -> FaultRecord | None:
         leader = self.w.leader
         if len(self.c.drivers) < 2 or not leader:
             return self._skip("driver SIGKILL", "needs a standby (--no-standby)", now)
-        signal_group(self.c.drivers[leader], signal.SIGKILL)
+        self.inject.driver_kill(leader, respawn=False)
         other = next(n for n in self.c.drivers if n != leader)
         f = self._record(
-            "driver SIGKILL", leader, "leader_elected", now,
+            "driver SIGKILL", leader, "driver_kill", now,
             note=f"standby {other} took over; training went on; {leader} restarts as standby",
         )  # fmt: skip
         # back as a standby once the election is over (not racing the standby for it)
-        asyncio.get_running_loop().call_later(RESPAWN_DRIVER_S, self._respawn_driver, leader)
+        asyncio.get_running_loop().call_later(RESPAWN_DRIVER_S, self._respawn, leader)
         return f
-
-    def _respawn_driver(self, name: str) -> None:
-        """The killed driver comes back as the standby, on its old address."""
-        if self.c.stopping or self.c.drivers[name].poll() is None:
-            return
-        args = list(self.c.args[name])
-        args[args.index("--listen") + 1] = self.c.addresses[name]
-        self.c.drivers[name] = self.c.spawn(name, args)
 
     async def _inject_driver_kill_mid_recovery(self, now: float) -> FaultRecord | None:
         leader = self.w.leader
-        standbys = [n for n, p in self.c.drivers.items() if n != leader and p.poll() is None]
+        standbys = [n for n in self.c.drivers if n != leader and self.c.alive(n)]
         if not leader or len(self.c.drivers) < 2:
             return self._skip("driver SIGKILL mid-recovery", "needs a standby (--no-standby)", now)
         if not standbys:  # the driver killed before is still restarting: ask again next poll
@@ -467,52 +408,18 @@ class Drill:
         victim = self._worker_pid()
         if victim is None:
             return None
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(victim[1], signal.SIGKILL)
+        self.inject.worker_kill(victim[0], pid=victim[1])
         return self._record(
-            "driver SIGKILL mid-recovery", leader, "leader_elected", now, recovers=True,
-            armed=False,
+            "driver SIGKILL mid-recovery", leader, "driver_kill_mid_recovery", now,
+            recovers=True, armed=False,
             note=f"worker {victim[0]} SIGKILLed; leader killed after TrainingPaused",
         )  # fmt: skip
 
     def _kill_leader_now(self, f: FaultRecord, now: float) -> None:
-        p = self.c.drivers.get(f.target)
-        if p is not None:
-            signal_group(p, signal.SIGKILL)
+        if f.target in self.c.procs:
+            self.inject.driver_kill(f.target, respawn=False)
         f.armed = True
         f.injected_at, f.injected_wall_ns = now, time.time_ns()
 
     def _skip(self, fault: str, why: str, now: float) -> FaultRecord:
         return self._record(fault, "-", "-", now, skipped=True, note=why)
-
-    async def _rpc(self, method: str, req: Any, timeout_s: float = 30.0) -> tuple[bool, str]:
-        """Call the leader's operator RPC; (ok, detail)."""
-        addr = self.c.addresses.get(self.w.leader, "")
-        if not addr:
-            return False, "no leader"
-        try:
-            async with grpc.aio.insecure_channel(addr) as ch:
-                resp = await getattr(dgrpc.DriverStub(ch), method)(
-                    req, timeout=timeout_s, metadata=self.c.metadata()
-                )
-        except (grpc.RpcError, AttributeError) as e:
-            detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-            return False, detail or type(e).__name__
-        if isinstance(resp, dpb.RunSelfCheckResponse):
-            return True, "; ".join(f"{r.node_id}: ok={r.ok}" for r in resp.results)
-        return bool(getattr(resp, "ok", True)), str(getattr(resp, "detail", ""))
-
-
-def _matches(e: ev.Event, f: FaultRecord) -> bool:
-    kind = e.WhichOneof("payload")
-    if kind == "leader_elected":  # after the kill: a new term, whoever won it
-        return True
-    if kind == "node_lost":
-        return e.node_lost.node_id == f.target
-    if kind in ("worker_failed", "hang_suspected"):
-        return f.target.startswith(getattr(e, kind).node_id + " ")
-    if kind == "straggler_suspected":
-        return e.straggler_suspected.node_id == f.target
-    if kind == "self_check_reported":
-        return e.self_check_reported.node_id == f.target and not e.self_check_reported.ok
-    return kind == "loss_spike"

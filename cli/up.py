@@ -45,25 +45,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
-
-from unbroken.cli.drill import DRILL, Drill, FaultRecord, fault_table, leader_view, stop_groups
+from unbroken.cli.cluster import LocalCluster, LogWatch
+from unbroken.cli.drill import DRILL, Drill, FaultRecord, fault_table
 from unbroken.common import reaper
-from unbroken.common.tls import token_metadata
-from unbroken.driver.etcd import EmbeddedEtcd, EmbeddedEtcdCluster, free_port
 from unbroken.proto import driver_pb2 as dpb
-from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
 
 EVENT_TAIL = 10
@@ -122,60 +116,6 @@ class UpConfig:
             raise ValueError(f"dashboard_port must be in [0, 65534], got {self.dashboard_port}")
         if not self.run_dir:
             self.run_dir = str(Path("runs") / time.strftime("up-%Y%m%d-%H%M%S"))
-
-
-@dataclass(slots=True)
-class Cluster:
-    """The processes of one `unbroken up` run, so they can all be stopped."""
-
-    cfg: UpConfig
-    run: Path
-    etcd: EmbeddedEtcd | EmbeddedEtcdCluster | None = None
-    drivers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    addresses: dict[str, str] = field(default_factory=dict)
-    agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    tokens: dict[str, str] = field(default_factory=dict)  # role -> this run's token
-
-    def metadata(self, role: str = "operator") -> tuple[tuple[str, str], ...]:
-        """Call metadata with this run's token of `role` (none: an open cluster)."""
-        return token_metadata(self.tokens.get(role))
-
-    def make_tokens(self) -> list[str]:
-        """One fresh token per role in run/tokens/ (0600), as a secured cluster runs; the
-        driver flags that accept them."""
-        d = self.run / "tokens"
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        flags = []
-        for role in ("node", "operator", "viewer"):
-            token = self.tokens[role] = secrets.token_hex(24)
-            for path in (d / f"{role}.tokens", d / f"{role}.token"):
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                with os.fdopen(fd, "w") as f:
-                    f.write(token + "\n")
-            flags += ["--token-file", f"{role}={d / f'{role}.tokens'}"]
-        return flags
-
-    args: dict[str, list[str]] = field(default_factory=dict)  # each process's, to respawn
-    stopping: bool = False
-
-    def spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        self.args[name] = args
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        with open(self.run / f"{name}.log", "ab") as log:  # the child keeps its own fd
-            return subprocess.Popen(
-                [sys.executable, "-m", "unbroken.cli", *args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=env,
-            )
-
-    def stop(self) -> None:
-        """SIGTERM every process group, SIGKILL what is left after a grace period."""
-        self.stopping = True
-        stop_groups([*self.agents.values(), *self.drivers.values()], grace_s=10)
-        if self.etcd is not None:
-            self.etcd.stop(remove=False)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -253,15 +193,14 @@ def run(ns: argparse.Namespace) -> int:
         print(f"unbroken up: {e}", file=sys.stderr)
         return 2
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(cfg=cfg, run=run_dir)
+    cluster = LocalCluster(run_dir, job=cfg.job_id, etcd_members=cfg.etcd_members)
     # SIGTERM (timeout, systemd, CI) and SIGHUP (a closed terminal, a dropped SSH session)
     # stop the cluster like Ctrl-C does; their default action killed `up` alone and left
     # etcd, the drivers, the agents and their trainers running as orphans
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
     try:
-        return asyncio.run(_main(cluster))
+        return asyncio.run(_main(cluster, cfg))
     except KeyboardInterrupt:
         print("interrupted: stopping everything")
         return 130
@@ -275,32 +214,14 @@ def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-async def _leader_status(c: Cluster) -> dpb.GetStatusResponse | None:
-    """GetStatus from whichever driver leads (None when none answers)."""
-    for addr in c.addresses.values():
-        try:
-            async with grpc.aio.insecure_channel(addr) as ch:
-                return await dgrpc.DriverStub(ch).GetStatus(
-                    dpb.GetStatusRequest(), timeout=5, metadata=c.metadata()
-                )
-        except grpc.RpcError:
-            continue
-    return None
-
-
-async def _main(c: Cluster) -> int:
+async def _main(c: LocalCluster, cfg: UpConfig) -> int:
     from rich.console import Console
 
     console = Console(width=None if sys.stdout.isatty() else 160)
-    cfg = c.cfg
     t0 = time.monotonic()
     reaper.start()  # everything below dies with `up`, even when `up` is SIGKILLed
-    c.etcd = (
-        EmbeddedEtcdCluster(cfg.etcd_members, c.run / "etcd").start()
-        if cfg.etcd_members > 1
-        else EmbeddedEtcd(c.run / "etcd").start()
-    )
-    console.print(f"[bold]etcd[/] up at {c.etcd.endpoint} ({time.monotonic() - t0:.1f} s)")
+    c.start()
+    console.print(f"[bold]etcd[/] up at {c.endpoint} ({time.monotonic() - t0:.1f} s)")
     names = ["driver-a", "driver-b"] if cfg.standby else ["driver-a"]
     token_flags = c.make_tokens()  # role tokens, as a secured deployment runs
     worker_cmd = (
@@ -308,13 +229,10 @@ async def _main(c: Cluster) -> int:
         f"--pp {cfg.pp} --tp {cfg.tp} --steps {cfg.steps} --log-every 10"
     )
     for name in names:
-        port_file = c.run / f"{name}.port.json"
-        c.drivers[name] = c.spawn(
+        c.start_driver(
             name,
             [
-                "driver", "--etcd", c.etcd.endpoint, "--job-id", cfg.job_id,
-                "--driver-id", name, "--listen", "127.0.0.1:0",
-                "--port-file", str(port_file), "--metrics-port", "0",
+                "--metrics-port", "0",
                 "--allow-fault-injection",  # the drill injects its faults through the driver
                 "--persist-root", str(c.run / "storage"), *token_flags,
                 "--archive-url", str(c.run / "archive"),  # one archive both drivers share
@@ -326,17 +244,15 @@ async def _main(c: Cluster) -> int:
                 "--dashboard-port",
                 str(cfg.dashboard_port + names.index(name) if cfg.dashboard_port else 0),
             ],
+            wait_s=None,  # both start at once
         )  # fmt: skip
     for name in names:
-        info = await _wait_json(c.run / f"{name}.port.json", c.drivers[name], 60)
-        c.addresses[name] = f"127.0.0.1:{info['grpc_port']}"
+        info = c.wait_driver(name, 60)
         console.print(f"[bold]{name}[/] serving at {c.addresses[name]}")
         if info.get("dashboard_port"):
             url = f"http://127.0.0.1:{info['dashboard_port']}/?token={c.tokens['viewer']}"
             console.print(f"  dashboard: {url}")
-    endpoints = ",".join(c.addresses.values())
     names_of = [f"node-{i}" for i in range(cfg.nodes)] + [f"spare-{i}" for i in range(cfg.spares)]
-    replica = {n: free_port() for n in names_of}
     # the job's replica key: the buddy stream is HMAC-authenticated (no TLS in a local demo)
     key_file = c.run / "replica.key"
     fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -344,93 +260,29 @@ async def _main(c: Cluster) -> int:
         f.write(secrets.token_hex(32))
     for i, node in enumerate(names_of):
         # the buddy ring over the training nodes; a spare's buddy is node-0
-        buddy = names_of[(i + 1) % cfg.nodes] if i < cfg.nodes else names_of[0]
-        args = [
-            "agent", "--driver", endpoints, "--node-id", node, "--no-start",
-            "--worker-cmd", worker_cmd, "--nproc-per-node", str(cfg.workers_per_node),
-            "--log-dir", str(c.run / "workers" / node), "--socket", str(c.run / f"{node}.sock"),
-            # this run's own flash job: never restore another run's copies
-            "--flash-job", c.run.resolve().name, "--persist-url", str(c.run / "storage"),
-            "--replica-listen", f"127.0.0.1:{replica[node]}",
-            "--replica-key-file", str(key_file),
-            "--hang-floor-ms", str(cfg.hang_floor_s * 1000.0),
-        ]  # fmt: skip
-        if buddy != node:
-            args += ["--buddy", f"127.0.0.1:{replica[buddy]}"]
-        if i >= cfg.nodes:
-            args.append("--spare")
-        args += ["--token-file", str(c.run / "tokens" / "node.token")]
-        c.agents[node] = c.spawn(f"agent-{node}", args)
+        c.start_agent(
+            node,
+            [
+                "--no-start", "--worker-cmd", worker_cmd,
+                "--nproc-per-node", str(cfg.workers_per_node),
+                # this run's own flash job: never restore another run's copies
+                "--flash-job", c.run.resolve().name,
+                "--replica-key-file", str(key_file),
+                "--hang-floor-ms", str(cfg.hang_floor_s * 1000.0),
+                "--token-file", str(c.run / "tokens" / "node.token"),
+            ],
+            buddy=names_of[(i + 1) % cfg.nodes] if i < cfg.nodes else names_of[0],
+            spare=i >= cfg.nodes,
+        )  # fmt: skip
     console.print(
         f"{cfg.nodes} nodes × {cfg.workers_per_node} workers (dp{cfg.dp}×pp{cfg.pp}×tp{cfg.tp}) "
         f"+ {cfg.spares} spare(s); training the {cfg.preset} model for {cfg.steps} steps"
     )
-    watcher = Watcher(c)
-    await watcher.open()
-    try:
-        return await _supervise(c, watcher, console, t0)
-    finally:
-        await watcher.close()
+    with LogWatch(c, archive_url=str(c.run / "archive")) as watch:
+        return await _supervise(c, cfg, watch, console, t0)
 
 
-async def _wait_json(path: Path, proc: subprocess.Popen[bytes], timeout_s: float) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists():
-            return json.loads(path.read_text())
-        if proc.poll() is not None:
-            raise RuntimeError(f"{path.stem} exited with code {proc.returncode}; see its log")
-        await asyncio.sleep(0.05)
-    raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {path}")
-
-
-class Watcher:
-    """Reads the live view from whichever driver leads, and the event log from etcd."""
-
-    def __init__(self, c: Cluster) -> None:
-        self.c = c
-        self.events: list[ev.Event] = []
-        self.nodes: list[dpb.NodeLive] = []
-        self.leader = ""
-        self._client: Any = None
-        self._log: Any = None
-
-    async def open(self) -> None:
-        from unbroken.driver import etcdlog
-
-        assert self.c.etcd is not None
-        self._client = await etcdlog.connect(self.c.etcd.config)
-        self._log = etcdlog.EtcdEventLog(
-            self._client, self.c.cfg.job_id, None, archive_url=str(self.c.run / "archive")
-        )
-
-    async def close(self) -> None:
-        if self._client is not None:
-            await self._client.close()
-
-    async def poll(self) -> list[ev.Event]:
-        """Refresh the live view; return the events appended since the last poll."""
-        nxt = self.events[-1].seq + 1 if self.events else 1
-        try:
-            new = await asyncio.wait_for(self._log.read(nxt), 5)
-        except (TimeoutError, Exception):  # a read that fails now is retried next poll
-            new = []
-        self.events.extend(new)
-        found = await leader_view(self.c.addresses, self.c.drivers, self.c.metadata())
-        if found is not None:
-            self.leader, self.nodes = found
-        return list(new)
-
-    def step(self) -> int:
-        steps = [w.step for n in self.nodes if n.alive for w in n.workers]
-        return max(steps) if steps else 0
-
-    def loss(self) -> float | None:
-        losses = [w.loss for n in self.nodes for w in n.workers if w.has_loss and w.step > 0]
-        return losses[-1] if losses else None
-
-
-def _render(watcher: Watcher, cfg: UpConfig, faults: list[FaultRecord], elapsed: float) -> Any:
+def _render(watcher: LogWatch, cfg: UpConfig, faults: list[FaultRecord], elapsed: float) -> Any:
     from rich.console import Group
     from rich.markup import escape
     from rich.table import Table
@@ -462,12 +314,11 @@ def _detail(e: ev.Event) -> str:
     return " ".join(str(getattr(e, kind)).split()) if kind else ""
 
 
-async def _supervise(c: Cluster, w: Watcher, console: Any, t0: float) -> int:
+async def _supervise(c: LocalCluster, cfg: UpConfig, w: LogWatch, console: Any, t0: float) -> int:
     from rich.live import Live
 
-    cfg = c.cfg
     faults: list[FaultRecord] = []
-    drill = Drill(c, w, faults) if cfg.drill else None
+    drill = Drill(c, w, faults, cfg.faults, cfg.hang_floor_s) if cfg.drill else None
     first_step_at: float | None = None
     done_at: float | None = None
     live_ctx: Any = (
@@ -475,7 +326,7 @@ async def _supervise(c: Cluster, w: Watcher, console: Any, t0: float) -> int:
     )
     with live_ctx as live:
         while True:
-            new = await w.poll()
+            new = await asyncio.to_thread(w.poll)
             now = time.monotonic()
             if drill is not None:
                 drill.observe(new, now)
@@ -500,7 +351,7 @@ async def _supervise(c: Cluster, w: Watcher, console: Any, t0: float) -> int:
                 break
             await asyncio.sleep(0.25)
     console.print(fault_table(faults) if faults else "no drill")
-    status = await _leader_status(c)
+    status = await asyncio.to_thread(w.rpc, "GetStatus", dpb.GetStatusRequest())
     if status is not None:
         from unbroken.cli.status import goodput_line
 
@@ -521,7 +372,7 @@ async def _supervise(c: Cluster, w: Watcher, console: Any, t0: float) -> int:
             "flash rings and buddy replicas)"
         )
     console.print(
-        f"look at the log: .venv/bin/etcdctl --endpoints {c.etcd.endpoint if c.etcd else '?'} "
+        f"look at the log: .venv/bin/etcdctl --endpoints {c.endpoint} "
         f"get --prefix /unbroken/{cfg.job_id}/ --keys-only"
     )
     console.print(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import tempfile
 from collections.abc import Iterator
 
@@ -38,3 +39,16 @@ def fresh_etcd(tmp_path: os.PathLike[str]) -> Iterator[object]:
         yield etcd
     finally:
         etcd.stop(remove=True)
+
+
+@pytest.fixture
+def job(tmp_path: pathlib.Path, etcd_server: object) -> Iterator[object]:
+    """The tests' training job (tests/jobs.py: a LocalCluster on the session's etcd);
+    every process it started is stopped after the test."""
+    from tests.jobs import Job
+
+    j = Job(tmp_path, etcd_server.endpoint)  # type: ignore[attr-defined]
+    try:
+        yield j
+    finally:
+        j.close()

@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from tests.chaos.harness import ChaosCluster, ChaosError, until
-from unbroken.proto import driver_pb2 as dpb
+from tests.chaos.harness import ChaosCluster, ChaosError
+from unbroken.cli.cluster import UntilTimeout, until
+from unbroken.cli.faults import Faults
 from unbroken.proto import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
@@ -138,6 +139,8 @@ class Injector:
         self.settle_timeout_s = settle_timeout_s
         self.stall_s = stall_s
         self.done: list[Injected] = []
+        # the shipped injector for what it covers (its targets are given: the plan drew them)
+        self.faults = Faults(c.local, timeout_s=60.0)
 
     def run(self, faults: list[Fault]) -> None:
         for f in faults:
@@ -179,9 +182,9 @@ class Injector:
             return st is not None and st[1].phase == ev.PHASE_RUNNING and step >= target
 
         try:
-            until(f"training past step {target} after {rec.fault.describe()}", running,
-                  self.settle_timeout_s, 1.0)  # fmt: skip
-        except ChaosError as e:
+            what = f"training past step {target} after {rec.fault.describe()}"
+            until(running, self.settle_timeout_s, what, poll_s=1.0)
+        except (ChaosError, UntilTimeout) as e:
             st = c.status()
             raise ChaosError(f"{e}; leader status: {st[1] if st else 'no leader'}") from None
         if c.spares_alive() == []:
@@ -213,26 +216,13 @@ class Injector:
 
     def _worker_pid(self, node: str) -> int:
         """A worker pid of `node` from the leader's live view (what the agent reported)."""
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            st = self.c.status()
-            nodes = self.c.list_nodes(st[0]) if st else None
-            for n in nodes.nodes if nodes else ():
-                if n.node_id == node:
-                    pids = [
-                        w.pid for w in n.workers if w.pid and w.state == dpb.WORKER_STATE_RUNNING
-                    ]
-                    if pids:
-                        return pids[0]
-            time.sleep(0.2)
-        raise ChaosError(f"node {node} reports no worker pid")
+        return self.faults.worker_pid(node, 60.0)
 
     # ------------------------------------------------------------ the faults
     def _worker_kill(self, f: Fault, rec: Injected) -> None:
         node = self._world_node(f)
-        pid = self._worker_pid(node)
-        rec.target = f"{node} pid {pid}"
-        _kill(pid, signal.SIGKILL)
+        self.faults.worker_kill(node)
+        rec.target = self.faults.injections[-1].target
 
     def _agent_kill(self, f: Fault, rec: Injected) -> None:
         node = self._world_node(f)
@@ -258,7 +248,7 @@ class Injector:
         rec.target = self.c.driver_ids[slot]
         self.c.drivers[slot].kill()
         self.c.drivers[slot].wait(10)
-        until("a new leader", lambda: self.c.leader_slot() is not None, 60, 0.2)
+        until(lambda: self.c.leader_slot() is not None, 60, "a new leader", poll_s=0.2)
         self.c.start_driver(slot)  # back as the standby
 
     def _driver_kill_recovery(self, f: Fault, rec: Injected) -> None:
@@ -287,13 +277,9 @@ class Injector:
         self.c.start_driver(slot)  # back as the standby
 
     def _etcd_kill(self, f: Fault, rec: Injected) -> None:
-        etcd = self.c.etcd
-        assert etcd is not None
-        rec.target = etcd.endpoint
-        etcd.kill()
-        time.sleep(f.duration_s)
-        with self.c.marked():
-            etcd.restart()
+        with self.c.marked():  # the restarted etcd inherits the run's marker
+            self.faults.etcd_kill(duration_s=f.duration_s)
+        rec.target = self.faults.injections[-1].target
 
     def _etcd_stop_agent_kill(self, f: Fault, rec: Injected) -> None:
         etcd = self.c.etcd

@@ -18,7 +18,8 @@ import psutil
 from tests.chaos import checks
 from tests.chaos.driverprobe import read_acks, read_states
 from tests.chaos.faults import KINDS, Injector, plan
-from tests.chaos.harness import ChaosCluster, ChaosError, until
+from tests.chaos.harness import ChaosCluster, ChaosError
+from unbroken.cli.cluster import until
 
 REFERENCE_TIMEOUT_S = 300.0
 LEFTOVER_GRACE_S = 15.0
@@ -56,15 +57,16 @@ def run_chaos(
             problems += _check_live(c)
             last = c.max_step()
             until(
-                f"the reference run to reach step {last}",
                 lambda: max(c.steps(c.ref_metrics), default=0) >= last,
                 REFERENCE_TIMEOUT_S,
-                0.5,
+                f"the reference run to reach step {last}",
+                poll_s=0.5,
             )
         except Exception as e:  # the cluster is stopped and the seed reported below
             error = e
         logs = c.logs() if error is not None or problems else ""
     finally:  # also on a pytest timeout or Ctrl-C: nothing of the run survives it
+        inj.faults.close()
         c.stop()
         problems += _leftovers(c)
     if error is None:

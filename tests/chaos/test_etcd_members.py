@@ -24,8 +24,9 @@ import psutil
 import pytest
 
 from tests.chaos import checks
-from tests.chaos.harness import ChaosCluster, ChaosError, until
+from tests.chaos.harness import ChaosCluster, ChaosError
 from tests.chaos.run import _check_live, _leftovers
+from unbroken.cli.cluster import until
 from unbroken.driver.etcd import health
 
 pytestmark = pytest.mark.chaos
@@ -59,14 +60,14 @@ def test_the_cluster_trains_through_losing_its_drivers_etcd_member_twice(tmp_pat
     try:
         c.start()
         assert c.etcd_cluster is not None and c.reader is not None
-        until("a leader", lambda: c.leader_slot() is not None, 60)
+        until(lambda: c.leader_slot() is not None, 60, "a leader")
         slot = c.leader_slot()
         assert slot is not None
         first = c.reader.read() or []
         elected = sum(e.WhichOneof("payload") == "leader_elected" for e in first)
         killed: list[int] = []
         for _ in range(2):
-            until("the leader's etcd connection", lambda: connected_member(c, slot) is not None, 30)
+            until(lambda: connected_member(c, slot) is not None, 30, "the leader's etcd connection")
             index = connected_member(c, slot)
             assert index is not None
             member = c.etcd_cluster.members[index]
@@ -76,17 +77,17 @@ def test_the_cluster_trains_through_losing_its_drivers_etcd_member_twice(tmp_pat
             killed.append(index)
             # leading again: connected to a live member and answering as the leader
             until(
-                "the leader on a live member",
                 lambda i=index: (
                     connected_member(c, slot) not in (None, i) and c.leader_slot() == slot
                 ),
                 30,
-                0.05,
+                "the leader on a live member",
+                poll_s=0.05,
             )
             took.append(time.monotonic() - t0)
-            until("training to go on", lambda s=step: c.max_step() >= s + 5, 120, 0.25)
+            until(lambda s=step: c.max_step() >= s + 5, 120, "training to go on", poll_s=0.25)
             member.restart()
-            until("the member to heal", lambda m=member: health(m.endpoint), 30)
+            until(lambda m=member: health(m.endpoint), 30, "the member to heal")
         assert len(set(killed)) == 2, f"the same member twice: {killed}"
         problems += _check_live(c)
         events = c.final_events
@@ -100,10 +101,10 @@ def test_the_cluster_trains_through_losing_its_drivers_etcd_member_twice(tmp_pat
                 problems.append(f"kill {i + 1}: leading again after {t:.2f} s > TTL + 1 s")
         last = c.max_step()
         until(
-            f"the reference run to reach step {last}",
             lambda: max(c.steps(c.ref_metrics), default=0) >= last,
             300,
-            0.5,
+            f"the reference run to reach step {last}",
+            poll_s=0.5,
         )
     except Exception as e:
         error = e

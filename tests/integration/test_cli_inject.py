@@ -14,16 +14,17 @@ import json
 import re
 import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.integration.test_selfcheck_report import WAIT_S, Cluster, until
+from tests.jobs import operator_cluster
 from unbroken.cli import main as cli
+from unbroken.cli.cluster import LocalCluster, until
 
 pytestmark = pytest.mark.integration
 
+WAIT_S = 120.0  # torch imports on 2 shared cores: generous, the asserts are on events
 SLEEPER = f"{sys.executable} -c 'import time; time.sleep(600)'"
 
 
@@ -39,14 +40,14 @@ class Run:
 
 @pytest.fixture
 def unbroken(
-    cluster: Cluster, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    cluster: LocalCluster, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> Callable[..., Run]:
     """`unbroken ARGS --driver <ours>` through the console script's main, in this process."""
     monkeypatch.setenv("COLUMNS", "200")
 
     def call(*args: str) -> Run:
         capsys.readouterr()
-        rc = cli.main([*args, "--driver", cluster.address])
+        rc = cli.main([*args, "--driver", cluster.driver_address()])
         out, err = capsys.readouterr()
         return Run(rc, out, err)
 
@@ -54,21 +55,20 @@ def unbroken(
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, etcd_server: object) -> Iterator[Cluster]:
-    c = Cluster(tmp_path_factory.mktemp("inject"), etcd_server.endpoint)  # type: ignore[attr-defined]
-    try:
-        c.start_driver()
-        c.start_agent("n0", "--worker-cmd", SLEEPER, "--no-flash")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, etcd_server: object
+) -> Iterator[LocalCluster]:
+    """A driver (no job), n0 with one sleeping worker and n1 without workers."""
+    with operator_cluster(tmp_path_factory.mktemp("inject"), etcd_server, wait_s=WAIT_S) as c:
+        c.start_agent("n0", ["--worker-cmd", SLEEPER, "--no-flash"])
         c.start_agent("n1")
         until(
-            "both agents' registration self-checks",
-            lambda: {s.node_id for s in c.self_checks()} >= {"n0", "n1"},
+            lambda: {s.node_id for s in c.payloads("self_check_reported")} >= {"n0", "n1"},
             WAIT_S,
+            "both agents' registration self-checks",
             c.logs,
         )
         yield c
-    finally:
-        c.close()
 
 
 def test_bad_input_is_refused_with_a_clear_message(unbroken: Callable[..., Run]) -> None:
@@ -91,27 +91,27 @@ def test_bad_input_is_refused_with_a_clear_message(unbroken: Callable[..., Run])
 
 
 def test_hang_crash_and_nan_reach_the_worker(
-    cluster: Cluster, unbroken: Callable[..., Run]
+    cluster: LocalCluster, unbroken: Callable[..., Run]
 ) -> None:
     r = unbroken("inject", "hang", "--node", "n0", "--rank", "0")
     assert r.returncode == 0, r
     m = re.search(r"SIGSTOP to local rank 0 \(pid (\d+)\)", r.stdout)
     assert m, r.stdout
     hung = psutil.Process(int(m[1]))
-    until("the worker stopped", lambda: hung.status() == psutil.STATUS_STOPPED, 30, cluster.logs)
+    until(lambda: hung.status() == psutil.STATUS_STOPPED, 30, "the worker stopped", cluster.logs)
 
     r = unbroken("inject", "crash", "--node", "n0", "--rank", "0")
     assert r.returncode == 0, (r.stdout, r.stderr)
     m = re.search(r"SIGKILL to local rank 0 \(pid (\d+)\)", r.stdout)
     assert m and int(m[1]) == hung.pid, r.stdout
-    until("the worker gone", lambda: not psutil.pid_exists(int(m[1])), 30, cluster.logs)
+    until(lambda: not psutil.pid_exists(int(m[1])), 30, "the worker gone", cluster.logs)
     kids = [c.pid for c in psutil.Process(cluster.procs["n0"].pid).children()]
     assert int(m[1]) not in kids
 
     r = unbroken("inject", "nan", "--node", "n0", "--step", "7", "--json")
     assert r.returncode == 0, (r.stdout, r.stderr)
     assert json.loads(r.stdout)["ok"] is True
-    fault = json.loads(Path(cluster.tmp / "logs-n0" / "fault.json").read_text())
+    fault = json.loads((cluster.worker_dir("n0") / "fault.json").read_text())
     assert fault["kind"] == "nan" and fault["step"] == 7 and len(fault["id"]) == 32, fault
 
     events = cluster.events()
@@ -125,7 +125,9 @@ def test_hang_crash_and_nan_reach_the_worker(
     assert all(e.operator_action.who for e in injects)
 
 
-def test_wrong_matmul_then_selfcheck_fails(cluster: Cluster, unbroken: Callable[..., Run]) -> None:
+def test_wrong_matmul_then_selfcheck_fails(
+    cluster: LocalCluster, unbroken: Callable[..., Run]
+) -> None:
     r = unbroken("selfcheck", "--json")  # every connected node, all healthy so far
     assert r.returncode == 0, (r.stdout, r.stderr)
     assert {d["node_id"]: d["ok"] for d in json.loads(r.stdout)} == {"n0": True, "n1": True}
@@ -137,11 +139,11 @@ def test_wrong_matmul_then_selfcheck_fails(cluster: Cluster, unbroken: Callable[
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert "FAILED" in r.stdout and "matmul" in r.stdout, r.stdout
     assert "1 node(s) failed: n1" in r.stderr, r.stderr
-    last = [s for s in cluster.self_checks() if s.node_id == "n1"][-1]
+    last = [s for s in cluster.payloads("self_check_reported") if s.node_id == "n1"][-1]
     assert not last.ok and last.trigger == "on demand", last
 
 
-def test_node_loss(cluster: Cluster, unbroken: Callable[..., Run]) -> None:
+def test_node_loss(cluster: LocalCluster, unbroken: Callable[..., Run]) -> None:
     """Last in the file: n0's agent is gone afterwards."""
     agent = cluster.procs["n0"]
     r = unbroken("inject", "node-loss", "--node", "n0")
@@ -153,4 +155,4 @@ def test_node_loss(cluster: Cluster, unbroken: Callable[..., Run]) -> None:
             e.HasField("node_lost") and e.node_lost.node_id == "n0" for e in cluster.events()
         )
 
-    until("n0 declared lost", lost, WAIT_S, cluster.logs)
+    until(lost, WAIT_S, "n0 declared lost", cluster.logs)

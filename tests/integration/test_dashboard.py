@@ -7,7 +7,7 @@ as slowly, so the heatmap must name it). `/api/state` must show both nodes alive
 ranks, loss and step-time curves, the slow rank, and the log's events; the token is
 required for the page and the API but not for the static assets. A second driver on the
 same job is a standby: its dashboard serves the job state replayed from etcd, marked
-standby. The browser test (test_dashboard_browser.py) reuses `Cluster`.
+standby. The cluster is tests/jobs.py's `DashCluster` (the browser test's too).
 """
 
 from __future__ import annotations
@@ -15,20 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
-import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from tests.jobs import NODE_TOKEN, OPERATOR_TOKEN, SLOW_RANK, TOKEN, DashCluster
+from unbroken.cli.cluster import until
 from unbroken.driver.dashboard import (
     Dashboard,
     DashboardConfig,
@@ -50,140 +45,7 @@ from unbroken.proto import events_pb2 as ev
 
 pytestmark = pytest.mark.integration
 
-TOKEN = "dashboard-token-0123456789"  # the dashboard's read-only (viewer) token
-NODE_TOKEN = "node-token-0123456789-abcdef"
-OPERATOR_TOKEN = "operator-token-0123456789-abc"
 TOKENS = RoleTokens({"viewer": [TOKEN], "node": [NODE_TOKEN], "operator": [OPERATOR_TOKEN]})
-SLOW_RANK = 3
-WORKER = """
-import math, os, time
-from unbroken.trainer import hooks
-h = hooks.install()
-rank = int(os.environ["RANK"])
-pause = 0.1 if rank == int(os.environ.get("DASH_SLOW_RANK", "-1")) else 0.05
-step = 0
-while True:
-    step += 1
-    time.sleep(pause)
-    h.step(step, loss=2.4 * math.exp(-step / 150) + 0.7 + 0.03 * math.sin(step / 3 + rank))
-"""
-
-
-def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, step_s: float = 0.1) -> Any:
-    """Poll `pred` until it returns something truthy; fail naming `what` after the deadline."""
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = pred()
-        if last:
-            return last
-        time.sleep(step_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last: {last!r})")
-
-
-class Cluster:
-    """A driver with a dashboard and agents running hook workers; everything is stopped."""
-
-    def __init__(self, tmp: Path, etcd_endpoint: str, *, miss_limit: int = 10) -> None:
-        self.tmp = tmp
-        self.endpoint = etcd_endpoint
-        self.job = f"dash-{uuid.uuid4().hex[:6]}"
-        self.miss_limit = miss_limit
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.address = ""
-        self.dashboard = ""  # http://host:port of the first driver
-        self.pids = tmp / "worker-pids"
-
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        with open(self.tmp / f"{name}.log", "ab") as out:  # the child keeps its own fd
-            p = subprocess.Popen(
-                [sys.executable, "-m", "unbroken.cli", *args],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env={
-                    **os.environ,
-                    "OMP_NUM_THREADS": "1",
-                    "DASH_SLOW_RANK": str(SLOW_RANK),
-                    "UNBROKEN_TOKEN": NODE_TOKEN,
-                },
-            )
-        self.procs[name] = p
-        return p
-
-    def token_flags(self) -> list[str]:
-        """The driver's --token-file flags: one file per role (viewer, node)."""
-        out = []
-        for role, token in (("viewer", TOKEN), ("node", NODE_TOKEN)):
-            f = self.tmp / f"{role}.tokens"
-            f.write_text(token + "\n")
-            out += ["--token-file", f"{role}={f}"]
-        return out
-
-    def start_driver(self, name: str = "driver") -> str:
-        """Start a driver; return its dashboard's base URL."""
-        port_file = self.tmp / f"{name}.json"
-        self._spawn(
-            name,
-            [
-                "driver", "--etcd", self.endpoint, "--job-id", self.job, "--driver-id", name,
-                "--listen", "127.0.0.1:0", "--allow-fault-injection", "--port-file", str(port_file),
-                "--dashboard-port", "0", *self.token_flags(),
-                "--miss-limit", str(self.miss_limit),
-            ],
-        )  # fmt: skip
-        info = wait_for(
-            lambda: port_file.exists() and json.loads(port_file.read_text()),
-            120,  # importing torch on a loaded 2-core machine can take a minute
-            f"{name}'s port file",
-        )
-        assert info["dashboard_port"] > 0, info
-        if not self.address:
-            self.address = f"127.0.0.1:{info['grpc_port']}"
-            self.dashboard = f"http://127.0.0.1:{info['dashboard_port']}"
-        return f"http://127.0.0.1:{info['dashboard_port']}"
-
-    def start_agents(self, n: int = 2, nproc: int = 2) -> None:
-        script = self.tmp / "worker.py"
-        script.write_text(
-            f"import os\nopen({str(self.pids)!r}, 'a').write(str(os.getpid()) + ' ')\n" + WORKER
-        )
-        for i in range(n):
-            node = f"node-{i}"
-            self._spawn(
-                node,
-                [
-                    "agent", "--driver", self.address, "--node-id", node,
-                    "--nproc-per-node", str(nproc), "--nnodes", str(n), "--node-rank", str(i),
-                    "--worker-cmd", f"{sys.executable} {script}", "--no-flash",
-                    "--log-dir", str(self.tmp / f"logs-{node}"),
-                    "--socket", str(self.tmp / f"{node}.sock"),
-                ],
-            )  # fmt: skip
-
-    def kill(self, name: str) -> None:
-        """SIGKILL a process (its workers die with it: hooks arm PR_SET_PDEATHSIG)."""
-        os.kill(self.procs[name].pid, signal.SIGKILL)
-        self.procs[name].wait(10)
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(5)
-        if self.pids.exists():
-            for pid in self.pids.read_text().split():
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(int(pid), signal.SIGKILL)
-
-    def log(self, name: str) -> str:
-        return (self.tmp / f"{name}.log").read_text(errors="replace")[-3000:]
 
 
 def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
@@ -203,14 +65,11 @@ def state(base: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, etcd_server: Any) -> Iterator[Cluster]:
-    c = Cluster(tmp_path_factory.mktemp("dash"), etcd_server.endpoint)
-    try:
+def cluster(tmp_path_factory: pytest.TempPathFactory, etcd_server: Any) -> Iterator[DashCluster]:
+    with DashCluster(tmp_path_factory.mktemp("dash"), etcd_server) as c:
         c.start_driver()
         c.start_agents()
         yield c
-    finally:
-        c.stop()
 
 
 # ---------------------------------------------------------------- the pure core
@@ -392,7 +251,7 @@ def test_http_edges_in_process() -> None:
 # ---------------------------------------------------------------- a live cluster
 
 
-def test_live_state_over_http(cluster: Cluster) -> None:
+def test_live_state_over_http(cluster: DashCluster) -> None:
     base = cluster.dashboard
 
     def ready() -> dict[str, Any] | None:
@@ -407,7 +266,7 @@ def test_live_state_over_http(cluster: Cluster) -> None:
         return s if ok else None
 
     try:
-        s = wait_for(ready, 60, "2 alive nodes, 4 ranks and curves on /api/state", 0.5)
+        s = until(ready, 60, "2 alive nodes, 4 ranks and curves on /api/state", poll_s=0.5)
     except AssertionError:
         print(cluster.log("driver"), cluster.log("node-0"))
         raise
@@ -435,11 +294,11 @@ def test_live_state_over_http(cluster: Cluster) -> None:
         assert get(f"{base}/static/{asset}")[0] == 200
 
 
-def test_standby_dashboard_replays_the_log(cluster: Cluster, etcd_server: Any) -> None:
+def test_standby_dashboard_replays_the_log(cluster: DashCluster, etcd_server: Any) -> None:
     """A standby's dashboard (no live view, a read-only log on etcd): the replayed job."""
     from unbroken.driver.etcdlog import EtcdEventLog, connect
 
-    wait_for(lambda: len(state(cluster.dashboard)["nodes"]) == 2, 60, "two nodes on the leader")
+    until(lambda: len(state(cluster.dashboard)["nodes"]) == 2, 60, "two nodes on the leader")
 
     async def go() -> dict[str, Any]:
         client = await connect(etcd_server.config)
@@ -464,16 +323,16 @@ def test_standby_dashboard_replays_the_log(cluster: Cluster, etcd_server: Any) -
 
 
 @pytest.mark.slow
-def test_standby_driver_process_serves_the_page(cluster: Cluster) -> None:
+def test_standby_driver_process_serves_the_page(cluster: DashCluster) -> None:
     """The same through `unbroken driver` (main.py hands the standby its read-only log)."""
-    wait_for(lambda: len(state(cluster.dashboard)["nodes"]) == 2, 60, "two nodes on the leader")
+    until(lambda: len(state(cluster.dashboard)["nodes"]) == 2, 60, "two nodes on the leader")
     standby = cluster.start_driver("standby")
 
     def replayed() -> dict[str, Any] | None:
         s = state(standby)
         return s if s["role"] == "standby" and len(s["nodes"]) == 2 else None
 
-    s = wait_for(replayed, 30, "the standby's replayed state", 0.3)
+    s = until(replayed, 30, "the standby's replayed state", poll_s=0.3)
     assert {n["state"] for n in s["nodes"]} == {"active"}  # the log knows them, no heartbeats
     assert s["leader_address"] in ("", cluster.address)
     assert [e["kind"] for e in s["events"]].count("node_registered") == 2

@@ -1,7 +1,7 @@
 """The dashboard in a real headless Chromium: it shows a SIGKILLed node as lost within seconds.
 
 etcd (the session's), a driver with `--dashboard-port 0 --token ...` and two agents with
-two hook workers each (tests/integration/test_dashboard.py's `Cluster`). Debian's
+two hook workers each (tests/jobs.py's `DashCluster`). Debian's
 `chromium` opens the page with the token in its URL; the test drives it over the Chrome
 DevTools Protocol on a pipe (`--remote-debugging-pipe`: NUL-terminated JSON on fds 3 and
 4, no port, no websocket library, no driver binary) and reads the DOM with
@@ -29,7 +29,8 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_dashboard import TOKEN, Cluster, wait_for
+from tests.jobs import TOKEN, DashCluster
+from unbroken.cli.cluster import until
 
 pytestmark = pytest.mark.integration
 
@@ -180,9 +181,9 @@ def browser(tmp_path: Path) -> Iterator[Browser]:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, etcd_server: Any) -> Iterator[Cluster]:
+def cluster(tmp_path: Path, etcd_server: Any) -> Iterator[DashCluster]:
     # 2 s of silence before NodeLost: generous for a loaded 2-core machine, still seconds
-    c = Cluster(tmp_path, etcd_server.endpoint, miss_limit=20)
+    c = DashCluster(tmp_path, etcd_server.endpoint, miss_limit=20)
     try:
         c.start_driver()
         c.start_agents()
@@ -198,7 +199,7 @@ NODE_STATES = (
 
 
 def test_browser_shows_a_killed_node_as_lost(
-    cluster: Cluster, browser: Browser, tmp_path: Path
+    cluster: DashCluster, browser: Browser, tmp_path: Path
 ) -> None:
     browser.open(f"{cluster.dashboard}/?token={TOKEN}")
 
@@ -213,7 +214,7 @@ def test_browser_shows_a_killed_node_as_lost(
         return s if ok else None
 
     try:
-        s = wait_for(drawn, 60, "the page to show both nodes alive", 0.3)
+        s = until(drawn, 60, "the page to show both nodes alive", poll_s=0.3)
     except AssertionError:
         browser.screenshot(tmp_path / "timeout.png")
         print(cluster.log("driver"))
@@ -224,19 +225,19 @@ def test_browser_shows_a_killed_node_as_lost(
         assert browser.js("document.getElementById('slow-ranks').dataset.slow") == "3"
     killed_at = time.monotonic()
     cluster.kill("node-1")
-    s = wait_for(
+    s = until(
         lambda: (n := browser.js(NODE_STATES)).get("node-1") == "lost" and n,
         30,
         "the page to show node-1 as lost",
-        0.2,
+        poll_s=0.2,
     )
     shown_s = time.monotonic() - killed_at
     # the node_lost event reaches the timeline too
-    wait_for(
+    until(
         lambda: browser.js("!!document.querySelector('#events li[data-kind=\"node_lost\"]')"),
         15,
         "the node_lost event in the page's timeline",
-        0.2,
+        poll_s=0.2,
     )
     shot = tmp_path / "dashboard.png"
     browser.screenshot(shot)

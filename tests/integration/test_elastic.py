@@ -14,49 +14,14 @@ sums are not bit-identical across world sizes).
 
 from __future__ import annotations
 
-import json
-import sys
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
-from tests.integration.test_recovery_loop import TRAIN, Job, reference, until
+from tests.jobs import Job, reference
+from unbroken.cli.cluster import until
 
 pytestmark = pytest.mark.integration
 
 TOLERANCE = 1e-3  # relative, on the loss: reduction order differs between dp1 and dp2
-
-
-class ElasticJob(Job):
-    """The recovery-loop test's job, without a spare and allowed to run on one node."""
-
-    def start_driver(self) -> None:
-        port_file = self.tmp / "driver.json"
-        cmd = " ".join(
-            [sys.executable, *TRAIN, "--steps", "100000", "--metrics-out", str(self.metrics)]
-        )
-        self._spawn(
-            "driver",
-            [
-                "driver", "--etcd", self.endpoint, "--job-id", self.job,
-                "--listen", "127.0.0.1:0", "--allow-fault-injection", "--port-file", str(port_file),
-                "--miss-limit", "30",  # 3 s: torch imports on 2 cores starve heartbeats
-                "--nodes", "2", "--workers-per-node", "1", "--dp", "2", "--min-nodes", "1",
-                "--worker-cmd", cmd, "--master-addr", "127.0.0.1",
-            ],
-        )  # fmt: skip
-        until("the driver's port file", port_file.exists, 30)
-        self.address = f"127.0.0.1:{json.loads(port_file.read_text())['grpc_port']}"
-
-
-@pytest.fixture
-def job(tmp_path: Path, etcd_server: object) -> Iterator[ElasticJob]:
-    j = ElasticJob(tmp_path, etcd_server.endpoint)  # type: ignore[attr-defined]
-    try:
-        yield j
-    finally:
-        j.close()
 
 
 def _worlds(job: Job) -> list[tuple[int, tuple[str, ...]]]:
@@ -67,20 +32,20 @@ def _worlds(job: Job) -> list[tuple[int, tuple[str, ...]]]:
     ]
 
 
-def test_lost_node_shrinks_dp_and_its_return_grows_it_back(job: ElasticJob) -> None:
+def test_lost_node_shrinks_dp_and_its_return_grows_it_back(job: Job) -> None:
     job.start_driver()
     job.start_agent("n0", buddy="n1")
     job.start_agent("n1", buddy="n0")
-    until("training to start", lambda: job.max_step() >= 3, 120, job)
+    until(lambda: job.max_step() >= 3, 120, "training to start", job)
 
     # 1. n1 is lost and there is no spare: dp shrinks to 1 on n0.
     job.procs["n1"].kill()
     job.procs["n1"].wait(10)
     lost_step = job.max_step()
     until(
-        "training on dp1 past the loss",
         lambda: (1, ("n0",)) in _worlds(job) and job.max_step() >= lost_step + 3,
         150,
+        "training on dp1 past the loss",
         job,
     )
     shrunk_step = job.max_step()
@@ -88,13 +53,13 @@ def test_lost_node_shrinks_dp_and_its_return_grows_it_back(job: ElasticJob) -> N
     # 2. n1 returns: dp grows back to 2.
     job.start_agent("n1", buddy="n0")
     until(
-        "training on dp2 again",
         lambda: (
             (w := _worlds(job)[-1])[0] == 2
             and sorted(w[1]) == ["n0", "n1"]
             and job.max_step() >= shrunk_step + 3
         ),
         150,
+        "training on dp2 again",
         job,
     )
 

@@ -14,17 +14,14 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import signal
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.integration.test_loop_spike import inject
-from tests.integration.test_recovery_loop import TRAIN, Job, until
+from tests.jobs import Job
+from unbroken.cli.cluster import until
 from unbroken.diagnostics.check import free_port
 from unbroken.driver.election import Election
 from unbroken.driver.etcd import EtcdConfig
@@ -38,31 +35,12 @@ class TwoDrivers(Job):
     """`Job` with named drivers; agents know every driver's address."""
 
     def start_named_driver(self, name: str, *, nodes: int = 2, port: int = 0) -> str:
-        port_file = self.tmp / f"{name}.json"
-        cmd = " ".join(
-            [sys.executable, *TRAIN, "--steps", "100000", "--metrics-out", str(self.metrics)]
-        )
-        self._spawn(
-            name,
-            [
-                "driver", "--etcd", self.endpoint, "--job-id", self.job, "--driver-id", name,
-                "--listen", f"127.0.0.1:{port}", "--port-file", str(port_file),
-                "--miss-limit", "30", "--allow-fault-injection",
-                "--nodes", str(nodes), "--workers-per-node", "1", "--dp", str(nodes),
-                "--worker-cmd", cmd, "--master-addr", "127.0.0.1",
-            ],
-        )  # fmt: skip
-        until(f"{name}'s port file", port_file.exists, 120, self)
-        return f"127.0.0.1:{json.loads(port_file.read_text())['grpc_port']}"
+        return self.start_driver(name=name, nodes=nodes, listen=f"127.0.0.1:{port}")
 
     def leader(self) -> str:
         events = self.events()
         elected = [e.leader_elected.driver_id for e in events if e.HasField("leader_elected")]
         return elected[-1] if elected else ""
-
-    def kill(self, name: str) -> None:
-        os.killpg(self.procs[name].pid, signal.SIGKILL)
-        self.procs[name].wait(10)
 
 
 @pytest.fixture
@@ -82,12 +60,12 @@ def test_leader_killed_between_pause_and_resume_the_standby_finishes_the_recover
     job: TwoDrivers,
 ) -> None:
     a = job.start_named_driver("driver-a")
-    until("driver-a to lead", lambda: job.leader() == "driver-a", 60, job)
+    until(lambda: job.leader() == "driver-a", 60, "driver-a to lead", job)
     b = job.start_named_driver("driver-b")
     job.address = f"{a},{b}"
     job.start_agent("n0", buddy="n1")
     job.start_agent("n1", buddy="n0")
-    until("training to start", lambda: job.max_step() >= 5, 180, job)
+    until(lambda: job.max_step() >= 5, 180, "training to start", job)
 
     inject(a, "n1", "crash", rank=0)  # the agent SIGKILLs its worker (not a warm standby)
     crash_step = job.max_step()
@@ -100,19 +78,19 @@ def test_leader_killed_between_pause_and_resume_the_standby_finishes_the_recover
         failed_seq = failed[0] if failed else 0
         return bool(failed) and bool(_after(events, "training_paused", failed_seq))
 
-    until("the incident's pause", paused, 60, job)
+    until(paused, 60, "the incident's pause", job)
     job.kill("driver-a")  # mid-recovery: paused, not yet resumed
     events = job.events()
     assert not _after(events, "training_resumed", failed_seq), "resumed before the kill"
 
-    until("driver-b to lead", lambda: job.leader() == "driver-b", 60, job)
+    until(lambda: job.leader() == "driver-b", 60, "driver-b to lead", job)
     until(
-        "the recovery to finish under driver-b",
         lambda: bool(_after(job.events(), "training_resumed", failed_seq)),
         120,
+        "the recovery to finish under driver-b",
         job,
     )
-    until("training past the crash", lambda: job.max_step() >= crash_step + 3, 120, job)
+    until(lambda: job.max_step() >= crash_step + 3, 120, "training past the crash", job)
 
     events = job.events()
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
@@ -152,7 +130,7 @@ def test_leader_dead_before_start_workers_the_next_leader_starts_them(job: TwoDr
     def registered() -> bool:
         return sum(e.HasField("node_registered") for e in job.events()) >= 2
 
-    until("both agents registered", registered, 120, job)
+    until(registered, 120, "both agents registered", job)
     job.kill("driver-a")
     world = ev.WorldLayout(dp=2, pp=1, tp=1, node_ids=["n0", "n1"], workers_per_node=1)
     asyncio.run(
@@ -171,7 +149,7 @@ def test_leader_dead_before_start_workers_the_next_leader_starts_them(job: TwoDr
         )
     )  # ... and died before sending StartWorkers
     job.start_named_driver("driver-b", port=b_port)
-    until("the workers started by driver-b", lambda: job.max_step() >= 3, 180, job)
+    until(lambda: job.max_step() >= 3, 180, "the workers started by driver-b", job)
 
     events = job.events()
     kinds = [e.WhichOneof("payload") for e in events]

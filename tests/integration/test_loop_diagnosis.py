@@ -19,16 +19,17 @@ bad at once, and a diagnosis past its deadline names every suspect bad, unconfir
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.integration.test_recovery_loop import TRAIN, Job, until
+from tests.jobs import Job
+from unbroken.cli.cluster import until
 from unbroken.driver.diagnose import DriverDiagnoseConfig, diagnose_incident
 from unbroken.driver.service import DriverService, ServiceConfig
 from unbroken.proto import events_pb2 as ev
@@ -56,29 +57,14 @@ class FaultyJob(Job):
         super().__init__(tmp, endpoint)
         self.extra: dict[str, list[str]] = {}
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        return super()._spawn(name, [*args, *self.extra.get(name, [])])
+    def spawn(self, name: str, args: Sequence[str], **kw: Any) -> subprocess.Popen[bytes]:
+        return super().spawn(name, [*args, *self.extra.get(name, [])], **kw)
 
-    def start_driver(self) -> None:
+    def start_driver(self, *extra: str, **kw: Any) -> str:  # type: ignore[override]
         """Job.start_driver for a heavily loaded machine: longer deadlines."""
-        port_file = self.tmp / "driver.json"
-        cmd = " ".join(
-            [sys.executable, *TRAIN, "--steps", "100000", "--metrics-out", str(self.metrics)]
-        )
-        self._spawn(
-            "driver",
-            [
-                "driver", "--etcd", self.endpoint, "--job-id", self.job,
-                "--listen", "127.0.0.1:0", "--allow-fault-injection", "--port-file", str(port_file),
-                # 10 s: torch imports and checks on 2 loaded cores starve heartbeats; a
-                # node lost here would be replaced without the diagnosis under test
-                "--miss-limit", "100",
-                "--nodes", "2", "--workers-per-node", "1", "--dp", "2",
-                "--worker-cmd", cmd, "--master-addr", "127.0.0.1",
-            ],
-        )  # fmt: skip
-        until("the driver's port file", port_file.exists, WAIT_S, self)
-        self.address = f"127.0.0.1:{json.loads(port_file.read_text())['grpc_port']}"
+        # 10 s: torch imports and checks on 2 loaded cores starve heartbeats; a node lost
+        # here would be replaced without the diagnosis under test
+        return super().start_driver("--miss-limit", "100", *extra, wait_s=WAIT_S, **kw)
 
 
 @pytest.fixture
@@ -121,7 +107,7 @@ def test_wrong_matmul_node_is_diagnosed_evicted_and_replaced(job: FaultyJob) -> 
     job.start_agent("n0", buddy="n1")
     job.start_agent("n1", buddy="n0")
     job.start_agent("s0", buddy="n0", spare=True)
-    until("training to start", lambda: job.max_step() >= 3, WAIT_S, job)
+    until(lambda: job.max_step() >= 3, WAIT_S, "training to start", job)
 
     # 1. A spare whose registration self-check fails is marked bad.
     job.extra["s1"] = ["--inject-fault", "wrong_matmul"]
@@ -132,7 +118,7 @@ def test_wrong_matmul_node_is_diagnosed_evicted_and_replaced(job: FaultyJob) -> 
             e.HasField("node_evicted") and e.node_evicted.node_id == "s1" for e in job.events()
         )
 
-    until("the corrupt spare marked bad", s1_evicted, WAIT_S, job)
+    until(s1_evicted, WAIT_S, "the corrupt spare marked bad", job)
 
     # 2. n1 goes silently bad at runtime; its self-check says so.
     r = unbroken(job, "inject", "wrong-matmul", "--node", "n1")
@@ -146,11 +132,11 @@ def test_wrong_matmul_node_is_diagnosed_evicted_and_replaced(job: FaultyJob) -> 
         got = [e.diagnosis_verdict for e in job.events() if e.HasField("diagnosis_verdict")]
         return got[-1] if got else None
 
-    until("the diagnosis verdict", lambda: verdict() is not None, WAIT_S, job)
+    until(lambda: verdict() is not None, WAIT_S, "the diagnosis verdict", job)
     until(
-        "s0 to train past the fault",
         lambda: job.worker("s0") is not None and job.max_step() >= fault_step + 3,
         WAIT_S,
+        "s0 to train past the fault",
         job,
     )
 

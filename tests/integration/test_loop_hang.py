@@ -10,33 +10,22 @@ period), restarts the world, the workers restore from flash memory, and training
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import psutil
 import pytest
 
-from tests.integration.test_loop_spike import LoopJob, inject
-from tests.integration.test_recovery_loop import Job, until
+from tests.integration.test_loop_spike import inject
+from tests.jobs import Job
+from unbroken.cli.cluster import until
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def job(tmp_path: Path, etcd_server: object) -> Iterator[Job]:
-    j = LoopJob(tmp_path, etcd_server.endpoint)  # type: ignore[attr-defined]
-    try:
-        yield j
-    finally:
-        j.close()
-
-
 @pytest.mark.slow  # ~2 min on 2 loaded cores; `make run`'s drill covers a hang too
-def test_sigstopped_worker_is_detected_and_the_job_resumes(job: LoopJob) -> None:
+def test_sigstopped_worker_is_detected_and_the_job_resumes(job: Job) -> None:
     job.start_driver()
     job.start_agent("n0", buddy="n1")
     job.start_agent("n1", buddy="n0")
-    until("training to start", lambda: job.max_step() >= 5, 180, job)
+    until(lambda: job.max_step() >= 5, 180, "training to start", job)
 
     inject(job.address, "n1", "hang", rank=0)
 
@@ -45,7 +34,7 @@ def test_sigstopped_worker_is_detected_and_the_job_resumes(job: LoopJob) -> None
         kids = psutil.Process(job.procs["n1"].pid).children(recursive=True)
         return [k for k in kids if k.status() == psutil.STATUS_STOPPED]
 
-    until("the worker to stop (SIGSTOP is delivered asynchronously)", stopped, 30, job)
+    until(stopped, 30, "the worker to stop (SIGSTOP is delivered asynchronously)", job)
     (victim,) = stopped()
     hung_at = job.max_step()
 
@@ -56,8 +45,8 @@ def test_sigstopped_worker_is_detected_and_the_job_resumes(job: LoopJob) -> None
             and "training_resumed" in kinds[kinds.index("hang_suspected") :]
         )
 
-    until("the hang's recovery", resumed_after_hang, 120, job)
-    until("training past the hang", lambda: job.max_step() >= hung_at + 3, 120, job)
+    until(resumed_after_hang, 120, "the hang's recovery", job)
+    until(lambda: job.max_step() >= hung_at + 3, 120, "training past the hang", job)
 
     assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE
     events = job.events()

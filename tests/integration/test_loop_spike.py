@@ -28,7 +28,6 @@ import math
 import re
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from statistics import median
 
@@ -36,8 +35,9 @@ import grpc
 import psutil
 import pytest
 
-from tests.integration.test_recovery_loop import TRAIN, Job, until
 from tests.integration.trainenv import plain_worker_env
+from tests.jobs import TRAIN, Job
+from unbroken.cli.cluster import until
 from unbroken.diagnostics.check import free_port
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -51,28 +51,6 @@ KEEP = 2  # committed steps the driver keeps: fewer than are committed after the
 # agents: persist every copy after calibrating; a ring of 2 copies, so the rollback target is
 # a committed step read back from storage (tests/unit/test_machine.py covers memory targets)
 EVERY_STEP = ("--persist-every-s", "0.001", "--flash-copies", "2")
-
-
-class LoopJob(Job):
-    """`Job` whose driver takes extra flags and gets minutes to start on a loaded machine."""
-
-    def start_driver(self, *extra: str) -> None:
-        port_file = self.tmp / "driver.json"
-        cmd = " ".join(
-            [sys.executable, *TRAIN, "--steps", str(JOB_STEPS), "--metrics-out", str(self.metrics)]
-        )
-        self._spawn(
-            "driver",
-            [
-                "driver", "--etcd", self.endpoint, "--job-id", self.job,
-                "--listen", "127.0.0.1:0", "--allow-fault-injection", "--port-file", str(port_file),
-                "--miss-limit", "30",  # 3 s: torch imports on 2 cores starve heartbeats
-                "--nodes", "2", "--workers-per-node", "1", "--dp", "2",
-                "--worker-cmd", cmd, "--master-addr", "127.0.0.1", *extra,
-            ],
-        )  # fmt: skip
-        until("the driver's port file", port_file.exists, 120, self)
-        self.address = f"127.0.0.1:{json.loads(port_file.read_text())['grpc_port']}"
 
 
 def inject(address: str, node: str, kind: str, *, step: int = 0, rank: int = 0) -> str:
@@ -100,15 +78,6 @@ def timeline(metrics: Path) -> list[tuple[int, float]]:
     return out
 
 
-@pytest.fixture
-def job(tmp_path: Path, etcd_server: object) -> Iterator[Job]:
-    j = LoopJob(tmp_path, etcd_server.endpoint)  # type: ignore[attr-defined]
-    try:
-        yield j
-    finally:
-        j.close()
-
-
 @pytest.mark.timeout(900)  # the cluster, then a reference run of the same training
 @pytest.mark.parametrize(
     "kind", ["loss-spike", pytest.param("nan", marks=pytest.mark.slow, id="nan")]
@@ -122,7 +91,7 @@ def test_live_loss_spike_rolls_back_restores_the_committed_step_and_skips(
     )  # fmt: skip
     job.start_agent("n0", buddy="n1", extra=EVERY_STEP)
     job.start_agent("n1", buddy="n0", extra=EVERY_STEP)
-    until("the loss curve to settle", lambda: job.max_step() >= SETTLED, 180, job)
+    until(lambda: job.max_step() >= SETTLED, 180, "the loss curve to settle", job)
 
     at = job.max_step() + 4
     for node in ("n0", "n1"):  # both dp ranks' batches: the all-reduced loss spikes
@@ -132,8 +101,8 @@ def test_live_loss_spike_rolls_back_restores_the_committed_step_and_skips(
         kinds = [e.WhichOneof("payload") for e in job.events()]
         return "rollback" in kinds and "training_resumed" in kinds[kinds.index("rollback") :]
 
-    until("the rollback's resume", resumed_after_rollback, 150, job)
-    until("training past the spike again", lambda: job.max_step() >= at + 6, 120, job)
+    until(resumed_after_rollback, 150, "the rollback's resume", job)
+    until(lambda: job.max_step() >= at + 6, 120, "training past the spike again", job)
 
     events = job.events()
     spike = next(e.loss_spike for e in events if e.HasField("loss_spike"))

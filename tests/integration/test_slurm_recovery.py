@@ -12,7 +12,6 @@ in Slurm with the incident in its reason.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -22,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_recovery_loop import Job, until
-from tests.integration.trainenv import plain_worker_env
+from tests.jobs import Job, reference
 from tests.slurmcluster import SlurmCluster, ensure_installed
+from unbroken.cli.cluster import until
 from unbroken.diagnostics.check import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -84,9 +83,9 @@ exec {sys.executable} -m unbroken.cli agent --driver {job.address} --node-id $no
     }
     try:
         until(
-            "the allocation",
             lambda: cluster.cmd("squeue", "-h", "-j", jid, "-o", "%t").stdout.strip() == "R",
             30,
+            "the allocation",
         )
         cmd = " ".join(
             [sys.executable, *TRAIN, "--steps", "100000", "--metrics-out", str(job.metrics)]
@@ -106,7 +105,7 @@ exec {sys.executable} -m unbroken.cli agent --driver {job.address} --node-id $no
             )  # fmt: skip
         finally:
             os.environ.pop("SLURM_CONF", None)
-        until("the driver's port file", port_file.exists, 60, job)
+        until(port_file.exists, 60, "the driver's port file", job)
         for n in ("n1", "n2", "n3"):
             steps.append(
                 subprocess.Popen(
@@ -127,27 +126,27 @@ exec {sys.executable} -m unbroken.cli agent --driver {job.address} --node-id $no
                     start_new_session=True,
                 )
             )
-        until("training to start", lambda: job.max_step() >= 3, 240, job)
+        until(lambda: job.max_step() >= 3, 240, "training to start", job)
         until(
-            "the spare's agent started through Slurm",
             lambda: '"n4"' in _nodes(job),
             120,
+            "the spare's agent started through Slurm",
             job,
         )
         cluster.crash_node("n2")
         t_crash = time.monotonic()
         crash_step = job.max_step()
         until(
-            "training on n4 past the crash",
             lambda: job.max_step() >= crash_step + 3 and _worker_on("n4", tmp_path),
             240,
+            "training on n4 past the crash",
             job,
         )
         t_resumed = time.monotonic()
         until(
-            "n2 drained in Slurm",
             lambda: "DRAIN" in _slurm_state(cluster, "n2"),
             60,
+            "n2 drained in Slurm",
             job,
         )
         reason = cluster.reason("n2")
@@ -185,7 +184,7 @@ exec {sys.executable} -m unbroken.cli agent --driver {job.address} --node-id $no
         got = job.steps()
         last = max(got)
         assert sorted(got) == list(range(1, last + 1)), sorted(got)
-        ref = reference(tmp_path / "reference", last)
+        ref = reference(tmp_path / "reference", last, world=3, train=TRAIN)
         for step, values in got.items():
             for v in values:
                 assert v == ref[step], (step, v, ref[step])
@@ -219,34 +218,3 @@ def _worker_on(node: str, tmp: Path) -> bool:
 def _slurm_state(cluster: SlurmCluster, node: str) -> str:
     out = cluster.cmd("scontrol", "show", "node", "-o", node, check=False).stdout
     return next((f for f in out.split() if f.startswith("State=")), "")
-
-
-def reference(tmp: Path, steps: int) -> dict[int, float]:
-    """The same training (dp 3), uninterrupted and without agents, until `steps`."""
-    tmp.mkdir()
-    metrics = tmp / "metrics.jsonl"
-    port = free_port()
-    procs = []
-    try:
-        for rank in range(3):
-            env = plain_worker_env(rank, 3, port)
-            out = open(tmp / f"rank{rank}.log", "wb")  # the child owns it
-            cmd = [*TRAIN, "--steps", "100000", "--metrics-out", str(metrics)]
-            procs.append(subprocess.Popen([sys.executable, *cmd], env=env, stdout=out, stderr=out))
-            out.close()
-
-        def done() -> bool:
-            assert all(p.poll() is None for p in procs), (tmp / "rank0.log").read_text()[-3000:]
-            return metrics.exists() and str(f'"step": {steps},') in metrics.read_text()
-
-        until("the reference run", done, 300)
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait(10)
-    losses: dict[int, float] = {}
-    for line in metrics.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            m = json.loads(line)
-            losses.setdefault(int(m["step"]), float(m["loss"]))
-    return losses

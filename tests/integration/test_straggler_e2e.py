@@ -16,28 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
 
-from tests.integration.test_loop_spike import LoopJob
-from tests.integration.test_recovery_loop import Job, until
+from tests.jobs import Job
+from unbroken.cli.cluster import until
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 
 # 70-160 s on 2 cores: `make test-all` runs it; CI's `make test` stays under 20 minutes
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-@pytest.fixture
-def job(tmp_path: Path, etcd_server: object) -> Iterator[Job]:
-    j = LoopJob(tmp_path, etcd_server.endpoint)  # type: ignore[attr-defined]
-    try:
-        yield j
-    finally:
-        j.close()
 
 
 def slow(address: str, node: str, factor: float) -> str:
@@ -66,7 +55,7 @@ def live_timings(address: str) -> list[tuple[str, float, float, float, int]]:
     ]
 
 
-def test_slowed_node_is_named_evicted_and_replaced_by_the_spare(job: LoopJob) -> None:
+def test_slowed_node_is_named_evicted_and_replaced_by_the_spare(job: Job) -> None:
     job.start_driver("--persist-floor-s", "0.001", "--persist-ceiling-s", "0.001")
     # persist every step: the evicted node's ranks restore on the spare from storage (a
     # spare cannot reach the replica of the node it replaces yet), so the step after the
@@ -75,7 +64,7 @@ def test_slowed_node_is_named_evicted_and_replaced_by_the_spare(job: LoopJob) ->
     job.start_agent("n0", buddy="n1", extra=every)
     job.start_agent("n1", buddy="n0", extra=every)
     job.start_agent("s0", buddy="n0", spare=True, extra=every)
-    until("training to start", lambda: job.max_step() >= 70, 240, job)  # windows, roles learnt
+    until(lambda: job.max_step() >= 70, 240, "training to start", job)  # windows, roles learnt
 
     slow(job.address, "n1", 1.3)
     t0 = time.monotonic()
@@ -84,14 +73,14 @@ def test_slowed_node_is_named_evicted_and_replaced_by_the_spare(job: LoopJob) ->
         return [str(e.WhichOneof("payload")) for e in job.events()]
 
     try:
-        until("StragglerSuspected", lambda: "straggler_suspected" in kinds(), 120, job)
+        until(lambda: "straggler_suspected" in kinds(), 120, "StragglerSuspected", job)
     finally:
         print(live_timings(job.address))
     took = time.monotonic() - t0
     until(
-        "the spare to take over and training to resume",
         lambda: "training_resumed" in (k := kinds())[k.index("straggler_suspected") :],
         180,
+        "the spare to take over and training to resume",
         job,
     )
     events = job.events()
@@ -103,5 +92,5 @@ def test_slowed_node_is_named_evicted_and_replaced_by_the_spare(job: LoopJob) ->
     worlds = [e.world_resized for e in events if e.HasField("world_resized")]
     assert worlds and sorted(worlds[-1].new_world.node_ids) == ["n0", "s0"], worlds
     resumed_at = job.max_step()
-    until("training past the eviction", lambda: job.max_step() >= resumed_at + 5, 120, job)
+    until(lambda: job.max_step() >= resumed_at + 5, 120, "training past the eviction", job)
     print(f"StragglerSuspected {took:.1f} s after the 1.3x slowdown; slowdown {s.slowdown:.2f}")

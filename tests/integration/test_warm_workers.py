@@ -29,9 +29,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.integration.test_recovery_loop import TRAIN, reference, until
+from tests.jobs import TRAIN, reference
 from unbroken.agent import warm as warmlib
 from unbroken.agent.workers import Supervisor, WorkerSpec
+from unbroken.cli.cluster import until
 
 pytestmark = pytest.mark.integration
 
@@ -218,7 +219,7 @@ def test_crashed_worker_restarts_warm_and_training_continues(
                 "--worker-cmd", cmd, "--master-addr", "127.0.0.1",
             ],
         )  # fmt: skip
-        until("the driver's port file", (tmp_path / "driver.json").exists, 90)
+        until((tmp_path / "driver.json").exists, 90, "the driver's port file")
         port = json.loads((tmp_path / "driver.json").read_text())["grpc_port"]
         spawn(
             "agent",
@@ -231,13 +232,13 @@ def test_crashed_worker_restarts_warm_and_training_continues(
                 "--allow-remote-cmd",  # the driver's --worker-cmd wins
             ],
         )  # fmt: skip
-        until("training to start", lambda: max(steps(), default=0) >= 2, 120)
+        until(lambda: max(steps(), default=0) >= 2, 120, "training to start")
         # Wait for the refill: two standbys started after the first workers (one still
         # importing is handed the restart all the same: it is further along than a new one).
         until(
-            "two standbys after the first start",
             lambda: agent_log().split("worker started")[-1].count("standby started") >= 2,
             90,
+            "two standbys after the first start",
         )
         spare_pids = {
             int(pid)
@@ -250,9 +251,9 @@ def test_crashed_worker_restarts_warm_and_training_continues(
         crash_step = max(steps())
         kids[1].kill()
         until(
-            "training past the crash",
             lambda: max(steps(), default=0) >= crash_step + 3,
             90,
+            "training past the crash",
         )
         restarts = re.findall(r"worker started\s+.*?pid=(\d+) restarts=1 warm=(\w+)", agent_log())
         assert len(restarts) == 2, agent_log()[-3000:]

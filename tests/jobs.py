@@ -1,0 +1,234 @@
+"""The integration tests' training job on the shared harness (`unbroken.cli.cluster`).
+
+`Job` is a `LocalCluster` on the session's etcd that runs the tests' usual job: one driver
+(`unbroken driver --nodes 2 --dp 2`, the tiny trainer flash-saving every step, writing rank
+0's losses to `metrics`) starting it on `unbroken agent --no-start` processes, plus spares.
+The `job` fixture (tests/conftest.py) gives one and stops everything after the test.
+`reference` runs the same training without agents, the losses a recovered run must equal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+from tests.integration.trainenv import plain_worker_env
+from unbroken.cli.cluster import LocalCluster, read_metrics, until
+from unbroken.driver.etcd import free_port
+
+TRAIN = ["-m", "unbroken.trainer.run", "--preset", "tiny", "--dp", "2", "--log-every", "1000"]
+REPLICA_KEY = "test-job-replica-key-0123456789"  # the buddy stream's HMAC key
+
+
+class Job(LocalCluster):
+    """A driver process, agents, and what they wrote (see the module docstring)."""
+
+    def __init__(self, tmp: Path, endpoint: str, *, steps: int = 100000) -> None:
+        super().__init__(
+            tmp, job=f"loop-{uuid.uuid4().hex[:6]}", etcd=endpoint,
+            env={"UNBROKEN_REPLICA_KEY": REPLICA_KEY}, grace_s=15,
+        )  # fmt: skip
+        self.tmp = tmp
+        self.steps_to_train = steps
+        self.address = ""  # the first driver's
+
+    def worker_cmd(self, dp: int = 2) -> str:
+        cmd = [sys.executable, *TRAIN, "--steps", str(self.steps_to_train)]
+        return " ".join([*cmd, "--dp", str(dp), "--metrics-out", str(self.metrics)])
+
+    def start_driver(  # type: ignore[override]
+        self,
+        *extra: str,
+        name: str = "driver",
+        nodes: int = 2,
+        listen: str = "127.0.0.1:0",
+        wait_s: float = 120.0,
+        steps: int | None = None,
+    ) -> str:
+        """Start a driver of the job (`extra`: more flags, the last of a repeated one wins);
+        wait for its port file; its address."""
+        if steps is not None:
+            self.steps_to_train = steps
+        address = super().start_driver(
+            name,
+            [
+                "--allow-fault-injection",
+                "--miss-limit", "30",  # 3 s: torch imports on 2 cores starve heartbeats
+                "--nodes", str(nodes), "--workers-per-node", "1", "--dp", str(nodes),
+                "--worker-cmd", self.worker_cmd(nodes), "--master-addr", "127.0.0.1",
+                *extra,
+            ],
+            listen=listen,
+            wait_s=wait_s,
+        )  # fmt: skip
+        self.address = self.address or address
+        return address
+
+    def port(self, node: str) -> int:
+        return self.replica_port(node)
+
+    def start_agent(  # type: ignore[override]
+        self, node: str, buddy: str, *, spare: bool = False, extra: tuple[str, ...] = ()
+    ) -> subprocess.Popen[bytes]:
+        return super().start_agent(
+            node,
+            [
+                "--no-start",
+                "--worker-cmd", sys.executable + " -c pass",  # the driver's --worker-cmd wins
+                "--allow-remote-cmd",
+                "--flash-dir", str(self.tmp / f"shm-{node}"), "--flash-job", self.job,
+                # 10 s: these tests are not about hangs, and on 2 busy cores a peer's hiccup
+                # inside FSDP's all-gather can pass the 1 s default (a false hang, a diagnosis)
+                "--hang-floor-ms", "10000",
+                *extra,
+            ],
+            buddy=buddy,
+            spare=spare,
+            drivers=self.address or None,  # a test may name drivers not started yet
+        )  # fmt: skip
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        """Start a whole `unbroken` command line as `name`, in the environment of now (a
+        test may set SLURM_CONF after building the job)."""
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "UNBROKEN_REPLICA_KEY": REPLICA_KEY}
+        role = args[0] if args[:1] in (["driver"], ["agent"]) else "other"
+        return self.spawn(name, args, role=role, env=env)
+
+    def close(self) -> None:
+        self.stop()
+
+
+def reference(
+    tmp: Path, steps: int, *, world: int = 2, train: Sequence[str] = TRAIN
+) -> dict[int, float]:
+    """The same training (`train`, `world` ranks), uninterrupted and without agents, until
+    `steps` (then killed): step -> its loss."""
+    tmp.mkdir()
+    metrics = tmp / "metrics.jsonl"
+    port = free_port()
+    procs = []
+    try:
+        for rank in range(world):
+            env = plain_worker_env(rank, world, port)
+            out = open(tmp / f"rank{rank}.log", "wb")  # the child owns it
+            cmd = [*train, "--steps", "100000", "--metrics-out", str(metrics)]
+            procs.append(subprocess.Popen([sys.executable, *cmd], env=env, stdout=out, stderr=out))
+            out.close()
+
+        def done() -> bool:
+            assert all(p.poll() is None for p in procs), (tmp / "rank0.log").read_text()[-3000:]
+            return metrics.exists() and str(f'"step": {steps},') in metrics.read_text()
+
+        until(done, 300, "the reference run")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+    return {step: losses[0] for step, losses in read_metrics(metrics).items()}
+
+
+def operator_cluster(run: Path, etcd: object, *, wait_s: float = 120.0) -> LocalCluster:
+    """A `LocalCluster` on `etcd` with one driver and no job (the recovery loop is off),
+    fault injection allowed and liveness relaxed (50 missed heartbeats: torch imports on 2
+    loaded cores starve them; liveness is not under test): for tests of operator commands
+    and self-checks, which start their own agents. Use it as a context manager."""
+    c = LocalCluster(
+        run,
+        etcd=etcd,  # type: ignore[arg-type]
+        driver_args=("--allow-fault-injection", "--miss-limit", "50"),
+    )
+    try:
+        c.start_driver(wait_s=wait_s)
+    except BaseException:
+        c.stop()
+        raise
+    return c
+
+
+TOKEN = "dashboard-token-0123456789"  # the dashboard's read-only (viewer) token
+NODE_TOKEN = "node-token-0123456789-abcdef"
+OPERATOR_TOKEN = "operator-token-0123456789-abc"
+SLOW_RANK = 3
+HOOK_WORKER = """
+import math, os, time
+from unbroken.trainer import hooks
+h = hooks.install()
+rank = int(os.environ["RANK"])
+pause = 0.1 if rank == int(os.environ.get("DASH_SLOW_RANK", "-1")) else 0.05
+step = 0
+while True:
+    step += 1
+    time.sleep(pause)
+    h.step(step, loss=2.4 * math.exp(-step / 150) + 0.7 + 0.03 * math.sin(step / 3 + rank))
+"""
+
+
+class DashCluster(LocalCluster):
+    """Drivers with a dashboard (`TOKEN` reads it) and agents running hook workers (no
+    torch: step, loss and step time like a trainer's; global rank `SLOW_RANK` steps twice
+    as slowly): the dashboard tests' cluster."""
+
+    def __init__(self, tmp: Path, etcd: object, *, miss_limit: int = 10) -> None:
+        super().__init__(
+            tmp,
+            job=f"dash-{uuid.uuid4().hex[:6]}",
+            etcd=etcd,  # type: ignore[arg-type]
+            env={"DASH_SLOW_RANK": str(SLOW_RANK), "UNBROKEN_TOKEN": NODE_TOKEN},
+        )
+        self.tmp = tmp
+        self.miss_limit = miss_limit
+        self.address = ""  # the first driver's
+        self.dashboard = ""  # http://host:port of the first driver's dashboard
+        self.pids = tmp / "worker-pids"
+
+    def token_flags(self) -> list[str]:
+        """The driver's --token-file flags: one file per role (viewer, node)."""
+        out = []
+        for role, token in (("viewer", TOKEN), ("node", NODE_TOKEN)):
+            f = self.tmp / f"{role}.tokens"
+            f.write_text(token + "\n")
+            out += ["--token-file", f"{role}={f}"]
+        return out
+
+    def start_driver(self, name: str = "driver") -> str:  # type: ignore[override]
+        """Start a driver; return its dashboard's base URL."""
+        super().start_driver(
+            name,
+            ["--allow-fault-injection", "--dashboard-port", "0", *self.token_flags(),
+             "--miss-limit", str(self.miss_limit)],
+            wait_s=None,
+        )  # fmt: skip
+        info = self.wait_driver(name, 120)  # importing torch on a loaded 2-core machine
+        assert info["dashboard_port"] > 0, info
+        if not self.address:
+            self.address = self.addresses[name]
+            self.dashboard = f"http://127.0.0.1:{info['dashboard_port']}"
+        return f"http://127.0.0.1:{info['dashboard_port']}"
+
+    def start_agents(self, n: int = 2, nproc: int = 2) -> None:
+        script = self.tmp / "worker.py"
+        script.write_text(
+            f"import os\nopen({str(self.pids)!r}, 'a').write(str(os.getpid()) + ' ')\n"
+            + HOOK_WORKER
+        )
+        for i in range(n):
+            self.start_agent(
+                f"node-{i}",
+                ["--nproc-per-node", str(nproc), "--nnodes", str(n), "--node-rank", str(i),
+                 "--worker-cmd", f"{sys.executable} {script}", "--no-flash"],
+                drivers=self.address,
+            )  # fmt: skip
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop everything, then the hook workers (sessions of their own) by their pids."""
+        super().stop(grace_s)
+        if self.pids.exists():
+            for pid in self.pids.read_text().split():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(int(pid), signal.SIGKILL)
