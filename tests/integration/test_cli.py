@@ -9,10 +9,8 @@ code and output; a last test points each command at a port nobody listens on (ex
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from unbroken.cli.cluster import stop_groups
 from unbroken.diagnostics.check import free_port
 from unbroken.proto import events_pb2 as ev
 
@@ -45,20 +44,6 @@ while time.monotonic() < deadline:
         out.write(f"{c.WhichOneof('kind')} {step}\\n")
     time.sleep(0.1)
 """
-
-
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -140,7 +125,7 @@ def cluster(etcd_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
             out.close()
         yield {"driver": driver, "commands": commands, "tmp": tmp}
     finally:
-        _stop(procs)
+        stop_groups(procs, grace_s=10)
 
 
 def _nodes(driver: str) -> list[dict[str, Any]]:
@@ -250,7 +235,7 @@ def test_diagnose_table_and_one_at_a_time(cluster: dict[str, Any]) -> None:
         assert "already running" in second.stderr and st["diagnosis_running"] in second.stderr
         out, err = first.communicate(timeout=120)
     finally:
-        _stop([first])
+        stop_groups([first], grace_s=10)
     assert first.returncode == 0, err
     assert "round 1:" in err and "all passed" in err
     bad_row = next(line for line in out.splitlines() if " bad " in line)
@@ -290,7 +275,7 @@ def test_evict_is_followed_live(cluster: dict[str, Any]) -> None:
         ev = next(e for e in got if "node_evicted" in e)["node_evicted"]
         assert ev == {"node_id": "n2", "reason": "test", "diagnosis_id": ""}
     finally:
-        _stop([follow])
+        stop_groups([follow], grace_s=10)
     nodes = {n["node_id"]: n for n in _nodes(driver)}
     assert nodes["n2"]["state"] == "evicted"
     again = cli("evict", "n2", "--driver", driver)

@@ -28,9 +28,9 @@ from tests.integration.test_launcher_api import (
     ENV,
     start_agent,
     start_driver,
-    stop_all,
     wait_nodes,
 )
+from unbroken.cli.cluster import stop_groups
 from unbroken.diagnostics.check import free_port
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.recovery.persist import read_shard
@@ -118,7 +118,7 @@ def cluster(etcd_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
             wait_nodes(dgrpc.DriverStub(ch), nodes, "stepping", timeout_s=120)
         yield {**info, "nodes": nodes, "storage": storage, "tmp": tmp}
     finally:
-        stop_all(procs)
+        stop_groups(procs, grace_s=10)
 
 
 def test_list_before_any_checkpoint(

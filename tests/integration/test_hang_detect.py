@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.integration.test_heartbeat import Procs, live, procs, read_events, start_driver, wait_for
-from tests.integration.test_recovery_loop import free_port
+from unbroken.diagnostics.check import free_port
 
 pytestmark = pytest.mark.integration
 __all__ = ["procs"]

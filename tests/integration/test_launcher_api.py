@@ -9,10 +9,8 @@ events by kind, per-node series). The helpers here also serve test_cli_checkpoin
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +23,7 @@ from typing import Any
 import grpc
 import pytest
 
+from unbroken.cli.cluster import stop_groups
 from unbroken.diagnostics.check import free_port
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -34,21 +33,6 @@ pytestmark = pytest.mark.integration
 
 CLI = [sys.executable, "-m", "unbroken.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "UNBROKEN_DRIVER": "127.0.0.1:1"}
-
-
-def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM every process group, then SIGKILL what is left after 10 s."""
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
 
 
 def start_driver(
@@ -172,7 +156,7 @@ def cluster(etcd_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield {**info, "stub": stub, "tmp": tmp}
         channel.close()
     finally:
-        stop_all(procs)
+        stop_groups(procs, grace_s=10)
 
 
 def code_of(call: Any, request: Any) -> tuple[grpc.StatusCode, str]:

@@ -34,6 +34,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from unbroken.agent import rdzv
+from unbroken.cli.cluster import stop_groups
 from unbroken.driver.etcd import etcd_bin_dir
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -81,20 +82,6 @@ dist.destroy_process_group()
 # ---------------------------------------------------------------- fixtures and helpers
 
 
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-
-
 @pytest.fixture(scope="module")
 def driver(etcd_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("rdzv")
@@ -133,7 +120,7 @@ def driver(etcd_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         client.close()
         yield {"address": address, "job": job, "tmp": tmp, "etcd": etcd_server.endpoint}
     finally:
-        _stop([proc])
+        stop_groups([proc], grace_s=15)
 
 
 def _client(
@@ -424,7 +411,7 @@ def test_torchrun_job_survives_a_killed_worker(driver: dict[str, Any], tmp_path:
             p.wait(300)
         assert [p.returncode for p in procs] == [0, 0], _tail(tmp_path, "a", "b")
     finally:
-        _stop(procs)
+        stop_groups(procs, grace_s=15)
         _kill_workers(tmp_path)
     ckpt = json.loads((tmp_path / "ckpt.json").read_text())
     assert ckpt == {"step": steps, "world": 2}
@@ -499,7 +486,7 @@ def test_scale_up_hot_spare_and_scale_down(driver: dict[str, Any], tmp_path: Pat
         a.wait(300)
         assert a.returncode == 0, _tail(tmp_path, "a")
     finally:
-        _stop(procs)
+        stop_groups(procs, grace_s=15)
         _kill_workers(tmp_path)
     steps = [s for _, s, _ in _log_lines(tmp_path, "a")]
     assert steps[-1] == json.loads((tmp_path / "ckpt.json").read_text())["step"]
@@ -526,7 +513,7 @@ def test_torchrun_on_an_evicted_node_is_refused(driver: dict[str, Any], tmp_path
     try:
         proc.wait(300)
     finally:
-        _stop([proc])
+        stop_groups([proc], grace_s=15)
     out = (tmp_path / "torchrun-x.log").read_text()
     assert proc.returncode != 0
     assert "NodeEvictedError" in out and f"node {node} was evicted" in out, out[-3000:]
