@@ -41,6 +41,8 @@ from typing import Any
 
 import grpc
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (the shared jobs)
+from tests.jobs import ALLREDUCE_WORKER
 from unbroken.cli.cluster import LocalCluster, UntilTimeout, until
 from unbroken.common.tls import read_token, token_metadata
 from unbroken.driver.etcd import EmbeddedEtcd, free_port
@@ -52,23 +54,6 @@ RESULTS = Path(__file__).parent / "results" / "detectors.json"
 FACTORS = (1.20, 1.10, 1.05)
 MISS_LIMITS = (3, 5, 10, 20)
 REPLICA_KEY = "bench-detectors-replica-key-0123456789"  # the table's settings (x 100 ms heartbeats)
-
-HANG_WORKER = """
-import time
-import torch
-import torch.distributed as dist
-from unbroken.trainer import hooks
-h = hooks.install()
-dist.init_process_group("gloo")
-t = torch.ones(1)
-step = 0
-while True:
-    step += 1
-    time.sleep(0.1)  # the step's compute
-    with h.collective():
-        dist.all_reduce(t)
-    h.step(step, loss=1.0)
-"""
 
 
 def cluster(run: Path, job: str = "", etcd: EmbeddedEtcd | None = None) -> LocalCluster:
@@ -119,7 +104,7 @@ def hang_part(run: Path, etcd: EmbeddedEtcd, n: int) -> dict[str, Any]:
     try:
         address = start_driver(p, "--straggler-policy", "off")
         script = run / "worker.py"
-        script.write_text(HANG_WORKER)
+        script.write_text(ALLREDUCE_WORKER)
         p.spawn(
             "agent-n0",
             ["agent", "--driver", address, "--node-id", "n0", "--nproc-per-node", "2",

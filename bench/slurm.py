@@ -44,10 +44,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.jobs import Job  # noqa: E402
+from tests.jobs import Job, slurm_agent_script  # noqa: E402
 from tests.slurmcluster import SlurmCluster, ensure_installed  # noqa: E402
 from unbroken.cli.cluster import until  # noqa: E402
-from unbroken.diagnostics.check import free_port  # noqa: E402
 from unbroken.driver.etcd import EmbeddedEtcd  # noqa: E402
 from unbroken.proto import events_pb2 as ev  # noqa: E402
 
@@ -67,26 +66,7 @@ def one_run(mode: str, tmp: Path, endpoint: str) -> dict[str, Any]:
     steps: list[subprocess.Popen[bytes]] = []
     jid = ""
     try:
-        ports = {n: free_port() for n in BUDDY}
-        cases = "\n".join(
-            f"  {n}) REPL={ports[n]}; BUDDY={ports[BUDDY[n]]};;" for n in sorted(BUDDY)
-        )
-        job.address = f"127.0.0.1:{free_port()}"
-        agent = tmp / "agent.sh"
-        agent.write_text(
-            f"""#!/bin/bash
-node=$1; shift
-case $node in
-{cases}
-esac
-exec {sys.executable} -m unbroken.cli agent --driver {job.address} --node-id $node \\
-  --no-start --worker-cmd '{sys.executable} -c pass' --allow-remote-cmd \\
-  --log-dir {tmp}/logs-$node \\
-  --socket {tmp}/$node.sock --flash-dir {tmp}/shm-$node --flash-job {job.job} \\
-  --persist-url {tmp}/storage --replica-listen 127.0.0.1:$REPL \\
-  --buddy 127.0.0.1:$BUDDY "$@" >> {tmp}/$node.log 2>&1
-"""
-        )
+        agent = slurm_agent_script(job, tmp, BUDDY)
         hold = tmp / "hold.sh"
         hold.write_text("#!/bin/bash\nsleep 3600\n")
         r = cluster.cmd(

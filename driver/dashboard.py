@@ -597,7 +597,13 @@ class Dashboard:
                 await asyncio.wait_for(self._read(elog), self.config.read_timeout_s)
                 self._error = ""
                 if journal is not None and journal is self.service.journal:
-                    self._follow(journal)
+                    have = self._follow(journal)
+                    if journal.state.last_seq > have:  # recorded while the read was awaited
+                        missed = await asyncio.wait_for(
+                            elog.read(have + 1, journal.state.last_seq),
+                            self.config.read_timeout_s,
+                        )
+                        self._backfill(missed)
             except (TimeoutError, EventLogError) as e:
                 self._error = (
                     f"the event log did not answer within {self.config.read_timeout_s:g} s "
@@ -606,8 +612,17 @@ class Dashboard:
                 log.warning("dashboard could not read the event log", error=repr(e))
             self._read_at = time.monotonic()
 
-    def _follow(self, journal: Journal) -> None:
-        """Follow `journal`'s events into the ring from the state just read."""
+    def _backfill(self, events: Iterable[ev.Event]) -> None:
+        """Put events the ring missed in their place (by seq; none twice)."""
+        by_seq = {e["seq"]: e for e in self._events}
+        for e in events:
+            by_seq.setdefault(e.seq, event_json(e))
+        self._events.clear()
+        self._events.extend(by_seq[k] for k in sorted(by_seq))
+
+    def _follow(self, journal: Journal) -> int:
+        """Follow `journal`'s events into the ring from the state just read; the last seq
+        the ring holds from that read (the journal may have recorded more since)."""
         self._journal = journal
         have = self._state.last_seq if self._state is not None else 0
 
@@ -617,6 +632,7 @@ class Dashboard:
 
         journal.subscribers.append(on_event)
         self._state = journal.state
+        return have
 
     async def _read(self, elog: EventLog) -> None:
         if elog is not self._source or self._state is None:

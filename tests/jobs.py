@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from tests.integration.trainenv import plain_worker_env
@@ -232,3 +232,50 @@ class DashCluster(LocalCluster):
             for pid in self.pids.read_text().split():
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(int(pid), signal.SIGKILL)
+
+
+def slurm_agent_script(job: Job, tmp: Path, buddy: Mapping[str, str]) -> Path:
+    """`agent.sh NODE [FLAGS...]`: the job's agent on Slurm node NODE, as a job step runs it.
+
+    Each node gets a replica port and its buddy's (`buddy`: node -> buddy node); the job's
+    driver address is chosen here (`job.address`), for a driver the caller starts next.
+    """
+    ports = {n: free_port() for n in buddy}
+    cases = "\n".join(f"  {n}) REPL={ports[n]}; BUDDY={ports[buddy[n]]};;" for n in sorted(buddy))
+    job.address = f"127.0.0.1:{free_port()}"
+    script = tmp / "agent.sh"
+    script.write_text(
+        f"""#!/bin/bash
+node=$1; shift
+case $node in
+{cases}
+esac
+exec {sys.executable} -m unbroken.cli agent --driver {job.address} --node-id $node \\
+  --no-start --worker-cmd '{sys.executable} -c pass' --allow-remote-cmd \\
+  --log-dir {tmp}/logs-$node \\
+  --socket {tmp}/$node.sock --flash-dir {tmp}/shm-$node --flash-job {job.job} \\
+  --persist-url {tmp}/storage --replica-listen 127.0.0.1:$REPL \\
+  --buddy 127.0.0.1:$BUDDY "$@" >> {tmp}/$node.log 2>&1
+"""
+    )
+    return script
+
+
+#: A worker of the hooks SDK that steps every 0.1 s and all-reduces once a step (gloo), the
+#: collective marked: the hang tests and bench/detectors.py SIGSTOP it.
+ALLREDUCE_WORKER = """
+import os, time
+import torch
+import torch.distributed as dist
+from unbroken.trainer import hooks
+h = hooks.install()
+dist.init_process_group("gloo")
+t = torch.ones(1)
+step = 0
+while True:
+    step += 1
+    time.sleep(0.1)  # the step's compute
+    with h.collective():
+        dist.all_reduce(t)
+    h.step(step, loss=1.0)
+"""

@@ -22,27 +22,11 @@ from typing import Any
 import pytest
 
 from tests.integration.test_heartbeat import Procs, live, procs, read_events, start_driver, wait_for
+from tests.jobs import ALLREDUCE_WORKER
 from unbroken.diagnostics.check import free_port
 
 pytestmark = pytest.mark.integration
 __all__ = ["procs"]
-
-WORKER = """
-import os, time
-import torch
-import torch.distributed as dist
-from unbroken.trainer import hooks
-h = hooks.install()
-dist.init_process_group("gloo")
-t = torch.ones(1)
-step = 0
-while True:
-    step += 1
-    time.sleep(0.1)  # the step's compute
-    with h.collective():
-        dist.all_reduce(t)
-    h.step(step, loss=1.0)
-"""
 
 
 def test_sigstopped_rank_is_flagged_with_stacks_and_rearmed(
@@ -53,7 +37,7 @@ def test_sigstopped_rank_is_flagged_with_stacks_and_rearmed(
     script = tmp_path / "worker.py"
     script.write_text(
         f"import os\nopen({str(tmp_path / 'worker-pids')!r}, 'a').write(str(os.getpid()) + ' ')\n"
-        + WORKER
+        + ALLREDUCE_WORKER
     )
     procs.start(
         "agent-n0",

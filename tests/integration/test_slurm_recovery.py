@@ -21,10 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import Job, reference
+from tests.jobs import Job, reference, slurm_agent_script
 from tests.slurmcluster import SlurmCluster, ensure_installed
 from unbroken.cli.cluster import until
-from unbroken.diagnostics.check import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -51,25 +50,7 @@ def test_a_crashed_node_is_replaced_by_a_spare_from_slurm(
     cluster: SlurmCluster, tmp_path: Path, etcd_server: object
 ) -> None:
     job = Job(tmp_path, etcd_server.endpoint)  # type: ignore[attr-defined]
-    ports = {n: free_port() for n in BUDDY}
-    agent = tmp_path / "agent.sh"
-    cases = "\n".join(f"  {n}) REPL={ports[n]}; BUDDY={ports[BUDDY[n]]};;" for n in sorted(BUDDY))
-    driver_port = free_port()
-    job.address = f"127.0.0.1:{driver_port}"
-    agent.write_text(
-        f"""#!/bin/bash
-node=$1; shift
-case $node in
-{cases}
-esac
-exec {sys.executable} -m unbroken.cli agent --driver {job.address} --node-id $node \\
-  --no-start --worker-cmd '{sys.executable} -c pass' --allow-remote-cmd \\
-  --log-dir {tmp_path}/logs-$node \\
-  --socket {tmp_path}/$node.sock --flash-dir {tmp_path}/shm-$node --flash-job {job.job} \\
-  --persist-url {tmp_path}/storage --replica-listen 127.0.0.1:$REPL \\
-  --buddy 127.0.0.1:$BUDDY "$@" >> {tmp_path}/$node.log 2>&1
-"""
-    )
+    agent = slurm_agent_script(job, tmp_path, BUDDY)
     script = tmp_path / "hold.sh"
     script.write_text("#!/bin/bash\nsleep 3600\n")
     r = cluster.cmd("sbatch", "--parsable", "--no-kill", "-N4", "-o", "/dev/null", str(script))
