@@ -113,6 +113,11 @@ def run_delay_ms(pid: int) -> float:
         return 0.0
 
 
+#: A silent rank whose process is stopped is hung after this long: no rhythm to wait for, and
+#: it must be named before its peers, which wait for it (they pass the floor later).
+STOPPED_AFTER_MS = 250.0
+
+
 def process_stopped(pid: int) -> bool:
     """Whether `pid` is stopped (SIGSTOP, a job-control stop, a debugger's trace stop).
 

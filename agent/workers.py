@@ -420,11 +420,15 @@ class Worker:
         # a silent rank whose process is stopped is the culprit, whatever phase it was in: it
         # is judged by its step rhythm (not a collective's longer wait) and says "stopped"
         stopped = (
-            judged and bool(self.pid) and since_ms >= cfg.floor_ms
+            judged and bool(self.pid) and since_ms >= hanglib.STOPPED_AFTER_MS
             and hanglib.process_stopped(self.pid)
         )  # fmt: skip
         phase = "stopped" if stopped else self.phase
-        threshold = hanglib.threshold_ms(self.step_times, "train" if stopped else phase, cfg)
+        threshold = (
+            hanglib.STOPPED_AFTER_MS
+            if stopped
+            else hanglib.threshold_ms(self.step_times, phase, cfg)
+        )
         starved = 0.0
         if judged and self.pid:
             delay = hanglib.run_delay_ms(self.pid)

@@ -201,8 +201,11 @@ def hung(slot: NodeSlot, hb: dpb.Heartbeat) -> list[ev.Event]:
         return []
     for w in ranks:
         slot.hung_at[w.local_rank] = w.step
-    # the rank that stopped in its own work, not one waiting for it in a collective
-    worst = max(ranks, key=lambda w: (w.phase != "collective", w.since_progress_ms))
+    # a rank whose process is stopped, else one silent in its own work rather than waiting
+    # for a peer in a collective, else the longest silent
+    worst = max(
+        ranks, key=lambda w: (w.phase == "stopped", w.phase != "collective", w.since_progress_ms)
+    )
     return [
         ev.Event(
             hang_suspected=ev.HangSuspected(

@@ -121,7 +121,8 @@ class Policy:
     hang_diagnose_after: int = field(
         default=2,
         metadata={
-            "help": "a hang whose rank stopped in its own work (not waiting in a collective) "
+            "help": "a hang whose rank's process is stopped (the culprit is known; a rank silent "
+            "in its step is not enough, a peer waiting in FSDP's all-gather looks the same) "
             "restarts without a diagnosis until its node has this many faults on record"
         },
     )
@@ -534,8 +535,8 @@ def _fault(e: ev.Event, policy: Policy, s: ev.JobState) -> tuple[str, list[str],
         why = f"hang on {h.node_id}/{h.local_rank} at {h.stuck_at_step}"
         rec = s.nodes.get(h.node_id)
         earlier = rec.failures if rec is not None else 0
-        if unclear == _UNCLEAR and h.phase != "collective" and earlier < policy.hang_diagnose_after:
-            return _CLEAR, [h.node_id], f"{why} (stopped in {h.phase or 'its step'}: restart)"
+        if unclear == _UNCLEAR and h.phase == "stopped" and earlier < policy.hang_diagnose_after:
+            return _CLEAR, [h.node_id], f"{why} (its process is stopped: restart)"
         return unclear, [h.node_id], why
     if kind == "straggler_suspected":
         st = e.straggler_suspected

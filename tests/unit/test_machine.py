@@ -138,17 +138,21 @@ def test_hang_is_diagnosed_then_the_bad_node_is_evicted_and_replaced() -> None:
     assert sim.state.phase == ev.PHASE_RUNNING
 
 
-def test_a_hang_whose_rank_stopped_in_its_own_step_restarts_without_a_diagnosis() -> None:
+def test_a_hang_whose_process_is_stopped_restarts_without_a_diagnosis() -> None:
     sim = start(nodes=4, spares=1)
-    for _ in range(2):  # the culprit is known: restart in place, no check processes
-        sim.feed(hang("n2", phase="train"))
+    sim.feed(hang("n2", phase="train"))  # silent in its step: a waiting peer looks the same
+    d = sim.feed(m.Paused(step=30, restorable_step=30))
+    assert only(d.actions, m.RunDiagnosis)
+    sim = start(nodes=4, spares=1)
+    for _ in range(2):  # its process is stopped: the culprit is known, restart, no checks
+        sim.feed(hang("n2", phase="stopped"))
         d = sim.feed(m.Paused(step=30, restorable_step=30))
         assert not only(d.actions, m.RunDiagnosis), d.actions
         assert "n2" in sim.state.world.node_ids
         sim.drive(set())
         assert sim.state.phase == ev.PHASE_RUNNING
     # a node that keeps hanging is diagnosed like any unclear fault
-    sim.feed(hang("n2", phase="train"))
+    sim.feed(hang("n2", phase="stopped"))
     d = sim.feed(m.Paused(step=30, restorable_step=30))
     (run,) = only(d.actions, m.RunDiagnosis)
     assert run.suspects == ("n2",)
