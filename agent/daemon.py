@@ -611,6 +611,8 @@ class Agent:
                     for w in hb.workers:
                         if w.global_rank >= 0:
                             w.ring_steps.extend(self.flash.ring_steps(w.global_rank))
+                    for node, rank, steps in self.flash.replicas_held():  # as a buddy
+                        hb.replicas.add(node=node, rank=rank, steps=steps)
                 stalled, stacks = sup.hang_check(list(hb.workers))
                 if stalled:
                     hb.flags |= F_STALLED

@@ -36,7 +36,7 @@ import structlog
 
 from unbroken.common.tls import TlsConfig
 from unbroken.common.workerenv import WorkerEnv
-from unbroken.recovery.flashcopy import FlashError, list_copies
+from unbroken.recovery.flashcopy import FlashError, list_copies, replica_store
 from unbroken.recovery.flashowner import FLASH_COPIES, FlashConfig, FlashOwner
 from unbroken.recovery.lifecycle import deletable
 from unbroken.recovery.persist import (
@@ -57,6 +57,8 @@ from unbroken.recovery.replica import (
 from unbroken.recovery.sources import PERSIST_EVERY_S
 
 log = structlog.get_logger(__name__)
+REPLICA_PREFIX = replica_store("x")[:-1]  # "replica-": a store of another node's copies
+MAX_HELD_RANKS = 256  # replica holdings reported per heartbeat
 
 REPORTS_KEPT = 1024  # verified-shard reports held while the driver is unreachable
 RETRY_PERSIST_S = 1.0  # a copy handed to the persister but not persisted is retried after this
@@ -237,6 +239,7 @@ class NodeFlash:
             )
         self._seen: dict[int, int] = {}  # rank -> generation handed to the persister
         self._ring: dict[int, list[int]] = {}  # rank -> steps its ring holds, newest first
+        self._held: list[tuple[str, int, list[int]]] = []  # copies held for other nodes
         self._submitted_at: dict[int, float] = {}  # rank -> monotonic time of the last submit
         self._tries: dict[tuple[int, int], int] = {}  # (rank, generation) -> retries so far
         self._task: asyncio.Task[None] | None = None
@@ -359,6 +362,23 @@ class NodeFlash:
         log.info("flash.took_over", node=node, copies=len(refs), source=f"{host}:{port}")
         return bool(refs)
 
+    def replicas_held(self) -> list[tuple[str, int, list[int]]]:
+        """(node, global rank, steps newest first) of the copies this node holds as a buddy,
+        as last polled."""
+        return self._held
+
+    def _poll_replicas(self) -> list[tuple[str, int, list[int]]]:
+        out = []
+        for store in self.owner.stores():
+            if not store.startswith(REPLICA_PREFIX):
+                continue
+            node = store[len(REPLICA_PREFIX) :]
+            for rank in self.owner.ranks(store)[:MAX_HELD_RANKS]:
+                steps = [r.manifest.step for r in list_copies(self.owner.rank_dir(rank, store))]
+                if steps:
+                    out.append((node, rank, steps))
+        return out[:MAX_HELD_RANKS]
+
     def ring_steps(self, rank: int) -> list[int]:
         """The steps `rank`'s ring holds (complete copies, newest first), as last polled."""
         return self._ring.get(rank, [])
@@ -393,6 +413,8 @@ class NodeFlash:
                 self.persister.submit(rank_dir)
         if self.sender is not None:  # it decides which copies are due (spacing, idle flush)
             await self.sender.tick()
+        if self.replica_cfg.auth.enabled:  # what this node holds for others, for the heartbeat
+            self._held = await asyncio.to_thread(self._poll_replicas)
 
     def _persist_pending(self, rank: int, rank_dir: Path, gen: int) -> bool:
         """True when `gen` was handed over but not persisted, and is due for a retry.

@@ -166,6 +166,25 @@ def timeline(state: ev.JobState) -> int:
     return int(state.event_counts.get("rollback", 0))
 
 
+def common_steps(
+    world: int, own: dict[int, set[int]], buddies: dict[int, set[int]]
+) -> set[int] | None:
+    """The steps all `world` ranks can restore from memory: a rank's own ring (`own`), else
+    the copies a buddy holds of it (`buddies`, for the ranks of a lost node). None when a
+    rank is in neither (its node is gone and no buddy reported it: the commits decide)."""
+    if not world:
+        return None
+    common: set[int] | None = None
+    for rank in range(world):
+        held = own.get(rank)
+        if held is None:
+            held = buddies.get(rank)
+        if held is None:
+            return None
+        common = set(held) if common is None else common & held
+    return common
+
+
 class RecoveryLoop:
     """The leader's recovery loop (one per term)."""
 
@@ -459,25 +478,32 @@ class RecoveryLoop:
         return self._ring_held(nodes)
 
     def _ring_held(self, nodes: tuple[str, ...]) -> set[int] | None:
-        """The steps every rank of the world holds in memory now; None when a node's ranks
-        are not all reported (a lost node: then the commits decide)."""
+        """The steps every rank of the world holds in memory now: in its own node's ring, or,
+        for the ranks of a node that is gone, in the copies its buddy holds (the buddies'
+        heartbeats list them); None when some rank is held nowhere (then the commits decide)."""
         w = self.state.world
-        world = len(w.node_ids) * w.workers_per_node
-        common: set[int] | None = None
-        ranks: set[int] = set()
+        own: dict[int, set[int]] = {}
         for n in nodes:
             slot = self.service.view.nodes.get(n)
             if slot is None or not slot.alive:
-                return None
+                continue
             for ws in slot.hb.workers:
-                if ws.global_rank < 0:
-                    continue
-                ranks.add(ws.global_rank)
-                held = set(ws.ring_steps)
-                common = held if common is None else common & held
-        if common is None or (world and len(ranks) < world):
-            return None
-        return common
+                if ws.global_rank >= 0:
+                    own[ws.global_rank] = set(ws.ring_steps)
+        world = len(w.node_ids) * w.workers_per_node
+        buddies: dict[int, set[int]] = {}
+        if world and len(own) < world:  # a node's ranks are missing: who holds their copies
+            alive = self._alive_nodes()
+            gone = {n for n in (*w.node_ids, *nodes) if n not in alive}
+            for slot in self.service.view.nodes.values():
+                if slot.alive:
+                    for h in slot.hb.replicas:
+                        if h.node in gone:
+                            buddies.setdefault(h.rank, set()).update(h.steps)
+        return common_steps(world, own, buddies)
+
+    def _alive_nodes(self) -> set[str]:
+        return {n for n, s in self.service.view.nodes.items() if s.alive}
 
     def _live_step(self, nodes: tuple[str, ...]) -> int:
         """The newest step any worker of `nodes` reported (the step the job stopped at)."""
