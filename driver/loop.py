@@ -479,13 +479,17 @@ class RecoveryLoop:
 
     def _ring_held(self, nodes: tuple[str, ...]) -> set[int] | None:
         """The steps every rank of the world holds in memory now: in its own node's ring, or,
-        for the ranks of a node that is gone, in the copies its buddy holds (the buddies'
-        heartbeats list them); None when some rank is held nowhere (then the commits decide)."""
+        for the ranks of a node that is gone or being evicted, in the copies its buddy holds
+        (the buddies' heartbeats list them); None when some rank is held nowhere (then the
+        commits decide)."""
         w = self.state.world
+        # a node the incident evicts is replaced by a spare that reads its copies from its
+        # buddy, not from the node's own ring: count what the buddy holds for it
+        leaving = set(self.state.bad_nodes)
         own: dict[int, set[int]] = {}
         for n in nodes:
             slot = self.service.view.nodes.get(n)
-            if slot is None or not slot.alive:
+            if slot is None or not slot.alive or n in leaving:
                 continue
             for ws in slot.hb.workers:
                 if ws.global_rank >= 0:
@@ -494,7 +498,7 @@ class RecoveryLoop:
         buddies: dict[int, set[int]] = {}
         if world and len(own) < world:  # a node's ranks are missing: who holds their copies
             alive = self._alive_nodes()
-            gone = {n for n in (*w.node_ids, *nodes) if n not in alive}
+            gone = {n for n in (*w.node_ids, *nodes) if n not in alive} | leaving
             for slot in self.service.view.nodes.values():
                 if slot.alive:
                     for h in slot.hb.replicas:
