@@ -332,6 +332,9 @@ def train(
         if save_to:
             checkpoint.save(trainer, save_to)
     finally:
+        # the last copy's write, the process group's teardown and the exit are no steps: a
+        # phase of their own, so the agent's hang rule (the step rhythm) does not judge them
+        hooks.phase("checkpoint")
         if flash is not None:
             flash.close()
         trainer.close()
