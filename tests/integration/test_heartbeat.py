@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 import pytest
 
+from unbroken.agent.hang import STOPPED_AFTER_MS
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
@@ -253,7 +254,8 @@ def test_detectors_end_to_end(procs: Procs, tmp_path: Path, etcd_server: Any) ->
 
     hang = got["hang_suspected"][0].hang_suspected
     assert (hang.node_id, hang.local_rank) == ("n2", 1)
-    assert hang.silent_ms > hang.threshold_ms >= 1000
+    # its process is stopped: hung STOPPED_AFTER_MS after its last step, named as such
+    assert hang.phase == "stopped" and hang.silent_ms > hang.threshold_ms == STOPPED_AFTER_MS
 
     alerts = [e.log_alert for e in got["log_alert"]]
     nccl = [a for a in alerts if a.keyword == "NCCL WARN"]
