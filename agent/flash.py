@@ -36,7 +36,7 @@ import structlog
 
 from unbroken.common.tls import TlsConfig
 from unbroken.common.workerenv import WorkerEnv
-from unbroken.recovery.flashcopy import FlashError, list_copies, replica_store
+from unbroken.recovery.flashcopy import CopyRef, FlashError, list_copies, replica_store
 from unbroken.recovery.flashowner import FLASH_COPIES, FlashConfig, FlashOwner
 from unbroken.recovery.lifecycle import deletable
 from unbroken.recovery.persist import (
@@ -394,9 +394,10 @@ class NodeFlash:
 
     async def tick(self) -> None:
         """Persist and replicate every local rank's newest copy not handled yet."""
+        listed: dict[int, list[CopyRef]] = {}
         for rank in self.owner.ranks():
             rank_dir = self.owner.rank_dir(rank)
-            refs = await asyncio.to_thread(list_copies, rank_dir)
+            refs = listed[rank] = await asyncio.to_thread(list_copies, rank_dir)
             self._ring[rank] = [r.manifest.step for r in refs]
             if not refs:
                 continue
@@ -412,7 +413,7 @@ class NodeFlash:
                 self._submitted_at[rank] = time.monotonic()
                 self.persister.submit(rank_dir)
         if self.sender is not None:  # it decides which copies are due (spacing, idle flush)
-            await self.sender.tick()
+            await self.sender.tick(listed)  # the copies listed above, not listed again
         if self.replica_cfg.auth.enabled:  # what this node holds for others, for the heartbeat
             self._held = await asyncio.to_thread(self._poll_replicas)
 

@@ -739,11 +739,15 @@ class ReplicaSender:
         self.spaced_out += 1
         return None
 
-    async def tick(self) -> list[SendResult]:
-        """Send every rank's newest copy that is due (see the class docstring)."""
+    async def tick(self, listed: dict[int, list[CopyRef]] | None = None) -> list[SendResult]:
+        """Send every rank's newest copy that is due (see the class docstring); `listed`:
+        each rank's copies as the caller just listed them (else they are listed here)."""
         results = []
         for rank in self.owner.ranks():
-            ref = self.due(rank, list_copies(self.owner.rank_dir(rank)), time.monotonic())
+            refs = listed.get(rank) if listed is not None else None
+            if refs is None:
+                refs = list_copies(self.owner.rank_dir(rank))
+            ref = self.due(rank, refs, time.monotonic())
             if ref is None:
                 continue
             host, port = self.buddy
