@@ -46,6 +46,7 @@ from typing import Any
 import grpc
 import psutil
 
+from unbroken.cli.cluster import stop_groups
 from unbroken.common import channel
 from unbroken.common.tls import token_metadata
 from unbroken.proto import driver_pb2 as dpb
@@ -460,20 +461,13 @@ class Bench:
             env={**os.environ, "OMP_NUM_THREADS": "1"},
             stdout=subprocess.DEVNULL,
             stderr=open(self.tmp / "err.log", "ab"),
+            start_new_session=True,  # stop() ends its whole group
         )
         self.procs.append(p)
         return p
 
     def stop(self, procs: list[subprocess.Popen[bytes]]) -> None:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_groups(procs, grace_s=10)
 
     def close(self) -> None:
         self.stop(self.procs)

@@ -48,6 +48,7 @@ from typing import Any
 import grpc
 import psutil
 
+from unbroken.cli.cluster import stop_groups
 from unbroken.common import channel
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -308,15 +309,7 @@ class Run:
         return p
 
     def stop(self, procs: list[subprocess.Popen[bytes]]) -> None:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_groups(procs, grace_s=10)
 
     def driver(self) -> tuple[subprocess.Popen[bytes], str]:
         pf = self.tmp / f"port-{len(self.procs)}"

@@ -29,7 +29,6 @@ README table.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -44,16 +43,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.jobs import Job, slurm_agent_script  # noqa: E402
+from tests.jobs import Job, slurm_agent_script, start_slurm_driver  # noqa: E402
 from tests.slurmcluster import SlurmCluster, ensure_installed  # noqa: E402
 from unbroken.cli.cluster import until  # noqa: E402
 from unbroken.driver.etcd import EmbeddedEtcd  # noqa: E402
 from unbroken.proto import events_pb2 as ev  # noqa: E402
 
-TRAIN = [
-    "-m", "unbroken.trainer.run", "--preset", "tiny", "--dp", "3", "--global-batch", "12",
-    "--log-every", "1000",
-]  # fmt: skip
 BUDDY = {"n1": "n2", "n2": "n1", "n3": "n1", "n4": "n1", "n5": "n1"}
 KEY = "test-job-replica-key-0123456789"  # as Job._spawn gives the driver
 FIGURES = ("detect_s", "spare_s", "resumed_s", "drained_s", "refill_started_s", "refill_reg_s")
@@ -84,9 +79,6 @@ def one_run(mode: str, tmp: Path, endpoint: str) -> dict[str, Any]:
             "SLURM_CONF": str(cluster.conf),
             "UNBROKEN_REPLICA_KEY": KEY,
         }
-        cmd = " ".join(
-            [sys.executable, *TRAIN, "--steps", "100000", "--metrics-out", str(job.metrics)]
-        )
         sched = (
             ["--scheduler", "slurm", "--slurm-job-id", jid, "--slurm-conf", str(cluster.conf),
              "--scheduler-spares", "1", "--slurm-spares", "job,expand",
@@ -94,20 +86,8 @@ def one_run(mode: str, tmp: Path, endpoint: str) -> dict[str, Any]:
             if mode == "slurm"
             else []
         )  # fmt: skip
-        port_file = tmp / "driver.json"
-        os.environ["SLURM_CONF"] = str(cluster.conf)  # Job._spawn passes os.environ on
-        try:
-            job._spawn(
-                "driver",
-                ["driver", "--etcd", job.endpoint, "--job-id", job.job,
-                 "--listen", job.address, "--port-file", str(port_file),
-                 "--archive-url", str(tmp / "archive"),
-                 "--miss-limit", "30", "--nodes", "3", "--workers-per-node", "1", "--dp", "3",
-                 "--worker-cmd", cmd, "--master-addr", "127.0.0.1", *sched],
-            )  # fmt: skip
-        finally:
-            os.environ.pop("SLURM_CONF", None)
-        until(port_file.exists, 60, "the driver's port file", job)
+        archive = ("--archive-url", str(tmp / "archive"))
+        start_slurm_driver(job, cluster.conf, tmp / "driver.json", *archive, *sched)
         by_hand = ["n1", "n2", "n3"] + (["n4"] if mode == "static" else [])
         for n in by_hand:
             extra = ["--spare"] if n == "n4" else []
@@ -142,15 +122,7 @@ def one_run(mode: str, tmp: Path, endpoint: str) -> dict[str, Any]:
         return out
     finally:
         job.close()
-        for p in steps:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    p.terminate()
-        for p in steps:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(10)
-        if jid:
-            cluster.cmd("scancel", jid, check=False)
+        cluster.end_job(steps, jid)
         cluster.stop()
 
 

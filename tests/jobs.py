@@ -18,9 +18,13 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import grpc
+
 from tests.integration.trainenv import plain_worker_env
 from unbroken.cli.cluster import LocalCluster, read_metrics, until
 from unbroken.driver.etcd import free_port
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import driver_pb2_grpc as dgrpc
 
 TRAIN = ["-m", "unbroken.trainer.run", "--preset", "tiny", "--dp", "2", "--log-every", "1000"]
 REPLICA_KEY = "test-job-replica-key-0123456789"  # the buddy stream's HMAC key
@@ -261,6 +265,33 @@ exec {sys.executable} -m unbroken.cli agent --driver {job.address} --node-id $no
     return script
 
 
+#: The training of the Slurm runs: three nodes, one rank each.
+SLURM_TRAIN = [
+    "-m", "unbroken.trainer.run", "--preset", "tiny", "--dp", "3", "--global-batch", "12",
+    "--log-every", "1000",
+]  # fmt: skip
+
+
+def start_slurm_driver(job: Job, conf: Path, port_file: Path, *extra: str) -> None:
+    """The driver of a three-node Slurm job on `job.address` (`slurm_agent_script` chose it),
+    `extra` flags added (the scheduler's); returns once its port file is written."""
+    cmd = " ".join(
+        [sys.executable, *SLURM_TRAIN, "--steps", "100000", "--metrics-out", str(job.metrics)]
+    )
+    os.environ["SLURM_CONF"] = str(conf)  # Job._spawn passes os.environ on
+    try:
+        job._spawn(
+            "driver",
+            ["driver", "--etcd", job.endpoint, "--job-id", job.job,
+             "--listen", job.address, "--port-file", str(port_file),
+             "--miss-limit", "30", "--nodes", "3", "--workers-per-node", "1", "--dp", "3",
+             "--worker-cmd", cmd, "--master-addr", "127.0.0.1", *extra],
+        )  # fmt: skip
+    finally:
+        os.environ.pop("SLURM_CONF", None)
+    until(port_file.exists, 60, "the driver's port file", job)
+
+
 #: A worker of the hooks SDK that steps every 0.1 s and all-reduces once a step (gloo), the
 #: collective marked: the hang tests and bench/detectors.py SIGSTOP it.
 ALLREDUCE_WORKER = """
@@ -279,3 +310,12 @@ while True:
         dist.all_reduce(t)
     h.step(step, loss=1.0)
 """
+
+
+def inject(address: str, node: str, kind: str, *, step: int = 0, rank: int = 0) -> str:
+    """Call the driver's InjectFault RPC; return the agent's detail (asserting it applied)."""
+    with grpc.insecure_channel(address) as ch:
+        req = dpb.InjectFaultRequest(node_id=node, kind=kind, step=step, local_rank=rank)
+        resp = dgrpc.DriverStub(ch).InjectFault(req, timeout=30)
+    assert resp.ok, resp.detail
+    return str(resp.detail)

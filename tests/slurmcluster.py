@@ -165,6 +165,18 @@ class SlurmCluster:
         r = self.cmd("sinfo", "-h", "-n", name, "-o", "%E", check=False)
         return r.stdout.strip()
 
+    def end_job(self, steps: list[subprocess.Popen[bytes]], jid: str) -> None:
+        """End a job's `srun` steps (SIGTERM, 10 s each to go) and cancel the job `jid`."""
+        for p in steps:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.terminate()
+        for p in steps:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(10)
+        if jid:
+            self.cmd("scancel", jid, check=False)
+
     def cmd(
         self, *argv: str, check: bool = True, timeout: float = 30
     ) -> subprocess.CompletedProcess[str]:

@@ -25,7 +25,8 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_heartbeat import Procs, live, read_events, start_driver, wait_for
+from tests.procs import Procs, live, read_events, start_agent, start_driver
+from unbroken.cli.cluster import until
 from unbroken.proto import driver_pb2 as dpb
 
 pytestmark = [pytest.mark.chaos, pytest.mark.chaos_ci]
@@ -52,27 +53,9 @@ while True:
 def _agent(procs: Procs, tmp: Path, addr: str, node: str, storm: bool) -> Any:
     script = tmp / "storm_worker.py"
     script.write_text(WORKER)
-    return procs.start(
-        f"agent-{node}",
-        [
-            "agent",
-            "--driver",
-            addr,
-            "--node-id",
-            node,
-            "--nproc-per-node",
-            "1",
-            "--worker-cmd",
-            f"{sys.executable} {script}",
-            "--persist-url",
-            str(tmp / "storage"),
-            "--log-dir",
-            str(tmp / f"logs-{node}"),
-            "--socket",
-            str(tmp / f"{node}.sock"),
-        ],
-        env={"STORM": "1" if storm else "0", "PIDS_FILE": str(tmp / "worker-pids")},
-    )
+    extra = ("--nproc-per-node", "1", "--worker-cmd", f"{sys.executable} {script}")
+    env = {"STORM": "1" if storm else "0", "PIDS_FILE": str(tmp / "worker-pids")}
+    return start_agent(procs, addr, node, *extra, env=env)
 
 
 @pytest.fixture
@@ -113,8 +96,8 @@ def test_a_node_death_is_durable_within_a_second_during_a_log_storm(
             n.workers and n.workers[0].state == dpb.WORKER_STATE_RUNNING for n in nodes.values()
         )
 
-    wait_for(running, 120, "three nodes with running workers")
-    wait_for(
+    until(running, 120, "three nodes with running workers")
+    until(
         lambda: _metrics(procs.metrics_port).get("unbroken_log_alerts_coalesced_total", 0) > 2000,
         60,
         "the storm to be under way (2,000 lines coalesced)",
@@ -129,7 +112,7 @@ def test_a_node_death_is_durable_within_a_second_during_a_log_storm(
             for e in read_events(etcd_server.config, job)
         )
 
-    wait_for(lost, 30, "the victim's NodeLost in the log")
+    until(lost, 30, "the victim's NodeLost in the log")
     took = time.monotonic() - t_kill
     time.sleep(2.0)  # a few more seconds of storm: nothing may be pending afterwards
     m = _metrics(procs.metrics_port)

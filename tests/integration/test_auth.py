@@ -9,24 +9,22 @@ the `cryptography` package.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.inproc import driver
 from unbroken.common import channel
 from unbroken.common.tls import TlsConfig
 from unbroken.driver import certs
-from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
 from unbroken.driver.security import RoleTokens
-from unbroken.driver.service import DriverService, ServiceConfig, build_server
+from unbroken.driver.service import ServiceConfig
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 
@@ -51,20 +49,6 @@ def pki(tmp_path: Path) -> dict[str, str]:
         "fcrt": str(fcrt),
         "fkey": str(fkey),
     }
-
-
-@contextlib.asynccontextmanager
-async def driver(cfg: ServiceConfig) -> AsyncIterator[tuple[DriverService, InMemoryStore, str]]:
-    svc = DriverService(cfg, driver_id="d1", job_id="job")
-    store = InMemoryStore()
-    svc.lead(InMemoryEventLog(store, "job", store.elect("d1")), "")
-    svc.start()
-    server, port, _ = await build_server(svc, "127.0.0.1:0")
-    try:
-        yield svc, store, f"127.0.0.1:{port}"
-    finally:
-        await server.stop(0)
-        await svc.close()
 
 
 async def register(

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.procs import Procs, start_agent, start_driver
 from unbroken.cli.cluster import stop_groups
 from unbroken.diagnostics.check import free_port
 from unbroken.proto import events_pb2 as ev
@@ -55,77 +56,23 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def cluster(etcd_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("cli")
-    procs: list[subprocess.Popen[bytes]] = []
-    port_file = tmp / "driver.json"
+    procs = Procs(tmp)
     try:
-        out = open(tmp / "driver.log", "wb")
-        procs.append(
-            subprocess.Popen(
-                [
-                    *CLI,
-                    "driver",
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--port-file",
-                    str(port_file),
-                    "--etcd",
-                    etcd_server.endpoint,
-                    "--job-id",
-                    f"cli-{uuid.uuid4().hex[:8]}",
-                    # liveness is not under test: check processes importing torch on two
-                    # shared cores can starve a 100 ms heartbeat past the default limit
-                    "--miss-limit",
-                    "100",
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=ENV,
-                start_new_session=True,
-            )
-        )
-        out.close()
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            assert procs[0].poll() is None, (tmp / "driver.log").read_text()
-            assert time.monotonic() < deadline, "driver did not start within 60 s"
-            time.sleep(0.1)
-        driver = f"127.0.0.1:{json.loads(port_file.read_text())['grpc_port']}"
+        job = f"cli-{uuid.uuid4().hex[:8]}"
+        # liveness is not under test: check processes importing torch on two shared cores
+        # can starve a 100 ms heartbeat past the default limit
+        args = ("--etcd", etcd_server.endpoint, "--job-id", job, "--miss-limit", "100")
+        driver, _ = start_driver(procs, tmp, *args)
         commands = tmp / "worker-commands.txt"
         script = tmp / "worker.py"
         script.write_text(WORKER)
         for node, fault in AGENTS.items():
             cmd = f"{sys.executable} {script} {commands}"
-            extra = (
-                ["--worker-cmd", cmd, "--persist-url", str(tmp / "storage")] if node == "n3" else []
-            )
-            out = open(tmp / f"agent-{node}.log", "wb")
-            procs.append(
-                subprocess.Popen(
-                    [
-                        *CLI,
-                        "agent",
-                        "--driver",
-                        driver,
-                        "--node-id",
-                        node,
-                        "--inject-fault",
-                        fault,
-                        "--log-dir",
-                        str(tmp / f"logs-{node}"),
-                        "--socket",
-                        str(tmp / f"{node}.sock"),
-                        *extra,
-                    ],
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=ENV,
-                    start_new_session=True,
-                )
-            )
-            out.close()
+            extra = ["--worker-cmd", cmd] if node == "n3" else []
+            start_agent(procs, driver, node, "--inject-fault", fault, *extra, selfcheck=True)
         yield {"driver": driver, "commands": commands, "tmp": tmp}
     finally:
-        stop_groups(procs, grace_s=10)
+        procs.stop_all()
 
 
 def _nodes(driver: str) -> list[dict[str, Any]]:

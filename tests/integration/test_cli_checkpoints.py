@@ -13,6 +13,7 @@ since each interpreter start-up costs seconds on a loaded machine.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -20,22 +21,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
-from tests.integration.test_launcher_api import (
-    CLI,
-    ENV,
-    start_agent,
-    start_driver,
-    wait_nodes,
-)
-from unbroken.cli.cluster import stop_groups
+from tests.procs import Procs, start_agent, start_driver, wait_nodes
+from unbroken.cli.cluster import CLI
 from unbroken.diagnostics.check import free_port
-from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.recovery.persist import read_shard
 
 pytestmark = pytest.mark.integration
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "UNBROKEN_DRIVER": "127.0.0.1:1"}  # no default
 
 WORKER = """
 import os, time
@@ -90,35 +85,27 @@ def inproc(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.Complet
 @pytest.fixture(scope="module")
 def cluster(etcd_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("ckpt")
-    procs: list[subprocess.Popen[bytes]] = []
+    procs = Procs(tmp)
     script = tmp / "worker.py"
     script.write_text(WORKER)
     storage = tmp / "storage"
     nodes = [f"c{i}-{uuid.uuid4().hex[:6]}" for i in range(2)]
     try:
-        info = start_driver(etcd_server, tmp, procs, f"ckpt-{uuid.uuid4().hex[:8]}")
+        job = f"ckpt-{uuid.uuid4().hex[:8]}"
+        args = ("--etcd", etcd_server.endpoint, "--job-id", job, "--miss-limit", "100")
+        addr, stub = start_driver(procs, tmp, *args)
         for i, node in enumerate(nodes):
             start_agent(
-                info["driver"],
-                tmp,
-                procs,
-                node,
-                "--worker-cmd",
-                f"{sys.executable} {script}",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(i),
-                "--flash-dir",
-                str(tmp / f"flash-{node}"),
-                "--persist-url",
-                str(storage),
-            )
-        with grpc.insecure_channel(info["driver"]) as ch:
-            wait_nodes(dgrpc.DriverStub(ch), nodes, "stepping", timeout_s=120)
-        yield {**info, "nodes": nodes, "storage": storage, "tmp": tmp}
+                procs, addr, node,
+                "--worker-cmd", f"{sys.executable} {script}",
+                "--nnodes", "2", "--node-rank", str(i),
+                "--flash-dir", str(tmp / f"flash-{node}"),
+                "--persist-url", str(storage),
+            )  # fmt: skip
+        wait_nodes(stub, nodes, "stepping", timeout_s=120)
+        yield {"driver": addr, "nodes": nodes, "storage": storage, "tmp": tmp}
     finally:
-        stop_groups(procs, grace_s=10)
+        procs.stop_all()
 
 
 def test_list_before_any_checkpoint(

@@ -10,16 +10,13 @@ and the slow node, and the round and verdict events must be in the log.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from tests.procs import Procs, start_agent
 from unbroken.diagnostics.runner import (
     DiagnosisConfig,
     RoundRecord,
@@ -49,33 +46,10 @@ async def _scenario(tmp: Path) -> tuple[object, list[ev.Event]]:
     service.lead(log_, "")
     service.start()
     server, port, _ = await build_server(service, "127.0.0.1:0")
-    procs: list[asyncio.subprocess.Process] = []
+    procs = Procs(tmp)
     try:
-        for node, fault in FAULTS.items():
-            out = open(tmp / f"agent-{node}.log", "wb")  # the child process owns it
-            procs.append(
-                await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    "-m",
-                    "unbroken.cli.main",
-                    "agent",
-                    "--driver",
-                    f"127.0.0.1:{port}",
-                    "--node-id",
-                    node,
-                    "--inject-fault",
-                    fault,
-                    "--log-dir",
-                    str(tmp / f"logs-{node}"),
-                    "--socket",
-                    str(tmp / f"{node}.sock"),
-                    stdout=out,
-                    stderr=asyncio.subprocess.STDOUT,
-                    start_new_session=True,
-                    env={**os.environ, "OMP_NUM_THREADS": "1"},
-                )
-            )
-            out.close()
+        for node, fault in FAULTS.items():  # the self-check runs (and the fault with it)
+            start_agent(procs, f"127.0.0.1:{port}", node, "--inject-fault", fault, selfcheck=True)
         deadline = time.monotonic() + 60
         while not set(FAULTS) <= set(service.view.nodes):
             assert time.monotonic() < deadline, "agents did not register within 60 s"
@@ -102,16 +76,7 @@ async def _scenario(tmp: Path) -> tuple[object, list[ev.Event]]:
         )
         return d, await log_.read()
     finally:
-        for p in procs:
-            if p.returncode is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                await asyncio.wait_for(p.wait(), 10)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                await p.wait()
+        await asyncio.to_thread(procs.stop_all)  # agents say goodbye to this loop's driver
         await server.stop(0.5)
         await service.close()
 

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_loop_spike import inject
-from tests.jobs import Job
+from tests.jobs import Job, inject
 from unbroken.cli.cluster import until
 from unbroken.diagnostics.check import free_port
 from unbroken.driver.election import Election

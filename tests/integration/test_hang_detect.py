@@ -21,9 +21,10 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_heartbeat import Procs, live, procs, read_events, start_driver, wait_for
 from tests.jobs import ALLREDUCE_WORKER
+from tests.procs import Procs, live, procs, read_events, start_driver
 from unbroken.agent.hang import STOPPED_AFTER_MS
+from unbroken.cli.cluster import until
 from unbroken.diagnostics.check import free_port
 
 pytestmark = pytest.mark.integration
@@ -57,7 +58,7 @@ def test_sigstopped_rank_is_flagged_with_stacks_and_rearmed(
         ws = {w.local_rank: w for w in n.workers}
         return ws if all(w.step >= at_least and w.window_steps > 0 for w in ws.values()) else None
 
-    ws = wait_for(lambda: stepping(10), 120, "two ranks all-reducing for 10 steps", step_s=0.2)
+    ws = until(lambda: stepping(10), 120, "two ranks all-reducing for 10 steps", poll_s=0.2)
     assert all(w.wait_ms >= 0.0 and w.compute_ms > 50.0 for w in ws.values()), ws
 
     def hangs() -> list[Any]:
@@ -69,7 +70,7 @@ def test_sigstopped_rank_is_flagged_with_stacks_and_rearmed(
 
     victim = ws[1].pid
     os.kill(victim, signal.SIGSTOP)
-    (h,) = wait_for(hangs, 30, "HangSuspected", step_s=0.1)  # how fast: bench/detectors.py
+    (h,) = until(hangs, 30, "HangSuspected", poll_s=0.1)  # how fast: bench/detectors.py
     # rank 1's process is stopped: named first, as "stopped" (the culprit: a restart without a
     # diagnosis); rank 0 waits in the all-reduce (a victim, judged collective_k times later),
     # so it may or may not be flagged yet
@@ -83,7 +84,7 @@ def test_sigstopped_rank_is_flagged_with_stacks_and_rearmed(
 
     before = max(w.step for w in live(stub)["n0"].workers)
     os.kill(victim, signal.SIGCONT)
-    wait_for(lambda: stepping(before + 5), 30, "training on after SIGCONT", step_s=0.2)
+    until(lambda: stepping(before + 5), 30, "training on after SIGCONT", poll_s=0.2)
     os.kill(victim, signal.SIGSTOP)  # progress re-armed the detector: a second hang is reported
-    wait_for(lambda: len(hangs()) == 2, 30, "a second HangSuspected", step_s=0.1)
+    until(lambda: len(hangs()) == 2, 30, "a second HangSuspected", poll_s=0.1)
     os.kill(victim, signal.SIGCONT)

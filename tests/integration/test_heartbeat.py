@@ -10,8 +10,6 @@ line; every event read back from etcd.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -19,19 +17,22 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
+from tests.procs import Procs, live, procs, read_events, start_driver
+from tests.procs import start_agent as procs_agent
 from unbroken.agent.hang import STOPPED_AFTER_MS
+from unbroken.cli.cluster import until
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
 
 pytestmark = pytest.mark.integration
+__all__ = ["procs"]  # the fixture
 
 WORKER = """
 import os, sys, time
@@ -51,102 +52,6 @@ while True:
 """
 
 
-class Procs:
-    """Processes a test started; all are killed at the end, also on failure."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.metrics_port = 0
-
-    def start(
-        self, name: str, args: list[str], env: dict[str, str] | None = None
-    ) -> subprocess.Popen[bytes]:
-        out = open(self.tmp / f"{name}.log", "wb")
-        p = subprocess.Popen(
-            [sys.executable, "-m", "unbroken.cli", *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-            start_new_session=True,
-        )
-        out.close()
-        self.procs.append(p)
-        return p
-
-    def stop_all(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(8)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-            # workers run in their own sessions; a SIGKILLed agent leaves them behind
-        for pid in _leftover_workers(self.tmp):
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    def log(self, name: str) -> str:
-        return (self.tmp / f"{name}.log").read_text(errors="replace")
-
-
-def _leftover_workers(tmp: Path) -> list[int]:
-    f = tmp / "worker-pids"
-    return [int(x) for x in f.read_text().split()] if f.exists() else []
-
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    p = Procs(tmp_path)
-    try:
-        yield p
-    finally:
-        p.stop_all()
-
-
-def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, step_s: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(step_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
-def start_driver(
-    procs: Procs, tmp: Path, *extra: str, name: str = "driver"
-) -> tuple[str, dgrpc.DriverStub]:
-    port_file = tmp / f"{name}.json"
-    procs.start(
-        name,
-        [
-            "driver",
-            "--listen",
-            "127.0.0.1:0",
-            "--port-file",
-            str(port_file),
-            "--metrics-port",
-            "0",
-            *extra,
-        ],
-    )
-    info = wait_for(
-        lambda: port_file.exists() and json.loads(port_file.read_text()),
-        30,
-        "the driver's port file",
-    )
-    addr = f"127.0.0.1:{info['grpc_port']}"
-    stub = dgrpc.DriverStub(grpc.insecure_channel(addr))
-    procs.metrics_port = int(info["metrics_port"])
-    return addr, stub
-
-
 def start_agent(
     procs: Procs, tmp: Path, addr: str, node: str, mode: str = "", nproc: int = 2
 ) -> subprocess.Popen[bytes]:
@@ -156,47 +61,8 @@ def start_agent(
         f"import os\nopen({str(tmp / 'worker-pids')!r}, 'a').write("
         f"str(os.getpid()) + ' ')\n" + WORKER
     )
-    return procs.start(
-        f"agent-{node}",
-        [
-            "agent",
-            "--driver",
-            addr,
-            "--node-id",
-            node,
-            "--nproc-per-node",
-            str(nproc),
-            "--worker-cmd",
-            f"{sys.executable} {script}",
-            "--persist-url",
-            str(tmp / "storage"),
-            "--log-dir",
-            str(tmp / f"logs-{node}"),
-            "--socket",
-            str(tmp / f"{node}.sock"),
-        ],
-        env={"HB_TEST_MODE": mode},
-    )
-
-
-def live(stub: dgrpc.DriverStub) -> dict[str, dpb.NodeLive]:
-    try:
-        return {n.node_id: n for n in stub.LiveView(dpb.LiveViewRequest(), timeout=2).nodes}
-    except grpc.RpcError:
-        return {}
-
-
-def read_events(etcd_config: Any, job_id: str) -> list[ev.Event]:
-    from unbroken.driver import etcdlog
-
-    async def go() -> list[ev.Event]:
-        client = await etcdlog.connect(etcd_config)
-        try:
-            return await etcdlog.EtcdEventLog(client, job_id, None).read()
-        finally:
-            await client.close()
-
-    return asyncio.run(go())
+    extra = ("--nproc-per-node", str(nproc), "--worker-cmd", f"{sys.executable} {script}")
+    return procs_agent(procs, addr, node, *extra, env={"HB_TEST_MODE": mode})
 
 
 def test_detectors_end_to_end(procs: Procs, tmp_path: Path, etcd_server: Any) -> None:
@@ -213,7 +79,7 @@ def test_detectors_end_to_end(procs: Procs, tmp_path: Path, etcd_server: Any) ->
             for n in v.values()
         )
 
-    wait_for(running, 60, "3 agents with 2 stepping workers each")
+    until(running, 60, "3 agents with 2 stepping workers each")
 
     # a SIGSTOPped worker stops making progress -> HangSuspected
     hung = next(w for w in live(stub)["n2"].workers if w.local_rank == 1)
@@ -230,11 +96,11 @@ def test_detectors_end_to_end(procs: Procs, tmp_path: Path, etcd_server: Any) ->
         return out
 
     wanted = ("node_lost", "worker_failed", "hang_suspected", "log_alert")
-    got = wait_for(
+    got = until(
         lambda: (k := kinds()) and all(w in k for w in wanted) and k,
         30,
         f"events {wanted} in etcd",
-        step_s=0.3,
+        poll_s=0.3,
     )
     os.kill(hung.pid, signal.SIGCONT)
 
@@ -284,7 +150,7 @@ def test_agent_follows_the_leader_across_a_failover(
     job = f"hb-{uuid.uuid4().hex[:8]}"
     common = ["--etcd", etcd_server.endpoint, "--job-id", job]
     lead_addr, lead_stub = start_driver(procs, tmp_path, *common, "--driver-id", "d-a")
-    wait_for(lambda: live_leader(lead_stub), 30, "the first driver to lead")
+    until(lambda: live_leader(lead_stub), 30, "the first driver to lead")
     stand_dir = tmp_path / "standby"
     stand_dir.mkdir()
     stand_addr, stand_stub = start_driver(
@@ -293,14 +159,14 @@ def test_agent_follows_the_leader_across_a_failover(
     # the agent knows the standby first: it is redirected to the leader
     agent_args = ["agent", "--driver", f"{stand_addr},{lead_addr}", "--node-id", "n0"]
     procs.start("agent-n0", agent_args)
-    wait_for(
+    until(
         lambda: "n0" in live(lead_stub) and live(lead_stub)["n0"].heartbeats > 3,
         30,
         "the agent heartbeating to the leader",
     )
     assert "n0" not in live(stand_stub)
-    procs.procs[0].kill()  # the leader driver dies
-    wait_for(
+    procs.procs["driver"].kill()  # the leader driver dies
+    until(
         lambda: (
             live_leader(stand_stub)
             and "n0" in live(stand_stub)

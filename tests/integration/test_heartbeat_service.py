@@ -17,7 +17,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +24,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.inproc import driver, session_md, status_of, until
 from unbroken.common import channel
 from unbroken.driver.etcd import free_port
 from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
 from unbroken.driver.liveview import LiveViewConfig
-from unbroken.driver.service import DriverService, ServiceConfig, build_server
+from unbroken.driver.service import DriverService, ServiceConfig
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
@@ -50,53 +50,12 @@ while True:
 """
 
 
-@contextlib.asynccontextmanager
-async def driver(
-    config: ServiceConfig | None = None, *, leader: bool = True, leader_address: str = ""
-) -> AsyncIterator[tuple[DriverService, InMemoryStore, str]]:
-    svc = DriverService(
-        config or ServiceConfig(), driver_id="d1", job_id="job", leader_address=leader_address
-    )
-    store = InMemoryStore()
-    if leader:
-        svc.lead(InMemoryEventLog(store, "job", store.elect("d1")), "")
-    svc.start()
-    server, port, _ = await build_server(svc, "127.0.0.1:0")
-    try:
-        yield svc, store, f"127.0.0.1:{port}"
-    finally:
-        await server.stop(0)
-        await svc.close()
-
-
-async def until(pred: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 def kinds(store: InMemoryStore) -> list[str]:
     return [str(e.WhichOneof("payload")) for e in store.events]
 
 
-async def code_of(call: Awaitable[Any]) -> grpc.StatusCode:
-    try:
-        await call
-    except grpc.aio.AioRpcError as e:
-        return e.code()
-    return grpc.StatusCode.OK
-
-
 def reg(node: str = "n0", epoch: int = 1, **kw: Any) -> dpb.RegisterRequest:
     return dpb.RegisterRequest(node_id=node, epoch=epoch, **kw)
-
-
-def session_md(node: str, epoch: int) -> tuple[tuple[str, str], ...]:
-    return ((channel.NODE_KEY, node), (channel.EPOCH_KEY, str(epoch)))
 
 
 def test_commands_reach_a_real_agent(tmp_path: Path) -> None:
@@ -226,15 +185,15 @@ def test_bad_input_gets_clear_statuses_and_never_wedges_the_driver() -> None:
         S = grpc.StatusCode
         # a stream from a node that never registered
         call = stub.Session(metadata=session_md("ghost", 1))
-        assert await code_of(call.read()) == S.FAILED_PRECONDITION
+        assert await status_of(call.read()) == S.FAILED_PRECONDITION
         # invalid, absurdly long, oversized
-        assert await code_of(stub.Register(reg("bad id!"), timeout=5)) == S.INVALID_ARGUMENT
+        assert await status_of(stub.Register(reg("bad id!"), timeout=5)) == S.INVALID_ARGUMENT
         assert (
-            await code_of(stub.Register(reg(hostname="h" * 10_000), timeout=5))
+            await status_of(stub.Register(reg(hostname="h" * 10_000), timeout=5))
             == S.INVALID_ARGUMENT
         )
         assert (
-            await code_of(stub.Register(reg(hostname="h" * (5 << 20)), timeout=5))
+            await status_of(stub.Register(reg(hostname="h" * (5 << 20)), timeout=5))
             == S.RESOURCE_EXHAUSTED
         )
         assert svc.view.nodes == {} and store.events == []
@@ -252,7 +211,9 @@ def test_bad_input_gets_clear_statuses_and_never_wedges_the_driver() -> None:
             err = e
         assert err is not None and err.code() == S.FAILED_PRECONDITION
         assert "stale epoch" in (err.details() or "")
-        assert await code_of(stub.Register(reg("n0", epoch=11), timeout=5)) == S.FAILED_PRECONDITION
+        assert (
+            await status_of(stub.Register(reg("n0", epoch=11), timeout=5)) == S.FAILED_PRECONDITION
+        )
         await until(lambda: kinds(store).count("node_refused") == 2, 5, "two NodeRefused")
         assert sorted(
             e.node_refused.reason for e in store.events if e.HasField("node_refused")
@@ -285,7 +246,7 @@ def test_bad_input_gets_clear_statuses_and_never_wedges_the_driver() -> None:
 
         # a registration flood beyond the node limit: clear refusals, driver still fine
         codes = await asyncio.gather(
-            *(code_of(stub.Register(reg(f"f{i}"), timeout=10)) for i in range(120))
+            *(status_of(stub.Register(reg(f"f{i}"), timeout=10)) for i in range(120))
         )
         assert codes.count(S.OK) == 49 and codes.count(S.RESOURCE_EXHAUSTED) == 71
         health = health_pb2_grpc.HealthStub(ch)
@@ -299,7 +260,7 @@ def test_bad_input_gets_clear_statuses_and_never_wedges_the_driver() -> None:
             with contextlib.suppress(KeyError):
                 svc.send("n0", dpb.DriverMessage(pause=dpb.Pause(reason="flood")))
         assert svc.dropped_commands >= 1
-        assert await code_of(_drain(live)) == S.RESOURCE_EXHAUSTED
+        assert await status_of(_drain(live)) == S.RESOURCE_EXHAUSTED
         assert svc.view.nodes["n0"].outbox is None
 
     asyncio.run(go())

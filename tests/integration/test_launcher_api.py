@@ -9,125 +9,21 @@ events by kind, per-node series). The helpers here also serve test_cli_checkpoin
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
-from unbroken.cli.cluster import stop_groups
+from tests.procs import Procs, start_agent, start_driver, wait_nodes
 from unbroken.diagnostics.check import free_port
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
 
 pytestmark = pytest.mark.integration
-
-CLI = [sys.executable, "-m", "unbroken.cli"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "UNBROKEN_DRIVER": "127.0.0.1:1"}
-
-
-def start_driver(
-    etcd: Any, tmp: Path, procs: list[subprocess.Popen[bytes]], job: str
-) -> dict[str, Any]:
-    """A driver process on `etcd` (ports 0); returns its port file's content + address."""
-    port_file = tmp / "driver.json"
-    with open(tmp / "driver.log", "wb") as out:
-        procs.append(
-            subprocess.Popen(
-                [
-                    *CLI,
-                    "driver",
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--port-file",
-                    str(port_file),
-                    "--metrics-port",
-                    "0",
-                    "--etcd",
-                    etcd.endpoint,
-                    "--job-id",
-                    job,
-                    "--miss-limit",
-                    "100",  # liveness is not under test: 2 shared cores starve heartbeats
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=ENV,
-                start_new_session=True,
-            )
-        )
-    deadline = time.monotonic() + 60
-    while not port_file.exists():
-        assert procs[-1].poll() is None, (tmp / "driver.log").read_text()
-        assert time.monotonic() < deadline, "driver did not start within 60 s"
-        time.sleep(0.1)
-    # the driver writes the file whole (os.replace), so no reader sees torn JSON
-    info: dict[str, Any] = json.loads(port_file.read_text())
-    info["driver"] = f"127.0.0.1:{info['grpc_port']}"
-    return info
-
-
-def start_agent(
-    driver: str, tmp: Path, procs: list[subprocess.Popen[bytes]], node: str, *extra: str
-) -> None:
-    """An agent process for `node` (its logs and socket under `tmp`)."""
-    with open(tmp / f"agent-{node}.log", "wb") as out:
-        procs.append(
-            subprocess.Popen(
-                [
-                    *CLI,
-                    "agent",
-                    "--driver",
-                    driver,
-                    "--node-id",
-                    node,
-                    "--log-dir",
-                    str(tmp / f"logs-{node}"),
-                    "--socket",
-                    str(tmp / f"{node}.sock"),
-                    "--no-selfcheck",  # not under test; it imports torch on start
-                    *extra,
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=ENV,
-                start_new_session=True,
-            )
-        )
-
-
-def wait_nodes(stub: dgrpc.DriverStub, nodes: list[str], what: str, timeout_s: float = 60) -> None:
-    """Until every node in `nodes` is alive and connected (and, for "stepping", training)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            listed = stub.ListNodes(dpb.ListNodesRequest(), timeout=10).nodes
-        except grpc.RpcError as e:  # not leading yet (the election is still running)
-            assert time.monotonic() < deadline, f"driver not answering in {timeout_s} s: {e}"
-            time.sleep(0.3)
-            continue
-        got = {n.node_id: n for n in listed}
-        ready = [
-            n
-            for n in nodes
-            if n in got
-            and got[n].alive
-            and got[n].connected
-            and (what != "stepping" or got[n].step > 0)
-        ]
-        if len(ready) == len(nodes):
-            return
-        assert time.monotonic() < deadline, f"nodes not {what} within {timeout_s} s: {got}"
-        time.sleep(0.3)
 
 
 def events(stub: dgrpc.DriverStub, since: int = 0) -> list[ev.Event]:
@@ -145,18 +41,18 @@ def scrape(port: int) -> str:
 @pytest.fixture(scope="module")
 def cluster(etcd_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("launcher")
-    procs: list[subprocess.Popen[bytes]] = []
+    procs = Procs(tmp)
     try:
-        info = start_driver(etcd_server, tmp, procs, f"launcher-{uuid.uuid4().hex[:8]}")
+        job = f"launcher-{uuid.uuid4().hex[:8]}"
+        # liveness is not under test: 2 shared cores starve heartbeats
+        args = ("--etcd", etcd_server.endpoint, "--job-id", job, "--miss-limit", "100")
+        addr, stub = start_driver(procs, tmp, *args)
         for node in ("n0", "n1"):
-            start_agent(info["driver"], tmp, procs, node)
-        channel = grpc.insecure_channel(info["driver"])
-        stub = dgrpc.DriverStub(channel)
+            start_agent(procs, addr, node)
         wait_nodes(stub, ["n0", "n1"], "connected")
-        yield {**info, "stub": stub, "tmp": tmp}
-        channel.close()
+        yield {"driver": addr, "metrics_port": procs.metrics_port, "stub": stub, "tmp": tmp}
     finally:
-        stop_groups(procs, grace_s=10)
+        procs.stop_all()
 
 
 def code_of(call: Any, request: Any) -> tuple[grpc.StatusCode, str]:

@@ -13,8 +13,7 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from tests.integration.test_loop_spike import inject
-from tests.jobs import Job
+from tests.jobs import Job, inject
 from unbroken.agent.hang import STOPPED_AFTER_MS
 from unbroken.cli.cluster import until
 

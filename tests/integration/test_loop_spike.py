@@ -22,7 +22,6 @@ that never saw the skipped batches (two plain processes with UNBROKEN_SKIP_BATCH
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import re
@@ -31,16 +30,13 @@ import time
 from pathlib import Path
 from statistics import median
 
-import grpc
 import psutil
 import pytest
 
 from tests.integration.trainenv import plain_worker_env
-from tests.jobs import TRAIN, Job
+from tests.jobs import TRAIN, Job, inject
 from unbroken.cli.cluster import until
 from unbroken.diagnostics.check import free_port
-from unbroken.proto import driver_pb2 as dpb
-from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.recovery.persist import list_persisted
 
 pytestmark = pytest.mark.integration
@@ -51,19 +47,6 @@ KEEP = 2  # committed steps the driver keeps: fewer than are committed after the
 # agents: persist every copy after calibrating; a ring of 2 copies, so the rollback target is
 # a committed step read back from storage (tests/unit/test_machine.py covers memory targets)
 EVERY_STEP = ("--persist-every-s", "0.001", "--flash-copies", "2")
-
-
-def inject(address: str, node: str, kind: str, *, step: int = 0, rank: int = 0) -> str:
-    """Call the driver's InjectFault RPC; return the agent's detail (asserting it applied)."""
-
-    async def call() -> dpb.InjectFaultResponse:
-        async with grpc.aio.insecure_channel(address) as ch:
-            req = dpb.InjectFaultRequest(node_id=node, kind=kind, step=step, local_rank=rank)
-            return await dgrpc.DriverStub(ch).InjectFault(req, timeout=30)
-
-    resp = asyncio.run(call())
-    assert resp.ok, resp.detail
-    return resp.detail
 
 
 def timeline(metrics: Path) -> list[tuple[int, float]]:

@@ -8,18 +8,15 @@ Sent as a foreign client sends them: a raw channel, no serializer, garbage bytes
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 
+from tests.inproc import driver
 from unbroken.agent.relay import Relay, RelayConfig
 from unbroken.common import channel
-from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
-from unbroken.driver.rendezvous import RendezvousService
 from unbroken.driver.security import RoleTokens
-from unbroken.driver.service import DriverService, ServiceConfig, build_server
+from unbroken.driver.service import ServiceConfig
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 
@@ -27,21 +24,6 @@ pytestmark = pytest.mark.integration
 GARBAGE = b"\xff\xff garbage"
 TOKEN = "malformed-test-token-0123456789"
 D = "/unbroken.driver.v1.Driver/"
-
-
-@contextlib.asynccontextmanager
-async def driver(cfg: ServiceConfig) -> AsyncIterator[str]:
-    svc = DriverService(cfg, driver_id="d1", job_id="job")
-    store = InMemoryStore()
-    svc.lead(InMemoryEventLog(store, "job", store.elect("d1")), "")
-    svc.start()
-    server, port, _ = await build_server(svc, "127.0.0.1:0")
-    RendezvousService.attach(server, svc)
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(0)
-        await svc.close()
 
 
 async def unary(ch: grpc.aio.Channel, path: str, md: tuple[tuple[str, str], ...] = ()) -> Exception:
@@ -72,7 +54,10 @@ def assert_invalid(err: Exception, path: str, message_type: str) -> None:
 
 def test_driver_answers_invalid_argument_to_garbage() -> None:
     async def go() -> None:
-        async with driver(ServiceConfig()) as addr, grpc.aio.insecure_channel(addr) as ch:
+        async with (
+            driver(ServiceConfig(), rendezvous=True) as (_, _, addr),
+            grpc.aio.insecure_channel(addr) as ch,
+        ):
             for method, message in (
                 ("Register", "RegisterRequest"),
                 ("GetStatus", "GetStatusRequest"),
@@ -107,7 +92,10 @@ def test_driver_answers_invalid_argument_to_garbage() -> None:
 def test_a_refused_call_is_refused_before_its_bytes_are_parsed() -> None:
     async def go() -> None:
         cfg = ServiceConfig(tokens=RoleTokens({"operator": [TOKEN]}))
-        async with driver(cfg) as addr, grpc.aio.insecure_channel(addr) as ch:
+        async with (
+            driver(cfg, rendezvous=True) as (_, _, addr),
+            grpc.aio.insecure_channel(addr) as ch,
+        ):
             err = await unary(ch, D + "GetStatus")
             assert isinstance(err, grpc.aio.AioRpcError)
             assert err.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 import uuid
 from pathlib import Path
@@ -20,33 +19,12 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_heartbeat import Procs, live, procs, read_events, start_driver, wait_for
+from tests.procs import Procs, live, procs, read_events, start_agent, start_driver
+from unbroken.cli.cluster import until
+from unbroken.diagnostics.check import free_port
 
 pytestmark = pytest.mark.integration
 __all__ = ["procs"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def agent(procs: Procs, addr: str, node: str, *extra: str) -> Any:
-    return procs.start(
-        f"agent-{node}",
-        [
-            "agent",
-            "--driver",
-            addr,
-            "--node-id",
-            node,
-            "--socket",
-            str(procs.tmp / f"{node}.sock"),
-            "--no-selfcheck",
-            *extra,
-        ],
-    )
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
@@ -57,22 +35,22 @@ def test_relay_member_loss_and_relay_loss(
     job = f"relay-{uuid.uuid4().hex[:8]}"
     addr, stub = start_driver(procs, tmp_path, "--etcd", etcd_server.endpoint, "--job-id", job)
     port = free_port()
-    relay = agent(procs, addr, "r0", "--relay-listen", f"127.0.0.1:{port}")
-    wait_for(lambda: "relay listening" in procs.log("agent-r0"), 30, "the relay to listen")
+    relay = start_agent(procs, addr, "r0", "--relay-listen", f"127.0.0.1:{port}")
+    until(lambda: "relay listening" in procs.log("agent-r0"), 30, "the relay to listen")
     via = f"r0@127.0.0.1:{port}"
-    agent(procs, addr, "m1", "--relay", via)
-    m2 = agent(procs, addr, "m2", "--relay", via)
+    start_agent(procs, addr, "m1", "--relay", via)
+    m2 = start_agent(procs, addr, "m2", "--relay", via)
 
     def beating(*nodes: str, more_than: int = 10) -> bool:
         v = live(stub)
         return all(n in v and v[n].alive and v[n].heartbeats > more_than for n in nodes)
 
-    wait_for(lambda: beating("r0", "m1", "m2"), 30, "relay and members heartbeating")
+    until(lambda: beating("r0", "m1", "m2"), 30, "relay and members heartbeating")
     for m in ("m1", "m2"):
         assert "relay=r0" in procs.log(f"agent-{m}").split("registered", 1)[1].split("\n", 1)[0]
     # heartbeats keep coming through the relay (not one failed relay session so far)
     before = live(stub)["m1"].heartbeats
-    wait_for(lambda: live(stub)["m1"].heartbeats > before + 10, 10, "m1's heartbeats to grow")
+    until(lambda: live(stub)["m1"].heartbeats > before + 10, 10, "m1's heartbeats to grow")
     assert "relay failed" not in procs.log("agent-m1")
 
     def lost() -> dict[str, Any]:
@@ -84,23 +62,23 @@ def test_relay_member_loss_and_relay_loss(
 
     # a member dies behind a live relay: the relay finds it silent
     m2.kill()
-    got = wait_for(lambda: "m2" in (x := lost()) and x, 10, "NodeLost of m2", step_s=0.2)
+    got = until(lambda: "m2" in (x := lost()) and x, 10, "NodeLost of m2", poll_s=0.2)
     assert got["m2"].reason == "silent at its relay", got["m2"]
     assert got["m2"].silent_ms >= 250, got["m2"]  # only after the timeout (speed: the bench)
 
     # the relay dies: m1 goes to the driver directly, and is never declared lost
     os.killpg(relay.pid, how)
     killed = time.monotonic()
-    wait_for(  # how fast: bench/heartbeat_relay.py (relay kill, fallback_ms)
+    until(  # how fast: bench/heartbeat_relay.py (relay kill, fallback_ms)
         lambda: "going to the driver directly" in procs.log("agent-m1"),
         5,
         "m1 to leave its dead relay",
     )
     hb = live(stub)["m1"].heartbeats
-    wait_for(lambda: live(stub)["m1"].heartbeats > hb + 5, 5, "m1 heartbeating directly")
+    until(lambda: live(stub)["m1"].heartbeats > hb + 5, 5, "m1 heartbeating directly")
     # the driver's timeout (300 ms) plus its hold for the relay (2 s) are over: still alive
-    wait_for(lambda: "r0" in lost(), 10, "NodeLost of the relay", step_s=0.2)
-    wait_for(lambda: time.monotonic() - killed > 2.6, 5, "the driver's relay hold to pass")
+    until(lambda: "r0" in lost(), 10, "NodeLost of the relay", poll_s=0.2)
+    until(lambda: time.monotonic() - killed > 2.6, 5, "the driver's relay hold to pass")
     final = lost()
     assert set(final) == {"m2", "r0"}, final
     assert live(stub)["m1"].alive

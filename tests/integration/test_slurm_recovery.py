@@ -11,7 +11,6 @@ in Slurm with the incident in its reason.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -21,16 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import Job, reference, slurm_agent_script
+from tests.jobs import SLURM_TRAIN, Job, reference, slurm_agent_script, start_slurm_driver
 from tests.slurmcluster import SlurmCluster, ensure_installed
 from unbroken.cli.cluster import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-TRAIN = [
-    "-m", "unbroken.trainer.run", "--preset", "tiny", "--dp", "3", "--global-batch", "12",
-    "--log-every", "1000",
-]  # fmt: skip
 BUDDY = {"n1": "n2", "n2": "n1", "n3": "n1", "n4": "n1"}
 
 
@@ -68,25 +63,13 @@ def test_a_crashed_node_is_replaced_by_a_spare_from_slurm(
             30,
             "the allocation",
         )
-        cmd = " ".join(
-            [sys.executable, *TRAIN, "--steps", "100000", "--metrics-out", str(job.metrics)]
-        )
         port_file = tmp_path / "driver.json"
-        os.environ["SLURM_CONF"] = str(cluster.conf)  # Job._spawn passes os.environ on
-        try:
-            job._spawn(
-                "driver",
-                ["driver", "--etcd", job.endpoint, "--job-id", job.job,
-                 "--listen", job.address, "--port-file", str(port_file),
-                 "--miss-limit", "30", "--nodes", "3", "--workers-per-node", "1", "--dp", "3",
-                 "--worker-cmd", cmd, "--master-addr", "127.0.0.1",
-                 "--scheduler", "slurm", "--slurm-job-id", jid,
-                 "--slurm-conf", str(cluster.conf), "--scheduler-spares", "1",
-                 "--slurm-agent-cmd", f"bash {agent} {{node}} --spare"],
-            )  # fmt: skip
-        finally:
-            os.environ.pop("SLURM_CONF", None)
-        until(port_file.exists, 60, "the driver's port file", job)
+        start_slurm_driver(
+            job, cluster.conf, port_file,
+            "--scheduler", "slurm", "--slurm-job-id", jid,
+            "--slurm-conf", str(cluster.conf), "--scheduler-spares", "1",
+            "--slurm-agent-cmd", f"bash {agent} {{node}} --spare",
+        )  # fmt: skip
         for n in ("n1", "n2", "n3"):
             steps.append(
                 subprocess.Popen(
@@ -165,20 +148,13 @@ def test_a_crashed_node_is_replaced_by_a_spare_from_slurm(
         got = job.steps()
         last = max(got)
         assert sorted(got) == list(range(1, last + 1)), sorted(got)
-        ref = reference(tmp_path / "reference", last, world=3, train=TRAIN)
+        ref = reference(tmp_path / "reference", last, world=3, train=SLURM_TRAIN)
         for step, values in got.items():
             for v in values:
                 assert v == ref[step], (step, v, ref[step])
     finally:
         job.close()
-        for p in steps:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    p.terminate()
-        for p in steps:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(10)
-        cluster.cmd("scancel", jid, check=False)
+        cluster.end_job(steps, jid)
 
 
 def _nodes(job: Job) -> str:

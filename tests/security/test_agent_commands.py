@@ -26,6 +26,7 @@ import pytest
 
 from tests.security.conftest import CLI
 from unbroken.agent import rdzv
+from unbroken.cli.cluster import stop_groups
 
 pytestmark = pytest.mark.integration
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -39,17 +40,6 @@ def _wait(
         assert proc is None or proc.poll() is None, f"{what}: the process exited"
         assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
         time.sleep(0.1)
-
-
-def _stop(*procs: subprocess.Popen[bytes]) -> None:
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def test_driver_sent_worker_cmd_is_refused_without_the_flag(tmp_path: Path) -> None:
@@ -84,7 +74,7 @@ def test_driver_sent_worker_cmd_is_refused_without_the_flag(tmp_path: Path) -> N
         assert not marker.exists(), "the driver's command ran"
         assert "Traceback" not in log.read_text()
     finally:
-        _stop(driver, *([agent] if agent else []))
+        stop_groups([driver, *([agent] if agent else [])], grace_s=10)
     assert not marker.exists()
 
 

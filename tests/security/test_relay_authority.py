@@ -14,7 +14,7 @@ import asyncio
 import grpc
 import pytest
 
-from tests.integration.test_heartbeat_service import driver, session_md, until
+from tests.inproc import driver, session_md, until
 from unbroken.common import channel
 from unbroken.driver.security import RoleTokens
 from unbroken.driver.service import ServiceConfig

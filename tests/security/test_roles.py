@@ -9,28 +9,29 @@ changed in the log. The mTLS variant uses certificates from `unbroken certs`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
+from tests import inproc
+from tests.inproc import status_of
 from unbroken.agent.daemon import Agent, AgentConfig
 from unbroken.common import channel
 from unbroken.common.tls import TlsConfig
 from unbroken.driver import certs
-from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
+from unbroken.driver.eventlog import InMemoryStore
 from unbroken.driver.launcher_api import outside_roots
 from unbroken.driver.main import DriverConfig
 from unbroken.driver.scheduler import BridgeConfig, InMemoryScheduler, SchedulerBridge
 from unbroken.driver.security import AUTHZ, RoleTokens
-from unbroken.driver.service import DriverService, ServiceConfig, build_server
+from unbroken.driver.service import DriverService, ServiceConfig
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
@@ -56,27 +57,10 @@ def md(token: str, *extra: tuple[str, str]) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"), *extra)
 
 
-@contextlib.asynccontextmanager
-async def driver(**kw: Any) -> AsyncIterator[tuple[DriverService, InMemoryStore, str]]:
+def driver(**kw: Any) -> AbstractAsyncContextManager[tuple[DriverService, InMemoryStore, str]]:
+    """The in-process driver with this file's role tokens (unless `tokens` is given)."""
     kw.setdefault("tokens", RoleTokens(TOKENS))
-    svc = DriverService(ServiceConfig(**kw), driver_id="d1", job_id="job")
-    store = InMemoryStore()
-    svc.lead(InMemoryEventLog(store, "job", store.elect("d1")), "")
-    svc.start()
-    server, port, _ = await build_server(svc, "127.0.0.1:0")
-    try:
-        yield svc, store, f"127.0.0.1:{port}"
-    finally:
-        await server.stop(0)
-        await svc.close()
-
-
-async def status_of(call: Any) -> grpc.StatusCode:
-    try:
-        await call
-    except grpc.aio.AioRpcError as e:
-        return e.code()
-    return grpc.StatusCode.OK
+    return inproc.driver(ServiceConfig(**kw))
 
 
 async def register(stub: dgrpc.DriverStub, node: str, token: str, epoch: int = 1) -> Any:

@@ -1,6 +1,6 @@
 """The recovery state machine on named scenarios, and exhaustively over small clusters.
 
-Every scenario runs through `Sim` (tests/unit/test_machine_harness.py), which checks after
+Every scenario runs through `Sim` (tests/unit/machine_harness.py), which checks after
 each decision that the events fold to the intended phase, that a replay (and a crash after
 any prefix of a decision) gives the same pending actions, and the world invariants.
 """
@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 
-from tests.unit.test_machine_harness import (
+from tests.unit.machine_harness import (
     Sim,
     alert,
     checkpoint,

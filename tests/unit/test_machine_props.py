@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.unit.test_machine_harness import (
+from tests.unit.machine_harness import (
     Sim,
     alert,
     checkpoint,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.unit.test_machine_harness import Sim, job
+from tests.unit.machine_harness import Sim, job
 from unbroken.driver import machine
 from unbroken.driver.straggler import (
     Sample,
