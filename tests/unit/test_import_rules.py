@@ -93,3 +93,27 @@ def test_the_rule_sees_dynamic_imports(tmp_path: Path) -> None:
         "EP = 'unbroken.cli.main:main'\n"
     )
     assert set(referenced_parts(src)) == {"agent", "trainer", "cli"}
+
+
+#: A test module another may import: the event-log contract suite, run against both backends.
+SHARED_TEST_MODULES = {"tests.unit.test_eventlog_contract"}
+
+
+def test_no_test_imports_a_harness_from_another_test_module() -> None:
+    """Harnesses live in support modules (tests/jobs.py, tests/procs.py, tests/inproc.py, ...),
+    not in test modules, so a test file's helpers are not a second harness others grow on."""
+    bad = []
+    for path in sorted((ROOT / "tests").rglob("*.py")) + sorted((ROOT / "bench").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                last = name.rsplit(".", 1)[-1]
+                if name.startswith("tests.") and last.startswith("test_"):
+                    if name not in SHARED_TEST_MODULES:
+                        bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)
