@@ -69,6 +69,7 @@ from unbroken.common.faults import (
     write_slow_factor,
 )
 from unbroken.common.paths import DEFAULT_SOCKET
+from unbroken.common.timing import node_timing
 from unbroken.common.tls import TlsConfig, channel_credentials, token_metadata
 from unbroken.common.workerenv import WorkerEnv
 from unbroken.proto import driver_pb2 as dpb
@@ -613,6 +614,9 @@ class Agent:
                             w.ring_steps.extend(self.flash.ring_steps(w.global_rank))
                     for node, rank, steps in self.flash.replicas_held():  # as a buddy
                         hb.replicas.add(node=node, rank=rank, steps=steps)
+                timing = node_timing(hb.workers)  # the straggler sweep reads this summary
+                if timing is not None:
+                    hb.timing.CopyFrom(timing)
                 stalled, stacks = sup.hang_check(list(hb.workers))
                 if stalled:
                     hb.flags |= F_STALLED

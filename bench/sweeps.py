@@ -7,8 +7,10 @@ heartbeats (8 workers each, every one running and reporting a loss):
 - the loss watch (every heartbeat interval, 100 ms): the cached sweep, which reads the
   node holding the lowest rank and rescans the world every `rescan_every` sweeps, against
   the full scan it replaced (rescan_every=1), same view, same run: the ratio;
-- the straggler sweep (every `straggler.sweep_ms`, 2 s), O(world ranks) while training
-  (the hang sweep is gone: agents flag their hung ranks in the heartbeat);
+- the straggler sweep (every `straggler.sweep_ms`, 2 s) while training, reading each node's
+  five-number summary the agent sends (`Heartbeat.timing`), against the same sweep
+  summarising every rank itself (a sender without the summary): the ratio (the hang sweep
+  is gone: agents flag their hung ranks in the heartbeat);
 - the node-lost sweep (every interval/5), O(1) on a healthy cluster;
 - ListNodes' response (`node_infos`: all nodes, and one page of 1,000 as `unbroken nodes`
   fetches them), GetStatus (`status_of`) and the LiveView snapshot at 10,000 nodes.
@@ -28,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from unbroken.common.timing import node_timing
 from unbroken.driver import detectors
 from unbroken.driver import state as statelib
 from unbroken.driver.liveview import LiveView, LiveViewConfig
@@ -66,6 +69,9 @@ def build(nodes: int, now: float) -> tuple[LiveView, list[str]]:
                 wait_ms=20.0,
                 window_steps=64,
             )
+        timing = node_timing(hb.workers)  # the agent's summary, as every agent sends it
+        assert timing is not None
+        hb.timing.CopyFrom(timing)
         view.beat(slot, hb, now)
     return view, world
 
@@ -94,16 +100,26 @@ def main() -> None:
     def stragglers() -> None:
         samples = []
         for n in world:
-            got = sample(n, view.nodes[n].hb.workers)
+            got = sample(n, view.nodes[n].hb)
+            if got is not None:
+                samples.append(got)
+        watch.sweep(samples)
+
+    bare = {n: dpb.Heartbeat(workers=view.nodes[n].hb.workers) for n in world}
+
+    def stragglers_from_ranks() -> None:  # the baseline: senders without the agent's summary
+        samples = []
+        for n in world:
+            got = sample(n, bare[n])
             if got is not None:
                 samples.append(got)
         watch.sweep(samples)
 
     def straggler_chunk() -> None:  # what the driver samples between two yields
         for n in world[:SWEEP_CHUNK]:
-            sample(n, view.nodes[n].hb.workers)
+            sample(n, view.nodes[n].hb)
 
-    samples_all = [s for n in world if (s := sample(n, view.nodes[n].hb.workers)) is not None]
+    samples_all = [s for n in world if (s := sample(n, view.nodes[n].hb)) is not None]
 
     spike = SpikeConfig()
 
@@ -115,6 +131,7 @@ def main() -> None:
     t_cached = timed(lambda: [cached.sweep(view, world) for _ in range(50)], ns.repeat) / 50
     t_full = timed(lambda: full.sweep(view, world), ns.repeat)
     t_straggler = timed(stragglers, max(5, ns.repeat // 3))
+    t_straggler_ranks = timed(stragglers_from_ranks, max(5, ns.repeat // 3))
     # the longest the event loop waits for it: one sampling chunk, or the statistics at the end
     t_slice = max(
         timed(straggler_chunk, ns.repeat),
@@ -132,6 +149,7 @@ def main() -> None:
         "loss_watch_cached": (t_cached, period),
         "loss_watch_full_scan": (t_full, period),
         "straggler_sweep": (t_straggler, cfg.sweep_ms / 1000.0),
+        "straggler_sweep_from_ranks": (t_straggler_ranks, cfg.sweep_ms / 1000.0),
         "straggler_sweep_longest_slice": (t_slice, None),
         "node_lost_sweep": (t_lost, period / 5),
         "list_nodes_all": (t_nodes, None),
@@ -151,6 +169,7 @@ def main() -> None:
             for k, (t, p) in rows.items()
         },
         "loss_watch_cached_vs_full_ratio": round(t_cached / t_full, 4),
+        "straggler_summary_vs_ranks_ratio": round(t_straggler / t_straggler_ranks, 4),
         "loss_watch_full_scans": cached.full_scans,
         "machine": {
             "loadavg_1m_at_start": round(load0, 2),
@@ -167,6 +186,7 @@ def main() -> None:
         pct = f"{v['core_percent']:.2f}" if v["core_percent"] is not None else "-"
         print(f"| {k} | {v['ms']:.3f} | {per} | {pct} |")
     print(f"| loss watch cached / full scan | {out['loss_watch_cached_vs_full_ratio']} | | |")
+    print(f"| straggler summary / ranks | {out['straggler_summary_vs_ranks_ratio']} | | |")
 
 
 if __name__ == "__main__":

@@ -496,7 +496,7 @@ class DriverService(dgrpc.DriverServicer):
                     return  # the term or the world changed under the sweep: next period
             slot = self.view.nodes.get(node_id)
             if slot is not None and slot.alive:
-                got = sample(node_id, slot.hb.workers)
+                got = sample(node_id, slot.hb)
                 if got is not None:
                     samples.append(got)
         for e in self.stragglers.sweep(samples):

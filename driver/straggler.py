@@ -28,9 +28,10 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from unbroken.common.timing import node_timing
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 
@@ -97,28 +98,19 @@ class Sample:
     steps: int
 
 
-def sample(node_id: str, workers: Iterable[dpb.WorkerStatus]) -> Sample | None:
-    """The node's `Sample` from its newest heartbeat's workers, None without timings."""
-    compute, mad, wait = [], [], []
-    generation, steps = 0, 1 << 30
-    running = dpb.WORKER_STATE_RUNNING
-    for w in workers:  # one pass: this runs for every world node every sweep
-        if w.state == running and w.window_steps:
-            compute.append(w.compute_ms)
-            mad.append(w.compute_mad_ms)
-            wait.append(w.wait_ms)
-            generation += w.restarts * 1_000_003 + w.pid
-            steps = min(steps, w.window_steps)
-    if not compute:
+def sample(node_id: str, hb: dpb.Heartbeat) -> Sample | None:
+    """The node's `Sample` from its newest heartbeat: the agent's summary (`timing`), or the
+    same summary of its workers when the sender left it out; None without timings."""
+    t = hb.timing if hb.HasField("timing") else node_timing(hb.workers)
+    if t is None:
         return None
-    mid = len(compute) // 2  # the upper median: one of the ranks' own values
     return Sample(
         node_id=node_id,
-        generation=generation,
-        compute_ms=sorted(compute)[mid],
-        mad_ms=sorted(mad)[mid],
-        wait_ms=sorted(wait)[mid],
-        steps=steps,
+        generation=t.generation,
+        compute_ms=t.compute_ms,
+        mad_ms=t.mad_ms,
+        wait_ms=t.wait_ms,
+        steps=t.window_steps,
     )
 
 

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.machine_harness import Sim, job
+from unbroken.common.timing import node_timing
 from unbroken.driver import machine
 from unbroken.driver.straggler import (
     Sample,
@@ -150,9 +151,17 @@ def test_sample_takes_the_running_ranks_medians() -> None:
         )
         for r, c in enumerate((50.0, 60.0, 70.0))
     ] + [dpb.WorkerStatus(local_rank=9, state=dpb.WORKER_STATE_EXITED, compute_ms=999.0)]
-    s = sample("n0", ws)
+    hb = dpb.Heartbeat(workers=ws)
+    s = sample("n0", hb)
     assert s is not None and s.compute_ms == 60.0 and s.steps == 40
-    assert sample("n0", []) is None
+    assert sample("n0", dpb.Heartbeat()) is None
+    # the agent's summary (what it sends) is what the driver computes from the ranks
+    timing = node_timing(ws)
+    assert timing is not None
+    assert sample("n0", dpb.Heartbeat(timing=timing)) == s
+    # and the driver reads the summary, not the ranks, when the agent sent one
+    summary = dpb.NodeTiming(compute_ms=80.0, mad_ms=1.0, wait_ms=2.0, window_steps=64)
+    assert sample("n0", dpb.Heartbeat(workers=ws, timing=summary)).compute_ms == 80.0  # type: ignore[union-attr]
 
 
 def test_config_validation_names_the_field() -> None:
