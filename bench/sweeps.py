@@ -13,7 +13,10 @@ heartbeats (8 workers each, every one running and reporting a loss):
   is gone: agents flag their hung ranks in the heartbeat);
 - the node-lost sweep (every interval/5), O(1) on a healthy cluster;
 - ListNodes' response (`node_infos`: all nodes, and one page of 1,000 as `unbroken nodes`
-  fetches them), GetStatus (`status_of`) and the LiveView snapshot at 10,000 nodes.
+  fetches them), GetStatus (`status_of`) and the LiveView snapshot at 10,000 nodes;
+- the dashboard's /api/state body (its 200 node rows, counts of all, as JSON) and its
+  sampler (every rank into the curves and heatmap rings; it stretches its own period to
+  keep ~2 % of the loop, so its "% of a core" is what it would cost unstretched).
 
 Each figure is the median of `--repeat` timings; "% of a core" is the median time divided
 by the sweep's period. Writes bench/results/sweeps.json and prints a table.
@@ -33,6 +36,7 @@ from typing import Any
 from unbroken.common.timing import node_timing
 from unbroken.driver import detectors
 from unbroken.driver import state as statelib
+from unbroken.driver.dashboard import DashboardConfig, Series, state_json
 from unbroken.driver.liveview import LiveView, LiveViewConfig
 from unbroken.driver.operator import node_infos, status_of
 from unbroken.driver.service import SWEEP_CHUNK
@@ -143,6 +147,16 @@ def main() -> None:
     t_page = timed(lambda: node_infos(state, view, now, limit=1000), max(3, ns.repeat // 5))
     t_status = timed(lambda: status_of(state, view), max(3, ns.repeat // 5))
     t_live = timed(lambda: view.snapshot(now), max(3, ns.repeat // 5))
+    page = DashboardConfig()
+    t_dash = timed(
+        lambda: json.dumps(state_json(state, view, live=True, now=now, max_nodes=page.max_nodes)),
+        max(3, ns.repeat // 5),
+    )
+    series = Series(page.points, page.columns, page.max_ranks)
+    t_sample = timed(
+        lambda: series.sample((w for s in view.nodes.values() for w in s.hb.workers), 0.0),
+        max(3, ns.repeat // 5),
+    )
 
     period = view.config.heartbeat_interval_ms / 1000.0
     rows = {
@@ -156,6 +170,8 @@ def main() -> None:
         "list_nodes_page_1000": (t_page, None),
         "get_status": (t_status, None),
         "live_view_snapshot": (t_live, None),
+        "dashboard_state": (t_dash, None),
+        "dashboard_sample": (t_sample, page.sample_ms / 1000.0),
     }
     out: dict[str, Any] = {
         "nodes": ns.nodes,
