@@ -8,6 +8,7 @@ Sent as a foreign client sends them: a raw channel, no serializer, garbage bytes
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -16,7 +17,7 @@ from tests.inproc import driver
 from unbroken.agent.relay import Relay, RelayConfig
 from unbroken.common import channel
 from unbroken.driver.security import RoleTokens
-from unbroken.driver.service import ServiceConfig
+from unbroken.driver.service import LIVE_VIEW_MAX_PAGE, ServiceConfig
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 
@@ -125,5 +126,39 @@ def test_relay_answers_invalid_argument_to_garbage() -> None:
                 assert_invalid(await unary(ch, path), path, "unbroken.driver.v1.RegisterRequest")
         finally:
             await relay.close()
+
+    asyncio.run(go())
+
+
+def test_live_view_pages_and_refuses_an_oversized_page() -> None:
+    """A page larger than the cap is refused (INVALID_ARGUMENT, naming the cap), not served
+    from the whole view; pages chained by `next_after` list every node once, in order."""
+
+    async def go() -> None:
+        async with driver() as (svc, _store, addr), grpc.aio.insecure_channel(addr) as ch:
+            now = time.monotonic()
+            names = [f"n{i:03d}" for i in range(25)]
+            for name in names:
+                slot = svc.view.slot(name)
+                svc.view.mark_registered(slot, now)
+                svc.view.mark_alive(slot, now)
+            stub = dgrpc.DriverStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                too_big = dpb.LiveViewRequest(page_size=LIVE_VIEW_MAX_PAGE + 1)
+                await stub.LiveView(too_big, timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert str(LIVE_VIEW_MAX_PAGE) in (info.value.details() or "")
+            seen, after, pages = [], "", 0
+            while True:
+                req = dpb.LiveViewRequest(page_size=10, after=after)
+                page = await stub.LiveView(req, timeout=10)
+                pages += 1
+                seen += [n.node_id for n in page.nodes]
+                if not page.next_after:
+                    break
+                after = page.next_after
+            assert seen == names and pages == 3, (seen, pages)
+            whole = await stub.LiveView(dpb.LiveViewRequest(), timeout=10)  # no page: all
+            assert [n.node_id for n in whole.nodes] == names and not whole.next_after
 
     asyncio.run(go())
