@@ -149,11 +149,14 @@ _DUMPED: dict[tuple[type, str], bytes] = {}
 _DUMPED_MAX = 4096
 
 
-def _dump_object(value: Any) -> bytes:
-    immutable = type(value) in _SCALARS or (
+def _immutable(value: Any) -> bool:
+    return type(value) in _SCALARS or (
         type(value) is tuple and all(type(v) in _SCALARS for v in value)
     )
-    key = (type(value), repr(value)) if immutable else None
+
+
+def _dump_object(value: Any) -> bytes:
+    key = (type(value), repr(value)) if _immutable(value) else None
     if key is not None and key in _DUMPED:
         return _DUMPED[key]
     out = io.BytesIO()
@@ -209,6 +212,7 @@ class _Plan:
     tensors: list[torch.Tensor]  # the local tensors (DTensor shards), detached
     index: dict[str, int] = field(default_factory=dict)  # key -> position in `tensors`
     dumped: dict[str, bytes] = field(default_factory=dict)  # objects, serialised once
+    values: dict[str, Any] = field(default_factory=dict)  # the objects `dumped` serialised
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,11 +233,15 @@ class Snapshot:
             here (the RNG state) replaces the planned one for this save and must keep its
             shape and dtype. A key that `full()` did not have makes the save take the full
             path (logged once).
+        flat: `fresh()` returns the values already flattened, under the dotted keys DCP's
+            `flatten_state_dict` gives `full()` (the writer skips flattening: for a model
+            with hundreds of parameters that was most of a save's blocking time).
     """
 
     key: Any
     full: Callable[[], Mapping[str, Any]]
     fresh: Callable[[], Mapping[str, Any]]
+    flat: bool = False
 
 
 @torch.no_grad()  # DTensor.to_local() then records no autograd node (60 % of the cost)
@@ -581,6 +589,7 @@ class FlashWriter:
         flat, _ = flatten_state_dict(_resolve_stateful(state.full()))
         plan = _plan(flat)
         plan.dumped = {k: _dump_object(v) for k, v in plan.objects.items()}
+        plan.values = {k: v for k, v in plan.objects.items() if _immutable(v)}
         self._cache = (state.key, plan)
         return plan, list(plan.tensors), dict(plan.dumped)
 
@@ -588,9 +597,13 @@ class FlashWriter:
     def _fresh(
         self, plan: _Plan, snap: Snapshot
     ) -> tuple[list[torch.Tensor], dict[str, bytes]] | None:
-        flat, _ = flatten_state_dict(_resolve_stateful(snap.fresh()))
+        if snap.flat:
+            flat = snap.fresh()
+        else:
+            flat, _ = flatten_state_dict(_resolve_stateful(snap.fresh()))
         sources = list(plan.tensors)
         dumped = dict(plan.dumped)
+        values = plan.values
         for key, value in flat.items():
             if isinstance(value, torch.Tensor):
                 i = plan.index.get(key)
@@ -604,7 +617,12 @@ class FlashWriter:
                     return None
                 sources[i] = local
             elif key in dumped:
-                dumped[key] = _dump_object(value)
+                if values.get(key, dumped) is not value:  # the same immutable: same bytes
+                    dumped[key] = plan.dumped[key] = _dump_object(value)
+                    if _immutable(value):
+                        values[key] = value
+                    else:
+                        values.pop(key, None)
             else:
                 self._miss(key)
                 return None

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from unbroken.common import workerenv
 from unbroken.common.workerenv import WorkerEnv
@@ -225,7 +226,7 @@ class FlashCheckpointer:
         if key is not None:
             snap: Snapshots = trainer  # type: ignore[assignment]
             state = Snapshot(
-                key=key, full=lambda: {KEY: trainer}, fresh=lambda: {KEY: snap.snapshot_fresh()}
+                key=key, full=lambda: {KEY: trainer}, fresh=lambda: flat_fresh(snap), flat=True
             )
         handle = self.writer.save_async(state, step, meta=meta, skip_if_busy=not persist)
         if handle is None:
@@ -555,6 +556,26 @@ def persist_every_s_from_env(env: Mapping[str, str] | None = None) -> float:
     """The persistence interval the agent passed (seconds), else `PERSIST_EVERY_S`."""
     every = WorkerEnv.from_env(os.environ if env is None else env).persist_every_s
     return PERSIST_EVERY_S if every is None else every
+
+
+# values DCP's flattening keeps whole (a tuple is a leaf to it; a list or a mapping is not)
+_LEAVES = frozenset({float, int, bool, str, tuple, type(None)})
+
+
+def flat_fresh(trainer: Snapshots) -> dict[str, Any]:
+    """The trainer's fresh values under the keys DCP's `flatten_state_dict` gives
+    `{KEY: state}`. An `optimizer` entry of scalars keyed by flattened names (the
+    param-group values, one per parameter: hundreds) is prefixed, not traversed; the few
+    other values go through DCP's flattening."""
+    fresh = trainer.snapshot_fresh()
+    opt = fresh.get("optimizer")
+    if not isinstance(opt, dict) or not all(type(v) in _LEAVES for v in opt.values()):
+        return dict(flatten_state_dict({KEY: fresh})[0])
+    rest = {k: v for k, v in fresh.items() if k != "optimizer"}
+    out = dict(flatten_state_dict({KEY: rest})[0])
+    prefix = f"{KEY}.optimizer."
+    out.update({prefix + str(k): v for k, v in opt.items()})
+    return out
 
 
 class PersistClock:

@@ -30,9 +30,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _both_ways(cfg: TrainConfig, root: str) -> dict[str, Any]:
     import torch.distributed as dist
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     from unbroken.recovery.flash import FlashWriter
-    from unbroken.trainer.flashckpt import KEY, FlashCheckpointer, FlashEnv
+    from unbroken.trainer.flashckpt import KEY, FlashCheckpointer, FlashEnv, flat_fresh
     from unbroken.trainer.gpt3d import GPT3DTrainer
 
     rank = dist.get_rank()
@@ -52,11 +53,15 @@ def _both_ways(cfg: TrainConfig, root: str) -> dict[str, Any]:
             mb = b.wait()
             same.append((a.step, a.checksum == mb.checksum, a.objects == mb.objects))
         hits = ck.writer.snapshot_hits
+        # the prefixed fast path names every value as DCP's flattening does
+        fast = flat_fresh(trainer)
+        slow = dict(flatten_state_dict({KEY: trainer.snapshot_fresh()})[0])
+        keys_same = sorted(fast) == sorted(slow) and len(fast) > 100
     finally:
         ck.close()
         full.close()
         trainer.close()
-    return {"same": same, "hits": hits}
+    return {"same": same, "hits": hits, "keys_same": keys_same}
 
 
 def test_snapshot_copies_equal_full_state_dict_copies_under_fsdp2() -> None:
@@ -79,3 +84,4 @@ def test_snapshot_copies_equal_full_state_dict_copies_under_fsdp2() -> None:
         assert all(c and o for _, c, o in r["same"]), (rank, r)
         # planned at step 1 (optimizer state appears there), reused after
         assert r["hits"] == STEPS - 1, (rank, r)
+        assert r["keys_same"], (rank, r)
