@@ -340,6 +340,7 @@ class Agent:
             num_workers=n,
             spare=self.config.spare,
             replica_buddy=self.flash.config.buddy if self.flash is not None else "",
+            replica_listen=self.flash.listen_address() if self.flash is not None else "",
         )
 
     # ------------------------------------------------------------ lifecycle

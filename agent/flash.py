@@ -265,6 +265,13 @@ class NodeFlash:
             flash_copies=c.copies,
         ).to_env()
 
+    def listen_address(self) -> str:
+        """host:port the replica server listens on ("" while it does not)."""
+        if not self.port:
+            return ""
+        host, _ = parse_hostport(self.config.listen, "--replica-listen")
+        return f"{host}:{self.port}"
+
     async def start(self) -> None:
         """Listen for the buddy, fetch this node's replicas back, start persisting."""
         host, port = parse_hostport(self.config.listen, "--replica-listen")

@@ -282,12 +282,14 @@ def validate_register(req: dpb.RegisterRequest) -> str:
         return f"node_id {nid[:40]!r} may contain only letters, digits and . _ - :"
     if req.epoch == 0:
         return "epoch must be > 0 (the agent's start time in ns)"
-    for name in ("hostname", "ip", "pod_name", "agent_version", "replica_buddy"):
+    for name in ("hostname", "ip", "pod_name", "agent_version", "replica_buddy", "replica_listen"):
         if len(getattr(req, name)) > 256:
             return f"{name} is longer than 256 characters"
-    host, sep, port = req.replica_buddy.rpartition(":")
-    if req.replica_buddy and not (sep and host and port.isdigit() and 0 < int(port) < 65536):
-        return f"replica_buddy {req.replica_buddy[:60]!r} must be host:port (the agent's --buddy)"
+    for name, flag in (("replica_buddy", "--buddy"), ("replica_listen", "--replica-listen")):
+        value = getattr(req, name)
+        host, sep, port = value.rpartition(":")
+        if value and not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            return f"{name} {value[:60]!r} must be host:port (the agent's {flag})"
     if req.num_workers > 1024:
         return f"num_workers {req.num_workers} is over 1024"
     return ""

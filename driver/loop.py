@@ -44,6 +44,7 @@ from unbroken.diagnostics.check import free_port
 from unbroken.driver import detectors, machine
 from unbroken.driver import state as statelib
 from unbroken.driver.journal import Batch, Journal
+from unbroken.driver.liveview import NodeSlot
 from unbroken.driver.service import DriverService
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
@@ -164,6 +165,22 @@ class _StartJob:
 def timeline(state: ev.JobState) -> int:
     """The job's timeline: rollbacks so far (each abandons the steps after its target)."""
     return int(state.event_counts.get("rollback", 0))
+
+
+_ANY_HOST = ("", "0.0.0.0", "::")
+
+
+def is_buddy(buddy: str, holder: NodeSlot) -> bool:
+    """Whether `buddy` (a node's registered --buddy, host:port) is `holder`'s replica
+    server: the same port, on a host the holder registered or connected from."""
+    host, _, port = buddy.rpartition(":")
+    lhost, _, lport = holder.info.replica_listen.rpartition(":")
+    if not port or port != lport:
+        return False
+    names = {holder.peer_host, holder.info.ip, holder.info.hostname}
+    if lhost.strip("[]") not in _ANY_HOST:
+        names.add(lhost)
+    return host.strip("[]") in {n.strip("[]") for n in names if n}
 
 
 def common_steps(
@@ -499,10 +516,14 @@ class RecoveryLoop:
         if world and len(own) < world:  # a node's ranks are missing: who holds their copies
             alive = self._alive_nodes()
             gone = {n for n in (*w.node_ids, *nodes) if n not in alive} | leaving
+            # only the node each gone node registered as its buddy is believed: another
+            # node's claim to hold its copies would move the restore to a step nobody has
+            buddy_of = {n: self.state.nodes[n].replica_buddy for n in gone if n in self.state.nodes}
             for slot in self.service.view.nodes.values():
-                if slot.alive:
+                if slot.alive and slot.hb.replicas:
+                    trusted = {n for n, b in buddy_of.items() if is_buddy(b, slot)}
                     for h in slot.hb.replicas:
-                        if h.node in gone:
+                        if h.node in trusted:
                             buddies.setdefault(h.rank, set()).update(h.steps)
         return common_steps(world, own, buddies)
 
