@@ -196,14 +196,26 @@ class Series:
         med_t = statistics.median(times) if times else math.nan
         self.points.append((t_unix, step, loss, med_t, max(times, default=math.nan)))
 
-    def curves(self) -> dict[str, Any]:
-        """The loss and step-time curves as parallel arrays."""
+    def curves(self, after_t: float | None = None) -> dict[str, Any]:
+        """The loss and step-time curves as parallel arrays: every point (`full`), or only
+        those after the point at time `after_t` (as sent: rounded to ms) when the rings
+        still hold it. A page that sends its newest point's time gets the new points only;
+        after a restore rewound the curves, or from another driver, it gets them whole."""
+        points = list(self.points)
+        full = True
+        if after_t is not None:
+            for i in range(len(points) - 1, -1, -1):
+                if round(points[i][0], 3) == after_t:
+                    points, full = points[i + 1 :], False
+                    break
         return {
-            "t": [round(p[0], 3) for p in self.points],
-            "step": [p[1] for p in self.points],
-            "loss": [None if p[2] is None else _num(p[2], 6) for p in self.points],
-            "step_ms": [_num(p[3], 2) for p in self.points],
-            "step_ms_max": [_num(p[4], 2) for p in self.points],
+            "full": full,
+            "max_points": self.points.maxlen,
+            "t": [round(p[0], 3) for p in points],
+            "step": [p[1] for p in points],
+            "loss": [None if p[2] is None else _num(p[2], 6) for p in points],
+            "step_ms": [_num(p[3], 2) for p in points],
+            "step_ms_max": [_num(p[4], 2) for p in points],
         }
 
     def heatmap(self, max_ranks: int, slow_ratio: float) -> dict[str, Any]:
@@ -652,8 +664,10 @@ class Dashboard:
         self._state = statelib.fold(new, self._state)
         self._events.extend(event_json(e) for e in new)
 
-    async def snapshot(self, since: int = 0) -> dict[str, Any]:
-        """Everything the page shows, as one JSON-ready dict (events after `since` only)."""
+    async def snapshot(self, since: int = 0, curves_after: float | None = None) -> dict[str, Any]:
+        """Everything the page shows, as one JSON-ready dict: the events after `since` and
+        the curve points after `curves_after` only (deltas); the node rows (at most
+        `max_nodes`) and the heatmap (bounded, its ratios over every column) whole."""
         await self.refresh()
         svc = self.service
         live = svc.leader
@@ -675,7 +689,7 @@ class Dashboard:
                 "now": int(time.time() * 1000),
                 "error": self._error,
                 "events": [e for e in self._events if e["seq"] > since],
-                "curves": self.series.curves(),
+                "curves": self.series.curves(curves_after),
                 "heatmap": self._heatmap(),
                 "live_step": self.series.step if live else 0,
                 "sample_ms": self.config.sample_ms,
@@ -807,6 +821,15 @@ class Dashboard:
                 since = int(req.query.get("since", ["0"])[0])
             except ValueError:
                 raise HttpError(400, "since must be an integer event sequence number") from None
-            body = json.dumps(await self.snapshot(since), separators=(",", ":"), allow_nan=False)
+            after: float | None = None
+            if "curves_after" in req.query:
+                try:
+                    after = float(req.query["curves_after"][0])
+                except ValueError:
+                    after = math.nan
+                if not math.isfinite(after):
+                    raise HttpError(400, "curves_after must be a point's time (a number)")
+            snap = await self.snapshot(since, after)
+            body = json.dumps(snap, separators=(",", ":"), allow_nan=False)
             return 200, "application/json", body.encode(), ()
         return 200, "text/html; charset=utf-8", self._index, ()

@@ -10,6 +10,8 @@ const events = []; // newest last, at most MAX_EVENTS
 let lastSeq = 0;
 let source = ""; // driver id + role the events came from; a change refetches them
 let updates = 0;
+// the curves' points the page holds; the driver sends the ones after the newest only
+const curve = { t: [], step: [], loss: [], step_ms: [], step_ms_max: [] };
 
 const FAULTS = new Set(["node_lost", "worker_failed", "hang_suspected", "log_alert", "loss_spike",
   "node_refused", "node_evicted"]);
@@ -236,8 +238,17 @@ function renderHeatmap(s) {
         : ""));
 }
 
+function mergeCurves(got) {
+  for (const k of Object.keys(curve)) {
+    if (got.full) curve[k] = got[k].slice();
+    else curve[k].push(...got[k]);
+    if (curve[k].length > got.max_points) curve[k].splice(0, curve[k].length - got.max_points);
+  }
+}
+
 function renderCharts(s) {
-  const c = s.curves;
+  mergeCurves(s.curves);
+  const c = curve;
   const empty = s.role === "standby" ? "no heartbeats on a standby" : "no steps reported yet";
   lineChart($("loss"), c.step, [{ ys: c.loss, color: "#58a6ff", label: "loss" }], empty);
   lineChart($("steptime"), c.step, [
@@ -253,7 +264,9 @@ async function poll() {
   const timer = setTimeout(() => ctl.abort(), TIMEOUT_MS);
   try {
     const headers = token ? { Authorization: `Bearer ${token}` } : {};
-    const r = await fetch(`api/state?since=${lastSeq}`, { headers, signal: ctl.signal, cache: "no-store" });
+    const after = curve.t.length ? `&curves_after=${curve.t[curve.t.length - 1]}` : "";
+    const url = `api/state?since=${lastSeq}${after}`;
+    const r = await fetch(url, { headers, signal: ctl.signal, cache: "no-store" });
     if (r.status === 401) { banner(await r.text(), ""); return; }
     if (!r.ok) throw new Error(`HTTP ${r.status}`);
     const s = await r.json();

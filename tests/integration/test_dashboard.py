@@ -107,6 +107,22 @@ def test_series_names_the_slow_rank_and_stays_bounded() -> None:
     json.dumps(s.heatmap(8, 1.5), allow_nan=False)
 
 
+def test_the_curves_are_sent_as_deltas_after_the_pages_newest_point() -> None:
+    s = Series(points=5, columns=4)
+    for i in range(3):
+        s.sample([_w(r, 10 + i, 50.0, loss=2.0) for r in range(2)], 1000.0 + i / 3)
+    whole = s.curves()
+    assert whole["full"] and whole["step"] == [10, 11, 12] and whole["max_points"] == 5
+    s.sample([_w(r, 13, 50.0, loss=2.0) for r in range(2)], 1001.5)
+    delta = s.curves(after_t=whole["t"][-1])  # the time as the page sent it back
+    assert not delta["full"] and delta["step"] == [13] and delta["t"] == [1001.5]
+    assert s.curves(after_t=1001.5)["step"] == [] and not s.curves(after_t=1001.5)["full"]
+    # a time the rings no longer hold (a restore rewound them, another driver): whole again
+    s.sample([_w(r, 11, 50.0, loss=2.0) for r in range(2)], 1002.0)
+    again = s.curves(after_t=1001.5)
+    assert again["full"] and again["step"] == [10, 11]
+
+
 def test_the_heatmap_marks_the_nodes_the_straggler_detector_named() -> None:
     world = ev.WorldLayout(node_ids=["n0", "n1"], workers_per_node=2, dp=4)
     assert rank_nodes([0, 1, 2, 3, 9], world) == ["n0", "n0", "n1", "n1", ""]
@@ -284,6 +300,12 @@ def test_live_state_over_http(cluster: DashCluster) -> None:
     # only the events after `since`
     status, _, body = get(f"{base}/api/state?since={s['last_seq']}&token={TOKEN}")
     assert status == 200 and json.loads(body)["events"] == []
+    # and only the curve points after the page's newest one
+    newest = s["curves"]["t"][-1]
+    status, _, body = get(f"{base}/api/state?curves_after={newest}&token={TOKEN}")
+    delta = json.loads(body)["curves"]
+    assert status == 200 and not delta["full"] and all(t > newest for t in delta["t"]), delta
+    assert get(f"{base}/api/state?curves_after=nan&token={TOKEN}")[0] == 400
     # the token guards the page and the API, not the static code
     assert get(f"{base}/api/state")[0] == 401
     assert get(f"{base}/")[0] == 401
