@@ -210,6 +210,7 @@ async def driver_reads(etcd: EmbeddedEtcd, n: int, out: dict[str, float]) -> Non
     tmp = Path(tempfile.mkdtemp(prefix="bench-driver-"))
     port_file = tmp / "driver.json"
     argv = f"driver --etcd {etcd.endpoint} --job-id {job} --listen 127.0.0.1:0".split()
+    argv += ["--archive-url", "none"]  # the filled log is all in etcd
     proc = subprocess.Popen(
         [sys.executable, "-m", "unbroken.cli", *argv, "--port-file", str(port_file)],
         stdout=open(tmp / "driver.log", "wb"),
