@@ -24,7 +24,7 @@ every process that imports its rendezvous package, whatever the backend.
 
 rdzv conf keys (`--rdzv-conf k=v,...`), besides torch's join_timeout, last_call_timeout,
 close_timeout, heartbeat_timeout, keep_alive_interval, keep_alive_max_attempt:
-node_id, token, token_file, key_file, tls_cert, tls_key, tls_ca, rpc_timeout, retry_timeout,
+node_id, token_file, key_file, tls_cert, tls_key, tls_ca, rpc_timeout, retry_timeout,
 connect_timeout. Environment: UNBROKEN_NODE_ID, UNBROKEN_TOKEN, UNBROKEN_RDZV_KEY(_FILE).
 
 The state torch pickles is sealed with an HMAC under the run's key and opened with a
@@ -169,9 +169,12 @@ def config_from_params(params: RendezvousParameters) -> RdzvClientConfig:
         for e in (x.strip() for x in endpoint.split(","))
         if e
     )
-    token = read_token(
-        params.get("token") or os.environ.get(TOKEN_ENV) or None, params.get("token_file")
-    )
+    if params.get("token") is not None:
+        raise ValueError(
+            "rdzv conf token=... puts the token on torchrun's command line, visible to every "
+            f"local user (ps): use --rdzv-conf token_file=PATH or ${TOKEN_ENV}"
+        )
+    token = read_token(os.environ.get(TOKEN_ENV) or None, params.get("token_file"))
 
     def seconds(key: str, default: float) -> float:
         raw = params.get(key)

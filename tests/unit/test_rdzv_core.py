@@ -192,6 +192,7 @@ def test_client_config_from_torchrun_parameters(monkeypatch: pytest.MonkeyPatch)
         ("drv:notaport", {}, "must be the driver's host:port"),
         ("drv:1", {"rpc_timeout": "soon"}, "rpc_timeout='soon' must be a number"),
         ("drv:1", {"token_file": "/nonexistent/tok"}, "no such file"),
+        ("drv:1", {"token": "t" * 20}, "visible to every local user"),
         ("drv:1", {"tls_cert": "/x"}, "must be given together"),
     ],
 )
