@@ -14,10 +14,12 @@ reported as failed with the reason, never as an exception.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 
 from unbroken.agent.workers import exec_wrapper
+from unbroken.diagnostics.check import WARM_READY
 from unbroken.proto import driver_pb2 as dpb
 
 CHECK_MODULE = "unbroken.diagnostics.check"
@@ -37,10 +39,83 @@ def build_spec(spec_json: str, fault: str) -> str:
     return json.dumps(spec)
 
 
+class WarmCheck:
+    """One check process that has imported torch and waits for its spec on stdin
+    (`python -m unbroken.diagnostics.check --warm`), so a diagnosis round does not pay
+    torch's import (seconds) on every node. `take()` hands it over when it is ready;
+    `refill()` starts the next one in the background (after the self-check, after each
+    check). It runs below the agent's priority and dies with the agent, like a check."""
+
+    def __init__(self, module: str = CHECK_MODULE, nice: int = 5) -> None:
+        self.module = module
+        self.nice = nice
+        self._proc: asyncio.subprocess.Process | None = None
+        self._ready: asyncio.Task[bool] | None = None
+        self.taken = 0  # checks that ran warm
+
+    def refill(self) -> None:
+        """Start a warm process unless one is starting or waiting."""
+        if self._ready is None:
+            self._ready = asyncio.ensure_future(self._spawn())
+
+    async def _spawn(self) -> bool:
+        proc = await asyncio.create_subprocess_exec(
+            *exec_wrapper(nice=self.nice, die_with_agent=True),
+            sys.executable,
+            "-m",
+            self.module,
+            "--warm",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        self._proc = proc
+        assert proc.stdout is not None
+        line = await proc.stdout.readline()  # EOF (a crash) reads b""
+        return line.decode("utf-8", "replace").strip() == WARM_READY
+
+    async def take(self, wait_s: float = 60.0) -> asyncio.subprocess.Process | None:
+        """The warm process once it is ready (the caller owns it now), or None (none was
+        started, it crashed, or it was not ready within `wait_s`: the caller starts a cold
+        one). One still importing torch is waited for: it started before any cold one
+        could, so it is ready first."""
+        ready = self._ready
+        if ready is None:
+            return None
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(ready), wait_s)
+        proc = self._proc
+        if not ready.done() or proc is None:
+            return None
+        self._ready, self._proc = None, None
+        if ready.cancelled() or ready.exception() is not None or not ready.result():
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            return None
+        self.taken += 1
+        return proc
+
+    async def close(self) -> None:
+        if self._ready is not None:
+            self._ready.cancel()
+        proc, self._proc, self._ready = self._proc, None, None
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            with contextlib.suppress(Exception):
+                await proc.wait()
+
+
 async def run_check(
-    command_id: str, spec_json: str, fault: str, timeout_s: float, module: str = CHECK_MODULE
+    command_id: str,
+    spec_json: str,
+    fault: str,
+    timeout_s: float,
+    module: str = CHECK_MODULE,
+    warm: WarmCheck | None = None,
 ) -> dpb.CheckResult:
-    """Run one check; the result carries its JSON line, exit code and stderr tail."""
+    """Run one check (in the warm process when one is ready); the result carries its JSON
+    line, exit code and stderr tail."""
     res = dpb.CheckResult(command_id=command_id)
     try:
         spec = build_spec(spec_json, fault)
@@ -48,19 +123,28 @@ async def run_check(
         res.exit_code = 2
         res.stderr_tail = str(e)
         return res
-    proc = await asyncio.create_subprocess_exec(
-        # below the agent's priority, and killed with it, like a worker
-        *exec_wrapper(nice=5, die_with_agent=True),
-        sys.executable,
-        "-m",
-        module,
-        "--spec",
-        spec,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    proc = await warm.take(timeout_s / 2 if timeout_s > 0 else 60.0) if warm is not None else None
+    stdin: bytes | None = None
+    if proc is not None:
+        stdin = spec.encode() + b"\n"
+    else:
+        proc = await asyncio.create_subprocess_exec(
+            # below the agent's priority, and killed with it, like a worker
+            *exec_wrapper(nice=5, die_with_agent=True),
+            sys.executable,
+            "-m",
+            module,
+            "--spec",
+            spec,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+    if warm is not None:
+        warm.refill()  # the next check of this diagnosis runs warm
     try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout_s if timeout_s > 0 else 300)
+        out, err = await asyncio.wait_for(
+            proc.communicate(stdin), timeout_s if timeout_s > 0 else 300
+        )
     except TimeoutError:
         proc.kill()
         out, err = await proc.communicate()

@@ -157,6 +157,14 @@ class AgentConfig:
             "help": "do not run the self-checks after registering (the driver can still ask)",
         },
     )
+    warm_checks: bool = field(
+        default=True,
+        metadata={
+            "negate": "--no-warm-checks",
+            "help": "do not keep a check process with torch imported (started after the "
+            "self-check and after each check) for diagnoses; each check then imports torch",
+        },
+    )
     tls: TlsConfig = field(
         default_factory=TlsConfig,
         metadata={"flag": None, "why": "built from --tls-cert, --tls-key and --tls-ca"},
@@ -290,6 +298,7 @@ class Agent:
             sup.launch = sup.launch.with_env(**WorkerEnv(fault_file=str(self.fault_file)).to_env())
         # the registration self-check: pending until a session took its report
         self._selfcheck_due = config.selfcheck_at_register
+        self.warm_check = checks.WarmCheck() if config.warm_checks else None
         self._selfcheck_report: dpb.SelfCheckReport | None = None
         self._selfcheck_lock = asyncio.Lock()
         self.gpus = probes.Gpus()
@@ -394,6 +403,8 @@ class Agent:
         finally:
             for t in list(self._tasks):
                 t.cancel()
+            if self.warm_check is not None:
+                await self.warm_check.close()
             if self.supervisor is not None:
                 await self.supervisor.close(grace_s=2.0)  # workers and warm standbys
             if self.hooks is not None:
@@ -717,11 +728,21 @@ class Agent:
                 await asyncio.sleep(0.2)  # let the ack leave; then die like a machine would
                 self._die()
             if kind == "run_check":
+                t0 = time.monotonic()
+                warm_before = self.warm_check.taken if self.warm_check is not None else 0
                 res = await checks.run_check(
                     cid,
                     msg.run_check.spec_json,
                     self.fault,
                     msg.run_check.timeout_s or self.config.check_timeout_s,
+                    warm=self.warm_check,
+                )
+                log.info(
+                    "check ran",
+                    command_id=cid,
+                    exit_code=res.exit_code,
+                    warm=bool(self.warm_check and self.warm_check.taken > warm_before),
+                    seconds=round(time.monotonic() - t0, 2),
                 )
                 await self._write(call, dpb.AgentMessage(check_result=res))
                 return
@@ -765,6 +786,8 @@ class Agent:
             nice=spec.nice if spec is not None else 5,
         )
         log.info("self-check", ok=rep.ok, failures=list(rep.failures), command_id=command_id)
+        if self.warm_check is not None:
+            self.warm_check.refill()  # torch is in the page cache now: a check kept warm
         return rep
 
     async def _registration_selfcheck(self, call: Any) -> None:

@@ -427,7 +427,26 @@ async def run_group_local(
     return {s.node_id: r for s, r in zip(specs, results, strict=True)}
 
 
+#: What a warm check process prints once torch is imported and it waits for its spec.
+WARM_READY = "unbroken-check: warm"
+
+
+def warm_main() -> int:
+    """`--warm`: import torch now, print `WARM_READY`, then read one spec (a JSON line) on
+    stdin and run it as `--spec` would. The agent keeps one such process per node so a
+    diagnosis does not pay torch's import; an empty stdin (the agent closed it) exits."""
+    import torch
+    import torch.distributed
+
+    del torch
+    print(WARM_READY, flush=True)
+    line = sys.stdin.readline().strip()
+    if not line:
+        return EXIT_OK
+    return main(["--spec", line])
+
+
 if __name__ == "__main__":
-    code = main()
+    code = warm_main() if sys.argv[1:] == ["--warm"] else main()
     sys.stdout.flush()
     os._exit(code)  # skip interpreter teardown: gloo threads can block it after a failure

@@ -90,6 +90,9 @@ class Job(LocalCluster):
                 # 10 s: these tests are not about hangs, and on 2 busy cores a peer's hiccup
                 # inside FSDP's all-gather can pass the 1 s default (a false hang, a diagnosis)
                 "--hang-floor-ms", "10000",
+                # these tests train; the warm check process (torch imported: 2 CPU-s at the
+                # start, 235 MB) is tested where diagnoses are (test_diagnosis_agents, test_cli)
+                "--no-warm-checks",
                 *extra,
             ],
             buddy=buddy,

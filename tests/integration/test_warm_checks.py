@@ -1,0 +1,77 @@
+"""The agent's warm check process: torch imported ahead, the spec sent on stdin.
+
+A real `python -m unbroken.diagnostics.check --warm` process (one-member group check on
+CPU): the check it runs gives the same kind of result line a cold `--spec` process gives,
+the agent's fault reaches it through the spec, the next check finds a new warm process,
+and one that crashed before it was ready is replaced by a cold start, never used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from unbroken.agent.checks import WarmCheck, run_check
+from unbroken.diagnostics.check import free_port
+
+pytestmark = pytest.mark.integration
+
+
+def _spec(check_id: str) -> str:
+    return json.dumps(
+        {
+            "check_id": check_id, "node_id": "n0", "group": ["n0"], "rank": 0,
+            "store_host": "127.0.0.1", "store_port": free_port(), "timeout_s": 60,
+            "matmul_n": 64, "matmul_iters": 2, "allgather_numel": 1024, "allgather_iters": 1,
+            "device": "cpu",
+        }
+    )  # fmt: skip
+
+
+async def _ready(warm: WarmCheck, timeout_s: float = 120.0) -> None:
+    """Until the warm process said it is ready (or gave up)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while warm._ready is None or not warm._ready.done():
+        assert loop.time() < deadline, "the warm check process was not ready in time"
+        await asyncio.sleep(0.05)
+
+
+def test_checks_run_warm_and_a_broken_warm_process_falls_back_to_cold(tmp_path: Path) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    async def go() -> None:
+        warm = WarmCheck()
+        try:
+            warm.refill()
+            await _ready(warm)
+            res = await run_check("c1", _spec("w1"), "", 60, warm=warm)
+            assert warm.taken == 1, res
+            assert res.exit_code == 0, res.stderr_tail
+            line = json.loads(res.result_json)
+            assert line["ok"] and line["check_id"] == "w1" and line["matmul_ms"] > 0, line
+
+            # the next check finds the process started after the first: the agent's fault
+            # (a check-level one) reaches it through the spec
+            await _ready(warm)
+            res = await run_check("c2", _spec("w2"), "wrong_matmul", 60, warm=warm)
+            assert warm.taken == 2, res
+            line = json.loads(res.result_json)
+            assert not line["ok"] and line["failure"] == "matmul", line
+
+            # a warm process that died before it was ready is never handed out: cold start
+            await _ready(warm)
+            broken = WarmCheck(module="unbroken.no_such_module")
+            broken.refill()
+            await _ready(broken)
+            assert await broken.take() is None and broken.taken == 0
+            res = await run_check("c3", _spec("w3"), "", 60, module="unbroken.diagnostics.check")
+            assert res.exit_code == 0 and json.loads(res.result_json)["ok"], res.stderr_tail
+        finally:
+            await warm.close()
+
+    asyncio.run(go())
