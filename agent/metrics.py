@@ -16,10 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from unbroken.common.promhttp import Endpoint
 from unbroken.proto import driver_pb2 as dpb
 
 # name -> (type, labels, help): the table the Grafana dashboard is checked against
@@ -154,7 +155,7 @@ class _AgentCollector(Collector):
         yield starts
 
 
-class AgentMetrics:
+class AgentMetrics(Endpoint):
     """This agent's registry. The event loop sets `heartbeat` (each one it sends) and
     bumps `heartbeats_sent`; `read()` returns the other values (cheap attribute reads)."""
 
@@ -162,25 +163,10 @@ class AgentMetrics:
         self.read = read
         self.heartbeat = dpb.Heartbeat()
         self.heartbeats_sent = 0
-        self.registry = CollectorRegistry()
+        super().__init__(CollectorRegistry())
         self.registry.register(_AgentCollector(self))
-        self.port = 0
-        self._server: Any = None
 
     def sent(self, hb: dpb.Heartbeat) -> None:
         """The loop sent `hb` (it is not changed after this)."""
         self.heartbeat = hb
         self.heartbeats_sent += 1
-
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Start the HTTP endpoint; return the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        self._server = server
-        self.port = int(server.server_port)
-        return self.port
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None

@@ -19,10 +19,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from unbroken.common.promhttp import Endpoint
 from unbroken.driver.liveview import LiveView
 from unbroken.proto import events_pb2 as ev
 
@@ -180,11 +181,11 @@ class _ViewCollector(Collector):
         yield from (alive, silent)
 
 
-class DriverMetrics:
+class DriverMetrics(Endpoint):
     """The driver's registry: live counters, the view's per-node series, job-level series."""
 
     def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
-        self.registry = CollectorRegistry()
+        super().__init__(CollectorRegistry())
         self.registry.register(_LiveCollector(read))
         self.detect_latency = Histogram(
             "unbroken_detection_latency_seconds",
@@ -228,8 +229,6 @@ class DriverMetrics:
         )
         self._incident = ""
         self._incident_ns = 0  # wall time of the open incident's first transition
-        self.port = 0
-        self._server: Any = None
 
     def watch(
         self,
@@ -267,16 +266,3 @@ class DriverMetrics:
         if self._incident_ns and e.wall_time_unix_ns >= self._incident_ns:
             self.time_to_resume.observe((e.wall_time_unix_ns - self._incident_ns) / 1e9)
         self._incident_ns = 0
-
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Start the HTTP endpoint; return the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        self._server = server
-        self.port = int(server.server_port)
-        return self.port
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
