@@ -640,6 +640,7 @@ def agent_cpu(b: Bench, measure_s: float) -> dict[str, Any]:
         stdout=out,
         stderr=subprocess.STDOUT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,  # stop() ends its whole group
     )
     try:
         time.sleep(4.0)

@@ -92,10 +92,18 @@ def until(
 
 
 def signal_group(p: subprocess.Popen[bytes] | None, sig: int) -> None:
-    """Send `sig` to `p`'s process group (gone already: nothing)."""
-    if p is not None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(p.pid, sig)
+    """Send `sig` to `p`'s process group (gone already: nothing); to `p` alone when it leads
+    no group (started without `start_new_session`), so it is never silently skipped."""
+    if p is None:
+        return
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(sig)
+    except PermissionError:
+        pass
 
 
 def stop_groups(procs: Iterable[subprocess.Popen[bytes]], grace_s: float) -> None:
