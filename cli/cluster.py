@@ -38,6 +38,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 import psutil
 
+from unbroken.agent.checks import CHECK_MODULE
 from unbroken.driver.etcd import EmbeddedEtcd, EmbeddedEtcdCluster, EtcdConfig, free_port
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -89,6 +90,15 @@ def until(
             raise UntilTimeout(f"timed out after {timeout_s:g} s waiting for {what}\n{detail}")
         time.sleep(poll_s)
     return value
+
+
+def is_check_process(p: psutil.Process) -> bool:
+    """Whether an agent's child is a check process (`unbroken.diagnostics.check`, the warm
+    one included), not a worker."""
+    try:
+        return CHECK_MODULE in p.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
 
 
 def signal_group(p: subprocess.Popen[bytes] | None, sig: int) -> None:
@@ -382,12 +392,13 @@ class LocalCluster:
         return self.procs.pop(name)
 
     def workers(self, node: str) -> list[psutil.Process]:
-        """The node's worker processes (its agent's children), oldest first."""
+        """The node's worker processes (its agent's children but its warm check process),
+        oldest first."""
         p = self.procs.get(node)
         if p is None or p.poll() is not None:
             return []
         with contextlib.suppress(psutil.NoSuchProcess):
-            kids = psutil.Process(p.pid).children()
+            kids = [k for k in psutil.Process(p.pid).children() if not is_check_process(k)]
             return sorted(kids, key=lambda k: k.create_time())
         return []
 

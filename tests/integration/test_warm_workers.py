@@ -32,7 +32,7 @@ import pytest
 from tests.jobs import TRAIN, reference
 from unbroken.agent import warm as warmlib
 from unbroken.agent.workers import Supervisor, WorkerSpec
-from unbroken.cli.cluster import until
+from unbroken.cli.cluster import is_check_process, until
 
 pytestmark = pytest.mark.integration
 
@@ -246,7 +246,11 @@ def test_crashed_worker_restarts_warm_and_training_continues(
                 r"standby started\s+.*?pid=(\d+)", agent_log().split("worker started")[-1]
             )
         }
-        kids = [p for p in psutil.Process(procs["agent"].pid).children() if p.pid not in spare_pids]
+        kids = [
+            p
+            for p in psutil.Process(procs["agent"].pid).children()
+            if p.pid not in spare_pids and not is_check_process(p)
+        ]
         assert len(kids) == 2, kids
         crash_step = max(steps())
         kids[1].kill()
