@@ -19,17 +19,17 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.procs import Procs, live, read_events, start_agent, start_driver
+from tests.procs import Procs, live, procs, read_events, start_agent, start_driver
 from unbroken.cli.cluster import until
 from unbroken.proto import driver_pb2 as dpb
 
 pytestmark = [pytest.mark.chaos, pytest.mark.chaos_ci]
+__all__ = ["procs"]  # the fixture
 
 WORKER = """
 import os, sys, time
@@ -58,15 +58,6 @@ def _agent(procs: Procs, tmp: Path, addr: str, node: str, storm: bool) -> Any:
     return start_agent(procs, addr, node, *extra, env=env)
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Procs]:
-    p = Procs(tmp_path)
-    try:
-        yield p
-    finally:
-        p.stop_all()
-
-
 def _metrics(port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     out = {}
@@ -78,9 +69,8 @@ def _metrics(port: int) -> dict[str, float]:
 
 
 def test_a_node_death_is_durable_within_a_second_during_a_log_storm(
-    cluster: Procs, tmp_path: Path, etcd_server: Any
+    procs: Procs, tmp_path: Path, etcd_server: Any
 ) -> None:
-    procs = cluster
     job = f"storm-{uuid.uuid4().hex[:8]}"
     endpoint = etcd_server.endpoint
     addr, stub = start_driver(
