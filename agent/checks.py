@@ -39,6 +39,23 @@ def build_spec(spec_json: str, fault: str) -> str:
     return json.dumps(spec)
 
 
+async def _start_check(
+    module: str, *args: str, nice: int = 5, stdin: bool = False
+) -> asyncio.subprocess.Process:
+    """`python -m module args`, below the agent's priority and killed with it, like a
+    worker; stdout and stderr piped (and stdin, for a warm process's spec)."""
+    return await asyncio.create_subprocess_exec(
+        *exec_wrapper(nice=nice, die_with_agent=True),
+        sys.executable,
+        "-m",
+        module,
+        *args,
+        stdin=asyncio.subprocess.PIPE if stdin else None,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+
+
 class WarmCheck:
     """One check process that has imported torch and waits for its spec on stdin
     (`python -m unbroken.diagnostics.check --warm`), so a diagnosis round does not pay
@@ -59,17 +76,7 @@ class WarmCheck:
             self._ready = asyncio.ensure_future(self._spawn())
 
     async def _spawn(self) -> bool:
-        proc = await asyncio.create_subprocess_exec(
-            *exec_wrapper(nice=self.nice, die_with_agent=True),
-            sys.executable,
-            "-m",
-            self.module,
-            "--warm",
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        self._proc = proc
+        proc = self._proc = await _start_check(self.module, "--warm", nice=self.nice, stdin=True)
         assert proc.stdout is not None
         line = await proc.stdout.readline()  # EOF (a crash) reads b""
         return line.decode("utf-8", "replace").strip() == WARM_READY
@@ -128,17 +135,7 @@ async def run_check(
     if proc is not None:
         stdin = spec.encode() + b"\n"
     else:
-        proc = await asyncio.create_subprocess_exec(
-            # below the agent's priority, and killed with it, like a worker
-            *exec_wrapper(nice=5, die_with_agent=True),
-            sys.executable,
-            "-m",
-            module,
-            "--spec",
-            spec,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
+        proc = await _start_check(module, "--spec", spec)
     if warm is not None:
         warm.refill()  # the next check of this diagnosis runs warm
     try:
@@ -191,15 +188,7 @@ async def run_selfcheck(
     args = ["--node-id", node_id, "--disk-path", disk_path]
     if fault:
         args += ["--fault", fault]
-    proc = await asyncio.create_subprocess_exec(
-        *exec_wrapper(nice=nice, die_with_agent=True),
-        sys.executable,
-        "-m",
-        module,
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    proc = await _start_check(module, *args, nice=nice)
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
     except TimeoutError:
