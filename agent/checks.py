@@ -39,23 +39,6 @@ def build_spec(spec_json: str, fault: str) -> str:
     return json.dumps(spec)
 
 
-async def _start_check(
-    module: str, *args: str, nice: int = 5, stdin: bool = False
-) -> asyncio.subprocess.Process:
-    """`python -m module args`, below the agent's priority and killed with it, like a
-    worker; stdout and stderr piped (and stdin, for a warm process's spec)."""
-    return await asyncio.create_subprocess_exec(
-        *exec_wrapper(nice=nice, die_with_agent=True),
-        sys.executable,
-        "-m",
-        module,
-        *args,
-        stdin=asyncio.subprocess.PIPE if stdin else None,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-
-
 class WarmCheck:
     """One check process that has imported torch and waits for its spec on stdin
     (`python -m unbroken.diagnostics.check --warm`), so a diagnosis round does not pay
@@ -76,7 +59,17 @@ class WarmCheck:
             self._ready = asyncio.ensure_future(self._spawn())
 
     async def _spawn(self) -> bool:
-        proc = self._proc = await _start_check(self.module, "--warm", nice=self.nice, stdin=True)
+        proc = await asyncio.create_subprocess_exec(
+            *exec_wrapper(nice=self.nice, die_with_agent=True),
+            sys.executable,
+            "-m",
+            self.module,
+            "--warm",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        self._proc = proc
         assert proc.stdout is not None
         line = await proc.stdout.readline()  # EOF (a crash) reads b""
         return line.decode("utf-8", "replace").strip() == WARM_READY
@@ -135,7 +128,17 @@ async def run_check(
     if proc is not None:
         stdin = spec.encode() + b"\n"
     else:
-        proc = await _start_check(module, "--spec", spec)
+        proc = await asyncio.create_subprocess_exec(
+            # below the agent's priority, and killed with it, like a worker
+            *exec_wrapper(nice=5, die_with_agent=True),
+            sys.executable,
+            "-m",
+            module,
+            "--spec",
+            spec,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
     if warm is not None:
         warm.refill()  # the next check of this diagnosis runs warm
     try:
@@ -188,7 +191,15 @@ async def run_selfcheck(
     args = ["--node-id", node_id, "--disk-path", disk_path]
     if fault:
         args += ["--fault", fault]
-    proc = await _start_check(module, *args, nice=nice)
+    proc = await asyncio.create_subprocess_exec(
+        *exec_wrapper(nice=nice, die_with_agent=True),
+        sys.executable,
+        "-m",
+        module,
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
     except TimeoutError:

@@ -149,9 +149,6 @@ _DUMPED: dict[tuple[type, str], bytes] = {}
 _DUMPED_MAX = 4096
 
 
-_UNSEEN = object()  # no value of this key was serialised yet
-
-
 def _immutable(value: Any) -> bool:
     return type(value) in _SCALARS or (
         type(value) is tuple and all(type(v) in _SCALARS for v in value)
@@ -620,7 +617,7 @@ class FlashWriter:
                     return None
                 sources[i] = local
             elif key in dumped:
-                if values.get(key, _UNSEEN) is not value:  # the same immutable: same bytes
+                if values.get(key, dumped) is not value:  # the same immutable: same bytes
                     dumped[key] = plan.dumped[key] = _dump_object(value)
                     if _immutable(value):
                         values[key] = value
