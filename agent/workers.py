@@ -41,7 +41,7 @@ import shutil
 import signal
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -436,9 +436,8 @@ class Worker:
                 self.step_seen, self.delay_at_progress = self.step, delay
             starved = delay - self.delay_at_progress
         self.hung = judged and hanglib.is_hung(since_ms, threshold, starved)
-        compute = sorted(self.compute_times)
-        mid = compute[len(compute) // 2] if compute else 0.0
-        mad = statistics.median(abs(x - mid) for x in compute) if compute else 0.0
+        mid, mad = median_mad(self.compute_times)
+        wait, wait_mad = median_mad(self.wait_times)
         return dpb.WorkerStatus(
             local_rank=self.local_rank,
             global_rank=self.global_rank,
@@ -460,9 +459,20 @@ class Worker:
             phase=phase or "train",
             compute_ms=mid,
             compute_mad_ms=mad,
-            wait_ms=statistics.median(self.wait_times) if self.wait_times else 0.0,
-            window_steps=len(compute),
+            wait_ms=wait,
+            wait_mad_ms=wait_mad,
+            window_steps=len(self.compute_times),
         )
+
+
+def median_mad(xs: Iterable[float]) -> tuple[float, float]:
+    """The (upper) median of `xs` and their median absolute deviation from it; zeros when
+    empty."""
+    ordered = sorted(xs)
+    if not ordered:
+        return 0.0, 0.0
+    mid = ordered[len(ordered) // 2]
+    return mid, statistics.median(abs(x - mid) for x in ordered)
 
 
 class Supervisor:

@@ -209,6 +209,7 @@ def straggler_part(run: Path, etcd: EmbeddedEtcd, timeout_s: float) -> dict[str,
                     "right_node": s.node_id == "node-1",
                     "slowdown": s.slowdown,
                     "z": s.z,
+                    "evidence": s.evidence,
                 }
             except UntilTimeout:
                 out[f"{f:.2f}"] = {"detect_s": None, "node": "", "right_node": False}

@@ -1,7 +1,7 @@
-"""A node's step timing in five numbers, from its ranks' windows.
+"""A node's step timing in six numbers, from its ranks' windows.
 
 The agent summarises its running ranks into `Heartbeat.timing` every heartbeat, and the
-driver's straggler sweep (driver/straggler.py) reads that summary: five fields per node
+driver's straggler sweep (driver/straggler.py) reads that summary: six fields per node
 rather than every rank's, which keeps the sweep O(nodes) in protobuf reads. The driver
 computes the same summary itself from `Heartbeat.workers` when a sender leaves it out.
 """
@@ -14,10 +14,10 @@ from unbroken.proto import driver_pb2 as dpb
 
 
 def node_timing(workers: Iterable[dpb.WorkerStatus]) -> dpb.NodeTiming | None:
-    """The upper medians over the running ranks with a window of each rank's compute, MAD
-    and wait, the shortest window and a generation that changes with any rank's restart;
+    """The upper medians over the running ranks with a window of each rank's compute and
+    wait and their MADs, the shortest window and a generation that changes with any rank's restart;
     None when no rank has a window."""
-    compute, mad, wait = [], [], []
+    compute, mad, wait, wait_mad = [], [], [], []
     generation, steps = 0, 1 << 30
     running = dpb.WORKER_STATE_RUNNING
     for w in workers:
@@ -25,6 +25,7 @@ def node_timing(workers: Iterable[dpb.WorkerStatus]) -> dpb.NodeTiming | None:
             compute.append(w.compute_ms)
             mad.append(w.compute_mad_ms)
             wait.append(w.wait_ms)
+            wait_mad.append(w.wait_mad_ms)
             generation += w.restarts * 1_000_003 + w.pid
             steps = min(steps, w.window_steps)
     if not compute:
@@ -35,5 +36,6 @@ def node_timing(workers: Iterable[dpb.WorkerStatus]) -> dpb.NodeTiming | None:
         compute_ms=sorted(compute)[mid],
         mad_ms=sorted(mad)[mid],
         wait_ms=sorted(wait)[mid],
+        wait_mad_ms=sorted(wait_mad)[mid],
         window_steps=steps,
     )

@@ -6,21 +6,35 @@ for peers in collectives; agent/workers.py). In a synchronous job a slow rank co
 longer and waits least; its peers' step time grows with it, so the step time alone cannot
 name it, but compute time can.
 
-The test is a change point per node, normalised by the rest of the world: each node's
-compute median relative to the other nodes' median at the same sweep (a load that slows
-every node moves every value alike) is compared with its own usual relative cost, its
-role, learned over its first `baseline_sweeps` sweeps after its workers (re)started. Nodes
-of different roles (pipeline stages, the loss stage) have different compute times, but
-each keeps its own relative cost while healthy. A node is suspected when
+Two tests, each a change point against what the node did while healthy (learned over
+its first `baseline_sweeps` sweeps after its workers (re)started), each normalised by the
+rest of the world at the same sweep (a load that slows every node moves every value alike):
 
-    slowdown = relative cost / role >= `min_slowdown`, and
-    slowdown - 1 >= `k` x the relative standard error of its median (1.2533 x 1.4826 x
-    MAD / sqrt(window) / median: median + k x MAD over a sliding window),
+* wait (the precise one, when the job reports collective waits): in a synchronous job
+  the others wait for a slow node in every collective, so its *gap*, the others' median
+  wait minus its own, grows by the extra time it computes. A wait's spread is a fraction
+  of a compute time's (the common noise of a step cancels in it), so a 5 % slowdown stands
+  out within one window where the compute test below would need several. The node is
+  slow when `extra` = gap - its usual gap gives
 
-and it waits in collectives less than the others' median (in a synchronous job the slow
-rank is the one that waits least; a node slowed by noise alone does not make its peers
-wait), for `confirm` sweeps in a row. One `StragglerSuspected` per node until it recovers or its
-workers restart. Nothing here reads a clock or the network (tests/unit/test_straggler.py).
+      slowdown = compute / (compute - extra) >= `min_slowdown`, and
+      extra >= `k` x the standard error of the gap (both medians' errors combined),
+
+  and its own compute agrees (its compute relative to the others' is at least one
+  standard error above its usual relative cost).
+* compute (for jobs that report no waits, and the fallback): its compute median relative
+  to the other nodes' median, over its usual relative cost (its role: pipeline stages
+  and the loss stage compute different amounts, but each keeps its own ratio while healthy),
+
+      slowdown = relative cost / role >= `min_slowdown`, and
+      slowdown - 1 >= `k` x the relative standard error of its median (1.2533 x 1.4826 x
+      MAD / sqrt(window) / median: median + k x MAD over a sliding window),
+
+  and it waits in collectives less than the others' median (a node slowed by noise alone
+  does not make its peers wait).
+
+Either test must hold for `confirm` sweeps in a row. One `StragglerSuspected` per node
+until it recovers or its workers restart. Nothing here reads a clock or the network (tests/unit/test_straggler.py).
 """
 
 from __future__ import annotations
@@ -52,7 +66,7 @@ class StragglerConfig:
         },
     )
     min_slowdown: float = field(
-        default=1.04,
+        default=1.03,
         metadata={"help": "relative slowdown a straggler must reach, among other tests"},
     )
     k: float = field(
@@ -96,6 +110,7 @@ class Sample:
     mad_ms: float
     wait_ms: float
     steps: int
+    wait_mad_ms: float = 0.0
 
 
 def sample(node_id: str, hb: dpb.Heartbeat) -> Sample | None:
@@ -111,6 +126,7 @@ def sample(node_id: str, hb: dpb.Heartbeat) -> Sample | None:
         mad_ms=t.mad_ms,
         wait_ms=t.wait_ms,
         steps=t.window_steps,
+        wait_mad_ms=t.wait_mad_ms,
     )
 
 
@@ -127,13 +143,25 @@ def median_without(ordered: Sequence[float], x: float) -> float:
     return (rest(m // 2 - 1) + rest(m // 2)) / 2.0
 
 
+SE_MEDIAN = 1.2533 * 1.4826  # a median's standard error per MAD, times sqrt(n)
+
+
 @dataclass(slots=True)
 class _Track:
     generation: int
     rels: list[float] = field(default_factory=list)  # its first relative windows
+    gaps: list[float] = field(default_factory=list)  # ...and wait gaps
     role: float = 0.0  # its usual compute relative to the others (0: not known yet)
+    gap: float = 0.0  # how much longer the others usually wait than it does (ms)
     streak: int = 0
     reported: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Finding:
+    evidence: str
+    slowdown: float
+    z: float
 
 
 @dataclass(slots=True)
@@ -154,6 +182,7 @@ class StragglerWatch:
             return []
         computes = sorted(s.compute_ms for s in ready)
         waits = sorted(s.wait_ms for s in ready)
+        wait_mads = sorted(s.wait_mad_ms for s in ready)
         out = []
         for s in ready:
             t = self.tracks.get(s.node_id)
@@ -161,20 +190,36 @@ class StragglerWatch:
                 t = self.tracks[s.node_id] = _Track(s.generation)
             # its compute relative to the others' now: a load on every node cancels out
             rel = s.compute_ms / median_without(computes, s.compute_ms)
+            others_wait = median_without(waits, s.wait_ms)
+            gap = others_wait - s.wait_ms
             if not t.role:
                 t.rels.append(rel)
+                t.gaps.append(gap)
                 if len(t.rels) >= c.baseline_sweeps:  # its role: the usual relative cost
                     t.role = statistics.median(t.rels)
+                    t.gap = statistics.median(t.gaps)
                 continue
             slowdown = rel / t.role
-            se = 1.2533 * 1.4826 * s.mad_ms / math.sqrt(s.steps) / s.compute_ms
+            se = SE_MEDIAN * s.mad_ms / math.sqrt(s.steps) / s.compute_ms
             z = (slowdown - 1.0) / max(se, 1e-6)
-            waits_least = s.wait_ms < median_without(waits, s.wait_ms)
-            if slowdown >= c.min_slowdown and z >= c.k and waits_least:
-                t.streak += 1
-            else:
+            found = None
+            if others_wait > 0 or s.wait_ms > 0:  # the job reports its collective waits
+                extra = gap - t.gap
+                gap_se = (
+                    SE_MEDIAN
+                    * math.hypot(s.wait_mad_ms, median_without(wait_mads, s.wait_mad_ms))
+                    / math.sqrt(s.steps)
+                )
+                wait_slowdown = s.compute_ms / max(s.compute_ms - extra, 0.1 * s.compute_ms)
+                wait_z = extra / max(gap_se, 1e-3)
+                if wait_slowdown >= c.min_slowdown and wait_z >= c.k and z >= 1.0:
+                    found = _Finding("wait", wait_slowdown, wait_z)
+            if found is None and slowdown >= c.min_slowdown and z >= c.k and gap > 0:
+                found = _Finding("compute", slowdown, z)
+            if found is None:
                 t.streak, t.reported = 0, False
                 continue
+            t.streak += 1
             if t.streak < c.confirm or t.reported:
                 continue
             t.reported = True
@@ -183,14 +228,16 @@ class StragglerWatch:
                 ev.Event(
                     straggler_suspected=ev.StragglerSuspected(
                         node_id=s.node_id,
-                        slowdown=slowdown,
+                        slowdown=found.slowdown,
                         compute_ms=s.compute_ms,
                         others_ms=statistics.median(x.compute_ms for x in rest),
                         wait_ms=s.wait_ms,
-                        others_wait_ms=statistics.median(x.wait_ms for x in rest),
-                        z=z,
+                        others_wait_ms=others_wait,
+                        z=found.z,
                         window_steps=s.steps,
                         policy=c.policy,
+                        evidence=found.evidence,
+                        compute_slowdown=slowdown,
                     )
                 )
             )

@@ -211,7 +211,7 @@ class HangSuspected(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., stuck_at_step: _Optional[int] = ..., silent_ms: _Optional[float] = ..., threshold_ms: _Optional[float] = ..., stack_dump: _Optional[str] = ..., phase: _Optional[str] = ..., hung_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StragglerSuspected(_message.Message):
-    __slots__ = ("node_id", "slowdown", "compute_ms", "others_ms", "wait_ms", "others_wait_ms", "z", "window_steps", "policy")
+    __slots__ = ("node_id", "slowdown", "compute_ms", "others_ms", "wait_ms", "others_wait_ms", "z", "window_steps", "policy", "evidence", "compute_slowdown")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SLOWDOWN_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +221,8 @@ class StragglerSuspected(_message.Message):
     Z_FIELD_NUMBER: _ClassVar[int]
     WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SLOWDOWN_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     slowdown: float
     compute_ms: float
@@ -230,7 +232,9 @@ class StragglerSuspected(_message.Message):
     z: float
     window_steps: int
     policy: str
-    def __init__(self, node_id: _Optional[str] = ..., slowdown: _Optional[float] = ..., compute_ms: _Optional[float] = ..., others_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., others_wait_ms: _Optional[float] = ..., z: _Optional[float] = ..., window_steps: _Optional[int] = ..., policy: _Optional[str] = ...) -> None: ...
+    evidence: str
+    compute_slowdown: float
+    def __init__(self, node_id: _Optional[str] = ..., slowdown: _Optional[float] = ..., compute_ms: _Optional[float] = ..., others_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., others_wait_ms: _Optional[float] = ..., z: _Optional[float] = ..., window_steps: _Optional[int] = ..., policy: _Optional[str] = ..., evidence: _Optional[str] = ..., compute_slowdown: _Optional[float] = ...) -> None: ...
 
 class LogAlert(_message.Message):
     __slots__ = ("node_id", "local_rank", "keyword", "line", "repeats")

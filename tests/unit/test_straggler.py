@@ -25,17 +25,23 @@ pytestmark = pytest.mark.unit
 
 
 def samples(
-    compute: dict[str, float], mad: float = 2.0, steps: int = 64, slow: str = ""
+    compute: dict[str, float],
+    mad: float = 2.0,
+    steps: int = 64,
+    slow: str = "",
+    extra: float = 10.0,
+    wait_mad: float = 1.0,
 ) -> list[Sample]:
-    """Node windows; `slow` waits least (its peers wait for it in the collectives)."""
+    """Node windows; `slow`'s peers wait `extra` ms longer than it does in the collectives."""
     return [
         Sample(
             node_id=n,
             generation=1,
             compute_ms=c,
             mad_ms=mad,
-            wait_ms=1.0 if n == slow else 10.0,
+            wait_ms=1.0 if n == slow else 1.0 + (extra if slow else 0.0),
             steps=steps,
+            wait_mad_ms=wait_mad,
         )
         for n, c in compute.items()
     ]
@@ -48,13 +54,36 @@ def test_a_slowed_node_is_named_after_confirm_sweeps_and_only_once() -> None:
     w = StragglerWatch(StragglerConfig(baseline_sweeps=1, confirm=3))
     assert w.sweep(samples(BASE)) == []  # baselines
     slow = {**BASE, "n1": 80.0 * 1.10}
-    assert w.sweep(samples(slow, slow="n1")) == []
-    assert w.sweep(samples(slow, slow="n1")) == []
-    (e,) = w.sweep(samples(slow, slow="n1"))
+    assert w.sweep(samples(slow, slow="n1", extra=8.0)) == []
+    assert w.sweep(samples(slow, slow="n1", extra=8.0)) == []
+    (e,) = w.sweep(samples(slow, slow="n1", extra=8.0))
     s = e.straggler_suspected
     assert s.node_id == "n1" and s.slowdown == pytest.approx(1.10) and s.policy == "evict"
+    assert s.evidence == "wait" and s.compute_slowdown == pytest.approx(1.10)
     assert s.compute_ms == pytest.approx(88.0) and s.window_steps == 64
-    assert w.sweep(samples(slow, slow="n1")) == []  # reported once
+    assert w.sweep(samples(slow, slow="n1", extra=8.0)) == []  # reported once
+
+
+def test_the_wait_gap_names_a_small_slowdown_the_compute_noise_hides() -> None:
+    """3 % slower with a compute MAD of 10 % (z 1.3 over 128 steps: the compute test alone
+    cannot tell) but the others wait 3 % of its compute longer with a wait MAD of 0.5 ms."""
+    w = StragglerWatch(StragglerConfig(baseline_sweeps=1, confirm=1, min_slowdown=1.025))
+    base = {n: 60.0 for n in ("n0", "n1", "n2")}
+    w.sweep(samples(base, mad=6.0, steps=128, wait_mad=0.5))
+    slow = {**base, "n2": 60.0 * 1.03}
+    (e,) = w.sweep(samples(slow, mad=6.0, steps=128, slow="n2", extra=1.8, wait_mad=0.5))
+    s = e.straggler_suspected
+    assert s.node_id == "n2" and s.evidence == "wait" and s.slowdown == pytest.approx(1.03)
+    no_waits = StragglerWatch(StragglerConfig(baseline_sweeps=1, confirm=1, min_slowdown=1.025))
+    no_waits.sweep([Sample(n, 1, c, 6.0, 0.0, 128) for n, c in base.items()])
+    quiet = [Sample(n, 1, c, 6.0, 0.0, 128) for n, c in slow.items()]
+    assert no_waits.sweep(quiet) == []  # without waits only the (too noisy) compute test
+
+
+def test_others_waiting_longer_is_not_enough_if_its_compute_did_not_grow() -> None:
+    w = StragglerWatch(StragglerConfig(baseline_sweeps=1, confirm=1))
+    w.sweep(samples(BASE, mad=1.0))
+    assert w.sweep(samples(BASE, mad=1.0, slow="n1", extra=8.0)) == []
 
 
 def test_a_node_that_computes_longer_but_makes_nobody_wait_is_not_named() -> None:
@@ -131,6 +160,7 @@ def test_no_false_straggler_in_noisy_healthy_windows() -> None:
                     mad_ms=6.0,
                     wait_ms=abs(rnd.gauss(10.0, 3.0)),
                     steps=128,
+                    wait_mad_ms=20.0,  # the per-step spread behind a 3 ms jitter of medians
                 )
                 for i in range(8)
             ]
