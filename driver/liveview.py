@@ -117,6 +117,7 @@ class NodeSlot:
         "info",
         "last_seen",
         "last_step",
+        "leaving",
         "node_id",
         "outbox",
         "peer_host",
@@ -142,6 +143,8 @@ class NodeSlot:
         self.reported_exits: set[tuple[int, int]] = set()  # (local_rank, restarts)
         self.hung_at: dict[int, int] = {}  # local_rank -> step a hang was reported at
         self.last_step: dict[int, int] = {}  # local_rank -> highest step seen
+        # told to leave (evicted): its agent exits, so its silence is no loss (no NodeLost)
+        self.leaving = False
 
 
 class LiveView:

@@ -444,6 +444,13 @@ class DriverService(dgrpc.DriverServicer):
             kept = [x for x in lost if not self._held_for_relay(x[0], now)]
             self.relay_held += len(lost) - len(kept)
             lost = kept
+        if lost:  # an evicted node's agent exits: its silence is its departure
+            left = [slot for slot, _ in lost if slot.leaving]
+            for slot in left:
+                self.view.mark_lost(slot)
+                log.info("evicted node's agent left", node=slot.node_id)
+            if left:
+                lost = [x for x in lost if not x[0].leaving]
         if not lost:
             self._mass_since = 0.0
             return
@@ -464,6 +471,13 @@ class DriverService(dgrpc.DriverServicer):
             log.warning(
                 "node lost", node=e.node_lost.node_id, silent_ms=round(e.node_lost.silent_ms, 1)
             )
+
+    def leaving(self, node_id: str) -> None:
+        """`node_id` was told to leave (evicted): its agent exits on the command, so the
+        node-lost sweep forgets it when it goes silent rather than declaring it lost."""
+        slot = self.view.nodes.get(node_id)
+        if slot is not None:
+            slot.leaving = True
 
     def _held_for_relay(self, slot: NodeSlot, now: float) -> bool:
         """Whether `slot`'s silence began with its relay's loss (and is still young enough
@@ -602,6 +616,7 @@ class DriverService(dgrpc.DriverServicer):
                 slot.last_step.clear()
                 slot.hb = dpb.Heartbeat()
             slot.epoch = request.epoch
+            slot.leaving = False
             slot.info = request
             slot.peer_host = peer_host(context.peer())
             self.emit(event)

@@ -20,21 +20,20 @@ rest of the world at the same sweep (a load that slows every node moves every va
       slowdown = compute / (compute - extra) >= `min_slowdown`, and
       extra >= `k` x the standard error of the gap (both medians' errors combined),
 
-  and its own compute agrees (its compute relative to the others' is at least one
-  standard error above its usual relative cost).
-* compute (for jobs that report no waits, and the fallback): its compute median relative
-  to the other nodes' median, over its usual relative cost (its role: pipeline stages
-  and the loss stage compute different amounts, but each keeps its own ratio while healthy),
+  and its own compute grew (its compute ratio is above its usual). When the job
+  reports waits, this test alone decides: a node that computes longer but makes nobody
+  wait longer (a load on its host that its peers' pipeline absorbs) is no straggler.
+* compute (for jobs that report no waits): its compute median relative to the other
+  nodes' median, over its usual relative cost (its role: pipeline stages and the loss
+  stage compute different amounts, but each keeps its own ratio while healthy),
 
       slowdown = relative cost / role >= `min_slowdown`, and
-      slowdown - 1 >= `k` x the relative standard error of its median (1.2533 x 1.4826 x
-      MAD / sqrt(window) / median: median + k x MAD over a sliding window),
-
-  and it waits in collectives less than the others' median (a node slowed by noise alone
-  does not make its peers wait).
+      slowdown - 1 >= `k` x the standard error of that ratio (its median's and the
+      others' combined: 1.2533 x 1.4826 x MAD / sqrt(window) / median each).
 
 Either test must hold for `confirm` sweeps in a row. One `StragglerSuspected` per node
-until it recovers or its workers restart. Nothing here reads a clock or the network (tests/unit/test_straggler.py).
+until it recovers or its workers restart. Nothing here reads a clock or the network
+(tests/unit/test_straggler.py).
 """
 
 from __future__ import annotations
@@ -183,6 +182,7 @@ class StragglerWatch:
         computes = sorted(s.compute_ms for s in ready)
         waits = sorted(s.wait_ms for s in ready)
         wait_mads = sorted(s.wait_mad_ms for s in ready)
+        mads = sorted(s.mad_ms for s in ready)
         out = []
         for s in ready:
             t = self.tracks.get(s.node_id)
@@ -200,7 +200,15 @@ class StragglerWatch:
                     t.gap = statistics.median(t.gaps)
                 continue
             slowdown = rel / t.role
-            se = SE_MEDIAN * s.mad_ms / math.sqrt(s.steps) / s.compute_ms
+            # the relative errors of its median and of the others' (their typical MAD)
+            se = (
+                SE_MEDIAN
+                * math.hypot(
+                    s.mad_ms / s.compute_ms,
+                    median_without(mads, s.mad_ms) / median_without(computes, s.compute_ms),
+                )
+                / math.sqrt(s.steps)
+            )
             z = (slowdown - 1.0) / max(se, 1e-6)
             found = None
             if others_wait > 0 or s.wait_ms > 0:  # the job reports its collective waits
@@ -212,9 +220,9 @@ class StragglerWatch:
                 )
                 wait_slowdown = s.compute_ms / max(s.compute_ms - extra, 0.1 * s.compute_ms)
                 wait_z = extra / max(gap_se, 1e-3)
-                if wait_slowdown >= c.min_slowdown and wait_z >= c.k and z >= 1.0:
+                if wait_slowdown >= c.min_slowdown and wait_z >= c.k and slowdown > 1.0:
                     found = _Finding("wait", wait_slowdown, wait_z)
-            if found is None and slowdown >= c.min_slowdown and z >= c.k and gap > 0:
+            elif slowdown >= c.min_slowdown and z >= c.k:  # no waits: compute alone
                 found = _Finding("compute", slowdown, z)
             if found is None:
                 t.streak, t.reported = 0, False

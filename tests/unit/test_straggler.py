@@ -78,6 +78,21 @@ def test_the_wait_gap_names_a_small_slowdown_the_compute_noise_hides() -> None:
     no_waits.sweep([Sample(n, 1, c, 6.0, 0.0, 128) for n, c in base.items()])
     quiet = [Sample(n, 1, c, 6.0, 0.0, 128) for n, c in slow.items()]
     assert no_waits.sweep(quiet) == []  # without waits only the (too noisy) compute test
+    much = [Sample(n, 1, c * (1.3 if n == "n2" else 1.0), 6.0, 0.0, 128) for n, c in base.items()]
+    (e,) = no_waits.sweep(much)  # ...which names a larger slowdown
+    assert e.straggler_suspected.evidence == "compute"
+    assert e.straggler_suspected.slowdown == pytest.approx(1.3)
+
+
+def test_computing_longer_under_a_local_load_is_not_enough_when_nobody_waits_longer() -> None:
+    """The false alarm of a loaded pipeline job (bench-detectors, 2026-11-24): a stage's
+    compute 9 % above its usual (z 3.9 on its own MAD) while the other stage waited for it
+    no longer than before. With waits reported, the wait test decides."""
+    w = StragglerWatch(StragglerConfig(baseline_sweeps=1, confirm=1))
+    pipe = {"n0": 355.0, "n1": 350.0}
+    w.sweep(samples(pipe, mad=20.0, steps=128, slow="n0", extra=20.0, wait_mad=8.0))
+    loaded = {**pipe, "n0": 355.0 * 1.09}
+    assert w.sweep(samples(loaded, mad=20.0, steps=128, slow="n0", extra=20.0, wait_mad=8.0)) == []
 
 
 def test_others_waiting_longer_is_not_enough_if_its_compute_did_not_grow() -> None:
