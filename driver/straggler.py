@@ -6,9 +6,14 @@ for peers in collectives; agent/workers.py). In a synchronous job a slow rank co
 longer and waits least; its peers' step time grows with it, so the step time alone cannot
 name it, but compute time can.
 
-Two tests, each a change point against what the node did while healthy (learned over
-its first `baseline_sweeps` sweeps after its workers (re)started), each normalised by the
-rest of the world at the same sweep (a load that slows every node moves every value alike):
+Two tests, each a change point against what the node did while healthy, each normalised
+by the rest of the world at the same sweep (a load that slows every node moves every value
+alike). What it did while healthy, its *role*: the median of its first `baseline_sweeps`
+sweeps after its workers (re)started, then an exponentially weighted mean over about
+`drift_sweeps` healthy sweeps, with the variance of its sweep-to-sweep wander. A slow drift
+(a pipeline's balance shifting as a shared host's load changes) is followed, not flagged,
+and a node whose ratios wander must move by more: the wander is added to each test's
+standard error. A sweep that finds the node slow does not move its role.
 
 * wait (the precise one, when the job reports collective waits): in a synchronous job
   the others wait for a slow node in every collective, so its *gap*, the others' median
@@ -81,6 +86,14 @@ class StragglerConfig:
     baseline_sweeps: int = field(
         default=3, metadata={"help": "sweeps whose median relative cost is a node's role"}
     )
+    drift_sweeps: int = field(
+        default=60,
+        metadata={
+            "help": "then its role follows it (and learns how much it wanders) over about this "
+            "many healthy sweeps: a slow drift is not a straggler, and a node whose ratios "
+            "wander (a loaded host) must move further (0: the first sweeps' role for good)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -95,6 +108,8 @@ class StragglerConfig:
             raise ValueError(f"straggler sweep_ms must be in [100, 600000], got {self.sweep_ms}")
         if self.baseline_sweeps < 1:
             raise ValueError(f"straggler baseline_sweeps must be >= 1, got {self.baseline_sweeps}")
+        if self.drift_sweeps < 0:
+            raise ValueError(f"straggler drift_sweeps must be >= 0, got {self.drift_sweeps}")
         if self.min_steps < 4:
             raise ValueError(f"straggler min_steps must be >= 4, got {self.min_steps}")
 
@@ -152,6 +167,8 @@ class _Track:
     gaps: list[float] = field(default_factory=list)  # ...and wait gaps
     role: float = 0.0  # its usual compute relative to the others (0: not known yet)
     gap: float = 0.0  # how much longer the others usually wait than it does (ms)
+    role_var: float = 0.0  # how much both wander from sweep to sweep while healthy
+    gap_var: float = 0.0
     streak: int = 0
     reported: bool = False
 
@@ -200,23 +217,26 @@ class StragglerWatch:
                     t.gap = statistics.median(t.gaps)
                 continue
             slowdown = rel / t.role
-            # the relative errors of its median and of the others' (their typical MAD)
-            se = (
+            # the relative errors of its median and of the others' (their typical MAD), and
+            # how much its ratio wandered while healthy
+            se = math.hypot(
                 SE_MEDIAN
                 * math.hypot(
                     s.mad_ms / s.compute_ms,
                     median_without(mads, s.mad_ms) / median_without(computes, s.compute_ms),
                 )
-                / math.sqrt(s.steps)
+                / math.sqrt(s.steps),
+                math.sqrt(t.role_var) / t.role,
             )
             z = (slowdown - 1.0) / max(se, 1e-6)
             found = None
             if others_wait > 0 or s.wait_ms > 0:  # the job reports its collective waits
                 extra = gap - t.gap
-                gap_se = (
+                gap_se = math.hypot(
                     SE_MEDIAN
                     * math.hypot(s.wait_mad_ms, median_without(wait_mads, s.wait_mad_ms))
-                    / math.sqrt(s.steps)
+                    / math.sqrt(s.steps),
+                    math.sqrt(t.gap_var),
                 )
                 wait_slowdown = s.compute_ms / max(s.compute_ms - extra, 0.1 * s.compute_ms)
                 wait_z = extra / max(gap_se, 1e-3)
@@ -226,6 +246,13 @@ class StragglerWatch:
                 found = _Finding("compute", slowdown, z)
             if found is None:
                 t.streak, t.reported = 0, False
+                if c.drift_sweeps:  # healthy: its role follows a slow drift
+                    a = 2.0 / (c.drift_sweeps + 1)
+                    d, g = rel - t.role, gap - t.gap
+                    t.role += a * d
+                    t.role_var = (1.0 - a) * (t.role_var + a * d * d)
+                    t.gap += a * g
+                    t.gap_var = (1.0 - a) * (t.gap_var + a * g * g)
                 continue
             t.streak += 1
             if t.streak < c.confirm or t.reported:
