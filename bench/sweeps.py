@@ -8,7 +8,7 @@ heartbeats (8 workers each, every one running and reporting a loss):
   node holding the lowest rank and rescans the world every `rescan_every` sweeps, against
   the full scan it replaced (rescan_every=1), same view, same run: the ratio;
 - the straggler sweep (every `straggler.sweep_ms`, 2 s) while training, reading each node's
-  five-number summary the agent sends (`Heartbeat.timing`), against the same sweep
+  timing summary the agent sends (`Heartbeat.timing`), against the same sweep
   summarising every rank itself (a sender without the summary): the ratio (the hang sweep
   is gone: agents flag their hung ranks in the heartbeat);
 - the node-lost sweep (every interval/5), O(1) on a healthy cluster;
