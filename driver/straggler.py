@@ -10,7 +10,9 @@ Two tests, each a change point against what the node did while healthy, each nor
 by the rest of the world at the same sweep (a load that slows every node moves every value
 alike). What it did while healthy, its *role*: the median of its first `baseline_sweeps`
 sweeps after its workers (re)started, then an exponentially weighted mean over about
-`drift_sweeps` healthy sweeps, with the variance of its sweep-to-sweep wander. A slow drift
+`drift_sweeps` healthy sweeps (and never fewer than `DRIFT_WINDOWS` of its windows: with slow
+steps a window takes many sweeps to shift, and a straggler's shift must not pass for a
+drift), with the variance of its sweep-to-sweep wander. A slow drift
 (a pipeline's balance shifting as a shared host's load changes) is followed, not flagged,
 and a node whose ratios wander must move by more: the wander is added to each test's
 standard error. A sweep that finds the node slow does not move its role.
@@ -157,6 +159,7 @@ def median_without(ordered: Sequence[float], x: float) -> float:
     return (rest(m // 2 - 1) + rest(m // 2)) / 2.0
 
 
+DRIFT_WINDOWS = 6  # a role follows a drift no faster than over this many windows
 SE_MEDIAN = 1.2533 * 1.4826  # a median's standard error per MAD, times sqrt(n)
 
 
@@ -247,7 +250,10 @@ class StragglerWatch:
             if found is None:
                 t.streak, t.reported = 0, False
                 if c.drift_sweeps:  # healthy: its role follows a slow drift
-                    a = 2.0 / (c.drift_sweeps + 1)
+                    # ...slower than its window can shift: a change within a few windows
+                    # (a straggler's, however slow its steps) is not absorbed as drift
+                    window_sweeps = s.steps * (s.compute_ms + s.wait_ms) / c.sweep_ms
+                    a = 2.0 / (max(c.drift_sweeps, DRIFT_WINDOWS * window_sweeps) + 1)
                     d, g = rel - t.role, gap - t.gap
                     t.role += a * d
                     t.role_var = (1.0 - a) * (t.role_var + a * d * d)

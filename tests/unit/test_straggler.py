@@ -278,3 +278,27 @@ def test_a_node_whose_gap_wanders_must_move_further() -> None:
     assert wandering.sweep(step) == []  # 1.5 sd of its usual wander
     (e,) = wandering.sweep(_pair(78.0, 18.0))  # 30 %: well outside it
     assert e.straggler_suspected.node_id == "n1"
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_straggler_with_slow_steps_is_not_absorbed_while_its_window_shifts(seed: int) -> None:
+    """300 ms steps: a 128-step window takes ~20 sweeps to fill with the slow steps. The
+    role follows no faster than over 6 windows, so the shift is a change, not a drift
+    (the `make run` drill's pp2 job, 2026-11-24, whose 20 % straggler a 60-sweep role had
+    absorbed; with these waits wandering 5 ms it misses 4 of these 10 seeds)."""
+    rnd = random.Random(seed)
+    w = StragglerWatch(StragglerConfig())
+
+    def sweep(shift: float) -> list[ev.Event]:
+        n1 = 280.0 * (1.0 + 0.2 * shift)
+        return w.sweep(
+            [
+                Sample("n0", 1, 280.0, 25.0, 80.0 + (n1 - 280.0) + rnd.gauss(0, 5), 128, 15.0),
+                Sample("n1", 1, n1, 25.0, 80.0 + rnd.gauss(0, 5), 128, 15.0),
+            ]
+        )
+
+    for _ in range(40):
+        assert sweep(0.0) == []
+    named = [i for i in range(30) if sweep(min(1.0, i / 21)) != []]
+    assert named and named[0] < 30, named
