@@ -209,7 +209,8 @@ class StragglerWatch:
             if t is None or t.generation != s.generation:
                 t = self.tracks[s.node_id] = _Track(s.generation)
             # its compute relative to the others' now: a load on every node cancels out
-            rel = s.compute_ms / median_without(computes, s.compute_ms)
+            others = median_without(computes, s.compute_ms)
+            rel = s.compute_ms / others
             others_wait = median_without(waits, s.wait_ms)
             gap = others_wait - s.wait_ms
             if not t.role:
@@ -220,18 +221,6 @@ class StragglerWatch:
                     t.gap = statistics.median(t.gaps)
                 continue
             slowdown = rel / t.role
-            # the relative errors of its median and of the others' (their typical MAD), and
-            # how much its ratio wandered while healthy
-            se = math.hypot(
-                SE_MEDIAN
-                * math.hypot(
-                    s.mad_ms / s.compute_ms,
-                    median_without(mads, s.mad_ms) / median_without(computes, s.compute_ms),
-                )
-                / math.sqrt(s.steps),
-                math.sqrt(t.role_var) / t.role,
-            )
-            z = (slowdown - 1.0) / max(se, 1e-6)
             found = None
             if others_wait > 0 or s.wait_ms > 0:  # the job reports its collective waits
                 extra = gap - t.gap
@@ -245,8 +234,18 @@ class StragglerWatch:
                 wait_z = extra / max(gap_se, 1e-3)
                 if wait_slowdown >= c.min_slowdown and wait_z >= c.k and slowdown > 1.0:
                     found = _Finding("wait", wait_slowdown, wait_z)
-            elif slowdown >= c.min_slowdown and z >= c.k:  # no waits: compute alone
-                found = _Finding("compute", slowdown, z)
+            elif slowdown >= c.min_slowdown:  # no waits: compute alone
+                # the relative errors of its median and of the others' (their typical
+                # MAD), and how much its ratio wandered while healthy
+                se = math.hypot(
+                    SE_MEDIAN
+                    * math.hypot(s.mad_ms / s.compute_ms, median_without(mads, s.mad_ms) / others)
+                    / math.sqrt(s.steps),
+                    math.sqrt(t.role_var) / t.role,
+                )
+                z = (slowdown - 1.0) / max(se, 1e-6)
+                if z >= c.k:
+                    found = _Finding("compute", slowdown, z)
             if found is None:
                 t.streak, t.reported = 0, False
                 if c.drift_sweeps:  # healthy: its role follows a slow drift
