@@ -17,7 +17,10 @@ workers on loopback. Three parts (`--parts`, default all):
   the log's NodeLost, HangSuspected, StragglerSuspected and leader changes after the first
   are counted, and extrapolated per node-day. The load average is sampled every 10 s.
   A poller reads the leader's live view every 100 ms: each node's longest silences give
-  the latency / false-positive table for other miss limits (`miss_limit_table`).
+  the latency / false-positive table for other miss limits (`miss_limit_table`). Every
+  2 s it also records each node's timing summary (`timings.jsonl`); the recorded sweeps
+  are replayed through the straggler detector at k = 3 (its default), 2.5 and 2
+  (`straggler_replay`): how far the run's zero is from a false straggler.
 
 Writes bench/results/detectors.json and prints tables. `make bench-detectors`
 (`ARGS="--minutes 20"` for the full false-positive run; the default is short).
@@ -44,8 +47,10 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (the shared jobs)
 from tests.jobs import ALLREDUCE_WORKER
 from unbroken.cli.cluster import LocalCluster, UntilTimeout, until
+from unbroken.common.timing import node_timing
 from unbroken.common.tls import read_token, token_metadata
 from unbroken.driver.etcd import EmbeddedEtcd, free_port
+from unbroken.driver.straggler import Sample, StragglerConfig, StragglerWatch
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
@@ -262,7 +267,8 @@ def fp_part(run: Path, minutes: float, hog: int) -> dict[str, Any]:
         # `up` runs secured: the viewer token reads the live view
         md = token_metadata(read_token(None, str(up_dir / "tokens" / "viewer.token")))
         t_end = time.monotonic() + minutes * 60.0 + 60.0  # + start-up
-        next_load = 0.0
+        next_load = next_timing = 0.0
+        timings = (run / "timings.jsonl").open("a")
         last: dict[str, float] = {}
         while time.monotonic() < t_end and p.procs["up"].poll() is None:
             now = time.monotonic()
@@ -272,6 +278,9 @@ def fp_part(run: Path, minutes: float, hog: int) -> dict[str, Any]:
             for a in addresses:
                 nodes = live(a, md)
                 if nodes and any(n.alive for n in nodes):
+                    if now >= next_timing:  # every node's timing, as the straggler sweep sees it
+                        record_timings(timings, nodes)
+                        next_timing = now + 2.0
                     for n in nodes:
                         if not n.alive:
                             continue
@@ -287,6 +296,7 @@ def fp_part(run: Path, minutes: float, hog: int) -> dict[str, Any]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(h.pid, signal.SIGKILL)
         p.stop()
+    timings.close()
     with LocalCluster(up_dir, job="demo") as c:  # up's etcd, on its data
         events = c.events()
     kinds = [e.WhichOneof("payload") for e in events]
@@ -322,7 +332,42 @@ def fp_part(run: Path, minutes: float, hog: int) -> dict[str, Any]:
         "events": len(events),
         "max_silence_ms": max(all_gaps) if all_gaps else None,
         "miss_limit_table": table,
+        "straggler_replay": replay_timings(run / "timings.jsonl"),
     }
+
+
+def record_timings(out: Any, nodes: list[dpb.NodeLive]) -> None:
+    """One line: every alive node's timing summary (common/timing.py), for the replay."""
+    rec = {"t": time.time(), "nodes": {}}
+    for n in nodes:
+        t = node_timing(n.workers) if n.alive else None
+        if t is not None:
+            rec["nodes"][n.node_id] = [
+                t.generation, t.compute_ms, t.mad_ms, t.wait_ms, t.window_steps, t.wait_mad_ms
+            ]  # fmt: skip
+    out.write(json.dumps(rec) + "\n")
+    out.flush()
+
+
+def replay_timings(path: Path, ks: tuple[float, ...] = (3.0, 2.5, 2.0)) -> dict[str, Any]:
+    """The recorded sweeps through the straggler detector at its defaults and at lower `k`:
+    how many stragglers each names (the margin of the run's zero, not only the zero)."""
+    if not path.exists():
+        return {}
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    named: dict[str, Any] = {"sweeps": len(recs)}
+    for k in ks:
+        watch = StragglerWatch(StragglerConfig(k=k))
+        found = 0
+        for r in recs:
+            found += len(
+                watch.sweep([
+                    Sample(n, int(v[0]), v[1], v[2], v[3], int(v[4]), v[5])
+                    for n, v in r["nodes"].items()
+                ])
+            )  # fmt: skip
+        named[f"named_at_k_{k:g}"] = found
+    return named
 
 
 def main() -> None:
