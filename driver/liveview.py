@@ -204,6 +204,13 @@ class LiveView:
         self.order.pop(slot.node_id, None)
         self.pending.pop(slot.node_id, None)
 
+    def mark_leaving(self, node_id: str) -> None:
+        """`node_id` was told to leave (evicted): its agent exits on the command, so the
+        node-lost sweep forgets it when it goes silent rather than declaring it lost."""
+        slot = self.nodes.get(node_id)
+        if slot is not None:
+            slot.leaving = True
+
     def alive_count(self) -> int:
         return len(self.order) + len(self.pending)
 

@@ -393,7 +393,7 @@ class RecoveryLoop:
                     )
                 )
         elif isinstance(a, machine.EvictNode):
-            self.service.leaving(a.node_id)
+            self.service.view.mark_leaving(a.node_id)
             await self._broadcast(
                 (a.node_id,), dpb.DriverMessage(evict=dpb.Evict(reason=a.reason)), wait=False
             )

@@ -345,7 +345,7 @@ class OperatorApi:
         notified = False
         slot = self.view.nodes.get(node_id)
         if journal.decider is None and slot is not None and slot.outbox is not None:
-            slot.leaving = True  # its agent exits on the command: no NodeLost for it
+            self.view.mark_leaving(node_id)  # its agent exits on the command: no NodeLost
             try:
                 reply = await self._cmd.request(
                     node_id,

@@ -472,13 +472,6 @@ class DriverService(dgrpc.DriverServicer):
                 "node lost", node=e.node_lost.node_id, silent_ms=round(e.node_lost.silent_ms, 1)
             )
 
-    def leaving(self, node_id: str) -> None:
-        """`node_id` was told to leave (evicted): its agent exits on the command, so the
-        node-lost sweep forgets it when it goes silent rather than declaring it lost."""
-        slot = self.view.nodes.get(node_id)
-        if slot is not None:
-            slot.leaving = True
-
     def _held_for_relay(self, slot: NodeSlot, now: float) -> bool:
         """Whether `slot`'s silence began with its relay's loss (and is still young enough
         to wait for the node to come to us directly)."""
