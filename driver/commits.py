@@ -55,13 +55,15 @@ class Commits:
         self.persist_cost_s = 0.0  # moving average of one shard's write-and-verify time
         self.shard_bytes = 0  # the largest shard of the newest reports (ring slot size)
 
-    def claim(self, node_id: str, world_size: int, rank: int, alive: Callable[[str], bool]) -> str:
+    def claim(
+        self, node_id: str, world_size: int, rank: int, can_report: Callable[[str], bool]
+    ) -> str:
         """Bind a rank of a world to the first node that reports it; why not ("" if ok).
 
-        A rank whose owner is no longer alive (lost, evicted: a replacement took its
-        ranks) passes to the node reporting it now."""
+        A rank whose owner can no longer report (`can_report` false: lost, evicted, its
+        session closed; a replacement took its ranks) passes to the node reporting it now."""
         owner = self._owners.setdefault((world_size, rank), node_id)
-        if owner != node_id and not alive(owner):
+        if owner != node_id and not can_report(owner):
             owner = self._owners[(world_size, rank)] = node_id
         if len(self._owners) > MAX_OWNERS:
             self._owners.clear()

@@ -881,11 +881,14 @@ class DriverService(dgrpc.DriverServicer):
             if not first <= msg.rank < first + wpn:
                 return f"rank {msg.rank} is not one of its ranks [{first}, {first + wpn})"
             return ""
-        return self.commits.claim(node_id, msg.world_size, msg.rank, self._alive)
+        return self.commits.claim(node_id, msg.world_size, msg.rank, self._can_report)
 
-    def _alive(self, node_id: str) -> bool:
+    def _can_report(self, node_id: str) -> bool:
+        """Whether `node_id` can still report its ranks' shards: alive, not leaving, and
+        its session open (a SIGKILLed agent's stream closes at once, long before its
+        silence reaches the miss limit; its replacement's reports must count meanwhile)."""
         slot = self.view.nodes.get(node_id)
-        return slot is not None and slot.alive
+        return slot is not None and slot.alive and slot.connected and not slot.leaving
 
     def _on_appended(self, event: ev.Event) -> None:
         """Bookkeeping that follows the log: a rollback reopens the steps after it; a

@@ -215,6 +215,15 @@ class Cluster:
         p = self.tmp / f"logs-{node}" / "worker-0.log"
         return p.read_text(errors="replace") if p.exists() else ""
 
+    def agent_warnings(self) -> dict[str, list[str]]:
+        """Each agent's last few warnings and errors (what a timeout's message needs)."""
+        out = {}
+        for p in sorted(self.tmp.glob("agent-*.log")):
+            lines = p.read_text(errors="replace").splitlines()
+            bad = [ln[:300] for ln in lines if "[warning" in ln or "[error" in ln]
+            out[p.stem] = bad[-8:]
+        return out
+
     def restores(self, node: str) -> int:
         return len(RESTORED.findall(self.worker_log(node)))
 
@@ -228,7 +237,10 @@ class Cluster:
         while not cond():
             if time.monotonic() > deadline:
                 logs = {n: self.worker_log(n)[-1500:] for n in self.agents if n != "gone"}
-                raise AssertionError(f"timed out waiting for {what}; worker logs: {logs}")
+                raise AssertionError(
+                    f"timed out waiting for {what}; agents' warnings: {self.agent_warnings()}; "
+                    f"worker logs: {logs}"
+                )
             await asyncio.sleep(0.05)
 
     async def registered(self, *nodes: str) -> None:

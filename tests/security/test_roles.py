@@ -216,6 +216,9 @@ def test_a_node_reports_only_its_own_ranks(batched: bool) -> None:
 
 
 def test_a_rank_of_a_launcher_owned_world_belongs_to_its_first_reporter() -> None:
+    """A rank of a world no driver laid out is its first reporter's, until that node can no
+    longer report (its session closed): then the next reporter's."""
+
     async def go() -> None:
         async with driver() as (svc, _store, addr):
             async with grpc.aio.insecure_channel(addr) as ch:
@@ -233,8 +236,17 @@ def test_a_rank_of_a_launcher_owned_world_belongs_to_its_first_reporter() -> Non
                 await calls[1].write(_shard(1, 2))
                 await until(lambda: "node-b" in svc.commits.by_node)
                 assert svc.commits.by_node["node-b"] == {1: 10}
-                for c in calls:
-                    c.cancel()
+                refused = svc.commits.ignored
+                assert refused >= 1  # node-a's rank 0 stayed node-a's
+                # node-a's session closes (a SIGKILLed agent): while it is still alive by
+                # the miss limit, its replacement's report of rank 0 counts at once.
+                calls[0].cancel()
+                await until(lambda: not svc.view.nodes["node-a"].connected)
+                assert svc.view.nodes["node-a"].alive
+                await calls[1].write(_shard(0, 2))
+                await until(lambda: svc.commits.by_node["node-b"] == {0: 10, 1: 10})
+                assert svc.commits.ignored == refused
+                calls[1].cancel()
 
     asyncio.run(go())
 
