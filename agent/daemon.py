@@ -365,6 +365,7 @@ class Agent:
             if f.sender is not None:
                 v["replicas_sent"] = f.sender.sent_copies
                 v["replica_bytes_sent"] = f.sender.sent_bytes
+                v["replica_send_failures"] = f.sender.failed
         sup = self.supervisor
         if sup is not None:
             v["warm_starts"], v["cold_starts"] = sup.warm_starts, sup.cold_starts

@@ -54,6 +54,11 @@ AGENT_METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "unbroken_agent_persisted_bytes_total": ("counter", (), "Bytes of those shards"),
     "unbroken_agent_replicas_sent_total": ("counter", (), "Copies sent to the buddy node"),
     "unbroken_agent_replica_bytes_sent_total": ("counter", (), "Bytes sent to the buddy node"),
+    "unbroken_agent_replica_send_failures_total": (
+        "counter",
+        (),
+        "Sends to the buddy that failed (unreachable, refused, or this node's copy corrupt)",
+    ),
     "unbroken_agent_replicas_received_total": (
         "counter",
         (),
@@ -141,6 +146,7 @@ class _AgentCollector(Collector):
             ("unbroken_agent_persisted_bytes_total", "persisted_bytes"),
             ("unbroken_agent_replicas_sent_total", "replicas_sent"),
             ("unbroken_agent_replica_bytes_sent_total", "replica_bytes_sent"),
+            ("unbroken_agent_replica_send_failures_total", "replica_send_failures"),
             ("unbroken_agent_replicas_received_total", "replicas_received"),
             ("unbroken_agent_replicas_refused_total", "replicas_refused"),
         ):

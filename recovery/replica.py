@@ -61,6 +61,7 @@ from unbroken.recovery.flashcopy import (
     list_copies,
     manifest_path,
     new_hasher,
+    read_copy,
     read_manifest,
     replica_store,
     write_manifest,
@@ -190,6 +191,7 @@ class SendResult:
     step: int
     ok: bool
     error: str = ""
+    corrupt: bool = False  # the buddy received the copy whole and its checksum did not match
 
 
 class _Framing:
@@ -503,7 +505,11 @@ class ReplicaServer:
                 reader, fr, rank_dir, manifest, self.config.headroom_bytes
             )
         if ref is None:
-            return {"ok": False, "error": f"checksum mismatch for rank {rank} step {manifest.step}"}
+            return {
+                "ok": False,
+                "corrupt": True,
+                "error": f"checksum mismatch for rank {rank} step {manifest.step}",
+            }
         self.received += 1
         log.info("replica.stored", node=node, rank=rank, step=manifest.step, bytes=dlen)
         return {"ok": True, "error": ""}
@@ -670,9 +676,11 @@ async def send_copy(
         finally:
             writer.close()
         ok = bool(reply.get("ok"))
-        if ok and read_manifest(ref.rank_dir, ref.slot) != m:
+        if read_manifest(ref.rank_dir, ref.slot) != m:
             return SendResult(m.rank, m.step, False, "slot overwritten during the send")
-        return SendResult(m.rank, m.step, ok, str(reply.get("error", "")))
+        return SendResult(
+            m.rank, m.step, ok, str(reply.get("error", "")), not ok and bool(reply.get("corrupt"))
+        )
 
     try:
         return await asyncio.wait_for(go(), cfg.timeout_s)
@@ -684,6 +692,9 @@ async def send_copy(
 REPLICA_MARGIN = 3
 # A newest copy no newer save has followed for this long is sent whatever the spacing.
 IDLE_FLUSH_S = 1.0
+# After a failed send a rank's next try waits this long, doubling per failure up to the cap.
+RETRY_FIRST_S = 0.1
+RETRY_CAP_S = 5.0
 
 
 class ReplicaSender:
@@ -696,6 +707,11 @@ class ReplicaSender:
     of the CPU it would copying every step. A copy no newer save has followed for
     `IDLE_FLUSH_S` goes at once: when training pauses or stops, the last copy is the one
     worth having. The agent calls `tick()` on its poll timer.
+
+    A failed send is retried after `RETRY_FIRST_S`, doubling up to `RETRY_CAP_S` while the
+    buddy stays unreachable (not 10 tries a second, each logged). A copy the buddy received
+    whole but found corrupt is read back here: if it fails its checksum here too it is never
+    sent again (the next newer copy is); if not, it was damaged in transit and is retried.
     """
 
     def __init__(
@@ -714,9 +730,12 @@ class ReplicaSender:
         self.idle_flush_s = idle_flush_s
         self._sent: dict[int, int] = {}  # rank -> generation acknowledged by the buddy
         self._newest_seen: dict[int, tuple[int, float]] = {}  # rank -> (generation, first seen)
+        self._retry: dict[int, tuple[int, float]] = {}  # rank -> (failures in a row, next try)
+        self._corrupt: dict[int, int] = {}  # rank -> generation the buddy found corrupt
         self.sent_copies = 0  # copies the buddy accepted (metrics)
         self.sent_bytes = 0
         self.spaced_out = 0  # ticks that left a newer copy for a later send (metrics)
+        self.failed = 0  # sends that failed (metrics)
 
     def due(self, rank: int, refs: list[CopyRef], now: float) -> CopyRef | None:
         """The copy of `rank` to send now (its newest), or None; `refs` newest first."""
@@ -725,7 +744,10 @@ class ReplicaSender:
         newest = refs[0]
         gen = newest.manifest.generation
         acked = self._sent.get(rank)
-        if acked == gen:
+        if acked == gen or self._corrupt.get(rank) == gen:
+            return None
+        retry = self._retry.get(rank)
+        if retry is not None and now < retry[1]:
             return None
         seen = self._newest_seen.get(rank)
         if seen is None or seen[0] != gen:
@@ -752,14 +774,50 @@ class ReplicaSender:
                 continue
             host, port = self.buddy
             res = await send_copy(ref, self.node, host, port, config=self.config)
-            if res.ok:
-                self._sent[rank] = ref.manifest.generation
-                self.sent_copies += 1
-                self.sent_bytes += ref.manifest.data_nbytes
-            else:
-                log.warning("replica.send_failed", rank=rank, step=res.step, error=res.error)
+            local_ok = True
+            if res.corrupt:  # in transit, or here? Read it back (rare: once per refusal).
+                local_ok = await asyncio.to_thread(_verifies, ref)
+            self._settle(rank, ref, res, time.monotonic(), local_ok=local_ok)
             results.append(res)
         return results
+
+    def _settle(
+        self, rank: int, ref: CopyRef, res: SendResult, now: float, *, local_ok: bool = False
+    ) -> None:
+        """Book one send's outcome: acknowledged, corrupt here (the buddy found it corrupt
+        and `local_ok` is false: it fails its checksum here too), or retried later."""
+        if res.ok:
+            self._sent[rank] = ref.manifest.generation
+            self._retry.pop(rank, None)
+            self.sent_copies += 1
+            self.sent_bytes += ref.manifest.data_nbytes
+            return
+        self.failed += 1
+        if res.corrupt and not local_ok:
+            self._corrupt[rank] = ref.manifest.generation
+            self._retry.pop(rank, None)
+            log.error(
+                "replica.local_copy_corrupt",
+                rank=rank,
+                step=res.step,
+                slot=ref.slot,
+                error=res.error,
+                hint="this node's memory copy failed its checksum at the buddy; it is not "
+                "sent again, the next copy is",
+            )
+            return
+        n = self._retry.get(rank, (0, 0.0))[0] + 1
+        self._retry[rank] = (n, now + min(RETRY_CAP_S, RETRY_FIRST_S * 2 ** (n - 1)))
+        log.warning("replica.send_failed", rank=rank, step=res.step, error=res.error, tries=n)
+
+
+def _verifies(ref: CopyRef) -> bool:
+    """Whether the copy still matches its checksum (False: corrupt, truncated, or gone)."""
+    try:
+        read_copy(ref).close()
+    except CorruptCopyError:
+        return False
+    return True
 
 
 def replica_dirs(owner: FlashOwner, node: str) -> dict[int, Path]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from unbroken.recovery.flashcopy import CopyRef, Manifest
-from unbroken.recovery.replica import REPLICA_MARGIN, ReplicaSender
+from unbroken.recovery.replica import REPLICA_MARGIN, RETRY_CAP_S, ReplicaSender, SendResult
 
 pytestmark = pytest.mark.unit
 
@@ -71,3 +71,45 @@ def test_a_replica_that_left_the_ring_is_replaced_at_once() -> None:
     ref = s.due(0, ring(20, 8), now=0.0)
     assert ref is not None and ref.manifest.step == 20
     assert s.due(0, [], now=0.0) is None
+
+
+def test_a_failed_send_is_retried_after_a_doubling_delay() -> None:
+    s = sender()
+    ref = ring(5, 4)[0]
+    down = SendResult(0, 5, False, "ConnectionRefusedError")
+    tries: list[float] = []
+    for tick in range(2000):  # a 10 ms poll timer for 20 s
+        now = tick / 100
+        if s.due(0, ring(5, 4), now) is not None:
+            tries.append(now)
+            s._settle(0, ref, down, now)
+    gaps = [b - a for a, b in itertools.pairwise(tries)]
+    assert gaps[:6] == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.6, 3.2], abs=0.011)
+    assert gaps[6:] == pytest.approx([RETRY_CAP_S] * len(gaps[6:]), abs=0.011)
+    assert s.failed == len(tries)
+    s._settle(0, ref, SendResult(0, 5, True), now)  # the buddy is back
+    assert s.due(0, ring(6, 4), now) is not None  # the next copy goes at once
+
+
+def test_a_copy_the_buddy_found_corrupt_is_not_sent_again() -> None:
+    s = sender()
+    refs = ring(5, 4)
+    ref = s.due(0, refs, now=0.0)
+    assert ref is not None
+    s._settle(0, ref, SendResult(0, 5, False, "checksum mismatch", corrupt=True), 0.0)
+    assert all(s.due(0, refs, now=t) is None for t in (0.1, 1.0, 10.0, 100.0))
+    newer = s.due(0, ring(6, 4), now=100.0)  # the next save is a fresh copy: it goes
+    assert newer is not None and newer.manifest.step == 6
+
+
+def test_a_copy_damaged_in_transit_is_sent_again() -> None:
+    """The buddy found it corrupt, but it reads back whole here: the wire damaged it."""
+    s = sender()
+    refs = ring(5, 4)
+    ref = s.due(0, refs, now=0.0)
+    assert ref is not None
+    bad = SendResult(0, 5, False, "checksum mismatch", corrupt=True)
+    s._settle(0, ref, bad, 0.0, local_ok=True)
+    assert s.due(0, refs, now=0.05) is None
+    again = s.due(0, refs, now=0.1)
+    assert again is not None and again.manifest.step == 5
