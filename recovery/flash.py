@@ -357,6 +357,8 @@ class FlashWriter:
         self._capacity = 0
         self._nslots = 0
         self._maps: dict[int, mmap.mmap] = {}
+        # slot -> (plan, its non-empty entries' positions, tensors over their bytes)
+        self._views: dict[int, tuple[_Plan, list[int], list[torch.Tensor]]] = {}
         # Thread names start with f"flash-{rank}_": the SDK's pacer measures their CPU.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"flash-{rank}")
         self._sums = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"flash-{rank}_sum")
@@ -382,9 +384,7 @@ class FlashWriter:
 
     def _ensure(self, nbytes: int) -> Path:
         if self._dir is None or nbytes > self._capacity:
-            for m in self._maps.values():
-                m.close()
-            self._maps.clear()
+            self._unmap()
             self._cuda_registered.clear()
             self._dir = Path(self._provider.reserve(self.rank, nbytes))
             self._capacity = nbytes
@@ -395,6 +395,27 @@ class FlashWriter:
             refs = list_copies(self._dir)
             self._generation = refs[0].manifest.generation if refs else 0
         return self._dir
+
+    def _slot_views(
+        self, slot: int, buf: mmap.mmap, plan: _Plan
+    ) -> tuple[list[int], list[torch.Tensor]]:
+        """The plan's non-empty entries (their positions) and a tensor over each one's bytes
+        in `slot`, built once per slot and plan (they keep the slot's mapping exported:
+        `_unmap` drops them first)."""
+        hit = self._views.get(slot)
+        if hit is not None and hit[0] is plan:
+            return hit[1], hit[2]
+        used = [i for i, e in enumerate(plan.entries) if e.nbytes]
+        dsts = [tensor_view(buf, plan.entries[i]) for i in used]
+        self._views[slot] = (plan, used, dsts)
+        return used, dsts
+
+    def _unmap(self) -> None:
+        """Drop every slot's mapping (and the tensor views over them)."""
+        self._views.clear()
+        for m in self._maps.values():
+            m.close()
+        self._maps.clear()
 
     def _map(self, slot: int) -> mmap.mmap:
         m = self._maps.get(slot)
@@ -690,17 +711,22 @@ class FlashWriter:
         events: list[Any] = []
 
         def copy() -> None:
-            for i, (src, entry) in enumerate(zip(sources, plan.entries, strict=True)):
-                if entry.nbytes:
-                    dst = tensor_view(buf, entry)
-                    if src.is_cuda:
+            used, dsts = self._slot_views(slot, buf, plan)
+            if self._progress_hook is None and not any(s.is_cuda for s in sources):
+                # One call for every tensor (per-tensor Python cost dominated a small
+                # state's copy: 1.4 ms for 157 tensors, 0.15 ms as one foreach copy); one
+                # thread: two measured no faster (one core reaches the VM's bandwidth).
+                torch._foreach_copy_(dsts, [sources[i] for i in used])
+            else:
+                views = dict(zip(used, dsts, strict=True))
+                for i, src in enumerate(sources):
+                    dst = views.get(i)
+                    if dst is not None and src.is_cuda:
                         events.append(self._copy_from_cuda(buf, slot, dst, src))
-                    else:
-                        # One thread: two copy threads measured no faster here (the VM's
-                        # memory bandwidth, ~6.3 GB/s, is reached by one core).
+                    elif dst is not None:
                         dst.copy_(src)
-                if self._progress_hook is not None:
-                    self._progress_hook(i)
+                    if self._progress_hook is not None:
+                        self._progress_hook(i)
             sources.clear()  # the state's tensors are free to change (and to be freed)
 
         def finish() -> Manifest:
@@ -820,9 +846,7 @@ class FlashWriter:
         self._drain(timeout_s)
         self._pool.shutdown(wait=True)
         self._sums.shutdown(wait=True)
-        for m in self._maps.values():
-            m.close()
-        self._maps.clear()
+        self._unmap()
 
 
 def _resolve_stateful(state_dict: Mapping[str, Any]) -> dict[str, Any]:

@@ -497,6 +497,35 @@ def test_small_values_keep_their_type_and_sign(value: Any) -> None:
     assert repr(back) == repr(value) and type(back) is type(value)
 
 
+def test_a_manifest_stores_each_distinct_small_value_once_and_reads_version_1() -> None:
+    """Hundreds of per-parameter optimizer values share a few values: each distinct one's
+    bytes are in the manifest once. A version 1 manifest (bytes per key) still reads."""
+    import base64
+    import json
+    import zlib
+
+    from unbroken.recovery.flash import _dump_object
+    from unbroken.recovery.flashcopy import Manifest
+
+    lr, betas = _dump_object(3e-4), _dump_object((0.9, 0.95))
+    objects = {f"optimizer.param_groups.layer{i}.{k}": v for i in range(300) for k, v in
+               (("lr", lr), ("betas", betas))}  # fmt: skip
+    m = Manifest(0, 7, 3, 0, 0, (), objects, {"world": 2}, 1.0)
+    raw = m.to_bytes()
+    assert Manifest.from_bytes(raw) == m
+    assert raw.count(base64.b64encode(lr)) == 1 and raw.count(base64.b64encode(betas)) == 1
+    doc = json.loads(raw.rpartition(b"\n")[0])
+    doc["version"] = 1
+    doc["objects"] = {k: base64.b64encode(v).decode() for k, v in objects.items()}
+    del doc["blobs"]
+    body = json.dumps(doc).encode()
+    assert Manifest.from_bytes(body + b"\n" + f"{zlib.crc32(body):08x}".encode()) == m
+    doc["version"], doc["objects"], doc["blobs"] = 2, {"x": 5}, []  # names a missing blob
+    body = json.dumps(doc).encode()
+    with pytest.raises(CorruptCopyError, match="does not hold"):
+        Manifest.from_bytes(body + b"\n" + f"{zlib.crc32(body):08x}".encode())
+
+
 # ---------------------------------------------------------------- lifecycle (issue 15)
 
 
