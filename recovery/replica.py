@@ -210,7 +210,7 @@ class _Framing:
     def _mac(self, direction: bytes, seq: int, payload: bytes) -> bytes:
         assert self.key is not None
         msg = direction + self.bind + seq.to_bytes(8, "big") + payload
-        return hmac.new(self.key, msg, hashlib.sha256).digest()
+        return hmac.digest(self.key, msg, "sha256")  # one-shot, in C (no HMAC object)
 
     def line(self, obj: dict[str, Any]) -> bytes:
         if self.key is not None:
@@ -692,6 +692,8 @@ async def send_copy(
 REPLICA_MARGIN = 3
 # A newest copy no newer save has followed for this long is sent whatever the spacing.
 IDLE_FLUSH_S = 1.0
+# A replica is never older than about this when saves are slower than the ring's spacing.
+REPLICA_EVERY_S = 1.0
 # After a failed send a rank's next try waits this long, doubling per failure up to the cap.
 RETRY_FIRST_S = 0.1
 RETRY_CAP_S = 5.0
@@ -701,7 +703,8 @@ class ReplicaSender:
     """The sending agent's side: ships each local rank's newest copy to the buddy.
 
     Not every copy: with a ring of k copies a copy goes every `k - REPLICA_MARGIN` saves
-    (every save when k <= 4), so the replicated step stays inside every rank's ring (a
+    (every save when k <= 4), or once `REPLICA_EVERY_S` has passed since the last one
+    when that comes first (slow steps), so the replicated step stays inside every rank's ring (a
     restore after this node is lost needs one step that all ranks hold in memory, and the
     survivors' rings turn at the same pace as this one), while the agent spends a fraction
     of the CPU it would copying every step. A copy no newer save has followed for
@@ -722,13 +725,16 @@ class ReplicaSender:
         config: ReplicaConfig | None = None,
         *,
         idle_flush_s: float = IDLE_FLUSH_S,
+        every_s: float = REPLICA_EVERY_S,
     ) -> None:
         self.owner = owner
         self.node = node
         self.buddy = buddy
         self.config = config or ReplicaConfig()
         self.idle_flush_s = idle_flush_s
+        self.every_s = every_s
         self._sent: dict[int, int] = {}  # rank -> generation acknowledged by the buddy
+        self._sent_at: dict[int, float] = {}  # rank -> when the buddy acknowledged it
         self._newest_seen: dict[int, tuple[int, float]] = {}  # rank -> (generation, first seen)
         self._retry: dict[int, tuple[int, float]] = {}  # rank -> (failures in a row, next try)
         self._corrupt: dict[int, int] = {}  # rank -> generation the buddy found corrupt
@@ -756,7 +762,11 @@ class ReplicaSender:
         if acked is None or acked not in gens:
             return newest
         newer = sum(1 for g in gens if g > acked)
-        if newer >= max(1, len(refs) - REPLICA_MARGIN) or now - seen[1] >= self.idle_flush_s:
+        if (
+            newer >= max(1, len(refs) - REPLICA_MARGIN)
+            or now - seen[1] >= self.idle_flush_s
+            or now - self._sent_at.get(rank, now) >= self.every_s
+        ):
             return newest
         self.spaced_out += 1
         return None
@@ -788,6 +798,7 @@ class ReplicaSender:
         and `local_ok` is false: it fails its checksum here too), or retried later."""
         if res.ok:
             self._sent[rank] = ref.manifest.generation
+            self._sent_at[rank] = now
             self._retry.pop(rank, None)
             self.sent_copies += 1
             self.sent_bytes += ref.manifest.data_nbytes

@@ -27,6 +27,7 @@ from unbroken.recovery.flash import (
     write_raw_copy,
 )
 from unbroken.recovery.flashcopy import read_persisted_mark, slots
+from unbroken.recovery.flashowner import MAX_AUTO_COPIES
 from unbroken.recovery.persist import (
     PERSIST_META,
     TIMELINE_META,
@@ -638,11 +639,12 @@ def test_an_automatic_ring_is_sized_from_the_tmpfs_budget(owner: FlashOwner) -> 
     st = os.statvfs(root)
     tmpfs = st.f_blocks * st.f_frsize
     small = FlashOwner(FlashConfig(root=root, job="auto-small"))
-    assert len(slots(Path(small.reserve(0, 4096)))) == 8  # tiny state: the cap
+    assert len(slots(Path(small.reserve(0, 4096)))) == MAX_AUTO_COPIES  # tiny state: the cap
     # a state of a tenth of the tmpfs, 1 rank per node, a quarter of the tmpfs: 2 copies
     big = FlashOwner(FlashConfig(root=root, job="auto-big", local_ranks=1))
     assert big._auto_copies(tmpfs // 10, tmpfs) == 2
-    assert big._auto_copies(tmpfs // 40, tmpfs) == 8
+    assert big._auto_copies(tmpfs // 40, tmpfs) == 10
+    assert big._auto_copies(tmpfs // 400, tmpfs) == MAX_AUTO_COPIES
     shared = FlashOwner(FlashConfig(root=root, job="auto-8", local_ranks=8))
     assert shared._auto_copies(tmpfs // 160, tmpfs) == 5  # 1/32 of the tmpfs per rank
     with pytest.raises(ValueError, match="copies"):

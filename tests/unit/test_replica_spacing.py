@@ -113,3 +113,18 @@ def test_a_copy_damaged_in_transit_is_sent_again() -> None:
     assert s.due(0, refs, now=0.05) is None
     again = s.due(0, refs, now=0.1)
     assert again is not None and again.manifest.step == 5
+
+
+def test_slow_saves_are_replicated_about_every_second() -> None:
+    """A ring of 16 spaces sends 13 saves apart; with a save every 0.4 s that would leave
+    the replica 5 s behind, so the time rule sends one about every second instead."""
+    s = sender()
+    out = []
+    for step in range(40):
+        now = step * 0.4
+        ref = s.due(0, ring(step, 16), now)
+        if ref is not None:
+            s._settle(0, ref, SendResult(0, step, True), now)
+            out.append(ref.manifest.step)
+    gaps = {b - a for a, b in itertools.pairwise(x for x in out if x >= 16)}
+    assert gaps == {3}  # 1.2 s: the first save at least REPLICA_EVERY_S after the last send
