@@ -684,13 +684,17 @@ class FlashWriter:
             except BaseException:  # a failed copy is reported once, here
                 self._inflight = {s: h for s, h in self._inflight.items() if h is not pending}
                 raise
-        if skip_if_busy and self._dir is not None and self._free_slot(self._dir) is None:
+        early_dir = self._dir if skip_if_busy else None
+        early = self._free_slot(early_dir) if early_dir is not None else None
+        if early_dir is not None and early is None:
             self.skipped_busy += 1
             log.debug("flash.skipped_busy", rank=self.rank, step=step, copies=self._nslots)
             return None
         plan, sources, objects = self._take(state)
         rank_dir = self._ensure(plan.nbytes)
-        slot = self._free_slot(rank_dir)
+        # the slot found free above still is (only this thread takes slots) unless the
+        # ring was reserved again for a larger state
+        slot = early if rank_dir == early_dir else self._free_slot(rank_dir)
         while slot is None:
             if skip_if_busy:
                 self.skipped_busy += 1
