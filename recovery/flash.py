@@ -45,6 +45,7 @@ import functools
 import io
 import mmap
 import os
+import pickle
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -155,15 +156,43 @@ def _immutable(value: Any) -> bool:
     )
 
 
+def _torch_save(value: Any, *, legacy: bool) -> bytes:
+    out = io.BytesIO()
+    torch.save(value, out, _use_new_zipfile_serialization=not legacy)
+    return out.getvalue()
+
+
+@functools.cache
+def _legacy_frame() -> tuple[bytes, bytes] | None:
+    """torch's legacy format around a tensor-free value: (head, tail), where the bytes are
+    head + pickle(value, protocol 2) + tail; None if this torch frames it otherwise.
+
+    Found from torch.save itself and checked on a probe, so no private constant of
+    torch.serialization is assumed: 0.3 us per value instead of 14 us (a step's few
+    changed values were a third of a save's time on the training thread)."""
+    empty = pickle.dumps(None, protocol=2)
+    whole = _torch_save(None, legacy=True)
+    at = whole.rfind(empty)
+    if at < 0:
+        return None
+    head, tail = whole[:at], whole[at + len(empty) :]
+    for probe in (12345, (0.9, 0.95), "s", -0.0):
+        if head + pickle.dumps(probe, protocol=2) + tail != _torch_save(probe, legacy=True):
+            return None
+    return head, tail
+
+
 def _dump_object(value: Any) -> bytes:
     key = (type(value), repr(value)) if _immutable(value) else None
     if key is not None and key in _DUMPED:
         return _DUMPED[key]
-    out = io.BytesIO()
     # The legacy (pickle) format is 155 bytes for a float, the zip format 1261: it keeps a
     # manifest with hundreds of small values small. torch.load reads both.
-    torch.save(value, out, _use_new_zipfile_serialization=key is None)
-    raw = out.getvalue()
+    frame = _legacy_frame() if key is not None else None
+    if frame is not None:
+        raw = frame[0] + pickle.dumps(value, protocol=2) + frame[1]
+    else:
+        raw = _torch_save(value, legacy=key is not None)
     if key is not None:
         if len(_DUMPED) >= _DUMPED_MAX:
             _DUMPED.clear()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import shutil
 import tempfile
 import threading
@@ -490,12 +491,16 @@ def test_guard_makes_optimizer_step_wait_for_the_copy(
     [True, 1, 2**70, 0.0, -0.0, float("-inf"), "s", None, (0.9, 0.95), [1, 2], {"a": (1,)}],
 )
 def test_small_values_keep_their_type_and_sign(value: Any) -> None:
-    from unbroken.recovery.flash import _dump_object, load_object
+    from unbroken.recovery.flash import _dump_object, _immutable, load_object
 
     for probe in (1, 0.0, value):  # after equal-but-different values were cached
         load_object(_dump_object(probe))
     back = load_object(_dump_object(value))
     assert repr(back) == repr(value) and type(back) is type(value)
+    if _immutable(value):  # framed by hand: byte for byte what torch.save writes
+        out = io.BytesIO()
+        torch.save(value, out, _use_new_zipfile_serialization=False)
+        assert _dump_object(value) == out.getvalue()
 
 
 def test_a_manifest_stores_each_distinct_small_value_once_and_reads_version_1() -> None:
