@@ -235,7 +235,7 @@ def _global_layout(
 @dataclass(slots=True)
 class _Plan:
     keys: list[str]
-    entries: list[TensorEntry]
+    entries: tuple[TensorEntry, ...]
     objects: dict[str, Any]
     nbytes: int
     tensors: list[torch.Tensor]  # the local tensors (DTensor shards), detached
@@ -297,7 +297,7 @@ def _plan(flat: Mapping[str, Any]) -> _Plan:
         keys.append(key)
         tensors.append(local)
         off += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-    return _Plan(keys, entries, objects, off, tensors, {k: i for i, k in enumerate(keys)})
+    return _Plan(keys, tuple(entries), objects, off, tensors, {k: i for i, k in enumerate(keys)})
 
 
 class SaveHandle:
@@ -772,7 +772,7 @@ class FlashWriter:
                 generation=generation,
                 data_nbytes=plan.nbytes,
                 checksum=checksum(memoryview(buf)[: plan.nbytes]),
-                entries=tuple(plan.entries),
+                entries=plan.entries,  # the same tuple every save: its JSON is cached
                 objects=objects,
                 meta=dict(meta or {}),
                 created_unix=time.time(),

@@ -520,16 +520,34 @@ def test_a_manifest_stores_each_distinct_small_value_once_and_reads_version_1() 
     raw = m.to_bytes()
     assert Manifest.from_bytes(raw) == m
     assert raw.count(base64.b64encode(lr)) == 1 and raw.count(base64.b64encode(betas)) == 1
-    doc = json.loads(raw.rpartition(b"\n")[0])
-    doc["version"] = 1
+    head, entries = raw.rpartition(b"\n")[0].split(b"\n")
+    doc = json.loads(head)
+    doc["version"], doc["entries"] = 1, json.loads(entries)
     doc["objects"] = {k: base64.b64encode(v).decode() for k, v in objects.items()}
     del doc["blobs"]
     body = json.dumps(doc).encode()
     assert Manifest.from_bytes(body + b"\n" + f"{zlib.crc32(body):08x}".encode()) == m
+    del doc["entries"]
     doc["version"], doc["objects"], doc["blobs"] = 2, {"x": 5}, []  # names a missing blob
-    body = json.dumps(doc).encode()
+    body = json.dumps(doc).encode() + b"\n" + entries
     with pytest.raises(CorruptCopyError, match="does not hold"):
         Manifest.from_bytes(body + b"\n" + f"{zlib.crc32(body):08x}".encode())
+
+
+def test_a_manifests_tensor_entries_are_serialised_and_parsed_once_per_plan() -> None:
+    from unbroken.recovery import flashcopy
+    from unbroken.recovery.flashcopy import Manifest, TensorEntry
+
+    entries = tuple(
+        TensorEntry(f"w{i}", "float32", (4, 4), 64 * i, 64, (8, 4), (0, 0)) for i in range(50)
+    )
+    a, b = (Manifest(0, s, s, 3200, s, entries, {}, {}, 1.0) for s in (1, 2))
+    raw_a, raw_b = a.to_bytes(), b.to_bytes()
+    assert raw_a.count(b"\n") == 2 and raw_a.split(b"\n")[1] == raw_b.split(b"\n")[1]
+    pa, pb = Manifest.from_bytes(raw_a), Manifest.from_bytes(raw_b)
+    assert (pa, pb) == (a, b)
+    assert pa.entries is pb.entries  # parsed once, shared
+    assert flashcopy._entries_last[0] is entries
 
 
 # ---------------------------------------------------------------- lifecycle (issue 15)
