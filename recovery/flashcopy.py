@@ -270,13 +270,16 @@ _parsed: dict[str, tuple[tuple[int, int, int], Manifest]] = {}
 def read_manifest(rank_dir: Path, slot: int) -> Manifest | None:
     """The slot's manifest, or None when the slot holds no complete copy."""
     path = manifest_path(rank_dir, slot)
+    key = str(path)
     try:
+        hit = _parsed.get(key)
+        if hit is not None:  # one stat, not open + fstat + close, while nothing changed
+            st = os.stat(path)
+            if hit[0] == (st.st_ino, st.st_size, st.st_mtime_ns):
+                return hit[1]
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
             ident = (st.st_ino, st.st_size, st.st_mtime_ns)
-            hit = _parsed.get(str(path))
-            if hit is not None and hit[0] == ident:
-                return hit[1]
             raw = f.read()
     except FileNotFoundError:
         return None
@@ -287,7 +290,7 @@ def read_manifest(rank_dir: Path, slot: int) -> Manifest | None:
         return None
     if len(_parsed) > 4096:  # slots of long-gone jobs
         _parsed.clear()
-    _parsed[str(path)] = (ident, m)
+    _parsed[key] = (ident, m)
     return m
 
 
