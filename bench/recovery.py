@@ -597,6 +597,11 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
             out["steps_per_s_with_flash"] = on
             out["steps_per_s_without_flash"] = off
             out["throughput_with_flash_vs_without"] = on / off
+            # each round's on/off pair ran minutes apart at most: on a noisy host the median
+            # of the pairs' ratios is the steadier figure (both are reported)
+            pairs = [a / b for a, b in zip(rates[True], rates[False], strict=False)]
+            out["throughput_pair_ratios"] = pairs
+            out["throughput_pair_ratio_median"] = statistics.median(pairs)
 
     base = out.get("fault_free", {}).get("ettr")
     for mtbf_s in (60, 20):
