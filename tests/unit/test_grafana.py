@@ -122,6 +122,7 @@ def _agent_metrics() -> AgentMetrics:
             "persisted_bytes": 1000,
             "replicas_sent": 1,
             "replica_bytes_sent": 500,
+            "replica_send_failures": 2,
             "replicas_received": 1,
             "replicas_refused": 0,
             "warm_starts": 1,
@@ -160,6 +161,7 @@ def test_agent_metrics_table_matches_the_exposition() -> None:
         samples[("unbroken_agent_worker_state", (("local_rank", "0"), ("state", "running")))] == 1
     )
     assert samples[("unbroken_agent_heartbeats_sent_total", ())] == 1
+    assert samples[("unbroken_agent_replica_send_failures_total", ())] == 2
 
 
 def _dashboard() -> dict[str, Any]:
