@@ -165,6 +165,9 @@ class Manifest:
 # plan over and over, a reader (the agent, every new copy) reads the same few plans.
 _entries_last: tuple[tuple[TensorEntry, ...], bytes] = ((), b"[]")
 _entries_parsed: dict[bytes, tuple[TensorEntry, ...]] = {}
+# What the parsed entries may hold, in bytes of their lines: a buddy's manifest may be up
+# to 16 MB, and distinct lines from a hostile one must not pile up (a real plan's is KBs).
+ENTRIES_CACHE_BYTES = 8 << 20
 
 
 def _entries_out(entries: tuple[TensorEntry, ...]) -> bytes:
@@ -191,8 +194,11 @@ def _entries_in(raw: bytes) -> tuple[TensorEntry, ...]:
     hit = _entries_parsed.get(raw)
     if hit is None:
         hit = _entries(json.loads(raw))
-        if len(_entries_parsed) >= 64:  # plans of long-gone jobs
-            _entries_parsed.clear()
+        if len(raw) > ENTRIES_CACHE_BYTES // 4:
+            return hit  # too large to keep
+        held = sum(map(len, _entries_parsed))
+        if len(_entries_parsed) >= 64 or held + len(raw) > ENTRIES_CACHE_BYTES:
+            _entries_parsed.clear()  # plans of long-gone jobs, or a flood of made-up ones
         _entries_parsed[raw] = hit
     return hit
 

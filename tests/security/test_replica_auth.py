@@ -267,3 +267,30 @@ def test_huge_declared_copy_allocates_nothing_and_connections_are_capped(
         proc.kill()
         proc.wait()
         subprocess.run(["rm", "-rf", root], check=False)
+
+
+def test_made_up_manifest_entries_do_not_pile_up_in_the_parse_cache() -> None:
+    """A peer's manifests, each with a different (large) entries line, parse, but what the
+    reader keeps of them stays under its byte bound; a huge line is not kept at all."""
+    import zlib
+
+    from unbroken.recovery import flashcopy
+    from unbroken.recovery.flashcopy import ENTRIES_CACHE_BYTES, Manifest
+
+    def forged(i: int, n: int) -> bytes:
+        head = json.dumps(
+            {"version": 2, "rank": 0, "step": i, "generation": i, "data_nbytes": 0,
+             "checksum": 0, "checksum_algo": "xxh3_64", "objects": {}, "blobs": [],
+             "meta": {}, "created_unix": 0.0},
+            separators=(",", ":"),
+        ).encode()  # fmt: skip
+        rows = [[f"w{i}_{j}" + "x" * 200, "float32", [1], 0, 4, [1], [0]] for j in range(n)]
+        body = head + b"\n" + json.dumps(rows, separators=(",", ":")).encode()
+        return body + b"\n" + f"{zlib.crc32(body):08x}".encode()
+
+    for i in range(60):  # ~250 KB each: 15 MB of distinct lines in all
+        assert Manifest.from_bytes(forged(i, 1000)).step == i
+        assert sum(map(len, flashcopy._entries_parsed)) <= ENTRIES_CACHE_BYTES
+    huge = Manifest.from_bytes(forged(99, 12000))  # ~2.8 MB: over a quarter of the bound
+    assert len(huge.entries) == 12000
+    assert all(len(k) < ENTRIES_CACHE_BYTES // 4 for k in flashcopy._entries_parsed)
