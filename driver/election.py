@@ -355,8 +355,8 @@ class Election:
 class LeaseKeeper(threading.Thread):
     """Refreshes one lease every `renew_every(ttl)` from its own thread, over a synchronous
     gRPC channel to the member the client currently uses (it follows the client's
-    failovers), until etcd refuses the lease, its TTL passes unconfirmed, or `stop()`. `on_end` is called
-    (from this thread) when it ends by itself; `error` says why."""
+    failovers), until etcd refuses the lease, its TTL passes unconfirmed, or `stop()`.
+    `on_end` is called (from this thread) when it ends by itself; `error` says why."""
 
     def __init__(self, client: EtcdClient, lease_id: int, ttl: int, op_timeout_s: float) -> None:
         super().__init__(name=f"lease-{lease_id:x}", daemon=True)
