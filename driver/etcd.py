@@ -81,6 +81,15 @@ class EtcdConfig:
         default=None,
         metadata={"help": "the embedded etcd's database quota (unset: etcd's 2 GiB)"},
     )
+    lease_ttl_s: float = field(
+        default=2.0,
+        metadata={
+            "help": "the leader driver's lease, whole seconds >= 1: a standby leads this long "
+            "after the leader dies. What is left of it after a keep-alive (one every 0.5 s) "
+            "must outlast an etcd leader election (1-2 s) for the leader to keep leading "
+            "when its etcd member dies: 4 with a 3-member etcd"
+        },
+    )
 
     def __post_init__(self) -> None:
         for ep in self.endpoints:
@@ -93,6 +102,8 @@ class EtcdConfig:
             raise ValueError("client_cert and client_key must be given together")
         if self.connect_timeout_s <= 0:
             raise ValueError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s}")
+        if not 1 <= self.lease_ttl_s <= 600:
+            raise ValueError(f"lease_ttl_s must be 1..600 s, got {self.lease_ttl_s:g}")
 
     @classmethod
     def parse_endpoints(cls, text: str, **kw: object) -> EtcdConfig:

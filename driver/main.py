@@ -427,7 +427,9 @@ async def _lead_on_etcd(
     etcd_down_since: float | None = None
     try:
         while not stop.is_set():
-            election = electionlib.Election(client, cfg.job_id, cfg.driver_id, address=address)
+            election = electionlib.Election(
+                client, cfg.job_id, cfg.driver_id, ttl_s=cfg.etcd.lease_ttl_s, address=address
+            )
             follow = asyncio.create_task(_follow_leader(client, cfg.job_id, service))
             campaign = asyncio.create_task(election.campaign())
             stopped = asyncio.create_task(stop.wait())

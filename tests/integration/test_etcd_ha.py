@@ -170,3 +170,42 @@ def test_a_stalled_event_loop_does_not_cost_the_lease(etcd_server: object) -> No
             await client.close()
 
     asyncio.run(go())
+
+
+def test_the_driver_holds_its_lease_for_the_ttl_it_is_given(
+    tmp_path: Path, etcd_server: object
+) -> None:
+    """`--etcd-lease-ttl-s` reaches the election: etcd granted the leader's lease that TTL
+    (a deployment on a 3-member etcd wants more than the 2 s default; see the flag)."""
+    import json
+
+    from aetcd import rpc
+
+    from tests.procs import Procs, start_driver
+    from unbroken.cli.cluster import until
+    from unbroken.driver.etcdclient import Keys
+
+    config = etcd_server.config  # type: ignore[attr-defined]
+    procs = Procs(tmp_path)
+    try:
+        start_driver(
+            procs, tmp_path, "--etcd", etcd_server.endpoint,  # type: ignore[attr-defined]
+            "--job-id", "ttl", "--archive-url", "none", "--etcd-lease-ttl-s", "4",
+        )  # fmt: skip
+
+        async def granted() -> int:
+            client = await etcdlog.connect(config)
+            try:
+                r = await client.kvstub.Range(rpc.RangeRequest(key=Keys("ttl").leader))
+                if not r.kvs:
+                    return 0
+                lease = json.loads(r.kvs[0].value)["lease_id"]
+                assert r.kvs[0].lease == lease
+                t = await client.leasestub.LeaseTimeToLive(rpc.LeaseTimeToLiveRequest(ID=lease))
+                return int(t.grantedTTL)
+            finally:
+                await client.close()
+
+        assert until(lambda: asyncio.run(granted()), 30, "a leader", procs, poll_s=0.2) == 4
+    finally:
+        procs.stop_all()
