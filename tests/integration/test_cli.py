@@ -18,11 +18,14 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
 
 from tests.procs import Procs, start_agent, start_driver
 from unbroken.cli.cluster import stop_groups
 from unbroken.diagnostics.check import free_port
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
 
 pytestmark = pytest.mark.integration
@@ -158,31 +161,55 @@ def test_diagnose_pauses_checks_and_resumes(cluster: dict[str, Any]) -> None:
     assert bad.returncode == 2 and "nope" in bad.stderr
 
 
+# A second `unbroken diagnose`, imported and waiting for a line on stdin: started only
+# once the first diagnosis shows in status, a fresh CLI process (a second or more of
+# imports on loaded cores) could connect after a quick diagnosis had ended.
+READY_CLI = """
+import sys
+import unbroken.cli.diagnose, unbroken.cli.main
+print("ready", flush=True)
+sys.stdin.readline()
+sys.exit(unbroken.cli.main.main(sys.argv[1:]))
+"""
+
+
 def test_diagnose_table_and_one_at_a_time(cluster: dict[str, Any]) -> None:
+    _wait_ready(cluster)
     driver = cluster["driver"]
-    first = subprocess.Popen(
-        [*CLI, "diagnose", "--driver", driver, "--nodes", "n0", "n2"],
+    waiting = subprocess.Popen(
+        [sys.executable, "-c", READY_CLI, "diagnose", "--driver", driver],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=ENV,
         start_new_session=True,
     )
+    procs = [waiting]
     try:
+        assert waiting.stdout is not None and waiting.stdout.readline() == "ready\n"
+        first = subprocess.Popen(
+            [*CLI, "diagnose", "--driver", driver, "--nodes", "n0", "n2"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ENV,
+            start_new_session=True,
+        )
+        procs.append(first)
         deadline = time.monotonic() + 30
-        while True:
-            st = json.loads(cli("status", "--driver", driver, "--json").stdout)
-            if st["diagnosis_running"]:
-                break
-            assert first.poll() is None, first.communicate()
-            assert time.monotonic() < deadline, "the diagnosis never showed in status"
-            time.sleep(0.1)
-        second = cli("diagnose", "--driver", driver)
-        assert second.returncode == 1, second.stderr
-        assert "already running" in second.stderr and st["diagnosis_running"] in second.stderr
+        with grpc.insecure_channel(driver) as ch:  # polled in-process: a quick diagnosis
+            stub = dgrpc.DriverStub(ch)  # may end between two CLI runs on loaded cores
+            while not (running := stub.GetStatus(dpb.GetStatusRequest()).diagnosis_running):
+                assert first.poll() is None, first.communicate()
+                assert time.monotonic() < deadline, "the diagnosis never showed in status"
+                time.sleep(0.02)
+        _, second_err = waiting.communicate("go\n", timeout=60)
+        assert waiting.returncode == 1, second_err
+        assert "already running" in second_err and running in second_err
         out, err = first.communicate(timeout=120)
     finally:
-        stop_groups([first], grace_s=10)
+        stop_groups(procs, grace_s=10)  # type: ignore[arg-type]
     assert first.returncode == 0, err
     assert "round 1:" in err and "all passed" in err
     bad_row = next(line for line in out.splitlines() if " bad " in line)
