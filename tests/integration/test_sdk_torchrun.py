@@ -33,7 +33,10 @@ from unbroken.recovery.flash import FlashConfig, FlashOwner, list_copies
 
 pytestmark = pytest.mark.integration
 
-STEPS = 300
+# Enough steps that the kill lands mid-run: a step with its flash save takes ~2-3 ms here, so
+# 300 steps left the polling test (a starved process under load) ~0.6 s to see step 80, and
+# under stress-ng it saw the run end first.
+STEPS = 2000
 KILL_AFTER = 80  # rank 1's newest flash copy at least this step when it is killed
 JOB = "sdk"
 EXAMPLE = ["-m", "unbroken.trainer.examples.ddp_unbroken", "--steps", str(STEPS)]
