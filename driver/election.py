@@ -1,9 +1,8 @@
 """Leader election among drivers through an etcd lease: one writer per job, fenced.
 
 A candidate grants itself a lease (`ttl_s`), keeps it alive every ttl/3 (at most every
-`RENEW_MAX_S`), and wins by a
-transaction that creates `/unbroken/<job>/leader` on that lease only if the key does not
-exist, bumping `/unbroken/<job>/term` in the same transaction. The leader key disappears
+`RENEW_MAX_S`), and wins by a transaction that creates `/unbroken/<job>/leader` on that
+lease only if the key does not exist, bumping `/unbroken/<job>/term` in the same transaction. The leader key disappears
 when the lease expires (the leader was killed, stopped or cut off) or is revoked
 (`resign`); standbys watch for that deletion and try again at once, so a successor leads
 within the TTL plus etcd's expiry tick (~0.5 s).
@@ -30,6 +29,7 @@ import grpc
 import structlog
 from aetcd import rpc
 
+from unbroken.driver.etcd import LEASE_TTL_S
 from unbroken.driver.etcdclient import (
     EtcdClient,
     Keys,
@@ -76,7 +76,7 @@ class Election:
         job_id: str,
         driver_id: str,
         *,
-        ttl_s: float = 2.0,
+        ttl_s: float = LEASE_TTL_S,
         address: str = "",
         op_timeout_s: float = 2.0,
     ) -> None:

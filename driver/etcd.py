@@ -48,6 +48,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+# The leader driver's lease by default (`EtcdConfig.lease_ttl_s`, and an `Election` given
+# none): a standby's quick takeover when a driver dies.
+LEASE_TTL_S = 2.0
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EtcdConfig:
     """Where the event log lives: embedded (no endpoints) or an external cluster."""
@@ -82,7 +87,7 @@ class EtcdConfig:
         metadata={"help": "the embedded etcd's database quota (unset: etcd's 2 GiB)"},
     )
     lease_ttl_s: float = field(
-        default=2.0,
+        default=LEASE_TTL_S,
         metadata={
             "help": "the leader driver's lease, whole seconds >= 1: a standby leads this long "
             "after the leader dies. What is left of it after a keep-alive (one every 0.5 s) "

@@ -10,15 +10,19 @@ and every acknowledged event must be in the log exactly once.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
 import pytest
+from aetcd import rpc
 
+from tests.procs import Procs, start_driver
+from unbroken.cli.cluster import until
 from unbroken.driver import election as electionlib
 from unbroken.driver import etcdlog
 from unbroken.driver.etcd import EmbeddedEtcdCluster, EtcdConfig, health
-from unbroken.driver.etcdclient import EtcdClient
+from unbroken.driver.etcdclient import EtcdClient, Keys
 from unbroken.driver.eventlog import EventLogError
 from unbroken.proto import events_pb2 as ev
 
@@ -177,14 +181,6 @@ def test_the_driver_holds_its_lease_for_the_ttl_it_is_given(
 ) -> None:
     """`--etcd-lease-ttl-s` reaches the election: etcd granted the leader's lease that TTL
     (a deployment on a 3-member etcd wants more than the 2 s default; see the flag)."""
-    import json
-
-    from aetcd import rpc
-
-    from tests.procs import Procs, start_driver
-    from unbroken.cli.cluster import until
-    from unbroken.driver.etcdclient import Keys
-
     config = etcd_server.config  # type: ignore[attr-defined]
     procs = Procs(tmp_path)
     try:

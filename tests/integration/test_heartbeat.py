@@ -129,20 +129,22 @@ def test_detectors_end_to_end(procs: Procs, tmp_path: Path, etcd_server: Any) ->
     assert "NCCL WARN test: simulated transport error on rank 0" in nccl[0].line
 
     # Prometheus: heartbeats counted, nodes by state, the detection latency observed
-    with urllib.request.urlopen(f"http://127.0.0.1:{procs.metrics_port}/metrics", timeout=5) as r:
-        text = r.read().decode()
+    def scrape() -> tuple[str, float]:
+        """The exposition, and its heartbeat counter."""
+        url = f"http://127.0.0.1:{procs.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+        beats = next(x for x in text.splitlines() if x.startswith("unbroken_heartbeats_total"))
+        return text, float(beats.split()[1])
+
+    text, beats = scrape()
     assert 'unbroken_nodes{state="lost"} 1.0' in text
     assert "unbroken_detection_latency_seconds_count 1.0" in text
-    beats = next(x for x in text.splitlines() if x.startswith("unbroken_heartbeats_total"))
     deadline = time.monotonic() + 10  # the live nodes go on beating: a fast run read 29
-    while float(beats.split()[1]) <= 30 and time.monotonic() < deadline:
+    while beats <= 30 and time.monotonic() < deadline:
         time.sleep(0.2)
-        with urllib.request.urlopen(f"http://127.0.0.1:{procs.metrics_port}/metrics") as r:
-            beats = next(
-                x for x in r.read().decode().splitlines()
-                if x.startswith("unbroken_heartbeats_total")
-            )  # fmt: skip
-    assert float(beats.split()[1]) > 30
+        _, beats = scrape()
+    assert beats > 30
 
     regs = sorted(e.node_registered.node_id for e in got["node_registered"])
     assert regs == ["n0", "n1", "n2"]
