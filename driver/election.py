@@ -2,10 +2,10 @@
 
 A candidate grants itself a lease (`ttl_s`), keeps it alive every ttl/3 (at most every
 `RENEW_MAX_S`), and wins by a transaction that creates `/unbroken/<job>/leader` on that
-lease only if the key does not exist, bumping `/unbroken/<job>/term` in the same transaction. The leader key disappears
-when the lease expires (the leader was killed, stopped or cut off) or is revoked
-(`resign`); standbys watch for that deletion and try again at once, so a successor leads
-within the TTL plus etcd's expiry tick (~0.5 s).
+lease only if the key does not exist, bumping `/unbroken/<job>/term` in the same
+transaction. The leader key disappears when the lease expires (the leader was killed,
+stopped or cut off) or is revoked (`resign`); standbys watch for that deletion and try
+again at once, so a successor leads within the TTL plus etcd's expiry tick (~0.5 s).
 
 The election only decides who may write; the event log enforces it: every append compares
 the leader key's lease with the writer's (driver/etcdlog.py), so a leader that was paused
