@@ -455,6 +455,18 @@ class Bench:
             "faults": len(faults),
             "by_kind": kinds,
             "unresolved": sum(not f.resolved for f in faults),
+            # each fault's own figures: where the lost time went
+            "incidents": [
+                {
+                    "kind": f.kind,
+                    "at_s": round(f.mono - t0, 1),
+                    "detect_s": f.detect_s,
+                    "resume_s": f.resume_s,
+                    "steps_lost": f.steps_lost,
+                    "load1": f.load1,
+                }
+                for f in faults
+            ],
         }
 
 

@@ -10,8 +10,16 @@ again at once, so a successor leads within the TTL plus etcd's expiry tick (~0.5
 The election only decides who may write; the event log enforces it: every append compares
 the leader key's lease with the writer's (driver/etcdlog.py), so a leader that was paused
 past its TTL and wakes up cannot write one event, whatever it believes. `lost` is set as
-soon as this process knows its lease is gone (keep-alive refused, or the TTL elapsed
-without a confirmed keep-alive), telling the driver to stop serving.
+soon as this process knows its lease is gone (keep-alive refused) or may be gone (the TTL
+elapsed without a confirmed keep-alive), telling the driver to stop serving.
+
+A lease in doubt is not given up: etcd may only be electing a leader of its own or be short
+of a quorum, and then the lease lives (etcd's new leader extends every lease; measured here,
+a raft election after its leader's SIGKILL took 1.0-1.8 s, a quorum can be gone for as long
+as an operator takes). The keeper goes on trying; the driver steps down and campaigns again
+with the same `Election`, which finds the leader key still on its lease and takes the
+leadership back in the same term, with no wait for the old lease to expire and no leader
+change. If etcd says the lease is gone, a new one is granted and the campaign is a new one.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from unbroken.driver.etcdclient import (
     first_kv,
     get_op,
     put_op,
+    read_stream,
 )
 from unbroken.driver.eventlog import Leadership, LogUnavailableError
 
@@ -50,6 +59,10 @@ log = structlog.get_logger(__name__)
 # to the first confirmed keep-alive idle, up to 1.8 s under stress-ng; ttl/3 = 1 s of a 3 s
 # TTL left 2 s, and CI once took longer.
 RENEW_MAX_S = 0.5
+# A lease in doubt (its TTL passed unconfirmed) is tried again after this, doubling up to
+# the cap: etcd may be short of a quorum for long, and the lease lives until it says not.
+DOUBT_RETRY_FIRST_S = 0.1
+DOUBT_RETRY_CAP_S = 1.0
 
 
 def renew_every(ttl: float) -> float:
@@ -99,6 +112,11 @@ class Election:
         self._lease_dead = asyncio.Event()
         self._keepalive: asyncio.Task[None] | None = None
         self._guard: asyncio.Task[None] | None = None
+        self.doubts = 0  # times the lease's TTL passed unconfirmed
+        self.kept_terms = 0  # campaigns that took back the same term after a doubt
+        self._doubtful = False
+        self._confirmed = asyncio.Event()  # set when a doubted lease is confirmed
+        self._keeper: LeaseKeeper | None = None
         self._log = log.bind(job=job_id, driver=driver_id)
 
     async def _call(self, method: Any, request: Any) -> Any:
@@ -126,16 +144,25 @@ class Election:
         """
         try:
             won = await self._campaign(timeout_s)
+        except LogUnavailableError:
+            # etcd is away: keep the lease (a leader key may hang on it, after a doubt);
+            # the next campaign of this Election uses it again if etcd says it lives
+            raise
         except BaseException:  # gave up or cancelled: stop refreshing the unused lease
             if self._keepalive is not None:
                 self._keepalive.cancel()
                 self._keepalive = None
             self._lease = 0
             raise
+        again = self.leadership is not None and self.leadership == won
         self.leadership = won
         self.lost.clear()
+        if self._guard is not None:  # an earlier term's (this lease's, after a doubt)
+            self._guard.cancel()
         self._guard = asyncio.create_task(self._guard_key(won.lease_id), name="leader-guard")
-        self._log.info("leading", term=won.term, lease=f"{won.lease_id:x}")
+        if again:
+            self.kept_terms += 1
+        self._log.info("leading", term=won.term, lease=f"{won.lease_id:x}", same_term=again)
         return won
 
     async def _campaign(self, timeout_s: float | None) -> Leadership:
@@ -151,6 +178,8 @@ class Election:
                 self._lease_dead.set()  # it expired while we were away: take a new one
                 continue
             if won is not None:
+                if self._doubtful and not await self._confirm_doubted():
+                    continue  # the lease ended after all: a new one, a new campaign
                 return won
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -162,6 +191,34 @@ class Election:
             step = self.ttl_s if remaining is None else min(self.ttl_s, remaining)
             await self._wait_deleted(rev + 1, step)
 
+    async def _confirm_doubted(self) -> bool:
+        """The leader key is still on our doubted lease: lead only once the keeper has a
+        keep-alive confirmed (leading on a lease nobody renews could outlive it). True when
+        confirmed, False when etcd says the lease is gone.
+
+        Raises:
+            LogUnavailableError: neither within the op timeout (etcd still settling).
+        """
+        if self._keeper is not None:
+            self._keeper.poke()
+        confirmed = asyncio.ensure_future(self._confirmed.wait())
+        dead = asyncio.ensure_future(self._lease_dead.wait())
+        try:
+            await asyncio.wait(
+                {confirmed, dead}, timeout=2 * self.op_timeout_s, return_when="FIRST_COMPLETED"
+            )
+        finally:
+            confirmed.cancel()
+            dead.cancel()
+        if self._lease_dead.is_set():
+            return False
+        if not self._confirmed.is_set():
+            raise LogUnavailableError(
+                f"election for job {self.job_id}: the leader key is on this driver's lease, "
+                "but etcd has not confirmed a keep-alive of it yet"
+            )
+        return True
+
     async def _grant(self) -> None:
         if self._keepalive is not None:
             self._keepalive.cancel()
@@ -169,6 +226,7 @@ class Election:
         granted = await self._call(self.client.leasestub.LeaseGrant, rpc.LeaseGrantRequest(TTL=ttl))
         self._lease = granted.ID
         self._lease_dead = asyncio.Event()
+        self._doubtful = False
         self._keepalive = asyncio.create_task(
             self._keep_alive(self._lease, granted.TTL, self._lease_dead),
             name=f"lease-{self._lease:x}",
@@ -253,7 +311,7 @@ class Election:
                     )
                 )
                 while True:
-                    resp = await call.read()
+                    resp = await read_stream(call)
                     if (
                         resp is grpc.aio.EOF
                         or resp.canceled
@@ -284,17 +342,44 @@ class Election:
                 if not ended.done():
                     ended.set_result(None)
 
-            keeper.on_end = lambda: ended.get_loop().call_soon_threadsafe(finish)
+            loop = asyncio.get_running_loop()
+            keeper.on_end = lambda: loop.call_soon_threadsafe(finish)
+            keeper.on_doubt = lambda: loop.call_soon_threadsafe(self._lease_doubt, lease_id)
+            keeper.on_confirm = lambda: loop.call_soon_threadsafe(self._lease_confirmed, lease_id)
+            self._keeper = keeper
             keeper.start()
             try:
                 await ended
             finally:
                 keeper.stop()
+                if self._keeper is keeper:
+                    self._keeper = None
             if keeper.error:
                 self._log.warning("lease keep-alive ended", reason=keeper.error)
             self._lease_ended(lease_id, dead)
             return
         await self._keep_alive_in_loop(lease_id, ttl, dead)
+
+    def _lease_doubt(self, lease_id: int) -> None:
+        """The TTL passed unconfirmed: stop leading; the lease is kept while etcd may say
+        it lives (`campaign` takes the leadership back then)."""
+        self.doubts += 1
+        if lease_id == self._lease:
+            self._doubtful = True
+            self._confirmed.clear()
+        if self.leadership is not None and self.leadership.lease_id == lease_id:
+            self._log.warning(
+                "leadership suspended: no keep-alive confirmed within the TTL; the lease is "
+                "kept while etcd may confirm it",
+                lease=f"{lease_id:x}",
+            )
+            self.lost.set()
+
+    def _lease_confirmed(self, lease_id: int) -> None:
+        if lease_id == self._lease:
+            self._doubtful = False
+            self._confirmed.set()
+        self._log.info("lease confirmed again after a doubt", lease=f"{lease_id:x}")
 
     def _lease_ended(self, lease_id: int, dead: asyncio.Event) -> None:
         dead.set()
@@ -312,7 +397,7 @@ class Election:
                     sent = time.monotonic()
                     async with asyncio.timeout(max(0.01, expires - sent)):
                         await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
-                        resp = await call.read()
+                        resp = await read_stream(call)
                     if resp is grpc.aio.EOF:
                         break
                     if resp.TTL <= 0:
@@ -346,17 +431,30 @@ class Election:
                 await self._call(
                     self.client.leasestub.LeaseRevoke, rpc.LeaseRevokeRequest(ID=self._lease)
                 )
-        if self.leadership is not None:
+        held = self._lease != 0 or any(t is not None for t in tasks)
+        if self.leadership is not None and held:
             self.lost.set()
             self._log.info("resigned", term=self.leadership.term)
         self._lease = 0
+
+    @property
+    def in_doubt(self) -> bool:
+        """The lease's TTL passed unconfirmed and etcd has not said it is gone."""
+        return self._doubtful and bool(self._lease) and not self._lease_dead.is_set()
 
 
 class LeaseKeeper(threading.Thread):
     """Refreshes one lease every `renew_every(ttl)` from its own thread, over a synchronous
     gRPC channel to the member the client currently uses (it follows the client's
-    failovers), until etcd refuses the lease, its TTL passes unconfirmed, or `stop()`.
-    `on_end` is called (from this thread) when it ends by itself; `error` says why."""
+    failovers), until etcd refuses the lease or `stop()`.
+
+    When the TTL passes with no keep-alive confirmed, the lease is in doubt: it may have
+    expired, or etcd may be electing a leader or short of a quorum (then the lease lives:
+    a new etcd leader extends every lease). `on_doubt` is called (from this thread) and the
+    holder must act as if it were gone; the keeper goes on trying, with backoff. If etcd
+    confirms the lease (TTL > 0) it never expired, nobody else can hold what it guards, and
+    `on_confirm` is called. `on_end` is called when it ends by itself (etcd says the lease
+    is gone); `error` says why."""
 
     def __init__(self, client: EtcdClient, lease_id: int, ttl: int, op_timeout_s: float) -> None:
         super().__init__(name=f"lease-{lease_id:x}", daemon=True)
@@ -365,30 +463,46 @@ class LeaseKeeper(threading.Thread):
         self.ttl = ttl
         self.op_timeout_s = op_timeout_s
         self.on_end: Any = None
+        self.on_doubt: Any = None
+        self.on_confirm: Any = None
         self.error = ""
-        self._stop_event = threading.Event()
+        self.doubts = 0  # times the TTL passed unconfirmed
+        self._stopped = False
+        self._wake = threading.Event()
 
     def stop(self) -> None:
-        self._stop_event.set()
+        self._stopped = True
+        self._wake.set()
+
+    def poke(self) -> None:
+        """Try a keep-alive now (a lease in doubt waits up to `DOUBT_RETRY_CAP_S`)."""
+        self._wake.set()
 
     def run(self) -> None:
         expires = time.monotonic() + self.ttl
+        doubt = False
+        backoff = DOUBT_RETRY_FIRST_S
         channels: dict[str, grpc.Channel] = {}
         try:
-            while not self._stop_event.is_set():
+            while not self._stopped:
                 now = time.monotonic()
-                if now >= expires:
+                if not doubt and now >= expires:
+                    doubt = True
+                    self.doubts += 1
                     self.error = f"no keep-alive confirmed for {self.ttl} s (the TTL)"
-                    break
+                    if self.on_doubt is not None:
+                        self.on_doubt()
                 endpoint = self.client.endpoint
                 chan = channels.get(endpoint)
                 if chan is None:
                     chan = channels[endpoint] = self.client.sync_channel(endpoint)
                 req = rpc.LeaseKeepAliveRequest(ID=self.lease_id)
+                # in doubt there is no TTL left to keep: each try may take the whole timeout
+                timeout = self.op_timeout_s if doubt else min(self.op_timeout_s, expires - now)
                 try:
                     call = rpc.LeaseStub(chan).LeaseKeepAlive(
                         iter([req]),
-                        timeout=max(0.05, min(self.op_timeout_s, expires - now)),
+                        timeout=max(0.05, timeout),
                         metadata=(("hasleader", "true"),),
                     )
                     resp = next(iter(call))
@@ -397,16 +511,27 @@ class LeaseKeeper(threading.Thread):
                         break
                     expires = now + resp.TTL
                     wait = renew_every(self.ttl)
+                    if doubt:
+                        doubt, backoff = False, DOUBT_RETRY_FIRST_S
+                        self.error = ""
+                        if self.on_confirm is not None:
+                            self.on_confirm()
                 except (grpc.RpcError, StopIteration) as e:
                     self.client.suspect()  # the async watchdog looks for a live member
+                    channels.pop(endpoint).close()  # the next try dials afresh
                     code = e.code().name if isinstance(e, grpc.RpcError) else "no reply"
-                    self.error = f"keep-alive failed ({code}); retrying until the TTL passes"
-                    wait = 0.1
-                self._stop_event.wait(wait)
+                    if doubt:
+                        self.error = f"keep-alive failed ({code}); the lease is in doubt"
+                        wait, backoff = backoff, min(DOUBT_RETRY_CAP_S, backoff * 2)
+                    else:
+                        self.error = f"keep-alive failed ({code}); retrying until the TTL passes"
+                        wait = 0.1
+                self._wake.wait(wait)
+                self._wake.clear()
         finally:
             for c in channels.values():
                 c.close()
-        if not self._stop_event.is_set() and self.on_end is not None:
+        if not self._stopped and self.on_end is not None:
             self.on_end()
 
 

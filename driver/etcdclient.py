@@ -41,6 +41,12 @@ CHANNEL_OPTIONS: dict[str, Any] = {
     "grpc.keepalive_time_ms": 10_000,  # notice a dead etcd under a silent watch
     "grpc.keepalive_timeout_ms": 5_000,
     "grpc.keepalive_permit_without_calls": 1,
+    # a member that restarts is reachable again in well under a second: do not sit out
+    # gRPC's default reconnect backoff (1 s growing 1.6x up to 120 s) while a lease's TTL
+    # runs (a restored quorum extends every lease by only its TTL)
+    "grpc.initial_reconnect_backoff_ms": 100,
+    "grpc.min_reconnect_backoff_ms": 100,
+    "grpc.max_reconnect_backoff_ms": 1_000,
 }
 
 
@@ -244,6 +250,23 @@ class EtcdClient(aetcd.Client):
                 await self._watchdog
             self._watchdog = None
         await super().close()
+
+
+async def read_stream(call: Any) -> Any:
+    """`call.read()` of a streaming call, with a call cancelled under us read as EOF.
+
+    The old member's channel is closed a second after a failover, and grpc cancels the
+    calls still open on it: their `read()` raises `asyncio.CancelledError` although nobody
+    cancelled the reader. Reported as the stream's end, the callers' "stream ended" path
+    (re-read, retry) handles it; a cancellation of the reader's own task still raises.
+    """
+    try:
+        return await call.read()
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        return grpc.aio.EOF
 
 
 def _closer(chan: grpc.aio.Channel) -> Callable[[], None]:

@@ -61,6 +61,7 @@ from unbroken.driver.etcdclient import (
     get_op,
     is_compacted,
     put_op,
+    read_stream,
 )
 from unbroken.driver.eventlog import (
     DEFAULT_MAX_EVENT_BYTES,
@@ -699,9 +700,11 @@ class EtcdEventLog(EventLog):
                 )
             )
             while True:
-                resp = await call.read()
+                resp = await read_stream(call)
                 if resp is grpc.aio.EOF:
-                    raise LogUnavailableError("etcd closed the watch stream")
+                    raise LogUnavailableError(
+                        "etcd closed the watch stream (or its channel, after a failover)"
+                    )
                 if resp.canceled or resp.compact_revision:
                     return  # compacted past us: catch up by reading
                 for wev in resp.events:

@@ -425,11 +425,14 @@ async def _lead_on_etcd(
     if dashboard is not None:  # a standby's dashboard replays the log read-only
         dashboard.reader = etcdlog.EtcdEventLog(client, cfg.job_id, None, archive_url=_archive(cfg))
     etcd_down_since: float | None = None
+    # One Election for the driver's life: after a lease doubt (its TTL passed unconfirmed,
+    # e.g. while etcd elected a leader) it keeps the lease, and the next campaign takes the
+    # same term back when etcd confirms it, instead of waiting for it to expire
+    election = electionlib.Election(
+        client, cfg.job_id, cfg.driver_id, ttl_s=cfg.etcd.lease_ttl_s, address=address
+    )
     try:
         while not stop.is_set():
-            election = electionlib.Election(
-                client, cfg.job_id, cfg.driver_id, ttl_s=cfg.etcd.lease_ttl_s, address=address
-            )
             follow = asyncio.create_task(_follow_leader(client, cfg.job_id, service))
             campaign = asyncio.create_task(election.campaign())
             stopped = asyncio.create_task(stop.wait())
@@ -469,10 +472,15 @@ async def _lead_on_etcd(
                     await election.resign()
                 await elog.close()
                 break
-            log.error("leadership lost; stepping down and campaigning again")
+            log.error(
+                "leadership lost; stepping down and campaigning again",
+                lease_in_doubt=election.in_doubt,  # then the same term comes back if it lives
+            )
             service.step_down()
             await elog.close()
     finally:
+        with contextlib.suppress(Exception):
+            await election.resign()  # stops its keeper thread; revokes a lease still held
         with contextlib.suppress(Exception):
             await client.close()
         if embedded is not None:

@@ -13,17 +13,18 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aetcd import rpc
 
-from tests.procs import Procs, start_driver
+from tests.procs import Procs, read_events, start_driver
 from unbroken.cli.cluster import until
 from unbroken.driver import election as electionlib
 from unbroken.driver import etcdlog
 from unbroken.driver.etcd import EmbeddedEtcdCluster, EtcdConfig, health
 from unbroken.driver.etcdclient import EtcdClient, Keys
-from unbroken.driver.eventlog import EventLogError
+from unbroken.driver.eventlog import EventLogError, Leadership
 from unbroken.proto import events_pb2 as ev
 
 pytestmark = pytest.mark.integration
@@ -205,3 +206,203 @@ def test_the_driver_holds_its_lease_for_the_ttl_it_is_given(
         assert until(lambda: asyncio.run(granted()), 30, "a leader", procs, poll_s=0.2) == 4
     finally:
         procs.stop_all()
+
+
+async def _campaign_through_outage(election: electionlib.Election, timeout_s: float) -> Leadership:
+    """Campaign as the driver does: etcd away (no quorum yet) is retried, not fatal."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await election.campaign(timeout_s=max(0.1, deadline - time.monotonic()))
+        except EventLogError:
+            assert time.monotonic() < deadline, "etcd did not come back"
+            await asyncio.sleep(0.2)
+
+
+def _quorum_lost(cluster: EmbeddedEtcdCluster, client: EtcdClient) -> list[int]:
+    """SIGKILL two of the three members, the client's own first (it may be etcd's leader)."""
+    mine = cluster.endpoints.index(client.endpoint)
+    victims = [mine, next(i for i in range(3) if i != mine)]
+    for i in victims:
+        cluster.members[i].kill()
+    return victims
+
+
+def test_a_leader_keeps_its_term_through_a_lost_etcd_quorum(tmp_path: Path) -> None:
+    """etcd short of a quorum for longer than the TTL: the leader cannot know whether its
+    lease expired, so it stops leading (`lost`); but it keeps the lease, and once etcd has a
+    quorum again (its new leader extends every lease) the next campaign finds the leader key
+    on that lease and leads again in the same term, without waiting for an expiry."""
+    cluster = EmbeddedEtcdCluster(3, tmp_path / "etcd").start()
+    ttl = TTL_S
+
+    async def go() -> None:
+        client = await etcdlog.connect(EtcdConfig(endpoints=cluster.endpoints))
+        assert isinstance(client, EtcdClient)
+        election = electionlib.Election(client, "quorum", "d1", ttl_s=ttl)
+        won = await election.campaign(timeout_s=10)
+        try:
+            victims = _quorum_lost(cluster, client)
+            await asyncio.wait_for(election.lost.wait(), ttl + 5)
+            assert election.in_doubt and election.doubts == 1
+            await asyncio.sleep(2 * ttl)  # well past the TTL: it would have expired by now
+            cluster.members[victims[0]].restart()  # a quorum again
+            t0 = time.monotonic()
+            again = await _campaign_through_outage(election, 30)
+            took = time.monotonic() - t0
+            assert again == won, f"a new term {again} after the outage, not {won}"
+            assert election.kept_terms == 1 and not election.lost.is_set()
+            assert not election.in_doubt
+            holder = await electionlib.current_leader(client, "quorum")
+            assert holder is not None and holder[0] == "d1"
+            # the log's fence agrees: the old leadership appends
+            elog = etcdlog.EtcdEventLog(client, "quorum", again, archive_url="")
+            await elog.append(ev.Event(log_alert=ev.LogAlert(node_id="n", line="same term")))
+            await elog.close()
+            print(f"led again in the same term {took:.2f} s after the quorum came back")
+            # and the lease is kept alive from then on
+            await asyncio.sleep(ttl + 1)
+            assert not election.lost.is_set()
+        finally:
+            await election.resign()
+            await client.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        cluster.stop()
+
+
+def test_a_lease_that_expired_in_doubt_is_not_taken_back(tmp_path: Path) -> None:
+    """The safety half: when the doubted lease did end (here revoked while etcd had no
+    quorum for the leader; an expiry deletes the key the same way) and another driver
+    leads, the old leader's campaign does not lead: etcd refuses the old lease, it takes a
+    new one and stands by."""
+    cluster = EmbeddedEtcdCluster(3, tmp_path / "etcd").start()
+    ttl = TTL_S
+
+    async def go() -> None:
+        client = await etcdlog.connect(EtcdConfig(endpoints=cluster.endpoints))
+        assert isinstance(client, EtcdClient)
+        election = electionlib.Election(client, "gone", "d1", ttl_s=ttl)
+        won = await election.campaign(timeout_s=10)
+        other_client = None
+        other = None
+        try:
+            victims = _quorum_lost(cluster, client)
+            await asyncio.wait_for(election.lost.wait(), ttl + 5)
+            assert election.in_doubt
+            cluster.members[victims[0]].restart()
+            # before d1 campaigns again, its lease ends (as an expiry would) and d2 wins
+            other_client = await etcdlog.connect(EtcdConfig(endpoints=cluster.endpoints))
+            await other_client.leasestub.LeaseRevoke(rpc.LeaseRevokeRequest(ID=won.lease_id))
+            other = electionlib.Election(other_client, "gone", "d2", ttl_s=ttl)
+            theirs = await _campaign_through_outage(other, 30)
+            assert theirs.term == won.term + 1
+            deadline = time.monotonic() + 10  # the keeper hears that the lease is gone
+            while election.in_doubt:
+                assert time.monotonic() < deadline, "the keeper still doubts a revoked lease"
+                await asyncio.sleep(0.1)
+            with pytest.raises(TimeoutError):
+                await election.campaign(timeout_s=3)
+            holder = await electionlib.current_leader(client, "gone")
+            assert holder is not None and holder[0] == "d2"
+            # and the old leadership cannot write one event
+            elog = etcdlog.EtcdEventLog(client, "gone", won, archive_url="")
+            with pytest.raises(EventLogError):
+                await elog.append(ev.Event(log_alert=ev.LogAlert(node_id="n", line="stale")))
+            await elog.close()
+        finally:
+            await election.resign()
+            if other is not None:
+                await other.resign()
+            if other_client is not None:
+                await other_client.close()
+            await client.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        cluster.stop()
+
+
+def test_the_driver_leads_again_in_its_term_after_etcd_lost_its_quorum(tmp_path: Path) -> None:
+    """The same through a real driver process: etcd has no quorum for longer than the
+    driver's TTL, the driver steps down, and when a quorum is back it leads again in the
+    term it had (two LeaderElected of one term in the log), not in a new one."""
+    cluster = EmbeddedEtcdCluster(3, tmp_path / "etcd").start()
+    procs = Procs(tmp_path)
+
+    def elected() -> list[ev.LeaderElected]:
+        try:
+            events = read_events(cluster.config, "q")
+        except EventLogError:
+            return []
+        return [e.leader_elected for e in events if e.WhichOneof("payload") == "leader_elected"]
+
+    try:
+        start_driver(
+            procs, tmp_path, "--etcd", ",".join(cluster.endpoints), "--job-id", "q",
+            "--archive-url", "none", "--etcd-lease-ttl-s", f"{TTL_S:g}",
+        )  # fmt: skip
+        first = until(elected, 30, "the driver's LeaderElected", procs)[0]
+        for i in (0, 1):  # no quorum: the driver cannot confirm its lease
+            cluster.members[i].kill()
+        time.sleep(TTL_S + 2)  # > the TTL: it stepped down
+        cluster.members[0].restart()
+        t0 = time.monotonic()
+        again = until(lambda: elected()[1:], 60, "a second LeaderElected", procs)
+        print(f"leading again {time.monotonic() - t0:.2f} s after the quorum came back: {again[0]}")
+        assert (again[0].driver_id, again[0].term, again[0].lease_id) == (
+            first.driver_id,
+            first.term,
+            first.lease_id,
+        ), f"led again as {again[0]}, not in its term {first.term}"
+        assert "leadership lost" in procs.log("driver")
+    finally:
+        procs.stop_all()
+        cluster.stop()
+
+
+def test_a_watch_whose_channel_closes_under_it_ends_it_does_not_cancel(
+    etcd_server: object,
+) -> None:
+    """After a failover the client closes the old member's channel, and grpc cancels the
+    calls still open on it: a standby's watch for the leader key's deletion raised
+    CancelledError out of its campaign (seen here under a failover; the driver would have
+    crashed). `read_stream` reads that as the stream's end; a cancelled reader still
+    raises."""
+    import grpc
+
+    from unbroken.driver.etcdclient import read_stream
+
+    async def watch(client: EtcdClient) -> Any:
+        call = rpc.WatchStub(client.channel).Watch()
+        await call.write(rpc.WatchRequest(create_request=rpc.WatchCreateRequest(key=b"/nothing")))
+        created = await read_stream(call)
+        assert created.created
+        return call
+
+    async def go() -> None:
+        client = await etcdlog.connect(etcd_server.config)  # type: ignore[attr-defined]
+        assert isinstance(client, EtcdClient)
+        try:
+            call = await watch(client)
+            reader = asyncio.ensure_future(read_stream(call))
+            await asyncio.sleep(0.2)
+            await client.channel.close()  # what a failover does to the old member's channel
+            assert await asyncio.wait_for(reader, 5) is grpc.aio.EOF
+        finally:
+            await client.close()
+        client = await etcdlog.connect(etcd_server.config)  # type: ignore[attr-defined]
+        assert isinstance(client, EtcdClient)
+        try:
+            reader = asyncio.ensure_future(read_stream(await watch(client)))
+            await asyncio.sleep(0.2)
+            reader.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+        finally:
+            await client.close()
+
+    asyncio.run(go())
