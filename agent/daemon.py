@@ -348,7 +348,7 @@ class Agent:
             agent_version=AGENT_VERSION,
             num_workers=n,
             spare=self.config.spare,
-            replica_buddy=self.flash.config.buddy if self.flash is not None else "",
+            replica_buddy=self.flash.buddy if self.flash is not None else "",
             replica_listen=self.flash.listen_address() if self.flash is not None else "",
         )
 
@@ -885,6 +885,8 @@ class Agent:
                     "--allow-remote-cmd to run the driver's)"
                 )
             launch = sup.launch.started(p, cmd=cmd, pin_master=self.config.pin_master_addr)
+            if self.flash is not None and p.buddy:
+                self.flash.set_buddy(p.buddy)  # the world's ring, as the driver paired it
             if self.flash is not None and p.replaces:
                 # the replaced node's newest copies, from the replica server that holds them
                 # (the driver knows it from the node's registration; else this node's buddy);

@@ -344,6 +344,38 @@ class NodeFlash:
         log.info("flash.prepared", ranks=list(ranks), nbytes=nbytes, seconds=round(took, 3))
         return took
 
+    @property
+    def buddy(self) -> str:
+        """host:port this node's copies are replicated to now ("" without replication)."""
+        if self.sender is None:
+            return ""
+        host, port = self.sender.buddy
+        return f"{host}:{port}"
+
+    def set_buddy(self, address: str) -> bool:
+        """Replicate to `address` (host:port) from now on: the driver pairs the world's
+        nodes in a ring when it starts a world, so a node whose buddy was replaced or
+        evicted does not keep sending to a server that is gone. The new buddy holds
+        nothing yet: the next copy goes at once. False when this node cannot replicate
+        (no authenticated replica stream) or `address` is malformed."""
+        if not self.replica_cfg.auth.enabled:
+            log.warning(
+                "flash.buddy_not_set",
+                buddy=address,
+                why="no authenticated replica stream (TLS or the job's replica key)",
+            )
+            return False
+        try:
+            target = parse_hostport(address, "buddy")
+        except ValueError as e:
+            log.warning("flash.buddy_not_set", buddy=address, error=str(e))
+            return False
+        if self.sender is not None and self.sender.buddy == target:
+            return True
+        log.info("flash.buddy_changed", old=self.buddy, new=address, node=self.node_id)
+        self.sender = ReplicaSender(self.owner, self.config.node, target, self.replica_cfg)
+        return True
+
     async def take_over(self, node: str, requester: str, source: str = "") -> bool:
         """Fetch `node`'s replicas from `source` (host:port of the replica server that holds
         them; "": this node's buddy): a spare taking over `node`'s ranks. True when some

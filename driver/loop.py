@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,6 +183,30 @@ def is_buddy(buddy: str, holder: NodeSlot) -> bool:
     return host.strip("[]") in {n.strip("[]") for n in names if n}
 
 
+def replica_address(slot: NodeSlot) -> str:
+    """Where `slot`'s replica server is reached: its registered --replica-listen, with a
+    wildcard host replaced by the address the driver saw it connect from ("": none)."""
+    host, _, port = slot.info.replica_listen.rpartition(":")
+    if not port:
+        return ""
+    if host.strip("[]") in _ANY_HOST:
+        host = slot.peer_host or slot.info.ip
+        if not host:
+            return ""
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+def ring_buddies(nodes: Sequence[str], slots: Mapping[str, NodeSlot | None]) -> dict[str, str]:
+    """Each world node's buddy: the replica server of the next node in world order that has
+    one (a ring). Nodes without a replica server are left out; fewer than 2: no pairs."""
+    ring = [(n, addr) for n in nodes if (slot := slots.get(n)) and (addr := replica_address(slot))]
+    if len(ring) < 2:
+        return {}
+    return {n: ring[(i + 1) % len(ring)][1] for i, (n, _) in enumerate(ring)}
+
+
 def common_steps(
     world: int, own: dict[int, set[int]], buddies: dict[int, set[int]]
 ) -> set[int] | None:
@@ -215,6 +239,9 @@ class RecoveryLoop:
         self._point = dpb.RestorePoint()  # sent before the next restore's StartWorkers
         self._timeline = timeline(journal.state)  # sent with every StartWorkers
         self._diagnosis: tuple[str, asyncio.Task[None]] | None = None  # id, task
+        # node -> the buddy this loop paired it with (StartWorkers.buddy); a node not in
+        # it (paired by an earlier leader, or never) is believed about its registered one
+        self._buddy: dict[str, str] = {}
 
     @property
     def state(self) -> ev.JobState:
@@ -519,7 +546,7 @@ class RecoveryLoop:
             gone = {n for n in (*w.node_ids, *nodes) if n not in alive} | leaving
             # only the node each gone node registered as its buddy is believed: another
             # node's claim to hold its copies would move the restore to a step nobody has
-            buddy_of = {n: self.state.nodes[n].replica_buddy for n in gone if n in self.state.nodes}
+            buddy_of = {n: b for n in gone if (b := self._buddy_of(n))}
             for slot in self.service.view.nodes.values():
                 if slot.alive and slot.hb.replicas:
                     trusted = {n for n, b in buddy_of.items() if is_buddy(b, slot)}
@@ -539,6 +566,14 @@ class RecoveryLoop:
             if slot is not None:
                 step = max([step, *(w.step for w in slot.hb.workers)])
         return step
+
+    def _buddy_of(self, node: str) -> str:
+        """The replica server holding `node`'s copies: the buddy this loop paired it with,
+        else the one it registered ("": unknown)."""
+        if node in self._buddy:
+            return self._buddy[node]
+        rec = self.state.nodes.get(node)
+        return rec.replica_buddy if rec is not None else ""
 
     async def _start_workers(
         self, gen: int, a: machine.StartWorkers, restore: machine.Restore | None
@@ -572,8 +607,10 @@ class RecoveryLoop:
             for i, n in enumerate(nodes)
             if i < len(old) and old[i] != n and old[i] not in nodes
         }
-        known = self.state.nodes  # where each replaced node's copies live, as it registered
-        buddy_of = {o: known[o].replica_buddy for o in replaces.values() if o in known}
+        # where each replaced node's copies live: the buddy it was paired with
+        buddy_of = {o: self._buddy_of(o) for o in replaces.values()}
+        # and the new world's ring, from now on
+        ring = ring_buddies(nodes, {n: self.service.view.nodes.get(n) for n in nodes})
 
         async def one(n: str) -> str:
             if restore is not None:  # an agent without RestorePoint restores the newest step
@@ -598,10 +635,13 @@ class RecoveryLoop:
                     flash_bytes_per_rank=self.service.commits.shard_bytes,
                     replaces=replaces.get(n, ""),
                     replaces_from=buddy_of.get(replaces.get(n, ""), ""),
+                    buddy=ring.get(n, ""),
                 )
             )
             try:
                 r = await self.service.request(n, msg, cfg.command_timeout_s)
+                if r.ack.ok and n in ring:
+                    self._buddy[n] = ring[n]
                 return "" if r.ack.ok else r.ack.detail or "refused"
             except (KeyError, TimeoutError) as e:
                 return f"{type(e).__name__}: {e}"

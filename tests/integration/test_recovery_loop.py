@@ -158,3 +158,70 @@ def test_an_operator_eviction_starts_the_recovery_at_once(job: Job) -> None:
     assert job.procs["n1"].wait(timeout=30) is not None  # the agent left
     assert after[0].operator_action.action == "evict"
     assert after[1].HasField("recovery_transition"), kinds[at:]  # decided in the same breath
+
+
+def test_after_an_eviction_the_world_is_paired_again_and_a_later_loss_restores_from_memory(
+    job: Job,
+) -> None:
+    """Every node's --buddy names n1, which is evicted: the driver pairs the new world
+    (n0 and a spare) in a ring when it starts it, so n0 replicates to that spare from then
+    on; when n0 is lost too, the other spare gets n0's copies from the first, not from the
+    server that left.
+    (Before, every node kept sending to the evicted node's closed port, and the recovery
+    bench's next node loss restored from storage, 195 steps back.)"""
+    job.start_driver()
+    job.start_agent("n0", buddy="n1")
+    job.start_agent("n1", buddy="n0")
+    job.start_agent("s0", buddy="n1", spare=True)
+    job.start_agent("s1", buddy="n1", spare=True)
+    until(lambda: job.max_step() >= 3, 120, "training to start", job)
+    out = subprocess.run(
+        [sys.executable, "-m", "unbroken.cli.main", "evict", "n1", "--driver", job.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    evicted_step = job.max_step()
+
+    def first_spare() -> str:
+        got = [e.spare_assigned for e in job.events() if e.HasField("spare_assigned")]
+        return got[0].spare_node_id if got else ""
+
+    first = until(first_spare, 60, "a spare for n1", job, poll_s=0.5)
+    second = "s1" if first == "s0" else "s0"
+    until(
+        lambda: job.worker(first) is not None and job.max_step() >= evicted_step + 3,
+        150,
+        "the spare to train past the eviction",
+        job,
+    )
+    until(
+        lambda: any(
+            "replica.stored" in ln and "node=n0" in ln for ln in job.log(first).splitlines()
+        ),
+        60,
+        f"{first} to hold n0's copies (n0 paired with it)",
+        job,
+    )
+    changed = [ln for ln in job.log("n0").splitlines() if "flash.buddy_changed" in ln]
+    assert changed and f"new=127.0.0.1:{job.port(first)}" in changed[-1], changed
+
+    job.procs["n0"].kill()  # SIGKILL the agent; its worker dies with it
+    job.procs["n0"].wait(10)
+    lost_step = job.max_step()
+    until(
+        lambda: job.worker(second) is not None and job.max_step() >= lost_step + 3,
+        150,
+        "the second spare to train past the loss",
+        job,
+    )
+    took = [ln for ln in job.log(second).splitlines() if "flash.took_over" in ln]
+    assert took and f"source=127.0.0.1:{job.port(first)}" in took[-1], took
+    events = job.events()
+    kinds = [e.WhichOneof("payload") for e in events]
+    lost_at = kinds.index("node_lost")
+    restore = next(e.restore_started for e in events[lost_at:] if e.HasField("restore_started"))
+    # a step a few saves old, from memory and the buddy's copies, not the newest commit
+    assert restore.step >= lost_step - 12, (restore, lost_step)
+    assert "storage" not in set(restore.source_by_rank.values()), restore

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from unbroken.driver.liveview import NodeSlot
-from unbroken.driver.loop import common_steps, is_buddy
+from unbroken.driver.loop import common_steps, is_buddy, replica_address, ring_buddies
 from unbroken.proto import driver_pb2 as dpb
 
 pytestmark = pytest.mark.unit
@@ -31,8 +31,8 @@ def test_a_rank_of_its_own_wins_over_a_buddy_copy() -> None:
     assert common_steps(0, {}, {}) is None
 
 
-def _holder(listen: str, peer: str = "10.0.0.7", ip: str = "10.0.0.7") -> NodeSlot:
-    slot = NodeSlot("h")
+def _holder(listen: str, peer: str = "10.0.0.7", ip: str = "10.0.0.7", node: str = "h") -> NodeSlot:
+    slot = NodeSlot(node)
     slot.info = dpb.RegisterRequest(node_id="h", ip=ip, hostname="host-h", replica_listen=listen)
     slot.peer_host = peer
     return slot
@@ -48,3 +48,37 @@ def test_only_the_registered_buddy_is_believed() -> None:
     assert not is_buddy("10.0.0.9:29600", _holder("0.0.0.0:29600"))  # another host
     assert not is_buddy("10.0.0.7:29600", _holder(""))  # it serves no replicas
     assert not is_buddy("", _holder("10.0.0.7:29600"))  # the lost node named no buddy
+
+
+def test_a_replica_server_is_reached_where_the_driver_saw_its_node() -> None:
+    assert replica_address(_holder("10.0.0.7:29600")) == "10.0.0.7:29600"
+    # a wildcard listen: the address the node connected from (then the one it claimed)
+    assert replica_address(_holder("0.0.0.0:29600", peer="10.0.0.8")) == "10.0.0.8:29600"
+    assert replica_address(_holder("[::]:29600", peer="fd00::8")) == "[fd00::8]:29600"
+    assert replica_address(_holder("0.0.0.0:29600", peer="", ip="10.0.0.9")) == "10.0.0.9:29600"
+    assert replica_address(_holder("")) == ""  # it serves no replicas
+
+
+def test_a_world_is_paired_in_a_ring_in_world_order() -> None:
+    """Every StartWorkers pairs the world again: after a spare took an evicted node's place,
+    the others send to the spare, not to the server that left (seen in the recovery bench:
+    every node kept sending to the first evicted node, and a later node loss restored from
+    storage, 195 steps back)."""
+    slots = {
+        n: _holder(f"10.0.0.{i}:29600", peer=f"10.0.0.{i}", node=n) for i, n in enumerate("abc")
+    }
+    assert ring_buddies(["a", "b", "c"], slots) == {
+        "a": "10.0.0.1:29600",
+        "b": "10.0.0.2:29600",
+        "c": "10.0.0.0:29600",
+    }
+    assert ring_buddies(["c", "a"], slots) == {"c": "10.0.0.0:29600", "a": "10.0.0.2:29600"}
+    # each pairing is one the restore believes: the buddy's copies count for the node
+    for node, buddy in ring_buddies(["a", "b", "c"], slots).items():
+        holder = next(s for s in slots.values() if replica_address(s) == buddy)
+        assert holder.node_id != node and is_buddy(buddy, holder)
+    # a node without a replica server is skipped; one alone, or none, has no buddy
+    slots["b"] = _holder("", node="b")
+    assert ring_buddies(["a", "b", "c"], slots) == {"a": "10.0.0.2:29600", "c": "10.0.0.0:29600"}
+    assert ring_buddies(["a"], slots) == {}
+    assert ring_buddies(["a", "x"], slots) == {}  # x has no session (no slot)
