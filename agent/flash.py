@@ -148,7 +148,8 @@ class NodeFlashConfig:
         default="",
         metadata={
             "group": "flash checkpoints",
-            "help": "host:port of the next node's replica server (the ring); empty: no replicas",
+            "help": "host:port of the next node's replica server (the ring) until the driver "
+            "pairs the world's nodes (every world start); empty: none until then",
         },
     )
     fetch_from_buddy: bool = field(
