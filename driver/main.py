@@ -378,13 +378,20 @@ def _expect_known_nodes(service: DriverService, state: ev.JobState) -> None:
     A node that died during the failover never registers with the new leader; without a
     slot in the live view it would never be declared lost, and a restart of its world
     would wait for its session forever. Each gets the registration grace twice over to
-    come back (agents need a few backoff rounds to find the new leader).
+    come back (agents need a few backoff rounds to find the new leader). So does a node this
+    driver already tracked from an earlier term of its own whose session the step-down
+    ended: it was measured by the miss limit alone and, seconds into its backoff, declared
+    lost (a spare so lost, the chaos suite's stopped etcd shrank the world instead of
+    taking it).
     """
     now = time.monotonic() + service.config.live.session_grace_ms / 1000.0
     for node_id, rec in state.nodes.items():
-        if node_id in service.view.nodes:
-            continue
         if rec.state not in (ev.NODE_STATE_ACTIVE, ev.NODE_STATE_SPARE):
+            continue
+        known = service.view.nodes.get(node_id)
+        if known is not None:
+            if not known.connected and known.alive:
+                service.view.mark_registered(known, now)  # back within the same grace
             continue
         slot = service.view.slot(node_id)
         slot.epoch = rec.epoch
