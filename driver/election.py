@@ -114,8 +114,9 @@ class Election:
         self._guard: asyncio.Task[None] | None = None
         self.doubts = 0  # times the lease's TTL passed unconfirmed
         self.kept_terms = 0  # campaigns that took back the same term after a doubt
-        self._doubtful = False
-        self._confirmed = asyncio.Event()  # set when a doubted lease is confirmed
+        # set unless the lease is in doubt (its TTL passed unconfirmed, not confirmed since)
+        self._confirmed = asyncio.Event()
+        self._confirmed.set()
         self._keeper: LeaseKeeper | None = None
         self._log = log.bind(job=job_id, driver=driver_id)
 
@@ -178,7 +179,7 @@ class Election:
                 self._lease_dead.set()  # it expired while we were away: take a new one
                 continue
             if won is not None:
-                if self._doubtful and not await self._confirm_doubted():
+                if not self._confirmed.is_set() and not await self._confirm_doubted():
                     continue  # the lease ended after all: a new one, a new campaign
                 return won
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -226,7 +227,7 @@ class Election:
         granted = await self._call(self.client.leasestub.LeaseGrant, rpc.LeaseGrantRequest(TTL=ttl))
         self._lease = granted.ID
         self._lease_dead = asyncio.Event()
-        self._doubtful = False
+        self._confirmed.set()
         self._keepalive = asyncio.create_task(
             self._keep_alive(self._lease, granted.TTL, self._lease_dead),
             name=f"lease-{self._lease:x}",
@@ -365,7 +366,6 @@ class Election:
         it lives (`campaign` takes the leadership back then)."""
         self.doubts += 1
         if lease_id == self._lease:
-            self._doubtful = True
             self._confirmed.clear()
         if self.leadership is not None and self.leadership.lease_id == lease_id:
             self._log.warning(
@@ -377,7 +377,6 @@ class Election:
 
     def _lease_confirmed(self, lease_id: int) -> None:
         if lease_id == self._lease:
-            self._doubtful = False
             self._confirmed.set()
         self._log.info("lease confirmed again after a doubt", lease=f"{lease_id:x}")
 
@@ -440,7 +439,7 @@ class Election:
     @property
     def in_doubt(self) -> bool:
         """The lease's TTL passed unconfirmed and etcd has not said it is gone."""
-        return self._doubtful and bool(self._lease) and not self._lease_dead.is_set()
+        return not self._confirmed.is_set() and bool(self._lease) and not self._lease_dead.is_set()
 
 
 class LeaseKeeper(threading.Thread):
@@ -466,7 +465,6 @@ class LeaseKeeper(threading.Thread):
         self.on_doubt: Any = None
         self.on_confirm: Any = None
         self.error = ""
-        self.doubts = 0  # times the TTL passed unconfirmed
         self._stopped = False
         self._wake = threading.Event()
 
@@ -488,7 +486,6 @@ class LeaseKeeper(threading.Thread):
                 now = time.monotonic()
                 if not doubt and now >= expires:
                     doubt = True
-                    self.doubts += 1
                     self.error = f"no keep-alive confirmed for {self.ttl} s (the TTL)"
                     if self.on_doubt is not None:
                         self.on_doubt()

@@ -10,8 +10,10 @@ and every acknowledged event must be in the log exactly once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +230,26 @@ def _quorum_lost(cluster: EmbeddedEtcdCluster, client: EtcdClient) -> list[int]:
     return victims
 
 
+@contextlib.asynccontextmanager
+async def _leader_in_doubt(
+    cluster: EmbeddedEtcdCluster, job: str
+) -> AsyncIterator[tuple[EtcdClient, electionlib.Election, Leadership, list[int]]]:
+    """d1 leads `job`, then etcd loses its quorum until d1's lease is in doubt: the client,
+    the election, its first leadership and the members killed (the client's own first)."""
+    client = await etcdlog.connect(EtcdConfig(endpoints=cluster.endpoints))
+    assert isinstance(client, EtcdClient)
+    election = electionlib.Election(client, job, "d1", ttl_s=TTL_S)
+    try:
+        won = await election.campaign(timeout_s=10)
+        victims = _quorum_lost(cluster, client)
+        await asyncio.wait_for(election.lost.wait(), TTL_S + 5)
+        assert election.in_doubt
+        yield client, election, won, victims
+    finally:
+        await election.resign()
+        await client.close()
+
+
 def test_a_leader_keeps_its_term_through_a_lost_etcd_quorum(tmp_path: Path) -> None:
     """etcd short of a quorum for longer than the TTL: the leader cannot know whether its
     lease expired, so it stops leading (`lost`); but it keeps the lease, and once etcd has a
@@ -237,14 +259,8 @@ def test_a_leader_keeps_its_term_through_a_lost_etcd_quorum(tmp_path: Path) -> N
     ttl = TTL_S
 
     async def go() -> None:
-        client = await etcdlog.connect(EtcdConfig(endpoints=cluster.endpoints))
-        assert isinstance(client, EtcdClient)
-        election = electionlib.Election(client, "quorum", "d1", ttl_s=ttl)
-        won = await election.campaign(timeout_s=10)
-        try:
-            victims = _quorum_lost(cluster, client)
-            await asyncio.wait_for(election.lost.wait(), ttl + 5)
-            assert election.in_doubt and election.doubts == 1
+        async with _leader_in_doubt(cluster, "quorum") as (client, election, won, victims):
+            assert election.doubts == 1
             await asyncio.sleep(2 * ttl)  # well past the TTL: it would have expired by now
             cluster.members[victims[0]].restart()  # a quorum again
             t0 = time.monotonic()
@@ -263,9 +279,6 @@ def test_a_leader_keeps_its_term_through_a_lost_etcd_quorum(tmp_path: Path) -> N
             # and the lease is kept alive from then on
             await asyncio.sleep(ttl + 1)
             assert not election.lost.is_set()
-        finally:
-            await election.resign()
-            await client.close()
 
     try:
         asyncio.run(go())
@@ -282,43 +295,31 @@ def test_a_lease_that_expired_in_doubt_is_not_taken_back(tmp_path: Path) -> None
     ttl = TTL_S
 
     async def go() -> None:
-        client = await etcdlog.connect(EtcdConfig(endpoints=cluster.endpoints))
-        assert isinstance(client, EtcdClient)
-        election = electionlib.Election(client, "gone", "d1", ttl_s=ttl)
-        won = await election.campaign(timeout_s=10)
-        other_client = None
-        other = None
-        try:
-            victims = _quorum_lost(cluster, client)
-            await asyncio.wait_for(election.lost.wait(), ttl + 5)
-            assert election.in_doubt
+        async with _leader_in_doubt(cluster, "gone") as (client, election, won, victims):
             cluster.members[victims[0]].restart()
             # before d1 campaigns again, its lease ends (as an expiry would) and d2 wins
             other_client = await etcdlog.connect(EtcdConfig(endpoints=cluster.endpoints))
-            await other_client.leasestub.LeaseRevoke(rpc.LeaseRevokeRequest(ID=won.lease_id))
             other = electionlib.Election(other_client, "gone", "d2", ttl_s=ttl)
-            theirs = await _campaign_through_outage(other, 30)
-            assert theirs.term == won.term + 1
-            deadline = time.monotonic() + 10  # the keeper hears that the lease is gone
-            while election.in_doubt:
-                assert time.monotonic() < deadline, "the keeper still doubts a revoked lease"
-                await asyncio.sleep(0.1)
-            with pytest.raises(TimeoutError):
-                await election.campaign(timeout_s=3)
-            holder = await electionlib.current_leader(client, "gone")
-            assert holder is not None and holder[0] == "d2"
-            # and the old leadership cannot write one event
-            elog = etcdlog.EtcdEventLog(client, "gone", won, archive_url="")
-            with pytest.raises(EventLogError):
-                await elog.append(ev.Event(log_alert=ev.LogAlert(node_id="n", line="stale")))
-            await elog.close()
-        finally:
-            await election.resign()
-            if other is not None:
+            try:
+                await other_client.leasestub.LeaseRevoke(rpc.LeaseRevokeRequest(ID=won.lease_id))
+                theirs = await _campaign_through_outage(other, 30)
+                assert theirs.term == won.term + 1
+                deadline = time.monotonic() + 10  # the keeper hears that the lease is gone
+                while election.in_doubt:
+                    assert time.monotonic() < deadline, "the keeper still doubts a revoked lease"
+                    await asyncio.sleep(0.1)
+                with pytest.raises(TimeoutError):
+                    await election.campaign(timeout_s=3)
+                holder = await electionlib.current_leader(client, "gone")
+                assert holder is not None and holder[0] == "d2"
+                # and the old leadership cannot write one event
+                elog = etcdlog.EtcdEventLog(client, "gone", won, archive_url="")
+                with pytest.raises(EventLogError):
+                    await elog.append(ev.Event(log_alert=ev.LogAlert(node_id="n", line="stale")))
+                await elog.close()
+            finally:
                 await other.resign()
-            if other_client is not None:
                 await other_client.close()
-            await client.close()
 
     try:
         asyncio.run(go())
