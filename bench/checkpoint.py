@@ -175,7 +175,7 @@ STEPS_PER_PHASE = 3
 TINY3D_STEPS_PER_PHASE = 8
 
 
-def _loop_model(mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _loop_model(mb: int, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """An MLP whose parameters plus AdamW's two moments make `mb` MB of state."""
     width = LOOP_WIDTH.get(mb, 2048)
     per_layer = width * width * 4 * 3  # weight + exp_avg + exp_avg_sq
@@ -184,12 +184,14 @@ def _loop_model(mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     mods: list[torch.nn.Module] = []
     for _ in range(layers):
         mods += [torch.nn.Linear(width, width, bias=False), torch.nn.Tanh()]
-    model = torch.nn.Sequential(*mods)
+    model = torch.nn.Sequential(*mods).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return model, opt
 
 
-def bench_loop(mb: int, shm_root: str, disk_root: Path, rounds: int) -> dict[str, float]:
+def bench_loop(
+    mb: int, shm_root: str, disk_root: Path, rounds: int, device: str = "cpu", batch: int = 0
+) -> dict[str, Any]:
     """Blocking time and step time of flash saves at every step of a real training loop.
 
     Four modes on the same model, interleaved in rounds: no save, a synchronous `save`
@@ -200,18 +202,32 @@ def bench_loop(mb: int, shm_root: str, disk_root: Path, rounds: int) -> dict[str
     values taken; the ring never waits for the previous checksum). Blocking = time inside
     the save call + time the guard waited. torch.save (+ fsync) of the same state is
     measured in the same rounds.
+
+    On a GPU (`device="cuda"`) the state lives on the device: a save enqueues the copy
+    into the pinned slot on a side stream and blocks the host for no copy; each step's
+    time is taken after `torch.cuda.synchronize()`, so a copy the device did not overlap
+    with the next forward and backward shows as step time. `batch` sets the step's
+    compute (default: 64 on the CPU, 8192 on a GPU, where 64 would be microseconds).
     """
-    model, opt = _loop_model(mb)
+    dev = torch.device(device)
+    batch = batch or (8192 if dev.type == "cuda" else LOOP_BATCH)
+    model, opt = _loop_model(mb, dev)
     width = model[0].in_features  # type: ignore[index]
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(LOOP_BATCH, width, generator=g)
+    x = torch.randn(batch, width, generator=g).to(dev)
     position = {"sample_index": 0}
 
     def train_step() -> None:
         opt.zero_grad(set_to_none=True)
         model(x).square().mean().backward()
         opt.step()
-        position["sample_index"] += LOOP_BATCH
+        position["sample_index"] += batch
+
+    def sync() -> None:
+        # The training stream only: a device-wide synchronize would also wait for the
+        # save's copy on its side stream, which the next step is meant to overlap.
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
 
     def state(step: int) -> dict[str, Any]:
         return {
@@ -246,7 +262,9 @@ def bench_loop(mb: int, shm_root: str, disk_root: Path, rounds: int) -> dict[str
             os.fsync(f.fileno())
 
     try:
-        nbytes = writer.prepare(state(0))
+        t_prep = time.perf_counter()
+        nbytes = writer.prepare(state(0))  # on a GPU: registers the slots as pinned memory
+        prepare_s = time.perf_counter() - t_prep
         for _ in range(rounds):
             for mode in ("none", "sync", "async", "snapshot"):
                 handles = []
@@ -267,6 +285,7 @@ def bench_loop(mb: int, shm_root: str, disk_root: Path, rounds: int) -> dict[str
                         )
                         h = writer.save_async(snap, step, meta={"persist": False})
                         handles.append(h)
+                    sync()
                     dt = time.perf_counter() - t0
                     if i > 0:  # the first step of a phase still carries the last one's save
                         times.setdefault(mode, []).append(dt)
@@ -286,8 +305,10 @@ def bench_loop(mb: int, shm_root: str, disk_root: Path, rounds: int) -> dict[str
         path.unlink(missing_ok=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "writer_prepare_s": prepare_s,
         "bytes": nbytes,
-        "batch": LOOP_BATCH,
+        "batch": batch,
         "width": width,
         "layers": len(model) // 2,
         "step_no_save_s": med["none"],
@@ -307,17 +328,21 @@ def bench_loop(mb: int, shm_root: str, disk_root: Path, rounds: int) -> dict[str
     }
 
 
-def _tiny3d_rank(layout: dict[str, int], shm_root: str, rounds: int) -> dict[str, Any]:
-    """One rank of the tiny gpt3d model: step times with no / sync / overlapped flash saves."""
+def _tiny3d_rank(
+    layout: dict[str, int], shm_root: str, rounds: int, model: str = "tiny", seq_len: int = 64
+) -> dict[str, Any]:
+    """One rank of a gpt3d model (the tiny preset by default): step times with no / sync /
+    overlapped flash saves."""
     import torch.distributed as dist
 
     from unbroken.trainer.config import DataConfig, ParallelConfig, TrainConfig, preset
+    from unbroken.trainer.flashckpt import KEY, flat_fresh
     from unbroken.trainer.gpt3d import GPT3DTrainer
 
     cfg = TrainConfig(
-        model=preset("tiny"),
+        model=preset(model),
         parallel=ParallelConfig(**layout),
-        data=DataConfig(seq_len=64, global_batch=8, max_corpus_bytes=1 << 20),
+        data=DataConfig(seq_len=seq_len, global_batch=8, max_corpus_bytes=1 << 20),
         steps=1 << 30,
     )
     _quiet_logs()
@@ -345,10 +370,11 @@ def _tiny3d_rank(layout: dict[str, int], shm_root: str, rounds: int) -> dict[str
                     elif mode == "async":
                         handles.append(writer.save_async(trainer.state_dict(), step))
                     elif mode == "snapshot":  # what the embedded trainer does every step
-                        snap = Snapshot(
+                        snap = Snapshot(  # as trainer/flashckpt.py takes it (flat values)
                             key=trainer.snapshot_key(),
-                            full=lambda: {"trainer": trainer},
-                            fresh=lambda: {"trainer": trainer.snapshot_fresh()},
+                            full=lambda: {KEY: trainer},
+                            fresh=lambda: flat_fresh(trainer),
+                            flat=True,
                         )
                         handles.append(
                             writer.save_async(
@@ -384,15 +410,35 @@ def _tiny3d_rank(layout: dict[str, int], shm_root: str, rounds: int) -> dict[str
     }
 
 
-def bench_tiny3d(layout: dict[str, int], shm_root: str, rounds: int) -> dict[str, Any]:
-    """The tiny gpt3d model on `layout` (mp.spawn, gloo), a flash save at every step."""
+def bench_tiny3d(
+    layout: dict[str, int],
+    shm_root: str,
+    rounds: int,
+    backend: str = "gloo",
+    model: str = "tiny",
+    seq_len: int = 64,
+) -> dict[str, Any]:
+    """The tiny gpt3d model on `layout` (mp.spawn, gloo; nccl on a GPU), a flash save at
+    every step."""
     from unbroken.trainer.launch import spawn
 
     world = layout.get("dp", 1) * layout.get("pp", 1) * layout.get("tp", 1)
-    ranks = spawn(_tiny3d_rank, world, layout, shm_root, rounds, timeout_s=600)
+    ranks = spawn(
+        _tiny3d_rank,
+        world,
+        layout,
+        shm_root,
+        rounds,
+        model,
+        seq_len,
+        timeout_s=600,
+        backend=backend,
+    )
     out: dict[str, Any] = {
         "layout": "pp{pp}xdp{dp}xtp{tp}".format(**({"pp": 1, "dp": 1, "tp": 1} | layout))
     }
+    if model != "tiny":
+        out["layout"] += f" {model} seq {seq_len}"
     out["ranks"] = world
     # Collectives keep the ranks in step; report the slowest rank's medians.
     for key in ranks[0]:
@@ -492,12 +538,21 @@ def main() -> None:
     ap.add_argument("--loop-sizes-mb", type=int, nargs="*", default=[100, 1024])
     ap.add_argument("--loop-rounds", type=int, default=3)
     ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="where the training loop's state lives (cuda: copies from GPU memory)",
+    )
+    ap.add_argument("--loop-batch", type=int, default=0, help="0: 64 on cpu, 8192 on cuda")
+    ap.add_argument(
         "--tiny3d-layouts",
         nargs="*",
         default=["dp2", "tp2"],
         help="layouts of the tiny gpt3d model, e.g. dp2 tp2 pp2 (2-4 processes)",
     )
     ap.add_argument("--tiny3d-rounds", type=int, default=3)
+    ap.add_argument("--gpt3d-preset", default="tiny", help="model preset of the gpt3d part")
+    ap.add_argument("--gpt3d-seq", type=int, default=64, help="sequence length of that part")
     ap.add_argument("--out", default=str(RESULTS), help="where to write the JSON results")
     args = ap.parse_args()
     _quiet_logs()
@@ -534,13 +589,17 @@ def main() -> None:
             if psutil.virtual_memory().available < 5 * mb * (1 << 20):
                 results["loop"][f"{mb}mb"] = {"skipped": "not enough free memory"}
                 continue
-            r = bench_loop(mb, shm_root, disk_root, args.loop_rounds)
+            r = bench_loop(mb, shm_root, disk_root, args.loop_rounds, args.device, args.loop_batch)
             results["loop"][f"{mb}mb"] = r
             print(f"loop {mb} MB done: {json.dumps(r)}", flush=True)
         results["tiny_3d"] = {}
         for name in args.tiny3d_layouts:
             layout = _parse_layout(name)
-            r = bench_tiny3d(layout, shm_root, args.tiny3d_rounds)
+            # On a GPU the trainer puts its state on the device (nccl; one GPU per rank).
+            backend = "nccl" if args.device == "cuda" else "gloo"
+            r = bench_tiny3d(
+                layout, shm_root, args.tiny3d_rounds, backend, args.gpt3d_preset, args.gpt3d_seq
+            )
             results["tiny_3d"][r["layout"]] = r
             print(f"tiny 3d {name} done: {json.dumps(r)}", flush=True)
     finally:

@@ -93,6 +93,7 @@ from unbroken.recovery.flashcopy import (
     replica_store,
     slots,
     tensor_view,
+    tensor_views,
     write_manifest,
     write_raw_copy,
 )
@@ -150,10 +151,29 @@ _DUMPED: dict[tuple[type, str], bytes] = {}
 _DUMPED_MAX = 4096
 
 
+_PLAIN_REPR_MAX = 1 << 16  # longer plain values are encoded each time, not kept
+
+
 def _immutable(value: Any) -> bool:
     return type(value) in _SCALARS or (
         type(value) is tuple and all(type(v) in _SCALARS for v in value)
     )
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Built of scalars, lists, tuples and str-or-scalar-keyed dicts only: its repr then
+    names its bytes (an optimizer's `params` list, a data position dict), so an equal value
+    is encoded once."""
+    t = type(value)
+    if t in _SCALARS:
+        return True
+    if depth > 4:
+        return False
+    if t is list or t is tuple:
+        return all(type(v) in _SCALARS for v in value) or all(_plain(v, depth + 1) for v in value)
+    if t is dict:
+        return all(type(k) in _SCALARS and _plain(v, depth + 1) for k, v in value.items())
+    return False
 
 
 def _torch_save(value: Any, *, legacy: bool) -> bytes:
@@ -183,21 +203,33 @@ def _legacy_frame() -> tuple[bytes, bytes] | None:
 
 
 def _dump_object(value: Any) -> bytes:
-    key = (type(value), repr(value)) if _immutable(value) else None
+    plain = _plain(value)
+    key = None
+    if plain:
+        text = repr(value)
+        key = (type(value), text) if len(text) <= _PLAIN_REPR_MAX else None
     if key is not None and key in _DUMPED:
         return _DUMPED[key]
     # The legacy (pickle) format is 155 bytes for a float, the zip format 1261: it keeps a
     # manifest with hundreds of small values small. torch.load reads both.
-    frame = _legacy_frame() if key is not None else None
+    frame = _legacy_frame() if plain else None
     if frame is not None:
         raw = frame[0] + pickle.dumps(value, protocol=2) + frame[1]
     else:
-        raw = _torch_save(value, legacy=key is not None)
+        raw = _torch_save(value, legacy=plain)
     if key is not None:
         if len(_DUMPED) >= _DUMPED_MAX:
             _DUMPED.clear()
         _DUMPED[key] = raw
     return raw
+
+
+def _sig_with(sig: tuple[Any, ...] | None, slot: int, ident: Any) -> tuple[Any, ...] | None:
+    """`sig` (a `manifest_sig`, by slot order) with `slot`'s entry replaced; None (re-list at
+    the next save) when the ring's slots are not 0..n-1."""
+    if sig is None or not 0 <= slot < len(sig):
+        return None
+    return (*sig[:slot], ident, *sig[slot + 1 :])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -242,6 +274,8 @@ class _Plan:
     index: dict[str, int] = field(default_factory=dict)  # key -> position in `tensors`
     dumped: dict[str, bytes] = field(default_factory=dict)  # objects, serialised once
     values: dict[str, Any] = field(default_factory=dict)  # the objects `dumped` serialised
+    cuda: bool = False  # a tensor lives on a GPU: the copy is enqueued, not threaded
+    layout: int = 0  # hash of `entries`: plans of equal layout share a slot's tensor views
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,7 +331,10 @@ def _plan(flat: Mapping[str, Any]) -> _Plan:
         keys.append(key)
         tensors.append(local)
         off += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-    return _Plan(keys, tuple(entries), objects, off, tensors, {k: i for i, k in enumerate(keys)})
+    index = {k: i for i, k in enumerate(keys)}
+    cuda = any(t.is_cuda for t in tensors)
+    layout = (tuple(entries), off)
+    return _Plan(keys, layout[0], objects, off, tensors, index, cuda=cuda, layout=hash(layout))
 
 
 class SaveHandle:
@@ -316,6 +353,9 @@ class SaveHandle:
         self.blocked_s = blocked_s
         self._copied_ok = False
         self.generation = -1  # the copy's manifest generation (set by the writer)
+        # CUDA events recorded after the device-to-host copies (GPU state): "copied" for
+        # the caller means its stream waits for them, on the device; the host never does.
+        self._device_events: list[tuple[torch.device, Any]] = []
 
     def wait_copied(self, timeout_s: float = 600.0) -> None:
         """Block until the state's tensors are copied out; they may be modified after.
@@ -324,6 +364,14 @@ class SaveHandle:
             TimeoutError: the copy is not done within `timeout_s`.
         """
         if self._copied_ok:  # the common case, once per optimizer step: no lock taken
+            return
+        if self._device_events:  # pragma: no cover - needs a GPU (tests/gpu)
+            # The caller's stream (the optimizer step's) waits for the copies on the
+            # device: the host goes on enqueueing, the GPU orders the writes after the reads.
+            self._copied.result()
+            for device, event in self._device_events:
+                torch.cuda.current_stream(device).wait_event(event)
+            self._copied_ok = True
             return
         if self._copied.done():
             self._copied.result()  # re-raises a failed copy's error
@@ -386,8 +434,8 @@ class FlashWriter:
         self._capacity = 0
         self._nslots = 0
         self._maps: dict[int, mmap.mmap] = {}
-        # slot -> (plan, its non-empty entries' positions, tensors over their bytes)
-        self._views: dict[int, tuple[_Plan, list[int], list[torch.Tensor]]] = {}
+        # slot -> (plan layout, its non-empty entries' positions, tensors over their bytes)
+        self._views: dict[int, tuple[int, list[int], list[torch.Tensor]]] = {}
         # Thread names start with f"flash-{rank}_": the SDK's pacer measures their CPU.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"flash-{rank}")
         self._sums = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"flash-{rank}_sum")
@@ -401,7 +449,7 @@ class FlashWriter:
         self._cache: tuple[Any, _Plan] | None = None  # (Snapshot.key, plan)
         self._cache_miss_logged = False
         self._cuda_registered: set[int] = set()
-        self._side_stream: Any = None
+        self._side_streams: dict[torch.device, Any] = {}  # device -> the copies' stream
         self.saves = 0  # saves started
         self.skipped_busy = 0  # saves skipped: no free slot in the ring
         self.snapshot_hits = 0  # saves that reused the cached plan (Snapshot)
@@ -414,7 +462,6 @@ class FlashWriter:
     def _ensure(self, nbytes: int) -> Path:
         if self._dir is None or nbytes > self._capacity:
             self._unmap()
-            self._cuda_registered.clear()
             self._dir = Path(self._provider.reserve(self.rank, nbytes))
             self._capacity = nbytes
             self._nslots = len(slots(self._dir))
@@ -429,19 +476,21 @@ class FlashWriter:
         self, slot: int, buf: mmap.mmap, plan: _Plan
     ) -> tuple[list[int], list[torch.Tensor]]:
         """The plan's non-empty entries (their positions) and a tensor over each one's bytes
-        in `slot`, built once per slot and plan (they keep the slot's mapping exported:
-        `_unmap` drops them first)."""
+        in `slot`, built once per slot and layout (`prepare` builds them for every slot;
+        they keep the slot's mapping exported: `_unmap` drops them first)."""
         hit = self._views.get(slot)
-        if hit is not None and hit[0] is plan:
+        if hit is not None and hit[0] == plan.layout:
             return hit[1], hit[2]
         used = [i for i, e in enumerate(plan.entries) if e.nbytes]
-        dsts = [tensor_view(buf, plan.entries[i]) for i in used]
-        self._views[slot] = (plan, used, dsts)
+        dsts = tensor_views(buf, [plan.entries[i] for i in used])
+        self._views[slot] = (plan.layout, used, dsts)
         return used, dsts
 
     def _unmap(self) -> None:
         """Drop every slot's mapping (and the tensor views over them)."""
         self._views.clear()
+        if self._cuda_registered:  # pragma: no cover - needs a GPU
+            self._unregister_cuda()
         for m in self._maps.values():
             m.close()
         self._maps.clear()
@@ -476,8 +525,9 @@ class FlashWriter:
         flat, _ = flatten_state_dict(_resolve_stateful(state_dict))
         plan = _plan(flat)
         self._ensure(plan.nbytes)
-        if any(t.is_cuda for t in plan.tensors):  # pragma: no cover - needs a GPU
-            for slot in range(self._nslots):
+        for slot in range(self._nslots):  # ~10 µs per tensor and slot: not in a save
+            self._slot_views(slot, self._map(slot), plan)
+            if plan.cuda:  # pragma: no cover - needs a GPU
                 self._register_cuda(slot)
         return plan.nbytes
 
@@ -662,6 +712,7 @@ class FlashWriter:
                     i is None
                     or tuple(local.shape) != plan.entries[i].shape
                     or str(local.dtype).removeprefix("torch.") != plan.entries[i].dtype
+                    or local.device != plan.tensors[i].device
                 ):
                     self._miss(key)
                     return None
@@ -737,7 +788,7 @@ class FlashWriter:
         manifest_path(rank_dir, slot).unlink(missing_ok=True)
         with self._lock:
             self._known.pop(slot, None)
-            self._sig = None
+            self._sig = _sig_with(self._sig, slot, None)  # our own change: no re-listing
         buf = self._map(slot)
         self._generation += 1
         generation = self._generation
@@ -745,17 +796,29 @@ class FlashWriter:
 
         def copy() -> None:
             used, dsts = self._slot_views(slot, buf, plan)
-            if self._progress_hook is None and not any(s.is_cuda for s in sources):
+            if self._progress_hook is None:
                 # One call for every tensor (per-tensor Python cost dominated a small
                 # state's copy: 1.4 ms for 157 tensors, 0.15 ms as one foreach copy); one
                 # thread: two measured no faster (one core reaches the VM's bandwidth).
-                torch._foreach_copy_(dsts, [sources[i] for i in used])
+                host: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+                device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+                for i, view in zip(used, dsts, strict=True):
+                    src = sources[i]
+                    pair = device.setdefault(src.device, ([], [])) if src.is_cuda else host
+                    pair[0].append(view)
+                    pair[1].append(src)
+                if host[0]:
+                    torch._foreach_copy_(host[0], host[1])
+                for dev, (ds, ss) in device.items():  # pragma: no cover - needs a GPU
+                    events.append((dev, self._copy_from_cuda(slot, dev, ds, ss)))
             else:
                 views = dict(zip(used, dsts, strict=True))
                 for i, src in enumerate(sources):
                     dst = views.get(i)
-                    if dst is not None and src.is_cuda:
-                        events.append(self._copy_from_cuda(buf, slot, dst, src))
+                    if dst is not None and src.is_cuda:  # pragma: no cover - needs a GPU
+                        events.append(
+                            (src.device, self._copy_from_cuda(slot, src.device, [dst], [src]))
+                        )
                     elif dst is not None:
                         dst.copy_(src)
                     if self._progress_hook is not None:
@@ -764,7 +827,7 @@ class FlashWriter:
 
         def finish() -> Manifest:
             copied.result()  # a failed copy never gets a manifest
-            for event in events:
+            for _, event in events:
                 event.synchronize()
             manifest = Manifest(
                 rank=self.rank,
@@ -777,24 +840,31 @@ class FlashWriter:
                 meta=dict(meta or {}),
                 created_unix=time.time(),
             )
-            write_manifest(rank_dir, slot, manifest)
+            ident = write_manifest(rank_dir, slot, manifest)
             with self._lock:
                 self._known[slot] = generation
-                # the ring as it is now (on this thread, off the training thread): the next
-                # save then need not re-list the manifests; a manifest the training thread
-                # unlinks meanwhile resets it again
-                self._sig = manifest_sig(rank_dir)
+                # our own manifest's identity, taken before the rename: a change by another
+                # process (a discard) since then still differs from it at the next save
+                self._sig = _sig_with(self._sig, slot, ident)
             log.debug("flash.saved", rank=self.rank, step=step, slot=slot, bytes=plan.nbytes)
             return manifest
 
         copied: Future[None]
-        if overlap and not any(src.is_cuda for src in sources):
+        # a fresh tensor has its planned one's device (`_fresh` checks)
+        if overlap and not plan.cuda:
             copied = self._pool.submit(copy)
         else:
             copy()
             copied = Future()
             copied.set_result(None)
+        if events and not overlap:  # pragma: no cover - needs a GPU
+            # `save`: the caller may change the state once it returns, so its stream
+            # waits for the copies now; `save_async` leaves that to `wait_copied`
+            # (the optimizer guard), and the copy overlaps the next forward and backward.
+            for dev, event in events:
+                torch.cuda.current_stream(dev).wait_event(event)
         handle = SaveHandle(copied, self._sums.submit(finish), time.perf_counter() - t0)
+        handle._device_events = [] if not overlap else list(events)
         handle.generation = generation
         self._inflight[slot] = handle
         self._pending = handle
@@ -804,32 +874,58 @@ class FlashWriter:
         return handle
 
     def _register_cuda(self, slot: int) -> None:  # pragma: no cover - needs a GPU
-        """Register the slot's whole mapping as pinned memory once (async DMA into it)."""
-        if slot not in self._cuda_registered:
-            ptr = torch.frombuffer(self._map(slot), dtype=torch.uint8).data_ptr()
-            torch.cuda.cudart().cudaHostRegister(ptr, len(self._map(slot)), 0)
-            self._cuda_registered.add(slot)
+        """Register the slot's whole mapping as pinned memory once (async DMA into it).
+
+        If CUDA refuses (e.g. a locked-memory limit), the copies still work, from pageable
+        memory: the driver stages them, and each blocks the host for its length.
+        """
+        if slot in self._cuda_registered:
+            return
+        m = self._map(slot)
+        ptr = torch.frombuffer(m, dtype=torch.uint8).data_ptr()
+        err = torch.cuda.cudart().cudaHostRegister(ptr, len(m), 0)
+        if int(err) != 0:
+            log.warning(
+                "flash.pin_failed",
+                rank=self.rank,
+                slot=slot,
+                bytes=len(m),
+                cuda_error=int(err),
+                effect="device-to-host copies into this slot block the training thread",
+                fix="raise the locked-memory limit (ulimit -l) of the worker",
+            )
+            return
+        self._cuda_registered.add(slot)
+
+    def _unregister_cuda(self) -> None:  # pragma: no cover - needs a GPU
+        """Undo `_register_cuda` before the mappings go (a new mapping may reuse the range)."""
+        for slot in sorted(self._cuda_registered):
+            m = self._maps.get(slot)
+            if m is not None:
+                ptr = torch.frombuffer(m, dtype=torch.uint8).data_ptr()
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+        self._cuda_registered.clear()
 
     def _copy_from_cuda(
-        self, buf: mmap.mmap, slot: int, dst: torch.Tensor, src: torch.Tensor
+        self, slot: int, device: torch.device, dsts: list[torch.Tensor], srcs: list[torch.Tensor]
     ) -> Any:  # pragma: no cover - needs a GPU
-        """Enqueue a device-to-host copy on the writer's side stream into pinned shm.
+        """Enqueue the device-to-host copies of `srcs` on the writer's side stream, into
+        the slot's pinned views `dsts`, after the work already on the caller's stream.
 
-        Returns the event recorded after it; the training stream waits for that event on
-        the device (so the next optimizer step cannot overwrite `src` early), the host
-        does not block.
+        Returns the event recorded after them: the caller's stream waits for it before it
+        may change `srcs` (`SaveHandle.wait_copied`, the optimizer guard); the host waits
+        only in the checksum thread.
         """
         self._register_cuda(slot)
-        main = torch.cuda.current_stream(src.device)
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(src.device)
-        side = self._side_stream
+        main = torch.cuda.current_stream(device)
+        side = self._side_streams.get(device)
+        if side is None:
+            side = self._side_streams[device] = torch.cuda.Stream(device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            dst.copy_(src, non_blocking=True)
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
         event = torch.cuda.Event()
         event.record(side)
-        main.wait_event(event)
         return event
 
     def _drain(self, timeout_s: float = 600.0) -> None:

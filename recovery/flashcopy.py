@@ -20,7 +20,7 @@ import mmap
 import os
 import warnings
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -226,16 +226,28 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def tensor_view(buf: memoryview | bytearray | mmap.mmap, entry: TensorEntry) -> torch.Tensor:
     """A zero-copy tensor over `entry`'s bytes in `buf` (read-only when `buf` is)."""
+    return tensor_views(buf, (entry,))[0]
+
+
+def tensor_views(
+    buf: memoryview | bytearray | mmap.mmap, entries: Iterable[TensorEntry]
+) -> list[torch.Tensor]:
+    """`tensor_view` of each entry, under one warnings filter (setting it per tensor cost
+    ~10 µs each: 4 ms for a 125M-parameter model's 386 tensors)."""
     import torch
 
-    dt = dtype_from_name(entry.dtype)
-    if entry.nbytes == 0:
-        return torch.empty(entry.shape, dtype=dt)
+    out = []
     with warnings.catch_warnings():
         # Read-only mappings give read-only tensors; callers only copy out of them.
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        flat = torch.frombuffer(buf, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
-    return flat.view(dt).view(entry.shape)
+        for entry in entries:
+            dt = dtype_from_name(entry.dtype)
+            if entry.nbytes == 0:
+                out.append(torch.empty(entry.shape, dtype=dt))
+                continue
+            flat = torch.frombuffer(buf, dtype=torch.uint8, count=entry.nbytes, offset=entry.offset)
+            out.append(flat.view(dt).view(entry.shape))
+    return out
 
 
 def load_object(raw: bytes) -> Any:
@@ -425,21 +437,36 @@ def write_raw_copy(rank_dir: Path, manifest: Manifest, data: memoryview | bytes)
     return CopyRef(rank_dir, slot, manifest)
 
 
+def file_ident(st: os.stat_result) -> tuple[int, int, int]:
+    """A manifest file's identity in `manifest_sig` (a rename keeps it, a rewrite does not)."""
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
 def manifest_sig(rank_dir: Path) -> tuple[Any, ...]:
-    """Identity of every slot's manifest file (a rename gives a new inode)."""
+    """Identity of every slot's manifest file (a rename gives a new inode), by slot order.
+
+    A writer compares it before every save (another process may have discarded or restored
+    a copy): plain strings and one stat per slot, no pathlib (which cost ~1 ms per save for
+    a ring of 16).
+    """
+    base = os.fspath(rank_dir)
     sig: list[Any] = []
     for slot in slots(rank_dir):
         try:
-            st = os.stat(manifest_path(rank_dir, slot))
-            sig.append((st.st_ino, st.st_mtime_ns, st.st_size))
+            sig.append(file_ident(os.stat(f"{base}/slot-{slot}.manifest")))
         except FileNotFoundError:
             sig.append(None)
     return tuple(sig)
 
 
-def write_manifest(rank_dir: Path, slot: int, manifest: Manifest) -> None:
+def write_manifest(rank_dir: Path, slot: int, manifest: Manifest) -> tuple[int, int, int]:
+    """Write the slot's manifest atomically; returns its `file_ident` (its entry in
+    `manifest_sig` until something else replaces or removes it)."""
     tmp = rank_dir / f".slot-{slot}.manifest.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
     with os.fdopen(os.open(tmp, flags, 0o600), "wb") as f:
         f.write(manifest.to_bytes())
+        f.flush()
+        ident = file_ident(os.fstat(f.fileno()))
     os.replace(tmp, manifest_path(rank_dir, slot))
+    return ident
