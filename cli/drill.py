@@ -24,6 +24,7 @@ from typing import Any
 
 from unbroken.cli.cluster import LocalCluster, LogWatch
 from unbroken.cli.faults import Faults, Injection, proof, proves
+from unbroken.driver.straggler import StragglerConfig
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 
@@ -47,6 +48,10 @@ SPIKE_AHEAD = 1  # the loss-spike fault hits the next step ("detected in" includ
 SPIKE_MIN_STEP = 30
 STRAGGLER_FACTOR = 1.2  # the straggler fault: one world node computes 20 % slower
 STRAGGLER_WARM_STEPS = 64  # steps in every worker's window before the straggler is injected
+# and the detector's roles taken: its settle and baseline sweeps at the defaults, plus one
+STRAGGLER_ROLE_S = (StragglerConfig().settle_sweeps + StragglerConfig().baseline_sweeps + 1) * (
+    StragglerConfig().sweep_ms / 1000.0
+)
 STRAGGLER_DETECT_LIMIT_S = 180.0  # its windows must fill and shift first (driver/straggler.py)
 RESPAWN_DRIVER_S = 8.0  # a killed driver restarts this long after (its lease is 2 s)
 RESTORED = re.compile(r"flash\.restored.*\brank=0\b.*\bstep=(\d+)")
@@ -180,6 +185,7 @@ class Drill:
         self.hang_floor_s = hang_floor_s
         self.next_at = 0.0
         self.done = False
+        self._windows_full_at: float | None = None  # when the straggler's windows filled
 
     # ------------------------------------------------------------ measuring
     def observe(self, new: list[ev.Event], now: float) -> None:
@@ -342,6 +348,13 @@ class Drill:
         steps = [w.window_steps for n in world for w in n.workers]
         if not steps or min(steps) < STRAGGLER_WARM_STEPS:
             # not yet: the detector learns each node's usual cost from its first windows
+            self._windows_full_at = None
+            self.plan.insert(0, "straggler")
+            return None
+        if self._windows_full_at is None:
+            self._windows_full_at = now
+        if now - self._windows_full_at < STRAGGLER_ROLE_S:
+            # ...once a restart's transients have passed (`--straggler-settle-sweeps`)
             self.plan.insert(0, "straggler")
             return None
         target = world[0].node_id

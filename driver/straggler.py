@@ -9,7 +9,10 @@ name it, but compute time can.
 Two tests, each a change point against what the node did while healthy, each normalised
 by the rest of the world at the same sweep (a load that slows every node moves every value
 alike). What it did while healthy, its *role*: the median of its first `baseline_sweeps`
-sweeps after its workers (re)started, then an exponentially weighted mean over about
+sweeps after its workers (re)started and `settle_sweeps` more passed (a restart's transients:
+warm standbys import torch beside the new workers; 2026-11-24, a role taken from them named
+a healthy node 1.04x slow 20 s after a loss-spike restart, and the default policy evicted
+it), then an exponentially weighted mean over about
 `drift_sweeps` healthy sweeps (and never fewer than `DRIFT_WINDOWS` of its windows: with slow
 steps a window takes many sweeps to shift, and a straggler's shift must not pass for a
 drift), with the variance of its sweep-to-sweep wander. A slow drift
@@ -85,6 +88,14 @@ class StragglerConfig:
     min_steps: int = field(
         default=32, metadata={"help": "window steps a node needs before it is judged"}
     )
+    settle_sweeps: int = field(
+        default=5,
+        metadata={
+            "help": "sweeps after a node's workers (re)start that do not count towards its "
+            "role: a restart's transients (the restore, warm standbys importing torch beside "
+            "the workers, first steps faulting pages in) pass first"
+        },
+    )
     baseline_sweeps: int = field(
         default=3, metadata={"help": "sweeps whose median relative cost is a node's role"}
     )
@@ -108,6 +119,8 @@ class StragglerConfig:
             raise ValueError(f"straggler confirm must be >= 1, got {self.confirm}")
         if not 100.0 <= self.sweep_ms <= 600_000.0:
             raise ValueError(f"straggler sweep_ms must be in [100, 600000], got {self.sweep_ms}")
+        if self.settle_sweeps < 0:
+            raise ValueError(f"straggler settle_sweeps must be >= 0, got {self.settle_sweeps}")
         if self.baseline_sweeps < 1:
             raise ValueError(f"straggler baseline_sweeps must be >= 1, got {self.baseline_sweeps}")
         if self.drift_sweeps < 0:
@@ -166,6 +179,7 @@ SE_MEDIAN = 1.2533 * 1.4826  # a median's standard error per MAD, times sqrt(n)
 @dataclass(slots=True)
 class _Track:
     generation: int
+    settled: int = 0  # sweeps seen since its workers (re)started, up to settle_sweeps
     rels: list[float] = field(default_factory=list)  # its first relative windows
     gaps: list[float] = field(default_factory=list)  # ...and wait gaps
     role: float = 0.0  # its usual compute relative to the others (0: not known yet)
@@ -214,6 +228,9 @@ class StragglerWatch:
             others_wait = median_without(waits, s.wait_ms)
             gap = others_wait - s.wait_ms
             if not t.role:
+                if t.settled < c.settle_sweeps:  # a restart's transients pass first
+                    t.settled += 1
+                    continue
                 t.rels.append(rel)
                 t.gaps.append(gap)
                 if len(t.rels) >= c.baseline_sweeps:  # its role: the usual relative cost

@@ -22,6 +22,7 @@ import pytest
 
 from tests.jobs import Job
 from unbroken.cli.cluster import until
+from unbroken.driver.straggler import StragglerConfig
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 
@@ -64,7 +65,11 @@ def test_slowed_node_is_named_evicted_and_replaced_by_the_spare(job: Job) -> Non
     job.start_agent("n0", buddy="n1", extra=every)
     job.start_agent("n1", buddy="n0", extra=every)
     job.start_agent("s0", buddy="n0", spare=True, extra=every)
-    until(lambda: job.max_step() >= 70, 240, "training to start", job)  # windows, roles learnt
+    until(lambda: job.max_step() >= 70, 240, "training to start", job)  # windows filled
+    # the roles learnt once the restart's settle sweeps have passed (a slowdown before
+    # that would be taken for n1's role)
+    sc = StragglerConfig()
+    time.sleep((sc.settle_sweeps + sc.baseline_sweeps + 1) * sc.sweep_ms / 1000.0)
 
     slow(job.address, "n1", 1.3)
     t0 = time.monotonic()
