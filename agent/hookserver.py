@@ -237,7 +237,8 @@ class HookServer:
                 dict(s.timings_ms) if s.timings_ms else None,
             )
         elif kind == "phase":
-            w.on_phase(rep.phase.name, time.monotonic())
+            step = rep.phase.step if rep.phase.HasField("step") else None
+            w.on_phase(rep.phase.name, time.monotonic(), step)
         elif kind == "hello":
             w.reply_socket = rep.hello.reply_socket
             w.stack_signal = rep.hello.stack_signal

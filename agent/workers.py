@@ -350,6 +350,7 @@ class Worker:
         self.tasks: list[asyncio.Task[None]] = []
         self.warm = False  # started in a warm standby rather than a fresh process
         self.phase = ""  # the worker's own phase report ("" until one: judged as "train")
+        self.restored_step: int | None = None  # the step this process started from, once said
         # per-step compute and collective-wait times (the straggler detector's input)
         self.compute_times: collections.deque[float] = collections.deque(maxlen=WINDOW_STEPS)
         self.wait_times: collections.deque[float] = collections.deque(maxlen=WINDOW_STEPS)
@@ -392,10 +393,13 @@ class Worker:
         if step_time_ms > 0:
             self.step_times.append(step_time_ms)
 
-    def on_phase(self, name: str, now: float) -> None:
-        """The worker entered phase `name`; the phase's own limit counts from now."""
+    def on_phase(self, name: str, now: float, step: int | None = None) -> None:
+        """The worker entered phase `name`; the phase's own limit counts from now. A `step`
+        with it is the step its state is at; the first one is the step it restored."""
         self.phase = name[:32]
         self.last_progress = now
+        if step is not None and self.restored_step is None:
+            self.restored_step = step
 
     def status(self, now: float, hang: hanglib.HangConfig | None = None) -> dpb.WorkerStatus:
         """This worker's heartbeat entry. Its peak is the highest loss (a non-finite one
@@ -462,6 +466,7 @@ class Worker:
             wait_ms=wait,
             wait_mad_ms=wait_mad,
             window_steps=len(self.compute_times),
+            restored_step=self.restored_step,
         )
 
 

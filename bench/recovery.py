@@ -30,7 +30,8 @@ Phases, all in one run:
 
 detect_s and resume_s come from the events' own wall times (inject -> detection event ->
 TrainingResumed, which the driver appends once every rank of the restarted world reported a
-step); steps_lost from TrainingPaused (the step reached minus the step restored). ETTR =
+step); steps_lost from TrainingPaused's step reached minus RestoreFinished's step (the oldest
+step the ranks say they restored; the pause's restore_step is the driver's plan). ETTR =
 productive step time / wall time over the run, where productive step time is the sum of
 `step_time_s` over the steps that count (the last run of each step number; rank 0's
 metrics), and the wall time starts at the run's first step. Medians over N = 5 runs.
@@ -91,6 +92,7 @@ class Fault:
     detect_s: float | None = None
     resume_s: float | None = None
     steps_lost: int | None = None
+    paused_at: int | None = None  # the incident's last TrainingPaused.at_step
     detect_seq: int = 0
     warm_starts: int = 0  # workers the agents started in a warm standby for this fault
     cold_starts: int = 0
@@ -285,7 +287,11 @@ class Bench:
         if f.resume_s is not None or e.seq <= f.detect_seq:
             return
         if kind == "training_paused":  # the last pause of the incident counts
-            f.steps_lost = max(0, e.training_paused.at_step - e.training_paused.restore_step)
+            f.paused_at = e.training_paused.at_step
+            f.steps_lost = max(0, f.paused_at - e.training_paused.restore_step)
+        elif kind == "restore_finished" and f.paused_at is not None:
+            # the step the ranks really restored (the pause's is the driver's plan, a floor)
+            f.steps_lost = max(0, f.paused_at - e.restore_finished.step)
         elif kind == "training_resumed":
             f.resume_s = since
 

@@ -663,13 +663,30 @@ class RecoveryLoop:
             ev.Event(
                 cause="driver",
                 restore_finished=ev.RestoreFinished(
-                    step=restore.step,
+                    step=self._restored_step(nodes, restore.step),
                     duration_s=time.monotonic() - t0,
                     ok=not error,
                     error=error,
                 ),
             )
         )
+
+    def _restored_step(self, nodes: tuple[str, ...], planned: int) -> int:
+        """The step the restarted world really restored: the oldest step its ranks said
+        they started from (`WorkerStatus.restored_step`). The plan (`planned`, from the rings
+        and buddies the heartbeats listed when the driver decided) is a floor: a replica that
+        reached the buddy after the decision is newer. The plan when a rank has not said."""
+        said = []
+        for n in nodes:
+            slot = self.service.view.nodes.get(n)
+            workers = slot.hb.workers if slot is not None else ()
+            if not workers:
+                return planned
+            for w in workers:
+                if not w.HasField("restored_step"):
+                    return planned
+                said.append(w.restored_step)
+        return min(said) if said else planned
 
     def _connected(self, node_id: str) -> bool:
         slot = self.service.view.nodes.get(node_id)

@@ -189,15 +189,16 @@ class Hooks:
             )
         )
 
-    def phase(self, name: str) -> bool:
+    def phase(self, name: str, step: int | None = None) -> bool:
         """Tell the agent this rank enters phase `name` (now).
 
         "train" is judged for hangs by the rank's step rhythm (about a second at 100 ms
         steps); any other name ("restore", "checkpoint", "eval") by the agent's longer
         phase limit, so a slow restore or evaluation is not a hang. The next step report
-        puts the rank back into "train".
+        puts the rank back into "train". `step`: the step the state is at, given with the
+        first "train" after a start: the step it restored (0: from scratch).
         """
-        return self._send(hpb.WorkerReport(phase=hpb.PhaseReport(name=name)))
+        return self._send(hpb.WorkerReport(phase=hpb.PhaseReport(name=name, step=step)))
 
     @contextlib.contextmanager
     def collective(self) -> Iterator[None]:

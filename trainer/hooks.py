@@ -370,11 +370,13 @@ def collective() -> Iterator[None]:
         yield
 
 
-def phase(name: str) -> bool:
+def phase(name: str, step: int | None = None) -> bool:
     """Announce a phase ("eval", "checkpoint", "restore"; "train" to go back): the agent
-    judges a hang in it by its phase limit, not the step rhythm (see `Hooks.phase`)."""
+    judges a hang in it by its phase limit, not the step rhythm (see `Hooks.phase`). Give
+    `step` with the first "train" after a restore (the step restored): the driver's
+    RestoreFinished then says what the restart really lost."""
     s = _get()
-    return s.hooks.phase(name) if s is not None else False
+    return s.hooks.phase(name, step) if s is not None else False
 
 
 def report(step: int, loss: float | None = None, **timings_ms: float) -> bool:

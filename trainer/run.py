@@ -291,7 +291,7 @@ def train(
             flash.guard(trainer)  # once: every optimizer step waits for the copy in flight
             if restored is not None:  # the state is whole (optimizer state included): size
                 flash.prepare(trainer)  # and map the ring now, not inside the first save
-        hooks.phase("train")
+        hooks.phase("train", step=step)  # the step restored: what the restart really lost
         if isinstance(trainer, Collectives):  # a waiting rank is judged as a victim
             trainer.on_collective = lambda: hooks.phase("collective")
         throttled = trainer if isinstance(trainer, Throttled) else None

@@ -18,6 +18,7 @@ start's.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -76,6 +77,14 @@ def test_worker_crash_and_lost_node_are_recovered(job: Job) -> None:
     lost_at = kinds.index("node_lost")
     restore = next(e.restore_started for e in events[lost_at:] if e.HasField("restore_started"))
     assert restore.step >= lost_step - 12 and restore.step > 1, (restore, lost_step)
+    # what the restart really lost: the step the ranks say they restored (their workers'
+    # logs agree), never older than the plan
+    finished = next(e.restore_finished for e in events[lost_at:] if e.HasField("restore_finished"))
+    restored = [
+        int(re.findall(r"flash\.restored.*?\bstep=(\d+)", job.worker_log(n))[-1])
+        for n in ("n0", "s0")
+    ]
+    assert finished.ok and finished.step == min(restored) >= restore.step, (finished, restored)
     assert kinds.count("job_started") == 1
     resumed = [e.training_resumed for e in events if e.HasField("training_resumed")]
     assert len(resumed) >= 3, kinds  # the start, after the crash, after the loss
