@@ -30,8 +30,9 @@ Phases, all in one run:
 
 detect_s and resume_s come from the events' own wall times (inject -> detection event ->
 TrainingResumed, which the driver appends once every rank of the restarted world reported a
-step); steps_lost from TrainingPaused's step reached minus RestoreFinished's step (the oldest
-step the ranks say they restored; the pause's restore_step is the driver's plan). ETTR =
+step); steps_lost from TrainingPaused's step reached minus RestoreFinished's restored_step
+(the oldest step the ranks say they restored; the pause's restore_step is the driver's plan).
+ETTR =
 productive step time / wall time over the run, where productive step time is the sum of
 `step_time_s` over the steps that count (the last run of each step number; rank 0's
 metrics), and the wall time starts at the run's first step. Medians over N = 5 runs.
@@ -291,7 +292,8 @@ class Bench:
             f.steps_lost = max(0, f.paused_at - e.training_paused.restore_step)
         elif kind == "restore_finished" and f.paused_at is not None:
             # the step the ranks really restored (the pause's is the driver's plan, a floor)
-            f.steps_lost = max(0, f.paused_at - e.restore_finished.step)
+            done = e.restore_finished.restored_step or e.restore_finished.step
+            f.steps_lost = max(0, f.paused_at - done)
         elif kind == "training_resumed":
             f.resume_s = since
 

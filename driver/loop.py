@@ -663,7 +663,8 @@ class RecoveryLoop:
             ev.Event(
                 cause="driver",
                 restore_finished=ev.RestoreFinished(
-                    step=self._restored_step(nodes, restore.step),
+                    step=restore.step,  # the machine matches it to the restore it planned
+                    restored_step=self._restored_step(nodes),
                     duration_s=time.monotonic() - t0,
                     ok=not error,
                     error=error,
@@ -671,22 +672,22 @@ class RecoveryLoop:
             )
         )
 
-    def _restored_step(self, nodes: tuple[str, ...], planned: int) -> int:
+    def _restored_step(self, nodes: tuple[str, ...]) -> int:
         """The step the restarted world really restored: the oldest step its ranks said
-        they started from (`WorkerStatus.restored_step`). The plan (`planned`, from the rings
-        and buddies the heartbeats listed when the driver decided) is a floor: a replica that
-        reached the buddy after the decision is newer. The plan when a rank has not said."""
+        they started from (`WorkerStatus.restored_step`); 0 when a rank has not said. The
+        plan (from the rings and buddies the heartbeats listed when the driver decided) is
+        a floor: a replica that reached the buddy after the decision is newer."""
         said = []
         for n in nodes:
             slot = self.service.view.nodes.get(n)
             workers = slot.hb.workers if slot is not None else ()
             if not workers:
-                return planned
+                return 0
             for w in workers:
                 if not w.HasField("restored_step"):
-                    return planned
+                    return 0
                 said.append(w.restored_step)
-        return min(said) if said else planned
+        return min(said) if said else 0
 
     def _connected(self, node_id: str) -> bool:
         slot = self.service.view.nodes.get(node_id)

@@ -379,16 +379,18 @@ class RestoreStarted(_message.Message):
     def __init__(self, step: _Optional[int] = ..., source_by_rank: _Optional[_Mapping[int, str]] = ..., reshard: _Optional[bool] = ...) -> None: ...
 
 class RestoreFinished(_message.Message):
-    __slots__ = ("step", "duration_s", "ok", "error")
+    __slots__ = ("step", "duration_s", "ok", "error", "restored_step")
     STEP_FIELD_NUMBER: _ClassVar[int]
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_STEP_FIELD_NUMBER: _ClassVar[int]
     step: int
     duration_s: float
     ok: bool
     error: str
-    def __init__(self, step: _Optional[int] = ..., duration_s: _Optional[float] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    restored_step: int
+    def __init__(self, step: _Optional[int] = ..., duration_s: _Optional[float] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., restored_step: _Optional[int] = ...) -> None: ...
 
 class LossSpike(_message.Message):
     __slots__ = ("step", "loss", "baseline", "factor", "non_finite", "memory_steps")

@@ -84,7 +84,8 @@ def test_worker_crash_and_lost_node_are_recovered(job: Job) -> None:
         int(re.findall(r"flash\.restored.*?\bstep=(\d+)", job.worker_log(n))[-1])
         for n in ("n0", "s0")
     ]
-    assert finished.ok and finished.step == min(restored) >= restore.step, (finished, restored)
+    assert finished.ok and finished.step == restore.step, (finished, restore)
+    assert finished.restored_step == min(restored) >= restore.step, (finished, restored)
     assert kinds.count("job_started") == 1
     resumed = [e.training_resumed for e in events if e.HasField("training_resumed")]
     assert len(resumed) >= 3, kinds  # the start, after the crash, after the loss

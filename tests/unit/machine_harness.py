@@ -105,9 +105,13 @@ def verdict(diagnosis_id: str, bad: list[str], slow: tuple[str, ...] = ()) -> ev
     )
 
 
-def restored(step: int, ok: bool = True) -> ev.Event:
-    """A RestoreFinished event."""
-    return ev.Event(restore_finished=ev.RestoreFinished(step=step, ok=ok, error="" if ok else "x"))
+def restored(step: int, ok: bool = True, restored_step: int = 0) -> ev.Event:
+    """A RestoreFinished event (`restored_step`: what the ranks said they restored)."""
+    return ev.Event(
+        restore_finished=ev.RestoreFinished(
+            step=step, ok=ok, error="" if ok else "x", restored_step=restored_step
+        )
+    )
 
 
 @dataclass

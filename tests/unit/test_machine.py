@@ -69,6 +69,20 @@ def test_worker_crash_on_healthy_node_restarts_without_diagnosis() -> None:
     assert sim.state.incident_id == "" and not sim.state.suspects
 
 
+def test_ranks_that_restored_newer_than_planned_resume_the_planned_restore() -> None:
+    """The plan counted the copies the heartbeats listed; a replica that reached the buddy
+    later is newer, and the ranks restore it. The report still names the planned restore
+    (a CI chaos run stalled in RESTORING when the driver put the ranks' step there)."""
+    sim = start(nodes=4, wpn=2, pp=2)
+    sim.training_step = 40
+    sim.feed(crash("n2"))
+    sim.feed(m.Paused(step=40, restorable_step=1))
+    assert sim.state.restore_step == 1
+    assert sim.feed(restored(2)).phase == ev.PHASE_RESTORING  # a report of another restore
+    d = sim.feed(restored(1, restored_step=37))
+    assert d.phase == ev.PHASE_RUNNING
+
+
 def test_node_lost_is_replaced_by_a_spare_in_its_rank_position() -> None:
     sim = start(nodes=4, spares=1)
     sim.feed(lost("n1"))
