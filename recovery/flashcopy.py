@@ -14,6 +14,7 @@ persistence, buddy replicas and resharding; `unbroken.recovery.flash` re-exports
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import mmap
@@ -230,14 +231,15 @@ def tensor_view(buf: memoryview | bytearray | mmap.mmap, entry: TensorEntry) -> 
 
 
 def tensor_views(
-    buf: memoryview | bytearray | mmap.mmap, entries: Iterable[TensorEntry]
+    buf: memoryview | bytearray | mmap.mmap, entries: Iterable[TensorEntry], *, quiet: bool = True
 ) -> list[torch.Tensor]:
     """`tensor_view` of each entry, under one warnings filter (setting it per tensor cost
-    ~10 µs each: 4 ms for a 125M-parameter model's 386 tensors)."""
+    ~10 µs each: 4 ms for a 125M-parameter model's 386 tensors). `quiet=False` sets none
+    (the filter is process-wide: a writable `buf` from another thread)."""
     import torch
 
     out = []
-    with warnings.catch_warnings():
+    with warnings.catch_warnings() if quiet else contextlib.nullcontext():
         # Read-only mappings give read-only tensors; callers only copy out of them.
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         for entry in entries:

@@ -128,6 +128,60 @@ def test_ring_keeps_previous_copies_and_cycles_slots(owner: FlashOwner) -> None:
     w.close()
 
 
+def test_a_start_maps_two_slots_and_the_ring_follows_in_the_background(
+    owner: FlashOwner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`prepare` maps the slots the next saves take; a mapper thread maps the rest. A save
+    that needs a slot the mapper has not reached maps it itself: the ring is the same."""
+    owner = FlashOwner(FlashConfig(root=owner.config.root, job="lazy", copies=5))
+    w = FlashWriter(0, owner)
+    stalled, go = threading.Event(), threading.Event()
+    mapped = FlashWriter._map_rest
+
+    def slow_mapper(self: FlashWriter, first: int, end: int, t0: float) -> None:
+        stalled.set()
+        go.wait(30)
+        mapped(self, first, end, t0)
+
+    monkeypatch.setattr(FlashWriter, "_map_rest", slow_mapper)
+    w.prepare(_state(0))
+    assert stalled.wait(10) and sorted(w._maps) == [0, 1] and w.ring_ready_s is None
+    slots = []
+    for step in (1, 2, 3, 4, 5, 6):  # slots 2-4 mapped by the saves, not the stalled mapper
+        w.save(_state(step), step).wait()
+        slots.append(owner.newest(0).slot)  # type: ignore[union-attr]
+    assert slots == [0, 1, 2, 3, 4, 0]
+    assert [r.manifest.step for r in list_copies(owner.rank_dir(0))] == [6, 5, 4, 3, 2]
+    go.set()
+    w.wait_ring(30)
+    assert sorted(w._maps) == [0, 1, 2, 3, 4] and w.ring_ready_s is not None
+    target = _zeros_like(_state(0))
+    w.load(target, step=3)
+    _assert_same(_state(3), target)
+    w.close()
+
+
+def test_closing_stops_the_mapper(owner: FlashOwner, monkeypatch: pytest.MonkeyPatch) -> None:
+    owner = FlashOwner(FlashConfig(root=owner.config.root, job="lazy-close", copies=4))
+    w = FlashWriter(0, owner)
+    stalled, go = threading.Event(), threading.Event()
+    mapped = FlashWriter._map_rest
+
+    def slow_mapper(self: FlashWriter, first: int, end: int, t0: float) -> None:
+        stalled.set()
+        go.wait(30)
+        mapped(self, first, end, t0)
+
+    monkeypatch.setattr(FlashWriter, "_map_rest", slow_mapper)
+    w.prepare(_state(0))
+    assert stalled.wait(10)
+    closing = threading.Thread(target=w.close)
+    closing.start()
+    go.set()  # the mapper sees the stop before its next slot
+    closing.join(30)
+    assert not closing.is_alive() and w._maps == {} and w._mapper is None
+
+
 def test_crash_mid_copy_leaves_last_complete_copy(owner: FlashOwner) -> None:
     FlashWriter(0, owner).save(_state(1), 1).wait()
 
