@@ -610,8 +610,6 @@ class DriverService(dgrpc.DriverServicer):
                 slot.hb = dpb.Heartbeat()
             slot.epoch = request.epoch
             slot.leaving = False
-            slot.info = request
-            slot.peer_host = peer_host(context.peer())
             self.emit(event)
             log.info(
                 "node registered",
@@ -619,6 +617,11 @@ class DriverService(dgrpc.DriverServicer):
                 epoch=request.epoch,
                 workers=request.num_workers,
             )
+        # what it registered, also when it only reconnects (no new event): a leader that took
+        # over built its view from the log, which keeps no --replica-listen; without it the
+        # world's buddy ring was empty after every failover and the buddies' copies untrusted
+        slot.info = request
+        slot.peer_host = peer_host(context.peer())
         if not (slot.alive and slot.node_id in self.view.order):
             self.view.mark_registered(slot, now)
         return dpb.RegisterResponse(

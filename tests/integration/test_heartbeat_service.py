@@ -322,3 +322,49 @@ def test_a_returning_leader_gives_every_node_time_to_reconnect() -> None:
             await ch.close()
 
     asyncio.run(go())
+
+
+def test_a_leader_that_took_over_knows_where_each_node_replicates() -> None:
+    """A node reconnecting to a new leader (same epoch: no new NodeRegistered) still gives it
+    its registration: the new leader's view, rebuilt from the log, had no --replica-listen,
+    so the world's buddy ring was empty after every failover (bench-recovery 2026-11-24: a
+    node kept replicating to an evicted node's closed port and its loss restored from
+    storage, 271 steps back)."""
+    from unbroken.driver.loop import ring_buddies
+    from unbroken.driver.main import _expect_known_nodes
+    from unbroken.driver.service import build_server
+
+    async def go() -> None:
+        async with driver() as (svc, store, addr):
+            ch = grpc.aio.insecure_channel(addr)
+            stub = dgrpc.DriverStub(ch)
+            for i, n in enumerate(("a", "b")):
+                await stub.Register(reg(n, epoch=1, replica_listen=f"127.0.0.1:{7001 + i}"))
+            await until(lambda: kinds(store).count("node_registered") == 2, 5, "registrations")
+            svc.step_down()
+            await ch.close()
+            # another driver takes over the same log
+            new = DriverService(ServiceConfig(), driver_id="d2", job_id="job")
+            elog = InMemoryEventLog(store, "job", store.elect("d2"))
+            journal = new.lead(elog, "", await elog.replay())
+            _expect_known_nodes(new, journal.state)  # as driver/main.py does on taking the lead
+            assert all(new.view.nodes[n].alive for n in ("a", "b"))
+            new.start()
+            server, port, _ = await build_server(new, "127.0.0.1:0")
+            try:
+                ch2 = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+                stub2 = dgrpc.DriverStub(ch2)
+                for i, n in enumerate(("a", "b")):
+                    await stub2.Register(reg(n, epoch=1, replica_listen=f"127.0.0.1:{7001 + i}"))
+                assert kinds(store).count("node_registered") == 2  # reconnects, no new event
+                slots = {n: new.view.nodes.get(n) for n in ("a", "b")}
+                assert ring_buddies(("a", "b"), slots) == {
+                    "a": "127.0.0.1:7002",
+                    "b": "127.0.0.1:7001",
+                }
+                await ch2.close()
+            finally:
+                await server.stop(0)
+                await new.close()
+
+    asyncio.run(go())
