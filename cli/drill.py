@@ -49,9 +49,7 @@ SPIKE_MIN_STEP = 30
 STRAGGLER_FACTOR = 1.2  # the straggler fault: one world node computes 20 % slower
 STRAGGLER_WARM_STEPS = 64  # steps in every worker's window before the straggler is injected
 # and the detector's roles taken: its settle and baseline sweeps at the defaults, plus one
-STRAGGLER_ROLE_S = (StragglerConfig().settle_sweeps + StragglerConfig().baseline_sweeps + 1) * (
-    StragglerConfig().sweep_ms / 1000.0
-)
+STRAGGLER_ROLE_S = StragglerConfig().role_s
 STRAGGLER_DETECT_LIMIT_S = 180.0  # its windows must fill and shift first (driver/straggler.py)
 RESPAWN_DRIVER_S = 8.0  # a killed driver restarts this long after (its lease is 2 s)
 RESTORED = re.compile(r"flash\.restored.*\brank=0\b.*\bstep=(\d+)")

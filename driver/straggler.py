@@ -108,6 +108,12 @@ class StragglerConfig:
         },
     )
 
+    @property
+    def role_s(self) -> float:
+        """Seconds from a node's first judged window until its role is taken (its settle and
+        baseline sweeps, plus one): slow a node before that and the slowdown is its role."""
+        return (self.settle_sweeps + self.baseline_sweeps + 1) * self.sweep_ms / 1000.0
+
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"straggler policy must be one of {POLICIES}, got {self.policy!r}")

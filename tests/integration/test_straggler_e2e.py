@@ -68,8 +68,7 @@ def test_slowed_node_is_named_evicted_and_replaced_by_the_spare(job: Job) -> Non
     until(lambda: job.max_step() >= 70, 240, "training to start", job)  # windows filled
     # the roles learnt once the restart's settle sweeps have passed (a slowdown before
     # that would be taken for n1's role)
-    sc = StragglerConfig()
-    time.sleep((sc.settle_sweeps + sc.baseline_sweeps + 1) * sc.sweep_ms / 1000.0)
+    time.sleep(StragglerConfig().role_s)
 
     slow(job.address, "n1", 1.3)
     t0 = time.monotonic()

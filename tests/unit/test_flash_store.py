@@ -128,13 +128,9 @@ def test_ring_keeps_previous_copies_and_cycles_slots(owner: FlashOwner) -> None:
     w.close()
 
 
-def test_a_start_maps_two_slots_and_the_ring_follows_in_the_background(
-    owner: FlashOwner, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`prepare` maps the slots the next saves take; a mapper thread maps the rest. A save
-    that needs a slot the mapper has not reached maps it itself: the ring is the same."""
-    owner = FlashOwner(FlashConfig(root=owner.config.root, job="lazy", copies=5))
-    w = FlashWriter(0, owner)
+def _stall_mapper(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Make the writer's mapper thread wait for `go` before it maps; `stalled` is set once
+    it waits."""
     stalled, go = threading.Event(), threading.Event()
     mapped = FlashWriter._map_rest
 
@@ -144,6 +140,17 @@ def test_a_start_maps_two_slots_and_the_ring_follows_in_the_background(
         mapped(self, first, end, t0)
 
     monkeypatch.setattr(FlashWriter, "_map_rest", slow_mapper)
+    return stalled, go
+
+
+def test_a_start_maps_two_slots_and_the_ring_follows_in_the_background(
+    owner: FlashOwner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`prepare` maps the slots the next saves take; a mapper thread maps the rest. A save
+    that needs a slot the mapper has not reached maps it itself: the ring is the same."""
+    owner = FlashOwner(FlashConfig(root=owner.config.root, job="lazy", copies=5))
+    w = FlashWriter(0, owner)
+    stalled, go = _stall_mapper(monkeypatch)
     w.prepare(_state(0))
     assert stalled.wait(10) and sorted(w._maps) == [0, 1] and w.ring_ready_s is None
     slots = []
@@ -164,15 +171,7 @@ def test_a_start_maps_two_slots_and_the_ring_follows_in_the_background(
 def test_closing_stops_the_mapper(owner: FlashOwner, monkeypatch: pytest.MonkeyPatch) -> None:
     owner = FlashOwner(FlashConfig(root=owner.config.root, job="lazy-close", copies=4))
     w = FlashWriter(0, owner)
-    stalled, go = threading.Event(), threading.Event()
-    mapped = FlashWriter._map_rest
-
-    def slow_mapper(self: FlashWriter, first: int, end: int, t0: float) -> None:
-        stalled.set()
-        go.wait(30)
-        mapped(self, first, end, t0)
-
-    monkeypatch.setattr(FlashWriter, "_map_rest", slow_mapper)
+    stalled, go = _stall_mapper(monkeypatch)
     w.prepare(_state(0))
     assert stalled.wait(10)
     closing = threading.Thread(target=w.close)
