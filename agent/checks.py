@@ -19,7 +19,7 @@ import json
 import sys
 
 from unbroken.agent.workers import exec_wrapper
-from unbroken.diagnostics.check import WARM_READY
+from unbroken.diagnostics.check import WARM_READY, WARM_SELFCHECK_KEY
 from unbroken.proto import driver_pb2 as dpb
 
 CHECK_MODULE = "unbroken.diagnostics.check"
@@ -172,8 +172,10 @@ async def run_selfcheck(
     disk_path: str = "/",
     nice: int = 5,
     module: str = SELFCHECK_MODULE,
+    warm: WarmCheck | None = None,
 ) -> dpb.SelfCheckReport:
-    """Run the self-checks as a child process (nice, killed with the agent, with a deadline).
+    """Run the self-checks as a child process (nice, killed with the agent, with a deadline):
+    in the warm check process when one is ready (torch already imported), else a cold one.
 
     Args:
         node_id: this node's id (in the report).
@@ -182,7 +184,9 @@ async def run_selfcheck(
         command_id: the RunSelfCheck's id ("" at registration).
         disk_path: where checkpoints are persisted (free-space check).
         nice: niceness added for the child.
-        module: the module run with ``python -m`` (tests swap it).
+        module: the module a cold start runs with ``python -m`` (tests swap it).
+        warm: the node's warm check process; taken when ready (a diagnosis's checks and
+            self-checks share it), refilled after.
 
     Returns:
         The report; a crash, a timeout or unreadable output is ok=false with the reason.
@@ -191,17 +195,24 @@ async def run_selfcheck(
     args = ["--node-id", node_id, "--disk-path", disk_path]
     if fault:
         args += ["--fault", fault]
-    proc = await asyncio.create_subprocess_exec(
-        *exec_wrapper(nice=nice, die_with_agent=True),
-        sys.executable,
-        "-m",
-        module,
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    # a warm process still importing is waited for (it started first), but not for long:
+    # the cold start must still fit the deadline
+    proc = await warm.take(min(10.0, timeout_s / 4)) if warm is not None else None
+    stdin: bytes | None = None
+    if proc is not None:
+        stdin = json.dumps({WARM_SELFCHECK_KEY: args}).encode() + b"\n"
+    else:
+        proc = await asyncio.create_subprocess_exec(
+            *exec_wrapper(nice=nice, die_with_agent=True),
+            sys.executable,
+            "-m",
+            module,
+            *args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
     try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+        out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_s)
     except TimeoutError:
         proc.kill()
         await proc.communicate()

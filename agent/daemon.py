@@ -785,6 +785,7 @@ class Agent:
             command_id=command_id,
             disk_path=spec.log_dir if spec is not None else "/",
             nice=spec.nice if spec is not None else 5,
+            warm=self.warm_check,
         )
         log.info("self-check", ok=rep.ok, failures=list(rep.failures), command_id=command_id)
         if self.warm_check is not None:

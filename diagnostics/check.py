@@ -429,12 +429,19 @@ async def run_group_local(
 
 #: What a warm check process prints once torch is imported and it waits for its spec.
 WARM_READY = "unbroken-check: warm"
+#: A warm process's stdin line `{"selfcheck_argv": [...]}` runs the node self-checks
+#: (`python -m unbroken.diagnostics.selfcheck` with those flags) instead of a check.
+WARM_SELFCHECK_KEY = "selfcheck_argv"
 
 
 def warm_main() -> int:
-    """`--warm`: import torch now, print `WARM_READY`, then read one spec (a JSON line) on
-    stdin and run it as `--spec` would. The agent keeps one such process per node so a
-    diagnosis does not pay torch's import; an empty stdin (the agent closed it) exits."""
+    """`--warm`: import torch now, print `WARM_READY`, then read one line on stdin: a check
+    spec (JSON), run as `--spec` would, or a `WARM_SELFCHECK_KEY` object, the self-checks.
+    The agent keeps one such process per node so a diagnosis or an on-demand self-check
+    does not pay torch's import (4-5 s on a loaded node); an empty stdin (the agent closed
+    it) exits."""
+    import json
+
     import torch
     import torch.distributed
 
@@ -443,6 +450,12 @@ def warm_main() -> int:
     line = sys.stdin.readline().strip()
     if not line:
         return EXIT_OK
+    with contextlib.suppress(ValueError):
+        req = json.loads(line)
+        if isinstance(req, dict) and isinstance(req.get(WARM_SELFCHECK_KEY), list):
+            from unbroken.diagnostics import selfcheck
+
+            return selfcheck.main([str(a) for a in req[WARM_SELFCHECK_KEY]])
     return main(["--spec", line])
 
 

@@ -3,7 +3,9 @@
 A real `python -m unbroken.diagnostics.check --warm` process (one-member group check on
 CPU): the check it runs gives the same kind of result line a cold `--spec` process gives,
 the agent's fault reaches it through the spec, the next check finds a new warm process,
-and one that crashed before it was ready is replaced by a cold start, never used.
+and one that crashed before it was ready is replaced by a cold start, never used. The node
+self-checks run in the same warm process (an on-demand RunSelfCheck found a silently bad
+node 4-5 s late on a loaded machine: torch's import) and report what a cold one reports.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.agent.checks import WarmCheck, run_check
+from unbroken.agent.checks import WarmCheck, run_check, run_selfcheck
 from unbroken.diagnostics.check import free_port
 
 pytestmark = pytest.mark.integration
@@ -71,6 +73,35 @@ def test_checks_run_warm_and_a_broken_warm_process_falls_back_to_cold(tmp_path: 
             assert await broken.take() is None and broken.taken == 0
             res = await run_check("c3", _spec("w3"), "", 60, module="unbroken.diagnostics.check")
             assert res.exit_code == 0 and json.loads(res.result_json)["ok"], res.stderr_tail
+        finally:
+            await warm.close()
+
+    asyncio.run(go())
+
+
+def test_self_checks_run_in_the_warm_process_and_report_as_a_cold_one(tmp_path: Path) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    async def go() -> None:
+        warm = WarmCheck()
+        try:
+            warm.refill()
+            await _ready(warm)
+            bad = await run_selfcheck("n0", "wrong_matmul", 60, disk_path=str(tmp_path), warm=warm)
+            assert warm.taken == 1
+            assert not bad.ok and any("matmul" in f for f in bad.failures), bad
+            cold = await run_selfcheck("n0", "wrong_matmul", 60, disk_path=str(tmp_path))
+            assert warm.taken == 1 and not cold.ok
+            assert sorted(cold.failures) == sorted(bad.failures), (cold, bad)
+            assert json.loads(bad.details_json) and bad.command_id == ""
+
+            warm.refill()
+            await _ready(warm)
+            good = await run_selfcheck("n0", "", 60, disk_path=str(tmp_path), warm=warm)
+            assert warm.taken == 2
+            # the free-disk floor (10 GB) may fail on a small test disk: only the matmul
+            # and the device checks are this test's business
+            assert not any("matmul" in f for f in good.failures), good
         finally:
             await warm.close()
 
