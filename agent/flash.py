@@ -28,6 +28,7 @@ import asyncio
 import collections
 import contextlib
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -251,6 +252,9 @@ class NodeFlash:
         # become the newest commit anyway).
         self.reports: collections.deque[Persisted] = collections.deque(maxlen=REPORTS_KEPT)
         self.fetched = 0
+        self.prefault_s = 0.0  # the last pre-fault of freshly allocated rings (`prepare`)
+        self.prefault_done = threading.Event()
+        self.prefault_done.set()
         self.persisted_count = 0  # shards persisted and verified (metrics)
         self.persisted_bytes = 0
 
@@ -330,20 +334,37 @@ class NodeFlash:
         return gone
 
     def prepare(self, ranks: range, nbytes: int) -> float:
-        """Allocate the rings of `ranks` for copies of `nbytes` before the workers start
-        (the first touch of fresh shared memory is paid here, not in a worker's save).
-        Returns the seconds it took; a tmpfs too small is logged, not raised (the worker
-        then says so itself)."""
+        """Allocate the rings of `ranks` for copies of `nbytes` before the workers start,
+        then pre-fault what was allocated in a background thread (`prefault_s` when done),
+        so a restarted or replacement worker maps touched pages instead of paying the first
+        touch of fresh shared memory inside its start-up. Returns the seconds the
+        allocation took; a tmpfs too small is logged, not raised (the worker then says so
+        itself)."""
         t0 = time.monotonic()
         for r in ranks:
             try:
                 self.owner.reserve(r, nbytes)
             except (OSError, ValueError, FlashError) as e:
                 log.warning("flash.prepare_failed", rank=r, nbytes=nbytes, error=str(e))
-                return time.monotonic() - t0
+                break
         took = time.monotonic() - t0
         log.info("flash.prepared", ranks=list(ranks), nbytes=nbytes, seconds=round(took, 3))
+        if self.owner.grown:
+            # the workers start meanwhile: their first slots come first in the ring order
+            self.prefault_done.clear()
+            threading.Thread(
+                target=self._prefault, args=(list(ranks),), name="flash-prefault", daemon=True
+            ).start()
         return took
+
+    def _prefault(self, ranks: list[int]) -> None:
+        try:
+            self.prefault_s = self.owner.prefault()
+            log.info("flash.prefaulted", ranks=ranks, seconds=round(self.prefault_s, 3))
+        except (OSError, ValueError) as e:  # a full tmpfs, a vanished ring: the worker faults
+            log.warning("flash.prefault_failed", ranks=ranks, error=str(e))
+        finally:
+            self.prefault_done.set()
 
     @property
     def buddy(self) -> str:

@@ -122,13 +122,27 @@ def bench_size(mb: int, shm_root: str, disk_root: Path, repeats: int) -> dict[st
         t.setdefault(key, []).append(value)
 
     try:
-        # Once, at start-up, in two parts: the agent (owner) allocates the ring's slots
-        # (posix_fallocate on the tmpfs), then the worker maps them and builds the page
-        # tables (MAP_POPULATE). flash_prepare_s is the sum, as a worker alone pays it.
+        # Once, at start-up. The baseline first: a worker alone on a freshly allocated
+        # ring (rank 1) maps it and pays the first touch of every page (tmpfs zeroes it;
+        # a VM's host backs it). Then as under an agent that knows the state's size
+        # (StartWorkers.flash_bytes_per_rank): the agent allocates the ring (fallocate),
+        # pre-faults it (MADV_POPULATE_WRITE in parallel chunks), and the worker maps
+        # touched pages. flash_prepare_s is what the worker and the agent pay together.
         need = sum((t.numel() * t.element_size() + 63) // 64 * 64 for t in state.values())
+        owner.reserve(1, need)
+        owner.grown.clear()  # not pre-faulted: the baseline
+        alone = FlashWriter(1, owner)
+        out["worker_prepare_unfaulted_s"] = _timed(lambda: alone.prepare(state))
+        alone.wait_ring()
+        out["worker_ring_ready_unfaulted_s"] = alone.ring_ready_s
+        alone.close()
+        owner.delete_rank(1)
         out["agent_reserve_s"] = _timed(lambda: owner.reserve(0, need))
+        out["agent_prefault_s"] = owner.prefault()
         out["worker_prepare_s"] = _timed(lambda: writer.prepare(state))
-        out["flash_prepare_s"] = out["agent_reserve_s"] + out["worker_prepare_s"]
+        out["flash_prepare_s"] = (
+            out["agent_reserve_s"] + out["agent_prefault_s"] + out["worker_prepare_s"]
+        )
         out["ring_copies"] = writer.copies
         # The worker maps EAGER_SLOTS slots before its first step, the rest in the
         # background: how long the whole ring took. That first mapping touches fresh tmpfs
@@ -489,7 +503,13 @@ def summarize(results: dict[str, Any]) -> None:
             r["flash_copy_gbps"] / results["memcpy_gbps"]
         )
         results[f"agent_reserve_s_{tag}"] = r["agent_reserve_s"]
+        results[f"agent_prefault_s_{tag}"] = r.get("agent_prefault_s")
         results[f"worker_prepare_s_{tag}"] = r["worker_prepare_s"]
+        if r.get("worker_prepare_unfaulted_s"):
+            # the agent's pre-fault against a worker that faults its fresh ring alone
+            results[f"worker_prepare_prefaulted_vs_alone_ratio_{tag}"] = (
+                r["worker_prepare_s"] / r["worker_prepare_unfaulted_s"]
+            )
     for key, r in results.get("loop", {}).items():
         if "skipped" in r:
             continue
@@ -698,11 +718,12 @@ def table(results: dict[str, Any]) -> str:
     if prep:
         rows += [
             "",
-            "| state | agent: allocate the ring | first start: worker prepare (2 slots "
-            "mapped) | the rest, in the background | a restart's prepare | the same, mapping "
-            "every slot first (before) | copies |",
+            "| state | agent: allocate the ring | agent: pre-fault it | worker prepare (2 "
+            "slots mapped) after the pre-fault | the same, a worker alone on a fresh ring "
+            "(before) | the rest of the ring, in the background: pre-faulted / alone | a "
+            "restart's prepare | the same, mapping every slot first | copies |",
         ]
-        rows.append("|---|---|---|---|---|---|---|")
+        rows.append("|---|---|---|---|---|---|---|---|---|")
 
         def sec(v: float | None) -> str:
             return f"{v:.3f} s" if v is not None else "-"
@@ -710,7 +731,10 @@ def table(results: dict[str, Any]) -> str:
         for r in prep.values():
             rows.append(
                 f"| {r['bytes'] / 1e9:.2f} GB | {r['agent_reserve_s']:.3f} s | "
-                f"{r['worker_prepare_s']:.3f} s | {sec(r.get('worker_ring_ready_s'))} | "
+                f"{sec(r.get('agent_prefault_s'))} | {r['worker_prepare_s']:.3f} s | "
+                f"{sec(r.get('worker_prepare_unfaulted_s'))} | "
+                f"{sec(r.get('worker_ring_ready_s'))} / "
+                f"{sec(r.get('worker_ring_ready_unfaulted_s'))} | "
                 f"{sec(r.get('worker_restart_prepare_s'))} | "
                 f"{sec(r.get('worker_restart_prepare_all_slots_s'))} | {r['ring_copies']} |"
             )

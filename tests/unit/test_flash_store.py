@@ -725,3 +725,95 @@ def test_an_automatic_ring_is_sized_from_the_tmpfs_budget(owner: FlashOwner) -> 
     assert shared._auto_copies(tmpfs // 160, tmpfs) == 5  # 1/32 of the tmpfs per rank
     with pytest.raises(ValueError, match="copies"):
         FlashConfig(root=root, copies=1)
+
+
+def _resident(path: Path, lo: int = 0, hi: int | None = None) -> tuple[int, int]:
+    """(pages of `path` in [lo, hi) a process would map without a first touch, pages):
+    mincore counts a tmpfs page only once it was touched, not when it was fallocated."""
+    import ctypes
+    import ctypes.util
+    import mmap
+    import os
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    fd = os.open(path, os.O_RDWR)
+    size = os.fstat(fd).st_size
+    m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    os.close(fd)
+    pages = -(-size // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    view = ctypes.c_char.from_buffer(m)
+    try:
+        assert libc.mincore(ctypes.addressof(view), size, vec) == 0, ctypes.get_errno()
+    finally:
+        del view
+        m.close()
+    first, last = lo // mmap.PAGESIZE, -(-(size if hi is None else hi) // mmap.PAGESIZE)
+    return sum(b & 1 for b in vec[first:last]), last - first
+
+
+@pytest.mark.parametrize("madvise", [True, False], ids=["madvise", "write-each-page"])
+def test_prefault_touches_what_a_grown_ring_allocated_and_keeps_its_copies(
+    owner: FlashOwner, monkeypatch: pytest.MonkeyPatch, madvise: bool
+) -> None:
+    """Issue 15 (memory prepared ahead): `reserve` remembers what it allocated; `prefault`
+    touches exactly that (the worker then maps touched pages), in chunks on threads, and a
+    copy already in a slot that grew reads back unchanged."""
+    from unbroken.recovery import flashowner
+
+    if not madvise:  # an older kernel (no MADV_POPULATE_WRITE): a write of each page
+        monkeypatch.setattr(flashowner, "_madvise", lambda: None)
+    owner = FlashOwner(FlashConfig(root=owner.config.root, job="pf", copies=3))
+    w = FlashWriter(0, owner)
+    w.save(_state(1), 1).wait()
+    w.close()
+    small = list(owner.grown)
+    assert len(small) == 3 and all(lo == 0 for _, lo, _ in small)
+    owner.grown.clear()
+
+    big = 6 << 20
+    owner.reserve(0, big)
+    grown = sorted(owner.grown)
+    assert [(p.name, hi) for p, _, hi in grown] == [(f"slot-{s}.data", big) for s in range(3)]
+    for p, lo, hi in grown:
+        assert _resident(p, lo + 4096, hi)[0] == 0  # allocated, never touched
+    took = owner.prefault(threads=2)
+    assert took > 0 and owner.grown == []
+    for p, lo, hi in grown:
+        got, pages = _resident(p, lo, hi)
+        assert got == pages, (p.name, got, pages)
+    assert owner.prefault() == 0.0  # nothing new allocated: nothing to do
+
+    again = FlashWriter(0, owner)
+    target = _zeros_like(_state(0))
+    again.load(target, step=1)
+    _assert_same(_state(1), target)
+    again.close()
+
+
+def test_the_agent_prefaults_its_ranks_rings_before_the_workers_map_them(tmp_path: Path) -> None:
+    """StartWorkers with flash_bytes_per_rank: the agent allocates its ranks' rings, then
+    pre-faults them in the background; a worker's own reserve afterwards allocates nothing."""
+    from unbroken.agent.flash import NodeFlash, NodeFlashConfig
+
+    root = tempfile.mkdtemp(prefix="ub-test-", dir="/dev/shm")
+    try:
+        cfg = NodeFlashConfig(
+            root=root, job="j", node="n0", copies=3, persist_url=str(tmp_path / "ckpt")
+        )
+        node = NodeFlash(cfg, world_size=2)
+        nbytes = 3 << 20
+        assert node.prepare(range(0, 2), nbytes) >= 0
+        assert node.prefault_done.wait(60) and node.prefault_s > 0
+        for rank in (0, 1):
+            for s in range(3):
+                got, pages = _resident(node.owner.rank_dir(rank) / f"slot-{s}.data")
+                assert got == pages and pages == nbytes // 4096, (rank, s, got, pages)
+        worker_side = FlashOwner(FlashConfig(root=root, job="j"))
+        worker_side.reserve(1, nbytes)
+        assert worker_side.grown == []
+        node.prepare(range(0, 2), nbytes)  # the same rings again: nothing to pre-fault
+        assert node.owner.grown == [] and node.prefault_done.is_set()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
