@@ -114,6 +114,9 @@ class Steps:
     path: Path
     offset: int = 0
     lines: list[tuple[float, int, float]] = field(default_factory=list)  # (t, step, step_s)
+    # (t, the loop's time after the step, the flash save's part of it): the per-step
+    # host time ETTR loses between steps
+    host: list[tuple[float, float, float]] = field(default_factory=list)
 
     def poll(self) -> None:
         if not self.path.exists():
@@ -128,6 +131,8 @@ class Steps:
             with contextlib.suppress(ValueError, KeyError):
                 m = json.loads(raw)
                 self.lines.append((now, int(m["step"]), float(m["step_time_s"])))
+                if "host_s" in m:
+                    self.host.append((now, float(m["host_s"]), float(m.get("flash_save_s", 0.0))))
 
     def max_step(self) -> int:
         return max((s for _, s, _ in self.lines), default=0)
@@ -139,6 +144,17 @@ class Steps:
             if t0 <= t <= t1:
                 last[step] = dt
         return sum(last.values()), len(last)
+
+    def host_ms(self, t0: float, t1: float) -> dict[str, float | None]:
+        """Mean and median per-step host time in [t0, t1], and the flash save's part (ms)."""
+        seen = [(h, f) for t, h, f in self.host if t0 <= t <= t1]
+        if not seen:
+            return {"host_ms_mean": None, "host_ms_median": None, "flash_save_ms_mean": None}
+        return {
+            "host_ms_mean": 1000.0 * statistics.fmean(h for h, _ in seen),
+            "host_ms_median": 1000.0 * statistics.median(h for h, _ in seen),
+            "flash_save_ms_mean": 1000.0 * statistics.fmean(f for _, f in seen),
+        }
 
 
 class JobFailed(Exception):
@@ -460,6 +476,7 @@ class Bench:
             "wall_s": t1 - t0,
             "productive_s": productive,
             "steps": nsteps,
+            **self.steps.host_ms(t0, t1),
             "faults": len(faults),
             "by_kind": kinds,
             "unresolved": sum(not f.resolved for f in faults),

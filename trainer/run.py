@@ -307,13 +307,16 @@ def train(
                     m = trainer.train_step()
             else:
                 m = trainer.train_step()
+            stepped = time.perf_counter()
             step = int(m["step"])
             if flash is not None and clock is not None:
                 # every rank calls the clock at every step (it agrees collectively)
                 timed, asked = clock.due(step), requests.due(step)
                 persist = timed or asked or step == config.steps
                 if persist or step % flash_every == 0:
+                    t = time.perf_counter()
                     flash.save(trainer, step, persist=persist)
+                    m["flash_save_s"] = time.perf_counter() - t
             history.append(m)
             timings = {
                 name: m[key] * 1000.0
@@ -324,6 +327,9 @@ def train(
                 if m.get(key) is not None
             }
             hooks.step(step, m["loss"], m["step_time_s"] * 1000.0, **timings)
+            # the loop's own time between this step and the next (the save, the report):
+            # no training happens in it, so it is what the goodput figures lose per step
+            m["host_s"] = time.perf_counter() - stepped
             if out is not None:
                 out.write(json.dumps(m) + "\n")
                 out.flush()
