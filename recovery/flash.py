@@ -120,6 +120,7 @@ __all__ = [
     "Manifest",
     "NoCopyError",
     "SaveHandle",
+    "Shared",
     "ShmTooSmallError",
     "SlotProvider",
     "Snapshot",
@@ -277,6 +278,20 @@ class _Plan:
     values: dict[str, Any] = field(default_factory=dict)  # the objects `dumped` serialised
     cuda: bool = False  # a tensor lives on a GPU: the copy is enqueued, not threaded
     layout: int = 0  # hash of `entries`: plans of equal layout share a slot's tensor views
+    shared: dict[str, Any] = field(default_factory=dict)  # `Shared` name -> immutable value
+
+
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """One small value that many flattened keys hold, in a flat `Snapshot.fresh()` under a
+    name of its own: an optimizer's param-group value (the learning rate, the betas) is
+    one value per parameter group but one key per parameter in DCP's flattened state.
+    The writer serialises it once and, while the value is the same immutable object as at
+    the last save, does not look at its keys at all (a 430-key optimizer state took most
+    of a save's blocking time)."""
+
+    keys: tuple[str, ...]
+    value: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,7 +314,8 @@ class Snapshot:
             path (logged once).
         flat: `fresh()` returns the values already flattened, under the dotted keys DCP's
             `flatten_state_dict` gives `full()` (the writer skips flattening: for a model
-            with hundreds of parameters that was most of a save's blocking time).
+            with hundreds of parameters that was most of a save's blocking time); a
+            `Shared` value there stands for each of its keys.
     """
 
     key: Any
@@ -712,7 +728,7 @@ class FlashWriter:
     def _free_slot(self, rank_dir: Path) -> int | None:
         """The slot the next save fills, or None when every slot is taken."""
         self._reap()
-        sig = manifest_sig(rank_dir)
+        sig = manifest_sig(rank_dir, self._nslots)
         with self._lock:
             if sig != self._sig:  # another process changed a manifest (a discard, a restore)
                 self._known = {r.slot: r.manifest.generation for r in list_copies(rank_dir)}
@@ -776,6 +792,20 @@ class FlashWriter:
                     self._miss(key)
                     return None
                 sources[i] = local
+            elif type(value) is Shared:
+                if plan.shared.get(key, dumped) is value.value:
+                    continue  # the same immutable as at the last save: its keys' bytes hold
+                if any(k not in dumped for k in value.keys):
+                    self._miss(next(k for k in value.keys if k not in dumped))
+                    return None
+                blob = _dump_object(value.value)
+                for k in value.keys:
+                    dumped[k] = plan.dumped[k] = blob
+                    values.pop(k, None)
+                if _immutable(value.value):
+                    plan.shared[key] = value.value
+                else:
+                    plan.shared.pop(key, None)
             elif key in dumped:
                 if values.get(key, dumped) is not value:  # the same immutable: same bytes
                     dumped[key] = plan.dumped[key] = _dump_object(value)

@@ -21,7 +21,7 @@ import mmap
 import os
 import warnings
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,8 +39,8 @@ log = structlog.get_logger(__name__)
 # manifest shrank from 135 KB to 50 KB); the tensor entries, the same every save of a
 # plan, on a line of their own, so writer and readers serialise and parse them once per
 # plan, not once per save. Version 1 manifests are still read.
-MANIFEST_VERSION = 2
-_READ_VERSIONS = (1, 2)
+MANIFEST_VERSION = 3
+_READ_VERSIONS = (1, 2, 3)
 LOCAL_STORE = "local"
 ALIGN = 64  # byte alignment of every tensor in a slot
 MIN_SLOTS = 2  # a ring never has fewer: one copy being written, one complete
@@ -115,10 +115,14 @@ class Manifest:
     created_unix: float = 0.0
 
     def to_bytes(self) -> bytes:
-        """Serialise as JSON (objects base64) so any process can read it without pickle."""
+        """Serialise as JSON (objects base64) so any process can read it without pickle.
+
+        Four lines (compact JSON has no raw newline): the head, with each small value's
+        blob index in key order; the tensor entries; the small values' keys; the CRC. A
+        writer saves one plan over and over: the entries and keys lines are the same each
+        save and serialised once (a 433-key optimizer state made a 50 KB head per save)."""
         index: dict[bytes, int] = {}
-        objects = {k: index.setdefault(v, len(index)) for k, v in self.objects.items()}
-        blobs = [base64.b64encode(v).decode() for v in index]
+        order = [index.setdefault(v, len(index)) for v in self.objects.values()]
         doc = {
             "version": MANIFEST_VERSION,
             "rank": self.rank,
@@ -127,13 +131,20 @@ class Manifest:
             "data_nbytes": self.data_nbytes,
             "checksum": self.checksum,
             "checksum_algo": CHECKSUM_ALGO,
-            "objects": objects,
-            "blobs": blobs,
+            # two hex digits per key while there are at most 256 distinct values (one C
+            # call; a JSON list of 433 ints took a third of a save's manifest time)
+            "object_index": bytes(order).hex() if len(index) <= 256 else order,
+            "blobs": [base64.b64encode(v).decode() for v in index],
             "meta": dict(self.meta),
             "created_unix": self.created_unix,
         }
-        # compact JSON has no raw newline: head, entries and the CRC are one line each
-        body = json.dumps(doc, separators=(",", ":")).encode() + b"\n" + _entries_out(self.entries)
+        body = b"\n".join(
+            (
+                json.dumps(doc, separators=(",", ":")).encode(),
+                _ENTRIES.out(self.entries),
+                _KEYS.out(tuple(self.objects)),
+            )
+        )
         return body + b"\n" + f"{zlib.crc32(body):08x}".encode()
 
     @classmethod
@@ -149,40 +160,62 @@ class Manifest:
             raise CorruptCopyError(f"manifest version {version} is not supported")
         if doc.get("checksum_algo") != CHECKSUM_ALGO:
             raise CorruptCopyError(f"checksum {doc.get('checksum_algo')!r} is not {CHECKSUM_ALGO}")
+        keys: tuple[str, ...] = ()
+        if version >= 3:
+            ents, sep3, raw_keys = ents.partition(b"\n")
+            if not sep3:
+                raise CorruptCopyError("manifest has no line of small-value keys")
+            keys = _KEYS.parse(raw_keys)
         return cls(
             rank=doc["rank"],
             step=doc["step"],
             generation=doc["generation"],
             data_nbytes=doc["data_nbytes"],
             checksum=doc["checksum"],
-            entries=_entries_in(ents) if sep else _entries(doc["entries"]),
-            objects=_objects(doc, version),
+            entries=_ENTRIES.parse(ents) if sep else _entries(doc["entries"]),
+            objects=_objects(doc, version, keys),
             meta=doc["meta"],
             created_unix=doc["created_unix"],
         )
 
 
-# The last entries serialised and the entries parsed per distinct line: a writer saves one
-# plan over and over, a reader (the agent, every new copy) reads the same few plans.
-_entries_last: tuple[tuple[TensorEntry, ...], bytes] = ((), b"[]")
-_entries_parsed: dict[bytes, tuple[TensorEntry, ...]] = {}
-# What the parsed entries may hold, in bytes of their lines: a buddy's manifest may be up
-# to 16 MB, and distinct lines from a hostile one must not pile up (a real plan's is KBs).
+# What the parsed lines may hold, in bytes: a buddy's manifest may be up to 16 MB, and
+# distinct lines from a hostile one must not pile up (a real plan's are KBs).
 ENTRIES_CACHE_BYTES = 8 << 20
 
 
-def _entries_out(entries: tuple[TensorEntry, ...]) -> bytes:
-    global _entries_last
-    last = _entries_last  # one read: another thread may replace it meanwhile
-    if last[0] is entries:
-        return last[1]
-    raw = json.dumps(
-        [[e.fqn, e.dtype, e.shape, e.offset, e.nbytes, e.global_shape, e.global_offset]
-         for e in entries],
-        separators=(",", ":"),
-    ).encode()  # fmt: skip
-    _entries_last = (entries, raw)
-    return raw
+class _Lines:
+    """One manifest line kind (the tensor entries, the small values' keys): the last value
+    serialised, and the values parsed per distinct line. A writer saves one plan over and
+    over, a reader (the agent, every new copy) reads the same few plans."""
+
+    def __init__(self, dump: Callable[[Any], Any], load: Callable[[Any], Any]) -> None:
+        self._dump, self._load = dump, load
+        self.last: tuple[Any, bytes] = ((), b"[]")
+        self.parsed: dict[bytes, Any] = {}
+
+    def out(self, value: Any) -> bytes:
+        last = self.last  # one read: another thread may replace it meanwhile
+        if last[0] is value or last[0] == value:
+            return last[1]
+        raw = json.dumps(self._dump(value), separators=(",", ":")).encode()
+        self.last = (value, raw)
+        return raw
+
+    def parse(self, raw: bytes) -> Any:
+        hit = self.parsed.get(raw)
+        if hit is None:
+            try:
+                hit = self._load(json.loads(raw))
+            except (ValueError, TypeError) as e:
+                raise CorruptCopyError(f"manifest line does not parse: {e}") from e
+            if len(raw) > ENTRIES_CACHE_BYTES // 4:
+                return hit  # too large to keep
+            held = sum(map(len, self.parsed))
+            if len(self.parsed) >= 64 or held + len(raw) > ENTRIES_CACHE_BYTES:
+                self.parsed.clear()  # plans of long-gone jobs, or a flood of made-up ones
+            self.parsed[raw] = hit
+        return hit
 
 
 def _entries(rows: Any) -> tuple[TensorEntry, ...]:
@@ -191,27 +224,36 @@ def _entries(rows: Any) -> tuple[TensorEntry, ...]:
     )
 
 
-def _entries_in(raw: bytes) -> tuple[TensorEntry, ...]:
-    hit = _entries_parsed.get(raw)
-    if hit is None:
-        hit = _entries(json.loads(raw))
-        if len(raw) > ENTRIES_CACHE_BYTES // 4:
-            return hit  # too large to keep
-        held = sum(map(len, _entries_parsed))
-        if len(_entries_parsed) >= 64 or held + len(raw) > ENTRIES_CACHE_BYTES:
-            _entries_parsed.clear()  # plans of long-gone jobs, or a flood of made-up ones
-        _entries_parsed[raw] = hit
-    return hit
+def _keys(rows: Any) -> tuple[str, ...]:
+    if not isinstance(rows, list) or not all(isinstance(k, str) for k in rows):
+        raise ValueError("small-value keys are not a list of strings")
+    return tuple(rows)
 
 
-def _objects(doc: dict[str, Any], version: int) -> dict[str, bytes]:
-    """A manifest's small values: base64 per key (version 1) or per distinct blob (2)."""
+_ENTRIES = _Lines(
+    lambda entries: [
+        [e.fqn, e.dtype, e.shape, e.offset, e.nbytes, e.global_shape, e.global_offset]
+        for e in entries
+    ],
+    _entries,
+)
+_KEYS = _Lines(list, _keys)
+
+
+def _objects(doc: dict[str, Any], version: int, keys: tuple[str, ...]) -> dict[str, bytes]:
+    """A manifest's small values: base64 per key (version 1), per distinct blob named by
+    key (2), or per distinct blob, indexed in the order of the keys line (3)."""
     if version == 1:
         return {k: base64.b64decode(v) for k, v in doc["objects"].items()}
     blobs = [base64.b64decode(b) for b in doc["blobs"]]
     try:
-        return {k: blobs[i] for k, i in doc["objects"].items()}
-    except (IndexError, TypeError) as e:
+        if version == 2:
+            return {k: blobs[i] for k, i in doc["objects"].items()}
+        order = doc["object_index"]
+        if isinstance(order, str):
+            order = bytes.fromhex(order)
+        return {k: blobs[i] for k, i in zip(keys, order, strict=True)}
+    except (IndexError, TypeError, ValueError) as e:
         raise CorruptCopyError(f"manifest names a small value it does not hold: {e}") from e
 
 
@@ -444,16 +486,17 @@ def file_ident(st: os.stat_result) -> tuple[int, int, int]:
     return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
-def manifest_sig(rank_dir: Path) -> tuple[Any, ...]:
+def manifest_sig(rank_dir: Path, nslots: int | None = None) -> tuple[Any, ...]:
     """Identity of every slot's manifest file (a rename gives a new inode), by slot order.
 
     A writer compares it before every save (another process may have discarded or restored
     a copy): plain strings and one stat per slot, no pathlib (which cost ~1 ms per save for
-    a ring of 16).
+    a ring of 16). `nslots`: the ring's slot count when the caller knows it (a ring keeps
+    its count once reserved), so the directory is not listed.
     """
     base = os.fspath(rank_dir)
     sig: list[Any] = []
-    for slot in slots(rank_dir):
+    for slot in slots(rank_dir) if nslots is None else range(nslots):
         try:
             sig.append(file_ident(os.stat(f"{base}/slot-{slot}.manifest")))
         except FileNotFoundError:

@@ -47,7 +47,7 @@ import os
 import statistics
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -67,6 +67,7 @@ from unbroken.recovery.flash import (
     FlashWriter,
     Manifest,
     SaveHandle,
+    Shared,
     Snapshot,
     checksum,
     load_into,
@@ -96,7 +97,7 @@ from unbroken.recovery.sources import (
     reach_of,
     survey,
 )
-from unbroken.trainer.plugin import Meshed, Optimizers, Snapshots, Stateful
+from unbroken.trainer.plugin import GroupValue, Meshed, Optimizers, Snapshots, Stateful
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -184,6 +185,7 @@ class FlashCheckpointer:
         self._last: SaveHandle | None = None
         self._guards: list[RemovableHandle] | None = None
         self._layout: dict[str, int] | None = None
+        self._snaps: tuple[Stateful, bool] | None = None  # (trainer, implements Snapshots)
 
     def guard(self, trainer: Stateful) -> None:
         """Make the trainer's optimizer steps wait for the copy in flight (once; idempotent).
@@ -222,9 +224,11 @@ class FlashCheckpointer:
             PERSIST_META: persist,
         }
         state: Any = {KEY: trainer}
-        key = trainer.snapshot_key() if isinstance(trainer, Snapshots) else None
+        if self._snaps is None or self._snaps[0] is not trainer:  # a protocol check is
+            self._snaps = (trainer, isinstance(trainer, Snapshots))  # ~10 us: once
+        snap: Snapshots = trainer  # type: ignore[assignment]
+        key = snap.snapshot_key() if self._snaps[1] else None
         if key is not None:
-            snap: Snapshots = trainer  # type: ignore[assignment]
             state = Snapshot(
                 key=key, full=lambda: {KEY: trainer}, fresh=lambda: flat_fresh(snap), flat=True
             )
@@ -564,9 +568,18 @@ _LEAVES = frozenset({float, int, bool, str, tuple, type(None)})
 
 def flat_fresh(trainer: Snapshots) -> dict[str, Any]:
     """The trainer's fresh values under the keys DCP's `flatten_state_dict` gives
-    `{KEY: state}`. An `optimizer` entry of scalars keyed by flattened names (the
-    param-group values, one per parameter: hundreds) is prefixed, not traversed; the few
+    `{KEY: state}`. A trainer with `snapshot_fresh_shared` (plugin.SharedSnapshots) gives
+    its param-group values by group: one `Shared` entry each, naming the per-parameter keys
+    that hold it. Otherwise an `optimizer` entry of scalars keyed by flattened names (the
+    param-group values, one per parameter: hundreds) is prefixed, not traversed. The few
     other values go through DCP's flattening."""
+    by_group = getattr(trainer, "snapshot_fresh_shared", None)
+    if by_group is not None:
+        rest, groups = by_group()
+        out = dict(flatten_state_dict({KEY: rest})[0])
+        for name, (group, k, _) in zip(_shared_names(groups), groups, strict=True):
+            out[name[0]] = Shared(name[1], group[k])
+        return out
     fresh = trainer.snapshot_fresh()
     opt = fresh.get("optimizer")
     if not isinstance(opt, dict) or not all(type(v) in _LEAVES for v in opt.values()):
@@ -621,6 +634,25 @@ class PersistClock:
         if self.calls == 1 and self.persist_first:
             return True  # a job's first save persists: storage proven, a step committed
         return self.every_steps > 0 and step % self.every_steps == 0
+
+
+# the last group list `_shared_names` saw and its names: (the Shared entry's own name, the
+# full flattened keys that hold the value), built once per state, not per save
+_names_last: tuple[Any, list[tuple[str, tuple[str, ...]]]] = (None, [])
+
+
+def _shared_names(groups: Sequence[GroupValue]) -> list[tuple[str, tuple[str, ...]]]:
+    global _names_last
+    last = _names_last
+    if last[0] is groups:
+        return last[1]
+    prefix = f"{KEY}.optimizer."
+    names = [
+        (f"{prefix}~shared.{i}.{k}", tuple(prefix + key for key in keys))
+        for i, (_, k, keys) in enumerate(groups)
+    ]
+    _names_last = (groups, names)
+    return names
 
 
 def _agree_min(wish: int) -> int:

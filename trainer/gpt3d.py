@@ -38,6 +38,7 @@ from unbroken.trainer import context, init, parallel
 from unbroken.trainer.config import OptimConfig, TrainConfig
 from unbroken.trainer.data import TextLoader, load_corpus
 from unbroken.trainer.model import Transformer, cross_entropy, moe_layers
+from unbroken.trainer.plugin import GroupValue
 
 log = structlog.get_logger(__name__)
 
@@ -85,6 +86,7 @@ class GPT3DTrainer:
         self.state_version = 0  # bumped whenever the state's tensors may be replaced
         # (flat optimizer key, param group, group key) of every param-group value
         self._groups: list[tuple[str, dict[str, Any], str]] | None = None
+        self._shared: list[GroupValue] | None = None  # `_groups` by group and key
         self._unmapped = -1  # the state_version whose param groups did not map
         self.slow_factor = 1.0  # an injected slowdown of this rank's compute (drills)
         # called as the step's timed collective begins (the hooks' "collective" phase)
@@ -152,7 +154,7 @@ class GPT3DTrainer:
             )
         self.optimizers = [self._optimizer(part, c.optim) for part in self.parts]
         self.state_version += 1
-        self._groups = None
+        self._groups = self._shared = None
 
         corpus = load_corpus(c.data.path, c.data.max_corpus_bytes)
         self.loader = TextLoader(
@@ -357,12 +359,15 @@ class GPT3DTrainer:
     def snapshot_fresh(self) -> dict[str, Any]:
         """What changes per step: the learning rate (param groups), step, data, RNG."""
         assert self._groups is not None, "snapshot_key() first"
-        return {
-            "optimizer": {key: group[k] for key, group, k in self._groups},
-            "step": self.step,
-            "data": self.loader.state_dict(),
-            "rng": torch.get_rng_state(),
-        }
+        rest, _ = self.snapshot_fresh_shared()
+        return {"optimizer": {key: group[k] for key, group, k in self._groups}, **rest}
+
+    def snapshot_fresh_shared(self) -> tuple[dict[str, Any], list[GroupValue]]:
+        """`snapshot_fresh()` with the param-group values by group (plugin.SharedSnapshots):
+        one entry per group and key, not one per parameter."""
+        assert self._shared is not None, "snapshot_key() first"
+        rest = {"step": self.step, "data": self.loader.state_dict(), "rng": torch.get_rng_state()}
+        return rest, self._shared
 
     def _map_groups(self) -> bool:
         """Map DCP's flattened `param_groups.<fqn>.<key>` entries to the live param groups,
@@ -390,6 +395,10 @@ class GPT3DTrainer:
             )
             return False
         self._groups = groups
+        by: dict[tuple[int, str], tuple[dict[str, Any], str, list[str]]] = {}
+        for key, group, k in groups:
+            by.setdefault((id(group), k), (group, k, []))[2].append(key)
+        self._shared = [(group, k, tuple(keys)) for group, k, keys in by.values()]
         return True
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -401,7 +410,7 @@ class GPT3DTrainer:
         self.loader.load_state_dict(state_dict["data"])
         torch.set_rng_state(state_dict["rng"].cpu())
         self.state_version += 1
-        self._groups = None
+        self._groups = self._shared = None
         self.log.info("trainer state loaded", step=self.step)
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ needs to change. This module imports no torch, so listing plugins is cheap.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -92,6 +92,28 @@ class Snapshots(Protocol):
 
     def snapshot_fresh(self) -> dict[str, Any]:
         """The values of `state_dict()` that change between steps, nested the same way."""
+        ...
+
+
+#: (a param group, one of its keys, the names under `state_dict()["optimizer"]` that hold
+#: `group[key]`: DCP's flattened `param_groups.<parameter fqn>.<key>`, one per parameter)
+GroupValue = tuple[Mapping[str, Any], str, tuple[str, ...]]
+
+
+class SharedSnapshots(Snapshots, Protocol):
+    """Optional, beside `Snapshots`: the optimizer's param-group values by group.
+
+    DCP's flattened optimizer state holds each param-group value once per parameter (a
+    model of 43 parameters: 430 learning rates, betas, eps...), which a per-step save
+    otherwise walks one by one. The embedded engine implements it; the flash save then
+    serialises each group's value once, and skips the values that did not change.
+    """
+
+    def snapshot_fresh_shared(self) -> tuple[dict[str, Any], Sequence[GroupValue]]:
+        """`snapshot_fresh()` without its "optimizer" entry, and the param-group values.
+
+        The sequence is the same object until the state is replaced (`snapshot_key`
+        changes), so a caller may cache what it derives from it."""
         ...
 
 

@@ -2,7 +2,8 @@
 
 Two ranks (gloo, FSDP2 over dp=2) train the tiny model; after every step each rank saves
 twice: through `FlashCheckpointer.save` (the `Snapshots` path: plan and tensor references
-cached, only the learning rate, step, data position and RNG serialised) and through a
+cached, only the learning rate, step, data position and RNG serialised, each param-group
+value once per group) and through a
 second writer given the full `trainer.state_dict()` (DCP's state-dict calls). The two
 copies must have the same checksum and the same small values at every step, and the
 snapshot path must have been taken (the param groups mapped to DCP's keys).
@@ -32,7 +33,7 @@ def _both_ways(cfg: TrainConfig, root: str) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    from unbroken.recovery.flash import FlashWriter
+    from unbroken.recovery.flash import FlashWriter, Shared
     from unbroken.trainer.flashckpt import KEY, FlashCheckpointer, FlashEnv, flat_fresh
     from unbroken.trainer.gpt3d import GPT3DTrainer
 
@@ -53,10 +54,19 @@ def _both_ways(cfg: TrainConfig, root: str) -> dict[str, Any]:
             mb = b.wait()
             same.append((a.step, a.checksum == mb.checksum, a.objects == mb.objects))
         hits = ck.writer.snapshot_hits
-        # the prefixed fast path names every value as DCP's flattening does
+        # the fast path names every value as DCP's flattening does: each param-group
+        # value once (`Shared`), standing for every parameter's key that holds it
         fast = flat_fresh(trainer)
         slow = dict(flatten_state_dict({KEY: trainer.snapshot_fresh()})[0])
-        keys_same = sorted(fast) == sorted(slow) and len(fast) > 100
+        shared = [v for v in fast.values() if type(v) is Shared]
+        expanded = {k: v for k, v in fast.items() if type(v) is not Shared}
+        expanded.update({k: s.value for s in shared for k in s.keys})
+        keys_same = (
+            sorted(expanded) == sorted(slow)
+            and all(repr(expanded[k]) == repr(v) for k, v in slow.items() if "param_groups" in k)
+            and len(slow) > 100
+            and len(fast) < len(slow) // 4
+        )
     finally:
         ck.close()
         full.close()

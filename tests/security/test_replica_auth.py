@@ -290,7 +290,7 @@ def test_made_up_manifest_entries_do_not_pile_up_in_the_parse_cache() -> None:
 
     for i in range(60):  # ~250 KB each: 15 MB of distinct lines in all
         assert Manifest.from_bytes(forged(i, 1000)).step == i
-        assert sum(map(len, flashcopy._entries_parsed)) <= ENTRIES_CACHE_BYTES
+        assert sum(map(len, flashcopy._ENTRIES.parsed)) <= ENTRIES_CACHE_BYTES
     huge = Manifest.from_bytes(forged(99, 12000))  # ~2.8 MB: over a quarter of the bound
     assert len(huge.entries) == 12000
-    assert all(len(k) < ENTRIES_CACHE_BYTES // 4 for k in flashcopy._entries_parsed)
+    assert all(len(k) < ENTRIES_CACHE_BYTES // 4 for k in flashcopy._ENTRIES.parsed)

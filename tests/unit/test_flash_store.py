@@ -573,8 +573,9 @@ def test_a_manifest_stores_each_distinct_small_value_once_and_reads_version_1() 
     raw = m.to_bytes()
     assert Manifest.from_bytes(raw) == m
     assert raw.count(base64.b64encode(lr)) == 1 and raw.count(base64.b64encode(betas)) == 1
-    head, entries = raw.rpartition(b"\n")[0].split(b"\n")
+    head, entries, _keys = raw.rpartition(b"\n")[0].split(b"\n")
     doc = json.loads(head)
+    del doc["object_index"]
     doc["version"], doc["entries"] = 1, json.loads(entries)
     doc["objects"] = {k: base64.b64encode(v).decode() for k, v in objects.items()}
     del doc["blobs"]
@@ -594,13 +595,49 @@ def test_a_manifests_tensor_entries_are_serialised_and_parsed_once_per_plan() ->
     entries = tuple(
         TensorEntry(f"w{i}", "float32", (4, 4), 64 * i, 64, (8, 4), (0, 0)) for i in range(50)
     )
-    a, b = (Manifest(0, s, s, 3200, s, entries, {}, {}, 1.0) for s in (1, 2))
+    # an optimizer's param-group values: hundreds of keys, a few distinct values
+    objects = {f"optimizer.param_groups.w{i}.{k}": v for i in range(50) for k, v in
+               (("lr", b"\x01"), ("eps", b"\x02"), ("betas", b"\x03"))}  # fmt: skip
+    a = Manifest(0, 1, 1, 3200, 1, entries, objects, {}, 1.0)
+    b = Manifest(0, 2, 2, 3200, 2, entries, {**objects, "optimizer.param_groups.w7.lr": b"\x04"})
     raw_a, raw_b = a.to_bytes(), b.to_bytes()
-    assert raw_a.count(b"\n") == 2 and raw_a.split(b"\n")[1] == raw_b.split(b"\n")[1]
+    lines_a, lines_b = raw_a.split(b"\n"), raw_b.split(b"\n")
+    assert len(lines_a) == 4 and lines_a[1:3] == lines_b[1:3]  # entries and keys: as before
+    assert len(lines_a[0]) < 1000  # the head: blob indices, not the 150 keys
     pa, pb = Manifest.from_bytes(raw_a), Manifest.from_bytes(raw_b)
     assert (pa, pb) == (a, b)
     assert pa.entries is pb.entries  # parsed once, shared
-    assert flashcopy._entries_last[0] is entries
+    assert flashcopy._ENTRIES.last[0] is entries
+    assert pb.objects["optimizer.param_groups.w7.lr"] == b"\x04"
+
+
+def test_a_version_2_manifest_still_reads_and_a_short_index_is_corrupt() -> None:
+    """Copies written before the keys line (version 2, each key in the head) still restore;
+    a version 3 head whose index does not match its keys is a corrupt copy, not a crash."""
+    import base64
+    import json
+    import zlib
+
+    from unbroken.recovery.flashcopy import CorruptCopyError, Manifest
+
+    def sealed(head: dict[str, Any], *lines: bytes) -> bytes:
+        body = b"\n".join((json.dumps(head).encode(), *lines))
+        return body + b"\n" + f"{zlib.crc32(body):08x}".encode()
+
+    head = {"version": 2, "rank": 0, "step": 5, "generation": 5, "data_nbytes": 0,
+            "checksum": 0, "checksum_algo": "xxh3_64", "objects": {"a": 0, "b": 0},
+            "blobs": [base64.b64encode(b"x").decode()], "meta": {},
+            "created_unix": 0.0}  # fmt: skip
+    old = Manifest.from_bytes(sealed(head, b"[]"))
+    assert old.step == 5 and old.objects == {"a": b"x", "b": b"x"}
+    v3 = {**head, "version": 3, "object_index": [0]}
+    del v3["objects"]
+    with pytest.raises(CorruptCopyError, match="small value"):
+        Manifest.from_bytes(sealed(v3, b"[]", b'["a","b"]'))
+    with pytest.raises(CorruptCopyError, match="keys"):
+        Manifest.from_bytes(sealed(v3, b"[]"))
+    with pytest.raises(CorruptCopyError, match="does not parse"):
+        Manifest.from_bytes(sealed(v3, b"[]", b'{"a":1}'))
 
 
 # ---------------------------------------------------------------- lifecycle (issue 15)
@@ -704,6 +741,55 @@ def test_snapshot_saves_equal_full_saves_step_after_step(owner: FlashOwner) -> N
         assert ma.checksum == mb.checksum, n  # the same bytes
         assert ma.objects == mb.objects, n  # the same small values (lr of this step)
     assert fast.snapshot_hits == 4  # planned at step 1, reused at steps 2-5
+    fast.close()
+    slow.close()
+
+
+def test_a_shared_value_stands_for_its_keys_and_is_serialised_only_when_it_changes(
+    owner: FlashOwner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`Shared` in a flat fresh(): one value for many keys (a param group's lr, once per
+    parameter). Saved bytes equal a full save's; an unchanged immutable is not serialised
+    again; a key the plan lacks takes the full path."""
+    from unbroken.recovery import flash as flash_mod
+    from unbroken.recovery.flash import Shared, Snapshot
+
+    w = torch.zeros(8)
+    group = {"lr": 0.1, "betas": (0.9, 0.95)}
+    names = [f"opt.param_groups.p{i}" for i in range(40)]
+
+    def full() -> dict[str, Any]:
+        return {"w": w, "opt": {"param_groups": {f"p{i}": dict(group) for i in range(40)}}}
+
+    def fresh() -> dict[str, Any]:
+        return {k: Shared(tuple(f"{n}.{k}" for n in names), group[k]) for k in group}
+
+    dumps: list[Any] = []
+    real = flash_mod._dump_object
+    monkeypatch.setattr(flash_mod, "_dump_object", lambda v: dumps.append(v) or real(v))
+    fast, slow = FlashWriter(0, owner), FlashWriter(1, owner)
+    for n in range(1, 5):
+        w.add_(1.0)
+        if n > 1:
+            group["lr"] = 0.1 / n  # a new float each step, as a scheduler sets it
+        dumps.clear()
+        a = fast.save_async(Snapshot(key="k", full=full, fresh=fresh, flat=True), n)
+        assert a is not None
+        got = dumps.copy()
+        ma, mb = a.wait(), slow.save_async(full(), n).wait()  # type: ignore[union-attr]
+        assert ma.checksum == mb.checksum and ma.objects == mb.objects, n
+        if n == 2:  # the first save on the plan: each group value once
+            assert got == [0.1 / n, (0.9, 0.95)], (n, got)
+        elif n > 2:  # then the lr once; the betas (the same tuple object) not at all
+            assert got == [0.1 / n], (n, got)
+    assert fast.snapshot_hits == 3
+
+    def stray() -> dict[str, Any]:
+        return {"x": Shared(("opt.param_groups.p0.lr", "opt.param_groups.nope.lr"), 1.0)}
+
+    b = fast.save_async(Snapshot(key="k", full=full, fresh=stray, flat=True), 9)
+    assert b is not None and b.wait().objects == slow.save_async(full(), 9).wait().objects  # type: ignore[union-attr]
+    assert fast.snapshot_hits == 3  # the full path
     fast.close()
     slow.close()
 
