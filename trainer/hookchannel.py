@@ -27,6 +27,7 @@ import select
 import signal
 import socket
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -40,6 +41,9 @@ from unbroken.proto import hooks_pb2 as hpb
 ENV_LOCAL_RANK = "LOCAL_RANK"
 STACK_SIGNAL = signal.SIGUSR1
 RESTOP_SIGNAL = signal.SIGUSR2  # dump the stacks, then stop again (a stopped worker's dump)
+# A collective wait shorter than this is not reported (`Hooks.collective_entered`): the
+# agent's hang floor is about a second, its heartbeat 100 ms.
+LAZY_COLLECTIVE_S = 0.1
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -113,11 +117,17 @@ class Hooks:
         self.coalesce_s = coalesce_s
         self._last_t: float | None = None
         self._sent_t: float | None = None  # when the last step report went out
-        self._held: tuple[int, float | None, dict[str, float]] | None = None  # newest unsent
+        self._held: tuple[int, float | None] | None = None  # the newest unsent step, loss
         self._held_steps = 0
         self._held_ms = 0.0  # their summed step time
         self._peak: tuple[float, int] | None = None  # their highest (or non-finite) loss
         self._wait_ms = 0.0  # collective waits marked since the last step (`collective`)
+        self._held_timings: dict[str, float] = {}  # the held steps' summed timings
+        # `collective_entered`: when the rank entered its step's collective (None: it is
+        # not in one, or the agent was told); a marker thread tells the agent if it lasts
+        self._coll_since: float | None = None
+        self._marker: threading.Thread | None = None
+        self._marker_stop = threading.Event()
         self._sock: socket.socket | None = None
         self._reply = ""
         self.reply_error = ""  # why no reply socket could be bound (commands cannot reach us)
@@ -200,6 +210,27 @@ class Hooks:
         """
         return self._send(hpb.WorkerReport(phase=hpb.PhaseReport(name=name, step=step)))
 
+    def collective_entered(self) -> None:
+        """The rank enters its step's collective (the embedded engine's one timed
+        all-reduce). Unlike `phase("collective")` nothing is sent now: a marker thread
+        sends that phase once the wait has lasted `LAZY_COLLECTIVE_S`, so a step whose
+        peers are on time costs no datagram (each one woke the agent and, on a busy node,
+        gave it this rank's CPU: about half a millisecond per step), and a rank left waiting
+        for a stopped peer is still judged as a victim long before its hang threshold."""
+        self._coll_since = time.monotonic()
+        if self._marker is None and self._sock is not None:
+            self._marker = threading.Thread(
+                target=self._mark_long_waits, name="unbroken-hooks-marker", daemon=True
+            )
+            self._marker.start()
+
+    def _mark_long_waits(self) -> None:
+        while not self._marker_stop.wait(LAZY_COLLECTIVE_S / 2):
+            since = self._coll_since
+            if since is not None and time.monotonic() - since >= LAZY_COLLECTIVE_S:
+                self._coll_since = None
+                self.phase("collective")
+
     @contextlib.contextmanager
     def collective(self) -> Iterator[None]:
         """Mark a wait for peers (an all-reduce, a barrier): its time is reported as
@@ -230,6 +261,7 @@ class Hooks:
             True when a datagram was sent now; False when the step is held for the next
             report (`coalesce_s`) or the datagram was dropped.
         """
+        self._coll_since = None  # out of the step's collective
         now = time.monotonic()
         if step_time_ms is None:
             step_time_ms = 0.0 if self._last_t is None else (now - self._last_t) * 1000.0
@@ -244,9 +276,11 @@ class Hooks:
             if p is None or (math.isfinite(p[0]) and (not math.isfinite(loss) or loss > p[0])):
                 self._peak = (loss, step)
         # the newest step, as plain values: the message is built only when it is sent
-        self._held = (step, loss, timings_ms)
+        self._held = (step, loss)
         self._held_steps += 1
         self._held_ms += step_time_ms
+        for k, v in timings_ms.items():
+            self._held_timings[k] = self._held_timings.get(k, 0.0) + float(v)
         if (
             self.coalesce_s > 0
             and self._sent_t is not None
@@ -260,17 +294,19 @@ class Hooks:
         """Send the held step report, if any (True when a datagram went out)."""
         if self._held is None:
             return False
-        step, loss, timings_ms = self._held
+        step, loss = self._held
         rep = hpb.StepReport(
             step=step, steps=self._held_steps, step_time_ms=self._held_ms / self._held_steps
         )
         if loss is not None:
             rep.loss, rep.has_loss = loss, True
-        for k, v in timings_ms.items():
-            rep.timings_ms[k] = float(v)
+        n = self._held_steps
+        for k, v in self._held_timings.items():  # the mean over the steps it stands for
+            rep.timings_ms[k] = v / n
         if self._peak is not None:
             rep.has_peak, (rep.peak_loss, rep.peak_step) = True, self._peak
         self._held, self._held_steps, self._held_ms, self._peak = None, 0, 0.0, None
+        self._held_timings = {}
         self._sent_t = time.monotonic() if now is None else now
         return self._send(hpb.WorkerReport(step=rep))
 
@@ -293,6 +329,7 @@ class Hooks:
                 out.append(hpb.WorkerCommand.FromString(data))
 
     def close(self) -> None:
+        self._marker_stop.set()
         if self._sock is not None:
             self.flush_steps()
             self._sock.close()

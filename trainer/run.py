@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 PG_TIMEOUT = timedelta(minutes=5)
+STEP_REPORT_EVERY_S = 0.1  # the agent heartbeats every 100 ms: a step report per beat
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +256,9 @@ def train(
     from unbroken.trainer.plugin import load_trainer
 
     hooks = install()
+    # one step report per heartbeat at most (the rest ride along: their mean step time and
+    # timings, their peak loss): a datagram per step woke the agent every step
+    hooks.coalesce_s = STEP_REPORT_EVERY_S
     rank = dist.get_rank()
     trainer = load_trainer(config.trainer)
     history: list[dict[str, Any]] = []
@@ -293,7 +297,7 @@ def train(
                 flash.prepare(trainer)  # and map the ring now, not inside the first save
         hooks.phase("train", step=step)  # the step restored: what the restart really lost
         if isinstance(trainer, Collectives):  # a waiting rank is judged as a victim
-            trainer.on_collective = lambda: hooks.phase("collective")
+            trainer.on_collective = hooks.collective_entered
         throttled = trainer if isinstance(trainer, Throttled) else None
         while step < config.steps:
             if point.skip_batches and step + 1 == point.skip_from_step:

@@ -374,6 +374,51 @@ def test_short_steps_ride_along_in_the_next_report_with_their_peak(
         rx.close()
 
 
+def test_held_timings_are_averaged_and_a_long_collective_is_marked_a_short_one_not(
+    tmp_path: Path,
+) -> None:
+    """The embedded engine's reports (coalesced, `collective_entered`): a coalesced report
+    carries the mean compute and wait of its steps (the straggler detector's input); a
+    collective left within `LAZY_COLLECTIVE_S` sends nothing, one that lasts is reported
+    as the "collective" phase once, by the marker thread, while the rank still waits."""
+    path = str(tmp_path / "agent.sock")
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    rx.bind(path)
+    h = hookchannel.Hooks(socket_path=path, local_rank=0, coalesce_s=60.0)
+
+    def received(wait_s: float = 0.0) -> list[hpb.WorkerReport]:
+        """What arrived; the first datagram is waited for up to `wait_s`."""
+        out = []
+        rx.settimeout(wait_s)  # 0: non-blocking
+        with contextlib.suppress(BlockingIOError, TimeoutError):
+            while True:
+                out.append(hpb.WorkerReport.FromString(rx.recv(65536)))
+                rx.setblocking(False)
+        return out
+
+    try:
+        assert h.step(1, 2.0, 10.0, compute=8.0, collective_wait=2.0)  # the first: at once
+        received()
+        for step, (c, w) in enumerate(((6.0, 4.0), (10.0, 0.0), (8.0, 2.0)), start=2):
+            h.collective_entered()  # peers on time: no datagram
+            assert not h.step(step, 2.0, 10.0, compute=c, collective_wait=w)
+        time.sleep(3 * hookchannel.LAZY_COLLECTIVE_S)
+        assert received() == []
+        h.flush_steps()
+        (rep,) = received(1.0)
+        assert rep.step.steps == 3 and rep.step.step == 4
+        assert dict(rep.step.timings_ms) == {"compute": 8.0, "collective_wait": 2.0}
+
+        h.collective_entered()  # a peer stopped: the rank waits on
+        (marked,) = received(2.0)
+        assert marked.WhichOneof("kind") == "phase" and marked.phase.name == "collective"
+        time.sleep(3 * hookchannel.LAZY_COLLECTIVE_S)
+        assert received() == []  # once per collective
+    finally:
+        h.close()
+        rx.close()
+
+
 def test_persisted_saves_are_agreed_and_fall_on_saved_steps() -> None:
     pacer = pacing.Pacer(0.02, "no-such-thread", persist_every_s=30.0)
     assert not pacer.persist(1000)  # nothing agreed yet: memory only
