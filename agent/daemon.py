@@ -573,6 +573,12 @@ class Agent:
         self.session_open = True
         if self._selfcheck_due:
             self._spawn(self._registration_selfcheck(call))
+        elif self.warm_check is not None:
+            # no self-check at registration starts one: keep a check process warm from
+            # the first session, so the first on-demand self-check or diagnosis of this
+            # node does not pay torch's import (5 s for a silently bad node in the
+            # recovery bench, whose agents skip the registration self-check)
+            self.warm_check.refill()
         try:
             async for msg in call:
                 self._heard = time.monotonic()
@@ -778,6 +784,7 @@ class Agent:
     # ------------------------------------------------------------ self-checks
     async def _selfcheck(self, command_id: str, timeout_s: float = 0.0) -> dpb.SelfCheckReport:
         spec = self.config.workers
+        warm_before = self.warm_check.taken if self.warm_check is not None else 0
         rep = await checks.run_selfcheck(
             self.config.node_id,
             self.fault,
@@ -787,7 +794,13 @@ class Agent:
             nice=spec.nice if spec is not None else 5,
             warm=self.warm_check,
         )
-        log.info("self-check", ok=rep.ok, failures=list(rep.failures), command_id=command_id)
+        log.info(
+            "self-check",
+            ok=rep.ok,
+            failures=list(rep.failures),
+            command_id=command_id,
+            warm=bool(self.warm_check and self.warm_check.taken > warm_before),
+        )
         if self.warm_check is not None:
             self.warm_check.refill()  # torch is in the page cache now: a check kept warm
         return rep

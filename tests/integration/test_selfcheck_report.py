@@ -5,8 +5,11 @@ off) and two real `unbroken agent` processes: n0 healthy, n1 started with
 `--inject-fault wrong_matmul` (a silently corrupt device). Each agent runs
 `python -m unbroken.diagnostics.selfcheck` as a child right after registering and sends the
 report up its session; the driver appends SelfCheckReported. The operator RPC
-RunSelfCheck runs them again on demand. Assertions are on the log's events and the RPC's
-replies, never on timings.
+RunSelfCheck runs them again on demand. A third agent, n2 (wrong_matmul too), skips the
+registration self-check, as the recovery bench's agents do: it still keeps a check process
+warm from its first session, so its first on-demand self-check does not import torch.
+Assertions are on the log's events, the RPC's replies and the agents' log lines, never on
+timings.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def cluster(
     with operator_cluster(tmp_path_factory.mktemp("selfcheck"), etcd_server, wait_s=WAIT_S) as c:
         c.start_agent("n0")
         c.start_agent("n1", ["--inject-fault", "wrong_matmul"])
+        c.start_agent("n2", ["--inject-fault", "wrong_matmul", "--no-selfcheck"])
         yield c
 
 
@@ -100,3 +104,21 @@ def test_on_demand_and_unknown_node(cluster: LocalCluster) -> None:
         )
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     assert "unbroken nodes" in (info.value.details() or "")
+
+
+def test_an_agent_without_a_registration_self_check_runs_its_first_one_warm(
+    cluster: LocalCluster,
+) -> None:
+    until(lambda: "registered" in cluster.log("n2"), WAIT_S, "n2 registered", cluster.logs)
+    assert not any(c.node_id == "n2" for c in cluster.payloads("self_check_reported"))
+    resp = asyncio.run(
+        _rpc(
+            cluster.driver_address(),
+            lambda s: s.RunSelfCheck(dpb.RunSelfCheckRequest(node_ids=["n2"]), timeout=WAIT_S + 30),
+        )
+    )
+    assert isinstance(resp, dpb.RunSelfCheckResponse)
+    (n2,) = resp.results
+    assert not n2.ok and any("matmul" in f for f in n2.failures), n2
+    lines = [ln for ln in cluster.log("n2").splitlines() if "self-check" in ln]
+    assert lines and "warm=True" in lines[-1], lines
