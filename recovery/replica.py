@@ -472,21 +472,24 @@ class ReplicaServer:
         store = replica_store(node)
         sent = 0
         for rank in self.owner.ranks(store):
-            refs = list_copies(self.owner.rank_dir(rank, store))
-            if not refs:
-                continue
-            ref = refs[0]
-            m = ref.manifest
-            head = m.to_bytes()
-            hdr = {
-                "rank": rank,
-                "manifest_len": len(head),
-                "data_len": m.data_nbytes,
-                "manifest_sha256": hashlib.sha256(head).hexdigest(),
-            }
-            writer.write(fr.line(hdr) + head)
-            await _send_data(ref.data_path, m.data_nbytes, writer, fr, None)
-            sent += 1
+            # both copies, the older first (the fetcher's double buffer keeps both): the
+            # newest may be a step the survivors never saved (the lost node finished its
+            # save, a survivor was stopped in the middle of its own), while the older one
+            # was sent from inside every rank's ring (ReplicaSender); with the newest alone
+            # a takeover found no common step in memory and restored from storage, 314
+            # steps back in the recovery bench
+            for ref in reversed(list_copies(self.owner.rank_dir(rank, store))):
+                m = ref.manifest
+                head = m.to_bytes()
+                hdr = {
+                    "rank": rank,
+                    "manifest_len": len(head),
+                    "data_len": m.data_nbytes,
+                    "manifest_sha256": hashlib.sha256(head).hexdigest(),
+                }
+                writer.write(fr.line(hdr) + head)
+                await _send_data(ref.data_path, m.data_nbytes, writer, fr, None)
+                sent += 1
         writer.write(fr.line({"done": True, "count": sent}))
         await writer.drain()
         log.info("replica.served", node=node, copies=sent, peer=_peer(writer))

@@ -1,8 +1,9 @@
 """A replacement node fetches a lost node's replicas back from the buddy, verified.
 
 In-process, real TCP on loopback (port 0): node A's agent store replicates to buddy B;
-A is lost; a replacement A' runs `fetch_replica` against B and gets A's newest copies,
-bit for bit. A replica damaged in B's memory is refused by the fetcher, never stored.
+A is lost; a replacement A' runs `fetch_replica` against B and gets A's copies back (both
+of B's replicas per rank), bit for bit. A replica damaged in B's memory is refused by the
+fetcher, never stored.
 """
 
 from __future__ import annotations
@@ -70,11 +71,20 @@ def test_replacement_fetches_verified_replicas(
                 sent = await ReplicaSender(a, "A", ("127.0.0.1", port), CFG).tick()
                 assert all(r.ok for r in sent) and len(sent) == 2
             # A is lost; A' gets its copies back.
+            # Both replicas of each rank come back, the older first (the newest may be a
+            # step the survivors never finished saving), and the newest stays the newest.
             got = await fetch_replica(replacement, "A", "127.0.0.1", port, config=CFG)
-            assert sorted((r.manifest.rank, r.manifest.step) for r in got) == [(0, 2), (1, 2)]
+            assert [(r.manifest.rank, r.manifest.step) for r in got] == [
+                (0, 1), (0, 2), (1, 1), (1, 2)
+            ]  # fmt: skip
+            for rank in (0, 1):
+                held = list_copies(replacement.rank_dir(rank, replica_store("A")))
+                assert [r.manifest.step for r in held] == [2, 1]
             for ref in got:
                 src = next(
-                    r for r in list_copies(a.rank_dir(ref.manifest.rank)) if r.manifest.step == 2
+                    r
+                    for r in list_copies(a.rank_dir(ref.manifest.rank))
+                    if r.manifest.step == ref.manifest.step
                 )
                 x, y = read_copy(ref), read_copy(src)
                 assert x[: ref.manifest.data_nbytes] == y[: src.manifest.data_nbytes]
@@ -89,8 +99,9 @@ def test_replacement_fetches_verified_replicas(
                 f.write(bytes([byte[0] ^ 1]))
             shutil.rmtree(replacement.job_dir / replica_store("A"))
             got = await fetch_replica(replacement, "A", "127.0.0.1", port, config=CFG)
-            assert [r.manifest.rank for r in got] == [0]
-            assert list_copies(replacement.rank_dir(1, replica_store("A"))) == []
+            assert [(r.manifest.rank, r.manifest.step) for r in got] == [(0, 1), (0, 2), (1, 1)]
+            held = list_copies(replacement.rank_dir(1, replica_store("A")))
+            assert [r.manifest.step for r in held] == [1]  # the damaged step 2 is not kept
             # Nothing held for an unknown node: an empty answer, not an error.
             assert await fetch_replica(replacement, "nobody", "127.0.0.1", port, config=CFG) == []
         finally:
