@@ -178,6 +178,14 @@ def _describe(a: Availability) -> str:
     return " ".join(parts) or "nothing"
 
 
+def describe_newest(availability: Mapping[int, Availability]) -> dict[int, str]:
+    """Each rank's newest step per source, in a few words (why a restore went to storage)."""
+    return {
+        r: " ".join(f"{s.label}={max(a.steps(s))}" for s in Source if a.steps(s)) or "nothing"
+        for r, a in sorted(availability.items())
+    }
+
+
 def availability_of(
     memory: Set[int] = frozenset(),
     buddy: Set[int] = frozenset(),

@@ -84,6 +84,7 @@ from unbroken.recovery.restore import (
     Source,
     StepCopies,
     decide,
+    describe_newest,
     newest_reshardable,
     restrict,
     same_layout_steps,
@@ -350,6 +351,17 @@ class FlashCheckpointer:
                 )
             except NoCommonStepError as e:
                 why = str(e)
+            if (
+                self.rank == 0
+                and plan is not None
+                and Source.STORAGE in plan.source_by_rank.values()
+                and any(a.memory or a.buddy for a in availability.values())
+            ):  # copies in memory, none common to every rank: say what each one had
+                log.warning(
+                    "flash.restore_from_storage",
+                    step=plan.step,
+                    newest=describe_newest(availability),
+                )
             other = newest_reshardable(reach, layout, not_after=not_after)
             if other is not None and (plan is None or other > plan.step):
                 saved = saved_layouts(reach)[other]

@@ -15,6 +15,7 @@ from unbroken.recovery.restore import (
     availability_of,
     common_steps,
     decide,
+    describe_newest,
 )
 
 pytestmark = pytest.mark.unit
@@ -167,3 +168,22 @@ def test_plan_maps_onto_restore_started_event() -> None:
     plan = decide({0: availability_of(memory={4}), 1: availability_of(buddy={4})})
     e = plan.to_event(reshard=True)
     assert (e.step, dict(e.source_by_rank), e.reshard) == (4, {0: "memory", 1: "buddy"}, True)
+
+
+def test_a_takeover_whose_newest_replica_is_ahead_of_the_survivor_still_restores_from_memory() -> (
+    None
+):
+    """The bench's 314-step loss: the replaced rank's buddy held steps 3810 and 3824, the
+    survivor's ring ended at 3823 (stopped while saving 3824). With only the newest replica
+    fetched no step was common but storage's; with both, 3810 comes from memory and buddy."""
+    survivor = availability_of(memory=set(range(3808, 3824)), storage={3510})
+    newest_only = availability_of(buddy={3824}, storage={3510})
+    both = availability_of(buddy={3810, 3824}, storage={3510})
+    worse = decide({0: survivor, 1: newest_only})
+    assert worse.step == 3510 and worse.source_by_rank == {0: Source.STORAGE, 1: Source.STORAGE}
+    assert describe_newest({0: survivor, 1: newest_only}) == {
+        0: "memory=3823 storage=3510",
+        1: "buddy=3824 storage=3510",
+    }
+    plan = decide({0: survivor, 1: both})
+    assert plan.step == 3810 and plan.source_by_rank == {0: Source.MEMORY, 1: Source.BUDDY}
