@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import os
 import shutil
@@ -320,16 +321,13 @@ class FlashOwner:
 
 PREFAULT_CHUNK = 64 << 20  # a thread's share of a slot is at least this many bytes
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
-_libc: ctypes.CDLL | None = None
 
 
+@functools.cache
 def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """libc's madvise through ctypes: it releases the GIL, so chunks fault in parallel
     (mmap.madvise holds it)."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    fn = getattr(_libc, "madvise", None)
+    fn = getattr(ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True), "madvise", None)
     if fn is not None:
         fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         fn.restype = ctypes.c_int
@@ -340,7 +338,7 @@ def _touch(path: Path, lo: int, hi: int) -> None:
     """Fault in bytes [lo, hi) of `path` (page-aligned `lo`) for writing, leaving them as
     they are: MADV_POPULATE_WRITE, else (an older kernel) a write of each page's first
     byte through the mapping."""
-    fd = os.open(path, os.O_RDWR)
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     try:
         if os.fstat(fd).st_size < hi:
             return  # deleted and reserved again, smaller: not the ring this was for

@@ -11,8 +11,10 @@ node 4-5 s late on a loaded machine: torch's import) and report what a cold one 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -43,14 +45,22 @@ async def _ready(warm: WarmCheck, timeout_s: float = 120.0) -> None:
         await asyncio.sleep(0.05)
 
 
-def test_checks_run_warm_and_a_broken_warm_process_falls_back_to_cold(tmp_path: Path) -> None:
+@contextlib.asynccontextmanager
+async def _warm() -> AsyncIterator[WarmCheck]:
+    """A warm check process, ready; closed after."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    warm = WarmCheck()
+    try:
+        warm.refill()
+        await _ready(warm)
+        yield warm
+    finally:
+        await warm.close()
 
+
+def test_checks_run_warm_and_a_broken_warm_process_falls_back_to_cold(tmp_path: Path) -> None:
     async def go() -> None:
-        warm = WarmCheck()
-        try:
-            warm.refill()
-            await _ready(warm)
+        async with _warm() as warm:
             res = await run_check("c1", _spec("w1"), "", 60, warm=warm)
             assert warm.taken == 1, res
             assert res.exit_code == 0, res.stderr_tail
@@ -73,20 +83,13 @@ def test_checks_run_warm_and_a_broken_warm_process_falls_back_to_cold(tmp_path: 
             assert await broken.take() is None and broken.taken == 0
             res = await run_check("c3", _spec("w3"), "", 60, module="unbroken.diagnostics.check")
             assert res.exit_code == 0 and json.loads(res.result_json)["ok"], res.stderr_tail
-        finally:
-            await warm.close()
 
     asyncio.run(go())
 
 
 def test_self_checks_run_in_the_warm_process_and_report_as_a_cold_one(tmp_path: Path) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-
     async def go() -> None:
-        warm = WarmCheck()
-        try:
-            warm.refill()
-            await _ready(warm)
+        async with _warm() as warm:
             bad = await run_selfcheck("n0", "wrong_matmul", 60, disk_path=str(tmp_path), warm=warm)
             assert warm.taken == 1
             assert not bad.ok and any("matmul" in f for f in bad.failures), bad
@@ -102,7 +105,5 @@ def test_self_checks_run_in_the_warm_process_and_report_as_a_cold_one(tmp_path: 
             # the free-disk floor (10 GB) may fail on a small test disk: only the matmul
             # and the device checks are this test's business
             assert not any("matmul" in f for f in good.failures), good
-        finally:
-            await warm.close()
 
     asyncio.run(go())

@@ -294,3 +294,31 @@ def test_made_up_manifest_entries_do_not_pile_up_in_the_parse_cache() -> None:
     huge = Manifest.from_bytes(forged(99, 12000))  # ~2.8 MB: over a quarter of the bound
     assert len(huge.entries) == 12000
     assert all(len(k) < ENTRIES_CACHE_BYTES // 4 for k in flashcopy._ENTRIES.parsed)
+
+
+def test_made_up_small_value_keys_do_not_pile_up_and_a_bad_index_is_corrupt() -> None:
+    """Version 3 manifests from a peer: distinct (large) keys lines stay under the parse
+    cache's byte bound; an index that is not hex, or names a blob that is not there, makes
+    the copy corrupt, never an exception of another kind."""
+    import zlib
+
+    from unbroken.recovery import flashcopy
+    from unbroken.recovery.flashcopy import ENTRIES_CACHE_BYTES, CorruptCopyError, Manifest
+
+    def forged(i: int, n: int, index: str) -> bytes:
+        head = json.dumps(
+            {"version": 3, "rank": 0, "step": i, "generation": i, "data_nbytes": 0,
+             "checksum": 0, "checksum_algo": "xxh3_64", "object_index": index,
+             "blobs": ["AA=="], "meta": {}, "created_unix": 0.0},
+            separators=(",", ":"),
+        ).encode()  # fmt: skip
+        keys = json.dumps([f"k{i}_{j}" + "x" * 200 for j in range(n)]).encode()
+        body = head + b"\n[]\n" + keys
+        return body + b"\n" + f"{zlib.crc32(body):08x}".encode()
+
+    for i in range(60):  # ~200 KB of keys each: 12 MB of distinct lines in all
+        assert Manifest.from_bytes(forged(i, 1000, "00" * 1000)).step == i
+        assert sum(map(len, flashcopy._KEYS.parsed)) <= ENTRIES_CACHE_BYTES
+    for index in ("zz", "01", "00"):  # not hex; no blob 1; too short for 2 keys
+        with pytest.raises(CorruptCopyError):
+            Manifest.from_bytes(forged(99, 2, index))
