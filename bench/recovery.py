@@ -17,7 +17,9 @@ flash-saving every step) and a spare agent. Faults are injected by signals:
   node, 2 steps ahead (LossSpike; the loop rolls back and restarts the world);
 * silently bad node: InjectFault `wrong-matmul` on a training node, then an on-demand
   self-check of it (`unbroken selfcheck`); detected when its failed SelfCheckReported is
-  appended; the loop diagnoses, evicts it and a spare takes its rank (a new spare is
+  appended; the loop evicts it on its failed matmul without a diagnosis (the driver's
+  default `--self-check-evicts matmul,ecc`; results recorded before that default include
+  the confirming diagnosis, about 2.6 s) and a spare takes its rank (a new spare is
   started at once; the evicted agent is stopped).
 
 Phases, all in one run:

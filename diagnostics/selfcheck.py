@@ -32,6 +32,21 @@ from typing import Any
 
 from unbroken.proto import events_pb2 as ev
 
+#: The names of the items these checks report (`CheckItem.name`, the part of a failure
+#: before ":"), GPU items without their ``[i]`` index. A crashed group of checks is failed
+#: under its group's name ("matmul", "disk", "gpu") with a "check crashed: ..." detail.
+ITEM_NAMES = frozenset({"matmul", "disk", "gpu_memory", "mig", "ecc"})
+CRASHED = "check crashed"  # the detail of a check that raised instead of reporting
+
+
+def failure_item(failure: str) -> tuple[str, str]:
+    """(item name without its ``[i]`` index, detail) of one ``"name: detail"`` failure.
+
+    ``"ecc[0]: 3 uncorrected ECC errors, ..."`` gives ``("ecc", "3 uncorrected ...")``.
+    """
+    name, _, detail = failure.partition(":")
+    return name.strip().split("[", 1)[0], detail.strip()
+
 
 @dataclass(kw_only=True, slots=True)
 class SelfCheckConfig:
@@ -240,7 +255,7 @@ def run_selfchecks(
         try:
             report.items.extend(fn())
         except Exception as e:
-            report.items.append(CheckItem(name=name, ok=False, detail=f"check crashed: {e}"))
+            report.items.append(CheckItem(name=name, ok=False, detail=f"{CRASHED}: {e}"))
     return report
 
 

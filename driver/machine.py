@@ -27,8 +27,11 @@ the open one: suspects and nodes to evict grow, and the machine goes back to SUS
 when the job's state may have changed under it (a node lost, or anything once workers are
 being restarted), or stays in PAUSED (more suspects to diagnose). Faults from lost or
 evicted nodes, and duplicates, are recorded and ignored; a fault on a spare (or an idle
-node outside the world) marks it bad (evicted). A loss spike rolls back to the newest
-committed checkpoint before the spike, without eviction (`unbroken.recovery.spike`).
+node outside the world) marks it bad (evicted). A failed self-check that is the node's own
+result (`Policy.self_check_evicts`: a wrong matmul, uncorrected ECC errors) marks it to
+evict without a diagnosis; an unclear fault of a node already to be evicted asks for no
+diagnosis. A loss spike rolls back to the newest committed checkpoint before the spike,
+without eviction (`unbroken.recovery.spike`).
 
 World rules: each removed node is replaced by a healthy spare in its rank position (same
 world); with too few spares dp shrinks to the largest dp with dp x pp x tp <= available
@@ -44,6 +47,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
+from unbroken.diagnostics import selfcheck as selfchecklib
 from unbroken.driver import state as statelib
 from unbroken.proto import events_pb2 as ev
 from unbroken.recovery import spike as spikelib
@@ -97,6 +101,21 @@ class Policy:
             "before reshaping",
         },
     )
+    # Self-check items whose failure is the node's own proof (its device computed a wrong
+    # exact checksum; its uncorrected ECC counter): it is evicted at once, without the
+    # diagnosis that could only confirm it. Other failures, and a check that crashed
+    # instead of reporting, follow `diagnose_kinds` ("self_check_reported").
+    self_check_evicts: frozenset[str] = field(
+        default=frozenset({"matmul", "ecc"}),
+        metadata={
+            "parse": lambda text: frozenset(x.strip() for x in text.split(",") if x.strip()),
+            "help": "comma-separated self-check items (of "
+            + ", ".join(sorted(selfchecklib.ITEM_NAMES))
+            + ") whose failure evicts the node at once, without a diagnosis: the node's own "
+            "result is the proof (a crashed check is not); other failed self-checks follow "
+            "--diagnose-kinds; '' leaves every failed self-check to --diagnose-kinds",
+        },
+    )
     evict_slow: bool = field(
         default=True,
         metadata={
@@ -143,6 +162,13 @@ class Policy:
             raise ValueError(
                 f"Policy.diagnose_kinds has unknown kinds {sorted(unknown)}; choose from "
                 f"{sorted(DIAGNOSABLE)} (a lost node cannot be diagnosed: it is gone)"
+            )
+        unknown = set(self.self_check_evicts) - selfchecklib.ITEM_NAMES
+        if unknown:
+            raise ValueError(
+                f"Policy.self_check_evicts has unknown self-check items {sorted(unknown)}; "
+                f"choose from {sorted(selfchecklib.ITEM_NAMES)}, or none (every failed "
+                "self-check then follows diagnose_kinds)"
             )
         if self.max_restore_attempts < 1:
             raise ValueError(
@@ -453,9 +479,11 @@ def pending_actions(state: ev.JobState, policy: Policy) -> list[Action]:
     if phase == ev.PHASE_SUSPECTED:
         return [PauseAll(nodes, s.incident_cause), FlashSaveAll(nodes)]
     if phase == ev.PHASE_PAUSED and s.needs_diagnosis:
+        # a node already to be evicted (its own self-check, an operator) is no partner
+        partners = tuple(n for n in nodes if n not in s.bad_nodes or n in s.suspects)
         return [
             PauseAll(nodes, s.incident_cause),
-            RunDiagnosis(diagnosis_id(s), tuple(sorted(s.suspects)), nodes),
+            RunDiagnosis(diagnosis_id(s), tuple(sorted(s.suspects)), partners),
         ]
     if phase == ev.PHASE_RESTORING:
         out: list[Action] = [EvictNode(n, f"incident {s.incident_id}") for n in sorted(s.bad_nodes)]
@@ -553,7 +581,11 @@ def _fault(e: ev.Event, policy: Policy, s: ev.JobState) -> tuple[str, list[str],
         return unclear, [a.node_id], f"log alert {a.keyword!r} on {a.node_id}/{a.local_rank}"
     if kind == "self_check_reported" and not e.self_check_reported.ok:
         c = e.self_check_reported
-        return unclear, [c.node_id], f"self-check failed on {c.node_id}: {list(c.failures)}"
+        failed = list(c.failures)
+        if _self_check_proves(failed, policy.self_check_evicts):
+            why = "its own result: evicted without a diagnosis"
+            return _EVICT, [c.node_id], f"self-check failed on {c.node_id} ({why}): {failed}"
+        return unclear, [c.node_id], f"self-check failed on {c.node_id}: {failed}"
     if kind == "operator_action":
         op = e.operator_action
         who = op.who or "operator"
@@ -563,6 +595,15 @@ def _fault(e: ev.Event, policy: Policy, s: ev.JobState) -> tuple[str, list[str],
             nodes = [op.target] if op.target else list(_reachable(s))
             return _UNCLEAR, nodes, f"diagnosis requested by {who}"
     return None
+
+
+def _self_check_proves(failures: Sequence[str], evicts: frozenset[str]) -> bool:
+    """Whether a failure of an item in `evicts` is its check's own result (not a crash)."""
+    for f in failures:
+        name, detail = selfchecklib.failure_item(f)
+        if name in evicts and not detail.startswith(selfchecklib.CRASHED):
+            return True
+    return False
 
 
 def _react(before: ev.JobState, d: _Draft, obs: Observation, policy: Policy) -> str:
@@ -622,8 +663,8 @@ def _on_fault(
             continue  # already lost and handled by the open incident
         if kind == _UNCLEAR and n in before.suspects and before.needs_diagnosis:
             continue
-        if kind == _EVICT and n in before.bad_nodes:
-            continue
+        if kind in (_EVICT, _UNCLEAR) and n in before.bad_nodes:
+            continue  # already to be evicted: a diagnosis of it would only delay that
         accepted.append(n)
     if not accepted:
         return f"ignored: {reason} (gone, duplicate, or not in the world)"
@@ -820,6 +861,9 @@ def _settle_running(d: _Draft, policy: Policy) -> bool:
 def _reshape(d: _Draft, policy: Policy) -> None:
     """DIAGNOSED -> RESHAPED: evict, replace or resize (or fail below min_nodes)."""
     s = d.state
+    # the verdict of this incident's diagnosis, if one ran (an eviction on the node's own
+    # self-check, an operator's or a straggler's names none, not an older incident's)
+    did = s.last_diagnosis_id if s.last_diagnosis_id == diagnosis_id(s) else ""
     for n in sorted(s.bad_nodes):
         if _state_of(s, n) != ev.NODE_STATE_EVICTED:
             d.add(
@@ -827,7 +871,7 @@ def _reshape(d: _Draft, policy: Policy) -> None:
                     node_evicted=ev.NodeEvicted(
                         node_id=n,
                         reason=f"incident {s.incident_id}: {s.incident_cause}",
-                        diagnosis_id=s.last_diagnosis_id,
+                        diagnosis_id=did,
                     )
                 )
             )

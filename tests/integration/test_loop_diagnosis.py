@@ -11,6 +11,12 @@ a dp2 tiny-model job on agents n0, n1, with spare s0). Once training runs:
    (DiagnosisRound events), gets a verdict naming exactly n1, evicts it, puts the healthy
    spare s0 in its rank and training resumes past the fault, restored from flash copies.
 
+The driver runs with `--self-check-evicts ""`: by default (Policy.self_check_evicts, matmul
+and ECC) a node whose own self-check computed a wrong matmul is evicted at once, without
+the diagnosis this test is about. A second, shorter test runs that default on its own
+cluster: the same runtime wrong matmul on n1 is evicted without a DiagnosisRound or
+DiagnosisVerdict, and s0 takes its rank.
+
 A fast test checks that a diagnosis that cannot run still ends in a verdict (the loop
 never waits in PAUSED for one that will not come): suspects without a session are named
 bad at once, and a diagnosis past its deadline names every suspect bad, unconfirmed.
@@ -103,7 +109,7 @@ def test_a_diagnosis_that_cannot_run_still_gives_a_verdict() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_wrong_matmul_node_is_diagnosed_evicted_and_replaced(job: FaultyJob) -> None:
-    job.start_driver()
+    job.start_driver("--self-check-evicts", "")  # diagnose a failed matmul self-check too
     job.start_agent("n0", buddy="n1")
     job.start_agent("n1", buddy="n0")
     job.start_agent("s0", buddy="n0", spare=True)
@@ -187,5 +193,78 @@ def test_wrong_matmul_node_is_diagnosed_evicted_and_replaced(job: FaultyJob) -> 
         < tail.index("diagnosis_verdict")
         < tail.index("node_evicted")
         < tail.index("spare_assigned")
+    ), tail
+    assert "restored" in job.worker_log("s0"), job.worker_log("s0")[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_wrong_matmul_node_is_evicted_on_its_self_check_without_a_diagnosis(
+    job: FaultyJob,
+) -> None:
+    job.start_driver()  # the default policy: a wrong matmul self-check evicts at once
+    job.start_agent("n0", buddy="n1")
+    job.start_agent("n1", buddy="n0")
+    job.start_agent("s0", buddy="n0", spare=True)
+    until(lambda: job.max_step() >= 3, WAIT_S, "training to start", job)
+
+    r = unbroken(job, "inject", "wrong-matmul", "--node", "n1")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    r = unbroken(job, "selfcheck", "--node", "n1", "--check-timeout", "500")
+    assert r.returncode == 1 and "failed: n1" in r.stderr, (r.stdout, r.stderr)
+    fault_step = job.max_step()
+
+    def n1_evicted() -> bool:
+        return any(
+            e.HasField("node_evicted") and e.node_evicted.node_id == "n1" for e in job.events()
+        )
+
+    until(n1_evicted, WAIT_S, "n1 evicted", job)
+    until(
+        lambda: job.worker("s0") is not None and job.max_step() >= fault_step + 3,
+        WAIT_S,
+        "s0 to train past the fault",
+        job,
+    )
+
+    events = job.events()
+    order = [e.WhichOneof("payload") for e in events]
+    assert "diagnosis_round" not in order and "diagnosis_verdict" not in order, order
+    evicted = {e.node_evicted.node_id: e.node_evicted for e in events if e.HasField("node_evicted")}
+    assert set(evicted) == {"n1"}, evicted
+    assert evicted["n1"].diagnosis_id == "", evicted
+    assert "without a diagnosis" in evicted["n1"].reason, evicted
+    assert "matmul" in evicted["n1"].reason, evicted
+    spares = [
+        (e.spare_assigned.spare_node_id, e.spare_assigned.replaces_node_id)
+        for e in events
+        if e.HasField("spare_assigned")
+    ]
+    assert spares == [("s0", "n1")], spares
+    suspected = [
+        e.recovery_transition
+        for e in events
+        if e.HasField("recovery_transition")
+        and e.recovery_transition.to_phase == ev.PHASE_SUSPECTED
+    ]
+    assert suspected and list(suspected[0].bad_nodes) == ["n1"], suspected
+    assert not any(t.diagnose for t in suspected), suspected  # no diagnosis was asked for
+    resumed = [e.training_resumed for e in events if e.HasField("training_resumed")]
+    start = next(e.job_started.world for e in events if e.HasField("job_started"))
+    replaced = ["s0" if n == "n1" else n for n in start.node_ids]  # s0 in n1's rank
+    assert list(resumed[-1].world.node_ids) == replaced, resumed[-1]
+    first_fail = next(
+        i
+        for i, e in enumerate(events)
+        if e.HasField("self_check_reported")
+        and e.self_check_reported.node_id == "n1"
+        and not e.self_check_reported.ok
+    )
+    tail = order[first_fail:]
+    assert (
+        tail.index("training_paused")
+        < tail.index("node_evicted")
+        < tail.index("spare_assigned")
+        < tail.index("training_resumed")
     ), tail
     assert "restored" in job.worker_log("s0"), job.worker_log("s0")[-3000:]

@@ -469,10 +469,15 @@ def test_a_node_a_diagnosis_names_bad_is_drained_and_avoided(driver: Driver) -> 
     """A world node corrupted at runtime (`unbroken inject wrong-matmul`), reported by
     `unbroken selfcheck`: the recovery loop diagnoses, the verdict names it, the eviction
     drains it in Slurm with the incident and the diagnosis in the reason, and a new
-    allocation of three nodes avoids it."""
+    allocation of three nodes avoids it. (The driver runs with `--self-check-evicts ""`:
+    by default a wrong matmul evicts the node on its self-check alone, without the
+    diagnosis this test is about.)"""
     cluster = driver.cluster
     sleeper = f"{sys.executable} -c 'import time; time.sleep(600)'"
-    driver.start("--nodes", "2", "--worker-cmd", sleeper, "--allow-fault-injection")
+    driver.start(
+        "--nodes", "2", "--worker-cmd", sleeper, "--allow-fault-injection",
+        "--self-check-evicts", "",
+    )  # fmt: skip
     for n in ("n1", "n2"):
         driver.agent(n, "--allow-remote-cmd")
     driver.agent("n4", "--spare", "--allow-remote-cmd")

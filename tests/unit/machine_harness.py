@@ -70,11 +70,18 @@ def alert(node: str) -> ev.Event:
     return ev.Event(log_alert=ev.LogAlert(node_id=node, keyword="Xid", line="Xid 79"))
 
 
-def selfcheck(node: str) -> ev.Event:
-    """A failed SelfCheckReported event."""
+def selfcheck(node: str, *failures: str) -> ev.Event:
+    """A failed SelfCheckReported event (by default a failure no policy evicts on: unclear)."""
     return ev.Event(
-        self_check_reported=ev.SelfCheckReported(node_id=node, ok=False, failures=["gpu0"])
+        self_check_reported=ev.SelfCheckReported(
+            node_id=node, ok=False, failures=list(failures or ["gpu0"])
+        )
     )
+
+
+def wrong_matmul(node: str) -> ev.Event:
+    """A failed SelfCheckReported: the node's device computed a wrong matmul (definitive)."""
+    return selfcheck(node, "matmul: wrong matmul result on ['cpu']")
 
 
 def operator(action: str, target: str = "") -> ev.Event:

@@ -11,7 +11,13 @@ from unbroken.diagnostics.judge import SlowReport
 from unbroken.diagnostics.planner import GroupOutcome, Verdict
 from unbroken.diagnostics.runner import Diagnosis, RoundRecord, round_event, verdict_event
 from unbroken.diagnostics.schema import CheckResult, CheckSpec
-from unbroken.diagnostics.selfcheck import SelfCheckConfig, check_disk, run_selfchecks
+from unbroken.diagnostics.selfcheck import (
+    ITEM_NAMES,
+    SelfCheckConfig,
+    check_disk,
+    failure_item,
+    run_selfchecks,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -105,6 +111,10 @@ def test_selfchecks(tmp_path: object) -> None:
     assert rep.to_event().ok
     bad = run_selfchecks("n1", SelfCheckConfig(min_free_disk_gb=0.0), fault="wrong_matmul")
     assert not bad.ok and bad.failures[0].startswith("matmul")
+    # the names the driver's Policy.self_check_evicts is checked against
+    assert {failure_item(i.name)[0] for i in rep.items + bad.items} <= ITEM_NAMES
+    assert failure_item(bad.failures[0])[0] == "matmul"
+    assert failure_item("ecc[3]: 2 uncorrected ECC errors") == ("ecc", "2 uncorrected ECC errors")
     assert list(bad.to_event().failures) == bad.failures
     full = check_disk(str(tmp_path), 1e9)
     assert not full.ok and "need" in full.detail

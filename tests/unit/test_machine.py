@@ -7,6 +7,7 @@ any prefix of a decision) gives the same pending actions, and the world invarian
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import pytest
@@ -26,7 +27,9 @@ from tests.unit.machine_harness import (
     selfcheck,
     spike,
     verdict,
+    wrong_matmul,
 )
+from unbroken.common.config import add_config_flags, config_from_args
 from unbroken.driver import machine as m
 from unbroken.proto import events_pb2 as ev
 
@@ -202,12 +205,137 @@ def test_unclear_fault_while_paused_grows_the_diagnosis() -> None:
     assert list(sim.state.world.node_ids) == ["n0", "n1", "n2"]
 
 
+def evictions(sim: Sim) -> dict[str, ev.NodeEvicted]:
+    return {e.node_evicted.node_id: e.node_evicted for e in sim.log if e.HasField("node_evicted")}
+
+
+def test_a_wrong_matmul_self_check_evicts_the_node_without_a_diagnosis() -> None:
+    """Its device computed a wrong exact checksum: the check is the proof, a diagnosis
+    could only confirm it (Policy.self_check_evicts)."""
+    sim = start(nodes=4, spares=2)
+    sim.feed(hang("n1"))  # an earlier incident that was diagnosed
+    sim.drive({"n1"})
+    earlier = sim.state.last_diagnosis_id
+    assert earlier and sim.state.phase == ev.PHASE_RUNNING
+    before = len(sim.log)
+    sim.training_step = 30
+    d = sim.feed(wrong_matmul("n2"))
+    assert d.phase == ev.PHASE_SUSPECTED
+    assert list(sim.state.bad_nodes) == ["n2"] and not sim.state.suspects
+    assert not sim.state.needs_diagnosis
+    assert "evicted without a diagnosis" in sim.state.incident_cause
+    d = sim.feed(m.Paused(step=30, restorable_step=30))
+    assert not only(d.actions, m.RunDiagnosis)
+    # (the transient DIAGNOSED every incident passes; here: its cause is known)
+    diagnosed = next(e.recovery_transition for e in d.events if e.HasField("recovery_transition"))
+    assert diagnosed.to_phase == ev.PHASE_DIAGNOSED and "no diagnosis needed" in diagnosed.reason
+    assert [a.node_id for a in only(d.actions, m.EvictNode)] == ["n2"]
+    assert list(sim.state.world.node_ids) == ["n0", "s0", "s1", "n3"]  # s1 in n2's rank
+    sim.drive(set())
+    assert sim.state.phase == ev.PHASE_RUNNING
+    new = sim.log[before:]
+    assert not [e for e in new if e.HasField("diagnosis_verdict")]
+    runs = {a.diagnosis_id for dd in sim.decisions for a in only(dd.actions, m.RunDiagnosis)}
+    assert runs == {earlier}  # only the earlier incident's diagnosis ran
+    assert [(e.spare_assigned.spare_node_id, e.spare_assigned.replaces_node_id) for e in new if
+            e.HasField("spare_assigned")] == [("s1", "n2")]  # fmt: skip
+    evicted = evictions(sim)["n2"]
+    assert evicted.diagnosis_id == "", (evicted, earlier)  # not the earlier incident's
+    assert "without a diagnosis" in evicted.reason and "wrong matmul" in evicted.reason
+    assert evictions(sim)["n1"].diagnosis_id == earlier  # the diagnosis that named it
+
+
+def test_uncorrected_ecc_errors_evict_without_a_diagnosis() -> None:
+    sim = start(nodes=3, spares=1)
+    failures = ("disk: 2.0 GB free at / (need 10)", "ecc[0]: 3 uncorrected ECC errors, "
+                "retirement pending: False")  # fmt: skip
+    sim.feed(selfcheck("n1", *failures))
+    assert list(sim.state.bad_nodes) == ["n1"] and not sim.state.needs_diagnosis
+    d = sim.feed(m.Paused(step=5, restorable_step=5))
+    assert not only(d.actions, m.RunDiagnosis)
+    assert list(sim.state.world.node_ids) == ["n0", "s0", "n2"]
+    sim.drive(set())
+    assert sim.state.phase == ev.PHASE_RUNNING
+    assert sim.state.nodes["n1"].state == ev.NODE_STATE_EVICTED
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        "matmul: check crashed: CUDA error: out of memory",  # no result: not a proof
+        "disk: 2.0 GB free at / (need 10)",
+        "gpu_memory[1]: 41% of device memory in use (limit 30%)",
+        "gpu: check crashed: NVML error",
+        "selfcheck: timed out after 90 s",
+        "selfcheck: exited with -9 and no report ()",
+        "gpu0",  # not "name: detail"
+    ],
+)
+def test_other_failed_self_checks_are_still_diagnosed(failure: str) -> None:
+    sim = start(nodes=3, spares=1)
+    sim.feed(selfcheck("n1", failure))
+    assert list(sim.state.suspects) == ["n1"] and not sim.state.bad_nodes
+    d = sim.feed(m.Paused(step=5, restorable_step=5))
+    (run,) = only(d.actions, m.RunDiagnosis)
+    assert run.suspects == ("n1",)
+
+
+def test_an_empty_self_check_evicts_diagnoses_a_wrong_matmul() -> None:
+    sim = start(m.Policy(self_check_evicts=frozenset()), nodes=3, spares=1)
+    sim.feed(wrong_matmul("n1"))
+    assert list(sim.state.suspects) == ["n1"] and not sim.state.bad_nodes
+    d = sim.feed(m.Paused(step=5, restorable_step=5))
+    (run,) = only(d.actions, m.RunDiagnosis)
+    d = sim.feed(verdict(run.diagnosis_id, ["n1"]))
+    assert evictions(sim)["n1"].diagnosis_id == run.diagnosis_id
+    sim.drive(set())
+    assert list(sim.state.world.node_ids) == ["n0", "s0", "n2"]
+
+
+def test_a_wrong_matmul_evicts_even_when_self_checks_are_not_diagnosed() -> None:
+    """Without "self_check_reported" in diagnose_kinds a failed self-check only restarts the
+    workers; a definitive one still evicts the node."""
+    policy = m.Policy(diagnose_kinds=frozenset({"hang_suspected"}))
+    sim = start(policy, nodes=3, spares=1)
+    sim.feed(selfcheck("n1", "disk: 2.0 GB free at / (need 10)"))
+    sim.drive(set())
+    assert "n1" in sim.state.world.node_ids and not evictions(sim)
+    sim.feed(wrong_matmul("n1"))
+    sim.drive(set())
+    assert list(sim.state.world.node_ids) == ["n0", "s0", "n2"] and "n1" in evictions(sim)
+
+
+def test_a_wrong_matmul_during_a_diagnosis_joins_the_eviction_without_a_new_one() -> None:
+    sim = start(nodes=4, spares=1)
+    sim.feed(hang("n1"))
+    sim.feed(m.Paused(step=9, restorable_step=9))
+    (run,) = only(m.pending_actions(sim.state, sim.policy), m.RunDiagnosis)
+    d = sim.feed(wrong_matmul("n3"))
+    assert d.phase == ev.PHASE_PAUSED and list(sim.state.bad_nodes) == ["n3"]
+    (again,) = only(d.actions, m.RunDiagnosis)
+    assert again.diagnosis_id == run.diagnosis_id  # the same diagnosis goes on
+    assert "n3" in run.nodes and "n3" not in again.nodes  # (no partner for a new one)
+    # n3 is to be evicted anyway: its later faults do not grow the diagnosis
+    assert sim.feed(alert("n3")).note.startswith("ignored")
+    assert sim.feed(wrong_matmul("n3")).note.startswith("ignored")
+    sim.feed(verdict(run.diagnosis_id, ["n1"]))
+    sim.drive(set())
+    assert sim.state.phase == ev.PHASE_RUNNING
+    assert {"n1", "n3"} <= set(evictions(sim)) and not {"n1", "n3"} & set(sim.state.world.node_ids)
+
+
 def test_fault_on_a_spare_only_marks_it_bad() -> None:
     sim = start(nodes=2, spares=1)
     d = sim.feed(alert("s0"))
     assert d.phase == ev.PHASE_RUNNING and kinds(d) == ["log_alert", "node_evicted"]
     assert sim.state.nodes["s0"].state == ev.NODE_STATE_EVICTED
     assert sim.feed(lost("s0")).phase == ev.PHASE_RUNNING
+    # a spare whose registration self-check computed a wrong matmul, likewise
+    sim.feed(register("s1", 1, spare=True))
+    d = sim.feed(wrong_matmul("s1"))
+    assert d.phase == ev.PHASE_RUNNING and kinds(d) == ["self_check_reported", "node_evicted"]
+    assert d.events[1].node_evicted.reason.startswith("idle: self-check failed on s1")
+    assert sim.state.nodes["s1"].state == ev.NODE_STATE_EVICTED
 
 
 def test_a_returning_node_is_not_evicted_for_its_leftover_workers() -> None:
@@ -345,12 +473,27 @@ def test_settle_finishes_a_half_appended_decision() -> None:
     assert m.settle(sim.state, sim.policy).phase == ev.PHASE_SUSPECTED
 
 
+def test_self_check_evicts_flag_parses_a_comma_list_and_empty_means_none() -> None:
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, m.Policy)
+
+    def build(*args: str) -> m.Policy:
+        return config_from_args(m.Policy, parser.parse_args(list(args)))  # type: ignore[no-any-return]
+
+    assert build().self_check_evicts == frozenset({"matmul", "ecc"})
+    assert build("--self-check-evicts", "").self_check_evicts == frozenset()
+    assert build("--self-check-evicts", "mig, ecc").self_check_evicts == {"mig", "ecc"}
+    with pytest.raises(ValueError, match="unknown self-check items"):
+        build("--self-check-evicts", "matmul,gpu0")
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
         ("min_nodes", 0, "min_nodes"),
         ("max_nodes", 0, "max_nodes"),
         ("diagnose_kinds", frozenset({"node_lost"}), "diagnose_kinds"),
+        ("self_check_evicts", frozenset({"gpu"}), "self_check_evicts.*choose from"),
         ("max_restore_attempts", 0, "max_restore_attempts"),
         ("reshape", "spares", "reshape"),
     ],
@@ -367,6 +510,7 @@ FAULTS = {
     "hang": hang,
     "alert": alert,
     "selfcheck": selfcheck,
+    "matmul": wrong_matmul,
     "evict": lambda n: operator("evict", n),
 }
 WAYPOINTS = (ev.PHASE_SUSPECTED, ev.PHASE_PAUSED, ev.PHASE_RESTORING, ev.PHASE_RUNNING)

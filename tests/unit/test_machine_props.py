@@ -30,6 +30,7 @@ from tests.unit.machine_harness import (
     restored,
     selfcheck,
     spike,
+    wrong_matmul,
 )
 from unbroken.driver import machine as m
 from unbroken.proto import events_pb2 as ev
@@ -46,7 +47,7 @@ LAYOUTS = [  # (nodes, workers per node, pp, tp)
     (3, 2, 1, 2),
 ]
 NODE_IDS = [f"n{i}" for i in range(4)] + ["s0", "s1", "x0", "x1"]
-FAULT_OPS = ["lost", "crash", "hang", "alert", "selfcheck", "evict"]
+FAULT_OPS = ["lost", "crash", "hang", "alert", "selfcheck", "matmul", "evict"]
 OPS = [*FAULT_OPS, "diagnose", "spike", "register", "spare", "ckpt", "progress", "bad_restore"]
 
 op = st.tuples(st.sampled_from(OPS), st.sampled_from(NODE_IDS), st.booleans())
@@ -60,6 +61,7 @@ def apply_op(sim: Sim, kind: str, node: str, flag: bool, bad: set[str], epochs: 
         "hang": lambda: hang(node),
         "alert": lambda: alert(node),
         "selfcheck": lambda: selfcheck(node),
+        "matmul": lambda: wrong_matmul(node),  # a definitive self-check: evicted at once
         "evict": lambda: operator("evict", node),
     }
     if kind in faults:
