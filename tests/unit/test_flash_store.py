@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import shutil
 import tempfile
@@ -903,3 +904,102 @@ def test_the_agent_prefaults_its_ranks_rings_before_the_workers_map_them(tmp_pat
         assert node.owner.grown == [] and node.prefault_done.is_set()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("watched", [True, False])
+def test_a_writer_sees_every_change_another_process_makes_to_its_ring(
+    owner: FlashOwner, watched: bool
+) -> None:
+    """The writer stats only the manifests inotify says changed (`ManifestWatch`); what it
+    believes each slot holds must equal a fresh listing after a discard, a copy written
+    into the ring by someone else (a fetched replica) and its own saves, with or without
+    the watch (`watched=False`: inotify unavailable, every slot statted)."""
+    from unbroken.recovery.flashcopy import manifest_sig
+
+    w = FlashWriter(0, owner)
+    try:
+        for step in (1, 2, 3):
+            w.save(_state(step), step).wait()
+        rank_dir = w._dir
+        assert rank_dir is not None and w.copies >= 4
+        if not watched:
+            assert w._watch is not None
+            w._watch.close()
+            w._watch = None
+
+        def listed() -> dict[int, int]:
+            return {r.slot: r.manifest.generation for r in list_copies(rank_dir)}
+
+        def agrees() -> None:
+            assert w._free_slot(rank_dir) is not None
+            assert w._sig == manifest_sig(rank_dir, w.copies)
+            assert w._known == listed()
+
+        agrees()
+        owner.discard_newer_than(1)  # the agent rolls the ring back
+        agrees()
+        newest = list_copies(rank_dir)[0]
+        data = bytes(read_copy(newest))
+        # a replica fetched from a buddy: newer than anything in the ring
+        fetched = dataclasses.replace(newest.manifest, generation=newest.manifest.generation + 10)
+        write_raw_copy(rank_dir, fetched, data)
+        agrees()
+        w.save(_state(4), 4).wait()  # the writer's own change
+        agrees()
+        held = {r.manifest.step for r in list_copies(rank_dir)}
+        assert {1, 4} <= held, held  # the fetched copy (step 1, newest generation) kept
+    finally:
+        w.close()
+
+
+def test_the_manifest_watch_names_changed_slots_and_gives_up_when_the_ring_goes(
+    tmp_path: Path,
+) -> None:
+    from unbroken.recovery.flashcopy import ManifestWatch
+
+    watch = ManifestWatch.open(tmp_path)
+    if watch is None:
+        pytest.skip("no inotify here")
+    try:
+        assert watch.changed() == set()
+        (tmp_path / ".slot-3.manifest.tmp").write_bytes(b"m")
+        (tmp_path / ".slot-3.manifest.tmp").replace(tmp_path / "slot-3.manifest")
+        (tmp_path / "slot-1.data").write_bytes(b"d")  # data files do not count
+        (tmp_path / "slot-x.manifest").write_bytes(b"?")  # nor names that are no slot
+        assert watch.changed() == {3}
+        (tmp_path / "slot-3.manifest").unlink()
+        assert watch.changed() == {3}
+        assert watch.changed() == set()
+        shutil.rmtree(tmp_path)
+        assert watch.changed() is None  # the directory is gone: stat every slot
+        assert watch.changed() is None
+    finally:
+        watch.close()
+
+
+def test_a_counter_is_framed_as_torch_save_frames_it() -> None:
+    from unbroken.recovery.flash import _dump_object, load_object
+
+    for value in (0, 7, -3, 2**70):
+        out = io.BytesIO()
+        torch.save(value, out, _use_new_zipfile_serialization=False)
+        assert _dump_object(value) == out.getvalue()
+        assert load_object(_dump_object(value)) == value
+
+
+def test_the_fresh_values_flatten_as_dcp_flattens_them() -> None:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from unbroken.trainer.flashckpt import _flatten_into
+
+    rng = torch.zeros(4, dtype=torch.uint8)
+    for state in (
+        {"step": 3, "data": {"sample_index": 8, "seed": 1, "digest": "ab"}, "rng": rng},
+        {"empty": {}, "t": (1, 2), "n": None, 1: {2: 3.0}},
+    ):
+        out: dict[str, Any] = {}
+        assert _flatten_into(out, "trainer", state)
+        dcp = dict(flatten_state_dict({"trainer": state})[0])
+        assert list(out) == list(dcp) and all(out[k] is dcp[k] for k in dcp)
+    for state in ({"a": [1, 2]}, {"a.b": 1, "a": {"b": 2}}):  # DCP's own cases
+        assert not _flatten_into({}, "trainer", state)
