@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import shutil
 import tempfile
 import threading
@@ -1003,3 +1004,50 @@ def test_the_fresh_values_flatten_as_dcp_flattens_them() -> None:
         assert list(out) == list(dcp) and all(out[k] is dcp[k] for k in dcp)
     for state in ({"a": [1, 2]}, {"a.b": 1, "a": {"b": 2}}):  # DCP's own cases
         assert not _flatten_into({}, "trainer", state)
+
+
+def test_a_copy_its_thread_has_not_started_is_made_by_the_thread_that_needs_it(
+    owner: FlashOwner,
+) -> None:
+    """The copy thread runs at idle priority and may not have run when the optimizer needs
+    the tensors: the waiting (training) thread then makes the copy itself, and the copy
+    thread, when it gets to it, does not copy again."""
+    w = FlashWriter(0, owner)
+    gate = threading.Event()
+    try:
+        state = _state(1)
+        w.prepare(state)
+        w._pool.submit(gate.wait, 30)  # the copy thread is busy (starved)
+        h = w.save_async(state, 1)
+        assert h is not None and not h.copied()
+        w.wait_copied(5.0)  # what the optimizer guard calls
+        assert h.copied()
+        gate.set()
+        manifest = h.wait(10.0)
+        assert manifest.step == 1
+        back = _state(9)
+        w.load(back, step=1)
+        assert torch.equal(back["model"]["w"], state["model"]["w"])
+    finally:
+        gate.set()
+        w.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
+def test_the_writer_threads_run_at_idle_priority_unless_told_not_to(
+    owner: FlashOwner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from unbroken.recovery.flash import IDLE_THREADS_ENV
+
+    def policies() -> set[int]:
+        w = FlashWriter(0, owner)
+        try:
+            w.save_async(_state(1), 1).wait(10.0)  # type: ignore[union-attr]
+            threads = [*w._pool._threads, *w._sums._threads]  # type: ignore[attr-defined]
+            return {os.sched_getscheduler(t.native_id) for t in threads}
+        finally:
+            w.close()
+
+    assert policies() == {os.SCHED_IDLE}
+    monkeypatch.setenv(IDLE_THREADS_ENV, "0")
+    assert policies() == {os.SCHED_OTHER}
