@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import structlog
 import torch
@@ -103,6 +103,7 @@ from unbroken.recovery.flashcopy import (
 from unbroken.recovery.flashowner import FlashConfig, FlashOwner, SlotProvider
 
 log = structlog.get_logger(__name__)
+_T = TypeVar("_T")
 
 PIN_TIMEOUT_S = 120.0  # a copy marked for persistence keeps its slot at most this long
 EAGER_SLOTS = MIN_SLOTS  # slots a (re)start maps before its first step; the rest meanwhile
@@ -247,7 +248,8 @@ def _yield_to_training() -> None:
     1.3 ms against 0.1 ms. At SCHED_IDLE the copy runs on idle cores and while the rank
     waits in its collective (0.14 ms, with no slower step). A copy that has not started
     when the optimizer needs the tensors is taken over by the training thread
-    (`_CopyJob`), so a starved thread never stalls training. Unprivileged threads may
+    (`_Once`), so a starved thread never stalls training; so is a checksum someone waits
+    for. Unprivileged threads may
     enter SCHED_IDLE but not leave it; nothing here needs to.
     """
     if os.environ.get(IDLE_THREADS_ENV, "1") == "0":
@@ -259,28 +261,28 @@ def _yield_to_training() -> None:
             os.setpriority(os.PRIO_PROCESS, 0, 19)
 
 
-class _CopyJob:
-    """A save's copy, run once by whichever thread gets to it first: the writer's copy
-    thread, or the training thread that needs the tensors before the copy thread started
-    (`SaveHandle.wait_copied`)."""
+class _Once(Generic[_T]):
+    """A save's copy (or its checksum and manifest), run once by whichever thread gets to
+    it first: the writer's thread, or a thread that waits for it before that thread
+    started (the optimizer guard in `SaveHandle.wait_copied`, `SaveHandle.wait`)."""
 
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self._fn: Callable[[], None] | None = fn
+    def __init__(self, fn: Callable[[], _T]) -> None:
+        self._fn: Callable[[], _T] | None = fn
         self._lock = threading.Lock()
-        self.done: Future[None] = Future()
+        self.done: Future[_T] = Future()
 
     def run(self) -> bool:
-        """Run the copy here unless another thread has; True when it ran here."""
+        """Run it here unless another thread has; True when it ran here."""
         with self._lock:
             fn, self._fn = self._fn, None
         if fn is None:
             return False
         try:
-            fn()
+            result = fn()
         except BaseException as e:
             self.done.set_exception(e)
         else:
-            self.done.set_result(None)
+            self.done.set_result(result)
         return True
 
 
@@ -427,13 +429,16 @@ class SaveHandle:
         copied: Future[None],
         valid: Future[Manifest],
         blocked_s: float,
-        job: _CopyJob | None = None,
+        job: _Once[None] | None = None,
+        finish: _Once[Manifest] | None = None,
     ) -> None:
         self._copied = copied
         self._valid = valid
         self.blocked_s = blocked_s
         self._copied_ok = False
-        self._job = job  # a copy not yet started is run by the thread waiting for it
+        # a copy (a checksum) not yet started is run by the thread waiting for it
+        self._job = job
+        self._finish = finish
         self.generation = -1  # the copy's manifest generation (set by the writer)
         # CUDA events recorded after the device-to-host copies (GPU state): "copied" for
         # the caller means its stream waits for them, on the device; the host never does.
@@ -471,6 +476,8 @@ class SaveHandle:
     def wait(self, timeout_s: float = 600.0) -> Manifest:
         """Block until the copy is valid (copied, checksummed, manifest written)."""
         self.wait_copied(timeout_s)
+        if self._finish is not None and not self._valid.done():
+            self._finish.run()
         return self._valid.result(timeout=timeout_s)
 
     def _result(self, timeout_s: float) -> Manifest:
@@ -478,6 +485,8 @@ class SaveHandle:
         if self._job is not None and not self._copied.done():
             self._job.run()
         self._copied.result(timeout=timeout_s)
+        if self._finish is not None and not self._valid.done():
+            self._finish.run()
         return self._valid.result(timeout=timeout_s)
 
     def copied(self) -> bool:
@@ -1044,10 +1053,10 @@ class FlashWriter:
             return manifest
 
         copied: Future[None]
-        job: _CopyJob | None = None
+        job: _Once[None] | None = None
         # a fresh tensor has its planned one's device (`_fresh` checks)
         if overlap and not plan.cuda:
-            job = _CopyJob(copy)
+            job = _Once(copy)
             copied = job.done
             self._pool.submit(job.run)
         else:
@@ -1060,7 +1069,9 @@ class FlashWriter:
             # (the optimizer guard), and the copy overlaps the next forward and backward.
             for dev, event in events:
                 torch.cuda.current_stream(dev).wait_event(event)
-        handle = SaveHandle(copied, self._sums.submit(finish), time.perf_counter() - t0, job)
+        fin = _Once(finish)
+        self._sums.submit(fin.run)
+        handle = SaveHandle(copied, fin.done, time.perf_counter() - t0, job, fin)
         handle._device_events = [] if not overlap else list(events)
         handle.generation = generation
         self._inflight[slot] = handle

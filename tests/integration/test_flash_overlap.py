@@ -165,10 +165,13 @@ def _gpt3d_rank(root: str, steps: int) -> list[bool]:
     )
     guards = overlapped.guard(trainer.optimizers)
     same = []
+    handle = None
     try:
         for _ in range(steps):
             step = int(trainer.train_step()["step"])  # the guard waits in its optimizer step
-            if step > 1:
+            if handle is not None:
+                # its checksum and manifest (an idle-priority thread) may still be due
+                handle.wait(30.0)
                 same.append(_same_copy(owner, rank, rank + world, step - 1))
             reference.save(trainer.state_dict(), step).wait()  # type: ignore[union-attr]
             current["step"] = step

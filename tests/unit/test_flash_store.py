@@ -1009,22 +1009,24 @@ def test_the_fresh_values_flatten_as_dcp_flattens_them() -> None:
 def test_a_copy_its_thread_has_not_started_is_made_by_the_thread_that_needs_it(
     owner: FlashOwner,
 ) -> None:
-    """The copy thread runs at idle priority and may not have run when the optimizer needs
-    the tensors: the waiting (training) thread then makes the copy itself, and the copy
-    thread, when it gets to it, does not copy again."""
+    """The copy and checksum threads run at idle priority and may not have run when the
+    optimizer needs the tensors or someone waits for the copy: the waiting thread then
+    does the work itself, and the writer's thread, when it gets to it, does not redo it."""
     w = FlashWriter(0, owner)
     gate = threading.Event()
     try:
         state = _state(1)
         w.prepare(state)
-        w._pool.submit(gate.wait, 30)  # the copy thread is busy (starved)
+        w._pool.submit(gate.wait, 30)  # both threads are busy (starved)
+        w._sums.submit(gate.wait, 30)
         h = w.save_async(state, 1)
         assert h is not None and not h.copied()
         w.wait_copied(5.0)  # what the optimizer guard calls
-        assert h.copied()
+        assert h.copied() and not h.done()
+        manifest = h.wait(5.0)  # the checksum and manifest, on this thread
+        assert manifest.step == 1 and h.done() and not gate.is_set()
         gate.set()
-        manifest = h.wait(10.0)
-        assert manifest.step == 1
+        w.save_async(_state(2), 2).wait(10.0)  # type: ignore[union-attr]  # the threads go on
         back = _state(9)
         w.load(back, step=1)
         assert torch.equal(back["model"]["w"], state["model"]["w"])
