@@ -104,7 +104,14 @@ def _spawn(
     )
     flags = ["1" if restore else "0", "1" if overlap else "0"]
     args = [sys.executable, "-c", code, root, str(out), str(kill_at), *flags]
+    from unbroken.recovery.flash import IDLE_THREADS_ENV
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    # The copy and checksum threads at normal priority: at idle priority (the default) a
+    # loaded machine may leave the copy to the training thread (which takes it over) and
+    # the older copies' manifests to later, and this test is about a kill inside the copy
+    # thread with every earlier copy complete (test_flash_store covers the take-over).
+    env[IDLE_THREADS_ENV] = "0"
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
 
