@@ -210,9 +210,7 @@ def _legacy_frame() -> tuple[bytes, bytes] | None:
 
 def _dump_object(value: Any) -> bytes:
     if type(value) is int:  # a counter (step, data position): new every save, not kept
-        frame = _legacy_frame()
-        if frame is not None:
-            return frame[0] + pickle.dumps(value, protocol=2) + frame[1]
+        return _dump_plain(value)
     plain = _plain(value)
     key = None
     if plain:
@@ -220,18 +218,22 @@ def _dump_object(value: Any) -> bytes:
         key = (type(value), text) if len(text) <= _PLAIN_REPR_MAX else None
     if key is not None and key in _DUMPED:
         return _DUMPED[key]
-    # The legacy (pickle) format is 155 bytes for a float, the zip format 1261: it keeps a
-    # manifest with hundreds of small values small. torch.load reads both.
-    frame = _legacy_frame() if plain else None
-    if frame is not None:
-        raw = frame[0] + pickle.dumps(value, protocol=2) + frame[1]
-    else:
-        raw = _torch_save(value, legacy=plain)
+    raw = _dump_plain(value) if plain else _torch_save(value, legacy=False)
     if key is not None:
         if len(_DUMPED) >= _DUMPED_MAX:
             _DUMPED.clear()
         _DUMPED[key] = raw
     return raw
+
+
+def _dump_plain(value: Any) -> bytes:
+    """A tensor-free value in torch's legacy (pickle) format, framed by hand where this torch
+    frames as probed. The legacy format is 155 bytes for a float, the zip format 1261: it
+    keeps a manifest with hundreds of small values small. torch.load reads both."""
+    frame = _legacy_frame()
+    if frame is None:
+        return _torch_save(value, legacy=True)
+    return frame[0] + pickle.dumps(value, protocol=2) + frame[1]
 
 
 #: Environment variable: "0" keeps the writer's threads at the training thread's priority.
@@ -466,8 +468,7 @@ class SaveHandle:
             return
         t0 = time.perf_counter()
         try:
-            if self._job is not None:
-                self._job.run()  # not started by the (idle-priority) copy thread: copy here
+            self._run_unstarted(checksum=False)
             self._copied.result(timeout=timeout_s)
             self._copied_ok = True
         finally:
@@ -476,18 +477,22 @@ class SaveHandle:
     def wait(self, timeout_s: float = 600.0) -> Manifest:
         """Block until the copy is valid (copied, checksummed, manifest written)."""
         self.wait_copied(timeout_s)
-        if self._finish is not None and not self._valid.done():
-            self._finish.run()
+        self._run_unstarted(checksum=True)
         return self._valid.result(timeout=timeout_s)
 
     def _result(self, timeout_s: float) -> Manifest:
         """`wait` without counting the time as this save's blocking."""
+        self._run_unstarted(checksum=True)
+        self._copied.result(timeout=timeout_s)
+        return self._valid.result(timeout=timeout_s)
+
+    def _run_unstarted(self, *, checksum: bool) -> None:
+        """Run here what the writer's (idle-priority) threads have not started: the copy,
+        and with `checksum` the checksum and manifest after it."""
         if self._job is not None and not self._copied.done():
             self._job.run()
-        self._copied.result(timeout=timeout_s)
-        if self._finish is not None and not self._valid.done():
+        if checksum and self._finish is not None and not self._valid.done():
             self._finish.run()
-        return self._valid.result(timeout=timeout_s)
 
     def copied(self) -> bool:
         """Whether the tensors are copied out (the state may be modified)."""

@@ -571,12 +571,12 @@ class ManifestWatch:
         (empty: none), or None when the watch cannot tell (stat every slot)."""
         if self._lost or self._fd < 0:
             return None
-        slots: set[int] = set()
+        named: set[int] = set()
         while True:
             try:
                 raw = os.read(self._fd, 65536)
             except BlockingIOError:
-                return slots
+                return named
             except OSError:
                 self._lost = True
                 return None
@@ -591,7 +591,7 @@ class ManifestWatch:
                 if name.startswith(b"slot-") and name.endswith(b".manifest"):
                     number = name[5:-9]
                     if number.isdigit():
-                        slots.add(int(number))
+                        named.add(int(number))
 
     def close(self) -> None:
         if self._fd >= 0:

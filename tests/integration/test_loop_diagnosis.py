@@ -82,6 +82,48 @@ def job(tmp_path: Path, etcd_server: object) -> Iterator[FaultyJob]:
         j.close()
 
 
+def was_evicted(j: Job, node: str) -> bool:
+    return any(e.HasField("node_evicted") and e.node_evicted.node_id == node for e in j.events())
+
+
+def corrupt_n1_and_check_it(j: Job) -> int:
+    """`unbroken inject wrong-matmul` on n1, then its failing self-check; the step then."""
+    r = unbroken(j, "inject", "wrong-matmul", "--node", "n1")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    # (a generous deadline: under heavy load a self-check that times out also fails)
+    r = unbroken(j, "selfcheck", "--node", "n1", "--check-timeout", "500")
+    assert r.returncode == 1 and "failed: n1" in r.stderr, (r.stdout, r.stderr)
+    return j.max_step()
+
+
+def s0_took_n1s_rank(j: Job, events: list[ev.Event]) -> None:
+    """The spare s0 replaced n1 in its rank position, alone, and restored."""
+    spares = [
+        (e.spare_assigned.spare_node_id, e.spare_assigned.replaces_node_id)
+        for e in events
+        if e.HasField("spare_assigned")
+    ]
+    assert spares == [("s0", "n1")], spares
+    resumed = [e.training_resumed for e in events if e.HasField("training_resumed")]
+    start = next(e.job_started.world for e in events if e.HasField("job_started"))
+    assert sorted(start.node_ids) == ["n0", "n1"], start
+    replaced = ["s0" if n == "n1" else n for n in start.node_ids]  # s0 in n1's rank
+    assert list(resumed[-1].world.node_ids) == replaced, resumed[-1]
+    assert "restored" in j.worker_log("s0"), j.worker_log("s0")[-3000:]
+
+
+def after_n1_failed_its_check(events: list[ev.Event]) -> list[str]:
+    """The kinds of the events from n1's first failed SelfCheckReported on."""
+    first_fail = next(
+        i
+        for i, e in enumerate(events)
+        if e.HasField("self_check_reported")
+        and e.self_check_reported.node_id == "n1"
+        and not e.self_check_reported.ok
+    )
+    return [str(e.WhichOneof("payload")) for e in events[first_fail:]]
+
+
 def test_a_diagnosis_that_cannot_run_still_gives_a_verdict() -> None:
     async def scenario() -> list[ev.DiagnosisVerdict]:
         service = DriverService(ServiceConfig(), driver_id="d", job_id="j")
@@ -119,20 +161,10 @@ def test_wrong_matmul_node_is_diagnosed_evicted_and_replaced(job: FaultyJob) -> 
     job.extra["s1"] = ["--inject-fault", "wrong_matmul"]
     job.start_agent("s1", buddy="n0", spare=True)
 
-    def s1_evicted() -> bool:
-        return any(
-            e.HasField("node_evicted") and e.node_evicted.node_id == "s1" for e in job.events()
-        )
-
-    until(s1_evicted, WAIT_S, "the corrupt spare marked bad", job)
+    until(lambda: was_evicted(job, "s1"), WAIT_S, "the corrupt spare marked bad", job)
 
     # 2. n1 goes silently bad at runtime; its self-check says so.
-    r = unbroken(job, "inject", "wrong-matmul", "--node", "n1")
-    assert r.returncode == 0, (r.stdout, r.stderr)
-    # (a generous deadline: under heavy load a self-check that times out also fails)
-    r = unbroken(job, "selfcheck", "--node", "n1", "--check-timeout", "500")
-    assert r.returncode == 1 and "failed: n1" in r.stderr, (r.stdout, r.stderr)
-    fault_step = job.max_step()
+    fault_step = corrupt_n1_and_check_it(job)
 
     def verdict() -> ev.DiagnosisVerdict | None:
         got = [e.diagnosis_verdict for e in job.events() if e.HasField("diagnosis_verdict")]
@@ -160,12 +192,7 @@ def test_wrong_matmul_node_is_diagnosed_evicted_and_replaced(job: FaultyJob) -> 
     evicted = {e.node_evicted.node_id: e.node_evicted for e in events if e.HasField("node_evicted")}
     assert evicted["n1"].diagnosis_id == v.diagnosis_id, evicted
     assert "n0" not in evicted and "s0" not in evicted, evicted
-    spares = [
-        (e.spare_assigned.spare_node_id, e.spare_assigned.replaces_node_id)
-        for e in events
-        if e.HasField("spare_assigned")
-    ]
-    assert spares == [("s0", "n1")], spares
+    s0_took_n1s_rank(job, events)
     phases = [
         ev.Phase.Name(e.recovery_transition.to_phase)
         for e in events
@@ -173,20 +200,7 @@ def test_wrong_matmul_node_is_diagnosed_evicted_and_replaced(job: FaultyJob) -> 
     ]
     for p in ("PHASE_SUSPECTED", "PHASE_DIAGNOSED", "PHASE_RESHAPED"):  # (PAUSED: the
         assert p in phases, phases  # TrainingPaused event moves the fold; checked below)
-    resumed = [e.training_resumed for e in events if e.HasField("training_resumed")]
-    start = next(e.job_started.world for e in events if e.HasField("job_started"))
-    replaced = ["s0" if n == "n1" else n for n in start.node_ids]  # s0 in n1's rank
-    assert sorted(start.node_ids) == ["n0", "n1"], start
-    assert list(resumed[-1].world.node_ids) == replaced, resumed[-1]
-    order = [e.WhichOneof("payload") for e in events]
-    first_fail = next(
-        i
-        for i, e in enumerate(events)
-        if e.HasField("self_check_reported")
-        and e.self_check_reported.node_id == "n1"
-        and not e.self_check_reported.ok
-    )
-    tail = order[first_fail:]
+    tail = after_n1_failed_its_check(events)
     assert (
         tail.index("training_paused")
         < tail.index("diagnosis_round")
@@ -194,7 +208,6 @@ def test_wrong_matmul_node_is_diagnosed_evicted_and_replaced(job: FaultyJob) -> 
         < tail.index("node_evicted")
         < tail.index("spare_assigned")
     ), tail
-    assert "restored" in job.worker_log("s0"), job.worker_log("s0")[-3000:]
 
 
 @pytest.mark.slow
@@ -208,18 +221,8 @@ def test_wrong_matmul_node_is_evicted_on_its_self_check_without_a_diagnosis(
     job.start_agent("s0", buddy="n0", spare=True)
     until(lambda: job.max_step() >= 3, WAIT_S, "training to start", job)
 
-    r = unbroken(job, "inject", "wrong-matmul", "--node", "n1")
-    assert r.returncode == 0, (r.stdout, r.stderr)
-    r = unbroken(job, "selfcheck", "--node", "n1", "--check-timeout", "500")
-    assert r.returncode == 1 and "failed: n1" in r.stderr, (r.stdout, r.stderr)
-    fault_step = job.max_step()
-
-    def n1_evicted() -> bool:
-        return any(
-            e.HasField("node_evicted") and e.node_evicted.node_id == "n1" for e in job.events()
-        )
-
-    until(n1_evicted, WAIT_S, "n1 evicted", job)
+    fault_step = corrupt_n1_and_check_it(job)
+    until(lambda: was_evicted(job, "n1"), WAIT_S, "n1 evicted", job)
     until(
         lambda: job.worker("s0") is not None and job.max_step() >= fault_step + 3,
         WAIT_S,
@@ -235,12 +238,7 @@ def test_wrong_matmul_node_is_evicted_on_its_self_check_without_a_diagnosis(
     assert evicted["n1"].diagnosis_id == "", evicted
     assert "without a diagnosis" in evicted["n1"].reason, evicted
     assert "matmul" in evicted["n1"].reason, evicted
-    spares = [
-        (e.spare_assigned.spare_node_id, e.spare_assigned.replaces_node_id)
-        for e in events
-        if e.HasField("spare_assigned")
-    ]
-    assert spares == [("s0", "n1")], spares
+    s0_took_n1s_rank(job, events)
     suspected = [
         e.recovery_transition
         for e in events
@@ -249,22 +247,10 @@ def test_wrong_matmul_node_is_evicted_on_its_self_check_without_a_diagnosis(
     ]
     assert suspected and list(suspected[0].bad_nodes) == ["n1"], suspected
     assert not any(t.diagnose for t in suspected), suspected  # no diagnosis was asked for
-    resumed = [e.training_resumed for e in events if e.HasField("training_resumed")]
-    start = next(e.job_started.world for e in events if e.HasField("job_started"))
-    replaced = ["s0" if n == "n1" else n for n in start.node_ids]  # s0 in n1's rank
-    assert list(resumed[-1].world.node_ids) == replaced, resumed[-1]
-    first_fail = next(
-        i
-        for i, e in enumerate(events)
-        if e.HasField("self_check_reported")
-        and e.self_check_reported.node_id == "n1"
-        and not e.self_check_reported.ok
-    )
-    tail = order[first_fail:]
+    tail = after_n1_failed_its_check(events)
     assert (
         tail.index("training_paused")
         < tail.index("node_evicted")
         < tail.index("spare_assigned")
         < tail.index("training_resumed")
     ), tail
-    assert "restored" in job.worker_log("s0"), job.worker_log("s0")[-3000:]
