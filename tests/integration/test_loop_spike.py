@@ -41,7 +41,15 @@ from unbroken.recovery.persist import list_persisted
 
 pytestmark = pytest.mark.integration
 
-SETTLED = 30  # steps before the spike: the baseline needs the early descent behind it
+# steps before the spike: the baseline needs the early descent behind it. At 30 the window
+# still held the descent's first dozen losses (5.5 to 4.1), which put its median near 3.5
+# and its spread high: a poisoned batch at step 35 (2.6x the losses around it) was once
+# just under the instant-spike ratio (2.5x that median) and, alone, was taken for noise.
+SETTLED = 60
+# steps between the injection and the poisoned step: both nodes must see their fault file
+# before it, or each poisons its half of the batch at its own step and neither half-spike
+# (1.7x) is a spike. Under a CPU hog, 4 steps (0.3 s) were once too few for the second node.
+LEAD = 15
 JOB_STEPS = 100_000  # the job's --steps (its cosine schedule spans them)
 KEEP = 2  # committed steps the driver keeps: fewer than are committed after the target
 # agents: persist every copy after calibrating; a ring of 2 copies, so the rollback target is
@@ -76,7 +84,7 @@ def test_live_loss_spike_rolls_back_restores_the_committed_step_and_skips(
     job.start_agent("n1", buddy="n0", extra=EVERY_STEP)
     until(lambda: job.max_step() >= SETTLED, 180, "the loss curve to settle", job)
 
-    at = job.max_step() + 4
+    at = job.max_step() + LEAD
     for node in ("n0", "n1"):  # both dp ranks' batches: the all-reduced loss spikes
         inject(job.address, node, kind, step=at)
 
