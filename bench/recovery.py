@@ -439,7 +439,7 @@ class Bench:
         await self.tick()
         t0 = time.monotonic()
         await self.wait_for("the baseline", lambda: time.monotonic() - t0 >= seconds, seconds + 5)
-        return self._ettr(t0, time.monotonic(), [])
+        return {**self._ettr(t0, time.monotonic(), []), "load1_end": os.getloadavg()[0]}
 
     async def mtbf(self, mtbf_s: float, seconds: float, seed: int) -> dict[str, Any]:
         """Faults at exponential inter-arrival times of mean `mtbf_s` for `seconds`."""
@@ -540,6 +540,8 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
         "miss_limit": ns.miss_limit,
         "hang_floor_ms": HANG_FLOOR_MS,
         "cluster": "2 nodes x 1 worker (tiny gpt3d, dp2) + spare, leader + standby driver",
+        "load1_start": os.getloadavg()[0],
+        "cores": os.cpu_count(),
         "errors": [],
         "faults": {},
         "cold": {},
@@ -780,6 +782,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted: every cluster stopped; partial figures in {ns.out}", file=sys.stderr)
         return 130
     out["bench_s"] = time.monotonic() - t0
+    out["load1_end"] = os.getloadavg()[0]
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps(out, indent=1) + "\n")
     print(table(out))

@@ -956,7 +956,18 @@ class DriverService(dgrpc.DriverServicer):
             cid = self.operators.on_self_check(slot.node_id, msg.self_check_report)
             if not cid:
                 return
-        if not self.sessions.reply(cid, msg):
+        if self.sessions.reply(cid, msg):
+            return
+        # Fire-and-forget commands (retention, one per commit) are acked too: a success is
+        # expected and not worth a line per commit; a failure is the only news they bring.
+        if kind == "ack" and msg.ack.ok:
+            log.debug("ack", node=slot.node_id, command_id=cid[:64])
+        elif kind == "ack":
+            log.warning(
+                "command failed", node=slot.node_id, command_id=cid[:64],
+                detail=msg.ack.detail[:500],
+            )  # fmt: skip
+        else:
             log.info("unsolicited reply", node=slot.node_id, kind=kind, command_id=cid[:64])
 
     async def LiveView(

@@ -1,0 +1,119 @@
+"""The agent's flash thread: the flash work runs off the agent's loop, at a lower priority.
+
+A replica send hashes and copies megabytes; at the workers' priority it delayed the rank
+sharing its core (bench-recovery's throughput pairs), and on the agent's own loop it
+delayed heartbeats. `IoThread` runs it on its own loop and thread at `--flash-nice`; the
+threads it starts inherit the nice value; the agent's loop keeps its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from unbroken.agent.flash import IoThread, NodeFlash, NodeFlashConfig
+
+
+def _nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_work_runs_on_its_own_thread_at_its_nice_value_and_its_helpers_inherit_it() -> None:
+    io = IoThread("flash-t", 19)
+
+    async def probe() -> tuple[int, int, int]:
+        helper = await asyncio.to_thread(lambda: (threading.get_native_id(), _nice()))
+        return threading.get_native_id(), _nice(), helper[1]
+
+    async def main() -> None:
+        here = threading.get_native_id()
+        tid, nice, helper_nice = await io.call(probe())
+        assert tid != here
+        assert nice == 19 and helper_nice == 19
+        assert _nice() == 0  # the calling loop's thread keeps its priority
+
+    try:
+        asyncio.run(main())
+    finally:
+        io.stop()
+    assert not io._thread.is_alive()
+
+
+def test_an_error_on_the_thread_reaches_the_caller_and_the_thread_goes_on() -> None:
+    io = IoThread("flash-t", 0)
+
+    async def fails() -> None:
+        raise ValueError("bad copy")
+
+    async def works() -> int:
+        return 7
+
+    async def main() -> None:
+        with pytest.raises(ValueError, match="bad copy"):
+            await io.call(fails())
+        assert await io.call(works()) == 7
+
+    try:
+        asyncio.run(main())
+    finally:
+        io.stop()
+
+
+def test_nice_zero_leaves_the_thread_at_the_agents_priority() -> None:
+    io = IoThread("flash-t", 0)
+
+    async def nice() -> int:
+        return _nice()
+
+    async def main() -> None:
+        assert await io.call(nice()) == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        io.stop()
+
+
+def test_flash_nice_is_validated() -> None:
+    with pytest.raises(ValueError, match="--flash-nice"):
+        NodeFlashConfig(node="n0", persist_url="/tmp/x", io_nice=20)
+
+
+def test_node_flash_starts_and_stops_its_thread(tmp_path: Path) -> None:
+    """start() serves and persists from the flash thread; close() stops it (a clean close
+    removes the shared memory); a start that fails (the replica port taken) leaves no
+    thread behind."""
+    root = tmp_path / "shm"
+    cfg = NodeFlashConfig(
+        root=str(root), job="j", node="n0", persist_url=str(tmp_path / "ckpt"),
+        replica_key=b"k" * 16, listen="127.0.0.1:0",
+    )  # fmt: skip
+
+    async def main() -> None:
+        flash = NodeFlash(cfg, world_size=1)
+        await flash.start()
+        io = flash._io
+        assert io is not None and io._thread.is_alive()
+        assert flash.port > 0 and flash.persister is not None
+        await flash.close(clean=True)
+        assert not io._thread.is_alive() and flash._io is None
+        assert not flash.owner.job_dir.exists()
+
+        taken = NodeFlash(cfg, world_size=1)
+        await taken.start()
+        port = taken.port
+        other = replace(cfg, job="j2", node="n1", listen=f"127.0.0.1:{port}")
+        busy = NodeFlash(other, world_size=1)
+        before = {t.ident for t in threading.enumerate()}
+        with pytest.raises(OSError):
+            await busy.start()
+        assert busy._io is None
+        assert {t.ident for t in threading.enumerate()} - before == set()
+        await taken.close(clean=True)
+
+    asyncio.run(main())
