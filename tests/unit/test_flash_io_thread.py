@@ -18,6 +18,8 @@ import pytest
 
 from unbroken.agent.flash import IoThread, NodeFlash, NodeFlashConfig
 
+pytestmark = pytest.mark.unit
+
 
 def _nice() -> int:
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
