@@ -64,7 +64,7 @@ log = structlog.get_logger(__name__)
 # slowest rank: a replica send (about 5 ms of hashing and copying per 1.5 MB on each side)
 # at the workers' priority delayed whichever rank shared its core, and the tiny model's
 # steps with flash saves ran at 0.85-0.90 of the steps without (bench-recovery's throughput
-# pairs). The same work at nice 19: 0.97 (an experiment niceing the agent's whole loop).
+# pairs). On this thread at nice 19: median 1.00 over six pairs.
 IO_NICE = 19
 _T = TypeVar("_T")
 REPLICA_PREFIX = replica_store("x")[:-1]  # "replica-": a store of another node's copies
