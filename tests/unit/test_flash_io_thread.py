@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from collections.abc import Coroutine
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +25,14 @@ pytestmark = pytest.mark.unit
 
 def _nice() -> int:
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def _run_then_stop(io: IoThread, main: Coroutine[Any, Any, None]) -> None:
+    """Run `main` on a loop of this thread, then stop `io` whatever happened."""
+    try:
+        asyncio.run(main)
+    finally:
+        io.stop()
 
 
 def test_work_runs_on_its_own_thread_at_its_nice_value_and_its_helpers_inherit_it() -> None:
@@ -39,10 +49,7 @@ def test_work_runs_on_its_own_thread_at_its_nice_value_and_its_helpers_inherit_i
         assert nice == 19 and helper_nice == 19
         assert _nice() == 0  # the calling loop's thread keeps its priority
 
-    try:
-        asyncio.run(main())
-    finally:
-        io.stop()
+    _run_then_stop(io, main())
     assert not io._thread.is_alive()
 
 
@@ -60,10 +67,7 @@ def test_an_error_on_the_thread_reaches_the_caller_and_the_thread_goes_on() -> N
             await io.call(fails())
         assert await io.call(works()) == 7
 
-    try:
-        asyncio.run(main())
-    finally:
-        io.stop()
+    _run_then_stop(io, main())
 
 
 def test_nice_zero_leaves_the_thread_at_the_agents_priority() -> None:
@@ -75,10 +79,7 @@ def test_nice_zero_leaves_the_thread_at_the_agents_priority() -> None:
     async def main() -> None:
         assert await io.call(nice()) == 0
 
-    try:
-        asyncio.run(main())
-    finally:
-        io.stop()
+    _run_then_stop(io, main())
 
 
 def test_flash_nice_is_validated() -> None:
