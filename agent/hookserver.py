@@ -238,7 +238,7 @@ class HookServer:
             )
         elif kind == "phase":
             step = rep.phase.step if rep.phase.HasField("step") else None
-            w.on_phase(rep.phase.name, time.monotonic(), step)
+            w.on_phase(rep.phase.name, time.monotonic(), step, rep.phase.source)
         elif kind == "hello":
             w.reply_socket = rep.hello.reply_socket
             w.stack_signal = rep.hello.stack_signal

@@ -51,6 +51,7 @@ from unbroken.agent import hang as hanglib
 from unbroken.agent import warm as warmlib
 from unbroken.common.workerenv import WorkerEnv
 from unbroken.proto import driver_pb2 as dpb
+from unbroken.recovery.restore import Source
 
 log = structlog.get_logger(__name__)
 
@@ -78,6 +79,8 @@ def warm_default(nproc: int, cpus: int | None = None) -> bool:
 
 PEAK_BEATS = 3  # heartbeats a loss peak is repeated in (see Worker.status)
 WINDOW_STEPS = 128  # steps the reported compute / wait medians stand for
+# where a worker may say its restored state came from
+RESTORE_SOURCES = frozenset(s.label for s in Source)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -351,6 +354,7 @@ class Worker:
         self.warm = False  # started in a warm standby rather than a fresh process
         self.phase = ""  # the worker's own phase report ("" until one: judged as "train")
         self.restored_step: int | None = None  # the step this process started from, once said
+        self.restored_from = ""  # ...and where its state came from (RESTORE_SOURCES)
         # per-step compute and collective-wait times (the straggler detector's input)
         self.compute_times: collections.deque[float] = collections.deque(maxlen=WINDOW_STEPS)
         self.wait_times: collections.deque[float] = collections.deque(maxlen=WINDOW_STEPS)
@@ -393,13 +397,15 @@ class Worker:
         if step_time_ms > 0:
             self.step_times.append(step_time_ms)
 
-    def on_phase(self, name: str, now: float, step: int | None = None) -> None:
+    def on_phase(self, name: str, now: float, step: int | None = None, source: str = "") -> None:
         """The worker entered phase `name`; the phase's own limit counts from now. A `step`
-        with it is the step its state is at; the first one is the step it restored."""
+        with it is the step its state is at; the first one is the step it restored, and
+        `source` where that came from (a name outside RESTORE_SOURCES is not passed on)."""
         self.phase = name[:32]
         self.last_progress = now
         if step is not None and self.restored_step is None:
             self.restored_step = step
+            self.restored_from = source if source in RESTORE_SOURCES else ""
 
     def status(self, now: float, hang: hanglib.HangConfig | None = None) -> dpb.WorkerStatus:
         """This worker's heartbeat entry. Its peak is the highest loss (a non-finite one
@@ -467,6 +473,7 @@ class Worker:
             wait_mad_ms=wait_mad,
             window_steps=len(self.compute_times),
             restored_step=self.restored_step,
+            restored_from=self.restored_from,
         )
 
 

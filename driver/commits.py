@@ -17,7 +17,6 @@ shards saved in that timeline only: workers stamp each copy with the job's rollb
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import structlog
@@ -31,7 +30,7 @@ log = structlog.get_logger(__name__)
 MAX_WORLDS = 4  # world sizes tracked at once; the least recently reported is forgotten
 MAX_RANKS = 1 << 20
 MAX_OWNERS = 1 << 20  # (world size, rank) owners remembered
-PERSIST_COST_ALPHA = 0.1  # weight of a new report in the persist-cost moving average
+MAX_PERSIST_S = 86400.0  # a shard's reported write time above this (or NaN) is not believed
 
 
 class Commits:
@@ -52,7 +51,6 @@ class Commits:
         # (world size, rank) -> the node that first reported it (worlds we did not lay out)
         self._owners: dict[tuple[int, int], str] = {}
         self.url_of: dict[str, str] = {}  # node -> the storage root it persists to
-        self.persist_cost_s = 0.0  # moving average of one shard's write-and-verify time
         self.shard_bytes = 0  # the largest shard of the newest reports (ring slot size)
 
     def claim(
@@ -98,9 +96,6 @@ class Commits:
         self.by_node.setdefault(node_id, {})[msg.rank] = msg.step
         self.url_of[node_id] = msg.url
         self.shard_bytes = max(self.shard_bytes, msg.bytes)
-        if msg.persist_s > 0 and math.isfinite(msg.persist_s):
-            a = PERSIST_COST_ALPHA if self.persist_cost_s else 1.0
-            self.persist_cost_s += a * (msg.persist_s - self.persist_cost_s)
         tracker = self._trackers.pop(msg.world_size, None)
         if tracker is None:
             tracker = CommitTracker(
@@ -116,6 +111,8 @@ class Commits:
                 uri=msg.uri,
                 nbytes=msg.bytes,
                 checksum=msg.checksum,
+                seconds=msg.persist_s if 0 < msg.persist_s < MAX_PERSIST_S else 0.0,
+                node=node_id,
             )
         )
         if commit is None:
@@ -135,6 +132,7 @@ class Commits:
                 bytes=commit.nbytes,
                 ranks=commit.ranks,
                 checksum=commit.checksum,
+                persist_s=commit.seconds,
             ),
         )
 

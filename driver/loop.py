@@ -665,6 +665,7 @@ class RecoveryLoop:
                 restore_finished=ev.RestoreFinished(
                     step=restore.step,  # the machine matches it to the restore it planned
                     restored_step=self._restored_step(nodes),
+                    storage_ranks=self._storage_ranks(nodes),
                     duration_s=time.monotonic() - t0,
                     ok=not error,
                     error=error,
@@ -688,6 +689,16 @@ class RecoveryLoop:
                     return 0
                 said.append(w.restored_step)
         return min(said) if said else 0
+
+    def _storage_ranks(self, nodes: tuple[str, ...]) -> int:
+        """The restarted world's ranks that said their state was read from storage
+        (`WorkerStatus.restored_from`): the incident needed the storage tier."""
+        n = 0
+        for node in nodes:
+            slot = self.service.view.nodes.get(node)
+            if slot is not None:
+                n += sum(w.restored_from == "storage" for w in slot.hb.workers)
+        return n
 
     def _connected(self, node_id: str) -> bool:
         slot = self.service.view.nodes.get(node_id)

@@ -200,6 +200,7 @@ class OperatorApi:
         st.driver_id = self._lead.driver_id
         st.leader_address = self._lead.address
         st.diagnosis_running = self.diagnosis_running
+        st.persist_every_s, st.persist_cost_s, st.storage_mtbf_s = self._cmd.persistence()
         return st
 
     async def ListNodes(

@@ -938,16 +938,33 @@ class DriverService(dgrpc.DriverServicer):
                 self.send(node_id, dpb.DriverMessage(retention=r))
                 done.add(url)
 
-    def persist_every_s(self) -> float:
-        """The persistence interval for the next StartWorkers (Young/Daly, bounded)."""
+    def storage_mtbf_s(self) -> float:
+        """The MTBF of the failures only storage could serve (the job's incidents whose
+        restore read storage), with the policy's prior."""
         journal = self.journal
-        cost = self.commits.persist_cost_s
-        if journal is None or cost <= 0:
-            return 0.0  # nothing measured yet: the agents' own --persist-every-s
+        if journal is None:
+            return self.config.persist.prior_mtbf_s
         g = journal.state.goodput
         wall = max(0.0, (time.time_ns() - g.started_ns) / 1e9) if g.started_ns else 0.0
-        failures = g.incidents + (1 if g.incident_began_ns else 0)
-        return lifecycle.persist_interval_s(cost, wall, failures, self.config.persist)
+        return lifecycle.mtbf_estimate_s(
+            wall, g.storage_incidents, self.config.persist.prior_mtbf_s
+        )
+
+    def persist_every_s(self) -> float:
+        """The persistence interval for the next StartWorkers (Young/Daly, bounded): the
+        measured cost of persisting a checkpoint (folded from the commits) against the
+        MTBF of the failures the memory tier (rings, buddies) could not serve
+        (recovery/lifecycle.py)."""
+        journal = self.journal
+        cost = journal.state.persist_cost_s if journal is not None else 0.0
+        if cost <= 0:
+            return 0.0  # nothing measured yet: the agents' own --persist-every-s
+        return lifecycle.persist_interval_at_s(cost, self.storage_mtbf_s(), self.config.persist)
+
+    def persistence(self) -> tuple[float, float, float]:
+        """(the interval sent now or 0, the measured cost of one shard, the storage MTBF)."""
+        cost = self.journal.state.persist_cost_s if self.journal is not None else 0.0
+        return self.persist_every_s(), cost, self.storage_mtbf_s()
 
     def _on_reply(self, slot: NodeSlot, msg: dpb.AgentMessage) -> None:
         kind = msg.WhichOneof("kind")

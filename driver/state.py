@@ -8,12 +8,14 @@ a snapshot equals folding the whole history (tests/unit/test_state_fold.py).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
 from unbroken.proto import events_pb2 as ev
 
 KEEP_CHECKPOINTS = 16  # checkpoint records kept in the folded state (newest last)
 KEEP_ROLLBACKS = 16  # rollback spike steps kept (the rollback policy looks at recent ones)
+PERSIST_COST_ALPHA = 0.3  # weight of a commit's persist time in the moving average
 #: Records of LOST/EVICTED nodes kept in the state (oldest dropped first, PRUNE_SLACK at a
 #: time, so the sort is paid once per PRUNE_SLACK losses; their history stays in the log).
 #: A 2,500-registration state measured 1.99 MB unpruned, over etcd's 1.5 MiB request
@@ -184,6 +186,9 @@ def _world_resized(s: ev.JobState, e: ev.Event) -> None:
 
 def _checkpoint_committed(s: ev.JobState, e: ev.Event) -> None:
     p = e.checkpoint_committed
+    if p.persist_s > 0 and math.isfinite(p.persist_s):
+        a = PERSIST_COST_ALPHA if s.persist_cost_s else 1.0
+        s.persist_cost_s += a * (p.persist_s - s.persist_cost_s)
     s.checkpoints.add(step=p.step, uri=p.uri, bytes=p.bytes, seq=e.seq, world=p.world)
     if len(s.checkpoints) > KEEP_CHECKPOINTS:
         del s.checkpoints[: len(s.checkpoints) - KEEP_CHECKPOINTS]
@@ -205,6 +210,14 @@ def _restore_started(s: ev.JobState, e: ev.Event) -> None:
     s.phase = ev.PHASE_RESTORING
     s.restore_step = e.restore_started.step
     s.restore_attempts += 1
+
+
+def _restore_finished(s: ev.JobState, e: ev.Event) -> None:
+    """Goodput: an incident whose restore read storage (the memory tier could not serve
+    it) counts toward the persistence interval's failure rate."""
+    r = e.restore_finished
+    if r.ok and r.storage_ranks:
+        s.goodput.storage_incidents += 1
 
 
 def _close_incident(s: ev.JobState) -> None:
@@ -300,6 +313,7 @@ _HANDLERS: dict[str, Callable[[ev.JobState, ev.Event], None]] = {
     "checkpoint_committed": _checkpoint_committed,
     "rollback": _rollback,
     "restore_started": _restore_started,
+    "restore_finished": _restore_finished,
     "training_paused": _training_paused,
     "training_resumed": _training_resumed,
     "leader_elected": _leader_elected,

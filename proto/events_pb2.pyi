@@ -346,20 +346,22 @@ class WorldResized(_message.Message):
     def __init__(self, old_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., new_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CheckpointCommitted(_message.Message):
-    __slots__ = ("step", "uri", "bytes", "ranks", "checksum", "world")
+    __slots__ = ("step", "uri", "bytes", "ranks", "checksum", "world", "persist_s")
     STEP_FIELD_NUMBER: _ClassVar[int]
     URI_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     WORLD_FIELD_NUMBER: _ClassVar[int]
+    PERSIST_S_FIELD_NUMBER: _ClassVar[int]
     step: int
     uri: str
     bytes: int
     ranks: int
     checksum: str
     world: WorldLayout
-    def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., ranks: _Optional[int] = ..., checksum: _Optional[str] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ...) -> None: ...
+    persist_s: float
+    def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., ranks: _Optional[int] = ..., checksum: _Optional[str] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., persist_s: _Optional[float] = ...) -> None: ...
 
 class RestoreStarted(_message.Message):
     __slots__ = ("step", "source_by_rank", "reshard")
@@ -379,18 +381,20 @@ class RestoreStarted(_message.Message):
     def __init__(self, step: _Optional[int] = ..., source_by_rank: _Optional[_Mapping[int, str]] = ..., reshard: _Optional[bool] = ...) -> None: ...
 
 class RestoreFinished(_message.Message):
-    __slots__ = ("step", "duration_s", "ok", "error", "restored_step")
+    __slots__ = ("step", "duration_s", "ok", "error", "restored_step", "storage_ranks")
     STEP_FIELD_NUMBER: _ClassVar[int]
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RESTORED_STEP_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_RANKS_FIELD_NUMBER: _ClassVar[int]
     step: int
     duration_s: float
     ok: bool
     error: str
     restored_step: int
-    def __init__(self, step: _Optional[int] = ..., duration_s: _Optional[float] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., restored_step: _Optional[int] = ...) -> None: ...
+    storage_ranks: int
+    def __init__(self, step: _Optional[int] = ..., duration_s: _Optional[float] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., restored_step: _Optional[int] = ..., storage_ranks: _Optional[int] = ...) -> None: ...
 
 class LossSpike(_message.Message):
     __slots__ = ("step", "loss", "baseline", "factor", "non_finite", "memory_steps")
@@ -599,7 +603,7 @@ class CheckpointRecord(_message.Message):
     def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., seq: _Optional[int] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ...) -> None: ...
 
 class JobState(_message.Message):
-    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id", "bad_nodes", "needs_diagnosis", "restore_step", "configured_world", "incident_world", "restore_attempts", "rollback_to", "rollback_steps", "last_rollback_to", "gone_nodes", "pruned_nodes", "last_skip_from", "last_skip_batches", "goodput")
+    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id", "bad_nodes", "needs_diagnosis", "restore_step", "configured_world", "incident_world", "restore_attempts", "rollback_to", "rollback_steps", "last_rollback_to", "gone_nodes", "pruned_nodes", "last_skip_from", "last_skip_batches", "goodput", "persist_cost_s")
     class NodesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -646,6 +650,7 @@ class JobState(_message.Message):
     LAST_SKIP_FROM_FIELD_NUMBER: _ClassVar[int]
     LAST_SKIP_BATCHES_FIELD_NUMBER: _ClassVar[int]
     GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    PERSIST_COST_S_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     last_seq: int
     phase: Phase
@@ -678,10 +683,11 @@ class JobState(_message.Message):
     last_skip_from: int
     last_skip_batches: int
     goodput: GoodputLedger
-    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., needs_diagnosis: _Optional[bool] = ..., restore_step: _Optional[int] = ..., configured_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., incident_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., restore_attempts: _Optional[int] = ..., rollback_to: _Optional[int] = ..., rollback_steps: _Optional[_Iterable[int]] = ..., last_rollback_to: _Optional[int] = ..., gone_nodes: _Optional[int] = ..., pruned_nodes: _Optional[int] = ..., last_skip_from: _Optional[int] = ..., last_skip_batches: _Optional[int] = ..., goodput: _Optional[_Union[GoodputLedger, _Mapping]] = ...) -> None: ...
+    persist_cost_s: float
+    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., needs_diagnosis: _Optional[bool] = ..., restore_step: _Optional[int] = ..., configured_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., incident_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., restore_attempts: _Optional[int] = ..., rollback_to: _Optional[int] = ..., rollback_steps: _Optional[_Iterable[int]] = ..., last_rollback_to: _Optional[int] = ..., gone_nodes: _Optional[int] = ..., pruned_nodes: _Optional[int] = ..., last_skip_from: _Optional[int] = ..., last_skip_batches: _Optional[int] = ..., goodput: _Optional[_Union[GoodputLedger, _Mapping]] = ..., persist_cost_s: _Optional[float] = ...) -> None: ...
 
 class GoodputLedger(_message.Message):
-    __slots__ = ("started_ns", "incident_began_ns", "incident_cause", "lost_s_by_cause", "steps_redone", "last_fault", "incidents")
+    __slots__ = ("started_ns", "incident_began_ns", "incident_cause", "lost_s_by_cause", "steps_redone", "last_fault", "incidents", "storage_incidents")
     class LostSByCauseEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -696,6 +702,7 @@ class GoodputLedger(_message.Message):
     STEPS_REDONE_FIELD_NUMBER: _ClassVar[int]
     LAST_FAULT_FIELD_NUMBER: _ClassVar[int]
     INCIDENTS_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_INCIDENTS_FIELD_NUMBER: _ClassVar[int]
     started_ns: int
     incident_began_ns: int
     incident_cause: str
@@ -703,7 +710,8 @@ class GoodputLedger(_message.Message):
     steps_redone: int
     last_fault: str
     incidents: int
-    def __init__(self, started_ns: _Optional[int] = ..., incident_began_ns: _Optional[int] = ..., incident_cause: _Optional[str] = ..., lost_s_by_cause: _Optional[_Mapping[str, float]] = ..., steps_redone: _Optional[int] = ..., last_fault: _Optional[str] = ..., incidents: _Optional[int] = ...) -> None: ...
+    storage_incidents: int
+    def __init__(self, started_ns: _Optional[int] = ..., incident_began_ns: _Optional[int] = ..., incident_cause: _Optional[str] = ..., lost_s_by_cause: _Optional[_Mapping[str, float]] = ..., steps_redone: _Optional[int] = ..., last_fault: _Optional[str] = ..., incidents: _Optional[int] = ..., storage_incidents: _Optional[int] = ...) -> None: ...
 
 class Snapshot(_message.Message):
     __slots__ = ("last_seq", "state", "wall_time_unix_ns")

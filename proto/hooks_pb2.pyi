@@ -66,12 +66,14 @@ class Welcome(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., flash_root: _Optional[str] = ..., flash_job: _Optional[str] = ..., flash_node: _Optional[str] = ..., persist_url: _Optional[str] = ...) -> None: ...
 
 class PhaseReport(_message.Message):
-    __slots__ = ("name", "step")
+    __slots__ = ("name", "step", "source")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     name: str
     step: int
-    def __init__(self, name: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    source: str
+    def __init__(self, name: _Optional[str] = ..., step: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
 
 class WorkerReport(_message.Message):
     __slots__ = ("local_rank", "pid", "hello", "step", "phase")

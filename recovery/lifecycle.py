@@ -9,10 +9,19 @@
 risks redoing the work since the last persisted step when memory and the buddy are both
 lost. Young's first-order optimum (Daly's refinement changes it little while the cost is
 far below the MTBF) is T = sqrt(2 * C * MTBF), with C the cost of one persisted save and
-MTBF the job's mean time between failures. C is measured (the agents report how long each
-shard took to write and verify); the MTBF is estimated from the log: the job's wall time
-over its failures, with a prior of one failure per `prior_mtbf_s` so a young job without
-failures does not persist once a week. A floor and a ceiling bound T.
+MTBF the mean time between the failures the save is for. C is measured: the agents report
+how long each shard took to write and verify, and a commit's cost is its slowest node's
+time for all its ranks' shards (one persister thread per node), folded from the log so
+every leader computes the same T (`JobState.persist_cost_s`). Storage is the second level of a
+multi-level scheme (as in SCR, Moody et al. 2010, and Gemini, Wang et al. 2023): a crash,
+a hang, a loss spike or one lost node is restored from the rings and the buddies, and
+only a failure they cannot serve (a node and its buddy lost together, a corrupt ring)
+reads storage and loses the work since the last persisted step. So the MTBF is that of
+the storage-served failures, estimated from the log (the incidents whose restore read
+storage, `GoodputLedger.storage_incidents`, over the job's wall time) with a prior of one
+per `prior_mtbf_s`, so a young job does not persist once a week. Counting every failure
+instead held a job that faults every few minutes at the floor, persisting and committing
+far more often than its storage-served failures justify. A floor and a ceiling bound T.
 
 **Retention.** Decided in one place (the driver) from the log: storage keeps the newest
 `keep` committed steps, the step a loss-spike rollback returns to, and the step a restore
@@ -77,8 +86,17 @@ def mtbf_estimate_s(wall_s: float, failures: int, prior_s: float = PRIOR_MTBF_S)
 def persist_interval_s(
     cost_s: float, wall_s: float, failures: int, policy: PersistPolicy = PersistPolicy()
 ) -> float:
-    """How often to persist, bounded by the policy's floor and ceiling."""
-    t = young_daly_s(max(0.0, cost_s), mtbf_estimate_s(wall_s, failures, policy.prior_mtbf_s))
+    """How often to persist after `failures` storage-served failures in `wall_s`, bounded
+    by the policy's floor and ceiling."""
+    mtbf = mtbf_estimate_s(wall_s, failures, policy.prior_mtbf_s)
+    return persist_interval_at_s(cost_s, mtbf, policy)
+
+
+def persist_interval_at_s(
+    cost_s: float, mtbf_s: float, policy: PersistPolicy = PersistPolicy()
+) -> float:
+    """Young/Daly at a known MTBF, bounded by the policy's floor and ceiling."""
+    t = young_daly_s(max(0.0, cost_s), mtbf_s)
     return min(policy.ceiling_s, max(policy.floor_s, t))
 
 

@@ -99,6 +99,7 @@ class Persisted:
     checksum: int
     timeline: int | None = None  # the copy's TIMELINE_META (rollbacks before it), if any
     seconds: float = 0.0  # how long writing and verifying it took
+    node: str = ""  # the node whose agent persisted it (set by the driver's bookkeeping)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,9 @@ class Commit:
     nbytes: int
     ranks: int
     checksum: str  # crc32 over the ranks' data checksums in rank order, hex
+    # the slowest node's write-and-verify time of its shards (one persister thread per
+    # node writes them in turn): how long persisting the step took
+    seconds: float = 0.0
 
 
 def step_dir(url: str, step: int) -> str:
@@ -354,12 +358,16 @@ class CommitTracker:
             crc = zlib.crc32(by_rank[r].checksum.to_bytes(8, "little"), crc)
         # Shared storage: the one directory every shard is in; node-local storage: ours.
         dirs = {x.uri.rsplit("/", 1)[0] for x in by_rank.values()}
+        per_node: dict[str, float] = {}
+        for x in by_rank.values():
+            per_node[x.node] = per_node.get(x.node, 0.0) + x.seconds
         return Commit(
             step=p.step,
             uri=dirs.pop() if len(dirs) == 1 else step_dir(self.url, p.step),
             nbytes=sum(x.nbytes for x in by_rank.values()),
             ranks=self.world_size,
             checksum=f"{crc:08x}",
+            seconds=max(per_node.values()),
         )
 
 

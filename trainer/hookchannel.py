@@ -199,16 +199,18 @@ class Hooks:
             )
         )
 
-    def phase(self, name: str, step: int | None = None) -> bool:
+    def phase(self, name: str, step: int | None = None, source: str = "") -> bool:
         """Tell the agent this rank enters phase `name` (now).
 
         "train" is judged for hangs by the rank's step rhythm (about a second at 100 ms
         steps); any other name ("restore", "checkpoint", "eval") by the agent's longer
         phase limit, so a slow restore or evaluation is not a hang. The next step report
         puts the rank back into "train". `step`: the step the state is at, given with the
-        first "train" after a start: the step it restored (0: from scratch).
+        first "train" after a start: the step it restored (0: from scratch); `source` with
+        it: where that state came from ("memory", "buddy", "storage").
         """
-        return self._send(hpb.WorkerReport(phase=hpb.PhaseReport(name=name, step=step)))
+        report = hpb.PhaseReport(name=name, step=step, source=source)
+        return self._send(hpb.WorkerReport(phase=report))
 
     def collective_entered(self) -> None:
         """The rank enters its step's collective (the embedded engine's one timed

@@ -182,6 +182,7 @@ class Session:
         self.flash: FlashCheckpointer | None = None
         self.flash_off = not welcome.flash_root
         self.restored_step: int | None = None
+        self.restored_source = ""  # where the restored state came from (memory, ...)
         self.save_budget = SAVE_BUDGET
         self.persist_every_s = PERSIST_EVERY_S
         self.pacer: Pacer | None = None
@@ -370,13 +371,18 @@ def collective() -> Iterator[None]:
         yield
 
 
-def phase(name: str, step: int | None = None) -> bool:
+def phase(name: str, step: int | None = None, source: str | None = None) -> bool:
     """Announce a phase ("eval", "checkpoint", "restore"; "train" to go back): the agent
     judges a hang in it by its phase limit, not the step rhythm (see `Hooks.phase`). Give
     `step` with the first "train" after a restore (the step restored): the driver's
-    RestoreFinished then says what the restart really lost."""
+    RestoreFinished then says what the restart really lost. `source`: where that state
+    came from ("memory", "buddy", "storage"); by default what `restore` said it loaded."""
     s = _get()
-    return s.hooks.phase(name, step) if s is not None else False
+    if s is None:
+        return False
+    if source is None:
+        source = s.restored_source if step is not None and step == s.restored_step else ""
+    return s.hooks.phase(name, step, source)
 
 
 def report(step: int, loss: float | None = None, **timings_ms: float) -> bool:
@@ -490,6 +496,7 @@ def restore(state_dict: dict[str, Any]) -> int | None:
     _require_dist("restore")
     done = ckpt.restore(_bundle(state_dict, loading=True))
     s.restored_step = done.step if done is not None else None
+    s.restored_source = done.source if done is not None else ""
     return s.restored_step
 
 

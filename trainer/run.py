@@ -298,7 +298,8 @@ def train(
             flash.guard(trainer)  # once: every optimizer step waits for the copy in flight
             if restored is not None:  # the state is whole (optimizer state included): size
                 flash.prepare(trainer)  # and map the ring now, not inside the first save
-        hooks.phase("train", step=step)  # the step restored: what the restart really lost
+        # the step restored (what the restart really lost) and where it came from
+        hooks.phase("train", step=step, source=restored.source if restored is not None else "")
         if isinstance(trainer, Collectives):  # a waiting rank is judged as a victim
             trainer.on_collective = hooks.collective_entered
         throttled = trainer if isinstance(trainer, Throttled) else None

@@ -161,13 +161,20 @@ def test_live_loss_spike_rolls_back_restores_the_committed_step_and_skips(
         assert target in stored, stored
         assert len([c for c in old_commits if c in stored]) < len(old_commits), (stored, committed)
 
-    # Every worker restored exactly that step and skipped the batches.
+    # Every worker restored exactly that step and skipped the batches; the driver's
+    # RestoreFinished counts the ranks whose state came from storage, as they said it.
+    read_storage = 0
     for node in ("n0", "n1"):
         text = job.worker_log(node)
         restored = [int(m) for m in re.findall(r"flash\.restored.*?step=(\d+)", text)]
         assert restored and restored[-1] == target, (node, restored, text[-3000:])
+        source = re.findall(r"flash\.restored.*?source=(\w+)", text)[-1]
+        read_storage += source == "storage"
         assert "batches skipped" in text, text[-3000:]
         assert text.count("fault applied") == 1, text[-3000:]  # not again after the restart
+
+    finished = next(e.restore_finished for e in after if e.HasField("restore_finished"))
+    assert finished.ok and finished.storage_ranks == read_storage, (finished, read_storage)
 
     # The loss curve continues: after the rollback no step spikes, and the losses are in
     # the band of those just before the spike.

@@ -22,11 +22,15 @@ import re
 import subprocess
 import sys
 
+import grpc
 import pytest
 
 from tests.jobs import Job, reference
 from unbroken.cli.cluster import until
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
+from unbroken.recovery.lifecycle import PersistPolicy
 
 pytestmark = pytest.mark.integration
 
@@ -86,6 +90,15 @@ def test_worker_crash_and_lost_node_are_recovered(job: Job) -> None:
     ]
     assert finished.ok and finished.step == restore.step, (finished, restore)
     assert finished.restored_step == min(restored) >= restore.step, (finished, restored)
+    # ... and counted the ranks that read storage as the ranks said (n0 restores from its
+    # own ring, the spare from n1's copies that n0 held, unless only storage had the step):
+    # the incidents that count toward the persistence interval's failure rate
+    sources = [
+        re.findall(r"flash\.restored.*?source=(\w+)", job.worker_log(n))[-1] for n in ("n0", "s0")
+    ]
+    assert finished.storage_ranks == sources.count("storage"), (finished, sources)
+    crash = next(e.restore_finished for e in events[:lost_at] if e.HasField("restore_finished"))
+    assert crash.ok and crash.storage_ranks == 0, crash  # both ranks from their own rings
     assert kinds.count("job_started") == 1
     resumed = [e.training_resumed for e in events if e.HasField("training_resumed")]
     assert len(resumed) >= 3, kinds  # the start, after the crash, after the loss
@@ -104,6 +117,17 @@ def test_worker_crash_and_lost_node_are_recovered(job: Job) -> None:
     for p in ("PHASE_SUSPECTED", "PHASE_DIAGNOSED", "PHASE_RESHAPED"):
         assert p in phases, phases
     assert "training_paused" in kinds and "restore_started" in kinds
+
+    # The persistence interval: the commits carry their persist time (the job's first
+    # save at least), every leader folds it, and with no storage-served incident the
+    # MTBF it is computed from is the prior's (wall time plus a day over one).
+    commits = [e.checkpoint_committed for e in events if e.HasField("checkpoint_committed")]
+    assert commits and all(c.persist_s > 0 for c in commits), commits
+    with grpc.insecure_channel(job.address) as ch:
+        st = dgrpc.DriverStub(ch).GetStatus(dpb.GetStatusRequest(), timeout=30)
+    prior = PersistPolicy().prior_mtbf_s
+    assert st.persist_cost_s > 0 and st.storage_mtbf_s >= prior, st
+    assert PersistPolicy().floor_s <= st.persist_every_s <= PersistPolicy().ceiling_s, st
 
     # Every step's loss, before and after each restore, equals an uninterrupted run's.
     got = job.steps()

@@ -6,8 +6,10 @@ import zlib
 
 import pytest
 
+from unbroken.driver import state as statelib
 from unbroken.driver.commits import MAX_WORLDS, Commits
 from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import events_pb2 as ev
 from unbroken.recovery.persist import shard_uri, step_dir
 
 pytestmark = pytest.mark.unit
@@ -126,3 +128,23 @@ def test_malformed_reports_are_dropped(msg: dpb.ShardPersisted, why: str) -> Non
     from unbroken.driver.commits import _problem
 
     assert why in _problem(msg)
+
+
+def test_a_commit_costs_its_slowest_nodes_shards_in_turn_and_the_log_averages_it() -> None:
+    """One persister thread per node writes its ranks' shards one after the other: the
+    step took the slowest node's sum. The fold keeps a moving average of it, so every
+    leader computes the same persistence interval (a driver's own memory did not survive
+    a failover: the next world went back to the agents' default)."""
+    c = Commits()
+    seconds = {0: 0.25, 1: 0.25, 2: 0.75, 3: float("nan")}  # n0: ranks 0, 1; n1: 2, 3
+    out = None
+    for rank, s in seconds.items():
+        shard = _shard(7, rank, world=4)
+        shard.persist_s = s
+        out = c.record("n0" if rank < 2 else "n1", shard)
+    assert out is not None and out.checkpoint_committed.persist_s == pytest.approx(0.75)
+    state = statelib.initial("j")
+    for seq, cost in enumerate((0.75, 0.75, 2.0, 0.0), 1):  # 0: not reported, not counted
+        commit = ev.CheckpointCommitted(step=seq, persist_s=cost)
+        state = statelib.fold([ev.Event(seq=seq, checkpoint_committed=commit)], state)
+    assert state.persist_cost_s == pytest.approx(0.75 + 0.3 * (2.0 - 0.75))

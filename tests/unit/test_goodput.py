@@ -63,3 +63,17 @@ def test_a_replay_folds_the_same_ledger_and_no_start_means_no_figure() -> None:
     twice = statelib.fold(events[4:], statelib.fold(events[:4], statelib.initial("j")))
     assert once.goodput == twice.goodput
     assert goodput(statelib.initial("j"), T0, 1.0).ratio == -1.0
+
+
+def test_only_restores_that_read_storage_count_as_storage_incidents() -> None:
+    """The persistence interval's failure count (recovery/lifecycle.py): an incident the
+    rings and buddies served does not count, one whose ranks read storage does, once."""
+    finished = [
+        ev.RestoreFinished(step=45, ok=True, storage_ranks=0),  # from memory and buddies
+        ev.RestoreFinished(step=45, ok=False, storage_ranks=2),  # a failed attempt
+        ev.RestoreFinished(step=40, ok=True, storage_ranks=2),  # its retry read storage
+    ]
+    s = statelib.initial("j")
+    for i, f in enumerate(finished, 1):
+        s = statelib.fold([ev.Event(seq=i, restore_finished=f)], s)
+    assert s.goodput.storage_incidents == 1

@@ -100,6 +100,19 @@ def test_worker_status_flags_a_rank_silent_past_its_rhythm(tmp_path: object) -> 
     assert w.status(t + 6.5, CFG).phase == "train"
 
 
+def test_worker_status_says_the_step_restored_and_its_source(tmp_path: object) -> None:
+    w = _worker(tmp_path)
+    assert not w.status(100.0, CFG).HasField("restored_step")
+    w.on_phase("train", 100.0, step=37, source="storage")
+    w.on_phase("train", 101.0, step=40, source="memory")  # only the first says what it restored
+    s = w.status(101.5, CFG)
+    assert s.restored_step == 37 and s.restored_from == "storage"
+    odd = _worker(tmp_path)
+    odd.on_phase("train", 100.0, step=5, source="x" * 10_000)  # not a source: not passed on
+    s = odd.status(100.5, CFG)
+    assert s.restored_step == 5 and s.restored_from == ""
+
+
 def test_a_script_without_step_reports_is_never_judged(tmp_path: object) -> None:
     w = _worker(tmp_path)
     assert not w.status(w.last_progress + 1e6, CFG).hung

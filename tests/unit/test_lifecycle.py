@@ -59,3 +59,12 @@ def test_deletable_never_touches_steps_in_flight_or_kept() -> None:
     persisted = [10, 20, 30, 40, 50, 51, 52]  # 51, 52 persisted, not committed yet
     assert lifecycle.deletable(persisted, {20, 40, 50}, below=50) == [10, 30]
     assert lifecycle.deletable(persisted, set(), below=0) == []
+
+
+def test_interval_at_a_known_mtbf_is_bounded_young_daly() -> None:
+    policy = PersistPolicy(floor_s=10.0, ceiling_s=600.0, prior_mtbf_s=86400.0)
+    assert lifecycle.persist_interval_at_s(0.05, 86400.0, policy) == pytest.approx(
+        lifecycle.persist_interval_s(0.05, 0.0, 0, policy)
+    )
+    assert lifecycle.persist_interval_at_s(1e-6, 60.0, policy) == 10.0
+    assert lifecycle.persist_interval_at_s(100.0, 1e9, policy) == 600.0
