@@ -34,6 +34,17 @@ def goodput_line(st: dpb.GetStatusResponse) -> str:
     return f"{st.goodput:.3f} of {span} trained" + (f"; lost: {lost}" if lost else "")
 
 
+def persistence_line(st: dpb.GetStatusResponse) -> str:
+    """`every 93 s (Young/Daly: 0.050 s per checkpoint, storage-served MTBF 24.0 h)`."""
+    mtbf = f"{st.storage_mtbf_s / 3600:.1f} h" if st.storage_mtbf_s else "?"
+    if st.persist_every_s <= 0:
+        return "the agents' --persist-every-s (no persist cost measured yet)"
+    return (
+        f"every {st.persist_every_s:.0f} s (Young/Daly: {st.persist_cost_s:.3f} s per checkpoint, "
+        f"storage-served MTBF {mtbf})"
+    )
+
+
 def run(ns: argparse.Namespace) -> int:
     """`unbroken status`; exit 0, or 3 when the driver is unreachable."""
 
@@ -65,6 +76,7 @@ def run(ns: argparse.Namespace) -> int:
             escape(f"{st.driver_id} at {st.leader_address or '?'} (term {st.leader_term})"),
         )
         t.add_row("goodput", goodput_line(st))
+        t.add_row("persistence", persistence_line(st))
         t.add_row("last event", f"seq {st.last_seq}")
         t.add_row("incident", escape(st.incident_id or "none"))
         t.add_row(

@@ -87,11 +87,16 @@ class UpConfig:
     faults: tuple[str, ...] = DRILL  # the drill's faults, in order
     dashboard_port: int = 0  # the leader's web dashboard (the standby's: +1); 0: free ports
     etcd_members: int = 1  # 3 or 5: a real etcd cluster, to drill a member's loss
+    until_step: int = 0  # with a drill: train on after it until this step (0: stop then)
 
     def __post_init__(self) -> None:
         for name in ("nodes", "workers_per_node", "dp", "pp", "tp", "steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.until_step <= self.steps:
+            raise ValueError(
+                f"--until-step must be in [0, --steps {self.steps}], got {self.until_step}"
+            )
         if self.spares < 0:
             raise ValueError(f"spares must be >= 0, got {self.spares}")
         if not 1 <= self.etcd_members <= 7:
@@ -164,6 +169,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=d.etcd_members,
         help="embedded etcd cluster size (3 or 5 to drill the loss of a member; default 1)",
     )
+    parser.add_argument(
+        "--until-step",
+        type=int,
+        default=d.until_step,
+        help="with a drill, train on after it until this step (a longer job's commit rate "
+        "per 1,000 steps; raise --duration to match); default 0: stop when the drill is over",
+    )
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -187,6 +199,7 @@ def run(ns: argparse.Namespace) -> int:
             faults=tuple(f.strip() for f in ns.faults.split(",") if f.strip()),
             dashboard_port=ns.dashboard_port,
             etcd_members=ns.etcd_members,
+            until_step=ns.until_step,
             live=not ns.no_live and sys.stdout.isatty(),
         )
     except ValueError as e:
@@ -282,6 +295,29 @@ async def _main(c: LocalCluster, cfg: UpConfig) -> int:
         return await _supervise(c, cfg, watch, console, t0)
 
 
+def commits_line(events: list[ev.Event], steps: int) -> str:
+    """How many checkpoints were committed per 1,000 steps, and why: the job's first save
+    (persisted so storage is proven one step in: committed before any incident) and the
+    saves on the persistence interval (the rest stayed in the rings and buddies)."""
+    commits = first = 0
+    incident = False
+    for e in events:
+        kind = e.WhichOneof("payload")
+        if kind == "training_paused":
+            incident = True
+        elif kind == "checkpoint_committed":
+            commits += 1
+            first += commits == 1 and not incident
+    interval = commits - first
+    why = "the job's first save and " if first else ""
+    return (
+        f"checkpoints committed: {commits} in {steps} steps ({1000.0 * commits / steps:.1f} "
+        f"per 1,000): {why}{interval} on the persistence interval "
+        f"({1000.0 * interval / steps:.1f} per 1,000); the other saves stayed in the flash "
+        "rings and buddy replicas"
+    )
+
+
 def _render(watcher: LogWatch, cfg: UpConfig, faults: list[FaultRecord], elapsed: float) -> Any:
     from rich.console import Group
     from rich.markup import escape
@@ -343,8 +379,13 @@ async def _supervise(c: LocalCluster, cfg: UpConfig, w: LogWatch, console: Any, 
                 await drill.advance(now)
             if live is not None:
                 live.update(_render(w, cfg, faults, now - t0))
-            # with a drill, the run lasts until the drill is over (or the duration ends)
-            finished = drill.done if drill is not None else w.step() >= cfg.steps
+            # with a drill, the run lasts until the drill is over and --until-step reached
+            # (or the duration ends)
+            finished = (
+                drill.done and w.step() >= cfg.until_step
+                if drill is not None
+                else w.step() >= cfg.steps
+            )
             if finished and done_at is None:
                 done_at = now
             if now - t0 > cfg.duration_s or (done_at is not None and now - done_at > 3):
@@ -364,13 +405,12 @@ async def _supervise(c: LocalCluster, cfg: UpConfig, w: LogWatch, console: Any, 
         f"trained to step {w.step()}, last loss {w.loss()}; {len(w.events)} events in etcd: "
         + ", ".join(f"{k}×{v}" for k, v in sorted(counts.items()))
     )
-    commits = counts.get("checkpoint_committed", 0)
     if w.step():
-        console.print(
-            f"checkpoints committed: {commits} in {w.step()} steps "
-            f"({1000.0 * commits / w.step():.1f} per 1,000 steps; the rest stayed in the "
-            "flash rings and buddy replicas)"
-        )
+        console.print(commits_line(w.events, w.step()), markup=False, highlight=False)
+    if status is not None:
+        from unbroken.cli.status import persistence_line
+
+        console.print(f"persistence: {persistence_line(status)}", markup=False, highlight=False)
     console.print(
         f"look at the log: .venv/bin/etcdctl --endpoints {c.endpoint} "
         f"get --prefix /unbroken/{cfg.job_id}/ --keys-only"

@@ -514,6 +514,9 @@ class Plan:
     mtbf_hours: float
     expected_failures: float
     checkpoint_interval_min: float
+    # what the driver sends while the rings and buddies serve every failure: Young/Daly at
+    # the storage-served MTBF's prior, within the driver's default floor and ceiling
+    persist_interval_min: float
     goodput: float
     wall_days: float
     memory: list[Memory]
@@ -540,6 +543,7 @@ class Plan:
             "mtbf_hours": _finite_or_none(self.mtbf_hours),
             "expected_failures": self.expected_failures,
             "checkpoint_interval_min": _finite_or_none(self.checkpoint_interval_min),
+            "persist_interval_min": self.persist_interval_min,
             "goodput": self.goodput,
             "wall_days": _finite_or_none(self.wall_days),
             "memory": [
@@ -606,6 +610,10 @@ def make_plan(cfg: PlanConfig) -> Plan:
         mtbf_hours=mtbf / 3600.0,
         expected_failures=lam * (wall if math.isfinite(wall) else seconds) / SECONDS_PER_DAY,
         checkpoint_interval_min=interval / 60.0,
+        persist_interval_min=lifecycle.persist_interval_at_s(
+            cfg.save_cost_s, lifecycle.PRIOR_MTBF_S
+        )
+        / 60.0,
         goodput=gp,
         wall_days=wall / SECONDS_PER_DAY,
         memory=memory_table(cfg),

@@ -253,8 +253,10 @@ def print_plan(plan: Plan) -> None:
         ("checkpoint every", f"{_fmt(d['checkpoint_interval_min'], '.1f')} min (Young/Daly)"),
         (
             "driver persists every",
-            f"{_fmt(_bounded_min(d['checkpoint_interval_min']), '.1f')} min "
-            "(within the driver's --persist-floor-s, --persist-ceiling-s)",
+            f"{_fmt(d['persist_interval_min'], '.1f')} min while the rings and buddies serve "
+            f"the failures, {_fmt(_bounded_min(d['checkpoint_interval_min']), '.1f')} min if "
+            "every failure read storage (it counts only those; within --persist-floor-s, "
+            "--persist-ceiling-s)",
         ),
         ("goodput", f"{plan.goodput:.1%}"),
         (
