@@ -214,6 +214,14 @@ def test_save_then_restore_into_a_fresh_model_and_unstepped_optimizer(
         for name, t in st.items():
             assert torch.equal(t, sb["state"][k][name]), (k, name)
     assert fresh["extra"]["epoch"] == 2 and int(fresh["extra"]["pos"]) == 3
+    # the first "train" with the step restored says where it came from (the driver counts
+    # the ranks that read storage: the persistence interval's failures); another phase not
+    session = hooks._session
+    assert session is not None
+    sent: list[tuple[str, int | None, str]] = []
+    session.hooks.phase = lambda *a: sent.append(a) or True  # type: ignore[method-assign]
+    assert hooks.phase("train", step=3) and hooks.phase("eval") and hooks.phase("train", step=2)
+    assert sent == [("train", 3, "memory"), ("eval", None, ""), ("train", 2, "")]
 
 
 def test_restore_with_nothing_saved_is_a_fresh_start(agent: Agent, one_rank: None) -> None:
