@@ -373,7 +373,8 @@ class Drill:
         nodes = [n.node_id for n in self._world()]
         f = self._record(
             "loss spike (poisoned batch)", ",".join(nodes), "loss_spike", now, recovers=True,
-            note="rollback to the newest committed step before it; batches skipped",
+            note="rollback to the newest step before it every rank holds (ring, else a commit); "
+            "batches skipped",
         )  # fmt: skip
         await asyncio.to_thread(self.inject.loss_spike, step=self.w.step() + SPIKE_AHEAD)
         return f

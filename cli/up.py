@@ -18,7 +18,8 @@ how fast each is detected and what the log recorded:
   stops (kills) and restarts the world;
 - a loss spike: `InjectFault loss-spike` makes every agent write its workers' fault file,
   one step's batch targets are poisoned; the driver's loss watch appends LossSpike, the
-  machine rolls back to the newest committed step before it and skips the batches;
+  machine rolls back to the newest step before it that every rank holds in its ring
+  (else the newest committed one) and skips the batches;
 - a straggler: `InjectFault slow-train --factor 1.2` on a world node; the driver's
   straggler sweep appends StragglerSuspected, the node is evicted and a spare takes its
   ranks;

@@ -82,6 +82,11 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("cause",),
         "Training time lost so far, by the fault kind that opened each incident",
     ),
+    "unbroken_persist_interval_seconds": (
+        "gauge",
+        (),
+        "Persistence interval the driver sends workers now (Young/Daly; 0: the agents' own)",
+    ),
     "unbroken_incidents_total": ("counter", (), "Incidents opened (a fault left RUNNING)"),
     "unbroken_time_to_resume_seconds": (
         "histogram",
@@ -142,6 +147,11 @@ class _LiveCollector(Collector):
         for p in PHASES:
             g.add_metric([p], 1.0 if p == name else 0.0)
         yield g
+        if "persist_every_s" in v:
+            name = "unbroken_persist_interval_seconds"
+            g = GaugeMetricFamily(name, METRICS[name][2])
+            g.add_metric([], v["persist_every_s"])
+            yield g
         gp = v.get("goodput")
         if gp is not None and gp.ratio >= 0:
             g = GaugeMetricFamily("unbroken_goodput_ratio", METRICS["unbroken_goodput_ratio"][2])

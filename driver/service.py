@@ -1123,7 +1123,7 @@ class DriverService(dgrpc.DriverServicer):
             "alerts_shed": j.stats.alerts_shed if j else 0,
             "alerts_coalesced": j.stats.alerts_coalesced if j else 0,
             "faults_pending": j.faults_pending() if j else 0,
-            **({"goodput": self.goodput()} if j else {}),
+            **({"goodput": self.goodput(), "persist_every_s": self.persist_every_s()} if j else {}),
             "snapshots_too_large": getattr(j.log, "snapshots_too_large", 0) if j else 0,
             **({"phase": j.state.phase} if j else {}),
         }

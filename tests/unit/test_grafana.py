@@ -47,6 +47,7 @@ def _metrics() -> DriverMetrics:
             "dropped": 0,
             "phase": ev.PHASE_RUNNING,
             "goodput": Goodput(0.9, 100.0, {"node_lost": 10.0}),
+            "persist_every_s": 182.0,
         }
     )
     listeners: list[Any] = []
@@ -103,6 +104,7 @@ def test_event_driven_series() -> None:
         (s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples
     }
     assert samples[("unbroken_phase", (("phase", "running"),))] == 1.0
+    assert samples[("unbroken_persist_interval_seconds", ())] == 182.0
     assert samples[("unbroken_phase", (("phase", "paused"),))] == 0.0
     assert samples[("unbroken_incidents_total", ())] == 1.0
     assert samples[("unbroken_time_to_resume_seconds_count", ())] == 1.0
