@@ -59,6 +59,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from unbroken.common import workerenv
 from unbroken.common.workerenv import WorkerEnv
+from unbroken.recovery import lifecycle
 from unbroken.recovery.flash import (
     PERSIST_META,
     CorruptCopyError,
@@ -629,8 +630,10 @@ class PersistClock:
     the interval is counted in steps and agreed collectively: at the `CALIBRATE_CALLS`-th
     call and every `AGREE_CALLS` calls after, each rank turns `every_s` into steps with its
     median step time and the ranks take the smallest wish (the slowest rank's steps are
-    the longest, so the most frequent persistence any rank wants). Calls are counted, not
-    timed, so the ranks agree at the same call. The first save of a job that starts from
+    the longest, so the most frequent persistence any rank wants), kept steady
+    (`lifecycle.persist_steps`: a few values an octave, moved only past 30 %) since the
+    persisted steps are its multiples. Calls are counted, not timed, so the ranks agree at
+    the same call. The first save of a job that starts from
     nothing is persisted too (every rank of a world starts together), so storage is proven
     and a step is committed one step in. A process that restored does not persist its first
     save: what it restored is committed or in every rank's ring, and a spare replacing a
@@ -661,7 +664,17 @@ class PersistClock:
         ):
             step_s = statistics.median(self._times) if self._times else 0.0
             wish = max(1, math.ceil(self.every_s / step_s)) if step_s > 0 else 1
-            self.every_steps = int(self._agree(wish))
+            agreed = lifecycle.persist_steps(self.every_steps, int(self._agree(wish)))
+            if agreed != self.every_steps:
+                log.info(
+                    "persist.every",
+                    steps=agreed,
+                    every_s=self.every_s,
+                    step_s=round(step_s, 4),
+                    wish=wish,
+                    at_step=step,
+                )
+            self.every_steps = agreed
         if self.calls == 1 and self.persist_first:
             return True  # a job's first save persists: storage proven, a step committed
         return self.every_steps > 0 and step % self.every_steps == 0

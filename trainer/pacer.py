@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Any
 
+from unbroken.recovery import lifecycle
+
 SAVE_BUDGET = 0.02  # share of the step time flash saves may cost (init(save_budget=...))
 # Of the flash copies, the agent persists to storage about one per this many seconds (the
 # others live in memory and the buddy's replica): persisting every copy would cost the node
@@ -94,6 +96,7 @@ class Pacer:
         self.persist_every_s = persist_every_s
         self.every = 1
         self.persist_every = 0  # steps between persisted saves, agreed (0: none yet)
+        self._persist_base = 0  # ... before rounding up to a multiple of the save interval
         self.persist_wanted = 0  # this rank's wish: persist_every_s over its step time
         self.calls = 0
         self.saves = 0
@@ -173,9 +176,11 @@ class Pacer:
         self.persist_wanted = max(1, every)
 
     def agreed(self, every: int, persist_every: int) -> None:
-        """Take the intervals all ranks agreed on; persisted saves fall on saved steps."""
+        """Take the intervals all ranks agreed on; persisted saves fall on saved steps (the
+        persistence interval kept steady: `lifecycle.persist_steps`)."""
         self.every = every
-        self.persist_every = every * math.ceil(persist_every / every)
+        self._persist_base = lifecycle.persist_steps(self._persist_base, persist_every)
+        self.persist_every = every * math.ceil(self._persist_base / every)
 
     def persist(self, step: int) -> bool:
         """Whether the save of `step` is one for the agent to persist."""

@@ -432,8 +432,11 @@ def test_persisted_saves_are_agreed_and_fall_on_saved_steps() -> None:
     assert not pacer.persist(1000)  # nothing agreed yet: memory only
     pacer._wish_persist(0.012)  # 12 ms steps: 30 s is 2500 steps
     assert pacer.persist_wanted == 2500
-    pacer.agreed(every=7, persist_every=2500)  # another rank wanted it; rounded up to x7
-    assert pacer.persist_every == 2506
-    assert [s for s in range(1, 6000) if pacer.persist(s)] == [2506, 5012]
+    # another rank wanted it; down to 4 values an octave (2048), up to a multiple of 7
+    pacer.agreed(every=7, persist_every=2500)
+    assert pacer.persist_every == 2051
+    assert [s for s in range(1, 4500) if pacer.persist(s)] == [2051, 4102]
+    pacer.agreed(every=7, persist_every=2300)  # a re-measured step time: the interval stays
+    assert pacer.persist_every == 2051
     with pytest.raises(ValueError, match="persist_every_s"):
         hooks.init(persist_every_s=0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from unbroken.recovery.lifecycle import persist_steps
 from unbroken.trainer import flashckpt
 from unbroken.trainer.flashckpt import PersistClock
 
@@ -47,3 +48,16 @@ def test_the_ranks_take_the_most_frequent_wish(monkeypatch: pytest.MonkeyPatch) 
     clock = PersistClock(2.5, agree=lambda wish: min(wish, 10))  # a slower rank wants 10
     persisted(clock, 1, 60, monkeypatch)
     assert clock.every_steps == 10
+
+
+def test_the_interval_stays_put_while_step_times_wobble(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Persisted steps are the interval's multiples: re-derived from each re-measured step
+    time (338, 375, 346 steps) it hit few of them. Four values an octave, moved only past
+    30 %: the interval stays, and a job as fast on another restart picks the same one."""
+    wishes = iter([391, 338, 375, 346, 560])
+    clock = PersistClock(110.0, agree=lambda wish: next(wishes))
+    persisted(clock, 1, 8 + 3 * 128, monkeypatch)  # agreements at calls 8, 136, 264, 392
+    assert clock.every_steps == 384  # 391 rounded down; 338, 375, 346 within 30 %
+    persisted(clock, 393, 128, monkeypatch)  # the fifth, at call 520: steps got a third shorter
+    assert clock.every_steps == 512
+    assert [persist_steps(0, w) for w in (5, 20, 391, 400, 2500)] == [5, 20, 384, 384, 2048]
