@@ -962,7 +962,7 @@ class DriverService(dgrpc.DriverServicer):
         return lifecycle.persist_interval_at_s(cost, self.storage_mtbf_s(), self.config.persist)
 
     def persistence(self) -> tuple[float, float, float]:
-        """(the interval sent now or 0, the measured cost of one shard, the storage MTBF)."""
+        """(the interval sent now or 0, the cost of persisting a checkpoint, the storage MTBF)."""
         cost = self.journal.state.persist_cost_s if self.journal is not None else 0.0
         return self.persist_every_s(), cost, self.storage_mtbf_s()
 

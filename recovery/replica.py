@@ -703,7 +703,8 @@ RETRY_CAP_S = 5.0
 
 
 class ReplicaSender:
-    """The sending agent's side: ships each local rank's newest copy to the buddy.
+    """The sending agent's side: ships each local rank's newest copy to the buddy (the
+    newest step all local ranks hold, the same for every rank: `same_step`).
 
     Not every copy: with a ring of k copies a copy goes every `k - REPLICA_MARGIN` saves
     (every save when k <= 4), or once `REPLICA_EVERY_S` has passed since the last one
@@ -778,10 +779,11 @@ class ReplicaSender:
         """Send every rank's newest copy that is due (see the class docstring); `listed`:
         each rank's copies as the caller just listed them (else they are listed here)."""
         results = []
+        by_rank: dict[int, list[CopyRef]] = {}
         for rank in self.owner.ranks():
             refs = listed.get(rank) if listed is not None else None
-            if refs is None:
-                refs = list_copies(self.owner.rank_dir(rank))
+            by_rank[rank] = refs if refs is not None else list_copies(self.owner.rank_dir(rank))
+        for rank, refs in same_step(by_rank).items():
             ref = self.due(rank, refs, time.monotonic())
             if ref is None:
                 continue
@@ -823,6 +825,22 @@ class ReplicaSender:
         n = self._retry.get(rank, (0, 0.0))[0] + 1
         self._retry[rank] = (n, now + min(RETRY_CAP_S, RETRY_FIRST_S * 2 ** (n - 1)))
         log.warning("replica.send_failed", rank=rank, step=res.step, error=res.error, tries=n)
+
+
+def same_step(by_rank: dict[int, list[CopyRef]]) -> dict[int, list[CopyRef]]:
+    """Each rank's copies (newest first) up to the newest step every rank holds, so the
+    node's ranks replicate the same step: the buddy keeps two copies a rank, and ranks
+    whose newest copies were a step apart when sent (17 and 18, 23 and 24) left the buddy
+    no step in common, and a lost node's restore fell back to the newest commit (a drill
+    lost 25 steps). Unchanged when the ranks hold no step in common."""
+    if len(by_rank) < 2:
+        return by_rank
+    steps = [{r.manifest.step for r in refs} for refs in by_rank.values()]
+    common = set.intersection(*steps)
+    if not common:
+        return by_rank
+    top = max(common)
+    return {rank: [r for r in refs if r.manifest.step <= top] for rank, refs in by_rank.items()}
 
 
 def _verifies(ref: CopyRef) -> bool:

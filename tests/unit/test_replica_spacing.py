@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from unbroken.recovery.flashcopy import CopyRef, Manifest
-from unbroken.recovery.replica import REPLICA_MARGIN, RETRY_CAP_S, ReplicaSender, SendResult
+from unbroken.recovery.replica import (
+    REPLICA_MARGIN,
+    RETRY_CAP_S,
+    ReplicaSender,
+    SendResult,
+    same_step,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -128,3 +134,15 @@ def test_slow_saves_are_replicated_about_every_second() -> None:
             out.append(ref.manifest.step)
     gaps = {b - a for a, b in itertools.pairwise(x for x in out if x >= 16)}
     assert gaps == {3}  # 1.2 s: the first save at least REPLICA_EVERY_S after the last send
+
+
+def test_a_nodes_ranks_replicate_the_same_step() -> None:
+    """The buddy keeps two copies a rank: ranks sent a step apart (17 and 18, then 23 and
+    24) left no step in common and a lost node's restore fell back to the newest commit."""
+    lagging = {2: ring(18, 16), 3: ring(17, 16)}  # rank 3's step 18 is still being copied
+    picked = same_step(lagging)
+    assert [refs[0].manifest.step for refs in picked.values()] == [17, 17]
+    s = sender()
+    assert [s.due(r, refs, now=0.0).manifest.step for r, refs in picked.items()] == [17, 17]  # type: ignore[union-attr]
+    assert same_step({2: ring(18, 2), 3: ring(30, 2)}) == {2: ring(18, 2), 3: ring(30, 2)}
+    assert same_step({0: ring(5, 3)}) == {0: ring(5, 3)}  # one rank: its newest
