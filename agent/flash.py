@@ -3,7 +3,7 @@
 The agent, not the worker, owns the shared memory holding its ranks' flash copies, so a copy
 survives the worker's crash. `NodeFlash` creates the job's `FlashOwner` at start, tells
 workers where it is (environment variables read by `unbroken.trainer.flashckpt`), and runs
-one background loop, on its own thread at a low priority (`IoThread`, `--flash-nice`: the
+one background loop, on its own thread at a low priority (`LoopThread`, `--flash-nice`: the
 workers keep the cores), that notices completed copies (a new manifest generation per rank,
 polled every `poll_ms`) and then (1) hands them to the fsspec `Persister`, which writes and
 verifies them off the event loop, and reports each verified shard to the driver (which
@@ -30,13 +30,12 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
 
 import structlog
 
+from unbroken.common.loopthread import LoopThread
 from unbroken.common.tls import TlsConfig
 from unbroken.common.workerenv import WorkerEnv
 from unbroken.recovery.flashcopy import CopyRef, FlashError, list_copies, replica_store
@@ -66,7 +65,6 @@ log = structlog.get_logger(__name__)
 # steps with flash saves ran at 0.85-0.90 of the steps without (bench-recovery's throughput
 # pairs). On this thread at nice 19: median 1.00 over six pairs.
 IO_NICE = 19
-_T = TypeVar("_T")
 REPLICA_PREFIX = replica_store("x")[:-1]  # "replica-": a store of another node's copies
 MAX_HELD_RANKS = 256  # replica holdings reported per heartbeat
 
@@ -234,56 +232,11 @@ class NodeFlashConfig:
         FlashConfig(root=self.root, job=self.job, copies=self.copies)  # validates them
 
 
-class IoThread:
-    """An event loop on its own thread at a lower priority (a higher nice value).
-
-    The agent's own loop keeps heartbeats, commands and the workers' supervision on time;
-    the flash work (hashing, copying and sending megabytes per copy) runs here, where the
-    scheduler gives it the cores only when the workers leave them idle. Threads this loop
-    starts (its `to_thread` pool, the persister's) inherit the nice value. A nice value
-    the process may not take (it already runs nicer) is left as it is.
-    """
-
-    def __init__(self, name: str, nice: int) -> None:
-        self.nice = nice
-        self.loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-        self._ready.wait()
-
-    def _run(self) -> None:
-        if self.nice:
-            tid = threading.get_native_id()
-            try:
-                if os.getpriority(os.PRIO_PROCESS, tid) < self.nice:
-                    os.setpriority(os.PRIO_PROCESS, tid, self.nice)  # this thread only
-            except OSError as e:
-                log.warning("flash.nice_not_set", nice=self.nice, error=str(e))
-        asyncio.set_event_loop(self.loop)
-        self.loop.call_soon(self._ready.set)
-        try:
-            self.loop.run_forever()
-        finally:
-            self.loop.run_until_complete(self.loop.shutdown_default_executor())
-            self.loop.close()
-
-    async def call(self, coro: Coroutine[Any, Any, _T]) -> _T:
-        """Run `coro` on this thread's loop; awaited from another loop."""
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop the loop (after what it runs now) and join the thread."""
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout_s)
-
-
 class NodeFlash:
     """One agent's flash store with its persister, replica server and replica sender.
 
     Its background work (the ring scans, persistence, the replica server and sends) runs
-    on an `IoThread` at `--flash-nice`; `start` and `close` are awaited from the agent's loop.
+    on a `LoopThread` at `--flash-nice`; `start` and `close` are awaited from the agent's loop.
     """
 
     def __init__(self, config: NodeFlashConfig, world_size: int, node_id: str = "") -> None:
@@ -315,7 +268,7 @@ class NodeFlash:
         self._submitted_at: dict[int, float] = {}  # rank -> monotonic time of the last submit
         self._tries: dict[tuple[int, int], int] = {}  # (rank, generation) -> retries so far
         self._task: asyncio.Task[None] | None = None
-        self._io: IoThread | None = None
+        self._io: LoopThread | None = None
         self.persisted: list[Persisted] = []
         # Verified shards not yet reported to the driver (appended by the persister thread,
         # taken by the agent's session; deque ends are thread-safe). Bounded: when the
@@ -351,7 +304,7 @@ class NodeFlash:
     async def start(self) -> None:
         """Listen for the buddy, fetch this node's replicas back, start persisting: on the
         flash thread (started here)."""
-        io = self._io = IoThread(f"flash-{self.node_id}"[:15], self.config.io_nice)
+        io = self._io = LoopThread(f"flash-{self.node_id}"[:15], self.config.io_nice)
         try:
             await io.call(self._start())
         except BaseException:

@@ -27,11 +27,9 @@ import secrets
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -39,6 +37,7 @@ import grpc
 import psutil
 
 from unbroken.agent.checks import CHECK_MODULE
+from unbroken.common.loopthread import LoopThread
 from unbroken.driver.etcd import EmbeddedEtcd, EmbeddedEtcdCluster, EtcdConfig, free_port
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -525,29 +524,6 @@ class LocalCluster:
         self.stop()
 
 
-class _Loop:
-    """An asyncio loop in a daemon thread, for the asyncio-only etcd client."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="logwatch")
-        self._thread.start()
-
-    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
-        fut: Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return fut.result(timeout_s)
-        except BaseException:
-            fut.cancel()
-            raise
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-        if not self._thread.is_alive():
-            self.loop.close()
-
-
 class LogWatch:
     """Tails one job's event log in etcd and the leading driver's live view.
 
@@ -566,7 +542,7 @@ class LogWatch:
         self.events: list[ev.Event] = []
         self.leader = ""  # the leading driver's name ("" while none answers)
         self.nodes: list[dpb.NodeLive] = []
-        self._loop = _Loop()
+        self._loop = LoopThread("logwatch")
         self._client: Any = None
         self._log: Any = None
 
@@ -598,10 +574,10 @@ class LogWatch:
             return list(await asyncio.wait_for(log.read(from_seq), timeout_s))
 
         try:
-            return self._loop.call(go(), timeout_s + 5)
+            return self._loop.call_sync(go(), timeout_s + 5)
         except Exception:
             with contextlib.suppress(Exception):
-                self._loop.call(self._reset(), 10)
+                self._loop.call_sync(self._reset(), 10)
             return None
 
     @property
@@ -704,5 +680,5 @@ class LogWatch:
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            self._loop.call(self._reset(), 10)
-        self._loop.close()
+            self._loop.call_sync(self._reset(), 10)
+        self._loop.stop(10)

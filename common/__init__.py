@@ -9,6 +9,7 @@
 - `serving`: what every gRPC server of ours does to a request first (malformed bytes get
   INVALID_ARGUMENT).
 - `config`: command-line flags generated from config dataclasses (help in field metadata).
+- `loopthread`: an asyncio loop on its own thread, optionally at a lower priority.
 - `logsetup`: structlog set-up; `reaper`: the watcher that takes a process's children down
   with it.
 

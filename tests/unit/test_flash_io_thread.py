@@ -2,7 +2,7 @@
 
 A replica send hashes and copies megabytes; at the workers' priority it delayed the rank
 sharing its core (bench-recovery's throughput pairs), and on the agent's own loop it
-delayed heartbeats. `IoThread` runs it on its own loop and thread at `--flash-nice`; the
+delayed heartbeats. `LoopThread` runs it on its own loop and thread at `--flash-nice`; the
 threads it starts inherit the nice value; the agent's loop keeps its own.
 """
 
@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from unbroken.agent.flash import IoThread, NodeFlash, NodeFlashConfig
+from unbroken.agent.flash import NodeFlash, NodeFlashConfig
+from unbroken.common.loopthread import LoopThread
 
 pytestmark = pytest.mark.unit
 
@@ -27,7 +28,7 @@ def _nice() -> int:
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
 
-def _run_then_stop(io: IoThread, main: Coroutine[Any, Any, None]) -> None:
+def _run_then_stop(io: LoopThread, main: Coroutine[Any, Any, None]) -> None:
     """Run `main` on a loop of this thread, then stop `io` whatever happened."""
     try:
         asyncio.run(main)
@@ -36,7 +37,7 @@ def _run_then_stop(io: IoThread, main: Coroutine[Any, Any, None]) -> None:
 
 
 def test_work_runs_on_its_own_thread_at_its_nice_value_and_its_helpers_inherit_it() -> None:
-    io = IoThread("flash-t", 19)
+    io = LoopThread("flash-t", 19)
 
     async def probe() -> tuple[int, int, int]:
         helper = await asyncio.to_thread(lambda: (threading.get_native_id(), _nice()))
@@ -50,11 +51,11 @@ def test_work_runs_on_its_own_thread_at_its_nice_value_and_its_helpers_inherit_i
         assert _nice() == 0  # the calling loop's thread keeps its priority
 
     _run_then_stop(io, main())
-    assert not io._thread.is_alive()
+    assert not io.alive
 
 
 def test_an_error_on_the_thread_reaches_the_caller_and_the_thread_goes_on() -> None:
-    io = IoThread("flash-t", 0)
+    io = LoopThread("flash-t", 0)
 
     async def fails() -> None:
         raise ValueError("bad copy")
@@ -71,7 +72,7 @@ def test_an_error_on_the_thread_reaches_the_caller_and_the_thread_goes_on() -> N
 
 
 def test_nice_zero_leaves_the_thread_at_the_agents_priority() -> None:
-    io = IoThread("flash-t", 0)
+    io = LoopThread("flash-t", 0)
 
     async def nice() -> int:
         return _nice()
@@ -80,6 +81,34 @@ def test_nice_zero_leaves_the_thread_at_the_agents_priority() -> None:
         assert await io.call(nice()) == 0
 
     _run_then_stop(io, main())
+
+
+def test_plain_code_waits_with_a_deadline_and_a_late_coroutine_is_cancelled() -> None:
+    """`call_sync` (the log watcher's etcd reads from `unbroken up`): a result, an error,
+    and past the deadline a TimeoutError with the coroutine cancelled on the loop."""
+    io = LoopThread("logwatch-t")
+    cancelled = threading.Event()
+
+    async def late() -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async def fails() -> None:
+        raise OSError("etcd down")
+
+    try:
+        assert io.call_sync(asyncio.sleep(0, result=5), 5.0) == 5
+        with pytest.raises(OSError, match="etcd down"):
+            io.call_sync(fails(), 5.0)
+        with pytest.raises(TimeoutError):
+            io.call_sync(late(), 0.1)
+        assert cancelled.wait(5.0)
+    finally:
+        io.stop()
+    assert not io.alive
 
 
 def test_flash_nice_is_validated() -> None:
@@ -104,7 +133,7 @@ def test_node_flash_starts_and_stops_its_thread(tmp_path: Path) -> None:
         assert io is not None and io._thread.is_alive()
         assert flash.port > 0 and flash.persister is not None
         await flash.close(clean=True)
-        assert not io._thread.is_alive() and flash._io is None
+        assert not io.alive and flash._io is None
         assert not flash.owner.job_dir.exists()
 
         taken = NodeFlash(cfg, world_size=1)
