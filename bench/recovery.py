@@ -376,7 +376,7 @@ class Bench:
         elif kind == "loss_spike":
             nodes = [n.node_id for n in self._working()]
             f = Fault(kind, ",".join(nodes), wall, mono)
-            await asyncio.to_thread(self.hurt.loss_spike, step=self.w.step() + SPIKE_AHEAD)
+            await asyncio.to_thread(self.hurt.loss_spike, ahead=SPIKE_AHEAD)
             f.note = self.hurt.injections[-1].note
         elif kind == "silently_bad_node":
             working = [n.node_id for n in self._working() if n.node_id in self.c.agents]

@@ -376,7 +376,7 @@ class Drill:
             note="rollback to the newest step before it every rank holds (ring, else a commit); "
             "batches skipped",
         )  # fmt: skip
-        await asyncio.to_thread(self.inject.loss_spike, step=self.w.step() + SPIKE_AHEAD)
+        await asyncio.to_thread(self.inject.loss_spike, ahead=SPIKE_AHEAD)
         return f
 
     async def _inject_bad_node(self, now: float) -> FaultRecord | None:

@@ -248,15 +248,18 @@ class Faults:
     # ------------------------------------------------------------ through the driver
     def _inject(self, node: str, req: dpb.InjectFaultRequest) -> str:
         resp = self.w.rpc("InjectFault", req, timeout_s=30.0)
+        if resp is None:  # the leader we knew may be gone (a drill's driver kill): ask anew
+            self.w.find_leader()
+            resp = self.w.rpc("InjectFault", req, timeout_s=30.0)
         if resp is None:
             return f"InjectFault failed on {node}"
         return "" if resp.ok else f"InjectFault on {node}: {resp.detail}"
 
     def loss_spike(self, *, step: int | None = None, ahead: int = 2) -> Faults:
         """Poison one step's batch on every working node (`step`, or `ahead` of the
-        newest): LossSpike."""
-        if not self.w.leader:
-            self.w.find_leader()
+        newest): LossSpike. The leader is asked anew first: the step and the working
+        nodes must be its live ones (the one polled last may have just been killed)."""
+        self.w.find_leader()
         nodes = [n.node_id for n in self.w.working()]
         at = step if step is not None else self.w.step() + ahead
         notes = [
