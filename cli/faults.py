@@ -30,6 +30,9 @@ from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 
 PROVE_TIMEOUT_S = 120.0
+# how long an injection through the driver waits for a leader that takes it (a failover
+# takes ~2 s, then the agents reconnect)
+INJECT_WAIT_S = 20.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,26 +249,38 @@ class Faults:
         return self
 
     # ------------------------------------------------------------ through the driver
-    def _inject(self, node: str, req: dpb.InjectFaultRequest) -> str:
-        resp = self.w.rpc("InjectFault", req, timeout_s=30.0)
-        if resp is None:  # the leader we knew may be gone (a drill's driver kill): ask anew
+    def _inject(self, node: str, req: dpb.InjectFaultRequest, wait_s: float = INJECT_WAIT_S) -> str:
+        """Ask the leader to inject `req`; "" when done, else what went wrong. A call the
+        leader does not take (it was just killed, or it leads since a moment and `node`'s
+        agent has not reconnected to it) is tried again, on the leader found anew, for up
+        to `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        while (resp := self.w.rpc("InjectFault", req, timeout_s=30.0)) is None:
+            if time.monotonic() >= deadline:
+                return f"InjectFault failed on {node}"
+            time.sleep(0.5)
             self.w.find_leader()
-            resp = self.w.rpc("InjectFault", req, timeout_s=30.0)
-        if resp is None:
-            return f"InjectFault failed on {node}"
         return "" if resp.ok else f"InjectFault on {node}: {resp.detail}"
 
     def loss_spike(self, *, step: int | None = None, ahead: int = 2) -> Faults:
         """Poison one step's batch on every working node (`step`, or `ahead` of the
-        newest): LossSpike. The leader is asked anew first: the step and the working
-        nodes must be its live ones (the one polled last may have just been killed)."""
-        self.w.find_leader()
-        nodes = [n.node_id for n in self.w.working()]
-        at = step if step is not None else self.w.step() + ahead
-        notes = [
-            self._inject(n, dpb.InjectFaultRequest(node_id=n, kind="loss-spike", step=at))
-            for n in nodes
-        ]
+        newest): LossSpike. The step and the nodes come from the leader's live view, asked
+        anew; while no node takes the injection (a leader just killed or just elected, see
+        `_inject`) both are read again, up to INJECT_WAIT_S: a step chosen before such a
+        wait may have passed, and every node must poison the same step (each poisons its
+        own part of the batch)."""
+        deadline = time.monotonic() + INJECT_WAIT_S
+        while True:
+            self.w.find_leader()
+            nodes = [n.node_id for n in self.w.working()]
+            at = step if step is not None else self.w.step() + ahead
+            notes = [
+                self._inject(n, dpb.InjectFaultRequest(node_id=n, kind="loss-spike", step=at), 0)
+                for n in nodes
+            ]
+            if (nodes and not all(notes)) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
         self._record("loss_spike", ",".join(nodes), note="; ".join(x for x in notes if x))
         return self
 
