@@ -374,10 +374,10 @@ class Bench:
             f = Fault(kind, gone, wall, mono)
             self.new_spare()
         elif kind == "loss_spike":
-            nodes = [n.node_id for n in self._working()]
-            f = Fault(kind, ",".join(nodes), wall, mono)
             await asyncio.to_thread(self.hurt.loss_spike, ahead=SPIKE_AHEAD)
-            f.note = self.hurt.injections[-1].note
+            inj = self.hurt.injections[-1]  # after any wait for the leader to hear every node
+            f = Fault(kind, inj.target, inj.wall_ns, inj.mono)
+            f.note = inj.note
         elif kind == "silently_bad_node":
             working = [n.node_id for n in self._working() if n.node_id in self.c.agents]
             if not working:

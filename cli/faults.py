@@ -264,23 +264,27 @@ class Faults:
 
     def loss_spike(self, *, step: int | None = None, ahead: int = 2) -> Faults:
         """Poison one step's batch on every working node (`step`, or `ahead` of the
-        newest): LossSpike. The step and the nodes come from the leader's live view, asked
-        anew; while no node takes the injection (a leader just killed or just elected, see
-        `_inject`) both are read again, up to INJECT_WAIT_S: a step chosen before such a
-        wait may have passed, and every node must poison the same step (each poisons its
-        own part of the batch)."""
+        newest): LossSpike.
+
+        Every node of the world must poison the same, future step (each poisons its own
+        part of the batch: half a spike on one node is under the detector's bar). So this
+        first waits, up to INJECT_WAIT_S, until the leader, asked anew, hears every world
+        node's workers: after a failover the new leader's view has only the agents that
+        reconnected (2-3 s here), and a spike injected then reached one node of two. The
+        step is then read from that view, not from one polled before the wait."""
         deadline = time.monotonic() + INJECT_WAIT_S
         while True:
             self.w.find_leader()
-            nodes = [n.node_id for n in self.w.working()]
-            at = step if step is not None else self.w.step() + ahead
-            notes = [
-                self._inject(n, dpb.InjectFaultRequest(node_id=n, kind="loss-spike", step=at), 0)
-                for n in nodes
-            ]
-            if (nodes and not all(notes)) or time.monotonic() >= deadline:
+            world = set(self.w.world())
+            nodes = [n.node_id for n in self.w.working() if not world or n.node_id in world]
+            if (nodes and world <= set(nodes)) or time.monotonic() >= deadline:
                 break
-            time.sleep(0.5)
+            time.sleep(0.3)
+        at = step if step is not None else self.w.step() + ahead
+        notes = [
+            self._inject(n, dpb.InjectFaultRequest(node_id=n, kind="loss-spike", step=at), 0)
+            for n in nodes
+        ]
         self._record("loss_spike", ",".join(nodes), note="; ".join(x for x in notes if x))
         return self
 
