@@ -79,6 +79,7 @@ def warm_default(nproc: int, cpus: int | None = None) -> bool:
 
 PEAK_BEATS = 3  # heartbeats a loss peak is repeated in (see Worker.status)
 WINDOW_STEPS = 128  # steps the reported compute / wait medians stand for
+LOSS_WINDOW = 100  # recent losses the reported loss median / MAD stand for (SpikeConfig.window)
 # where a worker may say its restored state came from
 RESTORE_SOURCES = frozenset(s.label for s in Source)
 
@@ -358,6 +359,11 @@ class Worker:
         # per-step compute and collective-wait times (the straggler detector's input)
         self.compute_times: collections.deque[float] = collections.deque(maxlen=WINDOW_STEPS)
         self.wait_times: collections.deque[float] = collections.deque(maxlen=WINDOW_STEPS)
+        # this process's recent finite losses, one per step (a new leader's spike baseline)
+        self.losses: collections.deque[float] = collections.deque(maxlen=LOSS_WINDOW)
+        self._loss_stats = (0.0, 0.0)  # their median and MAD, computed when they changed
+        self._loss_stats_of = -1  # ... at this many losses seen
+        self._losses_seen = 0
         self.hung = False
         self.delay_at_progress = -1.0  # run-queue delay (ms) at the step last seen progressing
         self.step_seen = -1
@@ -384,6 +390,9 @@ class Worker:
         if timings_ms and "compute" in timings_ms:
             self.compute_times.append(timings_ms["compute"])
             self.wait_times.append(timings_ms.get("collective_wait", 0.0))
+        if loss is not None and math.isfinite(loss) and step != self.step:
+            self.losses.append(loss)
+            self._losses_seen += 1
         self.step, self.step_time_ms = step, step_time_ms
         self.has_loss = loss is not None
         self.loss = loss if loss is not None else 0.0
@@ -448,6 +457,8 @@ class Worker:
         self.hung = judged and hanglib.is_hung(since_ms, threshold, starved)
         mid, mad = median_mad(self.compute_times)
         wait, wait_mad = median_mad(self.wait_times)
+        if self._loss_stats_of != self._losses_seen:  # sorted once per new loss, not per beat
+            self._loss_stats, self._loss_stats_of = median_mad(self.losses), self._losses_seen
         return dpb.WorkerStatus(
             local_rank=self.local_rank,
             global_rank=self.global_rank,
@@ -474,6 +485,9 @@ class Worker:
             window_steps=len(self.compute_times),
             restored_step=self.restored_step,
             restored_from=self.restored_from,
+            loss_median=self._loss_stats[0],
+            loss_mad=self._loss_stats[1],
+            loss_window=len(self.losses),
         )
 
 

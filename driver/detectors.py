@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from unbroken.driver.liveview import LiveView, NodeSlot
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
-from unbroken.recovery.spike import SpikeConfig, SpikeDetector
+from unbroken.recovery.spike import Prior, SpikeConfig, SpikeDetector
 
 MAX_LINE_CHARS = 4096  # an alert line longer than this is cut (events have a size cap)
 MAX_STACK_CHARS = 48 * 1024  # the agent caps a node's stacks at this (agent/hang.py)
@@ -388,8 +388,13 @@ class LossWatch:
             self.last_peak = peak
         points.append((best.step, best.loss))
         self.last_step, self.last_restarts = best.step, best.restarts
+        # A leader that has just taken over has no loss history: until it has, the rank's
+        # own recent losses (its agent's median and MAD) are the baseline, so a spike right
+        # after a failover is not trained through (bench-recovery: one 1.3 s after a driver
+        # kill went unseen).
+        prior = Prior(best.loss_median, best.loss_mad, best.loss_window)
         for step, loss in points:
-            spike = self.detector.observe(step, loss)
+            spike = self.detector.observe(step, loss, prior)
             if spike is not None:
                 return ev.Event(loss_spike=spike.to_event())
         return None

@@ -98,6 +98,15 @@ class Spike:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Prior:
+    """A loss baseline measured elsewhere: the median and MAD of `n` recent losses."""
+
+    median: float
+    mad: float
+    n: int
+
+
 @dataclass(slots=True)
 class SpikeDetector:
     """Feeds on (step, loss) and reports spikes."""
@@ -106,19 +115,25 @@ class SpikeDetector:
     _window: deque[float] = field(default_factory=deque)
     _pending: list[tuple[int, float]] = field(default_factory=list)  # high, not yet confirmed
 
-    def baseline(self) -> tuple[float, float] | None:
-        """(median, threshold) of the current window, or None before `min_history`."""
+    def baseline(self, prior: Prior | None = None) -> tuple[float, float] | None:
+        """(median, threshold) of the current window, or None before `min_history`; before
+        it, a `prior` of at least `min_history` losses stands in."""
         if len(self._window) < self.config.min_history:
-            return None
-        xs = list(self._window)
-        med = median(xs)
-        mad = median(abs(x - med) for x in xs)
+            if prior is None or prior.n < self.config.min_history:
+                return None
+            med, mad = prior.median, prior.mad
+        else:
+            xs = list(self._window)
+            med = median(xs)
+            mad = median(abs(x - med) for x in xs)
         spread = max(MAD_TO_SIGMA * mad, self.config.min_rel_spread * abs(med))
         return med, med + self.config.factor * spread
 
-    def observe(self, step: int, loss: float) -> Spike | None:
-        """Judge one loss; accepted losses extend the baseline, spikes do not."""
-        base = self.baseline()
+    def observe(self, step: int, loss: float, prior: Prior | None = None) -> Spike | None:
+        """Judge one loss; accepted losses extend the baseline, spikes do not. `prior`: a
+        baseline from elsewhere for while this detector has too little history of its own
+        (a driver that has just taken the lead: the workers' own recent losses)."""
+        base = self.baseline(prior)
         if not math.isfinite(loss):
             med = base[0] if base else math.nan
             thr = base[1] if base else math.nan

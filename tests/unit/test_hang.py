@@ -113,6 +113,18 @@ def test_worker_status_says_the_step_restored_and_its_source(tmp_path: object) -
     assert s.restored_step == 5 and s.restored_from == ""
 
 
+def test_worker_status_carries_its_recent_losses_median_and_mad(tmp_path: object) -> None:
+    """A new leader's spike baseline: one finite loss per step of this process (a step
+    reported twice counts once, NaN not at all), their median and MAD."""
+    w = _worker(tmp_path)
+    assert w.status(100.0, CFG).loss_window == 0
+    for step, loss in [(1, 3.0), (2, 2.0), (2, 2.0), (3, float("nan")), (4, 4.0), (5, 2.5)]:
+        w.on_step(step, loss, 50.0, 100.0 + step)
+    s = w.status(106.0, CFG)
+    # 2, 2.5, 3, 4: the upper median 3; deviations 0, 0.5, 1, 1
+    assert (s.loss_window, s.loss_median, s.loss_mad) == (4, 3.0, 0.75)
+
+
 def test_a_script_without_step_reports_is_never_judged(tmp_path: object) -> None:
     w = _worker(tmp_path)
     assert not w.status(w.last_progress + 1e6, CFG).hung

@@ -22,13 +22,21 @@ CFG = SpikeConfig(window=20, min_history=5, factor=6.0)
 
 
 def _beat(
-    view: LiveView, node: str, step: int, loss: float, *, rank: int, restarts: int = 0
+    view: LiveView,
+    node: str,
+    step: int,
+    loss: float,
+    *,
+    rank: int,
+    restarts: int = 0,
+    recent: tuple[float, float, int] = (0.0, 0.0, 0),
 ) -> None:
     slot = view.slot(node)
     view.mark_alive(slot, 0.0)
     w = dpb.WorkerStatus(
         global_rank=rank, step=step, loss=loss, has_loss=True, restarts=restarts,
-        state=dpb.WORKER_STATE_RUNNING,
+        state=dpb.WORKER_STATE_RUNNING, loss_median=recent[0], loss_mad=recent[1],
+        loss_window=recent[2],
     )  # fmt: skip
     view.beat(slot, dpb.Heartbeat(workers=[w]), 0.0)
 
@@ -50,6 +58,25 @@ def test_one_loss_per_step_from_the_lowest_rank_and_a_spike_is_an_event() -> Non
     _beat(view, "n0", 9, 3.02, rank=0, restarts=1)
     assert watch.sweep(view, world) is None
     assert 30.0 not in watch.detector._window
+
+
+def test_a_new_leader_judges_a_spike_against_the_ranks_own_recent_losses() -> None:
+    """The watch lives in the leader's memory: after a failover it starts empty. The rank's
+    agent reports its recent losses' median and MAD, so a spike in the new leader's first
+    heartbeats is an event (bench-recovery: one 0.1-0.4 s after the agents re-registered
+    went unseen); without them the first losses only build a baseline."""
+    view, watch = LiveView(LiveViewConfig()), LossWatch(CFG)
+    _beat(view, "n0", 3852, 1.5, rank=0, recent=(1.48, 0.05, 100))
+    assert watch.sweep(view, ["n0"]) is None
+    _beat(view, "n0", 3854, 20.9, rank=0, recent=(1.49, 0.05, 100))
+    e = watch.sweep(view, ["n0"])
+    assert e is not None and e.loss_spike.step == 3854
+    assert e.loss_spike.baseline == pytest.approx(1.49)
+    blind = LossWatch(CFG)
+    _beat(view, "n0", 3855, 1.5, rank=0)
+    assert blind.sweep(view, ["n0"]) is None
+    _beat(view, "n0", 3856, 20.9, rank=0)
+    assert blind.sweep(view, ["n0"]) is None
 
 
 def test_a_non_finite_loss_is_a_spike_even_without_history() -> None:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.recovery.spike import RollbackPolicy, Spike, SpikeConfig, SpikeDetector
+from unbroken.recovery.spike import Prior, RollbackPolicy, Spike, SpikeConfig, SpikeDetector
 
 pytestmark = pytest.mark.unit
 
@@ -65,6 +65,24 @@ def test_nothing_is_called_before_min_history() -> None:
         assert det.observe(i, x) is None
     assert det.observe(4, 100.0) is None  # fifth value still builds the baseline
     assert det.observe(5, 100.0) is not None
+
+
+def test_a_prior_judges_until_the_detectors_own_history_is_long_enough() -> None:
+    """A driver that just took the lead: the rank's own recent losses (median 2.0, MAD
+    0.02 over 40) are the baseline, so a 10x loss is a spike at once; a prior of fewer
+    than `min_history` losses is not trusted; once the detector has its own history the
+    prior is not used (a prior claiming a baseline of 50 no longer hides a spike)."""
+    cfg = SpikeConfig(window=10, min_history=5)
+    prior = Prior(median=2.0, mad=0.02, n=40)
+    fresh = SpikeDetector(cfg)
+    spike = fresh.observe(7, 20.0, prior)
+    assert spike is not None and spike.step == 7 and spike.baseline == pytest.approx(2.0)
+    assert SpikeDetector(cfg).observe(7, 20.0, Prior(2.0, 0.02, n=4)) is None
+    assert SpikeDetector(cfg).observe(7, 2.01, prior) is None  # in the band: accepted
+    own = SpikeDetector(cfg)
+    for i, x in enumerate(_noisy(5)):
+        assert own.observe(i, x) is None
+    assert own.observe(5, 20.0, Prior(median=50.0, mad=1.0, n=40)) is not None
 
 
 def test_flat_loss_uses_relative_spread_floor() -> None:
