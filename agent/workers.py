@@ -361,9 +361,8 @@ class Worker:
         self.wait_times: collections.deque[float] = collections.deque(maxlen=WINDOW_STEPS)
         # this process's recent finite losses, one per step (a new leader's spike baseline)
         self.losses: collections.deque[float] = collections.deque(maxlen=LOSS_WINDOW)
-        self._loss_stats = (0.0, 0.0)  # their median and MAD, computed when they changed
-        self._loss_stats_of = -1  # ... at this many losses seen
-        self._losses_seen = 0
+        self._loss_stats = (0.0, 0.0)  # their median and MAD...
+        self._loss_stats_stale = False  # ...recomputed at the next heartbeat after a new loss
         self.hung = False
         self.delay_at_progress = -1.0  # run-queue delay (ms) at the step last seen progressing
         self.step_seen = -1
@@ -392,7 +391,7 @@ class Worker:
             self.wait_times.append(timings_ms.get("collective_wait", 0.0))
         if loss is not None and math.isfinite(loss) and step != self.step:
             self.losses.append(loss)
-            self._losses_seen += 1
+            self._loss_stats_stale = True
         self.step, self.step_time_ms = step, step_time_ms
         self.has_loss = loss is not None
         self.loss = loss if loss is not None else 0.0
@@ -457,8 +456,8 @@ class Worker:
         self.hung = judged and hanglib.is_hung(since_ms, threshold, starved)
         mid, mad = median_mad(self.compute_times)
         wait, wait_mad = median_mad(self.wait_times)
-        if self._loss_stats_of != self._losses_seen:  # sorted once per new loss, not per beat
-            self._loss_stats, self._loss_stats_of = median_mad(self.losses), self._losses_seen
+        if self._loss_stats_stale:  # sorted once per new loss, not per beat
+            self._loss_stats, self._loss_stats_stale = median_mad(self.losses), False
         return dpb.WorkerStatus(
             local_rank=self.local_rank,
             global_rank=self.global_rank,
