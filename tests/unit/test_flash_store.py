@@ -541,6 +541,82 @@ def test_guard_makes_optimizer_step_wait_for_the_copy(
     w.close()
 
 
+def _manifest_steps(owner: FlashOwner) -> list[int]:
+    return [r.manifest.step for r in list_copies(owner.rank_dir(0))]
+
+
+def test_an_overlapped_save_is_published_by_the_training_thread_at_its_optimizer_step(
+    owner: FlashOwner,
+) -> None:
+    """The writer's thread copies and checksums; the manifest is written by the thread
+    that runs the next optimizer step (the guard), so no manifest write on the writer's
+    thread hands the GIL back and forth with training."""
+    from unbroken.recovery import flash
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = FlashWriter(0, owner)
+    guards = w.guard([opt])
+    written: list[str] = []
+    real = flash.write_manifest
+
+    def spy(*a: Any, **k: Any) -> Any:
+        written.append(threading.current_thread().name)
+        return real(*a, **k)
+
+    flash.write_manifest = spy  # type: ignore[assignment]
+    try:
+        h = w.save_async({"model": model.state_dict()}, 1)
+        assert h is not None
+        h._digest.done.result(10)  # type: ignore[union-attr]  # copied and checksummed
+        assert _manifest_steps(owner) == []  # not yet published
+        model(torch.ones(1, 4)).sum().backward()
+        opt.step()  # the guard publishes it here
+        assert _manifest_steps(owner) == [1] and h.done()
+        assert written == [threading.current_thread().name]
+        assert h.wait().checksum == list_copies(owner.rank_dir(0))[0].manifest.checksum
+    finally:
+        flash.write_manifest = real  # type: ignore[assignment]
+        for g in guards:
+            g.remove()
+        w.close()
+
+
+def test_an_overlapped_save_nobody_publishes_is_published_by_the_writer_thread(
+    owner: FlashOwner,
+) -> None:
+    """A loop that saves now and then without the guard, or a rank stuck in a collective
+    right after a save: the writer's thread writes the manifest after PUBLISH_WAIT_S."""
+    from unbroken.recovery.flash import PUBLISH_WAIT_S
+
+    w = FlashWriter(0, owner)
+    t0 = time.monotonic()
+    h = w.save_async(_state(1), 1)
+    assert h is not None
+    deadline = t0 + 10
+    while not _manifest_steps(owner) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _manifest_steps(owner) == [1]
+    assert time.monotonic() - t0 >= PUBLISH_WAIT_S * 0.9  # it waited for the training thread
+    target = _zeros_like(_state(0))
+    w.load(target)
+    _assert_same(_state(1), target)
+    w.close()
+
+
+def test_the_next_save_publishes_the_previous_one_without_waiting_for_its_checksum(
+    owner: FlashOwner,
+) -> None:
+    w = FlashWriter(0, owner)
+    h1 = w.save_async(_state(1), 1)
+    assert h1 is not None
+    h1._digest.done.result(10)  # type: ignore[union-attr]
+    h2 = w.save_async(_state(2), 2)  # publishes step 1 first (its checksum is ready)
+    assert h2 is not None and h1.done() and 1 in _manifest_steps(owner)
+    w.close()  # the last one is published on close
+    assert sorted(_manifest_steps(owner)) == [1, 2]
+
+
 @pytest.mark.parametrize(
     "value",
     [True, 1, 2**70, 0.0, -0.0, float("-inf"), "s", None, (0.9, 0.95), [1, 2], {"a": (1,)}],
