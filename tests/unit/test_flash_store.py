@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import os
 import shutil
 import tempfile
@@ -235,6 +236,63 @@ def test_damaged_manifest_means_no_copy(owner: FlashOwner) -> None:
     mpath.write_bytes(mpath.read_bytes()[:-3] + b"bad")
     with pytest.raises(NoCopyError):
         find_copy(owner.rank_dir(0))
+
+
+def test_a_slot_manifest_holds_its_head_and_names_its_plan_stored_once(
+    owner: FlashOwner,
+) -> None:
+    """The slot form: each save writes a small head; the entries and keys lines (the same
+    every save of a plan) are stored once, beside it, under their hash."""
+    from unbroken.recovery.flashcopy import Manifest, plan_path
+
+    w = FlashWriter(0, owner)
+    for step in (1, 2, 3):
+        w.save(_state(step), step).wait()  # type: ignore[union-attr]
+    rank_dir = owner.rank_dir(0)
+    plans = sorted(p.name for p in rank_dir.glob("plan-*.lines"))
+    assert len(plans) == 1
+    refs = list_copies(rank_dir)
+    assert [r.manifest.step for r in refs] == [3, 2, 1]
+    m = refs[0].manifest
+    raw = (rank_dir / f"slot-{refs[0].slot}.manifest").read_bytes()
+    wire = m.to_bytes()  # the wire and storage form: self-contained, version 3
+    assert Manifest.from_bytes(wire) == m
+    assert raw.count(b"\n") == 1 and len(raw) < len(wire)
+    plan_id = json.loads(raw.split(b"\n")[0])["plan"]
+    assert plan_path(rank_dir, plan_id).name == plans[0]
+    with pytest.raises(CorruptCopyError, match="read from its slot"):
+        Manifest.from_bytes(raw)  # off the wire: never resolves a file
+    target = _zeros_like(_state(0))
+    w.load(target)
+    _assert_same(_state(3), target)
+    w.close()
+
+
+@pytest.mark.parametrize("damage", ["missing", "tampered", "traversal"])
+def test_a_slot_manifest_whose_plan_is_missing_or_wrong_is_no_copy(
+    owner: FlashOwner, damage: str
+) -> None:
+    import zlib
+
+    from unbroken.recovery import flashcopy
+
+    FlashWriter(0, owner).save(_state(1), 1).wait()  # type: ignore[union-attr]
+    rank_dir = owner.rank_dir(0)
+    flashcopy._plans.clear()  # this process wrote it: read it as another would
+    flashcopy._parsed.clear()
+    (plan,) = rank_dir.glob("plan-*.lines")
+    mpath = rank_dir / "slot-0.manifest"
+    if damage == "missing":
+        plan.unlink()
+    elif damage == "tampered":
+        plan.write_bytes(plan.read_bytes().replace(b"float32", b"float64", 1))
+    else:
+        head = json.loads(mpath.read_bytes().split(b"\n")[0])
+        head["plan"] = "../../../../etc/"
+        body = json.dumps(head, separators=(",", ":")).encode()
+        mpath.write_bytes(body + b"\n" + f"{zlib.crc32(body):08x}".encode())
+    with pytest.raises(NoCopyError):
+        find_copy(rank_dir)
 
 
 def test_owner_lists_discards_and_cleans(owner: FlashOwner) -> None:
