@@ -427,6 +427,15 @@ class TrainConfig:
             "agent with a flash store, else off; 0: off, and no flash restore)",
         },
     )
+    flash_ab: int = field(
+        default=0,
+        metadata={
+            "group": OUTPUT,
+            "help": "measure what the flash saves cost this job: alternate N steps with "
+            "memory saves and N without (persisted and requested saves still happen); each "
+            "metrics row says which (flash_block). 0: off",
+        },
+    )
 
     def __post_init__(self) -> None:
         m, p, d = self.model, self.parallel, self.data
@@ -434,6 +443,8 @@ class TrainConfig:
             raise ValueError(f"log_every must be >= 1, got {self.log_every}")
         if self.flash_every is not None and self.flash_every < 0:
             raise ValueError(f"flash_every must be >= 0 (--flash-every), got {self.flash_every}")
+        if self.flash_ab < 0:
+            raise ValueError(f"flash_ab must be >= 0 (--flash-ab), got {self.flash_ab}")
         if self.init not in INIT_MODES:
             raise ValueError(f"init must be one of {list(INIT_MODES)}; got {self.init!r}")
         if self.steps < 0:

@@ -321,7 +321,9 @@ def train(
                 # every rank calls the clock at every step (it agrees collectively)
                 timed, asked = clock.due(step), requests.due(step)
                 persist = timed or asked or step == config.steps
-                if persist or step % flash_every == 0:
+                if config.flash_ab:  # a cost measurement: memory saves in alternate blocks
+                    m["flash_block"] = (step // config.flash_ab) % 2 == 0
+                if persist or (step % flash_every == 0 and m.get("flash_block", True)):
                     t = time.perf_counter()
                     flash.save(trainer, step, persist=persist)
                     m["flash_save_s"] = time.perf_counter() - t
