@@ -174,12 +174,12 @@ class Steps:
             if t0 <= t <= t1 and step % block >= AB_SETTLE:
                 walls[on].append(wall)
                 pairs.setdefault(step // (2 * block), {True: [], False: []})[on].append(wall)
-        rate = {on: len(w) / sum(w) if w else None for on, w in walls.items()}
-        ratios = [
-            (len(p[True]) / sum(p[True])) / (len(p[False]) / sum(p[False]))
-            for p in pairs.values()
-            if p[True] and p[False]
-        ]
+
+        def per_s(w: list[float]) -> float:  # steps per second of these steps' wall times
+            return len(w) / sum(w)
+
+        rate = {on: per_s(w) if w else None for on, w in walls.items()}
+        ratios = [per_s(p[True]) / per_s(p[False]) for p in pairs.values() if p[True] and p[False]]
         return {
             "steps_per_s_with_flash": rate[True],
             "steps_per_s_without_flash": rate[False],
@@ -676,8 +676,7 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
         for attempt in range(ns.throughput_rounds):
 
             async def blocks(b: Bench) -> None:
-                await b.tick()
-                t0 = time.monotonic()
+                t0 = time.monotonic()  # `steady` polls first, then trains for baseline_s
                 await b.steady(ns.baseline_s)
                 r = {
                     **b.steps.ab_rates(t0, time.monotonic(), AB_BLOCK),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import tempfile
 from collections.abc import Iterator
 
@@ -27,6 +28,16 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
         yield etcd
     finally:
         etcd.stop(remove=True)
+
+
+@pytest.fixture
+def shm() -> Iterator[str]:
+    """A private directory on /dev/shm (a flash store's root), removed after the test."""
+    root = tempfile.mkdtemp(prefix="ub-test-shm-", dir="/dev/shm")
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

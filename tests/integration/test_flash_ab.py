@@ -8,9 +8,6 @@ saves (the job's first, its last) happen whatever the block.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,15 +18,6 @@ from unbroken.trainer.launch import spawn
 from unbroken.trainer.run import train
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def shm() -> Iterator[str]:
-    root = tempfile.mkdtemp(prefix="ub-flash-ab-", dir="/dev/shm")
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def _train(cfg: TrainConfig) -> list[dict[str, object]]:

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -113,15 +112,6 @@ def _spawn(
     # thread with every earlier copy complete (test_flash_store covers the take-over).
     env[IDLE_THREADS_ENV] = "0"
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-
-
-@pytest.fixture
-def shm() -> Iterator[str]:
-    root = tempfile.mkdtemp(prefix="ub-kill-", dir="/dev/shm")
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlapped"])

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import functools
 import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,15 +98,6 @@ def _worker(
     finally:
         flash.close()
         trainer.close()
-
-
-@pytest.fixture
-def shm() -> Iterator[str]:
-    root = tempfile.mkdtemp(prefix="ub-reshard-e2e-", dir="/dev/shm")
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def _env(shm: str, storage: Path) -> dict[str, str]:

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -123,15 +120,6 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-@pytest.fixture
-def shm() -> Iterator[str]:
-    root = tempfile.mkdtemp(prefix="ub-reshard-", dir="/dev/shm")
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def _run(world: int, tmp: Path, name: str, cfg: dict[str, Any]) -> dict[int, float]:
