@@ -285,7 +285,8 @@ def plan_path(rank_dir: Path, plan_id: str) -> Path:
     return rank_dir / f"{PLAN_PREFIX}{plan_id}{PLAN_SUFFIX}"
 
 
-_plans: dict[str, bytes] = {}  # plan id -> its verified lines (content-addressed: no staleness)
+# plan id -> its verified lines (content-addressed: never stale), under ENTRIES_CACHE_BYTES
+_plans: dict[str, bytes] = {}
 
 
 def read_plan(rank_dir: Path, plan_id: str) -> bytes:
@@ -299,8 +300,10 @@ def read_plan(rank_dir: Path, plan_id: str) -> bytes:
         raise CorruptCopyError(f"the manifest's plan {plan_id} is missing: {e}") from e
     if xxhash.xxh3_64_hexdigest(lines) != plan_id:
         raise CorruptCopyError(f"the plan file {plan_id} does not match its name")
-    if len(_plans) >= 64:  # plans of long-gone jobs
-        _plans.clear()
+    if len(lines) > ENTRIES_CACHE_BYTES // 4:
+        return lines  # too large to keep (a buddy's plan may be up to 16 MB)
+    if len(_plans) >= 64 or sum(map(len, _plans.values())) + len(lines) > ENTRIES_CACHE_BYTES:
+        _plans.clear()  # plans of long-gone jobs, or a flood of made-up ones
     _plans[plan_id] = lines
     return lines
 
@@ -308,22 +311,23 @@ def read_plan(rank_dir: Path, plan_id: str) -> bytes:
 def _write_plan(rank_dir: Path, plan_id: str, lines: bytes) -> None:
     """Store the plan lines once per directory (atomically; a stat when already there)."""
     path = plan_path(rank_dir, plan_id)
-    if os.path.exists(path):
-        return
-    tmp = rank_dir / f".{PLAN_PREFIX}{plan_id}.{os.getpid()}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-    fd = os.open(tmp, flags, 0o600)
+    if not os.path.exists(path):
+        _replace_with(path, rank_dir / f".{PLAN_PREFIX}{plan_id}.{os.getpid()}.tmp", lines)
+
+
+def _replace_with(path: Path, tmp: Path, data: bytes) -> os.stat_result:
+    """Replace `path` with `data` atomically (written to `tmp`, renamed; never through a
+    symlink); returns the new file's stat, taken before the rename."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
-        _write_all(fd, lines)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        st = os.fstat(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+    return st
 
 
 def _entries(rows: Any) -> tuple[TensorEntry, ...]:
@@ -493,11 +497,8 @@ def read_persisted_mark(rank_dir: Path) -> int | None:
 
 def write_persisted_mark(rank_dir: Path, generation: int) -> None:
     """Record (atomically) that `generation` of `rank_dir` is persisted."""
-    tmp = rank_dir / f".{PERSISTED_MARK}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-    with os.fdopen(os.open(tmp, flags, 0o600), "wb") as f:
-        f.write(str(int(generation)).encode())
-    os.replace(tmp, rank_dir / PERSISTED_MARK)
+    data = str(int(generation)).encode()
+    _replace_with(rank_dir / PERSISTED_MARK, rank_dir / f".{PERSISTED_MARK}.tmp", data)
 
 
 def list_copies(rank_dir: Path) -> list[CopyRef]:
@@ -710,12 +711,4 @@ def write_manifest(rank_dir: Path, slot: int, manifest: Manifest) -> tuple[int, 
     raw, plan_id, lines = manifest.slot_bytes()
     _write_plan(rank_dir, plan_id, lines)
     tmp = rank_dir / f".slot-{slot}.manifest.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-    fd = os.open(tmp, flags, 0o600)
-    try:
-        _write_all(fd, raw)
-        ident = file_ident(os.fstat(fd))
-    finally:
-        os.close(fd)
-    os.replace(tmp, manifest_path(rank_dir, slot))
-    return ident
+    return file_ident(_replace_with(manifest_path(rank_dir, slot), tmp, raw))

@@ -322,3 +322,47 @@ def test_made_up_small_value_keys_do_not_pile_up_and_a_bad_index_is_corrupt() ->
     for index in ("zz", "01", "00"):  # not hex; no blob 1; too short for 2 keys
         with pytest.raises(CorruptCopyError):
             Manifest.from_bytes(forged(99, 2, index))
+
+
+def test_a_buddys_made_up_plans_do_not_pile_up_and_a_plan_id_stays_in_its_directory(
+    tmp_path: Path,
+) -> None:
+    """Slot manifests name their plan lines by hash (`plan-{id}.lines`, written from what a
+    buddy sent): distinct plans the agent reads stay under the cache's byte bound, a huge
+    one is not kept, and an id that is not 16 hex digits is a corrupt copy, never a path."""
+    import xxhash
+
+    from unbroken.recovery import flashcopy
+    from unbroken.recovery.flashcopy import (
+        ENTRIES_CACHE_BYTES,
+        CorruptCopyError,
+        plan_path,
+        read_plan,
+    )
+
+    flashcopy._plans.clear()
+    for i in range(60):  # ~300 KB each: 18 MB of distinct plans in all
+        lines = b"[]\n" + json.dumps([f"k{i}_{j}" + "x" * 300 for j in range(1000)]).encode()
+        plan_id = xxhash.xxh3_64_hexdigest(lines)
+        plan_path(tmp_path, plan_id).write_bytes(lines)
+        assert read_plan(tmp_path, plan_id) == lines
+        assert sum(map(len, flashcopy._plans.values())) <= ENTRIES_CACHE_BYTES
+    huge = b"[]\n" + json.dumps(["x" * 1000] * 3000).encode()  # ~3 MB
+    huge_id = xxhash.xxh3_64_hexdigest(huge)
+    plan_path(tmp_path, huge_id).write_bytes(huge)
+    assert read_plan(tmp_path, huge_id) == huge and huge_id not in flashcopy._plans
+    from unbroken.recovery.flashcopy import Manifest
+
+    head = json.dumps(
+        {"version": 4, "rank": 0, "step": 1, "generation": 1, "data_nbytes": 0,
+         "checksum": 0, "checksum_algo": "xxh3_64", "object_index": "", "blobs": [],
+         "meta": {}, "created_unix": 0.0, "plan": "../../etc/passwd"},
+        separators=(",", ":"),
+    ).encode()  # fmt: skip
+    import zlib
+
+    raw = head + b"\n" + f"{zlib.crc32(head):08x}".encode()
+    with pytest.raises(CorruptCopyError):
+        Manifest.from_bytes(raw, lambda pid: read_plan(tmp_path, pid))
+    with pytest.raises(CorruptCopyError):  # off the wire: no plan resolved at all
+        Manifest.from_bytes(raw)
