@@ -502,7 +502,9 @@ class NodeFlash:
             gen = keep[0].manifest.generation
             if self._seen.get(rank) != gen:
                 self._seen[rank] = gen
-            elif not self._persist_pending(rank, rank_dir, gen):
+            elif not self._persist_pending(rank, rank_dir, gen) and not self._backfill_due(
+                rank_dir, gen
+            ):
                 continue
             if self.persister is not None:
                 self._submitted_at[rank] = time.monotonic()
@@ -511,6 +513,13 @@ class NodeFlash:
             await self.sender.tick(listed)  # the copies listed above, not listed again
         if self.replica_cfg.auth.enabled:  # what this node holds for others, for the heartbeat
             self._held = await asyncio.to_thread(self._poll_replicas)
+
+    def _backfill_due(self, rank_dir: Path, gen: int) -> bool:
+        """True when `gen`, the newest copy, is persisted and the copy the persister
+        skipped before it awaits persistence (`Persister`: after a crash the ranks' newest
+        copies may differ by a step, and the older step needs every rank's shard)."""
+        p = self.persister
+        return p is not None and p.done_generation(rank_dir) == gen and p.backfill_due(rank_dir)
 
     def _persist_pending(self, rank: int, rank_dir: Path, gen: int) -> bool:
         """True when `gen` was handed over but not persisted, and is due for a retry.

@@ -376,6 +376,13 @@ class Persister:
 
     `submit(rank_dir)` after a worker reports a completed save; the newest copy of that
     rank is persisted if it is not yet. `on_persisted` is called from the thread.
+
+    A persister that falls behind skips to the newest copy. Once that newest copy is
+    persisted and still the newest at a later `submit` (the worker stopped, or saves
+    slowed), the newest copy it skipped is persisted too, once (`backfill_due`): after a
+    crash the ranks' newest copies can differ by one step (the dead rank's last copy was
+    never completed), and the step every rank holds then needs every rank's shard to
+    commit.
     """
 
     def __init__(
@@ -389,6 +396,8 @@ class Persister:
         self._on_error = on_error
         self._queue: queue.Queue[Path | None] = queue.Queue(maxsize=config.queue_size)
         self._done: dict[str, int] = {}  # rank_dir -> generation persisted last
+        # rank_dir -> the newest generation skipped before the one persisted last
+        self._skipped: dict[str, int] = {}
         self._thread = threading.Thread(target=self._run, name="flash-persist", daemon=True)
         self._thread.start()
 
@@ -405,16 +414,40 @@ class Persister:
         """The manifest generation of `rank_dir` last persisted successfully, if any."""
         return self._done.get(str(Path(rank_dir)))
 
+    def backfill_due(self, rank_dir: Path) -> bool:
+        """Whether a copy skipped before the newest persisted one awaits its `submit`."""
+        return str(Path(rank_dir)) in self._skipped
+
+    def _write(self, ref: CopyRef) -> Persisted:
+        return write_shard(ref, self.config.url, verify_readback=self.config.verify_readback)
+
     def persist_now(self, rank_dir: Path) -> Persisted | None:
-        """Persist the newest persistable copy of `rank_dir` in the caller's thread."""
+        """Persist the newest persistable copy of `rank_dir` in the caller's thread (or,
+        when it is persisted already, the newest one skipped before it)."""
         refs = persistable(list_copies(Path(rank_dir)))
         if not refs:
             return None
-        ref = refs[0]
-        if self._done.get(str(ref.rank_dir)) == ref.manifest.generation:
-            return None
-        p = write_shard(ref, self.config.url, verify_readback=self.config.verify_readback)
-        self._done[str(ref.rank_dir)] = ref.manifest.generation
+        ref, key = refs[0], str(Path(rank_dir))
+        last = self._done.get(key)
+        if last == ref.manifest.generation:
+            want = self._skipped.pop(key, None)
+            old = [r for r in refs[1:] if r.manifest.generation == want]
+            if not old:
+                return None  # nothing skipped, or its slot is reused by now
+            try:
+                p = self._write(old[0])
+            except CorruptCopyError as e:  # the worker reused its slot meanwhile: no loss
+                log.info("persist.backfill_skipped", rank_dir=key, error=str(e))
+                return None
+            log.info("persist.backfilled", rank=p.rank, step=p.step, bytes=p.nbytes, uri=p.uri)
+            return p
+        p = self._write(ref)
+        self._done[key] = ref.manifest.generation
+        skipped = [r.manifest.generation for r in refs[1:] if r.manifest.generation > (last or 0)]
+        if last is not None and skipped:
+            self._skipped[key] = skipped[0]
+        else:
+            self._skipped.pop(key, None)
         try:  # releases the writer's pin on the slot
             write_persisted_mark(ref.rank_dir, ref.manifest.generation)
         except OSError as e:
