@@ -851,13 +851,24 @@ class FlashWriter:
         busy = set(self._inflight)
         if known:
             busy.add(max(known, key=lambda s: known[s]))
-        pinned = self._pin_holds(rank_dir)
-        if pinned is not None:
-            busy.add(pinned)
         free = [s for s in range(self._nslots) if s not in busy]
         if not free:
             return None
-        return min(free, key=lambda s: (s in known, known.get(s, -1), s))
+
+        def oldest() -> int:
+            return min(free, key=lambda s: (s in known, known.get(s, -1), s))
+
+        choice = oldest()
+        # the agent's persisted mark is read only when the pinned slot would be reused
+        # (a file read per save otherwise, ~50 us on the training thread)
+        if self._pin is not None and choice == self._pin[0]:
+            pinned = self._pin_holds(rank_dir)
+            if pinned is not None:
+                free.remove(pinned)
+                if not free:
+                    return None
+                choice = oldest()
+        return choice
 
     # ------------------------------------------------------------ taking the snapshot
 

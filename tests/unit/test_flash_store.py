@@ -131,6 +131,30 @@ def test_ring_keeps_previous_copies_and_cycles_slots(owner: FlashOwner) -> None:
     w.close()
 
 
+def test_a_copy_awaiting_persistence_keeps_its_slot_until_the_agent_marks_it(
+    owner: FlashOwner,
+) -> None:
+    """The newest copy marked for persistence is pinned: memory-only saves cycle through
+    the other slots until the agent's persisted mark names its generation."""
+    from unbroken.recovery.flashcopy import write_persisted_mark
+
+    owner = FlashOwner(FlashConfig(root=owner.config.root, job="pin", copies=4))
+    w = FlashWriter(0, owner)
+    rank_dir = owner.rank_dir(0)
+    first = w.save(_state(1), 1).wait()  # marked for persistence (the default)
+    slots = []
+    for step in range(2, 7):
+        w.save(_state(step), step, meta={PERSIST_META: False}).wait()
+        slots.append(owner.newest(0).slot)  # type: ignore[union-attr]
+    assert slots == [1, 2, 3, 1, 2]  # slot 0 (step 1) is never reused
+    assert 1 in [r.manifest.step for r in list_copies(rank_dir)]
+    write_persisted_mark(rank_dir, first.generation)
+    for step in (7, 8):
+        w.save(_state(step), step, meta={PERSIST_META: False}).wait()
+    assert 1 not in [r.manifest.step for r in list_copies(rank_dir)]  # released, reused
+    w.close()
+
+
 def _stall_mapper(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
     """Make the writer's mapper thread wait for `go` before it maps; `stalled` is set once
     it waits."""
