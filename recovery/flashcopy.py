@@ -630,6 +630,7 @@ _IN_CHANGES = _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO | _IN_CREATE | _IN
 _IN_LOST = _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_Q_OVERFLOW | _IN_IGNORED
 _IN_NONBLOCK, _IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
 _IN_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of name)
+_IN_READ = 65536  # bytes per read of the event queue
 
 
 @functools.cache
@@ -679,7 +680,7 @@ class ManifestWatch:
         named: set[int] = set()
         while True:
             try:
-                raw = os.read(self._fd, 65536)
+                raw = os.read(self._fd, _IN_READ)
             except BlockingIOError:
                 return named
             except OSError:
@@ -697,6 +698,8 @@ class ManifestWatch:
                     number = name[5:-9]
                     if number.isdigit():
                         named.add(int(number))
+            if len(raw) <= _IN_READ // 2:  # the queue was drained (a save's few events):
+                return named  # no second read only to be told so (a system call, a raise)
 
     def close(self) -> None:
         if self._fd >= 0:
