@@ -63,6 +63,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import statistics
@@ -219,10 +220,12 @@ class Bench:
         flash: bool = True,
         miss_limit: int = MISS_LIMIT,
         flash_ab: int = 0,
+        agent_flags: tuple[str, ...] = (),
     ) -> None:
         self.run = run
         self.flash = flash
         self.flash_ab = flash_ab
+        self.extra_agent_flags = agent_flags
         self.miss_limit = miss_limit
         self.warm = warm
         self.warm_nice = warm_nice
@@ -255,7 +258,7 @@ class Bench:
             flags += ["--warm-nice", str(self.warm_nice)]
         if "--no-selfcheck" in out:  # the self-check's CPU burst would skew resume times
             flags.append("--no-selfcheck")
-        return flags
+        return flags + list(self.extra_agent_flags)
 
     # ------------------------------------------------------------ processes
     def _worker_cmd(self) -> str:
@@ -582,6 +585,7 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
         "runs_per_fault": runs,
         "seed": ns.seed,
         "warm_nice": ns.warm_nice,
+        "agent_flags": ns.agent_flags,
         "miss_limit": ns.miss_limit,
         "hang_floor_ms": HANG_FLOOR_MS,
         "cluster": "2 nodes x 1 worker (tiny gpt3d, dp2) + spare, leader + standby driver",
@@ -608,6 +612,7 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
             flash=flash,
             miss_limit=ns.miss_limit,
             flash_ab=flash_ab,
+            agent_flags=tuple(ns.agent_flags),
         )
         try:
             await b.start()
@@ -850,6 +855,11 @@ def main(argv: list[str] | None = None) -> int:
         "--miss-limit", type=int, default=MISS_LIMIT, help="the drivers' --miss-limit"
     )
     parser.add_argument(
+        "--agent-flags",
+        default="",
+        help='more flags for every agent, one string: --agent-flags="--flash-poll-ms 2000"',
+    )
+    parser.add_argument(
         "--throughput-rounds",
         type=int,
         default=2,
@@ -866,6 +876,7 @@ def main(argv: list[str] | None = None) -> int:
     if not set(ns.kinds) <= set(KINDS):
         print(f"error: --kinds takes {','.join(KINDS)}", file=sys.stderr)
         return 2
+    ns.agent_flags = shlex.split(ns.agent_flags)
     ns.phases = set(ns.phases.split(","))
     if not ns.phases <= {"cold", "faults", "ettr", "throughput", "ab"}:
         print("error: --phases takes cold, faults, ettr, throughput and ab", file=sys.stderr)
