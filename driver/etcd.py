@@ -48,6 +48,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def _distinct_port(taken: set[int]) -> int:
+    """`free_port`, never one already in `taken` (added to it)."""
+    while (port := free_port()) in taken:
+        pass
+    taken.add(port)
+    return port
+
+
 # The leader driver's lease by default (`EtcdConfig.lease_ttl_s`, and an `Election` given
 # none): a standby's quick takeover when a driver dies.
 LEASE_TTL_S = 2.0
@@ -291,8 +299,28 @@ class EmbeddedEtcdCluster:
         return EtcdConfig(endpoints=self.endpoints)
 
     def start(self, timeout_s: float = 30.0) -> EmbeddedEtcdCluster:
+        """Start every member and wait until all are healthy. A member that exits at start
+        (a port taken between probe and bind: CI saw it) restarts the whole cluster on new
+        ports and fresh data dirs, three tries in all."""
+        why = ""
+        for _attempt in range(3):
+            why = self._start_once(timeout_s)
+            if not why:
+                return self
+            self.stop(remove=False)
+            for m in self.members:  # bootstrapped with the old peer URLs: start afresh
+                shutil.rmtree(m.data_dir, ignore_errors=True)
+        self.stop()
+        raise EtcdError(
+            f"the {len(self.members)}-member etcd cluster did not start: {why}; "
+            f"see {', '.join(str(m.log_path) for m in self.members)}"
+        )
+
+    def _start_once(self, timeout_s: float) -> str:
+        """One try: "" when every member is healthy, else why not."""
+        ports: set[int] = set()
         for m in self.members:
-            m.client_port, m.peer_port = free_port(), free_port()
+            m.client_port, m.peer_port = _distinct_port(ports), _distinct_port(ports)
         spec = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in self.members)
         for m in self.members:
             m.initial_cluster = spec
@@ -300,13 +328,14 @@ class EmbeddedEtcdCluster:
             m._spawn()
         deadline = time.monotonic() + timeout_s
         while not all(health(m.endpoint, 0.5) for m in self.members):
-            if time.monotonic() > deadline or any(
-                m.proc is None or m.proc.poll() is not None for m in self.members
-            ):
-                self.stop()
-                raise EtcdError(f"the {len(self.members)}-member etcd cluster did not start")
+            for m in self.members:
+                if m.proc is None or m.proc.poll() is not None:
+                    code = None if m.proc is None else m.proc.returncode
+                    return f"member {m.name} exited with code {code}"
+            if time.monotonic() > deadline:
+                return f"not healthy after {timeout_s:.0f} s"
             time.sleep(0.1)
-        return self
+        return ""
 
     def stop(self, *, remove: bool | None = None) -> None:
         for m in self.members:
