@@ -783,10 +783,7 @@ class ReplicaSender:
         for rank in self.owner.ranks():
             refs = listed.get(rank) if listed is not None else None
             by_rank[rank] = refs if refs is not None else list_copies(self.owner.rank_dir(rank))
-        for rank, refs in same_step(by_rank).items():
-            ref = self.due(rank, refs, time.monotonic())
-            if ref is None:
-                continue
+        for rank, ref in self.picks(by_rank, time.monotonic()).items():
             host, port = self.buddy
             res = await send_copy(ref, self.node, host, port, config=self.config)
             local_ok = True
@@ -795,6 +792,30 @@ class ReplicaSender:
             self._settle(rank, ref, res, time.monotonic(), local_ok=local_ok)
             results.append(res)
         return results
+
+    def picks(self, by_rank: dict[int, list[CopyRef]], now: float) -> dict[int, CopyRef]:
+        """The copies to send now: when any rank's copy is due, every rank's copy of the
+        same step (`same_step`) not acknowledged yet. Decided per rank, the ranks' counts
+        since their last replica drifted apart (one rank due a tick before the other): a
+        drill's buddy held ranks 2 and 3 at steps 265 and 264, no step in common, and the
+        evicted node's ranks restored from the first commit, 264 steps back."""
+        trimmed = same_step(by_rank)
+        due = {rank: self.due(rank, refs, now) for rank, refs in trimmed.items()}
+        if not any(ref is not None for ref in due.values()):
+            return {}
+        out = {}
+        for rank, refs in trimmed.items():
+            ref = due[rank] or (refs[0] if refs else None)
+            if ref is None:
+                continue
+            gen = ref.manifest.generation
+            retry = self._retry.get(rank)
+            if self._sent.get(rank) == gen or self._corrupt.get(rank) == gen:
+                continue
+            if retry is not None and now < retry[1]:
+                continue
+            out[rank] = ref
+        return out
 
     def _settle(
         self, rank: int, ref: CopyRef, res: SendResult, now: float, *, local_ok: bool = False

@@ -146,3 +146,20 @@ def test_a_nodes_ranks_replicate_the_same_step() -> None:
     assert [s.due(r, refs, now=0.0).manifest.step for r, refs in picked.items()] == [17, 17]  # type: ignore[union-attr]
     assert same_step({2: ring(18, 2), 3: ring(30, 2)}) == {2: ring(18, 2), 3: ring(30, 2)}
     assert same_step({0: ring(5, 3)}) == {0: ring(5, 3)}  # one rank: its newest
+
+
+def test_when_one_rank_is_due_every_rank_of_the_node_sends_the_same_step() -> None:
+    """Counted per rank, ranks last replicated a step apart stay apart (rank 2 due at 265
+    while rank 3 waits, then rank 3 at 266...): the node decides once for all its ranks."""
+    s = sender()
+    s._sent[2], s._sent_at[2] = 252, 0.0  # rank 2 last replicated step 252
+    s._sent[3], s._sent_at[3] = 253, 0.0  # rank 3 one step later
+    by_rank = {2: ring(265, 16), 3: ring(265, 16)}
+    assert s.due(2, by_rank[2], now=0.5) is not None  # 13 newer: due
+    assert s.due(3, ring(265, 16), now=0.5) is None  # 12 newer: not yet, alone
+    picked = s.picks(by_rank, now=0.5)
+    assert {r: ref.manifest.step for r, ref in picked.items()} == {2: 265, 3: 265}
+    s._sent[2] = s._sent[3] = 265
+    assert s.picks(by_rank, now=0.6) == {}  # acknowledged: nothing until the next is due
+    s._retry[3] = (1, 9.0)  # rank 3's buddy send failed: it waits for its retry time
+    assert set(s.picks({2: ring(280, 16), 3: ring(280, 16)}, now=1.0)) == {2}
