@@ -754,10 +754,7 @@ class ReplicaSender:
         newest = refs[0]
         gen = newest.manifest.generation
         acked = self._sent.get(rank)
-        if acked == gen or self._corrupt.get(rank) == gen:
-            return None
-        retry = self._retry.get(rank)
-        if retry is not None and now < retry[1]:
+        if self._held_back(rank, gen, now):
             return None
         seen = self._newest_seen.get(rank)
         if seen is None or seen[0] != gen:
@@ -808,14 +805,17 @@ class ReplicaSender:
             ref = due[rank] or (refs[0] if refs else None)
             if ref is None:
                 continue
-            gen = ref.manifest.generation
-            retry = self._retry.get(rank)
-            if self._sent.get(rank) == gen or self._corrupt.get(rank) == gen:
-                continue
-            if retry is not None and now < retry[1]:
-                continue
-            out[rank] = ref
+            if not self._held_back(rank, ref.manifest.generation, now):
+                out[rank] = ref
         return out
+
+    def _held_back(self, rank: int, gen: int, now: float) -> bool:
+        """Whether `rank`'s copy `gen` is not to be sent now: acknowledged already, found
+        corrupt, or the rank waits for its retry time."""
+        if self._sent.get(rank) == gen or self._corrupt.get(rank) == gen:
+            return True
+        retry = self._retry.get(rank)
+        return retry is not None and now < retry[1]
 
     def _settle(
         self, rank: int, ref: CopyRef, res: SendResult, now: float, *, local_ok: bool = False
