@@ -32,7 +32,7 @@ from unbroken.driver.eventlog import EventLogError, new_event_id
 from unbroken.driver.journal import Journal
 from unbroken.driver.leadership import Commands, Leadership
 from unbroken.driver.liveview import LiveView
-from unbroken.driver.rpc import abort
+from unbroken.driver.rpc import abort, within_deadline
 from unbroken.driver.scheduler import bridge_of
 from unbroken.driver.security import ANONYMOUS, caller
 from unbroken.proto import driver_pb2 as dpb
@@ -351,7 +351,7 @@ class OperatorApi:
                 reply = await self._cmd.request(
                     node_id,
                     dpb.DriverMessage(evict=dpb.Evict(reason=reason)),
-                    self._diagnose_config.ack_timeout_s,
+                    within_deadline(context, self._diagnose_config.ack_timeout_s),
                 )
                 notified = reply.ack.ok
             except (TimeoutError, KeyError) as e:
@@ -674,7 +674,9 @@ class OperatorApi:
             )
         )
         try:
-            reply = await self._cmd.request(node_id, msg, self._diagnose_config.ack_timeout_s)
+            reply = await self._cmd.request(
+                node_id, msg, within_deadline(context, self._diagnose_config.ack_timeout_s)
+            )
         except (TimeoutError, KeyError) as e:
             detail = f"the agent did not acknowledge ({type(e).__name__}: {e})"
             return dpb.InjectFaultResponse(seq=action.seq, ok=False, detail=detail)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -69,11 +70,14 @@ def cluster(etcd_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
         commands = tmp / "worker-commands.txt"
         script = tmp / "worker.py"
         script.write_text(WORKER)
+        agents = {}
         for node, fault in AGENTS.items():
             cmd = f"{sys.executable} {script} {commands}"
             extra = ["--worker-cmd", cmd] if node == "n3" else []
-            start_agent(procs, driver, node, "--inject-fault", fault, *extra, selfcheck=True)
-        yield {"driver": driver, "commands": commands, "tmp": tmp}
+            agents[node] = start_agent(
+                procs, driver, node, "--inject-fault", fault, *extra, selfcheck=True
+            )
+        yield {"driver": driver, "commands": commands, "tmp": tmp, "agents": agents}
     finally:
         procs.stop_all()
 
@@ -232,7 +236,8 @@ def test_evict_is_followed_live(cluster: dict[str, Any]) -> None:
     )
     out.close()
     try:
-        r = cli("evict", "n2", "--driver", driver, "--reason", "test")
+        # a loaded CI machine: the recorded eviction and the agent's ack within 60 s, not 10
+        r = cli("evict", "n2", "--driver", driver, "--reason", "test", "--timeout", "60")
         assert r.returncode == 0, r.stderr
         assert "evicted n2" in r.stdout and "agent stopped" in r.stdout
         deadline = time.monotonic() + 20
@@ -256,6 +261,25 @@ def test_evict_is_followed_live(cluster: dict[str, Any]) -> None:
     assert again.returncode == 1 and "already evicted" in again.stderr
     unknown = cli("evict", "nope", "--driver", driver, "--json")
     assert unknown.returncode == 2 and "unbroken nodes" in unknown.stderr
+
+
+def test_evict_answers_within_the_callers_deadline(cluster: dict[str, Any]) -> None:
+    """An agent that never acknowledges (SIGSTOPped, still connected) must not turn a recorded
+    eviction into "cannot reach the driver": the driver cuts its wait for the ack to the
+    caller's deadline and answers that the agent was not reachable."""
+    driver, agent = cluster["driver"], cluster["agents"]["n0"]
+    agent.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        r = cli("evict", "n0", "--driver", driver, "--reason", "stopped", "--timeout", "3")
+        took = time.monotonic() - t0
+    finally:
+        agent.send_signal(signal.SIGCONT)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "evicted n0" in r.stdout and "not reachable" in r.stdout, r.stdout
+    assert took < 30, took  # the call itself ended by its 3 s deadline, not the 10 s ack wait
+    nodes = {n["node_id"]: n for n in _nodes(driver)}
+    assert nodes["n0"]["state"] == "evicted"
 
 
 @pytest.mark.parametrize(
