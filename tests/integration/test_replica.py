@@ -18,11 +18,15 @@ import pytest
 import torch
 
 from unbroken.recovery.flash import FlashConfig, FlashOwner, FlashWriter, load_into
+from unbroken.recovery.flashcopy import read_copy
 from unbroken.recovery.replica import (
+    PROTOCOL,
+    SEND_CHUNK,
     ReplicaAuth,
     ReplicaConfig,
     ReplicaSender,
     ReplicaServer,
+    fetch_replica,
     replica_dirs,
     ring,
     send_copy,
@@ -129,6 +133,82 @@ def test_copy_damaged_in_transit_is_refused(nodes: tuple[FlashOwner, FlashOwner]
     asyncio.run(scenario())
     replica = b.newest(0, "replica-nodeA")
     assert replica is not None and replica.manifest.step == 1  # step 2 never stored
+
+
+def test_a_copy_of_many_chunks_travels_whole_and_a_flip_in_a_late_chunk_is_refused(
+    nodes: tuple[FlashOwner, FlashOwner], tmp_path: Path
+) -> None:
+    """A copy several `SEND_CHUNK`s long and not a multiple of it (every chunk with its own
+    MAC in sequence): stored and fetched back bit for bit; one bit flipped in its last
+    chunk fails the checksum and the earlier replica stays."""
+    a, b = nodes
+    n = (4 * SEND_CHUNK + 4100) // 4  # float32s: four whole chunks and a ragged end
+    states = {s: {"w": torch.randn(n, generator=torch.Generator().manual_seed(s))} for s in (1, 2)}
+
+    async def scenario() -> None:
+        server = ReplicaServer(b, CFG)
+        port = await server.start()
+        try:
+            w = FlashWriter(0, a)
+            w.save(states[1], 1).wait()
+            ref = a.newest(0)
+            assert ref is not None and ref.manifest.data_nbytes > 4 * SEND_CHUNK
+            assert (await send_copy(ref, "nodeA", "127.0.0.1", port, config=CFG)).ok
+            w.save(states[2], 2).wait()
+            w.close()
+            late = a.newest(0).manifest.data_nbytes - 10  # type: ignore[union-attr]
+            bad = await send_copy(
+                a.newest(0),
+                "nodeA",
+                "127.0.0.1",
+                port,
+                config=CFG,
+                flip_bit_at=late,  # type: ignore[arg-type]
+            )
+            assert not bad.ok and "checksum" in bad.error
+            c = FlashOwner(FlashConfig(root=str(tmp_path / "c"), job="j"))
+            got = await fetch_replica(c, "nodeA", "127.0.0.1", port, config=CFG)
+            assert [r.manifest.step for r in got] == [1]
+            target = {"w": torch.zeros(n)}
+            ref = c.newest(0, "replica-nodeA")
+            assert ref is not None
+            load_into(target, ref.manifest, read_copy(ref))
+            assert torch.equal(target["w"], states[1]["w"])
+        finally:
+            await server.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_buddy_speaking_another_protocol_is_refused_by_its_version(
+    nodes: tuple[FlashOwner, FlashOwner],
+) -> None:
+    """A buddy of an older release (v2: 8 MiB chunks) would misread v3's chunks: the sender
+    refuses at the greeting and says which version the buddy speaks."""
+    a, _ = nodes
+    w = FlashWriter(0, a)
+    w.save(_state(1), 1).wait()
+    w.close()
+
+    async def scenario() -> str:
+        async def old(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(b'{"v": 2, "nonce": "00"}\n')
+            await writer.drain()
+            await reader.read()
+            writer.close()
+
+        server = await asyncio.start_server(old, "127.0.0.1", 0)
+        port = int(server.sockets[0].getsockname()[1])
+        try:
+            res = await send_copy(a.newest(0), "nodeA", "127.0.0.1", port, config=CFG)  # type: ignore[arg-type]
+        finally:
+            server.close()
+            await server.wait_closed()
+        assert not res.ok
+        return res.error
+
+    error = asyncio.run(scenario())
+    assert f"speaks replica protocol 2, not {PROTOCOL}" in error, error
 
 
 def test_unreachable_buddy_is_a_failed_send_not_a_hang(

@@ -28,6 +28,7 @@ from unbroken.driver.certs import issue, make_ca
 from unbroken.recovery.flash import FlashConfig, FlashOwner, FlashWriter
 from unbroken.recovery.flashcopy import replica_store
 from unbroken.recovery.replica import (
+    PROTOCOL,
     ReplicaAuth,
     ReplicaConfig,
     ReplicaServer,
@@ -91,7 +92,7 @@ def test_unauthenticated_get_and_bad_headers_get_an_error_line(
             ]
             for line in attacks:
                 answers = await asyncio.to_thread(_raw, port, line)
-                assert answers[0]["v"] == 2  # the greeting
+                assert answers[0]["v"] == PROTOCOL  # the greeting
                 assert answers[1:] and answers[-1]["ok"] is False, (line[:40], answers)
                 assert "rank" not in json.dumps(answers[1:])  # no copy header, no data
             assert server.refused == len(attacks)
