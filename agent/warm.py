@@ -272,7 +272,7 @@ async def spawn_standby(
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
+            process_group=0,  # the agent's session: its priorities apply (agent/workers.py)
             pass_fds=(theirs.fileno(),),
         )
     except BaseException:

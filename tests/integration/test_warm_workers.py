@@ -3,10 +3,11 @@
 1. The supervisor alone, with a plain script and a `-m` module as the worker: a worker
    started in a warm standby prints the same argv, environment, `__name__`, `sys.path[0]`
    and niceness (a standby waits at nice 19) and exits with the same code as a cold one; it
-   is the standby's own process (same pid), the leader of its own session, a child of the
-   agent; its stacks can be dumped (SIGUSR1) and a SIGTERM of its group ends it as it ends a
-   cold one. A standby whose environment no
-   longer matches is discarded and the worker starts cold.
+   is the standby's own process (same pid), the leader of its own process group in the
+   agent's session (one autogroup: the agent's priorities apply), a child of the agent;
+   its stacks can be dumped (SIGUSR1) and a SIGTERM of its group ends it as it ends a cold
+   one. A standby whose environment no longer matches is discarded and the worker starts
+   cold.
 2. A real driver (recovery loop) and a real agent with 2 workers training the tiny model
    (dp2, flash every step): a worker is SIGKILLed; the loop restarts both ranks, each in a
    standby that already imported torch, and training continues. Every step's loss, before
@@ -45,6 +46,7 @@ PROBE = textwrap.dedent(
         "env": {k: os.environ.get(k) for k in keys},
         "spec": getattr(__spec__, "name", None),
         "pgid_is_pid": os.getpgid(0) == os.getpid(),
+        "sid": os.getsid(0),
         "nice": os.getpriority(os.PRIO_PROCESS, 0),
     }))
     if "--sleep" in sys.argv:
@@ -113,6 +115,7 @@ def test_warm_start_is_a_cold_start(tmp_path: Path) -> None:
                     seen.append(_line(log, mark))
                 assert seen[0] == seen[1], seen
                 assert seen[0]["name"] == "__main__" and seen[0]["pgid_is_pid"] is True
+                assert seen[0]["sid"] == os.getsid(0)  # the agent's session (autogroup)
                 assert seen[0]["argv"][1:] == ["x", "--y=1"]  # type: ignore[index]
                 assert seen[0]["nice"] == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5)
                 assert seen[0]["env"]["MASTER_PORT"] == "12345"  # type: ignore[index]
