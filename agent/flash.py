@@ -183,7 +183,9 @@ class NodeFlashConfig:
             "group": "flash checkpoints",
             "help": "nice value of the agent's flash thread (replication to the buddy, "
             "persistence, ring scans), 0-19: above the workers' so that on a node whose cores "
-            "train, this work fills idle time instead of delaying a step; 0: the agent's own",
+            "train, this work fills idle time instead of delaying a step; 19: Linux's "
+            "SCHED_IDLE where allowed (a waking worker takes the core at once); 0: the "
+            "agent's own",
         },
     )
     replica_key: bytes | None = field(

@@ -66,6 +66,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from unbroken.common.loopthread import IDLE_NICE, lower_this_thread
 from unbroken.recovery.flashcopy import (
     ALIGN,
     CHECKSUM_ALGO,
@@ -258,11 +259,7 @@ def _yield_to_training() -> None:
     """
     if os.environ.get(IDLE_THREADS_ENV, "1") == "0":
         return
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
-    except (OSError, AttributeError):
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, 0, 19)
+    lower_this_thread(IDLE_NICE)
 
 
 class _Once(Generic[_T]):

@@ -2,8 +2,8 @@
 
 A replica send hashes and copies megabytes; at the workers' priority it delayed the rank
 sharing its core (bench-recovery's throughput pairs), and on the agent's own loop it
-delayed heartbeats. `LoopThread` runs it on its own loop and thread at `--flash-nice`; the
-threads it starts inherit the nice value; the agent's loop keeps its own.
+delayed heartbeats. `LoopThread` runs it on its own loop and thread at `--flash-nice` (19:
+SCHED_IDLE); the threads it starts inherit it; the agent's loop keeps its own.
 """
 
 from __future__ import annotations
@@ -36,8 +36,12 @@ def _run_then_stop(io: LoopThread, main: Coroutine[Any, Any, None]) -> None:
         io.stop()
 
 
+def _policy() -> int:
+    return os.sched_getscheduler(0)  # 0: the calling thread (Linux)
+
+
 def test_work_runs_on_its_own_thread_at_its_nice_value_and_its_helpers_inherit_it() -> None:
-    io = LoopThread("flash-t", 19)
+    io = LoopThread("flash-t", 10)
 
     async def probe() -> tuple[int, int, int]:
         helper = await asyncio.to_thread(lambda: (threading.get_native_id(), _nice()))
@@ -47,11 +51,26 @@ def test_work_runs_on_its_own_thread_at_its_nice_value_and_its_helpers_inherit_i
         here = threading.get_native_id()
         tid, nice, helper_nice = await io.call(probe())
         assert tid != here
-        assert nice == 19 and helper_nice == 19
+        assert nice == 10 and helper_nice == 10
         assert _nice() == 0  # the calling loop's thread keeps its priority
 
     _run_then_stop(io, main())
     assert not io.alive
+
+
+def test_nice_19_is_sched_idle_for_the_thread_and_its_helpers() -> None:
+    """The default `--flash-nice` 19: SCHED_IDLE (a waking worker preempts it at once), for
+    the threads the loop starts too; the caller's thread stays SCHED_OTHER."""
+    io = LoopThread("flash-t", 19)
+
+    async def probe() -> tuple[int, int]:
+        return _policy(), await asyncio.to_thread(_policy)
+
+    async def main() -> None:
+        assert await io.call(probe()) == (os.SCHED_IDLE, os.SCHED_IDLE)
+        assert _policy() == os.SCHED_OTHER
+
+    _run_then_stop(io, main())
 
 
 def test_an_error_on_the_thread_reaches_the_caller_and_the_thread_goes_on() -> None:
