@@ -360,6 +360,7 @@ class Agent:
         if f is not None:
             v["shards_persisted"] = f.persisted_count
             v["persisted_bytes"] = f.persisted_bytes
+            v["flash_scan_age"] = f.scan_age_s(time.monotonic())
             v["replicas_received"] = f.server.received
             v["replicas_refused"] = f.server.refused
             if f.sender is not None:
@@ -628,6 +629,7 @@ class Agent:
             if sup is not None:
                 hb.workers.extend(sup.statuses(now))
                 if self.flash is not None:  # the steps each rank can restore from memory
+                    self.flash.starved(now)
                     for w in hb.workers:
                         if w.global_rank >= 0:
                             w.ring_steps.extend(self.flash.ring_steps(w.global_rank))

@@ -65,6 +65,9 @@ log = structlog.get_logger(__name__)
 # steps with flash saves ran at 0.85-0.90 of the steps without (bench-recovery's throughput
 # pairs). On this thread at nice 19: median 1.00 over six pairs.
 IO_NICE = 19
+# A flash thread that finished no ring scan for this long is starved (said once, from the
+# agent's own loop): at SCHED_IDLE it runs only on CPU time nothing else wants.
+STARVED_S = 5.0
 REPLICA_PREFIX = replica_store("x")[:-1]  # "replica-": a store of another node's copies
 MAX_HELD_RANKS = 256  # replica holdings reported per heartbeat
 
@@ -283,6 +286,10 @@ class NodeFlash:
         self.prefault_done.set()
         self.persisted_count = 0  # shards persisted and verified (metrics)
         self.persisted_bytes = 0
+        # when the flash thread last finished a ring scan (monotonic; None: not yet), and
+        # whether the agent's loop has said that it is starved (`starved`)
+        self.scanned_at: float | None = None
+        self._starved_said = False
 
     def env(self) -> dict[str, str]:
         """What a worker needs to find the store (set in every worker's environment)."""
@@ -488,6 +495,33 @@ class NodeFlash:
                 await self.tick()
             except Exception:  # background loop: log and continue
                 log.exception("flash.tick_failed")
+            self.scanned_at = time.monotonic()
+
+    def scan_age_s(self, now: float) -> float:
+        """Seconds since the flash thread last finished a ring scan (0 before its first)."""
+        at = self.scanned_at
+        return 0.0 if at is None else max(0.0, now - at)
+
+    def starved(self, now: float) -> bool:
+        """Called from the agent's own loop (its priority, not the flash thread's): True,
+        and a warning once per episode, while the flash thread has not finished a scan in
+        `STARVED_S`. At SCHED_IDLE it runs only on CPU time nothing else wants: on a node
+        whose cores are all busy (data loaders on every core) replication and persistence
+        wait, and the operator should see it (`unbroken_agent_flash_scan_age_seconds`)."""
+        age = self.scan_age_s(now)
+        late = age > max(STARVED_S, 10 * self.config.poll_ms / 1000.0)
+        if late and not self._starved_said:
+            log.warning(
+                "flash.starved",
+                seconds=round(age, 1),
+                nice=self.config.io_nice,
+                why="the flash thread got no CPU: replicas and persistence wait for idle "
+                "CPU time (a lower --flash-nice gives it some under load)",
+            )
+        elif not late and self._starved_said:
+            log.info("flash.scanning_again", after_s=round(age, 1))
+        self._starved_said = late
+        return late
 
     async def tick(self) -> None:
         """Persist and replicate every local rank's newest copy not handled yet."""

@@ -52,6 +52,12 @@ AGENT_METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "Flash copies written to durable storage and verified",
     ),
     "unbroken_agent_persisted_bytes_total": ("counter", (), "Bytes of those shards"),
+    "unbroken_agent_flash_scan_age_seconds": (
+        "gauge",
+        (),
+        "Seconds since the flash thread last scanned the ring (large: it gets no CPU, and "
+        "replication and persistence wait)",
+    ),
     "unbroken_agent_replicas_sent_total": ("counter", (), "Copies sent to the buddy node"),
     "unbroken_agent_replica_bytes_sent_total": ("counter", (), "Bytes sent to the buddy node"),
     "unbroken_agent_replica_send_failures_total": (
@@ -107,6 +113,7 @@ class _AgentCollector(Collector):
         yield gauge("unbroken_agent_connected", 1.0 if v.get("connected") else 0.0)
         yield counter("unbroken_agent_heartbeats_sent_total", m.heartbeats_sent)
         yield gauge("unbroken_agent_leader_term", v.get("term", 0))
+        yield gauge("unbroken_agent_flash_scan_age_seconds", v.get("flash_scan_age", 0.0))
         lab = ["local_rank"]
         state = GaugeMetricFamily(
             "unbroken_agent_worker_state",

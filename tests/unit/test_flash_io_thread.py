@@ -11,13 +11,16 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Coroutine
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 
+from unbroken.agent import flash as flashmod
 from unbroken.agent.flash import NodeFlash, NodeFlashConfig
 from unbroken.common.loopthread import LoopThread
 
@@ -168,3 +171,50 @@ def test_node_flash_starts_and_stops_its_thread(tmp_path: Path) -> None:
         await taken.close(clean=True)
 
     asyncio.run(main())
+
+
+def test_a_starved_flash_thread_is_said_once_and_its_scans_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent's loop (not the flash thread) notices a flash thread that finishes no ring
+    scan: the flash loop is held busy (as when it gets no CPU), its scan age grows,
+    `starved` says so once; released, it scans again and `starved` clears."""
+    monkeypatch.setattr(flashmod, "STARVED_S", 0.3)
+    cfg = NodeFlashConfig(
+        root=str(tmp_path / "shm"), job="j", node="n0", persist_url=str(tmp_path / "ckpt"),
+        replica_key=b"k" * 16, listen="127.0.0.1:0", poll_ms=20,
+    )  # fmt: skip
+
+    async def main() -> None:
+        flash = NodeFlash(cfg, world_size=1)
+        await flash.start()
+        io = flash._io
+        assert io is not None
+        try:
+            while flash.scanned_at is None:  # its first scan
+                await asyncio.sleep(0.01)
+            assert not flash.starved(time.monotonic())
+            release = threading.Event()
+
+            async def hold() -> None:  # the flash loop gets nothing done meanwhile
+                release.wait(10)
+
+            held = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(hold(), io.loop))
+            await asyncio.sleep(0.6)
+            now = time.monotonic()
+            assert flash.scan_age_s(now) >= 0.5
+            assert flash.starved(now) and flash.starved(now)
+            release.set()
+            await held
+            before = flash.scanned_at
+            while flash.scanned_at == before:
+                await asyncio.sleep(0.01)
+            assert not flash.starved(time.monotonic())
+        finally:
+            await flash.close(clean=True)
+
+    with structlog.testing.capture_logs() as logs:
+        asyncio.run(main())
+    warned = [e for e in logs if e["event"] == "flash.starved"]
+    assert len(warned) == 1 and warned[0]["seconds"] >= 0.5, warned
+    assert any(e["event"] == "flash.scanning_again" for e in logs)
