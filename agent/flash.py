@@ -66,7 +66,7 @@ log = structlog.get_logger(__name__)
 # pairs). On this thread at nice 19: median 1.00 over six pairs.
 IO_NICE = 19
 # A flash thread that finished no ring scan for this long is starved (said once, from the
-# agent's own loop): at SCHED_IDLE it runs only on CPU time nothing else wants.
+# agent's own loop): at nice 19 it gets little CPU where every core is busy.
 STARVED_S = 5.0
 REPLICA_PREFIX = replica_store("x")[:-1]  # "replica-": a store of another node's copies
 MAX_HELD_RANKS = 256  # replica holdings reported per heartbeat
@@ -186,9 +186,7 @@ class NodeFlashConfig:
             "group": "flash checkpoints",
             "help": "nice value of the agent's flash thread (replication to the buddy, "
             "persistence, ring scans), 0-19: above the workers' so that on a node whose cores "
-            "train, this work fills idle time instead of delaying a step; 19: Linux's "
-            "SCHED_IDLE where allowed (a waking worker takes the core at once); 0: the "
-            "agent's own",
+            "train, this work fills idle time instead of delaying a step; 0: the agent's own",
         },
     )
     replica_key: bytes | None = field(
@@ -505,9 +503,9 @@ class NodeFlash:
     def starved(self, now: float) -> bool:
         """Called from the agent's own loop (its priority, not the flash thread's): True,
         and a warning once per episode, while the flash thread has not finished a scan in
-        `STARVED_S`. At SCHED_IDLE it runs only on CPU time nothing else wants: on a node
-        whose cores are all busy (data loaders on every core) replication and persistence
-        wait, and the operator should see it (`unbroken_agent_flash_scan_age_seconds`)."""
+        `STARVED_S`. At nice 19 it gets little CPU on a node whose cores are all busy (data
+        loaders on every core): replication and persistence wait, and the operator should
+        see it (`unbroken_agent_flash_scan_age_seconds`)."""
         age = self.scan_age_s(now)
         late = age > max(STARVED_S, 10 * self.config.poll_ms / 1000.0)
         if late and not self._starved_said:

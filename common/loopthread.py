@@ -22,31 +22,29 @@ log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
 
 
-# The lowest niceness: a thread asked for it runs at Linux's SCHED_IDLE where it can.
-IDLE_NICE = 19
-
-
-def lower_this_thread(nice: int) -> str:
+def lower_this_thread(nice: int, *, idle: bool = False) -> str:
     """Lower the calling thread's CPU priority (Linux: per thread; threads it starts later
     inherit it); returns what it got ("idle", "nice N", or "" for nothing).
 
-    `nice` >= `IDLE_NICE` asks for SCHED_IDLE: the thread runs only on CPU time no other
-    thread of its scheduling group wants, and one that wakes (a training thread back from
-    a collective) takes the core at once, where a nice-19 thread first runs out its slice
-    (bench-recovery's flash-on/off blocks with the agent's flash thread at nice 19: 0.919,
-    0.933, 0.973 of the steps per second; at SCHED_IDLE 0.959, 0.956, 0.993, clusters
-    alternated). Unprivileged threads may enter SCHED_IDLE but not leave it. Where it is
-    refused (not Linux), and for other values, the nice value; one the thread may not take
-    (it runs nicer already) is left as it is.
+    `idle` asks for SCHED_IDLE first: the thread runs only on CPU time no other thread of
+    its scheduling group wants, and a thread that wakes takes the core at once. Only for
+    threads whose stall nobody else in the process waits on: a SCHED_IDLE thread that is
+    preempted while it holds the GIL keeps it until a core falls idle, and every thread of
+    its process waits (the agent's flash thread at SCHED_IDLE stalled the agent's heartbeats
+    past the miss limit on a busy host: false node losses, a failed bench-recovery run).
+    The trainer's copy threads do (bench/sessions.py; the training thread takes over a copy
+    it waits for, and a GIL held there comes back once the other ranks wait for this one).
+    Unprivileged threads may enter SCHED_IDLE but not leave it. Otherwise, or where it is
+    refused, the nice value; one the thread may not take (it runs nicer already) is left.
     """
-    if nice <= 0:
-        return ""
-    if nice >= IDLE_NICE:
+    if idle:
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
             return "idle"
         except (OSError, AttributeError):
-            pass
+            nice = max(nice, 19)
+    if nice <= 0:
+        return ""
     tid = threading.get_native_id()
     try:
         if os.getpriority(os.PRIO_PROCESS, tid) < nice:
@@ -59,9 +57,9 @@ def lower_this_thread(nice: int) -> str:
 class LoopThread:
     """A running event loop on a daemon thread named `name`.
 
-    `nice` > 0 lowers this thread's priority (`lower_this_thread`: 19 is SCHED_IDLE), and
-    the threads its loop starts (the `to_thread` pool, threads started from its coroutines)
-    inherit it.
+    `nice` > 0 lowers this thread's priority to that nice value (`lower_this_thread`; never
+    SCHED_IDLE: other threads of the process wait for the GIL it holds), and the threads its
+    loop starts (the `to_thread` pool, threads started from its coroutines) inherit it.
     """
 
     def __init__(self, name: str, nice: int = 0) -> None:

@@ -66,7 +66,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from unbroken.common.loopthread import IDLE_NICE, lower_this_thread
+from unbroken.common.loopthread import lower_this_thread
 from unbroken.recovery.flashcopy import (
     ALIGN,
     CHECKSUM_ALGO,
@@ -259,7 +259,7 @@ def _yield_to_training() -> None:
     """
     if os.environ.get(IDLE_THREADS_ENV, "1") == "0":
         return
-    lower_this_thread(IDLE_NICE)
+    lower_this_thread(19, idle=True)
 
 
 class _Once(Generic[_T]):
