@@ -5,11 +5,7 @@ all build on it, so it ships in the package (`up` needs it) rather than under te
 
 - `LocalCluster` starts an embedded etcd (or joins one it is given), drivers (on port 0: the
   port is read back from each driver's port file) and agents, each a process in its own
-  process group writing `<run>/<name>.log`, all in the caller's session: one host is one
-  scheduling group (Linux's autogroup shares the CPU among sessions first and applies
-  niceness and SCHED_IDLE only within one), as a real node's agent and ranks are, so one
-  simulated node's idle-priority flash work yields to another's training as it would to
-  its own. It kills, respawns (same arguments; a driver on
+  process group writing `<run>/<name>.log`. It kills, respawns (same arguments; a driver on
   its old address, so agents find it again) and stops them all (SIGCONT, SIGTERM, SIGKILL
   after a grace period), also as a context manager.
 - `LogWatch` tails the job's event log from etcd and the leading driver's live view. etcd's
@@ -106,7 +102,7 @@ def is_check_process(p: psutil.Process) -> bool:
 
 def signal_group(p: subprocess.Popen[bytes] | None, sig: int) -> None:
     """Send `sig` to `p`'s process group (gone already: nothing); to `p` alone when it leads
-    no group (started without a process group of its own), so it is never silently skipped."""
+    no group (started without `start_new_session`), so it is never silently skipped."""
     if p is None:
         return
     try:
@@ -164,11 +160,10 @@ class LocalCluster:
     """etcd, drivers and agents of one job as processes on this machine.
 
     Every process is `python -m unbroken.cli <args>` (or `launcher`), started in its own
-    process group (in this process's session: see the module's docstring) with `env`, its
-    output in `<run>/<name>.log`. Drivers get `--etcd`, `--job-id`, `--driver-id`, `--listen`
-    and `--port-file`; agents `--driver` (every driver), `--node-id`, `--socket`,
-    `--log-dir <run>/workers/<node>`, `--persist-url <run>/storage` and a replica port with
-    a buddy's; the rest is the caller's (`driver_args`, `agent_args`, and
+    session with `env`, its output in `<run>/<name>.log`. Drivers get `--etcd`, `--job-id`,
+    `--driver-id`, `--listen` and `--port-file`; agents `--driver` (every driver), `--node-id`,
+    `--socket`, `--log-dir <run>/workers/<node>`, `--persist-url <run>/storage` and a
+    replica port with a buddy's; the rest is the caller's (`driver_args`, `agent_args`, and
     per process).
 
     Args:
@@ -266,7 +261,7 @@ class LocalCluster:
                 [*launcher, *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                process_group=0,  # its own group, the caller's session (see the docstring)
+                start_new_session=True,
                 env=env,
                 **popen,
             )
