@@ -22,9 +22,8 @@ session, not a session of its own: Linux's autogroup scheduling (on by default, 
 processes outside a cpu cgroup) shares the CPU fairly among sessions first and applies
 niceness and SCHED_IDLE only within one. In sessions of their own, the workers' nice 5,
 the agent's flash thread at nice 19 and the workers' copy threads at SCHED_IDLE all
-competed with training as equals: two ranks of the tiny model on 2 cores, saving in
-alternate 25-step blocks, stepped 0.918 and 0.943 times as fast in the saving blocks in
-sessions of their own, 0.96-1.0 (six runs) in one session.
+competed with training as equals. The flash saves' cost with the ranks in sessions of
+their own or in one (`make bench-sessions`) is within that bench's noise (README).
 
 Before a worker is killed on command its Python stacks can be dumped: with py-spy when it
 is installed, else by SIGUSR1 to a worker that registered faulthandler through

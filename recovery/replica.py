@@ -36,8 +36,8 @@ line per copy (`rank`, `manifest_len`, `data_len`, `manifest_sha256`), the manif
 data chunks, and finally `{"done": true}`; the fetcher verifies every MAC and checksum
 while streaming a copy into its own slot. (v3 is v2 with 256 KiB chunks instead of 8 MiB:
 a copy's chunk went through three buffer copies of its whole size on each side; a 1.5 MB
-copy took 3.2 ms of the sender's CPU and 5.3 ms of the buddy's, 2.2 and 3.4 ms in 256 KiB
-chunks. A v2 peer is refused with the version it speaks.)
+copy took 3.2 ms of the sender's CPU and 5.3 ms of the buddy's, about 2.1 and 3.5 ms in
+256 KiB chunks. A v2 peer is refused with the version it speaks.)
 """
 
 from __future__ import annotations
