@@ -40,12 +40,13 @@ from unbroken.trainer import hooks
 h = hooks.install()
 rank = int(os.environ["LOCAL_RANK"])
 mode = os.environ.get("HB_TEST_MODE", "")
+go = os.environ.get("HB_TEST_GO", "")
 step = 0
 while True:
     step += 1
     time.sleep(0.05)
     h.step(step, loss=1.0 / step)
-    if mode == f"exit1:{rank}" and step == 10:
+    if mode == f"exit1:{rank}" and step >= 10 and (not go or os.path.exists(go)):
         sys.exit(1)
     if mode == f"nccl:{rank}" and step == 10:
         print("NCCL WARN test: simulated transport error on rank", rank, flush=True)
@@ -62,7 +63,11 @@ def start_agent(
         f"str(os.getpid()) + ' ')\n" + WORKER
     )
     extra = ("--nproc-per-node", str(nproc), "--worker-cmd", f"{sys.executable} {script}")
-    return procs_agent(procs, addr, node, *extra, env={"HB_TEST_MODE": mode})
+    # the failing worker exits only once `go` exists: the test first waits for every node
+    # to step (at step 10 it had exited 0.5 s in, and on a loaded machine the other nodes'
+    # workers were not at step 5 yet: the test waited 60 s for a state that had passed)
+    env = {"HB_TEST_MODE": mode, "HB_TEST_GO": str(tmp / "go")}
+    return procs_agent(procs, addr, node, *extra, env=env)
 
 
 def test_detectors_end_to_end(procs: Procs, tmp_path: Path, etcd_server: Any) -> None:
@@ -80,6 +85,7 @@ def test_detectors_end_to_end(procs: Procs, tmp_path: Path, etcd_server: Any) ->
         )
 
     until(running, 60, "3 agents with 2 stepping workers each")
+    (tmp_path / "go").touch()  # n1's rank 1 exits 1 now
 
     # a SIGSTOPped worker stops making progress -> HangSuspected
     hung = next(w for w in live(stub)["n2"].workers if w.local_rank == 1)
