@@ -3,11 +3,12 @@
 For 100 MB, 1 GB and 4 GB of float32 state this measures:
 - the blocking time of a flash save (steady state, as at every step), the one-off
   `prepare` at start-up (allocating and faulting in both shared-memory slots), and the
-  background finish (checksum + manifest, not blocking);
+  background finish (the manifest, not blocking; a copy is hashed only when it is
+  sealed to leave the node);
 - the blocking time of `torch.save` to a local-disk file, with and without fsync (a
   checkpoint that is not on disk does not survive the node), and of a DCP save
   (`dcp.save`, which fsyncs its files);
-- restore from memory (verify checksum + copy into the model's tensors) against
+- restore from memory (checksum + copy into the model's tensors) against
   `torch.load` from disk with the file evicted from the page cache, and DCP load;
 - the flash copy's bandwidth as a fraction of this machine's memcpy bandwidth;
 - inside a training loop (an MLP + AdamW at 100 MB / 1 GB of state, whose forward/backward
@@ -235,7 +236,7 @@ def bench_loop(
     runs while the next step's forward/backward computes (the writer's optimizer guard
     waits for it before the next `optimizer.step`), and the same with a `Snapshot` (the
     embedded trainer's per-step path: plan and tensor references cached, only the small
-    values taken; the ring never waits for the previous checksum). Blocking = time inside
+    values taken; the ring never waits for the previous copy's manifest). Blocking = time inside
     the save call + time the guard waited. torch.save (+ fsync) of the same state is
     measured in the same rounds.
 

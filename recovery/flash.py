@@ -13,9 +13,12 @@ Each rank has two slots (double buffering). A save first invalidates the slot th
 not hold the newest valid copy (its manifest is unlinked), copies every tensor into it,
 and only then writes the slot's manifest atomically (write to a temporary file, rename).
 A manifest is what makes a copy valid, so a crash mid-copy leaves the last complete copy
-intact. An overlapped save's copy, checksum and manifest all run on one writer thread,
-one after the other, so a copy is valid a few milliseconds after the save returns and a
-killed worker loses only the step it was in.
+intact. An overlapped save's copy and manifest run on one writer thread, one after the
+other, so a copy is valid a few milliseconds after the save returns and a killed worker
+loses only the step it was in. A save does not hash its bytes: a writer's copy is
+*unsealed*, and whoever sends it out of this memory (the agent's buddy sender and
+persister, a restore's broadcast) hashes it then (`flashcopy.seal`), about once a second
+instead of every step.
 
 Two ways to save. `save` copies in the caller's thread: on CPU it blocks for one memcpy
 (~0.2 s per GB here). `save_async` (the mode for training loops) snapshots only what
@@ -26,8 +29,9 @@ xxhash release the GIL while they copy and hash). `guard(optimizers)` makes ever
 `optimizer.step()` wait until the copy is out, so a loop that cannot be edited (the
 embedded trainer) stays exact. What blocks is the snapshot plus any wait in the guard;
 on a 2-core machine the copy still competes with the compute for cores and memory
-bandwidth, which bench/checkpoint.py measures as step-time overhead. The checksum is
-xxh3-64 (xxhash): measured here at
+bandwidth, which bench/checkpoint.py measures as step-time overhead. The checksum (taken
+when a copy is sealed, and verified on every read of a sealed copy) is xxh3-64 (xxhash):
+measured here at
 6.5 GB/s against 0.8 GB/s for zlib.crc32 and 2.0 GB/s for xxh64 on the same buffer (under
 load; crc32 reached 2.4 GB/s on an idle machine), so verifying a restore costs about as
 much as the copy itself instead of several times it. On GPUs the device-to-host copy runs
@@ -75,6 +79,7 @@ from unbroken.recovery.flashcopy import (
     MANIFEST_VERSION,
     MIN_SLOTS,
     PERSIST_META,
+    UNSEALED,
     CopyRef,
     CorruptCopyError,
     FlashError,
@@ -92,10 +97,12 @@ from unbroken.recovery.flashcopy import (
     manifest_path,
     manifest_sig,
     new_hasher,
+    open_copy,
     read_copy,
     read_manifest,
     read_persisted_mark,
     replica_store,
+    seal,
     slot_manifest_ident,
     slots,
     tensor_view,
@@ -142,9 +149,11 @@ __all__ = [
     "manifest_path",
     "manifest_sig",
     "new_hasher",
+    "open_copy",
     "read_copy",
     "read_manifest",
     "replica_store",
+    "seal",
     "tensor_view",
     "write_manifest",
     "write_raw_copy",
@@ -244,7 +253,7 @@ IDLE_THREADS_ENV = "UNBROKEN_FLASH_IDLE_THREADS"
 
 
 def _yield_to_training() -> None:
-    """Run the calling thread (a writer's copy or checksum thread) only on CPU time the
+    """Run the calling thread (a writer's copy and manifest thread) only on CPU time the
     training does not want: Linux's SCHED_IDLE, else the lowest niceness.
 
     At normal priority a save's copy thread, woken while the training thread still sent
@@ -253,7 +262,7 @@ def _yield_to_training() -> None:
     1.3 ms against 0.1 ms. At SCHED_IDLE the copy runs on idle cores and while the rank
     waits in its collective (0.14 ms, with no slower step). A copy that has not started
     when the optimizer needs the tensors is taken over by the training thread
-    (`_Once`), so a starved thread never stalls training; so is a checksum someone waits
+    (`_Once`), so a starved thread never stalls training; so is a manifest someone waits
     for. Unprivileged threads may
     enter SCHED_IDLE but not leave it; nothing here needs to.
     """
@@ -263,7 +272,7 @@ def _yield_to_training() -> None:
 
 
 class _Once(Generic[_T]):
-    """A save's copy (or its checksum and manifest), run once by whichever thread gets to
+    """A save's copy (or its manifest), run once by whichever thread gets to
     it first: the writer's thread, or a thread that waits for it before that thread
     started (the optimizer guard in `SaveHandle.wait_copied`, `SaveHandle.wait`)."""
 
@@ -417,7 +426,8 @@ def _plan(flat: Mapping[str, Any]) -> _Plan:
 
 class SaveHandle:
     """A save in flight, in two phases: *copied* (every tensor of the state has been read,
-    the caller may modify them again) and *valid* (checksum and manifest written).
+    the caller may modify them again) and *valid* (its manifest written: unsealed, see
+    `flashcopy.seal`).
 
     `blocked_s` is how long the save held the caller up: the time inside `save` or
     `save_async`, plus any time spent waiting in `wait_copied` (directly, through `wait`
@@ -437,7 +447,7 @@ class SaveHandle:
         self._valid = valid
         self.blocked_s = blocked_s
         self._copied_ok = False
-        # a copy (a checksum) not yet started is run by the thread waiting for it
+        # a copy (a manifest) not yet started is run by the thread waiting for it
         self._job = job
         self._finish = finish
         self.generation = -1  # the copy's manifest generation (set by the writer)
@@ -467,30 +477,30 @@ class SaveHandle:
             return
         t0 = time.perf_counter()
         try:
-            self._run_unstarted(checksum=False)
+            self._run_unstarted(manifest=False)
             self._copied.result(timeout=timeout_s)
             self._copied_ok = True
         finally:
             self.blocked_s += time.perf_counter() - t0
 
     def wait(self, timeout_s: float = 600.0) -> Manifest:
-        """Block until the copy is valid (copied, checksummed, manifest written)."""
+        """Block until the copy is valid (copied, manifest written)."""
         self.wait_copied(timeout_s)
-        self._run_unstarted(checksum=True)
+        self._run_unstarted(manifest=True)
         return self._valid.result(timeout=timeout_s)
 
     def _result(self, timeout_s: float) -> Manifest:
         """`wait` without counting the time as this save's blocking."""
-        self._run_unstarted(checksum=True)
+        self._run_unstarted(manifest=True)
         self._copied.result(timeout=timeout_s)
         return self._valid.result(timeout=timeout_s)
 
-    def _run_unstarted(self, *, checksum: bool) -> None:
+    def _run_unstarted(self, *, manifest: bool) -> None:
         """Run here what the writer's (idle-priority) threads have not started: the copy,
-        and with `checksum` the checksum and manifest after it."""
+        and with `manifest` the manifest after it."""
         if self._job is not None and not self._copied.done():
             self._job.run()
-        if checksum and self._finish is not None and not self._valid.done():
+        if manifest and self._finish is not None and not self._valid.done():
             self._finish.run()
 
     def copied(self) -> bool:
@@ -506,10 +516,10 @@ class FlashWriter:
     """A worker's side: saves its rank's state into the owner's ring of slots, loads it back.
 
     A save picks the slot to fill: an empty one, else the oldest copy, never the newest
-    complete copy, a slot whose copy is still being checksummed, or the newest copy marked
+    complete copy, a slot whose copy is still being written, or the newest copy marked
     for persistence until the agent says it is persisted (`PERSISTED_MARK`; at most
-    `PIN_TIMEOUT_S`). An overlapped save's copy, checksum and manifest run on one writer
-    thread, so a save never waits for the previous save's checksum while the ring has a
+    `PIN_TIMEOUT_S`). An overlapped save's copy and manifest run on one writer thread, so
+    a save never waits for the previous save's manifest while the ring has a
     free slot; when it has none, `skip_if_busy` skips the save (counted in
     `skipped_busy`) instead.
 
@@ -713,9 +723,9 @@ class FlashWriter:
     ) -> SaveHandle | None:
         """Copy `state_dict` (nested dicts/lists of tensors, DTensors and small values).
 
-        Blocks for the copy (on CPU) or to enqueue it (on GPU); the checksum and the
-        manifest follow in the background. When every slot the save may take is busy (a
-        ring of 2 whose other slot is still being checksummed), it waits for the oldest
+        Blocks for the copy (on CPU) or to enqueue it (on GPU); the manifest follows in
+        the background. When every slot the save may take is busy (a ring of 2 whose
+        other slot is still being written), it waits for the oldest
         save in flight, or with `skip_if_busy` skips.
 
         Args:
@@ -966,7 +976,7 @@ class FlashWriter:
         pending, self._pending = self._pending, None
         if pending is not None:
             # In a training loop the guard made sure the previous copy is out; its
-            # checksum is never waited for.
+            # manifest is never waited for.
             if skip_if_busy and not pending.copied():
                 self._pending = pending
                 self.skipped_busy += 1
@@ -1045,7 +1055,7 @@ class FlashWriter:
             sources.clear()  # the state's tensors are free to change (and to be freed)
 
         def finish() -> Manifest:
-            copied.result()  # a failed copy never gets a checksum (nor a manifest)
+            copied.result()  # a failed copy never gets a manifest
             for _, event in events:
                 event.synchronize()
             manifest = Manifest(
@@ -1053,7 +1063,7 @@ class FlashWriter:
                 step=step,
                 generation=generation,
                 data_nbytes=plan.nbytes,
-                checksum=checksum(memoryview(buf)[: plan.nbytes]),
+                checksum=UNSEALED,  # hashed when it leaves this memory (`seal`)
                 entries=plan.entries,  # the same tuple every save: its JSON is cached
                 objects=objects,
                 meta=dict(meta or {}),
@@ -1071,7 +1081,7 @@ class FlashWriter:
         job: _Once[None] | None = None
         # a fresh tensor has its planned one's device (`_fresh` checks)
         if overlap and not plan.cuda:
-            # One writer thread copies, checksums and writes the manifest, in that order.
+            # One writer thread copies and then writes the manifest (no checksum: `seal`).
             # (Leaving the manifest to the training thread's next optimizer step, 0.2 s at
             # most, cost nothing measurable once the manifest was its 4 KB head: trainer
             # alone, eight runs of on/off blocks each, 0.955 against 0.957 of the steps per
@@ -1148,7 +1158,7 @@ class FlashWriter:
 
         Returns the event recorded after them: the caller's stream waits for it before it
         may change `srcs` (`SaveHandle.wait_copied`, the optimizer guard); the host waits
-        only in the checksum thread.
+        only in the writer's thread, before the manifest.
         """
         self._register_cuda(slot)
         main = torch.cuda.current_stream(device)
@@ -1178,13 +1188,13 @@ class FlashWriter:
         """Restore this rank's own copy into `state_dict` in place (same layout).
 
         Tensors (and DTensor local shards) are copied into; non-tensor values are replaced;
-        top-level `Stateful` values (e.g. a Trainer) get `load_state_dict`. The copy is
-        verified against its checksum first. For a changed layout use
+        top-level `Stateful` values (e.g. a Trainer) get `load_state_dict`. A sealed copy
+        is verified against its checksum first (`open_copy`). For a changed layout use
         `unbroken.recovery.reshard`.
 
         Raises:
             NoCopyError: no copy (of `step`).
-            CorruptCopyError: the copy fails its checksum.
+            CorruptCopyError: the copy fails its checksum, is truncated, or was reused.
         """
         self._drain()  # the copies in flight read the tensors loaded into
         self._cache = None  # loading may replace the state's tensors

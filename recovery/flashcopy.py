@@ -5,8 +5,13 @@ state's size), `slot-{i}.data` (the tensors' bytes, each at a 64-byte aligned of
 `slot-{i}.manifest` (step, generation, small values, checksum of the data; JSON with a CRC
 of its own; its tensor entries and small values' keys, the same every save of a plan, in
 `plan-{id}.lines`, named by their hash and written once). A slot is a valid copy exactly
-when its manifest exists and parses, and its data matches the checksum (`read_copy`
-verifies). The agent's persister writes the
+when its manifest exists and parses (the writer renames it into place only after the last
+byte is copied, and unlinks it before it reuses the slot) and its data is as long as the
+manifest says. A copy's checksum is taken when its bytes leave the process's memory, not
+at every save (`seal`): a writer's copy is *unsealed* (`UNSEALED`), and the agent hashes
+it when it sends it to a buddy or persists it, proving with a second look at the manifest
+that the slot was not reused meanwhile; replicas and copies restored from storage carry
+their checksum and `read_copy` verifies it. The agent's persister writes the
 generation it last persisted into `persisted` (`PERSISTED_MARK`), which releases the
 writer's pin on that slot. Everything
 here is shared by the writer (`unbroken.recovery.flash`), the agent's owner side,
@@ -28,7 +33,7 @@ import sys
 import warnings
 import zlib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +69,12 @@ PERSIST_META = "persist"  # manifest meta key; False: a copy for memory only, no
 PERSISTED_MARK = "persisted"  # file in a rank's directory: the generation last persisted
 CHECKSUM_CHUNK = 64 << 20  # hash in pieces so a background thread yields the GIL often
 CHECKSUM_ALGO = "xxh3_64"
+# The checksum of a writer's copy nobody has hashed yet (xxh3-64 is unsigned: never -1).
+# Hashing every save's bytes on the writer thread cost the fault-free run ~2-3 % of its
+# steps on this VM (1.5 MB a rank a step; bench/results/recovery-ab-variants-4.json), and
+# on a GPU node it is ~1.5 s of a core per 10 GB shard per save; the bytes need a checksum
+# only when they leave this memory (a buddy, storage, a broadcast), about once a second.
+UNSEALED = -1
 
 
 class FlashError(Exception):
@@ -129,6 +140,11 @@ class Manifest:
     objects: Mapping[str, bytes]  # flattened key -> torch.save bytes of a non-tensor value
     meta: Mapping[str, Any] = field(default_factory=dict)  # e.g. the mesh layout
     created_unix: float = 0.0
+
+    @property
+    def sealed(self) -> bool:
+        """Whether the checksum of the data is known (see `UNSEALED`)."""
+        return self.checksum != UNSEALED
 
     def to_bytes(self) -> bytes:
         """Serialise as JSON (objects base64) so any process can read it without pickle.
@@ -521,14 +537,21 @@ def find_copy(rank_dir: Path, step: int | None = None) -> CopyRef:
 
 
 def read_copy(ref: CopyRef) -> mmap.mmap:
-    """The copy's data, mapped read-only, verified against its manifest and re-checked.
+    """The copy's data, mapped read-only and checked (see `open_copy`)."""
+    return open_copy(ref)[1]
 
-    Returns:
-        A read-only mapping of the slot (zero-copy).
+
+def open_copy(ref: CopyRef) -> tuple[Manifest, mmap.mmap]:
+    """The copy's sealed manifest and its data, mapped read-only (zero-copy).
+
+    A sealed copy (a replica, a copy restored from storage) is verified against its
+    checksum. An unsealed one (a writer's) is hashed now and the returned manifest carries
+    the checksum, so what is broadcast or sent on can be verified where it arrives. Either
+    way the slot's manifest is looked at again afterwards: a reused slot is refused.
 
     Raises:
-        CorruptCopyError: the bytes do not match the checksum, the file is truncated, or
-            the slot was overwritten while it was read.
+        CorruptCopyError: the bytes do not match the checksum, the file is truncated or
+            gone, or the slot was overwritten while it was read.
     """
     m = ref.manifest
     try:
@@ -540,20 +563,36 @@ def read_copy(ref: CopyRef) -> mmap.mmap:
         if size < m.data_nbytes:
             raise CorruptCopyError(f"{ref.data_path} truncated: {size} of {m.data_nbytes} bytes")
         if m.data_nbytes == 0:
-            return mmap.mmap(-1, 1)
-        # Read-only and shared: a private writable mapping would copy every page on
-        # MAP_POPULATE. Tensors over it are only ever copied from.
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        data = mmap.mmap(fd, m.data_nbytes, flags=flags, prot=mmap.PROT_READ)
+            data = mmap.mmap(-1, 1)
+        else:
+            # Read-only and shared: a private writable mapping would copy every page on
+            # MAP_POPULATE. Tensors over it are only ever copied from.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            data = mmap.mmap(fd, m.data_nbytes, flags=flags, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
-    if checksum(memoryview(data)[: m.data_nbytes]) != m.checksum:
+    crc = checksum(memoryview(data)[: m.data_nbytes])
+    if m.sealed and crc != m.checksum:
         data.close()
         raise CorruptCopyError(f"{ref.data_path} checksum mismatch at step {m.step}")
     if read_manifest(ref.rank_dir, ref.slot) != m:
         data.close()
         raise CorruptCopyError(f"{ref.data_path} was overwritten while it was read")
-    return data
+    return (m if m.sealed else replace(m, checksum=crc)), data
+
+
+def seal(ref: CopyRef) -> Manifest:
+    """`ref`'s manifest with its checksum: as it is when sealed, else hashed from the slot
+    now (the agent's side, before a copy is sent or persisted).
+
+    Raises:
+        CorruptCopyError: as `open_copy`.
+    """
+    if ref.manifest.sealed:
+        return ref.manifest
+    manifest, data = open_copy(ref)
+    data.close()
+    return manifest
 
 
 def oldest_free_slot(rank_dir: Path, busy: set[int] | frozenset[int] = frozenset()) -> int | None:

@@ -43,6 +43,7 @@ from unbroken.recovery.flashcopy import (
     list_copies,
     new_hasher,
     read_manifest,
+    seal,
     write_persisted_mark,
 )
 
@@ -135,12 +136,13 @@ def write_shard(ref: CopyRef, url: str, *, verify_readback: bool = True) -> Pers
     """Stream one flash copy to storage and verify it.
 
     Raises:
-        CorruptCopyError: the slot's bytes do not match its checksum, or the slot was
+        CorruptCopyError: the slot's bytes do not match its checksum (taken here when
+            the copy is unsealed, and compared with the bytes streamed), or the slot was
             overwritten during the write (the partial file is removed), or the file read
             back differs.
     """
     t0 = time.monotonic()
-    m = ref.manifest
+    m = seal(ref)  # a writer's copy is hashed here, once, not at every save
     uri = shard_uri(url, m.step, m.rank)
     fs, path = _fs(uri)
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
@@ -163,7 +165,7 @@ def write_shard(ref: CopyRef, url: str, *, verify_readback: bool = True) -> Pers
         crc = hasher.intdigest()
         if crc != m.checksum:
             raise CorruptCopyError(f"{ref.data_path} step {m.step} fails its checksum")
-        if read_manifest(ref.rank_dir, ref.slot) != m:
+        if read_manifest(ref.rank_dir, ref.slot) != ref.manifest:
             raise CorruptCopyError(f"{ref.data_path} was overwritten while being persisted")
         fs.mv(tmp, path)
         _sync_dir(fs, path.rsplit("/", 1)[0])  # the rename, and the step directory itself

@@ -67,6 +67,7 @@ from unbroken.recovery.flashcopy import (
     read_copy,
     read_manifest,
     replica_store,
+    seal,
     write_manifest,
 )
 from unbroken.recovery.flashowner import FlashOwner, secure_dir
@@ -486,7 +487,13 @@ class ReplicaServer:
             # a takeover found no common step in memory and restored from storage, 314
             # steps back in the recovery bench
             for ref in reversed(list_copies(self.owner.rank_dir(rank, store))):
-                m = ref.manifest
+                m = ref.manifest  # a replica: sealed when it arrived
+                if not m.sealed:  # (a copy written here some other way: hash it now)
+                    try:
+                        m = await asyncio.to_thread(seal, ref)
+                    except CorruptCopyError as e:
+                        log.warning("replica.serve_skipped", node=node, rank=rank, error=str(e))
+                        continue
                 head = m.to_bytes()
                 hdr = {
                     "rank": rank,
@@ -667,10 +674,13 @@ async def send_copy(
     m = ref.manifest
 
     async def go() -> SendResult:
+        # a writer's copy is hashed here, about once a second, not at every save; the
+        # buddy compares the bytes it receives with this checksum
+        sealed = await asyncio.to_thread(seal, ref) if not m.sealed else m
         reader, writer, snonce = await _connect(host, port, cfg)
         fr, cnonce = _client_framing(cfg, snonce)
         try:
-            head = m.to_bytes()
+            head = sealed.to_bytes()
             hdr = {
                 "op": "put",
                 "node": node,

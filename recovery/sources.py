@@ -2,7 +2,9 @@
 
 The thin shell around the pure `restore.decide`: `survey` lists what each rank's memory
 (its node's flash store), the buddy's replica store and storage hold, reading manifests
-only; `ShardSource.open` maps or reads the bytes and verifies them against the checksum;
+only; `ShardSource.open` maps or reads the bytes and verifies them against the checksum (a
+writer's unsealed memory copy, hashed when opened, against a sealed twin of the same save
+in the buddy or storage when one exists; alone, only its length and manifest are checked);
 `obtain` opens the best source of one rank's step and, when a copy turns out truncated or
 bit-flipped, records it as corrupt and falls back to the next source. A corrupt copy is
 never handed to a caller. `reach_of` says, per step, which saved ranks a survey can reach
@@ -14,12 +16,12 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import structlog
 
-from unbroken.recovery.flashcopy import CopyRef, CorruptCopyError, Manifest, list_copies, read_copy
+from unbroken.recovery.flashcopy import CopyRef, CorruptCopyError, Manifest, list_copies, open_copy
 from unbroken.recovery.persist import _HEADER, MAGIC, _fs, list_persisted, read_shard
 from unbroken.recovery.restore import Availability, Source, StepCopies
 
@@ -45,14 +47,25 @@ class ShardSource:
         assert self.uri is not None
         return read_stored_manifest(self.uri)
 
-    def open(self) -> tuple[Manifest, mmap.mmap | memoryview]:
-        """The verified manifest and data.
+    def open(self, expect: int | None = None) -> tuple[Manifest, mmap.mmap | memoryview]:
+        """The verified (or, for a writer's unsealed copy, newly sealed) manifest and data.
+
+        `expect`: the checksum an unsealed copy must have (that of a sealed copy of the
+        very same save elsewhere: `obtain` finds one).
 
         Raises:
-            CorruptCopyError: the copy fails its checksum or is truncated or gone.
+            CorruptCopyError: the copy fails its checksum (or `expect`), or is truncated
+                or gone.
         """
         if self.ref is not None:
-            return self.ref.manifest, read_copy(self.ref)
+            manifest, data = open_copy(self.ref)
+            if expect is not None and not self.ref.manifest.sealed and manifest.checksum != expect:
+                data.close()
+                raise CorruptCopyError(
+                    f"{self.ref.data_path} checksum mismatch at step {self.step}: its bytes "
+                    "differ from the sealed copy of the same save (buddy or storage)"
+                )
+            return manifest, data
         assert self.uri is not None
         return read_shard(self.uri, verify=True)
 
@@ -129,9 +142,10 @@ def obtain(
         CorruptCopyError: every source of this shard is corrupt or missing.
     """
     errors = []
-    for src in survey.candidates(rank, step):
+    candidates = survey.candidates(rank, step)
+    for src in candidates:
         try:
-            manifest, data = src.open()
+            manifest, data = src.open(_sealed_twin(src, candidates))
         except CorruptCopyError as e:
             log.warning(
                 "restore.corrupt_copy", rank=rank, step=step, source=src.kind.label, error=str(e)
@@ -147,6 +161,26 @@ def obtain(
     raise CorruptCopyError(
         f"no intact copy of rank {rank} step {step}: " + ("; ".join(errors) or "no source")
     )
+
+
+def _sealed_twin(src: ShardSource, candidates: list[ShardSource]) -> int | None:
+    """The checksum of a sealed copy of the very save `src` holds unsealed (a writer's
+    memory copy): its buddy replica or its persisted shard, sealed from it, carry the
+    same manifest but for the checksum (same generation, same creation time, so a step
+    computed again after a rollback never matches). None: no such twin, or `src` is sealed."""
+    if src.ref is None or src.ref.manifest.sealed:
+        return None
+    mine = src.ref.manifest
+    for other in candidates:
+        if other is src:
+            continue
+        try:
+            theirs = other.manifest()
+        except (CorruptCopyError, OSError, ValueError, KeyError):
+            continue  # its own turn in `obtain` reports it
+        if theirs.sealed and replace(theirs, checksum=mine.checksum) == mine:
+            return theirs.checksum
+    return None
 
 
 LAYOUT_META = "layout"  # manifest meta key: the parallel layout the copy was saved under

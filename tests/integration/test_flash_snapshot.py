@@ -33,7 +33,7 @@ def _both_ways(cfg: TrainConfig, root: str) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    from unbroken.recovery.flash import FlashWriter, Shared
+    from unbroken.recovery.flash import FlashWriter, Shared, find_copy, seal
     from unbroken.trainer.flashckpt import KEY, FlashCheckpointer, FlashEnv, flat_fresh
     from unbroken.trainer.gpt3d import GPT3DTrainer
 
@@ -52,7 +52,8 @@ def _both_ways(cfg: TrainConfig, root: str) -> dict[str, Any]:
             b = full.save_async({KEY: trainer}, trainer.step)
             assert b is not None
             mb = b.wait()
-            same.append((a.step, a.checksum == mb.checksum, a.objects == mb.objects))
+            sa, sb = (seal(find_copy(ck.owner.rank_dir(r), a.step)) for r in (rank, rank + 100))
+            same.append((a.step, sa.checksum == sb.checksum, a.objects == mb.objects))
         hits = ck.writer.snapshot_hits
         # the fast path names every value as DCP's flattening does: each param-group
         # value once (`Shared`), standing for every parameter's key that holds it

@@ -25,12 +25,17 @@ from unbroken.recovery.flash import (
     FlashWriter,
     NoCopyError,
     ShmTooSmallError,
+    checksum,
     find_copy,
     list_copies,
+    manifest_path,
+    open_copy,
     read_copy,
+    replica_store,
+    seal,
     write_raw_copy,
 )
-from unbroken.recovery.flashcopy import read_persisted_mark, slots
+from unbroken.recovery.flashcopy import UNSEALED, read_persisted_mark, slots
 from unbroken.recovery.flashowner import MAX_AUTO_COPIES
 from unbroken.recovery.persist import (
     PERSIST_META,
@@ -234,11 +239,37 @@ def test_too_small_shm_says_how_much_is_needed(owner: FlashOwner) -> None:
         FlashWriter(0, small).save(_state(1), 1)
 
 
+def test_a_writers_copy_is_sealed_on_demand(owner: FlashOwner) -> None:
+    """A save does not hash its bytes; `seal` does, and a reused slot is refused."""
+    w = FlashWriter(0, owner)
+    m = w.save(_state(1), 1).wait()
+    assert not m.sealed and m.checksum == UNSEALED
+    ref = find_copy(owner.rank_dir(0))
+    sealed = seal(ref)
+    assert sealed.sealed and dataclasses.replace(sealed, checksum=UNSEALED) == m
+    assert sealed.checksum == checksum(ref.data_path.read_bytes()[: m.data_nbytes])
+    opened, data = open_copy(ref)  # what a restore broadcasts: the sealed manifest
+    data.close()
+    assert opened == sealed
+    w.close()
+    # the slot reused after its manifest was read (a writer unlinks the manifest first)
+    os.unlink(manifest_path(ref.rank_dir, ref.slot))
+    with pytest.raises(CorruptCopyError, match="overwritten"):
+        seal(ref)
+
+
 def test_bit_flip_and_truncation_are_caught(owner: FlashOwner) -> None:
+    """A sealed copy (a buddy's replica, a copy restored from storage) is verified at
+    every read; a writer's unsealed copy is checked for its length."""
     w = FlashWriter(0, owner)
     w.save(_state(1), 1).wait()
     w.close()
-    ref = find_copy(owner.rank_dir(0))
+    mine = find_copy(owner.rank_dir(0))
+    rank_dir = owner.rank_dir(0, replica_store("n9"))
+    ref = write_raw_copy(
+        rank_dir, seal(mine), mine.data_path.read_bytes()[: mine.manifest.data_nbytes]
+    )
+    read_copy(ref).close()
     with open(ref.data_path, "r+b") as f:
         f.seek(10)
         byte = f.read(1)
@@ -246,12 +277,16 @@ def test_bit_flip_and_truncation_are_caught(owner: FlashOwner) -> None:
         f.write(bytes([byte[0] ^ 0x10]))
     with pytest.raises(CorruptCopyError, match="checksum"):
         read_copy(ref)
-    with pytest.raises(CorruptCopyError):
-        FlashWriter(0, owner).load(_zeros_like(_state(0)))
     with open(ref.data_path, "r+b") as f:
         f.truncate(ref.manifest.data_nbytes // 2)
     with pytest.raises(CorruptCopyError, match="truncated"):
         read_copy(ref)
+    with open(mine.data_path, "r+b") as f:
+        f.truncate(mine.manifest.data_nbytes // 2)
+    with pytest.raises(CorruptCopyError, match="truncated"):
+        read_copy(mine)
+    with pytest.raises(CorruptCopyError):
+        FlashWriter(0, owner).load(_zeros_like(_state(0)))
 
 
 def test_damaged_manifest_means_no_copy(owner: FlashOwner) -> None:
@@ -499,10 +534,11 @@ def test_corrupt_memory_falls_back_to_buddy_then_storage(owner: FlashOwner, tmp_
     ref = owner.newest(0)
     assert ref is not None
     buddy_dir = owner.rank_dir(0, "replica-nodeA")
-    with open(ref.data_path, "rb") as f:
-        write_raw_copy(buddy_dir, ref.manifest, f.read(ref.manifest.data_nbytes))
+    with open(ref.data_path, "rb") as f:  # what the buddy stores: the sealed copy
+        write_raw_copy(buddy_dir, seal(ref), f.read(ref.manifest.data_nbytes))
     write_shard(ref, str(tmp_path))
-    # damage memory and buddy: the restore must come from storage, intact
+    # damage memory and buddy: the restore must come from storage, intact (the memory copy
+    # is unsealed: its bytes are compared with the checksum its sealed twins carry)
     for path in (ref.data_path, find_copy(buddy_dir).data_path):
         with open(path, "r+b") as f:
             f.write(b"\xff\xff\xff\xff")
@@ -518,12 +554,39 @@ def test_corrupt_memory_falls_back_to_buddy_then_storage(owner: FlashOwner, tmp_
     _assert_same(sd, target)
 
 
+def test_an_unsealed_copy_without_a_twin_is_checked_for_its_length_only(
+    owner: FlashOwner, tmp_path: Path
+) -> None:
+    """A writer's copy is not hashed at save time: alone, flipped bytes go unnoticed (as in
+    the live state it was copied from); a twin sealed from another save of the same step
+    (a rerun after a rollback) is not taken for its twin."""
+    w = FlashWriter(0, owner)
+    w.save(_state(5), 5).wait()
+    ref = owner.newest(0)
+    assert ref is not None
+    with open(ref.data_path, "r+b") as f:
+        f.write(b"\xff\xff\xff\xff")
+    src, manifest, data = obtain(survey(memory={0: owner.rank_dir(0)}), 0, 5)
+    assert src.kind is Source.MEMORY and manifest.sealed  # sealed now, from the bytes read
+    data.close()
+    # the step saved again (different values: created later, another generation), persisted
+    w.save(_state(6), 5).wait()
+    w.close()
+    again = owner.newest(0)
+    assert again is not None and again.slot != ref.slot
+    write_shard(again, str(tmp_path))
+    os.unlink(manifest_path(owner.rank_dir(0), again.slot))  # memory keeps the first save
+    sv = survey(memory={0: owner.rank_dir(0)}, storage_url=str(tmp_path))
+    src, _, data = obtain(sv, 0, 5)
+    assert src.kind is Source.MEMORY and not sv.corrupt
+    data.close()
+
+
 def test_all_sources_corrupt_is_an_error(owner: FlashOwner) -> None:
     FlashWriter(0, owner).save(_state(1), 1).wait()
     ref = owner.newest(0)
     assert ref is not None
-    with open(ref.data_path, "r+b") as f:
-        f.write(b"\x00\x01\x02\x03\x04")
+    os.truncate(ref.data_path, 5)
     sv = survey(memory={0: owner.rank_dir(0)})
     with pytest.raises(CorruptCopyError, match="no intact copy of rank 0 step 1"):
         obtain(sv, 0, 1)
@@ -905,7 +968,8 @@ def test_snapshot_saves_equal_full_saves_step_after_step(owner: FlashOwner) -> N
         b = slow.save_async(full(), n)
         assert a is not None and b is not None
         ma, mb = a.wait(), b.wait()
-        assert ma.checksum == mb.checksum, n  # the same bytes
+        sums = [seal(find_copy(owner.rank_dir(r), n)).checksum for r in (0, 1)]
+        assert sums[0] == sums[1], n  # the same bytes
         assert ma.objects == mb.objects, n  # the same small values (lr of this step)
     assert fast.snapshot_hits == 4  # planned at step 1, reused at steps 2-5
     fast.close()
