@@ -481,6 +481,13 @@ class NodeFlash:
                     out.append((node, rank, steps))
         return out[:MAX_HELD_RANKS]
 
+    async def rescan(self) -> None:
+        """Look at every local rank's ring now (after its workers stopped: their last
+        copies are in), for `ring_steps`; persisting and replicating wait for `tick`."""
+        for rank in self.owner.ranks():
+            refs = await asyncio.to_thread(list_copies, self.owner.rank_dir(rank))
+            self._ring[rank] = [r.manifest.step for r in refs]
+
     def ring_steps(self, rank: int) -> list[int]:
         """The steps `rank`'s ring holds (complete copies, newest first), as last polled."""
         return self._ring.get(rank, [])

@@ -407,11 +407,16 @@ class RecoveryLoop:
     async def _one(self, gen: int, a: machine.Action, restore: machine.Restore | None) -> None:
         cfg = self.config
         if isinstance(a, machine.PauseAll):
+            acks: dict[str, dpb.CommandAck] = {}
             await self._broadcast(
-                a.nodes, dpb.DriverMessage(stop_workers=dpb.StopWorkers(grace_s=cfg.stop_grace_s))
+                a.nodes,
+                dpb.DriverMessage(stop_workers=dpb.StopWorkers(grace_s=cfg.stop_grace_s)),
+                acks=acks,
             )
             if gen == self._gen:
-                held = await self._ring_common(a.nodes)
+                fresh = {n for n, ack in acks.items() if ack.ok and ack.ring_fresh}
+                held = await self._ring_common(a.nodes, fresh)
+                log.info("workers paused", rings_fresh=sorted(fresh), held=sorted(held or ()))
                 self.service.submit(
                     machine.Paused(
                         step=self._live_step(a.nodes),
@@ -491,9 +496,15 @@ class RecoveryLoop:
         self._diagnosis = (did, task)
 
     async def _broadcast(
-        self, nodes: tuple[str, ...], msg: dpb.DriverMessage, *, wait: bool = True
+        self,
+        nodes: tuple[str, ...],
+        msg: dpb.DriverMessage,
+        *,
+        wait: bool = True,
+        acks: dict[str, dpb.CommandAck] | None = None,
     ) -> dict[str, str]:
-        """Send `msg` to every node with a session; return node -> error for failures."""
+        """Send `msg` to every node with a session; return node -> error for failures.
+        `acks`: filled with each node's ack (with `wait`)."""
 
         async def one(n: str) -> str:
             m = dpb.DriverMessage()
@@ -503,6 +514,8 @@ class RecoveryLoop:
                     self.service.send(n, m)
                     return ""
                 r = await self.service.request(n, m, self.config.command_timeout_s)
+                if acks is not None:
+                    acks[n] = r.ack
                 return "" if r.ack.ok else r.ack.detail or "refused"
             except (KeyError, TimeoutError) as e:
                 return f"{type(e).__name__}: {e}"
@@ -513,12 +526,19 @@ class RecoveryLoop:
             log.warning("command not done everywhere", kind=msg.WhichOneof("kind"), errors=bad)
         return bad
 
-    async def _ring_common(self, nodes: tuple[str, ...]) -> set[int] | None:
+    async def _ring_common(
+        self, nodes: tuple[str, ...], fresh: set[str] | frozenset[str] = frozenset()
+    ) -> set[int] | None:
         """The steps every rank of the world holds in its node's flash ring, from the
-        heartbeats that follow the stop (each rank's last copy is in them by then)."""
-        marks = {n: self._beats(n) for n in nodes}
+        heartbeats that follow the stop (each rank's last copy is in them by then).
+
+        `fresh`: nodes whose stop ack said its heartbeat just before it carried their rings
+        rescanned after the stop (`CommandAck.ring_fresh`): not waited for. The others
+        (an older agent, one behind a relay) get two more heartbeats, ~200 ms."""
+        waiting = [n for n in nodes if n not in fresh]
+        marks = {n: self._beats(n) for n in waiting}
         deadline = time.monotonic() + RING_SETTLE_S
-        while time.monotonic() < deadline and any(self._beats(n) < marks[n] + 2 for n in nodes):
+        while time.monotonic() < deadline and any(self._beats(n) < marks[n] + 2 for n in waiting):
             await asyncio.sleep(0.02)
         return self._ring_held(nodes)
 

@@ -287,14 +287,16 @@ class CheckResult(_message.Message):
     def __init__(self, command_id: _Optional[str] = ..., result_json: _Optional[str] = ..., exit_code: _Optional[int] = ..., stderr_tail: _Optional[str] = ...) -> None: ...
 
 class CommandAck(_message.Message):
-    __slots__ = ("command_id", "ok", "detail")
+    __slots__ = ("command_id", "ok", "detail", "ring_fresh")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    RING_FRESH_FIELD_NUMBER: _ClassVar[int]
     command_id: str
     ok: bool
     detail: str
-    def __init__(self, command_id: _Optional[str] = ..., ok: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+    ring_fresh: bool
+    def __init__(self, command_id: _Optional[str] = ..., ok: _Optional[bool] = ..., detail: _Optional[str] = ..., ring_fresh: _Optional[bool] = ...) -> None: ...
 
 class ShardPersisted(_message.Message):
     __slots__ = ("step", "rank", "uri", "bytes", "checksum", "world_size", "url", "timeline", "persist_s")

@@ -59,6 +59,10 @@ def test_worker_crash_and_lost_node_are_recovered(job: Job) -> None:
         "training past the crash",
         job,
     )
+    # each agent rescanned its ring after the stop and said so in its ack (the heartbeat
+    # with the rings came first), so the driver waited for no later heartbeat
+    paused = [ln for ln in job.log("driver").splitlines() if "workers paused" in ln]
+    assert paused and "rings_fresh=['n0', 'n1']" in paused[0], paused
 
     # 2. A lost node: the spare takes its place.
     job.procs["n1"].kill()  # SIGKILL the agent; its worker dies with it
