@@ -6,7 +6,11 @@ import socket
 import threading
 import time
 
+import pytest
+
 from unbroken.trainer.run import wait_for_store
+
+pytestmark = pytest.mark.unit
 
 
 def _free_port() -> int:
