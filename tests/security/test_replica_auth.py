@@ -367,3 +367,28 @@ def test_a_buddys_made_up_plans_do_not_pile_up_and_a_plan_id_stays_in_its_direct
         Manifest.from_bytes(raw, lambda pid: read_plan(tmp_path, pid))
     with pytest.raises(CorruptCopyError):  # off the wire: no plan resolved at all
         Manifest.from_bytes(raw)
+
+
+def test_a_copy_sent_unsealed_is_refused_as_corrupt(owners: dict[str, FlashOwner]) -> None:
+    """A writer's copy carries no checksum (`UNSEALED`) until the sender seals it; a peer
+    that streams one without (a buggy or hostile agent holding the job's key) gets it
+    refused as corrupt, and the buddy keeps nothing."""
+    from unbroken.recovery.flashcopy import UNSEALED
+    from unbroken.recovery.replica import _Framing, _stream_into_slot
+
+    a, b = owners["a"], owners["b"]
+    _copy(a, step=7)
+    ref = a.newest(0)
+    assert ref is not None and ref.manifest.checksum == UNSEALED
+    data = ref.data_path.read_bytes()[: ref.manifest.data_nbytes]
+
+    async def go() -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        rank_dir = b.rank_dir(0, replica_store("node-a"))
+        framing = _Framing(None, b"", b"", server=True)
+        assert await _stream_into_slot(reader, framing, rank_dir, ref.manifest, 0) is None
+
+    asyncio.run(go())
+    assert b.newest(0, replica_store("node-a")) is None
