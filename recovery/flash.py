@@ -36,8 +36,12 @@ measured here at
 load; crc32 reached 2.4 GB/s on an idle machine), so verifying a restore costs about as
 much as the copy itself instead of several times it. On GPUs the device-to-host copy runs
 on a side stream into the shared memory registered as pinned memory, and the training
-stream waits for it on the device, so the host blocks only to enqueue it. Allocating and
-faulting in the slots is paid once, in `FlashWriter.prepare` at start-up.
+stream waits for it on the device. The training thread enqueues those copies at the save
+(one `cudaMemcpyAsync` per tensor: 2-9 ms of host time for the 333 tensors of the gpt3d
+125m preset on an H200); `CUDA_COPY_ON_WRITER` leaves that to the writer's thread (0.5-1 ms
+on the training thread), which measured slower there: its copies start later, while the
+next step already runs. Allocating and faulting in the slots is paid once, in
+`FlashWriter.prepare` at start-up.
 
 Layout: `{root}/{job}/{store}/rank-{r:05d}/slot-{i}.data` and `slot-{i}.manifest`, where
 `store` is `local` for this node's own ranks and `replica-{node}` for a buddy's copies.
@@ -117,6 +121,16 @@ _T = TypeVar("_T")
 
 PIN_TIMEOUT_S = 120.0  # a copy marked for persistence keeps its slot at most this long
 EAGER_SLOTS = MIN_SLOTS  # slots a (re)start maps before its first step; the rest meanwhile
+# Overlapped saves of GPU state: the training thread enqueues the device-to-host copies
+# inside `save_async` (False), or the writer's thread does (True). bench/checkpoint.py
+# measures both in one run; on an H200 (gpt3d 125m, 1 GB of state, 82 ms steps) the
+# throughput with a save every step was 0.916 of none enqueued by the training thread and
+# 0.875 by the writer's (bench/results/checkpoint-cuda-3.json), 0.875 and 0.863 before the
+# trainer prefetched its batches (checkpoint-cuda-2.json).
+CUDA_COPY_ON_WRITER = False
+# The manifest waits for those copies by polling their event (True) or in
+# cudaEventSynchronize (False); bench/flash_gpu_probe.py measures both.
+CUDA_WAIT_POLL = True
 
 # The copy format is re-exported: callers import everything flash from here.
 __all__ = [
@@ -454,6 +468,9 @@ class SaveHandle:
         # CUDA events recorded after the device-to-host copies (GPU state): "copied" for
         # the caller means its stream waits for them, on the device; the host never does.
         self._device_events: list[tuple[torch.device, Any]] = []
+        # the copies are enqueued on a device (by the writer's thread, or at the save):
+        # the caller's stream waits for `_device_events` once they are enqueued
+        self._on_device = False
 
     def wait_copied(self, timeout_s: float = 600.0) -> None:
         """Block until the state's tensors are copied out; they may be modified after.
@@ -463,10 +480,19 @@ class SaveHandle:
         """
         if self._copied_ok:  # the common case, once per optimizer step: no lock taken
             return
-        if self._device_events:  # pragma: no cover - needs a GPU (tests/gpu)
+        if self._on_device:  # pragma: no cover - needs a GPU (tests/gpu)
             # The caller's stream (the optimizer step's) waits for the copies on the
             # device: the host goes on enqueueing, the GPU orders the writes after the reads.
-            self._copied.result()
+            # The host waits only until they are enqueued (the writer's thread, a forward
+            # and backward ago; or here, if that thread has not started).
+            if not self._copied.done():
+                t0 = time.perf_counter()
+                try:
+                    self._run_unstarted(manifest=False)
+                    self._copied.result(timeout=timeout_s)
+                finally:
+                    self.blocked_s += time.perf_counter() - t0
+            self._copied.result()  # re-raises a failed enqueue's error
             for device, event in self._device_events:
                 torch.cuda.current_stream(device).wait_event(event)
             self._copied_ok = True
@@ -575,6 +601,7 @@ class FlashWriter:
         self._cache: tuple[Any, _Plan] | None = None  # (Snapshot.key, plan)
         self._cache_miss_logged = False
         self._cuda_registered: set[int] = set()
+        self._register_lock = threading.Lock()  # the mapper thread registers its slots too
         self._side_streams: dict[torch.device, Any] = {}  # device -> the copies' stream
         self.saves = 0  # saves started
         self.skipped_busy = 0  # saves skipped: no free slot in the ring
@@ -644,6 +671,9 @@ class FlashWriter:
                 used = [i for i, e in enumerate(plan.entries) if e.nbytes]
                 views = tensor_views(buf, [plan.entries[i] for i in used], quiet=False)
                 self._views.setdefault(slot, (plan.layout, used, views))
+            if plan is not None and plan.cuda:  # pragma: no cover - needs a GPU
+                # pinned here (0.06 s per GiB), not inside the save that first takes it
+                self._register_cuda(slot)
         self.ring_ready_s = time.perf_counter() - t0
 
     def wait_ring(self, timeout_s: float = 600.0) -> None:
@@ -694,8 +724,8 @@ class FlashWriter:
         The first `EAGER_SLOTS` slots are mapped (and, with CUDA tensors in the state,
         registered as pinned memory) before this returns; the rest of the ring is mapped
         by a background thread (a fresh 16-copy ring of 1 GiB took 9.8 s to map on an H100
-        host: tmpfs zeroes each page at its first fault) and registered at its first use
-        (0.06 s per GiB).
+        host: tmpfs zeroes each page at its first fault), which also registers each slot
+        (0.06 s per GiB); a save that takes a slot first maps and registers it itself.
 
         Returns:
             The bytes per slot.
@@ -1016,6 +1046,15 @@ class FlashWriter:
         self._generation += 1
         generation = self._generation
         events: list[Any] = []
+        # GPU state saved overlapped: the writer's thread enqueues the copies, after the
+        # work the caller's streams hold now (an event each), not after what comes next
+        on_writer = overlap and plan.cuda and CUDA_COPY_ON_WRITER and self._progress_hook is None
+        ready: dict[torch.device, Any] = {}
+        if on_writer:  # pragma: no cover - needs a GPU
+            for src in sources:
+                if isinstance(src, torch.Tensor) and src.is_cuda and src.device not in ready:
+                    ready[src.device] = torch.cuda.Event()
+                    ready[src.device].record(torch.cuda.current_stream(src.device))
 
         def copy() -> None:
             used, dsts = self._slot_views(slot, buf, plan)
@@ -1039,7 +1078,7 @@ class FlashWriter:
                 if host[0]:
                     torch._foreach_copy_(host[0], host[1])
                 for dev, (ds, ss) in device.items():  # pragma: no cover - needs a GPU
-                    events.append((dev, self._copy_from_cuda(slot, dev, ds, ss)))
+                    events.append((dev, self._copy_from_cuda(slot, dev, ds, ss, ready.get(dev))))
             else:
                 views = dict(zip(used, dsts, strict=True))
                 for i, src in enumerate(sources):
@@ -1056,8 +1095,15 @@ class FlashWriter:
 
         def finish() -> Manifest:
             copied.result()  # a failed copy never gets a manifest
-            for _, event in events:
-                event.synchronize()
+            for _, event in events:  # pragma: no cover - needs a GPU
+                # polled, not `event.synchronize()`: on an H200 (bench/flash_gpu_probe.py,
+                # prefetched batches, one run) the 125m preset with a save every step ran
+                # at 0.929 of no saves while this thread sat in cudaEventSynchronize and at
+                # 0.963 polling (0.939 and 0.979 with the writer's thread enqueuing)
+                if not CUDA_WAIT_POLL:
+                    event.synchronize()
+                while not event.query():
+                    time.sleep(0.0005)
             manifest = Manifest(
                 rank=self.rank,
                 step=step,
@@ -1080,8 +1126,9 @@ class FlashWriter:
         copied: Future[None]
         job: _Once[None] | None = None
         # a fresh tensor has its planned one's device (`_fresh` checks)
-        if overlap and not plan.cuda:
-            # One writer thread copies and then writes the manifest (no checksum: `seal`).
+        if overlap and (not plan.cuda or on_writer):
+            # One writer thread copies (GPU state: enqueues the copies) and then writes the
+            # manifest (no checksum: `seal`).
             # (Leaving the manifest to the training thread's next optimizer step, 0.2 s at
             # most, cost nothing measurable once the manifest was its 4 KB head: trainer
             # alone, eight runs of on/off blocks each, 0.955 against 0.957 of the steps per
@@ -1108,7 +1155,11 @@ class FlashWriter:
             for dev, event in events:
                 torch.cuda.current_stream(dev).wait_event(event)
         handle = SaveHandle(copied, fin.done, time.perf_counter() - t0, job, fin)
-        handle._device_events = [] if not overlap else list(events)
+        if overlap and plan.cuda:  # pragma: no cover - needs a GPU
+            handle._on_device = True
+            # filled by `copy` (maybe still running on the writer's thread): read only once
+            # `copied` is done
+            handle._device_events = events
         handle.generation = generation
         self._inflight[slot] = handle
         self._pending = handle
@@ -1123,6 +1174,10 @@ class FlashWriter:
         If CUDA refuses (e.g. a locked-memory limit), the copies still work, from pageable
         memory: the driver stages them, and each blocks the host for its length.
         """
+        with self._register_lock:
+            self._register_cuda_locked(slot)
+
+    def _register_cuda_locked(self, slot: int) -> None:  # pragma: no cover - needs a GPU
         if slot in self._cuda_registered:
             return
         m = self._map(slot)
@@ -1151,21 +1206,29 @@ class FlashWriter:
         self._cuda_registered.clear()
 
     def _copy_from_cuda(
-        self, slot: int, device: torch.device, dsts: list[torch.Tensor], srcs: list[torch.Tensor]
+        self,
+        slot: int,
+        device: torch.device,
+        dsts: list[torch.Tensor],
+        srcs: list[torch.Tensor],
+        ready: Any = None,
     ) -> Any:  # pragma: no cover - needs a GPU
         """Enqueue the device-to-host copies of `srcs` on the writer's side stream, into
-        the slot's pinned views `dsts`, after the work already on the caller's stream.
+        the slot's pinned views `dsts`, after `ready` (an event the caller recorded at the
+        save; None: after the work already on the calling thread's stream).
 
         Returns the event recorded after them: the caller's stream waits for it before it
         may change `srcs` (`SaveHandle.wait_copied`, the optimizer guard); the host waits
         only in the writer's thread, before the manifest.
         """
         self._register_cuda(slot)
-        main = torch.cuda.current_stream(device)
         side = self._side_streams.get(device)
         if side is None:
             side = self._side_streams[device] = torch.cuda.Stream(device)
-        side.wait_stream(main)
+        if ready is not None:
+            side.wait_event(ready)
+        else:
+            side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
         event = torch.cuda.Event()
