@@ -17,7 +17,10 @@ For 100 MB, 1 GB and 4 GB of float32 state this measures:
   the next forward/backward, the optimizer guard waits for it), against torch.save + fsync
   of the same state; `flash_vs_torch_save_ratio_1gb` comes from the overlapped mode;
 - the step-time overhead of a flash save at every step on the tiny gpt3d model
-  (pp1×dp2×tp1 and tp2 by default, mp.spawn + gloo), same run, modes interleaved.
+  (pp1×dp2×tp1 and tp2 by default, mp.spawn + gloo), same run, modes interleaved; with
+  `--device cuda` (nccl, state on the GPU) also the snapshot save with its device-to-host
+  copies enqueued by the writer's thread (`flash.CUDA_COPY_ON_WRITER`) instead of the
+  training thread.
 
 Writes bench/results/checkpoint.json and prints a markdown table. Run:
 `OMP_NUM_THREADS=1 .venv/bin/python bench/checkpoint.py [--sizes-mb 100 1024 4096]`

@@ -30,6 +30,7 @@ import mmap
 import os
 import struct
 import sys
+import time
 import warnings
 import zlib
 from collections.abc import Callable, Iterable, Mapping
@@ -324,11 +325,75 @@ def read_plan(rank_dir: Path, plan_id: str) -> bytes:
     return lines
 
 
+# A plan file no manifest names is deleted once it is this old (`prune_plans`): one
+# just written may not be named yet by the manifest about to follow it.
+PLAN_KEEP_S = 60.0
+
+
 def _write_plan(rank_dir: Path, plan_id: str, lines: bytes) -> None:
-    """Store the plan lines once per directory (atomically; a stat when already there)."""
+    """Store the plan lines once per directory (atomically; a stat when already there).
+
+    A new plan (the first save after a reshard, a restart with other state) is when older
+    ones may have stopped being named: `prune_plans` runs then, not at every save."""
     path = plan_path(rank_dir, plan_id)
     if not os.path.exists(path):
         _replace_with(path, rank_dir / f".{PLAN_PREFIX}{plan_id}.{os.getpid()}.tmp", lines)
+        prune_plans(rank_dir, keep=plan_id)
+
+
+def _named_plan(raw: bytes) -> str | None:
+    """The plan id a slot manifest's head names (None: another form, or unreadable)."""
+    head = raw.partition(b"\n")[0]
+    try:
+        plan_id = json.loads(head).get("plan")
+    except (ValueError, AttributeError):
+        return None
+    return plan_id if _is_plan_id(plan_id) else None
+
+
+def prune_plans(rank_dir: Path, keep: str = "", min_age_s: float | None = None) -> list[str]:
+    """Delete the plan files (and a crashed writer's temporary ones) of `rank_dir` that no
+    slot manifest there names, older than `min_age_s`; returns the deleted names.
+
+    Without this each reshard or restart with other state left its plan files behind in
+    shared memory for the job's whole life. A manifest that cannot be read keeps every
+    plan (it might name any).
+    """
+    min_age_s = PLAN_KEEP_S if min_age_s is None else min_age_s
+    now = time.time()
+    named = {keep}
+    candidates: list[tuple[str, float]] = []
+    try:
+        with os.scandir(rank_dir) as it:
+            for entry in it:
+                name = entry.name
+                if name.startswith("slot-") and name.endswith(".manifest"):
+                    try:
+                        with open(entry.path, "rb") as f:
+                            plan_id = _named_plan(f.read(1 << 16))
+                    except OSError:
+                        continue  # replaced or removed meanwhile: its successor is newer
+                    if plan_id is None:
+                        return []
+                    named.add(plan_id)
+                elif (name.startswith(PLAN_PREFIX) and name.endswith(PLAN_SUFFIX)) or (
+                    name.startswith(f".{PLAN_PREFIX}") and name.endswith(".tmp")
+                ):
+                    try:
+                        candidates.append((name, entry.stat(follow_symlinks=False).st_mtime))
+                    except OSError:
+                        continue
+    except OSError:
+        return []
+    deleted = []
+    for name, mtime in candidates:
+        plan_id = name[len(PLAN_PREFIX) : -len(PLAN_SUFFIX)] if name.endswith(PLAN_SUFFIX) else ""
+        if plan_id in named or now - mtime < min_age_s:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(rank_dir / name)
+            deleted.append(name)
+    return deleted
 
 
 def _replace_with(path: Path, tmp: Path, data: bytes) -> os.stat_result:

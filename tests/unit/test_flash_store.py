@@ -354,6 +354,72 @@ def test_a_slot_manifest_whose_plan_is_missing_or_wrong_is_no_copy(
         find_copy(rank_dir)
 
 
+def _plan_state(step: int, layout: str) -> dict[str, Any]:
+    """`_state(step)` with one more small value whose key names the layout (a new plan)."""
+    return _state(step) | {f"layout_{layout}": step}
+
+
+@pytest.mark.parametrize("keep_s", [0.0, None])
+def test_plans_no_manifest_names_go_when_a_new_plan_is_written(
+    owner: FlashOwner, monkeypatch: pytest.MonkeyPatch, keep_s: float | None
+) -> None:
+    """Each reshard or restart with other state writes a new plan file: the ones no slot
+    names any more are deleted then (once older than PLAN_KEEP_S), the named ones stay."""
+    from unbroken.recovery import flashcopy
+
+    if keep_s is not None:
+        monkeypatch.setattr(flashcopy, "PLAN_KEEP_S", keep_s)
+    owner = FlashOwner(FlashConfig(root=owner.config.root, job="plans", copies=3))
+    w = FlashWriter(0, owner)
+    rank_dir: Path | None = None  # set after the first save
+
+    def plans() -> set[str]:
+        assert rank_dir is not None
+        return {p.name for p in rank_dir.glob("plan-*.lines")}
+
+    for step in (1, 2, 3):
+        w.save(_plan_state(step, "a"), step).wait()
+    rank_dir = owner.rank_dir(0)
+    (plan_a,) = plans()
+    stale_tmp = rank_dir / ".plan-0123456789abcdef.999.tmp"  # a crashed writer's
+    stale_tmp.write_bytes(b"x")
+    os.utime(stale_tmp, (time.time() - 3600, time.time() - 3600))
+    w.save(_plan_state(4, "b"), 4).wait()  # slot 0: slots 1 and 2 still name plan a
+    assert plan_a in plans() and len(plans()) == 2
+    for step in (5, 6):
+        w.save(_plan_state(step, "b"), step).wait()  # no slot names plan a any more
+    (plan_b,) = plans() - {plan_a}
+    w.save(_plan_state(7, "c"), 7).wait()  # a new plan: the unnamed ones go
+    if keep_s == 0.0:
+        assert plan_a not in plans() and plan_b in plans() and len(plans()) == 2
+        assert not stale_tmp.exists()
+    else:  # plan a is seconds old: kept for now (a writer may be about to name it)
+        assert {plan_a, plan_b} <= plans()
+    assert [r.manifest.step for r in list_copies(rank_dir)] == [7, 6, 5]
+    target = _zeros_like(_plan_state(0, "b"))
+    w.load(target, step=5)
+    _assert_same(_plan_state(5, "b"), target)
+    w.close()
+
+
+def test_an_unreadable_manifest_keeps_every_plan(owner: FlashOwner) -> None:
+    from unbroken.recovery.flashcopy import prune_plans
+
+    w = FlashWriter(0, owner)
+    w.save(_plan_state(1, "a"), 1).wait()
+    w.save(_plan_state(2, "b"), 2).wait()
+    rank_dir = owner.rank_dir(0)
+    w.save(_plan_state(3, "b"), 3).wait()  # slot 0 names plan a, the others plan b
+    assert len(list(rank_dir.glob("plan-*.lines"))) == 2
+    manifest_path(rank_dir, 0).write_bytes(b"not a manifest")
+    assert prune_plans(rank_dir, min_age_s=0.0) == []
+    assert len(list(rank_dir.glob("plan-*.lines"))) == 2
+    manifest_path(rank_dir, 0).unlink()  # now nothing names plan a
+    assert [n for n in prune_plans(rank_dir, min_age_s=0.0) if n.endswith(".lines")]
+    assert len(list(rank_dir.glob("plan-*.lines"))) == 1
+    w.close()
+
+
 def test_owner_lists_discards_and_cleans(owner: FlashOwner) -> None:
     for rank in (0, 1):
         w = FlashWriter(rank, owner)
