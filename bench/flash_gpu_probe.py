@@ -123,7 +123,7 @@ def _rank(shm_root: str, preset_name: str, seq: int, rounds: int, steps: int) ->
     finally:
         fm.CUDA_COPY_ON_WRITER = False
         fm.CUDA_WAIT_POLL = True
-        tr.prefetch_batches = True
+        tr.prefetch_batches = None
         for g in guards:
             g.remove()
         writer.close()

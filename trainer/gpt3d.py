@@ -94,7 +94,9 @@ class GPT3DTrainer:
         # On a GPU, the next batch drawn and copied to the device at the end of a step:
         # (the loader's draw it came from, the loader's position before it, inputs, targets)
         self._prefetched: tuple[Any, dict[str, Any], torch.Tensor, torch.Tensor] | None = None
-        self.prefetch_batches = True  # False: each step draws and copies its batch itself
+        # draw the next batch at the end of a step: None on a GPU only (what it is for),
+        # True everywhere (tests), False never
+        self.prefetch_batches: bool | None = None
 
     # ---- setup -------------------------------------------------------------------------
     def setup(self, config: TrainConfig) -> None:
@@ -251,10 +253,12 @@ class GPT3DTrainer:
         19 ms a step, the length of the 1 GB copy). Copied here, from pinned memory without
         waiting, the batch goes ahead of the save's copy, and the next step launches at once.
         The loader's position stays the one before this batch (`_data_state`), so a
-        checkpoint of this step resumes with it. On a CPU only the draw moves (and this
-        bookkeeping runs in every test).
+        checkpoint of this step resumes with it. On a CPU only the draw would move, so it
+        is off there unless `prefetch_batches` is True (as tests/integration/
+        test_batch_prefetch.py sets it).
         """
-        if not self.prefetch_batches:
+        on = self.device.type == "cuda" if self.prefetch_batches is None else self.prefetch_batches
+        if not on:
             return
         before = self.loader.state_dict()
         draw = self.loader.next_batch

@@ -1,9 +1,10 @@
-"""The gpt3d trainer draws its next batch at the end of a step (on a GPU it starts the copy
-then, ahead of a flash save's device-to-host copy). Drawing ahead must change nothing a
+"""On a GPU the gpt3d trainer draws its next batch at the end of a step and starts its copy
+then, ahead of a flash save's device-to-host copy. Drawing ahead must change nothing a
 checkpoint or a drill sees: the same losses, the data position of the step just taken, a
 loss-spike drill that poisons the very next step, a skip, a load.
 
-Each check runs one process (gloo) twice, prefetching and not, and compares.
+Each check runs one CPU process (gloo) with drawing ahead forced on (`prefetch_batches`;
+off by default on a CPU) and off, and compares.
 """
 
 from __future__ import annotations
