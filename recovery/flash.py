@@ -1096,10 +1096,11 @@ class FlashWriter:
         def finish() -> Manifest:
             copied.result()  # a failed copy never gets a manifest
             for _, event in events:  # pragma: no cover - needs a GPU
-                # polled, not `event.synchronize()`: on an H200 (bench/flash_gpu_probe.py,
-                # prefetched batches, one run) the 125m preset with a save every step ran
-                # at 0.929 of no saves while this thread sat in cudaEventSynchronize and at
-                # 0.963 polling (0.939 and 0.979 with the writer's thread enqueuing)
+                # polled, not `event.synchronize()`: on an H200 (the ad-hoc probe that is
+                # now bench/flash_gpu_probe.py; prefetched batches, one run) the 125m
+                # preset with a save every step ran at 0.929 of no saves while this thread
+                # sat in cudaEventSynchronize and at 0.963 polling (0.939 and 0.979 with
+                # the writer's thread enqueuing)
                 if not CUDA_WAIT_POLL:
                     event.synchronize()
                 while not event.query():
