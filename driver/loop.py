@@ -226,6 +226,9 @@ def common_steps(
     return common
 
 
+SUPERSEDED = "superseded by a newer decision"  # a node's start skipped (`_start_workers`)
+
+
 class RecoveryLoop:
     """The leader's recovery loop (one per term)."""
 
@@ -610,6 +613,8 @@ class RecoveryLoop:
                 log.error("world nodes without a session", nodes=missing)
                 break
             await asyncio.sleep(0.05)
+        if gen != self._gen:
+            return
         first = self.service.view.nodes.get(nodes[0])
         # rank 0's node as the driver saw it connect (not the IP it claimed in Register)
         addr = cfg.master_addr or (first.peer_host if first is not None else "")
@@ -633,6 +638,12 @@ class RecoveryLoop:
         ring = ring_buddies(nodes, {n: self.service.view.nodes.get(n) for n in nodes})
 
         async def one(n: str) -> str:
+            # A newer decision may have come meanwhile (the node this start waited for
+            # registered and opened an incident of its own): its commands, not these. Seen
+            # after a failover in the recovery bench: the stale start's workers were killed
+            # ~40 ms later by the newer one's, warm standbys wasted.
+            if gen != self._gen:
+                return SUPERSEDED
             if restore is not None:  # an agent without RestorePoint restores the newest step
                 with contextlib.suppress(KeyError, TimeoutError):
                     r = await self.service.request(
@@ -658,6 +669,8 @@ class RecoveryLoop:
                     buddy=ring.get(n, ""),
                 )
             )
+            if gen != self._gen:
+                return SUPERSEDED
             try:
                 r = await self.service.request(n, msg, cfg.command_timeout_s)
                 if r.ack.ok and n in ring:
@@ -666,7 +679,12 @@ class RecoveryLoop:
             except (KeyError, TimeoutError) as e:
                 return f"{type(e).__name__}: {e}"
 
-        errors = [e for e in await asyncio.gather(*(one(n) for n in nodes)) if e]
+        results = await asyncio.gather(*(one(n) for n in nodes))
+        if gen != self._gen:
+            sent = [n for n, e in zip(nodes, results, strict=True) if e != SUPERSEDED]
+            log.info("workers start superseded by a newer decision", sent_before=sent)
+            return
+        errors = [e for e in results if e]
         log.info("workers started", world=list(nodes), master_port=port, errors=errors)
         if restore is None:
             return

@@ -1,0 +1,98 @@
+"""A start of the workers that a newer decision overtook sends nothing more
+(`driver.loop.RecoveryLoop._start_workers`).
+
+Seen after a driver failover in the recovery bench: the new leader's replayed recovery waited
+for a node's session; when the node registered it opened an incident of its own, and both
+decisions' `restore_point` + `start_workers` went out ~40 ms apart, so the workers the stale
+one started (in warm standbys) were killed and started again cold. Here the loop runs with a
+fake service whose first command stands for the newer decision arriving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from unbroken.driver import machine
+from unbroken.driver.liveview import NodeSlot
+from unbroken.driver.loop import RecoveryLoop
+from unbroken.proto import driver_pb2 as dpb
+
+pytestmark = pytest.mark.unit
+
+
+class FakeService:
+    """Sessions for `nodes`; `request` records each command; `on_first` runs at the first."""
+
+    def __init__(self, loop: RecoveryLoop, nodes: tuple[str, ...], bump_at: int | None) -> None:
+        self.loop = loop
+        self.sent: list[tuple[str, str]] = []
+        self.bump_at = bump_at
+        self.view = SimpleNamespace(nodes={})
+        for n in nodes:
+            slot = NodeSlot(n)
+            slot.alive, slot.outbox, slot.peer_host = True, object(), "127.0.0.1"
+            self.view.nodes[n] = slot
+        self.commits = SimpleNamespace(shard_bytes=0)
+        self.submitted: list[Any] = []
+
+    def persist_every_s(self) -> float:
+        return 0.0
+
+    def submit(self, event: Any) -> None:
+        self.submitted.append(event)
+
+    async def request(self, node: str, msg: dpb.DriverMessage, timeout_s: float) -> Any:
+        self.sent.append((node, str(msg.WhichOneof("kind"))))
+        if self.bump_at is not None and len(self.sent) == self.bump_at:
+            self.loop._gen += 1  # a newer decision is performed meanwhile
+        await asyncio.sleep(0)
+        return SimpleNamespace(ack=dpb.CommandAck(ok=True))
+
+
+def _loop(bump_at: int | None) -> tuple[RecoveryLoop, FakeService]:
+    nodes = ("a", "b")
+    loop = RecoveryLoop.__new__(RecoveryLoop)  # no journal, no service tasks: the one method
+    loop.config = SimpleNamespace(
+        restore_timeout_s=0.3, master_addr="127.0.0.1", command_timeout_s=1.0, worker_cmd="w"
+    )
+    loop._gen = 1
+    loop._point = dpb.RestorePoint()
+    loop._timeline = 0
+    loop._buddy = {}
+    loop.journal = SimpleNamespace(
+        deciding_state=SimpleNamespace(
+            incident_world=SimpleNamespace(node_ids=list(nodes)), nodes={}
+        )
+    )
+    svc = FakeService(loop, nodes, bump_at)
+    loop.service = svc  # type: ignore[assignment]
+    return loop, svc
+
+
+def _start(loop: RecoveryLoop) -> None:
+    world = machine.Layout(dp=2, pp=1, tp=1, node_ids=("a", "b"), workers_per_node=1)
+    start = machine.StartWorkers(world=world, rank_base=(("a", 0), ("b", 1)))
+    restore = machine.Restore(step=5, sources=(), reshard=False, incident_id="i1", attempt=1)
+    asyncio.run(loop._start_workers(1, start, restore))
+
+
+def test_a_start_no_newer_decision_overtook_reaches_every_node() -> None:
+    loop, svc = _loop(bump_at=None)
+    _start(loop)
+    assert sorted(svc.sent) == [
+        ("a", "restore_point"),
+        ("a", "start_workers"),
+        ("b", "restore_point"),
+        ("b", "start_workers"),
+    ]
+
+
+def test_a_newer_decision_stops_the_start_before_its_workers_start() -> None:
+    loop, svc = _loop(bump_at=1)  # the newer decision lands with the first restore point
+    _start(loop)
+    assert [kind for _, kind in svc.sent].count("start_workers") == 0, svc.sent
+    assert svc.submitted == []  # and no RestoreFinished for the stale restore
