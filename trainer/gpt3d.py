@@ -235,12 +235,11 @@ class GPT3DTrainer:
         """This step's batch on the device: the one prefetched at the end of the last step,
         unless the loader's draw was replaced since (a loss-spike drill poisons it), else
         drawn now."""
-        pre, self._prefetched = self._prefetched, None
-        if pre is not None:
-            draw, before, inputs, targets = pre
-            if draw == self.loader.next_batch:
-                return inputs, targets
-            self.loader.load_state_dict(before)  # drawn again, through the new draw
+        pre = self._prefetched
+        if pre is not None and pre[0] == self.loader.next_batch:
+            self._prefetched = None
+            return pre[2], pre[3]
+        self._drop_prefetch()  # a prefetched batch is drawn again, through the new draw
         inputs, targets = self.loader.next_batch()
         return inputs.to(self.device), targets.to(self.device)
 
