@@ -530,10 +530,13 @@ class NodeFlash:
 
     async def tick(self) -> None:
         """Persist and replicate every local rank's newest copy not handled yet."""
+        # The listings run on this thread, not `to_thread`: a ring's listing is ~0.1 ms on
+        # the tmpfs, and the hop to a pool thread and back cost more CPU than the listing
+        # (two agents with a worker saving every 65 ms: 49 -> 39 ms of CPU a second each)
         listed: dict[int, list[CopyRef]] = {}
         for rank in self.owner.ranks():
             rank_dir = self.owner.rank_dir(rank)
-            refs = listed[rank] = await asyncio.to_thread(list_copies, rank_dir)
+            refs = listed[rank] = list_copies(rank_dir)
             self._ring[rank] = [r.manifest.step for r in refs]
             if not refs:
                 continue
@@ -553,7 +556,7 @@ class NodeFlash:
         if self.sender is not None:  # it decides which copies are due (spacing, idle flush)
             await self.sender.tick(listed)  # the copies listed above, not listed again
         if self.replica_cfg.auth.enabled:  # what this node holds for others, for the heartbeat
-            self._held = await asyncio.to_thread(self._poll_replicas)
+            self._held = self._poll_replicas()
 
     def _backfill_due(self, rank_dir: Path, gen: int) -> bool:
         """True when `gen`, the newest copy, is persisted and the copy the persister

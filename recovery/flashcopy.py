@@ -524,15 +524,19 @@ _parsed: dict[str, tuple[tuple[int, int, int], Manifest]] = {}
 
 def read_manifest(rank_dir: Path, slot: int) -> Manifest | None:
     """The slot's manifest, or None when the slot holds no complete copy."""
-    path = manifest_path(rank_dir, slot)
-    key = str(path)
+    return _read_manifest(rank_dir, f"{os.fspath(rank_dir)}/slot-{slot}.manifest", slot)
+
+
+def _read_manifest(rank_dir: Path, key: str, slot: int) -> Manifest | None:
+    # `key`: the manifest's path as a string (pathlib's joins cost more than the stat: the
+    # agent looks at every slot of every ring ten times a second)
     try:
         hit = _parsed.get(key)
         if hit is not None:  # one stat, not open + fstat + close, while nothing changed
-            st = os.stat(path)
+            st = os.stat(key)
             if hit[0] == (st.st_ino, st.st_size, st.st_mtime_ns):
                 return hit[1]
-        with open(path, "rb") as f:
+        with open(key, "rb") as f:
             st = os.fstat(f.fileno())
             ident = (st.st_ino, st.st_size, st.st_mtime_ns)
             raw = f.read()
@@ -555,6 +559,10 @@ def slots(rank_dir: Path) -> list[int]:
         names = os.listdir(rank_dir)
     except (FileNotFoundError, NotADirectoryError):
         return []
+    return _slots_of(names)
+
+
+def _slots_of(names: list[str]) -> list[int]:
     out = []
     for name in names:
         if name.startswith("slot-") and name.endswith(".data"):
@@ -584,9 +592,16 @@ def write_persisted_mark(rank_dir: Path, generation: int) -> None:
 
 def list_copies(rank_dir: Path) -> list[CopyRef]:
     """Copies with a manifest in `rank_dir`, newest generation first."""
+    base = os.fspath(rank_dir)
+    try:
+        names = os.listdir(base)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
     refs = []
-    for slot in slots(rank_dir):
-        m = read_manifest(rank_dir, slot)
+    for slot in _slots_of(names):
+        # every slot with a data file is looked at (not only the manifests listed): one
+        # renamed into place since the listing is as complete as the others
+        m = _read_manifest(rank_dir, f"{base}/slot-{slot}.manifest", slot)
         if m is not None:
             refs.append(CopyRef(rank_dir, slot, m))
     return sorted(refs, key=lambda r: r.manifest.generation, reverse=True)

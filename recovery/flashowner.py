@@ -274,14 +274,17 @@ class FlashOwner:
 
     def stores(self) -> list[str]:
         """Store names present (`local`, `replica-<node>`...)."""
-        return sorted(p.name for p in self.job_dir.iterdir() if p.is_dir())
+        with os.scandir(self.job_dir) as it:
+            return sorted(e.name for e in it if e.is_dir())
 
     def ranks(self, store: str = LOCAL_STORE) -> list[int]:
         """Ranks with a directory in `store`."""
-        d = self.job_dir / store
-        if not d.is_dir():
+        # (os.listdir, not pathlib: the agent's flash thread asks ten times a second)
+        try:
+            names = os.listdir(f"{os.fspath(self.job_dir)}/{store}")
+        except (FileNotFoundError, NotADirectoryError):
             return []
-        return sorted(int(p.name.split("-")[1]) for p in d.iterdir() if p.name.startswith("rank-"))
+        return sorted(int(n.split("-")[1]) for n in names if n.startswith("rank-"))
 
     def copies(self, store: str = LOCAL_STORE) -> dict[int, list[CopyRef]]:
         """Every rank's copies in `store`, newest first."""
