@@ -330,7 +330,11 @@ async def _stream_into_slot(
         )
     manifest_path(rank_dir, slot).unlink(missing_ok=True)
     hasher, got = new_hasher(), 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    # written over in place, not truncated first: on the tmpfs a truncation frees the slot's
+    # pages and the write allocates and zeroes them again, once a second per copy
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    if have != nbytes:
+        os.ftruncate(fd, nbytes)
     with os.fdopen(fd, "wb") as f:
         while got < nbytes:
             chunk = await reader.readexactly(min(SEND_CHUNK, nbytes - got))
