@@ -339,6 +339,11 @@ async def _take_lead(
     state = await elog.replay()
     service.commits.timeline = timeline(state)  # rollbacks so far: older shards are stale
     journal = service.lead(elog, address, state)
+    if loop_cfg.nodes:
+        # before the first await: an agent that finds this leader while LeaderElected is
+        # being written must meet its node as the log knows it (a reconnect), not as a
+        # stranger (a new NodeRegistered; seen after a failover in bench-recovery)
+        _expect_known_nodes(service, state)
     try:
         await journal.record(
             ev.Event(
@@ -359,7 +364,6 @@ async def _take_lead(
         bridge(journal).start()  # evictions reach the scheduler; its faults reach the loop
     if not loop_cfg.nodes:
         return None
-    _expect_known_nodes(service, state)
     rloop = RecoveryLoop(loop_cfg, service, journal)
     rloop.start()
     return rloop

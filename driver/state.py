@@ -128,12 +128,21 @@ def _job_started(s: ev.JobState, e: ev.Event) -> None:
 def _node_registered(s: ev.JobState, e: ev.Event) -> None:
     p = e.node_registered
     rec = _node(s, p.node_id)
+    # The same agent process (its epoch) registering again while it trains in the world: a
+    # reconnect (to a new leader), whatever its --spare flag says. A spare the world took
+    # stays in it; turning it back into a spare emptied its place in the world and opened
+    # an incident ("left the world") after a driver failover.
+    reconnect = (
+        rec.epoch == p.epoch
+        and rec.state == ev.NODE_STATE_ACTIVE
+        and p.node_id in s.world.node_ids
+    )
     rec.epoch = p.epoch
     rec.hostname, rec.ip, rec.num_workers = p.hostname, p.ip, p.num_workers
     rec.registered_seq = e.seq
     rec.spare = p.spare
     rec.replica_buddy = p.replica_buddy
-    if rec.state != ev.NODE_STATE_EVICTED:
+    if rec.state != ev.NODE_STATE_EVICTED and not reconnect:
         _set_state(s, rec, ev.NODE_STATE_SPARE if p.spare else ev.NODE_STATE_ACTIVE, e.seq)
 
 

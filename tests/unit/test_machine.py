@@ -560,3 +560,22 @@ def test_symptom_log_alerts_are_recorded_and_hardware_ones_open_an_incident() ->
     assert sim.state.incident_id == ""
     d = sim.feed(alert("n1"))  # "Xid": a hardware fault is a suspect, diagnosed
     assert d.phase == ev.PHASE_SUSPECTED and list(sim.state.suspects) == ["n1"]
+
+
+def test_a_spare_in_the_world_reconnecting_stays_in_the_world() -> None:
+    """After a driver failover the agents register again with the new leader. A spare the
+    world took (its agent still started with --spare) registering with the same epoch is a
+    reconnect: it stays active in the world and no incident opens. Folded as a spare, it
+    had left the world ("nodes ['s0'] left the world") and the job restored a step far back.
+    A new epoch of the same node is a restarted agent: an incident, as before."""
+    sim = start(nodes=2, spares=1)
+    sim.feed(lost("n1"))
+    sim.feed(m.Paused(step=10, restorable_step=9))
+    sim.drive(set())
+    assert list(sim.state.world.node_ids) == ["n0", "s0"] and sim.state.phase == ev.PHASE_RUNNING
+    d = sim.feed(register("s0", 1, spare=True))
+    assert sim.state.nodes["s0"].state == ev.NODE_STATE_ACTIVE
+    assert d.phase == ev.PHASE_RUNNING and kinds(d) == ["node_registered"]
+    assert not only(d.actions, m.PauseAll)
+    d = sim.feed(register("s0", 2, spare=True))
+    assert d.phase == ev.PHASE_SUSPECTED and only(d.actions, m.PauseAll)
