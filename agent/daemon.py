@@ -82,6 +82,10 @@ log = structlog.get_logger(__name__)
 REPORT_BATCH = 256  # verified shards per ShardsPersisted message
 
 AGENT_VERSION = "0.1.0"
+# After a standby driver said the leader is unknown or one of ours (an election under way),
+# retries stay `election_retry_s` apart for this long, whichever endpoint refuses meanwhile
+# (the dead leader refuses the connection: that says nothing about the election).
+ELECTION_WINDOW_S = 10.0
 F_EXITED = dpb.HEARTBEAT_FLAG_WORKER_EXITED
 F_ALERTS = dpb.HEARTBEAT_FLAG_LOG_ALERTS
 F_STALLED = dpb.HEARTBEAT_FLAG_STALLED
@@ -136,6 +140,15 @@ class AgentConfig:
     )
     backoff_max_s: float = field(
         default=2.0, metadata={"help": "longest wait between reconnection attempts"}
+    )
+    election_retry_s: float = field(
+        default=0.25,
+        metadata={
+            "help": "longest wait between reconnection attempts while a standby driver "
+            "answers that the leader is unknown or one of --driver (an election under way: "
+            "the new leader is found within this of winning, not after a backoff of "
+            "--backoff-max-s)"
+        },
     )
     max_disconnected_s: float = field(
         default=600.0, metadata={"help": "give up after this long without a driver"}
@@ -234,6 +247,8 @@ class AgentConfig:
             raise ValueError(f"register_timeout_s must be > 0, got {self.register_timeout_s}")
         if not 0 < self.backoff_base_s <= self.backoff_max_s:
             raise ValueError("backoff_base_s must be > 0 and <= backoff_max_s")
+        if not 0 < self.election_retry_s <= self.backoff_max_s:
+            raise ValueError("election_retry_s must be > 0 and <= backoff_max_s")
         if self.max_disconnected_s <= 0:
             raise ValueError(f"max_disconnected_s must be > 0, got {self.max_disconnected_s}")
         if not self.selfcheck_timeout_s > 0:
@@ -305,6 +320,7 @@ class Agent:
         self.gpus = probes.Gpus()
         self.endpoints = list(config.drivers)
         self.current = 0
+        self._electing_until = 0.0  # until then, retries are `election_retry_s` apart
         self.stop = asyncio.Event()
         self.exit_code = 0
         self._write_lock = asyncio.Lock()
@@ -441,6 +457,7 @@ class Agent:
                 )
                 last_ok = time.monotonic()
                 backoff = self.config.backoff_base_s
+                self._electing_until = 0.0
                 self.interval_s = resp.heartbeat_interval_ms / 1000.0 or self.interval_s
                 log.info(
                     "registered",
@@ -473,7 +490,13 @@ class Agent:
                     f"no driver reachable for {self.config.max_disconnected_s} s "
                     f"(tried {', '.join(self.endpoints)})",
                 )
-            await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
+            wait = backoff
+            if time.monotonic() < self._electing_until:
+                # a live standby answered: the control plane is up and electing; a short
+                # jittered retry finds the winner (at most every agent's few calls a
+                # second, each refused cheaply, for the lease's TTL)
+                wait = min(backoff, self.config.election_retry_s)
+            await asyncio.sleep(wait * random.uniform(0.5, 1.5))
             backoff = min(backoff * 2, self.config.backoff_max_s)
 
     async def _fence(self) -> None:
@@ -535,10 +558,14 @@ class Agent:
         details = (e.details() or "").lower()
         if code == grpc.StatusCode.FAILED_PRECONDITION and "register" not in details:
             raise AgentExit(1, f"driver {target} refused this node: {e.details()}")
-        leader = ""
+        leader, standby = "", False
         for k, v in e.trailing_metadata() or ():
             if k == channel.LEADER_KEY:
-                leader = str(v)
+                leader, standby = str(v), True
+        # a standby that knows no leader, or names one of ours (maybe the one that just
+        # died: its lease has not expired yet), is waiting for an election to end
+        if standby and (not leader or leader in self.config.drivers):
+            self._electing_until = time.monotonic() + ELECTION_WINDOW_S
         if leader and leader != target and leader in self.config.drivers:
             self.current = self.endpoints.index(leader)
             log.info("redirected to the leader", leader=leader)
