@@ -446,6 +446,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     import torch.distributed as dist
 
+    from unbroken.trainer.hookchannel import install
+
+    # Said before the rendezvous, so the agent judges this rank from its start: a rank
+    # stopped while it joins the group (or sets up) is flagged hung within a second, where
+    # a rank that had said nothing yet was never judged and its peers and the driver's
+    # restore waited minutes (bench-recovery: a hang injected 3 s into a restart stalled
+    # the job 80 s, until a driver kill's new decision restarted the world).
+    install().phase("startup")
     owns = init_distributed(config)
     try:
         config.check_world(dist.get_world_size())

@@ -88,3 +88,48 @@ def test_sigstopped_rank_is_flagged_with_stacks_and_rearmed(
     os.kill(victim, signal.SIGSTOP)  # progress re-armed the detector: a second hang is reported
     until(lambda: len(hangs()) == 2, 30, "a second HangSuspected", poll_s=0.1)
     os.kill(victim, signal.SIGCONT)
+
+
+def test_a_rank_stopped_before_its_first_step_is_flagged(
+    procs: Procs, tmp_path: Path, etcd_server: Any
+) -> None:
+    """A rank that has only said "startup" (trainer/run.py says it before the rendezvous)
+    and is stopped there, as a restarted world's rank was in bench-recovery, is flagged
+    "stopped": not left to the 300 s phase limit its peers and the driver's restore waited."""
+    job = f"hang-{uuid.uuid4().hex[:8]}"
+    addr, stub = start_driver(procs, tmp_path, "--etcd", etcd_server.endpoint, "--job-id", job)
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import time\nfrom unbroken.trainer.hookchannel import install\n"
+        "install().phase('startup')\n"
+        "time.sleep(120)  # as a rank waiting for its peers to join the group\n"
+    )
+    procs.start(
+        "agent-n0",
+        [
+            "agent", "--driver", addr, "--node-id", "n0",
+            "--worker-cmd", f"{sys.executable} {script}", "--master-port", str(free_port()),
+            "--log-dir", str(tmp_path / "logs-n0"), "--socket", str(tmp_path / "n0.sock"),
+            "--no-flash",
+        ],
+    )  # fmt: skip
+
+    def starting() -> Any:
+        n = live(stub).get("n0")
+        ws = [w for w in n.workers if w.phase == "startup"] if n is not None else []
+        return ws[0] if ws else None
+
+    w = until(starting, 120, "the worker to say startup", poll_s=0.1)
+    assert not w.hung and w.step == 0
+    os.kill(w.pid, signal.SIGSTOP)
+    try:
+        hangs = lambda: [  # noqa: E731
+            e.hang_suspected
+            for e in read_events(etcd_server.config, job)
+            if e.HasField("hang_suspected")
+        ]
+        (h,) = until(hangs, 30, "HangSuspected", poll_s=0.1)
+        assert h.node_id == "n0" and h.phase == "stopped", h
+        assert h.threshold_ms == STOPPED_AFTER_MS, h
+    finally:
+        os.kill(w.pid, signal.SIGCONT)
