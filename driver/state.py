@@ -133,9 +133,7 @@ def _node_registered(s: ev.JobState, e: ev.Event) -> None:
     # stays in it; turning it back into a spare emptied its place in the world and opened
     # an incident ("left the world") after a driver failover.
     reconnect = (
-        rec.epoch == p.epoch
-        and rec.state == ev.NODE_STATE_ACTIVE
-        and p.node_id in s.world.node_ids
+        rec.epoch == p.epoch and rec.state == ev.NODE_STATE_ACTIVE and p.node_id in s.world.node_ids
     )
     rec.epoch = p.epoch
     rec.hostname, rec.ip, rec.num_workers = p.hostname, p.ip, p.num_workers
