@@ -88,7 +88,7 @@ async def agent(root: str, node: str, port: int, buddy: int, secs: float, poll_m
     )
     flash = NodeFlash(cfg, world_size=2, node_id=node)
     await flash.start()
-    print("ready", flush=True)
+    Path(f"{root}.ready").write_text("ready")
     await asyncio.sleep(secs)
     await flash.close(clean=True)
 
@@ -99,18 +99,21 @@ def run_once(saves: bool, secs: float, poll_ms: int, period_s: float) -> dict[st
     py, me = sys.executable, str(Path(__file__).resolve())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ports = [_free_port(), _free_port()]
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[subprocess.Popen[bytes]] = []
     load0 = os.getloadavg()[0]
     try:
         agents = []
         for i, node in enumerate(("n0", "n1")):
             cmd = [py, me, "--agent", str(work / node), node, str(ports[i]), str(ports[1 - i])]
             cmd += [str(secs + 10), str(poll_ms)]
-            p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+            p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
             procs.append(p)
             agents.append(p)
-        for p in agents:
-            assert p.stdout is not None and p.stdout.readline().strip() == "ready", "agent died"
+        deadline = time.monotonic() + 120
+        while not all((work / f"{n}.ready").exists() for n in ("n0", "n1")):
+            assert all(p.poll() is None for p in agents), "an agent exited before it was ready"
+            assert time.monotonic() < deadline, "the agents did not start in 120 s"
+            time.sleep(0.05)
         if saves:
             for i, node in enumerate(("n0", "n1")):
                 cmd = [py, me, "--writer", str(work / node), str(i), str(period_s), str(secs + 5)]
