@@ -524,12 +524,17 @@ _parsed: dict[str, tuple[tuple[int, int, int], Manifest]] = {}
 
 def read_manifest(rank_dir: Path, slot: int) -> Manifest | None:
     """The slot's manifest, or None when the slot holds no complete copy."""
-    return _read_manifest(rank_dir, f"{os.fspath(rank_dir)}/slot-{slot}.manifest", slot)
+    return _read_manifest(rank_dir, _manifest_key(os.fspath(rank_dir), slot), slot)
+
+
+def _manifest_key(base: str, slot: int) -> str:
+    """`manifest_path` as a string, joined without pathlib (the agent looks at every slot
+    of every ring ten times a second: pathlib's joins cost more than the stat)."""
+    return f"{base}/slot-{slot}.manifest"
 
 
 def _read_manifest(rank_dir: Path, key: str, slot: int) -> Manifest | None:
-    # `key`: the manifest's path as a string (pathlib's joins cost more than the stat: the
-    # agent looks at every slot of every ring ten times a second)
+    # `key`: `_manifest_key(rank_dir, slot)`, the cache's key
     try:
         hit = _parsed.get(key)
         if hit is not None:  # one stat, not open + fstat + close, while nothing changed
@@ -559,10 +564,6 @@ def slots(rank_dir: Path) -> list[int]:
         names = os.listdir(rank_dir)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    return _slots_of(names)
-
-
-def _slots_of(names: list[str]) -> list[int]:
     out = []
     for name in names:
         if name.startswith("slot-") and name.endswith(".data"):
@@ -593,15 +594,9 @@ def write_persisted_mark(rank_dir: Path, generation: int) -> None:
 def list_copies(rank_dir: Path) -> list[CopyRef]:
     """Copies with a manifest in `rank_dir`, newest generation first."""
     base = os.fspath(rank_dir)
-    try:
-        names = os.listdir(base)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
     refs = []
-    for slot in _slots_of(names):
-        # every slot with a data file is looked at (not only the manifests listed): one
-        # renamed into place since the listing is as complete as the others
-        m = _read_manifest(rank_dir, f"{base}/slot-{slot}.manifest", slot)
+    for slot in slots(rank_dir):
+        m = _read_manifest(rank_dir, _manifest_key(base, slot), slot)
         if m is not None:
             refs.append(CopyRef(rank_dir, slot, m))
     return sorted(refs, key=lambda r: r.manifest.generation, reverse=True)
