@@ -26,7 +26,7 @@ import torch
 
 from unbroken.driver.certs import issue, make_ca
 from unbroken.recovery.flash import FlashConfig, FlashOwner, FlashWriter
-from unbroken.recovery.flashcopy import replica_store
+from unbroken.recovery.flashcopy import read_copy, read_manifest, replica_store, slots
 from unbroken.recovery.replica import (
     PROTOCOL,
     ReplicaAuth,
@@ -392,3 +392,42 @@ def test_a_copy_sent_unsealed_is_refused_as_corrupt(owners: dict[str, FlashOwner
 
     asyncio.run(go())
     assert b.newest(0, replica_store("node-a")) is None
+
+
+def test_a_copy_refused_after_its_bytes_landed_leaves_no_valid_slot(
+    owners: dict[str, FlashOwner],
+) -> None:
+    """The buddy writes a received copy over its free slot in place (no truncation first).
+    A copy whose bytes fail the checksum after they were written (one bit flipped in
+    transit, each chunk's MAC valid) must leave that slot without a manifest, so the older
+    bytes under it never pass for a copy, and the newest copy intact and verified."""
+    a, b = owners["a"], owners["b"]
+    store = replica_store("node-a")
+
+    async def go() -> None:
+        server = ReplicaServer(b, KEYED)
+        port = await server.start()
+        try:
+            for step in (1, 2):
+                _copy(a, step)
+                assert (await send_copy(a.newest(0), "node-a", "127.0.0.1", port, config=KEYED)).ok  # type: ignore[arg-type]
+            _copy(a, 3)
+            bad = await send_copy(
+                a.newest(0),  # type: ignore[arg-type]
+                "node-a",
+                "127.0.0.1",
+                port,
+                config=KEYED,
+                flip_bit_at=100,
+            )
+            assert not bad.ok and bad.corrupt, bad
+        finally:
+            await server.stop()
+
+    asyncio.run(go())
+    refs = b.copies(store)[0]
+    assert [r.manifest.step for r in refs] == [2], refs
+    rank_dir = b.rank_dir(0, store)
+    assert slots(rank_dir) == [0, 1]  # the refused copy's slot: bytes, no manifest
+    assert read_manifest(rank_dir, 1 - refs[0].slot) is None
+    read_copy(refs[0]).close()  # the newest copy still verifies against its checksum
