@@ -48,10 +48,26 @@ def _free_port() -> int:
 
 def run_once(layout: str, steps: int, work: Path) -> dict[str, Any]:
     """Two ranks of the tiny model with flash saves in alternating blocks; the ratio."""
+    return {"layout": layout, **run_ab(steps, work, own_sessions=layout == "own sessions")}
+
+
+def run_ab(
+    steps: int,
+    work: Path,
+    *,
+    own_sessions: bool = False,
+    extra_env: dict[str, str] | None = None,
+    block: int = BLOCK,
+    settle: int = SETTLE,
+) -> dict[str, Any]:
+    """Two ranks of the tiny model (each in a session of its own, or both in this one),
+    `extra_env` added to their environment, with flash saves in alternating `block`-step blocks;
+    the steps per second of the saving blocks over the others (the first `settle` steps
+    of each block and the first `WARMUP` steps left out)."""
     root = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="ub-sessions-"))
     metrics = work / f"metrics-{time.monotonic_ns()}.jsonl"
     port = _free_port()
-    group = {"start_new_session": True} if layout == "own sessions" else {"process_group": 0}
+    group = {"start_new_session": True} if own_sessions else {"process_group": 0}
     procs: list[subprocess.Popen[bytes]] = []
     load0 = os.getloadavg()[0]
     try:
@@ -61,12 +77,12 @@ def run_once(layout: str, steps: int, work: Path) -> dict[str, Any]:
                 "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                 "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "OMP_NUM_THREADS": "1", "UNBROKEN_FLASH_ROOT": str(root),
-                "UNBROKEN_FLASH_JOB": "bench", "UNBROKEN_FLASH_NODE": "n0",
+                "UNBROKEN_FLASH_JOB": "bench", "UNBROKEN_FLASH_NODE": "n0", **(extra_env or {}),
             }  # fmt: skip
             cmd = [
                 sys.executable, "-m", "unbroken.trainer.run", "--preset", "tiny", "--dp", "2",
                 "--steps", str(steps), "--log-every", str(10 * steps),
-                "--flash-ab", str(BLOCK), "--metrics-out", str(metrics),
+                "--flash-ab", str(block), "--metrics-out", str(metrics),
             ]  # fmt: skip
             procs.append(
                 subprocess.Popen(
@@ -87,14 +103,13 @@ def run_once(layout: str, steps: int, work: Path) -> dict[str, Any]:
     save_ms: list[float] = []
     for line in metrics.read_text().splitlines():
         m = json.loads(line)
-        if m["step"] < WARMUP or m["step"] % BLOCK < SETTLE or "flash_block" not in m:
+        if m["step"] < WARMUP or m["step"] % block < settle or "flash_block" not in m:
             continue
         walls[m["flash_block"]].append(m["step_time_s"] + m.get("host_s", 0.0))
         if m.get("flash_save_s") is not None:
             save_ms.append(1000.0 * m["flash_save_s"])
     rate = {on: len(w) / sum(w) for on, w in walls.items()}
     return {
-        "layout": layout,
         "ratio": rate[True] / rate[False],
         "steps_per_s_with_flash": rate[True],
         "steps_per_s_without_flash": rate[False],

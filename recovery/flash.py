@@ -74,7 +74,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from unbroken.common.loopthread import lower_this_thread
+from unbroken.common.loopthread import current_cpu, lower_this_thread, pin_this_thread
 from unbroken.recovery.flashcopy import (
     ALIGN,
     CHECKSUM_ALGO,
@@ -264,6 +264,9 @@ def _dump_plain(value: Any) -> bytes:
 
 #: Environment variable: "0" keeps the writer's threads at the training thread's priority.
 IDLE_THREADS_ENV = "UNBROKEN_FLASH_IDLE_THREADS"
+#: Environment variable: "0" lets the copy thread run on any core (it follows the training
+#: thread's core by default: `FlashWriter._follow_to`).
+FOLLOW_CORE_ENV = "UNBROKEN_FLASH_FOLLOW_CORE"
 
 
 def _yield_to_training() -> None:
@@ -273,8 +276,9 @@ def _yield_to_training() -> None:
     At normal priority a save's copy thread, woken while the training thread still sent
     the step's report, took that thread's core: bench-recovery measured the report at
     0.56 ms (median) with flash saves against 0.11 ms without, and host time per step at
-    1.3 ms against 0.1 ms. At SCHED_IDLE the copy runs on idle cores and while the rank
-    waits in its collective (0.14 ms, with no slower step). A copy that has not started
+    1.3 ms against 0.1 ms. At SCHED_IDLE the copy runs while the rank waits in its
+    collective (0.14 ms, with no slower step), on the rank's own core
+    (`FlashWriter._follow_to`). A copy that has not started
     when the optimizer needs the tensors is taken over by the training thread
     (`_Once`), so a starved thread never stalls training; so is a manifest someone waits
     for. Unprivileged threads may
@@ -606,6 +610,10 @@ class FlashWriter:
         self.saves = 0  # saves started
         self.skipped_busy = 0  # saves skipped: no free slot in the ring
         self.snapshot_hits = 0  # saves that reused the cached plan (Snapshot)
+        # the copy thread follows the training thread's core (`_follow_to`); the CPU it is
+        # pinned to (read and written by that thread only)
+        self._follow = os.environ.get(FOLLOW_CORE_ENV, "1") != "0"
+        self._writer_cpu: int | None = None
 
     @property
     def copies(self) -> int:
@@ -1137,8 +1145,11 @@ class FlashWriter:
             job = _Once(copy)
             copied = job.done
             fin = _Once(finish)
+            cpu = current_cpu() if self._follow and not plan.cuda else None
 
             def background() -> None:
+                if cpu is not None:
+                    self._follow_to(cpu)
                 job.run()
                 fin.run()
 
@@ -1168,6 +1179,29 @@ class FlashWriter:
         if self._nslots > MIN_SLOTS and (meta or {}).get(PERSIST_META, True) is not False:
             self._pin = (slot, generation, time.monotonic())
         return handle
+
+    def _follow_to(self, cpu: int) -> None:
+        """(The copy thread, before a host-memory copy) run on `cpu`, the core the training
+        thread saved from, and nowhere else until the next save says otherwise.
+
+        At SCHED_IDLE that thread then copies while its own rank waits in a collective,
+        and its reads of the state stay in that core's cache. On another core the same
+        copy cost the training thread more than the copy itself: the optimizer's next
+        writes to every line the copy read had to take them back from the other core
+        (one process, tiny preset, 3 MB a copy: 1.7 ms more training-thread CPU per
+        step for a 0.3 ms copy; torch's own thread pool, without the GIL, the same). The
+        trainer alone (dp2 on two cores, alternating 6-step blocks, `make
+        bench-flash_core`) kept 0.962-0.969 of its step rate with saves on any core and
+        0.988 following.
+        Where pinning is refused (a cpuset without that CPU), the thread stays where it
+        is and stops trying.
+        """
+        if cpu == self._writer_cpu:
+            return
+        if pin_this_thread(cpu):
+            self._writer_cpu = cpu
+        else:
+            self._follow = False
 
     def _register_cuda(self, slot: int) -> None:  # pragma: no cover - needs a GPU
         """Register the slot's whole mapping as pinned memory once (async DMA into it).

@@ -1348,3 +1348,51 @@ def test_the_writer_threads_run_at_idle_priority_unless_told_not_to(
     assert policies() == {os.SCHED_IDLE}
     monkeypatch.setenv(IDLE_THREADS_ENV, "0")
     assert policies() == {os.SCHED_OTHER}
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs Linux CPU affinity and two CPUs",
+)
+def test_the_copy_thread_follows_the_training_threads_core_unless_told_not_to(
+    owner: FlashOwner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each save pins the copy thread to the core the training thread saved from (its reads
+    of the state stay in that core's cache); `UNBROKEN_FLASH_FOLLOW_CORE=0` leaves it free.
+    Only the copy thread is pinned: the training thread's own affinity is never touched."""
+    from unbroken.common.loopthread import current_cpu
+    from unbroken.recovery.flash import FOLLOW_CORE_ENV
+
+    allowed = sorted(os.sched_getaffinity(0))
+    saver_cpus: list[int | None] = []
+    copier_cpus: list[set[int]] = []
+
+    def saver(w: FlashWriter, cpu: int, step: int) -> None:
+        os.sched_setaffinity(0, {cpu})  # this test thread only: it plays the training thread
+        saver_cpus.append(current_cpu())
+        w.save_async(_state(step), step).wait(10.0)  # type: ignore[union-attr]
+        (copier,) = w._pool._threads  # type: ignore[attr-defined]
+        copier_cpus.append(os.sched_getaffinity(copier.native_id))
+
+    def run(w: FlashWriter) -> None:
+        try:
+            # the copy thread starts here, unpinned (threads inherit their creator's mask)
+            w.save_async(_state(0), 0).wait(10.0)  # type: ignore[union-attr]
+            for step, cpu in enumerate((allowed[0], allowed[1], allowed[0]), start=1):
+                t = threading.Thread(target=saver, args=(w, cpu, step))
+                t.start()
+                t.join(30.0)
+        finally:
+            w.close()
+
+    before = os.sched_getaffinity(0)
+    run(FlashWriter(0, owner))
+    assert saver_cpus == [allowed[0], allowed[1], allowed[0]]
+    assert copier_cpus == [{allowed[0]}, {allowed[1]}, {allowed[0]}]
+    assert os.sched_getaffinity(0) == before
+
+    saver_cpus.clear()
+    copier_cpus.clear()
+    monkeypatch.setenv(FOLLOW_CORE_ENV, "0")
+    run(FlashWriter(0, owner))
+    assert copier_cpus == [set(allowed)] * 3
