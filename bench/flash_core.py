@@ -25,7 +25,6 @@ markdown table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sessions import WARMUP, run_ab  # (bench/ is not a package)
+from sessions import WARMUP, report, run_ab  # (bench/ is not a package)
 
 BLOCK = 6
 SETTLE = 2
@@ -93,12 +92,7 @@ def main() -> int:
         "ratio_median": medians,
         "follow_over_any": medians[names[1]] / medians[names[0]],
     }
-    ns.out.parent.mkdir(parents=True, exist_ok=True)
-    ns.out.write_text(json.dumps(out, indent=1) + "\n")
-    print("\n| copy thread | ratio per run | median |\n|---|---|---|")
-    for name in names:
-        each = ", ".join(f"{r['ratio']:.3f}" for r in runs if r["setting"] == name)
-        print(f"| {name} | {each} | **{medians[name]:.3f}** |")
+    report(out, ns.out, "setting", names)
     print(f"\nwrote {ns.out}")
     return 0
 

@@ -120,6 +120,17 @@ def run_ab(
     }
 
 
+def report(out: dict[str, Any], path: Path, key: str, names: list[str]) -> None:
+    """Write `out` to `path` and print its runs' ratios as a markdown table, a row per
+    `names` entry (the runs whose `key` is that name) with the median `out["ratio_median"]`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"\n| {key} | ratio per run | median |\n|---|---|---|")
+    for name in names:
+        each = ", ".join(f"{r['ratio']:.3f}" for r in out["runs"] if r[key] == name)
+        print(f"| {name} | {each} | **{out['ratio_median'][name]:.3f}** |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=600, help="steps per run (default 600)")
@@ -155,12 +166,7 @@ def main() -> int:
         "runs": runs,
         "ratio_median": medians,
     }
-    ns.out.parent.mkdir(parents=True, exist_ok=True)
-    ns.out.write_text(json.dumps(out, indent=1) + "\n")
-    print("\n| layout | ratio per run | median |\n|---|---|---|")
-    for layout in LAYOUTS:
-        each = ", ".join(f"{r['ratio']:.3f}" for r in runs if r["layout"] == layout)
-        print(f"| {layout} | {each} | **{medians[layout]:.3f}** |")
+    report(out, ns.out, "layout", list(LAYOUTS))
     print(f"\nautogroup: {out['autogroup']}; wrote {ns.out}")
     return 0
 
