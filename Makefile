@@ -6,11 +6,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 export PYTHONDONTWRITEBYTECODE = 1
+export NO_MKDOCS_2_WARNING = 1
 
 # CI runs the subset that fits in its budget; `make test-all` runs every test.
 PYTEST_ARGS ?= -m "not slow" -x --durations=15
 
-.PHONY: run test test-all chaos proto lint bench bench-% clean venv
+.PHONY: run test test-all chaos proto lint bench bench-% clean venv docs docs-api docs-bench dist
 
 venv: $(STAMP)
 
@@ -18,6 +19,8 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PY_SYS) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	@# torch first, pinned to the CPU build this machine has: the package asks only for a range
+	@# (pyproject.toml), which this satisfies, so the editable install pulls no CUDA wheel.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
@@ -27,7 +30,24 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) proto/generate.py --check
+	$(PY) -m mkdocs build --strict --quiet
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The docs site (into site/), warnings (broken links, missing pages and anchors) as errors.
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict
+
+# Regenerate the generated pages: the gRPC reference from proto/, the benchmark tables from
+# bench/results/*.json (tests/unit/test_docs_generated.py fails when either is stale).
+docs-api: $(STAMP)
+	$(PY) docs/gen_api.py
+
+docs-bench: $(STAMP)
+	$(PY) docs/gen_benchmarks.py
+
+# A wheel and an sdist in dist/.
+dist: $(STAMP)
+	$(PY) -m build --outdir dist .
 
 # The whole chaos suite: every seed of tests/chaos (slow ones too); ~25 min on the shared 2 cores.
 chaos: $(STAMP)
@@ -55,4 +75,4 @@ bench-%: $(STAMP)
 	$(PY) bench/$*.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build dist site *.egg-info .pytest_cache .mypy_cache .ruff_cache

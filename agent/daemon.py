@@ -27,7 +27,7 @@ leader's address, which the agent tries next when it is one of its configured en
 move to the next endpoint after a jittered exponential backoff. Without a successful
 registration for `max_disconnected_s` the agent gives up (exit 3): every retry has a limit.
 
-What the network may make an agent do is bounded (issue 14): a driver-sent
+What the network may make an agent do is bounded (docs/operations/security.md): a driver-sent
 `StartWorkers.worker_cmd` other than the agent's own is run only with `allow_remote_cmd`
 (--allow-remote-cmd); a bearer token is never configured for a non-loopback driver without
 TLS (it would travel in cleartext); a --master-addr given to the agent wins over the one

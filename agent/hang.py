@@ -18,7 +18,8 @@ loaded machine is slow, not hung (the detector knows its node's health).
 
 The agent knows the time since progress per rank without any cross-host clock, so the
 decision is made on the node and only its verdict (a flag in the heartbeat) travels: the
-driver looks only at flagged heartbeats, never sweeps every rank (DESIGN.md, heartbeats).
+driver looks only at flagged heartbeats, never sweeps every rank
+(docs/architecture.md#the-live-view).
 Stacks are dumped once per hang episode and capped (`cap_stacks`).
 """
 

@@ -3,7 +3,7 @@
 torch's DynamicRendezvousHandler keeps its state as a pickle (`_RendezvousState`) and every
 torchrun agent of a run calls `pickle.loads` on whatever the backend hands it. Our backend
 (agent/rdzv.py) fetches that state from the driver, so anybody able to call the driver's
-SetState could make every torchrun agent run code (issue 14: `os.system` in a pickle ran as
+SetState could make every torchrun agent run code (once: `os.system` in a pickle ran as
 root on every node). Two locks, both always on:
 
 1. **A MAC per state.** The backend seals each state it writes:

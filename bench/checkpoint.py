@@ -547,8 +547,8 @@ def summarize(results: dict[str, Any]) -> None:
         results[f"flash_async_step_overhead_ratio_{tag}"] = (
             r["step_async_save_s"] / r["step_no_save_s"]
         )
-        # Issue 15's figure: the per-step save's cost on the training thread (the snapshot
-        # path), in ms and as a share of the step.
+        # The flash tax (docs/checkpoints.md): the per-step save's cost on the training
+        # thread (the snapshot path), in ms and as a share of the step.
         results[f"per_step_save_ms_{tag}"] = 1000.0 * r["flash_snapshot_blocking_s"]
         results[f"per_step_save_over_step_{tag}"] = r["snapshot_blocking_over_step"]
         results[f"snapshot_step_overhead_ratio_{tag}"] = (

@@ -7,7 +7,7 @@ blamed directly). Every node's matmul time per round is base * slowdown * (1 + 1
 part-to-part) with 3 % per-iteration jitter over 8 iterations.
 * ours: the real planner, judge and runner (unbroken.diagnostics.runner.diagnose) with a
   simulated run_group.
-* DLRover (per /work/shared/PEERS.md): round 0 pairs by rank, round 1 sorts by time and
+* DLRover (per docs/peers.md): round 0 pairs by rank, round 1 sorts by time and
   pairs fastest with slowest; a failed check scores 3600; bad = failed both rounds;
   straggler = group time > 2 x median in both rounds; N <= 3 isolates nothing.
 * naive halving: test the two halves, split every failing set, until single nodes; slow

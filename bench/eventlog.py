@@ -1,4 +1,4 @@
-"""Benchmark of the etcd event log against the embedded etcd (not a test; see STYLE.md 19).
+"""Benchmark of the etcd event log against the embedded etcd (not a test: docs/style.md).
 
 Measures, each against a baseline taken in the same run on the same machine:
 - appends/s, one at a time (one fenced transaction each) and from 64 concurrent appenders
@@ -6,9 +6,9 @@ Measures, each against a baseline taken in the same run on the same machine:
 - seconds to replay 100k events (read + fold, no snapshot), and to read them back from the
   archive;
 - etcd's reported dbSize after 1M events with archival (snapshot every 1000) and without;
-- the journal (issue 13): a 20-event recovery decision as ONE transaction against the same
-  20 events appended one by one (`decision_append_ms`, a ratio); GetStatus over gRPC
-  against a real driver process whose log holds 100k events (served from memory, against
+- the journal (docs/architecture.md): a 20-event recovery decision as ONE transaction
+  against the same 20 events appended one by one (`decision_append_ms`, a ratio); GetStatus
+  over gRPC against a real driver process whose log holds 100k events (served from memory, against
   LiveView, the cheapest call, as baseline); the driver's RSS with 10 `WatchEvents(follow)`
   streams from seq 0 of those 100k events, against its RSS before them.
 

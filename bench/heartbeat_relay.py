@@ -1,4 +1,4 @@
-"""The heartbeat plane behind relays (issue 17): 10,000 nodes at 100 ms on one driver.
+"""The heartbeat plane behind relays (docs/relays.md): 10,000 nodes at 100 ms on one driver.
 
 `make bench-heartbeat ARGS=--relay` (or `python bench/heartbeat_relay.py`). The driver is
 the real `DriverService` in its own process (in-memory event log) with the leader's loss

@@ -1,7 +1,7 @@
 """Runtime paths every process of a node shares: the private directory of local sockets.
 
 The agent's hook socket and the workers' reply sockets are unix datagram sockets; any
-local user who can reach one can send to it (issue 14: `/tmp/unbroken-agent.sock` could be
+local user who can reach one can send to it (once `/tmp/unbroken-agent.sock` could be
 squatted, and the workers' abstract-namespace reply sockets took a `stop` from anyone).
 They therefore live in a directory only this user can enter, `runtime_dir()`:
 `$XDG_RUNTIME_DIR/unbroken` when that is ours, else `/run/unbroken` for root, else

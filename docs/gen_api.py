@@ -114,7 +114,9 @@ class _Page:
             return f"[`{short}`](#{_anchor(name)})"
         return f"`{name}`"
 
-    def _type(self, fld: descriptor_pb2.FieldDescriptorProto, msg: descriptor_pb2.DescriptorProto) -> str:
+    def _type(
+        self, fld: descriptor_pb2.FieldDescriptorProto, msg: descriptor_pb2.DescriptorProto
+    ) -> str:
         if fld.type in _SCALARS:
             base = f"`{_SCALARS[fld.type]}`"
         else:
@@ -124,7 +126,7 @@ class _Page:
                 if n.name == entry and n.options.map_entry:
                     k, v = n.field[0], n.field[1]
                     kt = _SCALARS.get(k.type, k.type_name)
-                    vt = _SCALARS.get(v.type) and f"`{_SCALARS[v.type]}`" or self._ref(v.type_name)
+                    vt = f"`{_SCALARS[v.type]}`" if v.type in _SCALARS else self._ref(v.type_name)
                     return f"map<`{kt}`, {vt}>"
         if fld.label == descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED:
             return f"repeated {base}"
@@ -153,7 +155,9 @@ class _Page:
                 comments[tuple(loc.path)] = _clean(text)
             if tuple(loc.path) == (_FILE_SYNTAX,) and loc.leading_detached_comments:
                 header = "\n".join(
-                    ln.strip() for c in loc.leading_detached_comments for ln in c.strip().split("\n")
+                    ln.strip()
+                    for c in loc.leading_detached_comments
+                    for ln in c.strip().split("\n")
                 )
             if tuple(loc.path) == (_FILE_SYNTAX,) and not header and loc.leading_comments:
                 header = "\n".join(ln.strip() for ln in loc.leading_comments.strip().split("\n"))

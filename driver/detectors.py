@@ -1,7 +1,7 @@
 """Failure detectors: pure functions from the live view (and a clock reading) to events.
 
-Each detector turns what heartbeats say into transition events (DESIGN.md: heartbeats are
-not events, transitions are):
+Each detector turns what heartbeats say into transition events (heartbeats are not
+events, transitions are: docs/architecture.md#the-live-view):
 - node lost: no heartbeat for `miss_limit` x interval, by the driver's monotonic clock;
 - worker failed: a worker reported with a non-zero exit code (once per exit);
 - hang suspected: the agent flagged a heartbeat STALLED, having judged a rank hung from

@@ -1,4 +1,4 @@
-"""The event log: the driver's only durable memory (DESIGN.md, "Event sourcing on etcd").
+"""The event log: the driver's only durable memory (docs/architecture.md#the-event-log).
 
 `EventLog` is the narrow interface; `InMemoryEventLog` (this file) and `EtcdEventLog`
 (driver/etcdlog.py) implement it, and one contract suite (tests/unit/test_eventlog_contract.py

@@ -1,7 +1,7 @@
 """The journal: the driver's one writer of the event log, one per leader term.
 
-Everything that changes the job's history goes through here (DESIGN.md, "Event sourcing on
-etcd"). `record(*events)` appends the events in ONE fenced transaction, folds them into the
+Everything that changes the job's history goes through here (docs/architecture.md#the-journal).
+`record(*events)` appends the events in ONE fenced transaction, folds them into the
 one in-memory `JobState` and then tells the subscribers (the recovery loop's actions,
 commits, metrics, the dashboard, watchers). `submit(observation)` queues what a detector,
 an operator, a launcher or a diagnosis saw; the journal's writer task asks the decider

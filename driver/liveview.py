@@ -1,8 +1,9 @@
 """The driver's in-memory live view of every node: the heartbeat hot path lives here.
 
-Heartbeats are never events (DESIGN.md): 20,000 of them a second would swamp etcd and
-say nothing new. The live view keeps, per node, a preallocated `NodeSlot` holding the
-last heartbeat message (by reference, never copied), a monotonic timestamp and a counter.
+Heartbeats are never events (docs/architecture.md#the-live-view): 20,000 of them a
+second would swamp etcd and say nothing new. The live view keeps, per node, a
+preallocated `NodeSlot` holding the last heartbeat message (by reference, never copied), a
+monotonic timestamp and a counter.
 `LiveView.order` is an insertion-ordered dict kept sorted by last heartbeat time (a beat
 moves its node to the end), so the node-lost sweep reads only the stale front of it
 instead of scanning every node on every tick.

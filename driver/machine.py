@@ -1,6 +1,6 @@
 """The recovery state machine: a pure transition function and pure pending actions.
 
-DESIGN.md, "The recovery loop"::
+docs/architecture.md#the-decider, "The recovery loop"::
 
     RUNNING --fault--> SUSPECTED --pause all ranks, flash-save--> PAUSED
     PAUSED --diagnose (only when the cause is unclear)--> DIAGNOSED

@@ -3,7 +3,7 @@
 The recovery machine (driver/machine.py) decides *that* a node leaves the job and *that* a
 spare takes its place; the cluster's scheduler must hear of both, or the next job lands on
 the same bad machine and a replacement is only a spare someone started by hand. Five calls
-are all the driver needs (STYLE.md 2: a narrow interface, an in-memory version first):
+are all the driver needs (docs/style.md: a narrow interface, an in-memory version first):
 
 - `drain(node, reason)`: no new work goes to the node (Slurm: State=DRAIN with the reason);
 - `resume(node)`: an operator cleared it; it takes work again;

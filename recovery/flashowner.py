@@ -5,7 +5,7 @@ only reserve, list, discard and persist copies, never import torch (1-5 s and hu
 of MB per process on a loaded machine). `unbroken.recovery.flash` re-exports all of it.
 
 The flash root holds a model's weights and decides what a node restores, so it is closed
-to other local users (issue 14: `nobody` read the weights from 0644 files, and a
+to other local users (once `nobody` read the weights from 0644 files, and a
 pre-created `/dev/shm/unbroken/<node>` symlink made the agent's cleanup delete an unrelated
 directory): directories are created 0700 and files 0600; an existing root that is a
 symlink, not a directory, or not owned by this user is refused with `UnsafeFlashRootError`;

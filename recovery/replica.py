@@ -7,7 +7,7 @@ manifest's checksum while it streams it into a slot of the store `replica-<node>
 (double-buffered, like a local copy), so a replacement node can restore from it. A copy
 that fails the checksum is refused and never becomes a valid copy.
 
-**Who may talk to the buddy** (`ReplicaAuth`; issue 14: anyone could GET a node's weights,
+**Who may talk to the buddy** (`ReplicaAuth`; once anyone could GET a node's weights,
 PUT a forged replica, or make the agent allocate 64 GiB with one header):
 
 - With TLS (the agent's --tls-cert/--tls-key/--tls-ca) the stream is mutual TLS and the

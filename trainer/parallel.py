@@ -13,7 +13,7 @@ become DTensors sharded over `ep`, outside FSDP), context parallel (attention mo
 their cp group), optionally `torch.compile` per block, then FSDP2 `fully_shard` per block
 and per stage, then allocate and initialise only the local shards (init.py), then wrap the
 stages in a `torch.distributed.pipelining` schedule. Gradient clipping groups gradients by
-mesh because `clip_grad_norm_` cannot mix DTensors of different meshes (pytorch issue 180346).
+mesh because `clip_grad_norm_` cannot mix DTensors of different meshes (pytorch#180346).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ seed gives the same faults, targets (by role: "a world node", "the leader"), dur
 and gaps. What the processes then do is not deterministic (2 loaded cores), but a failing
 seed replays the same fault sequence, which is what makes it debuggable.
 
-Fault kinds (issue 7, item 5):
+Fault kinds (docs/testing.md):
 
 - worker_kill        SIGKILL one worker of a world node (WorkerFailed -> restart, restore)
 - agent_kill         SIGKILL a world node's agent: node loss (its workers die with it via
@@ -19,7 +19,7 @@ Fault kinds (issue 7, item 5):
 - etcd_kill          SIGKILL etcd, restart it on the same ports and data dir after 0.5-4 s
 - net_cut            cut a world agent at the proxy (drop or blackhole) for 1-6 s
 
-Journal faults (issue 13), not drawn by default (`JOURNAL_KINDS`):
+Journal faults (docs/architecture.md#the-journal), not drawn by default (`JOURNAL_KINDS`):
 
 - etcd_stop_agent_kill  SIGSTOP etcd, SIGKILL a world node's agent, keep etcd stopped past
                      the leader's lease (35 s), SIGCONT: the NodeLost must still be recorded

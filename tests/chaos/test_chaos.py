@@ -70,7 +70,7 @@ def test_chaos_seeded(tmp_path: Path, chaos_seed: int) -> None:
     ],
 )
 def test_a_detected_failure_survives_the_store(tmp_path: Path, chaos_seed: int, kind: str) -> None:
-    """Issue 13: etcd stopped past the leader's lease (or full) while a node dies.
+    """The journal: etcd stopped past the leader's lease (or full) while a node dies.
 
     The NodeLost is recorded once etcd is back (whoever leads then), the spare takes the
     node's rank and every step's loss equals the uninterrupted run's (run_chaos's checks).

@@ -1,4 +1,4 @@
-"""The whole cluster through the loss of etcd members (issue 17, Build 5).
+"""The whole cluster through the loss of etcd members (docs/testing.md).
 
 The chaos cluster (tests/chaos/harness.py: a leader and a standby driver, two training
 agents, the uninterrupted reference run) on a real 3-member etcd cluster. The member the

@@ -1,4 +1,4 @@
-"""A log-alert storm must not delay a node's death (issue 13).
+"""A log-alert storm must not delay a node's death (docs/architecture.md#the-journal).
 
 One node's worker prints 1,000 "NCCL WARN" lines a second; meanwhile another node's agent
 is SIGKILLed. Before the journal, the storm filled the one shared event queue (9,048

@@ -1,4 +1,4 @@
-"""Relays end to end (issue 17): a real driver, a relay agent and two member agents.
+"""Relays end to end (docs/relays.md): a real driver, a relay agent and two member agents.
 
 The members register with the driver naming the relay and heartbeat through it; the relay
 forwards one batch per interval. A member SIGKILLed behind a live relay is found silent by

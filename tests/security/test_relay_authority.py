@@ -1,4 +1,4 @@
-"""A relay never widens anyone's authority (issue 17).
+"""A relay never widens anyone's authority (docs/relays.md).
 
 Real gRPC, the driver service in-process with per-node named tokens: relay r0 may carry
 heartbeats and replies only of members whose own registration named r0, at their

@@ -1,4 +1,4 @@
-"""Principals and roles on the driver's API: each attack of issue 14's list, refused.
+"""Principals and roles on the driver's API: each attack of the threat model (SECURITY.md), refused.
 
 A real driver (DriverService on a real gRPC server, loopback, an in-memory event log) with
 role tokens: a node's token, an operator's, a launcher's, a viewer's. Each test plays the

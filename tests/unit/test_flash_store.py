@@ -936,7 +936,7 @@ def test_a_version_2_manifest_still_reads_and_a_short_index_is_corrupt() -> None
         Manifest.from_bytes(sealed(v3, b"[]", b'{"a":1}'))
 
 
-# ---------------------------------------------------------------- lifecycle (issue 15)
+# ---------------------------------------------------------------- lifecycle (docs/checkpoints.md)
 
 
 def test_a_shard_is_fsynced_before_it_is_reported(
@@ -1140,9 +1140,9 @@ def _resident(path: Path, lo: int = 0, hi: int | None = None) -> tuple[int, int]
 def test_prefault_touches_what_a_grown_ring_allocated_and_keeps_its_copies(
     owner: FlashOwner, monkeypatch: pytest.MonkeyPatch, madvise: bool
 ) -> None:
-    """Issue 15 (memory prepared ahead): `reserve` remembers what it allocated; `prefault`
-    touches exactly that (the worker then maps touched pages), in chunks on threads, and a
-    copy already in a slot that grew reads back unchanged."""
+    """Memory prepared ahead (docs/checkpoints.md). `reserve` remembers what it allocated;
+    `prefault` touches exactly that (the worker then maps touched pages), in chunks on threads,
+    and a copy already in a slot that grew reads back unchanged."""
     from unbroken.recovery import flashowner
 
     if not madvise:  # an older kernel (no MADV_POPULATE_WRITE): a write of each page

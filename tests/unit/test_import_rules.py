@@ -1,6 +1,6 @@
 """The top-level folders are the architecture: each part imports only the parts below it.
 
-The table is ../shared/DESIGN.md's "may import" column. Imports are read from the source with
+The table is docs/architecture.md's "may import" column. Imports are read from the source with
 `ast`, static ones and dynamic ones alike: `importlib.import_module("unbroken.x")`,
 `__import__("unbroken.x")` and any string constant naming a module of ours ("unbroken.agent.main",
 an entry point "unbroken.trainer.gpt3d:GPT3DTrainer") count, because a dispatcher that keeps

@@ -340,7 +340,7 @@ def test_fault_on_a_spare_only_marks_it_bad() -> None:
 
 def test_a_returning_node_is_not_evicted_for_its_leftover_workers() -> None:
     """A node replaced while silent (SIGSTOPped agent) comes back with the old world's
-    workers: their exits and stalls are its cleanup, not its health (issue 16)."""
+    workers: their exits and stalls are its cleanup, not its health (docs/detection.md)."""
     sim = start(nodes=2, spares=1)
     sim.feed(lost("n1", epoch=1))
     sim.drive(set())

@@ -195,7 +195,7 @@ def test_activation_formulas_are_table_2_of_korthikanti() -> None:
 
 
 def test_a_10000_gpu_job_fails_daily_at_a_0_1_percent_rate() -> None:
-    # Source: DESIGN.md (after Meta's and ByteDance's reports): 1 − 0.999^10000 ≈ 99.99 %.
+    # Source: docs/peers.md (after Meta's and ByteDance's reports): 1 − 0.999^10000 ≈ 99.99 %.
     assert P.failure_probability_per_day(0.001, 10_000) > 0.9999
     assert P.failures_per_day(0.001, 10_000) == pytest.approx(10.005, rel=1e-3)
 

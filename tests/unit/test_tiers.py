@@ -1,5 +1,5 @@
 """Every file under tests/unit is a unit test: it carries the `unit` marker and starts no
-process (STYLE.md 15: pure, milliseconds, no processes), so `-m unit` selects exactly the
+process (docs/style.md: pure, milliseconds, no processes), so `-m unit` selects exactly the
 fast tier. A test that needs a process, etcd or a cluster belongs in tests/integration."""
 
 from __future__ import annotations
