@@ -59,6 +59,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         description="Keeps PyTorch training runs alive through node, GPU and process faults. "
         "--debug (anywhere) shows tracebacks.",
     )
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
@@ -162,6 +163,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args_list or os.environ.get("UNBROKEN_DEBUG") == "1"
     args_list = [a for a in args_list if a != "--debug"]
+    if args_list[:1] == ["--version"]:  # before any subcommand module is imported
+        from unbroken.common.version import __version__
+
+        print(f"unbroken {__version__}")
+        return EXIT_OK
     chosen = next((a for a in args_list if a in SUBCOMMANDS), None)
     wants_help = not args_list or args_list[0] in ("-h", "--help")
     parser = build_parser(None if wants_help else chosen)
@@ -174,6 +180,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"unbroken {chosen}: {e}", file=sys.stderr)
                 return EXIT_USAGE
     args = parser.parse_args(args_list)
+    if args.version:
+        from unbroken.common.version import __version__
+
+        print(f"unbroken {__version__}")
+        return EXIT_OK
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE

