@@ -1,4 +1,4 @@
-"""The README's Deploy section, as far as this machine goes: the example config files load
+"""docs/operations/deploy.md, as far as this machine goes: the example config files load
 through the real flag parser, and the systemd units pass `systemd-analyze verify` (or, where
 it is missing, a parser check of the settings they must carry)."""
 

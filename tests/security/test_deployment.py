@@ -1,7 +1,7 @@
-"""The README's secured deployment, run as written: `unbroken certs`, a driver with mTLS and
-a viewer token for its HTTPS dashboard, an agent with its node certificate, an operator's
-CLI with hers. Real processes on loopback (the event log in memory: etcd is not what is
-under test here)."""
+"""The secured deployment of docs/operations/security.md, run as written: `unbroken certs`,
+a driver with mTLS and a viewer token for its HTTPS dashboard, an agent with its node
+certificate, an operator's CLI with hers. Real processes on loopback (the event log in
+memory: etcd is not what is under test here)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """The Grafana dashboard and the metrics table agree with what the driver really exports.
 
-`METRICS` (driver/metrics.py) is the list the README and the dashboard are written against.
-These tests (1) render a real `DriverMetrics` registry over a live view with one node and
-two workers and a few appended events, and check that the exposition holds exactly the
-series `METRICS` names, with their types and labels; (2) load the packaged dashboard JSON
-and check that every query references only metrics that exist.
+`METRICS` (driver/metrics.py) is the list docs/operations/metrics.md and the dashboard are
+written against. These tests (1) render a real `DriverMetrics` registry over a live view
+with one node and two workers and a few appended events, and check that the exposition holds
+exactly the series `METRICS` names, with their types and labels; (2) load the packaged
+dashboard JSON and check that every query references only metrics that exist.
 """
 
 from __future__ import annotations

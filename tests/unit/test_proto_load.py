@@ -1,8 +1,8 @@
 """The .proto files load as a foreign client loads them: one include root, `proto/`.
 
 grpcurl, Node's proto-loader or protoc for another language take the repository's proto/
-folder as the include root and a file name in it. The README's grpcurl recipe is read from
-the README itself and run with grpc_tools' protoc (in process), so the recipe stays true;
+folder as the include root and a file name in it. The grpcurl recipe of docs/api/index.md is
+read from that page and run with grpc_tools' protoc (in process), so the recipe stays true;
 what it loads must be what our generated stubs were built from.
 """
 
@@ -54,11 +54,14 @@ def without_json_names(m: descriptor_pb2.DescriptorProto) -> descriptor_pb2.Desc
     return out
 
 
+API_PAGE = ROOT / "docs" / "api" / "index.md"
+
+
 def readme_recipe() -> tuple[str, str]:
-    """The `-import-path DIR -proto FILE` of the README's grpcurl recipe."""
-    text = (ROOT / "README.md").read_text()
+    """The `-import-path DIR -proto FILE` of the API page's grpcurl recipe."""
+    text = API_PAGE.read_text()
     m = re.search(r"grpcurl [^`\n]*-import-path (\S+) -proto (\S+)", text)
-    assert m, "the README lost its grpcurl recipe (-import-path DIR -proto FILE)"
+    assert m, "docs/api/index.md lost its grpcurl recipe (-import-path DIR -proto FILE)"
     return m.group(1), m.group(2)
 
 
@@ -70,10 +73,12 @@ def test_the_readme_recipe_loads_the_driver_api(tmp_path: Path) -> None:
     services = [f"{f.package}.{s.name}" for f in fds.file for s in f.service]
     assert "unbroken.driver.v1.Driver" in services
     # the recipe's example calls name methods the loaded service has
-    readme = (ROOT / "README.md").read_text()
+    readme = API_PAGE.read_text()
     methods = {m.name for f in fds.file for s in f.service for m in s.method}
     for called in re.findall(r"unbroken\.driver\.v1\.Driver/(\w+)", readme):
-        assert called in methods, f"README calls Driver/{called}, which driver.proto lacks"
+        assert called in methods, (
+            f"docs/api/index.md calls Driver/{called}, which driver.proto lacks"
+        )
 
 
 @pytest.mark.parametrize("proto", sorted(p.name for p in PROTO.glob("*.proto")))
