@@ -21,8 +21,8 @@ import os
 from dataclasses import dataclass
 
 import fsspec
-from fsspec.core import url_to_fs
 
+from unbroken.common import storage
 from unbroken.proto import events_pb2 as ev
 
 SUFFIX = ".seg"
@@ -55,7 +55,7 @@ class Archive:
         # Local paths are made absolute: the URL is recorded in etcd for other processes.
         self.url = url if "://" in url else os.path.abspath(url)
         self.fs: fsspec.AbstractFileSystem
-        self.fs, root = url_to_fs(self.url)
+        self.fs, root = storage.url_to_fs(self.url)
         self.dir = f"{root.rstrip('/')}/{job_id}"
 
     def _name(self, first: int, last: int) -> str:

@@ -128,8 +128,9 @@ def shard_uri(url: str, step: int, rank: int) -> str:
 
 
 def _fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    fs, path = fsspec.core.url_to_fs(url)
-    return fs, path
+    from unbroken.common.storage import url_to_fs  # names the extra when s3fs/gcsfs is missing
+
+    return url_to_fs(url)
 
 
 def write_shard(ref: CopyRef, url: str, *, verify_readback: bool = True) -> Persisted:
