@@ -361,12 +361,28 @@ class NodeFlash:
         self.reports.append(p)
 
     def retain(self, keep_steps: list[int], below: int) -> list[int]:
-        """Apply the driver's retention: delete persisted steps under `below` not kept."""
+        """Apply the driver's retention: delete persisted steps under `below` not kept.
+
+        Raises:
+            ValueError: the retention would delete every persisted step (it keeps none of
+                them: a commit nobody here made, or a driver that is not ours); refused,
+                nothing deleted, and the refusal goes back to the driver in the ack.
+        """
         try:
-            gone = delete_steps(
-                self.config.persist_url,
-                deletable(list_persisted(self.config.persist_url), keep_steps, below),
-            )
+            have = list_persisted(self.config.persist_url)
+            doomed = deletable(have, keep_steps, below)
+            if have and len(doomed) == len(have):
+                log.warning(
+                    "flash.retention_refused",
+                    persisted=sorted(have)[-8:],
+                    kept=sorted(keep_steps)[-8:],
+                    below=below,
+                )
+                raise ValueError(
+                    f"retention refused: it would delete every persisted step "
+                    f"(newest {max(have)}), keeping {sorted(keep_steps)[-8:]} below {below}"
+                )
+            gone = delete_steps(self.config.persist_url, doomed)
         except OSError as e:
             log.warning("flash.retention_failed", error=str(e))
             return []
