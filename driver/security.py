@@ -92,6 +92,7 @@ AUTHZ: dict[str, frozenset[str]] = {
         _R + m: RENDEZVOUS
         for m in (
             "GetState",
+            "GetKey",
             "SetState",
             "StoreSet",
             "StoreGet",
