@@ -1169,7 +1169,30 @@ class DriverService(dgrpc.DriverServicer):
             **({"goodput": self.goodput(), "persist_every_s": self.persist_every_s()} if j else {}),
             "snapshots_too_large": getattr(j.log, "snapshots_too_large", 0) if j else 0,
             **({"phase": j.state.phase} if j else {}),
+            "newest_commit_age_s": self.newest_commit()[1],
         }
+
+    def newest_commit(self) -> tuple[int, float]:
+        """(the newest committed step, seconds since its commit event; -1 when none)."""
+        j = self.journal
+        if j is None or not j.state.checkpoints:
+            return 0, -1.0
+        c = j.state.checkpoints[-1]
+        wall = c.wall_time_unix_ns
+        return c.step, max(0.0, (time.time_ns() - wall) / 1e9) if wall else -1.0
+
+    def persist_failing(self) -> list[dpb.PersistFailure]:
+        """The alive nodes whose persister fails now (from their newest heartbeat)."""
+        return [
+            dpb.PersistFailure(
+                node_id=s.node_id,
+                error=s.hb.persist_error,
+                failures=s.hb.persist_failures,
+                failing_s=s.hb.persist_failing_s,
+            )
+            for s in list(self.view.nodes.values())
+            if s.alive and s.hb.persist_failures
+        ]
 
 
 def peer_host(peer: str) -> str:
