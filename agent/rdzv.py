@@ -366,15 +366,18 @@ class DriverRendezvousBackend(RendezvousBackend):
 
     def __init__(self, client: DriverClient) -> None:
         self.client = client
-        self._key = client.config.state_key or self._driver_key()
+        self._state_key = client.config.state_key  # b"": asked of the driver at first use
 
-    def _driver_key(self) -> bytes:
-        """The run's state key from the driver (no key configured); the first contact."""
-        c = self.client
-        resp = c.call("GetKey", c._rpb.GetKeyRequest(), budget_s=c.config.connect_timeout_s)
-        if len(resp.key) < 16:
-            raise RendezvousStateError(f"the driver at {c.endpoint} sent no rendezvous key")
-        return bytes(resp.key)
+    @property
+    def _key(self) -> bytes:
+        """The run's state key: configured, else the driver's (`GetKey`, asked once)."""
+        if not self._state_key:
+            c = self.client
+            resp = c.call("GetKey", c._rpb.GetKeyRequest(), budget_s=c.config.connect_timeout_s)
+            if len(resp.key) < 16:
+                raise RendezvousStateError(f"the driver at {c.endpoint} sent no rendezvous key")
+            self._state_key = bytes(resp.key)
+        return self._state_key
 
     @property
     def name(self) -> str:
