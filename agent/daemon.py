@@ -42,6 +42,7 @@ import os
 import random
 import signal
 import socket
+import ssl
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -55,6 +56,7 @@ from unbroken.agent import checks, probes
 from unbroken.agent.flash import NodeFlash, NodeFlashConfig
 from unbroken.agent.hookserver import HookServer
 from unbroken.agent.metrics import AgentMetrics
+from unbroken.agent.peerid import PeerIdentityError, check_peer
 from unbroken.agent.relay import SILENT_S, Relay, RelayConfig, parse_relay
 from unbroken.agent.workers import Supervisor, WorkerSpec
 from unbroken.common import channel, workerenv
@@ -449,6 +451,14 @@ class Agent:
                 md = self._metadata
                 if via is not None:
                     md = (*md, (channel.RELAY_KEY, via[0]))
+                if self.config.tls.enabled:  # the driver's (the relay's) principal
+                    await asyncio.to_thread(
+                        check_peer,
+                        via[1] if via is not None else target,
+                        self.config.tls,
+                        role="node" if via is not None else "driver",
+                        name=via[0] if via is not None else "",
+                    )
                 resp = await stub.Register(
                     request,
                     timeout=self.config.register_timeout_s,
@@ -480,6 +490,12 @@ class Agent:
                 self._on_rpc_error(e, target)
                 if "declared lost" in (e.details() or ""):
                     await self._fence()
+            except PeerIdentityError as e:
+                log.error("not our driver", error=str(e))
+                self.current += 1
+            except (OSError, ssl.SSLError) as e:
+                log.warning("driver unreachable", driver=target, error=str(e))
+                self.current += 1
             finally:
                 await ch.close(grace=None)
             if self.stop.is_set():
@@ -700,6 +716,9 @@ class Agent:
             hb.workers.extend(sup.statuses(now))
             if self.flash is not None:  # the steps each rank can restore from memory
                 self.flash.starved(now)
+                hb.persist_error, hb.persist_failures, hb.persist_failing_s = (
+                    self.flash.persist_health()
+                )
                 for w in hb.workers:
                     if w.global_rank >= 0:
                         w.ring_steps.extend(self.flash.ring_steps(w.global_rank))
