@@ -88,6 +88,10 @@ AGENT_VERSION = "0.1.0"
 # retries stay `election_retry_s` apart for this long, whichever endpoint refuses meanwhile
 # (the dead leader refuses the connection: that says nothing about the election).
 ELECTION_WINDOW_S = 10.0
+# How far above its registration's leader term a command's term may be: elections that
+# can complete while one session lasts (a registration answered just before the new
+# leader's LeaderElected is folded sees the previous term). Beyond it: forged.
+TERM_SLACK = 16
 F_EXITED = dpb.HEARTBEAT_FLAG_WORKER_EXITED
 F_ALERTS = dpb.HEARTBEAT_FLAG_LOG_ALERTS
 F_STALLED = dpb.HEARTBEAT_FLAG_STALLED
@@ -329,6 +333,7 @@ class Agent:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._metadata = self._token_md()
         self.term_seen = 0  # the newest leader term a command came with (older ones dropped)
+        self.session_term = 0  # the leader term our registration was answered under
         self.relay: Relay | None = None
         if config.relay_listen:
             self.relay = Relay(
@@ -451,14 +456,8 @@ class Agent:
                 md = self._metadata
                 if via is not None:
                     md = (*md, (channel.RELAY_KEY, via[0]))
-                if self.config.tls.enabled:  # the driver's (the relay's) principal
-                    await asyncio.to_thread(
-                        check_peer,
-                        via[1] if via is not None else target,
-                        self.config.tls,
-                        role="node" if via is not None else "driver",
-                        name=via[0] if via is not None else "",
-                    )
+                if self.config.tls.enabled:  # the driver's principal, not any of its CA's
+                    await asyncio.to_thread(check_peer, target, self.config.tls, role="driver")
                 resp = await stub.Register(
                     request,
                     timeout=self.config.register_timeout_s,
@@ -468,6 +467,7 @@ class Agent:
                 last_ok = time.monotonic()
                 backoff = self.config.backoff_base_s
                 self._electing_until = 0.0
+                self.session_term = resp.leader_term
                 self.interval_s = resp.heartbeat_interval_ms / 1000.0 or self.interval_s
                 log.info(
                     "registered",
@@ -481,6 +481,15 @@ class Agent:
                     self.relay.interval_s = self.interval_s
                     self.relay.miss_limit = resp.miss_limit or 3
                 if via is not None:
+                    if self.config.tls.enabled:  # the relay is the node it was named as
+                        try:
+                            await asyncio.to_thread(
+                                check_peer, via[1], self.config.tls, role="node", name=via[0]
+                            )
+                        except (PeerIdentityError, OSError, ssl.SSLError) as e:
+                            log.error("relay refused; going to the driver directly", error=str(e))
+                            self._relay_down = True
+                            continue
                     if await self._relayed_session(via):
                         continue  # the relay failed us: straight to the driver, no backoff
                 else:
@@ -774,6 +783,28 @@ class Agent:
         kind = msg.WhichOneof("kind")
         cid = msg.command_id
         log.info("command", kind=kind, command_id=cid, term=msg.term)
+        if msg.term > self.session_term + TERM_SLACK:
+            # a term no election of this session can have made: never adopted, so it
+            # cannot make every later command of the real leader look stale
+            log.error(
+                "command with an implausible leader term refused",
+                term=msg.term,
+                session_term=self.session_term,
+            )
+            with contextlib.suppress(Exception):
+                await self._write(
+                    call,
+                    dpb.AgentMessage(
+                        ack=dpb.CommandAck(
+                            command_id=cid,
+                            ok=False,
+                            detail=f"leader term {msg.term} is more than {TERM_SLACK} above "
+                            f"the term {self.session_term} this session registered under: "
+                            "refused",
+                        )
+                    ),
+                )
+            return
         if msg.term < self.term_seen:
             log.warning(
                 "command of an older leader term dropped", term=msg.term, newest=self.term_seen

@@ -633,6 +633,7 @@ class DriverService(dgrpc.DriverServicer):
             job_id=self.job_id,
             heartbeat_interval_ms=self.config.live.heartbeat_interval_ms,
             miss_limit=self.config.live.miss_limit,
+            leader_term=self.journal.state.leader_term if self.journal is not None else 0,
         )
 
     async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:

@@ -94,20 +94,22 @@ class RegisterRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., pod_name: _Optional[str] = ..., inventory: _Optional[_Union[HardwareInventory, _Mapping]] = ..., agent_version: _Optional[str] = ..., num_workers: _Optional[int] = ..., spare: _Optional[bool] = ..., replica_buddy: _Optional[str] = ..., replica_listen: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("driver_id", "heartbeat_interval_ms", "miss_limit", "job_id", "global_rank_base", "world_size")
+    __slots__ = ("driver_id", "heartbeat_interval_ms", "miss_limit", "job_id", "global_rank_base", "world_size", "leader_term")
     DRIVER_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     MISS_LIMIT_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_BASE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LEADER_TERM_FIELD_NUMBER: _ClassVar[int]
     driver_id: str
     heartbeat_interval_ms: int
     miss_limit: int
     job_id: str
     global_rank_base: int
     world_size: int
-    def __init__(self, driver_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., miss_limit: _Optional[int] = ..., job_id: _Optional[str] = ..., global_rank_base: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    leader_term: int
+    def __init__(self, driver_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., miss_limit: _Optional[int] = ..., job_id: _Optional[str] = ..., global_rank_base: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_term: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("local_rank", "global_rank", "pid", "state", "exit_code", "step", "loss", "step_time_ms", "since_progress_ms", "median_step_ms", "restarts", "has_loss", "has_peak", "peak_loss", "peak_step", "ring_steps", "hung", "hang_threshold_ms", "phase", "compute_ms", "compute_mad_ms", "wait_ms", "window_steps", "wait_mad_ms", "restored_step", "restored_from", "loss_median", "loss_mad", "loss_window")

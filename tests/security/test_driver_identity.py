@@ -21,6 +21,7 @@ from unbroken.agent.peerid import PeerIdentityError, check_peer
 from unbroken.common.tls import TlsConfig
 from unbroken.driver import certs
 from unbroken.driver.service import ServiceConfig
+from unbroken.proto import driver_pb2 as dpb
 
 pytestmark = pytest.mark.integration
 
@@ -76,6 +77,35 @@ def test_an_agent_refuses_a_node_certificate_posing_as_its_driver(tmp_path: Path
             while "node-a" not in svc.view.nodes:
                 assert asyncio.get_running_loop().time() < deadline, "never registered"
                 await asyncio.sleep(0.1)
+            agent.stop.set()
+            await asyncio.wait_for(run, 30)
+
+    asyncio.run(go())
+
+
+def test_a_forged_huge_term_cannot_silence_the_real_leader() -> None:
+    """A command with term 2^63-1 (forged: by a relay, or a driver that got through) was
+    adopted, and every later command of the real leader was then 'stale'. Now the agent
+    refuses a term far above the one its registration was answered under, and the real
+    leader's next command is obeyed."""
+
+    async def go() -> None:
+        async with driver() as (svc, _store, addr):
+            assert svc.journal is not None
+            agent = Agent(AgentConfig(drivers=[addr], node_id="node-a"))
+            run = asyncio.create_task(agent.run())
+            deadline = asyncio.get_running_loop().time() + 30
+            while not ("node-a" in svc.view.nodes and svc.view.nodes["node-a"].outbox is not None):
+                assert asyncio.get_running_loop().time() < deadline, "no session"
+                await asyncio.sleep(0.1)
+            real = svc.journal.state.leader_term
+            svc.journal.state.leader_term = (1 << 63) - 1  # what the forger stamps
+            forged = await svc.request("node-a", dpb.DriverMessage(pause=dpb.Pause()), 10)
+            assert not forged.ack.ok and "refused" in forged.ack.detail, forged
+            assert agent.term_seen == real
+            svc.journal.state.leader_term = real
+            ok = await svc.request("node-a", dpb.DriverMessage(pause=dpb.Pause()), 10)
+            assert "stale" not in ok.ack.detail, ok
             agent.stop.set()
             await asyncio.wait_for(run, 30)
 
