@@ -58,6 +58,7 @@ import grpc
 import structlog
 
 from unbroken.common import channel
+from unbroken.driver.detectors import node_id_problem
 from unbroken.driver.etcdclient import Keys
 from unbroken.driver.eventlog import (
     EventLog,
@@ -151,9 +152,10 @@ def caller_problem(caller: rpb.Caller) -> str:
             f"run_id {run_id[:128]!r} must be 1-128 printable characters without '/' "
             "(torchrun --rdzv-id)"
         )
-    if not node_id or len(node_id) > 256 or not node_id.isprintable():
+    if not node_id or len(node_id) > 256 or node_id_problem(node_id):
         return (
-            f"node_id {node_id[:256]!r} must be 1-256 printable characters "
+            f"node_id {node_id[:256]!r} must be 1-256 characters: "
+            f"{node_id_problem(node_id) or 'empty or too long'} "
             "(rdzv conf node_id=..., env UNBROKEN_NODE_ID, default the hostname)"
         )
     if len(caller.node_desc) > 512:

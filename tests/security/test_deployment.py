@@ -59,6 +59,7 @@ def test_certificates_tokens_driver_agent_operator_dashboard(tmp_path: Path) -> 
         assert stat.S_IMODE((pki / key).stat().st_mode) == 0o600, key
     viewer = "v-" + os.urandom(16).hex()
     (tmp_path / "viewer.tokens").write_text(viewer + "\n")
+    (tmp_path / "viewer.tokens").chmod(0o600)  # token files must be private
     port_file = tmp_path / "driver.json"
     tls = ["--tls-ca", str(pki / "ca.pem")]
     drv = subprocess.Popen(
