@@ -68,7 +68,7 @@ def test_up_hands_out_only_bound_node_tokens(tmp_path: Path) -> None:
 def _handler(addr: str, token_file: Path, node_id: str, run_id: str) -> Any:
     params = RendezvousParameters(
         "unbroken", addr, run_id, 1, 2, local_addr="127.0.0.1", node_id=node_id,
-        token_file=str(token_file), connect_timeout="20", retry_timeout="5",
+        token_file=str(token_file), connect_timeout="60", retry_timeout="30",
     )  # fmt: skip
     return rdzv.create_handler(params)
 
@@ -85,7 +85,10 @@ def test_torchrun_works_with_a_bound_token_and_only_as_its_node(tmp_path: Path) 
             f0, f1 = (cluster.node_token_file(n) for n in ("node-0", "node-1"))
             h0 = await asyncio.to_thread(_handler, addr, f0, "node-0", "run-b")
             h1 = await asyncio.to_thread(_handler, addr, f1, "node-1", "run-b")
-            assert h0._state_holder._backend._key == h1._state_holder._backend._key
+            k0, k1 = [
+                await asyncio.to_thread(lambda h=h: h._state_holder._backend._key) for h in (h0, h1)
+            ]
+            assert k0 == k1 and len(k0) == 32
             h0._state_holder.state.round = 4
             h0._state_holder.mark_dirty()
             assert await asyncio.to_thread(h0._state_holder.sync) is True

@@ -65,6 +65,7 @@ def _status(addr: str) -> dict:
     return json.loads(out.stdout)
 
 
+@pytest.mark.timeout(900)  # two agents training dp2 on 2 shared cores
 def test_a_full_checkpoint_disk_shows_in_status_and_metrics(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
