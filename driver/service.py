@@ -964,7 +964,8 @@ class DriverService(dgrpc.DriverServicer):
         steps = []
         for node_id, slot in self.view.nodes.items():
             if (ids is None or node_id in ids) and slot.alive:
-                step = max([w.step for w in slot.hb.workers] + list(slot.last_step.values()))
+                seen = [w.step for w in slot.hb.workers] + list(slot.last_step.values())
+                step = max(seen, default=0)
                 if step > 0:  # 0: its workers report no steps (nothing known)
                     steps.append(step)
         return commits_mod.reached_step(steps)
