@@ -42,6 +42,7 @@ import os
 import random
 import signal
 import socket
+import ssl
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -55,6 +56,7 @@ from unbroken.agent import checks, probes
 from unbroken.agent.flash import NodeFlash, NodeFlashConfig
 from unbroken.agent.hookserver import HookServer
 from unbroken.agent.metrics import AgentMetrics
+from unbroken.agent.peerid import PeerIdentityError, check_peer
 from unbroken.agent.relay import SILENT_S, Relay, RelayConfig, parse_relay
 from unbroken.agent.workers import Supervisor, WorkerSpec
 from unbroken.common import channel, workerenv
@@ -86,6 +88,10 @@ AGENT_VERSION = "0.1.0"
 # retries stay `election_retry_s` apart for this long, whichever endpoint refuses meanwhile
 # (the dead leader refuses the connection: that says nothing about the election).
 ELECTION_WINDOW_S = 10.0
+# How far above its registration's leader term a command's term may be: elections that
+# can complete while one session lasts (a registration answered just before the new
+# leader's LeaderElected is folded sees the previous term). Beyond it: forged.
+TERM_SLACK = 16
 F_EXITED = dpb.HEARTBEAT_FLAG_WORKER_EXITED
 F_ALERTS = dpb.HEARTBEAT_FLAG_LOG_ALERTS
 F_STALLED = dpb.HEARTBEAT_FLAG_STALLED
@@ -327,6 +333,7 @@ class Agent:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._metadata = self._token_md()
         self.term_seen = 0  # the newest leader term a command came with (older ones dropped)
+        self.session_term = 0  # the leader term our registration was answered under
         self.relay: Relay | None = None
         if config.relay_listen:
             self.relay = Relay(
@@ -449,6 +456,8 @@ class Agent:
                 md = self._metadata
                 if via is not None:
                     md = (*md, (channel.RELAY_KEY, via[0]))
+                if self.config.tls.enabled:  # the driver's principal, not any of its CA's
+                    await asyncio.to_thread(check_peer, target, self.config.tls, role="driver")
                 resp = await stub.Register(
                     request,
                     timeout=self.config.register_timeout_s,
@@ -458,6 +467,7 @@ class Agent:
                 last_ok = time.monotonic()
                 backoff = self.config.backoff_base_s
                 self._electing_until = 0.0
+                self.session_term = resp.leader_term
                 self.interval_s = resp.heartbeat_interval_ms / 1000.0 or self.interval_s
                 log.info(
                     "registered",
@@ -471,6 +481,15 @@ class Agent:
                     self.relay.interval_s = self.interval_s
                     self.relay.miss_limit = resp.miss_limit or 3
                 if via is not None:
+                    if self.config.tls.enabled:  # the relay is the node it was named as
+                        try:
+                            await asyncio.to_thread(
+                                check_peer, via[1], self.config.tls, role="node", name=via[0]
+                            )
+                        except (PeerIdentityError, OSError, ssl.SSLError) as e:
+                            log.error("relay refused; going to the driver directly", error=str(e))
+                            self._relay_down = True
+                            continue
                     if await self._relayed_session(via):
                         continue  # the relay failed us: straight to the driver, no backoff
                 else:
@@ -480,6 +499,12 @@ class Agent:
                 self._on_rpc_error(e, target)
                 if "declared lost" in (e.details() or ""):
                     await self._fence()
+            except PeerIdentityError as e:
+                log.error("not our driver", error=str(e))
+                self.current += 1
+            except (OSError, ssl.SSLError) as e:
+                log.warning("driver unreachable", driver=target, error=str(e))
+                self.current += 1
             finally:
                 await ch.close(grace=None)
             if self.stop.is_set():
@@ -700,6 +725,9 @@ class Agent:
             hb.workers.extend(sup.statuses(now))
             if self.flash is not None:  # the steps each rank can restore from memory
                 self.flash.starved(now)
+                hb.persist_error, hb.persist_failures, hb.persist_failing_s = (
+                    self.flash.persist_health()
+                )
                 for w in hb.workers:
                     if w.global_rank >= 0:
                         w.ring_steps.extend(self.flash.ring_steps(w.global_rank))
@@ -755,6 +783,28 @@ class Agent:
         kind = msg.WhichOneof("kind")
         cid = msg.command_id
         log.info("command", kind=kind, command_id=cid, term=msg.term)
+        if msg.term > self.session_term + TERM_SLACK:
+            # a term no election of this session can have made: never adopted, so it
+            # cannot make every later command of the real leader look stale
+            log.error(
+                "command with an implausible leader term refused",
+                term=msg.term,
+                session_term=self.session_term,
+            )
+            with contextlib.suppress(Exception):
+                await self._write(
+                    call,
+                    dpb.AgentMessage(
+                        ack=dpb.CommandAck(
+                            command_id=cid,
+                            ok=False,
+                            detail=f"leader term {msg.term} is more than {TERM_SLACK} above "
+                            f"the term {self.session_term} this session registered under: "
+                            "refused",
+                        )
+                    ),
+                )
+            return
         if msg.term < self.term_seen:
             log.warning(
                 "command of an older leader term dropped", term=msg.term, newest=self.term_seen

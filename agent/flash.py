@@ -282,6 +282,9 @@ class NodeFlash:
         self.prefault_s = 0.0  # the last pre-fault of freshly allocated rings (`prepare`)
         self.prefault_done = threading.Event()
         self.prefault_done.set()
+        self.persist_error = ""  # the persister's last error, until a shard persists again
+        self.persist_failures = 0  # failed writes in a row
+        self.persist_failing_since = 0.0  # monotonic time of the first of them
         self.persisted_count = 0  # shards persisted and verified (metrics)
         self.persisted_bytes = 0
         # when the flash thread last finished a ring scan (monotonic; None: not yet), and
@@ -345,8 +348,23 @@ class NodeFlash:
         self.persister = Persister(
             PersistConfig(url=self.config.persist_url),
             self._on_persisted,
+            self._on_persist_error,
         )
         self._task = asyncio.create_task(self._loop())
+
+    def _on_persist_error(self, rank_dir: Path, e: Exception) -> None:
+        """Persister thread: a write failed (storage full, permission denied, ...); the
+        heartbeats carry it to the driver until a shard persists again."""
+        if not self.persist_failures:
+            self.persist_failing_since = time.monotonic()
+        self.persist_failures += 1
+        self.persist_error = f"{type(e).__name__}: {e}"[:500]
+
+    def persist_health(self) -> tuple[str, int, float]:
+        """(the last persist error or "", failures in a row, seconds failing)."""
+        since = self.persist_failing_since
+        failing = time.monotonic() - since if self.persist_failures and since else 0.0
+        return self.persist_error, self.persist_failures, failing
 
     def _on_persisted(self, p: Persisted) -> None:
         """Persister thread: record it for the driver's report.
@@ -354,6 +372,7 @@ class NodeFlash:
         Retention is the driver's (a `Retention` command, decided from the log): the agent
         never deletes a persisted step on its own, so it cannot delete a rollback target.
         """
+        self.persist_error, self.persist_failures = "", 0
         self.persisted.append(p)
         del self.persisted[:-64]
         self.persisted_count += 1
@@ -361,12 +380,28 @@ class NodeFlash:
         self.reports.append(p)
 
     def retain(self, keep_steps: list[int], below: int) -> list[int]:
-        """Apply the driver's retention: delete persisted steps under `below` not kept."""
+        """Apply the driver's retention: delete persisted steps under `below` not kept.
+
+        Raises:
+            ValueError: the retention would delete every persisted step (it keeps none of
+                them: a commit nobody here made, or a driver that is not ours); refused,
+                nothing deleted, and the refusal goes back to the driver in the ack.
+        """
         try:
-            gone = delete_steps(
-                self.config.persist_url,
-                deletable(list_persisted(self.config.persist_url), keep_steps, below),
-            )
+            have = list_persisted(self.config.persist_url)
+            doomed = deletable(have, keep_steps, below)
+            if have and len(doomed) == len(have):
+                log.warning(
+                    "flash.retention_refused",
+                    persisted=sorted(have)[-8:],
+                    kept=sorted(keep_steps)[-8:],
+                    below=below,
+                )
+                raise ValueError(
+                    f"retention refused: it would delete every persisted step "
+                    f"(newest {max(have)}), keeping {sorted(keep_steps)[-8:]} below {below}"
+                )
+            gone = delete_steps(self.config.persist_url, doomed)
         except OSError as e:
             log.warning("flash.retention_failed", error=str(e))
             return []

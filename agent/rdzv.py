@@ -114,7 +114,7 @@ class RdzvClientConfig:
     rpc_timeout_s: float = 10.0  # deadline of one call (plus its wait, for store waits)
     retry_timeout_s: float = 60.0  # keep retrying an unreachable driver this long
     connect_timeout_s: float = 15.0  # the first contact, when the handler is created
-    key_file: str | None = None  # the rendezvous state's key (else env, else the token)
+    key_file: str | None = None  # the rendezvous state's key (else env, else the driver's)
     state_key: bytes = b""  # seals the rendezvous state (default: rdzvauth.rdzv_key)
 
     def __post_init__(self) -> None:
@@ -148,7 +148,7 @@ class RdzvClientConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.state_key:
             conf = {"key_file": self.key_file} if self.key_file else {}
-            self.state_key = rdzv_key(conf, self.token, self.run_id)
+            self.state_key = rdzv_key(conf, self.run_id)  # b"": the driver's (GetKey)
 
     @property
     def endpoints(self) -> list[str]:
@@ -306,6 +306,10 @@ class DriverClient:
                         f"the unbroken driver at {where} refused our credentials ({details}); "
                         f"set {TOKEN_ENV} or --rdzv-conf token_file=PATH to the driver's token"
                     ) from None
+                if code == grpc.StatusCode.PERMISSION_DENIED:
+                    raise RendezvousConnectionError(
+                        f"the unbroken driver at {where} refused {method}: {details}"
+                    ) from None
                 if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL):
                     raise RendezvousStateError(
                         f"the unbroken driver at {where} refused {method}: {details}"
@@ -362,7 +366,18 @@ class DriverRendezvousBackend(RendezvousBackend):
 
     def __init__(self, client: DriverClient) -> None:
         self.client = client
-        self._key = client.config.state_key
+        self._state_key = client.config.state_key  # b"": asked of the driver at first use
+
+    @property
+    def _key(self) -> bytes:
+        """The run's state key: configured, else the driver's (`GetKey`, asked once)."""
+        if not self._state_key:
+            c = self.client
+            resp = c.call("GetKey", c._rpb.GetKeyRequest(), budget_s=c.config.connect_timeout_s)
+            if len(resp.key) < 16:
+                raise RendezvousStateError(f"the driver at {c.endpoint} sent no rendezvous key")
+            self._state_key = bytes(resp.key)
+        return self._state_key
 
     @property
     def name(self) -> str:

@@ -9,9 +9,11 @@ root on every node). Two locks, both always on:
 1. **A MAC per state.** The backend seals each state it writes:
    `MAGIC || HMAC-SHA256(key, MAGIC || run_id || 0x00 || pickle) || pickle`, and opens each
    state it reads by checking the MAC (constant-time) before looking at a byte of the
-   pickle. The key is shared by the run's torchrun agents and by nobody else (see
-   `rdzv_key`); the driver stores the sealed bytes without being able to forge them. The
-   run id is inside the MAC, so a state of one run cannot be replayed into another.
+   pickle. The key is shared by the run's torchrun agents (see `rdzv_key`): configured on
+   every node, or, when none is, handed by the driver to any node credential of the job
+   (then the driver, trusted anyway, could forge a state; without a configured key it
+   merely stores the sealed bytes). The run id is inside the MAC, so a state of one run
+   cannot be replayed into another.
 2. **A restricted unpickler.** Even a state with a good MAC is first loaded by
    `StateUnpickler`, which resolves only the globals a `_RendezvousState` needs
    (`ALLOWED`), and is then checked field by field; only then are the bytes given to torch,
@@ -74,16 +76,18 @@ class StateUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def rdzv_key(params: Mapping[str, Any], token: str | None, run_id: str) -> bytes:
-    """The key that seals a run's rendezvous states, from configuration.
+def rdzv_key(params: Mapping[str, Any], run_id: str) -> bytes:
+    """The key that seals a run's rendezvous states, from configuration (b"": none given).
 
     In order: rdzv conf `key_file=PATH`, env `UNBROKEN_RDZV_KEY_FILE`, env
-    `UNBROKEN_RDZV_KEY`; else, derived from the driver token (`HMAC(token, ...)`), which
-    every node of a job given one shared token holds. Never from argv alone.
+    `UNBROKEN_RDZV_KEY`. Never from argv alone. With none, the agent asks the driver for
+    the run's key (`GetKey`), with its own credential: a node token bound to one node
+    works, since the key no longer comes from a token every node must share.
 
     Raises:
-        ValueError: no key can be found, a key file is missing, or the key is too short.
+        ValueError: a key file is missing, or the key is too short.
     """
+    del run_id  # one configured key seals every run (the run id is inside each MAC)
     path = params.get("key_file") or os.environ.get(KEY_FILE_ENV)
     if path:
         p = Path(str(path))
@@ -93,15 +97,8 @@ def rdzv_key(params: Mapping[str, Any], token: str | None, run_id: str) -> bytes
         where = f"key file {path}"
     elif os.environ.get(KEY_ENV):
         raw, where = os.environ[KEY_ENV].strip().encode(), KEY_ENV
-    elif token:
-        return hmac.new(token.encode(), b"unbroken-rdzv-key-v1", hashlib.sha256).digest()
     else:
-        raise ValueError(
-            "the rendezvous state is authenticated with a per-job key and none is configured: "
-            f"set {KEY_ENV} (or {KEY_FILE_ENV}, or --rdzv-conf key_file=PATH) to the same "
-            "secret on every node, or give the driver token (UNBROKEN_TOKEN / token_file), "
-            "from which it is derived"
-        )
+        return b""
     if len(raw) < MIN_KEY_BYTES:
         raise ValueError(f"the rendezvous key ({where}) must be at least {MIN_KEY_BYTES} bytes")
     return raw

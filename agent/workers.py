@@ -49,7 +49,7 @@ import shutil
 import signal
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -208,6 +208,26 @@ class WorkerSpec:
         return shlex.split(cmd)
 
 
+# The agent's own credentials: its driver token, the job's replica and rendezvous keys
+# (and the files that hold them). Workers run the user's code and never need them; a
+# worker (or anything it runs) that read them could act as this node.
+NODE_SECRETS = frozenset(
+    {
+        "UNBROKEN_TOKEN",
+        "UNBROKEN_TOKEN_FILE",
+        "UNBROKEN_REPLICA_KEY",
+        "UNBROKEN_REPLICA_KEY_FILE",
+        "UNBROKEN_RDZV_KEY",
+        "UNBROKEN_RDZV_KEY_FILE",
+    }
+)
+
+
+def worker_base_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The agent's environment as a worker inherits it: everything but `NODE_SECRETS`."""
+    return {k: v for k, v in environ.items() if k not in NODE_SECRETS}
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerLaunch:
     """One start of the node's workers: what runs, in which world, with which environment.
@@ -285,8 +305,9 @@ class WorkerLaunch:
         return range(self.rank_base, self.rank_base + nproc)
 
     def environ(self, spec: WorkerSpec, local_rank: int, socket_path: str) -> dict[str, str]:
-        """The full environment of one local rank (torchrun's variables and ours)."""
-        env = dict(os.environ)
+        """The full environment of one local rank (torchrun's variables and ours), without
+        the agent's own credentials (`NODE_SECRETS`)."""
+        env = worker_base_env(os.environ)
         env.update(self.env)
         env.update(
             {

@@ -452,20 +452,41 @@ class LocalCluster:
         return [getattr(e, kind) for e in self.events() if e.WhichOneof("payload") == kind]
 
     # ------------------------------------------------------------ roles and tokens
-    def make_tokens(self) -> list[str]:
+    def make_tokens(self, nodes: Sequence[str] = ()) -> list[str]:
         """One fresh token per role in <run>/tokens/ (0600), as a secured cluster runs;
-        the driver flags that accept them."""
+        the driver flags that accept them.
+
+        With `nodes`, node tokens are bound: one per node (`node_token_file(node)`), each
+        listed in the driver's node.tokens with the one node id it may act as, so a node's
+        token cannot open a session as another node. Without, one shared node token (any
+        node id: for tests that start nodes of their own)."""
         d = self.run / "tokens"
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
         flags = []
+
+        def write(path: Path, text: str) -> None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+
         for role in TOKEN_ROLES:
             token = self.tokens[role] = secrets.token_hex(24)
-            for path in (d / f"{role}.tokens", d / f"{role}.token"):
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                with os.fdopen(fd, "w") as f:
-                    f.write(token + "\n")
+            if role == "node" and nodes:
+                lines = []
+                for node in nodes:
+                    bound = self.tokens[f"node:{node}"] = secrets.token_hex(24)
+                    write(self.node_token_file(node), bound + "\n")
+                    lines.append(f"{bound} {node}\n")
+                write(d / "node.tokens", "".join(lines))
+            else:
+                for path in (d / f"{role}.tokens", d / f"{role}.token"):
+                    write(path, token + "\n")
             flags += ["--token-file", f"{role}={d / f'{role}.tokens'}"]
         return flags
+
+    def node_token_file(self, node: str) -> Path:
+        """The file holding `node`'s own bound token (`make_tokens(nodes)`)."""
+        return self.run / "tokens" / f"node-{node}.token"
 
     def metadata(self, role: str = "operator") -> tuple[tuple[str, str], ...]:
         """Call metadata with this run's token of `role` (none: an open cluster)."""

@@ -45,6 +45,22 @@ def persistence_line(st: dpb.GetStatusResponse) -> str:
     )
 
 
+def commit_line(st: dpb.GetStatusResponse) -> str:
+    """`step 1200, 41 s ago`, or that none was committed yet."""
+    if st.newest_commit_age_s < 0:
+        return "none yet"
+    return f"step {st.newest_commit_step}, {st.newest_commit_age_s:.0f} s ago"
+
+
+def persist_failing_lines(st: dpb.GetStatusResponse) -> list[str]:
+    """One line per node whose persistence fails: `node-1: 7 writes failed in a row for
+    42 s: OSError: [Errno 28] No space left on device`."""
+    return [
+        f"{f.node_id}: {f.failures} writes failed in a row for {f.failing_s:.0f} s: {f.error}"
+        for f in st.persist_failing
+    ]
+
+
 def run(ns: argparse.Namespace) -> int:
     """`unbroken status`; exit 0, or 3 when the driver is unreachable."""
 
@@ -77,6 +93,9 @@ def run(ns: argparse.Namespace) -> int:
         )
         t.add_row("goodput", goodput_line(st))
         t.add_row("persistence", persistence_line(st))
+        t.add_row("newest commit", commit_line(st))
+        for line in persist_failing_lines(st):
+            t.add_row("[bold red]PERSIST FAILING[/]", escape(line))
         t.add_row("last event", f"seq {st.last_seq}")
         t.add_row("incident", escape(st.incident_id or "none"))
         t.add_row(

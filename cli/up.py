@@ -237,7 +237,9 @@ async def _main(c: LocalCluster, cfg: UpConfig) -> int:
     c.start()
     console.print(f"[bold]etcd[/] up at {c.endpoint} ({time.monotonic() - t0:.1f} s)")
     names = ["driver-a", "driver-b"] if cfg.standby else ["driver-a"]
-    token_flags = c.make_tokens()  # role tokens, as a secured deployment runs
+    names_of = [f"node-{i}" for i in range(cfg.nodes)] + [f"spare-{i}" for i in range(cfg.spares)]
+    # role tokens, as a secured deployment runs; each node's token is bound to its node id
+    token_flags = c.make_tokens(names_of)
     worker_cmd = (
         f"{sys.executable} -m unbroken.trainer.run --preset {cfg.preset} --dp {cfg.dp} "
         f"--pp {cfg.pp} --tp {cfg.tp} --steps {cfg.steps} --log-every 10"
@@ -266,7 +268,6 @@ async def _main(c: LocalCluster, cfg: UpConfig) -> int:
         if info.get("dashboard_port"):
             url = f"http://127.0.0.1:{info['dashboard_port']}/?token={c.tokens['viewer']}"
             console.print(f"  dashboard: {url}")
-    names_of = [f"node-{i}" for i in range(cfg.nodes)] + [f"spare-{i}" for i in range(cfg.spares)]
     # the job's replica key: the buddy stream is HMAC-authenticated (no TLS in a local demo)
     key_file = c.run / "replica.key"
     fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -283,7 +284,7 @@ async def _main(c: LocalCluster, cfg: UpConfig) -> int:
                 "--flash-job", c.run.resolve().name,
                 "--replica-key-file", str(key_file),
                 "--hang-floor-ms", str(cfg.hang_floor_s * 1000.0),
-                "--token-file", str(c.run / "tokens" / "node.token"),
+                "--token-file", str(c.node_token_file(node)),
             ],
             buddy=names_of[(i + 1) % cfg.nodes] if i < cfg.nodes else names_of[0],
             spare=i >= cfg.nodes,

@@ -98,6 +98,20 @@ def channel_credentials_from(
     )
 
 
+def check_private(path: Path, what: str) -> None:
+    """Refuse a secret file that group or other users may read or write.
+
+    Raises:
+        ValueError: its mode lets others in (the message says to chmod 600).
+    """
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise ValueError(
+            f"{what} {str(path)!r} is open to other users (mode {mode:04o}): a token anyone "
+            f"on the host can read is anyone's. Run `chmod 600 {path}`"
+        )
+
+
 def read_token(
     token: str | None, token_file: str | None, *, argv_token: str | None = None
 ) -> str | None:
@@ -109,8 +123,9 @@ def read_token(
     lines and `#` comments are skipped; the first word of the first other line is the token.
 
     Raises:
-        ValueError: a token was given on the command line, the file is missing or holds no
-            token, or the token is shorter than `MIN_TOKEN` characters.
+        ValueError: a token was given on the command line, the file is missing, open to
+            other users or holds no token, or the token is shorter than `MIN_TOKEN`
+            characters.
     """
     if argv_token is not None:
         raise ValueError(
@@ -121,6 +136,7 @@ def read_token(
         p = Path(token_file)
         if not p.is_file():
             raise ValueError(f"token file {token_file!r} does not exist (no such file)")
+        check_private(p, "token file")
         words = [
             ln.split()[0]
             for ln in p.read_text().splitlines()

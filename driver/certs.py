@@ -8,7 +8,7 @@ which role it has. `principal_of_san` reads it back on the server side, from wha
 
     unbroken certs ca --dir pki                      # pki/ca.pem, pki/ca.key (0600)
     unbroken certs issue --dir pki driver:main --host driver.example --host 10.0.0.5
-    unbroken certs issue --dir pki node:gpu-017      # pki/node-gpu-017.{crt,key}
+    unbroken certs issue --dir pki node:gpu-017      # pki/node-gpu-017.{crt,key}, no host
     unbroken certs issue --dir pki operator:alice
 
 Keys are ECDSA P-256; files are written 0600 (keys) and 0644 (certificates). For a
@@ -33,6 +33,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 ROLES = ("node", "operator", "launcher", "driver", "viewer")
+SERVING_ROLES = ("driver", "node")  # a node serves its replica port (and a relay)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -121,16 +122,30 @@ def issue(
     directory: str | Path,
     principal: str,
     *,
-    hosts: Sequence[str] = ("localhost", "127.0.0.1"),
+    hosts: Sequence[str] | None = None,
     days: int = 365,
 ) -> tuple[Path, Path]:
     """Issue a certificate for `principal`, signed by the CA in `directory`.
 
-    The certificate carries the principal as a SAN URI, and `hosts` as DNS/IP SANs so the
-    same certificate serves (driver, replica server) and is presented as a client (agent,
-    operator). Returns (certificate, key) paths, named after the principal.
+    The certificate carries the principal as a SAN URI and only what its role needs:
+    a driver's also `hosts` as DNS/IP SANs (default localhost and 127.0.0.1) and both
+    serverAuth and clientAuth (standbys call the leader); a node's serverAuth for its
+    replica server and relay (peers check its principal, not a host name) and host names
+    only when given; an operator's, launcher's or viewer's clientAuth alone and no host
+    name, so none of them can serve as a driver. Returns (certificate, key) paths, named
+    after the principal.
+
+    Raises:
+        ValueError: a bad principal, no CA, or host names for a role that never serves.
     """
     role, name = parse_principal(principal)
+    if hosts is None:
+        hosts = ("localhost", "127.0.0.1") if role == "driver" else ()
+    if hosts and role not in SERVING_ROLES:
+        raise ValueError(
+            f"a {role} certificate serves nothing: --host is for driver (and node) "
+            "certificates only (a host name would let it pass as a server)"
+        )
     d = Path(directory)
     try:
         ca_key = serialization.load_pem_private_key((d / "ca.key").read_bytes(), None)
@@ -159,6 +174,8 @@ def issue(
         .add_extension(
             x509.ExtendedKeyUsage(
                 [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+                if role in SERVING_ROLES
+                else [ExtendedKeyUsageOID.CLIENT_AUTH]
             ),
             critical=False,
         )
@@ -186,7 +203,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--host",
         action="append",
         default=None,
-        help="a DNS name or IP the holder serves on (repeat; default localhost and 127.0.0.1)",
+        help="a DNS name or IP the holder serves on (repeat; driver certificates only, "
+        "default localhost and 127.0.0.1; a node's only for a relay)",
     )
     iss.add_argument("--days", type=int, default=365)
 
@@ -203,9 +221,7 @@ def run(args: argparse.Namespace) -> int:
                 return 2
             print(make_ca(args.dir, days=args.days))
             return 0
-        crt, key = issue(
-            args.dir, args.principal, hosts=args.host or ("localhost", "127.0.0.1"), days=args.days
-        )
+        crt, key = issue(args.dir, args.principal, hosts=args.host, days=args.days)
         print(f"{crt}\n{key}")
         return 0
     except (ValueError, OSError) as e:

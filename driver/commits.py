@@ -158,3 +158,41 @@ def _problem(msg: dpb.ShardPersisted) -> str:
     if not msg.uri:
         return "empty shard uri"
     return ""
+
+
+def rank_slice_problem(
+    node_id: str, members: list[str], world_size: int, rank: int, what: str
+) -> str:
+    """Why `node_id` may not report `rank` of a world of `world_size` whose nodes, in rank
+    order, are `members` each holding the same number of ranks ("" when it may)."""
+    if node_id not in members:
+        return f"node {node_id!r} is not a node of {what}"
+    n = len(members)
+    if world_size % n:
+        return f"world size {world_size} is not a multiple of the {n} nodes of {what}"
+    per = world_size // n
+    first = members.index(node_id) * per
+    if not first <= rank < first + per:
+        return f"rank {rank} is not one of its ranks [{first}, {first + per}) in {what}"
+    return ""
+
+
+def round_members(participants: list[str]) -> list[str] | None:
+    """The unbroken node ids of a rendezvous round's participants (`node_id@descriptor`),
+    in rank order; None when the driver did not know every participant's node id."""
+    ids = [p.split("@", 1)[0] for p in participants if "@" in p]
+    return ids if ids and len(ids) == len(participants) else None
+
+
+def low_median(values: list[float]) -> float:
+    """The lower median: one of two values cannot raise it, so no single node moves a
+    policy input that every node of the world reports."""
+    if not values:
+        return 0.0
+    return sorted(values)[(len(values) - 1) // 2]
+
+
+def reached_step(steps: list[int]) -> int | None:
+    """The newest step the live world reached by its nodes' own word (each node's highest
+    step seen), as the lower median: one node's inflated step cannot raise it."""
+    return int(low_median([float(s) for s in steps])) if steps else None

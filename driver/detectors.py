@@ -21,6 +21,7 @@ what comes out, so every rule is unit-tested without processes (tests/unit/test_
 from __future__ import annotations
 
 import math
+import string
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -271,6 +272,20 @@ def _refused(req: dpb.RegisterRequest, reason: str) -> ev.Event:
     )
 
 
+NODE_ID_CHARS = frozenset(string.ascii_letters + string.digits + "._-:")
+
+
+def node_id_problem(nid: str) -> str:
+    """Why `nid` is no node id ("" when it is): ASCII letters, digits and . _ - : only
+    (no look-alike letters of other scripts), not starting with '.' or '-' (a node id
+    becomes a file name and a command-line word: `-rf`, `..`)."""
+    if not all(c in NODE_ID_CHARS for c in nid):
+        return f"node_id {nid[:40]!r} may contain only ASCII letters, digits and . _ - :"
+    if nid[:1] in (".", "-"):
+        return f"node_id {nid[:40]!r} must not start with '.' or '-'"
+    return ""
+
+
 def validate_register(req: dpb.RegisterRequest) -> str:
     """What is wrong with a registration request ("" when it is fine)."""
     nid = req.node_id
@@ -278,8 +293,9 @@ def validate_register(req: dpb.RegisterRequest) -> str:
         return "node_id is empty; pass --node-id (default: the hostname)"
     if len(nid) > 128:
         return f"node_id is {len(nid)} characters; at most 128 are allowed"
-    if not all(c.isalnum() or c in "._-:" for c in nid):
-        return f"node_id {nid[:40]!r} may contain only letters, digits and . _ - :"
+    problem = node_id_problem(nid)
+    if problem:
+        return problem
     if req.epoch == 0:
         return "epoch must be > 0 (the agent's start time in ns)"
     for name in ("hostname", "ip", "pod_name", "agent_version", "replica_buddy", "replica_listen"):

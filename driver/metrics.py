@@ -103,6 +103,16 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "unbroken_checkpoints_committed_total": ("counter", (), "CheckpointCommitted events"),
     "unbroken_node_alive": ("gauge", ("node",), "1 while the node heartbeats, 0 once lost"),
     "unbroken_node_silent_seconds": ("gauge", ("node",), "Time since the node's last heartbeat"),
+    "unbroken_node_persist_failures": (
+        "gauge",
+        ("node",),
+        "Persist writes failed in a row on the node (0: its last one succeeded)",
+    ),
+    "unbroken_newest_commit_age_seconds": (
+        "gauge",
+        (),
+        "Seconds since the newest CheckpointCommitted (absent before the first)",
+    ),
 }
 # Per-worker series come from each agent's own endpoint (agent/metrics.py AGENT_METRICS),
 # not from the driver: at 10,000 nodes x 8 workers the driver would build ~320k series per
@@ -147,6 +157,11 @@ class _LiveCollector(Collector):
         for p in PHASES:
             g.add_metric([p], 1.0 if p == name else 0.0)
         yield g
+        if v.get("newest_commit_age_s", -1.0) >= 0:
+            name = "unbroken_newest_commit_age_seconds"
+            g = GaugeMetricFamily(name, METRICS[name][2])
+            g.add_metric([], v["newest_commit_age_s"])
+            yield g
         if "persist_every_s" in v:
             name = "unbroken_persist_interval_seconds"
             g = GaugeMetricFamily(name, METRICS[name][2])
@@ -185,10 +200,13 @@ class _ViewCollector(Collector):
             METRICS["unbroken_node_silent_seconds"][2],
             labels=["node"],
         )
+        name = "unbroken_node_persist_failures"
+        failing = GaugeMetricFamily(name, METRICS[name][2], labels=["node"])
         for s in slots:
             alive.add_metric([s.node_id], 1.0 if s.alive else 0.0)
             silent.add_metric([s.node_id], max(0.0, now - s.last_seen) if s.last_seen else 0.0)
-        yield from (alive, silent)
+            failing.add_metric([s.node_id], float(s.hb.persist_failures if s.alive else 0))
+        yield from (alive, silent, failing)
 
 
 class DriverMetrics(Endpoint):

@@ -201,6 +201,8 @@ class OperatorApi:
         st.leader_address = self._lead.address
         st.diagnosis_running = self.diagnosis_running
         st.persist_every_s, st.persist_cost_s, st.storage_mtbf_s = self._cmd.persistence()
+        st.persist_failing.extend(self._cmd.persist_failing())
+        st.newest_commit_step, st.newest_commit_age_s = self._cmd.newest_commit()
         return st
 
     async def ListNodes(

@@ -46,6 +46,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hashlib
+import hmac
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -55,6 +58,7 @@ import grpc
 import structlog
 
 from unbroken.common import channel
+from unbroken.driver.detectors import node_id_problem
 from unbroken.driver.etcdclient import Keys
 from unbroken.driver.eventlog import (
     EventLog,
@@ -63,6 +67,7 @@ from unbroken.driver.eventlog import (
     NotLeaderError,
 )
 from unbroken.driver.rendezvous_kv import KV, MemoryKV, UnknownOutcomeError, kv_for
+from unbroken.driver.security import caller as principal
 from unbroken.proto import events_pb2 as ev
 from unbroken.proto import rendezvous_pb2 as rpb
 from unbroken.proto import rendezvous_pb2_grpc as rgrpc
@@ -147,9 +152,10 @@ def caller_problem(caller: rpb.Caller) -> str:
             f"run_id {run_id[:128]!r} must be 1-128 printable characters without '/' "
             "(torchrun --rdzv-id)"
         )
-    if not node_id or len(node_id) > 256 or not node_id.isprintable():
+    if not node_id or len(node_id) > 256 or node_id_problem(node_id):
         return (
-            f"node_id {node_id[:256]!r} must be 1-256 printable characters "
+            f"node_id {node_id[:256]!r} must be 1-256 characters: "
+            f"{node_id_problem(node_id) or 'empty or too long'} "
             "(rdzv conf node_id=..., env UNBROKEN_NODE_ID, default the hostname)"
         )
     if len(caller.node_desc) > 512:
@@ -399,6 +405,14 @@ class RendezvousService(rgrpc.RendezvousServicer):
         problem = caller_problem(caller)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        who = principal()
+        if who.role == "node" and not who.is_node(caller.node_id):
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{who} may speak in the rendezvous only as node {who.name!r}, not as "
+                f"{caller.node_id[:256]!r} (set UNBROKEN_NODE_ID or rdzv conf node_id= to "
+                "the node id its credential names)",
+            )
         if caller.node_desc:
             self._remember(caller.node_desc, caller.node_id)
         why = await self._guard(context, lambda: self._evicted(elog, caller.node_id))
@@ -543,6 +557,28 @@ class RendezvousService(rgrpc.RendezvousServicer):
         if got is None:
             return rpb.GetStateResponse(found=False)
         return rpb.GetStateResponse(found=True, state=got[0], token=got[1])
+
+    async def GetKey(
+        self, request: rpb.GetKeyRequest, context: grpc.aio.ServicerContext
+    ) -> rpb.GetKeyResponse:
+        """The run's state key: HMAC(the job's secret, run_id). The secret is made once
+        (compare-and-set on a missing key), so every leader hands out the same keys."""
+        _, kv = await self._begin(request.caller, context)
+        where = Keys(self.driver.job_id).base + b"rdzv-secret"
+
+        async def body() -> bytes:
+            got = await kv.get(where)
+            if got is None:
+                _, stored, _ = await kv.cas(where, secrets.token_bytes(32), 0)
+                got = (stored, 0) if stored is not None else await kv.get(where)
+            if got is None or not got[0]:
+                raise ValueError("the job's rendezvous secret could not be stored")
+            return got[0]
+
+        secret = await self._guard(context, body)
+        run = request.caller.run_id.encode()
+        key = hmac.new(secret, b"rdzv-key\0" + run, hashlib.sha256).digest()
+        return rpb.GetKeyResponse(key=key)
 
     async def SetState(
         self, request: rpb.SetStateRequest, context: grpc.aio.ServicerContext

@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 
 from unbroken.common.serving import around, of_shape
-from unbroken.common.tls import MIN_TOKEN
+from unbroken.common.tls import MIN_TOKEN, check_private
 from unbroken.driver.certs import ROLES, parse_principal, principal_of_san
 
 OPEN_METHODS = ("/grpc.health.v1.Health/",)
@@ -92,6 +92,7 @@ AUTHZ: dict[str, frozenset[str]] = {
         _R + m: RENDEZVOUS
         for m in (
             "GetState",
+            "GetKey",
             "SetState",
             "StoreSet",
             "StoreGet",
@@ -166,6 +167,7 @@ class RoleTokens:
             p = Path(path)
             if not p.is_file():
                 raise ValueError(f"token file {path!r} (role {role}) does not exist")
+            check_private(p, f"token file (role {role})")
             entries.setdefault(role, []).extend(p.read_text().splitlines())
         return cls(entries)
 

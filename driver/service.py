@@ -38,6 +38,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from unbroken.common import channel
 from unbroken.common.serving import MalformedRequests
 from unbroken.common.tls import TlsConfig, server_credentials
+from unbroken.driver import commits as commits_mod
 from unbroken.driver import detectors
 from unbroken.driver import goodput as goodputlib
 from unbroken.driver import state as statelib
@@ -219,6 +220,9 @@ class DriverService(dgrpc.DriverServicer):
         self.handler = _Ring()
         self.listeners: list[Callable[[ev.Event], None]] = [self._on_appended]
         self.commits = Commits()
+        # the unbroken node ids of the newest torchrun round's participants, in rank order
+        # (None: no round seen, or one with a participant the rendezvous could not name)
+        self.rdzv_members: list[str] | None = None
         self.metrics = DriverMetrics(self._metric_values)
         self.metrics.watch(self.view, self.listeners, time.monotonic)
         self._tasks: list[asyncio.Task[None]] = []
@@ -629,6 +633,7 @@ class DriverService(dgrpc.DriverServicer):
             job_id=self.job_id,
             heartbeat_interval_ms=self.config.live.heartbeat_interval_ms,
             miss_limit=self.config.live.miss_limit,
+            leader_term=self.journal.state.leader_term if self.journal is not None else 0,
         )
 
     async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
@@ -868,22 +873,31 @@ class DriverService(dgrpc.DriverServicer):
     def _not_its_shard(self, node_id: str, msg: dpb.ShardPersisted) -> str:
         """Why `node_id` may not report this shard ("" when it may).
 
-        A node reports only its own ranks of the current world: in a world the driver laid
-        out, ranks [i * workers_per_node, (i + 1) * workers_per_node) of the i-th node; in a
-        world an outside launcher owns (torchrun), a rank belongs to the first node that
-        reported it at that world size.
+        A node reports only its own ranks of the current world. In a world the driver
+        laid out (or a launcher registered): ranks [i * workers_per_node, (i + 1) *
+        workers_per_node) of the i-th node, and a node outside it (a spare, a stranger)
+        reports nothing. In a torchrun world: the i-th participant of the newest
+        rendezvous round holds the i-th equal slice of the ranks, and a node outside the
+        round reports nothing. Only when neither is known (a launcher that told us
+        nothing) does a rank belong to the first node that reported it at that size.
         """
         journal = self.journal
         world = journal.state.world if journal is not None else None
-        if world is not None and node_id in world.node_ids and world.workers_per_node:
-            wpn = world.workers_per_node
-            size = len(world.node_ids) * wpn
+        if world is not None and world.node_ids and world.workers_per_node:
+            size = len(world.node_ids) * world.workers_per_node
             if msg.world_size != size:
                 return f"world size {msg.world_size} is not the current world's {size}"
-            first = list(world.node_ids).index(node_id) * wpn
-            if not first <= msg.rank < first + wpn:
-                return f"rank {msg.rank} is not one of its ranks [{first}, {first + wpn})"
-            return ""
+            return commits_mod.rank_slice_problem(
+                node_id, list(world.node_ids), size, msg.rank, "the current world"
+            )
+        if self.rdzv_members is not None:
+            return commits_mod.rank_slice_problem(
+                node_id,
+                self.rdzv_members,
+                msg.world_size,
+                msg.rank,
+                "the newest rendezvous round",
+            )
         return self.commits.claim(node_id, msg.world_size, msg.rank, self._can_report)
 
     def _can_report(self, node_id: str) -> bool:
@@ -899,6 +913,8 @@ class DriverService(dgrpc.DriverServicer):
         kind = event.WhichOneof("payload")
         if kind == "rollback":
             self.commits.rollback(event.rollback.to_step)
+        if kind == "rendezvous_round" and not event.rendezvous_round.closed:
+            self.rdzv_members = commits_mod.round_members(list(event.rendezvous_round.participants))
         if kind in ("checkpoint_committed", "rollback"):
             self._send_retention(event)
 
@@ -907,6 +923,9 @@ class DriverService(dgrpc.DriverServicer):
 
         The newest `keep_checkpoints` committed steps, the rollback target (pending or
         last), and the step the open incident restores; `below` is the newest commit.
+        A commit above the newest step the live world reached (by the lower median of
+        its nodes' heartbeats) is not believed: storage never loses a step the workers
+        could still need for a commit nobody's workers made.
         """
         journal = self.journal
         if journal is None:
@@ -915,6 +934,16 @@ class DriverService(dgrpc.DriverServicer):
         committed = [c.step for c in st.checkpoints]
         if event is not None and event.WhichOneof("payload") == "checkpoint_committed":
             committed.append(event.checkpoint_committed.step)
+        reached = self.reached_step()
+        if reached is not None:
+            beyond = [c for c in committed if c > reached]
+            if beyond:
+                log.warning(
+                    "retention ignores commits beyond the live world's step",
+                    reached=reached,
+                    commits=beyond[-8:],
+                )
+            committed = [c for c in committed if c <= reached]
         if not committed:
             return None
         protect = [st.restore_step, st.last_rollback_to]
@@ -924,6 +953,22 @@ class DriverService(dgrpc.DriverServicer):
             committed, self.config.keep_checkpoints, (p for p in protect if p)
         )
         return dpb.Retention(keep_steps=sorted(keep), below=max(committed))
+
+    def reached_step(self) -> int | None:
+        """The newest step the live world reached (None when no node of it said): the
+        lower median over its alive nodes (the current world's when there is one) of each
+        node's step (its workers' in its newest heartbeat, or higher ones seen before)."""
+        journal = self.journal
+        world = journal.state.world if journal is not None else None
+        ids = list(world.node_ids) if world is not None and world.node_ids else None
+        steps = []
+        for node_id, slot in self.view.nodes.items():
+            if (ids is None or node_id in ids) and slot.alive:
+                seen = [w.step for w in slot.hb.workers] + list(slot.last_step.values())
+                step = max(seen, default=0)
+                if step > 0:  # 0: its workers report no steps (nothing known)
+                    steps.append(step)
+        return commits_mod.reached_step(steps)
 
     def _send_retention(self, event: ev.Event) -> None:
         """Tell one connected agent per storage root to apply the retention."""
@@ -1126,7 +1171,30 @@ class DriverService(dgrpc.DriverServicer):
             **({"goodput": self.goodput(), "persist_every_s": self.persist_every_s()} if j else {}),
             "snapshots_too_large": getattr(j.log, "snapshots_too_large", 0) if j else 0,
             **({"phase": j.state.phase} if j else {}),
+            "newest_commit_age_s": self.newest_commit()[1],
         }
+
+    def newest_commit(self) -> tuple[int, float]:
+        """(the newest committed step, seconds since its commit event; -1 when none)."""
+        j = self.journal
+        if j is None or not j.state.checkpoints:
+            return 0, -1.0
+        c = j.state.checkpoints[-1]
+        wall = c.wall_time_unix_ns
+        return c.step, max(0.0, (time.time_ns() - wall) / 1e9) if wall else -1.0
+
+    def persist_failing(self) -> list[dpb.PersistFailure]:
+        """The alive nodes whose persister fails now (from their newest heartbeat)."""
+        return [
+            dpb.PersistFailure(
+                node_id=s.node_id,
+                error=s.hb.persist_error,
+                failures=s.hb.persist_failures,
+                failing_s=s.hb.persist_failing_s,
+            )
+            for s in list(self.view.nodes.values())
+            if s.alive and s.hb.persist_failures
+        ]
 
 
 def peer_host(peer: str) -> str:

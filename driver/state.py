@@ -196,7 +196,14 @@ def _checkpoint_committed(s: ev.JobState, e: ev.Event) -> None:
     if p.persist_s > 0 and math.isfinite(p.persist_s):
         a = PERSIST_COST_ALPHA if s.persist_cost_s else 1.0
         s.persist_cost_s += a * (p.persist_s - s.persist_cost_s)
-    s.checkpoints.add(step=p.step, uri=p.uri, bytes=p.bytes, seq=e.seq, world=p.world)
+    s.checkpoints.add(
+        step=p.step,
+        uri=p.uri,
+        bytes=p.bytes,
+        seq=e.seq,
+        world=p.world,
+        wall_time_unix_ns=e.wall_time_unix_ns,
+    )
     if len(s.checkpoints) > KEEP_CHECKPOINTS:
         del s.checkpoints[: len(s.checkpoints) - KEEP_CHECKPOINTS]
 

@@ -370,7 +370,9 @@ class CommitTracker:
             nbytes=sum(x.nbytes for x in by_rank.values()),
             ranks=self.world_size,
             checksum=f"{crc:08x}",
-            seconds=max(per_node.values()),
+            # The lower median over nodes, not the slowest: each node's write time is its
+            # own word, and one node must not set the job's persistence interval.
+            seconds=sorted(per_node.values())[(len(per_node) - 1) // 2],
         )
 
 

@@ -200,6 +200,7 @@ class DashCluster(LocalCluster):
         for role, token in (("viewer", TOKEN), ("node", NODE_TOKEN)):
             f = self.tmp / f"{role}.tokens"
             f.write_text(token + "\n")
+            f.chmod(0o600)  # token files must be private
             out += ["--token-file", f"{role}={f}"]
         return out
 

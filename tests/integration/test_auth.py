@@ -131,6 +131,7 @@ def test_agent_process_with_mtls_and_token(pki: dict[str, str], tmp_path: Path) 
         ):
             token_file = tmp_path / "token"
             token_file.write_text(TOKEN + "\n")
+            token_file.chmod(0o600)  # token files must be private
             args = [
                 sys.executable,
                 "-m",

@@ -75,6 +75,7 @@ async def _scenario(tmp: Path) -> None:
         assert json.loads(out)["job_id"] == "auth" and json.loads(out)["driver_id"] == "lead"
         token_file = tmp / "token"
         token_file.write_text(TOKEN + "\n")
+        token_file.chmod(0o600)  # token files must be private
         rc, out, err = await _cli("nodes", "--driver", lead, "--token-file", str(token_file))
         assert rc == 0 and "0 nodes" in out, err
         rc, _, err = await _cli("events", "--driver", lead, token="short")

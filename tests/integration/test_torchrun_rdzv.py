@@ -90,10 +90,13 @@ def driver(etcd_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     tokens = tmp / "node.tokens"
     tokens.write_text(TOKEN + "\n")
+    tokens.chmod(0o600)  # token files must be private
     viewers = tmp / "viewer.tokens"
     viewers.write_text(VIEWER + "\n")
+    viewers.chmod(0o600)  # token files must be private
     operators = tmp / "operator.tokens"
     operators.write_text(OPERATOR + "\n")
+    operators.chmod(0o600)  # token files must be private
     with open(tmp / "driver.log", "wb") as out:
         cmd = [
             *CLI, "driver", "--listen", "127.0.0.1:0", "--port-file", str(port_file),

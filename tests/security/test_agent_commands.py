@@ -116,6 +116,7 @@ def test_leader_redirect_to_an_unconfigured_host_is_not_followed(tmp_path: Path)
     t.start()
     token = tmp_path / "token"
     token.write_text("agent-secret-token-0123456789")
+    token.chmod(0o600)  # token files must be private
     try:
         cmd = [
             *CLI, "agent", "--driver", f"127.0.0.1:{port}", "--node-id", "node-a",
@@ -142,6 +143,7 @@ class _Status(grpc.Status):  # type: ignore[misc]
 def test_token_is_never_sent_in_cleartext_to_a_remote_driver(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("agent-secret-token-0123456789")
+    token.chmod(0o600)  # token files must be private
     cmd = [*CLI, "agent", "--driver", "10.255.0.1:50051", "--token-file", str(token)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=ENV)
     assert out.returncode == 2 and "cleartext" in out.stderr, out.stderr[-2000:]

@@ -50,7 +50,8 @@ def test_certificates_tokens_driver_agent_operator_dashboard(tmp_path: Path) -> 
     again = unbroken("certs", "ca", "--dir", str(pki))
     assert again.returncode == 2 and "refusing to overwrite" in again.stderr
     for who in ("driver:main", "node:gpu-017", "operator:alice"):
-        r = unbroken("certs", "issue", "--dir", str(pki), who, "--host", "127.0.0.1")
+        hosts = ["--host", "127.0.0.1"] if who.startswith("driver:") else []
+        r = unbroken("certs", "issue", "--dir", str(pki), who, *hosts)
         assert r.returncode == 0, r.stdout + r.stderr
     bad = unbroken("certs", "issue", "--dir", str(pki), "root")
     assert bad.returncode == 2 and "ROLE:NAME" in bad.stderr
@@ -58,6 +59,7 @@ def test_certificates_tokens_driver_agent_operator_dashboard(tmp_path: Path) -> 
         assert stat.S_IMODE((pki / key).stat().st_mode) == 0o600, key
     viewer = "v-" + os.urandom(16).hex()
     (tmp_path / "viewer.tokens").write_text(viewer + "\n")
+    (tmp_path / "viewer.tokens").chmod(0o600)  # token files must be private
     port_file = tmp_path / "driver.json"
     tls = ["--tls-ca", str(pki / "ca.pem")]
     drv = subprocess.Popen(

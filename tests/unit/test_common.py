@@ -85,10 +85,12 @@ def test_read_token_enforces_the_minimum_everywhere(tmp_path: Path) -> None:
         read_token(short, None)
     f = tmp_path / "t"
     f.write_text(f"# a comment\n\n{short} node-a\n")
+    f.chmod(0o600)  # token files must be private
     with pytest.raises(ValueError, match=f"{MIN_TOKEN} characters"):
         read_token(None, str(f))
     good = "y" * MIN_TOKEN
     f.write_text(f"# a comment\n{good} node-a\n")
+    f.chmod(0o600)  # token files must be private
     assert read_token("ignored-because-the-file-wins", str(f)) == good
     assert read_token(None, None) is None
     with pytest.raises(ValueError, match="does not exist"):

@@ -48,6 +48,7 @@ def _metrics() -> DriverMetrics:
             "phase": ev.PHASE_RUNNING,
             "goodput": Goodput(0.9, 100.0, {"node_lost": 10.0}),
             "persist_every_s": 182.0,
+            "newest_commit_age_s": 41.0,
         }
     )
     listeners: list[Any] = []

@@ -61,7 +61,8 @@ def test_add_to_a_non_integer_says_so() -> None:
         ("a/b", "n0", "without '/'"),
         ("x" * 129, "n0", "1-128"),
         ("job", "", "node_id"),
-        ("job", "bad\nid", "printable"),
+        ("job", "bad\nid", "ASCII letters"),
+        ("job", "-rf", "must not start"),
     ],
 )
 def test_caller_problem(run_id: str, node_id: str, problem: str) -> None:
