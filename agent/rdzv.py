@@ -25,11 +25,14 @@ every process that imports its rendezvous package, whatever the backend.
 rdzv conf keys (`--rdzv-conf k=v,...`), besides torch's join_timeout, last_call_timeout,
 close_timeout, heartbeat_timeout, keep_alive_interval, keep_alive_max_attempt:
 node_id, token_file, key_file, tls_cert, tls_key, tls_ca, rpc_timeout, retry_timeout,
-connect_timeout. Environment: UNBROKEN_NODE_ID, UNBROKEN_TOKEN, UNBROKEN_RDZV_KEY(_FILE).
+connect_timeout. Environment: UNBROKEN_NODE_ID, UNBROKEN_TOKEN; optionally
+UNBROKEN_RDZV_KEY(_FILE).
 
-The state torch pickles is sealed with an HMAC under the run's key and opened with a
+The state torch pickles is sealed with an HMAC under the job's key and opened with a
 restricted unpickler before torch sees it (agent/rdzvauth.py): a state written by anything
 but a torchrun agent holding the key is refused with RendezvousStateError, never unpickled.
+The key comes from the driver (GetKey, on the node's authenticated channel) unless the
+operator configured one, so torchrun needs nothing beyond the node's credential.
 """
 
 from __future__ import annotations
@@ -114,8 +117,8 @@ class RdzvClientConfig:
     rpc_timeout_s: float = 10.0  # deadline of one call (plus its wait, for store waits)
     retry_timeout_s: float = 60.0  # keep retrying an unreachable driver this long
     connect_timeout_s: float = 15.0  # the first contact, when the handler is created
-    key_file: str | None = None  # the rendezvous state's key (else env, else the token)
-    state_key: bytes = b""  # seals the rendezvous state (default: rdzvauth.rdzv_key)
+    key_file: str | None = None  # the rendezvous state's key (else env, else the driver's)
+    state_key: bytes = b""  # seals the rendezvous state (rdzvauth.rdzv_key, else GetKey)
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -146,9 +149,8 @@ class RdzvClientConfig:
         for name in ("rpc_timeout_s", "retry_timeout_s", "connect_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not self.state_key:
-            conf = {"key_file": self.key_file} if self.key_file else {}
-            self.state_key = rdzv_key(conf, self.token, self.run_id)
+        if not self.state_key:  # else the driver's (DriverClient.fetch_key)
+            self.state_key = rdzv_key({"key_file": self.key_file} if self.key_file else {}) or b""
 
     @property
     def endpoints(self) -> list[str]:
@@ -244,6 +246,18 @@ class DriverClient:
                 return
             i = self.endpoints.index(failed) if failed in self.endpoints else -1
             self._open(self.endpoints[(i + 1) % len(self.endpoints)])
+
+    def state_key(self) -> bytes:
+        """The key that seals the rendezvous state: the configured one, else the driver's."""
+        cfg = self.config
+        if not cfg.state_key:
+            resp = self.call("GetKey", self._rpb.GetKeyRequest(), budget_s=cfg.connect_timeout_s)
+            if len(resp.key) < 16:
+                raise RendezvousStateError(
+                    f"the unbroken driver at {self.endpoint} handed out no rendezvous key"
+                )
+            cfg.state_key = bytes(resp.key)
+        return cfg.state_key
 
     def caller(self) -> Any:
         return self._rpb.Caller(
@@ -362,7 +376,7 @@ class DriverRendezvousBackend(RendezvousBackend):
 
     def __init__(self, client: DriverClient) -> None:
         self.client = client
-        self._key = client.config.state_key
+        self._key = client.state_key()
 
     @property
     def name(self) -> str:
@@ -537,9 +551,9 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """
     config = config_from_params(params)
     client = DriverClient(config)
-    backend = DriverRendezvousBackend(client)
     # first contact: a clear error now rather than a rendezvous timeout later
     client.call("GetState", client._rpb.GetStateRequest(), budget_s=config.connect_timeout_s)
+    backend = DriverRendezvousBackend(client)
     handler = UnbrokenRendezvousHandler.from_backend(
         params.run_id,
         DriverStore(client),

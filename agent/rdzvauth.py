@@ -9,9 +9,12 @@ root on every node). Two locks, both always on:
 1. **A MAC per state.** The backend seals each state it writes:
    `MAGIC || HMAC-SHA256(key, MAGIC || run_id || 0x00 || pickle) || pickle`, and opens each
    state it reads by checking the MAC (constant-time) before looking at a byte of the
-   pickle. The key is shared by the run's torchrun agents and by nobody else (see
-   `rdzv_key`); the driver stores the sealed bytes without being able to forge them. The
-   run id is inside the MAC, so a state of one run cannot be replayed into another.
+   pickle. The key is shared by the job's torchrun agents: by default the driver makes it
+   and hands it to principals allowed to rendezvous (Rendezvous.GetKey), or the operator
+   gives every node the same one (`rdzv_key`). The MAC proves "a torchrun agent of this
+   job", so an unauthenticated writer of the stored state, or one with only etcd access and
+   a configured key, cannot forge a state. The run id is inside the MAC, so a state of one
+   run cannot be replayed into another.
 2. **A restricted unpickler.** Even a state with a good MAC is first loaded by
    `StateUnpickler`, which resolves only the globals a `_RendezvousState` needs
    (`ALLOWED`), and is then checked field by field; only then are the bytes given to torch,
@@ -74,15 +77,16 @@ class StateUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def rdzv_key(params: Mapping[str, Any], token: str | None, run_id: str) -> bytes:
-    """The key that seals a run's rendezvous states, from configuration.
+def rdzv_key(params: Mapping[str, Any]) -> bytes | None:
+    """The key the operator configured for the run's rendezvous states (None: none).
 
     In order: rdzv conf `key_file=PATH`, env `UNBROKEN_RDZV_KEY_FILE`, env
-    `UNBROKEN_RDZV_KEY`; else, derived from the driver token (`HMAC(token, ...)`), which
-    every node of a job given one shared token holds. Never from argv alone.
+    `UNBROKEN_RDZV_KEY`. Without one, the backend asks the driver for the job's key
+    (Rendezvous.GetKey, over the node's authenticated channel), so a node needs no secret
+    beyond its own credential. Never from argv alone.
 
     Raises:
-        ValueError: no key can be found, a key file is missing, or the key is too short.
+        ValueError: a key file is missing, or the key is too short.
     """
     path = params.get("key_file") or os.environ.get(KEY_FILE_ENV)
     if path:
@@ -93,15 +97,8 @@ def rdzv_key(params: Mapping[str, Any], token: str | None, run_id: str) -> bytes
         where = f"key file {path}"
     elif os.environ.get(KEY_ENV):
         raw, where = os.environ[KEY_ENV].strip().encode(), KEY_ENV
-    elif token:
-        return hmac.new(token.encode(), b"unbroken-rdzv-key-v1", hashlib.sha256).digest()
     else:
-        raise ValueError(
-            "the rendezvous state is authenticated with a per-job key and none is configured: "
-            f"set {KEY_ENV} (or {KEY_FILE_ENV}, or --rdzv-conf key_file=PATH) to the same "
-            "secret on every node, or give the driver token (UNBROKEN_TOKEN / token_file), "
-            "from which it is derived"
-        )
+        return None
     if len(raw) < MIN_KEY_BYTES:
         raise ValueError(f"the rendezvous key ({where}) must be at least {MIN_KEY_BYTES} bytes")
     return raw
@@ -132,7 +129,8 @@ def open_sealed(key: bytes, run_id: str, blob: bytes) -> bytes:
     if not hmac.compare_digest(mac, _mac(key, run_id, state)):
         raise StateAuthError(
             f"the rendezvous state of run {run_id!r} fails its MAC: it was forged or sealed "
-            f"with another key (every node needs the same {KEY_ENV}); refused, not unpickled"
+            f"with another key (every node needs the same key: leave {KEY_ENV} unset on "
+            "all of them, or set it on all); refused, not unpickled"
         )
     load_state(state)
     return state

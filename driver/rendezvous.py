@@ -11,6 +11,7 @@ Key layout (`etcdctl get --prefix /unbroken/<job>/rdzv/ --keys-only`):
 
     /unbroken/<job>/rdzv/<run_id>/state        torch's pickled rendezvous state (opaque)
     /unbroken/<job>/rdzv/<run_id>/kv/<key>     the run's c10d store, one key per key
+    /unbroken/<job>/rdzv-key                   the job's state key (GetKey), 32 random bytes
 
 The store stays small: once round r completes, the keys of earlier rounds are deleted
 (torch prefixes them `torch.rendezvous.<run_id>.<round>/`), and all of them once the
@@ -35,7 +36,12 @@ filled a 64 MiB etcd and stopped the event log). The usage is counted in memory,
 etcd once per leader term (`Quota`), and updated by every write, delete and sweep.
 
 The state itself is opaque here: torchrun agents seal it with an HMAC and open it with a
-restricted unpickler (agent/rdzvauth.py), so the driver neither can nor needs to check it.
+restricted unpickler (agent/rdzvauth.py), so the driver neither needs nor tries to check it.
+Unless the nodes were given a key of their own, the key is the driver's: GetKey makes one
+at random per job (create-if-absent, so every node and a later leader hand out the same
+one) and gives it only to principals allowed to rendezvous, over the same authenticated
+channel as every other call. That way `torchrun` needs no secret beyond the node's own
+credential (its certificate or token), and nodes with per-node tokens share one key.
 
 The stores are in driver/rendezvous_kv.py: `EtcdKV`, and in the in-memory event-log
 mode (`--event-log memory`) a `MemoryKV` (demos and tests; nothing survives the process).
@@ -46,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -70,6 +77,7 @@ from unbroken.proto import rendezvous_pb2_grpc as rgrpc
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = "unbroken.rendezvous.v1.Rendezvous"
+KEY_BYTES = 32  # the job's rendezvous state key (GetKey)
 T = TypeVar("T")
 
 
@@ -534,6 +542,22 @@ class RendezvousService(rgrpc.RendezvousServicer):
                 await asyncio.wait_for(changed.wait(), min(left, 1.0))
 
     # ------------------------------------------------------------ state
+    async def GetKey(
+        self, request: rpb.GetKeyRequest, context: grpc.aio.ServicerContext
+    ) -> rpb.GetKeyResponse:
+        _, kv = await self._begin(request.caller, context)
+        where = Keys(self.driver.job_id).base + b"rdzv-key"  # one per job: bounded
+
+        async def body() -> bytes:
+            got = await kv.get(where)
+            if got is not None:
+                return got[0]
+            _, value, _ = await kv.cas(where, secrets.token_bytes(KEY_BYTES), 0)
+            assert value is not None  # landed, or another call's key is stored
+            return value
+
+        return rpb.GetKeyResponse(key=await self._guard(context, body))
+
     async def GetState(
         self, request: rpb.GetStateRequest, context: grpc.aio.ServicerContext
     ) -> rpb.GetStateResponse:

@@ -101,6 +101,7 @@ AUTHZ: dict[str, frozenset[str]] = {
             "StoreCheck",
             "StoreDelete",
             "StoreNumKeys",
+            "GetKey",
         )
     },
 }

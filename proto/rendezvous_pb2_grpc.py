@@ -84,6 +84,11 @@ class RendezvousStub:
                 request_serializer=unbroken_dot_proto_dot_rendezvous__pb2.StoreNumKeysRequest.SerializeToString,
                 response_deserializer=unbroken_dot_proto_dot_rendezvous__pb2.StoreNumKeysResponse.FromString,
                 _registered_method=True)
+        self.GetKey = channel.unary_unary(
+                '/unbroken.rendezvous.v1.Rendezvous/GetKey',
+                request_serializer=unbroken_dot_proto_dot_rendezvous__pb2.GetKeyRequest.SerializeToString,
+                response_deserializer=unbroken_dot_proto_dot_rendezvous__pb2.GetKeyResponse.FromString,
+                _registered_method=True)
 
 
 class RendezvousServicer:
@@ -159,6 +164,16 @@ class RendezvousServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetKey(self, request, context):
+        """The job's rendezvous key: the secret every torchrun agent seals and opens the state
+        with (agent/rdzvauth.py; the run id is inside each MAC). The leader makes it at
+        random on the first call and keeps it in etcd, so every node, and a new leader, hands
+        out the same one; only callers allowed to rendezvous (a node or launcher) get it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RendezvousServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -211,6 +226,11 @@ def add_RendezvousServicer_to_server(servicer, server):
                     servicer.StoreNumKeys,
                     request_deserializer=unbroken_dot_proto_dot_rendezvous__pb2.StoreNumKeysRequest.FromString,
                     response_serializer=unbroken_dot_proto_dot_rendezvous__pb2.StoreNumKeysResponse.SerializeToString,
+            ),
+            'GetKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetKey,
+                    request_deserializer=unbroken_dot_proto_dot_rendezvous__pb2.GetKeyRequest.FromString,
+                    response_serializer=unbroken_dot_proto_dot_rendezvous__pb2.GetKeyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -483,6 +503,33 @@ class Rendezvous:
             '/unbroken.rendezvous.v1.Rendezvous/StoreNumKeys',
             unbroken_dot_proto_dot_rendezvous__pb2.StoreNumKeysRequest.SerializeToString,
             unbroken_dot_proto_dot_rendezvous__pb2.StoreNumKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/unbroken.rendezvous.v1.Rendezvous/GetKey',
+            unbroken_dot_proto_dot_rendezvous__pb2.GetKeyRequest.SerializeToString,
+            unbroken_dot_proto_dot_rendezvous__pb2.GetKeyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -78,11 +78,21 @@ def test_state_sealed_with_another_key_is_refused(
 def test_payload_with_the_right_key_is_refused_by_the_unpickler(
     driver: dict[str, Any], tmp_path: Path
 ) -> None:
-    """Even an attacker holding the key (here derived from the stolen token) runs nothing:
-    only torch's rendezvous types are admitted."""
+    """Even an attacker holding the key (here asked of the driver with the stolen token)
+    runs nothing: only torch's rendezvous types are admitted."""
     marker = tmp_path / "pwned"
     handler = _handler(driver, "forge-key")
-    key = rdzvauth.rdzv_key({}, TOKEN, "forge-key")
+    with grpc.insecure_channel(driver["address"]) as ch:
+        key = (
+            rgrpc.RendezvousStub(ch)
+            .GetKey(
+                rpb.GetKeyRequest(caller=rpb.Caller(run_id="forge-key", node_id="n-evil")),
+                metadata=(("authorization", f"Bearer {TOKEN}"),),
+                timeout=10,
+            )
+            .key
+        )
+    assert key == handler._state_holder._backend._key
     _attacker_set(driver, "forge-key", rdzvauth.seal(key, "forge-key", marker_payload(marker)))
     _sync_refused(handler, marker, r"names posix\.system")
     # a state object smuggled inside an allowed one is refused too
