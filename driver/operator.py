@@ -313,12 +313,17 @@ class OperatorApi:
         journal = await self._journal(context)
         state = journal.state
         rec = state.nodes.get(node_id)
-        if rec is None and node_id not in self.view.nodes:
+        if (
+            rec is None
+            and node_id not in self.view.nodes
+            and node_id not in self._lead.rendezvous_nodes()
+        ):
             await abort(
                 context,
                 grpc.StatusCode.NOT_FOUND,
-                f"node {node_id!r} is not part of job {self._lead.job_id}; "
-                "`unbroken nodes` lists them",
+                f"node {node_id!r} is not part of job {self._lead.job_id} (no agent registered "
+                "it and no torchrun agent of that node id called the rendezvous lately); "
+                "`unbroken nodes` and `unbroken events` list them",
             )
         if rec is not None and rec.state == ev.NODE_STATE_EVICTED:
             await abort(

@@ -367,7 +367,14 @@ class RendezvousService(rgrpc.RendezvousServicer):
         """Create the service and add it to `server` (the driver's, so its auth applies)."""
         service = cls(driver, config)
         rgrpc.add_RendezvousServicer_to_server(service, server)
+        leadership = getattr(driver, "leadership", None)
+        if leadership is not None:  # `unbroken evict` may name a torchrun-only node
+            leadership.rendezvous_nodes = service.known_nodes
         return service
+
+    def known_nodes(self) -> set[str]:
+        """The node ids of the torchrun agents heard from lately (at most `names_kept`)."""
+        return set(self._names.values())
 
     # ------------------------------------------------------------ plumbing
     def _notify(self) -> None:
