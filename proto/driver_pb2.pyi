@@ -733,6 +733,22 @@ class DiagnoseResponse(_message.Message):
     verdict: _events_pb2.DiagnosisVerdict
     def __init__(self, started: _Optional[_Union[DiagnoseStarted, _Mapping]] = ..., progress: _Optional[_Union[DiagnoseProgress, _Mapping]] = ..., round: _Optional[_Union[_events_pb2.DiagnosisRound, _Mapping]] = ..., verdict: _Optional[_Union[_events_pb2.DiagnosisVerdict, _Mapping]] = ...) -> None: ...
 
+class ResumeRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ("seq", "from_phase", "phase")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    FROM_PHASE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    from_phase: str
+    phase: str
+    def __init__(self, seq: _Optional[int] = ..., from_phase: _Optional[str] = ..., phase: _Optional[str] = ...) -> None: ...
+
 class EvictRequest(_message.Message):
     __slots__ = ("node_id", "reason")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
