@@ -30,6 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "nodes": ("unbroken.cli.nodes", "list the job's nodes with their state and heartbeats"),
     "events": ("unbroken.cli.events", "print the event log (--since SEQ, --follow)"),
     "evict": ("unbroken.cli.evict", "evict a node from the job"),
+    "resume": ("unbroken.cli.resume", "bring a failed or stuck job back (fresh restore budget)"),
     "diagnose": ("unbroken.cli.diagnose", "find bad and slow nodes (pause, check, resume)"),
     "checkpoints": ("unbroken.cli.checkpoints", "committed checkpoints; --request one now"),
     "selfcheck": ("unbroken.cli.selfcheck", "run the node self-checks; exit 1 if one fails"),

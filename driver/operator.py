@@ -27,6 +27,7 @@ from unbroken.common import channel
 from unbroken.common.faults import RuntimeFault
 from unbroken.diagnostics.runner import verdict_event
 from unbroken.driver import goodput as goodputlib
+from unbroken.driver import machine
 from unbroken.driver.diagnose import DiagnoseError, DriverDiagnoseConfig, run_diagnosis
 from unbroken.driver.eventlog import EventLogError, new_event_id
 from unbroken.driver.journal import Journal
@@ -298,6 +299,46 @@ class OperatorApi:
             self.watchers -= 1
             if on_event in journal.subscribers:
                 journal.subscribers.remove(on_event)
+
+    # ------------------------------------------------------------ resume
+    async def Resume(
+        self, request: dpb.ResumeRequest, context: grpc.aio.ServicerContext
+    ) -> dpb.ResumeResponse:
+        """A failed or stuck job gets a new incident with a fresh restore budget."""
+        journal = await self._journal(context)
+        if journal.decider is None:
+            await abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"driver {self._lead.driver_id} does not run job {self._lead.job_id}'s recovery "
+                "(it was started without --nodes): restart the job's workers with its launcher",
+            )
+        before = journal.state.phase
+        why = machine.resumable(before)
+        if why:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, why)
+        action = ev.Event(
+            event_id=new_event_id(),
+            cause="operator",
+            operator_action=ev.OperatorAction(
+                action=machine.RESUME,
+                target=request.reason[:512] or "operator",
+                who=who(context),
+            ),
+        )
+        try:
+            stored = await journal.observe(action, self._read_timeout_s)
+        except (EventLogError, TimeoutError) as e:
+            await abort(
+                context, grpc.StatusCode.UNAVAILABLE, f"recording the resume failed: {e!r}; retry"
+            )
+        seq = min((e.seq for e in stored), default=journal.state.last_seq)
+        log.warning("job resumed by operator", was=ev.Phase.Name(before), seq=seq)
+        return dpb.ResumeResponse(
+            seq=seq,
+            from_phase=ev.Phase.Name(before),
+            phase=ev.Phase.Name(journal.state.phase),
+        )
 
     # ------------------------------------------------------------ evict
     async def Evict(

@@ -1044,6 +1044,11 @@ class DriverService(dgrpc.DriverServicer):
     ) -> dpb.InjectFaultResponse:
         return await self.operators.InjectFault(request, context)
 
+    async def Resume(
+        self, request: dpb.ResumeRequest, context: grpc.aio.ServicerContext
+    ) -> dpb.ResumeResponse:
+        return await self.operators.Resume(request, context)
+
     async def RegisterJob(
         self, request: dpb.RegisterJobRequest, context: grpc.aio.ServicerContext
     ) -> dpb.RegisterJobResponse:
