@@ -64,7 +64,13 @@ def run(ns: argparse.Namespace) -> int:
         t = Table(title=f"job {st.job_id}", show_header=False, title_justify="left")
         t.add_column("field", style="bold")
         t.add_column("value")
-        t.add_row("phase", phase_name(st.phase))
+        phase = phase_name(st.phase)
+        if phase == "failed":
+            phase = f"[bold white on red] FAILED [/]: {escape(st.finished_reason)}; fix it, then "
+            phase += "`unbroken resume`"
+        elif st.finished_reason:
+            phase += f": {escape(st.finished_reason)}"
+        t.add_row("phase", phase)
         t.add_row("step", f"{st.step} (live {st.live_step})")
         t.add_row(
             "nodes",
@@ -78,7 +84,12 @@ def run(ns: argparse.Namespace) -> int:
         t.add_row("goodput", goodput_line(st))
         t.add_row("persistence", persistence_line(st))
         t.add_row("last event", f"seq {st.last_seq}")
-        t.add_row("incident", escape(st.incident_id or "none"))
+        incident = st.incident_id or "none"
+        if st.incident_id:
+            incident += f": {st.incident_cause}"
+            if st.failed_restores:
+                incident += f" ({st.failed_restores} failed restores)"
+        t.add_row("incident", escape(incident))
         t.add_row(
             "diagnosis",
             escape(st.diagnosis_running or f"last: {st.last_diagnosis_id or 'none'}"),

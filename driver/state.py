@@ -267,6 +267,7 @@ def _recovery_transition(s: ev.JobState, e: ev.Event) -> None:
         s.failed_restores += 1  # the restore failed, or a fault cut it short
     if p.rearm:  # an operator's resume: the old incident is over, its budget with it
         _close_incident(s)
+        s.finished_reason = ""
     if p.to_phase == ev.PHASE_RUNNING:
         _incident_ended(s, e, None)
     elif p.to_phase not in (ev.PHASE_FINISHED, ev.PHASE_FAILED):
@@ -291,6 +292,7 @@ def _recovery_transition(s: ev.JobState, e: ev.Event) -> None:
 def _job_finished(s: ev.JobState, e: ev.Event) -> None:
     s.phase = ev.PHASE_FINISHED if e.job_finished.ok else ev.PHASE_FAILED
     s.step = e.job_finished.step
+    s.finished_reason = e.job_finished.reason
 
 
 # the events whose kind names an incident's cause in the goodput ledger

@@ -12,9 +12,13 @@ restores the job, and it trains on from the restored step.
 
 from __future__ import annotations
 
+import json
+import os
 import shlex
 import subprocess
 import sys
+import urllib.request
+from typing import Any
 
 import grpc
 import pytest
@@ -34,10 +38,19 @@ def _phase(address: str) -> str:
     return ev.Phase.Name(st.phase)
 
 
+def _dashboard(job: Job) -> dict[str, Any]:
+    port = json.loads(job.port_file("driver").read_text())["dashboard_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/state", timeout=10) as r:
+        return dict(json.loads(r.read()))
+
+
 def test_a_job_that_used_up_its_restores_is_resumed(job: Job) -> None:
     mark = job.tmp / "node-broken"
     cmd = f"test -e {shlex.quote(str(mark))} && exit 1; exec {job.worker_cmd(2)}"
-    job.start_driver("--max-restore-attempts", "1", "--worker-cmd", f"sh -c {shlex.quote(cmd)}")
+    job.start_driver(
+        "--max-restore-attempts", "1", "--worker-cmd", f"sh -c {shlex.quote(cmd)}",
+        "--dashboard-port", "0",
+    )  # fmt: skip
     job.start_agent("n0", buddy="n1")
     job.start_agent("n1", buddy="n0")
     until(lambda: job.max_step() >= 3, 180, "training to start", job)
@@ -53,6 +66,13 @@ def test_a_job_that_used_up_its_restores_is_resumed(job: Job) -> None:
     assert finished and not finished[-1].ok, finished
     assert "max_restore_attempts" in finished[-1].reason, finished[-1].reason
     assert "unbroken resume" in finished[-1].reason
+    status = subprocess.run(
+        [sys.executable, "-m", "unbroken.cli", "status", "--driver", job.address],
+        capture_output=True, text=True, timeout=120, env={"COLUMNS": "200", **os.environ},
+    )  # fmt: skip
+    assert "FAILED" in status.stdout and "unbroken resume" in status.stdout, status.stdout
+    page = _dashboard(job)  # what the dashboard's red banner is drawn from
+    assert page["phase"] == "failed" and page["finished_reason"] == finished[-1].reason, page
 
     mark.unlink()  # the operator repaired the node
     r = subprocess.run(
@@ -85,6 +105,8 @@ def test_a_job_that_used_up_its_restores_is_resumed(job: Job) -> None:
     assert any(e.HasField("training_resumed") for e in after), [
         e.WhichOneof("payload") for e in after
     ]
+    page = _dashboard(job)
+    assert page["phase"] == "running" and page["finished_reason"] == "", page
     # resuming a running job is refused with a reason (exit 1)
     again = subprocess.run(
         [sys.executable, "-m", "unbroken.cli", "resume", "--driver", job.address],
