@@ -71,18 +71,22 @@ def run(ns: argparse.Namespace) -> int:
         print("unbroken events: --since must be >= 0 (a sequence number)", file=sys.stderr)
         return 2
 
+    since = ns.since  # the newest event printed: a call again (a new leader) goes on after it
+
     async def body(
         cfg: ClientConfig, stub: dgrpc.DriverStub, md: tuple[tuple[str, str], ...]
     ) -> int:
+        nonlocal since
         from rich.console import Console
         from rich.markup import escape
 
         console = Console(highlight=False)
-        req = dpb.WatchEventsRequest(since_seq=ns.since, follow=ns.follow)
+        req = dpb.WatchEventsRequest(since_seq=since, follow=ns.follow)
         # following has no overall deadline (it runs until Ctrl-C); a one-shot read has one
         call = stub.WatchEvents(req, timeout=None if ns.follow else cfg.timeout_s, metadata=md)
         async for resp in call:
             e = resp.event
+            since = e.seq  # WatchEvents sends seq > since_seq
             if ns.json:
                 print_json(to_dict(e))
                 continue
