@@ -254,6 +254,23 @@ def _int64_as_numbers(desc: Any, data: dict[str, Any]) -> None:
             data[fd.name] = [number(x) for x in v] if isinstance(v, list) else number(v)
 
 
+#: a piped table's width: each row on one line, whole (`| grep`, `| less -S`), never cut
+PIPED_WIDTH = 1000
+
+
+def console(**kw: Any) -> Any:
+    """A rich Console for tables: the terminal's width on a terminal, wide when piped.
+
+    rich falls back to 80 columns when stdout is not a terminal, which cut a piped
+    `unbroken nodes` mid-row; `$COLUMNS` still wins when set.
+    """
+    from rich.console import Console
+
+    stream_tty = (sys.stderr if kw.get("stderr") else sys.stdout).isatty()
+    wide = not stream_tty and not os.environ.get("COLUMNS")
+    return Console(width=PIPED_WIDTH if wide else None, **kw)
+
+
 def print_json(data: Any) -> None:
     """One JSON document on stdout (one line, so `--follow` output is JSON lines)."""
     sys.stdout.write(json.dumps(data, sort_keys=True) + "\n")

@@ -6,7 +6,16 @@ import argparse
 import datetime as dt
 import sys
 
-from unbroken.cli.client import ClientConfig, add_client_flags, print_json, run_command, to_dict
+from unbroken.cli.client import (
+    ClientConfig,
+    add_client_flags,
+    print_json,
+    run_command,
+    to_dict,
+)
+from unbroken.cli.client import (
+    console as make_console,
+)
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
@@ -77,10 +86,9 @@ def run(ns: argparse.Namespace) -> int:
         cfg: ClientConfig, stub: dgrpc.DriverStub, md: tuple[tuple[str, str], ...]
     ) -> int:
         nonlocal since
-        from rich.console import Console
         from rich.markup import escape
 
-        console = Console(highlight=False)
+        console = make_console(highlight=False)
         req = dpb.WatchEventsRequest(since_seq=since, follow=ns.follow)
         # following has no overall deadline (it runs until Ctrl-C); a one-shot read has one
         call = stub.WatchEvents(req, timeout=None if ns.follow else cfg.timeout_s, metadata=md)

@@ -36,6 +36,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "selfcheck": ("unbroken.cli.selfcheck", "run the node self-checks; exit 1 if one fails"),
     "inject": ("unbroken.cli.inject", "inject a simulated fault into a node (drills)"),
     "slurm": ("unbroken.cli.slurm", "run under Slurm: submit, nodes, resume a drained node"),
+    "completion": ("unbroken.cli.completion", "print a shell completion script (bash, zsh)"),
     "certs": (
         "unbroken.driver.certs",
         "a CA and per-principal certificates (node:ID, operator:NAME)",
@@ -45,7 +46,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
-CONFIGURABLE = ("driver", "agent")  # subcommands that take --config FILE / --print-config
+CONFIGURABLE = ("driver", "agent")
+# the driver's clients: grpc's own log lines (a failed TLS handshake) stay off their stderr,
+# which carries one line per error (cli/tlsprobe.py names the cause)
+CLIENTS = frozenset(
+    {"status", "nodes", "events", "evict", "resume", "diagnose", "checkpoints", "selfcheck",
+     "inject"}
+)  # fmt: skip  # subcommands that take --config FILE / --print-config
 NOT_IN_CONFIG = {"help", "config", "print_config", "token"}
 
 
@@ -164,6 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = "--debug" in args_list or os.environ.get("UNBROKEN_DEBUG") == "1"
     args_list = [a for a in args_list if a != "--debug"]
     chosen = next((a for a in args_list if a in SUBCOMMANDS), None)
+    if chosen in CLIENTS and not debug:
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     wants_help = not args_list or args_list[0] in ("-h", "--help")
     parser = build_parser(None if wants_help else chosen)
     if chosen in CONFIGURABLE and chosen in SUBPARSERS:

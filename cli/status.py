@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from unbroken.cli.client import ClientConfig, add_client_flags, print_json, run_command, to_dict
+from unbroken.cli.client import (
+    ClientConfig,
+    add_client_flags,
+    console,
+    print_json,
+    run_command,
+    to_dict,
+)
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
@@ -57,7 +64,6 @@ def run(ns: argparse.Namespace) -> int:
             data["phase"] = phase_name(st.phase)
             print_json(data)
             return 0
-        from rich.console import Console
         from rich.markup import escape
         from rich.table import Table
 
@@ -94,7 +100,7 @@ def run(ns: argparse.Namespace) -> int:
             "diagnosis",
             escape(st.diagnosis_running or f"last: {st.last_diagnosis_id or 'none'}"),
         )
-        Console().print(t)
+        console().print(t)
         return 0
 
     return run_command("status", ns, body)

@@ -64,6 +64,14 @@ def _plaintext_against(raw: socket.socket, host: str, address: str) -> str | Non
     )
 
 
+def _not_accepted(address: str, tls: TlsConfig, how: str) -> str:
+    return (
+        f"unknown CA: the driver at {address} does not accept your client certificate "
+        f"({tls.cert}; {how}): it is signed by a CA the driver does not trust; issue one with "
+        "the driver's CA (`unbroken certs issue operator:NAME --dir DIR`)"
+    )
+
+
 def _handshake(raw: socket.socket, host: str, address: str, tls: TlsConfig) -> str | None:
     assert tls.cert and tls.key and tls.ca
     ctx = ssl.create_default_context(cafile=tls.ca)
@@ -72,10 +80,13 @@ def _handshake(raw: socket.socket, host: str, address: str, tls: TlsConfig) -> s
     try:
         with ctx.wrap_socket(raw, server_hostname=host) as s:
             # TLS 1.3: a server that refuses our certificate says so after the handshake
+            # (BoringSSL closes without an alert); a healthy gRPC server sends its HTTP/2
+            # SETTINGS at once
             s.settimeout(1.0)
             try:
                 s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
-                s.recv(1)
+                if s.recv(1) == b"":
+                    return _not_accepted(address, tls, "it closed the connection")
             except TimeoutError:
                 return None
     except ssl.SSLCertVerificationError as e:
@@ -93,11 +104,7 @@ def _handshake(raw: socket.socket, host: str, address: str, tls: TlsConfig) -> s
     except ssl.SSLError as e:
         text = f"{e.reason or ''} {e}".lower()
         if "unknown ca" in text or "bad certificate" in text or "certificate unknown" in text:
-            return (
-                f"unknown CA: the driver at {address} does not accept your client certificate "
-                f"({tls.cert}: it is signed by a CA the driver does not trust; {e.reason}); "
-                "issue one with the driver's CA (`unbroken certs issue operator:NAME`)"
-            )
+            return _not_accepted(address, tls, str(e.reason))
         if "wrong version number" in text or "record layer failure" in text:
             return (
                 f"the driver at {address} does not speak TLS; drop --tls-* (and $UNBROKEN_CERT...)"
