@@ -1121,6 +1121,7 @@ class DriverService(dgrpc.DriverServicer):
         alive = self.view.alive_count()
         j = self.journal
         return {
+            "leader": j is not None,
             "heartbeats": sum(s.heartbeats for s in self.view.nodes.values()),
             "nodes": {"alive": alive, "lost": len(self.view.nodes) - alive},
             "events": self.appended,

@@ -19,6 +19,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from unbroken.agent.metrics import AGENT_METRICS, AgentMetrics
+from unbroken.common.promhttp import STANDARD_METRICS
 from unbroken.driver.goodput import Goodput
 from unbroken.driver.liveview import LiveView, LiveViewConfig
 from unbroken.driver.metrics import METRICS, DriverMetrics
@@ -31,7 +32,7 @@ HIST_SUFFIXES = ("_bucket", "_sum", "_count", "_created")
 NAME = re.compile(r"\bunbroken_[a-z0-9_]+\b")
 
 
-def _metrics() -> DriverMetrics:
+def _metrics(*, leader: bool = True) -> DriverMetrics:
     view = LiveView(LiveViewConfig())
     slot = view.slot("n0")
     view.mark_alive(slot, 100.0)
@@ -41,6 +42,7 @@ def _metrics() -> DriverMetrics:
     view.beat(slot, hb, 100.5)
     m = DriverMetrics(  # the phase is the journal's state's, read at scrape time
         lambda: {
+            "leader": leader,
             "heartbeats": 3,
             "nodes": {"alive": 1, "lost": 0},
             "events": 4,
@@ -86,8 +88,10 @@ def test_metrics_table_matches_the_exposition() -> None:
     exposed: dict[str, tuple[str, set[str]]] = {}
     for f in fams.values():
         for s in f.samples:
-            if s.name.endswith("_created"):
+            if s.name.endswith("_created") or s.name in STANDARD_METRICS:
                 continue
+            if s.name.startswith("process_"):
+                continue  # prometheus_client's process collector
             base = f.name if f.type == "histogram" else s.name
             labels = set(s.labels) - {"le"}
             exposed.setdefault(base, (f.type, set()))[1].update(labels)
@@ -113,6 +117,50 @@ def test_event_driven_series() -> None:
     assert samples[("unbroken_events_total", (("kind", "recovery_transition"),))] == 2.0
     assert not any(name.startswith("unbroken_worker_") for name, _ in samples)  # agents'
     assert samples[("unbroken_node_silent_seconds", (("node", "n0"),))] == pytest.approx(0.5)
+
+
+JOB_LEVEL = {
+    "unbroken_nodes",
+    "unbroken_phase",
+    "unbroken_goodput_ratio",
+    "unbroken_training_lost_seconds",
+    "unbroken_persist_interval_seconds",
+    "unbroken_incidents_total",
+    "unbroken_time_to_resume_seconds",
+    "unbroken_events_total",
+    "unbroken_checkpoint_committed_step",
+    "unbroken_checkpoint_committed_bytes",
+    "unbroken_checkpoints_committed_total",
+}
+
+
+def test_a_standby_exports_no_job_level_values_and_says_it_does_not_lead() -> None:
+    lead, standby = _exposed(_metrics()), _exposed(_metrics(leader=False))
+
+    def names(fams: dict[str, Any]) -> set[str]:
+        return {s.name.removesuffix("_count") for f in fams.values() for s in f.samples}
+
+    def value(fams: dict[str, Any], name: str) -> float:
+        return next(s.value for f in fams.values() for s in f.samples if s.name == name)
+
+    assert JOB_LEVEL <= names(lead)
+    assert not JOB_LEVEL & names(standby), JOB_LEVEL & names(standby)
+    assert value(lead, "unbroken_driver_is_leader") == 1.0
+    assert value(standby, "unbroken_driver_is_leader") == 0.0
+
+
+def test_build_info_and_process_metrics_on_every_endpoint() -> None:
+    for registry, component in (
+        (_metrics().registry, "driver"),
+        (_agent_metrics().registry, "agent"),
+    ):
+        fams = {
+            f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())
+        }
+        (info,) = fams["unbroken_build_info"].samples
+        assert info.name == "unbroken_build_info" and info.value == 1.0
+        assert info.labels["component"] == component and info.labels["version"]
+        assert "process_cpu_seconds" in fams and "process_resident_memory_bytes" in fams
 
 
 def _agent_metrics() -> AgentMetrics:
@@ -147,7 +195,9 @@ def test_agent_metrics_table_matches_the_exposition() -> None:
     samples = {}
     for f in text_string_to_metric_families(text):
         for s in f.samples:
-            if s.name.endswith("_created"):
+            if s.name.endswith("_created") or s.name in STANDARD_METRICS:
+                continue
+            if s.name.startswith("process_"):
                 continue
             exposed.setdefault(s.name, (f.type, set()))[1].update(s.labels)
             samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
@@ -164,6 +214,7 @@ def test_agent_metrics_table_matches_the_exposition() -> None:
     )
     assert samples[("unbroken_agent_heartbeats_sent_total", ())] == 1
     assert samples[("unbroken_agent_replica_send_failures_total", ())] == 2
+    assert samples[("unbroken_agent_worker_restarts_total", r1)] == 1
 
 
 def _dashboard() -> dict[str, Any]:
