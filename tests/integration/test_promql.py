@@ -127,7 +127,7 @@ def shipped_expressions() -> dict[str, str]:
         text = re.sub(r"\s*\n\s*", " ", doc.read_text())  # spans wrap across lines
         for m in SPAN.finditer(text):
             expr = m.group(1).strip()
-            if PROMQL_HINT.search(expr) and " " not in expr.split("(")[0]:
+            if PROMQL_HINT.search(expr) and not expr.startswith("unbroken ") and "--" not in expr:
                 out[f"{doc.relative_to(ROOT)}: {expr[:40]}"] = expr
     return out
 
