@@ -30,7 +30,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.unit.test_grafana import _agent_metrics, _exprs
+from tests.metricsdata import agent_metrics, exprs
 from unbroken.driver.goodput import Goodput
 from unbroken.driver.liveview import LiveView, LiveViewConfig
 from unbroken.driver.metrics import DriverMetrics
@@ -109,7 +109,7 @@ def _scrape(*, phase: int = ev.PHASE_RUNNING, leaders: int = 1) -> list[dict[str
     )
     series += _series(_driver(leader=False).registry, "unbroken-driver", "driver-2:9400")
     for i in range(2):
-        series += _series(_agent_metrics().registry, "unbroken-agent", f"node-{i}:9401")
+        series += _series(agent_metrics().registry, "unbroken-agent", f"node-{i}:9401")
     return series
 
 
@@ -119,7 +119,7 @@ def shipped_expressions() -> dict[str, str]:
     dash = json.loads(
         resources.files("unbroken.driver").joinpath("grafana/unbroken.json").read_text()
     )
-    for i, e in enumerate(_exprs(dash["panels"])):
+    for i, e in enumerate(exprs(dash["panels"])):
         out[f"grafana target {i}"] = e
     for alert, expr in RULE.findall(RULES.read_text()):
         out[f"deploy/unbroken-rules.yml {alert}"] = expr.strip()

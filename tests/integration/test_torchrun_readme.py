@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.integration.test_torchrun_rdzv import TRAIN
+from tests.integration.rdzvscript import TRAIN
 from unbroken.cli.cluster import stop_groups
 from unbroken.common.tls import TlsConfig, channel_credentials
 from unbroken.proto import rendezvous_pb2 as rpb
