@@ -149,7 +149,7 @@ class RdzvClientConfig:
         for name in ("rpc_timeout_s", "retry_timeout_s", "connect_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not self.state_key:  # else the driver's (DriverClient.fetch_key)
+        if not self.state_key:  # else the driver's (DriverClient.state_key)
             self.state_key = rdzv_key({"key_file": self.key_file} if self.key_file else {}) or b""
 
     @property
@@ -376,7 +376,12 @@ class DriverRendezvousBackend(RendezvousBackend):
 
     def __init__(self, client: DriverClient) -> None:
         self.client = client
-        self._key = client.state_key()
+
+    @property
+    def _key(self) -> bytes:
+        """The state's key, asked of the driver on first use (an evicted node is refused
+        there, with NodeEvictedError, like on any other call)."""
+        return self.client.state_key()
 
     @property
     def name(self) -> str:

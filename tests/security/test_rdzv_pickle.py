@@ -92,7 +92,7 @@ def test_payload_with_the_right_key_is_refused_by_the_unpickler(
             )
             .key
         )
-    assert key == handler._state_holder._backend._key
+    assert key == handler._state_holder._backend._key  # what the honest node uses
     _attacker_set(driver, "forge-key", rdzvauth.seal(key, "forge-key", marker_payload(marker)))
     _sync_refused(handler, marker, r"names posix\.system")
     # a state object smuggled inside an allowed one is refused too
