@@ -625,3 +625,20 @@ def test_resume_rearms_a_failed_job_with_a_fresh_budget() -> None:
     assert d.phase == ev.PHASE_RESTORING and restore.attempt == 1
     d = sim.feed(restored(restore.step))
     assert d.phase == ev.PHASE_RUNNING
+
+
+def test_resume_restarts_a_recovery_stuck_waiting_for_a_diagnosis() -> None:
+    sim = start(m.Policy(diagnose_kinds=frozenset({"hang_suspected"})), nodes=2)
+    sim.feed(hang("n1"))
+    d = sim.feed(m.Paused(step=4))
+    assert d.phase == ev.PHASE_PAUSED and any(isinstance(a, m.RunDiagnosis) for a in d.actions)
+    stuck = sim.state.incident_id  # its verdict never comes
+    d = sim.feed(operator(m.RESUME))
+    assert d.phase == ev.PHASE_SUSPECTED and sim.state.incident_id != stuck
+    assert not sim.state.needs_diagnosis and not sim.state.suspects
+    d = sim.feed(m.Paused(step=4))
+    assert d.phase == ev.PHASE_RESTORING
+    d = sim.feed(restored(sim.state.restore_step))
+    assert d.phase == ev.PHASE_RUNNING
+    d = sim.feed(operator(m.RESUME))  # nothing to resume now
+    assert d.phase == ev.PHASE_RUNNING and "nothing to resume" in d.note
