@@ -41,8 +41,8 @@ AGENT_METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "Each worker's median step time over its recent steps",
     ),
     "unbroken_agent_worker_loss": ("gauge", ("local_rank",), "Each worker's newest loss"),
-    "unbroken_agent_worker_restarts": (
-        "gauge",
+    "unbroken_agent_worker_restarts_total": (
+        "counter",
         ("local_rank",),
         "Times this agent (re)started each local rank",
     ),
@@ -131,9 +131,9 @@ class _AgentCollector(Collector):
         loss = GaugeMetricFamily(
             "unbroken_agent_worker_loss", AGENT_METRICS["unbroken_agent_worker_loss"][2], labels=lab
         )
-        restarts = GaugeMetricFamily(
+        restarts = CounterMetricFamily(
             "unbroken_agent_worker_restarts",
-            AGENT_METRICS["unbroken_agent_worker_restarts"][2],
+            AGENT_METRICS["unbroken_agent_worker_restarts_total"][2],
             labels=lab,
         )
         for w in [*hb.workers, *hb.attached]:
@@ -176,7 +176,7 @@ class AgentMetrics(Endpoint):
         self.read = read
         self.heartbeat = dpb.Heartbeat()
         self.heartbeats_sent = 0
-        super().__init__(CollectorRegistry())
+        super().__init__(CollectorRegistry(), component="agent")
         self.registry.register(_AgentCollector(self))
 
     def sent(self, hb: dpb.Heartbeat) -> None:

@@ -25,11 +25,14 @@ every process that imports its rendezvous package, whatever the backend.
 rdzv conf keys (`--rdzv-conf k=v,...`), besides torch's join_timeout, last_call_timeout,
 close_timeout, heartbeat_timeout, keep_alive_interval, keep_alive_max_attempt:
 node_id, token_file, key_file, tls_cert, tls_key, tls_ca, rpc_timeout, retry_timeout,
-connect_timeout. Environment: UNBROKEN_NODE_ID, UNBROKEN_TOKEN, UNBROKEN_RDZV_KEY(_FILE).
+connect_timeout. Environment: UNBROKEN_NODE_ID, UNBROKEN_TOKEN; optionally
+UNBROKEN_RDZV_KEY(_FILE).
 
-The state torch pickles is sealed with an HMAC under the run's key and opened with a
+The state torch pickles is sealed with an HMAC under the job's key and opened with a
 restricted unpickler before torch sees it (agent/rdzvauth.py): a state written by anything
 but a torchrun agent holding the key is refused with RendezvousStateError, never unpickled.
+The key comes from the driver (GetKey, on the node's authenticated channel) unless the
+operator configured one, so torchrun needs nothing beyond the node's credential.
 """
 
 from __future__ import annotations
@@ -552,9 +555,9 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """
     config = config_from_params(params)
     client = DriverClient(config)
-    backend = DriverRendezvousBackend(client)
     # first contact: a clear error now rather than a rendezvous timeout later
     client.call("GetState", client._rpb.GetStateRequest(), budget_s=config.connect_timeout_s)
+    backend = DriverRendezvousBackend(client)
     handler = UnbrokenRendezvousHandler.from_backend(
         params.run_id,
         DriverStore(client),

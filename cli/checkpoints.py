@@ -24,6 +24,9 @@ from unbroken.cli.client import (
     run_command,
     to_dict,
 )
+from unbroken.cli.client import (
+    console as make_console,
+)
 from unbroken.cli.main import EXIT_FAILED, EXIT_USAGE
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -115,11 +118,10 @@ def shards_text(c: dpb.CheckpointInfo) -> str:
 
 def print_list(resp: dpb.ListCheckpointsResponse) -> None:
     """The two tables: committed checkpoints, then flash copies by node."""
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    console = Console()
+    console = make_console()
     t = Table(title="committed checkpoints (newest last)", title_justify="left")
     for col in ("step", "committed (UTC)", "ranks", "bytes", "location", "shards"):
         right = col in ("step", "ranks", "bytes")
@@ -183,9 +185,8 @@ def run(ns: argparse.Namespace) -> int:
             wait=ns.wait, timeout_s=ns.wait_timeout if ns.wait else 0.0, lead_steps=ns.lead_steps
         )
         deadline = cfg.timeout_s + (ns.wait_timeout if ns.wait else 0.0)
-        from rich.console import Console
 
-        err = Console(stderr=True)
+        err = make_console(stderr=True)
         try:
             if ns.wait and not ns.json:
                 with err.status(f"waiting up to {ns.wait_timeout:g} s for the commit..."):

@@ -105,28 +105,41 @@ class FaultRecord:
         return not self.recovers or (self.resumed_s is not None and self.loss_after is not None)
 
 
-def fault_table(faults: list[FaultRecord]) -> Any:
-    """The drill's table (rich)."""
+#: below this many columns the drill's table drops its wide columns (loss, events, proof)
+WIDE_TABLE = 120
+
+
+def fault_table(faults: list[FaultRecord], width: int = WIDE_TABLE, *, rows: bool = False) -> Any:
+    """The drill's table (rich); on a terminal narrower than `WIDE_TABLE` columns, only
+    fault, target, detected, resumed, steps lost and the note (fits 80 columns).
+
+    Args:
+        faults: the drilled faults.
+        width: the terminal's width.
+        rows: one line per fault (the live view: notes cut short), else notes wrap.
+    """
+    from rich import box
     from rich.table import Table
 
-    t = Table(title="drill")
-    for col in (
-        "fault",
-        "target",
-        "detected in",
-        "resumed in",
-        "steps lost",
-        "loss continued",
-        "events",
-        "event (seq)",
-        "note",
-    ):
-        t.add_column(col)
+    wide = width >= WIDE_TABLE
+    t = Table(
+        title="drill",
+        title_justify="left",
+        pad_edge=False,
+        box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD,
+    )
+    cols = ["fault", "target", "detected in", "resumed in", "steps lost"]
+    if not wide:
+        cols = ["fault", "target", "detected", "resumed", "lost"]
+    if wide:
+        cols += ["loss continued", "events", "event (seq)"]
+    for col in cols:
+        t.add_column(col, no_wrap=True)
+    t.add_column("note", no_wrap=rows, overflow="ellipsis" if rows else "fold", ratio=1)
     for f in faults:
         if f.skipped:
-            t.add_row(
-                f.fault, f.target, "-", "-", "-", "-", "-", "-", f"[yellow]skipped[/]: {f.note}"
-            )
+            note = f"[yellow]skipped[/]: {f.note}"
+            t.add_row(f.fault, f.target, *["-"] * (len(cols) - 2), note)
             continue
         det = f"{f.detected_s:.2f} s" if f.detected_s is not None else "[red]not yet[/]"
         res = lost = cont = "-"
@@ -137,21 +150,19 @@ def fault_table(faults: list[FaultRecord]) -> Any:
             if (
                 restored is not None
                 and paused is not None
-                and f.worker_restore
-                not in (
-                    None,
-                    restored,
-                )
+                and f.worker_restore not in (None, restored)
             ):
                 lost += f" [yellow](log said {paused - restored})[/]"
             c = f.continued
             if c is not None and f.loss_before is not None and f.loss_after is not None:
                 cont = f"{'yes' if c else '[red]no[/]'} ({f.loss_before:.2f} → {f.loss_after:.2f})"
-        evs = str(f.events_written) if f.events_written is not None else "-"
-        t.add_row(
-            f.fault, f.target, det, res, lost, cont, evs, f"{f.expect} ({f.event_seq or '-'})",
-            f.note,
-        )  # fmt: skip
+        row = [f.fault, f.target, det, res, lost]
+        if wide:
+            evs = str(f.events_written) if f.events_written is not None else "-"
+            row += [cont, evs, f"{f.expect} ({f.event_seq or '-'})"]
+        elif f.recovers and f.continued is False:
+            row[-1] += " [red]loss jumped[/]"
+        t.add_row(*row, f.note)
     return t
 
 

@@ -5,8 +5,18 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import sys
+from typing import Any
 
-from unbroken.cli.client import ClientConfig, add_client_flags, print_json, run_command, to_dict
+from unbroken.cli.client import (
+    ClientConfig,
+    add_client_flags,
+    print_json,
+    run_command,
+    to_dict,
+)
+from unbroken.cli.client import (
+    console as make_console,
+)
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
@@ -27,12 +37,41 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_client_flags(parser)
 
 
+def _short(v: Any) -> Any:
+    """A value as a person reads it: floats to 4 significant digits (float32 fields print
+    as 0.30000001192092896 otherwise), lists and nested messages compactly."""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, list):
+        return "[" + ",".join(str(_short(x)) for x in v) + "]"
+    if isinstance(v, dict):
+        inner = " ".join(f"{k}={_short(x)}" for k, x in v.items() if x not in ("", 0, [], {}))
+        return "{" + inner + "}"
+    return v
+
+
+def line(e: ev.Event, width: int = 80) -> str:
+    """`e` as one human line of at most `width` characters: seq, kind, the short summary."""
+    kind = e.WhichOneof("payload") or "?"
+    if kind == "recovery_transition":  # the phases the job moved between, and why
+        t = e.recovery_transition
+        was, now = (
+            ev.Phase.Name(p).removeprefix("PHASE_").lower() for p in (t.from_phase, t.to_phase)
+        )
+        text = f"{e.seq:>5} {was} -> {now} {t.incident_id}: {t.reason}"
+    else:
+        text = f"{e.seq:>5} {kind} {summary(e)}"
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
 def summary(e: ev.Event) -> str:
     """The payload of `e` as one short `key=value` line (stacks abbreviated: `stacks`)."""
     kind = e.WhichOneof("payload") or ""
     fields = to_dict(getattr(e, kind)) if kind else {}
     dump = fields.pop("stack_dump", "") if kind == "hang_suspected" else ""
-    text = " ".join(f"{k}={v}" for k, v in fields.items() if v not in ("", 0, [], {}, False))
+    text = " ".join(
+        f"{k}={_short(v)}" for k, v in fields.items() if v not in ("", 0, [], {}, False)
+    )
     text = text[:SUMMARY_CHARS]
     return f"{text} stacks: {stacks(dump)}" if dump else text
 
@@ -71,18 +110,21 @@ def run(ns: argparse.Namespace) -> int:
         print("unbroken events: --since must be >= 0 (a sequence number)", file=sys.stderr)
         return 2
 
+    since = ns.since  # the newest event printed: a call again (a new leader) goes on after it
+
     async def body(
         cfg: ClientConfig, stub: dgrpc.DriverStub, md: tuple[tuple[str, str], ...]
     ) -> int:
-        from rich.console import Console
+        nonlocal since
         from rich.markup import escape
 
-        console = Console(highlight=False)
-        req = dpb.WatchEventsRequest(since_seq=ns.since, follow=ns.follow)
+        console = make_console(highlight=False)
+        req = dpb.WatchEventsRequest(since_seq=since, follow=ns.follow)
         # following has no overall deadline (it runs until Ctrl-C); a one-shot read has one
         call = stub.WatchEvents(req, timeout=None if ns.follow else cfg.timeout_s, metadata=md)
         async for resp in call:
             e = resp.event
+            since = e.seq  # WatchEvents sends seq > since_seq
             if ns.json:
                 print_json(to_dict(e))
                 continue

@@ -30,11 +30,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "nodes": ("unbroken.cli.nodes", "list the job's nodes with their state and heartbeats"),
     "events": ("unbroken.cli.events", "print the event log (--since SEQ, --follow)"),
     "evict": ("unbroken.cli.evict", "evict a node from the job"),
+    "resume": ("unbroken.cli.resume", "bring a failed or stuck job back (fresh restore budget)"),
     "diagnose": ("unbroken.cli.diagnose", "find bad and slow nodes (pause, check, resume)"),
     "checkpoints": ("unbroken.cli.checkpoints", "committed checkpoints; --request one now"),
     "selfcheck": ("unbroken.cli.selfcheck", "run the node self-checks; exit 1 if one fails"),
     "inject": ("unbroken.cli.inject", "inject a simulated fault into a node (drills)"),
     "slurm": ("unbroken.cli.slurm", "run under Slurm: submit, nodes, resume a drained node"),
+    "completion": ("unbroken.cli.completion", "print a shell completion script (bash, zsh)"),
     "certs": (
         "unbroken.driver.certs",
         "a CA and per-principal certificates (node:ID, operator:NAME)",
@@ -44,7 +46,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
-CONFIGURABLE = ("driver", "agent")  # subcommands that take --config FILE / --print-config
+CONFIGURABLE = ("driver", "agent")
+# the driver's clients: grpc's own log lines (a failed TLS handshake) stay off their stderr,
+# which carries one line per error (cli/tlsprobe.py names the cause)
+CLIENTS = frozenset(
+    {"status", "nodes", "events", "evict", "resume", "diagnose", "checkpoints", "selfcheck",
+     "inject"}
+)  # fmt: skip  # subcommands that take --config FILE / --print-config
 NOT_IN_CONFIG = {"help", "config", "print_config", "token"}
 
 
@@ -169,6 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"unbroken {__version__}")
         return EXIT_OK
     chosen = next((a for a in args_list if a in SUBCOMMANDS), None)
+    if chosen in CLIENTS and not debug:
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     wants_help = not args_list or args_list[0] in ("-h", "--help")
     parser = build_parser(None if wants_help else chosen)
     if chosen in CONFIGURABLE and chosen in SUBPARSERS:

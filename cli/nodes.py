@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from unbroken.cli.client import ClientConfig, add_client_flags, print_json, run_command, to_dict
+from unbroken.cli.client import (
+    ClientConfig,
+    add_client_flags,
+    console,
+    print_json,
+    run_command,
+    to_dict,
+)
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
@@ -50,7 +57,6 @@ def run(ns: argparse.Namespace) -> int:
                 out.append(d)
             print_json(out)
             return 0
-        from rich.console import Console
         from rich.markup import escape
         from rich.table import Table
 
@@ -73,7 +79,7 @@ def run(ns: argparse.Namespace) -> int:
                 f"{n.silent_ms:.0f}",
                 str(n.failures),
             )
-        Console().print(t)
+        console().print(t)
         return 0
 
     return run_command("nodes", ns, body)

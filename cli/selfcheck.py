@@ -13,7 +13,14 @@ import argparse
 import json
 import sys
 
-from unbroken.cli.client import ClientConfig, add_client_flags, print_json, run_command, to_dict
+from unbroken.cli.client import (
+    ClientConfig,
+    add_client_flags,
+    console,
+    print_json,
+    run_command,
+    to_dict,
+)
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 
@@ -67,7 +74,6 @@ def run(ns: argparse.Namespace) -> int:
                 out.append(d)
             print_json(out)
             return 1 if failed else 0
-        from rich.console import Console
         from rich.markup import escape
         from rich.table import Table
 
@@ -84,7 +90,7 @@ def run(ns: argparse.Namespace) -> int:
                 f"{passed} passed, {skipped} skipped" if items else "-",
                 escape("; ".join([*r.failures, *([r.error] if r.error else [])])),
             )
-        Console().print(t)
+        console().print(t)
         if failed:
             print(
                 f"unbroken selfcheck: {len(failed)} node(s) failed: {', '.join(failed)}",

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from unbroken.cli.client import ClientConfig, add_client_flags, print_json, run_command, to_dict
+from unbroken.cli.client import (
+    ClientConfig,
+    add_client_flags,
+    console,
+    print_json,
+    run_command,
+    to_dict,
+)
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
@@ -73,14 +80,19 @@ def run(ns: argparse.Namespace) -> int:
             data["phase"] = phase_name(st.phase)
             print_json(data)
             return 0
-        from rich.console import Console
         from rich.markup import escape
         from rich.table import Table
 
         t = Table(title=f"job {st.job_id}", show_header=False, title_justify="left")
         t.add_column("field", style="bold")
         t.add_column("value")
-        t.add_row("phase", phase_name(st.phase))
+        phase = phase_name(st.phase)
+        if phase == "failed":
+            phase = f"[bold white on red] FAILED [/]: {escape(st.finished_reason)}; fix it, then "
+            phase += "`unbroken resume`"
+        elif st.finished_reason:
+            phase += f": {escape(st.finished_reason)}"
+        t.add_row("phase", phase)
         t.add_row("step", f"{st.step} (live {st.live_step})")
         t.add_row(
             "nodes",
@@ -97,12 +109,17 @@ def run(ns: argparse.Namespace) -> int:
         for line in persist_failing_lines(st):
             t.add_row("[bold red]PERSIST FAILING[/]", escape(line))
         t.add_row("last event", f"seq {st.last_seq}")
-        t.add_row("incident", escape(st.incident_id or "none"))
+        incident = st.incident_id or "none"
+        if st.incident_id:
+            incident += f": {st.incident_cause}"
+            if st.failed_restores:
+                incident += f" ({st.failed_restores} failed restores)"
+        t.add_row("incident", escape(incident))
         t.add_row(
             "diagnosis",
             escape(st.diagnosis_running or f"last: {st.last_diagnosis_id or 'none'}"),
         )
-        Console().print(t)
+        console().print(t)
         return 0
 
     return run_command("status", ns, body)

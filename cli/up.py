@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from unbroken.cli import events
 from unbroken.cli.cluster import LocalCluster, LogWatch
 from unbroken.cli.drill import DRILL, Drill, FaultRecord, fault_table
 from unbroken.common import reaper
@@ -320,10 +321,19 @@ def commits_line(events: list[ev.Event], steps: int) -> str:
     )
 
 
-def _render(watcher: LogWatch, cfg: UpConfig, faults: list[FaultRecord], elapsed: float) -> Any:
+def _render(
+    watcher: LogWatch,
+    faults: list[FaultRecord],
+    elapsed: float,
+    width: int = 80,
+    height: int = 24,
+) -> Any:
+    """The live view: nodes, the newest events (short lines), the drill's table; sized to
+    the terminal so nothing is cut off at 80x24."""
     from rich.console import Group
     from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
     nodes = Table(title=f"nodes (leader: {watcher.leader or '?'}, {elapsed:.0f} s)")
     for col in ("node", "alive", "silent ms", "workers: step / loss"):
@@ -336,20 +346,15 @@ def _render(watcher: LogWatch, cfg: UpConfig, faults: list[FaultRecord], elapsed
         nodes.add_row(
             n.node_id, "yes" if n.alive else "[red]LOST[/]", f"{n.silent_ms:.0f}", ws or "-"
         )
-    events = Table(title="event log (etcd)")
-    for col in ("seq", "event", "detail"):
-        events.add_column(col)
-    for e in watcher.events[-EVENT_TAIL:]:
-        events.add_row(str(e.seq), e.WhichOneof("payload") or "?", escape(_detail(e)[:90]))
-    parts: list[Any] = [nodes, events]
+    # what fits the terminal: the nodes, the fault table, then as many events as rows remain
+    fault_rows = len(faults) + 4 if faults else 0  # one line per fault (rows=True)
+    spare = height - (len(watcher.nodes) + 4) - fault_rows - 2
+    tail = max(2, min(EVENT_TAIL, spare))
+    lines = [escape(events.line(e, width)) for e in watcher.events[-tail:]]
+    parts: list[Any] = [nodes, Text("event log (etcd)", style="bold"), *lines]
     if faults:
-        parts.append(fault_table(faults))
+        parts.append(fault_table(faults, width, rows=True))
     return Group(*parts)
-
-
-def _detail(e: ev.Event) -> str:
-    kind = e.WhichOneof("payload")
-    return " ".join(str(getattr(e, kind)).split()) if kind else ""
 
 
 async def _supervise(c: LocalCluster, cfg: UpConfig, w: LogWatch, console: Any, t0: float) -> int:
@@ -370,17 +375,14 @@ async def _supervise(c: LocalCluster, cfg: UpConfig, w: LogWatch, console: Any, 
                 drill.observe(new, now)
             if not cfg.live:
                 for e in new:
-                    kind = e.WhichOneof("payload")
-                    console.print(
-                        f"event {e.seq}: {kind} {_detail(e)}", markup=False, highlight=False
-                    )
+                    console.print(events.line(e, console.width), markup=False, highlight=False)
             if first_step_at is None and w.step() > 0:
                 first_step_at = now
                 console.print(f"first training step after {now - t0:.1f} s")
             if drill is not None and first_step_at is not None:
                 await drill.advance(now)
             if live is not None:
-                live.update(_render(w, cfg, faults, now - t0))
+                live.update(_render(w, faults, now - t0, console.width, console.height))
             # with a drill, the run lasts until the drill is over and --until-step reached
             # (or the duration ends)
             finished = (
@@ -391,9 +393,11 @@ async def _supervise(c: LocalCluster, cfg: UpConfig, w: LogWatch, console: Any, 
             if finished and done_at is None:
                 done_at = now
             if now - t0 > cfg.duration_s or (done_at is not None and now - done_at > 3):
+                if live is not None:  # the drill's table is printed once, below
+                    live.update(_render(w, [], now - t0, console.width, console.height))
                 break
             await asyncio.sleep(0.25)
-    console.print(fault_table(faults) if faults else "no drill")
+    console.print(fault_table(faults, console.width) if faults else "no drill")
     status = await asyncio.to_thread(w.rpc, "GetStatus", dpb.GetStatusRequest())
     if status is not None:
         from unbroken.cli.status import goodput_line
@@ -413,11 +417,11 @@ async def _supervise(c: LocalCluster, cfg: UpConfig, w: LogWatch, console: Any, 
         from unbroken.cli.status import persistence_line
 
         console.print(f"persistence: {persistence_line(status)}", markup=False, highlight=False)
-    from unbroken.driver.etcd import etcd_bin_dir
-
-    console.print(  # the wheel's etcdctl: `.venv/bin/etcdctl` exists only in a checkout
-        f"look at the log: {etcd_bin_dir() / 'etcdctl'} --endpoints {c.endpoint} "
-        f"get --prefix /unbroken/{cfg.job_id}/ --keys-only",
+    # this run's etcd stops with it: name its data, and how to serve it again
+    console.print(
+        f"the event log stays in {c.run / 'etcd'}: `unbroken etcd --data-dir "
+        f"{c.run / 'etcd'}` serves it again and prints the etcdctl command for "
+        f"/unbroken/{cfg.job_id}/",
         markup=False,
         highlight=False,
     )

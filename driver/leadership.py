@@ -8,6 +8,7 @@ returns the journal, or ends the call with FAILED_PRECONDITION naming the leader
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 import grpc
@@ -28,6 +29,9 @@ class Leadership:
         self.job_id = job_id
         self.journal: Journal | None = None  # this term's only writer (None: standby)
         self.address = address  # the current leader's address (maybe our own)
+        # node ids the torchrun rendezvous has heard from lately (driver/rendezvous.py):
+        # nodes of the job that no agent registered, which an operator may still evict
+        self.rendezvous_nodes: Callable[[], Collection[str]] = tuple
 
     @property
     def leader(self) -> bool:

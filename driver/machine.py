@@ -131,7 +131,11 @@ class Policy:
         },
     )
     max_restore_attempts: int = field(
-        default=3, metadata={"help": "restores per incident before the job fails"}
+        default=3,
+        metadata={
+            "help": "failed restores per incident before the job fails (a restore cut short "
+            "by an operator's own evict or diagnose does not count; `unbroken resume` re-arms)"
+        },
     )
     spike: spikelib.SpikeConfig = field(
         default_factory=spikelib.SpikeConfig,
@@ -343,6 +347,8 @@ class _Draft:
         suspects: Iterable[str] | None = None,
         bad: Iterable[str] | None = None,
         diagnose: bool | None = None,
+        by_operator: bool = False,
+        rearm: bool = False,
     ) -> None:
         s = self.state
         self.add(
@@ -355,6 +361,8 @@ class _Draft:
                     suspects=sorted(set(s.suspects if suspects is None else suspects)),
                     bad_nodes=sorted(set(s.bad_nodes if bad is None else bad)),
                     diagnose=s.needs_diagnosis if diagnose is None else diagnose,
+                    by_operator=by_operator,
+                    rearm=rearm,
                 )
             )
         )
@@ -541,6 +549,7 @@ def settle(state: ev.JobState, policy: Policy) -> Decision:
 
 
 _CLEAR, _UNCLEAR, _LOST, _EVICT = "clear", "unclear", "lost", "evict"
+RESUME = "resume"  # OperatorAction.action of `unbroken resume`
 
 
 def _fault(e: ev.Event, policy: Policy, s: ev.JobState) -> tuple[str, list[str], str] | None:
@@ -609,6 +618,9 @@ def _self_check_proves(failures: Sequence[str], evicts: frozenset[str]) -> bool:
 def _react(before: ev.JobState, d: _Draft, obs: Observation, policy: Policy) -> str:
     """Append the reaction to `obs`; return a note when it is ignored."""
     phase = before.phase
+    if isinstance(obs, ev.Event) and obs.WhichOneof("payload") == "operator_action":
+        if obs.operator_action.action == RESUME:
+            return _on_resume(before, d, obs.operator_action)
     if phase in (ev.PHASE_FINISHED, ev.PHASE_FAILED, ev.PHASE_STARTING, 0):
         return f"recorded only: the job is {ev.Phase.Name(phase)}"
     if isinstance(obs, Paused):
@@ -635,7 +647,40 @@ def _react(before: ev.JobState, d: _Draft, obs: Observation, policy: Policy) -> 
     fault = _fault(obs, policy, before)
     if fault is None:
         return "recorded only"
-    return _on_fault(before, d, *fault, idle_evicts=kind not in STALE_KINDS)
+    return _on_fault(
+        before,
+        d,
+        *fault,
+        idle_evicts=kind not in STALE_KINDS,
+        by_operator=kind == "operator_action",
+    )
+
+
+def resumable(phase: Phase) -> str:
+    """Why a job in `phase` cannot be resumed ('' when it can)."""
+    if phase in (ev.PHASE_RUNNING, ev.PHASE_STARTING, ev.PHASE_UNSPECIFIED):
+        return f"the job is {ev.Phase.Name(phase)}: there is nothing to resume"
+    if phase == ev.PHASE_FINISHED:
+        return "the job finished: start a new job (a new --job-id) to train again"
+    return ""
+
+
+def _on_resume(before: ev.JobState, d: _Draft, op: ev.OperatorAction) -> str:
+    """An operator's resume: close the incident, open a new one with a fresh budget."""
+    why = resumable(before.phase)
+    if why:
+        return f"ignored: resume ({why})"
+    d.transition(
+        ev.PHASE_SUSPECTED,
+        f"resumed by {op.who or 'operator'} from {ev.Phase.Name(before.phase)}",
+        incident_id=_new_incident(d),
+        suspects=[],
+        bad=[],
+        diagnose=False,
+        by_operator=True,
+        rearm=True,
+    )
+    return ""
 
 
 def _on_fault(
@@ -646,6 +691,7 @@ def _on_fault(
     reason: str,
     *,
     idle_evicts: bool = True,
+    by_operator: bool = False,
 ) -> str:
     phase = before.phase
     world = set(before.world.node_ids)
@@ -681,12 +727,13 @@ def _on_fault(
             suspects=suspects,
             bad=bad,
             diagnose=diagnose,
+            by_operator=by_operator,
         )
         return ""
     to = ev.PHASE_SUSPECTED
     if phase == ev.PHASE_PAUSED and kind != _LOST:
         to = ev.PHASE_PAUSED  # workers are paused and their saved state is intact
-    d.transition(to, reason, suspects=suspects, bad=bad, diagnose=diagnose)
+    d.transition(to, reason, suspects=suspects, bad=bad, diagnose=diagnose, by_operator=by_operator)
     return ""
 
 
@@ -807,10 +854,11 @@ def _settle_once(d: _Draft, policy: Policy) -> bool:
         _reshape(d, policy)
         return True
     if phase == ev.PHASE_RESHAPED:
-        if s.restore_attempts >= policy.max_restore_attempts:
+        if s.failed_restores >= policy.max_restore_attempts:
             reason = (
-                f"incident {s.incident_id}: {s.restore_attempts} restores did not bring the "
-                f"job back (Policy.max_restore_attempts); last cause: {s.incident_cause}"
+                f"incident {s.incident_id}: {s.failed_restores} restores failed to bring the "
+                f"job back (Policy.max_restore_attempts); last cause: {s.incident_cause}. "
+                "`unbroken resume` tries again with a fresh budget"
             )
             d.add(ev.Event(job_finished=ev.JobFinished(step=s.step, ok=False, reason=reason)))
             return True

@@ -169,22 +169,36 @@ class DriverConfig:
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         svc = self.service
-        if not (svc.tls.enabled or svc.tokens) and not self.insecure:
-            for what, host in (("--listen", self.listen.rsplit(":", 1)[0]),) + (
-                (("--dashboard-host", self.dashboard_host),)
-                if self.dashboard_port is not None
-                else ()
-            ):
-                if not is_loopback(host):
-                    raise ValueError(
-                        f"{what} {host} is not a loopback address and the driver has no "
-                        "credentials: anyone who reaches it could evict nodes and read the job. "
-                        "Give it certificates (--tls-cert/--tls-key/--tls-ca) or role tokens "
-                        "(--token-file ROLE=PATH), or pass --insecure to run open anyway"
-                    )
+        exposed = exposure_problems(
+            self.listen,
+            self.dashboard_host if self.dashboard_port is not None else None,
+            credentials=svc.tls.enabled or svc.tokens is not None,
+            insecure=self.insecure,
+        )
+        if exposed:
+            raise ValueError(exposed[0])
         if not self.driver_id:
             driver_id = f"driver-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
             object.__setattr__(self, "driver_id", driver_id)  # a derived default
+
+
+def exposure_problems(
+    listen: str, dashboard_host: str | None, *, credentials: bool, insecure: bool
+) -> list[str]:
+    """Why the driver would serve beyond loopback without credentials (none: fine)."""
+    if credentials or insecure:
+        return []
+    hosts = [("--listen", listen.rsplit(":", 1)[0])]
+    if dashboard_host is not None:
+        hosts.append(("--dashboard-host", dashboard_host))
+    return [
+        f"{what} {host} is not a loopback address and the driver has no "
+        "credentials: anyone who reaches it could evict nodes and read the job. "
+        "Give it certificates (--tls-cert/--tls-key/--tls-ca) or role tokens "
+        "(--token-file ROLE=PATH), or pass --insecure to run open anyway"
+        for what, host in hosts
+        if not is_loopback(host)
+    ]
 
 
 def _archive(cfg: DriverConfig) -> str | None:
@@ -214,39 +228,66 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(ns: argparse.Namespace) -> DriverConfig:
-    """A `DriverConfig` from parsed flags (ValueError naming the bad one)."""
+    """A `DriverConfig` from parsed flags.
+
+    Every problem the flags have is found before any is reported, so a new user fixes them
+    all in one go rather than meeting one per run.
+
+    Raises:
+        ValueError: one line per problem, each naming the flag and what to do.
+    """
+    problems: list[str] = []
     if ns.event_log == "etcd" and not ns.etcd and not ns.etcd_data_dir:
-        raise ValueError(
+        problems.append(
             "the embedded etcd needs --etcd-data-dir DIR: the job's history (every event, "
             "the committed checkpoints) lives there and must survive a restart of this "
             "driver. Or pass --etcd URL of an etcd cluster (several drivers share it), or "
             "--event-log memory for a throwaway demo; `unbroken up` passes its run directory"
         )
     if ns.event_log == "etcd" and not ns.archive_url:
-        raise ValueError(
+        problems.append(
             "the driver needs an archive every driver of the job shares: pass "
             "--archive-url URL (an fsspec URL or shared path, e.g. s3://bucket/unbroken or "
             "/shared/unbroken/archive; or $UNBROKEN_ARCHIVE), or --archive-url none to "
             "keep every event in etcd; `unbroken up` uses its run directory"
         )
     if ns.token is not None:
-        raise ValueError(
+        problems.append(
             "--token is gone: a token on the command line is visible to every local user "
             "(ps). Put the tokens in files, one per role: --token-file node=PATH"
         )
-    service = build(
-        ServiceConfig,
-        ns,
-        tls=TlsConfig(cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca),
-        tokens=RoleTokens.from_files(ns.token_file) if ns.token_file else None,
+    tokens: RoleTokens | None = None
+    try:
+        tokens = RoleTokens.from_files(ns.token_file) if ns.token_file else None
+    except (ValueError, OSError) as e:
+        problems.append(f"--token-file: {e}")
+    tls = TlsConfig(cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca)
+    problems += exposure_problems(
+        ns.listen,
+        ns.dashboard_host if ns.dashboard_port is not None else None,
+        credentials=bool(ns.tls_cert or ns.token_file),
+        insecure=ns.insecure,
     )
-    return build(
-        DriverConfig,
-        ns,
-        service=service,
-        # one --min-nodes: the machine's policy, checked against --nodes by the loop
-        loop=build(LoopConfig, ns, min_nodes=ns.min_nodes),
-    )
+    try:
+        service = build(ServiceConfig, ns, tls=tls, tokens=tokens)
+        cfg: DriverConfig = build(
+            DriverConfig,
+            ns,
+            service=service,
+            # one --min-nodes: the machine's policy, checked against --nodes by the loop
+            loop=build(LoopConfig, ns, min_nodes=ns.min_nodes),
+        )
+    except ValueError as e:
+        if str(e) not in problems:
+            problems.append(str(e))
+    if len(problems) == 1:
+        raise ValueError(problems[0])
+    if problems:
+        raise ValueError(
+            f"{len(problems)} settings to fix:\n"
+            + "\n".join(f"  {i}. {p}" for i, p in enumerate(problems, 1))
+        )
+    return cfg
 
 
 async def serve(cfg: DriverConfig) -> int:

@@ -33,6 +33,11 @@ PHASES = tuple(ev.Phase.Name(p).removeprefix("PHASE_").lower() for p in ev.Phase
 
 #: Every series this module exports, as Prometheus shows it: name -> (type, labels, help).
 METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "unbroken_driver_is_leader": (
+        "gauge",
+        (),
+        "1 while this driver leads the job (its job-level series are the job's), 0 standing by",
+    ),
     "unbroken_heartbeats_total": ("counter", (), "Heartbeats received"),
     "unbroken_nodes": ("gauge", ("state",), "Nodes by live state (alive, lost)"),
     "unbroken_events_appended_total": (
@@ -120,18 +125,27 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
 
 
 class _LiveCollector(Collector):
-    def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, read: Callable[[], dict[str, Any]], job: CollectorRegistry) -> None:
         self._read = read
+        self._job = job
 
     def collect(self) -> Iterator[Any]:
         v = self._read()
+        leader = bool(v.get("leader"))
+        g = GaugeMetricFamily("unbroken_driver_is_leader", METRICS["unbroken_driver_is_leader"][2])
+        g.add_metric([], 1.0 if leader else 0.0)
+        yield g
         c = CounterMetricFamily("unbroken_heartbeats", "Heartbeats received")
         c.add_metric([], v["heartbeats"])
         yield c
-        g = GaugeMetricFamily("unbroken_nodes", "Nodes by live state", labels=["state"])
-        for state, n in v["nodes"].items():
-            g.add_metric([state], n)
-        yield g
+        if leader:
+            # The job-level series are the leader's alone: a standby's would be zeros or a
+            # stale term's values, and a `max`/`sum` over every driver would mix them in.
+            g = GaugeMetricFamily("unbroken_nodes", "Nodes by live state", labels=["state"])
+            for state, n in v["nodes"].items():
+                g.add_metric([state], n)
+            yield g
+            yield from self._job.collect()
         e = CounterMetricFamily("unbroken_events_appended", "Events appended by detectors")
         e.add_metric([], v["events"])
         yield e
@@ -151,8 +165,10 @@ class _LiveCollector(Collector):
         g = GaugeMetricFamily("unbroken_faults_pending", METRICS["unbroken_faults_pending"][2])
         g.add_metric([], v.get("faults_pending", 0))
         yield g
-        # read from the journal's folded state, never re-derived (all 0 on a standby)
-        name = ev.Phase.Name(v["phase"]).removeprefix("PHASE_").lower() if "phase" in v else ""
+        if not leader:
+            return
+        # read from the journal's folded state, never re-derived
+        name = ev.Phase.Name(v["phase"]).removeprefix("PHASE_").lower()
         g = GaugeMetricFamily("unbroken_phase", METRICS["unbroken_phase"][2], labels=["phase"])
         for p in PHASES:
             g.add_metric([p], 1.0 if p == name else 0.0)
@@ -213,8 +229,10 @@ class DriverMetrics(Endpoint):
     """The driver's registry: live counters, the view's per-node series, job-level series."""
 
     def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
-        super().__init__(CollectorRegistry())
-        self.registry.register(_LiveCollector(read))
+        super().__init__(CollectorRegistry(), component="driver")
+        # job-level series live in their own registry, exported only while leading
+        self.job_registry = CollectorRegistry()
+        self.registry.register(_LiveCollector(read, self.job_registry))
         self.detect_latency = Histogram(
             "unbroken_detection_latency_seconds",
             METRICS["unbroken_detection_latency_seconds"][2],
@@ -228,6 +246,7 @@ class DriverMetrics(Endpoint):
             buckets=DETECT_BUCKETS,
             registry=r,
         )
+        r = self.job_registry
         self.incidents = Counter(
             "unbroken_incidents", METRICS["unbroken_incidents_total"][2], registry=r
         )

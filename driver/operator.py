@@ -27,6 +27,7 @@ from unbroken.common import channel
 from unbroken.common.faults import RuntimeFault
 from unbroken.diagnostics.runner import verdict_event
 from unbroken.driver import goodput as goodputlib
+from unbroken.driver import machine
 from unbroken.driver.diagnose import DiagnoseError, DriverDiagnoseConfig, run_diagnosis
 from unbroken.driver.eventlog import EventLogError, new_event_id
 from unbroken.driver.journal import Journal
@@ -135,6 +136,9 @@ def status_of(state: ev.JobState, view: LiveView) -> dpb.GetStatusResponse:
         step=state.step,
         last_seq=state.last_seq,
         incident_id=state.incident_id,
+        incident_cause=state.incident_cause,
+        failed_restores=state.failed_restores,
+        finished_reason=state.finished_reason,
         last_diagnosis_id=state.last_diagnosis_id,
         nodes_total=ids_total,
         nodes_alive=alive,
@@ -301,6 +305,46 @@ class OperatorApi:
             if on_event in journal.subscribers:
                 journal.subscribers.remove(on_event)
 
+    # ------------------------------------------------------------ resume
+    async def Resume(
+        self, request: dpb.ResumeRequest, context: grpc.aio.ServicerContext
+    ) -> dpb.ResumeResponse:
+        """A failed or stuck job gets a new incident with a fresh restore budget."""
+        journal = await self._journal(context)
+        if journal.decider is None:
+            await abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"driver {self._lead.driver_id} does not run job {self._lead.job_id}'s recovery "
+                "(it was started without --nodes): restart the job's workers with its launcher",
+            )
+        before = journal.state.phase
+        why = machine.resumable(before)
+        if why:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, why)
+        action = ev.Event(
+            event_id=new_event_id(),
+            cause="operator",
+            operator_action=ev.OperatorAction(
+                action=machine.RESUME,
+                target=request.reason[:512] or "operator",
+                who=who(context),
+            ),
+        )
+        try:
+            stored = await journal.observe(action, self._read_timeout_s)
+        except (EventLogError, TimeoutError) as e:
+            await abort(
+                context, grpc.StatusCode.UNAVAILABLE, f"recording the resume failed: {e!r}; retry"
+            )
+        seq = min((e.seq for e in stored), default=journal.state.last_seq)
+        log.warning("job resumed by operator", was=ev.Phase.Name(before), seq=seq)
+        return dpb.ResumeResponse(
+            seq=seq,
+            from_phase=ev.Phase.Name(before),
+            phase=ev.Phase.Name(journal.state.phase),
+        )
+
     # ------------------------------------------------------------ evict
     async def Evict(
         self, request: dpb.EvictRequest, context: grpc.aio.ServicerContext
@@ -315,12 +359,17 @@ class OperatorApi:
         journal = await self._journal(context)
         state = journal.state
         rec = state.nodes.get(node_id)
-        if rec is None and node_id not in self.view.nodes:
+        if (
+            rec is None
+            and node_id not in self.view.nodes
+            and node_id not in self._lead.rendezvous_nodes()
+        ):
             await abort(
                 context,
                 grpc.StatusCode.NOT_FOUND,
-                f"node {node_id!r} is not part of job {self._lead.job_id}; "
-                "`unbroken nodes` lists them",
+                f"node {node_id!r} is not part of job {self._lead.job_id} (no agent registered "
+                "it and no torchrun agent of that node id called the rendezvous lately); "
+                "`unbroken nodes` and `unbroken events` list them",
             )
         if rec is not None and rec.state == ev.NODE_STATE_EVICTED:
             await abort(

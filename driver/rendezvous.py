@@ -11,6 +11,7 @@ Key layout (`etcdctl get --prefix /unbroken/<job>/rdzv/ --keys-only`):
 
     /unbroken/<job>/rdzv/<run_id>/state        torch's pickled rendezvous state (opaque)
     /unbroken/<job>/rdzv/<run_id>/kv/<key>     the run's c10d store, one key per key
+    /unbroken/<job>/rdzv-key                   the job's state key (GetKey), 32 random bytes
 
 The store stays small: once round r completes, the keys of earlier rounds are deleted
 (torch prefixes them `torch.rendezvous.<run_id>.<round>/`), and all of them once the
@@ -35,7 +36,12 @@ filled a 64 MiB etcd and stopped the event log). The usage is counted in memory,
 etcd once per leader term (`Quota`), and updated by every write, delete and sweep.
 
 The state itself is opaque here: torchrun agents seal it with an HMAC and open it with a
-restricted unpickler (agent/rdzvauth.py), so the driver neither can nor needs to check it.
+restricted unpickler (agent/rdzvauth.py), so the driver neither needs nor tries to check it.
+Unless the nodes were given a key of their own, the key is the driver's: GetKey makes one
+at random per job (create-if-absent, so every node and a later leader hand out the same
+one) and gives it only to principals allowed to rendezvous, over the same authenticated
+channel as every other call. That way `torchrun` needs no secret beyond the node's own
+credential (its certificate or token), and nodes with per-node tokens share one key.
 
 The stores are in driver/rendezvous_kv.py: `EtcdKV`, and in the in-memory event-log
 mode (`--event-log memory`) a `MemoryKV` (demos and tests; nothing survives the process).
@@ -365,7 +371,14 @@ class RendezvousService(rgrpc.RendezvousServicer):
         """Create the service and add it to `server` (the driver's, so its auth applies)."""
         service = cls(driver, config)
         rgrpc.add_RendezvousServicer_to_server(service, server)
+        leadership = getattr(driver, "leadership", None)
+        if leadership is not None:  # `unbroken evict` may name a torchrun-only node
+            leadership.rendezvous_nodes = service.known_nodes
         return service
+
+    def known_nodes(self) -> set[str]:
+        """The node ids of the torchrun agents heard from lately (at most `names_kept`)."""
+        return set(self._names.values())
 
     # ------------------------------------------------------------ plumbing
     def _notify(self) -> None:

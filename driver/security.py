@@ -85,6 +85,7 @@ AUTHZ: dict[str, frozenset[str]] = {
     _D + "ClearNode": OPERATOR,  # resumes a drained node in the cluster scheduler
     _D + "RunSelfCheck": OPERATOR,
     _D + "InjectFault": OPERATOR,  # and only on a driver run with --allow-fault-injection
+    _D + "Resume": OPERATOR,  # a failed or stuck job: a new incident, a fresh restore budget
     _D + "RegisterJob": LAUNCHER,
     _D + "ReportFailure": LAUNCHER,
     _D + "RequestCheckpoint": OPERATOR | LAUNCHER,
@@ -102,6 +103,7 @@ AUTHZ: dict[str, frozenset[str]] = {
             "StoreCheck",
             "StoreDelete",
             "StoreNumKeys",
+            "GetKey",
         )
     },
 }

@@ -1089,6 +1089,11 @@ class DriverService(dgrpc.DriverServicer):
     ) -> dpb.InjectFaultResponse:
         return await self.operators.InjectFault(request, context)
 
+    async def Resume(
+        self, request: dpb.ResumeRequest, context: grpc.aio.ServicerContext
+    ) -> dpb.ResumeResponse:
+        return await self.operators.Resume(request, context)
+
     async def RegisterJob(
         self, request: dpb.RegisterJobRequest, context: grpc.aio.ServicerContext
     ) -> dpb.RegisterJobResponse:
@@ -1161,6 +1166,7 @@ class DriverService(dgrpc.DriverServicer):
         alive = self.view.alive_count()
         j = self.journal
         return {
+            "leader": j is not None,
             "heartbeats": sum(s.heartbeats for s in self.view.nodes.values()),
             "nodes": {"alive": alive, "lost": len(self.view.nodes) - alive},
             "events": self.appended,

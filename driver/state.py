@@ -241,6 +241,7 @@ def _close_incident(s: ev.JobState) -> None:
     del s.bad_nodes[:]
     s.needs_diagnosis = False
     s.restore_attempts = 0
+    s.failed_restores = 0
     s.ClearField("rollback_to")
     s.ClearField("incident_world")
 
@@ -269,6 +270,11 @@ def _leader_elected(s: ev.JobState, e: ev.Event) -> None:
 
 def _recovery_transition(s: ev.JobState, e: ev.Event) -> None:
     p = e.recovery_transition
+    if s.phase == ev.PHASE_RESTORING and p.to_phase != ev.PHASE_RUNNING and not p.by_operator:
+        s.failed_restores += 1  # the restore failed, or a fault cut it short
+    if p.rearm:  # an operator's resume: the old incident is over, its budget with it
+        _close_incident(s)
+        s.finished_reason = ""
     if p.to_phase == ev.PHASE_RUNNING:
         _incident_ended(s, e, None)
     elif p.to_phase not in (ev.PHASE_FINISHED, ev.PHASE_FAILED):
@@ -293,6 +299,7 @@ def _recovery_transition(s: ev.JobState, e: ev.Event) -> None:
 def _job_finished(s: ev.JobState, e: ev.Event) -> None:
     s.phase = ev.PHASE_FINISHED if e.job_finished.ok else ev.PHASE_FAILED
     s.step = e.job_finished.step
+    s.finished_reason = e.job_finished.reason
 
 
 # the events whose kind names an incident's cause in the goodput ledger

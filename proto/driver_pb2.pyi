@@ -593,7 +593,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("job_id", "driver_id", "leader_address", "leader_term", "phase", "step", "live_step", "nodes_total", "nodes_active", "nodes_spare", "nodes_lost", "nodes_evicted", "nodes_alive", "last_seq", "incident_id", "last_diagnosis_id", "diagnosis_running", "goodput", "training_wall_s", "lost_s_by_cause", "persist_every_s", "persist_cost_s", "storage_mtbf_s", "persist_failing", "newest_commit_step", "newest_commit_age_s")
+    __slots__ = ("job_id", "driver_id", "leader_address", "leader_term", "phase", "step", "live_step", "nodes_total", "nodes_active", "nodes_spare", "nodes_lost", "nodes_evicted", "nodes_alive", "last_seq", "incident_id", "last_diagnosis_id", "diagnosis_running", "goodput", "training_wall_s", "lost_s_by_cause", "persist_every_s", "persist_cost_s", "storage_mtbf_s", "persist_failing", "newest_commit_step", "newest_commit_age_s", "incident_cause", "failed_restores", "finished_reason")
     class LostSByCauseEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -627,6 +627,9 @@ class GetStatusResponse(_message.Message):
     PERSIST_FAILING_FIELD_NUMBER: _ClassVar[int]
     NEWEST_COMMIT_STEP_FIELD_NUMBER: _ClassVar[int]
     NEWEST_COMMIT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    INCIDENT_CAUSE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_RESTORES_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REASON_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     driver_id: str
     leader_address: str
@@ -653,7 +656,10 @@ class GetStatusResponse(_message.Message):
     persist_failing: _containers.RepeatedCompositeFieldContainer[PersistFailure]
     newest_commit_step: int
     newest_commit_age_s: float
-    def __init__(self, job_id: _Optional[str] = ..., driver_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., leader_term: _Optional[int] = ..., phase: _Optional[_Union[_events_pb2.Phase, str]] = ..., step: _Optional[int] = ..., live_step: _Optional[int] = ..., nodes_total: _Optional[int] = ..., nodes_active: _Optional[int] = ..., nodes_spare: _Optional[int] = ..., nodes_lost: _Optional[int] = ..., nodes_evicted: _Optional[int] = ..., nodes_alive: _Optional[int] = ..., last_seq: _Optional[int] = ..., incident_id: _Optional[str] = ..., last_diagnosis_id: _Optional[str] = ..., diagnosis_running: _Optional[str] = ..., goodput: _Optional[float] = ..., training_wall_s: _Optional[float] = ..., lost_s_by_cause: _Optional[_Mapping[str, float]] = ..., persist_every_s: _Optional[float] = ..., persist_cost_s: _Optional[float] = ..., storage_mtbf_s: _Optional[float] = ..., persist_failing: _Optional[_Iterable[_Union[PersistFailure, _Mapping]]] = ..., newest_commit_step: _Optional[int] = ..., newest_commit_age_s: _Optional[float] = ...) -> None: ...
+    incident_cause: str
+    failed_restores: int
+    finished_reason: str
+    def __init__(self, job_id: _Optional[str] = ..., driver_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., leader_term: _Optional[int] = ..., phase: _Optional[_Union[_events_pb2.Phase, str]] = ..., step: _Optional[int] = ..., live_step: _Optional[int] = ..., nodes_total: _Optional[int] = ..., nodes_active: _Optional[int] = ..., nodes_spare: _Optional[int] = ..., nodes_lost: _Optional[int] = ..., nodes_evicted: _Optional[int] = ..., nodes_alive: _Optional[int] = ..., last_seq: _Optional[int] = ..., incident_id: _Optional[str] = ..., last_diagnosis_id: _Optional[str] = ..., diagnosis_running: _Optional[str] = ..., goodput: _Optional[float] = ..., training_wall_s: _Optional[float] = ..., lost_s_by_cause: _Optional[_Mapping[str, float]] = ..., persist_every_s: _Optional[float] = ..., persist_cost_s: _Optional[float] = ..., storage_mtbf_s: _Optional[float] = ..., persist_failing: _Optional[_Iterable[_Union[PersistFailure, _Mapping]]] = ..., newest_commit_step: _Optional[int] = ..., newest_commit_age_s: _Optional[float] = ..., incident_cause: _Optional[str] = ..., failed_restores: _Optional[int] = ..., finished_reason: _Optional[str] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ("page_size", "after")
@@ -758,6 +764,22 @@ class DiagnoseResponse(_message.Message):
     round: _events_pb2.DiagnosisRound
     verdict: _events_pb2.DiagnosisVerdict
     def __init__(self, started: _Optional[_Union[DiagnoseStarted, _Mapping]] = ..., progress: _Optional[_Union[DiagnoseProgress, _Mapping]] = ..., round: _Optional[_Union[_events_pb2.DiagnosisRound, _Mapping]] = ..., verdict: _Optional[_Union[_events_pb2.DiagnosisVerdict, _Mapping]] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ("seq", "from_phase", "phase")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    FROM_PHASE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    from_phase: str
+    phase: str
+    def __init__(self, seq: _Optional[int] = ..., from_phase: _Optional[str] = ..., phase: _Optional[str] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("node_id", "reason")

@@ -84,6 +84,11 @@ class DriverStub:
                 request_serializer=unbroken_dot_proto_dot_driver__pb2.InjectFaultRequest.SerializeToString,
                 response_deserializer=unbroken_dot_proto_dot_driver__pb2.InjectFaultResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/unbroken.driver.v1.Driver/Resume',
+                request_serializer=unbroken_dot_proto_dot_driver__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=unbroken_dot_proto_dot_driver__pb2.ResumeResponse.FromString,
+                _registered_method=True)
         self.RegisterJob = channel.unary_unary(
                 '/unbroken.driver.v1.Driver/RegisterJob',
                 request_serializer=unbroken_dot_proto_dot_driver__pb2.RegisterJobRequest.SerializeToString,
@@ -195,6 +200,15 @@ class DriverServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """Bring a failed (or stuck) job back: appends OperatorAction "resume"; the recovery loop
+        opens a new incident with a fresh restore budget (pause, reshape, restore). Only on a
+        driver that runs the job (--nodes). FAILED_PRECONDITION: running, finished, or no loop.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RegisterJob(self, request, context):
         """---- launcher API: for launchers that start their own workers (torchrun, srun,
         Kubernetes operators) and for tools. Leader only, as above.
@@ -296,6 +310,11 @@ def add_DriverServicer_to_server(servicer, server):
                     servicer.InjectFault,
                     request_deserializer=unbroken_dot_proto_dot_driver__pb2.InjectFaultRequest.FromString,
                     response_serializer=unbroken_dot_proto_dot_driver__pb2.InjectFaultResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=unbroken_dot_proto_dot_driver__pb2.ResumeRequest.FromString,
+                    response_serializer=unbroken_dot_proto_dot_driver__pb2.ResumeResponse.SerializeToString,
             ),
             'RegisterJob': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterJob,
@@ -593,6 +612,33 @@ class Driver:
             '/unbroken.driver.v1.Driver/InjectFault',
             unbroken_dot_proto_dot_driver__pb2.InjectFaultRequest.SerializeToString,
             unbroken_dot_proto_dot_driver__pb2.InjectFaultResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/unbroken.driver.v1.Driver/Resume',
+            unbroken_dot_proto_dot_driver__pb2.ResumeRequest.SerializeToString,
+            unbroken_dot_proto_dot_driver__pb2.ResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,

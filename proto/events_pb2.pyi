@@ -457,7 +457,7 @@ class LeaderElected(_message.Message):
     def __init__(self, driver_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., term: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class RecoveryTransition(_message.Message):
-    __slots__ = ("from_phase", "to_phase", "incident_id", "reason", "suspects", "bad_nodes", "diagnose")
+    __slots__ = ("from_phase", "to_phase", "incident_id", "reason", "suspects", "bad_nodes", "diagnose", "by_operator", "rearm")
     FROM_PHASE_FIELD_NUMBER: _ClassVar[int]
     TO_PHASE_FIELD_NUMBER: _ClassVar[int]
     INCIDENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -465,6 +465,8 @@ class RecoveryTransition(_message.Message):
     SUSPECTS_FIELD_NUMBER: _ClassVar[int]
     BAD_NODES_FIELD_NUMBER: _ClassVar[int]
     DIAGNOSE_FIELD_NUMBER: _ClassVar[int]
+    BY_OPERATOR_FIELD_NUMBER: _ClassVar[int]
+    REARM_FIELD_NUMBER: _ClassVar[int]
     from_phase: Phase
     to_phase: Phase
     incident_id: str
@@ -472,7 +474,9 @@ class RecoveryTransition(_message.Message):
     suspects: _containers.RepeatedScalarFieldContainer[str]
     bad_nodes: _containers.RepeatedScalarFieldContainer[str]
     diagnose: bool
-    def __init__(self, from_phase: _Optional[_Union[Phase, str]] = ..., to_phase: _Optional[_Union[Phase, str]] = ..., incident_id: _Optional[str] = ..., reason: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., diagnose: _Optional[bool] = ...) -> None: ...
+    by_operator: bool
+    rearm: bool
+    def __init__(self, from_phase: _Optional[_Union[Phase, str]] = ..., to_phase: _Optional[_Union[Phase, str]] = ..., incident_id: _Optional[str] = ..., reason: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., diagnose: _Optional[bool] = ..., by_operator: _Optional[bool] = ..., rearm: _Optional[bool] = ...) -> None: ...
 
 class NodeRefused(_message.Message):
     __slots__ = ("node_id", "epoch", "reason")
@@ -605,7 +609,7 @@ class CheckpointRecord(_message.Message):
     def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., seq: _Optional[int] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., wall_time_unix_ns: _Optional[int] = ...) -> None: ...
 
 class JobState(_message.Message):
-    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id", "bad_nodes", "needs_diagnosis", "restore_step", "configured_world", "incident_world", "restore_attempts", "rollback_to", "rollback_steps", "last_rollback_to", "gone_nodes", "pruned_nodes", "last_skip_from", "last_skip_batches", "goodput", "persist_cost_s")
+    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id", "bad_nodes", "needs_diagnosis", "restore_step", "configured_world", "incident_world", "restore_attempts", "rollback_to", "rollback_steps", "last_rollback_to", "gone_nodes", "pruned_nodes", "last_skip_from", "last_skip_batches", "goodput", "persist_cost_s", "failed_restores", "finished_reason")
     class NodesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -653,6 +657,8 @@ class JobState(_message.Message):
     LAST_SKIP_BATCHES_FIELD_NUMBER: _ClassVar[int]
     GOODPUT_FIELD_NUMBER: _ClassVar[int]
     PERSIST_COST_S_FIELD_NUMBER: _ClassVar[int]
+    FAILED_RESTORES_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REASON_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     last_seq: int
     phase: Phase
@@ -686,7 +692,9 @@ class JobState(_message.Message):
     last_skip_batches: int
     goodput: GoodputLedger
     persist_cost_s: float
-    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., needs_diagnosis: _Optional[bool] = ..., restore_step: _Optional[int] = ..., configured_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., incident_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., restore_attempts: _Optional[int] = ..., rollback_to: _Optional[int] = ..., rollback_steps: _Optional[_Iterable[int]] = ..., last_rollback_to: _Optional[int] = ..., gone_nodes: _Optional[int] = ..., pruned_nodes: _Optional[int] = ..., last_skip_from: _Optional[int] = ..., last_skip_batches: _Optional[int] = ..., goodput: _Optional[_Union[GoodputLedger, _Mapping]] = ..., persist_cost_s: _Optional[float] = ...) -> None: ...
+    failed_restores: int
+    finished_reason: str
+    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., needs_diagnosis: _Optional[bool] = ..., restore_step: _Optional[int] = ..., configured_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., incident_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., restore_attempts: _Optional[int] = ..., rollback_to: _Optional[int] = ..., rollback_steps: _Optional[_Iterable[int]] = ..., last_rollback_to: _Optional[int] = ..., gone_nodes: _Optional[int] = ..., pruned_nodes: _Optional[int] = ..., last_skip_from: _Optional[int] = ..., last_skip_batches: _Optional[int] = ..., goodput: _Optional[_Union[GoodputLedger, _Mapping]] = ..., persist_cost_s: _Optional[float] = ..., failed_restores: _Optional[int] = ..., finished_reason: _Optional[str] = ...) -> None: ...
 
 class GoodputLedger(_message.Message):
     __slots__ = ("started_ns", "incident_began_ns", "incident_cause", "lost_s_by_cause", "steps_redone", "last_fault", "incidents", "storage_incidents")

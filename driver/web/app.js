@@ -45,6 +45,9 @@ function bytes(n) {
 
 function clock(ms) { return new Date(ms).toLocaleTimeString([], { hour12: false }); }
 
+// phases in which no step is trained: the header says so in a colour and a banner
+const RECOVERING = ["suspected", "paused", "diagnosed", "reshaped", "restoring"];
+
 function banner(text, cls) {
   const b = $("banner");
   b.hidden = !text;
@@ -58,6 +61,7 @@ function renderHeader(s) {
   $("role").textContent = `${s.driver_id} · ${s.role}`;
   $("role").className = `pill ${s.role}`;
   $("phase").textContent = `phase ${s.phase}`;
+  $("phase").className = `pill phase-${s.phase}`;
   $("step").textContent = `step ${s.live_step || s.step}`;
   const g = s.goodput;
   $("goodput").textContent = g && g.ratio >= 0 ? `goodput ${g.ratio.toFixed(3)}` : "goodput -";
@@ -66,8 +70,17 @@ function renderHeader(s) {
   $("counts").replaceChildren(...["alive", "active", "spare", "lost", "evicted"]
     .filter((k) => c[k]).map((k) => el("span", { class: `state ${k}` }, `${c[k]} ${k}`)));
   $("updated").textContent = `updated ${clock(s.now)}`;
+  const inc = s.incident || {};
   if (s.error) banner(s.error, "");
-  else if (s.role === "standby") {
+  else if (s.phase === "failed") {
+    banner(`The job FAILED at step ${s.step}: ${s.finished_reason || inc.cause || "see the events"}. ` +
+      "Its workers are stopped. Fix the cause, then run `unbroken resume` " +
+      "(a new incident with a fresh restore budget).", "failed");
+  } else if (RECOVERING.includes(s.phase)) {
+    banner(`Training is stopped: recovering (${s.phase}) from incident ${inc.id || "?"}: ` +
+      `${inc.cause || "?"}` + (inc.failed_restores ? `; ${inc.failed_restores} restore(s) failed` : ""),
+      "recovering");
+  } else if (s.role === "standby") {
     banner(`This driver is a standby: the job state below is replayed from the event log; ` +
       `live heartbeats, curves and the heatmap are on the leader (gRPC ` +
       `${s.leader_address || "address unknown yet"}).`, "standby");

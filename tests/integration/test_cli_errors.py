@@ -135,3 +135,18 @@ def test_print_config_is_a_config_file_that_reproduces_itself(tmp_path: Path) ->
         capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
     assert second.stdout == first.stdout
+
+
+def test_driver_reports_every_missing_setting_at_once(tmp_path: Path) -> None:
+    """A new user's first driver line (embedded etcd, all interfaces, no credentials) gets one
+    error listing all three problems, each with what to do, not one per run."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
+    r = subprocess.run(
+        [sys.executable, "-m", "unbroken.cli", "driver", "--listen", "0.0.0.0:0", "--job-id", "j"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "3 settings to fix" in r.stderr
+    for phrase in ("--etcd-data-dir DIR", "--archive-url", "--insecure"):
+        assert phrase in r.stderr, (phrase, r.stderr)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
+from tests.integration.rdzvscript import TRAIN
 from unbroken.agent import rdzv
 from unbroken.cli.cluster import stop_groups
 from unbroken.driver.etcd import etcd_bin_dir
@@ -46,37 +47,6 @@ CLI = [sys.executable, "-m", "unbroken.cli"]
 TOKEN = "rdzv-test-token-0123456789"  # the nodes' (torchrun agents') role token
 VIEWER = "rdzv-viewer-token-0123456789"
 OPERATOR = "rdzv-operator-token-0123456789"
-
-TRAIN = """
-import json, os, sys, time
-from pathlib import Path
-import torch
-import torch.distributed as dist
-
-out, steps = Path(sys.argv[1]), int(sys.argv[2])
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-tag = os.environ["NODE_TAG"]
-restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "?")
-(out / f"pid-{tag}").write_text(str(os.getpid()))
-ckpt = out / "ckpt.json"
-start = torch.tensor([json.loads(ckpt.read_text())["step"] if ckpt.exists() else 0])
-dist.broadcast(start, 0)  # everyone resumes from rank 0's checkpoint
-for step in range(int(start) + 1, steps + 1):
-    x = torch.tensor([1.0, float((out / "stop").exists())])
-    dist.all_reduce(x)
-    assert int(x[0]) == world
-    if x[1] > 0:  # an operator asked to stop: every rank agrees at the same step
-        break
-    if rank == 0:
-        tmp = out / "ckpt.tmp"
-        tmp.write_text(json.dumps({"step": step, "world": world}))
-        os.replace(tmp, ckpt)
-    with open(out / f"log-{tag}", "a") as f:
-        f.write(f"{restart} {step} {world} {os.getpid()}\\n")
-    time.sleep(float(os.environ.get("STEP_S", "0.2")))
-dist.destroy_process_group()
-"""
 
 
 # ---------------------------------------------------------------- fixtures and helpers

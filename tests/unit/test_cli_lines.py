@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+from typing import ClassVar
 
+import pytest
+from rich.console import Console
+
+from unbroken.cli.drill import FaultRecord, fault_table
+from unbroken.cli.events import line
 from unbroken.cli.status import persistence_line
-from unbroken.cli.up import commits_line
+from unbroken.cli.up import _render, commits_line
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 
@@ -37,3 +42,60 @@ def test_persistence_line_names_the_interval_and_what_it_comes_from() -> None:
         "every 93 s (Young/Daly: 0.050 s per checkpoint, storage-served MTBF 24.0 h)"
     )
     assert "--persist-every-s" in persistence_line(dpb.GetStatusResponse())
+
+
+# ---------------------------------------------------------------- the drill's terminal output
+def _drilled() -> list[FaultRecord]:
+    done = FaultRecord(
+        "worker SIGKILL", "node-1 rank 3", 0.0, "worker_failed", recovers=True,
+        detected_s=0.41, resumed_s=9.87, steps_lost=2, event_seq=120, events_written=14,
+        loss_before=3.21, loss_after=3.19, resumed_step=40, note="restored from memory",
+    )  # fmt: skip
+    skipped = FaultRecord(
+        "straggler 1.05x", "node-0", 0.0, "straggler_suspected", skipped=True,
+        note="this host is too busy to judge a 5 % slowdown (load 5.2 on 2 cores)",
+    )  # fmt: skip
+    return [done, skipped]
+
+
+def test_the_drill_table_fits_80_columns_and_keeps_every_fault() -> None:
+    console = Console(width=80, record=True, force_terminal=False)
+    console.print(fault_table(_drilled(), 80))
+    text = console.export_text()
+    assert max(len(x) for x in text.splitlines()) <= 80, text
+    for phrase in ("worker SIGKILL", "straggler", "0.41 s", "9.87 s", "skipped"):
+        assert phrase in text, (phrase, text)
+    wide = Console(width=160, record=True)
+    wide.print(fault_table(_drilled(), 160))
+    assert "loss continued" in wide.export_text()
+
+
+def test_the_live_view_fits_80_by_24() -> None:
+    class Watch:  # what _render reads of a LogWatch
+        leader = "driver-a"
+        nodes: ClassVar[list[object]] = []
+        events: ClassVar[list[ev.Event]] = [
+            ev.Event(seq=i, worker_failed=ev.WorkerFailed(node_id="node-1", exit_code=-9))
+            for i in range(1, 40)
+        ]
+
+    console = Console(width=80, height=24, record=True)
+    console.print(_render(Watch(), _drilled(), 12.0, 80, 24))  # type: ignore[arg-type]
+    text = console.export_text()
+    assert len(text.splitlines()) <= 24, text
+    assert max(len(x) for x in text.splitlines()) <= 80, text
+
+
+def test_events_are_short_human_lines() -> None:
+    t = ev.Event(
+        seq=43,
+        recovery_transition=ev.RecoveryTransition(
+            from_phase=ev.PHASE_RUNNING, to_phase=ev.PHASE_SUSPECTED, incident_id="i43",
+            reason="worker node-1/1 exited with -9 at step 123",
+        ),
+    )  # fmt: skip
+    assert line(t) == "   43 running -> suspected i43: worker node-1/1 exited with -9 at step 123"
+    spike = ev.Event(seq=7, loss_spike=ev.LossSpike(step=3, loss=9.3, baseline=2.1, factor=6))
+    assert line(spike) == "    7 loss_spike step=3 loss=9.3 baseline=2.1 factor=6"  # no 9.30000019
+    long = ev.Event(seq=8, log_alert=ev.LogAlert(node_id="n" * 200))
+    assert len(line(long)) == 80 and line(long).endswith("…")

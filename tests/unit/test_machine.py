@@ -579,3 +579,66 @@ def test_a_spare_in_the_world_reconnecting_stays_in_the_world() -> None:
     assert not only(d.actions, m.PauseAll)
     d = sim.feed(register("s0", 2, spare=True))
     assert d.phase == ev.PHASE_SUSPECTED and only(d.actions, m.PauseAll)
+
+
+# ---------------------------------------------------------------- the restore budget and resume
+def test_restores_an_operator_cut_short_cost_no_budget() -> None:
+    """Evictions landing during restores (an operator at work) never fail the job; a crash
+    during a restore does count."""
+    sim = start(m.Policy(max_restore_attempts=1), nodes=3, spares=3)
+    sim.feed(crash("n0"))
+    sim.feed(m.Paused(step=4))
+    assert sim.state.phase == ev.PHASE_RESTORING
+    for spare in ("s0", "s1"):  # each eviction cuts the restore short; it is not a failure
+        sim.feed(operator("evict", spare))
+        assert sim.state.failed_restores == 0, sim.state
+        sim.feed(m.Paused(step=4))
+        assert sim.state.phase == ev.PHASE_RESTORING
+    sim.feed(crash("n1"))  # a fault of the job's own: this restore failed
+    assert sim.state.failed_restores == 1
+    d = sim.feed(m.Paused(step=4))
+    assert d.phase == ev.PHASE_FAILED and "unbroken resume" in d.events[-1].job_finished.reason
+
+
+def test_resume_rearms_a_failed_job_with_a_fresh_budget() -> None:
+    sim = start(m.Policy(max_restore_attempts=1), nodes=2)
+    d = sim.feed(operator(m.RESUME))
+    assert d.phase == ev.PHASE_RUNNING and "nothing to resume" in d.note
+    sim.feed(crash("n0"))
+    sim.feed(m.Paused(step=4))
+    sim.feed(restored(0, ok=False))
+    sim.feed(m.Paused(step=4))
+    assert sim.state.phase == ev.PHASE_FAILED
+    failed_incident = sim.state.incident_id
+    d = sim.feed(operator(m.RESUME))
+    t = d.events[-1].recovery_transition
+    assert (t.from_phase, t.to_phase, t.rearm, t.by_operator) == (
+        ev.PHASE_FAILED,
+        ev.PHASE_SUSPECTED,
+        True,
+        True,
+    )
+    assert sim.state.incident_id != failed_incident and sim.state.failed_restores == 0
+    assert any(isinstance(a, m.PauseAll) for a in d.actions)
+    d = sim.feed(m.Paused(step=4))
+    restore = only(d.actions, m.Restore)[0]
+    assert d.phase == ev.PHASE_RESTORING and restore.attempt == 1
+    d = sim.feed(restored(restore.step))
+    assert d.phase == ev.PHASE_RUNNING
+
+
+def test_resume_restarts_a_recovery_stuck_waiting_for_a_diagnosis() -> None:
+    sim = start(m.Policy(diagnose_kinds=frozenset({"hang_suspected"})), nodes=2)
+    sim.feed(hang("n1"))
+    d = sim.feed(m.Paused(step=4))
+    assert d.phase == ev.PHASE_PAUSED and any(isinstance(a, m.RunDiagnosis) for a in d.actions)
+    stuck = sim.state.incident_id  # its verdict never comes
+    d = sim.feed(operator(m.RESUME))
+    assert d.phase == ev.PHASE_SUSPECTED and sim.state.incident_id != stuck
+    assert not sim.state.needs_diagnosis and not sim.state.suspects
+    d = sim.feed(m.Paused(step=4))
+    assert d.phase == ev.PHASE_RESTORING
+    d = sim.feed(restored(sim.state.restore_step))
+    assert d.phase == ev.PHASE_RUNNING
+    d = sim.feed(operator(m.RESUME))  # nothing to resume now
+    assert d.phase == ev.PHASE_RUNNING and "nothing to resume" in d.note
