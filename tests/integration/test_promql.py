@@ -8,7 +8,7 @@ histograms grow over the test's half hour; gauges stay put.
 
 The expressions: every target of the Grafana dashboard (driver/grafana/unbroken.json),
 every rule of deploy/unbroken-rules.yml, and every PromQL expression written in README.md
-and docs/*.md (a code span that names an `unbroken_` metric and calls a function or
+and docs/**/*.md (a code span that names an `unbroken_` metric and calls a function or
 compares). Each must return at least one sample at the 10-minute mark, checked by
 `promtool test rules` (Debian's `prometheus` package; the test skips, saying so, without
 it). The alert rules are also run for what they are for: the failed-job alert fires on a
@@ -74,6 +74,7 @@ def _driver(*, leader: bool, phase: int = ev.PHASE_RUNNING) -> DriverMetrics:
             "phase": phase,
             "goodput": Goodput(0.9, 100.0, {"node_lost": 10.0}),
             "persist_every_s": 182.0,
+            "newest_commit_age_s": 41.0,
         }
     )
     view = LiveView(LiveViewConfig())
@@ -123,7 +124,7 @@ def shipped_expressions() -> dict[str, str]:
         out[f"grafana target {i}"] = e
     for alert, expr in RULE.findall(RULES.read_text()):
         out[f"deploy/unbroken-rules.yml {alert}"] = expr.strip()
-    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         text = re.sub(r"\s*\n\s*", " ", doc.read_text())  # spans wrap across lines
         for m in SPAN.finditer(text):
             expr = m.group(1).strip()
@@ -160,7 +161,8 @@ def test_the_expressions_are_found() -> None:
     found = shipped_expressions()
     assert sum(k.startswith("grafana") for k in found) >= 30
     assert sum(k.startswith("deploy") for k in found) >= 5
-    assert any(k.startswith("README.md") for k in found), sorted(found)
+    # the metrics page's "useful query" (the README links there)
+    assert any(k.startswith("docs/operations/metrics.md") for k in found), sorted(found)
 
 
 PER_NODE = {"UnbrokenWorkerRestarting": [{"instance": f"node-{i}:9401"} for i in range(2)]}
@@ -186,15 +188,23 @@ def _returns_data(tmp: Path, exprs: dict[str, str]) -> list[str]:
 @needs_promtool
 def test_grafana_and_docs_expressions_return_data_on_labelled_series(tmp_path: Path) -> None:
     exprs = {
-        k: v for k, v in shipped_expressions().items() if not k.startswith(("deploy", "README"))
+        k: v
+        for k, v in shipped_expressions().items()
+        if not k.startswith(("deploy", "README", "docs/operations/metrics.md"))
     }
     empty = _returns_data(tmp_path, exprs)
     assert not empty, "expressions that return nothing on labelled series:\n" + "\n".join(empty)
 
 
 @needs_promtool
-def test_readme_expressions_return_data_on_labelled_series(tmp_path: Path) -> None:
-    exprs = {k: v for k, v in shipped_expressions().items() if k.startswith("README")}
+def test_readme_and_metrics_page_expressions_return_data_on_labelled_series(
+    tmp_path: Path,
+) -> None:
+    exprs = {
+        k: v
+        for k, v in shipped_expressions().items()
+        if k.startswith(("README", "docs/operations/metrics.md"))
+    }
     empty = _returns_data(tmp_path, exprs)
     assert not empty, "README expressions that return nothing on labelled series:\n" + "\n".join(
         empty

@@ -1,6 +1,6 @@
-"""The README's torchrun section, run as written: certificates, a driver, two torchrun nodes.
+"""The torchrun page's commands (docs/getting-started/torchrun.md), run as written: certificates, a driver, two torchrun nodes.
 
-The commands below are the section's lines (`README` holds them verbatim); the test changes
+The commands below are the section's lines (the page holds them verbatim); the test changes
 only what a single machine needs: the host (`driver-host` -> 127.0.0.1), a free port instead
 of 50051 (read back from the driver's --port-file), one process per node instead of 8, and
 the training script's own arguments. Nothing else is set: no UNBROKEN_RDZV_KEY, no token,
@@ -33,7 +33,8 @@ from unbroken.proto import rendezvous_pb2_grpc as rgrpc
 
 pytestmark = pytest.mark.integration
 
-# The README's torchrun section, command by command (the lead keeps README.md equal to this).
+# The torchrun page's commands (docs/getting-started/torchrun.md), line by line; a test below
+# checks the page still holds each of them verbatim.
 README = """
 unbroken certs ca --dir pki
 unbroken certs issue driver:main --dir pki --host driver-host
@@ -177,3 +178,9 @@ def _get_state_as(tmp: Path, port: int, node: str) -> grpc.RpcError:
 
 def _tail(tmp: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp.glob("*.log")))
+
+
+def test_the_page_holds_these_lines() -> None:
+    page = (Path(__file__).resolve().parents[2] / "docs/getting-started/torchrun.md").read_text()
+    missing = [line for line in README.strip().splitlines() if line not in page.splitlines()]
+    assert not missing, f"docs/getting-started/torchrun.md lost these lines: {missing}"
