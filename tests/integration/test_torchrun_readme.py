@@ -1,4 +1,4 @@
-"""The torchrun page's commands (docs/getting-started/torchrun.md), run as written: certificates, a driver, two torchrun nodes.
+"""The torchrun page's commands (docs/getting-started/torchrun.md), run as written.
 
 The commands below are the section's lines (the page holds them verbatim); the test changes
 only what a single machine needs: the host (`driver-host` -> 127.0.0.1), a free port instead
