@@ -573,8 +573,15 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("job_id", "driver_id", "leader_address", "leader_term", "phase", "step", "live_step", "nodes_total", "nodes_active", "nodes_spare", "nodes_lost", "nodes_evicted", "nodes_alive", "last_seq", "incident_id", "last_diagnosis_id", "diagnosis_running", "goodput", "training_wall_s", "lost_s_by_cause", "persist_every_s", "persist_cost_s", "storage_mtbf_s")
+    __slots__ = ("job_id", "driver_id", "leader_address", "leader_term", "phase", "step", "live_step", "nodes_total", "nodes_active", "nodes_spare", "nodes_lost", "nodes_evicted", "nodes_alive", "last_seq", "incident_id", "last_diagnosis_id", "diagnosis_running", "goodput", "training_wall_s", "lost_s_by_cause", "lost_s_by_category", "persist_every_s", "persist_cost_s", "storage_mtbf_s")
     class LostSByCauseEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class LostSByCategoryEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -601,6 +608,7 @@ class GetStatusResponse(_message.Message):
     GOODPUT_FIELD_NUMBER: _ClassVar[int]
     TRAINING_WALL_S_FIELD_NUMBER: _ClassVar[int]
     LOST_S_BY_CAUSE_FIELD_NUMBER: _ClassVar[int]
+    LOST_S_BY_CATEGORY_FIELD_NUMBER: _ClassVar[int]
     PERSIST_EVERY_S_FIELD_NUMBER: _ClassVar[int]
     PERSIST_COST_S_FIELD_NUMBER: _ClassVar[int]
     STORAGE_MTBF_S_FIELD_NUMBER: _ClassVar[int]
@@ -624,10 +632,11 @@ class GetStatusResponse(_message.Message):
     goodput: float
     training_wall_s: float
     lost_s_by_cause: _containers.ScalarMap[str, float]
+    lost_s_by_category: _containers.ScalarMap[str, float]
     persist_every_s: float
     persist_cost_s: float
     storage_mtbf_s: float
-    def __init__(self, job_id: _Optional[str] = ..., driver_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., leader_term: _Optional[int] = ..., phase: _Optional[_Union[_events_pb2.Phase, str]] = ..., step: _Optional[int] = ..., live_step: _Optional[int] = ..., nodes_total: _Optional[int] = ..., nodes_active: _Optional[int] = ..., nodes_spare: _Optional[int] = ..., nodes_lost: _Optional[int] = ..., nodes_evicted: _Optional[int] = ..., nodes_alive: _Optional[int] = ..., last_seq: _Optional[int] = ..., incident_id: _Optional[str] = ..., last_diagnosis_id: _Optional[str] = ..., diagnosis_running: _Optional[str] = ..., goodput: _Optional[float] = ..., training_wall_s: _Optional[float] = ..., lost_s_by_cause: _Optional[_Mapping[str, float]] = ..., persist_every_s: _Optional[float] = ..., persist_cost_s: _Optional[float] = ..., storage_mtbf_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., driver_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., leader_term: _Optional[int] = ..., phase: _Optional[_Union[_events_pb2.Phase, str]] = ..., step: _Optional[int] = ..., live_step: _Optional[int] = ..., nodes_total: _Optional[int] = ..., nodes_active: _Optional[int] = ..., nodes_spare: _Optional[int] = ..., nodes_lost: _Optional[int] = ..., nodes_evicted: _Optional[int] = ..., nodes_alive: _Optional[int] = ..., last_seq: _Optional[int] = ..., incident_id: _Optional[str] = ..., last_diagnosis_id: _Optional[str] = ..., diagnosis_running: _Optional[str] = ..., goodput: _Optional[float] = ..., training_wall_s: _Optional[float] = ..., lost_s_by_cause: _Optional[_Mapping[str, float]] = ..., lost_s_by_category: _Optional[_Mapping[str, float]] = ..., persist_every_s: _Optional[float] = ..., persist_cost_s: _Optional[float] = ..., storage_mtbf_s: _Optional[float] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ("page_size", "after")

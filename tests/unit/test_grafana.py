@@ -46,7 +46,7 @@ def _metrics() -> DriverMetrics:
             "events": 4,
             "dropped": 0,
             "phase": ev.PHASE_RUNNING,
-            "goodput": Goodput(0.9, 100.0, {"node_lost": 10.0}),
+            "goodput": Goodput(0.9, 100.0, {"node_lost": 10.0}, {"restore": 10.0}),
             "persist_every_s": 182.0,
         }
     )
