@@ -64,6 +64,7 @@ log = structlog.get_logger(__name__)
 
 SERVICE_NAME = "unbroken.driver.v1.Driver"
 LEADER_HEALTH = "unbroken.driver.v1.Driver.leader"  # health: SERVING on the leader only
+LEADER_HEALTH_NAMES = ("", LEADER_HEALTH)  # the plain check too: load balancers ask it
 __all__ = ["Batch", "DriverService", "ServiceConfig", "build_server"]
 CARRY_LIMIT = 100_000  # unrecorded observations kept between terms
 RING = 1 << 16  # latency samples kept for p50/p99
@@ -1182,24 +1183,30 @@ async def build_server(
     if port == 0:
         raise ValueError(f"could not bind the driver's gRPC port {listen!r}")
     await server.start()
-    status = health_pb2.HealthCheckResponse.SERVING
-    await health_servicer.set(SERVICE_NAME, status)
-    await health_servicer.set("", status)
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    await _set_leader_health(health_servicer, service.leader)
     service._tasks.append(asyncio.create_task(_leader_health(service, health_servicer)))
     return server, port, health_servicer
 
 
+async def _set_leader_health(servicer: health.aio.HealthServicer, leading: bool) -> None:
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if leading
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in LEADER_HEALTH_NAMES:
+        await servicer.set(name, status)
+
+
 async def _leader_health(service: DriverService, servicer: health.aio.HealthServicer) -> None:
-    """`LEADER_HEALTH` is SERVING on the leader only: a load balancer's health check finds
-    the driver that answers operator calls (every driver serves agents: SERVICE_NAME)."""
-    leading: bool | None = None
+    """The plain health check ("", what a load balancer's or Kubernetes' gRPC probe asks by
+    default) and `LEADER_HEALTH` are SERVING on the leader only: the check finds the driver
+    that answers operator and launcher calls. Every driver serves agents: SERVICE_NAME is
+    SERVING on standbys too (an agent may stream to any driver)."""
+    leading = service.leader
     while True:
         if service.leader != leading:
             leading = service.leader
-            await servicer.set(
-                LEADER_HEALTH,
-                health_pb2.HealthCheckResponse.SERVING
-                if leading
-                else health_pb2.HealthCheckResponse.NOT_SERVING,
-            )
+            await _set_leader_health(servicer, leading)
         await asyncio.sleep(0.2)
