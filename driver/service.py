@@ -232,6 +232,8 @@ class DriverService(dgrpc.DriverServicer):
         self.relayed: dict[str, set[str]] = {}  # relay node id -> members attached through it
         self.relay_refused = 0  # batch entries for nodes that did not name the relay
         self.relay_held = 0  # sweeps that held back a relayed node whose relay was lost
+        self._starved_held: dict[str, float] = {}  # late nodes held as starved, since
+        self.starved_saved = 0  # ...that came back within their grace (losses avoided)
         self._told_to_register: set[str] = set()  # relayed nodes sent away (until Register)
         self.stopping = asyncio.Event()
         self.operators = OperatorApi(self.leadership, self, config)
@@ -440,7 +442,9 @@ class DriverService(dgrpc.DriverServicer):
                 log.exception("node-lost sweep failed; continuing")
 
     def _sweep_lost(self, now: float, slack_s: float) -> None:
-        lost = detectors.silent(self.view, now, slack_s)
+        held: list[NodeSlot] = []
+        lost = detectors.silent(self.view, now, slack_s, held)
+        self._note_held(held, now)
         if lost and self.relayed:
             kept = [x for x in lost if not self._held_for_relay(x[0], now)]
             self.relay_held += len(lost) - len(kept)
@@ -471,6 +475,38 @@ class DriverService(dgrpc.DriverServicer):
             self.emit(e, now - e.node_lost.silent_ms / 1000.0)
             log.warning(
                 "node lost", node=e.node_lost.node_id, silent_ms=round(e.node_lost.silent_ms, 1)
+            )
+
+    def _note_held(self, held: list[NodeSlot], now: float) -> None:
+        """Log a late node held as starved once, and once more when it came back (a false
+        loss avoided) or was lost after all."""
+        for slot in held:
+            if slot.node_id not in self._starved_held:
+                self._starved_held[slot.node_id] = slot.last_seen
+                hb = slot.hb
+                log.warning(
+                    "node late while starved: held",
+                    node=slot.node_id,
+                    silent_ms=round((now - slot.last_seen) * 1000),
+                    loop_lag_ms=round(hb.loop_lag_ms),
+                    late_ms=round(hb.late_ms),
+                    cpu_pressure_pct=hb.cpu_pressure_pct,
+                    runnable_per_cpu=round(hb.runnable_per_cpu, 2),
+                )
+        if len(held) == len(self._starved_held):
+            return
+        ids = {s.node_id for s in held}
+        for node_id, since in list(self._starved_held.items()):
+            if node_id in ids:
+                continue
+            del self._starved_held[node_id]
+            slot = self.view.nodes.get(node_id)
+            back = slot is not None and slot.alive and slot.last_seen > since
+            if back:
+                self.starved_saved += 1
+            log.info(
+                "held node came back" if back else "held node lost after its grace",
+                node=node_id,
             )
 
     def _held_for_relay(self, slot: NodeSlot, now: float) -> bool:

@@ -223,7 +223,7 @@ class LogAlertLine(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., keyword: _Optional[str] = ..., line: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "flags", "workers", "host", "gpus", "alerts", "sent_mono_ns", "attached", "hang_stacks", "replicas", "timing")
+    __slots__ = ("seq", "flags", "workers", "host", "gpus", "alerts", "sent_mono_ns", "attached", "hang_stacks", "replicas", "timing", "loop_lag_ms", "late_ms", "cpu_pressure_pct", "runnable_per_cpu")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     FLAGS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,10 @@ class Heartbeat(_message.Message):
     HANG_STACKS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    LOOP_LAG_MS_FIELD_NUMBER: _ClassVar[int]
+    LATE_MS_FIELD_NUMBER: _ClassVar[int]
+    CPU_PRESSURE_PCT_FIELD_NUMBER: _ClassVar[int]
+    RUNNABLE_PER_CPU_FIELD_NUMBER: _ClassVar[int]
     seq: int
     flags: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -246,7 +250,11 @@ class Heartbeat(_message.Message):
     hang_stacks: str
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaHeld]
     timing: NodeTiming
-    def __init__(self, seq: _Optional[int] = ..., flags: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., alerts: _Optional[_Iterable[_Union[LogAlertLine, _Mapping]]] = ..., sent_mono_ns: _Optional[int] = ..., attached: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., hang_stacks: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaHeld, _Mapping]]] = ..., timing: _Optional[_Union[NodeTiming, _Mapping]] = ...) -> None: ...
+    loop_lag_ms: float
+    late_ms: float
+    cpu_pressure_pct: float
+    runnable_per_cpu: float
+    def __init__(self, seq: _Optional[int] = ..., flags: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., alerts: _Optional[_Iterable[_Union[LogAlertLine, _Mapping]]] = ..., sent_mono_ns: _Optional[int] = ..., attached: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., hang_stacks: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaHeld, _Mapping]]] = ..., timing: _Optional[_Union[NodeTiming, _Mapping]] = ..., loop_lag_ms: _Optional[float] = ..., late_ms: _Optional[float] = ..., cpu_pressure_pct: _Optional[float] = ..., runnable_per_cpu: _Optional[float] = ...) -> None: ...
 
 class NodeTiming(_message.Message):
     __slots__ = ("generation", "compute_ms", "mad_ms", "wait_ms", "window_steps", "wait_mad_ms")

@@ -316,3 +316,75 @@ def test_the_live_view_pages_in_node_id_order() -> None:
             break
         after = page[-1]
     assert pages == [["n0", "n1"], ["n2", "n3"], ["n4"]]
+
+
+def _beating(v: LiveView, node: str, at: float, **starved: float) -> None:
+    """A connected node whose heartbeat at `at` says how starved its agent was."""
+    s = v.nodes[node]
+    s.connected = True
+    v.beat(s, dpb.Heartbeat(seq=s.heartbeats + 1, **starved), at)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "said",
+    [
+        {"loop_lag_ms": 120.0},  # its own loop woke late
+        {"late_ms": 80.0},  # its heartbeat left late
+        {"cpu_pressure_pct": 45.0},  # the host's PSI
+        {"runnable_per_cpu": 3.0},  # a restart storm's run queue
+    ],
+)
+def test_a_connected_node_that_said_it_was_starved_gets_the_grace(said: dict[str, float]) -> None:
+    v = view(heartbeat_interval_ms=100, miss_limit=5, starved_hold_ms=2000, jitter_k=0)
+    for n in ("a", "b", "c"):
+        admitted(v, req(n), now=0.0)
+        _beating(v, n, 0.0, **({} if n != "a" else said))
+    for n in ("b", "c"):  # the others keep beating: no crowd
+        _beating(v, n, 2.0)
+    held: list = []
+    assert detectors.silent(v, 2.0, held=held) == [] and [s.node_id for s in held] == ["a"]
+    # a heartbeat within the grace keeps its place; silent past it, it is lost
+    assert [s.node_id for s, _ in detectors.silent(v, 2.51)] == ["a"]
+
+
+def test_an_unstarved_or_disconnected_node_is_lost_at_the_timeout() -> None:
+    v = view(heartbeat_interval_ms=100, miss_limit=5, starved_hold_ms=2000, jitter_k=0)
+    for n in ("a", "b", "c", "d", "e"):
+        admitted(v, req(n), now=0.0)
+    _beating(v, "a", 0.0, loop_lag_ms=3.0, cpu_pressure_pct=1.0, runnable_per_cpu=0.5)
+    _beating(v, "b", 0.0, cpu_pressure_pct=60.0)
+    v.nodes["b"].connected = False  # a killed agent: its stream closed
+    for n in ("c", "d", "e"):  # the rest beat: two late of five is no crowd
+        _beating(v, n, 0.55)
+    assert sorted(s.node_id for s, _ in detectors.silent(v, 0.55)) == ["a", "b"]
+
+
+def test_most_nodes_late_together_are_held_like_starved_ones() -> None:
+    """The observer's trouble (or the network's): two of three nodes late at once."""
+    v = view(heartbeat_interval_ms=100, miss_limit=5, starved_hold_ms=2000, jitter_k=0)
+    for n in ("a", "b", "c"):
+        admitted(v, req(n), now=0.0)
+        _beating(v, n, 0.0)
+    _beating(v, "c", 0.5)
+    held: list = []
+    assert detectors.silent(v, 0.6, held=held) == [] and len(held) == 2
+    assert not detectors.late_together(view(), 0.0)
+    # one late node of three is not a crowd
+    _beating(v, "b", 0.6)
+    assert [s.node_id for s, _ in detectors.silent(v, 0.61)] == ["a"]
+
+
+def test_the_same_epoch_registering_again_is_a_reconnect_never_a_duplicate() -> None:
+    """An agent whose stream broke registers again while the driver still holds the old
+    stream open: it keeps its place (no event, no refusal)."""
+    v = view()
+    admitted(v, req(epoch=5), 0.0)
+    v.nodes["n0"].connected = True
+    assert detectors.admit(v, req(epoch=5), 0.05) == ("", None)
+
+
+def test_starved_hold_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="late_share"):
+        LiveViewConfig(late_share=0.0)
+    with pytest.raises(ValueError, match="starved_hold_ms"):
+        LiveViewConfig(starved_hold_ms=-1)
