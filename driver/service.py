@@ -493,15 +493,15 @@ class DriverService(dgrpc.DriverServicer):
                     cpu_pressure_pct=hb.cpu_pressure_pct,
                     runnable_per_cpu=round(hb.runnable_per_cpu, 2),
                 )
-        if len(held) == len(self._starved_held):
-            return
         ids = {s.node_id for s in held}
+        if len(ids) == len(self._starved_held):
+            return  # every one held is still held
         for node_id, since in list(self._starved_held.items()):
             if node_id in ids:
                 continue
             del self._starved_held[node_id]
-            slot = self.view.nodes.get(node_id)
-            back = slot is not None and slot.alive and slot.last_seen > since
+            now_slot = self.view.nodes.get(node_id)
+            back = now_slot is not None and now_slot.alive and now_slot.last_seen > since
             if back:
                 self.starved_saved += 1
             log.info(
