@@ -85,7 +85,8 @@ def silent(
 
     A node still connected whose last heartbeat said it was starved (`starved`), or that is
     late while most nodes are (`late_together`), gets `starved_hold_ms` more; such nodes are
-    appended to `held`. A disconnected node (a killed agent's stream closes) gets none.
+    appended to `held`. A disconnected node (a killed agent's stream closes at once) gets
+    neither that nor the jitter slack: it is lost at the timeout (plus the driver's slack).
     """
     out: list[tuple[NodeSlot, str]] = []
     c = view.config
@@ -102,7 +103,9 @@ def silent(
             if silence <= timeout:
                 break
             # only the stale front is read: the nodes past the fixed timeout
-            if adaptive and silence <= min(cap, c.jitter_k * slot.gap_s) + slack_s:
+            # (only while its stream is open: a killed agent's closed stream is its loss)
+            jitter = min(cap, c.jitter_k * slot.gap_s)
+            if adaptive and slot.connected and silence <= jitter + slack_s:
                 continue
             if queue is view.order and hold and slot.connected and silence <= timeout + hold:
                 hungry = starved(slot.hb, c)

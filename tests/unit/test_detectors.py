@@ -274,10 +274,12 @@ def test_mass_silence_limit() -> None:
 
 def test_miss_limit_adapts_to_each_nodes_own_jitter() -> None:
     """A node whose heartbeats came with 400 ms gaps gets 2 x 400 ms (capped at 4 x the
-    300 ms timeout); a steady node keeps the 300 ms limit."""
-    v = view()
+    300 ms timeout); a steady node keeps the 300 ms limit. A node whose stream closed (a
+    killed agent) gets no slack."""
+    v = view(starved_hold_ms=0)
     admitted(v, req("steady"), 0.0)
     admitted(v, req("jittery"), 0.0)
+    v.nodes["steady"].connected = v.nodes["jittery"].connected = True
     t = 0.0
     for _ in range(5):
         t += 0.1
@@ -286,7 +288,8 @@ def test_miss_limit_adapts_to_each_nodes_own_jitter() -> None:
     v.beat(v.nodes["jittery"], dpb.Heartbeat(seq=2), 0.5)  # a 400 ms gap (a loaded host)
     assert [e.node_lost.node_id for e in detectors.expired(v, 0.85)] == ["steady"]
     assert detectors.expired(v, 1.25) == []  # 750 ms silent: within 2 x 400 ms
-    assert [e.node_lost.node_id for e in detectors.expired(v, 1.35)] == ["jittery"]
+    v.nodes["jittery"].connected = False
+    assert [e.node_lost.node_id for e in detectors.expired(v, 1.25)] == ["jittery"]
 
 
 def test_adaptive_miss_limit_is_capped_and_can_be_turned_off() -> None:
@@ -295,8 +298,9 @@ def test_adaptive_miss_limit_is_capped_and_can_be_turned_off() -> None:
     v.beat(v.nodes["n0"], dpb.Heartbeat(seq=1), 0.1)
     v.beat(v.nodes["n0"], dpb.Heartbeat(seq=2), 5.0)  # a 4.9 s gap
     assert len(detectors.expired(v, 5.31)) == 1  # off: the fixed 300 ms
-    w = view()
+    w = view(starved_hold_ms=0)
     admitted(w, req(), 0.0)
+    w.nodes["n0"].connected = True
     w.beat(w.nodes["n0"], dpb.Heartbeat(seq=1), 0.1)
     w.beat(w.nodes["n0"], dpb.Heartbeat(seq=2), 5.0)
     assert detectors.expired(w, 6.1) == []  # 1.1 s: within the cap (4 x 300 ms)
