@@ -661,7 +661,11 @@ class Agent:
             sup.exited = True  # a new session: re-announce exits the driver may have missed
         self.loop_lag.start()
         cpus = starvation.usable_cpus()
+        beats = 0
         while True:
+            if self.config.realtime and beats % 50 == 0:  # gRPC may start threads any time
+                starvation.realtime_grpc_threads()
+            beats += 1
             now = time.monotonic()
             hb = self._heartbeat(now)
             # how starved we were: the driver reads a late heartbeat of a starved node as such

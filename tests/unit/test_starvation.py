@@ -79,3 +79,42 @@ def test_the_real_time_loop_leaves_its_children_normal_tasks() -> None:
         pytest.skip(f"no real-time scheduling here: {out['skip']}")
     assert out["me"] & ~os.SCHED_RESET_ON_FORK == os.SCHED_RR
     assert out["child"] == os.SCHED_OTHER and out["thread"] == os.SCHED_OTHER
+
+
+PROBE = """
+import asyncio, contextlib, os, grpc
+from unbroken.agent import starvation
+
+async def main():
+    ch = grpc.aio.insecure_channel("127.0.0.1:1")
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(ch.channel_ready(), 0.3)
+    moved = starvation.realtime_grpc_threads()
+    rt = []
+    for t in os.listdir("/proc/self/task"):
+        if os.sched_getscheduler(int(t)) & ~os.SCHED_RESET_ON_FORK == os.SCHED_RR:
+            rt.append(open(f"/proc/self/task/{t}/comm").read().strip())
+    print(moved, os.sched_getscheduler(0), ",".join(sorted(rt)))
+    await ch.close()
+
+asyncio.run(main())
+"""
+
+
+def test_grpc_threads_carrying_heartbeats_are_made_real_time_too() -> None:
+    """The threads a gRPC aio channel starts (its I/O, timers, the asyncio poller) are
+    moved to SCHED_RR; the process's own main thread is left alone (in a child process,
+    so this test process keeps no real-time thread)."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split()
+    moved, main = int(out[0]), int(out[1])
+    if moved == 0:
+        pytest.skip("no real-time scheduling here (or no gRPC threads to move)")
+    rt = out[2].split(",")
+    assert main == os.SCHED_OTHER
+    assert "event_engine" in rt and set(rt) <= {*starvation.GRPC_THREADS, "python"}, rt
