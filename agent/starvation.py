@@ -17,8 +17,9 @@ was starved, and whose stream is still open, is given a grace (driver/detectors.
   heartbeats waited behind its own children's start-up: Linux's autogroup shares the CPU
   among sessions first, and the workers and warm standbys share the agent's session, so a
   standby's torch import or a restarted worker's spent the session's share and the agent
-  woke late (measured on the 2-core host at load 11-18 with two standbys importing at nice
-  5: the agent loop's largest lag 316-499 ms, p99 86-300 ms; at SCHED_RR 4-5 ms, p99 1 ms).
+  woke late (bench/agent_loop_lag.py, two standbys importing at nice 5 on the 2-core host
+  at load 17-27: the loop's largest lag 59-820 ms, median of 3 runs 90 ms, p99 47-319 ms;
+  at SCHED_RR 1.4-14 ms, p99 1.4 ms).
   `SCHED_RESET_ON_FORK`: its children and threads start as normal tasks.
 - `runnable_per_cpu`: runnable threads now (`/proc/stat` procs_running, less this reader)
   per CPU this process may use: a sudden restart storm shows here before in avg10.
