@@ -52,7 +52,7 @@ from typing import Any, NoReturn
 import grpc
 import structlog
 
-from unbroken.agent import checks, probes
+from unbroken.agent import checks, probes, starvation
 from unbroken.agent.flash import NodeFlash, NodeFlashConfig
 from unbroken.agent.hookserver import HookServer
 from unbroken.agent.metrics import AgentMetrics
@@ -174,6 +174,15 @@ class AgentConfig:
         metadata={
             "negate": "--no-selfcheck",
             "help": "do not run the self-checks after registering (the driver can still ask)",
+        },
+    )
+    realtime: bool = field(
+        default=True,
+        metadata={
+            "negate": "--no-realtime",
+            "help": "do not run the agent's event loop (heartbeats, commands) at SCHED_RR "
+            "priority 1 (agent/starvation.py); without it, its own workers' and standbys' "
+            "start-up can delay its heartbeats past the driver's timeout on a loaded host",
         },
     )
     warm_checks: bool = field(
@@ -331,6 +340,7 @@ class Agent:
         self.exit_code = 0
         self._write_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.loop_lag = starvation.LoopLag()  # our own loop's lateness, in every heartbeat
         self._metadata = self._token_md()
         self.term_seen = 0  # the newest leader term a command came with (older ones dropped)
         self.session_term = 0  # the leader term our registration was answered under
@@ -427,6 +437,7 @@ class Agent:
             log.error("agent stopping", reason=str(e))
             self.exit_code = e.code
         finally:
+            self.loop_lag.stop()
             for t in list(self._tasks):
                 t.cancel()
             if self.warm_check is not None:
@@ -673,9 +684,22 @@ class Agent:
         sup = self.supervisor
         if sup is not None and any(w.exit_code for w in sup.workers.values()):
             sup.exited = True  # a new session: re-announce exits the driver may have missed
+        self.loop_lag.start()
+        cpus = starvation.usable_cpus()
+        beats = 0
         while True:
+            if self.config.realtime and beats % 50 == 0:  # gRPC may start threads any time
+                starvation.realtime_grpc_threads()
+            beats += 1
             now = time.monotonic()
             hb = self._heartbeat(now)
+            # how starved we were: the driver reads a late heartbeat of a starved node as such
+            late_ms = max(0.0, now - next_t) * 1000.0
+            self.loop_lag.note(late_ms)
+            hb.late_ms = late_ms
+            hb.loop_lag_ms = self.loop_lag.take()
+            hb.cpu_pressure_pct = starvation.cpu_pressure_pct()
+            hb.runnable_per_cpu = starvation.runnable_per_cpu(cpus=cpus)
             if now >= next_host:
                 hb.host.CopyFrom(probes.host_stats())
                 hb.gpus.extend(self.gpus.stats())

@@ -11,6 +11,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import structlog
+
 from unbroken.agent.daemon import Agent, AgentConfig
 from unbroken.agent.flash import NodeFlashConfig
 from unbroken.agent.workers import WorkerSpec, warm_default
@@ -21,6 +23,8 @@ from unbroken.common.paths import UnsafeRuntimeDirError
 from unbroken.common.tls import TOKEN_ENV, TOKEN_FILE_ENV, TlsConfig, read_token
 from unbroken.recovery.flashowner import UnsafeFlashRootError
 from unbroken.recovery.replica import KEY_ENV as REPLICA_KEY_ENV
+
+log = structlog.get_logger(__name__)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -121,6 +125,12 @@ def run(ns: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"unbroken agent: {e}", file=sys.stderr)
         return 2
+    if cfg.realtime:
+        from unbroken.agent import starvation
+
+        why = starvation.realtime_loop()
+        if why:
+            log.warning("agent loop not real-time: heartbeats may wait under load", reason=why)
     try:
         return asyncio.run(_main(cfg))
     except (UnsafeFlashRootError, UnsafeRuntimeDirError) as e:  # the node is not closed

@@ -465,11 +465,15 @@ class Worker:
         running = self.state == dpb.WORKER_STATE_RUNNING
         judged = running and (bool(self.step_times) or bool(self.phase))  # hookless: never
         # a silent rank whose process is stopped is the culprit, whatever phase it was in: it
-        # is judged by its step rhythm (not a collective's longer wait) and says "stopped"
+        # is judged by its step rhythm (not a collective's longer wait) and says "stopped".
+        # So is one that has said nothing yet: a just-promoted warm standby still importing,
+        # or a rank before its first report, stopped there was never judged (a hang injected
+        # into a promoted standby stalled the job until the restore's deadline).
         stopped = (
-            judged and bool(self.pid) and since_ms >= hanglib.STOPPED_AFTER_MS
+            running and bool(self.pid) and since_ms >= hanglib.STOPPED_AFTER_MS
             and hanglib.process_stopped(self.pid)
         )  # fmt: skip
+        judged = judged or stopped
         phase = "stopped" if stopped else self.phase
         threshold = (
             hanglib.STOPPED_AFTER_MS

@@ -41,6 +41,18 @@ def goodput_line(st: dpb.GetStatusResponse) -> str:
     return f"{st.goodput:.3f} of {span} trained" + (f"; lost: {lost}" if lost else "")
 
 
+#: driver/goodput.py CATEGORIES (the CLI does not import the driver)
+BADPUT_ORDER = ("startup", "detection", "pause", "diagnosis", "restart", "restore", "steps_redone")
+
+
+def badput_line(st: dpb.GetStatusResponse) -> str:
+    """`detection 2 s, pause 1 s, restore 3 s, steps_redone 2 s` (the lost time by what it
+    was spent on, in recovery order; the same sum as the causes)."""
+    order = {c: i for i, c in enumerate(BADPUT_ORDER)}
+    cats = sorted(st.lost_s_by_category.items(), key=lambda kv: (order.get(kv[0], 99), kv[0]))
+    return ", ".join(f"{cat} {secs:.1f} s" for cat, secs in cats if secs >= 0.05) or "none"
+
+
 def persistence_line(st: dpb.GetStatusResponse) -> str:
     """`every 93 s (Young/Daly: 0.050 s per checkpoint, storage-served MTBF 24.0 h)`."""
     mtbf = f"{st.storage_mtbf_s / 3600:.1f} h" if st.storage_mtbf_s else "?"
@@ -104,6 +116,8 @@ def run(ns: argparse.Namespace) -> int:
             escape(f"{st.driver_id} at {st.leader_address or '?'} (term {st.leader_term})"),
         )
         t.add_row("goodput", goodput_line(st))
+        if st.goodput >= 0:
+            t.add_row("badput", badput_line(st))
         t.add_row("persistence", persistence_line(st))
         t.add_row("newest commit", commit_line(st))
         for line in persist_failing_lines(st):

@@ -406,6 +406,11 @@ def _goodput_json(st: ev.JobState, view: LiveView) -> dict[str, Any]:
         "ratio": round(gp.ratio, 4),
         "wall_s": round(gp.wall_s, 1),
         "lost_s": {k: round(v, 1) for k, v in gp.lost_s_by_cause.items()},
+        "badput_s": {
+            k: round(gp.lost_s_by_category[k], 1)
+            for k in goodputlib.CATEGORIES
+            if k in gp.lost_s_by_category
+        },
     }
 
 

@@ -25,7 +25,7 @@ import string
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from unbroken.driver.liveview import LiveView, NodeSlot
+from unbroken.driver.liveview import LiveView, LiveViewConfig, NodeSlot
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 from unbroken.recovery.spike import Prior, SpikeConfig, SpikeDetector
@@ -41,7 +41,37 @@ def truncate(text: str, limit: int) -> str:
     return text[: limit - 15] + " ...[truncated]"
 
 
-def silent(view: LiveView, now: float, slack_s: float = 0.0) -> list[tuple[NodeSlot, str]]:
+def starved(hb: dpb.Heartbeat, config: LiveViewConfig) -> bool:
+    """Whether a node's heartbeat said its agent was starved of CPU (agent/starvation.py)."""
+    c = config
+    return (
+        hb.loop_lag_ms >= c.starved_lag_ms
+        or hb.late_ms >= c.starved_lag_ms
+        or hb.cpu_pressure_pct >= c.starved_pressure_pct
+        or hb.runnable_per_cpu >= c.starved_runnable
+    )
+
+
+def late_together(view: LiveView, now: float) -> bool:
+    """Whether more than `late_share` of the heartbeating nodes (2 at least) are late (two
+    intervals without a heartbeat) at this moment: the trouble is likely the observer's or
+    the network's, not each node's. Reads only the late front of the deadline order."""
+    c = view.config
+    late_after = 2 * c.heartbeat_interval_ms / 1000.0
+    late = 0
+    for slot in view.order.values():
+        if now - slot.last_seen <= late_after:
+            break
+        late += 1
+    return late >= 2 and late > c.late_share * len(view.order)
+
+
+def silent(
+    view: LiveView,
+    now: float,
+    slack_s: float = 0.0,
+    held: list[NodeSlot] | None = None,
+) -> list[tuple[NodeSlot, str]]:
     """Alive nodes silent for longer than the timeout, with the reason (nothing is marked).
 
     Reads only the front of `view.order` (oldest heartbeat first) and stops at the first
@@ -53,11 +83,18 @@ def silent(view: LiveView, now: float, slack_s: float = 0.0) -> list[tuple[NodeS
     whose own heartbeats recently came with long gaps (a loaded host) gets up to
     `jitter_k` x its largest recent gap, capped (`LiveViewConfig`): a jitter-adaptive miss
     limit, so each node is judged against its own rhythm.
+
+    A node still connected whose last heartbeat said it was starved (`starved`), or that is
+    late while most nodes are (`late_together`), gets `starved_hold_ms` more; such nodes are
+    appended to `held`. A disconnected node (a killed agent's stream closes at once) gets
+    neither that nor the jitter slack: it is lost at the timeout (plus the driver's slack).
     """
     out: list[tuple[NodeSlot, str]] = []
     c = view.config
     grace_s = c.session_grace_ms / 1000.0
     cap = c.jitter_cap * c.timeout_s
+    hold = c.starved_hold_ms / 1000.0
+    crowd: bool | None = None  # late_together, read once per sweep when needed
     for queue, timeout, reason, adaptive in (
         (view.order, c.timeout_s + slack_s, "heartbeat timeout", c.jitter_k > 0),
         (view.pending, grace_s + slack_s, "no session after registration", False),
@@ -67,8 +104,18 @@ def silent(view: LiveView, now: float, slack_s: float = 0.0) -> list[tuple[NodeS
             if silence <= timeout:
                 break
             # only the stale front is read: the nodes past the fixed timeout
-            if adaptive and silence <= min(cap, c.jitter_k * slot.gap_s) + slack_s:
+            # (only while its stream is open: a killed agent's closed stream is its loss)
+            jitter = min(cap, c.jitter_k * slot.gap_s)
+            if adaptive and slot.connected and silence <= jitter + slack_s:
                 continue
+            if queue is view.order and hold and slot.connected and silence <= timeout + hold:
+                hungry = starved(slot.hb, c)
+                if not hungry and crowd is None:
+                    crowd = late_together(view, now)
+                if hungry or crowd:
+                    if held is not None:
+                        held.append(slot)
+                    continue
             out.append((slot, reason))
     return out
 
@@ -238,9 +285,10 @@ def admit(view: LiveView, req: dpb.RegisterRequest, now: float) -> tuple[str, ev
             reason = f"stale epoch {req.epoch}: this node id already registered epoch {slot.epoch}"
             return reason, _refused(req, "stale epoch")
         fresh = slot.alive and now - slot.last_seen <= view.config.timeout_s
-        # the same agent process (same epoch) of a relayed node coming to us directly
-        # after its relay's loss is a reconnect, never a duplicate
-        if slot.connected and fresh and not (slot.relay and req.epoch == slot.epoch):
+        # the same agent process (same epoch: its start time) is a reconnect, never a
+        # duplicate: a relayed node coming to us directly after its relay's loss, or an
+        # agent whose stream broke while the driver still holds it open
+        if slot.connected and fresh and req.epoch != slot.epoch:
             reason = (
                 f"duplicate node id {req.node_id!r}: an agent with epoch {slot.epoch} "
                 "is connected and heartbeating; give each agent its own --node-id"

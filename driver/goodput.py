@@ -1,14 +1,20 @@
 """Goodput: the share of a job's wall time that trained, from the log and the live view.
 
 The one figure the project exists to raise. The event log's fold keeps a ledger
-(`JobState.goodput`, driver/state.py): when training began, each incident's downtime (the
-first transition out of RUNNING to the TrainingResumed that closed it, on the events' own
-wall times) by the fault kind that opened it, and the steps trained again after restores.
-At query time the open incident's downtime so far is added, and the redone steps are priced
-at the live median step time. Every leader folds the same ledger, so the figure survives a
-failover. It counts any time outside an incident as productive (start-up before the first
-step included), so it is an upper bound on the recovery bench's ETTR, which sums measured
-step times.
+(`JobState.goodput`, driver/state.py): when training began, its start-up (JobStarted to
+the TrainingStepping that says every rank stepped), each incident's downtime (the fault's
+own silence before it was declared, then the first transition out of RUNNING to the
+TrainingResumed that closed it, on the events' own wall times) by the fault kind that opened
+it and by what the time was spent on (`CATEGORIES`), and the steps trained again after
+restores: from the step the ranks said they restored, not the plan's. At query time the
+open incident's time so far is added, and the redone steps are priced at the live median
+step time. Every leader folds the same ledger, so the figure survives a failover.
+
+Both breakdowns sum to the same lost time. The categories map onto Google's
+ml-goodput-measurement badput (docs/goodput.md): detection + pause + redone steps are its
+"wasted progress from disruption", restart and startup its "program startup", restore its
+"checkpoint restore". A flash save's copy and the data loader's waits happen inside a step
+and are part of the step time, which the ledger counts as productive.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from unbroken.driver.liveview import LiveView
 from unbroken.proto import events_pb2 as ev
 
 SAMPLE_NODES = 64  # nodes whose workers' median step time make the live median
+#: What lost time was spent on, in the order a recovery goes through them.
+CATEGORIES = ("startup", "detection", "pause", "diagnosis", "restart", "restore", "steps_redone")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +35,7 @@ class Goodput:
     ratio: float  # -1 before training began
     wall_s: float
     lost_s_by_cause: dict[str, float] = field(default_factory=dict)
+    lost_s_by_category: dict[str, float] = field(default_factory=dict)  # same sum
 
     @property
     def lost_s(self) -> float:
@@ -50,10 +59,18 @@ def goodput(state: ev.JobState, now_ns: int, step_s: float) -> Goodput:
         return Goodput(-1.0, 0.0)
     wall = (now_ns - g.started_ns) / 1e9
     lost = dict(g.lost_s_by_cause)
+    cats = dict(g.lost_s_by_category)
+    if g.startup_open:
+        spent = max(0, now_ns - g.started_ns) / 1e9
+        lost["startup"] = lost.get("startup", 0.0) + spent
+        cats["startup"] = cats.get("startup", 0.0) + spent
     if g.incident_began_ns:
         cause = g.incident_cause or "other"
         lost[cause] = lost.get(cause, 0.0) + max(0, now_ns - g.incident_began_ns) / 1e9
+        cat = g.segment_category or "pause"
+        since = g.segment_began_ns or g.incident_began_ns
+        cats[cat] = cats.get(cat, 0.0) + max(0, now_ns - since) / 1e9
     if g.steps_redone and step_s > 0:
-        lost["steps_redone"] = g.steps_redone * step_s
+        lost["steps_redone"] = cats["steps_redone"] = g.steps_redone * step_s
     ratio = max(0.0, min(1.0, (wall - sum(lost.values())) / wall))
-    return Goodput(ratio, wall, lost)
+    return Goodput(ratio, wall, lost, cats)

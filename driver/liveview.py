@@ -73,6 +73,39 @@ class LiveViewConfig:
         },
     )
 
+    # A node still connected (its stream open: a killed agent's closes at once) that is
+    # silent past its timeout while it was starved (its last heartbeat said so: its own loop
+    # lag or lateness, the host's CPU pressure or run queue; agent/starvation.py), or while
+    # most nodes are late together (the observer's or the network's trouble), is given
+    # starved_hold_ms more: a heartbeat or a same-epoch re-registration within it keeps its
+    # place (no NodeLost, no replacement).
+    starved_hold_ms: int = field(
+        default=2_000,
+        metadata={
+            "help": "a connected node late while starved (or while most nodes are late) is "
+            "given this much longer before it is lost (0: off)"
+        },
+    )
+    starved_lag_ms: float = field(
+        default=50.0,
+        metadata={"help": "an agent whose loop lag or heartbeat lateness reached this is starved"},
+    )
+    starved_pressure_pct: float = field(
+        default=20.0,
+        metadata={"help": "...or whose host CPU pressure (PSI some avg10, percent) reached this"},
+    )
+    starved_runnable: float = field(
+        default=1.5,
+        metadata={"help": "...or whose host had this many runnable threads per CPU"},
+    )
+    late_share: float = field(
+        default=0.5,
+        metadata={
+            "help": "more than this share of the nodes (2 at least) late together: hold "
+            "each one's loss as if it were starved"
+        },
+    )
+
     def __post_init__(self) -> None:
         if not 10 <= self.heartbeat_interval_ms <= 60_000:
             raise ValueError(
@@ -90,6 +123,15 @@ class LiveViewConfig:
             raise ValueError("mass_loss_min must be >= 1 and mass_loss_hold_ms >= 0")
         if not 0 <= self.relay_hold_ms <= 600_000:
             raise ValueError(f"relay_hold_ms must be in [0, 600000], got {self.relay_hold_ms}")
+        if not 0 <= self.starved_hold_ms <= 600_000:
+            raise ValueError(f"starved_hold_ms must be in [0, 600000], got {self.starved_hold_ms}")
+        if not 0.0 < self.late_share <= 1.0:
+            raise ValueError(f"late_share must be in (0, 1], got {self.late_share}")
+        if self.starved_lag_ms <= 0 or self.starved_pressure_pct <= 0 or self.starved_runnable <= 0:
+            raise ValueError(
+                "starved_lag_ms, starved_pressure_pct and starved_runnable must be > 0, got "
+                f"{self.starved_lag_ms}, {self.starved_pressure_pct}, {self.starved_runnable}"
+            )
         if self.max_nodes < 1:
             raise ValueError(f"max_nodes must be >= 1, got {self.max_nodes}")
         if self.jitter_k < 0 or self.jitter_cap < 1.0 or not 0.0 < self.jitter_decay <= 1.0:

@@ -52,6 +52,7 @@ from unbroken.recovery import spike as spikelib
 
 log = structlog.get_logger(__name__)
 
+STARTUP_REPORT_S = 3600.0  # a first start's TrainingStepping comes within this or never
 RING_SETTLE_S = 0.5  # after a stop, wait at most this for heartbeats with the final ring
 
 #: Event kinds the machine reacts to; everything else is appended as it is.
@@ -327,6 +328,7 @@ class RecoveryLoop:
                 world=world,
                 min_nodes=self.policy.min_nodes,
                 max_nodes=self.policy.max_nodes,
+                reports_startup=True,  # _start_workers appends TrainingStepping
             ),
         )
         resumed = ev.Event(cause="driver", training_resumed=ev.TrainingResumed(world=world))
@@ -687,6 +689,8 @@ class RecoveryLoop:
         errors = [e for e in results if e]
         log.info("workers started", world=list(nodes), master_port=port, errors=errors)
         if restore is None:
+            if not errors and self.state.goodput.startup_open:
+                await self._report_stepping(gen, nodes, marks, t0, t0 + STARTUP_REPORT_S)
             return
         error = "; ".join(errors)
         while not error and not self._all_stepping(nodes, marks):
@@ -703,6 +707,7 @@ class RecoveryLoop:
                 restore_finished=ev.RestoreFinished(
                     step=restore.step,  # the machine matches it to the restore it planned
                     restored_step=self._restored_step(nodes),
+                    trained_s=self._trained_s(nodes, t0, restored=True),
                     storage_ranks=self._storage_ranks(nodes),
                     duration_s=time.monotonic() - t0,
                     ok=not error,
@@ -710,6 +715,51 @@ class RecoveryLoop:
                 ),
             )
         )
+
+    async def _report_stepping(
+        self, gen: int, nodes: tuple[str, ...], marks: dict[str, int], t0: float, deadline: float
+    ) -> None:
+        """Append TrainingStepping once every rank of the job's first start stepped: the
+        goodput ledger charges the start-up until then."""
+        while not self._all_stepping(nodes, marks):
+            if gen != self._gen or time.monotonic() > deadline:
+                return  # an incident came first: it closes the start-up
+            await asyncio.sleep(0.05)
+        if gen != self._gen or not self.state.goodput.startup_open:
+            return
+        slots = [self.service.view.nodes.get(n) for n in nodes]
+        steps = [w.step for slot in slots if slot is not None for w in slot.hb.workers]
+        self.service.submit(
+            ev.Event(
+                cause="driver",
+                training_stepping=ev.TrainingStepping(
+                    step=min(steps, default=0),
+                    startup_s=time.monotonic() - t0,
+                    trained_s=self._trained_s(nodes, t0, restored=False),
+                ),
+            )
+        )
+
+    def _trained_s(self, nodes: tuple[str, ...], t0: float, *, restored: bool) -> float:
+        """How long the world started at `t0` has been training now, from its ranks' own
+        reports: the steps each made since its start (its restored step) at its step time,
+        plus its time since progress and the heartbeat's age. The least of the ranks (the
+        world trains when they all do); 0 when one has not said enough."""
+        now = time.monotonic()
+        least = now - t0
+        for n in nodes:
+            slot = self.service.view.nodes.get(n)
+            if slot is None or not slot.hb.workers:
+                return 0.0
+            for w in slot.hb.workers:
+                if restored and not w.HasField("restored_step"):
+                    return 0.0
+                steps = w.step - (w.restored_step if restored else 0)
+                if steps <= 0 or w.step_time_ms <= 0:
+                    return 0.0
+                ran = steps * w.step_time_ms / 1000.0 + w.since_progress_ms / 1000.0
+                least = min(least, ran + max(0.0, now - slot.last_seen))
+        return max(0.0, least)
 
     def _restored_step(self, nodes: tuple[str, ...]) -> int:
         """The step the restarted world really restored: the oldest step its ranks said

@@ -785,7 +785,13 @@ def _on_restored(before: ev.JobState, d: _Draft, r: ev.RestoreFinished) -> str:
         return ""
     if r.step != before.restore_step:
         return f"ignored: restored step {r.step}, expected {before.restore_step}"
-    d.add(ev.Event(training_resumed=ev.TrainingResumed(at_step=r.step, world=before.world)))
+    # the step the ranks said they restored (a replica newer than the plan's), else the plan's
+    at = r.restored_step or r.step
+    d.add(
+        ev.Event(
+            training_resumed=ev.TrainingResumed(at_step=at, world=before.world, planned_step=r.step)
+        )
+    )
     return ""
 
 

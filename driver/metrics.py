@@ -87,6 +87,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("cause",),
         "Training time lost so far, by the fault kind that opened each incident",
     ),
+    "unbroken_badput_seconds": (
+        "gauge",
+        ("category",),
+        "The same lost time by what it was spent on (detection, pause, diagnosis, restart, "
+        "restore, steps_redone, startup; docs/goodput.md)",
+    ),
     "unbroken_persist_interval_seconds": (
         "gauge",
         (),
@@ -195,6 +201,11 @@ class _LiveCollector(Collector):
             )
             for cause, lost in gp.lost_s_by_cause.items():
                 g.add_metric([cause], lost)
+            yield g
+            name = "unbroken_badput_seconds"
+            g = GaugeMetricFamily(name, METRICS[name][2], labels=["category"])
+            for cat, lost in gp.lost_s_by_category.items():
+                g.add_metric([cat], lost)
             yield g
 
 

@@ -65,6 +65,7 @@ log = structlog.get_logger(__name__)
 
 SERVICE_NAME = "unbroken.driver.v1.Driver"
 LEADER_HEALTH = "unbroken.driver.v1.Driver.leader"  # health: SERVING on the leader only
+LEADER_HEALTH_NAMES = ("", LEADER_HEALTH)  # the plain check too: load balancers ask it
 __all__ = ["Batch", "DriverService", "ServiceConfig", "build_server"]
 CARRY_LIMIT = 100_000  # unrecorded observations kept between terms
 RING = 1 << 16  # latency samples kept for p50/p99
@@ -235,6 +236,8 @@ class DriverService(dgrpc.DriverServicer):
         self.relayed: dict[str, set[str]] = {}  # relay node id -> members attached through it
         self.relay_refused = 0  # batch entries for nodes that did not name the relay
         self.relay_held = 0  # sweeps that held back a relayed node whose relay was lost
+        self._starved_held: dict[str, float] = {}  # late nodes held as starved, since
+        self.starved_saved = 0  # ...that came back within their grace (losses avoided)
         self._told_to_register: set[str] = set()  # relayed nodes sent away (until Register)
         self.stopping = asyncio.Event()
         self.operators = OperatorApi(self.leadership, self, config)
@@ -443,7 +446,9 @@ class DriverService(dgrpc.DriverServicer):
                 log.exception("node-lost sweep failed; continuing")
 
     def _sweep_lost(self, now: float, slack_s: float) -> None:
-        lost = detectors.silent(self.view, now, slack_s)
+        held: list[NodeSlot] = []
+        lost = detectors.silent(self.view, now, slack_s, held)
+        self._note_held(held, now)
         if lost and self.relayed:
             kept = [x for x in lost if not self._held_for_relay(x[0], now)]
             self.relay_held += len(lost) - len(kept)
@@ -474,6 +479,38 @@ class DriverService(dgrpc.DriverServicer):
             self.emit(e, now - e.node_lost.silent_ms / 1000.0)
             log.warning(
                 "node lost", node=e.node_lost.node_id, silent_ms=round(e.node_lost.silent_ms, 1)
+            )
+
+    def _note_held(self, held: list[NodeSlot], now: float) -> None:
+        """Log a late node held as starved once, and once more when it came back (a false
+        loss avoided) or was lost after all."""
+        for slot in held:
+            if slot.node_id not in self._starved_held:
+                self._starved_held[slot.node_id] = slot.last_seen
+                hb = slot.hb
+                log.warning(
+                    "node late while starved: held",
+                    node=slot.node_id,
+                    silent_ms=round((now - slot.last_seen) * 1000),
+                    loop_lag_ms=round(hb.loop_lag_ms),
+                    late_ms=round(hb.late_ms),
+                    cpu_pressure_pct=hb.cpu_pressure_pct,
+                    runnable_per_cpu=round(hb.runnable_per_cpu, 2),
+                )
+        ids = {s.node_id for s in held}
+        if len(ids) == len(self._starved_held):
+            return  # every one held is still held
+        for node_id, since in list(self._starved_held.items()):
+            if node_id in ids:
+                continue
+            del self._starved_held[node_id]
+            now_slot = self.view.nodes.get(node_id)
+            back = now_slot is not None and now_slot.alive and now_slot.last_seen > since
+            if back:
+                self.starved_saved += 1
+            log.info(
+                "held node came back" if back else "held node lost after its grace",
+                node=node_id,
             )
 
     def _held_for_relay(self, slot: NodeSlot, now: float) -> bool:
@@ -1256,24 +1293,30 @@ async def build_server(
     if port == 0:
         raise ValueError(f"could not bind the driver's gRPC port {listen!r}")
     await server.start()
-    status = health_pb2.HealthCheckResponse.SERVING
-    await health_servicer.set(SERVICE_NAME, status)
-    await health_servicer.set("", status)
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    await _set_leader_health(health_servicer, service.leader)
     service._tasks.append(asyncio.create_task(_leader_health(service, health_servicer)))
     return server, port, health_servicer
 
 
+async def _set_leader_health(servicer: health.aio.HealthServicer, leading: bool) -> None:
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if leading
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in LEADER_HEALTH_NAMES:
+        await servicer.set(name, status)
+
+
 async def _leader_health(service: DriverService, servicer: health.aio.HealthServicer) -> None:
-    """`LEADER_HEALTH` is SERVING on the leader only: a load balancer's health check finds
-    the driver that answers operator calls (every driver serves agents: SERVICE_NAME)."""
-    leading: bool | None = None
+    """The plain health check ("", what a load balancer's or Kubernetes' gRPC probe asks by
+    default) and `LEADER_HEALTH` are SERVING on the leader only: the check finds the driver
+    that answers operator and launcher calls. Every driver serves agents: SERVICE_NAME is
+    SERVING on standbys too (an agent may stream to any driver)."""
+    leading = service.leader
     while True:
         if service.leader != leading:
             leading = service.leader
-            await servicer.set(
-                LEADER_HEALTH,
-                health_pb2.HealthCheckResponse.SERVING
-                if leading
-                else health_pb2.HealthCheckResponse.NOT_SERVING,
-            )
+            await _set_leader_health(servicer, leading)
         await asyncio.sleep(0.2)

@@ -84,9 +84,44 @@ def _apply_in_place(s: ev.JobState, e: ev.Event) -> None:
     s.event_counts[kind] += 1
     if kind in CAUSE_KINDS:
         s.goodput.last_fault = kind
+        if not s.goodput.incident_began_ns:
+            s.goodput.pending_detect_s = _silence_s(e, kind)
     handler = _HANDLERS.get(kind)
     if handler is not None:
         handler(s, e)
+    _segment(s, e)
+
+
+def _silence_s(e: ev.Event, kind: str) -> float:
+    """How long the fault went on before this event declared it (0 when it says nothing)."""
+    ms = e.node_lost.silent_ms if kind == "node_lost" else 0.0
+    ms = e.hang_suspected.silent_ms if kind == "hang_suspected" else ms
+    return ms / 1000.0 if math.isfinite(ms) and ms > 0 else 0.0
+
+
+def _category(s: ev.JobState) -> str:
+    """Goodput: what an open incident's time is spent on, from the phase it is in."""
+    if s.phase == ev.PHASE_SUSPECTED:
+        return "pause"  # the workers are being stopped at a step
+    if s.phase == ev.PHASE_DIAGNOSED or (s.phase == ev.PHASE_PAUSED and s.needs_diagnosis):
+        return "diagnosis"
+    if s.phase == ev.PHASE_RESTORING:
+        return "restore"  # workers (re)started and loading the restored state
+    return "restart"  # paused: choosing the new world, replacing nodes, starting them
+
+
+def _segment(s: ev.JobState, e: ev.Event) -> None:
+    """Goodput: the open incident's time so far goes to the category it was spent on."""
+    g = s.goodput
+    if not g.incident_began_ns or not e.wall_time_unix_ns:
+        return
+    cat = _category(s)
+    if cat == g.segment_category:
+        return
+    if g.segment_category:
+        spent = max(0, e.wall_time_unix_ns - g.segment_began_ns) / 1e9
+        g.lost_s_by_category[g.segment_category] += spent
+    g.segment_category, g.segment_began_ns = cat, e.wall_time_unix_ns
 
 
 def _incident_began(s: ev.JobState, e: ev.Event) -> None:
@@ -95,6 +130,30 @@ def _incident_began(s: ev.JobState, e: ev.Event) -> None:
     if e.wall_time_unix_ns and not g.incident_began_ns:
         g.incident_began_ns = e.wall_time_unix_ns
         g.incident_cause = g.last_fault or "other"
+        g.segment_began_ns, g.segment_category = e.wall_time_unix_ns, ""
+        _startup_over(s, e)
+        # The fault went on before it was declared (a silent node, a rank without progress):
+        # no step was made meanwhile, so that time is lost too, but never more than the
+        # time since training last (re)started.
+        detect = g.pending_detect_s
+        if g.running_since_ns:
+            detect = min(detect, max(0, e.wall_time_unix_ns - g.running_since_ns) / 1e9)
+        if detect > 0:
+            g.lost_s_by_category["detection"] += detect
+            g.lost_s_by_cause[g.incident_cause] += detect
+        g.pending_detect_s = 0.0
+
+
+def _startup_over(s: ev.JobState, e: ev.Event, trained_s: float = 0.0) -> None:
+    """Goodput: the job's start-up (JobStarted to its first step) is charged once; the
+    ranks had trained `trained_s` already when the driver saw them step."""
+    g = s.goodput
+    if g.startup_open and g.started_ns and "startup" not in g.lost_s_by_category:
+        end = max(g.started_ns, e.wall_time_unix_ns - int(trained_s * 1e9))
+        spent = (end - g.started_ns) / 1e9
+        g.lost_s_by_category["startup"] = spent
+        g.lost_s_by_cause["startup"] += spent
+    g.startup_open = False
 
 
 def _incident_ended(s: ev.JobState, e: ev.Event, resumed_at: int | None) -> None:
@@ -105,12 +164,21 @@ def _incident_ended(s: ev.JobState, e: ev.Event, resumed_at: int | None) -> None
         return
     if not g.started_ns:
         g.started_ns = e.wall_time_unix_ns
+    # the ranks trained already when the driver saw them step (RestoreFinished.trained_s)
+    end = e.wall_time_unix_ns - int(g.resumed_before_s * 1e9)
+    g.resumed_before_s = 0.0
     if g.incident_began_ns:
-        lost = max(0, e.wall_time_unix_ns - g.incident_began_ns) / 1e9
+        end = max(end, g.segment_began_ns or g.incident_began_ns)
+        lost = max(0, end - g.incident_began_ns) / 1e9
         g.lost_s_by_cause[g.incident_cause or "other"] += lost
+        if g.segment_category:
+            spent = max(0, end - g.segment_began_ns) / 1e9
+            g.lost_s_by_category[g.segment_category] += spent
         g.incidents += 1
         g.incident_began_ns = 0
         g.incident_cause = ""
+        g.segment_began_ns, g.segment_category = 0, ""
+    g.running_since_ns = end
     if resumed_at is not None and s.step > resumed_at:
         g.steps_redone += s.step - resumed_at
 
@@ -118,6 +186,8 @@ def _incident_ended(s: ev.JobState, e: ev.Event, resumed_at: int | None) -> None
 def _job_started(s: ev.JobState, e: ev.Event) -> None:
     if e.wall_time_unix_ns and not s.goodput.started_ns:
         s.goodput.started_ns = e.wall_time_unix_ns
+        # until every rank stepped (TrainingStepping), when the driver will say so
+        s.goodput.startup_open = e.job_started.reports_startup
     p = e.job_started
     s.trainer = p.trainer
     s.world.CopyFrom(p.world)
@@ -208,6 +278,12 @@ def _checkpoint_committed(s: ev.JobState, e: ev.Event) -> None:
         del s.checkpoints[: len(s.checkpoints) - KEEP_CHECKPOINTS]
 
 
+def _training_stepping(s: ev.JobState, e: ev.Event) -> None:
+    t = e.training_stepping.trained_s
+    if e.wall_time_unix_ns:
+        _startup_over(s, e, t if math.isfinite(t) and t > 0 else 0.0)
+
+
 def _rollback(s: ev.JobState, e: ev.Event) -> None:
     s.skipped_batches += e.rollback.skip_batches
     s.step = e.rollback.to_step
@@ -224,6 +300,7 @@ def _restore_started(s: ev.JobState, e: ev.Event) -> None:
     s.phase = ev.PHASE_RESTORING
     s.restore_step = e.restore_started.step
     s.restore_attempts += 1
+    s.goodput.resumed_before_s = 0.0
 
 
 def _restore_finished(s: ev.JobState, e: ev.Event) -> None:
@@ -232,6 +309,8 @@ def _restore_finished(s: ev.JobState, e: ev.Event) -> None:
     r = e.restore_finished
     if r.ok and r.storage_ranks:
         s.goodput.storage_incidents += 1
+    if r.ok and math.isfinite(r.trained_s):
+        s.goodput.resumed_before_s = max(0.0, r.trained_s)
 
 
 def _close_incident(s: ev.JobState) -> None:
@@ -340,4 +419,5 @@ _HANDLERS: dict[str, Callable[[ev.JobState, ev.Event], None]] = {
     "leader_elected": _leader_elected,
     "recovery_transition": _recovery_transition,
     "job_finished": _job_finished,
+    "training_stepping": _training_stepping,
 }

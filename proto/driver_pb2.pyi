@@ -225,7 +225,7 @@ class LogAlertLine(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., keyword: _Optional[str] = ..., line: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "flags", "workers", "host", "gpus", "alerts", "sent_mono_ns", "attached", "hang_stacks", "replicas", "timing", "persist_error", "persist_failures", "persist_failing_s")
+    __slots__ = ("seq", "flags", "workers", "host", "gpus", "alerts", "sent_mono_ns", "attached", "hang_stacks", "replicas", "timing", "persist_error", "persist_failures", "persist_failing_s", "loop_lag_ms", "late_ms", "cpu_pressure_pct", "runnable_per_cpu")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     FLAGS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +240,10 @@ class Heartbeat(_message.Message):
     PERSIST_ERROR_FIELD_NUMBER: _ClassVar[int]
     PERSIST_FAILURES_FIELD_NUMBER: _ClassVar[int]
     PERSIST_FAILING_S_FIELD_NUMBER: _ClassVar[int]
+    LOOP_LAG_MS_FIELD_NUMBER: _ClassVar[int]
+    LATE_MS_FIELD_NUMBER: _ClassVar[int]
+    CPU_PRESSURE_PCT_FIELD_NUMBER: _ClassVar[int]
+    RUNNABLE_PER_CPU_FIELD_NUMBER: _ClassVar[int]
     seq: int
     flags: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -254,7 +258,11 @@ class Heartbeat(_message.Message):
     persist_error: str
     persist_failures: int
     persist_failing_s: float
-    def __init__(self, seq: _Optional[int] = ..., flags: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., alerts: _Optional[_Iterable[_Union[LogAlertLine, _Mapping]]] = ..., sent_mono_ns: _Optional[int] = ..., attached: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., hang_stacks: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaHeld, _Mapping]]] = ..., timing: _Optional[_Union[NodeTiming, _Mapping]] = ..., persist_error: _Optional[str] = ..., persist_failures: _Optional[int] = ..., persist_failing_s: _Optional[float] = ...) -> None: ...
+    loop_lag_ms: float
+    late_ms: float
+    cpu_pressure_pct: float
+    runnable_per_cpu: float
+    def __init__(self, seq: _Optional[int] = ..., flags: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., alerts: _Optional[_Iterable[_Union[LogAlertLine, _Mapping]]] = ..., sent_mono_ns: _Optional[int] = ..., attached: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., hang_stacks: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaHeld, _Mapping]]] = ..., timing: _Optional[_Union[NodeTiming, _Mapping]] = ..., persist_error: _Optional[str] = ..., persist_failures: _Optional[int] = ..., persist_failing_s: _Optional[float] = ..., loop_lag_ms: _Optional[float] = ..., late_ms: _Optional[float] = ..., cpu_pressure_pct: _Optional[float] = ..., runnable_per_cpu: _Optional[float] = ...) -> None: ...
 
 class PersistFailure(_message.Message):
     __slots__ = ("node_id", "error", "failures", "failing_s")
@@ -593,8 +601,15 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("job_id", "driver_id", "leader_address", "leader_term", "phase", "step", "live_step", "nodes_total", "nodes_active", "nodes_spare", "nodes_lost", "nodes_evicted", "nodes_alive", "last_seq", "incident_id", "last_diagnosis_id", "diagnosis_running", "goodput", "training_wall_s", "lost_s_by_cause", "persist_every_s", "persist_cost_s", "storage_mtbf_s", "persist_failing", "newest_commit_step", "newest_commit_age_s", "incident_cause", "failed_restores", "finished_reason")
+    __slots__ = ("job_id", "driver_id", "leader_address", "leader_term", "phase", "step", "live_step", "nodes_total", "nodes_active", "nodes_spare", "nodes_lost", "nodes_evicted", "nodes_alive", "last_seq", "incident_id", "last_diagnosis_id", "diagnosis_running", "goodput", "training_wall_s", "lost_s_by_cause", "lost_s_by_category", "persist_every_s", "persist_cost_s", "storage_mtbf_s", "persist_failing", "newest_commit_step", "newest_commit_age_s", "incident_cause", "failed_restores", "finished_reason")
     class LostSByCauseEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class LostSByCategoryEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -621,6 +636,7 @@ class GetStatusResponse(_message.Message):
     GOODPUT_FIELD_NUMBER: _ClassVar[int]
     TRAINING_WALL_S_FIELD_NUMBER: _ClassVar[int]
     LOST_S_BY_CAUSE_FIELD_NUMBER: _ClassVar[int]
+    LOST_S_BY_CATEGORY_FIELD_NUMBER: _ClassVar[int]
     PERSIST_EVERY_S_FIELD_NUMBER: _ClassVar[int]
     PERSIST_COST_S_FIELD_NUMBER: _ClassVar[int]
     STORAGE_MTBF_S_FIELD_NUMBER: _ClassVar[int]
@@ -650,6 +666,7 @@ class GetStatusResponse(_message.Message):
     goodput: float
     training_wall_s: float
     lost_s_by_cause: _containers.ScalarMap[str, float]
+    lost_s_by_category: _containers.ScalarMap[str, float]
     persist_every_s: float
     persist_cost_s: float
     storage_mtbf_s: float
@@ -659,7 +676,7 @@ class GetStatusResponse(_message.Message):
     incident_cause: str
     failed_restores: int
     finished_reason: str
-    def __init__(self, job_id: _Optional[str] = ..., driver_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., leader_term: _Optional[int] = ..., phase: _Optional[_Union[_events_pb2.Phase, str]] = ..., step: _Optional[int] = ..., live_step: _Optional[int] = ..., nodes_total: _Optional[int] = ..., nodes_active: _Optional[int] = ..., nodes_spare: _Optional[int] = ..., nodes_lost: _Optional[int] = ..., nodes_evicted: _Optional[int] = ..., nodes_alive: _Optional[int] = ..., last_seq: _Optional[int] = ..., incident_id: _Optional[str] = ..., last_diagnosis_id: _Optional[str] = ..., diagnosis_running: _Optional[str] = ..., goodput: _Optional[float] = ..., training_wall_s: _Optional[float] = ..., lost_s_by_cause: _Optional[_Mapping[str, float]] = ..., persist_every_s: _Optional[float] = ..., persist_cost_s: _Optional[float] = ..., storage_mtbf_s: _Optional[float] = ..., persist_failing: _Optional[_Iterable[_Union[PersistFailure, _Mapping]]] = ..., newest_commit_step: _Optional[int] = ..., newest_commit_age_s: _Optional[float] = ..., incident_cause: _Optional[str] = ..., failed_restores: _Optional[int] = ..., finished_reason: _Optional[str] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., driver_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., leader_term: _Optional[int] = ..., phase: _Optional[_Union[_events_pb2.Phase, str]] = ..., step: _Optional[int] = ..., live_step: _Optional[int] = ..., nodes_total: _Optional[int] = ..., nodes_active: _Optional[int] = ..., nodes_spare: _Optional[int] = ..., nodes_lost: _Optional[int] = ..., nodes_evicted: _Optional[int] = ..., nodes_alive: _Optional[int] = ..., last_seq: _Optional[int] = ..., incident_id: _Optional[str] = ..., last_diagnosis_id: _Optional[str] = ..., diagnosis_running: _Optional[str] = ..., goodput: _Optional[float] = ..., training_wall_s: _Optional[float] = ..., lost_s_by_cause: _Optional[_Mapping[str, float]] = ..., lost_s_by_category: _Optional[_Mapping[str, float]] = ..., persist_every_s: _Optional[float] = ..., persist_cost_s: _Optional[float] = ..., storage_mtbf_s: _Optional[float] = ..., persist_failing: _Optional[_Iterable[_Union[PersistFailure, _Mapping]]] = ..., newest_commit_step: _Optional[int] = ..., newest_commit_age_s: _Optional[float] = ..., incident_cause: _Optional[str] = ..., failed_restores: _Optional[int] = ..., finished_reason: _Optional[str] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ("page_size", "after")

@@ -51,7 +51,7 @@ NODE_STATE_LOST: NodeState
 NODE_STATE_EVICTED: NodeState
 
 class Event(_message.Message):
-    __slots__ = ("seq", "event_id", "wall_time_unix_ns", "job_id", "schema_version", "cause", "writer", "job_started", "node_registered", "node_lost", "worker_failed", "hang_suspected", "log_alert", "diagnosis_round", "diagnosis_verdict", "node_evicted", "spare_assigned", "world_resized", "checkpoint_committed", "restore_started", "restore_finished", "loss_spike", "rollback", "training_paused", "training_resumed", "leader_elected", "recovery_transition", "node_refused", "self_check_reported", "job_finished", "operator_action", "rendezvous_round", "rendezvous_refused", "scheduler_call", "straggler_suspected")
+    __slots__ = ("seq", "event_id", "wall_time_unix_ns", "job_id", "schema_version", "cause", "writer", "job_started", "node_registered", "node_lost", "worker_failed", "hang_suspected", "log_alert", "diagnosis_round", "diagnosis_verdict", "node_evicted", "spare_assigned", "world_resized", "checkpoint_committed", "restore_started", "restore_finished", "loss_spike", "rollback", "training_paused", "training_resumed", "leader_elected", "recovery_transition", "node_refused", "self_check_reported", "job_finished", "operator_action", "rendezvous_round", "rendezvous_refused", "scheduler_call", "straggler_suspected", "training_stepping")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     WALL_TIME_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class Event(_message.Message):
     RENDEZVOUS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_CALL_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_SUSPECTED_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_STEPPING_FIELD_NUMBER: _ClassVar[int]
     seq: int
     event_id: str
     wall_time_unix_ns: int
@@ -122,21 +123,24 @@ class Event(_message.Message):
     rendezvous_refused: RendezvousRefused
     scheduler_call: SchedulerCall
     straggler_suspected: StragglerSuspected
-    def __init__(self, seq: _Optional[int] = ..., event_id: _Optional[str] = ..., wall_time_unix_ns: _Optional[int] = ..., job_id: _Optional[str] = ..., schema_version: _Optional[int] = ..., cause: _Optional[str] = ..., writer: _Optional[str] = ..., job_started: _Optional[_Union[JobStarted, _Mapping]] = ..., node_registered: _Optional[_Union[NodeRegistered, _Mapping]] = ..., node_lost: _Optional[_Union[NodeLost, _Mapping]] = ..., worker_failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., hang_suspected: _Optional[_Union[HangSuspected, _Mapping]] = ..., log_alert: _Optional[_Union[LogAlert, _Mapping]] = ..., diagnosis_round: _Optional[_Union[DiagnosisRound, _Mapping]] = ..., diagnosis_verdict: _Optional[_Union[DiagnosisVerdict, _Mapping]] = ..., node_evicted: _Optional[_Union[NodeEvicted, _Mapping]] = ..., spare_assigned: _Optional[_Union[SpareAssigned, _Mapping]] = ..., world_resized: _Optional[_Union[WorldResized, _Mapping]] = ..., checkpoint_committed: _Optional[_Union[CheckpointCommitted, _Mapping]] = ..., restore_started: _Optional[_Union[RestoreStarted, _Mapping]] = ..., restore_finished: _Optional[_Union[RestoreFinished, _Mapping]] = ..., loss_spike: _Optional[_Union[LossSpike, _Mapping]] = ..., rollback: _Optional[_Union[Rollback, _Mapping]] = ..., training_paused: _Optional[_Union[TrainingPaused, _Mapping]] = ..., training_resumed: _Optional[_Union[TrainingResumed, _Mapping]] = ..., leader_elected: _Optional[_Union[LeaderElected, _Mapping]] = ..., recovery_transition: _Optional[_Union[RecoveryTransition, _Mapping]] = ..., node_refused: _Optional[_Union[NodeRefused, _Mapping]] = ..., self_check_reported: _Optional[_Union[SelfCheckReported, _Mapping]] = ..., job_finished: _Optional[_Union[JobFinished, _Mapping]] = ..., operator_action: _Optional[_Union[OperatorAction, _Mapping]] = ..., rendezvous_round: _Optional[_Union[RendezvousRound, _Mapping]] = ..., rendezvous_refused: _Optional[_Union[RendezvousRefused, _Mapping]] = ..., scheduler_call: _Optional[_Union[SchedulerCall, _Mapping]] = ..., straggler_suspected: _Optional[_Union[StragglerSuspected, _Mapping]] = ...) -> None: ...
+    training_stepping: TrainingStepping
+    def __init__(self, seq: _Optional[int] = ..., event_id: _Optional[str] = ..., wall_time_unix_ns: _Optional[int] = ..., job_id: _Optional[str] = ..., schema_version: _Optional[int] = ..., cause: _Optional[str] = ..., writer: _Optional[str] = ..., job_started: _Optional[_Union[JobStarted, _Mapping]] = ..., node_registered: _Optional[_Union[NodeRegistered, _Mapping]] = ..., node_lost: _Optional[_Union[NodeLost, _Mapping]] = ..., worker_failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., hang_suspected: _Optional[_Union[HangSuspected, _Mapping]] = ..., log_alert: _Optional[_Union[LogAlert, _Mapping]] = ..., diagnosis_round: _Optional[_Union[DiagnosisRound, _Mapping]] = ..., diagnosis_verdict: _Optional[_Union[DiagnosisVerdict, _Mapping]] = ..., node_evicted: _Optional[_Union[NodeEvicted, _Mapping]] = ..., spare_assigned: _Optional[_Union[SpareAssigned, _Mapping]] = ..., world_resized: _Optional[_Union[WorldResized, _Mapping]] = ..., checkpoint_committed: _Optional[_Union[CheckpointCommitted, _Mapping]] = ..., restore_started: _Optional[_Union[RestoreStarted, _Mapping]] = ..., restore_finished: _Optional[_Union[RestoreFinished, _Mapping]] = ..., loss_spike: _Optional[_Union[LossSpike, _Mapping]] = ..., rollback: _Optional[_Union[Rollback, _Mapping]] = ..., training_paused: _Optional[_Union[TrainingPaused, _Mapping]] = ..., training_resumed: _Optional[_Union[TrainingResumed, _Mapping]] = ..., leader_elected: _Optional[_Union[LeaderElected, _Mapping]] = ..., recovery_transition: _Optional[_Union[RecoveryTransition, _Mapping]] = ..., node_refused: _Optional[_Union[NodeRefused, _Mapping]] = ..., self_check_reported: _Optional[_Union[SelfCheckReported, _Mapping]] = ..., job_finished: _Optional[_Union[JobFinished, _Mapping]] = ..., operator_action: _Optional[_Union[OperatorAction, _Mapping]] = ..., rendezvous_round: _Optional[_Union[RendezvousRound, _Mapping]] = ..., rendezvous_refused: _Optional[_Union[RendezvousRefused, _Mapping]] = ..., scheduler_call: _Optional[_Union[SchedulerCall, _Mapping]] = ..., straggler_suspected: _Optional[_Union[StragglerSuspected, _Mapping]] = ..., training_stepping: _Optional[_Union[TrainingStepping, _Mapping]] = ...) -> None: ...
 
 class JobStarted(_message.Message):
-    __slots__ = ("trainer", "world", "min_nodes", "max_nodes", "config_json")
+    __slots__ = ("trainer", "world", "min_nodes", "max_nodes", "config_json", "reports_startup")
     TRAINER_FIELD_NUMBER: _ClassVar[int]
     WORLD_FIELD_NUMBER: _ClassVar[int]
     MIN_NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_STARTUP_FIELD_NUMBER: _ClassVar[int]
     trainer: str
     world: WorldLayout
     min_nodes: int
     max_nodes: int
     config_json: str
-    def __init__(self, trainer: _Optional[str] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., config_json: _Optional[str] = ...) -> None: ...
+    reports_startup: bool
+    def __init__(self, trainer: _Optional[str] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., config_json: _Optional[str] = ..., reports_startup: _Optional[bool] = ...) -> None: ...
 
 class NodeRegistered(_message.Message):
     __slots__ = ("node_id", "epoch", "hostname", "ip", "pod_name", "num_workers", "num_gpus", "agent_version", "spare", "replica_buddy")
@@ -381,20 +385,22 @@ class RestoreStarted(_message.Message):
     def __init__(self, step: _Optional[int] = ..., source_by_rank: _Optional[_Mapping[int, str]] = ..., reshard: _Optional[bool] = ...) -> None: ...
 
 class RestoreFinished(_message.Message):
-    __slots__ = ("step", "duration_s", "ok", "error", "restored_step", "storage_ranks")
+    __slots__ = ("step", "duration_s", "ok", "error", "restored_step", "storage_ranks", "trained_s")
     STEP_FIELD_NUMBER: _ClassVar[int]
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RESTORED_STEP_FIELD_NUMBER: _ClassVar[int]
     STORAGE_RANKS_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_S_FIELD_NUMBER: _ClassVar[int]
     step: int
     duration_s: float
     ok: bool
     error: str
     restored_step: int
     storage_ranks: int
-    def __init__(self, step: _Optional[int] = ..., duration_s: _Optional[float] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., restored_step: _Optional[int] = ..., storage_ranks: _Optional[int] = ...) -> None: ...
+    trained_s: float
+    def __init__(self, step: _Optional[int] = ..., duration_s: _Optional[float] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., restored_step: _Optional[int] = ..., storage_ranks: _Optional[int] = ..., trained_s: _Optional[float] = ...) -> None: ...
 
 class LossSpike(_message.Message):
     __slots__ = ("step", "loss", "baseline", "factor", "non_finite", "memory_steps")
@@ -437,12 +443,24 @@ class TrainingPaused(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., at_step: _Optional[int] = ..., restore_step: _Optional[int] = ...) -> None: ...
 
 class TrainingResumed(_message.Message):
-    __slots__ = ("at_step", "world")
+    __slots__ = ("at_step", "world", "planned_step")
     AT_STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_STEP_FIELD_NUMBER: _ClassVar[int]
     at_step: int
     world: WorldLayout
-    def __init__(self, at_step: _Optional[int] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ...) -> None: ...
+    planned_step: int
+    def __init__(self, at_step: _Optional[int] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., planned_step: _Optional[int] = ...) -> None: ...
+
+class TrainingStepping(_message.Message):
+    __slots__ = ("step", "startup_s", "trained_s")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_S_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_S_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    startup_s: float
+    trained_s: float
+    def __init__(self, step: _Optional[int] = ..., startup_s: _Optional[float] = ..., trained_s: _Optional[float] = ...) -> None: ...
 
 class LeaderElected(_message.Message):
     __slots__ = ("driver_id", "lease_id", "term", "address")
@@ -697,8 +715,15 @@ class JobState(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., needs_diagnosis: _Optional[bool] = ..., restore_step: _Optional[int] = ..., configured_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., incident_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., restore_attempts: _Optional[int] = ..., rollback_to: _Optional[int] = ..., rollback_steps: _Optional[_Iterable[int]] = ..., last_rollback_to: _Optional[int] = ..., gone_nodes: _Optional[int] = ..., pruned_nodes: _Optional[int] = ..., last_skip_from: _Optional[int] = ..., last_skip_batches: _Optional[int] = ..., goodput: _Optional[_Union[GoodputLedger, _Mapping]] = ..., persist_cost_s: _Optional[float] = ..., failed_restores: _Optional[int] = ..., finished_reason: _Optional[str] = ...) -> None: ...
 
 class GoodputLedger(_message.Message):
-    __slots__ = ("started_ns", "incident_began_ns", "incident_cause", "lost_s_by_cause", "steps_redone", "last_fault", "incidents", "storage_incidents")
+    __slots__ = ("started_ns", "incident_began_ns", "incident_cause", "lost_s_by_cause", "steps_redone", "last_fault", "incidents", "storage_incidents", "lost_s_by_category", "segment_began_ns", "segment_category", "pending_detect_s", "running_since_ns", "startup_open", "resumed_before_s")
     class LostSByCauseEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class LostSByCategoryEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -713,6 +738,13 @@ class GoodputLedger(_message.Message):
     LAST_FAULT_FIELD_NUMBER: _ClassVar[int]
     INCIDENTS_FIELD_NUMBER: _ClassVar[int]
     STORAGE_INCIDENTS_FIELD_NUMBER: _ClassVar[int]
+    LOST_S_BY_CATEGORY_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BEGAN_NS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_CATEGORY_FIELD_NUMBER: _ClassVar[int]
+    PENDING_DETECT_S_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_SINCE_NS_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_OPEN_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_BEFORE_S_FIELD_NUMBER: _ClassVar[int]
     started_ns: int
     incident_began_ns: int
     incident_cause: str
@@ -721,7 +753,14 @@ class GoodputLedger(_message.Message):
     last_fault: str
     incidents: int
     storage_incidents: int
-    def __init__(self, started_ns: _Optional[int] = ..., incident_began_ns: _Optional[int] = ..., incident_cause: _Optional[str] = ..., lost_s_by_cause: _Optional[_Mapping[str, float]] = ..., steps_redone: _Optional[int] = ..., last_fault: _Optional[str] = ..., incidents: _Optional[int] = ..., storage_incidents: _Optional[int] = ...) -> None: ...
+    lost_s_by_category: _containers.ScalarMap[str, float]
+    segment_began_ns: int
+    segment_category: str
+    pending_detect_s: float
+    running_since_ns: int
+    startup_open: bool
+    resumed_before_s: float
+    def __init__(self, started_ns: _Optional[int] = ..., incident_began_ns: _Optional[int] = ..., incident_cause: _Optional[str] = ..., lost_s_by_cause: _Optional[_Mapping[str, float]] = ..., steps_redone: _Optional[int] = ..., last_fault: _Optional[str] = ..., incidents: _Optional[int] = ..., storage_incidents: _Optional[int] = ..., lost_s_by_category: _Optional[_Mapping[str, float]] = ..., segment_began_ns: _Optional[int] = ..., segment_category: _Optional[str] = ..., pending_detect_s: _Optional[float] = ..., running_since_ns: _Optional[int] = ..., startup_open: _Optional[bool] = ..., resumed_before_s: _Optional[float] = ...) -> None: ...
 
 class Snapshot(_message.Message):
     __slots__ = ("last_seq", "state", "wall_time_unix_ns")

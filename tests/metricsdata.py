@@ -32,7 +32,7 @@ def driver_metrics(*, leader: bool = True) -> DriverMetrics:
             "events": 4,
             "dropped": 0,
             "phase": ev.PHASE_RUNNING,
-            "goodput": Goodput(0.9, 100.0, {"node_lost": 10.0}),
+            "goodput": Goodput(0.9, 100.0, {"node_lost": 10.0}, {"restore": 10.0}),
             "persist_every_s": 182.0,
             "newest_commit_age_s": 41.0,
         }

@@ -374,6 +374,7 @@ def train(
             # the loop's own time between this step and the next (the save, the report):
             # no training happens in it, so it is what the goodput figures lose per step
             m["host_s"] = time.perf_counter() - stepped
+            m["end_unix_s"] = time.time()  # when this step's loop turn ended (an outside account)
             if out is not None:
                 out.write(json.dumps(m) + "\n")
                 out.flush()

@@ -65,6 +65,12 @@ function renderHeader(s) {
   $("step").textContent = `step ${s.live_step || s.step}`;
   const g = s.goodput;
   $("goodput").textContent = g && g.ratio >= 0 ? `goodput ${g.ratio.toFixed(3)}` : "goodput -";
+  const bad = Object.entries((g && g.badput_s) || {}).filter(([, v]) => v >= 0.05);
+  $("goodput").title = bad.length
+    ? `lost: ${bad.map(([k, v]) => `${k} ${v.toFixed(1)} s`).join(", ")}`
+    : "share of wall time since training began not lost to incidents";
+  $("badput").textContent = bad.length
+    ? `lost ${bad.map(([k, v]) => `${k} ${v.toFixed(1)} s`).join(" · ")}` : "";
   $("seq").textContent = `seq ${s.last_seq}`;
   const c = s.counts;
   $("counts").replaceChildren(...["alive", "active", "spare", "lost", "evicted"]

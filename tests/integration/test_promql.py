@@ -72,7 +72,7 @@ def _driver(*, leader: bool, phase: int = ev.PHASE_RUNNING) -> DriverMetrics:
             "events": 4,
             "dropped": 0,
             "phase": phase,
-            "goodput": Goodput(0.9, 100.0, {"node_lost": 10.0}),
+            "goodput": Goodput(0.9, 100.0, {"node_lost": 10.0}, {"restore": 10.0}),
             "persist_every_s": 182.0,
             "newest_commit_age_s": 41.0,
         }

@@ -274,10 +274,12 @@ def test_mass_silence_limit() -> None:
 
 def test_miss_limit_adapts_to_each_nodes_own_jitter() -> None:
     """A node whose heartbeats came with 400 ms gaps gets 2 x 400 ms (capped at 4 x the
-    300 ms timeout); a steady node keeps the 300 ms limit."""
-    v = view()
+    300 ms timeout); a steady node keeps the 300 ms limit. A node whose stream closed (a
+    killed agent) gets no slack."""
+    v = view(starved_hold_ms=0)
     admitted(v, req("steady"), 0.0)
     admitted(v, req("jittery"), 0.0)
+    v.nodes["steady"].connected = v.nodes["jittery"].connected = True
     t = 0.0
     for _ in range(5):
         t += 0.1
@@ -286,7 +288,8 @@ def test_miss_limit_adapts_to_each_nodes_own_jitter() -> None:
     v.beat(v.nodes["jittery"], dpb.Heartbeat(seq=2), 0.5)  # a 400 ms gap (a loaded host)
     assert [e.node_lost.node_id for e in detectors.expired(v, 0.85)] == ["steady"]
     assert detectors.expired(v, 1.25) == []  # 750 ms silent: within 2 x 400 ms
-    assert [e.node_lost.node_id for e in detectors.expired(v, 1.35)] == ["jittery"]
+    v.nodes["jittery"].connected = False
+    assert [e.node_lost.node_id for e in detectors.expired(v, 1.25)] == ["jittery"]
 
 
 def test_adaptive_miss_limit_is_capped_and_can_be_turned_off() -> None:
@@ -295,8 +298,9 @@ def test_adaptive_miss_limit_is_capped_and_can_be_turned_off() -> None:
     v.beat(v.nodes["n0"], dpb.Heartbeat(seq=1), 0.1)
     v.beat(v.nodes["n0"], dpb.Heartbeat(seq=2), 5.0)  # a 4.9 s gap
     assert len(detectors.expired(v, 5.31)) == 1  # off: the fixed 300 ms
-    w = view()
+    w = view(starved_hold_ms=0)
     admitted(w, req(), 0.0)
+    w.nodes["n0"].connected = True
     w.beat(w.nodes["n0"], dpb.Heartbeat(seq=1), 0.1)
     w.beat(w.nodes["n0"], dpb.Heartbeat(seq=2), 5.0)
     assert detectors.expired(w, 6.1) == []  # 1.1 s: within the cap (4 x 300 ms)
@@ -316,3 +320,75 @@ def test_the_live_view_pages_in_node_id_order() -> None:
             break
         after = page[-1]
     assert pages == [["n0", "n1"], ["n2", "n3"], ["n4"]]
+
+
+def _beating(v: LiveView, node: str, at: float, **starved: float) -> None:
+    """A connected node whose heartbeat at `at` says how starved its agent was."""
+    s = v.nodes[node]
+    s.connected = True
+    v.beat(s, dpb.Heartbeat(seq=s.heartbeats + 1, **starved), at)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "said",
+    [
+        {"loop_lag_ms": 120.0},  # its own loop woke late
+        {"late_ms": 80.0},  # its heartbeat left late
+        {"cpu_pressure_pct": 45.0},  # the host's PSI
+        {"runnable_per_cpu": 3.0},  # a restart storm's run queue
+    ],
+)
+def test_a_connected_node_that_said_it_was_starved_gets_the_grace(said: dict[str, float]) -> None:
+    v = view(heartbeat_interval_ms=100, miss_limit=5, starved_hold_ms=2000, jitter_k=0)
+    for n in ("a", "b", "c"):
+        admitted(v, req(n), now=0.0)
+        _beating(v, n, 0.0, **({} if n != "a" else said))
+    for n in ("b", "c"):  # the others keep beating: no crowd
+        _beating(v, n, 2.0)
+    held: list = []
+    assert detectors.silent(v, 2.0, held=held) == [] and [s.node_id for s in held] == ["a"]
+    # a heartbeat within the grace keeps its place; silent past it, it is lost
+    assert [s.node_id for s, _ in detectors.silent(v, 2.51)] == ["a"]
+
+
+def test_an_unstarved_or_disconnected_node_is_lost_at_the_timeout() -> None:
+    v = view(heartbeat_interval_ms=100, miss_limit=5, starved_hold_ms=2000, jitter_k=0)
+    for n in ("a", "b", "c", "d", "e"):
+        admitted(v, req(n), now=0.0)
+    _beating(v, "a", 0.0, loop_lag_ms=3.0, cpu_pressure_pct=1.0, runnable_per_cpu=0.5)
+    _beating(v, "b", 0.0, cpu_pressure_pct=60.0)
+    v.nodes["b"].connected = False  # a killed agent: its stream closed
+    for n in ("c", "d", "e"):  # the rest beat: two late of five is no crowd
+        _beating(v, n, 0.55)
+    assert sorted(s.node_id for s, _ in detectors.silent(v, 0.55)) == ["a", "b"]
+
+
+def test_most_nodes_late_together_are_held_like_starved_ones() -> None:
+    """The observer's trouble (or the network's): two of three nodes late at once."""
+    v = view(heartbeat_interval_ms=100, miss_limit=5, starved_hold_ms=2000, jitter_k=0)
+    for n in ("a", "b", "c"):
+        admitted(v, req(n), now=0.0)
+        _beating(v, n, 0.0)
+    _beating(v, "c", 0.5)
+    held: list = []
+    assert detectors.silent(v, 0.6, held=held) == [] and len(held) == 2
+    assert not detectors.late_together(view(), 0.0)
+    # one late node of three is not a crowd
+    _beating(v, "b", 0.6)
+    assert [s.node_id for s, _ in detectors.silent(v, 0.61)] == ["a"]
+
+
+def test_the_same_epoch_registering_again_is_a_reconnect_never_a_duplicate() -> None:
+    """An agent whose stream broke registers again while the driver still holds the old
+    stream open: it keeps its place (no event, no refusal)."""
+    v = view()
+    admitted(v, req(epoch=5), 0.0)
+    v.nodes["n0"].connected = True
+    assert detectors.admit(v, req(epoch=5), 0.05) == ("", None)
+
+
+def test_starved_hold_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="late_share"):
+        LiveViewConfig(late_share=0.0)
+    with pytest.raises(ValueError, match="starved_hold_ms"):
+        LiveViewConfig(starved_hold_ms=-1)

@@ -77,3 +77,87 @@ def test_only_restores_that_read_storage_count_as_storage_incidents() -> None:
     for i, f in enumerate(finished, 1):
         s = statelib.fold([ev.Event(seq=i, restore_finished=f)], s)
     assert s.goodput.storage_incidents == 1
+
+
+def _timed(pairs: list[tuple[float, ev.Event]]) -> list[ev.Event]:
+    for i, (w, e) in enumerate(pairs, 1):
+        e.seq = i
+        e.wall_time_unix_ns = T0 + int(w * S)
+    return [e for _, e in pairs]
+
+
+def _to(phase: int, **kw: object) -> ev.Event:
+    return ev.Event(recovery_transition=ev.RecoveryTransition(to_phase=phase, **kw))  # type: ignore[arg-type]
+
+
+def _hang_incident() -> list[ev.Event]:
+    """Start-up 10 s; a hang declared at 100 s after 2 s without progress; stopping 1 s,
+    a diagnosis 4 s, choosing the world 1 s, restoring 3 s; the ranks restored step 90
+    while the plan said 80."""
+    return _timed(
+        [
+            (0, ev.Event(job_started=ev.JobStarted(trainer="gpt3d", reports_startup=True))),
+            (0, ev.Event(training_resumed=ev.TrainingResumed(at_step=0))),
+            (10, ev.Event(training_stepping=ev.TrainingStepping(step=1))),
+            (100, ev.Event(hang_suspected=ev.HangSuspected(node_id="n1", silent_ms=2000))),
+            (100, _to(ev.PHASE_SUSPECTED, incident_id="i1", diagnose=True)),
+            (101, ev.Event(training_paused=ev.TrainingPaused(at_step=95, restore_step=80))),
+            (105, _to(ev.PHASE_DIAGNOSED)),
+            (105, _to(ev.PHASE_RESHAPED)),
+            (106, ev.Event(restore_started=ev.RestoreStarted(step=80))),
+            (109, ev.Event(training_resumed=ev.TrainingResumed(at_step=90, planned_step=80))),
+        ]
+    )
+
+
+def test_badput_categories_split_the_same_lost_time_as_the_causes() -> None:
+    s = statelib.fold(_hang_incident(), statelib.initial("j"))
+    g = s.goodput
+    assert dict(g.lost_s_by_category) == {
+        "startup": 10.0,
+        "detection": 2.0,  # the hang's own silence before it was declared
+        "pause": 1.0,
+        "diagnosis": 4.0,
+        "restart": 1.0,
+        "restore": 3.0,
+    }
+    assert dict(g.lost_s_by_cause) == {"startup": 10.0, "hang_suspected": 11.0}
+    assert g.steps_redone == 5  # from the step restored (90), not the plan's (80)
+    gp = goodput(s, T0 + 200 * S, step_s=0.5)
+    assert gp.lost_s_by_category["steps_redone"] == 2.5
+    assert abs(sum(gp.lost_s_by_category.values()) - gp.lost_s) < 1e-9
+    assert abs(gp.ratio - (200 - 23.5) / 200) < 1e-9
+
+
+def test_an_open_start_up_and_an_open_incident_count_by_category_so_far() -> None:
+    events = _hang_incident()
+    starting = statelib.fold(events[:2], statelib.initial("j"))
+    gp = goodput(starting, T0 + 4 * S, step_s=1.0)
+    assert gp.lost_s_by_category == {"startup": 4.0} and gp.ratio == 0.0
+    diagnosing = statelib.fold(events[:6], statelib.initial("j"))
+    gp = goodput(diagnosing, T0 + 103 * S, step_s=1.0)
+    assert gp.lost_s_by_category == {
+        "startup": 10.0,
+        "detection": 2.0,
+        "pause": 1.0,
+        "diagnosis": 2.0,
+    }
+    assert abs(sum(gp.lost_s_by_category.values()) - gp.lost_s) < 1e-9
+
+
+def test_detection_is_bounded_by_the_time_since_training_restarted() -> None:
+    """A rank silent for 300 s (a phase limit) right after a resume 5 s ago lost 5 s, not 300."""
+    events = _timed(
+        [
+            (0, ev.Event(job_started=ev.JobStarted(trainer="gpt3d"))),
+            (0, ev.Event(training_resumed=ev.TrainingResumed(at_step=0))),
+            (50, ev.Event(worker_failed=ev.WorkerFailed(node_id="n1"))),
+            (50, _to(ev.PHASE_SUSPECTED, incident_id="i1")),
+            (60, ev.Event(training_resumed=ev.TrainingResumed(at_step=10))),
+            (65, ev.Event(hang_suspected=ev.HangSuspected(node_id="n1", silent_ms=300_000))),
+            (65, _to(ev.PHASE_SUSPECTED, incident_id="i2")),
+        ]
+    )
+    g = statelib.fold(events, statelib.initial("j")).goodput
+    assert g.lost_s_by_category["detection"] == 5.0
+    assert "startup" not in g.lost_s_by_category  # no driver said it would report one

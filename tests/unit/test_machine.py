@@ -84,6 +84,11 @@ def test_ranks_that_restored_newer_than_planned_resume_the_planned_restore() -> 
     assert sim.feed(restored(2)).phase == ev.PHASE_RESTORING  # a report of another restore
     d = sim.feed(restored(1, restored_step=37))
     assert d.phase == ev.PHASE_RUNNING
+    # ...and training resumed from what the ranks restored (the goodput ledger charges the
+    # steps redone from it, not from the plan's step: tests/unit/test_goodput.py)
+    (resumed,) = [e.training_resumed for e in d.events if e.HasField("training_resumed")]
+    assert (resumed.at_step, resumed.planned_step) == (37, 1)
+    assert sim.state.step == 37
 
 
 def test_node_lost_is_replaced_by_a_spare_in_its_rank_position() -> None:
