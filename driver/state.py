@@ -44,7 +44,26 @@ def apply(state: ev.JobState, event: ev.Event) -> ev.JobState:
     return fold((event,), state)
 
 
+#: Called with a node's id before the fold changes (or creates, or drops) its record; set
+#: by driver/fold.py's undo while it folds in place (None: nobody keeps undo records).
+_touch: Callable[[str], None] | None = None
+
+
+def set_touch_hook(hook: Callable[[str], None] | None) -> Callable[[str], None] | None:
+    """Install the node-touch hook for in-place folds; returns the one it replaces."""
+    global _touch
+    prev, _touch = _touch, hook
+    return prev
+
+
+def apply_in_place(state: ev.JobState, event: ev.Event) -> None:
+    """Fold `event` into `state` itself (driver/fold.py undoes it when asked)."""
+    _apply_in_place(state, event)
+
+
 def _node(s: ev.JobState, node_id: str) -> ev.NodeRecord:
+    if _touch is not None:
+        _touch(node_id)
     rec = s.nodes[node_id]  # map access creates the entry
     if not rec.node_id:
         rec.node_id = node_id
@@ -70,6 +89,8 @@ def _prune(s: ev.JobState) -> None:
     keep = {*s.world.node_ids, *s.suspects, *s.bad_nodes, *s.incident_world.node_ids}
     gone = sorted((r.gone_seq, n) for n, r in s.nodes.items() if r.state in _GONE and n not in keep)
     for _, n in gone[: s.gone_nodes - KEEP_GONE_NODES]:
+        if _touch is not None:
+            _touch(n)
         del s.nodes[n]
         s.gone_nodes -= 1
         s.pruned_nodes += 1
