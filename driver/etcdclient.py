@@ -82,6 +82,14 @@ class Keys:
         return self.base + b"snapshot"
 
     @property
+    def snapshot_parts(self) -> bytes:
+        return self.base + b"snapparts/"
+
+    def snapshot_part(self, seq: int, i: int) -> bytes:
+        """Part `i` of the snapshot at `seq` (one too large for one etcd request)."""
+        return self.snapshot_parts + b"%020d/%06d" % (seq, i)
+
+    @property
     def archived(self) -> bytes:
         return self.base + b"archived"
 

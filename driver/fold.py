@@ -64,8 +64,7 @@ _NARROW_HANDLED = frozenset(
     }
 )
 NARROW_KINDS = frozenset(
-    {f.name for f in ev.Event.DESCRIPTOR.oneofs_by_name["payload"].fields}
-    - set(statelib._HANDLERS)
+    {f.name for f in ev.Event.DESCRIPTOR.oneofs_by_name["payload"].fields} - set(statelib._HANDLERS)
 ) | (_NARROW_HANDLED & set(statelib._HANDLERS))
 
 

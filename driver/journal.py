@@ -49,7 +49,14 @@ from typing import Any
 import structlog
 
 from unbroken.driver import fold as foldlib
-from unbroken.driver.eventlog import EventLog, EventLogError, EventTooLargeError, NotLeaderError
+from unbroken.driver import worldsplit
+from unbroken.driver.eventlog import (
+    DEFAULT_MAX_EVENT_BYTES,
+    EventLog,
+    EventLogError,
+    EventTooLargeError,
+    NotLeaderError,
+)
 from unbroken.proto import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
@@ -294,6 +301,11 @@ class Journal:
             return []
         if self._dirty:  # an earlier append failed: what landed must be folded first
             await self._resync_locked()
+        # a world layout too large for one event follows its head event in parts
+        n = len(events)
+        events = worldsplit.split(
+            events, getattr(self.log, "max_event_bytes", DEFAULT_MAX_EVENT_BYTES)
+        )
         try:
             stored = await self.log.append_many(events)
         except NotLeaderError as e:
@@ -307,7 +319,7 @@ class Journal:
         foldlib.fold_in_place(self._state, stored)
         self.stats.recorded += len(stored)
         self._notify(stored)
-        return stored
+        return worldsplit.merged(stored) if len(stored) > n else stored
 
     def _notify(self, events: list[ev.Event]) -> None:
         for one in events:

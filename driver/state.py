@@ -212,6 +212,24 @@ def _world_resized(s: ev.JobState, e: ev.Event) -> None:
             rec.spare = False
 
 
+def _world_nodes(s: ev.JobState, e: ev.Event) -> None:
+    """More node ids of the layout the event before it set (driver/worldsplit.py)."""
+    p = e.world_nodes
+    if p.of == "job_started.world":
+        s.world.node_ids.extend(p.node_ids)
+        s.configured_world.node_ids.extend(p.node_ids)
+    elif p.of in ("world_resized.new_world", "training_resumed.world"):
+        s.world.node_ids.extend(p.node_ids)
+        if p.of == "world_resized.new_world":
+            for node_id in p.node_ids:  # as _world_resized does for the head's ids
+                rec = _node(s, node_id)
+                if rec.state == ev.NODE_STATE_SPARE:
+                    _set_state(s, rec, ev.NODE_STATE_ACTIVE, e.seq)
+                    rec.spare = False
+    elif p.of == "checkpoint_committed.world" and s.checkpoints:
+        s.checkpoints[-1].world.node_ids.extend(p.node_ids)
+
+
 def _checkpoint_committed(s: ev.JobState, e: ev.Event) -> None:
     p = e.checkpoint_committed
     if p.persist_s > 0 and math.isfinite(p.persist_s):
@@ -347,4 +365,5 @@ _HANDLERS: dict[str, Callable[[ev.JobState, ev.Event], None]] = {
     "leader_elected": _leader_elected,
     "recovery_transition": _recovery_transition,
     "job_finished": _job_finished,
+    "world_nodes": _world_nodes,
 }

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from unbroken.driver import state as statelib
 from unbroken.driver.election import Election
+from unbroken.driver import etcdlog as etcdloglib
 from unbroken.driver.etcdlog import EtcdEventLog, connect
 from unbroken.driver.eventlog import EventLogError
 from unbroken.driver.journal import Journal
@@ -136,11 +137,13 @@ def test_twenty_thousand_nodes_come_and_go_and_the_state_stays_small(
 
 
 def test_a_snapshot_too_large_for_etcd_is_a_clear_error_and_counted(
-    etcd_server: Any, tmp_path: Path
+    etcd_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """1,000 active nodes with 1.5 KB hostnames: a 1.5 MB state. The snapshot is refused
-    before the put (etcd would reject it), the driver says why and counts it; every event
-    stays in etcd (nothing archived without a snapshot) and appends go on."""
+    """1,000 active nodes with 1.5 KB hostnames: a 1.5 MB state, over one put, so it would
+    go in parts; with parts limited to one, the snapshot is refused before the put, the
+    driver says why and counts it; every event stays in etcd (nothing archived without a
+    snapshot) and appends go on. (In parts: tests/integration/test_scale_world.py.)"""
+    monkeypatch.setattr(etcdloglib, "MAX_SNAPSHOT_PARTS", 1)
 
     async def go() -> None:
         async with leading(etcd_server, tmp_path / "archive") as (svc, journal, _, elog):

@@ -45,7 +45,9 @@ def test_in_place_equals_the_pure_fold_and_undo_restores(
 def test_undo_brings_back_records_the_fold_pruned(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(statelib, "KEEP_GONE_NODES", 4)
     monkeypatch.setattr(statelib, "PRUNE_SLACK", 2)
-    events = [ev.Event(node_registered=ev.NodeRegistered(node_id=f"n{i}", epoch=1)) for i in range(20)]
+    events = [
+        ev.Event(node_registered=ev.NodeRegistered(node_id=f"n{i}", epoch=1)) for i in range(20)
+    ]
     events += [ev.Event(node_lost=ev.NodeLost(node_id=f"n{i}", epoch=1)) for i in range(6)]
     base = statelib.fold(numbered(events), statelib.initial("job"))
     before = _bytes(base)
