@@ -120,7 +120,9 @@ def fold_costs(n: int, reps: int, out: dict[str, Any]) -> None:
     # the in-place runs grow the state by what they fold; measure the copying ones first
     out[f"register_copying_ms_{n}"] = _median_ms(copying_one, reps)
     out[f"register_in_place_ms_{n}"] = _median_ms(in_place_one, reps)
-    out[f"register_speedup_{n}"] = out[f"register_copying_ms_{n}"] / out[f"register_in_place_ms_{n}"]
+    out[f"register_speedup_{n}"] = (
+        out[f"register_copying_ms_{n}"] / out[f"register_in_place_ms_{n}"]
+    )
     b_reps = max(3, reps // 20)
     out[f"register_batch64_copying_ms_{n}"] = _median_ms(copying_batch, b_reps) / batch
     out[f"register_batch64_in_place_ms_{n}"] = _median_ms(in_place_batch, b_reps) / batch
@@ -210,18 +212,23 @@ def main() -> None:
     old = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({**old, **out}, indent=1, sort_keys=True) + "\n")
-    print("| nodes | copying ms/reg | in place ms/reg | x | batch64 copying | batch64 in place | x "
-          "| join copying s | join in place s |")
+    print(
+        "| nodes | copying ms/reg | in place ms/reg | x | batch64 copying | batch64 in place | x "
+        "| join copying s | join in place s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for n in ns.levels:
-        print(
-            f"| {n} | {out[f'register_copying_ms_{n}']:.3f} | {out[f'register_in_place_ms_{n}']:.4f} "
-            f"| {out[f'register_speedup_{n}']:.0f} | {out[f'register_batch64_copying_ms_{n}']:.3f} "
-            f"| {out[f'register_batch64_in_place_ms_{n}']:.4f} "
-            f"| {out[f'register_batch64_speedup_{n}']:.0f} "
-            f"| {out.get(f'join_legacy_s_{n}', float('nan')):.2f} "
-            f"| {out.get(f'join_s_{n}', float('nan')):.2f} |"
-        )
+        cols = [
+            f"{out[f'register_copying_ms_{n}']:.3f}",
+            f"{out[f'register_in_place_ms_{n}']:.4f}",
+            f"{out[f'register_speedup_{n}']:.0f}",
+            f"{out[f'register_batch64_copying_ms_{n}']:.3f}",
+            f"{out[f'register_batch64_in_place_ms_{n}']:.4f}",
+            f"{out[f'register_batch64_speedup_{n}']:.0f}",
+            f"{out.get(f'join_legacy_s_{n}', float('nan')):.2f}",
+            f"{out.get(f'join_s_{n}', float('nan')):.2f}",
+        ]
+        print(f"| {n} | " + " | ".join(cols) + " |")
     print(f"wrote {RESULTS}")
 
 

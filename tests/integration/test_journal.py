@@ -20,9 +20,9 @@ from aetcd import rpc
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from unbroken.driver import etcdlog as etcdloglib
 from unbroken.driver import state as statelib
 from unbroken.driver.election import Election
-from unbroken.driver import etcdlog as etcdloglib
 from unbroken.driver.etcdlog import EtcdEventLog, connect
 from unbroken.driver.eventlog import EventLogError
 from unbroken.driver.journal import Journal

@@ -73,3 +73,17 @@ def _copy(e: ev.Event) -> ev.Event:
     out = ev.Event()
     out.CopyFrom(e)
     return out
+
+
+def test_a_page_stops_at_its_byte_bound_with_the_token_where_it_stopped() -> None:
+    from unbroken.driver import paging
+    from unbroken.proto import driver_pb2 as dpb
+
+    big = [dpb.NodeInfo(node_id=f"n{i:05d}", hostname="h" * 100_000) for i in range(100)]
+    page, nxt = paging.bounded(big, 100, more=False)
+    assert 0 < len(page) < 100 and sum(n.ByteSize() for n in page) <= paging.PAGE_BYTES
+    assert nxt == page[-1].node_id
+    page, nxt = paging.bounded(big[:5], 10, more=False)
+    assert len(page) == 5 and nxt == ""  # the last page
+    page, nxt = paging.bounded(big[:11], 10, more=False)
+    assert len(page) == 10 and nxt == page[-1].node_id
