@@ -10,6 +10,13 @@ Sections (each against a baseline taken in the same run on the same machine):
   submitted to a journal on the in-memory log, seconds until all are folded, with the
   in-place fold and with the copying one put back (`join_s_*`, `join_legacy_s_*`).
 
+- ``replay``: decoding and folding 100k stored NodeLost events (bench/eventlog.py's replay
+  workload, 4,096 nodes, pruning included) from their bytes, with this code against the
+  previous decode (max(SchemaVersion) per event) and fold hot spots (`_node_lost`,
+  `_prune`, `_apply_in_place`, kept below as they were), interleaved, median of 3 each;
+  the first run of each is also reported alone (`cold`). The etcd read is not in it
+  (bench/eventlog.py's `replay_100k_events_s` has it).
+
 Writes bench/results/scale.json (flat keys, the load average beside them) and prints a table.
 Usage: ``make bench-scale`` or ``.venv/bin/python bench/scale.py [--levels 1024 5120 10240]``
 """
@@ -28,6 +35,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from unbroken.driver import etcdclient
 from unbroken.driver import fold as foldlib
 from unbroken.driver import journal as journallib
 from unbroken.driver import state as statelib
@@ -189,11 +197,103 @@ async def join(n: int, *, copying: bool) -> float:
         journallib.foldlib.Savepoint, journallib.foldlib.fold_in_place = saved
 
 
+# ---------------------------------------------------------------- replay: the previous code
+def _legacy_decode(data: bytes) -> ev.Event:
+    e = ev.Event.FromString(data)
+    if e.schema_version > max(ev.SchemaVersion.values()):
+        raise ValueError("newer schema")
+    return e
+
+
+def _legacy_prune(s: ev.JobState) -> None:
+    if s.gone_nodes <= statelib.KEEP_GONE_NODES + statelib.PRUNE_SLACK:
+        return
+    gone_states = (ev.NODE_STATE_LOST, ev.NODE_STATE_EVICTED)
+    keep = {*s.world.node_ids, *s.suspects, *s.bad_nodes, *s.incident_world.node_ids}
+    gone = sorted(
+        (r.gone_seq, n) for n, r in s.nodes.items() if r.state in gone_states and n not in keep
+    )
+    for _, n in gone[: s.gone_nodes - statelib.KEEP_GONE_NODES]:
+        del s.nodes[n]
+        s.gone_nodes -= 1
+        s.pruned_nodes += 1
+
+
+def _legacy_node_lost(s: ev.JobState, e: ev.Event) -> None:
+    rec = statelib._node(s, e.node_lost.node_id)
+    if e.node_lost.epoch and e.node_lost.epoch < rec.epoch:
+        return
+    if rec.state != ev.NODE_STATE_EVICTED:
+        statelib._set_state(s, rec, ev.NODE_STATE_LOST, e.seq)
+    rec.failures += 1
+    _legacy_prune(s)
+
+
+def _legacy_apply_in_place(s: ev.JobState, e: ev.Event) -> None:
+    kind = e.WhichOneof("payload")
+    assert kind is not None
+    assert e.seq == 0 or e.seq > s.last_seq
+    if e.seq:
+        s.last_seq = e.seq
+    s.event_counts[kind] += 1
+    if kind in statelib.CAUSE_KINDS:
+        s.goodput.last_fault = kind
+    handler = _LEGACY_HANDLERS.get(kind)
+    if handler is not None:
+        handler(s, e)
+
+
+_LEGACY_HANDLERS = {**statelib._HANDLERS, "node_lost": _legacy_node_lost}
+
+
+def replay_once(datas: list[bytes], *, legacy: bool) -> tuple[float, ev.JobState]:
+    """Seconds to decode and fold `datas`, with the previous code or this one."""
+    saved = statelib._apply_in_place
+    decode = _legacy_decode if legacy else etcdclient.decode
+    if legacy:
+        statelib._apply_in_place = _legacy_apply_in_place
+    try:
+        t0 = time.perf_counter()
+        state = statelib.fold([decode(d) for d in datas], statelib.initial("bench"))
+        return time.perf_counter() - t0, state
+    finally:
+        statelib._apply_in_place = saved
+
+
+def replay_costs(n: int, out: dict[str, Any]) -> None:
+    datas = []
+    for i in range(n):
+        e = ev.Event(
+            seq=i + 1,
+            node_lost=ev.NodeLost(
+                node_id=f"node-{i % 4096:05d}", epoch=i, silent_ms=312.5, reason="heartbeat timeout"
+            ),
+        )
+        datas.append(e.SerializeToString())
+    runs: dict[bool, list[float]] = {True: [], False: []}
+    states = {}
+    for _ in range(3):
+        for legacy in (True, False):
+            took, states[legacy] = replay_once(datas, legacy=legacy)
+            runs[legacy].append(took * 100_000 / n)
+    assert states[True] == states[False], "the folds disagree"
+    for legacy, name in ((True, "legacy"), (False, "now")):
+        out[f"replay_100k_decode_fold_{name}_cold_s"] = runs[legacy][0]
+        out[f"replay_100k_decode_fold_{name}_s"] = statistics.median(runs[legacy])
+    out["replay_100k_decode_fold_speedup"] = (
+        out["replay_100k_decode_fold_legacy_s"] / out["replay_100k_decode_fold_now_s"]
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--levels", type=int, nargs="+", default=list(LEVELS))
     ap.add_argument("--reps", type=int, default=200, help="registrations timed per level")
     ap.add_argument("--no-join", action="store_true", help="skip the end-to-end joins")
+    ap.add_argument("--replay-events", type=int, default=100_000)
+    ap.add_argument(
+        "--only", choices=("fold", "replay"), default=None, help="run one section (default: all)"
+    )
     ns = ap.parse_args()
     out: dict[str, Any] = {
         "python": sys.version.split()[0],
@@ -201,7 +301,16 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "load_avg_1m_before": os.getloadavg()[0],
     }
-    for n in ns.levels:
+    if ns.only in (None, "replay"):
+        replay_costs(ns.replay_events, out)
+        print(
+            "replay 100k (decode + fold): previous "
+            f"{out['replay_100k_decode_fold_legacy_s']:.2f} s, now "
+            f"{out['replay_100k_decode_fold_now_s']:.2f} s (cold: "
+            f"{out['replay_100k_decode_fold_legacy_cold_s']:.2f} / "
+            f"{out['replay_100k_decode_fold_now_cold_s']:.2f} s)"
+        )
+    for n in ns.levels if ns.only in (None, "fold") else ():
         fold_costs(n, ns.reps, out)
         if not ns.no_join:
             out[f"join_legacy_s_{n}"] = asyncio.run(join(n, copying=True))
@@ -217,7 +326,7 @@ def main() -> None:
         "| join copying s | join in place s |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    for n in ns.levels:
+    for n in ns.levels if ns.only in (None, "fold") else ():
         cols = [
             f"{out[f'register_copying_ms_{n}']:.3f}",
             f"{out[f'register_in_place_ms_{n}']:.4f}",

