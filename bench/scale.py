@@ -8,7 +8,9 @@ Sections (each against a baseline taken in the same run on the same machine):
   undo (driver/fold.py). Per registration, alone (a batch of one) and in a batch of 64 (the
   journal's group commit: 63 drafts and one commit). Then the whole join end to end: N nodes
   submitted to a journal on the in-memory log, seconds until all are folded, with the
-  in-place fold and with the copying one put back (`join_s_*`, `join_legacy_s_*`).
+  in-place fold and with the copying one put back (`join_s_*`, `join_legacy_s_*`), and
+  decided by the recovery machine as the driver's loop does (`join_machine_s_*`; with its
+  per-registration draft and the copying fold put back: `join_machine_legacy_s_*`).
 
 - ``replay``: decoding and folding 100k stored NodeLost events (bench/eventlog.py's replay
   workload, 4,096 nodes, pruning included) from their bytes, with this code against the
@@ -38,6 +40,7 @@ from typing import Any
 from unbroken.driver import etcdclient
 from unbroken.driver import fold as foldlib
 from unbroken.driver import journal as journallib
+from unbroken.driver import machine as machinelib
 from unbroken.driver import state as statelib
 from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
 from unbroken.proto import events_pb2 as ev
@@ -164,19 +167,26 @@ def _copying_fold_in_place(state: ev.JobState, events: Iterable[ev.Event]) -> No
         sp.apply(e)
 
 
-async def join(n: int, *, copying: bool) -> float:
+async def join(n: int, *, copying: bool, machine: bool = False) -> float:
     """Seconds for a journal on the in-memory log to record and fold `n` registrations
-    submitted at once (the writer batches them, 64 a transaction)."""
-    saved = journallib.foldlib.Savepoint, journallib.foldlib.fold_in_place
+    submitted at once (the writer batches them, 64 a transaction). `machine`: decided by
+    the recovery machine as the driver's loop does (copying: with its draft, a copy of the
+    state per registration, as before), else recorded as they are."""
+    saved = journallib.foldlib.Savepoint, journallib.foldlib.fold_in_place, machinelib._JOINING
     if copying:
         journallib.foldlib.Savepoint = _CopyingSavepoint  # type: ignore[misc]
         journallib.foldlib.fold_in_place = _copying_fold_in_place
+        machinelib._JOINING = ()
     try:
         store = InMemoryStore()
         elog = InMemoryEventLog(store, "bench", store.elect("d1"), snapshot_every=10**9)
         j = journallib.Journal(elog, statelib.initial("bench"))
 
+        policy = machinelib.Policy()
+
         async def decide(obj: ev.Event) -> journallib.Batch:
+            if machine:
+                return list(machinelib.decide(j.deciding_state, obj, policy).events), None
             return [obj], None
 
         j.decider = decide  # a decider, so every observation after a batch's first drafts
@@ -194,7 +204,11 @@ async def join(n: int, *, copying: bool) -> float:
         await j.close()
         return took
     finally:
-        journallib.foldlib.Savepoint, journallib.foldlib.fold_in_place = saved
+        (
+            journallib.foldlib.Savepoint,
+            journallib.foldlib.fold_in_place,
+            machinelib._JOINING,
+        ) = saved
 
 
 # ---------------------------------------------------------------- replay: the previous code
@@ -292,6 +306,12 @@ def main() -> None:
     ap.add_argument("--no-join", action="store_true", help="skip the end-to-end joins")
     ap.add_argument("--replay-events", type=int, default=100_000)
     ap.add_argument(
+        "--machine-legacy-max",
+        type=int,
+        default=5120,
+        help="largest level whose join through the machine is also run the old way (slow)",
+    )
+    ap.add_argument(
         "--only", choices=("fold", "replay"), default=None, help="run one section (default: all)"
     )
     ns = ap.parse_args()
@@ -316,6 +336,9 @@ def main() -> None:
             out[f"join_legacy_s_{n}"] = asyncio.run(join(n, copying=True))
             out[f"join_s_{n}"] = asyncio.run(join(n, copying=False))
             out[f"join_speedup_{n}"] = out[f"join_legacy_s_{n}"] / out[f"join_s_{n}"]
+            if n <= ns.machine_legacy_max:
+                out[f"join_machine_legacy_s_{n}"] = asyncio.run(join(n, copying=True, machine=True))
+            out[f"join_machine_s_{n}"] = asyncio.run(join(n, copying=False, machine=True))
         print(f"level {n} done", file=sys.stderr)
     out["load_avg_1m_after"] = os.getloadavg()[0]
     old = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
