@@ -87,3 +87,10 @@ def test_a_page_stops_at_its_byte_bound_with_the_token_where_it_stopped() -> Non
     assert len(page) == 5 and nxt == ""  # the last page
     page, nxt = paging.bounded(big[:11], 10, more=False)
     assert len(page) == 10 and nxt == page[-1].node_id
+
+
+def test_the_cli_folds_a_split_world_whole() -> None:
+    from unbroken.cli.cluster import world_of
+
+    parts = worldsplit.split([_copy(e) for e in _history()[:2]], DEFAULT_MAX_EVENT_BYTES)
+    assert world_of(parts) == IDS
