@@ -211,6 +211,30 @@ async def join(n: int, *, copying: bool, machine: bool = False) -> float:
         ) = saved
 
 
+def snapshot_size(n: int, out: dict[str, Any]) -> None:
+    """Bytes of the folded state (what a snapshot stores) of `n` registered nodes with
+    40-character names in a started, running world of all of them."""
+    ids = [host(i, 40) for i in range(n)]
+    world = ev.WorldLayout(dp=n, pp=1, tp=1, node_ids=ids, workers_per_node=8)
+    events = [
+        ev.Event(job_started=ev.JobStarted(trainer="bench", world=world)),
+        *(
+            ev.Event(
+                node_registered=ev.NodeRegistered(
+                    node_id=i, epoch=1, hostname=i, ip="10.1.2.3", num_workers=8
+                )
+            )
+            for i in ids
+        ),
+        ev.Event(training_resumed=ev.TrainingResumed(world=world)),
+    ]
+    for seq, e in enumerate(events, 1):
+        e.seq = seq
+    s = statelib.initial("bench")
+    foldlib.fold_in_place(s, events)
+    out[f"snapshot_bytes_{n}"] = ev.Snapshot(last_seq=s.last_seq, state=s).ByteSize()
+
+
 # ---------------------------------------------------------------- replay: the previous code
 def _legacy_decode(data: bytes) -> ev.Event:
     e = ev.Event.FromString(data)
@@ -331,6 +355,7 @@ def main() -> None:
             f"{out['replay_100k_decode_fold_now_cold_s']:.2f} s)"
         )
     for n in ns.levels if ns.only in (None, "fold") else ():
+        snapshot_size(n, out)
         fold_costs(n, ns.reps, out)
         if not ns.no_join:
             out[f"join_legacy_s_{n}"] = asyncio.run(join(n, copying=True))
