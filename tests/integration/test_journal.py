@@ -7,10 +7,7 @@ A `DriverService` leads on the session's etcd through an `Election` and an `Etcd
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,43 +17,17 @@ from aetcd import rpc
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.integration.journal_harness import leading
 from unbroken.driver import etcdlog as etcdloglib
 from unbroken.driver import state as statelib
-from unbroken.driver.election import Election
-from unbroken.driver.etcdlog import EtcdEventLog, connect
 from unbroken.driver.eventlog import EventLogError
-from unbroken.driver.journal import Journal
 from unbroken.driver.liveview import LiveViewConfig
-from unbroken.driver.service import DriverService, ServiceConfig, build_server
+from unbroken.driver.service import ServiceConfig
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
 
 pytestmark = pytest.mark.integration
-
-
-@contextlib.asynccontextmanager
-async def leading(
-    etcd: Any, archive: Path, config: ServiceConfig | None = None
-) -> AsyncIterator[tuple[DriverService, Journal, str, EtcdEventLog]]:
-    job = f"journal-{uuid.uuid4().hex[:8]}"
-    client = await connect(etcd.config)
-    election = Election(client, job, "d1", ttl_s=10)
-    elog = EtcdEventLog(
-        client, job, await election.campaign(timeout_s=10), archive_url=str(archive)
-    )
-    svc = DriverService(config or ServiceConfig(), driver_id="d1", job_id=job)
-    journal = svc.lead(elog, "127.0.0.1:0", await elog.replay())
-    svc.start()
-    server, port, _ = await build_server(svc, "127.0.0.1:0")
-    try:
-        yield svc, journal, f"127.0.0.1:{port}", elog
-    finally:
-        await server.stop(0)
-        await svc.close()
-        await elog.close()
-        await election.resign()
-        await client.close()
 
 
 def one_of_every_kind() -> list[ev.Event]:

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import pytest
 
-from tests.integration.test_journal import leading
+from tests.integration.journal_harness import leading
 from unbroken.driver import etcdlog as etcdloglib
 from unbroken.driver import paging, worldsplit
 from unbroken.driver.election import Election

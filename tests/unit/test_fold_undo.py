@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.unit.test_state_fold import numbered, payloads
+from tests.unit.event_strategies import numbered, payloads
 from unbroken.driver import fold as foldlib
 from unbroken.driver import state as statelib
 from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore, LogUnavailableError
