@@ -12,6 +12,8 @@ Sections (each against a baseline taken in the same run on the same machine):
   decided by the recovery machine as the driver's loop does (`join_machine_s_*`; with its
   per-registration draft and the copying fold put back: `join_machine_legacy_s_*`).
 
+- ``snapshot``: the folded state's size (what a snapshot stores) at each level with
+  40-character names, every node registered and in a running world (`snapshot_bytes_N`).
 - ``replay``: decoding and folding 100k stored NodeLost events (bench/eventlog.py's replay
   workload, 4,096 nodes, pruning included) from their bytes, with this code against the
   previous decode (max(SchemaVersion) per event) and fold hot spots (`_node_lost`,
@@ -336,14 +338,17 @@ def main() -> None:
         help="largest level whose join through the machine is also run the old way (slow)",
     )
     ap.add_argument(
-        "--only", choices=("fold", "replay"), default=None, help="run one section (default: all)"
+        "--only",
+        choices=("fold", "replay", "snapshot"),
+        default=None,
+        help="run one section (default: all)",
     )
     ns = ap.parse_args()
     out: dict[str, Any] = {
         "python": sys.version.split()[0],
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
-        "load_avg_1m_before": os.getloadavg()[0],
+        f"load_avg_1m_before_{ns.only or 'all'}": os.getloadavg()[0],
     }
     if ns.only in (None, "replay"):
         replay_costs(ns.replay_events, out)
@@ -354,8 +359,9 @@ def main() -> None:
             f"{out['replay_100k_decode_fold_legacy_cold_s']:.2f} / "
             f"{out['replay_100k_decode_fold_now_cold_s']:.2f} s)"
         )
-    for n in ns.levels if ns.only in (None, "fold") else ():
+    for n in ns.levels if ns.only in (None, "snapshot") else ():
         snapshot_size(n, out)
+    for n in ns.levels if ns.only in (None, "fold") else ():
         fold_costs(n, ns.reps, out)
         if not ns.no_join:
             out[f"join_legacy_s_{n}"] = asyncio.run(join(n, copying=True))
@@ -365,7 +371,7 @@ def main() -> None:
                 out[f"join_machine_legacy_s_{n}"] = asyncio.run(join(n, copying=True, machine=True))
             out[f"join_machine_s_{n}"] = asyncio.run(join(n, copying=False, machine=True))
         print(f"level {n} done", file=sys.stderr)
-    out["load_avg_1m_after"] = os.getloadavg()[0]
+    out[f"load_avg_1m_after_{ns.only or 'all'}"] = os.getloadavg()[0]
     old = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({**old, **out}, indent=1, sort_keys=True) + "\n")
