@@ -55,6 +55,7 @@ from tests.jobs import ALLREDUCE_WORKER
 from unbroken.cli.cluster import LocalCluster, UntilTimeout, until
 from unbroken.common.timing import node_timing
 from unbroken.common.tls import read_token, token_metadata
+from unbroken.driver import paging
 from unbroken.driver.etcd import EmbeddedEtcd, free_port
 from unbroken.driver.straggler import Sample, StragglerConfig, StragglerWatch
 from unbroken.proto import driver_pb2 as dpb
@@ -82,7 +83,8 @@ def live(address: str, metadata: tuple[tuple[str, str], ...] = ()) -> list[dpb.N
     try:
         with grpc.insecure_channel(address) as ch:
             stub = dgrpc.DriverStub(ch)
-            return list(stub.LiveView(dpb.LiveViewRequest(), timeout=5, metadata=metadata).nodes)
+            req = dpb.LiveViewRequest()
+            return list(paging.all_nodes(stub.LiveView, req, timeout=5, metadata=metadata))
     except grpc.RpcError:
         return []
 

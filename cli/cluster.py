@@ -38,6 +38,7 @@ import psutil
 
 from unbroken.agent.checks import CHECK_MODULE
 from unbroken.common.loopthread import LoopThread
+from unbroken.driver import worldsplit
 from unbroken.driver.etcd import EmbeddedEtcd, EmbeddedEtcdCluster, EtcdConfig, free_port
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -143,9 +144,10 @@ def read_metrics(path: Path) -> dict[int, list[float]]:
 
 
 def world_of(events: Iterable[ev.Event]) -> list[str]:
-    """The node ids of the job's current world, folded from its events."""
+    """The node ids of the job's current world, folded from its events (a large world's
+    WorldNodes parts put back into their head events first)."""
     world: list[str] = []
-    for e in events:
+    for e in worldsplit.merged(events):
         kind = e.WhichOneof("payload")
         if kind == "job_started":
             world = list(e.job_started.world.node_ids)

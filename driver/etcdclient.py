@@ -82,6 +82,14 @@ class Keys:
         return self.base + b"snapshot"
 
     @property
+    def snapshot_parts(self) -> bytes:
+        return self.base + b"snapparts/"
+
+    def snapshot_part(self, seq: int, i: int) -> bytes:
+        """Part `i` of the snapshot at `seq` (one too large for one etcd request)."""
+        return self.snapshot_parts + b"%020d/%06d" % (seq, i)
+
+    @property
     def archived(self) -> bytes:
         return self.base + b"archived"
 
@@ -403,13 +411,17 @@ def is_compacted(e: grpc.aio.AioRpcError) -> bool:
     return e.code() == grpc.StatusCode.OUT_OF_RANGE or "compacted" in (e.details() or "")
 
 
+#: The newest schema version this code reads (evaluated once: decode runs per event).
+_MAX_SCHEMA = max(ev.SchemaVersion.values())
+
+
 def decode(data: bytes) -> ev.Event:
     """An `Event` from stored bytes, refusing schema versions this code does not know."""
     e = ev.Event.FromString(data)
-    if e.schema_version > max(ev.SchemaVersion.values()):
+    if e.schema_version > _MAX_SCHEMA:
         raise SchemaError(
             f"event {e.seq} has schema version {e.schema_version}; this unbroken "
-            f"knows up to {max(ev.SchemaVersion.values())}: upgrade it"
+            f"knows up to {_MAX_SCHEMA}: upgrade it"
         )
     return e
 

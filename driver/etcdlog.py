@@ -94,6 +94,10 @@ NO_ARCHIVE = ""  # archive_url value that keeps every event in etcd (snapshots s
 MAX_BATCH_EVENTS = 60  # 2 ops per event + head = 121 <= etcd's default --max-txn-ops 128
 MAX_BATCH_BYTES = 1 << 20  # under etcd's 1.5 MiB request limit with room for keys
 MAX_SNAPSHOT_BYTES = 1400 * 1024  # one put under etcd's default 1.5 MiB request limit
+#: A larger state is written as parts of this size under their own keys (one put each),
+#: then the snapshot key names how many (a 10,240-node state is about 2-3 MB).
+SNAPSHOT_PART_BYTES = 1024 * 1024
+MAX_SNAPSHOT_PARTS = 64
 MAX_ATTEMPTS = 5  # per batch, for unreachable etcd or an unknown outcome
 READ_PAGE = 500  # keys per range request (each event <= 64 KiB; grpc messages <= 64 MiB)
 READ_PARALLEL = 4  # range requests of one read in flight at once
@@ -172,6 +176,7 @@ class EtcdEventLog(EventLog):
         self._closed = False
         self.unknown_outcomes = 0  # append transactions whose outcome had to be looked up
         self.snapshots_too_large = 0  # snapshots refused before the put (see maintain_once)
+        self.snapshot_bytes = 0  # the newest snapshot written, serialized (its parts together)
 
     # ------------------------------------------------------------ small helpers
 
@@ -467,15 +472,11 @@ class EtcdEventLog(EventLog):
             state = statelib.fold((e for e in events if e.seq > snap_seq), base)
             new = ev.Snapshot(last_seq=target, state=state, wall_time_unix_ns=time.time_ns())
             data = new.SerializeToString()
+            self.snapshot_bytes = len(data)  # the newest snapshot's size, parts together
             if len(data) > MAX_SNAPSHOT_BYTES:
-                self.snapshots_too_large += 1
-                raise EventLogError(
-                    f"the snapshot at seq {target} is {len(data)} bytes, over the "
-                    f"{MAX_SNAPSHOT_BYTES}-byte limit under etcd's 1.5 MiB request cap: it is "
-                    "not written and events are not archived until it fits (too many nodes "
-                    "in the job's state?); unbroken_snapshots_too_large_total counts these"
-                )
-            resp = await self._txn([self._fence()], [put_op(self.keys.snapshot, data)])
+                data = await self._write_parts(target, state.SerializeToString())
+            older_parts = delete_op(self.keys.snapshot_parts, self.keys.snapshot_part(target, 0))
+            resp = await self._txn([self._fence()], [put_op(self.keys.snapshot, data), older_parts])
             if not resp.succeeded:
                 raise NotLeaderError(
                     f"{self.leadership.driver_id} lost leadership while writing a snapshot"
@@ -568,9 +569,48 @@ class EtcdEventLog(EventLog):
         )
         return await self._get_event(int(r.kvs[0].value)) if r.kvs else None
 
+    async def _write_parts(self, seq: int, state: bytes) -> bytes:
+        """Write a serialized state too large for one put as parts (fenced, one put each);
+        the snapshot key's value that names them."""
+        n = -(-len(state) // SNAPSHOT_PART_BYTES)
+        if n > MAX_SNAPSHOT_PARTS:
+            self.snapshots_too_large += 1
+            raise EventLogError(
+                f"the snapshot at seq {seq} is {len(state)} bytes, over the "
+                f"{MAX_SNAPSHOT_PARTS * SNAPSHOT_PART_BYTES}-byte limit of "
+                f"{MAX_SNAPSHOT_PARTS} parts: it is not written and events are not archived "
+                "until it fits (too many nodes in the job's state?); "
+                "unbroken_snapshots_too_large_total counts these"
+            )
+        for i in range(n):
+            part = state[i * SNAPSHOT_PART_BYTES : (i + 1) * SNAPSHOT_PART_BYTES]
+            resp = await self._txn([self._fence()], [put_op(self.keys.snapshot_part(seq, i), part)])
+            if not resp.succeeded:
+                raise NotLeaderError("lost leadership while writing a snapshot's parts")
+        return ev.Snapshot(
+            last_seq=seq, wall_time_unix_ns=time.time_ns(), parts=n
+        ).SerializeToString()
+
     async def latest_snapshot(self) -> ev.Snapshot | None:
         r = await self._call(self.client.kvstub.Range, rpc.RangeRequest(key=self.keys.snapshot))
-        return ev.Snapshot.FromString(r.kvs[0].value) if r.kvs else None
+        if not r.kvs:
+            return None
+        snap = ev.Snapshot.FromString(r.kvs[0].value)
+        if snap.parts:
+            data = []
+            for i in range(snap.parts):  # one part (<= 1 MiB) per read
+                key = self.keys.snapshot_part(snap.last_seq, i)
+                got = await self._call(self.client.kvstub.Range, rpc.RangeRequest(key=key))
+                if not got.kvs:
+                    raise EventLogError(
+                        f"part {i} of {snap.parts} of the snapshot at seq {snap.last_seq} is "
+                        f"missing from etcd ({key.decode()}): the log under "
+                        f"{self.keys.base.decode()} was changed by hand?"
+                    )
+                data.append(got.kvs[0].value)
+            snap.state.ParseFromString(b"".join(data))
+            snap.parts = 0
+        return snap
 
     async def read(self, from_seq: int = 1, to_seq: int | None = None) -> list[ev.Event]:
         if from_seq < 1:

@@ -48,8 +48,15 @@ from typing import Any
 
 import structlog
 
-from unbroken.driver import state as statelib
-from unbroken.driver.eventlog import EventLog, EventLogError, EventTooLargeError, NotLeaderError
+from unbroken.driver import fold as foldlib
+from unbroken.driver import worldsplit
+from unbroken.driver.eventlog import (
+    DEFAULT_MAX_EVENT_BYTES,
+    EventLog,
+    EventLogError,
+    EventTooLargeError,
+    NotLeaderError,
+)
 from unbroken.proto import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
@@ -206,14 +213,24 @@ class Journal:
         self._closed = False
         self._fenced: NotLeaderError | None = None
         self._recent_ids: set[str] = set()  # ids of events a resync folded
-        self._draft: ev.JobState | None = None  # see `deciding_state`
+        self._draft: foldlib.Savepoint | None = None  # see `deciding_state`
         self._dirty = False  # an append failed: fold what landed before the next one
 
     # ------------------------------------------------------------ reading
     @property
     def state(self) -> ev.JobState:
-        """The folded state of every recorded event (read-only: never mutate it)."""
+        """The folded state of every recorded event (read-only: never mutate it).
+
+        The journal folds into this one object in place (O(event), not O(state)), so it
+        changes under a reader that keeps it across an await; `snapshot()` is a copy.
+        """
         return self._state
+
+    def snapshot(self) -> ev.JobState:
+        """A copy of the folded state that later records do not change."""
+        out = ev.JobState()
+        out.CopyFrom(self._state)
+        return out
 
     @property
     def closed(self) -> bool:
@@ -284,6 +301,11 @@ class Journal:
             return []
         if self._dirty:  # an earlier append failed: what landed must be folded first
             await self._resync_locked()
+        # a world layout too large for one event follows its head event in parts
+        n = len(events)
+        events = worldsplit.split(
+            events, getattr(self.log, "max_event_bytes", DEFAULT_MAX_EVENT_BYTES)
+        )
         try:
             stored = await self.log.append_many(events)
         except NotLeaderError as e:
@@ -294,11 +316,10 @@ class Journal:
             self._dirty = True  # its outcome may be unknown (landed after all)
             raise
         self.stats.transactions += 1
-        state = statelib.fold(stored, self._state)
-        self._state = state
+        foldlib.fold_in_place(self._state, stored)
         self.stats.recorded += len(stored)
         self._notify(stored)
-        return stored
+        return worldsplit.merged(stored) if len(stored) > n else stored
 
     def _notify(self, events: list[ev.Event]) -> None:
         for one in events:
@@ -480,26 +501,39 @@ class Journal:
     @property
     def deciding_state(self) -> ev.JobState:
         """The state a decider decides on: the durable state plus the decisions taken
-        earlier in the same transaction (the durable state between writes)."""
-        return self._draft if self._draft is not None else self._state
+        earlier in the same transaction (the durable state between writes).
+
+        The same object as `state`: the draft decisions are folded into it in place while
+        the deciders run (which never await) and undone before the append awaits."""
+        return self._state
 
     async def _handle(self, batch: list[tuple[str, Pending]]) -> int:
         """Decide on a batch of observations and record all decisions in ONE transaction.
 
-        Each decision sees the state after the ones before it (a draft fold); the draft is
-        set only while the deciders run, which never await, so no reader sees it. Returns
-        how many observations of the batch are done (a prefix).
+        Each decision sees the state after the ones before it: the draft decisions are
+        folded into the live state in place (O(event)) while the deciders run, which never
+        await, and undone before anything awaits, so no reader sees them. Returns how many
+        observations of the batch are done (a prefix).
         """
         async with self._lock:
             events: list[ev.Event] = []
             decided: list[tuple[Pending, int, int, Callable[[], None] | None]] = []
             size = 0
+            drafted = 0  # events[:drafted] are folded into the draft
             try:
                 for _, p in batch:
+                    if isinstance(p.obj, ev.Event) and p.obj.event_id and p.carried:
+                        self._undo_draft()  # _landed may await: readers see durable state
+                        drafted = 0
                     if isinstance(p.obj, ev.Event) and p.obj.event_id and await self._landed(p):
                         decided.append((p, len(events), len(events), None))
                         continue
-                    self._draft = statelib.fold(events, self._state) if events else None
+                    if drafted < len(events):
+                        if self._draft is None:
+                            self._draft = foldlib.Savepoint(self._state)
+                        for e in events[drafted:]:
+                            self._draft.apply(e)
+                        drafted = len(events)
                     if self.decider is not None:
                         mine, then = await self.decider(p.obj)
                     elif isinstance(p.obj, ev.Event):
@@ -516,7 +550,7 @@ class Journal:
                     events.extend(mine)
                     size = grown
             finally:
-                self._draft = None
+                self._undo_draft()
             stored = await self._record_locked(events)
         now = time.monotonic()
         for p, a, b, then in decided:
@@ -529,6 +563,11 @@ class Journal:
                 except Exception:
                     log.exception("recovery actions failed to start")
         return len(decided)
+
+    def _undo_draft(self) -> None:
+        if self._draft is not None:
+            self._draft.undo()
+            self._draft = None
 
     async def _landed(self, p: Pending) -> bool:
         """Whether `p`'s event is already in the log (folded by a resync, or carried over
@@ -563,7 +602,7 @@ class Journal:
             return 0
         log.warning("events landed despite a failed append; folding them", events=len(tail))
         self._recent_ids = {one.event_id for one in tail}
-        self._state = statelib.fold(tail, self._state)
+        foldlib.fold_in_place(self._state, tail)
         self._notify(tail)
         return len(tail)
 

@@ -510,6 +510,9 @@ def pending_actions(state: ev.JobState, policy: Policy) -> list[Action]:
 
 
 # ---------------------------------------------------------------- the transition function
+_JOINING = (ev.PHASE_STARTING, 0)  # phases where a registration is recorded only
+
+
 def decide(state: ev.JobState, observation: Observation, policy: Policy) -> Decision:
     """The events and actions for `observation`, given the state before it. Pure.
 
@@ -523,6 +526,16 @@ def decide(state: ev.JobState, observation: Observation, policy: Policy) -> Deci
         The decision: `fold(decision.events, state)` is the new state, whose phase is
         `decision.phase` and whose `pending_actions` are `decision.actions`.
     """
+    if (
+        isinstance(observation, ev.Event)
+        and state.phase in _JOINING
+        and observation.WhichOneof("payload") == "node_registered"
+    ):
+        # a node joining a job not started yet: recorded only, nothing to settle and no
+        # actions (the fold keeps the phase), so no draft, a copy of the whole state (a
+        # 10,000-node join paid one per registration)
+        note = f"recorded only: the job is {ev.Phase.Name(state.phase)}"
+        return Decision(events=(observation,), actions=(), phase=state.phase, note=note)
     cause = observation.event_id if isinstance(observation, ev.Event) else "paused"
     draft = _Draft(state, cause or "observation")
     if isinstance(observation, ev.Event):

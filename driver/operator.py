@@ -27,7 +27,7 @@ from unbroken.common import channel
 from unbroken.common.faults import RuntimeFault
 from unbroken.diagnostics.runner import verdict_event
 from unbroken.driver import goodput as goodputlib
-from unbroken.driver import machine
+from unbroken.driver import machine, paging
 from unbroken.driver.diagnose import DiagnoseError, DriverDiagnoseConfig, run_diagnosis
 from unbroken.driver.eventlog import EventLogError, new_event_id
 from unbroken.driver.journal import Journal
@@ -221,11 +221,10 @@ class OperatorApi:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"page_size {request.page_size} is over {MAX_PAGE}",
             )
-        nodes = node_infos(
-            state, self.view, time.monotonic(), after=request.after, limit=request.page_size
-        )
-        more = bool(request.page_size) and len(nodes) == request.page_size
-        return dpb.ListNodesResponse(nodes=nodes, next_after=nodes[-1].node_id if more else "")
+        limit = paging.page_size(request.page_size)
+        nodes = node_infos(state, self.view, time.monotonic(), after=request.after, limit=limit + 1)
+        page, nxt = paging.bounded(nodes, limit, more=False)
+        return dpb.ListNodesResponse(nodes=page, next_after=nxt)
 
     async def WatchEvents(
         self, request: dpb.WatchEventsRequest, context: grpc.aio.ServicerContext

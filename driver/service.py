@@ -39,7 +39,7 @@ from unbroken.common import channel
 from unbroken.common.serving import MalformedRequests
 from unbroken.common.tls import TlsConfig, server_credentials
 from unbroken.driver import commits as commits_mod
-from unbroken.driver import detectors
+from unbroken.driver import detectors, paging
 from unbroken.driver import goodput as goodputlib
 from unbroken.driver import state as statelib
 from unbroken.driver.commits import Commits
@@ -1079,10 +1079,10 @@ class DriverService(dgrpc.DriverServicer):
                 f"page_size {request.page_size} is over {LIVE_VIEW_MAX_PAGE}",
             )
         if not request.summary_only:
-            nodes = self.view.snapshot(after=request.after, limit=request.page_size)
-            out.nodes.extend(nodes)
-            if request.page_size and len(nodes) == request.page_size:
-                out.next_after = nodes[-1].node_id
+            limit = paging.page_size(request.page_size)
+            nodes = self.view.snapshot(after=request.after, limit=limit + 1)
+            page, out.next_after = paging.bounded(nodes, limit, more=False)
+            out.nodes.extend(page)
         return out
 
     # ------------------------------------------------------------ operators, launchers

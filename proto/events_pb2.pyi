@@ -51,7 +51,7 @@ NODE_STATE_LOST: NodeState
 NODE_STATE_EVICTED: NodeState
 
 class Event(_message.Message):
-    __slots__ = ("seq", "event_id", "wall_time_unix_ns", "job_id", "schema_version", "cause", "writer", "job_started", "node_registered", "node_lost", "worker_failed", "hang_suspected", "log_alert", "diagnosis_round", "diagnosis_verdict", "node_evicted", "spare_assigned", "world_resized", "checkpoint_committed", "restore_started", "restore_finished", "loss_spike", "rollback", "training_paused", "training_resumed", "leader_elected", "recovery_transition", "node_refused", "self_check_reported", "job_finished", "operator_action", "rendezvous_round", "rendezvous_refused", "scheduler_call", "straggler_suspected", "training_stepping")
+    __slots__ = ("seq", "event_id", "wall_time_unix_ns", "job_id", "schema_version", "cause", "writer", "job_started", "node_registered", "node_lost", "worker_failed", "hang_suspected", "log_alert", "diagnosis_round", "diagnosis_verdict", "node_evicted", "spare_assigned", "world_resized", "checkpoint_committed", "restore_started", "restore_finished", "loss_spike", "rollback", "training_paused", "training_resumed", "leader_elected", "recovery_transition", "node_refused", "self_check_reported", "job_finished", "operator_action", "rendezvous_round", "rendezvous_refused", "scheduler_call", "straggler_suspected", "training_stepping", "world_nodes")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     WALL_TIME_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class Event(_message.Message):
     SCHEDULER_CALL_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_SUSPECTED_FIELD_NUMBER: _ClassVar[int]
     TRAINING_STEPPING_FIELD_NUMBER: _ClassVar[int]
+    WORLD_NODES_FIELD_NUMBER: _ClassVar[int]
     seq: int
     event_id: str
     wall_time_unix_ns: int
@@ -124,7 +125,8 @@ class Event(_message.Message):
     scheduler_call: SchedulerCall
     straggler_suspected: StragglerSuspected
     training_stepping: TrainingStepping
-    def __init__(self, seq: _Optional[int] = ..., event_id: _Optional[str] = ..., wall_time_unix_ns: _Optional[int] = ..., job_id: _Optional[str] = ..., schema_version: _Optional[int] = ..., cause: _Optional[str] = ..., writer: _Optional[str] = ..., job_started: _Optional[_Union[JobStarted, _Mapping]] = ..., node_registered: _Optional[_Union[NodeRegistered, _Mapping]] = ..., node_lost: _Optional[_Union[NodeLost, _Mapping]] = ..., worker_failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., hang_suspected: _Optional[_Union[HangSuspected, _Mapping]] = ..., log_alert: _Optional[_Union[LogAlert, _Mapping]] = ..., diagnosis_round: _Optional[_Union[DiagnosisRound, _Mapping]] = ..., diagnosis_verdict: _Optional[_Union[DiagnosisVerdict, _Mapping]] = ..., node_evicted: _Optional[_Union[NodeEvicted, _Mapping]] = ..., spare_assigned: _Optional[_Union[SpareAssigned, _Mapping]] = ..., world_resized: _Optional[_Union[WorldResized, _Mapping]] = ..., checkpoint_committed: _Optional[_Union[CheckpointCommitted, _Mapping]] = ..., restore_started: _Optional[_Union[RestoreStarted, _Mapping]] = ..., restore_finished: _Optional[_Union[RestoreFinished, _Mapping]] = ..., loss_spike: _Optional[_Union[LossSpike, _Mapping]] = ..., rollback: _Optional[_Union[Rollback, _Mapping]] = ..., training_paused: _Optional[_Union[TrainingPaused, _Mapping]] = ..., training_resumed: _Optional[_Union[TrainingResumed, _Mapping]] = ..., leader_elected: _Optional[_Union[LeaderElected, _Mapping]] = ..., recovery_transition: _Optional[_Union[RecoveryTransition, _Mapping]] = ..., node_refused: _Optional[_Union[NodeRefused, _Mapping]] = ..., self_check_reported: _Optional[_Union[SelfCheckReported, _Mapping]] = ..., job_finished: _Optional[_Union[JobFinished, _Mapping]] = ..., operator_action: _Optional[_Union[OperatorAction, _Mapping]] = ..., rendezvous_round: _Optional[_Union[RendezvousRound, _Mapping]] = ..., rendezvous_refused: _Optional[_Union[RendezvousRefused, _Mapping]] = ..., scheduler_call: _Optional[_Union[SchedulerCall, _Mapping]] = ..., straggler_suspected: _Optional[_Union[StragglerSuspected, _Mapping]] = ..., training_stepping: _Optional[_Union[TrainingStepping, _Mapping]] = ...) -> None: ...
+    world_nodes: WorldNodes
+    def __init__(self, seq: _Optional[int] = ..., event_id: _Optional[str] = ..., wall_time_unix_ns: _Optional[int] = ..., job_id: _Optional[str] = ..., schema_version: _Optional[int] = ..., cause: _Optional[str] = ..., writer: _Optional[str] = ..., job_started: _Optional[_Union[JobStarted, _Mapping]] = ..., node_registered: _Optional[_Union[NodeRegistered, _Mapping]] = ..., node_lost: _Optional[_Union[NodeLost, _Mapping]] = ..., worker_failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., hang_suspected: _Optional[_Union[HangSuspected, _Mapping]] = ..., log_alert: _Optional[_Union[LogAlert, _Mapping]] = ..., diagnosis_round: _Optional[_Union[DiagnosisRound, _Mapping]] = ..., diagnosis_verdict: _Optional[_Union[DiagnosisVerdict, _Mapping]] = ..., node_evicted: _Optional[_Union[NodeEvicted, _Mapping]] = ..., spare_assigned: _Optional[_Union[SpareAssigned, _Mapping]] = ..., world_resized: _Optional[_Union[WorldResized, _Mapping]] = ..., checkpoint_committed: _Optional[_Union[CheckpointCommitted, _Mapping]] = ..., restore_started: _Optional[_Union[RestoreStarted, _Mapping]] = ..., restore_finished: _Optional[_Union[RestoreFinished, _Mapping]] = ..., loss_spike: _Optional[_Union[LossSpike, _Mapping]] = ..., rollback: _Optional[_Union[Rollback, _Mapping]] = ..., training_paused: _Optional[_Union[TrainingPaused, _Mapping]] = ..., training_resumed: _Optional[_Union[TrainingResumed, _Mapping]] = ..., leader_elected: _Optional[_Union[LeaderElected, _Mapping]] = ..., recovery_transition: _Optional[_Union[RecoveryTransition, _Mapping]] = ..., node_refused: _Optional[_Union[NodeRefused, _Mapping]] = ..., self_check_reported: _Optional[_Union[SelfCheckReported, _Mapping]] = ..., job_finished: _Optional[_Union[JobFinished, _Mapping]] = ..., operator_action: _Optional[_Union[OperatorAction, _Mapping]] = ..., rendezvous_round: _Optional[_Union[RendezvousRound, _Mapping]] = ..., rendezvous_refused: _Optional[_Union[RendezvousRefused, _Mapping]] = ..., scheduler_call: _Optional[_Union[SchedulerCall, _Mapping]] = ..., straggler_suspected: _Optional[_Union[StragglerSuspected, _Mapping]] = ..., training_stepping: _Optional[_Union[TrainingStepping, _Mapping]] = ..., world_nodes: _Optional[_Union[WorldNodes, _Mapping]] = ...) -> None: ...
 
 class JobStarted(_message.Message):
     __slots__ = ("trainer", "world", "min_nodes", "max_nodes", "config_json", "reports_startup")
@@ -338,6 +340,14 @@ class WorldLayout(_message.Message):
     node_ids: _containers.RepeatedScalarFieldContainer[str]
     workers_per_node: int
     def __init__(self, dp: _Optional[int] = ..., pp: _Optional[int] = ..., tp: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ..., workers_per_node: _Optional[int] = ...) -> None: ...
+
+class WorldNodes(_message.Message):
+    __slots__ = ("of", "node_ids")
+    OF_FIELD_NUMBER: _ClassVar[int]
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    of: str
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, of: _Optional[str] = ..., node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorldResized(_message.Message):
     __slots__ = ("old_world", "new_world", "reason")
@@ -763,14 +773,16 @@ class GoodputLedger(_message.Message):
     def __init__(self, started_ns: _Optional[int] = ..., incident_began_ns: _Optional[int] = ..., incident_cause: _Optional[str] = ..., lost_s_by_cause: _Optional[_Mapping[str, float]] = ..., steps_redone: _Optional[int] = ..., last_fault: _Optional[str] = ..., incidents: _Optional[int] = ..., storage_incidents: _Optional[int] = ..., lost_s_by_category: _Optional[_Mapping[str, float]] = ..., segment_began_ns: _Optional[int] = ..., segment_category: _Optional[str] = ..., pending_detect_s: _Optional[float] = ..., running_since_ns: _Optional[int] = ..., startup_open: _Optional[bool] = ..., resumed_before_s: _Optional[float] = ...) -> None: ...
 
 class Snapshot(_message.Message):
-    __slots__ = ("last_seq", "state", "wall_time_unix_ns")
+    __slots__ = ("last_seq", "state", "wall_time_unix_ns", "parts")
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WALL_TIME_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     last_seq: int
     state: JobState
     wall_time_unix_ns: int
-    def __init__(self, last_seq: _Optional[int] = ..., state: _Optional[_Union[JobState, _Mapping]] = ..., wall_time_unix_ns: _Optional[int] = ...) -> None: ...
+    parts: int
+    def __init__(self, last_seq: _Optional[int] = ..., state: _Optional[_Union[JobState, _Mapping]] = ..., wall_time_unix_ns: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...
 
 class ArchiveSegment(_message.Message):
     __slots__ = ("first_seq", "last_seq", "events")

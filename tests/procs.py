@@ -24,6 +24,7 @@ import grpc
 import pytest
 
 from unbroken.cli.cluster import LocalCluster, until
+from unbroken.driver import paging
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
@@ -85,7 +86,9 @@ def start_driver(
 def live(stub: dgrpc.DriverStub) -> dict[str, dpb.NodeLive]:
     """The driver's live view by node (empty while it does not answer)."""
     try:
-        return {n.node_id: n for n in stub.LiveView(dpb.LiveViewRequest(), timeout=2).nodes}
+        return {
+            n.node_id: n for n in paging.all_nodes(stub.LiveView, dpb.LiveViewRequest(), timeout=2)
+        }
     except grpc.RpcError:
         return {}
 
@@ -131,7 +134,7 @@ def wait_nodes(stub: dgrpc.DriverStub, nodes: list[str], what: str, timeout_s: f
 
     def ready() -> bool:
         try:
-            listed = stub.ListNodes(dpb.ListNodesRequest(), timeout=10).nodes
+            listed = list(paging.all_nodes(stub.ListNodes, dpb.ListNodesRequest(), timeout=10))
         except grpc.RpcError:  # not leading yet (the election is still running)
             return False
         got.clear()

@@ -7,10 +7,7 @@ A `DriverService` leads on the session's etcd through an `Election` and an `Etcd
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,42 +17,17 @@ from aetcd import rpc
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.integration.journal_harness import leading
+from unbroken.driver import etcdlog as etcdloglib
 from unbroken.driver import state as statelib
-from unbroken.driver.election import Election
-from unbroken.driver.etcdlog import EtcdEventLog, connect
 from unbroken.driver.eventlog import EventLogError
-from unbroken.driver.journal import Journal
 from unbroken.driver.liveview import LiveViewConfig
-from unbroken.driver.service import DriverService, ServiceConfig, build_server
+from unbroken.driver.service import ServiceConfig
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
 
 pytestmark = pytest.mark.integration
-
-
-@contextlib.asynccontextmanager
-async def leading(
-    etcd: Any, archive: Path, config: ServiceConfig | None = None
-) -> AsyncIterator[tuple[DriverService, Journal, str, EtcdEventLog]]:
-    job = f"journal-{uuid.uuid4().hex[:8]}"
-    client = await connect(etcd.config)
-    election = Election(client, job, "d1", ttl_s=10)
-    elog = EtcdEventLog(
-        client, job, await election.campaign(timeout_s=10), archive_url=str(archive)
-    )
-    svc = DriverService(config or ServiceConfig(), driver_id="d1", job_id=job)
-    journal = svc.lead(elog, "127.0.0.1:0", await elog.replay())
-    svc.start()
-    server, port, _ = await build_server(svc, "127.0.0.1:0")
-    try:
-        yield svc, journal, f"127.0.0.1:{port}", elog
-    finally:
-        await server.stop(0)
-        await svc.close()
-        await elog.close()
-        await election.resign()
-        await client.close()
 
 
 def one_of_every_kind() -> list[ev.Event]:
@@ -136,11 +108,13 @@ def test_twenty_thousand_nodes_come_and_go_and_the_state_stays_small(
 
 
 def test_a_snapshot_too_large_for_etcd_is_a_clear_error_and_counted(
-    etcd_server: Any, tmp_path: Path
+    etcd_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """1,000 active nodes with 1.5 KB hostnames: a 1.5 MB state. The snapshot is refused
-    before the put (etcd would reject it), the driver says why and counts it; every event
-    stays in etcd (nothing archived without a snapshot) and appends go on."""
+    """1,000 active nodes with 1.5 KB hostnames: a 1.5 MB state, over one put, so it would
+    go in parts; with parts limited to one, the snapshot is refused before the put, the
+    driver says why and counts it; every event stays in etcd (nothing archived without a
+    snapshot) and appends go on. (In parts: tests/integration/test_scale_world.py.)"""
+    monkeypatch.setattr(etcdloglib, "MAX_SNAPSHOT_PARTS", 1)
 
     async def go() -> None:
         async with leading(etcd_server, tmp_path / "archive") as (svc, journal, _, elog):

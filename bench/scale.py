@@ -1,0 +1,399 @@
+"""Benchmark of the driver's state at 10,000 nodes (not a test; see STYLE.md 19).
+
+Sections (each against a baseline taken in the same run on the same machine):
+
+- ``fold``: what one NodeRegistered costs the journal at 1,024 / 5,120 / 10,240 registered
+  nodes (30-character host names), the copying fold it used before (`state.fold`: a copy of
+  the whole JobState per draft observation and per commit) against the in-place fold with an
+  undo (driver/fold.py). Per registration, alone (a batch of one) and in a batch of 64 (the
+  journal's group commit: 63 drafts and one commit). Then the whole join end to end: N nodes
+  submitted to a journal on the in-memory log, seconds until all are folded, with the
+  in-place fold and with the copying one put back (`join_s_*`, `join_legacy_s_*`), and
+  decided by the recovery machine as the driver's loop does (`join_machine_s_*`; with its
+  per-registration draft and the copying fold put back: `join_machine_legacy_s_*`).
+
+- ``snapshot``: the folded state's size (what a snapshot stores) at each level with
+  40-character names, every node registered and in a running world (`snapshot_bytes_N`).
+- ``replay``: decoding and folding 100k stored NodeLost events (bench/eventlog.py's replay
+  workload, 4,096 nodes, pruning included) from their bytes, with this code against the
+  previous decode (max(SchemaVersion) per event) and fold hot spots (`_node_lost`,
+  `_prune`, `_apply_in_place`, kept below as they were), interleaved, median of 3 each;
+  the first run of each is also reported alone (`cold`). The etcd read is not in it
+  (bench/eventlog.py's `replay_100k_events_s` has it).
+
+Writes bench/results/scale.json (flat keys, the load average beside them) and prints a table.
+Usage: ``make bench-scale`` or ``.venv/bin/python bench/scale.py [--levels 1024 5120 10240]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from unbroken.driver import etcdclient
+from unbroken.driver import fold as foldlib
+from unbroken.driver import journal as journallib
+from unbroken.driver import machine as machinelib
+from unbroken.driver import state as statelib
+from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
+from unbroken.proto import events_pb2 as ev
+
+RESULTS = Path(__file__).parent / "results" / "scale.json"
+LEVELS = (1024, 5120, 10240)
+
+
+def host(i: int, width: int = 30) -> str:
+    """A realistic host name of exactly `width` characters."""
+    return f"gpu-{i:06d}.rack{i // 64:04d}.dc1.example.com".ljust(width, "x")[:width]
+
+
+def node_id(i: int) -> str:
+    return host(i)
+
+
+def registered(i: int, epoch: int = 1) -> ev.Event:
+    return ev.Event(
+        node_registered=ev.NodeRegistered(
+            node_id=node_id(i),
+            epoch=epoch,
+            hostname=host(i),
+            ip=f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}",
+            num_workers=8,
+            num_gpus=8,
+            agent_version="0.1.0",
+            replica_buddy=f"{host(i + 1)}:29600",
+        )
+    )
+
+
+def state_with(n: int) -> ev.JobState:
+    """A state with `n` registered nodes, as a join leaves it before its world forms."""
+    events = [registered(i) for i in range(n)]
+    for seq, e in enumerate(events, 1):
+        e.seq = seq
+    s = statelib.initial("bench")
+    foldlib.fold_in_place(s, events)
+    return s
+
+
+def _median_ms(fn: Any, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000.0 * statistics.median(times)
+
+
+def fold_costs(n: int, reps: int, out: dict[str, Any]) -> None:
+    """Per-registration fold cost at `n` nodes: copying against in place (alone, batch 64)."""
+    s = state_with(n)
+    seq = [s.last_seq]
+
+    def fresh(k: int) -> list[ev.Event]:
+        evs = []
+        for _ in range(k):
+            seq[0] += 1
+            e = registered(n + seq[0])  # a new node joining
+            e.seq = seq[0]
+            evs.append(e)
+        return evs
+
+    def copying_one() -> None:
+        statelib.fold(fresh(1), s)  # the old commit: a copy, folded (then dropped here)
+
+    def in_place_one() -> None:
+        foldlib.fold_in_place(s, fresh(1))
+
+    batch = 64
+
+    def copying_batch() -> None:
+        evs = fresh(batch)
+        for k in range(1, batch):  # the old drafts: every observation after the first
+            statelib.fold(evs[:k], s)
+        statelib.fold(evs, s)  # the commit
+
+    def in_place_batch() -> None:
+        evs = fresh(batch)
+        draft = foldlib.Savepoint(s)
+        for e in evs[:-1]:
+            draft.apply(e)
+        draft.undo()
+        foldlib.fold_in_place(s, evs)
+
+    # the in-place runs grow the state by what they fold; measure the copying ones first
+    out[f"register_copying_ms_{n}"] = _median_ms(copying_one, reps)
+    out[f"register_in_place_ms_{n}"] = _median_ms(in_place_one, reps)
+    out[f"register_speedup_{n}"] = (
+        out[f"register_copying_ms_{n}"] / out[f"register_in_place_ms_{n}"]
+    )
+    b_reps = max(3, reps // 20)
+    out[f"register_batch64_copying_ms_{n}"] = _median_ms(copying_batch, b_reps) / batch
+    out[f"register_batch64_in_place_ms_{n}"] = _median_ms(in_place_batch, b_reps) / batch
+    out[f"register_batch64_speedup_{n}"] = (
+        out[f"register_batch64_copying_ms_{n}"] / out[f"register_batch64_in_place_ms_{n}"]
+    )
+
+
+class _CopyingSavepoint(foldlib.Savepoint):
+    """The draft as the journal kept it before: a copy of the state with the batch's
+    events so far folded, made again before every decision."""
+
+    def __init__(self, state: ev.JobState) -> None:
+        super().__init__(state)
+        self._events: list[ev.Event] = []
+
+    def apply(self, event: ev.Event) -> None:
+        self._events.append(event)
+        statelib.fold(self._events, self.state)
+        super().apply(event)
+
+
+_Savepoint = foldlib.Savepoint  # fold_in_place's own, while the journal's is replaced
+
+
+def _copying_fold_in_place(state: ev.JobState, events: Iterable[ev.Event]) -> None:
+    events = list(events)
+    statelib.fold(events, state)  # the old commit's copy and fold
+    sp = _Savepoint(state)
+    for e in events:
+        sp.apply(e)
+
+
+async def join(n: int, *, copying: bool, machine: bool = False) -> float:
+    """Seconds for a journal on the in-memory log to record and fold `n` registrations
+    submitted at once (the writer batches them, 64 a transaction). `machine`: decided by
+    the recovery machine as the driver's loop does (copying: with its draft, a copy of the
+    state per registration, as before), else recorded as they are."""
+    saved = journallib.foldlib.Savepoint, journallib.foldlib.fold_in_place, machinelib._JOINING
+    if copying:
+        journallib.foldlib.Savepoint = _CopyingSavepoint  # type: ignore[misc]
+        journallib.foldlib.fold_in_place = _copying_fold_in_place
+        machinelib._JOINING = ()
+    try:
+        store = InMemoryStore()
+        elog = InMemoryEventLog(store, "bench", store.elect("d1"), snapshot_every=10**9)
+        j = journallib.Journal(elog, statelib.initial("bench"))
+
+        policy = machinelib.Policy()
+
+        async def decide(obj: ev.Event) -> journallib.Batch:
+            if machine:
+                return list(machinelib.decide(j.deciding_state, obj, policy).events), None
+            return [obj], None
+
+        j.decider = decide  # a decider, so every observation after a batch's first drafts
+        t0 = time.perf_counter()
+        for i in range(n):
+            j.submit(registered(i))
+        j.start()
+        deadline = time.monotonic() + 600
+        while j.state.last_seq < n:
+            if time.monotonic() > deadline or j.stats.too_large:
+                raise RuntimeError(f"the join stopped at {j.state.last_seq} of {n} events")
+            await asyncio.sleep(0.01)
+        took = time.perf_counter() - t0
+        assert len(j.state.nodes) == n
+        await j.close()
+        return took
+    finally:
+        (
+            journallib.foldlib.Savepoint,
+            journallib.foldlib.fold_in_place,
+            machinelib._JOINING,
+        ) = saved
+
+
+def snapshot_size(n: int, out: dict[str, Any]) -> None:
+    """Bytes of the folded state (what a snapshot stores) of `n` registered nodes with
+    40-character names in a started, running world of all of them."""
+    ids = [host(i, 40) for i in range(n)]
+    world = ev.WorldLayout(dp=n, pp=1, tp=1, node_ids=ids, workers_per_node=8)
+    events = [
+        ev.Event(job_started=ev.JobStarted(trainer="bench", world=world)),
+        *(
+            ev.Event(
+                node_registered=ev.NodeRegistered(
+                    node_id=i, epoch=1, hostname=i, ip="10.1.2.3", num_workers=8
+                )
+            )
+            for i in ids
+        ),
+        ev.Event(training_resumed=ev.TrainingResumed(world=world)),
+    ]
+    for seq, e in enumerate(events, 1):
+        e.seq = seq
+    s = statelib.initial("bench")
+    foldlib.fold_in_place(s, events)
+    out[f"snapshot_bytes_{n}"] = ev.Snapshot(last_seq=s.last_seq, state=s).ByteSize()
+
+
+# ---------------------------------------------------------------- replay: the previous code
+def _legacy_decode(data: bytes) -> ev.Event:
+    e = ev.Event.FromString(data)
+    if e.schema_version > max(ev.SchemaVersion.values()):
+        raise ValueError("newer schema")
+    return e
+
+
+def _legacy_prune(s: ev.JobState) -> None:
+    if s.gone_nodes <= statelib.KEEP_GONE_NODES + statelib.PRUNE_SLACK:
+        return
+    gone_states = (ev.NODE_STATE_LOST, ev.NODE_STATE_EVICTED)
+    keep = {*s.world.node_ids, *s.suspects, *s.bad_nodes, *s.incident_world.node_ids}
+    gone = sorted(
+        (r.gone_seq, n) for n, r in s.nodes.items() if r.state in gone_states and n not in keep
+    )
+    for _, n in gone[: s.gone_nodes - statelib.KEEP_GONE_NODES]:
+        del s.nodes[n]
+        s.gone_nodes -= 1
+        s.pruned_nodes += 1
+
+
+def _legacy_node_lost(s: ev.JobState, e: ev.Event) -> None:
+    rec = statelib._node(s, e.node_lost.node_id)
+    if e.node_lost.epoch and e.node_lost.epoch < rec.epoch:
+        return
+    if rec.state != ev.NODE_STATE_EVICTED:
+        statelib._set_state(s, rec, ev.NODE_STATE_LOST, e.seq)
+    rec.failures += 1
+    _legacy_prune(s)
+
+
+def _legacy_apply_in_place(s: ev.JobState, e: ev.Event) -> None:
+    kind = e.WhichOneof("payload")
+    assert kind is not None
+    assert e.seq == 0 or e.seq > s.last_seq
+    if e.seq:
+        s.last_seq = e.seq
+    s.event_counts[kind] += 1
+    if kind in statelib.CAUSE_KINDS:
+        s.goodput.last_fault = kind
+    handler = _LEGACY_HANDLERS.get(kind)
+    if handler is not None:
+        handler(s, e)
+
+
+_LEGACY_HANDLERS = {**statelib._HANDLERS, "node_lost": _legacy_node_lost}
+
+
+def replay_once(datas: list[bytes], *, legacy: bool) -> tuple[float, ev.JobState]:
+    """Seconds to decode and fold `datas`, with the previous code or this one."""
+    saved = statelib._apply_in_place
+    decode = _legacy_decode if legacy else etcdclient.decode
+    if legacy:
+        statelib._apply_in_place = _legacy_apply_in_place
+    try:
+        t0 = time.perf_counter()
+        state = statelib.fold([decode(d) for d in datas], statelib.initial("bench"))
+        return time.perf_counter() - t0, state
+    finally:
+        statelib._apply_in_place = saved
+
+
+def replay_costs(n: int, out: dict[str, Any]) -> None:
+    datas = []
+    for i in range(n):
+        e = ev.Event(
+            seq=i + 1,
+            node_lost=ev.NodeLost(
+                node_id=f"node-{i % 4096:05d}", epoch=i, silent_ms=312.5, reason="heartbeat timeout"
+            ),
+        )
+        datas.append(e.SerializeToString())
+    runs: dict[bool, list[float]] = {True: [], False: []}
+    states = {}
+    for _ in range(3):
+        for legacy in (True, False):
+            took, states[legacy] = replay_once(datas, legacy=legacy)
+            runs[legacy].append(took * 100_000 / n)
+    assert states[True] == states[False], "the folds disagree"
+    for legacy, name in ((True, "legacy"), (False, "now")):
+        out[f"replay_100k_decode_fold_{name}_cold_s"] = runs[legacy][0]
+        out[f"replay_100k_decode_fold_{name}_s"] = statistics.median(runs[legacy])
+    out["replay_100k_decode_fold_speedup"] = (
+        out["replay_100k_decode_fold_legacy_s"] / out["replay_100k_decode_fold_now_s"]
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--levels", type=int, nargs="+", default=list(LEVELS))
+    ap.add_argument("--reps", type=int, default=200, help="registrations timed per level")
+    ap.add_argument("--no-join", action="store_true", help="skip the end-to-end joins")
+    ap.add_argument("--replay-events", type=int, default=100_000)
+    ap.add_argument(
+        "--machine-legacy-max",
+        type=int,
+        default=5120,
+        help="largest level whose join through the machine is also run the old way (slow)",
+    )
+    ap.add_argument(
+        "--only",
+        choices=("fold", "replay", "snapshot"),
+        default=None,
+        help="run one section (default: all)",
+    )
+    ns = ap.parse_args()
+    out: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        f"load_avg_1m_before_{ns.only or 'all'}": os.getloadavg()[0],
+    }
+    if ns.only in (None, "replay"):
+        replay_costs(ns.replay_events, out)
+        print(
+            "replay 100k (decode + fold): previous "
+            f"{out['replay_100k_decode_fold_legacy_s']:.2f} s, now "
+            f"{out['replay_100k_decode_fold_now_s']:.2f} s (cold: "
+            f"{out['replay_100k_decode_fold_legacy_cold_s']:.2f} / "
+            f"{out['replay_100k_decode_fold_now_cold_s']:.2f} s)"
+        )
+    for n in ns.levels if ns.only in (None, "snapshot") else ():
+        snapshot_size(n, out)
+    for n in ns.levels if ns.only in (None, "fold") else ():
+        fold_costs(n, ns.reps, out)
+        if not ns.no_join:
+            out[f"join_legacy_s_{n}"] = asyncio.run(join(n, copying=True))
+            out[f"join_s_{n}"] = asyncio.run(join(n, copying=False))
+            out[f"join_speedup_{n}"] = out[f"join_legacy_s_{n}"] / out[f"join_s_{n}"]
+            if n <= ns.machine_legacy_max:
+                out[f"join_machine_legacy_s_{n}"] = asyncio.run(join(n, copying=True, machine=True))
+            out[f"join_machine_s_{n}"] = asyncio.run(join(n, copying=False, machine=True))
+        print(f"level {n} done", file=sys.stderr)
+    out[f"load_avg_1m_after_{ns.only or 'all'}"] = os.getloadavg()[0]
+    old = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({**old, **out}, indent=1, sort_keys=True) + "\n")
+    print(
+        "| nodes | copying ms/reg | in place ms/reg | x | batch64 copying | batch64 in place | x "
+        "| join copying s | join in place s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for n in ns.levels if ns.only in (None, "fold") else ():
+        cols = [
+            f"{out[f'register_copying_ms_{n}']:.3f}",
+            f"{out[f'register_in_place_ms_{n}']:.4f}",
+            f"{out[f'register_speedup_{n}']:.0f}",
+            f"{out[f'register_batch64_copying_ms_{n}']:.3f}",
+            f"{out[f'register_batch64_in_place_ms_{n}']:.4f}",
+            f"{out[f'register_batch64_speedup_{n}']:.0f}",
+            f"{out.get(f'join_legacy_s_{n}', float('nan')):.2f}",
+            f"{out.get(f'join_s_{n}', float('nan')):.2f}",
+        ]
+        print(f"| {n} | " + " | ".join(cols) + " |")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
