@@ -15,8 +15,8 @@ from __future__ import annotations
 import socket
 import ssl
 
+from unbroken.common.principal import principal_of_peercert
 from unbroken.common.tls import TlsConfig
-from unbroken.driver.certs import principal_of_peercert
 
 
 class PeerIdentityError(Exception):

@@ -1,4 +1,4 @@
-"""Benchmark of the driver's state at 10,000 nodes (not a test; see STYLE.md 19).
+"""Benchmark of the driver's state at 10,000 nodes (not a test; see docs/style.md).
 
 Sections (each against a baseline taken in the same run on the same machine):
 

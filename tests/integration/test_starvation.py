@@ -10,7 +10,7 @@ import pytest
 
 from unbroken.agent import starvation
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration
 
 PSI = "some avg10=62.65 avg60=89.59 avg300=78.78 total=508262969\nfull avg10=0.00 avg60=0.00\n"
 
