@@ -105,7 +105,8 @@ def test_a_killed_peer_is_replaced_in_job_and_a_suspect_crash_restarts_every_pro
     until(lambda: job.max_step() >= STEPS, 600, "training to its last step", job)
     got = job.steps()
     assert sorted(got) == list(range(1, STEPS + 1)), sorted(got)
-    ref = reference(job.tmp / "reference", STEPS)
-    bad = [(step, values, ref[step]) for step, values in got.items() if any(v != ref[step] for v in values)]
-    restores = [(e.restore_started.step) for e in job.events() if e.HasField("restore_started")]
-    assert not bad, (crash_step, suspect_step, restores, bad[:10], job.worker_log("n0")[-5000:])
+    # the same --steps: the learning rate decays over them
+    ref = reference(job.tmp / "reference", STEPS, total_steps=STEPS)
+    for step, values in got.items():
+        for v in values:
+            assert v == ref[step], (step, v, ref[step])
