@@ -83,6 +83,7 @@ class FaultRecord:
     restores_at_inject: int = 0  # rank 0's flash.restored lines in the worker logs then
     loss_before: float | None = None
     resumed_step: int | None = None
+    mode: str = ""  # TrainingResumed.mode: "in_job" or "restart"
     loss_after: float | None = None
     skipped: bool = False  # not injectable here (the note says why)
     armed: bool = True  # False: the fault waits for a trigger (mid-recovery driver kill)
@@ -115,6 +116,7 @@ def fault_table(faults: list[FaultRecord]) -> Any:
         "target",
         "detected in",
         "resumed in",
+        "mode",
         "steps lost",
         "loss continued",
         "events",
@@ -124,13 +126,12 @@ def fault_table(faults: list[FaultRecord]) -> Any:
         t.add_column(col)
     for f in faults:
         if f.skipped:
-            t.add_row(
-                f.fault, f.target, "-", "-", "-", "-", "-", "-", f"[yellow]skipped[/]: {f.note}"
-            )
+            t.add_row(f.fault, f.target, *["-"] * 7, f"[yellow]skipped[/]: {f.note}")
             continue
         det = f"{f.detected_s:.2f} s" if f.detected_s is not None else "[red]not yet[/]"
-        res = lost = cont = "-"
+        res = lost = cont = mode = "-"
         if f.recovers:
+            mode = f.mode.replace("_", "-") or "-"
             res = f"{f.resumed_s:.2f} s" if f.resumed_s is not None else "[red]not yet[/]"
             lost = str(f.steps_lost) if f.steps_lost is not None else "?"
             restored, paused = f.log_restore, f.paused_at
@@ -149,8 +150,8 @@ def fault_table(faults: list[FaultRecord]) -> Any:
                 cont = f"{'yes' if c else '[red]no[/]'} ({f.loss_before:.2f} → {f.loss_after:.2f})"
         evs = str(f.events_written) if f.events_written is not None else "-"
         t.add_row(
-            f.fault, f.target, det, res, lost, cont, evs, f"{f.expect} ({f.event_seq or '-'})",
-            f.note,
+            f.fault, f.target, det, res, mode, lost, cont, evs,
+            f"{f.expect} ({f.event_seq or '-'})", f.note,
         )  # fmt: skip
     return t
 
@@ -213,6 +214,7 @@ class Drill:
                 if kind == "training_resumed":
                     f.resumed_s = max(0.0, (e.wall_time_unix_ns - f.injected_wall_ns) / 1e9)
                     f.resumed_step = e.training_resumed.at_step
+                    f.mode = e.training_resumed.mode
                     f.events_written = e.seq - f.seq_at_inject
 
     def _measure_after_resume(self, f: FaultRecord) -> None:
