@@ -725,7 +725,8 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
                         f"{mode}-{attempt}", True, series(todo, done), driver_flags=flags
                     )
             by_mode[mode] = done
-        out["modes"] = modes_summary(by_mode, runs)
+            out["modes"] = modes_summary(by_mode, runs)
+            save()  # each mode's figures as soon as they are in
         for kind, row in out["modes"]["by_kind"].items():
             say(
                 f"  {kind:13s} resume in-job {_fmt(row['resume_s_in_job'])} restart "
