@@ -58,6 +58,7 @@ from unbroken.common.workerenv import WorkerEnv
 from unbroken.trainer.config import TrainConfig
 from unbroken.trainer.flags import add_arguments, to_config
 from unbroken.trainer.plugin import Batches, BatchSource, Collectives, Skips, Throttled
+from unbroken.trainer.rejoin import Held, apply_rejoin, hold, peer_failure, started_by_agent
 
 if TYPE_CHECKING:
     from unbroken.trainer.hookchannel import Hooks
@@ -65,23 +66,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 PG_TIMEOUT = timedelta(minutes=5)
-#: A held worker waits this long for the agent's Rejoin before it exits (the driver chose a
-#: restart, or there is no recovery loop).
-HOLD_WAIT_S = 120.0
-#: The phase a held worker reports (the agent's in-job hold waits for it).
-HELD_PHASE = "held"
-#: Error texts that say a peer, not this process, failed: the collective's connection closed
-#: or reset, or it timed out. Anything else is this worker's own error and is raised.
-PEER_FAILURES = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "Socket Timeout",
-    "Timed out",
-    "timed out",
-    "Connection refused",
-    "communicator was aborted",
-)
 # At most one step report per 50 ms (as the hooks SDK): shorter steps ride along in the
 # next. Not one per 100 ms heartbeat: at ~60 ms steps that halved the straggler detector's
 # samples, and a 1.05x straggler went unnamed for 120 s (bench-detectors).
@@ -230,25 +214,6 @@ def applied_fault(trainer: object, fault: WorkerFault) -> Iterator[None]:
         yield
     finally:
         undo()
-
-
-class Held(Exception):
-    """This worker left its world: the agent said hold, or a peer's failure broke a collective."""
-
-    def __init__(self, why: str, step: int) -> None:
-        super().__init__(why)
-        self.why = why
-        self.step = step
-
-
-def peer_failure(e: BaseException) -> bool:
-    """Whether `e` (raised by a step) says a peer failed rather than this process."""
-    import torch.distributed as dist
-
-    if isinstance(e, getattr(dist, "DistNetworkError", ())):
-        return True
-    text = f"{type(e).__name__}: {e}"
-    return any(p in text for p in PEER_FAILURES)
 
 
 # How often a rank other than 0 tries the store's port before joining (`wait_for_store`).
@@ -400,7 +365,7 @@ def train(
             except Held:
                 raise
             except Exception as e:
-                if hooks.replies and peer_failure(e):
+                if hooks.replies and started_by_agent() and peer_failure(e):
                     raise Held(f"{type(e).__name__}: {e}", step) from e
                 raise
             if requests.hold is not None:
@@ -579,7 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             except Held:
                 raise
             except Exception as e:  # the final barrier: a peer that died there
-                if hooks.replies and peer_failure(e):
+                if hooks.replies and started_by_agent() and peer_failure(e):
                     raise Held(f"{type(e).__name__}: {e}", -1) from e
                 raise
             return 0
@@ -602,51 +567,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             if owns and dist.is_initialized():
                 gc.collect()  # free DDP/FSDP state before the group goes away
                 dist.destroy_process_group()
-
-
-def hold(h: Held, hooks: Hooks, wait_s: float = HOLD_WAIT_S) -> Any:
-    """Leave the world in this process and wait for the agent's Rejoin (in-job recovery).
-
-    Drops the process group first (a peer still in a collective with this rank then fails
-    at once instead of waiting for its timeout), says `HELD_PHASE` to the agent, and waits.
-
-    Returns:
-        The Rejoin command's message, or None (a stop, or no Rejoin within `wait_s`).
-    """
-    import torch.distributed as dist
-
-    log.warning("left the world; holding for the next one", why=h.why[:300], step=h.step)
-    gc.collect()
-    if dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-    hooks.flush_steps()
-    deadline = time.monotonic() + wait_s
-    said = 0.0
-    while time.monotonic() < deadline:
-        now = time.monotonic()
-        if now - said >= 1.0:  # again now and then: a step report in flight may have
-            hooks.phase(HELD_PHASE)  # overwritten the agent's view of this rank's phase
-            said = now
-        hooks.wait(0.2)
-        for c in hooks.commands():
-            kind = c.WhichOneof("kind")
-            if kind == "rejoin":
-                log.info("rejoining the new world in this process", pid=os.getpid())
-                return c.rejoin
-            if kind == "stop":
-                log.warning("stopped while held", reason=c.stop)
-                return None
-    log.error("no new world within the hold limit; exiting", wait_s=wait_s)
-    return None
-
-
-def apply_rejoin(rejoin: Any) -> None:
-    """Put the new world's environment (a hooks Rejoin) into this process's."""
-    for k in rejoin.unset:
-        os.environ.pop(k, None)
-    for k, v in rejoin.env.items():
-        os.environ[k] = v
 
 
 if __name__ == "__main__":
