@@ -565,8 +565,7 @@ def _fault_ranks(e: ev.Event, s: ev.JobState) -> tuple[bool, list[int]]:
     wpn = max(1, s.world.workers_per_node)
 
     def rank_of(node_id: str, local_rank: int, given: int) -> list[int]:
-        if given >= 0 and node_id in s.world.node_ids:
-            return [given]
+        # from the world (node order is rank order), not `given`: 0 is also "unset"
         if node_id in s.world.node_ids:
             return [list(s.world.node_ids).index(node_id) * wpn + local_rank]
         return []
@@ -768,7 +767,8 @@ def _on_fault(
         accepted.append(n)
     if not accepted:
         return f"ignored: {reason} (gone, duplicate, or not in the world)"
-    if kind == _CLEAR and phase in (ev.PHASE_SUSPECTED, ev.PHASE_PAUSED):
+    turns_suspect = suspect and before.recovery_mode == IN_JOB  # now every process restarts
+    if kind == _CLEAR and phase in (ev.PHASE_SUSPECTED, ev.PHASE_PAUSED) and not turns_suspect:
         return f"ignored: {reason} (the job is being paused; workers restart anyway)"
     suspects = set(before.suspects) | (set(accepted) if kind == _UNCLEAR else set())
     bad = set(before.bad_nodes) | (set(accepted) if kind == _EVICT else set())
