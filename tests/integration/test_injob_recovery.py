@@ -59,9 +59,8 @@ def test_a_killed_peer_is_replaced_in_job_and_a_suspect_crash_restarts_every_pro
     )
     after = job.worker("n0")
     assert after is not None and after.pid == survivor.pid, (survivor.pid, after)
-    assert "rejoining the new world in this process" in job.worker_log("n0"), job.worker_log(
-        "n0"
-    )[-3000:]
+    log = job.worker_log("n0")
+    assert "rejoining the new world in this process" in log, log[-3000:]
     resumed = _resumes(job)
     assert resumed[-1].mode == "in_job", resumed
     events = job.events()
