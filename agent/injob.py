@@ -37,6 +37,20 @@ from unbroken.proto import hooks_pb2 as hpb
 
 log = structlog.get_logger(__name__)
 
+#: What the agent sets per launch like torchrun (agent/workers.py `WorkerLaunch.environ`).
+TORCHRUN_VARIABLES = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    }
+)
 HELD_PHASE = "held"  # the phase a held worker reports (trainer/run.py HELD_PHASE)
 #: A worker not held by then is killed and replaced: its step may be long, or it may be
 #: stuck in a collective with a peer that is still alive (its gloo timeout is the backstop).
@@ -111,7 +125,10 @@ async def rejoin(sup: Supervisor, hooks: HookServer | None) -> str:
         w = sup.workers.get(r)
         if w is not None and hooks is not None and w.phase == HELD_PHASE and rejoinable(w):
             env = launch.environ(spec, r, sup.socket_path)
-            changed = {k: v for k, v in env.items() if base.get(k) != v}
+            # the world's variables and the launch's own, always (the worker's may differ
+            # from the agent's environment), plus anything else that differs from it
+            ours = TORCHRUN_VARIABLES | set(launch.env) | set(workerenv.VARIABLES.values())
+            changed = {k: v for k, v in env.items() if k in ours or base.get(k) != v}
             unset = [k for k in workerenv.VARIABLES.values() if k not in env]
             cmd = hpb.WorkerCommand(rejoin=hpb.Rejoin(env=changed, unset=unset))
             if hooks.send_to(w, cmd):
