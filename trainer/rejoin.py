@@ -72,8 +72,10 @@ def peer_failure(e: BaseException) -> bool:
 def hold(h: Held, hooks: Hooks, wait_s: float = HOLD_WAIT_S) -> Any:
     """Leave the world in this process and wait for the agent's Rejoin (in-job recovery).
 
-    Drops the process group first (a peer still in a collective with this rank then fails
-    at once instead of waiting for its timeout), says `HELD_PHASE` to the agent, and waits.
+    Says `HELD_PHASE` to the agent first (the caller has finished its flash copy, so the
+    ring is final and the driver need not wait for the rest), then drops the process group
+    (a peer still in a collective with this rank then fails at once instead of waiting for
+    its timeout), and waits.
 
     Returns:
         The Rejoin command's message, or None (a stop, or no Rejoin within `wait_s`).
@@ -81,13 +83,14 @@ def hold(h: Held, hooks: Hooks, wait_s: float = HOLD_WAIT_S) -> Any:
     import torch.distributed as dist
 
     log.warning("left the world; holding for the next one", why=h.why[:300], step=h.step)
-    gc.collect()
+    hooks.flush_steps()
+    hooks.phase(HELD_PHASE)
+    said = time.monotonic()
+    gc.collect()  # DDP/FSDP state may still hold the group: free it, so it really closes
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-    hooks.flush_steps()
     deadline = time.monotonic() + wait_s
-    said = 0.0
     while time.monotonic() < deadline:
         now = time.monotonic()
         if now - said >= 1.0:  # again now and then: a step report in flight may have
