@@ -599,9 +599,23 @@ def modes_summary(by_mode: dict[str, list[Fault]], runs: int) -> dict[str, Any]:
     return out
 
 
+#: What describes a whole run (its settings and load): a run of the modes phase alone keeps
+#: the earlier run's under these keys (its figures are theirs) and puts its own in `modes`.
+RUN_KEYS = (
+    "quick", "runs_per_fault", "seed", "warm_nice", "agent_flags", "miss_limit",
+    "hang_floor_ms", "load1_start", "load1_end", "bench_s", "errors", "phases_run",
+)  # fmt: skip
+
+
 def merged(prev: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
     """`out` over the figures of an earlier run (`prev`): a run of some phases keeps the
-    others' figures (an empty or None value of `out` does not replace one of `prev`)."""
+    others' figures (an empty or None value of `out` does not replace one of `prev`); a run
+    of the modes phase alone keeps the earlier run's settings (`RUN_KEYS`) and files its
+    own under `modes.run`."""
+    out = dict(out)
+    if prev and set(out.get("phases_run", ())) <= {"modes"} and "modes" in out:
+        run = {k: out.pop(k) for k in RUN_KEYS if k in out}
+        out["modes"] = {**out["modes"], "run": run}
     keep = {k: v for k, v in prev.items() if out.get(k) in (None, {}, [])}
     return {**prev, **out, **keep}
 
@@ -726,6 +740,10 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
                     )
             by_mode[mode] = done
             out["modes"] = modes_summary(by_mode, runs)
+            for mode_ in by_mode:  # the issue's figures, per fault kind
+                out[f"resume_s_{mode_}"] = {
+                    k: r[f"resume_s_{mode_}"] for k, r in out["modes"]["by_kind"].items()
+                }
             save()  # each mode's figures as soon as they are in
         for kind, row in out["modes"]["by_kind"].items():
             say(
