@@ -577,6 +577,8 @@ def modes_summary(by_mode: dict[str, list[Fault]], runs: int) -> dict[str, Any]:
     `resume_s_restart`: injection to TrainingResumed; `resume_after_detect_s_*`: detection
     event to TrainingResumed), with each mode's raw runs and load averages."""
     out: dict[str, Any] = {"runs_per_fault": runs, "by_kind": {}}
+    if runs < 5:
+        out["note"] = f"{runs} faults per kind and mode: fewer than 5 (a shorter run)"
     for kind in MODE_KINDS:
         row: dict[str, Any] = {}
         for mode, faults in by_mode.items():
