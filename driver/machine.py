@@ -33,6 +33,15 @@ evict without a diagnosis; an unclear fault of a node already to be evicted asks
 diagnosis. A loss spike rolls back to the newest committed checkpoint before the spike,
 without eviction (`unbroken.recovery.spike`).
 
+Recovery modes. Each incident records its mode in every transition (`RecoveryTransition.mode`)
+and in the TrainingResumed that ends it. In-job (`Policy.in_job`, the default): only the faulty
+ranks' processes are replaced (`replace_ranks`: a killed or stopped worker's; a lost or evicted
+node's go with it) and every other worker is held and rejoins the new world in its process.
+Restart: every worker process is replaced. An incident is a restart when its fault is suspect
+(a worker's exit other than a kill from outside, `CLEAN_KILLS`; a `SUSPECT_KEYWORDS` log
+alert), when it needs a diagnosis, after a failed restore, or when a suspect fault joins it;
+it never turns back to in-job.
+
 World rules: each removed node is replaced by a healthy spare in its rank position (same
 world); with too few spares dp shrinks to the largest dp with dp x pp x tp <= available
 workers (pp x tp fixed, whole nodes), never below `min_nodes` (then JobFinished ok=false
