@@ -23,6 +23,13 @@ flash-saving every step) and a spare agent. Faults are injected by signals:
   started at once; the evicted agent is stopped).
 
 Phases, all in one run:
+0. modes: in-job recovery (the driver's default) against a restart of every worker process
+   (`--no-in-job`), each on its own warm cluster, the same faults (worker crash, hang, node
+   loss, loss spike) x N interleaved; `modes.by_kind.<kind>` holds each mode's medians side
+   by side (`resume_s_in_job`, `resume_s_restart`, after detection, detection, steps lost,
+   load) and `resume_s_in_job` / `resume_s_restart` at the top repeat the resume medians.
+   Run alone (`--phases modes`) it keeps the file's other figures and files its own
+   settings and load under `modes.run`.
 1. cold: a cluster whose agents start every worker as a fresh process (`--no-warm-workers`),
    worker crash x N: the baseline of the warm standbys.
 2. warm (agents with `--warm-workers`; `--warm-nice N` is passed on): a fault-free stretch
