@@ -308,7 +308,8 @@ class Drill:
         self.inject.worker_kill(victim[0], pid=victim[1])
         return self._record(
             "worker SIGKILL", f"{victim[0]} pid {victim[1]}", "worker_crash", now, victim[0],
-            note="every worker restarts and restores from flash memory", recovers=True,
+            note="it restarts, the others rejoin in place (in-job); all restore from flash memory",
+            recovers=True,
         )  # fmt: skip
 
     async def _inject_node_loss(self, now: float) -> FaultRecord | None:
