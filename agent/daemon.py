@@ -52,7 +52,7 @@ from typing import Any, NoReturn
 import grpc
 import structlog
 
-from unbroken.agent import checks, probes, starvation
+from unbroken.agent import checks, injob, probes, starvation
 from unbroken.agent.flash import NodeFlash, NodeFlashConfig
 from unbroken.agent.hookserver import HookServer
 from unbroken.agent.metrics import AgentMetrics
@@ -981,7 +981,7 @@ class Agent:
             raise ValueError(
                 f"{f.kind}: no running worker of local rank {f.local_rank} (running: {running})"
             )
-        sig = signal.SIGKILL if f.kind == "crash" else signal.SIGSTOP
+        sig = {"crash": signal.SIGKILL, "crash-suspect": signal.SIGSEGV}.get(f.kind, signal.SIGSTOP)
         os.kill(w.pid, sig)
         return f"{f.kind}: sent {sig.name} to local rank {f.local_rank} (pid {w.pid})"
 
@@ -1047,9 +1047,13 @@ class Agent:
                     mine = launch.ranks(sup.spec.nproc)
                     await asyncio.to_thread(self.flash.prepare, mine, p.flash_bytes_per_rank)
             sup.launch = launch
+            if p.in_job:  # held workers rejoin in their processes; only the rest start
+                return await injob.rejoin(sup, self.hooks)
             await sup.stop_all(grace_s=2.0)
             await sup.start_all()
             return f"started {len(sup.workers)} workers"
+        if kind == "stop_workers" and msg.stop_workers.in_job:
+            return await injob.hold(sup, self.hooks, msg.stop_workers.replace_local_ranks)
         if kind == "stop_workers":
             dumps = await sup.stop_all(
                 grace_s=msg.stop_workers.grace_s or 5.0, dump=msg.stop_workers.dump_stacks

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import structlog
 
-from unbroken.agent.workers import Supervisor
+from unbroken.agent.workers import Supervisor, Worker
 from unbroken.common.paths import DEFAULT_SOCKET, private_dir
 from unbroken.common.workerenv import WorkerEnv
 from unbroken.proto import driver_pb2 as dpb
@@ -311,6 +311,11 @@ class HookServer:
         except OSError as e:
             log.warning("worker command not delivered", local_rank=local_rank, error=str(e))
             return False
+
+    def send_to(self, w: Worker, cmd: hpb.WorkerCommand) -> bool:
+        """Send `cmd` to one of the agent's own workers; False when it has no reply socket
+        or the send failed."""
+        return bool(w.reply_socket) and self._sendto(cmd, w.reply_socket, w.local_rank)
 
     def send(self, cmd: hpb.WorkerCommand) -> int:
         """Send `cmd` to every worker that gave a reply socket, the agent's own and the

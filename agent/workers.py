@@ -393,6 +393,7 @@ class Worker:
         self._loss_stats = (0.0, 0.0)  # their median and MAD...
         self._loss_stats_stale = False  # ...recomputed at the next heartbeat after a new loss
         self.hung = False
+        self.rejoins = 0  # in-job recoveries this process rejoined a new world in (agent/injob.py)
         self.delay_at_progress = -1.0  # run-queue delay (ms) at the step last seen progressing
         self.step_seen = -1
 
@@ -520,6 +521,8 @@ class Worker:
             loss_median=self._loss_stats[0],
             loss_mad=self._loss_stats[1],
             loss_window=len(self.losses),
+            rejoins=self.rejoins,
+            held=self.phase == "held",
         )
 
 
@@ -632,6 +635,10 @@ class Supervisor:
             log.info("standby discarded", pid=s.proc.pid, reason=why)
             await s.kill()
         return None
+
+    def schedule_refill(self) -> None:
+        """Top the standbys up once the workers step (after starts outside `start_all`)."""
+        self._schedule_refill(self.spec.warm_refill_after_s)
 
     def _schedule_refill(self, after_s: float) -> None:
         if not self.spec.warm or warmlib.parse_target(self.launch.cmd) is None:

@@ -23,6 +23,13 @@ flash-saving every step) and a spare agent. Faults are injected by signals:
   started at once; the evicted agent is stopped).
 
 Phases, all in one run:
+0. modes: in-job recovery (the driver's default) against a restart of every worker process
+   (`--no-in-job`), each on its own warm cluster, the same faults (worker crash, hang, node
+   loss, loss spike) x N interleaved; `modes.by_kind.<kind>` holds each mode's medians side
+   by side (`resume_s_in_job`, `resume_s_restart`, after detection, detection, steps lost,
+   load) and `resume_s_in_job` / `resume_s_restart` at the top repeat the resume medians.
+   Run alone (`--phases modes`) it keeps the file's other figures and files its own
+   settings and load under `modes.run`.
 1. cold: a cluster whose agents start every worker as a fresh process (`--no-warm-workers`),
    worker crash x N: the baseline of the warm standbys.
 2. warm (agents with `--warm-workers`; `--warm-nice N` is passed on): a fault-free stretch
@@ -227,8 +234,10 @@ class Bench:
         miss_limit: int = MISS_LIMIT,
         flash_ab: int = 0,
         agent_flags: tuple[str, ...] = (),
+        driver_flags: tuple[str, ...] = (),
     ) -> None:
         self.run = run
+        self.driver_flags = driver_flags
         self.flash = flash
         self.flash_ab = flash_ab
         self.extra_agent_flags = agent_flags
@@ -283,6 +292,7 @@ class Bench:
                 "--nodes", "2", "--workers-per-node", "1", "--dp", "2",
                 "--worker-cmd", self._worker_cmd(), "--master-addr", "127.0.0.1",
                 "--trainer", "gpt3d", "--miss-limit", str(self.miss_limit),
+                *self.driver_flags,
             ],
             wait_s=None,
         )  # fmt: skip
@@ -565,6 +575,68 @@ def _median(xs: list[float | None]) -> float | None:
     return statistics.median(ys) if ys else None
 
 
+#: The faults of the "modes" phase (in-job recovery against a restart of every process).
+MODE_KINDS = ("worker_crash", "hang", "node_loss", "loss_spike")
+
+
+def modes_summary(by_mode: dict[str, list[Fault]], runs: int) -> dict[str, Any]:
+    """Per fault kind, the medians of each recovery mode side by side (`resume_s_in_job`,
+    `resume_s_restart`: injection to TrainingResumed; `resume_after_detect_s_*`: detection
+    event to TrainingResumed), with each mode's raw runs and load averages."""
+    out: dict[str, Any] = {"runs_per_fault": runs, "by_kind": {}}
+    if runs < 5:
+        out["note"] = f"{runs} faults per kind and mode: fewer than 5 (a shorter run)"
+    for kind in MODE_KINDS:
+        row: dict[str, Any] = {}
+        for mode, faults in by_mode.items():
+            fs = [f for f in faults if f.kind == kind]
+            after = [
+                f.resume_s - f.detect_s
+                for f in fs
+                if f.resume_s is not None and f.detect_s is not None
+            ]
+            lost = [float(f.steps_lost) for f in fs if f.steps_lost is not None]
+            row[f"resume_s_{mode}"] = _median([f.resume_s for f in fs])
+            row[f"detect_s_{mode}"] = _median([f.detect_s for f in fs])
+            row[f"resume_after_detect_s_{mode}"] = _median(list(after))
+            row[f"steps_lost_{mode}"] = _median(list(lost))
+            row[f"runs_{mode}"] = len(fs)
+            row[f"resolved_{mode}"] = sum(f.resolved for f in fs)
+            row[f"load1_median_{mode}"] = statistics.median(f.load1 for f in fs) if fs else None
+            row[f"raw_{mode}"] = [asdict(f) for f in fs]
+        out["by_kind"][kind] = row
+    return out
+
+
+#: What describes a whole run (its settings and load): a run of the modes phase alone keeps
+#: the earlier run's under these keys (its figures are theirs) and puts its own in `modes`.
+RUN_KEYS = (
+    "quick", "runs_per_fault", "seed", "warm_nice", "agent_flags", "miss_limit",
+    "hang_floor_ms", "load1_start", "load1_end", "bench_s", "errors", "phases_run",
+)  # fmt: skip
+
+
+def merged(prev: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """`out` over the figures of an earlier run (`prev`): a run of some phases keeps the
+    others' figures (an empty or None value of `out` does not replace one of `prev`); a run
+    of the modes phase alone keeps the earlier run's settings (`RUN_KEYS`) and files its
+    own under `modes.run`."""
+    out = dict(out)
+    if prev and set(out.get("phases_run", ())) <= {"modes"} and "modes" in out:
+        run = {k: out.pop(k) for k in RUN_KEYS if k in out}
+        out["modes"] = {**out["modes"], "run": run}
+    keep = {k: v for k, v in prev.items() if out.get(k) in (None, {}, [])}
+    return {**prev, **out, **keep}
+
+
+def _previous(path: str) -> dict[str, Any]:
+    try:
+        prev = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return prev if isinstance(prev, dict) else {}
+
+
 def summarize(faults: list[Fault]) -> dict[str, Any]:
     """Per fault type: medians of detect_s, resume_s, steps_lost and the raw runs."""
     out: dict[str, Any] = {}
@@ -590,7 +662,9 @@ def summarize(faults: list[Fault]) -> dict[str, Any]:
 async def run(ns: argparse.Namespace) -> dict[str, Any]:
     runs, say = ns.runs, print
     root = Path(ns.run_dir)
+    prev = _previous(ns.out)
     out: dict[str, Any] = {
+        "phases_run": sorted(ns.phases),
         "quick": ns.quick,
         "runs_per_fault": runs,
         "seed": ns.seed,
@@ -608,14 +682,21 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
 
     def save() -> None:  # after every phase, so a run cut short still leaves its figures
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(ns.out).write_text(json.dumps({**out, "partial": True}, indent=1) + "\n")
+        text = json.dumps({**merged(prev, out), "partial": True}, indent=1)
+        Path(ns.out).write_text(text + "\n")
 
     async def in_cluster(
-        name: str, warm: bool, body: Any, flash: bool = True, flash_ab: int = 0
+        name: str,
+        warm: bool,
+        body: Any,
+        flash: bool = True,
+        flash_ab: int = 0,
+        driver_flags: tuple[str, ...] = (),
     ) -> None:
         """Run `body(bench)` on a fresh cluster; a failed job ends only this phase."""
         b = Bench(
             root / name,
+            driver_flags=driver_flags,
             warm=warm,
             log=say,
             warm_nice=ns.warm_nice,
@@ -653,6 +734,33 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
             if todo:
                 await in_cluster(f"cold-{attempt}", False, series(todo, cold))
         out["cold"] = summarize(cold)
+
+    if "modes" in ns.phases:
+        # in-job recovery against a restart of every process, the same faults, one run
+        say(f"== recovery modes: in-job vs restart, {','.join(MODE_KINDS)} x{runs} each")
+        by_mode: dict[str, list[Fault]] = {}
+        for mode, flags in (("in_job", ()), ("restart", ("--no-in-job",))):
+            done: list[Fault] = []
+            todo = [k for _ in range(runs) for k in MODE_KINDS]  # interleaved: same load
+            for attempt in range(3):
+                if todo:
+                    await in_cluster(
+                        f"{mode}-{attempt}", True, series(todo, done), driver_flags=flags
+                    )
+            by_mode[mode] = done
+            out["modes"] = modes_summary(by_mode, runs)
+            for mode_ in by_mode:  # the issue's figures, per fault kind
+                out[f"resume_s_{mode_}"] = {
+                    k: r[f"resume_s_{mode_}"] for k, r in out["modes"]["by_kind"].items()
+                }
+            save()  # each mode's figures as soon as they are in
+        for kind, row in out["modes"]["by_kind"].items():
+            say(
+                f"  {kind:13s} resume in-job {_fmt(row['resume_s_in_job'])} restart "
+                f"{_fmt(row['resume_s_restart'])} (after detection: in-job "
+                f"{_fmt(row['resume_after_detect_s_in_job'])})"
+            )
+        save()
 
     if "faults" in ns.phases:
         say(f"== warm standbys: fault-free {ns.baseline_s:.0f} s, then each fault x{runs}")
@@ -751,11 +859,12 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
         out[f"ettr_mtbf_{mtbf_s}s_vs_fault_free"] = got / base if got and base else None
     c = out["cold"].get("worker_crash", {}).get("resume_s")
     w = out["faults"].get("worker_crash", {}).get("resume_s")
-    out["worker_crash_resume_s"] = {
-        "cold": c,
-        "warm": w,
-        "cold_over_warm": c / w if c and w else None,
-    }
+    if c or w:  # a run of other phases keeps the earlier figure
+        out["worker_crash_resume_s"] = {
+            "cold": c,
+            "warm": w,
+            "cold_over_warm": c / w if c and w else None,
+        }
     out["not_injected"] = NOT_INJECTED
     return out
 
@@ -857,8 +966,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--phases",
-        default="cold,faults,ettr,ab,throughput",
-        help="comma-separated subset of cold,faults,ettr,ab,throughput (ab: flash saves on "
+        default="modes,cold,faults,ettr,ab,throughput",
+        help="comma-separated subset of modes,cold,faults,ettr,ab,throughput (modes: in-job "
+        "recovery against a restart of every process, the same faults; ab: flash saves on "
         "and off in alternating blocks of one run; throughput: separate clusters)",
     )
     parser.add_argument(
@@ -888,8 +998,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ns.agent_flags = shlex.split(ns.agent_flags)
     ns.phases = set(ns.phases.split(","))
-    if not ns.phases <= {"cold", "faults", "ettr", "throughput", "ab"}:
-        print("error: --phases takes cold, faults, ettr, throughput and ab", file=sys.stderr)
+    if not ns.phases <= {"modes", "cold", "faults", "ettr", "throughput", "ab"}:
+        print("error: --phases takes modes, cold, faults, ettr, throughput and ab", file=sys.stderr)
         return 2
     ns.run_dir = ns.run_dir or time.strftime("runs/bench-recovery-%Y%m%d-%H%M%S")
     t0 = time.monotonic()
@@ -901,6 +1011,9 @@ def main(argv: list[str] | None = None) -> int:
     out["bench_s"] = time.monotonic() - t0
     out["load1_end"] = os.getloadavg()[0]
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+    prev = {k: v for k, v in _previous(ns.out).items() if k != "partial"}
+    out = merged(prev, out)
+    out.pop("partial", None)
     Path(ns.out).write_text(json.dumps(out, indent=1) + "\n")
     print(table(out))
     print(f"wrote {ns.out} ({out['bench_s'] / 60:.1f} min)")

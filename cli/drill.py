@@ -83,6 +83,7 @@ class FaultRecord:
     restores_at_inject: int = 0  # rank 0's flash.restored lines in the worker logs then
     loss_before: float | None = None
     resumed_step: int | None = None
+    mode: str = ""  # TrainingResumed.mode: "in_job" or "restart"
     loss_after: float | None = None
     skipped: bool = False  # not injectable here (the note says why)
     armed: bool = True  # False: the fault waits for a trigger (mid-recovery driver kill)
@@ -128,9 +129,9 @@ def fault_table(faults: list[FaultRecord], width: int = WIDE_TABLE, *, rows: boo
         pad_edge=False,
         box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD,
     )
-    cols = ["fault", "target", "detected in", "resumed in", "steps lost"]
+    cols = ["fault", "target", "detected in", "resumed in", "mode", "steps lost"]
     if not wide:
-        cols = ["fault", "target", "detected", "resumed", "lost"]
+        cols = ["fault", "target", "detected", "resumed", "mode", "lost"]
     if wide:
         cols += ["loss continued", "events", "event (seq)"]
     for col in cols:
@@ -142,8 +143,9 @@ def fault_table(faults: list[FaultRecord], width: int = WIDE_TABLE, *, rows: boo
             t.add_row(f.fault, f.target, *["-"] * (len(cols) - 2), note)
             continue
         det = f"{f.detected_s:.2f} s" if f.detected_s is not None else "[red]not yet[/]"
-        res = lost = cont = "-"
+        res = lost = cont = mode = "-"
         if f.recovers:
+            mode = f.mode.replace("_", "-") or "-"
             res = f"{f.resumed_s:.2f} s" if f.resumed_s is not None else "[red]not yet[/]"
             lost = str(f.steps_lost) if f.steps_lost is not None else "?"
             restored, paused = f.log_restore, f.paused_at
@@ -156,7 +158,7 @@ def fault_table(faults: list[FaultRecord], width: int = WIDE_TABLE, *, rows: boo
             c = f.continued
             if c is not None and f.loss_before is not None and f.loss_after is not None:
                 cont = f"{'yes' if c else '[red]no[/]'} ({f.loss_before:.2f} → {f.loss_after:.2f})"
-        row = [f.fault, f.target, det, res, lost]
+        row = [f.fault, f.target, det, res, mode, lost]
         if wide:
             evs = str(f.events_written) if f.events_written is not None else "-"
             row += [cont, evs, f"{f.expect} ({f.event_seq or '-'})"]
@@ -224,6 +226,7 @@ class Drill:
                 if kind == "training_resumed":
                     f.resumed_s = max(0.0, (e.wall_time_unix_ns - f.injected_wall_ns) / 1e9)
                     f.resumed_step = e.training_resumed.at_step
+                    f.mode = e.training_resumed.mode
                     f.events_written = e.seq - f.seq_at_inject
 
     def _measure_after_resume(self, f: FaultRecord) -> None:
@@ -317,7 +320,8 @@ class Drill:
         self.inject.worker_kill(victim[0], pid=victim[1])
         return self._record(
             "worker SIGKILL", f"{victim[0]} pid {victim[1]}", "worker_crash", now, victim[0],
-            note="every worker restarts and restores from flash memory", recovers=True,
+            note="it restarts, the others rejoin in place (in-job); all restore from flash memory",
+            recovers=True,
         )  # fmt: skip
 
     async def _inject_node_loss(self, now: float) -> FaultRecord | None:

@@ -111,6 +111,8 @@ RUNTIME_FAULTS: dict[str, str] = {
     "slow": "the node's checks run FACTOR times slower (--factor, >= 1)",
     "slow-train": "the node's workers compute FACTOR times slower (--factor, >= 1; 1 ends it)",
     "crash": "SIGKILL the worker of local rank R (--rank)",
+    "crash-suspect": "SIGSEGV the worker of local rank R (--rank): a crash inside the process "
+    "(an extension), which makes the incident suspect: every worker process restarts",
     "hang": "SIGSTOP the worker of local rank R (--rank): no exit, no progress",
     "node-loss": "the agent SIGKILLs its workers and exits without a goodbye",
     "nan": "the workers see a NaN loss at step S (--step; 0: the next step)",

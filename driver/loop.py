@@ -16,9 +16,11 @@ fresh master port. From then on every observation goes through `machine.decide`:
 
 Actions map onto agent commands: PauseAll -> StopWorkers (workers flash-save every step
 into agent-owned memory, so stopping them loses nothing that a pause would keep; they
-restart anyway), StartWorkers -> StartWorkers (new world size, rank bases, a fresh master
-port), EvictNode -> Evict, ResumeAll -> Resume, StopAll -> StopWorkers. Restore and
-FlashSaveAll need no command: workers restore at start (memory -> buddy -> storage).
+restart anyway; in the in-job mode only the faulty ranks stop and every other worker is
+held in its process), StartWorkers -> StartWorkers (new world size, rank bases, a fresh
+master port; in-job: held workers rejoin in place), EvictNode -> Evict, ResumeAll ->
+Resume, StopAll -> StopWorkers. Restore and FlashSaveAll need no command: workers restore
+at start (memory -> buddy -> storage).
 On becoming leader the loop calls `machine.settle` on the replayed state and performs the
 pending actions again (each is idempotent); a RUNNING job whose world nodes run no workers
 (the old leader died between JobStarted and StartWorkers) gets StartWorkers again.
@@ -413,11 +415,29 @@ class RecoveryLoop:
         cfg = self.config
         if isinstance(a, machine.PauseAll):
             acks: dict[str, dpb.CommandAck] = {}
-            await self._broadcast(
-                a.nodes,
-                dpb.DriverMessage(stop_workers=dpb.StopWorkers(grace_s=cfg.stop_grace_s)),
-                acks=acks,
-            )
+            if a.in_job:  # each node stops only its faulty ranks and holds the others
+                await asyncio.gather(
+                    *(
+                        self._broadcast(
+                            (n,),
+                            dpb.DriverMessage(
+                                stop_workers=dpb.StopWorkers(
+                                    grace_s=cfg.stop_grace_s,
+                                    in_job=True,
+                                    replace_local_ranks=[lr for m, lr in a.replace if m == n],
+                                )
+                            ),
+                            acks=acks,
+                        )
+                        for n in a.nodes
+                    )
+                )
+            else:
+                await self._broadcast(
+                    a.nodes,
+                    dpb.DriverMessage(stop_workers=dpb.StopWorkers(grace_s=cfg.stop_grace_s)),
+                    acks=acks,
+                )
             if gen == self._gen:
                 fresh = {n for n, ack in acks.items() if ack.ok and ack.ring_fresh}
                 held = await self._ring_common(a.nodes, fresh)
@@ -669,6 +689,7 @@ class RecoveryLoop:
                     replaces=replaces.get(n, ""),
                     replaces_from=buddy_of.get(replaces.get(n, ""), ""),
                     buddy=ring.get(n, ""),
+                    in_job=a.in_job,
                 )
             )
             if gen != self._gen:

@@ -33,6 +33,15 @@ evict without a diagnosis; an unclear fault of a node already to be evicted asks
 diagnosis. A loss spike rolls back to the newest committed checkpoint before the spike,
 without eviction (`unbroken.recovery.spike`).
 
+Recovery modes. Each incident records its mode in every transition (`RecoveryTransition.mode`)
+and in the TrainingResumed that ends it. In-job (`Policy.in_job`, the default): only the faulty
+ranks' processes are replaced (`replace_ranks`: a killed or stopped worker's; a lost or evicted
+node's go with it) and every other worker is held and rejoins the new world in its process.
+Restart: every worker process is replaced. An incident is a restart when its fault is suspect
+(a worker's exit other than a kill from outside, `CLEAN_KILLS`; a `SUSPECT_KEYWORDS` log
+alert), when it needs a diagnosis, after a failed restore, or when a suspect fault joins it;
+it never turns back to in-job.
+
 World rules: each removed node is replaced by a healthy spare in its rank position (same
 world); with too few spares dp shrinks to the largest dp with dp x pp x tp <= available
 workers (pp x tp fixed, whole nodes), never below `min_nodes` (then JobFinished ok=false
@@ -64,6 +73,20 @@ MAX_SETTLE = 16  # automatic transitions per decision (the loop needs at most 4)
 #: after it was replaced (SIGSTOPped, partitioned) still has the old world's workers, which
 #: exit or stall. Recorded only; a failed self-check or a hardware alert still evicts it.
 STALE_KINDS = frozenset({"worker_failed", "hang_suspected", "straggler_suspected"})
+
+#: Recovery modes (RecoveryTransition.mode, TrainingResumed.mode). In-job: every healthy
+#: worker keeps its process (imports, model, data pipeline), leaves its step, drops its
+#: process groups and rejoins the new world in place; only the faulty ranks' processes (and
+#: a lost or evicted node's) are replaced. Restart: every worker process is replaced.
+IN_JOB, RESTART = "in_job", "restart"
+#: Exits that say the process itself was killed from outside (the OOM killer, a drill's
+#: SIGKILL, an orderly SIGTERM/SIGINT), as opposed to a crash inside it: its peers are sound.
+#: Every other exit (a segfault or abort in an extension, a Python error, an unknown code)
+#: makes the incident suspect: the machine restarts every process.
+CLEAN_KILLS = frozenset({-9, -15, -2, 128 + 9, 128 + 15, 128 + 2})
+#: Log keywords that make the open incident suspect (a device or communicator may be
+#: poisoned in every process of the node): always the full restart.
+SUSPECT_KEYWORDS = frozenset({"CUDA error", "NCCL WARN", "Xid", "ECC", "out of memory"})
 
 Phase: TypeAlias = ev.Phase
 
@@ -140,6 +163,15 @@ class Policy:
     spike: spikelib.SpikeConfig = field(
         default_factory=spikelib.SpikeConfig,
         metadata={"flag": None, "why": "loss-spike detector tuning (recovery/spike.py)"},
+    )
+    in_job: bool = field(
+        default=True,
+        metadata={
+            "negate": "--no-in-job",
+            "help": "always restart every worker process in an incident (by default a worker "
+            "that is not itself faulty keeps its process and rejoins the new world in place; "
+            "a suspect fault, a diagnosis or a failed in-job restore restarts every process)",
+        },
     )
     hang_diagnose_after: int = field(
         default=2,
@@ -232,10 +264,16 @@ class Layout:
 
 @dataclass(frozen=True, slots=True)
 class PauseAll:
-    """Send Pause to every node (idempotent: a paused worker stays paused)."""
+    """Send Pause to every node (idempotent: a paused worker stays paused).
+
+    `in_job`: stop only `replace` ((node, local rank) of the faulty ranks) and hold every
+    other worker in its process; otherwise stop every worker.
+    """
 
     nodes: tuple[str, ...]
     reason: str
+    in_job: bool = False
+    replace: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +306,7 @@ class StartWorkers:
 
     world: Layout
     rank_base: tuple[tuple[str, int], ...]
+    in_job: bool = False  # held workers rejoin in their processes; only the rest start
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,6 +388,8 @@ class _Draft:
         diagnose: bool | None = None,
         by_operator: bool = False,
         rearm: bool = False,
+        mode: str | None = None,
+        replace: Iterable[int] | None = None,
     ) -> None:
         s = self.state
         self.add(
@@ -363,6 +404,8 @@ class _Draft:
                     diagnose=s.needs_diagnosis if diagnose is None else diagnose,
                     by_operator=by_operator,
                     rearm=rearm,
+                    mode=s.recovery_mode if mode is None else mode,
+                    replace_ranks=sorted(set(s.replace_ranks if replace is None else replace)),
                 )
             )
         )
@@ -485,6 +528,11 @@ def pending_actions(state: ev.JobState, policy: Policy) -> list[Action]:
     if phase == ev.PHASE_RUNNING:
         return [ResumeAll(s.step, nodes)]
     if phase == ev.PHASE_SUSPECTED:
+        if s.recovery_mode == IN_JOB:
+            return [
+                PauseAll(nodes, s.incident_cause, True, replace_slots(s)),
+                FlashSaveAll(nodes),
+            ]
         return [PauseAll(nodes, s.incident_cause), FlashSaveAll(nodes)]
     if phase == ev.PHASE_PAUSED and s.needs_diagnosis:
         # a node already to be evicted (its own self-check, an operator) is no partner
@@ -498,7 +546,9 @@ def pending_actions(state: ev.JobState, policy: Policy) -> list[Action]:
         wpn = s.world.workers_per_node
         out.append(
             StartWorkers(
-                Layout.of(s.world), tuple((n, i * wpn) for i, n in enumerate(s.world.node_ids))
+                Layout.of(s.world),
+                tuple((n, i * wpn) for i, n in enumerate(s.world.node_ids)),
+                in_job=s.recovery_mode == IN_JOB,
             )
         )
         sources, reshard = restore_sources(s)
@@ -507,6 +557,50 @@ def pending_actions(state: ev.JobState, policy: Policy) -> list[Action]:
     if phase == ev.PHASE_FAILED:
         return [StopAll(nodes)]
     return []
+
+
+def replace_slots(s: ev.JobState) -> tuple[tuple[str, int], ...]:
+    """(node, local rank) of the open incident's ranks to replace, in the incident's world."""
+    w = s.incident_world if s.incident_world.node_ids else s.world
+    wpn = max(1, w.workers_per_node)
+    out = []
+    for r in sorted(set(s.replace_ranks)):
+        i = r // wpn
+        if 0 <= i < len(w.node_ids):
+            out.append((w.node_ids[i], r % wpn))
+    return tuple(out)
+
+
+def suspect_exit(code: int) -> bool:
+    """Whether a worker's exit code says it crashed inside (see `CLEAN_KILLS`)."""
+    return code not in CLEAN_KILLS
+
+
+def _fault_ranks(e: ev.Event, s: ev.JobState) -> tuple[bool, list[int]]:
+    """(suspect, the global ranks to replace) of a fault event, for the recovery mode."""
+    kind = e.WhichOneof("payload")
+    wpn = max(1, s.world.workers_per_node)
+
+    def rank_of(node_id: str, local_rank: int, given: int) -> list[int]:
+        # from the world (node order is rank order), not `given`: 0 is also "unset"
+        if node_id in s.world.node_ids:
+            return [list(s.world.node_ids).index(node_id) * wpn + local_rank]
+        return []
+
+    if kind == "worker_failed":
+        wf = e.worker_failed
+        return suspect_exit(wf.exit_code), rank_of(wf.node_id, wf.local_rank, wf.global_rank)
+    if kind == "hang_suspected":
+        h = e.hang_suspected
+        out = rank_of(h.node_id, h.local_rank, h.global_rank)
+        for lr in h.hung_ranks:
+            out += rank_of(h.node_id, lr, -1)
+        return False, out
+    if kind == "log_alert":
+        return e.log_alert.keyword in SUSPECT_KEYWORDS, []
+    if kind in ("self_check_reported", "operator_action", "straggler_suspected"):
+        return False, []
+    return False, []
 
 
 # ---------------------------------------------------------------- the transition function
@@ -655,17 +749,23 @@ def _react(before: ev.JobState, d: _Draft, obs: Observation, policy: Policy) -> 
             and p.epoch != rec.epoch
         )
         if restarted:  # its workers and its flash memory went with the old agent
-            return _on_fault(before, d, _CLEAR, [p.node_id], f"agent on {p.node_id} restarted")
+            return _on_fault(
+                before, d, _CLEAR, [p.node_id], f"agent on {p.node_id} restarted", policy=policy
+            )
         return "" if phase == ev.PHASE_RUNNING else "recorded: the reshape will consider it"
     fault = _fault(obs, policy, before)
     if fault is None:
         return "recorded only"
+    suspect, ranks = _fault_ranks(obs, before)
     return _on_fault(
         before,
         d,
         *fault,
         idle_evicts=kind not in STALE_KINDS,
         by_operator=kind == "operator_action",
+        policy=policy,
+        suspect=suspect,
+        ranks=ranks,
     )
 
 
@@ -692,6 +792,8 @@ def _on_resume(before: ev.JobState, d: _Draft, op: ev.OperatorAction) -> str:
         diagnose=False,
         by_operator=True,
         rearm=True,
+        mode=RESTART,  # the workers of a failed job are stopped: start every one
+        replace=[],
     )
     return ""
 
@@ -705,6 +807,9 @@ def _on_fault(
     *,
     idle_evicts: bool = True,
     by_operator: bool = False,
+    policy: Policy | None = None,
+    suspect: bool = False,
+    ranks: Sequence[int] = (),
 ) -> str:
     phase = before.phase
     world = set(before.world.node_ids)
@@ -727,11 +832,19 @@ def _on_fault(
         accepted.append(n)
     if not accepted:
         return f"ignored: {reason} (gone, duplicate, or not in the world)"
-    if kind == _CLEAR and phase in (ev.PHASE_SUSPECTED, ev.PHASE_PAUSED):
+    turns_suspect = suspect and before.recovery_mode == IN_JOB  # now every process restarts
+    if kind == _CLEAR and phase in (ev.PHASE_SUSPECTED, ev.PHASE_PAUSED) and not turns_suspect:
         return f"ignored: {reason} (the job is being paused; workers restart anyway)"
     suspects = set(before.suspects) | (set(accepted) if kind == _UNCLEAR else set())
     bad = set(before.bad_nodes) | (set(accepted) if kind == _EVICT else set())
     diagnose = before.needs_diagnosis or kind == _UNCLEAR
+    in_job = policy is not None and policy.in_job and not suspect and not diagnose
+    if phase != ev.PHASE_RUNNING and before.recovery_mode != IN_JOB:
+        in_job = False  # a restart already under way (or a replayed older log) stays one
+    mode = IN_JOB if in_job else RESTART
+    replace = set(before.replace_ranks) | set(ranks) if phase != ev.PHASE_RUNNING else set(ranks)
+    if suspect:
+        reason = f"{reason} (suspect: every process restarts)"
     if phase == ev.PHASE_RUNNING:
         d.transition(
             ev.PHASE_SUSPECTED,
@@ -741,12 +854,23 @@ def _on_fault(
             bad=bad,
             diagnose=diagnose,
             by_operator=by_operator,
+            mode=mode,
+            replace=replace,
         )
         return ""
     to = ev.PHASE_SUSPECTED
     if phase == ev.PHASE_PAUSED and kind != _LOST:
         to = ev.PHASE_PAUSED  # workers are paused and their saved state is intact
-    d.transition(to, reason, suspects=suspects, bad=bad, diagnose=diagnose, by_operator=by_operator)
+    d.transition(
+        to,
+        reason,
+        suspects=suspects,
+        bad=bad,
+        diagnose=diagnose,
+        by_operator=by_operator,
+        mode=mode,
+        replace=replace,
+    )
     return ""
 
 
@@ -794,7 +918,14 @@ def _on_restored(before: ev.JobState, d: _Draft, r: ev.RestoreFinished) -> str:
     if before.phase != ev.PHASE_RESTORING:
         return f"ignored: restore report in {ev.Phase.Name(before.phase)}"
     if not r.ok:
-        d.transition(ev.PHASE_SUSPECTED, f"restore at step {r.step} failed: {r.error}")
+        # the fallback: whatever mode failed, the next attempt replaces every process
+        was = " in-job" if before.recovery_mode == IN_JOB else ""
+        d.transition(
+            ev.PHASE_SUSPECTED,
+            f"{was.strip() + ' ' if was else ''}restore at step {r.step} failed: {r.error}"
+            + ("; falling back to a restart of every process" if was else ""),
+            mode=RESTART,
+        )
         return ""
     if r.step != before.restore_step:
         return f"ignored: restored step {r.step}, expected {before.restore_step}"
@@ -802,7 +933,12 @@ def _on_restored(before: ev.JobState, d: _Draft, r: ev.RestoreFinished) -> str:
     at = r.restored_step or r.step
     d.add(
         ev.Event(
-            training_resumed=ev.TrainingResumed(at_step=at, world=before.world, planned_step=r.step)
+            training_resumed=ev.TrainingResumed(
+                at_step=at,
+                world=before.world,
+                planned_step=r.step,
+                mode=before.recovery_mode or RESTART,
+            )
         )
     )
     return ""
@@ -832,11 +968,16 @@ def _on_spike(before: ev.JobState, d: _Draft, p: ev.LossSpike, policy: Policy) -
             )
         )
     )
-    _open_rollback(d)
+    _open_rollback(d, policy)
     return ""
 
 
-def _open_rollback(d: _Draft) -> None:
+def _mode(policy: Policy) -> str:
+    """The mode of an incident that no process caused (a rollback, a lost node, a grow)."""
+    return IN_JOB if policy.in_job else RESTART
+
+
+def _open_rollback(d: _Draft, policy: Policy) -> None:
     """Open the incident of a rollback (no suspects, no eviction)."""
     d.transition(
         ev.PHASE_SUSPECTED,
@@ -845,6 +986,8 @@ def _open_rollback(d: _Draft) -> None:
         suspects=[],
         bad=[],
         diagnose=False,
+        mode=_mode(policy),
+        replace=[],
     )
 
 
@@ -905,10 +1048,12 @@ def _settle_running(d: _Draft, policy: Policy) -> bool:
             suspects=[],
             bad=[],
             diagnose=False,
+            mode=_mode(policy),
+            replace=[],
         )
         return True
     if s.HasField("rollback_to"):
-        _open_rollback(d)
+        _open_rollback(d, policy)
         return True
     if policy.grow_back:
         target = plan_world(s, policy)
@@ -920,6 +1065,8 @@ def _settle_running(d: _Draft, policy: Policy) -> bool:
                 suspects=[],
                 bad=[],
                 diagnose=False,
+                mode=_mode(policy),
+                replace=[],
             )
             return True
     return False

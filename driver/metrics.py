@@ -105,6 +105,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "Incident opened (first RecoveryTransition) to TrainingResumed, by event wall time",
     ),
     "unbroken_events_total": ("counter", ("kind",), "Events appended by the writer, by payload"),
+    "unbroken_recoveries_total": (
+        "counter",
+        ("mode",),
+        "Incidents resumed, by recovery mode: in_job (healthy workers kept their processes) "
+        "or restart (every worker process replaced)",
+    ),
     "unbroken_checkpoint_committed_step": ("gauge", (), "Step of the newest committed checkpoint"),
     "unbroken_checkpoint_committed_bytes": (
         "gauge",
@@ -270,6 +276,9 @@ class DriverMetrics(Endpoint):
         self.events = Counter(
             "unbroken_events", METRICS["unbroken_events_total"][2], ["kind"], registry=r
         )
+        self.recoveries = Counter(
+            "unbroken_recoveries", METRICS["unbroken_recoveries_total"][2], ["mode"], registry=r
+        )
         self.ckpt_step = Gauge(
             "unbroken_checkpoint_committed_step",
             METRICS["unbroken_checkpoint_committed_step"][2],
@@ -314,6 +323,8 @@ class DriverMetrics(Endpoint):
                 self._incident_ns = e.wall_time_unix_ns
                 self.incidents.inc()
         elif kind == "training_resumed":
+            if e.training_resumed.mode:  # "" is the job's start, no incident
+                self.recoveries.labels(e.training_resumed.mode).inc()
             self._resumed(e)
         elif kind == "checkpoint_committed":
             self.ckpt_step.set(e.checkpoint_committed.step)

@@ -372,6 +372,8 @@ def _close_incident(s: ev.JobState) -> None:
     s.failed_restores = 0
     s.ClearField("rollback_to")
     s.ClearField("incident_world")
+    s.recovery_mode = ""
+    del s.replace_ranks[:]
 
 
 def _training_paused(s: ev.JobState, e: ev.Event) -> None:
@@ -422,6 +424,9 @@ def _recovery_transition(s: ev.JobState, e: ev.Event) -> None:
     del s.bad_nodes[:]
     s.bad_nodes.extend(p.bad_nodes)
     s.needs_diagnosis = p.diagnose
+    s.recovery_mode = p.mode
+    del s.replace_ranks[:]
+    s.replace_ranks.extend(p.replace_ranks)
 
 
 def _job_finished(s: ev.JobState, e: ev.Event) -> None:

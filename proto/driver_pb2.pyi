@@ -112,7 +112,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, driver_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., miss_limit: _Optional[int] = ..., job_id: _Optional[str] = ..., global_rank_base: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_term: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("local_rank", "global_rank", "pid", "state", "exit_code", "step", "loss", "step_time_ms", "since_progress_ms", "median_step_ms", "restarts", "has_loss", "has_peak", "peak_loss", "peak_step", "ring_steps", "hung", "hang_threshold_ms", "phase", "compute_ms", "compute_mad_ms", "wait_ms", "window_steps", "wait_mad_ms", "restored_step", "restored_from", "loss_median", "loss_mad", "loss_window")
+    __slots__ = ("local_rank", "global_rank", "pid", "state", "exit_code", "step", "loss", "step_time_ms", "since_progress_ms", "median_step_ms", "restarts", "has_loss", "has_peak", "peak_loss", "peak_step", "ring_steps", "hung", "hang_threshold_ms", "phase", "compute_ms", "compute_mad_ms", "wait_ms", "window_steps", "wait_mad_ms", "restored_step", "restored_from", "loss_median", "loss_mad", "loss_window", "rejoins", "held")
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,8 @@ class WorkerStatus(_message.Message):
     LOSS_MEDIAN_FIELD_NUMBER: _ClassVar[int]
     LOSS_MAD_FIELD_NUMBER: _ClassVar[int]
     LOSS_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    REJOINS_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     local_rank: int
     global_rank: int
     pid: int
@@ -171,7 +173,9 @@ class WorkerStatus(_message.Message):
     loss_median: float
     loss_mad: float
     loss_window: int
-    def __init__(self, local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., exit_code: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_ms: _Optional[float] = ..., since_progress_ms: _Optional[float] = ..., median_step_ms: _Optional[float] = ..., restarts: _Optional[int] = ..., has_loss: _Optional[bool] = ..., has_peak: _Optional[bool] = ..., peak_loss: _Optional[float] = ..., peak_step: _Optional[int] = ..., ring_steps: _Optional[_Iterable[int]] = ..., hung: _Optional[bool] = ..., hang_threshold_ms: _Optional[float] = ..., phase: _Optional[str] = ..., compute_ms: _Optional[float] = ..., compute_mad_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., window_steps: _Optional[int] = ..., wait_mad_ms: _Optional[float] = ..., restored_step: _Optional[int] = ..., restored_from: _Optional[str] = ..., loss_median: _Optional[float] = ..., loss_mad: _Optional[float] = ..., loss_window: _Optional[int] = ...) -> None: ...
+    rejoins: int
+    held: bool
+    def __init__(self, local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., exit_code: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_ms: _Optional[float] = ..., since_progress_ms: _Optional[float] = ..., median_step_ms: _Optional[float] = ..., restarts: _Optional[int] = ..., has_loss: _Optional[bool] = ..., has_peak: _Optional[bool] = ..., peak_loss: _Optional[float] = ..., peak_step: _Optional[int] = ..., ring_steps: _Optional[_Iterable[int]] = ..., hung: _Optional[bool] = ..., hang_threshold_ms: _Optional[float] = ..., phase: _Optional[str] = ..., compute_ms: _Optional[float] = ..., compute_mad_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., window_steps: _Optional[int] = ..., wait_mad_ms: _Optional[float] = ..., restored_step: _Optional[int] = ..., restored_from: _Optional[str] = ..., loss_median: _Optional[float] = ..., loss_mad: _Optional[float] = ..., loss_window: _Optional[int] = ..., rejoins: _Optional[int] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class HostStats(_message.Message):
     __slots__ = ("cpu_percent", "mem_used_bytes", "mem_total_bytes", "disk_used_bytes", "disk_total_bytes", "net_bytes_sent", "net_bytes_recv", "rdma_counters")
@@ -439,7 +443,7 @@ class RelayedDown(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., command: _Optional[_Union[DriverMessage, _Mapping]] = ..., end: _Optional[str] = ...) -> None: ...
 
 class StartWorkers(_message.Message):
-    __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port", "dp", "pp", "tp", "timeline", "persist_every_s", "flash_bytes_per_rank", "replaces", "replaces_from", "buddy")
+    __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port", "dp", "pp", "tp", "timeline", "persist_every_s", "flash_bytes_per_rank", "replaces", "replaces_from", "buddy", "in_job")
     WORKER_CMD_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_BASE_FIELD_NUMBER: _ClassVar[int]
@@ -454,6 +458,7 @@ class StartWorkers(_message.Message):
     REPLACES_FIELD_NUMBER: _ClassVar[int]
     REPLACES_FROM_FIELD_NUMBER: _ClassVar[int]
     BUDDY_FIELD_NUMBER: _ClassVar[int]
+    IN_JOB_FIELD_NUMBER: _ClassVar[int]
     worker_cmd: str
     world_size: int
     global_rank_base: int
@@ -468,15 +473,20 @@ class StartWorkers(_message.Message):
     replaces: str
     replaces_from: str
     buddy: str
-    def __init__(self, worker_cmd: _Optional[str] = ..., world_size: _Optional[int] = ..., global_rank_base: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., tp: _Optional[int] = ..., timeline: _Optional[int] = ..., persist_every_s: _Optional[float] = ..., flash_bytes_per_rank: _Optional[int] = ..., replaces: _Optional[str] = ..., replaces_from: _Optional[str] = ..., buddy: _Optional[str] = ...) -> None: ...
+    in_job: bool
+    def __init__(self, worker_cmd: _Optional[str] = ..., world_size: _Optional[int] = ..., global_rank_base: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., tp: _Optional[int] = ..., timeline: _Optional[int] = ..., persist_every_s: _Optional[float] = ..., flash_bytes_per_rank: _Optional[int] = ..., replaces: _Optional[str] = ..., replaces_from: _Optional[str] = ..., buddy: _Optional[str] = ..., in_job: _Optional[bool] = ...) -> None: ...
 
 class StopWorkers(_message.Message):
-    __slots__ = ("grace_s", "dump_stacks")
+    __slots__ = ("grace_s", "dump_stacks", "in_job", "replace_local_ranks")
     GRACE_S_FIELD_NUMBER: _ClassVar[int]
     DUMP_STACKS_FIELD_NUMBER: _ClassVar[int]
+    IN_JOB_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_LOCAL_RANKS_FIELD_NUMBER: _ClassVar[int]
     grace_s: float
     dump_stacks: bool
-    def __init__(self, grace_s: _Optional[float] = ..., dump_stacks: _Optional[bool] = ...) -> None: ...
+    in_job: bool
+    replace_local_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, grace_s: _Optional[float] = ..., dump_stacks: _Optional[bool] = ..., in_job: _Optional[bool] = ..., replace_local_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RestartWorkers(_message.Message):
     __slots__ = ("local_ranks", "dump_stacks")

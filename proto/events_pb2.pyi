@@ -453,14 +453,16 @@ class TrainingPaused(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., at_step: _Optional[int] = ..., restore_step: _Optional[int] = ...) -> None: ...
 
 class TrainingResumed(_message.Message):
-    __slots__ = ("at_step", "world", "planned_step")
+    __slots__ = ("at_step", "world", "planned_step", "mode")
     AT_STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_FIELD_NUMBER: _ClassVar[int]
     PLANNED_STEP_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     at_step: int
     world: WorldLayout
     planned_step: int
-    def __init__(self, at_step: _Optional[int] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., planned_step: _Optional[int] = ...) -> None: ...
+    mode: str
+    def __init__(self, at_step: _Optional[int] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., planned_step: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class TrainingStepping(_message.Message):
     __slots__ = ("step", "startup_s", "trained_s")
@@ -485,7 +487,7 @@ class LeaderElected(_message.Message):
     def __init__(self, driver_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., term: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class RecoveryTransition(_message.Message):
-    __slots__ = ("from_phase", "to_phase", "incident_id", "reason", "suspects", "bad_nodes", "diagnose", "by_operator", "rearm")
+    __slots__ = ("from_phase", "to_phase", "incident_id", "reason", "suspects", "bad_nodes", "diagnose", "by_operator", "rearm", "mode", "replace_ranks")
     FROM_PHASE_FIELD_NUMBER: _ClassVar[int]
     TO_PHASE_FIELD_NUMBER: _ClassVar[int]
     INCIDENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -495,6 +497,8 @@ class RecoveryTransition(_message.Message):
     DIAGNOSE_FIELD_NUMBER: _ClassVar[int]
     BY_OPERATOR_FIELD_NUMBER: _ClassVar[int]
     REARM_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_RANKS_FIELD_NUMBER: _ClassVar[int]
     from_phase: Phase
     to_phase: Phase
     incident_id: str
@@ -504,7 +508,9 @@ class RecoveryTransition(_message.Message):
     diagnose: bool
     by_operator: bool
     rearm: bool
-    def __init__(self, from_phase: _Optional[_Union[Phase, str]] = ..., to_phase: _Optional[_Union[Phase, str]] = ..., incident_id: _Optional[str] = ..., reason: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., diagnose: _Optional[bool] = ..., by_operator: _Optional[bool] = ..., rearm: _Optional[bool] = ...) -> None: ...
+    mode: str
+    replace_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, from_phase: _Optional[_Union[Phase, str]] = ..., to_phase: _Optional[_Union[Phase, str]] = ..., incident_id: _Optional[str] = ..., reason: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., diagnose: _Optional[bool] = ..., by_operator: _Optional[bool] = ..., rearm: _Optional[bool] = ..., mode: _Optional[str] = ..., replace_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NodeRefused(_message.Message):
     __slots__ = ("node_id", "epoch", "reason")
@@ -637,7 +643,7 @@ class CheckpointRecord(_message.Message):
     def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., seq: _Optional[int] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., wall_time_unix_ns: _Optional[int] = ...) -> None: ...
 
 class JobState(_message.Message):
-    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id", "bad_nodes", "needs_diagnosis", "restore_step", "configured_world", "incident_world", "restore_attempts", "rollback_to", "rollback_steps", "last_rollback_to", "gone_nodes", "pruned_nodes", "last_skip_from", "last_skip_batches", "goodput", "persist_cost_s", "failed_restores", "finished_reason")
+    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id", "bad_nodes", "needs_diagnosis", "restore_step", "configured_world", "incident_world", "restore_attempts", "rollback_to", "recovery_mode", "replace_ranks", "rollback_steps", "last_rollback_to", "gone_nodes", "pruned_nodes", "last_skip_from", "last_skip_batches", "goodput", "persist_cost_s", "failed_restores", "finished_reason")
     class NodesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -677,6 +683,8 @@ class JobState(_message.Message):
     INCIDENT_WORLD_FIELD_NUMBER: _ClassVar[int]
     RESTORE_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_TO_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_MODE_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_RANKS_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_STEPS_FIELD_NUMBER: _ClassVar[int]
     LAST_ROLLBACK_TO_FIELD_NUMBER: _ClassVar[int]
     GONE_NODES_FIELD_NUMBER: _ClassVar[int]
@@ -712,6 +720,8 @@ class JobState(_message.Message):
     incident_world: WorldLayout
     restore_attempts: int
     rollback_to: int
+    recovery_mode: str
+    replace_ranks: _containers.RepeatedScalarFieldContainer[int]
     rollback_steps: _containers.RepeatedScalarFieldContainer[int]
     last_rollback_to: int
     gone_nodes: int
@@ -722,7 +732,7 @@ class JobState(_message.Message):
     persist_cost_s: float
     failed_restores: int
     finished_reason: str
-    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., needs_diagnosis: _Optional[bool] = ..., restore_step: _Optional[int] = ..., configured_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., incident_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., restore_attempts: _Optional[int] = ..., rollback_to: _Optional[int] = ..., rollback_steps: _Optional[_Iterable[int]] = ..., last_rollback_to: _Optional[int] = ..., gone_nodes: _Optional[int] = ..., pruned_nodes: _Optional[int] = ..., last_skip_from: _Optional[int] = ..., last_skip_batches: _Optional[int] = ..., goodput: _Optional[_Union[GoodputLedger, _Mapping]] = ..., persist_cost_s: _Optional[float] = ..., failed_restores: _Optional[int] = ..., finished_reason: _Optional[str] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., needs_diagnosis: _Optional[bool] = ..., restore_step: _Optional[int] = ..., configured_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., incident_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., restore_attempts: _Optional[int] = ..., rollback_to: _Optional[int] = ..., recovery_mode: _Optional[str] = ..., replace_ranks: _Optional[_Iterable[int]] = ..., rollback_steps: _Optional[_Iterable[int]] = ..., last_rollback_to: _Optional[int] = ..., gone_nodes: _Optional[int] = ..., pruned_nodes: _Optional[int] = ..., last_skip_from: _Optional[int] = ..., last_skip_batches: _Optional[int] = ..., goodput: _Optional[_Union[GoodputLedger, _Mapping]] = ..., persist_cost_s: _Optional[float] = ..., failed_restores: _Optional[int] = ..., finished_reason: _Optional[str] = ...) -> None: ...
 
 class GoodputLedger(_message.Message):
     __slots__ = ("started_ns", "incident_began_ns", "incident_cause", "lost_s_by_cause", "steps_redone", "last_fault", "incidents", "storage_incidents", "lost_s_by_category", "segment_began_ns", "segment_category", "pending_detect_s", "running_since_ns", "startup_open", "resumed_before_s")

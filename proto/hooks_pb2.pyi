@@ -1,7 +1,7 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -90,17 +90,36 @@ class WorkerReport(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., step: _Optional[_Union[StepReport, _Mapping]] = ..., phase: _Optional[_Union[PhaseReport, _Mapping]] = ...) -> None: ...
 
 class WorkerCommand(_message.Message):
-    __slots__ = ("command_id", "pause", "resume", "flash_save", "welcome", "stop")
+    __slots__ = ("command_id", "pause", "resume", "flash_save", "welcome", "stop", "hold", "rejoin")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     PAUSE_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     FLASH_SAVE_FIELD_NUMBER: _ClassVar[int]
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
+    REJOIN_FIELD_NUMBER: _ClassVar[int]
     command_id: str
     pause: str
     resume: int
     flash_save: int
     welcome: Welcome
     stop: str
-    def __init__(self, command_id: _Optional[str] = ..., pause: _Optional[str] = ..., resume: _Optional[int] = ..., flash_save: _Optional[int] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., stop: _Optional[str] = ...) -> None: ...
+    hold: str
+    rejoin: Rejoin
+    def __init__(self, command_id: _Optional[str] = ..., pause: _Optional[str] = ..., resume: _Optional[int] = ..., flash_save: _Optional[int] = ..., welcome: _Optional[_Union[Welcome, _Mapping]] = ..., stop: _Optional[str] = ..., hold: _Optional[str] = ..., rejoin: _Optional[_Union[Rejoin, _Mapping]] = ...) -> None: ...
+
+class Rejoin(_message.Message):
+    __slots__ = ("env", "unset")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    UNSET_FIELD_NUMBER: _ClassVar[int]
+    env: _containers.ScalarMap[str, str]
+    unset: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, env: _Optional[_Mapping[str, str]] = ..., unset: _Optional[_Iterable[str]] = ...) -> None: ...

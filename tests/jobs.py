@@ -112,10 +112,16 @@ class Job(LocalCluster):
 
 
 def reference(
-    tmp: Path, steps: int, *, world: int = 2, train: Sequence[str] = TRAIN
+    tmp: Path,
+    steps: int,
+    *,
+    world: int = 2,
+    train: Sequence[str] = TRAIN,
+    total_steps: int = 100000,
 ) -> dict[int, float]:
-    """The same training (`train`, `world` ranks), uninterrupted and without agents, until
-    `steps` (then killed): step -> its loss."""
+    """The same training (`train`, `world` ranks, `--steps total_steps`: the learning-rate
+    schedule decays over them), uninterrupted and without agents, until `steps` (then
+    killed): step -> its loss."""
     tmp.mkdir()
     metrics = tmp / "metrics.jsonl"
     port = free_port()
@@ -124,7 +130,7 @@ def reference(
         for rank in range(world):
             env = plain_worker_env(rank, world, port)
             out = open(tmp / f"rank{rank}.log", "wb")  # the child owns it
-            cmd = [*train, "--steps", "100000", "--metrics-out", str(metrics)]
+            cmd = [*train, "--steps", str(total_steps), "--metrics-out", str(metrics)]
             procs.append(subprocess.Popen([sys.executable, *cmd], env=env, stdout=out, stderr=out))
             out.close()
 

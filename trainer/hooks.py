@@ -27,8 +27,8 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from unbroken.common.paths import DEFAULT_SOCKET, trusted_socket
 from unbroken.common.workerenv import AGENT_SOCKET as ENV_SOCKET
@@ -36,9 +36,19 @@ from unbroken.proto import hooks_pb2 as hpb
 from unbroken.trainer.hookchannel import Hooks, install
 from unbroken.trainer.pacer import PERSIST_EVERY_S, SAVE_BUDGET, Pacer
 from unbroken.trainer.plugin import Stateful
+from unbroken.trainer.rejoin import (
+    HOLD_WAIT_S,
+    Held,
+    apply_rejoin,
+    hold,
+    peer_failure,
+    started_by_agent,
+)
 
 if TYPE_CHECKING:
     from unbroken.trainer.flashckpt import FlashCheckpointer
+
+T = TypeVar("T")
 
 __all__ = [
     "DEFAULT_SOCKET",
@@ -50,6 +60,7 @@ __all__ = [
     "init",
     "install",
     "phase",
+    "recovery_loop",
     "register",
     "report",
     "reset",
@@ -187,6 +198,7 @@ class Session:
         self.persist_every_s = PERSIST_EVERY_S
         self.pacer: Pacer | None = None
         self.last: Any = None  # the newest save's handle
+        self.held = ""  # the agent's hold (in-job recovery), until the world is left
         self._polled = -math.inf  # when the socket was last read
 
     def poll(self) -> None:
@@ -209,6 +221,8 @@ class Session:
             elif kind == "flash_save":
                 step = c.flash_save
                 self.save_at = step if self.save_at is None else min(self.save_at, step)
+            elif kind == "hold":
+                self.held = c.hold or "hold"
 
     def checkpointer(self) -> FlashCheckpointer | None:
         """The flash checkpointer over the agent's store (created at first use)."""
@@ -509,6 +523,8 @@ def should_stop() -> bool:
     if s is None:
         return False
     s.poll()
+    if s.held and _in_recovery_loop:
+        raise Held(f"held by the agent: {s.held}", -1)
     return bool(s.stop_reason)
 
 
@@ -540,6 +556,61 @@ def close() -> None:
     if _session is not None:
         session, _session = _session, None
         session.close()
+
+
+_in_recovery_loop = False
+
+
+def recovery_loop(body: Callable[[], T], *, hold_s: float = HOLD_WAIT_S) -> T:
+    """Run `body` and keep this process through a peer's failure (in-job recovery).
+
+    `body` is the script's whole distributed part: `init_process_group` (from the
+    environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), building the model and
+    optimizer, `restore`, and the step loop (calling `should_stop` once a step). When a
+    step fails because a peer died (a collective's connection closed or reset, a timeout),
+    or the agent tells this process to hold (then `should_stop` raises), the process
+    leaves its world: its process groups are dropped, the agent hears it is held, and it
+    waits for the agent's Rejoin. The new world's environment is then applied and `body`
+    runs again in the same process (same pid, imports kept), restoring the agreed step.
+
+    Under an agent that did not start this process (a script under torchrun), or without
+    an agent, `body` runs once and its errors propagate as before.
+
+    Returns:
+        What `body` returned.
+
+    Raises:
+        SystemExit: held, but no Rejoin came within `hold_s` (or a stop came): exit code 1,
+            so the launcher or agent restarts the process as before.
+    """
+    global _in_recovery_loop, _dist_ready
+    while True:
+        s = _get()
+        _in_recovery_loop = True
+        try:
+            return body()
+        except Exception as e:
+            if s is None or not s.hooks.replies or not started_by_agent():
+                raise
+            if isinstance(e, Held):
+                held = e
+            elif peer_failure(e):
+                held = Held(f"{type(e).__name__}: {e}", -1)
+            else:
+                raise
+        finally:
+            _in_recovery_loop = False
+        # the flash checkpointer and the pacer belong to the old world (its ranks)
+        if s.flash is not None:
+            with contextlib.suppress(Exception):
+                s.flash.close()
+            s.flash = None
+        s.pacer, s.last, s.held, s.stop_reason = None, None, "", ""
+        _dist_ready = False
+        rejoin = hold(held, s.hooks, hold_s)
+        if rejoin is None:
+            raise SystemExit(1)
+        apply_rejoin(rejoin)
 
 
 def reset() -> None:

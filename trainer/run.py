@@ -24,6 +24,12 @@ once per step with one `os.stat`; each id is applied once (also across restarts:
 are remembered next to the file), at step N, or at the next step when N is 0 or past.
 `loss-spike` poisons that step's batch targets (every target a NUL byte, which text never
 holds), so the loss really spikes and the bad update is applied; `nan` makes the forward non-finite.
+In-job recovery: under an agent, a worker whose step fails because a peer died (a gloo
+collective's "Connection closed by peer", a timeout) or that the agent tells to hold leaves
+the step, drops its process groups and keeps its process; it then waits for the agent's
+Rejoin (the new world's environment), re-joins torch.distributed, rebuilds the trainer and
+puts back the agreed step from its node's flash ring, and trains on with the same pid.
+Without a Rejoin within `HOLD_WAIT_S` (or on a stop) it exits 1, as before.
 Exit codes: 0 done, 1 training failed, 2 bad flags.
 """
 
@@ -52,6 +58,7 @@ from unbroken.common.workerenv import WorkerEnv
 from unbroken.trainer.config import TrainConfig
 from unbroken.trainer.flags import add_arguments, to_config
 from unbroken.trainer.plugin import Batches, BatchSource, Collectives, Skips, Throttled
+from unbroken.trainer.rejoin import Held, apply_rejoin, hold, peer_failure, started_by_agent
 
 if TYPE_CHECKING:
     from unbroken.trainer.hookchannel import Hooks
@@ -336,50 +343,33 @@ def train(
         hooks.phase("train", step=step, source=restored.source if restored is not None else "")
         if isinstance(trainer, Collectives):  # a waiting rank is judged as a victim
             trainer.on_collective = hooks.collective_entered
-        throttled = trainer if isinstance(trainer, Throttled) else None
+        loop = _Loop(
+            trainer=trainer,
+            config=config,
+            point=point,
+            faults=faults,
+            slow=slow,
+            throttled=trainer if isinstance(trainer, Throttled) else None,
+            flash=flash,
+            clock=clock,
+            flash_every=flash_every,
+            requests=requests,
+            history=history,
+            hooks=hooks,
+            out=out,
+            rank=rank,
+        )
         while step < config.steps:
-            if point.skip_batches and step + 1 == point.skip_from_step:
-                _skip(trainer, point.skip_batches, step + 1)
-            if slow is not None and throttled is not None:
-                throttled.slow_factor = slow.current()
-            fault = faults.due(step + 1) if faults is not None else None
-            if fault is not None:
-                log.warning("fault applied", kind=fault.kind, step=step + 1, id=fault.id)
-                with applied_fault(trainer, fault):
-                    m = trainer.train_step()
-            else:
-                m = trainer.train_step()
-            stepped = time.perf_counter()
-            step = int(m["step"])
-            if flash is not None and clock is not None:
-                # every rank calls the clock at every step (it agrees collectively)
-                timed, asked = clock.due(step), requests.due(step)
-                persist = timed or asked or step == config.steps
-                if config.flash_ab:  # a cost measurement: memory saves in alternate blocks
-                    m["flash_block"] = (step // config.flash_ab) % 2 == 0
-                if persist or (step % flash_every == 0 and m.get("flash_block", True)):
-                    t = time.perf_counter()
-                    flash.save(trainer, step, persist=persist)
-                    m["flash_save_s"] = time.perf_counter() - t
-            history.append(m)
-            timings = {
-                name: m[key] * 1000.0
-                for name, key in (
-                    ("compute", "compute_s"),
-                    ("collective_wait", "collective_wait_s"),
-                )
-                if m.get(key) is not None
-            }
-            hooks.step(step, m["loss"], m["step_time_s"] * 1000.0, **timings)
-            # the loop's own time between this step and the next (the save, the report):
-            # no training happens in it, so it is what the goodput figures lose per step
-            m["host_s"] = time.perf_counter() - stepped
-            m["end_unix_s"] = time.time()  # when this step's loop turn ended (an outside account)
-            if out is not None:
-                out.write(json.dumps(m) + "\n")
-                out.flush()
-            if rank == 0 and (step % config.log_every == 0 or step == config.steps):
-                log.info("step", **{k: v for k, v in m.items() if v is not None})
+            try:
+                step = loop.step(step)
+            except Held:
+                raise
+            except Exception as e:
+                if hooks.replies and started_by_agent() and peer_failure(e):
+                    raise Held(f"{type(e).__name__}: {e}", step) from e
+                raise
+            if requests.hold is not None:
+                raise Held(f"held by the agent: {requests.hold}", step)
         if save_to:
             checkpoint.save(trainer, save_to)
     finally:
@@ -394,6 +384,81 @@ def train(
     return history
 
 
+@dataclass(slots=True)
+class _Loop:
+    """What one step of `train` uses."""
+
+    trainer: Any
+    config: TrainConfig
+    point: RestorePoint
+    faults: FaultFile | None
+    slow: SlowFile | None
+    throttled: Any
+    flash: Any
+    clock: Any
+    flash_every: int
+    requests: SaveRequests
+    history: list[dict[str, Any]]
+    hooks: Hooks
+    out: Any
+    rank: int
+
+    def step(self, step: int) -> int:
+        """Run one step, save and report it; return the step reached."""
+        return _one_step(self, step)
+
+
+def _one_step(lp: _Loop, step: int) -> int:
+    """Run one step, save and report it; return the step reached."""
+    trainer, config, point, faults, slow = lp.trainer, lp.config, lp.point, lp.faults, lp.slow
+    throttled, flash, clock, flash_every = lp.throttled, lp.flash, lp.clock, lp.flash_every
+    requests, history, hooks, out, rank = lp.requests, lp.history, lp.hooks, lp.out, lp.rank
+    if point.skip_batches and step + 1 == point.skip_from_step:
+        _skip(trainer, point.skip_batches, step + 1)
+    if slow is not None and throttled is not None:
+        throttled.slow_factor = slow.current()
+    fault = faults.due(step + 1) if faults is not None else None
+    if fault is not None:
+        log.warning("fault applied", kind=fault.kind, step=step + 1, id=fault.id)
+        with applied_fault(trainer, fault):
+            m = trainer.train_step()
+    else:
+        m = trainer.train_step()
+    stepped = time.perf_counter()
+    step = int(m["step"])
+    if flash is not None and clock is not None:
+        # every rank calls the clock at every step (it agrees collectively)
+        timed, asked = clock.due(step), requests.due(step)
+        persist = timed or asked or step == config.steps
+        if config.flash_ab:  # a cost measurement: memory saves in alternate blocks
+            m["flash_block"] = (step // config.flash_ab) % 2 == 0
+        if persist or (step % flash_every == 0 and m.get("flash_block", True)):
+            t = time.perf_counter()
+            flash.save(trainer, step, persist=persist)
+            m["flash_save_s"] = time.perf_counter() - t
+    history.append(m)
+    timings = {
+        name: m[key] * 1000.0
+        for name, key in (
+            ("compute", "compute_s"),
+            ("collective_wait", "collective_wait_s"),
+        )
+        if m.get(key) is not None
+    }
+    hooks.step(step, m["loss"], m["step_time_s"] * 1000.0, **timings)
+    # the loop's own time between this step and the next (the save, the report):
+    # no training happens in it, so it is what the goodput figures lose per step
+    m["host_s"] = time.perf_counter() - stepped
+    m["end_unix_s"] = time.time()  # when this step's loop turn ended (an outside account)
+    if out is not None:
+        out.write(json.dumps(m) + "\n")
+        out.flush()
+    if rank == 0 and (step % config.log_every == 0 or step == config.steps):
+        log.info("step", **{k: v for k, v in m.items() if v is not None})
+    requests.poll()
+    return step
+
+
 class SaveRequests:
     """FlashSave requests from the driver (`RequestCheckpoint`), read from the hooks socket.
 
@@ -406,16 +471,25 @@ class SaveRequests:
     def __init__(self, hooks: Hooks) -> None:
         self.hooks = hooks
         self.at: int | None = None
+        self.hold: str | None = None  # the agent's hold (in-job recovery): leave the step
         self._polled = 0.0
 
-    def due(self, step: int) -> bool:
+    def poll(self) -> None:
+        """Read the agent's commands (at most every `POLL_S`)."""
         now = time.monotonic()
-        if now - self._polled >= self.POLL_S:
-            self._polled = now
-            for c in self.hooks.commands():
-                if c.WhichOneof("kind") == "flash_save":
-                    want = int(c.flash_save)
-                    self.at = want if self.at is None else min(self.at, want)
+        if now - self._polled < self.POLL_S:
+            return
+        self._polled = now
+        for c in self.hooks.commands():
+            kind = c.WhichOneof("kind")
+            if kind == "flash_save":
+                want = int(c.flash_save)
+                self.at = want if self.at is None else min(self.at, want)
+            elif kind == "hold":
+                self.hold = c.hold or "hold"
+
+    def due(self, step: int) -> bool:
+        self.poll()
         if self.at is not None and step >= self.at:
             self.at = None
             return True
@@ -454,25 +528,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     # a rank that had said nothing yet was never judged and its peers and the driver's
     # restore waited minutes (bench-recovery: a hang injected 3 s into a restart stalled
     # the job 80 s, until a driver kill's new decision restarted the world).
-    install().phase("startup")
-    owns = init_distributed(config)
-    try:
-        config.check_world(dist.get_world_size())
-        train(
-            config,
-            resume_from=args.resume_from,
-            save_to=args.save_to,
-            metrics_out=args.metrics_out,
-        )
-        dist.barrier()  # every rank done with its last collective before teardown
-    except ValueError as e:
-        log.error("bad configuration", error=str(e))
-        return 2
-    finally:
-        if owns and dist.is_initialized():
-            gc.collect()  # free DDP/FSDP state before the group goes away
-            dist.destroy_process_group()
-    return 0
+    hooks = install()
+    hooks.phase("startup")
+    while True:
+        owns = init_distributed(config)
+        try:
+            config.check_world(dist.get_world_size())
+            try:
+                train(
+                    config,
+                    resume_from=args.resume_from,
+                    save_to=args.save_to,
+                    metrics_out=args.metrics_out,
+                )
+                dist.barrier()  # every rank done with its last collective before teardown
+            except Held:
+                raise
+            except Exception as e:  # the final barrier: a peer that died there
+                if hooks.replies and started_by_agent() and peer_failure(e):
+                    raise Held(f"{type(e).__name__}: {e}", -1) from e
+                raise
+            return 0
+        except ValueError as e:
+            log.error("bad configuration", error=str(e))
+            return 2
+        except Held as h:
+            rejoin = hold(h, hooks)
+            if rejoin is None:
+                return 1
+            apply_rejoin(rejoin)
+            args = parser.parse_args(argv)
+            try:
+                config = to_config(args)
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            hooks.phase("startup")
+        finally:
+            if owns and dist.is_initialized():
+                gc.collect()  # free DDP/FSDP state before the group goes away
+                dist.destroy_process_group()
 
 
 if __name__ == "__main__":

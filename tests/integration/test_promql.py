@@ -94,7 +94,10 @@ def _driver(*, leader: bool, phase: int = ev.PHASE_RUNNING) -> DriverMetrics:
                 from_phase=ev.PHASE_RUNNING, to_phase=ev.PHASE_SUSPECTED, incident_id="i1"
             ),
         ),
-        ev.Event(wall_time_unix_ns=t0 + 3_000_000_001, training_resumed=ev.TrainingResumed()),
+        ev.Event(
+            wall_time_unix_ns=t0 + 3_000_000_001,
+            training_resumed=ev.TrainingResumed(mode="in_job"),
+        ),
         ev.Event(checkpoint_committed=ev.CheckpointCommitted(step=6, bytes=1234, ranks=2)),
     ):
         for fn in listeners:

@@ -1,0 +1,150 @@
+"""In-job recovery on the agent: hold the healthy workers in their processes, replace the rest.
+
+The driver's machine picks the mode of each incident (driver/machine.py). In the in-job mode
+the agent does, for its node:
+
+- `hold` (StopWorkers with `in_job`): SIGKILLs the ranks the driver names as faulty and every
+  worker that cannot rejoin (exited, stopped by a signal, or without a reply socket), first,
+  so the survivors' collectives with them fail at once; sends every other worker a hold
+  command (trainer/run.py leaves its step at a boundary, drops its process groups and says
+  it is held); waits until each says so, and kills the ones that did not within the limit
+  (they are then replaced like the faulty ones).
+- `rejoin` (StartWorkers with `in_job`): sends each held worker its new environment (the new
+  world's ranks, rendezvous, restore point), so it re-joins in the same process, and starts
+  a process (a warm standby when one is ready) only for the local ranks without one.
+
+Anything that fails here leaves a rank without a live worker, which the restore then waits
+for in vain: the driver's restore times out and its machine falls back to a restart of every
+process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterable
+
+import structlog
+
+from unbroken.agent.hookserver import HookServer
+from unbroken.agent.workers import Supervisor, Worker, process_stopped
+from unbroken.common import workerenv
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import hooks_pb2 as hpb
+
+log = structlog.get_logger(__name__)
+
+#: What the agent sets per launch like torchrun (agent/workers.py `WorkerLaunch.environ`).
+TORCHRUN_VARIABLES = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    }
+)
+HELD_PHASE = "held"  # the phase a held worker reports (trainer/run.py HELD_PHASE)
+#: A worker not held by then is killed and replaced: its step may be long, or it may be
+#: stuck in a collective with a peer that is still alive (its gloo timeout is the backstop).
+HOLD_TIMEOUT_S = 5.0
+
+
+def rejoinable(w: Worker) -> bool:
+    """Whether `w` is a live worker that can take commands (and is not stopped)."""
+    return (
+        w.proc is not None
+        and w.proc.returncode is None
+        and w.state == dpb.WORKER_STATE_RUNNING
+        and bool(w.reply_socket)
+        and not process_stopped(w.pid)
+    )
+
+
+async def kill(w: Worker) -> None:
+    """SIGKILL `w`'s process group now and reap it (no grace: its peers must notice)."""
+    if w.proc is None or w.proc.returncode is not None:
+        return
+    w.state = dpb.WORKER_STATE_STOPPED  # stopped on command: no WorkerFailed for it
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(w.pid, signal.SIGKILL)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(w.proc.wait(), 5.0)
+    for t in w.tasks:
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(t, 2.0)
+
+
+async def hold(
+    sup: Supervisor,
+    hooks: HookServer | None,
+    replace: Iterable[int],
+    timeout_s: float = HOLD_TIMEOUT_S,
+) -> str:
+    """Kill the faulty local ranks, hold the others in their processes; what was done."""
+    replace = set(replace)
+    doomed = [
+        w for r, w in sup.workers.items() if r in replace or hooks is None or not rejoinable(w)
+    ]
+    keep = [w for w in sup.workers.values() if w not in doomed]
+    await asyncio.gather(*(kill(w) for w in doomed))
+    assert hooks is not None or not keep
+    for w in keep:
+        if w.phase != HELD_PHASE:
+            hooks.send_to(w, hpb.WorkerCommand(hold="in-job recovery"))  # type: ignore[union-attr]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(w.phase == HELD_PHASE or not rejoinable(w) for w in keep):
+            break
+        await asyncio.sleep(0.01)
+    late = [w for w in keep if w.phase != HELD_PHASE or not rejoinable(w)]
+    await asyncio.gather(*(kill(w) for w in late))
+    held = [w.local_rank for w in keep if w not in late]
+    log.info(
+        "in-job hold",
+        held=held,
+        replaced=sorted(w.local_rank for w in doomed),
+        not_held_in_time=sorted(w.local_rank for w in late),
+    )
+    return f"in-job: held local ranks {held}, stopped {sorted(w.local_rank for w in doomed + late)}"
+
+
+async def rejoin(sup: Supervisor, hooks: HookServer | None) -> str:
+    """Send every held worker its new world (`sup.launch`); start the missing ranks."""
+    spec, launch = sup.spec, sup.launch
+    rejoined, started = [], []
+    base = dict(os.environ)
+    for r in range(spec.nproc):
+        w = sup.workers.get(r)
+        if w is not None and hooks is not None and w.phase == HELD_PHASE and rejoinable(w):
+            env = launch.environ(spec, r, sup.socket_path)
+            # the world's variables and the launch's own, always (the worker's may differ
+            # from the agent's environment), plus anything else that differs from it
+            ours = TORCHRUN_VARIABLES | set(launch.env) | set(workerenv.VARIABLES.values())
+            changed = {k: v for k, v in env.items() if k in ours or base.get(k) != v}
+            unset = [k for k in workerenv.VARIABLES.values() if k not in env]
+            cmd = hpb.WorkerCommand(rejoin=hpb.Rejoin(env=changed, unset=unset))
+            if hooks.send_to(w, cmd):
+                w.global_rank = launch.rank_base + r
+                w.step = 0  # the driver's restore waits for a step in the new world
+                w.restored_step, w.restored_from = None, ""
+                w.phase = "startup"
+                w.last_progress = time.monotonic()
+                w.step_times.clear()
+                w.rejoins += 1
+                rejoined.append(r)
+                continue
+        if w is not None:
+            await kill(w)
+        await sup.start(r, refill=False)
+        started.append(r)
+    sup.schedule_refill()
+    log.info("in-job rejoin", rejoined=rejoined, started=started, world=launch.world_size)
+    return f"in-job: rejoined local ranks {rejoined} in place, started {started}"

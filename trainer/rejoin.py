@@ -1,0 +1,117 @@
+"""In-job recovery in a worker process: leave the world, keep the process, rejoin the next.
+
+A worker whose step fails because a peer failed (`peer_failure`), or that its agent tells to
+hold, raises `Held`; `hold` then drops its process groups (a peer still in a collective with
+it fails at once), tells the agent it is held and waits for the agent's Rejoin, whose
+environment `apply_rejoin` puts into this process's. The embedded engine (trainer/run.py) and
+the hooks SDK's `recovery_loop` (trainer/hooks.py) both use it. Imports no torch until a
+process group is dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from unbroken.common.workerenv import AGENT_PID
+
+if TYPE_CHECKING:
+    from unbroken.trainer.hookchannel import Hooks
+
+log = structlog.get_logger(__name__)
+
+#: A held worker waits this long for the agent's Rejoin before it exits (the driver chose a
+#: restart, or there is no recovery loop).
+HOLD_WAIT_S = 120.0
+#: The phase a held worker reports (the agent's in-job hold waits for it).
+HELD_PHASE = "held"
+#: Error texts that say a peer, not this process, failed: the collective's connection closed
+#: or reset, or it timed out. Anything else is this worker's own error and is raised.
+PEER_FAILURES = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Socket Timeout",
+    "Timed out",
+    "timed out",
+    "Connection refused",
+    "communicator was aborted",
+)
+
+
+def started_by_agent() -> bool:
+    """Whether this process was started by a node agent (which can hold it and send it a
+    Rejoin); a script under another launcher is restarted by that launcher instead."""
+    return bool(os.environ.get(AGENT_PID))
+
+
+class Held(Exception):
+    """This worker left its world: the agent said hold, or a peer's failure broke a collective."""
+
+    def __init__(self, why: str, step: int) -> None:
+        super().__init__(why)
+        self.why = why
+        self.step = step
+
+
+def peer_failure(e: BaseException) -> bool:
+    """Whether `e` (raised by a step) says a peer failed rather than this process."""
+    import torch.distributed as dist
+
+    if isinstance(e, getattr(dist, "DistNetworkError", ())):
+        return True
+    text = f"{type(e).__name__}: {e}"
+    return any(p in text for p in PEER_FAILURES)
+
+
+def hold(h: Held, hooks: Hooks, wait_s: float = HOLD_WAIT_S) -> Any:
+    """Leave the world in this process and wait for the agent's Rejoin (in-job recovery).
+
+    Says `HELD_PHASE` to the agent first (the caller has finished its flash copy, so the
+    ring is final and the driver need not wait for the rest), then drops the process group
+    (a peer still in a collective with this rank then fails at once instead of waiting for
+    its timeout), and waits.
+
+    Returns:
+        The Rejoin command's message, or None (a stop, or no Rejoin within `wait_s`).
+    """
+    import torch.distributed as dist
+
+    log.warning("left the world; holding for the next one", why=h.why[:300], step=h.step)
+    hooks.flush_steps()
+    hooks.phase(HELD_PHASE)
+    said = time.monotonic()
+    gc.collect()  # DDP/FSDP state may still hold the group: free it, so it really closes
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        if now - said >= 1.0:  # again now and then: a step report in flight may have
+            hooks.phase(HELD_PHASE)  # overwritten the agent's view of this rank's phase
+            said = now
+        hooks.wait(0.2)
+        for c in hooks.commands():
+            kind = c.WhichOneof("kind")
+            if kind == "rejoin":
+                log.info("rejoining the new world in this process", pid=os.getpid())
+                return c.rejoin
+            if kind == "stop":
+                log.warning("stopped while held", reason=c.stop)
+                return None
+    log.error("no new world within the hold limit; exiting", wait_s=wait_s)
+    return None
+
+
+def apply_rejoin(rejoin: Any) -> None:
+    """Put the new world's environment (a hooks Rejoin) into this process's."""
+    for k in rejoin.unset:
+        os.environ.pop(k, None)
+    for k, v in rejoin.env.items():
+        os.environ[k] = v
