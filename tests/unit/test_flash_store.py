@@ -1371,6 +1371,10 @@ def test_the_copy_thread_follows_the_training_threads_core_unless_told_not_to(
         os.sched_setaffinity(0, {cpu})  # this test thread only: it plays the training thread
         saver_cpus.append(current_cpu())
         w.save_async(_state(step), step).wait(10.0)  # type: ignore[union-attr]
+        # `wait` runs a copy the (idle-priority) copy thread has not started yet itself, so
+        # on a busy host it can return before that thread took the job: a no-op queued
+        # behind it returns once the thread has run it (and pinned itself first)
+        w._pool.submit(lambda: None).result(10.0)  # type: ignore[attr-defined]
         (copier,) = w._pool._threads  # type: ignore[attr-defined]
         copier_cpus.append(os.sched_getaffinity(copier.native_id))
 
