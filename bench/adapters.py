@@ -90,7 +90,7 @@ def _run(module: str, steps: int, sock: Path, cwd: Path) -> dict[str, Any]:
         raise RuntimeError(f"{module} failed (rc {rc}):\n{text[-3000:]}")
     times = [stamps[s] - stamps[s - 1] for s in range(WARMUP + 1, steps + 1) if s - 1 in stamps]
     saves = [int(n) for n in SAVES.findall(text)]
-    return {"step_s": times, "saves": saves}
+    return {"step_s": times, "saves": saves, "text": text}
 
 
 @contextlib.contextmanager
@@ -151,6 +151,11 @@ def main() -> None:
                     for mode in ("plain", "unbroken", "unbroken", "plain"):
                         target = sock if mode == "unbroken" else tmp / "no-agent.sock"
                         got = _run(module, args.steps, target, tmp)
+                        if mode == "unbroken" and not got["saves"]:
+                            raise RuntimeError(
+                                f"{name}: no flash saves reported with the agent:\n"
+                                + got["text"][-3000:]
+                            )
                         modes[mode]["step_s"] += got["step_s"]
                         modes[mode]["saves"] += got["saves"]
                 plain = statistics.median(modes["plain"]["step_s"])

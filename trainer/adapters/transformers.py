@@ -10,15 +10,18 @@ the random generators' states into the agent's memory; the logged loss is report
 agent (`logging_steps=1` reports every step's). `resume` (collective: every rank, after the
 Trainer is built) creates the Trainer's optimizer and scheduler, restores the newest step
 every rank holds into them and the model, and hands the Trainer a small resume directory
-(in /dev/shm when there is one: the weights, `trainer_state.json` and the generators'
-states, nothing else) so the Trainer's own resume skips the batches already trained on and
-restores the generators where it does; the optimizer and scheduler are already restored
-in place. It returns None when there is nothing to restore: a fresh start.
+(in /dev/shm when there is one: the weights, `trainer_state.json`, the generators', the
+optimizer's and the scheduler's states) so the Trainer's own resume loads them into the
+optimizer and scheduler it trains with (it creates the scheduler again in `train`), skips
+the batches already trained on and restores the generators where it does. It returns None
+when there is nothing to restore: a fresh start.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
 import os
 import pickle
 import random
@@ -29,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState
-from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.utils import WEIGHTS_NAME
 
 from unbroken.trainer import hooks
@@ -48,13 +51,29 @@ class _HFState:
     def state_dict(self) -> dict[str, Any]:
         gens = pickle.dumps({"python": random.getstate(), "numpy": np.random.get_state()})
         return {
-            "trainer_state": self.trainer.state.to_json_string(),
+            # what TrainerState.save_to_json writes
+            "trainer_state": json.dumps(dataclasses.asdict(self.trainer.state), sort_keys=True),
             "generators": gens,
             "cpu": torch.random.get_rng_state(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.loaded = dict(state_dict)
+
+
+class _Attr:
+    """`getattr(trainer, name)` at each save: the Trainer replaces its optimizer (with
+    Accelerate's wrapper) and its scheduler (created again for the run's steps) in `train`."""
+
+    def __init__(self, trainer: Trainer, name: str) -> None:
+        self.trainer = trainer
+        self.name = name
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(getattr(self.trainer, self.name).state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        getattr(self.trainer, self.name).load_state_dict(state_dict)
 
 
 def _max_steps(trainer: Trainer) -> int:
@@ -100,7 +119,12 @@ class UnbrokenCallback(TrainerCallback):
         """Restore the newest saved step (collective); the directory to pass as
         `resume_from_checkpoint`, or None for a fresh start."""
         core = self._core(trainer)
-        if not core.restore() or self._hf is None or self._hf.loaded is None:
+        try:
+            restored = core.restore()
+        finally:  # from now on save what the Trainer holds then (see `_Attr`)
+            core.state["optimizer"] = _Attr(trainer, "optimizer")
+            core.state["scheduler"] = _Attr(trainer, "lr_scheduler")
+        if not restored or self._hf is None or self._hf.loaded is None:
             return None
         if core.restored_from == "dcp":
             return None  # weights (and what else the checkpoint held) only: a fresh run
@@ -108,6 +132,11 @@ class UnbrokenCallback(TrainerCallback):
         root = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.resume_dir = tempfile.mkdtemp(prefix="unbroken-hf-", dir=root)
         torch.save(trainer.model.state_dict(), os.path.join(self.resume_dir, WEIGHTS_NAME))
+        # the Trainer loads these into the optimizer and the scheduler it uses in `train`
+        # (it creates the scheduler again for the run's steps)
+        assert trainer.optimizer is not None and trainer.lr_scheduler is not None
+        torch.save(trainer.optimizer.state_dict(), os.path.join(self.resume_dir, OPTIMIZER_NAME))
+        torch.save(trainer.lr_scheduler.state_dict(), os.path.join(self.resume_dir, SCHEDULER_NAME))
         with open(os.path.join(self.resume_dir, TRAINER_STATE_NAME), "w") as f:
             f.write(loaded["trainer_state"])
         gens = pickle.loads(loaded["generators"])
