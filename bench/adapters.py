@@ -9,7 +9,7 @@ and next to a real `unbroken agent` (`--no-start`) with the SDK's save budget ra
 persisted). The step time is rank 0's wall time between its `step N loss X` lines (median
 over the steps after the first WARMUP), read as they are printed. Figures: the median step
 time of each mode and their ratio (goal <= 1.03), and the saves per step the workers
-reported (`flash.save_stats`).
+reported (`adapter.save_stats`).
 
 Writes bench/results/adapters.json (with the load average) and prints a table. Run:
 `OMP_NUM_THREADS=1 .venv/bin/python bench/adapters.py [--steps 60 --rounds 1]`
@@ -43,7 +43,7 @@ ADAPTERS = {  # name -> (example module, libraries it needs)
 }
 WARMUP = 10
 STEP = re.compile(rb"^step (\d+) loss \S+$")
-SAVES = re.compile(r"flash\.save_stats.*?saves=(\d+)")
+SAVES = re.compile(r"adapter\.save_stats.*?saves=(\d+)")
 # attach with a save budget that lets every step save, then run the example as __main__
 RUNNER = (
     "import runpy, sys; from unbroken.trainer import hooks; "

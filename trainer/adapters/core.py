@@ -119,6 +119,8 @@ class Resilient:
         self.init_from = None if init_from is None else os.fspath(init_from)
         self.point = RestorePoint.from_env()
         self.restored_from = ""  # memory, buddy, storage, dcp, or "" (a fresh start)
+        self.saves = 0  # flash saves started (the SDK paces them)
+        self.steps = 0  # steps ended in this process
 
     @property
     def step(self) -> int:
@@ -172,16 +174,27 @@ class Resilient:
         """After optimizer step `step` (1-based): report, maybe save. Returns True when the
         driver asked the job to stop (save happened; leave the loop)."""
         self.progress.step = step
-        value = None if loss is None else float(loss)
-        hooks.report(step, value)
-        if step % self.save_every == 0:
-            hooks.save(step, self.state)
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach()
+        hooks.report(step, None if loss is None else float(loss))
+        self.save(step)
         self._skip_due(step + 1)
         return hooks.should_stop()
+
+    def save(self, step: int) -> bool:
+        """Flash-save the state as that of `step` when it is due (every `save_every`-th
+        step, as the SDK's pacing allows); whether a save started."""
+        self.steps += 1
+        if step % self.save_every == 0 and hooks.save(step, self.state):
+            self.saves += 1
+            return True
+        return False
 
     def close(self) -> None:
         """Finish the save in flight (call before the process group goes)."""
         hooks.flush()
+        if self.steps:
+            log.info("adapter.save_stats", saves=self.saves, steps=self.steps)
 
 
 def load_dcp(state: dict[str, Any], path: str) -> None:

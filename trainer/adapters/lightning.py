@@ -164,7 +164,7 @@ class Unbroken(pl.Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if loss is None:
             loss = trainer.callback_metrics.get("loss")
-        if self.core.step_end(trainer.global_step, None if loss is None else float(loss)):
+        if self.core.step_end(trainer.global_step, loss):
             trainer.should_stop = True
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

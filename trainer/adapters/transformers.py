@@ -156,8 +156,7 @@ class UnbrokenCallback(TrainerCallback):
         if core is None:
             return
         core.progress.step = state.global_step
-        if state.global_step % core.save_every == 0:
-            hooks.save(state.global_step, core.state)
+        core.save(state.global_step)
         if args.logging_steps != 1:  # no per-step loss: report the step alone
             hooks.report(state.global_step)
         if hooks.should_stop():
