@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -88,9 +89,21 @@ def _run(module: str, steps: int, sock: Path, cwd: Path) -> dict[str, Any]:
     text = b"".join(out).decode(errors="replace")
     if rc != 0:
         raise RuntimeError(f"{module} failed (rc {rc}):\n{text[-3000:]}")
-    times = [stamps[s] - stamps[s - 1] for s in range(WARMUP + 1, steps + 1) if s - 1 in stamps]
+    if sorted(stamps) != list(range(1, steps + 1)):
+        raise RuntimeError(f"{module} did not run steps 1..{steps}:\n{text[-3000:]}")
+    times = [stamps[s] - stamps[s - 1] for s in range(WARMUP + 1, steps + 1)]
     saves = [int(n) for n in SAVES.findall(text)]
     return {"step_s": times, "saves": saves, "text": text}
+
+
+def _forget(tmp: Path) -> None:
+    """Drop the flash copies and persisted steps of the runs before."""
+    job = tmp / "shm" / "bench"
+    if job.is_dir():
+        for p in job.iterdir():
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+    shutil.rmtree(tmp / "persist", ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -150,6 +163,7 @@ def main() -> None:
                 for _ in range(args.rounds):
                     for mode in ("plain", "unbroken", "unbroken", "plain"):
                         target = sock if mode == "unbroken" else tmp / "no-agent.sock"
+                        _forget(tmp)  # each run starts afresh, not from the last one's copies
                         got = _run(module, args.steps, target, tmp)
                         if mode == "unbroken" and not got["saves"]:
                             raise RuntimeError(
@@ -165,7 +179,7 @@ def main() -> None:
                     "median_step_ms_plain": round(1000 * plain, 3),
                     "median_step_ms_unbroken": round(1000 * ub, 3),
                     "ratio": round(ub / plain, 4),
-                    "steps_per_mode": len(modes["plain"]["step_s"]),
+                    "steps_per_mode": len(modes["unbroken"]["step_s"]),
                     # per worker process: the saves it made over its run's steps
                     "saves_per_step": round(
                         sum(modes["unbroken"]["saves"]) / max(1, 2 * runs * args.steps), 3
