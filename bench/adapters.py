@@ -43,7 +43,8 @@ ADAPTERS = {  # name -> (example module, libraries it needs)
     "lightning": ("unbroken.trainer.examples.lightning_unbroken", ["lightning"]),
 }
 WARMUP = 10
-STEP = re.compile(rb"^step (\d+) loss \S+$")
+# searched, not matched: another rank's log line may run into it (one pipe, two writers)
+STEP = re.compile(rb"step (\d+) loss \S+")
 SAVES = re.compile(r"adapter\.save_stats.*?saves=(\d+)")
 # attach with a save budget that lets every step save, then run the example as __main__
 RUNNER = (
@@ -82,16 +83,18 @@ def _run(module: str, steps: int, sock: Path, cwd: Path) -> dict[str, Any]:
     for line in proc.stdout:
         now = time.perf_counter()
         out.append(line)
-        m = STEP.match(line.strip())
+        m = STEP.search(line)
         if m:
             stamps.setdefault(int(m.group(1)), now)
     rc = proc.wait()
     text = b"".join(out).decode(errors="replace")
     if rc != 0:
         raise RuntimeError(f"{module} failed (rc {rc}):\n{text[-3000:]}")
-    if sorted(stamps) != list(range(1, steps + 1)):
+    if max(stamps, default=0) != steps or len(stamps) < 0.9 * steps:
         raise RuntimeError(f"{module} did not run steps 1..{steps}:\n{text[-3000:]}")
-    times = [stamps[s] - stamps[s - 1] for s in range(WARMUP + 1, steps + 1)]
+    times = [
+        stamps[s] - stamps[s - 1] for s in range(WARMUP + 1, steps + 1) if {s, s - 1} <= set(stamps)
+    ]
     saves = [int(n) for n in SAVES.findall(text)]
     return {"step_s": times, "saves": saves, "text": text}
 
@@ -140,6 +143,25 @@ def _agent(tmp: Path) -> Any:
             proc.wait(10)
 
 
+def _write(args: argparse.Namespace, load_before: Any, rows: dict[str, Any]) -> dict[str, Any]:
+    result = {
+        "bench": "adapters",
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "save_budget": 0.5,
+        "goal_ratio": 1.03,
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "adapters": rows,
+        "unix": time.time(),
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=60)
@@ -186,20 +208,8 @@ def main() -> None:
                     ),
                 }
                 print(name, rows[name], flush=True)
-    result = {
-        "bench": "adapters",
-        "steps": args.steps,
-        "rounds": args.rounds,
-        "goal_ratio": 1.03,
-        "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "adapters": rows,
-        "unix": time.time(),
-    }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+                _write(args, load_before, rows)
+    result = _write(args, load_before, rows)
     print("| adapter | plain ms/step | unbroken ms/step | ratio | saves/step |")
     print("|---|---|---|---|---|")
     for name, r in rows.items():
