@@ -34,7 +34,7 @@ RUN_DEADLINE_S = 600.0
 def torchrun(module: str, steps: int, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        *extra, "-m", module, "--steps", str(steps), "--persist-every-s", "0.5",
+        *extra, "-m", module, "--steps", str(steps), "--persist-every-s", "0.05",
     ]  # fmt: skip
 
 
@@ -211,8 +211,10 @@ def check_persisted_dcp(persist: Path, key: str, prefix: str = "") -> int:
 
     from unbroken.trainer.examples.accelerate_unbroken import tiny_gpt2
 
-    whole = sorted(p.parent for p in persist.glob("step-*/.metadata"))
-    assert whole, sorted(str(p) for p in persist.rglob("*"))[:50]
+    end = time.monotonic() + 60  # the agent persists in the background
+    while not (whole := sorted(p.parent for p in persist.glob("step-*/.metadata"))):
+        assert time.monotonic() < end, sorted(str(p) for p in persist.rglob("*"))[:50]
+        time.sleep(0.2)
     model = tiny_gpt2()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     state: dict[str, Any] = {}

@@ -32,5 +32,5 @@ def test_killed_worker_resumes_bitwise(tmp_path: Path) -> None:
     ref = adapterrun.reference(MODULE, STEPS, tmp_path)
     with adapterrun.agent(tmp_path) as ag:
         killed = adapterrun.run_killed(MODULE, STEPS, KILL_AFTER, ag, tmp_path)
-    adapterrun.check_resumed(killed, ref, STEPS)
-    adapterrun.check_persisted_dcp(ag.persist, "lightning.model", prefix="model.")
+        adapterrun.check_resumed(killed, ref, STEPS)
+        adapterrun.check_persisted_dcp(ag.persist, "lightning.model", prefix="model.")
