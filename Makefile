@@ -22,7 +22,8 @@ $(STAMP): pyproject.toml
 	@# torch first, pinned to the CPU build this machine has: the package asks only for a range
 	@# (pyproject.toml), which this satisfies, so the editable install pulls no CUDA wheel.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	@# the adapters' libraries (transformers, accelerate, lightning) must not move torch off the pin
+	$(PY) -m pip install -q -c <(echo torch==2.13.0) -e '.[dev,adapters]'
 	@touch $(STAMP)
 
 run: $(STAMP)

@@ -14,6 +14,8 @@ the attempt is dropped (a newer copy will be persisted instead).
 
 File format, one file per rank and step (`{url}/step-{step:012d}/rank-{rank:05d}.ubf`):
 8-byte magic, 8-byte manifest length, the manifest (JSON with its own crc), the data.
+Beside them the same step as a torch.distributed.checkpoint (`recovery/dcpformat.py`), so
+`dcp.load(state, checkpoint_id=step_dir)` reads it with torch alone.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import fsspec
 import structlog
 
 from unbroken.common import workerenv
+from unbroken.recovery import dcpformat
 from unbroken.recovery.flashcopy import (
     PERSIST_META,
     CopyRef,
@@ -133,8 +136,11 @@ def _fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     return url_to_fs(url)
 
 
-def write_shard(ref: CopyRef, url: str, *, verify_readback: bool = True) -> Persisted:
-    """Stream one flash copy to storage and verify it.
+def write_shard(
+    ref: CopyRef, url: str, *, verify_readback: bool = True, dcp_export: bool = True
+) -> Persisted:
+    """Stream one flash copy to storage and verify it; then (`dcp_export`) write the same
+    state beside it as torch.distributed.checkpoint files (`unbroken.recovery.dcpformat`).
 
     Raises:
         CorruptCopyError: the slot's bytes do not match its checksum (taken here when
@@ -175,7 +181,14 @@ def write_shard(ref: CopyRef, url: str, *, verify_readback: bool = True) -> Pers
             fs.rm(tmp)
         raise
     if verify_readback:
-        read_shard(uri, verify=True)
+        m2, data = read_shard(uri, verify=True)
+    else:
+        m2, data = read_shard(uri, verify=False)
+    if dcp_export:
+        try:  # the standard-format twin: a failed export never costs the copy itself
+            dcpformat.write_rank(step_dir(url, m.step), m2, data)
+        except Exception as e:
+            log.warning("persist.dcp_export_failed", uri=uri, error=str(e))
     return Persisted(
         rank=m.rank,
         step=m.step,

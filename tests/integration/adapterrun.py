@@ -1,0 +1,231 @@
+"""Running an adapter example under torchrun twice: with no agent (the reference) and with a
+real `unbroken agent` while one worker is SIGKILLed mid-training.
+
+The agent starts no workers (`--no-start`): it owns the node's flash memory and the hook
+socket, torchrun starts the workers and restarts them after the kill (`--max-restarts`),
+and they restore from the agent's memory. Every example prints `step N loss X` on rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from unbroken.diagnostics.check import free_port
+from unbroken.recovery.flash import FlashConfig, FlashOwner, list_copies
+
+JOB = "adapters"
+LOSS = re.compile(r"^step (\d+) loss (\S+)$", re.M)
+RESTORED = re.compile(r"flash\.restored.*?source=(\w+).*?step=(\d+)")
+RUN_DEADLINE_S = 600.0
+
+
+def torchrun(module: str, steps: int, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        *extra, "-m", module, "--steps", str(steps), "--persist-every-s", "0.05",
+    ]  # fmt: skip
+
+
+def env(socket_path: Path) -> dict[str, str]:
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "UNBROKEN_AGENT_SOCKET": str(socket_path)}
+    e["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # torch 2.13 c10d restarts (pytorch#135712)
+    e["TOKENIZERS_PARALLELISM"] = "false"
+    for k in ("UNBROKEN_FLASH_ROOT", "UNBROKEN_AGENT_PID", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        e.pop(k, None)
+    return e
+
+
+def stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """Stop a process started in its own session, with everything it started."""
+    if proc.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def until(what: str, cond: Callable[[], bool], deadline_s: float, log: Path) -> None:
+    end = time.monotonic() + deadline_s
+    while not cond():
+        if time.monotonic() > end:
+            tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+            raise AssertionError(f"timed out after {deadline_s} s waiting for {what}\n{tail}")
+        time.sleep(0.05)
+
+
+def losses(out: str) -> list[tuple[int, str]]:
+    """Every `step N loss X` line, in order (a restarted run repeats steps)."""
+    return [(int(s), x) for s, x in LOSS.findall(out)]
+
+
+def reference(module: str, steps: int, tmp: Path) -> dict[int, str]:
+    """The example under plain torchrun with no agent: step -> loss (repr)."""
+    out = subprocess.run(
+        torchrun(module, steps),
+        env=env(tmp / "no-agent.sock"),
+        cwd=tmp,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=RUN_DEADLINE_S,
+        check=False,
+    )
+    text = out.stdout.decode(errors="replace")
+    assert out.returncode == 0, text[-3000:]
+    got = dict(losses(text))
+    assert sorted(got) == list(range(1, steps + 1)), text[-3000:]
+    return got
+
+
+@dataclass
+class Agent:
+    sock: Path
+    owner: FlashOwner
+    log: Path
+    persist: Path
+
+
+@contextlib.contextmanager
+def agent(tmp: Path) -> Iterator[Agent]:
+    """A real node agent that starts no workers."""
+    sock, log = tmp / "agent.sock", tmp / "agent.log"
+    args = [
+        "--driver", f"127.0.0.1:{free_port()}",  # no driver: the agent retries in the background
+        "--node-id", "n0",
+        "--worker-cmd", "true",  # never started (--no-start); torchrun starts the workers
+        "--nproc-per-node", "2",
+        "--no-start",
+        "--socket", str(sock),
+        "--log-dir", str(tmp / "logs"),
+        "--flash-dir", str(tmp / "shm"),
+        "--flash-job", JOB,
+        "--persist-url", str(tmp / "persist"),
+    ]  # fmt: skip
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "unbroken.cli", "agent", *args],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+    try:
+        until("the agent's flash store", lambda: "flash.ready" in log.read_text(), 120, log)
+        owner = FlashOwner(FlashConfig(root=str(tmp / "shm"), job=JOB))
+        yield Agent(sock, owner, log, tmp / "persist")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(AssertionError):
+            until(
+                "the agent's clean stop",
+                lambda: proc.poll() is not None or "flash.cleaned" in log.read_text(),
+                30,
+                log,
+            )
+        stop(proc, grace_s=1.0)
+
+
+@dataclass
+class Killed:
+    out: str
+    seen: int  # rank 1's newest flash copy when it was killed
+    restored: list[tuple[str, int]]  # (source, step) per restarted rank
+
+
+def run_killed(module: str, steps: int, kill_after: int, ag: Agent, tmp: Path) -> Killed:
+    """Run under torchrun with the agent; SIGKILL local rank 1 once it saved `kill_after`."""
+    log = tmp / "torchrun.log"
+
+    def newest(rank: int) -> int:
+        refs = list_copies(ag.owner.rank_dir(rank))
+        return refs[0].manifest.step if refs else -1
+
+    with open(log, "wb") as f:
+        run = subprocess.Popen(
+            torchrun(module, steps, "--max-restarts", "2"),
+            env=env(ag.sock),
+            cwd=tmp,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        until(f"rank 1 to flash-save step {kill_after}", lambda: newest(1) >= kill_after, 300, log)
+        workers = [
+            p
+            for p in psutil.Process(run.pid).children(recursive=True)
+            if module in " ".join(p.cmdline()) and p.environ().get("LOCAL_RANK") == "1"
+        ]
+        assert len(workers) == 1, workers
+        seen = newest(1)
+        workers[0].send_signal(signal.SIGKILL)
+        assert seen < steps, "training ended before the kill; raise the steps"
+        rc = run.wait(RUN_DEADLINE_S)
+    finally:
+        stop(run)
+    out = log.read_text(errors="replace")
+    assert rc == 0, out[-4000:]
+    restored = [(s, int(n)) for s, n in RESTORED.findall(out)]
+    return Killed(out=out, seen=seen, restored=restored)
+
+
+def check_resumed(k: Killed, ref: dict[int, str], steps: int) -> int:
+    """The restarted ranks restored the newest copy from memory, and every step after it
+    has the reference's loss, bit for bit (repr of the float). Returns the restored step."""
+    assert len(k.restored) == 2, k.out[-4000:]  # both restarted ranks, once each
+    sources = {s for s, _ in k.restored}
+    steps_restored = {n for _, n in k.restored}
+    assert sources == {"memory"}, k.restored
+    assert len(steps_restored) == 1, k.restored
+    step = steps_restored.pop()
+    assert 0 < step < steps, (k.seen, k.restored)  # a saved step, not a fresh start
+    after = losses(k.out.split("flash.restored", 1)[1])
+    assert [s for s, _ in after] == list(range(step + 1, steps + 1)), after
+    for s, x in after:
+        assert x == ref[s], (s, x, ref[s])
+    return step
+
+
+def check_persisted_dcp(persist: Path, key: str, prefix: str = "") -> int:
+    """The newest step the agent persisted as a whole DCP checkpoint loads into a fresh
+    tiny GPT-2 with `dcp.load`, and its weights are not the fresh model's. Returns it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from unbroken.trainer.examples.accelerate_unbroken import tiny_gpt2
+
+    end = time.monotonic() + 60  # the agent persists in the background
+    while not (whole := sorted(p.parent for p in persist.glob("step-*/.metadata"))):
+        assert time.monotonic() < end, sorted(str(p) for p in persist.rglob("*"))[:50]
+        time.sleep(0.2)
+    model = tiny_gpt2()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state: dict[str, Any] = {}
+    node = state
+    *outer, last = key.split(".")
+    for part in outer:
+        node = node.setdefault(part, {})
+    # a module's weights under `prefix` (a LightningModule's attribute name)
+    node[last] = {prefix + k: v for k, v in model.state_dict().items()}
+    dcp.load(state, checkpoint_id=str(whole[-1]), no_dist=True)
+    model.load_state_dict({k[len(prefix) :]: v for k, v in node[last].items()})
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed, "the persisted weights equal a fresh model's"
+    return int(whole[-1].name.removeprefix("step-"))

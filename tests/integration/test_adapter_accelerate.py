@@ -1,0 +1,35 @@
+"""The Accelerate adapter end to end: a killed worker resumes from the agent's memory.
+
+`unbroken.trainer.examples.accelerate_unbroken` (a tiny GPT-2 from a config, random tokens,
+an `Accelerator` on CPU with gloo, 2 processes) runs under torchrun without an agent (the
+reference) and with a real agent while local rank 1 is SIGKILLed mid-training: both
+restarted ranks restore the newest common step from memory, and every step after it has the
+reference's loss bit for bit (CPU, one thread, gloo: deterministic). The steps the agent
+persisted load with plain `dcp.load` into a fresh model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+from tests.integration import adapterrun
+
+pytestmark = pytest.mark.integration
+
+MODULE = "unbroken.trainer.examples.accelerate_unbroken"
+STEPS = 40  # an epoch is 32 steps: the run crosses one
+KILL_AFTER = 12
+
+
+@pytest.mark.timeout(900)
+def test_killed_worker_resumes_bitwise(tmp_path: Path) -> None:
+    ref = adapterrun.reference(MODULE, STEPS, tmp_path)
+    with adapterrun.agent(tmp_path) as ag:
+        killed = adapterrun.run_killed(MODULE, STEPS, KILL_AFTER, ag, tmp_path)
+        adapterrun.check_resumed(killed, ref, STEPS)
+        adapterrun.check_persisted_dcp(ag.persist, "model")

@@ -1,0 +1,89 @@
+"""The adapters' common core without an agent, and the adapter registry.
+
+No agent answers here (the socket names nothing), so the hooks SDK is a no-op and what is
+left is what a job sees at its first start: a DCP checkpoint as the starting point (one
+`dcp.save` wrote, as torchtitan does), the data position, the rollback's skip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from unbroken.trainer import adapters, hooks
+from unbroken.trainer.adapters.core import Resilient, RestorePoint
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(autouse=True)
+def no_agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("UNBROKEN_AGENT_SOCKET", str(tmp_path / "nobody.sock"))
+    for var in ("UNBROKEN_RESTORE_STEP", "UNBROKEN_SKIP_BATCHES"):
+        monkeypatch.delenv(var, raising=False)
+    hooks.reset()
+    yield
+    hooks.reset()
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+
+
+def test_starts_from_a_dcp_checkpoint(tmp_path: Path) -> None:
+    src = _model(1)
+    opt = torch.optim.SGD(src.parameters(), lr=0.5)
+    dcp.save({"model": src.state_dict()}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    dst = _model(2)
+    opt2 = torch.optim.SGD(dst.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match="no agent"):
+        core = Resilient({"model": dst, "opt": opt2}, init_from=tmp_path / "ck")
+        assert core.restore() == 0  # weights only: the steps start at the beginning
+    assert core.restored_from == "dcp"
+    for k, v in src.state_dict().items():
+        assert torch.equal(dst.state_dict()[k], v), k
+    assert opt2.param_groups[0]["lr"] == 0.1  # not in the checkpoint: kept
+    del opt
+
+
+def test_a_dcp_checkpoint_without_the_state_keys_is_refused(tmp_path: Path) -> None:
+    dcp.save({"other": torch.zeros(2)}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    with pytest.warns(RuntimeWarning), pytest.raises(ValueError, match="holds none"):
+        Resilient({"model": _model(0)}, init_from=tmp_path / "ck").restore()
+
+
+def test_steps_and_the_rollback_skip_move_the_data_position(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("UNBROKEN_SKIP_BATCHES", "3:5")
+    with pytest.warns(RuntimeWarning):
+        core = Resilient({"model": _model(0)})
+        assert core.point == RestorePoint(step=None, skip_from_step=3, skip_batches=5)
+        assert core.restore() == 0 and core.position == 0
+        assert not core.step_end(1, torch.tensor(2.0))
+        assert not core.step_end(2, 1.5)  # the next step is 3: skip 5 batches before it
+    assert (core.step, core.position) == (2, 7)
+
+
+def test_own_keys_and_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="unbroken"):
+        Resilient({"unbroken": 1})
+    with pytest.raises(ValueError, match="save_every"):
+        Resilient({}, save_every=0)
+
+
+def test_registry_lists_the_adapters() -> None:
+    names = adapters.available()
+    assert {"accelerate", "lightning", "transformers"} <= set(names), names
+    with pytest.raises(ValueError, match="no adapter named"):
+        adapters.load("nope")
+    if importlib.util.find_spec("accelerate") is not None:
+        from unbroken.trainer.adapters.accelerate import Unbroken
+
+        assert adapters.load("accelerate") is Unbroken

@@ -1,0 +1,59 @@
+"""A PyTorch Lightning `Trainer.fit` with unbroken: a tiny GPT-2 (built from a config) on
+random tokens, on CPU with gloo.
+
+Run it with `torchrun --standalone --nproc-per-node 2 --max-restarts 2 -m
+unbroken.trainer.examples.lightning_unbroken` on a node whose `unbroken agent` runs; a
+worker that dies is restarted by torchrun and both resume at the newest step in the agent's
+memory. Rank 0 prints `step N loss X` for every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from transformers import get_linear_schedule_with_warmup
+
+from unbroken.trainer.adapters.lightning import ResumableDataLoader, Unbroken
+from unbroken.trainer.examples.accelerate_unbroken import tiny_gpt2, token_data
+
+
+class TinyLM(pl.LightningModule):
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps = steps
+        self.model = tiny_gpt2()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        loss = self.model(input_ids=tokens, labels=tokens).loss
+        if self.global_rank == 0:
+            print(f"step {self.global_step + 1} loss {loss.item()!r}", flush=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        sched = get_linear_schedule_with_warmup(opt, 5, self.steps)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--persist-every-s", type=float, default=30.0)
+    args = parser.parse_args()
+    pl.seed_everything(0, verbose=False)
+    ub = Unbroken(persist_every_s=args.persist_every_s)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=args.steps,
+        callbacks=[ub], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    loader = ResumableDataLoader(token_data(), batch_size=4, shuffle=True, unbroken=ub)
+    trainer.fit(TinyLM(args.steps), loader)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""A Hugging Face `Trainer.train` with unbroken: a tiny GPT-2 (built from a config) on
+random tokens, on CPU with gloo.
+
+Run it with `torchrun --standalone --nproc-per-node 2 --max-restarts 2 -m
+unbroken.trainer.examples.transformers_unbroken` on a node whose `unbroken agent` runs; a
+worker that dies is restarted by torchrun and both resume at the newest step in the agent's
+memory. Rank 0 prints `step N loss X` for every step (from the loss function, unrounded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+from transformers import Trainer, TrainingArguments
+
+from unbroken.trainer.adapters.transformers import UnbrokenCallback
+from unbroken.trainer.examples.accelerate_unbroken import tiny_gpt2, token_data
+
+
+class Tokens(Dataset):  # type: ignore[type-arg]
+    def __init__(self) -> None:
+        self.rows = token_data().tensors[0]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--persist-every-s", type=float, default=30.0)
+    args = parser.parse_args()
+    training = TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="hf-example-"), max_steps=args.steps,
+        per_device_train_batch_size=4, learning_rate=1e-3, warmup_steps=5,
+        lr_scheduler_type="linear", logging_steps=1, save_strategy="no", report_to=[],
+        use_cpu=True, seed=0, disable_tqdm=True, ddp_backend="gloo",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    holder: dict[str, Trainer] = {}
+
+    def loss_fn(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> Any:
+        logits = outputs.logits[:, :-1].reshape(-1, outputs.logits.shape[-1])
+        loss = torch.nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1))
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            step = holder["trainer"].state.global_step + 1
+            print(f"step {step} loss {loss.item()!r}", flush=True)
+        return loss
+
+    unbroken = UnbrokenCallback(persist_every_s=args.persist_every_s)
+    trainer = Trainer(
+        model=model, args=training, train_dataset=Tokens(), callbacks=[unbroken],
+        compute_loss_func=loss_fn,
+    )  # fmt: skip
+    holder["trainer"] = trainer
+    trainer.train(resume_from_checkpoint=unbroken.resume(trainer))
+
+
+if __name__ == "__main__":
+    main()
