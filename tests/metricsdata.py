@@ -16,7 +16,11 @@ from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 
 
-def driver_metrics(*, leader: bool = True) -> DriverMetrics:
+def driver_metrics(
+    *, leader: bool = True, phase: int = ev.PHASE_RUNNING, lost_node: bool = False
+) -> DriverMetrics:
+    """A driver's registry over a live view of one node with two workers (and, with
+    `lost_node`, a second node lost), after a few recorded events."""
     view = LiveView(LiveViewConfig())
     slot = view.slot("n0")
     view.mark_alive(slot, 100.0)
@@ -24,14 +28,18 @@ def driver_metrics(*, leader: bool = True) -> DriverMetrics:
     hb.workers.add(local_rank=0, step=7, median_step_ms=250.0, loss=2.5, has_loss=True)
     hb.workers.add(local_rank=1, step=7, step_time_ms=300.0, restarts=1)
     view.beat(slot, hb, 100.5)
+    if lost_node:
+        lost = view.slot("n1")
+        view.mark_alive(lost, 100.0)
+        view.mark_lost(lost)
     m = DriverMetrics(  # the phase is the journal's state's, read at scrape time
         lambda: {
             "leader": leader,
             "heartbeats": 3,
-            "nodes": {"alive": 1, "lost": 0},
+            "nodes": {"alive": 1, "lost": int(lost_node)},
             "events": 4,
             "dropped": 0,
-            "phase": ev.PHASE_RUNNING,
+            "phase": phase,
             "goodput": Goodput(0.9, 100.0, {"node_lost": 10.0}, {"restore": 10.0}),
             "persist_every_s": 182.0,
             "newest_commit_age_s": 41.0,

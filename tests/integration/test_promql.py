@@ -30,9 +30,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.metricsdata import agent_metrics, exprs
-from unbroken.driver.goodput import Goodput
-from unbroken.driver.liveview import LiveView, LiveViewConfig
+from tests.metricsdata import agent_metrics, driver_metrics, exprs
 from unbroken.driver.metrics import DriverMetrics
 from unbroken.proto import events_pb2 as ev
 
@@ -63,46 +61,8 @@ def _series(registry: CollectorRegistry, job: str, instance: str) -> list[dict[s
 
 
 def _driver(*, leader: bool, phase: int = ev.PHASE_RUNNING) -> DriverMetrics:
-    """A driver's registry: `_metrics()`'s values and events, a lost node beside an alive one."""
-    m = DriverMetrics(
-        lambda: {
-            "leader": leader,
-            "heartbeats": 3,
-            "nodes": {"alive": 1, "lost": 1},
-            "events": 4,
-            "dropped": 0,
-            "phase": phase,
-            "goodput": Goodput(0.9, 100.0, {"node_lost": 10.0}, {"restore": 10.0}),
-            "persist_every_s": 182.0,
-            "newest_commit_age_s": 41.0,
-        }
-    )
-    view = LiveView(LiveViewConfig())
-    for name, alive in (("n0", True), ("n1", False)):
-        slot = view.slot(name)
-        view.mark_alive(slot, 100.0)
-        if not alive:
-            view.mark_lost(slot)
-    listeners: list[Any] = []
-    m.watch(view, listeners, lambda: 101.0)
-    t0 = 1_000_000_000_000
-    for e in (
-        ev.Event(wall_time_unix_ns=t0, training_resumed=ev.TrainingResumed()),
-        ev.Event(
-            wall_time_unix_ns=t0 + 1,
-            recovery_transition=ev.RecoveryTransition(
-                from_phase=ev.PHASE_RUNNING, to_phase=ev.PHASE_SUSPECTED, incident_id="i1"
-            ),
-        ),
-        ev.Event(
-            wall_time_unix_ns=t0 + 3_000_000_001,
-            training_resumed=ev.TrainingResumed(mode="in_job"),
-        ),
-        ev.Event(checkpoint_committed=ev.CheckpointCommitted(step=6, bytes=1234, ranks=2)),
-    ):
-        for fn in listeners:
-            fn(e)
-    m.detect_latency.observe(0.3)
+    """A driver's registry (tests/metricsdata.py), with a lost node beside an alive one."""
+    m = driver_metrics(leader=leader, phase=phase, lost_node=True)
     m.fault_durable.observe(0.1)
     return m
 
