@@ -110,6 +110,29 @@ class Job(LocalCluster):
     def close(self) -> None:
         self.stop()
 
+    def kill_peer_keep_survivor(
+        self, victim: str = "n1", survivor: str = "n0", *, past: int = 5, timeout_s: float = 180
+    ) -> int:
+        """SIGKILL `victim`'s worker, wait until a new one trained `past` steps beyond the
+        crash, and check `survivor`'s worker kept its process (in-job recovery); its pid."""
+        kept, killed = self.worker(survivor), self.worker(victim)
+        assert kept is not None and killed is not None
+        killed.kill()
+        crash_step = self.max_step()
+        until(
+            lambda: (
+                (w := self.worker(victim)) is not None
+                and w.pid != killed.pid
+                and self.max_step() >= crash_step + past
+            ),
+            timeout_s,
+            "training past the crash",
+            self,
+        )
+        after = self.worker(survivor)
+        assert after is not None and after.pid == kept.pid, (kept.pid, after)
+        return kept.pid
+
 
 def reference(
     tmp: Path,

@@ -43,22 +43,7 @@ def test_a_killed_peer_is_replaced_in_job_and_a_suspect_crash_restarts_every_pro
     until(lambda: job.max_step() >= 5, 180, "training to start", job)
 
     # 1. A peer's SIGKILL: recovered in-job, n0's worker keeps its process.
-    survivor, victim = job.worker("n0"), job.worker("n1")
-    assert survivor is not None and victim is not None
-    victim.kill()
-    crash_step = job.max_step()
-    until(
-        lambda: (
-            (w := job.worker("n1")) is not None
-            and w.pid != victim.pid
-            and job.max_step() >= crash_step + 5
-        ),
-        180,
-        "training past the crash",
-        job,
-    )
-    after = job.worker("n0")
-    assert after is not None and after.pid == survivor.pid, (survivor.pid, after)
+    job.kill_peer_keep_survivor(past=5)
     log = job.worker_log("n0")
     assert "rejoining the new world in this process" in log, log[-3000:]
     resumed = _resumes(job)

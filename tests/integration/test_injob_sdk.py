@@ -32,22 +32,7 @@ def test_a_ddp_script_in_the_recovery_loop_survives_a_peers_sigkill(job: Job) ->
     job.start_agent("n1", buddy="n0")
     until(lambda: job.max_step() >= 20, 180, "training to start", job)
 
-    survivor, victim = job.worker("n0"), job.worker("n1")
-    assert survivor is not None and victim is not None
-    victim.kill()
-    crash_step = job.max_step()
-    until(
-        lambda: (
-            (w := job.worker("n1")) is not None
-            and w.pid != victim.pid
-            and job.max_step() >= crash_step + 20
-        ),
-        180,
-        "training past the crash",
-        job,
-    )
-    after = job.worker("n0")
-    assert after is not None and after.pid == survivor.pid, (survivor.pid, after)
+    job.kill_peer_keep_survivor(past=20)
     resumed = [e.training_resumed for e in job.events() if e.HasField("training_resumed")]
     assert resumed[-1].mode == "in_job", resumed
 
