@@ -26,8 +26,12 @@ from unbroken.diagnostics.check import free_port
 from unbroken.recovery.flash import FlashConfig, FlashOwner, list_copies
 
 JOB = "adapters"
-LOSS = re.compile(r"^step (\d+) loss (\S+)$", re.M)
-RESTORED = re.compile(r"flash\.restored.*?source=(\w+).*?step=(\d+)")
+# The ranks share torchrun's stdout, and a block-buffered line of one can end inside
+# another's ("... step=39" + "2026-11-29 08:27:13 [info ..." before its newline): a value
+# ends at whitespace, the end of a line, or where another line's timestamp begins.
+_END = r"(?=\s|$|\d{4}-\d{2}-\d{2} )"
+LOSS = re.compile(r"step (\d+) loss (\S+?)" + _END, re.M)
+RESTORED = re.compile(r"flash\.restored.*?source=(\w+).*?step=(\d+?)" + _END)
 RUN_DEADLINE_S = 600.0
 
 
