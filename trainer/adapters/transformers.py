@@ -131,7 +131,9 @@ class UnbrokenCallback(TrainerCallback):
         loaded = self._hf.loaded
         root = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.resume_dir = tempfile.mkdtemp(prefix="unbroken-hf-", dir=root)
-        torch.save(trainer.model.state_dict(), os.path.join(self.resume_dir, WEIGHTS_NAME))
+        model = trainer.model
+        assert model is not None  # the Trainer was built with a model
+        torch.save(model.state_dict(), os.path.join(self.resume_dir, WEIGHTS_NAME))
         # the Trainer loads these into the optimizer and the scheduler it uses in `train`
         # (it creates the scheduler again for the run's steps)
         assert trainer.optimizer is not None and trainer.lr_scheduler is not None
