@@ -33,12 +33,17 @@ _END = r"(?=\s|$|\d{4}-\d{2}-\d{2} )"
 LOSS = re.compile(r"step (\d+) loss (\S+?)" + _END, re.M)
 RESTORED = re.compile(r"flash\.restored.*?source=(\w+).*?step=(\d+?)" + _END)
 RUN_DEADLINE_S = 600.0
+# Each step sleeps this long: on a quiet host a tiny model's 40 steps took under a second,
+# so training ended before the kill, and the save pacer (a share of the step time) saved
+# only 8 of them.
+STEP_DELAY_S = 0.05
 
 
 def torchrun(module: str, steps: int, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         *extra, "-m", module, "--steps", str(steps), "--persist-every-s", "0.05",
+        "--step-delay-s", str(STEP_DELAY_S),
     ]  # fmt: skip
 
 
@@ -171,7 +176,13 @@ def run_killed(module: str, steps: int, kill_after: int, ag: Agent, tmp: Path) -
             start_new_session=True,
         )
     try:
-        until(f"rank 1 to flash-save step {kill_after}", lambda: newest(1) >= kill_after, 300, log)
+        until(
+            f"rank 1 to flash-save step {kill_after}",
+            lambda: newest(1) >= kill_after or run.poll() is not None,
+            300,
+            log,
+        )
+        assert run.poll() is None, "training ended before the kill: raise the steps or the delay"
         workers = [
             p
             for p in psutil.Process(run.pid).children(recursive=True)

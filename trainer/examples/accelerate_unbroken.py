@@ -10,6 +10,7 @@ memory. Rank 0 prints `step N loss X` for every step.
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 from accelerate import Accelerator
@@ -38,6 +39,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--persist-every-s", type=float, default=30.0)
+    parser.add_argument(
+        "--step-delay-s",
+        type=float,
+        default=0.0,
+        help="sleep this long in every step (to watch a run)",
+    )
     args = parser.parse_args()
     # a seedable sampler: each epoch's order is a function of the seed and the epoch, so
     # the batches after a restore mid-epoch are the ones the first run saw
@@ -67,6 +74,7 @@ def main() -> None:
         optimizer.zero_grad()
         if accelerator.is_main_process:
             print(f"step {step} loss {loss.item()!r}", flush=True)
+        time.sleep(args.step_delay_s)
         if ub.step_end(step, loss):
             break
     ub.close()

@@ -10,6 +10,7 @@ memory. Rank 0 prints `step N loss X` for every step.
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,9 +22,10 @@ from unbroken.trainer.examples.accelerate_unbroken import tiny_gpt2, token_data
 
 
 class TinyLM(pl.LightningModule):
-    def __init__(self, steps: int) -> None:
+    def __init__(self, steps: int, step_delay_s: float = 0.0) -> None:
         super().__init__()
         self.steps = steps
+        self.step_delay_s = step_delay_s
         self.model = tiny_gpt2()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -31,6 +33,7 @@ class TinyLM(pl.LightningModule):
         loss = self.model(input_ids=tokens, labels=tokens).loss
         if self.global_rank == 0:
             print(f"step {self.global_step + 1} loss {loss.item()!r}", flush=True)
+        time.sleep(self.step_delay_s)
         return loss
 
     def configure_optimizers(self) -> Any:
@@ -43,6 +46,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--persist-every-s", type=float, default=30.0)
+    parser.add_argument(
+        "--step-delay-s",
+        type=float,
+        default=0.0,
+        help="sleep this long in every step (to watch a run)",
+    )
     args = parser.parse_args()
     pl.seed_everything(0, verbose=False)
     ub = Unbroken(persist_every_s=args.persist_every_s)
@@ -52,7 +61,7 @@ def main() -> None:
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
     loader = ResumableDataLoader(token_data(), batch_size=4, shuffle=True, unbroken=ub)
-    trainer.fit(TinyLM(args.steps), loader)
+    trainer.fit(TinyLM(args.steps, args.step_delay_s), loader)
 
 
 if __name__ == "__main__":

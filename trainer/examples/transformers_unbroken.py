@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 from typing import Any
 
 import torch
@@ -37,6 +38,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--persist-every-s", type=float, default=30.0)
+    parser.add_argument(
+        "--step-delay-s",
+        type=float,
+        default=0.0,
+        help="sleep this long in every step (to watch a run)",
+    )
     args = parser.parse_args()
     training = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="hf-example-"), max_steps=args.steps,
@@ -54,6 +61,7 @@ def main() -> None:
         if not dist.is_initialized() or dist.get_rank() == 0:
             step = holder["trainer"].state.global_step + 1
             print(f"step {step} loss {loss.item()!r}", flush=True)
+        time.sleep(args.step_delay_s)
         return loss
 
     unbroken = UnbrokenCallback(persist_every_s=args.persist_every_s)
