@@ -24,7 +24,7 @@ from unbroken.recovery import dcpformat
 from unbroken.recovery.flash import FlashConfig, FlashOwner, FlashWriter
 from unbroken.recovery.persist import list_persisted, step_dir, write_shard
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
