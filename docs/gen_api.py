@@ -9,7 +9,6 @@ value is listed with the comment written above it (or after it, on its line).
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 import tempfile
@@ -248,18 +247,10 @@ def render(proto_dir: Path = PROTO) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
-    args = p.parse_args(argv)
-    text = render()
-    if args.check:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT.relative_to(ROOT)} is stale: run `make docs-api`", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text)
-    print(f"wrote {OUT.relative_to(ROOT)}")
-    return 0
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or loaded by path
+    import genpage
+
+    return genpage.main(__doc__, OUT, ROOT, render, "docs-api", argv)
 
 
 if __name__ == "__main__":

@@ -244,3 +244,17 @@ def check_persisted_dcp(persist: Path, key: str, prefix: str = "") -> int:
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
     assert changed, "the persisted weights equal a fresh model's"
     return int(whole[-1].name.removeprefix("step-"))
+
+
+STEPS = 40  # an epoch is 32 steps: the run crosses one
+KILL_AFTER = 12
+
+
+def killed_worker_resumes_bitwise(module: str, tmp: Path, key: str, prefix: str = "") -> None:
+    """The example without an agent (the reference), then with one while local rank 1 is
+    SIGKILLed: the resume is exact, and the newest persisted step loads with `dcp.load`."""
+    ref = reference(module, STEPS, tmp)
+    with agent(tmp) as ag:
+        killed = run_killed(module, STEPS, KILL_AFTER, ag, tmp)
+        check_resumed(killed, ref, STEPS)
+        check_persisted_dcp(ag.persist, key, prefix=prefix)

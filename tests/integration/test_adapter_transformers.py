@@ -23,14 +23,8 @@ from tests.integration import adapterrun
 pytestmark = pytest.mark.integration
 
 MODULE = "unbroken.trainer.examples.transformers_unbroken"
-STEPS = 40  # an epoch is 32 steps: the run crosses one
-KILL_AFTER = 12
 
 
 @pytest.mark.timeout(900)
 def test_killed_worker_resumes_bitwise(tmp_path: Path) -> None:
-    ref = adapterrun.reference(MODULE, STEPS, tmp_path)
-    with adapterrun.agent(tmp_path) as ag:
-        killed = adapterrun.run_killed(MODULE, STEPS, KILL_AFTER, ag, tmp_path)
-        adapterrun.check_resumed(killed, ref, STEPS)
-        adapterrun.check_persisted_dcp(ag.persist, "model")
+    adapterrun.killed_worker_resumes_bitwise(MODULE, tmp_path, "model")
