@@ -109,6 +109,7 @@ def test_a_node_token_cannot_operate_or_launch() -> None:
                         dpb.RequestCheckpointRequest(), metadata=m
                     ),
                     "GetStatus": stub.GetStatus(dpb.GetStatusRequest(), metadata=m),
+                    "Resume": stub.Resume(dpb.ResumeRequest(reason="x" * 10_000), metadata=m),
                 }
                 for name, call in calls.items():
                     try:
