@@ -55,6 +55,7 @@ import structlog
 from unbroken.agent import checks, injob, probes, starvation
 from unbroken.agent.flash import NodeFlash, NodeFlashConfig
 from unbroken.agent.hookserver import HookServer
+from unbroken.common.paths import group_id
 from unbroken.agent.metrics import AgentMetrics
 from unbroken.agent.peerid import PeerIdentityError, check_peer
 from unbroken.agent.relay import SILENT_S, Relay, RelayConfig, parse_relay
@@ -136,6 +137,15 @@ class AgentConfig:
     socket_path: str = field(
         default="",
         metadata={"flag": "--socket", "help": "unix socket of the local hooks channel"},
+    )
+    socket_group: str = field(
+        default="",
+        metadata={
+            "help": "a group (name or id) whose members' scripts may use the hooks SDK with "
+            "this agent: the socket's directory becomes 1770 and the socket 0660 in that "
+            "group, and datagrams of its members are taken (unset: only this user's and "
+            "root's); the agent's user must be a member"
+        },
     )
     spare: bool = field(default=False, metadata={"help": "register as a spare node"})
     register_timeout_s: float = field(
@@ -289,6 +299,8 @@ class AgentConfig:
             raise ValueError("--relay-listen and --relay exclude each other")
         if not self.socket_path:  # taken by the first agent on the host
             object.__setattr__(self, "socket_path", DEFAULT_SOCKET)  # a derived default
+        if self.socket_group:
+            group_id(self.socket_group)  # ValueError: no such group, and how to make it
 
 
 def local_ip() -> str:
@@ -310,7 +322,12 @@ class Agent:
         self.interval_s = config.heartbeat_interval_ms / 1000.0
         self.supervisor = Supervisor(config.workers, config.socket_path) if config.workers else None
         self.hooks = (
-            HookServer(config.socket_path, self.supervisor, config.node_id)
+            HookServer(
+                config.socket_path,
+                self.supervisor,
+                config.node_id,
+                group_id(config.socket_group) if config.socket_group else None,
+            )
             if self.supervisor
             else None
         )

@@ -12,6 +12,11 @@ with a `Welcome` naming the node's flash store, so they flash-save into the agen
 memory exactly as its own workers do. Such a script finds the agent without the agent's
 environment through the default socket path `DEFAULT_SOCKET`, which the first agent of a
 node takes (later agents on the same host fall back to a per-process path).
+
+Who may send: the agent's own user and root, and with a `group` (`--socket-group`) every
+member of that group. The socket's mode keeps everyone else out (0600, or 0660 in a 1770
+directory of the group), and each datagram's sender, as the kernel gives it
+(SCM_CREDENTIALS), is checked again: a datagram from anyone else is counted and dropped.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from pathlib import Path
 import structlog
 
 from unbroken.agent.workers import Supervisor, Worker
-from unbroken.common.paths import DEFAULT_SOCKET, private_dir
+from unbroken.common.paths import DEFAULT_SOCKET, private_dir, shared_dir, uid_in_group
 from unbroken.common.workerenv import WorkerEnv
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import hooks_pb2 as hpb
@@ -112,8 +117,14 @@ def _bind_private(sock: socket.socket, path: str) -> None:
 class HookServer:
     """Receives `WorkerReport`s and applies them to the supervisor's workers."""
 
-    def __init__(self, path: str, supervisor: Supervisor, node_id: str = "") -> None:
+    def __init__(
+        self, path: str, supervisor: Supervisor, node_id: str = "", group: int | None = None
+    ) -> None:
+        """`group`: the id of a group whose members' scripts may use the SDK with this
+        agent (None: only this user's and root's)."""
         self.path = path
+        self.group = group
+        self._members: dict[int, tuple[bool, float]] = {}  # uid -> (member, when looked up)
         self.node_id = node_id
         self.supervisor = supervisor
         self._sock: socket.socket | None = None
@@ -140,7 +151,9 @@ class HookServer:
         private socket file): taken only when no live agent holds it, else the agent keeps
         its private path (and tells its own workers that one)."""
         parent = os.path.dirname(os.path.abspath(self.path))
-        if self.path == DEFAULT_SOCKET:
+        if self.group is not None:
+            shared_dir(parent, self.group)  # refuses a planted directory
+        elif self.path == DEFAULT_SOCKET:
             private_dir(parent)  # refuses a planted or shared directory
         else:
             Path(parent).mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -162,6 +175,9 @@ class HookServer:
                 self.supervisor.socket_path = private
         else:
             _bind_private(sock, self.path)
+        if self.group is not None:  # the group's members may send (and only they, below)
+            os.chown(self.path, -1, self.group)
+            os.chmod(self.path, 0o660)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         sock.setblocking(False)
@@ -186,7 +202,7 @@ class HookServer:
             for level, kind, raw in anc:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
                     cred = _UCRED.unpack(raw[: _UCRED.size])
-            if cred is None or cred[1] not in (me, 0):
+            if cred is None or not self.allowed(cred[1], cred[2], me):
                 self.foreign += 1
                 if self.foreign in (1, 100, 10_000):
                     log.warning(
@@ -197,6 +213,24 @@ class HookServer:
                     )
                 continue
             self.datagram_received(data, cred[0])
+
+    def allowed(self, uid: int, gid: int, me: int) -> bool:
+        """Whether a datagram of user `uid` (group `gid`) is taken: ours, root's, or, with a
+        group, a member's (by the user database, looked up at most once a minute per user)."""
+        if uid in (me, 0):
+            return True
+        if self.group is None:
+            return False
+        if gid == self.group:
+            return True
+        now = time.monotonic()
+        known = self._members.get(uid)
+        if known is None or now - known[1] > 60.0:
+            if len(self._members) > 4096:
+                self._members.clear()
+            known = (uid_in_group(uid, self.group), now)
+            self._members[uid] = known
+        return known[0]
 
     def datagram_received(self, data: bytes, pid: int) -> None:
         """One report from process `pid` (the kernel's word for who sent it)."""

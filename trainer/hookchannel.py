@@ -13,7 +13,11 @@ race of an agent dying before the prctl). Outside an agent (no env variable) eve
 a no-op.
 
 The hooks SDK for scripts the agent did not start (`unbroken.trainer.hooks`) attaches
-through the same channel.
+through the same channel. With a system agent of another user, which shares its socket with
+a group of ours (`--socket-group`), the reply socket is bound in the agent's socket
+directory instead (mode 0620 in the group: only the agent, whose user is a member, and
+other members may send to it) and a command is taken only from the agent's user, root or
+ourselves, by the kernel's credentials of its sender.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -33,7 +38,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from unbroken.common.paths import private_dir
+from unbroken.common.paths import private_dir, shared_with_us
 from unbroken.common.workerenv import AGENT_PID as ENV_AGENT_PID
 from unbroken.common.workerenv import AGENT_SOCKET as ENV_SOCKET
 from unbroken.proto import hooks_pb2 as hpb
@@ -45,6 +50,21 @@ RESTOP_SIGNAL = signal.SIGUSR2  # dump the stacks, then stop again (a stopped wo
 # agent's hang floor is about a second, its heartbeat 100 ms.
 LAZY_COLLECTIVE_S = 0.1
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+_CMSG_SPACE = socket.CMSG_SPACE(_UCRED.size)
+
+
+def shared_agent(path: str) -> tuple[str, int] | None:
+    """(the socket's directory, the agent's uid) when `path` is another user's agent socket
+    shared with a group of ours; None otherwise (our own agent's, root's, or none)."""
+    try:
+        st = os.stat(path)
+        dst = os.stat(os.path.dirname(os.path.abspath(path)))
+    except OSError:
+        return None
+    if st.st_uid in (os.geteuid(), 0) or not shared_with_us(st, dst):
+        return None
+    return os.path.dirname(os.path.abspath(path)), st.st_uid
 
 
 def die_with_agent() -> bool:
@@ -131,17 +151,28 @@ class Hooks:
         self._sock: socket.socket | None = None
         self._reply = ""
         self.reply_error = ""  # why no reply socket could be bound (commands cannot reach us)
+        # senders whose commands are taken, when others could reach the reply socket
+        self._senders: frozenset[int] | None = None
+        self.refused = 0  # commands dropped: their sender was neither the agent nor us
         if self.path:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._sock.setblocking(False)
             # The agent's replies come to a socket file in this user's private runtime
             # directory: unlike an abstract-namespace name, no other user can send to it.
+            # A system agent of another user cannot enter that directory: the socket goes
+            # into the agent's group-shared one, and senders are checked (`commands`).
+            shared = shared_agent(self.path)
             try:
-                reply = os.path.join(private_dir(), f"w-{self.pid}-{id(self):x}.sock")
+                where = shared[0] if shared else private_dir()
+                reply = os.path.join(where, f"w-{os.geteuid()}-{self.pid}-{id(self):x}.sock")
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(reply)
                 self._sock.bind(reply)
-                os.chmod(reply, 0o600)
+                os.chmod(reply, 0o620 if shared else 0o600)
+                if shared:  # the directory's group: the agent's user is a member
+                    os.chown(reply, -1, os.stat(where).st_gid)
+                    self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+                    self._senders = frozenset({os.geteuid(), 0, shared[1]})
                 self._reply = reply
             except OSError as e:
                 self.reply_error = f"no private reply socket ({e}); agent commands cannot reach us"
@@ -324,7 +355,18 @@ class Hooks:
             return out
         while True:
             try:
-                data = self._sock.recv(65536)
+                if self._senders is None:
+                    data = self._sock.recv(65536)
+                else:  # a shared directory: only the agent's user, root and we may command
+                    data, anc, _, _ = self._sock.recvmsg(65536, _CMSG_SPACE)
+                    uids = [
+                        _UCRED.unpack(raw[: _UCRED.size])[1]
+                        for level, kind, raw in anc
+                        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS
+                    ]
+                    if not uids or uids[0] not in self._senders:
+                        self.refused += 1
+                        continue
             except (BlockingIOError, OSError):
                 return out
             with contextlib.suppress(Exception):

@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from unbroken.common.paths import DEFAULT_SOCKET, trusted_socket
+from unbroken.common.paths import DEFAULT_SOCKET, SYSTEM_SOCKET, trusted_socket
 from unbroken.common.workerenv import AGENT_SOCKET as ENV_SOCKET
 from unbroken.proto import hooks_pb2 as hpb
 from unbroken.trainer.hookchannel import Hooks, install
@@ -79,9 +79,14 @@ POLL_EVERY_S = 0.005  # the agent's commands are read at most this often
 
 
 def find_socket(env: Mapping[str, str] | None = None) -> str:
-    """The agent socket a script should use: `UNBROKEN_AGENT_SOCKET`, else the default."""
+    """The agent socket a script should use: `UNBROKEN_AGENT_SOCKET`, else the default (an
+    agent of this user), else the system agent's (`SYSTEM_SOCKET`) when that exists."""
     e = os.environ if env is None else env
-    return e.get(ENV_SOCKET) or DEFAULT_SOCKET
+    if e.get(ENV_SOCKET):
+        return e[ENV_SOCKET]
+    if not os.path.exists(DEFAULT_SOCKET) and os.path.exists(SYSTEM_SOCKET):
+        return SYSTEM_SOCKET
+    return DEFAULT_SOCKET
 
 
 def _rank() -> tuple[int, int]:
@@ -180,6 +185,29 @@ def _prime(opt: Any) -> None:
             p.grad = grad
 
 
+def own_flash_root(root: str) -> str:
+    """`root` (the agent's flash store) when it is ours or not made yet; else, for a system
+    agent of another user, a directory of ours beside it on the same tmpfs
+    (`<first directory up that we or root own>/unbroken-u<uid>/<basename>`)."""
+    me = os.geteuid()
+    try:
+        if os.stat(root).st_uid == me:
+            return root
+    except FileNotFoundError:
+        return root
+    except OSError:
+        pass
+    up = os.path.dirname(os.path.abspath(root))
+    while up != "/":
+        try:
+            if os.stat(up).st_uid in (me, 0):
+                break
+        except OSError:
+            pass
+        up = os.path.dirname(up)
+    return os.path.join(up, f"unbroken-u{me}", os.path.basename(os.path.abspath(root)))
+
+
 class Session:
     """One process's attachment to its node's agent (the SDK's state)."""
 
@@ -239,9 +267,14 @@ class Session:
                 )
 
             w = self.welcome
-            env = FlashEnv(
-                root=w.flash_root, job=w.flash_job, node=w.flash_node, persist_url=w.persist_url
-            )
+            root = own_flash_root(w.flash_root)
+            if root != w.flash_root:
+                _warn_once(
+                    f"the agent's flash store {w.flash_root} belongs to its own user: saves "
+                    f"go to {root} in this node's memory instead, restored from there, "
+                    "without the agent's buddy copy or persistence"
+                )
+            env = FlashEnv(root=root, job=w.flash_job, node=w.flash_node, persist_url=w.persist_url)
             self.flash = FlashCheckpointer(env, _rank()[0])
             self.pacer = Pacer(self.save_budget, f"flash-{self.flash.rank}_", self.persist_every_s)
         return self.flash
