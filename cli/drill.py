@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -52,6 +53,10 @@ STRAGGLER_WARM_STEPS = 64  # steps in every worker's window before the straggler
 STRAGGLER_ROLE_S = StragglerConfig().role_s
 STRAGGLER_DETECT_LIMIT_S = 180.0  # its windows must fill and shift first (driver/straggler.py)
 RESPAWN_DRIVER_S = 8.0  # a killed driver restarts this long after (its lease is 2 s)
+# A fault given up while the host's 1-minute load average was above this many runnable tasks
+# per core is not judged: on such a host a worker's start-up (importing torch) or a late
+# heartbeat takes minutes, and the drill's limits measure the host, not the recovery.
+OVERLOAD_PER_CORE = 4.0
 RESTORED = re.compile(r"flash\.restored.*\brank=0\b.*\bstep=(\d+)")
 
 
@@ -88,6 +93,8 @@ class FaultRecord:
     skipped: bool = False  # not injectable here (the note says why)
     armed: bool = True  # False: the fault waits for a trigger (mid-recovery driver kill)
     detect_limit_s: float = DETECT_LIMIT_S
+    load_peak: float = 0.0  # the highest 1-minute load average seen while it was open
+    unjudged: bool = False  # given up on an overloaded host (the note says how busy)
 
     @property
     def continued(self) -> bool | None:
@@ -164,7 +171,7 @@ def fault_table(faults: list[FaultRecord], width: int = WIDE_TABLE, *, rows: boo
             row += [cont, evs, f"{f.expect} ({f.event_seq or '-'})"]
         elif f.recovers and f.continued is False:
             row[-1] += " [red]loss jumped[/]"
-        t.add_row(*row, f.note)
+        t.add_row(*row, f"[yellow]not judged[/]{f.note}" if f.unjudged else f.note)
     return t
 
 
@@ -177,6 +184,25 @@ def rank0_restores(run: Path) -> list[int]:
             for i, m in enumerate(RESTORED.finditer(log.read_text(errors="replace"))):
                 out.append((mtime + i * 1e-6, int(m.group(1))))
     return [s for _, s in sorted(out)]
+
+
+def host_load() -> float:
+    """The host's 1-minute load average (0 where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
+def judge_load(f: FaultRecord, cores: int | None = None) -> None:
+    """Mark a given-up fault not judged when the host was overloaded while it was open."""
+    cores = cores or os.cpu_count() or 1
+    if f.load_peak > OVERLOAD_PER_CORE * cores:
+        f.unjudged = True
+        f.note += (
+            f"; not judged: load {f.load_peak:.0f} on {cores} cores "
+            f"(over {OVERLOAD_PER_CORE:.0f} per core)"
+        )
 
 
 class Drill:
@@ -248,6 +274,7 @@ class Drill:
         for f in self.faults:
             if f.over:
                 continue
+            f.load_peak = max(f.load_peak, host_load())
             if f.injection is not None and f.injection.note and f.detected_s is None:
                 f.skipped, f.note = True, f.injection.note[:70]  # (no self-check)
             elif f.recovers and f.resumed_s is not None:
@@ -261,6 +288,8 @@ class Drill:
             elif now - f.injected_at > RESUME_LIMIT_S + f.detect_limit_s - DETECT_LIMIT_S:
                 f.note += f"; training did not resume within {RESUME_LIMIT_S:.0f} s"
                 f.given_up = True
+            if f.given_up:
+                judge_load(f)
             if f.over:
                 self.next_at = now + GAP_S
             return  # one fault at a time

@@ -57,7 +57,7 @@ from typing import Any
 
 from unbroken.cli import events
 from unbroken.cli.cluster import LocalCluster, LogWatch
-from unbroken.cli.drill import DRILL, Drill, FaultRecord, fault_table
+from unbroken.cli.drill import DRILL, OVERLOAD_PER_CORE, Drill, FaultRecord, fault_table
 from unbroken.common import reaper
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
@@ -437,9 +437,34 @@ async def _supervise(c: LocalCluster, cfg: UpConfig, w: LogWatch, console: Any, 
         if not f.skipped and (f.detected_s is None or (f.recovers and f.resumed_s is None))
     ]
     if drill is not None and (drill.plan or missed):
-        console.print(
-            f"[red]drill incomplete[/]: {len(missed)} fault(s) not detected or not recovered, "
-            f"{len(drill.plan)} not injected before --duration {cfg.duration_s:.0f} s ran out"
-        )
+        console.print(drill_verdict(missed, len(drill.plan), cfg.duration_s, first_step_at, t0))
         return 1
     return 0
+
+
+def drill_verdict(
+    missed: list[FaultRecord],
+    not_injected: int,
+    duration_s: float,
+    first_step_at: float | None,
+    t0: float,
+) -> str:
+    """The closing line of an incomplete drill: what failed, and what this host's load kept
+    from being judged (a fault given up at over `OVERLOAD_PER_CORE` runnable tasks a core)."""
+    unjudged = [f for f in missed if f.unjudged]
+    failed = len(missed) - len(unjudged)
+    cores = os.cpu_count() or 1
+    parts = [f"{failed} fault(s) not detected or not recovered"]
+    if unjudged:
+        peak = max(f.load_peak for f in unjudged)
+        parts.append(
+            f"{len(unjudged)} not judged: this host's load average reached {peak:.0f} on "
+            f"{cores} cores (over {OVERLOAD_PER_CORE:.0f} per core), too busy to time "
+            "detection and recovery; run the drill on a quieter host"
+        )
+    if not_injected:
+        start = f" (first step after {first_step_at - t0:.0f} s)" if first_step_at else ""
+        parts.append(
+            f"{not_injected} not injected before --duration {duration_s:.0f} s ran out{start}"
+        )
+    return "[red]drill incomplete[/]: " + ", ".join(parts)

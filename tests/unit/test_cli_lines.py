@@ -7,10 +7,10 @@ from typing import ClassVar
 import pytest
 from rich.console import Console
 
-from unbroken.cli.drill import FaultRecord, fault_table
+from unbroken.cli.drill import FaultRecord, fault_table, judge_load
 from unbroken.cli.events import line
 from unbroken.cli.status import persistence_line
-from unbroken.cli.up import _render, commits_line
+from unbroken.cli.up import _render, commits_line, drill_verdict
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 
@@ -99,3 +99,26 @@ def test_events_are_short_human_lines() -> None:
     assert line(spike) == "    7 loss_spike step=3 loss=9.3 baseline=2.1 factor=6"  # no 9.30000019
     long = ev.Event(seq=8, log_alert=ev.LogAlert(node_id="n" * 200))
     assert len(line(long)) == 80 and line(long).endswith("…")
+
+
+def test_a_fault_given_up_on_an_overloaded_host_is_not_judged_and_the_verdict_says_why() -> None:
+    busy = FaultRecord(
+        "node lost", "node-1", 0.0, "node_lost", recovers=True, detected_s=0.2,
+        given_up=True, load_peak=45.0, note="training did not resume within 120 s",
+    )  # fmt: skip
+    quiet = FaultRecord(
+        "hang", "node-0", 0.0, "hang_suspected", recovers=True, given_up=True,
+        load_peak=3.0, note="no hang_suspected within 60 s",
+    )  # fmt: skip
+    judge_load(busy, cores=2)
+    judge_load(quiet, cores=2)
+    assert busy.unjudged and "not judged: load 45 on 2 cores" in busy.note
+    assert not quiet.unjudged  # a quiet host's miss is a failure
+    verdict = drill_verdict([busy, quiet], 1, 480.0, 130.0, 0.0)
+    assert "1 fault(s) not detected or not recovered" in verdict
+    assert "1 not judged: this host's load average reached 45 on " in verdict
+    assert "first step after 130 s" in verdict
+    console = Console(width=80, record=True, force_terminal=False)
+    console.print(fault_table([busy, quiet], 80))
+    text = console.export_text()
+    assert "not judged" in text and max(len(x) for x in text.splitlines()) <= 80
