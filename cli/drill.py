@@ -171,7 +171,7 @@ def fault_table(faults: list[FaultRecord], width: int = WIDE_TABLE, *, rows: boo
             row += [cont, evs, f"{f.expect} ({f.event_seq or '-'})"]
         elif f.recovers and f.continued is False:
             row[-1] += " [red]loss jumped[/]"
-        t.add_row(*row, f"[yellow]not judged[/]{f.note}" if f.unjudged else f.note)
+        t.add_row(*row, f"[yellow]{f.note}[/]" if f.unjudged else f.note)
     return t
 
 
@@ -194,14 +194,16 @@ def host_load() -> float:
         return 0.0
 
 
-def judge_load(f: FaultRecord, cores: int | None = None) -> None:
-    """Mark a given-up fault not judged when the host was overloaded while it was open."""
+def judge_load(f: FaultRecord, cores: int | None = None, load: float | None = None) -> None:
+    """Mark a fault given up (or still open when the drill ended) not judged when the host
+    was overloaded while it was open (its note then starts with how busy)."""
     cores = cores or os.cpu_count() or 1
-    if f.load_peak > OVERLOAD_PER_CORE * cores:
+    f.load_peak = max(f.load_peak, host_load() if load is None else load)
+    if f.load_peak > OVERLOAD_PER_CORE * cores and not f.unjudged:
         f.unjudged = True
-        f.note += (
-            f"; not judged: load {f.load_peak:.0f} on {cores} cores "
-            f"(over {OVERLOAD_PER_CORE:.0f} per core)"
+        f.note = (
+            f"not judged: load {f.load_peak:.0f} on {cores} cores "
+            f"(over {OVERLOAD_PER_CORE:.0f} per core); {f.note}"
         )
 
 

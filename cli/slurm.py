@@ -24,6 +24,7 @@ import subprocess
 import sys
 
 from unbroken.cli.client import ClientConfig, add_client_flags, print_json, run_command, to_dict
+from unbroken.common.channel import endpoint_is_loopback
 from unbroken.driver.scheduler import SchedulerError
 from unbroken.driver.slurm import SlurmConfig, SlurmScheduler
 from unbroken.proto import driver_pb2 as dpb
@@ -37,17 +38,22 @@ SCRIPT = """\
 #SBATCH --no-kill
 #SBATCH --output={output}
 # Written by `unbroken slurm submit`. --no-kill: a failed node leaves the job, the job goes on.
-set -u
+set -eu
 NODES=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
 TRAIN=("${{NODES[@]:0:{nodes}}}")
 PORT=$({python} -c 'from unbroken.diagnostics.check import free_port; print(free_port())')
 DRIVER_ADDR="{advertise}:$PORT"
-SPARE_AGENT="{python} -m unbroken.cli agent --node-id {{node}} --driver $DRIVER_ADDR"
+# the job's folder, on the file system the nodes share: event log, archive, checkpoints, pki
+JOB_DIR="{job_dir}"
+mkdir -p -m 0700 "$JOB_DIR"
+{pki}echo "unbroken: driver $DRIVER_ADDR, job folder $JOB_DIR"
+{operator}SPARE_AGENT="{python} -m unbroken.cli agent --node-id {{node}} --driver $DRIVER_ADDR"
 {python} -m unbroken.cli driver --scheduler slurm --slurm-job-id "$SLURM_JOB_ID" \\
   --listen "{listen_host}:$PORT" --advertise "$DRIVER_ADDR" --nodes {nodes} \\
   --slurm-agent-cmd "$SPARE_AGENT --no-start --spare {agent_args}" \\
   {driver_args} &
 DRIVER_PID=$!
+set +e
 for node in "${{TRAIN[@]}}"; do
   srun --overlap -N1 -n1 -w "$node" --job-name="unbroken-agent-$node" \\
     {python} -m unbroken.cli agent --node-id "$node" --driver "$DRIVER_ADDR" --no-start \\
@@ -55,6 +61,36 @@ for node in "${{TRAIN[@]}}"; do
 done
 wait "$DRIVER_PID"
 """
+
+# mTLS for the job when --driver-args bring no credentials of their own: a CA of the job's own
+# in its folder (0700), a certificate for the driver's advertised host, one per node of the
+# allocation (spares included) and one for the user who submitted it (an operator)
+PKI = """\
+PKI="$JOB_DIR/pki"
+ME="${{USER:-$(id -un)}}"
+if [ ! -f "$PKI/ca.pem" ]; then
+  {python} -m unbroken.cli certs ca --dir "$PKI" >/dev/null
+  {python} -m unbroken.cli certs issue driver:main --dir "$PKI" --host "{advertise}" >/dev/null
+  for node in "${{NODES[@]}}"; do
+    {python} -m unbroken.cli certs issue "node:$node" --dir "$PKI" >/dev/null
+  done
+  {python} -m unbroken.cli certs issue "operator:$ME" --dir "$PKI" >/dev/null
+fi
+"""
+OPERATOR = (
+    'echo "unbroken: as an operator: unbroken status --driver $DRIVER_ADDR '
+    '--tls-cert $PKI/operator-$ME.crt --tls-key $PKI/operator-$ME.key --tls-ca $PKI/ca.pem"\n'
+)
+DRIVER_TLS = (
+    '--tls-cert "$PKI/driver-main.crt" --tls-key "$PKI/driver-main.key" --tls-ca "$PKI/ca.pem"'
+)
+AGENT_TLS = "--tls-cert $PKI/node-{node}.crt --tls-key $PKI/node-{node}.key --tls-ca $PKI/ca.pem"
+
+
+def _has(args: str, *flags: str) -> bool:
+    """Whether the flag string `args` names any of `flags` (as `--flag` or `--flag=`)."""
+    words = shlex.split(args)
+    return any(w == f or w.startswith(f + "=") for w in words for f in flags)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +110,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--advertise-host", default="$(hostname)", help="host agents use to reach the driver"
     )
     p.add_argument("--output", default="unbroken-%j.out", help="sbatch --output")
+    p.add_argument(
+        "--job-dir",
+        default="${SLURM_SUBMIT_DIR:-$PWD}/unbroken-$SLURM_JOB_ID",
+        help="the job's folder on a file system every node shares: the embedded etcd's data, "
+        "the archive and the checkpoints go there unless --driver-args/--agent-args name "
+        "their own (--etcd, --archive-url, --persist-url), and the job's own CA and "
+        "certificates unless --driver-args bring credentials (--tls-*, --token-file, "
+        "--insecure)",
+    )
     p.add_argument("--driver-args", default="", help="more `unbroken driver` flags (one string)")
     p.add_argument(
         "--agent-args",
@@ -99,22 +144,41 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def script(ns: argparse.Namespace) -> str:
-    """The batch script of `unbroken slurm submit`."""
+    """The batch script of `unbroken slurm submit`: what --driver-args and --agent-args leave
+    out that a job needs, it gets in the job's folder (an embedded etcd, the archive,
+    checkpoints, and mTLS with a CA of its own)."""
     if ns.nodes < 1 or ns.spares < 0:
         raise ValueError(f"--nodes must be >= 1 and --spares >= 0, got {ns.nodes}, {ns.spares}")
-    text = SCRIPT.format(
+    python = shlex.quote(sys.executable)
+    driver, agent = [ns.driver_args], [ns.agent_args]
+    if not _has(ns.driver_args, "--etcd", "--etcd-data-dir", "--event-log"):
+        driver.append('--etcd-data-dir "$JOB_DIR/etcd"')
+    if not _has(ns.driver_args, "--archive-url"):
+        driver.append('--archive-url "$JOB_DIR/archive"')
+    if not _has(ns.agent_args, "--persist-url", "--no-flash"):
+        agent.append("--persist-url $JOB_DIR/checkpoints")
+    tls = not endpoint_is_loopback(f"{ns.listen_host}:1") and not _has(
+        ns.driver_args, "--tls-cert", "--token-file", "--insecure"
+    )
+    if tls:
+        driver.append(DRIVER_TLS)
+        agent.append(AGENT_TLS)
+    agent_args = " ".join(a for a in agent if a)
+    return SCRIPT.format(
         name=ns.name,
         total=ns.nodes + ns.spares,
         nodes=ns.nodes,
         output=ns.output,
         listen_host=ns.listen_host,
         advertise=ns.advertise_host,
-        python=shlex.quote(sys.executable),
-        driver_args=ns.driver_args,
-        agent_args=ns.agent_args,
-        train_agent_args=ns.agent_args.replace("{node}", "$node"),
+        python=python,
+        job_dir=ns.job_dir,
+        pki=PKI.format(python=python, advertise=ns.advertise_host) if tls else "",
+        operator=OPERATOR if tls else "",
+        driver_args=" ".join(d for d in driver if d),
+        agent_args=agent_args,
+        train_agent_args=agent_args.replace("{node}", "$node"),
     )
-    return text
 
 
 def run(ns: argparse.Namespace) -> int:

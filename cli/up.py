@@ -57,7 +57,14 @@ from typing import Any
 
 from unbroken.cli import events
 from unbroken.cli.cluster import LocalCluster, LogWatch
-from unbroken.cli.drill import DRILL, OVERLOAD_PER_CORE, Drill, FaultRecord, fault_table
+from unbroken.cli.drill import (
+    DRILL,
+    OVERLOAD_PER_CORE,
+    Drill,
+    FaultRecord,
+    fault_table,
+    judge_load,
+)
 from unbroken.common import reaper
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
@@ -437,6 +444,8 @@ async def _supervise(c: LocalCluster, cfg: UpConfig, w: LogWatch, console: Any, 
         if not f.skipped and (f.detected_s is None or (f.recovers and f.resumed_s is None))
     ]
     if drill is not None and (drill.plan or missed):
+        for f in missed:  # those still open when the run ended, too
+            judge_load(f)
         console.print(drill_verdict(missed, len(drill.plan), cfg.duration_s, first_step_at, t0))
         return 1
     return 0
