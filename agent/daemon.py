@@ -55,7 +55,6 @@ import structlog
 from unbroken.agent import checks, injob, probes, starvation
 from unbroken.agent.flash import NodeFlash, NodeFlashConfig
 from unbroken.agent.hookserver import HookServer
-from unbroken.common.paths import group_id
 from unbroken.agent.metrics import AgentMetrics
 from unbroken.agent.peerid import PeerIdentityError, check_peer
 from unbroken.agent.relay import SILENT_S, Relay, RelayConfig, parse_relay
@@ -71,7 +70,7 @@ from unbroken.common.faults import (
     WorkerFault,
     write_slow_factor,
 )
-from unbroken.common.paths import DEFAULT_SOCKET
+from unbroken.common.paths import DEFAULT_SOCKET, group_id
 from unbroken.common.timing import node_timing
 from unbroken.common.tls import TlsConfig, channel_credentials, token_metadata
 from unbroken.common.workerenv import WorkerEnv

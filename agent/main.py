@@ -53,15 +53,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
+NO_LOCAL_CMD = [
+    sys.executable,
+    "-c",
+    "raise SystemExit('unbroken agent: no --worker-cmd here and none from the driver')",
+]
+
+
 def config_from_args(ns: argparse.Namespace) -> AgentConfig:
     """An `AgentConfig` from parsed flags (ValueError naming the bad one)."""
     spec = None
     flash = None
     tls = TlsConfig(cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca)
-    if ns.worker_cmd:
+    if ns.worker_cmd or ns.allow_remote_cmd:
+        # --allow-remote-cmd alone: the driver's StartWorkers names the command (until it
+        # does, a start says so and fails)
+        own = {} if ns.worker_cmd else {"cmd": NO_LOCAL_CMD}
         spec = build(
             WorkerSpec,
             ns,
+            **own,
             log_dir=ns.log_dir or tempfile.mkdtemp(prefix="unbroken-agent-logs-"),
             fault=ns.inject_fault,
             warm=warm_default(ns.nproc_per_node) if ns.warm_workers is None else ns.warm_workers,

@@ -119,11 +119,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "certificates unless --driver-args bring credentials (--tls-*, --token-file, "
         "--insecure)",
     )
-    p.add_argument("--driver-args", default="", help="more `unbroken driver` flags (one string)")
+    p.add_argument(
+        "--driver-args",
+        default="",
+        help='more `unbroken driver` flags, one string; write --driver-args="--flag ..." '
+        "(with '='): a value that starts with -- is otherwise taken for a flag",
+    )
     p.add_argument(
         "--agent-args",
         default="",
-        help="more `unbroken agent` flags (one string; {node} is the node's name)",
+        help="more `unbroken agent` flags, one string ({node} is the node's name); write "
+        "--agent-args=\"--flag ...\" (with '=')",
     )
     p.add_argument("--print", action="store_true", help="print the script, do not submit")
     p.add_argument("--slurm-conf", default="", help="SLURM_CONF for sbatch")

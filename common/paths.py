@@ -15,10 +15,10 @@ unit, another user) listens; a script looks there when it has no agent of its ow
 
 A system agent serves other users through a group (`--socket-group`): its socket directory
 is `shared_dir` (owner the agent, group that group, mode 1770: members may bind their reply
-sockets there and the sticky bit keeps them from removing anyone else's; no setgid bit, which
-a unit with RestrictSUIDSGID= may not set) and its socket is 0660. `trusted_socket` accepts such a socket
-from a member of its group: the socket and its directory belong to the same user and nobody
-outside may write the directory.
+sockets there and the sticky bit keeps them from removing anyone else's; no setgid bit,
+which a unit with RestrictSUIDSGID= may not set) and its socket is 0660. `trusted_socket`
+accepts such a socket from a member of its group: the socket and its directory belong to
+the same user and nobody outside may write the directory.
 """
 
 from __future__ import annotations
