@@ -404,6 +404,9 @@ async def _supervise(c: LocalCluster, cfg: UpConfig, w: LogWatch, console: Any, 
                     live.update(_render(w, [], now - t0, console.width, console.height))
                 break
             await asyncio.sleep(0.25)
+    for f in faults:  # still open as the run ends: judged by the host's load too
+        if not f.skipped and (f.detected_s is None or (f.recovers and f.resumed_s is None)):
+            judge_load(f)
     console.print(fault_table(faults, console.width) if faults else "no drill")
     status = await asyncio.to_thread(w.rpc, "GetStatus", dpb.GetStatusRequest())
     if status is not None:
@@ -444,8 +447,6 @@ async def _supervise(c: LocalCluster, cfg: UpConfig, w: LogWatch, console: Any, 
         if not f.skipped and (f.detected_s is None or (f.recovers and f.resumed_s is None))
     ]
     if drill is not None and (drill.plan or missed):
-        for f in missed:  # those still open when the run ended, too
-            judge_load(f)
         console.print(drill_verdict(missed, len(drill.plan), cfg.duration_s, first_step_at, t0))
         return 1
     return 0

@@ -58,6 +58,7 @@ def test_the_page_holds_a_submit_and_a_status_line() -> None:
     ], lines
 
 
+@pytest.mark.timeout(1200)  # real processes on a shared 2-core host
 def test_the_slurm_recipe_trains_to_the_end_through_a_killed_worker(
     cluster: SlurmCluster, tmp_path: Path
 ) -> None:

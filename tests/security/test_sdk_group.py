@@ -152,10 +152,12 @@ def _until(
         time.sleep(0.2)
 
 
+@pytest.mark.timeout(1200)  # real processes on a shared 2-core host
 def test_a_member_of_the_socket_group_uses_the_sdk_with_the_system_agent(users: Users) -> None:
     import pwd
 
     nobody = pwd.getpwnam("nobody")
+    # no --nodes: no recovery loop, so no StartWorkers; the agent only serves the SDK
     root = Path(tempfile.mkdtemp(prefix="ub-sdkgroup-", dir="/tmp"))
     root.chmod(0o755)  # every user may enter; what is below decides
     run = root / "run"  # what systemd's RuntimeDirectory= makes: the agent's, 0700
@@ -192,8 +194,7 @@ def test_a_member_of_the_socket_group_uses_the_sdk_with_the_system_agent(users: 
     try:
         port_file = root / "driver.json"
         start("driver", [py, "-m", "unbroken.cli", "driver", "--listen", "127.0.0.1:0",
-                         "--event-log", "memory", "--nodes", "2",
-                         "--port-file", str(port_file)])  # fmt: skip
+                         "--event-log", "memory", "--port-file", str(port_file)])  # fmt: skip
         _until("the driver's port file", port_file.exists, 120, logs, procs[:2])
         address = f"127.0.0.1:{json.loads(port_file.read_text())['grpc_port']}"
         agent = [py, "-m", "unbroken.cli", "agent", "--driver", address, "--node-id", "n1",
@@ -239,16 +240,13 @@ def test_a_member_of_the_socket_group_uses_the_sdk_with_the_system_agent(users: 
 
         # a new process of the researcher restores step 5; the driver's eviction stops it
         restorer = start("restore", [*as_res, "restore"], UNBROKEN_AGENT_SOCKET=str(sock))
-        _until(
-            "the restore",
-            lambda: "restored" in (root / "restore.log").read_text(),
-            180,
-            logs,
-            procs[:2],
-        )
-        line = next(
-            x for x in (root / "restore.log").read_text().splitlines() if x.startswith("restored")
-        )
+
+        def restored() -> list[str]:
+            text = (root / "restore.log").read_text()
+            return [x for x in text.splitlines() if x.startswith("restored")]
+
+        _until("the restore", lambda: bool(restored()), 180, logs, procs[:2])
+        line = restored()[0]
         assert line.split()[1:] == ["5", digest], logs()
         cli("evict", "n1", "--reason", "sdk group test")
         assert restorer.wait(60) == 0, logs()
