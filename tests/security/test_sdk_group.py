@@ -187,7 +187,7 @@ def test_a_member_of_the_socket_group_uses_the_sdk_with_the_system_agent(users: 
 
     def cli(*args: str) -> str:
         r = subprocess.run([py, "-m", "unbroken.cli", *args, "--driver", address],
-                           capture_output=True, text=True, timeout=60, env=_env())  # fmt: skip
+                           capture_output=True, text=True, timeout=300, env=_env())  # fmt: skip
         assert r.returncode == 0, f"{args}: {r.stderr}"
         return r.stdout
 
@@ -253,10 +253,16 @@ def test_a_member_of_the_socket_group_uses_the_sdk_with_the_system_agent(users: 
         assert "stopped True" in (root / "restore.log").read_text(), logs()
 
         # nobody: not in the group
-        as_nobody = _as(nobody.pw_uid, nobody.pw_gid, [], script)
-        r = subprocess.run([*as_nobody, "save"], capture_output=True, text=True, timeout=120,
+        attach = (
+            "import warnings; from unbroken.trainer import hooks\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always'); ok = hooks.init(timeout_s=10)\n"
+            "print('attached', ok, [str(x.message) for x in w])\n"
+        )
+        as_nobody = _as(nobody.pw_uid, nobody.pw_gid, [], [py, "-c", attach])
+        r = subprocess.run(as_nobody, capture_output=True, text=True, timeout=300,
                            env=_env(UNBROKEN_AGENT_SOCKET=str(sock)))  # fmt: skip
-        assert r.returncode == 3, r.stdout + r.stderr
+        assert r.returncode == 0, r.stdout + r.stderr
         assert "attached False" in r.stdout and "not a system agent's socket shared" in r.stdout, (
             r.stdout
         )
@@ -265,7 +271,7 @@ def test_a_member_of_the_socket_group_uses_the_sdk_with_the_system_agent(users: 
         os.chmod(sock, 0o666)
         send = "import socket; socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(b'x', %r)"
         r = subprocess.run(_as(nobody.pw_uid, nobody.pw_gid, [], [py, "-c", send % str(sock)]),
-                           capture_output=True, text=True, timeout=60, env=_env())  # fmt: skip
+                           capture_output=True, text=True, timeout=300, env=_env())  # fmt: skip
         assert r.returncode == 0, r.stderr
 
         def dropped() -> bool:
