@@ -526,7 +526,8 @@ def test_unbroken_slurm_submit_runs_the_job_as_the_recipe_says(
     r = subprocess.run(
         [sys.executable, "-m", "unbroken.cli", "slurm", "submit", "--nodes", "2",
          "--spares", "1", "--listen-host", "127.0.0.1", "--advertise-host", "127.0.0.1",
-         "--output", str(tmp_path / "job-%j.out"), "--agent-args", agent_args,
+         "--output", str(tmp_path / "job-%j.out"), "--job-dir", str(tmp_path / "job"),
+         "--agent-args", agent_args,
          "--driver-args", driver_args, "--slurm-conf", str(cluster.conf)],
         capture_output=True, text=True, timeout=60, env=cluster.env,
     )  # fmt: skip

@@ -238,21 +238,7 @@ def test_a_member_of_the_socket_group_uses_the_sdk_with_the_system_agent(users: 
         own = shm.parent / f"unbroken-u{users.researcher}"
         assert own.is_dir() and own.stat().st_uid == users.researcher, list(shm.parent.glob("*"))
 
-        # a new process of the researcher restores step 5; the driver's eviction stops it
-        restorer = start("restore", [*as_res, "restore"], UNBROKEN_AGENT_SOCKET=str(sock))
-
-        def restored() -> list[str]:
-            text = (root / "restore.log").read_text()
-            return [x for x in text.splitlines() if x.startswith("restored")]
-
-        _until("the restore", lambda: bool(restored()), 180, logs, procs[:2])
-        line = restored()[0]
-        assert line.split()[1:] == ["5", digest], logs()
-        cli("evict", "n1", "--reason", "sdk group test")
-        assert restorer.wait(60) == 0, logs()
-        assert "stopped True" in (root / "restore.log").read_text(), logs()
-
-        # nobody: not in the group
+        # nobody: not in the group, its SDK refuses the socket
         attach = (
             "import warnings; from unbroken.trainer import hooks\n"
             "with warnings.catch_warnings(record=True) as w:\n"
@@ -266,6 +252,18 @@ def test_a_member_of_the_socket_group_uses_the_sdk_with_the_system_agent(users: 
         assert "attached False" in r.stdout and "not a system agent's socket shared" in r.stdout, (
             r.stdout
         )
+
+        # a new process of the researcher restores step 5 (the driver's eviction stops it, below)
+        restorer = start("restore", [*as_res, "restore"], UNBROKEN_AGENT_SOCKET=str(sock))
+
+        def restored() -> list[str]:
+            text = (root / "restore.log").read_text()
+            return [x for x in text.splitlines() if x.startswith("restored")]
+
+        _until("the restore", lambda: bool(restored()), 180, logs, procs[:2])
+        line = restored()[0]
+        assert line.split()[1:] == ["5", digest], logs()
+
         # the socket opened to everyone by mistake: the agent's credential check still drops it
         os.chmod(run, 0o1777)
         os.chmod(sock, 0o666)
@@ -278,7 +276,12 @@ def test_a_member_of_the_socket_group_uses_the_sdk_with_the_system_agent(users: 
             text = (root / "agent.log").read_text()
             return "hooks.foreign_sender_dropped" in text and f"uid={nobody.pw_uid}" in text
 
-        _until("the agent dropped nobody's datagram", dropped, 30, logs, procs[:2])
+        _until("the agent dropped nobody's datagram", dropped, 60, logs, procs[:2])
+
+        # the driver's eviction reaches the member's script as a stop
+        cli("evict", "n1", "--reason", "sdk group test")
+        assert restorer.wait(120) == 0, logs()
+        assert "stopped True" in (root / "restore.log").read_text(), logs()
     finally:
         stop_groups(procs, grace_s=10)
         for p in procs:
