@@ -72,8 +72,6 @@ REPLICA_PREFIX = replica_store("x")[:-1]  # "replica-": a store of another node'
 MAX_HELD_RANKS = 256  # replica holdings reported per heartbeat
 
 REPORTS_KEPT = 1024  # verified-shard reports held while the driver is unreachable
-RETRY_PERSIST_S = 1.0  # a copy handed to the persister but not persisted is retried after this
-PERSIST_TRIES = 5  # ...at most this often (a corrupt copy never persists)
 
 
 def parse_hostport(value: str, what: str) -> tuple[str, int]:
@@ -265,11 +263,8 @@ class NodeFlash:
             self.sender = ReplicaSender(
                 self.owner, config.node, parse_hostport(config.buddy, "--buddy"), self.replica_cfg
             )
-        self._seen: dict[int, int] = {}  # rank -> generation handed to the persister
         self._ring: dict[int, list[int]] = {}  # rank -> steps its ring holds, newest first
         self._held: list[tuple[str, int, list[int]]] = []  # copies held for other nodes
-        self._submitted_at: dict[int, float] = {}  # rank -> monotonic time of the last submit
-        self._tries: dict[tuple[int, int], int] = {}  # (rank, generation) -> retries so far
         self._task: asyncio.Task[None] | None = None
         self._io: LoopThread | None = None
         self.persisted: list[Persisted] = []
@@ -578,46 +573,12 @@ class NodeFlash:
             keep = persistable(refs)  # the SDK marks most copies memory-only
             if not keep:
                 continue
-            gen = keep[0].manifest.generation
-            if self._seen.get(rank) != gen:
-                self._seen[rank] = gen
-            elif not self._persist_pending(rank, rank_dir, gen) and not self._backfill_due(
-                rank_dir, gen
-            ):
-                continue
             if self.persister is not None:
-                self._submitted_at[rank] = time.monotonic()
-                self.persister.submit(rank_dir)
+                self.persister.offer(rank_dir, keep[0].manifest.generation)
         if self.sender is not None:  # it decides which copies are due (spacing, idle flush)
             await self.sender.tick(listed)  # the copies listed above, not listed again
         if self.replica_cfg.auth.enabled:  # what this node holds for others, for the heartbeat
             self._held = self._poll_replicas()
-
-    def _backfill_due(self, rank_dir: Path, gen: int) -> bool:
-        """True when `gen`, the newest copy, is persisted and the copy the persister
-        skipped before it awaits persistence (`Persister`: after a crash the ranks' newest
-        copies may differ by a step, and the older step needs every rank's shard)."""
-        p = self.persister
-        return p is not None and p.done_generation(rank_dir) == gen and p.backfill_due(rank_dir)
-
-    def _persist_pending(self, rank: int, rank_dir: Path, gen: int) -> bool:
-        """True when `gen` was handed over but not persisted, and is due for a retry.
-
-        A persist can fail (the worker overwrote the slot while it was read, or storage
-        was briefly unavailable); once the worker stops writing, the newest copy is stable
-        and a retry succeeds, so the last copy before a crash is never left unpersisted.
-        """
-        if self.persister is None or self.persister.done_generation(rank_dir) == gen:
-            return False
-        tries = self._tries.get((rank, gen), 0)
-        if tries >= PERSIST_TRIES or time.monotonic() - self._submitted_at.get(rank, 0.0) < (
-            RETRY_PERSIST_S
-        ):
-            return False
-        # only each rank's newest generation is retried: forget its older ones
-        self._tries = {k: v for k, v in self._tries.items() if k[0] != rank}
-        self._tries[(rank, gen)] = tries + 1
-        return True
 
     async def close(self, *, clean: bool) -> None:
         """Stop; on a clean shutdown flush persistence and free the shared memory."""

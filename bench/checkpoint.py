@@ -50,8 +50,10 @@ import structlog
 import torch
 import torch.distributed.checkpoint as dcp
 
-from unbroken.recovery import flash as flash_mod
-from unbroken.recovery.flash import FlashConfig, FlashOwner, FlashWriter, Snapshot
+from unbroken.recovery import cudacopy, flashring
+from unbroken.recovery.flash import FlashWriter
+from unbroken.recovery.flashowner import FlashConfig, FlashOwner
+from unbroken.recovery.flashplan import Snapshot
 
 RESULTS = Path(__file__).resolve().parent / "results" / "checkpoint.json"
 TENSOR_MB = 64
@@ -159,13 +161,13 @@ def bench_size(mb: int, shm_root: str, disk_root: Path, repeats: int) -> dict[st
         for _ in range(3):
             for mode in ("all", "lazy"):
                 again = FlashWriter(0, owner)
-                saved = flash_mod.EAGER_SLOTS
+                saved = flashring.EAGER_SLOTS
                 if mode == "all":
-                    flash_mod.EAGER_SLOTS = 1 << 20
+                    flashring.EAGER_SLOTS = 1 << 20
                 try:
                     restart[mode].append(_timed(lambda w=again: w.prepare(state)))
                 finally:
-                    flash_mod.EAGER_SLOTS = saved
+                    flashring.EAGER_SLOTS = saved
                     again.close()
         out["worker_restart_prepare_s"] = statistics.median(restart["lazy"])
         out["worker_restart_prepare_all_slots_s"] = statistics.median(restart["all"])
@@ -409,7 +411,7 @@ def _tiny3d_rank(
             trainer.train_step()  # warm-up
         for _ in range(rounds):
             for mode in modes:
-                flash_mod.CUDA_COPY_ON_WRITER = mode == "snapshot_writer"
+                cudacopy.CUDA_COPY_ON_WRITER = mode == "snapshot_writer"
                 handles = []
                 for i in range(TINY3D_STEPS_PER_PHASE + 1):
                     t0 = time.perf_counter()
@@ -438,7 +440,7 @@ def _tiny3d_rank(
                 if handles and handles[-1] is not None:
                     handles[-1].wait()
     finally:
-        flash_mod.CUDA_COPY_ON_WRITER = False
+        cudacopy.CUDA_COPY_ON_WRITER = False
         for g in guards:
             g.remove()
         writer.close()

@@ -54,8 +54,10 @@ MODES = (
 def _rank(shm_root: str, preset_name: str, seq: int, rounds: int, steps: int) -> dict[str, Any]:
     import structlog
 
-    from unbroken.recovery import flash as fm
-    from unbroken.recovery.flash import FlashConfig, FlashOwner, FlashWriter, Snapshot
+    from unbroken.recovery import cudacopy as fm
+    from unbroken.recovery.flash import FlashWriter
+    from unbroken.recovery.flashowner import FlashConfig, FlashOwner
+    from unbroken.recovery.flashplan import Snapshot
     from unbroken.trainer.config import DataConfig, ParallelConfig, TrainConfig, preset
     from unbroken.trainer.flashckpt import KEY, flat_fresh
     from unbroken.trainer.gpt3d import GPT3DTrainer

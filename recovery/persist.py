@@ -389,11 +389,21 @@ class CommitTracker:
         )
 
 
+RETRY_PERSIST_S = 1.0  # a copy handed to the persister but not persisted is retried after this
+PERSIST_TRIES = 5  # ...at most this often (a corrupt copy never persists)
+
+
 class Persister:
     """The agent's background persister: a bounded queue and one thread.
 
-    `submit(rank_dir)` after a worker reports a completed save; the newest copy of that
-    rank is persisted if it is not yet. `on_persisted` is called from the thread.
+    `offer(rank_dir, generation)` at each scan of a rank's ring: the newest copy of that
+    rank is queued when it is new, due for a retry, or a skipped copy awaits its backfill
+    (`submit` queues unconditionally). `on_persisted` is called from the thread.
+
+    A persist can fail (the worker overwrote the slot while it was read, or storage was
+    briefly unavailable); once the worker stops writing, the newest copy is stable and a
+    retry succeeds (at most `PERSIST_TRIES`, `RETRY_PERSIST_S` apart), so the last copy
+    before a crash is never left unpersisted.
 
     A persister that falls behind skips to the newest copy. Once that newest copy is
     persisted and still the newest at a later `submit` (the worker stopped, or saves
@@ -416,8 +426,44 @@ class Persister:
         self._done: dict[str, int] = {}  # rank_dir -> generation persisted last
         # rank_dir -> the newest generation skipped before the one persisted last
         self._skipped: dict[str, int] = {}
+        # what `offer` decides from (the agent's loop only): rank_dir -> the generation
+        # offered last, when it was last queued, and retries of that generation so far
+        self._offered: dict[str, int] = {}
+        self._submitted_at: dict[str, float] = {}
+        self._tries: dict[str, int] = {}
         self._thread = threading.Thread(target=self._run, name="flash-persist", daemon=True)
         self._thread.start()
+
+    def offer(self, rank_dir: Path, generation: int) -> bool:
+        """Queue `rank_dir` when its newest persistable copy, of `generation`, needs it:
+        the generation is new here, or it was queued and not persisted and is due for a
+        retry, or it is persisted and the copy skipped before it awaits its backfill.
+
+        Returns:
+            Whether it was queued.
+        """
+        key = str(Path(rank_dir))
+        if self._offered.get(key) != generation:
+            self._offered[key] = generation
+            self._tries[key] = 0
+        elif not self._retry_due(key, generation) and not self._backfill_due(key, generation):
+            return False
+        self._submitted_at[key] = time.monotonic()
+        return self.submit(rank_dir)
+
+    def _retry_due(self, key: str, generation: int) -> bool:
+        if self._done.get(key) == generation:
+            return False
+        tries = self._tries.get(key, 0)
+        if tries >= PERSIST_TRIES:
+            return False
+        if time.monotonic() - self._submitted_at.get(key, 0.0) < RETRY_PERSIST_S:
+            return False
+        self._tries[key] = tries + 1
+        return True
+
+    def _backfill_due(self, key: str, generation: int) -> bool:
+        return self._done.get(key) == generation and key in self._skipped
 
     def submit(self, rank_dir: Path) -> bool:
         """Queue `rank_dir`'s newest copy; False (and dropped) when the queue is full."""

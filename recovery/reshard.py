@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
-from unbroken.recovery.flash import CorruptCopyError, Manifest, dtype_from_name, tensor_view
+from unbroken.recovery.flashcopy import CorruptCopyError, Manifest, dtype_from_name, tensor_view
 from unbroken.recovery.sources import ShardSource, Survey, obtain
 
 log = structlog.get_logger(__name__)

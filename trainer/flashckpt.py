@@ -60,22 +60,17 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from unbroken.common import workerenv
 from unbroken.common.workerenv import WorkerEnv
 from unbroken.recovery import lifecycle
-from unbroken.recovery.flash import (
+from unbroken.recovery.flash import FlashWriter, SaveHandle, load_into
+from unbroken.recovery.flashcopy import (
+    LOCAL_STORE,
     PERSIST_META,
     CorruptCopyError,
-    FlashConfig,
-    FlashOwner,
-    FlashWriter,
     Manifest,
-    SaveHandle,
-    Shared,
-    Snapshot,
     checksum,
-    load_into,
     replica_store,
 )
-from unbroken.recovery.flashcopy import LOCAL_STORE
-from unbroken.recovery.flashowner import FLASH_COPIES
+from unbroken.recovery.flashowner import FLASH_COPIES, FlashConfig, FlashOwner
+from unbroken.recovery.flashplan import Shared, Snapshot
 from unbroken.recovery.persist import TIMELINE_META, current_timeline
 from unbroken.recovery.reshard import load_resharded, reader_from_survey
 from unbroken.recovery.restore import (

@@ -17,8 +17,11 @@ from typing import Any
 import pytest
 import torch
 
-from unbroken.recovery.flash import EAGER_SLOTS, FlashConfig, FlashOwner, FlashWriter, Snapshot
+from unbroken.recovery.flash import FlashWriter
 from unbroken.recovery.flashcopy import find_copy, read_copy, tensor_view
+from unbroken.recovery.flashowner import FlashConfig, FlashOwner
+from unbroken.recovery.flashplan import Snapshot
+from unbroken.recovery.flashring import EAGER_SLOTS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -65,7 +68,7 @@ def test_prepare_pins_every_slot_and_a_copy_restores_into_gpu_tensors(owner: Fla
         # the slots the next saves take are registered (CUDA sees the pages as pinned);
         # the rest of the ring is mapped in the background and registered at first use
         for slot in range(EAGER_SLOTS):
-            view = torch.frombuffer(writer._map(slot), dtype=torch.uint8, count=16)
+            view = torch.frombuffer(writer.ring.map(slot), dtype=torch.uint8, count=16)
             assert view.is_pinned()
         writer.save(state, 7).wait()
         back = {
@@ -132,8 +135,8 @@ def test_a_larger_state_re_reserves_and_pins_the_new_slots(owner: FlashOwner) ->
         writer.save(big, 2).wait()
         # The new slot the save took is pinned (registering it again had failed without
         # the old registration's removal); the others are pinned when first used.
-        assert writer._cuda_registered == {1}
-        assert torch.frombuffer(writer._map(1), dtype=torch.uint8, count=16).is_pinned()
+        assert writer._cuda.registered == {1}
+        assert torch.frombuffer(writer.ring.map(1), dtype=torch.uint8, count=16).is_pinned()
         assert torch.equal(_host_copy(owner, 2)["w"], big["w"].cpu())
     finally:
         writer.close()

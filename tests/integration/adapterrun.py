@@ -23,7 +23,8 @@ from typing import Any
 import psutil
 
 from unbroken.diagnostics.check import free_port
-from unbroken.recovery.flash import FlashConfig, FlashOwner, list_copies
+from unbroken.recovery.flashcopy import list_copies
+from unbroken.recovery.flashowner import FlashConfig, FlashOwner
 
 JOB = "adapters"
 # The ranks share torchrun's stdout, and a block-buffered line of one can end inside

@@ -21,7 +21,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from unbroken.recovery import dcpformat
-from unbroken.recovery.flash import FlashConfig, FlashOwner, FlashWriter
+from unbroken.recovery.flash import FlashWriter
+from unbroken.recovery.flashowner import FlashConfig, FlashOwner
 from unbroken.recovery.persist import list_persisted, step_dir, write_shard
 
 pytestmark = pytest.mark.integration

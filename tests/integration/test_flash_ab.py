@@ -25,7 +25,7 @@ def _train(cfg: TrainConfig) -> list[dict[str, object]]:
 
 
 def test_flash_ab_saves_in_alternate_blocks_and_says_which(shm: str, tmp_path: Path) -> None:
-    from unbroken.recovery.flash import FlashConfig, FlashOwner
+    from unbroken.recovery.flashowner import FlashConfig, FlashOwner
 
     FlashOwner(FlashConfig(root=shm, job="job"))  # the agent creates the job's folder
     env = {

@@ -45,7 +45,8 @@ from unbroken.driver.liveview import LiveViewConfig
 from unbroken.driver.service import DriverService, ServiceConfig, build_server
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
-from unbroken.recovery.flash import FlashConfig, FlashOwner, list_copies, replica_store
+from unbroken.recovery.flashcopy import list_copies, replica_store
+from unbroken.recovery.flashowner import FlashConfig, FlashOwner
 from unbroken.recovery.persist import list_persisted, read_shard, step_dir
 
 pytestmark = pytest.mark.integration

@@ -16,14 +16,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from unbroken.recovery.flash import (
-    FlashConfig,
-    FlashOwner,
-    FlashWriter,
-    list_copies,
-    read_copy,
-    replica_store,
-)
+from unbroken.recovery.flash import FlashWriter
+from unbroken.recovery.flashcopy import list_copies, read_copy, replica_store
+from unbroken.recovery.flashowner import FlashConfig, FlashOwner
 from unbroken.recovery.replica import (
     ReplicaAuth,
     ReplicaConfig,

@@ -35,7 +35,8 @@ def worker_main(root: str, out: str, kill_at: int, restore: bool, overlap: bool 
     """One training worker (run in a subprocess)."""
     import torch
 
-    from unbroken.recovery.flash import FlashConfig, FlashOwner, FlashWriter
+    from unbroken.recovery.flash import FlashWriter
+    from unbroken.recovery.flashowner import FlashConfig, FlashOwner
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -124,7 +125,7 @@ def _spawn(
 def test_sigkilled_worker_restores_from_memory_and_matches_exactly(
     shm: str, tmp_path: Path, overlap: bool
 ) -> None:
-    from unbroken.recovery.flash import FlashConfig, FlashOwner
+    from unbroken.recovery.flashowner import FlashConfig, FlashOwner
 
     ref_root = tempfile.mkdtemp(prefix="ub-kill-ref-", dir="/dev/shm")
     try:  # the uninterrupted reference run needs no process of its own

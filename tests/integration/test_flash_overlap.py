@@ -23,7 +23,9 @@ from typing import Any
 import pytest
 import torch
 
-from unbroken.recovery.flash import FlashConfig, FlashOwner, FlashWriter, find_copy, read_copy
+from unbroken.recovery.flash import FlashWriter
+from unbroken.recovery.flashcopy import find_copy, read_copy
+from unbroken.recovery.flashowner import FlashConfig, FlashOwner
 
 pytestmark = pytest.mark.integration
 

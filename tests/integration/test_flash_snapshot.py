@@ -33,7 +33,9 @@ def _both_ways(cfg: TrainConfig, root: str) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    from unbroken.recovery.flash import FlashWriter, Shared, find_copy, seal
+    from unbroken.recovery.flash import FlashWriter
+    from unbroken.recovery.flashcopy import find_copy, seal
+    from unbroken.recovery.flashplan import Shared
     from unbroken.trainer.flashckpt import KEY, FlashCheckpointer, FlashEnv, flat_fresh
     from unbroken.trainer.gpt3d import GPT3DTrainer
 

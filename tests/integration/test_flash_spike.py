@@ -16,7 +16,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from unbroken.recovery.flash import FlashConfig, FlashOwner, FlashWriter
+from unbroken.recovery.flash import FlashWriter
+from unbroken.recovery.flashowner import FlashConfig, FlashOwner
 from unbroken.recovery.spike import RollbackDecision, RollbackPolicy, SpikeConfig, SpikeDetector
 
 pytestmark = pytest.mark.integration

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from unbroken.recovery.flash import FlashConfig, FlashOwner, FlashWriter, load_into
+from unbroken.recovery.flash import FlashWriter, load_into
 from unbroken.recovery.flashcopy import read_copy
+from unbroken.recovery.flashowner import FlashConfig, FlashOwner
 from unbroken.recovery.replica import (
     PROTOCOL,
     SEND_CHUNK,

@@ -50,7 +50,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from unbroken.recovery.flash import FlashConfig, FlashOwner, FlashWriter
+    from unbroken.recovery.flash import FlashWriter
+    from unbroken.recovery.flashowner import FlashConfig, FlashOwner
     from unbroken.recovery.persist import write_shard
     from unbroken.recovery.reshard import load_resharded, reader_from_survey
     from unbroken.recovery.sources import survey

@@ -29,7 +29,8 @@ import psutil
 import pytest
 
 from unbroken.diagnostics.check import free_port
-from unbroken.recovery.flash import FlashConfig, FlashOwner, list_copies
+from unbroken.recovery.flashcopy import list_copies
+from unbroken.recovery.flashowner import FlashConfig, FlashOwner
 
 pytestmark = pytest.mark.integration
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from tests.security.nobody import NOBODY_GID, NOBODY_UID, as_nobody
-from unbroken.recovery.flash import FlashConfig, FlashOwner, FlashWriter
-from unbroken.recovery.flashowner import UnsafeFlashRootError
+from unbroken.recovery.flash import FlashWriter
+from unbroken.recovery.flashowner import FlashConfig, FlashOwner, UnsafeFlashRootError
 
 pytestmark = pytest.mark.integration
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from unbroken.recovery.flash import FlashConfig, FlashOwner, FlashWriter, manifest_path
-from unbroken.recovery.flashcopy import prune_plans
+from unbroken.recovery.flash import FlashWriter
+from unbroken.recovery.flashcopy import manifest_path, prune_plans
+from unbroken.recovery.flashowner import FlashConfig, FlashOwner
 
 pytestmark = pytest.mark.unit
 

@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from unbroken.driver.certs import issue, make_ca
-from unbroken.recovery.flash import FlashConfig, FlashOwner, FlashWriter
+from unbroken.recovery.flash import FlashWriter
 from unbroken.recovery.flashcopy import read_copy, read_manifest, replica_store, slots
+from unbroken.recovery.flashowner import FlashConfig, FlashOwner
 from unbroken.recovery.replica import (
     PROTOCOL,
     ReplicaAuth,

@@ -18,11 +18,10 @@ import pytest
 import torch
 
 from unbroken.common.workerenv import TIMELINE as ENV_TIMELINE
-from unbroken.recovery.flash import (
+from unbroken.recovery.flash import FlashWriter
+from unbroken.recovery.flashcopy import (
+    UNSEALED,
     CorruptCopyError,
-    FlashConfig,
-    FlashOwner,
-    FlashWriter,
     NoCopyError,
     ShmTooSmallError,
     checksum,
@@ -31,12 +30,14 @@ from unbroken.recovery.flash import (
     manifest_path,
     open_copy,
     read_copy,
+    read_persisted_mark,
     replica_store,
     seal,
+    slots,
     write_raw_copy,
 )
-from unbroken.recovery.flashcopy import UNSEALED, read_persisted_mark, slots
-from unbroken.recovery.flashowner import MAX_AUTO_COPIES
+from unbroken.recovery.flashowner import MAX_AUTO_COPIES, FlashConfig, FlashOwner
+from unbroken.recovery.flashring import WriterRing
 from unbroken.recovery.persist import (
     PERSIST_META,
     TIMELINE_META,
@@ -164,14 +165,14 @@ def _stall_mapper(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, thr
     """Make the writer's mapper thread wait for `go` before it maps; `stalled` is set once
     it waits."""
     stalled, go = threading.Event(), threading.Event()
-    mapped = FlashWriter._map_rest
+    mapped = WriterRing._map_rest
 
-    def slow_mapper(self: FlashWriter, first: int, end: int, t0: float) -> None:
+    def slow_mapper(self: WriterRing, first: int, end: int, t0: float) -> None:
         stalled.set()
         go.wait(30)
         mapped(self, first, end, t0)
 
-    monkeypatch.setattr(FlashWriter, "_map_rest", slow_mapper)
+    monkeypatch.setattr(WriterRing, "_map_rest", slow_mapper)
     return stalled, go
 
 
@@ -184,7 +185,7 @@ def test_a_start_maps_two_slots_and_the_ring_follows_in_the_background(
     w = FlashWriter(0, owner)
     stalled, go = _stall_mapper(monkeypatch)
     w.prepare(_state(0))
-    assert stalled.wait(10) and sorted(w._maps) == [0, 1] and w.ring_ready_s is None
+    assert stalled.wait(10) and sorted(w.ring.maps) == [0, 1] and w.ring_ready_s is None
     slots = []
     for step in (1, 2, 3, 4, 5, 6):  # slots 2-4 mapped by the saves, not the stalled mapper
         w.save(_state(step), step).wait()
@@ -193,7 +194,7 @@ def test_a_start_maps_two_slots_and_the_ring_follows_in_the_background(
     assert [r.manifest.step for r in list_copies(owner.rank_dir(0))] == [6, 5, 4, 3, 2]
     go.set()
     w.wait_ring(30)
-    assert sorted(w._maps) == [0, 1, 2, 3, 4] and w.ring_ready_s is not None
+    assert sorted(w.ring.maps) == [0, 1, 2, 3, 4] and w.ring_ready_s is not None
     target = _zeros_like(_state(0))
     w.load(target, step=3)
     _assert_same(_state(3), target)
@@ -210,7 +211,7 @@ def test_closing_stops_the_mapper(owner: FlashOwner, monkeypatch: pytest.MonkeyP
     closing.start()
     go.set()  # the mapper sees the stop before its next slot
     closing.join(30)
-    assert not closing.is_alive() and w._maps == {} and w._mapper is None
+    assert not closing.is_alive() and w.ring.maps == {} and w.ring._mapper is None
 
 
 def test_crash_mid_copy_leaves_last_complete_copy(owner: FlashOwner) -> None:
@@ -552,6 +553,56 @@ def test_a_persister_that_skipped_a_copy_persists_it_once_the_newest_is_done(
         w.close()
 
 
+def test_the_persister_offers_a_failed_copy_again_a_bounded_number_of_times(
+    owner: FlashOwner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`offer` queues a new copy at once and the same copy again only when it failed:
+    `RETRY_PERSIST_S` after the last try, at most `PERSIST_TRIES` times; once storage
+    works again the copy persists, and a persisted copy is not queued again."""
+    from unbroken.recovery import persist
+
+    monkeypatch.setattr(persist, "RETRY_PERSIST_S", 3600.0)
+    blocked = tmp_path / "storage"
+    blocked.write_text("a file where the checkpoint directory should be")
+    errors: list[Exception] = []
+    got: list[Persisted] = []
+    pers = Persister(
+        PersistConfig(url=str(blocked / "ckpt"), keep=2), got.append, lambda _d, e: errors.append(e)
+    )
+    w = FlashWriter(0, owner)
+    rank_dir = owner.rank_dir(0)
+
+    def settle(n_errors: int) -> None:
+        deadline = time.monotonic() + 30
+        while len(errors) < n_errors and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(errors) == n_errors
+
+    try:
+        gen = w.save(_state(1), 1).wait().generation  # type: ignore[union-attr]
+        assert pers.offer(rank_dir, gen)  # new: queued
+        settle(1)
+        assert not pers.offer(rank_dir, gen)  # failed, but not due yet
+        monkeypatch.setattr(persist, "RETRY_PERSIST_S", 0.0)  # due at every offer now
+        tries = 0
+        while pers.offer(rank_dir, gen):
+            tries += 1
+            settle(1 + tries)
+            assert tries <= persist.PERSIST_TRIES
+        assert tries == persist.PERSIST_TRIES and not pers.offer(rank_dir, gen)
+        blocked.unlink()  # storage works again; a new copy is offered and persists
+        gen2 = w.save(_state(2), 2).wait().generation  # type: ignore[union-attr]
+        assert pers.offer(rank_dir, gen2)
+        deadline = time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [p.step for p in got] == [2]
+        assert not pers.offer(rank_dir, gen2)  # persisted: never again
+    finally:
+        pers.close(timeout_s=60)
+        w.close()
+
+
 def test_memory_only_copies_are_not_persisted(owner: FlashOwner, tmp_path: Path) -> None:
     """The hooks SDK marks most saves memory-only: the persister takes the newest copy that
     is not, and a memory-only copy never reaches storage."""
@@ -840,7 +891,9 @@ def test_back_to_back_saves_are_both_published_in_order(owner: FlashOwner) -> No
     [True, 1, 2**70, 0.0, -0.0, float("-inf"), "s", None, (0.9, 0.95), [1, 2], {"a": (1,)}],
 )
 def test_small_values_keep_their_type_and_sign(value: Any) -> None:
-    from unbroken.recovery.flash import _dump_object, _immutable, load_object
+    from unbroken.recovery.flashcopy import load_object
+    from unbroken.recovery.flashplan import dump_object as _dump_object
+    from unbroken.recovery.flashplan import immutable as _immutable
 
     for probe in (1, 0.0, value):  # after equal-but-different values were cached
         load_object(_dump_object(probe))
@@ -859,8 +912,8 @@ def test_a_manifest_stores_each_distinct_small_value_once_and_reads_version_1() 
     import json
     import zlib
 
-    from unbroken.recovery.flash import _dump_object
     from unbroken.recovery.flashcopy import Manifest
+    from unbroken.recovery.flashplan import dump_object as _dump_object
 
     lr, betas = _dump_object(3e-4), _dump_object((0.9, 0.95))
     objects = {f"optimizer.param_groups.layer{i}.{k}": v for i in range(300) for k, v in
@@ -1011,7 +1064,7 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -
 def test_snapshot_saves_equal_full_saves_step_after_step(owner: FlashOwner) -> None:
     """The cheap path (plan and tensor references cached, fresh small values only) writes
     exactly what a full state-dict save writes, every step, and a key change re-plans."""
-    from unbroken.recovery.flash import Snapshot
+    from unbroken.recovery.flashplan import Snapshot
 
     model, opt = _trained()
     step = {"n": 0}
@@ -1048,8 +1101,8 @@ def test_a_shared_value_stands_for_its_keys_and_is_serialised_only_when_it_chang
     """`Shared` in a flat fresh(): one value for many keys (a param group's lr, once per
     parameter). Saved bytes equal a full save's; an unchanged immutable is not serialised
     again; a key the plan lacks takes the full path."""
-    from unbroken.recovery import flash as flash_mod
-    from unbroken.recovery.flash import Shared, Snapshot
+    from unbroken.recovery import flashplan as flash_mod
+    from unbroken.recovery.flashplan import Shared, Snapshot
 
     w = torch.zeros(8)
     group = {"lr": 0.1, "betas": (0.9, 0.95)}
@@ -1062,8 +1115,8 @@ def test_a_shared_value_stands_for_its_keys_and_is_serialised_only_when_it_chang
         return {k: Shared(tuple(f"{n}.{k}" for n in names), group[k]) for k in group}
 
     dumps: list[Any] = []
-    real = flash_mod._dump_object
-    monkeypatch.setattr(flash_mod, "_dump_object", lambda v: dumps.append(v) or real(v))
+    real = flash_mod.dump_object
+    monkeypatch.setattr(flash_mod, "dump_object", lambda v: dumps.append(v) or real(v))
     fast, slow = FlashWriter(0, owner), FlashWriter(1, owner)
     for n in range(1, 5):
         w.add_(1.0)
@@ -1216,20 +1269,20 @@ def test_a_writer_sees_every_change_another_process_makes_to_its_ring(
     try:
         for step in (1, 2, 3):
             w.save(_state(step), step).wait()
-        rank_dir = w._dir
+        rank_dir = w.ring.dir
         assert rank_dir is not None and w.copies >= 4
         if not watched:
-            assert w._watch is not None
-            w._watch.close()
-            w._watch = None
+            assert w.ring.watch is not None
+            w.ring.watch.close()
+            w.ring.watch = None
 
         def listed() -> dict[int, int]:
             return {r.slot: r.manifest.generation for r in list_copies(rank_dir)}
 
         def agrees() -> None:
             assert w._free_slot(rank_dir) is not None
-            assert w._sig == manifest_sig(rank_dir, w.copies)
-            assert w._known == listed()
+            assert w.ring.sig == manifest_sig(rank_dir, w.copies)
+            assert w.ring.known == listed()
 
         agrees()
         owner.discard_newer_than(1)  # the agent rolls the ring back
@@ -1251,7 +1304,7 @@ def test_a_writer_sees_every_change_another_process_makes_to_its_ring(
 def test_the_manifest_watch_names_changed_slots_and_gives_up_when_the_ring_goes(
     tmp_path: Path,
 ) -> None:
-    from unbroken.recovery.flashcopy import ManifestWatch
+    from unbroken.recovery.manifestwatch import ManifestWatch
 
     watch = ManifestWatch.open(tmp_path)
     if watch is None:
@@ -1274,7 +1327,8 @@ def test_the_manifest_watch_names_changed_slots_and_gives_up_when_the_ring_goes(
 
 
 def test_a_counter_is_framed_as_torch_save_frames_it() -> None:
-    from unbroken.recovery.flash import _dump_object, load_object
+    from unbroken.recovery.flashcopy import load_object
+    from unbroken.recovery.flashplan import dump_object as _dump_object
 
     for value in (0, 7, -3, 2**70):
         out = io.BytesIO()

@@ -32,7 +32,7 @@ from unbroken.agent.hookserver import HookServer
 from unbroken.agent.workers import Supervisor, WorkerSpec
 from unbroken.common.workerenv import FLASH_JOB, FLASH_NODE, FLASH_ROOT
 from unbroken.proto import hooks_pb2 as hpb
-from unbroken.recovery.flash import FlashConfig, FlashOwner
+from unbroken.recovery.flashowner import FlashConfig, FlashOwner
 from unbroken.trainer import examples, hookchannel, hooks
 from unbroken.trainer import pacer as pacing
 
