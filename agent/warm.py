@@ -88,6 +88,7 @@ DEFAULT_PRELOAD = (
     "unbroken.trainer.hooks",
     "unbroken.trainer.checkpoint",
     "unbroken.trainer.data",
+    "unbroken.trainer.warmup",
 )
 #: A preloaded module may define this function: the standby calls it after the imports, to
 #: prepare what every worker would otherwise do on its resume path (the trainer's data

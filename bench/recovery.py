@@ -831,9 +831,9 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
 
     if "modes" in ns.phases:
         # in-job recovery against a restart of every process, the same faults, one run
-        say(f"== recovery modes: in-job vs restart, {','.join(MODE_KINDS)} x{runs} each")
-        by_mode: dict[str, list[Fault]] = {}
         kinds = [k for k in MODE_KINDS if k in ns.kinds]
+        say(f"== recovery modes: {' vs '.join(ns.modes)}, {','.join(kinds)} x{runs} each")
+        by_mode: dict[str, list[Fault]] = {}
         for mode, flags in (("in_job", ()), ("restart", ("--no-in-job",))):
             if mode not in ns.modes:
                 continue

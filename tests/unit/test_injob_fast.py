@@ -118,3 +118,37 @@ def test_a_workers_first_step_in_a_new_world_wakes_the_heartbeat(tmp_path: Path)
     sup.workers[0].step = 0  # rejoined a new world (agent/injob.py resets the step)
     step(6)
     assert kicks == [1, 1]
+
+
+def _three_losses() -> list[float]:
+    import argparse
+
+    import torch.distributed as dist
+
+    from unbroken.trainer.flags import add_arguments, to_config
+    from unbroken.trainer.plugin import load_trainer
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = to_config(parser.parse_args(["--preset", "tiny", "--device", "cpu"]))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        trainer = load_trainer("gpt3d")
+        trainer.setup(config)
+        losses = [float(trainer.train_step()["loss"]) for _ in range(3)]
+        trainer.close()
+    finally:
+        dist.destroy_process_group()
+    return losses
+
+
+def test_a_standbys_dry_run_leaves_no_world_and_no_trace_on_the_losses() -> None:
+    import torch.distributed as dist
+
+    from unbroken.trainer import warmup
+
+    assert "unbroken.trainer.warmup" in warm.DEFAULT_PRELOAD
+    before = _three_losses()
+    getattr(warmup, warm.WARM_HOOK)()
+    assert not dist.is_initialized()  # the worker joins its own world afterwards
+    assert _three_losses() == before  # bitwise: the worker's set-up seeds everything again
