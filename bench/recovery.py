@@ -1031,8 +1031,8 @@ def table(out: dict[str, Any]) -> str:
             f"with flash saves against {out['steps_per_s_without_flash']:.2f} without "
             f"(ratio {tc:.3f}; pairs' median {out['throughput_pair_ratio_median']:.3f})."
         )
-    cw = out["worker_crash_resume_s"]
-    if cw["cold_over_warm"]:
+    cw = out.get("worker_crash_resume_s") or {}  # absent from a file of the modes alone
+    if cw.get("cold_over_warm"):
         rows.append("")
         rows.append(
             f"Worker crash → training resumed: cold {cw['cold']:.2f} s, warm {cw['warm']:.2f} s "
