@@ -29,7 +29,7 @@ def __unbroken_warm__() -> None:
 
     from unbroken.trainer import parallel
     from unbroken.trainer.flags import add_arguments, to_config
-    from unbroken.trainer.plugin import load_trainer
+    from unbroken.trainer.gpt3d import GPT3DTrainer
 
     if dist.is_initialized():
         return
@@ -39,7 +39,7 @@ def __unbroken_warm__() -> None:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
-            trainer = load_trainer("gpt3d")
+            trainer = GPT3DTrainer()
             trainer.setup(config)
             for part in trainer.parts:  # as dp >= 2 wraps them
                 parallel.apply_fsdp(part, trainer.topo, config.parallel, None)
