@@ -853,9 +853,9 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
             save()  # each mode's figures as soon as they are in
         for kind, row in out["modes"]["by_kind"].items():
             say(
-                f"  {kind:13s} resume in-job {_fmt(row['resume_s_in_job'])} restart "
-                f"{_fmt(row['resume_s_restart'])} (after detection: in-job "
-                f"{_fmt(row['resume_after_detect_s_in_job'])})"
+                f"  {kind:13s} resume in-job {_fmt(row.get('resume_s_in_job'))} restart "
+                f"{_fmt(row.get('resume_s_restart'))} (after detection: in-job "
+                f"{_fmt(row.get('resume_after_detect_s_in_job'))})"
             )
         save()
 
