@@ -331,6 +331,10 @@ class Agent:
             else None
         )
         self.session_open = False
+        # set when a worker steps for the first time in a new world: heartbeat now
+        self._beat_soon = asyncio.Event()
+        if self.hooks is not None:
+            self.hooks.on_first_step = self._beat_soon.set
         self._hb_seq = 0  # the session's heartbeat sequence number
         self.metrics = AgentMetrics(self._metric_values)
         self.flash: NodeFlash | None = None
@@ -736,7 +740,29 @@ class Agent:
             if delay < 0:  # fell behind (a stall): skip missed slots, do not burst
                 next_t = time.monotonic() + self.interval_s
                 delay = self.interval_s
-            await asyncio.sleep(delay)
+            # A worker's first step in a new world is sent at once (one extra heartbeat off
+            # the schedule, which stays): the driver resumes when every rank stepped, and
+            # waited up to a whole interval for it.
+            while await self._kicked(next_t - time.monotonic()):
+                await self._extra_heartbeat(call)
+
+    async def _kicked(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for a worker's first step (True) or the next slot (False)."""
+        if timeout_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._beat_soon.wait(), timeout_s)
+        kicked = self._beat_soon.is_set()
+        self._beat_soon.clear()
+        return kicked
+
+    async def _extra_heartbeat(self, call: Any) -> None:
+        """One heartbeat now, off the schedule (not behind a relay: its batches keep it)."""
+        if self.relay is not None and self.relay.upstream is not None:
+            return
+        hb = self._heartbeat(time.monotonic())
+        hb.sent_mono_ns = time.monotonic_ns()
+        await self._write(call, dpb.AgentMessage(heartbeat=hb))
+        self.metrics.sent(hb)
 
     async def _ring_heartbeat(self, call: Any) -> bool:
         """After a stop: rescan the flash rings and send a heartbeat with them now, ahead

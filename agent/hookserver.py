@@ -27,6 +27,7 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,6 +135,9 @@ class HookServer:
         self.reports = 0
         self.attached: dict[int, Attached] = {}  # pid -> an SDK process the agent did not start
         self._bound = False
+        # called when a worker reports its first step since it (re)started or rejoined: the
+        # agent heartbeats at once, so the driver's restore sees every rank step sooner
+        self.on_first_step: Callable[[], object] | None = None
 
     def welcome(self) -> hpb.Welcome:
         """Where this node's flash store is (from the environment the agent gives workers)."""
@@ -262,6 +266,7 @@ class HookServer:
         self.reports += 1
         if kind == "step":
             s = rep.step
+            first = w.step == 0 and s.step > 0
             w.on_step(
                 s.step,
                 s.loss if s.has_loss else None,
@@ -270,6 +275,8 @@ class HookServer:
                 (s.peak_loss, s.peak_step) if s.has_peak else None,
                 dict(s.timings_ms) if s.timings_ms else None,
             )
+            if first and self.on_first_step is not None:
+                self.on_first_step()
         elif kind == "phase":
             step = rep.phase.step if rep.phase.HasField("step") else None
             w.on_phase(rep.phase.name, time.monotonic(), step, rep.phase.source)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -86,7 +87,13 @@ DEFAULT_PRELOAD = (
     "unbroken.trainer.flashckpt",
     "unbroken.trainer.hooks",
     "unbroken.trainer.checkpoint",
+    "unbroken.trainer.data",
+    "unbroken.trainer.warmup",
 )
+#: A preloaded module may define this function: the standby calls it after the imports, to
+#: prepare what every worker would otherwise do on its resume path (the trainer's data
+#: module reads and tokenizes the default corpus).
+WARM_HOOK = "__unbroken_warm__"
 
 # Interpreter options a standby can share with the command (none changes how -m/argv work).
 _FLAG_OPTIONS = frozenset({"-u", "-B", "-O", "-OO", "-s", "-E", "-I", "-q", "-b", "-bb"})
@@ -304,7 +311,13 @@ def _preload(names: Sequence[str]) -> None:
     for name in names:
         # A module that fails here fails again, with the same error, when the worker runs.
         with contextlib.suppress(Exception):
-            importlib.import_module(name)
+            warm = getattr(importlib.import_module(name), WARM_HOOK, None)
+            if callable(warm):
+                warm()
+    # Everything imported so far lives as long as the process: out of the collector's
+    # sight, a full collection (the worker's recovery path runs some) scans only what the
+    # worker makes, about 1 ms instead of 1.6-2 s at load 40 (300,000 objects).
+    gc.freeze()
 
 
 def standby_main(argv: Sequence[str] | None = None) -> int:

@@ -88,6 +88,7 @@ from unbroken.cli.cluster import LocalCluster, LogWatch, stop_groups
 from unbroken.cli.faults import Faults, proves
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
+from unbroken.trainer.rtrace import TRACE
 
 RESULTS = Path(__file__).resolve().parent / "results" / "recovery.json"
 KINDS = ("worker_crash", "node_loss", "hang", "loss_spike", "silently_bad_node", "driver_kill")
@@ -126,6 +127,12 @@ class Fault:
     cold_starts: int = 0
     load1: float = 0.0  # the machine's 1-minute load average at injection (2 cores)
     note: str = ""
+    # every event from the injection to TrainingResumed: (seconds since injection, what)
+    timeline: list[tuple[float, str]] = field(default_factory=list)
+    # the workers' recovery marks (trainer/rtrace.py) in that span: (seconds, pid, phase)
+    marks: list[tuple[float, int, str]] = field(default_factory=list)
+    # where the time went (`breakdown`): phase -> seconds
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def resolved(self) -> bool:
@@ -220,6 +227,79 @@ class JobFailed(Exception):
     """The driver declared the job failed: the phase cannot go on."""
 
 
+@dataclass(slots=True)
+class Trace:
+    """The workers' recovery marks (trainer/rtrace.py), read back by wall time."""
+
+    path: Path
+
+    def since(self, t0_ns: int, t1_ns: int) -> list[tuple[float, int, str]]:
+        """Marks in [t0_ns, t1_ns]: (seconds after t0, pid, phase), in time order."""
+        out: list[tuple[float, int, str]] = []
+        with contextlib.suppress(OSError):
+            for raw in self.path.read_text().splitlines():
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    m = json.loads(raw)
+                    if t0_ns <= m["t_ns"] <= t1_ns:
+                        out.append((round((m["t_ns"] - t0_ns) / 1e9, 4), m["pid"], m["phase"]))
+        return sorted(out)
+
+
+#: The recovery's phases (`breakdown`), in order: each is the time from the end of the one
+#: before (the injection for the first) to its own end, so they add up to resume_s.
+BREAKDOWN = (
+    "detect",  # the injection -> the detection event
+    "hold",  # -> every survivor held (its last `held` mark; the restart mode: RESTORING)
+    "new_world",  # -> the last rank joined the new world's process group (`pg_init`)
+    "rebuild",  # -> the last rank's trainer built (`setup`)
+    "restore",  # -> the last rank's state in place (`restored`)
+    "first_step",  # -> the last rank's first step (`first_step`)
+    "report",  # -> TrainingResumed (the agents' reports, the driver's append)
+)
+
+
+def breakdown(f: Fault) -> dict[str, float]:
+    """Where `f`'s resume time went: `BREAKDOWN`'s phases, each one's own seconds.
+
+    A phase's end is the last mark of it after the detection (the slowest rank decides);
+    a phase with no mark (a process that kept its state marks no `setup`) ends where the
+    one before it did.
+    """
+    if f.resume_s is None or f.detect_s is None:
+        return {}
+
+    def last(phase: str, after: float) -> float | None:
+        ts = [t for t, _, p in f.marks if p == phase and t >= after]
+        return max(ts) if ts else None
+
+    restoring = [t for t, what in f.timeline if what.endswith("PHASE_RESTORING")]
+    ends = {"detect": f.detect_s}
+    held = last("held", f.detect_s)
+    if held is None and restoring:
+        held = (
+            min(t for t in restoring if t >= f.detect_s)
+            if any(t >= f.detect_s for t in restoring)
+            else None
+        )
+    ends["hold"] = held if held is not None else f.detect_s
+    prev = ends["hold"]
+    for phase, mark_ in (
+        ("new_world", "pg_init"),
+        ("rebuild", "setup"),
+        ("restore", "restored"),
+        ("first_step", "first_step"),
+    ):
+        t = last(mark_, prev)
+        ends[phase] = t if t is not None else prev
+        prev = ends[phase]
+    ends["report"] = max(f.resume_s, prev)
+    out, before = {}, 0.0
+    for phase in BREAKDOWN:
+        out[phase] = round(max(0.0, ends[phase] - before), 4)
+        before = max(before, ends[phase])
+    return out
+
+
 class Bench:
     """One cluster: start it, inject faults, read what happened."""
 
@@ -245,10 +325,14 @@ class Bench:
         self.warm = warm
         self.warm_nice = warm_nice
         self.say = log
+        self.trace = Trace(run / "recovery-trace.jsonl")
         self.c = LocalCluster(
             run,
             job="bench",
-            env={"UNBROKEN_REPLICA_KEY": "bench-job-replica-key-0123456789"},  # the buddy stream
+            env={
+                "UNBROKEN_REPLICA_KEY": "bench-job-replica-key-0123456789",  # the buddy stream
+                TRACE: str(self.trace.path),  # the workers' recovery marks
+            },
             grace_s=15,
         )
         self.w = LogWatch(self.c)
@@ -361,6 +445,11 @@ class Bench:
     def _observe(self, f: Fault, e: ev.Event) -> None:
         kind = e.WhichOneof("payload")
         since = max(0.0, (e.wall_time_unix_ns - f.wall_ns) / 1e9)
+        if f.resume_s is None and e.wall_time_unix_ns >= f.wall_ns:
+            what = str(kind)
+            if kind == "recovery_transition":
+                what += ":" + ev.Phase.Name(e.recovery_transition.to_phase)
+            f.timeline.append((round(since, 4), what))
         if f.detect_s is None:
             node = f.target.split(" ")[0]
             if proves(e, f.kind, node) and e.wall_time_unix_ns >= f.wall_ns:
@@ -379,6 +468,8 @@ class Bench:
             f.steps_lost = max(0, f.paused_at - done)
         elif kind == "training_resumed":
             f.resume_s = since
+            f.marks = self.trace.since(f.wall_ns, e.wall_time_unix_ns)
+            f.phases = breakdown(f)
 
     async def wait_for(self, what: str, cond: Any, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -603,6 +694,9 @@ def modes_summary(by_mode: dict[str, list[Fault]], runs: int) -> dict[str, Any]:
             row[f"runs_{mode}"] = len(fs)
             row[f"resolved_{mode}"] = sum(f.resolved for f in fs)
             row[f"load1_median_{mode}"] = statistics.median(f.load1 for f in fs) if fs else None
+            row[f"breakdown_s_{mode}"] = {
+                p: _median([f.phases.get(p) for f in fs]) for p in BREAKDOWN
+            }
             row[f"raw_{mode}"] = [asdict(f) for f in fs]
         out["by_kind"][kind] = row
     return out
@@ -737,11 +831,14 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
 
     if "modes" in ns.phases:
         # in-job recovery against a restart of every process, the same faults, one run
-        say(f"== recovery modes: in-job vs restart, {','.join(MODE_KINDS)} x{runs} each")
+        kinds = [k for k in MODE_KINDS if k in ns.kinds]
+        say(f"== recovery modes: {' vs '.join(ns.modes)}, {','.join(kinds)} x{runs} each")
         by_mode: dict[str, list[Fault]] = {}
         for mode, flags in (("in_job", ()), ("restart", ("--no-in-job",))):
+            if mode not in ns.modes:
+                continue
             done: list[Fault] = []
-            todo = [k for _ in range(runs) for k in MODE_KINDS]  # interleaved: same load
+            todo = [k for _ in range(runs) for k in kinds]  # interleaved: same load
             for attempt in range(3):
                 if todo:
                     await in_cluster(
@@ -756,9 +853,9 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
             save()  # each mode's figures as soon as they are in
         for kind, row in out["modes"]["by_kind"].items():
             say(
-                f"  {kind:13s} resume in-job {_fmt(row['resume_s_in_job'])} restart "
-                f"{_fmt(row['resume_s_restart'])} (after detection: in-job "
-                f"{_fmt(row['resume_after_detect_s_in_job'])})"
+                f"  {kind:13s} resume in-job {_fmt(row.get('resume_s_in_job'))} restart "
+                f"{_fmt(row.get('resume_s_restart'))} (after detection: in-job "
+                f"{_fmt(row.get('resume_after_detect_s_in_job'))})"
             )
         save()
 
@@ -934,8 +1031,8 @@ def table(out: dict[str, Any]) -> str:
             f"with flash saves against {out['steps_per_s_without_flash']:.2f} without "
             f"(ratio {tc:.3f}; pairs' median {out['throughput_pair_ratio_median']:.3f})."
         )
-    cw = out["worker_crash_resume_s"]
-    if cw["cold_over_warm"]:
+    cw = out.get("worker_crash_resume_s") or {}  # absent from a file of the modes alone
+    if cw.get("cold_over_warm"):
         rows.append("")
         rows.append(
             f"Worker crash → training resumed: cold {cw['cold']:.2f} s, warm {cw['warm']:.2f} s "
@@ -972,6 +1069,11 @@ def main(argv: list[str] | None = None) -> int:
         "and off in alternating blocks of one run; throughput: separate clusters)",
     )
     parser.add_argument(
+        "--modes",
+        default="in_job,restart",
+        help="the recovery modes the modes phase compares (in_job, restart)",
+    )
+    parser.add_argument(
         "--miss-limit", type=int, default=MISS_LIMIT, help="the drivers' --miss-limit"
     )
     parser.add_argument(
@@ -997,6 +1099,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --kinds takes {','.join(KINDS)}", file=sys.stderr)
         return 2
     ns.agent_flags = shlex.split(ns.agent_flags)
+    ns.modes = [m for m in ns.modes.split(",") if m]
+    if not set(ns.modes) <= {"in_job", "restart"} or not ns.modes:
+        print("error: --modes takes in_job and/or restart", file=sys.stderr)
+        return 2
     ns.phases = set(ns.phases.split(","))
     if not ns.phases <= {"modes", "cold", "faults", "ettr", "throughput", "ab"}:
         print("error: --phases takes modes, cold, faults, ettr, throughput and ab", file=sys.stderr)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import math
 import os
 import sys
@@ -617,6 +618,9 @@ def recovery_loop(body: Callable[[], T], *, hold_s: float = HOLD_WAIT_S) -> T:
             so the launcher or agent restarts the process as before.
     """
     global _in_recovery_loop, _dist_ready
+    # What exists now (the imports) lives as long as the process: out of the collector's
+    # sight, the full collections of a recovery (freeing the old world's groups) are cheap.
+    gc.freeze()
     while True:
         s = _get()
         _in_recovery_loop = True

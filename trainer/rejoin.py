@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from unbroken.common.workerenv import AGENT_PID
+from unbroken.trainer.rtrace import mark
 
 if TYPE_CHECKING:
     from unbroken.trainer.hookchannel import Hooks
@@ -57,6 +58,7 @@ class Held(Exception):
         super().__init__(why)
         self.why = why
         self.step = step
+        mark("left", step=step, peer=not why.startswith("held by"))
 
 
 def peer_failure(e: BaseException) -> bool:
@@ -90,6 +92,7 @@ def hold(h: Held, hooks: Hooks, wait_s: float = HOLD_WAIT_S) -> Any:
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+    mark("held")
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         now = time.monotonic()

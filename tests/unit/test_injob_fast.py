@@ -1,0 +1,154 @@
+"""What makes an in-job recovery fast, piece by piece: the corpus read once per process
+(and by a warm standby ahead of time), the recovery marks the bench reads its breakdown
+from, and the agent's heartbeat at a worker's first step in a new world."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from unbroken.agent import warm
+from unbroken.agent.hookserver import HookServer
+from unbroken.agent.workers import Supervisor, Worker, WorkerSpec
+from unbroken.proto import hooks_pb2 as hpb
+from unbroken.trainer import data, rtrace
+from unbroken.trainer.config import DataConfig
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_corpus_is_read_and_tokenized_once_per_process(tmp_path: Path) -> None:
+    text = tmp_path / "t.txt"
+    text.write_text("hello world, " * 1000)
+    a = data.load_corpus(str(text), 8192)
+    text.write_text("changed " * 2000)  # not read again: the process keeps its corpus
+    assert data.load_corpus(str(text), 8192) is a
+    assert data.load_corpus(str(text), 4096) is not a  # another size is another corpus
+    one = data.TextLoader(a, seq_len=16, global_batch=4)
+    two = data.TextLoader(a, seq_len=16, global_batch=4, dp_rank=1, dp_size=2)
+    assert one.corpus is two.corpus and one.digest == two.digest
+    assert one.corpus.tolist() == data.encode(a).tolist()
+
+
+def test_a_standby_reads_the_default_corpus_while_it_waits() -> None:
+    assert data.DEFAULT_MAX_BYTES == DataConfig().max_corpus_bytes
+    assert "unbroken.trainer.data" in warm.DEFAULT_PRELOAD
+    data._CORPORA.pop((None, data.DEFAULT_MAX_BYTES), None)
+    getattr(data, warm.WARM_HOOK)()
+    corpus = data._CORPORA[(None, data.DEFAULT_MAX_BYTES)]
+    assert data.load_corpus(None, data.DEFAULT_MAX_BYTES) is corpus
+    assert data._ENCODED[0][0] is corpus
+
+
+def test_recovery_marks_go_to_the_named_file_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(rtrace.TRACE, raising=False)
+    rtrace.mark("start")  # no file named: nothing, no error
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv(rtrace.TRACE, str(path))
+    monkeypatch.setenv("RANK", "3")
+    rtrace.mark("left", step=7)
+    rtrace.mark("held")
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(m["phase"], m["rank"]) for m in lines] == [("left", "3"), ("held", "3")]
+    assert lines[0]["step"] == 7 and lines[0]["t_ns"] <= lines[1]["t_ns"]
+
+
+def _bench() -> object:
+    spec = importlib.util.spec_from_file_location("bench_recovery", ROOT / "bench/recovery.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_recovery"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_breakdown_adds_up_to_the_resume_time() -> None:
+    b = _bench()
+    f = b.Fault("worker_crash", "n0 pid 1", 0, 0.0)  # type: ignore[attr-defined]
+    f.detect_s, f.resume_s = 0.3, 1.5
+    f.timeline = [(0.3, "worker_failed"), (0.5, "recovery_transition:PHASE_RESTORING")]
+    f.marks = [
+        (0.05, 10, "left"),  # the survivor left before the detection (a peer's error)
+        (0.1, 10, "held"),
+        (0.6, 11, "start"),
+        (0.7, 10, "pg_init"),
+        (0.72, 11, "pg_init"),
+        (0.9, 11, "setup"),
+        (1.0, 10, "setup"),
+        (1.1, 10, "restored"),
+        (1.2, 11, "restored"),
+        (1.4, 10, "first_step"),
+        (1.45, 11, "first_step"),
+    ]
+    got = b.breakdown(f)  # type: ignore[attr-defined]
+    assert list(got) == list(b.BREAKDOWN)  # type: ignore[attr-defined]
+    assert got["detect"] == 0.3
+    assert got["hold"] == 0.2  # held before the detection: the RESTORING transition ends it
+    assert got["new_world"] == pytest.approx(0.22)
+    assert got["rebuild"] == pytest.approx(0.28)
+    assert got["restore"] == pytest.approx(0.2)
+    assert got["first_step"] == pytest.approx(0.25)
+    assert got["report"] == pytest.approx(0.05)
+    assert sum(got.values()) == pytest.approx(1.5)
+
+
+def test_a_workers_first_step_in_a_new_world_wakes_the_heartbeat(tmp_path: Path) -> None:
+    path = str(tmp_path / "a.sock")
+    sup = Supervisor(WorkerSpec(cmd=["true"], nproc=1, log_dir=str(tmp_path)), path)
+    sup.workers[0] = Worker(0, 0, tmp_path / "w0.log")
+    server = HookServer(path, sup, "n0")
+    kicks: list[int] = []
+    server.on_first_step = lambda: kicks.append(1)
+
+    def step(n: int) -> None:
+        rep = hpb.WorkerReport(local_rank=0, step=hpb.StepReport(step=n, step_time_ms=5.0))
+        server.datagram_received(rep.SerializeToString(), 999_999)
+
+    step(5)  # the first step of this world
+    step(6)
+    assert kicks == [1]
+    sup.workers[0].step = 0  # rejoined a new world (agent/injob.py resets the step)
+    step(6)
+    assert kicks == [1, 1]
+
+
+def _three_losses() -> list[float]:
+    import argparse
+
+    import torch.distributed as dist
+
+    from unbroken.trainer.flags import add_arguments, to_config
+    from unbroken.trainer.plugin import load_trainer
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = to_config(parser.parse_args(["--preset", "tiny", "--device", "cpu"]))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        trainer = load_trainer("gpt3d")
+        trainer.setup(config)
+        losses = [float(trainer.train_step()["loss"]) for _ in range(3)]
+        trainer.close()
+    finally:
+        dist.destroy_process_group()
+    return losses
+
+
+def test_a_standbys_dry_run_leaves_no_world_and_no_trace_on_the_losses() -> None:
+    import torch.distributed as dist
+
+    from unbroken.trainer import warmup
+
+    assert "unbroken.trainer.warmup" in warm.DEFAULT_PRELOAD
+    before = _three_losses()
+    getattr(warmup, warm.WARM_HOOK)()
+    assert not dist.is_initialized()  # the worker joins its own world afterwards
+    assert _three_losses() == before  # bitwise: the worker's set-up seeds everything again

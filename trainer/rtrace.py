@@ -1,0 +1,47 @@
+"""Where a recovery's time goes, inside the worker: timestamped marks in a JSON-lines file.
+
+Off unless `UNBROKEN_RECOVERY_TRACE` names a file (bench/recovery.py sets it). Each mark is
+one line, `{"t_ns": wall ns, "pid", "rank", "phase", ...}`, appended with one `write` (short
+lines on an O_APPEND file are not interleaved between processes). The phases a worker marks:
+
+- ``start``: the worker's entry point runs (a cold process after its imports, a warm standby
+  at its hand-off);
+- ``left``: a survivor left its step (the agent's hold, or a peer's failed collective);
+- ``held``: it dropped its process groups and told the agent so;
+- ``rejoin``: the agent's Rejoin (the new world) arrived;
+- ``pg_init``: torch.distributed joined the new world;
+- ``setup``: the trainer is built (or kept, `kept=1`);
+- ``restored``: the agreed step is in place (`how`: ring, kept, none);
+- ``first_step``: the first step in this world finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+TRACE = "UNBROKEN_RECOVERY_TRACE"
+
+
+def mark(phase: str, **fields: Any) -> None:
+    """Append one mark to the trace file, when one is named (never raises)."""
+    path = os.environ.get(TRACE)
+    if not path:
+        return
+    line = {
+        "t_ns": time.time_ns(),
+        "pid": os.getpid(),
+        "rank": os.environ.get("RANK", ""),
+        "phase": phase,
+        **fields,
+    }
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(line) + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
