@@ -5,10 +5,12 @@ with `--nodes 2 --dp 2` and the tiny trainer flash-saving every step on two agen
 spare agents; miss limit 5 x 100 ms) runs through each overload kind in turn:
 
 * `cpu`: `stress-ng --cpu N` (busy loops, in their own session as another tenant's job);
-* `memory_bandwidth`: `stress-ng --stream N` (memory-bandwidth hogs);
+* `memory_bandwidth`: `stress-ng --stream N` (memory-bandwidth hogs, as many as the CPU
+  hogs so the load is as high);
 * `restart_storm`: the job's own restarts: a world worker SIGKILLed every `storm_every_s`,
   so the loop restarts both workers and each imports torch at once, plus `storm_procs`
-  processes importing torch together beside them.
+  processes importing torch beside them at all times (one starts as one ends), so the
+  storm keeps the load up for the whole run rather than in bursts.
 
 While each runs, a spare agent is SIGKILLed every `kill_every_s` (its stream closes) and
 started again: `detect_s` is the kill to its NodeLost's wall time in the log. Every NodeLost
@@ -50,7 +52,7 @@ def _overload(kind: str, hogs: int) -> list[subprocess.Popen[bytes]]:
     if kind == "cpu":
         cmd = [stress, "--cpu", str(hogs)] if stress else None
     elif kind == "memory_bandwidth":
-        cmd = [stress, "--stream", str(max(1, hogs // 2))] if stress else None
+        cmd = [stress, "--stream", str(hogs)] if stress else None
     else:
         return []
     if cmd is None:
@@ -152,16 +154,17 @@ def run_kind(job: Job, kind: str, seconds: float, cfg: dict[str, Any]) -> dict[s
             if now >= next_load:
                 loads.append(os.getloadavg()[0])
                 next_load = now + 5.0
-            if kind == "restart_storm" and now >= next_storm:
+            if kind == "restart_storm":
                 storm = [p for p in storm if p.poll() is None]
-                for pid in job.workers()[:1]:  # the loop restarts every worker: a storm
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
                 storm += [
                     subprocess.Popen([sys.executable, "-c", IMPORT_TORCH], start_new_session=True)
-                    for _ in range(cfg["storm_procs"])
+                    for _ in range(cfg["storm_procs"] - len(storm))
                 ]
-                next_storm = now + cfg["storm_every_s"]
+                if now >= next_storm:
+                    for pid in job.workers()[:1]:  # the loop restarts every worker: a storm
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                    next_storm = now + cfg["storm_every_s"]
             if now >= next_kill:
                 node = victims[len(kills) % len(victims)]
                 if c.procs[node].poll() is None:
