@@ -235,6 +235,7 @@ class HookServer:
                 time.monotonic(),
                 (s.peak_loss, s.peak_step) if s.has_peak else None,
                 dict(s.timings_ms) if s.timings_ms else None,
+                steps=s.steps,
             )
         elif kind == "phase":
             step = rep.phase.step if rep.phase.HasField("step") else None
