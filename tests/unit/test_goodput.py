@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from unbroken.agent.workers import in_step_shares
+from unbroken.agent.workers import Worker, in_step_shares
 from unbroken.driver import state as statelib
 from unbroken.driver.goodput import LiveInputs, goodput
 from unbroken.proto import events_pb2 as ev
@@ -151,6 +153,19 @@ def test_the_agent_s_in_loop_shares_are_of_the_window_s_wall_time() -> None:
     save, data = in_step_shares(window)
     assert abs(save - 20 / 400) < 1e-12 and abs(data - 12 / 400) < 1e-12
     assert in_step_shares([]) == (0.0, 0.0)
+
+
+def test_the_agent_reports_the_in_loop_shares_of_its_rank_s_reports(tmp_path: Path) -> None:
+    w = Worker(0, 0, tmp_path / "worker-0.log")
+    w.on_step(10, 1.0, 90.0, 100.0, timings_ms={"checkpoint_save": 8.0, "data_loading": 2.0})
+    # two steps in one report (the SDK's coalescing): their means, 0.2 s after the first
+    w.on_step(12, 1.0, 90.0, 100.2, timings_ms={"checkpoint_save": 5.0}, steps=2)
+    w.on_step(13, 1.0, 90.0, 100.3, timings_ms={"data_loading": 4.0})
+    s = w.status(100.3)
+    assert abs(s.checkpoint_save_share - 10.0 / 300.0) < 1e-9  # the first report has no span
+    assert abs(s.data_loading_share - 4.0 / 300.0) < 1e-9
+    w.on_step(5, 1.0, 90.0, 101.0, timings_ms={"checkpoint_save": 500.0})  # restored back
+    assert w.status(101.0).checkpoint_save_share == s.checkpoint_save_share
 
 
 def test_an_open_start_up_and_an_open_incident_count_by_category_so_far() -> None:
