@@ -250,8 +250,12 @@ def straggler_part(run: Path, etcd: EmbeddedEtcd, timeout_s: float) -> dict[str,
             until(lambda at=at: step() >= at + 512, 900, "the window to wash out", poll_s=1.0)
         nodes = live(address)
         stop.set()
+        named = [e.straggler_suspected for e in p.events() if e.HasField("straggler_suspected")]
         return {
             "straggler_detect_s": out,
+            # every StragglerSuspected of the run naming a node never slowed (node-0)
+            "false_straggler_flags": sum(x.node_id != "node-1" for x in named),
+            "straggler_events": len(named),
             "replay": replay_timings(run / "timings.jsonl"),
             "step_ms": p50([w.median_step_ms for n in nodes for w in n.workers]),
             "timeout_s": timeout_s,
@@ -440,6 +444,7 @@ def main() -> None:
             out["straggler_detect_s"] = {
                 k: v["detect_s"] for k, v in out["straggler"]["straggler_detect_s"].items()
             }
+            out["false_straggler_flags"] = out["straggler"]["false_straggler_flags"]
         if "overload" in parts:
             from bench.overload import overload_part
 
@@ -468,7 +473,10 @@ def main() -> None:
             out = {**json.loads(results.read_text()), **out}
     results.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
     print(json.dumps({k: v for k, v in out.items() if not isinstance(v, dict)}, indent=2))
-    shown = ("straggler_detect_s", "false_positives", "false_node_lost", "detect_p99_s_under_load")
+    shown = (
+        "straggler_detect_s", "false_straggler_flags", "false_positives", "false_node_lost",
+        "detect_p99_s_under_load",
+    )  # fmt: skip
     for k in shown:
         if k in out:
             print(k, json.dumps(out[k]))
