@@ -424,6 +424,7 @@ def main() -> None:
     ap.add_argument("--overload-seconds", type=float, default=180.0, help="per kind")
     ap.add_argument("--variants", default="new", help="overload: new and/or baseline")
     ap.add_argument("--hogs", type=int, default=8, help="overload: stress-ng workers")
+    ap.add_argument("--kinds", default="cpu,memory_bandwidth,restart_storm", help="overload")
     ap.add_argument("--results", type=Path, default=RESULTS, help="the JSON file it merges into")
     ns = ap.parse_args()
     results: Path = ns.results
@@ -452,8 +453,9 @@ def main() -> None:
             runs = out["overload"] = {}
             for variant in [v.strip() for v in ns.variants.split(",") if v.strip()]:
                 (base / f"overload-{variant}").mkdir()
+                kinds = tuple(k.strip() for k in ns.kinds.split(",") if k.strip())
                 runs[variant] = overload_part(
-                    base / f"overload-{variant}", etcd, variant, ns.overload_seconds, cfg
+                    base / f"overload-{variant}", etcd, variant, ns.overload_seconds, cfg, kinds
                 )
             first = runs.get("new") or next(iter(runs.values()))
             out["false_node_lost"] = first["false_node_lost"]
