@@ -361,6 +361,8 @@ class Agent:
         self._write_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.loop_lag = starvation.LoopLag()  # our own loop's lateness, in every heartbeat
+        # ...and while it lags at real-time priority, our other threads at its priority
+        self.gil_boost = starvation.GilBoost() if self.config.realtime else None
         self._metadata = self._token_md()
         self.term_seen = 0  # the newest leader term a command came with (older ones dropped)
         self.session_term = 0  # the leader term our registration was answered under
@@ -718,6 +720,8 @@ class Agent:
             self.loop_lag.note(late_ms)
             hb.late_ms = late_ms
             hb.loop_lag_ms = self.loop_lag.take()
+            if self.gil_boost is not None:  # a real-time loop that lags waits for the GIL
+                self.gil_boost.note(max(hb.loop_lag_ms, late_ms), now)
             hb.cpu_pressure_pct = starvation.cpu_pressure_pct()
             hb.runnable_per_cpu = starvation.runnable_per_cpu(cpus=cpus)
             if now >= next_host:

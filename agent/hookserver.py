@@ -274,6 +274,7 @@ class HookServer:
                 time.monotonic(),
                 (s.peak_loss, s.peak_step) if s.has_peak else None,
                 dict(s.timings_ms) if s.timings_ms else None,
+                steps=s.steps,
             )
             if first and self.on_first_step is not None:
                 self.on_first_step()

@@ -388,6 +388,12 @@ class Worker:
         # per-step compute and collective-wait times (the straggler detector's input)
         self.compute_times: collections.deque[float] = collections.deque(maxlen=WINDOW_STEPS)
         self.wait_times: collections.deque[float] = collections.deque(maxlen=WINDOW_STEPS)
+        # per report: the wall time since the one before and what of it the loop spent on
+        # checkpoint saves and data loading (goodput's in-step badput)
+        self.in_step: collections.deque[tuple[float, float, float]] = collections.deque(
+            maxlen=WINDOW_STEPS
+        )
+        self._last_report_t: float | None = None
         # this process's recent finite losses, one per step (a new leader's spike baseline)
         self.losses: collections.deque[float] = collections.deque(maxlen=LOSS_WINDOW)
         self._loss_stats = (0.0, 0.0)  # their median and MAD...
@@ -409,16 +415,27 @@ class Worker:
         now: float,
         peak: tuple[float, int] | None = None,
         timings_ms: dict[str, float] | None = None,
+        steps: int = 1,
     ) -> None:
-        """A step report; `peak` is the highest loss (and its step) of the steps it stands
-        for when it stands for several (the SDK's coalesced reports); `timings_ms` may name
-        "compute" and "collective_wait" (the straggler detector's input)."""
+        """A step report; `peak` is the highest loss (and its step) of the `steps` steps it
+        stands for when it stands for several (the SDK's coalesced reports; its timings are
+        their means); `timings_ms` may name "compute" and "collective_wait" (the straggler
+        detector's input), "checkpoint_save" and "data_loading" (goodput's)."""
         if step != self.step:
             self.last_progress = now
             self.phase = "train"  # a step ends a restore / checkpoint / collective phase
         if timings_ms and "compute" in timings_ms:
             self.compute_times.append(timings_ms["compute"])
             self.wait_times.append(timings_ms.get("collective_wait", 0.0))
+        if self._last_report_t is not None and step > self.step:
+            t = timings_ms or {}
+            n = max(1, steps)
+            self.in_step.append((
+                (now - self._last_report_t) * 1000.0,
+                t.get("checkpoint_save", 0.0) * n,
+                t.get("data_loading", 0.0) * n,
+            ))  # fmt: skip
+        self._last_report_t = now
         if loss is not None and math.isfinite(loss) and step != self.step:
             self.losses.append(loss)
             self._loss_stats_stale = True
@@ -490,6 +507,7 @@ class Worker:
         self.hung = judged and hanglib.is_hung(since_ms, threshold, starved)
         mid, mad = median_mad(self.compute_times)
         wait, wait_mad = median_mad(self.wait_times)
+        save_share, data_share = in_step_shares(self.in_step)
         if self._loss_stats_stale:  # sorted once per new loss, not per beat
             self._loss_stats, self._loss_stats_stale = median_mad(self.losses), False
         return dpb.WorkerStatus(
@@ -523,7 +541,20 @@ class Worker:
             loss_window=len(self.losses),
             rejoins=self.rejoins,
             held=self.phase == "held",
+            checkpoint_save_share=save_share,
+            data_loading_share=data_share,
         )
+
+
+def in_step_shares(window: Iterable[tuple[float, float, float]]) -> tuple[float, float]:
+    """The shares of the window's wall time spent on checkpoint saves and on data loading
+    (each at most 1; zeros without wall time)."""
+    wall = save = data = 0.0
+    for w, s, d in window:
+        wall, save, data = wall + w, save + s, data + d
+    if wall <= 0:
+        return 0.0, 0.0
+    return min(1.0, save / wall), min(1.0, data / wall)
 
 
 def median_mad(xs: Iterable[float]) -> tuple[float, float]:

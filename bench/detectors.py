@@ -44,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -183,6 +184,7 @@ def straggler_part(run: Path, etcd: EmbeddedEtcd, timeout_s: float) -> dict[str,
         f"{sys.executable} -m unbroken.trainer.run --preset tiny --dp 2 --steps 10000000 "
         f"--log-every 1000 --metrics-out {metrics}"
     )
+    stop = threading.Event()
     try:
         address = start_driver(
             p, "--nodes", "2", "--workers-per-node", "1", "--dp", "2",
@@ -201,6 +203,14 @@ def straggler_part(run: Path, etcd: EmbeddedEtcd, timeout_s: float) -> dict[str,
             steps = [w.step for n in live(address) for w in n.workers]
             return min(steps) if len(steps) == 2 else 0
 
+        timings = (run / "timings.jsonl").open("a")
+
+        def recorder() -> None:  # every sweep's inputs, for replaying the detector offline
+            while not stop.wait(StragglerConfig().sweep_ms / 1000.0):
+                with contextlib.suppress(grpc.RpcError):
+                    record_timings(timings, live(address))
+
+        threading.Thread(target=recorder, daemon=True).start()
         until(lambda: step() >= 150, 600, "training past its first windows", poll_s=1.0)
         # ...and the detector past its settle and baseline sweeps (a slowdown before the
         # nodes' roles are taken would be taken for their roles)
@@ -209,6 +219,7 @@ def straggler_part(run: Path, etcd: EmbeddedEtcd, timeout_s: float) -> dict[str,
         for f in FACTORS:
             before = len([e for e in p.events() if e.HasField("straggler_suspected")])
             inject(address, "node-1", "slow-train", f)
+            timings.write(json.dumps({"t": time.time(), "inject": f}) + "\n")
             t0 = time.monotonic()
 
             def named(before: int = before) -> list[ev.StragglerSuspected]:
@@ -231,15 +242,26 @@ def straggler_part(run: Path, etcd: EmbeddedEtcd, timeout_s: float) -> dict[str,
                 out[f"{f:.2f}"] = {"detect_s": None, "node": "", "right_node": False}
             print(f"  straggler {f:.2f}x: {out[f'{f:.2f}']}")
             inject(address, "node-1", "slow-train", 1.0)
+            timings.write(json.dumps({"t": time.time(), "inject": 1.0}) + "\n")
             at = step()
-            until(lambda at=at: step() >= at + 200, 900, "the window to wash out", poll_s=1.0)
+            # two of the agent's windows (128 reports, a report standing for up to 2 steps
+            # this short): the next factor starts from a node that recovered, not from the
+            # tail of this one (which would still be the finding already named)
+            until(lambda at=at: step() >= at + 512, 900, "the window to wash out", poll_s=1.0)
         nodes = live(address)
+        stop.set()
+        named = [e.straggler_suspected for e in p.events() if e.HasField("straggler_suspected")]
         return {
             "straggler_detect_s": out,
+            # every StragglerSuspected of the run naming a node never slowed (node-0)
+            "false_straggler_flags": sum(x.node_id != "node-1" for x in named),
+            "straggler_events": len(named),
+            "replay": replay_timings(run / "timings.jsonl"),
             "step_ms": p50([w.median_step_ms for n in nodes for w in n.workers]),
             "timeout_s": timeout_s,
         }
     finally:
+        stop.set()
         p.stop()
 
 
@@ -358,11 +380,12 @@ def fp_part(run: Path, minutes: float, hog: int) -> dict[str, Any]:
 
 def record_timings(out: Any, nodes: list[dpb.NodeLive]) -> None:
     """One line: every alive node's timing summary (common/timing.py), for the replay."""
-    rec = {"t": time.time(), "nodes": {}}
+    timings: dict[str, list[float]] = {}
+    rec = {"t": time.time(), "nodes": timings}
     for n in nodes:
         t = node_timing(n.workers) if n.alive else None
         if t is not None:
-            rec["nodes"][n.node_id] = [
+            timings[n.node_id] = [
                 t.generation, t.compute_ms, t.mad_ms, t.wait_ms, t.window_steps, t.wait_mad_ms
             ]  # fmt: skip
     out.write(json.dumps(rec) + "\n")
@@ -374,7 +397,8 @@ def replay_timings(path: Path, ks: tuple[float, ...] = (3.0, 2.5, 2.0)) -> dict[
     how many stragglers each names (the margin of the run's zero, not only the zero)."""
     if not path.exists():
         return {}
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    recs = [r for r in lines if "nodes" in r]  # not the injections' marks
     named: dict[str, Any] = {"sweeps": len(recs)}
     for k in ks:
         watch = StragglerWatch(StragglerConfig(k=k))
@@ -400,7 +424,10 @@ def main() -> None:
     ap.add_argument("--overload-seconds", type=float, default=180.0, help="per kind")
     ap.add_argument("--variants", default="new", help="overload: new and/or baseline")
     ap.add_argument("--hogs", type=int, default=8, help="overload: stress-ng workers")
+    ap.add_argument("--kinds", default="cpu,memory_bandwidth,restart_storm", help="overload")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="the JSON file it merges into")
     ns = ap.parse_args()
+    results: Path = ns.results
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop what it started, then exit
     parts = {x.strip() for x in ns.parts.split(",") if x.strip()}
     out: dict[str, Any] = {"load1_start": os.getloadavg()[0], "cores": os.cpu_count()}
@@ -418,15 +445,17 @@ def main() -> None:
             out["straggler_detect_s"] = {
                 k: v["detect_s"] for k, v in out["straggler"]["straggler_detect_s"].items()
             }
+            out["false_straggler_flags"] = out["straggler"]["false_straggler_flags"]
         if "overload" in parts:
             from bench.overload import overload_part
 
-            cfg = {"hogs": ns.hogs, "storm_procs": 3, "storm_every_s": 20.0, "kill_every_s": 15.0}
+            cfg = {"hogs": ns.hogs, "storm_procs": 6, "storm_every_s": 20.0, "kill_every_s": 15.0}
             runs = out["overload"] = {}
             for variant in [v.strip() for v in ns.variants.split(",") if v.strip()]:
                 (base / f"overload-{variant}").mkdir()
+                kinds = tuple(k.strip() for k in ns.kinds.split(",") if k.strip())
                 runs[variant] = overload_part(
-                    base / f"overload-{variant}", etcd, variant, ns.overload_seconds, cfg
+                    base / f"overload-{variant}", etcd, variant, ns.overload_seconds, cfg, kinds
                 )
             first = runs.get("new") or next(iter(runs.values()))
             out["false_node_lost"] = first["false_node_lost"]
@@ -440,13 +469,16 @@ def main() -> None:
         out["false_positives"] = out["false_positive_run"]["false_positives"]
     out["load1_end"] = os.getloadavg()[0]
     out["logs"] = str(base)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    if RESULTS.exists():  # keep the parts not run now (read now: another run may have ended)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    if results.exists():  # keep the parts not run now (read now: another run may have ended)
         with contextlib.suppress(ValueError):
-            out = {**json.loads(RESULTS.read_text()), **out}
-    RESULTS.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+            out = {**json.loads(results.read_text()), **out}
+    results.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
     print(json.dumps({k: v for k, v in out.items() if not isinstance(v, dict)}, indent=2))
-    shown = ("straggler_detect_s", "false_positives", "false_node_lost", "detect_p99_s_under_load")
+    shown = (
+        "straggler_detect_s", "false_straggler_flags", "false_positives", "false_node_lost",
+        "detect_p99_s_under_load",
+    )  # fmt: skip
     for k in shown:
         if k in out:
             print(k, json.dumps(out[k]))

@@ -42,7 +42,10 @@ def goodput_line(st: dpb.GetStatusResponse) -> str:
 
 
 #: driver/goodput.py CATEGORIES (the CLI does not import the driver)
-BADPUT_ORDER = ("startup", "detection", "pause", "diagnosis", "restart", "restore", "steps_redone")
+BADPUT_ORDER = (
+    "startup", "detection", "pause", "diagnosis", "restart", "restore", "steps_redone",
+    "checkpoint_save", "data_loading",
+)  # fmt: skip
 
 
 def badput_line(st: dpb.GetStatusResponse) -> str:

@@ -401,7 +401,7 @@ def state_json(
 
 
 def _goodput_json(st: ev.JobState, view: LiveView) -> dict[str, Any]:
-    gp = goodputlib.goodput(st, time.time_ns(), goodputlib.median_step_s(view))
+    gp = goodputlib.goodput_now(st, view)
     return {
         "ratio": round(gp.ratio, 4),
         "wall_s": round(gp.wall_s, 1),

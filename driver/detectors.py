@@ -84,8 +84,9 @@ def silent(
     `jitter_k` x its largest recent gap, capped (`LiveViewConfig`): a jitter-adaptive miss
     limit, so each node is judged against its own rhythm.
 
-    A node still connected whose last heartbeat said it was starved (`starved`), or that is
-    late while most nodes are (`late_together`), gets `starved_hold_ms` more; such nodes are
+    A node still connected whose last heartbeat said it was starved (`starved`), that has
+    sent none since it registered, or that is late while most nodes are (`late_together`),
+    gets `starved_hold_ms` more; such nodes are
     appended to `held`. A disconnected node (a killed agent's stream closes at once) gets
     neither that nor the jitter slack: it is lost at the timeout (plus the driver's slack).
     """
@@ -109,7 +110,11 @@ def silent(
             if adaptive and slot.connected and silence <= jitter + slack_s:
                 continue
             if queue is view.order and hold and slot.connected and silence <= timeout + hold:
-                hungry = starved(slot.hb, c)
+                # ...or that has not sent its first heartbeat since it registered: its
+                # registration proved it alive, and under load the first beat is start-up
+                # (bench overload, load 64: a spare registered and was lost 506 ms later,
+                # then registered again with the same epoch 200 ms after)
+                hungry = not slot.hb.seq or starved(slot.hb, c)
                 if not hungry and crowd is None:
                     crowd = late_together(view, now)
                 if hungry or crowd:

@@ -196,7 +196,7 @@ class OperatorApi:
     ) -> dpb.GetStatusResponse:
         state = await self._state(context)
         st = status_of(state, self.view)
-        gp = goodputlib.goodput(state, time.time_ns(), goodputlib.median_step_s(self.view))
+        gp = goodputlib.goodput_now(state, self.view)
         st.goodput, st.training_wall_s = gp.ratio, gp.wall_s
         for cause, lost in gp.lost_s_by_cause.items():
             st.lost_s_by_cause[cause] = lost

@@ -1197,7 +1197,7 @@ class DriverService(dgrpc.DriverServicer):
         j = self.journal
         if j is None:
             return goodputlib.Goodput(-1.0, 0.0)
-        return goodputlib.goodput(j.state, time.time_ns(), goodputlib.median_step_s(self.view))
+        return goodputlib.goodput_now(j.state, self.view)
 
     def _metric_values(self) -> dict[str, Any]:
         alive = self.view.alive_count()

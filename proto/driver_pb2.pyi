@@ -112,7 +112,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, driver_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., miss_limit: _Optional[int] = ..., job_id: _Optional[str] = ..., global_rank_base: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_term: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("local_rank", "global_rank", "pid", "state", "exit_code", "step", "loss", "step_time_ms", "since_progress_ms", "median_step_ms", "restarts", "has_loss", "has_peak", "peak_loss", "peak_step", "ring_steps", "hung", "hang_threshold_ms", "phase", "compute_ms", "compute_mad_ms", "wait_ms", "window_steps", "wait_mad_ms", "restored_step", "restored_from", "loss_median", "loss_mad", "loss_window", "rejoins", "held")
+    __slots__ = ("local_rank", "global_rank", "pid", "state", "exit_code", "step", "loss", "step_time_ms", "since_progress_ms", "median_step_ms", "restarts", "has_loss", "has_peak", "peak_loss", "peak_step", "ring_steps", "hung", "hang_threshold_ms", "phase", "compute_ms", "compute_mad_ms", "wait_ms", "window_steps", "wait_mad_ms", "restored_step", "restored_from", "loss_median", "loss_mad", "loss_window", "rejoins", "held", "checkpoint_save_share", "data_loading_share")
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,8 @@ class WorkerStatus(_message.Message):
     LOSS_WINDOW_FIELD_NUMBER: _ClassVar[int]
     REJOINS_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_SAVE_SHARE_FIELD_NUMBER: _ClassVar[int]
+    DATA_LOADING_SHARE_FIELD_NUMBER: _ClassVar[int]
     local_rank: int
     global_rank: int
     pid: int
@@ -175,7 +177,9 @@ class WorkerStatus(_message.Message):
     loss_window: int
     rejoins: int
     held: bool
-    def __init__(self, local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., exit_code: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_ms: _Optional[float] = ..., since_progress_ms: _Optional[float] = ..., median_step_ms: _Optional[float] = ..., restarts: _Optional[int] = ..., has_loss: _Optional[bool] = ..., has_peak: _Optional[bool] = ..., peak_loss: _Optional[float] = ..., peak_step: _Optional[int] = ..., ring_steps: _Optional[_Iterable[int]] = ..., hung: _Optional[bool] = ..., hang_threshold_ms: _Optional[float] = ..., phase: _Optional[str] = ..., compute_ms: _Optional[float] = ..., compute_mad_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., window_steps: _Optional[int] = ..., wait_mad_ms: _Optional[float] = ..., restored_step: _Optional[int] = ..., restored_from: _Optional[str] = ..., loss_median: _Optional[float] = ..., loss_mad: _Optional[float] = ..., loss_window: _Optional[int] = ..., rejoins: _Optional[int] = ..., held: _Optional[bool] = ...) -> None: ...
+    checkpoint_save_share: float
+    data_loading_share: float
+    def __init__(self, local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., exit_code: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_ms: _Optional[float] = ..., since_progress_ms: _Optional[float] = ..., median_step_ms: _Optional[float] = ..., restarts: _Optional[int] = ..., has_loss: _Optional[bool] = ..., has_peak: _Optional[bool] = ..., peak_loss: _Optional[float] = ..., peak_step: _Optional[int] = ..., ring_steps: _Optional[_Iterable[int]] = ..., hung: _Optional[bool] = ..., hang_threshold_ms: _Optional[float] = ..., phase: _Optional[str] = ..., compute_ms: _Optional[float] = ..., compute_mad_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., window_steps: _Optional[int] = ..., wait_mad_ms: _Optional[float] = ..., restored_step: _Optional[int] = ..., restored_from: _Optional[str] = ..., loss_median: _Optional[float] = ..., loss_mad: _Optional[float] = ..., loss_window: _Optional[int] = ..., rejoins: _Optional[int] = ..., held: _Optional[bool] = ..., checkpoint_save_share: _Optional[float] = ..., data_loading_share: _Optional[float] = ...) -> None: ...
 
 class HostStats(_message.Message):
     __slots__ = ("cpu_percent", "mem_used_bytes", "mem_total_bytes", "disk_used_bytes", "disk_total_bytes", "net_bytes_sent", "net_bytes_recv", "rdma_counters")

@@ -289,7 +289,9 @@ class GPT3DTrainer:
             for group in opt.param_groups:
                 group["lr"] = lr
             opt.zero_grad(set_to_none=True)
+        td = time.perf_counter()
         inputs, targets = self._batch()
+        data_s = time.perf_counter() - td  # waiting for data (goodput's data loading)
         cp, cp_rank = c.parallel.cp, self.topo.cp_rank
         inputs, targets = context.split(inputs, cp, cp_rank), context.split(targets, cp, cp_rank)
 
@@ -340,7 +342,9 @@ class GPT3DTrainer:
         wait = pipe_wait + time.perf_counter() - tw
         mean_loss = float(loss_sum) / (c.parallel.dp * c.parallel.cp * c.parallel.tp)
         self.step += 1
+        td = time.perf_counter()
         self._prefetch()
+        data_s += time.perf_counter() - td
         dt = time.perf_counter() - t0
         tokens = c.data.global_batch * c.data.seq_len
         flops_per_s = self._flops_per_token * tokens / dt
@@ -356,6 +360,7 @@ class GPT3DTrainer:
             "step_time_s": dt,
             "compute_s": max(0.0, dt - wait),
             "collective_wait_s": wait,
+            "data_s": data_s,
             "flops_per_s": flops_per_s,
             "mfu": mfu,
             "pipeline_idle_fraction": idle,

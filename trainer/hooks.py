@@ -439,8 +439,9 @@ def report(step: int, loss: float | None = None, **timings_ms: float) -> bool:
     Args:
         step: the step just finished.
         loss: its loss (a float, or a 0-d tensor: `.item()` is taken).
-        **timings_ms: named phase durations in ms ("data", "forward", ...); the step time
-            is measured between reports.
+        **timings_ms: named phase durations in ms ("forward", ...); the step time is
+            measured between reports. "data_loading" (waiting for the batch) and
+            "checkpoint_save" (blocked saving) are charged as goodput's in-loop badput.
 
     Steps shorter than `REPORT_EVERY_S` are held and sent with the next report (the newest
     step and loss, their mean step time and their highest loss), so the agent is woken at

@@ -450,6 +450,8 @@ def _one_step(lp: _Loop, step: int) -> int:
         for name, key in (
             ("compute", "compute_s"),
             ("collective_wait", "collective_wait_s"),
+            ("data_loading", "data_s"),
+            ("checkpoint_save", "flash_save_s"),
         )
         if m.get(key) is not None
     }

@@ -4,8 +4,9 @@ A real driver starts the tests' job (tests/jobs.py: two agents, the tiny trainer
 flash saves every step); a worker is SIGKILLed and the loop recovers it. The driver's
 `GetStatus` then gives the ledger's goodput and its lost time by cause and by category.
 Independently, rank 0's own step log (`--metrics-out`: each step's time, its loop's host
-time and when the turn ended) says which time trained: for every step number the last run
-of it counts (a step run again after the restore was wasted the first time), up to the
+time, its data loading and flash save times and when the turn ended) says which time
+trained: for every step number the last run of it counts (a step run again after the
+restore was wasted the first time), less its data loading and checkpoint save, up to the
 moment of the status. The two goodputs agree within 2 % of the wall time, and the badput
 categories sum to the lost time.
 """
@@ -36,7 +37,11 @@ def _productive_s(job: Job, until_unix_s: float) -> tuple[float, int]:
         if m.get("end_unix_s", 0.0) > until_unix_s:
             continue
         runs += 1
-        last[int(m["step"])] = float(m["step_time_s"]) + float(m.get("host_s", 0.0))
+        # the loop turn, less what it spent waiting for data and blocked on the flash save
+        turn = float(m["step_time_s"]) + float(m.get("host_s", 0.0))
+        last[int(m["step"])] = (
+            turn - float(m.get("data_s", 0.0)) - float(m.get("flash_save_s", 0.0))
+        )
     return sum(last.values()), runs - len(last)
 
 
@@ -75,3 +80,5 @@ def test_the_ledger_matches_the_workers_step_logs(job: Job) -> None:
     assert abs(sum(lost.values()) - sum(st.lost_s_by_cause.values())) < 1e-6, detail
     assert abs(wall * (1 - st.goodput) - sum(lost.values())) < 0.01 * wall, detail
     assert lost.get("startup", 0) > 0 and lost.get("restore", 0) > 0, detail
+    # the job flash-saves every step and draws every batch: both are charged, inside the loop
+    assert lost.get("checkpoint_save", 0) > 0 and lost.get("data_loading", 0) > 0, detail

@@ -118,3 +118,50 @@ def test_grpc_threads_carrying_heartbeats_are_made_real_time_too() -> None:
     rt = out[2].split(",")
     assert main == os.SCHED_OTHER
     assert "event_engine" in rt and set(rt) <= {*starvation.GRPC_THREADS, "python"}, rt
+
+
+BOOST_PROBE = r"""
+import os, threading, time
+from unbroken.agent import starvation
+
+why = starvation.realtime_loop()
+if why:
+    print("skip", why.replace(" ", "_")); raise SystemExit
+ready, done = threading.Event(), threading.Event()
+tid = []
+def flash():  # a low-priority helper thread, like the agent's flash thread
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    tid.append(threading.get_native_id()); ready.set(); done.wait()
+threading.Thread(target=flash, daemon=True).start()
+ready.wait()
+def state():
+    policy = os.sched_getscheduler(tid[0]) & ~os.SCHED_RESET_ON_FORK
+    return policy, os.getpriority(os.PRIO_PROCESS, tid[0])
+b = starvation.GilBoost(lag_ms=50, hold_s=10)
+b.note(10.0, 100.0); calm = state()
+b.note(80.0, 101.0); boosted = state()
+b.note(0.0, 105.0); held = state()
+b.note(0.0, 111.5); back = state()
+print("ok", *[f"{p}:{n}" for p, n in (calm, boosted, held, back)], b.boosts)
+done.set()
+"""
+
+
+def test_a_lagging_real_time_loop_lifts_its_other_threads_until_it_is_calm() -> None:
+    """A real-time loop that lags waits for the GIL a preempted low-priority thread holds:
+    the process's other threads go to SCHED_RR while it lags, and back to their own policy
+    and nice value `hold_s` after the last lag (in a child process)."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", BOOST_PROBE], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split()
+    if out[0] == "skip":
+        pytest.skip(f"no real-time scheduling here: {out[1]}")
+    calm, boosted, held, back, boosts = out[1:]
+    other, rr = os.SCHED_OTHER, os.SCHED_RR
+    assert calm == f"{other}:19" and back == f"{other}:19"
+    assert boosted.startswith(f"{rr}:") and held.startswith(f"{rr}:")
+    assert boosts == "1"

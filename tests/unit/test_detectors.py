@@ -392,3 +392,19 @@ def test_starved_hold_settings_are_checked() -> None:
         LiveViewConfig(late_share=0.0)
     with pytest.raises(ValueError, match="starved_hold_ms"):
         LiveViewConfig(starved_hold_ms=-1)
+
+
+def test_a_connected_node_before_its_first_heartbeat_gets_the_grace() -> None:
+    """Registered and connected, its first heartbeat late under load: held, not lost; the
+    same node disconnected (killed before its first beat) is lost at the timeout."""
+    v = view(heartbeat_interval_ms=100, miss_limit=5, starved_hold_ms=2000, jitter_k=0)
+    for n in ("a", "b", "c", "d"):
+        admitted(v, req(n), now=0.0)
+    v.nodes["a"].connected = True  # its session is open; no heartbeat on it yet
+    v.nodes["b"].connected = False
+    for n in ("c", "d"):
+        _beating(v, n, 0.6)
+    held: list = []
+    assert [s.node_id for s, _ in detectors.silent(v, 0.6, held=held)] == ["b"]
+    assert [s.node_id for s in held] == ["a"]
+    assert [s.node_id for s, _ in detectors.silent(v, 2.51)] == ["a", "b"]

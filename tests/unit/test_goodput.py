@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from unbroken.agent.workers import Worker, in_step_shares
 from unbroken.driver import state as statelib
-from unbroken.driver.goodput import goodput
+from unbroken.driver.goodput import LiveInputs, goodput
 from unbroken.proto import events_pb2 as ev
 
 pytestmark = pytest.mark.unit
@@ -127,6 +130,42 @@ def test_badput_categories_split_the_same_lost_time_as_the_causes() -> None:
     assert gp.lost_s_by_category["steps_redone"] == 2.5
     assert abs(sum(gp.lost_s_by_category.values()) - gp.lost_s) < 1e-9
     assert abs(gp.ratio - (200 - 23.5) / 200) < 1e-9
+
+
+def test_checkpoint_save_and_data_loading_are_charged_from_the_time_that_trained() -> None:
+    s = statelib.fold(_hang_incident(), statelib.initial("j"))
+    live = LiveInputs(step_s=0.5, save_share=0.1, data_share=0.05)
+    gp = goodput(s, T0 + 200 * S, 0.5, live)
+    trained = 200 - 23.5  # the wall time less the incident, the start-up and the redone steps
+    assert abs(gp.lost_s_by_category["checkpoint_save"] - 0.1 * trained) < 1e-9
+    assert abs(gp.lost_s_by_category["data_loading"] - 0.05 * trained) < 1e-9
+    assert gp.lost_s_by_cause["checkpoint_save"] == gp.lost_s_by_category["checkpoint_save"]
+    assert abs(sum(gp.lost_s_by_category.values()) - gp.lost_s) < 1e-9
+    assert abs(sum(gp.lost_s_by_cause.values()) - gp.lost_s) < 1e-9
+    assert abs(gp.ratio - trained * 0.85 / 200) < 1e-9
+    # without shares (a trainer that reports neither) nothing is charged for them
+    assert "checkpoint_save" not in goodput(s, T0 + 200 * S, 0.5).lost_s_by_category
+
+
+def test_the_agent_s_in_loop_shares_are_of_the_window_s_wall_time() -> None:
+    # (wall ms since the report before, save ms, data ms): coalesced reports carry totals
+    window = [(100.0, 10.0, 2.0), (200.0, 10.0, 6.0), (100.0, 0.0, 4.0)]
+    save, data = in_step_shares(window)
+    assert abs(save - 20 / 400) < 1e-12 and abs(data - 12 / 400) < 1e-12
+    assert in_step_shares([]) == (0.0, 0.0)
+
+
+def test_the_agent_reports_the_in_loop_shares_of_its_rank_s_reports(tmp_path: Path) -> None:
+    w = Worker(0, 0, tmp_path / "worker-0.log")
+    w.on_step(10, 1.0, 90.0, 100.0, timings_ms={"checkpoint_save": 8.0, "data_loading": 2.0})
+    # two steps in one report (the SDK's coalescing): their means, 0.2 s after the first
+    w.on_step(12, 1.0, 90.0, 100.2, timings_ms={"checkpoint_save": 5.0}, steps=2)
+    w.on_step(13, 1.0, 90.0, 100.3, timings_ms={"data_loading": 4.0})
+    s = w.status(100.3)
+    assert abs(s.checkpoint_save_share - 10.0 / 300.0) < 1e-9  # the first report has no span
+    assert abs(s.data_loading_share - 4.0 / 300.0) < 1e-9
+    w.on_step(5, 1.0, 90.0, 101.0, timings_ms={"checkpoint_save": 500.0})  # restored back
+    assert w.status(101.0).checkpoint_save_share == s.checkpoint_save_share
 
 
 def test_an_open_start_up_and_an_open_incident_count_by_category_so_far() -> None:
