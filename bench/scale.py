@@ -12,8 +12,13 @@ Sections (each against a baseline taken in the same run on the same machine):
   decided by the recovery machine as the driver's loop does (`join_machine_s_*`; with its
   per-registration draft and the copying fold put back: `join_machine_legacy_s_*`).
 
-- ``snapshot``: the folded state's size (what a snapshot stores) at each level with
-  40-character names, every node registered and in a running world (`snapshot_bytes_N`).
+- ``snapshot``: what a snapshot stores (compressed: driver/etcdlog.py) at each level with
+  40-character names, every node registered and in a running world (`snapshot_bytes_N`),
+  beside the state serialized as it is (`snapshot_serialized_bytes_N`); and RegisterJob of
+  the largest level's world with 40-character names over gRPC on a real etcd
+  (`register_job_N_ok`, `register_job_N_ms`).
+- ``e2e``: a job of `--e2e-nodes` simulated nodes behind relays on two real drivers and a
+  real etcd: join, steady load, detection, one incident, failover (bench/scale_e2e.py).
 - ``replay``: decoding and folding 100k stored NodeLost events (bench/eventlog.py's replay
   workload, 4,096 nodes, pruning included) from their bytes, with this code against the
   previous decode (max(SchemaVersion) per event) and fold hot spots (`_node_lost`,
@@ -39,7 +44,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from unbroken.driver import etcdclient
+from unbroken.driver import etcdclient, etcdlog
 from unbroken.driver import fold as foldlib
 from unbroken.driver import journal as journallib
 from unbroken.driver import machine as machinelib
@@ -234,7 +239,59 @@ def snapshot_size(n: int, out: dict[str, Any]) -> None:
         e.seq = seq
     s = statelib.initial("bench")
     foldlib.fold_in_place(s, events)
-    out[f"snapshot_bytes_{n}"] = ev.Snapshot(last_seq=s.last_seq, state=s).ByteSize()
+    # what etcd stores (driver/etcdlog.py: compressed) against the state serialized as is
+    out[f"snapshot_bytes_{n}"] = len(etcdlog.snapshot_value(s.last_seq, s))
+    out[f"snapshot_serialized_bytes_{n}"] = ev.Snapshot(last_seq=s.last_seq, state=s).ByteSize()
+
+
+async def register_job(n: int, out: dict[str, Any]) -> None:
+    """RegisterJob of `n` nodes with 40-character host names on a real driver service over
+    gRPC on a real etcd: recorded (`register_job_N_ok`), every stored event within the cap."""
+    import tempfile
+    import uuid
+
+    import grpc
+
+    from unbroken.driver.election import Election
+    from unbroken.driver.etcd import EmbeddedEtcd
+    from unbroken.driver.service import DriverService, ServiceConfig, build_server
+    from unbroken.proto import driver_pb2 as dpb
+    from unbroken.proto import driver_pb2_grpc as dgrpc
+
+    ids = [host(i, 40) for i in range(n)]
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp,
+        EmbeddedEtcd(Path(tmp) / "etcd") as etcd,
+    ):
+        job = f"scale-{uuid.uuid4().hex[:6]}"
+        client = await etcdlog.connect(etcd.config)
+        election = Election(client, job, "d1", ttl_s=10)
+        elog = etcdlog.EtcdEventLog(
+            client, job, await election.campaign(timeout_s=10), archive_url=str(Path(tmp) / "a")
+        )
+        svc = DriverService(ServiceConfig(), driver_id="d1", job_id=job)
+        svc.lead(elog, "127.0.0.1:0", await elog.replay())
+        svc.start()
+        server, port, _ = await build_server(svc, "127.0.0.1:0")
+        try:
+            stub = dgrpc.DriverStub(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
+            world = ev.WorldLayout(pp=1, tp=1, node_ids=ids, workers_per_node=8)
+            t0 = time.perf_counter()
+            await stub.RegisterJob(
+                dpb.RegisterJobRequest(trainer="bench", world=world), timeout=120
+            )
+            out[f"register_job_{n}_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+            stored = await elog.read()
+            out[f"register_job_{n}_ok"] = (
+                list(svc.state.world.node_ids) == ids
+                and max(e.ByteSize() for e in stored) <= elog.max_event_bytes
+            )
+        finally:
+            await server.stop(0)
+            await svc.close()
+            await elog.close()
+            await election.resign()
+            await client.close()
 
 
 # ---------------------------------------------------------------- replay: the previous code
@@ -278,9 +335,12 @@ def _legacy_apply_in_place(s: ev.JobState, e: ev.Event) -> None:
     s.event_counts[kind] += 1
     if kind in statelib.CAUSE_KINDS:
         s.goodput.last_fault = kind
+        if not s.goodput.incident_began_ns:
+            s.goodput.pending_detect_s = statelib._silence_s(e, kind)
     handler = _LEGACY_HANDLERS.get(kind)
     if handler is not None:
         handler(s, e)
+    statelib._segment(s, e)
 
 
 _LEGACY_HANDLERS = {**statelib._HANDLERS, "node_lost": _legacy_node_lost}
@@ -339,9 +399,16 @@ def main() -> None:
     )
     ap.add_argument(
         "--only",
-        choices=("fold", "replay", "snapshot"),
+        choices=("fold", "replay", "snapshot", "e2e"),
         default=None,
         help="run one section (default: all)",
+    )
+    ap.add_argument(
+        "--e2e-nodes",
+        type=int,
+        nargs="+",
+        default=[10240],
+        help="simulated nodes of the end-to-end run (bench/scale_e2e.py), multiples of 64",
     )
     ns = ap.parse_args()
     out: dict[str, Any] = {
@@ -361,6 +428,12 @@ def main() -> None:
         )
     for n in ns.levels if ns.only in (None, "snapshot") else ():
         snapshot_size(n, out)
+    if ns.only in (None, "snapshot"):
+        asyncio.run(register_job(max(ns.levels), out))
+    for n in ns.e2e_nodes if ns.only in (None, "e2e") else ():
+        import scale_e2e  # bench/, beside this file
+
+        scale_e2e.run(n, out)
     for n in ns.levels if ns.only in (None, "fold") else ():
         fold_costs(n, ns.reps, out)
         if not ns.no_join:
