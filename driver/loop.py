@@ -656,10 +656,11 @@ class RecoveryLoop:
         persist_every_s = self.service.persist_every_s()
         # a node in the slot of a node that left the world takes over its ranks' copies
         old = list(self.state.incident_world.node_ids)
+        staying = set(nodes)  # (a scan of the tuple per node was O(n²) when a world shrank)
         replaces = {
             n: old[i]
             for i, n in enumerate(nodes)
-            if i < len(old) and old[i] != n and old[i] not in nodes
+            if i < len(old) and old[i] != n and old[i] not in staying
         }
         # where each replaced node's copies live: the buddy it was paired with
         buddy_of = {o: self._buddy_of(o) for o in replaces.values()}
