@@ -456,6 +456,7 @@ def run(
     procs: list[subprocess.Popen[bytes]] = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     key = f"_{nodes}"
+    out["e2e_nodes"] = nodes  # the keys without a node count (detection, false NodeLost)
     with EmbeddedEtcd(tmp / "etcd") as etcd:
 
         def driver(name: str) -> tuple[subprocess.Popen[bytes], str]:
