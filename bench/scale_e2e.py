@@ -98,6 +98,9 @@ def _heartbeat(step: int, seq: int) -> bytes:
 
 
 # ---------------------------------------------------------------- the simulators
+_BATCH_TAG = _varint(40 << 3 | 2)  # AgentMessage.relay_batch's field key (a batch's first byte)
+
+
 class Leader:
     """Which driver this simulator talks to: the one that last answered as leader."""
 
@@ -199,8 +202,17 @@ class SimRelay:
         self.reconnects += 1
 
     async def _write(self, call: Any) -> None:
+        """Acks in order; of the batches only the newest (a relay builds its batch when it
+        can send it: one that waited behind a slow stream is stale, never queued)."""
         while True:
             data = await self.out.get()
+            if data.startswith(_BATCH_TAG):
+                while not self.out.empty():
+                    nxt = self.out.get_nowait()
+                    if nxt.startswith(_BATCH_TAG):
+                        data = nxt  # a newer batch replaces it
+                    else:
+                        await call.write(nxt)  # an ack goes at once
             await call.write(data)
 
     async def _read(self, call: Any) -> None:
