@@ -98,9 +98,6 @@ def _heartbeat(step: int, seq: int) -> bytes:
 
 
 # ---------------------------------------------------------------- the simulators
-_BATCH_TAG = _varint(40 << 3 | 2)  # AgentMessage.relay_batch's field key (a batch's first byte)
-
-
 class Leader:
     """Which driver this simulator talks to: the one that last answered as leader."""
 
@@ -156,7 +153,7 @@ class SimRelay:
         self.stopped: dict[str, float] = {}  # member -> monotonic time it stopped beating
         self.reported: set[str] = set()
         self.again: set[str] = set()  # members the driver sent away: register again
-        self.out: asyncio.Queue[bytes] = asyncio.Queue()
+        self.out: asyncio.Queue[tuple[bool, bytes]] = asyncio.Queue()
         self.call: Any = None
         self.reconnects = 0
         self.live: set[str] = set()  # members registered at the driver this stream serves
@@ -177,7 +174,7 @@ class SimRelay:
             )(metadata=((channel.NODE_KEY, self.rid), (channel.EPOCH_KEY, str(self.epoch))))
             self.call = call
             self.out = asyncio.Queue()
-            self.out.put_nowait(self.batch(full=True))
+            self.out.put_nowait((True, self.batch(full=True)))
             writer = asyncio.create_task(self._write(call))
             joining = asyncio.create_task(self._join(t0))
             try:
@@ -202,17 +199,17 @@ class SimRelay:
         self.reconnects += 1
 
     async def _write(self, call: Any) -> None:
-        """Acks in order; of the batches only the newest (a relay builds its batch when it
-        can send it: one that waited behind a slow stream is stale, never queued)."""
+        """In order, except that of the periodic batches only the newest goes (a relay
+        builds its batch when it can send it: one that waited behind a slow stream is
+        stale, never queued); acks and silence reports always go."""
         while True:
-            data = await self.out.get()
-            if data.startswith(_BATCH_TAG):
-                while not self.out.empty():
-                    nxt = self.out.get_nowait()
-                    if nxt.startswith(_BATCH_TAG):
-                        data = nxt  # a newer batch replaces it
-                    else:
-                        await call.write(nxt)  # an ack goes at once
+            periodic, data = await self.out.get()
+            while periodic and not self.out.empty():
+                nxt = self.out.get_nowait()
+                if nxt[0]:
+                    data = nxt[1]  # a newer periodic batch replaces it
+                else:
+                    await call.write(nxt[1])
             await call.write(data)
 
     async def _read(self, call: Any) -> None:
@@ -238,7 +235,7 @@ class SimRelay:
             ack = dpb.AgentMessage(
                 relayed=dpb.RelayedUp(node_id=node, epoch=self.epoch, message=ack)
             )
-        self.out.put_nowait(ack.SerializeToString())
+        self.out.put_nowait((False, ack.SerializeToString()))
         what = cmd.WhichOneof("kind")
         if what in ("start_workers", "stop_workers"):
             self.sim.acks.append((what, node, time.time_ns()))
@@ -274,9 +271,15 @@ class SimRelay:
             body = b"".join(_field(2, m.encode()) for m in live)
         return _field(40, body + silent + own)
 
+    def _silent_due(self) -> bool:
+        now = time.monotonic()
+        return any(
+            m not in self.reported and now - t > RELAY_TIMEOUT_S for m, t in self.stopped.items()
+        )
+
     def tick(self, full: bool, step: int, rnd: int) -> None:
         if self.call is not None:
-            self.out.put_nowait(self.batch(full, step, rnd))
+            self.out.put_nowait((not self._silent_due(), self.batch(full, step, rnd)))
 
     def check_silence(self) -> None:
         """Between batches: a member past the timeout goes at once (agent/relay.py)."""
@@ -294,7 +297,7 @@ class SimRelay:
                     silent += _field(3, dpb.RelaySilent(node_id=m, epoch=self.epoch,
                                                         silent_ms=(now - since) * 1e3)
                                      .SerializeToString())  # fmt: skip
-            self.out.put_nowait(_field(40, silent + own))
+            self.out.put_nowait((False, _field(40, silent + own)))
 
 
 class Sim:
