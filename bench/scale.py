@@ -8,12 +8,22 @@ Sections (each against a baseline taken in the same run on the same machine):
   undo (driver/fold.py). Per registration, alone (a batch of one) and in a batch of 64 (the
   journal's group commit: 63 drafts and one commit). Then the whole join end to end: N nodes
   submitted to a journal on the in-memory log, seconds until all are folded, with the
-  in-place fold and with the copying one put back (`join_s_*`, `join_legacy_s_*`), and
+  in-place fold and with the copying one put back (`join_journal_s_*`,
+  `join_journal_legacy_s_*`; `join_s_N` is the e2e section's join of real processes), and
   decided by the recovery machine as the driver's loop does (`join_machine_s_*`; with its
   per-registration draft and the copying fold put back: `join_machine_legacy_s_*`).
 
-- ``snapshot``: the folded state's size (what a snapshot stores) at each level with
-  40-character names, every node registered and in a running world (`snapshot_bytes_N`).
+- ``snapshot``: what a snapshot stores (compressed: driver/etcdlog.py) at each level with
+  40-character names, every node registered and in a running world (`snapshot_bytes_N`),
+  beside the state serialized as it is (`snapshot_serialized_bytes_N`); and RegisterJob of
+  the largest level's world with 40-character names over gRPC on a real etcd
+  (`register_job_N_ok`, `register_job_N_ms`).
+- ``reconnect``: one agent's NodeRegistered (its same epoch) in a running world of N
+  nodes: `machine.decide` (a draft copy of the state and the settle, what every reconnect
+  after a failover paid) against `machine.reconnect` (`reconnect_decide_ms_N`,
+  `reconnect_ms_N`).
+- ``e2e``: a job of `--e2e-nodes` simulated nodes behind relays on two real drivers and a
+  real etcd: join, steady load, detection, one incident, failover (bench/scale_e2e.py).
 - ``replay``: decoding and folding 100k stored NodeLost events (bench/eventlog.py's replay
   workload, 4,096 nodes, pruning included) from their bytes, with this code against the
   previous decode (max(SchemaVersion) per event) and fold hot spots (`_node_lost`,
@@ -39,7 +49,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from unbroken.driver import etcdclient
+from unbroken.driver import etcdclient, etcdlog
 from unbroken.driver import fold as foldlib
 from unbroken.driver import journal as journallib
 from unbroken.driver import machine as machinelib
@@ -234,7 +244,85 @@ def snapshot_size(n: int, out: dict[str, Any]) -> None:
         e.seq = seq
     s = statelib.initial("bench")
     foldlib.fold_in_place(s, events)
-    out[f"snapshot_bytes_{n}"] = ev.Snapshot(last_seq=s.last_seq, state=s).ByteSize()
+    # what etcd stores (driver/etcdlog.py: compressed) against the state serialized as is
+    out[f"snapshot_bytes_{n}"] = len(etcdlog.snapshot_value(s.last_seq, s))
+    out[f"snapshot_serialized_bytes_{n}"] = ev.Snapshot(last_seq=s.last_seq, state=s).ByteSize()
+
+
+def reconnect_costs(n: int, reps: int, out: dict[str, Any]) -> None:
+    """What one agent reconnecting to a new leader costs the recovery loop at `n` nodes in a
+    running world: `machine.decide` (its draft, a copy of the state, and the settle) as
+    every NodeRegistered went before, against `machine.reconnect`, which records it as is."""
+    ids = [node_id(i) for i in range(n)]
+    world = ev.WorldLayout(dp=n * 8, pp=1, tp=1, node_ids=ids, workers_per_node=8)
+    events = [
+        ev.Event(job_started=ev.JobStarted(trainer="bench", world=world)),
+        *(registered(i) for i in range(n)),
+        ev.Event(training_resumed=ev.TrainingResumed(world=world)),
+    ]
+    for seq, e in enumerate(events, 1):
+        e.seq = seq
+    s = statelib.initial("bench")
+    foldlib.fold_in_place(s, events)
+    assert s.phase == ev.PHASE_RUNNING
+    policy = machinelib.Policy()
+    again = registered(n // 2)
+    assert machinelib.reconnect(s, again)
+    out[f"reconnect_decide_ms_{n}"] = _median_ms(
+        lambda: machinelib.decide(s, again, policy), max(5, reps // 10)
+    )
+    out[f"reconnect_ms_{n}"] = _median_ms(lambda: machinelib.reconnect(s, again), reps)
+    out[f"reconnect_speedup_{n}"] = out[f"reconnect_decide_ms_{n}"] / out[f"reconnect_ms_{n}"]
+
+
+async def register_job(n: int, out: dict[str, Any]) -> None:
+    """RegisterJob of `n` nodes with 40-character host names on a real driver service over
+    gRPC on a real etcd: recorded (`register_job_N_ok`), every stored event within the cap."""
+    import tempfile
+    import uuid
+
+    import grpc
+
+    from unbroken.driver.election import Election
+    from unbroken.driver.etcd import EmbeddedEtcd
+    from unbroken.driver.service import DriverService, ServiceConfig, build_server
+    from unbroken.proto import driver_pb2 as dpb
+    from unbroken.proto import driver_pb2_grpc as dgrpc
+
+    ids = [host(i, 40) for i in range(n)]
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp,
+        EmbeddedEtcd(Path(tmp) / "etcd") as etcd,
+    ):
+        job = f"scale-{uuid.uuid4().hex[:6]}"
+        client = await etcdlog.connect(etcd.config)
+        election = Election(client, job, "d1", ttl_s=10)
+        elog = etcdlog.EtcdEventLog(
+            client, job, await election.campaign(timeout_s=10), archive_url=str(Path(tmp) / "a")
+        )
+        svc = DriverService(ServiceConfig(), driver_id="d1", job_id=job)
+        svc.lead(elog, "127.0.0.1:0", await elog.replay())
+        svc.start()
+        server, port, _ = await build_server(svc, "127.0.0.1:0")
+        try:
+            stub = dgrpc.DriverStub(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
+            world = ev.WorldLayout(pp=1, tp=1, node_ids=ids, workers_per_node=8)
+            t0 = time.perf_counter()
+            await stub.RegisterJob(
+                dpb.RegisterJobRequest(trainer="bench", world=world), timeout=120
+            )
+            out[f"register_job_{n}_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+            stored = await elog.read()
+            out[f"register_job_{n}_ok"] = (
+                list(svc.state.world.node_ids) == ids
+                and max(e.ByteSize() for e in stored) <= elog.max_event_bytes
+            )
+        finally:
+            await server.stop(0)
+            await svc.close()
+            await elog.close()
+            await election.resign()
+            await client.close()
 
 
 # ---------------------------------------------------------------- replay: the previous code
@@ -278,12 +366,18 @@ def _legacy_apply_in_place(s: ev.JobState, e: ev.Event) -> None:
     s.event_counts[kind] += 1
     if kind in statelib.CAUSE_KINDS:
         s.goodput.last_fault = kind
+        if not s.goodput.incident_began_ns:
+            s.goodput.pending_detect_s = statelib._silence_s(e, kind)
     handler = _LEGACY_HANDLERS.get(kind)
     if handler is not None:
         handler(s, e)
+    statelib._segment(s, e)
 
 
 _LEGACY_HANDLERS = {**statelib._HANDLERS, "node_lost": _legacy_node_lost}
+
+
+_CPU: list[float] = []  # each replay_once's process CPU time, in order
 
 
 def replay_once(datas: list[bytes], *, legacy: bool) -> tuple[float, ev.JobState]:
@@ -293,8 +387,9 @@ def replay_once(datas: list[bytes], *, legacy: bool) -> tuple[float, ev.JobState
     if legacy:
         statelib._apply_in_place = _legacy_apply_in_place
     try:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         state = statelib.fold([decode(d) for d in datas], statelib.initial("bench"))
+        _CPU.append(time.process_time() - c0)
         return time.perf_counter() - t0, state
     finally:
         statelib._apply_in_place = saved
@@ -311,11 +406,16 @@ def replay_costs(n: int, out: dict[str, Any]) -> None:
         )
         datas.append(e.SerializeToString())
     runs: dict[bool, list[float]] = {True: [], False: []}
+    cpus: dict[bool, list[float]] = {True: [], False: []}
     states = {}
     for _ in range(3):
         for legacy in (True, False):
             took, states[legacy] = replay_once(datas, legacy=legacy)
             runs[legacy].append(took * 100_000 / n)
+            cpus[legacy].append(_CPU[-1] * 100_000 / n)
+    # the process's CPU time: what the shared host's load does not stretch
+    out["replay_100k_decode_fold_legacy_cpu_s"] = statistics.median(cpus[True])
+    out["replay_100k_decode_fold_now_cpu_s"] = statistics.median(cpus[False])
     assert states[True] == states[False], "the folds disagree"
     for legacy, name in ((True, "legacy"), (False, "now")):
         out[f"replay_100k_decode_fold_{name}_cold_s"] = runs[legacy][0]
@@ -339,9 +439,16 @@ def main() -> None:
     )
     ap.add_argument(
         "--only",
-        choices=("fold", "replay", "snapshot"),
+        choices=("fold", "replay", "snapshot", "reconnect", "e2e"),
         default=None,
         help="run one section (default: all)",
+    )
+    ap.add_argument(
+        "--e2e-nodes",
+        type=int,
+        nargs="+",
+        default=[10240],
+        help="simulated nodes of the end-to-end run (bench/scale_e2e.py), multiples of 64",
     )
     ns = ap.parse_args()
     out: dict[str, Any] = {
@@ -361,12 +468,26 @@ def main() -> None:
         )
     for n in ns.levels if ns.only in (None, "snapshot") else ():
         snapshot_size(n, out)
+    if ns.only in (None, "snapshot"):
+        asyncio.run(register_job(max(ns.levels), out))
+    for n in ns.levels if ns.only in (None, "reconnect") else ():
+        reconnect_costs(n, ns.reps, out)
+        print(
+            f"reconnect at {n}: decide {out[f'reconnect_decide_ms_{n}']:.3f} ms, "
+            f"recorded as is {out[f'reconnect_ms_{n}']:.4f} ms"
+        )
+    for n in ns.e2e_nodes if ns.only in (None, "e2e") else ():
+        import scale_e2e  # bench/, beside this file
+
+        scale_e2e.run(n, out)
     for n in ns.levels if ns.only in (None, "fold") else ():
         fold_costs(n, ns.reps, out)
         if not ns.no_join:
-            out[f"join_legacy_s_{n}"] = asyncio.run(join(n, copying=True))
-            out[f"join_s_{n}"] = asyncio.run(join(n, copying=False))
-            out[f"join_speedup_{n}"] = out[f"join_legacy_s_{n}"] / out[f"join_s_{n}"]
+            out[f"join_journal_legacy_s_{n}"] = asyncio.run(join(n, copying=True))
+            out[f"join_journal_s_{n}"] = asyncio.run(join(n, copying=False))
+            out[f"join_journal_speedup_{n}"] = (
+                out[f"join_journal_legacy_s_{n}"] / out[f"join_journal_s_{n}"]
+            )
             if n <= ns.machine_legacy_max:
                 out[f"join_machine_legacy_s_{n}"] = asyncio.run(join(n, copying=True, machine=True))
             out[f"join_machine_s_{n}"] = asyncio.run(join(n, copying=False, machine=True))
@@ -388,8 +509,8 @@ def main() -> None:
             f"{out[f'register_batch64_copying_ms_{n}']:.3f}",
             f"{out[f'register_batch64_in_place_ms_{n}']:.4f}",
             f"{out[f'register_batch64_speedup_{n}']:.0f}",
-            f"{out.get(f'join_legacy_s_{n}', float('nan')):.2f}",
-            f"{out.get(f'join_s_{n}', float('nan')):.2f}",
+            f"{out.get(f'join_journal_legacy_s_{n}', float('nan')):.2f}",
+            f"{out.get(f'join_journal_s_{n}', float('nan')):.2f}",
         ]
         print(f"| {n} | " + " | ".join(cols) + " |")
     print(f"wrote {RESULTS}")

@@ -293,9 +293,16 @@ class RecoveryLoop:
         if isinstance(item, ev.Event):
             if item.WhichOneof("payload") not in OBSERVED:
                 return [item], None
+            if machine.reconnect(s, item):
+                # the node's own agent again (a failover's herd of 10,000): recorded as it
+                # is, without the decision's draft (a copy of the whole state each)
+                return [item], None
             d = machine.decide(s, item, self.policy)
-            if d.note:
-                log.info("observation", kind=item.WhichOneof("payload"), note=d.note)
+            if d.note:  # a registration's note says little: 10,000 lines at a join
+                registered = item.WhichOneof("payload") == "node_registered"
+                (log.debug if registered else log.info)(
+                    "observation", kind=item.WhichOneof("payload"), note=d.note
+                )
             if len(d.events) == 1:  # recorded only: nothing to do
                 return list(d.events), None
             return list(d.events), self._then(d)
@@ -649,10 +656,11 @@ class RecoveryLoop:
         persist_every_s = self.service.persist_every_s()
         # a node in the slot of a node that left the world takes over its ranks' copies
         old = list(self.state.incident_world.node_ids)
+        staying = set(nodes)  # (a scan of the tuple per node was O(n²) when a world shrank)
         replaces = {
             n: old[i]
             for i, n in enumerate(nodes)
-            if i < len(old) and old[i] != n and old[i] not in nodes
+            if i < len(old) and old[i] != n and old[i] not in staying
         }
         # where each replaced node's copies live: the buddy it was paired with
         buddy_of = {o: self._buddy_of(o) for o in replaces.values()}

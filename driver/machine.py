@@ -50,6 +50,7 @@ with the reason); dp grows back, up to the configured world, when nodes return.
 
 from __future__ import annotations
 
+import collections
 import enum
 import hashlib
 from collections.abc import Iterable, Sequence
@@ -644,6 +645,24 @@ def decide(state: ev.JobState, observation: Observation, policy: Policy) -> Deci
     )
 
 
+def reconnect(state: ev.JobState, e: ev.Event) -> bool:
+    """Whether `e` is a NodeRegistered of a node's current agent (same epoch) that leaves
+    its state as it is: an active node registering as a worker, or a spare as a spare.
+
+    Such an event decides nothing (`decide` records it and its actions are the state's
+    pending ones, unchanged), so a caller may record it without deciding. O(1): no look
+    at the world (an active node is active whether in the world or not)."""
+    if e.WhichOneof("payload") != "node_registered":
+        return False
+    p = e.node_registered
+    rec = state.nodes.get(p.node_id)
+    if rec is None or rec.epoch != p.epoch or not p.epoch:
+        return False
+    if p.spare:
+        return rec.state == ev.NODE_STATE_SPARE
+    return rec.state == ev.NODE_STATE_ACTIVE
+
+
 def settle(state: ev.JobState, policy: Policy) -> Decision:
     """The automatic transitions due in `state` (after a replay, or a half-appended decision)."""
     draft = _Draft(state, "settle")
@@ -1026,14 +1045,31 @@ def _settle_once(d: _Draft, policy: Policy) -> bool:
             return True
         sources, reshard = restore_sources(s)
         d.add(  # RESHAPED -> RESTORING (the fold moves the phase)
-            ev.Event(
-                restore_started=ev.RestoreStarted(
-                    step=s.restore_step, source_by_rank=dict(sources), reshard=reshard
-                )
-            )
+            ev.Event(restore_started=restore_started(s.restore_step, dict(sources), reshard))
         )
         return True
     return False
+
+
+SOURCES_BY_NAME = 1024  # ranks a RestoreStarted lists one by one; past it, the exceptions
+
+
+def restore_started(step: int, sources: dict[int, str], reshard: bool) -> ev.RestoreStarted:
+    """The RestoreStarted of a restore from `sources` (rank -> source). Past
+    `SOURCES_BY_NAME` ranks only those whose source is not the most common one are listed
+    (`source_default` names it), so the event stays small at any world size."""
+    e = ev.RestoreStarted(step=step, reshard=reshard)
+    if len(sources) > SOURCES_BY_NAME:
+        common = collections.Counter(sources.values()).most_common(1)[0][0]
+        e.source_default = common
+        sources = {r: src for r, src in sources.items() if src != common}
+    e.source_by_rank.update(sources)
+    return e
+
+
+def restore_source(e: ev.RestoreStarted, rank: int) -> str:
+    """Where `rank` restores from, by a RestoreStarted ("" when it does not say)."""
+    return e.source_by_rank.get(rank, e.source_default)
 
 
 def _settle_running(d: _Draft, policy: Policy) -> bool:

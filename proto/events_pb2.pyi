@@ -378,7 +378,7 @@ class CheckpointCommitted(_message.Message):
     def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., ranks: _Optional[int] = ..., checksum: _Optional[str] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., persist_s: _Optional[float] = ...) -> None: ...
 
 class RestoreStarted(_message.Message):
-    __slots__ = ("step", "source_by_rank", "reshard")
+    __slots__ = ("step", "source_by_rank", "reshard", "source_default")
     class SourceByRankEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -389,10 +389,12 @@ class RestoreStarted(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     SOURCE_BY_RANK_FIELD_NUMBER: _ClassVar[int]
     RESHARD_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_DEFAULT_FIELD_NUMBER: _ClassVar[int]
     step: int
     source_by_rank: _containers.ScalarMap[int, str]
     reshard: bool
-    def __init__(self, step: _Optional[int] = ..., source_by_rank: _Optional[_Mapping[int, str]] = ..., reshard: _Optional[bool] = ...) -> None: ...
+    source_default: str
+    def __init__(self, step: _Optional[int] = ..., source_by_rank: _Optional[_Mapping[int, str]] = ..., reshard: _Optional[bool] = ..., source_default: _Optional[str] = ...) -> None: ...
 
 class RestoreFinished(_message.Message):
     __slots__ = ("step", "duration_s", "ok", "error", "restored_step", "storage_ranks", "trained_s")
@@ -783,16 +785,20 @@ class GoodputLedger(_message.Message):
     def __init__(self, started_ns: _Optional[int] = ..., incident_began_ns: _Optional[int] = ..., incident_cause: _Optional[str] = ..., lost_s_by_cause: _Optional[_Mapping[str, float]] = ..., steps_redone: _Optional[int] = ..., last_fault: _Optional[str] = ..., incidents: _Optional[int] = ..., storage_incidents: _Optional[int] = ..., lost_s_by_category: _Optional[_Mapping[str, float]] = ..., segment_began_ns: _Optional[int] = ..., segment_category: _Optional[str] = ..., pending_detect_s: _Optional[float] = ..., running_since_ns: _Optional[int] = ..., startup_open: _Optional[bool] = ..., resumed_before_s: _Optional[float] = ...) -> None: ...
 
 class Snapshot(_message.Message):
-    __slots__ = ("last_seq", "state", "wall_time_unix_ns", "parts")
+    __slots__ = ("last_seq", "state", "wall_time_unix_ns", "parts", "state_deflated", "parts_deflated")
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WALL_TIME_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_DEFLATED_FIELD_NUMBER: _ClassVar[int]
+    PARTS_DEFLATED_FIELD_NUMBER: _ClassVar[int]
     last_seq: int
     state: JobState
     wall_time_unix_ns: int
     parts: int
-    def __init__(self, last_seq: _Optional[int] = ..., state: _Optional[_Union[JobState, _Mapping]] = ..., wall_time_unix_ns: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...
+    state_deflated: bytes
+    parts_deflated: bool
+    def __init__(self, last_seq: _Optional[int] = ..., state: _Optional[_Union[JobState, _Mapping]] = ..., wall_time_unix_ns: _Optional[int] = ..., parts: _Optional[int] = ..., state_deflated: _Optional[bytes] = ..., parts_deflated: _Optional[bool] = ...) -> None: ...
 
 class ArchiveSegment(_message.Message):
     __slots__ = ("first_seq", "last_seq", "events")
