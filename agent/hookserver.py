@@ -236,6 +236,8 @@ class HookServer:
                 (s.peak_loss, s.peak_step) if s.has_peak else None,
                 dict(s.timings_ms) if s.timings_ms else None,
             )
+        elif kind == "fingerprint":
+            w.on_fingerprint(rep.fingerprint)
         elif kind == "phase":
             step = rep.phase.step if rep.phase.HasField("step") else None
             w.on_phase(rep.phase.name, time.monotonic(), step, rep.phase.source)
