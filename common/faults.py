@@ -37,8 +37,11 @@ import dataclasses
 import json
 import math
 import os
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 _FLAGS = ("wrong_matmul", "nan", "wrong_allgather", "hang_allgather")
 _HELP = "known terms: wrong_matmul, nan, wrong_allgather, hang_allgather, slow:F (F >= 1), none"
@@ -216,6 +219,20 @@ class SdcDetail:
 
     def to_json(self) -> dict[str, object]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def of_message(cls, msg: Any, local_rank: int, ranks: Sequence[int]) -> SdcDetail:
+        """From an `InjectFault.sdc` message (proto SdcFault): the local rank is
+        `local_rank`, or one of `ranks` at random when the message says `random_rank`."""
+        if msg.random_rank and ranks:
+            local_rank = random.choice(list(ranks))
+        return cls(
+            local_rank=local_rank,
+            tensor=msg.tensor,
+            bit=msg.bit if msg.HasField("bit") else -1,
+            target=msg.target,
+            size=msg.size,
+        )
 
     @classmethod
     def from_json(cls, d: object) -> SdcDetail:

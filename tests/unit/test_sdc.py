@@ -49,7 +49,8 @@ def test_flip_bit_changes_one_bit_of_the_named_tensor() -> None:
     opt.step()
 
     class T:
-        optimizers = [opt]
+        def __init__(self) -> None:
+            self.optimizers = [opt]
 
     fp = sdc.Fingerprinter(T())
     before = fp.compute()
