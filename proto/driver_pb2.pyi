@@ -1057,7 +1057,7 @@ class ShardInfo(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("step", "seq", "wall_time_unix_ns", "uri", "bytes", "ranks", "shards", "shards_error", "checksum", "pruned")
+    __slots__ = ("step", "seq", "wall_time_unix_ns", "uri", "bytes", "ranks", "shards", "shards_error", "checksum", "pruned", "verified")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     WALL_TIME_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
@@ -1068,6 +1068,7 @@ class CheckpointInfo(_message.Message):
     SHARDS_ERROR_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     PRUNED_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
     step: int
     seq: int
     wall_time_unix_ns: int
@@ -1078,7 +1079,8 @@ class CheckpointInfo(_message.Message):
     shards_error: str
     checksum: str
     pruned: bool
-    def __init__(self, step: _Optional[int] = ..., seq: _Optional[int] = ..., wall_time_unix_ns: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., ranks: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., shards_error: _Optional[str] = ..., checksum: _Optional[str] = ..., pruned: _Optional[bool] = ...) -> None: ...
+    verified: bool
+    def __init__(self, step: _Optional[int] = ..., seq: _Optional[int] = ..., wall_time_unix_ns: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., ranks: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., shards_error: _Optional[str] = ..., checksum: _Optional[str] = ..., pruned: _Optional[bool] = ..., verified: _Optional[bool] = ...) -> None: ...
 
 class NodeFlashInfo(_message.Message):
     __slots__ = ("node_id", "persisted_step", "ranks", "live_step")
@@ -1093,12 +1095,14 @@ class NodeFlashInfo(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., persisted_step: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., live_step: _Optional[int] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
-    __slots__ = ("checkpoints", "nodes")
+    __slots__ = ("checkpoints", "nodes", "verified_steps")
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_STEPS_FIELD_NUMBER: _ClassVar[int]
     checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointInfo]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeFlashInfo]
-    def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeFlashInfo, _Mapping]]] = ...) -> None: ...
+    verified_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeFlashInfo, _Mapping]]] = ..., verified_steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RequestCheckpointRequest(_message.Message):
     __slots__ = ("wait", "timeout_s", "lead_steps")
