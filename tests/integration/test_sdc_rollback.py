@@ -54,9 +54,7 @@ def _inject_sdc(address: str, node: str, step: int) -> str:
 
 
 @pytest.mark.timeout(1200)  # the cluster on 2 loaded cores, then a reference run
-def test_a_flipped_bit_rolls_back_to_the_newest_verified_step(
-    job: Job, tmp_path: Path
-) -> None:
+def test_a_flipped_bit_rolls_back_to_the_newest_verified_step(job: Job, tmp_path: Path) -> None:
     base = job.worker_cmd
 
     def worker_cmd(dp: int = 2) -> str:
@@ -67,7 +65,7 @@ def test_a_flipped_bit_rolls_back_to_the_newest_verified_step(
     job.start_agent("n0", buddy="n1", extra=RING)
     job.start_agent("n1", buddy="n0", extra=RING)
 
-    def events() -> list[ev.Event]:
+    def read_events() -> list[ev.Event]:
         """The job's events; none when etcd did not answer in time (a loaded host)."""
         try:
             return job.events()
@@ -75,7 +73,7 @@ def test_a_flipped_bit_rolls_back_to_the_newest_verified_step(
             return []
 
     def verified() -> list[int]:
-        return [e.step_verified.step for e in events() if e.HasField("step_verified")]
+        return [e.step_verified.step for e in read_events() if e.HasField("step_verified")]
 
     until(lambda: len(verified()) >= 2, 300, "two verified steps", job)
     at = job.max_step() + LEAD
@@ -83,7 +81,7 @@ def test_a_flipped_bit_rolls_back_to_the_newest_verified_step(
     assert "local rank 0" in detail, detail
 
     def resumed_after_rollback() -> bool:
-        kinds = [e.WhichOneof("payload") for e in events()]
+        kinds = [e.WhichOneof("payload") for e in read_events()]
         return "rollback" in kinds and "training_resumed" in kinds[kinds.index("rollback") :]
 
     until(resumed_after_rollback, 300, "the rollback's resume", job)
@@ -118,9 +116,7 @@ def test_a_flipped_bit_rolls_back_to_the_newest_verified_step(
 
     # The losses of the new timeline equal an uninterrupted run's.
     lines = job.metrics.read_text().splitlines()
-    again = next(
-        i for i, line in enumerate(lines) if f'"step": {rollback.to_step + 1},' in line
-    )
+    again = next(i for i, line in enumerate(lines) if f'"step": {rollback.to_step + 1},' in line)
     tail = job.tmp / "after.jsonl"
     tail.write_text("\n".join(lines[again:]) + "\n")
     got = {s: losses[0] for s, losses in read_metrics(tail).items()}
