@@ -31,9 +31,12 @@ async def watch(loop: RecoveryLoop) -> None:
     book: sdclib.FingerprintBook | None = None
     world_key: Any = None
     suspected_at = -1  # the state's last_seq when the last SdcSuspected was queued
+    probe_ref: int | None = None  # kept across books
     while True:
         await asyncio.sleep(period)
         s = loop.state
+        if book is not None and book.probe_ref is not None:
+            probe_ref = book.probe_ref
         if s.phase != ev.PHASE_RUNNING or s.last_seq <= suspected_at:
             book = None
             continue
@@ -41,14 +44,17 @@ async def watch(loop: RecoveryLoop) -> None:
             w = s.world
             key = (tuple(w.node_ids), w.workers_per_node, s.goodput.incidents)
             if book is None or key != world_key:
-                book, world_key = sdclib.FingerprintBook(len(w.node_ids) * w.workers_per_node), key
+                size = len(w.node_ids) * w.workers_per_node
+                # the probe's agreed value is the same in any world of the same devices
+                ref = book.probe_ref if book is not None else probe_ref
+                book, world_key = sdclib.FingerprintBook(size, probe_ref=ref), key
             node_of = _feed(loop, book, tuple(w.node_ids))
             for v in book.ready():
                 if v.disagreed:
                     suspected_at = s.last_seq
                     loop.service.emit(ev.Event(sdc_suspected=_suspected(loop, s, v, node_of)))
                     log.warning("sdc suspected", step=v.step, ranks=v.suspects, detail=v.detail)
-                    book = None
+                    probe_ref, book = book.probe_ref, None
                     break
                 if v.verified:
                     loop.service.emit(

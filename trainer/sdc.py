@@ -159,7 +159,13 @@ class Fingerprinter:
         if self._plan is None or version != self._version:
             mesh = self.trainer.device_mesh() if hasattr(self.trainer, "device_mesh") else None
             coords = mesh_coords(mesh) if mesh is not None else {}
-            self._plan = [(replica_key(t, coords), n, t) for n, t in state_tensors(self.trainer)]
+            plan: list[tuple[str, str, Any]] = []
+            key = "all"
+            for n, t in state_tensors(self.trainer):
+                if n.count(".") == 2:  # a parameter; its optimizer state follows it and
+                    key = replica_key(t, coords)  # is laid out alike (the AdamW step too)
+                plan.append((key, n, t))
+            self._plan = plan
             self._version = version
         return self._plan
 
