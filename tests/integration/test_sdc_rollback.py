@@ -116,7 +116,8 @@ def test_a_flipped_bit_rolls_back_to_the_newest_verified_step(job: Job, tmp_path
 
     # The losses of the new timeline equal an uninterrupted run's.
     lines = job.metrics.read_text().splitlines()
-    again = next(i for i, line in enumerate(lines) if f'"step": {rollback.to_step + 1},' in line)
+    # the new timeline: from the last time the step after the target was trained
+    again = max(i for i, line in enumerate(lines) if f'"step": {rollback.to_step + 1},' in line)
     tail = job.tmp / "after.jsonl"
     tail.write_text("\n".join(lines[again:]) + "\n")
     got = {s: losses[0] for s, losses in read_metrics(tail).items()}
