@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": "make bench-sdc",
+        "load1": load_before[0],
         "model": "tiny (fp32, CPU, gloo), seq 32, batch 4 per rank",
         "flip_layout": "dp3 --dp-mode replicate",
         "flip_fingerprint_every": args.every,
