@@ -63,10 +63,12 @@ from unbroken.common import channel, workerenv
 from unbroken.common.channel import endpoint_is_loopback
 from unbroken.common.faults import (
     FAULT_FILE,
+    SDC_FAULTS,
     SLOW_FILE,
     WORKER_FILE_FAULTS,
     FaultSpec,
     RuntimeFault,
+    SdcDetail,
     WorkerFault,
     write_slow_factor,
 )
@@ -1019,8 +1021,12 @@ class Agent:
             return f"slow-train: the workers compute {f.factor or 2.0:g}x slower"
         if f.kind in WORKER_FILE_FAULTS:
             step = f.step or max((w.step for w in sup.workers.values()), default=0) + 1
-            WorkerFault(f.kind, step, uuid.uuid4().hex).write(self.fault_file)
-            return f"{f.kind}: written to {self.fault_file} for step {step}"
+            detail = None
+            if f.kind in SDC_FAULTS:
+                detail = SdcDetail.of_message(p.sdc, f.local_rank, sorted(sup.workers))
+            WorkerFault(f.kind, step, uuid.uuid4().hex, detail).write(self.fault_file)
+            on = f" on local rank {detail.local_rank}" if detail is not None else ""
+            return f"{f.kind}: written to {self.fault_file} for step {step}{on}"
         w = sup.workers.get(f.local_rank)
         if w is None or w.proc is None or w.proc.returncode is not None:
             running = sorted(r for r, x in sup.workers.items() if x.pid and x.exit_code == 0)

@@ -278,6 +278,8 @@ class HookServer:
             )
             if first and self.on_first_step is not None:
                 self.on_first_step()
+        elif kind == "fingerprint":
+            w.on_fingerprint(rep.fingerprint)
         elif kind == "phase":
             step = rep.phase.step if rep.phase.HasField("step") else None
             w.on_phase(rep.phase.name, time.monotonic(), step, rep.phase.source)

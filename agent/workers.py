@@ -52,6 +52,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -59,6 +60,8 @@ from unbroken.agent import hang as hanglib
 from unbroken.agent import warm as warmlib
 from unbroken.common.workerenv import WorkerEnv
 from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import events_pb2 as ev
+from unbroken.proto import hooks_pb2 as hpb
 from unbroken.recovery.restore import Source
 
 log = structlog.get_logger(__name__)
@@ -86,6 +89,9 @@ def warm_default(nproc: int, cpus: int | None = None) -> bool:
 
 
 PEAK_BEATS = 3  # heartbeats a loss peak is repeated in (see Worker.status)
+FINGERPRINTS_KEPT = 3  # a rank's newest fingerprinted steps...
+FINGERPRINT_BEATS = 20  # ...each repeated in this many heartbeats (the driver looks each beat)
+MAX_FINGERPRINT_KEYS = 16  # replica keys of one rank's fingerprint passed on
 WINDOW_STEPS = 128  # steps the reported compute / wait medians stand for
 LOSS_WINDOW = 100  # recent losses the reported loss median / MAD stand for (SpikeConfig.window)
 # where a worker may say its restored state came from
@@ -402,6 +408,11 @@ class Worker:
         self.rejoins = 0  # in-job recoveries this process rejoined a new world in (agent/injob.py)
         self.delay_at_progress = -1.0  # run-queue delay (ms) at the step last seen progressing
         self.step_seen = -1
+        # the newest state fingerprints (docs/sdc.md), newest first, sent in every heartbeat
+        # until newer ones replace them: the driver reads each node's newest heartbeat only
+        self.fingerprints: collections.deque[list[Any]] = collections.deque(
+            maxlen=FINGERPRINTS_KEPT
+        )  # [RankFingerprint, heartbeats it was sent in]
 
     @property
     def pid(self) -> int:
@@ -452,12 +463,25 @@ class Worker:
         if step_time_ms > 0:
             self.step_times.append(step_time_ms)
 
+    def on_fingerprint(self, fp: hpb.Fingerprint) -> None:
+        """The rank's state fingerprints after a step (trainer/sdc.py)."""
+        n = min(len(fp.keys), len(fp.hashes), MAX_FINGERPRINT_KEYS)
+        rf = ev.RankFingerprint(
+            step=fp.step,
+            keys=[k[:128] for k in fp.keys[:n]],
+            hashes=fp.hashes[:n],
+            global_rank=self.global_rank,
+        )
+        self.fingerprints.appendleft([rf, 0])
+
     def on_phase(self, name: str, now: float, step: int | None = None, source: str = "") -> None:
         """The worker entered phase `name`; the phase's own limit counts from now. A `step`
         with it is the step its state is at; the first one is the step it restored, and
         `source` where that came from (a name outside RESTORE_SOURCES is not passed on)."""
         self.phase = name[:32]
         self.last_progress = now
+        if step is not None:  # a (re)started run: the old timeline's fingerprints are void
+            self.fingerprints.clear()
         if step is not None and self.restored_step is None:
             self.restored_step = step
             self.restored_from = source if source in RESTORE_SOURCES else ""
@@ -543,7 +567,16 @@ class Worker:
             held=self.phase == "held",
             checkpoint_save_share=save_share,
             data_loading_share=data_share,
+            fingerprints=self._fingerprints_to_send(),
         )
+
+    def _fingerprints_to_send(self) -> list[ev.RankFingerprint]:
+        out = []
+        for entry in self.fingerprints:
+            if entry[1] < FINGERPRINT_BEATS:
+                entry[1] += 1
+                out.append(entry[0])
+        return out
 
 
 def in_step_shares(window: Iterable[tuple[float, float, float]]) -> tuple[float, float]:

@@ -123,12 +123,13 @@ def print_list(resp: dpb.ListCheckpointsResponse) -> None:
 
     console = make_console()
     t = Table(title="committed checkpoints (newest last)", title_justify="left")
-    for col in ("step", "committed (UTC)", "ranks", "bytes", "location", "shards"):
+    for col in ("step", "verified", "committed (UTC)", "ranks", "bytes", "location", "shards"):
         right = col in ("step", "ranks", "bytes")
         t.add_column(col, justify="right" if right else "left", overflow="fold")
     for c in resp.checkpoints:
         t.add_row(
             str(c.step),
+            "yes" if c.verified else "-",
             when(c.wall_time_unix_ns),
             str(c.ranks or "?"),
             human_bytes(c.bytes),
@@ -139,6 +140,9 @@ def print_list(resp: dpb.ListCheckpointsResponse) -> None:
         console.print("no checkpoint committed yet")
     else:
         console.print(t)
+    if resp.verified_steps:  # docs/sdc.md: a rollback after an SDC goes to the newest held
+        steps = ", ".join(map(str, resp.verified_steps[-8:]))
+        console.print(f"verified steps (replicas' fingerprints agreed, newest last): {steps}")
     n = Table(title="flash copies by node", title_justify="left")
     for col in ("node", "persisted step", "ranks", "live step"):
         n.add_column(col, justify="left" if col in ("node", "ranks") else "right")

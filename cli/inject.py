@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from unbroken.cli.client import ClientConfig, add_client_flags, print_json, run_command, to_dict
-from unbroken.common.faults import RUNTIME_FAULTS, RuntimeFault
+from unbroken.common.faults import RUNTIME_FAULTS, SDC_FAULTS, RuntimeFault, SdcDetail
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 
@@ -26,7 +26,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node", required=True, help="node id (see `unbroken nodes`)")
     parser.add_argument("--rank", type=int, default=0, help="local rank for crash / hang")
     parser.add_argument("--factor", type=float, default=0.0, help="slowdown for slow (default 2)")
-    parser.add_argument("--step", type=int, default=0, help="step for nan / loss-spike (0: next)")
+    parser.add_argument(
+        "--step", type=int, default=0, help="step for nan / loss-spike / sdc (0: next)"
+    )
+    sdc = parser.add_argument_group("sdc, sdc-matmul (docs/sdc.md)")
+    sdc.add_argument(
+        "--random-rank", action="store_true", help="sdc: the agent picks the local rank"
+    )
+    sdc.add_argument("--tensor", default="", help="sdc: a state tensor's name (default random)")
+    sdc.add_argument("--bit", type=int, default=-1, help="sdc: the bit 0-31 (default random)")
+    sdc.add_argument(
+        "--target",
+        default="",
+        choices=("", "param", "optim"),
+        help="sdc: a random flip's kind",
+    )
+    sdc.add_argument(
+        "--size", type=float, default=1e-3, help="sdc-matmul: relative error (0 ends it)"
+    )
     add_client_flags(parser)
 
 
@@ -34,6 +51,7 @@ def run(ns: argparse.Namespace) -> int:
     """`unbroken inject`."""
     try:
         f = RuntimeFault.of(ns.fault, ns.rank, ns.factor, ns.step)
+        sdc = SdcDetail(bit=ns.bit, target=ns.target, tensor=ns.tensor, size=ns.size)
     except ValueError as e:
         print(f"unbroken inject: {e}", file=sys.stderr)
         return 2
@@ -44,6 +62,16 @@ def run(ns: argparse.Namespace) -> int:
         req = dpb.InjectFaultRequest(
             node_id=ns.node, kind=f.kind, local_rank=f.local_rank, factor=f.factor, step=f.step
         )
+        if f.kind in SDC_FAULTS:
+            req.sdc.CopyFrom(
+                dpb.SdcFault(
+                    random_rank=ns.random_rank,
+                    tensor=sdc.tensor,
+                    bit=sdc.bit if sdc.bit >= 0 else None,
+                    target=sdc.target,
+                    size=sdc.size,
+                )
+            )
         resp = await stub.InjectFault(req, timeout=cfg.timeout_s + 15.0, metadata=md)
         if ns.json:
             print_json({"node_id": ns.node, "fault": f.kind, **to_dict(resp)})

@@ -37,8 +37,11 @@ import dataclasses
 import json
 import math
 import os
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 _FLAGS = ("wrong_matmul", "nan", "wrong_allgather", "hang_allgather")
 _HELP = "known terms: wrong_matmul, nan, wrong_allgather, hang_allgather, slow:F (F >= 1), none"
@@ -117,9 +120,14 @@ RUNTIME_FAULTS: dict[str, str] = {
     "node-loss": "the agent SIGKILLs its workers and exits without a goodbye",
     "nan": "the workers see a NaN loss at step S (--step; 0: the next step)",
     "loss-spike": "the workers see a loss spike at step S (--step; 0: the next step)",
+    "sdc": "flip one bit of one worker's state after step S (--rank, --random-rank, --tensor, "
+    "--bit, --target param|optim; random when not given): silent data corruption",
+    "sdc-matmul": "every matmul of one worker is off by a relative SIZE from step S "
+    "(--rank, --size; --size 0 ends it): a silently wrong GPU in training",
 }
-NAN, LOSS_SPIKE = "nan", "loss-spike"
-WORKER_FILE_FAULTS = (NAN, LOSS_SPIKE)  # written to UNBROKEN_FAULT_FILE for the trainer
+NAN, LOSS_SPIKE, SDC, SDC_MATMUL = "nan", "loss-spike", "sdc", "sdc-matmul"
+SDC_FAULTS = (SDC, SDC_MATMUL)
+WORKER_FILE_FAULTS = (NAN, LOSS_SPIKE, *SDC_FAULTS)  # written to UNBROKEN_FAULT_FILE
 FAULT_FILE = "fault.json"  # the worker fault file's name in the workers' log directory
 SLOW_FILE = "slow-train.json"  # beside it: the node's lasting compute slowdown
 
@@ -139,6 +147,7 @@ class RuntimeFault:
     local_rank: int = 0
     factor: float = 0.0
     step: int = 0
+    sdc: SdcDetail | None = None  # sdc / sdc-matmul: what to corrupt
 
     def __post_init__(self) -> None:
         if self.kind not in RUNTIME_FAULTS:
@@ -155,13 +164,21 @@ class RuntimeFault:
             raise ValueError(f"factor applies to the 'slow' fault only, not {self.kind!r}")
 
     @classmethod
-    def of(cls, kind: str, local_rank: int = 0, factor: float = 0.0, step: int = 0) -> RuntimeFault:
+    def of(
+        cls,
+        kind: str,
+        local_rank: int = 0,
+        factor: float = 0.0,
+        step: int = 0,
+        sdc: SdcDetail | None = None,
+    ) -> RuntimeFault:
         """Normalise ``kind`` (case, ``_`` for ``-``) and validate (ValueError naming the field)."""
         return cls(
             kind=kind.strip().lower().replace("_", "-"),
             local_rank=local_rank,
             factor=factor,
             step=step,
+            sdc=sdc,
         )
 
     def apply_to(self, spec: FaultSpec) -> FaultSpec:
@@ -173,6 +190,66 @@ class RuntimeFault:
         return spec
 
 
+@dataclass(frozen=True, slots=True)
+class SdcDetail:
+    """What an `sdc` / `sdc-matmul` fault corrupts (trainer/sdc.py applies it).
+
+    Attributes:
+        local_rank: the worker's local rank (-1: every worker of the node reads the fault,
+            and only `local_rank` applies it; -1 here means the agent did not choose).
+        tensor: a state tensor's name or part of it ("" random).
+        bit: the bit of the 32-bit word to flip (-1 random).
+        target: "param", "optim" or "" (either) for a random tensor.
+        size: sdc-matmul's relative error (0 ends it).
+    """
+
+    local_rank: int = -1
+    tensor: str = ""
+    bit: int = -1
+    target: str = ""
+    size: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not -1 <= self.bit < 32:
+            raise ValueError(f"bit must be 0-31 (or -1: random), got {self.bit}")
+        if self.target not in ("", "param", "optim"):
+            raise ValueError(f"target must be 'param', 'optim' or empty, got {self.target!r}")
+        if not (math.isfinite(self.size) and self.size >= 0.0):
+            raise ValueError(f"size must be a finite number >= 0, got {self.size}")
+
+    def to_json(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def of_message(cls, msg: Any, local_rank: int, ranks: Sequence[int]) -> SdcDetail:
+        """From an `InjectFault.sdc` message (proto SdcFault): the local rank is
+        `local_rank`, or one of `ranks` at random when the message says `random_rank`."""
+        if msg.random_rank and ranks:
+            local_rank = random.choice(list(ranks))
+        return cls(
+            local_rank=local_rank,
+            tensor=msg.tensor,
+            bit=msg.bit if msg.HasField("bit") else -1,
+            target=msg.target,
+            size=msg.size,
+        )
+
+    @classmethod
+    def from_json(cls, d: object) -> SdcDetail:
+        if not isinstance(d, dict):
+            raise ValueError("the fault's sdc detail must be a JSON object")
+        try:
+            return cls(
+                local_rank=int(d.get("local_rank", -1)),
+                tensor=str(d.get("tensor", "")),
+                bit=int(d.get("bit", -1)),
+                target=str(d.get("target", "")),
+                size=float(d.get("size", 0.0)),
+            )
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"bad sdc detail {d!r}: {e}") from e
+
+
 # ---------------------------------------------------------------- the worker fault file
 @dataclass(frozen=True, slots=True)
 class WorkerFault:
@@ -181,6 +258,7 @@ class WorkerFault:
     kind: str  # one of WORKER_FILE_FAULTS
     step: int  # apply at this step (0 or past: the next step)
     id: str  # applied once per id, also across worker restarts
+    sdc: SdcDetail | None = None  # sdc kinds: what to corrupt, on which local rank
 
     def __post_init__(self) -> None:
         if self.kind not in WORKER_FILE_FAULTS:
@@ -205,11 +283,15 @@ class WorkerFault:
             raise ValueError(f"fault file is not JSON: {e}") from e
         if not isinstance(d, dict):
             raise ValueError("fault file must hold a JSON object {kind, step, id}")
-        return cls(kind=d.get("kind", ""), step=d.get("step", 0), id=d.get("id", ""))
+        sdc = SdcDetail.from_json(d["sdc"]) if d.get("sdc") is not None else None
+        return cls(kind=d.get("kind", ""), step=d.get("step", 0), id=d.get("id", ""), sdc=sdc)
 
     def write(self, path: Path) -> None:
         """Write atomically to `path`: a worker never reads half a file."""
-        write_atomic(path, {"kind": self.kind, "step": self.step, "id": self.id})
+        data: dict[str, object] = {"kind": self.kind, "step": self.step, "id": self.id}
+        if self.sdc is not None:
+            data["sdc"] = self.sdc.to_json()
+        write_atomic(path, data)
 
 
 def write_slow_factor(path: Path, factor: float) -> None:

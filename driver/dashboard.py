@@ -392,9 +392,11 @@ def state_json(
         "nodes_total": total,
         "nodes": nodes,
         "checkpoints": [
-            {"step": c.step, "bytes": c.bytes, "uri": c.uri, "seq": c.seq}
+            {"step": c.step, "bytes": c.bytes, "uri": c.uri, "seq": c.seq, "verified": c.verified}
             for c in reversed(st.checkpoints)
         ],
+        "verified_steps": list(st.verified_steps),  # docs/sdc.md
+        "sdc_suspected": st.sdc_suspected,
         "event_counts": dict(st.event_counts),
         "goodput": _goodput_json(st, view),
     }

@@ -77,6 +77,7 @@ FAULT_KINDS = frozenset(
         "worker_failed",
         "hang_suspected",
         "loss_spike",
+        "sdc_suspected",
         "self_check_reported",
         "straggler_suspected",
     }

@@ -404,7 +404,7 @@ class LauncherApi:
         journal = await self._journal(context)
         elog = journal.log
         state = journal.state
-        out = dpb.ListCheckpointsResponse()
+        out = dpb.ListCheckpointsResponse(verified_steps=list(state.verified_steps))
         records = list(state.checkpoints)
 
         async def event_of(seq: int) -> ev.Event | None:
@@ -421,7 +421,9 @@ class LauncherApi:
             )
         by_node = {n: dict(r) for n, r in self.commits.by_node.items()}
         for rec, one in zip(records, events, strict=True):
-            info = out.checkpoints.add(step=rec.step, seq=rec.seq, uri=rec.uri, bytes=rec.bytes)
+            info = out.checkpoints.add(
+                step=rec.step, seq=rec.seq, uri=rec.uri, bytes=rec.bytes, verified=rec.verified
+            )
             if one is not None and one.WhichOneof("payload") == "checkpoint_committed":
                 info.wall_time_unix_ns = one.wall_time_unix_ns
                 info.ranks = one.checkpoint_committed.ranks

@@ -43,7 +43,7 @@ from typing import Any
 import structlog
 
 from unbroken.diagnostics.check import free_port
-from unbroken.driver import detectors, machine
+from unbroken.driver import detectors, machine, sdcwatch
 from unbroken.driver import state as statelib
 from unbroken.driver.journal import Batch, Journal
 from unbroken.driver.liveview import NodeSlot
@@ -70,6 +70,7 @@ OBSERVED = frozenset(
         "diagnosis_verdict",
         "restore_finished",
         "loss_spike",
+        "sdc_suspected",
         "node_registered",
     }
 )
@@ -261,6 +262,7 @@ class RecoveryLoop:
         self.journal.decider = self.decide
         self.journal.on_resync = self._resettle
         self._spawn(self._watch_losses())
+        self._spawn(sdcwatch.watch(self))
         if self.state.phase == ev.PHASE_STARTING:
             self._spawn(self._wait_for_world())
         else:

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import TypeAlias
 
 from unbroken.diagnostics import selfcheck as selfchecklib
+from unbroken.driver import sdc as sdclib
 from unbroken.driver import state as statelib
 from unbroken.proto import events_pb2 as ev
 from unbroken.recovery import spike as spikelib
@@ -758,6 +759,8 @@ def _react(before: ev.JobState, d: _Draft, obs: Observation, policy: Policy) -> 
         return _on_restored(before, d, obs.restore_finished)
     if kind == "loss_spike":
         return _on_spike(before, d, obs.loss_spike, policy)
+    if kind == "sdc_suspected":
+        return _on_sdc(before, d, obs.sdc_suspected, policy)
     if kind == "node_registered":
         p = obs.node_registered
         rec = before.nodes.get(p.node_id)
@@ -991,6 +994,38 @@ def _on_spike(before: ev.JobState, d: _Draft, p: ev.LossSpike, policy: Policy) -
     return ""
 
 
+def _on_sdc(before: ev.JobState, d: _Draft, p: ev.SdcSuspected, policy: Policy) -> str:
+    """Silent data corruption (docs/sdc.md): roll back to the newest verified step before it
+    that can be restored; a node named a second time is evicted (a lasting fault)."""
+    if before.phase != ev.PHASE_RUNNING:
+        return "recorded only: SDC suspected during recovery (the restore goes back anyway)"
+    where = f"ranks {list(p.suspect_ranks)} on {sorted(set(p.suspect_nodes))}"
+    what = f"silent data corruption at step {p.step} ({where}"
+    what += ")" if p.resolved else ", no majority)"
+    again = [n for n in sorted(set(p.suspect_nodes)) if before.sdc_by_node.get(n, 0) >= 1]
+    if p.resolved and again and all(n in before.nodes for n in again):
+        return _on_fault(before, d, _EVICT, again, f"{what}: named again, evicted", policy=policy)
+    held = {c.step for c in before.checkpoints} | set(p.memory_steps)
+    verified = set(before.verified_steps) | {c.step for c in before.checkpoints if c.verified}
+    target = sdclib.rollback_target(p.step, verified, held)
+    if target is None:
+        reason = (
+            f"{what}, and no verified step before it is held to roll back to; restart "
+            "from a checkpoint written before the corruption (`unbroken checkpoints`)"
+        )
+        d.add(ev.Event(job_finished=ev.JobFinished(step=p.step, ok=False, reason=reason)))
+        return ""
+    d.add(
+        ev.Event(
+            rollback=ev.Rollback(
+                from_step=p.step, to_step=target, reason=f"{what}: to verified step {target}"
+            )
+        )
+    )
+    _open_rollback(d, policy)
+    return ""
+
+
 def _mode(policy: Policy) -> str:
     """The mode of an incident that no process caused (a rollback, a lost node, a grow)."""
     return IN_JOB if policy.in_job else RESTART
@@ -998,9 +1033,12 @@ def _mode(policy: Policy) -> str:
 
 def _open_rollback(d: _Draft, policy: Policy) -> None:
     """Open the incident of a rollback (no suspects, no eviction)."""
+    s = d.state
+    sdc = bool(s.rollback_steps and s.sdc_suspected and s.last_sdc_step == s.rollback_steps[-1])
+    why = "silent data corruption" if sdc else "loss spike"
     d.transition(
         ev.PHASE_SUSPECTED,
-        f"loss spike: roll back to step {d.state.rollback_to}",
+        f"{why}: roll back to step {d.state.rollback_to}",
         incident_id=_new_incident(d),
         suspects=[],
         bad=[],

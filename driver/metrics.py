@@ -118,6 +118,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "Data bytes of the newest committed checkpoint (all ranks)",
     ),
     "unbroken_checkpoints_committed_total": ("counter", (), "CheckpointCommitted events"),
+    "unbroken_verified_step": (
+        "gauge",
+        (),
+        "Newest step whose fingerprints agreed on every rank (docs/sdc.md; 0: none yet)",
+    ),
+    "unbroken_sdc_suspected_total": ("counter", (), "SdcSuspected events (docs/sdc.md)"),
     "unbroken_node_alive": ("gauge", ("node",), "1 while the node heartbeats, 0 once lost"),
     "unbroken_node_silent_seconds": ("gauge", ("node",), "Time since the node's last heartbeat"),
     "unbroken_node_persist_failures": (
@@ -294,6 +300,12 @@ class DriverMetrics(Endpoint):
             METRICS["unbroken_checkpoints_committed_total"][2],
             registry=r,
         )
+        self.verified_step = Gauge(
+            "unbroken_verified_step", METRICS["unbroken_verified_step"][2], registry=r
+        )
+        self.sdc = Counter(
+            "unbroken_sdc_suspected", METRICS["unbroken_sdc_suspected_total"][2], registry=r
+        )
         self._incident = ""
         self._incident_ns = 0  # wall time of the open incident's first transition
 
@@ -326,6 +338,10 @@ class DriverMetrics(Endpoint):
             if e.training_resumed.mode:  # "" is the job's start, no incident
                 self.recoveries.labels(e.training_resumed.mode).inc()
             self._resumed(e)
+        elif kind == "step_verified":
+            self.verified_step.set(e.step_verified.step)
+        elif kind == "sdc_suspected":
+            self.sdc.inc()
         elif kind == "checkpoint_committed":
             self.ckpt_step.set(e.checkpoint_committed.step)
             self.ckpt_bytes.set(e.checkpoint_committed.bytes)

@@ -722,7 +722,11 @@ class OperatorApi:
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"appending the request failed: {e}")
         msg = dpb.DriverMessage(
             inject_fault=dpb.InjectFault(
-                kind=f.kind, local_rank=f.local_rank, factor=f.factor, step=f.step
+                kind=f.kind,
+                local_rank=f.local_rank,
+                factor=f.factor,
+                step=f.step,
+                sdc=request.sdc if request.HasField("sdc") else None,
             )
         )
         try:

@@ -952,14 +952,15 @@ class DriverService(dgrpc.DriverServicer):
             self.commits.rollback(event.rollback.to_step)
         if kind == "rendezvous_round" and not event.rendezvous_round.closed:
             self.rdzv_members = commits_mod.round_members(list(event.rendezvous_round.participants))
-        if kind in ("checkpoint_committed", "rollback"):
+        if kind in ("checkpoint_committed", "rollback", "step_verified"):
             self._send_retention(event)
 
     def retention(self, event: ev.Event | None = None) -> dpb.Retention | None:
         """What storage keeps, from the log (None before the first commit).
 
         The newest `keep_checkpoints` committed steps, the rollback target (pending or
-        last), and the step the open incident restores; `below` is the newest commit.
+        last), the newest verified commit (docs/sdc.md) and the step the open incident
+        restores; `below` is the newest commit.
         A commit above the newest step the live world reached (by the lower median of
         its nodes' heartbeats) is not believed: storage never loses a step the workers
         could still need for a commit nobody's workers made.
@@ -984,6 +985,10 @@ class DriverService(dgrpc.DriverServicer):
         if not committed:
             return None
         protect = [st.restore_step, st.last_rollback_to]
+        # the newest verified commit: where a rollback after silent data corruption goes
+        verified = [c.step for c in st.checkpoints if c.verified and c.step in committed]
+        if verified:
+            protect.append(max(verified))
         if st.HasField("rollback_to"):
             protect.append(st.rollback_to)
         keep = lifecycle.retained(

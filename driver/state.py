@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from unbroken.proto import events_pb2 as ev
 
 KEEP_CHECKPOINTS = 16  # checkpoint records kept in the folded state (newest last)
+KEEP_VERIFIED = 16  # verified steps kept (a rollback after an SDC goes to the newest)
 KEEP_ROLLBACKS = 16  # rollback spike steps kept (the rollback policy looks at recent ones)
 PERSIST_COST_ALPHA = 0.3  # weight of a commit's persist time in the moving average
 #: Records of LOST/EVICTED nodes kept in the state (oldest dropped first, PRUNE_SLACK at a
@@ -323,8 +324,35 @@ def _checkpoint_committed(s: ev.JobState, e: ev.Event) -> None:
         world=p.world,
         wall_time_unix_ns=e.wall_time_unix_ns,
     )
+    if p.step in s.verified_steps:
+        s.checkpoints[-1].verified = True
     if len(s.checkpoints) > KEEP_CHECKPOINTS:
         del s.checkpoints[: len(s.checkpoints) - KEEP_CHECKPOINTS]
+
+
+def _step_verified(s: ev.JobState, e: ev.Event) -> None:
+    step = e.step_verified.step
+    if step in s.verified_steps:
+        return
+    s.verified_steps.append(step)
+    if len(s.verified_steps) > KEEP_VERIFIED:
+        del s.verified_steps[: len(s.verified_steps) - KEEP_VERIFIED]
+    for c in s.checkpoints:
+        if c.step == step:
+            c.verified = True
+
+
+def _sdc_suspected(s: ev.JobState, e: ev.Event) -> None:
+    p = e.sdc_suspected
+    s.sdc_suspected += 1
+    s.last_sdc_step = p.step
+    # a step at or after a disagreement is no rollback target any more
+    keep = [v for v in s.verified_steps if v < p.step]
+    del s.verified_steps[:]
+    s.verified_steps.extend(keep)
+    if p.resolved:
+        for n in set(p.suspect_nodes):
+            s.sdc_by_node[n] = s.sdc_by_node.get(n, 0) + 1
 
 
 def _training_stepping(s: ev.JobState, e: ev.Event) -> None:
@@ -444,6 +472,7 @@ CAUSE_KINDS = frozenset(
         "straggler_suspected",
         "log_alert",
         "loss_spike",
+        "sdc_suspected",
         "self_check_reported",
         "diagnosis_verdict",
         "operator_action",
@@ -475,4 +504,6 @@ _HANDLERS: dict[str, Callable[[ev.JobState, ev.Event], None]] = {
     "job_finished": _job_finished,
     "training_stepping": _training_stepping,
     "world_nodes": _world_nodes,
+    "step_verified": _step_verified,
+    "sdc_suspected": _sdc_suspected,
 }

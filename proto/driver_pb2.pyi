@@ -112,7 +112,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, driver_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., miss_limit: _Optional[int] = ..., job_id: _Optional[str] = ..., global_rank_base: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_term: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("local_rank", "global_rank", "pid", "state", "exit_code", "step", "loss", "step_time_ms", "since_progress_ms", "median_step_ms", "restarts", "has_loss", "has_peak", "peak_loss", "peak_step", "ring_steps", "hung", "hang_threshold_ms", "phase", "compute_ms", "compute_mad_ms", "wait_ms", "window_steps", "wait_mad_ms", "restored_step", "restored_from", "loss_median", "loss_mad", "loss_window", "rejoins", "held", "checkpoint_save_share", "data_loading_share")
+    __slots__ = ("local_rank", "global_rank", "pid", "state", "exit_code", "step", "loss", "step_time_ms", "since_progress_ms", "median_step_ms", "restarts", "has_loss", "has_peak", "peak_loss", "peak_step", "ring_steps", "hung", "hang_threshold_ms", "phase", "compute_ms", "compute_mad_ms", "wait_ms", "window_steps", "wait_mad_ms", "restored_step", "restored_from", "fingerprints", "loss_median", "loss_mad", "loss_window", "rejoins", "held", "checkpoint_save_share", "data_loading_share")
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class WorkerStatus(_message.Message):
     WAIT_MAD_MS_FIELD_NUMBER: _ClassVar[int]
     RESTORED_STEP_FIELD_NUMBER: _ClassVar[int]
     RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MEDIAN_FIELD_NUMBER: _ClassVar[int]
     LOSS_MAD_FIELD_NUMBER: _ClassVar[int]
     LOSS_WINDOW_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +173,7 @@ class WorkerStatus(_message.Message):
     wait_mad_ms: float
     restored_step: int
     restored_from: str
+    fingerprints: _containers.RepeatedCompositeFieldContainer[_events_pb2.RankFingerprint]
     loss_median: float
     loss_mad: float
     loss_window: int
@@ -179,7 +181,7 @@ class WorkerStatus(_message.Message):
     held: bool
     checkpoint_save_share: float
     data_loading_share: float
-    def __init__(self, local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., exit_code: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_ms: _Optional[float] = ..., since_progress_ms: _Optional[float] = ..., median_step_ms: _Optional[float] = ..., restarts: _Optional[int] = ..., has_loss: _Optional[bool] = ..., has_peak: _Optional[bool] = ..., peak_loss: _Optional[float] = ..., peak_step: _Optional[int] = ..., ring_steps: _Optional[_Iterable[int]] = ..., hung: _Optional[bool] = ..., hang_threshold_ms: _Optional[float] = ..., phase: _Optional[str] = ..., compute_ms: _Optional[float] = ..., compute_mad_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., window_steps: _Optional[int] = ..., wait_mad_ms: _Optional[float] = ..., restored_step: _Optional[int] = ..., restored_from: _Optional[str] = ..., loss_median: _Optional[float] = ..., loss_mad: _Optional[float] = ..., loss_window: _Optional[int] = ..., rejoins: _Optional[int] = ..., held: _Optional[bool] = ..., checkpoint_save_share: _Optional[float] = ..., data_loading_share: _Optional[float] = ...) -> None: ...
+    def __init__(self, local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., pid: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., exit_code: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., step_time_ms: _Optional[float] = ..., since_progress_ms: _Optional[float] = ..., median_step_ms: _Optional[float] = ..., restarts: _Optional[int] = ..., has_loss: _Optional[bool] = ..., has_peak: _Optional[bool] = ..., peak_loss: _Optional[float] = ..., peak_step: _Optional[int] = ..., ring_steps: _Optional[_Iterable[int]] = ..., hung: _Optional[bool] = ..., hang_threshold_ms: _Optional[float] = ..., phase: _Optional[str] = ..., compute_ms: _Optional[float] = ..., compute_mad_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., window_steps: _Optional[int] = ..., wait_mad_ms: _Optional[float] = ..., restored_step: _Optional[int] = ..., restored_from: _Optional[str] = ..., fingerprints: _Optional[_Iterable[_Union[_events_pb2.RankFingerprint, _Mapping]]] = ..., loss_median: _Optional[float] = ..., loss_mad: _Optional[float] = ..., loss_window: _Optional[int] = ..., rejoins: _Optional[int] = ..., held: _Optional[bool] = ..., checkpoint_save_share: _Optional[float] = ..., data_loading_share: _Optional[float] = ...) -> None: ...
 
 class HostStats(_message.Message):
     __slots__ = ("cpu_percent", "mem_used_bytes", "mem_total_bytes", "disk_used_bytes", "disk_total_bytes", "net_bytes_sent", "net_bytes_recv", "rdma_counters")
@@ -555,16 +557,32 @@ class RunSelfCheck(_message.Message):
     def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...
 
 class InjectFault(_message.Message):
-    __slots__ = ("kind", "local_rank", "factor", "step")
+    __slots__ = ("kind", "local_rank", "factor", "step", "sdc")
     KIND_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     FACTOR_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    SDC_FIELD_NUMBER: _ClassVar[int]
     kind: str
     local_rank: int
     factor: float
     step: int
-    def __init__(self, kind: _Optional[str] = ..., local_rank: _Optional[int] = ..., factor: _Optional[float] = ..., step: _Optional[int] = ...) -> None: ...
+    sdc: SdcFault
+    def __init__(self, kind: _Optional[str] = ..., local_rank: _Optional[int] = ..., factor: _Optional[float] = ..., step: _Optional[int] = ..., sdc: _Optional[_Union[SdcFault, _Mapping]] = ...) -> None: ...
+
+class SdcFault(_message.Message):
+    __slots__ = ("random_rank", "tensor", "bit", "target", "size")
+    RANDOM_RANK_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    BIT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    random_rank: bool
+    tensor: str
+    bit: int
+    target: str
+    size: float
+    def __init__(self, random_rank: _Optional[bool] = ..., tensor: _Optional[str] = ..., bit: _Optional[int] = ..., target: _Optional[str] = ..., size: _Optional[float] = ...) -> None: ...
 
 class DriverMessage(_message.Message):
     __slots__ = ("command_id", "term", "start_workers", "stop_workers", "restart_workers", "pause", "resume", "flash_save", "run_check", "evict", "shutdown", "run_self_check", "inject_fault", "restore_point", "retention", "relayed")
@@ -877,18 +895,20 @@ class RunSelfCheckResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[NodeSelfCheck, _Mapping]]] = ...) -> None: ...
 
 class InjectFaultRequest(_message.Message):
-    __slots__ = ("node_id", "kind", "local_rank", "factor", "step")
+    __slots__ = ("node_id", "kind", "local_rank", "factor", "step", "sdc")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     FACTOR_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    SDC_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     kind: str
     local_rank: int
     factor: float
     step: int
-    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[str] = ..., local_rank: _Optional[int] = ..., factor: _Optional[float] = ..., step: _Optional[int] = ...) -> None: ...
+    sdc: SdcFault
+    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[str] = ..., local_rank: _Optional[int] = ..., factor: _Optional[float] = ..., step: _Optional[int] = ..., sdc: _Optional[_Union[SdcFault, _Mapping]] = ...) -> None: ...
 
 class InjectFaultResponse(_message.Message):
     __slots__ = ("seq", "ok", "detail")
@@ -1041,7 +1061,7 @@ class ShardInfo(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class CheckpointInfo(_message.Message):
-    __slots__ = ("step", "seq", "wall_time_unix_ns", "uri", "bytes", "ranks", "shards", "shards_error", "checksum", "pruned")
+    __slots__ = ("step", "seq", "wall_time_unix_ns", "uri", "bytes", "ranks", "shards", "shards_error", "checksum", "pruned", "verified")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     WALL_TIME_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
@@ -1052,6 +1072,7 @@ class CheckpointInfo(_message.Message):
     SHARDS_ERROR_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     PRUNED_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
     step: int
     seq: int
     wall_time_unix_ns: int
@@ -1062,7 +1083,8 @@ class CheckpointInfo(_message.Message):
     shards_error: str
     checksum: str
     pruned: bool
-    def __init__(self, step: _Optional[int] = ..., seq: _Optional[int] = ..., wall_time_unix_ns: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., ranks: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., shards_error: _Optional[str] = ..., checksum: _Optional[str] = ..., pruned: _Optional[bool] = ...) -> None: ...
+    verified: bool
+    def __init__(self, step: _Optional[int] = ..., seq: _Optional[int] = ..., wall_time_unix_ns: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., ranks: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., shards_error: _Optional[str] = ..., checksum: _Optional[str] = ..., pruned: _Optional[bool] = ..., verified: _Optional[bool] = ...) -> None: ...
 
 class NodeFlashInfo(_message.Message):
     __slots__ = ("node_id", "persisted_step", "ranks", "live_step")
@@ -1077,12 +1099,14 @@ class NodeFlashInfo(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., persisted_step: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., live_step: _Optional[int] = ...) -> None: ...
 
 class ListCheckpointsResponse(_message.Message):
-    __slots__ = ("checkpoints", "nodes")
+    __slots__ = ("checkpoints", "nodes", "verified_steps")
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_STEPS_FIELD_NUMBER: _ClassVar[int]
     checkpoints: _containers.RepeatedCompositeFieldContainer[CheckpointInfo]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeFlashInfo]
-    def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeFlashInfo, _Mapping]]] = ...) -> None: ...
+    verified_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, checkpoints: _Optional[_Iterable[_Union[CheckpointInfo, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeFlashInfo, _Mapping]]] = ..., verified_steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RequestCheckpointRequest(_message.Message):
     __slots__ = ("wait", "timeout_s", "lead_steps")

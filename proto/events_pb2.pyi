@@ -51,7 +51,7 @@ NODE_STATE_LOST: NodeState
 NODE_STATE_EVICTED: NodeState
 
 class Event(_message.Message):
-    __slots__ = ("seq", "event_id", "wall_time_unix_ns", "job_id", "schema_version", "cause", "writer", "job_started", "node_registered", "node_lost", "worker_failed", "hang_suspected", "log_alert", "diagnosis_round", "diagnosis_verdict", "node_evicted", "spare_assigned", "world_resized", "checkpoint_committed", "restore_started", "restore_finished", "loss_spike", "rollback", "training_paused", "training_resumed", "leader_elected", "recovery_transition", "node_refused", "self_check_reported", "job_finished", "operator_action", "rendezvous_round", "rendezvous_refused", "scheduler_call", "straggler_suspected", "training_stepping", "world_nodes")
+    __slots__ = ("seq", "event_id", "wall_time_unix_ns", "job_id", "schema_version", "cause", "writer", "job_started", "node_registered", "node_lost", "worker_failed", "hang_suspected", "log_alert", "diagnosis_round", "diagnosis_verdict", "node_evicted", "spare_assigned", "world_resized", "checkpoint_committed", "restore_started", "restore_finished", "loss_spike", "rollback", "training_paused", "training_resumed", "leader_elected", "recovery_transition", "node_refused", "self_check_reported", "job_finished", "operator_action", "rendezvous_round", "rendezvous_refused", "scheduler_call", "straggler_suspected", "training_stepping", "world_nodes", "sdc_suspected", "step_verified")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     WALL_TIME_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,8 @@ class Event(_message.Message):
     STRAGGLER_SUSPECTED_FIELD_NUMBER: _ClassVar[int]
     TRAINING_STEPPING_FIELD_NUMBER: _ClassVar[int]
     WORLD_NODES_FIELD_NUMBER: _ClassVar[int]
+    SDC_SUSPECTED_FIELD_NUMBER: _ClassVar[int]
+    STEP_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     seq: int
     event_id: str
     wall_time_unix_ns: int
@@ -126,7 +128,51 @@ class Event(_message.Message):
     straggler_suspected: StragglerSuspected
     training_stepping: TrainingStepping
     world_nodes: WorldNodes
-    def __init__(self, seq: _Optional[int] = ..., event_id: _Optional[str] = ..., wall_time_unix_ns: _Optional[int] = ..., job_id: _Optional[str] = ..., schema_version: _Optional[int] = ..., cause: _Optional[str] = ..., writer: _Optional[str] = ..., job_started: _Optional[_Union[JobStarted, _Mapping]] = ..., node_registered: _Optional[_Union[NodeRegistered, _Mapping]] = ..., node_lost: _Optional[_Union[NodeLost, _Mapping]] = ..., worker_failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., hang_suspected: _Optional[_Union[HangSuspected, _Mapping]] = ..., log_alert: _Optional[_Union[LogAlert, _Mapping]] = ..., diagnosis_round: _Optional[_Union[DiagnosisRound, _Mapping]] = ..., diagnosis_verdict: _Optional[_Union[DiagnosisVerdict, _Mapping]] = ..., node_evicted: _Optional[_Union[NodeEvicted, _Mapping]] = ..., spare_assigned: _Optional[_Union[SpareAssigned, _Mapping]] = ..., world_resized: _Optional[_Union[WorldResized, _Mapping]] = ..., checkpoint_committed: _Optional[_Union[CheckpointCommitted, _Mapping]] = ..., restore_started: _Optional[_Union[RestoreStarted, _Mapping]] = ..., restore_finished: _Optional[_Union[RestoreFinished, _Mapping]] = ..., loss_spike: _Optional[_Union[LossSpike, _Mapping]] = ..., rollback: _Optional[_Union[Rollback, _Mapping]] = ..., training_paused: _Optional[_Union[TrainingPaused, _Mapping]] = ..., training_resumed: _Optional[_Union[TrainingResumed, _Mapping]] = ..., leader_elected: _Optional[_Union[LeaderElected, _Mapping]] = ..., recovery_transition: _Optional[_Union[RecoveryTransition, _Mapping]] = ..., node_refused: _Optional[_Union[NodeRefused, _Mapping]] = ..., self_check_reported: _Optional[_Union[SelfCheckReported, _Mapping]] = ..., job_finished: _Optional[_Union[JobFinished, _Mapping]] = ..., operator_action: _Optional[_Union[OperatorAction, _Mapping]] = ..., rendezvous_round: _Optional[_Union[RendezvousRound, _Mapping]] = ..., rendezvous_refused: _Optional[_Union[RendezvousRefused, _Mapping]] = ..., scheduler_call: _Optional[_Union[SchedulerCall, _Mapping]] = ..., straggler_suspected: _Optional[_Union[StragglerSuspected, _Mapping]] = ..., training_stepping: _Optional[_Union[TrainingStepping, _Mapping]] = ..., world_nodes: _Optional[_Union[WorldNodes, _Mapping]] = ...) -> None: ...
+    sdc_suspected: SdcSuspected
+    step_verified: StepVerified
+    def __init__(self, seq: _Optional[int] = ..., event_id: _Optional[str] = ..., wall_time_unix_ns: _Optional[int] = ..., job_id: _Optional[str] = ..., schema_version: _Optional[int] = ..., cause: _Optional[str] = ..., writer: _Optional[str] = ..., job_started: _Optional[_Union[JobStarted, _Mapping]] = ..., node_registered: _Optional[_Union[NodeRegistered, _Mapping]] = ..., node_lost: _Optional[_Union[NodeLost, _Mapping]] = ..., worker_failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., hang_suspected: _Optional[_Union[HangSuspected, _Mapping]] = ..., log_alert: _Optional[_Union[LogAlert, _Mapping]] = ..., diagnosis_round: _Optional[_Union[DiagnosisRound, _Mapping]] = ..., diagnosis_verdict: _Optional[_Union[DiagnosisVerdict, _Mapping]] = ..., node_evicted: _Optional[_Union[NodeEvicted, _Mapping]] = ..., spare_assigned: _Optional[_Union[SpareAssigned, _Mapping]] = ..., world_resized: _Optional[_Union[WorldResized, _Mapping]] = ..., checkpoint_committed: _Optional[_Union[CheckpointCommitted, _Mapping]] = ..., restore_started: _Optional[_Union[RestoreStarted, _Mapping]] = ..., restore_finished: _Optional[_Union[RestoreFinished, _Mapping]] = ..., loss_spike: _Optional[_Union[LossSpike, _Mapping]] = ..., rollback: _Optional[_Union[Rollback, _Mapping]] = ..., training_paused: _Optional[_Union[TrainingPaused, _Mapping]] = ..., training_resumed: _Optional[_Union[TrainingResumed, _Mapping]] = ..., leader_elected: _Optional[_Union[LeaderElected, _Mapping]] = ..., recovery_transition: _Optional[_Union[RecoveryTransition, _Mapping]] = ..., node_refused: _Optional[_Union[NodeRefused, _Mapping]] = ..., self_check_reported: _Optional[_Union[SelfCheckReported, _Mapping]] = ..., job_finished: _Optional[_Union[JobFinished, _Mapping]] = ..., operator_action: _Optional[_Union[OperatorAction, _Mapping]] = ..., rendezvous_round: _Optional[_Union[RendezvousRound, _Mapping]] = ..., rendezvous_refused: _Optional[_Union[RendezvousRefused, _Mapping]] = ..., scheduler_call: _Optional[_Union[SchedulerCall, _Mapping]] = ..., straggler_suspected: _Optional[_Union[StragglerSuspected, _Mapping]] = ..., training_stepping: _Optional[_Union[TrainingStepping, _Mapping]] = ..., world_nodes: _Optional[_Union[WorldNodes, _Mapping]] = ..., sdc_suspected: _Optional[_Union[SdcSuspected, _Mapping]] = ..., step_verified: _Optional[_Union[StepVerified, _Mapping]] = ...) -> None: ...
+
+class RankFingerprint(_message.Message):
+    __slots__ = ("step", "keys", "hashes", "global_rank")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    hashes: _containers.RepeatedScalarFieldContainer[int]
+    global_rank: int
+    def __init__(self, step: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ..., hashes: _Optional[_Iterable[int]] = ..., global_rank: _Optional[int] = ...) -> None: ...
+
+class SdcSuspected(_message.Message):
+    __slots__ = ("step", "suspect_ranks", "suspect_nodes", "resolved", "keys", "verified_step", "detail", "memory_steps")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_RANKS_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_NODES_FIELD_NUMBER: _ClassVar[int]
+    RESOLVED_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_STEP_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    suspect_ranks: _containers.RepeatedScalarFieldContainer[int]
+    suspect_nodes: _containers.RepeatedScalarFieldContainer[str]
+    resolved: bool
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    verified_step: int
+    detail: str
+    memory_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., suspect_ranks: _Optional[_Iterable[int]] = ..., suspect_nodes: _Optional[_Iterable[str]] = ..., resolved: _Optional[bool] = ..., keys: _Optional[_Iterable[str]] = ..., verified_step: _Optional[int] = ..., detail: _Optional[str] = ..., memory_steps: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StepVerified(_message.Message):
+    __slots__ = ("step", "ranks", "groups")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    ranks: int
+    groups: int
+    def __init__(self, step: _Optional[int] = ..., ranks: _Optional[int] = ..., groups: _Optional[int] = ...) -> None: ...
 
 class JobStarted(_message.Message):
     __slots__ = ("trainer", "world", "min_nodes", "max_nodes", "config_json", "reports_startup")
@@ -629,23 +675,25 @@ class NodeRecord(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_seq: _Optional[int] = ..., failures: _Optional[int] = ..., spare: _Optional[bool] = ..., gone_seq: _Optional[int] = ..., replica_buddy: _Optional[str] = ...) -> None: ...
 
 class CheckpointRecord(_message.Message):
-    __slots__ = ("step", "uri", "bytes", "seq", "world", "wall_time_unix_ns")
+    __slots__ = ("step", "uri", "bytes", "seq", "world", "wall_time_unix_ns", "verified")
     STEP_FIELD_NUMBER: _ClassVar[int]
     URI_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     WORLD_FIELD_NUMBER: _ClassVar[int]
     WALL_TIME_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
     step: int
     uri: str
     bytes: int
     seq: int
     world: WorldLayout
     wall_time_unix_ns: int
-    def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., seq: _Optional[int] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., wall_time_unix_ns: _Optional[int] = ...) -> None: ...
+    verified: bool
+    def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., seq: _Optional[int] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., wall_time_unix_ns: _Optional[int] = ..., verified: _Optional[bool] = ...) -> None: ...
 
 class JobState(_message.Message):
-    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id", "bad_nodes", "needs_diagnosis", "restore_step", "configured_world", "incident_world", "restore_attempts", "rollback_to", "recovery_mode", "replace_ranks", "rollback_steps", "last_rollback_to", "gone_nodes", "pruned_nodes", "last_skip_from", "last_skip_batches", "goodput", "persist_cost_s", "failed_restores", "finished_reason")
+    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id", "bad_nodes", "needs_diagnosis", "restore_step", "configured_world", "incident_world", "restore_attempts", "rollback_to", "recovery_mode", "replace_ranks", "rollback_steps", "last_rollback_to", "gone_nodes", "pruned_nodes", "last_skip_from", "last_skip_batches", "goodput", "persist_cost_s", "failed_restores", "finished_reason", "verified_steps", "sdc_suspected", "last_sdc_step", "sdc_by_node")
     class NodesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -654,6 +702,13 @@ class JobState(_message.Message):
         value: NodeRecord
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[NodeRecord, _Mapping]] = ...) -> None: ...
     class EventCountsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class SdcByNodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -697,6 +752,10 @@ class JobState(_message.Message):
     PERSIST_COST_S_FIELD_NUMBER: _ClassVar[int]
     FAILED_RESTORES_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REASON_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SDC_SUSPECTED_FIELD_NUMBER: _ClassVar[int]
+    LAST_SDC_STEP_FIELD_NUMBER: _ClassVar[int]
+    SDC_BY_NODE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     last_seq: int
     phase: Phase
@@ -734,7 +793,11 @@ class JobState(_message.Message):
     persist_cost_s: float
     failed_restores: int
     finished_reason: str
-    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., needs_diagnosis: _Optional[bool] = ..., restore_step: _Optional[int] = ..., configured_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., incident_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., restore_attempts: _Optional[int] = ..., rollback_to: _Optional[int] = ..., recovery_mode: _Optional[str] = ..., replace_ranks: _Optional[_Iterable[int]] = ..., rollback_steps: _Optional[_Iterable[int]] = ..., last_rollback_to: _Optional[int] = ..., gone_nodes: _Optional[int] = ..., pruned_nodes: _Optional[int] = ..., last_skip_from: _Optional[int] = ..., last_skip_batches: _Optional[int] = ..., goodput: _Optional[_Union[GoodputLedger, _Mapping]] = ..., persist_cost_s: _Optional[float] = ..., failed_restores: _Optional[int] = ..., finished_reason: _Optional[str] = ...) -> None: ...
+    verified_steps: _containers.RepeatedScalarFieldContainer[int]
+    sdc_suspected: int
+    last_sdc_step: int
+    sdc_by_node: _containers.ScalarMap[str, int]
+    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., needs_diagnosis: _Optional[bool] = ..., restore_step: _Optional[int] = ..., configured_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., incident_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., restore_attempts: _Optional[int] = ..., rollback_to: _Optional[int] = ..., recovery_mode: _Optional[str] = ..., replace_ranks: _Optional[_Iterable[int]] = ..., rollback_steps: _Optional[_Iterable[int]] = ..., last_rollback_to: _Optional[int] = ..., gone_nodes: _Optional[int] = ..., pruned_nodes: _Optional[int] = ..., last_skip_from: _Optional[int] = ..., last_skip_batches: _Optional[int] = ..., goodput: _Optional[_Union[GoodputLedger, _Mapping]] = ..., persist_cost_s: _Optional[float] = ..., failed_restores: _Optional[int] = ..., finished_reason: _Optional[str] = ..., verified_steps: _Optional[_Iterable[int]] = ..., sdc_suspected: _Optional[int] = ..., last_sdc_step: _Optional[int] = ..., sdc_by_node: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class GoodputLedger(_message.Message):
     __slots__ = ("started_ns", "incident_began_ns", "incident_cause", "lost_s_by_cause", "steps_redone", "last_fault", "incidents", "storage_incidents", "lost_s_by_category", "segment_began_ns", "segment_category", "pending_detect_s", "running_since_ns", "startup_open", "resumed_before_s")

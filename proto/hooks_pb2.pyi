@@ -75,19 +75,31 @@ class PhaseReport(_message.Message):
     source: str
     def __init__(self, name: _Optional[str] = ..., step: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
 
+class Fingerprint(_message.Message):
+    __slots__ = ("step", "keys", "hashes")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., keys: _Optional[_Iterable[str]] = ..., hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class WorkerReport(_message.Message):
-    __slots__ = ("local_rank", "pid", "hello", "step", "phase")
+    __slots__ = ("local_rank", "pid", "hello", "step", "phase", "fingerprint")
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     local_rank: int
     pid: int
     hello: Hello
     step: StepReport
     phase: PhaseReport
-    def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., step: _Optional[_Union[StepReport, _Mapping]] = ..., phase: _Optional[_Union[PhaseReport, _Mapping]] = ...) -> None: ...
+    fingerprint: Fingerprint
+    def __init__(self, local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., step: _Optional[_Union[StepReport, _Mapping]] = ..., phase: _Optional[_Union[PhaseReport, _Mapping]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ...) -> None: ...
 
 class WorkerCommand(_message.Message):
     __slots__ = ("command_id", "pause", "resume", "flash_save", "welcome", "stop", "hold", "rejoin")

@@ -427,6 +427,15 @@ class TrainConfig:
             "agent with a flash store, else off; 0: off, and no flash restore)",
         },
     )
+    fingerprint_every: int = field(
+        default=25,
+        metadata={
+            "group": OUTPUT,
+            "help": "hash every rank's whole state (parameters and optimizer state, on its "
+            "device) every N steps and after each persisted save, so the driver can compare "
+            "replicas and find silent data corruption (docs/sdc.md); 0: off",
+        },
+    )
     flash_ab: int = field(
         default=0,
         metadata={
@@ -443,6 +452,11 @@ class TrainConfig:
             raise ValueError(f"log_every must be >= 1, got {self.log_every}")
         if self.flash_every is not None and self.flash_every < 0:
             raise ValueError(f"flash_every must be >= 0 (--flash-every), got {self.flash_every}")
+        if self.fingerprint_every < 0:
+            raise ValueError(
+                f"fingerprint_every must be >= 0 (--fingerprint-every; 0: off), "
+                f"got {self.fingerprint_every}"
+            )
         if self.flash_ab < 0:
             raise ValueError(f"flash_ab must be >= 0 (--flash-ab), got {self.flash_ab}")
         if self.init not in INIT_MODES:

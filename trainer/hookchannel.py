@@ -243,6 +243,13 @@ class Hooks:
         report = hpb.PhaseReport(name=name, step=step, source=source)
         return self._send(hpb.WorkerReport(phase=report))
 
+    def fingerprint(self, step: int, fingerprints: dict[str, int]) -> bool:
+        """Send this rank's state fingerprints after `step` (trainer/sdc.py): one datagram,
+        never coalesced, so the driver sees every fingerprinted step."""
+        keys = sorted(fingerprints)
+        report = hpb.Fingerprint(step=step, keys=keys, hashes=[fingerprints[k] for k in keys])
+        return self._send(hpb.WorkerReport(fingerprint=report))
+
     def collective_entered(self) -> None:
         """The rank enters its step's collective (the embedded engine's one timed
         all-reduce). Unlike `phase("collective")` nothing is sent now: a marker thread

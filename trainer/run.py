@@ -53,11 +53,25 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from unbroken.common.faults import LOSS_SPIKE, SLOW_FILE, WorkerFault, parse_slow_factor
+from unbroken.common.faults import (
+    LOSS_SPIKE,
+    SDC,
+    SDC_FAULTS,
+    SLOW_FILE,
+    WorkerFault,
+    parse_slow_factor,
+)
 from unbroken.common.workerenv import WorkerEnv
 from unbroken.trainer.config import TrainConfig
 from unbroken.trainer.flags import add_arguments, to_config
-from unbroken.trainer.plugin import Batches, BatchSource, Collectives, Skips, Throttled
+from unbroken.trainer.plugin import (
+    Batches,
+    BatchSource,
+    Collectives,
+    Optimizers,
+    Skips,
+    Throttled,
+)
 from unbroken.trainer.rejoin import Held, apply_rejoin, hold, peer_failure, started_by_agent
 from unbroken.trainer.rtrace import mark
 
@@ -317,9 +331,14 @@ def train(
     flash = FlashCheckpointer(env, rank) if flash_every and env is not None else None
     clock = PersistClock(persist_every_s_from_env()) if flash is not None else None
     requests = SaveRequests(hooks)
+    fingerprints: Any = None
     try:
         trainer.setup(config)
         mark("setup")
+        if config.fingerprint_every and isinstance(trainer, Optimizers):
+            from unbroken.trainer.sdc import Fingerprinter
+
+            fingerprints = Fingerprinter(trainer)
         step = 0
         point = RestorePoint.from_env()
         faults = FaultFile.from_env(rank)
@@ -362,6 +381,7 @@ def train(
             hooks=hooks,
             out=out,
             rank=rank,
+            fingerprints=fingerprints,
         )
         first = True
         while step < config.steps:
@@ -386,6 +406,8 @@ def train(
         hooks.phase("checkpoint")
         if flash is not None:
             flash.close()
+        if _MATMUL is not None:  # an injected compute fault ends with this run's training
+            _MATMUL.set(0.0)
         trainer.close()
         if out is not None:
             out.close()
@@ -410,6 +432,7 @@ class _Loop:
     hooks: Hooks
     out: Any
     rank: int
+    fingerprints: Any = None  # trainer/sdc.py Fingerprinter (None: off)
 
     def step(self, step: int) -> int:
         """Run one step, save and report it; return the step reached."""
@@ -426,6 +449,13 @@ def _one_step(lp: _Loop, step: int) -> int:
     if slow is not None and throttled is not None:
         throttled.slow_factor = slow.current()
     fault = faults.due(step + 1) if faults is not None else None
+    sdc_fault = None
+    if fault is not None and fault.kind in SDC_FAULTS:
+        sdc_fault, fault = fault, None
+        if not _mine(sdc_fault):
+            sdc_fault = None
+        elif sdc_fault.kind != SDC:  # a compute fault: this step's matmuls already
+            _apply_sdc(trainer, sdc_fault, step + 1)
     if fault is not None:
         log.warning("fault applied", kind=fault.kind, step=step + 1, id=fault.id)
         with applied_fault(trainer, fault):
@@ -434,10 +464,20 @@ def _one_step(lp: _Loop, step: int) -> int:
         m = trainer.train_step()
     stepped = time.perf_counter()
     step = int(m["step"])
+    if sdc_fault is not None and sdc_fault.kind == SDC:  # a flip of the state after the step
+        _apply_sdc(trainer, sdc_fault, step)
+    persist = False
     if flash is not None and clock is not None:
         # every rank calls the clock at every step (it agrees collectively)
         timed, asked = clock.due(step), requests.due(step)
         persist = timed or asked or step == config.steps
+    fp = lp.fingerprints
+    if fp is not None and (step % config.fingerprint_every == 0 or persist):
+        # before the save: a persisted step is always fingerprinted, so it can be verified
+        t = time.perf_counter()
+        hooks.fingerprint(step, fp.compute())
+        m["fingerprint_s"] = time.perf_counter() - t
+    if flash is not None and clock is not None:
         if config.flash_ab:  # a cost measurement: memory saves in alternate blocks
             m["flash_block"] = (step // config.flash_ab) % 2 == 0
         if persist or (step % flash_every == 0 and m.get("flash_block", True)):
@@ -504,6 +544,37 @@ class SaveRequests:
             self.at = None
             return True
         return False
+
+
+# this process's injected compute fault (`unbroken inject sdc-matmul`), on until 0
+_MATMUL: Any = None
+
+
+def _mine(fault: WorkerFault) -> bool:
+    """Whether this worker is the one an sdc fault names (its local rank)."""
+    want = fault.sdc.local_rank if fault.sdc is not None else -1
+    return want < 0 or want == int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _apply_sdc(trainer: object, fault: WorkerFault, step: int) -> None:
+    """Corrupt this rank as `fault` says (trainer/sdc.py), and say so in the log."""
+    global _MATMUL
+    from unbroken.common.faults import SdcDetail
+    from unbroken.trainer import sdc
+
+    d = fault.sdc or SdcDetail()
+    try:
+        if fault.kind == SDC:
+            what = sdc.flip_bit(trainer, tensor=d.tensor, bit=d.bit, target=d.target)
+        else:
+            if _MATMUL is None:
+                _MATMUL = sdc.MatmulFault()
+            _MATMUL.set(d.size)
+            what = f"every matmul x (1 + {d.size:g})" if d.size else "matmuls exact again"
+    except ValueError as e:
+        log.warning("sdc fault not applied", kind=fault.kind, error=str(e))
+        return
+    log.warning("sdc fault applied", kind=fault.kind, step=step, what=what, id=fault.id)
 
 
 def _skip(trainer: object, n: int, before_step: int) -> None:

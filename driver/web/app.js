@@ -110,11 +110,15 @@ function renderNodes(s) {
 
 function renderCheckpoints(s) {
   const cks = s.checkpoints;
-  $("ckpt-summary").textContent = cks.length
+  const ver = s.verified_steps || [];
+  $("ckpt-summary").textContent = (cks.length
     ? `newest committed step ${cks[0].step} (${cks.length} kept in the job state)`
-    : "none committed yet";
+    : "none committed yet") +
+    (ver.length ? `; newest verified step ${ver[ver.length - 1]}` : "") +
+    (s.sdc_suspected ? `; SDC suspected ${s.sdc_suspected}x` : "");
   $("checkpoints").tBodies[0].replaceChildren(...cks.slice(0, 8).map((c) => el("tr", {},
-    el("td", { class: "num" }, c.step), el("td", { class: "num" }, bytes(c.bytes)),
+    el("td", { class: "num" }, c.step), el("td", {}, c.verified ? "yes" : "-"),
+    el("td", { class: "num" }, bytes(c.bytes)),
     el("td", { class: "num" }, c.seq), el("td", { title: c.uri }, c.uri.split("/").slice(-2).join("/")))));
   const inc = s.incident;
   $("incident").textContent = inc.id

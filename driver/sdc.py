@@ -1,0 +1,154 @@
+"""Silent data corruption: judging the ranks' state fingerprints (docs/sdc.md).
+
+Each rank of the embedded engine hashes its whole state every `--fingerprint-every` steps
+(trainer/sdc.py) and sends one 64-bit fingerprint per *replica key* (the bytes it must
+hold); its agent passes the newest few on in every heartbeat (`WorkerStatus.fingerprints`).
+Ranks that report the same key at the same step must report the same fingerprint. The
+`FingerprintBook` gathers them per step from the live view; once every rank of the world
+reported a step, `judge` compares each key's group:
+
+- every group agrees, and every rank's state was compared with at least one other rank's:
+  the step is *verified* (a `StepVerified` event; a checkpoint of it is known to be good);
+- a group disagrees: the ranks outside its strict majority are the suspects, an
+  `SdcSuspected` event. With two ranks (or several of the same size) no majority exists: the
+  compute probe's history (every rank computes the same bytes, so a rank whose probe left
+  the world's earlier agreed value is the odd one) or a suspect named by another key breaks
+  the tie; otherwise both sides are named and the event says it is unresolved.
+
+Everything here is pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+PROBE_KEY = "probe"  # trainer/sdc.py's compute probe: every rank of a world agrees
+KEEP_PENDING = 8  # steps waiting for their last ranks' fingerprints
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What one fingerprinted step says."""
+
+    step: int
+    verified: bool  # every group agreed and every rank's state was compared
+    suspects: tuple[int, ...] = ()  # ranks holding the minority's bytes
+    resolved: bool = True  # the suspects are a minority (not both sides of a tie)
+    keys: tuple[str, ...] = ()  # the keys that disagreed
+    groups: int = 0  # groups of two or more ranks compared
+    detail: str = ""
+
+    @property
+    def disagreed(self) -> bool:
+        return bool(self.keys)
+
+
+def judge(
+    step: int, reports: Mapping[int, Mapping[str, int]], probe_ref: int | None = None
+) -> Verdict:
+    """Compare the fingerprints every rank reported for `step` ({rank: {key: hash}}).
+
+    `probe_ref`: the probe's value the world last agreed on (None: not known yet), which
+    names the odd rank of a tied probe.
+    """
+    by_key: dict[str, dict[int, int]] = {}
+    for rank, fps in reports.items():
+        for key, h in fps.items():
+            by_key.setdefault(key, {})[rank] = h
+    resolved_bad: set[int] = set()
+    ties: list[tuple[str, set[int]]] = []
+    bad_keys: list[str] = []
+    notes: list[str] = []
+    groups = 0
+    compared: dict[int, bool] = {r: True for r in reports}
+    for key in sorted(by_key):
+        members = by_key[key]
+        if len(members) >= 2:
+            groups += 1
+        elif key != PROBE_KEY:
+            for r in members:
+                compared[r] = False  # nobody else holds these bytes
+        counts = Counter(members.values())
+        if len(counts) <= 1:
+            continue
+        bad_keys.append(key)
+        (top, n_top), *rest = counts.most_common()
+        if rest and rest[0][1] == n_top:  # a tie: no majority
+            if key == PROBE_KEY and probe_ref is not None and probe_ref in counts:
+                odd = {r for r, h in members.items() if h != probe_ref}
+                resolved_bad |= odd
+                notes.append(f"{key}: ranks {sorted(odd)} left the probe's agreed value")
+            else:
+                ties.append((key, set(members)))
+            continue
+        odd = {r for r, h in members.items() if h != top}
+        resolved_bad |= odd
+        notes.append(f"{key}: ranks {sorted(odd)} against {n_top} agreeing")
+    resolved = True
+    suspects = set(resolved_bad)
+    for key, tied in ties:
+        if tied & resolved_bad:
+            notes.append(f"{key}: a tie, whose odd rank another key named")
+            continue
+        suspects |= tied
+        resolved = False
+        notes.append(f"{key}: ranks {sorted(tied)} disagree with no majority")
+    verified = not bad_keys and bool(reports) and all(compared.values())
+    return Verdict(
+        step=step,
+        verified=verified,
+        suspects=tuple(sorted(suspects)),
+        resolved=resolved,
+        keys=tuple(bad_keys),
+        groups=groups,
+        detail="; ".join(notes),
+    )
+
+
+@dataclass(slots=True)
+class FingerprintBook:
+    """The fingerprints of a running world, per step, until every rank reported one.
+
+    `add` the fingerprints read from heartbeats (repeats are ignored), then `ready` returns
+    the verdict of each step every one of `world_size` ranks reported, oldest first. Steps
+    at or before a judged one are dropped; at most `KEEP_PENDING` steps wait.
+    """
+
+    world_size: int
+    pending: dict[int, dict[int, dict[str, int]]] = field(default_factory=dict)
+    judged: int = -1  # the newest judged step
+    probe_ref: int | None = None  # the probe value of the newest step whose probe agreed
+
+    def add(self, rank: int, step: int, fingerprints: Mapping[str, int]) -> None:
+        if step <= self.judged or rank < 0 or rank >= self.world_size:
+            return
+        at = self.pending.setdefault(step, {})
+        at.setdefault(rank, dict(fingerprints))
+        while len(self.pending) > KEEP_PENDING:
+            del self.pending[min(self.pending)]
+
+    def ready(self) -> list[Verdict]:
+        out: list[Verdict] = []
+        for step in sorted(self.pending):
+            reports = self.pending[step]
+            if len(reports) < self.world_size:
+                continue
+            v = judge(step, reports, self.probe_ref)
+            probes = {fps.get(PROBE_KEY) for fps in reports.values()}
+            if len(probes) == 1 and None not in probes:
+                self.probe_ref = probes.pop()
+            out.append(v)
+            self.judged = step
+        for step in [s for s in self.pending if s <= self.judged]:
+            del self.pending[step]
+        return out
+
+
+def rollback_target(step: int, verified: Iterable[int], held: Iterable[int]) -> int | None:
+    """The newest verified step before `step` that can be restored (`held`: committed or in
+    every rank's ring), or None."""
+    ok = set(held)
+    good = [v for v in verified if v < step and v in ok]
+    return max(good) if good else None

@@ -1,0 +1,100 @@
+"""The driver's fingerprint watch (docs/sdc.md): the asyncio shell around driver/sdc.py.
+
+Every heartbeat interval while the job runs it reads the world nodes' newest heartbeats,
+feeds the ranks' fingerprints (`WorkerStatus.fingerprints`) to a `FingerprintBook` and
+records what each complete step says: `StepVerified` when every group agreed, or
+`SdcSuspected` (the machine decides the rollback) when one did not. The book starts over
+whenever the job leaves RUNNING or the world changes, so a restored timeline is never
+compared with the one it replaced. After an SdcSuspected nothing more is judged until the
+log moved past it and the job runs again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from unbroken.driver import sdc as sdclib
+from unbroken.proto import events_pb2 as ev
+
+if TYPE_CHECKING:
+    from unbroken.driver.loop import RecoveryLoop
+
+log = structlog.get_logger(__name__)
+
+
+async def watch(loop: RecoveryLoop) -> None:
+    """Run the fingerprint watch for `loop` until cancelled."""
+    period = loop.service.config.live.heartbeat_interval_ms / 1000.0
+    book: sdclib.FingerprintBook | None = None
+    world_key: Any = None
+    suspected_at = -1  # the state's last_seq when the last SdcSuspected was queued
+    probe_ref: int | None = None  # kept across books
+    while True:
+        await asyncio.sleep(period)
+        s = loop.state
+        if book is not None and book.probe_ref is not None:
+            probe_ref = book.probe_ref
+        if s.phase != ev.PHASE_RUNNING or s.last_seq <= suspected_at:
+            book = None
+            continue
+        try:
+            w = s.world
+            key = (tuple(w.node_ids), w.workers_per_node, s.goodput.incidents)
+            if book is None or key != world_key:
+                size = len(w.node_ids) * w.workers_per_node
+                # the probe's agreed value is the same in any world of the same devices
+                ref = book.probe_ref if book is not None else probe_ref
+                book, world_key = sdclib.FingerprintBook(size, probe_ref=ref), key
+            node_of = _feed(loop, book, tuple(w.node_ids))
+            for v in book.ready():
+                if v.disagreed:
+                    suspected_at = s.last_seq
+                    loop.service.emit(ev.Event(sdc_suspected=_suspected(loop, s, v, node_of)))
+                    log.warning("sdc suspected", step=v.step, ranks=v.suspects, detail=v.detail)
+                    probe_ref, book = book.probe_ref, None
+                    break
+                if v.verified:
+                    loop.service.emit(
+                        ev.Event(
+                            step_verified=ev.StepVerified(
+                                step=v.step, ranks=book.world_size, groups=v.groups
+                            )
+                        )
+                    )
+        except Exception:
+            log.exception("fingerprint watch failed; continuing")
+            book = None
+
+
+def _feed(loop: RecoveryLoop, book: sdclib.FingerprintBook, nodes: tuple[str, ...]) -> dict:
+    """Add every world rank's heartbeat fingerprints to `book`; returns {rank: node}."""
+    node_of: dict[int, str] = {}
+    for n in nodes:
+        slot = loop.service.view.nodes.get(n)
+        if slot is None or not slot.alive:
+            continue
+        for ws in slot.hb.workers:
+            node_of[ws.global_rank] = n
+            for fp in ws.fingerprints:
+                book.add(fp.global_rank, fp.step, dict(zip(fp.keys, fp.hashes, strict=False)))
+    return node_of
+
+
+def _suspected(
+    loop: RecoveryLoop, s: ev.JobState, v: sdclib.Verdict, node_of: dict[int, str]
+) -> ev.SdcSuspected:
+    held = loop._ring_held(tuple(s.world.node_ids))
+    before = [x for x in s.verified_steps if x < v.step]
+    return ev.SdcSuspected(
+        step=v.step,
+        suspect_ranks=list(v.suspects),
+        suspect_nodes=[node_of.get(r, "") for r in v.suspects],
+        resolved=v.resolved,
+        keys=list(v.keys),
+        verified_step=max(before) if before else 0,
+        detail=v.detail,
+        memory_steps=sorted(x for x in held or () if x < v.step),
+    )
