@@ -69,8 +69,10 @@ lint: $(STAMP)
 	MYPYPATH=build/typecheck $(VENV)/bin/mypy --explicit-package-bases \
 		-p unbroken.driver -p unbroken.agent -p unbroken.diagnostics -p unbroken.recovery -p unbroken.trainer -p unbroken.cli -p unbroken.common
 
+# scale_e2e.py is the e2e section of scale.py (`make bench-scale` runs it): not run twice.
+BENCH_PARTS := bench/scale_e2e.py
 bench: $(STAMP)
-	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@for b in $(filter-out $(BENCH_PARTS),$(wildcard bench/*.py)); do echo "== $$b"; $(PY) $$b || exit 1; done
 
 bench-%: $(STAMP)
 	$(PY) bench/$*.py $(ARGS)
