@@ -341,7 +341,8 @@ class LauncherApi:
             await abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
-                node_id_problem(node) or f"node_id must be 1-{MAX_ID} characters, got {node[:MAX_ID]!r}",
+                node_id_problem(node)
+                or f"node_id must be 1-{MAX_ID} characters, got {node[:MAX_ID]!r}",
             )
         if request.local_rank > MAX_LOCAL_RANK:
             await abort(
