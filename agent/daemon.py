@@ -59,7 +59,7 @@ from unbroken.agent.metrics import AgentMetrics
 from unbroken.agent.peerid import PeerIdentityError, check_peer
 from unbroken.agent.relay import SILENT_S, Relay, RelayConfig, parse_relay
 from unbroken.agent.workers import Supervisor, WorkerSpec
-from unbroken.common import channel, workerenv
+from unbroken.common import channel, reportmac, workerenv
 from unbroken.common.channel import endpoint_is_loopback
 from unbroken.common.faults import (
     FAULT_FILE,
@@ -344,6 +344,7 @@ class Agent:
         self._metadata = self._token_md()
         self.term_seen = 0  # the newest leader term a command came with (older ones dropped)
         self.session_term = 0  # the leader term our registration was answered under
+        self.report_key = b""  # our key for signed shard reports, from RegisterResponse
         self.relay: Relay | None = None
         if config.relay_listen:
             self.relay = Relay(
@@ -479,6 +480,7 @@ class Agent:
                 backoff = self.config.backoff_base_s
                 self._electing_until = 0.0
                 self.session_term = resp.leader_term
+                self.report_key = resp.report_key  # signs our shard reports (reportmac)
                 self.interval_s = resp.heartbeat_interval_ms / 1000.0 or self.interval_s
                 log.info(
                     "registered",
@@ -796,8 +798,14 @@ class Agent:
                     for p in batch
                 ]
             )
+            if self.report_key:  # signed: a relay carrying it cannot forge or alter it
+                out = dpb.AgentMessage(
+                    signed_report=reportmac.sign(self.report_key, self.epoch, msg)
+                )
+            else:  # a driver that hands out no key (older)
+                out = dpb.AgentMessage(shards_persisted=msg)
             try:
-                await self._write(call, dpb.AgentMessage(shards_persisted=msg))
+                await self._write(call, out)
             except BaseException:
                 flash.reports.extendleft(reversed(batch))  # the next session reports them
                 raise
