@@ -60,7 +60,7 @@ from unbroken.agent.peerid import PeerIdentityError, check_peer
 from unbroken.agent.relay import SILENT_S, Relay, RelayConfig, parse_relay
 from unbroken.agent.workers import Supervisor, WorkerSpec
 from unbroken.common import channel, reportmac, workerenv
-from unbroken.common.channel import endpoint_is_loopback
+from unbroken.common.channel import endpoint_is_loopback, is_loopback
 from unbroken.common.faults import (
     FAULT_FILE,
     SLOW_FILE,
@@ -226,7 +226,17 @@ class AgentConfig:
             "port; unset: off)"
         },
     )
-    metrics_host: str = field(default="127.0.0.1", metadata={"help": "metrics endpoint host"})
+    metrics_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "metrics endpoint host (beyond loopback only with --metrics-public)"},
+    )
+    metrics_public: bool = field(
+        default=False,
+        metadata={
+            "help": "serve the metrics beyond loopback: they take no credential (put them "
+            "behind a firewall)"
+        },
+    )
     pin_master_addr: bool = field(
         default=False,
         metadata={"flag": None, "why": "set when --master-addr is given (it wins then)"},
@@ -269,6 +279,14 @@ class AgentConfig:
         if not self.selfcheck_timeout_s > 0:
             raise ValueError(f"selfcheck_timeout_s must be > 0, got {self.selfcheck_timeout_s}")
         FaultSpec.parse(self.fault)  # ValueError naming the known terms
+        if self.metrics_port is not None and not (
+            self.metrics_public or is_loopback(self.metrics_host)
+        ):
+            raise ValueError(
+                f"--metrics-host {self.metrics_host} is not a loopback address: the metrics "
+                "endpoint takes no credential. Pass --metrics-public to serve it there anyway "
+                "(behind a firewall that lets only Prometheus in), or scrape it on loopback"
+            )
         if self.token and not self.tls.enabled:
             remote = [d for d in self.drivers if not endpoint_is_loopback(d)]
             if remote:
