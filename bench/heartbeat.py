@@ -69,6 +69,8 @@ def bench_node_ids() -> list[str]:
     return [f"{p}{i}-{j}" for p in ("s", "bg") for i in range(40) for j in range(NODES_PER_SIM)] + [
         f"v{i}-0" for i in range(1000)
     ]
+
+
 NODES_PER_SIM = 500
 WORKERS_PER_NODE = 8
 
