@@ -59,8 +59,8 @@ from unbroken.agent.metrics import AgentMetrics
 from unbroken.agent.peerid import PeerIdentityError, check_peer
 from unbroken.agent.relay import SILENT_S, Relay, RelayConfig, parse_relay
 from unbroken.agent.workers import Supervisor, WorkerSpec
-from unbroken.common import channel, workerenv
-from unbroken.common.channel import endpoint_is_loopback
+from unbroken.common import channel, reportmac, workerenv
+from unbroken.common.channel import endpoint_is_loopback, is_loopback
 from unbroken.common.faults import (
     FAULT_FILE,
     SDC_FAULTS,
@@ -237,7 +237,17 @@ class AgentConfig:
             "port; unset: off)"
         },
     )
-    metrics_host: str = field(default="127.0.0.1", metadata={"help": "metrics endpoint host"})
+    metrics_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "metrics endpoint host (beyond loopback only with --metrics-public)"},
+    )
+    metrics_public: bool = field(
+        default=False,
+        metadata={
+            "help": "serve the metrics beyond loopback: they take no credential (put them "
+            "behind a firewall)"
+        },
+    )
     pin_master_addr: bool = field(
         default=False,
         metadata={"flag": None, "why": "set when --master-addr is given (it wins then)"},
@@ -280,6 +290,14 @@ class AgentConfig:
         if not self.selfcheck_timeout_s > 0:
             raise ValueError(f"selfcheck_timeout_s must be > 0, got {self.selfcheck_timeout_s}")
         FaultSpec.parse(self.fault)  # ValueError naming the known terms
+        if self.metrics_port is not None and not (
+            self.metrics_public or is_loopback(self.metrics_host)
+        ):
+            raise ValueError(
+                f"--metrics-host {self.metrics_host} is not a loopback address: the metrics "
+                "endpoint takes no credential. Pass --metrics-public to serve it there anyway "
+                "(behind a firewall that lets only Prometheus in), or scrape it on loopback"
+            )
         if self.token and not self.tls.enabled:
             remote = [d for d in self.drivers if not endpoint_is_loopback(d)]
             if remote:
@@ -368,6 +386,7 @@ class Agent:
         self._metadata = self._token_md()
         self.term_seen = 0  # the newest leader term a command came with (older ones dropped)
         self.session_term = 0  # the leader term our registration was answered under
+        self.report_key = b""  # our key for signed shard reports, from RegisterResponse
         self.relay: Relay | None = None
         if config.relay_listen:
             self.relay = Relay(
@@ -503,6 +522,7 @@ class Agent:
                 backoff = self.config.backoff_base_s
                 self._electing_until = 0.0
                 self.session_term = resp.leader_term
+                self.report_key = resp.report_key  # signs our shard reports (reportmac)
                 self.interval_s = resp.heartbeat_interval_ms / 1000.0 or self.interval_s
                 log.info(
                     "registered",
@@ -844,8 +864,14 @@ class Agent:
                     for p in batch
                 ]
             )
+            if self.report_key:  # signed: a relay carrying it cannot forge or alter it
+                out = dpb.AgentMessage(
+                    signed_report=reportmac.sign(self.report_key, self.epoch, msg)
+                )
+            else:  # a driver that hands out no key (older)
+                out = dpb.AgentMessage(shards_persisted=msg)
             try:
-                await self._write(call, dpb.AgentMessage(shards_persisted=msg))
+                await self._write(call, out)
             except BaseException:
                 flash.reports.extendleft(reversed(batch))  # the next session reports them
                 raise

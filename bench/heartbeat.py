@@ -55,9 +55,22 @@ from unbroken.proto import driver_pb2_grpc as dgrpc
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "heartbeat.json"
 RESULTS_AUTH = HERE / "results" / "heartbeat_auth.json"
-NODE_TOKEN = "bench-node-token-0123456789"  # every simulated node presents it
+NODE_TOKEN = "bench-node-token-0123456789"  # node X presents NODE_TOKEN-X, bound to X
 VIEWER_TOKEN = "bench-viewer-token-0123456789"  # the bench's own LiveView reads
-AUTH_MD = token_metadata(NODE_TOKEN)
+
+
+def auth_md(node_id: str) -> tuple[tuple[str, str], ...]:
+    """Node `node_id`'s bearer token (bound to it: the driver refuses unbound node tokens)."""
+    return token_metadata(f"{NODE_TOKEN}-{node_id}")
+
+
+def bench_node_ids() -> list[str]:
+    """Every node id a simulator of this bench may use (the prefixes below, up to 20k each)."""
+    return [f"{p}{i}-{j}" for p in ("s", "bg") for i in range(40) for j in range(NODES_PER_SIM)] + [
+        f"v{i}-0" for i in range(1000)
+    ]
+
+
 NODES_PER_SIM = 500
 WORKERS_PER_NODE = 8
 
@@ -90,7 +103,8 @@ async def serve(mode: str, port_file: str, events_file: str) -> None:
     from unbroken.driver.security import AuthInterceptor, RoleTokens
     from unbroken.driver.service import DriverService, ServiceConfig
 
-    tokens = RoleTokens({"node": [NODE_TOKEN], "viewer": [VIEWER_TOKEN]})
+    nodes = [f"{NODE_TOKEN}-{n} {n}" for n in bench_node_ids()] if mode == "auth" else []
+    tokens = RoleTokens({"node": nodes, "viewer": [VIEWER_TOKEN]})
     interceptors = [AuthInterceptor(tokens, tls=False)] if mode == "auth" else []
     server = grpc.aio.server(interceptors=interceptors, options=channel.SERVER_OPTIONS)
     service: Any
@@ -155,12 +169,13 @@ async def sim_node(
             await stub.Register(
                 dpb.RegisterRequest(node_id=node_id, epoch=epoch, hostname=node_id, num_workers=8),
                 timeout=10,
+                metadata=auth_md(node_id),
             )
             break
         except grpc.aio.AioRpcError:
             await asyncio.sleep(0.2 * (attempt + 1))
     call = stub.Session(
-        metadata=((channel.NODE_KEY, node_id), (channel.EPOCH_KEY, str(epoch)), *AUTH_MD)
+        metadata=((channel.NODE_KEY, node_id), (channel.EPOCH_KEY, str(epoch)), *auth_md(node_id))
     )
     workers = _workers()
     host = dpb.HostStats(cpu_percent=50.0, mem_used_bytes=1 << 34, mem_total_bytes=1 << 36)
@@ -271,7 +286,7 @@ class WireNode(asyncio.Protocol):
             (":authority", self.authority),
             ("content-type", "application/grpc"),
             ("te", "trailers"),
-            *AUTH_MD,  # ignored by a driver without tokens: both modes parse it
+            *auth_md(self.node_id),  # ignored by a driver without tokens: both modes parse it
             *extra,
         ]
 

@@ -460,8 +460,9 @@ class LocalCluster:
 
         With `nodes`, node tokens are bound: one per node (`node_token_file(node)`), each
         listed in the driver's node.tokens with the one node id it may act as, so a node's
-        token cannot open a session as another node. Without, one shared node token (any
-        node id: for tests that start nodes of their own)."""
+        token cannot open a session as another node. Without, one shared node token, which
+        the driver takes for the rendezvous only (it refuses an unbound node token for
+        Register and Session)."""
         d = self.run / "tokens"
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
         flags = []

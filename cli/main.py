@@ -14,9 +14,12 @@ from __future__ import annotations
 import argparse
 import enum
 import importlib
+import math
 import os
 import sys
 from collections.abc import Sequence
+
+from unbroken.common.config import finite_float
 
 # name -> (module, one-line help). Add a subcommand by adding one line here.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -126,6 +129,8 @@ def apply_config(p: argparse.ArgumentParser, path: str) -> None:
         elif isinstance(a, argparse._AppendAction):
             value = value if isinstance(value, list) else [value]
             value = [str(v) for v in value]
+        elif a.type in (int, float, finite_float):
+            value = _config_number(path, key, value, int if a.type is int else float)
         elif a.type is not None and not isinstance(value, bool):
             try:
                 value = a.type(value)  # type: ignore[misc,operator]
@@ -138,6 +143,21 @@ def apply_config(p: argparse.ArgumentParser, path: str) -> None:
         values[a.dest] = value
         a.required = False
     p.set_defaults(**values)
+
+
+def _config_number(path: str, key: str, value: object, kind: type) -> int | float:
+    """`value` of a number key of a config file, or a ConfigError naming the key: a number
+    (not a bool or a string), finite, and whole where the flag takes an integer (2.7 is
+    not silently read as 2)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{path}: {key} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{path}: {key} must be a finite number, got {value!r}")
+    if kind is int:
+        if isinstance(value, float) and not value.is_integer():
+            raise ConfigError(f"{path}: {key} must be a whole number, got {value!r}")
+        return int(value)
+    return float(value)
 
 
 def effective_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:

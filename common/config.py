@@ -35,13 +35,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import math
 import os
 import types
 import typing
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["FlagField", "add_config_flags", "config_from_args", "flag_fields"]
+__all__ = ["FlagField", "add_config_flags", "config_from_args", "finite_float", "flag_fields"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -163,10 +164,20 @@ def _group_title(cls: type, path: str) -> str:
     return title
 
 
+def finite_float(text: str) -> float:
+    """A float flag's value: a finite number (`nan` and `inf` are no duration or limit)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a finite number")
+    return value
+
+
 def _scalar(t: Any) -> Callable[[str], Any]:
     if _is_seq(t):
         return _comma_list
-    if t in (int, float, str):
+    if t is float:
+        return finite_float
+    if t in (int, str):
         return t  # type: ignore[no-any-return]
     if isinstance(t, type) and issubclass(t, str):  # a str enum
         return t

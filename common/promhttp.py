@@ -11,10 +11,17 @@ collector (`process_cpu_seconds_total`, `process_resident_memory_bytes`,
 from __future__ import annotations
 
 import platform
+import threading
 from importlib import metadata
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Gauge, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, ProcessCollector, make_wsgi_app
+from prometheus_client.exposition import _get_best_family
+
+MAX_CONNECTIONS = 16  # served at once (Prometheus needs one per scrape)
+IDLE_TIMEOUT_S = 10.0  # a connection silent (or not reading) this long is dropped
 
 BUILD_INFO = "unbroken_build_info"
 #: series every endpoint exports besides its own: name -> (type, labels, help)
@@ -53,15 +60,81 @@ class Endpoint:
         self.port = 0
         self._server: Any = None
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Start the HTTP endpoint; return the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+    def serve(
+        self,
+        port: int,
+        host: str = "127.0.0.1",
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+    ) -> int:
+        """Start the HTTP endpoint; return the bound port.
+
+        At most `max_connections` are served at a time (one thread each; one over the cap
+        is closed at once) and a connection that sends or reads nothing for
+        `idle_timeout_s` is dropped, so idle or slow clients cannot pile up threads or hold
+        the port from Prometheus for longer than that.
+        """
+
+        class Server(_CappedServer):
+            pass
+
+        Server.address_family, addr = _get_best_family(host, port)
+        Server.cap = max_connections
+        handler = type("Handler", (_QuietHandler,), {"timeout": idle_timeout_s})
+        server = make_server(addr, port, make_wsgi_app(self.registry), Server, handler)
+        threading.Thread(target=server.serve_forever, daemon=True, name="metrics").start()
         self._server = server
         self.port = int(server.server_port)
         return self.port
+
+    @property
+    def refused(self) -> int:
+        """Connections closed at once because `max_connections` were open."""
+        return int(self._server.refused) if self._server is not None else 0
 
     def close(self) -> None:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """One request per connection, no access log; `timeout` (set per server) bounds every
+    read and write of the socket."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _CappedServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most `cap` at once; one over the cap is closed at once."""
+
+    daemon_threads = True
+    cap = MAX_CONNECTIONS
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(self.cap)
+        self.refused = 0
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a dropped (idle, slow) client is no error worth a traceback

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import grpc
 import structlog
 
+from unbroken.driver.detectors import node_id_problem
 from unbroken.driver.eventlog import EventLogError, new_event_id
 from unbroken.driver.journal import Journal
 from unbroken.driver.leadership import Commands, Leadership
@@ -78,6 +79,10 @@ def job_problem(req: dpb.RegisterJobRequest) -> str:
     bad = [n for n in ids if not n or len(n) > MAX_ID]
     if bad:
         return f"world.node_ids must be 1-{MAX_ID} characters each, got {bad[0][:MAX_ID]!r}"
+    # a node id is one plain name: `n[1-64]` or `a,b` is a Slurm hostlist naming many nodes
+    wrong = next((p for p in map(node_id_problem, ids) if p), "")
+    if wrong:
+        return f"world.{wrong}"
     if len(set(ids)) != len(ids):
         dup = sorted({n for n in ids if ids.count(n) > 1})
         return f"world.node_ids has duplicates: {dup[:5]}"
@@ -332,11 +337,12 @@ class LauncherApi:
                 "kind must be FAILURE_KIND_WORKER (one worker failed) or FAILURE_KIND_NODE "
                 "(the node is gone)",
             )
-        if not node or len(node) > MAX_ID:
+        if not node or len(node) > MAX_ID or node_id_problem(node):
             await abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"node_id must be 1-{MAX_ID} characters, got {node[:MAX_ID]!r}",
+                node_id_problem(node)
+                or f"node_id must be 1-{MAX_ID} characters, got {node[:MAX_ID]!r}",
             )
         if request.local_rank > MAX_LOCAL_RANK:
             await abort(

@@ -165,6 +165,7 @@ class NodeSlot:
         "outbox",
         "peer_host",
         "relay",
+        "report_key",
         "reported_exits",
         "session",
     )
@@ -181,6 +182,7 @@ class NodeSlot:
         self.alive = False
         self.connected = False
         self.relay = ""  # the relay its registration named ("": it heartbeats to us directly)
+        self.report_key = b""  # its key for signed shard reports (common/reportmac.py)
         self.session = 0  # bumps per stream, so an old stream's exit does not clobber a new one
         self.outbox: object | None = None  # the session's bounded command queue
         self.reported_exits: set[tuple[int, int]] = set()  # (local_rank, restarts)

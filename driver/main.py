@@ -88,7 +88,17 @@ class DriverConfig:
         default="127.0.0.1",
         metadata={"help": "web dashboard host (it accepts viewer tokens only)"},
     )
-    metrics_host: str = field(default="127.0.0.1", metadata={"help": "Prometheus endpoint host"})
+    metrics_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "Prometheus endpoint host (beyond loopback only with --metrics-public)"},
+    )
+    metrics_public: bool = field(
+        default=False,
+        metadata={
+            "help": "serve the metrics beyond loopback: they name nodes, errors and steps to "
+            "anyone who reaches the port, with no credential (put them behind a firewall)"
+        },
+    )
     insecure: bool = field(
         default=False,
         metadata={
@@ -177,6 +187,10 @@ class DriverConfig:
         )
         if exposed:
             raise ValueError(exposed[0])
+        if self.metrics_port is not None:
+            problem = metrics_exposure(self.metrics_host, public=self.metrics_public)
+            if problem:
+                raise ValueError(problem)
         if not self.driver_id:
             driver_id = f"driver-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
             object.__setattr__(self, "driver_id", driver_id)  # a derived default
@@ -199,6 +213,19 @@ def exposure_problems(
         for what, host in hosts
         if not is_loopback(host)
     ]
+
+
+def metrics_exposure(host: str, *, public: bool) -> str:
+    """Why `--metrics-host HOST` is refused ("" when it is not): the endpoint takes no
+    credential, so beyond loopback it needs the explicit `--metrics-public`."""
+    if public or is_loopback(host):
+        return ""
+    return (
+        f"--metrics-host {host} is not a loopback address: the metrics endpoint takes no "
+        "credential and names nodes, errors and steps. Pass --metrics-public to serve it "
+        "there anyway (behind a firewall that lets only Prometheus in), or scrape it on "
+        "loopback"
+    )
 
 
 def _archive(cfg: DriverConfig) -> str | None:
@@ -268,6 +295,8 @@ def config_from_args(ns: argparse.Namespace) -> DriverConfig:
         credentials=bool(ns.tls_cert or ns.token_file),
         insecure=ns.insecure,
     )
+    if ns.metrics_port is not None:
+        problems += [m for m in [metrics_exposure(ns.metrics_host, public=ns.metrics_public)] if m]
     try:
         service = build(ServiceConfig, ns, tls=tls, tokens=tokens)
         cfg: DriverConfig = build(

@@ -14,6 +14,7 @@ workers paused; the call only watches the task through a bounded queue.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 import uuid
@@ -35,7 +36,7 @@ from unbroken.driver.leadership import Commands, Leadership
 from unbroken.driver.liveview import LiveView
 from unbroken.driver.rpc import abort, within_deadline
 from unbroken.driver.scheduler import bridge_of
-from unbroken.driver.security import ANONYMOUS, caller
+from unbroken.driver.security import ANONYMOUS, OPERATOR, caller
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 
@@ -151,6 +152,32 @@ def status_of(state: ev.JobState, view: LiveView) -> dpb.GetStatusResponse:
     return st
 
 
+OPERATORS = OPERATOR  # the role whose watcher slots are kept free of everyone else
+
+
+def watcher_quota(cap: int, total: int, mine: int, operator: bool) -> str:
+    """Why one more WatchEvents stream is refused ("" when it is not). Pure.
+
+    Of the driver's `cap` streams, one principal holds at most a quarter (one viewer's
+    token cannot take them all), and the last eighth are kept for operators, so viewers'
+    and launchers' watches never lock an operator out of `unbroken events`.
+    """
+    per_principal = max(1, cap // 4)
+    reserved = max(1, cap // 8) if cap > 1 else 0
+    if total >= cap:
+        return f"{total} event watchers are already streaming (the limit, {cap})"
+    if mine >= per_principal:
+        return (
+            f"this principal already has {mine} event watchers streaming (at most {per_principal})"
+        )
+    if not operator and total >= cap - reserved:
+        return (
+            f"{total} event watchers are streaming; the last {reserved} of {cap} are kept for "
+            "operators"
+        )
+    return ""
+
+
 class OperatorApi:
     """Operator RPCs: status, nodes, events, evict, diagnose, self-checks, fault drills.
 
@@ -168,6 +195,7 @@ class OperatorApi:
         self._diagnose_config = config.diagnose
         self._allow_fault_injection = config.allow_fault_injection
         self.watchers = 0  # WatchEvents calls streaming now
+        self.watchers_of: collections.Counter[str] = collections.Counter()  # by principal
         self.diagnosis_running = ""  # id of the operator's diagnosis in progress
         self._diagnosis_task: asyncio.Task[None] | None = None
 
@@ -236,14 +264,18 @@ class OperatorApi:
         `max_watchers` calls stream at once.
         """
         journal = await self._journal(context)
-        if self.watchers >= self._max_watchers:
+        who = caller()
+        problem = watcher_quota(
+            self._max_watchers, self.watchers, self.watchers_of[str(who)], who.may(OPERATORS)
+        )
+        if problem:
             await abort(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self.watchers} event watchers are already streaming from driver "
-                f"{self._lead.driver_id} (the limit); close one or retry later",
+                f"{problem} on driver {self._lead.driver_id}; close one or retry later",
             )
         self.watchers += 1
+        self.watchers_of[str(who)] += 1
         live: asyncio.Queue[ev.Event] = asyncio.Queue(WATCH_BUFFER)
         overflow = asyncio.Event()
 
@@ -303,6 +335,9 @@ class OperatorApi:
                     )
         finally:
             self.watchers -= 1
+            self.watchers_of[str(who)] -= 1
+            if self.watchers_of[str(who)] <= 0:
+                del self.watchers_of[str(who)]
             if on_event in journal.subscribers:
                 journal.subscribers.remove(on_event)
 

@@ -107,6 +107,16 @@ AUTHZ: dict[str, frozenset[str]] = {
         )
     },
 }
+# The RPCs that speak as one node id: an unbound node token (one not followed by a node id
+# in the token file) could speak as every node, so it is refused for them.
+NODE_IDENTITY = frozenset({_D + "Register", _D + "Session"})
+UNBOUND_NODE_TOKEN = (
+    "this node token is not bound to a node id, so it could act as any node: the driver "
+    "refuses it for Register and Session. Give each node its own token bound to its id, a "
+    "line `<token> <node-id>` in the driver's node token file (make tokens with `openssl "
+    "rand -hex 32`; `unbroken up` writes them, one file per node), or a `node:<id>` "
+    "certificate (`unbroken certs issue node:<id>`)"
+)
 # any authenticated principal (server reflection, when enabled, only describes the API)
 AUTHENTICATED_PREFIXES = ("/grpc.reflection.",)
 
@@ -242,6 +252,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                         grpc.StatusCode.PERMISSION_DENIED,
                         _forbidden(by_token, method, roles),
                     )
+                if by_token.role == "node" and by_token.name == "*" and method in NODE_IDENTITY:
+                    return _denied(handler, grpc.StatusCode.PERMISSION_DENIED, UNBOUND_NODE_TOKEN)
                 return _as(handler, by_token)
         if not self.tls:
             return _as(handler, ANONYMOUS)  # no credentials configured (loopback or --insecure)

@@ -26,6 +26,7 @@ import asyncio
 import collections
 import contextlib
 import math
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from unbroken.common import channel
+from unbroken.common import channel, reportmac
 from unbroken.common.serving import MalformedRequests
 from unbroken.common.tls import TlsConfig, server_credentials
 from unbroken.driver import commits as commits_mod
@@ -643,6 +644,8 @@ class DriverService(dgrpc.DriverServicer):
             self.view.mark_registered(slot, now)
         slot.relay = relay
         self._told_to_register.discard(request.node_id)
+        if slot.epoch != request.epoch or not slot.report_key:
+            slot.report_key = secrets.token_bytes(reportmac.KEY_BYTES)  # one per epoch
         if event is not None:
             if slot.epoch != request.epoch:
                 slot.reported_exits.clear()
@@ -671,6 +674,7 @@ class DriverService(dgrpc.DriverServicer):
             heartbeat_interval_ms=self.config.live.heartbeat_interval_ms,
             miss_limit=self.config.live.miss_limit,
             leader_term=self.journal.state.leader_term if self.journal is not None else 0,
+            report_key=slot.report_key,
         )
 
     async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
@@ -787,14 +791,26 @@ class DriverService(dgrpc.DriverServicer):
                 up = msg.relayed
                 member = self._member(slot, up.node_id, up.epoch)
                 if member is not None:
-                    self._on_message(member, up.message)
+                    self._on_message(member, up.message, relayed=True)
             else:
                 self._on_message(slot, msg)
 
-    def _on_message(self, slot: NodeSlot, msg: dpb.AgentMessage) -> None:
-        """A node's message other than a heartbeat (direct or relayed)."""
+    def _on_message(self, slot: NodeSlot, msg: dpb.AgentMessage, *, relayed: bool = False) -> None:
+        """A node's message other than a heartbeat (direct or `relayed`: then a shard
+        report counts only when the node signed it, common/reportmac.py)."""
         kind = msg.WhichOneof("kind")
-        if kind == "shard_persisted":
+        if kind == "signed_report":
+            shards = reportmac.verify(slot.report_key, slot.epoch, msg.signed_report)
+            if shards is None:
+                self.relay_refused += relayed
+                log.warning("shard report with a bad signature refused", node=slot.node_id)
+                return
+            for shard in shards.shards[:MAX_SHARDS_PER_REPORT]:
+                self._on_shard(slot.node_id, shard)
+        elif relayed and kind in ("shard_persisted", "shards_persisted"):
+            self.relay_refused += 1  # a relay may not speak for a member's checkpoints
+            log.warning("unsigned shard report through a relay refused", node=slot.node_id)
+        elif kind == "shard_persisted":
             self._on_shard(slot.node_id, msg.shard_persisted)
         elif kind == "shards_persisted":
             for shard in msg.shards_persisted.shards[:MAX_SHARDS_PER_REPORT]:

@@ -150,6 +150,24 @@ def health_of(state: str) -> NodeHealth:
 _FIELD = re.compile(r"(\w+)=")
 
 
+SLURM_NODE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+
+
+def one_node(name: str) -> str:
+    """`name`, when it names one Slurm node; else a SchedulerError.
+
+    scontrol reads `NodeName=` as a hostlist: `n[1-64]` or `a,b` would drain nodes outside
+    the job, and `n[1-99999999]` would have slurmctld expand a huge list. Node ids are
+    checked where they enter the driver; this is the last check before Slurm sees one.
+    """
+    if not SLURM_NODE_NAME.fullmatch(name):
+        raise SchedulerError(
+            f"{name[:60]!r} is not one Slurm node name (letters, digits, . _ - only; "
+            "a hostlist such as n[1-4] or a,b is refused)"
+        )
+    return name
+
+
 def parse_show_node(text: str) -> list[NodeInfo]:
     """`scontrol show node -o` (one node per line) -> NodeInfo, by field name."""
     out = []
@@ -231,6 +249,7 @@ class SlurmScheduler:
 
     # ------------------------------------------------------------ the interface
     async def drain(self, node_id: str, reason: str) -> str:
+        one_node(node_id)
         await self.run(
             "scontrol", "update", f"NodeName={node_id}", "State=DRAIN", f"Reason={reason}"
         )
@@ -240,6 +259,7 @@ class SlurmScheduler:
     async def resume(self, node_id: str, *, force: bool = False) -> str:
         """Return a drained or down node to service; refuse a drain unbroken did not make
         unless `force` (someone else drained it for their own reason)."""
+        one_node(node_id)
         info = await self.node(node_id)
         if not info.health.faulty:
             raise SchedulerError(f"{node_id} is {info.raw_state}, not drained or down")
@@ -374,7 +394,7 @@ class SlurmScheduler:
     # ------------------------------------------------------------ helpers
     async def node(self, node_id: str) -> NodeInfo:
         """One node's info (SchedulerError when Slurm does not know it)."""
-        found = parse_show_node(await self.run("scontrol", "show", "node", "-o", node_id))
+        found = parse_show_node(await self.run("scontrol", "show", "node", "-o", one_node(node_id)))
         if not found:
             raise SchedulerError(f"Slurm does not know node {node_id!r}")
         return found[0]

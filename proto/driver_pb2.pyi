@@ -94,7 +94,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., pod_name: _Optional[str] = ..., inventory: _Optional[_Union[HardwareInventory, _Mapping]] = ..., agent_version: _Optional[str] = ..., num_workers: _Optional[int] = ..., spare: _Optional[bool] = ..., replica_buddy: _Optional[str] = ..., replica_listen: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("driver_id", "heartbeat_interval_ms", "miss_limit", "job_id", "global_rank_base", "world_size", "leader_term")
+    __slots__ = ("driver_id", "heartbeat_interval_ms", "miss_limit", "job_id", "global_rank_base", "world_size", "leader_term", "report_key")
     DRIVER_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     MISS_LIMIT_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class RegisterResponse(_message.Message):
     GLOBAL_RANK_BASE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEADER_TERM_FIELD_NUMBER: _ClassVar[int]
+    REPORT_KEY_FIELD_NUMBER: _ClassVar[int]
     driver_id: str
     heartbeat_interval_ms: int
     miss_limit: int
@@ -109,7 +110,8 @@ class RegisterResponse(_message.Message):
     global_rank_base: int
     world_size: int
     leader_term: int
-    def __init__(self, driver_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., miss_limit: _Optional[int] = ..., job_id: _Optional[str] = ..., global_rank_base: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_term: _Optional[int] = ...) -> None: ...
+    report_key: bytes
+    def __init__(self, driver_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., miss_limit: _Optional[int] = ..., job_id: _Optional[str] = ..., global_rank_base: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_term: _Optional[int] = ..., report_key: _Optional[bytes] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("local_rank", "global_rank", "pid", "state", "exit_code", "step", "loss", "step_time_ms", "since_progress_ms", "median_step_ms", "restarts", "has_loss", "has_peak", "peak_loss", "peak_step", "ring_steps", "hung", "hang_threshold_ms", "phase", "compute_ms", "compute_mad_ms", "wait_ms", "window_steps", "wait_mad_ms", "restored_step", "restored_from", "fingerprints", "loss_median", "loss_mad", "loss_window", "rejoins", "held", "checkpoint_save_share", "data_loading_share")
@@ -371,7 +373,7 @@ class SelfCheckReport(_message.Message):
     def __init__(self, command_id: _Optional[str] = ..., ok: _Optional[bool] = ..., failures: _Optional[_Iterable[str]] = ..., details_json: _Optional[str] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("heartbeat", "check_result", "ack", "shard_persisted", "self_check_report", "shards_persisted", "relay_batch", "relayed")
+    __slots__ = ("heartbeat", "check_result", "ack", "shard_persisted", "self_check_report", "shards_persisted", "relay_batch", "relayed", "signed_report")
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     CHECK_RESULT_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
@@ -380,6 +382,7 @@ class AgentMessage(_message.Message):
     SHARDS_PERSISTED_FIELD_NUMBER: _ClassVar[int]
     RELAY_BATCH_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_REPORT_FIELD_NUMBER: _ClassVar[int]
     heartbeat: Heartbeat
     check_result: CheckResult
     ack: CommandAck
@@ -388,7 +391,16 @@ class AgentMessage(_message.Message):
     shards_persisted: ShardsPersisted
     relay_batch: RelayBatch
     relayed: RelayedUp
-    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., check_result: _Optional[_Union[CheckResult, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., shard_persisted: _Optional[_Union[ShardPersisted, _Mapping]] = ..., self_check_report: _Optional[_Union[SelfCheckReport, _Mapping]] = ..., shards_persisted: _Optional[_Union[ShardsPersisted, _Mapping]] = ..., relay_batch: _Optional[_Union[RelayBatch, _Mapping]] = ..., relayed: _Optional[_Union[RelayedUp, _Mapping]] = ...) -> None: ...
+    signed_report: SignedReport
+    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., check_result: _Optional[_Union[CheckResult, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., shard_persisted: _Optional[_Union[ShardPersisted, _Mapping]] = ..., self_check_report: _Optional[_Union[SelfCheckReport, _Mapping]] = ..., shards_persisted: _Optional[_Union[ShardsPersisted, _Mapping]] = ..., relay_batch: _Optional[_Union[RelayBatch, _Mapping]] = ..., relayed: _Optional[_Union[RelayedUp, _Mapping]] = ..., signed_report: _Optional[_Union[SignedReport, _Mapping]] = ...) -> None: ...
+
+class SignedReport(_message.Message):
+    __slots__ = ("shards_persisted", "mac")
+    SHARDS_PERSISTED_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    shards_persisted: bytes
+    mac: bytes
+    def __init__(self, shards_persisted: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class ShardsPersisted(_message.Message):
     __slots__ = ("shards",)

@@ -26,6 +26,10 @@ Bounds: the declared sizes are checked (manifest <= MAX_MANIFEST, data equal to 
 manifest's and <= `max_copy_bytes`, and within the tmpfs' free space) before a byte is
 written; data is streamed into the slot file chunk by chunk, never pre-allocated; at most
 `max_connections` streams at a time; a malformed header is answered with one error line.
+A connection holds no stream slot until it has authenticated (TLS handshake and header),
+which it must do within `header_timeout_s`; of those not authenticated yet, at most
+`max_pending` are kept (the oldest is closed), so idle connections with no credential
+cannot hold the buddy from its nodes.
 
 Wire format (v3). The server speaks first: `{"v": 3, "nonce": hex}`. The client sends one
 JSON header line (`op`, `node`, `cnonce`, `as` for a get; `rank`, `manifest_len`,
@@ -175,6 +179,10 @@ class ReplicaConfig:
     timeout_s: float = 60.0  # whole transfer of one copy, either side
     max_copy_bytes: int = 64 << 30
     max_connections: int = 8  # concurrent streams a server serves; more are refused
+    # A connection must authenticate (TLS handshake and header) within this: until then it
+    # holds no stream slot, and past `max_pending` such connections the oldest is closed
+    header_timeout_s: float = 5.0
+    max_pending: int = 64
     headroom_bytes: int = 64 << 20  # left free on the tmpfs by a received copy
     auth: ReplicaAuth = field(default_factory=ReplicaAuth.none)
 
@@ -185,6 +193,12 @@ class ReplicaConfig:
             raise ValueError(f"ReplicaConfig.max_copy_bytes must be > 0, got {self.max_copy_bytes}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if not self.header_timeout_s > 0:
+            raise ValueError(
+                f"ReplicaConfig.header_timeout_s must be > 0, got {self.header_timeout_s}"
+            )
+        if self.max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,6 +395,8 @@ class ReplicaServer:
         self.config = config or ReplicaConfig()
         self._server: asyncio.Server | None = None
         self._active = 0
+        # connections not authenticated yet, oldest first (the oldest is closed when full)
+        self._pending: dict[asyncio.StreamWriter, None] = {}
         self._locks: dict[Path, asyncio.Lock] = {}
         self.received = 0
         self.refused = 0
@@ -388,7 +404,16 @@ class ReplicaServer:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Listen; returns the bound port (pass 0 for a free one)."""
         self._server = await asyncio.start_server(
-            self._handle, host, port, ssl=self.config.auth.server_ssl, limit=MAX_HEADER + 2
+            self._handle,
+            host,
+            port,
+            ssl=self.config.auth.server_ssl,
+            limit=MAX_HEADER + 2,
+            ssl_handshake_timeout=(
+                min(self.config.header_timeout_s, self.config.timeout_s)
+                if self.config.auth.server_ssl
+                else None
+            ),
         )
         return int(self._server.sockets[0].getsockname()[1])
 
@@ -401,8 +426,17 @@ class ReplicaServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         framing = _Framing(None, b"", b"", server=True)
-        if self._active >= self.config.max_connections:
-            reply: dict[str, object] | None = {
+        reply: dict[str, object] | None
+        try:
+            req = await self._authenticated(reader, writer, framing)
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+            req, reply = None, {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        except (ReplicaRefused, ValueError, ssl.SSLError, OSError) as e:
+            req, reply = None, {"ok": False, "error": str(e)}
+        if req is None:
+            pass
+        elif self._active >= self.config.max_connections:
+            reply = {
                 "ok": False,
                 "error": f"busy: {self._active} replica streams already open; retry later",
             }
@@ -410,7 +444,7 @@ class ReplicaServer:
             self._active += 1
             try:
                 reply = await asyncio.wait_for(
-                    self._dispatch(reader, writer, framing), self.config.timeout_s
+                    self._serve(reader, writer, framing, *req), self.config.timeout_s
                 )
             except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
                 reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -432,9 +466,27 @@ class ReplicaServer:
         finally:
             writer.close()
 
-    async def _dispatch(
+    async def _authenticated(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, framing: _Framing
-    ) -> dict[str, object] | None:
+    ) -> tuple[dict[str, Any], str | None]:
+        """The header and peer of a connection that authenticated within
+        `header_timeout_s`; meanwhile it is one of at most `max_pending` (the oldest goes)."""
+        while len(self._pending) >= self.config.max_pending:
+            oldest = next(iter(self._pending))
+            del self._pending[oldest]
+            oldest.close()  # its header read ends with an error; it never held a slot
+        self._pending[writer] = None
+        deadline = min(self.config.header_timeout_s, self.config.timeout_s)
+        try:
+            return await asyncio.wait_for(self._header(reader, writer, framing), deadline)
+        except TimeoutError:
+            raise ReplicaRefused(f"no authenticated header within {deadline} s") from None
+        finally:
+            self._pending.pop(writer, None)
+
+    async def _header(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, framing: _Framing
+    ) -> tuple[dict[str, Any], str | None]:
         auth = self.config.auth
         snonce = os.urandom(16)
         writer.write(json.dumps({"v": PROTOCOL, "nonce": snonce.hex()}).encode() + b"\n")
@@ -455,6 +507,17 @@ class ReplicaServer:
         framing.reset(auth.key if auth.server_ssl is None else None, snonce, cnonce, server=True)
         head = framing.check(head)
         peer = node_of_peercert(_peercert(writer)) if auth.server_ssl is not None else None
+        return head, peer
+
+    async def _serve(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        framing: _Framing,
+        head: dict[str, Any],
+        peer: str | None,
+    ) -> dict[str, object] | None:
+        auth = self.config.auth
         node = _str(head, "node")
         if head.get("op", "put") == "get":
             self._authorize_get(peer, node, head)

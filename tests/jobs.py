@@ -188,7 +188,8 @@ def operator_cluster(run: Path, etcd: object, *, wait_s: float = 120.0) -> Local
 
 
 TOKEN = "dashboard-token-0123456789"  # the dashboard's read-only (viewer) token
-NODE_TOKEN = "node-token-0123456789-abcdef"
+NODE_TOKEN = "node-token-0123456789-abcdef"  # node-i's token: NODE_TOKEN-i, bound to it
+MAX_NODES = 8  # the node ids (node-0..node-7) a DashCluster's driver has tokens for
 OPERATOR_TOKEN = "operator-token-0123456789-abc"
 SLOW_RANK = 3
 HOOK_WORKER = """
@@ -215,7 +216,7 @@ class DashCluster(LocalCluster):
             tmp,
             job=f"dash-{uuid.uuid4().hex[:6]}",
             etcd=etcd,  # type: ignore[arg-type]
-            env={"DASH_SLOW_RANK": str(SLOW_RANK), "UNBROKEN_TOKEN": NODE_TOKEN},
+            env={"DASH_SLOW_RANK": str(SLOW_RANK)},
         )
         self.tmp = tmp
         self.miss_limit = miss_limit
@@ -226,12 +227,21 @@ class DashCluster(LocalCluster):
     def token_flags(self) -> list[str]:
         """The driver's --token-file flags: one file per role (viewer, node)."""
         out = []
-        for role, token in (("viewer", TOKEN), ("node", NODE_TOKEN)):
+        # node tokens are bound, one per node (the driver refuses an unbound one for Register)
+        nodes = "".join(f"{NODE_TOKEN}-{i} node-{i}\n" for i in range(MAX_NODES))
+        for role, text in (("viewer", TOKEN + "\n"), ("node", nodes)):
             f = self.tmp / f"{role}.tokens"
-            f.write_text(token + "\n")
+            f.write_text(text)
             f.chmod(0o600)  # token files must be private
             out += ["--token-file", f"{role}={f}"]
         return out
+
+    def node_token_file(self, i: int) -> Path:
+        """node-`i`'s own token file (its token is bound to node-`i` in the driver's file)."""
+        f = self.tmp / f"node-{i}.token"
+        f.write_text(f"{NODE_TOKEN}-{i}\n")
+        f.chmod(0o600)
+        return f
 
     def start_driver(self, name: str = "driver") -> str:  # type: ignore[override]
         """Start a driver; return its dashboard's base URL."""
@@ -258,7 +268,8 @@ class DashCluster(LocalCluster):
             self.start_agent(
                 f"node-{i}",
                 ["--nproc-per-node", str(nproc), "--nnodes", str(n), "--node-rank", str(i),
-                 "--worker-cmd", f"{sys.executable} {script}", "--no-flash"],
+                 "--worker-cmd", f"{sys.executable} {script}", "--no-flash",
+                 "--token-file", str(self.node_token_file(i))],
                 drivers=self.address,
             )  # fmt: skip
 

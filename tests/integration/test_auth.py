@@ -65,7 +65,7 @@ async def register(
 
 def test_bearer_token() -> None:
     async def go() -> None:
-        async with driver(ServiceConfig(tokens=RoleTokens({"node": [TOKEN]}))) as (
+        async with driver(ServiceConfig(tokens=RoleTokens({"node": [f"{TOKEN} d"]}))) as (
             svc,
             store,
             addr,

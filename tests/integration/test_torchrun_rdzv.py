@@ -46,6 +46,8 @@ pytestmark = pytest.mark.integration
 CLI = [sys.executable, "-m", "unbroken.cli"]
 TOKEN = "rdzv-test-token-0123456789"  # the nodes' (torchrun agents') role token
 VIEWER = "rdzv-viewer-token-0123456789"
+BOUND = "rdzv-bound-token-0123456789"  # + the node id: each evicted node's own token
+EVICTED = ("bad-api", "bad-torchrun")  # the nodes the eviction tests register and evict
 OPERATOR = "rdzv-operator-token-0123456789"
 
 
@@ -59,7 +61,8 @@ def driver(etcd_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     job = f"rdzv-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     tokens = tmp / "node.tokens"
-    tokens.write_text(TOKEN + "\n")
+    # the rendezvous takes the unbound token; Register needs one bound to the node id
+    tokens.write_text(TOKEN + "\n" + "".join(f"{BOUND}-{n} {n}\n" for n in EVICTED))
     tokens.chmod(0o600)  # token files must be private
     viewers = tmp / "viewer.tokens"
     viewers.write_text(VIEWER + "\n")
@@ -243,7 +246,7 @@ def test_wrong_token_and_unreachable_driver_say_what_to_do(driver: dict[str, Any
 
 
 def _register_and_evict(address: str, node_id: str) -> None:
-    md = (("authorization", f"Bearer {TOKEN}"),)
+    md = (("authorization", f"Bearer {BOUND}-{node_id}"),)
     with grpc.insecure_channel(address) as ch:
         stub = dgrpc.DriverStub(ch)
         stub.Register(
@@ -260,7 +263,7 @@ def _register_and_evict(address: str, node_id: str) -> None:
 
 def test_an_evicted_node_is_refused(driver: dict[str, Any]) -> None:
     run_id = f"evict-{uuid.uuid4().hex[:6]}"
-    node = f"bad-{uuid.uuid4().hex[:6]}"
+    node = EVICTED[0]
     backend = rdzv.DriverRendezvousBackend(_client(driver["address"], run_id, node))
     assert backend.get_state() is None  # admitted before the eviction
     _register_and_evict(driver["address"], node)
@@ -470,7 +473,7 @@ def test_scale_up_hot_spare_and_scale_down(driver: dict[str, Any], tmp_path: Pat
 
 @pytest.mark.slow
 def test_torchrun_on_an_evicted_node_is_refused(driver: dict[str, Any], tmp_path: Path) -> None:
-    node = f"evicted-{uuid.uuid4().hex[:6]}"
+    node = EVICTED[1]
     _register_and_evict(driver["address"], node)
     probe = rdzv.DriverRendezvousBackend(_client(driver["address"], f"probe-{node}", node))
 

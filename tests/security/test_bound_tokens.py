@@ -18,7 +18,7 @@ import grpc
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-from tests.inproc import driver, status_of
+from tests.inproc import driver, session_md, status_of
 from unbroken.agent import rdzv
 from unbroken.cli.cluster import LocalCluster
 from unbroken.driver.security import RoleTokens
@@ -97,5 +97,37 @@ def test_torchrun_works_with_a_bound_token_and_only_as_its_node(tmp_path: Path) 
             assert h1._state_holder.state.round == 4
             with pytest.raises(rdzv.RendezvousConnectionError, match="only as node 'node-0'"):
                 await asyncio.to_thread(_handler, addr, f0, "node-1", "run-b")
+
+    asyncio.run(go())
+
+
+def test_the_driver_refuses_an_unbound_node_token(tmp_path: Path) -> None:
+    """A node token not bound to a node id (an old-style shared token) is refused for
+    Register and Session, with the way to issue bound ones; nothing is recorded. The same
+    driver takes a bound token for its node."""
+    unbound, bound = "u" * 32, "b" * 32
+
+    async def go() -> None:
+        tokens = RoleTokens({"node": [unbound, f"{bound} node-0"]})
+        async with driver(ServiceConfig(tokens=tokens)) as (svc, store, addr):
+            async with grpc.aio.insecure_channel(addr) as ch:
+                stub = dgrpc.DriverStub(ch)
+                md = (("authorization", f"Bearer {unbound}"),)
+                with pytest.raises(grpc.aio.AioRpcError) as ei:
+                    await stub.Register(dpb.RegisterRequest(node_id="node-1", epoch=9), metadata=md)
+                assert ei.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "<token> <node-id>" in (ei.value.details() or "")
+                session = stub.Session(metadata=(*session_md("node-1", 9), *md))
+                with pytest.raises(grpc.aio.AioRpcError) as ei:
+                    await session.read()
+                assert ei.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "not bound to a node id" in (ei.value.details() or "")
+                assert svc.view.nodes == {} and store.events == []
+                own = stub.Register(
+                    dpb.RegisterRequest(node_id="node-0", epoch=1),
+                    metadata=(("authorization", f"Bearer {bound}"),),
+                )
+                assert await status_of(own) == grpc.StatusCode.OK
+                assert list(svc.view.nodes) == ["node-0"]
 
     asyncio.run(go())

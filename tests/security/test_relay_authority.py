@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from tests.inproc import driver, session_md, until
-from unbroken.common import channel
+from unbroken.common import channel, reportmac
 from unbroken.driver.security import RoleTokens
 from unbroken.driver.service import ServiceConfig
 from unbroken.proto import driver_pb2 as dpb
@@ -82,6 +82,58 @@ def test_relay_speaks_only_for_members_that_chose_it() -> None:
                 down = await asyncio.wait_for(call.read(), 5)
                 assert down.WhichOneof("kind") == "relayed"
                 assert down.relayed.node_id == "m1" and down.relayed.command.command_id == cid
+                call.cancel()
+
+    asyncio.run(go())
+
+
+def test_a_relay_cannot_forge_or_alter_its_members_shard_reports() -> None:
+    """A shard report through a relay counts only when its member signed it with the key
+    the driver handed the member at its own Register: the relay's unsigned report, a report
+    it signed with a key of its own, and a signed report it altered are all refused; the
+    member's own signed report, carried by the same relay, counts."""
+    tokens = RoleTokens({"node": [f"{t} {n}" for n, t in TOKENS.items()]})
+
+    def report(step: int) -> dpb.ShardsPersisted:
+        return dpb.ShardsPersisted(
+            shards=[dpb.ShardPersisted(step=step, rank=0, uri="x", world_size=2, bytes=1)]
+        )
+
+    async def go() -> None:
+        async with driver(ServiceConfig(tokens=tokens)) as (svc, _store, addr):
+            async with grpc.aio.insecure_channel(addr) as ch:
+                stub = dgrpc.DriverStub(ch)
+                relay_reg = await stub.Register(
+                    dpb.RegisterRequest(node_id="r0", epoch=1), metadata=md("r0")
+                )
+                member = await stub.Register(
+                    dpb.RegisterRequest(node_id="m1", epoch=7),
+                    metadata=md("m1", (channel.RELAY_KEY, "r0")),
+                )
+                assert len(member.report_key) == 32 and member.report_key != relay_reg.report_key
+                call = stub.Session(metadata=md("r0", *session_md("r0", 1)))
+                await call.write(dpb.AgentMessage(heartbeat=dpb.Heartbeat(seq=1)))
+
+                async def up(msg: dpb.AgentMessage) -> None:
+                    await call.write(
+                        dpb.AgentMessage(relayed=dpb.RelayedUp(node_id="m1", epoch=7, message=msg))
+                    )
+
+                await up(dpb.AgentMessage(shards_persisted=report(100)))  # unsigned
+                forged = reportmac.sign(relay_reg.report_key, 7, report(101))  # the relay's key
+                await up(dpb.AgentMessage(signed_report=forged))
+                altered = reportmac.sign(member.report_key, 7, report(5))
+                altered.shards_persisted = report(10**12).SerializeToString()
+                await up(dpb.AgentMessage(signed_report=altered))
+                replayed = reportmac.sign(member.report_key, 6, report(102))  # another epoch
+                await up(dpb.AgentMessage(signed_report=replayed))
+                await until(lambda: svc.relay_refused >= 4, 5, "the four forged reports refused")
+                assert "m1" not in svc.commits.by_node  # none reached the bookkeeping
+                own = reportmac.sign(member.report_key, 7, report(5))
+                await up(dpb.AgentMessage(signed_report=own))
+                await until(lambda: "m1" in svc.commits.by_node, 5, "m1's own signed report")
+                assert svc.commits.by_node["m1"] == {0: 5}
+                assert svc.relay_refused == 4
                 call.cancel()
 
     asyncio.run(go())

@@ -249,15 +249,24 @@ def test_huge_declared_copy_allocates_nothing_and_connections_are_capped(
         time.sleep(0.2)
         grown = psutil.Process(proc.pid).memory_info().rss - rss0
         assert grown < 64 << 20, f"RSS grew {grown >> 20} MiB on declared sizes alone"
-        # connections beyond the cap (3) are answered "busy" at once
-        idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
+        # streams beyond the cap (3 authenticated ones, stalled in their data) are answered
+        # "busy" at once
+        idle = []
+        for _ in range(3):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            f = s.makefile("rwb")
+            greeting = json.loads(f.readline())
+            head = {"op": "put", "node": "node-a", "rank": 0, "data_len": dlen}
+            head |= {"manifest_len": len(manifest)}
+            head |= {"manifest_sha256": hashlib.sha256(manifest).hexdigest()}
+            f.write(_signed_header(head, greeting) + manifest)
+            f.flush()
+            idle.append(s)
         time.sleep(0.3)
-        answers = _raw(port, b"")
-        assert answers and "busy" in str(answers[-1]["error"]), answers
         fetch = ReplicaConfig(timeout_s=5, auth=ReplicaAuth.keyed(KEY))
         owner = FlashOwner(FlashConfig(root=f"{root}-fetcher", job="j"))
         try:
-            with pytest.raises(ValueError, match="refused: busy"):
+            with pytest.raises(ValueError, match="refused the fetch: busy"):
                 asyncio.run(fetch_replica(owner, "node-a", "127.0.0.1", port, config=fetch))
         finally:
             shutil.rmtree(f"{root}-fetcher", ignore_errors=True)
@@ -432,3 +441,43 @@ def test_a_copy_refused_after_its_bytes_landed_leaves_no_valid_slot(
     assert slots(rank_dir) == [0, 1]  # the refused copy's slot: bytes, no manifest
     assert read_manifest(rank_dir, 1 - refs[0].slot) is None
     read_copy(refs[0]).close()  # the newest copy still verifies against its checksum
+
+
+def test_idle_connections_without_a_credential_do_not_hold_the_buddy(
+    owners: dict[str, FlashOwner],
+) -> None:
+    """Eight idle TCP connections used to take every stream slot for the whole transfer
+    timeout (60 s): no buddy replication meanwhile. Now a connection takes a slot only
+    once authenticated, must authenticate within the header deadline, and 200 of them
+    leave the node's own copy going through at once."""
+    a, b = owners["a"], owners["b"]
+    _copy(a)
+    ref = a.newest(0)
+    assert ref is not None
+
+    async def go() -> None:
+        cfg = dataclasses.replace(KEYED, timeout_s=60, header_timeout_s=2, max_pending=32)
+        server = ReplicaServer(b, cfg)
+        port = await server.start()
+        idle = []
+        try:
+            for _ in range(200):
+                idle.append(await asyncio.open_connection("127.0.0.1", port))
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            result = await send_copy(ref, "node-a", "127.0.0.1", port, config=KEYED)
+            assert result.ok, result
+            assert time.monotonic() - t0 < 5  # not after the idle ones' 60 s
+            assert len(server._pending) <= 32
+            # one that never authenticates is answered and closed after the header deadline
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            await reader.readline()  # the greeting
+            answer = json.loads(await asyncio.wait_for(reader.readline(), 10))
+            assert answer["ok"] is False and "no authenticated header" in answer["error"]
+            writer.close()
+        finally:
+            for _, w in idle:
+                w.close()
+            await server.stop()
+
+    asyncio.run(go())
