@@ -4,8 +4,9 @@
     trainer = L.Trainer(..., callbacks=[ub])
     trainer.fit(model, ResumableDataLoader(dataset, batch_size=8, shuffle=True, unbroken=ub))
 
-After every training batch the callback flash-saves what a Lightning checkpoint holds
-(`dump_checkpoint`: the module's weights, the optimizers and schedulers, the loops'
+Before every training batch it applies a fault injected for that step (`unbroken inject
+loss-spike|nan`). After every training batch the callback flash-saves what a Lightning
+checkpoint holds (`dump_checkpoint`: the module's weights, the optimizers and schedulers, the loops'
 progress, the callbacks' state) into the agent's memory, and reports the step and its loss
 (the module's `training_step` output, or its logged `loss`). At `setup`, when the
 process group exists and before Lightning would load a `ckpt_path`, it restores the newest
@@ -151,10 +152,14 @@ class Unbroken(pl.Callback):
         self.skip_pending = core.position
         self._rng_later = rng  # set by the loader (`take_skip`) or at the first batch
 
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
+    ) -> None:
         if self._rng_later is not None:
             torch.set_rng_state(self._rng_later)
             self._rng_later = None
+        if self.core is not None:  # a fault injected for this step (`unbroken inject`)
+            self.core.step_begin(trainer.global_step + 1, pl_module)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any
@@ -194,10 +199,10 @@ class _Restoring:
         self.opts = opts
 
     def state_dict(self) -> dict[str, Any]:
-        from unbroken.trainer.hooks import _prime
+        from unbroken.trainer import hooks
 
         for o in self.opts:
-            _prime(o)
+            hooks.prime(o)
         self.template.ckpt["optimizer_states"] = [o.state_dict() for o in self.opts]
         return self.template.state_dict()
 

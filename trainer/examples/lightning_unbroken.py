@@ -10,6 +10,7 @@ memory. Rank 0 prints `step N loss X` for every step.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Any
 
@@ -55,8 +56,12 @@ def main() -> None:
     args = parser.parse_args()
     pl.seed_everything(0, verbose=False)
     ub = Unbroken(persist_every_s=args.persist_every_s)
+    # the world the launcher made: torchrun --nproc-per-node 2 (one node of 2), or the
+    # agents of `unbroken driver --nodes 2` (2 nodes of 1)
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", "2"))
+    nodes = max(1, int(os.environ.get("WORLD_SIZE", str(devices))) // devices)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=args.steps,
+        accelerator="cpu", devices=devices, num_nodes=nodes, strategy="ddp", max_steps=args.steps,
         callbacks=[ub], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
