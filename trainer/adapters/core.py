@@ -152,7 +152,7 @@ class Resilient:
         elif self.init_from:
             load_dcp(self.state, self.init_from)
             self.restored_from = "dcp"
-        self._skip_due(self.progress.step + 1)
+        self._skip_due(self.progress.step + 1, at_restore=True)
         hooks.phase("train", step=self.progress.step, source=self.restored_from or None)
         return self.progress.step
 
@@ -164,9 +164,23 @@ class Resilient:
         self.progress.step = step
         return hooks.restored_source()
 
-    def _skip_due(self, next_step: int) -> None:
+    # Whether the adapter's data follows `position` when a skip falls due mid-run, after the
+    # restore (Accelerate's `batches` does; a library that prefetches or derives its data
+    # position from its own step counter cannot), and at the restore.
+    skips_mid_run = True
+    skips_at_restore = True
+
+    def _skip_due(self, next_step: int, *, at_restore: bool = False) -> None:
         p = self.point
         if p.skip_batches and next_step == p.skip_from_step:
+            if not (self.skips_at_restore if at_restore else self.skips_mid_run):
+                log.warning(
+                    "adapter.skip_not_applied",
+                    batches=p.skip_batches,
+                    before_step=next_step,
+                    why=type(self).__name__ + " cannot move this library's data position",
+                )
+                return
             self.progress.skipped += p.skip_batches
             log.info("adapter.batches_skipped", batches=p.skip_batches, before_step=next_step)
 

@@ -124,6 +124,10 @@ class Unbroken(pl.Callback):
             rng=False,
             persist_every_s=self._persist_every_s,
         )
+        # the loop fetches a batch ahead of the step it is for: a skip due after the restore
+        # would come a batch late (a rollback to the step just before a spike skips at the
+        # restore, through `ResumableDataLoader`)
+        core.skips_mid_run = False
         self.core = core
         opts, scheds = _optimizers(pl_module)
         template = _Checkpoint(

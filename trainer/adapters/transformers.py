@@ -114,6 +114,9 @@ class UnbrokenCallback(TrainerCallback):
             self.core = Resilient(
                 state, save_every=self._save_every, rng=False, persist_every_s=self._persist_every_s
             )
+            # the Trainer derives its data position from its global step (`global_step %
+            # batches per epoch` at a resume), so batches a rollback skips cannot be skipped
+            self.core.skips_mid_run = self.core.skips_at_restore = False
         return self.core
 
     def resume(self, trainer: Trainer) -> str | None:
