@@ -59,8 +59,14 @@ class AdapterJob(Job):
     def worker_cmd(self, dp: int = 2) -> str:
         return " ".join(
             [sys.executable, "-m", self.module, "--steps", str(STEPS), "--persist-every-s",
-             "0.2", "--step-delay-s", str(STEP_DELAY_S), "--save-budget", "0.5"]
+             "0.05", "--step-delay-s", str(STEP_DELAY_S), "--save-budget", "0.5"]
         )  # fmt: skip
+
+    def new_step(self) -> int:
+        """The newest step printed after a restore (the rollback's timeline)."""
+        logs = [self.worker_log(n) for n in ("n0", "n1")]
+        new = "".join(log.rpartition("flash.restored")[2] for log in logs if "flash.restored" in log)
+        return max((s for s, _ in losses(new)), default=0)
 
     def max_step(self, path: Path | None = None) -> int:
         """The newest step global rank 0 printed (on whichever node it runs)."""
@@ -103,7 +109,7 @@ def _spike_rolls_back_and_skips(job: AdapterJob, skips: bool) -> None:
     events = job.events()
     rollback = next(e.rollback for e in events if e.HasField("rollback"))
     past = max(rollback.to_step, rollback.skip_from_step) + 5
-    until(lambda: job.max_step() >= past, 240, "training past the skip", job)
+    until(lambda: job.new_step() >= past, 240, "training past the skip", job)
 
     events = job.events()
     spike = next(e.loss_spike for e in events if e.HasField("loss_spike"))

@@ -110,6 +110,8 @@ class Unbroken(pl.Callback):
         self.core: Resilient | None = None
         self._rng_later: torch.Tensor | None = None
         self.skip_pending = 0  # batches of the restored epoch the loader skips
+        self.feed_step = 1  # the step the loader's next batch is for
+        self.restored_step = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -124,10 +126,6 @@ class Unbroken(pl.Callback):
             rng=False,
             persist_every_s=self._persist_every_s,
         )
-        # the loop fetches a batch ahead of the step it is for: a skip due after the restore
-        # would come a batch late (a rollback to the step just before a spike skips at the
-        # restore, through `ResumableDataLoader`)
-        core.skips_mid_run = False
         self.core = core
         opts, scheds = _optimizers(pl_module)
         template = _Checkpoint(
@@ -143,6 +141,7 @@ class Unbroken(pl.Callback):
         if self._init_from is not None:
             core.init_from = os.fspath(self._init_from)
         step = core.restore()
+        self.feed_step, self.restored_step = step + 1, step
         core.state[LIGHTNING_KEY] = live
         rng = core.state["rng"].cpu
         core.state["rng"] = _RngNow()
@@ -179,6 +178,21 @@ class Unbroken(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.core is not None:
             self.core.close()
+
+    def feed(self, it: Any) -> Any:
+        """The loader's batches, counted by the step each is for; a rollback's skip that
+        falls due after the restore is done here, when the batch for the skip's first step
+        is fetched (the fit loop fetches a batch ahead, before the step before it ends).
+        At most the rest of the epoch is skipped."""
+        p = self.core.point if self.core is not None else None
+        for batch in it:
+            due = p is not None and p.skip_batches and self.feed_step == p.skip_from_step
+            if due and self.feed_step > self.restored_step + 1:  # not done at the restore
+                batch = _nth(it, p.skip_batches - 1, batch)  # type: ignore[union-attr]
+                if batch is _NONE:
+                    return
+            self.feed_step += 1
+            yield batch
 
     def take_skip(self, batches_per_epoch: int) -> int:
         """Batches the loader skips at its next epoch start (once, after a restore).
@@ -244,9 +258,23 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
         self.unbroken = unbroken
 
     def __iter__(self) -> Any:
-        skip = self.unbroken.take_skip(len(self)) if self.unbroken is not None else 0
+        if self.unbroken is None:
+            return super().__iter__()
+        skip = self.unbroken.take_skip(len(self))
         it = super().__iter__()
-        return _skipping(it, skip) if skip else it
+        return self.unbroken.feed(_skipping(it, skip) if skip else it)
+
+
+_NONE = object()
+
+
+def _nth(it: Any, n: int, current: Any) -> Any:
+    """The batch after skipping `current` and `n` more (`_NONE` when the epoch ends)."""
+    for _ in range(n + 1):
+        current = next(it, _NONE)
+        if current is _NONE:
+            break
+    return current
 
 
 def _skipping(it: Any, n: int) -> Any:
