@@ -65,7 +65,8 @@ class AdapterJob(Job):
     def new_step(self) -> int:
         """The newest step printed after a restore (the rollback's timeline)."""
         logs = [self.worker_log(n) for n in ("n0", "n1")]
-        new = "".join(log.rpartition("flash.restored")[2] for log in logs if "flash.restored" in log)
+        restored = [log for log in logs if "flash.restored" in log]
+        new = "".join(log.rpartition("flash.restored")[2] for log in restored)
         return max((s for s, _ in losses(new)), default=0)
 
     def max_step(self, path: Path | None = None) -> int:
