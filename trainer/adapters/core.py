@@ -170,6 +170,10 @@ class Resilient:
     skips_mid_run = True
     skips_at_restore = True
 
+    def skip_due(self, next_step: int, *, at_restore: bool = False) -> None:
+        """Apply a rollback's skip when `next_step` is its first step (`step_end` does)."""
+        self._skip_due(next_step, at_restore=at_restore)
+
     def _skip_due(self, next_step: int, *, at_restore: bool = False) -> None:
         p = self.point
         if p.skip_batches and next_step == p.skip_from_step:

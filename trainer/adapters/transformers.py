@@ -171,6 +171,7 @@ class UnbrokenCallback(TrainerCallback):
         core.fault_end()
         core.progress.step = state.global_step
         core.save(state.global_step)
+        core.skip_due(state.global_step + 1)  # says it cannot (see `_core`)
         if args.logging_steps != 1:  # no per-step loss: report the step alone
             hooks.report(state.global_step)
         if hooks.should_stop():
