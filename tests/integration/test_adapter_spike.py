@@ -12,8 +12,9 @@ is applied. Nothing else is sent by the test:
 - the machine appends Rollback to a step before it and restarts the world with the restore
   point and the batches to skip (UNBROKEN_RESTORE_STEP / UNBROKEN_SKIP_BATCHES);
 - every restarted worker restores exactly that step (`hooks.restore(not_after=...)`), adds
-  the skipped batches to its data position, never applies the fault again, and trains on
-  with losses back in the band of those before the spike.
+  the skipped batches to its data position (the Transformers adapter says it cannot: the
+  Trainer derives its data position from its global step), never applies the fault again,
+  and trains on with losses back in the band of those before the spike.
 """
 
 from __future__ import annotations
