@@ -164,6 +164,9 @@ def _agent(tmp: Path) -> Any:
 def _write(args: argparse.Namespace, load_before: Any, rows: dict[str, Any]) -> dict[str, Any]:
     result = {
         "bench": "adapters",
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "command": "OMP_NUM_THREADS=1 .venv/bin/python bench/adapters.py " + " ".join(sys.argv[1:]),
+        "load1": round(load_before[0], 2),
         "steps": args.steps,
         "rounds": args.rounds,
         "block": args.block,
