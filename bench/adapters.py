@@ -2,18 +2,25 @@
 
 For each adapter (Transformers `Trainer`, Accelerate, Lightning) its example
 (`unbroken.trainer.examples.*_unbroken`: a tiny GPT-2 from a config, 2 ranks, gloo, one
-thread each) runs under torchrun in alternating blocks (ABBA, so load on the shared machine
-hits both alike): with no agent (the adapter's calls are no-ops: the plain library loop),
-and next to a real `unbroken agent` (`--no-start`) with the SDK's save budget raised to
-0.5 so that every step is flash-saved into the agent's memory (one save per 30 s
-persisted). The step time is rank 0's wall time between its `step N loss X` lines (median
-over the steps after the first WARMUP), read as they are printed. Figures: the median step
-time of each mode and their ratio (goal <= 1.03), and the saves per step the workers
-reported (`adapter.save_stats`).
+thread each) runs under torchrun next to a real `unbroken agent` (`--no-start`), with the
+SDK's save budget raised to 0.5 so that every step is flash-saved into the agent's memory
+(one save per 30 s persisted). Within each run unbroken is on and off in alternating blocks
+of `--block` steps, the same steps on both ranks: in an "off" block the adapter's report
+and save are skipped (what remains is the plain library loop), in an "on" block every step
+reports and flash-saves. So both modes share the process, the warm caches and the load of
+the moment, and a loaded 2-core host hits both alike.
+
+The step time of step s is rank 0's time between its saves of steps s-1 and s, counted in
+the mode of step s-1 (whose save's copy overlaps step s); a step whose s-2 was in the
+other mode is dropped (the copy of a save may spill over the block's edge), and so are the
+first `WARMUP` steps. Figures per run: the median step time of each mode and their ratio;
+per adapter the median of the runs' ratios (goal <= 1.03), their spread, and the saves per
+"on" step the workers reported (`adapter.save_stats`).
 
 Writes bench/results/adapters.json (with the load average) and prints a table. Run:
-`OMP_NUM_THREADS=1 .venv/bin/python bench/adapters.py [--steps 60 --rounds 1]`
-(minutes a run on a loaded host). Skips an adapter whose library is not installed.
+`make bench-adapters` or `OMP_NUM_THREADS=1 .venv/bin/python bench/adapters.py [--steps
+300 --rounds 3 --block 6]` (minutes a run on a loaded host). Skips an adapter whose library
+is not installed.
 """
 
 from __future__ import annotations
@@ -42,16 +49,28 @@ ADAPTERS = {  # name -> (example module, libraries it needs)
     "accelerate": ("unbroken.trainer.examples.accelerate_unbroken", ["accelerate"]),
     "lightning": ("unbroken.trainer.examples.lightning_unbroken", ["lightning"]),
 }
-WARMUP = 10
-# searched, not matched: another rank's log line may run into it (one pipe, two writers)
-STEP = re.compile(rb"step (\d+) loss \S+")
+WARMUP = 12
 SAVES = re.compile(r"adapter\.save_stats.*?saves=(\d+)")
-# attach with a save budget that lets every step save, then run the example as __main__
-RUNNER = (
-    "import runpy, sys; from unbroken.trainer import hooks; "
-    "hooks.init(save_budget=0.5); sys.argv[0] = {mod!r}; "
-    "runpy.run_module({mod!r}, run_name='__main__')"
-)
+# Attach with a save budget that lets every step save; in the "off" blocks skip the SDK's
+# report and save (the adapters call them through the module, so the patch reaches them);
+# rank 0 writes (step, clock) at each save call to BENCH_OUT; then run the example.
+RUNNER = """
+import atexit, json, os, runpy, sys, time
+from unbroken.trainer import hooks
+hooks.init(save_budget=0.5)
+block, out = int(os.environ["BENCH_BLOCK"]), os.environ["BENCH_OUT"]
+save, report, stamps = hooks.save, hooks.report, []
+on = lambda step: (step // block) % 2 == 0
+def saving(step, state, **kw):
+    stamps.append((step, time.perf_counter()))
+    return save(step, state, **kw) if on(step) else False
+hooks.save = saving
+hooks.report = lambda step, *a, **kw: report(step, *a, **kw) if on(step) else False
+if os.environ.get("RANK") == "0":
+    atexit.register(lambda: open(out, "w").write(json.dumps(stamps)))
+sys.argv[0] = {mod!r}
+runpy.run_module({mod!r}, run_name="__main__")
+"""
 
 
 def _free_port() -> int:
@@ -68,35 +87,34 @@ def _env(sock: Path) -> dict[str, str]:
     return e
 
 
-def _run(module: str, steps: int, sock: Path, cwd: Path) -> dict[str, Any]:
-    """One torchrun of the example; rank 0's step times from its lines as they come."""
+def _run(module: str, steps: int, block: int, sock: Path, cwd: Path) -> dict[str, Any]:
+    """One torchrun of the example: rank 0's step times in each mode, the saves made."""
+    stamps_file = cwd / "stamps.json"
+    stamps_file.unlink(missing_ok=True)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "--no-python", sys.executable, "-c", RUNNER.format(mod=module), "--steps", str(steps),
     ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, env=_env(sock), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    env = {**_env(sock), "BENCH_BLOCK": str(block), "BENCH_OUT": str(stamps_file)}
+    proc = subprocess.run(
+        cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False
     )
-    assert proc.stdout is not None
-    stamps: dict[int, float] = {}
-    out: list[bytes] = []
-    for line in proc.stdout:
-        now = time.perf_counter()
-        out.append(line)
-        m = STEP.search(line)
-        if m:
-            stamps.setdefault(int(m.group(1)), now)
-    rc = proc.wait()
-    text = b"".join(out).decode(errors="replace")
-    if rc != 0:
-        raise RuntimeError(f"{module} failed (rc {rc}):\n{text[-3000:]}")
-    if max(stamps, default=0) != steps or len(stamps) < 0.9 * steps:
-        raise RuntimeError(f"{module} did not run steps 1..{steps}:\n{text[-3000:]}")
-    times = [
-        stamps[s] - stamps[s - 1] for s in range(WARMUP + 1, steps + 1) if {s, s - 1} <= set(stamps)
-    ]
+    text = proc.stdout.decode(errors="replace")
+    if proc.returncode != 0 or not stamps_file.exists():
+        raise RuntimeError(f"{module} failed (rc {proc.returncode}):\n{text[-3000:]}")
+    at = dict(json.loads(stamps_file.read_text()))
+    if sorted(at) != list(range(1, steps + 1)):
+        raise RuntimeError(f"{module} did not save-call steps 1..{steps}:\n{text[-3000:]}")
+
+    def on(step: int) -> bool:
+        return (step // block) % 2 == 0
+
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for s in range(max(3, WARMUP + 1), steps + 1):
+        if on(s - 1) == on(s - 2):
+            times[on(s - 1)].append(at[s] - at[s - 1])
     saves = [int(n) for n in SAVES.findall(text)]
-    return {"step_s": times, "saves": saves, "text": text}
+    return {"on": times[True], "off": times[False], "saves": saves, "text": text}
 
 
 def _forget(tmp: Path) -> None:
@@ -146,8 +164,12 @@ def _agent(tmp: Path) -> Any:
 def _write(args: argparse.Namespace, load_before: Any, rows: dict[str, Any]) -> dict[str, Any]:
     result = {
         "bench": "adapters",
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "command": "OMP_NUM_THREADS=1 .venv/bin/python bench/adapters.py " + " ".join(sys.argv[1:]),
+        "load1": round(load_before[0], 2),
         "steps": args.steps,
         "rounds": args.rounds,
+        "block": args.block,
         "save_budget": 0.5,
         "goal_ratio": 1.03,
         "loadavg_before": load_before,
@@ -164,8 +186,9 @@ def _write(args: argparse.Namespace, load_before: Any, rows: dict[str, Any]) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--rounds", type=int, default=1, help="ABBA blocks per adapter")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=3, help="runs per adapter")
+    parser.add_argument("--block", type=int, default=6, help="steps per on/off block")
     parser.add_argument("--only", nargs="*", default=list(ADAPTERS))
     args = parser.parse_args()
     load_before = os.getloadavg()
@@ -179,38 +202,37 @@ def main() -> None:
                 if missing:
                     rows[name] = {"skipped": f"not installed: {missing}"}
                     continue
-                modes: dict[str, dict[str, list[Any]]] = {
-                    m: {"step_s": [], "saves": []} for m in ("plain", "unbroken")
-                }
+                runs = []
                 for _ in range(args.rounds):
-                    for mode in ("plain", "unbroken", "unbroken", "plain"):
-                        target = sock if mode == "unbroken" else tmp / "no-agent.sock"
-                        _forget(tmp)  # each run starts afresh, not from the last one's copies
-                        got = _run(module, args.steps, target, tmp)
-                        if mode == "unbroken" and not got["saves"]:
-                            raise RuntimeError(
-                                f"{name}: no flash saves reported with the agent:\n"
-                                + got["text"][-3000:]
-                            )
-                        modes[mode]["step_s"] += got["step_s"]
-                        modes[mode]["saves"] += got["saves"]
-                plain = statistics.median(modes["plain"]["step_s"])
-                ub = statistics.median(modes["unbroken"]["step_s"])
-                runs = 2 * args.rounds
+                    _forget(tmp)  # each run starts afresh, not from the last one's copies
+                    got = _run(module, args.steps, args.block, sock, tmp)
+                    if not got["saves"]:
+                        raise RuntimeError(
+                            f"{name}: no flash saves reported:\n" + got["text"][-3000:]
+                        )
+                    runs.append(got)
+                ratios = [statistics.median(r["on"]) / statistics.median(r["off"]) for r in runs]
+                on_steps = sum(len(r["on"]) for r in runs)
+                n_on = sum((s // args.block) % 2 == 0 for s in range(1, args.steps + 1))
                 rows[name] = {
-                    "median_step_ms_plain": round(1000 * plain, 3),
-                    "median_step_ms_unbroken": round(1000 * ub, 3),
-                    "ratio": round(ub / plain, 4),
-                    "steps_per_mode": len(modes["unbroken"]["step_s"]),
-                    # per worker process: the saves it made over its run's steps
-                    "saves_per_step": round(
-                        sum(modes["unbroken"]["saves"]) / max(1, 2 * runs * args.steps), 3
+                    "median_step_ms_plain": round(
+                        1000 * statistics.median(t for r in runs for t in r["off"]), 3
+                    ),
+                    "median_step_ms_unbroken": round(
+                        1000 * statistics.median(t for r in runs for t in r["on"]), 3
+                    ),
+                    "ratio": round(statistics.median(ratios), 4),
+                    "ratio_per_run": [round(x, 4) for x in ratios],
+                    "steps_per_mode": on_steps,
+                    # per worker process (2 a run): the saves it made over its "on" steps
+                    "saves_per_on_step": round(
+                        sum(sum(r["saves"]) for r in runs) / max(1, 2 * args.rounds * n_on), 3
                     ),
                 }
                 print(name, rows[name], flush=True)
                 _write(args, load_before, rows)
     result = _write(args, load_before, rows)
-    print("| adapter | plain ms/step | unbroken ms/step | ratio | saves/step |")
+    print("| adapter | plain ms/step | unbroken ms/step | ratio (median of runs) | runs |")
     print("|---|---|---|---|---|")
     for name, r in rows.items():
         if "skipped" in r:
@@ -218,7 +240,7 @@ def main() -> None:
         else:
             print(
                 f"| {name} | {r['median_step_ms_plain']} | {r['median_step_ms_unbroken']} "
-                f"| {r['ratio']} | {r['saves_per_step']} |"
+                f"| {r['ratio']} | {r['ratio_per_run']} |"
             )
     print(f"load average {load_before} -> {result['loadavg_after']}; wrote {RESULTS}")
 

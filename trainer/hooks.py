@@ -1,7 +1,9 @@
 """The hooks SDK: fault tolerance for scripts under any launcher (torchrun, srun, ...).
 
 The SDK (`init`, `report`, `save`, `restore`, `should_stop`, `should_save`, `flush`,
-`close`, `collective`, `phase`) is for scripts the agent did not start. It finds the node's
+`close`, `collective`, `phase`, `injected_fault`) is for scripts the agent did not start.
+Libraries that build on it (the adapters) also use `restored_source`, `stateful` and
+`prime`. It finds the node's
 agent through `UNBROKEN_AGENT_SOCKET`, else the agent's default socket (`DEFAULT_SOCKET`),
 attaches over the agent's local channel (`unbroken.trainer.hookchannel`: a Hello with
 `attach`, answered by a Welcome naming the node's flash store), and then saves each rank's
@@ -47,6 +49,8 @@ from unbroken.trainer.rejoin import (
 )
 
 if TYPE_CHECKING:
+    from unbroken.common.faults import WorkerFault
+    from unbroken.trainer.faultfile import FaultFile
     from unbroken.trainer.flashckpt import FlashCheckpointer
 
 T = TypeVar("T")
@@ -59,16 +63,20 @@ __all__ = [
     "find_socket",
     "flush",
     "init",
+    "injected_fault",
     "install",
     "phase",
+    "prime",
     "recovery_loop",
     "register",
     "report",
     "reset",
     "restore",
+    "restored_source",
     "save",
     "should_save",
     "should_stop",
+    "stateful",
 ]
 
 WELCOME_TIMEOUT_S = 2.0  # an agent answers an attaching Hello within this, or is ignored
@@ -152,6 +160,14 @@ class _BundleOptimizers(_Bundle):
         return self._opts
 
 
+def stateful(state_dict: dict[str, Any], *, loading: bool = False) -> Stateful:
+    """`state_dict` (shaped as in `save`) as one object with `state_dict` and
+    `load_state_dict`, as `save` and `restore` see it: e.g. to load a
+    torch.distributed.checkpoint into it (`dcp.load(s.state_dict(), ...)`, then
+    `s.load_state_dict(...)`). `loading`: prime its optimizers first (see `prime`)."""
+    return _bundle(state_dict, loading=loading)
+
+
 def _bundle(state: dict[str, Any], *, loading: bool = False) -> _Bundle:
     """The state dict as a `_Bundle`; with no optimizer in it every optimizer of the
     process is guarded (torch's global hook)."""
@@ -161,9 +177,15 @@ def _bundle(state: dict[str, Any], *, loading: bool = False) -> _Bundle:
     return (_BundleOptimizers if opts else _Bundle)(state, opts, loading=loading)
 
 
+def prime(optimizer: Any) -> None:
+    """Create an optimizer's per-parameter state (one step with zero gradients and lr 0),
+    so that a saved state has tensors to be loaded into; a restore overwrites all of it.
+    Does nothing to an optimizer that has state already."""
+    _prime(optimizer)
+
+
 def _prime(opt: Any) -> None:
-    """Create an optimizer's per-parameter state (one step with zero gradients and lr 0)
-    so a saved state has tensors to be copied into; the restore overwrites all of it."""
+    """`prime` (see there)."""
     import torch
 
     if opt.state:
@@ -524,7 +546,7 @@ def _agree(*wanted: int) -> tuple[int, ...]:
     return tuple(max(int(w[i]) for w in everyone) for i in range(len(wanted)))
 
 
-def restore(state_dict: dict[str, Any]) -> int | None:
+def restore(state_dict: dict[str, Any], *, not_after: int | None = None) -> int | None:
     """Load the newest step every rank holds into `state_dict` (in place).
 
     Collective under torch.distributed: call it on every rank, after
@@ -533,20 +555,58 @@ def restore(state_dict: dict[str, Any]) -> int | None:
 
     Args:
         state_dict: shaped as in `save` (the same objects).
+        not_after: restore the newest step at or before this one and discard this
+            rank's newer copies (a rollback: they are a dead timeline). A loss-spike
+            rollback names it in `UNBROKEN_RESTORE_STEP`.
 
     Returns:
         The restored step (continue with the next one), or None: nothing saved yet, no
-        agent, or no flash store.
+        agent, or no flash store. `restored_source` says where it came from.
     """
     s = _get()
     ckpt = s.checkpointer() if s is not None else None
     if s is None or ckpt is None:
         return None
     _require_dist("restore")
-    done = ckpt.restore(_bundle(state_dict, loading=True))
+    done = ckpt.restore(_bundle(state_dict, loading=True), not_after=not_after)
     s.restored_step = done.step if done is not None else None
     s.restored_source = done.source if done is not None else ""
+    if done is not None and not_after is not None:
+        ckpt.discard_after(done.step)
     return s.restored_step
+
+
+def restored_source() -> str:
+    """Where the last `restore` found its step: "memory", "buddy", "storage", or ""
+    (nothing restored, or no agent)."""
+    s = _session
+    return s.restored_source if s is not None else ""
+
+
+_faults: FaultFile | None = None
+_faults_read = False  # the environment was looked at (no fault file: never again)
+
+
+def injected_fault(next_step: int) -> WorkerFault | None:
+    """The fault injected for `next_step` (`unbroken inject nan|loss-spike`), once.
+
+    Call it before each step's forward with the step about to run: it returns the fault
+    when it is due (its step, or the first step after a fault for a past step), and never
+    again for the same injection, also after this worker restarts. The agent writes the
+    fault to the file its workers find in `UNBROKEN_FAULT_FILE`; without that variable
+    (not started by an agent) this is one global read and None. Apply it to the step
+    (`kind` "loss-spike": the step's loss must really spike; "nan": its forward turns
+    non-finite), and the agent's detectors and the driver do the rest.
+    """
+    global _faults, _faults_read
+    if not _faults_read:
+        _faults_read = True
+        from unbroken.trainer.faultfile import FaultFile
+
+        _faults = FaultFile.from_env(_rank()[0])
+    if _faults is None:
+        return None
+    return _faults.due(next_step)
 
 
 def should_stop() -> bool:
@@ -653,8 +713,9 @@ def recovery_loop(body: Callable[[], T], *, hold_s: float = HOLD_WAIT_S) -> T:
 
 def reset() -> None:
     """Forget the attachment and the warning, so `init` looks again (for tests)."""
-    global _tried, _warned, _dist_ready
+    global _tried, _warned, _dist_ready, _faults, _faults_read
     close()
+    _faults, _faults_read = None, False
     _tried = False
     _warned = False
     _dist_ready = False

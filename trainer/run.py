@@ -46,7 +46,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -63,6 +63,7 @@ from unbroken.common.faults import (
 )
 from unbroken.common.workerenv import WorkerEnv
 from unbroken.trainer.config import TrainConfig
+from unbroken.trainer.faultfile import FaultFile
 from unbroken.trainer.flags import add_arguments, to_config
 from unbroken.trainer.plugin import (
     Batches,
@@ -105,59 +106,6 @@ class RestorePoint:
         w = WorkerEnv.from_env(os.environ if env is None else env)
         skip_from, skip = w.skip_batches or (0, 0)
         return cls(step=w.restore_step, skip_from_step=skip_from, skip_batches=skip)
-
-
-@dataclass(slots=True)
-class FaultFile:
-    """Watches the fault file (one `os.stat` per step) and yields each fault once.
-
-    Applied ids are appended to `<file>.applied-r<rank>`, so a worker restarted after the
-    rollback the fault caused does not apply it again.
-    """
-
-    path: Path
-    rank: int
-    applied: set[str] = field(default_factory=set)
-    pending: WorkerFault | None = None
-    _seen: tuple[int, int, int] | None = None
-
-    def __post_init__(self) -> None:
-        with contextlib.suppress(OSError):
-            self.applied.update(self._marks().read_text().split())
-
-    @classmethod
-    def from_env(cls, rank: int, env: Mapping[str, str] | None = None) -> FaultFile | None:
-        """The fault file named by `UNBROKEN_FAULT_FILE`, or None."""
-        raw = WorkerEnv.from_env(os.environ if env is None else env).fault_file
-        return cls(path=Path(raw), rank=rank) if raw else None
-
-    def _marks(self) -> Path:
-        return self.path.with_name(f"{self.path.name}.applied-r{self.rank}")
-
-    def due(self, next_step: int) -> WorkerFault | None:
-        """The fault to apply to `next_step` (marked applied), or None."""
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            st = None
-        key = (st.st_ino, st.st_mtime_ns, st.st_size) if st is not None else None
-        if key is not None and key != self._seen:
-            self._seen = key
-            try:
-                fault = WorkerFault.parse(self.path.read_text())
-            except (OSError, ValueError) as e:
-                log.warning("fault file ignored", path=str(self.path), error=str(e))
-            else:
-                if fault.id not in self.applied:
-                    self.pending = fault
-        f = self.pending
-        if f is None or f.step > next_step:
-            return None
-        self.pending = None
-        self.applied.add(f.id)
-        with contextlib.suppress(OSError), open(self._marks(), "a") as out:
-            out.write(f.id + "\n")
-        return f
 
 
 @dataclass(slots=True)

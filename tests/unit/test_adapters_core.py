@@ -87,3 +87,37 @@ def test_registry_lists_the_adapters() -> None:
         from unbroken.trainer.adapters.accelerate import Unbroken
 
         assert adapters.load("accelerate") is Unbroken
+
+
+def test_an_injected_loss_spike_poisons_one_step_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from unbroken.common.faults import WorkerFault
+
+    fault_file = tmp_path / "fault.json"
+    monkeypatch.setenv("UNBROKEN_FAULT_FILE", str(fault_file))
+    hooks.reset()
+    model = _model(3)
+    x = torch.ones(2, 4)
+    clean = model(x).detach()
+    WorkerFault("loss-spike", 5, "f1").write(fault_file)
+    ub = Resilient({"model": model})
+    ub.step_begin(4, model)  # not yet
+    assert torch.equal(model(x), clean)
+    ub.step_begin(5, model)
+    assert torch.allclose(model(x), clean * 1000.0)  # the output layer, scaled
+    ub.step_end(5, 1.0)
+    assert torch.equal(model(x), clean)  # one step only
+    ub.step_begin(6, model)
+    assert torch.equal(model(x), clean)  # applied once
+    hooks.reset()  # a restarted worker: the applied id is remembered beside the file
+    assert hooks.injected_fault(7) is None
+    WorkerFault("nan", 0, "f2").write(fault_file)
+    ub.step_begin(8, model)
+    assert torch.isnan(model(x)).all()
+    ub.fault_end()
+
+
+def test_without_a_fault_file_no_fault_is_due() -> None:
+    assert hooks.injected_fault(1) is None
+    assert hooks.restored_source() == ""

@@ -9,7 +9,8 @@
         if ub.step_end(step, loss):
             break
 
-`batches` resumes the prepared data loader at the restored position (its epoch through
+`batches` applies a fault injected for the step it yields (`unbroken inject loss-spike|nan`)
+and resumes the prepared data loader at the restored position (its epoch through
 `set_epoch`, the batches already seen skipped with `accelerator.skip_first_batches`), so
 the batches after a restore are the ones the uninterrupted run saw, given a shuffle that
 depends on the epoch alone: `Accelerator(dataloader_config=DataLoaderConfiguration(
@@ -97,6 +98,7 @@ class Unbroken(Resilient):
             for batch in it:
                 if self.position != at:  # a skip took effect mid-epoch: seek again
                     break
+                self.step_begin(self.step + 1, self.state["model"])
                 yield self.step + 1, batch
                 if self.step >= max_steps:
                     return

@@ -14,6 +14,10 @@ run drew). Then:
   and the batches the driver asks to skip (`UNBROKEN_SKIP_BATCHES`) are added to the data
   position. With nothing saved yet, a torch.distributed.checkpoint directory (`init_from`,
   e.g. one torchtitan or `dcp.save` wrote, or a step unbroken persisted) is the start.
+- `step_begin(step, model)` (before the step's forward) applies a fault injected for that
+  step (`unbroken inject loss-spike|nan`, through `hooks.injected_fault`): for that one
+  step the model's output layer is scaled by `SPIKE_FACTOR` (the loss really spikes and
+  the bad update is applied, as a poisoned batch's would be) or made NaN.
 - `step_end(step, loss)` reports the step and its loss (the agent's hang, straggler and
   spike detectors), flash-saves (every `save_every`-th step, paced by the SDK to a share
   of the step time) and says whether the driver asked the job to stop.
@@ -24,6 +28,7 @@ portable.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -39,6 +44,9 @@ log = structlog.get_logger(__name__)
 
 PROGRESS_KEY = "unbroken"
 RNG_KEY = "rng"
+# An injected loss spike multiplies the output layer's activations by this for one step:
+# a tiny GPT-2's loss of about 4 became hundreds (the agent calls 2.5x its median a spike).
+SPIKE_FACTOR = 1000.0
 
 
 class Progress:
@@ -121,6 +129,7 @@ class Resilient:
         self.restored_from = ""  # memory, buddy, storage, dcp, or "" (a fresh start)
         self.saves = 0  # flash saves started (the SDK paces them)
         self.steps = 0  # steps ended in this process
+        self._fault: Any = None  # the hook an injected fault put on the model, for a step
 
     @property
     def step(self) -> int:
@@ -143,36 +152,63 @@ class Resilient:
         elif self.init_from:
             load_dcp(self.state, self.init_from)
             self.restored_from = "dcp"
-        self._skip_due(self.progress.step + 1)
+        self._skip_due(self.progress.step + 1, at_restore=True)
         hooks.phase("train", step=self.progress.step, source=self.restored_from or None)
         return self.progress.step
 
     def _restore_flash(self) -> str | None:
-        s = hooks._get()
-        ckpt = s.checkpointer() if s is not None else None
-        if s is None or ckpt is None:
-            return None
-        hooks._require_dist("restore")
         hooks.phase("restore")  # judged by the phase limit, not the step rhythm
-        done = ckpt.restore(hooks._bundle(self.state, loading=True), not_after=self.point.step)
-        s.restored_step = done.step if done is not None else None
-        s.restored_source = done.source if done is not None else ""
-        if done is None:
+        step = hooks.restore(self.state, not_after=self.point.step)
+        if step is None:
             return None
-        if self.point.step is not None:
-            ckpt.discard_after(done.step)  # a rollback: newer copies are a dead timeline
-        self.progress.step = done.step
-        return done.source
+        self.progress.step = step
+        return hooks.restored_source()
 
-    def _skip_due(self, next_step: int) -> None:
+    # Whether the adapter's data follows `position` when a skip falls due mid-run, after the
+    # restore (Accelerate's `batches` does; a library that prefetches or derives its data
+    # position from its own step counter cannot), and at the restore.
+    skips_mid_run = True
+    skips_at_restore = True
+
+    def skip_due(self, next_step: int, *, at_restore: bool = False) -> None:
+        """Apply a rollback's skip when `next_step` is its first step (`step_end` does)."""
+        self._skip_due(next_step, at_restore=at_restore)
+
+    def _skip_due(self, next_step: int, *, at_restore: bool = False) -> None:
         p = self.point
         if p.skip_batches and next_step == p.skip_from_step:
+            if not (self.skips_at_restore if at_restore else self.skips_mid_run):
+                log.warning(
+                    "adapter.skip_not_applied",
+                    batches=p.skip_batches,
+                    before_step=next_step,
+                    why=type(self).__name__ + " cannot move this library's data position",
+                )
+                return
             self.progress.skipped += p.skip_batches
             log.info("adapter.batches_skipped", batches=p.skip_batches, before_step=next_step)
+
+    def step_begin(self, step: int, model: Any) -> None:
+        """Before step `step`'s forward: apply a fault injected for it to `model` (a
+        `torch.nn.Module`), until `step_end`. One file check when the agent started this
+        process, nothing otherwise."""
+        fault = hooks.injected_fault(step)
+        if fault is None:
+            return
+        self.fault_end()
+        log.warning("fault applied", kind=fault.kind, step=step, id=fault.id)
+        self._fault = poison(model, fault.kind)
+
+    def fault_end(self) -> None:
+        """Take an applied fault off the model (`step_end` does)."""
+        if self._fault is not None:
+            self._fault.remove()
+            self._fault = None
 
     def step_end(self, step: int, loss: Any = None) -> bool:
         """After optimizer step `step` (1-based): report, maybe save. Returns True when the
         driver asked the job to stop (save happened; leave the loop)."""
+        self.fault_end()
         self.progress.step = step
         if isinstance(loss, torch.Tensor):
             loss = loss.detach()
@@ -197,6 +233,32 @@ class Resilient:
             log.info("adapter.save_stats", saves=self.saves, steps=self.steps)
 
 
+def output_layer(model: torch.nn.Module) -> torch.nn.Module:
+    """The module that computes `model`'s output: its last leaf with parameters (a language
+    model's head, an MLP's last linear layer)."""
+    leaves = [
+        m
+        for m in model.modules()
+        if next(m.children(), None) is None and next(m.parameters(recurse=False), None) is not None
+    ]
+    if not leaves:
+        raise ValueError(f"{type(model).__name__} has no layer with parameters to poison")
+    return leaves[-1]
+
+
+def poison(model: torch.nn.Module, kind: str) -> Any:
+    """Make `model`'s output spike ("loss-spike") or turn NaN ("nan") until the returned
+    handle's `remove()`."""
+    factor = math.nan if kind == "nan" else SPIKE_FACTOR
+
+    def hook(module: Any, args: Any, output: Any) -> Any:
+        if isinstance(output, torch.Tensor) and output.is_floating_point():
+            return output * factor
+        return None
+
+    return output_layer(model).register_forward_hook(hook)
+
+
 def load_dcp(state: dict[str, Any], path: str) -> None:
     """Load a torch.distributed.checkpoint directory into `state` (the top-level keys
     the checkpoint holds; the others keep their values)."""
@@ -211,11 +273,11 @@ def load_dcp(state: dict[str, Any], path: str) -> None:
             f"the DCP checkpoint {path} holds none of this state's keys {sorted(state)} "
             f"(it has {sorted(have)}); save it from a dict with the same top-level names"
         )
-    bundle = hooks._bundle(wanted, loading=True)
+    bundle = hooks.stateful(wanted, loading=True)
     sd = bundle.state_dict()
     dcp.load(sd, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())
     bundle.load_state_dict(sd)
     for k in wanted:
         if not hasattr(wanted[k], "load_state_dict") and not isinstance(wanted[k], dict):
-            state[k] = bundle.state[k]
+            state[k] = sd[k]
     log.info("adapter.started_from_dcp", path=path, keys=sorted(wanted))

@@ -4,8 +4,9 @@
     trainer = L.Trainer(..., callbacks=[ub])
     trainer.fit(model, ResumableDataLoader(dataset, batch_size=8, shuffle=True, unbroken=ub))
 
-After every training batch the callback flash-saves what a Lightning checkpoint holds
-(`dump_checkpoint`: the module's weights, the optimizers and schedulers, the loops'
+Before every training batch it applies a fault injected for that step (`unbroken inject
+loss-spike|nan`). After every training batch the callback flash-saves what a Lightning
+checkpoint holds (`dump_checkpoint`: the module's weights, the optimizers and schedulers, the loops'
 progress, the callbacks' state) into the agent's memory, and reports the step and its loss
 (the module's `training_step` output, or its logged `loss`). At `setup`, when the
 process group exists and before Lightning would load a `ckpt_path`, it restores the newest
@@ -109,6 +110,8 @@ class Unbroken(pl.Callback):
         self.core: Resilient | None = None
         self._rng_later: torch.Tensor | None = None
         self.skip_pending = 0  # batches of the restored epoch the loader skips
+        self.feed_step = 1  # the step the loader's next batch is for
+        self.restored_step = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -138,6 +141,7 @@ class Unbroken(pl.Callback):
         if self._init_from is not None:
             core.init_from = os.fspath(self._init_from)
         step = core.restore()
+        self.feed_step, self.restored_step = step + 1, step
         core.state[LIGHTNING_KEY] = live
         rng = core.state["rng"].cpu
         core.state["rng"] = _RngNow()
@@ -151,10 +155,14 @@ class Unbroken(pl.Callback):
         self.skip_pending = core.position
         self._rng_later = rng  # set by the loader (`take_skip`) or at the first batch
 
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
+    ) -> None:
         if self._rng_later is not None:
             torch.set_rng_state(self._rng_later)
             self._rng_later = None
+        if self.core is not None:  # a fault injected for this step (`unbroken inject`)
+            self.core.step_begin(trainer.global_step + 1, pl_module)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any
@@ -170,6 +178,21 @@ class Unbroken(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.core is not None:
             self.core.close()
+
+    def feed(self, it: Any) -> Any:
+        """The loader's batches, counted by the step each is for; a rollback's skip that
+        falls due after the restore is done here, when the batch for the skip's first step
+        is fetched (the fit loop fetches a batch ahead, before the step before it ends).
+        At most the rest of the epoch is skipped."""
+        p = self.core.point if self.core is not None else None
+        for batch in it:
+            due = p is not None and p.skip_batches and self.feed_step == p.skip_from_step
+            if due and self.feed_step > self.restored_step + 1:  # not done at the restore
+                batch = _nth(it, p.skip_batches - 1, batch)  # type: ignore[union-attr]
+                if batch is _NONE:
+                    return
+            self.feed_step += 1
+            yield batch
 
     def take_skip(self, batches_per_epoch: int) -> int:
         """Batches the loader skips at its next epoch start (once, after a restore).
@@ -194,10 +217,10 @@ class _Restoring:
         self.opts = opts
 
     def state_dict(self) -> dict[str, Any]:
-        from unbroken.trainer.hooks import _prime
+        from unbroken.trainer import hooks
 
         for o in self.opts:
-            _prime(o)
+            hooks.prime(o)
         self.template.ckpt["optimizer_states"] = [o.state_dict() for o in self.opts]
         return self.template.state_dict()
 
@@ -235,9 +258,23 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
         self.unbroken = unbroken
 
     def __iter__(self) -> Any:
-        skip = self.unbroken.take_skip(len(self)) if self.unbroken is not None else 0
+        if self.unbroken is None:
+            return super().__iter__()
+        skip = self.unbroken.take_skip(len(self))
         it = super().__iter__()
-        return _skipping(it, skip) if skip else it
+        return self.unbroken.feed(_skipping(it, skip) if skip else it)
+
+
+_NONE = object()
+
+
+def _nth(it: Any, n: int, current: Any) -> Any:
+    """The batch after skipping `current` and `n` more (`_NONE` when the epoch ends)."""
+    for _ in range(n + 1):
+        current = next(it, _NONE)
+        if current is _NONE:
+            break
+    return current
 
 
 def _skipping(it: Any, n: int) -> Any:

@@ -4,17 +4,18 @@
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[unbroken])
     trainer.train(resume_from_checkpoint=unbroken.resume(trainer))
 
-After every optimizer step (`on_step_end`, where the Trainer's own checkpoints are taken)
-the callback flash-saves the model, the optimizer, the scheduler, the `TrainerState` and
-the random generators' states into the agent's memory; the logged loss is reported to the
-agent (`logging_steps=1` reports every step's). `resume` (collective: every rank, after the
-Trainer is built) creates the Trainer's optimizer and scheduler, restores the newest step
-every rank holds into them and the model, and hands the Trainer a small resume directory
-(in /dev/shm when there is one: the weights, `trainer_state.json`, the generators', the
-optimizer's and the scheduler's states) so the Trainer's own resume loads them into the
-optimizer and scheduler it trains with (it creates the scheduler again in `train`), skips
-the batches already trained on and restores the generators where it does. It returns None
-when there is nothing to restore: a fresh start.
+Before every optimizer step (`on_step_begin`) it applies a fault injected for that step
+(`unbroken inject loss-spike|nan`). After every optimizer step (`on_step_end`, where the
+Trainer's own checkpoints are taken) the callback flash-saves the model, the optimizer, the
+scheduler, the `TrainerState` and the random generators' states into the agent's memory;
+the logged loss is reported to the agent (`logging_steps=1` reports every step's). `resume`
+(collective: every rank, after the Trainer is built) creates the Trainer's optimizer and
+scheduler, restores the newest step every rank holds into them and the model, and hands the
+Trainer a small resume directory (in /dev/shm when there is one: the weights,
+`trainer_state.json`, the generators', the optimizer's and the scheduler's states) so the
+Trainer's own resume loads them into the optimizer and scheduler it trains with (it creates
+the scheduler again in `train`), skips the batches already trained on and restores the
+generators where it does. It returns None when there is nothing to restore: a fresh start.
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ class UnbrokenCallback(TrainerCallback):
             self.core = Resilient(
                 state, save_every=self._save_every, rng=False, persist_every_s=self._persist_every_s
             )
+            # the Trainer derives its data position from its global step (`global_step %
+            # batches per epoch` at a resume), so batches a rollback skips cannot be skipped
+            self.core.skips_mid_run = self.core.skips_at_restore = False
         return self.core
 
     def resume(self, trainer: Trainer) -> str | None:
@@ -151,14 +155,23 @@ class UnbrokenCallback(TrainerCallback):
             f.write(buf.getvalue())
         return self.resume_dir
 
+    def on_step_begin(
+        self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        model = kwargs.get("model")
+        if self.core is not None and model is not None:  # a fault injected for this step
+            self.core.step_begin(state.global_step + 1, model)
+
     def on_step_end(
         self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         core = self.core
         if core is None:
             return
+        core.fault_end()
         core.progress.step = state.global_step
         core.save(state.global_step)
+        core.skip_due(state.global_step + 1)  # says it cannot (see `_core`)
         if args.logging_steps != 1:  # no per-step loss: report the step alone
             hooks.report(state.global_step)
         if hooks.should_stop():

@@ -10,6 +10,7 @@ memory. Rank 0 prints `step N loss X` for every step.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Any
 
@@ -17,8 +18,10 @@ import lightning.pytorch as pl
 import torch
 from transformers import get_linear_schedule_with_warmup
 
+from unbroken.trainer import hooks
 from unbroken.trainer.adapters.lightning import ResumableDataLoader, Unbroken
 from unbroken.trainer.examples.accelerate_unbroken import tiny_gpt2, token_data
+from unbroken.trainer.pacer import SAVE_BUDGET
 
 
 class TinyLM(pl.LightningModule):
@@ -47,16 +50,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--persist-every-s", type=float, default=30.0)
     parser.add_argument(
+        "--save-budget",
+        type=float,
+        default=SAVE_BUDGET,
+        help="the share of the step time flash saves may take (0.5: a save every step)",
+    )
+    parser.add_argument(
         "--step-delay-s",
         type=float,
         default=0.0,
         help="sleep this long in every step (to watch a run)",
     )
     args = parser.parse_args()
+    hooks.init(save_budget=args.save_budget, persist_every_s=args.persist_every_s)
     pl.seed_everything(0, verbose=False)
     ub = Unbroken(persist_every_s=args.persist_every_s)
+    # the world the launcher made: torchrun --nproc-per-node 2 (one node of 2), or the
+    # agents of `unbroken driver --nodes 2` (2 nodes of 1)
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", "2"))
+    nodes = max(1, int(os.environ.get("WORLD_SIZE", str(devices))) // devices)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=args.steps,
+        accelerator="cpu", devices=devices, num_nodes=nodes, strategy="ddp", max_steps=args.steps,
         callbacks=[ub], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip

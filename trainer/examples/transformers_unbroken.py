@@ -19,8 +19,10 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainingArguments
 
+from unbroken.trainer import hooks
 from unbroken.trainer.adapters.transformers import UnbrokenCallback
 from unbroken.trainer.examples.accelerate_unbroken import tiny_gpt2, token_data
+from unbroken.trainer.pacer import SAVE_BUDGET
 
 
 class Tokens(Dataset):  # type: ignore[type-arg]
@@ -39,12 +41,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--persist-every-s", type=float, default=30.0)
     parser.add_argument(
+        "--save-budget",
+        type=float,
+        default=SAVE_BUDGET,
+        help="the share of the step time flash saves may take (0.5: a save every step)",
+    )
+    parser.add_argument(
         "--step-delay-s",
         type=float,
         default=0.0,
         help="sleep this long in every step (to watch a run)",
     )
     args = parser.parse_args()
+    hooks.init(save_budget=args.save_budget, persist_every_s=args.persist_every_s)
     training = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="hf-example-"), max_steps=args.steps,
         per_device_train_batch_size=4, learning_rate=1e-3, warmup_steps=5,

@@ -1,0 +1,76 @@
+"""The worker fault file: faults injected into a running job reach the trainer through it.
+
+`unbroken inject nan|loss-spike --node N [--step S]` makes the node's agent write a
+`WorkerFault` atomically to the file its workers find in `UNBROKEN_FAULT_FILE`. A trainer
+reads it once a step with `FaultFile.due` (one `os.stat`); the embedded engine
+(`unbroken.trainer.run`) and the hooks SDK (`hooks.injected_fault`, which the adapters
+use) both do. Pure Python: importing it imports neither torch nor gRPC.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from unbroken.common.faults import WorkerFault
+from unbroken.common.workerenv import WorkerEnv
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class FaultFile:
+    """Watches the fault file (one `os.stat` per step) and yields each fault once.
+
+    Applied ids are appended to `<file>.applied-r<rank>`, so a worker restarted after the
+    rollback the fault caused does not apply it again.
+    """
+
+    path: Path
+    rank: int
+    applied: set[str] = field(default_factory=set)
+    pending: WorkerFault | None = None
+    _seen: tuple[int, int, int] | None = None
+
+    def __post_init__(self) -> None:
+        with contextlib.suppress(OSError):
+            self.applied.update(self._marks().read_text().split())
+
+    @classmethod
+    def from_env(cls, rank: int, env: Mapping[str, str] | None = None) -> FaultFile | None:
+        """The fault file named by `UNBROKEN_FAULT_FILE`, or None."""
+        raw = WorkerEnv.from_env(os.environ if env is None else env).fault_file
+        return cls(path=Path(raw), rank=rank) if raw else None
+
+    def _marks(self) -> Path:
+        return self.path.with_name(f"{self.path.name}.applied-r{self.rank}")
+
+    def due(self, next_step: int) -> WorkerFault | None:
+        """The fault to apply to `next_step` (marked applied), or None."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            st = None
+        key = (st.st_ino, st.st_mtime_ns, st.st_size) if st is not None else None
+        if key is not None and key != self._seen:
+            self._seen = key
+            try:
+                fault = WorkerFault.parse(self.path.read_text())
+            except (OSError, ValueError) as e:
+                log.warning("fault file ignored", path=str(self.path), error=str(e))
+            else:
+                if fault.id not in self.applied:
+                    self.pending = fault
+        f = self.pending
+        if f is None or f.step > next_step:
+            return None
+        self.pending = None
+        self.applied.add(f.id)
+        with contextlib.suppress(OSError), open(self._marks(), "a") as out:
+            out.write(f.id + "\n")
+        return f
