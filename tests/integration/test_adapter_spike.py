@@ -86,8 +86,9 @@ class AdapterJob(Job):
             marks=pytest.mark.xfail(
                 reason="as the worker command of `unbroken driver --nodes 2` (one rank per "
                 "agent) the Lightning example's rank-0 TCPStore failed with EADDRINUSE on the "
-                "driver's master port, twice in one run; not diagnosed yet",
-                strict=False,
+                "driver's master port, three runs out of three; not diagnosed yet (not run: "
+                "it only spends the suite's time until that is fixed)",
+                run=False,
             ),
         ),
         "transformers",
