@@ -35,7 +35,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "UNBROKEN_DRIVER": "127.0.0.1:1"}  
 WORKER = """
 import os, time
 import torch
-from unbroken.recovery.flash import FlashConfig, FlashOwner, FlashWriter
+from unbroken.recovery.flash import FlashWriter
+from unbroken.recovery.flashowner import FlashConfig, FlashOwner
 from unbroken.trainer.flashckpt import FlashEnv
 from unbroken.trainer.hooks import install
 

@@ -172,7 +172,7 @@ def test_mtls_put_only_as_yourself_get_only_by_the_node_or_a_granted_replacement
 
 SERVER = """
 import asyncio, sys
-from unbroken.recovery.flash import FlashConfig, FlashOwner
+from unbroken.recovery.flashowner import FlashConfig, FlashOwner
 from unbroken.recovery.replica import ReplicaAuth, ReplicaConfig, ReplicaServer
 async def main():
     auth = ReplicaAuth.keyed(sys.argv[2].encode())
