@@ -7,6 +7,7 @@ A `DriverService` leads on the session's etcd through an `Election` and an `Etcd
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -110,10 +111,11 @@ def test_twenty_thousand_nodes_come_and_go_and_the_state_stays_small(
 def test_a_snapshot_too_large_for_etcd_is_a_clear_error_and_counted(
     etcd_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """1,000 active nodes with 1.5 KB hostnames: a 1.5 MB state, over one put, so it would
-    go in parts; with parts limited to one, the snapshot is refused before the put, the
-    driver says why and counts it; every event stays in etcd (nothing archived without a
-    snapshot) and appends go on. (In parts: tests/integration/test_scale_world.py.)"""
+    """1,000 active nodes with random 3 KB hostnames: a 3 MB state that stays over one
+    part when deflated (random hex halves, no more), so it would go in parts; with parts
+    limited to one, the snapshot is refused before the put, the driver says why and counts
+    it; every event stays in etcd (nothing archived without a snapshot) and appends go on.
+    (In parts: tests/integration/test_scale_world.py.)"""
     monkeypatch.setattr(etcdloglib, "MAX_SNAPSHOT_PARTS", 1)
 
     async def go() -> None:
@@ -123,7 +125,7 @@ def test_a_snapshot_too_large_for_etcd_is_a_clear_error_and_counted(
                     *(
                         ev.Event(
                             node_registered=ev.NodeRegistered(
-                                node_id=f"n{k}", epoch=1, hostname="h" * 1500
+                                node_id=f"n{k}", epoch=1, hostname=secrets.token_hex(1500)
                             )
                         )
                         for k in range(i, i + 50)
