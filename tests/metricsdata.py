@@ -67,6 +67,7 @@ def driver_metrics(
             training_resumed=ev.TrainingResumed(mode="in_job"),
         ),
         ev.Event(checkpoint_committed=ev.CheckpointCommitted(step=6, bytes=1234, ranks=2)),
+        ev.Event(step_verified=ev.StepVerified(step=6, ranks=2, groups=1)),
     ):
         for fn in listeners:
             fn(e)
