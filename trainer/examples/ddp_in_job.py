@@ -21,7 +21,7 @@ from unbroken.trainer import hooks
 WIDTH = 64
 
 
-def batch(step: int, rank: int, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, rank: int, size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank `rank`'s batch of step `step`: a function of both alone, so a rerun sees it again."""
     g = torch.Generator().manual_seed(step * 1000 + rank)
     x = torch.randn(size, WIDTH, generator=g)
