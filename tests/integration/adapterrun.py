@@ -30,9 +30,9 @@ JOB = "adapters"
 # The ranks share torchrun's stdout, and a block-buffered line of one can end inside
 # another's ("... step=39" + "2026-11-29 08:27:13 [info ..." before its newline): a value
 # ends at whitespace, the end of a line, or where another line's timestamp begins.
-_END = r"(?=\s|$|\d{4}-\d{2}-\d{2} )"
-LOSS = re.compile(r"step (\d+) loss (\S+?)" + _END, re.M)
-RESTORED = re.compile(r"flash\.restored.*?source=(\w+).*?step=(\d+?)" + _END)
+VALUE_END = r"(?=\s|$|\d{4}-\d{2}-\d{2} )"
+LOSS = re.compile(r"step (\d+) loss (\S+?)" + VALUE_END, re.M)
+RESTORED = re.compile(r"flash\.restored.*?source=(\w+).*?step=(\d+?)" + VALUE_END)
 RUN_DEADLINE_S = 600.0
 # Each step sleeps this long: on a quiet host a tiny model's 40 steps took under a second,
 # so training ended before the kill, and the save pacer (a share of the step time) saved

@@ -28,6 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.integration.adapterrun import RESTORED, VALUE_END
 from unbroken.diagnostics.check import free_port
 from unbroken.recovery.flashcopy import list_copies
 from unbroken.recovery.flashowner import FlashConfig, FlashOwner
@@ -41,8 +42,9 @@ STEPS = 2000
 KILL_AFTER = 80  # rank 1's newest flash copy at least this step when it is killed
 JOB = "sdk"
 EXAMPLE = ["-m", "unbroken.trainer.examples.ddp_unbroken", "--steps", str(STEPS)]
-FINAL = re.compile(r"final loss (\S+)")
-RESTORED = re.compile(r"flash\.restored.*?source=(\w+).*?step=(\d+)")
+# The ranks share torchrun's stdout: a value ends where another rank's line may begin
+# ("step=478" + "2026-11-29 ..." once read 4782026).
+FINAL = re.compile(r"final loss (\S+?)" + VALUE_END, re.M)
 NO_AGENT = "unbroken.hooks: no agent at"
 RUN_DEADLINE_S = 600.0  # torchrun start-ups took 100+ s each at load average 50
 
