@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from unbroken.diagnostics.check import free_port
@@ -265,3 +266,19 @@ class SlurmCluster:
             with contextlib.suppress(psutil.Error):
                 if p.environ().get("SLURM_CONF") == str(self.conf):
                     p.kill()
+
+
+@contextlib.contextmanager
+def running(root: Path, nodes: int = 4) -> Iterator[SlurmCluster]:
+    """A started cluster of `nodes` under `root`, stopped on exit; the test skips, saying
+    why, where Slurm is not installed."""
+    import pytest
+
+    why = ensure_installed()
+    if why:
+        pytest.skip(why)
+    c = SlurmCluster(root, nodes).start()
+    try:
+        yield c
+    finally:
+        c.stop()

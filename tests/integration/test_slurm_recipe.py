@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurmcluster import SlurmCluster, ensure_installed
+from tests.slurmcluster import SlurmCluster, running
 from unbroken.cli.cluster import until
 
 pytestmark = pytest.mark.integration
@@ -40,14 +40,8 @@ def page_lines() -> list[str]:
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[SlurmCluster]:
-    why = ensure_installed()
-    if why:
-        pytest.skip(why)
-    c = SlurmCluster(tmp_path / "slurm", 4).start()
-    try:
+    with running(tmp_path / "slurm") as c:
         yield c
-    finally:
-        c.stop()
 
 
 def test_the_page_holds_a_submit_and_a_status_line() -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.jobs import SLURM_TRAIN, Job, reference, slurm_agent_script, start_slurm_driver
-from tests.slurmcluster import SlurmCluster, ensure_installed
+from tests.slurmcluster import SlurmCluster, running
 from unbroken.cli.cluster import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -31,14 +31,8 @@ BUDDY = {"n1": "n2", "n2": "n1", "n3": "n1", "n4": "n1"}
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[SlurmCluster]:
-    why = ensure_installed()
-    if why:
-        pytest.skip(why)
-    c = SlurmCluster(tmp_path / "slurm", 4).start()
-    try:
+    with running(tmp_path / "slurm") as c:
         yield c
-    finally:
-        c.stop()
 
 
 def test_a_crashed_node_is_replaced_by_a_spare_from_slurm(

@@ -9,7 +9,6 @@ memory. Rank 0 prints `step N loss X` for every step.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -20,7 +19,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_w
 
 from unbroken.trainer import hooks
 from unbroken.trainer.adapters.accelerate import Unbroken
-from unbroken.trainer.pacer import SAVE_BUDGET
+from unbroken.trainer.examples.args import example_parser
 
 
 def tiny_gpt2() -> GPT2LMHeadModel:
@@ -38,22 +37,7 @@ def token_data(n: int = 256, length: int = 16) -> TensorDataset:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--persist-every-s", type=float, default=30.0)
-    parser.add_argument(
-        "--save-budget",
-        type=float,
-        default=SAVE_BUDGET,
-        help="the share of the step time flash saves may take (0.5: a save every step)",
-    )
-    parser.add_argument(
-        "--step-delay-s",
-        type=float,
-        default=0.0,
-        help="sleep this long in every step (to watch a run)",
-    )
-    args = parser.parse_args()
+    args = example_parser(__doc__.split("\n")[0]).parse_args()
     hooks.init(save_budget=args.save_budget, persist_every_s=args.persist_every_s)
     # a seedable sampler: each epoch's order is a function of the seed and the epoch, so
     # the batches after a restore mid-epoch are the ones the first run saw

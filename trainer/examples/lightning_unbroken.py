@@ -9,7 +9,6 @@ memory. Rank 0 prints `step N loss X` for every step.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from typing import Any
@@ -21,7 +20,7 @@ from transformers import get_linear_schedule_with_warmup
 from unbroken.trainer import hooks
 from unbroken.trainer.adapters.lightning import ResumableDataLoader, Unbroken
 from unbroken.trainer.examples.accelerate_unbroken import tiny_gpt2, token_data
-from unbroken.trainer.pacer import SAVE_BUDGET
+from unbroken.trainer.examples.args import example_parser
 
 
 class TinyLM(pl.LightningModule):
@@ -46,22 +45,7 @@ class TinyLM(pl.LightningModule):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--persist-every-s", type=float, default=30.0)
-    parser.add_argument(
-        "--save-budget",
-        type=float,
-        default=SAVE_BUDGET,
-        help="the share of the step time flash saves may take (0.5: a save every step)",
-    )
-    parser.add_argument(
-        "--step-delay-s",
-        type=float,
-        default=0.0,
-        help="sleep this long in every step (to watch a run)",
-    )
-    args = parser.parse_args()
+    args = example_parser(__doc__.split("\n")[0]).parse_args()
     hooks.init(save_budget=args.save_budget, persist_every_s=args.persist_every_s)
     pl.seed_everything(0, verbose=False)
     ub = Unbroken(persist_every_s=args.persist_every_s)

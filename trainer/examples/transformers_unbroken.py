@@ -9,7 +9,6 @@ memory. Rank 0 prints `step N loss X` for every step (from the loss function, un
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from typing import Any
@@ -22,7 +21,7 @@ from transformers import Trainer, TrainingArguments
 from unbroken.trainer import hooks
 from unbroken.trainer.adapters.transformers import UnbrokenCallback
 from unbroken.trainer.examples.accelerate_unbroken import tiny_gpt2, token_data
-from unbroken.trainer.pacer import SAVE_BUDGET
+from unbroken.trainer.examples.args import example_parser
 
 
 class Tokens(Dataset):  # type: ignore[type-arg]
@@ -37,22 +36,7 @@ class Tokens(Dataset):  # type: ignore[type-arg]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--persist-every-s", type=float, default=30.0)
-    parser.add_argument(
-        "--save-budget",
-        type=float,
-        default=SAVE_BUDGET,
-        help="the share of the step time flash saves may take (0.5: a save every step)",
-    )
-    parser.add_argument(
-        "--step-delay-s",
-        type=float,
-        default=0.0,
-        help="sleep this long in every step (to watch a run)",
-    )
-    args = parser.parse_args()
+    args = example_parser(__doc__.split("\n")[0]).parse_args()
     hooks.init(save_budget=args.save_budget, persist_every_s=args.persist_every_s)
     training = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="hf-example-"), max_steps=args.steps,
