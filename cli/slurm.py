@@ -6,7 +6,9 @@
   the first node with `--scheduler slurm` and is told the job id (SLURM_JOB_ID); one
   `srun -N1 -n1 -w <node>` step per training node starts its agent with the Slurm node name
   as node id (a multi-node step would be killed whole when one node fails). The S spare
-  nodes run no agent until the driver needs one: it starts it as a job step then.
+  nodes run no agent until the driver needs one: it starts it as a job step then. The driver
+  runs with `--exit-when-finished`: once every worker exited 0 the job is FINISHED, the driver
+  exits and the batch job ends, giving its nodes back.
 - `unbroken slurm nodes` prints Slurm's view (state, reason) of every node.
 - `unbroken slurm resume NODE` clears a node unbroken drained: an operator's call to the
   driver (the ClearNode RPC, role "operator"), which resumes it in Slurm (`scontrol update
@@ -49,7 +51,7 @@ mkdir -p -m 0700 "$JOB_DIR"
 {pki}echo "unbroken: driver $DRIVER_ADDR, job folder $JOB_DIR"
 {operator}SPARE_AGENT="{python} -m unbroken.cli agent --node-id {{node}} --driver $DRIVER_ADDR"
 {python} -m unbroken.cli driver --scheduler slurm --slurm-job-id "$SLURM_JOB_ID" \\
-  --listen "{listen_host}:$PORT" --advertise "$DRIVER_ADDR" --nodes {nodes} \\
+  --listen "{listen_host}:$PORT" --advertise "$DRIVER_ADDR" --nodes {nodes} --exit-when-finished \\
   --slurm-agent-cmd "$SPARE_AGENT --no-start --spare {agent_args}" \\
   {driver_args} &
 DRIVER_PID=$!

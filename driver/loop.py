@@ -43,7 +43,7 @@ from typing import Any
 import structlog
 
 from unbroken.diagnostics.check import free_port
-from unbroken.driver import detectors, machine, sdcwatch
+from unbroken.driver import completion, detectors, machine, sdcwatch
 from unbroken.driver import state as statelib
 from unbroken.driver.journal import Batch, Journal
 from unbroken.driver.liveview import NodeSlot
@@ -263,6 +263,7 @@ class RecoveryLoop:
         self.journal.on_resync = self._resettle
         self._spawn(self._watch_losses())
         self._spawn(sdcwatch.watch(self))
+        self._spawn(completion.watch(self))
         if self.state.phase == ev.PHASE_STARTING:
             self._spawn(self._wait_for_world())
         else:
@@ -828,12 +829,16 @@ class RecoveryLoop:
         return slot.heartbeats if slot is not None else 0
 
     def _all_stepping(self, nodes: tuple[str, ...], marks: dict[str, int]) -> bool:
-        """Every node sent a heartbeat since the start in which all its workers step."""
+        """Every node sent a heartbeat since the start in which all its workers step or
+        exited 0 (restored at the last step, a rank has nothing left to train: the job
+        resumed, and the completion watch then finishes it)."""
         for n in nodes:
             slot = self.service.view.nodes.get(n)
             if slot is None or slot.heartbeats <= marks[n] + 1 or not slot.hb.workers:
                 return False
             for w in slot.hb.workers:
+                if w.state == dpb.WORKER_STATE_EXITED and w.exit_code == 0:
+                    continue  # done: it may have exited before its first step report
                 if w.state != dpb.WORKER_STATE_RUNNING or w.step == 0:
                     return False
         return True

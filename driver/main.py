@@ -135,6 +135,13 @@ class DriverConfig:
     grace_s: float = field(
         default=2.0, metadata={"help": "how long in-flight RPCs may finish at shutdown"}
     )
+    exit_when_finished: bool = field(
+        default=False,
+        metadata={
+            "help": "exit 0 once the job finished (every worker of the world exited 0), so a "
+            "batch job gives its nodes back; a failed job keeps the driver for `unbroken resume`"
+        },
+    )
     loop: LoopConfig = field(
         default_factory=LoopConfig,
         metadata={"group": JOB_FLAGS},
@@ -370,6 +377,9 @@ async def serve(cfg: DriverConfig) -> int:
         )
         os.replace(tmp, cfg.port_file)
     service.start()
+    watcher = (
+        asyncio.create_task(_exit_when_finished(service, stop)) if cfg.exit_when_finished else None
+    )
     scheduler = SlurmScheduler(cfg.slurm) if cfg.scheduler == "slurm" else None
     try:
         if cfg.event_log == "memory":
@@ -387,6 +397,8 @@ async def serve(cfg: DriverConfig) -> int:
         return 0
     finally:
         log.info("driver shutting down")
+        if watcher is not None:
+            watcher.cancel()
         if isinstance(scheduler, SlurmScheduler):
             scheduler.stop_steps()
         if dashboard is not None:
@@ -394,6 +406,18 @@ async def serve(cfg: DriverConfig) -> int:
         await health_servicer.enter_graceful_shutdown()
         await server.stop(cfg.grace_s)
         await service.close()
+
+
+async def _exit_when_finished(service: DriverService, stop: asyncio.Event) -> None:
+    """Set `stop` once the journal this driver follows or leads says the job finished."""
+    while not stop.is_set():
+        j = service.journal
+        if j is not None and j.state.phase == ev.PHASE_FINISHED:
+            log.info("the job finished; exiting (--exit-when-finished)", step=j.state.step)
+            await asyncio.sleep(1.0)  # the agents read the last command replies
+            stop.set()
+            return
+        await asyncio.sleep(0.5)
 
 
 async def _take_lead(

@@ -6,7 +6,8 @@ Slurm cluster of 4 nodes (tests/slurmcluster.py; `SLURM_CONF` in the environment
 login node has it in /etc). The test fills in only what the job's output names: the
 driver's address for HOST:PORT and the job id for JOBID. The job trains the tiny model on
 two nodes with a spare; a training worker is SIGKILLed mid-run; the job resumes and trains
-to its last step, and the page's `unbroken status` line answers as printed.
+to its last step, and the page's `unbroken status` line answers as printed. Then the job is
+FINISHED: its driver exits (`--exit-when-finished`) and the batch job leaves the queue.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def test_the_slurm_recipe_trains_to_the_end_through_a_killed_worker(
             address = m.group(1) if m else ""
             return bool(address)
 
-        until(driver_named, 120, "the job's output to name the driver", logs())
+        until(driver_named, 120, "the job's output to name the driver", logs)
         status = [
             w.replace("HOST:PORT", address).replace("JOBID", job).replace("$USER", env["USER"])
             for w in shlex.split(status_line)
@@ -113,7 +114,7 @@ def test_the_slurm_recipe_trains_to_the_end_through_a_killed_worker(
             s = state()
             return max(int(s.get("live_step", 0)), int(s.get("step", 0)))  # type: ignore[call-overload]
 
-        until(lambda: step() >= 5, 600, "training to reach step 5", logs())
+        until(lambda: step() >= 5, 600, "training to reach step 5", logs)
         printed = cli(*status[1:])
         assert printed.returncode == 0, printed.stderr  # the page's status line, as printed
         nodes = json.loads(cli("nodes", "--driver", address, *tls, "--json").stdout)
@@ -124,12 +125,25 @@ def test_the_slurm_recipe_trains_to_the_end_through_a_killed_worker(
             r = cli("events", "--driver", address, *tls, "--json")
             return [json.loads(x) for x in r.stdout.splitlines()] if r.returncode == 0 else []
 
-        until(lambda: any("worker_failed" in e for e in events()), 120, "the kill detected", logs())
-        until(lambda: step() >= 60, 900, "training to its last step (60)", logs())
-        got = events()
-        resumed = [e for e in got if "training_resumed" in e]
-        assert len(resumed) >= 2, got[-10:]  # the start, and the resume after the kill
-        assert not [e for e in got if "job_finished" in e], got[-10:]
+        until(lambda: any("worker_failed" in e for e in events()), 120, "the kill detected", logs)
+        # the start, and the resume after the kill (long before the job ends)
+        until(lambda: sum("training_resumed" in e for e in events()) >= 2, 300, "the resume", logs)
+
+        def exited() -> str:
+            text = output.read_text(errors="replace")
+            return text if "exiting (--exit-when-finished)" in text else ""
+
+        # trained to its last step, the job FINISHED, its driver exited and the batch job ended
+        text = until(exited, 900, "the job to finish and its driver to exit", logs)
+        done = re.search(r"job finished\s.*\bstep=(\d+)", text)
+        last = int(re.search(r"--steps (\d+)", submit_line).group(1))  # type: ignore[union-attr]
+        assert done and int(done.group(1)) >= last, logs()
+
+        def ended() -> bool:
+            r = cluster.cmd("squeue", "-h", "-j", job, "-o", "%i", check=False)
+            return job not in r.stdout.split()
+
+        until(ended, 120, "the batch job to leave the queue", logs)
         assert (job_dir / "etcd").is_dir() and (job_dir / "pki" / "ca.pem").exists()
     finally:
         cluster.cmd("scancel", job, check=False)

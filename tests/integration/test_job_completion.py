@@ -1,0 +1,77 @@
+"""A job that trains to its last step FINISHES: real driver, etcd, agents and trainers.
+
+The tests' job (tests/jobs.py) trains the tiny model for 12 steps with the driver's
+`--exit-when-finished`. When both workers exit 0 the log records JobFinished(ok=true) at the
+last step, the phase is FINISHED, and the driver exits 0 on its own (what ends a Slurm batch
+job); nothing after it (the agents losing their driver) opens an incident.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+
+import pytest
+
+from tests.jobs import Job
+from unbroken.cli.cluster import until
+
+pytestmark = pytest.mark.integration
+
+STEPS = 12
+
+
+def test_a_job_whose_workers_all_exit_0_finishes_and_its_driver_exits(job: Job) -> None:
+    job.start_driver("--exit-when-finished", steps=STEPS)
+    job.start_agent("n0", buddy="n1")
+    job.start_agent("n1", buddy="n0")
+    driver = job.procs["driver"]
+    until(lambda: driver.poll() is not None, 200, "the driver to exit after the last step", job)
+    assert driver.returncode == 0, job.logs()
+    events = job.events()
+    finished = [e.job_finished for e in events if e.HasField("job_finished")]
+    assert len(finished) == 1 and finished[0].ok, finished
+    assert finished[0].step == STEPS, finished
+    assert "exited 0" in finished[0].reason, finished[0].reason
+    assert job.max_step() == STEPS  # rank 0's losses, to the last step
+    kinds = [e.WhichOneof("payload") for e in events]
+    assert "worker_failed" not in kinds and "training_paused" not in kinds, kinds
+    after = kinds[kinds.index("job_finished") + 1 :]
+    assert "recovery_transition" not in after and "node_lost" not in after, after
+
+
+def test_a_worker_killed_after_the_last_step_restores_there_and_the_job_finishes(
+    job: Job,
+) -> None:
+    # the first rank to end its training lingers (a slow exit) and is SIGKILLed there: the
+    # restore is at the last step, where the new workers have nothing left to train
+    mark = job.tmp / "lingered"
+    job.steps_to_train = STEPS
+    wrapped = (
+        f"{job.worker_cmd(2)}; c=$?; "
+        f"if [ $c = 0 ] && mkdir {shlex.quote(str(mark))} 2>/dev/null; then sleep 60; fi; exit $c"
+    )
+    job.start_driver("--exit-when-finished", "--worker-cmd", f"sh -c {shlex.quote(wrapped)}")
+    job.start_agent("n0", buddy="n1")
+    job.start_agent("n1", buddy="n0")
+    until(mark.exists, 120, "a rank to finish its last step", job)
+    time.sleep(0.5)  # its `sleep` started
+    lingering = [
+        p
+        for n in ("n0", "n1")
+        for p in job.workers(n)
+        if any(c.name() == "sleep" for c in p.children())
+    ]
+    assert len(lingering) == 1, job.logs()
+    lingering[0].kill()
+    driver = job.procs["driver"]
+    until(lambda: driver.poll() is not None, 200, "the driver to exit after the restore", job)
+    assert driver.returncode == 0, job.logs()
+    events = job.events()
+    kinds = [e.WhichOneof("payload") for e in events]
+    assert "worker_failed" in kinds and "restore_started" in kinds, kinds
+    restored = [e.restore_started.step for e in events if e.HasField("restore_started")]
+    assert restored == [STEPS], restored  # the last step, from memory
+    assert kinds.index("training_resumed", kinds.index("restore_started")) > 0, kinds
+    finished = [e.job_finished for e in events if e.HasField("job_finished")]
+    assert len(finished) == 1 and finished[0].ok and finished[0].step == STEPS, finished
