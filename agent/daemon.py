@@ -1112,7 +1112,9 @@ class Agent:
                 )
             launch = sup.launch.started(p, cmd=cmd, pin_master=self.config.pin_master_addr)
             if self.flash is not None and p.buddy:
-                self.flash.set_buddy(p.buddy)  # the world's ring, as the driver paired it
+                # the world's ring, as the driver paired it: who this node sends to, and
+                # whose copies its replica server takes
+                self.flash.set_buddy(p.buddy, p.buddy_node, p.replicas_from)
             if self.flash is not None and p.replaces:
                 # the replaced node's newest copies, from the replica server that holds them
                 # (the driver knows it from the node's registration; else this node's buddy);

@@ -461,7 +461,7 @@ class RelayedDown(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., command: _Optional[_Union[DriverMessage, _Mapping]] = ..., end: _Optional[str] = ...) -> None: ...
 
 class StartWorkers(_message.Message):
-    __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port", "dp", "pp", "tp", "timeline", "persist_every_s", "flash_bytes_per_rank", "replaces", "replaces_from", "buddy", "in_job")
+    __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port", "dp", "pp", "tp", "timeline", "persist_every_s", "flash_bytes_per_rank", "replaces", "replaces_from", "buddy", "buddy_node", "replicas_from", "in_job")
     WORKER_CMD_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_BASE_FIELD_NUMBER: _ClassVar[int]
@@ -476,6 +476,8 @@ class StartWorkers(_message.Message):
     REPLACES_FIELD_NUMBER: _ClassVar[int]
     REPLACES_FROM_FIELD_NUMBER: _ClassVar[int]
     BUDDY_FIELD_NUMBER: _ClassVar[int]
+    BUDDY_NODE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FROM_FIELD_NUMBER: _ClassVar[int]
     IN_JOB_FIELD_NUMBER: _ClassVar[int]
     worker_cmd: str
     world_size: int
@@ -491,8 +493,10 @@ class StartWorkers(_message.Message):
     replaces: str
     replaces_from: str
     buddy: str
+    buddy_node: str
+    replicas_from: str
     in_job: bool
-    def __init__(self, worker_cmd: _Optional[str] = ..., world_size: _Optional[int] = ..., global_rank_base: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., tp: _Optional[int] = ..., timeline: _Optional[int] = ..., persist_every_s: _Optional[float] = ..., flash_bytes_per_rank: _Optional[int] = ..., replaces: _Optional[str] = ..., replaces_from: _Optional[str] = ..., buddy: _Optional[str] = ..., in_job: _Optional[bool] = ...) -> None: ...
+    def __init__(self, worker_cmd: _Optional[str] = ..., world_size: _Optional[int] = ..., global_rank_base: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., tp: _Optional[int] = ..., timeline: _Optional[int] = ..., persist_every_s: _Optional[float] = ..., flash_bytes_per_rank: _Optional[int] = ..., replaces: _Optional[str] = ..., replaces_from: _Optional[str] = ..., buddy: _Optional[str] = ..., buddy_node: _Optional[str] = ..., replicas_from: _Optional[str] = ..., in_job: _Optional[bool] = ...) -> None: ...
 
 class StopWorkers(_message.Message):
     __slots__ = ("grace_s", "dump_stacks", "in_job", "replace_local_ranks")
