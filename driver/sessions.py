@@ -67,7 +67,15 @@ class Sessions:
         self._term = term  # the leader term stamped on every command
 
     def opened(self, node_id: str) -> Ending:
-        """A new session of `node_id` began; returns how the driver may end it."""
+        """A new session of `node_id` began; returns how the driver may end it. The node's
+        older session, if one is still open, is ended (ABORTED): one principal, one stream,
+        so a node's credential cannot hold streams (and their reader tasks) without bound,
+        and commands go only to the newest."""
+        self.end(
+            node_id,
+            grpc.StatusCode.ABORTED,
+            f"replaced by a newer session of node {node_id}: a node holds one session",
+        )
         ending = self._open[node_id] = Ending()
         return ending
 
