@@ -9,6 +9,7 @@ that store.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Iterable
 
 import pytest
@@ -118,7 +119,7 @@ def test_wall_times_never_go_backwards_within_a_term() -> None:
             await j.record(old)
             walls = [e.wall_time_unix_ns for e in await elog.read()]
             assert len(walls) == 5
-            assert all(b > a for a, b in zip(walls, walls[1:], strict=False)), walls
+            assert all(b > a for a, b in itertools.pairwise(walls)), walls
         finally:
             await j.close()
 
