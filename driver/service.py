@@ -237,6 +237,7 @@ class DriverService(dgrpc.DriverServicer):
             self.view,
             driver_id,
             term=lambda: self.journal.state.leader_term if self.journal is not None else 0,
+            scope=lambda: self.journal.state.leader_scope if self.journal is not None else "",
         )
         self._mass_since = 0.0  # monotonic time a mass silence was first held back
         self.relayed: dict[str, set[str]] = {}  # relay node id -> members attached through it
@@ -685,6 +686,7 @@ class DriverService(dgrpc.DriverServicer):
             heartbeat_interval_ms=self.config.live.heartbeat_interval_ms,
             miss_limit=self.config.live.miss_limit,
             leader_term=self.journal.state.leader_term if self.journal is not None else 0,
+            term_scope=self.journal.state.leader_scope if self.journal is not None else "",
             report_key=slot.report_key,
         )
 
