@@ -65,6 +65,7 @@ from unbroken.driver.eventlog import (
     EventTooLargeError,
     NotLeaderError,
 )
+from unbroken.driver.loghealth import LogHealth
 from unbroken.proto import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
@@ -225,6 +226,7 @@ class Journal:
         self.on_resync: Callable[[], None] | None = None  # an observation landed unseen
         self.subscribers: list[Subscriber] = []
         self.stats = JournalStats()
+        self.health = LogHealth()  # whether appends succeed (status, metrics, dashboard)
         self._conditions = conditions
         self._on_fenced = on_fenced
         self._lanes: dict[str, collections.deque[Pending]] = {
@@ -341,10 +343,12 @@ class Journal:
         except NotLeaderError as e:
             self._fence(e)
             raise
-        except EventLogError:
+        except EventLogError as e:
             self.stats.failed_appends += 1
+            self.health.failed(e)
             self._dirty = True  # its outcome may be unknown (landed after all)
             raise
+        self.health.succeeded()
         self.stats.transactions += 1
         foldlib.fold_in_place(self._state, stored)
         self.stats.recorded += len(stored)

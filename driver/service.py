@@ -40,7 +40,7 @@ from unbroken.common import channel, reportmac
 from unbroken.common.serving import MalformedRequests
 from unbroken.common.tls import TlsConfig, server_credentials
 from unbroken.driver import commits as commits_mod
-from unbroken.driver import detectors, paging
+from unbroken.driver import detectors, loghealth, paging
 from unbroken.driver import goodput as goodputlib
 from unbroken.driver import state as statelib
 from unbroken.driver.commits import Commits
@@ -1264,6 +1264,7 @@ class DriverService(dgrpc.DriverServicer):
             "snapshots_too_large": getattr(j.log, "snapshots_too_large", 0) if j else 0,
             **({"phase": j.state.phase} if j else {}),
             "newest_commit_age_s": self.newest_commit()[1],
+            "event_log": loghealth.summary(j),
         }
 
     def newest_commit(self) -> tuple[int, float]:
