@@ -345,7 +345,8 @@ class Journal:
             raise
         except EventLogError as e:
             self.stats.failed_appends += 1
-            self.health.failed(e)
+            if not isinstance(e, EventTooLargeError):  # that event's fault, not the log's
+                self.health.failed(e)
             self._dirty = True  # its outcome may be unknown (landed after all)
             raise
         self.health.succeeded()
