@@ -386,6 +386,9 @@ class Agent:
         self._metadata = self._token_md()
         self.term_seen = 0  # the newest leader term a command came with (older ones dropped)
         self.session_term = 0  # the leader term our registration was answered under
+        # what terms count in (the etcd cluster and the job's incarnation): a registration
+        # under another scope starts the count afresh
+        self.term_scope = ""
         self.report_key = b""  # our key for signed shard reports, from RegisterResponse
         self.relay: Relay | None = None
         if config.relay_listen:
@@ -522,6 +525,18 @@ class Agent:
                 backoff = self.config.backoff_base_s
                 self._electing_until = 0.0
                 self.session_term = resp.leader_term
+                if resp.term_scope != self.term_scope:
+                    if self.term_scope:
+                        log.warning(
+                            "the driver's terms count in a new scope (another etcd cluster "
+                            "or job incarnation): counting terms afresh",
+                            old=self.term_scope,
+                            new=resp.term_scope,
+                            term=resp.leader_term,
+                            newest_seen=self.term_seen,
+                        )
+                    self.term_scope = resp.term_scope
+                    self.term_seen = 0
                 self.report_key = resp.report_key  # signs our shard reports (reportmac)
                 self.interval_s = resp.heartbeat_interval_ms / 1000.0 or self.interval_s
                 log.info(
@@ -881,6 +896,29 @@ class Agent:
         kind = msg.WhichOneof("kind")
         cid = msg.command_id
         log.info("command", kind=kind, command_id=cid, term=msg.term)
+        if msg.term_scope != self.term_scope:
+            # a term of another etcd cluster or an earlier incarnation of the job: its
+            # number means nothing here, whether above or below ours
+            log.error(
+                "command of another term scope refused",
+                scope=msg.term_scope,
+                ours=self.term_scope,
+                term=msg.term,
+            )
+            with contextlib.suppress(Exception):
+                await self._write(
+                    call,
+                    dpb.AgentMessage(
+                        ack=dpb.CommandAck(
+                            command_id=cid,
+                            ok=False,
+                            detail=f"leader term {msg.term} of scope {msg.term_scope!r} (etcd "
+                            f"cluster and job incarnation) is not of this session's scope "
+                            f"{self.term_scope!r}: refused",
+                        )
+                    ),
+                )
+            return
         if msg.term > self.session_term + TERM_SLACK:
             # a term no election of this session can have made: never adopted, so it
             # cannot make every later command of the real leader look stale
@@ -1112,7 +1150,9 @@ class Agent:
                 )
             launch = sup.launch.started(p, cmd=cmd, pin_master=self.config.pin_master_addr)
             if self.flash is not None and p.buddy:
-                self.flash.set_buddy(p.buddy)  # the world's ring, as the driver paired it
+                # the world's ring, as the driver paired it: who this node sends to, and
+                # whose copies its replica server takes
+                self.flash.set_buddy(p.buddy, p.buddy_node, p.replicas_from)
             if self.flash is not None and p.replaces:
                 # the replaced node's newest copies, from the replica server that holds them
                 # (the driver knows it from the node's registration; else this node's buddy);

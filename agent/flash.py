@@ -445,12 +445,15 @@ class NodeFlash:
         host, port = self.sender.buddy
         return f"{host}:{port}"
 
-    def set_buddy(self, address: str) -> bool:
+    def set_buddy(self, address: str, node: str = "", takes_from: str = "") -> bool:
         """Replicate to `address` (host:port) from now on: the driver pairs the world's
         nodes in a ring when it starts a world, so a node whose buddy was replaced or
         evicted does not keep sending to a server that is gone. The new buddy holds
-        nothing yet: the next copy goes at once. False when this node cannot replicate
-        (no authenticated replica stream) or `address` is malformed."""
+        nothing yet: the next copy goes at once. `node`: the buddy's node id (with mTLS a
+        server that is not node:<node> gets nothing); `takes_from`: the node whose copies
+        this node's replica server takes from now on (every other node's are refused).
+        False when this node cannot replicate (no authenticated replica stream) or
+        `address` is malformed."""
         if not self.replica_cfg.auth.enabled:
             log.warning(
                 "flash.buddy_not_set",
@@ -463,10 +466,18 @@ class NodeFlash:
         except ValueError as e:
             log.warning("flash.buddy_not_set", buddy=address, error=str(e))
             return False
-        if self.sender is not None and self.sender.buddy == target:
+        if takes_from:
+            self.server.senders = {takes_from}
+        if (
+            self.sender is not None
+            and self.sender.buddy == target
+            and self.sender.buddy_node == node
+        ):
             return True
         log.info("flash.buddy_changed", old=self.buddy, new=address, node=self.node_id)
-        self.sender = ReplicaSender(self.owner, self.config.node, target, self.replica_cfg)
+        self.sender = ReplicaSender(
+            self.owner, self.config.node, target, self.replica_cfg, buddy_node=node
+        )
         return True
 
     async def take_over(self, node: str, requester: str, source: str = "") -> bool:

@@ -83,6 +83,20 @@ def persist_failing_lines(st: dpb.GetStatusResponse) -> list[str]:
     ]
 
 
+def log_failing_line(st: dpb.GetStatusResponse) -> str:
+    """`etcd is FULL: writes refused for 42 s (...); 1 fault waits to be recorded, so the
+    node counts above miss it`."""
+    what = "etcd is FULL" if st.log_full else "the event log is unavailable"
+    waits = st.faults_unrecorded
+    line = f"{what}: writes refused for {st.log_failing_s:.0f} s ({st.log_error})"
+    if waits:
+        line += (
+            f"; {waits} fault{'s' if waits > 1 else ''} wait{'' if waits > 1 else 's'} to be "
+            "recorded, so the node counts above miss them"
+        )
+    return line
+
+
 def run(ns: argparse.Namespace) -> int:
     """`unbroken status`; exit 0, or 3 when the driver is unreachable."""
 
@@ -125,6 +139,8 @@ def run(ns: argparse.Namespace) -> int:
         t.add_row("newest commit", commit_line(st))
         for line in persist_failing_lines(st):
             t.add_row("[bold red]PERSIST FAILING[/]", escape(line))
+        if st.log_failing_s > 0:
+            t.add_row("[bold red]EVENT LOG FAILING[/]", escape(log_failing_line(st)))
         t.add_row("last event", f"seq {st.last_seq}")
         incident = st.incident_id or "none"
         if st.incident_id:

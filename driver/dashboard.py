@@ -50,6 +50,7 @@ import structlog
 from google.protobuf import text_format
 
 from unbroken.driver import goodput as goodputlib
+from unbroken.driver import loghealth
 from unbroken.driver import state as statelib
 from unbroken.driver.eventlog import EventLog, EventLogError
 from unbroken.driver.journal import Journal
@@ -697,6 +698,7 @@ class Dashboard:
                 "diagnosis_running": svc.diagnosis_running,
                 "now": int(time.time() * 1000),
                 "error": self._error,
+                "event_log": loghealth.summary(svc.journal),
                 "events": [e for e in self._events if e["seq"] > since],
                 "curves": self.series.curves(curves_after),
                 "heatmap": self._heatmap(),

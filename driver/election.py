@@ -70,6 +70,11 @@ def renew_every(ttl: float) -> float:
     return min(ttl / 3, RENEW_MAX_S)
 
 
+def term_scope(cluster_id: int, incarnation: int) -> str:
+    """What a leader term counts in: the etcd cluster and the job's incarnation in it."""
+    return f"{cluster_id:x}.{incarnation}"
+
+
 class Election:
     """Campaign for, hold and resign the leadership of one job.
 
@@ -268,11 +273,18 @@ class Election:
                 ),
             )
             if resp.succeeded:
-                return Leadership(self.driver_id, self._lease, term + 1), 0
+                # the job's incarnation: when its term key was created (a new one if the
+                # job's keys were deleted, or etcd was replaced by an empty one)
+                born = kvs[0].create_revision if kvs else resp.header.revision
+                scope = term_scope(resp.header.cluster_id, born)
+                return Leadership(self.driver_id, self._lease, term + 1, scope), 0
             leader = first_kv(resp.responses[0])
             if leader is not None and leader.lease == self._lease:  # our earlier try landed
                 doc = json.loads(leader.value)
-                return Leadership(self.driver_id, self._lease, int(doc["term"])), 0
+                r = await self._call(self.client.kvstub.Range, rpc.RangeRequest(key=k.term))
+                born = r.kvs[0].create_revision if r.kvs else 0
+                scope = term_scope(r.header.cluster_id, born)
+                return Leadership(self.driver_id, self._lease, int(doc["term"]), scope), 0
             if leader is not None:
                 return None, resp.header.revision
         raise LogUnavailableError(f"election for job {self.job_id} kept losing term races")

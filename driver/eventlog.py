@@ -61,6 +61,8 @@ class Leadership:
     driver_id: str
     lease_id: int
     term: int
+    # what `term` counts in: "<etcd cluster id>.<job incarnation>" ("" without etcd)
+    scope: str = ""
 
 
 def new_event_id() -> str:

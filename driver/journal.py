@@ -33,6 +33,14 @@ A detected failure is never lost:
 - Detection is level-triggered: on taking the lead, after a failed append, and every
   `reconcile_ms`, the journal asks `conditions(state)` (the live view's truths: "this
   node is silent") for whatever is true but not durable yet, and records it.
+- One condition is recorded once: a NodeLost of a node the state already has lost at
+  that epoch is not recorded again (a loss carried over from a term that ended in an
+  etcd stall, next to the same loss the new term's level check found, was recorded
+  twice and counted as two failures), and after a failed append what landed is folded
+  before anything is decided again.
+- Wall times (`wall_time_unix_ns`) are stamped here and never go backwards within a term:
+  a clock stepped back, or an observation stamped at an append that failed and recorded
+  later, is stamped 1 ns after the term's previous event.
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ from unbroken.driver.eventlog import (
     EventTooLargeError,
     NotLeaderError,
 )
+from unbroken.driver.loghealth import LogHealth
 from unbroken.proto import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
@@ -146,6 +155,7 @@ class JournalStats:
     alerts_shed: int = 0
     rederived: int = 0
     too_large: int = 0
+    duplicates: int = 0  # conditions not recorded again: the state had them already
     durable_s: collections.deque[float] = field(
         default_factory=lambda: collections.deque(maxlen=4096)
     )
@@ -161,6 +171,20 @@ def _lane_of(obj: Any) -> str:
         ):
             return "faults"
     return "main"
+
+
+def condition_holds(state: ev.JobState, e: ev.Event) -> bool:
+    """Whether `state` already records the condition `e` states: a NodeLost of a node
+    that is lost at that very epoch (a second one would count a second failure)."""
+    if e.WhichOneof("payload") != "node_lost":
+        return False
+    rec = state.nodes.get(e.node_lost.node_id)
+    return (
+        rec is not None
+        and bool(e.node_lost.epoch)
+        and rec.epoch == e.node_lost.epoch
+        and rec.state == ev.NODE_STATE_LOST
+    )
 
 
 def condition_key(e: ev.Event) -> tuple[str, str, int] | None:
@@ -191,14 +215,18 @@ class Journal:
         config: JournalConfig | None = None,
         conditions: Callable[[ev.JobState], list[ev.Event]] | None = None,
         on_fenced: Callable[[NotLeaderError], None] | None = None,
+        clock: Callable[[], int] = time.time_ns,
     ) -> None:
         self.log = log_
+        self._clock = clock  # wall time (ns) for the events' stamps
+        self._last_wall = 0  # the newest stamp of this term
         self.config = config or JournalConfig()
         self._state = state
         self.decider: Decider | None = None
         self.on_resync: Callable[[], None] | None = None  # an observation landed unseen
         self.subscribers: list[Subscriber] = []
         self.stats = JournalStats()
+        self.health = LogHealth()  # whether appends succeed (status, metrics, dashboard)
         self._conditions = conditions
         self._on_fenced = on_fenced
         self._lanes: dict[str, collections.deque[Pending]] = {
@@ -307,15 +335,21 @@ class Journal:
         events = worldsplit.split(
             events, getattr(self.log, "max_event_bytes", DEFAULT_MAX_EVENT_BYTES)
         )
+        for e in events:  # monotonic within the term, whatever the clock did
+            wall = e.wall_time_unix_ns or self._clock()
+            e.wall_time_unix_ns = self._last_wall = max(wall, self._last_wall + 1)
         try:
             stored = await self.log.append_many(events)
         except NotLeaderError as e:
             self._fence(e)
             raise
-        except EventLogError:
+        except EventLogError as e:
             self.stats.failed_appends += 1
+            if not isinstance(e, EventTooLargeError):  # that event's fault, not the log's
+                self.health.failed(e)
             self._dirty = True  # its outcome may be unknown (landed after all)
             raise
+        self.health.succeeded()
         self.stats.transactions += 1
         foldlib.fold_in_place(self._state, stored)
         self.stats.recorded += len(stored)
@@ -517,6 +551,8 @@ class Journal:
         observations of the batch are done (a prefix).
         """
         async with self._lock:
+            if self._dirty:  # an append failed: what landed is folded before deciding
+                await self._resync_locked()
             events: list[ev.Event] = []
             decided: list[tuple[Pending, int, int, Callable[[], None] | None]] = []
             size = 0
@@ -535,6 +571,10 @@ class Journal:
                         for e in events[drafted:]:
                             self._draft.apply(e)
                         drafted = len(events)
+                    if isinstance(p.obj, ev.Event) and condition_holds(self._state, p.obj):
+                        self.stats.duplicates += 1  # recorded already (this term or before)
+                        decided.append((p, len(events), len(events), None))
+                        continue
                     if self.decider is not None:
                         mine, then = await self.decider(p.obj)
                     elif isinstance(p.obj, ev.Event):

@@ -211,6 +211,13 @@ def ring_buddies(nodes: Sequence[str], slots: Mapping[str, NodeSlot | None]) -> 
     return {n: ring[(i + 1) % len(ring)][1] for i, (n, _) in enumerate(ring)}
 
 
+def ring_order(nodes: Sequence[str], slots: Mapping[str, NodeSlot | None]) -> list[str]:
+    """The nodes of `ring_buddies`' ring, in its order: each sends to the next and takes
+    the copies of the previous (empty: fewer than 2 with a replica server)."""
+    ring = [n for n in nodes if (slot := slots.get(n)) and replica_address(slot)]
+    return ring if len(ring) >= 2 else []
+
+
 def common_steps(
     world: int, own: dict[int, set[int]], buddies: dict[int, set[int]]
 ) -> set[int] | None:
@@ -668,7 +675,11 @@ class RecoveryLoop:
         # where each replaced node's copies live: the buddy it was paired with
         buddy_of = {o: self._buddy_of(o) for o in replaces.values()}
         # and the new world's ring, from now on
-        ring = ring_buddies(nodes, {n: self.service.view.nodes.get(n) for n in nodes})
+        slots = {n: self.service.view.nodes.get(n) for n in nodes}
+        ring = ring_buddies(nodes, slots)
+        order = ring_order(nodes, slots)  # who each one sends to and takes copies from
+        nxt = {n: order[(i + 1) % len(order)] for i, n in enumerate(order)}
+        prev = {n: order[i - 1] for i, n in enumerate(order)}
 
         async def one(n: str) -> str:
             # A newer decision may have come meanwhile (the node this start waited for
@@ -700,6 +711,8 @@ class RecoveryLoop:
                     replaces=replaces.get(n, ""),
                     replaces_from=buddy_of.get(replaces.get(n, ""), ""),
                     buddy=ring.get(n, ""),
+                    buddy_node=nxt.get(n, ""),
+                    replicas_from=prev.get(n, ""),
                     in_job=a.in_job,
                 )
             )

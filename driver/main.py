@@ -447,6 +447,7 @@ async def _take_lead(
                     lease_id=leadership.lease_id,
                     term=leadership.term,
                     address=address,
+                    scope=leadership.scope,
                 ),
             )
         )

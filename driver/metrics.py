@@ -136,6 +136,16 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         (),
         "Seconds since the newest CheckpointCommitted (absent before the first)",
     ),
+    "unbroken_event_log_failing_seconds": (
+        "gauge",
+        (),
+        "How long the event log has refused the leader's writes (0: they succeed)",
+    ),
+    "unbroken_event_log_full": (
+        "gauge",
+        (),
+        "1 while etcd refuses writes for lack of space (NOSPACE alarm), else 0",
+    ),
 }
 # Per-worker series come from each agent's own endpoint (agent/metrics.py AGENT_METRICS),
 # not from the driver: at 10,000 nodes x 8 workers the driver would build ~320k series per
@@ -191,6 +201,14 @@ class _LiveCollector(Collector):
         for p in PHASES:
             g.add_metric([p], 1.0 if p == name else 0.0)
         yield g
+        health = v.get("event_log") or {}
+        for name, key in (
+            ("unbroken_event_log_failing_seconds", "failing_s"),
+            ("unbroken_event_log_full", "full"),
+        ):
+            g = GaugeMetricFamily(name, METRICS[name][2])
+            g.add_metric([], float(health.get(key, 0)))
+            yield g
         if v.get("newest_commit_age_s", -1.0) >= 0:
             name = "unbroken_newest_commit_age_seconds"
             g = GaugeMetricFamily(name, METRICS[name][2])

@@ -28,7 +28,7 @@ from unbroken.common import channel
 from unbroken.common.faults import RuntimeFault
 from unbroken.diagnostics.runner import verdict_event
 from unbroken.driver import goodput as goodputlib
-from unbroken.driver import machine, paging
+from unbroken.driver import loghealth, machine, paging
 from unbroken.driver.diagnose import DiagnoseError, DriverDiagnoseConfig, run_diagnosis
 from unbroken.driver.eventlog import EventLogError, new_event_id
 from unbroken.driver.journal import Journal
@@ -237,6 +237,9 @@ class OperatorApi:
         st.persist_every_s, st.persist_cost_s, st.storage_mtbf_s = self._cmd.persistence()
         st.persist_failing.extend(self._cmd.persist_failing())
         st.newest_commit_step, st.newest_commit_age_s = self._cmd.newest_commit()
+        h = loghealth.summary(self._lead.journal)
+        st.log_error, st.log_failing_s, st.log_full = h["error"], h["failing_s"], h["full"]
+        st.faults_unrecorded = h["faults_unrecorded"]
         return st
 
     async def ListNodes(

@@ -30,7 +30,12 @@ RendezvousRefused event records it. Completed rounds are recorded as RendezvousR
 events, so the log tells which nodes trained in which round.
 
 Quotas: a run keeps at most `max_keys_per_run` keys and `max_run_bytes` of keys and values,
-a job at most `max_runs` runs and `max_job_bytes` in all; a write past one is refused with
+a job at most `max_runs` runs and `max_job_bytes` in all, and one principal (a node's
+credential, a launcher's) may begin at most `max_runs_per_principal` of the runs and hold
+`max_principal_bytes` of what was written (so one credential cannot take every run from
+the job's other nodes; only identified principals are counted so: the anonymous caller of
+a driver without credentials and an unbound role token share the job's quotas); a write
+past one is refused with
 RESOURCE_EXHAUSTED naming the limit, before it reaches etcd (114 unbounded StoreSets once
 filled a 64 MiB etcd and stopped the event log). The usage is counted in memory, read from
 etcd once per leader term (`Quota`), and updated by every write, delete and sweep.
@@ -99,6 +104,10 @@ class RendezvousConfig:
     max_run_bytes: int = 8 << 20  # keys and values of one run, its state included
     max_runs: int = 64  # runs (torchrun --rdzv-id) of one job with keys in etcd
     max_job_bytes: int = 32 << 20  # all runs of the job (etcd's quota is 2 GiB, tests' 64 MiB)
+    # what one principal (node:X, launcher:Y) may take of those: the runs it began and the
+    # bytes it wrote, so one credential cannot fill the job's runs or bytes for the others
+    max_runs_per_principal: int = 16
+    max_principal_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_value_bytes <= 1024 * 1024:
@@ -117,7 +126,14 @@ class RendezvousConfig:
             raise ValueError(f"evictions_refresh_s must be >= 0, got {self.evictions_refresh_s}")
         if self.names_kept < 1:
             raise ValueError(f"names_kept must be >= 1, got {self.names_kept}")
-        for name in ("max_keys_per_run", "max_run_bytes", "max_runs", "max_job_bytes"):
+        for name in (
+            "max_keys_per_run",
+            "max_run_bytes",
+            "max_runs",
+            "max_job_bytes",
+            "max_runs_per_principal",
+            "max_principal_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_run_bytes < self.max_value_bytes:
@@ -263,6 +279,31 @@ class QuotaError(Exception):
     """A write would take a run or the job past a rendezvous quota (RESOURCE_EXHAUSTED)."""
 
 
+class PrincipalUsage:
+    """Runs begun and bytes written, per principal ("" is nobody: not counted)."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, int] = {}
+        self._bytes: dict[str, int] = {}
+
+    def runs(self, who: str) -> int:
+        return self._runs.get(who, 0)
+
+    def bytes(self, who: str) -> int:
+        return self._bytes.get(who, 0)
+
+    def add(self, who: str, *, runs: int = 0, nbytes: int = 0) -> None:
+        if not who:
+            return
+        for table, delta in ((self._runs, runs), (self._bytes, nbytes)):
+            if delta:
+                left = table.get(who, 0) + delta
+                if left > 0:
+                    table[who] = left
+                else:
+                    table.pop(who, None)
+
+
 class Quota:
     """What the job's rendezvous keys use, per run: full etcd key -> bytes (key + value).
 
@@ -276,9 +317,16 @@ class Quota:
         self.config = config
         self.base = base  # /unbroken/<job>/rdzv/
         self.runs: dict[str, dict[bytes, int]] = {}
+        # per principal (in memory: what a term's store held before it is nobody's)
+        self.began: dict[str, str] = {}  # run -> the principal whose write began it
+        self.wrote: dict[bytes, str] = {}  # key -> the principal that last wrote it
+        self.usage = PrincipalUsage()
 
     def load(self, sizes: dict[bytes, int]) -> None:
         self.runs.clear()
+        self.began.clear()
+        self.wrote.clear()
+        self.usage = PrincipalUsage()
         for key, size in sizes.items():
             run = key[len(self.base) :].split(b"/", 1)[0].decode(errors="replace")
             self.runs.setdefault(run, {})[key] = len(key) + size
@@ -286,14 +334,20 @@ class Quota:
     def total(self) -> int:
         return sum(sum(r.values()) for r in self.runs.values())
 
-    def charge(self, run_id: str, key: bytes, value_len: int) -> None:
-        """Account for writing `value_len` bytes at `key`.
+    def charge(self, run_id: str, key: bytes, value_len: int, who: str = "") -> None:
+        """Account for `who` (a principal; "": nobody's) writing `value_len` bytes at `key`.
 
         Raises:
             QuotaError: naming the limit the write would pass (nothing is charged then).
         """
         c = self.config
         run = self.runs.get(run_id, {})
+        if who and not run and self.usage.runs(who) >= c.max_runs_per_principal:
+            raise QuotaError(
+                f"{who} began {self.usage.runs(who)} rendezvous runs of this job, the most "
+                f"one principal may (max_runs_per_principal={c.max_runs_per_principal}); "
+                "delete its finished runs (etcdctl del --prefix <job>/rdzv/<run>/)"
+            )
         if not run and len(self.runs) >= c.max_runs:
             raise QuotaError(
                 f"job has {len(self.runs)} rendezvous runs, the most it keeps (max_runs="
@@ -314,6 +368,18 @@ class Quota:
             raise QuotaError(
                 f"the job's rendezvous would hold more than {c.max_job_bytes} bytes (max_job_bytes)"
             )
+        mine = old if self.wrote.get(key, "") == who else 0
+        if who and self.usage.bytes(who) - mine + new > c.max_principal_bytes:
+            raise QuotaError(
+                f"{who} would hold more than {c.max_principal_bytes} bytes of this job's "
+                "rendezvous keys and values (max_principal_bytes)"
+            )
+        if not run:
+            self.began[run_id] = who
+            self.usage.add(who, runs=1)
+        self.usage.add(self.wrote.get(key, ""), nbytes=-old)
+        self.usage.add(who, nbytes=new)
+        self.wrote[key] = who
         self.runs.setdefault(run_id, {})[key] = new
 
     def forget(self, run_id: str, key: bytes, *, prefix: bool = False) -> None:
@@ -322,9 +388,10 @@ class Quota:
         if run is None:
             return
         for k in [k for k in run if (k.startswith(key) if prefix else k == key)]:
-            del run[k]
+            self.usage.add(self.wrote.pop(k, ""), nbytes=-run.pop(k))
         if not run:
             del self.runs[run_id]
+            self.usage.add(self.began.pop(run_id, ""), runs=-1)
 
 
 # ---------------------------------------------------------------- the service
@@ -401,7 +468,10 @@ class RendezvousService(rgrpc.RendezvousServicer):
             return self._quota[1]
 
     async def _charge(self, kv: KV, run_id: str, key: bytes, value_len: int) -> None:
-        (await self._quota_of(kv)).charge(run_id, key, value_len)
+        who = principal()
+        (await self._quota_of(kv)).charge(
+            run_id, key, value_len, str(who) if who.identified else ""
+        )
 
     async def _begin(
         self, caller: rpb.Caller, context: grpc.aio.ServicerContext

@@ -47,6 +47,13 @@ class Principal:
     def may(self, roles: frozenset[str]) -> bool:
         return self.role == ANY_ROLE or self.role in roles
 
+    @property
+    def identified(self) -> bool:
+        """Whether this names one party (not the anonymous caller of a driver without
+        credentials, nor a role token bound to no name): per-principal quotas count only
+        such principals; the others share the job's quotas."""
+        return self.role != ANY_ROLE and self.name != "*"
+
     def is_node(self, node_id: str) -> bool:
         """Whether this principal may act as node `node_id` (Register, Session, shards)."""
         if self.role == ANY_ROLE:

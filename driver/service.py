@@ -40,7 +40,7 @@ from unbroken.common import channel, reportmac
 from unbroken.common.serving import MalformedRequests
 from unbroken.common.tls import TlsConfig, server_credentials
 from unbroken.driver import commits as commits_mod
-from unbroken.driver import detectors, paging
+from unbroken.driver import detectors, loghealth, paging
 from unbroken.driver import goodput as goodputlib
 from unbroken.driver import state as statelib
 from unbroken.driver.commits import Commits
@@ -52,6 +52,7 @@ from unbroken.driver.leadership import Leadership
 from unbroken.driver.liveview import LiveView, LiveViewConfig, NodeSlot
 from unbroken.driver.metrics import DriverMetrics
 from unbroken.driver.operator import OperatorApi
+from unbroken.driver.principalquota import PrincipalQuotas, QuotaBook
 from unbroken.driver.rpc import abort
 from unbroken.driver.security import AuthInterceptor, RoleTokens, caller
 from unbroken.driver.sessions import RelayOutbox, Sessions
@@ -133,6 +134,10 @@ class ServiceConfig:
         default=10.0, metadata={"help": "deadline of event-log reads behind operator calls"}
     )
     max_watchers: int = field(default=64, metadata={"help": "WatchEvents calls streaming at once"})
+    quotas: PrincipalQuotas = field(
+        default_factory=PrincipalQuotas,
+        metadata={"flag": None, "why": "per-principal quotas (driver/principalquota.py)"},
+    )
     keep_checkpoints: int = field(
         default=3,
         metadata={
@@ -232,10 +237,12 @@ class DriverService(dgrpc.DriverServicer):
             self.view,
             driver_id,
             term=lambda: self.journal.state.leader_term if self.journal is not None else 0,
+            scope=lambda: self.journal.state.leader_scope if self.journal is not None else "",
         )
         self._mass_since = 0.0  # monotonic time a mass silence was first held back
         self.relayed: dict[str, set[str]] = {}  # relay node id -> members attached through it
         self.relay_refused = 0  # batch entries for nodes that did not name the relay
+        self.quotas = QuotaBook(config.quotas)  # registrations and relay members, per principal
         self.relay_held = 0  # sweeps that held back a relayed node whose relay was lost
         self._starved_held: dict[str, float] = {}  # late nodes held as starved, since
         self.starved_saved = 0  # ...that came back within their grace (losses avoided)
@@ -632,12 +639,17 @@ class DriverService(dgrpc.DriverServicer):
             self.emit(event)
             log.warning("registration refused", node=request.node_id, reason=reason)
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION, reason)
-        slot = self.view.slot(request.node_id)
         relay = ""
         for k, v in context.invocation_metadata() or ():
             if k == channel.RELAY_KEY:
                 relay = str(v)[:128]
         relay = relay if relay != request.node_id else ""
+        why = self._over_quota(
+            str(who) if who.identified else "", request.node_id, relay, event is not None, now
+        )
+        if why:
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+        slot = self.view.slot(request.node_id)
         if slot.relay and relay != slot.relay:
             # a relayed node coming to us directly (its relay is gone): it has the session
             # grace to open its own stream, rather than its relay's silence against it
@@ -674,8 +686,24 @@ class DriverService(dgrpc.DriverServicer):
             heartbeat_interval_ms=self.config.live.heartbeat_interval_ms,
             miss_limit=self.config.live.miss_limit,
             leader_term=self.journal.state.leader_term if self.journal is not None else 0,
+            term_scope=self.journal.state.leader_scope if self.journal is not None else "",
             report_key=slot.report_key,
         )
+
+    def _over_quota(self, who: str, node_id: str, relay: str, new: bool, now: float) -> str:
+        """Why `who`'s registration of `node_id` (through `relay`; `new`: a new epoch) is
+        past a per-principal quota ("": it is not; `who` "": no identified principal)."""
+
+        def still(n: str) -> bool:
+            m = self.view.nodes.get(n)
+            return m is not None and m.relay == relay and m.alive
+
+        why = self.quotas.relay_member(node_id, relay, still)
+        if not why and new and who:
+            why = self.quotas.registration(who, now)
+        if why:
+            log.warning("registration over quota", node=node_id, reason=why)
+        return why
 
     async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         if not self.leader:
@@ -1236,6 +1264,7 @@ class DriverService(dgrpc.DriverServicer):
             "snapshots_too_large": getattr(j.log, "snapshots_too_large", 0) if j else 0,
             **({"phase": j.state.phase} if j else {}),
             "newest_commit_age_s": self.newest_commit()[1],
+            "event_log": loghealth.summary(j),
         }
 
     def newest_commit(self) -> tuple[int, float]:

@@ -57,7 +57,13 @@ class RelayOutbox:
 class Sessions:
     """Open sessions by node, their outboxes (in the live view's slots) and pending replies."""
 
-    def __init__(self, view: LiveView, driver_id: str, term: Callable[[], int] = lambda: 0) -> None:
+    def __init__(
+        self,
+        view: LiveView,
+        driver_id: str,
+        term: Callable[[], int] = lambda: 0,
+        scope: Callable[[], str] = lambda: "",
+    ) -> None:
         self.view = view
         self.driver_id = driver_id
         self.dropped_commands = 0
@@ -65,9 +71,18 @@ class Sessions:
         self._replies: dict[str, asyncio.Future[dpb.AgentMessage]] = {}
         self._ids = itertools.count(1)
         self._term = term  # the leader term stamped on every command
+        self._scope = scope  # ...and what it counts in (the etcd cluster, the incarnation)
 
     def opened(self, node_id: str) -> Ending:
-        """A new session of `node_id` began; returns how the driver may end it."""
+        """A new session of `node_id` began; returns how the driver may end it. The node's
+        older session, if one is still open, is ended (ABORTED): one principal, one stream,
+        so a node's credential cannot hold streams (and their reader tasks) without bound,
+        and commands go only to the newest."""
+        self.end(
+            node_id,
+            grpc.StatusCode.ABORTED,
+            f"replaced by a newer session of node {node_id}: a node holds one session",
+        )
         ending = self._open[node_id] = Ending()
         return ending
 
@@ -103,6 +118,7 @@ class Sessions:
         if not msg.command_id:
             msg.command_id = f"{self.driver_id}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         msg.term = self._term()
+        msg.term_scope = self._scope()
         outbox = slot.outbox
         assert isinstance(outbox, asyncio.Queue | RelayOutbox)
         try:

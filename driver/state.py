@@ -424,6 +424,7 @@ def _training_resumed(s: ev.JobState, e: ev.Event) -> None:
 def _leader_elected(s: ev.JobState, e: ev.Event) -> None:
     s.leader = e.leader_elected.driver_id
     s.leader_term = e.leader_elected.term
+    s.leader_scope = e.leader_elected.scope
 
 
 def _recovery_transition(s: ev.JobState, e: ev.Event) -> None:

@@ -94,7 +94,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., pod_name: _Optional[str] = ..., inventory: _Optional[_Union[HardwareInventory, _Mapping]] = ..., agent_version: _Optional[str] = ..., num_workers: _Optional[int] = ..., spare: _Optional[bool] = ..., replica_buddy: _Optional[str] = ..., replica_listen: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("driver_id", "heartbeat_interval_ms", "miss_limit", "job_id", "global_rank_base", "world_size", "leader_term", "report_key")
+    __slots__ = ("driver_id", "heartbeat_interval_ms", "miss_limit", "job_id", "global_rank_base", "world_size", "leader_term", "term_scope", "report_key")
     DRIVER_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     MISS_LIMIT_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class RegisterResponse(_message.Message):
     GLOBAL_RANK_BASE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEADER_TERM_FIELD_NUMBER: _ClassVar[int]
+    TERM_SCOPE_FIELD_NUMBER: _ClassVar[int]
     REPORT_KEY_FIELD_NUMBER: _ClassVar[int]
     driver_id: str
     heartbeat_interval_ms: int
@@ -110,8 +111,9 @@ class RegisterResponse(_message.Message):
     global_rank_base: int
     world_size: int
     leader_term: int
+    term_scope: str
     report_key: bytes
-    def __init__(self, driver_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., miss_limit: _Optional[int] = ..., job_id: _Optional[str] = ..., global_rank_base: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_term: _Optional[int] = ..., report_key: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, driver_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., miss_limit: _Optional[int] = ..., job_id: _Optional[str] = ..., global_rank_base: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_term: _Optional[int] = ..., term_scope: _Optional[str] = ..., report_key: _Optional[bytes] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("local_rank", "global_rank", "pid", "state", "exit_code", "step", "loss", "step_time_ms", "since_progress_ms", "median_step_ms", "restarts", "has_loss", "has_peak", "peak_loss", "peak_step", "ring_steps", "hung", "hang_threshold_ms", "phase", "compute_ms", "compute_mad_ms", "wait_ms", "window_steps", "wait_mad_ms", "restored_step", "restored_from", "fingerprints", "loss_median", "loss_mad", "loss_window", "rejoins", "held", "checkpoint_save_share", "data_loading_share")
@@ -461,7 +463,7 @@ class RelayedDown(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., command: _Optional[_Union[DriverMessage, _Mapping]] = ..., end: _Optional[str] = ...) -> None: ...
 
 class StartWorkers(_message.Message):
-    __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port", "dp", "pp", "tp", "timeline", "persist_every_s", "flash_bytes_per_rank", "replaces", "replaces_from", "buddy", "in_job")
+    __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port", "dp", "pp", "tp", "timeline", "persist_every_s", "flash_bytes_per_rank", "replaces", "replaces_from", "buddy", "buddy_node", "replicas_from", "in_job")
     WORKER_CMD_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_BASE_FIELD_NUMBER: _ClassVar[int]
@@ -476,6 +478,8 @@ class StartWorkers(_message.Message):
     REPLACES_FIELD_NUMBER: _ClassVar[int]
     REPLACES_FROM_FIELD_NUMBER: _ClassVar[int]
     BUDDY_FIELD_NUMBER: _ClassVar[int]
+    BUDDY_NODE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FROM_FIELD_NUMBER: _ClassVar[int]
     IN_JOB_FIELD_NUMBER: _ClassVar[int]
     worker_cmd: str
     world_size: int
@@ -491,8 +495,10 @@ class StartWorkers(_message.Message):
     replaces: str
     replaces_from: str
     buddy: str
+    buddy_node: str
+    replicas_from: str
     in_job: bool
-    def __init__(self, worker_cmd: _Optional[str] = ..., world_size: _Optional[int] = ..., global_rank_base: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., tp: _Optional[int] = ..., timeline: _Optional[int] = ..., persist_every_s: _Optional[float] = ..., flash_bytes_per_rank: _Optional[int] = ..., replaces: _Optional[str] = ..., replaces_from: _Optional[str] = ..., buddy: _Optional[str] = ..., in_job: _Optional[bool] = ...) -> None: ...
+    def __init__(self, worker_cmd: _Optional[str] = ..., world_size: _Optional[int] = ..., global_rank_base: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., tp: _Optional[int] = ..., timeline: _Optional[int] = ..., persist_every_s: _Optional[float] = ..., flash_bytes_per_rank: _Optional[int] = ..., replaces: _Optional[str] = ..., replaces_from: _Optional[str] = ..., buddy: _Optional[str] = ..., buddy_node: _Optional[str] = ..., replicas_from: _Optional[str] = ..., in_job: _Optional[bool] = ...) -> None: ...
 
 class StopWorkers(_message.Message):
     __slots__ = ("grace_s", "dump_stacks", "in_job", "replace_local_ranks")
@@ -597,9 +603,10 @@ class SdcFault(_message.Message):
     def __init__(self, random_rank: _Optional[bool] = ..., tensor: _Optional[str] = ..., bit: _Optional[int] = ..., target: _Optional[str] = ..., size: _Optional[float] = ...) -> None: ...
 
 class DriverMessage(_message.Message):
-    __slots__ = ("command_id", "term", "start_workers", "stop_workers", "restart_workers", "pause", "resume", "flash_save", "run_check", "evict", "shutdown", "run_self_check", "inject_fault", "restore_point", "retention", "relayed")
+    __slots__ = ("command_id", "term", "term_scope", "start_workers", "stop_workers", "restart_workers", "pause", "resume", "flash_save", "run_check", "evict", "shutdown", "run_self_check", "inject_fault", "restore_point", "retention", "relayed")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
+    TERM_SCOPE_FIELD_NUMBER: _ClassVar[int]
     START_WORKERS_FIELD_NUMBER: _ClassVar[int]
     STOP_WORKERS_FIELD_NUMBER: _ClassVar[int]
     RESTART_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -616,6 +623,7 @@ class DriverMessage(_message.Message):
     RELAYED_FIELD_NUMBER: _ClassVar[int]
     command_id: str
     term: int
+    term_scope: str
     start_workers: StartWorkers
     stop_workers: StopWorkers
     restart_workers: RestartWorkers
@@ -630,7 +638,7 @@ class DriverMessage(_message.Message):
     restore_point: RestorePoint
     retention: Retention
     relayed: RelayedDown
-    def __init__(self, command_id: _Optional[str] = ..., term: _Optional[int] = ..., start_workers: _Optional[_Union[StartWorkers, _Mapping]] = ..., stop_workers: _Optional[_Union[StopWorkers, _Mapping]] = ..., restart_workers: _Optional[_Union[RestartWorkers, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., flash_save: _Optional[_Union[FlashSave, _Mapping]] = ..., run_check: _Optional[_Union[RunCheck, _Mapping]] = ..., evict: _Optional[_Union[Evict, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., run_self_check: _Optional[_Union[RunSelfCheck, _Mapping]] = ..., inject_fault: _Optional[_Union[InjectFault, _Mapping]] = ..., restore_point: _Optional[_Union[RestorePoint, _Mapping]] = ..., retention: _Optional[_Union[Retention, _Mapping]] = ..., relayed: _Optional[_Union[RelayedDown, _Mapping]] = ...) -> None: ...
+    def __init__(self, command_id: _Optional[str] = ..., term: _Optional[int] = ..., term_scope: _Optional[str] = ..., start_workers: _Optional[_Union[StartWorkers, _Mapping]] = ..., stop_workers: _Optional[_Union[StopWorkers, _Mapping]] = ..., restart_workers: _Optional[_Union[RestartWorkers, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., flash_save: _Optional[_Union[FlashSave, _Mapping]] = ..., run_check: _Optional[_Union[RunCheck, _Mapping]] = ..., evict: _Optional[_Union[Evict, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., run_self_check: _Optional[_Union[RunSelfCheck, _Mapping]] = ..., inject_fault: _Optional[_Union[InjectFault, _Mapping]] = ..., restore_point: _Optional[_Union[RestorePoint, _Mapping]] = ..., retention: _Optional[_Union[Retention, _Mapping]] = ..., relayed: _Optional[_Union[RelayedDown, _Mapping]] = ...) -> None: ...
 
 class Retention(_message.Message):
     __slots__ = ("keep_steps", "below")
@@ -645,7 +653,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("job_id", "driver_id", "leader_address", "leader_term", "phase", "step", "live_step", "nodes_total", "nodes_active", "nodes_spare", "nodes_lost", "nodes_evicted", "nodes_alive", "last_seq", "incident_id", "last_diagnosis_id", "diagnosis_running", "goodput", "training_wall_s", "lost_s_by_cause", "lost_s_by_category", "persist_every_s", "persist_cost_s", "storage_mtbf_s", "persist_failing", "newest_commit_step", "newest_commit_age_s", "incident_cause", "failed_restores", "finished_reason")
+    __slots__ = ("job_id", "driver_id", "leader_address", "leader_term", "phase", "step", "live_step", "nodes_total", "nodes_active", "nodes_spare", "nodes_lost", "nodes_evicted", "nodes_alive", "last_seq", "incident_id", "last_diagnosis_id", "diagnosis_running", "goodput", "training_wall_s", "lost_s_by_cause", "lost_s_by_category", "persist_every_s", "persist_cost_s", "storage_mtbf_s", "persist_failing", "newest_commit_step", "newest_commit_age_s", "incident_cause", "failed_restores", "finished_reason", "log_error", "log_failing_s", "log_full", "faults_unrecorded")
     class LostSByCauseEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -690,6 +698,10 @@ class GetStatusResponse(_message.Message):
     INCIDENT_CAUSE_FIELD_NUMBER: _ClassVar[int]
     FAILED_RESTORES_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOG_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOG_FAILING_S_FIELD_NUMBER: _ClassVar[int]
+    LOG_FULL_FIELD_NUMBER: _ClassVar[int]
+    FAULTS_UNRECORDED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     driver_id: str
     leader_address: str
@@ -720,7 +732,11 @@ class GetStatusResponse(_message.Message):
     incident_cause: str
     failed_restores: int
     finished_reason: str
-    def __init__(self, job_id: _Optional[str] = ..., driver_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., leader_term: _Optional[int] = ..., phase: _Optional[_Union[_events_pb2.Phase, str]] = ..., step: _Optional[int] = ..., live_step: _Optional[int] = ..., nodes_total: _Optional[int] = ..., nodes_active: _Optional[int] = ..., nodes_spare: _Optional[int] = ..., nodes_lost: _Optional[int] = ..., nodes_evicted: _Optional[int] = ..., nodes_alive: _Optional[int] = ..., last_seq: _Optional[int] = ..., incident_id: _Optional[str] = ..., last_diagnosis_id: _Optional[str] = ..., diagnosis_running: _Optional[str] = ..., goodput: _Optional[float] = ..., training_wall_s: _Optional[float] = ..., lost_s_by_cause: _Optional[_Mapping[str, float]] = ..., lost_s_by_category: _Optional[_Mapping[str, float]] = ..., persist_every_s: _Optional[float] = ..., persist_cost_s: _Optional[float] = ..., storage_mtbf_s: _Optional[float] = ..., persist_failing: _Optional[_Iterable[_Union[PersistFailure, _Mapping]]] = ..., newest_commit_step: _Optional[int] = ..., newest_commit_age_s: _Optional[float] = ..., incident_cause: _Optional[str] = ..., failed_restores: _Optional[int] = ..., finished_reason: _Optional[str] = ...) -> None: ...
+    log_error: str
+    log_failing_s: float
+    log_full: bool
+    faults_unrecorded: int
+    def __init__(self, job_id: _Optional[str] = ..., driver_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., leader_term: _Optional[int] = ..., phase: _Optional[_Union[_events_pb2.Phase, str]] = ..., step: _Optional[int] = ..., live_step: _Optional[int] = ..., nodes_total: _Optional[int] = ..., nodes_active: _Optional[int] = ..., nodes_spare: _Optional[int] = ..., nodes_lost: _Optional[int] = ..., nodes_evicted: _Optional[int] = ..., nodes_alive: _Optional[int] = ..., last_seq: _Optional[int] = ..., incident_id: _Optional[str] = ..., last_diagnosis_id: _Optional[str] = ..., diagnosis_running: _Optional[str] = ..., goodput: _Optional[float] = ..., training_wall_s: _Optional[float] = ..., lost_s_by_cause: _Optional[_Mapping[str, float]] = ..., lost_s_by_category: _Optional[_Mapping[str, float]] = ..., persist_every_s: _Optional[float] = ..., persist_cost_s: _Optional[float] = ..., storage_mtbf_s: _Optional[float] = ..., persist_failing: _Optional[_Iterable[_Union[PersistFailure, _Mapping]]] = ..., newest_commit_step: _Optional[int] = ..., newest_commit_age_s: _Optional[float] = ..., incident_cause: _Optional[str] = ..., failed_restores: _Optional[int] = ..., finished_reason: _Optional[str] = ..., log_error: _Optional[str] = ..., log_failing_s: _Optional[float] = ..., log_full: _Optional[bool] = ..., faults_unrecorded: _Optional[int] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ("page_size", "after")

@@ -523,16 +523,18 @@ class TrainingStepping(_message.Message):
     def __init__(self, step: _Optional[int] = ..., startup_s: _Optional[float] = ..., trained_s: _Optional[float] = ...) -> None: ...
 
 class LeaderElected(_message.Message):
-    __slots__ = ("driver_id", "lease_id", "term", "address")
+    __slots__ = ("driver_id", "lease_id", "term", "address", "scope")
     DRIVER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
     driver_id: str
     lease_id: int
     term: int
     address: str
-    def __init__(self, driver_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., term: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+    scope: str
+    def __init__(self, driver_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., term: _Optional[int] = ..., address: _Optional[str] = ..., scope: _Optional[str] = ...) -> None: ...
 
 class RecoveryTransition(_message.Message):
     __slots__ = ("from_phase", "to_phase", "incident_id", "reason", "suspects", "bad_nodes", "diagnose", "by_operator", "rearm", "mode", "replace_ranks")
@@ -693,7 +695,7 @@ class CheckpointRecord(_message.Message):
     def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., seq: _Optional[int] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., wall_time_unix_ns: _Optional[int] = ..., verified: _Optional[bool] = ...) -> None: ...
 
 class JobState(_message.Message):
-    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id", "bad_nodes", "needs_diagnosis", "restore_step", "configured_world", "incident_world", "restore_attempts", "rollback_to", "recovery_mode", "replace_ranks", "rollback_steps", "last_rollback_to", "gone_nodes", "pruned_nodes", "last_skip_from", "last_skip_batches", "goodput", "persist_cost_s", "failed_restores", "finished_reason", "verified_steps", "sdc_suspected", "last_sdc_step", "sdc_by_node")
+    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "leader_scope", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id", "bad_nodes", "needs_diagnosis", "restore_step", "configured_world", "incident_world", "restore_attempts", "rollback_to", "recovery_mode", "replace_ranks", "rollback_steps", "last_rollback_to", "gone_nodes", "pruned_nodes", "last_skip_from", "last_skip_batches", "goodput", "persist_cost_s", "failed_restores", "finished_reason", "verified_steps", "sdc_suspected", "last_sdc_step", "sdc_by_node")
     class NodesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -724,6 +726,7 @@ class JobState(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     LEADER_TERM_FIELD_NUMBER: _ClassVar[int]
+    LEADER_SCOPE_FIELD_NUMBER: _ClassVar[int]
     INCIDENT_ID_FIELD_NUMBER: _ClassVar[int]
     INCIDENT_CAUSE_FIELD_NUMBER: _ClassVar[int]
     SUSPECTS_FIELD_NUMBER: _ClassVar[int]
@@ -765,6 +768,7 @@ class JobState(_message.Message):
     step: int
     leader: str
     leader_term: int
+    leader_scope: str
     incident_id: str
     incident_cause: str
     suspects: _containers.RepeatedScalarFieldContainer[str]
@@ -797,7 +801,7 @@ class JobState(_message.Message):
     sdc_suspected: int
     last_sdc_step: int
     sdc_by_node: _containers.ScalarMap[str, int]
-    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., needs_diagnosis: _Optional[bool] = ..., restore_step: _Optional[int] = ..., configured_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., incident_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., restore_attempts: _Optional[int] = ..., rollback_to: _Optional[int] = ..., recovery_mode: _Optional[str] = ..., replace_ranks: _Optional[_Iterable[int]] = ..., rollback_steps: _Optional[_Iterable[int]] = ..., last_rollback_to: _Optional[int] = ..., gone_nodes: _Optional[int] = ..., pruned_nodes: _Optional[int] = ..., last_skip_from: _Optional[int] = ..., last_skip_batches: _Optional[int] = ..., goodput: _Optional[_Union[GoodputLedger, _Mapping]] = ..., persist_cost_s: _Optional[float] = ..., failed_restores: _Optional[int] = ..., finished_reason: _Optional[str] = ..., verified_steps: _Optional[_Iterable[int]] = ..., sdc_suspected: _Optional[int] = ..., last_sdc_step: _Optional[int] = ..., sdc_by_node: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., leader_scope: _Optional[str] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., needs_diagnosis: _Optional[bool] = ..., restore_step: _Optional[int] = ..., configured_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., incident_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., restore_attempts: _Optional[int] = ..., rollback_to: _Optional[int] = ..., recovery_mode: _Optional[str] = ..., replace_ranks: _Optional[_Iterable[int]] = ..., rollback_steps: _Optional[_Iterable[int]] = ..., last_rollback_to: _Optional[int] = ..., gone_nodes: _Optional[int] = ..., pruned_nodes: _Optional[int] = ..., last_skip_from: _Optional[int] = ..., last_skip_batches: _Optional[int] = ..., goodput: _Optional[_Union[GoodputLedger, _Mapping]] = ..., persist_cost_s: _Optional[float] = ..., failed_restores: _Optional[int] = ..., finished_reason: _Optional[str] = ..., verified_steps: _Optional[_Iterable[int]] = ..., sdc_suspected: _Optional[int] = ..., last_sdc_step: _Optional[int] = ..., sdc_by_node: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class GoodputLedger(_message.Message):
     __slots__ = ("started_ns", "incident_began_ns", "incident_cause", "lost_s_by_cause", "steps_redone", "last_fault", "incidents", "storage_incidents", "lost_s_by_category", "segment_began_ns", "segment_category", "pending_detect_s", "running_since_ns", "startup_open", "resumed_before_s")

@@ -21,6 +21,12 @@ PUT a forged replica, or make the agent allocate 64 GiB with one header):
   no reordering, no tampering). That proves only that the peer holds the job's key: any
   agent of the job may then PUT or GET any node's copies. Per-node rules need TLS.
 - A server with neither answers every request with an error (`ReplicaAuth.none()`).
+- Every copy carries its origin node's signature (`copysig`: its certificate key with TLS,
+  the job key without), made by the sender, checked by the buddy on receipt, kept beside
+  the copy and checked again by whoever fetches it: a buddy cannot serve a copy of its
+  own making as another node's. A sender given its buddy's node id sends only to a
+  server whose certificate is that node, and a buddy the driver paired takes copies only
+  of the node paired with it (`ReplicaServer.senders`).
 
 Bounds: the declared sizes are checked (manifest <= MAX_MANIFEST, data equal to the
 manifest's and <= `max_copy_bytes`, and within the tmpfs' free space) before a byte is
@@ -31,17 +37,19 @@ which it must do within `header_timeout_s`; of those not authenticated yet, at m
 `max_pending` are kept (the oldest is closed), so idle connections with no credential
 cannot hold the buddy from its nodes.
 
-Wire format (v3). The server speaks first: `{"v": 3, "nonce": hex}`. The client sends one
+Wire format (v4). The server speaks first: `{"v": 4, "nonce": hex}`. The client sends one
 JSON header line (`op`, `node`, `cnonce`, `as` for a get; `rank`, `manifest_len`,
 `data_len`, `manifest_sha256` for a put; plus `mac` with a key), then for a put the
 manifest and the data, in chunks of `SEND_CHUNK` bytes each followed by its 32-byte MAC
-when keyed. The buddy answers one line (`ok`, `error`). A GET is answered by one header
-line per copy (`rank`, `manifest_len`, `data_len`, `manifest_sha256`), the manifest, the
-data chunks, and finally `{"done": true}`; the fetcher verifies every MAC and checksum
-while streaming a copy into its own slot. (v3 is v2 with 256 KiB chunks instead of 8 MiB:
-a copy's chunk went through three buffer copies of its whole size on each side; a 1.5 MB
-copy took 3.2 ms of the sender's CPU and 5.3 ms of the buddy's, about 2.1 and 3.5 ms in
-256 KiB chunks. A v2 peer is refused with the version it speaks.)
+when keyed, then one line `{"origin": record}` (the signature). The buddy answers one
+line (`ok`, `error`). A GET is answered by one header line per copy (`rank`,
+`manifest_len`, `data_len`, `manifest_sha256`), the manifest, the data chunks, its origin
+line, and finally `{"done": true}`; the fetcher verifies every MAC, checksum and origin
+signature while streaming a copy into its own slot. (v3 was v2 with 256 KiB chunks
+instead of 8 MiB: a copy's chunk went through three buffer copies of its whole size on
+each side; a 1.5 MB copy took 3.2 ms of the sender's CPU and 5.3 ms of the buddy's, about
+2.1 and 3.5 ms in 256 KiB chunks. v4 is v3 with the origin line. An older peer is refused
+with the version it speaks.)
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ from typing import Any
 
 import structlog
 
+from unbroken.recovery import copysig
 from unbroken.recovery.flashcopy import (
     CopyRef,
     CorruptCopyError,
@@ -82,7 +91,7 @@ SEND_CHUNK = 256 << 10
 MAX_HEADER = 4096
 MAX_MANIFEST = 16 << 20  # a manifest lists tensors and small values: far below this
 MAC_LEN = 32
-PROTOCOL = 3
+PROTOCOL = 4
 KEY_ENV = "UNBROKEN_REPLICA_KEY"
 
 
@@ -133,6 +142,12 @@ class ReplicaAuth:
     client_ssl: ssl.SSLContext | None = None
     key: bytes | None = None
     grants_file: str | None = None
+    # signs this node's copies and checks the origin of others' (recovery/copysig.py)
+    signer: copysig.CopySigner | None = None
+
+    def __post_init__(self) -> None:
+        if self.signer is None and self.key is not None:
+            self.signer = copysig.CopySigner.keyed(self.key)
 
     @classmethod
     def tls(cls, cert: str, key: str, ca: str, *, grants_file: str | None = None) -> ReplicaAuth:
@@ -143,7 +158,12 @@ class ReplicaAuth:
         client.load_cert_chain(cert, key)
         client.check_hostname = False  # the peer is checked by its node principal instead
         client.verify_mode = ssl.CERT_REQUIRED
-        return cls(server_ssl=server, client_ssl=client, grants_file=grants_file)
+        return cls(
+            server_ssl=server,
+            client_ssl=client,
+            grants_file=grants_file,
+            signer=copysig.CopySigner.tls(cert, key, ca),
+        )
 
     @classmethod
     def keyed(cls, key: bytes) -> ReplicaAuth:
@@ -301,9 +321,11 @@ def _check_sizes(mlen: int, dlen: int, cfg: ReplicaConfig) -> None:
 
 async def _read_manifest(
     reader: asyncio.StreamReader, mlen: int, dlen: int, rank: int, sha: object
-) -> Manifest:
+) -> tuple[Manifest, bytes]:
+    """The manifest of `mlen` bytes that follows a header, and the SHA-256 of its bytes."""
     raw = await reader.readexactly(mlen)
-    if sha != hashlib.sha256(raw).hexdigest():
+    digest = hashlib.sha256(raw)
+    if sha != digest.hexdigest():
         raise ReplicaRefused("manifest does not match the header's manifest_sha256")
     try:
         manifest = Manifest.from_bytes(raw)
@@ -311,7 +333,16 @@ async def _read_manifest(
         raise ReplicaRefused(f"malformed manifest: {e}") from None
     if manifest.rank != rank or manifest.data_nbytes != dlen:
         raise ReplicaRefused("header does not match the manifest")
-    return manifest
+    return manifest, digest.digest()
+
+
+@dataclass(frozen=True, slots=True)
+class _Origin:
+    """Whose copy is streamed in, and how its origin signature is checked."""
+
+    node: str
+    manifest_sha256: bytes
+    signer: copysig.CopySigner | None
 
 
 async def _stream_into_slot(
@@ -320,15 +351,19 @@ async def _stream_into_slot(
     rank_dir: Path,
     manifest: Manifest,
     headroom: int,
+    origin: _Origin,
 ) -> CopyRef | None:
-    """Stream a copy's data into the free slot of `rank_dir`, chunk by chunk.
+    """Stream a copy's data into the free slot of `rank_dir`, chunk by chunk, then its
+    origin record (a line after the data, `{"origin": ...}`).
 
     The slot not holding the newest copy is invalidated first; its manifest is written
-    only when every byte arrived and the checksum matched. Returns None on a checksum
+    only when every byte arrived, the checksum matched and the origin node's signature
+    verified (`copysig`; the record is kept beside the slot). Returns None on a checksum
     mismatch (the slot stays invalid; the newest copy is untouched).
 
     Raises:
         ReplicaRefused: not enough room on the tmpfs, or a chunk fails its MAC.
+        copysig.BadSignature: the copy is not signed by `origin.node`.
     """
     secure_dir(rank_dir)
     nbytes = manifest.data_nbytes
@@ -343,7 +378,8 @@ async def _stream_into_slot(
             f"copy of {nbytes} bytes does not fit: {free} bytes free on the buddy's tmpfs"
         )
     manifest_path(rank_dir, slot).unlink(missing_ok=True)
-    hasher, got = new_hasher(), 0
+    copysig.record_path(rank_dir, slot).unlink(missing_ok=True)
+    hasher, got, sha = new_hasher(), 0, hashlib.sha256()
     # written over in place, not truncated first: on the tmpfs a truncation frees the slot's
     # pages and the write allocates and zeroes them again, once a second per copy
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -355,26 +391,38 @@ async def _stream_into_slot(
             if framing.key is not None:
                 framing.check_chunk(chunk, await reader.readexactly(MAC_LEN))
             hasher.update(chunk)
+            sha.update(chunk)
             f.write(chunk)
             got += len(chunk)
+    rec = framing.check(_parse_line(await reader.readline())).get("origin") or {}
     if hasher.intdigest() != manifest.checksum:
         return None
+    if origin.signer is None:
+        raise copysig.BadSignature("no replica credential here to check a copy's origin")
+    if not isinstance(rec, dict):
+        raise copysig.BadSignature(f"node {origin.node!r}'s copy: malformed origin record")
+    origin.signer.verify(origin.node, origin.manifest_sha256, sha.digest(), rec)
+    tmp = rank_dir / f".slot-{slot}.origin.tmp"
+    tmp.write_bytes(copysig.dump(rec))
+    os.replace(tmp, copysig.record_path(rank_dir, slot))
     write_manifest(rank_dir, slot, manifest)
     return CopyRef(rank_dir, slot, manifest)
 
 
 async def _send_data(
     path: Path, nbytes: int, writer: asyncio.StreamWriter, framing: _Framing, flip: int | None
-) -> None:
-    """Write a slot's data (and, keyed, each chunk's MAC) to `writer`. Each chunk is a new
-    object: a transport may hold on to what it could not send yet (TLS always does)."""
-    sent = 0
+) -> bytes:
+    """Write a slot's data (and, keyed, each chunk's MAC) to `writer`; returns the
+    SHA-256 of the data read (before any injected flip). Each chunk is a new object: a
+    transport may hold on to what it could not send yet (TLS always does)."""
+    sent, sha = 0, hashlib.sha256()
     with open(path, "rb") as f:
         while sent < nbytes:
             want = min(SEND_CHUNK, nbytes - sent)
             chunk = f.read(want)
             if len(chunk) != want:
                 raise CorruptCopyError(f"{path} is shorter than its manifest")
+            sha.update(chunk)
             if flip is not None and sent <= flip < sent + want:
                 b = bytearray(chunk)
                 b[flip - sent] ^= 0x01
@@ -385,6 +433,7 @@ async def _send_data(
                 writer.write(mac)
             await writer.drain()
             sent += want
+    return sha.digest()
 
 
 class ReplicaServer:
@@ -398,6 +447,10 @@ class ReplicaServer:
         # connections not authenticated yet, oldest first (the oldest is closed when full)
         self._pending: dict[asyncio.StreamWriter, None] = {}
         self._locks: dict[Path, asyncio.Lock] = {}
+        # the nodes whose copies this buddy takes (the driver's ring: the node it pairs
+        # with this one); None until it has paired one, then with TLS a PUT of any other
+        # node is refused
+        self.senders: set[str] | None = None
         self.received = 0
         self.refused = 0
 
@@ -530,6 +583,12 @@ class ReplicaServer:
                 f"a copy of node {node!r} may only come from node:{node} (the peer is "
                 f"{'node:' + peer if peer else 'no node'})"
             )
+        # (with TLS, where the peer proved it is `node`; a job key proves no node's name)
+        if auth.server_ssl is not None and self.senders is not None and node not in self.senders:
+            raise ReplicaRefused(
+                f"this buddy takes copies only of {sorted(self.senders) or 'no node'} (the "
+                f"nodes the driver paired with it), not of node {node!r}"
+            )
         return await self._receive(reader, head, framing)
 
     def _authorize_get(self, peer: str | None, node: str, head: dict[str, Any]) -> None:
@@ -570,6 +629,11 @@ class ReplicaServer:
                 }
                 writer.write(fr.line(hdr) + head)
                 await _send_data(ref.data_path, m.data_nbytes, writer, fr, None)
+                try:  # the sender's signature, as it came (none: the fetcher refuses it)
+                    rec = copysig.load(copysig.record_path(ref.rank_dir, ref.slot).read_bytes())
+                except OSError:
+                    rec = {}
+                writer.write(fr.line({"origin": rec}))
                 sent += 1
         writer.write(fr.line({"done": True, "count": sent}))
         await writer.drain()
@@ -581,12 +645,13 @@ class ReplicaServer:
         node, rank = _str(head, "node"), _int(head, "rank")
         mlen, dlen = _int(head, "manifest_len"), _int(head, "data_len")
         _check_sizes(mlen, dlen, self.config)
-        manifest = await _read_manifest(reader, mlen, dlen, rank, head.get("manifest_sha256"))
+        manifest, msha = await _read_manifest(reader, mlen, dlen, rank, head.get("manifest_sha256"))
         rank_dir = self.owner.rank_dir(rank, replica_store(node))
         lock = self._locks.setdefault(rank_dir, asyncio.Lock())
+        origin = _Origin(node, msha, self.config.auth.signer)
         async with lock:
             ref = await _stream_into_slot(
-                reader, fr, rank_dir, manifest, self.config.headroom_bytes
+                reader, fr, rank_dir, manifest, self.config.headroom_bytes, origin
             )
         if ref is None:
             return {
@@ -609,12 +674,14 @@ def _peer(writer: asyncio.StreamWriter) -> str:
 
 
 async def _connect(
-    host: str, port: int, cfg: ReplicaConfig
+    host: str, port: int, cfg: ReplicaConfig, expect: str = ""
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
-    """Open a stream to a buddy and read its greeting; returns its nonce.
+    """Open a stream to a buddy and read its greeting; returns its nonce. With TLS and
+    `expect` (a node id), the server must be that node.
 
     Raises:
-        ReplicaRefused: no credential here, or the peer is not a node of our CA.
+        ReplicaRefused: no credential here, or the peer is not a node of our CA, or not
+            the expected one.
     """
     auth = cfg.auth
     if not auth.enabled:
@@ -623,8 +690,14 @@ async def _connect(
         host, port, ssl=auth.client_ssl, limit=MAX_HEADER + 2
     )
     try:
-        if auth.client_ssl is not None and node_of_peercert(_peercert(writer)) is None:
+        peer = node_of_peercert(_peercert(writer)) if auth.client_ssl is not None else None
+        if auth.client_ssl is not None and peer is None:
             raise ReplicaRefused(f"the buddy at {host}:{port} has no node:<id> certificate")
+        if auth.client_ssl is not None and expect and peer != expect:
+            raise ReplicaRefused(
+                f"the replica server at {host}:{port} is node:{peer}, not node:{expect}, the "
+                "buddy the driver paired this node with: nothing sent"
+            )
         hello = _parse_line(await reader.readline())
         if hello.get("ok") is False:  # busy, or refused before the greeting
             raise ReplicaRefused(f"the buddy at {host}:{port} refused: {hello.get('error')}")
@@ -698,12 +771,18 @@ async def fetch_replica(
                     raise ReplicaRefused(f"the buddy refused the fetch: {head.get('error')}")
                 rank, mlen, dlen = (_int(head, k) for k in ("rank", "manifest_len", "data_len"))
                 _check_sizes(mlen, dlen, cfg)
-                manifest = await _read_manifest(
+                manifest, msha = await _read_manifest(
                     reader, mlen, dlen, rank, head.get("manifest_sha256")
                 )
-                ref = await _stream_into_slot(
-                    reader, fr, owner.rank_dir(rank, store), manifest, cfg.headroom_bytes
-                )
+                origin = _Origin(node, msha, cfg.auth.signer)
+                try:
+                    ref = await _stream_into_slot(
+                        reader, fr, owner.rank_dir(rank, store), manifest, cfg.headroom_bytes,
+                        origin,
+                    )  # fmt: skip
+                except copysig.BadSignature as e:  # the buddy's own making, or damaged
+                    log.warning("replica.fetch_unsigned", node=node, rank=rank, error=str(e))
+                    continue
                 if ref is None:
                     log.warning("replica.fetch_refused", node=node, rank=rank, step=manifest.step)
                     continue
@@ -723,6 +802,7 @@ async def send_copy(
     *,
     config: ReplicaConfig | None = None,
     flip_bit_at: int | None = None,
+    buddy_node: str = "",
 ) -> SendResult:
     """Stream one flash copy to the buddy at `host:port` and return its verdict.
 
@@ -736,6 +816,7 @@ async def send_copy(
         port: its port.
         config: limits and credentials.
         flip_bit_at: fault injection: flip one bit at this data offset in transit.
+        buddy_node: the node id the buddy must be (checked with TLS; "": any node).
     """
     cfg = config or ReplicaConfig()
     m = ref.manifest
@@ -744,7 +825,10 @@ async def send_copy(
         # a writer's copy is hashed here, about once a second, not at every save; the
         # buddy compares the bytes it receives with this checksum
         sealed = await asyncio.to_thread(seal, ref) if not m.sealed else m
-        reader, writer, snonce = await _connect(host, port, cfg)
+        signer = cfg.auth.signer
+        if signer is None:
+            raise ReplicaRefused("no replica credential (TLS or a job key) configured")
+        reader, writer, snonce = await _connect(host, port, cfg, buddy_node)
         fr, cnonce = _client_framing(cfg, snonce)
         try:
             head = sealed.to_bytes()
@@ -758,7 +842,9 @@ async def send_copy(
                 "cnonce": cnonce,
             }
             writer.write(fr.line(hdr) + head)
-            await _send_data(ref.data_path, m.data_nbytes, writer, fr, flip_bit_at)
+            data_sha = await _send_data(ref.data_path, m.data_nbytes, writer, fr, flip_bit_at)
+            rec = signer.sign(node, hashlib.sha256(head).digest(), data_sha)
+            writer.write(fr.line({"origin": rec}))
             reply = await _reply(reader, fr)
         finally:
             writer.close()
@@ -814,10 +900,12 @@ class ReplicaSender:
         *,
         idle_flush_s: float = IDLE_FLUSH_S,
         every_s: float = REPLICA_EVERY_S,
+        buddy_node: str = "",
     ) -> None:
         self.owner = owner
         self.node = node
         self.buddy = buddy
+        self.buddy_node = buddy_node  # who the buddy must be (TLS); "": any node of the CA
         self.config = config or ReplicaConfig()
         self.idle_flush_s = idle_flush_s
         self.every_s = every_s
@@ -866,7 +954,9 @@ class ReplicaSender:
             by_rank[rank] = refs if refs is not None else list_copies(self.owner.rank_dir(rank))
         for rank, ref in self.picks(by_rank, time.monotonic()).items():
             host, port = self.buddy
-            res = await send_copy(ref, self.node, host, port, config=self.config)
+            res = await send_copy(
+                ref, self.node, host, port, config=self.config, buddy_node=self.buddy_node
+            )
             local_ok = True
             if res.corrupt:  # in transit, or here? Read it back (rare: once per refusal).
                 local_ok = await asyncio.to_thread(_verifies, ref)

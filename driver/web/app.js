@@ -77,8 +77,15 @@ function renderHeader(s) {
     .filter((k) => c[k]).map((k) => el("span", { class: `state ${k}` }, `${c[k]} ${k}`)));
   $("updated").textContent = `updated ${clock(s.now)}`;
   const inc = s.incident || {};
+  const lg = s.event_log || {};
   if (s.error) banner(s.error, "");
-  else if (s.phase === "failed") {
+  else if (lg.failing_s > 0) {
+    banner(`${lg.full ? "etcd is FULL" : "The event log is unavailable"}: the driver's writes ` +
+      `have been refused for ${Math.round(lg.failing_s)} s (${lg.error}).` +
+      (lg.faults_unrecorded ? ` ${lg.faults_unrecorded} fault(s) wait to be recorded: the ` +
+        "counts below miss them." : "") + " Free etcd space, then `etcdctl alarm disarm`.",
+      "failed");
+  } else if (s.phase === "failed") {
     banner(`The job FAILED at step ${s.step}: ${s.finished_reason || inc.cause || "see the events"}. ` +
       "Its workers are stopped. Fix the cause, then run `unbroken resume` " +
       "(a new incident with a fresh restore budget).", "failed");

@@ -15,6 +15,13 @@ import pytest
 
 CLI = [sys.executable, "-m", "unbroken.cli"]
 TOKEN = "security-suite-token-0123456789"
+# node tokens bound to one node id each (a principal of its own: node:<id>)
+BOUND = {f"n-p{i}": f"security-suite-bound-{i}-0123456789" for i in range(6)}
+
+
+def bound_md(node: str) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata authenticating as node:`node` (one of `BOUND`)."""
+    return (("authorization", f"Bearer {BOUND[node]}"),)
 
 
 @pytest.fixture(scope="package")
@@ -24,11 +31,15 @@ def driver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     token_file = tmp / "token"
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
+    bound_file = tmp / "bound-tokens"
+    bound_file.write_text("".join(f"{t} {n}\n" for n, t in BOUND.items()))
+    bound_file.chmod(0o600)
     port_file = tmp / "driver.json"
     log = open(tmp / "driver.log", "wb")
     cmd = [
         *CLI, "driver", "--listen", "127.0.0.1:0", "--port-file", str(port_file),
-        "--event-log", "memory", "--token-file", f"node={token_file}", "--job-id", "sec",
+        "--event-log", "memory", "--token-file", f"node={token_file}",
+        "--token-file", f"node={bound_file}", "--job-id", "sec",
     ]  # fmt: skip
     proc = subprocess.Popen(
         cmd,

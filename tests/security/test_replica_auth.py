@@ -384,7 +384,7 @@ def test_a_copy_sent_unsealed_is_refused_as_corrupt(owners: dict[str, FlashOwner
     that streams one without (a buggy or hostile agent holding the job's key) gets it
     refused as corrupt, and the buddy keeps nothing."""
     from unbroken.recovery.flashcopy import UNSEALED
-    from unbroken.recovery.replica import _Framing, _stream_into_slot
+    from unbroken.recovery.replica import _Framing, _Origin, _stream_into_slot
 
     a, b = owners["a"], owners["b"]
     _copy(a, step=7)
@@ -394,11 +394,12 @@ def test_a_copy_sent_unsealed_is_refused_as_corrupt(owners: dict[str, FlashOwner
 
     async def go() -> None:
         reader = asyncio.StreamReader()
-        reader.feed_data(data)
+        reader.feed_data(data + b'{"origin": {}}\n')
         reader.feed_eof()
         rank_dir = b.rank_dir(0, replica_store("node-a"))
         framing = _Framing(None, b"", b"", server=True)
-        assert await _stream_into_slot(reader, framing, rank_dir, ref.manifest, 0) is None
+        origin = _Origin("node-a", b"", KEYED.auth.signer)
+        assert await _stream_into_slot(reader, framing, rank_dir, ref.manifest, 0, origin) is None
 
     asyncio.run(go())
     assert b.newest(0, replica_store("node-a")) is None

@@ -1,0 +1,117 @@
+"""Leader terms count within one etcd cluster and one incarnation of the job.
+
+An agent kept the newest term it had seen for good: after etcd was restored or replaced
+(terms start again at 1), every command of the new leader was 'stale' until the agent
+restarted, and a command stamped with the earlier incarnation's higher term was taken.
+Now the registration says what its term counts in (`term_scope`: the etcd cluster id and
+the creation of the job's term key); under a new scope the agent counts afresh, and a
+command of another scope is refused whatever its number.
+
+A real agent and the driver service in-process; real gRPC; the real etcd election's
+scope is checked against an embedded etcd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from tests.inproc import driver
+from unbroken.agent.daemon import Agent, AgentConfig
+from unbroken.proto import driver_pb2 as dpb
+
+pytestmark = pytest.mark.integration
+
+
+async def _session(svc: object, agent: Agent, term: int) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while not (
+        agent.session_term == term
+        and "node-a" in svc.view.nodes  # type: ignore[attr-defined]
+        and svc.view.nodes["node-a"].outbox is not None  # type: ignore[attr-defined]
+    ):
+        assert loop.time() < deadline, "no session"
+        await asyncio.sleep(0.05)
+
+
+def test_terms_of_another_etcd_cluster_or_incarnation_neither_silence_nor_steer() -> None:
+    async def go() -> None:
+        async with driver() as (svc, _store, addr):
+            assert svc.journal is not None
+            state = svc.journal.state
+            state.leader_term, state.leader_scope = 5, "c1.7"
+            agent = Agent(AgentConfig(drivers=[addr], node_id="node-a"))
+            run = asyncio.create_task(agent.run())
+            try:
+                await _session(svc, agent, 5)
+                r = await svc.request("node-a", dpb.DriverMessage(pause=dpb.Pause()), 10)
+                assert "refused" not in r.ack.detail and agent.term_seen == 5, r
+
+                # etcd is replaced (or restored): the new leader's terms begin again at 1
+                state.leader_term, state.leader_scope = 1, "c2.3"
+                svc.sessions.end(
+                    "node-a", grpc.StatusCode.FAILED_PRECONDITION, "call Register again"
+                )
+                await _session(svc, agent, 1)
+                r = await svc.request("node-a", dpb.DriverMessage(pause=dpb.Pause()), 10)
+                assert "stale" not in r.ack.detail, "the new cluster's leader is silenced"
+                assert agent.term_seen == 1
+
+                # a command of the earlier incarnation, with its higher term, is refused
+                state.leader_term, state.leader_scope = 5, "c1.7"
+                r = await svc.request("node-a", dpb.DriverMessage(pause=dpb.Pause()), 10)
+                assert not r.ack.ok and "scope" in r.ack.detail, r
+                assert agent.term_seen == 1
+                state.leader_term, state.leader_scope = 1, "c2.3"
+                r = await svc.request("node-a", dpb.DriverMessage(pause=dpb.Pause()), 10)
+                assert "refused" not in r.ack.detail and "stale" not in r.ack.detail, r
+            finally:
+                agent.stop.set()
+                await asyncio.wait_for(run, 30)
+
+    asyncio.run(go())
+
+
+def test_a_real_election_names_its_cluster_and_the_jobs_incarnation(
+    etcd_server: object, fresh_etcd: object
+) -> None:
+    """Two real etcd clusters, and one job deleted and started again in one of them: a
+    term's scope changes with either, and stays while the same job is led again."""
+    from aetcd import rpc
+
+    from unbroken.driver import election as electionlib
+    from unbroken.driver import etcdlog
+
+    async def lead(etcd: object, job: str) -> tuple[int, str]:
+        client = await etcdlog.connect(etcd.config)  # type: ignore[attr-defined]
+        election = electionlib.Election(client, job, "d1", ttl_s=2)
+        try:
+            won = await election.campaign(timeout_s=10)
+            return won.term, won.scope
+        finally:
+            await election.resign()
+            await client.close()
+
+    async def wipe(etcd: object, job: str) -> None:
+        client = await etcdlog.connect(etcd.config)  # type: ignore[attr-defined]
+        try:
+            prefix = f"/unbroken/{job}/".encode()  # ...up to, not including, /unbroken/{job}0
+            end = prefix[:-1] + bytes([prefix[-1] + 1])
+            await client.kvstub.DeleteRange(rpc.DeleteRangeRequest(key=prefix, range_end=end))
+        finally:
+            await client.close()
+
+    async def go() -> None:
+        t1, s1 = await lead(etcd_server, "scoped")
+        t2, s2 = await lead(etcd_server, "scoped")
+        assert (t2, s2) == (t1 + 1, s1)  # the same job led again: the same scope
+        _, other = await lead(fresh_etcd, "scoped")  # another etcd cluster
+        assert other.split(".")[0] != s1.split(".")[0], (other, s1)
+        await wipe(etcd_server, "scoped")  # the job deleted and started again
+        t3, s3 = await lead(etcd_server, "scoped")
+        assert t3 == 1 and s3 != s1 and s3.split(".")[0] == s1.split(".")[0], (s3, s1)
+
+    asyncio.run(go())
