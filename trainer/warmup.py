@@ -24,7 +24,8 @@ depend on which rank the standby becomes (its shards have the same shapes).
 
 What it leaves is the caches of the calls it made, and its seeded global RNG state, which
 every worker's set-up seeds again. It always runs on the CPU (a standby claims no
-accelerator before it has a rank). Its log lines are discarded.
+accelerator before it has a rank), and a model of more than `MAX_DRY_RUN_PARAMS` is not
+built: the default model is, in the job's world size. Its log lines are discarded.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ from unbroken.common.workerenv import WARM_ARGV
 #: The flags the dry run uses when the agent names no worker flags: the bench's and the
 #: drill's model.
 DEFAULT_ARGV = ("--preset", "tiny")
+#: A larger model is not built on the standby's CPU (its memory and a CPU step would cost
+#: the host more than the first calls save): the dry run builds the default model instead,
+#: in the job's world size.
+MAX_DRY_RUN_PARAMS = 20_000_000
 
 
 def dry_run_argv(env: dict[str, str] | None = None) -> list[str]:
@@ -73,12 +78,18 @@ def __unbroken_warm__() -> None:
         try:
             config = to_config(parser.parse_known_args(argv)[0])
         except (SystemExit, ValueError):  # flags of another version: the default model
-            config = to_config(parser.parse_args([*DEFAULT_ARGV, "--device", "cpu"]))
+            argv = [*DEFAULT_ARGV, "--device", "cpu"]
+            config = to_config(parser.parse_args(argv))
+        p = config.parallel
+        if p.dp * p.cp * p.pp * p.tp == 1:  # FSDP wraps only from dp 2: warm that path
+            argv = [*argv, "--dp", "2"]
+        if config.model.n_params() > MAX_DRY_RUN_PARAMS:  # the default model, this layout
+            argv = [*argv, *DEFAULT_ARGV, "--device", "cpu"]
+        config = to_config(parser.parse_known_args(argv)[0])
+        if config.model.n_params() > MAX_DRY_RUN_PARAMS:  # set field by field: no dry run
+            return
         p = config.parallel
         world = p.dp * p.cp * p.pp * p.tp
-        if world == 1:  # FSDP wraps only from dp 2: warm the path a dp >= 2 world takes
-            config = to_config(parser.parse_known_args([*argv, "--dp", "2"])[0])
-            world = 2
         rank = int(os.environ.get("RANK", "0") or 0)
         rank = rank if 0 <= rank < world else 0
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)

@@ -248,3 +248,54 @@ def test_a_failed_worker_wakes_the_heartbeat_at_once(tmp_path: Path) -> None:
         return kicks
 
     assert asyncio.run(run()) == ["failed"]  # a clean exit is no failure
+
+
+def test_a_large_models_dry_run_builds_the_default_model_in_the_jobs_layout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch.distributed as dist
+
+    from unbroken.common.workerenv import WARM_ARGV
+    from unbroken.trainer import gpt3d, warmup
+
+    built: list[tuple[int, int]] = []
+    setup = gpt3d.GPT3DTrainer.setup
+
+    def recorded(self: Any, config: Any) -> None:  # the real set-up, its model size noted
+        built.append((config.model.n_params(), dist.get_world_size()))
+        setup(self, config)
+
+    monkeypatch.setattr(gpt3d.GPT3DTrainer, "setup", recorded)
+    monkeypatch.setenv(WARM_ARGV, json.dumps(["--preset", "1b", "--dp", "2"]))
+    getattr(warmup, warm.WARM_HOOK)()
+    assert len(built) == 1 and built[0][1] == 2  # the job's world size ...
+    assert built[0][0] <= warmup.MAX_DRY_RUN_PARAMS  # ... and not its 1b model on the CPU
+    assert not dist.is_initialized()
+
+
+def test_the_agent_hands_the_engines_flags_to_its_standbys_dry_run(tmp_path: Path) -> None:
+    import asyncio
+
+    from unbroken.agent.workers import EMBEDDED_ENGINE
+    from unbroken.common.workerenv import WARM_ARGV
+
+    async def standby_env(cmd: list[str]) -> dict[str, str]:
+        spec = WorkerSpec(
+            cmd=cmd, nproc=1, log_dir=str(tmp_path), warm=True, warm_preload=("json",)
+        )
+        sup = Supervisor(spec, str(tmp_path / "agent.sock"))
+        sup.warm_up()
+        try:
+            for _ in range(600):
+                if sup.standbys:
+                    return dict(sup.standbys[0].env)
+                await asyncio.sleep(0.01)
+            raise AssertionError("no standby started")
+        finally:
+            await sup.close(grace_s=1.0)
+
+    engine = [sys.executable, "-m", EMBEDDED_ENGINE, "--preset", "tiny", "--dp", "2"]
+    env = asyncio.run(standby_env(engine))
+    assert json.loads(env[WARM_ARGV]) == ["--preset", "tiny", "--dp", "2"]
+    script = asyncio.run(standby_env([sys.executable, str(tmp_path / "train.py"), "--dp", "8"]))
+    assert WARM_ARGV not in script  # a script's flags are not the engine's
