@@ -351,10 +351,12 @@ class Agent:
             else None
         )
         self.session_open = False
-        # set when a worker steps for the first time in a new world: heartbeat now
+        # set when a worker steps for the first time in a new world, or fails: heartbeat now
         self._beat_soon = asyncio.Event()
         if self.hooks is not None:
             self.hooks.on_first_step = self._beat_soon.set
+        if self.supervisor is not None:
+            self.supervisor.on_failure = self._beat_soon.set
         self._hb_seq = 0  # the session's heartbeat sequence number
         self.metrics = AgentMetrics(self._metric_values)
         self.flash: NodeFlash | None = None

@@ -42,6 +42,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import shlex
@@ -49,7 +50,7 @@ import shutil
 import signal
 import statistics
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,13 +59,16 @@ import structlog
 
 from unbroken.agent import hang as hanglib
 from unbroken.agent import warm as warmlib
-from unbroken.common.workerenv import WorkerEnv
+from unbroken.common.workerenv import WARM_ARGV, WorkerEnv
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 from unbroken.proto import hooks_pb2 as hpb
 from unbroken.recovery.restore import Source
 
 log = structlog.get_logger(__name__)
+
+#: The embedded engine's worker module: its flags are passed to a standby's dry run.
+EMBEDDED_ENGINE = "unbroken.trainer.run"
 
 DEFAULT_KEYWORDS = (
     "NCCL WARN",
@@ -610,6 +614,9 @@ class Supervisor:
         self.workers: dict[int, Worker] = {}
         self.alerts: collections.deque[dpb.LogAlertLine] = collections.deque(maxlen=256)
         self.exited = False  # a worker exited since the last heartbeat took the flag
+        # called when a worker fails (exits non-zero, not stopped on command): the agent
+        # reports it at once instead of at its next heartbeat slot (up to an interval later)
+        self.on_failure: Callable[[], object] | None = None
         self.standbys: list[warmlib.Standby] = []
         self._refill: asyncio.Task[None] | None = None
         self.warm_starts = 0
@@ -735,9 +742,12 @@ class Supervisor:
                 self.standbys.remove(s)
                 await s.kill()
             while len(self.standbys) < spec.nproc:
+                env = self.launch.environ(spec, 0, self.socket_path)
+                if target.module == EMBEDDED_ENGINE:  # what its dry run builds
+                    env[WARM_ARGV] = json.dumps(list(target.args))
                 s = await warmlib.spawn_standby(
                     target,
-                    self.launch.environ(spec, 0, self.socket_path),
+                    env,
                     wrapper=wrapper,
                     preload=spec.warm_preload,
                     nice=target_nice if low else None,
@@ -794,6 +804,8 @@ class Supervisor:
             w.state = dpb.WORKER_STATE_EXITED
             w.exit_code = code
             self.exited = self.exited or code != 0
+            if code != 0 and self.on_failure is not None:
+                self.on_failure()
         log.info("worker exited", local_rank=w.local_rank, pid=w.pid, code=code)
 
     async def dump_stacks(self, w: Worker, timeout_s: float = 2.0, *, restop: bool = False) -> str:

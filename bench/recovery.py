@@ -94,6 +94,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "recovery.json"
 KINDS = ("worker_crash", "node_loss", "hang", "loss_spike", "silently_bad_node", "driver_kill")
 NOT_INJECTED: dict[str, str] = {}
 SPIKE_AHEAD = 2  # a loss spike is injected this many steps ahead of the newest step
+SPIKE_MAX_ROLLBACKS = 1000  # the drivers' --spike-max-rollbacks
 HANG_FLOOR_MS = 1_000
 # Missed 100 ms heartbeats before NodeLost: 5, as `unbroken up` (`--miss-limit`; an older,
 # loaded machine needed 30, where agents were often silent for 0.5 s).
@@ -376,6 +377,10 @@ class Bench:
                 "--nodes", "2", "--workers-per-node", "1", "--dp", "2",
                 "--worker-cmd", self._worker_cmd(), "--master-addr", "127.0.0.1",
                 "--trainer", "gpt3d", "--miss-limit", str(self.miss_limit),
+                # every injected spike is rolled back: the bench measures the recovery, and
+                # the default halt (3 rollbacks within 1000 steps) failed clusters at the
+                # 5th spike of the modes phase
+                "--spike-max-rollbacks", str(SPIKE_MAX_ROLLBACKS),
                 *self.driver_flags,
             ],
             wait_s=None,

@@ -20,6 +20,8 @@ a worker reads `WorkerEnv.from_env(os.environ)`, so a name or a format exists on
 ``UNBROKEN_PERSIST_EVERY_S``  about how often a copy is persisted (seconds)
 ``UNBROKEN_FLASH_COPIES``  the ring: copies per rank in shared memory
 ``UNBROKEN_DP/PP/TP``      the driver's layout after an elastic resize (wins over flags)
+``UNBROKEN_WARM_ARGV``     a warm standby's only: the worker's flags (JSON list), which its
+                           dry run builds the trainer from (trainer/warmup.py)
 =========================  ==========================================================
 
 A variable that is unset reads as the field's default; one that is set but malformed is a
@@ -49,6 +51,8 @@ FLASH_COPIES = "UNBROKEN_FLASH_COPIES"
 DP = "UNBROKEN_DP"
 PP = "UNBROKEN_PP"
 TP = "UNBROKEN_TP"
+#: Not a worker's variable (no `WorkerEnv` field): set in a warm standby's environment only.
+WARM_ARGV = "UNBROKEN_WARM_ARGV"
 
 #: Which variable holds each field.
 VARIABLES: dict[str, str] = {

@@ -164,7 +164,7 @@ class Policy:
     )
     spike: spikelib.SpikeConfig = field(
         default_factory=spikelib.SpikeConfig,
-        metadata={"flag": None, "why": "loss-spike detector tuning (recovery/spike.py)"},
+        metadata={"prefix": "spike-", "group": "loss-spike policy (recovery/spike.py)"},
     )
     in_job: bool = field(
         default=True,

@@ -29,27 +29,45 @@ from unbroken.proto import events_pb2 as ev
 MAD_TO_SIGMA = 1.4826
 
 
+#: The detector's tuning has no flags (set in code); the rollback limit has (`--spike-*`).
+_TUNING = {"flag": None, "why": "loss-spike detector tuning, set in code (recovery/spike.py)"}
+
+
 @dataclass(kw_only=True, slots=True)
 class SpikeConfig:
     """Detector and policy settings."""
 
-    window: int = 100  # accepted losses in the baseline
-    min_history: int = 10  # no spike is called before this many accepted losses
-    factor: float = 6.0  # robust sigmas above the median
+    # accepted losses in the baseline
+    window: int = field(default=100, metadata=_TUNING)
+    # no spike is called before this many accepted losses
+    min_history: int = field(default=10, metadata=_TUNING)
+    factor: float = field(default=6.0, metadata=_TUNING)  # robust sigmas above the median
     # spread floor, as a fraction of |median|: with the default factor a spike is at least 30 %
     # above the median. At 1 % (6 % above) a converged tiny model's natural bumps were called
     # spikes after 1,500 steps; real spikes (OPT, BLOOM) are jumps of tens of percent or more.
-    min_rel_spread: float = 0.05
-    confirm: int = 2  # observations in a row above the threshold before a spike is called...
+    min_rel_spread: float = field(default=0.05, metadata=_TUNING)
+    # observations in a row above the threshold before a spike is called...
+    confirm: int = field(default=2, metadata=_TUNING)
     # ...unless the loss is this many times the median or more: the tiny model's noisy batches
     # reached 2.0x, a poisoned batch 2.8x early in training (steps 1-33 in the window) and 7x
     # to 13x later
-    instant_ratio: float = 2.5
-    skip_before: int = 0  # batches before the spiking one to skip
-    skip_after: int = 200  # batches from the spiking one on to skip
-    min_checkpoint_gap: int = 0  # the rollback target is at least this many steps before
-    max_rollbacks: int = 3
-    rollback_window_steps: int = 1000
+    instant_ratio: float = field(default=2.5, metadata=_TUNING)
+    skip_before: int = field(default=0, metadata=_TUNING)  # batches before the spiking one to skip
+    # batches from the spiking one on to skip
+    skip_after: int = field(default=200, metadata=_TUNING)
+    # the rollback target is at least this many steps before
+    min_checkpoint_gap: int = field(default=0, metadata=_TUNING)
+    max_rollbacks: int = field(
+        default=3,
+        metadata={
+            "help": "rollbacks within --spike-rollback-window-steps after which a spike halts "
+            "the job (restart from a checkpoint) instead of rolling back again"
+        },
+    )
+    rollback_window_steps: int = field(
+        default=1000,
+        metadata={"help": "the window (steps) in which --spike-max-rollbacks are counted"},
+    )
 
     def __post_init__(self) -> None:
         if self.window < 3:
@@ -63,16 +81,22 @@ class SpikeConfig:
             raise ValueError(f"SpikeConfig.factor must be > 0, got {self.factor}")
         if self.min_rel_spread < 0:
             raise ValueError(f"SpikeConfig.min_rel_spread must be >= 0, got {self.min_rel_spread}")
-        for name in ("skip_before", "skip_after", "min_checkpoint_gap", "max_rollbacks"):
+        for name in ("skip_before", "skip_after", "min_checkpoint_gap"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SpikeConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_rollbacks < 0:
+            raise ValueError(
+                "SpikeConfig.max_rollbacks (--spike-max-rollbacks) must be >= 0 (0: every spike "
+                f"halts the job), got {self.max_rollbacks}"
+            )
         if self.confirm < 1:
             raise ValueError(f"SpikeConfig.confirm must be >= 1, got {self.confirm}")
         if not self.instant_ratio > 1:
             raise ValueError(f"SpikeConfig.instant_ratio must be > 1, got {self.instant_ratio}")
         if self.rollback_window_steps < 1:
             raise ValueError(
-                f"SpikeConfig.rollback_window_steps must be >= 1, got {self.rollback_window_steps}"
+                "SpikeConfig.rollback_window_steps (--spike-rollback-window-steps) must be >= 1, "
+                f"got {self.rollback_window_steps}"
             )
 
 

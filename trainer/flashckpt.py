@@ -95,6 +95,7 @@ from unbroken.recovery.sources import (
     survey,
 )
 from unbroken.trainer.plugin import GroupValue, Meshed, Optimizers, Snapshots, Stateful
+from unbroken.trainer.rtrace import mark
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -314,6 +315,7 @@ class FlashCheckpointer:
         Raises:
             CorruptCopyError: shards stayed corrupt through `MAX_DECISIONS` decisions.
         """
+        mark("r_begin")
         layout = self.layout(trainer)
         own, wide = self._survey(), self._wide_survey()
         key, group = self._replicas(trainer)
@@ -325,7 +327,9 @@ class FlashCheckpointer:
                 key,
             )
             everyone: list[Any] = [None] * world
+            mark("r_survey")
             dist.all_gather_object(everyone, mine)
+            mark("r_gathered")
             availability: dict[int, Availability] = {r: e[0] for r, e in enumerate(everyone)}
             reach: dict[int, dict[int, StepCopies]] = {r: e[1] for r, e in enumerate(everyone)}
             if not any(a.memory or a.buddy or a.storage for a in availability.values()) and not any(
@@ -406,7 +410,9 @@ class FlashCheckpointer:
         label = plan.source_by_rank[self.rank].label if receiving else ""
         if opened is not None:
             label = opened[0].kind.label
+        mark("r_opened")
         sources = self._all_ok(receiving or opened is not None, label)
+        mark("r_agreed")
         if sources is None:
             if opened is not None and isinstance(opened[2], mmap.mmap):
                 opened[2].close()
@@ -420,11 +426,14 @@ class FlashCheckpointer:
             manifest, data = opened[1], opened[2]
         try:
             state = {KEY: trainer.state_dict()}
+            mark("r_state_dict")
             load_into(state, manifest, data)
+            mark("r_copied")
         finally:
             if isinstance(data, mmap.mmap):
                 data.close()
         trainer.load_state_dict(state[KEY])
+        mark("r_loaded")
         self.writer.invalidate_snapshot()
         done = Restored(
             step=manifest.step,

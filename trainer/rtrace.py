@@ -11,6 +11,11 @@ lines on an O_APPEND file are not interleaved between processes). The phases a w
 - ``rejoin``: the agent's Rejoin (the new world) arrived;
 - ``pg_init``: torch.distributed joined the new world;
 - ``setup``: the trainer is built (or kept, `kept=1`);
+- ``r_begin``, ``r_survey``, ``r_gathered``, ``r_opened``, ``r_agreed``, ``r_state_dict``,
+  ``r_copied``, ``r_loaded``: inside a flash restore (trainer/flashckpt.py), the steps of a
+  same-layout load: the copies surveyed, every rank's gathered, this rank's opened, every
+  rank's read agreed, the trainer's state dict taken, the copy put into it, and loaded;
+- ``loaded``: the restore returned;
 - ``restored``: the agreed step is in place (`how`: ring, kept, none);
 - ``first_step``: the first step in this world finished.
 """

@@ -5,45 +5,99 @@ A fresh worker process pays for many first calls on its resume path: FSDP's wrap
 its DTensor dispatch, the first `state_dict` and `load_state_dict` through torch's
 distributed state-dict API, the first forward, backward and optimizer step. On a loaded
 2-core host the first load of a restore took 1.2 s, against 0.14 s once the same calls had
-run in the process before (a 1-rank world each time).
+run in the process before.
 
 The standby (agent/warm.py) therefore calls `__unbroken_warm__` after importing this
-module. That function runs one step of the tiny preset in a private 1-rank gloo world,
-with FSDP wrapping forced as dp >= 2 would apply it. It round-trips the trainer's state,
-and then drops the world, so the worker starts as if nothing had run: no process group
-and no trainer. What it leaves is the caches of the calls it made, and its seeded global
-RNG state, which every worker's set-up seeds again. Its log lines are discarded.
+module. That function runs the restore path of the job's own layout once: it builds the
+trainer from the worker's flags (which the agent passes in `UNBROKEN_WARM_ARGV`; the tiny
+preset when it does not) in a private world of the job's size on torch's fake process
+group (no peers, no traffic: its collectives only pretend), takes the state of the fresh
+optimizer (torch's state-dict API creates it by a step of zeros), loads it back, runs one
+step and round-trips the state again. Then it drops the world, so the worker starts as if
+nothing had run: no process group and no trainer.
+
+The world's size matters: DTensor caches its sharding decisions per mesh, and a mesh of
+one rank is not the mesh of two. With a 1-rank world here, a replacement's first
+`state_dict` in a dp2 job still took 0.4-0.5 s (the optimizer's zero step, its sharding
+propagation not cached); with the job's size it takes 0.01-0.07 s. The caches do not
+depend on which rank the standby becomes (its shards have the same shapes).
+
+What it leaves is the caches of the calls it made, and its seeded global RNG state, which
+every worker's set-up seeds again. It always runs on the CPU (a standby claims no
+accelerator before it has a rank), and a model of more than `MAX_DRY_RUN_PARAMS` is not
+built: the default model is, in the job's world size. Its log lines are discarded.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
+import os
+
+from unbroken.common.workerenv import WARM_ARGV
+
+#: The flags the dry run uses when the agent names no worker flags: the bench's and the
+#: drill's model.
+DEFAULT_ARGV = ("--preset", "tiny")
+#: A larger model is not built on the standby's CPU (its memory and a CPU step would cost
+#: the host more than the first calls save): the dry run builds the default model instead,
+#: in the job's world size.
+MAX_DRY_RUN_PARAMS = 20_000_000
+
+
+def dry_run_argv(env: dict[str, str] | None = None) -> list[str]:
+    """The worker's flags the dry run builds its trainer from (`WARM_ARGV`, a JSON list),
+    on the CPU; the tiny preset when the variable is unset or unreadable."""
+    raw = (os.environ if env is None else env).get(WARM_ARGV, "")
+    argv: list[str] = list(DEFAULT_ARGV)
+    if raw:
+        with contextlib.suppress(ValueError):
+            given = json.loads(raw)
+            if isinstance(given, list) and all(isinstance(a, str) for a in given):
+                argv = given
+    return [*argv, "--device", "cpu"]
 
 
 def __unbroken_warm__() -> None:
-    """One dry step of the embedded engine in a private 1-rank world (see the module)."""
+    """One dry restore and step of the embedded engine in a private world (see the module)."""
     import argparse
 
     import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from unbroken.trainer import parallel
     from unbroken.trainer.flags import add_arguments, to_config
     from unbroken.trainer.gpt3d import GPT3DTrainer
 
     if dist.is_initialized():
         return
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    config = to_config(parser.parse_args(["--preset", "tiny", "--device", "cpu"]))
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        argv = dry_run_argv()
+        try:
+            config = to_config(parser.parse_known_args(argv)[0])
+        except (SystemExit, ValueError):  # flags of another version: the default model
+            argv = [*DEFAULT_ARGV, "--device", "cpu"]
+            config = to_config(parser.parse_args(argv))
+        p = config.parallel
+        if p.dp * p.cp * p.pp * p.tp == 1:  # FSDP wraps only from dp 2: warm that path
+            argv = [*argv, "--dp", "2"]
+        if config.model.n_params() > MAX_DRY_RUN_PARAMS:  # the default model, this layout
+            argv = [*argv, *DEFAULT_ARGV, "--device", "cpu"]
+        config = to_config(parser.parse_known_args(argv)[0])
+        if config.model.n_params() > MAX_DRY_RUN_PARAMS:  # set field by field: no dry run
+            return
+        p = config.parallel
+        world = p.dp * p.cp * p.pp * p.tp
+        rank = int(os.environ.get("RANK", "0") or 0)
+        rank = rank if 0 <= rank < world else 0
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         try:
             trainer = GPT3DTrainer()
             trainer.setup(config)
-            for part in trainer.parts:  # as dp >= 2 wraps them
-                parallel.apply_fsdp(part, trainer.topo, config.parallel, None)
-            trainer.optimizers = [trainer._optimizer(p, config.optim) for p in trainer.parts]
+            # a restore's path: the state of an optimizer that has not stepped, a load of it
+            trainer.load_state_dict(trainer.state_dict())
             trainer.train_step()
             trainer.load_state_dict(trainer.state_dict())
             trainer.close()

@@ -4,10 +4,12 @@ from, and the agent's heartbeat at a worker's first step in a new world."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -152,3 +154,148 @@ def test_a_standbys_dry_run_leaves_no_world_and_no_trace_on_the_losses() -> None
     getattr(warmup, warm.WARM_HOOK)()
     assert not dist.is_initialized()  # the worker joins its own world afterwards
     assert _three_losses() == before  # bitwise: the worker's set-up seeds everything again
+
+
+def _state_dict_misses(world: int, dp: int) -> int:
+    """DTensor sharding decisions not cached when a fresh trainer of a `dp`-way world (on
+    torch's fake process group, whose meshes equal a real world's) takes its first state."""
+    import argparse
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from unbroken.trainer.flags import add_arguments, to_config
+    from unbroken.trainer.gpt3d import GPT3DTrainer
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = to_config(parser.parse_args(["--preset", "tiny", "--device", "cpu", "--dp", str(dp)]))
+    prop = DTensor._op_dispatcher.sharding_propagator
+    uncached = prop.propagate_op_sharding_non_cached
+    made: list[int] = []
+
+    def counted(schema: Any) -> Any:  # the path that skips the Python cache, counted
+        made.append(1)
+        return uncached(schema)
+
+    dist.init_process_group("fake", store=FakeStore(), rank=world - 1, world_size=world)
+    try:
+        trainer = GPT3DTrainer()
+        trainer.setup(config)
+        before = prop.propagate_op_sharding.cache_info().misses
+        prop.propagate_op_sharding_non_cached = counted  # type: ignore[method-assign]
+        try:
+            trainer.state_dict()  # a restore's first call: the fresh optimizer's zero step
+        finally:
+            del prop.propagate_op_sharding_non_cached  # the class's method again
+        misses = int(prop.propagate_op_sharding.cache_info().misses - before) + len(made)
+        trainer.close()
+    finally:
+        dist.destroy_process_group()
+    return misses
+
+
+def test_a_standbys_dry_run_warms_the_jobs_own_world_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch.distributed as dist
+
+    from unbroken.common.workerenv import WARM_ARGV
+    from unbroken.trainer import warmup
+
+    # the agent passes the worker's flags; the dry run builds that layout, on the CPU
+    monkeypatch.setenv(WARM_ARGV, json.dumps(["--preset", "tiny", "--dp", "2", "--steps", "9"]))
+    assert warmup.dry_run_argv()[-2:] == ["--device", "cpu"]
+    getattr(warmup, warm.WARM_HOOK)()
+    assert not dist.is_initialized()
+    # a replacement in a dp2 world finds every sharding decision of its first state_dict
+    # made (a 1-rank dry run left 19 of them, 0.4-0.5 s on a loaded 2-core host) ...
+    assert _state_dict_misses(2, 2) == 0
+    # ... where a world size the dry run did not take still makes them (the count works)
+    assert _state_dict_misses(4, 4) > 0
+
+
+def test_unreadable_warm_flags_fall_back_to_the_tiny_preset() -> None:
+    from unbroken.common.workerenv import WARM_ARGV
+    from unbroken.trainer import warmup
+
+    for raw in ("", "not json", '{"a": 1}', "[1, 2]"):
+        assert warmup.dry_run_argv({WARM_ARGV: raw}) == [*warmup.DEFAULT_ARGV, "--device", "cpu"]
+    assert warmup.dry_run_argv({WARM_ARGV: '["--dp", "4"]'}) == ["--dp", "4", "--device", "cpu"]
+
+
+def test_a_failed_worker_wakes_the_heartbeat_at_once(tmp_path: Path) -> None:
+    import asyncio
+
+    async def run() -> list[str]:
+        spec = WorkerSpec(
+            cmd=[sys.executable, "-c", "import sys; sys.exit(3)"],
+            nproc=2,
+            log_dir=str(tmp_path),
+            warm=False,
+        )
+        sup = Supervisor(spec, str(tmp_path / "agent.sock"))
+        kicks: list[str] = []
+        sup.on_failure = lambda: kicks.append("failed")
+        w = await sup.start(0, refill=False)
+        await asyncio.wait_for(w.tasks[-1], 60)
+        assert w.exit_code == 3 and sup.exited
+        sup.launch = dataclasses.replace(sup.launch, cmd=(sys.executable, "-c", "pass"))
+        ok = await sup.start(1, refill=False)
+        await asyncio.wait_for(ok.tasks[-1], 60)
+        assert ok.exit_code == 0
+        return kicks
+
+    assert asyncio.run(run()) == ["failed"]  # a clean exit is no failure
+
+
+def test_a_large_models_dry_run_builds_the_default_model_in_the_jobs_layout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch.distributed as dist
+
+    from unbroken.common.workerenv import WARM_ARGV
+    from unbroken.trainer import gpt3d, warmup
+
+    built: list[tuple[int, int]] = []
+    setup = gpt3d.GPT3DTrainer.setup
+
+    def recorded(self: Any, config: Any) -> None:  # the real set-up, its model size noted
+        built.append((config.model.n_params(), dist.get_world_size()))
+        setup(self, config)
+
+    monkeypatch.setattr(gpt3d.GPT3DTrainer, "setup", recorded)
+    monkeypatch.setenv(WARM_ARGV, json.dumps(["--preset", "1b", "--dp", "2"]))
+    getattr(warmup, warm.WARM_HOOK)()
+    assert len(built) == 1 and built[0][1] == 2  # the job's world size ...
+    assert built[0][0] <= warmup.MAX_DRY_RUN_PARAMS  # ... and not its 1b model on the CPU
+    assert not dist.is_initialized()
+
+
+def test_the_agent_hands_the_engines_flags_to_its_standbys_dry_run(tmp_path: Path) -> None:
+    import asyncio
+
+    from unbroken.agent.workers import EMBEDDED_ENGINE
+    from unbroken.common.workerenv import WARM_ARGV
+
+    async def standby_env(cmd: list[str]) -> dict[str, str]:
+        spec = WorkerSpec(
+            cmd=cmd, nproc=1, log_dir=str(tmp_path), warm=True, warm_preload=("json",)
+        )
+        sup = Supervisor(spec, str(tmp_path / "agent.sock"))
+        sup.warm_up()
+        try:
+            for _ in range(600):
+                if sup.standbys:
+                    return dict(sup.standbys[0].env)
+                await asyncio.sleep(0.01)
+            raise AssertionError("no standby started")
+        finally:
+            await sup.close(grace_s=1.0)
+
+    engine = [sys.executable, "-m", EMBEDDED_ENGINE, "--preset", "tiny", "--dp", "2"]
+    env = asyncio.run(standby_env(engine))
+    assert json.loads(env[WARM_ARGV]) == ["--preset", "tiny", "--dp", "2"]
+    script = asyncio.run(standby_env([sys.executable, str(tmp_path / "train.py"), "--dp", "8"]))
+    assert WARM_ARGV not in script  # a script's flags are not the engine's

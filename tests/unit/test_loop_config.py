@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from unbroken.driver.loop import LoopConfig
@@ -70,3 +72,29 @@ def test_every_restore_after_a_rollback_carries_its_skip() -> None:
     assert later.step == 0  # the newest copy
     assert (later.skip_from_step, later.skip_batches) == (first.skip_from_step, first.skip_batches)
     assert RecoveryLoop._restore_point(fake, d, None) == type(first)()  # no restore, no point
+
+
+def _driver_config(*flags: str) -> object:
+    import argparse
+
+    from unbroken.driver import main as driver_main
+
+    parser = argparse.ArgumentParser()
+    driver_main.configure(parser)
+    return driver_main.config_from_args(parser.parse_args(["--event-log", "memory", *flags]))
+
+
+def test_the_spike_policys_rollback_limit_is_a_driver_flag() -> None:
+    cfg: Any = _driver_config()
+    assert (cfg.loop.policy.spike.max_rollbacks, cfg.loop.policy.spike.rollback_window_steps) == (
+        3,
+        1000,
+    )
+    cfg = _driver_config("--spike-max-rollbacks", "50", "--spike-rollback-window-steps", "200")
+    spike = cfg.loop.policy.spike
+    assert (spike.max_rollbacks, spike.rollback_window_steps) == (50, 200)
+    assert spike.window == 100  # the detector's tuning keeps its defaults (no flags)
+    with pytest.raises(ValueError, match=r"\(--spike-max-rollbacks\) must be >= 0"):
+        _driver_config("--spike-max-rollbacks", "-1")
+    with pytest.raises(ValueError, match=r"\(--spike-rollback-window-steps\) must be >= 1"):
+        _driver_config("--spike-rollback-window-steps", "0")
