@@ -120,3 +120,41 @@ def test_a_10240_node_snapshot_with_40_character_names_is_stored_under_1_mib() -
 def test_a_snapshot_that_does_not_inflate_says_so() -> None:
     with pytest.raises(EventLogError, match="does not inflate"):
         etcdlog.inflate(b"not zlib data at all")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(payloads, max_size=60), st.integers(1, 7))
+def test_a_replay_folding_pages_equals_folding_event_by_event(
+    events: list[ev.Event], page: int
+) -> None:
+    """A replay folds each page with the kinds counted once per page: the same state as
+    the journal's event-by-event fold, whatever the events and the page size."""
+    events = numbered(events)
+    one_by_one = statelib.initial("job")
+    for e in events:
+        statelib.apply_in_place(one_by_one, e)
+    paged = statelib.initial("job")
+    for i in range(0, len(events), page):
+        statelib.fold_into(paged, events[i : i + page])
+    assert paged == one_by_one == statelib.fold(events, statelib.initial("job"))
+
+
+def test_gone_nodes_past_the_limit_are_pruned_oldest_first_in_a_replay() -> None:
+    """Past KEEP_GONE_NODES + PRUNE_SLACK losses the oldest records go, in a paged fold
+    as in the journal's; world nodes and suspects are kept whatever their age."""
+    n = statelib.KEEP_GONE_NODES + statelib.PRUNE_SLACK + 3
+    events = [ev.Event(job_started=ev.JobStarted(world=ev.WorldLayout(node_ids=["n0", "n1"])))]
+    events += [
+        ev.Event(node_registered=ev.NodeRegistered(node_id=f"n{i}", epoch=1)) for i in range(n)
+    ]
+    events += [ev.Event(node_lost=ev.NodeLost(node_id=f"n{i}", epoch=1)) for i in range(n)]
+    events = numbered(events)
+    s = statelib.initial("job")
+    for i in range(0, len(events), 500):
+        statelib.fold_into(s, events[i : i + 500])
+    assert s.gone_nodes == statelib.KEEP_GONE_NODES + 2
+    assert s.pruned_nodes == n - s.gone_nodes
+    assert {"n0", "n1", f"n{n - 1}"} <= set(s.nodes)
+    first_kept = 2 + s.pruned_nodes  # n2.. went, oldest first
+    assert f"n{first_kept - 1}" not in s.nodes and f"n{first_kept}" in s.nodes
+    assert s == statelib.fold(events, statelib.initial("job"))
