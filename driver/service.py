@@ -49,7 +49,7 @@ from unbroken.driver.eventlog import EventLog, NotLeaderError, new_event_id
 from unbroken.driver.journal import FAULT_KINDS, Batch, Journal, JournalConfig, Pending
 from unbroken.driver.launcher_api import LauncherApi
 from unbroken.driver.leadership import Leadership
-from unbroken.driver.liveview import LiveView, LiveViewConfig, NodeSlot
+from unbroken.driver.liveview import Group, LiveView, LiveViewConfig, NodeSlot
 from unbroken.driver.metrics import DriverMetrics
 from unbroken.driver.operator import OperatorApi
 from unbroken.driver.rpc import abort
@@ -666,7 +666,7 @@ class DriverService(dgrpc.DriverServicer):
         # world's buddy ring was empty after every failover and the buddies' copies untrusted
         slot.info = request
         slot.peer_host = peer_host(context.peer())
-        if not (slot.alive and slot.node_id in self.view.order):
+        if not self.view.tracked(slot):
             self.view.mark_registered(slot, now)
         return dpb.RegisterResponse(
             driver_id=self.driver_id,
@@ -843,13 +843,20 @@ class DriverService(dgrpc.DriverServicer):
 
     def _relay_batch(self, relay: NodeSlot, batch: dpb.RelayBatch, t0: int) -> None:
         """One relay's batch: each member entry costs what a direct heartbeat does, minus
-        the gRPC message."""
+        the gRPC message; the members a vouching relay does not name cost nothing each
+        (their group's one timestamp moves)."""
         now = time.monotonic()
-        order = self.view.order
-        nodes = self.view.nodes
+        view = self.view
+        nodes = view.nodes
         rid = relay.node_id
         delivery, mono_ns = self.delivery, time.monotonic_ns
         n = 0
+        group = view.groups.get(rid)
+        if batch.group_alive:
+            group = view.vouched(rid, now)
+            n += len(group.members)
+            if group.parked:
+                self._vouch_parked(relay, group, now)
         for b in batch.beats:
             m = nodes.get(b.node_id)
             if m is None or m.relay != rid or m.epoch != b.epoch or not m.alive or m.outbox is None:
@@ -857,11 +864,12 @@ class DriverService(dgrpc.DriverServicer):
                 if m is None:
                     continue
             hb = b.heartbeat
-            m.last_seen = now
             m.hb = hb
             m.heartbeats += 1
-            order.pop(m.node_id, None)
-            order[m.node_id] = m
+            if group is None:
+                view.refresh(m, now)
+            else:
+                view.join(m, group, now)
             n += 1
             if hb.flags:
                 for e in detectors.flagged(m, hb):
@@ -874,11 +882,18 @@ class DriverService(dgrpc.DriverServicer):
                 m = self._member(relay, node_id, 0)
                 if m is None:
                     continue
-            m.last_seen = now
             m.heartbeats += 1
-            order.pop(node_id, None)
-            order[node_id] = m
+            if group is None:
+                view.refresh(m, now)
+            else:
+                view.join(m, group, now)
             n += 1
+        for s in batch.late:
+            m = nodes.get(s.node_id)
+            if m is None or m.relay != rid or m.epoch != s.epoch or not m.alive:
+                self.relay_refused += m is None or m.relay != rid or m.epoch != s.epoch
+                continue
+            view.late(m, now - max(0.0, s.silent_ms) / 1000.0)
         for s in batch.silent:
             m = nodes.get(s.node_id)
             if m is None or m.relay != rid or m.epoch != s.epoch or not m.alive:
@@ -890,6 +905,17 @@ class DriverService(dgrpc.DriverServicer):
                 log.warning("node lost (its relay)", node=m.node_id, relay=rid)
         if n:
             self.handler.add((time.perf_counter_ns() - t0) / 1e3 / n)
+
+    def _vouch_parked(self, relay: NodeSlot, group: Group, now: float) -> None:
+        """The relay vouches again after its group went quiet: its members the sweep took
+        out rejoin it; one declared lost meanwhile is told to register again (the relay
+        would not name it)."""
+        for node_id, m in group.parked.items():
+            if m.alive and m.relay == relay.node_id and m.group is None and m.outbox is not None:
+                self.view.join(m, group, now)
+            elif not m.alive and m.relay == relay.node_id:
+                self._send_away(relay, node_id)
+        group.parked.clear()
 
     def _send_away(self, relay: NodeSlot, node_id: str) -> None:
         """Tell `relay` to end `node_id`'s stream: the driver declared it lost, and a
@@ -906,6 +932,7 @@ class DriverService(dgrpc.DriverServicer):
     def _detach_members(self, relay_id: str) -> None:
         """The relay's session ended: its members have no command path until they come
         back (through it, or to us directly); their silence is held back meanwhile."""
+        self.view.drop_group(relay_id)
         for node_id in self.relayed.pop(relay_id, ()):
             m = self.view.nodes.get(node_id)
             if m is not None and isinstance(m.outbox, RelayOutbox) and m.outbox.relay == relay_id:
