@@ -79,7 +79,15 @@ async def serve(port_file: str, events_file: str) -> None:
     def record(e: ev.Event) -> None:
         if e.WhichOneof("payload") == "node_lost":
             out.write(
-                json.dumps({"node": e.node_lost.node_id, "wall_ns": e.wall_time_unix_ns}) + "\n"
+                json.dumps(
+                    {
+                        "node": e.node_lost.node_id,
+                        "wall_ns": e.wall_time_unix_ns,
+                        "reason": e.node_lost.reason,
+                        "silent_ms": round(e.node_lost.silent_ms),
+                    }
+                )
+                + "\n"
             )
 
     service.listeners.append(record)

@@ -852,8 +852,9 @@ class DriverService(dgrpc.DriverServicer):
         delivery, mono_ns = self.delivery, time.monotonic_ns
         n = 0
         group = view.groups.get(rid)
-        if batch.group_alive:
-            group = view.vouched(rid, now)
+        vouching = batch.group_alive
+        if vouching:
+            group = view.vouched(rid, now)  # one heartbeat of each member already in it
             n += len(group.members)
             if group.parked:
                 self._vouch_parked(relay, group, now)
@@ -865,12 +866,16 @@ class DriverService(dgrpc.DriverServicer):
                     continue
             hb = b.heartbeat
             m.hb = hb
-            m.heartbeats += 1
             if group is None:
+                m.heartbeats += 1
                 view.refresh(m, now)
+                n += 1
+            elif not (vouching and m.group is group):  # else its vouch counted it
+                m.heartbeats += 1
+                view.join(m, group, now)
+                n += 1
             else:
                 view.join(m, group, now)
-            n += 1
             if hb.flags:
                 for e in detectors.flagged(m, hb):
                     self.emit(e)
@@ -882,12 +887,14 @@ class DriverService(dgrpc.DriverServicer):
                 m = self._member(relay, node_id, 0)
                 if m is None:
                     continue
-            m.heartbeats += 1
             if group is None:
+                m.heartbeats += 1
                 view.refresh(m, now)
-            else:
+                n += 1
+            elif not (vouching and m.group is group):
+                m.heartbeats += 1
                 view.join(m, group, now)
-            n += 1
+                n += 1
         for s in batch.late:
             m = nodes.get(s.node_id)
             if m is None or m.relay != rid or m.epoch != s.epoch or not m.alive:
