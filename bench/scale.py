@@ -479,7 +479,11 @@ def main() -> None:
     for n in ns.e2e_nodes if ns.only in (None, "e2e") else ():
         import scale_e2e  # bench/, beside this file
 
+        # which levels this run reached (older keys of other levels stay in the file)
+        out.setdefault("e2e_levels_ran", []).append(n)
+        out[f"e2e_load_avg_1m_{n}"] = [round(os.getloadavg()[0], 2)]
         scale_e2e.run(n, out)
+        out[f"e2e_load_avg_1m_{n}"].append(round(os.getloadavg()[0], 2))
     for n in ns.levels if ns.only in (None, "fold") else ():
         fold_costs(n, ns.reps, out)
         if not ns.no_join:

@@ -511,6 +511,9 @@ def run(
                  "--job-id", "scale", "--driver-id", name, "--listen", "127.0.0.1:0",
                  "--port-file", str(pf), "--archive-url", str(tmp / "archive"),
                  "--nodes", str(nodes), "--workers-per-node", str(WORKERS), "--insecure",
+                 # the policy's default cap (1,024) shrank a larger world at its first
+                 # incident instead of taking a spare in
+                 "--max-nodes", str(nodes + GROUP),
                  "--log-format", "json"],
                 env=env, stdout=open(tmp / f"{name}.log", "ab"), stderr=subprocess.STDOUT,
                 start_new_session=True,
