@@ -75,6 +75,7 @@ RING = 1 << 16  # latency samples kept for p50/p99
 MAX_SHARDS_PER_REPORT = 4096  # shards read from one ShardsPersisted (a node's ranks, many steps)
 LIVE_VIEW_MAX_PAGE = 10_000  # LiveView page_size cap
 SWEEP_CHUNK = 512  # nodes a straggler sweep samples between yields to the event loop
+HELD_LOGS = 16  # late nodes logged by name per sweep (the rest: one line with the count)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -484,10 +485,16 @@ class DriverService(dgrpc.DriverServicer):
 
     def _note_held(self, held: list[NodeSlot], now: float) -> None:
         """Log a late node held as starved once, and once more when it came back (a false
-        loss avoided) or was lost after all."""
+        loss avoided) or was lost after all: each of the first HELD_LOGS of a sweep by
+        name, the rest in one line (a whole relay group late together is 64 nodes, a
+        stalled simulator or network thousands: a line each stalled the loop seconds)."""
+        fresh = 0
         for slot in held:
             if slot.node_id not in self._starved_held:
                 self._starved_held[slot.node_id] = slot.last_seen
+                fresh += 1
+                if fresh > HELD_LOGS:
+                    continue
                 hb = slot.hb
                 log.warning(
                     "node late while starved: held",
@@ -498,9 +505,12 @@ class DriverService(dgrpc.DriverServicer):
                     cpu_pressure_pct=hb.cpu_pressure_pct,
                     runnable_per_cpu=round(hb.runnable_per_cpu, 2),
                 )
+        if fresh > HELD_LOGS:
+            log.warning("more nodes late while starved: held", nodes=fresh - HELD_LOGS)
         ids = {s.node_id for s in held}
         if len(ids) == len(self._starved_held):
             return  # every one held is still held
+        done = {"held node came back": 0, "held node lost after its grace": 0}
         for node_id, since in list(self._starved_held.items()):
             if node_id in ids:
                 continue
@@ -509,10 +519,13 @@ class DriverService(dgrpc.DriverServicer):
             back = now_slot is not None and now_slot.alive and now_slot.last_seen > since
             if back:
                 self.starved_saved += 1
-            log.info(
-                "held node came back" if back else "held node lost after its grace",
-                node=node_id,
-            )
+            what = "held node came back" if back else "held node lost after its grace"
+            done[what] += 1
+            if done[what] <= HELD_LOGS:
+                log.info(what, node=node_id)
+        for what, n in done.items():
+            if n > HELD_LOGS:
+                log.info(what.replace("held node", "more held nodes"), nodes=n - HELD_LOGS)
 
     def _held_for_relay(self, slot: NodeSlot, now: float) -> bool:
         """Whether `slot`'s silence began with its relay's loss (and is still young enough

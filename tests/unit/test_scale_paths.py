@@ -232,3 +232,28 @@ def test_a_direct_heartbeat_or_a_loss_takes_a_member_out_of_its_group() -> None:
     view.mark_lost(m1)
     assert m1.group is None and not m1.alive and view.grouped == 1
     assert view.alive_count() == 2
+
+
+def test_a_crowd_of_held_nodes_is_logged_in_a_few_lines_and_counted_whole() -> None:
+    """Thousands of nodes late together (a stalled relay group, a starved host) cost a
+    few log lines per sweep, not one each; every one that came back is still counted."""
+    from structlog.testing import capture_logs
+
+    from unbroken.driver import service as svc
+
+    s = svc.DriverService(svc.ServiceConfig(), driver_id="d", job_id="j")
+    slots = []
+    for i in range(500):
+        slot = s.view.slot(f"n{i}")
+        s.view.mark_alive(slot, 1.0)
+        slots.append(slot)
+    with capture_logs() as logs:
+        s._note_held(slots, 2.0)
+    assert len(logs) == svc.HELD_LOGS + 1
+    assert logs[-1]["nodes"] == 500 - svc.HELD_LOGS
+    for slot in slots:
+        s.view.refresh(slot, 2.5)
+    with capture_logs() as logs:
+        s._note_held([], 2.6)
+    assert s.starved_saved == 500 and len(logs) == svc.HELD_LOGS + 1
+    assert logs[-1]["event"] == "more held nodes came back"
