@@ -450,6 +450,12 @@ def main() -> None:
         default=[10240],
         help="simulated nodes of the end-to-end run (bench/scale_e2e.py), multiples of 64",
     )
+    ap.add_argument(
+        "--e2e-join-timeout-s",
+        type=float,
+        default=900.0,
+        help="give up an end-to-end run whose join took longer (what it reached is recorded)",
+    )
     ns = ap.parse_args()
     out: dict[str, Any] = {
         "python": sys.version.split()[0],
@@ -482,7 +488,7 @@ def main() -> None:
         # which levels this run reached (older keys of other levels stay in the file)
         out.setdefault("e2e_levels_ran", []).append(n)
         out[f"e2e_load_avg_1m_{n}"] = [round(os.getloadavg()[0], 2)]
-        scale_e2e.run(n, out)
+        scale_e2e.run(n, out, join_timeout_s=ns.e2e_join_timeout_s)
         out[f"e2e_load_avg_1m_{n}"].append(round(os.getloadavg()[0], 2))
     for n in ns.levels if ns.only in (None, "fold") else ():
         fold_costs(n, ns.reps, out)
