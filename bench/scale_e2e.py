@@ -70,6 +70,14 @@ WORKERS = 8
 INTERVAL_S = 0.1
 RELAY_TIMEOUT_S = 3 * INTERVAL_S  # agent/relay.py: interval x miss limit
 SESSION = "/unbroken.driver.v1.Driver/Session"
+UNSUFFIXED = (  # keys written without the node count (also written with it)
+    "false_node_lost_join",
+    "detect_detected",
+    "detect_p50_ms",
+    "detect_p99_ms",
+    "false_node_lost_detection",
+    "false_node_lost_failover",
+)
 
 
 def _varint(n: int) -> bytes:
@@ -500,6 +508,8 @@ def run(
     procs: list[subprocess.Popen[bytes]] = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     key = f"_{nodes}"
+    for k in UNSUFFIXED:  # not a previous level's
+        out.pop(k, None)
     out["e2e_nodes"] = nodes  # the keys without a node count (detection, false NodeLost)
     out[f"e2e_relays_vouch_for_groups{key}"] = group
     with EmbeddedEtcd(tmp / "etcd") as etcd:
@@ -686,6 +696,10 @@ def run(
             watch.stop = True
         finally:
             stop_groups(procs, grace_s=5)
+            # the keys without a node count are the last level's: each level's too
+            for k in UNSUFFIXED:
+                if k in out:
+                    out[f"{k}{key}"] = out[k]
     print(f"logs in {tmp}")
 
 
