@@ -504,8 +504,13 @@ def main() -> None:
         print(f"level {n} done", file=sys.stderr)
     out[f"load_avg_1m_after_{ns.only or 'all'}"] = os.getloadavg()[0]
     old = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    merged = {**old, **out}
+    # every level whose end-to-end figures are in the file (this run's: e2e_levels_ran)
+    merged["e2e_levels_in_file"] = sorted(
+        int(k.rsplit("_", 1)[1]) for k in merged if k.startswith("e2e_load_avg_1m_")
+    )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({**old, **out}, indent=1, sort_keys=True) + "\n")
+    RESULTS.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
     print(
         "| nodes | copying ms/reg | in place ms/reg | x | batch64 copying | batch64 in place | x "
         "| join copying s | join in place s |"
