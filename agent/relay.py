@@ -11,7 +11,11 @@ heartbeat interval up its own Session to the driver, with the relay's own heartb
 
 - `beats`: the members whose heartbeat changed (step, worker state, flags, alerts, loss
   peaks), and every `full_every` batches every member's latest heartbeat (host stats);
-- `alive`: the ids of members that beat on time with nothing new;
+- `alive`: the ids of members that beat on time with nothing new, each named once: the
+  periodic batch says `group_alive` (every member named before and not named late or
+  silent since beat on time), so the driver's work per batch is O(1) plus the entries;
+- `late`: a member named before without a heartbeat this interval (the driver tracks it
+  alone until it is named again);
 - `silent`: members silent for the relay's timeout (detected here, where the heartbeats
   arrive): the driver declares them lost at once.
 A batch goes at once (not at the next interval) when a member's heartbeat carries flags or
@@ -95,18 +99,22 @@ class Member:
         "end",
         "ending",
         "epoch",
+        "fresh",
         "hb",
         "last_seen",
         "node_id",
         "outbox",
         "sent_sig",
         "sig",
+        "vouched",
     )
 
     def __init__(self, node_id: str, epoch: int) -> None:
         self.node_id = node_id
         self.epoch = epoch
         self.hb: dpb.Heartbeat | None = None  # newest, not forwarded yet (None: forwarded)
+        self.vouched = False  # named to the driver, not named late since: in the group
+        self.fresh = False  # beat since the last periodic batch
         self.last_seen = time.monotonic()
         self.sig: tuple[Any, ...] = ()
         self.sent_sig: tuple[Any, ...] = ()
@@ -256,6 +264,7 @@ class Relay(dgrpc.DriverServicer):
                 hb = msg.heartbeat
                 me.hb = hb
                 me.last_seen = time.monotonic()
+                me.fresh = True
                 me.sig = signature(hb)
                 if hb.flags or hb.alerts:
                     self.flush.set()
@@ -305,8 +314,11 @@ class Relay(dgrpc.DriverServicer):
             full = self.batches % self.config.full_every == 0
         timeout = self.interval_s * self.miss_limit
         out = dpb.RelayBatch()
+        periodic = own is not None
+        quiet = 0
         if own is not None:
             out.own.CopyFrom(own)
+            out.group_alive = True
         for me in list(self.members.values()):
             silent = now - me.last_seen
             if silent > timeout:
@@ -316,14 +328,25 @@ class Relay(dgrpc.DriverServicer):
                 continue
             hb = me.hb
             if hb is None:
-                continue  # nothing since the last batch: its silence grows
+                # nothing since the last batch: its silence grows; the periodic batch
+                # stops vouching for it when it sent nothing this interval either
+                if periodic and me.vouched and not me.fresh:
+                    out.late.add(node_id=me.node_id, epoch=me.epoch, silent_ms=silent * 1000.0)
+                    me.vouched = False
+                me.fresh = me.fresh and not periodic
+                continue
             if full or hb.flags or hb.alerts or me.sig != me.sent_sig or _peaks(hb):
                 out.beats.add(node_id=me.node_id, epoch=me.epoch).heartbeat.CopyFrom(hb)
                 me.sent_sig = me.sig
-            else:
+            elif not me.vouched:
                 out.alive.append(me.node_id)
+            else:
+                quiet += 1  # on time, nothing new, vouched for: not named
+            me.vouched = True
             me.hb = None
-        self.forwarded += len(out.beats) + len(out.alive)
+            if periodic:
+                me.fresh = False
+        self.forwarded += len(out.beats) + len(out.alive) + quiet
         return out
 
     async def forward(self, send: Send) -> None:

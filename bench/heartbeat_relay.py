@@ -79,7 +79,15 @@ async def serve(port_file: str, events_file: str) -> None:
     def record(e: ev.Event) -> None:
         if e.WhichOneof("payload") == "node_lost":
             out.write(
-                json.dumps({"node": e.node_lost.node_id, "wall_ns": e.wall_time_unix_ns}) + "\n"
+                json.dumps(
+                    {
+                        "node": e.node_lost.node_id,
+                        "wall_ns": e.wall_time_unix_ns,
+                        "reason": e.node_lost.reason,
+                        "silent_ms": round(e.node_lost.silent_ms),
+                    }
+                )
+                + "\n"
             )
 
     service.listeners.append(record)
@@ -176,6 +184,8 @@ async def sim_relays(target: str, prefix: str, relays: int, mode: str) -> None:
             rnd += 1
             step = rnd // 9
             full = mode == "full" or rnd % 9 == 0 or rnd % 10 == 0
+            # grouped: a batch between the full ones names nobody, its group_alive vouches
+            # for every member named before (the full batches name them all)
             key = (step, full)
             if key not in cache:
                 if len(cache) > 4:
@@ -183,7 +193,9 @@ async def sim_relays(target: str, prefix: str, relays: int, mode: str) -> None:
                 cache[key] = []
             got = cache[key]
             if len(got) < len(ids):  # relays that joined since (built once, then reused)
-                got += [_batch(m, epoch, step, rnd, full) for m in ids[len(got) :]]
+                got += [
+                    _batch(m, epoch, step, rnd, full, mode == "grouped") for m in ids[len(got) :]
+                ]
             for i, (call, data) in enumerate(zip(list(calls), cache[key], strict=False)):
                 if call is None:
                     continue
@@ -224,10 +236,19 @@ def _field(number: int, payload: bytes) -> bytes:
 _HB: dict[tuple[int, int], bytes] = {}
 
 
-def _batch(members: list[str], epoch: int, step: int, seq: int, full: bool) -> bytes:
+GROUP_ALIVE = _varint(540 << 3) + b"\x01"  # RelayBatch.group_alive = true
+
+
+def _batch(
+    members: list[str], epoch: int, step: int, seq: int, full: bool, grouped: bool = False
+) -> bytes:
     """The AgentMessage(relay_batch) bytes, assembled from pre-serialized parts (the
     simulator must not spend the cores the driver is measured on)."""
     own = _field(4, dpb.Heartbeat(seq=seq).SerializeToString())
+    if grouped:
+        own += GROUP_ALIVE
+        if not full:
+            return _field(40, own)
     if full:
         hb = _HB.get((step, seq))
         if hb is None:
@@ -404,9 +425,16 @@ def load_level(
             out["register_job_ms"] = round((time.perf_counter() - t) * 1e3, 1)
         time.sleep(warm_s)
         proc = psutil.Process(drv.pid)
+        simp = [psutil.Process(p.pid) for p in sims]
+
+        def sim_cpu() -> float:
+            return sum(sum(p.cpu_times()[:2]) for p in simp)
+
+        q0 = sim_cpu()
         s0, c0, t0, w0 = live_stats(stub), proc.cpu_times(), time.monotonic(), time.time_ns()
         time.sleep(measure_s)
         s1, c1, t1, w1 = live_stats(stub), proc.cpu_times(), time.monotonic(), time.time_ns()
+        out["simulators_cpu_percent"] = round(100 * (sim_cpu() - q0) / (t1 - t0), 1)
         dt = t1 - t0
         cpu = c1.user + c1.system - c0.user - c0.system
         hb = s1.heartbeats - s0.heartbeats
@@ -588,6 +616,38 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def group_compare(nodes: int) -> None:
+    """The driver's CPU at `nodes` behind relays that name every member every interval
+    (the baseline) and behind relays that vouch for their group (`group_alive`: a member
+    is named only with news), in the same run; into heartbeat.json's `relay_group`."""
+    load0 = round(os.getloadavg()[0], 2)
+    out: dict[str, Any] = {"nodes": nodes}
+    with tempfile.TemporaryDirectory(prefix="bench-relay-") as tmp:
+        r = Run(Path(tmp))
+        try:
+            for beats in ("mixed", "grouped"):
+                out[beats] = load_level(r, nodes, 3.0, 8.0, world=False, beats=beats)
+                print(json.dumps(out[beats]), flush=True)
+        finally:
+            r.stop(r.procs)
+    named, grouped = out["mixed"], out["grouped"]
+    out["driver_cpu_ratio_named_over_grouped"] = (
+        round(named["driver_cpu_percent"] / grouped["driver_cpu_percent"], 2)
+        if grouped["driver_cpu_percent"]
+        else None
+    )
+    us = grouped["driver_cpu_us_per_heartbeat"]
+    # one core's worth at the grouped cost per member heartbeat (an extrapolation: the
+    # simulators share these 2 cores with the driver)
+    out["max_nodes_per_core_100ms_grouped_extrapolated"] = int(1e6 / (10 * us)) if us else 0
+    out["loadavg_1m"] = [load0, round(os.getloadavg()[0], 2)]
+    out["cpus"] = os.cpu_count()
+    result = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    result["relay_group"] = out
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(out, indent=1))
+
+
 def _sustained(lv: dict[str, Any]) -> bool:
     return lv["false_node_lost"] == 0 and lv["heartbeats_per_s"] >= 0.95 * lv["expected_per_s"]
 
@@ -606,7 +666,15 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--prefix", default="s")
     ap.add_argument("--log", default=os.devnull)
-    ap.add_argument("--beats", choices=("mixed", "full"), default="mixed")
+    ap.add_argument("--beats", choices=("mixed", "full", "grouped"), default="mixed")
+    ap.add_argument(
+        "--group-compare",
+        type=int,
+        default=0,
+        metavar="NODES",
+        help="only the driver's cost at NODES with relays that vouch for their groups "
+        "against relays that name every member every interval (the baseline), same run",
+    )
     ap.add_argument("--levels", default="1280,2560,5120", help="node counts (multiples of 64)")
     ap.add_argument("--quick", action="store_true", help="small loads (smoke test)")
     ns = ap.parse_args()
@@ -618,6 +686,9 @@ def main() -> None:
         return
     if ns.sim_members:
         asyncio.run(sim_members(ns.sim_members, ns.relay, ns.prefix, ns.nodes, ns.log))
+        return
+    if ns.group_compare:
+        group_compare(ns.group_compare)
         return
     levels = [640, 1280] if ns.quick else [int(v) for v in ns.levels.split(",")]
     warm, measure = (2.0, 3.0) if ns.quick else (3.0, 8.0)

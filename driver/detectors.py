@@ -63,7 +63,13 @@ def late_together(view: LiveView, now: float) -> bool:
         if now - slot.last_seen <= late_after:
             break
         late += 1
-    return late >= 2 and late > c.late_share * len(view.order)
+    late += sum(1 for slot in view.strays.values() if now - slot.last_seen > late_after)
+    for g in view.groups.values():
+        if now - g.seen <= late_after:
+            break
+        late += len(g.members)
+    heard = len(view.order) + len(view.strays) + view.grouped
+    return late >= 2 and late > c.late_share * heard
 
 
 def silent(
@@ -96,20 +102,27 @@ def silent(
     cap = c.jitter_cap * c.timeout_s
     hold = c.starved_hold_ms / 1000.0
     crowd: bool | None = None  # late_together, read once per sweep when needed
+    # a relay group quiet past the timeout: its members are judged one by one below
+    view.expand_quiet(now, c.timeout_s + slack_s)
     for queue, timeout, reason, adaptive in (
         (view.order, c.timeout_s + slack_s, "heartbeat timeout", c.jitter_k > 0),
+        (view.strays, c.timeout_s + slack_s, "heartbeat timeout", c.jitter_k > 0),
         (view.pending, grace_s + slack_s, "no session after registration", False),
     ):
+        whole = queue is view.strays  # out of order: read whole (few)
+        beating = whole or queue is view.order
         for slot in queue.values():
             silence = now - slot.last_seen
             if silence <= timeout:
+                if whole:
+                    continue
                 break
             # only the stale front is read: the nodes past the fixed timeout
             # (only while its stream is open: a killed agent's closed stream is its loss)
             jitter = min(cap, c.jitter_k * slot.gap_s)
             if adaptive and slot.connected and silence <= jitter + slack_s:
                 continue
-            if queue is view.order and hold and slot.connected and silence <= timeout + hold:
+            if beating and hold and slot.connected and silence <= timeout + hold:
                 # ...or that has not sent its first heartbeat since it registered: its
                 # registration proved it alive, and under load the first beat is start-up
                 # (bench overload, load 64: a spare registered and was lost 506 ms later,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -424,6 +424,20 @@ def decode(data: bytes) -> ev.Event:
             f"knows up to {_MAX_SCHEMA}: upgrade it"
         )
     return e
+
+
+def decode_all(values: Iterable[bytes]) -> list[ev.Event]:
+    """`decode` of each value (one loop, no call per event: a replay decodes 100k)."""
+    parse = ev.Event.FromString
+    out = [parse(v) for v in values]
+    newest = max((e.schema_version for e in out), default=0)
+    if newest > _MAX_SCHEMA:
+        e = next(e for e in out if e.schema_version == newest)
+        raise SchemaError(
+            f"event {e.seq} has schema version {e.schema_version}; this unbroken "
+            f"knows up to {_MAX_SCHEMA}: upgrade it"
+        )
+    return out
 
 
 def cmp_op(key: bytes, target: str, value: int | bytes) -> rpc.Compare:

@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
+import itertools
 import json
 import time
 import zlib
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +58,7 @@ from unbroken.driver.etcdclient import (
     cmp_op,
     connect,
     decode,
+    decode_all,
     delete_op,
     endpoint_of,
     first_kv,
@@ -661,10 +664,36 @@ class EtcdEventLog(EventLog):
             f"read of job {self.job_id} from {from_seq} kept racing etcd compaction; retry"
         )
 
+    async def replay(self) -> ev.JobState:
+        """The job state: newest snapshot folded forward with every later event.
+
+        Each page is folded as it arrives while the next ones are in flight (etcd works
+        on them meanwhile), into one copy of the snapshot's state, with no list of the
+        whole tail kept; a read that raced compaction starts over from a fresh copy."""
+        for _ in range(MAX_ATTEMPTS):
+            snap = await self.latest_snapshot()
+            state = statelib.initial(self.job_id) if snap is None else snap.state
+            start = 1 if snap is None else snap.last_seq + 1
+            out = ev.JobState()
+            out.CopyFrom(state)
+            try:
+                await self._read_at_one_revision(
+                    start, None, sink=functools.partial(statelib.fold_into, out)
+                )
+                return out
+            except grpc.aio.AioRpcError as e:
+                assert is_compacted(e), e
+        raise LogUnavailableError(f"replay of job {self.job_id} kept racing etcd compaction; retry")
+
     async def _read_at_one_revision(
-        self, from_seq: int, to_seq: int | None
+        self,
+        from_seq: int,
+        to_seq: int | None,
+        sink: Callable[[list[ev.Event]], None] | None = None,
     ) -> tuple[list[ev.Event], int]:
-        """Events from_seq..to_seq and the etcd revision they were read at (archive included)."""
+        """Events from_seq..to_seq and the etcd revision they were read at (archive included).
+
+        With `sink`, each page goes to it, in order, instead of the list (returned empty)."""
         k = self.keys
         first = await self._call(self.client.kvstub.Range, rpc.RangeRequest(key=k.archived))
         if to_seq is not None and to_seq < from_seq:
@@ -677,7 +706,11 @@ class EtcdEventLog(EventLog):
             for upto_part, url in parts:
                 if from_seq <= upto_part and (to_seq is None or to_seq >= from_seq):
                     upto = upto_part if to_seq is None else min(upto_part, to_seq)
-                    out += await self._read_archive(url, from_seq, upto)
+                    got = await self._read_archive(url, from_seq, upto)
+                    if sink is None:
+                        out += got
+                    else:
+                        sink(got)
                     from_seq = upto + 1
                 lo = upto_part + 1
             assert lo == archived + 1, f"archive marker parts end at {lo - 1}, not {archived}"
@@ -690,23 +723,32 @@ class EtcdEventLog(EventLog):
         # Event keys are dense: each page is an exact key range, so etcd never walks past it
         # (a `limit` over an open range made etcd scan the rest of the log on every page:
         # 3.5 s for 100k events against 0.4 s), and a few pages are in flight at once.
-        starts = list(range(from_seq, to_seq + 1, READ_PAGE))
-        for i in range(0, len(starts), READ_PARALLEL):
-            pages = await asyncio.gather(
-                *(
-                    self._call(
-                        self.client.kvstub.Range,
-                        rpc.RangeRequest(
-                            key=k.event(a),
-                            range_end=k.event(min(a + READ_PAGE, to_seq + 1)),
-                            revision=rev,
-                        ),
-                    )
-                    for a in starts[i : i + READ_PARALLEL]
-                )
+        # A window of READ_PARALLEL pages stays in flight: the oldest is decoded (and given
+        # to the sink) while etcd serves the others.
+        last = to_seq
+
+        def page(a: int) -> asyncio.Future[Any]:
+            req = rpc.RangeRequest(
+                key=k.event(a), range_end=k.event(min(a + READ_PAGE, last + 1)), revision=rev
             )
-            for r in pages:
-                out.extend(decode(kv.value) for kv in r.kvs)
+            return asyncio.ensure_future(self._call(self.client.kvstub.Range, req))
+
+        starts = iter(range(from_seq, to_seq + 1, READ_PAGE))
+        window = collections.deque(page(a) for a in itertools.islice(starts, READ_PARALLEL))
+        try:
+            while window:
+                r = await window.popleft()
+                nxt = next(starts, None)
+                if nxt is not None:
+                    window.append(page(nxt))
+                got = decode_all(kv.value for kv in r.kvs)
+                if sink is None:
+                    out += got
+                else:
+                    sink(got)
+        finally:
+            for f in window:
+                f.cancel()
         return out, rev
 
     async def _read_archive(self, url: str, from_seq: int, upto: int) -> list[ev.Event]:

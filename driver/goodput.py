@@ -66,7 +66,7 @@ def live_inputs(view: LiveView) -> LiveInputs:
     times: list[float] = []
     save: list[float] = []
     data: list[float] = []
-    for slot in view.order.values():
+    for slot in view.heard():
         if len(times) >= SAMPLE_NODES * 8:
             break
         for w in slot.hb.workers:

@@ -7,6 +7,13 @@ monotonic timestamp and a counter.
 `LiveView.order` is an insertion-ordered dict kept sorted by last heartbeat time (a beat
 moves its node to the end), so the node-lost sweep reads only the stale front of it
 instead of scanning every node on every tick.
+
+A relay that vouches for its group (`RelayBatch.group_alive`) keeps its members out of
+that order: they sit in the relay's `Group`, whose one timestamp the relay's batch moves,
+so a batch costs the driver O(1) plus its named entries, not O(members). A member's
+`last_seen` and `heartbeats` read through its group. A member the relay names late, or
+every member of a group whose relay went quiet past the timeout, goes back to being
+tracked alone (`strays`, read whole by the sweep, when it is older than the order's end).
 """
 
 from __future__ import annotations
@@ -146,19 +153,36 @@ class LiveViewConfig:
         return self.heartbeat_interval_ms * self.miss_limit / 1000.0
 
 
+class Group:
+    """A relay's vouched members: heard as one while the relay's batches say so."""
+
+    __slots__ = ("beats", "members", "parked", "relay", "seen")
+
+    def __init__(self, relay: str, seen: float) -> None:
+        self.relay = relay
+        self.seen = seen  # monotonic time of the relay's last batch that vouched for them
+        self.beats = 0  # batches that vouched, so far
+        self.members: dict[str, NodeSlot] = {}
+        # members the sweep took out when the group went quiet: vouched again (or, when lost
+        # meanwhile, sent away) at the relay's next vouching batch
+        self.parked: dict[str, NodeSlot] = {}
+
+
 class NodeSlot:
     """One node's live state. Mutated only by the event loop thread."""
 
     __slots__ = (
+        "_beats",
+        "_seen",
         "alive",
         "connected",
         "epoch",
         "gap_s",
+        "group",
+        "group_mark",
         "hb",
-        "heartbeats",
         "hung_at",
         "info",
-        "last_seen",
         "last_step",
         "leaving",
         "node_id",
@@ -175,10 +199,12 @@ class NodeSlot:
         self.epoch = 0
         self.info = dpb.RegisterRequest()
         self.peer_host = ""  # the address the registration came from (transport, not claimed)
-        self.last_seen = 0.0  # time.monotonic() of the last heartbeat (or registration)
+        self._seen = 0.0  # time.monotonic() of its last heartbeat (or registration)
         self.gap_s = 0.0  # the largest recent gap between its heartbeats (decaying)
         self.hb = dpb.Heartbeat()
-        self.heartbeats = 0
+        self._beats = 0
+        self.group: Group | None = None  # its relay's group while the relay vouches for it
+        self.group_mark = 0  # the group's `beats` when it joined
         self.alive = False
         self.connected = False
         self.relay = ""  # the relay its registration named ("": it heartbeats to us directly)
@@ -190,6 +216,27 @@ class NodeSlot:
         self.last_step: dict[int, int] = {}  # local_rank -> highest step seen
         # told to leave (evicted): its agent exits, so its silence is no loss (no NodeLost)
         self.leaving = False
+
+    @property
+    def last_seen(self) -> float:
+        """time.monotonic() of its last heartbeat (or registration, or its group's batch)."""
+        g = self.group
+        return self._seen if g is None or g.seen < self._seen else g.seen
+
+    @last_seen.setter
+    def last_seen(self, value: float) -> None:
+        self._seen = value
+
+    @property
+    def heartbeats(self) -> int:
+        """Heartbeats heard (a grouped member's: one per vouching batch of its relay)."""
+        g = self.group
+        return self._beats if g is None else self._beats + g.beats - self.group_mark
+
+    @heartbeats.setter
+    def heartbeats(self, value: int) -> None:
+        g = self.group
+        self._beats = value if g is None else value - g.beats + self.group_mark
 
 
 class LiveView:
@@ -203,6 +250,12 @@ class LiveView:
         # registered, session not started yet, oldest registration first: a registration
         # storm must not turn into false NodeLost events while sessions are being opened
         self.pending: dict[str, NodeSlot] = {}
+        # alive nodes tracked alone but older than the end of `order` (a member its relay
+        # named late, a quiet group's members): few, read whole by the sweep
+        self.strays: dict[str, NodeSlot] = {}
+        # relay id -> the group it vouches for, stalest batch first
+        self.groups: dict[str, Group] = {}
+        self.grouped = 0  # members in groups
         self.decay = config.jitter_decay
 
     def slot(self, node_id: str) -> NodeSlot:
@@ -212,21 +265,121 @@ class LiveView:
             s = self.nodes[node_id] = NodeSlot(node_id)
         return s
 
-    def mark_registered(self, slot: NodeSlot, now: float) -> None:
-        """`slot` registered at `now`; it has `session_grace_ms` to open its session."""
-        slot.alive = True
-        slot.last_seen = now
+    def _untrack(self, slot: NodeSlot) -> None:
+        """Take `slot` out of every queue and group (its `last_seen` as it read)."""
+        if slot.group is not None:
+            self._leave(slot)
         self.order.pop(slot.node_id, None)
         self.pending.pop(slot.node_id, None)
+        self.strays.pop(slot.node_id, None)
+
+    def _leave(self, slot: NodeSlot) -> None:
+        g = slot.group
+        assert g is not None
+        seen, beats = slot.last_seen, slot.heartbeats
+        del g.members[slot.node_id]
+        self.grouped -= 1
+        slot.group = None
+        slot._seen, slot._beats = seen, beats
+
+    def _track(self, slot: NodeSlot) -> None:
+        """Track ungrouped `slot` alone: at the end of `order` when it is not older than
+        that end, else among the strays."""
+        order = self.order
+        if order and next(reversed(order.values()))._seen > slot._seen:
+            self.strays[slot.node_id] = slot
+        else:
+            order[slot.node_id] = slot
+
+    def mark_registered(self, slot: NodeSlot, now: float) -> None:
+        """`slot` registered at `now`; it has `session_grace_ms` to open its session."""
+        self._untrack(slot)
+        slot.alive = True
+        slot.last_seen = now
         self.pending[slot.node_id] = slot
 
     def mark_alive(self, slot: NodeSlot, now: float) -> None:
         """Start (or restart) tracking `slot`'s heartbeats from `now`."""
+        self._untrack(slot)
         slot.alive = True
         slot.last_seen = now
-        self.pending.pop(slot.node_id, None)
-        self.order.pop(slot.node_id, None)
         self.order[slot.node_id] = slot
+
+    def refresh(self, slot: NodeSlot, now: float) -> None:
+        """Alive `slot` heard at `now` (tracked alone: out of its group, if it was in one)."""
+        slot.last_seen = now
+        order = self.order
+        if order.pop(slot.node_id, None) is None:
+            self.strays.pop(slot.node_id, None)
+            if slot.group is not None:
+                self._leave(slot)
+                slot._seen = now
+        order[slot.node_id] = slot
+
+    # ------------------------------------------------------------ relay groups
+    def vouched(self, relay: str, now: float) -> Group:
+        """`relay`'s batch at `now` vouched for its group: O(1), whatever its size. The
+        caller vouches again for (or sends away) the members in `parked`."""
+        g = self.groups.pop(relay, None)
+        if g is None:
+            g = Group(relay, now)
+        self.groups[relay] = g  # the freshest at the end
+        g.seen = now
+        g.beats += 1
+        return g
+
+    def join(self, slot: NodeSlot, group: Group, now: float) -> None:
+        """Alive `slot`, heard at `now`, is vouched for by `group`'s relay from now on."""
+        if slot.group is group:
+            slot._seen = now
+            return
+        self._untrack(slot)
+        slot.alive = True
+        slot._seen = now
+        slot.group, slot.group_mark = group, group.beats
+        group.members[slot.node_id] = slot
+        self.grouped += 1
+
+    def late(self, slot: NodeSlot, seen: float) -> None:
+        """The relay no longer vouches for `slot`: last heard at `seen`, tracked alone."""
+        self._untrack(slot)
+        slot.alive = True
+        slot._seen = min(slot._seen, seen)
+        self._track(slot)
+
+    def drop_group(self, relay: str) -> None:
+        """`relay` is gone (its session ended): its members are tracked alone."""
+        g = self.groups.pop(relay, None)
+        if g is None:
+            return
+        for slot in list(g.members.values()):
+            self._leave(slot)
+            self._track(slot)
+        g.parked.clear()
+
+    def expand_quiet(self, now: float, timeout: float) -> None:
+        """Members of a group whose relay vouched for none of them for `timeout` are
+        tracked alone (parked, for the relay's next vouching batch); reads only the quiet
+        front of `groups`."""
+        for g in self.groups.values():
+            if now - g.seen <= timeout:
+                break
+            for slot in list(g.members.values()):
+                self._leave(slot)
+                self._track(slot)
+                g.parked[slot.node_id] = slot
+
+    def tracked(self, slot: NodeSlot) -> bool:
+        """Whether alive `slot`'s heartbeats are being followed (not only registered)."""
+        return slot.alive and (
+            slot.group is not None or slot.node_id in self.order or slot.node_id in self.strays
+        )
+
+    def heard(self) -> Iterable[NodeSlot]:
+        """Alive nodes heard from: the deadline order's newest first, then grouped ones."""
+        yield from reversed(self.order.values())
+        for g in reversed(self.groups.values()):
+            yield from g.members.values()
 
     def beat(self, slot: NodeSlot, hb: dpb.Heartbeat, now: float) -> None:
         """Record one heartbeat: the whole per-message cost of a healthy node."""
@@ -234,20 +387,18 @@ class LiveView:
             gap = now - slot.last_seen
             decayed = slot.gap_s * self.decay
             slot.gap_s = gap if gap > decayed else decayed
-        slot.last_seen = now
         slot.hb = hb
         slot.heartbeats += 1
-        order = self.order
         if slot.alive:
             # pop + reinsert moves the node to the end of the deadline order
-            del order[slot.node_id]
-            order[slot.node_id] = slot
+            self.refresh(slot, now)
+        else:
+            slot.last_seen = now
 
     def mark_lost(self, slot: NodeSlot) -> None:
         """Stop tracking `slot` (it was declared lost)."""
+        self._untrack(slot)
         slot.alive = False
-        self.order.pop(slot.node_id, None)
-        self.pending.pop(slot.node_id, None)
 
     def mark_leaving(self, node_id: str) -> None:
         """`node_id` was told to leave (evicted): its agent exits on the command, so the
@@ -257,7 +408,7 @@ class LiveView:
             slot.leaving = True
 
     def alive_count(self) -> int:
-        return len(self.order) + len(self.pending)
+        return len(self.order) + len(self.pending) + len(self.strays) + self.grouped
 
     def snapshot(
         self, now: float | None = None, *, after: str = "", limit: int = 0

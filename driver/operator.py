@@ -121,7 +121,7 @@ def status_of(state: ev.JobState, view: LiveView) -> dpb.GetStatusResponse:
     unlogged = sum(1 for node_id in view.nodes if node_id not in state.nodes)
     counts[0] += unlogged  # registered, not in the log yet
     live_step = 0
-    for _, slot in zip(range(LIVE_STEP_NODES), reversed(view.order.values()), strict=False):
+    for _, slot in zip(range(LIVE_STEP_NODES), view.heard(), strict=False):
         for w in slot.hb.workers:
             if w.step > live_step:
                 live_step = w.step

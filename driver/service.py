@@ -49,7 +49,7 @@ from unbroken.driver.eventlog import EventLog, NotLeaderError, new_event_id
 from unbroken.driver.journal import FAULT_KINDS, Batch, Journal, JournalConfig, Pending
 from unbroken.driver.launcher_api import LauncherApi
 from unbroken.driver.leadership import Leadership
-from unbroken.driver.liveview import LiveView, LiveViewConfig, NodeSlot
+from unbroken.driver.liveview import Group, LiveView, LiveViewConfig, NodeSlot
 from unbroken.driver.metrics import DriverMetrics
 from unbroken.driver.operator import OperatorApi
 from unbroken.driver.principalquota import PrincipalQuotas, QuotaBook
@@ -76,6 +76,7 @@ RING = 1 << 16  # latency samples kept for p50/p99
 MAX_SHARDS_PER_REPORT = 4096  # shards read from one ShardsPersisted (a node's ranks, many steps)
 LIVE_VIEW_MAX_PAGE = 10_000  # LiveView page_size cap
 SWEEP_CHUNK = 512  # nodes a straggler sweep samples between yields to the event loop
+HELD_LOGS = 16  # late nodes logged by name per sweep (the rest: one line with the count)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -491,10 +492,16 @@ class DriverService(dgrpc.DriverServicer):
 
     def _note_held(self, held: list[NodeSlot], now: float) -> None:
         """Log a late node held as starved once, and once more when it came back (a false
-        loss avoided) or was lost after all."""
+        loss avoided) or was lost after all: each of the first HELD_LOGS of a sweep by
+        name, the rest in one line (a whole relay group late together is 64 nodes, a
+        stalled simulator or network thousands: a line each stalled the loop seconds)."""
+        fresh = 0
         for slot in held:
             if slot.node_id not in self._starved_held:
                 self._starved_held[slot.node_id] = slot.last_seen
+                fresh += 1
+                if fresh > HELD_LOGS:
+                    continue
                 hb = slot.hb
                 log.warning(
                     "node late while starved: held",
@@ -505,9 +512,12 @@ class DriverService(dgrpc.DriverServicer):
                     cpu_pressure_pct=hb.cpu_pressure_pct,
                     runnable_per_cpu=round(hb.runnable_per_cpu, 2),
                 )
+        if fresh > HELD_LOGS:
+            log.warning("more nodes late while starved: held", nodes=fresh - HELD_LOGS)
         ids = {s.node_id for s in held}
         if len(ids) == len(self._starved_held):
             return  # every one held is still held
+        done = {"held node came back": 0, "held node lost after its grace": 0}
         for node_id, since in list(self._starved_held.items()):
             if node_id in ids:
                 continue
@@ -516,10 +526,13 @@ class DriverService(dgrpc.DriverServicer):
             back = now_slot is not None and now_slot.alive and now_slot.last_seen > since
             if back:
                 self.starved_saved += 1
-            log.info(
-                "held node came back" if back else "held node lost after its grace",
-                node=node_id,
-            )
+            what = "held node came back" if back else "held node lost after its grace"
+            done[what] += 1
+            if done[what] <= HELD_LOGS:
+                log.info(what, node=node_id)
+        for what, n in done.items():
+            if n > HELD_LOGS:
+                log.info(what.replace("held node", "more held nodes"), nodes=n - HELD_LOGS)
 
     def _held_for_relay(self, slot: NodeSlot, now: float) -> bool:
         """Whether `slot`'s silence began with its relay's loss (and is still young enough
@@ -678,7 +691,7 @@ class DriverService(dgrpc.DriverServicer):
         # world's buddy ring was empty after every failover and the buddies' copies untrusted
         slot.info = request
         slot.peer_host = peer_host(context.peer())
-        if not (slot.alive and slot.node_id in self.view.order):
+        if not self.view.tracked(slot):
             self.view.mark_registered(slot, now)
         return dpb.RegisterResponse(
             driver_id=self.driver_id,
@@ -871,13 +884,21 @@ class DriverService(dgrpc.DriverServicer):
 
     def _relay_batch(self, relay: NodeSlot, batch: dpb.RelayBatch, t0: int) -> None:
         """One relay's batch: each member entry costs what a direct heartbeat does, minus
-        the gRPC message."""
+        the gRPC message; the members a vouching relay does not name cost nothing each
+        (their group's one timestamp moves)."""
         now = time.monotonic()
-        order = self.view.order
-        nodes = self.view.nodes
+        view = self.view
+        nodes = view.nodes
         rid = relay.node_id
         delivery, mono_ns = self.delivery, time.monotonic_ns
         n = 0
+        group = view.groups.get(rid)
+        vouching = batch.group_alive
+        if vouching:
+            group = view.vouched(rid, now)  # one heartbeat of each member already in it
+            n += len(group.members)
+            if group.parked:
+                self._vouch_parked(relay, group, now)
         for b in batch.beats:
             m = nodes.get(b.node_id)
             if m is None or m.relay != rid or m.epoch != b.epoch or not m.alive or m.outbox is None:
@@ -885,12 +906,17 @@ class DriverService(dgrpc.DriverServicer):
                 if m is None:
                     continue
             hb = b.heartbeat
-            m.last_seen = now
             m.hb = hb
-            m.heartbeats += 1
-            order.pop(m.node_id, None)
-            order[m.node_id] = m
-            n += 1
+            if group is None:
+                m.heartbeats += 1
+                view.refresh(m, now)
+                n += 1
+            elif not (vouching and m.group is group):  # else its vouch counted it
+                m.heartbeats += 1
+                view.join(m, group, now)
+                n += 1
+            else:
+                view.join(m, group, now)
             if hb.flags:
                 for e in detectors.flagged(m, hb):
                     self.emit(e)
@@ -902,11 +928,20 @@ class DriverService(dgrpc.DriverServicer):
                 m = self._member(relay, node_id, 0)
                 if m is None:
                     continue
-            m.last_seen = now
-            m.heartbeats += 1
-            order.pop(node_id, None)
-            order[node_id] = m
-            n += 1
+            if group is None:
+                m.heartbeats += 1
+                view.refresh(m, now)
+                n += 1
+            elif not (vouching and m.group is group):
+                m.heartbeats += 1
+                view.join(m, group, now)
+                n += 1
+        for s in batch.late:
+            m = nodes.get(s.node_id)
+            if m is None or m.relay != rid or m.epoch != s.epoch or not m.alive:
+                self.relay_refused += m is None or m.relay != rid or m.epoch != s.epoch
+                continue
+            view.late(m, now - max(0.0, s.silent_ms) / 1000.0)
         for s in batch.silent:
             m = nodes.get(s.node_id)
             if m is None or m.relay != rid or m.epoch != s.epoch or not m.alive:
@@ -918,6 +953,17 @@ class DriverService(dgrpc.DriverServicer):
                 log.warning("node lost (its relay)", node=m.node_id, relay=rid)
         if n:
             self.handler.add((time.perf_counter_ns() - t0) / 1e3 / n)
+
+    def _vouch_parked(self, relay: NodeSlot, group: Group, now: float) -> None:
+        """The relay vouches again after its group went quiet: its members the sweep took
+        out rejoin it; one declared lost meanwhile is told to register again (the relay
+        would not name it)."""
+        for node_id, m in group.parked.items():
+            if m.alive and m.relay == relay.node_id and m.group is None and m.outbox is not None:
+                self.view.join(m, group, now)
+            elif not m.alive and m.relay == relay.node_id:
+                self._send_away(relay, node_id)
+        group.parked.clear()
 
     def _send_away(self, relay: NodeSlot, node_id: str) -> None:
         """Tell `relay` to end `node_id`'s stream: the driver declared it lost, and a
@@ -934,6 +980,7 @@ class DriverService(dgrpc.DriverServicer):
     def _detach_members(self, relay_id: str) -> None:
         """The relay's session ended: its members have no command path until they come
         back (through it, or to us directly); their silence is held back meanwhile."""
+        self.view.drop_group(relay_id)
         for node_id in self.relayed.pop(relay_id, ()):
             m = self.view.nodes.get(node_id)
             if m is not None and isinstance(m.outbox, RelayOutbox) and m.outbox.relay == relay_id:

@@ -35,9 +35,26 @@ def fold(events: Iterable[ev.Event], state: ev.JobState) -> ev.JobState:
     """Apply `events` in order to a copy of `state`."""
     out = ev.JobState()
     out.CopyFrom(state)
-    for e in events:
-        _apply_in_place(out, e)
+    fold_into(out, events)
     return out
+
+
+def fold_into(s: ev.JobState, events: Iterable[ev.Event]) -> None:
+    """Apply `events` in order to `s` itself (a replay's own copy: nothing undoes it).
+
+    The same as `_apply_in_place` per event, with the per-kind counts summed in a dict and
+    written once at the end (a protobuf map update per event was a tenth of a replay)."""
+    counts: dict[str, int] = {}
+    get = counts.get
+    body = _apply_body
+    try:
+        for e in events:
+            kind = body(s, e)
+            counts[kind] = get(kind, 0) + 1
+    finally:
+        ec = s.event_counts
+        for kind, n in counts.items():
+            ec[kind] += n
 
 
 def apply(state: ev.JobState, event: ev.Event) -> ev.JobState:
@@ -104,28 +121,39 @@ def _prune(s: ev.JobState) -> None:
 
 
 def _apply_in_place(s: ev.JobState, e: ev.Event) -> None:
+    s.event_counts[_apply_body(s, e)] += 1
+
+
+def _apply_body(s: ev.JobState, e: ev.Event) -> str:
+    """Fold `e` into `s` but for its kind's count; returns the kind."""
     kind = e.WhichOneof("payload")
     assert kind is not None, "an event without payload reached the fold"
     seq = e.seq
     if seq:
         assert seq > s.last_seq, f"event {seq} folded after {s.last_seq}"
         s.last_seq = seq
-    s.event_counts[kind] += 1
+    g = s.goodput
     if kind in CAUSE_KINDS:
-        s.goodput.last_fault = kind
-        if not s.goodput.incident_began_ns:
-            s.goodput.pending_detect_s = _silence_s(e, kind)
+        g.last_fault = kind
+        if not g.incident_began_ns:
+            g.pending_detect_s = _silence_s(e, kind)
     handler = _HANDLERS.get(kind)
     if handler is not None:
         handler(s, e)
-    _segment(s, e)
+    if g.incident_began_ns and e.wall_time_unix_ns:
+        _segment(s, e)
+    return kind
 
 
 def _silence_s(e: ev.Event, kind: str) -> float:
     """How long the fault went on before this event declared it (0 when it says nothing)."""
-    ms = e.node_lost.silent_ms if kind == "node_lost" else 0.0
-    ms = e.hang_suspected.silent_ms if kind == "hang_suspected" else ms
-    return ms / 1000.0 if math.isfinite(ms) and ms > 0 else 0.0
+    if kind == "node_lost":
+        ms = e.node_lost.silent_ms
+    elif kind == "hang_suspected":
+        ms = e.hang_suspected.silent_ms
+    else:
+        return 0.0
+    return ms / 1000.0 if ms > 0 and math.isfinite(ms) else 0.0
 
 
 def _category(s: ev.JobState) -> str:

@@ -431,16 +431,20 @@ class RelaySilent(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., silent_ms: _Optional[float] = ...) -> None: ...
 
 class RelayBatch(_message.Message):
-    __slots__ = ("beats", "alive", "silent", "own")
+    __slots__ = ("beats", "alive", "silent", "own", "group_alive", "late")
     BEATS_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     SILENT_FIELD_NUMBER: _ClassVar[int]
     OWN_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
     beats: _containers.RepeatedCompositeFieldContainer[RelayedBeat]
     alive: _containers.RepeatedScalarFieldContainer[str]
     silent: _containers.RepeatedCompositeFieldContainer[RelaySilent]
     own: Heartbeat
-    def __init__(self, beats: _Optional[_Iterable[_Union[RelayedBeat, _Mapping]]] = ..., alive: _Optional[_Iterable[str]] = ..., silent: _Optional[_Iterable[_Union[RelaySilent, _Mapping]]] = ..., own: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+    group_alive: bool
+    late: _containers.RepeatedCompositeFieldContainer[RelaySilent]
+    def __init__(self, beats: _Optional[_Iterable[_Union[RelayedBeat, _Mapping]]] = ..., alive: _Optional[_Iterable[str]] = ..., silent: _Optional[_Iterable[_Union[RelaySilent, _Mapping]]] = ..., own: _Optional[_Union[Heartbeat, _Mapping]] = ..., group_alive: _Optional[bool] = ..., late: _Optional[_Iterable[_Union[RelaySilent, _Mapping]]] = ...) -> None: ...
 
 class RelayedUp(_message.Message):
     __slots__ = ("node_id", "epoch", "message")

@@ -406,3 +406,58 @@ def test_leader_notices_its_key_deleted_by_hand(etcd_server: EmbeddedEtcd) -> No
             await client.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_streamed_replay_over_many_pages_equals_the_fold_and_refuses_a_newer_schema(
+    etcd_server: EmbeddedEtcd,
+) -> None:
+    """Replay folds each page while the next ones are in flight: across more pages than the
+    window holds it equals folding what `read` returns; an event of a newer schema stops
+    both, naming it."""
+    from aetcd import rpc
+
+    from unbroken.driver import etcdlog
+    from unbroken.driver.eventlog import SchemaError
+
+    async def main() -> None:
+        client = await connect(etcd_server.config)
+        j = job()
+        election = Election(client, j, "d1")
+        log = EtcdEventLog(
+            client,
+            j,
+            await election.campaign(timeout_s=10),
+            snapshot_every=10**6,
+            archive_url=NO_ARCHIVE,
+        )
+        n = etcdlog.READ_PAGE * (etcdlog.READ_PARALLEL + 2) + 17
+        try:
+            for i in range(0, n, 100):
+                await log.append_many(
+                    [
+                        ev.Event(node_registered=ev.NodeRegistered(node_id=f"n{k % 37}", epoch=k))
+                        if k % 3
+                        else lost(f"n{k % 37}")
+                        for k in range(i, min(n, i + 100))
+                    ]
+                )
+            events = await log.read()
+            assert [e.seq for e in events] == list(range(1, n + 1))
+            replayed = await log.replay()
+            assert replayed == statelib.fold(events, statelib.initial(j))
+            assert replayed.event_counts["node_lost"] == sum(1 for k in range(n) if k % 3 == 0)
+            newer = ev.Event()
+            newer.CopyFrom(events[n // 2])
+            newer.schema_version = max(ev.SchemaVersion.values()) + 1
+            await client.kvstub.Put(  # type: ignore[attr-defined]
+                rpc.PutRequest(key=Keys(j).event(newer.seq), value=newer.SerializeToString())
+            )
+            for call in (log.read, log.replay):
+                with pytest.raises(SchemaError, match=f"event {newer.seq} has schema version"):
+                    await call()
+        finally:
+            await log.close()
+            await election.resign()
+            await client.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))

@@ -36,16 +36,45 @@ def test_news_in_full_the_rest_as_ids_silence_at_the_timeout() -> None:
     assert b.silent[0].silent_ms == pytest.approx(1050.0)
     assert "gone" not in r.members
 
-    # same step again: only its id; nothing new at all: not even that (its silence grows)
-    a.hb, a.last_seen = beat(1), 10.1
+    assert b.group_alive and not b.late
+
+    # same step again: named nowhere, the group's vouch covers it (b sent nothing: late)
+    a.hb, a.last_seen, a.fresh = beat(1), 10.1, True
     b2 = r.batch(10.15, own=own)
-    assert list(b2.alive) == ["a"] and not b2.beats
+    assert b2.group_alive and not b2.alive and not b2.beats
+    assert [x.node_id for x in b2.late] == ["b"]
     # a new step is news
     a.hb, a.sig = beat(2), signature(beat(2))
     b3 = r.batch(10.2, own=own)  # (the 3rd periodic batch: full anyway)
     assert [x.node_id for x in b3.beats] == ["a"]
     a.hb = beat(2)
-    assert list(r.batch(10.25, own=own).alive) == ["a"]
+    assert not r.batch(10.25, own=own).alive
+
+
+def test_a_vouched_member_without_a_beat_is_named_late_then_once_alive_again() -> None:
+    """The periodic batch vouches for the members it named before; one that sent nothing
+    this interval is named late (the driver tracks it alone) and, when it beats again,
+    named once in `alive`; a beat a between-batches flush forwarded still counts."""
+    r = Relay(RelayConfig(listen="127.0.0.1:0", full_every=100), "r0", 0.1)
+    own = dpb.Heartbeat(seq=1)
+    a = member(r, "a", beat(1), 10.0)
+    r.batch(10.0, own=own)
+    assert a.vouched
+    b = r.batch(10.1, own=own)  # no heartbeat since the last periodic batch
+    assert [(x.node_id, x.epoch) for x in b.late] == [("a", 7)]
+    assert b.late[0].silent_ms == pytest.approx(100.0)
+    assert not a.vouched
+    assert not r.batch(10.2, own=own).late  # named late once
+    a.hb, a.last_seen, a.fresh = beat(1), 10.21, True
+    b = r.batch(10.3, own=own)
+    assert list(b.alive) == ["a"] and a.vouched
+    # a beat the flush took (flags elsewhere in the group) is a beat this interval
+    a.hb, a.last_seen, a.fresh = beat(1), 10.35, True
+    flush = r.batch(10.36)
+    assert not flush.group_alive and not flush.alive and not flush.late
+    b = r.batch(10.4, own=own)
+    assert not b.late and not b.alive and b.group_alive
+    assert r.forwarded == 3  # each of a's three heartbeats went up: named or vouched for
 
 
 def test_every_full_every_th_batch_carries_everyone_in_full() -> None:

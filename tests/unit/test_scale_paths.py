@@ -10,11 +10,12 @@ from hypothesis import strategies as st
 
 from tests.unit.event_strategies import numbered, payloads
 from tests.unit.machine_harness import Sim, crash, job, register
-from unbroken.driver import etcdlog
+from unbroken.driver import detectors, etcdlog
 from unbroken.driver import fold as foldlib
 from unbroken.driver import machine as m
 from unbroken.driver import state as statelib
 from unbroken.driver.eventlog import EventLogError
+from unbroken.driver.liveview import Group, LiveView, LiveViewConfig
 from unbroken.proto import events_pb2 as ev
 
 pytestmark = pytest.mark.unit
@@ -120,3 +121,139 @@ def test_a_10240_node_snapshot_with_40_character_names_is_stored_under_1_mib() -
 def test_a_snapshot_that_does_not_inflate_says_so() -> None:
     with pytest.raises(EventLogError, match="does not inflate"):
         etcdlog.inflate(b"not zlib data at all")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(payloads, max_size=60), st.integers(1, 7))
+def test_a_replay_folding_pages_equals_folding_event_by_event(
+    events: list[ev.Event], page: int
+) -> None:
+    """A replay folds each page with the kinds counted once per page: the same state as
+    the journal's event-by-event fold, whatever the events and the page size."""
+    events = numbered(events)
+    one_by_one = statelib.initial("job")
+    for e in events:
+        statelib.apply_in_place(one_by_one, e)
+    paged = statelib.initial("job")
+    for i in range(0, len(events), page):
+        statelib.fold_into(paged, events[i : i + page])
+    assert paged == one_by_one == statelib.fold(events, statelib.initial("job"))
+
+
+def test_gone_nodes_past_the_limit_are_pruned_oldest_first_in_a_replay() -> None:
+    """Past KEEP_GONE_NODES + PRUNE_SLACK losses the oldest records go, in a paged fold
+    as in the journal's; world nodes and suspects are kept whatever their age."""
+    n = statelib.KEEP_GONE_NODES + statelib.PRUNE_SLACK + 3
+    events = [ev.Event(job_started=ev.JobStarted(world=ev.WorldLayout(node_ids=["n0", "n1"])))]
+    events += [
+        ev.Event(node_registered=ev.NodeRegistered(node_id=f"n{i}", epoch=1)) for i in range(n)
+    ]
+    events += [ev.Event(node_lost=ev.NodeLost(node_id=f"n{i}", epoch=1)) for i in range(n)]
+    events = numbered(events)
+    s = statelib.initial("job")
+    for i in range(0, len(events), 500):
+        statelib.fold_into(s, events[i : i + 500])
+    assert s.gone_nodes == statelib.KEEP_GONE_NODES + 2
+    assert s.pruned_nodes == n - s.gone_nodes
+    assert {"n0", "n1", f"n{n - 1}"} <= set(s.nodes)
+    first_kept = 2 + s.pruned_nodes  # n2.. went, oldest first
+    assert f"n{first_kept - 1}" not in s.nodes and f"n{first_kept}" in s.nodes
+    assert s == statelib.fold(events, statelib.initial("job"))
+
+
+def _grouped_view(members: int) -> tuple[LiveView, Group]:
+    view = LiveView(LiveViewConfig(jitter_k=0, starved_hold_ms=0))
+    g = view.vouched("r0", 0.0)
+    for i in range(members):
+        slot = view.slot(f"m{i}")
+        slot.relay, slot.connected = "r0", True
+        view.join(slot, g, 0.0)
+    return view, g
+
+
+def test_a_vouching_batch_moves_one_timestamp_and_members_read_through_it() -> None:
+    """A relay's vouch costs O(1) whatever its group's size; each member's last_seen and
+    heartbeat count read through the group, and none sits in the deadline order."""
+    view, g = _grouped_view(1000)
+    assert not view.order and view.grouped == 1000 and view.alive_count() == 1000
+    for t in (0.1, 0.2, 0.3):
+        assert view.vouched("r0", t) is g
+    slot = view.nodes["m7"]
+    assert slot.last_seen == 0.3 and slot.heartbeats == 3 and view.tracked(slot)
+    assert detectors.silent(view, 0.5) == []  # 200 ms after the vouch: not late
+    # a member named in a batch on its own (news) stays in the group
+    slot.heartbeats += 1
+    view.join(slot, g, 0.35)
+    assert slot.group is g and slot.last_seen == 0.35 and slot.heartbeats == 4
+
+
+def test_a_member_named_late_is_lost_at_its_own_timeout_not_the_groups() -> None:
+    view, g = _grouped_view(50)
+    view.vouched("r0", 0.1)
+    view.late(view.nodes["m3"], 0.05)  # the relay last heard it at 0.05
+    assert view.nodes["m3"].group is None and view.grouped == 49
+    for t in (0.2, 0.3, 0.4):
+        view.vouched("r0", t)
+    lost = detectors.silent(view, 0.36)
+    assert [(s.node_id, why) for s, why in lost] == [("m3", "heartbeat timeout")]
+    assert view.nodes["m3"].last_seen == 0.05
+    # named alive again: back in the group, no longer tracked alone
+    view.join(view.nodes["m3"], g, 0.45)
+    assert not view.strays and not view.order and view.grouped == 50
+
+
+def test_a_quiet_group_is_judged_member_by_member_and_rejoins_when_vouched_again() -> None:
+    view, g = _grouped_view(64)
+    direct = view.slot("d0")
+    view.mark_alive(direct, 0.0)
+    view.beat(direct, direct.hb, 0.5)
+    lost = detectors.silent(view, 0.45)  # the group's vouch is 450 ms old, timeout 300
+    assert sorted(s.node_id for s, _ in lost) == sorted(f"m{i}" for i in range(64))
+    assert not g.members and len(g.parked) == 64 and view.grouped == 0
+    # the relay vouches again before any was declared: the parked members rejoin
+    view.vouched("r0", 0.5)
+    for slot in list(g.parked.values()):
+        view.join(slot, g, 0.5)
+    g.parked.clear()
+    assert view.grouped == 64 and detectors.silent(view, 0.6) == []
+    # the relay's session ends: its members are tracked alone from its last vouch
+    view.drop_group("r0")
+    assert view.grouped == 0 and "r0" not in view.groups
+    assert all(view.nodes[f"m{i}"].last_seen == 0.5 for i in range(64))
+    view.beat(direct, direct.hb, 0.8)
+    assert len(detectors.silent(view, 0.85)) == 64  # d0 beat meanwhile
+
+
+def test_a_direct_heartbeat_or_a_loss_takes_a_member_out_of_its_group() -> None:
+    view, _ = _grouped_view(3)
+    m0, m1 = view.nodes["m0"], view.nodes["m1"]
+    view.beat(m0, m0.hb, 0.2)  # it came to the driver directly
+    assert m0.group is None and list(view.order) == ["m0"] and m0.heartbeats == 1
+    view.mark_lost(m1)
+    assert m1.group is None and not m1.alive and view.grouped == 1
+    assert view.alive_count() == 2
+
+
+def test_a_crowd_of_held_nodes_is_logged_in_a_few_lines_and_counted_whole() -> None:
+    """Thousands of nodes late together (a stalled relay group, a starved host) cost a
+    few log lines per sweep, not one each; every one that came back is still counted."""
+    from structlog.testing import capture_logs
+
+    from unbroken.driver import service as svc
+
+    s = svc.DriverService(svc.ServiceConfig(), driver_id="d", job_id="j")
+    slots = []
+    for i in range(500):
+        slot = s.view.slot(f"n{i}")
+        s.view.mark_alive(slot, 1.0)
+        slots.append(slot)
+    with capture_logs() as logs:
+        s._note_held(slots, 2.0)
+    assert len(logs) == svc.HELD_LOGS + 1
+    assert logs[-1]["nodes"] == 500 - svc.HELD_LOGS
+    for slot in slots:
+        s.view.refresh(slot, 2.5)
+    with capture_logs() as logs:
+        s._note_held([], 2.6)
+    assert s.starved_saved == 500 and len(logs) == svc.HELD_LOGS + 1
+    assert logs[-1]["event"] == "more held nodes came back"
