@@ -44,6 +44,7 @@ def _policy() -> int:
 
 
 def test_work_runs_on_its_own_thread_at_its_nice_value_and_its_helpers_inherit_it() -> None:
+    base = _nice()  # the suite may run under `nice` (a CI runner, a newcomer's busy host)
     io = LoopThread("flash-t", 10)
 
     async def probe() -> tuple[int, int, int]:
@@ -54,8 +55,8 @@ def test_work_runs_on_its_own_thread_at_its_nice_value_and_its_helpers_inherit_i
         here = threading.get_native_id()
         tid, nice, helper_nice = await io.call(probe())
         assert tid != here
-        assert nice == 10 and helper_nice == 10
-        assert _nice() == 0  # the calling loop's thread keeps its priority
+        assert nice == max(10, base) and helper_nice == nice
+        assert _nice() == base  # the calling loop's thread keeps its priority
 
     _run_then_stop(io, main())
     assert not io.alive
@@ -107,13 +108,14 @@ def test_an_error_on_the_thread_reaches_the_caller_and_the_thread_goes_on() -> N
 
 
 def test_nice_zero_leaves_the_thread_at_the_agents_priority() -> None:
+    base = _nice()
     io = LoopThread("flash-t", 0)
 
     async def nice() -> int:
         return _nice()
 
     async def main() -> None:
-        assert await io.call(nice()) == 0
+        assert await io.call(nice()) == base
 
     _run_then_stop(io, main())
 
