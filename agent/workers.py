@@ -67,9 +67,6 @@ from unbroken.recovery.restore import Source
 
 log = structlog.get_logger(__name__)
 
-#: The embedded engine's worker module: its flags are passed to a standby's dry run.
-EMBEDDED_ENGINE = "unbroken.trainer.run"
-
 DEFAULT_KEYWORDS = (
     "NCCL WARN",
     "CUDA error",
@@ -743,7 +740,7 @@ class Supervisor:
                 await s.kill()
             while len(self.standbys) < spec.nproc:
                 env = self.launch.environ(spec, 0, self.socket_path)
-                if target.module == EMBEDDED_ENGINE:  # what its dry run builds
+                if target.module:  # a module's own warm hook may build its dry run from them
                     env[WARM_ARGV] = json.dumps(list(target.args))
                 s = await warmlib.spawn_standby(
                     target,

@@ -276,7 +276,6 @@ def test_a_large_models_dry_run_builds_the_default_model_in_the_jobs_layout(
 def test_the_agent_hands_the_engines_flags_to_its_standbys_dry_run(tmp_path: Path) -> None:
     import asyncio
 
-    from unbroken.agent.workers import EMBEDDED_ENGINE
     from unbroken.common.workerenv import WARM_ARGV
 
     async def standby_env(cmd: list[str]) -> dict[str, str]:
@@ -294,7 +293,7 @@ def test_the_agent_hands_the_engines_flags_to_its_standbys_dry_run(tmp_path: Pat
         finally:
             await sup.close(grace_s=1.0)
 
-    engine = [sys.executable, "-m", EMBEDDED_ENGINE, "--preset", "tiny", "--dp", "2"]
+    engine = [sys.executable, "-m", "unbroken.trainer.run", "--preset", "tiny", "--dp", "2"]
     env = asyncio.run(standby_env(engine))
     assert json.loads(env[WARM_ARGV]) == ["--preset", "tiny", "--dp", "2"]
     script = asyncio.run(standby_env([sys.executable, str(tmp_path / "train.py"), "--dp", "8"]))
