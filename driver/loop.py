@@ -142,6 +142,13 @@ class LoopConfig:
             )
         if self.min_nodes > self.nodes:
             raise ValueError(f"min_nodes ({self.min_nodes}) must be <= nodes ({self.nodes})")
+        cap = self.policy.max_nodes
+        if cap and self.nodes > cap:
+            raise ValueError(
+                f"--nodes {self.nodes} is more than --max-nodes {cap}: the first incident would "
+                f"shrink the world to {cap} nodes; raise --max-nodes or leave it at 0 (the "
+                "configured world's)"
+            )
 
     def world(self, node_ids: list[str]) -> ev.WorldLayout:
         """The configured layout on `node_ids` (rank order)."""

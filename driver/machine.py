@@ -105,7 +105,13 @@ class Policy:
     """How the machine recovers. The limits are the job's (JobStarted carries the same)."""
 
     min_nodes: int = field(default=1, metadata={"help": "fail below this many nodes"})
-    max_nodes: int = field(default=1024, metadata={"help": "grow to at most this many nodes"})
+    max_nodes: int = field(
+        default=0,
+        metadata={
+            "help": "grow to at most this many nodes (0: the configured world's; the world "
+            "never grows past its configured dp)"
+        },
+    )
     reshape: Reshape = field(
         default=Reshape.SPARES_FIRST,
         metadata={
@@ -187,7 +193,7 @@ class Policy:
     def __post_init__(self) -> None:
         if self.min_nodes < 1:
             raise ValueError(f"Policy.min_nodes must be >= 1, got {self.min_nodes}")
-        if self.max_nodes < self.min_nodes:
+        if self.max_nodes < 0 or (self.max_nodes and self.max_nodes < self.min_nodes):
             raise ValueError(
                 f"Policy.max_nodes ({self.max_nodes}) must be >= min_nodes ({self.min_nodes})"
             )
@@ -456,7 +462,7 @@ def _best_dp(s: ev.JobState, policy: Policy, available: int) -> int | None:
         if (dp * unit) % wpn:
             continue
         nodes = dp * unit // wpn
-        if policy.min_nodes <= nodes <= min(available, policy.max_nodes):
+        if policy.min_nodes <= nodes <= min(available, policy.max_nodes or available):
             return dp
     return None
 

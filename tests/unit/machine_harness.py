@@ -222,7 +222,7 @@ def check_world(s: ev.JobState, policy: m.Policy) -> None:
     if s.phase in (ev.PHASE_RUNNING, ev.PHASE_RESTORING):
         for n in w.node_ids:
             assert s.nodes[n].state == ev.NODE_STATE_ACTIVE, (n, s.nodes[n])
-        assert policy.min_nodes <= len(w.node_ids) <= policy.max_nodes
+        assert policy.min_nodes <= len(w.node_ids) <= (policy.max_nodes or len(w.node_ids))
         assert w.dp <= s.configured_world.dp
 
 
@@ -236,6 +236,6 @@ def feasible(s: ev.JobState, policy: m.Policy) -> bool:
         ranks = dp * w.pp * w.tp
         if ranks % w.workers_per_node == 0:
             need = ranks // w.workers_per_node
-            if policy.min_nodes <= need <= min(healthy, policy.max_nodes):
+            if policy.min_nodes <= need <= min(healthy, policy.max_nodes or healthy):
                 return True
     return False

@@ -496,7 +496,7 @@ def test_self_check_evicts_flag_parses_a_comma_list_and_empty_means_none() -> No
     ("field", "value", "message"),
     [
         ("min_nodes", 0, "min_nodes"),
-        ("max_nodes", 0, "max_nodes"),
+        ("max_nodes", -1, "max_nodes"),
         ("diagnose_kinds", frozenset({"node_lost"}), "diagnose_kinds"),
         ("self_check_evicts", frozenset({"gpu"}), "self_check_evicts.*choose from"),
         ("max_restore_attempts", 0, "max_restore_attempts"),
@@ -506,6 +506,33 @@ def test_self_check_evicts_flag_parses_a_comma_list_and_empty_means_none() -> No
 def test_policy_validation_names_the_field(field: str, value: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         m.Policy(**{field: value})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_nodes"):
+        m.Policy(min_nodes=4, max_nodes=2)
+
+
+def test_a_world_over_1024_nodes_takes_a_spare_and_a_cap_below_nodes_is_refused() -> None:
+    """The default cap is the configured world (it once was 1,024 nodes: a bigger world shrank
+    to 1,024 at its first incident instead of taking a spare in)."""
+    from unbroken.driver.loop import LoopConfig
+
+    nodes = [f"n{i}" for i in range(1100)]
+    layout = m.Layout(dp=1100, pp=1, tp=1, workers_per_node=1, node_ids=tuple(nodes))
+    s = ev.JobState(phase=ev.PHASE_RUNNING)
+    s.world.CopyFrom(layout.to_proto())
+    s.configured_world.CopyFrom(layout.to_proto())
+    for i, n in enumerate([*nodes, "spare"]):
+        state = ev.NODE_STATE_SPARE if n == "spare" else ev.NODE_STATE_ACTIVE
+        s.nodes[n].CopyFrom(ev.NodeRecord(node_id=n, state=state, registered_seq=i + 1))
+    s.nodes["n7"].state = ev.NODE_STATE_LOST
+    planned = m.plan_world(s, m.Policy())
+    assert isinstance(planned, m.Layout), planned
+    assert (
+        len(planned.node_ids) == 1100
+        and "spare" in planned.node_ids
+        and "n7" not in planned.node_ids
+    )
+    with pytest.raises(ValueError, match="--max-nodes"):
+        LoopConfig(nodes=8, policy=m.Policy(max_nodes=4))
 
 
 # ---------------------------------------------------------------- exhaustive small cases
