@@ -64,7 +64,11 @@ def __unbroken_warm__() -> None:
     import argparse
 
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    try:  # torch's fake process group lives in a private module: without it, no dry run
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError:
+        return
 
     from unbroken.trainer.flags import add_arguments, to_config
     from unbroken.trainer.gpt3d import GPT3DTrainer
