@@ -307,6 +307,14 @@ class WorkerLaunch:
                 env[k] = v
         return dataclasses.replace(self, env=env)
 
+    def node_rank(self, nproc: int) -> int:
+        """This node's place in the launch's world (torchrun's GROUP_RANK): the driver's
+        rank base over the ranks per node, not the agent's configured --node-rank, which
+        agents started by the driver leave at 0. Lightning takes a worker's global rank
+        from it (GROUP_RANK x ranks per node + LOCAL_RANK), not from RANK: with the
+        configured value every node's first worker took rank 0 and bound MASTER_PORT."""
+        return self.rank_base // max(nproc, 1)
+
     def ranks(self, nproc: int) -> range:
         """The global ranks of this node's `nproc` workers."""
         return range(self.rank_base, self.rank_base + nproc)
@@ -322,7 +330,7 @@ class WorkerLaunch:
                 "LOCAL_RANK": str(local_rank),
                 "WORLD_SIZE": str(self.world_size),
                 "LOCAL_WORLD_SIZE": str(spec.nproc),
-                "GROUP_RANK": str(spec.node_rank),
+                "GROUP_RANK": str(self.node_rank(spec.nproc)),
                 "ROLE_RANK": str(self.rank_base + local_rank),
                 "ROLE_WORLD_SIZE": str(self.world_size),
                 "MASTER_ADDR": self.master_addr,

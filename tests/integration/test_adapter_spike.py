@@ -79,20 +79,7 @@ class AdapterJob(Job):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "adapter",
-    [
-        "accelerate",
-        pytest.param(
-            "lightning",
-            marks=pytest.mark.xfail(
-                reason="as the worker command of `unbroken driver --nodes 2` (one rank per "
-                "agent) the Lightning example's rank-0 TCPStore failed with EADDRINUSE on the "
-                "driver's master port, three runs out of three; not diagnosed yet (not run: "
-                "it only spends the suite's time until that is fixed)",
-                run=False,
-            ),
-        ),
-        "transformers",
-    ],
+    ["accelerate", "lightning", "transformers"],
 )
 def test_injected_spike_rolls_back_and_skips(
     adapter: str, tmp_path: Path, etcd_server: object

@@ -121,3 +121,26 @@ def test_an_injected_loss_spike_poisons_one_step_once(
 def test_without_a_fault_file_no_fault_is_due() -> None:
     assert hooks.injected_fault(1) is None
     assert hooks.restored_source() == ""
+
+
+def test_lightning_skips_the_rest_of_an_epoch_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rollback's skip that falls due mid-run and is longer than the epoch's rest ends that
+    epoch; the next epochs give all their batches (the step the skip was for gets the next
+    epoch's first batch), they do not each end at once."""
+    pytest.importorskip("lightning")
+    from torch.utils.data import TensorDataset
+
+    from unbroken.trainer.adapters.lightning import ResumableDataLoader, Unbroken
+
+    monkeypatch.setenv("UNBROKEN_RESTORE_STEP", "47")
+    monkeypatch.setenv("UNBROKEN_SKIP_BATCHES", "50:200")
+    ub = Unbroken()
+    ub.core = Resilient({}, rng=False)
+    assert ub.core.point == RestorePoint(step=47, skip_from_step=50, skip_batches=200)
+    ub.feed_step, ub.restored_step = 48, 47  # as `setup` leaves them after the restore
+    loader = ResumableDataLoader(TensorDataset(torch.arange(8)), batch_size=1, unbroken=ub)
+    first = [int(b[0]) for (b,) in loader]
+    assert first == [0, 1]  # steps 48 and 49; step 50's skip ran past the epoch's end
+    for _ in range(2):
+        assert [int(b[0]) for (b,) in loader] == list(range(8))
+    assert ub.feed_step == 50 + 16

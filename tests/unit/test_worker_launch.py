@@ -30,6 +30,11 @@ def test_a_start_command_builds_the_next_launch_and_changes_no_config() -> None:
     )  # fmt: skip
     nxt = first.started(p, cmd=None, pin_master=False)
     assert (nxt.world_size, nxt.rank_base, nxt.master_addr) == (8, 6, "10.0.0.9")
+    # the node's place in the world is the driver's, not the configured --node-rank
+    # (Lightning derives a worker's global rank from GROUP_RANK and LOCAL_RANK)
+    env = nxt.environ(SPEC, 1, "/tmp/sock")
+    assert (env["RANK"], env["GROUP_RANK"], env["LOCAL_RANK"]) == ("7", "3", "1")
+    assert int(env["GROUP_RANK"]) * SPEC.nproc + int(env["LOCAL_RANK"]) == int(env["RANK"])
     assert nxt.env["UNBROKEN_DP"] == "4" and nxt.cmd == ("python", "t.py")
     assert first == WorkerLaunch.of(SPEC)  # values, not mutation
     pinned = first.started(p, cmd=["python", "u.py"], pin_master=True)

@@ -112,6 +112,7 @@ class Unbroken(pl.Callback):
         self.skip_pending = 0  # batches of the restored epoch the loader skips
         self.feed_step = 1  # the step the loader's next batch is for
         self.restored_step = 0
+        self.skip_done = False  # a rollback's skip is applied once, in one epoch
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -183,11 +184,14 @@ class Unbroken(pl.Callback):
         """The loader's batches, counted by the step each is for; a rollback's skip that
         falls due after the restore is done here, when the batch for the skip's first step
         is fetched (the fit loop fetches a batch ahead, before the step before it ends).
-        At most the rest of the epoch is skipped."""
+        At most the rest of the epoch is skipped, once: the next epoch's first batch is for
+        the same step (which a skip that ended the epoch never reached)."""
         p = self.core.point if self.core is not None else None
         for batch in it:
             due = p is not None and p.skip_batches and self.feed_step == p.skip_from_step
-            if due and self.feed_step > self.restored_step + 1:  # not done at the restore
+            # not done at the restore, nor already (else every later epoch ended at once)
+            if due and self.feed_step > self.restored_step + 1 and not self.skip_done:
+                self.skip_done = True
                 batch = _nth(it, p.skip_batches - 1, batch)  # type: ignore[union-attr]
                 if batch is _NONE:
                     return
