@@ -60,6 +60,8 @@ def main() -> None:
     )  # fmt: skip
     loader = ResumableDataLoader(token_data(), batch_size=4, shuffle=True, unbroken=ub)
     trainer.fit(TinyLM(args.steps, args.step_delay_s), loader)
+    if torch.distributed.is_initialized():  # Lightning leaves its process group up
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -64,6 +64,10 @@ def main() -> None:
     )  # fmt: skip
     holder["trainer"] = trainer
     trainer.train(resume_from_checkpoint=unbroken.resume(trainer))
+    # the Trainer leaves its process group up; left to the interpreter's exit, torch's gloo
+    # threads once aborted the process ("terminate called without an active exception")
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
