@@ -733,6 +733,14 @@ class Agent:
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
+    async def _refuse(self, call: Any, cid: str, detail: str) -> None:
+        """Answer command `cid` with a refusal saying why (best effort: the stream may be gone)."""
+        with contextlib.suppress(Exception):
+            await self._write(
+                call,
+                dpb.AgentMessage(ack=dpb.CommandAck(command_id=cid, ok=False, detail=detail)),
+            )
+
     async def _write(self, call: Any, msg: dpb.AgentMessage) -> None:
         async with self._write_lock:
             await call.write(msg)
@@ -907,19 +915,12 @@ class Agent:
                 ours=self.term_scope,
                 term=msg.term,
             )
-            with contextlib.suppress(Exception):
-                await self._write(
-                    call,
-                    dpb.AgentMessage(
-                        ack=dpb.CommandAck(
-                            command_id=cid,
-                            ok=False,
-                            detail=f"leader term {msg.term} of scope {msg.term_scope!r} (etcd "
-                            f"cluster and job incarnation) is not of this session's scope "
-                            f"{self.term_scope!r}: refused",
-                        )
-                    ),
-                )
+            await self._refuse(
+                call,
+                cid,
+                f"leader term {msg.term} of scope {msg.term_scope!r} (etcd cluster and job "
+                f"incarnation) is not of this session's scope {self.term_scope!r}: refused",
+            )
             return
         if msg.term > self.session_term + TERM_SLACK:
             # a term no election of this session can have made: never adopted, so it
@@ -929,35 +930,20 @@ class Agent:
                 term=msg.term,
                 session_term=self.session_term,
             )
-            with contextlib.suppress(Exception):
-                await self._write(
-                    call,
-                    dpb.AgentMessage(
-                        ack=dpb.CommandAck(
-                            command_id=cid,
-                            ok=False,
-                            detail=f"leader term {msg.term} is more than {TERM_SLACK} above "
-                            f"the term {self.session_term} this session registered under: "
-                            "refused",
-                        )
-                    ),
-                )
+            await self._refuse(
+                call,
+                cid,
+                f"leader term {msg.term} is more than {TERM_SLACK} above the term "
+                f"{self.session_term} this session registered under: refused",
+            )
             return
         if msg.term < self.term_seen:
             log.warning(
                 "command of an older leader term dropped", term=msg.term, newest=self.term_seen
             )
-            with contextlib.suppress(Exception):
-                await self._write(
-                    call,
-                    dpb.AgentMessage(
-                        ack=dpb.CommandAck(
-                            command_id=cid,
-                            ok=False,
-                            detail=f"stale leader term {msg.term} < {self.term_seen}: dropped",
-                        )
-                    ),
-                )
+            await self._refuse(
+                call, cid, f"stale leader term {msg.term} < {self.term_seen}: dropped"
+            )
             return
         self.term_seen = msg.term
         try:

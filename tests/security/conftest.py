@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -34,13 +35,21 @@ def driver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     bound_file = tmp / "bound-tokens"
     bound_file.write_text("".join(f"{t} {n}\n" for n, t in BOUND.items()))
     bound_file.chmod(0o600)
-    port_file = tmp / "driver.json"
-    log = open(tmp / "driver.log", "wb")
-    cmd = [
-        *CLI, "driver", "--listen", "127.0.0.1:0", "--port-file", str(port_file),
+    args = [
         "--event-log", "memory", "--token-file", f"node={token_file}",
         "--token-file", f"node={bound_file}", "--job-id", "sec",
     ]  # fmt: skip
+    with running_driver(tmp, args) as ports:
+        yield {"address": f"127.0.0.1:{ports['grpc_port']}", "tmp": tmp, "token_file": token_file}
+
+
+@contextlib.contextmanager
+def running_driver(tmp: Path, args: list[str], grace_s: float = 10.0) -> Iterator[dict[str, Any]]:
+    """`unbroken driver --listen 127.0.0.1:0 ARGS` logging to tmp/driver.log; its port file
+    (grpc_port, metrics_port, ...) once written; stopped (SIGTERM, then SIGKILL) after."""
+    port_file = tmp / "driver.json"
+    log = open(tmp / "driver.log", "wb")
+    cmd = [*CLI, "driver", "--listen", "127.0.0.1:0", "--port-file", str(port_file), *args]
     proc = subprocess.Popen(
         cmd,
         stdout=log,
@@ -55,12 +64,11 @@ def driver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
             assert proc.poll() is None, (tmp / "driver.log").read_text()
             assert time.monotonic() < deadline, "driver did not start within 60 s"
             time.sleep(0.1)
-        port = json.loads(port_file.read_text())["grpc_port"]
-        yield {"address": f"127.0.0.1:{port}", "tmp": tmp, "token_file": token_file}
+        yield dict(json.loads(port_file.read_text()))
     finally:
         proc.terminate()
         try:
-            proc.wait(10)
+            proc.wait(grace_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

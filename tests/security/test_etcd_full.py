@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 import pytest
 
+from tests.security.conftest import running_driver
 from unbroken.driver.etcd import EmbeddedEtcd
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -42,44 +43,22 @@ def full_setup(tmp_path: Path) -> Iterator[dict[str, Any]]:
     (tmp_path / "viewer").write_text(VIEWER_TOKEN + "\n")
     for f in ("node", "viewer"):
         (tmp_path / f).chmod(0o600)
-    port_file = tmp_path / "driver.json"
-    out = open(tmp_path / "driver.log", "wb")
-    cmd = [
-        *CLI, "driver", "--listen", "127.0.0.1:0", "--port-file", str(port_file),
+    args = [
         "--etcd", etcd.endpoint, "--archive-url", "none", "--job-id", "full",
         "--token-file", f"node={tmp_path / 'node'}",
         "--token-file", f"viewer={tmp_path / 'viewer'}",
         "--metrics-port", "0", "--heartbeat-interval-ms", "200", "--miss-limit", "3",
     ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd,
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        start_new_session=True,
-    )
-    out.close()
     try:
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            assert proc.poll() is None, (tmp_path / "driver.log").read_text()
-            assert time.monotonic() < deadline, "driver did not start within 60 s"
-            time.sleep(0.1)
-        ports = json.loads(port_file.read_text())
-        yield {
-            "etcd": etcd,
-            "address": f"127.0.0.1:{ports['grpc_port']}",
-            "metrics": f"http://127.0.0.1:{ports['metrics_port']}/metrics",
-            "viewer": tmp_path / "viewer",
-            "log": tmp_path / "driver.log",
-        }
+        with running_driver(tmp_path, args, grace_s=15) as ports:
+            yield {
+                "etcd": etcd,
+                "address": f"127.0.0.1:{ports['grpc_port']}",
+                "metrics": f"http://127.0.0.1:{ports['metrics_port']}/metrics",
+                "viewer": tmp_path / "viewer",
+                "log": tmp_path / "driver.log",
+            }
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
         etcd.stop(remove=True)
 
 
