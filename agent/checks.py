@@ -4,7 +4,7 @@ The driver's RunCheck command carries a JSON spec; the agent runs
 `python -m unbroken.diagnostics.check --spec '<json>'` (the diagnostics package owns the
 check itself) with the agent's injected fault added to the spec as "fault", and returns
 the last stdout line that parses as JSON. A timeout kills the check. Checks run at a
-lower CPU priority than the agent and die with it (see `workers.exec_wrapper`).
+lower CPU priority than the agent and die with it (see `launch.exec_wrapper`).
 
 The node self-checks (`python -m unbroken.diagnostics.selfcheck`) run the same way, so the
 agent never imports torch: a self-check that crashes, prints nothing or times out is
@@ -18,7 +18,7 @@ import contextlib
 import json
 import sys
 
-from unbroken.agent.workers import exec_wrapper
+from unbroken.agent.launch import exec_wrapper
 from unbroken.diagnostics.check import WARM_READY, WARM_SELFCHECK_KEY
 from unbroken.proto import driver_pb2 as dpb
 

@@ -37,7 +37,7 @@ from unbroken.proto import hooks_pb2 as hpb
 
 log = structlog.get_logger(__name__)
 
-#: What the agent sets per launch like torchrun (agent/workers.py `WorkerLaunch.environ`).
+#: What the agent sets per launch like torchrun (agent/launch.py `WorkerLaunch.environ`).
 TORCHRUN_VARIABLES = frozenset(
     {
         "RANK",

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import structlog
 
-from unbroken.agent.daemon import Agent, AgentConfig
+from unbroken.agent.config import AgentConfig
+from unbroken.agent.daemon import Agent
 from unbroken.agent.flash import NodeFlashConfig
-from unbroken.agent.workers import WorkerSpec, warm_default
+from unbroken.agent.launch import WorkerSpec, warm_default
 from unbroken.common.config import add_config_flags
 from unbroken.common.config import config_from_args as build
 from unbroken.common.logsetup import setup_logging

@@ -299,33 +299,9 @@ class DriverClient:
                 )
             except grpc.RpcError as e:
                 code, details = e.code(), e.details() or ""
-                if code == grpc.StatusCode.FAILED_PRECONDITION:
-                    raise NodeEvictedError(
-                        f"node {self.config.node_id!r}: the unbroken driver at {where} refused "
-                        f"it: {details}"
-                    ) from None
-                if code == grpc.StatusCode.UNAUTHENTICATED:
-                    raise RendezvousConnectionError(
-                        f"the unbroken driver at {where} refused our credentials ({details}); "
-                        f"set {TOKEN_ENV} or --rdzv-conf token_file=PATH to the driver's token"
-                    ) from None
-                if code == grpc.StatusCode.PERMISSION_DENIED:
-                    raise RendezvousConnectionError(
-                        f"the unbroken driver at {where} refused {method}: {details}"
-                    ) from None
-                if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL):
-                    raise RendezvousStateError(
-                        f"the unbroken driver at {where} refused {method}: {details}"
-                    ) from None
-                if code == grpc.StatusCode.UNIMPLEMENTED:
-                    raise RendezvousConnectionError(
-                        f"{where} does not serve the unbroken rendezvous ({details}); is "
-                        "--rdzv-endpoint the address of `unbroken driver`?"
-                    ) from None
-                if code == grpc.StatusCode.ABORTED and not idempotent:
-                    raise RendezvousConnectionError(
-                        f"{method} at {where}: {details}; not retried (it may have landed)"
-                    ) from None
+                fatal = self._refusal(code, details, method, where, idempotent)
+                if fatal is not None:
+                    raise fatal from None
                 last = f"{code.name}: {details}"
                 leader = dict(e.trailing_metadata() or ()).get(LEADER_KEY, "")
                 if leader and leader != where and leader not in self.endpoints:
@@ -346,6 +322,40 @@ class DriverClient:
                 )
             time.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 2.0)
+
+    def _refusal(
+        self, code: Any, details: str, method: str, where: str, idempotent: bool
+    ) -> Exception | None:
+        """The error a driver's answer `code` ends `call` with, or None to retry it."""
+        grpc = self._grpc
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            return NodeEvictedError(
+                f"node {self.config.node_id!r}: the unbroken driver at {where} refused "
+                f"it: {details}"
+            )
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return RendezvousConnectionError(
+                f"the unbroken driver at {where} refused our credentials ({details}); "
+                f"set {TOKEN_ENV} or --rdzv-conf token_file=PATH to the driver's token"
+            )
+        if code == grpc.StatusCode.PERMISSION_DENIED:
+            return RendezvousConnectionError(
+                f"the unbroken driver at {where} refused {method}: {details}"
+            )
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL):
+            return RendezvousStateError(
+                f"the unbroken driver at {where} refused {method}: {details}"
+            )
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            return RendezvousConnectionError(
+                f"{where} does not serve the unbroken rendezvous ({details}); is "
+                "--rdzv-endpoint the address of `unbroken driver`?"
+            )
+        if code == grpc.StatusCode.ABORTED and not idempotent:
+            return RendezvousConnectionError(
+                f"{method} at {where}: {details}; not retried (it may have landed)"
+            )
+        return None
 
 
 def summarize(state: bytes) -> Any:

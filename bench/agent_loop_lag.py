@@ -27,7 +27,7 @@ RESULTS = Path(__file__).parent / "results" / "agent_loop_lag.json"
 PROBE = r"""
 import asyncio, json, os, sys, time
 from unbroken.agent import starvation, warm
-from unbroken.agent.workers import exec_wrapper
+from unbroken.agent.launch import exec_wrapper
 
 def rundelay():
     tot = 0

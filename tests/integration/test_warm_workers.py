@@ -33,7 +33,8 @@ import pytest
 
 from tests.jobs import TRAIN, reference
 from unbroken.agent import warm as warmlib
-from unbroken.agent.workers import Supervisor, WorkerSpec
+from unbroken.agent.launch import WorkerSpec
+from unbroken.agent.workers import Supervisor
 from unbroken.cli.cluster import is_check_process, until
 
 pytestmark = pytest.mark.integration

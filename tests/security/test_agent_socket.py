@@ -23,7 +23,8 @@ import pytest
 
 from tests.security.nobody import NOBODY_GID, NOBODY_UID, as_nobody
 from unbroken.agent.hookserver import HookServer
-from unbroken.agent.workers import Supervisor, WorkerSpec
+from unbroken.agent.launch import WorkerSpec
+from unbroken.agent.workers import Supervisor
 from unbroken.common.paths import UnsafeRuntimeDirError, private_dir
 from unbroken.proto import hooks_pb2 as hpb
 from unbroken.trainer import hookchannel, hooks

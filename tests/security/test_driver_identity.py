@@ -16,7 +16,8 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from tests.inproc import driver
-from unbroken.agent.daemon import Agent, AgentConfig
+from unbroken.agent.config import AgentConfig
+from unbroken.agent.daemon import Agent
 from unbroken.agent.peerid import PeerIdentityError, check_peer
 from unbroken.common.tls import TlsConfig
 from unbroken.driver import certs

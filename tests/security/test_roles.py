@@ -22,7 +22,8 @@ import pytest
 
 from tests import inproc
 from tests.inproc import status_of
-from unbroken.agent.daemon import Agent, AgentConfig
+from unbroken.agent.config import AgentConfig
+from unbroken.agent.daemon import Agent
 from unbroken.common import channel
 from unbroken.common.tls import TlsConfig
 from unbroken.driver import certs

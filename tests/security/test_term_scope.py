@@ -19,7 +19,8 @@ import grpc
 import pytest
 
 from tests.inproc import driver
-from unbroken.agent.daemon import Agent, AgentConfig
+from unbroken.agent.config import AgentConfig
+from unbroken.agent.daemon import Agent
 from unbroken.proto import driver_pb2 as dpb
 
 pytestmark = pytest.mark.integration

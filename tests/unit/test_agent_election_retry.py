@@ -21,8 +21,9 @@ from typing import Any
 import grpc
 import pytest
 
-from unbroken.agent import daemon
-from unbroken.agent.daemon import Agent, AgentConfig
+from unbroken.agent import link
+from unbroken.agent.config import AgentConfig
+from unbroken.agent.daemon import Agent
 from unbroken.common import channel
 from unbroken.proto import driver_pb2_grpc as dgrpc
 
@@ -66,10 +67,10 @@ async def _waits(drivers: list[str], monkeypatch: pytest.MonkeyPatch) -> list[fl
                 agent.stop.set()
         return await real_sleep(0)
 
-    monkeypatch.setattr(daemon.asyncio, "sleep", sleep)
-    monkeypatch.setattr(daemon.random, "uniform", lambda a, b: 1.0)
+    monkeypatch.setattr(link.asyncio, "sleep", sleep)
+    monkeypatch.setattr(link.random, "uniform", lambda a, b: 1.0)
     try:
-        await asyncio.wait_for(agent._connect_loop(), 30)
+        await asyncio.wait_for(agent.link.run(agent.register_request()), 30)
     finally:
         monkeypatch.undo()
     return waits

@@ -14,9 +14,9 @@ import re
 
 import pytest
 
-from unbroken.agent.daemon import AgentConfig
+from unbroken.agent.config import AgentConfig
 from unbroken.agent.flash import NodeFlashConfig
-from unbroken.agent.workers import WorkerSpec
+from unbroken.agent.launch import WorkerSpec
 from unbroken.cli import main as cli
 from unbroken.common.config import FlagField, flag_fields
 from unbroken.driver.main import DriverConfig

@@ -29,7 +29,8 @@ import pytest
 
 from unbroken.agent import hookserver
 from unbroken.agent.hookserver import HookServer
-from unbroken.agent.workers import Supervisor, WorkerSpec
+from unbroken.agent.launch import WorkerSpec
+from unbroken.agent.workers import Supervisor
 from unbroken.common.workerenv import FLASH_JOB, FLASH_NODE, FLASH_ROOT
 from unbroken.proto import hooks_pb2 as hpb
 from unbroken.recovery.flashowner import FlashConfig, FlashOwner

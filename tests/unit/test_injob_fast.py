@@ -15,7 +15,8 @@ import pytest
 
 from unbroken.agent import warm
 from unbroken.agent.hookserver import HookServer
-from unbroken.agent.workers import Supervisor, Worker, WorkerSpec
+from unbroken.agent.launch import WorkerSpec
+from unbroken.agent.workers import Supervisor, Worker
 from unbroken.proto import hooks_pb2 as hpb
 from unbroken.trainer import data, rtrace
 from unbroken.trainer.config import DataConfig

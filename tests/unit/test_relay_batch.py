@@ -95,7 +95,7 @@ def test_relay_flags_are_checked() -> None:
 
 
 def test_agent_relay_flags() -> None:
-    from unbroken.agent.daemon import AgentConfig
+    from unbroken.agent.config import AgentConfig
 
     with pytest.raises(ValueError, match="names this node itself"):
         AgentConfig(drivers=["127.0.0.1:1"], node_id="n0", relay="n0@127.0.0.1:7000")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from unbroken.agent.workers import warm_default
+from unbroken.agent.launch import warm_default
 
 pytestmark = pytest.mark.unit
 

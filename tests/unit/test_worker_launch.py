@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from unbroken.agent.workers import WorkerLaunch, WorkerSpec
+from unbroken.agent.launch import WorkerLaunch, WorkerSpec
 from unbroken.proto import driver_pb2 as dpb
 
 pytestmark = pytest.mark.unit
