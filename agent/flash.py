@@ -49,13 +49,9 @@ from unbroken.recovery.persist import (
     list_persisted,
     persistable,
 )
-from unbroken.recovery.replica import (
-    ReplicaAuth,
-    ReplicaConfig,
-    ReplicaSender,
-    ReplicaServer,
-    fetch_replica,
-)
+from unbroken.recovery.replica import ReplicaServer, fetch_replica
+from unbroken.recovery.replicaauth import ReplicaAuth, ReplicaConfig
+from unbroken.recovery.replicasend import ReplicaSender
 from unbroken.recovery.sources import PERSIST_EVERY_S
 
 log = structlog.get_logger(__name__)

@@ -23,7 +23,7 @@ from unbroken.common.logsetup import setup_logging
 from unbroken.common.paths import UnsafeRuntimeDirError
 from unbroken.common.tls import TOKEN_ENV, TOKEN_FILE_ENV, TlsConfig, read_token
 from unbroken.recovery.flashowner import UnsafeFlashRootError
-from unbroken.recovery.replica import KEY_ENV as REPLICA_KEY_ENV
+from unbroken.recovery.replicaauth import KEY_ENV as REPLICA_KEY_ENV
 
 log = structlog.get_logger(__name__)
 

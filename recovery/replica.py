@@ -7,27 +7,6 @@ manifest's checksum while it streams it into a slot of the store `replica-<node>
 (double-buffered, like a local copy), so a replacement node can restore from it. A copy
 that fails the checksum is refused and never becomes a valid copy.
 
-**Who may talk to the buddy** (`ReplicaAuth`; once anyone could GET a node's weights,
-PUT a forged replica, or make the agent allocate 64 GiB with one header):
-
-- With TLS (the agent's --tls-cert/--tls-key/--tls-ca) the stream is mutual TLS and the
-  peer's principal is the `node:<id>` URI of its certificate. A PUT for node X is accepted
-  only from `node:X`. A GET of X's copies is served only to `node:X` (the node restarted)
-  or to a principal the buddy's grants file names for X (`{"X": ["node:X2"]}`, re-read on
-  every GET): whoever can write that file on the buddy (the operator, `unbroken up`) names
-  the replacement. The grant proves the operator's decision, nothing about the replacement.
-- Without TLS, every line and every data chunk carries an HMAC-SHA256 under the job's
-  replica key, bound to both sides' nonces and a per-direction sequence number (no replay,
-  no reordering, no tampering). That proves only that the peer holds the job's key: any
-  agent of the job may then PUT or GET any node's copies. Per-node rules need TLS.
-- A server with neither answers every request with an error (`ReplicaAuth.none()`).
-- Every copy carries its origin node's signature (`copysig`: its certificate key with TLS,
-  the job key without), made by the sender, checked by the buddy on receipt, kept beside
-  the copy and checked again by whoever fetches it: a buddy cannot serve a copy of its
-  own making as another node's. A sender given its buddy's node id sends only to a
-  server whose certificate is that node, and a buddy the driver paired takes copies only
-  of the node paired with it (`ReplicaServer.senders`).
-
 Bounds: the declared sizes are checked (manifest <= MAX_MANIFEST, data equal to the
 manifest's and <= `max_copy_bytes`, and within the tmpfs' free space) before a byte is
 written; data is streamed into the slot file chunk by chunk, never pre-allocated; at most
@@ -36,6 +15,9 @@ A connection holds no stream slot until it has authenticated (TLS handshake and 
 which it must do within `header_timeout_s`; of those not authenticated yet, at most
 `max_pending` are kept (the oldest is closed), so idle connections with no credential
 cannot hold the buddy from its nodes.
+
+Who may talk to the buddy, and how a copy's origin is proven, is recovery/replicaauth.py;
+which copy is sent when, recovery/replicasend.py (`ReplicaSender`).
 
 Wire format (v4). The server speaks first: `{"v": 4, "nonce": hex}`. The client sends one
 JSON header line (`op`, `node`, `cnonce`, `as` for a get; `rank`, `manifest_len`,
@@ -60,9 +42,8 @@ import hmac
 import json
 import os
 import ssl
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,13 +58,13 @@ from unbroken.recovery.flashcopy import (
     list_copies,
     manifest_path,
     new_hasher,
-    read_copy,
     read_manifest,
     replica_store,
     seal,
     write_manifest,
 )
 from unbroken.recovery.flashowner import FlashOwner, secure_dir
+from unbroken.recovery.replicaauth import ReplicaConfig, node_of_peercert
 
 log = structlog.get_logger(__name__)
 
@@ -92,7 +73,6 @@ MAX_HEADER = 4096
 MAX_MANIFEST = 16 << 20  # a manifest lists tensors and small values: far below this
 MAC_LEN = 32
 PROTOCOL = 4
-KEY_ENV = "UNBROKEN_REPLICA_KEY"
 
 
 class ReplicaRefused(ValueError):
@@ -116,109 +96,6 @@ def ring(nodes: Sequence[str]) -> dict[str, str]:
     if len(nodes) < 2:
         return {}
     return {n: nodes[(i + 1) % len(nodes)] for i, n in enumerate(nodes)}
-
-
-def node_of_peercert(cert: dict[str, Any] | None) -> str | None:
-    """The node id of a `node:<id>` SAN URI in a peer certificate (`ssl` getpeercert()).
-
-    The same URI `unbroken certs issue node:<id>` writes (driver/certs.py); recovery/ does
-    not import driver/, so the one rule is restated here.
-    """
-    for kind, value in (cert or {}).get("subjectAltName", ()):
-        if kind == "URI" and isinstance(value, str) and value.startswith("node:"):
-            return value[len("node:") :] or None
-    return None
-
-
-@dataclass(kw_only=True, slots=True)
-class ReplicaAuth:
-    """How the replica stream is authenticated: mTLS contexts, or a job key, or nothing.
-
-    Build with `tls(cert, key, ca)`, `keyed(key)` or `none()`; `grants_file` names, per
-    lost node, the principals that may GET its copies besides the node itself (TLS only).
-    """
-
-    server_ssl: ssl.SSLContext | None = None
-    client_ssl: ssl.SSLContext | None = None
-    key: bytes | None = None
-    grants_file: str | None = None
-    # signs this node's copies and checks the origin of others' (recovery/copysig.py)
-    signer: copysig.CopySigner | None = None
-
-    def __post_init__(self) -> None:
-        if self.signer is None and self.key is not None:
-            self.signer = copysig.CopySigner.keyed(self.key)
-
-    @classmethod
-    def tls(cls, cert: str, key: str, ca: str, *, grants_file: str | None = None) -> ReplicaAuth:
-        server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca)
-        server.load_cert_chain(cert, key)
-        server.verify_mode = ssl.CERT_REQUIRED
-        client = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
-        client.load_cert_chain(cert, key)
-        client.check_hostname = False  # the peer is checked by its node principal instead
-        client.verify_mode = ssl.CERT_REQUIRED
-        return cls(
-            server_ssl=server,
-            client_ssl=client,
-            grants_file=grants_file,
-            signer=copysig.CopySigner.tls(cert, key, ca),
-        )
-
-    @classmethod
-    def keyed(cls, key: bytes) -> ReplicaAuth:
-        if len(key) < 16:
-            raise ValueError("the replica key must be at least 16 bytes")
-        return cls(key=key)
-
-    @classmethod
-    def none(cls) -> ReplicaAuth:
-        return cls()
-
-    @property
-    def enabled(self) -> bool:
-        return self.server_ssl is not None or self.key is not None
-
-    def grants(self, node: str) -> set[str]:
-        """Principals the grants file allows to GET `node`'s copies (re-read each time)."""
-        if not self.grants_file:
-            return set()
-        try:
-            data = json.loads(Path(self.grants_file).read_text())
-        except (OSError, ValueError) as e:
-            log.warning("replica.grants_unreadable", file=self.grants_file, error=str(e))
-            return set()
-        got = data.get(node, []) if isinstance(data, dict) else []
-        return {g for g in got if isinstance(g, str)}
-
-
-@dataclass(kw_only=True, slots=True)
-class ReplicaConfig:
-    """Limits and credentials of the replica transfer."""
-
-    timeout_s: float = 60.0  # whole transfer of one copy, either side
-    max_copy_bytes: int = 64 << 30
-    max_connections: int = 8  # concurrent streams a server serves; more are refused
-    # A connection must authenticate (TLS handshake and header) within this: until then it
-    # holds no stream slot, and past `max_pending` such connections the oldest is closed
-    header_timeout_s: float = 5.0
-    max_pending: int = 64
-    headroom_bytes: int = 64 << 20  # left free on the tmpfs by a received copy
-    auth: ReplicaAuth = field(default_factory=ReplicaAuth.none)
-
-    def __post_init__(self) -> None:
-        if self.timeout_s <= 0:
-            raise ValueError(f"ReplicaConfig.timeout_s must be > 0, got {self.timeout_s}")
-        if self.max_copy_bytes <= 0:
-            raise ValueError(f"ReplicaConfig.max_copy_bytes must be > 0, got {self.max_copy_bytes}")
-        if self.max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
-        if not self.header_timeout_s > 0:
-            raise ValueError(
-                f"ReplicaConfig.header_timeout_s must be > 0, got {self.header_timeout_s}"
-            )
-        if self.max_pending < 1:
-            raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -859,192 +736,6 @@ async def send_copy(
         return await asyncio.wait_for(go(), cfg.timeout_s)
     except (TimeoutError, ConnectionError, OSError, CorruptCopyError, ValueError) as e:
         return SendResult(m.rank, m.step, False, f"{type(e).__name__}: {e}")
-
-
-# How far inside the ring a replicated step is kept when sends are spaced out (copies).
-REPLICA_MARGIN = 3
-# A newest copy no newer save has followed for this long is sent whatever the spacing.
-IDLE_FLUSH_S = 1.0
-# A replica is never older than about this when saves are slower than the ring's spacing.
-REPLICA_EVERY_S = 1.0
-# After a failed send a rank's next try waits this long, doubling per failure up to the cap.
-RETRY_FIRST_S = 0.1
-RETRY_CAP_S = 5.0
-
-
-class ReplicaSender:
-    """The sending agent's side: ships each local rank's newest copy to the buddy (the
-    newest step all local ranks hold, the same for every rank: `same_step`).
-
-    Not every copy: with a ring of k copies a copy goes every `k - REPLICA_MARGIN` saves
-    (every save when k <= 4), or once `REPLICA_EVERY_S` has passed since the last one
-    when that comes first (slow steps), so the replicated step stays inside every rank's ring (a
-    restore after this node is lost needs one step that all ranks hold in memory, and the
-    survivors' rings turn at the same pace as this one), while the agent spends a fraction
-    of the CPU it would copying every step. A copy no newer save has followed for
-    `IDLE_FLUSH_S` goes at once: when training pauses or stops, the last copy is the one
-    worth having. The agent calls `tick()` on its poll timer.
-
-    A failed send is retried after `RETRY_FIRST_S`, doubling up to `RETRY_CAP_S` while the
-    buddy stays unreachable (not 10 tries a second, each logged). A copy the buddy received
-    whole but found corrupt is read back here: if it fails its checksum here too it is never
-    sent again (the next newer copy is); if not, it was damaged in transit and is retried.
-    """
-
-    def __init__(
-        self,
-        owner: FlashOwner,
-        node: str,
-        buddy: tuple[str, int],
-        config: ReplicaConfig | None = None,
-        *,
-        idle_flush_s: float = IDLE_FLUSH_S,
-        every_s: float = REPLICA_EVERY_S,
-        buddy_node: str = "",
-    ) -> None:
-        self.owner = owner
-        self.node = node
-        self.buddy = buddy
-        self.buddy_node = buddy_node  # who the buddy must be (TLS); "": any node of the CA
-        self.config = config or ReplicaConfig()
-        self.idle_flush_s = idle_flush_s
-        self.every_s = every_s
-        self._sent: dict[int, int] = {}  # rank -> generation acknowledged by the buddy
-        self._sent_at: dict[int, float] = {}  # rank -> when the buddy acknowledged it
-        self._newest_seen: dict[int, tuple[int, float]] = {}  # rank -> (generation, first seen)
-        self._retry: dict[int, tuple[int, float]] = {}  # rank -> (failures in a row, next try)
-        self._corrupt: dict[int, int] = {}  # rank -> generation the buddy found corrupt
-        self.sent_copies = 0  # copies the buddy accepted (metrics)
-        self.sent_bytes = 0
-        self.spaced_out = 0  # ticks that left a newer copy for a later send (metrics)
-        self.failed = 0  # sends that failed (metrics)
-
-    def due(self, rank: int, refs: list[CopyRef], now: float) -> CopyRef | None:
-        """The copy of `rank` to send now (its newest), or None; `refs` newest first."""
-        if not refs:
-            return None
-        newest = refs[0]
-        gen = newest.manifest.generation
-        acked = self._sent.get(rank)
-        if self._held_back(rank, gen, now):
-            return None
-        seen = self._newest_seen.get(rank)
-        if seen is None or seen[0] != gen:
-            seen = self._newest_seen[rank] = (gen, now)
-        gens = [r.manifest.generation for r in refs]
-        if acked is None or acked not in gens:
-            return newest
-        newer = sum(1 for g in gens if g > acked)
-        if (
-            newer >= max(1, len(refs) - REPLICA_MARGIN)
-            or now - seen[1] >= self.idle_flush_s
-            or now - self._sent_at.get(rank, now) >= self.every_s
-        ):
-            return newest
-        self.spaced_out += 1
-        return None
-
-    async def tick(self, listed: dict[int, list[CopyRef]] | None = None) -> list[SendResult]:
-        """Send every rank's newest copy that is due (see the class docstring); `listed`:
-        each rank's copies as the caller just listed them (else they are listed here)."""
-        results = []
-        by_rank: dict[int, list[CopyRef]] = {}
-        for rank in self.owner.ranks():
-            refs = listed.get(rank) if listed is not None else None
-            by_rank[rank] = refs if refs is not None else list_copies(self.owner.rank_dir(rank))
-        for rank, ref in self.picks(by_rank, time.monotonic()).items():
-            host, port = self.buddy
-            res = await send_copy(
-                ref, self.node, host, port, config=self.config, buddy_node=self.buddy_node
-            )
-            local_ok = True
-            if res.corrupt:  # in transit, or here? Read it back (rare: once per refusal).
-                local_ok = await asyncio.to_thread(_verifies, ref)
-            self._settle(rank, ref, res, time.monotonic(), local_ok=local_ok)
-            results.append(res)
-        return results
-
-    def picks(self, by_rank: dict[int, list[CopyRef]], now: float) -> dict[int, CopyRef]:
-        """The copies to send now: when any rank's copy is due, every rank's copy of the
-        same step (`same_step`) not acknowledged yet. Decided per rank, the ranks' counts
-        since their last replica drifted apart (one rank due a tick before the other): a
-        drill's buddy held ranks 2 and 3 at steps 265 and 264, no step in common, and the
-        evicted node's ranks restored from the first commit, 264 steps back."""
-        trimmed = same_step(by_rank)
-        due = {rank: self.due(rank, refs, now) for rank, refs in trimmed.items()}
-        if not any(ref is not None for ref in due.values()):
-            return {}
-        out = {}
-        for rank, refs in trimmed.items():
-            ref = due[rank] or (refs[0] if refs else None)
-            if ref is None:
-                continue
-            if not self._held_back(rank, ref.manifest.generation, now):
-                out[rank] = ref
-        return out
-
-    def _held_back(self, rank: int, gen: int, now: float) -> bool:
-        """Whether `rank`'s copy `gen` is not to be sent now: acknowledged already, found
-        corrupt, or the rank waits for its retry time."""
-        if self._sent.get(rank) == gen or self._corrupt.get(rank) == gen:
-            return True
-        retry = self._retry.get(rank)
-        return retry is not None and now < retry[1]
-
-    def _settle(
-        self, rank: int, ref: CopyRef, res: SendResult, now: float, *, local_ok: bool = False
-    ) -> None:
-        """Book one send's outcome: acknowledged, corrupt here (the buddy found it corrupt
-        and `local_ok` is false: it fails its checksum here too), or retried later."""
-        if res.ok:
-            self._sent[rank] = ref.manifest.generation
-            self._sent_at[rank] = now
-            self._retry.pop(rank, None)
-            self.sent_copies += 1
-            self.sent_bytes += ref.manifest.data_nbytes
-            return
-        self.failed += 1
-        if res.corrupt and not local_ok:
-            self._corrupt[rank] = ref.manifest.generation
-            self._retry.pop(rank, None)
-            log.error(
-                "replica.local_copy_corrupt",
-                rank=rank,
-                step=res.step,
-                slot=ref.slot,
-                error=res.error,
-                hint="this node's memory copy failed its checksum at the buddy; it is not "
-                "sent again, the next copy is",
-            )
-            return
-        n = self._retry.get(rank, (0, 0.0))[0] + 1
-        self._retry[rank] = (n, now + min(RETRY_CAP_S, RETRY_FIRST_S * 2 ** (n - 1)))
-        log.warning("replica.send_failed", rank=rank, step=res.step, error=res.error, tries=n)
-
-
-def same_step(by_rank: dict[int, list[CopyRef]]) -> dict[int, list[CopyRef]]:
-    """Each rank's copies (newest first) up to the newest step every rank holds, so the
-    node's ranks replicate the same step: the buddy keeps two copies a rank, and ranks
-    whose newest copies were a step apart when sent (17 and 18, 23 and 24) left the buddy
-    no step in common, and a lost node's restore fell back to the newest commit (a drill
-    lost 25 steps). Unchanged when the ranks hold no step in common."""
-    if len(by_rank) < 2:
-        return by_rank
-    steps = [{r.manifest.step for r in refs} for refs in by_rank.values()]
-    common = set.intersection(*steps)
-    if not common:
-        return by_rank
-    top = max(common)
-    return {rank: [r for r in refs if r.manifest.step <= top] for rank, refs in by_rank.items()}
-
-
-def _verifies(ref: CopyRef) -> bool:
-    """Whether the copy still matches its checksum (False: corrupt, truncated, or gone)."""
-    try:
-        read_copy(ref).close()
-    except CorruptCopyError:
-        return False
-    return True
 
 
 def replica_dirs(owner: FlashOwner, node: str) -> dict[int, Path]:

@@ -19,13 +19,9 @@ import torch
 from unbroken.recovery.flash import FlashWriter
 from unbroken.recovery.flashcopy import list_copies, read_copy, replica_store
 from unbroken.recovery.flashowner import FlashConfig, FlashOwner
-from unbroken.recovery.replica import (
-    ReplicaAuth,
-    ReplicaConfig,
-    ReplicaSender,
-    ReplicaServer,
-    fetch_replica,
-)
+from unbroken.recovery.replica import ReplicaServer, fetch_replica
+from unbroken.recovery.replicaauth import ReplicaAuth, ReplicaConfig
+from unbroken.recovery.replicasend import ReplicaSender
 
 pytestmark = pytest.mark.integration
 

@@ -23,15 +23,14 @@ from unbroken.recovery.flashowner import FlashConfig, FlashOwner
 from unbroken.recovery.replica import (
     PROTOCOL,
     SEND_CHUNK,
-    ReplicaAuth,
-    ReplicaConfig,
-    ReplicaSender,
     ReplicaServer,
     fetch_replica,
     replica_dirs,
     ring,
     send_copy,
 )
+from unbroken.recovery.replicaauth import ReplicaAuth, ReplicaConfig
+from unbroken.recovery.replicasend import ReplicaSender
 from unbroken.recovery.restore import Source, decide
 from unbroken.recovery.sources import obtain, survey
 

@@ -28,14 +28,8 @@ from unbroken.driver.certs import issue, make_ca
 from unbroken.recovery.flash import FlashWriter
 from unbroken.recovery.flashcopy import read_copy, read_manifest, replica_store, slots
 from unbroken.recovery.flashowner import FlashConfig, FlashOwner
-from unbroken.recovery.replica import (
-    PROTOCOL,
-    ReplicaAuth,
-    ReplicaConfig,
-    ReplicaServer,
-    fetch_replica,
-    send_copy,
-)
+from unbroken.recovery.replica import PROTOCOL, ReplicaServer, fetch_replica, send_copy
+from unbroken.recovery.replicaauth import ReplicaAuth, ReplicaConfig
 
 pytestmark = pytest.mark.integration
 KEY = b"the-jobs-replica-key-0123456789"
@@ -173,7 +167,8 @@ def test_mtls_put_only_as_yourself_get_only_by_the_node_or_a_granted_replacement
 SERVER = """
 import asyncio, sys
 from unbroken.recovery.flashowner import FlashConfig, FlashOwner
-from unbroken.recovery.replica import ReplicaAuth, ReplicaConfig, ReplicaServer
+from unbroken.recovery.replicaauth import ReplicaAuth, ReplicaConfig
+from unbroken.recovery.replica import ReplicaServer
 async def main():
     auth = ReplicaAuth.keyed(sys.argv[2].encode())
     cfg = ReplicaConfig(timeout_s=5, max_connections=3, auth=auth)

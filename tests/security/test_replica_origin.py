@@ -30,13 +30,8 @@ from unbroken.recovery.flashcopy import (
     write_manifest,
 )
 from unbroken.recovery.flashowner import FlashConfig, FlashOwner
-from unbroken.recovery.replica import (
-    ReplicaAuth,
-    ReplicaConfig,
-    ReplicaServer,
-    fetch_replica,
-    send_copy,
-)
+from unbroken.recovery.replica import ReplicaServer, fetch_replica, send_copy
+from unbroken.recovery.replicaauth import ReplicaAuth, ReplicaConfig
 
 pytestmark = pytest.mark.integration
 NODES = ("node-a", "node-b", "node-c", "node-a2")

@@ -8,13 +8,8 @@ from pathlib import Path
 import pytest
 
 from unbroken.recovery.flashcopy import CopyRef, Manifest
-from unbroken.recovery.replica import (
-    REPLICA_MARGIN,
-    RETRY_CAP_S,
-    ReplicaSender,
-    SendResult,
-    same_step,
-)
+from unbroken.recovery.replica import SendResult
+from unbroken.recovery.replicasend import REPLICA_MARGIN, RETRY_CAP_S, ReplicaSender, same_step
 
 pytestmark = pytest.mark.unit
 

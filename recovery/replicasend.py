@@ -1,0 +1,207 @@
+"""Which flash copies an agent sends its buddy, and when (`ReplicaSender`).
+
+The transfer itself (authentication, the wire format, the buddy's checks) is
+recovery/replica.py; this module decides the copies: every rank's copy of the same step, spaced
+out so the replicated step stays inside every rank's ring, flushed when training idles, and
+retried with a capped backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from unbroken.recovery.flashcopy import CopyRef, CorruptCopyError, list_copies, read_copy
+from unbroken.recovery.flashowner import FlashOwner
+from unbroken.recovery.replica import SendResult, send_copy
+from unbroken.recovery.replicaauth import ReplicaConfig
+
+log = structlog.get_logger(__name__)
+
+
+# How far inside the ring a replicated step is kept when sends are spaced out (copies).
+REPLICA_MARGIN = 3
+# A newest copy no newer save has followed for this long is sent whatever the spacing.
+IDLE_FLUSH_S = 1.0
+# A replica is never older than about this when saves are slower than the ring's spacing.
+REPLICA_EVERY_S = 1.0
+# After a failed send a rank's next try waits this long, doubling per failure up to the cap.
+RETRY_FIRST_S = 0.1
+RETRY_CAP_S = 5.0
+
+
+class ReplicaSender:
+    """The sending agent's side: ships each local rank's newest copy to the buddy (the
+    newest step all local ranks hold, the same for every rank: `same_step`).
+
+    Not every copy: with a ring of k copies a copy goes every `k - REPLICA_MARGIN` saves
+    (every save when k <= 4), or once `REPLICA_EVERY_S` has passed since the last one
+    when that comes first (slow steps), so the replicated step stays inside every rank's ring (a
+    restore after this node is lost needs one step that all ranks hold in memory, and the
+    survivors' rings turn at the same pace as this one), while the agent spends a fraction
+    of the CPU it would copying every step. A copy no newer save has followed for
+    `IDLE_FLUSH_S` goes at once: when training pauses or stops, the last copy is the one
+    worth having. The agent calls `tick()` on its poll timer.
+
+    A failed send is retried after `RETRY_FIRST_S`, doubling up to `RETRY_CAP_S` while the
+    buddy stays unreachable (not 10 tries a second, each logged). A copy the buddy received
+    whole but found corrupt is read back here: if it fails its checksum here too it is never
+    sent again (the next newer copy is); if not, it was damaged in transit and is retried.
+    """
+
+    def __init__(
+        self,
+        owner: FlashOwner,
+        node: str,
+        buddy: tuple[str, int],
+        config: ReplicaConfig | None = None,
+        *,
+        idle_flush_s: float = IDLE_FLUSH_S,
+        every_s: float = REPLICA_EVERY_S,
+        buddy_node: str = "",
+    ) -> None:
+        self.owner = owner
+        self.node = node
+        self.buddy = buddy
+        self.buddy_node = buddy_node  # who the buddy must be (TLS); "": any node of the CA
+        self.config = config or ReplicaConfig()
+        self.idle_flush_s = idle_flush_s
+        self.every_s = every_s
+        self._sent: dict[int, int] = {}  # rank -> generation acknowledged by the buddy
+        self._sent_at: dict[int, float] = {}  # rank -> when the buddy acknowledged it
+        self._newest_seen: dict[int, tuple[int, float]] = {}  # rank -> (generation, first seen)
+        self._retry: dict[int, tuple[int, float]] = {}  # rank -> (failures in a row, next try)
+        self._corrupt: dict[int, int] = {}  # rank -> generation the buddy found corrupt
+        self.sent_copies = 0  # copies the buddy accepted (metrics)
+        self.sent_bytes = 0
+        self.spaced_out = 0  # ticks that left a newer copy for a later send (metrics)
+        self.failed = 0  # sends that failed (metrics)
+
+    def due(self, rank: int, refs: list[CopyRef], now: float) -> CopyRef | None:
+        """The copy of `rank` to send now (its newest), or None; `refs` newest first."""
+        if not refs:
+            return None
+        newest = refs[0]
+        gen = newest.manifest.generation
+        acked = self._sent.get(rank)
+        if self._held_back(rank, gen, now):
+            return None
+        seen = self._newest_seen.get(rank)
+        if seen is None or seen[0] != gen:
+            seen = self._newest_seen[rank] = (gen, now)
+        gens = [r.manifest.generation for r in refs]
+        if acked is None or acked not in gens:
+            return newest
+        newer = sum(1 for g in gens if g > acked)
+        if (
+            newer >= max(1, len(refs) - REPLICA_MARGIN)
+            or now - seen[1] >= self.idle_flush_s
+            or now - self._sent_at.get(rank, now) >= self.every_s
+        ):
+            return newest
+        self.spaced_out += 1
+        return None
+
+    async def tick(self, listed: dict[int, list[CopyRef]] | None = None) -> list[SendResult]:
+        """Send every rank's newest copy that is due (see the class docstring); `listed`:
+        each rank's copies as the caller just listed them (else they are listed here)."""
+        results = []
+        by_rank: dict[int, list[CopyRef]] = {}
+        for rank in self.owner.ranks():
+            refs = listed.get(rank) if listed is not None else None
+            by_rank[rank] = refs if refs is not None else list_copies(self.owner.rank_dir(rank))
+        for rank, ref in self.picks(by_rank, time.monotonic()).items():
+            host, port = self.buddy
+            res = await send_copy(
+                ref, self.node, host, port, config=self.config, buddy_node=self.buddy_node
+            )
+            local_ok = True
+            if res.corrupt:  # in transit, or here? Read it back (rare: once per refusal).
+                local_ok = await asyncio.to_thread(_verifies, ref)
+            self._settle(rank, ref, res, time.monotonic(), local_ok=local_ok)
+            results.append(res)
+        return results
+
+    def picks(self, by_rank: dict[int, list[CopyRef]], now: float) -> dict[int, CopyRef]:
+        """The copies to send now: when any rank's copy is due, every rank's copy of the
+        same step (`same_step`) not acknowledged yet. Decided per rank, the ranks' counts
+        since their last replica drifted apart (one rank due a tick before the other): a
+        drill's buddy held ranks 2 and 3 at steps 265 and 264, no step in common, and the
+        evicted node's ranks restored from the first commit, 264 steps back."""
+        trimmed = same_step(by_rank)
+        due = {rank: self.due(rank, refs, now) for rank, refs in trimmed.items()}
+        if not any(ref is not None for ref in due.values()):
+            return {}
+        out = {}
+        for rank, refs in trimmed.items():
+            ref = due[rank] or (refs[0] if refs else None)
+            if ref is None:
+                continue
+            if not self._held_back(rank, ref.manifest.generation, now):
+                out[rank] = ref
+        return out
+
+    def _held_back(self, rank: int, gen: int, now: float) -> bool:
+        """Whether `rank`'s copy `gen` is not to be sent now: acknowledged already, found
+        corrupt, or the rank waits for its retry time."""
+        if self._sent.get(rank) == gen or self._corrupt.get(rank) == gen:
+            return True
+        retry = self._retry.get(rank)
+        return retry is not None and now < retry[1]
+
+    def _settle(
+        self, rank: int, ref: CopyRef, res: SendResult, now: float, *, local_ok: bool = False
+    ) -> None:
+        """Book one send's outcome: acknowledged, corrupt here (the buddy found it corrupt
+        and `local_ok` is false: it fails its checksum here too), or retried later."""
+        if res.ok:
+            self._sent[rank] = ref.manifest.generation
+            self._sent_at[rank] = now
+            self._retry.pop(rank, None)
+            self.sent_copies += 1
+            self.sent_bytes += ref.manifest.data_nbytes
+            return
+        self.failed += 1
+        if res.corrupt and not local_ok:
+            self._corrupt[rank] = ref.manifest.generation
+            self._retry.pop(rank, None)
+            log.error(
+                "replica.local_copy_corrupt",
+                rank=rank,
+                step=res.step,
+                slot=ref.slot,
+                error=res.error,
+                hint="this node's memory copy failed its checksum at the buddy; it is not "
+                "sent again, the next copy is",
+            )
+            return
+        n = self._retry.get(rank, (0, 0.0))[0] + 1
+        self._retry[rank] = (n, now + min(RETRY_CAP_S, RETRY_FIRST_S * 2 ** (n - 1)))
+        log.warning("replica.send_failed", rank=rank, step=res.step, error=res.error, tries=n)
+
+
+def same_step(by_rank: dict[int, list[CopyRef]]) -> dict[int, list[CopyRef]]:
+    """Each rank's copies (newest first) up to the newest step every rank holds, so the
+    node's ranks replicate the same step: the buddy keeps two copies a rank, and ranks
+    whose newest copies were a step apart when sent (17 and 18, 23 and 24) left the buddy
+    no step in common, and a lost node's restore fell back to the newest commit (a drill
+    lost 25 steps). Unchanged when the ranks hold no step in common."""
+    if len(by_rank) < 2:
+        return by_rank
+    steps = [{r.manifest.step for r in refs} for refs in by_rank.values()]
+    common = set.intersection(*steps)
+    if not common:
+        return by_rank
+    top = max(common)
+    return {rank: [r for r in refs if r.manifest.step <= top] for rank, refs in by_rank.items()}
+
+
+def _verifies(ref: CopyRef) -> bool:
+    """Whether the copy still matches its checksum (False: corrupt, truncated, or gone)."""
+    try:
+        read_copy(ref).close()
+    except CorruptCopyError:
+        return False
+    return True
