@@ -365,10 +365,37 @@ def _render(
 
 
 async def _supervise(c: LocalCluster, cfg: UpConfig, w: LogWatch, console: Any, t0: float) -> int:
-    from rich.live import Live
-
     faults: list[FaultRecord] = []
     drill = Drill(c, w, faults, cfg.faults, cfg.hang_floor_s) if cfg.drill else None
+    first_step_at = await _watch(cfg, w, console, t0, drill, faults)
+    for f in faults:  # still open as the run ends: judged by the host's load too
+        if not f.skipped and (f.detected_s is None or (f.recovers and f.resumed_s is None)):
+            judge_load(f)
+    console.print(fault_table(faults, console.width) if faults else "no drill")
+    await _summary(c, cfg, w, console)
+    missed = [
+        f
+        for f in faults
+        if not f.skipped and (f.detected_s is None or (f.recovers and f.resumed_s is None))
+    ]
+    if drill is not None and (drill.plan or missed):
+        console.print(drill_verdict(missed, len(drill.plan), cfg.duration_s, first_step_at, t0))
+        return 1
+    return 0
+
+
+async def _watch(
+    cfg: UpConfig,
+    w: LogWatch,
+    console: Any,
+    t0: float,
+    drill: Drill | None,
+    faults: list[FaultRecord],
+) -> float | None:
+    """Follow the event log (live view or plain lines) and drive the drill until the run
+    is over; when the first training step was seen (monotonic), if it was."""
+    from rich.live import Live
+
     first_step_at: float | None = None
     done_at: float | None = None
     live_ctx: Any = (
@@ -402,12 +429,13 @@ async def _supervise(c: LocalCluster, cfg: UpConfig, w: LogWatch, console: Any, 
             if now - t0 > cfg.duration_s or (done_at is not None and now - done_at > 3):
                 if live is not None:  # the drill's table is printed once, below
                     live.update(_render(w, [], now - t0, console.width, console.height))
-                break
+                return first_step_at
             await asyncio.sleep(0.25)
-    for f in faults:  # still open as the run ends: judged by the host's load too
-        if not f.skipped and (f.detected_s is None or (f.recovers and f.resumed_s is None)):
-            judge_load(f)
-    console.print(fault_table(faults, console.width) if faults else "no drill")
+
+
+async def _summary(c: LocalCluster, cfg: UpConfig, w: LogWatch, console: Any) -> None:
+    """The run's closing lines: goodput, steps and events, commits, persistence, where the
+    event log stays and how to reach a running cluster."""
     status = await asyncio.to_thread(w.rpc, "GetStatus", dpb.GetStatusRequest())
     if status is not None:
         from unbroken.cli.status import goodput_line
@@ -441,15 +469,6 @@ async def _supervise(c: LocalCluster, cfg: UpConfig, w: LogWatch, console: Any, 
         "status --driver HOST:PORT",
         soft_wrap=True,
     )
-    missed = [
-        f
-        for f in faults
-        if not f.skipped and (f.detected_s is None or (f.recovers and f.resumed_s is None))
-    ]
-    if drill is not None and (drill.plan or missed):
-        console.print(drill_verdict(missed, len(drill.plan), cfg.duration_s, first_step_at, t0))
-        return 1
-    return 0
 
 
 def drill_verdict(

@@ -340,28 +340,9 @@ class FlashCheckpointer:
             groups: dict[Any, list[int]] = {}
             for r, e in enumerate(everyone):
                 groups.setdefault(e[2], []).append(r)
-            same = same_layout_steps(reach, layout)
-            plan: RestorePlan | None = None
-            why = ""
-            try:
-                plan = decide(
-                    {r: restrict(a, same) for r, a in availability.items()},
-                    list(groups.values()),
-                    not_after=not_after,
-                )
-            except NoCommonStepError as e:
-                why = str(e)
-            if (
-                self.rank == 0
-                and plan is not None
-                and Source.STORAGE in plan.source_by_rank.values()
-                and any(a.memory or a.buddy for a in availability.values())
-            ):  # copies in memory, none common to every rank: say what each one had
-                log.warning(
-                    "flash.restore_from_storage",
-                    step=plan.step,
-                    newest=describe_newest(availability),
-                )
+            plan, why = self._plan(
+                availability, groups, same_layout_steps(reach, layout), not_after
+            )
             other = newest_reshardable(reach, layout, not_after=not_after)
             if other is not None and (plan is None or other > plan.step):
                 saved = saved_layouts(reach)[other]
@@ -379,6 +360,35 @@ class FlashCheckpointer:
             f"rank {self.rank}: no step restorable after {MAX_DECISIONS} decisions "
             f"(corrupt: {sorted(own.corrupt | wide.corrupt)})"
         )
+
+    def _plan(
+        self,
+        availability: dict[int, Availability],
+        groups: dict[Any, list[int]],
+        same: frozenset[int],
+        not_after: int | None,
+    ) -> tuple[RestorePlan | None, str]:
+        """The restore of a step saved in this layout (None, and why, when none is common
+        to every rank)."""
+        try:
+            plan = decide(
+                {r: restrict(a, same) for r, a in availability.items()},
+                list(groups.values()),
+                not_after=not_after,
+            )
+        except NoCommonStepError as e:
+            return None, str(e)
+        if (
+            self.rank == 0
+            and Source.STORAGE in plan.source_by_rank.values()
+            and any(a.memory or a.buddy for a in availability.values())
+        ):  # copies in memory, none common to every rank: say what each one had
+            log.warning(
+                "flash.restore_from_storage",
+                step=plan.step,
+                newest=describe_newest(availability),
+            )
+        return plan, ""
 
     def _all_ok(self, ok: bool, label: str) -> dict[int, str] | None:
         """Every rank's label when every rank is ok, else None (collective)."""

@@ -122,6 +122,53 @@ class GPT3DTrainer:
         self.topo = parallel.build_mesh(p, self.device.type)
         self.log = log.bind(rank=dist.get_rank(), dp=self.topo.dp_rank, pp=self.topo.pp_rank)
 
+        self._build_parts(c, bf16)
+        self.experts = [prm for part in self.parts for prm in parallel.expert_params(part)]
+        self.moes = [m for part in self.parts for m in moe_layers(part)]
+        if p.dp > 1 and p.dp_mode != "zero2" and not parallel.reshards_after_forward(p):
+            self.log.warning(
+                "ZBV keeps parameters unsharded from forward to backward (ZeRO-2-like memory)",
+                dp_mode=p.dp_mode,
+            )
+        self.optimizers = [self._optimizer(part, c.optim) for part in self.parts]
+        self.state_version += 1
+        self._groups = self._shared = None
+
+        self._prefetched = None
+        self.loader = TextLoader(
+            load_corpus(c.data.path, c.data.max_corpus_bytes),
+            seq_len=c.data.seq_len,
+            global_batch=c.data.global_batch,
+            dp_rank=self.topo.dp_rank,
+            dp_size=self.topo.dp_size,
+            seed=c.data.seed,
+        )
+        self.schedule: Any = None
+        self.timer: parallel.StageTimer | None = None
+        if p.pp > 1:
+            self.schedule, self.stages, self.timer = parallel.build_schedule(
+                self.parts, self.stage_ids, p, self.topo, self.device, cross_entropy
+            )
+        n_stages = p.pp * p.stages_per_rank
+        self.has_first = 0 in self.stage_ids
+        self.has_last = (n_stages - 1) in self.stage_ids
+        self._flops_per_token = c.model.flops_per_token(c.data.seq_len)
+        self._peak = _peak_flops(self.device)
+        self.log.info(
+            "trainer set up",
+            layout=f"dp{p.dp}×cp{p.cp}×pp{p.pp}×tp{p.tp}" + (f" (ep{p.ep})" if p.ep > 1 else ""),
+            init=c.init,
+            init_s=round(self.init_s, 3),
+            schedule=p.schedule if p.pp > 1 else None,
+            stages=self.stage_ids,
+            params=c.model.n_params(),
+            device=str(self.device),
+        )
+
+    def _build_parts(self, c: TrainConfig, bf16: bool) -> None:
+        """This rank's model stages, parallelized as `c.parallel` says (and materialized
+        from the meta device when `c.init` is "meta"); sets `parts`, `stage_ids`, `init_s`."""
+        p = c.parallel
         t_init = time.perf_counter()
         torch.manual_seed(c.seed)
         meta = c.init == "meta"
@@ -151,48 +198,6 @@ class GPT3DTrainer:
             if meta:
                 init.materialize(part, self.device)
         self.init_s = time.perf_counter() - t_init
-        self.experts = [prm for part in self.parts for prm in parallel.expert_params(part)]
-        self.moes = [m for part in self.parts for m in moe_layers(part)]
-        if p.dp > 1 and p.dp_mode != "zero2" and not parallel.reshards_after_forward(p):
-            self.log.warning(
-                "ZBV keeps parameters unsharded from forward to backward (ZeRO-2-like memory)",
-                dp_mode=p.dp_mode,
-            )
-        self.optimizers = [self._optimizer(part, c.optim) for part in self.parts]
-        self.state_version += 1
-        self._groups = self._shared = None
-
-        corpus = load_corpus(c.data.path, c.data.max_corpus_bytes)
-        self._prefetched = None
-        self.loader = TextLoader(
-            corpus,
-            seq_len=c.data.seq_len,
-            global_batch=c.data.global_batch,
-            dp_rank=self.topo.dp_rank,
-            dp_size=self.topo.dp_size,
-            seed=c.data.seed,
-        )
-        self.schedule: Any = None
-        self.timer: parallel.StageTimer | None = None
-        if p.pp > 1:
-            self.schedule, self.stages, self.timer = parallel.build_schedule(
-                self.parts, self.stage_ids, p, self.topo, self.device, cross_entropy
-            )
-        n_stages = p.pp * p.stages_per_rank
-        self.has_first = 0 in self.stage_ids
-        self.has_last = (n_stages - 1) in self.stage_ids
-        self._flops_per_token = c.model.flops_per_token(c.data.seq_len)
-        self._peak = _peak_flops(self.device)
-        self.log.info(
-            "trainer set up",
-            layout=f"dp{p.dp}×cp{p.cp}×pp{p.pp}×tp{p.tp}" + (f" (ep{p.ep})" if p.ep > 1 else ""),
-            init=c.init,
-            init_s=round(self.init_s, 3),
-            schedule=p.schedule if p.pp > 1 else None,
-            stages=self.stage_ids,
-            params=c.model.n_params(),
-            device=str(self.device),
-        )
 
     @staticmethod
     def _optimizer(part: torch.nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
@@ -296,27 +301,13 @@ class GPT3DTrainer:
         inputs, targets = context.split(inputs, cp, cp_rank), context.split(targets, cp, cp_rank)
 
         idle: float | None = None
+        # Straggler telemetry: what this rank waited for its peers (pipeline idle, the
+        # final all-reduce) is not compute. Waits inside FSDP's collectives are not timed.
+        pipe_wait = 0.0
         if self.schedule is None:
             loss = self._accumulate(inputs, targets, c.parallel.microbatches)
         else:
-            assert self.timer is not None
-            self.timer.busy_s = 0.0
-            ts = time.perf_counter()
-            losses: list[torch.Tensor] = []
-            kwargs: dict[str, Any] = {}
-            if self.has_last:
-                kwargs = {"target": targets, "losses": losses}
-            args = (inputs,) if self.has_first else ()
-            self.schedule.step(*args, **kwargs)
-            idle = max(0.0, 1.0 - self.timer.busy_s / (time.perf_counter() - ts))
-            if self.has_last:
-                loss = torch.stack([x.detach().float() for x in losses]).mean()
-            else:
-                loss = torch.zeros((), device=self.device)
-
-        # Straggler telemetry: what this rank waited for its peers (pipeline idle, the
-        # final all-reduce) is not compute. Waits inside FSDP's collectives are not timed.
-        pipe_wait = 0.0 if idle is None else idle * (time.perf_counter() - ts)
+            loss, idle, pipe_wait = self._pipeline_step(inputs, targets)
         if self.experts:
             parallel.sync_expert_grads(self.experts, self.topo, c.parallel)
         pp_group = self.topo.pp_group if c.parallel.pp > 1 else None
@@ -365,6 +356,27 @@ class GPT3DTrainer:
             "mfu": mfu,
             "pipeline_idle_fraction": idle,
         }
+
+    def _pipeline_step(
+        self, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, float, float]:
+        """Forward and backward through the pipeline schedule: the loss (zero off the last
+        stage), the fraction of the schedule this rank idled, and those seconds."""
+        assert self.timer is not None and self.schedule is not None
+        self.timer.busy_s = 0.0
+        ts = time.perf_counter()
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {}
+        if self.has_last:
+            kwargs = {"target": targets, "losses": losses}
+        args = (inputs,) if self.has_first else ()
+        self.schedule.step(*args, **kwargs)
+        idle = max(0.0, 1.0 - self.timer.busy_s / (time.perf_counter() - ts))
+        if self.has_last:
+            loss = torch.stack([x.detach().float() for x in losses]).mean()
+        else:
+            loss = torch.zeros((), device=self.device)
+        return loss, idle, idle * (time.perf_counter() - ts)
 
     def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor, m: int) -> torch.Tensor:
         """Forward/backward over `m` equal chunks of the local batch, gradients summed with

@@ -77,6 +77,7 @@ from unbroken.trainer.rejoin import Held, apply_rejoin, hold, peer_failure, star
 from unbroken.trainer.rtrace import mark
 
 if TYPE_CHECKING:
+    from unbroken.trainer.flashckpt import FlashCheckpointer, PersistClock
     from unbroken.trainer.hookchannel import Hooks
 
 log = structlog.get_logger(__name__)
@@ -253,12 +254,6 @@ def train(
     import torch.distributed as dist
 
     from unbroken.trainer import checkpoint
-    from unbroken.trainer.flashckpt import (
-        FlashCheckpointer,
-        FlashEnv,
-        PersistClock,
-        persist_every_s_from_env,
-    )
     from unbroken.trainer.hookchannel import install
     from unbroken.trainer.plugin import load_trainer
 
@@ -270,48 +265,19 @@ def train(
     trainer = load_trainer(config.trainer)
     history: list[dict[str, Any]] = []
     out = open(metrics_out, "a") if metrics_out and rank == 0 else None
-    env = FlashEnv.from_env()
-    flash_every = config.flash_every
-    if flash_every is None:
-        flash_every = 1 if env is not None else 0
-    if flash_every and env is None:
-        raise ValueError("--flash-every needs an agent's flash store (run under `unbroken agent`)")
-    flash = FlashCheckpointer(env, rank) if flash_every and env is not None else None
-    clock = PersistClock(persist_every_s_from_env()) if flash is not None else None
+    flash, clock, flash_every = _flash_store(config, rank)
     requests = SaveRequests(hooks)
-    fingerprints: Any = None
     try:
         trainer.setup(config)
         mark("setup")
-        if config.fingerprint_every and isinstance(trainer, Optimizers):
-            from unbroken.trainer.sdc import Fingerprinter
-
-            fingerprints = Fingerprinter(trainer)
-        step = 0
+        fingerprints = _fingerprinter(config, trainer)
         point = RestorePoint.from_env()
         faults = FaultFile.from_env(rank)
         slow = SlowFile.from_env()
         hooks.phase("restore")  # judged by the phase limit, not the step rhythm
-        restored = flash.restore(trainer, not_after=point.step) if flash is not None else None
-        mark("loaded")
-        if restored is not None:
-            step = restored.step
-            if clock is not None:
-                clock.persist_first = False  # the restored step is committed or in memory
-            if flash is not None and point.step is not None:
-                flash.discard_after(step)  # a rollback: newer copies are a dead timeline
-        elif resume_from:
-            checkpoint.load(trainer, resume_from)
-            step = int(trainer.state_dict()["step"])
-            if clock is not None:
-                clock.persist_first = False
-        if flash is not None:
-            flash.guard(trainer)  # once: every optimizer step waits for the copy in flight
-            if restored is not None:  # the state is whole (optimizer state included): size
-                flash.prepare(trainer)  # and map the ring now, not inside the first save
-        mark("restored", step=step, how=restored.source if restored is not None else "none")
+        step, source = _restore(trainer, flash, clock, point, resume_from)
         # the step restored (what the restart really lost) and where it came from
-        hooks.phase("train", step=step, source=restored.source if restored is not None else "")
+        hooks.phase("train", step=step, source=source)
         if isinstance(trainer, Collectives):  # a waiting rank is judged as a victim
             trainer.on_collective = hooks.collective_entered
         loop = _Loop(
@@ -331,21 +297,7 @@ def train(
             rank=rank,
             fingerprints=fingerprints,
         )
-        first = True
-        while step < config.steps:
-            try:
-                step = loop.step(step)
-                if first:
-                    mark("first_step", step=step)
-                    first = False
-            except Held:
-                raise
-            except Exception as e:
-                if hooks.replies and started_by_agent() and peer_failure(e):
-                    raise Held(f"{type(e).__name__}: {e}", step) from e
-                raise
-            if requests.hold is not None:
-                raise Held(f"held by the agent: {requests.hold}", step)
+        _run_steps(loop, step, config.steps, hooks, requests)
         if save_to:
             checkpoint.save(trainer, save_to)
     finally:
@@ -360,6 +312,94 @@ def train(
         if out is not None:
             out.close()
     return history
+
+
+def _fingerprinter(config: TrainConfig, trainer: Any) -> Any:
+    """The state fingerprints of a trainer that exposes its optimizers, when asked for."""
+    if config.fingerprint_every and isinstance(trainer, Optimizers):
+        from unbroken.trainer.sdc import Fingerprinter
+
+        return Fingerprinter(trainer)
+    return None
+
+
+def _flash_store(
+    config: TrainConfig, rank: int
+) -> tuple[FlashCheckpointer | None, PersistClock | None, int]:
+    """The rank's flash checkpointer (None: off), its persistence clock, and the save pace.
+
+    Raises:
+        ValueError: flash saves asked for without an agent's flash store.
+    """
+    from unbroken.trainer.flashckpt import (
+        FlashCheckpointer,
+        FlashEnv,
+        PersistClock,
+        persist_every_s_from_env,
+    )
+
+    env = FlashEnv.from_env()
+    flash_every = config.flash_every
+    if flash_every is None:
+        flash_every = 1 if env is not None else 0
+    if flash_every and env is None:
+        raise ValueError("--flash-every needs an agent's flash store (run under `unbroken agent`)")
+    flash = FlashCheckpointer(env, rank) if flash_every and env is not None else None
+    clock = PersistClock(persist_every_s_from_env()) if flash is not None else None
+    return flash, clock, flash_every
+
+
+def _restore(
+    trainer: Any,
+    flash: FlashCheckpointer | None,
+    clock: PersistClock | None,
+    point: RestorePoint,
+    resume_from: str | None,
+) -> tuple[int, str]:
+    """Restore the trainer's state: from flash (not past the restore point), else from
+    `resume_from`, else none; the step it starts from and where its state came from."""
+    from unbroken.trainer import checkpoint
+
+    step = 0
+    restored = flash.restore(trainer, not_after=point.step) if flash is not None else None
+    mark("loaded")
+    if restored is not None:
+        step = restored.step
+        if clock is not None:
+            clock.persist_first = False  # the restored step is committed or in memory
+        if flash is not None and point.step is not None:
+            flash.discard_after(step)  # a rollback: newer copies are a dead timeline
+    elif resume_from:
+        checkpoint.load(trainer, resume_from)
+        step = int(trainer.state_dict()["step"])
+        if clock is not None:
+            clock.persist_first = False
+    if flash is not None:
+        flash.guard(trainer)  # once: every optimizer step waits for the copy in flight
+        if restored is not None:  # the state is whole (optimizer state included): size
+            flash.prepare(trainer)  # and map the ring now, not inside the first save
+    mark("restored", step=step, how=restored.source if restored is not None else "none")
+    return step, restored.source if restored is not None else ""
+
+
+def _run_steps(loop: _Loop, step: int, steps: int, hooks: Hooks, requests: SaveRequests) -> None:
+    """Run the loop's steps until `steps`; `Held` when the agent holds this rank (it asked,
+    or a peer failed under an agent that can recover in the job)."""
+    first = True
+    while step < steps:
+        try:
+            step = loop.step(step)
+            if first:
+                mark("first_step", step=step)
+                first = False
+        except Held:
+            raise
+        except Exception as e:
+            if hooks.replies and started_by_agent() and peer_failure(e):
+                raise Held(f"{type(e).__name__}: {e}", step) from e
+            raise
+        if requests.hold is not None:
+            raise Held(f"held by the agent: {requests.hold}", step)
 
 
 @dataclass(slots=True)
