@@ -29,7 +29,7 @@ client certificate's `node:<id>` SAN (mTLS) or the node token this relay holds i
 
 When the relay loses its driver session it ends every member's stream (UNAVAILABLE), and a
 member whose relay is gone, refuses, or sends nothing (not even its empty tick every
-`TICK_S`) for `SILENT_S` goes to the driver directly at once (agent/daemon.py);
+`TICK_S`) for `SILENT_S` goes to the driver directly at once (agent/link.py);
 the driver holds back a group's silence that coincides with its relay's loss.
 """
 

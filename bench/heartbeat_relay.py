@@ -19,7 +19,7 @@ loop runs it) and the hang and node-lost sweeps on. Three parts, from the same r
    and heartbeats to it), under background relayed load; each victim is SIGKILLed at a
    random phase: the NodeLost event's wall time minus the kill's.
 3. **Relay kill.** A simulator process with 32 members behind the same real relay (they
-   fall back to the driver directly when the relay's stream breaks, as agent/daemon.py
+   fall back to the driver directly when the relay's stream breaks, as agent/link.py
    does): the relay is SIGKILLed; NodeLost events other than the relay's own are false.
    Also the relay's own CPU per member heartbeat (its process CPU over the members'
    heartbeats while they ran through it).

@@ -21,7 +21,7 @@ Example: ``FaultSpec.parse("wrong_matmul+slow:2.0")``.
 Faults can also be injected into a running node (``unbroken inject FAULT --node N``, the
 drill): `RuntimeFault` validates one of `RUNTIME_FAULTS`. The check-level ones
 (wrong-matmul, slow) change the agent's `FaultSpec` from then on; the others act on the
-node's workers or on the agent itself (agent/daemon.py applies them).
+node's workers or on the agent itself (agent/commands.py applies them).
 
 The worker faults (`WORKER_FILE_FAULTS`) reach the trainer through a file, not a signal:
 the agent writes a `WorkerFault` atomically as JSON, ``{"kind": "nan" | "loss-spike",
@@ -108,7 +108,7 @@ class FaultSpec:
 
 
 # ---------------------------------------------------------------- faults injected at runtime
-#: `unbroken inject FAULT`: what each kind does (the agent applies it, agent/daemon.py).
+#: `unbroken inject FAULT`: what each kind does (the agent applies it, agent/commands.py).
 RUNTIME_FAULTS: dict[str, str] = {
     "wrong-matmul": "the node's checks and self-check compute wrong results (a corrupt GPU)",
     "slow": "the node's checks run FACTOR times slower (--factor, >= 1)",
