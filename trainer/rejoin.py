@@ -65,10 +65,17 @@ def peer_failure(e: BaseException) -> bool:
     """Whether `e` (raised by a step) says a peer failed rather than this process."""
     import torch.distributed as dist
 
-    if isinstance(e, getattr(dist, "DistNetworkError", ())):
-        return True
-    text = f"{type(e).__name__}: {e}"
-    return any(p in text for p in PEER_FAILURES)
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:  # torch wraps: pipelining's stage
+        seen.add(id(cur))  # backward raises a plain RuntimeError *from* the gloo error
+        if isinstance(cur, getattr(dist, "DistNetworkError", ())):
+            return True
+        text = f"{type(cur).__name__}: {cur}"
+        if any(p in text for p in PEER_FAILURES):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def hold(h: Held, hooks: Hooks, wait_s: float = HOLD_WAIT_S) -> Any:
