@@ -13,7 +13,7 @@ Sections (each against a baseline taken in the same run on the same machine):
   decided by the recovery machine as the driver's loop does (`join_machine_s_*`; with its
   per-registration draft and the copying fold put back: `join_machine_legacy_s_*`).
 
-- ``snapshot``: what a snapshot stores (compressed: driver/etcdlog.py) at each level with
+- ``snapshot``: what a snapshot stores (compressed: driver/etcdsnapshot.py) at each level with
   40-character names, every node registered and in a running world (`snapshot_bytes_N`),
   beside the state serialized as it is (`snapshot_serialized_bytes_N`); and RegisterJob of
   the largest level's world with 40-character names over gRPC on a real etcd
@@ -49,7 +49,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from unbroken.driver import etcdclient, etcdlog
+from unbroken.driver import etcdclient, etcdlog, etcdsnapshot
 from unbroken.driver import fold as foldlib
 from unbroken.driver import journal as journallib
 from unbroken.driver import machine as machinelib
@@ -244,8 +244,8 @@ def snapshot_size(n: int, out: dict[str, Any]) -> None:
         e.seq = seq
     s = statelib.initial("bench")
     foldlib.fold_in_place(s, events)
-    # what etcd stores (driver/etcdlog.py: compressed) against the state serialized as is
-    out[f"snapshot_bytes_{n}"] = len(etcdlog.snapshot_value(s.last_seq, s))
+    # what etcd stores (driver/etcdsnapshot.py: compressed) against the state serialized as is
+    out[f"snapshot_bytes_{n}"] = len(etcdsnapshot.snapshot_value(s.last_seq, s))
     out[f"snapshot_serialized_bytes_{n}"] = ev.Snapshot(last_seq=s.last_seq, state=s).ByteSize()
 
 
