@@ -30,6 +30,12 @@ Sections (each against a baseline taken in the same run on the same machine):
   `_prune`, `_apply_in_place`, kept below as they were), interleaved, median of 3 each;
   the first run of each is also reported alone (`cold`). The etcd read is not in it
   (bench/eventlog.py's `replay_100k_events_s` has it).
+- ``prune``: what one prune of gone node records costs the fold in a job of N registered
+  nodes (the largest level), by the full scan of every node it did before
+  (tests/prunescan.py) against the heap of gone records it keeps now
+  (`prune_scan_ms_N`, `prune_indexed_ms_N`, `prune_speedup_N`: CPU time of the same fold,
+  interleaved, median of 3; the heap's first build, one scan, is in its figure). Nodes outside the job keep registering and being lost: every PRUNE_SLACK
+  losses past KEEP_GONE_NODES, one prune.
 
 Writes bench/results/scale.json (flat keys, the load average beside them) and prints a table.
 Usage: ``make bench-scale`` or ``.venv/bin/python bench/scale.py [--levels 1024 5120 10240]``
@@ -45,10 +51,12 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (the reference prune)
+from tests.prunescan import prune_by_scan
 from unbroken.driver import etcdclient, etcdlog, etcdsnapshot
 from unbroken.driver import fold as foldlib
 from unbroken.driver import journal as journallib
@@ -425,6 +433,54 @@ def replay_costs(n: int, out: dict[str, Any]) -> None:
     )
 
 
+def prune_costs(n: int, out: dict[str, Any]) -> None:
+    """Per prune, in a job of `n` registered nodes: the full scan against the heap."""
+    base = state_with(n)
+    seq = base.last_seq
+    churn = []  # outsiders that register and are lost: 12 prunes' worth
+    losses = statelib.KEEP_GONE_NODES + statelib.PRUNE_SLACK + 12 * (statelib.PRUNE_SLACK + 1)
+    for i in range(losses):
+        reg = registered(n + i)
+        lost = ev.Event(
+            node_lost=ev.NodeLost(node_id=node_id(n + i), epoch=1, reason="heartbeat timeout")
+        )
+        for e in (reg, lost):
+            seq += 1
+            e.seq = seq
+            churn.append(e)
+    indexed = statelib._prune
+    spent: list[float] = []
+
+    def timed(fn: Callable[[ev.JobState], None]) -> Callable[[ev.JobState], None]:
+        def prune(s: ev.JobState) -> None:
+            t0 = time.thread_time()  # CPU time: the shared host's load does not stretch it
+            fn(s)
+            spent.append(time.thread_time() - t0)
+
+        return prune
+
+    per_prune: dict[str, list[float]] = {"scan": [], "indexed": []}
+    states = {}
+    for _ in range(3):
+        for name, fn in (("scan", prune_by_scan), ("indexed", indexed)):
+            s = ev.JobState()
+            s.CopyFrom(base)
+            spent.clear()
+            statelib._prune = timed(fn)
+            try:
+                statelib.fold_into(s, churn)
+            finally:
+                statelib._prune = indexed
+            prunes = s.pruned_nodes // (statelib.PRUNE_SLACK + 1)
+            per_prune[name].append(sum(spent) / prunes * 1000.0)
+            states[name] = s
+    assert states["scan"] == states["indexed"], "the prunes disagree"
+    out[f"prune_count_{n}"] = states["indexed"].pruned_nodes // (statelib.PRUNE_SLACK + 1)
+    out[f"prune_scan_ms_{n}"] = statistics.median(per_prune["scan"])
+    out[f"prune_indexed_ms_{n}"] = statistics.median(per_prune["indexed"])
+    out[f"prune_speedup_{n}"] = out[f"prune_scan_ms_{n}"] / out[f"prune_indexed_ms_{n}"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--levels", type=int, nargs="+", default=list(LEVELS))
@@ -439,7 +495,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--only",
-        choices=("fold", "replay", "snapshot", "reconnect", "e2e"),
+        choices=("fold", "replay", "snapshot", "reconnect", "e2e", "prune"),
         default=None,
         help="run one section (default: all)",
     )
@@ -471,6 +527,14 @@ def main() -> None:
             f"{out['replay_100k_decode_fold_now_s']:.2f} s (cold: "
             f"{out['replay_100k_decode_fold_legacy_cold_s']:.2f} / "
             f"{out['replay_100k_decode_fold_now_cold_s']:.2f} s)"
+        )
+    if ns.only in (None, "prune"):
+        n = max(ns.levels)
+        prune_costs(n, out)
+        print(
+            f"prune at {n} nodes: full scan {out[f'prune_scan_ms_{n}']:.2f} ms, "
+            f"indexed {out[f'prune_indexed_ms_{n}']:.2f} ms "
+            f"({out[f'prune_speedup_{n}']:.1f}x, {out[f'prune_count_{n}']} prunes)"
         )
     for n in ns.levels if ns.only in (None, "snapshot") else ():
         snapshot_size(n, out)
