@@ -34,8 +34,9 @@ Sections (each against a baseline taken in the same run on the same machine):
   nodes (the largest level), by the full scan of every node it did before
   (tests/prunescan.py) against the heap of gone records it keeps now
   (`prune_scan_ms_N`, `prune_indexed_ms_N`, `prune_speedup_N`: CPU time of the same fold,
-  interleaved, median of 3; the heap's first build, one scan, is in its figure). Nodes outside the job keep registering and being lost: every PRUNE_SLACK
-  losses past KEEP_GONE_NODES, one prune.
+  interleaved, median of 3; the heap's first build, one scan, is in its figure). Nodes
+  outside the job keep registering and being lost: every PRUNE_SLACK losses past
+  KEEP_GONE_NODES, one prune.
 
 Writes bench/results/scale.json (flat keys, the load average beside them) and prints a table.
 Usage: ``make bench-scale`` or ``.venv/bin/python bench/scale.py [--levels 1024 5120 10240]``

@@ -118,9 +118,10 @@ def _prune(s: ev.JobState) -> None:
     """Drop the oldest gone node records once there are PRUNE_SLACK more than kept.
 
     The oldest are those with the lowest (gone_seq, node id) outside the world, the
-    incident's world, the suspects and the bad nodes; they come off the state's heap of gone records, so a prune
-    costs the gone records (at most KEEP_GONE_NODES + PRUNE_SLACK, plus those that came
-    back since the last prune), not a pass over every node of the job."""
+    incident's world, the suspects and the bad nodes. They come off the state's heap of
+    gone records, so a prune costs the gone records (at most KEEP_GONE_NODES +
+    PRUNE_SLACK, plus those that came back since the last prune), not a pass over every
+    node of the job."""
     if s.gone_nodes <= KEEP_GONE_NODES + PRUNE_SLACK:
         return
     keep = {*s.world.node_ids, *s.suspects, *s.bad_nodes, *s.incident_world.node_ids}
