@@ -22,6 +22,7 @@ from unbroken.proto import events_pb2 as ev
 pytestmark = pytest.mark.unit
 
 SEEDS = range(12)
+GONE = (ev.NODE_STATE_LOST, ev.NODE_STATE_EVICTED)
 
 
 @pytest.fixture
@@ -52,6 +53,10 @@ def test_one_pass_equals_the_full_scan(
     statelib.fold_into(got, events)
     assert want.pruned_nodes > 10, "the history must prune"
     assert got == want
+    # the heap kept for the state names every gone record: the next prune trusts it
+    # and makes no pass over the nodes
+    gone = {(r.gone_seq, n) for n, r in got.nodes.items() if r.state in GONE}
+    assert gone <= set(statelib._GONE_HEAPS[id(got)])
 
 
 @pytest.mark.parametrize("seed", SEEDS)
