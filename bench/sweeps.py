@@ -36,7 +36,8 @@ from typing import Any
 from unbroken.common.timing import node_timing
 from unbroken.driver import detectors
 from unbroken.driver import state as statelib
-from unbroken.driver.dashboard import DashboardConfig, Series, state_json
+from unbroken.driver.dashboard import DashboardConfig
+from unbroken.driver.dashview import Series, state_json
 from unbroken.driver.liveview import LiveView, LiveViewConfig
 from unbroken.driver.operator import node_infos, status_of
 from unbroken.driver.service import SWEEP_CHUNK
