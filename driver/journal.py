@@ -205,6 +205,9 @@ class Journal:
         conditions: the live view's truths for a state (events that should be durable and
             are not); called on start, after failed appends and every `reconcile_ms`.
         on_fenced: called once when an append is fenced off (this driver lost leadership).
+        decider: what to record for an observation, and the actions after it (None:
+            record each observation as it is).
+        on_resync: called when events landed unseen (an append that reported failure).
     """
 
     def __init__(
@@ -215,6 +218,8 @@ class Journal:
         config: JournalConfig | None = None,
         conditions: Callable[[ev.JobState], list[ev.Event]] | None = None,
         on_fenced: Callable[[NotLeaderError], None] | None = None,
+        decider: Decider | None = None,
+        on_resync: Callable[[], None] | None = None,
         clock: Callable[[], int] = time.time_ns,
     ) -> None:
         self.log = log_
@@ -222,8 +227,8 @@ class Journal:
         self._last_wall = 0  # the newest stamp of this term
         self.config = config or JournalConfig()
         self._state = state
-        self.decider: Decider | None = None
-        self.on_resync: Callable[[], None] | None = None  # an observation landed unseen
+        self.decider = decider  # None: every observation is recorded as it is
+        self.on_resync = on_resync  # an observation landed unseen
         self.subscribers: list[Subscriber] = []
         self.stats = JournalStats()
         self.health = LogHealth()  # whether appends succeed (status, metrics, dashboard)

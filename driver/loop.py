@@ -272,9 +272,8 @@ class RecoveryLoop:
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Decide for the journal's writer and settle the replayed state."""
-        self.journal.decider = self.decide
-        self.journal.on_resync = self._resettle
+        """Watch the job and settle the replayed state (the term hands `decide` and
+        `resettle` to the journal when it builds it, driver/term.py)."""
         self._spawn(self._watch_losses())
         self._spawn(sdcwatch.watch(self))
         self._spawn(completion.watch(self))
@@ -283,15 +282,12 @@ class RecoveryLoop:
         else:
             self.service.submit(_Settle())
 
-    def _resettle(self) -> None:
+    def resettle(self) -> None:
         """Events landed unseen (an append that reported failure): finish their decision."""
         self.journal.submit(_Settle())
 
     async def close(self) -> None:
         """Stop watching (the service keeps running as a standby)."""
-        if self.journal.decider == self.decide:
-            self.journal.decider = None
-            self.journal.on_resync = None
         for t in list(self._tasks):
             t.cancel()
         for t in list(self._tasks):

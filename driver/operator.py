@@ -35,7 +35,6 @@ from unbroken.driver.journal import Journal
 from unbroken.driver.leadership import Commands, Leadership
 from unbroken.driver.liveview import LiveView
 from unbroken.driver.rpc import abort, within_deadline
-from unbroken.driver.scheduler import bridge_of
 from unbroken.driver.security import ANONYMOUS, OPERATOR, caller
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
@@ -464,7 +463,7 @@ class OperatorApi:
                 f"node_id must be 1-{MAX_NODE_ID} characters, got {node_id[:MAX_NODE_ID]!r}",
             )
         journal = await self._journal(context)
-        bridge = bridge_of(journal)
+        bridge = self._lead.bridge
         if bridge is None:
             await abort(
                 context,

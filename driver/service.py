@@ -46,7 +46,7 @@ from unbroken.driver import state as statelib
 from unbroken.driver.commits import Commits
 from unbroken.driver.diagnose import DriverDiagnoseConfig
 from unbroken.driver.eventlog import EventLog, NotLeaderError, new_event_id
-from unbroken.driver.journal import FAULT_KINDS, Batch, Journal, JournalConfig, Pending
+from unbroken.driver.journal import FAULT_KINDS, Batch, Decider, Journal, JournalConfig, Pending
 from unbroken.driver.launcher_api import LauncherApi
 from unbroken.driver.leadership import Leadership
 from unbroken.driver.liveview import Group, LiveView, LiveViewConfig, NodeSlot
@@ -296,13 +296,22 @@ class DriverService(dgrpc.DriverServicer):
         """The recovery loop's decider when a job is configured (None: record as is)."""
         return self.journal.decider if self.journal is not None else None
 
-    def lead(self, log_: EventLog, address: str, state: ev.JobState | None = None) -> Journal:
+    def lead(
+        self,
+        log_: EventLog,
+        address: str,
+        state: ev.JobState | None = None,
+        *,
+        decider: Decider | None = None,
+        on_resync: Callable[[], None] | None = None,
+    ) -> Journal:
         """Become the leader of a new term: `log_`'s journal records from now on.
 
         Args:
             log_: the log, fenced by this term's leadership.
             address: where agents reach this driver.
             state: `log_.replay()` (default: an empty job, for a fresh log).
+            decider, on_resync: the journal's (driver/journal.py; a term's, driver/term.py).
 
         Returns:
             The term's journal (started; the previous term's unrecorded observations are
@@ -314,6 +323,8 @@ class DriverService(dgrpc.DriverServicer):
             config=self.config.journal,
             conditions=self.conditions,
             on_fenced=self._fenced,
+            decider=decider,
+            on_resync=on_resync,
         )
         journal.subscribers.append(self._on_recorded)
         self.leadership.journal = journal
