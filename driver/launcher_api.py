@@ -45,7 +45,7 @@ from unbroken.proto import events_pb2 as ev
 
 if TYPE_CHECKING:  # commits.py imports recovery (torch): keep the CLI's imports light
     from unbroken.driver.commits import Commits
-    from unbroken.driver.service import ServiceConfig
+    from unbroken.driver.config import ServiceConfig
 
 log = structlog.get_logger(__name__)
 

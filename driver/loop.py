@@ -37,20 +37,23 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import structlog
 
 from unbroken.diagnostics.check import free_port
 from unbroken.driver import completion, detectors, machine, sdcwatch
 from unbroken.driver import state as statelib
+from unbroken.driver.commits import Commits
+from unbroken.driver.config import LoopConfig, ServiceConfig
 from unbroken.driver.journal import Batch, Journal
-from unbroken.driver.liveview import NodeSlot
-from unbroken.driver.service import DriverService
+from unbroken.driver.liveview import LiveView, NodeSlot
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 from unbroken.recovery import spike as spikelib
+
+__all__ = ["LoopConfig", "RecoveryLoop", "timeline"]
 
 log = structlog.get_logger(__name__)
 
@@ -74,91 +77,6 @@ OBSERVED = frozenset(
         "node_registered",
     }
 )
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LoopConfig:
-    """The job the driver starts and recovers (`unbroken driver --nodes ...`).
-
-    `nodes` = 0 turns the loop off: agents start their own workers and faults are only
-    recorded (the mode of the heartbeat-plane tests).
-    """
-
-    nodes: int = field(default=0, metadata={"help": "nodes in the world (0: no recovery loop)"})
-    workers_per_node: int = field(default=1, metadata={"help": "workers per node"})
-    dp: int = field(default=0, metadata={"help": "data parallel (0: the rest)"})
-    pp: int = field(default=1, metadata={"help": "pipeline parallel degree"})
-    tp: int = field(default=1, metadata={"help": "tensor parallel degree"})
-    min_nodes: int = field(
-        default=1, metadata={"flag": None, "why": "--min-nodes (policy.min_nodes)"}
-    )
-    trainer: str = field(
-        default="external", metadata={"help": "trainer name recorded in JobStarted"}
-    )
-    worker_cmd: str = field(
-        default="", metadata={"help": "worker command (empty: each agent's --worker-cmd)"}
-    )
-    master_addr: str = field(
-        default="", metadata={"help": "rendezvous host (empty: rank 0's node IP)"}
-    )
-    stop_grace_s: float = field(
-        default=5.0, metadata={"help": "workers' grace between SIGTERM and SIGKILL"}
-    )
-    command_timeout_s: float = field(
-        default=60.0, metadata={"help": "deadline of one command to an agent"}
-    )
-    start_timeout_s: float = field(
-        default=600.0, metadata={"help": "for the world's nodes to register"}
-    )
-    restore_timeout_s: float = field(
-        default=300.0,
-        metadata={"help": "for every rank of a restarted world to report a step"},
-    )
-    policy: machine.Policy = field(default_factory=machine.Policy)
-
-    def __post_init__(self) -> None:
-        if self.nodes < 0:
-            raise ValueError(f"nodes must be >= 0, got {self.nodes}")
-        for name in ("workers_per_node", "pp", "tp", "min_nodes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("stop_grace_s", "command_timeout_s", "start_timeout_s", "restore_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not self.nodes:
-            return
-        ranks = self.nodes * self.workers_per_node
-        if not self.dp:
-            if ranks % (self.pp * self.tp):
-                raise ValueError(
-                    f"nodes x workers_per_node ({ranks}) is not a multiple of pp x tp "
-                    f"({self.pp * self.tp}); set dp, pp and tp so that dp x pp x tp = {ranks}"
-                )
-            object.__setattr__(self, "dp", ranks // (self.pp * self.tp))  # a derived default
-        if self.dp * self.pp * self.tp != ranks:
-            raise ValueError(
-                f"dp x pp x tp = {self.dp * self.pp * self.tp} but nodes x workers_per_node "
-                f"= {ranks}; set --dp/--pp/--tp so that they are equal"
-            )
-        if self.min_nodes > self.nodes:
-            raise ValueError(f"min_nodes ({self.min_nodes}) must be <= nodes ({self.nodes})")
-        cap = self.policy.max_nodes
-        if cap and self.nodes > cap:
-            raise ValueError(
-                f"--nodes {self.nodes} is more than --max-nodes {cap}: the first incident would "
-                f"shrink the world to {cap} nodes; raise --max-nodes or leave it at 0 (the "
-                "configured world's)"
-            )
-
-    def world(self, node_ids: list[str]) -> ev.WorldLayout:
-        """The configured layout on `node_ids` (rank order)."""
-        return ev.WorldLayout(
-            dp=self.dp,
-            pp=self.pp,
-            tp=self.tp,
-            node_ids=node_ids,
-            workers_per_node=self.workers_per_node,
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,14 +165,38 @@ def common_steps(
 SUPERSEDED = "superseded by a newer decision"  # a node's start skipped (`_start_workers`)
 
 
+class LoopHost(Protocol):
+    """What the loop needs of the driver it runs in (the agent service): commands to the
+    agents, the journal's intake, the commits' shard size and the persistence interval."""
+
+    config: ServiceConfig
+    commits: Commits
+    view: LiveView  # what a diagnosis reads (driver/diagnose.py)
+
+    def submit(self, item: Any, detected: float = ...) -> bool: ...
+
+    def emit(self, event: ev.Event, last_seen: float = ...) -> bool: ...
+
+    def send(self, node_id: str, msg: dpb.DriverMessage) -> str: ...
+
+    async def request(
+        self, node_id: str, msg: dpb.DriverMessage, timeout_s: float
+    ) -> dpb.AgentMessage: ...
+
+    def persist_every_s(self) -> float: ...
+
+
 class RecoveryLoop:
     """The leader's recovery loop (one per term)."""
 
-    def __init__(self, config: LoopConfig, service: DriverService, journal: Journal) -> None:
+    def __init__(
+        self, config: LoopConfig, service: LoopHost, journal: Journal, view: LiveView
+    ) -> None:
         self.config = config
         self.policy = config.policy
         self.service = service
         self.journal = journal
+        self.view = view  # the live view: sessions, heartbeats, rings
         self._gen = 0  # bumped by every performed decision; older progress watchers stop
         self._tasks: set[asyncio.Task[None]] = set()
         self._point = dpb.RestorePoint()  # sent before the next restore's StartWorkers
@@ -470,7 +412,7 @@ class RecoveryLoop:
                     )
                 )
         elif isinstance(a, machine.EvictNode):
-            self.service.view.mark_leaving(a.node_id)
+            self.view.mark_leaving(a.node_id)
             await self._broadcast(
                 (a.node_id,), dpb.DriverMessage(evict=dpb.Evict(reason=a.reason)), wait=False
             )
@@ -598,7 +540,7 @@ class RecoveryLoop:
         leaving = set(self.state.bad_nodes)
         own: dict[int, set[int]] = {}
         for n in nodes:
-            slot = self.service.view.nodes.get(n)
+            slot = self.view.nodes.get(n)
             if slot is None or not slot.alive or n in leaving:
                 continue
             for ws in slot.hb.workers:
@@ -612,7 +554,7 @@ class RecoveryLoop:
             # only the node each gone node registered as its buddy is believed: another
             # node's claim to hold its copies would move the restore to a step nobody has
             buddy_of = {n: b for n in gone if (b := self._buddy_of(n))}
-            for slot in self.service.view.nodes.values():
+            for slot in self.view.nodes.values():
                 if slot.alive and slot.hb.replicas:
                     trusted = {n for n, b in buddy_of.items() if is_buddy(b, slot)}
                     for h in slot.hb.replicas:
@@ -621,13 +563,13 @@ class RecoveryLoop:
         return common_steps(world, own, buddies)
 
     def _alive_nodes(self) -> set[str]:
-        return {n for n, s in self.service.view.nodes.items() if s.alive}
+        return {n for n, s in self.view.nodes.items() if s.alive}
 
     def _live_step(self, nodes: tuple[str, ...]) -> int:
         """The newest step any worker of `nodes` reported (the step the job stopped at)."""
         step = self.state.step
         for n in nodes:
-            slot = self.service.view.nodes.get(n)
+            slot = self.view.nodes.get(n)
             if slot is not None:
                 step = max([step, *(w.step for w in slot.hb.workers)])
         return step
@@ -657,7 +599,7 @@ class RecoveryLoop:
             await asyncio.sleep(0.05)
         if gen != self._gen:
             return
-        first = self.service.view.nodes.get(nodes[0])
+        first = self.view.nodes.get(nodes[0])
         # rank 0's node as the driver saw it connect (not the IP it claimed in Register)
         addr = cfg.master_addr or (first.peer_host if first is not None else "")
         port = free_port()
@@ -678,7 +620,7 @@ class RecoveryLoop:
         # where each replaced node's copies live: the buddy it was paired with
         buddy_of = {o: self._buddy_of(o) for o in replaces.values()}
         # and the new world's ring, from now on
-        slots = {n: self.service.view.nodes.get(n) for n in nodes}
+        slots = {n: self.view.nodes.get(n) for n in nodes}
         ring = ring_buddies(nodes, slots)
         order = ring_order(nodes, slots)  # who each one sends to and takes copies from
         nxt = {n: order[(i + 1) % len(order)] for i, n in enumerate(order)}
@@ -775,7 +717,7 @@ class RecoveryLoop:
             await asyncio.sleep(0.05)
         if gen != self._gen or not self.state.goodput.startup_open:
             return
-        slots = [self.service.view.nodes.get(n) for n in nodes]
+        slots = [self.view.nodes.get(n) for n in nodes]
         steps = [w.step for slot in slots if slot is not None for w in slot.hb.workers]
         self.service.submit(
             ev.Event(
@@ -796,7 +738,7 @@ class RecoveryLoop:
         now = time.monotonic()
         least = now - t0
         for n in nodes:
-            slot = self.service.view.nodes.get(n)
+            slot = self.view.nodes.get(n)
             if slot is None or not slot.hb.workers:
                 return 0.0
             for w in slot.hb.workers:
@@ -816,7 +758,7 @@ class RecoveryLoop:
         a floor: a replica that reached the buddy after the decision is newer."""
         said = []
         for n in nodes:
-            slot = self.service.view.nodes.get(n)
+            slot = self.view.nodes.get(n)
             workers = slot.hb.workers if slot is not None else ()
             if not workers:
                 return 0
@@ -831,17 +773,17 @@ class RecoveryLoop:
         (`WorkerStatus.restored_from`): the incident needed the storage tier."""
         n = 0
         for node in nodes:
-            slot = self.service.view.nodes.get(node)
+            slot = self.view.nodes.get(node)
             if slot is not None:
                 n += sum(w.restored_from == "storage" for w in slot.hb.workers)
         return n
 
     def _connected(self, node_id: str) -> bool:
-        slot = self.service.view.nodes.get(node_id)
+        slot = self.view.nodes.get(node_id)
         return slot is not None and slot.alive and slot.outbox is not None
 
     def _beats(self, node_id: str) -> int:
-        slot = self.service.view.nodes.get(node_id)
+        slot = self.view.nodes.get(node_id)
         return slot.heartbeats if slot is not None else 0
 
     def _all_stepping(self, nodes: tuple[str, ...], marks: dict[str, int]) -> bool:
@@ -849,7 +791,7 @@ class RecoveryLoop:
         exited 0 (restored at the last step, a rank has nothing left to train: the job
         resumed, and the completion watch then finishes it)."""
         for n in nodes:
-            slot = self.service.view.nodes.get(n)
+            slot = self.view.nodes.get(n)
             if slot is None or slot.heartbeats <= marks[n] + 1 or not slot.hb.workers:
                 return False
             for w in slot.hb.workers:
@@ -875,7 +817,7 @@ class RecoveryLoop:
             if s.phase != ev.PHASE_RUNNING or s.last_seq <= spiked_at:
                 continue
             try:
-                e = watch.sweep(self.service.view, s.world.node_ids)
+                e = watch.sweep(self.view, s.world.node_ids)
             except Exception:
                 log.exception("loss watch failed; continuing")
                 continue
@@ -904,7 +846,7 @@ class RecoveryLoop:
             await asyncio.sleep(0.1)
         if gen < self._gen or self.state.phase != ev.PHASE_RUNNING:
             return  # a newer decision acts on the world
-        idle = [n for n in nodes if not self.service.view.nodes[n].hb.workers]
+        idle = [n for n in nodes if not self.view.nodes[n].hb.workers]
         if not idle:
             return
         layout = machine.Layout.of(self.state.world)
@@ -938,7 +880,7 @@ class RecoveryLoop:
     def _ready_nodes(self) -> list[str]:
         """Non-spare nodes with an open session, oldest registration first."""
         out = []
-        for slot in self.service.view.nodes.values():
+        for slot in self.view.nodes.values():
             if slot.alive and slot.outbox is not None and slot.info.node_id and not slot.info.spare:
                 out.append(slot.node_id)
         return out

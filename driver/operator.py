@@ -39,8 +39,8 @@ from unbroken.driver.security import ANONYMOUS, OPERATOR, caller
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 
-if TYPE_CHECKING:  # service.py builds this object: only the type is needed here
-    from unbroken.driver.service import ServiceConfig
+if TYPE_CHECKING:  # only the type is needed here
+    from unbroken.driver.config import ServiceConfig
 
 log = structlog.get_logger(__name__)
 

@@ -81,7 +81,7 @@ class Term:
         )
         self.journal = journal
         if recovers:
-            self.loop = RecoveryLoop(self.loop_config, host, journal)
+            self.loop = RecoveryLoop(self.loop_config, host, journal, host.view)
             # before the first await: an agent that finds this leader while LeaderElected is
             # being written must meet its node as the log knows it (a reconnect), not as a
             # stranger (a new NodeRegistered; seen after a failover in bench-recovery)

@@ -1,0 +1,203 @@
+"""The driver's configs: what the agent service and what the recovery loop are told.
+
+`ServiceConfig` (the agent-facing service, the operators' and launchers' handlers, the
+journal, quotas, the checkpoint lifecycle) and `LoopConfig` (the job the driver starts and
+recovers). `unbroken driver`'s root config (driver/main.py) holds both; every flag is
+generated from these fields (common/config.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from unbroken.common import channel
+from unbroken.common.tls import TlsConfig
+from unbroken.driver import machine
+from unbroken.driver.diagnose import DriverDiagnoseConfig
+from unbroken.driver.journal import JournalConfig
+from unbroken.driver.liveview import LiveViewConfig
+from unbroken.driver.principalquota import PrincipalQuotas
+from unbroken.driver.security import RoleTokens
+from unbroken.driver.straggler import StragglerConfig
+from unbroken.proto import events_pb2 as ev
+from unbroken.recovery.lifecycle import PersistPolicy
+
+__all__ = ["LoopConfig", "ServiceConfig"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServiceConfig:
+    """Everything the agent-facing service needs to know."""
+
+    live: LiveViewConfig = field(default_factory=LiveViewConfig)
+    straggler: StragglerConfig = field(
+        default_factory=StragglerConfig, metadata={"prefix": "straggler-"}
+    )
+    stream_buffer: int = field(
+        default=64,
+        metadata={"help": "commands queued per stream before the consumer is dropped"},
+    )
+    journal: JournalConfig = field(
+        default_factory=JournalConfig,
+        metadata={"flag": None, "why": "bounds and cadences of the journal (driver/journal.py)"},
+    )
+    register_backlog: int = field(
+        default=10_000,
+        metadata={"help": "observations waiting: Register answers busy past this"},
+    )
+    slot_retention_s: float = field(
+        default=600.0, metadata={"help": "live-view slots of nodes gone this long are freed"}
+    )
+    max_message_bytes: int = field(
+        default=channel.MAX_MESSAGE_BYTES, metadata={"help": "largest gRPC message accepted"}
+    )
+    reflection: bool = field(default=False, metadata={"help": "enable gRPC reflection"})
+    tls: TlsConfig = field(
+        default_factory=TlsConfig,
+        metadata={"flag": None, "why": "--tls-cert/--tls-key/--tls-ca"},
+    )
+    tokens: RoleTokens | None = field(
+        default=None, metadata={"flag": None, "why": "read from --token-file ROLE=PATH"}
+    )
+    allow_fault_injection: bool = field(
+        default=False,
+        metadata={"help": "accept InjectFault from operators (drills; `unbroken up` sets it)"},
+    )
+    persist_roots: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "flag": "--persist-root",
+            "append": True,
+            "metavar": "URL",
+            "help": "storage root the agents persist to; ListCheckpoints reads shards only "
+            "under it (repeat; none: local paths only)",
+        },
+    )
+    diagnose: DriverDiagnoseConfig = field(
+        default_factory=DriverDiagnoseConfig,
+        metadata={"flag": None, "why": "diagnosis tuning (driver/diagnose.py)"},
+    )
+    read_timeout_s: float = field(
+        default=10.0, metadata={"help": "deadline of event-log reads behind operator calls"}
+    )
+    max_watchers: int = field(default=64, metadata={"help": "WatchEvents calls streaming at once"})
+    quotas: PrincipalQuotas = field(
+        default_factory=PrincipalQuotas,
+        metadata={"flag": None, "why": "per-principal quotas (driver/principalquota.py)"},
+    )
+    keep_checkpoints: int = field(
+        default=3,
+        metadata={
+            "group": "checkpoint lifecycle (recovery/lifecycle.py)",
+            "help": "committed steps storage keeps (the rollback target and a restore's step too)",
+        },
+    )
+    persist: PersistPolicy = field(
+        default_factory=PersistPolicy,
+        metadata={"prefix": "persist-", "group": "checkpoint lifecycle (recovery/lifecycle.py)"},
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_watchers < 1:
+            raise ValueError(f"max_watchers must be >= 1, got {self.max_watchers}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(
+                f"keep_checkpoints must be >= 1 (--keep-checkpoints), got {self.keep_checkpoints}"
+            )
+        if not self.read_timeout_s > 0:
+            raise ValueError(f"read_timeout_s must be > 0, got {self.read_timeout_s}")
+        if not 1 <= self.stream_buffer <= 100_000:
+            raise ValueError(f"stream_buffer must be in [1, 100000], got {self.stream_buffer}")
+        if self.register_backlog < 16:
+            raise ValueError(f"register_backlog must be >= 16, got {self.register_backlog}")
+        if not self.slot_retention_s > 0:
+            raise ValueError(f"slot_retention_s must be > 0, got {self.slot_retention_s}")
+        if not 1024 <= self.max_message_bytes <= 64 * 1024 * 1024:
+            raise ValueError(
+                f"max_message_bytes must be in [1 KiB, 64 MiB], got {self.max_message_bytes}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoopConfig:
+    """The job the driver starts and recovers (`unbroken driver --nodes ...`).
+
+    `nodes` = 0 turns the loop off: agents start their own workers and faults are only
+    recorded (the mode of the heartbeat-plane tests).
+    """
+
+    nodes: int = field(default=0, metadata={"help": "nodes in the world (0: no recovery loop)"})
+    workers_per_node: int = field(default=1, metadata={"help": "workers per node"})
+    dp: int = field(default=0, metadata={"help": "data parallel (0: the rest)"})
+    pp: int = field(default=1, metadata={"help": "pipeline parallel degree"})
+    tp: int = field(default=1, metadata={"help": "tensor parallel degree"})
+    min_nodes: int = field(
+        default=1, metadata={"flag": None, "why": "--min-nodes (policy.min_nodes)"}
+    )
+    trainer: str = field(
+        default="external", metadata={"help": "trainer name recorded in JobStarted"}
+    )
+    worker_cmd: str = field(
+        default="", metadata={"help": "worker command (empty: each agent's --worker-cmd)"}
+    )
+    master_addr: str = field(
+        default="", metadata={"help": "rendezvous host (empty: rank 0's node IP)"}
+    )
+    stop_grace_s: float = field(
+        default=5.0, metadata={"help": "workers' grace between SIGTERM and SIGKILL"}
+    )
+    command_timeout_s: float = field(
+        default=60.0, metadata={"help": "deadline of one command to an agent"}
+    )
+    start_timeout_s: float = field(
+        default=600.0, metadata={"help": "for the world's nodes to register"}
+    )
+    restore_timeout_s: float = field(
+        default=300.0,
+        metadata={"help": "for every rank of a restarted world to report a step"},
+    )
+    policy: machine.Policy = field(default_factory=machine.Policy)
+
+    def __post_init__(self) -> None:
+        if self.nodes < 0:
+            raise ValueError(f"nodes must be >= 0, got {self.nodes}")
+        for name in ("workers_per_node", "pp", "tp", "min_nodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("stop_grace_s", "command_timeout_s", "start_timeout_s", "restore_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.nodes:
+            return
+        ranks = self.nodes * self.workers_per_node
+        if not self.dp:
+            if ranks % (self.pp * self.tp):
+                raise ValueError(
+                    f"nodes x workers_per_node ({ranks}) is not a multiple of pp x tp "
+                    f"({self.pp * self.tp}); set dp, pp and tp so that dp x pp x tp = {ranks}"
+                )
+            object.__setattr__(self, "dp", ranks // (self.pp * self.tp))  # a derived default
+        if self.dp * self.pp * self.tp != ranks:
+            raise ValueError(
+                f"dp x pp x tp = {self.dp * self.pp * self.tp} but nodes x workers_per_node "
+                f"= {ranks}; set --dp/--pp/--tp so that they are equal"
+            )
+        if self.min_nodes > self.nodes:
+            raise ValueError(f"min_nodes ({self.min_nodes}) must be <= nodes ({self.nodes})")
+        cap = self.policy.max_nodes
+        if cap and self.nodes > cap:
+            raise ValueError(
+                f"--nodes {self.nodes} is more than --max-nodes {cap}: the first incident would "
+                f"shrink the world to {cap} nodes; raise --max-nodes or leave it at 0 (the "
+                "configured world's)"
+            )
+
+    def world(self, node_ids: list[str]) -> ev.WorldLayout:
+        """The configured layout on `node_ids` (rank order)."""
+        return ev.WorldLayout(
+            dp=self.dp,
+            pp=self.pp,
+            tp=self.tp,
+            node_ids=node_ids,
+            workers_per_node=self.workers_per_node,
+        )
