@@ -271,7 +271,7 @@ class LauncherApi:
         problem = job_problem(request)
         if problem:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if journal.decider is not None:
+        if journal.decider.recovers:
             await abort(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,

@@ -7,20 +7,22 @@ fresh master port. From then on every observation goes through `machine.decide`:
 
 - detector events (WorkerFailed, NodeLost, HangSuspected, LogAlert, ...) and operator,
   launcher and diagnosis observations are queued in the term's journal
-  (driver/journal.py); its writer calls `RecoveryLoop.decide` on the journal's folded
-  state, which returns the decision's events (the observation first) plus a callback that
-  performs the decision's actions once all are durable (one transaction);
-- progress is observed here and queued the same way: every reachable agent acknowledged
-  the stop (`machine.Paused`), every rank of the restarted world reports a step
-  (RestoreFinished).
+  (driver/journal.py); the loop is the journal's decider (driver/decider.py): its writer
+  calls `RecoveryLoop.decide(state, observation)`, which returns the decision's events
+  (the observation first), its actions and a callback that performs them once all are
+  durable (one transaction);
+- progress is observed here and queued the same way (`Observation`): every reachable agent
+  acknowledged the stop (`machine.Paused`), every rank of the restarted world reports a
+  step (RestoreFinished).
 
-Actions map onto agent commands: PauseAll -> StopWorkers (workers flash-save every step
-into agent-owned memory, so stopping them loses nothing that a pause would keep; they
-restart anyway; in the in-job mode only the faulty ranks stop and every other worker is
-held in its process), StartWorkers -> StartWorkers (new world size, rank bases, a fresh
-master port; in-job: held workers rejoin in place), EvictNode -> Evict, ResumeAll ->
-Resume, StopAll -> StopWorkers. Restore and FlashSaveAll need no command: workers restore
-at start (memory -> buddy -> storage).
+Every action the machine emits has a performer (`PERFORMERS`): StopWorkers -> StopWorkers
+(workers flash-save every step into agent-owned memory, so stopping them loses nothing;
+in the in-job mode only the faulty ranks stop and every other worker is held in its
+process), then `Paused`; StartWorkers -> RestorePoint (before a restore) and StartWorkers
+(new world size, rank bases, a fresh master port; in-job: held workers rejoin in place);
+Restore -> the watch for every rank's step, then RestoreFinished (workers restore at start:
+memory -> buddy -> storage); EvictNode -> Evict; ResumeAll -> Resume; StopAll ->
+StopWorkers; RunDiagnosis -> the incident's diagnosis, then its verdict.
 On becoming leader the loop calls `machine.settle` on the replayed state and performs the
 pending actions again (each is idempotent); a RUNNING job whose world nodes run no workers
 (the old leader died between JobStarted and StartWorkers) gets StartWorkers again.
@@ -36,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -47,13 +49,14 @@ from unbroken.driver import completion, detectors, machine, sdcwatch
 from unbroken.driver import state as statelib
 from unbroken.driver.commits import Commits
 from unbroken.driver.config import LoopConfig, ServiceConfig
-from unbroken.driver.journal import Batch, Journal
+from unbroken.driver.decider import Decision
+from unbroken.driver.journal import Journal
 from unbroken.driver.liveview import LiveView, NodeSlot
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 from unbroken.recovery import spike as spikelib
 
-__all__ = ["LoopConfig", "RecoveryLoop", "timeline"]
+__all__ = ["LoopConfig", "Observation", "RecoveryLoop", "timeline"]
 
 log = structlog.get_logger(__name__)
 
@@ -80,15 +83,21 @@ OBSERVED = frozenset(
 
 
 @dataclass(frozen=True, slots=True)
-class _Settle:
+class Settle:
     """Queued on becoming leader: finish a half-appended decision, resend its actions."""
 
 
 @dataclass(frozen=True, slots=True)
-class _StartJob:
+class StartJob:
     """Queued once the world's nodes are registered: start the job at step 0."""
 
     node_ids: tuple[str, ...]
+
+
+#: What the recovery loop decides on: a recorded fact (a detector's, an operator's, a
+#: launcher's or its own progress event), every agent's stop acknowledged (`Paused`), a
+#: takeover's settling, the job's start.
+Observation = ev.Event | machine.Paused | Settle | StartJob
 
 
 def timeline(state: ev.JobState) -> int:
@@ -165,6 +174,18 @@ def common_steps(
 SUPERSEDED = "superseded by a newer decision"  # a node's start skipped (`_start_workers`)
 
 
+@dataclass(frozen=True, slots=True)
+class _Started:
+    """A world's start (by decision `gen`), for the restore that follows it to watch."""
+
+    gen: int
+    nodes: tuple[str, ...]
+    marks: dict[str, int]  # each node's heartbeat count before the start
+    t0: float
+    errors: tuple[str, ...]
+    deadline: float
+
+
 class LoopHost(Protocol):
     """What the loop needs of the driver it runs in (the agent service): commands to the
     agents, the journal's intake, the commits' shard size and the persistence interval."""
@@ -205,6 +226,7 @@ class RecoveryLoop:
         # node -> the buddy this loop paired it with (StartWorkers.buddy); a node not in
         # it (paired by an earlier leader, or never) is believed about its registered one
         self._buddy: dict[str, str] = {}
+        self._started: _Started | None = None  # the newest start, for its restore to watch
 
     @property
     def state(self) -> ev.JobState:
@@ -222,11 +244,11 @@ class RecoveryLoop:
         if self.state.phase == ev.PHASE_STARTING:
             self._spawn(self._wait_for_world())
         else:
-            self.service.submit(_Settle())
+            self.service.submit(Settle())
 
     def resettle(self) -> None:
         """Events landed unseen (an append that reported failure): finish their decision."""
-        self.journal.submit(_Settle())
+        self.journal.submit(Settle())
 
     async def close(self) -> None:
         """Stop watching (the service keeps running as a standby)."""
@@ -242,44 +264,53 @@ class RecoveryLoop:
         t.add_done_callback(self._tasks.discard)
 
     # ------------------------------------------------------------ deciding (the journal's writer)
-    async def decide(self, item: Any) -> Batch:
-        """The events to record for a queued item, and the actions to run after them."""
-        s = self.state
-        if isinstance(item, ev.Event):
-            if item.WhichOneof("payload") not in OBSERVED:
-                return [item], None
-            if machine.reconnect(s, item):
-                # the node's own agent again (a failover's herd of 10,000): recorded as it
-                # is, without the decision's draft (a copy of the whole state each)
-                return [item], None
-            d = machine.decide(s, item, self.policy)
-            if d.note:  # a registration's note says little: 10,000 lines at a join
-                registered = item.WhichOneof("payload") == "node_registered"
-                (log.debug if registered else log.info)(
-                    "observation", kind=item.WhichOneof("payload"), note=d.note
-                )
-            if len(d.events) == 1:  # recorded only: nothing to do
-                return list(d.events), None
-            return list(d.events), self._then(d)
-        if isinstance(item, machine.Paused):
-            d = machine.decide(s, item, self.policy)
-            if d.note:
-                log.info("paused report", note=d.note)
-                return [], None
-            return list(d.events), self._then(d)
-        if isinstance(item, _Settle):
-            d = machine.settle(s, self.policy)
-            log.info("settled after replay", phase=ev.Phase.Name(d.phase), events=len(d.events))
-            if d.phase == ev.PHASE_RUNNING:
-                self._spawn(self._start_if_idle(self._gen + 1))
-            return list(d.events), self._then(d)
-        if isinstance(item, _StartJob):
-            return self._start_job(s, item)
-        raise AssertionError(f"unknown item {item!r}")
+    recovers = True  # the Decider seam (driver/decider.py): this one runs the recovery
 
-    def _start_job(self, s: ev.JobState, item: _StartJob) -> Batch:
+    def decide(self, state: ev.JobState, observation: Observation) -> Decision:
+        """The events to record for a queued observation, and the actions to run after them
+        (the journal's writer asks; `state` is its deciding state, `self.state`)."""
+        if isinstance(observation, ev.Event):
+            return self._on_event(state, observation)
+        if isinstance(observation, machine.Paused):
+            return self._on_paused(state, observation)
+        if isinstance(observation, Settle):
+            return self._on_settle(state)
+        return self._start_job(state, observation)
+
+    def _on_event(self, s: ev.JobState, item: ev.Event) -> Decision:
+        kind = item.WhichOneof("payload")
+        if kind not in OBSERVED:
+            return Decision([item])
+        if machine.reconnect(s, item):
+            # the node's own agent again (a failover's herd of 10,000): recorded as it
+            # is, without the decision's draft (a copy of the whole state each)
+            return Decision([item])
+        d = machine.decide(s, item, self.policy)
+        if d.note:  # a registration's note says little: 10,000 lines at a join
+            (log.debug if kind == "node_registered" else log.info)(
+                "observation", kind=kind, note=d.note
+            )
+        if len(d.events) == 1:  # recorded only: nothing to do
+            return Decision(list(d.events))
+        return self._then(d)
+
+    def _on_paused(self, s: ev.JobState, item: machine.Paused) -> Decision:
+        d = machine.decide(s, item, self.policy)
+        if d.note:
+            log.info("paused report", note=d.note)
+            return Decision([])
+        return self._then(d)
+
+    def _on_settle(self, s: ev.JobState) -> Decision:
+        d = machine.settle(s, self.policy)
+        log.info("settled after replay", phase=ev.Phase.Name(d.phase), events=len(d.events))
+        if d.phase == ev.PHASE_RUNNING:
+            self._spawn(self._start_if_idle(self._gen + 1))
+        return self._then(d)
+
+    def _start_job(self, s: ev.JobState, item: StartJob) -> Decision:
         if s.phase != ev.PHASE_STARTING:
-            return [], None
+            return Decision([])
         world = self.config.world(list(item.node_ids))
         again = bool(s.world.node_ids)  # JobStarted is in: its leader died before resuming
         if again:
@@ -303,9 +334,9 @@ class RecoveryLoop:
         )
         log.info("starting the job", world=list(world.node_ids), dp=world.dp)
         events = [resumed] if again else [started, resumed]
-        return events, lambda: self._perform((action,), restore=None)
+        return Decision(events, (action,), lambda: self._perform((action,)))
 
-    def _then(self, d: machine.Decision) -> Callable[[], None]:
+    def _then(self, d: machine.Decision) -> Decision:
         phases = machine.phases(d.events)
         if phases:
             log.info("recovery", phases=phases, actions=[type(a).__name__ for a in d.actions])
@@ -318,9 +349,9 @@ class RecoveryLoop:
         def then() -> None:
             self._point = point
             self._timeline = timeline(after)
-            self._perform(d.actions, restore=restore)
+            self._perform(d.actions)
 
-        return then
+        return Decision(list(d.events), d.actions, then)
 
     def _restore_point(
         self, d: machine.Decision, restore: machine.Restore | None
@@ -354,81 +385,87 @@ class RecoveryLoop:
         return point
 
     # ------------------------------------------------------------ acting
-    def _perform(
-        self, actions: tuple[machine.Action, ...], restore: machine.Restore | None
-    ) -> None:
+    def _perform(self, actions: tuple[machine.Action, ...]) -> None:
         self._gen += 1
-        self._spawn(self._act(self._gen, actions, restore))
+        self._spawn(self._act(self._gen, actions))
 
-    async def _act(
-        self, gen: int, actions: tuple[machine.Action, ...], restore: machine.Restore | None
-    ) -> None:
+    async def _act(self, gen: int, actions: tuple[machine.Action, ...]) -> None:
+        restore = next((a for a in actions if isinstance(a, machine.Restore)), None)
         try:
             for a in actions:
                 if gen != self._gen:
                     return  # a newer decision took over
-                await self._one(gen, a, restore)
+                await PERFORMERS[type(a)](self, gen, a, restore)
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("recovery action failed; the next observation retries")
 
-    async def _one(self, gen: int, a: machine.Action, restore: machine.Restore | None) -> None:
+    async def _stop_workers(
+        self, gen: int, a: machine.StopWorkers, restore: machine.Restore | None
+    ) -> None:
+        """Stop the world's workers (in-job: each node only its faulty ranks, the others
+        held in their processes), then report `Paused` with the steps every rank holds."""
         cfg = self.config
-        if isinstance(a, machine.PauseAll):
-            acks: dict[str, dpb.CommandAck] = {}
-            if a.in_job:  # each node stops only its faulty ranks and holds the others
-                await asyncio.gather(
-                    *(
-                        self._broadcast(
-                            (n,),
-                            dpb.DriverMessage(
-                                stop_workers=dpb.StopWorkers(
-                                    grace_s=cfg.stop_grace_s,
-                                    in_job=True,
-                                    replace_local_ranks=[lr for m, lr in a.replace if m == n],
-                                )
-                            ),
-                            acks=acks,
-                        )
-                        for n in a.nodes
+        acks: dict[str, dpb.CommandAck] = {}
+        if a.in_job:
+            await asyncio.gather(
+                *(
+                    self._broadcast(
+                        (n,),
+                        dpb.DriverMessage(
+                            stop_workers=dpb.StopWorkers(
+                                grace_s=cfg.stop_grace_s,
+                                in_job=True,
+                                replace_local_ranks=[lr for m, lr in a.replace if m == n],
+                            )
+                        ),
+                        acks=acks,
                     )
+                    for n in a.nodes
                 )
-            else:
-                await self._broadcast(
-                    a.nodes,
-                    dpb.DriverMessage(stop_workers=dpb.StopWorkers(grace_s=cfg.stop_grace_s)),
-                    acks=acks,
+            )
+        else:
+            await self._broadcast(
+                a.nodes,
+                dpb.DriverMessage(stop_workers=dpb.StopWorkers(grace_s=cfg.stop_grace_s)),
+                acks=acks,
+            )
+        if gen == self._gen:
+            fresh = {n for n, ack in acks.items() if ack.ok and ack.ring_fresh}
+            held = await self._ring_common(a.nodes, fresh)
+            log.info("workers paused", rings_fresh=sorted(fresh), held=sorted(held or ()))
+            self.service.submit(
+                machine.Paused(
+                    step=self._live_step(a.nodes),
+                    restorable_step=max(held) if held else None,
+                    memory_steps=frozenset(held or ()),
                 )
-            if gen == self._gen:
-                fresh = {n for n, ack in acks.items() if ack.ok and ack.ring_fresh}
-                held = await self._ring_common(a.nodes, fresh)
-                log.info("workers paused", rings_fresh=sorted(fresh), held=sorted(held or ()))
-                self.service.submit(
-                    machine.Paused(
-                        step=self._live_step(a.nodes),
-                        restorable_step=max(held) if held else None,
-                        memory_steps=frozenset(held or ()),
-                    )
-                )
-        elif isinstance(a, machine.EvictNode):
-            self.view.mark_leaving(a.node_id)
-            await self._broadcast(
-                (a.node_id,), dpb.DriverMessage(evict=dpb.Evict(reason=a.reason)), wait=False
             )
-        elif isinstance(a, machine.StartWorkers):
-            await self._start_workers(gen, a, restore)
-        elif isinstance(a, machine.ResumeAll):
-            await self._broadcast(
-                a.nodes, dpb.DriverMessage(resume=dpb.Resume(at_step=a.step)), wait=False
-            )
-        elif isinstance(a, machine.StopAll):
-            await self._broadcast(
-                a.nodes, dpb.DriverMessage(stop_workers=dpb.StopWorkers(grace_s=cfg.stop_grace_s))
-            )
-        elif isinstance(a, machine.RunDiagnosis):
-            self._start_diagnosis(a)
-        # FlashSaveAll and Restore need no command: see the module docstring.
+
+    async def _evict(self, gen: int, a: machine.EvictNode, restore: machine.Restore | None) -> None:
+        self.view.mark_leaving(a.node_id)
+        await self._broadcast(
+            (a.node_id,), dpb.DriverMessage(evict=dpb.Evict(reason=a.reason)), wait=False
+        )
+
+    async def _resume(
+        self, gen: int, a: machine.ResumeAll, restore: machine.Restore | None
+    ) -> None:
+        await self._broadcast(
+            a.nodes, dpb.DriverMessage(resume=dpb.Resume(at_step=a.step)), wait=False
+        )
+
+    async def _stop_all(
+        self, gen: int, a: machine.StopAll, restore: machine.Restore | None
+    ) -> None:
+        stop = dpb.StopWorkers(grace_s=self.config.stop_grace_s)
+        await self._broadcast(a.nodes, dpb.DriverMessage(stop_workers=stop))
+
+    async def _diagnose(
+        self, gen: int, a: machine.RunDiagnosis, restore: machine.Restore | None
+    ) -> None:
+        self._start_diagnosis(a)
 
     def _start_diagnosis(self, a: machine.RunDiagnosis) -> None:
         """Run the incident's diagnosis in the background; its verdict is an observation.
@@ -585,29 +622,54 @@ class RecoveryLoop:
     async def _start_workers(
         self, gen: int, a: machine.StartWorkers, restore: machine.Restore | None
     ) -> None:
-        cfg = self.config
+        """Start the world's workers: each node its rank base, the master, the new buddy
+        ring and the persistence interval; before a restore each agent first gets the
+        RestorePoint (an agent without one restores the newest step). A first start (no
+        restore) reports TrainingStepping once every rank stepped; a restart's progress is
+        watched by the `Restore` that follows it (`_restore`)."""
         nodes = a.world.node_ids
-        # A world node without a session is coming back or about to be declared lost
-        # (then a newer decision replaces this one): wait for either, up to the deadline.
-        deadline = time.monotonic() + cfg.restore_timeout_s
+        deadline = time.monotonic() + self.config.restore_timeout_s
+        if not await self._await_sessions(gen, nodes, deadline):
+            return
+        port = free_port()
+        marks = {n: self._beats(n) for n in nodes}
+        t0 = time.monotonic()
+        messages = self._start_messages(a, port)
+        point = self._point if restore is not None else None
+        results = await asyncio.gather(
+            *(self._start_one(gen, n, messages[n], point) for n in nodes)
+        )
+        if gen != self._gen:
+            sent = [n for n, e in zip(nodes, results, strict=True) if e != SUPERSEDED]
+            log.info("workers start superseded by a newer decision", sent_before=sent)
+            return
+        errors = [e for e in results if e]
+        log.info("workers started", world=list(nodes), master_port=port, errors=errors)
+        self._started = _Started(gen, nodes, marks, t0, tuple(errors), deadline)
+        if restore is None and not errors and self.state.goodput.startup_open:
+            await self._report_stepping(gen, nodes, marks, t0, t0 + STARTUP_REPORT_S)
+
+    async def _await_sessions(self, gen: int, nodes: tuple[str, ...], deadline: float) -> bool:
+        """Wait until every world node has a session (it is coming back, or about to be
+        declared lost: then a newer decision replaces this one), up to `deadline`. False:
+        a newer decision took over."""
         while missing := [n for n in nodes if not self._connected(n)]:
             if gen != self._gen:
-                return
+                return False
             if time.monotonic() > deadline:
                 log.error("world nodes without a session", nodes=missing)
                 break
             await asyncio.sleep(0.05)
-        if gen != self._gen:
-            return
+        return gen == self._gen
+
+    def _start_messages(self, a: machine.StartWorkers, port: int) -> dict[str, dpb.DriverMessage]:
+        """Each world node's StartWorkers."""
+        cfg = self.config
+        nodes = a.world.node_ids
         first = self.view.nodes.get(nodes[0])
         # rank 0's node as the driver saw it connect (not the IP it claimed in Register)
         addr = cfg.master_addr or (first.peer_host if first is not None else "")
-        port = free_port()
-        marks = {n: self._beats(n) for n in nodes}
-        t0 = time.monotonic()
         bases = dict(a.rank_base)
-
-        point = self._point
         persist_every_s = self.service.persist_every_s()
         # a node in the slot of a node that left the world takes over its ranks' copies
         old = list(self.state.incident_world.node_ids)
@@ -625,22 +687,8 @@ class RecoveryLoop:
         order = ring_order(nodes, slots)  # who each one sends to and takes copies from
         nxt = {n: order[(i + 1) % len(order)] for i, n in enumerate(order)}
         prev = {n: order[i - 1] for i, n in enumerate(order)}
-
-        async def one(n: str) -> str:
-            # A newer decision may have come meanwhile (the node this start waited for
-            # registered and opened an incident of its own): its commands, not these. Seen
-            # after a failover in the recovery bench: the stale start's workers were killed
-            # ~40 ms later by the newer one's, warm standbys wasted.
-            if gen != self._gen:
-                return SUPERSEDED
-            if restore is not None:  # an agent without RestorePoint restores the newest step
-                with contextlib.suppress(KeyError, TimeoutError):
-                    r = await self.service.request(
-                        n, dpb.DriverMessage(restore_point=point), cfg.command_timeout_s
-                    )
-                    if not r.ack.ok:
-                        log.warning("restore point refused", node=n, detail=r.ack.detail)
-            msg = dpb.DriverMessage(
+        return {
+            n: dpb.DriverMessage(
                 start_workers=dpb.StartWorkers(
                     worker_cmd=cfg.worker_cmd,
                     world_size=a.world.world_size,
@@ -661,41 +709,58 @@ class RecoveryLoop:
                     in_job=a.in_job,
                 )
             )
-            if gen != self._gen:
-                return SUPERSEDED
-            try:
-                r = await self.service.request(n, msg, cfg.command_timeout_s)
-                if r.ack.ok and n in ring:
-                    self._buddy[n] = ring[n]
-                return "" if r.ack.ok else r.ack.detail or "refused"
-            except (KeyError, TimeoutError) as e:
-                return f"{type(e).__name__}: {e}"
+            for n in nodes
+        }
 
-        results = await asyncio.gather(*(one(n) for n in nodes))
+    async def _start_one(
+        self, gen: int, n: str, msg: dpb.DriverMessage, point: dpb.RestorePoint | None
+    ) -> str:
+        """Send one node its RestorePoint (before a restore) and its StartWorkers; the error
+        ("": none; SUPERSEDED: a newer decision came first)."""
+        timeout_s = self.config.command_timeout_s
+        # A newer decision may have come meanwhile (the node this start waited for
+        # registered and opened an incident of its own): its commands, not these. Seen
+        # after a failover in the recovery bench: the stale start's workers were killed
+        # ~40 ms later by the newer one's, warm standbys wasted.
         if gen != self._gen:
-            sent = [n for n, e in zip(nodes, results, strict=True) if e != SUPERSEDED]
-            log.info("workers start superseded by a newer decision", sent_before=sent)
-            return
-        errors = [e for e in results if e]
-        log.info("workers started", world=list(nodes), master_port=port, errors=errors)
-        if restore is None:
-            if not errors and self.state.goodput.startup_open:
-                await self._report_stepping(gen, nodes, marks, t0, t0 + STARTUP_REPORT_S)
-            return
-        error = "; ".join(errors)
-        while not error and not self._all_stepping(nodes, marks):
+            return SUPERSEDED
+        if point is not None:  # an agent without RestorePoint restores the newest step
+            with contextlib.suppress(KeyError, TimeoutError):
+                r = await self.service.request(n, dpb.DriverMessage(restore_point=point), timeout_s)
+                if not r.ack.ok:
+                    log.warning("restore point refused", node=n, detail=r.ack.detail)
+        if gen != self._gen:
+            return SUPERSEDED
+        try:
+            r = await self.service.request(n, msg, timeout_s)
+            if r.ack.ok and msg.start_workers.buddy:
+                self._buddy[n] = msg.start_workers.buddy
+            return "" if r.ack.ok else r.ack.detail or "refused"
+        except (KeyError, TimeoutError) as e:
+            return f"{type(e).__name__}: {e}"
+
+    async def _restore(self, gen: int, a: machine.Restore, restore: machine.Restore | None) -> None:
+        """The restarted world's restore: once every rank reports a step (or the deadline
+        passed, or a start failed), RestoreFinished is observed (the machine matches it to
+        the restore it planned)."""
+        st = self._started
+        if st is None or st.gen != gen:
+            return  # its start did not happen (superseded): nothing to watch
+        error = "; ".join(st.errors)
+        while not error and not self._all_stepping(st.nodes, st.marks):
             if gen != self._gen:
                 return
-            if time.monotonic() > deadline:
-                error = f"not every rank reported a step within {cfg.restore_timeout_s} s"
+            if time.monotonic() > st.deadline:
+                error = f"not every rank reported a step within {self.config.restore_timeout_s} s"
             await asyncio.sleep(0.05)
         if gen != self._gen:
             return
+        nodes, t0 = st.nodes, st.t0
         self.service.submit(
             ev.Event(
                 cause="driver",
                 restore_finished=ev.RestoreFinished(
-                    step=restore.step,  # the machine matches it to the restore it planned
+                    step=a.step,
                     restored_step=self._restored_step(nodes),
                     trained_s=self._trained_s(nodes, t0, restored=True),
                     storage_ranks=self._storage_ranks(nodes),
@@ -855,7 +920,7 @@ class RecoveryLoop:
             layout, tuple((n, i * wpn) for i, n in enumerate(layout.node_ids))
         )
         log.warning("world nodes run no workers after the takeover; starting them", idle=idle)
-        self._perform((action,), restore=None)
+        self._perform((action,))
 
     # ------------------------------------------------------------ starting the job
     async def _wait_for_world(self) -> None:
@@ -865,7 +930,7 @@ class RecoveryLoop:
         while True:
             ready = self._ready_nodes()
             if len(ready) >= cfg.nodes:
-                self.service.submit(_StartJob(tuple(ready[: cfg.nodes])))
+                self.service.submit(StartJob(tuple(ready[: cfg.nodes])))
                 return
             if time.monotonic() > deadline:
                 reason = (
@@ -884,3 +949,16 @@ class RecoveryLoop:
             if slot.alive and slot.outbox is not None and slot.info.node_id and not slot.info.spare:
                 out.append(slot.node_id)
         return out
+
+
+_Performer = Callable[[RecoveryLoop, int, Any, "machine.Restore | None"], Awaitable[None]]
+#: Who performs each action the machine emits (every `machine.Action`; a test walks them).
+PERFORMERS: dict[type, _Performer] = {
+    machine.StopWorkers: RecoveryLoop._stop_workers,
+    machine.RunDiagnosis: RecoveryLoop._diagnose,
+    machine.EvictNode: RecoveryLoop._evict,
+    machine.StartWorkers: RecoveryLoop._start_workers,
+    machine.Restore: RecoveryLoop._restore,
+    machine.ResumeAll: RecoveryLoop._resume,
+    machine.StopAll: RecoveryLoop._stop_all,
+}

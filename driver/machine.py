@@ -2,7 +2,7 @@
 
 docs/architecture.md#the-decider, "The recovery loop"::
 
-    RUNNING --fault--> SUSPECTED --pause all ranks, flash-save--> PAUSED
+    RUNNING --fault--> SUSPECTED --stop the workers (each flash-saved every step)--> PAUSED
     PAUSED --diagnose (only when the cause is unclear)--> DIAGNOSED
     DIAGNOSED --evict bad nodes; take spares, or shrink dp--> RESHAPED
     RESHAPED --restore every rank, reshard if the world changed--> RESTORING
@@ -223,7 +223,8 @@ class Policy:
 # ---------------------------------------------------------------- observations
 @dataclass(frozen=True, slots=True)
 class Paused:
-    """Progress report: every reachable agent of the world paused and flash-saved.
+    """Progress report: every reachable agent of the world stopped its workers (each rank's
+    last step is in its flash ring: workers flash-save every step).
 
     `step` is the step the workers stopped at; `restorable_step` the newest step every
     rank of the world can obtain (memory, buddy or storage; `recovery.restore`), or None
@@ -271,8 +272,9 @@ class Layout:
 
 
 @dataclass(frozen=True, slots=True)
-class PauseAll:
-    """Send Pause to every node (idempotent: a paused worker stays paused).
+class StopWorkers:
+    """Send StopWorkers to every node (idempotent: a stopped worker stays stopped). The
+    workers flash-save every step, so stopping them loses nothing a pause would keep.
 
     `in_job`: stop only `replace` ((node, local rank) of the faulty ranks) and hold every
     other worker in its process; otherwise stop every worker.
@@ -282,13 +284,6 @@ class PauseAll:
     reason: str
     in_job: bool = False
     replace: tuple[tuple[str, int], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class FlashSaveAll:
-    """Send FlashSave (current step) to every node; each reports the step it saved."""
-
-    nodes: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,16 +343,7 @@ class StopAll:
     nodes: tuple[str, ...]
 
 
-Action = (
-    PauseAll
-    | FlashSaveAll
-    | RunDiagnosis
-    | EvictNode
-    | StartWorkers
-    | Restore
-    | ResumeAll
-    | StopAll
-)
+Action = StopWorkers | RunDiagnosis | EvictNode | StartWorkers | Restore | ResumeAll | StopAll
 
 
 @dataclass(frozen=True, slots=True)
@@ -537,16 +523,13 @@ def pending_actions(state: ev.JobState, policy: Policy) -> list[Action]:
         return [ResumeAll(s.step, nodes)]
     if phase == ev.PHASE_SUSPECTED:
         if s.recovery_mode == IN_JOB:
-            return [
-                PauseAll(nodes, s.incident_cause, True, replace_slots(s)),
-                FlashSaveAll(nodes),
-            ]
-        return [PauseAll(nodes, s.incident_cause), FlashSaveAll(nodes)]
+            return [StopWorkers(nodes, s.incident_cause, True, replace_slots(s))]
+        return [StopWorkers(nodes, s.incident_cause)]
     if phase == ev.PHASE_PAUSED and s.needs_diagnosis:
         # a node already to be evicted (its own self-check, an operator) is no partner
         partners = tuple(n for n in nodes if n not in s.bad_nodes or n in s.suspects)
         return [
-            PauseAll(nodes, s.incident_cause),
+            StopWorkers(nodes, s.incident_cause),
             RunDiagnosis(diagnosis_id(s), tuple(sorted(s.suspects)), partners),
         ]
     if phase == ev.PHASE_RESTORING:

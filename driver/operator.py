@@ -29,6 +29,7 @@ from unbroken.common.faults import RuntimeFault
 from unbroken.diagnostics.runner import verdict_event
 from unbroken.driver import goodput as goodputlib
 from unbroken.driver import loghealth, machine, paging
+from unbroken.driver.decider import EVICT
 from unbroken.driver.diagnose import DiagnoseError, DriverDiagnoseConfig, run_diagnosis
 from unbroken.driver.eventlog import EventLogError, new_event_id
 from unbroken.driver.journal import Journal
@@ -349,7 +350,7 @@ class OperatorApi:
     ) -> dpb.ResumeResponse:
         """A failed or stuck job gets a new incident with a fresh restore budget."""
         journal = await self._journal(context)
-        if journal.decider is None:
+        if not journal.decider.recovers:
             await abort(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -417,38 +418,44 @@ class OperatorApi:
         action = ev.Event(
             event_id=new_event_id(),
             cause="operator",
-            operator_action=ev.OperatorAction(action="evict", target=node_id, who=who(context)),
+            operator_action=ev.OperatorAction(
+                action=EVICT, target=node_id, who=who(context), reason=reason
+            ),
         )
-        try:
-            if journal.decider is not None:
-                # the recovery loop decides: pause, evict, take a spare or shrink, restore
-                stored = await journal.observe(action, self._read_timeout_s)
-            else:
-                evicted = ev.Event(node_evicted=ev.NodeEvicted(node_id=node_id, reason=reason))
-                evicted.cause = action.event_id
-                stored = await journal.record(action, evicted, wait_s=self._read_timeout_s)
+        try:  # the decider decides (driver/decider.py): the recovery loop pauses, evicts,
+            # takes a spare or shrinks and restores; without one the node is out at once
+            stored = await journal.observe(action, self._read_timeout_s)
         except (EventLogError, TimeoutError) as e:
             await abort(
                 context, grpc.StatusCode.UNAVAILABLE, f"recording the eviction failed: {e!r}; retry"
             )
         seq = max(e.seq for e in stored) if stored else journal.state.last_seq
-        notified = False
-        slot = self.view.nodes.get(node_id)
-        if journal.decider is None and slot is not None and slot.outbox is not None:
-            self.view.mark_leaving(node_id)  # its agent exits on the command: no NodeLost
-            try:
-                reply = await self._cmd.request(
-                    node_id,
-                    dpb.DriverMessage(evict=dpb.Evict(reason=reason)),
-                    within_deadline(context, self._diagnose_config.ack_timeout_s),
-                )
-                notified = reply.ack.ok
-            except (TimeoutError, KeyError) as e:
-                log.warning("evicted node's agent did not acknowledge", node=node_id, error=str(e))
+        out_now = any(e.node_evicted.node_id == node_id for e in stored)
+        notified = await self._tell_evicted(node_id, reason, context) if out_now else False
         log.warning("node evicted by operator", node=node_id, reason=reason, seq=seq)
         return dpb.EvictResponse(
-            seq=seq, agent_notified=notified, recovering=journal.decider is not None
+            seq=seq, agent_notified=notified, recovering=journal.decider.recovers
         )
+
+    async def _tell_evicted(
+        self, node_id: str, reason: str, context: grpc.aio.ServicerContext
+    ) -> bool:
+        """Tell an evicted node's agent to stop (it exits: no NodeLost follows); whether it
+        acknowledged within the caller's deadline."""
+        slot = self.view.nodes.get(node_id)
+        if slot is None or slot.outbox is None:
+            return False
+        self.view.mark_leaving(node_id)
+        try:
+            reply = await self._cmd.request(
+                node_id,
+                dpb.DriverMessage(evict=dpb.Evict(reason=reason)),
+                within_deadline(context, self._diagnose_config.ack_timeout_s),
+            )
+            return reply.ack.ok
+        except (TimeoutError, KeyError) as e:
+            log.warning("evicted node's agent did not acknowledge", node=node_id, error=str(e))
+            return False
 
     # ------------------------------------------------------------ clear
     async def ClearNode(

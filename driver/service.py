@@ -32,8 +32,9 @@ from unbroken.driver import state as statelib
 from unbroken.driver.agentapi import AgentApi
 from unbroken.driver.commits import Commits
 from unbroken.driver.config import ServiceConfig
+from unbroken.driver.decider import Decider
 from unbroken.driver.eventlog import EventLog, NotLeaderError, new_event_id
-from unbroken.driver.journal import FAULT_KINDS, Batch, Decider, Journal, Pending
+from unbroken.driver.journal import FAULT_KINDS, Journal, Pending
 from unbroken.driver.launcher_api import LauncherApi
 from unbroken.driver.leadership import Leadership
 from unbroken.driver.liveview import LiveView
@@ -52,7 +53,6 @@ log = structlog.get_logger(__name__)
 __all__ = [
     "LEADER_HEALTH",
     "SERVICE_NAME",
-    "Batch",
     "DriverService",
     "ServiceConfig",
     "build_server",

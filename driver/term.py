@@ -15,8 +15,9 @@ from typing import Any
 
 import structlog
 
+from unbroken.driver.decider import Decision, RecordOnly
 from unbroken.driver.eventlog import EventLog, Leadership
-from unbroken.driver.journal import Batch, Journal
+from unbroken.driver.journal import Journal
 from unbroken.driver.liveview import LiveView
 from unbroken.driver.loop import LoopConfig, RecoveryLoop, timeline
 from unbroken.driver.scheduler import BridgeConfig, Scheduler, SchedulerBridge
@@ -65,6 +66,7 @@ class Term:
         self.loop: RecoveryLoop | None = None
         self.bridge: SchedulerBridge | None = None
         self._deciding = False  # the loop decides once it started (before: recorded as is)
+        self._early = RecordOnly()
 
     async def begin(self) -> Journal:
         """Replay, open the journal, record LeaderElected, start the bridge and the loop."""
@@ -76,7 +78,7 @@ class Term:
             self.log,
             self.address,
             state,
-            decider=self._decide if recovers else None,
+            decider=self if recovers else RecordOnly(),
             on_resync=self._resync if recovers else None,
         )
         self.journal = journal
@@ -130,10 +132,16 @@ class Term:
             self.host.step_down(leader_address)
         self.journal = None
 
-    async def _decide(self, item: Any) -> Batch:
+    @property
+    def recovers(self) -> bool:
+        """The term's decider is the job's recovery (only built when it has one)."""
+        return True
+
+    def decide(self, state: ev.JobState, observation: Any) -> Decision:
+        """The recovery loop's decision once it started (before: recorded as it is)."""
         if self._deciding and self.loop is not None:
-            return await self.loop.decide(item)
-        return ([item], None) if isinstance(item, ev.Event) else ([], None)
+            return self.loop.decide(state, observation)
+        return self._early.decide(state, observation)
 
     def _resync(self) -> None:
         if self._deciding and self.loop is not None:
