@@ -59,6 +59,7 @@ import structlog
 from unbroken.driver import fold as foldlib
 from unbroken.driver import worldsplit
 from unbroken.driver.decider import Decider, RecordOnly
+from unbroken.driver.eventkinds import FAULT_LANE, KINDS
 from unbroken.driver.eventlog import (
     DEFAULT_MAX_EVENT_BYTES,
     EventLog,
@@ -76,21 +77,6 @@ Subscriber = Callable[[ev.Event], None]
 MAX_BATCH_OBSERVATIONS = 64  # observations decided into one transaction
 MAX_BATCH_EVENTS = 60  # events per transaction (etcd's default --max-txn-ops 128: 2 per event)
 MAX_BATCH_BYTES = 512 * 1024  # of serialized events per transaction
-#: Event kinds that are faults: their own lane, served first, never dropped.
-FAULT_KINDS = frozenset(
-    {
-        "node_lost",
-        "worker_failed",
-        "hang_suspected",
-        "loss_spike",
-        "sdc_suspected",
-        "self_check_reported",
-        "straggler_suspected",
-    }
-)
-#: Membership rides in the fault lane too, so a node's loss never overtakes its own
-#: registration (a NodeLost folded before its NodeRegistered would leave it ACTIVE).
-FAULT_LANE = FAULT_KINDS | {"node_registered", "node_refused"}
 
 
 class JournalClosedError(EventLogError):
@@ -161,7 +147,8 @@ class JournalStats:
 def _lane_of(obj: Any) -> str:
     if isinstance(obj, ev.Event):
         kind = obj.WhichOneof("payload")
-        if kind == "log_alert":
+        row = KINDS.get(kind or "")
+        if row is not None and row.lane == "alerts":
             return "alerts"
         if kind in FAULT_LANE and not (
             kind == "self_check_reported" and obj.self_check_reported.ok

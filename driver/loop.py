@@ -50,6 +50,7 @@ from unbroken.driver import state as statelib
 from unbroken.driver.commits import Commits
 from unbroken.driver.config import LoopConfig, ServiceConfig
 from unbroken.driver.decider import Decision
+from unbroken.driver.eventkinds import OBSERVED
 from unbroken.driver.journal import Journal
 from unbroken.driver.liveview import LiveView, NodeSlot
 from unbroken.proto import driver_pb2 as dpb
@@ -62,24 +63,6 @@ log = structlog.get_logger(__name__)
 
 STARTUP_REPORT_S = 3600.0  # a first start's TrainingStepping comes within this or never
 RING_SETTLE_S = 0.5  # after a stop, wait at most this for heartbeats with the final ring
-
-#: Event kinds the machine reacts to; everything else is appended as it is.
-OBSERVED = frozenset(
-    {
-        "node_lost",
-        "worker_failed",
-        "hang_suspected",
-        "straggler_suspected",
-        "log_alert",
-        "self_check_reported",
-        "operator_action",
-        "diagnosis_verdict",
-        "restore_finished",
-        "loss_spike",
-        "sdc_suspected",
-        "node_registered",
-    }
-)
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,21 +60,16 @@ from typing import TypeAlias
 from unbroken.diagnostics import selfcheck as selfchecklib
 from unbroken.driver import sdc as sdclib
 from unbroken.driver import state as statelib
+from unbroken.driver.eventkinds import DIAGNOSABLE, STALE_KINDS
 from unbroken.proto import events_pb2 as ev
 from unbroken.recovery import spike as spikelib
 
-#: Fault kinds that `Policy.diagnose_kinds` may name.
-DIAGNOSABLE = frozenset({"worker_failed", "hang_suspected", "log_alert", "self_check_reported"})
 #: Log keywords that are symptoms, not faults: every rank prints a Traceback/RuntimeError
 #: when a peer dies (gloo "Connection reset by peer"), and a worker that raises exits, which
 #: the agent reports as WorkerFailed. Recorded only; hardware keywords (NCCL WARN, Xid, ECC,
 #: CUDA error, out of memory) and a non-finite loss open an incident.
 SYMPTOM_KEYWORDS = frozenset({"Traceback", "RuntimeError"})
 MAX_SETTLE = 16  # automatic transitions per decision (the loop needs at most 4)
-#: Faults of an idle node that are its own cleanup, not its health: a node that came back
-#: after it was replaced (SIGSTOPped, partitioned) still has the old world's workers, which
-#: exit or stall. Recorded only; a failed self-check or a hardware alert still evicts it.
-STALE_KINDS = frozenset({"worker_failed", "hang_suspected", "straggler_suspected"})
 
 #: Recovery modes (RecoveryTransition.mode, TrainingResumed.mode). In-job: every healthy
 #: worker keeps its process (imports, model, data pipeline), leaves its step, drops its

@@ -33,8 +33,9 @@ from unbroken.driver.agentapi import AgentApi
 from unbroken.driver.commits import Commits
 from unbroken.driver.config import ServiceConfig
 from unbroken.driver.decider import Decider
+from unbroken.driver.eventkinds import FAULT_KINDS
 from unbroken.driver.eventlog import EventLog, NotLeaderError, new_event_id
-from unbroken.driver.journal import FAULT_KINDS, Journal, Pending
+from unbroken.driver.journal import Journal, Pending
 from unbroken.driver.launcher_api import LauncherApi
 from unbroken.driver.leadership import Leadership
 from unbroken.driver.liveview import LiveView
