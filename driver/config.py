@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 from unbroken.common import channel
 from unbroken.common.tls import TlsConfig
-from unbroken.driver import machine
 from unbroken.driver.diagnose import DriverDiagnoseConfig
 from unbroken.driver.journal import JournalConfig
 from unbroken.driver.liveview import LiveViewConfig
+from unbroken.driver.policy import Policy
 from unbroken.driver.principalquota import PrincipalQuotas
 from unbroken.driver.security import RoleTokens
 from unbroken.driver.straggler import StragglerConfig
@@ -156,7 +156,7 @@ class LoopConfig:
         default=300.0,
         metadata={"help": "for every rank of a restarted world to report a step"},
     )
-    policy: machine.Policy = field(default_factory=machine.Policy)
+    policy: Policy = field(default_factory=Policy)
 
     def __post_init__(self) -> None:
         if self.nodes < 0:
