@@ -38,26 +38,44 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import structlog
 
 from unbroken.diagnostics.check import free_port
-from unbroken.driver import completion, detectors, machine, sdcwatch
+from unbroken.driver import completion, detectors, machine, sdcwatch, worldplan
 from unbroken.driver import state as statelib
+from unbroken.driver import worldprogress as progress
+from unbroken.driver.buddies import (
+    common_steps,
+    is_buddy,
+    replica_address,
+    ring_buddies,
+    ring_order,
+    start_messages,
+)
 from unbroken.driver.commits import Commits
 from unbroken.driver.config import LoopConfig, ServiceConfig
 from unbroken.driver.decider import Decision
 from unbroken.driver.eventkinds import OBSERVED
 from unbroken.driver.journal import Journal
-from unbroken.driver.liveview import LiveView, NodeSlot
+from unbroken.driver.liveview import LiveView
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
-from unbroken.recovery import spike as spikelib
 
-__all__ = ["LoopConfig", "Observation", "RecoveryLoop", "timeline"]
+__all__ = [
+    "LoopConfig",
+    "Observation",
+    "RecoveryLoop",
+    "common_steps",
+    "is_buddy",
+    "replica_address",
+    "ring_buddies",
+    "ring_order",
+    "timeline",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -86,72 +104,6 @@ Observation = ev.Event | machine.Paused | Settle | StartJob
 def timeline(state: ev.JobState) -> int:
     """The job's timeline: rollbacks so far (each abandons the steps after its target)."""
     return int(state.event_counts.get("rollback", 0))
-
-
-_ANY_HOST = ("", "0.0.0.0", "::")
-
-
-def is_buddy(buddy: str, holder: NodeSlot) -> bool:
-    """Whether `buddy` (a node's registered --buddy, host:port) is `holder`'s replica
-    server: the same port, on a host the holder registered or connected from."""
-    host, _, port = buddy.rpartition(":")
-    lhost, _, lport = holder.info.replica_listen.rpartition(":")
-    if not port or port != lport:
-        return False
-    names = {holder.peer_host, holder.info.ip, holder.info.hostname}
-    if lhost.strip("[]") not in _ANY_HOST:
-        names.add(lhost)
-    return host.strip("[]") in {n.strip("[]") for n in names if n}
-
-
-def replica_address(slot: NodeSlot) -> str:
-    """Where `slot`'s replica server is reached: its registered --replica-listen, with a
-    wildcard host replaced by the address the driver saw it connect from ("": none)."""
-    host, _, port = slot.info.replica_listen.rpartition(":")
-    if not port:
-        return ""
-    if host.strip("[]") in _ANY_HOST:
-        host = slot.peer_host or slot.info.ip
-        if not host:
-            return ""
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"
-    return f"{host}:{port}"
-
-
-def ring_buddies(nodes: Sequence[str], slots: Mapping[str, NodeSlot | None]) -> dict[str, str]:
-    """Each world node's buddy: the replica server of the next node in world order that has
-    one (a ring). Nodes without a replica server are left out; fewer than 2: no pairs."""
-    ring = [(n, addr) for n in nodes if (slot := slots.get(n)) and (addr := replica_address(slot))]
-    if len(ring) < 2:
-        return {}
-    return {n: ring[(i + 1) % len(ring)][1] for i, (n, _) in enumerate(ring)}
-
-
-def ring_order(nodes: Sequence[str], slots: Mapping[str, NodeSlot | None]) -> list[str]:
-    """The nodes of `ring_buddies`' ring, in its order: each sends to the next and takes
-    the copies of the previous (empty: fewer than 2 with a replica server)."""
-    ring = [n for n in nodes if (slot := slots.get(n)) and replica_address(slot)]
-    return ring if len(ring) >= 2 else []
-
-
-def common_steps(
-    world: int, own: dict[int, set[int]], buddies: dict[int, set[int]]
-) -> set[int] | None:
-    """The steps all `world` ranks can restore from memory: a rank's own ring (`own`), else
-    the copies a buddy holds of it (`buddies`, for the ranks of a lost node). None when a
-    rank is in neither (its node is gone and no buddy reported it: the commits decide)."""
-    if not world:
-        return None
-    common: set[int] | None = None
-    for rank in range(world):
-        held = own.get(rank)
-        if held is None:
-            held = buddies.get(rank)
-        if held is None:
-            return None
-        common = set(held) if common is None else common & held
-    return common
 
 
 SUPERSEDED = "superseded by a newer decision"  # a node's start skipped (`_start_workers`)
@@ -339,33 +291,12 @@ class RecoveryLoop:
     def _restore_point(
         self, d: machine.Decision, restore: machine.Restore | None
     ) -> dpb.RestorePoint:
-        """Where the restarted workers restore (a rollback's step, else the newest) and the
-        newest rollback's batches to skip.
-
-        The skip range is the newest Rollback event's (folded into the state), so nothing
-        re-runs the policy. The skip goes with every restore, not only the rollback's own: a
-        worker that crashes after the rollback but before the skipped step restores a copy
-        from before the skip and must skip again (it skips only when its next step is the
-        skip's; later copies hold the data position past the skipped batches).
-        """
+        """Where the restarted workers restore, and the batches they skip
+        (`worldplan.restore_point`, on the state after `d`)."""
         after = self.state
         for e in d.events:
             after = statelib.apply(after, e)
-        if restore is None or not after.rollback_steps:
-            return dpb.RestorePoint()
-        point = dpb.RestorePoint(step=restore.step if after.HasField("rollback_to") else 0)
-        if after.last_skip_batches and after.last_skip_from:
-            point.skip_from_step = after.last_skip_from
-            point.skip_batches = after.last_skip_batches
-        elif after.last_skip_batches:  # a Rollback recorded before it carried its range
-            spike_step, target = after.rollback_steps[-1], after.last_rollback_to
-            skip = spikelib.RollbackPolicy(self.policy.spike).decide(
-                spikelib.Spike(spike_step, 0.0, 0.0, 0.0, 0.0, False), [target]
-            )
-            if not skip.halt and skip.skip_batches:
-                point.skip_from_step = skip.skip_first
-                point.skip_batches = skip.skip_batches
-        return point
+        return worldplan.restore_point(after, restore, self.policy)
 
     # ------------------------------------------------------------ acting
     def _perform(self, actions: tuple[machine.Action, ...]) -> None:
@@ -646,54 +577,18 @@ class RecoveryLoop:
         return gen == self._gen
 
     def _start_messages(self, a: machine.StartWorkers, port: int) -> dict[str, dpb.DriverMessage]:
-        """Each world node's StartWorkers."""
-        cfg = self.config
-        nodes = a.world.node_ids
-        first = self.view.nodes.get(nodes[0])
-        # rank 0's node as the driver saw it connect (not the IP it claimed in Register)
-        addr = cfg.master_addr or (first.peer_host if first is not None else "")
-        bases = dict(a.rank_base)
-        persist_every_s = self.service.persist_every_s()
-        # a node in the slot of a node that left the world takes over its ranks' copies
-        old = list(self.state.incident_world.node_ids)
-        staying = set(nodes)  # (a scan of the tuple per node was O(n²) when a world shrank)
-        replaces = {
-            n: old[i]
-            for i, n in enumerate(nodes)
-            if i < len(old) and old[i] != n and old[i] not in staying
-        }
-        # where each replaced node's copies live: the buddy it was paired with
-        buddy_of = {o: self._buddy_of(o) for o in replaces.values()}
-        # and the new world's ring, from now on
-        slots = {n: self.view.nodes.get(n) for n in nodes}
-        ring = ring_buddies(nodes, slots)
-        order = ring_order(nodes, slots)  # who each one sends to and takes copies from
-        nxt = {n: order[(i + 1) % len(order)] for i, n in enumerate(order)}
-        prev = {n: order[i - 1] for i, n in enumerate(order)}
-        return {
-            n: dpb.DriverMessage(
-                start_workers=dpb.StartWorkers(
-                    worker_cmd=cfg.worker_cmd,
-                    world_size=a.world.world_size,
-                    global_rank_base=bases[n],
-                    master_addr=addr or "127.0.0.1",
-                    master_port=port,
-                    dp=a.world.dp,
-                    pp=a.world.pp,
-                    tp=a.world.tp,
-                    timeline=self._timeline,
-                    persist_every_s=persist_every_s,
-                    flash_bytes_per_rank=self.service.commits.shard_bytes,
-                    replaces=replaces.get(n, ""),
-                    replaces_from=buddy_of.get(replaces.get(n, ""), ""),
-                    buddy=ring.get(n, ""),
-                    buddy_node=nxt.get(n, ""),
-                    replicas_from=prev.get(n, ""),
-                    in_job=a.in_job,
-                )
-            )
-            for n in nodes
-        }
+        """Each world node's StartWorkers (`buddies.start_messages`)."""
+        return start_messages(
+            a,
+            port,
+            self.config,
+            self.view,
+            old=list(self.state.incident_world.node_ids),
+            buddy_of=self._buddy_of,
+            timeline=self._timeline,
+            persist_every_s=self.service.persist_every_s(),
+            shard_bytes=self.service.commits.shard_bytes,
+        )
 
     async def _start_one(
         self, gen: int, n: str, msg: dpb.DriverMessage, point: dpb.RestorePoint | None
@@ -730,7 +625,7 @@ class RecoveryLoop:
         if st is None or st.gen != gen:
             return  # its start did not happen (superseded): nothing to watch
         error = "; ".join(st.errors)
-        while not error and not self._all_stepping(st.nodes, st.marks):
+        while not error and not progress.all_stepping(self.view, st.nodes, st.marks):
             if gen != self._gen:
                 return
             if time.monotonic() > st.deadline:
@@ -744,9 +639,9 @@ class RecoveryLoop:
                 cause="driver",
                 restore_finished=ev.RestoreFinished(
                     step=a.step,
-                    restored_step=self._restored_step(nodes),
-                    trained_s=self._trained_s(nodes, t0, restored=True),
-                    storage_ranks=self._storage_ranks(nodes),
+                    restored_step=progress.restored_step(self.view, nodes),
+                    trained_s=progress.trained_s(self.view, nodes, t0, restored=True),
+                    storage_ranks=progress.storage_ranks(self.view, nodes),
                     duration_s=time.monotonic() - t0,
                     ok=not error,
                     error=error,
@@ -759,7 +654,7 @@ class RecoveryLoop:
     ) -> None:
         """Append TrainingStepping once every rank of the job's first start stepped: the
         goodput ledger charges the start-up until then."""
-        while not self._all_stepping(nodes, marks):
+        while not progress.all_stepping(self.view, nodes, marks):
             if gen != self._gen or time.monotonic() > deadline:
                 return  # an incident came first: it closes the start-up
             await asyncio.sleep(0.05)
@@ -773,58 +668,10 @@ class RecoveryLoop:
                 training_stepping=ev.TrainingStepping(
                     step=min(steps, default=0),
                     startup_s=time.monotonic() - t0,
-                    trained_s=self._trained_s(nodes, t0, restored=False),
+                    trained_s=progress.trained_s(self.view, nodes, t0, restored=False),
                 ),
             )
         )
-
-    def _trained_s(self, nodes: tuple[str, ...], t0: float, *, restored: bool) -> float:
-        """How long the world started at `t0` has been training now, from its ranks' own
-        reports: the steps each made since its start (its restored step) at its step time,
-        plus its time since progress and the heartbeat's age. The least of the ranks (the
-        world trains when they all do); 0 when one has not said enough."""
-        now = time.monotonic()
-        least = now - t0
-        for n in nodes:
-            slot = self.view.nodes.get(n)
-            if slot is None or not slot.hb.workers:
-                return 0.0
-            for w in slot.hb.workers:
-                if restored and not w.HasField("restored_step"):
-                    return 0.0
-                steps = w.step - (w.restored_step if restored else 0)
-                if steps <= 0 or w.step_time_ms <= 0:
-                    return 0.0
-                ran = steps * w.step_time_ms / 1000.0 + w.since_progress_ms / 1000.0
-                least = min(least, ran + max(0.0, now - slot.last_seen))
-        return max(0.0, least)
-
-    def _restored_step(self, nodes: tuple[str, ...]) -> int:
-        """The step the restarted world really restored: the oldest step its ranks said
-        they started from (`WorkerStatus.restored_step`); 0 when a rank has not said. The
-        plan (from the rings and buddies the heartbeats listed when the driver decided) is
-        a floor: a replica that reached the buddy after the decision is newer."""
-        said = []
-        for n in nodes:
-            slot = self.view.nodes.get(n)
-            workers = slot.hb.workers if slot is not None else ()
-            if not workers:
-                return 0
-            for w in workers:
-                if not w.HasField("restored_step"):
-                    return 0
-                said.append(w.restored_step)
-        return min(said) if said else 0
-
-    def _storage_ranks(self, nodes: tuple[str, ...]) -> int:
-        """The restarted world's ranks that said their state was read from storage
-        (`WorkerStatus.restored_from`): the incident needed the storage tier."""
-        n = 0
-        for node in nodes:
-            slot = self.view.nodes.get(node)
-            if slot is not None:
-                n += sum(w.restored_from == "storage" for w in slot.hb.workers)
-        return n
 
     def _connected(self, node_id: str) -> bool:
         slot = self.view.nodes.get(node_id)
@@ -833,21 +680,6 @@ class RecoveryLoop:
     def _beats(self, node_id: str) -> int:
         slot = self.view.nodes.get(node_id)
         return slot.heartbeats if slot is not None else 0
-
-    def _all_stepping(self, nodes: tuple[str, ...], marks: dict[str, int]) -> bool:
-        """Every node sent a heartbeat since the start in which all its workers step or
-        exited 0 (restored at the last step, a rank has nothing left to train: the job
-        resumed, and the completion watch then finishes it)."""
-        for n in nodes:
-            slot = self.view.nodes.get(n)
-            if slot is None or slot.heartbeats <= marks[n] + 1 or not slot.hb.workers:
-                return False
-            for w in slot.hb.workers:
-                if w.state == dpb.WORKER_STATE_EXITED and w.exit_code == 0:
-                    continue  # done: it may have exited before its first step report
-                if w.state != dpb.WORKER_STATE_RUNNING or w.step == 0:
-                    return False
-        return True
 
     # ------------------------------------------------------------ loss spikes, idle worlds
     async def _watch_losses(self) -> None:

@@ -25,7 +25,9 @@ from unbroken.driver.actions import (
     StopWorkers,
 )
 from unbroken.driver.policy import IN_JOB, Policy, Reshape
+from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
+from unbroken.recovery import spike as spikelib
 
 
 # ---------------------------------------------------------------- helpers on the state
@@ -204,3 +206,30 @@ def replace_slots(s: ev.JobState) -> tuple[tuple[str, int], ...]:
         if 0 <= i < len(w.node_ids):
             out.append((w.node_ids[i], r % wpn))
     return tuple(out)
+
+
+def restore_point(after: ev.JobState, restore: Restore | None, policy: Policy) -> dpb.RestorePoint:
+    """Where the restarted workers restore (a rollback's step, else the newest: 0) and the
+    newest rollback's batches to skip, in the state `after` the decision.
+
+    The skip range is the newest Rollback event's (folded into the state), so nothing
+    re-runs the policy. The skip goes with every restore, not only the rollback's own: a
+    worker that crashes after the rollback but before the skipped step restores a copy
+    from before the skip and must skip again (it skips only when its next step is the
+    skip's; later copies hold the data position past the skipped batches).
+    """
+    if restore is None or not after.rollback_steps:
+        return dpb.RestorePoint()
+    point = dpb.RestorePoint(step=restore.step if after.HasField("rollback_to") else 0)
+    if after.last_skip_batches and after.last_skip_from:
+        point.skip_from_step = after.last_skip_from
+        point.skip_batches = after.last_skip_batches
+    elif after.last_skip_batches:  # a Rollback recorded before it carried its range
+        spike_step, target = after.rollback_steps[-1], after.last_rollback_to
+        skip = spikelib.RollbackPolicy(policy.spike).decide(
+            spikelib.Spike(spike_step, 0.0, 0.0, 0.0, 0.0, False), [target]
+        )
+        if not skip.halt and skip.skip_batches:
+            point.skip_from_step = skip.skip_first
+            point.skip_batches = skip.skip_batches
+    return point
