@@ -195,6 +195,28 @@ class AgentApi:
         )
         if why:
             await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+        slot = self._take(request, event, relay, context.peer(), now)
+        st = self._lead.journal.state if self._lead.journal is not None else None
+        return dpb.RegisterResponse(
+            driver_id=self.driver_id,
+            job_id=self.job_id,
+            heartbeat_interval_ms=self.config.live.heartbeat_interval_ms,
+            miss_limit=self.config.live.miss_limit,
+            leader_term=st.leader_term if st is not None else 0,
+            term_scope=st.leader_scope if st is not None else "",
+            report_key=slot.report_key,
+        )
+
+    def _take(
+        self,
+        request: dpb.RegisterRequest,
+        event: ev.Event | None,
+        relay: str,
+        peer: str,
+        now: float,
+    ) -> NodeSlot:
+        """The admitted node's slot, as it registered (`event`: a new epoch's
+        NodeRegistered, emitted here; None: a reconnect)."""
         slot = self.view.slot(request.node_id)
         if slot.relay and relay != slot.relay:
             # a relayed node coming to us directly (its relay is gone): it has the session
@@ -223,19 +245,10 @@ class AgentApi:
         # over built its view from the log, which keeps no --replica-listen; without it the
         # world's buddy ring was empty after every failover and the buddies' copies untrusted
         slot.info = request
-        slot.peer_host = peer_host(context.peer())
+        slot.peer_host = peer_host(peer)
         if not self.view.tracked(slot):
             self.view.mark_registered(slot, now)
-        st = self._lead.journal.state if self._lead.journal is not None else None
-        return dpb.RegisterResponse(
-            driver_id=self.driver_id,
-            job_id=self.job_id,
-            heartbeat_interval_ms=self.config.live.heartbeat_interval_ms,
-            miss_limit=self.config.live.miss_limit,
-            leader_term=st.leader_term if st is not None else 0,
-            term_scope=st.leader_scope if st is not None else "",
-            report_key=slot.report_key,
-        )
+        return slot
 
     def _over_quota(self, who: str, node_id: str, relay: str, new: bool, now: float) -> str:
         """Why `who`'s registration of `node_id` (through `relay`; `new`: a new epoch) is

@@ -291,51 +291,9 @@ class OperatorApi:
         if request.follow:
             journal.subscribers.append(on_event)
         try:
-            nxt = request.since_seq + 1
-            last = journal.state.last_seq
-            while nxt <= last:  # history: exact key ranges, one page at a time
-                try:
-                    chunk = await asyncio.wait_for(
-                        journal.log.read(nxt, min(last, nxt + READ_CHUNK - 1)),
-                        self._read_timeout_s,
-                    )
-                except (TimeoutError, EventLogError) as err:
-                    await abort(
-                        context,
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"reading the event log failed: {err!r}",
-                    )
-                if not chunk:
-                    break
-                for one in chunk:
-                    await context.write(dpb.WatchEventsResponse(event=one))
-                nxt = chunk[-1].seq + 1
-            if not request.follow:
-                return
-            while True:  # live: what the journal records from now on (ends on cancel)
-                if overflow.is_set():
-                    await abort(
-                        context,
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"this watcher fell {WATCH_BUFFER} events behind; watch again with "
-                        f"--since {nxt - 1}",
-                    )
-                e = await live.get()
-                if e.seq < nxt:
-                    continue  # already sent from history
-                if e.seq > nxt:  # recorded before we subscribed ... after our last page
-                    for one in await journal.log.read(nxt, e.seq - 1):
-                        await context.write(dpb.WatchEventsResponse(event=one))
-                await context.write(dpb.WatchEventsResponse(event=e))
-                nxt = e.seq + 1
-                if self._lead.journal is not journal:
-                    await abort(
-                        context,
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"driver {self._lead.driver_id} stepped down; watch the new leader from "
-                        f"--since {nxt - 1}",
-                        trailing_metadata=((channel.LEADER_KEY, self._lead.address),),
-                    )
+            nxt = await self._history(journal, request.since_seq + 1, context)
+            if request.follow:
+                await self._follow(journal, live, overflow, nxt, context)
         finally:
             self.watchers -= 1
             self.watchers_of[str(who)] -= 1
@@ -343,6 +301,64 @@ class OperatorApi:
                 del self.watchers_of[str(who)]
             if on_event in journal.subscribers:
                 journal.subscribers.remove(on_event)
+
+    async def _history(self, journal: Journal, nxt: int, context: grpc.aio.ServicerContext) -> int:
+        """Stream the recorded events from `nxt` (exact key ranges, one page at a time);
+        the seq after the last one sent."""
+        last = journal.state.last_seq
+        while nxt <= last:
+            try:
+                chunk = await asyncio.wait_for(
+                    journal.log.read(nxt, min(last, nxt + READ_CHUNK - 1)),
+                    self._read_timeout_s,
+                )
+            except (TimeoutError, EventLogError) as err:
+                await abort(
+                    context,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"reading the event log failed: {err!r}",
+                )
+            if not chunk:
+                break
+            for one in chunk:
+                await context.write(dpb.WatchEventsResponse(event=one))
+            nxt = chunk[-1].seq + 1
+        return nxt
+
+    async def _follow(
+        self,
+        journal: Journal,
+        live: asyncio.Queue[ev.Event],
+        overflow: asyncio.Event,
+        nxt: int,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """Stream what the journal records from now on (ends on cancel, on falling behind,
+        or when this driver steps down)."""
+        while True:
+            if overflow.is_set():
+                await abort(
+                    context,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"this watcher fell {WATCH_BUFFER} events behind; watch again with "
+                    f"--since {nxt - 1}",
+                )
+            e = await live.get()
+            if e.seq < nxt:
+                continue  # already sent from history
+            if e.seq > nxt:  # recorded before we subscribed ... after our last page
+                for one in await journal.log.read(nxt, e.seq - 1):
+                    await context.write(dpb.WatchEventsResponse(event=one))
+            await context.write(dpb.WatchEventsResponse(event=e))
+            nxt = e.seq + 1
+            if self._lead.journal is not journal:
+                await abort(
+                    context,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"driver {self._lead.driver_id} stepped down; watch the new leader from "
+                    f"--since {nxt - 1}",
+                    trailing_metadata=((channel.LEADER_KEY, self._lead.address),),
+                )
 
     # ------------------------------------------------------------ resume
     async def Resume(
