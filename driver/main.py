@@ -388,7 +388,7 @@ async def serve(cfg: DriverConfig) -> int:
             term = _term(cfg, service, mlog, leadership, advertise, scheduler)
             await term.begin()
             await stop.wait()
-            await term.end()
+            await term.end(step_down=False)  # the service closes the journal below
         else:
             await _lead_on_etcd(cfg, service, advertise, stop, dashboard, scheduler)
         return 0

@@ -117,8 +117,11 @@ class Term:
             self.loop.start()
         return journal
 
-    async def end(self, leader_address: str = "") -> None:
-        """Stop the loop, close the bridge, step down (in reverse of `begin`)."""
+    async def end(self, leader_address: str = "", *, step_down: bool = True) -> None:
+        """Stop the loop, close the bridge, step down (in reverse of `begin`).
+
+        `step_down` False: the driver is stopping and its service closes the journal (the
+        agents' streams end with the server, after its grace)."""
         if self.loop is not None:
             self._deciding = False
             await self.loop.close()
@@ -128,7 +131,7 @@ class Term:
                 self.host.leadership.bridge = None
             await self.bridge.close()
             self.bridge = None
-        if self.journal is not None and self.host.leadership.journal is self.journal:
+        if step_down and self.journal is not None and self.host.leadership.journal is self.journal:
             self.host.step_down(leader_address)
         self.journal = None
 
