@@ -1,28 +1,36 @@
-"""The driver's configs: what the agent service and what the recovery loop are told.
+"""The driver's configs, from the root down: every flag of `unbroken driver`.
 
-`ServiceConfig` (the agent-facing service, the operators' and launchers' handlers, the
-journal, quotas, the checkpoint lifecycle) and `LoopConfig` (the job the driver starts and
-recovers). `unbroken driver`'s root config (driver/main.py) holds both; every flag is
-generated from these fields (common/config.py).
+`DriverConfig` is the root (the process: ids, addresses, the event log, etcd, the scheduler);
+it holds `ServiceConfig` (the agent-facing service, the operators' and launchers' handlers,
+the journal, quotas, the checkpoint lifecycle) and `LoopConfig` (the job the driver starts
+and recovers, with its recovery policy, driver/policy.py). Every flag is generated from
+these fields (common/config.py); a component's own knobs stay in its module's config
+(`JournalConfig`, `LiveViewConfig`, `BridgeConfig`, ...), held here.
 """
 
 from __future__ import annotations
 
+import socket
+import uuid
 from dataclasses import dataclass, field
 
 from unbroken.common import channel
+from unbroken.common.channel import is_loopback
 from unbroken.common.tls import TlsConfig
 from unbroken.driver.diagnose import DriverDiagnoseConfig
+from unbroken.driver.etcd import EtcdConfig
 from unbroken.driver.journal import JournalConfig
 from unbroken.driver.liveview import LiveViewConfig
 from unbroken.driver.policy import Policy
 from unbroken.driver.principalquota import PrincipalQuotas
+from unbroken.driver.scheduler import BridgeConfig
 from unbroken.driver.security import RoleTokens
+from unbroken.driver.slurm import SlurmConfig
 from unbroken.driver.straggler import StragglerConfig
 from unbroken.proto import events_pb2 as ev
 from unbroken.recovery.lifecycle import PersistPolicy
 
-__all__ = ["LoopConfig", "ServiceConfig"]
+__all__ = ["DriverConfig", "LoopConfig", "ServiceConfig"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -201,3 +209,184 @@ class LoopConfig:
             node_ids=node_ids,
             workers_per_node=self.workers_per_node,
         )
+
+
+# titles of flag groups in `unbroken driver --help`
+JOB_FLAGS = "the job (with --nodes the driver starts and recovers it; agents run --no-start)"
+SCHEDULER_FLAGS = "the cluster scheduler (README: Running under Slurm)"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DriverConfig:
+    """The root config of `unbroken driver`."""
+
+    job_id: str = field(default="default", metadata={"help": "job name (etcd key prefix)"})
+    driver_id: str = field(
+        default="", metadata={"help": "this driver's id (empty: driver-<host>-<random>)"}
+    )
+    listen: str = field(
+        default="127.0.0.1:50051",
+        metadata={
+            "help": "gRPC listen address host:port (port 0 picks a free one; a non-loopback "
+            "host needs --tls-* or --token-file, or --insecure)"
+        },
+    )
+    advertise: str = field(
+        default="",
+        metadata={"help": "host:port agents should use (empty: hostname + bound port)"},
+    )
+    metrics_port: int | None = field(
+        default=None, metadata={"help": "Prometheus HTTP port (0: a free one; unset: off)"}
+    )
+    dashboard_port: int | None = field(
+        default=None, metadata={"help": "web dashboard HTTP port (0: a free one; unset: off)"}
+    )
+    dashboard_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "web dashboard host (it accepts viewer tokens only)"},
+    )
+    metrics_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "Prometheus endpoint host (beyond loopback only with --metrics-public)"},
+    )
+    metrics_public: bool = field(
+        default=False,
+        metadata={
+            "help": "serve the metrics beyond loopback: they name nodes, errors and steps to "
+            "anyone who reaches the port, with no credential (put them behind a firewall)"
+        },
+    )
+    insecure: bool = field(
+        default=False,
+        metadata={
+            "help": "allow a non-loopback --listen or --dashboard-host without TLS or tokens "
+            "(says so loudly)"
+        },
+    )
+    event_log: str = field(
+        default="etcd",
+        metadata={
+            "choices": ("etcd", "memory"),
+            "help": "where events go (memory: no etcd, for demos and benches)",
+        },
+    )
+    # "": the library default, a local directory -- the CLI refuses that, since a failover
+    # would split the history across hosts
+    archive_url: str = field(
+        default="",
+        metadata={
+            "env": "UNBROKEN_ARCHIVE",
+            "help": "where events older than the newest snapshot are archived: an fsspec URL "
+            "every driver of the job shares (s3://..., a shared path); 'none': keep all in "
+            "etcd (required with the etcd event log)",
+        },
+    )
+    etcd: EtcdConfig = field(
+        default_factory=EtcdConfig, metadata={"prefix": "etcd-", "group": "etcd"}
+    )
+    service: ServiceConfig = field(default_factory=ServiceConfig)
+    port_file: str | None = field(
+        default=None,
+        metadata={"help": "write {grpc_port, metrics_port, address} as JSON here"},
+    )
+    grace_s: float = field(
+        default=2.0, metadata={"help": "how long in-flight RPCs may finish at shutdown"}
+    )
+    exit_when_finished: bool = field(
+        default=False,
+        metadata={
+            "help": "exit 0 once the job finished (every worker of the world exited 0), so a "
+            "batch job gives its nodes back; a failed job keeps the driver for `unbroken resume`"
+        },
+    )
+    loop: LoopConfig = field(
+        default_factory=LoopConfig,
+        metadata={"group": JOB_FLAGS},
+    )
+    scheduler: str = field(
+        default="none",
+        metadata={
+            "choices": ("none", "slurm"),
+            "group": SCHEDULER_FLAGS,
+            "help": "slurm: drain evicted nodes, start replacements' agents as job steps, "
+            "treat DOWN/DRAIN as faults",
+        },
+    )
+    slurm: SlurmConfig = field(
+        default_factory=SlurmConfig,
+        metadata={
+            "prefix": "slurm-",
+            "group": SCHEDULER_FLAGS,
+        },
+    )
+    bridge: BridgeConfig = field(
+        default_factory=BridgeConfig,
+        metadata={
+            "prefix": "scheduler-",
+            "group": SCHEDULER_FLAGS,
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.scheduler not in ("none", "slurm"):
+            raise ValueError(f"scheduler must be 'none' or 'slurm', got {self.scheduler!r}")
+        if not self.job_id or len(self.job_id) > 64 or "/" in self.job_id:
+            raise ValueError(f"job_id must be 1-64 characters without '/', got {self.job_id!r}")
+        if self.event_log not in ("etcd", "memory"):
+            raise ValueError(f"event_log must be 'etcd' or 'memory', got {self.event_log!r}")
+        if ":" not in self.listen:
+            raise ValueError(f"listen must be host:port, got {self.listen!r}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.dashboard_port is not None and not 0 <= self.dashboard_port <= 65535:
+            raise ValueError(f"dashboard_port must be in [0, 65535], got {self.dashboard_port}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        svc = self.service
+        exposed = exposure_problems(
+            self.listen,
+            self.dashboard_host if self.dashboard_port is not None else None,
+            credentials=svc.tls.enabled or svc.tokens is not None,
+            insecure=self.insecure,
+        )
+        if exposed:
+            raise ValueError(exposed[0])
+        if self.metrics_port is not None:
+            problem = metrics_exposure(self.metrics_host, public=self.metrics_public)
+            if problem:
+                raise ValueError(problem)
+        if not self.driver_id:
+            driver_id = f"driver-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+            object.__setattr__(self, "driver_id", driver_id)  # a derived default
+
+
+def exposure_problems(
+    listen: str, dashboard_host: str | None, *, credentials: bool, insecure: bool
+) -> list[str]:
+    """Why the driver would serve beyond loopback without credentials (none: fine)."""
+    if credentials or insecure:
+        return []
+    hosts = [("--listen", listen.rsplit(":", 1)[0])]
+    if dashboard_host is not None:
+        hosts.append(("--dashboard-host", dashboard_host))
+    return [
+        f"{what} {host} is not a loopback address and the driver has no "
+        "credentials: anyone who reaches it could evict nodes and read the job. "
+        "Give it certificates (--tls-cert/--tls-key/--tls-ca) or role tokens "
+        "(--token-file ROLE=PATH), or pass --insecure to run open anyway"
+        for what, host in hosts
+        if not is_loopback(host)
+    ]
+
+
+def metrics_exposure(host: str, *, public: bool) -> str:
+    """Why `--metrics-host HOST` is refused ("" when it is not): the endpoint takes no
+    credential, so beyond loopback it needs the explicit `--metrics-public`."""
+    if public or is_loopback(host):
+        return ""
+    return (
+        f"--metrics-host {host} is not a loopback address: the metrics endpoint takes no "
+        "credential and names nodes, errors and steps. Pass --metrics-public to serve it "
+        "there anyway (behind a firewall that lets only Prometheus in), or scrape it on "
+        "loopback"
+    )
