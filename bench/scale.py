@@ -63,6 +63,7 @@ from unbroken.driver import fold as foldlib
 from unbroken.driver import journal as journallib
 from unbroken.driver import machine as machinelib
 from unbroken.driver import state as statelib
+from unbroken.driver.decider import Decision
 from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
 from unbroken.proto import events_pb2 as ev
 
@@ -205,12 +206,15 @@ async def join(n: int, *, copying: bool, machine: bool = False) -> float:
 
         policy = machinelib.Policy()
 
-        async def decide(obj: ev.Event) -> journallib.Batch:
-            if machine:
-                return list(machinelib.decide(j.deciding_state, obj, policy).events), None
-            return [obj], None
+        class Decide:
+            recovers = machine
 
-        j.decider = decide  # a decider, so every observation after a batch's first drafts
+            def decide(self, state: ev.JobState, obj: ev.Event) -> Decision:
+                if machine:
+                    return Decision(list(machinelib.decide(state, obj, policy).events))
+                return Decision([obj])
+
+        j.decider = Decide()  # a decider, so every observation after a batch's first drafts
         t0 = time.perf_counter()
         for i in range(n):
             j.submit(registered(i))

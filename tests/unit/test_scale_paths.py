@@ -239,9 +239,10 @@ def test_a_crowd_of_held_nodes_is_logged_in_a_few_lines_and_counted_whole() -> N
     few log lines per sweep, not one each; every one that came back is still counted."""
     from structlog.testing import capture_logs
 
-    from unbroken.driver import service as svc
+    from unbroken.driver import nodewatch as svc
+    from unbroken.driver import service
 
-    s = svc.DriverService(svc.ServiceConfig(), driver_id="d", job_id="j")
+    s = service.DriverService(service.ServiceConfig(), driver_id="d", job_id="j").nodewatch
     slots = []
     for i in range(500):
         slot = s.view.slot(f"n{i}")
