@@ -13,6 +13,7 @@ import heapq
 import math
 from collections.abc import Callable, Iterable
 
+from unbroken.driver.eventkinds import CAUSE_KINDS
 from unbroken.proto import events_pb2 as ev
 
 KEEP_CHECKPOINTS = 16  # checkpoint records kept in the folded state (newest last)
@@ -547,24 +548,6 @@ def _job_finished(s: ev.JobState, e: ev.Event) -> None:
     s.step = e.job_finished.step
     s.finished_reason = e.job_finished.reason
 
-
-# the events whose kind names an incident's cause in the goodput ledger
-CAUSE_KINDS = frozenset(
-    {
-        "node_lost",
-        "worker_failed",
-        "hang_suspected",
-        "straggler_suspected",
-        "log_alert",
-        "loss_spike",
-        "sdc_suspected",
-        "self_check_reported",
-        "diagnosis_verdict",
-        "operator_action",
-        "node_evicted",
-        "world_resized",
-    }
-)
 
 _HANDLERS: dict[str, Callable[[ev.JobState, ev.Event], None]] = {
     "job_started": _job_started,

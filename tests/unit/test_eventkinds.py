@@ -49,5 +49,5 @@ def test_the_columns_select_what_the_driver_treats_specially() -> None:
 
 
 def test_the_goodput_ledgers_causes_are_the_tables() -> None:
-    """driver/state.py keeps its own copy until it imports the table's column."""
+    """driver/state.py's goodput ledger reads the table's column (no copy of its own)."""
     assert statelib.CAUSE_KINDS == k.CAUSE_KINDS

@@ -29,15 +29,6 @@ MAX_FUNCTION_LINES = 80
 # path::qualified function name -> its size when listed). Delete an entry when its branch
 # lands; test_the_owed_listing_names_only_what_is_still_over says which.
 OWED: dict[str, int] = {
-    # the driver's term, loop, machine and API handlers
-    "driver/service.py": 1419,
-    "driver/service.py::DriverService.Register": 82,
-    "driver/machine.py": 1211,
-    "driver/loop.py": 948,
-    "driver/loop.py::RecoveryLoop._start_workers": 123,
-    "driver/main.py::_lead_on_etcd": 86,
-    "driver/operator.py::OperatorApi.WatchEvents": 86,
-    "driver/launcher_api.py::LauncherApi.RequestCheckpoint": 103,
     # the agent, recovery, trainer and CLI
     "agent/daemon.py": 1200,
     "agent/daemon.py::Agent._connect_loop": 93,
