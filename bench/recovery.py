@@ -498,6 +498,16 @@ class Bench:
             n.alive and not n.workers and n.node_id.startswith("spare-") for n in self.w.nodes
         )
 
+    def _spare_coming(self) -> bool:
+        """A spare is ready, or one started is not yet registered."""
+        known = {n.node_id for n in self.w.nodes}
+        starting = [
+            a
+            for a, p in self.c.agents.items()
+            if a.startswith("spare-") and a not in known and p.poll() is None
+        ]
+        return self._spare_ready() or bool(starting)
+
     def _standbys_ready(self) -> bool:
         """Every working node logged as many ready standbys as it has workers (warm only)."""
         if not self.warm:
@@ -579,6 +589,10 @@ class Bench:
 
     async def one(self, kind: str) -> Fault | None:
         """Inject one fault and wait until training resumed and standbys are back."""
+        if kind in ("node_loss", "silently_bad_node") and not self._spare_coming():
+            # a hang or a bad node evicted earlier took the last spare into the world: a
+            # node loss needs a new one (it used to wait 90 s for none, and was skipped)
+            self.new_spare()
         ok = await self.wait_for(f"a chance to inject {kind}", lambda: self.can(kind), 90)
         if not ok:
             return None

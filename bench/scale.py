@@ -13,7 +13,7 @@ Sections (each against a baseline taken in the same run on the same machine):
   decided by the recovery machine as the driver's loop does (`join_machine_s_*`; with its
   per-registration draft and the copying fold put back: `join_machine_legacy_s_*`).
 
-- ``snapshot``: what a snapshot stores (compressed: driver/etcdlog.py) at each level with
+- ``snapshot``: what a snapshot stores (compressed: driver/etcdsnapshot.py) at each level with
   40-character names, every node registered and in a running world (`snapshot_bytes_N`),
   beside the state serialized as it is (`snapshot_serialized_bytes_N`); and RegisterJob of
   the largest level's world with 40-character names over gRPC on a real etcd
@@ -30,6 +30,13 @@ Sections (each against a baseline taken in the same run on the same machine):
   `_prune`, `_apply_in_place`, kept below as they were), interleaved, median of 3 each;
   the first run of each is also reported alone (`cold`). The etcd read is not in it
   (bench/eventlog.py's `replay_100k_events_s` has it).
+- ``prune``: what one prune of gone node records costs the fold in a job of N registered
+  nodes (the largest level), by the full scan of every node it did before
+  (tests/prunescan.py) against the heap of gone records it keeps now
+  (`prune_scan_ms_N`, `prune_indexed_ms_N`, `prune_speedup_N`: CPU time of the same fold,
+  interleaved, median of 3; the heap's first build, one scan, is in its figure). Nodes
+  outside the job keep registering and being lost: every PRUNE_SLACK losses past
+  KEEP_GONE_NODES, one prune.
 
 Writes bench/results/scale.json (flat keys, the load average beside them) and prints a table.
 Usage: ``make bench-scale`` or ``.venv/bin/python bench/scale.py [--levels 1024 5120 10240]``
@@ -45,15 +52,18 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from unbroken.driver import etcdclient, etcdlog
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (the reference prune)
+from tests.prunescan import prune_by_scan
+from unbroken.driver import etcdclient, etcdlog, etcdsnapshot
 from unbroken.driver import fold as foldlib
 from unbroken.driver import journal as journallib
 from unbroken.driver import machine as machinelib
 from unbroken.driver import state as statelib
+from unbroken.driver.decider import Decision
 from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
 from unbroken.proto import events_pb2 as ev
 
@@ -196,12 +206,15 @@ async def join(n: int, *, copying: bool, machine: bool = False) -> float:
 
         policy = machinelib.Policy()
 
-        async def decide(obj: ev.Event) -> journallib.Batch:
-            if machine:
-                return list(machinelib.decide(j.deciding_state, obj, policy).events), None
-            return [obj], None
+        class Decide:
+            recovers = machine
 
-        j.decider = decide  # a decider, so every observation after a batch's first drafts
+            def decide(self, state: ev.JobState, obj: ev.Event) -> Decision:
+                if machine:
+                    return Decision(list(machinelib.decide(state, obj, policy).events))
+                return Decision([obj])
+
+        j.decider = Decide()  # a decider, so every observation after a batch's first drafts
         t0 = time.perf_counter()
         for i in range(n):
             j.submit(registered(i))
@@ -244,8 +257,8 @@ def snapshot_size(n: int, out: dict[str, Any]) -> None:
         e.seq = seq
     s = statelib.initial("bench")
     foldlib.fold_in_place(s, events)
-    # what etcd stores (driver/etcdlog.py: compressed) against the state serialized as is
-    out[f"snapshot_bytes_{n}"] = len(etcdlog.snapshot_value(s.last_seq, s))
+    # what etcd stores (driver/etcdsnapshot.py: compressed) against the state serialized as is
+    out[f"snapshot_bytes_{n}"] = len(etcdsnapshot.snapshot_value(s.last_seq, s))
     out[f"snapshot_serialized_bytes_{n}"] = ev.Snapshot(last_seq=s.last_seq, state=s).ByteSize()
 
 
@@ -425,6 +438,54 @@ def replay_costs(n: int, out: dict[str, Any]) -> None:
     )
 
 
+def prune_costs(n: int, out: dict[str, Any]) -> None:
+    """Per prune, in a job of `n` registered nodes: the full scan against the heap."""
+    base = state_with(n)
+    seq = base.last_seq
+    churn = []  # outsiders that register and are lost: 12 prunes' worth
+    losses = statelib.KEEP_GONE_NODES + statelib.PRUNE_SLACK + 12 * (statelib.PRUNE_SLACK + 1)
+    for i in range(losses):
+        reg = registered(n + i)
+        lost = ev.Event(
+            node_lost=ev.NodeLost(node_id=node_id(n + i), epoch=1, reason="heartbeat timeout")
+        )
+        for e in (reg, lost):
+            seq += 1
+            e.seq = seq
+            churn.append(e)
+    indexed = statelib._prune
+    spent: list[float] = []
+
+    def timed(fn: Callable[[ev.JobState], None]) -> Callable[[ev.JobState], None]:
+        def prune(s: ev.JobState) -> None:
+            t0 = time.thread_time()  # CPU time: the shared host's load does not stretch it
+            fn(s)
+            spent.append(time.thread_time() - t0)
+
+        return prune
+
+    per_prune: dict[str, list[float]] = {"scan": [], "indexed": []}
+    states = {}
+    for _ in range(3):
+        for name, fn in (("scan", prune_by_scan), ("indexed", indexed)):
+            s = ev.JobState()
+            s.CopyFrom(base)
+            spent.clear()
+            statelib._prune = timed(fn)
+            try:
+                statelib.fold_into(s, churn)
+            finally:
+                statelib._prune = indexed
+            prunes = s.pruned_nodes // (statelib.PRUNE_SLACK + 1)
+            per_prune[name].append(sum(spent) / prunes * 1000.0)
+            states[name] = s
+    assert states["scan"] == states["indexed"], "the prunes disagree"
+    out[f"prune_count_{n}"] = states["indexed"].pruned_nodes // (statelib.PRUNE_SLACK + 1)
+    out[f"prune_scan_ms_{n}"] = statistics.median(per_prune["scan"])
+    out[f"prune_indexed_ms_{n}"] = statistics.median(per_prune["indexed"])
+    out[f"prune_speedup_{n}"] = out[f"prune_scan_ms_{n}"] / out[f"prune_indexed_ms_{n}"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--levels", type=int, nargs="+", default=list(LEVELS))
@@ -439,7 +500,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--only",
-        choices=("fold", "replay", "snapshot", "reconnect", "e2e"),
+        choices=("fold", "replay", "snapshot", "reconnect", "e2e", "prune"),
         default=None,
         help="run one section (default: all)",
     )
@@ -471,6 +532,14 @@ def main() -> None:
             f"{out['replay_100k_decode_fold_now_s']:.2f} s (cold: "
             f"{out['replay_100k_decode_fold_legacy_cold_s']:.2f} / "
             f"{out['replay_100k_decode_fold_now_cold_s']:.2f} s)"
+        )
+    if ns.only in (None, "prune"):
+        n = max(ns.levels)
+        prune_costs(n, out)
+        print(
+            f"prune at {n} nodes: full scan {out[f'prune_scan_ms_{n}']:.2f} ms, "
+            f"indexed {out[f'prune_indexed_ms_{n}']:.2f} ms "
+            f"({out[f'prune_speedup_{n}']:.1f}x, {out[f'prune_count_{n}']} prunes)"
         )
     for n in ns.levels if ns.only in (None, "snapshot") else ():
         snapshot_size(n, out)

@@ -36,10 +36,11 @@ from typing import Any
 from unbroken.common.timing import node_timing
 from unbroken.driver import detectors
 from unbroken.driver import state as statelib
-from unbroken.driver.dashboard import DashboardConfig, Series, state_json
+from unbroken.driver.dashboard import DashboardConfig
+from unbroken.driver.dashview import Series, state_json
 from unbroken.driver.liveview import LiveView, LiveViewConfig
+from unbroken.driver.nodewatch import SWEEP_CHUNK
 from unbroken.driver.operator import node_infos, status_of
-from unbroken.driver.service import SWEEP_CHUNK
 from unbroken.driver.straggler import StragglerConfig, StragglerWatch, sample
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.recovery.spike import SpikeConfig

@@ -57,7 +57,9 @@ RESPAWN_DRIVER_S = 8.0  # a killed driver restarts this long after (its lease is
 # per core is not judged: on such a host a worker's start-up (importing torch) or a late
 # heartbeat takes minutes, and the drill's limits measure the host, not the recovery.
 OVERLOAD_PER_CORE = 4.0
-RESTORED = re.compile(r"flash\.restored.*\brank=0\b.*\bstep=(\d+)")
+RESTORED = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\S*.*flash\.restored.*\brank=0\b.*\bstep=(\d+)", re.M
+)
 
 
 @dataclass(slots=True)
@@ -176,14 +178,18 @@ def fault_table(faults: list[FaultRecord], width: int = WIDE_TABLE, *, rows: boo
 
 
 def rank0_restores(run: Path) -> list[int]:
-    """Steps rank 0 restored, oldest first, from every worker log of the run."""
-    out: list[tuple[float, int]] = []
+    """Steps rank 0 restored, oldest first, from every worker log of the run.
+
+    Ordered by each line's own time, then its place in its log: a node's log file holds
+    every worker that had its local rank, so rank 0's restores of a node that left and came
+    back sit in a file written to later (a file's mtime does not order its lines).
+    """
+    out: list[tuple[str, int, int]] = []
     for log in sorted(run.glob("workers/*/worker-*.log")):
         with contextlib.suppress(OSError):
-            mtime = log.stat().st_mtime
             for i, m in enumerate(RESTORED.finditer(log.read_text(errors="replace"))):
-                out.append((mtime + i * 1e-6, int(m.group(1))))
-    return [s for _, s in sorted(out)]
+                out.append((m.group(1), i, int(m.group(2))))
+    return [s for *_, s in sorted(out)]
 
 
 def host_load() -> float:

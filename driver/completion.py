@@ -69,7 +69,7 @@ async def watch(loop: RecoveryLoop) -> None:
             seen = None
             continue
         nodes = tuple(s.world.node_ids)
-        slots = loop.service.view.nodes
+        slots = loop.view.nodes
         try:
             step = done_step(nodes, slots, s.world.workers_per_node)
         except Exception:

@@ -251,39 +251,13 @@ async def run_diagnosis(
         EventLogError: the log refused an append (e.g. leadership lost).
     """
     did = diagnosis_id or uuid.uuid4().hex[:12]
-    bound = log.bind(diagnosis_id=did)
     (start,) = await record(
         ev.Event(
             cause="operator",
             operator_action=ev.OperatorAction(action="diagnose", target=",".join(nodes), who=who),
         )
     )
-    to_pause = training_nodes(service.view)
-    at_step = live_step(service.view, to_pause)
-    paused: list[str] = []
-    if to_pause:
-        problems = await _command_all(
-            service,
-            to_pause,
-            lambda: dpb.DriverMessage(pause=dpb.Pause(reason=f"diagnosis {did}")),
-            config.ack_timeout_s,
-        )
-        paused = [n for n in to_pause if not problems[n]]
-        failed = {n: p for n, p in problems.items() if p}
-        await record(
-            ev.Event(
-                cause=start.event_id,
-                operator_action=ev.OperatorAction(action="pause", target=",".join(paused), who=who),
-            )
-        )
-        bound.info("training paused for diagnosis", nodes=paused, step=at_step)
-        if failed:
-            await _resume(service, record, paused, at_step, config, start.event_id, who)
-            raise DiagnoseError(
-                "could not pause training on "
-                + "; ".join(f"{n}: {p}" for n, p in sorted(failed.items()))
-                + " (the other nodes were resumed); check those agents and retry"
-            )
+    paused, at_step = await _pause_training(service, record, config, did, start.event_id, who)
     if on_started is not None:
         on_started(dpb.DiagnoseStarted(diagnosis_id=did, node_ids=list(nodes), paused_nodes=paused))
 
@@ -307,6 +281,48 @@ async def run_diagnosis(
     finally:
         if paused:
             await _resume(service, record, paused, at_step, config, start.event_id, who)
+
+
+async def _pause_training(
+    service: CommandSender,
+    record: Recorder,
+    config: DriverDiagnoseConfig,
+    did: str,
+    cause: str,
+    who: str,
+) -> tuple[list[str], int]:
+    """Pause every training node for diagnosis `did`; (the paused nodes, their live step).
+
+    Raises:
+        DiagnoseError: a node did not acknowledge Pause (the others are resumed first).
+    """
+    to_pause = training_nodes(service.view)
+    at_step = live_step(service.view, to_pause)
+    if not to_pause:
+        return [], at_step
+    problems = await _command_all(
+        service,
+        to_pause,
+        lambda: dpb.DriverMessage(pause=dpb.Pause(reason=f"diagnosis {did}")),
+        config.ack_timeout_s,
+    )
+    paused = [n for n in to_pause if not problems[n]]
+    failed = {n: p for n, p in problems.items() if p}
+    await record(
+        ev.Event(
+            cause=cause,
+            operator_action=ev.OperatorAction(action="pause", target=",".join(paused), who=who),
+        )
+    )
+    log.info("training paused for diagnosis", diagnosis_id=did, nodes=paused, step=at_step)
+    if failed:
+        await _resume(service, record, paused, at_step, config, cause, who)
+        raise DiagnoseError(
+            "could not pause training on "
+            + "; ".join(f"{n}: {p}" for n, p in sorted(failed.items()))
+            + " (the other nodes were resumed); check those agents and retry"
+        )
+    return paused, at_step
 
 
 async def _resume(

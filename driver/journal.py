@@ -4,9 +4,9 @@ Everything that changes the job's history goes through here (docs/architecture.m
 `record(*events)` appends the events in ONE fenced transaction, folds them into the
 one in-memory `JobState` and then tells the subscribers (the recovery loop's actions,
 commits, metrics, the dashboard, watchers). `submit(observation)` queues what a detector,
-an operator, a launcher or a diagnosis saw; the journal's writer task asks the decider
-(the recovery loop's `machine.decide`, or "record it as it is" when no job is configured)
-what to record and records the whole decision at once, so there is never half a decision
+an operator, a launcher or a diagnosis saw; the journal's writer task asks the decider it
+was built with (driver/decider.py: the recovery loop's, or `RecordOnly` when no job is
+configured) what to record and records the whole decision at once, so there is never half a decision
 to repair. Up to 64 queued observations are decided in a row, each on the state after the
 decisions before it, and recorded in one transaction (<= 60 events): group commit without
 concurrent appenders (20,000 node churns took 200 s one transaction each, 19 s batched).
@@ -50,7 +50,7 @@ import collections
 import contextlib
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +58,8 @@ import structlog
 
 from unbroken.driver import fold as foldlib
 from unbroken.driver import worldsplit
+from unbroken.driver.decider import Decider, RecordOnly
+from unbroken.driver.eventkinds import FAULT_LANE, KINDS
 from unbroken.driver.eventlog import (
     DEFAULT_MAX_EVENT_BYTES,
     EventLog,
@@ -70,30 +72,11 @@ from unbroken.proto import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
 
-#: What a decider returns: the events to record (in order, atomically) and a callback
-#: that performs the decision's actions once they are durable.
-Batch = tuple[list[ev.Event], Callable[[], None] | None]
-Decider = Callable[[Any], Awaitable[Batch]]
 Subscriber = Callable[[ev.Event], None]
 
 MAX_BATCH_OBSERVATIONS = 64  # observations decided into one transaction
 MAX_BATCH_EVENTS = 60  # events per transaction (etcd's default --max-txn-ops 128: 2 per event)
 MAX_BATCH_BYTES = 512 * 1024  # of serialized events per transaction
-#: Event kinds that are faults: their own lane, served first, never dropped.
-FAULT_KINDS = frozenset(
-    {
-        "node_lost",
-        "worker_failed",
-        "hang_suspected",
-        "loss_spike",
-        "sdc_suspected",
-        "self_check_reported",
-        "straggler_suspected",
-    }
-)
-#: Membership rides in the fault lane too, so a node's loss never overtakes its own
-#: registration (a NodeLost folded before its NodeRegistered would leave it ACTIVE).
-FAULT_LANE = FAULT_KINDS | {"node_registered", "node_refused"}
 
 
 class JournalClosedError(EventLogError):
@@ -164,7 +147,8 @@ class JournalStats:
 def _lane_of(obj: Any) -> str:
     if isinstance(obj, ev.Event):
         kind = obj.WhichOneof("payload")
-        if kind == "log_alert":
+        row = KINDS.get(kind or "")
+        if row is not None and row.lane == "alerts":
             return "alerts"
         if kind in FAULT_LANE and not (
             kind == "self_check_reported" and obj.self_check_reported.ok
@@ -205,6 +189,9 @@ class Journal:
         conditions: the live view's truths for a state (events that should be durable and
             are not); called on start, after failed appends and every `reconcile_ms`.
         on_fenced: called once when an append is fenced off (this driver lost leadership).
+        decider: what to record for an observation, and the actions after it
+            (driver/decider.py; default `RecordOnly`: each observation as it is).
+        on_resync: called when events landed unseen (an append that reported failure).
     """
 
     def __init__(
@@ -215,6 +202,8 @@ class Journal:
         config: JournalConfig | None = None,
         conditions: Callable[[ev.JobState], list[ev.Event]] | None = None,
         on_fenced: Callable[[NotLeaderError], None] | None = None,
+        decider: Decider | None = None,
+        on_resync: Callable[[], None] | None = None,
         clock: Callable[[], int] = time.time_ns,
     ) -> None:
         self.log = log_
@@ -222,8 +211,8 @@ class Journal:
         self._last_wall = 0  # the newest stamp of this term
         self.config = config or JournalConfig()
         self._state = state
-        self.decider: Decider | None = None
-        self.on_resync: Callable[[], None] | None = None  # an observation landed unseen
+        self.decider: Decider = decider if decider is not None else RecordOnly()
+        self.on_resync = on_resync  # an observation landed unseen
         self.subscribers: list[Subscriber] = []
         self.stats = JournalStats()
         self.health = LogHealth()  # whether appends succeed (status, metrics, dashboard)
@@ -575,13 +564,8 @@ class Journal:
                         self.stats.duplicates += 1  # recorded already (this term or before)
                         decided.append((p, len(events), len(events), None))
                         continue
-                    if self.decider is not None:
-                        mine, then = await self.decider(p.obj)
-                    elif isinstance(p.obj, ev.Event):
-                        mine, then = [p.obj], None
-                    else:
-                        log.warning("no decider for an observation; ignored", kind=_kind(p.obj))
-                        mine, then = [], None
+                    decision = self.decider.decide(self._state, p.obj)
+                    mine, then = decision.events, decision.after
                     grown = size + sum(e.ByteSize() for e in mine)
                     if decided and (
                         len(events) + len(mine) > MAX_BATCH_EVENTS or grown > MAX_BATCH_BYTES

@@ -45,7 +45,7 @@ from unbroken.proto import events_pb2 as ev
 
 if TYPE_CHECKING:  # commits.py imports recovery (torch): keep the CLI's imports light
     from unbroken.driver.commits import Commits
-    from unbroken.driver.service import ServiceConfig
+    from unbroken.driver.config import ServiceConfig
 
 log = structlog.get_logger(__name__)
 
@@ -271,7 +271,7 @@ class LauncherApi:
         problem = job_problem(request)
         if problem:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if journal.decider is not None:
+        if journal.decider.recovers:
             await abort(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -473,47 +473,7 @@ class LauncherApi:
         self, request: dpb.RequestCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> dpb.RequestCheckpointResponse:
         journal = await self._journal(context)
-        if not 0 <= request.timeout_s <= MAX_WAIT_S:
-            await abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"timeout_s must be in [0, {MAX_WAIT_S:g}] (0: {DEFAULT_WAIT_S:g} s), "
-                f"got {request.timeout_s}",
-            )
-        if request.lead_steps > MAX_LEAD_STEPS:
-            await abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"lead_steps must be at most {MAX_LEAD_STEPS}, got {request.lead_steps}",
-            )
-        state = journal.state
-        phase = ev.Phase.Name(state.phase).removeprefix("PHASE_").lower()
-        if state.phase in RECOVERING or state.phase in ACTIVE_DONE:
-            await abort(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"job {self._lead.job_id} is {phase}; a checkpoint can be requested only while it "
-                "trains (`unbroken status` shows the phase)",
-            )
-        nodes = self._checkpoint_nodes(state)
-        if not nodes:
-            await abort(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "no node runs workers: nothing to checkpoint (`unbroken nodes` shows them)",
-            )
-        missing = [n for n in nodes if (s := self.view.nodes.get(n)) is None or s.outbox is None]
-        if missing:
-            await abort(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"world nodes {missing[:10]} have no open stream (lost or disconnected); "
-                "wait for the recovery, then ask again",
-            )
-        live = max(
-            (w.step for n in nodes for w in self.view.nodes[n].hb.workers), default=state.step
-        )
-        target = max(live, state.step) + (request.lead_steps or DEFAULT_LEAD_STEPS)
+        nodes, target = await self._checkpoint_plan(request, journal.state, context)
         committed: asyncio.Future[ev.Event] = asyncio.get_running_loop().create_future()
 
         def on_event(e: ev.Event) -> None:
@@ -572,6 +532,56 @@ class LauncherApi:
             "step) and its agent persist it; `unbroken checkpoints` shows what each node "
             "persisted",
         )
+
+    async def _checkpoint_plan(
+        self,
+        request: dpb.RequestCheckpointRequest,
+        state: ev.JobState,
+        context: grpc.aio.ServicerContext,
+    ) -> tuple[list[str], int]:
+        """The nodes that save and the step they save at, or the call ends saying why the
+        request cannot be served now."""
+        if not 0 <= request.timeout_s <= MAX_WAIT_S:
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"timeout_s must be in [0, {MAX_WAIT_S:g}] (0: {DEFAULT_WAIT_S:g} s), "
+                f"got {request.timeout_s}",
+            )
+        if request.lead_steps > MAX_LEAD_STEPS:
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"lead_steps must be at most {MAX_LEAD_STEPS}, got {request.lead_steps}",
+            )
+        phase = ev.Phase.Name(state.phase).removeprefix("PHASE_").lower()
+        if state.phase in RECOVERING or state.phase in ACTIVE_DONE:
+            await abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"job {self._lead.job_id} is {phase}; a checkpoint can be requested only while it "
+                "trains (`unbroken status` shows the phase)",
+            )
+        nodes = self._checkpoint_nodes(state)
+        if not nodes:
+            await abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "no node runs workers: nothing to checkpoint (`unbroken nodes` shows them)",
+            )
+        missing = [n for n in nodes if (s := self.view.nodes.get(n)) is None or s.outbox is None]
+        if missing:
+            await abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"world nodes {missing[:10]} have no open stream (lost or disconnected); "
+                "wait for the recovery, then ask again",
+            )
+        live = max(
+            (w.step for n in nodes for w in self.view.nodes[n].hb.workers), default=state.step
+        )
+        target = max(live, state.step) + (request.lead_steps or DEFAULT_LEAD_STEPS)
+        return nodes, target
 
     def _checkpoint_nodes(self, state: ev.JobState) -> list[str]:
         """The world's nodes; without a registered world, every non-spare node with workers."""

@@ -21,6 +21,12 @@ from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 
 
+class Clearer(Protocol):
+    """What the operator's ClearNode needs of the term's scheduler bridge."""
+
+    async def clear(self, node_id: str, *, force: bool = ..., cause: str = ...) -> ev.Event: ...
+
+
 class Leadership:
     """This driver's identity and its current term (if it leads)."""
 
@@ -32,6 +38,9 @@ class Leadership:
         # node ids the torchrun rendezvous has heard from lately (driver/rendezvous.py):
         # nodes of the job that no agent registered, which an operator may still evict
         self.rendezvous_nodes: Callable[[], Collection[str]] = tuple
+        # the term's cluster-scheduler bridge (None: standby, or no scheduler): the term
+        # sets it when it begins and clears it when it ends
+        self.bridge: Clearer | None = None
 
     @property
     def leader(self) -> bool:

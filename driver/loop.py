@@ -7,20 +7,22 @@ fresh master port. From then on every observation goes through `machine.decide`:
 
 - detector events (WorkerFailed, NodeLost, HangSuspected, LogAlert, ...) and operator,
   launcher and diagnosis observations are queued in the term's journal
-  (driver/journal.py); its writer calls `RecoveryLoop.decide` on the journal's folded
-  state, which returns the decision's events (the observation first) plus a callback that
-  performs the decision's actions once all are durable (one transaction);
-- progress is observed here and queued the same way: every reachable agent acknowledged
-  the stop (`machine.Paused`), every rank of the restarted world reports a step
-  (RestoreFinished).
+  (driver/journal.py); the loop is the journal's decider (driver/decider.py): its writer
+  calls `RecoveryLoop.decide(state, observation)`, which returns the decision's events
+  (the observation first), its actions and a callback that performs them once all are
+  durable (one transaction);
+- progress is observed here and queued the same way (`Observation`): every reachable agent
+  acknowledged the stop (`machine.Paused`), every rank of the restarted world reports a
+  step (RestoreFinished).
 
-Actions map onto agent commands: PauseAll -> StopWorkers (workers flash-save every step
-into agent-owned memory, so stopping them loses nothing that a pause would keep; they
-restart anyway; in the in-job mode only the faulty ranks stop and every other worker is
-held in its process), StartWorkers -> StartWorkers (new world size, rank bases, a fresh
-master port; in-job: held workers rejoin in place), EvictNode -> Evict, ResumeAll ->
-Resume, StopAll -> StopWorkers. Restore and FlashSaveAll need no command: workers restore
-at start (memory -> buddy -> storage).
+Every action the machine emits has a performer (`PERFORMERS`): StopWorkers -> StopWorkers
+(workers flash-save every step into agent-owned memory, so stopping them loses nothing;
+in the in-job mode only the faulty ranks stop and every other worker is held in its
+process), then `Paused`; StartWorkers -> RestorePoint (before a restore) and StartWorkers
+(new world size, rank bases, a fresh master port; in-job: held workers rejoin in place);
+Restore -> the watch for every rank's step, then RestoreFinished (workers restore at start:
+memory -> buddy -> storage); EvictNode -> Evict; ResumeAll -> Resume; StopAll ->
+StopWorkers; RunDiagnosis -> the incident's diagnosis, then its verdict.
 On becoming leader the loop calls `machine.settle` on the replayed state and performs the
 pending actions again (each is idempotent); a RUNNING job whose world nodes run no workers
 (the old leader died between JobStarted and StartWorkers) gets StartWorkers again.
@@ -36,141 +38,67 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import structlog
 
 from unbroken.diagnostics.check import free_port
-from unbroken.driver import completion, detectors, machine, sdcwatch
+from unbroken.driver import completion, detectors, machine, sdcwatch, worldplan
 from unbroken.driver import state as statelib
-from unbroken.driver.journal import Batch, Journal
-from unbroken.driver.liveview import NodeSlot
-from unbroken.driver.service import DriverService
+from unbroken.driver import worldprogress as progress
+from unbroken.driver.buddies import (
+    common_steps,
+    is_buddy,
+    replica_address,
+    ring_buddies,
+    ring_order,
+    start_messages,
+)
+from unbroken.driver.commits import Commits
+from unbroken.driver.config import LoopConfig, ServiceConfig
+from unbroken.driver.decider import Decision
+from unbroken.driver.eventkinds import OBSERVED
+from unbroken.driver.journal import Journal
+from unbroken.driver.liveview import LiveView
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
-from unbroken.recovery import spike as spikelib
+
+__all__ = [
+    "LoopConfig",
+    "Observation",
+    "RecoveryLoop",
+    "common_steps",
+    "is_buddy",
+    "replica_address",
+    "ring_buddies",
+    "ring_order",
+    "timeline",
+]
 
 log = structlog.get_logger(__name__)
 
 STARTUP_REPORT_S = 3600.0  # a first start's TrainingStepping comes within this or never
 RING_SETTLE_S = 0.5  # after a stop, wait at most this for heartbeats with the final ring
 
-#: Event kinds the machine reacts to; everything else is appended as it is.
-OBSERVED = frozenset(
-    {
-        "node_lost",
-        "worker_failed",
-        "hang_suspected",
-        "straggler_suspected",
-        "log_alert",
-        "self_check_reported",
-        "operator_action",
-        "diagnosis_verdict",
-        "restore_finished",
-        "loss_spike",
-        "sdc_suspected",
-        "node_registered",
-    }
-)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LoopConfig:
-    """The job the driver starts and recovers (`unbroken driver --nodes ...`).
-
-    `nodes` = 0 turns the loop off: agents start their own workers and faults are only
-    recorded (the mode of the heartbeat-plane tests).
-    """
-
-    nodes: int = field(default=0, metadata={"help": "nodes in the world (0: no recovery loop)"})
-    workers_per_node: int = field(default=1, metadata={"help": "workers per node"})
-    dp: int = field(default=0, metadata={"help": "data parallel (0: the rest)"})
-    pp: int = field(default=1, metadata={"help": "pipeline parallel degree"})
-    tp: int = field(default=1, metadata={"help": "tensor parallel degree"})
-    min_nodes: int = field(
-        default=1, metadata={"flag": None, "why": "--min-nodes (policy.min_nodes)"}
-    )
-    trainer: str = field(
-        default="external", metadata={"help": "trainer name recorded in JobStarted"}
-    )
-    worker_cmd: str = field(
-        default="", metadata={"help": "worker command (empty: each agent's --worker-cmd)"}
-    )
-    master_addr: str = field(
-        default="", metadata={"help": "rendezvous host (empty: rank 0's node IP)"}
-    )
-    stop_grace_s: float = field(
-        default=5.0, metadata={"help": "workers' grace between SIGTERM and SIGKILL"}
-    )
-    command_timeout_s: float = field(
-        default=60.0, metadata={"help": "deadline of one command to an agent"}
-    )
-    start_timeout_s: float = field(
-        default=600.0, metadata={"help": "for the world's nodes to register"}
-    )
-    restore_timeout_s: float = field(
-        default=300.0,
-        metadata={"help": "for every rank of a restarted world to report a step"},
-    )
-    policy: machine.Policy = field(default_factory=machine.Policy)
-
-    def __post_init__(self) -> None:
-        if self.nodes < 0:
-            raise ValueError(f"nodes must be >= 0, got {self.nodes}")
-        for name in ("workers_per_node", "pp", "tp", "min_nodes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("stop_grace_s", "command_timeout_s", "start_timeout_s", "restore_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not self.nodes:
-            return
-        ranks = self.nodes * self.workers_per_node
-        if not self.dp:
-            if ranks % (self.pp * self.tp):
-                raise ValueError(
-                    f"nodes x workers_per_node ({ranks}) is not a multiple of pp x tp "
-                    f"({self.pp * self.tp}); set dp, pp and tp so that dp x pp x tp = {ranks}"
-                )
-            object.__setattr__(self, "dp", ranks // (self.pp * self.tp))  # a derived default
-        if self.dp * self.pp * self.tp != ranks:
-            raise ValueError(
-                f"dp x pp x tp = {self.dp * self.pp * self.tp} but nodes x workers_per_node "
-                f"= {ranks}; set --dp/--pp/--tp so that they are equal"
-            )
-        if self.min_nodes > self.nodes:
-            raise ValueError(f"min_nodes ({self.min_nodes}) must be <= nodes ({self.nodes})")
-        cap = self.policy.max_nodes
-        if cap and self.nodes > cap:
-            raise ValueError(
-                f"--nodes {self.nodes} is more than --max-nodes {cap}: the first incident would "
-                f"shrink the world to {cap} nodes; raise --max-nodes or leave it at 0 (the "
-                "configured world's)"
-            )
-
-    def world(self, node_ids: list[str]) -> ev.WorldLayout:
-        """The configured layout on `node_ids` (rank order)."""
-        return ev.WorldLayout(
-            dp=self.dp,
-            pp=self.pp,
-            tp=self.tp,
-            node_ids=node_ids,
-            workers_per_node=self.workers_per_node,
-        )
-
 
 @dataclass(frozen=True, slots=True)
-class _Settle:
+class Settle:
     """Queued on becoming leader: finish a half-appended decision, resend its actions."""
 
 
 @dataclass(frozen=True, slots=True)
-class _StartJob:
+class StartJob:
     """Queued once the world's nodes are registered: start the job at step 0."""
 
     node_ids: tuple[str, ...]
+
+
+#: What the recovery loop decides on: a recorded fact (a detector's, an operator's, a
+#: launcher's or its own progress event), every agent's stop acknowledged (`Paused`), a
+#: takeover's settling, the job's start.
+Observation = ev.Event | machine.Paused | Settle | StartJob
 
 
 def timeline(state: ev.JobState) -> int:
@@ -178,83 +106,53 @@ def timeline(state: ev.JobState) -> int:
     return int(state.event_counts.get("rollback", 0))
 
 
-_ANY_HOST = ("", "0.0.0.0", "::")
-
-
-def is_buddy(buddy: str, holder: NodeSlot) -> bool:
-    """Whether `buddy` (a node's registered --buddy, host:port) is `holder`'s replica
-    server: the same port, on a host the holder registered or connected from."""
-    host, _, port = buddy.rpartition(":")
-    lhost, _, lport = holder.info.replica_listen.rpartition(":")
-    if not port or port != lport:
-        return False
-    names = {holder.peer_host, holder.info.ip, holder.info.hostname}
-    if lhost.strip("[]") not in _ANY_HOST:
-        names.add(lhost)
-    return host.strip("[]") in {n.strip("[]") for n in names if n}
-
-
-def replica_address(slot: NodeSlot) -> str:
-    """Where `slot`'s replica server is reached: its registered --replica-listen, with a
-    wildcard host replaced by the address the driver saw it connect from ("": none)."""
-    host, _, port = slot.info.replica_listen.rpartition(":")
-    if not port:
-        return ""
-    if host.strip("[]") in _ANY_HOST:
-        host = slot.peer_host or slot.info.ip
-        if not host:
-            return ""
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"
-    return f"{host}:{port}"
-
-
-def ring_buddies(nodes: Sequence[str], slots: Mapping[str, NodeSlot | None]) -> dict[str, str]:
-    """Each world node's buddy: the replica server of the next node in world order that has
-    one (a ring). Nodes without a replica server are left out; fewer than 2: no pairs."""
-    ring = [(n, addr) for n in nodes if (slot := slots.get(n)) and (addr := replica_address(slot))]
-    if len(ring) < 2:
-        return {}
-    return {n: ring[(i + 1) % len(ring)][1] for i, (n, _) in enumerate(ring)}
-
-
-def ring_order(nodes: Sequence[str], slots: Mapping[str, NodeSlot | None]) -> list[str]:
-    """The nodes of `ring_buddies`' ring, in its order: each sends to the next and takes
-    the copies of the previous (empty: fewer than 2 with a replica server)."""
-    ring = [n for n in nodes if (slot := slots.get(n)) and replica_address(slot)]
-    return ring if len(ring) >= 2 else []
-
-
-def common_steps(
-    world: int, own: dict[int, set[int]], buddies: dict[int, set[int]]
-) -> set[int] | None:
-    """The steps all `world` ranks can restore from memory: a rank's own ring (`own`), else
-    the copies a buddy holds of it (`buddies`, for the ranks of a lost node). None when a
-    rank is in neither (its node is gone and no buddy reported it: the commits decide)."""
-    if not world:
-        return None
-    common: set[int] | None = None
-    for rank in range(world):
-        held = own.get(rank)
-        if held is None:
-            held = buddies.get(rank)
-        if held is None:
-            return None
-        common = set(held) if common is None else common & held
-    return common
-
-
 SUPERSEDED = "superseded by a newer decision"  # a node's start skipped (`_start_workers`)
+
+
+@dataclass(frozen=True, slots=True)
+class _Started:
+    """A world's start (by decision `gen`), for the restore that follows it to watch."""
+
+    gen: int
+    nodes: tuple[str, ...]
+    marks: dict[str, int]  # each node's heartbeat count before the start
+    t0: float
+    errors: tuple[str, ...]
+    deadline: float
+
+
+class LoopHost(Protocol):
+    """What the loop needs of the driver it runs in (the agent service): commands to the
+    agents, the journal's intake, the commits' shard size and the persistence interval."""
+
+    config: ServiceConfig
+    commits: Commits
+    view: LiveView  # what a diagnosis reads (driver/diagnose.py)
+
+    def submit(self, item: Any, detected: float = ...) -> bool: ...
+
+    def emit(self, event: ev.Event, last_seen: float = ...) -> bool: ...
+
+    def send(self, node_id: str, msg: dpb.DriverMessage) -> str: ...
+
+    async def request(
+        self, node_id: str, msg: dpb.DriverMessage, timeout_s: float
+    ) -> dpb.AgentMessage: ...
+
+    def persist_every_s(self) -> float: ...
 
 
 class RecoveryLoop:
     """The leader's recovery loop (one per term)."""
 
-    def __init__(self, config: LoopConfig, service: DriverService, journal: Journal) -> None:
+    def __init__(
+        self, config: LoopConfig, service: LoopHost, journal: Journal, view: LiveView
+    ) -> None:
         self.config = config
         self.policy = config.policy
         self.service = service
         self.journal = journal
+        self.view = view  # the live view: sessions, heartbeats, rings
         self._gen = 0  # bumped by every performed decision; older progress watchers stop
         self._tasks: set[asyncio.Task[None]] = set()
         self._point = dpb.RestorePoint()  # sent before the next restore's StartWorkers
@@ -263,6 +161,7 @@ class RecoveryLoop:
         # node -> the buddy this loop paired it with (StartWorkers.buddy); a node not in
         # it (paired by an earlier leader, or never) is believed about its registered one
         self._buddy: dict[str, str] = {}
+        self._started: _Started | None = None  # the newest start, for its restore to watch
 
     @property
     def state(self) -> ev.JobState:
@@ -272,26 +171,22 @@ class RecoveryLoop:
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Decide for the journal's writer and settle the replayed state."""
-        self.journal.decider = self.decide
-        self.journal.on_resync = self._resettle
+        """Watch the job and settle the replayed state (the term hands `decide` and
+        `resettle` to the journal when it builds it, driver/term.py)."""
         self._spawn(self._watch_losses())
         self._spawn(sdcwatch.watch(self))
         self._spawn(completion.watch(self))
         if self.state.phase == ev.PHASE_STARTING:
             self._spawn(self._wait_for_world())
         else:
-            self.service.submit(_Settle())
+            self.service.submit(Settle())
 
-    def _resettle(self) -> None:
+    def resettle(self) -> None:
         """Events landed unseen (an append that reported failure): finish their decision."""
-        self.journal.submit(_Settle())
+        self.journal.submit(Settle())
 
     async def close(self) -> None:
         """Stop watching (the service keeps running as a standby)."""
-        if self.journal.decider == self.decide:
-            self.journal.decider = None
-            self.journal.on_resync = None
         for t in list(self._tasks):
             t.cancel()
         for t in list(self._tasks):
@@ -304,44 +199,53 @@ class RecoveryLoop:
         t.add_done_callback(self._tasks.discard)
 
     # ------------------------------------------------------------ deciding (the journal's writer)
-    async def decide(self, item: Any) -> Batch:
-        """The events to record for a queued item, and the actions to run after them."""
-        s = self.state
-        if isinstance(item, ev.Event):
-            if item.WhichOneof("payload") not in OBSERVED:
-                return [item], None
-            if machine.reconnect(s, item):
-                # the node's own agent again (a failover's herd of 10,000): recorded as it
-                # is, without the decision's draft (a copy of the whole state each)
-                return [item], None
-            d = machine.decide(s, item, self.policy)
-            if d.note:  # a registration's note says little: 10,000 lines at a join
-                registered = item.WhichOneof("payload") == "node_registered"
-                (log.debug if registered else log.info)(
-                    "observation", kind=item.WhichOneof("payload"), note=d.note
-                )
-            if len(d.events) == 1:  # recorded only: nothing to do
-                return list(d.events), None
-            return list(d.events), self._then(d)
-        if isinstance(item, machine.Paused):
-            d = machine.decide(s, item, self.policy)
-            if d.note:
-                log.info("paused report", note=d.note)
-                return [], None
-            return list(d.events), self._then(d)
-        if isinstance(item, _Settle):
-            d = machine.settle(s, self.policy)
-            log.info("settled after replay", phase=ev.Phase.Name(d.phase), events=len(d.events))
-            if d.phase == ev.PHASE_RUNNING:
-                self._spawn(self._start_if_idle(self._gen + 1))
-            return list(d.events), self._then(d)
-        if isinstance(item, _StartJob):
-            return self._start_job(s, item)
-        raise AssertionError(f"unknown item {item!r}")
+    recovers = True  # the Decider seam (driver/decider.py): this one runs the recovery
 
-    def _start_job(self, s: ev.JobState, item: _StartJob) -> Batch:
+    def decide(self, state: ev.JobState, observation: Observation) -> Decision:
+        """The events to record for a queued observation, and the actions to run after them
+        (the journal's writer asks; `state` is its deciding state, `self.state`)."""
+        if isinstance(observation, ev.Event):
+            return self._on_event(state, observation)
+        if isinstance(observation, machine.Paused):
+            return self._on_paused(state, observation)
+        if isinstance(observation, Settle):
+            return self._on_settle(state)
+        return self._start_job(state, observation)
+
+    def _on_event(self, s: ev.JobState, item: ev.Event) -> Decision:
+        kind = item.WhichOneof("payload")
+        if kind not in OBSERVED:
+            return Decision([item])
+        if machine.reconnect(s, item):
+            # the node's own agent again (a failover's herd of 10,000): recorded as it
+            # is, without the decision's draft (a copy of the whole state each)
+            return Decision([item])
+        d = machine.decide(s, item, self.policy)
+        if d.note:  # a registration's note says little: 10,000 lines at a join
+            (log.debug if kind == "node_registered" else log.info)(
+                "observation", kind=kind, note=d.note
+            )
+        if len(d.events) == 1:  # recorded only: nothing to do
+            return Decision(list(d.events))
+        return self._then(d)
+
+    def _on_paused(self, s: ev.JobState, item: machine.Paused) -> Decision:
+        d = machine.decide(s, item, self.policy)
+        if d.note:
+            log.info("paused report", note=d.note)
+            return Decision([])
+        return self._then(d)
+
+    def _on_settle(self, s: ev.JobState) -> Decision:
+        d = machine.settle(s, self.policy)
+        log.info("settled after replay", phase=ev.Phase.Name(d.phase), events=len(d.events))
+        if d.phase == ev.PHASE_RUNNING:
+            self._spawn(self._start_if_idle(self._gen + 1))
+        return self._then(d)
+
+    def _start_job(self, s: ev.JobState, item: StartJob) -> Decision:
         if s.phase != ev.PHASE_STARTING:
-            return [], None
+            return Decision([])
         world = self.config.world(list(item.node_ids))
         again = bool(s.world.node_ids)  # JobStarted is in: its leader died before resuming
         if again:
@@ -365,9 +269,9 @@ class RecoveryLoop:
         )
         log.info("starting the job", world=list(world.node_ids), dp=world.dp)
         events = [resumed] if again else [started, resumed]
-        return events, lambda: self._perform((action,), restore=None)
+        return Decision(events, (action,), lambda: self._perform((action,)))
 
-    def _then(self, d: machine.Decision) -> Callable[[], None]:
+    def _then(self, d: machine.Decision) -> Decision:
         phases = machine.phases(d.events)
         if phases:
             log.info("recovery", phases=phases, actions=[type(a).__name__ for a in d.actions])
@@ -380,117 +284,102 @@ class RecoveryLoop:
         def then() -> None:
             self._point = point
             self._timeline = timeline(after)
-            self._perform(d.actions, restore=restore)
+            self._perform(d.actions)
 
-        return then
+        return Decision(list(d.events), d.actions, then)
 
     def _restore_point(
         self, d: machine.Decision, restore: machine.Restore | None
     ) -> dpb.RestorePoint:
-        """Where the restarted workers restore (a rollback's step, else the newest) and the
-        newest rollback's batches to skip.
-
-        The skip range is the newest Rollback event's (folded into the state), so nothing
-        re-runs the policy. The skip goes with every restore, not only the rollback's own: a
-        worker that crashes after the rollback but before the skipped step restores a copy
-        from before the skip and must skip again (it skips only when its next step is the
-        skip's; later copies hold the data position past the skipped batches).
-        """
+        """Where the restarted workers restore, and the batches they skip
+        (`worldplan.restore_point`, on the state after `d`)."""
         after = self.state
         for e in d.events:
             after = statelib.apply(after, e)
-        if restore is None or not after.rollback_steps:
-            return dpb.RestorePoint()
-        point = dpb.RestorePoint(step=restore.step if after.HasField("rollback_to") else 0)
-        if after.last_skip_batches and after.last_skip_from:
-            point.skip_from_step = after.last_skip_from
-            point.skip_batches = after.last_skip_batches
-        elif after.last_skip_batches:  # a Rollback recorded before it carried its range
-            spike_step, target = after.rollback_steps[-1], after.last_rollback_to
-            skip = spikelib.RollbackPolicy(self.policy.spike).decide(
-                spikelib.Spike(spike_step, 0.0, 0.0, 0.0, 0.0, False), [target]
-            )
-            if not skip.halt and skip.skip_batches:
-                point.skip_from_step = skip.skip_first
-                point.skip_batches = skip.skip_batches
-        return point
+        return worldplan.restore_point(after, restore, self.policy)
 
     # ------------------------------------------------------------ acting
-    def _perform(
-        self, actions: tuple[machine.Action, ...], restore: machine.Restore | None
-    ) -> None:
+    def _perform(self, actions: tuple[machine.Action, ...]) -> None:
         self._gen += 1
-        self._spawn(self._act(self._gen, actions, restore))
+        self._spawn(self._act(self._gen, actions))
 
-    async def _act(
-        self, gen: int, actions: tuple[machine.Action, ...], restore: machine.Restore | None
-    ) -> None:
+    async def _act(self, gen: int, actions: tuple[machine.Action, ...]) -> None:
+        restore = next((a for a in actions if isinstance(a, machine.Restore)), None)
         try:
             for a in actions:
                 if gen != self._gen:
                     return  # a newer decision took over
-                await self._one(gen, a, restore)
+                await PERFORMERS[type(a)](self, gen, a, restore)
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("recovery action failed; the next observation retries")
 
-    async def _one(self, gen: int, a: machine.Action, restore: machine.Restore | None) -> None:
+    async def _stop_workers(
+        self, gen: int, a: machine.StopWorkers, restore: machine.Restore | None
+    ) -> None:
+        """Stop the world's workers (in-job: each node only its faulty ranks, the others
+        held in their processes), then report `Paused` with the steps every rank holds."""
         cfg = self.config
-        if isinstance(a, machine.PauseAll):
-            acks: dict[str, dpb.CommandAck] = {}
-            if a.in_job:  # each node stops only its faulty ranks and holds the others
-                await asyncio.gather(
-                    *(
-                        self._broadcast(
-                            (n,),
-                            dpb.DriverMessage(
-                                stop_workers=dpb.StopWorkers(
-                                    grace_s=cfg.stop_grace_s,
-                                    in_job=True,
-                                    replace_local_ranks=[lr for m, lr in a.replace if m == n],
-                                )
-                            ),
-                            acks=acks,
-                        )
-                        for n in a.nodes
+        acks: dict[str, dpb.CommandAck] = {}
+        if a.in_job:
+            await asyncio.gather(
+                *(
+                    self._broadcast(
+                        (n,),
+                        dpb.DriverMessage(
+                            stop_workers=dpb.StopWorkers(
+                                grace_s=cfg.stop_grace_s,
+                                in_job=True,
+                                replace_local_ranks=[lr for m, lr in a.replace if m == n],
+                            )
+                        ),
+                        acks=acks,
                     )
+                    for n in a.nodes
                 )
-            else:
-                await self._broadcast(
-                    a.nodes,
-                    dpb.DriverMessage(stop_workers=dpb.StopWorkers(grace_s=cfg.stop_grace_s)),
-                    acks=acks,
+            )
+        else:
+            await self._broadcast(
+                a.nodes,
+                dpb.DriverMessage(stop_workers=dpb.StopWorkers(grace_s=cfg.stop_grace_s)),
+                acks=acks,
+            )
+        if gen == self._gen:
+            fresh = {n for n, ack in acks.items() if ack.ok and ack.ring_fresh}
+            held = await self._ring_common(a.nodes, fresh)
+            log.info("workers paused", rings_fresh=sorted(fresh), held=sorted(held or ()))
+            self.service.submit(
+                machine.Paused(
+                    step=self._live_step(a.nodes),
+                    restorable_step=max(held) if held else None,
+                    memory_steps=frozenset(held or ()),
                 )
-            if gen == self._gen:
-                fresh = {n for n, ack in acks.items() if ack.ok and ack.ring_fresh}
-                held = await self._ring_common(a.nodes, fresh)
-                log.info("workers paused", rings_fresh=sorted(fresh), held=sorted(held or ()))
-                self.service.submit(
-                    machine.Paused(
-                        step=self._live_step(a.nodes),
-                        restorable_step=max(held) if held else None,
-                        memory_steps=frozenset(held or ()),
-                    )
-                )
-        elif isinstance(a, machine.EvictNode):
-            self.service.view.mark_leaving(a.node_id)
-            await self._broadcast(
-                (a.node_id,), dpb.DriverMessage(evict=dpb.Evict(reason=a.reason)), wait=False
             )
-        elif isinstance(a, machine.StartWorkers):
-            await self._start_workers(gen, a, restore)
-        elif isinstance(a, machine.ResumeAll):
-            await self._broadcast(
-                a.nodes, dpb.DriverMessage(resume=dpb.Resume(at_step=a.step)), wait=False
-            )
-        elif isinstance(a, machine.StopAll):
-            await self._broadcast(
-                a.nodes, dpb.DriverMessage(stop_workers=dpb.StopWorkers(grace_s=cfg.stop_grace_s))
-            )
-        elif isinstance(a, machine.RunDiagnosis):
-            self._start_diagnosis(a)
-        # FlashSaveAll and Restore need no command: see the module docstring.
+
+    async def _evict(self, gen: int, a: machine.EvictNode, restore: machine.Restore | None) -> None:
+        self.view.mark_leaving(a.node_id)
+        await self._broadcast(
+            (a.node_id,), dpb.DriverMessage(evict=dpb.Evict(reason=a.reason)), wait=False
+        )
+
+    async def _resume(
+        self, gen: int, a: machine.ResumeAll, restore: machine.Restore | None
+    ) -> None:
+        await self._broadcast(
+            a.nodes, dpb.DriverMessage(resume=dpb.Resume(at_step=a.step)), wait=False
+        )
+
+    async def _stop_all(
+        self, gen: int, a: machine.StopAll, restore: machine.Restore | None
+    ) -> None:
+        stop = dpb.StopWorkers(grace_s=self.config.stop_grace_s)
+        await self._broadcast(a.nodes, dpb.DriverMessage(stop_workers=stop))
+
+    async def _diagnose(
+        self, gen: int, a: machine.RunDiagnosis, restore: machine.Restore | None
+    ) -> None:
+        self._start_diagnosis(a)
 
     def _start_diagnosis(self, a: machine.RunDiagnosis) -> None:
         """Run the incident's diagnosis in the background; its verdict is an observation.
@@ -602,7 +491,7 @@ class RecoveryLoop:
         leaving = set(self.state.bad_nodes)
         own: dict[int, set[int]] = {}
         for n in nodes:
-            slot = self.service.view.nodes.get(n)
+            slot = self.view.nodes.get(n)
             if slot is None or not slot.alive or n in leaving:
                 continue
             for ws in slot.hb.workers:
@@ -616,7 +505,7 @@ class RecoveryLoop:
             # only the node each gone node registered as its buddy is believed: another
             # node's claim to hold its copies would move the restore to a step nobody has
             buddy_of = {n: b for n in gone if (b := self._buddy_of(n))}
-            for slot in self.service.view.nodes.values():
+            for slot in self.view.nodes.values():
                 if slot.alive and slot.hb.replicas:
                     trusted = {n for n, b in buddy_of.items() if is_buddy(b, slot)}
                     for h in slot.hb.replicas:
@@ -625,13 +514,13 @@ class RecoveryLoop:
         return common_steps(world, own, buddies)
 
     def _alive_nodes(self) -> set[str]:
-        return {n for n, s in self.service.view.nodes.items() if s.alive}
+        return {n for n, s in self.view.nodes.items() if s.alive}
 
     def _live_step(self, nodes: tuple[str, ...]) -> int:
         """The newest step any worker of `nodes` reported (the step the job stopped at)."""
         step = self.state.step
         for n in nodes:
-            slot = self.service.view.nodes.get(n)
+            slot = self.view.nodes.get(n)
             if slot is not None:
                 step = max([step, *(w.step for w in slot.hb.workers)])
         return step
@@ -647,120 +536,112 @@ class RecoveryLoop:
     async def _start_workers(
         self, gen: int, a: machine.StartWorkers, restore: machine.Restore | None
     ) -> None:
-        cfg = self.config
+        """Start the world's workers: each node its rank base, the master, the new buddy
+        ring and the persistence interval; before a restore each agent first gets the
+        RestorePoint (an agent without one restores the newest step). A first start (no
+        restore) reports TrainingStepping once every rank stepped; a restart's progress is
+        watched by the `Restore` that follows it (`_restore`)."""
         nodes = a.world.node_ids
-        # A world node without a session is coming back or about to be declared lost
-        # (then a newer decision replaces this one): wait for either, up to the deadline.
-        deadline = time.monotonic() + cfg.restore_timeout_s
-        while missing := [n for n in nodes if not self._connected(n)]:
-            if gen != self._gen:
-                return
-            if time.monotonic() > deadline:
-                log.error("world nodes without a session", nodes=missing)
-                break
-            await asyncio.sleep(0.05)
-        if gen != self._gen:
+        deadline = time.monotonic() + self.config.restore_timeout_s
+        if not await self._await_sessions(gen, nodes, deadline):
             return
-        first = self.service.view.nodes.get(nodes[0])
-        # rank 0's node as the driver saw it connect (not the IP it claimed in Register)
-        addr = cfg.master_addr or (first.peer_host if first is not None else "")
         port = free_port()
         marks = {n: self._beats(n) for n in nodes}
         t0 = time.monotonic()
-        bases = dict(a.rank_base)
-
-        point = self._point
-        persist_every_s = self.service.persist_every_s()
-        # a node in the slot of a node that left the world takes over its ranks' copies
-        old = list(self.state.incident_world.node_ids)
-        staying = set(nodes)  # (a scan of the tuple per node was O(n²) when a world shrank)
-        replaces = {
-            n: old[i]
-            for i, n in enumerate(nodes)
-            if i < len(old) and old[i] != n and old[i] not in staying
-        }
-        # where each replaced node's copies live: the buddy it was paired with
-        buddy_of = {o: self._buddy_of(o) for o in replaces.values()}
-        # and the new world's ring, from now on
-        slots = {n: self.service.view.nodes.get(n) for n in nodes}
-        ring = ring_buddies(nodes, slots)
-        order = ring_order(nodes, slots)  # who each one sends to and takes copies from
-        nxt = {n: order[(i + 1) % len(order)] for i, n in enumerate(order)}
-        prev = {n: order[i - 1] for i, n in enumerate(order)}
-
-        async def one(n: str) -> str:
-            # A newer decision may have come meanwhile (the node this start waited for
-            # registered and opened an incident of its own): its commands, not these. Seen
-            # after a failover in the recovery bench: the stale start's workers were killed
-            # ~40 ms later by the newer one's, warm standbys wasted.
-            if gen != self._gen:
-                return SUPERSEDED
-            if restore is not None:  # an agent without RestorePoint restores the newest step
-                with contextlib.suppress(KeyError, TimeoutError):
-                    r = await self.service.request(
-                        n, dpb.DriverMessage(restore_point=point), cfg.command_timeout_s
-                    )
-                    if not r.ack.ok:
-                        log.warning("restore point refused", node=n, detail=r.ack.detail)
-            msg = dpb.DriverMessage(
-                start_workers=dpb.StartWorkers(
-                    worker_cmd=cfg.worker_cmd,
-                    world_size=a.world.world_size,
-                    global_rank_base=bases[n],
-                    master_addr=addr or "127.0.0.1",
-                    master_port=port,
-                    dp=a.world.dp,
-                    pp=a.world.pp,
-                    tp=a.world.tp,
-                    timeline=self._timeline,
-                    persist_every_s=persist_every_s,
-                    flash_bytes_per_rank=self.service.commits.shard_bytes,
-                    replaces=replaces.get(n, ""),
-                    replaces_from=buddy_of.get(replaces.get(n, ""), ""),
-                    buddy=ring.get(n, ""),
-                    buddy_node=nxt.get(n, ""),
-                    replicas_from=prev.get(n, ""),
-                    in_job=a.in_job,
-                )
-            )
-            if gen != self._gen:
-                return SUPERSEDED
-            try:
-                r = await self.service.request(n, msg, cfg.command_timeout_s)
-                if r.ack.ok and n in ring:
-                    self._buddy[n] = ring[n]
-                return "" if r.ack.ok else r.ack.detail or "refused"
-            except (KeyError, TimeoutError) as e:
-                return f"{type(e).__name__}: {e}"
-
-        results = await asyncio.gather(*(one(n) for n in nodes))
+        messages = self._start_messages(a, port)
+        point = self._point if restore is not None else None
+        results = await asyncio.gather(
+            *(self._start_one(gen, n, messages[n], point) for n in nodes)
+        )
         if gen != self._gen:
             sent = [n for n, e in zip(nodes, results, strict=True) if e != SUPERSEDED]
             log.info("workers start superseded by a newer decision", sent_before=sent)
             return
         errors = [e for e in results if e]
         log.info("workers started", world=list(nodes), master_port=port, errors=errors)
-        if restore is None:
-            if not errors and self.state.goodput.startup_open:
-                await self._report_stepping(gen, nodes, marks, t0, t0 + STARTUP_REPORT_S)
-            return
-        error = "; ".join(errors)
-        while not error and not self._all_stepping(nodes, marks):
+        self._started = _Started(gen, nodes, marks, t0, tuple(errors), deadline)
+        if restore is None and not errors and self.state.goodput.startup_open:
+            await self._report_stepping(gen, nodes, marks, t0, t0 + STARTUP_REPORT_S)
+
+    async def _await_sessions(self, gen: int, nodes: tuple[str, ...], deadline: float) -> bool:
+        """Wait until every world node has a session (it is coming back, or about to be
+        declared lost: then a newer decision replaces this one), up to `deadline`. False:
+        a newer decision took over."""
+        while missing := [n for n in nodes if not self._connected(n)]:
+            if gen != self._gen:
+                return False
+            if time.monotonic() > deadline:
+                log.error("world nodes without a session", nodes=missing)
+                break
+            await asyncio.sleep(0.05)
+        return gen == self._gen
+
+    def _start_messages(self, a: machine.StartWorkers, port: int) -> dict[str, dpb.DriverMessage]:
+        """Each world node's StartWorkers (`buddies.start_messages`)."""
+        return start_messages(
+            a,
+            port,
+            self.config,
+            self.view,
+            old=list(self.state.incident_world.node_ids),
+            buddy_of=self._buddy_of,
+            timeline=self._timeline,
+            persist_every_s=self.service.persist_every_s(),
+            shard_bytes=self.service.commits.shard_bytes,
+        )
+
+    async def _start_one(
+        self, gen: int, n: str, msg: dpb.DriverMessage, point: dpb.RestorePoint | None
+    ) -> str:
+        """Send one node its RestorePoint (before a restore) and its StartWorkers; the error
+        ("": none; SUPERSEDED: a newer decision came first)."""
+        timeout_s = self.config.command_timeout_s
+        # A newer decision may have come meanwhile (the node this start waited for
+        # registered and opened an incident of its own): its commands, not these. Seen
+        # after a failover in the recovery bench: the stale start's workers were killed
+        # ~40 ms later by the newer one's, warm standbys wasted.
+        if gen != self._gen:
+            return SUPERSEDED
+        if point is not None:  # an agent without RestorePoint restores the newest step
+            with contextlib.suppress(KeyError, TimeoutError):
+                r = await self.service.request(n, dpb.DriverMessage(restore_point=point), timeout_s)
+                if not r.ack.ok:
+                    log.warning("restore point refused", node=n, detail=r.ack.detail)
+        if gen != self._gen:
+            return SUPERSEDED
+        try:
+            r = await self.service.request(n, msg, timeout_s)
+            if r.ack.ok and msg.start_workers.buddy:
+                self._buddy[n] = msg.start_workers.buddy
+            return "" if r.ack.ok else r.ack.detail or "refused"
+        except (KeyError, TimeoutError) as e:
+            return f"{type(e).__name__}: {e}"
+
+    async def _restore(self, gen: int, a: machine.Restore, restore: machine.Restore | None) -> None:
+        """The restarted world's restore: once every rank reports a step (or the deadline
+        passed, or a start failed), RestoreFinished is observed (the machine matches it to
+        the restore it planned)."""
+        st = self._started
+        if st is None or st.gen != gen:
+            return  # its start did not happen (superseded): nothing to watch
+        error = "; ".join(st.errors)
+        while not error and not progress.all_stepping(self.view, st.nodes, st.marks):
             if gen != self._gen:
                 return
-            if time.monotonic() > deadline:
-                error = f"not every rank reported a step within {cfg.restore_timeout_s} s"
+            if time.monotonic() > st.deadline:
+                error = f"not every rank reported a step within {self.config.restore_timeout_s} s"
             await asyncio.sleep(0.05)
         if gen != self._gen:
             return
+        nodes, t0 = st.nodes, st.t0
         self.service.submit(
             ev.Event(
                 cause="driver",
                 restore_finished=ev.RestoreFinished(
-                    step=restore.step,  # the machine matches it to the restore it planned
-                    restored_step=self._restored_step(nodes),
-                    trained_s=self._trained_s(nodes, t0, restored=True),
-                    storage_ranks=self._storage_ranks(nodes),
+                    step=a.step,
+                    restored_step=progress.restored_step(self.view, nodes),
+                    trained_s=progress.trained_s(self.view, nodes, t0, restored=True),
+                    storage_ranks=progress.storage_ranks(self.view, nodes),
                     duration_s=time.monotonic() - t0,
                     ok=not error,
                     error=error,
@@ -773,13 +654,13 @@ class RecoveryLoop:
     ) -> None:
         """Append TrainingStepping once every rank of the job's first start stepped: the
         goodput ledger charges the start-up until then."""
-        while not self._all_stepping(nodes, marks):
+        while not progress.all_stepping(self.view, nodes, marks):
             if gen != self._gen or time.monotonic() > deadline:
                 return  # an incident came first: it closes the start-up
             await asyncio.sleep(0.05)
         if gen != self._gen or not self.state.goodput.startup_open:
             return
-        slots = [self.service.view.nodes.get(n) for n in nodes]
+        slots = [self.view.nodes.get(n) for n in nodes]
         steps = [w.step for slot in slots if slot is not None for w in slot.hb.workers]
         self.service.submit(
             ev.Event(
@@ -787,81 +668,18 @@ class RecoveryLoop:
                 training_stepping=ev.TrainingStepping(
                     step=min(steps, default=0),
                     startup_s=time.monotonic() - t0,
-                    trained_s=self._trained_s(nodes, t0, restored=False),
+                    trained_s=progress.trained_s(self.view, nodes, t0, restored=False),
                 ),
             )
         )
 
-    def _trained_s(self, nodes: tuple[str, ...], t0: float, *, restored: bool) -> float:
-        """How long the world started at `t0` has been training now, from its ranks' own
-        reports: the steps each made since its start (its restored step) at its step time,
-        plus its time since progress and the heartbeat's age. The least of the ranks (the
-        world trains when they all do); 0 when one has not said enough."""
-        now = time.monotonic()
-        least = now - t0
-        for n in nodes:
-            slot = self.service.view.nodes.get(n)
-            if slot is None or not slot.hb.workers:
-                return 0.0
-            for w in slot.hb.workers:
-                if restored and not w.HasField("restored_step"):
-                    return 0.0
-                steps = w.step - (w.restored_step if restored else 0)
-                if steps <= 0 or w.step_time_ms <= 0:
-                    return 0.0
-                ran = steps * w.step_time_ms / 1000.0 + w.since_progress_ms / 1000.0
-                least = min(least, ran + max(0.0, now - slot.last_seen))
-        return max(0.0, least)
-
-    def _restored_step(self, nodes: tuple[str, ...]) -> int:
-        """The step the restarted world really restored: the oldest step its ranks said
-        they started from (`WorkerStatus.restored_step`); 0 when a rank has not said. The
-        plan (from the rings and buddies the heartbeats listed when the driver decided) is
-        a floor: a replica that reached the buddy after the decision is newer."""
-        said = []
-        for n in nodes:
-            slot = self.service.view.nodes.get(n)
-            workers = slot.hb.workers if slot is not None else ()
-            if not workers:
-                return 0
-            for w in workers:
-                if not w.HasField("restored_step"):
-                    return 0
-                said.append(w.restored_step)
-        return min(said) if said else 0
-
-    def _storage_ranks(self, nodes: tuple[str, ...]) -> int:
-        """The restarted world's ranks that said their state was read from storage
-        (`WorkerStatus.restored_from`): the incident needed the storage tier."""
-        n = 0
-        for node in nodes:
-            slot = self.service.view.nodes.get(node)
-            if slot is not None:
-                n += sum(w.restored_from == "storage" for w in slot.hb.workers)
-        return n
-
     def _connected(self, node_id: str) -> bool:
-        slot = self.service.view.nodes.get(node_id)
+        slot = self.view.nodes.get(node_id)
         return slot is not None and slot.alive and slot.outbox is not None
 
     def _beats(self, node_id: str) -> int:
-        slot = self.service.view.nodes.get(node_id)
+        slot = self.view.nodes.get(node_id)
         return slot.heartbeats if slot is not None else 0
-
-    def _all_stepping(self, nodes: tuple[str, ...], marks: dict[str, int]) -> bool:
-        """Every node sent a heartbeat since the start in which all its workers step or
-        exited 0 (restored at the last step, a rank has nothing left to train: the job
-        resumed, and the completion watch then finishes it)."""
-        for n in nodes:
-            slot = self.service.view.nodes.get(n)
-            if slot is None or slot.heartbeats <= marks[n] + 1 or not slot.hb.workers:
-                return False
-            for w in slot.hb.workers:
-                if w.state == dpb.WORKER_STATE_EXITED and w.exit_code == 0:
-                    continue  # done: it may have exited before its first step report
-                if w.state != dpb.WORKER_STATE_RUNNING or w.step == 0:
-                    return False
-        return True
 
     # ------------------------------------------------------------ loss spikes, idle worlds
     async def _watch_losses(self) -> None:
@@ -879,7 +697,7 @@ class RecoveryLoop:
             if s.phase != ev.PHASE_RUNNING or s.last_seq <= spiked_at:
                 continue
             try:
-                e = watch.sweep(self.service.view, s.world.node_ids)
+                e = watch.sweep(self.view, s.world.node_ids)
             except Exception:
                 log.exception("loss watch failed; continuing")
                 continue
@@ -908,7 +726,7 @@ class RecoveryLoop:
             await asyncio.sleep(0.1)
         if gen < self._gen or self.state.phase != ev.PHASE_RUNNING:
             return  # a newer decision acts on the world
-        idle = [n for n in nodes if not self.service.view.nodes[n].hb.workers]
+        idle = [n for n in nodes if not self.view.nodes[n].hb.workers]
         if not idle:
             return
         layout = machine.Layout.of(self.state.world)
@@ -917,7 +735,7 @@ class RecoveryLoop:
             layout, tuple((n, i * wpn) for i, n in enumerate(layout.node_ids))
         )
         log.warning("world nodes run no workers after the takeover; starting them", idle=idle)
-        self._perform((action,), restore=None)
+        self._perform((action,))
 
     # ------------------------------------------------------------ starting the job
     async def _wait_for_world(self) -> None:
@@ -927,7 +745,7 @@ class RecoveryLoop:
         while True:
             ready = self._ready_nodes()
             if len(ready) >= cfg.nodes:
-                self.service.submit(_StartJob(tuple(ready[: cfg.nodes])))
+                self.service.submit(StartJob(tuple(ready[: cfg.nodes])))
                 return
             if time.monotonic() > deadline:
                 reason = (
@@ -942,7 +760,20 @@ class RecoveryLoop:
     def _ready_nodes(self) -> list[str]:
         """Non-spare nodes with an open session, oldest registration first."""
         out = []
-        for slot in self.service.view.nodes.values():
+        for slot in self.view.nodes.values():
             if slot.alive and slot.outbox is not None and slot.info.node_id and not slot.info.spare:
                 out.append(slot.node_id)
         return out
+
+
+_Performer = Callable[[RecoveryLoop, int, Any, "machine.Restore | None"], Awaitable[None]]
+#: Who performs each action the machine emits (every `machine.Action`; a test walks them).
+PERFORMERS: dict[type, _Performer] = {
+    machine.StopWorkers: RecoveryLoop._stop_workers,
+    machine.RunDiagnosis: RecoveryLoop._diagnose,
+    machine.EvictNode: RecoveryLoop._evict,
+    machine.StartWorkers: RecoveryLoop._start_workers,
+    machine.Restore: RecoveryLoop._restore,
+    machine.ResumeAll: RecoveryLoop._resume,
+    machine.StopAll: RecoveryLoop._stop_all,
+}

@@ -2,7 +2,7 @@
 
 docs/architecture.md#the-decider, "The recovery loop"::
 
-    RUNNING --fault--> SUSPECTED --pause all ranks, flash-save--> PAUSED
+    RUNNING --fault--> SUSPECTED --stop the workers (each flash-saved every step)--> PAUSED
     PAUSED --diagnose (only when the cause is unclear)--> DIAGNOSED
     DIAGNOSED --evict bad nodes; take spares, or shrink dp--> RESHAPED
     RESHAPED --restore every rank, reshard if the world changed--> RESTORING
@@ -50,37 +50,53 @@ with the reason); dp grows back, up to the configured world, when nodes return.
 
 from __future__ import annotations
 
-import collections
-import enum
-import hashlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import TypeAlias
 
 from unbroken.diagnostics import selfcheck as selfchecklib
 from unbroken.driver import sdc as sdclib
 from unbroken.driver import state as statelib
+
+# the actions, re-exported: callers name them machine.X
+from unbroken.driver.actions import Action as Action
+from unbroken.driver.actions import (
+    Decision,
+    Layout,
+    Observation,
+    Paused,
+    Phase,
+)
+from unbroken.driver.actions import EvictNode as EvictNode
+from unbroken.driver.actions import Restore as Restore
+from unbroken.driver.actions import ResumeAll as ResumeAll
+from unbroken.driver.actions import RunDiagnosis as RunDiagnosis
+from unbroken.driver.actions import StartWorkers as StartWorkers
+from unbroken.driver.actions import StopAll as StopAll
+from unbroken.driver.actions import StopWorkers as StopWorkers
+from unbroken.driver.eventkinds import STALE_KINDS
+from unbroken.driver.policy import IN_JOB, RESTART, Policy
+from unbroken.driver.policy import Reshape as Reshape
+from unbroken.driver.worldplan import (
+    _pool,
+    _reachable,
+    _state_of,
+    diagnosis_id,
+    plan_world,
+    restore_sources,
+    restore_started,
+)
+from unbroken.driver.worldplan import pending_actions as pending_actions
+from unbroken.driver.worldplan import replace_slots as replace_slots
+from unbroken.driver.worldplan import restore_source as restore_source
 from unbroken.proto import events_pb2 as ev
 from unbroken.recovery import spike as spikelib
 
-#: Fault kinds that `Policy.diagnose_kinds` may name.
-DIAGNOSABLE = frozenset({"worker_failed", "hang_suspected", "log_alert", "self_check_reported"})
 #: Log keywords that are symptoms, not faults: every rank prints a Traceback/RuntimeError
 #: when a peer dies (gloo "Connection reset by peer"), and a worker that raises exits, which
 #: the agent reports as WorkerFailed. Recorded only; hardware keywords (NCCL WARN, Xid, ECC,
 #: CUDA error, out of memory) and a non-finite loss open an incident.
 SYMPTOM_KEYWORDS = frozenset({"Traceback", "RuntimeError"})
 MAX_SETTLE = 16  # automatic transitions per decision (the loop needs at most 4)
-#: Faults of an idle node that are its own cleanup, not its health: a node that came back
-#: after it was replaced (SIGSTOPped, partitioned) still has the old world's workers, which
-#: exit or stall. Recorded only; a failed self-check or a hardware alert still evicts it.
-STALE_KINDS = frozenset({"worker_failed", "hang_suspected", "straggler_suspected"})
 
-#: Recovery modes (RecoveryTransition.mode, TrainingResumed.mode). In-job: every healthy
-#: worker keeps its process (imports, model, data pipeline), leaves its step, drops its
-#: process groups and rejoins the new world in place; only the faulty ranks' processes (and
-#: a lost or evicted node's) are replaced. Restart: every worker process is replaced.
-IN_JOB, RESTART = "in_job", "restart"
 #: Exits that say the process itself was killed from outside (the OOM killer, a drill's
 #: SIGKILL, an orderly SIGTERM/SIGINT), as opposed to a crash inside it: its peers are sound.
 #: Every other exit (a segfault or abort in an extension, a Python error, an unknown code)
@@ -89,285 +105,6 @@ CLEAN_KILLS = frozenset({-9, -15, -2, 128 + 9, 128 + 15, 128 + 2})
 #: Log keywords that make the open incident suspect (a device or communicator may be
 #: poisoned in every process of the node): always the full restart.
 SUSPECT_KEYWORDS = frozenset({"CUDA error", "NCCL WARN", "Xid", "ECC", "out of memory"})
-
-Phase: TypeAlias = ev.Phase
-
-
-class Reshape(enum.Enum):
-    """What replaces a removed node."""
-
-    SPARES_FIRST = "spares"  # a spare in its place (same world); shrink dp only when short
-    SHRINK_FIRST = "shrink"  # shrink dp; spares only to stay at or above min_nodes
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Policy:
-    """How the machine recovers. The limits are the job's (JobStarted carries the same)."""
-
-    min_nodes: int = field(default=1, metadata={"help": "fail below this many nodes"})
-    max_nodes: int = field(
-        default=0,
-        metadata={
-            "help": "grow to at most this many nodes (0: the configured world's; the world "
-            "never grows past its configured dp)"
-        },
-    )
-    reshape: Reshape = field(
-        default=Reshape.SPARES_FIRST,
-        metadata={
-            "parse": Reshape,
-            "metavar": "{spares,shrink}",
-            "help": "what replaces a removed node: a spare (shrink dp only when short), or "
-            "shrink dp (spares only to stay at or above --min-nodes)",
-        },
-    )
-    # Faults whose cause is unclear: the suspects are diagnosed (bisection) before
-    # reshaping. A clean worker crash needs none; a lost node needs none (it is gone). A
-    # NaN loss reaches the machine as the detectors' "non-finite loss" log alert on a node.
-    diagnose_kinds: frozenset[str] = field(
-        default=frozenset({"hang_suspected", "log_alert", "self_check_reported"}),
-        metadata={
-            "parse": lambda text: frozenset(x.strip() for x in text.split(",") if x.strip()),
-            "help": "comma-separated fault kinds whose suspects are diagnosed (bisection) "
-            "before reshaping",
-        },
-    )
-    # Self-check items whose failure is the node's own proof (its device computed a wrong
-    # exact checksum; its uncorrected ECC counter): it is evicted at once, without the
-    # diagnosis that could only confirm it. Other failures, and a check that crashed
-    # instead of reporting, follow `diagnose_kinds` ("self_check_reported").
-    self_check_evicts: frozenset[str] = field(
-        default=frozenset({"matmul", "ecc"}),
-        metadata={
-            "parse": lambda text: frozenset(x.strip() for x in text.split(",") if x.strip()),
-            "help": "comma-separated self-check items (of "
-            + ", ".join(sorted(selfchecklib.ITEM_NAMES))
-            + ") whose failure evicts the node at once, without a diagnosis: the node's own "
-            "result is the proof (a crashed check is not); other failed self-checks follow "
-            "--diagnose-kinds; '' leaves every failed self-check to --diagnose-kinds",
-        },
-    )
-    evict_slow: bool = field(
-        default=True,
-        metadata={
-            "negate": "--no-evict-slow",
-            "help": "keep the stragglers a diagnosis names (they are evicted otherwise)",
-        },
-    )
-    grow_back: bool = field(
-        default=True,
-        metadata={
-            "negate": "--no-grow-back",
-            "help": "do not grow dp back when nodes return (it grows up to the configured world)",
-        },
-    )
-    max_restore_attempts: int = field(
-        default=3,
-        metadata={
-            "help": "failed restores per incident before the job fails (a restore cut short "
-            "by an operator's own evict or diagnose does not count; `unbroken resume` re-arms)"
-        },
-    )
-    spike: spikelib.SpikeConfig = field(
-        default_factory=spikelib.SpikeConfig,
-        metadata={"prefix": "spike-", "group": "loss-spike policy (recovery/spike.py)"},
-    )
-    in_job: bool = field(
-        default=True,
-        metadata={
-            "negate": "--no-in-job",
-            "help": "always restart every worker process in an incident (by default a worker "
-            "that is not itself faulty keeps its process and rejoins the new world in place; "
-            "a suspect fault, a diagnosis or a failed in-job restore restarts every process)",
-        },
-    )
-    hang_diagnose_after: int = field(
-        default=2,
-        metadata={
-            "help": "a hang whose rank's process is stopped (the culprit is known; a rank silent "
-            "in its step is not enough, a peer waiting in FSDP's all-gather looks the same) "
-            "restarts without a diagnosis until its node has this many faults on record"
-        },
-    )
-
-    def __post_init__(self) -> None:
-        if self.min_nodes < 1:
-            raise ValueError(f"Policy.min_nodes must be >= 1, got {self.min_nodes}")
-        if self.max_nodes < 0 or (self.max_nodes and self.max_nodes < self.min_nodes):
-            raise ValueError(
-                f"Policy.max_nodes ({self.max_nodes}) must be >= min_nodes ({self.min_nodes})"
-            )
-        if not isinstance(self.reshape, Reshape):
-            raise ValueError(
-                f"Policy.reshape must be one of {[r.value for r in Reshape]}, got {self.reshape!r}"
-            )
-        unknown = set(self.diagnose_kinds) - DIAGNOSABLE
-        if unknown:
-            raise ValueError(
-                f"Policy.diagnose_kinds has unknown kinds {sorted(unknown)}; choose from "
-                f"{sorted(DIAGNOSABLE)} (a lost node cannot be diagnosed: it is gone)"
-            )
-        unknown = set(self.self_check_evicts) - selfchecklib.ITEM_NAMES
-        if unknown:
-            raise ValueError(
-                f"Policy.self_check_evicts has unknown self-check items {sorted(unknown)}; "
-                f"choose from {sorted(selfchecklib.ITEM_NAMES)}, or none (every failed "
-                "self-check then follows diagnose_kinds)"
-            )
-        if self.max_restore_attempts < 1:
-            raise ValueError(
-                f"Policy.max_restore_attempts must be >= 1, got {self.max_restore_attempts}"
-            )
-
-
-# ---------------------------------------------------------------- observations
-@dataclass(frozen=True, slots=True)
-class Paused:
-    """Progress report: every reachable agent of the world paused and flash-saved.
-
-    `step` is the step the workers stopped at; `restorable_step` the newest step every
-    rank of the world can obtain (memory, buddy or storage; `recovery.restore`), or None
-    when unknown (then the newest committed checkpoint at or before `step` is used).
-    """
-
-    step: int
-    restorable_step: int | None = None
-    memory_steps: frozenset[int] = frozenset()  # every rank holds these in its ring now
-
-
-Observation = ev.Event | Paused
-
-
-# ---------------------------------------------------------------- actions
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """A world layout: dp x pp x tp ranks on `node_ids` (node order = rank order)."""
-
-    dp: int
-    pp: int
-    tp: int
-    node_ids: tuple[str, ...]
-    workers_per_node: int
-
-    @staticmethod
-    def of(w: ev.WorldLayout) -> Layout:
-        """The layout of a `WorldLayout` message."""
-        return Layout(w.dp, w.pp, w.tp, tuple(w.node_ids), w.workers_per_node)
-
-    def to_proto(self) -> ev.WorldLayout:
-        """As the event message."""
-        return ev.WorldLayout(
-            dp=self.dp,
-            pp=self.pp,
-            tp=self.tp,
-            node_ids=list(self.node_ids),
-            workers_per_node=self.workers_per_node,
-        )
-
-    @property
-    def world_size(self) -> int:
-        """Ranks in the world."""
-        return self.dp * self.pp * self.tp
-
-
-@dataclass(frozen=True, slots=True)
-class PauseAll:
-    """Send Pause to every node (idempotent: a paused worker stays paused).
-
-    `in_job`: stop only `replace` ((node, local rank) of the faulty ranks) and hold every
-    other worker in its process; otherwise stop every worker.
-    """
-
-    nodes: tuple[str, ...]
-    reason: str
-    in_job: bool = False
-    replace: tuple[tuple[str, int], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class FlashSaveAll:
-    """Send FlashSave (current step) to every node; each reports the step it saved."""
-
-    nodes: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class RunDiagnosis:
-    """Run the bisection over `nodes` with `suspects` first; report `diagnosis_id`."""
-
-    diagnosis_id: str
-    suspects: tuple[str, ...]
-    nodes: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class EvictNode:
-    """Send Evict to a node (a node without a session is skipped)."""
-
-    node_id: str
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class StartWorkers:
-    """Start the world's workers; `rank_base` is each node's global rank of local rank 0."""
-
-    world: Layout
-    rank_base: tuple[tuple[str, int], ...]
-    in_job: bool = False  # held workers rejoin in their processes; only the rest start
-
-
-@dataclass(frozen=True, slots=True)
-class Restore:
-    """Restore every rank at `step`; `sources` are the preferred sources, best first.
-
-    The agents' survey (`unbroken.recovery.restore.decide`) falls back from a preferred
-    source that turns out to be missing. (`incident_id`, `attempt`) identifies the restore
-    so a re-sent command is recognised.
-    """
-
-    step: int
-    sources: tuple[tuple[int, str], ...]
-    reshard: bool
-    incident_id: str
-    attempt: int
-
-
-@dataclass(frozen=True, slots=True)
-class ResumeAll:
-    """Send Resume(at_step) to every node (a running worker ignores it)."""
-
-    step: int
-    nodes: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class StopAll:
-    """The job failed: stop every worker."""
-
-    nodes: tuple[str, ...]
-
-
-Action = (
-    PauseAll
-    | FlashSaveAll
-    | RunDiagnosis
-    | EvictNode
-    | StartWorkers
-    | Restore
-    | ResumeAll
-    | StopAll
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """What `decide` wants: events to append (in order), then actions to perform."""
-
-    events: tuple[ev.Event, ...]
-    actions: tuple[Action, ...]
-    phase: Phase  # the phase once `events` are folded
-    note: str = ""  # why an observation was ignored, for the log
 
 
 # ---------------------------------------------------------------- the fold as we go
@@ -417,166 +154,6 @@ class _Draft:
                 )
             )
         )
-
-
-# ---------------------------------------------------------------- helpers on the state
-def _state_of(s: ev.JobState, node_id: str) -> int:
-    rec = s.nodes.get(node_id)
-    return ev.NODE_STATE_UNSPECIFIED if rec is None else rec.state
-
-
-def _healthy(s: ev.JobState, node_id: str) -> bool:
-    return _state_of(s, node_id) in (ev.NODE_STATE_ACTIVE, ev.NODE_STATE_SPARE)
-
-
-def _reachable(s: ev.JobState) -> tuple[str, ...]:
-    """World nodes that can still take commands."""
-    return tuple(n for n in s.world.node_ids if _healthy(s, n))
-
-
-def diagnosis_id(s: ev.JobState) -> str:
-    """The id of the diagnosis the open incident needs (same suspects = same id)."""
-    digest = hashlib.sha1(",".join(sorted(s.suspects)).encode()).hexdigest()[:8]
-    return f"{s.incident_id}-d{digest}"
-
-
-def _pool(s: ev.JobState, survivors: Sequence[str], *, with_spares: bool) -> list[str]:
-    """Healthy nodes not working in the world: returned nodes first, then spares, oldest first.
-
-    A world node whose agent came back as a spare is a spare here.
-    """
-    taken = set(survivors) | set(s.bad_nodes)
-    free = [r for r in s.nodes.values() if r.node_id not in taken and _healthy(s, r.node_id)]
-    returned = [r for r in free if r.state == ev.NODE_STATE_ACTIVE]
-    spares = [r for r in free if r.state == ev.NODE_STATE_SPARE] if with_spares else []
-    key = lambda r: (r.registered_seq == 0, r.registered_seq, r.node_id)  # noqa: E731
-    return [r.node_id for r in sorted(returned, key=key) + sorted(spares, key=key)]
-
-
-def _best_dp(s: ev.JobState, policy: Policy, available: int) -> int | None:
-    """The largest dp (<= the configured dp) whose whole nodes fit in `available`."""
-    w = s.world
-    unit, wpn = w.pp * w.tp, w.workers_per_node
-    top = (s.configured_world.dp if s.HasField("configured_world") else 0) or w.dp
-    for dp in range(top, 0, -1):
-        if (dp * unit) % wpn:
-            continue
-        nodes = dp * unit // wpn
-        if policy.min_nodes <= nodes <= min(available, policy.max_nodes or available):
-            return dp
-    return None
-
-
-def plan_world(s: ev.JobState, policy: Policy) -> Layout | str:
-    """The world after removing lost, evicted and bad nodes, or why there is none.
-
-    Removed nodes are replaced in place by pool nodes when dp stays the same; otherwise
-    the survivors keep their order and pool nodes follow.
-    """
-    w = s.world
-    bad = set(s.bad_nodes)
-    survivors = [n for n in w.node_ids if _state_of(s, n) == ev.NODE_STATE_ACTIVE and n not in bad]
-    returned = _pool(s, survivors, with_spares=False)
-    everyone = _pool(s, survivors, with_spares=True)
-    dp = None
-    pool = everyone
-    if policy.reshape is Reshape.SHRINK_FIRST:
-        dp = _best_dp(s, policy, len(survivors) + len(returned))
-        pool = returned
-    if dp is None:
-        dp = _best_dp(s, policy, len(survivors) + len(everyone))
-        pool = everyone
-    if dp is None:
-        have = len(survivors) + len(everyone)
-        return (
-            f"only {have} healthy node(s) of {w.workers_per_node} worker(s) remain; "
-            f"pp x tp = {w.pp * w.tp} needs whole nodes and min_nodes is {policy.min_nodes}: "
-            "add nodes or spares and start the job again"
-        )
-    need = dp * w.pp * w.tp // w.workers_per_node
-    if dp == w.dp and len(w.node_ids) == need:
-        inplace = [n for n in w.node_ids if n in survivors or n in pool]
-        free = iter([n for n in pool if n not in inplace])
-        ids = [n if n in inplace else next(free) for n in w.node_ids]
-    else:
-        ids = (survivors + pool)[:need]
-    return Layout(dp, w.pp, w.tp, tuple(ids), w.workers_per_node)
-
-
-def restore_sources(s: ev.JobState) -> tuple[tuple[tuple[int, str], ...], bool]:
-    """Each rank's preferred restore source, and whether the world changed shape."""
-    w, old = s.world, s.incident_world
-    reshard = (w.dp, w.pp, w.tp, w.workers_per_node) != (
-        old.dp,
-        old.pp,
-        old.tp,
-        old.workers_per_node,
-    )
-    # a rollback to a committed step reads storage; to a step only the rings hold, memory
-    rollback = s.HasField("rollback_to") and s.restore_step in {c.step for c in s.checkpoints}
-    out = []
-    for i, node_id in enumerate(w.node_ids):
-        same = i < len(old.node_ids) and old.node_ids[i] == node_id
-        src = "storage" if reshard or rollback else "memory" if same else "buddy"
-        for lr in range(w.workers_per_node):
-            out.append((i * w.workers_per_node + lr, src))
-    return tuple(out), reshard
-
-
-# ---------------------------------------------------------------- pending actions
-def pending_actions(state: ev.JobState, policy: Policy) -> list[Action]:
-    """What must (still) be done in the current phase; idempotent, from the state only.
-
-    Call `settle` first after a replay: DIAGNOSED and RESHAPED (and PAUSED without a
-    diagnosis) are transient and have no actions of their own.
-    """
-    s = state
-    nodes = _reachable(s)
-    phase = s.phase
-    if phase == ev.PHASE_RUNNING:
-        return [ResumeAll(s.step, nodes)]
-    if phase == ev.PHASE_SUSPECTED:
-        if s.recovery_mode == IN_JOB:
-            return [
-                PauseAll(nodes, s.incident_cause, True, replace_slots(s)),
-                FlashSaveAll(nodes),
-            ]
-        return [PauseAll(nodes, s.incident_cause), FlashSaveAll(nodes)]
-    if phase == ev.PHASE_PAUSED and s.needs_diagnosis:
-        # a node already to be evicted (its own self-check, an operator) is no partner
-        partners = tuple(n for n in nodes if n not in s.bad_nodes or n in s.suspects)
-        return [
-            PauseAll(nodes, s.incident_cause),
-            RunDiagnosis(diagnosis_id(s), tuple(sorted(s.suspects)), partners),
-        ]
-    if phase == ev.PHASE_RESTORING:
-        out: list[Action] = [EvictNode(n, f"incident {s.incident_id}") for n in sorted(s.bad_nodes)]
-        wpn = s.world.workers_per_node
-        out.append(
-            StartWorkers(
-                Layout.of(s.world),
-                tuple((n, i * wpn) for i, n in enumerate(s.world.node_ids)),
-                in_job=s.recovery_mode == IN_JOB,
-            )
-        )
-        sources, reshard = restore_sources(s)
-        out.append(Restore(s.restore_step, sources, reshard, s.incident_id, s.restore_attempts))
-        return out
-    if phase == ev.PHASE_FAILED:
-        return [StopAll(nodes)]
-    return []
-
-
-def replace_slots(s: ev.JobState) -> tuple[tuple[str, int], ...]:
-    """(node, local rank) of the open incident's ranks to replace, in the incident's world."""
-    w = s.incident_world if s.incident_world.node_ids else s.world
-    wpn = max(1, w.workers_per_node)
-    out = []
-    for r in sorted(set(s.replace_ranks)):
-        i = r // wpn
-        if 0 <= i < len(w.node_ids):
-            out.append((w.node_ids[i], r % wpn))
-    return tuple(out)
 
 
 def suspect_exit(code: int) -> bool:
@@ -1093,27 +670,6 @@ def _settle_once(d: _Draft, policy: Policy) -> bool:
         )
         return True
     return False
-
-
-SOURCES_BY_NAME = 1024  # ranks a RestoreStarted lists one by one; past it, the exceptions
-
-
-def restore_started(step: int, sources: dict[int, str], reshard: bool) -> ev.RestoreStarted:
-    """The RestoreStarted of a restore from `sources` (rank -> source). Past
-    `SOURCES_BY_NAME` ranks only those whose source is not the most common one are listed
-    (`source_default` names it), so the event stays small at any world size."""
-    e = ev.RestoreStarted(step=step, reshard=reshard)
-    if len(sources) > SOURCES_BY_NAME:
-        common = collections.Counter(sources.values()).most_common(1)[0][0]
-        e.source_default = common
-        sources = {r: src for r, src in sources.items() if src != common}
-    e.source_by_rank.update(sources)
-    return e
-
-
-def restore_source(e: ev.RestoreStarted, rank: int) -> str:
-    """Where `rank` restores from, by a RestoreStarted ("" when it does not say)."""
-    return e.source_by_rank.get(rank, e.source_default)
 
 
 def _settle_running(d: _Draft, policy: Policy) -> bool:

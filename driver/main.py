@@ -18,22 +18,25 @@ import os
 import signal
 import socket
 import sys
-import time
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from unbroken.common import reaper
-from unbroken.common.channel import is_loopback
 from unbroken.common.config import add_config_flags
 from unbroken.common.config import config_from_args as build
 from unbroken.common.logsetup import setup_logging
 from unbroken.common.tls import TlsConfig
+from unbroken.driver.config import (
+    DriverConfig,
+    LoopConfig,
+    ServiceConfig,
+    exposure_problems,
+    metrics_exposure,
+)
 from unbroken.driver.dashboard import Dashboard, DashboardConfig
-from unbroken.driver.etcd import EmbeddedEtcd, EtcdConfig
+from unbroken.driver.etcd import EmbeddedEtcd
 from unbroken.driver.eventlog import (
     EventLogError,
     InMemoryEventLog,
@@ -41,198 +44,20 @@ from unbroken.driver.eventlog import (
     Leadership,
     LogUnavailableError,
 )
-from unbroken.driver.loop import LoopConfig, RecoveryLoop, timeline
 from unbroken.driver.rendezvous import RendezvousService
-from unbroken.driver.scheduler import BridgeConfig, Scheduler, SchedulerBridge
+from unbroken.driver.scheduler import Scheduler
 from unbroken.driver.security import RoleTokens
-from unbroken.driver.service import DriverService, ServiceConfig, build_server
-from unbroken.driver.slurm import SlurmConfig, SlurmScheduler
-from unbroken.proto import driver_pb2 as dpb
+from unbroken.driver.service import DriverService, build_server
+from unbroken.driver.slurm import SlurmScheduler
+from unbroken.driver.term import Term
 from unbroken.proto import events_pb2 as ev
+
+__all__ = ["DriverConfig", "config_from_args", "configure", "run", "serve"]
 
 log = structlog.get_logger(__name__)
 
 ETCD_DOWN_LIMIT_S = 300.0  # a driver gives up after etcd was unreachable this long
 ETCD_RETRY_S = 1.0  # between campaigns while etcd is unreachable
-# titles of flag groups in `unbroken driver --help`
-JOB_FLAGS = "the job (with --nodes the driver starts and recovers it; agents run --no-start)"
-SCHEDULER_FLAGS = "the cluster scheduler (README: Running under Slurm)"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DriverConfig:
-    """The root config of `unbroken driver`."""
-
-    job_id: str = field(default="default", metadata={"help": "job name (etcd key prefix)"})
-    driver_id: str = field(
-        default="", metadata={"help": "this driver's id (empty: driver-<host>-<random>)"}
-    )
-    listen: str = field(
-        default="127.0.0.1:50051",
-        metadata={
-            "help": "gRPC listen address host:port (port 0 picks a free one; a non-loopback "
-            "host needs --tls-* or --token-file, or --insecure)"
-        },
-    )
-    advertise: str = field(
-        default="",
-        metadata={"help": "host:port agents should use (empty: hostname + bound port)"},
-    )
-    metrics_port: int | None = field(
-        default=None, metadata={"help": "Prometheus HTTP port (0: a free one; unset: off)"}
-    )
-    dashboard_port: int | None = field(
-        default=None, metadata={"help": "web dashboard HTTP port (0: a free one; unset: off)"}
-    )
-    dashboard_host: str = field(
-        default="127.0.0.1",
-        metadata={"help": "web dashboard host (it accepts viewer tokens only)"},
-    )
-    metrics_host: str = field(
-        default="127.0.0.1",
-        metadata={"help": "Prometheus endpoint host (beyond loopback only with --metrics-public)"},
-    )
-    metrics_public: bool = field(
-        default=False,
-        metadata={
-            "help": "serve the metrics beyond loopback: they name nodes, errors and steps to "
-            "anyone who reaches the port, with no credential (put them behind a firewall)"
-        },
-    )
-    insecure: bool = field(
-        default=False,
-        metadata={
-            "help": "allow a non-loopback --listen or --dashboard-host without TLS or tokens "
-            "(says so loudly)"
-        },
-    )
-    event_log: str = field(
-        default="etcd",
-        metadata={
-            "choices": ("etcd", "memory"),
-            "help": "where events go (memory: no etcd, for demos and benches)",
-        },
-    )
-    # "": the library default, a local directory -- the CLI refuses that, since a failover
-    # would split the history across hosts
-    archive_url: str = field(
-        default="",
-        metadata={
-            "env": "UNBROKEN_ARCHIVE",
-            "help": "where events older than the newest snapshot are archived: an fsspec URL "
-            "every driver of the job shares (s3://..., a shared path); 'none': keep all in "
-            "etcd (required with the etcd event log)",
-        },
-    )
-    etcd: EtcdConfig = field(
-        default_factory=EtcdConfig, metadata={"prefix": "etcd-", "group": "etcd"}
-    )
-    service: ServiceConfig = field(default_factory=ServiceConfig)
-    port_file: str | None = field(
-        default=None,
-        metadata={"help": "write {grpc_port, metrics_port, address} as JSON here"},
-    )
-    grace_s: float = field(
-        default=2.0, metadata={"help": "how long in-flight RPCs may finish at shutdown"}
-    )
-    exit_when_finished: bool = field(
-        default=False,
-        metadata={
-            "help": "exit 0 once the job finished (every worker of the world exited 0), so a "
-            "batch job gives its nodes back; a failed job keeps the driver for `unbroken resume`"
-        },
-    )
-    loop: LoopConfig = field(
-        default_factory=LoopConfig,
-        metadata={"group": JOB_FLAGS},
-    )
-    scheduler: str = field(
-        default="none",
-        metadata={
-            "choices": ("none", "slurm"),
-            "group": SCHEDULER_FLAGS,
-            "help": "slurm: drain evicted nodes, start replacements' agents as job steps, "
-            "treat DOWN/DRAIN as faults",
-        },
-    )
-    slurm: SlurmConfig = field(
-        default_factory=SlurmConfig,
-        metadata={
-            "prefix": "slurm-",
-            "group": SCHEDULER_FLAGS,
-        },
-    )
-    bridge: BridgeConfig = field(
-        default_factory=BridgeConfig,
-        metadata={
-            "prefix": "scheduler-",
-            "group": SCHEDULER_FLAGS,
-        },
-    )
-
-    def __post_init__(self) -> None:
-        if self.scheduler not in ("none", "slurm"):
-            raise ValueError(f"scheduler must be 'none' or 'slurm', got {self.scheduler!r}")
-        if not self.job_id or len(self.job_id) > 64 or "/" in self.job_id:
-            raise ValueError(f"job_id must be 1-64 characters without '/', got {self.job_id!r}")
-        if self.event_log not in ("etcd", "memory"):
-            raise ValueError(f"event_log must be 'etcd' or 'memory', got {self.event_log!r}")
-        if ":" not in self.listen:
-            raise ValueError(f"listen must be host:port, got {self.listen!r}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
-        if self.dashboard_port is not None and not 0 <= self.dashboard_port <= 65535:
-            raise ValueError(f"dashboard_port must be in [0, 65535], got {self.dashboard_port}")
-        if self.grace_s < 0:
-            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
-        svc = self.service
-        exposed = exposure_problems(
-            self.listen,
-            self.dashboard_host if self.dashboard_port is not None else None,
-            credentials=svc.tls.enabled or svc.tokens is not None,
-            insecure=self.insecure,
-        )
-        if exposed:
-            raise ValueError(exposed[0])
-        if self.metrics_port is not None:
-            problem = metrics_exposure(self.metrics_host, public=self.metrics_public)
-            if problem:
-                raise ValueError(problem)
-        if not self.driver_id:
-            driver_id = f"driver-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
-            object.__setattr__(self, "driver_id", driver_id)  # a derived default
-
-
-def exposure_problems(
-    listen: str, dashboard_host: str | None, *, credentials: bool, insecure: bool
-) -> list[str]:
-    """Why the driver would serve beyond loopback without credentials (none: fine)."""
-    if credentials or insecure:
-        return []
-    hosts = [("--listen", listen.rsplit(":", 1)[0])]
-    if dashboard_host is not None:
-        hosts.append(("--dashboard-host", dashboard_host))
-    return [
-        f"{what} {host} is not a loopback address and the driver has no "
-        "credentials: anyone who reaches it could evict nodes and read the job. "
-        "Give it certificates (--tls-cert/--tls-key/--tls-ca) or role tokens "
-        "(--token-file ROLE=PATH), or pass --insecure to run open anyway"
-        for what, host in hosts
-        if not is_loopback(host)
-    ]
-
-
-def metrics_exposure(host: str, *, public: bool) -> str:
-    """Why `--metrics-host HOST` is refused ("" when it is not): the endpoint takes no
-    credential, so beyond loopback it needs the explicit `--metrics-public`."""
-    if public or is_loopback(host):
-        return ""
-    return (
-        f"--metrics-host {host} is not a loopback address: the metrics endpoint takes no "
-        "credential and names nodes, errors and steps. Pass --metrics-public to serve it "
-        "there anyway (behind a firewall that lets only Prometheus in), or scrape it on "
-        "loopback"
-    )
 
 
 def _archive(cfg: DriverConfig) -> str | None:
@@ -386,12 +211,10 @@ async def serve(cfg: DriverConfig) -> int:
             store = InMemoryStore()
             leadership = store.elect(cfg.driver_id)
             mlog = InMemoryEventLog(store, cfg.job_id, leadership)
-            rloop = await _take_lead(
-                service, mlog, leadership, advertise, cfg.loop, _bridge(cfg, scheduler)
-            )
+            term = _term(cfg, service, mlog, leadership, advertise, scheduler)
+            await term.begin()
             await stop.wait()
-            if rloop is not None:
-                await rloop.close()
+            await term.end(step_down=False)  # the service closes the journal below
         else:
             await _lead_on_etcd(cfg, service, advertise, stop, dashboard, scheduler)
         return 0
@@ -420,89 +243,25 @@ async def _exit_when_finished(service: DriverService, stop: asyncio.Event) -> No
         await asyncio.sleep(0.5)
 
 
-async def _take_lead(
+def _term(
+    cfg: DriverConfig,
     service: DriverService,
     elog: Any,
     leadership: Leadership,
     address: str,
-    loop_cfg: LoopConfig,
-    bridge: Any = None,
-) -> RecoveryLoop | None:
-    """Replay, open the term's journal, record LeaderElected, lead; start the recovery loop
-    when a job is configured."""
-    state = await elog.replay()
-    service.commits.timeline = timeline(state)  # rollbacks so far: older shards are stale
-    journal = service.lead(elog, address, state)
-    if loop_cfg.nodes:
-        # before the first await: an agent that finds this leader while LeaderElected is
-        # being written must meet its node as the log knows it (a reconnect), not as a
-        # stranger (a new NodeRegistered; seen after a failover in bench-recovery)
-        _expect_known_nodes(service, state)
-    try:
-        await journal.record(
-            ev.Event(
-                cause="election",
-                leader_elected=ev.LeaderElected(
-                    driver_id=leadership.driver_id,
-                    lease_id=leadership.lease_id,
-                    term=leadership.term,
-                    address=address,
-                    scope=leadership.scope,
-                ),
-            )
-        )
-    except BaseException:
-        service.step_down()
-        raise
-    log.info("leading", term=leadership.term, last_seq=state.last_seq, nodes=len(state.nodes))
-    if bridge is not None:
-        bridge(journal).start()  # evictions reach the scheduler; its faults reach the loop
-    if not loop_cfg.nodes:
-        return None
-    rloop = RecoveryLoop(loop_cfg, service, journal)
-    rloop.start()
-    return rloop
-
-
-def _bridge(cfg: DriverConfig, scheduler: Scheduler | None) -> Any:
-    """A factory of the term's scheduler bridge (None: no scheduler)."""
-    if scheduler is None:
-        return None
-    return lambda journal: SchedulerBridge(scheduler, journal, cfg.bridge)
-
-
-def _expect_known_nodes(service: DriverService, state: ev.JobState) -> None:
-    """Track the log's active and spare nodes as registered, before they find this leader.
-
-    A node that died during the failover never registers with the new leader; without a
-    slot in the live view it would never be declared lost, and a restart of its world
-    would wait for its session forever. Each gets the registration grace twice over to
-    come back (agents need a few backoff rounds to find the new leader). So does a node this
-    driver already tracked from an earlier term of its own whose session the step-down
-    ended: it was measured by the miss limit alone and, seconds into its backoff, declared
-    lost (a spare so lost, the chaos suite's stopped etcd shrank the world instead of
-    taking it).
-    """
-    now = time.monotonic() + service.config.live.session_grace_ms / 1000.0
-    for node_id, rec in state.nodes.items():
-        if rec.state not in (ev.NODE_STATE_ACTIVE, ev.NODE_STATE_SPARE):
-            continue
-        known = service.view.nodes.get(node_id)
-        if known is not None:
-            if not known.connected and known.alive:
-                service.view.mark_registered(known, now)  # back within the same grace
-            continue
-        slot = service.view.slot(node_id)
-        slot.epoch = rec.epoch
-        slot.info = dpb.RegisterRequest(
-            node_id=node_id,
-            epoch=rec.epoch,
-            hostname=rec.hostname,
-            ip=rec.ip,
-            num_workers=rec.num_workers,
-            spare=rec.spare,
-        )
-        service.view.mark_registered(slot, now)
+    scheduler: Scheduler | None,
+) -> Term:
+    """The term this driver begins when `leadership` is granted."""
+    return Term(
+        service,
+        elog,
+        leadership,
+        address,
+        loop=cfg.loop,
+        scheduler=scheduler,
+        bridge=cfg.bridge,
+        grace_s=cfg.service.live.session_grace_ms / 1000.0,
+    )
 
 
 async def _lead_on_etcd(
@@ -530,7 +289,6 @@ async def _lead_on_etcd(
     client = await etcdlog.connect(etcd_cfg)
     if dashboard is not None:  # a standby's dashboard replays the log read-only
         dashboard.reader = etcdlog.EtcdEventLog(client, cfg.job_id, None, archive_url=_archive(cfg))
-    etcd_down_since: float | None = None
     # One Election for the driver's life: after a lease doubt (its TTL passed unconfirmed,
     # e.g. while etcd elected a leader) it keeps the lease, and the next campaign takes the
     # same term back when etcd confirms it, instead of waiting for it to expire
@@ -538,52 +296,11 @@ async def _lead_on_etcd(
         client, cfg.job_id, cfg.driver_id, ttl_s=cfg.etcd.lease_ttl_s, address=address
     )
     try:
+        down_since: float | None = None
         while not stop.is_set():
-            follow = asyncio.create_task(_follow_leader(client, cfg.job_id, service))
-            campaign = asyncio.create_task(election.campaign())
-            stopped = asyncio.create_task(stop.wait())
-            await asyncio.wait({campaign, stopped}, return_when=asyncio.FIRST_COMPLETED)
-            follow.cancel()
-            if stop.is_set():
-                campaign.cancel()
-                with contextlib.suppress(BaseException):
-                    await campaign
-                break
-            # etcd down (killed, restarting, partitioned): campaign again, for a while
-            try:
-                leadership = campaign.result()
-            except EventLogError as e:
-                etcd_down_since = await _etcd_down(etcd_down_since, e, stop)
-                continue
-            elog = etcdlog.EtcdEventLog(client, cfg.job_id, leadership, archive_url=_archive(cfg))
-            try:
-                rloop = await _take_lead(
-                    service, elog, leadership, address, cfg.loop, _bridge(cfg, scheduler)
-                )
-            except EventLogError as e:
-                with contextlib.suppress(Exception):
-                    await election.resign()
-                await elog.close()
-                etcd_down_since = await _etcd_down(etcd_down_since, e, stop)
-                continue
-            etcd_down_since = None
-            lost = asyncio.create_task(election.lost.wait())
-            await asyncio.wait({lost, stopped}, return_when=asyncio.FIRST_COMPLETED)
-            lost.cancel()
-            if rloop is not None:
-                await rloop.close()
-            if stop.is_set():
-                service.step_down()
-                with contextlib.suppress(Exception):
-                    await election.resign()
-                await elog.close()
-                break
-            log.error(
-                "leadership lost; stepping down and campaigning again",
-                lease_in_doubt=election.in_doubt,  # then the same term comes back if it lives
+            down_since = await _one_term(
+                cfg, service, client, election, address, stop, scheduler, down_since
             )
-            service.step_down()
-            await elog.close()
     finally:
         with contextlib.suppress(Exception):
             await election.resign()  # stops its keeper thread; revokes a lease still held
@@ -591,6 +308,81 @@ async def _lead_on_etcd(
             await client.close()
         if embedded is not None:
             embedded.stop()
+
+
+async def _one_term(
+    cfg: DriverConfig,
+    service: DriverService,
+    client: Any,
+    election: Any,
+    address: str,
+    stop: asyncio.Event,
+    scheduler: Scheduler | None,
+    down_since: float | None,
+) -> float | None:
+    """Stand by until elected (or stopped), then lead one term until the lease is lost or
+    the driver stops. Returns since when etcd has been down (None: it is up)."""
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        return await _stand_by_then_lead(
+            cfg, service, client, election, address, stop, stopped, scheduler, down_since
+        )
+    finally:
+        stopped.cancel()
+
+
+async def _stand_by_then_lead(
+    cfg: DriverConfig,
+    service: DriverService,
+    client: Any,
+    election: Any,
+    address: str,
+    stop: asyncio.Event,
+    stopped: asyncio.Task[Any],
+    scheduler: Scheduler | None,
+    down_since: float | None,
+) -> float | None:
+    from unbroken.driver import etcdlog
+
+    follow = asyncio.create_task(_follow_leader(client, cfg.job_id, service))
+    campaign = asyncio.create_task(election.campaign())
+    await asyncio.wait({campaign, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    follow.cancel()
+    if stop.is_set():
+        campaign.cancel()
+        with contextlib.suppress(BaseException):
+            await campaign
+        return down_since
+    # etcd down (killed, restarting, partitioned): campaign again, for a while
+    try:
+        leadership: Leadership = campaign.result()
+    except EventLogError as e:
+        return await _etcd_down(down_since, e, stop)
+    elog = etcdlog.EtcdEventLog(client, cfg.job_id, leadership, archive_url=_archive(cfg))
+    term = _term(cfg, service, elog, leadership, address, scheduler)
+    try:
+        await term.begin()
+    except EventLogError as e:
+        with contextlib.suppress(Exception):
+            await election.resign()
+        await elog.close()
+        return await _etcd_down(down_since, e, stop)
+    lost = asyncio.create_task(election.lost.wait())
+    await asyncio.wait({lost, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    lost.cancel()
+    if stop.is_set():
+        await term.end()
+        with contextlib.suppress(Exception):
+            await election.resign()
+        await elog.close()
+        return None
+    log.error(
+        "leadership lost; stepping down and campaigning again",
+        lease_in_doubt=election.in_doubt,  # then the same term comes back if it lives
+    )
+    await term.end()
+    await elog.close()
+    return None
 
 
 async def _etcd_down(since: float | None, error: Exception, stop: asyncio.Event) -> float:

@@ -29,19 +29,19 @@ from unbroken.common.faults import RuntimeFault
 from unbroken.diagnostics.runner import verdict_event
 from unbroken.driver import goodput as goodputlib
 from unbroken.driver import loghealth, machine, paging
+from unbroken.driver.decider import EVICT
 from unbroken.driver.diagnose import DiagnoseError, DriverDiagnoseConfig, run_diagnosis
 from unbroken.driver.eventlog import EventLogError, new_event_id
 from unbroken.driver.journal import Journal
 from unbroken.driver.leadership import Commands, Leadership
 from unbroken.driver.liveview import LiveView
 from unbroken.driver.rpc import abort, within_deadline
-from unbroken.driver.scheduler import bridge_of
 from unbroken.driver.security import ANONYMOUS, OPERATOR, caller
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 
-if TYPE_CHECKING:  # service.py builds this object: only the type is needed here
-    from unbroken.driver.service import ServiceConfig
+if TYPE_CHECKING:  # only the type is needed here
+    from unbroken.driver.config import ServiceConfig
 
 log = structlog.get_logger(__name__)
 
@@ -291,51 +291,9 @@ class OperatorApi:
         if request.follow:
             journal.subscribers.append(on_event)
         try:
-            nxt = request.since_seq + 1
-            last = journal.state.last_seq
-            while nxt <= last:  # history: exact key ranges, one page at a time
-                try:
-                    chunk = await asyncio.wait_for(
-                        journal.log.read(nxt, min(last, nxt + READ_CHUNK - 1)),
-                        self._read_timeout_s,
-                    )
-                except (TimeoutError, EventLogError) as err:
-                    await abort(
-                        context,
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"reading the event log failed: {err!r}",
-                    )
-                if not chunk:
-                    break
-                for one in chunk:
-                    await context.write(dpb.WatchEventsResponse(event=one))
-                nxt = chunk[-1].seq + 1
-            if not request.follow:
-                return
-            while True:  # live: what the journal records from now on (ends on cancel)
-                if overflow.is_set():
-                    await abort(
-                        context,
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"this watcher fell {WATCH_BUFFER} events behind; watch again with "
-                        f"--since {nxt - 1}",
-                    )
-                e = await live.get()
-                if e.seq < nxt:
-                    continue  # already sent from history
-                if e.seq > nxt:  # recorded before we subscribed ... after our last page
-                    for one in await journal.log.read(nxt, e.seq - 1):
-                        await context.write(dpb.WatchEventsResponse(event=one))
-                await context.write(dpb.WatchEventsResponse(event=e))
-                nxt = e.seq + 1
-                if self._lead.journal is not journal:
-                    await abort(
-                        context,
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"driver {self._lead.driver_id} stepped down; watch the new leader from "
-                        f"--since {nxt - 1}",
-                        trailing_metadata=((channel.LEADER_KEY, self._lead.address),),
-                    )
+            nxt = await self._history(journal, request.since_seq + 1, context)
+            if request.follow:
+                await self._follow(journal, live, overflow, nxt, context)
         finally:
             self.watchers -= 1
             self.watchers_of[str(who)] -= 1
@@ -344,13 +302,71 @@ class OperatorApi:
             if on_event in journal.subscribers:
                 journal.subscribers.remove(on_event)
 
+    async def _history(self, journal: Journal, nxt: int, context: grpc.aio.ServicerContext) -> int:
+        """Stream the recorded events from `nxt` (exact key ranges, one page at a time);
+        the seq after the last one sent."""
+        last = journal.state.last_seq
+        while nxt <= last:
+            try:
+                chunk = await asyncio.wait_for(
+                    journal.log.read(nxt, min(last, nxt + READ_CHUNK - 1)),
+                    self._read_timeout_s,
+                )
+            except (TimeoutError, EventLogError) as err:
+                await abort(
+                    context,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"reading the event log failed: {err!r}",
+                )
+            if not chunk:
+                break
+            for one in chunk:
+                await context.write(dpb.WatchEventsResponse(event=one))
+            nxt = chunk[-1].seq + 1
+        return nxt
+
+    async def _follow(
+        self,
+        journal: Journal,
+        live: asyncio.Queue[ev.Event],
+        overflow: asyncio.Event,
+        nxt: int,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """Stream what the journal records from now on (ends on cancel, on falling behind,
+        or when this driver steps down)."""
+        while True:
+            if overflow.is_set():
+                await abort(
+                    context,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"this watcher fell {WATCH_BUFFER} events behind; watch again with "
+                    f"--since {nxt - 1}",
+                )
+            e = await live.get()
+            if e.seq < nxt:
+                continue  # already sent from history
+            if e.seq > nxt:  # recorded before we subscribed ... after our last page
+                for one in await journal.log.read(nxt, e.seq - 1):
+                    await context.write(dpb.WatchEventsResponse(event=one))
+            await context.write(dpb.WatchEventsResponse(event=e))
+            nxt = e.seq + 1
+            if self._lead.journal is not journal:
+                await abort(
+                    context,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"driver {self._lead.driver_id} stepped down; watch the new leader from "
+                    f"--since {nxt - 1}",
+                    trailing_metadata=((channel.LEADER_KEY, self._lead.address),),
+                )
+
     # ------------------------------------------------------------ resume
     async def Resume(
         self, request: dpb.ResumeRequest, context: grpc.aio.ServicerContext
     ) -> dpb.ResumeResponse:
         """A failed or stuck job gets a new incident with a fresh restore budget."""
         journal = await self._journal(context)
-        if journal.decider is None:
+        if not journal.decider.recovers:
             await abort(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -418,38 +434,44 @@ class OperatorApi:
         action = ev.Event(
             event_id=new_event_id(),
             cause="operator",
-            operator_action=ev.OperatorAction(action="evict", target=node_id, who=who(context)),
+            operator_action=ev.OperatorAction(
+                action=EVICT, target=node_id, who=who(context), reason=reason
+            ),
         )
-        try:
-            if journal.decider is not None:
-                # the recovery loop decides: pause, evict, take a spare or shrink, restore
-                stored = await journal.observe(action, self._read_timeout_s)
-            else:
-                evicted = ev.Event(node_evicted=ev.NodeEvicted(node_id=node_id, reason=reason))
-                evicted.cause = action.event_id
-                stored = await journal.record(action, evicted, wait_s=self._read_timeout_s)
+        try:  # the decider decides (driver/decider.py): the recovery loop pauses, evicts,
+            # takes a spare or shrinks and restores; without one the node is out at once
+            stored = await journal.observe(action, self._read_timeout_s)
         except (EventLogError, TimeoutError) as e:
             await abort(
                 context, grpc.StatusCode.UNAVAILABLE, f"recording the eviction failed: {e!r}; retry"
             )
         seq = max(e.seq for e in stored) if stored else journal.state.last_seq
-        notified = False
-        slot = self.view.nodes.get(node_id)
-        if journal.decider is None and slot is not None and slot.outbox is not None:
-            self.view.mark_leaving(node_id)  # its agent exits on the command: no NodeLost
-            try:
-                reply = await self._cmd.request(
-                    node_id,
-                    dpb.DriverMessage(evict=dpb.Evict(reason=reason)),
-                    within_deadline(context, self._diagnose_config.ack_timeout_s),
-                )
-                notified = reply.ack.ok
-            except (TimeoutError, KeyError) as e:
-                log.warning("evicted node's agent did not acknowledge", node=node_id, error=str(e))
+        out_now = any(e.node_evicted.node_id == node_id for e in stored)
+        notified = await self._tell_evicted(node_id, reason, context) if out_now else False
         log.warning("node evicted by operator", node=node_id, reason=reason, seq=seq)
         return dpb.EvictResponse(
-            seq=seq, agent_notified=notified, recovering=journal.decider is not None
+            seq=seq, agent_notified=notified, recovering=journal.decider.recovers
         )
+
+    async def _tell_evicted(
+        self, node_id: str, reason: str, context: grpc.aio.ServicerContext
+    ) -> bool:
+        """Tell an evicted node's agent to stop (it exits: no NodeLost follows); whether it
+        acknowledged within the caller's deadline."""
+        slot = self.view.nodes.get(node_id)
+        if slot is None or slot.outbox is None:
+            return False
+        self.view.mark_leaving(node_id)
+        try:
+            reply = await self._cmd.request(
+                node_id,
+                dpb.DriverMessage(evict=dpb.Evict(reason=reason)),
+                within_deadline(context, self._diagnose_config.ack_timeout_s),
+            )
+            return reply.ack.ok
+        except (TimeoutError, KeyError) as e:
+            log.warning("evicted node's agent did not acknowledge", node=node_id, error=str(e))
+            return False
 
     # ------------------------------------------------------------ clear
     async def ClearNode(
@@ -464,7 +486,7 @@ class OperatorApi:
                 f"node_id must be 1-{MAX_NODE_ID} characters, got {node_id[:MAX_NODE_ID]!r}",
             )
         journal = await self._journal(context)
-        bridge = bridge_of(journal)
+        bridge = self._lead.bridge
         if bridge is None:
             await abort(
                 context,

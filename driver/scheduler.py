@@ -267,6 +267,7 @@ class SchedulerBridge:
         self._exhausted = False  # the scheduler had no node for the last request
         self._coming: dict[str, float] = {}  # node -> deadline: started, not registered yet
         self._seeded = False  # `_drained` learned the drains of earlier terms
+        self._watcher: asyncio.Task[Any] | None = None  # the poll of the scheduler's nodes
 
     @property
     def timeout_s(self) -> float:
@@ -276,7 +277,7 @@ class SchedulerBridge:
         """Subscribe to the journal and start the watch (inside the event loop)."""
         self.journal.subscribers.append(self.on_event)
         if self.config.poll_s:
-            self._spawn(self._watch())
+            self._watcher = self._spawn(self._watch())
 
     def on_event(self, e: ev.Event) -> None:
         """A journal subscriber (never blocks: calls run in the background)."""
@@ -513,30 +514,21 @@ class SchedulerBridge:
             log.warning("the scheduler took a node out of service", node=n, state=said)
             self.journal.submit(fault, time.monotonic())
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         t = asyncio.create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+        return t
 
     async def close(self) -> None:
         """Unsubscribe; wait briefly for calls in flight, then cancel them."""
         with contextlib.suppress(ValueError):
             self.journal.subscribers.remove(self.on_event)
-        for t in list(self._tasks):
-            if t.get_coro().__name__ == "_watch":  # type: ignore[union-attr]
-                t.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=self.timeout_s)
         for t in list(self._tasks):
             t.cancel()
             with contextlib.suppress(BaseException):
                 await t
-
-
-def bridge_of(journal: Any) -> SchedulerBridge | None:
-    """The scheduler bridge serving `journal`'s term (None: the driver runs without one)."""
-    for sub in getattr(journal, "subscribers", ()):
-        owner = getattr(sub, "__self__", None)
-        if isinstance(owner, SchedulerBridge):
-            return owner
-    return None

@@ -73,7 +73,7 @@ def _feed(loop: RecoveryLoop, book: sdclib.FingerprintBook, nodes: tuple[str, ..
     """Add every world rank's heartbeat fingerprints to `book`; returns {rank: node}."""
     node_of: dict[int, str] = {}
     for n in nodes:
-        slot = loop.service.view.nodes.get(n)
+        slot = loop.view.nodes.get(n)
         if slot is None or not slot.alive:
             continue
         for ws in slot.hb.workers:

@@ -8,9 +8,12 @@ a snapshot equals folding the whole history (tests/unit/test_state_fold.py).
 
 from __future__ import annotations
 
+import collections
+import heapq
 import math
 from collections.abc import Callable, Iterable
 
+from unbroken.driver.eventkinds import CAUSE_KINDS
 from unbroken.proto import events_pb2 as ev
 
 KEEP_CHECKPOINTS = 16  # checkpoint records kept in the folded state (newest last)
@@ -24,6 +27,13 @@ PERSIST_COST_ALPHA = 0.3  # weight of a commit's persist time in the moving aver
 KEEP_GONE_NODES = 1000
 PRUNE_SLACK = KEEP_GONE_NODES // 2
 _GONE = (ev.NODE_STATE_LOST, ev.NODE_STATE_EVICTED)
+#: The gone records of a state in the order they went, so that a prune costs the gone
+#: records and not every node: id(state) -> a heap of (gone_seq, node_id). It lives beside
+#: the states, not in them (a snapshot stores nothing twice), for the few states folded
+#: lately (the journal's, a replay's); every prune checks it against its state first
+#: (`_gone_heap`), so a copy, an undo or a reused id can make it stale but never wrong.
+_GONE_HEAPS: collections.OrderedDict[int, list[tuple[int, str]]] = collections.OrderedDict()
+_GONE_HEAPS_KEPT = 8
 
 
 def initial(job_id: str) -> ev.JobState:
@@ -95,29 +105,76 @@ def _set_state(s: ev.JobState, rec: ev.NodeRecord, state: int, seq: int) -> None
     if gone and not was_gone:
         s.gone_nodes += 1
         rec.gone_seq = seq or s.last_seq
+        heap = _GONE_HEAPS.get(id(s))
+        if heap is not None:
+            heapq.heappush(heap, (rec.gone_seq, rec.node_id))
+            if len(heap) > 2 * (KEEP_GONE_NODES + PRUNE_SLACK) + s.gone_nodes:
+                del _GONE_HEAPS[id(s)]  # mostly stale (nodes that came back): rebuilt at need
     elif was_gone and not gone:
         s.gone_nodes = max(0, s.gone_nodes - 1)  # a snapshot older than the count has 0
         rec.gone_seq = 0
 
 
 def _prune(s: ev.JobState) -> None:
-    """Drop the oldest gone node records once there are PRUNE_SLACK more than kept."""
+    """Drop the oldest gone node records once there are PRUNE_SLACK more than kept.
+
+    The oldest are those with the lowest (gone_seq, node id) outside the world, the
+    incident's world, the suspects and the bad nodes. They come off the state's heap of
+    gone records, so a prune costs the gone records (at most KEEP_GONE_NODES +
+    PRUNE_SLACK, plus those that came back since the last prune), not a pass over every
+    node of the job."""
     if s.gone_nodes <= KEEP_GONE_NODES + PRUNE_SLACK:
         return
     keep = {*s.world.node_ids, *s.suspects, *s.bad_nodes, *s.incident_world.node_ids}
+    heap = _gone_heap(s)
     nodes = s.nodes
-    gone = []
-    for n in nodes:  # keys, then one lookup each: twice as fast as the map's items()
-        r = nodes[n]
-        if r.state in _GONE and n not in keep:
-            gone.append((r.gone_seq, n))
-    gone.sort()
-    for _, n in gone[: s.gone_nodes - KEEP_GONE_NODES]:
+    kept = []
+    drop = s.gone_nodes - KEEP_GONE_NODES
+    while drop > 0 and heap:
+        item = heapq.heappop(heap)
+        n = item[1]
+        if n in keep:
+            kept.append(item)
+            continue
         if _touch is not None:
             _touch(n)
-        del s.nodes[n]
+        del nodes[n]
         s.gone_nodes -= 1
         s.pruned_nodes += 1
+        drop -= 1
+    for item in kept:
+        heapq.heappush(heap, item)
+
+
+def _gone_heap(s: ev.JobState) -> list[tuple[int, str]]:
+    """The heap of `s`'s gone records: exactly one (gone_seq, node id) per record whose
+    state is LOST or EVICTED. The heap kept for `s` is used when every record it names
+    is still gone since that seq and they are as many as `s.gone_nodes` (then none is
+    missing); otherwise one pass over the nodes builds it again."""
+    heap = _GONE_HEAPS.pop(id(s), None)
+    nodes = s.nodes
+    if heap is not None:
+        live: dict[str, int] = {}
+        get, gone = nodes.get, _GONE
+        for seq, n in heap:
+            r = get(n)
+            if r is not None and r.gone_seq == seq and r.state in gone:
+                live[n] = seq
+        if len(live) == s.gone_nodes:
+            heap = [(seq, n) for n, seq in live.items()]
+        else:
+            heap = None
+    if heap is None:
+        heap = []
+        for n in nodes:  # keys, then one lookup each: twice as fast as the map's items()
+            r = nodes[n]
+            if r.state in _GONE:
+                heap.append((r.gone_seq, n))
+    heapq.heapify(heap)
+    _GONE_HEAPS[id(s)] = heap
+    while len(_GONE_HEAPS) > _GONE_HEAPS_KEPT:
+        _GONE_HEAPS.popitem(last=False)
+    return heap
 
 
 def _apply_in_place(s: ev.JobState, e: ev.Event) -> None:
@@ -491,24 +548,6 @@ def _job_finished(s: ev.JobState, e: ev.Event) -> None:
     s.step = e.job_finished.step
     s.finished_reason = e.job_finished.reason
 
-
-# the events whose kind names an incident's cause in the goodput ledger
-CAUSE_KINDS = frozenset(
-    {
-        "node_lost",
-        "worker_failed",
-        "hang_suspected",
-        "straggler_suspected",
-        "log_alert",
-        "loss_spike",
-        "sdc_suspected",
-        "self_check_reported",
-        "diagnosis_verdict",
-        "operator_action",
-        "node_evicted",
-        "world_resized",
-    }
-)
 
 _HANDLERS: dict[str, Callable[[ev.JobState, ev.Event], None]] = {
     "job_started": _job_started,

@@ -208,6 +208,25 @@ class _Finding:
     z: float
 
 
+@dataclass(frozen=True, slots=True)
+class _Peers:
+    """The sweep's ready nodes' figures, each sorted (for `median_without`)."""
+
+    computes: list[float]
+    waits: list[float]
+    wait_mads: list[float]
+    mads: list[float]
+
+    @staticmethod
+    def of(ready: Sequence[Sample]) -> _Peers:
+        return _Peers(
+            computes=sorted(s.compute_ms for s in ready),
+            waits=sorted(s.wait_ms for s in ready),
+            wait_mads=sorted(s.wait_mad_ms for s in ready),
+            mads=sorted(s.mad_ms for s in ready),
+        )
+
+
 @dataclass(slots=True)
 class StragglerWatch:
     """Per-node roles (baselines) and streaks across sweeps."""
@@ -224,70 +243,25 @@ class StragglerWatch:
             del self.tracks[gone]
         if len(ready) < 2:
             return []
-        computes = sorted(s.compute_ms for s in ready)
-        waits = sorted(s.wait_ms for s in ready)
-        wait_mads = sorted(s.wait_mad_ms for s in ready)
-        mads = sorted(s.mad_ms for s in ready)
+        peers = _Peers.of(ready)
         out = []
         for s in ready:
             t = self.tracks.get(s.node_id)
             if t is None or t.generation != s.generation:
                 t = self.tracks[s.node_id] = _Track(s.generation)
             # its compute relative to the others' now: a load on every node cancels out
-            others = median_without(computes, s.compute_ms)
+            others = median_without(peers.computes, s.compute_ms)
             rel = s.compute_ms / others
-            others_wait = median_without(waits, s.wait_ms)
+            others_wait = median_without(peers.waits, s.wait_ms)
             gap = others_wait - s.wait_ms
             if not t.role:
-                if t.settled < c.settle_sweeps:  # a restart's transients pass first
-                    t.settled += 1
-                    continue
-                t.rels.append(rel)
-                t.gaps.append(gap)
-                if len(t.rels) >= c.baseline_sweeps:  # its role: the usual relative cost
-                    t.role = statistics.median(t.rels)
-                    t.gap = statistics.median(t.gaps)
+                self._learn(t, rel, gap)
                 continue
             slowdown = rel / t.role
-            found = None
-            if others_wait > 0 or s.wait_ms > 0:  # the job reports its collective waits
-                extra = gap - t.gap
-                gap_se = math.hypot(
-                    SE_MEDIAN
-                    * math.hypot(s.wait_mad_ms, median_without(wait_mads, s.wait_mad_ms))
-                    / math.sqrt(s.steps),
-                    math.sqrt(t.gap_var),
-                )
-                wait_slowdown = s.compute_ms / max(s.compute_ms - extra, 0.1 * s.compute_ms)
-                wait_z = extra / max(gap_se, 1e-3)
-                if wait_slowdown >= c.min_slowdown and wait_z >= c.k and slowdown > 1.0:
-                    found = _Finding("wait", wait_slowdown, wait_z)
-            elif slowdown >= c.min_slowdown:  # no waits: compute alone
-                # the relative errors of its median and of the others' (their typical
-                # MAD), and how much its ratio wandered while healthy
-                se = math.hypot(
-                    SE_MEDIAN
-                    * math.hypot(s.mad_ms / s.compute_ms, median_without(mads, s.mad_ms) / others)
-                    / math.sqrt(s.steps),
-                    math.sqrt(t.role_var) / t.role,
-                )
-                z = (slowdown - 1.0) / max(se, 1e-6)
-                if z >= c.k:
-                    found = _Finding("compute", slowdown, z)
+            found = self._judge(s, t, peers, slowdown, others, others_wait, gap)
             window_sweeps = s.steps * (s.compute_ms + s.wait_ms) / c.sweep_ms
             if found is None:
-                t.streak, t.reported = 0, False
-                if t.hold > 0:  # its window still holds a finding's slow steps
-                    t.hold -= 1
-                elif c.drift_sweeps:  # healthy: its role follows a slow drift
-                    # ...slower than its window can shift: a change within a few windows
-                    # (a straggler's, however slow its steps) is not absorbed as drift
-                    a = 2.0 / (max(c.drift_sweeps, DRIFT_WINDOWS * window_sweeps) + 1)
-                    d, g = rel - t.role, gap - t.gap
-                    t.role += a * d
-                    t.role_var = (1.0 - a) * (t.role_var + a * d * d)
-                    t.gap += a * g
-                    t.gap_var = (1.0 - a) * (t.gap_var + a * g * g)
+                self._healthy(t, rel, gap, window_sweeps)
                 continue
             t.streak += 1
             t.hold = 2 * math.ceil(window_sweeps) + 1  # ...and its window's turnover after it
@@ -313,3 +287,70 @@ class StragglerWatch:
                 )
             )
         return out
+
+    def _learn(self, t: _Track, rel: float, gap: float) -> None:
+        """A node without a role yet: let a restart's transients pass, then take its usual
+        relative cost (and wait gap) as the median of its first windows."""
+        c = self.config
+        if t.settled < c.settle_sweeps:  # a restart's transients pass first
+            t.settled += 1
+            return
+        t.rels.append(rel)
+        t.gaps.append(gap)
+        if len(t.rels) >= c.baseline_sweeps:  # its role: the usual relative cost
+            t.role = statistics.median(t.rels)
+            t.gap = statistics.median(t.gaps)
+
+    def _judge(
+        self,
+        s: Sample,
+        t: _Track,
+        peers: _Peers,
+        slowdown: float,
+        others: float,
+        others_wait: float,
+        gap: float,
+    ) -> _Finding | None:
+        """Whether `s` is slow against its role, with its evidence (None: not slow)."""
+        c = self.config
+        if others_wait > 0 or s.wait_ms > 0:  # the job reports its collective waits
+            extra = gap - t.gap
+            gap_se = math.hypot(
+                SE_MEDIAN
+                * math.hypot(s.wait_mad_ms, median_without(peers.wait_mads, s.wait_mad_ms))
+                / math.sqrt(s.steps),
+                math.sqrt(t.gap_var),
+            )
+            wait_slowdown = s.compute_ms / max(s.compute_ms - extra, 0.1 * s.compute_ms)
+            wait_z = extra / max(gap_se, 1e-3)
+            if wait_slowdown >= c.min_slowdown and wait_z >= c.k and slowdown > 1.0:
+                return _Finding("wait", wait_slowdown, wait_z)
+        elif slowdown >= c.min_slowdown:  # no waits: compute alone
+            # the relative errors of its median and of the others' (their typical
+            # MAD), and how much its ratio wandered while healthy
+            se = math.hypot(
+                SE_MEDIAN
+                * math.hypot(s.mad_ms / s.compute_ms, median_without(peers.mads, s.mad_ms) / others)
+                / math.sqrt(s.steps),
+                math.sqrt(t.role_var) / t.role,
+            )
+            z = (slowdown - 1.0) / max(se, 1e-6)
+            if z >= c.k:
+                return _Finding("compute", slowdown, z)
+        return None
+
+    def _healthy(self, t: _Track, rel: float, gap: float, window_sweeps: float) -> None:
+        """A sweep without a finding: the streak ends, and the role follows a slow drift."""
+        c = self.config
+        t.streak, t.reported = 0, False
+        if t.hold > 0:  # its window still holds a finding's slow steps
+            t.hold -= 1
+        elif c.drift_sweeps:  # healthy: its role follows a slow drift
+            # ...slower than its window can shift: a change within a few windows
+            # (a straggler's, however slow its steps) is not absorbed as drift
+            a = 2.0 / (max(c.drift_sweeps, DRIFT_WINDOWS * window_sweeps) + 1)
+            d, g = rel - t.role, gap - t.gap
+            t.role += a * d
+            t.role_var = (1.0 - a) * (t.role_var + a * d * d)
+            t.gap += a * g
+            t.gap_var = (1.0 - a) * (t.gap_var + a * g * g)

@@ -597,14 +597,16 @@ class JobFinished(_message.Message):
     def __init__(self, step: _Optional[int] = ..., ok: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class OperatorAction(_message.Message):
-    __slots__ = ("action", "target", "who")
+    __slots__ = ("action", "target", "who", "reason")
     ACTION_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     WHO_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     action: str
     target: str
     who: str
-    def __init__(self, action: _Optional[str] = ..., target: _Optional[str] = ..., who: _Optional[str] = ...) -> None: ...
+    reason: str
+    def __init__(self, action: _Optional[str] = ..., target: _Optional[str] = ..., who: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class RendezvousRound(_message.Message):
     __slots__ = ("run_id", "round", "closed", "participants", "waiting", "spares")

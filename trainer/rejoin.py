@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import socket
 import time
+import traceback
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -65,19 +67,92 @@ def peer_failure(e: BaseException) -> bool:
     """Whether `e` (raised by a step) says a peer failed rather than this process."""
     import torch.distributed as dist
 
-    if isinstance(e, getattr(dist, "DistNetworkError", ())):
-        return True
-    text = f"{type(e).__name__}: {e}"
-    return any(p in text for p in PEER_FAILURES)
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:  # torch wraps: pipelining's stage
+        seen.add(id(cur))  # backward raises a plain RuntimeError *from* the gloo error
+        if isinstance(cur, getattr(dist, "DistNetworkError", ())):
+            return True
+        text = f"{type(cur).__name__}: {cur}"
+        if any(p in text for p in PEER_FAILURES):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
-def hold(h: Held, hooks: Hooks, wait_s: float = HOLD_WAIT_S) -> Any:
+def drop_frames(e: BaseException) -> None:
+    """Clear the locals of every finished frame in `e`'s tracebacks (and its causes').
+
+    The failed step's frames hold the old world: the trainer, its DTensors and meshes, and
+    through them the process groups. While one is referenced, destroying the group closes
+    none of its gloo connections, so a peer blocked in a collective with this rank (a tp
+    peer in the optimizer's all-reduce, say) is never told and waits until the hang rule
+    restarts every process.
+    """
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if cur.__traceback__ is not None:
+            traceback.clear_frames(cur.__traceback__)  # skips the frames still running
+        cur = cur.__cause__ or cur.__context__
+
+
+def open_sockets() -> frozenset[tuple[int, str]]:
+    """This process's open sockets as (fd, inode) pairs (empty where there is no /proc)."""
+    out = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/self/fd/{fd}")
+                if target.startswith("socket:"):
+                    out.add((int(fd), target))
+    return frozenset(out)
+
+
+def sever(since: frozenset[tuple[int, str]]) -> int:
+    """Shut down (not close) every connected TCP socket opened after `since` was taken.
+
+    Gloo cannot abort: a rank that leaves its world with a collective still queued blocks in
+    the group's destructor until that collective ends, and a peer blocked in a collective
+    with it waits until its timeout (30 min) or the hang rule restarts every process. The
+    world's connections (its store's and gloo's pairs) were all opened after `since` (taken
+    just before the world's rendezvous); shut down, every pending operation on both ends
+    fails at once with "Connection closed by peer", and the peers leave the world too.
+    Listening sockets are left alone (gloo's accept loop aborts the process on an error),
+    and the descriptors stay gloo's to close. Returns how many were shut down.
+    """
+    n = 0
+    for fd, _inode in open_sockets() - since:
+        with contextlib.suppress(OSError):
+            s = socket.socket(fileno=fd)
+            try:
+                tcp = s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM
+                if tcp and not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    s.getpeername()  # connected only
+                    s.shutdown(socket.SHUT_RDWR)
+                    n += 1
+            except OSError:
+                pass
+            finally:
+                s.detach()
+    return n
+
+
+def hold(
+    h: Held,
+    hooks: Hooks,
+    wait_s: float = HOLD_WAIT_S,
+    *,
+    world_since: frozenset[tuple[int, str]] | None = None,
+) -> Any:
     """Leave the world in this process and wait for the agent's Rejoin (in-job recovery).
 
     Says `HELD_PHASE` to the agent first (the caller has finished its flash copy, so the
-    ring is final and the driver need not wait for the rest), then drops the process group
-    (a peer still in a collective with this rank then fails at once instead of waiting for
-    its timeout), and waits.
+    ring is final and the driver need not wait for the rest), then shuts the old world's
+    connections down (`sever`, where the caller says which: `world_since`) and drops the
+    process group (a peer still in a collective with this rank then fails at once instead of
+    waiting for its timeout), and waits.
 
     Returns:
         The Rejoin command's message, or None (a stop, or no Rejoin within `wait_s`).
@@ -88,6 +163,9 @@ def hold(h: Held, hooks: Hooks, wait_s: float = HOLD_WAIT_S) -> Any:
     hooks.flush_steps()
     hooks.phase(HELD_PHASE)
     said = time.monotonic()
+    if world_since is not None:
+        mark("severed", sockets=sever(world_since))
+    drop_frames(h)
     gc.collect()  # DDP/FSDP state may still hold the group: free it, so it really closes
     if dist.is_initialized():
         with contextlib.suppress(Exception):

@@ -7,6 +7,7 @@ lines on an O_APPEND file are not interleaved between processes). The phases a w
 - ``start``: the worker's entry point runs (a cold process after its imports, a warm standby
   at its hand-off);
 - ``left``: a survivor left its step (the agent's hold, or a peer's failed collective);
+- ``severed``: it shut the old world's connections down (`sockets`: how many);
 - ``held``: it dropped its process groups and told the agent so;
 - ``rejoin``: the agent's Rejoin (the new world) arrived;
 - ``pg_init``: torch.distributed joined the new world;

@@ -73,7 +73,14 @@ from unbroken.trainer.plugin import (
     Skips,
     Throttled,
 )
-from unbroken.trainer.rejoin import Held, apply_rejoin, hold, peer_failure, started_by_agent
+from unbroken.trainer.rejoin import (
+    Held,
+    apply_rejoin,
+    hold,
+    open_sockets,
+    peer_failure,
+    started_by_agent,
+)
 from unbroken.trainer.rtrace import mark
 
 if TYPE_CHECKING:
@@ -605,6 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # what the trainer made, about 1 ms instead of 1.6-2 s on a loaded 2-core host.
     gc.freeze()
     while True:
+        before_world = open_sockets()  # what is not the world's: kept when it is left
         owns = init_distributed(config)
         mark("pg_init")
         try:
@@ -629,7 +637,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         except Held as h:
             mark("closed", step=h.step)
-            rejoin = hold(h, hooks)
+            rejoin = hold(h, hooks, world_since=before_world)
             if rejoin is None:
                 return 1
             mark("rejoin")

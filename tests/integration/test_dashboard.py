@@ -24,19 +24,17 @@ import pytest
 
 from tests.jobs import NODE_TOKEN, OPERATOR_TOKEN, SLOW_RANK, TOKEN, DashCluster
 from unbroken.cli.cluster import until
-from unbroken.driver.dashboard import (
-    Dashboard,
-    DashboardConfig,
-    HttpError,
+from unbroken.driver.dashboard import Dashboard, DashboardConfig
+from unbroken.driver.dashview import (
     Series,
     event_json,
     node_display_state,
     node_rows,
-    parse_head,
     rank_nodes,
     stragglers_json,
 )
 from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
+from unbroken.driver.http1 import HttpError, parse_head
 from unbroken.driver.liveview import LiveView, LiveViewConfig, NodeSlot
 from unbroken.driver.security import RoleTokens
 from unbroken.driver.service import DriverService, ServiceConfig

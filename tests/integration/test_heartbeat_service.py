@@ -331,8 +331,8 @@ def test_a_leader_that_took_over_knows_where_each_node_replicates() -> None:
     node kept replicating to an evicted node's closed port and its loss restored from
     storage, 271 steps back)."""
     from unbroken.driver.loop import ring_buddies
-    from unbroken.driver.main import _expect_known_nodes
     from unbroken.driver.service import build_server
+    from unbroken.driver.term import expect_known_nodes
 
     async def go() -> None:
         async with driver() as (svc, store, addr):
@@ -347,7 +347,8 @@ def test_a_leader_that_took_over_knows_where_each_node_replicates() -> None:
             new = DriverService(ServiceConfig(), driver_id="d2", job_id="job")
             elog = InMemoryEventLog(store, "job", store.elect("d2"))
             journal = new.lead(elog, "", await elog.replay())
-            _expect_known_nodes(new, journal.state)  # as driver/main.py does on taking the lead
+            # as a term does on taking the lead (driver/term.py)
+            expect_known_nodes(new.view, journal.state, new.config.live.session_grace_ms / 1e3)
             assert all(new.view.nodes[n].alive for n in ("a", "b"))
             new.start()
             server, port, _ = await build_server(new, "127.0.0.1:0")

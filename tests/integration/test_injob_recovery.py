@@ -94,3 +94,39 @@ def test_a_killed_peer_is_replaced_in_job_and_a_suspect_crash_restarts_every_pro
     for step, values in got.items():
         for v in values:
             assert v == ref[step], (step, v, ref[step])
+
+
+def test_a_killed_rank_in_a_pp2_tp2_world_is_replaced_in_job(job: Job) -> None:
+    """`make run`'s layout (dp1×pp2×tp2, two workers per node): rank 3 (n1's second worker)
+    is SIGKILLed. Its tp peer fails inside pipelining's backward (a bare RuntimeError raised
+    from gloo's), and rank 0 is blocked in its optimizer's collective with rank 1, which
+    only a closed connection ends. Every survivor must leave the world and rejoin in its own
+    process: the recovery stays in-job, with no hang suspected and no process but the
+    killed one replaced."""
+    cmd = f"{job.worker_cmd(1)} --pp 2 --tp 2"  # the last --dp wins: dp1×pp2×tp2
+    job.start_driver(
+        "--workers-per-node", "2", "--dp", "1", "--pp", "2", "--tp", "2",
+        "--worker-cmd", cmd, "--trainer", "gpt3d", steps=STEPS,
+    )  # fmt: skip
+    job.start_agent("n0", buddy="n1", extra=("--nproc-per-node", "2"))
+    job.start_agent("n1", buddy="n0", extra=("--nproc-per-node", "2"))
+    until(lambda: job.max_step() >= 5 and len(job.workers("n1")) == 2, 240, "training", job)
+    kept = {p.pid for n in ("n0", "n1") for p in job.workers(n)}
+    victim = job.workers("n1")[1]
+    kept.discard(victim.pid)
+    before = len(_resumes(job))
+    victim.kill()
+    crash_step = job.max_step()
+    until(
+        lambda: len(_resumes(job)) > before and job.max_step() >= crash_step + 5,
+        240,
+        "training past the crash",
+        job,
+    )
+    events = job.events()
+    resumed = _resumes(job)
+    assert resumed[-1].mode == "in_job", (resumed, job.logs())
+    hangs = [e.hang_suspected for e in events if e.HasField("hang_suspected")]
+    assert not hangs, hangs
+    now = {p.pid for n in ("n0", "n1") for p in job.workers(n)}
+    assert kept <= now, (kept, now)

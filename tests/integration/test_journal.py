@@ -19,7 +19,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.journal_harness import leading
-from unbroken.driver import etcdlog as etcdloglib
+from unbroken.driver import etcdsnapshot
 from unbroken.driver import state as statelib
 from unbroken.driver.eventlog import EventLogError
 from unbroken.driver.liveview import LiveViewConfig
@@ -116,7 +116,7 @@ def test_a_snapshot_too_large_for_etcd_is_a_clear_error_and_counted(
     limited to one, the snapshot is refused before the put, the driver says why and counts
     it; every event stays in etcd (nothing archived without a snapshot) and appends go on.
     (In parts: tests/integration/test_scale_world.py.)"""
-    monkeypatch.setattr(etcdloglib, "MAX_SNAPSHOT_PARTS", 1)
+    monkeypatch.setattr(etcdsnapshot, "MAX_SNAPSHOT_PARTS", 1)
 
     async def go() -> None:
         async with leading(etcd_server, tmp_path / "archive") as (svc, journal, _, elog):

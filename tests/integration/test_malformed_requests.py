@@ -16,8 +16,9 @@ import pytest
 from tests.inproc import driver
 from unbroken.agent.relay import Relay, RelayConfig
 from unbroken.common import channel
+from unbroken.driver.agentapi import LIVE_VIEW_MAX_PAGE
 from unbroken.driver.security import RoleTokens
-from unbroken.driver.service import LIVE_VIEW_MAX_PAGE, ServiceConfig
+from unbroken.driver.service import ServiceConfig
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 

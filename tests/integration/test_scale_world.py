@@ -18,8 +18,7 @@ import grpc
 import pytest
 
 from tests.integration.journal_harness import leading
-from unbroken.driver import etcdlog as etcdloglib
-from unbroken.driver import paging, worldsplit
+from unbroken.driver import etcdsnapshot, paging, worldsplit
 from unbroken.driver.election import Election
 from unbroken.driver.etcdlog import EtcdEventLog, connect
 from unbroken.proto import driver_pb2 as dpb
@@ -102,7 +101,7 @@ def test_a_10240_node_world_registers_snapshots_and_replays_intact(
             while await elog.maintain_once():
                 pass
             assert elog.snapshot_bytes > elog.max_snapshot_bytes  # it went in parts
-            assert elog.snapshot_bytes < etcdloglib.MAX_SNAPSHOT_BYTES
+            assert elog.snapshot_bytes < etcdsnapshot.MAX_SNAPSHOT_BYTES
             snap = await elog.latest_snapshot()
             assert snap is not None and snap.last_seq >= N - 1000
             assert snap.state.world.node_ids == journal.state.world.node_ids

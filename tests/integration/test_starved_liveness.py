@@ -93,7 +93,7 @@ def test_starved_nodes_keep_their_place_and_silent_or_killed_ones_are_lost() -> 
                 beats = svc.view.nodes["a"].heartbeats
                 await until(lambda: svc.view.nodes["a"].heartbeats > beats, 5, "a back")
                 await asyncio.sleep(0.3)
-                assert lost(store) == [] and svc.starved_saved >= 1
+                assert lost(store) == [] and svc.nodewatch.starved_saved >= 1
 
                 # its stream breaks; it registers again with the same epoch: a reconnect
                 await nodes["a"].close()

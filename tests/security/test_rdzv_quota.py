@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from tests.security.conftest import TOKEN, bound_md
-from unbroken.driver.rendezvous import Quota, RendezvousConfig
+from unbroken.driver.rendezvous_state import Quota, RendezvousConfig
 from unbroken.proto import rendezvous_pb2 as rpb
 from unbroken.proto import rendezvous_pb2_grpc as rgrpc
 

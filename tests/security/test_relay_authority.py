@@ -73,9 +73,11 @@ def test_relay_speaks_only_for_members_that_chose_it() -> None:
                 )
                 nodes = svc.view.nodes
                 await until(lambda: nodes["m1"].heartbeats == 1, 5, "m1's relayed heartbeat")
-                await until(lambda: svc.relay_refused >= 5, 5, "the refused entries")
+                await until(lambda: svc.agents.relay_refused >= 5, 5, "the refused entries")
                 assert nodes["m2"].heartbeats == 0 and nodes["m2"].alive
-                assert svc.relay_refused == 5  # m1's wrong epoch; m2's beat, alive, silent, shard
+                assert (
+                    svc.agents.relay_refused == 5
+                )  # m1's wrong epoch; m2's beat, alive, silent, shard
                 assert svc.commits.ignored == 0  # the shard never reached the bookkeeping
                 # a command for m1 goes down the relay's stream, wrapped for m1
                 cid = svc.send("m1", dpb.DriverMessage(pause=dpb.Pause(reason="t")))
@@ -127,13 +129,15 @@ def test_a_relay_cannot_forge_or_alter_its_members_shard_reports() -> None:
                 await up(dpb.AgentMessage(signed_report=altered))
                 replayed = reportmac.sign(member.report_key, 6, report(102))  # another epoch
                 await up(dpb.AgentMessage(signed_report=replayed))
-                await until(lambda: svc.relay_refused >= 4, 5, "the four forged reports refused")
+                await until(
+                    lambda: svc.agents.relay_refused >= 4, 5, "the four forged reports refused"
+                )
                 assert "m1" not in svc.commits.by_node  # none reached the bookkeeping
                 own = reportmac.sign(member.report_key, 7, report(5))
                 await up(dpb.AgentMessage(signed_report=own))
                 await until(lambda: "m1" in svc.commits.by_node, 5, "m1's own signed report")
                 assert svc.commits.by_node["m1"] == {0: 5}
-                assert svc.relay_refused == 4
+                assert svc.agents.relay_refused == 4
                 call.cancel()
 
     asyncio.run(go())

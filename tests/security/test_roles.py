@@ -537,6 +537,7 @@ def test_an_operator_clears_a_drained_node_through_the_driver() -> None:
                 await pool.drain("n2", "unbroken: i1 node n2 lost")
                 bridge = SchedulerBridge(pool, svc.journal, BridgeConfig(poll_s=0))
                 bridge.start()
+                svc.leadership.bridge = bridge  # as a term does (driver/term.py)
                 try:
                     for token in (VIEWER, LAUNCHER, NODE_A):
                         assert await status_of(stub.ClearNode(req, metadata=md(token))) == DENIED

@@ -136,7 +136,7 @@ def test_retention_never_retires_what_the_live_world_reached_for_a_forged_commit
                 await until(lambda: committed(store) == [100, 101, 102], 5, "the commits")
                 forged = ev.CheckpointCommitted(step=FORGED, uri="/ckpt/x", ranks=1)
                 await svc.journal.record(ev.Event(checkpoint_committed=forged))
-                r = svc.retention()
+                r = svc.keeper.retention()
                 assert r is not None and r.below <= 102 and set(r.keep_steps) >= {100, 101, 102}
                 # what node-a was told after the forged commit
                 told = None

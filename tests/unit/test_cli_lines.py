@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
 from rich.console import Console
 
-from unbroken.cli.drill import FaultRecord, fault_table, judge_load
+from unbroken.cli.drill import FaultRecord, fault_table, judge_load, rank0_restores
 from unbroken.cli.events import line
 from unbroken.cli.status import persistence_line
 from unbroken.cli.up import _render, commits_line, drill_verdict
@@ -122,3 +123,23 @@ def test_a_fault_given_up_on_an_overloaded_host_is_not_judged_and_the_verdict_sa
     console.print(fault_table([busy, quiet], 80))
     text = console.export_text()
     assert "not judged" in text and max(len(x) for x in text.splitlines()) <= 80
+
+
+def test_rank0_restores_are_ordered_by_their_own_time_not_their_files(tmp_path: Path) -> None:
+    """node-1 was rank 0 (restored step 10), left, and came back as ranks 2-3: its
+    worker-0.log is written to last, yet its rank-0 line is the oldest. Ordering by file
+    mtime made the drill say 50 steps were lost where the log said 0."""
+    line = "{t} [info     ] flash.restored  broadcast_from=None rank={r} read=True step={s}\n"
+    a = tmp_path / "workers" / "spare-0"
+    b = tmp_path / "workers" / "node-1"
+    a.mkdir(parents=True)
+    b.mkdir(parents=True)
+    (a / "worker-0.log").write_text(
+        line.format(t="2026-11-29 16:13:50", r=0, s=19)
+        + line.format(t="2026-11-29 16:14:34", r=0, s=60)
+    )
+    (b / "worker-0.log").write_text(
+        line.format(t="2026-11-29 16:13:32", r=0, s=10)
+        + line.format(t="2026-11-29 16:14:34", r=2, s=60)
+    )
+    assert rank0_restores(tmp_path) == [10, 19, 60]

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from tests.unit.event_strategies import numbered, payloads
 from unbroken.driver import fold as foldlib
 from unbroken.driver import state as statelib
+from unbroken.driver.decider import Decision
 from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore, LogUnavailableError
 from unbroken.driver.journal import Journal, JournalConfig
 from unbroken.proto import events_pb2 as ev
@@ -99,11 +100,14 @@ def test_a_batch_decides_on_its_drafts_and_a_failed_append_undoes_them() -> None
         seen: list[int] = []
         durable: list[bytes] = []
 
-        async def decider(obj: ev.Event) -> tuple[list[ev.Event], None]:
-            seen.append(len(j.deciding_state.nodes))
-            return [obj], None
+        class Decide:
+            recovers = True
 
-        j.decider = decider
+            def decide(self, state: ev.JobState, obj: ev.Event) -> Decision:
+                seen.append(len(state.nodes))
+                return Decision([obj])
+
+        j.decider = Decide()
         for i in range(10):
             j.submit(ev.Event(node_registered=ev.NodeRegistered(node_id=f"n{i}", epoch=1)))
         elog.down = True

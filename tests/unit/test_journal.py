@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from unbroken.driver import state as statelib
+from unbroken.driver.decider import Decision
 from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore, LogUnavailableError
 from unbroken.driver.journal import Journal, JournalClosedError, JournalConfig
 from unbroken.proto import events_pb2 as ev
@@ -237,12 +238,15 @@ async def test_observe_runs_the_decider_and_returns_its_durable_events() -> None
     j = Journal(elog, statelib.initial("job"))
     ran: list[int] = []
 
-    async def decide(obj: object) -> tuple[list[ev.Event], object]:
-        assert isinstance(obj, ev.Event)
-        extra = ev.Event(node_evicted=ev.NodeEvicted(node_id="a", reason="decided"))
-        return [obj, extra], lambda: ran.append(j.state.last_seq)
+    class Decide:
+        recovers = True
 
-    j.decider = decide  # type: ignore[assignment]
+        def decide(self, state: ev.JobState, obj: object) -> Decision:
+            assert isinstance(obj, ev.Event)
+            extra = ev.Event(node_evicted=ev.NodeEvicted(node_id="a", reason="decided"))
+            return Decision([obj, extra], after=lambda: ran.append(j.state.last_seq))
+
+    j.decider = Decide()
     j.start()
     try:
         stored = await j.observe(_registered("a"), 5.0)

@@ -1,4 +1,4 @@
-"""A leader expects the log's nodes back (driver.main._expect_known_nodes)."""
+"""A leader expects the log's nodes back (driver.term.expect_known_nodes)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 import pytest
 
 from unbroken.driver.liveview import LiveViewConfig
-from unbroken.driver.main import _expect_known_nodes
 from unbroken.driver.service import DriverService, ServiceConfig
+from unbroken.driver.term import expect_known_nodes
 from unbroken.proto import events_pb2 as ev
 
 pytestmark = pytest.mark.unit
@@ -48,7 +48,7 @@ def test_nodes_of_an_earlier_term_of_this_driver_get_the_registration_grace() ->
         ("evicted", ev.NODE_STATE_EVICTED),
     )
     before = time.monotonic()
-    _expect_known_nodes(service, state)
+    expect_known_nodes(view, state, GRACE_S)  # the grace a term is given (driver/main.py)
     for node_id in ("spare", "fresh"):
         slot = view.nodes[node_id]
         assert slot.alive and slot.last_seen >= before + GRACE_S, node_id

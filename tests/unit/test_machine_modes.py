@@ -37,7 +37,7 @@ def resumed_mode(sim: Sim) -> str:
 def test_a_killed_worker_is_replaced_in_job_and_only_it_stops() -> None:
     sim = start(nodes=2, wpn=2)
     d = sim.feed(killed("n1", local_rank=1))
-    (pause,) = only(d.actions, m.PauseAll)
+    (pause,) = only(d.actions, m.StopWorkers)
     assert pause.in_job and pause.replace == (("n1", 1),), pause
     assert sim.state.recovery_mode == m.IN_JOB and list(sim.state.replace_ranks) == [3]
     d = sim.feed(m.Paused(step=10, restorable_step=10))
@@ -52,7 +52,7 @@ def test_a_killed_worker_is_replaced_in_job_and_only_it_stops() -> None:
 def test_a_crash_inside_the_process_is_suspect_and_restarts_every_process(code: int) -> None:
     sim = start(nodes=2)
     d = sim.feed(crash("n1", code=code))
-    (pause,) = only(d.actions, m.PauseAll)
+    (pause,) = only(d.actions, m.StopWorkers)
     assert not pause.in_job and sim.state.recovery_mode == m.RESTART
     assert "suspect" in sim.state.incident_cause
     sim.drive(set())
@@ -66,7 +66,7 @@ def test_a_failed_in_job_restore_falls_back_to_a_restart() -> None:
     assert sim.state.phase == ev.PHASE_RESTORING and sim.state.recovery_mode == m.IN_JOB
     d = sim.feed(restored(10, ok=False))
     assert sim.state.recovery_mode == m.RESTART
-    (pause,) = only(d.actions, m.PauseAll)
+    (pause,) = only(d.actions, m.StopWorkers)
     assert not pause.in_job
     sim.drive(set())
     assert resumed_mode(sim) == m.RESTART
@@ -85,7 +85,7 @@ def test_a_suspect_fault_during_an_in_job_incident_turns_it_into_a_restart() -> 
 def test_without_in_job_every_incident_restarts() -> None:
     sim = start(m.Policy(in_job=False), nodes=2)
     d = sim.feed(killed("n1"))
-    assert not only(d.actions, m.PauseAll)[0].in_job
+    assert not only(d.actions, m.StopWorkers)[0].in_job
     sim.drive(set())
     assert resumed_mode(sim) == m.RESTART
 
@@ -93,13 +93,13 @@ def test_without_in_job_every_incident_restarts() -> None:
 def test_a_lost_node_and_a_rollback_keep_the_other_processes() -> None:
     sim = start(nodes=2, spares=1)
     d = sim.feed(lost("n1"))
-    (pause,) = only(d.actions, m.PauseAll)
+    (pause,) = only(d.actions, m.StopWorkers)
     assert pause.in_job and pause.replace == ()  # its ranks go with it (a spare's start)
     sim.drive(set())
     assert resumed_mode(sim) == m.IN_JOB
     sim.append([ev.Event(checkpoint_committed=ev.CheckpointCommitted(step=5, ranks=2))])
     d = sim.feed(spike(9))
-    assert only(d.actions, m.PauseAll)[0].in_job
+    assert only(d.actions, m.StopWorkers)[0].in_job
     sim.drive(set())
     assert resumed_mode(sim) == m.IN_JOB
 
@@ -107,7 +107,7 @@ def test_a_lost_node_and_a_rollback_keep_the_other_processes() -> None:
 def test_a_stopped_process_is_replaced_in_job_and_an_unclear_fault_restarts() -> None:
     sim = start(nodes=2)
     d = sim.feed(hang("n1", phase="stopped"))
-    (pause,) = only(d.actions, m.PauseAll)
+    (pause,) = only(d.actions, m.StopWorkers)
     assert pause.in_job and pause.replace == (("n1", 0),)
     sim.drive(set())
     assert resumed_mode(sim) == m.IN_JOB

@@ -16,8 +16,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from unbroken.agent import rdzv
-from unbroken.driver import rendezvous as rz
 from unbroken.driver import rendezvous_kv as rkv
+from unbroken.driver import rendezvous_state as rz
 from unbroken.proto import events_pb2 as ev
 from unbroken.proto import rendezvous_pb2 as rpb
 

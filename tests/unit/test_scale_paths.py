@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from tests.unit.event_strategies import numbered, payloads
 from tests.unit.machine_harness import Sim, crash, job, register
-from unbroken.driver import detectors, etcdlog
+from unbroken.driver import detectors, etcdsnapshot
 from unbroken.driver import fold as foldlib
 from unbroken.driver import machine as m
 from unbroken.driver import state as statelib
@@ -110,17 +110,17 @@ def _world_of(n: int, width: int) -> ev.JobState:
 def test_a_10240_node_snapshot_with_40_character_names_is_stored_under_1_mib() -> None:
     s = _world_of(10_240, 40)
     assert s.ByteSize() > 2 << 20  # serialized as it is: over 2 MiB
-    data = etcdlog.snapshot_value(s.last_seq, s)
+    data = etcdsnapshot.snapshot_value(s.last_seq, s)
     assert len(data) <= 1 << 20
     snap = ev.Snapshot.FromString(data)
     assert snap.last_seq == s.last_seq and not snap.HasField("state")
-    back = ev.JobState.FromString(etcdlog.inflate(snap.state_deflated))
+    back = ev.JobState.FromString(etcdsnapshot.inflate(snap.state_deflated))
     assert back == s
 
 
 def test_a_snapshot_that_does_not_inflate_says_so() -> None:
     with pytest.raises(EventLogError, match="does not inflate"):
-        etcdlog.inflate(b"not zlib data at all")
+        etcdsnapshot.inflate(b"not zlib data at all")
 
 
 @settings(max_examples=200, deadline=None)
@@ -239,9 +239,10 @@ def test_a_crowd_of_held_nodes_is_logged_in_a_few_lines_and_counted_whole() -> N
     few log lines per sweep, not one each; every one that came back is still counted."""
     from structlog.testing import capture_logs
 
-    from unbroken.driver import service as svc
+    from unbroken.driver import nodewatch as svc
+    from unbroken.driver import service
 
-    s = svc.DriverService(svc.ServiceConfig(), driver_id="d", job_id="j")
+    s = service.DriverService(service.ServiceConfig(), driver_id="d", job_id="j").nodewatch
     slots = []
     for i in range(500):
         slot = s.view.slot(f"n{i}")

@@ -70,6 +70,7 @@ def _loop(bump_at: int | None) -> tuple[RecoveryLoop, FakeService]:
     )
     svc = FakeService(loop, nodes, bump_at)
     loop.service = svc  # type: ignore[assignment]
+    loop.view = svc.view  # type: ignore[assignment]
     return loop, svc
 
 

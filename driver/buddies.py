@@ -1,0 +1,143 @@
+"""The world's buddy ring, as the driver pairs it (pure, over the live view's slots).
+
+Each world node replicates its newest flash copy to the replica server of the next node in
+world order that has one; after a stop, the steps every rank can restore from memory are
+those its own node's ring holds, or, for a gone node's ranks, those its buddy holds. A
+restart tells each node its place in the new ring (`start_messages`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from unbroken.driver.actions import StartWorkers
+from unbroken.driver.config import LoopConfig
+from unbroken.driver.liveview import LiveView, NodeSlot
+from unbroken.proto import driver_pb2 as dpb
+
+_ANY_HOST = ("", "0.0.0.0", "::")
+
+
+def is_buddy(buddy: str, holder: NodeSlot) -> bool:
+    """Whether `buddy` (a node's registered --buddy, host:port) is `holder`'s replica
+    server: the same port, on a host the holder registered or connected from."""
+    host, _, port = buddy.rpartition(":")
+    lhost, _, lport = holder.info.replica_listen.rpartition(":")
+    if not port or port != lport:
+        return False
+    names = {holder.peer_host, holder.info.ip, holder.info.hostname}
+    if lhost.strip("[]") not in _ANY_HOST:
+        names.add(lhost)
+    return host.strip("[]") in {n.strip("[]") for n in names if n}
+
+
+def replica_address(slot: NodeSlot) -> str:
+    """Where `slot`'s replica server is reached: its registered --replica-listen, with a
+    wildcard host replaced by the address the driver saw it connect from ("": none)."""
+    host, _, port = slot.info.replica_listen.rpartition(":")
+    if not port:
+        return ""
+    if host.strip("[]") in _ANY_HOST:
+        host = slot.peer_host or slot.info.ip
+        if not host:
+            return ""
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+def ring_buddies(nodes: Sequence[str], slots: Mapping[str, NodeSlot | None]) -> dict[str, str]:
+    """Each world node's buddy: the replica server of the next node in world order that has
+    one (a ring). Nodes without a replica server are left out; fewer than 2: no pairs."""
+    ring = [(n, addr) for n in nodes if (slot := slots.get(n)) and (addr := replica_address(slot))]
+    if len(ring) < 2:
+        return {}
+    return {n: ring[(i + 1) % len(ring)][1] for i, (n, _) in enumerate(ring)}
+
+
+def ring_order(nodes: Sequence[str], slots: Mapping[str, NodeSlot | None]) -> list[str]:
+    """The nodes of `ring_buddies`' ring, in its order: each sends to the next and takes
+    the copies of the previous (empty: fewer than 2 with a replica server)."""
+    ring = [n for n in nodes if (slot := slots.get(n)) and replica_address(slot)]
+    return ring if len(ring) >= 2 else []
+
+
+def common_steps(
+    world: int, own: dict[int, set[int]], buddies: dict[int, set[int]]
+) -> set[int] | None:
+    """The steps all `world` ranks can restore from memory: a rank's own ring (`own`), else
+    the copies a buddy holds of it (`buddies`, for the ranks of a lost node). None when a
+    rank is in neither (its node is gone and no buddy reported it: the commits decide)."""
+    if not world:
+        return None
+    common: set[int] | None = None
+    for rank in range(world):
+        held = own.get(rank)
+        if held is None:
+            held = buddies.get(rank)
+        if held is None:
+            return None
+        common = set(held) if common is None else common & held
+    return common
+
+
+def start_messages(
+    a: StartWorkers,
+    port: int,
+    cfg: LoopConfig,
+    view: LiveView,
+    *,
+    old: list[str],
+    buddy_of: Callable[[str], str],
+    timeline: int,
+    persist_every_s: float,
+    shard_bytes: int,
+) -> dict[str, dpb.DriverMessage]:
+    """Each world node's StartWorkers: its rank base, the master (rank 0's node as the
+    driver saw it connect), the new buddy ring, and the copies it takes over from the node
+    whose slot it fills (`old`: the incident's world; `buddy_of`: where a node's copies
+    live)."""
+    nodes = a.world.node_ids
+    first = view.nodes.get(nodes[0])
+    # rank 0's node as the driver saw it connect (not the IP it claimed in Register)
+    addr = cfg.master_addr or (first.peer_host if first is not None else "")
+    bases = dict(a.rank_base)
+    # a node in the slot of a node that left the world takes over its ranks' copies
+    staying = set(nodes)  # (a scan of the tuple per node was O(n²) when a world shrank)
+    replaces = {
+        n: old[i]
+        for i, n in enumerate(nodes)
+        if i < len(old) and old[i] != n and old[i] not in staying
+    }
+    # where each replaced node's copies live: the buddy it was paired with
+    copies_at = {o: buddy_of(o) for o in replaces.values()}
+    # and the new world's ring, from now on
+    slots = {n: view.nodes.get(n) for n in nodes}
+    ring = ring_buddies(nodes, slots)
+    order = ring_order(nodes, slots)  # who each one sends to and takes copies from
+    nxt = {n: order[(i + 1) % len(order)] for i, n in enumerate(order)}
+    prev = {n: order[i - 1] for i, n in enumerate(order)}
+    return {
+        n: dpb.DriverMessage(
+            start_workers=dpb.StartWorkers(
+                worker_cmd=cfg.worker_cmd,
+                world_size=a.world.world_size,
+                global_rank_base=bases[n],
+                master_addr=addr or "127.0.0.1",
+                master_port=port,
+                dp=a.world.dp,
+                pp=a.world.pp,
+                tp=a.world.tp,
+                timeline=timeline,
+                persist_every_s=persist_every_s,
+                flash_bytes_per_rank=shard_bytes,
+                replaces=replaces.get(n, ""),
+                replaces_from=copies_at.get(replaces.get(n, ""), ""),
+                buddy=ring.get(n, ""),
+                buddy_node=nxt.get(n, ""),
+                replicas_from=prev.get(n, ""),
+                in_job=a.in_job,
+            )
+        )
+        for n in nodes
+    }

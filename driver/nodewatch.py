@@ -1,0 +1,264 @@
+"""The node watch: the leader's sweeps over the live view (lost nodes, stragglers).
+
+Every heartbeat interval / 5 the node-lost sweep reads the stale front of the live view
+(driver/liveview.py) and declares the silent nodes lost, holding back a node whose host
+is starved (the agent said so), a relayed node whose relay was lost (it gets time to come
+to the driver directly), an evicted node's departure (not a loss) and a mass silence (the
+driver itself is overloaded or partitioned). Every `straggler.sweep_ms` the straggler sweep
+samples the world's step times (driver/straggler.py). The lateness of the sweep's own
+wake-ups is the driver's stall: it is the detector's slack. Detections go to `emit` (the
+journal's intake); the watch sweeps only while this driver leads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import math
+import time
+from collections.abc import Awaitable, Callable
+
+import structlog
+
+from unbroken.driver import detectors
+from unbroken.driver.config import ServiceConfig
+from unbroken.driver.leadership import Leadership
+from unbroken.driver.liveview import LiveView, NodeSlot
+from unbroken.driver.sessions import RelayOutbox
+from unbroken.driver.straggler import Sample, StragglerWatch, sample
+from unbroken.proto import events_pb2 as ev
+
+log = structlog.get_logger(__name__)
+
+SWEEP_CHUNK = 512  # nodes a straggler sweep samples between yields to the event loop
+HELD_LOGS = 16  # late nodes logged by name per sweep (the rest: one line with the count)
+
+
+class NodeWatch:
+    """The lost-node and straggler sweeps of the leader.
+
+    Args:
+        config: the service's (the live view's timeouts, the straggler policy).
+        lead: who leads (the sweeps run only while this driver does).
+        view: the live view the sweeps read.
+        emit: hands a detection to the journal (`last_seen`: when the fault began).
+        relayed: relay node id -> the members attached through it (the agents' side
+            keeps it; a relayed node's silence is held back while its relay is down).
+    """
+
+    def __init__(
+        self,
+        config: ServiceConfig,
+        lead: Leadership,
+        view: LiveView,
+        emit: Callable[[ev.Event, float], bool],
+        relayed: dict[str, set[str]],
+    ) -> None:
+        self.config = config
+        self._lead = lead
+        self.view = view
+        self._emit = emit
+        self.relayed = relayed
+        self.stragglers = StragglerWatch(config.straggler)
+        self._mass_since = 0.0  # monotonic time a mass silence was first held back
+        self.relay_held = 0  # sweeps that held back a relayed node whose relay was lost
+        self._starved_held: dict[str, float] = {}  # late nodes held as starved, since
+        self.starved_saved = 0  # ...that came back within their grace (losses avoided)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        """Start the sweeps (call inside the event loop)."""
+        self._tasks.append(asyncio.create_task(self._lost_loop()))
+        st = self.config.straggler
+        if st.policy != "off":
+            period = st.sweep_ms / 1000.0
+            self._tasks.append(
+                asyncio.create_task(self._loop("straggler", self._sweep_stragglers, period))
+            )
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def conditions(self, state: ev.JobState) -> list[ev.Event]:
+        """What the live view knows that `state` does not: nodes declared lost (the level
+        check of driver/journal.py). Also frees the slots of nodes gone for good."""
+        out = []
+        now = time.monotonic()
+        retention = self.config.slot_retention_s
+        for slot in list(self.view.nodes.values()):
+            if slot.alive or not slot.epoch:
+                continue
+            rec = state.nodes.get(slot.node_id)
+            if (
+                rec is not None
+                and rec.epoch == slot.epoch
+                and rec.state in (ev.NODE_STATE_ACTIVE, ev.NODE_STATE_SPARE)
+            ):
+                out.append(detectors.node_lost(slot, now, "heartbeat timeout"))
+            elif now - slot.last_seen > retention and slot.outbox is None:
+                del self.view.nodes[slot.node_id]  # its history stays in the log
+        return out
+
+    async def _loop(self, name: str, body: Callable[[], Awaitable[None]], period_s: float) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                if self._lead.leader:
+                    await body()
+            except Exception:
+                log.exception("detector sweep failed; continuing", detector=name)
+
+    async def _lost_loop(self) -> None:
+        """The node-lost sweep, every interval/5, and the event-loop stall watchdog.
+
+        The lateness of this loop's own wake-ups is the driver's stall; the largest one
+        within the last timeout window is passed to the detector as slack, so a driver that
+        stalled (GC, a registration storm, a slow disk) does not blame its nodes.
+        """
+        period = self.config.live.heartbeat_interval_ms / 5000.0
+        window = int(self.config.live.timeout_s / period) + 2
+        lags: collections.deque[float] = collections.deque([0.0], maxlen=window)
+        due = time.monotonic() + period
+        while True:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            now = time.monotonic()
+            lag = now - due
+            lags.append(lag)
+            if lag > 0.1:
+                log.warning("driver event loop stalled", stall_ms=round(lag * 1000))
+            due = now + period
+            try:
+                if self._lead.leader:
+                    self._sweep_lost(now, max(lags))
+            except Exception:
+                log.exception("node-lost sweep failed; continuing")
+
+    def _sweep_lost(self, now: float, slack_s: float) -> None:
+        held: list[NodeSlot] = []
+        lost = detectors.silent(self.view, now, slack_s, held)
+        self._note_held(held, now)
+        if lost and self.relayed:
+            kept = [x for x in lost if not self._held_for_relay(x[0], now)]
+            self.relay_held += len(lost) - len(kept)
+            lost = kept
+        if lost:  # an evicted node's agent exits: its silence is its departure
+            left = [slot for slot, _ in lost if slot.leaving]
+            for slot in left:
+                self.view.mark_lost(slot)
+                log.info("evicted node's agent left", node=slot.node_id)
+            if left:
+                lost = [x for x in lost if not x[0].leaving]
+        if not lost:
+            self._mass_since = 0.0
+            return
+        hold_s = self.config.live.mass_loss_hold_ms / 1000.0
+        if len(lost) > detectors.mass_limit(self.view):
+            if not self._mass_since:
+                self._mass_since = now
+                log.error(
+                    "mass silence: holding NodeLost back (driver overloaded or partitioned?)",
+                    silent=len(lost),
+                    hold_ms=hold_s * 1000,
+                )
+            if now - self._mass_since <= hold_s:
+                return
+        self._mass_since = 0.0
+        for e in detectors.declare(self.view, lost, now):
+            self._emit(e, now - e.node_lost.silent_ms / 1000.0)
+            log.warning(
+                "node lost", node=e.node_lost.node_id, silent_ms=round(e.node_lost.silent_ms, 1)
+            )
+
+    def _note_held(self, held: list[NodeSlot], now: float) -> None:
+        """Log a late node held as starved once, and once more when it came back (a false
+        loss avoided) or was lost after all: each of the first HELD_LOGS of a sweep by
+        name, the rest in one line (a whole relay group late together is 64 nodes, a
+        stalled simulator or network thousands: a line each stalled the loop seconds)."""
+        fresh = 0
+        for slot in held:
+            if slot.node_id not in self._starved_held:
+                self._starved_held[slot.node_id] = slot.last_seen
+                fresh += 1
+                if fresh > HELD_LOGS:
+                    continue
+                hb = slot.hb
+                log.warning(
+                    "node late while starved: held",
+                    node=slot.node_id,
+                    silent_ms=round((now - slot.last_seen) * 1000),
+                    loop_lag_ms=round(hb.loop_lag_ms),
+                    late_ms=round(hb.late_ms),
+                    cpu_pressure_pct=hb.cpu_pressure_pct,
+                    runnable_per_cpu=round(hb.runnable_per_cpu, 2),
+                )
+        if fresh > HELD_LOGS:
+            log.warning("more nodes late while starved: held", nodes=fresh - HELD_LOGS)
+        ids = {s.node_id for s in held}
+        if len(ids) == len(self._starved_held):
+            return  # every one held is still held
+        done = {"held node came back": 0, "held node lost after its grace": 0}
+        for node_id, since in list(self._starved_held.items()):
+            if node_id in ids:
+                continue
+            del self._starved_held[node_id]
+            now_slot = self.view.nodes.get(node_id)
+            back = now_slot is not None and now_slot.alive and now_slot.last_seen > since
+            if back:
+                self.starved_saved += 1
+            what = "held node came back" if back else "held node lost after its grace"
+            done[what] += 1
+            if done[what] <= HELD_LOGS:
+                log.info(what, node=node_id)
+        for what, n in done.items():
+            if n > HELD_LOGS:
+                log.info(what.replace("held node", "more held nodes"), nodes=n - HELD_LOGS)
+
+    def _held_for_relay(self, slot: NodeSlot, now: float) -> bool:
+        """Whether `slot`'s silence began with its relay's loss (and is still young enough
+        to wait for the node to come to us directly)."""
+        if not slot.relay or not isinstance(slot.outbox, RelayOutbox | None):
+            return False
+        relay = self.view.nodes.get(slot.relay)
+        if relay is None:
+            return False
+        live = self.view.config
+        down = not relay.connected or now - relay.last_seen > 2 * live.heartbeat_interval_ms / 1e3
+        return down and now - slot.last_seen <= live.timeout_s + live.relay_hold_ms / 1e3
+
+    async def _sweep_stragglers(self) -> None:
+        """StragglerSuspected for a world node persistently slower (driver/straggler.py).
+
+        O(world ranks) every `sweep_ms` (2 s), only while the job trains. The sampling
+        yields to the event loop every `SWEEP_CHUNK` nodes, so at 10,000 nodes heartbeats and
+        operator calls wait for a chunk, not the whole sweep.
+        """
+        journal = self._lead.journal
+        if journal is None or journal.state.phase != ev.PHASE_RUNNING:
+            self.stragglers.tracks.clear()  # a recovery restarts the workers: new baselines
+            return
+        samples: list[Sample] = []
+        for i, node_id in enumerate(list(journal.state.world.node_ids)):
+            if i and i % SWEEP_CHUNK == 0:
+                await asyncio.sleep(0)
+                if self._lead.journal is not journal or journal.state.phase != ev.PHASE_RUNNING:
+                    return  # the term or the world changed under the sweep: next period
+            slot = self.view.nodes.get(node_id)
+            if slot is not None and slot.alive:
+                got = sample(node_id, slot.hb)
+                if got is not None:
+                    samples.append(got)
+        for e in self.stragglers.sweep(samples):
+            self._emit(e, math.nan)
+            s = e.straggler_suspected
+            log.warning(
+                "straggler suspected",
+                node=s.node_id,
+                slowdown=round(s.slowdown, 3),
+                z=round(s.z, 1),
+                policy=s.policy,
+            )
