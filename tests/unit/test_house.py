@@ -28,22 +28,7 @@ MAX_FUNCTION_LINES = 80
 # What is over in files that other branches of this round are splitting (path, or
 # path::qualified function name -> its size when listed). Delete an entry when its branch
 # lands; test_the_owed_listing_names_only_what_is_still_over says which.
-OWED: dict[str, int] = {
-    # the agent, recovery, trainer and CLI
-    "agent/daemon.py": 1200,
-    "agent/daemon.py::Agent._connect_loop": 93,
-    "agent/daemon.py::Agent._command": 112,
-    "agent/daemon.py::Agent._do": 91,
-    "agent/workers.py": 952,
-    "agent/workers.py::Worker.status": 83,
-    "agent/rdzv.py::DriverClient.call": 87,
-    "recovery/replica.py": 1053,
-    "trainer/flashckpt.py::FlashCheckpointer.restore": 83,
-    "trainer/gpt3d.py::GPT3DTrainer.setup": 94,
-    "trainer/gpt3d.py::GPT3DTrainer.train_step": 86,
-    "trainer/run.py::train": 126,
-    "cli/up.py::_supervise": 86,
-}
+OWED: dict[str, int] = {}
 
 
 def product_modules() -> list[Path]:
