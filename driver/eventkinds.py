@@ -13,9 +13,11 @@ specially; a kind not in the table is recorded and folded, nothing more. The col
 - `diagnosable`: `Policy.diagnose_kinds` may name it (driver/machine.py).
 - `stale`: from an idle node that came back after it was replaced, it is the old world's
   cleanup, not the node's health: recorded only (driver/machine.py).
+- `blames`: the fold counts one failure on the node its payload names (`node_id`;
+  driver/state.py), the record the diagnosis and the dashboard read.
 
 A new fault kind is one row here, its payload in proto/events.proto, and its reaction in
-driver/machine.py.
+driver/machine.py: three files (and the stubs `make proto` regenerates).
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ class Kind:
     cause: bool = False
     diagnosable: bool = False
     stale: bool = False
+    blames: bool = False
 
 
-def _fault(*, diagnosable: bool = False, stale: bool = False) -> Kind:
+def _fault(*, diagnosable: bool = False, stale: bool = False, blames: bool = False) -> Kind:
     """A fault: the fault lane, reacted to, an incident's cause."""
     return Kind(
         fault=True,
@@ -44,18 +47,19 @@ def _fault(*, diagnosable: bool = False, stale: bool = False) -> Kind:
         cause=True,
         diagnosable=diagnosable,
         stale=stale,
+        blames=blames,
     )
 
 
 KINDS: dict[str, Kind] = {
     "node_lost": _fault(),
-    "worker_failed": _fault(diagnosable=True, stale=True),
-    "hang_suspected": _fault(diagnosable=True, stale=True),
-    "straggler_suspected": _fault(stale=True),
+    "worker_failed": _fault(diagnosable=True, stale=True, blames=True),
+    "hang_suspected": _fault(diagnosable=True, stale=True, blames=True),
+    "straggler_suspected": _fault(stale=True, blames=True),
     "loss_spike": _fault(),
     "sdc_suspected": _fault(),
     "self_check_reported": _fault(diagnosable=True),
-    "log_alert": Kind(lane="alerts", observed=True, cause=True, diagnosable=True),
+    "log_alert": Kind(lane="alerts", observed=True, cause=True, diagnosable=True, blames=True),
     "node_registered": Kind(lane="faults", observed=True),
     "node_refused": Kind(lane="faults"),
     "operator_action": Kind(observed=True, cause=True),
@@ -82,3 +86,5 @@ CAUSE_KINDS = _where("cause")
 DIAGNOSABLE = _where("diagnosable")
 #: Faults of an idle node that are its own cleanup, not its health.
 STALE_KINDS = _where("stale")
+#: The kinds whose node the fold counts a failure on.
+BLAME_KINDS = _where("blames")

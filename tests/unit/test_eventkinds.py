@@ -51,3 +51,16 @@ def test_the_columns_select_what_the_driver_treats_specially() -> None:
 def test_the_goodput_ledgers_causes_are_the_tables() -> None:
     """driver/state.py's goodput ledger reads the table's column (no copy of its own)."""
     assert statelib.CAUSE_KINDS == k.CAUSE_KINDS
+
+
+@pytest.mark.parametrize("kind", sorted(k.BLAME_KINDS))
+def test_a_blaming_kind_counts_one_failure_on_its_node(kind: str) -> None:
+    """The fold's failure counter follows the table's `blames` column (no list of its own)."""
+    assert k.BLAME_KINDS == {"worker_failed", "hang_suspected", "straggler_suspected", "log_alert"}
+    s = statelib.apply(
+        ev.JobState(), ev.Event(seq=1, node_registered=ev.NodeRegistered(node_id="n1"))
+    )
+    e = ev.Event(seq=2)
+    getattr(e, kind).node_id = "n1"
+    s = statelib.apply(s, e)
+    assert s.nodes["n1"].failures == 1
