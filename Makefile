@@ -69,8 +69,9 @@ lint: $(STAMP)
 	MYPYPATH=build/typecheck $(VENV)/bin/mypy --explicit-package-bases \
 		-p unbroken.driver -p unbroken.agent -p unbroken.diagnostics -p unbroken.recovery -p unbroken.trainer -p unbroken.cli -p unbroken.common
 
-# scale_e2e.py is the e2e section of scale.py (`make bench-scale` runs it): not run twice.
-BENCH_PARTS := bench/scale_e2e.py
+# scale_e2e.py is the e2e section of scale.py (`make bench-scale` runs it): not run twice;
+# ab.py compares another bench at two commits (it needs its arguments: `make bench-ab ARGS=`).
+BENCH_PARTS := bench/scale_e2e.py bench/ab.py
 bench: $(STAMP)
 	@for b in $(filter-out $(BENCH_PARTS),$(wildcard bench/*.py)); do echo "== $$b"; $(PY) $$b || exit 1; done
 
