@@ -16,6 +16,7 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -63,21 +64,26 @@ class Held(Exception):
         mark("left", step=step, peer=not why.startswith("held by"))
 
 
+def _chain(e: BaseException) -> Iterator[BaseException]:
+    """`e`, then what it was raised from or while handling, each once (torch wraps: the
+    pipelining stage's backward raises a plain RuntimeError *from* gloo's error)."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        yield cur
+        cur = cur.__cause__ or cur.__context__
+
+
 def peer_failure(e: BaseException) -> bool:
     """Whether `e` (raised by a step) says a peer failed rather than this process."""
     import torch.distributed as dist
 
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:  # torch wraps: pipelining's stage
-        seen.add(id(cur))  # backward raises a plain RuntimeError *from* the gloo error
-        if isinstance(cur, getattr(dist, "DistNetworkError", ())):
-            return True
-        text = f"{type(cur).__name__}: {cur}"
-        if any(p in text for p in PEER_FAILURES):
-            return True
-        cur = cur.__cause__ or cur.__context__
-    return False
+    network = getattr(dist, "DistNetworkError", ())
+    return any(
+        isinstance(c, network) or any(p in f"{type(c).__name__}: {c}" for p in PEER_FAILURES)
+        for c in _chain(e)
+    )
 
 
 def drop_frames(e: BaseException) -> None:
@@ -89,13 +95,9 @@ def drop_frames(e: BaseException) -> None:
     peer in the optimizer's all-reduce, say) is never told and waits until the hang rule
     restarts every process.
     """
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if cur.__traceback__ is not None:
-            traceback.clear_frames(cur.__traceback__)  # skips the frames still running
-        cur = cur.__cause__ or cur.__context__
+    for c in _chain(e):
+        if c.__traceback__ is not None:
+            traceback.clear_frames(c.__traceback__)  # skips the frames still running
 
 
 def open_sockets() -> frozenset[tuple[int, str]]:
