@@ -270,6 +270,29 @@ def test_the_audit_trail_names_the_authenticated_principal() -> None:
     asyncio.run(go())
 
 
+def test_an_operators_oversized_evict_reason_is_cut_before_it_is_recorded() -> None:
+    """The reason an operator gives rides on OperatorAction.reason, NodeEvicted and the
+    agent's Evict: 10,000 characters are recorded as at most 512."""
+
+    async def go() -> None:
+        async with driver() as (_svc, store, addr):
+            async with grpc.aio.insecure_channel(addr) as ch:
+                stub = dgrpc.DriverStub(ch)
+                await register(stub, "node-a", NODE_A)
+                await stub.Evict(
+                    dpb.EvictRequest(node_id="node-a", reason="x" * 10_000),
+                    metadata=md(OPERATOR),
+                    timeout=5,
+                )
+            actions = [e.operator_action for e in store.events if e.HasField("operator_action")]
+            assert actions and all(len(a.reason) <= 512 for a in actions), actions
+            assert actions[-1].reason == "x" * 512
+            evicted = [e.node_evicted for e in store.events if e.HasField("node_evicted")]
+            assert all(len(e.reason) <= 1024 for e in evicted), evicted
+
+    asyncio.run(go())
+
+
 def test_fault_injection_is_off_unless_the_driver_allows_it() -> None:
     async def go() -> None:
         async with driver() as (_svc, store, addr):
