@@ -84,7 +84,7 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-from unbroken.cli.cluster import LocalCluster, LogWatch, stop_groups
+from unbroken.cli.cluster import CLI, LocalCluster, LogWatch, stop_groups
 from unbroken.cli.faults import Faults, proves
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
@@ -316,8 +316,10 @@ class Bench:
         flash_ab: int = 0,
         agent_flags: tuple[str, ...] = (),
         driver_flags: tuple[str, ...] = (),
+        device: str = "cpu",
     ) -> None:
         self.run = run
+        self.device = device
         self.driver_flags = driver_flags
         self.flash = flash
         self.flash_ab = flash_ab
@@ -367,6 +369,7 @@ class Bench:
             f"--log-every 50 --metrics-out {self.steps.path}"
             + ("" if self.flash else " --flash-every 0")
             + (f" --flash-ab {self.flash_ab}" if self.flash_ab else "")
+            + (" --device cuda" if self.device == "cuda" else "")
         )
 
     def _driver(self, name: str) -> None:
@@ -399,7 +402,16 @@ class Bench:
             ],
             buddy="node-0" if node != "node-0" else "node-1",
             spare=spare,
+            launcher=self._launcher(node),
         )  # fmt: skip
+
+    def _launcher(self, node: str) -> tuple[str, ...]:
+        """How `node`'s agent is started. On one GPU (`--device cuda`) every node's workers share
+        it: NCCL refuses two ranks of one host on one device, so each node says it is its own
+        host (NCCL_HOSTID) and its ranks talk over loopback sockets, as two hosts would."""
+        if self.device != "cuda":
+            return CLI
+        return ("env", f"NCCL_HOSTID={node}", "NCCL_SOCKET_IFNAME=lo", *CLI)
 
     def new_spare(self) -> None:
         self._agent(f"spare-{self.spares}", spare=True)
@@ -724,7 +736,7 @@ def modes_summary(by_mode: dict[str, list[Fault]], runs: int) -> dict[str, Any]:
 #: What describes a whole run (its settings and load): a run of the modes phase alone keeps
 #: the earlier run's under these keys (its figures are theirs) and puts its own in `modes`.
 RUN_KEYS = (
-    "quick", "runs_per_fault", "seed", "warm_nice", "agent_flags", "miss_limit",
+    "quick", "runs_per_fault", "seed", "warm_nice", "agent_flags", "miss_limit", "device",
     "hang_floor_ms", "load1_start", "load1_end", "bench_s", "errors", "phases_run",
 )  # fmt: skip
 
@@ -772,6 +784,16 @@ def summarize(faults: list[Fault]) -> dict[str, Any]:
     return out
 
 
+def _device_facts(device: str) -> dict[str, Any]:
+    """The GPU and the torch build a cuda run used (nothing on CPU)."""
+    if device != "cuda":
+        return {}
+    import torch
+
+    nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    return {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "nccl": nccl}
+
+
 async def run(ns: argparse.Namespace) -> dict[str, Any]:
     runs, say = ns.runs, print
     root = Path(ns.run_dir)
@@ -784,6 +806,8 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
         "warm_nice": ns.warm_nice,
         "agent_flags": ns.agent_flags,
         "miss_limit": ns.miss_limit,
+        "device": ns.device,
+        **_device_facts(ns.device),
         "hang_floor_ms": HANG_FLOOR_MS,
         "cluster": "2 nodes x 1 worker (tiny gpt3d, dp2) + spare, leader + standby driver",
         "load1_start": os.getloadavg()[0],
@@ -817,6 +841,7 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
             miss_limit=ns.miss_limit,
             flash_ab=flash_ab,
             agent_flags=tuple(ns.agent_flags),
+            device=ns.device,
         )
         try:
             await b.start()
@@ -1099,6 +1124,13 @@ def main(argv: list[str] | None = None) -> int:
         "--agent-flags",
         default="",
         help='more flags for every agent, one string: --agent-flags="--flash-poll-ms 2000"',
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the workers train: cuda puts every node's worker on GPU 0 (nccl; each "
+        "node its own NCCL host); write to another --out, the CPU figures stay",
     )
     parser.add_argument(
         "--throughput-rounds",

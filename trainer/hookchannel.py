@@ -355,6 +355,18 @@ class Hooks:
         if self._sock is not None:
             select.select([self._sock], [], [], max(0.0, timeout_s))
 
+    def hold_waiting(self) -> bool:
+        """Whether the next command waiting is a hold, without taking it (`commands` still
+        reads it): a side thread's look while the main thread is blocked in a collective.
+        Only where our reply socket is private (no sender to check)."""
+        if self._sock is None or self._senders is not None:
+            return False
+        try:
+            data = self._sock.recv(65536, socket.MSG_PEEK)
+            return hpb.WorkerCommand.FromString(data).WhichOneof("kind") == "hold"
+        except Exception:  # nothing waiting, or not a command
+            return False
+
     def commands(self) -> list[hpb.WorkerCommand]:
         """Commands the agent sent (pause, resume, flash-save), without blocking."""
         out: list[hpb.WorkerCommand] = []

@@ -62,6 +62,7 @@ from unbroken.common.faults import (
     parse_slow_factor,
 )
 from unbroken.common.workerenv import WorkerEnv
+from unbroken.trainer import ncclguard
 from unbroken.trainer.config import TrainConfig
 from unbroken.trainer.faultfile import FaultFile
 from unbroken.trainer.flags import add_arguments, to_config
@@ -238,6 +239,10 @@ def init_distributed(config: TrainConfig) -> bool:
                     f"{PG_TIMEOUT.total_seconds():.0f} s: is rank 0's worker running, and is "
                     "MASTER_ADDR reachable from this node?"
                 )
+        if use_cuda and started_by_agent():  # the agent can hold this rank (in-job recovery)
+            ncclguard.nccl_keeps_process()
+        # No device_id (NCCL's eager init): tried on one H200, a survivor's abort of the old
+        # communicators then took 3.5 s instead of 0.5, and the new world's init failed.
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=PG_TIMEOUT)
     return True
 
@@ -402,7 +407,7 @@ def _run_steps(loop: _Loop, step: int, steps: int, hooks: Hooks, requests: SaveR
         except Held:
             raise
         except Exception as e:
-            if hooks.replies and started_by_agent() and peer_failure(e):
+            if hooks.replies and started_by_agent() and (peer_failure(e) or ncclguard.tripped()):
                 raise Held(f"{type(e).__name__}: {e}", step) from e
             raise
         if requests.hold is not None:
@@ -457,6 +462,8 @@ def _one_step(lp: _Loop, step: int) -> int:
             m = trainer.train_step()
     else:
         m = trainer.train_step()
+    if ncclguard.tripped():  # the step ran on an aborted world: its values are not kept
+        raise Held(f"NCCL world aborted: {ncclguard.tripped()}", step)
     stepped = time.perf_counter()
     step = int(m["step"])
     if sdc_fault is not None and sdc_fault.kind == SDC:  # a flip of the state after the step
@@ -615,6 +622,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         before_world = open_sockets()  # what is not the world's: kept when it is left
         owns = init_distributed(config)
         mark("pg_init")
+        guard = ncclguard.NcclGuard.start_if_nccl(hooks) if started_by_agent() else None
         try:
             config.check_world(dist.get_world_size())
             try:
@@ -637,6 +645,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         except Held as h:
             mark("closed", step=h.step)
+            if guard is not None:  # an abort it began ends before the world is left
+                guard.stop()
             rejoin = hold(h, hooks, world_since=before_world)
             if rejoin is None:
                 return 1
@@ -650,6 +660,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 2
             hooks.phase("startup")
         finally:
+            if guard is not None:
+                guard.stop()
             if owns and dist.is_initialized():
                 gc.collect()  # free DDP/FSDP state before the group goes away
                 dist.destroy_process_group()

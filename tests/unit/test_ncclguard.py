@@ -1,0 +1,130 @@
+"""The NCCL guard's parts that need no GPU: the agent's hold seen by a side thread without
+taking it from the main thread, the watchdog setting a worker runs with, the guard's trip
+read by the step loop, and NCCL's own peer-failure texts.
+
+On a GPU the whole path (a peer SIGKILLed, the survivor's blocked collective aborted from the
+guard's thread, the survivor rejoining the new world in its process) is measured by
+`bench/gpu-recovery.sh`; its figures are in bench/results/recovery-gpu.json.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from unbroken.proto import hooks_pb2 as hpb
+from unbroken.trainer import hookchannel, ncclguard
+from unbroken.trainer.rejoin import peer_failure
+
+pytestmark = pytest.mark.unit
+
+# What torch 2.11 raised on an H200 (NCCL 2.28.9) when the peer rank was SIGKILLed, and after
+# the guard aborted the survivor's communicators (bench/gpu-recovery.sh).
+NCCL_REMOTE = (
+    "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:253, remote process "
+    "exited or there was a network error, NCCL version 2.28.9\nncclRemoteError: A call failed "
+    "possibly due to a network error or a remote process exiting prematurely.\nLast error:\n"
+    "socketProgress: Connection closed by remote peer localhost<35374>"
+)
+NCCL_ABORTED = "NCCL communicator was aborted on rank 0. "
+
+
+def _agent_and_hooks(tmp_path: Path) -> tuple[socket.socket, hookchannel.Hooks]:
+    path = str(tmp_path / "agent.sock")
+    agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    agent.bind(path)
+    return agent, hookchannel.Hooks(socket_path=path, local_rank=0)
+
+
+def _reply_path(h: hookchannel.Hooks) -> str:
+    return h._reply
+
+
+def test_a_waiting_hold_is_seen_and_still_read_by_the_main_thread(tmp_path: Path) -> None:
+    agent, h = _agent_and_hooks(tmp_path)
+    try:
+        assert h.replies
+        assert not h.hold_waiting()  # nothing waiting
+        agent.sendto(hpb.WorkerCommand(flash_save=7).SerializeToString(), _reply_path(h))
+        assert not h.hold_waiting()  # a command, not a hold
+        assert [c.WhichOneof("kind") for c in h.commands()] == ["flash_save"]
+        agent.sendto(hpb.WorkerCommand(hold="peer lost").SerializeToString(), _reply_path(h))
+        assert h.hold_waiting() and h.hold_waiting()  # a look takes nothing
+        got = h.commands()
+        assert [(c.WhichOneof("kind"), c.hold) for c in got] == [("hold", "peer lost")]
+        assert not h.hold_waiting()
+        agent.sendto(b"\xff\x00 not a command", _reply_path(h))
+        assert not h.hold_waiting()
+    finally:
+        h.close()
+        agent.close()
+
+
+def test_a_worker_under_an_agent_asks_the_watchdog_to_keep_its_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    ncclguard.nccl_keeps_process()
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # the user's own choice wins
+    ncclguard.nccl_keeps_process()
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+
+
+def test_no_guard_without_an_nccl_world(tmp_path: Path) -> None:
+    """CPU (gloo) worlds leave by `rejoin.sever`; no thread is started for them."""
+    import torch.distributed as dist
+
+    agent, h = _agent_and_hooks(tmp_path)
+    try:
+        assert ncclguard.NcclGuard.start_if_nccl(h) is None  # no world at all
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            assert ncclguard.NcclGuard.start_if_nccl(h) is None
+            assert ncclguard.tripped() == ""
+        finally:
+            dist.destroy_process_group()
+    finally:
+        h.close()
+        agent.close()
+
+
+def test_a_hold_trips_the_guard_which_aborts_every_group_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guard's thread on a real (gloo) group: the agent's hold arrives while the main
+    thread would be blocked; the guard aborts the groups, and the step loop reads why."""
+    import torch.distributed as dist
+
+    aborted: list[int] = []
+    monkeypatch.setattr(ncclguard, "abort_groups", lambda: aborted.append(1) or 1)
+    agent, h = _agent_and_hooks(tmp_path)
+    g = ncclguard.NcclGuard(h, poll_s=0.01)
+    monkeypatch.setattr(ncclguard, "_active", g)
+    try:
+        g._thread.start()
+        time.sleep(0.05)
+        assert ncclguard.tripped() == "" and not aborted
+        agent.sendto(hpb.WorkerCommand(hold="node-1 lost").SerializeToString(), _reply_path(h))
+        deadline = time.monotonic() + 5
+        while not ncclguard.tripped() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ncclguard.tripped() == "held by the agent" and aborted == [1]
+        assert [c.hold for c in h.commands()] == ["node-1 lost"]  # still the main thread's
+        g.stop()
+        assert not g._thread.is_alive() and ncclguard.tripped() == ""
+    finally:
+        g.stop()
+        h.close()
+        agent.close()
+    assert not dist.is_initialized()
+
+
+def test_nccls_own_texts_are_peer_failures() -> None:
+    assert peer_failure(RuntimeError(NCCL_REMOTE))
+    assert peer_failure(RuntimeError(NCCL_ABORTED))
+    assert not peer_failure(RuntimeError("CUDA error: an illegal memory access was encountered"))
