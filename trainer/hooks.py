@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from unbroken.common.paths import DEFAULT_SOCKET, SYSTEM_SOCKET, trusted_socket
 from unbroken.common.workerenv import AGENT_SOCKET as ENV_SOCKET
 from unbroken.proto import hooks_pb2 as hpb
+from unbroken.trainer import ncclguard
 from unbroken.trainer.hookchannel import Hooks, install
 from unbroken.trainer.pacer import PERSIST_EVERY_S, SAVE_BUDGET, Pacer
 from unbroken.trainer.plugin import Stateful
@@ -110,7 +111,7 @@ _dist_ready = False  # torch.distributed was seen initialized (it stays so in a 
 
 
 def _require_dist(what: str) -> None:
-    global _dist_ready
+    global _dist_ready, _guard
     if _dist_ready:
         return
     dist = sys.modules.get("torch.distributed")
@@ -121,6 +122,13 @@ def _require_dist(what: str) -> None:
             "world_size=1), so every rank agrees on the step to restore"
         )
     _dist_ready = True
+    s = _get()
+    if _in_recovery_loop and s is not None and _guard is None and started_by_agent():
+        _guard = ncclguard.NcclGuard.start_if_nccl(s.hooks)  # NCCL: see trainer/ncclguard.py
+
+
+#: The NCCL guard of the world `recovery_loop`'s body joined (None: none, or not NCCL).
+_guard: ncclguard.NcclGuard | None = None
 
 
 class _Bundle:
@@ -511,6 +519,8 @@ def save(step: int, state_dict: dict[str, Any], *, force: bool = False) -> bool:
         return False
     assert s.pacer is not None, "created with the checkpointer"
     _require_dist("save")
+    if ncclguard.tripped():  # the step ran on an aborted NCCL world: nothing of it is kept
+        raise Held(f"NCCL world aborted: {ncclguard.tripped()}", step)
     s.poll()  # a FlashSave request counts even when the script never asks should_save()
     requested = s.save_at is not None and step >= s.save_at
     due = s.pacer.due(step) or force or requested
@@ -678,7 +688,9 @@ def recovery_loop(body: Callable[[], T], *, hold_s: float = HOLD_WAIT_S) -> T:
         SystemExit: held, but no Rejoin came within `hold_s` (or a stop came): exit code 1,
             so the launcher or agent restarts the process as before.
     """
-    global _in_recovery_loop, _dist_ready
+    global _in_recovery_loop, _dist_ready, _guard
+    if started_by_agent():  # an NCCL peer's failure must not end this process
+        ncclguard.nccl_keeps_process()
     # What exists now (the imports) lives as long as the process: out of the collector's
     # sight, the full collections of a recovery (freeing the old world's groups) are cheap.
     gc.freeze()
@@ -692,12 +704,15 @@ def recovery_loop(body: Callable[[], T], *, hold_s: float = HOLD_WAIT_S) -> T:
                 raise
             if isinstance(e, Held):
                 held = e
-            elif peer_failure(e):
+            elif peer_failure(e) or ncclguard.tripped():
                 held = Held(f"{type(e).__name__}: {e}", -1)
             else:
                 raise
         finally:
             _in_recovery_loop = False
+            if _guard is not None:  # an abort it began ends before the world is left
+                _guard.stop()
+                _guard = None
         # the flash checkpointer and the pacer belong to the old world (its ranks)
         if s.flash is not None:
             with contextlib.suppress(Exception):

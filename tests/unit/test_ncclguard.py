@@ -128,3 +128,20 @@ def test_nccls_own_texts_are_peer_failures() -> None:
     assert peer_failure(RuntimeError(NCCL_REMOTE))
     assert peer_failure(RuntimeError(NCCL_ABORTED))
     assert not peer_failure(RuntimeError("CUDA error: an illegal memory access was encountered"))
+
+
+def test_the_sdks_recovery_loop_under_an_agent_keeps_the_process_on_nccl_failures(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before the script's own init_process_group: the watchdog's default would end a
+    survivor of a peer's NCCL failure, and `recovery_loop` would have nothing to keep."""
+    from unbroken.common.workerenv import AGENT_PID
+    from unbroken.trainer import hooks
+
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    monkeypatch.delenv(AGENT_PID, raising=False)
+    assert hooks.recovery_loop(lambda: 7) == 7  # no agent: nothing changes
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
+    monkeypatch.setenv(AGENT_PID, str(os.getppid()))
+    assert hooks.recovery_loop(lambda: 8) == 8
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
