@@ -27,6 +27,11 @@ REPLICA_MARGIN = 3
 IDLE_FLUSH_S = 1.0
 # A replica is never older than about this when saves are slower than the ring's spacing.
 REPLICA_EVERY_S = 1.0
+#: The share of the agent's time that sending replicas may take. While the last sends cost
+#: less (a small state: milliseconds a copy), every newer copy goes at the next tick, so a
+#: lost node's ranks restore a step or two back, not up to `k - REPLICA_MARGIN` saves (bench
+#: recovery, tiny model, 0.1 s steps, a ring of 16: node loss lost 2-10 steps, median 6).
+REPLICA_DUTY = 0.05
 # After a failed send a rank's next try waits this long, doubling per failure up to the cap.
 RETRY_FIRST_S = 0.1
 RETRY_CAP_S = 5.0
@@ -43,7 +48,9 @@ class ReplicaSender:
     survivors' rings turn at the same pace as this one), while the agent spends a fraction
     of the CPU it would copying every step. A copy no newer save has followed for
     `IDLE_FLUSH_S` goes at once: when training pauses or stops, the last copy is the one
-    worth having. The agent calls `tick()` on its poll timer.
+    worth having. And while the sends cost little (their measured time stays under
+    `REPLICA_DUTY` of the time between them), every newer copy goes: the spacing is for
+    states whose copies are costly. The agent calls `tick()` on its poll timer.
 
     A failed send is retried after `RETRY_FIRST_S`, doubling up to `RETRY_CAP_S` while the
     buddy stays unreachable (not 10 tries a second, each logged). A copy the buddy received
@@ -61,6 +68,7 @@ class ReplicaSender:
         idle_flush_s: float = IDLE_FLUSH_S,
         every_s: float = REPLICA_EVERY_S,
         buddy_node: str = "",
+        duty: float = REPLICA_DUTY,
     ) -> None:
         self.owner = owner
         self.node = node
@@ -69,6 +77,9 @@ class ReplicaSender:
         self.config = config or ReplicaConfig()
         self.idle_flush_s = idle_flush_s
         self.every_s = every_s
+        self.duty = duty
+        self._send_cost_s: float | None = None  # a tick's sends, smoothed (None: none yet)
+        self._picked_at: float | None = None  # when the last tick's sends ended
         self._sent: dict[int, int] = {}  # rank -> generation acknowledged by the buddy
         self._sent_at: dict[int, float] = {}  # rank -> when the buddy acknowledged it
         self._newest_seen: dict[int, tuple[int, float]] = {}  # rank -> (generation, first seen)
@@ -112,7 +123,8 @@ class ReplicaSender:
         for rank in self.owner.ranks():
             refs = listed.get(rank) if listed is not None else None
             by_rank[rank] = refs if refs is not None else list_copies(self.owner.rank_dir(rank))
-        for rank, ref in self.picks(by_rank, time.monotonic()).items():
+        t0 = time.monotonic()
+        for rank, ref in self.picks(by_rank, t0).items():
             host, port = self.buddy
             res = await send_copy(
                 ref, self.node, host, port, config=self.config, buddy_node=self.buddy_node
@@ -122,7 +134,21 @@ class ReplicaSender:
                 local_ok = await asyncio.to_thread(_verifies, ref)
             self._settle(rank, ref, res, time.monotonic(), local_ok=local_ok)
             results.append(res)
+        if results and all(r.ok for r in results):
+            self.sent(time.monotonic() - t0, time.monotonic())
         return results
+
+    def sent(self, took_s: float, now: float) -> None:
+        """Book what one tick's sends took (for `cheap`)."""
+        prev = self._send_cost_s
+        self._send_cost_s = took_s if prev is None else 0.7 * prev + 0.3 * took_s
+        self._picked_at = now
+
+    def cheap(self, now: float) -> bool:
+        """Whether sending now keeps the sends under `duty` of the time (measured: after a
+        first send; a failed tick is not booked, so a failing buddy is not hurried)."""
+        cost, at = self._send_cost_s, self._picked_at
+        return cost is not None and at is not None and now - at >= cost / self.duty
 
     def picks(self, by_rank: dict[int, list[CopyRef]], now: float) -> dict[int, CopyRef]:
         """The copies to send now: when any rank's copy is due, every rank's copy of the
@@ -132,7 +158,7 @@ class ReplicaSender:
         evicted node's ranks restored from the first commit, 264 steps back."""
         trimmed = same_step(by_rank)
         due = {rank: self.due(rank, refs, now) for rank, refs in trimmed.items()}
-        if not any(ref is not None for ref in due.values()):
+        if not any(ref is not None for ref in due.values()) and not self.cheap(now):
             return {}
         out = {}
         for rank, refs in trimmed.items():

@@ -158,3 +158,33 @@ def test_when_one_rank_is_due_every_rank_of_the_node_sends_the_same_step() -> No
     assert s.picks(by_rank, now=0.6) == {}  # acknowledged: nothing until the next is due
     s._retry[3] = (1, 9.0)  # rank 3's buddy send failed: it waits for its retry time
     assert set(s.picks({2: ring(280, 16), 3: ring(280, 16)}, now=1.0)) == {2}
+
+
+def _ticks(cost_s: float, steps: int = 60) -> list[int]:
+    """The steps a ring of 16 ships when one save lands per tick, 0.1 s apart, and each
+    tick's sends take `cost_s`."""
+    s = sender()
+    out = []
+    for step in range(steps):
+        now = step * 0.1
+        picked = s.picks({0: ring(step, 16)}, now)
+        for rank, ref in picked.items():
+            s._settle(rank, ref, SendResult(0, ref.manifest.step, True), now)
+            out.append(ref.manifest.step)
+        if picked:
+            s.sent(cost_s, now + cost_s)
+    return out
+
+
+def test_cheap_sends_ship_every_copy_and_costly_ones_are_spaced_to_the_duty() -> None:
+    """A node lost 2-10 steps (median 6) in bench-recovery: its buddy held a copy up to
+    13 saves old (a ring of 16), though one send took milliseconds. While a tick's sends cost
+    under REPLICA_DUTY of the time between them, every newer copy goes."""
+    assert _ticks(0.002) == list(range(60))  # 2 ms a send: every 0.1 s tick is cheap
+    costly = [x for x in _ticks(0.02) if x >= 16]  # 20 ms: at most one every 0.4 s
+    gaps = {b - a for a, b in itertools.pairwise(costly)}
+    assert gaps == {5}  # the first tick at least 0.4 s after the last send's end
+    # 1 s a send: the duty would allow one every 20 s; the older rules (a copy about every
+    # REPLICA_EVERY_S, and within k - REPLICA_MARGIN saves) still hold
+    slow = [x for x in _ticks(1.0) if x >= 16]
+    assert {b - a for a, b in itertools.pairwise(slow)} <= {10, 11}
