@@ -55,6 +55,21 @@ def ring_buddies(nodes: Sequence[str], slots: Mapping[str, NodeSlot | None]) -> 
     return {n: ring[(i + 1) % len(ring)][1] for i, (n, _) in enumerate(ring)}
 
 
+def ring_buddy_of(node: str, nodes: Sequence[str], slots: Mapping[str, NodeSlot | None]) -> str:
+    """`node`'s buddy in the ring `ring_buddies` pairs for `nodes`, also when `node` itself
+    is not in `slots` (a lost node a new leader never saw register): the replica server of
+    the next node after it in world order that has one ("": `node` is not in `nodes`, or
+    no other node has a server)."""
+    if node not in nodes:
+        return ""
+    i, n = nodes.index(node), len(nodes)
+    for k in range(1, n):
+        slot = slots.get(nodes[(i + k) % n])
+        if slot is not None and (addr := replica_address(slot)):
+            return addr
+    return ""
+
+
 def ring_order(nodes: Sequence[str], slots: Mapping[str, NodeSlot | None]) -> list[str]:
     """The nodes of `ring_buddies`' ring, in its order: each sends to the next and takes
     the copies of the previous (empty: fewer than 2 with a replica server)."""

@@ -82,3 +82,24 @@ def test_a_world_is_paired_in_a_ring_in_world_order() -> None:
     assert ring_buddies(["a", "b", "c"], slots) == {"a": "10.0.0.2:29600", "c": "10.0.0.0:29600"}
     assert ring_buddies(["a"], slots) == {}
     assert ring_buddies(["a", "x"], slots) == {}  # x has no session (no slot)
+
+
+def test_a_new_leader_finds_a_lost_nodes_copies_where_its_predecessor_paired_them() -> None:
+    """A leader keeps the ring it paired in memory; its successor paired nothing yet. Two
+    node losses right after a driver kill (bench-recovery, MTBF 20 s) were looked for at
+    the lost node's registered --buddy, long replaced by the ring, and restored a persisted
+    step ~600 steps back. `ring_buddy_of` gives the ring's pairing, also for a lost node the
+    new leader never saw register."""
+    from unbroken.driver.buddies import ring_buddy_of
+
+    slots = {
+        n: _holder(f"10.0.0.{i}:29600", peer=f"10.0.0.{i}", node=n) for i, n in enumerate("abcd")
+    }
+    world = ["a", "b", "c", "d"]
+    ring = ring_buddies(world, slots)
+    assert {n: ring_buddy_of(n, world, slots) for n in world} == ring
+    lost = {n: s for n, s in slots.items() if n != "b"}  # b died before re-registering
+    assert ring_buddy_of("b", world, lost) == ring["b"] == "10.0.0.2:29600"
+    assert ring_buddy_of("a", world, lost) == "10.0.0.2:29600"  # b has no server: skip it
+    assert ring_buddy_of("x", world, slots) == ""  # not of this world
+    assert ring_buddy_of("a", ["a"], slots) == ""  # alone: no buddy
