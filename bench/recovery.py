@@ -920,7 +920,7 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
         out["faults"] = summarize(seq)
 
     if "ettr" in ns.phases:
-        for mtbf_s in (60, 20):
+        for mtbf_s in ns.mtbf:
             say(f"== faults at MTBF {mtbf_s} s for {ns.ettr_s:.0f} s")
 
             async def ettr(b: Bench, mtbf_s: int = mtbf_s) -> None:
@@ -1126,6 +1126,11 @@ def main(argv: list[str] | None = None) -> int:
         help='more flags for every agent, one string: --agent-flags="--flash-poll-ms 2000"',
     )
     parser.add_argument(
+        "--mtbf",
+        default="60,20",
+        help="the ettr phase's mean times between faults, in seconds (comma-separated)",
+    )
+    parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
@@ -1144,6 +1149,13 @@ def main(argv: list[str] | None = None) -> int:
     ns.baseline_s = ns.baseline_s or (30.0 if ns.quick else 180.0)
     if ns.runs < 1 or ns.ettr_s < 10 or ns.baseline_s < 5:
         print("error: --runs must be >= 1, --ettr-s >= 10, --baseline-s >= 5", file=sys.stderr)
+        return 2
+    try:
+        ns.mtbf = [int(x) for x in ns.mtbf.split(",") if x]
+    except ValueError:
+        ns.mtbf = []
+    if not ns.mtbf or min(ns.mtbf) < 1:
+        print("error: --mtbf takes whole seconds >= 1, comma-separated", file=sys.stderr)
         return 2
     ns.kinds = [k for k in ns.kinds.split(",") if k]
     if not set(ns.kinds) <= set(KINDS):
