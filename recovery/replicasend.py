@@ -135,7 +135,8 @@ class ReplicaSender:
             self._settle(rank, ref, res, time.monotonic(), local_ok=local_ok)
             results.append(res)
         if results and all(r.ok for r in results):
-            self.sent(time.monotonic() - t0, time.monotonic())
+            done = time.monotonic()
+            self.sent(done - t0, done)
         return results
 
     def sent(self, took_s: float, now: float) -> None:

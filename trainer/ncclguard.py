@@ -125,3 +125,20 @@ def abort_groups() -> int:
             pg.abort()
             n += 1
     return n
+
+
+def abort_world() -> bool:
+    """Abort every NCCL group of this process's world, its bookkeeping too (the main
+    thread, leaving: `rejoin.hold`): a kernel still waiting for a peer that left returns,
+    and destroying the group cannot block on it. Returns whether there was an NCCL world."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return False
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    with contextlib.suppress(Exception):
+        if abort is not None:
+            abort()  # every group, the default one too
+            mark("aborted")
+            return True
+    return False

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from unbroken.common.workerenv import AGENT_PID
+from unbroken.trainer.ncclguard import abort_world
 from unbroken.trainer.rtrace import mark
 
 if TYPE_CHECKING:
@@ -144,23 +145,6 @@ def sever(since: frozenset[tuple[int, str]]) -> int:
     return n
 
 
-def abort_nccl() -> bool:
-    """Abort every NCCL communicator of this process's world (unlike gloo, NCCL can): a
-    kernel still waiting for a peer that left returns, and destroying the group cannot
-    block on it. Returns whether there was an NCCL world to abort."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_backend() != "nccl":
-        return False
-    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    with contextlib.suppress(Exception):
-        if abort is not None:
-            abort()  # every group, the default one too
-            mark("aborted")
-            return True
-    return False
-
-
 def hold(
     h: Held,
     hooks: Hooks,
@@ -189,7 +173,7 @@ def hold(
         mark("severed", sockets=sever(world_since))
     drop_frames(h)
     gc.collect()  # DDP/FSDP state may still hold the group: free it, so it really closes
-    abort_nccl()
+    abort_world()
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()

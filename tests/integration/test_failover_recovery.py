@@ -158,6 +158,21 @@ def test_leader_dead_before_start_workers_the_next_leader_starts_them(job: TwoDr
     assert "world nodes run no workers after the takeover" in log, log[-3000:]
 
 
+def _resumed_after_loss(job: TwoDrivers, node: str, timeout_s: float, what: str) -> int:
+    """Wait until `node`'s NodeLost is followed by a TrainingResumed; the NodeLost's seq."""
+    seq = 0
+
+    def resumed() -> bool:
+        nonlocal seq
+        events = job.events()
+        lost = [e.seq for e in events if e.HasField("node_lost") and e.node_lost.node_id == node]
+        seq = lost[0] if lost else 0
+        return bool(lost) and bool(_after(events, "training_resumed", seq))
+
+    until(resumed, timeout_s, what, job)
+    return seq
+
+
 @pytest.mark.timeout(900)
 def test_a_node_lost_after_a_failover_is_restored_from_its_ring_buddy(job: TwoDrivers) -> None:
     """A leader keeps the ring it paired in memory; the next leader paired nothing yet and
@@ -176,16 +191,7 @@ def test_a_node_lost_after_a_failover_is_restored_from_its_ring_buddy(job: TwoDr
     until(lambda: job.max_step() >= 5, 180, "training to start", job)
 
     job.kill("n1")  # s0 takes n1's place; the ring is paired again: s0 sends to n0
-    lost_seq = 0
-
-    def resumed_after_loss() -> bool:
-        nonlocal lost_seq
-        events = job.events()
-        lost = [e.seq for e in events if e.HasField("node_lost") and e.node_lost.node_id == "n1"]
-        lost_seq = lost[0] if lost else 0
-        return bool(lost) and bool(_after(events, "training_resumed", lost_seq))
-
-    until(resumed_after_loss, 180, "s0 to take n1's place", job)
+    _resumed_after_loss(job, "n1", 180, "s0 to take n1's place")
     step = job.max_step()
     until(lambda: job.max_step() >= step + 30, 180, "s0's copies to reach n0", job)
 
@@ -201,16 +207,7 @@ def test_a_node_lost_after_a_failover_is_restored_from_its_ring_buddy(job: TwoDr
     until(lambda: job.max_step() >= step + 10, 180, "training under driver-b", job)
 
     job.kill("s0")  # lost after the failover: its copies are at n0, as the ring paired them
-    gone_seq = 0
-
-    def restored() -> bool:
-        nonlocal gone_seq
-        events = job.events()
-        lost = [e.seq for e in events if e.HasField("node_lost") and e.node_lost.node_id == "s0"]
-        gone_seq = lost[0] if lost else 0
-        return bool(lost) and bool(_after(events, "training_resumed", gone_seq))
-
-    until(restored, 240, "s1 to take s0's place", job)
+    gone_seq = _resumed_after_loss(job, "s0", 240, "s1 to take s0's place")
     log = (job.run / "s1.log").read_text()
     took = [ln for ln in log.splitlines() if "flash.took_over" in ln and "node=s0" in ln]
     assert took, log[-3000:]
