@@ -330,6 +330,7 @@ async def _start_workers(agent: Agent, msg: dpb.DriverMessage) -> str:
             launch = launch.with_env(**WorkerEnv(flash_node=p.replaces).to_env())
     if flash is not None:
         flash.world_size = launch.world_size
+        flash.set_ranks(launch.ranks(sup.spec.nproc))
         if p.flash_bytes_per_rank:
             mine = launch.ranks(sup.spec.nproc)
             await asyncio.to_thread(flash.prepare, mine, p.flash_bytes_per_rank)

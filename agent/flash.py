@@ -30,6 +30,7 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -260,6 +261,7 @@ class NodeFlash:
                 self.owner, config.node, parse_hostport(config.buddy, "--buddy"), self.replica_cfg
             )
         self._ring: dict[int, list[int]] = {}  # rank -> steps its ring holds, newest first
+        self.live_ranks: frozenset[int] | None = None  # the workers' ranks (`set_ranks`)
         self._held: list[tuple[str, int, list[int]]] = []  # copies held for other nodes
         self._task: asyncio.Task[None] | None = None
         self._io: LoopThread | None = None
@@ -474,7 +476,15 @@ class NodeFlash:
         self.sender = ReplicaSender(
             self.owner, self.config.node, target, self.replica_cfg, buddy_node=node
         )
+        self.sender.only = self.live_ranks
         return True
+
+    def set_ranks(self, ranks: Iterable[int]) -> None:
+        """The global ranks this node's workers hold in the world now: only their copies
+        are replicated (another world's rank directory stays for a reshard to read)."""
+        self.live_ranks = frozenset(ranks)
+        if self.sender is not None:
+            self.sender.only = self.live_ranks
 
     async def take_over(self, node: str, requester: str, source: str = "") -> bool:
         """Fetch `node`'s replicas from `source` (host:port of the replica server that holds

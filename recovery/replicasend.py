@@ -89,6 +89,12 @@ class ReplicaSender:
         self.sent_bytes = 0
         self.spaced_out = 0  # ticks that left a newer copy for a later send (metrics)
         self.failed = 0  # sends that failed (metrics)
+        # the ranks this node's workers hold now (None: every rank with a directory). After
+        # an in-job world change a worker may hold another rank than before; the old rank's
+        # directory stays (a reshard may read it), but its copies are not this node's to
+        # replicate any more: counted with the live ranks, `same_step` pinned every send to
+        # the newest step both held, the old world's, and the buddy never got a newer copy
+        self.only: frozenset[int] | None = None
 
     def due(self, rank: int, refs: list[CopyRef], now: float) -> CopyRef | None:
         """The copy of `rank` to send now (its newest), or None; `refs` newest first."""
@@ -121,6 +127,8 @@ class ReplicaSender:
         results = []
         by_rank: dict[int, list[CopyRef]] = {}
         for rank in self.owner.ranks():
+            if self.only is not None and rank not in self.only:
+                continue
             refs = listed.get(rank) if listed is not None else None
             by_rank[rank] = refs if refs is not None else list_copies(self.owner.rank_dir(rank))
         t0 = time.monotonic()

@@ -177,6 +177,7 @@ def hold(
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+    forget_world_caches()
     mark("held")
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
@@ -195,6 +196,37 @@ def hold(
                 return None
     log.error("no new world within the hold limit; exiting", wait_s=wait_s)
     return None
+
+
+def forget_world_caches() -> None:
+    """Clear DTensor's process-wide caches of the world just left.
+
+    A DeviceMesh hashes and compares by its shape and dimension names, not by this rank's
+    place in it. DTensor's sharding propagation and redistribution caches are keyed by such
+    meshes, so after a rejoin they handed the new world's ops specs that carried the old
+    world's mesh: its coordinate was this process's rank there. A survivor that was rank 1
+    of a dp2 world and rejoined a later dp2 world as rank 0 resharded its FSDP shards as the
+    second half: both ranks loaded the same half and the job trained on from a broken model
+    (the replica policy's grow-back, loss 5.6 where the curve was at 2.9). Torch's own clears
+    (its debug module's) where it has them; each is skipped where this torch lacks it.
+    """
+    with contextlib.suppress(Exception):
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
+    with contextlib.suppress(Exception):
+        from torch.distributed.tensor._api import DTensor
+
+        prop = DTensor._op_dispatcher.sharding_propagator
+        prop._propagate_tensor_meta_cached.cache_clear()
+    with contextlib.suppress(Exception):
+        from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+        _gen_transform_infos.cache_clear()
+    with contextlib.suppress(Exception):
+        from torch.distributed.tensor._collective_utils import MeshTopoInfo
+
+        MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 def apply_rejoin(rejoin: Any) -> None:
