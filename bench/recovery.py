@@ -28,6 +28,9 @@ Phases, all in one run:
    loss, loss spike) x N interleaved; `modes.by_kind.<kind>` holds each mode's medians side
    by side (`resume_s_in_job`, `resume_s_restart`, after detection, detection, steps lost,
    load) and `resume_s_in_job` / `resume_s_restart` at the top repeat the resume medians.
+   A third mode, `replica` (`--keep-training`, the replica policy): the fault's replica
+   sits out, the other trains on (`resume_s_replica`), and the replica rejoins by a
+   grow-back `--replica-rejoin-s` later (`rejoin_pause_s_replica`: that pause).
    Run alone (`--phases modes`) it keeps the file's other figures and files its own
    settings and load under `modes.run`.
 1. cold: a cluster whose agents start every worker as a fresh process (`--no-warm-workers`),
@@ -134,6 +137,11 @@ class Fault:
     marks: list[tuple[float, int, str]] = field(default_factory=list)
     # where the time went (`breakdown`): phase -> seconds
     phases: dict[str, float] = field(default_factory=dict)
+    # the replica policy (--keep-training): the grow-back that brought the replica in again,
+    # its pause (its first transition to its TrainingResumed) and when it ended
+    grow_began_ns: int = 0
+    rejoin_pause_s: float | None = None
+    rejoin_s: float | None = None
 
     @property
     def resolved(self) -> bool:
@@ -321,6 +329,7 @@ class Bench:
         self.run = run
         self.device = device
         self.driver_flags = driver_flags
+        self.replica = "--keep-training" in driver_flags  # a fault's replica rejoins later
         self.flash = flash
         self.flash_ab = flash_ab
         self.extra_agent_flags = agent_flags
@@ -474,6 +483,8 @@ class Bench:
                 if f.kind == "driver_kill":
                     f.resume_s, f.steps_lost = 0.0, 0
             return
+        if f.resume_s is not None and self.replica and f.rejoin_s is None:
+            self._observe_rejoin(f, e, since)
         if f.resume_s is not None or e.seq <= f.detect_seq:
             return
         if kind == "training_paused":  # the last pause of the incident counts
@@ -487,6 +498,16 @@ class Bench:
             f.resume_s = since
             f.marks = self.trace.since(f.wall_ns, e.wall_time_unix_ns)
             f.phases = breakdown(f)
+
+    def _observe_rejoin(self, f: Fault, e: ev.Event, since: float) -> None:
+        """The replica policy's grow-back after `f`: its pause and when dp was whole again."""
+        if e.HasField("recovery_transition") and e.recovery_transition.reason.startswith("grow"):
+            f.grow_began_ns = f.grow_began_ns or e.wall_time_unix_ns
+        elif (
+            e.HasField("training_resumed") and f.grow_began_ns and e.training_resumed.world.dp >= 2
+        ):
+            f.rejoin_pause_s = (e.wall_time_unix_ns - f.grow_began_ns) / 1e9
+            f.rejoin_s = since
 
     async def wait_for(self, what: str, cond: Any, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -613,6 +634,8 @@ class Bench:
             return None
         await self.wait_for(f"{kind} to be resolved", lambda: f.resolved, RESOLVE_LIMIT_S)
         f.note = "" if f.resolved else "not resolved in time"
+        if self.replica and f.resolved and f.kind != "loss_spike":  # the replica back in
+            await self.wait_for("the replica's rejoin", lambda: f.rejoin_s is not None, 120)
         mark = self.steps.max_step()
         await self.wait_for("steady training", lambda: self.steps.max_step() >= mark + 5, 60)
         await self.wait_for("standbys", self._standbys_ready, 45)
@@ -722,6 +745,9 @@ def modes_summary(by_mode: dict[str, list[Fault]], runs: int) -> dict[str, Any]:
             row[f"detect_s_{mode}"] = _median([f.detect_s for f in fs])
             row[f"resume_after_detect_s_{mode}"] = _median(list(after))
             row[f"steps_lost_{mode}"] = _median(list(lost))
+            if mode == "replica":  # the grow-back that followed: its own pause
+                row["rejoin_pause_s_replica"] = _median([f.rejoin_pause_s for f in fs])
+                row["rejoin_s_replica"] = _median([f.rejoin_s for f in fs])
             row[f"runs_{mode}"] = len(fs)
             row[f"resolved_{mode}"] = sum(f.resolved for f in fs)
             row[f"load1_median_{mode}"] = statistics.median(f.load1 for f in fs) if fs else None
@@ -878,7 +904,8 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
         kinds = [k for k in MODE_KINDS if k in ns.kinds]
         say(f"== recovery modes: {' vs '.join(ns.modes)}, {','.join(kinds)} x{runs} each")
         by_mode: dict[str, list[Fault]] = {}
-        for mode, flags in (("in_job", ()), ("restart", ("--no-in-job",))):
+        replica = ("--keep-training", "--replica-rejoin-s", str(ns.replica_rejoin_s))
+        for mode, flags in (("in_job", ()), ("restart", ("--no-in-job",)), ("replica", replica)):
             if mode not in ns.modes:
                 continue
             done: list[Fault] = []
@@ -898,8 +925,9 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
         for kind, row in out["modes"]["by_kind"].items():
             say(
                 f"  {kind:13s} resume in-job {_fmt(row.get('resume_s_in_job'))} restart "
-                f"{_fmt(row.get('resume_s_restart'))} (after detection: in-job "
-                f"{_fmt(row.get('resume_after_detect_s_in_job'))})"
+                f"{_fmt(row.get('resume_s_restart'))} replica {_fmt(row.get('resume_s_replica'))} "
+                f"(after detection: in-job {_fmt(row.get('resume_after_detect_s_in_job'))}; "
+                f"the replica's rejoin pause {_fmt(row.get('rejoin_pause_s_replica'))})"
             )
         save()
 
@@ -1114,8 +1142,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--modes",
-        default="in_job,restart",
-        help="the recovery modes the modes phase compares (in_job, restart)",
+        default="in_job,restart,replica",
+        help="the recovery modes the modes phase compares (in_job, restart, replica: "
+        "in-job with the replica policy, --keep-training)",
     )
     parser.add_argument(
         "--miss-limit", type=int, default=MISS_LIMIT, help="the drivers' --miss-limit"
@@ -1129,6 +1158,12 @@ def main(argv: list[str] | None = None) -> int:
         "--mtbf",
         default="60,20",
         help="the ettr phase's mean times between faults, in seconds (comma-separated)",
+    )
+    parser.add_argument(
+        "--replica-rejoin-s",
+        type=float,
+        default=3.0,
+        help="the replica mode's --replica-rejoin-s (how long a replica sits out)",
     )
     parser.add_argument(
         "--device",
@@ -1163,8 +1198,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ns.agent_flags = shlex.split(ns.agent_flags)
     ns.modes = [m for m in ns.modes.split(",") if m]
-    if not set(ns.modes) <= {"in_job", "restart"} or not ns.modes:
-        print("error: --modes takes in_job and/or restart", file=sys.stderr)
+    if not set(ns.modes) <= {"in_job", "restart", "replica"} or not ns.modes:
+        print("error: --modes takes in_job, restart and/or replica", file=sys.stderr)
         return 2
     ns.phases = set(ns.phases.split(","))
     if not ns.phases <= {"modes", "cold", "faults", "ettr", "throughput", "ab"}:

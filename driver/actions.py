@@ -132,7 +132,7 @@ class ResumeAll:
 
 @dataclass(frozen=True, slots=True)
 class StopAll:
-    """The job failed: stop every worker."""
+    """Stop every worker of `nodes` (the job failed; or a replica sits out of the world)."""
 
     nodes: tuple[str, ...]
 

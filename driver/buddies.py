@@ -107,11 +107,12 @@ def start_messages(
     timeline: int,
     persist_every_s: float,
     shard_bytes: int,
+    sitting_out: Sequence[str] = (),
 ) -> dict[str, dpb.DriverMessage]:
     """Each world node's StartWorkers: its rank base, the master (rank 0's node as the
     driver saw it connect), the new buddy ring, and the copies it takes over from the node
     whose slot it fills (`old`: the incident's world; `buddy_of`: where a node's copies
-    live)."""
+    live; `sitting_out`: live nodes of a replica that sits out, kept in the ring)."""
     nodes = a.world.node_ids
     first = view.nodes.get(nodes[0])
     # rank 0's node as the driver saw it connect (not the IP it claimed in Register)
@@ -126,10 +127,17 @@ def start_messages(
     }
     # where each replaced node's copies live: the buddy it was paired with
     copies_at = {o: buddy_of(o) for o in replaces.values()}
-    # and the new world's ring, from now on
-    slots = {n: view.nodes.get(n) for n in nodes}
-    ring = ring_buddies(nodes, slots)
-    order = ring_order(nodes, slots)  # who each one sends to and takes copies from
+    # and the new world's ring, from now on; with replicas sitting out (the replica
+    # policy) they stay in it where they were, so the replicas training on keep sending
+    # their copies to them and a replica rejoins with its peers' newest copies at hand
+    # (its server still takes from the node before it: it got no new StartWorkers)
+    ringed = list(nodes)
+    if sitting_out:
+        keep = set(nodes) | set(sitting_out)
+        ringed = [n for n in old if n in keep] + [n for n in nodes if n not in set(old)]
+    slots = {n: view.nodes.get(n) for n in ringed}
+    ring = ring_buddies(ringed, slots)
+    order = ring_order(ringed, slots)  # who each one sends to and takes copies from
     nxt = {n: order[(i + 1) % len(order)] for i, n in enumerate(order)}
     prev = {n: order[i - 1] for i, n in enumerate(order)}
     return {

@@ -65,6 +65,7 @@ KINDS: dict[str, Kind] = {
     "operator_action": Kind(observed=True, cause=True),
     "diagnosis_verdict": Kind(observed=True, cause=True),
     "restore_finished": Kind(observed=True),
+    "replica_ready": Kind(observed=True),
     "node_evicted": Kind(cause=True),
     "world_resized": Kind(cause=True),
 }

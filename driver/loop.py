@@ -45,7 +45,7 @@ from typing import Any, Protocol
 import structlog
 
 from unbroken.diagnostics.check import free_port
-from unbroken.driver import completion, detectors, machine, sdcwatch, worldplan
+from unbroken.driver import completion, detectors, machine, replicapolicy, sdcwatch, worldplan
 from unbroken.driver import state as statelib
 from unbroken.driver import worldprogress as progress
 from unbroken.driver.buddies import (
@@ -177,6 +177,8 @@ class RecoveryLoop:
         self._spawn(self._watch_losses())
         self._spawn(sdcwatch.watch(self))
         self._spawn(completion.watch(self))
+        if self.policy.keep_training:
+            self._spawn(replicapolicy.watch(self))
         if self.state.phase == ev.PHASE_STARTING:
             self._spawn(self._wait_for_world())
         else:
@@ -598,6 +600,7 @@ class RecoveryLoop:
             timeline=self._timeline,
             persist_every_s=self.service.persist_every_s(),
             shard_bytes=self.service.commits.shard_bytes,
+            sitting_out=[n for n in self.state.sitting_out if self._connected(n)],
         )
 
     async def _start_one(

@@ -53,6 +53,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from unbroken.diagnostics import selfcheck as selfchecklib
+from unbroken.driver import replicapolicy
 from unbroken.driver import sdc as sdclib
 from unbroken.driver import state as statelib
 
@@ -135,6 +136,7 @@ class _Draft:
         rearm: bool = False,
         mode: str | None = None,
         replace: Iterable[int] | None = None,
+        sit_out: Iterable[str] = (),
     ) -> None:
         s = self.state
         self.add(
@@ -151,6 +153,7 @@ class _Draft:
                     rearm=rearm,
                     mode=s.recovery_mode if mode is None else mode,
                     replace_ranks=sorted(set(s.replace_ranks if replace is None else replace)),
+                    sit_out=list(sit_out),
                 )
             )
         )
@@ -340,6 +343,8 @@ def _react(before: ev.JobState, d: _Draft, obs: Observation, policy: Policy) -> 
         return _on_verdict(before, d, obs.diagnosis_verdict, policy)
     if kind == "restore_finished":
         return _on_restored(before, d, obs.restore_finished)
+    if kind == "replica_ready":
+        return ""  # the sat-out nodes are free again: the settle grows back if it can
     if kind == "loss_spike":
         return _on_spike(before, d, obs.loss_spike, policy)
     if kind == "sdc_suspected":
@@ -451,6 +456,11 @@ def _on_fault(
     if suspect:
         reason = f"{reason} (suspect: every process restarts)"
     if phase == ev.PHASE_RUNNING:
+        sit: tuple[str, ...] = ()
+        if policy is not None and policy.keep_training and in_job and kind in (_CLEAR, _LOST):
+            sit = replicapolicy.sits_out(before.world, accepted, ranks, policy.min_nodes)
+        if sit:
+            reason = f"{reason} (replica policy: {sit} sit out, the other replicas train on)"
         d.transition(
             ev.PHASE_SUSPECTED,
             reason,
@@ -461,6 +471,7 @@ def _on_fault(
             by_operator=by_operator,
             mode=mode,
             replace=replace,
+            sit_out=sit,
         )
         return ""
     to = ev.PHASE_SUSPECTED
@@ -691,7 +702,7 @@ def _settle_running(d: _Draft, policy: Policy) -> bool:
     if s.HasField("rollback_to"):
         _open_rollback(d, policy)
         return True
-    if policy.grow_back:
+    if policy.grow_back and not s.sitting_out:  # a replica sitting out holds the grow
         target = plan_world(s, policy)
         if isinstance(target, Layout) and target.dp > s.world.dp:
             d.transition(

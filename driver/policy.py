@@ -110,6 +110,24 @@ class Policy:
             "a suspect fault, a diagnosis or a failed in-job restore restarts every process)",
         },
     )
+    keep_training: bool = field(
+        default=False,
+        metadata={
+            "help": "the replica policy: with dp >= 2 and a clear fault confined to one "
+            "data-parallel replica (a worker killed or hung, a node lost), the other replicas "
+            "train on at once with dp - 1 (the global batch kept: each takes a larger share) "
+            "instead of waiting for the replica's replacement, which rejoins by a grow-back "
+            "--replica-rejoin-s later (docs/in-job-recovery.md)"
+        },
+    )
+    replica_rejoin_s: float = field(
+        default=5.0,
+        metadata={
+            "help": "with --keep-training: how long a replica that sat out an incident waits "
+            "before the grow-back that brings it in (its node's agent readies a worker "
+            "meanwhile; 0: at once)"
+        },
+    )
     hang_diagnose_after: int = field(
         default=2,
         metadata={
@@ -142,6 +160,10 @@ class Policy:
                 f"Policy.self_check_evicts has unknown self-check items {sorted(unknown)}; "
                 f"choose from {sorted(selfchecklib.ITEM_NAMES)}, or none (every failed "
                 "self-check then follows diagnose_kinds)"
+            )
+        if not self.replica_rejoin_s >= 0:  # NaN too
+            raise ValueError(
+                f"Policy.replica_rejoin_s must be a number >= 0, got {self.replica_rejoin_s}"
             )
         if self.max_restore_attempts < 1:
             raise ValueError(

@@ -126,6 +126,7 @@ def _prune(s: ev.JobState) -> None:
     if s.gone_nodes <= KEEP_GONE_NODES + PRUNE_SLACK:
         return
     keep = {*s.world.node_ids, *s.suspects, *s.bad_nodes, *s.incident_world.node_ids}
+    keep.update(s.sitting_out)
     heap = _gone_heap(s)
     nodes = s.nodes
     kept = []
@@ -541,6 +542,14 @@ def _recovery_transition(s: ev.JobState, e: ev.Event) -> None:
     s.recovery_mode = p.mode
     del s.replace_ranks[:]
     s.replace_ranks.extend(p.replace_ranks)
+    s.sitting_out.extend(n for n in p.sit_out if n not in s.sitting_out)
+
+
+def _replica_ready(s: ev.JobState, e: ev.Event) -> None:
+    released = set(e.replica_ready.node_ids)
+    keep = [n for n in s.sitting_out if n not in released]
+    del s.sitting_out[:]
+    s.sitting_out.extend(keep)
 
 
 def _job_finished(s: ev.JobState, e: ev.Event) -> None:
@@ -570,6 +579,7 @@ _HANDLERS: dict[str, Callable[[ev.JobState, ev.Event], None]] = {
     "world_nodes": _world_nodes,
     "step_verified": _step_verified,
     "sdc_suspected": _sdc_suspected,
+    "replica_ready": _replica_ready,
     # a fault that names a node counts one failure on it (its row in driver/eventkinds.py)
     **{kind: _blame(kind) for kind in BLAME_KINDS},
 }

@@ -86,12 +86,20 @@ def plan_world(s: ev.JobState, policy: Policy) -> Layout | str:
     """
     w = s.world
     bad = set(s.bad_nodes)
-    survivors = [n for n in w.node_ids if _state_of(s, n) == ev.NODE_STATE_ACTIVE and n not in bad]
-    returned = _pool(s, survivors, with_spares=False)
-    everyone = _pool(s, survivors, with_spares=True)
+    out = set(s.sitting_out)  # the replica policy's: neither in the world nor in the pool
+    survivors = [
+        n
+        for n in w.node_ids
+        if _state_of(s, n) == ev.NODE_STATE_ACTIVE and n not in bad and n not in out
+    ]
+    returned = [n for n in _pool(s, survivors, with_spares=False) if n not in out]
+    everyone = [n for n in _pool(s, survivors, with_spares=True) if n not in out]
     dp = None
     pool = everyone
-    if policy.reshape is Reshape.SHRINK_FIRST:
+    if out:  # the other replicas train on alone; a spare comes in by the grow-back
+        dp = _best_dp(s, policy, len(survivors))
+        pool = []
+    if dp is None and policy.reshape is Reshape.SHRINK_FIRST:
         dp = _best_dp(s, policy, len(survivors) + len(returned))
         pool = returned
     if dp is None:
@@ -180,6 +188,11 @@ def pending_actions(state: ev.JobState, policy: Policy) -> list[Action]:
         ]
     if phase == ev.PHASE_RESTORING:
         out: list[Action] = [EvictNode(n, f"incident {s.incident_id}") for n in sorted(s.bad_nodes)]
+        # the replica policy: what is left of a replica that sits out stops (a node of
+        # several workers held its healthy ones)
+        idle = tuple(n for n in s.sitting_out if _healthy(s, n) and n not in s.world.node_ids)
+        if idle:
+            out.append(StopAll(idle))
         wpn = s.world.workers_per_node
         out.append(
             StartWorkers(

@@ -65,7 +65,7 @@ def _loop(bump_at: int | None) -> tuple[RecoveryLoop, FakeService]:
     loop._buddy = {}
     loop.journal = SimpleNamespace(
         deciding_state=SimpleNamespace(
-            incident_world=SimpleNamespace(node_ids=list(nodes)), nodes={}
+            incident_world=SimpleNamespace(node_ids=list(nodes)), nodes={}, sitting_out=[]
         )
     )
     svc = FakeService(loop, nodes, bump_at)

@@ -1,0 +1,114 @@
+"""The replica policy end to end: the other replica trains on through a killed worker.
+
+`unbroken driver --nodes 2 --dp 2 --keep-training --replica-rejoin-s 3` runs the tiny
+trainer on two `unbroken agent --no-start` processes (one worker each) on the session's real
+etcd; real processes, gloo; nothing in the test sends a recovery command.
+
+n1's worker is SIGKILLed. The machine does not wait for a replacement: n1 sits out, n0's
+worker leaves the dp2 world, rejoins a dp1 world in its own process (the same pid), reshards
+from memory and trains on alone with the whole global batch, while n1 runs no worker.
+3 s later the driver releases n1 (ReplicaReady), the grow-back brings it in with a new
+worker that restores n0's newest copy (n0 kept replicating to n1 while it sat out), and
+both train to the last step; n0's worker is still the process it was before the fault.
+
+The global batch stays the same, so every loss stays on the uninterrupted dp2 run's curve
+up to the reduction order (dp1 and dp2 sum in a different order: the gap grows with the
+steps, from 1e-7 to a few 1e-4 over 300 steps of this model).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.jobs import Job, reference
+from unbroken.cli.cluster import until
+
+pytestmark = pytest.mark.integration
+
+STEPS = 120
+# relative, on the loss: the reduction order differs between dp1 and dp2 and the gap grows
+# with the steps (measured 1e-7 early, 7e-4 by step 300 in one run, 2.7e-3 by step 79 in
+# another on a loaded host). A batch skipped or repeated moves a loss by about the spread
+# between consecutive batches here (about 10 %), and a broken restore by far more (a
+# shard loaded from the wrong half gave 5.6 against 2.9); the steps before the fault must
+# match exactly.
+TOLERANCE = 1e-2
+
+
+def _worlds(job: Job) -> list[tuple[int, tuple[str, ...], str]]:
+    return [
+        (
+            e.training_resumed.world.dp,
+            tuple(e.training_resumed.world.node_ids),
+            e.training_resumed.mode,
+        )
+        for e in job.events()
+        if e.HasField("training_resumed")
+    ]
+
+
+def test_a_killed_worker_s_replica_sits_out_while_the_other_trains_on(job: Job) -> None:
+    job.start_driver("--keep-training", "--replica-rejoin-s", "3", steps=STEPS)
+    job.start_agent("n0", buddy="n1")
+    job.start_agent("n1", buddy="n0")
+    until(lambda: job.max_step() >= 5, 180, "training to start", job)
+    # rank 0's node is the victim: the survivor becomes rank 0 of the dp1 world and the
+    # replica rejoins as rank 1, whose own memory holds rank 0's copies of the old world
+    started = next(e.job_started.world for e in job.events() if e.HasField("job_started"))
+    out, stay = started.node_ids
+    kept, victim = job.worker(stay), job.worker(out)
+    assert kept is not None and victim is not None
+
+    victim.kill()
+    crash_step = job.max_step()
+    # the survivor trains on alone, in its own process, while the victim's node has none
+    until(
+        lambda: (1, (stay,), "in_job") in _worlds(job) and job.max_step() >= crash_step + 3,
+        180,
+        "the survivor training alone past the crash",
+        job,
+    )
+    alone = job.worker(stay)
+    assert alone is not None and alone.pid == kept.pid, (kept.pid, alone)
+    # then the replica rejoins by the grow-back
+    until(
+        lambda: _worlds(job)[-1][:2] == (2, (stay, out)) and job.worker(out) is not None,
+        180,
+        "the replica back in a dp2 world",
+        job,
+    )
+    grown = job.max_step()
+    until(lambda: job.max_step() >= grown + 5, 180, "training on dp2 again", job)
+    after = job.worker(stay)
+    assert after is not None and after.pid == kept.pid, (kept.pid, after)
+
+    events = job.events()
+    opened = next(
+        e.recovery_transition
+        for e in events
+        if e.HasField("recovery_transition") and e.recovery_transition.sit_out
+    )
+    assert list(opened.sit_out) == [out] and opened.mode == "in_job", opened
+    assert any(e.HasField("replica_ready") for e in events)
+    resized = [e.world_resized for e in events if e.HasField("world_resized")]
+    assert [(r.old_world.dp, r.new_world.dp) for r in resized] == [(2, 1), (1, 2)], resized
+    why = [
+        e.recovery_transition.reason
+        for e in events
+        if e.HasField("recovery_transition") and e.recovery_transition.incident_id
+    ]
+    modes = [m for _, _, m in _worlds(job)[1:]]
+    assert modes == ["in_job", "in_job"], (_worlds(job), why)
+
+    until(lambda: job.max_step() >= STEPS, 600, "training to its last step", job)
+    got = job.steps()
+    assert sorted(got) == list(range(1, STEPS + 1)), sorted(got)
+    ref = reference(job.tmp / "reference", STEPS, total_steps=STEPS)
+    for step, values in got.items():
+        for v in values:
+            if step <= crash_step - 1:  # both ranks saved it before the fault: exact
+                assert v == ref[step], (step, v, ref[step])
+            assert abs(v - ref[step]) <= TOLERANCE * abs(ref[step]), (step, v, ref[step])
+    # the steps redone around the two pauses: none lost beyond the copies at hand
+    redone = sum(len(v) - 1 for v in got.values())
+    assert redone <= 4, {s: v for s, v in got.items() if len(v) > 1}
