@@ -327,10 +327,10 @@ class PlanCache:
         """The plan, this save's tensors and its serialised small values."""
         if not isinstance(state, Snapshot):
             flat = flatten(resolve_stateful(state))
-            got = self._same_layout(flat)
-            if got is not None:
+            same = self._same_layout(flat)
+            if same is not None:
                 self.reused += 1
-                return got
+                return same
             plan = make_plan(flat)
             plan.dumped = {k: dump_object(v) for k, v in plan.objects.items()}
             plan.values = {k: v for k, v in plan.objects.items() if immutable(v)}
