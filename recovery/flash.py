@@ -447,7 +447,10 @@ class FlashWriter:
         if pending is None:
             return True
         # In a training loop the guard made sure the previous copy is out; its manifest is
-        # never waited for.
+        # never waited for, but written here when the writer's thread has not started it
+        # a step later: on a node without a spare core that idle-priority thread may not
+        # run at all, and the manifests then waited for a full ring (16 saves, the newest
+        # valid copy 16 steps old) to be written here one by one anyway.
         if skip_if_busy and not pending.copied():
             self._pending = pending
             self.skipped_busy += 1
@@ -457,6 +460,7 @@ class FlashWriter:
         except BaseException:  # a failed copy is reported once, here
             self._inflight = {s: h for s, h in self._inflight.items() if h is not pending}
             raise
+        pending._run_unstarted(manifest=True)
         return True
 
     def _claim_slot(self, rank_dir: Path, early: int | None, skip_if_busy: bool) -> int | None:

@@ -149,14 +149,23 @@ class _Bundle:
         if self.loading:
             for opt in self._opts:
                 _prime(opt)
-        return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in self.state.items()}
+        return {k: v.state_dict() if _stateful(v) else v for k, v in self.state.items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for k, v in list(self.state.items()):
-            if isinstance(v, Stateful):
+            if _stateful(v):
                 v.load_state_dict(state_dict[k])
             elif not isinstance(v, dict):  # dicts were filled in place
                 self.state[k] = state_dict[k]
+
+
+def _stateful(value: Any) -> bool:
+    """`isinstance(value, Stateful)` as Python's runtime protocol check decides it, without
+    recomputing the protocol's members (~20 us an object, a few times every save)."""
+    return (
+        getattr(value, "state_dict", None) is not None
+        and getattr(value, "load_state_dict", None) is not None
+    )
 
 
 class _BundleOptimizers(_Bundle):

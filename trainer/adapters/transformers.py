@@ -42,24 +42,68 @@ from unbroken.trainer.adapters.core import Resilient
 HF_KEY = "hf"
 
 
+# stands for the log history in the TrainerState's JSON until its cached text replaces it
+_LOG_MARK = "\x00unbroken:log_history\x00"
+_LOG_MARK_JSON = json.dumps(_LOG_MARK)
+
+
 class _HFState:
     """The TrainerState (as its JSON) and the generators (as the Trainer saves them)."""
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
         self.loaded: dict[str, Any] | None = None
+        self._logs: list[str] = []  # the JSON of each log entry encoded so far
+        self._logs_last: Any = None  # the last of those entries
+        self._logs_json = "[]"
 
     def state_dict(self) -> dict[str, Any]:
         gens = pickle.dumps({"python": random.getstate(), "numpy": np.random.get_state()})
         return {
             # what TrainerState.save_to_json writes
-            "trainer_state": json.dumps(dataclasses.asdict(self.trainer.state), sort_keys=True),
+            "trainer_state": self.trainer_state_json(),
             "generators": gens,
             "cpu": torch.random.get_rng_state(),
         }
 
+    def trainer_state_json(self) -> str:
+        """`json.dumps(dataclasses.asdict(trainer.state), sort_keys=True)`, with the log
+        history's entries encoded once each: it gains an entry a logged step, and
+        converting it all every save cost more than the rest of the save (2.5 ms of a
+        15 ms step 120 steps in, growing with the run). The Trainer only appends to it: an
+        entry already encoded is not read again while the history is the same list with
+        the same last encoded entry (another list, e.g. after a resume, is encoded anew)."""
+        state = self.trainer.state
+        doc = {
+            f.name: _as_json_value(getattr(state, f.name))
+            for f in dataclasses.fields(state)
+            if f.name != "log_history"
+        }
+        doc["log_history"] = _LOG_MARK
+        text = json.dumps(doc, sort_keys=True)
+        return text.replace(_LOG_MARK_JSON, self._log_history_json(state.log_history), 1)
+
+    def _log_history_json(self, logs: list[Any]) -> str:
+        n = len(self._logs)
+        if len(logs) < n or (n and logs[n - 1] is not self._logs_last):
+            self._logs, n = [], 0  # not the history encoded so far: encode it all
+            self._logs_json = "[]"
+        if len(logs) > n:
+            self._logs.extend(json.dumps(e, sort_keys=True) for e in logs[n:])
+            self._logs_last = logs[-1]
+            self._logs_json = "[" + ", ".join(self._logs) + "]"
+        return self._logs_json
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.loaded = dict(state_dict)
+
+
+def _as_json_value(value: Any) -> Any:
+    """A TrainerState field as `dataclasses.asdict` gives it (a nested dataclass as a dict;
+    the other values are only read by `json.dumps`, so they need no copy)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value
 
 
 class _Attr:
