@@ -45,7 +45,10 @@ it never turns back to in-job.
 World rules: each removed node is replaced by a healthy spare in its rank position (same
 world); with too few spares dp shrinks to the largest dp with dp x pp x tp <= available
 workers (pp x tp fixed, whole nodes), never below `min_nodes` (then JobFinished ok=false
-with the reason); dp grows back, up to the configured world, when nodes return.
+with the reason); dp grows back, up to the configured world, when nodes return. The replica
+policy (`Policy.keep_training`, driver/replicapolicy.py) sits the faulty replica out instead:
+the world shrinks at once without it and no spare, and no grow-back takes nodes until the
+leader releases it (`ReplicaReady`).
 """
 
 from __future__ import annotations
