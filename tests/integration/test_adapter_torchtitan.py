@@ -4,14 +4,18 @@
 a tiny Llama 3 from a config, FSDP2 over 2 processes on CPU with gloo, random tokens,
 unbroken plugged in as its checkpoint manager) runs under torchrun without an agent (the
 reference) and with a real agent while local rank 1 is SIGKILLed mid-training: both
-restarted ranks restore the newest common step from memory (FSDP2 shards, AdamW state,
-scheduler, each rank's data loader, the trainer's step), and every step after it has the
-reference's loss bit for bit (CPU, one thread, gloo: deterministic). The newest step the
-agent persisted loads with plain `dcp.load` into an unsharded model.
+restarted ranks restore the newest common step from memory (the FSDP2 shards, AdamW's
+state, the scheduler, each rank's data loader, the trainer's step), and every step after it
+has the reference's loss bit for bit (CPU, one thread, gloo: deterministic).
+
+The newest step the agent persisted is a DCP checkpoint in torchtitan's own layout: its
+model names are the ones torchtitan's own (last-step) checkpoint of the same run holds, and
+it loads with plain `dcp.load` into an unsharded model, both FSDP2 shards of every tensor.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -29,5 +33,39 @@ MODULE = "unbroken.trainer.examples.torchtitan_unbroken"
 def test_killed_worker_resumes_bitwise(tmp_path: Path) -> None:
     ref = adapterrun.reference(MODULE, adapterrun.STEPS, tmp_path)
     with adapterrun.agent(tmp_path) as ag:
-        killed = adapterrun.run_killed(MODULE, adapterrun.STEPS, adapterrun.KILL_AFTER, ag, tmp_path)
+        killed = adapterrun.run_killed(
+            MODULE, adapterrun.STEPS, adapterrun.KILL_AFTER, ag, tmp_path
+        )
         adapterrun.check_resumed(killed, ref, adapterrun.STEPS)
+        check_persisted_torchtitan_layout(ag.persist, tmp_path / "outputs")
+
+
+def check_persisted_torchtitan_layout(persist: Path, outputs: Path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from unbroken.trainer.examples.torchtitan_unbroken import tiny_llama
+
+    end = time.monotonic() + 60  # the agent persists in the background
+    while not (whole := sorted(p.parent for p in persist.glob("step-*/.metadata"))):
+        assert time.monotonic() < end, sorted(str(p) for p in persist.rglob("*"))[:50]
+        time.sleep(0.2)
+    ours = set(FileSystemReader(str(whole[-1])).read_metadata().state_dict_metadata)
+    # torchtitan's own last-step checkpoint (model only) of each run: the same model names
+    theirs = sorted(outputs.glob("*/checkpoint/step-*"))
+    assert theirs, sorted(str(p) for p in outputs.rglob("*"))[:20]
+    for ckpt in theirs:
+        names = set(FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+        assert names and names <= ours, sorted(names - ours)[:10]
+    for key in ("optimizer", "lr_scheduler", "dataloader", "train_state"):
+        assert any(k.startswith(key + ".") for k in ours), (key, sorted(ours)[:20])
+
+    model = tiny_llama().model.build()
+    state = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    dcp.load(state, checkpoint_id=str(whole[-1]), no_dist=True)
+    for name, t in state.items():  # FSDP2 shards dim 0 over the 2 ranks: both halves came
+        half = max(1, t.shape[0] // 2) if t.dim() else 0
+        parts = (t[:half], t[half:]) if t.dim() and t.shape[0] > 1 else (t,)
+        assert all(p.abs().sum() > 0 for p in parts), name
+    model.load_state_dict(state)

@@ -49,10 +49,10 @@ from typing import Any
 
 import structlog
 import torch
-from torchtitan.components.checkpoint import TRAIN_STATE, CheckpointManager
+from torchtitan.components.checkpoint import MODEL, TRAIN_STATE, CheckpointManager
 from torchtitan.components.metrics import BaseLogger, LoggerContainer
 
-from unbroken.trainer.adapters.core import Resilient
+from unbroken.trainer.adapters.core import PROGRESS_KEY, RNG_KEY, Resilient
 
 log = structlog.get_logger(__name__)
 
@@ -138,10 +138,21 @@ class Unbroken(CheckpointManager):
             getattr(self.trainer, "gradient_accumulation_steps", 1)
             * getattr(self.trainer, "num_pipeline_parallel_microbatches", 1)
         )
+        # torchtitan's own checkpoint layout: the model's tensors at the top level under
+        # their names, the other components under theirs (so a step the agent persists
+        # as DCP is a checkpoint torchtitan itself loads)
+        self.model: Any = self.states[MODEL]
         state = {
             k: _Saved(v) if isinstance(v, torch.optim.Optimizer) else v
             for k, v in self.states.items()
+            if k != MODEL
         }
+        model_state = self.model.state_dict()
+        clash = sorted(set(model_state) & (set(state) | {PROGRESS_KEY, RNG_KEY}))
+        if clash:
+            raise ValueError(f"model parameter names {clash} clash with checkpoint keys")
+        self._model_keys = list(model_state)
+        state.update(model_state)
         self.resilient = _Titan(
             self,
             state,
@@ -187,6 +198,11 @@ class Unbroken(CheckpointManager):
     def _load(self, step: int = -1) -> bool:
         self.resilient.restore()
         if self.resilient.restored_from:
+            # the tensors were filled in place; the model's own `load_state_dict` also
+            # covers names its state-dict hooks make (its cached view is rebuilt)
+            restored = self.resilient.state
+            self.model.load_state_dict({k: restored[k] for k in self._model_keys})
+            restored.update(self.model.state_dict())
             return True
         loaded = super()._load(step)
         if loaded:
@@ -200,6 +216,9 @@ class Unbroken(CheckpointManager):
             del self.losses.by_step[old]
         if loss is not None:
             self.losses.by_step[curr_step] = loss  # `last_loss` until the next step's
+        # the model's tensors as torchtitan's wrapper sees them now (it refreshes the ones
+        # its state-dict hooks make, in place)
+        self.resilient.state.update(self.model.state_dict())
         stop = self.resilient.step_end(curr_step, loss)
         saved = super()._save(curr_step, last_step)
         if stop and self.trainer is not None:
