@@ -349,7 +349,6 @@ def use_cpu() -> None:
     cpu = _CpuDevice()
     for name in _DEVICE_MODULES:
         module = importlib.import_module(name)
-        if hasattr(module, "device_type"):
-            module.device_type = "cpu"
-        if hasattr(module, "device_module"):
-            module.device_module = cpu
+        for attr, value in (("device_type", "cpu"), ("device_module", cpu)):
+            if hasattr(module, attr):
+                setattr(module, attr, value)

@@ -53,38 +53,51 @@ SEQ_LEN = 16
 
 def tiny_llama(dim: int = 32, n_layers: int = 2, n_heads: int = 2) -> ModelSpec:
     """A two-layer Llama 3 of width 32 over 64 tokens, SDPA attention (no download)."""
-    linear = {"weight": partial(torch.nn.init.trunc_normal_, std=0.02), "bias": torch.nn.init.zeros_}
+    linear = {
+        "weight": partial(torch.nn.init.trunc_normal_, std=0.02),
+        "bias": torch.nn.init.zeros_,
+    }
     ones = {"weight": torch.nn.init.ones_}
     layers = [
         Llama3TransformerBlock.Config(
             attention_norm=RMSNorm.Config(normalized_shape=dim, param_init=ones),
             ffn_norm=RMSNorm.Config(normalized_shape=dim, param_init=ones),
             attention=make_gqa_config(
-                dim=dim, n_heads=n_heads, wqkv_param_init=linear, wo_param_init=linear,
-                inner_attention=ScaledDotProductAttention.Config(), fuse_qkv=True,
+                dim=dim,
+                n_heads=n_heads,
+                wqkv_param_init=linear,
+                wo_param_init=linear,
+                inner_attention=ScaledDotProductAttention.Config(),
+                fuse_qkv=True,
                 rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=SEQ_LEN, theta=10000),
             ),
             feed_forward=make_ffn_config(
                 dim=dim, hidden_dim=4 * dim, w1_param_init=linear, w2w3_param_init=linear
             ),
-        )  # fmt: skip
+        )
         for _ in range(n_layers)
     ]
     model = Llama3Model.Config(
         dim=dim,
         vocab_size=VOCAB,
         tok_embeddings=Embedding.Config(
-            num_embeddings=VOCAB, embedding_dim=dim,
+            num_embeddings=VOCAB,
+            embedding_dim=dim,
             param_init={"weight": partial(torch.nn.init.normal_, std=1.0)},
         ),
         norm=RMSNorm.Config(normalized_shape=dim, param_init=ones),
         lm_head=Linear.Config(in_features=dim, out_features=VOCAB, param_init=linear),
         layers=layers,
-    )  # fmt: skip
+    )
     return ModelSpec(
-        name="llama3", flavor="unbroken-tiny", model=model, parallelize_fn=gloo_parallelize(parallelize_llama),
-        pipelining_fn=None, post_optimizer_build_fn=None, state_dict_adapter=None,
-    )  # fmt: skip
+        name="llama3",
+        flavor="unbroken-tiny",
+        model=model,
+        parallelize_fn=gloo_parallelize(parallelize_llama),
+        pipelining_fn=None,
+        post_optimizer_build_fn=None,
+        state_dict_adapter=None,
+    )
 
 
 class NoTokenizer(BaseTokenizer):
@@ -178,9 +191,12 @@ def job_config(steps: int, step_delay_s: float, persist_every_s: float) -> DemoT
         optimizer=default_adamw(lr=1e-3),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=5, decay_type="linear"),
         training=TrainingConfig(
-            local_batch_size=4, seq_len=SEQ_LEN, steps=steps,
-            mixed_precision_param="float32", disable_cuda_graphs=True,
-        ),  # fmt: skip
+            local_batch_size=4,
+            seq_len=SEQ_LEN,
+            steps=steps,
+            mixed_precision_param="float32",
+            disable_cuda_graphs=True,
+        ),
         parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
         activation_checkpoint=None,  # a tiny model: nothing to recompute
         metrics=MetricsProcessor.Config(log_freq=1),
