@@ -9,12 +9,17 @@ state, the scheduler, each rank's data loader, the trainer's step), and every st
 has the reference's loss bit for bit (CPU, one thread, gloo: deterministic).
 
 The newest step the agent persisted is a DCP checkpoint in torchtitan's own layout: its
-model names are the ones torchtitan's own (last-step) checkpoint of the same run holds, and
-it loads with plain `dcp.load` into an unsharded model, both FSDP2 shards of every tensor.
+model names are the ones torchtitan's own (last-step) checkpoint of the same run holds, it
+loads with plain `dcp.load` into an unsharded model (both FSDP2 shards of every tensor),
+and torchtitan's own `CheckpointManager`, with no unbroken in the loop, resumes the whole
+training state from it (step, scheduler, optimizer, each rank's data position).
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -37,10 +42,13 @@ def test_killed_worker_resumes_bitwise(tmp_path: Path) -> None:
             MODULE, adapterrun.STEPS, adapterrun.KILL_AFTER, ag, tmp_path
         )
         adapterrun.check_resumed(killed, ref, adapterrun.STEPS)
-        check_persisted_torchtitan_layout(ag.persist, tmp_path / "outputs")
+        step_dir = check_persisted_torchtitan_layout(ag.persist, tmp_path / "outputs")
+    check_torchtitan_resumes_from(step_dir, tmp_path)
 
 
-def check_persisted_torchtitan_layout(persist: Path, outputs: Path) -> None:
+def check_persisted_torchtitan_layout(persist: Path, outputs: Path) -> Path:
+    """The newest whole persisted step has torchtitan's names and loads with `dcp.load`;
+    returns its directory."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
@@ -69,3 +77,39 @@ def check_persisted_torchtitan_layout(persist: Path, outputs: Path) -> None:
         parts = (t[:half], t[half:]) if t.dim() and t.shape[0] > 1 else (t,)
         assert all(p.abs().sum() > 0 for p in parts), name
     model.load_state_dict(state)
+    return whole[-1]
+
+
+def check_torchtitan_resumes_from(step_dir: Path, tmp: Path) -> None:
+    """torchtitan's own manager (`initial_load_path`) restores the step's whole state."""
+    import torch
+
+    from unbroken.trainer.examples.torchtitan_unbroken import SEQ_LEN, VOCAB
+
+    step = int(step_dir.name.removeprefix("step-"))
+    script = Path(__file__).with_name("torchtitan_load.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", "2", str(script), str(step_dir)]  # fmt: skip
+    out = subprocess.run(
+        cmd,
+        env=adapterrun.env(tmp / "no-agent.sock"),
+        cwd=tmp,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=adapterrun.RUN_DEADLINE_S,
+        check=False,
+    )
+    text = out.stdout.decode(errors="replace")
+    assert out.returncode == 0, text[-3000:]
+    loaded = [
+        json.loads(line.split("LOADED ", 1)[1]) for line in text.splitlines() if "LOADED " in line
+    ]
+    assert sorted(d["rank"] for d in loaded) == [0, 1], text[-3000:]
+    batch = 4  # the example's local batch size: a step takes one batch of each rank
+    for d in loaded:
+        assert d["step"] == step and d["lr_epoch"] == step, (d, step)
+        assert d["optimizer_tensors"] > 0, d
+        # the next batch is the one after the step's: RandomTokens' sequence step * batch
+        g = torch.Generator().manual_seed(1_000_003 * d["rank"] + step * batch)
+        first = int(torch.randint(0, VOCAB, (SEQ_LEN + 1,), generator=g)[0])
+        assert d["next_batch_first_token"] == first, (d, first)
