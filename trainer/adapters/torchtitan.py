@@ -223,6 +223,7 @@ class Unbroken(CheckpointManager):
         saved = super()._save(curr_step, last_step)
         if stop and self.trainer is not None:
             log.info("adapter.stop_requested", step=curr_step)
+            self._closed = True
             self.resilient.close()
             self.trainer.config.training.steps = curr_step  # the loop ends after this step
         return saved
@@ -235,28 +236,32 @@ class Unbroken(CheckpointManager):
 
     def skip_batches(self, batches: int, *, at_restore: bool) -> None:
         """Move this rank's data loader past `batches` steps' worth of batches."""
-        from torchdata.stateful_dataloader import StatefulDataLoader
-
-        n = batches * self.batches_per_step
-        data = self.data
-        if not isinstance(data, StatefulDataLoader):
+        if not advance_loader(self.data, batches * self.batches_per_step, started=not at_restore):
             log.warning(
                 "adapter.skip_not_applied",
                 batches=batches,
-                why=f"the data loader {type(data).__name__} is not a StatefulDataLoader",
+                why=f"the data loader {type(self.data).__name__} is not a StatefulDataLoader",
             )
-            return
-        if at_restore:  # before the trainer's iterator exists: start past the batches
-            it = iter(data)
-            for _ in range(n):
-                next(it)
-            data.load_state_dict(data.state_dict())
-        else:  # the trainer's live iterator (the loader keeps it)
-            it = data._iterator
-            if it is None:
-                it = iter(data)
-            for _ in range(n):
-                next(it)
+
+
+def advance_loader(data: Any, n: int, *, started: bool) -> bool:
+    """Move a torchdata `StatefulDataLoader` past its next `n` batches; False (nothing done)
+    for another loader.
+
+    `started`: the loader's iterator is live (the trainer's loop holds it, and the loader
+    keeps it as its own): draw from that one. Otherwise (before the loop's `iter`) draw from
+    a fresh one and leave its state as the loader's start, so the loop's `iter` resumes
+    past the batches."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    if not isinstance(data, StatefulDataLoader):
+        return False
+    it = data._iterator if started and data._iterator is not None else iter(data)
+    for _ in range(n):
+        next(it)
+    if not started:
+        data.load_state_dict(data.state_dict())
+    return True
 
 
 def torch_compat() -> None:
