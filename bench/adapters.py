@@ -1,8 +1,8 @@
 """What an adapter costs a training step: each adapter's example with and without unbroken.
 
-For each adapter (Transformers `Trainer`, Accelerate, Lightning) its example
-(`unbroken.trainer.examples.*_unbroken`: a tiny GPT-2 from a config, 2 ranks, gloo, one
-thread each) runs under torchrun next to a real `unbroken agent` (`--no-start`), with the
+For each adapter (Transformers `Trainer`, Accelerate, Lightning, torchtitan) its example
+(`unbroken.trainer.examples.*_unbroken`: a tiny GPT-2 from a config, torchtitan's a tiny
+Llama 3 with FSDP2, 2 ranks, gloo, one thread each) runs under torchrun next to a real `unbroken agent` (`--no-start`), with the
 SDK's save budget raised to 0.5 so that every step is flash-saved into the agent's memory
 (one save per 30 s persisted). Within each run unbroken is on and off in alternating blocks
 of `--block` steps, the same steps on both ranks: in an "off" block the adapter's report
@@ -48,6 +48,8 @@ ADAPTERS = {  # name -> (example module, libraries it needs)
     "transformers": ("unbroken.trainer.examples.transformers_unbroken", ["transformers"]),
     "accelerate": ("unbroken.trainer.examples.accelerate_unbroken", ["accelerate"]),
     "lightning": ("unbroken.trainer.examples.lightning_unbroken", ["lightning"]),
+    # torchtitan's own Trainer, a tiny Llama 3 with FSDP2 over the 2 ranks
+    "torchtitan": ("unbroken.trainer.examples.torchtitan_unbroken", ["torchtitan"]),
 }
 WARMUP = 12
 SAVES = re.compile(r"adapter\.save_stats.*?saves=(\d+)")
@@ -179,8 +181,8 @@ def _write(args: argparse.Namespace, load_before: Any, rows: dict[str, Any]) -> 
         "adapters": rows,
         "unix": time.time(),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
@@ -190,6 +192,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="runs per adapter")
     parser.add_argument("--block", type=int, default=6, help="steps per on/off block")
     parser.add_argument("--only", nargs="*", default=list(ADAPTERS))
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the results file")
     args = parser.parse_args()
     load_before = os.getloadavg()
     rows: dict[str, Any] = {}
@@ -242,7 +245,7 @@ def main() -> None:
                 f"| {name} | {r['median_step_ms_plain']} | {r['median_step_ms_unbroken']} "
                 f"| {r['ratio']} | {r['ratio_per_run']} |"
             )
-    print(f"load average {load_before} -> {result['loadavg_after']}; wrote {RESULTS}")
+    print(f"load average {load_before} -> {result['loadavg_after']}; wrote {args.out}")
 
 
 if __name__ == "__main__":
