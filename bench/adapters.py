@@ -2,13 +2,14 @@
 
 For each adapter (Transformers `Trainer`, Accelerate, Lightning, torchtitan) its example
 (`unbroken.trainer.examples.*_unbroken`: a tiny GPT-2 from a config, torchtitan's a tiny
-Llama 3 with FSDP2, 2 ranks, gloo, one thread each) runs under torchrun next to a real `unbroken agent` (`--no-start`), with the
-SDK's save budget raised to 0.5 so that every step is flash-saved into the agent's memory
-(one save per 30 s persisted). Within each run unbroken is on and off in alternating blocks
-of `--block` steps, the same steps on both ranks: in an "off" block the adapter's report
-and save are skipped (what remains is the plain library loop), in an "on" block every step
-reports and flash-saves. So both modes share the process, the warm caches and the load of
-the moment, and a loaded 2-core host hits both alike.
+Llama 3 with FSDP2, 2 ranks, gloo, one thread each) runs under torchrun next to a real
+`unbroken agent` (`--no-start`), with the SDK's save budget raised to 0.5 so that every
+step is flash-saved into the agent's memory (one save per 30 s persisted). Within each run
+unbroken is on and off in alternating blocks of `--block` steps, the same steps on both
+ranks: in an "off" block the adapter's report and save are skipped (what remains is the
+plain library loop), in an "on" block every step reports and flash-saves. So both modes
+share the process, the warm caches and the load of the moment, and a loaded 2-core host
+hits both alike.
 
 The step time of step s is rank 0's time between its saves of steps s-1 and s, counted in
 the mode of step s-1 (whose save's copy overlaps step s); a step whose s-2 was in the

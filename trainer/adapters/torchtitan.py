@@ -211,11 +211,10 @@ class Unbroken(CheckpointManager):
         return loaded
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
-        loss = self.losses.by_step.pop(curr_step, None)
-        for old in [s for s in self.losses.by_step if s < curr_step]:
-            del self.losses.by_step[old]
-        if loss is not None:
-            self.losses.by_step[curr_step] = loss  # `last_loss` until the next step's
+        by_step = self.losses.by_step  # this step's loss stays: `last_loss`
+        loss = by_step.get(curr_step)
+        for old in [s for s in by_step if s < curr_step]:
+            del by_step[old]
         # the model's tensors as torchtitan's wrapper sees them now (it refreshes the ones
         # its state-dict hooks make, in place)
         self.resilient.state.update(self.model.state_dict())
