@@ -1,14 +1,14 @@
 """What an adapter costs a training step: each adapter's example with and without unbroken.
 
-For each adapter (Transformers `Trainer`, Accelerate, Lightning) its example
-(`unbroken.trainer.examples.*_unbroken`: a tiny GPT-2 from a config, 2 ranks, gloo, one
-thread each) runs under torchrun next to a real `unbroken agent` (`--no-start`), and every
-step of an "on" block is flash-saved into the agent's memory: the SDK's pacer still counts,
-measures and agrees (and picks the saves to persist, about one per 30 s), but its choice to
-skip a save is overridden, since the figure asked for is the cost at a save every step
-(left to itself, with a budget of 0.5, the pacer skipped every 16th call to measure, and
-more when it judged a save dear: 0.54-0.95 saves a step in the runs before). Within each
-run unbroken is on and off in alternating blocks
+For each adapter (Transformers `Trainer`, Accelerate, Lightning, torchtitan) its example
+(`unbroken.trainer.examples.*_unbroken`: a tiny GPT-2 from a config, torchtitan's a tiny
+Llama 3 with FSDP2, 2 ranks, gloo, one thread each) runs under torchrun next to a real
+`unbroken agent` (`--no-start`), and every step of an "on" block is flash-saved into the
+agent's memory: the SDK's pacer still counts, measures and agrees (and picks the saves to
+persist, about one per 30 s), but its choice to skip a save is overridden, since the figure
+asked for is the cost at a save every step (left to itself, with a budget of 0.5, the pacer
+skipped every 16th call to measure, and more when it judged a save dear: 0.54-0.95 saves a
+step in the runs before). Within each run unbroken is on and off in alternating blocks
 of `--block` steps, the same steps on both ranks: in an "off" block the adapter's report
 and save are skipped (what remains is the plain library loop), in an "on" block every step
 reports and flash-saves. So both modes share the process, the warm caches and the load of
@@ -52,6 +52,8 @@ ADAPTERS = {  # name -> (example module, libraries it needs)
     "transformers": ("unbroken.trainer.examples.transformers_unbroken", ["transformers"]),
     "accelerate": ("unbroken.trainer.examples.accelerate_unbroken", ["accelerate"]),
     "lightning": ("unbroken.trainer.examples.lightning_unbroken", ["lightning"]),
+    # torchtitan's own Trainer, a tiny Llama 3 with FSDP2 over the 2 ranks
+    "torchtitan": ("unbroken.trainer.examples.torchtitan_unbroken", ["torchtitan"]),
 }
 WARMUP = 12
 SAVES = re.compile(r"adapter\.save_stats.*?saves=(\d+)")
@@ -186,8 +188,8 @@ def _write(args: argparse.Namespace, load_before: Any, rows: dict[str, Any]) -> 
         "adapters": rows,
         "unix": time.time(),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
@@ -197,6 +199,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="runs per adapter")
     parser.add_argument("--block", type=int, default=6, help="steps per on/off block")
     parser.add_argument("--only", nargs="*", default=list(ADAPTERS))
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the results file")
     args = parser.parse_args()
     load_before = os.getloadavg()
     rows: dict[str, Any] = {}
@@ -249,7 +252,7 @@ def main() -> None:
                 f"| {name} | {r['median_step_ms_plain']} | {r['median_step_ms_unbroken']} "
                 f"| {r['ratio']} | {r['ratio_per_run']} |"
             )
-    print(f"load average {load_before} -> {result['loadavg_after']}; wrote {RESULTS}")
+    print(f"load average {load_before} -> {result['loadavg_after']}; wrote {args.out}")
 
 
 if __name__ == "__main__":

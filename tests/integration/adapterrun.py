@@ -28,9 +28,10 @@ from unbroken.recovery.flashowner import FlashConfig, FlashOwner
 
 JOB = "adapters"
 # The ranks share torchrun's stdout, and a block-buffered line of one can end inside
-# another's ("... step=39" + "2026-11-29 08:27:13 [info ..." before its newline): a value
-# ends at whitespace, the end of a line, or where another line's timestamp begins.
-VALUE_END = r"(?=\s|$|\d{4}-\d{2}-\d{2} )"
+# another's ("... step=39" + "2026-11-29 08:27:13 [info ..." before its newline, or
+# "4.15231" + "[titan] 2026-..."): a value ends at whitespace, the end of a line, a "[",
+# or where another line's timestamp begins.
+VALUE_END = r"(?=\s|$|\[|\d{4}-\d{2}-\d{2} )"
 LOSS = re.compile(r"step (\d+) loss (\S+?)" + VALUE_END, re.M)
 RESTORED = re.compile(r"flash\.restored.*?source=(\w+).*?step=(\d+?)" + VALUE_END)
 RUN_DEADLINE_S = 600.0

@@ -36,10 +36,11 @@ pytestmark = pytest.mark.integration
 
 # Whether the adapter moves its data past the skipped batches: the Transformers Trainer
 # derives its data position from its global step, so its adapter cannot (it says so).
-SKIPS = {"accelerate": True, "lightning": True, "transformers": False}
+SKIPS = {"accelerate": True, "lightning": True, "torchtitan": True, "transformers": False}
 EXAMPLES = {  # adapter -> (example module, libraries it needs)
     "accelerate": ("unbroken.trainer.examples.accelerate_unbroken", ("accelerate",)),
     "lightning": ("unbroken.trainer.examples.lightning_unbroken", ("lightning",)),
+    "torchtitan": ("unbroken.trainer.examples.torchtitan_unbroken", ("torchtitan",)),
     "transformers": ("unbroken.trainer.examples.transformers_unbroken", ("transformers",)),
 }
 STEPS = 100_000  # the examples' --steps: they never finish while the test watches
@@ -79,7 +80,7 @@ class AdapterJob(Job):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "adapter",
-    ["accelerate", "lightning", "transformers"],
+    ["accelerate", "lightning", "torchtitan", "transformers"],
 )
 def test_injected_spike_rolls_back_and_skips(
     adapter: str, tmp_path: Path, etcd_server: object

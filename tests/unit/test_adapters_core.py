@@ -80,13 +80,17 @@ def test_own_keys_and_bad_arguments_are_refused() -> None:
 
 def test_registry_lists_the_adapters() -> None:
     names = adapters.available()
-    assert {"accelerate", "lightning", "transformers"} <= set(names), names
+    assert {"accelerate", "lightning", "torchtitan", "transformers"} <= set(names), names
     with pytest.raises(ValueError, match="no adapter named"):
         adapters.load("nope")
     if importlib.util.find_spec("accelerate") is not None:
         from unbroken.trainer.adapters.accelerate import Unbroken
 
         assert adapters.load("accelerate") is Unbroken
+    if importlib.util.find_spec("torchtitan") is not None:
+        from unbroken.trainer.adapters.torchtitan import Unbroken as TitanUnbroken
+
+        assert adapters.load("torchtitan") is TitanUnbroken
 
 
 def test_an_injected_loss_spike_poisons_one_step_once(

@@ -186,7 +186,13 @@ class Resilient:
                 )
                 return
             self.progress.skipped += p.skip_batches
+            self.advance_data(p.skip_batches, at_restore=at_restore)
             log.info("adapter.batches_skipped", batches=p.skip_batches, before_step=next_step)
+
+    def advance_data(self, batches: int, *, at_restore: bool) -> None:
+        """Move the data past `batches` steps' batches when a rollback's skip takes effect
+        (`position` already counts them). Nothing here: an adapter whose data follows
+        `position` needs no more; one whose loader keeps its own position moves it."""
 
     def step_begin(self, step: int, model: Any) -> None:
         """Before step `step`'s forward: apply a fault injected for it to `model` (a
