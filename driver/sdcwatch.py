@@ -12,11 +12,13 @@ log moved past it and the job runs again.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from unbroken.driver import sdc as sdclib
+from unbroken.driver.buddies import ring_order
 from unbroken.proto import events_pb2 as ev
 
 if TYPE_CHECKING:
@@ -49,7 +51,7 @@ async def watch(loop: RecoveryLoop) -> None:
                 ref = book.probe_ref if book is not None else probe_ref
                 book, world_key = sdclib.FingerprintBook(size, probe_ref=ref), key
             node_of = _feed(loop, book, tuple(w.node_ids))
-            for v in book.ready():
+            for v in book.ready(time.monotonic()):
                 if v.disagreed:
                     suspected_at = s.last_seq
                     loop.service.emit(ev.Event(sdc_suspected=_suspected(loop, s, v, node_of)))
@@ -70,7 +72,9 @@ async def watch(loop: RecoveryLoop) -> None:
 
 
 def _feed(loop: RecoveryLoop, book: sdclib.FingerprintBook, nodes: tuple[str, ...]) -> dict:
-    """Add every world rank's heartbeat fingerprints to `book`; returns {rank: node}."""
+    """Add every world rank's heartbeat fingerprints to `book`, and the opinions each
+    node formed as the buddy of the node before it in the ring (`ring_order`) on that
+    node's ranks; returns {rank: node}."""
     node_of: dict[int, str] = {}
     for n in nodes:
         slot = loop.view.nodes.get(n)
@@ -80,6 +84,22 @@ def _feed(loop: RecoveryLoop, book: sdclib.FingerprintBook, nodes: tuple[str, ..
             node_of[ws.global_rank] = n
             for fp in ws.fingerprints:
                 book.add(fp.global_rank, fp.step, dict(zip(fp.keys, fp.hashes, strict=False)))
+    ring = ring_order(list(nodes), loop.view.nodes)
+    buddy_of = {x: ring[(i + 1) % len(ring)] for i, x in enumerate(ring)}
+    timeline = int(getattr(loop, "_timeline", 0))
+    for n in nodes:
+        slot = loop.view.nodes.get(n)
+        if slot is None or not slot.alive:
+            continue
+        for op in slot.hb.buddy_opinions:
+            fp = op.fingerprint
+            # only the node's buddy speaks for its ranks, and only of this timeline
+            if buddy_of.get(op.node) != n or node_of.get(fp.global_rank) != op.node:
+                continue
+            if op.timeline < timeline:
+                continue
+            fps = {} if op.error else dict(zip(fp.keys, fp.hashes, strict=False))
+            book.add_opinion(fp.global_rank, fp.step, fps)
     return node_of
 
 

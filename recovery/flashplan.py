@@ -232,6 +232,11 @@ def make_plan(flat: Mapping[str, Any]) -> Plan:
     return Plan(keys, layout[0], objects, off, tensors, index, cuda=cuda, layout=hash(layout))
 
 
+def _ident(t: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors views of the same bytes (not a copy of them)."""
+    return (t.device, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 def resolve_stateful(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """Top-level `Stateful` values replaced by their state dicts, as DCP does."""
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
@@ -275,6 +280,15 @@ class PlanCache:
         plan.values = {k: v for k, v in plan.objects.items() if immutable(v)}
         self._cache = (state.key, plan)
         return plan, list(plan.tensors), dict(plan.dumped)
+
+    def names_of(self, tensors: list[torch.Tensor]) -> list[str | None]:
+        """The cached plan's key of each of `tensors` (the same storage, shape and dtype as
+        a planned tensor; None: not planned, or no plan cached)."""
+        if self._cache is None:
+            return [None] * len(tensors)
+        plan = self._cache[1]
+        where = {_ident(t): k for k, t in zip(plan.keys, plan.tensors, strict=True)}
+        return [where.get(_ident(t)) for t in tensors]
 
     def _fresh(
         self, plan: Plan, snap: Snapshot
