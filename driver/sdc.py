@@ -28,6 +28,7 @@ from unbroken.common.sdckeys import REPLAY_PREFIX, replay_agrees
 
 PROBE_KEY = "probe"  # trainer/sdc.py's compute probe: every rank of a world agrees
 KEEP_PENDING = 8  # steps waiting for their last ranks' fingerprints
+KEEP_MAX = 4 * KEEP_PENDING  # steps kept at most (fingerprints and opinions)
 # how long a complete step waits for its buddies' opinions (the copy's send, the buddy's
 # recomputation and its next heartbeat: well under a second on an idle host)
 OPINION_WAIT_S = 5.0
@@ -89,7 +90,7 @@ def judge(
     resolved_bad: set[int] = set()
     bad_keys: list[str] = []
     notes: list[str] = []
-    checked = 0
+    checked: set[int] = set()
     for rank, theirs in sorted((opinions or {}).items()):
         own = reports.get(rank)
         if own is None:
@@ -100,7 +101,7 @@ def judge(
             bad_keys.append(f"buddy:{rank}")
             notes.append(f"rank {rank}: {why} (its buddy's recomputation)")
         else:
-            checked += 1
+            checked.add(rank)
     ties: list[tuple[str, set[int]]] = []
     groups = 0
     compared: dict[int, bool] = {r: True for r in reports}
@@ -131,12 +132,15 @@ def judge(
     suspects = set(resolved_bad)
     for key, tied in ties:
         if tied & resolved_bad:
-            notes.append(f"{key}: a tie, whose odd rank another key or a buddy named")
+            notes.append(f"{key}: a tie, whose odd rank another key named (or its buddy)")
             continue
         suspects |= tied
         resolved = False
         notes.append(f"{key}: ranks {sorted(tied)} disagree with no majority")
-    verified = not bad_keys and bool(reports) and all(compared.values())
+    # a rank no replica holds is verified by its buddy: its copy holds what it hashed
+    verified = (
+        not bad_keys and bool(reports) and all(c or r in checked for r, c in compared.items())
+    )
     return Verdict(
         step=step,
         verified=verified,
@@ -145,7 +149,7 @@ def judge(
         keys=tuple(bad_keys),
         groups=groups,
         detail="; ".join(notes),
-        checked=checked,
+        checked=len(checked),
     )
 
 
@@ -158,7 +162,9 @@ class FingerprintBook:
     each step every one of `world_size` ranks reported, oldest first. A complete step waits
     up to `opinion_wait_s` for its buddies' opinions: always when its replicas tie, and for
     every step once any opinion came (a world with buddies). Steps at or before a judged
-    one are dropped; at most `KEEP_PENDING` steps wait.
+    one are dropped, and so are incomplete steps `KEEP_PENDING` steps behind; a complete
+    step waiting for opinions is judged with those it has once `KEEP_MAX // 2` newer steps
+    came; at most `KEEP_MAX` are kept.
     """
 
     world_size: int
@@ -172,11 +178,13 @@ class FingerprintBook:
 
     def add_opinion(self, rank: int, step: int, fingerprints: Mapping[str, int]) -> None:
         """A buddy's recomputation of `rank`'s copy of `step` (empty: it could form none)."""
-        if step <= self.judged or rank < 0 or rank >= self.world_size:
+        if rank < 0 or rank >= self.world_size:
             return
-        self.opinions_seen = True
+        self.opinions_seen = True  # (a late one too: the next steps wait for theirs)
+        if step <= self.judged:
+            return
         self.opinions.setdefault(step, {}).setdefault(rank, dict(fingerprints))
-        while len(self.opinions) > KEEP_PENDING:
+        while len(self.opinions) > KEEP_MAX:
             del self.opinions[min(self.opinions)]
 
     def add(self, rank: int, step: int, fingerprints: Mapping[str, int]) -> None:
@@ -184,16 +192,20 @@ class FingerprintBook:
             return
         at = self.pending.setdefault(step, {})
         at.setdefault(rank, dict(fingerprints))
-        while len(self.pending) > KEEP_PENDING:
+        while len(self.pending) > KEEP_MAX:
             del self.pending[min(self.pending)]
 
     def ready(self, now: float = 0.0) -> list[Verdict]:
         """The verdicts of the steps complete now (`now`: a monotonic clock, for the wait
         for opinions)."""
         out: list[Verdict] = []
-        for step in sorted(self.pending):
+        steps = sorted(self.pending)
+        for i, step in enumerate(steps):
             reports = self.pending[step]
+            newer = len(steps) - i - 1
             if len(reports) < self.world_size:
+                if newer >= KEEP_PENDING:
+                    del self.pending[step]  # its last ranks' reports will not come
                 continue
             got = self.opinions.get(step, {})
             opinions = {r: fps for r, fps in got.items() if fps}
@@ -201,7 +213,8 @@ class FingerprintBook:
             waiting = len(got) < self.world_size and (
                 self.opinions_seen or (v.disagreed and not v.resolved)
             )
-            if waiting and now - self.complete_at.setdefault(step, now) < self.opinion_wait_s:
+            since = now - self.complete_at.setdefault(step, now)
+            if waiting and newer < KEEP_MAX // 2 and since < self.opinion_wait_s:
                 break  # judged in order: later steps wait behind it
             probes = {fps.get(PROBE_KEY) for fps in reports.values()}
             if len(probes) == 1 and None not in probes:

@@ -62,7 +62,10 @@ async def watch(loop: RecoveryLoop) -> None:
                     loop.service.emit(
                         ev.Event(
                             step_verified=ev.StepVerified(
-                                step=v.step, ranks=book.world_size, groups=v.groups
+                                step=v.step,
+                                ranks=book.world_size,
+                                groups=v.groups,
+                                buddy_checked=v.checked,
                             )
                         )
                     )

@@ -165,14 +165,16 @@ class SdcSuspected(_message.Message):
     def __init__(self, step: _Optional[int] = ..., suspect_ranks: _Optional[_Iterable[int]] = ..., suspect_nodes: _Optional[_Iterable[str]] = ..., resolved: _Optional[bool] = ..., keys: _Optional[_Iterable[str]] = ..., verified_step: _Optional[int] = ..., detail: _Optional[str] = ..., memory_steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepVerified(_message.Message):
-    __slots__ = ("step", "ranks", "groups")
+    __slots__ = ("step", "ranks", "groups", "buddy_checked")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    BUDDY_CHECKED_FIELD_NUMBER: _ClassVar[int]
     step: int
     ranks: int
     groups: int
-    def __init__(self, step: _Optional[int] = ..., ranks: _Optional[int] = ..., groups: _Optional[int] = ...) -> None: ...
+    buddy_checked: int
+    def __init__(self, step: _Optional[int] = ..., ranks: _Optional[int] = ..., groups: _Optional[int] = ..., buddy_checked: _Optional[int] = ...) -> None: ...
 
 class JobStarted(_message.Message):
     __slots__ = ("trainer", "world", "min_nodes", "max_nodes", "config_json", "reports_startup")

@@ -156,7 +156,9 @@ def test_a_rank_without_replicas_is_checked_by_its_buddy() -> None:
     v = sdclib.judge(5, reports, opinions={0: {"m0": 1}, 1: {"m1": 3}})
     assert v.suspects == (1,) and v.resolved and not v.verified
     ok = sdclib.judge(5, reports, opinions={0: {"m0": 1}, 1: {"m1": 2}})
-    assert not ok.disagreed and ok.checked == 2 and not ok.verified  # no replica: unverified
+    assert not ok.disagreed and ok.checked == 2 and ok.verified  # verified by the buddies
+    half = sdclib.judge(5, reports, opinions={0: {"m0": 1}})
+    assert not half.disagreed and not half.verified  # rank 1 compared with nobody
 
 
 def test_a_replay_off_on_one_rank_names_it_though_the_states_agree() -> None:
