@@ -7,7 +7,7 @@ trainers, the buddies' recomputations and the heartbeats run on a loaded host). 
 injected: every SdcSuspected is a false alarm. Counts the StepVerified events and how many
 of them both buddies checked (`buddy_checked`), and records the load average over the run.
 
-Writes bench/results/sdc-soak.json. Run: `make bench-sdc_soak ARGS="--minutes 20"`.
+Writes bench/results/sdc_soak.json. Run: `make bench-sdc_soak ARGS="--minutes 20"`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 from unbroken.cli.cluster import LocalCluster, read_metrics
 from unbroken.driver.eventlog import LogUnavailableError
 
-RESULTS = Path(__file__).parent / "results" / "sdc-soak.json"
+RESULTS = Path(__file__).parent / "results" / "sdc_soak.json"
 REPLICA_KEY = "bench-sdc-soak-replica-key-0123456789"
 
 
@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=int, default=5, help="--fingerprint-every of the trainers")
     ap.add_argument("--no-stress", action="store_true", help="without stress-ng beside it")
     ap.add_argument("--out", type=Path, default=RESULTS)
-    args = ap.parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(given)
     stress_bin = shutil.which("stress-ng")
     if not args.no_stress and stress_bin is None:
         ap.error("stress-ng is not installed (apt-get install stress-ng), or pass --no-stress")
@@ -104,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     kinds = [e.WhichOneof("payload") for e in events]
     verified = [e.step_verified for e in events if e.HasField("step_verified")]
     result = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "make bench-sdc_soak" + (f' ARGS="{" ".join(given)}"' if given else ""),
         "minutes": args.minutes,
         "fingerprint_every": args.every,
         "layout": "dp2 replicate, 2 nodes (each the other's buddy), tiny model, CPU/gloo",

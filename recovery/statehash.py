@@ -107,7 +107,17 @@ def _fixed(cols: int, rows: int, device: torch.device) -> tuple[torch.Tensor, to
 @torch.no_grad()
 def replay(weights: Iterable[torch.Tensor], device: torch.device | None = None) -> dict[str, int]:
     """The replay of `weights` (2-D shards, others skipped) on `device` (None: where each
-    lives), as fingerprint keys: {REPLAY_SS: bits, REPLAY_PROJ: bits}."""
+    lives), as fingerprint keys: {REPLAY_SS: bits, REPLAY_PROJ: bits}. In full float32
+    precision whatever the process set (TF32 would be off by ~1e-3 from a CPU buddy)."""
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        return _replay(weights, device)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def _replay(weights: Iterable[torch.Tensor], device: torch.device | None) -> dict[str, int]:
     ss: torch.Tensor | None = None
     proj: torch.Tensor | None = None
     for w in weights:
