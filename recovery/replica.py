@@ -357,6 +357,8 @@ class ReplicaServer:
             self._server.close()
             await self._server.wait_closed()
             self._server = None
+        for task in list(self._after):  # a check of a copy not begun is not wanted now
+            task.cancel()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         framing = _Framing(None, b"", b"", server=True)
