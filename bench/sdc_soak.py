@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps_verified_buddy_checked": sum(1 for v in verified if v.buddy_checked == 2),
         "pauses": kinds.count("training_paused"),
         "rollbacks": kinds.count("rollback"),
+        "rollback_reasons": [e.rollback.reason for e in events if e.HasField("rollback")],
         "load1": round(sum(loads) / len(loads), 2) if loads else os.getloadavg()[0],
         "load1_min": min(loads, default=0.0),
         "load1_max": max(loads, default=0.0),
