@@ -212,7 +212,7 @@ def test_sdc_with_no_verified_step_held_fails_the_job_with_advice() -> None:
     assert "no verified step before it" in d.events[-1].job_finished.reason
 
 
-def test_a_node_named_twice_is_evicted() -> None:
+def test_a_node_named_twice_is_diagnosed_and_evicted_when_the_bisection_confirms() -> None:
     sim = start()
     sim.feed(checkpoint(10))
     sim.feed(verified(10))
@@ -222,6 +222,35 @@ def test_a_node_named_twice_is_evicted() -> None:
     sim.feed(verified(30))
     sim.feed(checkpoint(30))
     d = sim.feed(suspected(40))
+    # rolled back to the verified step, and n1 diagnosed before any eviction
+    rb = next(e.rollback for e in d.events if e.HasField("rollback"))
+    assert rb.to_step == 30 and "diagnosed before an eviction" in rb.reason
+    assert list(sim.state.suspects) == ["n1"] and sim.state.needs_diagnosis
+    sim.training_step = 41
+    sim.progress(set())  # paused
+    assert sim.state.restore_step == 30
+    sim.drive({"n1"})  # the bisection finds n1 bad
+    assert sim.state.nodes["n1"].state == ev.NODE_STATE_EVICTED
+    assert sim.state.phase == ev.PHASE_RUNNING and sim.state.step == 30
+
+
+def test_a_node_named_twice_that_the_bisection_clears_stays_and_is_rolled_back() -> None:
+    sim = start()
+    sim.feed(checkpoint(10))
+    sim.feed(verified(10))
+    sim.feed(suspected(20))
+    sim.drive(set())
+    sim.feed(verified(30))
+    sim.feed(checkpoint(30))
+    sim.feed(suspected(40))
+    sim.training_step = 41
+    sim.drive(set())  # the checks pass: nobody evicted, the rollback goes on
+    assert sim.state.nodes["n1"].state != ev.NODE_STATE_EVICTED
+    assert sim.state.phase == ev.PHASE_RUNNING and sim.state.step == 30
+    # named a third time: evicted (a lasting fault the checks do not see)
+    sim.feed(verified(50))
+    sim.feed(checkpoint(50))
+    d = sim.feed(suspected(60))
     assert "rollback" not in [e.WhichOneof("payload") for e in d.events]
     sim.drive(set())
     assert sim.state.nodes["n1"].state == ev.NODE_STATE_EVICTED
