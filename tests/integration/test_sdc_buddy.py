@@ -13,6 +13,10 @@ recomputes the fingerprints from it; the driver compares them with n1's own repo
   rolls back to the newest verified step before it;
 - dp2 ZeRO-3 (no rank's shard has a replica): the same; the steps the buddies checked are
   the verified steps there.
+
+And `InjectFault sdc-matmul` (every `linear` of n1's worker off by a relative 1e-3) is named
+by the replay: n1's rank multiplies its own weights by the fixed input differently from its
+buddy.
 """
 
 from __future__ import annotations
@@ -37,14 +41,17 @@ LEAD = 8  # steps between the injection and the flip: the agent writes the file 
 RING = ("--flash-copies", "16")  # a verified step (every 5) stays in every ring
 
 
-def _inject_copy_flip(address: str, node: str, step: int) -> str:
+def _inject(address: str, node: str, step: int, matmul: bool = False) -> str:
+    """A flip in the copy of the first fingerprinted step at or after `step`, or (`matmul`)
+    every `linear` of the worker off by a relative 1e-3 from `step` on."""
+    sdc = (
+        dpb.SdcFault(size=1e-3)
+        if matmul
+        else dpb.SdcFault(tensor="o0.g0.p1", bit=30, target="copy")
+    )
     with grpc.insecure_channel(address) as ch:
         req = dpb.InjectFaultRequest(
-            node_id=node,
-            kind="sdc",
-            step=step,
-            local_rank=0,
-            sdc=dpb.SdcFault(tensor="o0.g0.p1", bit=30, target="copy"),
+            node_id=node, kind="sdc-matmul" if matmul else "sdc", step=step, local_rank=0, sdc=sdc
         )
         resp = dgrpc.DriverStub(ch).InjectFault(req, timeout=30)
     assert resp.ok, resp.detail
@@ -59,7 +66,7 @@ def _events(job: Job) -> list[ev.Event]:
         return []
 
 
-def _run(job: Job, mode: str) -> None:
+def _run(job: Job, mode: str, matmul: bool = False) -> None:
     t0 = time.monotonic()
     base = job.worker_cmd
 
@@ -82,7 +89,7 @@ def _run(job: Job, mode: str) -> None:
 
     until(lambda: len(checked()) >= 2, 120, "steps the buddies checked", job)
     at = job.max_step() + LEAD
-    detail = _inject_copy_flip(job.address, "n1", at)
+    detail = _inject(job.address, "n1", at, matmul)
     assert "local rank 0" in detail, detail
 
     def suspected() -> list[ev.SdcSuspected]:
@@ -92,13 +99,17 @@ def _run(job: Job, mode: str) -> None:
     sdc = suspected()[0]
     text = job.worker_log("n1")
     applied = [int(s) for s in re.findall(r"sdc fault applied.*?step=(\d+)", text)]
-    assert len(applied) == 1 and applied[0] >= at and applied[0] % EVERY == 0, (applied, at)
-    assert "in the flash copy alone" in text
-    # the step whose copy was flipped, named by n1's buddy: rank 1 alone, resolved
-    assert sdc.step == applied[0], (sdc, applied)
+    assert len(applied) == 1 and applied[0] >= at, (applied, at)
     assert len(sdc.suspect_ranks) == 1 and list(sdc.suspect_nodes) == ["n1"], sdc
-    assert sdc.resolved and list(sdc.keys) == [f"buddy:{sdc.suspect_ranks[0]}"], sdc
+    assert sdc.resolved and f"buddy:{sdc.suspect_ranks[0]}" in sdc.keys, sdc
     assert "its buddy's recomputation" in sdc.detail, sdc.detail
+    if matmul:  # the first fingerprinted step of wrong matmuls: the replay disagrees
+        assert applied[0] <= sdc.step < applied[0] + EVERY, (sdc, applied)
+        assert "its replay of its own weights differs" in sdc.detail, sdc.detail
+    else:  # the step whose copy was flipped, named by n1's buddy alone: its replicas agree
+        assert applied[0] % EVERY == 0 and "in the flash copy alone" in text
+        assert sdc.step == applied[0], (sdc, applied)
+        assert list(sdc.keys) == [f"buddy:{sdc.suspect_ranks[0]}"], sdc
     events = _events(job)
     k = next(i for i, e in enumerate(events) if e.HasField("sdc_suspected"))
     good = [e.step_verified.step for e in events[:k] if e.HasField("step_verified")]
@@ -126,3 +137,10 @@ def test_a_flip_in_one_replicas_copy_is_named_by_its_buddy(job: Job) -> None:
 @pytest.mark.timeout(600)
 def test_a_flip_in_a_zero3_shards_copy_is_named_by_its_buddy(job: Job) -> None:
     _run(job, "zero3")
+
+
+@pytest.mark.timeout(600)
+def test_a_wrong_matmul_is_named_by_the_buddys_replay(job: Job) -> None:
+    """A compute fault (every `linear` of n1's worker off by 1e-3): the rank's replay of its
+    own weights leaves its buddy's (the probe's history names it too)."""
+    _run(job, "zero3", matmul=True)
