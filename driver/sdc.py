@@ -15,6 +15,12 @@ reported a step, `judge` compares each key's group:
   the world's earlier agreed value is the odd one) or a suspect named by another key breaks
   the tie; otherwise both sides are named and the event says it is unresolved.
 
+A third opinion comes from each rank's buddy, the node holding its flash copies: it
+recomputes the rank's fingerprints and the replay of the rank's weights from the rank's copy
+of the step (recovery/sdcbuddy.py). A rank whose own report differs from its buddy's is a
+suspect whatever its replicas say, breaks a tie it is part of, and a rank no replica holds
+is verified by a buddy that agreed (`judge`'s `opinions`; the book waits for them).
+
 Everything here is pure: no clock, no I/O.
 """
 

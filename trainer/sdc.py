@@ -20,9 +20,16 @@ a fixed weight with `torch.nn.functional.linear` (the training matmuls' own path
 the result bitwise. Every rank of a world computes the same bytes, so a rank whose matmuls
 are silently wrong stands out even where no other rank holds its state (pure FSDP).
 
+The rank also reports the *replay* of its own weights (recovery/statehash.py `replay`), and
+tells its flash copy of a fingerprinted step which of the copy's tensors make up each key
+(`Fingerprinter.copy_meta`), so the buddy holding the copy can recompute both on its own
+device: the third opinion (recovery/sdcbuddy.py).
+
 The drills' faults (`unbroken inject sdc`, `unbroken inject sdc-matmul`): `flip_bit` flips
 one bit of one rank's parameter or optimizer state in place; `MatmulFault` makes every
-`linear` of this rank off by a relative `size` until turned off.
+`linear` of this rank off by a relative `size` until turned off. `flip_bit` with target
+"copy" is applied by the training loop around the save (trainer/run.py), so that only the
+copy carries the flip.
 """
 
 from __future__ import annotations
