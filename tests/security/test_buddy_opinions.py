@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from unbroken.driver import sdc as sdclib
 from unbroken.driver.liveview import NodeSlot
-from unbroken.driver.sdcwatch import _feed
+from unbroken.driver.sdcwatch import _feed, _opinions
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 
@@ -40,3 +40,17 @@ def test_only_the_ring_buddy_speaks_for_a_nodes_ranks_of_this_timeline() -> None
     book = sdclib.FingerprintBook(3)
     assert _feed(loop, book, nodes) == {0: "n0", 1: "n1", 2: "n2"}  # type: ignore[arg-type]
     assert book.opinions == {10: {0: {"k": 7}}}
+
+
+def test_opinions_heard_before_the_book_began_are_not_about_this_run() -> None:
+    """After a restart a step is trained again; the buddy's opinion of the previous run's copy
+    of it, still repeated in heartbeats, must not be compared with the new run's report."""
+    nodes = ("n0", "n1")
+    slots = {n: _slot(n, r, 9000 + r) for r, n in enumerate(nodes)}
+    loop = SimpleNamespace(view=SimpleNamespace(nodes=slots), _timeline=0)
+    slots["n1"].hb.buddy_opinions.append(_opinion("n0", 0, 10, 1))
+    stale = set(_opinions(loop, nodes))  # type: ignore[arg-type]
+    slots["n1"].hb.buddy_opinions.append(_opinion("n0", 0, 15, 2))  # formed in this run
+    book = sdclib.FingerprintBook(2)
+    _feed(loop, book, nodes, stale)  # type: ignore[arg-type]
+    assert book.opinions == {15: {0: {"k": 2}}}
