@@ -86,7 +86,7 @@ def _opinion_key(op: dpb.BuddyOpinion) -> tuple[str, int, int, int]:
 
 def _opinions(loop: RecoveryLoop, nodes: tuple[str, ...]) -> list[tuple[str, int, int, int]]:
     """The opinions in `nodes`' newest heartbeats."""
-    out = []
+    out: list[tuple[str, int, int, int]] = []
     for n in nodes:
         slot = loop.view.nodes.get(n)
         if slot is not None:
