@@ -175,9 +175,11 @@ class ReplicaSender:
         return out
 
     def _fingerprinted(self, by_rank: dict[int, list[CopyRef]], now: float) -> dict[int, CopyRef]:
-        """Every rank's copy of the newest fingerprinted step (`SDC_META`) not sent yet,
+        """Every rank's copy of the oldest fingerprinted step (`SDC_META`) not sent yet,
         whatever the spacing: the buddy recomputes the fingerprints from exactly those
-        copies (docs/sdc.md). Empty unless every rank holds such a copy of one step."""
+        copies (docs/sdc.md), so none is skipped, also when a slow tick finds several (a
+        starved agent once sent step 20, then 35: the flipped copy of 25 was never checked).
+        Empty unless every rank holds such a copy of one step."""
         steps: list[dict[int, CopyRef]] = []
         for rank, refs in by_rank.items():
             acked = self._sent.get(rank, -1)
@@ -194,8 +196,8 @@ class ReplicaSender:
         common = set.intersection(*(set(m) for m in steps))
         if not common:
             return {}
-        top = max(common)
-        return {rank: m[top] for rank, m in zip(by_rank, steps, strict=True)}
+        first = min(common)
+        return {rank: m[first] for rank, m in zip(by_rank, steps, strict=True)}
 
     def _held_back(self, rank: int, gen: int, now: float) -> bool:
         """Whether `rank`'s copy `gen` is not to be sent now: acknowledged already, found

@@ -214,4 +214,10 @@ def test_a_fingerprinted_copy_goes_first_whatever_the_spacing() -> None:
     # only a step every rank marked; one already acknowledged is not sent again
     s._sent = {0: 32, 1: 30}
     assert 0 not in s._fingerprinted(by_rank, 100.02)
+    # several not sent yet (a slow tick): the oldest first, then the next
+    s._sent = {0: 30, 1: 30}
+    two = {r: marked(marked(ring(37, 8), 32), 36) for r in (0, 1)}
+    assert {r: x.manifest.step for r, x in s._fingerprinted(two, 100.03).items()} == {0: 32, 1: 32}
+    s._sent = {0: 32, 1: 32}
+    assert {r: x.manifest.step for r, x in s._fingerprinted(two, 100.04).items()} == {0: 36, 1: 36}
     assert s._fingerprinted({0: marked(ring(33, 8), 32), 1: ring(33, 8)}, 100.02) == {}
