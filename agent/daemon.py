@@ -54,6 +54,7 @@ from unbroken.common.workerenv import WorkerEnv
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.recovery.persist import Persisted
+from unbroken.recovery.sdcbuddy import opinion_messages
 
 log = structlog.get_logger(__name__)
 
@@ -440,6 +441,7 @@ class Agent:
                         w.ring_steps.extend(self.flash.ring_steps(w.global_rank))
                 for node, rank, steps in self.flash.replicas_held():  # as a buddy
                     hb.replicas.add(node=node, rank=rank, steps=steps)
+                hb.buddy_opinions.extend(opinion_messages(self.flash.opinions.to_send()))
             timing = node_timing(hb.workers)  # the straggler sweep reads this summary
             if timing is not None:
                 hb.timing.CopyFrom(timing)

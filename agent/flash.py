@@ -53,6 +53,7 @@ from unbroken.recovery.persist import (
 from unbroken.recovery.replica import ReplicaServer, fetch_replica
 from unbroken.recovery.replicaauth import ReplicaAuth, ReplicaConfig
 from unbroken.recovery.replicasend import ReplicaSender
+from unbroken.recovery.sdcbuddy import BuddyOpinions
 from unbroken.recovery.sources import PERSIST_EVERY_S
 
 log = structlog.get_logger(__name__)
@@ -253,6 +254,9 @@ class NodeFlash:
             timeout_s=config.replica_timeout_s, auth=replica_auth(config)
         )
         self.server = ReplicaServer(self.owner, self.replica_cfg)
+        # as a buddy: the SDC third opinion on each fingerprinted copy it receives
+        self.opinions = BuddyOpinions()
+        self.server.on_stored = self.opinions.form
         self.port = 0
         self.persister: Persister | None = None
         self.sender: ReplicaSender | None = None

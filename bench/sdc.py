@@ -97,7 +97,7 @@ def _trials_impl(cfg: TrainConfig, kind: str, n: int, every: int, limit: int, se
                 matmul.set(1e-3)  # the matmuls of step `at` on are wrong
             t.train_step()
             if kind == "flip" and t.step == at and rank == victim:
-                what = flip_bit(t, seed=flip_seed)
+                what, _ = flip_bit(t, seed=flip_seed)
             if t.step % every:
                 continue
             reports = _gathered(fp.compute())

@@ -38,8 +38,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sdc.add_argument(
         "--target",
         default="",
-        choices=("", "param", "optim"),
-        help="sdc: a random flip's kind",
+        choices=("", "param", "optim", "copy"),
+        help="sdc: a random flip's kind; copy: in the rank's next fingerprinted flash copy "
+        "alone (its buddy's recomputation finds it)",
     )
     sdc.add_argument(
         "--size", type=float, default=1e-3, help="sdc-matmul: relative error (0 ends it)"

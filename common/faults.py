@@ -121,7 +121,7 @@ RUNTIME_FAULTS: dict[str, str] = {
     "nan": "the workers see a NaN loss at step S (--step; 0: the next step)",
     "loss-spike": "the workers see a loss spike at step S (--step; 0: the next step)",
     "sdc": "flip one bit of one worker's state after step S (--rank, --random-rank, --tensor, "
-    "--bit, --target param|optim; random when not given): silent data corruption",
+    "--bit, --target param|optim|copy; random when not given): silent data corruption",
     "sdc-matmul": "every matmul of one worker is off by a relative SIZE from step S "
     "(--rank, --size; --size 0 ends it): a silently wrong GPU in training",
 }
@@ -199,7 +199,10 @@ class SdcDetail:
             and only `local_rank` applies it; -1 here means the agent did not choose).
         tensor: a state tensor's name or part of it ("" random).
         bit: the bit of the 32-bit word to flip (-1 random).
-        target: "param", "optim" or "" (either) for a random tensor.
+        target: "param", "optim" or "" (either) for a random tensor; "copy": either, flipped
+            in the rank's flash copy of the next fingerprinted step at or after the fault's
+            step alone (the live state stays right), as a host-memory or copy-path error
+            would.
         size: sdc-matmul's relative error (0 ends it).
     """
 
@@ -212,8 +215,10 @@ class SdcDetail:
     def __post_init__(self) -> None:
         if not -1 <= self.bit < 32:
             raise ValueError(f"bit must be 0-31 (or -1: random), got {self.bit}")
-        if self.target not in ("", "param", "optim"):
-            raise ValueError(f"target must be 'param', 'optim' or empty, got {self.target!r}")
+        if self.target not in ("", "param", "optim", "copy"):
+            raise ValueError(
+                f"target must be 'param', 'optim', 'copy' or empty, got {self.target!r}"
+            )
         if not (math.isfinite(self.size) and self.size >= 0.0):
             raise ValueError(f"size must be a finite number >= 0, got {self.size}")
 

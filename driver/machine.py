@@ -593,18 +593,27 @@ def _on_spike(before: ev.JobState, d: _Draft, p: ev.LossSpike, policy: Policy) -
 
 def _on_sdc(before: ev.JobState, d: _Draft, p: ev.SdcSuspected, policy: Policy) -> str:
     """Silent data corruption (docs/sdc.md): roll back to the newest verified step before it
-    that can be restored; a node named a second time is evicted (a lasting fault)."""
+    that can be restored. A node named (resolved) a second time is also diagnosed: the
+    bisection confirms it before it is evicted; named a third time it is evicted (a lasting
+    fault the checks do not see)."""
     if before.phase != ev.PHASE_RUNNING:
         return "recorded only: SDC suspected during recovery (the restore goes back anyway)"
     where = f"ranks {list(p.suspect_ranks)} on {sorted(set(p.suspect_nodes))}"
     what = f"silent data corruption at step {p.step} ({where}"
     what += ")" if p.resolved else ", no majority)"
-    again = [n for n in sorted(set(p.suspect_nodes)) if before.sdc_by_node.get(n, 0) >= 1]
-    if p.resolved and again and all(n in before.nodes for n in again):
-        return _on_fault(before, d, _EVICT, again, f"{what}: named again, evicted", policy=policy)
+    named = sorted(set(p.suspect_nodes))
+    known = p.resolved and all(n in before.nodes for n in named)
+    thrice = [n for n in named if before.sdc_by_node.get(n, 0) >= 2]
+    if known and thrice:
+        return _on_fault(
+            before, d, _EVICT, thrice, f"{what}: named a third time, evicted", policy=policy
+        )
+    again = [n for n in named if before.sdc_by_node.get(n, 0) >= 1] if known else []
     held = {c.step for c in before.checkpoints} | set(p.memory_steps)
     verified = set(before.verified_steps) | {c.step for c in before.checkpoints if c.verified}
     target = sdclib.rollback_target(p.step, verified, held)
+    if target is None and again:
+        return _on_fault(before, d, _EVICT, again, f"{what}: named again, evicted", policy=policy)
     if target is None:
         reason = (
             f"{what}, and no verified step before it is held to roll back to; restart "
@@ -615,11 +624,15 @@ def _on_sdc(before: ev.JobState, d: _Draft, p: ev.SdcSuspected, policy: Policy) 
     d.add(
         ev.Event(
             rollback=ev.Rollback(
-                from_step=p.step, to_step=target, reason=f"{what}: to verified step {target}"
+                from_step=p.step,
+                to_step=target,
+                reason=f"{what}: to verified step {target}"
+                + (f"; {again} named again: diagnosed before an eviction" if again else ""),
+                diagnose_nodes=again,
             )
         )
     )
-    _open_rollback(d, policy)
+    _open_rollback(d, policy, diagnose=again)
     return ""
 
 
@@ -628,8 +641,9 @@ def _mode(policy: Policy) -> str:
     return IN_JOB if policy.in_job else RESTART
 
 
-def _open_rollback(d: _Draft, policy: Policy) -> None:
-    """Open the incident of a rollback (no suspects, no eviction)."""
+def _open_rollback(d: _Draft, policy: Policy, diagnose: Sequence[str] = ()) -> None:
+    """Open the incident of a rollback (no eviction; `diagnose`: nodes the diagnosis's
+    bisection checks before the restore, evicted when it finds them bad)."""
     s = d.state
     sdc = bool(s.rollback_steps and s.sdc_suspected and s.last_sdc_step == s.rollback_steps[-1])
     why = "silent data corruption" if sdc else "loss spike"
@@ -637,10 +651,10 @@ def _open_rollback(d: _Draft, policy: Policy) -> None:
         ev.PHASE_SUSPECTED,
         f"{why}: roll back to step {d.state.rollback_to}",
         incident_id=_new_incident(d),
-        suspects=[],
+        suspects=list(diagnose),
         bad=[],
-        diagnose=False,
-        mode=_mode(policy),
+        diagnose=bool(diagnose),
+        mode=RESTART if diagnose else _mode(policy),
         replace=[],
     )
 
@@ -703,7 +717,7 @@ def _settle_running(d: _Draft, policy: Policy) -> bool:
         )
         return True
     if s.HasField("rollback_to"):
-        _open_rollback(d, policy)
+        _open_rollback(d, policy, diagnose=list(s.rollback_diagnose))
         return True
     if policy.grow_back and not s.sitting_out:  # a replica sitting out holds the grow
         target = plan_world(s, policy)

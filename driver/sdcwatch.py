@@ -12,11 +12,15 @@ log moved past it and the job runs again.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from unbroken.driver import sdc as sdclib
+from unbroken.driver.buddies import ring_order
+from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 
 if TYPE_CHECKING:
@@ -32,6 +36,7 @@ async def watch(loop: RecoveryLoop) -> None:
     world_key: Any = None
     suspected_at = -1  # the state's last_seq when the last SdcSuspected was queued
     probe_ref: int | None = None  # kept across books
+    stale: set[tuple[str, int, int, int]] = set()  # opinions heard before the book began
     while True:
         await asyncio.sleep(period)
         s = loop.state
@@ -48,8 +53,11 @@ async def watch(loop: RecoveryLoop) -> None:
                 # the probe's agreed value is the same in any world of the same devices
                 ref = book.probe_ref if book is not None else probe_ref
                 book, world_key = sdclib.FingerprintBook(size, probe_ref=ref), key
-            node_of = _feed(loop, book, tuple(w.node_ids))
-            for v in book.ready():
+                # heartbeats repeat an opinion a while: those of the run before this book
+                # (a step trained again after a restart) are not about this run's copies
+                stale = set(_opinions(loop, tuple(w.node_ids)))
+            node_of = _feed(loop, book, tuple(w.node_ids), stale)
+            for v in book.ready(time.monotonic()):
                 if v.disagreed:
                     suspected_at = s.last_seq
                     loop.service.emit(ev.Event(sdc_suspected=_suspected(loop, s, v, node_of)))
@@ -60,7 +68,10 @@ async def watch(loop: RecoveryLoop) -> None:
                     loop.service.emit(
                         ev.Event(
                             step_verified=ev.StepVerified(
-                                step=v.step, ranks=book.world_size, groups=v.groups
+                                step=v.step,
+                                ranks=book.world_size,
+                                groups=v.groups,
+                                buddy_checked=v.checked,
                             )
                         )
                     )
@@ -69,8 +80,29 @@ async def watch(loop: RecoveryLoop) -> None:
             book = None
 
 
-def _feed(loop: RecoveryLoop, book: sdclib.FingerprintBook, nodes: tuple[str, ...]) -> dict:
-    """Add every world rank's heartbeat fingerprints to `book`; returns {rank: node}."""
+def _opinion_key(op: dpb.BuddyOpinion) -> tuple[str, int, int, int]:
+    return (op.node, op.fingerprint.global_rank, op.fingerprint.step, op.timeline)
+
+
+def _opinions(loop: RecoveryLoop, nodes: tuple[str, ...]) -> list[tuple[str, int, int, int]]:
+    """The opinions in `nodes`' newest heartbeats."""
+    out: list[tuple[str, int, int, int]] = []
+    for n in nodes:
+        slot = loop.view.nodes.get(n)
+        if slot is not None:
+            out.extend(_opinion_key(op) for op in slot.hb.buddy_opinions)
+    return out
+
+
+def _feed(
+    loop: RecoveryLoop,
+    book: sdclib.FingerprintBook,
+    nodes: tuple[str, ...],
+    stale: Collection[tuple[str, int, int, int]] = (),
+) -> dict:
+    """Add every world rank's heartbeat fingerprints to `book`, and the opinions each
+    node formed as the buddy of the node before it in the ring (`ring_order`) on that
+    node's ranks (not those in `stale`); returns {rank: node}."""
     node_of: dict[int, str] = {}
     for n in nodes:
         slot = loop.view.nodes.get(n)
@@ -80,6 +112,22 @@ def _feed(loop: RecoveryLoop, book: sdclib.FingerprintBook, nodes: tuple[str, ..
             node_of[ws.global_rank] = n
             for fp in ws.fingerprints:
                 book.add(fp.global_rank, fp.step, dict(zip(fp.keys, fp.hashes, strict=False)))
+    ring = ring_order(list(nodes), loop.view.nodes)
+    buddy_of = {x: ring[(i + 1) % len(ring)] for i, x in enumerate(ring)}
+    timeline = int(getattr(loop, "_timeline", 0))
+    for n in nodes:
+        slot = loop.view.nodes.get(n)
+        if slot is None or not slot.alive:
+            continue
+        for op in slot.hb.buddy_opinions:
+            fp = op.fingerprint
+            # only the node's buddy speaks for its ranks, and only of this timeline
+            if buddy_of.get(op.node) != n or node_of.get(fp.global_rank) != op.node:
+                continue
+            if op.timeline < timeline or _opinion_key(op) in stale:
+                continue
+            fps = {} if op.error else dict(zip(fp.keys, fp.hashes, strict=False))
+            book.add_opinion(fp.global_rank, fp.step, fps)
     return node_of
 
 

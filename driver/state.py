@@ -452,6 +452,8 @@ def _rollback(s: ev.JobState, e: ev.Event) -> None:
     s.step = e.rollback.to_step
     s.rollback_to = e.rollback.to_step
     s.last_rollback_to = e.rollback.to_step
+    del s.rollback_diagnose[:]
+    s.rollback_diagnose.extend(e.rollback.diagnose_nodes)
     s.last_skip_from = e.rollback.skip_from_step
     s.last_skip_batches = e.rollback.skip_batches
     s.rollback_steps.append(e.rollback.from_step)
@@ -485,6 +487,7 @@ def _close_incident(s: ev.JobState) -> None:
     s.restore_attempts = 0
     s.failed_restores = 0
     s.ClearField("rollback_to")
+    del s.rollback_diagnose[:]
     s.ClearField("incident_world")
     s.recovery_mode = ""
     del s.replace_ranks[:]

@@ -239,7 +239,7 @@ class LogAlertLine(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., keyword: _Optional[str] = ..., line: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "flags", "workers", "host", "gpus", "alerts", "sent_mono_ns", "attached", "hang_stacks", "replicas", "timing", "persist_error", "persist_failures", "persist_failing_s", "loop_lag_ms", "late_ms", "cpu_pressure_pct", "runnable_per_cpu")
+    __slots__ = ("seq", "flags", "workers", "host", "gpus", "alerts", "sent_mono_ns", "attached", "hang_stacks", "replicas", "timing", "persist_error", "persist_failures", "persist_failing_s", "loop_lag_ms", "late_ms", "cpu_pressure_pct", "runnable_per_cpu", "buddy_opinions")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     FLAGS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +258,7 @@ class Heartbeat(_message.Message):
     LATE_MS_FIELD_NUMBER: _ClassVar[int]
     CPU_PRESSURE_PCT_FIELD_NUMBER: _ClassVar[int]
     RUNNABLE_PER_CPU_FIELD_NUMBER: _ClassVar[int]
+    BUDDY_OPINIONS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     flags: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -276,7 +277,20 @@ class Heartbeat(_message.Message):
     late_ms: float
     cpu_pressure_pct: float
     runnable_per_cpu: float
-    def __init__(self, seq: _Optional[int] = ..., flags: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., alerts: _Optional[_Iterable[_Union[LogAlertLine, _Mapping]]] = ..., sent_mono_ns: _Optional[int] = ..., attached: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., hang_stacks: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaHeld, _Mapping]]] = ..., timing: _Optional[_Union[NodeTiming, _Mapping]] = ..., persist_error: _Optional[str] = ..., persist_failures: _Optional[int] = ..., persist_failing_s: _Optional[float] = ..., loop_lag_ms: _Optional[float] = ..., late_ms: _Optional[float] = ..., cpu_pressure_pct: _Optional[float] = ..., runnable_per_cpu: _Optional[float] = ...) -> None: ...
+    buddy_opinions: _containers.RepeatedCompositeFieldContainer[BuddyOpinion]
+    def __init__(self, seq: _Optional[int] = ..., flags: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., alerts: _Optional[_Iterable[_Union[LogAlertLine, _Mapping]]] = ..., sent_mono_ns: _Optional[int] = ..., attached: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., hang_stacks: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaHeld, _Mapping]]] = ..., timing: _Optional[_Union[NodeTiming, _Mapping]] = ..., persist_error: _Optional[str] = ..., persist_failures: _Optional[int] = ..., persist_failing_s: _Optional[float] = ..., loop_lag_ms: _Optional[float] = ..., late_ms: _Optional[float] = ..., cpu_pressure_pct: _Optional[float] = ..., runnable_per_cpu: _Optional[float] = ..., buddy_opinions: _Optional[_Iterable[_Union[BuddyOpinion, _Mapping]]] = ...) -> None: ...
+
+class BuddyOpinion(_message.Message):
+    __slots__ = ("node", "fingerprint", "timeline", "error")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    fingerprint: _events_pb2.RankFingerprint
+    timeline: int
+    error: str
+    def __init__(self, node: _Optional[str] = ..., fingerprint: _Optional[_Union[_events_pb2.RankFingerprint, _Mapping]] = ..., timeline: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class PersistFailure(_message.Message):
     __slots__ = ("node_id", "error", "failures", "failing_s")

@@ -167,14 +167,16 @@ class SdcSuspected(_message.Message):
     def __init__(self, step: _Optional[int] = ..., suspect_ranks: _Optional[_Iterable[int]] = ..., suspect_nodes: _Optional[_Iterable[str]] = ..., resolved: _Optional[bool] = ..., keys: _Optional[_Iterable[str]] = ..., verified_step: _Optional[int] = ..., detail: _Optional[str] = ..., memory_steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepVerified(_message.Message):
-    __slots__ = ("step", "ranks", "groups")
+    __slots__ = ("step", "ranks", "groups", "buddy_checked")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    BUDDY_CHECKED_FIELD_NUMBER: _ClassVar[int]
     step: int
     ranks: int
     groups: int
-    def __init__(self, step: _Optional[int] = ..., ranks: _Optional[int] = ..., groups: _Optional[int] = ...) -> None: ...
+    buddy_checked: int
+    def __init__(self, step: _Optional[int] = ..., ranks: _Optional[int] = ..., groups: _Optional[int] = ..., buddy_checked: _Optional[int] = ...) -> None: ...
 
 class ReplicaReady(_message.Message):
     __slots__ = ("node_ids", "reason")
@@ -487,18 +489,20 @@ class LossSpike(_message.Message):
     def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., baseline: _Optional[float] = ..., factor: _Optional[float] = ..., non_finite: _Optional[bool] = ..., memory_steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Rollback(_message.Message):
-    __slots__ = ("from_step", "to_step", "skip_batches", "reason", "skip_from_step")
+    __slots__ = ("from_step", "to_step", "skip_batches", "reason", "skip_from_step", "diagnose_nodes")
     FROM_STEP_FIELD_NUMBER: _ClassVar[int]
     TO_STEP_FIELD_NUMBER: _ClassVar[int]
     SKIP_BATCHES_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     SKIP_FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    DIAGNOSE_NODES_FIELD_NUMBER: _ClassVar[int]
     from_step: int
     to_step: int
     skip_batches: int
     reason: str
     skip_from_step: int
-    def __init__(self, from_step: _Optional[int] = ..., to_step: _Optional[int] = ..., skip_batches: _Optional[int] = ..., reason: _Optional[str] = ..., skip_from_step: _Optional[int] = ...) -> None: ...
+    diagnose_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, from_step: _Optional[int] = ..., to_step: _Optional[int] = ..., skip_batches: _Optional[int] = ..., reason: _Optional[str] = ..., skip_from_step: _Optional[int] = ..., diagnose_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TrainingPaused(_message.Message):
     __slots__ = ("reason", "at_step", "restore_step")
@@ -709,7 +713,7 @@ class CheckpointRecord(_message.Message):
     def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., seq: _Optional[int] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., wall_time_unix_ns: _Optional[int] = ..., verified: _Optional[bool] = ...) -> None: ...
 
 class JobState(_message.Message):
-    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "leader_scope", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id", "bad_nodes", "needs_diagnosis", "restore_step", "configured_world", "incident_world", "restore_attempts", "rollback_to", "recovery_mode", "replace_ranks", "rollback_steps", "last_rollback_to", "gone_nodes", "pruned_nodes", "last_skip_from", "last_skip_batches", "goodput", "persist_cost_s", "failed_restores", "finished_reason", "verified_steps", "sdc_suspected", "last_sdc_step", "sdc_by_node", "sitting_out")
+    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "leader_scope", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id", "bad_nodes", "needs_diagnosis", "restore_step", "configured_world", "incident_world", "restore_attempts", "rollback_to", "rollback_diagnose", "recovery_mode", "replace_ranks", "rollback_steps", "last_rollback_to", "gone_nodes", "pruned_nodes", "last_skip_from", "last_skip_batches", "goodput", "persist_cost_s", "failed_restores", "finished_reason", "verified_steps", "sdc_suspected", "last_sdc_step", "sdc_by_node", "sitting_out")
     class NodesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -757,6 +761,7 @@ class JobState(_message.Message):
     INCIDENT_WORLD_FIELD_NUMBER: _ClassVar[int]
     RESTORE_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_TO_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_DIAGNOSE_FIELD_NUMBER: _ClassVar[int]
     RECOVERY_MODE_FIELD_NUMBER: _ClassVar[int]
     REPLACE_RANKS_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -800,6 +805,7 @@ class JobState(_message.Message):
     incident_world: WorldLayout
     restore_attempts: int
     rollback_to: int
+    rollback_diagnose: _containers.RepeatedScalarFieldContainer[str]
     recovery_mode: str
     replace_ranks: _containers.RepeatedScalarFieldContainer[int]
     rollback_steps: _containers.RepeatedScalarFieldContainer[int]
@@ -817,7 +823,7 @@ class JobState(_message.Message):
     last_sdc_step: int
     sdc_by_node: _containers.ScalarMap[str, int]
     sitting_out: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., leader_scope: _Optional[str] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., needs_diagnosis: _Optional[bool] = ..., restore_step: _Optional[int] = ..., configured_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., incident_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., restore_attempts: _Optional[int] = ..., rollback_to: _Optional[int] = ..., recovery_mode: _Optional[str] = ..., replace_ranks: _Optional[_Iterable[int]] = ..., rollback_steps: _Optional[_Iterable[int]] = ..., last_rollback_to: _Optional[int] = ..., gone_nodes: _Optional[int] = ..., pruned_nodes: _Optional[int] = ..., last_skip_from: _Optional[int] = ..., last_skip_batches: _Optional[int] = ..., goodput: _Optional[_Union[GoodputLedger, _Mapping]] = ..., persist_cost_s: _Optional[float] = ..., failed_restores: _Optional[int] = ..., finished_reason: _Optional[str] = ..., verified_steps: _Optional[_Iterable[int]] = ..., sdc_suspected: _Optional[int] = ..., last_sdc_step: _Optional[int] = ..., sdc_by_node: _Optional[_Mapping[str, int]] = ..., sitting_out: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., leader_scope: _Optional[str] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., needs_diagnosis: _Optional[bool] = ..., restore_step: _Optional[int] = ..., configured_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., incident_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., restore_attempts: _Optional[int] = ..., rollback_to: _Optional[int] = ..., rollback_diagnose: _Optional[_Iterable[str]] = ..., recovery_mode: _Optional[str] = ..., replace_ranks: _Optional[_Iterable[int]] = ..., rollback_steps: _Optional[_Iterable[int]] = ..., last_rollback_to: _Optional[int] = ..., gone_nodes: _Optional[int] = ..., pruned_nodes: _Optional[int] = ..., last_skip_from: _Optional[int] = ..., last_skip_batches: _Optional[int] = ..., goodput: _Optional[_Union[GoodputLedger, _Mapping]] = ..., persist_cost_s: _Optional[float] = ..., failed_restores: _Optional[int] = ..., finished_reason: _Optional[str] = ..., verified_steps: _Optional[_Iterable[int]] = ..., sdc_suspected: _Optional[int] = ..., last_sdc_step: _Optional[int] = ..., sdc_by_node: _Optional[_Mapping[str, int]] = ..., sitting_out: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GoodputLedger(_message.Message):
     __slots__ = ("started_ns", "incident_began_ns", "incident_cause", "lost_s_by_cause", "steps_redone", "last_fault", "incidents", "storage_incidents", "lost_s_by_category", "segment_began_ns", "segment_category", "pending_detect_s", "running_since_ns", "startup_open", "resumed_before_s")

@@ -694,6 +694,11 @@ class FlashWriter:
             h._result(timeout_s)
         self._reap()
 
+    def entry_names(self, tensors: list[torch.Tensor]) -> list[str | None]:
+        """The entry name each of `tensors` (local tensors of the state) has in the cached
+        plan's copies: matched by storage address, shape and dtype (None: not in it)."""
+        return self._plans.names_of(tensors)
+
     def invalidate_snapshot(self) -> None:
         """Forget the cached plan: the next `Snapshot` save reads the full state."""
         self._plans.invalidate()

@@ -285,6 +285,11 @@ def make_plan(flat: Mapping[str, Any]) -> Plan:
     return Plan(keys, layout[0], objects, off, tensors, index, cuda=cuda, layout=hash(layout))
 
 
+def _ident(t: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors views of the same bytes (not a copy of them)."""
+    return (t.device, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 def resolve_stateful(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """Top-level `Stateful` values replaced by their state dicts, as DCP does."""
     return {k: v.state_dict() if has_state(v) else v for k, v in state_dict.items()}
@@ -404,6 +409,15 @@ class PlanCache:
         if _global_layout(key, value, local) != (entry.global_shape, entry.global_offset):
             return None
         return local
+
+    def names_of(self, tensors: list[torch.Tensor]) -> list[str | None]:
+        """The cached plan's key of each of `tensors` (the same storage, shape and dtype as
+        a planned tensor; None: not planned, or no plan cached)."""
+        plan = self._cache[1] if self._cache is not None else self._plain
+        if plan is None:
+            return [None] * len(tensors)
+        where = {_ident(t): k for k, t in zip(plan.keys, plan.tensors, strict=True)}
+        return [where.get(_ident(t)) for t in tensors]
 
     def _fresh(
         self, plan: Plan, snap: Snapshot

@@ -42,7 +42,7 @@ import hmac
 import json
 import os
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -330,6 +330,10 @@ class ReplicaServer:
         self.senders: set[str] | None = None
         self.received = 0
         self.refused = 0
+        # called with (node, copy) after each stored copy, on a thread, while the rank's
+        # slot lock is held (no newer copy overwrites it meanwhile): the SDC buddy check
+        self.on_stored: Callable[[str, CopyRef], object] | None = None
+        self._after: set[asyncio.Task[None]] = set()
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Listen; returns the bound port (pass 0 for a free one)."""
@@ -353,6 +357,8 @@ class ReplicaServer:
             self._server.close()
             await self._server.wait_closed()
             self._server = None
+        for task in list(self._after):  # a check of a copy not begun is not wanted now
+            task.cancel()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         framing = _Framing(None, b"", b"", server=True)
@@ -530,6 +536,11 @@ class ReplicaServer:
             ref = await _stream_into_slot(
                 reader, fr, rank_dir, manifest, self.config.headroom_bytes, origin
             )
+            if ref is not None and self.on_stored is not None:
+                # queued on the lock now, before any newer copy of this rank
+                task = asyncio.create_task(self._call_on_stored(lock, node, ref))
+                self._after.add(task)
+                task.add_done_callback(self._after.discard)
         if ref is None:
             return {
                 "ok": False,
@@ -539,6 +550,16 @@ class ReplicaServer:
         self.received += 1
         log.info("replica.stored", node=node, rank=rank, step=manifest.step, bytes=dlen)
         return {"ok": True, "error": ""}
+
+    async def _call_on_stored(self, lock: asyncio.Lock, node: str, ref: CopyRef) -> None:
+        async with lock:
+            fn = self.on_stored
+            if fn is None:
+                return
+            try:
+                await asyncio.to_thread(fn, node, ref)
+            except Exception:
+                log.exception("replica.on_stored_failed", node=node, rank=ref.manifest.rank)
 
 
 def _peercert(writer: asyncio.StreamWriter) -> dict[str, Any] | None:

@@ -17,6 +17,7 @@ from unbroken.recovery.flashcopy import CopyRef, CorruptCopyError, list_copies, 
 from unbroken.recovery.flashowner import FlashOwner
 from unbroken.recovery.replica import SendResult, send_copy
 from unbroken.recovery.replicaauth import ReplicaConfig
+from unbroken.recovery.statehash import SDC_META
 
 log = structlog.get_logger(__name__)
 
@@ -166,6 +167,9 @@ class ReplicaSender:
         drill's buddy held ranks 2 and 3 at steps 265 and 264, no step in common, and the
         evicted node's ranks restored from the first commit, 264 steps back."""
         trimmed = same_step(by_rank)
+        checked = self._fingerprinted(trimmed, now)
+        if checked:
+            return checked
         due = {rank: self.due(rank, refs, now) for rank, refs in trimmed.items()}
         if not any(ref is not None for ref in due.values()) and not self.cheap(now):
             return {}
@@ -177,6 +181,31 @@ class ReplicaSender:
             if not self._held_back(rank, ref.manifest.generation, now):
                 out[rank] = ref
         return out
+
+    def _fingerprinted(self, by_rank: dict[int, list[CopyRef]], now: float) -> dict[int, CopyRef]:
+        """Every rank's copy of the oldest fingerprinted step (`SDC_META`) not sent yet,
+        whatever the spacing: the buddy recomputes the fingerprints from exactly those
+        copies (docs/sdc.md), so none is skipped, also when a slow tick finds several (a
+        starved agent once sent step 20, then 35: the flipped copy of 25 was never checked).
+        Empty unless every rank holds such a copy of one step."""
+        steps: list[dict[int, CopyRef]] = []
+        for rank, refs in by_rank.items():
+            acked = self._sent.get(rank, -1)
+            mine = {
+                r.manifest.step: r
+                for r in refs
+                if SDC_META in r.manifest.meta
+                and r.manifest.generation > acked
+                and not self._held_back(rank, r.manifest.generation, now)
+            }
+            steps.append(mine)
+        if not steps:
+            return {}
+        common = set.intersection(*(set(m) for m in steps))
+        if not common:
+            return {}
+        first = min(common)
+        return {rank: m[first] for rank, m in zip(by_rank, steps, strict=True)}
 
     def _held_back(self, rank: int, gen: int, now: float) -> bool:
         """Whether `rank`'s copy `gen` is not to be sent now: acknowledged already, found

@@ -94,6 +94,7 @@ from unbroken.recovery.sources import (
     reach_of,
     survey,
 )
+from unbroken.recovery.statehash import SDC_META
 from unbroken.trainer.plugin import GroupValue, Meshed, Optimizers, Snapshots, Stateful
 from unbroken.trainer.rtrace import mark
 
@@ -202,7 +203,14 @@ class FlashCheckpointer:
         Returns the bytes per copy."""
         return self.writer.prepare({KEY: trainer})
 
-    def save(self, trainer: Stateful, step: int, *, persist: bool = True) -> bool:
+    def save(
+        self,
+        trainer: Stateful,
+        step: int,
+        *,
+        persist: bool = True,
+        sdc: Mapping[str, Any] | None = None,
+    ) -> bool:
         """Start saving the trainer's state of `step` into the ring in shared memory.
 
         Blocks only for the snapshot: with a trainer that implements `Snapshots` (the
@@ -211,6 +219,9 @@ class FlashCheckpointer:
         here on the first save); the checksum is never waited for. A copy for memory only
         (`persist=False`) is skipped when the ring has no free slot (counted in
         `writer.skipped_busy`); one the agent must persist always happens.
+
+        `sdc`: the step's fingerprints' plan over the copy's tensors (trainer/sdc.py
+        `copy_meta`), so the buddy can recompute them from the copy.
 
         Returns:
             Whether a save started.
@@ -221,6 +232,8 @@ class FlashCheckpointer:
             TIMELINE_META: current_timeline(),
             PERSIST_META: persist,
         }
+        if sdc is not None:
+            meta[SDC_META] = dict(sdc)
         state: Any = {KEY: trainer}
         if self._snaps is None or self._snaps[0] is not trainer:  # a protocol check is
             self._snaps = (trainer, isinstance(trainer, Snapshots))  # ~10 us: once
@@ -237,6 +250,11 @@ class FlashCheckpointer:
         self.saves += 1
         self._last = handle
         return True
+
+    def entry_names(self, tensors: list[Any]) -> list[str | None]:
+        """The copy's entry name of each of `tensors` (local tensors of the saved state; None:
+        not in the copy, or no save planned yet)."""
+        return self.writer.entry_names(tensors)
 
     def _account(self) -> None:
         """Count the finished save's blocking (its guard waits included)."""

@@ -433,6 +433,7 @@ class _Loop:
     out: Any
     rank: int
     fingerprints: Any = None  # trainer/sdc.py Fingerprinter (None: off)
+    copy_flip: Any = None  # an sdc flip waiting for the next fingerprinted copy
 
     def step(self, step: int) -> int:
         """Run one step, save and report it; return the step reached."""
@@ -466,8 +467,9 @@ def _one_step(lp: _Loop, step: int) -> int:
         raise Held(f"NCCL world aborted: {ncclguard.tripped()}", step)
     stepped = time.perf_counter()
     step = int(m["step"])
-    if sdc_fault is not None and sdc_fault.kind == SDC:  # a flip of the state after the step
-        _apply_sdc(trainer, sdc_fault, step)
+    copy_flip = sdc_fault is not None and sdc_fault.kind == SDC and _in_copy(sdc_fault)
+    if sdc_fault is not None and sdc_fault.kind == SDC and not copy_flip:
+        _apply_sdc(trainer, sdc_fault, step)  # a flip of the state after the step
     persist = False
     if flash is not None and clock is not None:
         # every rank calls the clock at every step (it agrees collectively)
@@ -479,13 +481,25 @@ def _one_step(lp: _Loop, step: int) -> int:
         t = time.perf_counter()
         hooks.fingerprint(step, fp.compute())
         m["fingerprint_s"] = time.perf_counter() - t
+        fp_meta = fp.copy_meta(step, flash.entry_names) if flash is not None else None
+    else:
+        fp_meta = None
+    if copy_flip:
+        lp.copy_flip = sdc_fault  # into the next copy its buddy checks (fingerprinted)
+    undo, flipped = None, lp.copy_flip
+    if flipped is not None and fp_meta is not None:
+        undo, lp.copy_flip = _apply_sdc(trainer, flipped, step), None
     if flash is not None and clock is not None:
         if config.flash_ab:  # a cost measurement: memory saves in alternate blocks
             m["flash_block"] = (step // config.flash_ab) % 2 == 0
-        if persist or (step % flash_every == 0 and m.get("flash_block", True)):
+        due = step % flash_every == 0 and m.get("flash_block", True)
+        if persist or fp_meta is not None or due:  # a fingerprinted step's copy is checked
             t = time.perf_counter()
-            flash.save(trainer, step, persist=persist)
+            flash.save(trainer, step, persist=persist, sdc=fp_meta)
             m["flash_save_s"] = time.perf_counter() - t
+    if undo is not None and flash is not None:  # the flip stays in the copy alone
+        flash.writer.wait_copied()
+        _apply_sdc(trainer, flipped, step, at=undo)
     history.append(m)
     timings = {
         name: m[key] * 1000.0
@@ -558,16 +572,27 @@ def _mine(fault: WorkerFault) -> bool:
     return want < 0 or want == int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def _apply_sdc(trainer: object, fault: WorkerFault, step: int) -> None:
-    """Corrupt this rank as `fault` says (trainer/sdc.py), and say so in the log."""
+def _in_copy(fault: WorkerFault) -> bool:
+    """Whether an sdc flip is meant for the rank's flash copy of the step alone."""
+    return fault.sdc is not None and fault.sdc.target == "copy"
+
+
+def _apply_sdc(
+    trainer: object, fault: WorkerFault, step: int, at: tuple[str, int, int] | None = None
+) -> tuple[str, int, int] | None:
+    """Corrupt this rank as `fault` says (trainer/sdc.py), and say so in the log; returns a
+    flip's place (`at`: flip that place back, quietly)."""
     global _MATMUL
     from unbroken.common.faults import SdcDetail
     from unbroken.trainer import sdc
 
     d = fault.sdc or SdcDetail()
+    where = None
     try:
         if fault.kind == SDC:
-            what = sdc.flip_bit(trainer, tensor=d.tensor, bit=d.bit, target=d.target)
+            what, where = sdc.flip_bit(trainer, tensor=d.tensor, bit=d.bit, target=d.target, at=at)
+            if at is not None:
+                return None
         else:
             if _MATMUL is None:
                 _MATMUL = sdc.MatmulFault()
@@ -575,8 +600,10 @@ def _apply_sdc(trainer: object, fault: WorkerFault, step: int) -> None:
             what = f"every matmul x (1 + {d.size:g})" if d.size else "matmuls exact again"
     except ValueError as e:
         log.warning("sdc fault not applied", kind=fault.kind, error=str(e))
-        return
-    log.warning("sdc fault applied", kind=fault.kind, step=step, what=what, id=fault.id)
+        return None
+    in_copy = " (in the flash copy alone)" if _in_copy(fault) else ""
+    log.warning("sdc fault applied", kind=fault.kind, step=step, what=what + in_copy, id=fault.id)
+    return where
 
 
 def _skip(trainer: object, n: int, before_step: int) -> None:

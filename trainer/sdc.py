@@ -20,73 +20,44 @@ a fixed weight with `torch.nn.functional.linear` (the training matmuls' own path
 the result bitwise. Every rank of a world computes the same bytes, so a rank whose matmuls
 are silently wrong stands out even where no other rank holds its state (pure FSDP).
 
+The rank also reports the *replay* of its own weights (recovery/statehash.py `replay`), and
+tells its flash copy of a fingerprinted step which of the copy's tensors make up each key
+(`Fingerprinter.copy_meta`), so the buddy holding the copy can recompute both on its own
+device: the third opinion (recovery/sdcbuddy.py).
+
 The drills' faults (`unbroken inject sdc`, `unbroken inject sdc-matmul`): `flip_bit` flips
 one bit of one rank's parameter or optimizer state in place; `MatmulFault` makes every
-`linear` of this rank off by a relative `size` until turned off.
+`linear` of this rank off by a relative `size` until turned off. `flip_bit` with target
+"copy" is applied by the training loop around the save (trainer/run.py), so that only the
+copy carries the flip.
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from unbroken.recovery.statehash import fold as _fold
+from unbroken.recovery.statehash import replay, replayable, sdc_meta, tensor_hash
+
+__all__ = ["Fingerprinter", "MatmulFault", "flip_bit", "probe", "tensor_hash"]
+
 #: the compute probe's replica key: every rank of a world computes the same bytes
 PROBE_KEY = "probe"
 PROBE_DIM = 128
-# elements hashed at once (the weights and products are this many 32-bit words at most)
-CHUNK = 1 << 22
 # flattened mesh dimensions and the dimensions they stand for (trainer/parallel.py)
 FLATTENED = {
     "dp_shard": ("dp_mod_ep", "ep"),
     "dp_shard_cp": ("dp_mod_ep", "ep", "cp"),
     "expert_replicas": ("dp_replicate", "dp_mod_ep"),
 }
-MASK64 = (1 << 64) - 1
 # a key names each kept dimension by a letter and its coordinate ("m0e0c0p1t0"): heartbeats
 # carry the keys
 SHORT = {"dp_replicate": "r", "dp_mod_ep": "m", "ep": "e", "cp": "c", "pp": "p", "tp": "t"}
-
-_weights: dict[tuple[str, int], torch.Tensor] = {}
-
-
-def _odd_weights(n: int, device: torch.device) -> torch.Tensor:
-    """1, 3, 5, ... (2n - 1) as int32 on `device` (cached per device, grown as needed)."""
-    key = (str(device), 0)
-    w = _weights.get(key)
-    if w is None or w.numel() < n:
-        size = max(n, 1024)
-        w = torch.arange(size, dtype=torch.int64, device=device).mul_(2).add_(1)
-        w = w.to(torch.int32)  # wraps past 2^31: still odd
-        _weights[key] = w
-    return w[:n]
-
-
-def tensor_hash(t: torch.Tensor) -> torch.Tensor:
-    """The 64-bit position-weighted sum of `t`'s 32-bit words, as a 0-d int64 on its device.
-
-    Tensors whose byte size is not a multiple of 4 are hashed as bytes widened to int32.
-    """
-    flat = t.detach().contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return torch.zeros((), dtype=torch.int64, device=flat.device)
-    raw = flat.view(torch.uint8)
-    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw.to(torch.int32)
-    total = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for start in range(0, words.numel(), CHUNK):
-        part = words[start : start + CHUNK]
-        if start:  # the position's weight, 2i+1, from the chunk's offset (wrapping)
-            n = part.numel()
-            w = torch.arange(start, start + n, dtype=torch.int64, device=part.device)
-            w = w.mul_(2).add_(1).to(torch.int32)
-        else:
-            w = _odd_weights(part.numel(), part.device)
-        total += (part * w).sum(dtype=torch.int64)
-    return total
 
 
 def _local(t: Any) -> torch.Tensor:
@@ -137,14 +108,6 @@ def probe(device: torch.device) -> torch.Tensor:
     return tensor_hash(torch.nn.functional.linear(x, w))
 
 
-def _fold(hashes: Sequence[int]) -> int:
-    """One 64-bit fingerprint of an ordered list of 64-bit tensor hashes."""
-    h = hashlib.blake2b(digest_size=8)
-    for x in hashes:
-        h.update((x & MASK64).to_bytes(8, "little"))
-    return int.from_bytes(h.digest(), "little")
-
-
 @dataclass(slots=True)
 class Fingerprinter:
     """This rank's fingerprints of `trainer` (an embedded-engine trainer: `optimizers` and
@@ -162,7 +125,7 @@ class Fingerprinter:
             plan: list[tuple[str, str, Any]] = []
             key = "all"
             for n, t in state_tensors(self.trainer):
-                if n.count(".") == 2:  # a parameter; its optimizer state follows it and
+                if _is_param(n):  # a parameter; its optimizer state follows it and
                     key = replica_key(t, coords)  # is laid out alike (the AdamW step too)
                 plan.append((key, n, t))
             self._plan = plan
@@ -170,7 +133,8 @@ class Fingerprinter:
         return self._plan
 
     def compute(self) -> dict[str, int]:
-        """{replica key: 64-bit fingerprint}, the probe's under `PROBE_KEY`."""
+        """{replica key: 64-bit fingerprint}, the probe's under `PROBE_KEY`, and the replay
+        of the rank's own weights (recovery/statehash.py `replay`) under its keys."""
         plan = self.plan()
         locals_ = [_local(t) for _, _, t in plan]
         device = locals_[0].device if locals_ else torch.device("cpu")
@@ -181,7 +145,34 @@ class Fingerprinter:
             by.setdefault(key, []).append(int(v))
         out = {k: _fold(v) for k, v in by.items()}
         out[PROBE_KEY] = _fold([int(values[-1])])
+        out.update(replay(t for (_, n, _), t in zip(plan, locals_, strict=True) if _is_param(n)))
         return out
+
+    def copy_meta(
+        self, step: int, names_of: Callable[[list[torch.Tensor]], list[str | None]]
+    ) -> dict[str, Any] | None:
+        """What a flash copy of `step` tells its buddy to recompute these fingerprints
+        (recovery/statehash.py `SDC_META`): each key's tensors by the copy's entry names,
+        in folding order, and the replay's weights. `names_of` gives the copy's name of
+        each local tensor (None: not in the copy); None when one is missing."""
+        plan = self.plan()
+        locals_ = [_local(t) for _, _, t in plan]
+        names = names_of(locals_)
+        if len(names) != len(locals_) or any(n is None for n in names):
+            return None
+        keys: dict[str, list[str]] = {}
+        params: list[str] = []
+        for (key, n, _), local, name in zip(plan, locals_, names, strict=True):
+            assert name is not None
+            keys.setdefault(key, []).append(name)
+            if _is_param(n) and replayable(local):
+                params.append(name)
+        return sdc_meta(step, list(keys.items()), params)
+
+
+def _is_param(name: str) -> bool:
+    """Whether a `state_tensors` name is a parameter's (not its optimizer state's)."""
+    return name.count(".") == 2
 
 
 # ---------------------------------------------------------------- the drills' faults
@@ -192,15 +183,18 @@ def flip_bit(
     bit: int = -1,
     target: str = "",
     seed: int | None = None,
-) -> str:
-    """Flip one bit of this rank's state in place; returns what was flipped.
+    at: tuple[str, int, int] | None = None,
+) -> tuple[str, tuple[str, int, int]]:
+    """Flip one bit of this rank's state in place; returns what was flipped, in words and
+    as `at` (flipping the same `at` again undoes it).
 
     Args:
         tensor: a name from `state_tensors` ("o0.g0.p3" a parameter, "o0.g0.p3.exp_avg" its
             optimizer state) or a substring of it; "" picks one at random.
         bit: the bit of the element's 32-bit word (0-31); -1 picks one at random.
-        target: "param" or "optim" restricts the random pick; "" either.
+        target: "param" or "optim" restricts the random pick; "" or "copy" either.
         seed: for the random picks (None: fresh randomness).
+        at: (tensor name, element, bit) to flip exactly (the others are then ignored).
     """
     rng = random.Random(seed)
     cands = []
@@ -209,24 +203,26 @@ def flip_bit(
         if local.numel() == 0 or local.element_size() != 4:
             continue
         is_optim = name.count(".") > 2
-        if target and (target == "optim") != is_optim:
+        if target in ("param", "optim") and (target == "optim") != is_optim:
             continue
-        if tensor and tensor != name and tensor not in name:
+        if at is not None and name != at[0]:
+            continue
+        if tensor and tensor != name and tensor not in name and at is None:
             continue
         cands.append((name, local))
     if not cands:
         raise ValueError(f"no 32-bit state tensor matches tensor={tensor!r} target={target!r}")
     exact = [c for c in cands if c[0] == tensor]
     name, local = exact[0] if exact else rng.choice(cands)
-    b = rng.randrange(32) if bit < 0 else bit
+    b = at[2] if at is not None else rng.randrange(32) if bit < 0 else bit
     if not 0 <= b < 32:
         raise ValueError(f"bit must be 0-31, got {bit}")
-    i = rng.randrange(local.numel())
+    i = at[1] if at is not None else rng.randrange(local.numel())
     with torch.no_grad():
         words = local.view(-1).view(torch.int32)
         mask = torch.tensor(1 << b if b < 31 else -(1 << 31), dtype=torch.int32)
         words[i] = words[i] ^ mask.to(words.device)
-    return f"{name}[{i}] bit {b}"
+    return f"{name}[{i}] bit {b}", (name, i, b)
 
 
 class MatmulFault:

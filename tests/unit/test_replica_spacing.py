@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from unbroken.recovery.flashcopy import CopyRef, Manifest
 from unbroken.recovery.replica import SendResult
 from unbroken.recovery.replicasend import REPLICA_MARGIN, RETRY_CAP_S, ReplicaSender, same_step
+from unbroken.recovery.statehash import SDC_META
 
 pytestmark = pytest.mark.unit
 
@@ -188,3 +190,34 @@ def test_cheap_sends_ship_every_copy_and_costly_ones_are_spaced_to_the_duty() ->
     # REPLICA_EVERY_S, and within k - REPLICA_MARGIN saves) still hold
     slow = [x for x in _ticks(1.0) if x >= 16]
     assert {b - a for a, b in itertools.pairwise(slow)} <= {10, 11}
+
+
+def test_a_fingerprinted_copy_goes_first_whatever_the_spacing() -> None:
+    """The buddy recomputes a rank's fingerprints from exactly the fingerprinted copy
+    (docs/sdc.md): every rank's copy of the newest fingerprinted step not sent yet goes at
+    once, even where the spacing would wait or send a newer copy."""
+
+    def marked(refs: list[CopyRef], step: int) -> list[CopyRef]:
+        return [
+            CopyRef(r.rank_dir, r.slot, replace(r.manifest, meta={SDC_META: {"step": step}}))
+            if r.manifest.step == step
+            else r
+            for r in refs
+        ]
+
+    s = sender()
+    s._sent = {0: 30, 1: 30}  # both acknowledged step 30 just now: spacing holds newer ones
+    s._sent_at = {0: 100.0, 1: 100.0}
+    by_rank = {0: marked(ring(33, 8), 32), 1: marked(ring(33, 8), 32)}
+    got = s.picks(by_rank, now=100.01)
+    assert {r: ref.manifest.step for r, ref in got.items()} == {0: 32, 1: 32}
+    # only a step every rank marked; one already acknowledged is not sent again
+    s._sent = {0: 32, 1: 30}
+    assert 0 not in s._fingerprinted(by_rank, 100.02)
+    # several not sent yet (a slow tick): the oldest first, then the next
+    s._sent = {0: 30, 1: 30}
+    two = {r: marked(marked(ring(37, 8), 32), 36) for r in (0, 1)}
+    assert {r: x.manifest.step for r, x in s._fingerprinted(two, 100.03).items()} == {0: 32, 1: 32}
+    s._sent = {0: 32, 1: 32}
+    assert {r: x.manifest.step for r, x in s._fingerprinted(two, 100.04).items()} == {0: 36, 1: 36}
+    assert s._fingerprinted({0: marked(ring(33, 8), 32), 1: ring(33, 8)}, 100.02) == {}

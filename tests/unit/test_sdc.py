@@ -13,6 +13,7 @@ from unbroken.common.faults import SDC, RuntimeFault, SdcDetail, WorkerFault
 from unbroken.driver import machine as m
 from unbroken.driver import sdc as sdclib
 from unbroken.proto import events_pb2 as ev
+from unbroken.recovery import statehash
 from unbroken.trainer import sdc
 
 pytestmark = pytest.mark.unit
@@ -34,7 +35,7 @@ def test_every_single_bit_flip_changes_the_hash() -> None:
 def test_the_hash_does_not_depend_on_the_chunking(monkeypatch: pytest.MonkeyPatch) -> None:
     t = torch.randn(5000)
     whole = int(sdc.tensor_hash(t))
-    monkeypatch.setattr(sdc, "CHUNK", 333)
+    monkeypatch.setattr(statehash, "CHUNK", 333)
     assert int(sdc.tensor_hash(t)) == whole
     # a swap of two words changes it too (the weights are positional)
     u = t.clone()
@@ -55,7 +56,7 @@ def test_flip_bit_changes_one_bit_of_the_named_tensor() -> None:
     fp = sdc.Fingerprinter(T())
     before = fp.compute()
     w0 = model.weight.detach().clone()
-    what = sdc.flip_bit(T(), tensor="o0.g0.p0", bit=3, seed=1)
+    what, _ = sdc.flip_bit(T(), tensor="o0.g0.p0", bit=3, seed=1)
     assert what.startswith("o0.g0.p0[") and what.endswith("bit 3")
     diff = (w0.view(torch.int32) ^ model.weight.detach().view(torch.int32)).view(-1)
     assert int((diff != 0).sum()) == 1 and int(diff[diff != 0][0]) == 8
@@ -211,7 +212,7 @@ def test_sdc_with_no_verified_step_held_fails_the_job_with_advice() -> None:
     assert "no verified step before it" in d.events[-1].job_finished.reason
 
 
-def test_a_node_named_twice_is_evicted() -> None:
+def test_a_node_named_twice_is_diagnosed_and_evicted_when_the_bisection_confirms() -> None:
     sim = start()
     sim.feed(checkpoint(10))
     sim.feed(verified(10))
@@ -221,6 +222,35 @@ def test_a_node_named_twice_is_evicted() -> None:
     sim.feed(verified(30))
     sim.feed(checkpoint(30))
     d = sim.feed(suspected(40))
+    # rolled back to the verified step, and n1 diagnosed before any eviction
+    rb = next(e.rollback for e in d.events if e.HasField("rollback"))
+    assert rb.to_step == 30 and "diagnosed before an eviction" in rb.reason
+    assert list(sim.state.suspects) == ["n1"] and sim.state.needs_diagnosis
+    sim.training_step = 41
+    sim.progress(set())  # paused
+    assert sim.state.restore_step == 30
+    sim.drive({"n1"})  # the bisection finds n1 bad
+    assert sim.state.nodes["n1"].state == ev.NODE_STATE_EVICTED
+    assert sim.state.phase == ev.PHASE_RUNNING and sim.state.step == 30
+
+
+def test_a_node_named_twice_that_the_bisection_clears_stays_and_is_rolled_back() -> None:
+    sim = start()
+    sim.feed(checkpoint(10))
+    sim.feed(verified(10))
+    sim.feed(suspected(20))
+    sim.drive(set())
+    sim.feed(verified(30))
+    sim.feed(checkpoint(30))
+    sim.feed(suspected(40))
+    sim.training_step = 41
+    sim.drive(set())  # the checks pass: nobody evicted, the rollback goes on
+    assert sim.state.nodes["n1"].state != ev.NODE_STATE_EVICTED
+    assert sim.state.phase == ev.PHASE_RUNNING and sim.state.step == 30
+    # named a third time: evicted (a lasting fault the checks do not see)
+    sim.feed(verified(50))
+    sim.feed(checkpoint(50))
+    d = sim.feed(suspected(60))
     assert "rollback" not in [e.WhichOneof("payload") for e in d.events]
     sim.drive(set())
     assert sim.state.nodes["n1"].state == ev.NODE_STATE_EVICTED
