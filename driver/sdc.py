@@ -93,21 +93,7 @@ def judge(
         for key, h in fps.items():
             if not key.startswith(REPLAY_PREFIX):  # compared with the buddy's alone
                 by_key.setdefault(key, {})[rank] = h
-    resolved_bad: set[int] = set()
-    bad_keys: list[str] = []
-    notes: list[str] = []
-    checked: set[int] = set()
-    for rank, theirs in sorted((opinions or {}).items()):
-        own = reports.get(rank)
-        if own is None:
-            continue
-        why = buddy_says(own, theirs)
-        if why:
-            resolved_bad.add(rank)
-            bad_keys.append(f"buddy:{rank}")
-            notes.append(f"rank {rank}: {why} (its buddy's recomputation)")
-        else:
-            checked.add(rank)
+    resolved_bad, bad_keys, notes, checked = _buddy_opinions(reports, opinions or {})
     ties: list[tuple[str, set[int]]] = []
     groups = 0
     compared: dict[int, bool] = {r: True for r in reports}
@@ -157,6 +143,28 @@ def judge(
         detail="; ".join(notes),
         checked=len(checked),
     )
+
+
+def _buddy_opinions(
+    reports: Mapping[int, Mapping[str, int]], opinions: Mapping[int, Mapping[str, int]]
+) -> tuple[set[int], list[str], list[str], set[int]]:
+    """(ranks their buddies contradict, their keys, notes, ranks their buddies confirm)."""
+    bad: set[int] = set()
+    keys: list[str] = []
+    notes: list[str] = []
+    checked: set[int] = set()
+    for rank, theirs in sorted(opinions.items()):
+        own = reports.get(rank)
+        if own is None:
+            continue
+        why = buddy_says(own, theirs)
+        if why:
+            bad.add(rank)
+            keys.append(f"buddy:{rank}")
+            notes.append(f"rank {rank}: {why} (its buddy's recomputation)")
+        else:
+            checked.add(rank)
+    return bad, keys, notes, checked
 
 
 @dataclass(slots=True)

@@ -444,7 +444,7 @@ def _one_step(lp: _Loop, step: int) -> int:
     """Run one step, save and report it; return the step reached."""
     trainer, config, point, faults, slow = lp.trainer, lp.config, lp.point, lp.faults, lp.slow
     throttled, flash, clock, flash_every = lp.throttled, lp.flash, lp.clock, lp.flash_every
-    requests, history, hooks, out, rank = lp.requests, lp.history, lp.hooks, lp.out, lp.rank
+    requests, history, hooks = lp.requests, lp.history, lp.hooks
     if point.skip_batches and step + 1 == point.skip_from_step:
         _skip(trainer, point.skip_batches, step + 1)
     if slow is not None and throttled is not None:
@@ -501,6 +501,13 @@ def _one_step(lp: _Loop, step: int) -> int:
         flash.writer.wait_copied()
         _apply_sdc(trainer, flipped, step, at=undo)
     history.append(m)
+    _report(lp, step, m, stepped)
+    requests.poll()
+    return step
+
+
+def _report(lp: _Loop, step: int, m: dict[str, Any], stepped: float) -> None:
+    """Tell the agent about the step, and write and log its metrics."""
     timings = {
         name: m[key] * 1000.0
         for name, key in (
@@ -511,18 +518,16 @@ def _one_step(lp: _Loop, step: int) -> int:
         )
         if m.get(key) is not None
     }
-    hooks.step(step, m["loss"], m["step_time_s"] * 1000.0, **timings)
+    lp.hooks.step(step, m["loss"], m["step_time_s"] * 1000.0, **timings)
     # the loop's own time between this step and the next (the save, the report):
     # no training happens in it, so it is what the goodput figures lose per step
     m["host_s"] = time.perf_counter() - stepped
     m["end_unix_s"] = time.time()  # when this step's loop turn ended (an outside account)
-    if out is not None:
-        out.write(json.dumps(m) + "\n")
-        out.flush()
-    if rank == 0 and (step % config.log_every == 0 or step == config.steps):
+    if lp.out is not None:
+        lp.out.write(json.dumps(m) + "\n")
+        lp.out.flush()
+    if lp.rank == 0 and (step % lp.config.log_every == 0 or step == lp.config.steps):
         log.info("step", **{k: v for k, v in m.items() if v is not None})
-    requests.poll()
-    return step
 
 
 class SaveRequests:

@@ -52,10 +52,10 @@ def test_a_killed_worker_s_replica_sits_out_while_the_other_trains_on(job: Job) 
     job.start_agent("n0", buddy="n1")
     job.start_agent("n1", buddy="n0")
     until(lambda: job.max_step() >= 5, 180, "training to start", job)
-    # rank 0's node is the victim: the survivor becomes rank 0 of the dp1 world and the
-    # replica rejoins as rank 1, whose own memory holds rank 0's copies of the old world
+    # rank 1's node is the victim: the survivor stays rank 0 in every world, so it keeps its
+    # process (a survivor whose rank changes is started afresh: agent/injob.py)
     started = next(e.job_started.world for e in job.events() if e.HasField("job_started"))
-    out, stay = started.node_ids
+    stay, out = started.node_ids
     kept, victim = job.worker(stay), job.worker(out)
     assert kept is not None and victim is not None
 
