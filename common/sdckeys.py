@@ -12,6 +12,10 @@ from collections.abc import Mapping
 
 MASK64 = (1 << 64) - 1
 #: fingerprint keys that are no replica key: compared with a tolerance, never bitwise
+MASK64 = (1 << 64) - 1
+#: manifest meta key of a fingerprinted copy: {"step": S, "keys": [[key, [entry names]]],
+#: "params": [entry names of the replay's weights]}
+SDC_META = "sdc"
 REPLAY_PREFIX = "~"
 REPLAY_SS = "~replay.ss"
 REPLAY_PROJ = "~replay.proj"

@@ -13,11 +13,11 @@ import time
 
 import structlog
 
+from unbroken.common.sdckeys import SDC_META
 from unbroken.recovery.flashcopy import CopyRef, CorruptCopyError, list_copies, read_copy
 from unbroken.recovery.flashowner import FlashOwner
 from unbroken.recovery.replica import SendResult, send_copy
 from unbroken.recovery.replicaauth import ReplicaConfig
-from unbroken.recovery.statehash import SDC_META
 
 log = structlog.get_logger(__name__)
 

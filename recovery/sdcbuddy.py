@@ -23,13 +23,12 @@ import time
 from dataclasses import dataclass, field
 
 import structlog
-import torch
 
+from unbroken.common.sdckeys import MASK64, SDC_META
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 from unbroken.recovery.flashcopy import CopyRef, CorruptCopyError, open_copy, tensor_views
 from unbroken.recovery.persist import TIMELINE_META
-from unbroken.recovery.statehash import MASK64, SDC_META, opinion
 
 log = structlog.get_logger(__name__)
 
@@ -58,9 +57,9 @@ class BuddyOpinions:
     """The opinions this buddy formed, newest first, for the heartbeats (thread-safe: the
     replica server runs on the flash thread, heartbeats on the agent's loop)."""
 
-    device: torch.device = field(
-        default_factory=lambda: torch.device(os.environ.get(DEVICE_ENV, "") or "cpu")
-    )
+    # where the recomputation runs (a torch device name; torch is imported only then: the
+    # agent does not import it to start)
+    device: str = field(default_factory=lambda: os.environ.get(DEVICE_ENV, "") or "cpu")
     kept: collections.deque[Opinion] = field(default_factory=lambda: collections.deque(maxlen=KEPT))
     formed: int = 0  # opinions formed (metrics, tests)
     failed: int = 0
@@ -72,6 +71,10 @@ class BuddyOpinions:
         meta = ref.manifest.meta.get(SDC_META)
         if not isinstance(meta, dict):
             return None
+        import torch
+
+        from unbroken.recovery.statehash import opinion
+
         t0 = time.perf_counter()
         m = ref.manifest
         fps: dict[str, int] = {}
@@ -80,7 +83,7 @@ class BuddyOpinions:
             manifest, data = open_copy(ref)
             try:
                 views = tensor_views(data, manifest.entries)
-                fps = opinion(manifest.entries, views, meta, self.device)
+                fps = opinion(manifest.entries, views, meta, torch.device(self.device))
                 views = []
             finally:
                 with contextlib.suppress(BufferError):  # a view still held: closed by GC

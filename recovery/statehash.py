@@ -27,14 +27,12 @@ from typing import Any
 
 import torch
 
+from unbroken.common.sdckeys import MASK64 as MASK64
 from unbroken.common.sdckeys import REPLAY_PROJ, REPLAY_SS, float_bits
+from unbroken.common.sdckeys import SDC_META as SDC_META
 
-MASK64 = (1 << 64) - 1
 # elements hashed at once (the weights and products are this many 32-bit words at most)
 CHUNK = 1 << 22
-#: manifest meta key of a fingerprinted copy: {"step": S, "keys": [[key, [entry names]]],
-#: "params": [entry names of the replay's weights]}
-SDC_META = "sdc"
 REPLAY_ROWS = 4  # rows of the fixed input
 
 _weights: dict[str, torch.Tensor] = {}
