@@ -27,6 +27,7 @@ import io
 import json
 import mmap
 import os
+import threading
 import time
 import warnings
 import zlib
@@ -334,7 +335,11 @@ def _write_plan(rank_dir: Path, plan_id: str, lines: bytes) -> None:
     ones may have stopped being named: `prune_plans` runs then, not at every save."""
     path = plan_path(rank_dir, plan_id)
     if not os.path.exists(path):
-        _replace_with(path, rank_dir / f".{PLAN_PREFIX}{plan_id}.{os.getpid()}.tmp", lines)
+        # a temporary name of this thread's own: two saves' manifests can be written at once
+        # in one process (the writer's thread, and the training thread finishing the one
+        # the writer had not started), and with one name the second rename found nothing
+        who = f"{os.getpid()}-{threading.get_ident()}"
+        _replace_with(path, rank_dir / f".{PLAN_PREFIX}{plan_id}.{who}.tmp", lines)
         prune_plans(rank_dir, keep=plan_id)
 
 
