@@ -305,6 +305,19 @@ def has_state(value: Any) -> bool:
     )
 
 
+def _redump(plan: Plan, dumped: dict[str, bytes], key: str, value: Any) -> None:
+    """Serialise `value` for `key` again, unless it is the very immutable the plan last
+    serialised (the same object: the same bytes); the plan keeps what it now holds."""
+    values = plan.values
+    if values.get(key, dumped) is value:
+        return
+    dumped[key] = plan.dumped[key] = dump_object(value)
+    if immutable(value):
+        values[key] = value
+    else:
+        values.pop(key, None)
+
+
 class PlanCache:
     """A writer's plan for its `Snapshot` key: a save whose key matches takes only the fresh
     values (`Snapshot.fresh`); any other save plans the full state.
@@ -371,18 +384,13 @@ class PlanCache:
             return None
         sources = list(plan.tensors)
         dumped = dict(plan.dumped)
-        values, index, tensors = plan.values, plan.index, plan.tensors
+        index, tensors = plan.index, plan.tensors
         for key, value in flat.items():
             if not isinstance(value, torch.Tensor):
                 if key not in dumped:
                     return None
-                if values.get(key, dumped) is not value:  # the same immutable: same bytes
-                    # (the plan takes the new value at once: a mismatch further on drops it)
-                    dumped[key] = plan.dumped[key] = dump_object(value)
-                    if immutable(value):
-                        values[key] = value
-                    else:
-                        values.pop(key, None)
+                # (the plan takes the new value at once: a mismatch further on drops it)
+                _redump(plan, dumped, key, value)
                 continue
             i = index.get(key)
             if i is None:
@@ -459,12 +467,7 @@ class PlanCache:
                 else:
                     plan.shared.pop(key, None)
             elif key in dumped:
-                if values.get(key, dumped) is not value:  # the same immutable: same bytes
-                    dumped[key] = plan.dumped[key] = dump_object(value)
-                    if immutable(value):
-                        values[key] = value
-                    else:
-                        values.pop(key, None)
+                _redump(plan, dumped, key, value)
             else:
                 self._miss(key)
                 return None
