@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from tests.astparse import parse
 from unbroken.agent import hookserver
 from unbroken.agent.hookserver import HookServer
 from unbroken.agent.launch import WorkerSpec
@@ -258,7 +259,7 @@ def test_agent_claims_the_default_socket_only_when_free(
 def _code_lines(path: Path) -> list[str]:
     """The module's lines after its docstring (the two examples describe themselves)."""
     text = path.read_text()
-    doc = ast.parse(text).body[0]
+    doc = parse(text).body[0]
     assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
     assert doc.end_lineno is not None
     return text.splitlines()[doc.end_lineno :]

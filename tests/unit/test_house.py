@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.astparse import parse
+
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +67,7 @@ def function_sizes() -> dict[str, int]:
                 walk(child, prefix, path)
 
     for p in product_modules():
-        walk(ast.parse(p.read_text(), filename=str(p)), "", _rel(p))
+        walk(parse(p.read_text(), str(p)), "", _rel(p))
     return out
 
 

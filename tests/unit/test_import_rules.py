@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.astparse import parse
+
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +43,7 @@ MODULE_STRING = re.compile(r"^unbroken\.([a-z_]+)(\.[A-Za-z_][\w]*)*(:[A-Za-z_]\
 
 def referenced_parts(path: Path) -> dict[str, int]:
     """Every part of ours the file imports or names as a module string -> the first line."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = parse(path.read_text(), str(path))
     found: dict[str, int] = {}
 
     def note(module: str, line: int) -> None:
@@ -104,7 +106,7 @@ def test_no_test_imports_a_harness_from_another_test_module() -> None:
     not in test modules, so a test file's helpers are not a second harness others grow on."""
     bad = []
     for path in sorted((ROOT / "tests").rglob("*.py")) + sorted((ROOT / "bench").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parse(path.read_text(), str(path))):
             if isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
             elif isinstance(node, ast.Import):

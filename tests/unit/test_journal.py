@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.astparse import parse
 from unbroken.driver import state as statelib
 from unbroken.driver.decider import Decision
 from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore, LogUnavailableError
@@ -37,7 +38,7 @@ def test_exactly_one_driver_module_appends_to_the_log() -> None:
     for path in sorted(DRIVER.glob("*.py")):
         if path.name in LOG_IMPLEMENTATIONS:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse(path.read_text())):
             if not isinstance(node, ast.Await) or not isinstance(node.value, ast.Call):
                 continue
             fn = node.value.func

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.astparse import parse
+
 pytestmark = pytest.mark.unit
 
 UNIT = Path(__file__).resolve().parent
@@ -35,7 +37,7 @@ def test_the_unit_folder_is_found() -> None:
 
 @pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
 def test_every_unit_file_carries_the_unit_marker(path: Path) -> None:
-    marks = _marks(ast.parse(path.read_text()))
+    marks = _marks(parse(path.read_text()))
     assert "pytest.mark.unit" in marks, (
         f"{path.name}: add `pytestmark = pytest.mark.unit` after its imports (or move it to "
         "tests/integration if it starts processes or etcd)"
@@ -46,7 +48,7 @@ def test_every_unit_file_carries_the_unit_marker(path: Path) -> None:
 @pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
 def test_no_unit_file_starts_processes(path: Path) -> None:
     imported = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse(path.read_text())):
         if isinstance(node, ast.Import):
             imported |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
