@@ -291,6 +291,14 @@ async def _retention(agent: Agent, msg: dpb.DriverMessage) -> str:
     return f"retention: deleted steps {gone}"
 
 
+async def _ring_keep(agent: Agent, msg: dpb.DriverMessage) -> str:
+    """The newest verified steps: their copies stay in the ranks' rings (docs/sdc.md)."""
+    if agent.flash is None:
+        return "ring keep: no flash store"
+    kept = await asyncio.to_thread(agent.flash.keep, list(msg.ring_keep.steps))
+    return f"ring keep: {kept}"
+
+
 def _sup(agent: Agent) -> Supervisor:
     assert agent.supervisor is not None  # (`Handler.workers`)
     return agent.supervisor
@@ -386,6 +394,7 @@ COMMANDS: dict[str, Handler] = {
     "shutdown": Handler(_stop_node, ends_session=True),
     "evict": Handler(_stop_node, ends_session=True),
     "retention": Handler(_retention),
+    "ring_keep": Handler(_ring_keep),
     "restore_point": Handler(_restore_point, workers=True),
     "start_workers": Handler(_start_workers, workers=True),
     "stop_workers": Handler(_stop_workers, workers=True, ring_heartbeat=True),

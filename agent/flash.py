@@ -39,7 +39,13 @@ import structlog
 from unbroken.common.loopthread import LoopThread
 from unbroken.common.tls import TlsConfig
 from unbroken.common.workerenv import WorkerEnv
-from unbroken.recovery.flashcopy import CopyRef, FlashError, list_copies, replica_store
+from unbroken.recovery.flashcopy import (
+    CopyRef,
+    FlashError,
+    list_copies,
+    replica_store,
+    write_keep_mark,
+)
 from unbroken.recovery.flashowner import FLASH_COPIES, FlashConfig, FlashOwner
 from unbroken.recovery.lifecycle import deletable
 from unbroken.recovery.persist import (
@@ -69,6 +75,7 @@ STARVED_S = 5.0
 REPLICA_PREFIX = replica_store("x")[:-1]  # "replica-": a store of another node's copies
 MAX_HELD_RANKS = 256  # replica holdings reported per heartbeat
 
+KEEP_COPIES = 2  # verified copies a ring keeps (`keep`): the newest and the one before
 REPORTS_KEPT = 1024  # verified-shard reports held while the driver is unreachable
 
 
@@ -265,6 +272,8 @@ class NodeFlash:
                 self.owner, config.node, parse_hostport(config.buddy, "--buddy"), self.replica_cfg
             )
         self._ring: dict[int, list[int]] = {}  # rank -> steps its ring holds, newest first
+        # rank -> the generations its keep mark spares (verified steps' copies, `keep`)
+        self._kept: dict[int, list[int]] = {}
         self.live_ranks: frozenset[int] | None = None  # the workers' ranks (`set_ranks`)
         self._held: list[tuple[str, int, list[int]]] = []  # copies held for other nodes
         self._task: asyncio.Task[None] | None = None
@@ -405,6 +414,29 @@ class NodeFlash:
         if gone:
             log.info("flash.retention", deleted=gone, kept=sorted(keep_steps), below=below)
         return gone
+
+    def keep(self, steps: list[int]) -> dict[int, list[int]]:
+        """Mark the copies of `steps` (the newest verified steps, `RingKeep`) in each local
+        rank's ring for its writers to pass over, with the newest one marked before that is
+        still there: if the new one's copy was overwritten before the driver's word came,
+        the older verified copy stays. Returns rank -> the steps now kept."""
+        out: dict[int, list[int]] = {}
+        for rank in self.owner.ranks():
+            rank_dir = self.owner.rank_dir(rank)
+            refs = list_copies(rank_dir)
+            gen_step = {r.manifest.generation: r.manifest.step for r in refs}
+            new = sorted((g for g, st in gen_step.items() if st in steps), reverse=True)
+            before = [g for g in self._kept.get(rank, []) if g in gen_step]
+            kept = sorted(set(new[:1] + before), reverse=True)[:KEEP_COPIES]
+            if kept != self._kept.get(rank):
+                try:
+                    write_keep_mark(rank_dir, kept)
+                except OSError as e:  # the ring keeps cycling: a rollback finds less
+                    log.warning("flash.keep_failed", rank=rank, error=str(e))
+                    continue
+                self._kept[rank] = kept
+            out[rank] = [gen_step[g] for g in kept]
+        return out
 
     def prepare(self, ranks: range, nbytes: int) -> float:
         """Allocate the rings of `ranks` for copies of `nbytes` before the workers start,

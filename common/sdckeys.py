@@ -10,7 +10,6 @@ import math
 import struct
 from collections.abc import Mapping
 
-MASK64 = (1 << 64) - 1
 #: fingerprint keys that are no replica key: compared with a tolerance, never bitwise
 MASK64 = (1 << 64) - 1
 #: manifest meta key of a fingerprinted copy: {"step": S, "keys": [[key, [entry names]]],

@@ -1,8 +1,10 @@
-"""What storage keeps and how often it is written: retention and the persistence interval.
+"""What storage and memory keep and how often storage is written: retention, the rings'
+verified copies and the persistence interval.
 
 Beside the commit bookkeeping (driver/commits.py), from the log and the live view: a
 commit or a rollback tells one connected agent per storage root what to keep
-(`retention`), and every StartWorkers carries the persistence interval (Young/Daly from
+(`retention`), a verified step tells every node to keep its copies in the rings
+(`send_ring_keep`), and every StartWorkers carries the persistence interval (Young/Daly from
 the measured cost of persisting against the MTBF of the failures only storage could
 serve, recovery/lifecycle.py). The keeper follows the log as a journal listener
 (`on_appended`): a rollback reopens the steps after it, a torchrun round names the ranks'
@@ -67,6 +69,8 @@ class CheckpointKeeper:
             self.rdzv_members = commits_mod.round_members(list(event.rendezvous_round.participants))
         if kind in ("checkpoint_committed", "rollback", "step_verified"):
             self.send_retention(event)
+        if kind == "step_verified":
+            self.send_ring_keep(event.step_verified.step)
 
     def retention(self, event: ev.Event | None = None) -> dpb.Retention | None:
         """What storage keeps, from the log (None before the first commit).
@@ -124,6 +128,17 @@ class CheckpointKeeper:
                 if step > 0:  # 0: its workers report no steps (nothing known)
                     steps.append(step)
         return commits_mod.reached_step(steps)
+
+    def send_ring_keep(self, step: int) -> None:
+        """Tell every node of the world to keep `step`'s copies (a verified step) in its
+        ranks' rings, so the rollback after silent data corruption still finds it in memory
+        when the workers stop, however many steps they trained meanwhile."""
+        journal = self._lead.journal
+        if journal is None or not journal.state.world.node_ids:
+            return
+        for node_id in journal.state.world.node_ids:  # (send stamps each its own id)
+            with contextlib.suppress(KeyError):  # not connected now: its next word comes
+                self._send(node_id, dpb.DriverMessage(ring_keep=dpb.RingKeep(steps=[step])))
 
     def send_retention(self, event: ev.Event) -> None:
         """Tell one connected agent per storage root to apply the retention."""

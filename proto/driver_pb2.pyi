@@ -621,7 +621,7 @@ class SdcFault(_message.Message):
     def __init__(self, random_rank: _Optional[bool] = ..., tensor: _Optional[str] = ..., bit: _Optional[int] = ..., target: _Optional[str] = ..., size: _Optional[float] = ...) -> None: ...
 
 class DriverMessage(_message.Message):
-    __slots__ = ("command_id", "term", "term_scope", "start_workers", "stop_workers", "restart_workers", "pause", "resume", "flash_save", "run_check", "evict", "shutdown", "run_self_check", "inject_fault", "restore_point", "retention", "relayed")
+    __slots__ = ("command_id", "term", "term_scope", "start_workers", "stop_workers", "restart_workers", "pause", "resume", "flash_save", "run_check", "evict", "shutdown", "run_self_check", "inject_fault", "restore_point", "retention", "ring_keep", "relayed")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     TERM_SCOPE_FIELD_NUMBER: _ClassVar[int]
@@ -638,6 +638,7 @@ class DriverMessage(_message.Message):
     INJECT_FAULT_FIELD_NUMBER: _ClassVar[int]
     RESTORE_POINT_FIELD_NUMBER: _ClassVar[int]
     RETENTION_FIELD_NUMBER: _ClassVar[int]
+    RING_KEEP_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FIELD_NUMBER: _ClassVar[int]
     command_id: str
     term: int
@@ -655,8 +656,9 @@ class DriverMessage(_message.Message):
     inject_fault: InjectFault
     restore_point: RestorePoint
     retention: Retention
+    ring_keep: RingKeep
     relayed: RelayedDown
-    def __init__(self, command_id: _Optional[str] = ..., term: _Optional[int] = ..., term_scope: _Optional[str] = ..., start_workers: _Optional[_Union[StartWorkers, _Mapping]] = ..., stop_workers: _Optional[_Union[StopWorkers, _Mapping]] = ..., restart_workers: _Optional[_Union[RestartWorkers, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., flash_save: _Optional[_Union[FlashSave, _Mapping]] = ..., run_check: _Optional[_Union[RunCheck, _Mapping]] = ..., evict: _Optional[_Union[Evict, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., run_self_check: _Optional[_Union[RunSelfCheck, _Mapping]] = ..., inject_fault: _Optional[_Union[InjectFault, _Mapping]] = ..., restore_point: _Optional[_Union[RestorePoint, _Mapping]] = ..., retention: _Optional[_Union[Retention, _Mapping]] = ..., relayed: _Optional[_Union[RelayedDown, _Mapping]] = ...) -> None: ...
+    def __init__(self, command_id: _Optional[str] = ..., term: _Optional[int] = ..., term_scope: _Optional[str] = ..., start_workers: _Optional[_Union[StartWorkers, _Mapping]] = ..., stop_workers: _Optional[_Union[StopWorkers, _Mapping]] = ..., restart_workers: _Optional[_Union[RestartWorkers, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., flash_save: _Optional[_Union[FlashSave, _Mapping]] = ..., run_check: _Optional[_Union[RunCheck, _Mapping]] = ..., evict: _Optional[_Union[Evict, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., run_self_check: _Optional[_Union[RunSelfCheck, _Mapping]] = ..., inject_fault: _Optional[_Union[InjectFault, _Mapping]] = ..., restore_point: _Optional[_Union[RestorePoint, _Mapping]] = ..., retention: _Optional[_Union[Retention, _Mapping]] = ..., ring_keep: _Optional[_Union[RingKeep, _Mapping]] = ..., relayed: _Optional[_Union[RelayedDown, _Mapping]] = ...) -> None: ...
 
 class Retention(_message.Message):
     __slots__ = ("keep_steps", "below")
@@ -665,6 +667,12 @@ class Retention(_message.Message):
     keep_steps: _containers.RepeatedScalarFieldContainer[int]
     below: int
     def __init__(self, keep_steps: _Optional[_Iterable[int]] = ..., below: _Optional[int] = ...) -> None: ...
+
+class RingKeep(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

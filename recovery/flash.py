@@ -72,6 +72,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from unbroken.common.loopthread import current_cpu, lower_this_thread, pin_this_thread
+from unbroken.common.sdckeys import SDC_META
 from unbroken.recovery import cudacopy
 from unbroken.recovery.cudacopy import CudaCopier
 from unbroken.recovery.flashcopy import (
@@ -549,7 +550,7 @@ class FlashWriter:
                 self._cuda.wait(event)
             made = manifest(created_unix=time.time())
             ident = write_manifest(rank_dir, slot, made)
-            self.ring.written(slot, made.generation, ident)
+            self.ring.written(slot, made.generation, ident, SDC_META in made.meta)
             return made  # (no per-save log line: a debug call costs ~30 us unlogged)
 
         return finish

@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import xxhash
 
+from unbroken.common.sdckeys import SDC_META
+
 if TYPE_CHECKING:
     import torch
 
@@ -66,6 +68,8 @@ ALIGN = 64  # byte alignment of every tensor in a slot
 MIN_SLOTS = 2  # a ring never has fewer: one copy being written, one complete
 PERSIST_META = "persist"  # manifest meta key; False: a copy for memory only, not persisted
 PERSISTED_MARK = "persisted"  # file in a rank's directory: the generation last persisted
+KEEP_MARK = "keep"  # file in a rank's directory: generations its ring keeps (verified steps)
+KEEP_MIN_SLOTS = 4  # a smaller ring spares nothing: its slots are the newest copies' own
 CHECKSUM_CHUNK = 64 << 20  # hash in pieces so a background thread yields the GIL often
 CHECKSUM_ALGO = "xxh3_64"
 # The checksum of a writer's copy nobody has hashed yet (xxh3-64 is unsigned: never -1).
@@ -593,6 +597,44 @@ def write_persisted_mark(rank_dir: Path, generation: int) -> None:
     _replace_with(rank_dir / PERSISTED_MARK, rank_dir / f".{PERSISTED_MARK}.tmp", data)
 
 
+def read_keep_mark(rank_dir: Path) -> frozenset[int]:
+    """The generations the agent asked this ring to keep (`RingKeep`; none if it did not)."""
+    try:
+        raw = (rank_dir / KEEP_MARK).read_bytes()
+    except OSError:
+        return frozenset()
+    try:
+        return frozenset(int(x) for x in raw.split())
+    except ValueError:
+        return frozenset()
+
+
+def write_keep_mark(rank_dir: Path, generations: Iterable[int]) -> None:
+    """Ask (atomically) the ring's writers to pass over the copies of `generations`."""
+    data = " ".join(str(int(g)) for g in generations).encode()
+    _replace_with(rank_dir / KEEP_MARK, rank_dir / f".{KEEP_MARK}.tmp", data)
+
+
+def spared_slots(
+    held: Mapping[int, int], kept: frozenset[int], checked: Iterable[int], nslots: int
+) -> set[int]:
+    """The slots of `held` (slot -> generation) a writer passes over besides the newest
+    copy, at most half the ring (the rest cycles the newest copies): first the copies the
+    agent's keep mark names (the newest verified steps), then the newest fingerprinted
+    copies (`checked`: generations) newer than those, whose verdict the driver has not
+    given yet. A verified step's copy
+    thus lives until the agent's mark arrives, however many steps come in between."""
+    if nslots < KEEP_MIN_SLOTS:
+        return set()
+    room = nslots // 2
+    newest_first = sorted(held, key=lambda s: -held[s])[1:]  # the newest is kept anyway
+    marked = [s for s in newest_first if held[s] in kept][:room]
+    floor = max((held[s] for s in marked), default=-1)
+    waiting = set(checked)
+    pending = [s for s in newest_first if held[s] in waiting and held[s] > floor]
+    return set(marked) | set(pending[: room - len(marked)])
+
+
 def list_copies(rank_dir: Path) -> list[CopyRef]:
     """Copies with a manifest in `rank_dir`, newest generation first."""
     base = os.fspath(rank_dir)
@@ -674,10 +716,12 @@ def seal(ref: CopyRef) -> Manifest:
 
 def oldest_free_slot(rank_dir: Path, busy: set[int] | frozenset[int] = frozenset()) -> int | None:
     """The slot to overwrite next: empty first, else the oldest copy; never the newest
-    copy nor a slot in `busy`. None when every slot is taken."""
+    copy, a copy the keep mark spares, nor a slot in `busy`. None when every slot is taken."""
     refs = list_copies(rank_dir)
-    keep = set(busy) | ({refs[0].slot} if refs else set())
     held = {r.slot: r.manifest.generation for r in refs}
+    keep = set(busy) | ({refs[0].slot} if refs else set())
+    checked = [r.manifest.generation for r in refs if SDC_META in r.manifest.meta]
+    keep |= spared_slots(held, read_keep_mark(rank_dir), checked, len(slots(rank_dir)))
     free = [s for s in slots(rank_dir) if s not in keep]
     if not free:
         return None

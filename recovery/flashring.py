@@ -22,6 +22,7 @@ from typing import Any
 import structlog
 import torch
 
+from unbroken.common.sdckeys import SDC_META
 from unbroken.recovery.cudacopy import CudaCopier
 from unbroken.recovery.flashcopy import (
     MIN_SLOTS,
@@ -29,9 +30,11 @@ from unbroken.recovery.flashcopy import (
     list_copies,
     manifest_path,
     manifest_sig,
+    read_keep_mark,
     read_persisted_mark,
     slot_manifest_ident,
     slots,
+    spared_slots,
     tensor_views,
 )
 from unbroken.recovery.flashowner import SlotProvider
@@ -87,6 +90,11 @@ class WriterRing:
         self.watch: ManifestWatch | None = None
         self._manifests: list[str] = []  # slot -> its manifest's path
         self._pin: tuple[int, int, float] | None = None  # (slot, generation, since)
+        # the agent's keep mark (generations of verified steps) and the watch's count of
+        # its events when it was read (-1: read it at the next save)
+        self._kept: frozenset[int] = frozenset()
+        self._kept_seen = -1
+        self.checked: set[int] = set()  # generations of fingerprinted copies (`SDC_META`)
 
     # ------------------------------------------------------------ mapping
 
@@ -103,6 +111,7 @@ class WriterRing:
                 self.watch.close()
             self.watch = ManifestWatch.open(self.dir)
             self.sig = None
+            self._kept_seen = -1
             t0 = time.perf_counter()
             eager = min(self.nslots, EAGER_SLOTS)
             for slot in range(eager):  # map (and fault in) what the next saves need now
@@ -253,12 +262,16 @@ class WriterRing:
         sig = self._manifest_sig(rank_dir)
         with self._lock:
             if sig != self.sig:  # another process changed a manifest (a discard, a restore)
-                self.known = {r.slot: r.manifest.generation for r in list_copies(rank_dir)}
+                refs = list_copies(rank_dir)
+                self.known = {r.slot: r.manifest.generation for r in refs}
+                self.checked = {r.manifest.generation for r in refs if SDC_META in r.manifest.meta}
                 self.sig = sig
             known = dict(self.known)
+            checked = set(self.checked)
         busy = set(writing)
         if known:
             busy.add(max(known, key=lambda s: known[s]))
+        busy |= spared_slots(known, self._keep_mark(rank_dir), checked, self.nslots)
         free = [s for s in range(self.nslots) if s not in busy]
         if not free:
             return None
@@ -278,6 +291,15 @@ class WriterRing:
                 choice = oldest()
         return choice
 
+    def _keep_mark(self, rank_dir: Path) -> frozenset[int]:
+        """The generations the agent's keep mark spares, read again only when the watch saw
+        the mark change (every save when there is no watch)."""
+        seen = self.watch.keep_changes() if self.watch is not None else -1
+        if seen < 0 or seen != self._kept_seen:
+            self._kept = read_keep_mark(rank_dir)
+            self._kept_seen = seen
+        return self._kept
+
     def release_pin(self) -> None:
         """Let the next save reuse the pinned slot (only the pin kept every slot taken)."""
         self._pin = None
@@ -292,12 +314,16 @@ class WriterRing:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._manifests[slot])  # (a string: pathlib cost ~40 us per save)
         with self._lock:
-            self.known.pop(slot, None)
+            self.checked.discard(self.known.pop(slot, -1))
             self.sig = _sig_with(self.sig, slot, None)  # our own change: no re-listing
 
-    def written(self, slot: int, generation: int, ident: Any) -> None:
+    def written(self, slot: int, generation: int, ident: Any, checked: bool = False) -> None:
         """Record our own manifest of `generation` in `slot` (its identity taken before the
-        rename: a change by another process since then still differs at the next save)."""
+        rename: a change by another process since then still differs at the next save);
+        `checked`: a fingerprinted copy (spared until its verdict, `spared_slots`)."""
         with self._lock:
+            self.checked.discard(self.known.get(slot, -1))
+            if checked:
+                self.checked.add(generation)
             self.known[slot] = generation
             self.sig = _sig_with(self.sig, slot, ident)

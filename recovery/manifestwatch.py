@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from unbroken.recovery.flashcopy import KEEP_MARK
+
 # inotify(7): the events that create, replace or remove a manifest, and those that end
 # the watch (the directory removed or moved, the queue overflowed)
 _IN_CLOSE_WRITE, _IN_MOVED_FROM, _IN_MOVED_TO = 0x8, 0x40, 0x80
@@ -24,6 +26,7 @@ _IN_LOST = _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_Q_OVERFLOW | _IN_IGNORED
 _IN_NONBLOCK, _IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
 _IN_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of name)
 _IN_READ = 65536  # bytes per read of the event queue
+_KEEP = os.fsencode(KEEP_MARK)
 
 
 @functools.cache
@@ -39,7 +42,8 @@ class ManifestWatch:
     (`manifest_sig`) cost a 16-slot ring ~120 us per step on the training thread; the
     kernel's event queue says which few slots to stat. `changed()` returns the slots named
     by events since the last call, or None when the watch cannot say (no inotify, the
-    queue overflowed, the directory went away): then the caller stats them all.
+    queue overflowed, the directory went away): then the caller stats them all. Events
+    naming the agent's keep mark count in `keep_events` (the writer re-reads it then).
     `open()` returns None where inotify is unavailable (not Linux, the per-user instance
     limit reached).
     """
@@ -47,6 +51,7 @@ class ManifestWatch:
     def __init__(self, fd: int) -> None:
         self._fd = fd
         self._lost = False
+        self.keep_events = 0  # events that named the keep mark (`flashcopy.KEEP_MARK`)
 
     @classmethod
     def open(cls, rank_dir: Path) -> ManifestWatch | None:
@@ -87,12 +92,19 @@ class ManifestWatch:
                 if mask & _IN_LOST:
                     self._lost = True
                     return None
-                if name.startswith(b"slot-") and name.endswith(b".manifest"):
+                if name == _KEEP:
+                    self.keep_events += 1
+                elif name.startswith(b"slot-") and name.endswith(b".manifest"):
                     number = name[5:-9]
                     if number.isdigit():
                         named.add(int(number))
             if len(raw) <= _IN_READ // 2:  # the queue was drained (a save's few events):
                 return named  # no second read only to be told so (a system call, a raise)
+
+    def keep_changes(self) -> int:
+        """How many events named the keep mark (as of the last `changed()`), or -1 when
+        the watch cannot tell (read the mark every time)."""
+        return -1 if self._lost or self._fd < 0 else self.keep_events
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -52,14 +52,16 @@ def test_an_agent_without_workers_refuses_worker_commands_and_says_why() -> None
         dpb.DriverMessage(command_id="c1", restore_point=dpb.RestorePoint(step=3)),
         dpb.DriverMessage(command_id="c2", resume=dpb.Resume(at_step=4)),
         dpb.DriverMessage(command_id="c3", retention=dpb.Retention(keep_steps=[1])),
+        dpb.DriverMessage(command_id="c4", ring_keep=dpb.RingKeep(steps=[5])),
     )
-    assert [m.WhichOneof("kind") for m in sent] == ["ack", "ack", "ack"]
+    assert [m.WhichOneof("kind") for m in sent] == ["ack", "ack", "ack", "ack"]
     refused = sent[0].ack
     assert refused.command_id == "c1" and not refused.ok
     assert "restore_point: this agent runs no workers (no --worker-cmd)" in refused.detail
     assert not sent[1].ack.ok and "resume: this agent runs no workers" in sent[1].ack.detail
     # retention needs no workers: a node without a flash store says so and succeeds
     assert sent[2].ack.ok and sent[2].ack.detail == "retention: no flash store"
+    assert sent[3].ack.ok and sent[3].ack.detail == "ring keep: no flash store"
 
 
 def test_a_message_without_a_command_is_refused_as_unknown() -> None:

@@ -34,6 +34,7 @@ from unbroken.recovery.flashcopy import (
     replica_store,
     seal,
     slots,
+    write_keep_mark,
     write_raw_copy,
 )
 from unbroken.recovery.flashowner import MAX_AUTO_COPIES, FlashConfig, FlashOwner
@@ -158,6 +159,83 @@ def test_a_copy_awaiting_persistence_keeps_its_slot_until_the_agent_marks_it(
     for step in (7, 8):
         w.save(_state(step), step, meta={PERSIST_META: False}).wait()
     assert 1 not in [r.manifest.step for r in list_copies(rank_dir)]  # released, reused
+    w.close()
+
+
+def _steps(rank_dir: Path) -> list[int]:
+    return [r.manifest.step for r in list_copies(rank_dir)]
+
+
+def test_the_agents_keep_mark_spares_the_verified_copies_while_the_ring_cycles(
+    owner: FlashOwner,
+) -> None:
+    """`RingKeep` (docs/sdc.md): the agent marks the newest verified step's copy with the
+    one it marked before; the worker's saves pass over both however many steps follow, a
+    verified step whose copy is already gone leaves the older mark, and a newer one
+    releases the oldest."""
+    from unbroken.agent.flash import NodeFlash, NodeFlashConfig
+
+    root = owner.config.root
+    agent = NodeFlash(NodeFlashConfig(root=root, job="keep", node="n0", copies=6), 1)
+    w = FlashWriter(0, agent.owner)
+    rank_dir = agent.owner.rank_dir(0)
+    no_persist = {PERSIST_META: False}
+    for step in range(1, 6):
+        w.save(_state(step), step, meta=no_persist).wait()
+    assert agent.keep([5]) == {0: [5]}
+    for step in range(6, 11):
+        w.save(_state(step), step, meta=no_persist).wait()
+    assert agent.keep([10]) == {0: [10, 5]}
+    for step in range(11, 40):
+        w.save(_state(step), step, meta=no_persist).wait()
+    held = _steps(rank_dir)
+    assert 5 in held and 10 in held and held[:4] == [39, 38, 37, 36], held
+    assert agent.keep([2]) == {0: [10, 5]}  # step 2's copy is long gone: the marks stay
+    assert agent.keep([38]) == {0: [38, 10]}  # a newer verified step releases step 5
+    for step in range(40, 46):
+        w.save(_state(step), step, meta=no_persist).wait()
+    held = _steps(rank_dir)
+    assert 38 in held and 10 in held and 5 not in held, held
+    target = _zeros_like(_state(0))
+    w.load(target, step=10)  # the rollback's restore reads the kept copy
+    _assert_same(_state(10), target)
+    w.close()
+
+
+def test_fingerprinted_copies_wait_for_their_verdict_in_the_ring(owner: FlashOwner) -> None:
+    """The newest fingerprinted copies (`SDC_META`) newer than the kept verified one are
+    spared until the driver's verdict reaches the agent, at most half the ring."""
+    from unbroken.common.sdckeys import SDC_META
+
+    owner = FlashOwner(FlashConfig(root=owner.config.root, job="fp", copies=8))
+    w = FlashWriter(0, owner)
+    rank_dir = owner.rank_dir(0)
+    for step in range(1, 41):
+        meta: dict[str, Any] = {PERSIST_META: False}
+        if step % 5 == 0:
+            meta[SDC_META] = {"step": step, "keys": []}
+        w.save(_state(step), step, meta=meta).wait()
+    # 4 of 8 slots spared besides the newest: the fingerprinted steps 20..35
+    assert _steps(rank_dir) == [40, 39, 38, 37, 35, 30, 25, 20], _steps(rank_dir)
+    ten = next(r for r in list_copies(rank_dir) if r.manifest.step == 30)
+    write_keep_mark(rank_dir, [ten.manifest.generation])  # step 30 verified
+    for step in range(41, 47):
+        w.save(_state(step), step, meta={PERSIST_META: False}).wait()
+    # 30 kept; only fingerprinted copies newer than it wait (35, 40); 25 is released
+    assert _steps(rank_dir) == [46, 45, 44, 43, 42, 40, 35, 30]
+    w.close()
+
+
+def test_a_small_ring_keeps_nothing(owner: FlashOwner) -> None:
+    """A ring too small to spare slots and still hold the newest copies ignores the mark."""
+    owner = FlashOwner(FlashConfig(root=owner.config.root, job="small", copies=3))
+    w = FlashWriter(0, owner)
+    rank_dir = owner.rank_dir(0)
+    first = w.save(_state(1), 1, meta={PERSIST_META: False}).wait()
+    write_keep_mark(rank_dir, [first.generation])
+    for step in range(2, 6):
+        w.save(_state(step), step, meta={PERSIST_META: False}).wait()
+    assert _steps(rank_dir) == [5, 4, 3]
     w.close()
 
 
