@@ -254,6 +254,8 @@ class Agent:
             self.term_scope = resp.term_scope
             self.term_seen = 0
         self.report_key = resp.report_key  # signs our shard reports (reportmac)
+        if self.flash is not None and self.flash.resend():  # lost or refused in a failover
+            log.info("shard reports queued again for the new session", reports=len(self.flash.reports))
         self.interval_s = resp.heartbeat_interval_ms / 1000.0 or self.interval_s
         log.info(
             "registered",
@@ -492,6 +494,7 @@ class Agent:
             except BaseException:
                 flash.reports.extendleft(reversed(batch))  # the next session reports them
                 raise
+            flash.sent.extend(batch)
 
     async def _command(self, call: Any, msg: dpb.DriverMessage) -> None:
         """Obey one command of the driver (agent/commands.py)."""

@@ -77,6 +77,7 @@ MAX_HELD_RANKS = 256  # replica holdings reported per heartbeat
 
 KEEP_COPIES = 2  # verified copies a ring keeps (`keep`): the newest and the one before
 REPORTS_KEPT = 1024  # verified-shard reports held while the driver is unreachable
+REPORTS_RESENT = 64  # the newest reports already sent, sent again to a new session
 
 
 def parse_hostport(value: str, what: str) -> tuple[str, int]:
@@ -284,6 +285,10 @@ class NodeFlash:
         # driver is unreachable for long, the oldest reports go first (they can no longer
         # become the newest commit anyway).
         self.reports: collections.deque[Persisted] = collections.deque(maxlen=REPORTS_KEPT)
+        # The newest reports written to a session: sent again in the next one (`resend`),
+        # since a report in flight when the leader changed is lost with the old leader or
+        # refused by the new one (signed with the old session's key). Duplicates are ignored.
+        self.sent: collections.deque[Persisted] = collections.deque(maxlen=REPORTS_RESENT)
         self.fetched = 0
         self.prefault_s = 0.0  # the last pre-fault of freshly allocated rings (`prepare`)
         self.prefault_done = threading.Event()
@@ -384,6 +389,14 @@ class NodeFlash:
         self.persisted_count += 1
         self.persisted_bytes += p.nbytes
         self.reports.append(p)
+
+    def resend(self) -> int:
+        """Queue the newest reports already sent for the new session (before anything not
+        sent yet); returns how many."""
+        again = [p for p in self.sent if p not in self.reports]
+        self.sent.clear()
+        self.reports.extendleft(reversed(again))
+        return len(again)
 
     def retain(self, keep_steps: list[int], below: int) -> list[int]:
         """Apply the driver's retention: delete persisted steps under `below` not kept.

@@ -93,7 +93,8 @@ class Commits:
                 current=self.timeline,
             )
             return None
-        self.by_node.setdefault(node_id, {})[msg.rank] = msg.step
+        newest = self.by_node.setdefault(node_id, {})
+        newest[msg.rank] = max(newest.get(msg.rank, 0), msg.step)  # (a report sent again)
         self.url_of[node_id] = msg.url
         self.shard_bytes = max(self.shard_bytes, msg.bytes)
         tracker = self._trackers.pop(msg.world_size, None)
