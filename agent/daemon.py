@@ -255,7 +255,9 @@ class Agent:
             self.term_seen = 0
         self.report_key = resp.report_key  # signs our shard reports (reportmac)
         if self.flash is not None and self.flash.resend():  # lost or refused in a failover
-            log.info("shard reports queued again for the new session", reports=len(self.flash.reports))
+            log.info(
+                "shard reports queued again for the new session", reports=len(self.flash.reports)
+            )
         self.interval_s = resp.heartbeat_interval_ms / 1000.0 or self.interval_s
         log.info(
             "registered",
