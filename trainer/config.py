@@ -364,6 +364,16 @@ class DataConfig:
     global_batch: int = field(
         default=8, metadata={"help": "sequences per optimizer step across all dp ranks"}
     )
+    replica_batch: int = field(
+        default=0,
+        metadata={
+            "help": "sequences per dp replica per step (0: unset). Set, the global batch "
+            "follows the world (replica_batch x dp: a world shrunk by a lost replica trains a "
+            "smaller batch) and the learning rate scales with it, linearly against "
+            "data.global_batch; unset, the global batch stays data.global_batch at any dp "
+            "(each replica takes a larger share)"
+        },
+    )
     max_corpus_bytes: int = field(default=4 << 20, metadata={"help": "bytes of text read"})
     seed: int = field(default=1234, metadata={"flag": "--data-seed", "help": "data order seed"})
 
@@ -372,6 +382,8 @@ class DataConfig:
             raise ValueError(f"data.seq_len must be >= 2, got {self.seq_len}")
         if self.global_batch < 1:
             raise ValueError(f"data.global_batch must be >= 1, got {self.global_batch}")
+        if self.replica_batch < 0:
+            raise ValueError(f"data.replica_batch must be >= 0, got {self.replica_batch}")
         if self.max_corpus_bytes < 1024:
             raise ValueError(f"data.max_corpus_bytes must be >= 1024, got {self.max_corpus_bytes}")
 
@@ -505,15 +517,16 @@ class TrainConfig:
             raise ValueError(
                 f"data.seq_len ({d.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})"
             )
-        if d.global_batch % p.dp:
+        if not d.replica_batch and d.global_batch % p.dp:
             raise ValueError(
                 f"data.global_batch ({d.global_batch}) must be divisible by parallel.dp "
-                f"({p.dp}); each dp rank takes an equal slice"
+                f"({p.dp}); each dp rank takes an equal slice (or set data.replica_batch)"
             )
-        local_batch = d.global_batch // p.dp
+        local_batch = self.step_batch // p.dp
+        what = "data.replica_batch" if d.replica_batch else "data.global_batch / parallel.dp"
         if local_batch % p.microbatches:
             raise ValueError(
-                f"the per-dp-rank batch (data.global_batch / parallel.dp = {local_batch}) must "
+                f"the per-dp-rank batch ({what} = {local_batch}) must "
                 f"be divisible by parallel.microbatches ({p.microbatches})"
             )
         n_stages = p.pp * p.stages_per_rank
@@ -522,6 +535,19 @@ class TrainConfig:
                 f"model.n_layers ({m.n_layers}) must be >= the number of pipeline stages "
                 f"({n_stages} = pp {p.pp} × {p.stages_per_rank} per rank for {p.schedule})"
             )
+
+    @property
+    def step_batch(self) -> int:
+        """Sequences per optimizer step in this world: data.global_batch, or
+        data.replica_batch x dp when that is set."""
+        d = self.data
+        return d.replica_batch * self.parallel.dp if d.replica_batch else d.global_batch
+
+    @property
+    def lr_scale(self) -> float:
+        """The learning rate's factor in this world: the step's batch against the batch
+        the rate is set for (linear scaling; 1 unless data.replica_batch is set)."""
+        return self.step_batch / self.data.global_batch
 
     def check_world(self, world_size: int) -> None:
         """Check that dp × cp × pp × tp equals the number of processes.

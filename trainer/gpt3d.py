@@ -138,7 +138,7 @@ class GPT3DTrainer:
         self.loader = TextLoader(
             load_corpus(c.data.path, c.data.max_corpus_bytes),
             seq_len=c.data.seq_len,
-            global_batch=c.data.global_batch,
+            global_batch=c.step_batch,
             dp_rank=self.topo.dp_rank,
             dp_size=self.topo.dp_size,
             seed=c.data.seed,
@@ -289,7 +289,7 @@ class GPT3DTrainer:
         assert self.config is not None, "call setup() first"
         c = self.config
         t0 = time.perf_counter()
-        lr = lr_at(self.step, c.optim)
+        lr = lr_at(self.step, c.optim) * c.lr_scale
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -337,7 +337,7 @@ class GPT3DTrainer:
         self._prefetch()
         data_s += time.perf_counter() - td
         dt = time.perf_counter() - t0
-        tokens = c.data.global_batch * c.data.seq_len
+        tokens = c.step_batch * c.data.seq_len
         flops_per_s = self._flops_per_token * tokens / dt
         mfu = None
         if self._peak is not None:

@@ -51,6 +51,14 @@ def _cfg(**kw: object) -> TrainConfig:
         (lambda: OptimConfig(max_grad_norm=-1), "optim.max_grad_norm"),
         (lambda: DataConfig(seq_len=1), "data.seq_len"),
         (lambda: DataConfig(global_batch=0), "data.global_batch"),
+        (lambda: DataConfig(replica_batch=-1), "data.replica_batch"),
+        (
+            lambda: _cfg(
+                data=DataConfig(seq_len=32, replica_batch=3),
+                parallel=ParallelConfig(pp=2, microbatches=2),
+            ),
+            "data.replica_batch",
+        ),
         (lambda: DataConfig(max_corpus_bytes=10), "data.max_corpus_bytes"),
         (lambda: _cfg(steps=-1), "steps"),
         (lambda: _cfg(dtype="fp8"), "dtype"),
@@ -210,3 +218,16 @@ def test_microbatches_default_to_pp() -> None:
     add_arguments(parser)
     cfg = to_config(parser.parse_args(["--pp", "2"]))
     assert cfg.parallel.microbatches == 2
+
+
+def test_a_replica_batch_makes_the_step_batch_and_the_rate_follow_the_world() -> None:
+    """`--replica-batch`: any dp is allowed (no divisibility of the global batch), the
+    step's batch is replica_batch x dp and the rate scales against data.global_batch."""
+    for dp, batch, scale in ((4, 8, 1.0), (3, 6, 0.75), (1, 2, 0.25)):
+        cfg = _cfg(
+            data=DataConfig(seq_len=32, global_batch=8, replica_batch=2),
+            parallel=ParallelConfig(dp=dp),
+        )
+        assert (cfg.step_batch, cfg.lr_scale) == (batch, scale)
+    plain = _cfg(data=DataConfig(seq_len=32, global_batch=8), parallel=ParallelConfig(dp=2))
+    assert (plain.step_batch, plain.lr_scale) == (8, 1.0)
