@@ -31,7 +31,7 @@ import threading
 import time
 import warnings
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -616,7 +616,7 @@ def write_keep_mark(rank_dir: Path, generations: Iterable[int]) -> None:
 
 
 def spared_slots(
-    held: Mapping[int, int], kept: frozenset[int], checked: Iterable[int], nslots: int
+    held: Mapping[int, int], kept: frozenset[int], checked: Collection[int], nslots: int
 ) -> set[int]:
     """The slots of `held` (slot -> generation) a writer passes over besides the newest
     copy, at most half the ring (the rest cycles the newest copies): first the copies the
@@ -624,8 +624,8 @@ def spared_slots(
     copies (`checked`: generations) newer than those, whose verdict the driver has not
     given yet. A verified step's copy
     thus lives until the agent's mark arrives, however many steps come in between."""
-    if nslots < KEEP_MIN_SLOTS:
-        return set()
+    if nslots < KEEP_MIN_SLOTS or not (kept or checked):
+        return set()  # (the common case, every save: no fingerprints, no marks)
     room = nslots // 2
     newest_first = sorted(held, key=lambda s: -held[s])[1:]  # the newest is kept anyway
     marked = [s for s in newest_first if held[s] in kept][:room]
