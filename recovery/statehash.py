@@ -74,6 +74,62 @@ def tensor_hash(t: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def hash_many(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """`tensor_hash` of each of `tensors`, as one int64 tensor on `device`, in a few kernels
+    per `CHUNK` words: the fingerprint of a model's hundreds of small tensors paid a chain
+    of kernels per tensor (2.9 of its 4.2 ms for the tiny model on a CPU). Tensors of whole
+    32-bit words on `device` are hashed in groups of at most `CHUNK` words (their words laid
+    end to end, each multiplied by its weight within its own tensor, and summed per tensor:
+    the same integers as `tensor_hash`, modulo 2^64); the rest one by one."""
+    out = torch.zeros(len(tensors), dtype=torch.int64, device=device)
+    group: list[tuple[int, torch.Tensor]] = []
+    held = 0
+    for i, t in enumerate(tensors):
+        flat = t.detach().reshape(-1)
+        nbytes = flat.numel() * flat.element_size()
+        if flat.device != device or nbytes % 4 or not 0 < nbytes <= 4 * CHUNK:
+            out[i] = tensor_hash(t).to(device)
+            continue
+        if held + nbytes // 4 > CHUNK:
+            _hash_group(group, out)
+            group, held = [], 0
+        group.append((i, flat.contiguous().view(torch.uint8).view(torch.int32)))
+        held += nbytes // 4
+    _hash_group(group, out)
+    return out
+
+
+def _hash_group(group: Sequence[tuple[int, torch.Tensor]], out: torch.Tensor) -> None:
+    """Hash `group` (index into `out`, the tensor's words) together into `out`."""
+    if not group:
+        return
+    words = [w for _, w in group]
+    weights, ends = _layout_weights(tuple(w.numel() for w in words), out.device)
+    prod = torch.cat(words).mul_(weights)  # int32, wrapping like `tensor_hash`'s
+    sums = prod.to(torch.int64).cumsum_(0)[ends]
+    sums[1:] -= sums[:-1].clone()
+    out[torch.tensor([i for i, _ in group], device=out.device)] = sums
+
+
+_layouts: dict[tuple[tuple[int, ...], str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _layout_weights(
+    sizes: tuple[int, ...], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each tensor's odd weights end to end, and each tensor's last index (cached: a
+    trainer's tensors keep their sizes)."""
+    key = (sizes, str(device))
+    got = _layouts.get(key)
+    if got is None:
+        weights = torch.cat([_odd_weights(n, device) for n in sizes])
+        ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0).sub_(1).to(device)
+        if len(_layouts) > 64:
+            _layouts.clear()
+        got = _layouts[key] = (weights, ends)
+    return got
+
+
 def fold(hashes: Sequence[int]) -> int:
     """One 64-bit fingerprint of an ordered list of 64-bit tensor hashes."""
     h = hashlib.blake2b(digest_size=8)
@@ -170,8 +226,7 @@ def opinion(
         missing = [n for n in names if n not in by_name]
         if missing:
             raise ValueError(f"the copy holds no tensor {missing[0]!r} of key {key!r}")
-        hs = [tensor_hash(by_name[n].to(dev)) for n in names]
-        values = torch.stack(hs).cpu().tolist() if hs else []
+        values = hash_many([by_name[n].to(dev) for n in names], dev).cpu().tolist()
         out[key] = fold([int(v) for v in values])
     missing = [n for n in params if n not in by_name]
     if missing:

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from unbroken.recovery.statehash import fold as _fold
-from unbroken.recovery.statehash import replay, replayable, sdc_meta, tensor_hash
+from unbroken.recovery.statehash import hash_many, replay, replayable, sdc_meta, tensor_hash
 
 __all__ = ["Fingerprinter", "MatmulFault", "flip_bit", "probe", "tensor_hash"]
 
@@ -101,11 +101,19 @@ def state_tensors(trainer: Any) -> Iterator[tuple[str, Any]]:
 
 
 def probe(device: torch.device) -> torch.Tensor:
-    """The compute probe's hash on `device` (0-d int64): a fixed `linear` of fixed inputs."""
-    gen = torch.Generator().manual_seed(0x5DC)
-    x = torch.randn(PROBE_DIM, PROBE_DIM, generator=gen).to(device)
-    w = torch.randn(PROBE_DIM, PROBE_DIM, generator=gen).to(device)
-    return tensor_hash(torch.nn.functional.linear(x, w))
+    """The compute probe's hash on `device` (0-d int64): a fixed `linear` of fixed inputs
+    (drawn once per device; the product is computed every time)."""
+    key = str(device)
+    inputs = _probe_inputs.get(key)
+    if inputs is None:
+        gen = torch.Generator().manual_seed(0x5DC)
+        x = torch.randn(PROBE_DIM, PROBE_DIM, generator=gen).to(device)
+        w = torch.randn(PROBE_DIM, PROBE_DIM, generator=gen).to(device)
+        inputs = _probe_inputs[key] = (x, w)
+    return tensor_hash(torch.nn.functional.linear(*inputs))
+
+
+_probe_inputs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 @dataclass(slots=True)
@@ -138,8 +146,8 @@ class Fingerprinter:
         plan = self.plan()
         locals_ = [_local(t) for _, _, t in plan]
         device = locals_[0].device if locals_ else torch.device("cpu")
-        hs = [tensor_hash(t).to(device) for t in locals_] + [probe(device)]
-        values = torch.stack(hs).cpu().tolist()  # one small host copy: a word per tensor
+        hs = torch.cat([hash_many(locals_, device), probe(device).reshape(1)])
+        values = hs.cpu().tolist()  # one small host copy: a word per tensor
         by: dict[str, list[int]] = {}
         for (key, _, _), v in zip(plan, values, strict=False):
             by.setdefault(key, []).append(int(v))

@@ -254,3 +254,27 @@ def test_a_node_named_twice_that_the_bisection_clears_stays_and_is_rolled_back()
     assert "rollback" not in [e.WhichOneof("payload") for e in d.events]
     sim.drive(set())
     assert sim.state.nodes["n1"].state == ev.NODE_STATE_EVICTED
+
+
+@pytest.mark.parametrize("chunk", [statehash.CHUNK, 300])
+def test_hashing_many_tensors_together_gives_each_ones_own_hash(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`hash_many` (the fingerprint's few kernels for all tensors) equals `tensor_hash` of
+    each: float and integer words, odd byte sizes, empty, 0-d, non-contiguous, and groups
+    split at `CHUNK` words (300: most tensors alone, one too big for any group)."""
+    monkeypatch.setattr(statehash, "CHUNK", chunk)
+    g = torch.Generator().manual_seed(7)
+    tensors = [
+        torch.randn(64, 64, generator=g),
+        torch.randn(5, generator=g).to(torch.bfloat16),  # 10 bytes: not whole words
+        torch.randn(6, generator=g).to(torch.bfloat16),
+        torch.tensor(3.0),
+        torch.randint(-(2**31), 2**31 - 1, (7, 3), dtype=torch.int32, generator=g),
+        torch.empty(0, 4),
+        torch.randn(250, generator=g).double(),
+        torch.randn(8, 8, generator=g)[:, ::2],
+        torch.randn(100, generator=g),
+    ]
+    together = statehash.hash_many(tensors, torch.device("cpu")).tolist()
+    assert together == [int(statehash.tensor_hash(t)) for t in tensors]
