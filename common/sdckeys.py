@@ -10,11 +10,11 @@ import math
 import struct
 from collections.abc import Mapping
 
-#: fingerprint keys that are no replica key: compared with a tolerance, never bitwise
 MASK64 = (1 << 64) - 1
 #: manifest meta key of a fingerprinted copy: {"step": S, "keys": [[key, [entry names]]],
 #: "params": [entry names of the replay's weights]}
 SDC_META = "sdc"
+#: fingerprint keys that are no replica key: compared with a tolerance, never bitwise
 REPLAY_PREFIX = "~"
 REPLAY_SS = "~replay.ss"
 REPLAY_PROJ = "~replay.proj"

@@ -622,16 +622,15 @@ def spared_slots(
     copy, at most half the ring (the rest cycles the newest copies): first the copies the
     agent's keep mark names (the newest verified steps), then the newest fingerprinted
     copies (`checked`: generations) newer than those, whose verdict the driver has not
-    given yet. A verified step's copy
-    thus lives until the agent's mark arrives, however many steps come in between."""
+    given yet. A verified step's copy thus lives until the agent's mark arrives, however
+    many steps come in between."""
     if nslots < KEEP_MIN_SLOTS or not (kept or checked):
         return set()  # (the common case, every save: no fingerprints, no marks)
     room = nslots // 2
     newest_first = sorted(held, key=lambda s: -held[s])[1:]  # the newest is kept anyway
     marked = [s for s in newest_first if held[s] in kept][:room]
     floor = max((held[s] for s in marked), default=-1)
-    waiting = set(checked)
-    pending = [s for s in newest_first if held[s] in waiting and held[s] > floor]
+    pending = [s for s in newest_first if held[s] in checked and held[s] > floor]
     return set(marked) | set(pending[: room - len(marked)])
 
 
@@ -720,7 +719,7 @@ def oldest_free_slot(rank_dir: Path, busy: set[int] | frozenset[int] = frozenset
     refs = list_copies(rank_dir)
     held = {r.slot: r.manifest.generation for r in refs}
     keep = set(busy) | ({refs[0].slot} if refs else set())
-    checked = [r.manifest.generation for r in refs if SDC_META in r.manifest.meta]
+    checked = {r.manifest.generation for r in refs if SDC_META in r.manifest.meta}
     keep |= spared_slots(held, read_keep_mark(rank_dir), checked, len(slots(rank_dir)))
     free = [s for s in slots(rank_dir) if s not in keep]
     if not free:
