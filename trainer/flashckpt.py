@@ -96,6 +96,7 @@ from unbroken.recovery.sources import (
 )
 from unbroken.recovery.statehash import SDC_META
 from unbroken.trainer.plugin import GroupValue, Meshed, Optimizers, Snapshots, Stateful
+from unbroken.trainer.rejoin import check_kept_caches
 from unbroken.trainer.rtrace import mark
 
 if TYPE_CHECKING:
@@ -334,6 +335,7 @@ class FlashCheckpointer:
             CorruptCopyError: shards stayed corrupt through `MAX_DECISIONS` decisions.
         """
         mark("r_begin")
+        check_kept_caches()  # a rejoin's kept DTensor caches, checked before any state is read
         layout = self.layout(trainer)
         own, wide = self._survey(), self._wide_survey()
         key, group = self._replicas(trainer)

@@ -17,6 +17,7 @@ import socket
 import time
 import traceback
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -173,11 +174,11 @@ def hold(
         mark("severed", sockets=sever(world_since))
     drop_frames(h)
     gc.collect()  # DDP/FSDP state may still hold the group: free it, so it really closes
+    _left.groups = world_groups()
     abort_world()
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-    forget_world_caches()
     mark("held")
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
@@ -196,6 +197,52 @@ def hold(
                 return None
     log.error("no new world within the hold limit; exiting", wait_s=wait_s)
     return None
+
+
+@dataclass(slots=True)
+class _Left:
+    """What this process knew of the world it left: its groups' ranks by name, and whether
+    DTensor's caches of that world were kept (`apply_rejoin`)."""
+
+    groups: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    kept: bool = False
+
+
+_left = _Left()
+
+
+def world_groups() -> dict[str, tuple[int, ...]]:
+    """Every process group of this world that this process belongs to: its ranks by name."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    out: dict[str, tuple[int, ...]] = {}
+    with contextlib.suppress(Exception):
+        for pg, name in list(c10d._world.pg_names.items()):
+            with contextlib.suppress(Exception):
+                out[str(name)] = tuple(dist.get_process_group_ranks(pg))
+    return out
+
+
+def check_kept_caches() -> bool:
+    """After a rejoin that kept DTensor's caches: forget them after all if a group of the
+    new world has a name the old world gave to other ranks (the kept meshes would resolve
+    it); the first restore calls it, before any state is read. True: the caches hold."""
+    if not _left.kept:
+        return True
+    _left.kept = False
+    old, new = _left.groups, world_groups()
+    moved = sorted(n for n, ranks in new.items() if n in old and old[n] != ranks)
+    if not moved:
+        return True
+    log.warning("the new world renamed its groups; DTensor caches forgotten", groups=moved[:4])
+    forget_world_caches()
+    return False
+
+
+def world_place() -> tuple[str, str]:
+    """This process's place in its world, as its launcher said it: (RANK, WORLD_SIZE)."""
+    return os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
 
 
 def forget_world_caches() -> None:
@@ -230,8 +277,23 @@ def forget_world_caches() -> None:
 
 
 def apply_rejoin(rejoin: Any) -> None:
-    """Put the new world's environment (a hooks Rejoin) into this process's."""
+    """Put the new world's environment (a hooks Rejoin) into this process's, and forget the
+    old world's DTensor caches when this process's place in the world changed.
+
+    A process that keeps its rank in a world of the same size keeps the caches: their
+    entries hold the old world's meshes, and such a mesh names its groups, which the new
+    world's mesh (built by the same code, in the same order, after the old default group's
+    teardown reset torch's group count) creates under the same names, with this rank at the
+    same coordinate. Refilling them cost a survivor 0.18 s in its first `state_dict` (the
+    optimizer's state initialised through DTensor ops) and 0.05 s in its first step on a
+    quiet 2-core host, 0.3 s at load 10: a third of an in-job resume.
+    """
+    before = world_place()
     for k in rejoin.unset:
         os.environ.pop(k, None)
     for k, v in rejoin.env.items():
         os.environ[k] = v
+    _left.kept = world_place() == before
+    if not _left.kept:
+        forget_world_caches()
+    mark("caches", kept=_left.kept)

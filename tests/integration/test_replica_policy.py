@@ -1,13 +1,13 @@
 """The replica policy end to end: the other replica trains on through a killed worker.
 
-`unbroken driver --nodes 2 --dp 2 --keep-training --replica-rejoin-s 3` runs the tiny
+`unbroken driver --nodes 2 --dp 2 --keep-training --replica-rejoin-s 1.5` runs the tiny
 trainer on two `unbroken agent --no-start` processes (one worker each) on the session's real
 etcd; real processes, gloo; nothing in the test sends a recovery command.
 
 n1's worker is SIGKILLed. The machine does not wait for a replacement: n1 sits out, n0's
 worker leaves the dp2 world, rejoins a dp1 world in its own process (the same pid), reshards
 from memory and trains on alone with the whole global batch, while n1 runs no worker.
-3 s later the driver releases n1 (ReplicaReady), the grow-back brings it in with a new
+1.5 s later the driver releases n1 (ReplicaReady), the grow-back brings it in with a new
 worker that restores n0's newest copy (n0 kept replicating to n1 while it sat out), and
 both train to the last step; n0's worker is still the process it was before the fault.
 
@@ -48,7 +48,10 @@ def _worlds(job: Job) -> list[tuple[int, tuple[str, ...], str]]:
 
 
 def test_a_killed_worker_s_replica_sits_out_while_the_other_trains_on(job: Job) -> None:
-    job.start_driver("--keep-training", "--replica-rejoin-s", "3", steps=STEPS)
+    # the survivor sits alone 1.5 s: the dp1 steps' reduction order moves the losses from
+    # the dp2 reference's (the longer alone, the larger), and a sharp batch (step 161 of
+    # this run, grad norm 54 against 1.2) turned 1e-3 of drift into 6 % of loss
+    job.start_driver("--keep-training", "--replica-rejoin-s", "1.5", steps=STEPS)
     job.start_agent("n0", buddy="n1")
     job.start_agent("n1", buddy="n0")
     until(lambda: job.max_step() >= 5, 180, "training to start", job)
@@ -77,10 +80,12 @@ def test_a_killed_worker_s_replica_sits_out_while_the_other_trains_on(job: Job) 
         "the replica back in a dp2 world",
         job,
     )
-    grown = job.max_step()
-    until(lambda: job.max_step() >= grown + 5, 180, "training on dp2 again", job)
     after = job.worker(stay)
     assert after is not None and after.pid == kept.pid, (kept.pid, after)
+    # the grow-back may come within 5 steps of the end (the survivor alone ran ~40 steps a
+    # second on a quiet host): the job's last step then proves the training on
+    grown = job.max_step()
+    until(lambda: job.max_step() >= min(grown + 5, STEPS), 180, "training on dp2 again", job)
 
     events = job.events()
     opened = next(
