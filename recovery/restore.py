@@ -263,6 +263,36 @@ def newest_reshardable(
     return best
 
 
+def newest_healable(
+    reach: Mapping[int, Mapping[int, StepCopies]], *, not_after: int | None = None
+) -> int | None:
+    """The newest step saved under a known layout whose every saved rank's shard at least
+    one rank of the new world can reach: the ranks that hold a shard can send it to the
+    others (a heal from live peers), where `newest_reshardable` needs every rank to reach
+    every shard itself.
+
+    Args:
+        reach: new rank -> step -> what that rank can reach of the step.
+        not_after: only steps <= this.
+
+    Returns:
+        The step, or None when no step qualifies.
+    """
+    best: int | None = None
+    for step, saved in saved_layouts(reach).items():
+        if not saved or "world" not in saved:
+            continue
+        if (not_after is not None and step > not_after) or (best is not None and step <= best):
+            continue
+        held: set[int] = set()
+        for by_step in reach.values():
+            if step in by_step:
+                held |= by_step[step].ranks
+        if held >= set(range(int(saved["world"]))):
+            best = step
+    return best
+
+
 def same_layout_steps(
     reach: Mapping[int, Mapping[int, StepCopies]], layout: Mapping[str, int]
 ) -> frozenset[int]:

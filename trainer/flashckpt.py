@@ -72,7 +72,7 @@ from unbroken.recovery.flashcopy import (
 from unbroken.recovery.flashowner import FLASH_COPIES, FlashConfig, FlashOwner
 from unbroken.recovery.flashplan import Shared, Snapshot
 from unbroken.recovery.persist import TIMELINE_META, current_timeline
-from unbroken.recovery.reshard import load_resharded, reader_from_survey
+from unbroken.recovery.reshard import FlashStorageReader, load_resharded, reader_from_survey
 from unbroken.recovery.restore import (
     Availability,
     NoCommonStepError,
@@ -81,6 +81,7 @@ from unbroken.recovery.restore import (
     StepCopies,
     decide,
     describe_newest,
+    newest_healable,
     newest_reshardable,
     restrict,
     same_layout_steps,
@@ -89,6 +90,7 @@ from unbroken.recovery.restore import (
 from unbroken.recovery.sources import (
     LAYOUT_META,
     PERSIST_EVERY_S,
+    ShardSource,
     Survey,
     obtain,
     reach_of,
@@ -340,6 +342,7 @@ class FlashCheckpointer:
         own, wide = self._survey(), self._wide_survey()
         key, group = self._replicas(trainer)
         world = dist.get_world_size()
+        heal = True  # off after a heal that failed: the next decision reads what it can reach
         for _ in range(MAX_DECISIONS):
             mine = (
                 own.availability([self.rank])[self.rank],
@@ -364,7 +367,14 @@ class FlashCheckpointer:
                 availability, groups, same_layout_steps(reach, layout), not_after
             )
             other = newest_reshardable(reach, layout, not_after=not_after)
-            if other is not None and (plan is None or other > plan.step):
+            healed = newest_healable(reach, not_after=not_after) if heal else None
+            reachable = max(plan.step if plan is not None else -1, -1 if other is None else other)
+            if healed is not None and healed > reachable:
+                heal = False
+                saved = saved_layouts(reach)[healed]
+                assert saved, "a healable step has a known layout"
+                done = self._heal(trainer, wide, healed, saved, reach)
+            elif other is not None and (plan is None or other > plan.step):
                 saved = saved_layouts(reach)[other]
                 assert saved, "a reshardable step has a known layout"
                 done = self._reshard(trainer, wide, other, saved, layout)
@@ -487,10 +497,10 @@ class FlashCheckpointer:
         self,
         root: int,
         opened: tuple[Any, Manifest, Any] | None,
-        group: dist.ProcessGroup,
+        group: dist.ProcessGroup | None,
     ) -> tuple[Manifest, Any]:
-        """Send the root's verified copy to its replica group (gloo/NCCL broadcast); every
-        member receives it and checks it against the checksum."""
+        """Send the root's verified copy to its replica group (None: the world) by a
+        gloo/NCCL broadcast; every member receives it and checks it against the checksum."""
         head: list[Any] = [opened[1].to_bytes() if opened is not None else None]
         dist.broadcast_object_list(head, src=root, group=group)
         manifest = Manifest.from_bytes(head[0])
@@ -516,6 +526,84 @@ class FlashCheckpointer:
                 "fails its checksum (corrupted in transfer)"
             )
         return manifest, data
+
+    def _heal(
+        self,
+        trainer: Stateful,
+        wide: Survey,
+        step: int,
+        saved: Mapping[str, int],
+        reach: Mapping[int, Mapping[int, StepCopies]],
+    ) -> Restored | None:
+        """Load `step`, which some ranks of this world cannot reach whole: each saved
+        rank's shard that not every rank can open is broadcast by the lowest rank that can
+        (a heal from live peers), then DCP's planner reshards as from local copies.
+
+        The case: a replica that sat out (the replica policy) while its node was lost comes
+        back on a spare. The survivors' copies since the shrink went to no buddy (the lost
+        node was their only peer), so the spare reaches nothing newer than storage; without
+        the heal the grown world went back to the last persisted step, hundreds of steps.
+
+        Collective. None when a copy could not be opened or failed its checksum in
+        transfer on some rank (the caller decides again, without healing).
+        """
+        world = dist.get_world_size()
+        ranks = range(int(saved["world"]))
+        roots: dict[int, int] = {}  # saved rank -> the rank that sends its shard
+        for sr in ranks:
+            holders = [r for r in range(world) if step in reach[r] and sr in reach[r][step].ranks]
+            if len(holders) < world:
+                roots[sr] = holders[0]
+        local: dict[int, tuple[ShardSource, Manifest, Any]] = {}
+        ok = True
+        for sr in ranks:
+            if roots.get(sr, self.rank) != self.rank:
+                continue  # received below
+            try:
+                local[sr] = obtain(wide, sr, step)
+            except CorruptCopyError as e:
+                log.warning("flash.heal_source_unusable", rank=self.rank, step=step, error=str(e))
+                ok = False
+                break
+        got: dict[int, tuple[Manifest, Any]] = {}
+        if self._all_ok(ok, "") is not None:
+            for sr, root in sorted(roots.items()):  # every rank in every broadcast
+                try:
+                    manifest, data = self._broadcast(root, local.get(sr), None)
+                except CorruptCopyError as e:
+                    log.warning("flash.heal_transfer_failed", rank=self.rank, error=str(e))
+                    ok = False
+                    continue
+                if self.rank != root:
+                    got[sr] = (manifest, data)
+        label = (
+            "peer" if got else max((o[0].kind for o in local.values()), default=Source.MEMORY).label
+        )
+        sources = self._all_ok(ok, label)
+        if sources is None:
+            for src_manifest_data in local.values():
+                if isinstance(src_manifest_data[2], mmap.mmap):
+                    src_manifest_data[2].close()
+            return None
+        srcs = [
+            local[sr][0] if sr in local else ShardSource(Source.MEMORY, sr, step) for sr in ranks
+        ]
+        opened = [(local[sr][1], local[sr][2]) if sr in local else got[sr] for sr in ranks]
+        state = {KEY: trainer.state_dict()}
+        load_resharded(state, FlashStorageReader(srcs, opened))  # closes the copies
+        trainer.load_state_dict(state[KEY])
+        self.writer.invalidate_snapshot()
+        log.info(
+            "flash.restored",
+            rank=self.rank,
+            step=step,
+            source=label,
+            sources=sources,
+            healed_from={sr: root for sr, root in roots.items()},
+            resharded=True,
+            saved_layout=dict(saved),
+        )
+        return Restored(step=step, source=label, sources=sources, resharded=True)
 
     def _reshard(
         self,

@@ -46,9 +46,14 @@ def config(steps: int, **parallel: Any) -> TrainConfig:
 
 
 def _worker(
-    cfg: TrainConfig, env: dict[str, str], persist_at: int | None, dcp_to: str | None
+    cfg: TrainConfig,
+    env: dict[str, str],
+    persist_at: int | None,
+    dcp_to: str | None,
+    roots: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Restore from flash, train to `cfg.steps` flash-saving every step; report."""
+    """Restore from flash, train to `cfg.steps` flash-saving every step; report. `roots`:
+    each rank's node's flash root (its own memory), else every rank's is the env's."""
     import torch.distributed as dist
 
     from unbroken.recovery import sources
@@ -72,6 +77,8 @@ def _worker(
     sources.read_shard = counting_shard  # type: ignore[assignment]
     sources.read_stored_manifest = counting_manifest  # type: ignore[assignment]
     rank = dist.get_rank()
+    if roots:
+        env = {**env, "UNBROKEN_FLASH_ROOT": roots[rank], "UNBROKEN_FLASH_NODE": f"n{rank}"}
     flash = FlashCheckpointer(FlashEnv.from_env(env), rank)  # type: ignore[arg-type]
     trainer = GPT3DTrainer()
     try:
@@ -115,8 +122,9 @@ def _run(
     *,
     persist_at: int | None = None,
     dcp_to: str | None = None,
+    roots: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
-    fn = functools.partial(_worker, cfg, env, persist_at, dcp_to)
+    fn = functools.partial(_worker, cfg, env, persist_at, dcp_to, roots)
     return spawn(fn, cfg.parallel.world_size, timeout_s=180, env=env)
 
 
@@ -146,6 +154,29 @@ def test_flash_restore_reshards_dp2_to_dp1_and_back(shm: str, tmp_path: Path) ->
     reference = train_from_dcp(config(TOTAL), dcp3)
     _close(dp1["losses"], reference)
     _close(dp2[0]["losses"], reference)
+
+
+def test_a_rank_on_a_new_node_heals_from_its_live_peer(shm: str, tmp_path: Path) -> None:
+    """The replica policy's grow-back onto a spare: dp1 trained on n0 alone, its copies on
+    n0 only (no buddy); a dp2 world puts rank 1 on a new node, which reaches nothing. Rank 0
+    broadcasts its dp1 copy, both reshard it, and training goes on from step 5, not from
+    scratch (nothing was persisted), on the uninterrupted run's losses."""
+    env = _env(shm, tmp_path / "storage")
+    dcp3 = str(tmp_path / "dcp3")
+    first = _run(config(3, dp=2), env, dcp_to=dcp3)
+    assert sorted(first[0]["losses"]) == [1, 2, 3]
+    dp1 = _run(config(5), env)[0]
+    assert dp1["restored"].step == 3 and sorted(dp1["losses"]) == [4, 5]
+
+    spare = tmp_path / "spare-shm"
+    spare.mkdir()
+    grown = _run(config(TOTAL, dp=2), env, roots=(shm, str(spare)))
+    r0, r1 = grown[0]["restored"], grown[1]["restored"]
+    assert r0 is not None and r1 is not None, (r0, r1)
+    assert r0.step == r1.step == 5 and r0.resharded and r1.resharded, (r0, r1)
+    assert r0.source == "memory" and r1.source == "peer", (r0, r1)
+    assert sorted(grown[0]["losses"]) == [6, 7]
+    _close(grown[0]["losses"], train_from_dcp(config(TOTAL), dcp3))
 
 
 def train_from_dcp(cfg: TrainConfig, path: str) -> dict[int, float]:

@@ -117,3 +117,48 @@ def test_a_killed_worker_s_replica_sits_out_while_the_other_trains_on(job: Job) 
     # the steps redone around the two pauses: none lost beyond the copies at hand
     redone = sum(len(v) - 1 for v in got.values())
     assert redone <= 4, {s: v for s, v in got.items() if len(v) > 1}
+
+
+def test_a_lost_replicas_node_comes_back_on_a_spare_from_the_survivors_memory(job: Job) -> None:
+    """The replica's node is lost (its agent SIGKILLed). The survivor trains on alone with
+    no buddy (its only peer is gone), so the spare that takes the lost node's place at the
+    grow-back holds none of its copies: the spare heals from the survivor over the new
+    world's group (trainer/flashckpt.py `_heal`). Before, a spare whose warm standby
+    restored before the survivor's first send to it restored the last persisted step
+    (step 1), and the job looped on loss spikes (bench-recovery's replica mode)."""
+    job.start_driver("--keep-training", "--replica-rejoin-s", "1.5", steps=STEPS)
+    job.start_agent("n0", buddy="n1")
+    job.start_agent("n1", buddy="n0")
+    until(lambda: job.max_step() >= 5, 180, "training to start", job)
+    started = next(e.job_started.world for e in job.events() if e.HasField("job_started"))
+    stay, out = started.node_ids
+    kept = job.worker(stay)
+    assert kept is not None
+
+    job.kill(out)  # its worker dies with it (pdeathsig): NodeLost
+    until(lambda: (1, (stay,), "in_job") in _worlds(job), 180, "the survivor alone", job)
+    # the spare registers after the shrink's start: no ring has it, the survivor sends to nobody
+    job.start_agent("s2", buddy=stay, spare=True)
+    until(
+        lambda: _worlds(job)[-1][:2] == (2, (stay, "s2")) and job.worker("s2") is not None,
+        240,
+        "the spare in the lost replica's place, dp2 again",
+        job,
+    )
+    healed = next(
+        (line for line in job.worker_log("s2").splitlines() if "flash.restored" in line), ""
+    )
+    # from the survivor over the group, or (when the spare's worker started slower than the
+    # survivor's idle flush to its new buddy) from the copy it was sent: never from storage
+    assert "source=peer" in healed or "source=buddy" in healed, job.worker_log("s2")[-3000:]
+    until(lambda: job.max_step() >= STEPS, 600, "training to its last step", job)
+    events = job.events()
+    assert not [e for e in events if e.HasField("loss_spike")], "a spike: a restore went back"
+    got = job.steps()
+    assert sorted(got) == list(range(1, STEPS + 1)), sorted(got)
+    redone = sum(len(v) - 1 for v in got.values())
+    assert redone <= 12, {s: v for s, v in got.items() if len(v) > 1}
+    ref = reference(job.tmp / "reference", STEPS, total_steps=STEPS)
+    for step, values in got.items():
+        for v in values:
+            assert abs(v - ref[step]) <= TOLERANCE * abs(ref[step]), (step, v, ref[step])

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from unbroken.recovery.restore import (
     StepCopies,
+    newest_healable,
     newest_reshardable,
     same_layout_steps,
     saved_layouts,
@@ -44,6 +45,23 @@ def test_every_new_rank_must_reach_every_saved_rank() -> None:
     assert newest_reshardable(reach, DP2) == 5
     del reach[1][5]
     assert newest_reshardable(reach, {"world": 4, "dp_shard": 4}) == 3
+
+
+def test_a_step_heals_when_the_ranks_together_reach_every_saved_rank() -> None:
+    """The grow-back onto a spare: rank 0 holds the dp1 copy of step 9, rank 1 (the spare)
+    nothing but storage's step 1; together they reach step 9, which only rank 0 can open."""
+    reach = {
+        0: {9: StepCopies(DP1, frozenset({0})), 1: StepCopies(DP2, frozenset({0, 1}))},
+        1: {1: StepCopies({}, frozenset({0, 1}))},
+    }
+    assert newest_reshardable(reach, DP2) is None  # rank 1 cannot reach step 9 itself
+    assert newest_healable(reach) == 9
+    assert newest_healable(reach, not_after=8) == 1
+    # a saved rank nobody reaches: that step cannot heal
+    reach = {0: {9: StepCopies(DP2, frozenset({0}))}, 1: {9: StepCopies(DP2, frozenset())}}
+    assert newest_healable(reach) is None
+    # nor can a step whose layout no rank knows
+    assert newest_healable({0: {4: StepCopies({}, frozenset({0}))}}) is None
 
 
 def test_conflicting_layouts_for_one_step_are_never_used() -> None:
