@@ -62,6 +62,7 @@ from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 from unbroken.proto import hooks_pb2 as hpb
 from unbroken.recovery.restore import Source
+from unbroken.recovery.spike import RESTORE_RESET_STEPS
 
 log = structlog.get_logger(__name__)
 
@@ -165,6 +166,12 @@ class Worker:
                 t.get("data_loading", 0.0) * n,
             ))  # fmt: skip
         self._last_report_t = now
+        if step + RESTORE_RESET_STEPS < self.step:
+            # a restore far back (an older commit): the window's losses are of later
+            # training, and as the baseline of a driver that learns the curve again
+            # (`LossWatch`) they flagged every restored loss as a spike, restore after restore
+            self.losses.clear()
+            self._loss_stats, self._loss_stats_stale = (0.0, 0.0), False
         if loss is not None and math.isfinite(loss) and step != self.step:
             self.losses.append(loss)
             self._loss_stats_stale = True

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from unbroken.driver.liveview import LiveView, LiveViewConfig, NodeSlot
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
-from unbroken.recovery.spike import Prior, SpikeConfig, SpikeDetector
+from unbroken.recovery.spike import RESTORE_RESET_STEPS, Prior, SpikeConfig, SpikeDetector
 
 MAX_LINE_CHARS = 4096  # an alert line longer than this is cut (events have a size cap)
 MAX_STACK_CHARS = 48 * 1024  # the agent caps a node's stacks at this (agent/hang.py)
@@ -385,9 +385,6 @@ def _lowest_rank(slot: NodeSlot) -> dpb.WorkerStatus | None:
         if running and (best is None or w.global_rank < best.global_rank):
             best = w
     return best
-
-
-RESTORE_RESET_STEPS = 16  # a restore further back than this starts a new loss baseline
 
 
 @dataclass(slots=True)

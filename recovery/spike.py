@@ -122,6 +122,12 @@ class Spike:
         )
 
 
+#: A restore further back than this many steps starts a new timeline for the loss baseline:
+#: the losses before it belong to later training and would flag the earlier, higher losses
+#: as spikes (the driver's `LossWatch` and the agent's loss window both start again).
+RESTORE_RESET_STEPS = 16
+
+
 @dataclass(frozen=True, slots=True)
 class Prior:
     """A loss baseline measured elsewhere: the median and MAD of `n` recent losses."""

@@ -211,3 +211,36 @@ def test_a_report_standing_for_several_steps_brings_their_peak() -> None:
     w.on_step(12, 2.0, 1.0, 0.0, peak=(math.inf, 12))
     s = w.status(0.0)
     assert s.peak_step == 12 and math.isinf(s.peak_loss)
+
+
+def test_a_restore_far_back_in_the_same_process_starts_a_new_baseline_on_both_sides(
+    tmp_path: Path,
+) -> None:
+    """An in-job restore far back (an older commit) keeps the worker's process, so its
+    agent kept the loss window of the later training, and the driver, which learns the curve
+    again after such a restore, took it as the baseline: every restored loss was a spike,
+    restore after restore (bench-recovery, the replica mode: step 1 restored, 5.4 against
+    2.3). The agent's window now starts again too."""
+    from unbroken.agent.workers import Worker
+
+    w = Worker(0, 0, tmp_path / "w.log")
+    view, watch = LiveView(LiveViewConfig()), LossWatch(CFG)
+    for step in range(1, 101):
+        w.on_step(step, 2.3 + 0.01 * (step % 3), 50.0, now=float(step))
+        _beat(
+            view,
+            "n0",
+            step,
+            w.loss,
+            rank=0,
+            recent=(w.status(float(step)).loss_median, 0.01, len(w.losses)),
+        )
+        assert watch.sweep(view, ["n0"]) is None
+    for i, step in enumerate(range(2, 12)):  # restored step 1: the fresh model's losses
+        w.on_step(step, 5.4 - 0.01 * i, 50.0, now=200.0 + i)
+        st = w.status(200.0 + i)
+        assert st.loss_window == i + 1  # the later training's losses are gone
+        _beat(
+            view, "n0", step, st.loss, rank=0, recent=(st.loss_median, st.loss_mad, st.loss_window)
+        )
+        assert watch.sweep(view, ["n0"]) is None, step
