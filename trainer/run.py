@@ -390,6 +390,13 @@ def _restore(
         flash.guard(trainer)  # once: every optimizer step waits for the copy in flight
         if restored is not None:  # the state is whole (optimizer state included): size
             flash.prepare(trainer)  # and map the ring now, not inside the first save
+        if restored is not None and restored.resharded:
+            # The restored step, in the new layout, into the ring at once: the old layout's
+            # copies do not stay (each rank's ring is sized anew), and without it a rollback
+            # soon after the reshard found no step before the spike in any ring and went
+            # back to the last commit (bench-recovery, replica mode: a spike one step after
+            # a shrink rolled back to step 1, 447 steps)
+            flash.save(trainer, step)
     mark("restored", step=step, how=restored.source if restored is not None else "none")
     return step, restored.source if restored is not None else ""
 

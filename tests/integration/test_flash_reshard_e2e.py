@@ -235,3 +235,47 @@ def test_flash_restore_reshards_tp_and_pp_to_one_process_and_back(
     reference = train_from_dcp(config(TOTAL), dcp3)
     _close(one["losses"], reference)
     _close(last["losses"], reference)
+
+
+def _restore_and_list(cfg: TrainConfig, env: dict[str, str]) -> dict[str, Any]:
+    """The engine's own restore (`trainer.run._restore`), then this rank's ring."""
+    import torch.distributed as dist
+
+    from unbroken.recovery.flashcopy import list_copies
+    from unbroken.recovery.sources import LAYOUT_META
+    from unbroken.trainer.flashckpt import FlashCheckpointer, FlashEnv, PersistClock
+    from unbroken.trainer.gpt3d import GPT3DTrainer
+    from unbroken.trainer.run import RestorePoint, _restore
+
+    rank = dist.get_rank()
+    flash = FlashCheckpointer(FlashEnv.from_env(env), rank)  # type: ignore[arg-type]
+    trainer = GPT3DTrainer()
+    try:
+        trainer.setup(cfg)
+        step, source = _restore(trainer, flash, PersistClock(3600.0), RestorePoint(), None)
+        flash.writer.wait_copied()
+        assert flash._last is not None
+        flash._last.wait()
+        ring = [
+            (r.manifest.step, r.manifest.meta.get(LAYOUT_META, ""))
+            for r in list_copies(flash.owner.rank_dir(rank))
+        ]
+        return {"step": step, "source": source, "ring": ring}
+    finally:
+        flash.close()
+        trainer.close()
+
+
+def test_a_resharded_restore_puts_the_restored_step_into_the_new_layouts_ring(
+    shm: str, tmp_path: Path
+) -> None:
+    """The old layout's copies do not stay (the ring is sized anew for the new shards), so
+    a rollback soon after a reshard found no step before the spike in any ring and went
+    back to the last commit; the engine now saves the restored step in the new layout at
+    once, where the driver's rollback sees it."""
+    env = _env(shm, tmp_path / "storage")
+    _run(config(3, dp=2), env)
+    out = spawn(functools.partial(_restore_and_list, config(5), env), 1, timeout_s=180, env=env)[0]
+    assert out["step"] == 3 and out["source"] == "memory", out
+    newest_step, layout = out["ring"][0]
+    assert newest_step == 3 and layout["world"] == 1, out["ring"]
