@@ -825,6 +825,8 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
     root = Path(ns.run_dir)
     prev = _previous(ns.out)
     out: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
+        "command": " ".join([".venv/bin/python bench/recovery.py", *sys.argv[1:]]),
         "phases_run": sorted(ns.phases),
         "quick": ns.quick,
         "runs_per_fault": runs,
@@ -922,6 +924,15 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
                     k: r[f"resume_s_{mode_}"] for k, r in out["modes"]["by_kind"].items()
                 }
             save()  # each mode's figures as soon as they are in
+        out["modes_run"] = {  # this run of the modes phase (a later one of others keeps it)
+            "date": out["date"],
+            "command": out["command"],
+            "load1_start": out["load1_start"],
+            "load1_end": os.getloadavg()[0],
+            "modes": list(ns.modes),
+            "kinds": kinds,
+            "runs_per_fault": runs,
+        }
         for kind, row in out["modes"]["by_kind"].items():
             say(
                 f"  {kind:13s} resume in-job {_fmt(row.get('resume_s_in_job'))} restart "

@@ -396,7 +396,7 @@ def _restore(
             # soon after the reshard found no step before the spike in any ring and went
             # back to the last commit (bench-recovery, replica mode: a spike one step after
             # a shrink rolled back to step 1, 447 steps)
-            flash.save(trainer, step)
+            flash.save(trainer, step, persist=False)  # committed steps stay whole
     mark("restored", step=step, how=restored.source if restored is not None else "none")
     return step, restored.source if restored is not None else ""
 
