@@ -240,6 +240,34 @@ def check_kept_caches() -> bool:
     return False
 
 
+#: The place a warm standby's dry run took (trainer/warmup.py), until the real world's start.
+_dry_place: tuple[str, str] | None = None
+
+
+def note_dry_run(rank: int, world: int) -> None:
+    """A warm standby's dry run filled DTensor's caches as `rank` of `world`."""
+    global _dry_place
+    _dry_place = (str(rank), str(world))
+
+
+def forget_dry_run_caches() -> bool:
+    """At a worker's start: forget what a warm standby's dry run cached when the real world
+    gave this process another place than the one the dry run guessed (its RANK then).
+
+    The dry run's meshes equal the real world's (same shape and names), so their cached
+    decisions are used, but with the dry run's coordinate: a standby that dry-ran as rank 0
+    and became rank 1 loaded rank 0's FSDP shards (both ranks the same half), and the first
+    step after its restore spiked (bench-recovery, replica mode: loss 4.3 against 1.7, then
+    a rollback to the last commit, 165-322 steps back). True: forgotten."""
+    global _dry_place
+    dry, _dry_place = _dry_place, None
+    if dry is None or dry == world_place():
+        return False
+    forget_world_caches()
+    mark("caches", kept=False, dry_run=list(dry))
+    return True
+
+
 def world_place() -> tuple[str, str]:
     """This process's place in its world, as its launcher said it: (RANK, WORLD_SIZE)."""
     return os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")

@@ -77,6 +77,7 @@ from unbroken.trainer.plugin import (
 from unbroken.trainer.rejoin import (
     Held,
     apply_rejoin,
+    forget_dry_run_caches,
     hold,
     open_sockets,
     peer_failure,
@@ -657,6 +658,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # full collections of an in-job recovery (which frees the old world's groups) scan only
     # what the trainer made, about 1 ms instead of 1.6-2 s on a loaded 2-core host.
     gc.freeze()
+    forget_dry_run_caches()  # a warm standby's dry run may have guessed another rank
     while True:
         before_world = open_sockets()  # what is not the world's: kept when it is left
         owns = init_distributed(config)

@@ -72,6 +72,7 @@ def __unbroken_warm__() -> None:
 
     from unbroken.trainer.flags import add_arguments, to_config
     from unbroken.trainer.gpt3d import GPT3DTrainer
+    from unbroken.trainer.rejoin import note_dry_run
 
     if dist.is_initialized():
         return
@@ -107,3 +108,4 @@ def __unbroken_warm__() -> None:
             trainer.close()
         finally:
             dist.destroy_process_group()
+        note_dry_run(rank, world)  # the worker's start checks its real place against it

@@ -71,3 +71,42 @@ def test_a_rejoin_keeps_dtensor_caches_only_where_this_rank_keeps_its_place() ->
     assert out["again"] == out["first"] and out["check"] is True
     assert out["renamed"] == [False, 0]
     assert out["moved"] == [False, 0]
+
+
+_DRY = r"""
+import json, os, sys
+from torch.distributed.tensor._redistribute import _gen_transform_infos as cache
+from unbroken.trainer import rejoin, warmup
+
+os.environ.update(RANK="0", WORLD_SIZE="2")
+warmup.__unbroken_warm__()  # the engine's dry run, as rank 0 of a fake dp2 world
+filled = cache.cache_info().currsize
+os.environ["RANK"] = sys.argv[1]  # the place the real world gives this standby
+forgot = rejoin.forget_dry_run_caches()
+print(json.dumps({"filled": filled, "forgot": forgot, "left": cache.cache_info().currsize}))
+"""
+
+
+@pytest.mark.parametrize("real_rank", ["0", "1"])
+def test_a_standbys_dry_run_caches_are_forgotten_when_its_real_rank_differs(
+    real_rank: str,
+) -> None:
+    """A warm standby dry-runs the engine as the rank it guesses (its RANK then). Promoted to
+    another rank, the cached decisions carried the dry run's coordinate: it loaded the other
+    rank's FSDP shards. The worker's start now forgets them then, and keeps them otherwise."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", _DRY, real_rank],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["filled"] > 0
+    if real_rank == "0":
+        assert out == {"filled": out["filled"], "forgot": False, "left": out["filled"]}
+    else:
+        assert out["forgot"] is True and out["left"] == 0
