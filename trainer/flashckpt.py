@@ -67,6 +67,7 @@ from unbroken.recovery.flashcopy import (
     CorruptCopyError,
     Manifest,
     checksum,
+    list_copies,
     replica_store,
 )
 from unbroken.recovery.flashowner import FLASH_COPIES, FlashConfig, FlashOwner
@@ -163,6 +164,29 @@ class Restored:
     read: bool = True  # this rank opened a copy itself (False: it received a broadcast)
     broadcast_from: int | None = None  # the rank whose copy this rank received
     resharded: bool = False  # saved under another layout, loaded through DCP's planner
+
+
+def replica_dirs(owner: FlashOwner, own: str) -> dict[int, Path]:
+    """Each rank's replica directory on this node, from the store written last.
+
+    Several nodes may have sent this node a rank over time (each world's buddy of it): the
+    store whose newest copy of the rank was made last holds the live timeline's. The first
+    store listed was taken before, and a node lost after a grow-back resharded from a store
+    of a node gone long before: step 275 where step 2012 was at hand (bench-recovery,
+    replica mode: 482 steps lost). `own` (this node's own replica store) wins a tie.
+    """
+    out: dict[int, Path] = {}
+    made: dict[int, float] = {}
+    stores = owner.stores() if owner.job_dir.is_dir() else []
+    for store in sorted(stores, key=lambda x: x != own):
+        if store == LOCAL_STORE:
+            continue
+        for r in owner.ranks(store):
+            rank_dir = owner.rank_dir(r, store)
+            t = max((c.manifest.created_unix for c in list_copies(rank_dir)), default=-1.0)
+            if r not in out or t > made[r]:
+                out[r], made[r] = rank_dir, t
+    return out
 
 
 class FlashCheckpointer:
@@ -307,14 +331,7 @@ class FlashCheckpointer:
         """Every rank's copies this process can reach: the node's store, every replica
         store it holds, and storage (what a reshard may read)."""
         memory = {r: self.owner.rank_dir(r) for r in self.owner.ranks()}
-        buddy: dict[int, Path] = {}
-        stores = self.owner.stores() if self.owner.job_dir.is_dir() else []
-        own = replica_store(self.env.node)
-        for store in sorted(stores, key=lambda x: x != own):  # this node's replica first
-            if store == LOCAL_STORE:
-                continue
-            for r in self.owner.ranks(store):
-                buddy.setdefault(r, self.owner.rank_dir(r, store))
+        buddy = replica_dirs(self.owner, replica_store(self.env.node))
         return survey(memory=memory, buddy=buddy, storage_url=self.env.persist_url or None)
 
     def restore(self, trainer: Stateful, *, not_after: int | None = None) -> Restored | None:

@@ -1532,3 +1532,27 @@ def test_the_copy_thread_follows_the_training_threads_core_unless_told_not_to(
     monkeypatch.setenv(FOLLOW_CORE_ENV, "0")
     run(FlashWriter(0, owner))
     assert copier_cpus == [set(allowed)] * 3
+
+
+def test_a_rank_sent_by_several_buddies_is_read_from_the_store_written_last(
+    owner: FlashOwner,
+) -> None:
+    """Each world's buddy of a rank sends it into its own store here; the live timeline's
+    copies are the newest made, whatever the stores' listing order."""
+    from unbroken.trainer.flashckpt import replica_dirs
+
+    w = FlashWriter(1, owner)
+    w.save(_state(1), 275).wait()
+    stale = find_copy(owner.rank_dir(1))
+    data = stale.data_path.read_bytes()[: stale.manifest.data_nbytes]
+    for name in ("a-gone", "z-gone"):  # listed before or after the live one
+        write_raw_copy(owner.rank_dir(1, replica_store(name)), seal(stale), data)
+    time.sleep(0.01)
+    w.save(_state(2), 2012).wait()
+    w.close()
+    live = find_copy(owner.rank_dir(1), 2012)
+    fresh = live.data_path.read_bytes()[: live.manifest.data_nbytes]
+    write_raw_copy(owner.rank_dir(1, replica_store("m-live")), seal(live), fresh)
+    got = replica_dirs(owner, replica_store("this-node"))
+    assert got == {1: owner.rank_dir(1, replica_store("m-live"))}
+    assert [c.manifest.step for c in list_copies(got[1])] == [2012]
