@@ -86,8 +86,9 @@ from unbroken.trainer.rejoin import (
 from unbroken.trainer.rtrace import mark
 
 if TYPE_CHECKING:
-    from unbroken.trainer.flashckpt import FlashCheckpointer, PersistClock
+    from unbroken.trainer.flashckpt import FlashCheckpointer
     from unbroken.trainer.hookchannel import Hooks
+    from unbroken.trainer.persistclock import PersistClock
 
 log = structlog.get_logger(__name__)
 
@@ -344,12 +345,8 @@ def _flash_store(
     Raises:
         ValueError: flash saves asked for without an agent's flash store.
     """
-    from unbroken.trainer.flashckpt import (
-        FlashCheckpointer,
-        FlashEnv,
-        PersistClock,
-        persist_every_s_from_env,
-    )
+    from unbroken.trainer.flashckpt import FlashCheckpointer, FlashEnv
+    from unbroken.trainer.persistclock import PersistClock, persist_every_s_from_env
 
     env = FlashEnv.from_env()
     flash_every = config.flash_every

@@ -243,8 +243,9 @@ def _restore_and_list(cfg: TrainConfig, env: dict[str, str]) -> dict[str, Any]:
 
     from unbroken.recovery.flashcopy import list_copies
     from unbroken.recovery.sources import LAYOUT_META
-    from unbroken.trainer.flashckpt import FlashCheckpointer, FlashEnv, PersistClock
+    from unbroken.trainer.flashckpt import FlashCheckpointer, FlashEnv
     from unbroken.trainer.gpt3d import GPT3DTrainer
+    from unbroken.trainer.persistclock import PersistClock
     from unbroken.trainer.run import RestorePoint, _restore
 
     rank = dist.get_rank()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from unbroken.recovery.lifecycle import persist_steps
-from unbroken.trainer import flashckpt
-from unbroken.trainer.flashckpt import PersistClock
+from unbroken.trainer import persistclock
+from unbroken.trainer.persistclock import PersistClock
 
 pytestmark = pytest.mark.unit
 
@@ -23,7 +23,7 @@ class FakeTime:
 def persisted(
     clock: PersistClock, first: int, n: int, monkeypatch: pytest.MonkeyPatch
 ) -> list[int]:
-    monkeypatch.setattr(flashckpt.time, "perf_counter", FakeTime(0.125))
+    monkeypatch.setattr(persistclock.time, "perf_counter", FakeTime(0.125))
     return [s for s in range(first, first + n) if clock.due(s)]
 
 
