@@ -600,21 +600,8 @@ class FlashCheckpointer:
             local[sr][0] if sr in local else ShardSource(Source.MEMORY, sr, step) for sr in ranks
         ]
         opened = [(local[sr][1], local[sr][2]) if sr in local else got[sr] for sr in ranks]
-        state = {KEY: trainer.state_dict()}
-        load_resharded(state, FlashStorageReader(srcs, opened))  # closes the copies
-        trainer.load_state_dict(state[KEY])
-        self.writer.invalidate_snapshot()
-        log.info(
-            "flash.restored",
-            rank=self.rank,
-            step=step,
-            source=label,
-            sources=sources,
-            healed_from={sr: root for sr, root in roots.items()},
-            resharded=True,
-            saved_layout=dict(saved),
-        )
-        return Restored(step=step, source=label, sources=sources, resharded=True)
+        reader = FlashStorageReader(srcs, opened)
+        return self._load(trainer, reader, step, label, sources, saved, healed_from=roots)
 
     def _reshard(
         self,
@@ -639,11 +626,24 @@ class FlashCheckpointer:
                 reader.close()
             return None
         assert reader is not None
+        return self._load(trainer, reader, step, label, sources, saved, layout=dict(layout))
+
+    def _load(
+        self,
+        trainer: Stateful,
+        reader: FlashStorageReader,
+        step: int,
+        label: str,
+        sources: dict[int, str],
+        saved: Mapping[str, int],
+        **said: Any,
+    ) -> Restored:
+        """Reshard `step` (saved under `saved`) from `reader` into the trainer through
+        DCP's load planner (closes the reader); `said`: more for the log line."""
         state = {KEY: trainer.state_dict()}
-        load_resharded(state, reader)  # closes the reader
+        load_resharded(state, reader)
         trainer.load_state_dict(state[KEY])
         self.writer.invalidate_snapshot()
-        done = Restored(step=step, source=label, sources=sources, resharded=True)
         log.info(
             "flash.restored",
             rank=self.rank,
@@ -652,9 +652,9 @@ class FlashCheckpointer:
             sources=sources,
             resharded=True,
             saved_layout=dict(saved),
-            layout=dict(layout),
+            **said,
         )
-        return done
+        return Restored(step=step, source=label, sources=sources, resharded=True)
 
     def discard_after(self, step: int) -> int:
         """Forget this node's and storage's copies after `step`: a dead timeline (collective).

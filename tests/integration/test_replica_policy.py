@@ -47,18 +47,30 @@ def _worlds(job: Job) -> list[tuple[int, tuple[str, ...], str]]:
     ]
 
 
-def test_a_killed_worker_s_replica_sits_out_while_the_other_trains_on(job: Job) -> None:
-    # the survivor sits alone 1.5 s: the dp1 steps' reduction order moves the losses from
-    # the dp2 reference's (the longer alone, the larger), and a sharp batch (step 161 of
-    # this run, grad norm 54 against 1.2) turned 1e-3 of drift into 6 % of loss
+def _start(job: Job) -> None:
+    """The driver with the replica policy (the survivor alone 1.5 s) and two agents,
+    training."""
     job.start_driver("--keep-training", "--replica-rejoin-s", "1.5", steps=STEPS)
     job.start_agent("n0", buddy="n1")
     job.start_agent("n1", buddy="n0")
     until(lambda: job.max_step() >= 5, 180, "training to start", job)
-    # rank 1's node is the victim: the survivor stays rank 0 in every world, so it keeps its
-    # process (a survivor whose rank changes is started afresh: agent/injob.py)
+
+
+def _world_nodes(job: Job) -> tuple[str, str]:
+    """The first world's nodes: (rank 0's, rank 1's)."""
     started = next(e.job_started.world for e in job.events() if e.HasField("job_started"))
     stay, out = started.node_ids
+    return stay, out
+
+
+def test_a_killed_worker_s_replica_sits_out_while_the_other_trains_on(job: Job) -> None:
+    # the survivor sits alone 1.5 s: the dp1 steps' reduction order moves the losses from
+    # the dp2 reference's (the longer alone, the larger), and a sharp batch (step 161 of
+    # this run, grad norm 54 against 1.2) turned 1e-3 of drift into 6 % of loss
+    _start(job)
+    # rank 1's node is the victim: the survivor stays rank 0 in every world, so it keeps its
+    # process (a survivor whose rank changes is started afresh: agent/injob.py)
+    stay, out = _world_nodes(job)
     kept, victim = job.worker(stay), job.worker(out)
     assert kept is not None and victim is not None
 
@@ -126,12 +138,8 @@ def test_a_lost_replicas_node_comes_back_on_a_spare_from_the_survivors_memory(jo
     world's group (trainer/flashckpt.py `_heal`). Before, a spare whose warm standby
     restored before the survivor's first send to it restored the last persisted step
     (step 1), and the job looped on loss spikes (bench-recovery's replica mode)."""
-    job.start_driver("--keep-training", "--replica-rejoin-s", "1.5", steps=STEPS)
-    job.start_agent("n0", buddy="n1")
-    job.start_agent("n1", buddy="n0")
-    until(lambda: job.max_step() >= 5, 180, "training to start", job)
-    started = next(e.job_started.world for e in job.events() if e.HasField("job_started"))
-    stay, out = started.node_ids
+    _start(job)
+    stay, out = _world_nodes(job)
     kept = job.worker(stay)
     assert kept is not None
 
