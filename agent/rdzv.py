@@ -25,8 +25,9 @@ every process that imports its rendezvous package, whatever the backend.
 rdzv conf keys (`--rdzv-conf k=v,...`), besides torch's join_timeout, last_call_timeout,
 close_timeout, heartbeat_timeout, keep_alive_interval, keep_alive_max_attempt:
 node_id, token_file, key_file, tls_cert, tls_key, tls_ca, rpc_timeout, retry_timeout,
-connect_timeout. Environment: UNBROKEN_NODE_ID, UNBROKEN_TOKEN; optionally
-UNBROKEN_RDZV_KEY(_FILE).
+connect_timeout, in_job (1: a failed worker restarts its own node's workers only, see
+agent/rdzvinjob.py) and in_job_timeout (seconds, default 30). Environment:
+UNBROKEN_NODE_ID, UNBROKEN_TOKEN; optionally UNBROKEN_RDZV_KEY(_FILE).
 
 The state torch pickles is sealed with an HMAC under the job's key and opened with a
 restricted unpickler before torch sees it (agent/rdzvauth.py): a state written by anything
@@ -84,6 +85,8 @@ from unbroken.agent.rdzvauth import (  # noqa: E402
     rdzv_key,
     seal,
 )
+from unbroken.agent.rdzvinjob import DEFAULT_TIMEOUT_S as DEFAULT_IN_JOB_TIMEOUT_S  # noqa: E402
+from unbroken.agent.rdzvinjob import InJobRounds  # noqa: E402
 from unbroken.common.channel import LEADER_KEY, endpoint_is_loopback  # noqa: E402
 from unbroken.common.tls import (  # noqa: E402
     TOKEN_ENV,
@@ -488,6 +491,11 @@ class DriverStore(dist.Store):
             )
         return bytes(resp.value)
 
+    def try_get(self, key: str) -> bytes | None:
+        """The value of `key` now, or None where it is not set (no waiting)."""
+        resp = self._call("StoreGet", self.client._rpb.StoreGetRequest(key=key, wait_ms=0))
+        return bytes(resp.value) if resp.found else None
+
     def add(self, key: str, value: int) -> int:
         rpb = self.client._rpb
         resp = self._call("StoreAdd", rpb.StoreAddRequest(key=key, delta=value), idempotent=False)
@@ -537,12 +545,45 @@ class UnbrokenRendezvousHandler(DynamicRendezvousHandler):
     (pytorch#135712; we saw it here: a killed worker used up every restart). Each round
     therefore gets its own server, announced through the round's prefix in the driver's
     store; that also follows rank 0 when it moves to another node.
+
+    With `in_job` (rdzv conf in_job=1) a failed worker replaces its own node's workers
+    only, and the other nodes' keep their processes (agent/rdzvinjob.py).
     """
 
+    in_job: InJobRounds | None = None
+
     def next_rendezvous(self) -> RendezvousInfo:
+        if self.in_job is not None:
+            info = self.in_job.replace_me()
+            if info is not None:
+                return info
         self._bootstrap_store_info = None
         self._shared_tcp_store_server = None  # the last round's workers are stopped by now
-        return super().next_rendezvous()
+        info = super().next_rendezvous()
+        if self.in_job is not None:
+            self.in_job.after_round(info)
+        return info
+
+    def num_nodes_waiting(self) -> int:
+        waiting = super().num_nodes_waiting()
+        if self.in_job is not None and not waiting and self.in_job.poll():
+            return 1  # the local workers did not hold: restart them into the new world
+        return waiting
+
+    @property
+    def use_agent_store(self) -> bool:
+        # an in-job world's store is its rank 0 worker's (the agents' stays for their exit)
+        shared = super().use_agent_store
+        return shared and not (self.in_job is not None and self.in_job.active)
+
+
+def _flag(raw: Any) -> bool:
+    """An rdzv conf switch: 1/true/yes/on, 0/false/no/off or absent (ValueError otherwise)."""
+    if raw is None or str(raw).strip().lower() in ("", "0", "false", "no", "off"):
+        return False
+    if str(raw).strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"rdzv conf in_job={raw!r} must be 1 or 0 (true/false)")
 
 
 def _timeouts(params: RendezvousParameters) -> RendezvousTimeout:
@@ -579,6 +620,15 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         keep_alive_interval=params.get_as_int("keep_alive_interval", 5) or 5,
         keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3) or 3,
     )
+    if _flag(params.get("in_job")):
+        timeout = params.get("in_job_timeout")
+        try:
+            timeout_s = float(timeout) if timeout is not None else DEFAULT_IN_JOB_TIMEOUT_S
+        except ValueError:
+            raise ValueError(
+                f"rdzv conf in_job_timeout={timeout!r} must be a number of seconds"
+            ) from None
+        handler.in_job = InJobRounds(handler._store, params.run_id, timeout_s)
     client.node_desc = repr(handler._this_node)
     log.info(
         "unbroken rendezvous",

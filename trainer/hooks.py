@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from unbroken.common.paths import DEFAULT_SOCKET, SYSTEM_SOCKET, trusted_socket
 from unbroken.common.workerenv import AGENT_SOCKET as ENV_SOCKET
 from unbroken.proto import hooks_pb2 as hpb
-from unbroken.trainer import ncclguard
+from unbroken.trainer import ncclguard, torchrunhold
 from unbroken.trainer.hookchannel import Hooks, install
 from unbroken.trainer.pacer import PERSIST_EVERY_S, SAVE_BUDGET, Pacer
 from unbroken.trainer.plugin import Stateful
@@ -633,6 +633,8 @@ def should_stop() -> bool:
 
     Save and leave the loop when it turns True; a resume turns it False again.
     """
+    if _in_recovery_loop and _torchrun_dir and torchrunhold.newer_world(_torchrun_dir):
+        raise Held("held by torchrun's agent: another node's worker failed", -1)
     s = _get()
     if s is None:
         return False
@@ -673,6 +675,7 @@ def close() -> None:
 
 
 _in_recovery_loop = False
+_torchrun_dir = ""  # torchrun's in-job directory, in a recovery loop under it (torchrunhold)
 
 
 def recovery_loop(body: Callable[[], T], *, hold_s: float = HOLD_WAIT_S) -> T:
@@ -687,8 +690,10 @@ def recovery_loop(body: Callable[[], T], *, hold_s: float = HOLD_WAIT_S) -> T:
     waits for the agent's Rejoin. The new world's environment is then applied and `body`
     runs again in the same process (same pid, imports kept), restoring the agreed step.
 
-    Under an agent that did not start this process (a script under torchrun), or without
-    an agent, `body` runs once and its errors propagate as before.
+    Under torchrun with `--rdzv-backend=unbroken --rdzv-conf in_job=1`, torchrun's agent
+    plays that part (trainer/torchrunhold.py): the new world's MASTER_ADDR and MASTER_PORT
+    come from it, and only the failed node's workers are restarted. Under another launcher,
+    or without an agent, `body` runs once and its errors propagate as before.
 
     Returns:
         What `body` returned.
@@ -697,8 +702,9 @@ def recovery_loop(body: Callable[[], T], *, hold_s: float = HOLD_WAIT_S) -> T:
         SystemExit: held, but no Rejoin came within `hold_s` (or a stop came): exit code 1,
             so the launcher or agent restarts the process as before.
     """
-    global _in_recovery_loop, _dist_ready, _guard
-    if started_by_agent():  # an NCCL peer's failure must not end this process
+    global _in_recovery_loop, _dist_ready, _guard, _torchrun_dir
+    _torchrun_dir = torchrunhold.directory()  # under torchrun with the backend's in_job=1
+    if started_by_agent() or _torchrun_dir:  # an NCCL peer's failure must not end this process
         ncclguard.nccl_keeps_process()
     # What exists now (the imports) lives as long as the process: out of the collector's
     # sight, the full collections of a recovery (freeing the old world's groups) are cheap.
@@ -709,7 +715,8 @@ def recovery_loop(body: Callable[[], T], *, hold_s: float = HOLD_WAIT_S) -> T:
         try:
             return body()
         except Exception as e:
-            if s is None or not s.hooks.replies or not started_by_agent():
+            by_agent = s is not None and s.hooks.replies and started_by_agent()
+            if not by_agent and not _torchrun_dir:
                 raise
             if isinstance(e, Held):
                 held = e
@@ -723,13 +730,17 @@ def recovery_loop(body: Callable[[], T], *, hold_s: float = HOLD_WAIT_S) -> T:
                 _guard.stop()
                 _guard = None
         # the flash checkpointer and the pacer belong to the old world (its ranks)
-        if s.flash is not None:
-            with contextlib.suppress(Exception):
-                s.flash.close()
-            s.flash = None
-        s.pacer, s.last, s.held, s.stop_reason = None, None, "", ""
+        if s is not None:
+            if s.flash is not None:
+                with contextlib.suppress(Exception):
+                    s.flash.close()
+                s.flash = None
+            s.pacer, s.last, s.held, s.stop_reason = None, None, "", ""
         _dist_ready = False
-        rejoin = hold(held, s.hooks, hold_s)
+        if by_agent:
+            rejoin = hold(held, s.hooks, hold_s)  # type: ignore[union-attr]
+        else:
+            rejoin = torchrunhold.hold(held, hold_s)
         if rejoin is None:
             raise SystemExit(1)
         apply_rejoin(rejoin)

@@ -164,22 +164,11 @@ def hold(
     Returns:
         The Rejoin command's message, or None (a stop, or no Rejoin within `wait_s`).
     """
-    import torch.distributed as dist
-
     log.warning("left the world; holding for the next one", why=h.why[:300], step=h.step)
     hooks.flush_steps()
     hooks.phase(HELD_PHASE)
     said = time.monotonic()
-    if world_since is not None:
-        mark("severed", sockets=sever(world_since))
-    drop_frames(h)
-    gc.collect()  # DDP/FSDP state may still hold the group: free it, so it really closes
-    _left.groups = world_groups()
-    abort_world()
-    if dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-    mark("held")
+    leave_world(h, world_since)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         now = time.monotonic()
@@ -197,6 +186,23 @@ def hold(
                 return None
     log.error("no new world within the hold limit; exiting", wait_s=wait_s)
     return None
+
+
+def leave_world(h: Held, world_since: frozenset[tuple[int, str]] | None = None) -> None:
+    """Drop this process's part in its world: its connections (`sever`, where the caller says
+    which: `world_since`), the failed step's frames, and the process groups."""
+    import torch.distributed as dist
+
+    if world_since is not None:
+        mark("severed", sockets=sever(world_since))
+    drop_frames(h)
+    gc.collect()  # DDP/FSDP state may still hold the group: free it, so it really closes
+    _left.groups = world_groups()
+    abort_world()
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    mark("held")
 
 
 @dataclass(slots=True)

@@ -28,14 +28,17 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import psutil
 import pytest
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from tests.integration.rdzvscript import TRAIN
+from tests.jobs import reference
 from unbroken.agent import rdzv
-from unbroken.cli.cluster import stop_groups
+from unbroken.cli.cluster import read_metrics, stop_groups
+from unbroken.diagnostics.check import free_port
 from unbroken.driver.etcd import etcd_bin_dir
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -302,6 +305,7 @@ def _torchrun(
     *,
     step_s: float = 0.2,
     node_id: str | None = None,
+    in_job: bool = False,
 ) -> subprocess.Popen[bytes]:
     script = tmp / "train.py"
     if not script.exists():
@@ -315,6 +319,7 @@ def _torchrun(
         rdzv.NODE_ID_ENV: node_id or f"tr-{tag}",
     }
     conf = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=600"
+    conf += ",in_job=1" if in_job else ""
     log = open(tmp / f"torchrun-{tag}.log", "wb")
     try:
         cmd = [
@@ -375,10 +380,15 @@ def _tail(tmp: Path, *tags: str) -> str:
     return "\n".join(f"--- {t}\n" + (tmp / f"torchrun-{t}.log").read_text()[-3000:] for t in tags)
 
 
-def test_torchrun_job_survives_a_killed_worker(driver: dict[str, Any], tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_job", [False, True], ids=["restart", "in-job-fallback"])
+def test_torchrun_job_survives_a_killed_worker(
+    driver: dict[str, Any], tmp_path: Path, in_job: bool
+) -> None:
+    """The script has no recovery loop: both workers restart and finish from its checkpoint.
+    With in_job=1 the survivor's failure joins the in-job round as replaced (the fallback)."""
     run_id = f"job-{uuid.uuid4().hex[:6]}"
     steps = 20
-    procs = [_torchrun(driver, tmp_path, run_id, t, "2", steps) for t in ("a", "b")]
+    procs = [_torchrun(driver, tmp_path, run_id, t, "2", steps, in_job=in_job) for t in ("a", "b")]
     try:
         _wait_for("3 steps trained", lambda: len(_log_lines(tmp_path, "b")) >= 3, 300, procs)
         victim = int((tmp_path / "pid-b").read_text())
@@ -386,6 +396,10 @@ def test_torchrun_job_survives_a_killed_worker(driver: dict[str, Any], tmp_path:
         for p in procs:
             p.wait(300)
         assert [p.returncode for p in procs] == [0, 0], _tail(tmp_path, "a", "b")
+        if in_job:  # both nodes' workers restarted, into one in-job world
+            for t in ("a", "b"):
+                out = (tmp_path / f"torchrun-{t}.log").read_text()
+                assert "this node's workers restart" in out, _tail(tmp_path, t)
     finally:
         stop_groups(procs, grace_s=15)
         _kill_workers(tmp_path)
@@ -401,6 +415,8 @@ def test_torchrun_job_survives_a_killed_worker(driver: dict[str, Any], tmp_path:
         steps_seen = [s for _, s, _ in rows]
         assert steps_seen == sorted(steps_seen) and steps_seen[-1] == steps  # resumed
         assert len(steps_seen) < steps + 3, rows  # from the checkpoint, not from scratch
+    if in_job:
+        return  # one torch round: the in-job world kept its membership
     rounds = _rounds(driver["address"], run_id)
     full = [r for r in rounds if not r.closed and len(r.participants) == 2]
     # the first round, and the one after the kill (membership changes between them,
@@ -494,3 +510,122 @@ def test_torchrun_on_an_evicted_node_is_refused(driver: dict[str, Any], tmp_path
     assert proc.returncode != 0
     assert "NodeEvictedError" in out and f"node {node} was evicted" in out, out[-3000:]
     assert not _log_lines(tmp_path, "x")
+
+
+# ---------------------------------------------------------------- in-job rounds (in_job=1)
+
+INJOB_STEPS = 1500
+INJOB_SCRIPT = ["-m", "unbroken.trainer.examples.ddp_in_job"]
+
+
+@contextlib.contextmanager
+def _flash_agent(tmp: Path, tag: str) -> Iterator[Path]:
+    """A node's `unbroken agent --no-start`: it owns the node's flash memory and hook socket
+    (torchrun starts the workers); its socket."""
+    sock, log = tmp / f"agent-{tag}.sock", tmp / f"agent-{tag}.log"
+    args = [
+        "--driver", f"127.0.0.1:{free_port()}",  # no driver: it retries in the background
+        "--node-id", f"fl-{tag}", "--worker-cmd", "true", "--nproc-per-node", "1",
+        "--no-start", "--socket", str(sock), "--log-dir", str(tmp / f"logs-{tag}"),
+        "--flash-dir", str(tmp / f"shm-{tag}"), "--flash-job", "injob",
+        "--persist-url", str(tmp / "persist"),
+    ]  # fmt: skip
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            [*CLI, "agent", *args],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+    try:
+        _wait_for("the agent's flash store", lambda: "flash.ready" in log.read_text(), 120, [proc])
+        yield sock
+    finally:
+        stop_groups([proc], grace_s=2)
+
+
+def _injob_torchrun(driver: dict[str, Any], tmp: Path, run_id: str, tag: str, sock: Path) -> Any:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        rdzv.TOKEN_ENV: TOKEN,
+        rdzv.NODE_ID_ENV: f"tr-{tag}",
+        "UNBROKEN_AGENT_SOCKET": str(sock),
+    }
+    conf = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=600"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+        "--rdzv-backend=unbroken", f"--rdzv-endpoint={driver['address']}",
+        f"--rdzv-id={run_id}", "--rdzv-conf", f"{conf},in_job=1", "--max-restarts=3",
+        "--monitor-interval=0.1", "--local-addr=127.0.0.1", *INJOB_SCRIPT,
+        "--steps", str(INJOB_STEPS), "--metrics-out", str(tmp / "metrics.jsonl"),
+    ]  # fmt: skip
+    with open(tmp / f"torchrun-{tag}.log", "wb") as log:
+        return subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp, start_new_session=True
+        )
+
+
+def _script_worker(proc: subprocess.Popen[bytes]) -> psutil.Process:
+    """The one training worker torchrun `proc` runs now."""
+    found = [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if "unbroken.trainer.examples.ddp_in_job" in " ".join(p.cmdline())
+    ]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_in_job_torchrun_keeps_the_healthy_workers_process(
+    driver: dict[str, Any], tmp_path: Path
+) -> None:
+    """`in_job=1`: rank 1's worker is SIGKILLed; its torchrun restarts it alone, rank 0's
+    worker keeps its pid (its agent never restarts its group), both meet in a new world and
+    every step's loss equals an uninterrupted run's (the flash restore, from the nodes'
+    agents' memory)."""
+    run_id = f"injob-{uuid.uuid4().hex[:6]}"
+    metrics = tmp_path / "metrics.jsonl"
+    with _flash_agent(tmp_path, "a") as sock_a, _flash_agent(tmp_path, "b") as sock_b:
+        procs = [
+            _injob_torchrun(driver, tmp_path, run_id, t, s)
+            for t, s in (("a", sock_a), ("b", sock_b))
+        ]
+        try:
+            _wait_for("100 steps", lambda: len(read_metrics(metrics)) >= 100, 300, procs)
+            workers = [_script_worker(p) for p in procs]
+            ranks = [w.environ()["RANK"] for w in workers]
+            keep = ranks.index("0")  # rank 0 stays: its node picks the new world's port
+            survivor, victim = workers[keep], workers[1 - keep]
+            killed_at = max(read_metrics(metrics))
+            victim.kill()
+            _wait_for(
+                "training past the kill in a new world",
+                lambda: (
+                    max(read_metrics(metrics)) > killed_at + 50
+                    or all(p.poll() is not None for p in procs)
+                ),
+                300,
+                procs,
+            )
+            assert _script_worker(procs[keep]).pid == survivor.pid
+            for p in procs:
+                p.wait(300)
+            assert [p.returncode for p in procs] == [0, 0], _tail(tmp_path, "a", "b")
+        finally:
+            stop_groups(procs, grace_s=15)
+    kept, lost = ("a", "b") if keep == 0 else ("b", "a")
+    kept_log = (tmp_path / f"torchrun-{kept}.log").read_text()
+    lost_log = (tmp_path / f"torchrun-{lost}.log").read_text()
+    assert "will restart worker group" not in kept_log, kept_log[-3000:]
+    assert "this node's workers hold in place" in kept_log, kept_log[-3000:]
+    assert "this node's workers restart into the new world" in lost_log, lost_log[-3000:]
+    got = read_metrics(metrics)
+    assert sorted(got) == list(range(1, INJOB_STEPS + 1))
+    ref = reference(
+        tmp_path / "reference", INJOB_STEPS, train=INJOB_SCRIPT, total_steps=INJOB_STEPS
+    )
+    for step, values in got.items():
+        for v in values:
+            assert v == ref[step], (step, v, ref[step])
