@@ -564,6 +564,12 @@ class UnbrokenRendezvousHandler(DynamicRendezvousHandler):
             self.in_job.after_round(info)
         return info
 
+    def participants(self) -> int:
+        """How many nodes torch's rendezvous state lists now (dead ones dropped)."""
+        with self._heartbeat_lock:
+            self._state_holder.sync()
+            return len(self._state_holder.state.participants)
+
     def num_nodes_waiting(self) -> int:
         waiting = super().num_nodes_waiting()
         if self.in_job is not None and not waiting and self.in_job.poll():
@@ -628,7 +634,9 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
             raise ValueError(
                 f"rdzv conf in_job_timeout={timeout!r} must be a number of seconds"
             ) from None
-        handler.in_job = InJobRounds(handler._store, params.run_id, timeout_s)
+        handler.in_job = InJobRounds(
+            handler._store, params.run_id, timeout_s, participants=handler.participants
+        )
     client.node_desc = repr(handler._this_node)
     log.info(
         "unbroken rendezvous",

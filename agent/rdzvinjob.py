@@ -23,13 +23,15 @@ script runs in the hooks SDK's `recovery_loop`:
   is False in it): the agents' old store carries on for their exit barrier, and a worker of
   the new world never reads a dead one's keys.
 
-Anything that does not complete falls back to torch's own restart of every worker: a node
-not marked within `in_job_timeout` seconds (its script has no recovery loop, it is stuck)
-aborts the generation and the failed node joins a normal round, which the healthy agents
-then see waiting; a healthy node whose workers did not all hold in time has its agent
-restart them into the generation as `replaced`. torchrun restarts every local worker of
-the failed node (its `_restart_workers`), so with --nproc-per-node > 1 that node's healthy
-ranks restart too; the other nodes' keep their processes.
+Anything that does not complete falls back to torch's own restart of every worker: a lost
+node (its agent left torch's rendezvous state: its keep-alive lapsed) makes every node
+restart its workers into torch's next round; a node not marked within `in_job_timeout`
+seconds (its script has no recovery loop, it is stuck) aborts the generation and the failed
+node joins a normal round, which the healthy agents then see waiting; a healthy node whose
+workers did not all hold in time has its agent restart them into the generation as
+`replaced`. torchrun restarts every local worker of the failed node (its
+`_restart_workers`), so with --nproc-per-node > 1 that node's healthy ranks restart too; the
+other nodes' keep their processes.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,13 +79,24 @@ def free_port() -> int:
 class InJobRounds:
     """One torchrun agent's side of the in-job generations (see the module docstring)."""
 
-    def __init__(self, store: Any, run_id: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        store: Any,
+        run_id: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        participants: Callable[[], int] | None = None,
+    ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"rdzv conf in_job_timeout must be > 0, got {timeout_s}")
         self.store = store  # the driver's store (DriverStore), shared by the run's agents
         self.run_id = run_id
         self.prefix = "unbroken.injob/"  # the driver scopes the store's keys by run
         self.timeout_s = timeout_s
+        # how many nodes torch's rendezvous state lists now (a dead node's agent is dropped
+        # once its keep-alive lapses): a lost node cannot mark itself, so no generation
+        # completes without it
+        self.participants = participants
+        self._counted = (0.0, 0)
         self.round: Round | None = None
         self.active = False  # the workers' world is an in-job generation's
         self.seen = 0  # the newest generation this node took part in
@@ -123,6 +137,16 @@ class InJobRounds:
         raw = self._get(key)
         return int(raw) if raw else None
 
+    def _node_lost(self) -> bool:
+        """Whether a node of the round has left torch's rendezvous (counted every 0.5 s)."""
+        if self.participants is None or self.round is None:
+            return False
+        at, n = self._counted
+        if time.monotonic() - at >= 0.5:
+            n = self.participants()
+            self._counted = (time.monotonic(), n)
+        return n < self.round.world_size
+
     # ------------------------------------------------------------------ the handler's calls
 
     def after_round(self, info: RendezvousInfo) -> None:
@@ -160,7 +184,7 @@ class InJobRounds:
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
         port = None
-        while time.monotonic() < deadline and not self._aborted(gen):
+        while time.monotonic() < deadline and not self._aborted(gen) and not self._node_lost():
             port = port or self._master(gen)
             if port and self._complete(gen):
                 break
@@ -171,6 +195,7 @@ class InJobRounds:
                 "in-job round not completed; every worker restarts",
                 generation=gen,
                 timeout_s=self.timeout_s,
+                node_lost=self._node_lost(),
             )
             return None
         self.seen, self.active = gen, True
@@ -192,6 +217,12 @@ class InJobRounds:
         r = self.round
         if r is None:
             return False
+        if self._node_lost():
+            # a whole node is gone (its agent too): nobody opens a generation for it, and
+            # this node's workers may hold in vain. Restart them into torch's next round.
+            log.warning("in-job round: a node left the rendezvous; this node's workers restart")
+            self.pending = None
+            return True
         if self.pending is None:
             gen = int(self._get(self._key("gen")) or 0)
             if gen <= self.seen or self._aborted(gen):

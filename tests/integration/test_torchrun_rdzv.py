@@ -545,7 +545,15 @@ def _flash_agent(tmp: Path, tag: str) -> Iterator[Path]:
         stop_groups([proc], grace_s=2)
 
 
-def _injob_torchrun(driver: dict[str, Any], tmp: Path, run_id: str, tag: str, sock: Path) -> Any:
+def _injob_torchrun(
+    driver: dict[str, Any],
+    tmp: Path,
+    run_id: str,
+    tag: str,
+    sock: Path,
+    nnodes: str = "2",
+    steps: int = INJOB_STEPS,
+) -> Any:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -555,11 +563,11 @@ def _injob_torchrun(driver: dict[str, Any], tmp: Path, run_id: str, tag: str, so
     }
     conf = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=600"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
         "--rdzv-backend=unbroken", f"--rdzv-endpoint={driver['address']}",
         f"--rdzv-id={run_id}", "--rdzv-conf", f"{conf},in_job=1", "--max-restarts=3",
         "--monitor-interval=0.1", "--local-addr=127.0.0.1", *INJOB_SCRIPT,
-        "--steps", str(INJOB_STEPS), "--metrics-out", str(tmp / "metrics.jsonl"),
+        "--steps", str(steps), "--metrics-out", str(tmp / "metrics.jsonl"),
     ]  # fmt: skip
     with open(tmp / f"torchrun-{tag}.log", "wb") as log:
         return subprocess.Popen(
@@ -629,3 +637,39 @@ def test_in_job_torchrun_keeps_the_healthy_workers_process(
     for step, values in got.items():
         for v in values:
             assert v == ref[step], (step, v, ref[step])
+
+
+@pytest.mark.slow
+def test_in_job_torchrun_through_a_lost_node(driver: dict[str, Any], tmp_path: Path) -> None:
+    """`in_job=1`, --nnodes=1:2: node b dies whole (its torchrun and its worker). No node can
+    open a generation for it: once torch's state drops b (its keep-alive lapses), a's agent
+    restarts its held worker into torch's next round, and a trains on alone to the end."""
+    run_id = f"injob-lost-{uuid.uuid4().hex[:6]}"
+    metrics = tmp_path / "metrics.jsonl"
+    steps = 6000
+
+    def paired() -> bool:
+        with contextlib.suppress(AssertionError, psutil.Error):
+            return _script_worker(procs[1]).environ().get("WORLD_SIZE") == "2"
+        return False
+
+    with _flash_agent(tmp_path, "a") as sock_a, _flash_agent(tmp_path, "b") as sock_b:
+        procs = [
+            _injob_torchrun(driver, tmp_path, run_id, t, s, nnodes="1:2", steps=steps)
+            for t, s in (("a", sock_a), ("b", sock_b))
+        ]
+        try:
+            _wait_for("a world of 2", paired, 300, procs)
+            worker_b = _script_worker(procs[1])
+            _wait_for("steps in it", lambda: len(read_metrics(metrics)) >= 50, 300, procs)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(procs[1].pid, signal.SIGKILL)
+            worker_b.kill()
+            procs[1].wait(30)
+            procs[0].wait(600)
+            assert procs[0].returncode == 0, _tail(tmp_path, "a")
+        finally:
+            stop_groups(procs, grace_s=15)
+    out = (tmp_path / "torchrun-a.log").read_text()
+    assert "a node left the rendezvous" in out, out[-3000:]
+    assert max(read_metrics(metrics)) == steps

@@ -151,3 +151,18 @@ def test_conf_switches() -> None:
         rdzv._flag("maybe")
     with pytest.raises(ValueError, match="in_job_timeout"):
         InJobRounds(Store(), "run", 0)
+
+
+def test_a_lost_node_sends_everyone_to_torchs_next_round() -> None:
+    """A whole node gone (its agent left torch's state): no generation can complete."""
+    store, alive = Store(), [2]
+    healthy = _node(store, 0)
+    healthy.participants = lambda: alive[0]
+    assert not healthy.poll()
+    alive[0] = 1
+    healthy._counted = (0.0, 0)  # count again now, not in 0.5 s
+    assert healthy.poll()  # its agent restarts its workers ...
+    t0 = time.monotonic()
+    assert healthy.replace_me() is None  # ... into a normal round, without waiting it out
+    assert time.monotonic() - t0 < 2.0
+    assert store.try_get("unbroken.injob/1/abort") == b"1"
