@@ -28,7 +28,12 @@ class FaultFile:
     """Watches the fault file (one `os.stat` per step) and yields each fault once.
 
     Applied ids are appended to `<file>.applied-r<rank>`, so a worker restarted after the
-    rollback the fault caused does not apply it again.
+    rollback the fault caused does not apply it again. `rank` is the worker's slot on the
+    node whose file it is (its LOCAL_RANK, see `from_env`), not its global rank: a world
+    that shrank gives the node's worker another global rank, and under that rank's empty
+    marks a loss spike injected before it fired again at the first step after the restore
+    (bench-recovery, the replica policy: a second rollback, to a checkpoint 1,100 steps
+    back).
     """
 
     path: Path
@@ -43,9 +48,15 @@ class FaultFile:
 
     @classmethod
     def from_env(cls, rank: int, env: Mapping[str, str] | None = None) -> FaultFile | None:
-        """The fault file named by `UNBROKEN_FAULT_FILE`, or None."""
-        raw = WorkerEnv.from_env(os.environ if env is None else env).fault_file
-        return cls(path=Path(raw), rank=rank) if raw else None
+        """The fault file named by `UNBROKEN_FAULT_FILE`, or None; its marks are those of
+        the worker's LOCAL_RANK (`rank` where that is not set)."""
+        e = os.environ if env is None else env
+        raw = WorkerEnv.from_env(e).fault_file
+        try:
+            slot = int(e.get("LOCAL_RANK", rank))
+        except ValueError:
+            slot = rank
+        return cls(path=Path(raw), rank=slot) if raw else None
 
     def _marks(self) -> Path:
         return self.path.with_name(f"{self.path.name}.applied-r{self.rank}")

@@ -244,3 +244,15 @@ def test_a_restore_far_back_in_the_same_process_starts_a_new_baseline_on_both_si
             view, "n0", step, st.loss, rank=0, recent=(st.loss_median, st.loss_mad, st.loss_window)
         )
         assert watch.sweep(view, ["n0"]) is None, step
+
+
+def test_fault_marks_follow_the_local_rank_not_the_global_one(tmp_path: Path) -> None:
+    """A world that shrank gives the node's worker another global rank: the fault it applied
+    as global rank 1 stays applied for it as global rank 0 (same LOCAL_RANK, same node)."""
+    path = tmp_path / "fault.json"
+    path.write_text(json.dumps({"kind": "loss-spike", "step": 5, "id": "a"}))
+    env = {"UNBROKEN_FAULT_FILE": str(path), "LOCAL_RANK": "0"}
+    before = FaultFile.from_env(1, env)
+    assert before is not None and before.due(5) is not None
+    after = FaultFile.from_env(0, env)  # restarted into a smaller world as global rank 0
+    assert after is not None and after.due(3174) is None
