@@ -380,7 +380,14 @@ def _tail(tmp: Path, *tags: str) -> str:
     return "\n".join(f"--- {t}\n" + (tmp / f"torchrun-{t}.log").read_text()[-3000:] for t in tags)
 
 
-@pytest.mark.parametrize("in_job", [False, True], ids=["restart", "in-job-fallback"])
+@pytest.mark.parametrize(
+    "in_job",
+    [
+        pytest.param(False, id="restart"),
+        # the fallback: slow (another pair of torchrun start-ups) and out of the CI subset
+        pytest.param(True, id="in-job-fallback", marks=pytest.mark.slow),
+    ],
+)
 def test_torchrun_job_survives_a_killed_worker(
     driver: dict[str, Any], tmp_path: Path, in_job: bool
 ) -> None:
