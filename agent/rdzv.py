@@ -634,9 +634,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
             raise ValueError(
                 f"rdzv conf in_job_timeout={timeout!r} must be a number of seconds"
             ) from None
-        handler.in_job = InJobRounds(
-            handler._store, params.run_id, timeout_s, participants=handler.participants
-        )
+        handler.in_job = InJobRounds(handler._store, timeout_s, participants=handler.participants)
     client.node_desc = repr(handler._this_node)
     log.info(
         "unbroken rendezvous",

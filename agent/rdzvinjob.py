@@ -82,14 +82,12 @@ class InJobRounds:
     def __init__(
         self,
         store: Any,
-        run_id: str,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         participants: Callable[[], int] | None = None,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"rdzv conf in_job_timeout must be > 0, got {timeout_s}")
         self.store = store  # the driver's store (DriverStore), shared by the run's agents
-        self.run_id = run_id
         self.prefix = "unbroken.injob/"  # the driver scopes the store's keys by run
         self.timeout_s = timeout_s
         # how many nodes torch's rendezvous state lists now (a dead node's agent is dropped
@@ -118,6 +116,23 @@ class InJobRounds:
     def _get(self, key: str) -> bytes | None:
         return self.store.try_get(key)  # type: ignore[no-any-return]
 
+    def _number(self, key: str, low: int = 0, high: int = 2**62) -> int | None:
+        """The integer at `key`, or None where it is unset or not one in [low, high]: any
+        node holding the role token writes this store, so a value is checked, not trusted."""
+        raw = self._get(key)
+        try:
+            n = int(raw) if raw is not None else None
+        except ValueError:
+            n = None
+        if n is None or not low <= n <= high:
+            if raw is not None:
+                log.warning("in-job round: ignoring a bad value", key=key, value=raw[:40])
+            return None
+        return n
+
+    def _generation(self) -> int:
+        return self._number(self._key("gen")) or 0
+
     def _node_keys(self, gen: int) -> list[str]:
         assert self.round is not None
         return [self._key(gen, "node", i) for i in range(self.round.world_size)]
@@ -134,8 +149,7 @@ class InJobRounds:
         key = self._key(gen, "master")
         if self.round.rank == 0 and self._get(key) is None:
             self.store.compare_set(key, "", str(free_port()))
-        raw = self._get(key)
-        return int(raw) if raw else None
+        return self._number(key, 1, 65535)
 
     def _node_lost(self) -> bool:
         """Whether a node of the round has left torch's rendezvous (counted every 0.5 s)."""
@@ -172,13 +186,14 @@ class InJobRounds:
         r = self.round
         if r is None:
             return None
-        current = int(self._get(self._key("gen")) or 0)
+        current = self._generation()
         gen = current
         if not current or self._aborted(current) or self._complete(current):
-            won = self.store.compare_set(
-                self._key("gen"), str(current) if current else "", str(current + 1)
-            )
-            gen = int(won)
+            key = self._key("gen")
+            self.store.compare_set(key, self._get(key) or "", str(current + 1))
+            gen = self._generation()  # ours, or another node's that opened it first
+            if gen <= current:
+                return None  # the counter is not ours to use: a normal round
         self.store.set(self._key(gen, "node", r.rank), b"replaced")
         self.pending = None
         t0 = time.monotonic()
@@ -224,7 +239,7 @@ class InJobRounds:
             self.pending = None
             return True
         if self.pending is None:
-            gen = int(self._get(self._key("gen")) or 0)
+            gen = self._generation()
             if gen <= self.seen or self._aborted(gen):
                 self.seen = max(self.seen, gen)
                 return False

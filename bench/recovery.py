@@ -161,9 +161,8 @@ class Steps:
 
     path: Path
     offset: int = 0
-    lines: list[tuple[float, int, float]] = field(default_factory=list)  # (t, step, step_s)
-    # step -> the step's loop turn: its step time plus the loop's time after it (host_s)
-    turns: list[tuple[float, int, float]] = field(default_factory=list)
+    # (t, step, step_s, its loop turn: step_s plus the loop's time after it, host_s)
+    lines: list[tuple[float, int, float, float]] = field(default_factory=list)
     # (t, the loop's time after the step, the flash save's part of it): the per-step
     # host time ETTR loses between steps
     host: list[tuple[float, float, float]] = field(default_factory=list)
@@ -183,9 +182,8 @@ class Steps:
         for raw in data[:end].splitlines():
             with contextlib.suppress(ValueError, KeyError):
                 m = json.loads(raw)
-                self.lines.append((now, int(m["step"]), float(m["step_time_s"])))
-                turn = float(m["step_time_s"]) + float(m.get("host_s", 0.0))
-                self.turns.append((now, int(m["step"]), turn))
+                dt = float(m["step_time_s"])
+                self.lines.append((now, int(m["step"]), dt, dt + float(m.get("host_s", 0.0))))
                 if "host_s" in m:
                     self.host.append((now, float(m["host_s"]), float(m.get("flash_save_s", 0.0))))
                 if "flash_block" in m and "host_s" in m:
@@ -193,16 +191,16 @@ class Steps:
                     self.ab.append((now, int(m["step"]), wall, bool(m["flash_block"])))
 
     def max_step(self) -> int:
-        return max((s for _, s, _ in self.lines), default=0)
+        return max((s for _, s, _, _ in self.lines), default=0)
 
     def productive_s(self, t0: float, t1: float, *, turns: bool = True) -> tuple[float, int]:
         """The time of the steps that count (the last run of each step) seen in [t0, t1]:
         their loop turns (step time plus the loop's time after it), or with `turns=False`
         their step time alone."""
         last: dict[int, float] = {}
-        for t, step, dt in self.turns if turns else self.lines:
+        for t, step, dt, turn in self.lines:
             if t0 <= t <= t1:
-                last[step] = dt
+                last[step] = turn if turns else dt
         return sum(last.values()), len(last)
 
     def ab_rates(self, t0: float, t1: float, block: int) -> dict[str, Any]:
@@ -234,7 +232,7 @@ class Steps:
         """Per-step times in [t0, t1] (ms): the step's median, the loop's host time after
         it (mean, median) and the flash save's part of that (mean)."""
         seen = [(h, f) for t, h, f in self.host if t0 <= t <= t1]
-        steps = [dt for t, _, dt in self.lines if t0 <= t <= t1]
+        steps = [dt for t, _, dt, _ in self.lines if t0 <= t <= t1]
         return {
             "step_ms_median": 1000.0 * statistics.median(steps) if steps else None,
             "host_ms_mean": 1000.0 * statistics.fmean(h for h, _ in seen) if seen else None,

@@ -99,9 +99,8 @@ class UpConfig:
     until_step: int = 0  # with a drill: train on after it until this step (0: stop then)
     # each agent keeps warm standby workers (imported ahead), so a replaced rank is not a
     # fresh interpreter importing torch. False leaves it to the agents' own default (off on a
-    # host with fewer than 2 cores per worker): on 2 cores the 8 standbys' imports at start
-    # (spares' included) put the first step at 46 s against 19 s, while the drill's crash,
-    # node loss and loss spike resumed in 1.2, 2.0 and 2.6 s against 5.1, 6.8 and 3.7 s
+    # host with fewer than 2 cores per worker): on 2 cores the standbys' imports at start
+    # delay the first step (docs/in-job-recovery.md, "The drill")
     warm_workers: bool = False
 
     def __post_init__(self) -> None:

@@ -633,7 +633,7 @@ def should_stop() -> bool:
 
     Save and leave the loop when it turns True; a resume turns it False again.
     """
-    if _in_recovery_loop and _torchrun_dir and torchrunhold.newer_world(_torchrun_dir):
+    if _in_recovery_loop and _torchrun_dir and torchrunhold.world_pending(_torchrun_dir):
         raise Held("held by torchrun's agent: another node's worker failed", -1)
     s = _get()
     if s is None:

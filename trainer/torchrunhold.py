@@ -71,6 +71,25 @@ def newer_world(path: str) -> int:
     return best
 
 
+_seen_mtime: tuple[str, int] = ("", 0)  # the directory as `world_pending` last found it
+
+
+def world_pending(path: str) -> bool:
+    """Whether a newer world waits in `path`, for a check once a step: one `stat` of the
+    directory, whose listing is read again only after an entry came or went."""
+    global _seen_mtime
+    try:
+        mtime = os.stat(path).st_mtime_ns
+    except OSError:
+        return False
+    if _seen_mtime == (path, mtime):
+        return False
+    if newer_world(path):
+        return True  # not remembered: it stays pending until this process takes it
+    _seen_mtime = (path, mtime)
+    return False
+
+
 def read_world(path: str, gen: int) -> dict[str, str] | None:
     """The environment of generation `gen`'s world, or None where its file is not valid."""
     try:

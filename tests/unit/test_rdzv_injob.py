@@ -48,7 +48,7 @@ def _env() -> Iterator[None]:
 
 
 def _node(store: Store, rank: int, timeout_s: float = 5.0) -> InJobRounds:
-    rounds = InJobRounds(store, "run", timeout_s)
+    rounds = InJobRounds(store, timeout_s)
     info = RendezvousInfo(
         dist.PrefixStore("torch.rendezvous.run.1", store),
         rank,
@@ -150,7 +150,7 @@ def test_conf_switches() -> None:
     with pytest.raises(ValueError, match="in_job"):
         rdzv._flag("maybe")
     with pytest.raises(ValueError, match="in_job_timeout"):
-        InJobRounds(Store(), "run", 0)
+        InJobRounds(Store(), 0)
 
 
 def test_a_lost_node_sends_everyone_to_torchs_next_round() -> None:
