@@ -29,6 +29,7 @@ from collections.abc import Iterable
 
 import structlog
 
+from unbroken.agent import procexit
 from unbroken.agent.hookserver import HookServer
 from unbroken.agent.workers import Supervisor, Worker, process_stopped
 from unbroken.common import workerenv
@@ -76,7 +77,7 @@ async def kill(w: Worker) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(w.pid, signal.SIGKILL)
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(w.proc.wait(), 5.0)
+        await asyncio.wait_for(procexit.exit_code(w.proc), 5.0)
     for t in w.tasks:
         with contextlib.suppress(BaseException):
             await asyncio.wait_for(t, 2.0)

@@ -55,6 +55,7 @@ from typing import Any
 import structlog
 
 from unbroken.agent import hang as hanglib
+from unbroken.agent import procexit
 from unbroken.agent import warm as warmlib
 from unbroken.agent.launch import WorkerLaunch, WorkerSpec, exec_wrapper
 from unbroken.common.workerenv import WARM_ARGV
@@ -66,6 +67,8 @@ from unbroken.recovery.spike import RESTORE_RESET_STEPS
 
 log = structlog.get_logger(__name__)
 
+#: How long a dead worker's readers get to take its last lines before its exit is reported.
+READ_AFTER_EXIT_S = 0.1
 PEAK_BEATS = 3  # heartbeats a loss peak is repeated in (see Worker.status)
 FINGERPRINTS_KEPT = 3  # a rank's newest fingerprinted steps...
 FINGERPRINT_BEATS = 20  # ...each repeated in this many heartbeats (the driver looks each beat)
@@ -369,8 +372,10 @@ class Supervisor:
         self._schedule_refill(self.spec.warm_refill_after_s)
 
     def warm_up(self) -> None:
-        """Start the standbys now (an agent waiting for StartWorkers has the CPU to spare)."""
-        self._schedule_refill(0.0)
+        """Start the standbys (an agent waiting for StartWorkers has the CPU to spare), at
+        once or after `warm_after_s`; StartWorkers before then reschedules them to start
+        once the workers step."""
+        self._schedule_refill(self.spec.warm_after_s)
 
     async def start(self, local_rank: int, *, refill: bool = True) -> Worker:
         """Start (or restart) one local rank, in a warm standby when one fits."""
@@ -527,10 +532,11 @@ class Supervisor:
 
     async def _reap(self, w: Worker, readers: list[asyncio.Task[None]], logf: object) -> None:
         assert w.proc is not None
-        code = await w.proc.wait()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.gather(*readers), 2.0)
-        logf.close()  # type: ignore[attr-defined]
+        # its exit, not its pipes' close: a child it left behind may hold them (procexit)
+        code = await procexit.exit_code(w.proc)
+        # its last lines (an alert that makes the incident suspect) are in the pipes: the
+        # readers take them at once when nothing else holds the pipes
+        await asyncio.wait(readers, timeout=READ_AFTER_EXIT_S)
         if w.state != dpb.WORKER_STATE_STOPPED:
             w.state = dpb.WORKER_STATE_EXITED
             w.exit_code = code
@@ -538,6 +544,11 @@ class Supervisor:
             if code != 0 and self.on_failure is not None:
                 self.on_failure()
         log.info("worker exited", local_rank=w.local_rank, pid=w.pid, code=code)
+        _, pending = await asyncio.wait(readers, timeout=2.0)
+        for t in pending:  # a child still writes into the dead worker's pipes: stop reading
+            t.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+        logf.close()  # type: ignore[attr-defined]
 
     async def dump_stacks(self, w: Worker, timeout_s: float = 2.0, *, restop: bool = False) -> str:
         """The worker's Python stacks (py-spy, else faulthandler via SIGUSR1), or "".
@@ -644,7 +655,7 @@ class Supervisor:
                 if sig == signal.SIGTERM:
                     os.killpg(w.pid, signal.SIGCONT)
             try:
-                await asyncio.wait_for(w.proc.wait(), wait_s)
+                await asyncio.wait_for(procexit.exit_code(w.proc), wait_s)
                 break
             except TimeoutError:
                 continue
