@@ -158,8 +158,10 @@ def reference(
             out.close()
 
         def done() -> bool:
+            if metrics.exists() and str(f'"step": {steps},') in metrics.read_text():
+                return True  # (a run to its last step may have ended by now)
             assert all(p.poll() is None for p in procs), (tmp / "rank0.log").read_text()[-3000:]
-            return metrics.exists() and str(f'"step": {steps},') in metrics.read_text()
+            return False
 
         until(done, 300, "the reference run")
     finally:

@@ -4,6 +4,8 @@ real `unbroken agent` while one worker is SIGKILLed mid-training.
 The agent starts no workers (`--no-start`): it owns the node's flash memory and the hook
 socket, torchrun starts the workers and restarts them after the kill (`--max-restarts`),
 and they restore from the agent's memory. Every example prints `step N loss X` on rank 0.
+`in_job_keeps_the_healthy_rank` runs an example under unbroken's own driver and agents
+instead, where its loop is in `recovery_loop` (in-job recovery).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from typing import Any
 
 import psutil
 
+from tests import jobs
+from tests.jobs import Job
+from unbroken.cli.cluster import until as until_job
 from unbroken.diagnostics.check import free_port
 from unbroken.recovery.flashcopy import list_copies
 from unbroken.recovery.flashowner import FlashConfig, FlashOwner
@@ -260,3 +265,28 @@ def killed_worker_resumes_bitwise(module: str, tmp: Path, key: str, prefix: str 
         killed = run_killed(module, STEPS, KILL_AFTER, ag, tmp)
         check_resumed(killed, ref, STEPS)
         check_persisted_dcp(ag.persist, key, prefix=prefix)
+
+
+def in_job_keeps_the_healthy_rank(job: Job, module: str, steps: int = 120) -> None:
+    """`module` started by unbroken's agents (a driver, two nodes, one rank each): n1's
+    worker is SIGKILLed; n0's worker keeps its pid (the example's `recovery_loop` builds its
+    library's state again in the new world), restores the agreed step from its agent's
+    memory, and every step's loss equals an uninterrupted run's."""
+    script = ["-m", module]
+    cmd = [sys.executable, *script, "--steps", str(steps), "--metrics-out", str(job.metrics)]
+    job.start_driver("--worker-cmd", " ".join(cmd), "--trainer", "ddp-script")
+    job.start_agent("n0", buddy="n1")
+    job.start_agent("n1", buddy="n0")
+    until_job(lambda: job.max_step() >= 10, 300, "training to start", job)
+
+    job.kill_peer_keep_survivor(past=10, timeout_s=300)
+    resumed = [e.training_resumed for e in job.events() if e.HasField("training_resumed")]
+    assert resumed[-1].mode == "in_job", resumed
+
+    until_job(lambda: job.max_step() >= steps, 600, "training to its last step", job)
+    got = job.steps()
+    assert sorted(got) == list(range(1, steps + 1)), sorted(got)
+    ref = jobs.reference(job.tmp / "reference", steps, train=script, total_steps=steps)
+    for step, values in got.items():
+        for v in values:
+            assert v == ref[step], (step, v, ref[step])

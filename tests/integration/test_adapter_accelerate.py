@@ -5,7 +5,9 @@ an `Accelerator` on CPU with gloo, 2 processes) runs under torchrun without an a
 reference) and with a real agent while local rank 1 is SIGKILLed mid-training: both
 restarted ranks restore the newest common step from memory, and every step after it has the
 reference's loss bit for bit (CPU, one thread, gloo: deterministic). The steps the agent
-persisted load with plain `dcp.load` into a fresh model.
+persisted load with plain `dcp.load` into a fresh model. Started by unbroken's agents, the
+example's loop runs in the adapter's `recovery_loop`: a peer's death leaves the healthy rank's
+process running (in-job recovery).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
 from tests.integration import adapterrun
+from tests.jobs import Job
 
 pytestmark = pytest.mark.integration
 
@@ -27,3 +30,8 @@ MODULE = "unbroken.trainer.examples.accelerate_unbroken"
 @pytest.mark.timeout(900)
 def test_killed_worker_resumes_bitwise(tmp_path: Path) -> None:
     adapterrun.killed_worker_resumes_bitwise(MODULE, tmp_path, "model")
+
+
+@pytest.mark.timeout(900)
+def test_in_job_the_healthy_rank_keeps_its_process(job: Job) -> None:
+    adapterrun.in_job_keeps_the_healthy_rank(job, MODULE)

@@ -19,6 +19,7 @@ pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
 from tests.integration import adapterrun
+from tests.jobs import Job
 
 pytestmark = pytest.mark.integration
 
@@ -28,3 +29,8 @@ MODULE = "unbroken.trainer.examples.lightning_unbroken"
 @pytest.mark.timeout(900)
 def test_killed_worker_resumes_bitwise(tmp_path: Path) -> None:
     adapterrun.killed_worker_resumes_bitwise(MODULE, tmp_path, "lightning.model", prefix="model.")
+
+
+@pytest.mark.timeout(900)
+def test_in_job_the_healthy_rank_keeps_its_process(job: Job) -> None:
+    adapterrun.in_job_keeps_the_healthy_rank(job, MODULE)

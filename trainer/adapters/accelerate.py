@@ -18,18 +18,54 @@ use_seedable_sampler=True))` (the default sampler draws each epoch's order from 
 generator at the epoch's start, which a restore mid-epoch cannot replay). The state saved is the
 unwrapped model (so the persisted DCP checkpoint has the model's own names), the optimizer
 and scheduler under the wrappers Accelerate puts around them, and whatever `extra` holds.
+
+In-job recovery (a peer's death does not end this process): put everything from the
+`Accelerator` on in a function and run it with `recovery_loop(train)`. When the agent sends
+the new world, Accelerate's process-wide state (its `PartialState` singletons, which hold the
+old world's ranks) is reset and `train` runs again in the same process, restoring the agreed
+step from the agent's memory.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
+from unbroken.trainer import hooks
 from unbroken.trainer.adapters.core import Resilient
+
+T = TypeVar("T")
+
+
+def recovery_loop(body: Callable[[], T], *, hold_s: float = hooks.HOLD_WAIT_S) -> T:
+    """`hooks.recovery_loop` for an Accelerate loop: `body` builds the `Accelerator` (which
+    joins the world the environment names), the model, optimizer and `Unbroken`, restores
+    and trains. Before each run after the first (a new world), Accelerate's shared state is
+    forgotten, so the next `Accelerator()` joins the new world instead of reusing the old
+    world's ranks and process group."""
+    runs = 0
+
+    def run() -> T:
+        nonlocal runs
+        if runs:
+            reset_state()
+        runs += 1
+        return body()
+
+    return hooks.recovery_loop(run, hold_s=hold_s)
+
+
+def reset_state() -> None:
+    """Forget Accelerate's process-wide state (the accelerator's, the process's and the
+    gradient accumulation's singletons): the next `Accelerator()` starts afresh."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
 
 
 def _inner(obj: Any, attr: str) -> Any:

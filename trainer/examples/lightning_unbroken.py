@@ -4,12 +4,17 @@ random tokens, on CPU with gloo.
 Run it with `torchrun --standalone --nproc-per-node 2 --max-restarts 2 -m
 unbroken.trainer.examples.lightning_unbroken` on a node whose `unbroken agent` runs; a
 worker that dies is restarted by torchrun and both resume at the newest step in the agent's
-memory. Rank 0 prints `step N loss X` for every step.
+memory. Started by unbroken's agents (or under torchrun with `--rdzv-backend=unbroken
+--rdzv-conf in_job=1`), the fit runs in `hooks.recovery_loop`: when another rank dies, this
+process stays, builds its Trainer again in the new world and restores the agreed step from
+memory. Rank 0 prints `step N loss X` for every step (also to `--metrics-out` as JSON lines).
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
+import json
 import os
 import time
 from typing import Any
@@ -25,10 +30,11 @@ from unbroken.trainer.examples.args import example_parser
 
 
 class TinyLM(pl.LightningModule):
-    def __init__(self, steps: int, step_delay_s: float = 0.0) -> None:
+    def __init__(self, steps: int, step_delay_s: float = 0.0, metrics_out: Any = None) -> None:
         super().__init__()
         self.steps = steps
         self.step_delay_s = step_delay_s
+        self.metrics_out = metrics_out  # an open file for rank 0's losses, or None
         self.model = tiny_gpt2()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -36,6 +42,10 @@ class TinyLM(pl.LightningModule):
         loss = self.model(input_ids=tokens, labels=tokens).loss
         if self.global_rank == 0:
             print(f"step {self.global_step + 1} loss {loss.item()!r}", flush=True)
+            if self.metrics_out is not None:
+                line = {"step": self.global_step + 1, "loss": loss.item()}
+                self.metrics_out.write(json.dumps(line) + "\n")
+                self.metrics_out.flush()
         time.sleep(self.step_delay_s)
         return loss
 
@@ -45,9 +55,8 @@ class TinyLM(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def main() -> None:
-    args = example_parser(__doc__.split("\n")[0]).parse_args()
-    hooks.init(save_budget=args.save_budget, persist_every_s=args.persist_every_s)
+def train(args: argparse.Namespace) -> None:
+    """Build the Trainer in the world the environment names, restore, fit (once per world)."""
     pl.seed_everything(0, verbose=False)
     ub = Unbroken(persist_every_s=args.persist_every_s)
     # the world the launcher made: torchrun --nproc-per-node 2 (one node of 2), or the
@@ -60,7 +69,12 @@ def main() -> None:
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
     loader = ResumableDataLoader(token_data(), batch_size=4, shuffle=True, unbroken=ub)
-    trainer.fit(TinyLM(args.steps, args.step_delay_s), loader)
+    out = open(args.metrics_out, "a") if args.metrics_out else None
+    try:
+        trainer.fit(TinyLM(args.steps, args.step_delay_s, out), loader)
+    finally:
+        if out is not None:
+            out.close()
     # Lightning leaves its process group up, held by the trainer's DDP model in reference
     # cycles: freed only at the interpreter's exit, a group's gloo threads can abort the
     # process there (the Transformers example did, 2 runs in 12). Free them first.
@@ -68,6 +82,14 @@ def main() -> None:
     gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    parser = example_parser(__doc__.split("\n")[0])
+    parser.add_argument("--metrics-out", default="", help="rank 0's step losses (JSON lines)")
+    args = parser.parse_args()
+    hooks.init(save_budget=args.save_budget, persist_every_s=args.persist_every_s)
+    hooks.recovery_loop(lambda: train(args))
 
 
 if __name__ == "__main__":
