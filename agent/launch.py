@@ -135,6 +135,15 @@ class WorkerSpec:
             "help": "new standbys start once restarted workers step, or after this long",
         },
     )
+    warm_after_s: float = field(
+        default=0.0,
+        metadata={
+            "group": "warm standby workers (agent/warm.py)",
+            "help": "an agent still waiting for its workers (a spare, or before StartWorkers) "
+            "starts its standbys after this long (0: at once). On a host where their imports "
+            "compete with the job's first step (several nodes on a few cores), e.g. 30",
+        },
+    )
     hang: hanglib.HangConfig = field(
         default_factory=hanglib.HangConfig,
         metadata={"prefix": "hang-", "group": "hang detection (agent/hang.py)"},
@@ -155,6 +164,10 @@ class WorkerSpec:
             raise ValueError(f"nice must be in [0, 19] (--worker-nice), got {self.nice}")
         if not 0 <= self.warm_nice <= 19:
             raise ValueError(f"warm_nice must be in [0, 19] (--warm-nice), got {self.warm_nice}")
+        if not 0 <= self.warm_after_s <= 3600:
+            raise ValueError(
+                f"warm_after_s must be in [0, 3600] (--warm-after-s), got {self.warm_after_s}"
+            )
         if not 0 <= self.warm_refill_after_s <= 3600:
             raise ValueError(
                 f"warm_refill_after_s must be in [0, 3600] (--warm-refill-after-s), "

@@ -306,7 +306,9 @@ async def _main(c: LocalCluster, cfg: UpConfig) -> int:
                 "--replica-key-file", str(key_file),
                 "--hang-floor-ms", str(cfg.hang_floor_s * 1000.0),
                 "--token-file", str(c.node_token_file(node)),
-                *(["--warm-workers"] if cfg.warm_workers else []),  # else the agent's default
+                # else the agent's default; the standbys of agents still waiting for their
+                # workers (the spares) start after the first step, not against it
+                *(["--warm-workers", "--warm-after-s", "30"] if cfg.warm_workers else []),
             ],
             buddy=names_of[(i + 1) % cfg.nodes] if i < cfg.nodes else names_of[0],
             spare=i >= cfg.nodes,

@@ -299,3 +299,34 @@ def test_the_agent_hands_the_engines_flags_to_its_standbys_dry_run(tmp_path: Pat
     assert json.loads(env[WARM_ARGV]) == ["--preset", "tiny", "--dp", "2"]
     script = asyncio.run(standby_env([sys.executable, str(tmp_path / "train.py"), "--dp", "8"]))
     assert WARM_ARGV not in script  # a script's flags are not the engine's
+
+
+def test_an_agent_waiting_for_its_workers_starts_its_standbys_after_warm_after_s(
+    tmp_path: Path,
+) -> None:
+    """`--warm-after-s`: a spare's standbys wait (their imports would compete with the job's
+    first step on a small host); StartWorkers before then leaves them to the refill that
+    waits for the workers' steps; 0 starts them at once."""
+    import asyncio
+    import time
+
+    with pytest.raises(ValueError, match="warm_after_s"):
+        WorkerSpec(cmd=["x"], nproc=1, log_dir=str(tmp_path), warm_after_s=-1)
+
+    async def standbys_after(after_s: float, wait_s: float) -> int:
+        spec = WorkerSpec(
+            cmd=[sys.executable, str(tmp_path / "train.py")], nproc=1, log_dir=str(tmp_path),
+            warm=True, warm_preload=("json",), warm_after_s=after_s,
+        )  # fmt: skip
+        sup = Supervisor(spec, str(tmp_path / "agent.sock"))
+        t0 = time.monotonic()
+        sup.warm_up()
+        try:
+            while not sup.standbys and time.monotonic() - t0 < wait_s:
+                await asyncio.sleep(0.01)
+            return len(sup.standbys)
+        finally:
+            await sup.close(grace_s=1.0)
+
+    assert asyncio.run(standbys_after(0.0, wait_s=60)) == 1
+    assert asyncio.run(standbys_after(600.0, wait_s=0.5)) == 0
