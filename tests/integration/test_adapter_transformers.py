@@ -33,6 +33,7 @@ def test_killed_worker_resumes_bitwise(tmp_path: Path) -> None:
     adapterrun.killed_worker_resumes_bitwise(MODULE, tmp_path, "model")
 
 
+@pytest.mark.slow  # CI runs the Accelerate adapter's (the same recovery_loop); make test-all this
 @pytest.mark.timeout(900)
 def test_in_job_the_healthy_rank_keeps_its_process(job: Job) -> None:
     adapterrun.in_job_keeps_the_healthy_rank(job, MODULE)
