@@ -154,7 +154,9 @@ def reference(
             env = plain_worker_env(rank, world, port)
             out = open(tmp / f"rank{rank}.log", "wb")  # the child owns it
             cmd = [*train, "--steps", str(total_steps), "--metrics-out", str(metrics)]
-            procs.append(subprocess.Popen([sys.executable, *cmd], env=env, stdout=out, stderr=out))
+            procs.append(  # in its own folder: a script may write into its cwd
+                subprocess.Popen([sys.executable, *cmd], env=env, stdout=out, stderr=out, cwd=tmp)
+            )
             out.close()
 
         def done() -> bool:

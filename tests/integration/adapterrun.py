@@ -267,12 +267,19 @@ def killed_worker_resumes_bitwise(module: str, tmp: Path, key: str, prefix: str 
         check_persisted_dcp(ag.persist, key, prefix=prefix)
 
 
-def in_job_keeps_the_healthy_rank(job: Job, module: str, steps: int = 120) -> None:
+def in_job_keeps_the_healthy_rank(
+    job: Job,
+    module: str,
+    steps: int = 120,
+    extra: tuple[str, ...] = (),
+    reference_extra: tuple[str, ...] = (),
+) -> None:
     """`module` started by unbroken's agents (a driver, two nodes, one rank each): n1's
     worker is SIGKILLed; n0's worker keeps its pid (the example's `recovery_loop` builds its
     library's state again in the new world), restores the agreed step from its agent's
-    memory, and every step's loss equals an uninterrupted run's."""
-    script = ["-m", module]
+    memory, and every step's loss equals an uninterrupted run's (`extra`, `reference_extra`:
+    the example's flags in the job and in the uninterrupted run)."""
+    script = ["-m", module, *extra]
     cmd = [sys.executable, *script, "--steps", str(steps), "--metrics-out", str(job.metrics)]
     job.start_driver("--worker-cmd", " ".join(cmd), "--trainer", "ddp-script")
     job.start_agent("n0", buddy="n1")
@@ -286,7 +293,8 @@ def in_job_keeps_the_healthy_rank(job: Job, module: str, steps: int = 120) -> No
     until_job(lambda: job.max_step() >= steps, 600, "training to its last step", job)
     got = job.steps()
     assert sorted(got) == list(range(1, steps + 1)), sorted(got)
-    ref = jobs.reference(job.tmp / "reference", steps, train=script, total_steps=steps)
+    train = ["-m", module, *reference_extra]
+    ref = jobs.reference(job.tmp / "reference", steps, train=train, total_steps=steps)
     for step, values in got.items():
         for v in values:
             assert v == ref[step], (step, v, ref[step])

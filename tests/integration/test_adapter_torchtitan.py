@@ -30,6 +30,7 @@ import pytest
 pytest.importorskip("torchtitan")
 
 from tests.integration import adapterrun
+from tests.jobs import Job
 
 pytestmark = pytest.mark.integration
 
@@ -134,3 +135,15 @@ def check_torchtitan_resumes_from(step_dir: Path, tmp: Path) -> None:
         g = torch.Generator().manual_seed(1_000_003 * d["rank"] + step * batch)
         first = int(torch.randint(0, VOCAB, (SEQ_LEN + 1,), generator=g)[0])
         assert d["next_batch_first_token"] == first, (d, first)
+
+
+@pytest.mark.slow  # CI runs the Accelerate adapter's; make test-all this
+@pytest.mark.timeout(900)
+def test_in_job_the_healthy_rank_keeps_its_process(job: Job) -> None:
+    # the agents' workers and the reference each write torchtitan's folder of their own
+    adapterrun.in_job_keeps_the_healthy_rank(
+        job,
+        MODULE,
+        extra=("--dump-folder", str(job.tmp / "outputs-job")),
+        reference_extra=("--dump-folder", str(job.tmp / "outputs-reference")),
+    )

@@ -4,7 +4,11 @@ tokens, FSDP2 over the ranks, on CPU with gloo.
 Run it with `torchrun --standalone --nproc-per-node 2 --max-restarts 2 -m
 unbroken.trainer.examples.torchtitan_unbroken` on a node whose `unbroken agent` runs; a
 worker that dies is restarted by torchrun and both resume at the newest step in the agent's
-memory. Rank 0 prints `step N loss X` for every step.
+memory. Started by unbroken's agents (or under torchrun with `--rdzv-backend=unbroken
+--rdzv-conf in_job=1`), the Trainer runs in `hooks.recovery_loop`: when another rank dies,
+this process stays, builds its Trainer (process groups, mesh, FSDP2 model) again in the new
+world and restores the agreed step from memory. Rank 0 prints `step N loss X` for every
+step (also to `--metrics-out` as JSON lines).
 
 The one unbroken line is `config.checkpoint = Unbroken.Config(...)`. The rest is what a
 torchtitan job on CPU needs: `use_cpu()` (torchtitan 0.3.0 picks CUDA without an
@@ -16,7 +20,9 @@ full mesh, which this torch's `fully_shard` refuses), FSDP2 reductions gloo has
 
 from __future__ import annotations
 
+import argparse
 import gc
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -166,6 +172,7 @@ class DemoTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         step_delay_s: float = 0.0
+        metrics_out: str = ""  # rank 0's step losses (JSON lines)
 
     config: Config
 
@@ -174,17 +181,27 @@ class DemoTrainer(Trainer):
         if torch.distributed.get_rank() == 0:
             loss = getattr(self.checkpointer, "last_loss", None)
             print(f"step {self.step} loss {loss!r}", flush=True)
+            if self.config.metrics_out:
+                with open(self.config.metrics_out, "a") as f:
+                    f.write(json.dumps({"step": self.step, "loss": loss}) + "\n")
         time.sleep(self.config.step_delay_s)
 
 
-def job_config(steps: int, step_delay_s: float, persist_every_s: float) -> DemoTrainer.Config:
+def job_config(
+    steps: int,
+    step_delay_s: float,
+    persist_every_s: float,
+    metrics_out: str = "",
+    dump_folder: str = "",
+) -> DemoTrainer.Config:
     spec = tiny_llama()
     return DemoTrainer.Config(
         model_spec=spec,
         hf_assets_path="",
         # one folder per torchrun run (its restarts share it): torchtitan's own
         # checkpoints of an earlier run are not this run's start
-        dump_folder=os.path.join("outputs", os.environ.get("TORCHELASTIC_RUN_ID", "run")),
+        dump_folder=dump_folder
+        or os.path.join("outputs", os.environ.get("TORCHELASTIC_RUN_ID", "run")),
         tokenizer=NoTokenizer.Config(),
         dataloader=RandomTokenLoader.Config(),
         loss=CrossEntropyLoss.Config(global_vocab_size=VOCAB),
@@ -205,15 +222,16 @@ def job_config(steps: int, step_delay_s: float, persist_every_s: float) -> DemoT
         # reports and rollback skips; its own DCP saves stay at `interval`
         checkpoint=Unbroken.Config(interval=100_000, persist_every_s=persist_every_s),
         step_delay_s=step_delay_s,
+        metrics_out=metrics_out,
     )
 
 
-def main() -> None:
-    args = example_parser(__doc__.split("\n")[0]).parse_args()
-    hooks.init(save_budget=args.save_budget, persist_every_s=args.persist_every_s)
-    init_logger()
-    use_cpu()
-    trainer = job_config(args.steps, args.step_delay_s, args.persist_every_s).build()
+def train(args: argparse.Namespace) -> None:
+    """Build the Trainer in the world the environment names, restore, train (once per world)."""
+    config = job_config(
+        args.steps, args.step_delay_s, args.persist_every_s, args.metrics_out, args.dump_folder
+    )
+    trainer = config.build()
     try:
         trainer.train()
     finally:
@@ -222,6 +240,21 @@ def main() -> None:
     gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    parser = example_parser(__doc__.split("\n")[0])
+    parser.add_argument("--metrics-out", default="", help="rank 0's step losses (JSON lines)")
+    parser.add_argument(
+        "--dump-folder",
+        default="",
+        help="torchtitan's output folder (default: outputs/<torchrun's run id> in the cwd)",
+    )
+    args = parser.parse_args()
+    hooks.init(save_budget=args.save_budget, persist_every_s=args.persist_every_s)
+    init_logger()
+    use_cpu()
+    hooks.recovery_loop(lambda: train(args))
 
 
 if __name__ == "__main__":
