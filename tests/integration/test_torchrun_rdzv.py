@@ -560,6 +560,7 @@ def _injob_torchrun(
     sock: Path,
     nnodes: str = "2",
     steps: int = INJOB_STEPS,
+    script: tuple[str, ...] = tuple(INJOB_SCRIPT),
 ) -> Any:
     env = {
         **os.environ,
@@ -573,7 +574,7 @@ def _injob_torchrun(
         sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
         "--rdzv-backend=unbroken", f"--rdzv-endpoint={driver['address']}",
         f"--rdzv-id={run_id}", "--rdzv-conf", f"{conf},in_job=1", "--max-restarts=3",
-        "--monitor-interval=0.1", "--local-addr=127.0.0.1", *INJOB_SCRIPT,
+        "--monitor-interval=0.1", "--local-addr=127.0.0.1", *script,
         "--steps", str(steps), "--metrics-out", str(tmp / "metrics.jsonl"),
     ]  # fmt: skip
     with open(tmp / f"torchrun-{tag}.log", "wb") as log:
@@ -582,12 +583,14 @@ def _injob_torchrun(
         )
 
 
-def _script_worker(proc: subprocess.Popen[bytes]) -> psutil.Process:
+def _script_worker(
+    proc: subprocess.Popen[bytes], module: str = "unbroken.trainer.examples.ddp_in_job"
+) -> psutil.Process:
     """The one training worker torchrun `proc` runs now."""
     found = [
         p
         for p in psutil.Process(proc.pid).children(recursive=True)
-        if "unbroken.trainer.examples.ddp_in_job" in " ".join(p.cmdline())
+        if module in " ".join(p.cmdline())
     ]
     assert len(found) == 1, found
     return found[0]
@@ -641,6 +644,56 @@ def test_in_job_torchrun_keeps_the_healthy_workers_process(
     ref = reference(
         tmp_path / "reference", INJOB_STEPS, train=INJOB_SCRIPT, total_steps=INJOB_STEPS
     )
+    for step, values in got.items():
+        for v in values:
+            assert v == ref[step], (step, v, ref[step])
+
+
+@pytest.mark.slow
+def test_in_job_torchrun_keeps_an_accelerate_adapters_healthy_worker(
+    driver: dict[str, Any], tmp_path: Path
+) -> None:
+    """The same with the Accelerate adapter's example (its `recovery_loop` resets
+    Accelerate's state between worlds): rank 1's worker is SIGKILLed, rank 0's keeps its
+    pid, and every step's loss equals an uninterrupted run's."""
+    module = "unbroken.trainer.examples.accelerate_unbroken"
+    steps = 300
+    script = ("-m", module, "--step-delay-s", "0.02")
+    run_id = f"injob-acc-{uuid.uuid4().hex[:6]}"
+    metrics = tmp_path / "metrics.jsonl"
+    with _flash_agent(tmp_path, "a") as sock_a, _flash_agent(tmp_path, "b") as sock_b:
+        procs = [
+            _injob_torchrun(driver, tmp_path, run_id, t, s, steps=steps, script=script)
+            for t, s in (("a", sock_a), ("b", sock_b))
+        ]
+        try:
+            _wait_for("20 steps", lambda: len(read_metrics(metrics)) >= 20, 300, procs)
+            workers = [_script_worker(p, module) for p in procs]
+            keep = [w.environ()["RANK"] for w in workers].index("0")
+            survivor, victim = workers[keep], workers[1 - keep]
+            killed_at = max(read_metrics(metrics))
+            victim.kill()
+            _wait_for(
+                "training past the kill in a new world",
+                lambda: (
+                    max(read_metrics(metrics)) > killed_at + 20
+                    or all(p.poll() is not None for p in procs)
+                ),
+                300,
+                procs,
+            )
+            assert _script_worker(procs[keep], module).pid == survivor.pid
+            for p in procs:
+                p.wait(300)
+            assert [p.returncode for p in procs] == [0, 0], _tail(tmp_path, "a", "b")
+        finally:
+            stop_groups(procs, grace_s=15)
+    kept = "a" if keep == 0 else "b"
+    kept_log = (tmp_path / f"torchrun-{kept}.log").read_text()
+    assert "will restart worker group" not in kept_log, kept_log[-3000:]
+    got = read_metrics(metrics)
+    assert sorted(got) == list(range(1, steps + 1))
+    ref = reference(tmp_path / "reference", steps, train=list(script), total_steps=steps)
     for step, values in got.items():
         for v in values:
             assert v == ref[step], (step, v, ref[step])
