@@ -596,6 +596,40 @@ def _script_worker(
     return found[0]
 
 
+def _kill_rank1_keep_rank0(
+    procs: list[Any],
+    tmp: Path,
+    metrics: Path,
+    *,
+    first: int,
+    past: int,
+    module: str = "unbroken.trainer.examples.ddp_in_job",
+) -> int:
+    """After `first` steps SIGKILL the worker of rank 1 (rank 0's node picks the new world's
+    port), wait for `past` more steps and both torchruns' clean end, and check rank 0's
+    worker kept its pid; the index in `procs` of the node kept."""
+    _wait_for(f"{first} steps", lambda: len(read_metrics(metrics)) >= first, 300, procs)
+    workers = [_script_worker(p, module) for p in procs]
+    keep = [w.environ()["RANK"] for w in workers].index("0")
+    survivor, victim = workers[keep], workers[1 - keep]
+    killed_at = max(read_metrics(metrics))
+    victim.kill()
+    _wait_for(
+        "training past the kill in a new world",
+        lambda: (
+            max(read_metrics(metrics)) > killed_at + past
+            or all(p.poll() is not None for p in procs)
+        ),
+        300,
+        procs,
+    )
+    assert _script_worker(procs[keep], module).pid == survivor.pid
+    for p in procs:
+        p.wait(300)
+    assert [p.returncode for p in procs] == [0, 0], _tail(tmp, "a", "b")
+    return keep
+
+
 def test_in_job_torchrun_keeps_the_healthy_workers_process(
     driver: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -611,26 +645,7 @@ def test_in_job_torchrun_keeps_the_healthy_workers_process(
             for t, s in (("a", sock_a), ("b", sock_b))
         ]
         try:
-            _wait_for("100 steps", lambda: len(read_metrics(metrics)) >= 100, 300, procs)
-            workers = [_script_worker(p) for p in procs]
-            ranks = [w.environ()["RANK"] for w in workers]
-            keep = ranks.index("0")  # rank 0 stays: its node picks the new world's port
-            survivor, victim = workers[keep], workers[1 - keep]
-            killed_at = max(read_metrics(metrics))
-            victim.kill()
-            _wait_for(
-                "training past the kill in a new world",
-                lambda: (
-                    max(read_metrics(metrics)) > killed_at + 50
-                    or all(p.poll() is not None for p in procs)
-                ),
-                300,
-                procs,
-            )
-            assert _script_worker(procs[keep]).pid == survivor.pid
-            for p in procs:
-                p.wait(300)
-            assert [p.returncode for p in procs] == [0, 0], _tail(tmp_path, "a", "b")
+            keep = _kill_rank1_keep_rank0(procs, tmp_path, metrics, first=100, past=50)
         finally:
             stop_groups(procs, grace_s=15)
     kept, lost = ("a", "b") if keep == 0 else ("b", "a")
@@ -667,25 +682,9 @@ def test_in_job_torchrun_keeps_an_accelerate_adapters_healthy_worker(
             for t, s in (("a", sock_a), ("b", sock_b))
         ]
         try:
-            _wait_for("20 steps", lambda: len(read_metrics(metrics)) >= 20, 300, procs)
-            workers = [_script_worker(p, module) for p in procs]
-            keep = [w.environ()["RANK"] for w in workers].index("0")
-            survivor, victim = workers[keep], workers[1 - keep]
-            killed_at = max(read_metrics(metrics))
-            victim.kill()
-            _wait_for(
-                "training past the kill in a new world",
-                lambda: (
-                    max(read_metrics(metrics)) > killed_at + 20
-                    or all(p.poll() is not None for p in procs)
-                ),
-                300,
-                procs,
+            keep = _kill_rank1_keep_rank0(
+                procs, tmp_path, metrics, first=20, past=20, module=module
             )
-            assert _script_worker(procs[keep], module).pid == survivor.pid
-            for p in procs:
-                p.wait(300)
-            assert [p.returncode for p in procs] == [0, 0], _tail(tmp_path, "a", "b")
         finally:
             stop_groups(procs, grace_s=15)
     kept = "a" if keep == 0 else "b"

@@ -17,9 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
-from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
 
+from tests.injobnodes import Store, kept_env, node
 from unbroken.agent.rdzvinjob import InJobRounds
 from unbroken.common.injobdir import DIR_ENV, GEN_ENV, world_file
 from unbroken.trainer import torchrunhold
@@ -27,33 +26,14 @@ from unbroken.trainer import torchrunhold
 pytestmark = pytest.mark.integration
 
 
-class Store(dist.HashStore):
-    def try_get(self, key: str) -> bytes | None:
-        return bytes(self.get(key)) if self.check([key]) else None
-
-
 @pytest.fixture(autouse=True)
 def _env() -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in (DIR_ENV, GEN_ENV, "TORCHELASTIC_RUN_ID")}
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with kept_env():
+        yield
 
 
 def _node(store: Store, rank: int) -> InJobRounds:
-    rounds = InJobRounds(store, 0.3)
-    rounds.after_round(
-        RendezvousInfo(
-            dist.PrefixStore("torch.rendezvous.r.1", store),
-            rank,
-            2,
-            RendezvousStoreInfo("127.0.0.1", 29500),
-        )
-    )
-    return rounds
+    return node(store, rank, 0.3)
 
 
 @pytest.mark.parametrize("value", [b"x", b"-5", b"9" * 40])

@@ -18,9 +18,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch.distributed as dist
-from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+from torch.distributed.elastic.rendezvous.api import RendezvousInfo
 
+from tests.injobnodes import Store, kept_env
+from tests.injobnodes import node as _node
 from unbroken.agent import rdzv
 from unbroken.agent.rdzvinjob import InJobRounds
 from unbroken.common.injobdir import DIR_ENV, GEN_ENV, held_file, world_file
@@ -29,34 +30,10 @@ from unbroken.trainer import torchrunhold
 pytestmark = pytest.mark.unit
 
 
-class Store(dist.HashStore):
-    """A HashStore with the driver store's non-blocking read."""
-
-    def try_get(self, key: str) -> bytes | None:
-        return bytes(self.get(key)) if self.check([key]) else None
-
-
 @pytest.fixture(autouse=True)
 def _env() -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in (DIR_ENV, GEN_ENV, "TORCHELASTIC_RUN_ID")}
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-def _node(store: Store, rank: int, timeout_s: float = 5.0) -> InJobRounds:
-    rounds = InJobRounds(store, timeout_s)
-    info = RendezvousInfo(
-        dist.PrefixStore("torch.rendezvous.run.1", store),
-        rank,
-        2,
-        RendezvousStoreInfo("127.0.0.1", 29500),
-    )
-    rounds.after_round(info)
-    return rounds
+    with kept_env():
+        yield
 
 
 def _hold(node: InJobRounds, gen: int, local_rank: int = 0, local_world: int = 1) -> None:

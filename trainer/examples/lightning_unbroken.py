@@ -85,9 +85,7 @@ def train(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = example_parser(__doc__.split("\n")[0])
-    parser.add_argument("--metrics-out", default="", help="rank 0's step losses (JSON lines)")
-    args = parser.parse_args()
+    args = example_parser(__doc__.split("\n")[0]).parse_args()
     hooks.init(save_budget=args.save_budget, persist_every_s=args.persist_every_s)
     hooks.recovery_loop(lambda: train(args))
 

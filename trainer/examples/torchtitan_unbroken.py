@@ -244,7 +244,6 @@ def train(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = example_parser(__doc__.split("\n")[0])
-    parser.add_argument("--metrics-out", default="", help="rank 0's step losses (JSON lines)")
     parser.add_argument(
         "--dump-folder",
         default="",
