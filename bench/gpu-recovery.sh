@@ -15,12 +15,18 @@
 #    an agent runs with) it records whether rank 0 lives, what it raises and when; a second
 #    pair aborts rank 0's groups from another thread instead (the agent's hold).
 # 2. bench-recovery's modes phase on cuda: 2 nodes x 1 worker (tiny gpt3d, dp2, nccl) and a
-#    spare, worker SIGKILL x RUNS, in-job recovery against a restart of every worker.
+#    spare, a worker SIGKILL and a worker SIGSTOP (hang) x RUNS each, in-job recovery against
+#    a restart of every worker ($OUT/recovery-gpu.json).
+# 3. (WAITED=1) the in-job mode again with UNBROKEN_NCCL_ASYNC_ABORT=0: the survivor waits for
+#    NCCL's abort of its old world before it leaves, as before 2026-11-30
+#    ($OUT/recovery-gpu-waited-abort.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-recovery-out}
 RUNS=${RUNS:-3}
+KINDS=${KINDS:-worker_crash,hang}
 BENCH_S=${BENCH_S:-300}
+WAITED_S=${WAITED_S:-170}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 PY=${PY:-python3}
@@ -89,9 +95,19 @@ if [ "${PROBE:-0}" = 1 ]; then  # about 45 s: the watchdog pair waits for its ti
 fi
 $PY -c "from torch.distributed import ProcessGroupNCCL as P; print('get_error', hasattr(P, 'get_error'))"
 
-echo "== bench-recovery modes on cuda, worker crash x$RUNS"
-timeout -s TERM "$BENCH_S" $PY bench/recovery.py --device cuda --phases modes \
-  --kinds worker_crash --runs "$RUNS" --out "$OUT/recovery-gpu.json" --run-dir /tmp/gpu-runs
+echo "== bench-recovery modes on cuda, $KINDS x$RUNS"
+timeout -s TERM "$BENCH_S" $PY bench/recovery.py --device cuda --phases modes --modes in_job,restart \
+  --kinds "$KINDS" --runs "$RUNS" --out "$OUT/recovery-gpu.json" --run-dir /tmp/gpu-runs
 echo "bench exit $?"
-tar czf "$OUT/gpu-runs.tgz" -C /tmp gpu-runs --exclude='*.db' --exclude='member' 2>/dev/null
+if [ "${WAITED:-0}" = 1 ]; then
+  echo "== the same, in-job only, the NCCL abort waited for"
+  UNBROKEN_NCCL_ASYNC_ABORT=0 timeout -s TERM "$WAITED_S" $PY bench/recovery.py --device cuda \
+    --phases modes --modes in_job --kinds "$KINDS" --runs "$RUNS" \
+    --out "$OUT/recovery-gpu-waited-abort.json" --run-dir /tmp/gpu-runs-waited
+  echo "bench exit $?"
+fi
+# the runs' logs, in parts the device tool brings back (16 MiB each at most)
+tar czf /tmp/gpu-runs.tgz -C /tmp --exclude='*.db' --exclude='member' \
+  $(cd /tmp && ls -d gpu-runs gpu-runs-waited 2>/dev/null) 2>/dev/null
+split -b 15m /tmp/gpu-runs.tgz "$OUT/gpu-runs.tgz.part-"
 ls -la "$OUT"

@@ -774,6 +774,17 @@ def modes_summary(by_mode: dict[str, list[Fault]], runs: int) -> dict[str, Any]:
     return out
 
 
+def mode_ratios(modes: dict[str, Any]) -> dict[str, float]:
+    """`<kind>_in_job_vs_restart_ratio`: the in-job resume median over the restart's, for each
+    fault kind the run measured in both modes (under 1: in-job recovery is faster)."""
+    out: dict[str, float] = {}
+    for kind, row in modes.get("by_kind", {}).items():
+        a, b = row.get("resume_s_in_job"), row.get("resume_s_restart")
+        if a and b:
+            out[f"{kind}_in_job_vs_restart_ratio"] = round(a / b, 3)
+    return out
+
+
 #: What describes a whole run (its settings and load): a run of the modes phase alone keeps
 #: the earlier run's under these keys (its figures are theirs) and puts its own in `modes`.
 RUN_KEYS = (
@@ -934,6 +945,7 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
                     )
             by_mode[mode] = done
             out["modes"] = modes_summary(by_mode, runs)
+            out.update(mode_ratios(out["modes"]))
             for mode_ in by_mode:  # the issue's figures, per fault kind
                 out[f"resume_s_{mode_}"] = {
                     k: r[f"resume_s_{mode_}"] for k, r in out["modes"]["by_kind"].items()

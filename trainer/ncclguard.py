@@ -12,7 +12,9 @@ So a worker under an agent runs `NcclGuard`: a side thread that aborts every gro
 world when the NCCL backend reports an error (`get_error`, where torch has it) or when the
 agent's next command is a hold (peeked, so the main thread still reads it). The step that
 was running then raises, or returns values no one may keep: `tripped` makes the loop leave
-the world before that step is saved or reported.
+the world before that step is saved or reported. Leaving, the rank forgets its world at once
+and the abort ends on a side thread (`ASYNC_ABORT`), never aborting what the guard already
+did (`_guard_abort`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,18 @@ log = structlog.get_logger(__name__)
 #: How often the guard looks (an abort frees a blocked rank about 0.5 s after it is called).
 POLL_S = 0.05
 
+#: Leave an NCCL world without waiting for its abort: the communicators are aborted on a side
+#: thread while this rank forgets the world and joins the next one. NCCL's proxy thread looks
+#: at the abort flag between 500 ms polls, so a waited-for abort kept the survivor about
+#: 0.5 s (one H200, `bench/gpu-recovery.sh`: an in-job worker crash resumed in 2.02 s instead
+#: of 2.90, a restart of every worker 2.33). UNBROKEN_NCCL_ASYNC_ABORT=0 waits, as before.
+ASYNC_ABORT = os.environ.get("UNBROKEN_NCCL_ASYNC_ABORT", "1") != "0"
+
 _active: NcclGuard | None = None
+#: The guard thread that began aborting this world's groups (None: none did). A second abort
+#: of the same communicators can block: seen once in three on one H200, where torch's
+#: `_abort_process_group` after the guard's abort waited out the group's 60 s timeout.
+_guard_abort: threading.Thread | None = None
 
 
 def nccl_keeps_process() -> None:
@@ -64,21 +77,24 @@ class NcclGuard:
     @classmethod
     def start_if_nccl(cls, hooks: Hooks) -> NcclGuard | None:
         """Start a guard when this process's world is an NCCL one the agent can hold."""
-        global _active
+        global _active, _guard_abort
         import torch.distributed as dist
 
         if not hooks.replies or not dist.is_initialized() or dist.get_backend() != "nccl":
             return None
+        _guard_abort = None  # a new world: nothing of it aborted yet
         _active = g = cls(hooks)
         g._thread.start()
         return g
 
     def stop(self) -> None:
         """Stop looking, and wait for an abort already begun (about 0.5 s: the world must
-        not be destroyed under it)."""
+        not be destroyed under it; with `ASYNC_ABORT` it is only forgotten, not destroyed,
+        and the abort ends on its own)."""
         global _active
         self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
+        alive = self._thread.is_alive() and self._thread is not threading.current_thread()
+        if alive and not ASYNC_ABORT:
             self._thread.join(timeout=5.0)
         if _active is self:
             _active = None
@@ -89,7 +105,9 @@ class NcclGuard:
                 "held by the agent" if self.hooks.hold_waiting() else ""
             )
             if why:
+                global _guard_abort
                 self.why = why
+                _guard_abort = self._thread  # `abort_world` does not abort the world again
                 log.warning("aborting this rank's NCCL world", why=why)
                 n = abort_groups()
                 mark("guard_abort", why=why, groups=n)
@@ -135,6 +153,9 @@ def abort_world() -> bool:
 
     if not dist.is_initialized() or dist.get_backend() != "nccl":
         return False
+    begun = _guard_abort
+    if (ASYNC_ABORT or begun is not None) and _forget_world(begun):
+        return True
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     with contextlib.suppress(Exception):
         if abort is not None:
@@ -142,3 +163,57 @@ def abort_world() -> bool:
             mark("aborted")
             return True
     return False
+
+
+def _forget_world(begun: threading.Thread | None) -> bool:
+    """`abort_world` without the wait: this process forgets its world at once (the registry
+    part of torch's `_abort_process_group`) and its groups are aborted on a side thread (as
+    that function does, in one NCCL group call), so the next world can be made while the old
+    communicators' proxy threads wind down. Where the guard's thread `begun` aborting them,
+    the side thread only waits for it (keeping the groups alive until then). False (nothing
+    done) where this torch lacks what it needs: the caller aborts as before."""
+    global _guard_abort
+    import torch
+    import torch.distributed as dist
+
+    c10d = dist.distributed_c10d
+    world = c10d._world
+    update = getattr(c10d, "_update_default_pg", None)
+    unregister = getattr(c10d, "_unregister_all_process_groups", None)
+    tables = (
+        "pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg"
+    )  # fmt: skip
+    if update is None or unregister is None or not all(hasattr(world, t) for t in tables):
+        return False
+    groups = sorted(world.pg_names, key=lambda pg: world.pg_names[pg], reverse=True)
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device("cuda"))  # type: ignore[union-attr]
+    except RuntimeError:
+        backend = None
+    grouped = backend is not None and hasattr(backend, "_group_start")
+
+    def abort() -> None:
+        if begun is not None:
+            begun.join()
+        else:
+            with contextlib.suppress(Exception):
+                if grouped:  # one NCCL group: the comms' aborts cannot deadlock each other
+                    backend._group_start()
+                for pg in groups:
+                    with contextlib.suppress(Exception):
+                        pg.abort()
+                if grouped:
+                    backend._group_end()
+        mark("aborted", background=True, by_guard=begun is not None)
+
+    threading.Thread(target=abort, name="unbroken-nccl-abort", daemon=True).start()
+    update(None)
+    for t in tables:
+        getattr(world, t).clear()
+    if hasattr(world, "pg_coalesce_state"):
+        world.pg_coalesce_state.clear()
+    unregister()
+    world.group_count = 0
+    _guard_abort = None
+    mark("forgotten")
+    return True

@@ -105,6 +105,7 @@ def test_a_hold_trips_the_guard_which_aborts_every_group_and_says_why(
     agent, h = _agent_and_hooks(tmp_path)
     g = ncclguard.NcclGuard(h, poll_s=0.01)
     monkeypatch.setattr(ncclguard, "_active", g)
+    monkeypatch.setattr(ncclguard, "_guard_abort", None)
     try:
         g._thread.start()
         time.sleep(0.05)
@@ -114,6 +115,7 @@ def test_a_hold_trips_the_guard_which_aborts_every_group_and_says_why(
         while not ncclguard.tripped() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert ncclguard.tripped() == "held by the agent" and aborted == [1]
+        assert ncclguard._guard_abort is g._thread  # leaving will not abort the groups again
         assert [c.hold for c in h.commands()] == ["node-1 lost"]  # still the main thread's
         g.stop()
         assert not g._thread.is_alive() and ncclguard.tripped() == ""
@@ -122,6 +124,51 @@ def test_a_hold_trips_the_guard_which_aborts_every_group_and_says_why(
         h.close()
         agent.close()
     assert not dist.is_initialized()
+
+
+def test_leaving_forgets_the_world_at_once_while_its_abort_ends_on_a_side_thread() -> None:
+    """`_forget_world` (what `abort_world` does on an NCCL world) on real gloo groups: the
+    process forgets its world at once and can make the next one while the old groups' abort
+    is still under way; where the guard's thread began that abort, the side thread waits for
+    it instead of aborting the same communicators again."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    def aborters() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "unbroken-nccl-abort"]
+
+    for th in aborters():  # an earlier test's
+        th.join(timeout=5)
+    guard_done = threading.Event()
+    begun = threading.Thread(target=guard_done.wait, daemon=True)  # the guard, still aborting
+    begun.start()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    group = dist.new_group([0])
+    t = torch.ones(3)
+    dist.all_reduce(t, group=group)
+    try:
+        assert ncclguard._forget_world(begun)
+        assert not dist.is_initialized() and ncclguard._guard_abort is None
+        waiting = aborters()
+        assert len(waiting) == 1 and waiting[0].is_alive()  # waits for the guard's abort
+        # the next world, at once, while the old one's abort is still under way
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0, 1.0] and waiting[0].is_alive()
+        guard_done.set()
+        waiting[0].join(timeout=5)
+        assert not waiting[0].is_alive()
+        assert ncclguard._forget_world(None)  # no guard began: the side thread aborts
+        for th in aborters():
+            th.join(timeout=5)
+            assert not th.is_alive()
+        assert not dist.is_initialized()
+    finally:
+        guard_done.set()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_nccls_own_texts_are_peer_failures() -> None:
