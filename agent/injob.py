@@ -30,6 +30,7 @@ from collections.abc import Iterable
 import structlog
 
 from unbroken.agent import procexit
+from unbroken.agent.hang import cap_stacks
 from unbroken.agent.hookserver import HookServer
 from unbroken.agent.workers import Supervisor, Worker, process_stopped
 from unbroken.common import workerenv
@@ -56,6 +57,9 @@ HELD_PHASE = "held"  # the phase a held worker reports (trainer/run.py HELD_PHAS
 #: A worker not held by then is killed and replaced: its step may be long, or it may be
 #: stuck in a collective with a peer that is still alive (its gloo timeout is the backstop).
 HOLD_TIMEOUT_S = 5.0
+#: How long a worker not held in time gets to dump its stacks (py-spy, else its faulthandler)
+#: before it is killed: the incident waits this much longer in that case only.
+STACKS_TIMEOUT_S = 0.5
 
 
 def rejoinable(w: Worker) -> bool:
@@ -106,6 +110,13 @@ async def hold(
             break
         await asyncio.sleep(0.01)
     late = [w for w in keep if w.phase != HELD_PHASE or not rejoinable(w)]
+    if late:  # where each was stuck, before the kill (once seen on a GPU, not explained)
+        dumps = await asyncio.gather(*(sup.dump_stacks(w, STACKS_TIMEOUT_S) for w in late))
+        log.warning(
+            "in-job hold: workers not held in time, their stacks before the kill",
+            local_ranks=sorted(w.local_rank for w in late),
+            stacks=cap_stacks({w.local_rank: d for w, d in zip(late, dumps, strict=True)}),
+        )
     await asyncio.gather(*(kill(w) for w in late))
     held = [w.local_rank for w in keep if w not in late]
     log.info(

@@ -1,0 +1,79 @@
+"""A worker the agent cannot hold is dumped, then killed: the fallback says where it was stuck.
+
+A real agent `Supervisor` and `HookServer` start a worker that says hello through the SDK
+(`hookchannel.install`: its reply socket and its faulthandler stack signal) and then never
+reads a command, as a rank stuck in its teardown would be (seen once on an H200: the
+survivor of a peer's crash stopped after its flash ring closed, and the agent's hold ran out).
+`injob.hold` must not wait past its limit, must say which rank it could not hold, must log
+that rank's Python stacks before it kills it, and must kill it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import structlog
+
+from unbroken.agent import injob
+from unbroken.agent.hookserver import HookServer
+from unbroken.agent.launch import WorkerSpec
+from unbroken.agent.workers import Supervisor
+
+pytestmark = pytest.mark.integration
+
+STUCK = """
+import time
+from unbroken.trainer import hookchannel
+
+h = hookchannel.install()
+h.phase("checkpoint")  # a teardown's phase, never "held"
+print("ready", flush=True)
+
+def stuck_in_teardown():
+    while True:
+        time.sleep(0.05)
+
+stuck_in_teardown()
+"""
+
+
+def test_a_worker_not_held_in_time_has_its_stacks_logged_and_is_killed(tmp_path: Path) -> None:
+    async def run() -> tuple[str, float, int | None, list[dict[str, object]]]:
+        spec = WorkerSpec(
+            cmd=[sys.executable, "-c", STUCK], nproc=1, log_dir=str(tmp_path), warm=False
+        )
+        sock = str(tmp_path / "agent.sock")
+        sup = Supervisor(spec, sock)
+        server = HookServer(sock, sup, node_id="n0")
+        await server.start()
+        try:
+            w = await sup.start(0, refill=False)
+            deadline = time.monotonic() + 60
+            while not (w.reply_socket and w.stack_signal and w.phase == "checkpoint"):
+                assert time.monotonic() < deadline, "the worker never said hello"
+                assert w.proc is not None and w.proc.returncode is None, "the worker died"
+                await asyncio.sleep(0.05)
+            with structlog.testing.capture_logs() as logs:
+                t0 = time.monotonic()
+                said = await injob.hold(sup, server, replace=(), timeout_s=1.0)
+                took = time.monotonic() - t0
+            assert w.proc is not None
+            return said, took, w.proc.returncode, logs
+        finally:
+            await sup.close(grace_s=1.0)
+            server.close()
+
+    said, took, code, logs = asyncio.run(run())
+    assert "stopped [0]" in said and "held local ranks []" in said, said
+    assert took < 1.0 + injob.STACKS_TIMEOUT_S + 5.0 + 1.0, took  # the limit, the dump, the kill
+    assert code == -9  # SIGKILLed
+    (late,) = [e for e in logs if "not held in time" in str(e.get("event"))]
+    assert late["local_ranks"] == [0]
+    stacks = str(late["stacks"])
+    assert "--- local rank 0 ---" in stacks and "stuck_in_teardown" in stacks, stacks
+    (summary,) = [e for e in logs if e.get("event") == "in-job hold"]
+    assert summary["not_held_in_time"] == [0]
