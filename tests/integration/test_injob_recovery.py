@@ -27,7 +27,7 @@ from unbroken.proto import events_pb2 as ev
 
 pytestmark = pytest.mark.integration
 
-STEPS = 400
+STEPS = 200
 
 
 def _resumes(job: Job) -> list[ev.TrainingResumed]:
