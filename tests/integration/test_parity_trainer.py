@@ -73,6 +73,7 @@ def test_tensor_parallel_with_sequence_parallel(reference: list[float]) -> None:
     _assert_parity(reference, losses(config(tp=2)))
 
 
+@pytest.mark.slow  # 8 processes on CI's 2 cores: 25 s; each axis above, pp2 x tp2 in-job in CI
 def test_3d_pp2_dp2_tp2_1f1b_on_8_processes(reference: list[float]) -> None:
     _assert_parity(reference, losses(config(pp=2, dp=2, tp=2, microbatches=2, schedule="1F1B")))
 
