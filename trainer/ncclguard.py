@@ -14,7 +14,7 @@ agent's next command is a hold (peeked, so the main thread still reads it). The 
 was running then raises, or returns values no one may keep: `tripped` makes the loop leave
 the world before that step is saved or reported. Leaving, the rank forgets its world at once
 and the abort ends on a side thread (`ASYNC_ABORT`), never aborting what the guard already
-did (`_guard_abort`).
+did (`_world_guard`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -44,10 +44,11 @@ POLL_S = 0.05
 ASYNC_ABORT = os.environ.get("UNBROKEN_NCCL_ASYNC_ABORT", "1") != "0"
 
 _active: NcclGuard | None = None
-#: The guard thread that began aborting this world's groups (None: none did). A second abort
-#: of the same communicators can block: seen once in three on one H200, where torch's
-#: `_abort_process_group` after the guard's abort waited out the group's 60 s timeout.
-_guard_abort: threading.Thread | None = None
+#: The guard of this process's current world, kept after `stop` until the world is left: a
+#: guard that began aborting the world's groups (`why` set) is waited for, never followed by
+#: a second abort of the same communicators, which can block (seen once in three on one
+#: H200: torch's `_abort_process_group` after the guard's abort waited out the 60 s timeout).
+_world_guard: NcclGuard | None = None
 
 
 def nccl_keeps_process() -> None:
@@ -77,13 +78,12 @@ class NcclGuard:
     @classmethod
     def start_if_nccl(cls, hooks: Hooks) -> NcclGuard | None:
         """Start a guard when this process's world is an NCCL one the agent can hold."""
-        global _active, _guard_abort
+        global _active, _world_guard
         import torch.distributed as dist
 
         if not hooks.replies or not dist.is_initialized() or dist.get_backend() != "nccl":
             return None
-        _guard_abort = None  # a new world: nothing of it aborted yet
-        _active = g = cls(hooks)
+        _active = _world_guard = g = cls(hooks)
         g._thread.start()
         return g
 
@@ -105,9 +105,7 @@ class NcclGuard:
                 "held by the agent" if self.hooks.hold_waiting() else ""
             )
             if why:
-                global _guard_abort
-                self.why = why
-                _guard_abort = self._thread  # `abort_world` does not abort the world again
+                self.why = why  # `abort_world` will not abort the world again
                 log.warning("aborting this rank's NCCL world", why=why)
                 n = abort_groups()
                 mark("guard_abort", why=why, groups=n)
@@ -153,8 +151,8 @@ def abort_world() -> bool:
 
     if not dist.is_initialized() or dist.get_backend() != "nccl":
         return False
-    begun = _guard_abort
-    if (ASYNC_ABORT or begun is not None) and _forget_world(begun):
+    guard = _world_guard
+    if (ASYNC_ABORT or (guard is not None and guard.why)) and _forget_world(guard):
         return True
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     with contextlib.suppress(Exception):
@@ -165,14 +163,15 @@ def abort_world() -> bool:
     return False
 
 
-def _forget_world(begun: threading.Thread | None) -> bool:
+def _forget_world(guard: NcclGuard | None) -> bool:
     """`abort_world` without the wait: this process forgets its world at once (the registry
     part of torch's `_abort_process_group`) and its groups are aborted on a side thread (as
     that function does, in one NCCL group call), so the next world can be made while the old
-    communicators' proxy threads wind down. Where the guard's thread `begun` aborting them,
-    the side thread only waits for it (keeping the groups alive until then). False (nothing
+    communicators' proxy threads wind down. The side thread first stops the world's `guard`
+    and waits for its thread; where the guard began aborting the groups, it only waits for
+    that abort (keeping the groups alive until then) and aborts nothing again. False (nothing
     done) where this torch lacks what it needs: the caller aborts as before."""
-    global _guard_abort
+    global _world_guard
     import torch
     import torch.distributed as dist
 
@@ -186,16 +185,18 @@ def _forget_world(begun: threading.Thread | None) -> bool:
     if update is None or unregister is None or not all(hasattr(world, t) for t in tables):
         return False
     groups = sorted(world.pg_names, key=lambda pg: world.pg_names[pg], reverse=True)
-    try:
+    backend: Any = None  # ProcessGroupNCCL: its group calls bracket the aborts
+    with contextlib.suppress(RuntimeError):
         backend = dist.group.WORLD._get_backend(torch.device("cuda"))  # type: ignore[union-attr]
-    except RuntimeError:
-        backend = None
     grouped = backend is not None and hasattr(backend, "_group_start")
 
     def abort() -> None:
-        if begun is not None:
-            begun.join()
-        else:
+        if guard is not None:  # stopped, it ends at once unless it is aborting the groups
+            guard._stop.set()
+            if guard._thread.is_alive():
+                guard._thread.join()
+        by_guard = guard is not None and bool(guard.why)
+        if not by_guard:
             with contextlib.suppress(Exception):
                 if grouped:  # one NCCL group: the comms' aborts cannot deadlock each other
                     backend._group_start()
@@ -204,7 +205,7 @@ def _forget_world(begun: threading.Thread | None) -> bool:
                         pg.abort()
                 if grouped:
                     backend._group_end()
-        mark("aborted", background=True, by_guard=begun is not None)
+        mark("aborted", background=True, by_guard=by_guard)
 
     threading.Thread(target=abort, name="unbroken-nccl-abort", daemon=True).start()
     update(None)
@@ -214,6 +215,6 @@ def _forget_world(begun: threading.Thread | None) -> bool:
         world.pg_coalesce_state.clear()
     unregister()
     world.group_count = 0
-    _guard_abort = None
+    _world_guard = None
     mark("forgotten")
     return True

@@ -105,7 +105,6 @@ def test_a_hold_trips_the_guard_which_aborts_every_group_and_says_why(
     agent, h = _agent_and_hooks(tmp_path)
     g = ncclguard.NcclGuard(h, poll_s=0.01)
     monkeypatch.setattr(ncclguard, "_active", g)
-    monkeypatch.setattr(ncclguard, "_guard_abort", None)
     try:
         g._thread.start()
         time.sleep(0.05)
@@ -115,7 +114,6 @@ def test_a_hold_trips_the_guard_which_aborts_every_group_and_says_why(
         while not ncclguard.tripped() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert ncclguard.tripped() == "held by the agent" and aborted == [1]
-        assert ncclguard._guard_abort is g._thread  # leaving will not abort the groups again
         assert [c.hold for c in h.commands()] == ["node-1 lost"]  # still the main thread's
         g.stop()
         assert not g._thread.is_alive() and ncclguard.tripped() == ""
@@ -142,15 +140,17 @@ def test_leaving_forgets_the_world_at_once_while_its_abort_ends_on_a_side_thread
     for th in aborters():  # an earlier test's
         th.join(timeout=5)
     guard_done = threading.Event()
-    begun = threading.Thread(target=guard_done.wait, daemon=True)  # the guard, still aborting
-    begun.start()
+    guard = ncclguard.NcclGuard(hooks=None)  # type: ignore[arg-type]  # its thread: aborting
+    guard.why = "NCCL reported COMM_ERROR"
+    guard._thread = threading.Thread(target=guard_done.wait, daemon=True)
+    guard._thread.start()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     group = dist.new_group([0])
     t = torch.ones(3)
     dist.all_reduce(t, group=group)
     try:
-        assert ncclguard._forget_world(begun)
-        assert not dist.is_initialized() and ncclguard._guard_abort is None
+        assert ncclguard._forget_world(guard)
+        assert not dist.is_initialized() and ncclguard._world_guard is None
         waiting = aborters()
         assert len(waiting) == 1 and waiting[0].is_alive()  # waits for the guard's abort
         # the next world, at once, while the old one's abort is still under way
