@@ -304,7 +304,14 @@ class Worker:
             delay = hanglib.run_delay_ms(self.pid)
             if self.step != self.step_seen or self.delay_at_progress < 0:
                 self.step_seen, self.delay_at_progress = self.step, delay
-            starved = delay - self.delay_at_progress
+            # A delay below the one at the last progress is not this process's (it exited:
+            # its /proc entry is gone and the reading says 0; or a new process took the
+            # rank at the same step): no starvation is known. Unclamped, the difference went
+            # negative and turned a dead or new worker's short silence into a hang (seen at
+            # load 20: a SIGKILLed worker flagged hung after 3.5 s against an 8.2 s limit).
+            starved = max(0.0, delay - self.delay_at_progress)
+            if delay < self.delay_at_progress:
+                self.delay_at_progress = delay
         self.hung = judged and hanglib.is_hung(since_ms, threshold, starved)
         return phase, threshold
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -98,6 +100,26 @@ def test_worker_status_flags_a_rank_silent_past_its_rhythm(tmp_path: object) -> 
     assert not s.hung and s.phase == "checkpoint" and s.hang_threshold_ms == 60_000.0
     w.on_step(11, 1.0, 100.0, now=t + 6.0)  # a step ends the phase
     assert w.status(t + 6.5, CFG).phase == "train"
+
+
+def test_a_run_queue_reading_that_went_down_is_no_silence(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU-starvation credit only ever shortens a silence: a reading below the one at the
+    last progress (the process exited and /proc says 0, or another process took the rank at
+    the same step) must not make a short silence a hang."""
+    readings = iter([5000.0, 5000.0, 0.0, 0.0, 0.0])
+    monkeypatch.setattr(hang, "run_delay_ms", lambda pid: next(readings))
+    w = _worker(tmp_path)
+    w.proc = SimpleNamespace(pid=2**22 + 12345, returncode=None)  # type: ignore[assignment]
+    for i in range(1, 11):
+        w.on_step(i, 1.0, 100.0, now=100.0 + i * 0.1, timings_ms={"compute": 80.0})
+    t = 101.0  # the last step at 101.0; its rhythm allows 1 s of silence
+    assert not w.status(t + 0.2, CFG).hung  # the reading at progress: 5 s of run-queue delay
+    assert not w.status(t + 0.4, CFG).hung
+    assert not w.status(t + 0.6, CFG).hung  # the reading fell to 0: not 5.6 s of silence
+    assert not w.status(t + 0.9, CFG).hung
+    assert w.status(t + 1.1, CFG).hung  # the silence itself still counts
 
 
 def test_worker_status_says_the_step_restored_and_its_source(tmp_path: object) -> None:
