@@ -257,9 +257,15 @@ def test_crashed_worker_restarts_warm_and_training_continues(
             if p.pid not in spare_pids and not is_check_process(p)
         ]
         assert len(kids) == 2, kids
-        # a few steps in, so the killed rank has a copy in the ring (its first copy is still
-        # being written at step 2 on a loaded host: then no step is common and the job
-        # starts afresh, which is right, but not what this test is about)
+        # both standbys imported (their imports load the host: a rank slowed then is flagged
+        # hung) and a few steps in, so the killed rank has a copy in the ring (its first copy
+        # is still being written at step 2 on a loaded host: then no step is common and the
+        # job starts afresh, which is right, but not what this test is about)
+        until(
+            lambda: agent_log().split("worker started")[-1].count("standby ready") >= 2,
+            120,
+            "both standbys imported",
+        )
         until(lambda: max(steps(), default=0) >= 5, 90, "five steps")
         crash_step = max(steps())
         kids[1].kill()
