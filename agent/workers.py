@@ -309,9 +309,8 @@ class Worker:
             # rank at the same step): no starvation is known. Unclamped, the difference went
             # negative and turned a dead or new worker's short silence into a hang (seen at
             # load 20: a SIGKILLed worker flagged hung after 3.5 s against an 8.2 s limit).
-            starved = max(0.0, delay - self.delay_at_progress)
-            if delay < self.delay_at_progress:
-                self.delay_at_progress = delay
+            self.delay_at_progress = min(self.delay_at_progress, delay)
+            starved = delay - self.delay_at_progress
         self.hung = judged and hanglib.is_hung(since_ms, threshold, starved)
         return phase, threshold
 
