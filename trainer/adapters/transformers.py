@@ -120,6 +120,17 @@ class _Attr:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         getattr(self.trainer, self.name).load_state_dict(state_dict)
 
+    def snapshot_target(self) -> Any:
+        """What `state_dict` reads now, for the per-step snapshot (trainer/bundlesnap.py):
+        the torch optimizer inside Accelerate's wrapper (whose `state_dict` is that
+        optimizer's), else the Trainer's object."""
+        obj = getattr(self.trainer, self.name)
+        inner = getattr(obj, "optimizer", None)
+        wrapped = type(obj).__name__ == "AcceleratedOptimizer"
+        if wrapped and isinstance(inner, torch.optim.Optimizer):
+            return inner
+        return obj
+
 
 def _max_steps(trainer: Trainer) -> int:
     args = trainer.args
