@@ -25,8 +25,7 @@ Two ways to save. `save` copies in the caller's thread: on CPU it blocks for one
 training changes before the next optimizer step (the small values: step, data position,
 param groups, RNG) and copies the tensors on the writer's thread while the next step's
 forward and backward run (they do not modify parameters or optimizer state; torch and
-xxhash release the GIL while they copy and hash); a host state of at most
-`INLINE_COPY_BYTES` (1 MiB) is copied and made valid in the caller's thread instead. `guard(optimizers)` makes every
+xxhash release the GIL while they copy and hash). `guard(optimizers)` makes every
 `optimizer.step()` wait until the copy is out, so a loop that cannot be edited (the
 embedded trainer) stays exact. What blocks is the snapshot plus any wait in the guard;
 on a 2-core machine the copy still competes with the compute for cores and memory
@@ -106,12 +105,6 @@ IDLE_THREADS_ENV = "UNBROKEN_FLASH_IDLE_THREADS"
 #: Environment variable: "0" lets the copy thread run on any core (it follows the training
 #: thread's core by default: `FlashWriter._follow_to`).
 FOLLOW_CORE_ENV = "UNBROKEN_FLASH_FOLLOW_CORE"
-#: A host state of at most this many bytes is copied (and its manifest written) by the
-#: saving thread itself, not overlapped: handing a copy of tens of microseconds to the
-#: writer's thread cost more than the copy (the adapters' tiny GPT-2, 350 KB: a save and its
-#: wait 0.58 ms inline, 0.83 ms through the thread, one process; and on a host whose cores
-#: the ranks fill, that thread's wake-ups and GIL hand-offs come out of a step anyway).
-INLINE_COPY_BYTES = int(os.environ.get("UNBROKEN_FLASH_INLINE_BYTES", 1 << 20))
 
 
 def _yield_to_training() -> None:
@@ -607,15 +600,7 @@ class FlashWriter:
         ready = CudaCopier.ready_events(sources) if on_writer else {}
         events: list[tuple[torch.device, Any]] = []
         copy = self._copier(slot, plan, sources, events, ready)
-        inline = (
-            overlap
-            and not plan.cuda
-            and plan.nbytes <= INLINE_COPY_BYTES
-            and self._progress_hook is None
-        )
-        handle = self._launch(
-            copy, slot, rank_dir, manifest, events, overlap, plan.cuda, on_writer, inline
-        )
+        handle = self._launch(copy, slot, rank_dir, manifest, events, overlap, plan.cuda, on_writer)
         handle.generation = generation
         handle.blocked_s = time.perf_counter() - t0
         self._inflight[slot] = handle
@@ -635,21 +620,11 @@ class FlashWriter:
         overlap: bool,
         cuda: bool,
         on_writer: bool,
-        inline: bool = False,
     ) -> SaveHandle:
         """Run the copy here or hand it to the writer's thread, and the manifest after it."""
         job: _Once[None] | None = None
         copied: Future[None]
         # a fresh tensor has its planned one's device (`PlanCache` checks)
-        if inline:
-            # A small host state: copied and made valid here, at once. Handing it to the
-            # writer's thread cost more than the copy (see `INLINE_COPY_BYTES`).
-            copy()
-            copied = Future()
-            copied.set_result(None)
-            fin = _Once(self._finisher(lambda: copied, slot, rank_dir, manifest, events))
-            fin.run()
-            return SaveHandle(copied, fin.done, 0.0, None, fin)
         if overlap and (not cuda or on_writer):
             # One writer thread copies (GPU state: enqueues the copies) and then writes the
             # manifest (no checksum: `seal`).

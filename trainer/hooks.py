@@ -502,10 +502,9 @@ def save(step: int, state_dict: dict[str, Any], *, force: bool = False) -> bool:
     this returns after a snapshot of the small values, the tensors are copied on a
     background thread during the next forward and backward, and the next
     `optimizer.step()` (of an optimizer in `state_dict`, else of every optimizer) waits for
-    that copy. Do not change saved tensors in place before the next optimizer step. (A
-    state of at most 1 MiB in host memory is copied before this returns: cheaper than
-    the hand-off.) Models and optimizers whose `state_dict` is torch's own are not asked
-    for it every save: their tensors' identities are checked and the small values read
+    that copy. Do not change saved tensors in place before the next optimizer step. Models
+    and optimizers whose `state_dict` is torch's own are not asked for it every save:
+    their tensors' identities are checked and the small values read
     (trainer/bundlesnap.py); a replaced tensor is noticed and saved from where it is.
 
     Paced so that saving costs at most `save_budget` of the step time (`init`; 2 %): the

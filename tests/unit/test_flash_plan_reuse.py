@@ -27,14 +27,6 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.fixture
-def threaded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Small states overlapped on the writer's thread too (they are copied inline)."""
-    from unbroken.recovery import flash
-
-    monkeypatch.setattr(flash, "INLINE_COPY_BYTES", 0)
-
-
-@pytest.fixture
 def owner() -> Iterator[FlashOwner]:
     root = tempfile.mkdtemp(prefix="ub-test-", dir="/dev/shm")
     try:
@@ -259,7 +251,6 @@ def test_a_reshaped_parameter_plans_again(owner: FlashOwner) -> None:
     w.close()
 
 
-@pytest.mark.usefixtures("threaded")
 def test_the_previous_copy_is_valid_at_the_next_save_without_the_writer_thread(
     owner: FlashOwner,
 ) -> None:

@@ -62,14 +62,6 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.fixture
-def threaded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Small states overlapped on the writer's thread too (they are copied inline)."""
-    from unbroken.recovery import flash
-
-    monkeypatch.setattr(flash, "INLINE_COPY_BYTES", 0)
-
-
-@pytest.fixture
 def owner() -> Iterator[FlashOwner]:
     root = tempfile.mkdtemp(prefix="ub-test-", dir="/dev/shm")
     own = FlashOwner(FlashConfig(root=root, job="t"))
@@ -924,45 +916,6 @@ def _manifest_steps(owner: FlashOwner) -> list[int]:
     return [r.manifest.step for r in list_copies(owner.rank_dir(0))]
 
 
-def test_a_small_host_state_is_saved_inline_and_valid_when_save_async_returns(
-    owner: FlashOwner, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Up to `INLINE_COPY_BYTES` the saving thread copies and writes the manifest itself
-    (no hand-off to the writer's thread, which cost more than such a copy); above it, the
-    copy is overlapped on the writer's thread."""
-    from unbroken.recovery import flash
-
-    model = torch.nn.Linear(64, 64)
-    nbytes = (64 * 64 + 64) * 4
-    w = FlashWriter(0, owner)
-    used: list[str] = []
-    real = flash.write_manifest
-
-    def spy(*a: Any, **k: Any) -> Any:
-        used.append(threading.current_thread().name)
-        return real(*a, **k)
-
-    monkeypatch.setattr(flash, "write_manifest", spy)
-    try:
-        monkeypatch.setattr(flash, "INLINE_COPY_BYTES", nbytes)  # at it
-        h = w.save_async({"model": model.state_dict()}, 1)
-        assert h is not None and h.done() and used == [threading.current_thread().name]
-        assert _manifest_steps(owner) == [1]
-        with torch.no_grad():
-            model.weight.add_(1.0)  # free to change at once: the copy is taken
-        monkeypatch.setattr(flash, "INLINE_COPY_BYTES", nbytes - 1)  # over it
-        h = w.save_async({"model": model.state_dict()}, 2)
-        assert h is not None
-        h.wait()
-        assert len(used) == 2 and used[1] != threading.current_thread().name
-        target = {"model": _zeros_like(model.state_dict())}
-        w.load(target)
-        _assert_same({"model": model.state_dict()}, target)
-    finally:
-        w.close()
-
-
-@pytest.mark.usefixtures("threaded")
 def test_an_overlapped_save_is_published_by_the_writer_thread_right_after_its_checksum(
     owner: FlashOwner,
 ) -> None:
@@ -1480,7 +1433,6 @@ def test_the_fresh_values_flatten_as_dcp_flattens_them() -> None:
         assert not _flatten_into({}, "trainer", state)
 
 
-@pytest.mark.usefixtures("threaded")
 def test_a_copy_its_thread_has_not_started_is_made_by_the_thread_that_needs_it(
     owner: FlashOwner,
 ) -> None:
@@ -1511,7 +1463,6 @@ def test_a_copy_its_thread_has_not_started_is_made_by_the_thread_that_needs_it(
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
-@pytest.mark.usefixtures("threaded")
 def test_the_writer_threads_run_at_idle_priority_unless_told_not_to(
     owner: FlashOwner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1535,7 +1486,6 @@ def test_the_writer_threads_run_at_idle_priority_unless_told_not_to(
     not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
     reason="needs Linux CPU affinity and two CPUs",
 )
-@pytest.mark.usefixtures("threaded")
 def test_the_copy_thread_follows_the_training_threads_core_unless_told_not_to(
     owner: FlashOwner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
