@@ -8,18 +8,18 @@ are updated in place: from step to step `state_dict()` returns views of the same
 and only small values change (the learning rate, a scheduler's counters, the step).
 
 `snapshot(bundle)` gives a `Snapshot` when every entry allows it: its key is the identity
-of every tensor the entry's `state_dict()` holds (object, storage, shape, dtype), so a
+of every tensor the entry's `state_dict()` holds (object, storage, shape), so a
 replaced or re-allocated tensor, a new optimizer state, a loaded state or another set of
 entries changes it and the writer takes the full path; its fresh values are what
 `state_dict()` holds besides those tensors, under the same flattened names. Entries:
 
 - an `nn.Module` whose whole tree saves as torch's `Module.state_dict` does (no state-dict
-  hooks, no `get_extra_state`, no override, no DTensor parameter): its parameters and
-  persistent buffers, no fresh values;
+  hooks, no `get_extra_state`, no override) and holds plain tensors only (no DTensor or
+  other subclass): its parameters and persistent buffers, no fresh values;
 - a `torch.optim.Optimizer` of torch's own `state_dict` (no hooks, no override): its
   per-parameter state tensors in the key, the rest (param-group values, non-tensor state)
   fresh;
-- a tensor: in the key;
+- a plain tensor: in the key;
 - anything else (a scheduler, the adapters' step and RNG, a nested dict): its whole
   `state_dict()` (or itself) is fresh each save, as on the full path.
 
@@ -33,7 +33,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from unbroken.recovery.flashplan import Snapshot, flatten
 
@@ -60,22 +59,20 @@ def snapshot(key: str, state: Mapping[str, Any], full: Any) -> Snapshot | None:
                 return None
             shape.append(len(obj.state))
         elif isinstance(obj, torch.Tensor):
-            if isinstance(obj, DTensor):
+            if type(obj) not in _PLAIN:
                 return None
             tensors.append(obj)
         shape.append((name, type(obj), len(tensors) - before))
         live.append((name, obj))
+    try:
+        ptrs = tuple([t.data_ptr() for t in tensors])
+    except RuntimeError:  # a tensor without storage (sparse): plan every save
+        return None
     prefix = key + "."
     return Snapshot(
         # the tensor objects themselves (kept alive: an id is never reused while the key
         # lives), where their data is, and their shapes
-        key=(
-            tuple(shape),
-            _Same(params),
-            _Same(tensors),
-            tuple([t.data_ptr() for t in tensors]),
-            tuple([t.shape for t in tensors]),
-        ),
+        key=(tuple(shape), _Same(params), _Same(tensors), ptrs, tuple([t.shape for t in tensors])),
         full=lambda: {key: full},
         fresh=lambda: _fresh(prefix, live),
         flat=True,
@@ -129,12 +126,16 @@ def _module_tensors(module: torch.nn.Module, out: list[torch.Tensor]) -> bool:
             return False
         for p in m._parameters.values():
             if p is not None:
-                if type(p) not in _PLAIN and isinstance(p, DTensor):
+                if type(p) not in _PLAIN:  # a DTensor, a quantised or other subclass
                     return False
                 out.append(p)
         if m._buffers:
             skip = m._non_persistent_buffers_set
-            out.extend(b for n, b in m._buffers.items() if b is not None and n not in skip)
+            for n, b in m._buffers.items():
+                if b is not None and n not in skip:
+                    if type(b) not in _PLAIN:
+                        return False
+                    out.append(b)
         if m._modules:
             todo.extend(c for c in m._modules.values() if c is not None)
     return True
@@ -161,15 +162,15 @@ def _optimizer_tensors(
             for v in state.get(p, _EMPTY).values():
                 if type(v) in _PLAIN:
                     out.append(v)
-                elif isinstance(v, torch.Tensor):
-                    if isinstance(v, DTensor):
-                        return False
-                    out.append(v)
+                elif isinstance(v, torch.Tensor):  # a DTensor or another subclass
+                    return False
     return True
 
 
 _EMPTY: dict[str, Any] = {}
-_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})  # (isinstance on DTensor: ~0.5 us)
+# the tensor types whose identity, storage and shape say what `state_dict()` holds (a type
+# check where isinstance on DTensor took ~0.5 us a tensor)
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 def _fresh(prefix: str, live: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -135,6 +135,16 @@ def test_what_cannot_be_snapshotted_takes_the_full_path() -> None:
     s["model"].body[0] = Extra(8, 8)
     assert _snap(s) is None
 
+    class Wrapped(torch.Tensor):  # a tensor subclass (DTensor, a quantised weight...)
+        pass
+
+    s = _state()
+    s["extra"] = torch.zeros(2).as_subclass(Wrapped)
+    assert _snap(s) is None
+    s = _state()
+    s["model"].register_buffer("sparse", torch.eye(3).to_sparse())  # no storage pointer
+    assert _snap(s) is None
+
 
 @pytest.fixture
 def writer() -> Iterator[FlashWriter]:
