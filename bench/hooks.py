@@ -291,6 +291,9 @@ def main() -> int:
 
     load = os.getloadavg()[0]
     results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
+        "command": " ".join(["OMP_NUM_THREADS=1 .venv/bin/python bench/hooks.py", *sys.argv[1:]]),
+        "load1": round(load, 2),
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
