@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from unbroken.recovery.flashplan import Snapshot, flatten
+from unbroken.recovery.flashplan import Snapshot, flatten, has_state
 
 _Module = torch.nn.Module
 _Optimizer = torch.optim.Optimizer
@@ -46,7 +46,7 @@ def snapshot(key: str, state: Mapping[str, Any], full: Any) -> Snapshot | None:
     live: list[tuple[str, Any]] = []
     tensors: list[torch.Tensor] = []
     params: list[torch.Tensor] = []  # an optimizer's parameters: only their identity counts
-    shape: list[Any] = []  # per entry: its name, kind and tensor count
+    entries: list[Any] = []  # per entry: its name, kind and tensor count
     for name, value in state.items():
         target = getattr(value, "snapshot_target", None)
         obj = target() if target is not None else value
@@ -57,12 +57,12 @@ def snapshot(key: str, state: Mapping[str, Any], full: Any) -> Snapshot | None:
         elif isinstance(obj, _Optimizer):
             if not _optimizer_tensors(obj, tensors, params):
                 return None
-            shape.append(len(obj.state))
+            entries.append(len(obj.state))
         elif isinstance(obj, torch.Tensor):
             if type(obj) not in _PLAIN:
                 return None
             tensors.append(obj)
-        shape.append((name, type(obj), len(tensors) - before))
+        entries.append((name, type(obj), len(tensors) - before))
         live.append((name, obj))
     try:
         ptrs = tuple([t.data_ptr() for t in tensors])
@@ -72,7 +72,13 @@ def snapshot(key: str, state: Mapping[str, Any], full: Any) -> Snapshot | None:
     return Snapshot(
         # the tensor objects themselves (kept alive: an id is never reused while the key
         # lives), where their data is, and their shapes
-        key=(tuple(shape), _Same(params), _Same(tensors), ptrs, tuple([t.shape for t in tensors])),
+        key=(
+            tuple(entries),
+            _Same(params),
+            _Same(tensors),
+            ptrs,
+            tuple([t.shape for t in tensors]),
+        ),
         full=lambda: {key: full},
         fresh=lambda: _fresh(prefix, live),
         flat=True,
@@ -183,11 +189,7 @@ def _fresh(prefix: str, live: list[tuple[str, Any]]) -> dict[str, Any]:
         if isinstance(obj, _Optimizer):
             _optimizer_fresh(out, at, obj)
             continue
-        value = obj.state_dict() if _stateful(obj) else obj
-        if isinstance(value, Mapping):
-            out.update(flatten({at: value}))
-        else:
-            out[at] = value
+        out.update(flatten({at: obj.state_dict() if has_state(obj) else obj}))
     return out
 
 
@@ -209,10 +211,3 @@ def _optimizer_fresh(out: dict[str, Any], at: str, opt: torch.optim.Optimizer) -
                     if not isinstance(v, torch.Tensor):
                         out[f"{at}.state.{i}.{k}"] = v
         index += len(params)
-
-
-def _stateful(value: Any) -> bool:
-    return (
-        getattr(value, "state_dict", None) is not None
-        and getattr(value, "load_state_dict", None) is not None
-    )
