@@ -157,6 +157,10 @@ class AgentApi:
         self, request: dpb.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> dpb.RegisterResponse:
         if not self._lead.leader:
+            if caller().is_node(request.node_id) and len(request.node_id) <= 128:
+                # its agent retries fast until someone leads: if this driver wins, it
+                # expects the node back soon (LiveView.await_nodes)
+                self.view.asked_for_leader(request.node_id, time.monotonic())
             await self._not_leader(context)
         problem = detectors.validate_register(request)
         if problem:

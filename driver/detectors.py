@@ -72,6 +72,12 @@ def late_together(view: LiveView, now: float) -> bool:
     return late >= 2 and late > c.late_share * heard
 
 
+# why a node the log knows was lost after a failover: it did not find the new leader within
+# the whole grace, or it asked for the leader during the election and the others came back
+NOT_BACK = "not back after the failover"
+ASKED_NOT_BACK = "not back after the failover (it asked during the election)"
+
+
 def silent(
     view: LiveView,
     now: float,
@@ -111,12 +117,25 @@ def silent(
     ):
         whole = queue is view.strays  # out of order: read whole (few)
         beating = whole or queue is view.order
+        awaited = view.awaited if queue is view.pending else None
         for slot in queue.values():
             silence = now - slot.last_seen
             if silence <= timeout:
                 if whole:
                     continue
                 break
+            if awaited:
+                whole_grace = awaited.get(slot.node_id)
+                if whole_grace is not None:
+                    # awaited since a failover; one that asked for the leader (a deadline
+                    # of its whole grace) waits until the herd came back and went quiet
+                    if whole_grace and now < whole_grace:
+                        if not view.settled(now):
+                            continue
+                        out.append((slot, ASKED_NOT_BACK))
+                        continue
+                    out.append((slot, NOT_BACK))
+                    continue
             # only the stale front is read: the nodes past the fixed timeout
             # (only while its stream is open: a killed agent's closed stream is its loss)
             jitter = min(cap, c.jitter_k * slot.gap_s)

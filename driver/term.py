@@ -18,7 +18,7 @@ import structlog
 from unbroken.driver.decider import Decision, RecordOnly
 from unbroken.driver.eventlog import EventLog, Leadership
 from unbroken.driver.journal import Journal
-from unbroken.driver.liveview import LiveView
+from unbroken.driver.liveview import LiveView, NodeSlot
 from unbroken.driver.loop import LoopConfig, RecoveryLoop, timeline
 from unbroken.driver.scheduler import BridgeConfig, Scheduler, SchedulerBridge
 from unbroken.driver.service import DriverService
@@ -161,16 +161,18 @@ def expect_known_nodes(view: LiveView, state: ev.JobState, grace_s: float) -> No
     driver already tracked from an earlier term of its own whose session the step-down
     ended: it was measured by the miss limit alone and, seconds into its backoff, declared
     lost (a spare so lost, the chaos suite's stopped etcd shrank the world instead of
-    taking it).
+    taking it). A node that asked this driver for the leader during the election retries
+    fast: once the others are back and quiet, it is lost after `failover_grace_ms`
+    (`LiveView.await_nodes`, `detectors.silent`).
     """
-    now = time.monotonic() + grace_s
+    awaited: list[NodeSlot] = []
     for node_id, rec in state.nodes.items():
         if rec.state not in (ev.NODE_STATE_ACTIVE, ev.NODE_STATE_SPARE):
             continue
         known = view.nodes.get(node_id)
         if known is not None:
             if not known.connected and known.alive:
-                view.mark_registered(known, now)  # back within the same grace
+                awaited.append(known)  # back within the same grace
             continue
         slot = view.slot(node_id)
         slot.epoch = rec.epoch
@@ -182,4 +184,5 @@ def expect_known_nodes(view: LiveView, state: ev.JobState, grace_s: float) -> No
             num_workers=rec.num_workers,
             spare=rec.spare,
         )
-        view.mark_registered(slot, now)
+        awaited.append(slot)
+    view.await_nodes(awaited, time.monotonic(), grace_s)

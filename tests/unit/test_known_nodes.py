@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from unbroken.driver.liveview import LiveViewConfig
+from unbroken.driver import detectors
+from unbroken.driver.liveview import LiveView, LiveViewConfig
 from unbroken.driver.service import DriverService, ServiceConfig
 from unbroken.driver.term import expect_known_nodes
 from unbroken.proto import events_pb2 as ev
@@ -14,6 +15,7 @@ from unbroken.proto import events_pb2 as ev
 pytestmark = pytest.mark.unit
 
 GRACE_S = 30.0
+ASKED, WHOLE = detectors.ASKED_NOT_BACK, detectors.NOT_BACK
 
 
 def _state(*nodes: tuple[str, int]) -> ev.JobState:
@@ -56,3 +58,77 @@ def test_nodes_of_an_earlier_term_of_this_driver_get_the_registration_grace() ->
     assert view.nodes["gone"].last_seen == long_ago and not view.nodes["gone"].alive
     assert view.nodes["online"].last_seen == long_ago
     assert "evicted" not in view.nodes
+
+
+def _failover_view(asked: dict[str, float], *, at: float = 100.0) -> LiveView:
+    """A standby that heard `asked` (node -> when) ask it for the leader, then won at `at`
+    with the log's nodes a, b and c to await (the registration grace 5 s, the term's 5 s)."""
+    view = LiveView(LiveViewConfig(session_grace_ms=5_000, miss_limit=1000))  # 100 s
+    for node_id, when in asked.items():
+        view.asked_for_leader(node_id, when)
+    slots = [view.slot(n) for n in ("a", "b", "c")]
+    view.await_nodes(slots, at, 5.0)
+    return view
+
+
+def _lost(view: LiveView, now: float) -> dict[str, str]:
+    return {e.node_lost.node_id: e.node_lost.reason for e in detectors.expired(view, now)}
+
+
+def test_a_node_that_asked_for_the_leader_is_lost_once_the_others_are_back_and_quiet() -> None:
+    """bench-recovery at MTBF 20 s: a node lost 0.4 s after a leader kill was declared lost
+    11.7 s after the kill (the whole grace of a node that may still be backing off) and the
+    job stood still that long. An agent that asked the standby for the leader retries every
+    --election-retry-s: 1.5 s after the win, with the others back and quiet for 1 s, it is
+    lost."""
+    view = _failover_view({"a": 99.0, "b": 99.0, "c": 99.2})
+    for n, t in (("b", 100.3), ("c", 100.4)):
+        view.mark_registered(view.nodes[n], t)
+        view.mark_alive(view.nodes[n], t + 0.05)
+    assert not view.settled(101.35)  # c came back 0.95 s ago
+    assert _lost(view, 101.45) == {}  # quiet, but not 1.5 s after the win yet
+    assert _lost(view, 101.55) == {"a": ASKED}
+    assert _lost(view, 110.5) == {}  # once
+    assert not view.nodes["a"].alive and "a" not in view.awaited
+    assert view.nodes["b"].alive and view.nodes["c"].alive
+
+
+def test_while_the_herd_still_comes_back_an_awaited_node_is_not_lost_early() -> None:
+    """10,000 agents reconnect for seconds after a failover: a node that asked is held while
+    others still come back (each return restarts the quiet time), up to its whole grace."""
+    view = _failover_view({"a": 99.0, "b": 99.0, "c": 99.0})
+    view.mark_alive(view.nodes["b"], 101.4)
+    assert _lost(view, 102.3) == {}  # quiet only 0.9 s
+    assert _lost(view, 102.45) == {"a": ASKED, "c": ASKED}
+    nobody = _failover_view({"a": 99.0, "b": 99.0, "c": 99.0})
+    # nobody came back (this leader may be cut off): every node gets its whole grace
+    assert _lost(nobody, 109.9) == {}
+    assert _lost(nobody, 110.1) == {"a": WHOLE, "b": WHOLE, "c": WHOLE}
+
+
+def test_a_node_that_did_not_ask_or_asked_long_ago_gets_the_whole_grace() -> None:
+    """A node not heard during the election may be deep in its backoff (a sole driver
+    restarted: nobody could ask it); one that asked 30 s before may be too."""
+    view = _failover_view({"b": 99.0, "c": 70.0})
+    view.mark_alive(view.nodes["b"], 100.2)
+    assert _lost(view, 105.0) == {}
+    assert _lost(view, 109.9) == {}
+    assert _lost(view, 110.1) == {"a": WHOLE, "c": WHOLE}
+    assert view.asked == {}  # a term's own; the next election starts afresh
+
+
+def test_failover_grace_zero_turns_the_rule_off_and_the_asking_is_bounded() -> None:
+    view = LiveView(
+        LiveViewConfig(session_grace_ms=5_000, failover_grace_ms=0, max_nodes=2, miss_limit=1000)
+    )
+    for n, t in (("a", 1.0), ("b", 2.0), ("c", 3.0)):
+        view.asked_for_leader(n, t)
+    assert set(view.asked) == {"a", "b"}  # full, and none older than the window
+    view.asked_for_leader("c", 20.0)  # the old ones make room
+    assert set(view.asked) == {"c"}
+    view.await_nodes([view.slot("c"), view.slot("d")], 21.0, 5.0)
+    view.mark_alive(view.nodes["d"], 21.1)
+    assert _lost(view, 30.9) == {}
+    assert _lost(view, 31.1) == {"c": WHOLE}
+    with pytest.raises(ValueError, match="failover_grace_ms"):
+        LiveViewConfig(failover_grace_ms=-1)
