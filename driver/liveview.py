@@ -59,8 +59,8 @@ class LiveViewConfig:
         metadata={
             "help": "a node that asked this standby for the leader during the election and "
             "is not back this long after the win (at most --session-grace-ms), while the "
-            "others came back and went quiet, is lost (0: it gets the whole registration "
-            "grace)"
+            "others came back and went quiet and no more than --mass-loss-min are still "
+            "out, is lost (0: it gets the whole registration grace)"
         },
     )
     failover_quiet_ms: int = field(
@@ -384,9 +384,14 @@ class LiveView:
             self.back_at = now
 
     def settled(self, now: float) -> bool:
-        """Since the failover some awaited node came back, and none for `failover_quiet_ms`
-        (the herd of reconnecting agents has passed)."""
-        return bool(self.back_at) and now - self.back_at >= self.config.failover_quiet_ms / 1000.0
+        """Since the failover some awaited node came back, none for `failover_quiet_ms`
+        (the herd of reconnecting agents has passed), and no more than `mass_loss_min` are
+        still awaited (the few a failover's coincidence may have killed; more is a slow
+        herd, given the whole grace)."""
+        c = self.config
+        if not self.back_at or now - self.back_at < c.failover_quiet_ms / 1000.0:
+            return False
+        return len(self.awaited) <= c.mass_loss_min
 
     def refresh(self, slot: NodeSlot, now: float) -> None:
         """Alive `slot` heard at `now` (tracked alone: out of its group, if it was in one)."""

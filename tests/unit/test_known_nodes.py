@@ -100,6 +100,13 @@ def test_while_the_herd_still_comes_back_an_awaited_node_is_not_lost_early() -> 
     view.mark_alive(view.nodes["b"], 101.4)
     assert _lost(view, 102.3) == {}  # quiet only 0.9 s
     assert _lost(view, 102.45) == {"a": ASKED, "c": ASKED}
+    many = LiveView(LiveViewConfig(session_grace_ms=5_000, miss_limit=1000, mass_loss_min=2))
+    ids = [f"n{i}" for i in range(12)]
+    for n in ids:
+        many.asked_for_leader(n, 99.0)
+    many.await_nodes([many.slot(n) for n in ids], 100.0, 5.0)
+    many.mark_alive(many.nodes["n0"], 100.2)  # 11 of 12 still out: a slow herd, not deaths
+    assert not many.settled(103.0) and _lost(many, 103.0) == {}
     nobody = _failover_view({"a": 99.0, "b": 99.0, "c": 99.0})
     # nobody came back (this leader may be cut off): every node gets its whole grace
     assert _lost(nobody, 109.9) == {}
