@@ -86,6 +86,13 @@ class Election:
             1.5 x its election timeout). A dead leader is replaced after about this long.
         address: where agents reach this driver; readers get it from `current_leader`.
         op_timeout_s: deadline of each etcd call the election makes.
+        young_s, defer_s: a candidate that began less than `young_s` ago (a driver just
+            restarted) tries `defer_s` after the leader key's deletion, so a standby that
+            has been waiting wins: it heard the agents ask for the leader during the
+            election (a node that asked and is not back is lost sooner, after
+            `--failover-grace-ms`) and followed the leader's live view. In bench-recovery a
+            killed leader respawned at once won half the races, and a node lost during that
+            failover waited out the whole 10 s grace.
     """
 
     def __init__(
@@ -97,6 +104,8 @@ class Election:
         ttl_s: float = LEASE_TTL_S,
         address: str = "",
         op_timeout_s: float = 2.0,
+        young_s: float = 10.0,
+        defer_s: float = 0.3,
     ) -> None:
         if ttl_s < 1:
             raise ValueError(f"ttl_s must be >= 1 (etcd leases have whole seconds), got {ttl_s}")
@@ -104,6 +113,8 @@ class Election:
             raise ValueError("driver_id must be non-empty")
         if op_timeout_s <= 0:
             raise ValueError(f"op_timeout_s must be > 0, got {op_timeout_s}")
+        if young_s < 0 or defer_s < 0:
+            raise ValueError(f"young_s and defer_s must be >= 0, got {young_s}, {defer_s}")
         self.client = client
         self.keys = Keys(job_id)
         self.job_id = job_id
@@ -111,6 +122,9 @@ class Election:
         self.ttl_s = ttl_s
         self.address = address
         self.op_timeout_s = op_timeout_s
+        self.born = time.monotonic()
+        self.young_s = young_s
+        self.defer_s = defer_s
         self.lost = asyncio.Event()
         self.leadership: Leadership | None = None
         self._lease: int = 0
@@ -196,6 +210,8 @@ class Election:
             # Re-check at least every TTL, in case a watch event was missed.
             step = self.ttl_s if remaining is None else min(self.ttl_s, remaining)
             await self._wait_deleted(rev + 1, step)
+            if time.monotonic() - self.born < self.young_s:
+                await asyncio.sleep(self.defer_s)  # a waiting standby first (see the class)
 
     async def _confirm_doubted(self) -> bool:
         """The leader key is still on our doubted lease: lead only once the keeper has a

@@ -205,3 +205,39 @@ def test_sigstopped_leader_past_its_ttl_is_refused_after_sigcont(
     final = asyncio.run(reread())
     assert [e.event_id for e in final] == [e.event_id for e in stored]
     _check_history(final, old.acked())
+
+
+def test_a_waiting_standby_wins_over_a_driver_just_restarted(etcd_server: EmbeddedEtcd) -> None:
+    """A killed leader respawned at once races the standby that has been waiting; the
+    standby heard the agents ask for the leader during the election (so a node that died
+    meanwhile is lost after the failover grace, not the whole grace), and in bench-recovery
+    the respawned driver won half the races. A candidate younger than `young_s` tries
+    `defer_s` after the leader key goes; alone, it still leads."""
+
+    async def main() -> None:
+        client = await connect(etcd_server.config)
+        job = "senior-" + uuid.uuid4().hex[:8]
+        leader = Election(client, job, "leader")
+        standby = Election(client, job, "standby", young_s=0.0)  # waiting for long
+        fresh = Election(client, job, "fresh", defer_s=1.0)  # just restarted
+        tasks: dict[str, asyncio.Task[object]] = {}
+        try:
+            await leader.campaign(timeout_s=10)
+            tasks = {e.driver_id: asyncio.create_task(e.campaign()) for e in (standby, fresh)}
+            await asyncio.sleep(0.5)  # both watch the leader key
+            await leader.resign()
+            done, _ = await asyncio.wait(
+                tasks.values(), timeout=30, return_when=asyncio.FIRST_COMPLETED
+            )
+            assert [t.result().driver_id for t in done] == ["standby"]  # type: ignore[attr-defined]
+            await standby.resign()
+            won = await asyncio.wait_for(tasks["fresh"], 30)
+            assert won.driver_id == "fresh"  # type: ignore[attr-defined]
+        finally:
+            for t in tasks.values():
+                t.cancel()
+            for e in (leader, standby, fresh):
+                await e.resign()
+            await client.close()
+
+    asyncio.run(asyncio.wait_for(main(), 90))
