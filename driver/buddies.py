@@ -18,17 +18,42 @@ from unbroken.proto import driver_pb2 as dpb
 _ANY_HOST = ("", "0.0.0.0", "::")
 
 
+def _server(holder: NodeSlot) -> tuple[set[str], str]:
+    """The host names `holder`'s replica server answers as (registered or connected
+    from, brackets stripped) and its port."""
+    lhost, _, lport = holder.info.replica_listen.rpartition(":")
+    names = {holder.peer_host, holder.info.ip, holder.info.hostname}
+    if lhost.strip("[]") not in _ANY_HOST:
+        names.add(lhost)
+    return {n.strip("[]") for n in names if n}, lport
+
+
 def is_buddy(buddy: str, holder: NodeSlot) -> bool:
     """Whether `buddy` (a node's registered --buddy, host:port) is `holder`'s replica
     server: the same port, on a host the holder registered or connected from."""
     host, _, port = buddy.rpartition(":")
-    lhost, _, lport = holder.info.replica_listen.rpartition(":")
-    if not port or port != lport:
-        return False
-    names = {holder.peer_host, holder.info.ip, holder.info.hostname}
-    if lhost.strip("[]") not in _ANY_HOST:
-        names.add(lhost)
-    return host.strip("[]") in {n.strip("[]") for n in names if n}
+    names, lport = _server(holder)
+    return bool(port) and port == lport and host.strip("[]") in names
+
+
+def buddy_index(buddy_of: Mapping[str, str]) -> Callable[[NodeSlot], set[str]]:
+    """For many nodes' buddies at once (node -> host:port): a function giving the nodes
+    whose buddy a holder is, by `is_buddy`'s rule, in O(its names) rather than a test of
+    every node against every holder."""
+    index: dict[tuple[str, str], set[str]] = {}
+    for node, buddy in buddy_of.items():
+        host, _, port = buddy.rpartition(":")
+        if port:
+            index.setdefault((host.strip("[]"), port), set()).add(node)
+
+    def held_by(holder: NodeSlot) -> set[str]:
+        names, lport = _server(holder)
+        out: set[str] = set()
+        for name in names:
+            out |= index.get((name, lport), set())
+        return out
+
+    return held_by
 
 
 def replica_address(slot: NodeSlot) -> str:
@@ -68,6 +93,23 @@ def ring_buddy_of(node: str, nodes: Sequence[str], slots: Mapping[str, NodeSlot 
         if slot is not None and (addr := replica_address(slot)):
             return addr
     return ""
+
+
+def ring_buddy_map(nodes: Sequence[str], slots: Mapping[str, NodeSlot | None]) -> dict[str, str]:
+    """`ring_buddy_of` for every node of `nodes` at once, in one backward pass around the
+    ring (O(len(nodes))). Asked node by node for the gone nodes of a 10,240-node world
+    whose simulated nodes run no replica server, it took the driver's loop 30 s."""
+    n = len(nodes)
+    addrs = [replica_address(s) if (s := slots.get(x)) is not None else "" for x in nodes]
+    out: dict[str, str] = {}
+    nxt, at = "", -1  # the nearest address after position k, and whose
+    for k in range(2 * n - 1, -1, -1):
+        i = k % n
+        if k < n:
+            out[nodes[i]] = nxt if at != i else ""
+        if addrs[i]:
+            nxt, at = addrs[i], i
+    return out
 
 
 def ring_order(nodes: Sequence[str], slots: Mapping[str, NodeSlot | None]) -> list[str]:

@@ -49,11 +49,11 @@ from unbroken.driver import completion, detectors, machine, replicapolicy, sdcwa
 from unbroken.driver import state as statelib
 from unbroken.driver import worldprogress as progress
 from unbroken.driver.buddies import (
+    buddy_index,
     common_steps,
-    is_buddy,
     replica_address,
     ring_buddies,
-    ring_buddy_of,
+    ring_buddy_map,
     ring_order,
     start_messages,
 )
@@ -71,7 +71,6 @@ __all__ = [
     "Observation",
     "RecoveryLoop",
     "common_steps",
-    "is_buddy",
     "replica_address",
     "ring_buddies",
     "ring_order",
@@ -507,10 +506,12 @@ class RecoveryLoop:
             gone = {n for n in (*w.node_ids, *nodes) if n not in alive} | leaving
             # only the node each gone node registered as its buddy is believed: another
             # node's claim to hold its copies would move the restore to a step nobody has
-            buddy_of = {n: b for n in gone if (b := self._buddy_of(n))}
+            paired = self._ring_map()  # once: a gone node at a time was O(world) each
+            buddy_of = {n: b for n in gone if (b := self._buddy_of(n, paired))}
+            held_by = buddy_index(buddy_of)
             for slot in self.view.nodes.values():
                 if slot.alive and slot.hb.replicas:
-                    trusted = {n for n, b in buddy_of.items() if is_buddy(b, slot)}
+                    trusted = held_by(slot)
                     for h in slot.hb.replicas:
                         if h.node in trusted:
                             buddies.setdefault(h.rank, set()).update(h.steps)
@@ -528,7 +529,7 @@ class RecoveryLoop:
                 step = max([step, *(w.step for w in slot.hb.workers)])
         return step
 
-    def _buddy_of(self, node: str) -> str:
+    def _buddy_of(self, node: str, paired: dict[str, str] | None = None) -> str:
         """The replica server holding `node`'s copies: the buddy this loop paired it with;
         for a new leader, which paired nothing yet, the buddy its predecessor paired (the
         same ring of the incident's world, `ring_buddy_of`); else the one it registered
@@ -538,12 +539,15 @@ class RecoveryLoop:
         MTBF 20 s: both such losses came 0.5 s and 13 s after a driver kill)."""
         if node in self._buddy:
             return self._buddy[node]
-        w = self.state.incident_world if self.state.incident_world.node_ids else self.state.world
-        paired = ring_buddy_of(node, list(w.node_ids), self.view.nodes)
-        if paired:
-            return paired
+        if ring := (self._ring_map() if paired is None else paired).get(node, ""):
+            return ring
         rec = self.state.nodes.get(node)
         return rec.replica_buddy if rec is not None else ""
+
+    def _ring_map(self) -> dict[str, str]:
+        """`ring_buddy_map` of the incident's world (else the world's)."""
+        w = self.state.incident_world if self.state.incident_world.node_ids else self.state.world
+        return ring_buddy_map(list(w.node_ids), self.view.nodes)
 
     async def _start_workers(
         self, gen: int, a: machine.StartWorkers, restore: machine.Restore | None

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
+from unbroken.driver.buddies import buddy_index, is_buddy, ring_buddy_map, ring_buddy_of
 from unbroken.driver.liveview import NodeSlot
-from unbroken.driver.loop import common_steps, is_buddy, replica_address, ring_buddies
+from unbroken.driver.loop import common_steps, replica_address, ring_buddies
 from unbroken.proto import driver_pb2 as dpb
 
 pytestmark = pytest.mark.unit
@@ -103,3 +106,31 @@ def test_a_new_leader_finds_a_lost_nodes_copies_where_its_predecessor_paired_the
     assert ring_buddy_of("a", world, lost) == "10.0.0.2:29600"  # b has no server: skip it
     assert ring_buddy_of("x", world, slots) == ""  # not of this world
     assert ring_buddy_of("a", ["a"], slots) == ""  # alone: no buddy
+
+
+def test_the_ring_map_and_the_buddy_index_agree_with_their_one_node_rules() -> None:
+    """An incident in a 10,240-node world asked `ring_buddy_of` once per gone node (each a
+    walk of the world: 30 s of the driver's loop) and tested every holder against every gone
+    node; `ring_buddy_map` and `buddy_index` give the same answers in one pass."""
+    rng = random.Random(5)
+    for _ in range(300):
+        n = rng.randint(0, 9)
+        nodes = [f"n{i}" for i in range(n)]
+        slots: dict[str, NodeSlot | None] = {}
+        for x in nodes:
+            r = rng.random()
+            if r < 0.2:
+                continue  # never registered with this leader
+            listen = "" if r < 0.6 else f"{rng.choice(['0.0.0.0', '10.0.0.1', '[::]'])}:29{x[1:]}"
+            slot = _holder(listen, peer=f"10.1.0.{x[1:]}", ip=f"10.1.0.{x[1:]}", node=x)
+            slots[x] = slot
+        asked = [*nodes, "stranger"]
+        got = ring_buddy_map(nodes, slots)
+        assert [got.get(x, "") for x in asked] == [ring_buddy_of(x, nodes, slots) for x in asked]
+        buddy_of = {x: b for x in nodes if (b := got[x])}
+        buddy_of["odd"] = rng.choice(["10.1.0.1:291", "host-h:292", ":293", "nohost"])
+        held_by = buddy_index(buddy_of)
+        for slot in slots.values():
+            assert slot is not None
+            expected = {x for x, b in buddy_of.items() if is_buddy(b, slot)}
+            assert held_by(slot) == expected
