@@ -278,10 +278,8 @@ class RecoveryLoop:
         if phases:
             log.info("recovery", phases=phases, actions=[type(a).__name__ for a in d.actions])
         restore = next((a for a in d.actions if isinstance(a, machine.Restore)), None)
-        point = self._restore_point(d, restore)
-        after = self.state
-        for e in d.events:
-            after = statelib.apply(after, e)
+        after = statelib.fold(d.events, self.state)  # one copy of the state, not one per event
+        point = worldplan.restore_point(after, restore, self.policy)
 
         def then() -> None:
             self._point = point
@@ -289,16 +287,6 @@ class RecoveryLoop:
             self._perform(d.actions)
 
         return Decision(list(d.events), d.actions, then)
-
-    def _restore_point(
-        self, d: machine.Decision, restore: machine.Restore | None
-    ) -> dpb.RestorePoint:
-        """Where the restarted workers restore, and the batches they skip
-        (`worldplan.restore_point`, on the state after `d`)."""
-        after = self.state
-        for e in d.events:
-            after = statelib.apply(after, e)
-        return worldplan.restore_point(after, restore, self.policy)
 
     # ------------------------------------------------------------ acting
     def _perform(self, actions: tuple[machine.Action, ...]) -> None:
@@ -325,6 +313,9 @@ class RecoveryLoop:
         cfg = self.config
         acks: dict[str, dpb.CommandAck] = {}
         if a.in_job:
+            replace: dict[str, list[int]] = {}  # once: per node it was O(world x ranks)
+            for m, lr in a.replace:
+                replace.setdefault(m, []).append(lr)
             await asyncio.gather(
                 *(
                     self._broadcast(
@@ -333,7 +324,7 @@ class RecoveryLoop:
                             stop_workers=dpb.StopWorkers(
                                 grace_s=cfg.stop_grace_s,
                                 in_job=True,
-                                replace_local_ranks=[lr for m, lr in a.replace if m == n],
+                                replace_local_ranks=replace.get(n, []),
                             )
                         ),
                         acks=acks,

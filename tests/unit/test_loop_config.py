@@ -50,9 +50,8 @@ def test_every_restore_after_a_rollback_carries_its_skip() -> None:
     its next step is the skipped one (a crash before it replays no poisoned batch)."""
     from types import SimpleNamespace
 
-    from unbroken.driver import machine
+    from unbroken.driver import machine, worldplan
     from unbroken.driver import state as statelib
-    from unbroken.driver.loop import RecoveryLoop
     from unbroken.proto import events_pb2 as ev
 
     s = statelib.apply(
@@ -61,17 +60,18 @@ def test_every_restore_after_a_rollback_carries_its_skip() -> None:
     )
     fake = SimpleNamespace(state=s, policy=machine.Policy())
     restore = machine.Restore(step=40, sources=(), reshard=False, incident_id="i", attempt=1)
-    d = machine.Decision(events=(), actions=(restore,), phase=ev.PHASE_RESTORING)
-    first = RecoveryLoop._restore_point(fake, d, restore)  # type: ignore[arg-type]
+    first = worldplan.restore_point(fake.state, restore, fake.policy)
     assert first.step == 40 and first.skip_batches > 0
     assert first.skip_from_step == 50  # from the spike's batch (batch i feeds step i)
     # the rollback resumed (its target cleared), then a worker crashed: newest, same skip
     fake.state = statelib.apply(s, ev.Event(seq=2, training_resumed=ev.TrainingResumed(at_step=40)))
     assert not fake.state.HasField("rollback_to")
-    later = RecoveryLoop._restore_point(fake, d, restore)  # type: ignore[arg-type]
+    later = worldplan.restore_point(fake.state, restore, fake.policy)
     assert later.step == 0  # the newest copy
     assert (later.skip_from_step, later.skip_batches) == (first.skip_from_step, first.skip_batches)
-    assert RecoveryLoop._restore_point(fake, d, None) == type(first)()  # no restore, no point
+    assert (
+        worldplan.restore_point(fake.state, None, fake.policy) == type(first)()
+    )  # no restore, no point
 
 
 def _driver_config(*flags: str) -> object:
