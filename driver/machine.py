@@ -80,6 +80,7 @@ from unbroken.driver.eventkinds import STALE_KINDS
 from unbroken.driver.policy import IN_JOB, RESTART, Policy
 from unbroken.driver.policy import Reshape as Reshape
 from unbroken.driver.worldplan import (
+    _inactive,
     _pool,
     _reachable,
     _state_of,
@@ -703,7 +704,7 @@ def _settle_once(d: _Draft, policy: Policy) -> bool:
 def _settle_running(d: _Draft, policy: Policy) -> bool:
     """A RUNNING state that must not stay so (what a lost reaction left behind)."""
     s = d.state
-    gone = [n for n in s.world.node_ids if _state_of(s, n) != ev.NODE_STATE_ACTIVE]
+    gone = _inactive(s, s.world.node_ids)
     if gone:
         d.transition(
             ev.PHASE_SUSPECTED,
@@ -759,7 +760,7 @@ def _reshape(d: _Draft, policy: Policy) -> None:
         d.add(ev.Event(job_finished=ev.JobFinished(step=s.step, ok=False, reason=target)))
         return
     old = Layout.of(s.world)
-    if target != old or any(_state_of(s, n) != ev.NODE_STATE_ACTIVE for n in target.node_ids):
+    if target != old or _inactive(s, target.node_ids):
         # One event moves the whole world, so a crash never leaves half a reshape whose
         # completion would be planned differently; SpareAssigned records who replaced whom.
         same = target.dp == old.dp and len(target.node_ids) == len(old.node_ids)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from unbroken.driver.actions import (
     Action,
@@ -40,9 +40,20 @@ def _healthy(s: ev.JobState, node_id: str) -> bool:
     return _state_of(s, node_id) in (ev.NODE_STATE_ACTIVE, ev.NODE_STATE_SPARE)
 
 
+_HEALTHY = frozenset((ev.NODE_STATE_ACTIVE, ev.NODE_STATE_SPARE))
+
+
+def _inactive(s: ev.JobState, ids: Iterable[str]) -> list[str]:
+    """The nodes of `ids` that are not ACTIVE (`_state_of` inlined: asked of the world)."""
+    nodes, active = s.nodes, ev.NODE_STATE_ACTIVE
+    return [n for n in ids if (r := nodes.get(n)) is None or r.state != active]
+
+
 def _reachable(s: ev.JobState) -> tuple[str, ...]:
-    """World nodes that can still take commands."""
-    return tuple(n for n in s.world.node_ids if _healthy(s, n))
+    """World nodes that can still take commands (`_healthy`, inlined: every decision asks,
+    and at 10,240 nodes two calls per node were a tenth of the driver's loop)."""
+    nodes, ok = s.nodes, _HEALTHY
+    return tuple(n for n in s.world.node_ids if (r := nodes.get(n)) is not None and r.state in ok)
 
 
 def diagnosis_id(s: ev.JobState) -> str:
@@ -87,11 +98,8 @@ def plan_world(s: ev.JobState, policy: Policy) -> Layout | str:
     w = s.world
     bad = set(s.bad_nodes)
     out = set(s.sitting_out)  # the replica policy's: neither in the world nor in the pool
-    survivors = [
-        n
-        for n in w.node_ids
-        if _state_of(s, n) == ev.NODE_STATE_ACTIVE and n not in bad and n not in out
-    ]
+    gone = set(_inactive(s, w.node_ids))
+    survivors = [n for n in w.node_ids if n not in gone and n not in bad and n not in out]
     returned = [n for n in _pool(s, survivors, with_spares=False) if n not in out]
     everyone = [n for n in _pool(s, survivors, with_spares=True) if n not in out]
     dp = None
