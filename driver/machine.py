@@ -80,6 +80,7 @@ from unbroken.driver.eventkinds import STALE_KINDS
 from unbroken.driver.policy import IN_JOB, RESTART, Policy
 from unbroken.driver.policy import Reshape as Reshape
 from unbroken.driver.worldplan import (
+    _few,
     _inactive,
     _pool,
     _reachable,
@@ -527,7 +528,8 @@ def _on_verdict(before: ev.JobState, d: _Draft, v: ev.DiagnosisVerdict, policy: 
     bad = set(before.bad_nodes) | {n for n in named if n in before.nodes}
     d.transition(
         ev.PHASE_DIAGNOSED,
-        f"diagnosis {v.diagnosis_id}: bad {sorted(v.bad_nodes)}, slow {sorted(v.slow_nodes)}",
+        f"diagnosis {v.diagnosis_id}: bad {_few(sorted(v.bad_nodes))}, "
+        f"slow {_few(sorted(v.slow_nodes))}",
         bad=bad,
         diagnose=False,
     )
@@ -599,7 +601,7 @@ def _on_sdc(before: ev.JobState, d: _Draft, p: ev.SdcSuspected, policy: Policy) 
     fault the checks do not see)."""
     if before.phase != ev.PHASE_RUNNING:
         return "recorded only: SDC suspected during recovery (the restore goes back anyway)"
-    where = f"ranks {list(p.suspect_ranks)} on {sorted(set(p.suspect_nodes))}"
+    where = f"ranks {_few(p.suspect_ranks)} on {_few(sorted(set(p.suspect_nodes)))}"
     what = f"silent data corruption at step {p.step} ({where}"
     what += ")" if p.resolved else ", no majority)"
     named = sorted(set(p.suspect_nodes))
@@ -708,7 +710,7 @@ def _settle_running(d: _Draft, policy: Policy) -> bool:
     if gone:
         d.transition(
             ev.PHASE_SUSPECTED,
-            f"nodes {gone} left the world",
+            f"nodes {_few(gone)} left the world",
             incident_id=_new_incident(d),
             suspects=[],
             bad=[],
@@ -784,7 +786,7 @@ def _reshape(d: _Draft, policy: Policy) -> None:
                         spare_assigned=ev.SpareAssigned(spare_node_id=now, replaces_node_id=was)
                     )
                 )
-    d.transition(ev.PHASE_RESHAPED, f"world: dp={target.dp} on {list(target.node_ids)}")
+    d.transition(ev.PHASE_RESHAPED, f"world: dp={target.dp} on {_few(target.node_ids)}")
 
 
 def phases(events: Sequence[ev.Event]) -> list[str]:
