@@ -522,6 +522,8 @@ def main() -> None:
         "python": sys.version.split()[0],
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
+        "command": " ".join([".venv/bin/python", "bench/scale.py", *sys.argv[1:]]),
         f"load_avg_1m_before_{ns.only or 'all'}": os.getloadavg()[0],
     }
     if ns.only in (None, "replay"):
