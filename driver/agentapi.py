@@ -157,7 +157,7 @@ class AgentApi:
         self, request: dpb.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> dpb.RegisterResponse:
         if not self._lead.leader:
-            if caller().is_node(request.node_id) and len(request.node_id) <= 128:
+            if caller().is_node(request.node_id) and not detectors.validate_register(request):
                 # its agent retries fast until someone leads: if this driver wins, it
                 # expects the node back soon (LiveView.await_nodes)
                 self.view.asked_for_leader(request.node_id, time.monotonic())

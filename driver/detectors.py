@@ -124,18 +124,14 @@ def silent(
                 if whole:
                     continue
                 break
-            if awaited:
-                whole_grace = awaited.get(slot.node_id)
-                if whole_grace is not None:
-                    # awaited since a failover; one that asked for the leader (a deadline
-                    # of its whole grace) waits until the herd came back and went quiet
-                    if whole_grace and now < whole_grace:
-                        if not view.settled(now):
-                            continue
-                        out.append((slot, ASKED_NOT_BACK))
-                        continue
+            if awaited and (deadline := awaited.get(slot.node_id)) is not None:
+                # awaited since a failover; one that asked for the leader (before the
+                # deadline of its whole grace) is lost early only once the herd has passed
+                if now >= deadline:
                     out.append((slot, NOT_BACK))
-                    continue
+                elif view.settled(now):
+                    out.append((slot, ASKED_NOT_BACK))
+                continue
             # only the stale front is read: the nodes past the fixed timeout
             # (only while its stream is open: a killed agent's closed stream is its loss)
             jitter = min(cap, c.jitter_k * slot.gap_s)

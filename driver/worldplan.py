@@ -36,11 +36,11 @@ def _state_of(s: ev.JobState, node_id: str) -> int:
     return ev.NODE_STATE_UNSPECIFIED if rec is None else rec.state
 
 
-def _healthy(s: ev.JobState, node_id: str) -> bool:
-    return _state_of(s, node_id) in (ev.NODE_STATE_ACTIVE, ev.NODE_STATE_SPARE)
-
-
 _HEALTHY = frozenset((ev.NODE_STATE_ACTIVE, ev.NODE_STATE_SPARE))
+
+
+def _healthy(s: ev.JobState, node_id: str) -> bool:
+    return _state_of(s, node_id) in _HEALTHY
 
 
 def _inactive(s: ev.JobState, ids: Iterable[str]) -> list[str]:

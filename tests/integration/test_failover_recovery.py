@@ -37,6 +37,18 @@ class TwoDrivers(Job):
     def start_named_driver(self, name: str, *, nodes: int = 2, port: int = 0) -> str:
         return self.start_driver(name=name, nodes=nodes, listen=f"127.0.0.1:{port}")
 
+    def train_under_two_drivers(self, spare_buddy: str) -> None:
+        """driver-a leading, driver-b standing by, n0 and n1 training, spare s0 (whose
+        --buddy is `spare_buddy`) waiting."""
+        a = self.start_named_driver("driver-a")
+        until(lambda: self.leader() == "driver-a", 60, "driver-a to lead", self)
+        b = self.start_named_driver("driver-b")
+        self.address = f"{a},{b}"
+        self.start_agent("n0", buddy="n1")
+        self.start_agent("n1", buddy="n0")
+        self.start_agent("s0", buddy=spare_buddy, spare=True)
+        until(lambda: self.max_step() >= 5, 180, "training to start", self)
+
     def leader(self) -> str:
         events = self.events()
         elected = [e.leader_elected.driver_id for e in events if e.HasField("leader_elected")]
@@ -182,14 +194,7 @@ def test_a_node_lost_after_a_failover_is_restored_from_its_ring_buddy(job: TwoDr
     listened any more; the spare found no copy and the job restored a persisted step ~600
     steps back. Here the spares register a buddy that never existed, so only the ring's
     pairing holds their copies."""
-    a = job.start_named_driver("driver-a")
-    until(lambda: job.leader() == "driver-a", 60, "driver-a to lead", job)
-    b = job.start_named_driver("driver-b")
-    job.address = f"{a},{b}"
-    job.start_agent("n0", buddy="n1")
-    job.start_agent("n1", buddy="n0")
-    job.start_agent("s0", buddy="never-started", spare=True)
-    until(lambda: job.max_step() >= 5, 180, "training to start", job)
+    job.train_under_two_drivers(spare_buddy="never-started")
 
     job.kill("n1")  # s0 takes n1's place; the ring is paired again: s0 sends to n0
     _resumed_after_loss(job, "n1", 180, "s0 to take n1's place")
@@ -231,14 +236,7 @@ def test_a_node_lost_during_a_failover_is_lost_once_the_others_are_back(job: Two
     backing off) and the job stood still for 12.3 s. A node whose agent asked the standby
     for the leader during the election retries fast; once the others are back and quiet it
     is lost after the failover grace, and the NodeLost says by which rule."""
-    a = job.start_named_driver("driver-a")
-    until(lambda: job.leader() == "driver-a", 60, "driver-a to lead", job)
-    b = job.start_named_driver("driver-b")
-    job.address = f"{a},{b}"
-    job.start_agent("n0", buddy="n1")
-    job.start_agent("n1", buddy="n0")
-    job.start_agent("s0", buddy="n0", spare=True)
-    until(lambda: job.max_step() >= 5, 180, "training to start", job)
+    job.train_under_two_drivers(spare_buddy="n0")
 
     log = job.run / "n1.log"
     before = _asked_standby(log.read_text())
