@@ -37,7 +37,7 @@ from unbroken.driver.principalquota import QuotaBook
 from unbroken.driver.retention import CheckpointKeeper
 from unbroken.driver.rpc import abort
 from unbroken.driver.security import caller
-from unbroken.driver.sessions import RelayOutbox, Sessions
+from unbroken.driver.sessions import Outbox, RelayOutbox, Sessions
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 
@@ -298,7 +298,7 @@ class AgentApi:
         mine = slot.session
         slot.connected = True
         self.view.mark_alive(slot, time.monotonic())
-        outbox: asyncio.Queue[dpb.DriverMessage] = asyncio.Queue(self.config.stream_buffer)
+        outbox = Outbox(self.config.stream_buffer)
         slot.outbox = outbox
         ending = self.sessions.opened(node_id)
         pump = asyncio.create_task(self.sessions.pump(outbox, context, ending))
@@ -426,7 +426,10 @@ class AgentApi:
         if m.outbox is None and isinstance(relay.outbox, asyncio.Queue):
             m.outbox = RelayOutbox(relay.node_id, relay.outbox, node_id)
             m.connected = True
-            self.relayed.setdefault(relay.node_id, set()).add(node_id)
+            carried = self.relayed.setdefault(relay.node_id, set())
+            carried.add(node_id)
+            if isinstance(relay.outbox, Outbox):
+                relay.outbox.nodes = 1 + len(carried)  # room for each member's commands
             self.view.mark_alive(m, time.monotonic())
         elif not isinstance(m.outbox, RelayOutbox):
             self.relay_refused += 1  # it holds its own session with us now
