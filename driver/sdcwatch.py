@@ -37,6 +37,8 @@ async def watch(loop: RecoveryLoop) -> None:
     suspected_at = -1  # the state's last_seq when the last SdcSuspected was queued
     probe_ref: int | None = None  # kept across books
     stale: set[tuple[str, int, int, int]] = set()  # opinions heard before the book began
+    fed: dict[str, dpb.Heartbeat] = {}  # each node's heartbeat fed to this book last
+    node_of: dict[int, str] = {}  # rank -> node, from the heartbeats fed to this book
     while True:
         await asyncio.sleep(period)
         s = loop.state
@@ -56,7 +58,8 @@ async def watch(loop: RecoveryLoop) -> None:
                 # heartbeats repeat an opinion a while: those of the run before this book
                 # (a step trained again after a restart) are not about this run's copies
                 stale = set(_opinions(loop, tuple(w.node_ids)))
-            node_of = _feed(loop, book, tuple(w.node_ids), stale)
+                fed, node_of = {}, {}
+            _feed(loop, book, key[0], stale, fed, node_of)
             for v in book.ready(time.monotonic()):
                 if v.disagreed:
                     suspected_at = s.last_seq
@@ -99,27 +102,42 @@ def _feed(
     book: sdclib.FingerprintBook,
     nodes: tuple[str, ...],
     stale: Collection[tuple[str, int, int, int]] = (),
-) -> dict:
+    fed: dict[str, dpb.Heartbeat] | None = None,
+    node_of: dict[int, str] | None = None,
+) -> dict[int, str]:
     """Add every world rank's heartbeat fingerprints to `book`, and the opinions each
     node formed as the buddy of the node before it in the ring (`ring_order`) on that
-    node's ranks (not those in `stale`); returns {rank: node}."""
-    node_of: dict[int, str] = {}
+    node's ranks (not those in `stale`); returns {rank: node}.
+
+    `fed` (kept by the caller for the same book): each node's heartbeat fed last; a node
+    whose newest heartbeat is still that one is skipped (the book keeps the first report
+    of a rank's step, so feeding it again adds nothing). At 10,240 nodes a whole feed read
+    81,920 workers' statuses every 100 ms: 13 % of the driver's samples. `node_of`: the
+    ranks' nodes found so far (kept with `fed`)."""
+    node_of = {} if node_of is None else node_of
+    changed: list[tuple[str, dpb.Heartbeat]] = []
+    views = loop.view.nodes
     for n in nodes:
-        slot = loop.view.nodes.get(n)
+        slot = views.get(n)
         if slot is None or not slot.alive:
             continue
-        for ws in slot.hb.workers:
+        hb = slot.hb
+        if fed is not None:
+            if fed.get(n) is hb:
+                continue
+            fed[n] = hb  # (kept: its id is never reused while it is compared)
+        changed.append((n, hb))
+        for ws in hb.workers:
             node_of[ws.global_rank] = n
             for fp in ws.fingerprints:
                 book.add(fp.global_rank, fp.step, dict(zip(fp.keys, fp.hashes, strict=False)))
-    ring = ring_order(list(nodes), loop.view.nodes)
-    buddy_of = {x: ring[(i + 1) % len(ring)] for i, x in enumerate(ring)}
+    buddy_of: dict[str, str] | None = None  # the ring, once an opinion needs it
     timeline = int(getattr(loop, "_timeline", 0))
-    for n in nodes:
-        slot = loop.view.nodes.get(n)
-        if slot is None or not slot.alive:
-            continue
-        for op in slot.hb.buddy_opinions:
+    for n, hb in changed:
+        for op in hb.buddy_opinions:
+            if buddy_of is None:
+                ring = ring_order(list(nodes), views)
+                buddy_of = {x: ring[(i + 1) % len(ring)] for i, x in enumerate(ring)}
             fp = op.fingerprint
             # only the node's buddy speaks for its ranks, and only of this timeline
             if buddy_of.get(op.node) != n or node_of.get(fp.global_rank) != op.node:
