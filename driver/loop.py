@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -62,6 +61,7 @@ from unbroken.driver.commits import Commits
 from unbroken.driver.config import LoopConfig, ServiceConfig
 from unbroken.driver.decider import Decision
 from unbroken.driver.eventkinds import OBSERVED
+from unbroken.driver.fanout import Fanout
 from unbroken.driver.journal import Journal
 from unbroken.driver.liveview import LiveView
 from unbroken.proto import driver_pb2 as dpb
@@ -107,7 +107,6 @@ def timeline(state: ev.JobState) -> int:
     return int(state.event_counts.get("rollback", 0))
 
 
-LOGGED_ERRORS = 16  # a broadcast's failures named in its one log line (the count is whole)
 SUPERSEDED = "superseded by a newer decision"  # a node's start skipped (`_start_workers`)
 
 
@@ -164,6 +163,7 @@ class RecoveryLoop:
         # it (paired by an earlier leader, or never) is believed about its registered one
         self._buddy: dict[str, str] = {}
         self._started: _Started | None = None  # the newest start, for its restore to watch
+        self.fanout = Fanout(service, view, config.command_timeout_s)  # broadcasts, stops once
 
     @property
     def state(self) -> ev.JobState:
@@ -191,6 +191,7 @@ class RecoveryLoop:
 
     async def close(self) -> None:
         """Stop watching (the service keeps running as a standby)."""
+        self.fanout.close()
         for t in list(self._tasks):
             t.cancel()
         for t in list(self._tasks):
@@ -318,7 +319,7 @@ class RecoveryLoop:
             replace: dict[str, list[int]] = {}  # once: per node it was O(world x ranks)
             for m, lr in a.replace:
                 replace.setdefault(m, []).append(lr)
-            await self._broadcast(
+            await self.fanout.broadcast(
                 a.nodes,
                 lambda n: dpb.DriverMessage(
                     stop_workers=dpb.StopWorkers(
@@ -330,7 +331,7 @@ class RecoveryLoop:
                 acks=acks,
             )
         else:
-            await self._broadcast(
+            await self.fanout.broadcast(
                 a.nodes,
                 dpb.DriverMessage(stop_workers=dpb.StopWorkers(grace_s=cfg.stop_grace_s)),
                 acks=acks,
@@ -349,14 +350,16 @@ class RecoveryLoop:
 
     async def _evict(self, gen: int, a: machine.EvictNode, restore: machine.Restore | None) -> None:
         self.view.mark_leaving(a.node_id)
-        await self._broadcast(
+        await self.fanout.broadcast(
             (a.node_id,), dpb.DriverMessage(evict=dpb.Evict(reason=a.reason)), wait=False
         )
 
     async def _resume(
         self, gen: int, a: machine.ResumeAll, restore: machine.Restore | None
     ) -> None:
-        await self._broadcast(
+        for n in a.nodes:
+            self.fanout.forget(n)
+        await self.fanout.broadcast(
             a.nodes, dpb.DriverMessage(resume=dpb.Resume(at_step=a.step)), wait=False
         )
 
@@ -364,7 +367,7 @@ class RecoveryLoop:
         self, gen: int, a: machine.StopAll, restore: machine.Restore | None
     ) -> None:
         stop = dpb.StopWorkers(grace_s=self.config.stop_grace_s)
-        await self._broadcast(a.nodes, dpb.DriverMessage(stop_workers=stop))
+        await self.fanout.broadcast(a.nodes, dpb.DriverMessage(stop_workers=stop))
 
     async def _diagnose(
         self, gen: int, a: machine.RunDiagnosis, restore: machine.Restore | None
@@ -422,46 +425,6 @@ class RecoveryLoop:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         self._diagnosis = (did, task)
-
-    async def _broadcast(
-        self,
-        nodes: tuple[str, ...],
-        msg: dpb.DriverMessage | Callable[[str], dpb.DriverMessage],
-        *,
-        wait: bool = True,
-        acks: dict[str, dpb.CommandAck] | None = None,
-    ) -> dict[str, str]:
-        """Send `msg` (or `msg(node)`: each node its own) to every node with a session;
-        return node -> error for failures, logged once for the whole broadcast.
-        `acks`: filled with each node's ack (with `wait`)."""
-
-        async def one(n: str) -> str:
-            if callable(msg):
-                m = msg(n)
-            else:
-                m = dpb.DriverMessage()
-                m.CopyFrom(msg)
-            try:
-                if not wait:
-                    self.service.send(n, m)
-                    return ""
-                r = await self.service.request(n, m, self.config.command_timeout_s)
-                if acks is not None:
-                    acks[n] = r.ack
-                return "" if r.ack.ok else r.ack.detail or "refused"
-            except (KeyError, TimeoutError) as e:
-                return f"{type(e).__name__}: {e}"
-
-        errors = dict(zip(nodes, await asyncio.gather(*(one(n) for n in nodes)), strict=True))
-        bad = {n: e for n, e in errors.items() if e}
-        if bad:
-            # one line however many failed (10,240 nodes: one line each was 243,498 lines
-            # in a bench run); the first few by name
-            first = dict(itertools.islice(bad.items(), LOGGED_ERRORS))
-            kind = (msg(nodes[0]) if callable(msg) else msg).WhichOneof("kind")
-            log.warning("command not done everywhere", kind=kind, failed=len(bad), of=len(nodes),
-                        errors=first)  # fmt: skip
-        return bad
 
     async def _ring_common(
         self, nodes: tuple[str, ...], fresh: set[str] | frozenset[str] = frozenset()
@@ -623,6 +586,7 @@ class RecoveryLoop:
                     log.warning("restore point refused", node=n, detail=r.ack.detail)
         if gen != self._gen:
             return SUPERSEDED
+        self.fanout.forget(n)  # its workers start: a later stop goes again
         try:
             r = await self.service.request(n, msg, timeout_s)
             if r.ack.ok and msg.start_workers.buddy:

@@ -1,0 +1,144 @@
+"""The recovery loop's broadcasts (driver/fanout.py) over real sessions.
+
+Real gRPC, the driver service in-process, two agents' Session streams read by the test: a
+stop goes to a node once per session and command, however many decisions of the same
+incident stop it (at 10,240 nodes each decision sent 10,240 stops); starting its workers,
+another stop command or a new session sends it again; and a broadcast's failures are one
+log line naming how many.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+import structlog
+
+from tests.inproc import driver, session_md, until
+from unbroken.driver.fanout import Fanout
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import driver_pb2_grpc as dgrpc
+
+pytestmark = pytest.mark.integration
+
+STOP = dpb.DriverMessage(stop_workers=dpb.StopWorkers(grace_s=1.0))
+
+
+class Agent:
+    """One agent's Session stream, read into a queue by one task."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.inbox: asyncio.Queue[dpb.DriverMessage] = asyncio.Queue()
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        while (msg := await self.call.read()) != grpc.aio.EOF:
+            self.inbox.put_nowait(msg)
+
+    async def next(self) -> dpb.DriverMessage:
+        return await asyncio.wait_for(self.inbox.get(), 5)
+
+    async def nothing(self) -> None:
+        """No command comes within 0.3 s."""
+        await asyncio.sleep(0.3)
+        assert self.inbox.empty(), self.inbox.get_nowait()
+
+    async def ack(self, msg: dpb.DriverMessage) -> None:
+        ack = dpb.CommandAck(command_id=msg.command_id, ok=True, ring_fresh=True)
+        await self.call.write(dpb.AgentMessage(ack=ack))
+
+    def close(self) -> None:
+        self.reader.cancel()
+        self.call.cancel()
+
+
+async def _open(stub: dgrpc.DriverStub, node: str, epoch: int) -> Agent:
+    call = stub.Session(metadata=session_md(node, epoch))
+    await call.write(dpb.AgentMessage(heartbeat=dpb.Heartbeat(seq=1)))
+    return Agent(call)
+
+
+def test_a_stop_goes_once_per_session_and_command() -> None:
+    async def go() -> None:
+        async with driver() as (svc, _store, addr):
+            async with grpc.aio.insecure_channel(addr) as ch:
+                stub = dgrpc.DriverStub(ch)
+                for n in ("a", "b"):
+                    await stub.Register(dpb.RegisterRequest(node_id=n, epoch=1))
+                calls = {n: await _open(stub, n, 1) for n in ("a", "b")}
+                await until(lambda: all(svc.view.nodes[n].outbox for n in calls), 5, "sessions")
+                fan = Fanout(svc, svc.view, timeout_s=5.0)
+                nodes = ("a", "b")
+
+                # two decisions stop the world before either node answered: one stop each
+                acks1: dict[str, dpb.CommandAck] = {}
+                acks2: dict[str, dpb.CommandAck] = {}
+                first = asyncio.create_task(fan.broadcast(nodes, STOP, acks=acks1))
+                got = {n: await c.next() for n, c in calls.items()}
+                second = asyncio.create_task(fan.broadcast(nodes, STOP, acks=acks2))
+                for c in calls.values():
+                    await c.nothing()
+                for n, c in calls.items():
+                    assert got[n].WhichOneof("kind") == "stop_workers"
+                    await c.ack(got[n])
+                assert await first == {} and await second == {}
+                assert set(acks1) == set(acks2) == {"a", "b"} and acks2["a"].ring_fresh
+                # ...and a third, after the acks: still none sent
+                assert await fan.broadcast(nodes, STOP) == {}
+                for c in calls.values():
+                    await c.nothing()
+                assert fan.stops_reused == 4
+
+                # a's workers started: its next stop goes again; b's does not
+                fan.forget("a")
+                third = asyncio.create_task(fan.broadcast(nodes, STOP))
+                m = await calls["a"].next()
+                await calls["b"].nothing()
+                await calls["a"].ack(m)
+                assert await third == {}
+
+                # another stop (an in-job stop naming b's ranks to replace) goes to b
+                def in_job(n: str) -> dpb.DriverMessage:
+                    replace = [0] if n == "b" else []
+                    stop = dpb.StopWorkers(grace_s=1.0, in_job=True, replace_local_ranks=replace)
+                    return dpb.DriverMessage(stop_workers=stop)
+
+                fourth = asyncio.create_task(fan.broadcast(nodes, in_job))
+                got = {n: await c.next() for n, c in calls.items()}  # a's differs too: in_job
+                assert list(got["b"].stop_workers.replace_local_ranks) == [0]
+                for n, c in calls.items():
+                    await c.ack(got[n])
+                assert await fourth == {}
+
+                # b's new session (its agent reconnected) is stopped again
+                calls["b"].close()
+                calls["b"] = await _open(stub, "b", 1)
+                await until(lambda: svc.view.nodes["b"].outbox is not None, 5, "b's new session")
+                fifth = asyncio.create_task(fan.broadcast(nodes, in_job))
+                m = await calls["b"].next()
+                await calls["a"].nothing()
+                await calls["b"].ack(m)
+                assert await fifth == {}
+                for c in calls.values():
+                    c.close()
+
+    asyncio.run(go())
+
+
+def test_a_broadcasts_failures_are_one_line() -> None:
+    async def go() -> None:
+        async with driver() as (svc, _store, _addr):
+            fan = Fanout(svc, svc.view, timeout_s=1.0)
+            nodes = tuple(f"gone{i:03d}" for i in range(100))  # no session: KeyError each
+            with structlog.testing.capture_logs() as logs:
+                bad = await fan.broadcast(nodes, dpb.DriverMessage(resume=dpb.Resume()))
+            assert set(bad) == set(nodes) and all(e.startswith("KeyError") for e in bad.values())
+            lines = [x for x in logs if x["event"] == "command not done everywhere"]
+            assert len(lines) == 1
+            assert lines[0]["failed"] == 100 and lines[0]["of"] == 100
+            assert lines[0]["kind"] == "resume" and len(lines[0]["errors"]) == 16
+
+    asyncio.run(go())
