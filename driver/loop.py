@@ -281,12 +281,17 @@ class RecoveryLoop:
         if phases:
             log.info("recovery", phases=phases, actions=[type(a).__name__ for a in d.actions])
         restore = next((a for a in d.actions if isinstance(a, machine.Restore)), None)
-        after = statelib.fold(d.events, self.state)  # one copy of the state, not one per event
-        point = worldplan.restore_point(after, restore, self.policy)
+        point = None
+        if restore is not None:  # the state after the decision: a copy, so only when needed
+            after = statelib.fold(d.events, self.state)  # (2-3 MB at 10,240 nodes)
+            point = worldplan.restore_point(after, restore, self.policy)
+        rollbacks = sum(e.WhichOneof("payload") == "rollback" for e in d.events)
+        line = timeline(self.state) + rollbacks  # = timeline(after)
 
         def then() -> None:
-            self._point = point
-            self._timeline = timeline(after)
+            if point is not None:  # read only by this decision's restore
+                self._point = point
+            self._timeline = line
             self._perform(d.actions)
 
         return Decision(list(d.events), d.actions, then)

@@ -5,7 +5,8 @@ scale bench and a real deployment use), and a command to every node puts one per
 r0's stream before its writer runs (the recovery loop's broadcast does exactly that). The
 stream's outbox holds `stream_buffer` commands for each node it carries: with one node's
 bound the 65th command overflowed, the driver dropped every member's stream and the relay's
-own, and at 10,240 nodes each of those losses opened the next incident.
+own, and at 10,240 nodes each of those losses opened the next incident. The members'
+replies that come up the relay's stream count as the relay heard.
 """
 
 from __future__ import annotations
@@ -61,6 +62,14 @@ def test_a_broadcast_to_a_full_group_fits_its_relays_stream() -> None:
                         got[down.command_id] = "r0"
                 assert got == sent
                 assert all(nodes[n].outbox is not None for n in ["r0", *MEMBERS])
+                # the members' acks, read ahead of the relay's next batch, are the relay's
+                # word too: it is heard (at 10,240 nodes they delayed its batch 1.3 s)
+                before = nodes["r0"].last_seen
+                for cid, n in list(sent.items())[1:]:
+                    ack = dpb.AgentMessage(ack=dpb.CommandAck(command_id=cid, ok=True))
+                    up = dpb.RelayedUp(node_id=n, epoch=7, message=ack)
+                    await call.write(dpb.AgentMessage(relayed=up))
+                await until(lambda: nodes["r0"].last_seen > before, 5, "the relay heard")
                 # still bounded: a relay that stops reading is dropped once its members'
                 # room is used up too
                 for _ in range(4 * 65 + 1):
