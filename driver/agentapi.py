@@ -382,10 +382,7 @@ class AgentApi:
             elif msg.WhichOneof("kind") == "relayed":
                 up = msg.relayed
                 if slot.alive and slot.heartbeats:
-                    # the relay sent it: alive at least as late as its batch before it. A
-                    # world-wide command's 64 acks a group read ahead of the relay's next
-                    # batch took 1.3 s at 10,240 nodes, and relays were lost for it
-                    self.view.refresh(slot, mono())
+                    self.view.relay_heard(slot, mono())  # its batch is behind it
                 member = self._member(slot, up.node_id, up.epoch)
                 if member is not None:
                     self._on_message(member, up.message, relayed=True)

@@ -416,6 +416,19 @@ class LiveView:
         g.beats += 1
         return g
 
+    def relay_heard(self, relay: NodeSlot, now: float) -> None:
+        """A member's reply came up alive `relay`'s stream at `now`: the relay is heard, and
+        so is the group it vouches for. Its batches are in order behind that reply, and
+        still name the members gone late or silent: read later, not lost. (A world-wide
+        command's 64 replies a group, read ahead of each relay's next batch, put the
+        batches seconds behind at 10,240 nodes, and the quiet groups' members were
+        declared lost.)"""
+        self.refresh(relay, now)
+        g = self.groups.pop(relay.node_id, None)
+        if g is not None:
+            self.groups[relay.node_id] = g  # the freshest at the end
+            g.seen = now
+
     def join(self, slot: NodeSlot, group: Group, now: float) -> None:
         """Alive `slot`, heard at `now`, is vouched for by `group`'s relay from now on."""
         if slot.group is group:

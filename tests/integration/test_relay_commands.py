@@ -6,7 +6,7 @@ r0's stream before its writer runs (the recovery loop's broadcast does exactly t
 stream's outbox holds `stream_buffer` commands for each node it carries: with one node's
 bound the 65th command overflowed, the driver dropped every member's stream and the relay's
 own, and at 10,240 nodes each of those losses opened the next incident. The members'
-replies that come up the relay's stream count as the relay heard.
+replies that come up the relay's stream count as the relay and its group heard.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_a_broadcast_to_a_full_group_fits_its_relays_stream() -> None:
                         metadata=((channel.RELAY_KEY, "r0"),),
                     )
                 call = stub.Session(metadata=session_md("r0", 1))
-                b = dpb.RelayBatch(own=dpb.Heartbeat(seq=1))
+                b = dpb.RelayBatch(own=dpb.Heartbeat(seq=1), group_alive=True)
                 for m in MEMBERS:
                     b.beats.add(node_id=m, epoch=7).heartbeat.seq = 1
                 await call.write(dpb.AgentMessage(relay_batch=b))
@@ -65,11 +65,15 @@ def test_a_broadcast_to_a_full_group_fits_its_relays_stream() -> None:
                 # the members' acks, read ahead of the relay's next batch, are the relay's
                 # word too: it is heard (at 10,240 nodes they delayed its batch 1.3 s)
                 before = nodes["r0"].last_seen
+                group = svc.view.groups["r0"]
+                assert set(group.members) == set(MEMBERS)
+                vouched = group.seen
                 for cid, n in list(sent.items())[1:]:
                     ack = dpb.AgentMessage(ack=dpb.CommandAck(command_id=cid, ok=True))
                     up = dpb.RelayedUp(node_id=n, epoch=7, message=ack)
                     await call.write(dpb.AgentMessage(relayed=up))
                 await until(lambda: nodes["r0"].last_seen > before, 5, "the relay heard")
+                assert group.seen > vouched  # and the group it vouches for
                 # still bounded: a relay that stops reading is dropped once its members'
                 # room is used up too
                 for _ in range(4 * 65 + 1):
