@@ -124,9 +124,7 @@ class DriverService(dgrpc.DriverServicer):
             on_self_check=self.operators.on_self_check,
             appended=lambda: self.appended,
         )
-        self.nodewatch = NodeWatch(
-            config, self.leadership, self.view, self.emit, self.agents.relayed
-        )
+        self.nodewatch = NodeWatch(config, self.leadership, self.view, self.emit)
         if log_ is not None:
             self.lead(log_, leader_address)
 

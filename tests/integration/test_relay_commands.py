@@ -12,6 +12,7 @@ replies that come up the relay's stream count as the relay and its group heard.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -85,3 +86,52 @@ def test_a_broadcast_to_a_full_group_fits_its_relays_stream() -> None:
                 assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
     asyncio.run(go())
+
+
+def test_a_member_whose_relay_went_down_before_carrying_it_waits_twice_the_grace() -> None:
+    """m1 registered naming r0 and r0's stream ended before r0 carried it: m1 gets the
+    session grace twice (it registers again when r0 is back, or comes on its own), and is
+    lost after that. m2, whose relay is up, is lost at the grace (no session after it)."""
+    from unbroken.driver.liveview import LiveViewConfig
+
+    live = LiveViewConfig(session_grace_ms=600)
+    found: dict[str, float] = {}
+
+    async def go() -> None:
+        async with driver(ServiceConfig(live=live)) as (svc, store, addr):
+            async with grpc.aio.insecure_channel(addr) as ch:
+                stub = dgrpc.DriverStub(ch)
+                for r in ("r0", "r1"):
+                    await stub.Register(dpb.RegisterRequest(node_id=r, epoch=1))
+                calls = {r: stub.Session(metadata=session_md(r, 1)) for r in ("r0", "r1")}
+                for c in calls.values():
+                    await c.write(dpb.AgentMessage(heartbeat=dpb.Heartbeat(seq=1)))
+                nodes = svc.view.nodes
+                await until(lambda: nodes["r0"].connected and nodes["r1"].connected, 5, "relays")
+                calls["r0"].cancel()  # r0's stream ends (its agent restarts, say)
+                await until(lambda: not nodes["r0"].connected, 5, "r0's stream to end")
+                t0 = time.monotonic()
+                for m, r in (("m1", "r0"), ("m2", "r1")):
+                    await stub.Register(
+                        dpb.RegisterRequest(node_id=m, epoch=7),
+                        metadata=((channel.RELAY_KEY, r),),
+                    )
+
+                async def beat_r1() -> None:  # r1 stays up; it never carries m2
+                    for seq in range(2, 1000):
+                        await calls["r1"].write(dpb.AgentMessage(heartbeat=dpb.Heartbeat(seq=seq)))
+                        await asyncio.sleep(0.05)
+
+                beating = asyncio.create_task(beat_r1())
+                while len(found) < 2 and time.monotonic() - t0 < 10:
+                    for m in ("m1", "m2"):
+                        if m not in found and not nodes[m].alive:
+                            found[m] = time.monotonic() - t0
+                    await asyncio.sleep(0.02)
+                beating.cancel()
+                calls["r1"].cancel()
+
+    asyncio.run(go())
+    assert set(found) == {"m1", "m2"}, found
+    assert 0.55 <= found["m2"] < 1.1, found  # the grace (and a sweep or two)
+    assert 1.15 <= found["m1"] < 1.9, found  # twice the grace
