@@ -166,7 +166,8 @@ class SimRelay:
         self.stopped: dict[str, float] = {}  # member -> monotonic time it stopped beating
         self.reported: set[str] = set()
         self.again: set[str] = set()  # members the driver sent away: register again
-        self.out: asyncio.Queue[tuple[bool, bytes]] = asyncio.Queue()
+        # (periodic: its (full, step, rnd), built when sent; else the bytes to send)
+        self.out: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
         self.call: Any = None
         self.reconnects = 0
         self.live: set[str] = set()  # members registered at the driver this stream serves
@@ -189,7 +190,7 @@ class SimRelay:
             )(metadata=((channel.NODE_KEY, self.rid), (channel.EPOCH_KEY, str(self.epoch))))
             self.call = call
             self.out = asyncio.Queue()
-            self.out.put_nowait((True, self.batch(full=True)))
+            self.out.put_nowait((True, (True, 0, 0)))
             writer = asyncio.create_task(self._write(call))
             joining = asyncio.create_task(self._join(t0))
             try:
@@ -214,18 +215,24 @@ class SimRelay:
         self.reconnects += 1
 
     async def _write(self, call: Any) -> None:
-        """In order, except that of the periodic batches only the newest goes (a relay
-        builds its batch when it can send it: one that waited behind a slow stream is
-        stale, never queued); acks and silence reports always go."""
+        """In order, except that of the periodic batches only the newest goes, built when
+        it is sent (as a relay builds its batch when it can send it: one that waited
+        behind a slow stream is stale, never queued; and a batch built earlier and then
+        dropped named members in `alive` that no later batch named again, so they never
+        opened their session); acks and silence reports always go."""
         while True:
-            periodic, data = await self.out.get()
-            while periodic and not self.out.empty():
+            periodic, item = await self.out.get()
+            if not periodic:
+                await call.write(item)
+                continue
+            full, step, rnd = item
+            while not self.out.empty():
                 nxt = self.out.get_nowait()
-                if nxt[0]:
-                    data = nxt[1]  # a newer periodic batch replaces it
+                if nxt[0]:  # a newer periodic batch replaces it (full if either was)
+                    full, step, rnd = nxt[1][0] or full, nxt[1][1], nxt[1][2]
                 else:
                     await call.write(nxt[1])
-            await call.write(data)
+            await call.write(self.batch(full, step, rnd))
 
     async def _read(self, call: Any) -> None:
         while True:
@@ -310,7 +317,10 @@ class SimRelay:
 
     def tick(self, full: bool, step: int, rnd: int) -> None:
         if self.call is not None:
-            self.out.put_nowait((not self._silent_due(), self.batch(full, step, rnd)))
+            if self._silent_due():  # goes at once, in order
+                self.out.put_nowait((False, self.batch(full, step, rnd)))
+            else:
+                self.out.put_nowait((True, (full, step, rnd)))
 
     def check_silence(self) -> None:
         """Between batches: a member past the timeout goes at once (agent/relay.py)."""
