@@ -16,7 +16,9 @@ stream (or died: then at whichever driver leads). One more group of 64 spares.
 
 Measured, in order, on the same nodes:
 
-- **join**: every simulator starts at once (no staggering). `join_s_10240`: from the start
+- **join**: every simulator starts at once (no staggering; each keeps `REGISTERING`
+  registrations in flight, so the driver has 512 at any moment until all are in, and a
+  simulator stalling itself does not pass for its relays' silence). `join_s_10240`: from the start
   until the leader's job is RUNNING with all 10,240 in its world and every node alive;
   `false_node_lost_join`: NodeLost events meanwhile.
 - **steady**: the leader's CPU over 8 s of heartbeats (`driver_core_share_10240`, a share
@@ -111,12 +113,19 @@ def _heartbeat(step: int, seq: int) -> bytes:
 
 
 # ---------------------------------------------------------------- the simulators
+REGISTERING = 128  # Register calls in flight per simulator process (4 of them: 512 at once)
+
+
 class Leader:
     """Which driver this simulator talks to: the one that last answered as leader."""
 
     def __init__(self, targets: list[str]) -> None:
         self.targets = targets
         self.i = 0
+        # registrations in flight from this simulator: with all its 2,560 at once its own
+        # event loop stalled 0.7-2 s at the join, its relays' batches with it, and the
+        # driver rightly lost those relays (an artifact: a relay's host registers one node)
+        self.registering = asyncio.Semaphore(REGISTERING)
         self.stubs = {
             t: dgrpc.DriverStub(grpc.aio.insecure_channel(t, options=channel.CLIENT_OPTIONS))
             for t in targets
@@ -142,7 +151,8 @@ async def register(lead: Leader, node: str, epoch: int, relay: str, spare: bool)
     req.spare = spare
     for attempt in range(200):
         try:
-            await lead.stubs[lead.target].Register(req, metadata=md, timeout=10)
+            async with lead.registering:
+                await lead.stubs[lead.target].Register(req, metadata=md, timeout=10)
             return
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -389,6 +399,9 @@ class Sim:
             rnd += 1
             step = rnd // 9
             full = rnd % 9 == 0 or rnd % 10 == 0
+            late = time.monotonic() - (t0 + (rnd - 1) * INTERVAL_S)
+            if late > 0.2:  # this simulator's own stall: its relays' batches go late too
+                self.log({"kind": "beat_late", "ms": round(late * 1e3), "wall_ns": time.time_ns()})
             for r in self.relays:
                 r.tick(full, step, rnd)
             for k in range(1, 5):  # the relay looks for silence 5x per interval
