@@ -796,8 +796,8 @@ RUN_KEYS = (
 def merged(prev: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
     """`out` over the figures of an earlier run (`prev`): a run of some phases keeps the
     others' figures (an empty or None value of `out` does not replace one of `prev`, but
-    `errors` are always the run's own); a run of the modes phase alone keeps the earlier run's settings (`RUN_KEYS`) and files its
-    own under `modes.run`."""
+    `errors` are always the run's own); a run of the modes phase alone keeps the earlier
+    run's settings (`RUN_KEYS`) and files its own under `modes.run`."""
     out = dict(out)
     if prev and set(out.get("phases_run", ())) <= {"modes"} and "modes" in out:
         run = {k: out.pop(k) for k in RUN_KEYS if k in out}

@@ -98,7 +98,7 @@ def test_a_member_whose_relay_went_down_before_carrying_it_waits_twice_the_grace
     found: dict[str, float] = {}
 
     async def go() -> None:
-        async with driver(ServiceConfig(live=live)) as (svc, store, addr):
+        async with driver(ServiceConfig(live=live)) as (svc, _store, addr):
             async with grpc.aio.insecure_channel(addr) as ch:
                 stub = dgrpc.DriverStub(ch)
                 for r in ("r0", "r1"):
