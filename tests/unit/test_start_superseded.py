@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from unbroken.driver import machine
+from unbroken.driver.fanout import Fanout
 from unbroken.driver.liveview import NodeSlot
 from unbroken.driver.loop import RecoveryLoop
 from unbroken.proto import driver_pb2 as dpb
@@ -71,6 +72,7 @@ def _loop(bump_at: int | None) -> tuple[RecoveryLoop, FakeService]:
     svc = FakeService(loop, nodes, bump_at)
     loop.service = svc  # type: ignore[assignment]
     loop.view = svc.view  # type: ignore[assignment]
+    loop.fanout = Fanout(svc, svc.view, 1.0)  # type: ignore[arg-type]
     return loop, svc
 
 
