@@ -31,15 +31,20 @@ log = structlog.get_logger(__name__)
 LOGGED_ERRORS = 16  # a broadcast's failures named in its one log line (the count is whole)
 
 Message = dpb.DriverMessage | Callable[[str], dpb.DriverMessage]
-Reply = tuple[str, dpb.CommandAck | None]  # the error ("": none) and the ack
+YIELD_EVERY = 256  # commands queued between two turns of the event loop
 
 
 class Requester(Protocol):
     def send(self, node_id: str, msg: dpb.DriverMessage) -> str: ...
 
-    async def request(
+    def ask(
         self, node_id: str, msg: dpb.DriverMessage, timeout_s: float
-    ) -> dpb.AgentMessage: ...
+    ) -> asyncio.Future[dpb.AgentMessage]: ...
+
+
+def _seen(fut: asyncio.Future[dpb.AgentMessage]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # a reply nobody awaits any more: its timeout is no error to log
 
 
 class Fanout:
@@ -50,8 +55,8 @@ class Fanout:
         self.view = view
         self.timeout_s = timeout_s
         self.stops_reused = 0
-        # node -> (its session and the stop, the reply's task)
-        self._stops: dict[str, tuple[tuple[object, ...], asyncio.Task[Reply]]] = {}
+        # node -> (its session and the stop, the reply's future)
+        self._stops: dict[str, tuple[tuple[object, ...], asyncio.Future[dpb.AgentMessage]]] = {}
 
     async def broadcast(
         self,
@@ -63,7 +68,11 @@ class Fanout:
     ) -> dict[str, str]:
         """Send `msg` (or `msg(node)`: each node its own) to every node with a session;
         return node -> error for failures. `acks`: filled with each node's ack (with
-        `wait`). A StopWorkers goes once per session (see the module)."""
+        `wait`). A StopWorkers goes once per session (see the module).
+
+        Every node's command is queued and its reply's future kept (each fails on its own
+        at the deadline): no task and no waiter per node, and the event loop gets a turn
+        every `YIELD_EVERY` nodes, so heartbeats are read while 10,240 commands go out."""
 
         def build(n: str) -> dpb.DriverMessage:
             if callable(msg):
@@ -72,24 +81,34 @@ class Fanout:
             m.CopyFrom(msg)
             return m
 
-        async def one(n: str) -> str:
+        bad: dict[str, str] = {}
+        replies: dict[str, asyncio.Future[dpb.AgentMessage]] = {}
+        for i, n in enumerate(nodes):
+            if i and i % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
             m = build(n)
-            if not wait:
-                try:
+            try:
+                if not wait:
                     self.host.send(n, m)
-                    return ""
-                except KeyError as e:
-                    return f"KeyError: {e}"
-            if m.WhichOneof("kind") == "stop_workers":
-                error, ack = await asyncio.shield(self._stop(n, m))
+                elif m.WhichOneof("kind") == "stop_workers":
+                    replies[n] = self._stop(n, m)
+                else:
+                    replies[n] = self._ask(n, m)
+            except KeyError as e:
+                bad[n] = f"KeyError: {e}"
+        if replies:
+            await asyncio.wait(replies.values())
+        for n, fut in replies.items():
+            if fut.cancelled():
+                bad[n] = "CancelledError"
+            elif (failed := fut.exception()) is not None:
+                bad[n] = f"{type(failed).__name__}: {failed}"
             else:
-                error, ack = await self._ask(n, m)
-            if acks is not None and ack is not None:
-                acks[n] = ack
-            return error
-
-        errors = dict(zip(nodes, await asyncio.gather(*(one(n) for n in nodes)), strict=True))
-        bad = {n: e for n, e in errors.items() if e}
+                ack = fut.result().ack
+                if acks is not None:
+                    acks[n] = ack
+                if not ack.ok:
+                    bad[n] = ack.detail or "refused"
         if bad:
             first = dict(itertools.islice(bad.items(), LOGGED_ERRORS))
             log.warning(
@@ -99,35 +118,35 @@ class Fanout:
                 of=len(nodes),
                 errors=first,
             )
-        return bad
+        return {n: bad[n] for n in nodes if n in bad}
 
     def forget(self, node: str) -> None:
         """`node`'s workers were started or resumed: its next stop is sent again."""
         self._stops.pop(node, None)
 
     def close(self) -> None:
-        for _, task in self._stops.values():
-            task.cancel()
+        for _, fut in self._stops.values():
+            fut.cancel()
         self._stops.clear()
 
-    def _stop(self, n: str, m: dpb.DriverMessage) -> asyncio.Task[Reply]:
-        """The task of `n`'s reply to stop `m`: the one in flight or acknowledged for the
-        same session and command, else a new one."""
+    def _stop(self, n: str, m: dpb.DriverMessage) -> asyncio.Future[dpb.AgentMessage]:
+        """The future of `n`'s reply to stop `m`: the one in flight or acknowledged for
+        the same session and command, else a new one (KeyError: no session)."""
         slot = self.view.nodes.get(n)
         key = (slot.epoch, slot.outbox, m.SerializeToString(deterministic=True)) if slot else ()
         held = self._stops.get(n)
         if held is not None and key and held[0] == key:
-            task = held[1]
-            if not task.done() or (not task.cancelled() and not task.result()[0]):
+            fut = held[1]
+            if not fut.done() or (
+                not fut.cancelled() and fut.exception() is None and fut.result().ack.ok
+            ):
                 self.stops_reused += 1
-                return task
-        task = asyncio.ensure_future(self._ask(n, m))
-        self._stops[n] = (key, task)
-        return task
+                return fut
+        fut = self._ask(n, m)
+        self._stops[n] = (key, fut)
+        return fut
 
-    async def _ask(self, n: str, m: dpb.DriverMessage) -> Reply:
-        try:
-            r = await self.host.request(n, m, self.timeout_s)
-        except (KeyError, TimeoutError) as e:
-            return f"{type(e).__name__}: {e}", None
-        return ("" if r.ack.ok else r.ack.detail or "refused"), r.ack
+    def _ask(self, n: str, m: dpb.DriverMessage) -> asyncio.Future[dpb.AgentMessage]:
+        fut = self.host.ask(n, m, self.timeout_s)
+        fut.add_done_callback(_seen)
+        return fut

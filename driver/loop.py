@@ -140,6 +140,10 @@ class LoopHost(Protocol):
         self, node_id: str, msg: dpb.DriverMessage, timeout_s: float
     ) -> dpb.AgentMessage: ...
 
+    def ask(
+        self, node_id: str, msg: dpb.DriverMessage, timeout_s: float
+    ) -> asyncio.Future[dpb.AgentMessage]: ...
+
     def persist_every_s(self) -> float: ...
 
 

@@ -335,6 +335,12 @@ class DriverService(dgrpc.DriverServicer):
         """Send a command and wait for its reply (`Sessions.request`)."""
         return await self.sessions.request(node_id, msg, timeout_s)
 
+    def ask(
+        self, node_id: str, msg: dpb.DriverMessage, timeout_s: float
+    ) -> asyncio.Future[dpb.AgentMessage]:
+        """Send a command; the future of its reply (`Sessions.ask`)."""
+        return self.sessions.ask(node_id, msg, timeout_s)
+
     @property
     def dropped_commands(self) -> int:
         return self.sessions.dropped_commands

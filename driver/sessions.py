@@ -169,6 +169,27 @@ class Sessions:
         finally:
             self._replies.pop(cid, None)
 
+    def ask(
+        self, node_id: str, msg: dpb.DriverMessage, timeout_s: float
+    ) -> asyncio.Future[dpb.AgentMessage]:
+        """Send a command; the future of its reply, failed with TimeoutError after
+        `timeout_s` (KeyError at once: no session). `request` without a task or a waiter
+        of its own: a broadcast to 10,240 nodes asks each this way."""
+        cid = self.send(node_id, msg)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[dpb.AgentMessage] = loop.create_future()
+        self._replies[cid] = fut
+
+        def expire() -> None:
+            if self._replies.get(cid) is fut:
+                del self._replies[cid]
+            if not fut.done():
+                fut.set_exception(TimeoutError(f"no reply from {node_id} in {timeout_s} s"))
+
+        handle = loop.call_later(timeout_s, expire)
+        fut.add_done_callback(lambda _: handle.cancel())
+        return fut
+
     def reply(self, command_id: str, msg: dpb.AgentMessage) -> bool:
         """Hand an agent's reply to the request waiting for it; False when none waits."""
         fut = self._replies.pop(command_id, None)

@@ -10,6 +10,7 @@ log line naming how many.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import grpc
@@ -140,5 +141,31 @@ def test_a_broadcasts_failures_are_one_line() -> None:
             assert len(lines) == 1
             assert lines[0]["failed"] == 100 and lines[0]["of"] == 100
             assert lines[0]["kind"] == "resume" and len(lines[0]["errors"]) == 16
+
+    asyncio.run(go())
+
+
+def test_a_node_that_does_not_answer_fails_at_the_deadline_and_its_stop_goes_again() -> None:
+    async def go() -> None:
+        async with driver() as (svc, _store, addr):
+            async with grpc.aio.insecure_channel(addr) as ch:
+                stub = dgrpc.DriverStub(ch)
+                await stub.Register(dpb.RegisterRequest(node_id="a", epoch=1))
+                a = await _open(stub, "a", 1)
+                await until(lambda: svc.view.nodes["a"].outbox is not None, 5, "a's session")
+                fan = Fanout(svc, svc.view, timeout_s=0.3)
+                t0 = time.monotonic()
+                bad = await fan.broadcast(("a",), STOP)
+                assert 0.25 < time.monotonic() - t0 < 2.0
+                assert bad["a"].startswith("TimeoutError"), bad
+                assert not svc.sessions._replies  # nothing left waiting
+                first = await a.next()
+                # the unanswered stop does not count: the next decision's goes again
+                second = asyncio.create_task(fan.broadcast(("a",), STOP))
+                again = await a.next()
+                assert again.command_id != first.command_id
+                await a.ack(again)
+                assert await second == {}
+                a.close()
 
     asyncio.run(go())
