@@ -83,14 +83,16 @@ class Fanout:
 
         bad: dict[str, str] = {}
         replies: dict[str, asyncio.Future[dpb.AgentMessage]] = {}
+        kind = ""
         for i, n in enumerate(nodes):
             if i and i % YIELD_EVERY == 0:
                 await asyncio.sleep(0)
             m = build(n)
+            kind = kind or str(m.WhichOneof("kind"))
             try:
                 if not wait:
                     self.host.send(n, m)
-                elif m.WhichOneof("kind") == "stop_workers":
+                elif kind == "stop_workers":
                     replies[n] = self._stop(n, m)
                 else:
                     replies[n] = self._ask(n, m)
@@ -113,7 +115,7 @@ class Fanout:
             first = dict(itertools.islice(bad.items(), LOGGED_ERRORS))
             log.warning(
                 "command not done everywhere",
-                kind=build(nodes[0]).WhichOneof("kind"),
+                kind=kind,
                 failed=len(bad),
                 of=len(nodes),
                 errors=first,

@@ -161,33 +161,34 @@ class Sessions:
         self, node_id: str, msg: dpb.DriverMessage, timeout_s: float
     ) -> dpb.AgentMessage:
         """Send a command and wait (at most `timeout_s`) for its ack or check result."""
-        cid = self.send(node_id, msg)
-        fut: asyncio.Future[dpb.AgentMessage] = asyncio.get_running_loop().create_future()
-        self._replies[cid] = fut
+        fut = self.ask(node_id, msg, timeout_s)
         try:
-            return await asyncio.wait_for(fut, timeout_s)
+            return await fut
         finally:
-            self._replies.pop(cid, None)
+            fut.cancel()  # (done already, unless this wait was cancelled)
 
     def ask(
         self, node_id: str, msg: dpb.DriverMessage, timeout_s: float
     ) -> asyncio.Future[dpb.AgentMessage]:
         """Send a command; the future of its reply, failed with TimeoutError after
-        `timeout_s` (KeyError at once: no session). `request` without a task or a waiter
-        of its own: a broadcast to 10,240 nodes asks each this way."""
+        `timeout_s` (KeyError at once: no session). No task or waiter of its own: a
+        broadcast to 10,240 nodes asks each this way."""
         cid = self.send(node_id, msg)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[dpb.AgentMessage] = loop.create_future()
         self._replies[cid] = fut
 
         def expire() -> None:
-            if self._replies.get(cid) is fut:
-                del self._replies[cid]
             if not fut.done():
                 fut.set_exception(TimeoutError(f"no reply from {node_id} in {timeout_s} s"))
 
+        def done(_: object) -> None:  # replied, expired or cancelled: nothing waits on
+            handle.cancel()
+            if self._replies.get(cid) is fut:
+                del self._replies[cid]
+
         handle = loop.call_later(timeout_s, expire)
-        fut.add_done_callback(lambda _: handle.cancel())
+        fut.add_done_callback(done)
         return fut
 
     def reply(self, command_id: str, msg: dpb.AgentMessage) -> bool:

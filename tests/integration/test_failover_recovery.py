@@ -37,17 +37,19 @@ class TwoDrivers(Job):
     def start_named_driver(self, name: str, *, nodes: int = 2, port: int = 0) -> str:
         return self.start_driver(name=name, nodes=nodes, listen=f"127.0.0.1:{port}")
 
-    def train_under_two_drivers(self, spare_buddy: str) -> None:
+    def train_under_two_drivers(self, spare_buddy: str | None = None) -> str:
         """driver-a leading, driver-b standing by, n0 and n1 training, spare s0 (whose
-        --buddy is `spare_buddy`) waiting."""
+        --buddy is `spare_buddy`; none without it) waiting; returns driver-a's address."""
         a = self.start_named_driver("driver-a")
         until(lambda: self.leader() == "driver-a", 60, "driver-a to lead", self)
         b = self.start_named_driver("driver-b")
         self.address = f"{a},{b}"
         self.start_agent("n0", buddy="n1")
         self.start_agent("n1", buddy="n0")
-        self.start_agent("s0", buddy=spare_buddy, spare=True)
+        if spare_buddy is not None:
+            self.start_agent("s0", buddy=spare_buddy, spare=True)
         until(lambda: self.max_step() >= 5, 180, "training to start", self)
+        return a
 
     def leader(self) -> str:
         events = self.events()
@@ -71,13 +73,7 @@ def _after(events: list[ev.Event], kind: str, since: int) -> list[ev.Event]:
 def test_leader_killed_between_pause_and_resume_the_standby_finishes_the_recovery(
     job: TwoDrivers,
 ) -> None:
-    a = job.start_named_driver("driver-a")
-    until(lambda: job.leader() == "driver-a", 60, "driver-a to lead", job)
-    b = job.start_named_driver("driver-b")
-    job.address = f"{a},{b}"
-    job.start_agent("n0", buddy="n1")
-    job.start_agent("n1", buddy="n0")
-    until(lambda: job.max_step() >= 5, 180, "training to start", job)
+    a = job.train_under_two_drivers()
 
     inject(a, "n1", "crash", rank=0)  # the agent SIGKILLs its worker (not a warm standby)
     crash_step = job.max_step()
