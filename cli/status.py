@@ -97,6 +97,21 @@ def log_failing_line(st: dpb.GetStatusResponse) -> str:
     return line
 
 
+def mass_silence_line(st: dpb.GetStatusResponse) -> str:
+    """`10240 nodes silent at once, NodeLost held back for 4 s; no node heard for 4 s (this
+    driver overloaded or cut off?)`."""
+    line = (
+        f"{st.mass_silence_nodes} nodes silent at once, NodeLost held back for "
+        f"{st.mass_silence_held_s:.0f} s"
+    )
+    if st.mass_silence_unheard_s >= 1:
+        line += (
+            f"; no node heard for {st.mass_silence_unheard_s:.0f} s (this driver overloaded "
+            "or cut off from the nodes?)"
+        )
+    return line
+
+
 def run(ns: argparse.Namespace) -> int:
     """`unbroken status`; exit 0, or 3 when the driver is unreachable."""
 
@@ -141,6 +156,8 @@ def run(ns: argparse.Namespace) -> int:
             t.add_row("[bold red]PERSIST FAILING[/]", escape(line))
         if st.log_failing_s > 0:
             t.add_row("[bold red]EVENT LOG FAILING[/]", escape(log_failing_line(st)))
+        if st.mass_silence_nodes:
+            t.add_row("[bold red]MASS SILENCE[/]", escape(mass_silence_line(st)))
         t.add_row("last event", f"seq {st.last_seq}")
         incident = st.incident_id or "none"
         if st.incident_id:

@@ -313,6 +313,7 @@ class Dashboard:
                 "now": int(time.time() * 1000),
                 "error": self._error,
                 "event_log": loghealth.summary(svc.journal),
+                "mass_silence": svc.mass_silence() if live else (0, 0.0, 0.0),
                 "events": [e for e in self._events if e["seq"] > since],
                 "curves": self.series.curves(curves_after),
                 "heatmap": self._heatmap(),

@@ -75,7 +75,19 @@ class LiveViewConfig:
     )
     mass_loss_min: int = field(default=8, metadata={"help": "...and of more than this many nodes"})
     mass_loss_hold_ms: int = field(
-        default=3_000, metadata={"help": "how long such a mass silence is held back"}
+        default=3_000,
+        metadata={"help": "how long such a mass silence is held back while others are heard"},
+    )
+    # ...and its hold's clock stops while no node at all is heard: a whole world silent at
+    # once is the observer's silence (its loop behind its streams, its own network), not
+    # 10,240 deaths (bench-scale: an incident's acks put the leader's reading of every relay
+    # stream behind; after the fixed 3 s all 10,273 nodes were declared lost)
+    mass_loss_max_hold_ms: int = field(
+        default=30_000,
+        metadata={
+            "help": "the longest a mass silence is held in all, counting the time no node "
+            "at all was heard (the driver's own silence)"
+        },
     )
     # Jitter-adaptive miss limit: a node whose heartbeats recently came with gaps of g ms
     # is lost only after min(jitter_k x g, jitter_cap x the timeout) (and never sooner than
@@ -159,6 +171,8 @@ class LiveViewConfig:
             raise ValueError(f"mass_loss_fraction must be in (0, 1], got {self.mass_loss_fraction}")
         if self.mass_loss_min < 1 or self.mass_loss_hold_ms < 0:
             raise ValueError("mass_loss_min must be >= 1 and mass_loss_hold_ms >= 0")
+        if self.mass_loss_max_hold_ms < self.mass_loss_hold_ms:
+            raise ValueError("mass_loss_max_hold_ms must be >= mass_loss_hold_ms")
         if not 0 <= self.relay_hold_ms <= 600_000:
             raise ValueError(f"relay_hold_ms must be in [0, 600000], got {self.relay_hold_ms}")
         if not 0 <= self.starved_hold_ms <= 600_000:
@@ -295,6 +309,9 @@ class LiveView:
         # `settled`), else 0.0; `back_at`: when the last awaited node came back
         self.awaited: dict[str, float] = {}
         self.back_at = 0.0
+        # when any node was last heard (a heartbeat, a relay's batch or reply, a
+        # registration): a mass silence with nobody heard is the driver's own
+        self.heard_at = 0.0
 
     def slot(self, node_id: str) -> NodeSlot:
         """The slot of `node_id`, created on first use."""
@@ -334,7 +351,7 @@ class LiveView:
         self._back(slot, now)
         self._untrack(slot)
         slot.alive = True
-        slot.last_seen = now
+        slot.last_seen = self.heard_at = now
         self.pending[slot.node_id] = slot
 
     def mark_alive(self, slot: NodeSlot, now: float) -> None:
@@ -342,7 +359,7 @@ class LiveView:
         self._back(slot, now)
         self._untrack(slot)
         slot.alive = True
-        slot.last_seen = now
+        slot.last_seen = self.heard_at = now
         self.order[slot.node_id] = slot
 
     # ----------------------------------------------------------- after a failover
@@ -395,7 +412,7 @@ class LiveView:
 
     def refresh(self, slot: NodeSlot, now: float) -> None:
         """Alive `slot` heard at `now` (tracked alone: out of its group, if it was in one)."""
-        slot.last_seen = now
+        slot.last_seen = self.heard_at = now
         order = self.order
         if order.pop(slot.node_id, None) is None:
             self.strays.pop(slot.node_id, None)
@@ -412,7 +429,7 @@ class LiveView:
         if g is None:
             g = Group(relay, now)
         self.groups[relay] = g  # the freshest at the end
-        g.seen = now
+        g.seen = self.heard_at = now
         g.beats += 1
         return g
 
@@ -495,7 +512,7 @@ class LiveView:
             # pop + reinsert moves the node to the end of the deadline order
             self.refresh(slot, now)
         else:
-            slot.last_seen = now
+            slot.last_seen = self.heard_at = now
 
     def mark_lost(self, slot: NodeSlot) -> None:
         """Stop tracking `slot` (it was declared lost)."""

@@ -146,6 +146,16 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         (),
         "1 while etcd refuses writes for lack of space (NOSPACE alarm), else 0",
     ),
+    "unbroken_mass_silence_nodes": (
+        "gauge",
+        (),
+        "Silent nodes whose NodeLost a mass silence holds back now (0: none held)",
+    ),
+    "unbroken_mass_silence_unheard_seconds": (
+        "gauge",
+        (),
+        "While a mass silence is held: how long no node at all was heard (0: none held)",
+    ),
 }
 # Per-worker series come from each agent's own endpoint (agent/metrics.py AGENT_METRICS),
 # not from the driver: at 10,000 nodes x 8 workers the driver would build ~320k series per
@@ -208,6 +218,14 @@ class _LiveCollector(Collector):
         ):
             g = GaugeMetricFamily(name, METRICS[name][2])
             g.add_metric([], float(health.get(key, 0)))
+            yield g
+        held, _, unheard = v.get("mass_silence", (0, 0.0, 0.0))
+        for name, value in (
+            ("unbroken_mass_silence_nodes", held),
+            ("unbroken_mass_silence_unheard_seconds", unheard),
+        ):
+            g = GaugeMetricFamily(name, METRICS[name][2])
+            g.add_metric([], float(value))
             yield g
         if v.get("newest_commit_age_s", -1.0) >= 0:
             name = "unbroken_newest_commit_age_seconds"

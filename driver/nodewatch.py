@@ -58,6 +58,9 @@ class NodeWatch:
         self._emit = emit
         self.stragglers = StragglerWatch(config.straggler)
         self._mass_since = 0.0  # monotonic time a mass silence was first held back
+        self._mass_ran = 0.0  # ...of its hold, the time some node was heard
+        self._mass_tick = 0.0  # the sweep that last advanced that clock
+        self.mass_held = 0  # nodes a mass silence holds back now (0: none)
         self.relay_held = 0  # sweeps that held back a relayed node whose relay was lost
         self._starved_held: dict[str, float] = {}  # late nodes held as starved, since
         self.starved_saved = 0  # ...that came back within their grace (losses avoided)
@@ -149,26 +152,54 @@ class NodeWatch:
                 log.info("evicted node's agent left", node=slot.node_id)
             if left:
                 lost = [x for x in lost if not x[0].leaving]
-        if not lost:
-            self._mass_since = 0.0
+        if lost and len(lost) > detectors.mass_limit(self.view) and self._hold_mass(lost, now):
             return
-        hold_s = self.config.live.mass_loss_hold_ms / 1000.0
-        if len(lost) > detectors.mass_limit(self.view):
-            if not self._mass_since:
-                self._mass_since = now
-                log.error(
-                    "mass silence: holding NodeLost back (driver overloaded or partitioned?)",
-                    silent=len(lost),
-                    hold_ms=hold_s * 1000,
-                )
-            if now - self._mass_since <= hold_s:
-                return
-        self._mass_since = 0.0
+        self._mass_since, self.mass_held = 0.0, 0
+        if not lost:
+            return
         for e in detectors.declare(self.view, lost, now):
             self._emit(e, now - e.node_lost.silent_ms / 1000.0)
             log.warning(
                 "node lost", node=e.node_lost.node_id, silent_ms=round(e.node_lost.silent_ms, 1)
             )
+
+    def _hold_mass(self, lost: list[tuple[NodeSlot, str]], now: float) -> bool:
+        """Whether the mass silence `lost` is still held back.
+
+        The hold (`mass_loss_hold_ms`) runs only while some node is heard: a world silent
+        all at once is the observer's silence (its loop behind its streams, its own
+        network), so with nobody heard its clock stops, up to `mass_loss_max_hold_ms` in
+        all. At 10,240 nodes an incident's replies put the leader's reading of every relay
+        stream seconds behind; with a fixed 3 s hold all 10,273 nodes were declared lost."""
+        live = self.config.live
+        if not self._mass_since:
+            self._mass_since = self._mass_tick = now
+            self._mass_ran = 0.0
+            log.error(
+                "mass silence: holding NodeLost back (driver overloaded or partitioned?)",
+                silent=len(lost),
+                hold_ms=live.mass_loss_hold_ms,
+            )
+        if now - self.view.heard_at <= 2 * live.heartbeat_interval_ms / 1e3:
+            self._mass_ran += now - self._mass_tick
+        self._mass_tick = now
+        self.mass_held = len(lost)
+        if now - self._mass_since > live.mass_loss_max_hold_ms / 1e3:
+            log.error(
+                "mass silence held its longest: declaring the silent nodes lost",
+                silent=len(lost),
+                held_ms=round((now - self._mass_since) * 1000),
+                unheard_ms=round((now - self.view.heard_at) * 1000),
+            )
+            return False
+        return self._mass_ran <= live.mass_loss_hold_ms / 1e3
+
+    def mass_silence(self, now: float) -> tuple[int, float, float]:
+        """The mass silence held now: its nodes, for how long, since when nobody was heard
+        (seconds; (0, 0, 0) when none is held)."""
+        if not self.mass_held or not self._mass_since:
+            return 0, 0.0, 0.0
+        return self.mass_held, now - self._mass_since, max(0.0, now - self.view.heard_at)
 
     def _note_held(self, held: list[NodeSlot], now: float) -> None:
         """Log a late node held as starved once, and once more when it came back (a false

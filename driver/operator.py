@@ -240,6 +240,8 @@ class OperatorApi:
         h = loghealth.summary(self._lead.journal)
         st.log_error, st.log_failing_s, st.log_full = h["error"], h["failing_s"], h["full"]
         st.faults_unrecorded = h["faults_unrecorded"]
+        held = self._cmd.mass_silence()
+        st.mass_silence_nodes, st.mass_silence_held_s, st.mass_silence_unheard_s = held
         return st
 
     async def ListNodes(

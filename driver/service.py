@@ -377,10 +377,15 @@ class DriverService(dgrpc.DriverServicer):
             **({"phase": j.state.phase} if j else {}),
             "newest_commit_age_s": self.newest_commit()[1],
             "event_log": loghealth.summary(j),
+            "mass_silence": self.mass_silence(),
         }
 
     def newest_commit(self) -> tuple[int, float]:
         return self.keeper.newest_commit()
+
+    def mass_silence(self) -> tuple[int, float, float]:
+        """The mass silence the node watch holds back now (nodes, held s, unheard s)."""
+        return self.nodewatch.mass_silence(time.monotonic())
 
     def persist_failing(self) -> list[dpb.PersistFailure]:
         return self.keeper.persist_failing()

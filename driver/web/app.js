@@ -85,6 +85,11 @@ function renderHeader(s) {
       (lg.faults_unrecorded ? ` ${lg.faults_unrecorded} fault(s) wait to be recorded: the ` +
         "counts below miss them." : "") + " Free etcd space, then `etcdctl alarm disarm`.",
       "failed");
+  } else if (s.mass_silence && s.mass_silence[0]) {
+    const [n, held, unheard] = s.mass_silence;
+    banner(`${n} nodes went silent at once: their NodeLost is held back (${Math.round(held)} s` +
+      (unheard >= 1 ? `; no node heard for ${Math.round(unheard)} s: this driver overloaded ` +
+        "or cut off from the nodes?" : "") + ").", "failed");
   } else if (s.phase === "failed") {
     banner(`The job FAILED at step ${s.step}: ${s.finished_reason || inc.cause || "see the events"}. ` +
       "Its workers are stopped. Fix the cause, then run `unbroken resume` " +

@@ -1,0 +1,142 @@
+"""A mass silence is held while nobody is heard: a whole world silent at once is the
+observer's silence, not that many deaths.
+
+Real gRPC, the driver service in-process, one session per node sending heartbeats. With a
+fixed hold, a world that went silent together (at 10,240 nodes: the leader's reading of
+every relay stream seconds behind an incident's replies) was declared lost after 3 s.
+Now the hold's clock runs only while some node is heard, up to `mass_loss_max_hold_ms`,
+and `GetStatus` (so `unbroken status`) and the metrics say it is held and for how long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from tests.inproc import driver, session_md, until
+from unbroken.cli.status import mass_silence_line
+from unbroken.driver.liveview import LiveViewConfig
+from unbroken.driver.service import DriverService, ServiceConfig
+from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import driver_pb2_grpc as dgrpc
+
+pytestmark = pytest.mark.integration
+
+NODES = [f"n{i:02d}" for i in range(10)]
+BEAT_S = 0.05
+
+
+class Beats:
+    """Each node's session sending heartbeats every BEAT_S while it is in `beating`."""
+
+    def __init__(self, stub: dgrpc.DriverStub, nodes: list[str]) -> None:
+        self.calls = {n: stub.Session(metadata=session_md(n, 1)) for n in nodes}
+        self.beating = set(nodes)
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        seq = 0
+        while True:
+            seq += 1
+            for n, call in self.calls.items():
+                if n in self.beating:
+                    await call.write(dpb.AgentMessage(heartbeat=dpb.Heartbeat(seq=seq)))
+            await asyncio.sleep(BEAT_S)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        for call in self.calls.values():
+            call.cancel()
+
+
+@contextlib.asynccontextmanager
+async def world(
+    live: LiveViewConfig, nodes: list[str]
+) -> AsyncIterator[tuple[DriverService, dgrpc.DriverStub, Beats]]:
+    async with driver(ServiceConfig(live=live)) as (svc, _store, addr):
+        async with grpc.aio.insecure_channel(addr) as ch:
+            stub = dgrpc.DriverStub(ch)
+            for n in nodes:
+                await stub.Register(dpb.RegisterRequest(node_id=n, epoch=1))
+            beats = Beats(stub, nodes)
+            try:
+                view = svc.view.nodes
+                await until(lambda: all(view[n].heartbeats >= 2 for n in nodes), 5, "heartbeats")
+                yield svc, stub, beats
+            finally:
+                await beats.close()
+
+
+def config(**kw: int) -> LiveViewConfig:
+    # 100 ms heartbeats, lost after 3 missed (no starved or jitter slack: the mass rule
+    # alone); more than 2 nodes silent at once is a mass silence
+    return LiveViewConfig(
+        heartbeat_interval_ms=100, mass_loss_min=2, jitter_k=0, starved_hold_ms=0, **kw
+    )
+
+
+def test_a_world_silent_at_once_is_held_while_nobody_is_heard_and_kept_when_it_returns() -> None:
+    async def go() -> None:
+        live = config(mass_loss_hold_ms=500, mass_loss_max_hold_ms=20_000)
+        async with world(live, NODES) as (svc, stub, beats):
+            beats.beating.clear()  # every node silent at once: the observer's silence
+            t0 = time.monotonic()
+            await until(lambda: svc.nodewatch.mass_held == len(NODES), 5, "the mass silence held")
+            await asyncio.sleep(max(0.0, t0 + 2.5 - time.monotonic()))  # 5x the hold
+            assert all(svc.view.nodes[n].alive for n in NODES), "declared lost while held"
+            st = await stub.GetStatus(dpb.GetStatusRequest())
+            assert st.mass_silence_nodes == len(NODES)
+            assert st.mass_silence_held_s >= 1.5
+            assert st.mass_silence_unheard_s >= 1.5
+            line = mass_silence_line(st)  # what `unbroken status` shows
+            assert line.startswith(f"{len(NODES)} nodes silent at once, NodeLost held back")
+            assert "no node heard for" in line
+            reg = svc.metrics.registry
+            assert reg.get_sample_value("unbroken_mass_silence_nodes") == len(NODES)
+            assert reg.get_sample_value("unbroken_mass_silence_unheard_seconds") >= 1.5
+            beats.beating.update(NODES)  # the world comes back: nobody was lost
+            await until(lambda: svc.nodewatch.mass_held == 0, 5, "the hold to end")
+            st = await stub.GetStatus(dpb.GetStatusRequest())
+            assert (st.mass_silence_nodes, st.mass_silence_held_s) == (0, 0.0)
+            assert all(svc.view.nodes[n].alive for n in NODES)
+
+    asyncio.run(go())
+
+
+def test_a_mass_silence_while_others_are_heard_is_declared_after_the_hold() -> None:
+    """Three nodes still heard: the silence of the other ten is theirs, not the driver's,
+    and they are lost once the hold has run (0.5 s) past the timeout (0.3 s)."""
+
+    async def go() -> None:
+        live = config(mass_loss_hold_ms=500, mass_loss_max_hold_ms=20_000)
+        heard = ["h0", "h1", "h2"]
+        async with world(live, NODES + heard) as (svc, _stub, beats):
+            beats.beating.difference_update(NODES)
+            t0 = time.monotonic()
+            await until(lambda: not any(svc.view.nodes[n].alive for n in NODES), 5, "the ten lost")
+            took = time.monotonic() - t0
+            assert 0.75 <= took < 3.0, took
+            assert all(svc.view.nodes[n].alive for n in heard)
+            assert svc.nodewatch.mass_held == 0
+
+    asyncio.run(go())
+
+
+def test_a_silence_of_everyone_is_declared_at_the_longest_hold() -> None:
+    async def go() -> None:
+        live = config(mass_loss_hold_ms=300, mass_loss_max_hold_ms=1_500)
+        async with world(live, NODES) as (svc, _stub, beats):
+            beats.beating.clear()
+            t0 = time.monotonic()
+            await until(lambda: not any(svc.view.nodes[n].alive for n in NODES), 6, "all lost")
+            took = time.monotonic() - t0
+            assert 1.7 <= took < 4.0, took  # the timeout (0.3 s) then the longest hold
+
+    asyncio.run(go())
