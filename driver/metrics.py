@@ -162,6 +162,21 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
 # scrape.
 
 
+def _health(v: dict[str, Any]) -> Iterator[Any]:
+    """The leader's own trouble: the event log refusing writes, a mass silence held."""
+    health = v.get("event_log") or {}
+    held, _, unheard = v.get("mass_silence", (0, 0.0, 0.0))
+    for name, value in (
+        ("unbroken_event_log_failing_seconds", health.get("failing_s", 0)),
+        ("unbroken_event_log_full", health.get("full", 0)),
+        ("unbroken_mass_silence_nodes", held),
+        ("unbroken_mass_silence_unheard_seconds", unheard),
+    ):
+        g = GaugeMetricFamily(name, METRICS[name][2])
+        g.add_metric([], float(value))
+        yield g
+
+
 class _LiveCollector(Collector):
     def __init__(self, read: Callable[[], dict[str, Any]], job: CollectorRegistry) -> None:
         self._read = read
@@ -211,22 +226,7 @@ class _LiveCollector(Collector):
         for p in PHASES:
             g.add_metric([p], 1.0 if p == name else 0.0)
         yield g
-        health = v.get("event_log") or {}
-        for name, key in (
-            ("unbroken_event_log_failing_seconds", "failing_s"),
-            ("unbroken_event_log_full", "full"),
-        ):
-            g = GaugeMetricFamily(name, METRICS[name][2])
-            g.add_metric([], float(health.get(key, 0)))
-            yield g
-        held, _, unheard = v.get("mass_silence", (0, 0.0, 0.0))
-        for name, value in (
-            ("unbroken_mass_silence_nodes", held),
-            ("unbroken_mass_silence_unheard_seconds", unheard),
-        ):
-            g = GaugeMetricFamily(name, METRICS[name][2])
-            g.add_metric([], float(value))
-            yield g
+        yield from _health(v)
         if v.get("newest_commit_age_s", -1.0) >= 0:
             name = "unbroken_newest_commit_age_seconds"
             g = GaugeMetricFamily(name, METRICS[name][2])

@@ -179,6 +179,8 @@ class NodeWatch:
                 "mass silence: holding NodeLost back (driver overloaded or partitioned?)",
                 silent=len(lost),
                 hold_ms=live.mass_loss_hold_ms,
+                unheard_ms=round((now - self.view.heard_at) * 1000),
+                alive=self.view.alive_count(),
             )
         if now - self.view.heard_at <= 2 * live.heartbeat_interval_ms / 1e3:
             self._mass_ran += now - self._mass_tick

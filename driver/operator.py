@@ -226,10 +226,8 @@ class OperatorApi:
         st = status_of(state, self.view)
         gp = goodputlib.goodput_now(state, self.view)
         st.goodput, st.training_wall_s = gp.ratio, gp.wall_s
-        for cause, lost in gp.lost_s_by_cause.items():
-            st.lost_s_by_cause[cause] = lost
-        for cat, lost in gp.lost_s_by_category.items():
-            st.lost_s_by_category[cat] = lost
+        st.lost_s_by_cause.update(gp.lost_s_by_cause)
+        st.lost_s_by_category.update(gp.lost_s_by_category)
         st.job_id = st.job_id or self._lead.job_id
         st.driver_id = self._lead.driver_id
         st.leader_address = self._lead.address

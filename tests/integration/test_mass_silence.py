@@ -20,7 +20,7 @@ import pytest
 
 from tests.inproc import driver, session_md, until
 from unbroken.cli.status import mass_silence_line
-from unbroken.driver.liveview import LiveViewConfig
+from unbroken.driver.liveview import LiveView, LiveViewConfig
 from unbroken.driver.service import DriverService, ServiceConfig
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -34,7 +34,8 @@ BEAT_S = 0.05
 class Beats:
     """Each node's session sending heartbeats every BEAT_S while it is in `beating`."""
 
-    def __init__(self, stub: dgrpc.DriverStub, nodes: list[str]) -> None:
+    def __init__(self, stub: dgrpc.DriverStub, nodes: list[str], view: LiveView) -> None:
+        self.view = view
         self.calls = {n: stub.Session(metadata=session_md(n, 1)) for n in nodes}
         self.beating = set(nodes)
         self._task = asyncio.create_task(self._run())
@@ -47,6 +48,15 @@ class Beats:
                 if n in self.beating:
                     await call.write(dpb.AgentMessage(heartbeat=dpb.Heartbeat(seq=seq)))
             await asyncio.sleep(BEAT_S)
+
+    def stop(self, nodes: list[str]) -> None:
+        """`nodes` stop beating, their last heartbeats read in one instant (as when the
+        driver stops reading a relay's stream, or its own loop stalls): in the test's own
+        event loop, so no sweep sees some of them silent before the others."""
+        self.beating.difference_update(nodes)
+        view, now = self.view, time.monotonic()
+        for n in nodes:
+            view.refresh(view.nodes[n], now)
 
     async def close(self) -> None:
         self._task.cancel()
@@ -65,7 +75,7 @@ async def world(
             stub = dgrpc.DriverStub(ch)
             for n in nodes:
                 await stub.Register(dpb.RegisterRequest(node_id=n, epoch=1))
-            beats = Beats(stub, nodes)
+            beats = Beats(stub, nodes, svc.view)
             try:
                 view = svc.view.nodes
                 await until(lambda: all(view[n].heartbeats >= 2 for n in nodes), 5, "heartbeats")
@@ -86,7 +96,7 @@ def test_a_world_silent_at_once_is_held_while_nobody_is_heard_and_kept_when_it_r
     async def go() -> None:
         live = config(mass_loss_hold_ms=500, mass_loss_max_hold_ms=20_000)
         async with world(live, NODES) as (svc, stub, beats):
-            beats.beating.clear()  # every node silent at once: the observer's silence
+            beats.stop(NODES)  # every node silent at once: the observer's silence
             t0 = time.monotonic()
             await until(lambda: svc.nodewatch.mass_held == len(NODES), 5, "the mass silence held")
             await asyncio.sleep(max(0.0, t0 + 2.5 - time.monotonic()))  # 5x the hold
@@ -118,7 +128,7 @@ def test_a_mass_silence_while_others_are_heard_is_declared_after_the_hold() -> N
         live = config(mass_loss_hold_ms=500, mass_loss_max_hold_ms=20_000)
         heard = ["h0", "h1", "h2"]
         async with world(live, NODES + heard) as (svc, _stub, beats):
-            beats.beating.difference_update(NODES)
+            beats.stop(NODES)
             t0 = time.monotonic()
             await until(lambda: not any(svc.view.nodes[n].alive for n in NODES), 5, "the ten lost")
             took = time.monotonic() - t0
@@ -133,7 +143,7 @@ def test_a_silence_of_everyone_is_declared_at_the_longest_hold() -> None:
     async def go() -> None:
         live = config(mass_loss_hold_ms=300, mass_loss_max_hold_ms=1_500)
         async with world(live, NODES) as (svc, _stub, beats):
-            beats.beating.clear()
+            beats.stop(NODES)
             t0 = time.monotonic()
             await until(lambda: not any(svc.view.nodes[n].alive for n in NODES), 6, "all lost")
             took = time.monotonic() - t0
