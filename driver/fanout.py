@@ -65,6 +65,7 @@ class Fanout:
         *,
         wait: bool = True,
         acks: dict[str, dpb.CommandAck] | None = None,
+        current: Callable[[], bool] | None = None,
     ) -> dict[str, str]:
         """Send `msg` (or `msg(node)`: each node its own) to every node with a session;
         return node -> error for failures. `acks`: filled with each node's ack (with
@@ -72,7 +73,9 @@ class Fanout:
 
         Every node's command is queued and its reply's future kept (each fails on its own
         at the deadline): no task and no waiter per node, and the event loop gets a turn
-        every `YIELD_EVERY` nodes, so heartbeats are read while 10,240 commands go out."""
+        every `YIELD_EVERY` nodes, so heartbeats are read while 10,240 commands go out.
+        `current`: asked at each turn; once False (a newer decision took over, with its
+        own broadcast) no more commands are queued, and those queued are waited for."""
 
         def build(n: str) -> dpb.DriverMessage:
             if callable(msg):
@@ -83,10 +86,19 @@ class Fanout:
 
         bad: dict[str, str] = {}
         replies: dict[str, asyncio.Future[dpb.AgentMessage]] = {}
-        kind = ""
+        kind = "" if callable(msg) else str(msg.WhichOneof("kind"))
+        # one command for all: its stop key serialized once, not once per node
+        same = None if callable(msg) else msg.SerializeToString(deterministic=True)
         for i, n in enumerate(nodes):
             if i and i % YIELD_EVERY == 0:
                 await asyncio.sleep(0)
+                if current is not None and not current():
+                    break
+            if wait and same is not None and kind == "stop_workers":
+                _, held = self._held(n, same)
+                if held is not None:  # (built and sent only when not: most, in a storm)
+                    replies[n] = held
+                    continue
             m = build(n)
             kind = kind or str(m.WhichOneof("kind"))
             try:
@@ -131,11 +143,13 @@ class Fanout:
             fut.cancel()
         self._stops.clear()
 
-    def _stop(self, n: str, m: dpb.DriverMessage) -> asyncio.Future[dpb.AgentMessage]:
-        """The future of `n`'s reply to stop `m`: the one in flight or acknowledged for
-        the same session and command, else a new one (KeyError: no session)."""
+    def _held(
+        self, n: str, wire: bytes
+    ) -> tuple[tuple[object, ...], asyncio.Future[dpb.AgentMessage] | None]:
+        """`n`'s stop key for the stop serialized as `wire` (its session and the command),
+        and the reply's future of that stop when it is in flight or was acknowledged."""
         slot = self.view.nodes.get(n)
-        key = (slot.epoch, slot.outbox, m.SerializeToString(deterministic=True)) if slot else ()
+        key = (slot.epoch, slot.outbox, wire) if slot else ()
         held = self._stops.get(n)
         if held is not None and key and held[0] == key:
             fut = held[1]
@@ -143,9 +157,16 @@ class Fanout:
                 not fut.cancelled() and fut.exception() is None and fut.result().ack.ok
             ):
                 self.stops_reused += 1
-                return fut
-        fut = self._ask(n, m)
-        self._stops[n] = (key, fut)
+                return key, fut
+        return key, None
+
+    def _stop(self, n: str, m: dpb.DriverMessage) -> asyncio.Future[dpb.AgentMessage]:
+        """The future of `n`'s reply to stop `m`: the one in flight or acknowledged for
+        the same session and command, else a new one (KeyError: no session)."""
+        key, fut = self._held(n, m.SerializeToString(deterministic=True))
+        if fut is None:
+            fut = self._ask(n, m)
+            self._stops[n] = (key, fut)
         return fut
 
     def _ask(self, n: str, m: dpb.DriverMessage) -> asyncio.Future[dpb.AgentMessage]:

@@ -338,12 +338,14 @@ class RecoveryLoop:
                     )
                 ),
                 acks=acks,
+                current=lambda: gen == self._gen,
             )
         else:
             await self.fanout.broadcast(
                 a.nodes,
                 dpb.DriverMessage(stop_workers=dpb.StopWorkers(grace_s=cfg.stop_grace_s)),
                 acks=acks,
+                current=lambda: gen == self._gen,
             )
         if gen == self._gen:
             fresh = {n for n, ack in acks.items() if ack.ok and ack.ring_fresh}

@@ -17,8 +17,10 @@ _GONE = (ev.NODE_STATE_LOST, ev.NODE_STATE_EVICTED)
 
 def prune_by_scan(s: ev.JobState) -> None:
     """Drop the oldest gone node records once there are PRUNE_SLACK more than kept, by
-    sorting every gone record of the state (the code the indexed prune replaced)."""
-    if s.gone_nodes <= statelib.KEEP_GONE_NODES + statelib.PRUNE_SLACK:
+    sorting every gone record of the state (the code the indexed prune replaced); not
+    again, after one that could not get down to KEEP_GONE_NODES, until PRUNE_SLACK more
+    records are gone."""
+    if s.gone_nodes <= max(statelib.KEEP_GONE_NODES + statelib.PRUNE_SLACK, s.prune_mark):
         return
     keep = {*s.world.node_ids, *s.suspects, *s.bad_nodes, *s.incident_world.node_ids}
     nodes = s.nodes
@@ -34,6 +36,8 @@ def prune_by_scan(s: ev.JobState) -> None:
         del s.nodes[n]
         s.gone_nodes -= 1
         s.pruned_nodes += 1
+    keep_over = s.gone_nodes > statelib.KEEP_GONE_NODES
+    s.prune_mark = s.gone_nodes + statelib.PRUNE_SLACK if keep_over else 0
 
 
 def random_history(rng: random.Random, events: int, *, world: int, pool: int) -> list[ev.Event]:

@@ -169,3 +169,41 @@ def test_a_node_that_does_not_answer_fails_at_the_deadline_and_its_stop_goes_aga
                 a.close()
 
     asyncio.run(go())
+
+
+def test_a_broadcast_a_newer_decision_took_over_stops_queuing() -> None:
+    """Once `current()` says a newer decision took over (it broadcasts its own), no more
+    commands are queued: at 10,240 nodes each of an incident's decisions went through the
+    whole world. Checked at each turn of the event loop (every YIELD_EVERY nodes)."""
+    from unbroken.driver.fanout import YIELD_EVERY
+    from unbroken.driver.liveview import LiveView, LiveViewConfig
+
+    sent: list[str] = []
+
+    class Recorder:  # the sessions' side, recording what the broadcast queues
+        def send(self, node_id: str, msg: dpb.DriverMessage) -> str:
+            sent.append(node_id)
+            return str(len(sent))
+
+        def ask(
+            self, node_id: str, msg: dpb.DriverMessage, timeout_s: float
+        ) -> asyncio.Future[dpb.AgentMessage]:
+            raise AssertionError("not asked: wait=False")
+
+    nodes = tuple(f"n{i:04d}" for i in range(4 * YIELD_EVERY))
+    turns = 0
+
+    def current() -> bool:
+        nonlocal turns
+        turns += 1
+        return turns < 2  # superseded at the second turn
+
+    async def go() -> None:
+        fan = Fanout(Recorder(), LiveView(LiveViewConfig()), timeout_s=1.0)
+        await fan.broadcast(nodes, STOP, wait=False, current=current)
+        assert sent == list(nodes[: 2 * YIELD_EVERY])
+        sent.clear()
+        await fan.broadcast(nodes, STOP, wait=False)  # no `current`: every node
+        assert sent == list(nodes)
+
+    asyncio.run(go())

@@ -125,3 +125,48 @@ def test_at_the_real_sizes_it_equals_the_full_scan(monkeypatch: pytest.MonkeyPat
     statelib.fold_into(got, events)
     assert want.pruned_nodes > 0
     assert got == want
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_world_too_large_to_prune_down_equals_the_full_scan(
+    seed: int, small_keep: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 60-node world against a keep of 30: the gone records left after a prune are
+    often all the world's, so it cannot get down to KEEP_GONE_NODES and waits (the
+    `prune_mark`) until PRUNE_SLACK more are gone: the same in both prunes."""
+    events = random_history(random.Random(seed), 1500, world=60, pool=60)
+    want = _by_scan(events, monkeypatch)
+    got = statelib.initial("job")
+    marks = 0
+    for e in events:
+        statelib.fold_into(got, (e,))
+        marks += got.prune_mark > 0
+    assert marks > 50, "the history must hold a prune back"
+    assert got == want
+
+
+def test_a_storm_of_world_losses_prunes_once_per_slack_not_once_per_loss(
+    small_keep: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every node of a 600-node world lost, one event each: none can be pruned (they are
+    the world's). A prune reads the world and every gone record, so one per loss made an
+    incident at 10,240 nodes quadratic; it is tried once per PRUNE_SLACK losses."""
+    names = [f"w{i:04d}" for i in range(600)]
+    layout = ev.WorldLayout(dp=600, node_ids=names, workers_per_node=1)
+    s = statelib.initial("job")
+    statelib.fold_into(s, [ev.Event(seq=1, job_started=ev.JobStarted(world=layout))])
+    for n in names:
+        s.nodes[n].CopyFrom(ev.NodeRecord(node_id=n, epoch=1, state=ev.NODE_STATE_ACTIVE))
+    tries = 0
+    real = statelib._gone_heap
+
+    def counted(state: ev.JobState) -> list[tuple[int, str]]:
+        nonlocal tries
+        tries += 1
+        return real(state)
+
+    monkeypatch.setattr(statelib, "_gone_heap", counted)
+    for i, n in enumerate(names):
+        statelib.fold_into(s, [ev.Event(seq=2 + i, node_lost=ev.NodeLost(node_id=n, epoch=1))])
+    assert s.gone_nodes == 600 and s.pruned_nodes == 0
+    assert tries <= 600 // statelib.PRUNE_SLACK + 1, tries
