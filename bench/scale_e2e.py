@@ -206,7 +206,8 @@ class SimRelay:
             try:
                 await self._read(call)
             except Exception as e:  # the driver ended the stream, or died
-                self.sim.log({"kind": "dropped", "relay": self.rid, "why": repr(e)[:200]})
+                self.sim.log({"kind": "dropped", "relay": self.rid, "why": repr(e)[:1200],
+                              "wall_ns": time.time_ns()})  # fmt: skip
             finally:
                 self.call = None
                 writer.cancel()
@@ -445,6 +446,9 @@ class Watch(threading.Thread):
         super().__init__(daemon=True)
         self.targets = targets
         self.events: list[tuple[str, str, int, float]] = []  # kind, node, wall_ns, seen mono
+        # each WorldResized: wall_ns, its new world's nodes (with its WorldNodes parts)
+        self.worlds: list[tuple[int, set[str]]] = []
+        self.parts: tuple[int, set[str]] | None = None  # the newest, its parts still coming
         self.last_seq = 0
         self.stop = False
 
@@ -461,6 +465,16 @@ class Watch(threading.Thread):
                         self.last_seq = max(self.last_seq, e.seq)
                         kind = str(e.WhichOneof("payload"))
                         node = e.node_lost.node_id if kind == "node_lost" else ""
+                        if kind == "world_nodes" and self.parts is not None:
+                            if e.world_nodes.of == "world_resized.new_world":
+                                self.parts[1].update(e.world_nodes.node_ids)
+                            continue
+                        if self.parts is not None:  # its parts are all in: the world is whole
+                            self.worlds.append(self.parts)
+                            self.parts = None
+                        if kind == "world_resized":
+                            ids = set(e.world_resized.new_world.node_ids)
+                            self.parts = (e.wall_time_unix_ns, ids)
                         self.events.append((kind, node, e.wall_time_unix_ns, time.monotonic()))
             except grpc.RpcError:
                 i += 1
@@ -662,17 +676,25 @@ def run(
                 lost = {e[1]: e[2] for e in watch.of("node_lost")}
                 if victim not in lost:
                     continue
+                # every node of the world the incident laid out (it may have shrunk: the
+                # detection's spares are gone) got its StartWorkers
+                world = [w for t, w in watch.worlds if t >= lost[victim]]
+                if not world:
+                    continue
                 starts = {}
                 for d in _read_logs(tmp):
                     if d["kind"] == "start_workers" and d["wall_ns"] > ack0:
                         starts[d["node"]] = d["wall_ns"]
-                if len(starts) >= nodes:
-                    fanout = (max(starts.values()) - lost[victim]) / 1e9
-                    out[f"incident_world_acks{key}"] = len(starts)
+                if world[-1] and world[-1] <= starts.keys():
+                    fanout = (max(starts[n] for n in world[-1]) - lost[victim]) / 1e9
+                    out[f"incident_world_acks{key}"] = len(world[-1])
                     out[f"incident_driver_cpu_s{key}"] = round(_cpu([leader]) - i0, 2)
                     break
             out[f"incident_fanout_s{key}"] = round(fanout, 2) if fanout is not None else None
-            print(f"incident fan-out: {fanout} s", flush=True)
+            others = [e for e in watch.of("node_lost") if e[1] != victim and e[2] >= ack0]
+            out[f"false_node_lost_incident{key}"] = len(others)
+            print(f"incident fan-out: {fanout} s, NodeLost besides the victim {len(others)}",
+                  flush=True)  # fmt: skip
             time.sleep(2.0)
             # ---------------------------------------------------------- failover
             lost0 = len(watch.of("node_lost"))

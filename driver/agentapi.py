@@ -307,6 +307,10 @@ class AgentApi:
         try:
             await asyncio.wait({reader, stop}, return_when=asyncio.FIRST_COMPLETED)
             if reader.done():
+                failed = None if reader.cancelled() else reader.exception()
+                if failed is not None and not isinstance(failed, grpc.aio.AbortError):
+                    # a bug, not the agent's doing: say so (gRPC alone tells only the agent)
+                    log.error("session read failed", node=node_id, exc_info=failed)
                 reader.result()  # re-raise an abort or error of the read loop
             elif ending.status is not None:
                 # a write cancelled mid-flight would hold back the status: let it finish
