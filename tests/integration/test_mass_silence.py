@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -148,5 +149,30 @@ def test_a_silence_of_everyone_is_declared_at_the_longest_hold() -> None:
             await until(lambda: not any(svc.view.nodes[n].alive for n in NODES), 6, "all lost")
             took = time.monotonic() - t0
             assert 1.7 <= took < 4.0, took  # the timeout (0.3 s) then the longest hold
+
+    asyncio.run(go())
+
+
+def test_fewer_than_a_fraction_silent_while_nobody_is_heard_are_held() -> None:
+    """Ten of twenty nodes silent, the other ten 50 ms later: fewer than the fraction
+    (0.9 here) when the first ten pass the timeout, but nobody has been heard for two
+    intervals by then: the driver's own silence (at 10,240 nodes its loop read no relay
+    stream for 3 s, and 640 members were declared lost before a quarter was silent)."""
+    nodes = [f"m{i:02d}" for i in range(20)]
+
+    async def go() -> None:
+        live = dataclasses.replace(
+            config(mass_loss_hold_ms=500, mass_loss_max_hold_ms=20_000), mass_loss_fraction=0.9
+        )
+        async with world(live, nodes) as (svc, _stub, beats):
+            beats.stop(nodes[:10])
+            await asyncio.sleep(0.05)
+            beats.stop(nodes[10:])
+            await asyncio.sleep(1.5)
+            assert all(svc.view.nodes[n].alive for n in nodes), "declared lost while unheard"
+            assert svc.nodewatch.mass_held == 20
+            beats.beating.update(nodes)
+            await until(lambda: svc.nodewatch.mass_held == 0, 5, "the hold to end")
+            assert all(svc.view.nodes[n].alive for n in nodes)
 
     asyncio.run(go())
