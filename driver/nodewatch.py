@@ -184,8 +184,9 @@ class NodeWatch:
         The hold (`mass_loss_hold_ms`) runs only while some node is heard: a world silent
         all at once is the observer's silence (its loop behind its streams, its own
         network), so with nobody heard its clock stops, up to `mass_loss_max_hold_ms` in
-        all. At 10,240 nodes an incident's replies put the leader's reading of every relay
-        stream seconds behind; with a fixed 3 s hold all 10,273 nodes were declared lost."""
+        all. At 10,240 nodes (bench-scale) the leader once read no relay stream for 3 s and
+        all 9,442 nodes it knew alive were silent together: a fixed 3 s hold (as before)
+        declares such a world lost."""
         live = self.config.live
         if not self._mass_since:
             self._mass_since = self._mass_tick = now

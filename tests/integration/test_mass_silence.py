@@ -2,8 +2,9 @@
 observer's silence, not that many deaths.
 
 Real gRPC, the driver service in-process, one session per node sending heartbeats. With a
-fixed hold, a world that went silent together (at 10,240 nodes: the leader's reading of
-every relay stream seconds behind an incident's replies) was declared lost after 3 s.
+fixed hold, a world that went silent together (at 10,240 nodes the leader once read no
+relay stream for 3 s, and all 9,442 nodes it knew alive were silent) is declared lost
+after 3 s.
 Now the hold's clock runs only while some node is heard, up to `mass_loss_max_hold_ms`,
 and `GetStatus` (so `unbroken status`) and the metrics say it is held and for how long.
 """
