@@ -175,8 +175,11 @@ class NodeWatch:
         live = self.config.live
         if len(lost) <= live.mass_loss_min:
             return False
-        unheard = now - self.view.heard_at > 2 * live.heartbeat_interval_ms / 1e3
-        return unheard or bool(self._mass_since)
+        return self._unheard(now) or bool(self._mass_since)
+
+    def _unheard(self, now: float) -> bool:
+        """Whether no node at all was heard for two heartbeat intervals."""
+        return now - self.view.heard_at > 2 * self.config.live.heartbeat_interval_ms / 1e3
 
     def _hold_mass(self, lost: list[tuple[NodeSlot, str]], now: float) -> bool:
         """Whether the mass silence `lost` is still held back.
@@ -198,7 +201,7 @@ class NodeWatch:
                 unheard_ms=round((now - self.view.heard_at) * 1000),
                 alive=self.view.alive_count(),
             )
-        if now - self.view.heard_at <= 2 * live.heartbeat_interval_ms / 1e3:
+        if not self._unheard(now):
             self._mass_ran += now - self._mass_tick
         self._mass_tick = now
         self.mass_held = len(lost)
