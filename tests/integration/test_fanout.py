@@ -115,9 +115,11 @@ def test_a_stop_goes_once_per_session_and_command() -> None:
                 assert await fourth == {}
 
                 # b's new session (its agent reconnected) is stopped again
+                old = svc.view.nodes["b"].outbox
                 calls["b"].close()
                 calls["b"] = await _open(stub, "b", 1)
-                await until(lambda: svc.view.nodes["b"].outbox is not None, 5, "b's new session")
+                # the new session's outbox, not the old one the driver has not yet let go of
+                await until(lambda: svc.view.nodes["b"].outbox not in (None, old), 5, "b's new")
                 fifth = asyncio.create_task(fan.broadcast(nodes, in_job))
                 m = await calls["b"].next()
                 await calls["a"].nothing()
