@@ -526,16 +526,34 @@ def _on_verdict(before: ev.JobState, d: _Draft, v: ev.DiagnosisVerdict, policy: 
         return f"ignored: verdict {v.diagnosis_id} arrived in {ev.Phase.Name(before.phase)}"
     if v.diagnosis_id != diagnosis_id(before):
         return f"ignored: stale verdict {v.diagnosis_id} (waiting for {diagnosis_id(before)})"
-    named = list(v.bad_nodes) + (list(v.slow_nodes) if policy.evict_slow else [])
-    bad = set(before.bad_nodes) | {n for n in named if n in before.nodes}
+    bad = set(before.bad_nodes) | {n for n in v.bad_nodes if n in before.nodes}
+    slow, kept = _slow_evicted(before, v, bad) if policy.evict_slow else ([], [])
     d.transition(
         ev.PHASE_DIAGNOSED,
         f"diagnosis {v.diagnosis_id}: bad {_few(sorted(v.bad_nodes))}, "
-        f"slow {_few(sorted(v.slow_nodes))}",
-        bad=bad,
+        f"slow {_few(sorted(v.slow_nodes))}"
+        + (f" (kept {_few(kept)}: no spare to take their ranks)" if kept else ""),
+        bad=bad | set(slow),
         diagnose=False,
     )
     return ""
+
+
+def _slow_evicted(
+    before: ev.JobState, v: ev.DiagnosisVerdict, bad: set[str]
+) -> tuple[list[str], list[str]]:
+    """(evicted, kept): the slow nodes of a verdict (its suspects first) that a healthy spare
+    or returned node can replace, once the bad nodes have taken theirs; the rest stay, as
+    with a straggler: a slow node beats a smaller world (and one diagnosis's timings on a
+    busy host are noisy)."""
+    world = set(before.world.node_ids)
+    named = [n for n in v.slow_nodes if n in before.nodes and n not in bad]
+    slow = sorted(named, key=lambda n: (n not in before.suspects, n))  # the suspects first
+    free = len(_pool(before, sorted(world | set(slow) | bad), with_spares=True))
+    room = max(0, free - len(bad & world))  # the bad ones take their places first
+    outside = [n for n in slow if n not in world]  # idle: nothing to replace
+    inside = [n for n in slow if n in world]
+    return outside + inside[:room], inside[room:]
 
 
 def _on_restored(before: ev.JobState, d: _Draft, r: ev.RestoreFinished) -> str:

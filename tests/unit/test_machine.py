@@ -153,11 +153,25 @@ def test_hang_is_diagnosed_then_the_bad_node_is_evicted_and_replaced() -> None:
     assert only(m.pending_actions(sim.state, sim.policy), m.RunDiagnosis) == [run]
     d = sim.feed(verdict(run.diagnosis_id, ["n2"], ("n3",)))
     assert sim.state.nodes["n2"].state == ev.NODE_STATE_EVICTED
-    assert sim.state.nodes["n3"].state == ev.NODE_STATE_EVICTED  # slow: evicted too
-    assert list(sim.state.world.node_ids) == ["n0", "n1", "s0"] and sim.state.world.dp == 3
-    assert {a.node_id for a in only(d.actions, m.EvictNode)} == {"n2", "n3"}
+    assert sim.state.nodes["n3"].state == ev.NODE_STATE_ACTIVE  # slow, but no spare left
+    assert list(sim.state.world.node_ids) == ["n0", "n1", "s0", "n3"]
+    assert {a.node_id for a in only(d.actions, m.EvictNode)} == {"n2"}
     sim.drive(set())
     assert sim.state.phase == ev.PHASE_RUNNING
+
+
+def test_a_slow_node_of_a_verdict_is_evicted_only_when_a_spare_takes_its_ranks() -> None:
+    for spares, evicted in ((2, {"n2", "n3"}), (1, {"n2"}), (0, set())):  # n2: the suspect
+        sim = start(nodes=4, spares=spares)
+        sim.feed(hang("n2"))
+        (run,) = only(sim.feed(m.Paused(step=30, restorable_step=30)).actions, m.RunDiagnosis)
+        d = sim.feed(verdict(run.diagnosis_id, [], ("n3", "n2")))
+        assert {a.node_id for a in only(d.actions, m.EvictNode)} == evicted, spares
+        assert sim.state.world.dp == 4 and len(sim.state.world.node_ids) == 4
+        why = [e.recovery_transition.reason for e in d.events if e.HasField("recovery_transition")]
+        assert ("no spare to take their ranks" in why[0]) == (len(evicted) < 2), why
+        sim.drive(set())
+        assert sim.state.phase == ev.PHASE_RUNNING
 
 
 def test_a_hang_whose_process_is_stopped_restarts_without_a_diagnosis() -> None:
