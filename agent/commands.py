@@ -343,15 +343,20 @@ async def _start_workers(agent: Agent, msg: dpb.DriverMessage) -> str:
             mine = launch.ranks(sup.spec.nproc)
             await asyncio.to_thread(flash.prepare, mine, p.flash_bytes_per_rank)
     sup.launch = launch
+    sup.start_id = ""
     if p.in_job:  # held workers rejoin in their processes; only the rest start
-        return await injob.rejoin(sup, agent.hooks)
-    await sup.stop_all(grace_s=2.0)
-    await sup.start_all()
-    return f"started {len(sup.workers)} workers"
+        done = await injob.rejoin(sup, agent.hooks)
+    else:
+        await sup.stop_all(grace_s=2.0)
+        await sup.start_all()
+        done = f"started {len(sup.workers)} workers"
+    sup.start_id = p.start_id  # heartbeats say which start runs (a new leader adopts it)
+    return done
 
 
 async def _stop_workers(agent: Agent, msg: dpb.DriverMessage) -> str:
     sup, p = _sup(agent), msg.stop_workers
+    sup.start_id = ""
     if p.in_job:
         return await injob.hold(sup, agent.hooks, p.replace_local_ranks)
     return _dumps_text(await sup.stop_all(grace_s=p.grace_s or 5.0, dump=p.dump_stacks))
@@ -360,6 +365,7 @@ async def _stop_workers(agent: Agent, msg: dpb.DriverMessage) -> str:
 async def _restart_workers(agent: Agent, msg: dpb.DriverMessage) -> str:
     sup = _sup(agent)
     ranks = list(msg.restart_workers.local_ranks) or list(sup.workers)
+    sup.start_id = ""  # restarted ranks are no longer the start's
     dumps = {}
     for r in ranks:
         if r not in sup.workers:

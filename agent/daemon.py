@@ -435,6 +435,7 @@ class Agent:
             hb.attached.extend(self.hooks.statuses(now))
         if sup is not None:
             hb.workers.extend(sup.statuses(now))
+            hb.start_id = sup.start_id
             if self.flash is not None:  # the steps each rank can restore from memory
                 self.flash.starved(now)
                 hb.persist_error, hb.persist_failures, hb.persist_failing_s = (

@@ -354,6 +354,7 @@ class Supervisor:
         self.workers: dict[int, Worker] = {}
         self.alerts: collections.deque[dpb.LogAlertLine] = collections.deque(maxlen=256)
         self.exited = False  # a worker exited since the last heartbeat took the flag
+        self.start_id = ""  # the StartWorkers its workers run under ("" stopped or held)
         # called when a worker fails (exits non-zero, not stopped on command): the agent
         # reports it at once instead of at its next heartbeat slot (up to an interval later)
         self.on_failure: Callable[[], object] | None = None
@@ -671,6 +672,7 @@ class Supervisor:
         return stacks
 
     async def stop_all(self, grace_s: float = 5.0, *, dump: bool = False) -> dict[int, str]:
+        self.start_id = ""
         dumps = await asyncio.gather(
             *(self.stop(w, grace_s, dump=dump) for w in self.workers.values())
         )

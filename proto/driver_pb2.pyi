@@ -239,7 +239,7 @@ class LogAlertLine(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., keyword: _Optional[str] = ..., line: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "flags", "workers", "host", "gpus", "alerts", "sent_mono_ns", "attached", "hang_stacks", "replicas", "timing", "persist_error", "persist_failures", "persist_failing_s", "loop_lag_ms", "late_ms", "cpu_pressure_pct", "runnable_per_cpu", "buddy_opinions")
+    __slots__ = ("seq", "flags", "workers", "host", "gpus", "alerts", "sent_mono_ns", "attached", "hang_stacks", "replicas", "timing", "persist_error", "persist_failures", "persist_failing_s", "loop_lag_ms", "late_ms", "cpu_pressure_pct", "runnable_per_cpu", "buddy_opinions", "start_id")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     FLAGS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +259,7 @@ class Heartbeat(_message.Message):
     CPU_PRESSURE_PCT_FIELD_NUMBER: _ClassVar[int]
     RUNNABLE_PER_CPU_FIELD_NUMBER: _ClassVar[int]
     BUDDY_OPINIONS_FIELD_NUMBER: _ClassVar[int]
+    START_ID_FIELD_NUMBER: _ClassVar[int]
     seq: int
     flags: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -278,7 +279,8 @@ class Heartbeat(_message.Message):
     cpu_pressure_pct: float
     runnable_per_cpu: float
     buddy_opinions: _containers.RepeatedCompositeFieldContainer[BuddyOpinion]
-    def __init__(self, seq: _Optional[int] = ..., flags: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., alerts: _Optional[_Iterable[_Union[LogAlertLine, _Mapping]]] = ..., sent_mono_ns: _Optional[int] = ..., attached: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., hang_stacks: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaHeld, _Mapping]]] = ..., timing: _Optional[_Union[NodeTiming, _Mapping]] = ..., persist_error: _Optional[str] = ..., persist_failures: _Optional[int] = ..., persist_failing_s: _Optional[float] = ..., loop_lag_ms: _Optional[float] = ..., late_ms: _Optional[float] = ..., cpu_pressure_pct: _Optional[float] = ..., runnable_per_cpu: _Optional[float] = ..., buddy_opinions: _Optional[_Iterable[_Union[BuddyOpinion, _Mapping]]] = ...) -> None: ...
+    start_id: str
+    def __init__(self, seq: _Optional[int] = ..., flags: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., alerts: _Optional[_Iterable[_Union[LogAlertLine, _Mapping]]] = ..., sent_mono_ns: _Optional[int] = ..., attached: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., hang_stacks: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaHeld, _Mapping]]] = ..., timing: _Optional[_Union[NodeTiming, _Mapping]] = ..., persist_error: _Optional[str] = ..., persist_failures: _Optional[int] = ..., persist_failing_s: _Optional[float] = ..., loop_lag_ms: _Optional[float] = ..., late_ms: _Optional[float] = ..., cpu_pressure_pct: _Optional[float] = ..., runnable_per_cpu: _Optional[float] = ..., buddy_opinions: _Optional[_Iterable[_Union[BuddyOpinion, _Mapping]]] = ..., start_id: _Optional[str] = ...) -> None: ...
 
 class BuddyOpinion(_message.Message):
     __slots__ = ("node", "fingerprint", "timeline", "error")
@@ -481,7 +483,7 @@ class RelayedDown(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., command: _Optional[_Union[DriverMessage, _Mapping]] = ..., end: _Optional[str] = ...) -> None: ...
 
 class StartWorkers(_message.Message):
-    __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port", "dp", "pp", "tp", "timeline", "persist_every_s", "flash_bytes_per_rank", "replaces", "replaces_from", "buddy", "buddy_node", "replicas_from", "in_job")
+    __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port", "dp", "pp", "tp", "timeline", "persist_every_s", "flash_bytes_per_rank", "replaces", "replaces_from", "buddy", "buddy_node", "replicas_from", "in_job", "start_id")
     WORKER_CMD_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_BASE_FIELD_NUMBER: _ClassVar[int]
@@ -499,6 +501,7 @@ class StartWorkers(_message.Message):
     BUDDY_NODE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FROM_FIELD_NUMBER: _ClassVar[int]
     IN_JOB_FIELD_NUMBER: _ClassVar[int]
+    START_ID_FIELD_NUMBER: _ClassVar[int]
     worker_cmd: str
     world_size: int
     global_rank_base: int
@@ -516,7 +519,8 @@ class StartWorkers(_message.Message):
     buddy_node: str
     replicas_from: str
     in_job: bool
-    def __init__(self, worker_cmd: _Optional[str] = ..., world_size: _Optional[int] = ..., global_rank_base: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., tp: _Optional[int] = ..., timeline: _Optional[int] = ..., persist_every_s: _Optional[float] = ..., flash_bytes_per_rank: _Optional[int] = ..., replaces: _Optional[str] = ..., replaces_from: _Optional[str] = ..., buddy: _Optional[str] = ..., buddy_node: _Optional[str] = ..., replicas_from: _Optional[str] = ..., in_job: _Optional[bool] = ...) -> None: ...
+    start_id: str
+    def __init__(self, worker_cmd: _Optional[str] = ..., world_size: _Optional[int] = ..., global_rank_base: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., tp: _Optional[int] = ..., timeline: _Optional[int] = ..., persist_every_s: _Optional[float] = ..., flash_bytes_per_rank: _Optional[int] = ..., replaces: _Optional[str] = ..., replaces_from: _Optional[str] = ..., buddy: _Optional[str] = ..., buddy_node: _Optional[str] = ..., replicas_from: _Optional[str] = ..., in_job: _Optional[bool] = ..., start_id: _Optional[str] = ...) -> None: ...
 
 class StopWorkers(_message.Message):
     __slots__ = ("grace_s", "dump_stacks", "in_job", "replace_local_ranks")

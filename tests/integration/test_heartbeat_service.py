@@ -1,10 +1,10 @@
 """The driver service in-process (real gRPC server, in-memory log) against real clients.
 
 Commands down the stream to a real agent process (restart with a stack dump of a hung
-worker, pause forwarded to workers, a diagnostic check, shutdown), and bad input from raw
-clients: unknown node, invalid and oversized registrations, stale epochs, duplicate node
-ids, a registration flood, impossible telemetry, a consumer that cannot keep up, and a
-standby that sends agents to the leader.
+worker, pause forwarded to workers, a start's id in the heartbeats, a diagnostic check,
+shutdown), and bad input from raw clients: unknown node, invalid and oversized
+registrations, stale epochs, duplicate node ids, a registration flood, impossible
+telemetry, a consumer that cannot keep up, and a standby that sends agents to the leader.
 """
 
 from __future__ import annotations
@@ -138,6 +138,27 @@ def test_commands_reach_a_real_agent(tmp_path: Path) -> None:
             10,
             "the worker to receive pause",
         )
+
+        # a start's id is in every heartbeat while its workers run (a new leader adopts
+        # them, driver/loop.py); restarted ranks are no longer the start's
+        start = dpb.StartWorkers(
+            world_size=2, master_addr="127.0.0.1", master_port=free_port(), start_id="i9/2"
+        )
+        ack = await svc.request("n0", dpb.DriverMessage(start_workers=start), 30)
+        assert ack.ack.ok, ack.ack.detail
+
+        def hb() -> dpb.Heartbeat:
+            return svc.view.nodes["n0"].hb
+
+        running = dpb.WORKER_STATE_RUNNING
+        await until(
+            lambda: hb().start_id == "i9/2" and all(w.state == running for w in workers()),
+            20,
+            "the start's id in the heartbeats",
+        )
+        restart = dpb.RestartWorkers(local_ranks=[1])
+        assert (await svc.request("n0", dpb.DriverMessage(restart_workers=restart), 20)).ack.ok
+        await until(lambda: hb().start_id == "", 10, "the id gone after a restart")
 
         port = free_port()
         spec = {

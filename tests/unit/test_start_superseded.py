@@ -1,5 +1,5 @@
-"""A start of the workers that a newer decision overtook sends nothing more
-(`driver.loop.RecoveryLoop._start_workers`).
+"""A start of the workers that a newer decision overtook sends nothing more, and one whose
+workers already run it is adopted (`driver.loop.RecoveryLoop._start_workers`).
 
 Seen after a driver failover in the recovery bench: the new leader's replayed recovery waited
 for a node's session; when the node registered it opened an incident of its own, and both
@@ -36,9 +36,11 @@ class FakeService:
         for n in nodes:
             slot = NodeSlot(n)
             slot.alive, slot.outbox, slot.peer_host = True, object(), "127.0.0.1"
+            slot.heartbeats = 1  # heard: its heartbeat (empty: no worker runs) is current
             self.view.nodes[n] = slot
         self.commits = SimpleNamespace(shard_bytes=0)
         self.submitted: list[Any] = []
+        self.start_ids: list[str] = []
 
     def persist_every_s(self) -> float:
         return 0.0
@@ -48,6 +50,7 @@ class FakeService:
 
     async def request(self, node: str, msg: dpb.DriverMessage, timeout_s: float) -> Any:
         self.sent.append((node, str(msg.WhichOneof("kind"))))
+        self.start_ids.append(msg.start_workers.start_id)
         if self.bump_at is not None and len(self.sent) == self.bump_at:
             self.loop._gen += 1  # a newer decision is performed meanwhile
         await asyncio.sleep(0)
@@ -99,3 +102,32 @@ def test_a_newer_decision_stops_the_start_before_its_workers_start() -> None:
     _start(loop)
     assert [kind for _, kind in svc.sent].count("start_workers") == 0, svc.sent
     assert svc.submitted == []  # and no RestoreFinished for the stale restore
+
+
+def _running(svc: FakeService, node: str, start_id: str, state: int) -> None:
+    hb = dpb.Heartbeat(start_id=start_id)
+    hb.workers.add(local_rank=0, global_rank=0, state=state, step=9)  # type: ignore[arg-type]
+    svc.view.nodes[node].hb = hb
+
+
+def test_a_start_whose_workers_already_run_it_is_adopted() -> None:
+    # a new leader took over a restore its predecessor started: the ranks run it, keep them
+    loop, svc = _loop(bump_at=None)
+    for n in ("a", "b"):
+        _running(svc, n, "i1/1", dpb.WORKER_STATE_RUNNING)
+    _start(loop)
+    assert svc.sent == []
+    assert loop._started is not None and loop._started.nodes == ("a", "b")
+
+
+@pytest.mark.parametrize(
+    "b", [("i1/0", dpb.WORKER_STATE_RUNNING), ("i1/1", dpb.WORKER_STATE_EXITED), ("", 0)]
+)
+def test_a_start_not_every_node_runs_goes_out_with_its_id(b: tuple[str, int]) -> None:
+    # an older start, a rank that exited, a node whose workers were stopped: start them all
+    loop, svc = _loop(bump_at=None)
+    _running(svc, "a", "i1/1", dpb.WORKER_STATE_RUNNING)
+    _running(svc, "b", *b)
+    _start(loop)
+    assert [kind for _, kind in svc.sent].count("start_workers") == 2
+    assert [i for i in svc.start_ids if i] == ["i1/1", "i1/1"]
