@@ -576,14 +576,7 @@ class RecoveryLoop:
             if gen != self._gen:
                 return False
             await asyncio.sleep(0.02)
-        for n in nodes:
-            slot = self.view.nodes.get(n)
-            if slot is None or not slot.heartbeats or slot.hb.start_id != start_id:
-                return False
-            running = [w for w in slot.hb.workers if w.state == dpb.WORKER_STATE_RUNNING]
-            if len(running) != len(slot.hb.workers) or len(running) != per_node:
-                return False
-        return gen == self._gen
+        return gen == self._gen and progress.runs_start(self.view, nodes, start_id, per_node)
 
     async def _await_sessions(self, gen: int, nodes: tuple[str, ...], deadline: float) -> bool:
         """Wait until every world node has a session (it is coming back, or about to be

@@ -38,7 +38,7 @@ and in the TrainingResumed that ends it. In-job (`Policy.in_job`, the default): 
 ranks' processes are replaced (`replace_ranks`: a killed or stopped worker's; a lost or evicted
 node's go with it) and every other worker is held and rejoins the new world in its process.
 Restart: every worker process is replaced. An incident is a restart when its fault is suspect
-(a worker's exit other than a kill from outside, `CLEAN_KILLS`; a `SUSPECT_KEYWORDS` log
+(a worker's exit other than a kill from outside, `faults.CLEAN_KILLS`; a `SUSPECT_KEYWORDS` log
 alert), when it needs a diagnosis, after a failed restore, or when a suspect fault joins it;
 it never turns back to in-job.
 
@@ -55,7 +55,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from unbroken.diagnostics import selfcheck as selfchecklib
 from unbroken.driver import replicapolicy
 from unbroken.driver import sdc as sdclib
 from unbroken.driver import state as statelib
@@ -77,13 +76,15 @@ from unbroken.driver.actions import StartWorkers as StartWorkers
 from unbroken.driver.actions import StopAll as StopAll
 from unbroken.driver.actions import StopWorkers as StopWorkers
 from unbroken.driver.eventkinds import STALE_KINDS
+from unbroken.driver.faults import CLEAR, EVICT, LOST, UNCLEAR, classify, fault_ranks
+from unbroken.driver.faults import SYMPTOM_KEYWORDS as SYMPTOM_KEYWORDS
+from unbroken.driver.faults import suspect_exit as suspect_exit
 from unbroken.driver.policy import IN_JOB, RESTART, Policy
 from unbroken.driver.policy import Reshape as Reshape
 from unbroken.driver.worldplan import (
     _few,
     _inactive,
     _pool,
-    _reachable,
     _state_of,
     diagnosis_id,
     plan_world,
@@ -96,21 +97,7 @@ from unbroken.driver.worldplan import restore_source as restore_source
 from unbroken.proto import events_pb2 as ev
 from unbroken.recovery import spike as spikelib
 
-#: Log keywords that are symptoms, not faults: every rank prints a Traceback/RuntimeError
-#: when a peer dies (gloo "Connection reset by peer"), and a worker that raises exits, which
-#: the agent reports as WorkerFailed. Recorded only; hardware keywords (NCCL WARN, Xid, ECC,
-#: CUDA error, out of memory) and a non-finite loss open an incident.
-SYMPTOM_KEYWORDS = frozenset({"Traceback", "RuntimeError"})
 MAX_SETTLE = 16  # automatic transitions per decision (the loop needs at most 4)
-
-#: Exits that say the process itself was killed from outside (the OOM killer, a drill's
-#: SIGKILL, an orderly SIGTERM/SIGINT), as opposed to a crash inside it: its peers are sound.
-#: Every other exit (a segfault or abort in an extension, a Python error, an unknown code)
-#: makes the incident suspect: the machine restarts every process.
-CLEAN_KILLS = frozenset({-9, -15, -2, 128 + 9, 128 + 15, 128 + 2})
-#: Log keywords that make the open incident suspect (a device or communicator may be
-#: poisoned in every process of the node): always the full restart.
-SUSPECT_KEYWORDS = frozenset({"CUDA error", "NCCL WARN", "Xid", "ECC", "out of memory"})
 
 
 # ---------------------------------------------------------------- the fold as we go
@@ -167,35 +154,6 @@ class _Draft:
                 )
             )
         )
-
-
-def suspect_exit(code: int) -> bool:
-    """Whether a worker's exit code says it crashed inside (see `CLEAN_KILLS`)."""
-    return code not in CLEAN_KILLS
-
-
-def _fault_ranks(e: ev.Event, s: ev.JobState) -> tuple[bool, list[int]]:
-    """(suspect, the global ranks to replace) of a fault event, for the recovery mode."""
-    kind = e.WhichOneof("payload")
-    wpn = max(1, s.world.workers_per_node)
-
-    def rank_of(node_id: str, local_rank: int, given: int) -> list[int]:
-        # from the world (node order is rank order), not `given`: 0 is also "unset"
-        ids = s.world.node_ids
-        return [list(ids).index(node_id) * wpn + local_rank] if node_id in ids else []
-
-    if kind == "worker_failed":
-        wf = e.worker_failed
-        return suspect_exit(wf.exit_code), rank_of(wf.node_id, wf.local_rank, wf.global_rank)
-    if kind == "hang_suspected":
-        h = e.hang_suspected
-        out = rank_of(h.node_id, h.local_rank, h.global_rank)
-        for lr in h.hung_ranks:
-            out += rank_of(h.node_id, lr, -1)
-        return False, out
-    if kind == "log_alert":
-        return e.log_alert.keyword in SUSPECT_KEYWORDS, []
-    return False, []  # a self-check, an operator's action, a straggler
 
 
 # ---------------------------------------------------------------- the transition function
@@ -268,71 +226,7 @@ def settle(state: ev.JobState, policy: Policy) -> Decision:
     )
 
 
-_CLEAR, _UNCLEAR, _LOST, _EVICT = "clear", "unclear", "lost", "evict"
 RESUME = "resume"  # OperatorAction.action of `unbroken resume`
-
-
-def _fault(e: ev.Event, policy: Policy, s: ev.JobState) -> tuple[str, list[str], str] | None:
-    """(kind, nodes, reason) of a node fault event, or None when it is not one."""
-    kind = e.WhichOneof("payload")
-    unclear = _UNCLEAR if kind in policy.diagnose_kinds else _CLEAR
-    if kind == "node_lost":
-        lost = e.node_lost
-        rec = s.nodes.get(lost.node_id)
-        if rec is not None and lost.epoch and lost.epoch < rec.epoch:
-            return None  # an older agent of a node that has since re-registered
-        why = lost.reason or "no heartbeat"
-        return _LOST, [lost.node_id], f"node {lost.node_id} lost ({why})"
-    if kind == "worker_failed":
-        wf = e.worker_failed
-        what = f"exited with {wf.exit_code} at step {wf.last_step}"
-        return unclear, [wf.node_id], f"worker {wf.node_id}/{wf.local_rank} {what}"
-    if kind == "hang_suspected":
-        h = e.hang_suspected
-        why = f"hang on {h.node_id}/{h.local_rank} at {h.stuck_at_step}"
-        rec = s.nodes.get(h.node_id)
-        earlier = rec.failures if rec is not None else 0
-        if unclear == _UNCLEAR and h.phase == "stopped" and earlier < policy.hang_diagnose_after:
-            return _CLEAR, [h.node_id], f"{why} (its process is stopped: restart)"
-        return unclear, [h.node_id], why
-    if kind == "straggler_suspected":
-        st = e.straggler_suspected
-        if st.policy != "evict" or st.node_id not in s.world.node_ids:
-            return None  # alert only; or not (any longer) in the world
-        if not _pool(s, list(s.world.node_ids), with_spares=True):
-            return None  # no spare to take its ranks: a slow node beats a smaller world
-        why = f"straggler: {st.slowdown:.2f}x slower than the other nodes"
-        return _EVICT, [st.node_id], why
-    if kind == "log_alert":
-        a = e.log_alert
-        if a.keyword in SYMPTOM_KEYWORDS:
-            return None  # a consequence (a peer died, the worker is exiting): WorkerFailed follows
-        return unclear, [a.node_id], f"log alert {a.keyword!r} on {a.node_id}/{a.local_rank}"
-    if kind == "self_check_reported" and not e.self_check_reported.ok:
-        c = e.self_check_reported
-        failed = list(c.failures)
-        if _self_check_proves(failed, policy.self_check_evicts):
-            why = "its own result: evicted without a diagnosis"
-            return _EVICT, [c.node_id], f"self-check failed on {c.node_id} ({why}): {failed}"
-        return unclear, [c.node_id], f"self-check failed on {c.node_id}: {failed}"
-    if kind == "operator_action":
-        op = e.operator_action
-        who = op.who or "operator"
-        if op.action == "evict" and op.target:
-            return _EVICT, [op.target], f"evicted by {who}"
-        if op.action == "diagnose":
-            nodes = [op.target] if op.target else list(_reachable(s))
-            return _UNCLEAR, nodes, f"diagnosis requested by {who}"
-    return None
-
-
-def _self_check_proves(failures: Sequence[str], evicts: frozenset[str]) -> bool:
-    """Whether a failure of an item in `evicts` is its check's own result (not a crash)."""
-    for f in failures:
-        name, detail = selfchecklib.failure_item(f)
-        if name in evicts and not detail.startswith(selfchecklib.CRASHED):
-            return True
-    return False
 
 
 def _react(before: ev.JobState, d: _Draft, obs: Observation, policy: Policy) -> str:
@@ -367,13 +261,13 @@ def _react(before: ev.JobState, d: _Draft, obs: Observation, policy: Policy) -> 
         )
         if restarted:  # its workers and its flash memory went with the old agent
             return _on_fault(
-                before, d, _CLEAR, [p.node_id], f"agent on {p.node_id} restarted", policy=policy
+                before, d, CLEAR, [p.node_id], f"agent on {p.node_id} restarted", policy=policy
             )
         return "" if phase == ev.PHASE_RUNNING else "recorded: the reshape will consider it"
-    fault = _fault(obs, policy, before)
+    fault = classify(obs, policy, before)
     if fault is None:
         return "recorded only"
-    suspect, ranks = _fault_ranks(obs, before)
+    suspect, ranks = fault_ranks(obs, before)
     return _on_fault(
         before,
         d,
@@ -435,26 +329,26 @@ def _on_fault(
         st = _state_of(before, n)
         if n not in world:
             healthy = st in (ev.NODE_STATE_SPARE, ev.NODE_STATE_ACTIVE)
-            if healthy and kind != _LOST and idle_evicts:
+            if healthy and kind != LOST and idle_evicts:
                 d.add(ev.Event(node_evicted=ev.NodeEvicted(node_id=n, reason=f"idle: {reason}")))
             continue
         if st == ev.NODE_STATE_EVICTED:
             continue
         if st == ev.NODE_STATE_LOST and phase != ev.PHASE_RUNNING:
             continue  # already lost and handled by the open incident
-        if kind == _UNCLEAR and n in before.suspects and before.needs_diagnosis:
+        if kind == UNCLEAR and n in before.suspects and before.needs_diagnosis:
             continue
-        if kind in (_EVICT, _UNCLEAR) and n in before.bad_nodes:
+        if kind in (EVICT, UNCLEAR) and n in before.bad_nodes:
             continue  # already to be evicted: a diagnosis of it would only delay that
         accepted.append(n)
     if not accepted:
         return f"ignored: {reason} (gone, duplicate, or not in the world)"
     turns_suspect = suspect and before.recovery_mode == IN_JOB  # now every process restarts
-    if kind == _CLEAR and phase in (ev.PHASE_SUSPECTED, ev.PHASE_PAUSED) and not turns_suspect:
+    if kind == CLEAR and phase in (ev.PHASE_SUSPECTED, ev.PHASE_PAUSED) and not turns_suspect:
         return f"ignored: {reason} (the job is being paused; workers restart anyway)"
-    suspects = set(before.suspects) | (set(accepted) if kind == _UNCLEAR else set())
-    bad = set(before.bad_nodes) | (set(accepted) if kind == _EVICT else set())
-    diagnose = before.needs_diagnosis or kind == _UNCLEAR
+    suspects = set(before.suspects) | (set(accepted) if kind == UNCLEAR else set())
+    bad = set(before.bad_nodes) | (set(accepted) if kind == EVICT else set())
+    diagnose = before.needs_diagnosis or kind == UNCLEAR
     in_job = policy is not None and policy.in_job and not suspect and not diagnose
     if phase != ev.PHASE_RUNNING and before.recovery_mode != IN_JOB:
         in_job = False  # a restart already under way (or a replayed older log) stays one
@@ -464,7 +358,7 @@ def _on_fault(
         reason = f"{reason} (suspect: every process restarts)"
     if phase == ev.PHASE_RUNNING:
         sit: tuple[str, ...] = ()
-        if policy is not None and policy.keep_training and in_job and kind in (_CLEAR, _LOST):
+        if policy is not None and policy.keep_training and in_job and kind in (CLEAR, LOST):
             sit = replicapolicy.sits_out(before.world, accepted, ranks, policy.min_nodes)
         if sit:
             reason = f"{reason} (replica policy: {sit} sit out, the other replicas train on)"
@@ -482,7 +376,7 @@ def _on_fault(
         )
         return ""
     to = ev.PHASE_SUSPECTED
-    if phase == ev.PHASE_PAUSED and kind != _LOST:
+    if phase == ev.PHASE_PAUSED and kind != LOST:
         to = ev.PHASE_PAUSED  # workers are paused and their saved state is intact
     d.transition(
         to,
@@ -629,14 +523,14 @@ def _on_sdc(before: ev.JobState, d: _Draft, p: ev.SdcSuspected, policy: Policy) 
     thrice = [n for n in named if before.sdc_by_node.get(n, 0) >= 2]
     if known and thrice:
         return _on_fault(
-            before, d, _EVICT, thrice, f"{what}: named a third time, evicted", policy=policy
+            before, d, EVICT, thrice, f"{what}: named a third time, evicted", policy=policy
         )
     again = [n for n in named if before.sdc_by_node.get(n, 0) >= 1] if known else []
     held = {c.step for c in before.checkpoints} | set(p.memory_steps)
     verified = set(before.verified_steps) | {c.step for c in before.checkpoints if c.verified}
     target = sdclib.rollback_target(p.step, verified, held)
     if target is None and again:
-        return _on_fault(before, d, _EVICT, again, f"{what}: named again, evicted", policy=policy)
+        return _on_fault(before, d, EVICT, again, f"{what}: named again, evicted", policy=policy)
     if target is None:
         reason = (
             f"{what}, and no verified step before it is held to roll back to; restart "

@@ -133,7 +133,16 @@ class Policy:
         metadata={
             "help": "a hang whose rank's process is stopped (the culprit is known; a rank silent "
             "in its step is not enough, a peer waiting in FSDP's all-gather looks the same) "
-            "restarts without a diagnosis until its node has this many faults on record"
+            "restarts without a diagnosis until its node has this many faults on record "
+            "within --fault-window-steps"
+        },
+    )
+    fault_window_steps: int = field(
+        default=1000,
+        metadata={
+            "help": "the faults on record that --hang-diagnose-after counts: those of the "
+            "last this many steps (0: every fault of the node's life; then on a long run "
+            "every stopped hang is diagnosed once a node has had two faults ever)"
         },
     )
 
@@ -168,4 +177,9 @@ class Policy:
         if self.max_restore_attempts < 1:
             raise ValueError(
                 f"Policy.max_restore_attempts must be >= 1, got {self.max_restore_attempts}"
+            )
+        if self.fault_window_steps < 0:
+            raise ValueError(
+                f"Policy.fault_window_steps must be >= 0 (0: no window), got "
+                f"{self.fault_window_steps}"
             )

@@ -19,6 +19,7 @@ from unbroken.proto import events_pb2 as ev
 KEEP_CHECKPOINTS = 16  # checkpoint records kept in the folded state (newest last)
 KEEP_VERIFIED = 16  # verified steps kept (a rollback after an SDC goes to the newest)
 KEEP_ROLLBACKS = 16  # rollback spike steps kept (the rollback policy looks at recent ones)
+KEEP_FAULT_STEPS = 4  # each node's newest failures' steps (the policy's window counts them)
 PERSIST_COST_ALPHA = 0.3  # weight of a commit's persist time in the moving average
 #: Records of LOST/EVICTED nodes kept in the state (oldest dropped first, PRUNE_SLACK at a
 #: time, so the sort is paid once per PRUNE_SLACK losses; their history stays in the log).
@@ -343,14 +344,24 @@ def _node_lost(s: ev.JobState, e: ev.Event) -> None:
         return  # the loss of an agent that has since been replaced by a newer epoch
     if rec.state != ev.NODE_STATE_EVICTED:
         _set_state(s, rec, ev.NODE_STATE_LOST, e.seq)
-    rec.failures += 1
+    _failed(rec, s.step)
     if s.gone_nodes > KEEP_GONE_NODES + PRUNE_SLACK:
         _prune(s)
 
 
+def _failed(rec: ev.NodeRecord, step: int) -> None:
+    """One more failure on `rec`, at the job's `step`."""
+    rec.failures += 1
+    rec.fault_steps.append(step)
+    if len(rec.fault_steps) > KEEP_FAULT_STEPS:
+        del rec.fault_steps[: len(rec.fault_steps) - KEEP_FAULT_STEPS]
+
+
 def _blame(field: str) -> Callable[[ev.JobState, ev.Event], None]:
     def handler(s: ev.JobState, e: ev.Event) -> None:
-        _node(s, getattr(e, field).node_id).failures += 1
+        p = getattr(e, field)
+        own = getattr(p, "last_step", 0) or getattr(p, "stuck_at_step", 0)  # where it says
+        _failed(_node(s, p.node_id), max(s.step, own))
 
     return handler
 

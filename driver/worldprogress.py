@@ -64,6 +64,19 @@ def storage_ranks(view: LiveView, nodes: tuple[str, ...]) -> int:
     return n
 
 
+def runs_start(view: LiveView, nodes: tuple[str, ...], start_id: str, per_node: int) -> bool:
+    """Whether every node's latest heartbeat says all its `per_node` workers run the start
+    `start_id` (Heartbeat.start_id)."""
+    for n in nodes:
+        slot = view.nodes.get(n)
+        if slot is None or not slot.heartbeats or slot.hb.start_id != start_id:
+            return False
+        running = [w for w in slot.hb.workers if w.state == dpb.WORKER_STATE_RUNNING]
+        if len(running) != len(slot.hb.workers) or len(running) != per_node:
+            return False
+    return True
+
+
 def all_stepping(view: LiveView, nodes: tuple[str, ...], marks: dict[str, int]) -> bool:
     """Every node sent a heartbeat since the start in which all its workers step or
     exited 0 (restored at the last step, a rank has nothing left to train: the job

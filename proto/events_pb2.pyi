@@ -669,7 +669,7 @@ class SchedulerCall(_message.Message):
     def __init__(self, action: _Optional[str] = ..., node_id: _Optional[str] = ..., ok: _Optional[bool] = ..., detail: _Optional[str] = ..., reason: _Optional[str] = ..., scheduler: _Optional[str] = ..., duration_s: _Optional[float] = ...) -> None: ...
 
 class NodeRecord(_message.Message):
-    __slots__ = ("node_id", "state", "epoch", "hostname", "ip", "num_workers", "registered_seq", "failures", "spare", "gone_seq", "replica_buddy")
+    __slots__ = ("node_id", "state", "epoch", "hostname", "ip", "num_workers", "registered_seq", "failures", "spare", "gone_seq", "replica_buddy", "fault_steps")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -681,6 +681,7 @@ class NodeRecord(_message.Message):
     SPARE_FIELD_NUMBER: _ClassVar[int]
     GONE_SEQ_FIELD_NUMBER: _ClassVar[int]
     REPLICA_BUDDY_FIELD_NUMBER: _ClassVar[int]
+    FAULT_STEPS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: NodeState
     epoch: int
@@ -692,7 +693,8 @@ class NodeRecord(_message.Message):
     spare: bool
     gone_seq: int
     replica_buddy: str
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_seq: _Optional[int] = ..., failures: _Optional[int] = ..., spare: _Optional[bool] = ..., gone_seq: _Optional[int] = ..., replica_buddy: _Optional[str] = ...) -> None: ...
+    fault_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_seq: _Optional[int] = ..., failures: _Optional[int] = ..., spare: _Optional[bool] = ..., gone_seq: _Optional[int] = ..., replica_buddy: _Optional[str] = ..., fault_steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CheckpointRecord(_message.Message):
     __slots__ = ("step", "uri", "bytes", "seq", "world", "wall_time_unix_ns", "verified")

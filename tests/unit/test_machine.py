@@ -174,6 +174,27 @@ def test_a_slow_node_of_a_verdict_is_evicted_only_when_a_spare_takes_its_ranks()
         assert sim.state.phase == ev.PHASE_RUNNING
 
 
+def test_a_stopped_hang_counts_the_faults_of_the_window_only() -> None:
+    def stopped_at(sim: Sim, step: int) -> m.Decision:
+        sim.training_step = step
+        h = ev.HangSuspected(node_id="n2", stuck_at_step=step, phase="stopped")
+        sim.feed(ev.Event(hang_suspected=h))
+        return sim.feed(m.Paused(step=step, restorable_step=step))
+
+    sim = start(m.Policy(fault_window_steps=100), nodes=4, spares=1)
+    for step in (10, 150, 300, 320):  # at most one earlier fault within 100 steps
+        assert not only(stopped_at(sim, step).actions, m.RunDiagnosis), step
+        sim.drive(set())
+    assert list(sim.state.nodes["n2"].fault_steps) == [10, 150, 300, 320]
+    assert only(stopped_at(sim, 340).actions, m.RunDiagnosis)  # 300 and 320: two recent
+
+    sim = start(m.Policy(fault_window_steps=0), nodes=4, spares=1)  # no window: a lifetime
+    for step in (10, 150):
+        assert not only(stopped_at(sim, step).actions, m.RunDiagnosis)
+        sim.drive(set())
+    assert only(stopped_at(sim, 3000).actions, m.RunDiagnosis)
+
+
 def test_a_hang_whose_process_is_stopped_restarts_without_a_diagnosis() -> None:
     sim = start(nodes=4, spares=1)
     sim.feed(hang("n2", phase="train"))  # silent in its step: a waiting peer looks the same
