@@ -11,12 +11,21 @@ from __future__ import annotations
 import ipaddress
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-KEEPALIVE_TIME_MS = 10_000
-KEEPALIVE_TIMEOUT_MS = 5_000
+#: A peer whose process no longer runs (a frozen or paused driver, a host cut off the
+#: network: its kernel may still ACK, or nothing comes back at all) is found by these
+#: pings: an agent's stream to a frozen leader fails within time + timeout (5 s), in time
+#: to reach the standby that took over before it gives the nodes up. gRPC's own ping
+#: timeout (`ping_timeout_ms`, 60 s by default) overrides `keepalive_timeout_ms` unless it
+#: is set too: with only the latter, a SIGSTOPped driver held its agents for 60-70 s and a
+#: job under the new leader failed with every node lost. The pings are answered by gRPC's
+#: core threads, not by the event loop: a stalled loop does not miss them.
+KEEPALIVE_TIME_MS = 2_000
+KEEPALIVE_TIMEOUT_MS = 3_000
 
 COMMON_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -40,6 +40,7 @@ CHANNEL_OPTIONS: dict[str, Any] = {
     "grpc.max_send_message_length": 4 << 20,
     "grpc.keepalive_time_ms": 10_000,  # notice a dead etcd under a silent watch
     "grpc.keepalive_timeout_ms": 5_000,
+    "grpc.http2.ping_timeout_ms": 5_000,  # else gRPC waits 60 s for a frozen member's ack
     "grpc.keepalive_permit_without_calls": 1,
     # a member that restarts is reachable again in well under a second: do not sit out
     # gRPC's default reconnect backoff (1 s growing 1.6x up to 120 s) while a lease's TTL

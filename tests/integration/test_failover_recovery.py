@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,6 +112,53 @@ def test_leader_killed_between_pause_and_resume_the_standby_finishes_the_recover
                      e.leader_elected.driver_id == "driver-b")  # fmt: skip
     assert _after(events, "training_resumed", elected_b), "driver-b did not resume the job"
     assert "job_finished" not in kinds
+
+
+def test_a_leader_lost_after_it_started_the_new_world_leaves_its_ranks_running(
+    job: TwoDrivers,
+) -> None:
+    """bench-recovery, MTBF 60 s: a leader killed 1.8 s into an incident, after its ranks
+    had resumed but before it recorded so; its successor killed them and began again (8.0 s
+    instead of about 2). Here the leader is frozen once n1's agent has started n1's
+    replacement; the standby takes over with the restore pending and keeps both ranks."""
+    a = job.train_under_two_drivers()
+    survivor = job.worker("n0")
+    assert survivor is not None
+    log = job.run / "n1.log"
+    for _ in range(3):  # the freeze must land before the leader records the resume
+        seen = len(log.read_text())
+        inject(a, "n1", "crash", rank=0)
+
+        def started() -> bool:
+            return "in-job rejoin" in log.read_text()[seen:]
+
+        until(started, 60, "n1's replacement to start", job)
+        job.kill("driver-a", signal.SIGSTOP)
+        events = job.events()
+        failed_seq = max(e.seq for e in events if e.HasField("worker_failed"))
+        if not _after(events, "training_resumed", failed_seq):
+            break
+        job.kill("driver-a", signal.SIGCONT)  # too late: the resume is on record; again
+        step = job.max_step()
+        until(lambda: job.max_step() >= step + 5, 60, "training on", job)
+    else:
+        pytest.fail("the leader recorded the resume before the freeze three times")
+    replacement = job.worker("n1")
+    assert replacement is not None
+
+    until(lambda: job.leader() == "driver-b", 60, "driver-b to lead", job)
+    until(
+        lambda: bool(_after(job.events(), "training_resumed", failed_seq)),
+        120,
+        "driver-b to record the resume",
+        job,
+    )
+    step = job.max_step()
+    until(lambda: job.max_step() >= step + 5, 120, "training on under driver-b", job)
+    job.kill("driver-a")
+    assert "workers already started: adopted" in job.log("driver-b"), job.log("driver-b")[-3000:]
+    assert [w.pid for w in job.workers("n0")] == [survivor.pid]  # never restarted
+    assert [w.pid for w in job.workers("n1")] == [replacement.pid]
 
 
 async def _append_as_dead_leader(endpoint: str, job_id: str, events: list[ev.Event]) -> None:
