@@ -129,7 +129,7 @@ def test_a_leader_lost_after_it_started_the_new_world_leaves_its_ranks_running(
         seen = len(log.read_text())
         inject(a, "n1", "crash", rank=0)
 
-        def started() -> bool:
+        def started(seen: int = seen) -> bool:
             return "in-job rejoin" in log.read_text()[seen:]
 
         until(started, 60, "n1's replacement to start", job)
@@ -139,8 +139,7 @@ def test_a_leader_lost_after_it_started_the_new_world_leaves_its_ranks_running(
         if not _after(events, "training_resumed", failed_seq):
             break
         job.kill("driver-a", signal.SIGCONT)  # too late: the resume is on record; again
-        step = job.max_step()
-        until(lambda: job.max_step() >= step + 5, 60, "training on", job)
+        until(lambda at=job.max_step(): job.max_step() >= at + 5, 60, "training on", job)
     else:
         pytest.fail("the leader recorded the resume before the freeze three times")
     replacement = job.worker("n1")
