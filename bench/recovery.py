@@ -363,6 +363,9 @@ class Bench:
         self.faults: list[Fault] = []
         self._marks: dict[Path, int] = {}
         self.failed = ""
+        self.evicted: set[str] = set()
+        # NodeLost of a node no node_loss fault took down: (node, reason, wall time ns)
+        self.false_lost: list[tuple[str, str, int]] = []
         self.flash_job = f"bench-{run.name}-{os.getpid()}"
         self._agent_flags = self._optional_agent_flags()
 
@@ -464,6 +467,11 @@ class Bench:
         for e in new:
             for f in self.faults:
                 self._observe(f, e)
+            if e.HasField("node_evicted"):
+                self.evicted.add(e.node_evicted.node_id)
+            if e.HasField("node_lost") and not self._killed(e.node_lost.node_id):
+                lost = e.node_lost
+                self.false_lost.append((lost.node_id, lost.reason, e.wall_time_unix_ns))
             if e.HasField("node_evicted") and e.node_evicted.node_id in self.c.agents:
                 # an evicted node waits idle for an operator: stop it (its spare replaced it)
                 stop_groups([self.c.forget(e.node_evicted.node_id)], grace_s=15)
@@ -476,6 +484,12 @@ class Bench:
                 self.failed = e.recovery_transition.reason or "PHASE_FAILED"
         if self.failed:
             raise JobFailed(self.failed)
+
+    def _killed(self, node: str) -> bool:
+        """Whether the bench took `node` down (a node_loss fault; an evicted node it stops)."""
+        if node in self.evicted:
+            return True
+        return any(f.kind == "node_loss" and f.target.split(" ")[0] == node for f in self.faults)
 
     def _observe(self, f: Fault, e: ev.Event) -> None:
         kind = e.WhichOneof("payload")
@@ -700,6 +714,7 @@ class Bench:
         kinds: dict[str, int] = {}
         for f in faults:
             kinds[f.kind] = kinds.get(f.kind, 0) + 1
+        wall0 = time.time_ns() - int((time.monotonic() - t0) * 1e9)  # t0 on the wall clock
         return {
             "ettr": productive / (t1 - t0),
             # the earlier definition: step time alone (the loop's own time counts as lost)
@@ -711,6 +726,12 @@ class Bench:
             "faults": len(faults),
             "by_kind": kinds,
             "unresolved": sum(not f.resolved for f in faults),
+            # NodeLost events of nodes no fault took down (a false loss), in this window
+            "false_node_lost": [
+                {"node": n, "reason": why, "at_s": round((at - wall0) / 1e9, 1)}
+                for n, why, at in self.false_lost
+                if at >= wall0
+            ],
             # each fault's own figures: where the lost time went
             "incidents": [
                 {
@@ -1120,19 +1141,21 @@ def table(out: dict[str, Any]) -> str:
     ff = out.get("fault_free", {}).get("ettr")
     rows += [
         "",
-        "| run | ETTR | vs fault-free | faults injected |",
-        "|---|---|---|---|",
-        f"| fault-free | {cell(ff, '')} | 1.00 | 0 |",
+        "| run | ETTR | vs fault-free | faults injected | unresolved | false NodeLost |",
+        "|---|---|---|---|---|---|",
+        f"| fault-free | {cell(ff, '')} | 1.00 | 0 | | |",
     ]
     for m in (60, 20):
         r = out.get(f"mtbf_{m}s")
         if r is None:
-            rows.append(f"| MTBF {m} s | not run | | |")
+            rows.append(f"| MTBF {m} s | not run | | | | |")
             continue
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(r["by_kind"].items()))
+        false_lost = len(r.get("false_node_lost", ())) if "false_node_lost" in r else "-"
         rows.append(
             f"| MTBF {m} s, {r['wall_s'] / 60:.0f} min | {r['ettr']:.3f} | "
-            f"{cell(r['ettr'] / ff if ff else None, '')} | {r['faults']} ({kinds}) |"
+            f"{cell(r['ettr'] / ff if ff else None, '')} | {r['faults']} ({kinds}) | "
+            f"{r['unresolved']} | {false_lost} |"
         )
     tp = out.get("throughput_with_flash_vs_without")
     if tp:
