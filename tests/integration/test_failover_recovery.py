@@ -71,6 +71,12 @@ def _after(events: list[ev.Event], kind: str, since: int) -> list[ev.Event]:
     return [e for e in events if e.seq > since and e.WhichOneof("payload") == kind]
 
 
+def _resumed_under_b(job: TwoDrivers, failed_seq: int, what: str) -> None:
+    """Wait for driver-b to lead and for a TrainingResumed after `failed_seq`."""
+    until(lambda: job.leader() == "driver-b", 60, "driver-b to lead", job)
+    until(lambda: bool(_after(job.events(), "training_resumed", failed_seq)), 120, what, job)
+
+
 def test_leader_killed_between_pause_and_resume_the_standby_finishes_the_recovery(
     job: TwoDrivers,
 ) -> None:
@@ -92,13 +98,7 @@ def test_leader_killed_between_pause_and_resume_the_standby_finishes_the_recover
     events = job.events()
     assert not _after(events, "training_resumed", failed_seq), "resumed before the kill"
 
-    until(lambda: job.leader() == "driver-b", 60, "driver-b to lead", job)
-    until(
-        lambda: bool(_after(job.events(), "training_resumed", failed_seq)),
-        120,
-        "the recovery to finish under driver-b",
-        job,
-    )
+    _resumed_under_b(job, failed_seq, "the recovery to finish under driver-b")
     until(lambda: job.max_step() >= crash_step + 3, 120, "training past the crash", job)
 
     events = job.events()
@@ -145,13 +145,7 @@ def test_a_leader_lost_after_it_started_the_new_world_leaves_its_ranks_running(
     replacement = job.worker("n1")
     assert replacement is not None
 
-    until(lambda: job.leader() == "driver-b", 60, "driver-b to lead", job)
-    until(
-        lambda: bool(_after(job.events(), "training_resumed", failed_seq)),
-        120,
-        "driver-b to record the resume",
-        job,
-    )
+    _resumed_under_b(job, failed_seq, "driver-b to record the resume")
     step = job.max_step()
     until(lambda: job.max_step() >= step + 5, 120, "training on under driver-b", job)
     job.kill("driver-a")
