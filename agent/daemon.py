@@ -99,6 +99,7 @@ class Agent:
         self._beat_soon = asyncio.Event()
         if self.hooks is not None:
             self.hooks.on_first_step = self._beat_soon.set
+            self.hooks.on_step = self._flash_poke
         if self.supervisor is not None:
             self.supervisor.on_failure = self._beat_soon.set
         self._hb_seq = 0  # the session's heartbeat sequence number
@@ -170,6 +171,10 @@ class Agent:
         )
 
     # ------------------------------------------------------------ lifecycle
+    def _flash_poke(self) -> None:
+        if self.flash is not None:
+            self.flash.poke()
+
     def _metric_values(self) -> dict[str, Any]:
         """Counters for this node's Prometheus endpoint (plain reads; any thread)."""
         v: dict[str, Any] = {"connected": self.session_open, "term": self.term_seen}

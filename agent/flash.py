@@ -58,7 +58,7 @@ from unbroken.recovery.persist import (
 )
 from unbroken.recovery.replica import ReplicaServer, fetch_replica
 from unbroken.recovery.replicaauth import ReplicaAuth, ReplicaConfig
-from unbroken.recovery.replicasend import ReplicaSender
+from unbroken.recovery.replicasend import REPLICA_DUTY, ReplicaSender
 from unbroken.recovery.sdcbuddy import BuddyOpinions
 from unbroken.recovery.sources import PERSIST_EVERY_S
 
@@ -179,6 +179,17 @@ class NodeFlashConfig:
             "help": "how often the ring is scanned",
         },
     )
+    replica_duty: float = field(
+        default=REPLICA_DUTY,
+        metadata={
+            "flag": "--replica-duty",
+            "group": "flash checkpoints",
+            "help": "the share of the time (0-1] sending copies to the buddy may occupy "
+            "(CPU and network, not waits for a CPU): while sends cost less, every newer copy "
+            "goes, and a lost node's ranks restore a step or so back; lower it where the "
+            "copies are large and the network is the training's",
+        },
+    )
     replica_timeout_s: float = field(
         default=60.0,
         metadata={"group": "flash checkpoints", "help": "deadline of one replica transfer"},
@@ -223,6 +234,10 @@ class NodeFlashConfig:
             raise ValueError(f"poll_ms must be in [10, 60000], got {self.poll_ms}")
         if not 0 <= self.io_nice <= 19:
             raise ValueError(f"io_nice must be in [0, 19] (--flash-nice), got {self.io_nice}")
+        if not 0 < self.replica_duty <= 1:
+            raise ValueError(
+                f"replica_duty must be in (0, 1] (--replica-duty), got {self.replica_duty}"
+            )
         if self.replica_timeout_s <= 0:
             raise ValueError(f"replica_timeout_s must be > 0, got {self.replica_timeout_s}")
         parse_hostport(self.listen, "--replica-listen")
@@ -270,7 +285,11 @@ class NodeFlash:
         self.sender: ReplicaSender | None = None
         if config.buddy:
             self.sender = ReplicaSender(
-                self.owner, config.node, parse_hostport(config.buddy, "--buddy"), self.replica_cfg
+                self.owner,
+                config.node,
+                parse_hostport(config.buddy, "--buddy"),
+                self.replica_cfg,
+                duty=config.replica_duty,
             )
         self._ring: dict[int, list[int]] = {}  # rank -> steps its ring holds, newest first
         # rank -> the generations its keep mark spares (verified steps' copies, `keep`)
@@ -279,6 +298,7 @@ class NodeFlash:
         self._held: list[tuple[str, int, list[int]]] = []  # copies held for other nodes
         self._task: asyncio.Task[None] | None = None
         self._io: LoopThread | None = None
+        self._wake: asyncio.Event | None = None  # set from any thread by `poke` (flash loop's)
         self.persisted: list[Persisted] = []
         # Verified shards not yet reported to the driver (appended by the persister thread,
         # taken by the agent's session; deque ends are thread-safe). Bounded: when the
@@ -361,7 +381,18 @@ class NodeFlash:
             self._on_persisted,
             self._on_persist_error,
         )
+        self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._loop())
+
+    def poke(self) -> None:
+        """Scan the rings now rather than at the next poll (any thread: the agent's loop
+        calls it when a worker reports a step, whose previous save's copy is whole by then).
+        A worker's copy waited up to `poll_ms` for the scan that sends it to the buddy, and a
+        lost node's ranks restore the buddy's newest copy: that wait was steps lost."""
+        io, wake = self._io, self._wake
+        if io is not None and wake is not None and not wake.is_set():
+            with contextlib.suppress(RuntimeError):  # the flash loop is closing
+                io.loop.call_soon_threadsafe(wake.set)
 
     def _on_persist_error(self, rank_dir: Path, e: Exception) -> None:
         """Persister thread: a write failed (storage full, permission denied, ...); the
@@ -523,7 +554,12 @@ class NodeFlash:
             return True
         log.info("flash.buddy_changed", old=self.buddy, new=address, node=self.node_id)
         self.sender = ReplicaSender(
-            self.owner, self.config.node, target, self.replica_cfg, buddy_node=node
+            self.owner,
+            self.config.node,
+            target,
+            self.replica_cfg,
+            buddy_node=node,
+            duty=self.config.replica_duty,
         )
         self.sender.only = self.live_ranks
         return True
@@ -590,8 +626,12 @@ class NodeFlash:
 
     async def _loop(self) -> None:
         interval = self.config.poll_ms / 1000.0
+        wake = self._wake
+        assert wake is not None, "set by _start before the loop runs"
         while True:
-            await asyncio.sleep(interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), interval)
+            wake.clear()
             try:
                 await self.tick()
             except Exception:  # background loop: log and continue

@@ -138,6 +138,9 @@ class HookServer:
         # called when a worker reports its first step since it (re)started or rejoined: the
         # agent heartbeats at once, so the driver's restore sees every rank step sooner
         self.on_first_step: Callable[[], object] | None = None
+        # called on every step report of a worker the agent started (the flash thread scans
+        # the rings then: the step's previous save is whole, and its buddy waits for it)
+        self.on_step: Callable[[], object] | None = None
 
     def welcome(self) -> hpb.Welcome:
         """Where this node's flash store is (from the environment the agent gives workers)."""
@@ -278,6 +281,8 @@ class HookServer:
             )
             if first and self.on_first_step is not None:
                 self.on_first_step()
+            if self.on_step is not None:
+                self.on_step()
         elif kind == "fingerprint":
             w.on_fingerprint(rep.fingerprint)
         elif kind == "phase":

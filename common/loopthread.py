@@ -56,6 +56,18 @@ def lower_this_thread(nice: int, *, idle: bool = False) -> str:
         return ""
 
 
+def runqueue_wait_s() -> float:
+    """Seconds the calling thread has spent runnable but waiting for a CPU since it began
+    (Linux `/proc/thread-self/schedstat`, its second field; 0.0 where the kernel keeps no
+    such count). A low-priority thread's wall time on a busy host is mostly this wait: it
+    costs the work it yielded to nothing."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 @functools.cache
 def _sched_getcpu() -> Callable[[], int] | None:
     """glibc's `sched_getcpu` (a vDSO read, ~0.1 us through ctypes), or None without it."""

@@ -13,6 +13,7 @@ import time
 
 import structlog
 
+from unbroken.common.loopthread import runqueue_wait_s
 from unbroken.common.sdckeys import SDC_META
 from unbroken.recovery.flashcopy import CopyRef, CorruptCopyError, list_copies, read_copy
 from unbroken.recovery.flashowner import FlashOwner
@@ -32,6 +33,9 @@ REPLICA_EVERY_S = 1.0
 #: less (a small state: milliseconds a copy), every newer copy goes at the next tick, so a
 #: lost node's ranks restore a step or two back, not up to `k - REPLICA_MARGIN` saves (bench
 #: recovery, tiny model, 0.1 s steps, a ring of 16: node loss lost 2-10 steps, median 6).
+#: Not higher by default: at 0.2 the tiny model's 1.5 MB copies went every step and a lost
+#: node lost 1 step, but the steps with flash saves ran at 0.83-0.85 of those without, where
+#: 0.05 gave 0.92-0.98 in the same rounds (`--replica-duty`; docs/in-job-recovery.md).
 REPLICA_DUTY = 0.05
 # After a failed send a rank's next try waits this long, doubling per failure up to the cap.
 RETRY_FIRST_S = 0.1
@@ -132,7 +136,7 @@ class ReplicaSender:
                 continue
             refs = listed.get(rank) if listed is not None else None
             by_rank[rank] = refs if refs is not None else list_copies(self.owner.rank_dir(rank))
-        t0 = time.monotonic()
+        t0, waited0 = time.monotonic(), runqueue_wait_s()
         for rank, ref in self.picks(by_rank, t0).items():
             host, port = self.buddy
             res = await send_copy(
@@ -144,14 +148,24 @@ class ReplicaSender:
             self._settle(rank, ref, res, time.monotonic(), local_ok=local_ok)
             results.append(res)
         if results and all(r.ok for r in results):
+            # what the sends occupied: the wall time less the time this thread waited for
+            # a CPU (at --flash-nice 19 on a busy host, most of it). Counted in, a starved
+            # flash thread measured 50-100 ms a send and spaced the sends to one a second:
+            # a lost node's ranks went back up to 10 steps (bench recovery, node loss)
             done = time.monotonic()
-            self.sent(done - t0, done)
+            self.sent(max(0.0, done - t0 - (runqueue_wait_s() - waited0)), done)
         return results
 
     def sent(self, took_s: float, now: float) -> None:
         """Book what one tick's sends took (for `cheap`)."""
         prev = self._send_cost_s
-        self._send_cost_s = took_s if prev is None else 0.7 * prev + 0.3 * took_s
+        # down at once, up smoothed: the first sends into a new buddy cost ten times the
+        # later ones (it lays out its ring), and an average that remembered them spaced the
+        # sends a second apart through the first seconds of every new world
+        if prev is None or took_s < prev:
+            self._send_cost_s = took_s
+        else:
+            self._send_cost_s = 0.7 * prev + 0.3 * took_s
         self._picked_at = now
 
     def cheap(self, now: float) -> bool:

@@ -235,3 +235,39 @@ def test_a_starved_flash_thread_is_said_once_and_its_scans_resume(
     warned = [e for e in logs if e["event"] == "flash.starved"]
     assert len(warned) == 1 and warned[0]["seconds"] >= 0.5, warned
     assert any(e["event"] == "flash.scanning_again" for e in logs)
+
+
+def test_a_step_report_scans_the_rings_at_once_not_at_the_next_poll(tmp_path: Path) -> None:
+    """A worker's copy waited up to `--flash-poll-ms` for the scan that sends it to the
+    buddy (a lost node's ranks then restored an older copy). `poke` (the agent calls it on
+    each step report) scans now: with a poll of a minute, a poke scans within a second."""
+    cfg = NodeFlashConfig(
+        root=str(tmp_path / "shm"), job="j", node="n0", persist_url=str(tmp_path / "ckpt"),
+        replica_key=b"k" * 16, listen="127.0.0.1:0", poll_ms=60_000,
+    )  # fmt: skip
+
+    async def main() -> None:
+        flash = NodeFlash(cfg, world_size=1)
+        flash.poke()  # before start: nothing to wake, no error
+        await flash.start()
+        try:
+            await asyncio.sleep(0.2)
+            assert flash.scanned_at is None  # no scan for a minute unless poked
+            flash.poke()
+            flash.poke()  # a second poke before the scan is the same scan
+            deadline = time.monotonic() + 5
+            while flash.scanned_at is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert flash.scanned_at is not None
+        finally:
+            await flash.close(clean=True)
+        flash.poke()  # after close: nothing to wake, no error
+
+    asyncio.run(main())
+
+
+def test_replica_duty_is_validated() -> None:
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="--replica-duty"):
+            NodeFlashConfig(node="n0", persist_url="/tmp/x", replica_duty=bad)
+    assert NodeFlashConfig(node="n0", persist_url="/tmp/x", replica_duty=1.0).replica_duty == 1.0

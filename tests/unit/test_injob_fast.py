@@ -110,6 +110,8 @@ def test_a_workers_first_step_in_a_new_world_wakes_the_heartbeat(tmp_path: Path)
     server = HookServer(path, sup, "n0")
     kicks: list[int] = []
     server.on_first_step = lambda: kicks.append(1)
+    scans: list[int] = []  # every step report scans the flash rings (`NodeFlash.poke`)
+    server.on_step = lambda: scans.append(1)
 
     def step(n: int) -> None:
         rep = hpb.WorkerReport(local_rank=0, step=hpb.StepReport(step=n, step_time_ms=5.0))
@@ -121,6 +123,7 @@ def test_a_workers_first_step_in_a_new_world_wakes_the_heartbeat(tmp_path: Path)
     sup.workers[0].step = 0  # rejoined a new world (agent/injob.py resets the step)
     step(6)
     assert kicks == [1, 1]
+    assert len(scans) == 3
 
 
 def _three_losses() -> list[float]:

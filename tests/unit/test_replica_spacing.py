@@ -8,9 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from unbroken.common.loopthread import runqueue_wait_s
 from unbroken.recovery.flashcopy import CopyRef, Manifest
 from unbroken.recovery.replica import SendResult
-from unbroken.recovery.replicasend import REPLICA_MARGIN, RETRY_CAP_S, ReplicaSender, same_step
+from unbroken.recovery.replicasend import (
+    REPLICA_DUTY,
+    REPLICA_MARGIN,
+    RETRY_CAP_S,
+    ReplicaSender,
+    same_step,
+)
 from unbroken.recovery.statehash import SDC_META
 
 pytestmark = pytest.mark.unit
@@ -182,6 +189,7 @@ def test_cheap_sends_ship_every_copy_and_costly_ones_are_spaced_to_the_duty() ->
     """A node lost 2-10 steps (median 6) in bench-recovery: its buddy held a copy up to
     13 saves old (a ring of 16), though one send took milliseconds. While a tick's sends cost
     under REPLICA_DUTY of the time between them, every newer copy goes."""
+    assert REPLICA_DUTY == 0.05
     assert _ticks(0.002) == list(range(60))  # 2 ms a send: every 0.1 s tick is cheap
     costly = [x for x in _ticks(0.02) if x >= 16]  # 20 ms: at most one every 0.4 s
     gaps = {b - a for a, b in itertools.pairwise(costly)}
@@ -190,6 +198,32 @@ def test_cheap_sends_ship_every_copy_and_costly_ones_are_spaced_to_the_duty() ->
     # REPLICA_EVERY_S, and within k - REPLICA_MARGIN saves) still hold
     slow = [x for x in _ticks(1.0) if x >= 16]
     assert {b - a for a, b in itertools.pairwise(slow)} <= {10, 11}
+
+
+def test_the_send_cost_falls_at_once_and_rises_smoothed() -> None:
+    """The first sends into a new buddy cost ten times the later ones (it lays out its
+    ring); an average that remembered them spaced the sends a second apart through the
+    first seconds of every new world, and the first node lost in a bench run went back
+    12 steps. A cheaper send sets the estimate; a dearer one moves it 30 %."""
+    s = sender()
+    assert not s.cheap(0.0)  # nothing measured yet
+    s.sent(0.5, 1.0)  # the first send: the buddy laid out its ring
+    assert not s.cheap(5.0)  # 0.5 s / 0.05: 10 s to wait
+    s.sent(0.005, 5.5)  # the next, in the steady state
+    assert s._send_cost_s == 0.005 and s.cheap(5.61)  # 0.005 / 0.05 = 0.1 s
+    s.sent(0.105, 6.0)  # one slow send: 0.7 * 0.005 + 0.3 * 0.105
+    assert s._send_cost_s == pytest.approx(0.035)
+    assert not s.cheap(6.6) and s.cheap(6.71)
+
+
+def test_the_cost_of_a_send_leaves_out_the_wait_for_a_cpu() -> None:
+    """At --flash-nice 19 on a busy host the flash thread waits for a CPU most of a send's
+    wall time; that wait costs the training nothing. The kernel's count of it grows while
+    this thread is runnable and others hold the CPUs, and never goes back."""
+    first = runqueue_wait_s()
+    assert first >= 0.0
+    sum(range(200_000))  # some CPU time, maybe a wait for a core
+    assert runqueue_wait_s() >= first
 
 
 def test_a_fingerprinted_copy_goes_first_whatever_the_spacing() -> None:
