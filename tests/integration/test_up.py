@@ -63,6 +63,7 @@ def test_up_trains_drills_and_stops_everything(tmp_path: Path) -> None:
     # the recovery loop: the crash and the lost node were recovered (a drilled fault whose
     # training did not resume shows "not yet" or makes the run exit 1), the spare took over
     assert "resumed in" in text and "steps lost" in text and "continued" in text
+    assert re.search(r"first step \d+\.\d s after start", text), text[-2000:]  # the goal's 15 s
     assert "spare_assigned×1" in text and "world_resized×1" in text and "job_started×1" in text
     # nothing it started is left running: agents and drivers (their flags name the run dir)
     # and the workers (their command line is this run's trainer command)
