@@ -51,7 +51,14 @@ def test_idle_connections_neither_pile_up_threads_nor_hold_the_port() -> None:
             except OSError:
                 pass  # the listen backlog is full: the kernel holds back the rest
             assert threading.active_count() - before <= 8  # one thread per served connection
-        assert len(idle) > 8 and ep.refused > 0  # over the cap: closed at once, no thread
+        assert len(idle) > 8
+        # over the cap: closed at once, no thread. The server's accept loop takes the
+        # kernel's backlog at its own pace; asked at once, a loaded CI host saw none yet
+        deadline = time.monotonic() + 10
+        while ep.refused == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ep.refused > 0
+        assert threading.active_count() - before <= 8
         # within the idle timeout the held ones are dropped and a scrape is served
         deadline = time.monotonic() + 20
         while True:
