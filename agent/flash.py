@@ -284,13 +284,7 @@ class NodeFlash:
         self.persister: Persister | None = None
         self.sender: ReplicaSender | None = None
         if config.buddy:
-            self.sender = ReplicaSender(
-                self.owner,
-                config.node,
-                parse_hostport(config.buddy, "--buddy"),
-                self.replica_cfg,
-                duty=config.replica_duty,
-            )
+            self.sender = self._sender(parse_hostport(config.buddy, "--buddy"))
         self._ring: dict[int, list[int]] = {}  # rank -> steps its ring holds, newest first
         # rank -> the generations its keep mark spares (verified steps' copies, `keep`)
         self._kept: dict[int, list[int]] = {}
@@ -383,6 +377,14 @@ class NodeFlash:
         )
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._loop())
+
+    def _sender(self, buddy: tuple[str, int], buddy_node: str = "") -> ReplicaSender:
+        """A sender of this node's copies to `buddy` (at the configured duty)."""
+        c = self.config
+        return ReplicaSender(
+            self.owner, c.node, buddy, self.replica_cfg, buddy_node=buddy_node,
+            duty=c.replica_duty,
+        )  # fmt: skip
 
     def poke(self) -> None:
         """Scan the rings now rather than at the next poll (any thread: the agent's loop
@@ -553,14 +555,7 @@ class NodeFlash:
         ):
             return True
         log.info("flash.buddy_changed", old=self.buddy, new=address, node=self.node_id)
-        self.sender = ReplicaSender(
-            self.owner,
-            self.config.node,
-            target,
-            self.replica_cfg,
-            buddy_node=node,
-            duty=self.config.replica_duty,
-        )
+        self.sender = self._sender(target, node)
         self.sender.only = self.live_ranks
         return True
 

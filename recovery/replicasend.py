@@ -136,8 +136,10 @@ class ReplicaSender:
                 continue
             refs = listed.get(rank) if listed is not None else None
             by_rank[rank] = refs if refs is not None else list_copies(self.owner.rank_dir(rank))
-        t0, waited0 = time.monotonic(), runqueue_wait_s()
-        for rank, ref in self.picks(by_rank, t0).items():
+        t0 = time.monotonic()
+        picked = self.picks(by_rank, t0)
+        waited0 = runqueue_wait_s() if picked else 0.0  # a /proc read only when sending
+        for rank, ref in picked.items():
             host, port = self.buddy
             res = await send_copy(
                 ref, self.node, host, port, config=self.config, buddy_node=self.buddy_node
