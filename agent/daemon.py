@@ -97,8 +97,11 @@ class Agent:
         self.session_open = False
         # set when a worker steps for the first time in a new world, or fails: heartbeat now
         self._beat_soon = asyncio.Event()
+        # set by a loss that stands out: that heartbeat carries the rings listed anew
+        self._rescan_due = False
         if self.hooks is not None:
-            self.hooks.on_first_step = self._beat_soon.set
+            self.hooks.on_beat_now = self._beat_soon.set
+            self.hooks.on_outlier = self._outlier_beat
             self.hooks.on_step = self._flash_poke
         if self.supervisor is not None:
             self.supervisor.on_failure = self._beat_soon.set
@@ -171,6 +174,14 @@ class Agent:
         )
 
     # ------------------------------------------------------------ lifecycle
+    def _outlier_beat(self) -> None:
+        """A worker's loss stood out (a spike, maybe): heartbeat now, with the rings listed
+        after its report. The driver rolls back to the newest step every ring holds below the
+        spike; the copy of the step before it was finished by the spiked step's save, but
+        the last listing predated it, and the rollback went two steps back, not one."""
+        self._rescan_due = True
+        self._beat_soon.set()
+
     def _flash_poke(self) -> None:
         if self.flash is not None:
             self.flash.poke()
@@ -395,6 +406,9 @@ class Agent:
             # the schedule, which stays): the driver resumes when every rank stepped, and
             # waited up to a whole interval for it.
             while await self._kicked(next_t - time.monotonic()):
+                if self._rescan_due and self.flash is not None:
+                    self._rescan_due = False
+                    await self.flash.rescan()
                 await self._extra_heartbeat(call)
 
     async def _kicked(self, timeout_s: float) -> bool:

@@ -137,7 +137,10 @@ class HookServer:
         self._bound = False
         # called when a worker reports its first step since it (re)started or rejoined: the
         # agent heartbeats at once, so the driver's restore sees every rank step sooner
-        self.on_first_step: Callable[[], object] | None = None
+        self.on_beat_now: Callable[[], object] | None = None
+        # called when a step report's loss stands out (`Worker.beat_now`): the agent
+        # heartbeats at once, its rings listed anew, for the driver's spike detector
+        self.on_outlier: Callable[[], object] | None = None
         # called on every step report of a worker the agent started (the flash thread scans
         # the rings then: the step's previous save is whole, and its buddy waits for it)
         self.on_step: Callable[[], object] | None = None
@@ -279,8 +282,10 @@ class HookServer:
                 dict(s.timings_ms) if s.timings_ms else None,
                 steps=s.steps,
             )
-            if first and self.on_first_step is not None:
-                self.on_first_step()
+            if w.beat_now and self.on_outlier is not None:
+                self.on_outlier()
+            elif (first or w.beat_now) and self.on_beat_now is not None:
+                self.on_beat_now()
             if self.on_step is not None:
                 self.on_step()
         elif kind == "fingerprint":

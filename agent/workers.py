@@ -75,6 +75,10 @@ FINGERPRINT_BEATS = 20  # ...each repeated in this many heartbeats (the driver l
 MAX_FINGERPRINT_KEYS = 16  # replica keys of one rank's fingerprint passed on
 WINDOW_STEPS = 128  # steps the reported compute / wait medians stand for
 LOSS_WINDOW = 100  # recent losses the reported loss median / MAD stand for (SpikeConfig.window)
+# A reported loss this many times the recent median (or not finite) heartbeats at once: the
+# driver's smallest spike is 1.3x its median (6 spreads, floored at 5 % of the median), so
+# every loss it could call a spike goes out without waiting for the next beat
+OUTLIER_RATIO = 1.3
 # where a worker may say its restored state came from
 RESTORE_SOURCES = frozenset(s.label for s in Source)
 
@@ -126,6 +130,8 @@ class Worker:
         self.losses: collections.deque[float] = collections.deque(maxlen=LOSS_WINDOW)
         self._loss_stats = (0.0, 0.0)  # their median and MAD...
         self._loss_stats_stale = False  # ...recomputed at the next heartbeat after a new loss
+        self.outlier = False  # the last step report's loss stood out (`OUTLIER_RATIO`)
+        self.beat_now = False  # ...and the one before did not: heartbeat at once
         self.hung = False
         self.rejoins = 0  # in-job recoveries this process rejoined a new world in (agent/injob.py)
         self.delay_at_progress = -1.0  # run-queue delay (ms) at the step last seen progressing
@@ -175,6 +181,13 @@ class Worker:
             # (`LossWatch`) they flagged every restored loss as a spike, restore after restore
             self.losses.clear()
             self._loss_stats, self._loss_stats_stale = (0.0, 0.0), False
+        median = self._loss_stats[0]  # as of the last heartbeat: before this loss
+        was, self.outlier = self.outlier, any(
+            x is not None and (not math.isfinite(x) or (median > 0 and x > OUTLIER_RATIO * median))
+            for x in (loss, peak[0] if peak else None)
+        )
+        # the first of a run only: a curve that stays high is not a heartbeat per report
+        self.beat_now = self.outlier and not was
         if loss is not None and math.isfinite(loss) and step != self.step:
             self.losses.append(loss)
             self._loss_stats_stale = True

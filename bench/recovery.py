@@ -102,6 +102,9 @@ RESULTS = Path(__file__).resolve().parent / "results" / "recovery.json"
 KINDS = ("worker_crash", "node_loss", "hang", "loss_spike", "silently_bad_node", "driver_kill")
 NOT_INJECTED: dict[str, str] = {}
 SPIKE_AHEAD = 2  # a loss spike is injected this many steps ahead of the newest step
+# ...and not before this step: the detector needs a baseline, and the tiny model's early
+# curve falls so fast that a poisoned step 20 was 1.8x the median (no spike: unresolved)
+SPIKE_MIN_STEP = 40
 SPIKE_MAX_ROLLBACKS = 1000  # the drivers' --spike-max-rollbacks
 HANG_FLOOR_MS = 1_000
 # Missed 100 ms heartbeats before NodeLost: 5, as `unbroken up` (`--miss-limit`; an older,
@@ -607,6 +610,10 @@ class Bench:
             f = Fault(kind, gone, wall, mono)
             self.new_spare()
         elif kind == "loss_spike":
+            end = time.monotonic() + 60
+            while self.w.step() < SPIKE_MIN_STEP and time.monotonic() < end:
+                await asyncio.sleep(0.2)
+                await self.tick()
             await asyncio.to_thread(self.hurt.loss_spike, ahead=SPIKE_AHEAD)
             inj = self.hurt.injections[-1]  # after any wait for the leader to hear every node
             f = Fault(kind, inj.target, inj.wall_ns, inj.mono)

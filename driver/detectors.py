@@ -442,6 +442,11 @@ class LossWatch:
                 best, node = w, node_id
         return best, node
 
+    @property
+    def node(self) -> str:
+        """The node whose heartbeats the watch reads ("" before the first full scan)."""
+        return self._node
+
     def sweep(self, view: LiveView, world: Sequence[str]) -> ev.Event | None:
         """A `LossSpike` event when the newest step's loss spikes, else None.
 

@@ -18,6 +18,7 @@ tracked alone (`strays`, read whole by the sweep, when it is older than the orde
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import math
 import time
@@ -312,6 +313,11 @@ class LiveView:
         # when any node was last heard (a heartbeat, a relay's batch or reply, a
         # registration): a mass silence with nobody heard is the driver's own
         self.heard_at = 0.0
+        # the node whose heartbeats carry the job's loss curve (`detectors.LossWatch`) and
+        # what its direct heartbeat sets: the spike detector reads it then, not up to a
+        # whole sweep interval later
+        self.loss_node = ""
+        self.loss_beat: asyncio.Event | None = None
 
     def slot(self, node_id: str) -> NodeSlot:
         """The slot of `node_id`, created on first use."""
@@ -508,6 +514,8 @@ class LiveView:
             slot.gap_s = gap if gap > decayed else decayed
         slot.hb = hb
         slot.heartbeats += 1
+        if self.loss_beat is not None and slot.node_id == self.loss_node:
+            self.loss_beat.set()
         if slot.alive:
             # pop + reinsert moves the node to the end of the deadline order
             self.refresh(slot, now)

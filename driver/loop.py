@@ -45,7 +45,14 @@ from typing import Any, Protocol
 import structlog
 
 from unbroken.diagnostics.check import free_port
-from unbroken.driver import completion, detectors, machine, replicapolicy, sdcwatch, worldplan
+from unbroken.driver import (
+    completion,
+    machine,
+    replicapolicy,
+    sdcwatch,
+    spikewatch,
+    worldplan,
+)
 from unbroken.driver import state as statelib
 from unbroken.driver import worldprogress as progress
 from unbroken.driver.buddies import (
@@ -182,7 +189,7 @@ class RecoveryLoop:
     def start(self) -> None:
         """Watch the job and settle the replayed state (the term hands `decide` and
         `resettle` to the journal when it builds it, driver/term.py)."""
-        self._spawn(self._watch_losses())
+        self._spawn(spikewatch.watch(self))
         self._spawn(sdcwatch.watch(self))
         self._spawn(completion.watch(self))
         if self.policy.keep_training:
@@ -698,34 +705,7 @@ class RecoveryLoop:
         slot = self.view.nodes.get(node_id)
         return slot.heartbeats if slot is not None else 0
 
-    # ------------------------------------------------------------ loss spikes, idle worlds
-    async def _watch_losses(self) -> None:
-        """Feed the live loss curve to the spike detector; queue a LossSpike while RUNNING.
-
-        After a spike nothing more is queued until the log has moved past it (the machine
-        decided) and the job runs again.
-        """
-        watch = detectors.LossWatch(self.policy.spike)
-        period = self.service.config.live.heartbeat_interval_ms / 1000.0
-        spiked_at = -1  # the state's last_seq when the last spike was queued
-        while True:
-            await asyncio.sleep(period)
-            s = self.state
-            if s.phase != ev.PHASE_RUNNING or s.last_seq <= spiked_at:
-                continue
-            try:
-                e = watch.sweep(self.view, s.world.node_ids)
-            except Exception:
-                log.exception("loss watch failed; continuing")
-                continue
-            if e is not None:
-                spiked_at = s.last_seq
-                p = e.loss_spike
-                held = self._ring_held(tuple(s.world.node_ids))
-                p.memory_steps.extend(sorted(x for x in held or () if x < p.step))
-                log.warning("loss spike", step=p.step, loss=p.loss, baseline=p.baseline)
-                self.service.emit(e)
-
+    # ------------------------------------------------------------ idle worlds
     async def _start_if_idle(self, gen: int) -> None:
         """After a takeover: start the world's workers when some world node runs none.
 

@@ -62,7 +62,7 @@ from unbroken.common.faults import (
     parse_slow_factor,
 )
 from unbroken.common.workerenv import WorkerEnv
-from unbroken.trainer import ncclguard
+from unbroken.trainer import ncclguard, spikewait
 from unbroken.trainer.config import TrainConfig
 from unbroken.trainer.faultfile import FaultFile
 from unbroken.trainer.flags import add_arguments, to_config
@@ -310,6 +310,8 @@ def train(
             out=out,
             rank=rank,
             fingerprints=fingerprints,
+            # only a rank an agent holds: its driver decides rollbacks
+            spikes=spikewait.shared(requests.held, hooks.flush_steps) if hooks.replies else None,
         )
         _run_steps(loop, step, config.steps, hooks, requests)
         if save_to:
@@ -438,6 +440,7 @@ class _Loop:
     out: Any
     rank: int
     fingerprints: Any = None  # trainer/sdc.py Fingerprinter (None: off)
+    spikes: spikewait.SpikeWait | None = None  # waits for the driver's verdict after a spiked loss
     copy_flip: Any = None  # an sdc flip waiting for the next fingerprinted copy
 
     def step(self, step: int) -> int:
@@ -508,6 +511,8 @@ def _one_step(lp: _Loop, step: int) -> int:
     history.append(m)
     _report(lp, step, m, stepped)
     requests.poll()
+    if lp.spikes is not None:
+        lp.spikes.after(step, m.get("loss"))  # a hold it waited for ends the loop
     return step
 
 
@@ -550,12 +555,12 @@ class SaveRequests:
         self.hold: str | None = None  # the agent's hold (in-job recovery): leave the step
         self._polled = 0.0
 
-    def poll(self) -> None:
-        """Read the agent's commands (at most every `POLL_S`)."""
-        now = time.monotonic()
-        if now - self._polled < self.POLL_S:
+    def poll(self, *, now: bool = False) -> None:
+        """Read the agent's commands (at most every `POLL_S`, unless `now`)."""
+        t = time.monotonic()
+        if not now and t - self._polled < self.POLL_S:
             return
-        self._polled = now
+        self._polled = t
         for c in self.hooks.commands():
             kind = c.WhichOneof("kind")
             if kind == "flash_save":
@@ -563,6 +568,13 @@ class SaveRequests:
                 self.at = want if self.at is None else min(self.at, want)
             elif kind == "hold":
                 self.hold = c.hold or "hold"
+
+    def held(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for a command, read what came: whether the agent holds."""
+        if self.hold is None:
+            self.hooks.wait(timeout_s)
+            self.poll(now=True)
+        return self.hold is not None
 
     def due(self, step: int) -> bool:
         self.poll()

@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +110,7 @@ def test_a_workers_first_step_in_a_new_world_wakes_the_heartbeat(tmp_path: Path)
     sup.workers[0] = Worker(0, 0, tmp_path / "w0.log")
     server = HookServer(path, sup, "n0")
     kicks: list[int] = []
-    server.on_first_step = lambda: kicks.append(1)
+    server.on_beat_now = lambda: kicks.append(1)
     scans: list[int] = []  # every step report scans the flash rings (`NodeFlash.poke`)
     server.on_step = lambda: scans.append(1)
 
@@ -333,3 +334,36 @@ def test_an_agent_waiting_for_its_workers_starts_its_standbys_after_warm_after_s
 
     assert asyncio.run(standbys_after(0.0, wait_s=60)) == 1
     assert asyncio.run(standbys_after(600.0, wait_s=0.5)) == 0
+
+
+def test_a_loss_that_stands_out_heartbeats_at_once(tmp_path: Path) -> None:
+    """The driver's spike detector reads losses from heartbeats: a loss it could call a
+    spike (above 1.3x the recent median, or not finite) goes out at once, not with the next
+    scheduled beat; a run of high losses kicks once, the curve's normal wobble never."""
+    path = str(tmp_path / "a.sock")
+    sup = Supervisor(WorkerSpec(cmd=["true"], nproc=1, log_dir=str(tmp_path)), path)
+    w = sup.workers[0] = Worker(0, 0, tmp_path / "w0.log")
+    server = HookServer(path, sup, "n0")
+    kicks: list[int] = []
+    server.on_outlier = lambda: kicks.append(w.step)
+    firsts: list[int] = []
+    server.on_beat_now = lambda: firsts.append(w.step)
+
+    def step(n: int, loss: float, peak: float | None = None) -> None:
+        s = hpb.StepReport(step=n, step_time_ms=5.0, loss=loss, has_loss=True)
+        if peak is not None:
+            s.peak_loss, s.peak_step, s.has_peak = peak, n - 1, True
+        server.datagram_received(hpb.WorkerReport(local_rank=0, step=s).SerializeToString(), 1)
+
+    step(1, 4.0)
+    assert firsts == [1] and kicks == []  # the first step of the world
+    for n in range(2, 30):
+        step(n, 4.0 + 0.1 * (n % 3))  # wobble within 5 %
+        w.status(time.monotonic())  # a heartbeat: the median as the driver will see it
+    assert kicks == []
+    step(30, 9.0)  # a spike
+    step(31, 9.5)  # still high: the run has been said
+    assert kicks == [30]
+    step(32, 4.1)
+    step(33, 4.0, peak=float("nan"))  # coalesced steps whose worst was NaN
+    assert kicks == [30, 33] and firsts == [1]

@@ -256,3 +256,24 @@ def test_fault_marks_follow_the_local_rank_not_the_global_one(tmp_path: Path) ->
     assert before is not None and before.due(5) is not None
     after = FaultFile.from_env(0, env)  # restarted into a smaller world as global rank 0
     assert after is not None and after.due(3174) is None
+
+
+def test_the_watched_nodes_heartbeat_wakes_the_watch() -> None:
+    """The driver sweeps the loss curve when the node it reads heartbeats (an agent beats
+    at once on a loss that stands out), not up to a whole interval later."""
+    import asyncio
+
+    async def run() -> None:
+        view = LiveView(LiveViewConfig())
+        watch = LossWatch(CFG)
+        _beat(view, "n1", 1, 4.0, rank=1)
+        _beat(view, "n0", 1, 4.0, rank=0)
+        watch.sweep(view, ["n0", "n1"])
+        assert watch.node == "n0"  # the lowest rank's node
+        view.loss_node, view.loss_beat = watch.node, asyncio.Event()
+        _beat(view, "n1", 2, 4.0, rank=1)
+        assert not view.loss_beat.is_set()
+        _beat(view, "n0", 2, 4.0, rank=0)
+        assert view.loss_beat.is_set()
+
+    asyncio.run(run())
