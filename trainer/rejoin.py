@@ -288,8 +288,14 @@ def forget_world_caches() -> None:
     world's mesh: its coordinate was this process's rank there. A survivor that was rank 1
     of a dp2 world and rejoined a later dp2 world as rank 0 resharded its FSDP shards as the
     second half: both ranks loaded the same half and the job trained on from a broken model
-    (the replica policy's grow-back, loss 5.6 where the curve was at 2.9). Torch's own clears
-    (its debug module's) where it has them; each is skipped where this torch lacks it.
+    (the replica policy's grow-back, loss 5.6 where the curve was at 2.9). A cached spec's
+    mesh also names the old world's groups: a warm standby that dry-ran as rank 0 and became
+    rank 2 of a pp2×tp2 world got rank 0's tp mesh from the fast path's cache and failed in
+    its first step ("Could not resolve the process group registered under the name 19":
+    rank 2's tp group is "20"). The redistribution planners are keyed by a weak reference to
+    their mesh, which an equal mesh matches while the old one lives (a frozen cycle lives
+    for good), and plan with its coordinate. Torch's own clears where it has them; each is
+    skipped where this torch lacks it.
     """
     with contextlib.suppress(Exception):
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
@@ -308,6 +314,10 @@ def forget_world_caches() -> None:
         from torch.distributed.tensor._collective_utils import MeshTopoInfo
 
         MeshTopoInfo.build_from_mesh.cache_clear()
+    with contextlib.suppress(Exception):  # keyed by a weak reference to an equal mesh
+        from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+
+        clear_redistribute_planner_cache()
 
 
 def apply_rejoin(rejoin: Any) -> None:

@@ -13,14 +13,17 @@ trainer from the worker's flags (which the agent passes in `UNBROKEN_WARM_ARGV`;
 preset when it does not) in a private world of the job's size on torch's fake process
 group (no peers, no traffic: its collectives only pretend), takes the state of the fresh
 optimizer (torch's state-dict API creates it by a step of zeros), loads it back, runs one
-step and round-trips the state again. Then it drops the world, so the worker starts as if
-nothing had run: no process group and no trainer.
+step (not with pp > 1: a pipeline's step cannot run on the fake group) and round-trips the
+state again. Then it drops the world, so the worker starts as if nothing had run: no
+process group, no trainer, and no "[rank0]" prefix on its tracebacks (the group's hook).
 
 The world's size matters: DTensor caches its sharding decisions per mesh, and a mesh of
 one rank is not the mesh of two. With a 1-rank world here, a replacement's first
 `state_dict` in a dp2 job still took 0.4-0.5 s (the optimizer's zero step, its sharding
-propagation not cached); with the job's size it takes 0.01-0.07 s. The caches do not
-depend on which rank the standby becomes (its shards have the same shapes).
+propagation not cached); with the job's size it takes 0.01-0.07 s. The caches hold the
+dry run's meshes, which carry its rank's coordinate and group names: the worker's start
+forgets them where the real world gives it another place (trainer/rejoin.py
+`forget_dry_run_caches`).
 
 What it leaves is the caches of the calls it made, and its seeded global RNG state, which
 every worker's set-up seeds again. It always runs on the CPU (a standby claims no
@@ -34,6 +37,7 @@ import contextlib
 import io
 import json
 import os
+import sys
 
 from unbroken.common.workerenv import WARM_ARGV
 
@@ -97,15 +101,29 @@ def __unbroken_warm__() -> None:
         world = p.dp * p.cp * p.pp * p.tp
         rank = int(os.environ.get("RANK", "0") or 0)
         rank = rank if 0 <= rank < world else 0
+        hook = sys.excepthook  # the group wraps it: "[rank0]: " on the worker's tracebacks
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        # Said before the first DTensor op, not after the last: the worker's start checks
+        # its real place against it, and a dry run that fails part way has cached as much
+        # as the ops before its failure. Noted only at its end, a pp2×tp2 dry run (which
+        # failed in its step) was never noted: its caches were kept, and a standby promoted
+        # to rank 2 ran rank 0's cached tp mesh, whose group ("19") rank 2 does not have.
+        note_dry_run(rank, world)
         try:
             trainer = GPT3DTrainer()
-            trainer.setup(config)
-            # a restore's path: the state of an optimizer that has not stepped, a load of it
-            trainer.load_state_dict(trainer.state_dict())
-            trainer.train_step()
-            trainer.load_state_dict(trainer.state_dict())
-            trainer.close()
+            try:
+                trainer.setup(config)
+                # a restore's path: the state of an optimizer that has not stepped, a load
+                trainer.load_state_dict(trainer.state_dict())
+                # No step with pp > 1: the stages first swap their activations' shapes
+                # (`recv_object_list`), and the fake group receives nothing, so a stage
+                # read uninitialised memory as a size and a pickle (stage 0 asked for
+                # 140 TB and raised; a smaller garbage size could allocate it).
+                if p.pp == 1:
+                    trainer.train_step()
+                    trainer.load_state_dict(trainer.state_dict())
+            finally:
+                trainer.close()
         finally:
             dist.destroy_process_group()
-        note_dry_run(rank, world)  # the worker's start checks its real place against it
+            sys.excepthook = hook
