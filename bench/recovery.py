@@ -101,6 +101,9 @@ from unbroken.trainer.rtrace import TRACE
 RESULTS = Path(__file__).resolve().parent / "results" / "recovery.json"
 KINDS = ("worker_crash", "node_loss", "hang", "loss_spike", "silently_bad_node", "driver_kill")
 NOT_INJECTED: dict[str, str] = {}
+# the modes phase hurts a node's worker again only after this (the driver's fault window is
+# 1,000 steps, about 50 s here), when another node has a worker to hurt
+REPEAT_S = 60.0
 SPIKE_AHEAD = 2  # a loss spike is injected this many steps ahead of the newest step
 # ...and not before this step: the detector needs a baseline, and the tiny model's early
 # curve falls so fast that a poisoned step 20 was 1.8x the median (no spike: unresolved)
@@ -342,6 +345,7 @@ class Bench:
         self.device = device
         self.driver_flags = driver_flags
         self.replica = "--keep-training" in driver_flags  # a fault's replica rejoins later
+        self._hit: dict[str, float] = {}  # node -> when a worker fault last hit it
         self.flash = flash
         self.flash_ab = flash_ab
         self.extra_agent_flags = agent_flags
@@ -590,14 +594,24 @@ class Bench:
             return bool(self.w.leader) and len(live) == 2
         return bool(self._working())
 
-    async def inject(self, kind: str) -> Fault | None:
+    async def inject(self, kind: str, *, spread: bool = False) -> Fault | None:
+        """Inject one fault of `kind`. `spread` (the modes phase): a worker's crash or hang
+        picks a node no worker fault hit in the last `REPEAT_S` when there is one, so each
+        measures one fault's recovery, not the repeat-offender policy's diagnosis (a node
+        that hangs or crashes again within `--fault-window-steps` is diagnosed first, ~1 s:
+        in the 13:44 run 7 of 15 hangs were such repeats, 1.5-3.1 s each). The ETTR phase keeps
+        the random victim: repeats are part of its mix."""
         await self.tick()
         wall, mono = time.time_ns(), time.monotonic()
         if kind in ("worker_crash", "hang"):
             victims = [(n.node_id, wk.pid) for n in self._working() for wk in _running(n)]
             if not victims:
                 return None
+            if spread:
+                fresh = [v for v in victims if mono - self._hit.get(v[0], -1e9) > REPEAT_S]
+                victims = fresh or victims
             node, pid = random.Random(mono).choice(victims)
+            self._hit[node] = mono
             hurt = self.hurt.worker_kill if kind == "worker_crash" else self.hurt.worker_stop
             hurt(node, pid=pid)
             f = Fault(kind, f"{node} pid {pid}", wall, mono)
@@ -662,7 +676,7 @@ class Bench:
         ok = await self.wait_for(f"a chance to inject {kind}", lambda: self.can(kind), 90)
         if not ok:
             return None
-        f = await self.inject(kind)
+        f = await self.inject(kind, spread=True)
         if f is None:
             return None
         await self.wait_for(f"{kind} to be resolved", lambda: f.resolved, RESOLVE_LIMIT_S)
@@ -698,8 +712,19 @@ class Bench:
         try:
             while (now := time.monotonic()) < t0 + seconds:
                 await self.tick()
+                if not self._spare_coming():
+                    # a node evicted without a node-loss fault (a diagnosis's verdict) took
+                    # the spare: keep one coming, or every node loss and silently bad node
+                    # drawn after it became a worker crash (2026-12-01 13:54: the MTBF 20 s
+                    # run lost its spare to a false hang at step 3, and 8 of its 31 faults
+                    # were such substitutes)
+                    self.new_spare()
                 if now >= next_at:
                     kind = rng.choice(KINDS)
+                    if not self.can(kind):  # a spare still starting: wait a little for it
+                        await self.wait_for(
+                            f"a chance to inject {kind}", lambda k=kind: self.can(k), 30
+                        )
                     if not self.can(kind):
                         kind = "worker_crash"
                     f = await self.inject(kind) if self.can(kind) else None
