@@ -649,6 +649,27 @@ def should_stop() -> bool:
     return bool(s.stop_reason)
 
 
+def spike_wait(step: int, loss: float | None) -> bool:
+    """After a step's `report` and `save`: when this rank's loss spikes, judged as the
+    driver judges it, wait at that step (0.5 s at most) for the agent's hold, so the rollback
+    finds the job one step past its target, not several (trainer/spikewait.py). Only in a
+    process an agent started: its driver decides rollbacks. True when held or stopped."""
+    s = _get()
+    if s is None or loss is None or not s.hooks.replies or not started_by_agent():
+        return False
+    from unbroken.trainer import spikewait
+
+    sess = s
+
+    def held(timeout_s: float) -> bool:
+        sess.hooks.wait(timeout_s)
+        sess._polled = -math.inf  # read now, not at the next poll interval
+        sess.poll()
+        return bool(sess.held or sess.stop_reason)
+
+    return spikewait.shared(held, sess.hooks.flush_steps).after(step, loss)
+
+
 def should_save() -> bool:
     """Whether the driver asked for a flash save (FlashSave, e.g. `RequestCheckpoint`) that
     no `save` has served yet: save after the step that just finished, then it turns False.

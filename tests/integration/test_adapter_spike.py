@@ -11,6 +11,7 @@ is applied. Nothing else is sent by the test:
 - the driver's loss watch appends LossSpike at the step the fault hit;
 - the machine appends Rollback to a step before it and restarts the world with the restore
   point and the batches to skip (UNBROKEN_RESTORE_STEP / UNBROKEN_SKIP_BATCHES);
+- a rank whose loss spiked waits at that step for the driver (`hooks.spike_wait`);
 - every restarted worker restores exactly that step (`hooks.restore(not_after=...)`), adds
   the skipped batches to its data position (the Transformers adapter says it cannot: the
   Trainer derives its data position from its global step), never applies the fault again,
@@ -134,6 +135,9 @@ def _spike_rolls_back_and_skips(job: AdapterJob, skips: bool) -> None:
         steps = [int(m) for m in APPLIED.findall(log)]
         assert len(steps) == 1 and steps[0] >= at, (node, steps, at, log[-3000:])
         applied[node] = steps[0]
+    # a rank that saw its loss spike waited at that step for the rollback (hooks.spike_wait)
+    waited = [n for n in ("n0", "n1") if "waiting for the driver's verdict" in job.worker_log(n)]
+    assert waited, "no rank waited at its spiked step"
     # the spike is the step the fault hit (each node applies it at `at`, or at the first
     # step after its worker saw the file when training had passed `at`)
     assert spike.step in applied.values() and not spike.non_finite, (spike, applied)

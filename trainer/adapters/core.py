@@ -20,7 +20,8 @@ run drew). Then:
   the bad update is applied, as a poisoned batch's would be) or made NaN.
 - `step_end(step, loss)` reports the step and its loss (the agent's hang, straggler and
   spike detectors), flash-saves (every `save_every`-th step, paced by the SDK to a share
-  of the step time) and says whether the driver asked the job to stop.
+  of the step time), waits at a step whose loss spiked for the driver's rollback
+  (`hooks.spike_wait`), and says whether the driver asked the job to stop.
 
 Without an agent every call is a cheap no-op (after one warning), so the script stays
 portable.
@@ -218,8 +219,10 @@ class Resilient:
         self.progress.step = step
         if isinstance(loss, torch.Tensor):
             loss = loss.detach()
-        hooks.report(step, None if loss is None else float(loss))
+        value = None if loss is None else float(loss)
+        hooks.report(step, value)
         self.save(step)
+        hooks.spike_wait(step, value)  # a spike: wait here for the driver's rollback
         self._skip_due(step + 1)
         return hooks.should_stop()
 

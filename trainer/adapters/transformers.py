@@ -241,7 +241,11 @@ class UnbrokenCallback(TrainerCallback):
         **kwargs: Any,
     ) -> None:
         if self.core is not None and logs and "loss" in logs and args.logging_steps == 1:
-            hooks.report(state.global_step, float(logs["loss"]))
+            loss = float(logs["loss"])
+            hooks.report(state.global_step, loss)
+            # a spike: wait here for the driver's rollback, and leave before the next step
+            if hooks.spike_wait(state.global_step, loss) and hooks.should_stop():
+                control.should_training_stop = True
 
     def on_train_end(
         self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any
