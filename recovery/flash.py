@@ -495,9 +495,15 @@ class FlashWriter:
         appended to `events`)."""
         buf = self.ring.map(slot)
         hook = self._progress_hook
+        # The slot's views are built here, on the training thread, not in `copy`: the first
+        # save into a slot the mapper thread has not reached builds them (~0.5 ms of Python
+        # holding the GIL), and on a starved host the idle-priority copy thread that did it
+        # was preempted there for over a second while the optimizer step waited for the
+        # copy (bench-recovery, 2026-12-01: a false hang at step 3, a diagnosis, a healthy
+        # node evicted as slow).
+        used, dsts = self.ring.slot_views(slot, buf, plan)
 
         def copy() -> None:
-            used, dsts = self.ring.slot_views(slot, buf, plan)
             if hook is None and not plan.cuda:
                 # the common case, with as little Python as possible before the copy
                 # releases the GIL: this thread starts while the training thread still

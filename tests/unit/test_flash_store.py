@@ -890,6 +890,25 @@ def test_save_async_roundtrip_and_skip_if_busy(owner: FlashOwner) -> None:
     w.close()
 
 
+def test_the_copy_thread_only_copies_the_training_thread_built_the_slot_views(
+    owner: FlashOwner,
+) -> None:
+    """The idle-priority copy thread runs no Python it can be starved in while the optimizer
+    step waits: a save into a slot whose tensor views are not built yet builds them on the
+    saving thread (a starved copy thread held there for over a second made a false hang)."""
+    w = FlashWriter(0, owner)
+    started, release = threading.Event(), threading.Event()
+    w._pool.submit(lambda: (started.set(), release.wait(10)))  # the copy thread, busy
+    assert started.wait(10)
+    h = w.save_async(_state(1), 1)
+    assert h is not None and not h.copied()  # the copy has not run...
+    slot = next(iter(w._inflight))
+    assert slot in w.ring._views  # ...but its slot's views are there
+    release.set()
+    assert h.wait().step == 1
+    w.close()
+
+
 def test_failed_overlapped_copy_surfaces_once_and_keeps_last_copy(owner: FlashOwner) -> None:
     class Crash(Exception):
         pass
