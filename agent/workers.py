@@ -182,9 +182,13 @@ class Worker:
             self.losses.clear()
             self._loss_stats, self._loss_stats_stale = (0.0, 0.0), False
         median = self._loss_stats[0]  # as of the last heartbeat: before this loss
-        was, self.outlier = self.outlier, any(
-            x is not None and (not math.isfinite(x) or (median > 0 and x > OUTLIER_RATIO * median))
-            for x in (loss, peak[0] if peak else None)
+        was, self.outlier = (
+            self.outlier,
+            any(
+                x is not None
+                and (not math.isfinite(x) or (median > 0 and x > OUTLIER_RATIO * median))
+                for x in (loss, peak[0] if peak else None)
+            ),
         )
         # the first of a run only: a curve that stays high is not a heartbeat per report
         self.beat_now = self.outlier and not was
