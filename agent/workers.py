@@ -63,7 +63,7 @@ from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 from unbroken.proto import hooks_pb2 as hpb
 from unbroken.recovery.restore import Source
-from unbroken.recovery.spike import RESTORE_RESET_STEPS
+from unbroken.recovery.spike import RESTORE_RESET_STEPS, SpikeConfig
 
 log = structlog.get_logger(__name__)
 
@@ -76,9 +76,9 @@ MAX_FINGERPRINT_KEYS = 16  # replica keys of one rank's fingerprint passed on
 WINDOW_STEPS = 128  # steps the reported compute / wait medians stand for
 LOSS_WINDOW = 100  # recent losses the reported loss median / MAD stand for (SpikeConfig.window)
 # A reported loss this many times the recent median (or not finite) heartbeats at once: the
-# driver's smallest spike is 1.3x its median (6 spreads, floored at 5 % of the median), so
-# every loss it could call a spike goes out without waiting for the next beat
-OUTLIER_RATIO = 1.3
+# driver's smallest spike (`factor` spreads, each floored at `min_rel_spread` of the median:
+# 1.3x), so every loss it could call a spike goes out without waiting for the next beat
+OUTLIER_RATIO = 1.0 + SpikeConfig().factor * SpikeConfig().min_rel_spread
 # where a worker may say its restored state came from
 RESTORE_SOURCES = frozenset(s.label for s in Source)
 
@@ -182,13 +182,10 @@ class Worker:
             self.losses.clear()
             self._loss_stats, self._loss_stats_stale = (0.0, 0.0), False
         median = self._loss_stats[0]  # as of the last heartbeat: before this loss
-        was, self.outlier = (
-            self.outlier,
-            any(
-                x is not None
-                and (not math.isfinite(x) or (median > 0 and x > OUTLIER_RATIO * median))
-                for x in (loss, peak[0] if peak else None)
-            ),
+        was = self.outlier
+        self.outlier = any(
+            x is not None and (not math.isfinite(x) or (median > 0 and x > OUTLIER_RATIO * median))
+            for x in (loss, peak[0] if peak else None)
         )
         # the first of a run only: a curve that stays high is not a heartbeat per report
         self.beat_now = self.outlier and not was
