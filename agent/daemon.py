@@ -64,6 +64,10 @@ AGENT_VERSION = "0.1.0"
 F_EXITED = dpb.HEARTBEAT_FLAG_WORKER_EXITED
 F_ALERTS = dpb.HEARTBEAT_FLAG_LOG_ALERTS
 F_STALLED = dpb.HEARTBEAT_FLAG_STALLED
+# The most often a worker's outlying losses send an extra heartbeat (and a ring rescan): the
+# SDK reports at most this often anyway; a worker flipping its loss high and low at every
+# datagram gets no more heartbeats than that
+OUTLIER_BEAT_EVERY_S = 0.05
 
 
 def local_ip() -> str:
@@ -99,6 +103,7 @@ class Agent:
         self._beat_soon = asyncio.Event()
         # set by a loss that stands out: that heartbeat carries the rings listed anew
         self._rescan_due = False
+        self._outlier_at = -OUTLIER_BEAT_EVERY_S  # when the last outlier's heartbeat was asked
         if self.hooks is not None:
             self.hooks.on_beat_now = self._beat_soon.set
             self.hooks.on_outlier = self._outlier_beat
@@ -178,7 +183,12 @@ class Agent:
         """A worker's loss stood out (a spike, maybe): heartbeat now, with the rings listed
         after its report. The driver rolls back to the newest step every ring holds below the
         spike; the copy of the step before it was finished by the spiked step's save, but
-        the last listing predated it, and the rollback went two steps back, not one."""
+        the last listing predated it, and the rollback went two steps back, not one.
+        At most once per `OUTLIER_BEAT_EVERY_S`."""
+        now = time.monotonic()
+        if now - self._outlier_at < OUTLIER_BEAT_EVERY_S:
+            return
+        self._outlier_at = now
         self._rescan_due = True
         self._beat_soon.set()
 
