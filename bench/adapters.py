@@ -9,10 +9,10 @@ persist, about one per 30 s), but its choice to skip a save is overridden, since
 asked for is the cost at a save every step (left to itself, with a budget of 0.5, the pacer
 skipped every 16th call to measure, and more when it judged a save dear: 0.54-0.95 saves a
 step in the runs before). Within each run unbroken is on and off in alternating blocks
-of `--block` steps, the same steps on both ranks: in an "off" block the adapter's report
-and save are skipped (what remains is the plain library loop), in an "on" block every step
-reports and flash-saves. So both modes share the process, the warm caches and the load of
-the moment, and a loaded 2-core host hits both alike.
+of `--block` steps, the same steps on both ranks: in an "off" block the adapter's report,
+save and spike check are skipped (what remains is the plain library loop), in an "on"
+block every step reports, flash-saves and judges its loss. So both modes share the process,
+the warm caches and the load of the moment, and a loaded 2-core host hits both alike.
 
 The step time of step s is rank 0's time between its saves of steps s-1 and s, counted in
 the mode of step s-1 (whose save's copy overlaps step s); a step whose s-2 was in the
@@ -57,8 +57,8 @@ ADAPTERS = {  # name -> (example module, libraries it needs)
 }
 WARMUP = 12
 SAVES = re.compile(r"adapter\.save_stats.*?saves=(\d+)")
-# Attach, make every save call save; in the "off" blocks skip the SDK's
-# report and save (the adapters call them through the module, so the patch reaches them);
+# Attach, make every save call save; in the "off" blocks skip the SDK's report, save and
+# spike check (the adapters call them through the module, so the patch reaches them);
 # rank 0 writes (step, clock) at each save call to BENCH_OUT; then run the example.
 RUNNER = """
 import atexit, json, os, runpy, sys, time
@@ -74,6 +74,8 @@ def saving(step, state, **kw):
     return save(step, state, **kw) if on(step) else False
 hooks.save = saving
 hooks.report = lambda step, *a, **kw: report(step, *a, **kw) if on(step) else False
+spike = hooks.spike_wait
+hooks.spike_wait = lambda step, *a, **kw: spike(step, *a, **kw) if on(step) else False
 if os.environ.get("RANK") == "0":
     atexit.register(lambda: open(out, "w").write(json.dumps(stamps)))
 sys.argv[0] = {mod!r}
