@@ -39,7 +39,12 @@ import psutil
 from unbroken.agent.checks import CHECK_MODULE
 from unbroken.common.loopthread import LoopThread
 from unbroken.driver import worldsplit
-from unbroken.driver.etcd import EmbeddedEtcd, EmbeddedEtcdCluster, EtcdConfig, free_port
+from unbroken.driver.etcd import (
+    EmbeddedEtcd,
+    EmbeddedEtcdCluster,
+    EtcdConfig,
+    distinct_port,
+)
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
@@ -322,7 +327,9 @@ class LocalCluster:
     def replica_port(self, node: str) -> int:
         """The node's buddy-replica port (chosen once, kept across respawns)."""
         if node not in self.replica:
-            self.replica[node] = free_port()
+            # never another node's: picked one after the other before either agent binds,
+            # two nodes were handed the same port and the second agent could not start
+            self.replica[node] = distinct_port(set(self.replica.values()))
         return self.replica[node]
 
     def start_agent(

@@ -49,7 +49,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _distinct_port(taken: set[int]) -> int:
+def distinct_port(taken: set[int]) -> int:
     """`free_port`, never one already in `taken` (added to it)."""
     while (port := free_port()) in taken:
         pass
@@ -326,7 +326,7 @@ class EmbeddedEtcdCluster:
         """One try: "" when every member is healthy, else why not."""
         ports: set[int] = set()
         for m in self.members:
-            m.client_port, m.peer_port = _distinct_port(ports), _distinct_port(ports)
+            m.client_port, m.peer_port = distinct_port(ports), distinct_port(ports)
         spec = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in self.members)
         for m in self.members:
             m.initial_cluster = spec

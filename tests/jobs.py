@@ -22,7 +22,7 @@ import grpc
 
 from tests.integration.trainenv import plain_worker_env
 from unbroken.cli.cluster import LocalCluster, read_metrics, until
-from unbroken.driver.etcd import free_port
+from unbroken.driver.etcd import distinct_port, free_port
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 
@@ -292,9 +292,10 @@ def slurm_agent_script(job: Job, tmp: Path, buddy: Mapping[str, str]) -> Path:
     Each node gets a replica port and its buddy's (`buddy`: node -> buddy node); the job's
     driver address is chosen here (`job.address`), for a driver the caller starts next.
     """
-    ports = {n: free_port() for n in buddy}
+    taken: set[int] = set()  # no two of them the same (each was only free a moment ago)
+    ports = {n: distinct_port(taken) for n in buddy}
     cases = "\n".join(f"  {n}) REPL={ports[n]}; BUDDY={ports[buddy[n]]};;" for n in sorted(buddy))
-    job.address = f"127.0.0.1:{free_port()}"
+    job.address = f"127.0.0.1:{distinct_port(taken)}"
     script = tmp / "agent.sh"
     script.write_text(
         f"""#!/bin/bash
