@@ -267,8 +267,14 @@ def list_persisted(url: str) -> dict[int, dict[int, str]]:
         name = os.path.basename(str(d).rstrip("/"))
         if not name.startswith("step-"):
             continue
-        step = int(name.removeprefix("step-"))
-        for f in fs.ls(d, detail=False):
+        try:
+            step = int(name.removeprefix("step-"))
+            files = fs.ls(d, detail=False)
+        except ValueError:
+            continue  # not one of ours: step-<digits> only
+        except FileNotFoundError:
+            continue  # deleted by retention while listed
+        for f in files:
             fname = os.path.basename(str(f))
             if fname.startswith("rank-") and fname.endswith(".ubf"):
                 rank = int(fname.removeprefix("rank-").removesuffix(".ubf"))
@@ -294,7 +300,10 @@ def apply_retention(url: str, committed: Iterable[int], keep: int) -> list[int]:
     for step in sorted(list_persisted(url)):
         if step not in kept and step < kept[-1]:
             _, path = _fs(step_dir(url, step))
-            fs.rm(path, recursive=True)
+            try:
+                fs.rm(path, recursive=True)
+            except FileNotFoundError:
+                continue  # another retention pass got there first
             deleted.append(step)
     return deleted
 
