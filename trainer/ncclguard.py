@@ -15,6 +15,14 @@ was running then raises, or returns values no one may keep: `tripped` makes the 
 the world before that step is saved or reported. Leaving, the rank forgets its world at once
 and the abort ends on a side thread (`ASYNC_ABORT`), never aborting what the guard already
 did (`_world_guard`).
+
+Gloo's pending operations fail once their sockets are shut down, but a rank's own peers do
+not always do it: in one `make run` drill (pp2 x tp2, gloo) the stage-0 rank whose pipeline
+peer was SIGKILLed stayed blocked in its receive while its other peers left, its agent's
+hold went unread for 2.5 s, the rank was called hung and every process restarted. So a
+gloo world runs `GlooGuard`: on the agent's hold (peeked) it shuts down this rank's own
+world sockets (`rejoin.sever`), which fails whatever gloo operation the main thread waits
+in, at once, and the rank leaves the step as on a peer's failure.
 """
 
 from __future__ import annotations
@@ -106,28 +114,86 @@ class NcclGuard:
             )
             if why:
                 self.why = why  # `abort_world` will not abort the world again
-                log.warning("aborting this rank's NCCL world", why=why)
-                n = abort_groups()
-                mark("guard_abort", why=why, groups=n)
+                self._trip(why)
                 return
 
-    @staticmethod
-    def _backend_error() -> str:
-        """The default group's NCCL error, where torch reports one ("" when none)."""
-        import torch
+    def _trip(self, why: str) -> None:
+        log.warning("aborting this rank's NCCL world", why=why)
+        n = abort_groups()
+        mark("guard_abort", why=why, groups=n)
+
+    def _backend_error(self) -> str:
+        return nccl_error()
+
+
+class GlooGuard(NcclGuard):
+    """Shuts this rank's gloo world down from a side thread on the agent's hold (see the
+    module's docstring): its sockets opened since `world_since` (taken just before the
+    world's rendezvous), so a blocked operation fails at once."""
+
+    def __init__(
+        self, hooks: Hooks, world_since: frozenset[tuple[int, str]], poll_s: float = POLL_S
+    ) -> None:
+        super().__init__(hooks, poll_s)
+        self.world_since = world_since
+        self._thread.name = "unbroken-gloo-guard"
+
+    @classmethod
+    def start_if_gloo(
+        cls, hooks: Hooks, world_since: frozenset[tuple[int, str]]
+    ) -> GlooGuard | None:
+        """Start a guard when this process's world is a gloo one the agent can hold."""
+        global _active
         import torch.distributed as dist
 
-        with contextlib.suppress(Exception):
-            pg = dist.group.WORLD
-            if pg is None:
-                return ""
-            backend = pg._get_backend(torch.device("cuda"))
-            get_error = getattr(backend, "get_error", None)
-            if get_error is not None:
-                err = get_error()
-                if getattr(err, "name", "SUCCESS") != "SUCCESS":
-                    return f"NCCL reported {err.name}"
-        return ""
+        if not hooks.replies or not dist.is_initialized() or dist.get_backend() != "gloo":
+            return None
+        _active = g = cls(hooks, world_since)
+        g._thread.start()
+        return g
+
+    def stop(self) -> None:
+        """Stop looking, and wait for a shutdown already begun (milliseconds): the world's
+        descriptors are closed next, and one reused by then must not be shut down."""
+        global _active
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        if _active is self:
+            _active = None
+
+    def _backend_error(self) -> str:
+        return ""  # gloo's errors reach the main thread: it is blocked only on a live peer
+
+    def _trip(self, why: str) -> None:
+        from unbroken.trainer.rejoin import sever
+
+        n = sever(self.world_since)
+        log.warning("shut this rank's gloo world down", why=why, sockets=n)
+        mark("guard_sever", why=why, sockets=n)
+
+
+def start_guard(hooks: Hooks, world_since: frozenset[tuple[int, str]]) -> NcclGuard | None:
+    """The guard for this process's world (NCCL or gloo; None for another backend)."""
+    return NcclGuard.start_if_nccl(hooks) or GlooGuard.start_if_gloo(hooks, world_since)
+
+
+def nccl_error() -> str:
+    """The default group's NCCL error, where torch reports one ("" when none)."""
+    import torch
+    import torch.distributed as dist
+
+    with contextlib.suppress(Exception):
+        pg = dist.group.WORLD
+        if pg is None:
+            return ""
+        backend = pg._get_backend(torch.device("cuda"))
+        get_error = getattr(backend, "get_error", None)
+        if get_error is not None:
+            err = get_error()
+            if getattr(err, "name", "SUCCESS") != "SUCCESS":
+                return f"NCCL reported {err.name}"
+    return ""
 
 
 def abort_groups() -> int:

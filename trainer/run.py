@@ -471,8 +471,8 @@ def _one_step(lp: _Loop, step: int) -> int:
             m = trainer.train_step()
     else:
         m = trainer.train_step()
-    if ncclguard.tripped():  # the step ran on an aborted world: its values are not kept
-        raise Held(f"NCCL world aborted: {ncclguard.tripped()}", step)
+    if ncclguard.tripped():  # the step ran on an aborted (NCCL) or shut (gloo) world
+        raise Held(f"world aborted by its guard: {ncclguard.tripped()}", step)
     stepped = time.perf_counter()
     step = int(m["step"])
     copy_flip = sdc_fault is not None and sdc_fault.kind == SDC and _in_copy(sdc_fault)
@@ -672,7 +672,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         before_world = open_sockets()  # what is not the world's: kept when it is left
         owns = init_distributed(config)
         mark("pg_init")
-        guard = ncclguard.NcclGuard.start_if_nccl(hooks) if started_by_agent() else None
+        guard = ncclguard.start_guard(hooks, before_world) if started_by_agent() else None
         try:
             config.check_world(dist.get_world_size())
             try:
