@@ -98,10 +98,9 @@ class UpConfig:
     etcd_members: int = 1  # 3 or 5: a real etcd cluster, to drill a member's loss
     until_step: int = 0  # with a drill: train on after it until this step (0: stop then)
     # each agent keeps warm standby workers (imported ahead), so a replaced rank is not a
-    # fresh interpreter importing torch. False leaves it to the agents' own default (off on a
-    # host with fewer than 2 cores per worker): on 2 cores the standbys' imports at start
-    # delay the first step (docs/in-job-recovery.md, "The drill")
-    warm_workers: bool = False
+    # fresh interpreter importing torch and the trainer (1.7 s of a 3 s worker crash on 2
+    # cores). False leaves it to the agents' own default (off below 4 cores per worker)
+    warm_workers: bool = True
 
     def __post_init__(self) -> None:
         for name in ("nodes", "workers_per_node", "dp", "pp", "tp", "steps"):
@@ -179,10 +178,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", default="", help="logs and etcd data (default: runs/up-*)")
     parser.add_argument(
         "--warm-workers",
-        action="store_true",
-        help="agents keep warm standby workers (imported ahead): faster replacements, a "
-        "slower start on a host with few cores (default: the agents' own, on with 2 cores "
-        "per worker or more)",
+        action=argparse.BooleanOptionalAction,
+        default=d.warm_workers,
+        help="agents keep warm standby workers (imported ahead) for faster replacements "
+        "(default: on; --no-warm-workers leaves it to the agents' own default, off below 4 "
+        "cores per worker)",
     )
     parser.add_argument(
         "--etcd-members",
@@ -306,10 +306,13 @@ async def _main(c: LocalCluster, cfg: UpConfig) -> int:
                 "--replica-key-file", str(key_file),
                 "--hang-floor-ms", str(cfg.hang_floor_s * 1000.0),
                 "--token-file", str(c.node_token_file(node)),
-                # else the agent's default; the standbys of agents still waiting for their
-                # workers (the spares) start after the first step, not against it (at once
-                # and at nice 19 they put the first step at 21 s, not 15, on 2 cores)
-                *(["--warm-workers", "--warm-after-s", "30"] if cfg.warm_workers else []),
+                # else the agent's default. A training node's standbys start once its workers
+                # step; those of an agent waiting for its workers (a spare, a node back
+                # from a loss) 12 s after it starts, about when the first step comes: at
+                # once they put it at 19-21 s, not 12-13 (2 cores; each agent is its own
+                # session, so its autogroup's share, and a standby's niceness, buys no
+                # idle-only CPU)
+                *(["--warm-workers", "--warm-after-s", "12"] if cfg.warm_workers else []),
             ],
             buddy=names_of[(i + 1) % cfg.nodes] if i < cfg.nodes else names_of[0],
             spare=i >= cfg.nodes,
