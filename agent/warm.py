@@ -176,13 +176,21 @@ def may_raise_priority(target: int) -> bool:
 
 def _renice_all_threads(nice: int) -> None:
     """Set every thread of this process to `nice` (Linux niceness is per thread)."""
+    renice_process(0, nice)
+
+
+def renice_process(pid: int, nice: int) -> int:
+    """Set every thread of process `pid` (0: this one) to `nice`; how many were set."""
     try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
+        tids = [int(t) for t in os.listdir(f"/proc/{pid or 'self'}/task")]
     except OSError:
-        tids = [0]
+        tids = [pid]
+    n = 0
     for tid in tids:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, tid, nice)
+            n += 1
+    return n
 
 
 # ---------------------------------------------------------------- the agent's side
@@ -221,7 +229,14 @@ class Standby:
                 log.info("standby ready", pid=self.proc.pid, import_s=round(self.ready_s, 2))
 
     async def hand_off(self, target: Target, env: dict[str, str]) -> asyncio.subprocess.Process:
-        """Send the worker's environment and argv; the standby becomes the worker."""
+        """Send the worker's environment and argv; the standby becomes the worker.
+
+        A standby waiting at a lower priority takes the worker's now, from this side: one
+        still importing reads its job only once its imports are done, and those imports are
+        now the worker's start (a waited-for rank's, at nice 19 behind the job's own work).
+        """
+        if self.nice is not None and not self.ready:
+            renice_process(self.proc.pid, self.nice)
         job: dict[str, Any] = {"env": env, "module": target.module, "script": target.script}
         job["args"] = list(target.args)
         job["nice"] = self.nice

@@ -301,3 +301,51 @@ def test_crashed_worker_restarts_warm_and_training_continues(
     for step, values in got.items():
         for v in values:
             assert v == ref[step], (step, v, ref[step])
+
+
+def test_a_standby_handed_off_while_importing_takes_the_workers_priority_at_once(
+    tmp_path: Path,
+) -> None:
+    """A standby waiting at nice 19 reads its job only once its imports are done; handed
+    off before then, it must not go on importing at nice 19 (the rank would start behind the
+    job's own work: in `make run`, 18 s instead of about 5)."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    (tmp_path / "slowimport.py").write_text("import time\ntime.sleep(3)\n")
+
+    async def run() -> None:
+        spec = WorkerSpec(
+            cmd=[sys.executable, str(tmp_path / "probe.py")],
+            nproc=1,
+            log_dir=str(tmp_path / "logs"),
+            extra_env={"PYTHONPATH": str(tmp_path)},
+            warm=True,
+            warm_preload=("slowimport",),
+            warm_nice=19,
+        )
+        sup = Supervisor(spec, str(tmp_path / "agent.sock"))
+        target = min(19, os.getpriority(os.PRIO_PROCESS, 0) + spec.nice)
+        try:
+            sup.warm_up()
+            deadline = asyncio.get_running_loop().time() + 30
+            while not sup.standbys:
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.01)
+            s = sup.standbys[0]
+            while psutil.Process(s.proc.pid).nice() != 19:  # its wrapper sets it
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.01)
+            assert not s.ready
+            w = await sup.start(0, refill=False)
+            assert w.warm and w.pid == s.proc.pid
+            threads = psutil.Process(w.pid).threads()
+            nices = {os.getpriority(os.PRIO_PROCESS, t.id) for t in threads}
+            assert nices == {target}, nices  # at once, while it still imports
+            await asyncio.wait_for(w.tasks[-1], 60)
+            line = _line(tmp_path / "logs" / "worker-0.log", 0)
+            assert line["nice"] == target
+        finally:
+            await sup.close(grace_s=1.0)
+
+    if not warmlib.may_raise_priority(5):
+        pytest.skip("this user may not raise a priority back (root, CAP_SYS_NICE or RLIMIT_NICE)")
+    asyncio.run(run())
