@@ -110,6 +110,7 @@ class Agent:
             self.hooks.on_step = self._flash_poke
         if self.supervisor is not None:
             self.supervisor.on_failure = self._beat_soon.set
+            self.supervisor.on_hang_dumped = self._beat_soon.set
         self._hb_seq = 0  # the session's heartbeat sequence number
         self.metrics = AgentMetrics(self._metric_values)
         self.flash: NodeFlash | None = None
@@ -368,14 +369,24 @@ class Agent:
 
     # ------------------------------------------------------------ heartbeats
     async def _heartbeats(self, call: Any) -> None:
-        next_t = time.monotonic()
-        next_host = next_t
-        every_host = self.config.host_stats_every_ms / 1000.0
         sup = self.supervisor
         if sup is not None and any(w.exit_code for w in sup.workers.values()):
             sup.exited = True  # a new session: re-announce exits the driver may have missed
         self.loop_lag.start()
         cpus = starvation.usable_cpus()
+        watch = asyncio.create_task(sup.watch_stops(self._beat_soon.set)) if sup else None
+        try:
+            await self._beat_loop(call, cpus)
+        finally:
+            if watch is not None:
+                watch.cancel()
+                with contextlib.suppress(BaseException):
+                    await watch
+
+    async def _beat_loop(self, call: Any, cpus: int) -> None:
+        next_t = time.monotonic()
+        next_host = next_t
+        every_host = self.config.host_stats_every_ms / 1000.0
         beats = 0
         while True:
             if self.config.realtime and beats % 50 == 0:  # gRPC may start threads any time

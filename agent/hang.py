@@ -114,9 +114,17 @@ def run_delay_ms(pid: int) -> float:
         return 0.0
 
 
-#: A silent rank whose process is stopped is hung after this long: no rhythm to wait for, and
-#: it must be named before its peers, which wait for it (they pass the floor later).
-STOPPED_AFTER_MS = 250.0
+#: A rank whose process has stayed stopped this long is hung: no rhythm to wait for, and it
+#: must be named before its peers, which wait for it (they pass the floor later). The stop is
+#: timed from when the agent's watch (`Supervisor.watch_stops`, every `STOP_POLL_S`) first saw
+#: it, so a debugger's or py-spy's brief trace stop is not a hang. Judged at the heartbeat
+#: slots from the last progress (250 ms, the rule before), a SIGSTOP was named 0.4 s after it.
+STOPPED_AFTER_MS = 100.0
+#: How often the watch reads the workers' process states (one /proc read per worker).
+STOP_POLL_S = 0.02
+#: Without the watch (a supervisor run on its own), a stopped rank is hung once it has been
+#: silent this long: its stop cannot be timed, only seen at the slots.
+STOPPED_SILENT_MS = 250.0
 
 
 def process_stopped(pid: int) -> bool:

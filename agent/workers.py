@@ -133,6 +133,11 @@ class Worker:
         self.outlier = False  # the last step report's loss stood out (`OUTLIER_RATIO`)
         self.beat_now = False  # ...and the one before did not: heartbeat at once
         self.hung = False
+        # when `Supervisor.watch_stops` first saw this process stopped (None: running, or
+        # not watched), and whether it asked for a heartbeat for that stop
+        self.stopped_since: float | None = None
+        self.stop_kicked = False
+        self.running_polls = 0  # the watch's polls in a row that saw it running
         self.rejoins = 0  # in-job recoveries this process rejoined a new world in (agent/injob.py)
         self.delay_at_progress = -1.0  # run-queue delay (ms) at the step last seen progressing
         self.step_seen = -1
@@ -228,7 +233,9 @@ class Worker:
             self.restored_step = step
             self.restored_from = source if source in RESTORE_SOURCES else ""
 
-    def status(self, now: float, hang: hanglib.HangConfig | None = None) -> dpb.WorkerStatus:
+    def status(
+        self, now: float, hang: hanglib.HangConfig | None = None, stops_watched: bool = False
+    ) -> dpb.WorkerStatus:
         """This worker's heartbeat entry. Its peak is the highest loss (a non-finite one
         first) of the last `PEAK_BEATS` heartbeats' steps: the driver keeps only a node's
         newest heartbeat and its loss watch looks once per heartbeat interval, so a peak
@@ -236,7 +243,7 @@ class Worker:
         """
         peak = self._peak()
         since_ms = (now - self.last_progress) * 1000.0
-        phase, threshold = self._judge_hang(since_ms, hang or hanglib.HangConfig())
+        phase, threshold = self._judge_hang(since_ms, hang or hanglib.HangConfig(), stops_watched)
         mid, mad = median_mad(self.compute_times)
         wait, wait_mad = median_mad(self.wait_times)
         save_share, data_share = in_step_shares(self.in_step)
@@ -292,7 +299,9 @@ class Worker:
                 best = p
         return (True, *best) if best is not None else (False, 0.0, 0)
 
-    def _judge_hang(self, since_ms: float, cfg: hanglib.HangConfig) -> tuple[str, float]:
+    def _judge_hang(
+        self, since_ms: float, cfg: hanglib.HangConfig, stops_watched: bool = False
+    ) -> tuple[str, float]:
         """Judge whether this rank hangs (sets `hung`); the phase it is judged in and the
         silence (ms) that makes it hung there."""
         running = self.state == dpb.WORKER_STATE_RUNNING
@@ -302,17 +311,19 @@ class Worker:
         # So is one that has said nothing yet: a just-promoted warm standby still importing,
         # or a rank before its first report, stopped there was never judged (a hang injected
         # into a promoted standby stalled the job until the restore's deadline).
-        stopped = (
-            running and bool(self.pid) and since_ms >= hanglib.STOPPED_AFTER_MS
-            and hanglib.process_stopped(self.pid)
-        )  # fmt: skip
+        # Timed by the supervisor's watch where it runs (`stops_watched`), else from the last
+        # progress (a stop shorter than the silence cannot be told apart there).
+        stop_limit = hanglib.STOPPED_AFTER_MS if stops_watched else hanglib.STOPPED_SILENT_MS
+        stopped = running and bool(self.pid) and since_ms >= stop_limit
+        if stops_watched:  # the watch's timing (a stack dump's moment of running included)
+            since = self.stopped_since
+            lasted_ms = (time.monotonic() - since) * 1000.0 if since is not None else 0.0
+            stopped = stopped and lasted_ms >= stop_limit
+        else:
+            stopped = stopped and hanglib.process_stopped(self.pid)
         judged = judged or stopped
         phase = "stopped" if stopped else self.phase
-        threshold = (
-            hanglib.STOPPED_AFTER_MS
-            if stopped
-            else hanglib.threshold_ms(self.step_times, phase, cfg)
-        )
+        threshold = stop_limit if stopped else hanglib.threshold_ms(self.step_times, phase, cfg)
         starved = 0.0
         if judged and self.pid:
             delay = hanglib.run_delay_ms(self.pid)
@@ -379,6 +390,10 @@ class Supervisor:
         # a hang episode: None (none), a task dumping the stacks, or "" once they were sent
         self._hang_dump: asyncio.Task[str] | None = None
         self._hang_sent = False
+        self.stops_watched = False  # `watch_stops` runs: stops are timed, not guessed
+        # called when a hang episode's stacks are in: the flagged heartbeat goes now, not at
+        # the next slot (up to an interval later)
+        self.on_hang_dumped: Callable[[], object] | None = None
         Path(spec.log_dir).mkdir(parents=True, exist_ok=True)
 
     def by_pid(self, pid: int) -> Worker | None:
@@ -649,6 +664,9 @@ class Supervisor:
             return False, ""
         if self._hang_dump is None:
             self._hang_dump = asyncio.ensure_future(self._dump_node())
+            kick = self.on_hang_dumped
+            if kick is not None:
+                self._hang_dump.add_done_callback(lambda _t: kick())
         if not self._hang_dump.done():
             return False, ""
         if self._hang_sent:
@@ -693,7 +711,38 @@ class Supervisor:
         return dict(zip(self.workers, dumps, strict=True))
 
     def statuses(self, now: float) -> list[dpb.WorkerStatus]:
-        return [w.status(now, self.spec.hang) for w in self.workers.values()]
+        watched = self.stops_watched
+        return [w.status(now, self.spec.hang, watched) for w in self.workers.values()]
+
+    async def watch_stops(self, kick: Callable[[], object]) -> None:
+        """Time each worker's stop (SIGSTOP, a debugger) from when it is first seen, every
+        `STOP_POLL_S`, and `kick` (a heartbeat now) once one has lasted `STOPPED_AFTER_MS`;
+        the heartbeat judges it hung (`Worker._judge_hang`). Runs until cancelled."""
+        self.stops_watched = True
+        stop_after_s = hanglib.STOPPED_AFTER_MS / 1000.0
+        try:
+            while True:
+                now = time.monotonic()
+                for w in list(self.workers.values()):
+                    proc = w.proc
+                    live = w.state == dpb.WORKER_STATE_RUNNING and bool(w.pid)
+                    live = live and proc is not None and proc.returncode is None
+                    if not (live and hanglib.process_stopped(w.pid)):
+                        # seen running twice in a row: a stopped worker's stack dump runs
+                        # it for a moment (`_dump_stopped`), which must not end its stop
+                        w.running_polls += 1
+                        if w.running_polls >= 2 or not live:
+                            w.stopped_since, w.stop_kicked = None, False
+                        continue
+                    w.running_polls = 0
+                    if w.stopped_since is None:
+                        w.stopped_since = now
+                    elif not w.stop_kicked and now - w.stopped_since >= stop_after_s:
+                        w.stop_kicked = True
+                        kick()
+                await asyncio.sleep(hanglib.STOP_POLL_S)
+        finally:
+            self.stops_watched = False
 
     def take_alerts(self) -> list[dpb.LogAlertLine]:
         out = list(self.alerts)
