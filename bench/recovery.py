@@ -104,6 +104,12 @@ NOT_INJECTED: dict[str, str] = {}
 # the modes phase hurts a node's worker again only after this (the driver's fault window is
 # 1,000 steps, about 50 s here), when another node has a worker to hurt
 REPEAT_S = 60.0
+# ...and runs its drivers with this fault window (`--fault-window-steps`): with two world
+# nodes, one of which a node loss never replaces, 1,000 steps (50-100 s under load) held
+# every earlier fault of that node, and 4 of 5 in-job hangs of the 17:44 run (2026-12-01)
+# were diagnosed repeats (1.05-1.43 s against 0.48 for the one that was not). The phase
+# measures one fault's recovery; the ETTR phase keeps the default policy.
+MODES_FAULT_WINDOW_STEPS = 100
 SPIKE_AHEAD = 2  # a loss spike is injected this many steps ahead of the newest step
 # ...and not before this step: the detector needs a baseline, and the tiny model's early
 # curve falls so fast that a poisoned step 20 was 1.8x the median (no spike: unresolved)
@@ -988,9 +994,11 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
         say(f"== recovery modes: {' vs '.join(ns.modes)}, {','.join(kinds)} x{runs} each")
         by_mode: dict[str, list[Fault]] = {}
         replica = ("--keep-training", "--replica-rejoin-s", str(ns.replica_rejoin_s))
+        window = ("--fault-window-steps", str(MODES_FAULT_WINDOW_STEPS))
         for mode, flags in (("in_job", ()), ("restart", ("--no-in-job",)), ("replica", replica)):
             if mode not in ns.modes:
                 continue
+            flags = (*flags, *window)
             done: list[Fault] = []
             todo = [k for _ in range(runs) for k in kinds]  # interleaved: same load
             for attempt in range(3):
