@@ -174,23 +174,16 @@ def may_raise_priority(target: int) -> bool:
     return False
 
 
-def _renice_all_threads(nice: int) -> None:
-    """Set every thread of this process to `nice` (Linux niceness is per thread)."""
-    renice_process(0, nice)
-
-
-def renice_process(pid: int, nice: int) -> int:
-    """Set every thread of process `pid` (0: this one) to `nice`; how many were set."""
+def renice_process(pid: int, nice: int) -> None:
+    """Set every thread of process `pid` (0: this one) to `nice` (Linux niceness is per
+    thread)."""
     try:
         tids = [int(t) for t in os.listdir(f"/proc/{pid or 'self'}/task")]
     except OSError:
         tids = [pid]
-    n = 0
     for tid in tids:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, tid, nice)
-            n += 1
-    return n
 
 
 # ---------------------------------------------------------------- the agent's side
@@ -361,7 +354,7 @@ def standby_main(argv: Sequence[str] | None = None) -> int:
         return 0
     env: dict[str, str] = job["env"]
     if job.get("nice") is not None:
-        _renice_all_threads(int(job["nice"]))
+        renice_process(0, int(job["nice"]))
     os.environ.clear()
     os.environ.update(env)
     module, script, args = str(job["module"]), str(job["script"]), list(job["args"])

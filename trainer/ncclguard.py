@@ -95,14 +95,17 @@ class NcclGuard:
         g._thread.start()
         return g
 
+    #: Whether `stop` waits for the guard's thread: for an abort already begun (about 0.5 s:
+    #: the world must not be destroyed under it), except with `ASYNC_ABORT`, where the world
+    #: is only forgotten, not destroyed, and the abort ends on its own.
+    JOIN_ON_STOP = not ASYNC_ABORT
+
     def stop(self) -> None:
-        """Stop looking, and wait for an abort already begun (about 0.5 s: the world must
-        not be destroyed under it; with `ASYNC_ABORT` it is only forgotten, not destroyed,
-        and the abort ends on its own)."""
+        """Stop looking, and wait for what the guard began where `JOIN_ON_STOP` says."""
         global _active
         self._stop.set()
         alive = self._thread.is_alive() and self._thread is not threading.current_thread()
-        if alive and not ASYNC_ABORT:
+        if alive and self.JOIN_ON_STOP:
             self._thread.join(timeout=5.0)
         if _active is self:
             _active = None
@@ -152,15 +155,9 @@ class GlooGuard(NcclGuard):
         g._thread.start()
         return g
 
-    def stop(self) -> None:
-        """Stop looking, and wait for a shutdown already begun (milliseconds): the world's
-        descriptors are closed next, and one reused by then must not be shut down."""
-        global _active
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)
-        if _active is self:
-            _active = None
+    #: a shutdown already begun takes milliseconds, and the world's descriptors are closed
+    #: next: one reused by then must not be shut down
+    JOIN_ON_STOP = True
 
     def _backend_error(self) -> str:
         return ""  # gloo's errors reach the main thread: it is blocked only on a live peer
