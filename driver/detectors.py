@@ -203,6 +203,7 @@ def flagged(slot: NodeSlot, hb: dpb.Heartbeat) -> list[ev.Event]:
                             global_rank=w.global_rank,
                             exit_code=w.exit_code,
                             last_step=w.step,
+                            silent_ms=w.since_progress_ms,
                         )
                     )
                 )

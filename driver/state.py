@@ -216,6 +216,8 @@ def _silence_s(e: ev.Event, kind: str) -> float:
         ms = e.node_lost.silent_ms
     elif kind == "hang_suspected":
         ms = e.hang_suspected.silent_ms
+    elif kind == "worker_failed":
+        ms = e.worker_failed.silent_ms
     else:
         return 0.0
     return ms / 1000.0 if ms > 0 and math.isfinite(ms) else 0.0
@@ -275,6 +277,7 @@ def _startup_over(s: ev.JobState, e: ev.Event, trained_s: float = 0.0) -> None:
         spent = (end - g.started_ns) / 1e9
         g.lost_s_by_category["startup"] = spent
         g.lost_s_by_cause["startup"] += spent
+        g.running_since_ns = end  # a fault's silence is never charged twice
     g.startup_open = False
 
 

@@ -239,18 +239,20 @@ class NodeLost(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., silent_ms: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class WorkerFailed(_message.Message):
-    __slots__ = ("node_id", "local_rank", "global_rank", "exit_code", "last_step")
+    __slots__ = ("node_id", "local_rank", "global_rank", "exit_code", "last_step", "silent_ms")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    SILENT_MS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     local_rank: int
     global_rank: int
     exit_code: int
     last_step: int
-    def __init__(self, node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., last_step: _Optional[int] = ...) -> None: ...
+    silent_ms: float
+    def __init__(self, node_id: _Optional[str] = ..., local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., last_step: _Optional[int] = ..., silent_ms: _Optional[float] = ...) -> None: ...
 
 class HangSuspected(_message.Message):
     __slots__ = ("node_id", "local_rank", "global_rank", "stuck_at_step", "silent_ms", "threshold_ms", "stack_dump", "phase", "hung_ranks")

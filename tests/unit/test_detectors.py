@@ -78,10 +78,13 @@ def test_worker_failure_reported_once_per_exit_and_again_after_a_restart() -> No
         flags=dpb.HEARTBEAT_FLAG_WORKER_EXITED,
         workers=[
             dpb.WorkerStatus(local_rank=0, global_rank=4, state=RUNNING, step=7),
-            dpb.WorkerStatus(local_rank=1, global_rank=5, state=EXITED, exit_code=1, step=7),
+            dpb.WorkerStatus(
+                local_rank=1, global_rank=5, state=EXITED, exit_code=1, step=7,
+                since_progress_ms=640.0,
+            ),
             dpb.WorkerStatus(local_rank=2, global_rank=6, state=EXITED, exit_code=0, step=7),
         ],
-    )
+    )  # fmt: skip
     out = detectors.flagged(s, hb)
     assert [
         (
@@ -89,9 +92,10 @@ def test_worker_failure_reported_once_per_exit_and_again_after_a_restart() -> No
             e.worker_failed.global_rank,
             e.worker_failed.exit_code,
             e.worker_failed.last_step,
+            e.worker_failed.silent_ms,  # the goodput ledger's detection time
         )
         for e in out
-    ] == [(1, 5, 1, 7)]
+    ] == [(1, 5, 1, 7, 640.0)]
     assert detectors.flagged(s, hb) == []
     hb.workers[1].restarts = 1
     hb.workers[1].exit_code = -9
