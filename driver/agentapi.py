@@ -252,6 +252,8 @@ class AgentApi:
         slot.peer_host = peer_host(peer)
         if not self.view.tracked(slot):
             self.view.mark_registered(slot, now)
+        else:
+            self.view.reopened(slot, now)  # back after closing its stream: not lost
         return slot
 
     def _over_quota(self, who: str, node_id: str, relay: str, new: bool, now: float) -> str:
@@ -326,6 +328,8 @@ class AgentApi:
             if slot.session == mine:
                 slot.connected = False
                 slot.outbox = None
+                if ending.status is None:  # its side ended it, not this driver
+                    self.view.mark_closed(slot)
                 self.sessions.closed(node_id, ending)
                 self._detach_members(node_id)
 

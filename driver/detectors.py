@@ -76,6 +76,7 @@ def late_together(view: LiveView, now: float) -> bool:
 # the whole grace, or it asked for the leader during the election and the others came back
 NOT_BACK = "not back after the failover"
 ASKED_NOT_BACK = "not back after the failover (it asked during the election)"
+STREAM_CLOSED = "stream closed"
 
 
 def silent(
@@ -100,7 +101,8 @@ def silent(
     sent none since it registered, or that is late while most nodes are (`late_together`),
     gets `starved_hold_ms` more; such nodes are
     appended to `held`. A disconnected node (a killed agent's stream closes at once) gets
-    neither that nor the jitter slack: it is lost at the timeout (plus the driver's slack).
+    neither that nor the jitter slack: it is lost at the timeout (plus the driver's slack),
+    or at the closed timeout when its agent's side closed the stream (`LiveView.closed`).
     """
     out: list[tuple[NodeSlot, str]] = []
     c = view.config
@@ -150,7 +152,19 @@ def silent(
                         held.append(slot)
                     continue
             out.append((slot, reason))
+    if view.closed:
+        _closed(view, now, slack_s, out)
     return out
+
+
+def _closed(view: LiveView, now: float, slack_s: float, out: list[tuple[NodeSlot, str]]) -> None:
+    """Adds to `out` the nodes whose own stream closed (their agent's exit) silent past
+    the closed timeout, not the whole one."""
+    closed_s = view.config.closed_timeout_s + slack_s
+    named = {slot.node_id for slot, _ in out} if out else set()
+    for slot in view.closed.values():
+        if now - slot.last_seen > closed_s and slot.node_id not in named:
+            out.append((slot, STREAM_CLOSED))
 
 
 def node_lost(slot: NodeSlot, now: float, reason: str) -> ev.Event:

@@ -116,6 +116,21 @@ class LiveViewConfig:
         },
     )
 
+    # A node whose own stream closed from its side (a killed agent's closes at once; the
+    # driver ending a session is not that) is lost this long after its last heartbeat,
+    # not the whole timeout, unless it registers or opens a session again first: an agent
+    # that only reconnects does so within its backoff (50 ms). A node that just went quiet,
+    # its stream still open, gets the timeout (bench-recovery: a SIGKILLed node was declared
+    # 0.43-0.50 s after its death, the timeout less the age of its last heartbeat).
+    closed_timeout_ms: int = field(
+        default=200,
+        metadata={
+            "help": "a node whose stream its agent closed (a dead agent's closes at once) is "
+            "lost this long after its last heartbeat unless it reconnects (at most the "
+            "timeout; 0: the timeout)"
+        },
+    )
+
     # A node still connected (its stream open: a killed agent's closes at once) that is
     # silent past its timeout while it was starved (its last heartbeat said so: its own loop
     # lag or lateness, the host's CPU pressure or run queue; agent/starvation.py), or while
@@ -174,6 +189,11 @@ class LiveViewConfig:
             raise ValueError("mass_loss_min must be >= 1 and mass_loss_hold_ms >= 0")
         if self.mass_loss_max_hold_ms < self.mass_loss_hold_ms:
             raise ValueError("mass_loss_max_hold_ms must be >= mass_loss_hold_ms")
+        if self.closed_timeout_ms and self.closed_timeout_ms < self.heartbeat_interval_ms:
+            raise ValueError(
+                "closed_timeout_ms must be 0 or >= heartbeat_interval_ms, got "
+                f"{self.closed_timeout_ms}"
+            )
         if not 0 <= self.relay_hold_ms <= 600_000:
             raise ValueError(f"relay_hold_ms must be in [0, 600000], got {self.relay_hold_ms}")
         if not 0 <= self.starved_hold_ms <= 600_000:
@@ -197,6 +217,13 @@ class LiveViewConfig:
     def timeout_s(self) -> float:
         """Silence after which a node is declared lost, in seconds."""
         return self.heartbeat_interval_ms * self.miss_limit / 1000.0
+
+    @property
+    def closed_timeout_s(self) -> float:
+        """Silence after which a node whose own stream closed is lost, in seconds."""
+        if not self.closed_timeout_ms:
+            return self.timeout_s
+        return min(self.timeout_s, self.closed_timeout_ms / 1000.0)
 
 
 class Group:
@@ -302,6 +329,9 @@ class LiveView:
         # relay id -> the group it vouches for, stalest batch first
         self.groups: dict[str, Group] = {}
         self.grouped = 0  # members in groups
+        # alive nodes whose own direct stream closed from their side (`closed_timeout_ms`)
+        # and that have not registered or opened a session since: few, read whole
+        self.closed: dict[str, NodeSlot] = {}
         self.decay = config.jitter_decay
         # node id -> when it asked this driver, a standby then, for the leader
         self.asked: dict[str, float] = {}
@@ -326,8 +356,22 @@ class LiveView:
             s = self.nodes[node_id] = NodeSlot(node_id)
         return s
 
+    def mark_closed(self, slot: NodeSlot) -> None:
+        """`slot`'s own stream was closed by its side: it is lost after the closed timeout
+        unless it comes back (`reopened`, `mark_alive`, `mark_registered`) first."""
+        if slot.alive:
+            self.closed[slot.node_id] = slot
+
+    def reopened(self, slot: NodeSlot, now: float) -> None:
+        """`slot`, whose stream had closed, registered again at `now`: proof of life, so
+        it is followed as heard then and the closed timeout no longer applies."""
+        if self.closed.pop(slot.node_id, None) is not None and slot.alive:
+            if slot.node_id in self.order or slot.node_id in self.strays:
+                self.refresh(slot, now)
+
     def _untrack(self, slot: NodeSlot) -> None:
         """Take `slot` out of every queue and group (its `last_seen` as it read)."""
+        self.closed.pop(slot.node_id, None)
         if slot.group is not None:
             self._leave(slot)
         self.order.pop(slot.node_id, None)

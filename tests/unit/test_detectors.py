@@ -412,3 +412,34 @@ def test_a_connected_node_before_its_first_heartbeat_gets_the_grace() -> None:
     assert [s.node_id for s, _ in detectors.silent(v, 0.6, held=held)] == ["b"]
     assert [s.node_id for s in held] == ["a"]
     assert [s.node_id for s, _ in detectors.silent(v, 2.51)] == ["a", "b"]
+
+
+def test_a_node_whose_stream_its_agent_closed_is_lost_at_the_closed_timeout() -> None:
+    """A killed agent's stream closes at once: lost 200 ms after its last heartbeat, not
+    the 500 ms timeout; one that registers again first (a reconnect) is heard then, and a
+    node only disconnected (a relayed member, the driver's own ending) keeps the timeout."""
+    v = view(heartbeat_interval_ms=100, miss_limit=5, starved_hold_ms=2000)
+    for n in ("a", "b", "c"):
+        admitted(v, req(n), now=0.0)
+        _beating(v, n, 0.0)
+    for n in ("a", "b"):
+        v.nodes[n].connected = False
+        v.mark_closed(v.nodes[n])
+    v.nodes["c"].connected = False  # not closed by its side
+    assert detectors.silent(v, 0.19) == []
+    v.reopened(v.nodes["b"], 0.15)  # b registered again: a reconnect
+    lost = detectors.expired(v, 0.21)
+    assert [(e.node_lost.node_id, e.node_lost.reason) for e in lost] == [("a", "stream closed")]
+    assert lost[0].node_lost.silent_ms == pytest.approx(210.0)
+    assert "a" not in v.closed and detectors.expired(v, 0.3) == []  # reported once
+    assert [e.node_lost.node_id for e in detectors.expired(v, 0.51)] == ["c"]
+    assert [e.node_lost.node_id for e in detectors.expired(v, 0.66)] == ["b"]
+    # a session or registration takes a node out of the closed set; 0 turns the rule off
+    d = view(heartbeat_interval_ms=100, miss_limit=5, closed_timeout_ms=0)
+    admitted(d, req("a"), now=0.0)
+    d.mark_closed(d.nodes["a"])
+    assert detectors.silent(d, 0.45) == [] and len(detectors.silent(d, 0.51)) == 1
+    d.mark_alive(d.nodes["a"], 0.6)
+    assert not d.closed
+    with pytest.raises(ValueError, match="closed_timeout_ms"):
+        LiveViewConfig(heartbeat_interval_ms=100, closed_timeout_ms=50)
