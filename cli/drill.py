@@ -53,6 +53,13 @@ STRAGGLER_WARM_STEPS = 64  # steps in every worker's window before the straggler
 STRAGGLER_ROLE_S = StragglerConfig().role_s
 STRAGGLER_DETECT_LIMIT_S = 180.0  # its windows must fill and shift first (driver/straggler.py)
 RESPAWN_DRIVER_S = 8.0  # a killed driver restarts this long after (its lease is 2 s)
+# A fault whose ranks go to an idle node (a node loss, a bad node) waits up to this long for
+# an idle node whose standbys are ready, as a real cluster's spare has them minutes before
+# it is needed: on 2 cores the standbys of the drill's spares (started 12 s after their
+# agents, not to slow the first step) took 15-19 s to import beside the training, and a
+# node loss 28 s in was resumed by processes still importing (4.4-4.8 s, not 1.5)
+WARM_SPARE_LIMIT_S = 45.0
+WARM_SPARE_KINDS = ("node_loss", "bad_node")
 # A fault given up while the host's 1-minute load average was above this many runnable tasks
 # per core is not judged: on such a host a worker's start-up (importing torch) or a late
 # heartbeat takes minutes, and the drill's limits measure the host, not the recovery.
@@ -231,6 +238,8 @@ class Drill:
         self.next_at = 0.0
         self.done = False
         self._windows_full_at: float | None = None  # when the straggler's windows filled
+        self._warm_since: float | None = None  # the next fault's wait for a warm spare began
+        self._warm_wait_s = 0.0
 
     # ------------------------------------------------------------ measuring
     def observe(self, new: list[ev.Event], now: float) -> None:
@@ -306,11 +315,37 @@ class Drill:
         if not self.plan:
             self.done = True
             return
+        if self.plan[0] in WARM_SPARE_KINDS and not self._spare_warm(now):
+            return
         kind = self.plan.pop(0)
         f = await getattr(self, f"_inject_{kind}")(now)
         if f is not None:
+            if self._warm_wait_s >= 1.0:
+                f.note += f"; waited {self._warm_wait_s:.0f} s for a warm spare"
             self.faults.append(f)
             self.next_at = now + GAP_S
+        self._warm_since, self._warm_wait_s = None, 0.0
+
+    def _spare_warm(self, now: float) -> bool:
+        """Whether an idle node (alive, no workers) has a ready standby for every worker a
+        node of the world runs, or the wait for one passed `WARM_SPARE_LIMIT_S` (then the
+        fault goes in anyway, to a cold spare; without standbys there is nothing to wait
+        for). The agents' logs say it: `standby ready` since their last start or hand-off."""
+        if self._warm_since is None:
+            self._warm_since = now
+        self._warm_wait_s = now - self._warm_since
+        if self._warm_wait_s > WARM_SPARE_LIMIT_S:
+            return True
+        per_node = max((len(n.workers) for n in self._world()), default=1)
+        idle = [n.node_id for n in self.w.nodes if n.alive and not n.workers]
+        for node in idle:
+            text = self.c.log(node)
+            if "standby started" not in text:
+                return True  # this run keeps no standbys
+            since = max(text.rfind("worker started"), text.rfind("flash.ready"), 0)
+            if text.count("standby ready", since) >= per_node:
+                return True
+        return not idle
 
     def _running(self) -> bool:
         """The job trains: no incident is open (the log's newest phase change resumed it)."""
