@@ -31,9 +31,8 @@ class _Run:
 
 
 def _node(node_id: str, workers: int) -> dpb.NodeLive:
-    return dpb.NodeLive(
-        node_id=node_id, alive=True, workers=[dpb.WorkerStatus(local_rank=i) for i in range(workers)]
-    )
+    ranks = [dpb.WorkerStatus(local_rank=i) for i in range(workers)]
+    return dpb.NodeLive(node_id=node_id, alive=True, workers=ranks)
 
 
 def _drill(run: _Run) -> Any:
