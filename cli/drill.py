@@ -327,25 +327,27 @@ class Drill:
         self._warm_since, self._warm_wait_s = None, 0.0
 
     def _spare_warm(self, now: float) -> bool:
-        """Whether an idle node (alive, no workers) has a ready standby for every worker a
-        node of the world runs, or the wait for one passed `WARM_SPARE_LIMIT_S` (then the
-        fault goes in anyway, to a cold spare; without standbys there is nothing to wait
-        for). The agents' logs say it: `standby ready` since their last start or hand-off."""
+        """Whether every idle node (alive, no workers: the driver may take any, a node back
+        from a loss first) has a ready standby for every worker a node of the world runs, or
+        the wait passed `WARM_SPARE_LIMIT_S` (then the fault goes in anyway, to a cold
+        node). The agents' logs say it: `standby ready` since their last start or hand-off;
+        an agent that keeps no standbys is not waited for."""
         if self._warm_since is None:
             self._warm_since = now
         self._warm_wait_s = now - self._warm_since
         if self._warm_wait_s > WARM_SPARE_LIMIT_S:
             return True
         per_node = max((len(n.workers) for n in self._world()), default=1)
-        idle = [n.node_id for n in self.w.nodes if n.alive and not n.workers]
-        for node in idle:
-            text = self.c.log(node)
-            if "standby started" not in text:
-                return True  # this run keeps no standbys
-            since = max(text.rfind("worker started"), text.rfind("flash.ready"), 0)
-            if text.count("standby ready", since) >= per_node:
-                return True
-        return not idle
+        logs = {n.node_id: self.c.log(n.node_id) for n in self.w.nodes if n.alive}
+        if not any("standby started" in text for text in logs.values()):
+            return True  # this run keeps no standbys (--no-warm-workers on few cores)
+        for n in self.w.nodes:
+            if n.alive and not n.workers:
+                text = logs[n.node_id]
+                since = max(text.rfind("worker started"), text.rfind("flash.ready"), 0)
+                if text.count("standby ready", since) < per_node:
+                    return False
+        return True
 
     def _running(self) -> bool:
         """The job trains: no incident is open (the log's newest phase change resumed it)."""

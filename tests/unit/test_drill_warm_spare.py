@@ -68,5 +68,23 @@ def test_the_wait_is_bounded_and_nothing_is_awaited_without_standbys(tmp_path: P
     assert not d._spare_warm(10.0)
     assert d._spare_warm(10.0 + WARM_SPARE_LIMIT_S + 0.1)  # then to a cold spare
     (tmp_path / "spare-0.log").write_text("flash.ready\nregistered\n")  # --no-warm-workers
+    (tmp_path / "node-0.log").write_text("flash.ready\nworker started\n")
     assert _drill(run)._spare_warm(0.0)
     assert _drill(_Run(tmp_path, [_node("node-0", 1)]))._spare_warm(0.0)  # no idle node
+
+
+def test_every_idle_node_must_be_warm_the_driver_may_take_any(tmp_path: Path) -> None:
+    """A node back from a loss goes before the spares (driver/worldplan.py `_pool`): one
+    warm spare beside a cold returned node is not enough (the 19:22 drill's bad node went
+    to the returned node-1, cold, in 4.4 s while spare-0 waited warm)."""
+    nodes = [_node("node-0", 2), _node("spare-1", 2), _node("spare-0", 0), _node("node-1", 0)]
+    run = _Run(tmp_path, nodes)
+    warm = "flash.ready\nstandby started\nstandby started\nstandby ready\nstandby ready\n"
+    (tmp_path / "spare-0.log").write_text(warm)
+    # node-1 back from its loss, its standbys not started yet (12 s after its agent)
+    (tmp_path / "node-1.log").write_text("flash.ready\nworker started\nflash.ready\n")
+    assert not _drill(run)._spare_warm(0.0)
+    (tmp_path / "node-1.log").write_text("flash.ready\nstandby started\nstandby started\n")
+    assert not _drill(run)._spare_warm(0.0)
+    (tmp_path / "node-1.log").write_text(warm)
+    assert _drill(run)._spare_warm(0.0)
