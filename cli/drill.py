@@ -59,7 +59,11 @@ RESPAWN_DRIVER_S = 8.0  # a killed driver restarts this long after (its lease is
 # agents, not to slow the first step) took 15-19 s to import beside the training, and a
 # node loss 28 s in was resumed by processes still importing (4.4-4.8 s, not 1.5)
 WARM_SPARE_LIMIT_S = 45.0
-WARM_SPARE_KINDS = ("node_loss", "bad_node")
+# ...and so does every fault that starts processes: a crashed or hung rank's node takes a
+# standby too (the 19:25 drill's first crash, 4 s after the node's standbys started, took
+# 6.2 s, where a ready standby takes 1.3-1.6). bench-recovery waits for them likewise.
+WARM_SPARE_KINDS = ("worker_crash", "node_loss", "hang", "bad_node", "straggler")
+_PID = re.compile(r"\bpid=(\d+)")
 # A fault given up while the host's 1-minute load average was above this many runnable tasks
 # per core is not judged: on such a host a worker's start-up (importing torch) or a late
 # heartbeat takes minutes, and the drill's limits measure the host, not the recovery.
@@ -220,6 +224,22 @@ def judge_load(f: FaultRecord, cores: int | None = None, load: float | None = No
         )
 
 
+def ready_standbys(agent_log: str) -> int:
+    """How many standbys the agent whose log this is holds ready now: those it logged
+    `standby ready` since it last started (`flash.ready`), less those handed off since
+    (`worker started` with the same pid) or discarded."""
+    ready: set[str] = set()
+    for line in agent_log[max(agent_log.rfind("flash.ready"), 0) :].splitlines():
+        m = _PID.search(line)
+        if m is None:
+            continue
+        if "standby ready" in line:
+            ready.add(m.group(1))
+        elif "worker started" in line or "standby discarded" in line:
+            ready.discard(m.group(1))
+    return len(ready)
+
+
 class Drill:
     """Injects one fault at a time once training runs, and measures each from the log."""
 
@@ -327,11 +347,11 @@ class Drill:
         self._warm_since, self._warm_wait_s = None, 0.0
 
     def _spare_warm(self, now: float) -> bool:
-        """Whether every idle node (alive, no workers: the driver may take any, a node back
-        from a loss first) has a ready standby for every worker a node of the world runs, or
-        the wait passed `WARM_SPARE_LIMIT_S` (then the fault goes in anyway, to a cold
-        node). The agents' logs say it: `standby ready` since their last start or hand-off;
-        an agent that keeps no standbys is not waited for."""
+        """Whether every alive node (a world node replaces a crashed rank from its own
+        standbys; the driver may take any idle one, a node back from a loss first) has a
+        ready standby for every worker a node of the world runs, or the wait passed
+        `WARM_SPARE_LIMIT_S` (then the fault goes in anyway, to cold processes). A run
+        that keeps no standbys is not waited for."""
         if self._warm_since is None:
             self._warm_since = now
         self._warm_wait_s = now - self._warm_since
@@ -341,13 +361,7 @@ class Drill:
         logs = {n.node_id: self.c.log(n.node_id) for n in self.w.nodes if n.alive}
         if not any("standby started" in text for text in logs.values()):
             return True  # this run keeps no standbys (--no-warm-workers on few cores)
-        for n in self.w.nodes:
-            if n.alive and not n.workers:
-                text = logs[n.node_id]
-                since = max(text.rfind("worker started"), text.rfind("flash.ready"), 0)
-                if text.count("standby ready", since) < per_node:
-                    return False
-        return True
+        return all(ready_standbys(text) >= per_node for text in logs.values())
 
     def _running(self) -> bool:
         """The job trains: no incident is open (the log's newest phase change resumed it)."""

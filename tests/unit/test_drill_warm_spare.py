@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from unbroken.cli.drill import WARM_SPARE_LIMIT_S, Drill
+from unbroken.cli.drill import WARM_SPARE_LIMIT_S, Drill, ready_standbys
 from unbroken.proto import driver_pb2 as dpb
 
 pytestmark = pytest.mark.unit
@@ -42,49 +42,48 @@ def _drill(run: _Run) -> Any:
     return d
 
 
-def test_a_node_loss_waits_for_an_idle_node_with_a_ready_standby_per_worker(
-    tmp_path: Path,
-) -> None:
-    run = _Run(tmp_path, [_node("node-0", 2), _node("node-1", 2), _node("spare-0", 0)])
-    log = tmp_path / "spare-0.log"
-    log.write_text("flash.ready\nstandby started pid=1\nstandby started pid=2\n")
-    d = _drill(run)
+def _warm(*pids: int) -> str:
+    out = "flash.ready\n" + "".join(f"standby started pid={p}\n" for p in pids)
+    return out + "".join(f"standby ready pid={p} import_s=4.1\n" for p in pids)
+
+
+def test_ready_standbys_follow_the_agent_s_own_log() -> None:
+    """Ready since the agent's last start, less those handed off or discarded since."""
+    log = _warm(1, 2)
+    assert ready_standbys(log) == 2
+    log += "worker started local_rank=1 pid=2 restarts=1 warm=True\nstandby started pid=3\n"
+    assert ready_standbys(log) == 1  # pid 1 still waits; pid 3 imports
+    log += "standby ready pid=3 import_s=5.0\nstandby discarded pid=1 reason=env\n"
+    assert ready_standbys(log) == 1
+    assert ready_standbys(log + "flash.ready\nregistered\n") == 0  # a new life
+
+
+def test_a_fault_waits_for_every_alive_node_to_hold_its_standbys(tmp_path: Path) -> None:
+    """A world node replaces a crashed rank from its own standbys, and the driver may take
+    any idle node, a node back from a loss before the spares (driver/worldplan.py
+    `_pool`): the 19:22 drill's bad node went to the returned node-1, cold (4.4 s), while
+    spare-0 waited warm."""
+    nodes = [_node("node-0", 2), _node("spare-1", 2), _node("spare-0", 0), _node("node-1", 0)]
+    for i, n in enumerate(("node-0", "spare-1", "spare-0")):
+        (tmp_path / f"{n}.log").write_text(_warm(100 * i + 1, 100 * i + 2))
+    # node-1 back from its loss, its standbys not started yet (12 s after its agent)
+    (tmp_path / "node-1.log").write_text(_warm(7, 8) + "flash.ready\nregistered\n")
+    d = _drill(_Run(tmp_path, nodes))
     assert not d._spare_warm(100.0)
-    log.write_text(log.read_text() + "standby ready pid=1\n")
+    (tmp_path / "node-1.log").write_text(_warm(11))
     assert not d._spare_warm(101.0)
-    log.write_text(log.read_text() + "standby ready pid=2\n")
-    assert d._spare_warm(102.0) and d._warm_wait_s == pytest.approx(2.0)
-    # handed off: its old readiness no longer counts, nor a previous life's
-    log.write_text(log.read_text() + "worker started\nstandby started pid=3\n")
-    assert not _drill(run)._spare_warm(0.0)
-    log.write_text(log.read_text() + "flash.ready\nstandby ready pid=9\nstandby ready pid=9\n")
-    assert _drill(run)._spare_warm(0.0)
+    (tmp_path / "node-1.log").write_text(_warm(11, 12))
+    assert d._spare_warm(102.5) and d._warm_wait_s == pytest.approx(2.5)
 
 
 def test_the_wait_is_bounded_and_nothing_is_awaited_without_standbys(tmp_path: Path) -> None:
     run = _Run(tmp_path, [_node("node-0", 1), _node("spare-0", 0)])
-    (tmp_path / "spare-0.log").write_text("flash.ready\nstandby started pid=1\n")
+    (tmp_path / "node-0.log").write_text(_warm(1))
+    (tmp_path / "spare-0.log").write_text("flash.ready\nstandby started pid=2\n")
     d = _drill(run)
     assert not d._spare_warm(10.0)
-    assert d._spare_warm(10.0 + WARM_SPARE_LIMIT_S + 0.1)  # then to a cold spare
-    (tmp_path / "spare-0.log").write_text("flash.ready\nregistered\n")  # --no-warm-workers
-    (tmp_path / "node-0.log").write_text("flash.ready\nworker started\n")
-    assert _drill(run)._spare_warm(0.0)
-    assert _drill(_Run(tmp_path, [_node("node-0", 1)]))._spare_warm(0.0)  # no idle node
-
-
-def test_every_idle_node_must_be_warm_the_driver_may_take_any(tmp_path: Path) -> None:
-    """A node back from a loss goes before the spares (driver/worldplan.py `_pool`): one
-    warm spare beside a cold returned node is not enough (the 19:22 drill's bad node went
-    to the returned node-1, cold, in 4.4 s while spare-0 waited warm)."""
-    nodes = [_node("node-0", 2), _node("spare-1", 2), _node("spare-0", 0), _node("node-1", 0)]
-    run = _Run(tmp_path, nodes)
-    warm = "flash.ready\nstandby started\nstandby started\nstandby ready\nstandby ready\n"
-    (tmp_path / "spare-0.log").write_text(warm)
-    # node-1 back from its loss, its standbys not started yet (12 s after its agent)
-    (tmp_path / "node-1.log").write_text("flash.ready\nworker started\nflash.ready\n")
-    assert not _drill(run)._spare_warm(0.0)
-    (tmp_path / "node-1.log").write_text("flash.ready\nstandby started\nstandby started\n")
-    assert not _drill(run)._spare_warm(0.0)
-    (tmp_path / "node-1.log").write_text(warm)
+    assert d._spare_warm(10.0 + WARM_SPARE_LIMIT_S + 0.1)  # then to cold processes
+    # --no-warm-workers: no agent starts standbys, nothing to wait for
+    (tmp_path / "node-0.log").write_text("flash.ready\nworker started pid=5\n")
+    (tmp_path / "spare-0.log").write_text("flash.ready\nregistered\n")
     assert _drill(run)._spare_warm(0.0)
