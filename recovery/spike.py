@@ -3,7 +3,8 @@
 A spike is a loss above the median of the last `window` accepted losses by more than
 `factor` robust standard deviations (1.4826 x MAD, floored at `min_rel_spread` of the
 median so a flat loss curve does not turn noise into spikes) in `confirm` observations in a
-row, or at once when it is `instant_ratio` times the median or more, or NaN/inf. A single
+row, or at once when it is `instant_ratio` times the median (or the newest `recent` losses'
+median, when lower: a steep descent still in the window) or more, or NaN/inf. A single
 moderate outlier followed by a normal loss is a noisy batch, not a spike: the tiny model's
 small batches give +80 % ones every thousand steps or so, which rolled it back (and, three
 in 1,000 steps, halted it); the spikes PaLM and OPT rolled back from lasted many steps.
@@ -52,6 +53,11 @@ class SpikeConfig:
     # reached 2.0x, a poisoned batch 2.8x early in training (steps 1-33 in the window) and 7x
     # to 13x later
     instant_ratio: float = field(default=2.5, metadata=_TUNING)
+    # ...of the median or of the median of the newest `recent` accepted losses, the lower:
+    # early in training the window holds the steep descent (losses 10 to 4 in 11 steps),
+    # whose median and spread hid a jump from 3.2 to 8.7 (the drill, a spike 21 steps after
+    # a restart of every worker: never detected)
+    recent: int = field(default=10, metadata=_TUNING)
     skip_before: int = field(default=0, metadata=_TUNING)  # batches before the spiking one to skip
     # batches from the spiking one on to skip
     skip_after: int = field(default=200, metadata=_TUNING)
@@ -93,6 +99,10 @@ class SpikeConfig:
             raise ValueError(f"SpikeConfig.confirm must be >= 1, got {self.confirm}")
         if not self.instant_ratio > 1:
             raise ValueError(f"SpikeConfig.instant_ratio must be > 1, got {self.instant_ratio}")
+        if not 1 <= self.recent <= self.window:
+            raise ValueError(
+                f"SpikeConfig.recent must be in [1, window={self.window}], got {self.recent}"
+            )
         if self.rollback_window_steps < 1:
             raise ValueError(
                 "SpikeConfig.rollback_window_steps (--spike-rollback-window-steps) must be >= 1, "
@@ -168,11 +178,12 @@ class SpikeDetector:
             med = base[0] if base else math.nan
             thr = base[1] if base else math.nan
             return Spike(step, loss, med, thr, self.config.factor, True)
-        if base is not None and loss > base[1]:
+        instant = base is not None and self._instant(loss, base[0])
+        if base is not None and (loss > base[1] or instant):
             med, thr = base
             c = self.config
             self._pending.append((step, loss))
-            if len(self._pending) >= c.confirm or (med > 0 and loss >= c.instant_ratio * med):
+            if len(self._pending) >= c.confirm or instant:
                 first = self._pending[0]  # where it began: the rollback goes before it
                 self._pending.clear()
                 return Spike(first[0], first[1], med, thr, c.factor, False)
@@ -182,6 +193,15 @@ class SpikeDetector:
         if len(self._window) > self.config.window:
             self._window.popleft()
         return None
+
+    def _instant(self, loss: float, med: float) -> bool:
+        """Whether `loss` is `instant_ratio` times the level or more: the window's median,
+        or the newest `recent` accepted losses' when lower (a descent in the window)."""
+        level, n = med, self.config.recent
+        if len(self._window) >= n:
+            newest = [self._window[i] for i in range(len(self._window) - n, len(self._window))]
+            level = min(level, median(newest))
+        return level > 0 and loss >= self.config.instant_ratio * level
 
     def reset(self) -> None:
         """Forget the baseline (e.g. after a change of learning-rate schedule)."""

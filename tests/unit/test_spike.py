@@ -42,6 +42,28 @@ def test_a_lone_outlier_is_noise_and_a_huge_one_is_a_spike_at_once() -> None:
     assert spike is not None and spike.step == 204
 
 
+def test_a_jump_during_the_early_descent_is_judged_against_the_newest_losses() -> None:
+    """The drill's undetected spike: the window still held the first steps' descent (10 to
+    4), whose median and spread put a jump from 3.2 to 8.7 under the threshold and under
+    2.5x the window's median; against the newest 10 losses' median (3.2) it is 2.7x. Before
+    the descent leaves the window, its own noisy batches (2x) are still no spike."""
+    rng = random.Random(3)
+    descent = [10.0 - 0.55 * i for i in range(11)]  # 10.0 .. 4.5
+    steady = [3.2 + rng.gauss(0, 0.05) for _ in range(10)]
+    losses = descent + steady
+    old = SpikeDetector(SpikeConfig(window=100, recent=100))  # the window's median alone
+    new = SpikeDetector(SpikeConfig(window=100))
+    for i, x in enumerate(losses):
+        assert old.observe(i, x) is None and new.observe(i, x) is None
+    assert old.observe(21, 8.7) is None  # hidden: the drill's miss
+    spike = new.observe(21, 8.7)
+    assert spike is not None and spike.step == 21 and not spike.non_finite
+    det = SpikeDetector(SpikeConfig(window=100))
+    for i, x in enumerate(losses):
+        det.observe(i, x)
+    assert det.observe(21, 6.4) is None and det.observe(22, 3.2) is None  # a noisy batch
+
+
 def test_spikes_do_not_enter_the_baseline() -> None:
     det = SpikeDetector(SpikeConfig(window=20, min_history=5))
     for i, x in enumerate(_noisy(20)):
@@ -161,6 +183,8 @@ def test_zero_skip_skips_nothing() -> None:
         ({"rollback_window_steps": 0}, "rollback_window_steps"),
         ({"confirm": 0}, "confirm"),
         ({"instant_ratio": 1.0}, "instant_ratio"),
+        ({"recent": 0}, "recent"),
+        ({"window": 5, "min_history": 5, "recent": 6}, "recent"),
     ],
 )
 def test_config_validation_names_the_field(kwargs: dict[str, float], field: str) -> None:
