@@ -119,6 +119,7 @@ async def handle(agent: Agent, call: Any, msg: dpb.DriverMessage) -> None:
             log.exception("command failed", kind=kind)
         await _refuse(agent, call, cid, f"{type(e).__name__}: {e}"[:4000])
     if handler is not None and handler.ends_session:
+        agent.ending_session = True
         agent.stop.set()
         with contextlib.suppress(Exception):
             await call.done_writing()

@@ -64,6 +64,9 @@ AGENT_VERSION = "0.1.0"
 F_EXITED = dpb.HEARTBEAT_FLAG_WORKER_EXITED
 F_ALERTS = dpb.HEARTBEAT_FLAG_LOG_ALERTS
 F_STALLED = dpb.HEARTBEAT_FLAG_STALLED
+# a driver's shutdown / evict: how long the agent lets the session end by itself (the driver
+# reading the reply) before it closes the channel
+ENDING_GRACE_S = 2.0
 # The most often a worker's outlying losses send an extra heartbeat (and a ring rescan): the
 # SDK reports at most this often anyway; a worker flipping its loss high and low at every
 # datagram gets no more heartbeats than that
@@ -130,6 +133,9 @@ class Agent:
         self._selfcheck_lock = asyncio.Lock()
         self.gpus = probes.Gpus()
         self.stop = asyncio.Event()
+        # set with `stop` by a driver's shutdown / evict: its reply is on the session, so
+        # the session is let end by itself (the driver reads the reply, then ends it)
+        self.ending_session = False
         self.exit_code = 0
         self._write_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -237,7 +243,14 @@ class Agent:
             stopped = asyncio.create_task(self.stop.wait())
             done, _ = await asyncio.wait({connect, stopped}, return_when=asyncio.FIRST_COMPLETED)
             stopped.cancel()
-            if connect in done:
+            if connect not in done and self.ending_session:
+                # a shutdown's reply is written, the stream half-closed: the driver reads
+                # the reply and ends the stream. Closing the channel first cancels the call,
+                # and a reply the driver's loop had not read yet went with it (a clean-clone
+                # CI run: "no reply from n0 in 20 s" to a shutdown whose agent exited 0)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(connect), ENDING_GRACE_S)
+            if connect.done():
                 connect.result()
             else:
                 connect.cancel()

@@ -58,6 +58,39 @@ def reg(node: str = "n0", epoch: int = 1, **kw: Any) -> dpb.RegisterRequest:
     return dpb.RegisterRequest(node_id=node, epoch=epoch, **kw)
 
 
+def test_a_shutdown_s_reply_is_read_though_the_driver_is_slow_to_read_it(tmp_path: Path) -> None:
+    """The agent answers a shutdown, half-closes its stream and exits; the driver's loop,
+    busy, reads the reply only later. The agent lets the session end by itself (the driver
+    ends it once it read the reply) before closing its channel: closed at once, the call
+    was cancelled with the reply unread (a clean-clone CI run: "no reply from n0 in 20 s")."""
+
+    async def go() -> None:
+        async with driver() as (svc, _store, addr):
+            agent = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "unbroken.cli.main", "agent", "--driver", addr,
+                "--node-id", "n0", "--log-dir", str(tmp_path), "--socket",
+                str(tmp_path / "a.sock"), "--no-start",
+                stdout=open(tmp_path / "agent.log", "wb"), stderr=asyncio.subprocess.STDOUT,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )  # fmt: skip
+            try:
+                await until(lambda: svc.view.nodes.get("n0") is not None
+                            and svc.view.nodes["n0"].hb.seq > 2, 30, "n0's heartbeats")  # fmt: skip
+                fut = svc.sessions.ask("n0", dpb.DriverMessage(shutdown=dpb.Shutdown()), 20)
+                log = tmp_path / "agent.log"
+                await until(lambda: "kind=shutdown" in log.read_text(), 20, "the command")
+                time.sleep(1.5)  # this loop reads nothing while the agent answers and exits
+                ack = await fut
+                assert ack.ack.ok, ack.ack.detail
+                assert await asyncio.wait_for(agent.wait(), 20) == 0
+            finally:
+                if agent.returncode is None:
+                    agent.kill()
+                    await agent.wait()
+
+    asyncio.run(go())
+
+
 def test_commands_reach_a_real_agent(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
