@@ -23,6 +23,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from statistics import median
 
 from unbroken.proto import events_pb2 as ev
@@ -199,8 +200,7 @@ class SpikeDetector:
         or the newest `recent` accepted losses' when lower (a descent in the window)."""
         level, n = med, self.config.recent
         if len(self._window) >= n:
-            newest = [self._window[i] for i in range(len(self._window) - n, len(self._window))]
-            level = min(level, median(newest))
+            level = min(level, median(islice(self._window, len(self._window) - n, None)))
         return level > 0 and loss >= self.config.instant_ratio * level
 
     def reset(self) -> None:

@@ -207,28 +207,24 @@ def test_a_crashed_worker_s_silence_is_detection_bounded_by_the_start_up() -> No
     flight and the report's way are lost (detection), as a hang's silence is; a crash 3 s
     after the first step with a silence of 8 s (it began in start-up) is charged the 3 s,
     start-up keeps the rest."""
-    events = _timed(
-        [
+
+    def crash(at: float, silent_ms: float) -> list[tuple[float, ev.Event]]:
+        """Start-up 10 s (its first step at 10 s), then a worker's exit at `at`."""
+        return [
             (0, ev.Event(job_started=ev.JobStarted(trainer="gpt3d", reports_startup=True))),
             (0, ev.Event(training_resumed=ev.TrainingResumed(at_step=0))),
             (10, ev.Event(training_stepping=ev.TrainingStepping(step=1))),
-            (50, ev.Event(worker_failed=ev.WorkerFailed(node_id="n1", silent_ms=1200))),
-            (50, _to(ev.PHASE_SUSPECTED, incident_id="i1")),
-            (53, ev.Event(training_resumed=ev.TrainingResumed(at_step=40))),
+            (at, ev.Event(worker_failed=ev.WorkerFailed(node_id="n1", silent_ms=silent_ms))),
+            (at, _to(ev.PHASE_SUSPECTED, incident_id="i1")),
         ]
+
+    events = _timed(
+        [*crash(50, 1200), (53, ev.Event(training_resumed=ev.TrainingResumed(at_step=40)))]
     )
     g = statelib.fold(events, statelib.initial("j")).goodput
     assert g.lost_s_by_category["detection"] == pytest.approx(1.2)
     assert g.lost_s_by_cause["worker_failed"] == pytest.approx(4.2)
-    early = _timed(
-        [
-            (0, ev.Event(job_started=ev.JobStarted(trainer="gpt3d", reports_startup=True))),
-            (0, ev.Event(training_resumed=ev.TrainingResumed(at_step=0))),
-            (10, ev.Event(training_stepping=ev.TrainingStepping(step=1))),
-            (13, ev.Event(worker_failed=ev.WorkerFailed(node_id="n1", silent_ms=8000))),
-            (13, _to(ev.PHASE_SUSPECTED, incident_id="i1")),
-        ]
-    )
+    early = _timed(crash(13, 8000))
     g = statelib.fold(early, statelib.initial("j")).goodput
     assert g.lost_s_by_category["detection"] == pytest.approx(3.0)
     assert g.lost_s_by_category["startup"] == 10.0
