@@ -135,21 +135,10 @@ async def rejoin(sup: Supervisor, hooks: HookServer | None) -> str:
     base = dict(os.environ)
     for r in range(spec.nproc):
         w = sup.workers.get(r)
-        same_rank = w is not None and w.global_rank == launch.rank_base + r
-        if w is not None and not same_rank:
-            # A held worker whose global rank changes (a world that shrank or grew before
-            # it) starts afresh: in its old process such a survivor resharded into a broken
-            # model (bench-recovery, the replica policy: loss 6.0 against a baseline of 1.7
-            # after rank 1 of a dp2 world became rank 0 of a dp1 world, after earlier
-            # rejoins), and the process-wide state behind it is not yet found.
-            log.info("in-job: a held worker's rank changes; it restarts", local_rank=r)
-        if (
-            w is not None
-            and same_rank
-            and hooks is not None
-            and w.phase == HELD_PHASE
-            and rejoinable(w)
-        ):
+        # a held worker rejoins whatever its new rank: its process-wide caches of the old
+        # world are forgotten where its place changed (trainer/rejoin.py apply_rejoin), and
+        # its state is resharded from the rings like any restore
+        if w is not None and hooks is not None and w.phase == HELD_PHASE and rejoinable(w):
             env = launch.environ(spec, r, sup.socket_path)
             # the world's variables and the launch's own, always (the worker's may differ
             # from the agent's environment), plus anything else that differs from it
