@@ -58,7 +58,7 @@ from unbroken.agent import hang as hanglib
 from unbroken.agent import procexit
 from unbroken.agent import warm as warmlib
 from unbroken.agent.launch import WorkerLaunch, WorkerSpec, exec_wrapper
-from unbroken.common.workerenv import WARM_ARGV
+from unbroken.common.workerenv import STACKS_END, WARM_ARGV
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 from unbroken.proto import hooks_pb2 as hpb
@@ -69,6 +69,10 @@ log = structlog.get_logger(__name__)
 
 #: How long a dead worker's readers get to take its last lines before its exit is reported.
 READ_AFTER_EXIT_S = 0.1
+#: A stack dump's lines are looked for this often, and one with no end line
+#: (faulthandler's SIGUSR1 dump) is whole once its output has been quiet `QUIET_S`.
+COLLECT_POLL_S = 0.005
+QUIET_S = 0.05
 PEAK_BEATS = 3  # heartbeats a loss peak is repeated in (see Worker.status)
 FINGERPRINTS_KEPT = 3  # a rank's newest fingerprinted steps...
 FINGERPRINT_BEATS = 20  # ...each repeated in this many heartbeats (the driver looks each beat)
@@ -634,20 +638,29 @@ class Supervisor:
         with contextlib.suppress(ProcessLookupError):
             os.kill(w.pid, signal.SIGUSR2)
             os.kill(w.pid, signal.SIGCONT)
-        return head + "\n" + await self._collect(w, mark, timeout_s)
+        return head + "\n" + await self._collect(w, mark, timeout_s, end=STACKS_END)
 
     @staticmethod
-    async def _collect(w: Worker, mark: int, timeout_s: float) -> str:
-        """The lines `w` wrote after line `mark`, once they stop growing (or at the deadline)."""
+    async def _collect(w: Worker, mark: int, timeout_s: float, end: str | None = None) -> str:
+        """The lines `w` wrote after line `mark`: up to the line `end` where the dump writes
+        one (at once), else once they stop growing for `QUIET_S` (or at the deadline)."""
         deadline = time.monotonic() + timeout_s
-        seen = -1
-        while time.monotonic() < deadline:  # wait until the dump stops growing
-            await asyncio.sleep(0.05)
-            if w.nlines == seen and w.nlines > mark:
+        seen, quiet_since = -1, time.monotonic()
+
+        def lines() -> list[str]:
+            new = min(w.nlines - mark, len(w.tail))
+            return list(w.tail)[len(w.tail) - new :] if new > 0 else []
+
+        while time.monotonic() < deadline:
+            await asyncio.sleep(COLLECT_POLL_S)
+            now = time.monotonic()
+            if end is not None and end in (got := lines()):
+                return "\n".join(got[: got.index(end)])
+            if w.nlines != seen:
+                seen, quiet_since = w.nlines, now
+            elif w.nlines > mark and now - quiet_since >= QUIET_S:
                 break
-            seen = w.nlines
-        new = min(w.nlines - mark, len(w.tail))
-        return "\n".join(list(w.tail)[len(w.tail) - new :]) if new > 0 else ""
+        return "\n".join(line for line in lines() if line != end)
 
     def hang_check(self, statuses: list[dpb.WorkerStatus]) -> tuple[bool, str]:
         """(flag STALLED?, stacks to send) for one heartbeat's statuses.

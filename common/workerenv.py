@@ -54,6 +54,10 @@ TP = "UNBROKEN_TP"
 #: Not a worker's variable (no `WorkerEnv` field): set in a warm standby's environment only.
 WARM_ARGV = "UNBROKEN_WARM_ARGV"
 
+#: Not a variable: the line a stopped worker's SIGUSR2 handler writes to stderr after its
+#: stack dump (trainer/hookchannel.py), so the agent takes the dump as soon as it is whole
+#: rather than after its output has been quiet a while (agent/workers.py).
+STACKS_END = "-- unbroken: end of stacks --"
 #: Which variable holds each field.
 VARIABLES: dict[str, str] = {
     "agent_socket": AGENT_SOCKET,

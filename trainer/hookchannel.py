@@ -41,6 +41,7 @@ from typing import Any
 from unbroken.common.paths import private_dir, shared_with_us
 from unbroken.common.workerenv import AGENT_PID as ENV_AGENT_PID
 from unbroken.common.workerenv import AGENT_SOCKET as ENV_SOCKET
+from unbroken.common.workerenv import STACKS_END
 from unbroken.proto import hooks_pb2 as hpb
 
 ENV_LOCAL_RANK = "LOCAL_RANK"
@@ -427,9 +428,12 @@ def _dump_and_stop(signum: int, frame: Any) -> None:
 
     A Python-level handler runs at the first bytecode after SIGCONT (an interrupted sleep
     returns into it), so the stacks show where it was stopped and no step runs before the
-    process stops itself again.
+    process stops itself again. The dump ends with `STACKS_END`: the agent then has it whole
+    at once (its hang flag waits for it).
     """
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    with contextlib.suppress(OSError, ValueError):  # after faulthandler's own raw writes
+        os.write(sys.stderr.fileno(), f"{STACKS_END}\n".encode())
     os.kill(os.getpid(), signal.SIGSTOP)
 
 

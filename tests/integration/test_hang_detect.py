@@ -25,6 +25,7 @@ from tests.jobs import ALLREDUCE_WORKER
 from tests.procs import Procs, live, procs, read_events, start_driver
 from unbroken.agent.hang import STOPPED_AFTER_MS
 from unbroken.cli.cluster import until
+from unbroken.common.workerenv import STACKS_END
 from unbroken.diagnostics.check import free_port
 
 pytestmark = pytest.mark.integration
@@ -78,6 +79,7 @@ def test_sigstopped_rank_is_flagged_with_stacks_and_rearmed(
     assert h.silent_ms > h.threshold_ms == STOPPED_AFTER_MS and h.phase == "stopped", h
     assert "--- local rank 1 ---\n(process stopped: SIGSTOP)" in h.stack_dump, h.stack_dump
     assert "worker.py" in h.stack_dump and "--- local rank 0 ---" in h.stack_dump
+    assert STACKS_END not in h.stack_dump, h.stack_dump  # the dump's end, read and dropped
     # the dump did not end the stop: the rank is still stopped, no step ran
     state = Path(f"/proc/{victim}/stat").read_text().rsplit(")", 1)[1].split()[0]
     assert state == "T", state
