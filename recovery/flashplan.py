@@ -174,11 +174,17 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=4096)
 def _shard_layout(
-    shape: torch.Size, mesh: Any, placements: tuple[Any, ...]
+    shape: torch.Size, mesh: Any, placements: tuple[Any, ...], coordinate: tuple[int, ...]
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     # Cached: computing it for every DTensor took longer than copying a tiny model's state.
+    # Keyed by this rank's `coordinate` in `mesh` too: a DeviceMesh hashes and compares by
+    # its shape and names only, so a survivor that rejoined an equal mesh at another place
+    # got the old place's offsets, and its copies named the other rank's shard (bench
+    # recovery, replica mode: rank 1 of dp2, then 0 of dp1, then 0 of dp2 again saved its
+    # shard as the second half; the next dp1 reshard loaded that half twice, loss 6 against 2)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    del coordinate  # a key only: `mesh` computes it again
     local, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
     return tuple(local), tuple(offset)
 
@@ -187,7 +193,9 @@ def _global_layout(
     key: str, t: torch.Tensor, local: torch.Tensor
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     if isinstance(t, DTensor):
-        shape, offset = _shard_layout(t.shape, t.device_mesh, tuple(t.placements))
+        mesh = t.device_mesh
+        coordinate = tuple(mesh.get_coordinate() or ())
+        shape, offset = _shard_layout(t.shape, mesh, tuple(t.placements), coordinate)
         if shape != tuple(local.shape):
             raise ValueError(
                 f"{key}: DTensor local shard {tuple(local.shape)} is not the logical "

@@ -318,6 +318,10 @@ def forget_world_caches() -> None:
         from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
 
         clear_redistribute_planner_cache()
+    with contextlib.suppress(Exception):  # ours: keyed by the place too, but it holds
+        from unbroken.recovery.flashplan import _shard_layout  # the old world's meshes
+
+        _shard_layout.cache_clear()
 
 
 def apply_rejoin(rejoin: Any) -> None:

@@ -137,6 +137,45 @@ def test_a_killed_worker_s_replica_sits_out_while_the_other_trains_on(job: Job) 
     assert redone <= 4, {s: v for s, v in got.items() if len(v) > 1}
 
 
+def test_a_survivor_whose_rank_moved_reshards_soundly_at_the_next_loss(job: Job) -> None:
+    """The survivor goes rank 1 of dp2 -> rank 0 of dp1 -> rank 0 of dp2 in one process; its
+    copies must then name rank 0's shard. They named rank 1's (a shard layout cached by the
+    mesh, which compares equal across worlds: recovery/flashplan.py), so when the new rank 1
+    was lost as well, the dp1 reshard loaded one half twice (bench-recovery's replica mode:
+    loss 6 where the curve was at 2, and every rollback restored it broken again)."""
+    _start(job)
+    out, stay = _world_nodes(job)
+    kept, victim = job.worker(stay), job.worker(out)
+    assert kept is not None and victim is not None
+    victim.kill()
+    until(
+        lambda: (
+            _worlds(job)[-1][0] == 2
+            and _worlds(job)[-1][1] == (stay, out)
+            and job.worker(out) is not None
+        ),
+        180,
+        "the survivor rank 0 of a dp2 world again",
+        job,
+    )
+    grown = job.max_step()
+    until(lambda: job.max_step() >= grown + 5, 180, "training on dp2 again", job)
+    again = job.worker(out)
+    assert again is not None
+    again.kill()  # the survivor, now rank 0, reshards dp2 -> dp1 from its own and the buddy's
+    lost = job.max_step()
+    until(lambda: job.max_step() >= min(lost + 10, STEPS), 180, "the survivor alone again", job)
+    survivor = job.worker(stay)
+    assert survivor is not None and survivor.pid == kept.pid, (kept.pid, survivor)
+    resized = [e.world_resized for e in job.events() if e.HasField("world_resized")]
+    assert [(r.old_world.dp, r.new_world.dp) for r in resized][:3] == [(2, 1), (1, 2), (2, 1)]
+    assert not [e for e in job.events() if e.HasField("loss_spike")], "a broken reshard"
+    ref = reference(job.tmp / "reference", STEPS, total_steps=STEPS)
+    for step, values in job.steps().items():
+        for v in values:
+            assert abs(v - ref[step]) <= TOLERANCE * abs(ref[step]), (step, v, ref[step])
+
+
 def test_a_lost_replicas_node_comes_back_on_a_spare_from_the_survivors_memory(job: Job) -> None:
     """The replica's node is lost (its agent SIGKILLed). The survivor trains on alone with
     no buddy (its only peer is gone), so the spare that takes the lost node's place at the

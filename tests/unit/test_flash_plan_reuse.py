@@ -276,3 +276,33 @@ def test_the_previous_copy_is_valid_at_the_next_save_without_the_writer_thread(
         release.set()
     w.close()
     assert find_copy(owner.rank_dir(0)).manifest.step == 2
+
+
+def _offset_as(rank: int) -> tuple[int, ...]:
+    """The global offset a flash save records for rank `rank`'s shard of a dp2 DTensor, in
+    torch's fake 2-rank world (its meshes equal a real world's)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from unbroken.recovery.flashplan import _global_layout, local_tensor
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        t = distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])
+        _shape, offset = _global_layout("w", t, local_tensor(t))
+        return offset
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_shards_offset_follows_the_ranks_place_in_an_equal_mesh() -> None:
+    """A survivor that rejoins a world whose mesh equals its old one (same shape and names:
+    DeviceMesh compares no more) at another place records its new shard's offset: with the
+    layout cached by mesh alone, rank 1 of dp2 that became rank 0 of a later dp2 world saved
+    its copies as the second half, and the next reshard loaded that half twice."""
+    assert _offset_as(1) == (4, 0)
+    assert _offset_as(0) == (0, 0)  # the same process, the same equal mesh, another place
+    assert _offset_as(1) == (4, 0)
