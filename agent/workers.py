@@ -72,6 +72,8 @@ READ_AFTER_EXIT_S = 0.1
 #: A stack dump's lines are looked for this often, and one with no end line
 #: (faulthandler's SIGUSR1 dump) is whole once its output has been quiet `QUIET_S`.
 COLLECT_POLL_S = 0.005
+#: The variables that say a rank's place: a standby's dry run took the place they name.
+_PLACE = ("RANK", "WORLD_SIZE")
 QUIET_S = 0.05
 PEAK_BEATS = 3  # heartbeats a loss peak is repeated in (see Worker.status)
 FINGERPRINTS_KEPT = 3  # a rank's newest fingerprinted steps...
@@ -465,10 +467,12 @@ class Supervisor:
 
     # ------------------------------------------------------------ warm standbys
     async def _from_standby(self, env: dict[str, str]) -> asyncio.subprocess.Process | None:
-        """Hand `env` to a live, compatible standby; None: start cold."""
+        """Hand `env` to a live, compatible standby, the one whose dry run took this rank's
+        place first (`_unwarmed_rank`); None: start cold."""
         target = warmlib.parse_target(self.launch.cmd) if self.spec.warm else None
         if target is None:
             return None
+        self.standbys.sort(key=lambda s: any(s.env.get(k) != env.get(k) for k in _PLACE))
         while self.standbys:
             s = self.standbys.pop(0)
             why = "" if s.alive else f"exited with {s.proc.returncode}"
@@ -482,6 +486,16 @@ class Supervisor:
             log.info("standby discarded", pid=s.proc.pid, reason=why)
             await s.kill()
         return None
+
+    def _unwarmed_rank(self) -> int:
+        """The local rank the next standby dry-runs as: the lowest one no live standby's
+        environment names. A standby's dry run fills DTensor's caches for its place (its
+        RANK), and a worker started at another forgets them (trainer/rejoin.py
+        `forget_dry_run_caches`): when every standby dry-ran as local rank 0, a node's
+        other ranks were always replaced cold in that respect (their first state_dict and
+        step then made every sharding decision again: 0.3-0.8 s on a loaded 2-core host)."""
+        named = {s.env.get("LOCAL_RANK") for s in self.standbys if s.alive}
+        return next((r for r in range(self.spec.nproc) if str(r) not in named), 0)
 
     def schedule_refill(self) -> None:
         """Top the standbys up once the workers step (after starts outside `start_all`)."""
@@ -518,7 +532,7 @@ class Supervisor:
                 self.standbys.remove(s)
                 await s.kill()
             while len(self.standbys) < spec.nproc:
-                env = self.launch.environ(spec, 0, self.socket_path)
+                env = self.launch.environ(spec, self._unwarmed_rank(), self.socket_path)
                 if target.module:  # a module's own warm hook may build its dry run from them
                     env[WARM_ARGV] = json.dumps(list(target.args))
                 s = await warmlib.spawn_standby(

@@ -305,6 +305,44 @@ def test_the_agent_hands_the_engines_flags_to_its_standbys_dry_run(tmp_path: Pat
     assert WARM_ARGV not in script  # a script's flags are not the engine's
 
 
+def test_a_nodes_standbys_dry_run_as_each_of_its_ranks_and_each_rank_takes_its_own(
+    tmp_path: Path,
+) -> None:
+    """A node of 2 workers keeps a standby per local rank's place (each dry run fills the
+    caches of its RANK), and a restarted rank is handed the standby that dry-ran as it:
+    when every standby took local rank 0's place, local rank 1's replacement always forgot
+    them and made every sharding decision again."""
+    import asyncio
+
+    script = tmp_path / "train.py"
+    script.write_text("import time\ntime.sleep(30)\n")
+
+    async def run() -> tuple[list[str], str, int, int]:
+        spec = WorkerSpec(
+            cmd=[sys.executable, str(script)], nproc=2, log_dir=str(tmp_path), warm=True,
+            warm_preload=("json",),
+        )  # fmt: skip
+        sup = Supervisor(spec, str(tmp_path / "agent.sock"))
+        sup.warm_up()
+        try:
+            for _ in range(3000):
+                if len(sup.standbys) == 2 and all(s.ready for s in sup.standbys):
+                    break
+                await asyncio.sleep(0.01)
+            places = sorted(s.env["LOCAL_RANK"] for s in sup.standbys)
+            ranks1 = [s for s in sup.standbys if s.env["LOCAL_RANK"] == "1"]
+            want = ranks1[0].proc.pid if ranks1 else -1
+            w = await sup.start(1, refill=False)
+            left = sup.standbys[0].env["LOCAL_RANK"] if sup.standbys else ""
+            return places, left, w.pid, want
+        finally:
+            await sup.close(grace_s=1.0)
+
+    places, left, pid, want = asyncio.run(run())
+    assert places == ["0", "1"], places
+    assert pid == want and left == "0", (pid, want, left)
+
+
 def test_an_agent_waiting_for_its_workers_starts_its_standbys_after_warm_after_s(
     tmp_path: Path,
 ) -> None:
