@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import statistics
 import time
 from collections.abc import Iterable
 
@@ -57,6 +58,13 @@ HELD_PHASE = "held"  # the phase a held worker reports (trainer/run.py HELD_PHAS
 #: A worker not held by then is killed and replaced: its step may be long, or it may be
 #: stuck in a collective with a peer that is still alive (its gloo timeout is the backstop).
 HOLD_TIMEOUT_S = 5.0
+#: ...or sooner for a worker whose steps are short: `HOLD_STEPS` of its median step time, not
+#: under `HOLD_MIN_S`. Its guard (trainer/ncclguard.py) fails the collective it waits in
+#: within 50 ms, so a held rank is out of its step well inside one step; the ranks that were
+#: not (a gloo rank blocked in its step's closing all-reduce after its sockets were shut, in
+#: four `make run` drills: pp2 x tp2, 0.45 s steps) waited the whole 5 s for their kill.
+HOLD_STEPS = 4.0
+HOLD_MIN_S = 2.0
 #: How long a worker not held in time gets to dump its stacks (py-spy, else its faulthandler)
 #: before it is killed: the incident waits this much longer in that case only.
 STACKS_TIMEOUT_S = 0.5
@@ -87,6 +95,15 @@ async def kill(w: Worker) -> None:
             await asyncio.wait_for(t, 2.0)
 
 
+def hold_limit_s(w: Worker, timeout_s: float = HOLD_TIMEOUT_S) -> float:
+    """How long the hold waits for `w`: `timeout_s`, or `HOLD_STEPS` of its median step
+    time when that is shorter (never under `HOLD_MIN_S`, nor for a worker with no steps)."""
+    if len(w.step_times) < 3:
+        return timeout_s
+    by_steps = HOLD_STEPS * statistics.median(w.step_times) / 1000.0
+    return min(timeout_s, max(HOLD_MIN_S, by_steps))
+
+
 async def hold(
     sup: Supervisor,
     hooks: HookServer | None,
@@ -104,9 +121,13 @@ async def hold(
     for w in keep:
         if w.phase != HELD_PHASE:
             hooks.send_to(w, hpb.WorkerCommand(hold="in-job recovery"))  # type: ignore[union-attr]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if all(w.phase == HELD_PHASE or not rejoinable(w) for w in keep):
+    t0 = time.monotonic()
+    limits = {w.local_rank: hold_limit_s(w, timeout_s) for w in keep}
+    pending = list(keep)
+    while pending:
+        now = time.monotonic()
+        pending = [w for w in pending if w.phase != HELD_PHASE and rejoinable(w)]
+        if all(now - t0 >= limits[w.local_rank] for w in pending):
             break
         await asyncio.sleep(0.01)
     late = [w for w in keep if w.phase != HELD_PHASE or not rejoinable(w)]

@@ -405,3 +405,20 @@ def test_a_loss_that_stands_out_heartbeats_at_once(tmp_path: Path) -> None:
     step(32, 4.1)
     step(33, 4.0, peak=float("nan"))  # coalesced steps whose worst was NaN
     assert kicks == [30, 33] and firsts == [1]
+
+
+def test_the_hold_waits_a_few_of_a_workers_steps_not_always_five_seconds(tmp_path: Path) -> None:
+    """A rank its guard could not free from its step (a gloo rank blocked in its closing
+    all-reduce after its sockets were shut) waited the whole 5 s for its kill in four drills
+    of 0.45 s steps; a worker whose steps are short is given a few of them, at least 2 s."""
+    from unbroken.agent import injob
+
+    w = Worker(0, 0, tmp_path / "w.log")
+    assert injob.hold_limit_s(w) == injob.HOLD_TIMEOUT_S  # no steps seen: the old limit
+    w.step_times.extend([450.0] * 5)
+    assert injob.hold_limit_s(w) == injob.HOLD_MIN_S  # 4 x 0.45 s, under the floor
+    w.step_times.extend([800.0] * 10)
+    assert injob.hold_limit_s(w) == pytest.approx(3.2)  # 4 x its median step
+    w.step_times.extend([3000.0] * 30)
+    assert injob.hold_limit_s(w) == injob.HOLD_TIMEOUT_S  # long steps: never past the limit
+    assert injob.hold_limit_s(w, timeout_s=1.0) == 1.0  # a caller's shorter limit wins
