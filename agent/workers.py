@@ -72,9 +72,9 @@ READ_AFTER_EXIT_S = 0.1
 #: A stack dump's lines are looked for this often, and one with no end line
 #: (faulthandler's SIGUSR1 dump) is whole once its output has been quiet `QUIET_S`.
 COLLECT_POLL_S = 0.005
+QUIET_S = 0.05
 #: The variables that say a rank's place: a standby's dry run took the place they name.
 _PLACE = ("RANK", "WORLD_SIZE")
-QUIET_S = 0.05
 PEAK_BEATS = 3  # heartbeats a loss peak is repeated in (see Worker.status)
 FINGERPRINTS_KEPT = 3  # a rank's newest fingerprinted steps...
 FINGERPRINT_BEATS = 20  # ...each repeated in this many heartbeats (the driver looks each beat)
