@@ -62,6 +62,10 @@ def main() -> None:
         final = torch.nn.functional.mse_loss(model(x), y).item()
     if rank == 0:
         print(f"final loss {final!r}", flush=True)
+    # every rank done with its last collective before the teardown (the engine's own
+    # practice): without it the reference run under plain torchrun aborted at exit, twice in
+    # many CI runs ("terminate called without an active exception", exit -6)
+    dist.barrier()
     dist.destroy_process_group()
 
 
