@@ -19,19 +19,24 @@ cannot hold the buddy from its nodes.
 Who may talk to the buddy, and how a copy's origin is proven, is recovery/replicaauth.py;
 which copy is sent when, recovery/replicasend.py (`ReplicaSender`).
 
-Wire format (v4). The server speaks first: `{"v": 4, "nonce": hex}`. The client sends one
+Wire format (v5). The server speaks first: `{"v": 5, "nonce": hex}`. The client sends one
 JSON header line (`op`, `node`, `cnonce`, `as` for a get; `rank`, `manifest_len`,
 `data_len`, `manifest_sha256` for a put; plus `mac` with a key), then for a put the
-manifest and the data, in chunks of `SEND_CHUNK` bytes each followed by its 32-byte MAC
-when keyed, then one line `{"origin": record}` (the signature). The buddy answers one
-line (`ok`, `error`). A GET is answered by one header line per copy (`rank`,
-`manifest_len`, `data_len`, `manifest_sha256`), the manifest, the data chunks, its origin
-line, and finally `{"done": true}`; the fetcher verifies every MAC, checksum and origin
-signature while streaming a copy into its own slot. (v3 was v2 with 256 KiB chunks
-instead of 8 MiB: a copy's chunk went through three buffer copies of its whole size on
-each side; a 1.5 MB copy took 3.2 ms of the sender's CPU and 5.3 ms of the buddy's, about
-2.1 and 3.5 ms in 256 KiB chunks. v4 is v3 with the origin line. An older peer is refused
-with the version it speaks.)
+manifest, the data in chunks of `SEND_CHUNK` bytes, then one line `{"origin": record}`
+(the signature). The buddy answers one line (`ok`, `error`). A GET is answered by one
+header line per copy (`rank`, `manifest_len`, `data_len`, `manifest_sha256`), the
+manifest, the data chunks, its origin line, and finally `{"done": true}`; the fetcher
+verifies every line's MAC, the checksum and the origin signature while streaming a copy
+into its own slot. Every line is MAC'd (with a key; TLS protects the whole stream without
+one); the data is not, chunk by chunk: the origin line (MAC'd) carries the SHA-256 of the
+data its node signed, and the receiver hashes what it received before the copy is valid, so
+a byte altered in transit is refused as surely, at the end of the copy rather than at its
+chunk. (v4 MAC'd each chunk as well: a second SHA-256 pass over the data on each side, a
+third of the sender's CPU per copy, which spaced the replicas out and cost a lost node's
+ranks a step or two more. v3 was v2 with 256 KiB chunks instead of 8 MiB: a copy's chunk
+went through three buffer copies of its whole size on each side; a 1.5 MB copy took 3.2 ms
+of the sender's CPU and 5.3 ms of the buddy's, about 2.1 and 3.5 ms in 256 KiB chunks. v4
+was v3 with the origin line. An older peer is refused with the version it speaks.)
 """
 
 from __future__ import annotations
@@ -71,8 +76,7 @@ log = structlog.get_logger(__name__)
 SEND_CHUNK = 256 << 10
 MAX_HEADER = 4096
 MAX_MANIFEST = 16 << 20  # a manifest lists tensors and small values: far below this
-MAC_LEN = 32
-PROTOCOL = 4
+PROTOCOL = 5
 
 
 class ReplicaRefused(ValueError):
@@ -110,7 +114,7 @@ class SendResult:
 
 
 class _Framing:
-    """Per-connection MACs (keyed mode): lines and chunks, per direction and sequence."""
+    """Per-connection MACs (keyed mode) of the JSON lines, per direction and sequence."""
 
     def __init__(self, key: bytes | None, snonce: bytes, cnonce: bytes, *, server: bool) -> None:
         self.reset(key, snonce, cnonce, server=server)
@@ -147,20 +151,6 @@ class _Framing:
             )
         self.received += 1
         return obj
-
-    def chunk_mac(self, chunk: bytes) -> bytes:
-        if self.key is None:
-            return b""
-        mac = self._mac(self.out_dir, self.sent, chunk)
-        self.sent += 1
-        return mac
-
-    def check_chunk(self, chunk: bytes, mac: bytes) -> None:
-        if self.key is None:
-            return
-        if not hmac.compare_digest(mac, self._mac(self.in_dir, self.received, chunk)):
-            raise ReplicaRefused("replica data fails its MAC (altered or forged in transit)")
-        self.received += 1
 
 
 def _parse_line(line: bytes) -> dict[str, Any]:
@@ -239,8 +229,9 @@ async def _stream_into_slot(
     mismatch (the slot stays invalid; the newest copy is untouched).
 
     Raises:
-        ReplicaRefused: not enough room on the tmpfs, or a chunk fails its MAC.
-        copysig.BadSignature: the copy is not signed by `origin.node`.
+        ReplicaRefused: not enough room on the tmpfs.
+        copysig.BadSignature: the copy is not signed by `origin.node`, or its data is not
+            the data signed (altered in transit: the chunks carry no MAC of their own).
     """
     secure_dir(rank_dir)
     nbytes = manifest.data_nbytes
@@ -265,8 +256,6 @@ async def _stream_into_slot(
     with os.fdopen(fd, "wb") as f:
         while got < nbytes:
             chunk = await reader.readexactly(min(SEND_CHUNK, nbytes - got))
-            if framing.key is not None:
-                framing.check_chunk(chunk, await reader.readexactly(MAC_LEN))
             hasher.update(chunk)
             sha.update(chunk)
             f.write(chunk)
@@ -287,10 +276,10 @@ async def _stream_into_slot(
 
 
 async def _send_data(
-    path: Path, nbytes: int, writer: asyncio.StreamWriter, framing: _Framing, flip: int | None
+    path: Path, nbytes: int, writer: asyncio.StreamWriter, flip: int | None
 ) -> bytes:
-    """Write a slot's data (and, keyed, each chunk's MAC) to `writer`; returns the
-    SHA-256 of the data read (before any injected flip). Each chunk is a new object: a
+    """Write a slot's data to `writer`; returns the SHA-256 of the data read (before any
+    injected flip: what the origin record signs). Each chunk is a new object: a
     transport may hold on to what it could not send yet (TLS always does)."""
     sent, sha = 0, hashlib.sha256()
     with open(path, "rb") as f:
@@ -304,10 +293,7 @@ async def _send_data(
                 b = bytearray(chunk)
                 b[flip - sent] ^= 0x01
                 chunk = bytes(b)
-            mac = framing.chunk_mac(chunk)  # of what is sent: a flipped bit fails the checksum
             writer.write(chunk)
-            if mac:
-                writer.write(mac)
             await writer.drain()
             sent += want
     return sha.digest()
@@ -511,7 +497,7 @@ class ReplicaServer:
                     "manifest_sha256": hashlib.sha256(head).hexdigest(),
                 }
                 writer.write(fr.line(hdr) + head)
-                await _send_data(ref.data_path, m.data_nbytes, writer, fr, None)
+                await _send_data(ref.data_path, m.data_nbytes, writer, None)
                 try:  # the sender's signature, as it came (none: the fetcher refuses it)
                     rec = copysig.load(copysig.record_path(ref.rank_dir, ref.slot).read_bytes())
                 except OSError:
@@ -740,7 +726,7 @@ async def send_copy(
                 "cnonce": cnonce,
             }
             writer.write(fr.line(hdr) + head)
-            data_sha = await _send_data(ref.data_path, m.data_nbytes, writer, fr, flip_bit_at)
+            data_sha = await _send_data(ref.data_path, m.data_nbytes, writer, flip_bit_at)
             rec = signer.sign(node, hashlib.sha256(head).digest(), data_sha)
             writer.write(fr.line({"origin": rec}))
             reply = await _reply(reader, fr)

@@ -138,9 +138,9 @@ def test_copy_damaged_in_transit_is_refused(nodes: tuple[FlashOwner, FlashOwner]
 def test_a_copy_of_many_chunks_travels_whole_and_a_flip_in_a_late_chunk_is_refused(
     nodes: tuple[FlashOwner, FlashOwner], tmp_path: Path
 ) -> None:
-    """A copy several `SEND_CHUNK`s long and not a multiple of it (every chunk with its own
-    MAC in sequence): stored and fetched back bit for bit; one bit flipped in its last
-    chunk fails the checksum and the earlier replica stays."""
+    """A copy several `SEND_CHUNK`s long and not a multiple of it: stored and fetched back
+    bit for bit; one bit flipped in its last chunk fails the checksum and the earlier
+    replica stays."""
     a, b = nodes
     n = (4 * SEND_CHUNK + 4100) // 4  # float32s: four whole chunks and a ragged end
     states = {s: {"w": torch.randn(n, generator=torch.Generator().manual_seed(s))} for s in (1, 2)}

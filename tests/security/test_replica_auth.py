@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from unbroken.driver.certs import issue, make_ca
+from unbroken.recovery import replica as replica_mod
 from unbroken.recovery.flash import FlashWriter
-from unbroken.recovery.flashcopy import read_copy, read_manifest, replica_store, slots
+from unbroken.recovery.flashcopy import read_copy, read_manifest, replica_store, seal, slots
 from unbroken.recovery.flashowner import FlashConfig, FlashOwner
 from unbroken.recovery.replica import PROTOCOL, ReplicaServer, fetch_replica, send_copy
 from unbroken.recovery.replicaauth import ReplicaAuth, ReplicaConfig
@@ -405,8 +406,8 @@ def test_a_copy_refused_after_its_bytes_landed_leaves_no_valid_slot(
 ) -> None:
     """The buddy writes a received copy over its free slot in place (no truncation first).
     A copy whose bytes fail the checksum after they were written (one bit flipped in
-    transit, each chunk's MAC valid) must leave that slot without a manifest, so the older
-    bytes under it never pass for a copy, and the newest copy intact and verified."""
+    transit) must leave that slot without a manifest, so the older bytes under it never
+    pass for a copy, and the newest copy intact and verified."""
     a, b = owners["a"], owners["b"]
     store = replica_store("node-a")
 
@@ -477,3 +478,48 @@ def test_idle_connections_without_a_credential_do_not_hold_the_buddy(
             await server.stop()
 
     asyncio.run(go())
+
+
+def test_data_altered_in_transit_is_refused_even_when_its_checksum_still_matches(
+    owners: dict[str, FlashOwner], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The data chunks carry no MAC of their own (v5): what binds them is the SHA-256 the
+    origin node signed, in the MAC'd origin line. xxh3 is no defence against a forger, so
+    here the buddy's checksum is made to pass whatever arrives (an attacker who found a
+    collision): a byte altered in transit is still refused, by the signature, and the
+    buddy's earlier replica stays the newest."""
+    a, b = owners["a"], owners["b"]
+    store = replica_store("node-a")
+
+    async def go() -> None:
+        server = ReplicaServer(b, KEYED)
+        port = await server.start()
+        try:
+            _copy(a, 1)
+            assert (await send_copy(a.newest(0), "node-a", "127.0.0.1", port, config=KEYED)).ok  # type: ignore[arg-type]
+            _copy(a, 2)
+            want = seal(a.newest(0)).checksum  # type: ignore[arg-type]
+
+            class Colliding:  # every stream hashes to the manifest's checksum
+                def update(self, _chunk: bytes) -> None:
+                    pass
+
+                def intdigest(self) -> int:
+                    return want
+
+            monkeypatch.setattr(replica_mod, "new_hasher", Colliding)
+            bad = await send_copy(
+                a.newest(0),  # type: ignore[arg-type]
+                "node-a",
+                "127.0.0.1",
+                port,
+                config=KEYED,
+                flip_bit_at=5000,
+            )
+            assert not bad.ok and not bad.corrupt, bad
+            assert "not the data it signed" in bad.error, bad.error
+        finally:
+            await server.stop()
+
+    asyncio.run(go())
+    assert [r.manifest.step for r in b.copies(store)[0]] == [1]
