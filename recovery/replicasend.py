@@ -13,7 +13,6 @@ import time
 
 import structlog
 
-from unbroken.common.loopthread import runqueue_wait_s
 from unbroken.common.sdckeys import SDC_META
 from unbroken.recovery.flashcopy import CopyRef, CorruptCopyError, list_copies, read_copy
 from unbroken.recovery.flashowner import FlashOwner
@@ -29,13 +28,14 @@ REPLICA_MARGIN = 3
 IDLE_FLUSH_S = 1.0
 # A replica is never older than about this when saves are slower than the ring's spacing.
 REPLICA_EVERY_S = 1.0
-#: The share of the agent's time that sending replicas may take. While the last sends cost
-#: less (a small state: milliseconds a copy), every newer copy goes at the next tick, so a
-#: lost node's ranks restore a step or two back, not up to `k - REPLICA_MARGIN` saves (bench
-#: recovery, tiny model, 0.1 s steps, a ring of 16: node loss lost 2-10 steps, median 6).
-#: Not higher by default: at 0.2 the tiny model's 1.5 MB copies went every step and a lost
-#: node lost 1 step, but the steps with flash saves ran at 0.83-0.85 of those without, where
-#: 0.05 gave 0.92-0.98 in the same rounds (`--replica-duty`; docs/in-job-recovery.md).
+#: The share of the agent's time that sending replicas may take: the sends' CPU time on the
+#: flash thread over the time between them. While the last sends cost less (a small state:
+#: milliseconds a copy), every newer copy goes at the next tick, so a lost node's ranks
+#: restore a step or two back, not up to `k - REPLICA_MARGIN` saves (bench recovery, tiny
+#: model, 0.06 s steps, a ring of 16: node loss lost 1 step, median of 5). Not higher by
+#: default: at 0.2 (of the wall time, as it was measured then) the steps with flash saves ran
+#: at 0.83-0.85 of those without, where 0.05 gave 0.92-0.98 in the same rounds, and 0.05 of
+#: the CPU time 0.90-1.02, median 0.946 (`--replica-duty`; docs/in-job-recovery.md).
 REPLICA_DUTY = 0.05
 # After a failed send a rank's next try waits this long, doubling per failure up to the cap.
 RETRY_FIRST_S = 0.1
@@ -53,7 +53,7 @@ class ReplicaSender:
     survivors' rings turn at the same pace as this one), while the agent spends a fraction
     of the CPU it would copying every step. A copy no newer save has followed for
     `IDLE_FLUSH_S` goes at once: when training pauses or stops, the last copy is the one
-    worth having. And while the sends cost little (their measured time stays under
+    worth having. And while the sends cost little (their CPU time stays under
     `REPLICA_DUTY` of the time between them), every newer copy goes: the spacing is for
     states whose copies are costly. The agent calls `tick()` on its poll timer.
 
@@ -137,8 +137,8 @@ class ReplicaSender:
             refs = listed.get(rank) if listed is not None else None
             by_rank[rank] = refs if refs is not None else list_copies(self.owner.rank_dir(rank))
         t0 = time.monotonic()
+        cpu0 = time.thread_time()
         picked = self.picks(by_rank, t0)
-        waited0 = runqueue_wait_s() if picked else 0.0  # a /proc read only when sending
         for rank, ref in picked.items():
             host, port = self.buddy
             res = await send_copy(
@@ -150,12 +150,14 @@ class ReplicaSender:
             self._settle(rank, ref, res, time.monotonic(), local_ok=local_ok)
             results.append(res)
         if results and all(r.ok for r in results):
-            # what the sends occupied: the wall time less the time this thread waited for
-            # a CPU (at --flash-nice 19 on a busy host, most of it). Counted in, a starved
-            # flash thread measured 50-100 ms a send and spaced the sends to one a second:
-            # a lost node's ranks went back up to 10 steps (bench recovery, node loss)
-            done = time.monotonic()
-            self.sent(max(0.0, done - t0 - (runqueue_wait_s() - waited0)), done)
+            # what the sends occupied: this thread's CPU time, not the wall time. The wall
+            # time is mostly waiting on a busy host: for a CPU (at --flash-nice 19, most of
+            # it), and for the buddy's flash thread, as low in priority, to take the copy in.
+            # Counted in, a send measured 20-80 ms against 3-9 ms of CPU, and a lost node's
+            # ranks went back 7-10 steps (bench recovery, node loss; with the own wait
+            # taken out but not the buddy's); before that, a starved thread measured 50-100
+            # ms a send and spaced the sends to one a second
+            self.sent(time.thread_time() - cpu0, time.monotonic())
         return results
 
     def sent(self, took_s: float, now: float) -> None:
