@@ -278,7 +278,7 @@ class NodeFlash:
         )
         self.server = ReplicaServer(self.owner, self.replica_cfg)
         # as a buddy: the SDC third opinion on each fingerprinted copy it receives
-        self.opinions = BuddyOpinions()
+        self.opinions = BuddyOpinions(helper=True)  # torch in a helper process, not here
         self.server.on_stored = self.opinions.form
         self.port = 0
         self.persister: Persister | None = None
@@ -698,6 +698,7 @@ class NodeFlash:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await self.server.stop()
+        self.opinions.close()
         if self.persister is not None:
             try:
                 await asyncio.to_thread(self.persister.close, 30.0)
