@@ -185,9 +185,9 @@ class NodeFlashConfig:
             "flag": "--replica-duty",
             "group": "flash checkpoints",
             "help": "the share of the time (0-1] sending copies to the buddy may occupy "
-            "(CPU and network, not waits for a CPU): while sends cost less, every newer copy "
-            "goes, and a lost node's ranks restore a step or so back; lower it where the "
-            "copies are large and the network is the training's",
+            "(the sending thread's CPU time): while sends cost less, every newer copy goes, "
+            "and a lost node's ranks restore a step or so back; lower it where the copies "
+            "are large and the link is slower than the sender hashes (~1-2 GB/s)",
         },
     )
     replica_timeout_s: float = field(
