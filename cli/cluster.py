@@ -97,13 +97,19 @@ def until(
     return value
 
 
-def is_check_process(p: psutil.Process) -> bool:
-    """Whether an agent's child is a check process (`unbroken.diagnostics.check`, the warm
-    one included), not a worker."""
+#: What a helper of the agent's own runs (recovery/sdcbuddy.py: the SDC opinion helper, a
+#: `concurrent.futures` process, and the resource tracker multiprocessing starts with it).
+HELPER_MODULES = ("multiprocessing.spawn", "multiprocessing.resource_tracker")
+
+
+def is_agent_helper(p: psutil.Process) -> bool:
+    """Whether an agent's child is one of its helpers, not a worker: a check process
+    (`unbroken.diagnostics.check`, the warm one included) or the SDC opinion helper."""
     try:
-        return CHECK_MODULE in p.cmdline()
+        cmd = p.cmdline()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
+    return CHECK_MODULE in cmd or any(m in a for a in cmd for m in HELPER_MODULES)
 
 
 def signal_group(p: subprocess.Popen[bytes] | None, sig: int) -> None:
@@ -400,13 +406,13 @@ class LocalCluster:
         return self.procs.pop(name)
 
     def workers(self, node: str) -> list[psutil.Process]:
-        """The node's worker processes (its agent's children but its warm check process),
-        oldest first."""
+        """The node's worker processes (its agent's children but its helpers: the warm check
+        process, the SDC opinion helper), oldest first."""
         p = self.procs.get(node)
         if p is None or p.poll() is not None:
             return []
         with contextlib.suppress(psutil.NoSuchProcess):
-            kids = [k for k in psutil.Process(p.pid).children() if not is_check_process(k)]
+            kids = [k for k in psutil.Process(p.pid).children() if not is_agent_helper(k)]
             return sorted(kids, key=lambda k: k.create_time())
         return []
 

@@ -38,7 +38,7 @@ import psutil
 import pytest
 
 from tests.integration.trainenv import plain_worker_env
-from unbroken.cli.cluster import is_check_process
+from unbroken.cli.cluster import is_agent_helper
 from unbroken.diagnostics.check import free_port
 from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore
 from unbroken.driver.liveview import LiveViewConfig
@@ -208,7 +208,7 @@ class Cluster:
 
     def worker(self, node: str) -> psutil.Process:
         kids = psutil.Process(self.agents[node].pid).children()
-        kids = [k for k in kids if not is_check_process(k)]  # the warm check is no worker
+        kids = [k for k in kids if not is_agent_helper(k)]  # the checks, the opinion helper
         assert len(kids) == 1, kids
         return kids[0]
 

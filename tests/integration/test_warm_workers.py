@@ -35,7 +35,7 @@ from tests.jobs import TRAIN, reference
 from unbroken.agent import warm as warmlib
 from unbroken.agent.launch import WorkerSpec
 from unbroken.agent.workers import Supervisor
-from unbroken.cli.cluster import is_check_process, until
+from unbroken.cli.cluster import is_agent_helper, until
 
 pytestmark = pytest.mark.integration
 
@@ -254,7 +254,7 @@ def test_crashed_worker_restarts_warm_and_training_continues(
         kids = [
             p
             for p in psutil.Process(procs["agent"].pid).children()
-            if p.pid not in spare_pids and not is_check_process(p)
+            if p.pid not in spare_pids and not is_agent_helper(p)
         ]
         assert len(kids) == 2, kids
         # both standbys imported (their imports load the host: a rank slowed then is flagged
