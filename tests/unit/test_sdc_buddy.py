@@ -4,11 +4,7 @@ driver's judge names the rank whose own report differs from its buddy's."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -91,51 +87,6 @@ def test_the_buddys_recomputation_of_a_copy_equals_the_ranks_report(owner: Flash
     assert dict(zip(msg.fingerprint.keys, msg.fingerprint.hashes, strict=True)) == {
         k: v & ((1 << 64) - 1) for k, v in op.fingerprints.items()
     }
-
-
-# An agent's side, in a process of its own (no torch imported, as in an agent): the helper
-# forms the opinion, a helper killed mid-job costs one opinion and the next helper forms the
-# next one.
-_AGENT_SIDE = """
-import json, os, signal, sys
-from pathlib import Path
-from unbroken.recovery.flashcopy import find_copy
-from unbroken.recovery.sdcbuddy import BuddyOpinions
-ref = find_copy(Path(sys.argv[1]), int(sys.argv[2]))
-b = BuddyOpinions(helper=True)
-first = b.form("n0", ref)
-for p in list(b._pool._processes.values()):
-    os.kill(p.pid, signal.SIGKILL)
-    p.join(10)
-broken = b.form("n0", ref)
-again = b.form("n0", ref)
-b.close()
-print(json.dumps({"torch": "torch" in sys.modules, "first": first.fingerprints,
-                  "broken": broken.error, "again": again.fingerprints}))
-"""
-
-
-def test_an_agents_opinions_come_from_a_helper_process_and_outlive_its_death(
-    owner: FlashOwner,
-) -> None:
-    """The agent imports no torch: its first opinion used to import it in one of its
-    threads, holding the interpreter's lock long enough to stop its heartbeats for 0.5-1.1 s
-    (a promoted spare, at every node loss of a bench run)."""
-    t = _Trainer()
-    _, ref = _save_fingerprinted(owner, t, 10)
-    inline = BuddyOpinions().form("n0", ref)
-    assert inline is not None and not inline.error
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", _AGENT_SIDE, str(owner.rank_dir(0)), "10"],
-        capture_output=True, text=True, timeout=300, env=env, check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["torch"] is False  # nothing in the agent's process imported it
-    assert got["first"] == inline.fingerprints
-    assert "the opinion helper failed" in got["broken"], got["broken"]
-    assert got["again"] == got["first"]
 
 
 def test_a_flip_in_the_copy_alone_is_named_by_the_buddy(owner: FlashOwner) -> None:

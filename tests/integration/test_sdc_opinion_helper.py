@@ -1,0 +1,62 @@
+"""The SDC buddy's opinions in an agent: formed in a helper process, never in the agent's own
+(recovery/sdcbuddy.py), and a helper's death costs one opinion."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.unit.test_sdc_buddy import _save_fingerprinted, _Trainer, owner  # noqa: F401
+from unbroken.recovery.flashowner import FlashOwner
+from unbroken.recovery.sdcbuddy import BuddyOpinions
+
+pytestmark = pytest.mark.integration
+
+
+# An agent's side, in a process of its own (no torch imported, as in an agent): the helper
+# forms the opinion, a helper killed mid-job costs one opinion and the next helper forms the
+# next one.
+_AGENT_SIDE = """
+import json, os, signal, sys
+from pathlib import Path
+from unbroken.recovery.flashcopy import find_copy
+from unbroken.recovery.sdcbuddy import BuddyOpinions
+ref = find_copy(Path(sys.argv[1]), int(sys.argv[2]))
+b = BuddyOpinions(helper=True)
+first = b.form("n0", ref)
+for p in list(b._pool._processes.values()):
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+broken = b.form("n0", ref)
+again = b.form("n0", ref)
+b.close()
+print(json.dumps({"torch": "torch" in sys.modules, "first": first.fingerprints,
+                  "broken": broken.error, "again": again.fingerprints}))
+"""
+
+
+def test_an_agents_opinions_come_from_a_helper_process_and_outlive_its_death(
+    owner: FlashOwner,  # noqa: F811  (the fixture imported above)
+) -> None:
+    """The agent imports no torch: its first opinion used to import it in one of its
+    threads, holding the interpreter's lock long enough to stop its heartbeats for 0.5-1.1 s
+    (a promoted spare, at every node loss of a bench run)."""
+    t = _Trainer()
+    _, ref = _save_fingerprinted(owner, t, 10)
+    inline = BuddyOpinions().form("n0", ref)
+    assert inline is not None and not inline.error
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", _AGENT_SIDE, str(owner.rank_dir(0)), "10"],
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["torch"] is False  # nothing in the agent's process imported it
+    assert got["first"] == inline.fingerprints
+    assert "the opinion helper failed" in got["broken"], got["broken"]
+    assert got["again"] == got["first"]
