@@ -7,14 +7,21 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
-from tests.unit.test_sdc_buddy import _save_fingerprinted, _Trainer, owner  # noqa: F401
+from tests.sdcharness import Trainer, save_fingerprinted, shm_owner
 from unbroken.recovery.flashowner import FlashOwner
 from unbroken.recovery.sdcbuddy import BuddyOpinions
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def owner() -> Iterator[FlashOwner]:
+    with shm_owner() as o:
+        yield o
 
 
 # An agent's side, in a process of its own (no torch imported, as in an agent): the helper
@@ -40,13 +47,13 @@ print(json.dumps({"torch": "torch" in sys.modules, "first": first.fingerprints,
 
 
 def test_an_agents_opinions_come_from_a_helper_process_and_outlive_its_death(
-    owner: FlashOwner,  # noqa: F811  (the fixture imported above)
+    owner: FlashOwner,
 ) -> None:
     """The agent imports no torch: its first opinion used to import it in one of its
     threads, holding the interpreter's lock long enough to stop its heartbeats for 0.5-1.1 s
     (a promoted spare, at every node loss of a bench run)."""
-    t = _Trainer()
-    _, ref = _save_fingerprinted(owner, t, 10)
+    t = Trainer()
+    _, ref = save_fingerprinted(owner, t, 10)
     inline = BuddyOpinions().form("n0", ref)
     assert inline is not None and not inline.error
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

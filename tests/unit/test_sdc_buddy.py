@@ -4,20 +4,16 @@ driver's judge names the rank whose own report differs from its buddy's."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
-import torch
 
+from tests.sdcharness import Trainer, save_fingerprinted, shm_owner
 from unbroken.common.sdckeys import REPLAY_SS, bits_float, float_bits, replay_agrees
 from unbroken.driver import sdc as sdclib
 from unbroken.recovery.flash import FlashWriter
 from unbroken.recovery.flashcopy import find_copy
-from unbroken.recovery.flashowner import FlashConfig, FlashOwner
-from unbroken.recovery.flashplan import Snapshot
+from unbroken.recovery.flashowner import FlashOwner
 from unbroken.recovery.sdcbuddy import BuddyOpinions, opinion_messages
 from unbroken.recovery.statehash import SDC_META
 from unbroken.trainer import sdc
@@ -25,54 +21,15 @@ from unbroken.trainer import sdc
 pytestmark = pytest.mark.unit
 
 
-class _Trainer:
-    """A model and its AdamW, stepped a few times (the Fingerprinter's view of a trainer)."""
-
-    def __init__(self, seed: int = 0) -> None:
-        torch.manual_seed(seed)
-        self.model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
-        self.optimizers = [torch.optim.AdamW(self.model.parameters(), lr=1e-2)]
-        for _ in range(3):
-            self.model(torch.randn(4, 16)).square().sum().backward()
-            self.optimizers[0].step()
-            self.optimizers[0].zero_grad()
-
-    def state(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optim": self.optimizers[0].state_dict()}
-
-
 @pytest.fixture
 def owner() -> Iterator[FlashOwner]:
-    root = tempfile.mkdtemp(prefix="ub-test-", dir="/dev/shm")
-    try:
-        yield FlashOwner(FlashConfig(root=root, job="sdc-buddy"))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def _save_fingerprinted(
-    owner: FlashOwner, t: _Trainer, step: int, *, flip_in_copy: bool = False
-) -> tuple[dict[str, int], Any]:
-    """Fingerprint `t` as a rank does, save its copy marked for the buddy; returns the
-    rank's report and the copy."""
-    w = FlashWriter(0, owner)
-    snap = Snapshot(key=1, full=t.state, fresh=dict)
-    w.save(snap, step=step - 1).wait()  # a first save plans the copy (as training does)
-    fp = sdc.Fingerprinter(t)
-    report = fp.compute()
-    meta = fp.copy_meta(step, w.entry_names)
-    assert meta is not None
-    at = sdc.flip_bit(t, tensor="o0.g0.p2", bit=27, seed=3)[1] if flip_in_copy else None
-    w.save(snap, step=step, meta={SDC_META: meta}).wait()
-    if at is not None:  # the live state right again: the flip is in the copy alone
-        sdc.flip_bit(t, at=at)
-    w.close()
-    return report, find_copy(owner.rank_dir(0), step)
+    with shm_owner() as o:
+        yield o
 
 
 def test_the_buddys_recomputation_of_a_copy_equals_the_ranks_report(owner: FlashOwner) -> None:
-    t = _Trainer()
-    report, ref = _save_fingerprinted(owner, t, 10)
+    t = Trainer()
+    report, ref = save_fingerprinted(owner, t, 10)
     buddy = BuddyOpinions()
     op = buddy.form("n0", ref)
     assert op is not None and not op.error, op
@@ -90,8 +47,8 @@ def test_the_buddys_recomputation_of_a_copy_equals_the_ranks_report(owner: Flash
 
 
 def test_a_flip_in_the_copy_alone_is_named_by_the_buddy(owner: FlashOwner) -> None:
-    t = _Trainer()
-    report, ref = _save_fingerprinted(owner, t, 10, flip_in_copy=True)
+    t = Trainer()
+    report, ref = save_fingerprinted(owner, t, 10, flip_in_copy=True)
     assert sdc.Fingerprinter(t).compute() == report  # the live state is right
     op = BuddyOpinions().form("n0", ref)
     assert op is not None and not op.error
@@ -100,11 +57,11 @@ def test_a_flip_in_the_copy_alone_is_named_by_the_buddy(owner: FlashOwner) -> No
 
 
 def test_a_wrong_matmul_on_the_rank_is_named_by_the_replay(owner: FlashOwner) -> None:
-    t = _Trainer()
+    t = Trainer()
     fault = sdc.MatmulFault()
     fault.set(1e-3)
     try:
-        report, ref = _save_fingerprinted(owner, t, 10)
+        report, ref = save_fingerprinted(owner, t, 10)
     finally:
         fault.set(0)
     op = BuddyOpinions().form("n0", ref)
@@ -115,7 +72,7 @@ def test_a_wrong_matmul_on_the_rank_is_named_by_the_replay(owner: FlashOwner) ->
 
 
 def test_a_copy_without_its_tensors_gives_an_error_not_an_opinion(owner: FlashOwner) -> None:
-    t = _Trainer()
+    t = Trainer()
     w = FlashWriter(0, owner)
     meta = {"step": 5, "keys": [["all", ["model.nothing"]]], "params": []}
     w.save(t.state(), step=5, meta={SDC_META: meta}).wait()
