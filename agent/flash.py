@@ -64,13 +64,19 @@ from unbroken.recovery.sources import PERSIST_EVERY_S
 
 log = structlog.get_logger(__name__)
 # The flash thread's nice value. A synchronous job on busy cores runs at the pace of its
-# slowest rank: a replica send (about 5 ms of hashing and copying per 1.5 MB on each side)
-# at the workers' priority delayed whichever rank shared its core, and the tiny model's
-# steps with flash saves ran at 0.85-0.90 of the steps without (bench-recovery's throughput
-# pairs). On this thread at nice 19: median 1.00 over six pairs.
+# slowest rank: a replica send (a few ms of hashing and copying per 1.5 MB on each side) at
+# the workers' priority delays whichever rank shares its core. At nice 19 its work fills idle
+# time; `--replica-duty` bounds the sends' CPU time at any nice value. In alternating runs of
+# bench-recovery's ab phase (2026-12-02, load 3-5) the steps with flash saves ran at 0.894 and
+# 0.899 of those without at nice 19, 0.902 and 0.905 at 10, 0.933 and 0.899 at 5: no cost
+# resolved; the in-job node loss resumed in 1.04 s at 19 and 1.26 s at 5 (median of 5 each,
+# run after run at load 6-8): not lowered. Persistence runs at 19 whatever this is.
 IO_NICE = 19
+# The persister's thread: writing and reading back whole copies is bulk work that waits for
+# idle CPU time on every setting of the flash thread's.
+PERSIST_NICE = 19
 # A flash thread that finished no ring scan for this long is starved (said once, from the
-# agent's own loop): at nice 19 it gets little CPU where every core is busy.
+# agent's own loop): at a high nice value it gets little CPU where every core is busy.
 STARVED_S = 5.0
 REPLICA_PREFIX = replica_store("x")[:-1]  # "replica-": a store of another node's copies
 MAX_HELD_RANKS = 256  # replica holdings reported per heartbeat
@@ -199,9 +205,10 @@ class NodeFlashConfig:
         metadata={
             "flag": "--flash-nice",
             "group": "flash checkpoints",
-            "help": "nice value of the agent's flash thread (replication to the buddy, "
-            "persistence, ring scans), 0-19: above the workers' so that on a node whose cores "
-            "train, this work fills idle time instead of delaying a step; 0: the agent's own",
+            "help": "nice value of the agent's flash thread (replication to the buddy, ring "
+            "scans), 0-19: above the workers' so that on a node whose cores train, this work "
+            "fills idle time instead of delaying a step (persistence runs at 19 whatever this "
+            "is); 0: the agent's own",
         },
     )
     replica_key: bytes | None = field(
@@ -371,7 +378,7 @@ class NodeFlash:
                 # The buddy may not be up yet (first start of the job): nothing to get back.
                 log.info("flash.no_buddy_replica", buddy=self.config.buddy, error=str(e))
         self.persister = Persister(
-            PersistConfig(url=self.config.persist_url),
+            PersistConfig(url=self.config.persist_url, nice=PERSIST_NICE),
             self._on_persisted,
             self._on_persist_error,
         )
@@ -641,8 +648,8 @@ class NodeFlash:
     def starved(self, now: float) -> bool:
         """Called from the agent's own loop (its priority, not the flash thread's): True,
         and a warning once per episode, while the flash thread has not finished a scan in
-        `STARVED_S`. At nice 19 it gets little CPU on a node whose cores are all busy (data
-        loaders on every core): replication and persistence wait, and the operator should
+        `STARVED_S`. At a high nice value it gets little CPU on a node whose cores are all busy
+        (data loaders on every core): replication waits, and the operator should
         see it (`unbroken_agent_flash_scan_age_seconds`)."""
         age = self.scan_age_s(now)
         late = age > max(STARVED_S, 10 * self.config.poll_ms / 1000.0)
@@ -651,8 +658,8 @@ class NodeFlash:
                 "flash.starved",
                 seconds=round(age, 1),
                 nice=self.config.io_nice,
-                why="the flash thread got no CPU: replicas and persistence wait for idle "
-                "CPU time (a lower --flash-nice gives it some under load)",
+                why="the flash thread finished no ring scan: it gets no CPU (a lower "
+                "--flash-nice gives it more under load) or waits on its buddy; replicas wait",
             )
         elif not late and self._starved_said:
             log.info("flash.scanning_again", after_s=round(age, 1))

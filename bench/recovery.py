@@ -1333,6 +1333,15 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --phases takes modes, cold, faults, ettr, throughput and ab", file=sys.stderr)
         return 2
     ns.run_dir = ns.run_dir or time.strftime("runs/bench-recovery-%Y%m%d-%H%M%S")
+    if Path(ns.run_dir).is_dir() and any(Path(ns.run_dir).iterdir()):
+        # its clusters' etcd data would be used again: the drivers replayed the earlier
+        # run's job (its steps, nodes and checkpoints), and a node loss "lost" 394 steps
+        print(
+            f"error: --run-dir {ns.run_dir} holds an earlier run (its etcd would be replayed);"
+            " name a new or empty directory",
+            file=sys.stderr,
+        )
+        return 2
     t0 = time.monotonic()
     try:
         out = asyncio.run(_cancel_on_sigterm(run(ns)))

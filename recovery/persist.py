@@ -36,6 +36,7 @@ import fsspec
 import structlog
 
 from unbroken.common import workerenv
+from unbroken.common.loopthread import lower_this_thread
 from unbroken.recovery import dcpformat
 from unbroken.recovery.flashcopy import (
     PERSIST_META,
@@ -82,6 +83,9 @@ class PersistConfig:
     keep: int = 3  # committed steps kept in storage
     queue_size: int = 64  # pending persist requests; older requests are dropped when full
     verify_readback: bool = True  # re-read each written file and check its checksum
+    # the writing thread's nice value (0: the starting thread's): bulk writes that wait for
+    # idle CPU time rather than delay a training step (the agent: 19)
+    nice: int = 0
 
     def __post_init__(self) -> None:
         if not self.url:
@@ -90,6 +94,8 @@ class PersistConfig:
             raise ValueError(f"PersistConfig.keep must be >= 1, got {self.keep}")
         if self.queue_size < 1:
             raise ValueError(f"PersistConfig.queue_size must be >= 1, got {self.queue_size}")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"PersistConfig.nice must be in [0, 19], got {self.nice}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -529,6 +535,8 @@ class Persister:
         return p
 
     def _run(self) -> None:
+        if self.config.nice:
+            lower_this_thread(self.config.nice)
         while True:
             item = self._queue.get()
             if item is None:

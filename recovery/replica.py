@@ -316,10 +316,19 @@ class ReplicaServer:
         self.senders: set[str] | None = None
         self.received = 0
         self.refused = 0
-        # called with (node, copy) after each stored copy, on a thread, while the rank's
-        # slot lock is held (no newer copy overwrites it meanwhile): the SDC buddy check
+        # called with (node, copy) after a stored copy, on a thread: the SDC buddy check. One
+        # check at a time per rank, and never in the stream's way: a copy stored while its
+        # rank's check runs waits for it (only the newest such copy), and the next copies
+        # are received meanwhile, so the check must see for itself that its copy's slot was
+        # not written over (the ring of two slots reuses it two copies later). Held under
+        # the rank's receive lock, a check whose helper imported torch or got no CPU for
+        # seconds held back every copy of that rank, the sender's flash thread waited on
+        # its send as long, and a bad node evicted then restored 57 steps back
+        # (bench-recovery ETTR run, MTBF 20 s, 2026-12-02).
         self.on_stored: Callable[[str, CopyRef], object] | None = None
         self._after: set[asyncio.Task[None]] = set()
+        # rank dir -> the copy waiting for that rank's running check (None: none waits)
+        self._checking: dict[Path, tuple[str, CopyRef] | None] = {}
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Listen; returns the bound port (pass 0 for a free one)."""
@@ -523,10 +532,7 @@ class ReplicaServer:
                 reader, fr, rank_dir, manifest, self.config.headroom_bytes, origin
             )
             if ref is not None and self.on_stored is not None:
-                # queued on the lock now, before any newer copy of this rank
-                task = asyncio.create_task(self._call_on_stored(lock, node, ref))
-                self._after.add(task)
-                task.add_done_callback(self._after.discard)
+                self._check(rank_dir, node, ref)
         if ref is None:
             return {
                 "ok": False,
@@ -537,15 +543,28 @@ class ReplicaServer:
         log.info("replica.stored", node=node, rank=rank, step=manifest.step, bytes=dlen)
         return {"ok": True, "error": ""}
 
-    async def _call_on_stored(self, lock: asyncio.Lock, node: str, ref: CopyRef) -> None:
-        async with lock:
-            fn = self.on_stored
-            if fn is None:
-                return
-            try:
-                await asyncio.to_thread(fn, node, ref)
-            except Exception:
-                log.exception("replica.on_stored_failed", node=node, rank=ref.manifest.rank)
+    def _check(self, rank_dir: Path, node: str, ref: CopyRef) -> None:
+        """Have `on_stored` check `ref` once the rank's running check, if any, is done."""
+        if rank_dir in self._checking:  # one runs: this copy waits, in place of an older one
+            self._checking[rank_dir] = (node, ref)
+            return
+        self._checking[rank_dir] = None
+        task = asyncio.create_task(self._checks(rank_dir, (node, ref)))
+        self._after.add(task)
+        task.add_done_callback(self._after.discard)
+
+    async def _checks(self, rank_dir: Path, first: tuple[str, CopyRef]) -> None:
+        item: tuple[str, CopyRef] | None = first
+        try:
+            while item is not None and (fn := self.on_stored) is not None:
+                node, ref = item
+                try:
+                    await asyncio.to_thread(fn, node, ref)
+                except Exception:
+                    log.exception("replica.on_stored_failed", node=node, rank=ref.manifest.rank)
+                item, self._checking[rank_dir] = self._checking.get(rank_dir), None
+        finally:
+            self._checking.pop(rank_dir, None)
 
 
 def _peercert(writer: asyncio.StreamWriter) -> dict[str, Any] | None:

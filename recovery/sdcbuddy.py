@@ -41,7 +41,13 @@ import structlog
 from unbroken.common.sdckeys import MASK64, SDC_META
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
-from unbroken.recovery.flashcopy import CopyRef, CorruptCopyError, open_copy, tensor_views
+from unbroken.recovery.flashcopy import (
+    CopyRef,
+    CorruptCopyError,
+    open_copy,
+    read_manifest,
+    tensor_views,
+)
 from unbroken.recovery.persist import TIMELINE_META
 
 log = structlog.get_logger(__name__)
@@ -86,6 +92,15 @@ def _helper_start() -> None:
     from unbroken.recovery import statehash  # noqa: F401  (imported for the first copy)
 
 
+def _unchanged(ref: CopyRef) -> bool:
+    """Whether `ref`'s slot still holds that copy (its manifest, of the same generation)."""
+    try:
+        now = read_manifest(ref.rank_dir, ref.slot)
+    except (OSError, ValueError, CorruptCopyError):
+        return False
+    return now is not None and now.generation == ref.manifest.generation
+
+
 def _stop(pool: concurrent.futures.ProcessPoolExecutor) -> None:
     """Shut `pool` down without waiting, its process killed: a helper that hangs in a
     recomputation would outlive a plain shutdown (this Python's executor has no
@@ -122,6 +137,7 @@ class BuddyOpinions:
     kept: collections.deque[Opinion] = field(default_factory=lambda: collections.deque(maxlen=KEPT))
     formed: int = 0  # opinions formed (metrics, tests)
     failed: int = 0
+    skipped: int = 0  # copies written over before their opinion was formed
     # recompute in a helper process (an agent's), not in this one (tests, tools)
     helper: bool = False
     _pool: concurrent.futures.ProcessPoolExecutor | None = None
@@ -166,6 +182,14 @@ class BuddyOpinions:
                     if self._pool is pool:
                         self._pool = None
                 _stop(pool)
+        if not _unchanged(ref):
+            # a newer copy took its slot meanwhile (the replica server receives on while an
+            # opinion forms): what was read may be part of either, so no opinion of it
+            with self._lock:
+                self.skipped += 1
+            log.info("sdc.buddy_opinion_skipped", node=node, rank=m.rank, step=m.step,
+                     why="the copy was written over while its opinion formed")  # fmt: skip
+            return None
         timeline = m.meta.get(TIMELINE_META, 0)
         op = Opinion(
             node=node,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import pytest
 import torch
 
 from unbroken.recovery.flash import FlashWriter, load_into
-from unbroken.recovery.flashcopy import read_copy
+from unbroken.recovery.flashcopy import CopyRef, read_copy
 from unbroken.recovery.flashowner import FlashConfig, FlashOwner
 from unbroken.recovery.replica import (
     PROTOCOL,
@@ -133,6 +135,53 @@ def test_copy_damaged_in_transit_is_refused(nodes: tuple[FlashOwner, FlashOwner]
     asyncio.run(scenario())
     replica = b.newest(0, "replica-nodeA")
     assert replica is not None and replica.manifest.step == 1  # step 2 never stored
+
+
+def test_a_slow_check_of_a_stored_copy_holds_back_no_copy_and_checks_the_newest_next(
+    nodes: tuple[FlashOwner, FlashOwner],
+) -> None:
+    """The buddy's check of a stored copy (the SDC opinion: a helper process that may be
+    importing torch, or get no CPU, for seconds) runs beside the stream, not in its way:
+    while the first copy's check is held, three newer copies of the rank are received at
+    once, and when it ends the newest of them is checked next, the ones between never."""
+    a, b = nodes
+    release = threading.Event()
+    checked: list[int] = []
+
+    def check(node: str, ref: CopyRef) -> None:
+        assert node == "nodeA"
+        checked.append(ref.manifest.step)
+        if len(checked) == 1:
+            release.wait(30)
+
+    async def scenario() -> list[float]:
+        server = ReplicaServer(b, CFG)
+        server.on_stored = check
+        port = await server.start()
+        took = []
+        try:
+            w = FlashWriter(0, a)
+            for step in (1, 2, 3, 4):
+                w.save(_state(step), step).wait()
+                t0 = time.monotonic()
+                sent = await send_copy(a.newest(0), "nodeA", "127.0.0.1", port, config=CFG)  # type: ignore[arg-type]
+                took.append(time.monotonic() - t0)
+                assert sent.ok, sent.error
+                while not checked:  # the first copy's check has begun (and is held)
+                    await asyncio.sleep(0.01)
+            w.close()
+            assert checked == [1]
+            release.set()
+            while len(checked) < 2 or server._checking:
+                await asyncio.sleep(0.01)
+        finally:
+            release.set()
+            await server.stop()
+        return took
+
+    took = asyncio.run(scenario())
+    assert checked == [1, 4]
+    assert max(took) < 10.0, took  # not the held check's 30 s
 
 
 def test_a_copy_of_many_chunks_travels_whole_and_a_flip_in_a_late_chunk_is_refused(

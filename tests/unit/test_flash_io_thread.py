@@ -190,6 +190,39 @@ def test_node_flash_starts_and_stops_its_thread(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_persistence_waits_for_idle_cpu_whatever_the_flash_threads_nice(tmp_path: Path) -> None:
+    """The persister's thread (bulk writes and read-backs) runs at nice 19 even where the
+    flash thread runs nearer the workers' priority (replication keeps up on a busy host)."""
+    base = _nice()
+    cfg = NodeFlashConfig(
+        root=str(tmp_path / "shm"), job="j", node="n0", persist_url=str(tmp_path / "ckpt"),
+        replica_key=b"k" * 16, listen="127.0.0.1:0", io_nice=5,
+    )  # fmt: skip
+
+    async def main() -> tuple[int, int]:
+        flash = NodeFlash(cfg, world_size=1)
+        await flash.start()
+        try:
+            io, pers = flash._io, flash.persister
+            assert io is not None and pers is not None
+
+            async def nice() -> int:
+                return _nice()
+
+            flash_nice = await io.call(nice())
+            tid = pers._thread.native_id
+            assert tid is not None
+            for _ in range(500):  # the thread lowers itself as it starts
+                if os.getpriority(os.PRIO_PROCESS, tid) == flashmod.PERSIST_NICE:
+                    break
+                await asyncio.sleep(0.01)
+            return flash_nice, os.getpriority(os.PRIO_PROCESS, tid)
+        finally:
+            await flash.close(clean=True)
+
+    assert asyncio.run(main()) == (max(5, base), flashmod.PERSIST_NICE)
+
+
 def test_a_starved_flash_thread_is_said_once_and_its_scans_resume(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -5,14 +5,18 @@ driver's judge names the rank whose own report differs from its buddy's."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
 
 import pytest
+import structlog
 
 from tests.sdcharness import Trainer, save_fingerprinted, shm_owner
 from unbroken.common.sdckeys import REPLAY_SS, bits_float, float_bits, replay_agrees
 from unbroken.driver import sdc as sdclib
+from unbroken.recovery import sdcbuddy
 from unbroken.recovery.flash import FlashWriter
-from unbroken.recovery.flashcopy import find_copy
+from unbroken.recovery.flashcopy import CopyRef, find_copy, write_manifest
 from unbroken.recovery.flashowner import FlashOwner
 from unbroken.recovery.sdcbuddy import BuddyOpinions, opinion_messages
 from unbroken.recovery.statehash import SDC_META
@@ -44,6 +48,31 @@ def test_the_buddys_recomputation_of_a_copy_equals_the_ranks_report(owner: Flash
     assert dict(zip(msg.fingerprint.keys, msg.fingerprint.hashes, strict=True)) == {
         k: v & ((1 << 64) - 1) for k, v in op.fingerprints.items()
     }
+
+
+def test_a_copy_written_over_while_its_opinion_forms_gets_none(
+    owner: FlashOwner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replica server receives on while an opinion forms, and its ring of two slots
+    reuses a slot two copies later: when the copy's slot was written over meanwhile, what
+    was read may be part of either copy, so the buddy forms no opinion of it (and says so)."""
+    t = Trainer()
+    _, ref = save_fingerprinted(owner, t, 10)
+    real = sdcbuddy.recompute
+
+    def overwritten(r: CopyRef, meta: dict[str, Any], device: str) -> Any:
+        out = real(r, meta, device)
+        newer = replace(r.manifest, generation=r.manifest.generation + 2, step=12)
+        write_manifest(r.rank_dir, r.slot, newer)  # a newer copy took the slot meanwhile
+        return out
+
+    monkeypatch.setattr(sdcbuddy, "recompute", overwritten)
+    buddy = BuddyOpinions()
+    with structlog.testing.capture_logs() as logs:
+        assert buddy.form("n0", ref) is None
+    assert (buddy.formed, buddy.failed, buddy.skipped) == (0, 0, 1)
+    assert buddy.to_send() == []
+    assert [e["step"] for e in logs if e["event"] == "sdc.buddy_opinion_skipped"] == [10]
 
 
 def test_a_flip_in_the_copy_alone_is_named_by_the_buddy(owner: FlashOwner) -> None:
