@@ -229,11 +229,24 @@ def pending_actions(state: ev.JobState, policy: Policy) -> list[Action]:
 
 
 def replace_slots(s: ev.JobState) -> tuple[tuple[str, int], ...]:
-    """(node, local rank) of the open incident's ranks to replace, in the incident's world."""
+    """(node, local rank) of the open incident's ranks to replace, in the incident's world:
+    its `replace_ranks`, and every rank of a node it evicts (`bad_nodes`, known at the stop:
+    a failed self-check of its own, an operator's eviction).
+
+    An evicted node's workers never rejoin, and its ranks restore from its buddy's copies,
+    not from its ring (driver/loop.py `_ring_held`): held, they only cost the hold. A bad
+    node's worker caught in a collective whose peers had left stayed there until the hold's
+    limit killed it (2 s, twice in one bench-recovery ETTR run, every time the silently bad
+    node's own worker); stopped at once, its peers' collectives end at once too."""
     w = s.incident_world if s.incident_world.node_ids else s.world
     wpn = max(1, w.workers_per_node)
+    ranks = set(s.replace_ranks)
+    bad = set(s.bad_nodes)
+    for i, node in enumerate(w.node_ids):
+        if node in bad:
+            ranks.update(range(i * wpn, (i + 1) * wpn))
     out = []
-    for r in sorted(set(s.replace_ranks)):
+    for r in sorted(ranks):
         i = r // wpn
         if 0 <= i < len(w.node_ids):
             out.append((w.node_ids[i], r % wpn))

@@ -263,6 +263,11 @@ def test_a_wrong_matmul_self_check_evicts_the_node_without_a_diagnosis() -> None
     assert d.phase == ev.PHASE_SUSPECTED
     assert list(sim.state.bad_nodes) == ["n2"] and not sim.state.suspects
     assert not sim.state.needs_diagnosis
+    # in-job: the healthy nodes' workers are held, the bad node's stopped at once (they
+    # never rejoin; held, one caught in a collective waited out the hold's limit)
+    (stop,) = only(d.actions, m.StopWorkers)
+    wpn = sim.state.world.workers_per_node
+    assert stop.in_job and stop.replace == tuple(("n2", lr) for lr in range(wpn))
     assert "evicted without a diagnosis" in sim.state.incident_cause
     d = sim.feed(m.Paused(step=30, restorable_step=30))
     assert not only(d.actions, m.RunDiagnosis)
