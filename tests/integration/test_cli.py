@@ -77,7 +77,9 @@ def cluster(etcd_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
             agents[node] = start_agent(
                 procs, driver, node, "--inject-fault", fault, *extra, selfcheck=True
             )
-        yield {"driver": driver, "commands": commands, "tmp": tmp, "agents": agents}
+        c = {"driver": driver, "commands": commands, "tmp": tmp, "agents": agents}
+        _wait_ready(c)  # every test starts on a connected cluster, whichever runs first
+        yield c
     finally:
         procs.stop_all()
 
