@@ -330,12 +330,15 @@ async def _start_workers(agent: Agent, msg: dpb.DriverMessage) -> str:
     if flash is not None and p.buddy:
         # the world's ring, as the driver paired it: who this node sends to, and
         # whose copies its replica server takes
-        flash.set_buddy(p.buddy, p.buddy_node, p.replicas_from)
+        keys = {p.buddy_node: p.buddy_pubkey, p.replicas_from: p.replicas_from_pubkey}
+        flash.set_buddy(p.buddy, p.buddy_node, p.replicas_from, keys)
     if flash is not None and p.replaces:
         # the replaced node's newest copies, from the replica server that holds them
         # (the driver knows it from the node's registration; else this node's buddy);
         # the workers look for them there
-        if await flash.take_over(p.replaces, agent.config.node_id, p.replaces_from):
+        if await flash.take_over(
+            p.replaces, agent.config.node_id, p.replaces_from, p.replaces_pubkey
+        ):
             launch = launch.with_env(**WorkerEnv(flash_node=p.replaces).to_env())
     if flash is not None:
         flash.world_size = launch.world_size

@@ -183,6 +183,7 @@ class Agent:
             spare=self.config.spare,
             replica_buddy=self.flash.buddy if self.flash is not None else "",
             replica_listen=self.flash.listen_address() if self.flash is not None else "",
+            replica_pubkey=self.flash.replica_pubkey if self.flash is not None else b"",
         )
 
     # ------------------------------------------------------------ lifecycle

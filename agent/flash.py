@@ -48,6 +48,7 @@ from unbroken.recovery.flashcopy import (
 )
 from unbroken.recovery.flashowner import FLASH_COPIES, FlashConfig, FlashOwner
 from unbroken.recovery.lifecycle import deletable
+from unbroken.recovery.nodekey import NodeKey
 from unbroken.recovery.persist import (
     PersistConfig,
     Persisted,
@@ -214,6 +215,10 @@ class NodeFlashConfig:
     replica_key: bytes | None = field(
         default=None, metadata={"flag": None, "why": "--replica-key-file or its variable"}
     )
+    # without TLS: this node's own signing key, from its node token (recovery/nodekey.py)
+    node_key: NodeKey | None = field(
+        default=None, metadata={"flag": None, "why": "derived from the agent's node token"}
+    )
     # mutual TLS (the agent's certificate) replaces the key
     tls: TlsConfig = field(
         default_factory=TlsConfig, metadata={"flag": None, "why": "--tls-cert/--tls-key/--tls-ca"}
@@ -335,6 +340,12 @@ class NodeFlash:
             persist_every_s=c.persist_every_s,
             flash_copies=c.copies,
         ).to_env()
+
+    @property
+    def replica_pubkey(self) -> bytes:
+        """This node's replica key's public half (RegisterRequest; b"": it has none)."""
+        nk = self.replica_cfg.auth.node_key
+        return nk.public if nk is not None else b""
 
     def listen_address(self) -> str:
         """host:port the replica server listens on ("" while it does not)."""
@@ -532,15 +543,22 @@ class NodeFlash:
         host, port = self.sender.buddy
         return f"{host}:{port}"
 
-    def set_buddy(self, address: str, node: str = "", takes_from: str = "") -> bool:
+    def set_buddy(
+        self,
+        address: str,
+        node: str = "",
+        takes_from: str = "",
+        keys: dict[str, bytes] | None = None,
+    ) -> bool:
         """Replicate to `address` (host:port) from now on: the driver pairs the world's
         nodes in a ring when it starts a world, so a node whose buddy was replaced or
         evicted does not keep sending to a server that is gone. The new buddy holds
         nothing yet: the next copy goes at once. `node`: the buddy's node id (with mTLS a
         server that is not node:<node> gets nothing); `takes_from`: the node whose copies
-        this node's replica server takes from now on (every other node's are refused).
-        False when this node cannot replicate (no authenticated replica stream) or
-        `address` is malformed."""
+        this node's replica server takes from now on (every other node's are refused);
+        `keys`: those nodes' replica keys (node id -> public key; without TLS the sender and
+        the server check them, recovery/nodekey.py). False when this node cannot replicate
+        (no authenticated replica stream) or `address` is malformed."""
         if not self.replica_cfg.auth.enabled:
             log.warning(
                 "flash.buddy_not_set",
@@ -553,6 +571,8 @@ class NodeFlash:
         except ValueError as e:
             log.warning("flash.buddy_not_set", buddy=address, error=str(e))
             return False
+        for n, public in (keys or {}).items():
+            self.replica_cfg.auth.learn(n, public)
         if takes_from:
             self.server.senders = {takes_from}
         if (
@@ -573,12 +593,16 @@ class NodeFlash:
         if self.sender is not None:
             self.sender.only = self.live_ranks
 
-    async def take_over(self, node: str, requester: str, source: str = "") -> bool:
+    async def take_over(
+        self, node: str, requester: str, source: str = "", pubkey: bytes = b""
+    ) -> bool:
         """Fetch `node`'s replicas from `source` (host:port of the replica server that holds
-        them; "": this node's buddy): a spare taking over `node`'s ranks. True when some
-        copy came back; failures are logged (storage remains)."""
+        them; "": this node's buddy): a spare taking over `node`'s ranks; `pubkey`: `node`'s
+        replica key (each copy must be signed with it). True when some copy came back;
+        failures are logged (storage remains)."""
         if not self.replica_cfg.auth.enabled or not (source or self.sender):
             return False
+        self.replica_cfg.auth.learn(node, pubkey)
         try:
             if source:
                 host, port = parse_hostport(source, "replaces_from")
@@ -725,5 +749,5 @@ def replica_auth(config: NodeFlashConfig) -> ReplicaAuth:
         assert tls.cert and tls.key and tls.ca
         return ReplicaAuth.tls(tls.cert, tls.key, tls.ca, grants_file=config.replica_grants)
     if config.replica_key is not None:
-        return ReplicaAuth.keyed(config.replica_key)
+        return ReplicaAuth.keyed(config.replica_key, node_key=config.node_key)
     return ReplicaAuth.none()

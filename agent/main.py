@@ -23,6 +23,7 @@ from unbroken.common.logsetup import setup_logging
 from unbroken.common.paths import UnsafeRuntimeDirError
 from unbroken.common.tls import TOKEN_ENV, TOKEN_FILE_ENV, TlsConfig, read_token
 from unbroken.recovery.flashowner import UnsafeFlashRootError
+from unbroken.recovery.nodekey import NodeKey
 from unbroken.recovery.replicaauth import KEY_ENV as REPLICA_KEY_ENV
 
 log = structlog.get_logger(__name__)
@@ -66,6 +67,7 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
     spec = None
     flash = None
     tls = TlsConfig(cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca)
+    token = read_token(os.environ.get(TOKEN_ENV) or None, ns.token_file, argv_token=ns.token)
     if ns.worker_cmd or ns.allow_remote_cmd:
         # --allow-remote-cmd alone: the driver's StartWorkers names the command (until it
         # does, a start says so and fails)
@@ -95,13 +97,15 @@ def config_from_args(ns: argparse.Namespace) -> AgentConfig:
                 node=node,
                 local_ranks=ns.nproc_per_node,
                 replica_key=read_replica_key(ns.replica_key_file),
+                # without TLS the node's own key signs its copies and streams, from its token
+                node_key=NodeKey.derive(token, node) if token and not tls.enabled else None,
                 tls=tls,
             )
     return build(
         AgentConfig,
         ns,
         workers=spec,
-        token=read_token(os.environ.get(TOKEN_ENV) or None, ns.token_file, argv_token=ns.token),
+        token=token,
         tls=tls,
         flash=flash,
         pin_master_addr=ns.master_addr is not None,

@@ -14,6 +14,7 @@ from unbroken.driver.actions import StartWorkers
 from unbroken.driver.config import LoopConfig
 from unbroken.driver.liveview import LiveView, NodeSlot
 from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import events_pb2 as ev
 
 _ANY_HOST = ("", "0.0.0.0", "::")
 
@@ -146,6 +147,7 @@ def start_messages(
     *,
     old: list[str],
     buddy_of: Callable[[str], str],
+    records: Mapping[str, ev.NodeRecord] | None = None,
     timeline: int,
     persist_every_s: float,
     shard_bytes: int,
@@ -154,7 +156,8 @@ def start_messages(
     """Each world node's StartWorkers: its rank base, the master (rank 0's node as the
     driver saw it connect), the new buddy ring, and the copies it takes over from the node
     whose slot it fills (`old`: the incident's world; `buddy_of`: where a node's copies
-    live; `sitting_out`: live nodes of a replica that sits out, kept in the ring)."""
+    live; `records`: the nodes as the log has them, for their replica keys; `sitting_out`:
+    live nodes of a replica that sits out, kept in the ring)."""
     nodes = a.world.node_ids
     first = view.nodes.get(nodes[0])
     # rank 0's node as the driver saw it connect (not the IP it claimed in Register)
@@ -182,6 +185,12 @@ def start_messages(
     order = ring_order(ringed, slots)  # who each one sends to and takes copies from
     nxt = {n: order[(i + 1) % len(order)] for i, n in enumerate(order)}
     prev = {n: order[i - 1] for i, n in enumerate(order)}
+    recs = records or {}
+
+    def key(n: str) -> bytes:
+        rec = recs.get(n) if n else None
+        return rec.replica_pubkey if rec is not None else b""
+
     return {
         n: dpb.DriverMessage(
             start_workers=dpb.StartWorkers(
@@ -201,6 +210,9 @@ def start_messages(
                 buddy=ring.get(n, ""),
                 buddy_node=nxt.get(n, ""),
                 replicas_from=prev.get(n, ""),
+                buddy_pubkey=key(nxt.get(n, "")),
+                replicas_from_pubkey=key(prev.get(n, "")),
+                replaces_pubkey=key(replaces.get(n, "")),
                 in_job=a.in_job,
             )
         )

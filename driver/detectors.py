@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from unbroken.driver.liveview import LiveView, LiveViewConfig, NodeSlot
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
+from unbroken.recovery.nodekey import PUBLIC_BYTES
 from unbroken.recovery.spike import RESTORE_RESET_STEPS, Prior, SpikeConfig, SpikeDetector
 
 MAX_LINE_CHARS = 4096  # an alert line longer than this is cut (events have a size cap)
@@ -358,6 +359,7 @@ def admit(view: LiveView, req: dpb.RegisterRequest, now: float) -> tuple[str, ev
             agent_version=req.agent_version,
             spare=req.spare,
             replica_buddy=req.replica_buddy,
+            replica_pubkey=req.replica_pubkey,
         )
     )
 
@@ -404,6 +406,11 @@ def validate_register(req: dpb.RegisterRequest) -> str:
             return f"{name} {value[:60]!r} must be host:port (the agent's {flag})"
     if req.num_workers > 1024:
         return f"num_workers {req.num_workers} is over 1024"
+    if len(req.replica_pubkey) not in (0, PUBLIC_BYTES):
+        return (
+            f"replica_pubkey is {len(req.replica_pubkey)} bytes; an Ed25519 public key is "
+            f"{PUBLIC_BYTES} (or none)"
+        )
     return ""
 
 

@@ -607,6 +607,7 @@ class RecoveryLoop:
             self.view,
             old=list(self.state.incident_world.node_ids),
             buddy_of=self._buddy_of,
+            records=self.state.nodes,
             timeline=self._timeline,
             persist_every_s=self.service.persist_every_s(),
             shard_bytes=self.service.commits.shard_bytes,

@@ -335,6 +335,7 @@ def _node_registered(s: ev.JobState, e: ev.Event) -> None:
     rec.registered_seq = e.seq
     rec.spare = p.spare
     rec.replica_buddy = p.replica_buddy
+    rec.replica_pubkey = p.replica_pubkey
     if rec.state != ev.NODE_STATE_EVICTED and not reconnect:
         _set_state(s, rec, ev.NODE_STATE_SPARE if p.spare else ev.NODE_STATE_ACTIVE, e.seq)
 

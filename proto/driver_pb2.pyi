@@ -68,7 +68,7 @@ class HardwareInventory(_message.Message):
     def __init__(self, cpu_count: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., rdma_devices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node_id", "epoch", "hostname", "ip", "pod_name", "inventory", "agent_version", "num_workers", "spare", "replica_buddy", "replica_listen")
+    __slots__ = ("node_id", "epoch", "hostname", "ip", "pod_name", "inventory", "agent_version", "num_workers", "spare", "replica_buddy", "replica_listen", "replica_pubkey")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class RegisterRequest(_message.Message):
     SPARE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_BUDDY_FIELD_NUMBER: _ClassVar[int]
     REPLICA_LISTEN_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_PUBKEY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     hostname: str
@@ -91,7 +92,8 @@ class RegisterRequest(_message.Message):
     spare: bool
     replica_buddy: str
     replica_listen: str
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., pod_name: _Optional[str] = ..., inventory: _Optional[_Union[HardwareInventory, _Mapping]] = ..., agent_version: _Optional[str] = ..., num_workers: _Optional[int] = ..., spare: _Optional[bool] = ..., replica_buddy: _Optional[str] = ..., replica_listen: _Optional[str] = ...) -> None: ...
+    replica_pubkey: bytes
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., pod_name: _Optional[str] = ..., inventory: _Optional[_Union[HardwareInventory, _Mapping]] = ..., agent_version: _Optional[str] = ..., num_workers: _Optional[int] = ..., spare: _Optional[bool] = ..., replica_buddy: _Optional[str] = ..., replica_listen: _Optional[str] = ..., replica_pubkey: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("driver_id", "heartbeat_interval_ms", "miss_limit", "job_id", "global_rank_base", "world_size", "leader_term", "term_scope", "report_key")
@@ -483,7 +485,7 @@ class RelayedDown(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., command: _Optional[_Union[DriverMessage, _Mapping]] = ..., end: _Optional[str] = ...) -> None: ...
 
 class StartWorkers(_message.Message):
-    __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port", "dp", "pp", "tp", "timeline", "persist_every_s", "flash_bytes_per_rank", "replaces", "replaces_from", "buddy", "buddy_node", "replicas_from", "in_job", "start_id")
+    __slots__ = ("worker_cmd", "world_size", "global_rank_base", "master_addr", "master_port", "dp", "pp", "tp", "timeline", "persist_every_s", "flash_bytes_per_rank", "replaces", "replaces_from", "buddy", "buddy_node", "replicas_from", "buddy_pubkey", "replicas_from_pubkey", "replaces_pubkey", "in_job", "start_id")
     WORKER_CMD_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_BASE_FIELD_NUMBER: _ClassVar[int]
@@ -500,6 +502,9 @@ class StartWorkers(_message.Message):
     BUDDY_FIELD_NUMBER: _ClassVar[int]
     BUDDY_NODE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FROM_FIELD_NUMBER: _ClassVar[int]
+    BUDDY_PUBKEY_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FROM_PUBKEY_FIELD_NUMBER: _ClassVar[int]
+    REPLACES_PUBKEY_FIELD_NUMBER: _ClassVar[int]
     IN_JOB_FIELD_NUMBER: _ClassVar[int]
     START_ID_FIELD_NUMBER: _ClassVar[int]
     worker_cmd: str
@@ -518,9 +523,12 @@ class StartWorkers(_message.Message):
     buddy: str
     buddy_node: str
     replicas_from: str
+    buddy_pubkey: bytes
+    replicas_from_pubkey: bytes
+    replaces_pubkey: bytes
     in_job: bool
     start_id: str
-    def __init__(self, worker_cmd: _Optional[str] = ..., world_size: _Optional[int] = ..., global_rank_base: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., tp: _Optional[int] = ..., timeline: _Optional[int] = ..., persist_every_s: _Optional[float] = ..., flash_bytes_per_rank: _Optional[int] = ..., replaces: _Optional[str] = ..., replaces_from: _Optional[str] = ..., buddy: _Optional[str] = ..., buddy_node: _Optional[str] = ..., replicas_from: _Optional[str] = ..., in_job: _Optional[bool] = ..., start_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, worker_cmd: _Optional[str] = ..., world_size: _Optional[int] = ..., global_rank_base: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., tp: _Optional[int] = ..., timeline: _Optional[int] = ..., persist_every_s: _Optional[float] = ..., flash_bytes_per_rank: _Optional[int] = ..., replaces: _Optional[str] = ..., replaces_from: _Optional[str] = ..., buddy: _Optional[str] = ..., buddy_node: _Optional[str] = ..., replicas_from: _Optional[str] = ..., buddy_pubkey: _Optional[bytes] = ..., replicas_from_pubkey: _Optional[bytes] = ..., replaces_pubkey: _Optional[bytes] = ..., in_job: _Optional[bool] = ..., start_id: _Optional[str] = ...) -> None: ...
 
 class StopWorkers(_message.Message):
     __slots__ = ("grace_s", "dump_stacks", "in_job", "replace_local_ranks")

@@ -203,7 +203,7 @@ class JobStarted(_message.Message):
     def __init__(self, trainer: _Optional[str] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., config_json: _Optional[str] = ..., reports_startup: _Optional[bool] = ...) -> None: ...
 
 class NodeRegistered(_message.Message):
-    __slots__ = ("node_id", "epoch", "hostname", "ip", "pod_name", "num_workers", "num_gpus", "agent_version", "spare", "replica_buddy")
+    __slots__ = ("node_id", "epoch", "hostname", "ip", "pod_name", "num_workers", "num_gpus", "agent_version", "spare", "replica_buddy", "replica_pubkey")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,7 @@ class NodeRegistered(_message.Message):
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     SPARE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_BUDDY_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_PUBKEY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     hostname: str
@@ -224,7 +225,8 @@ class NodeRegistered(_message.Message):
     agent_version: str
     spare: bool
     replica_buddy: str
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., pod_name: _Optional[str] = ..., num_workers: _Optional[int] = ..., num_gpus: _Optional[int] = ..., agent_version: _Optional[str] = ..., spare: _Optional[bool] = ..., replica_buddy: _Optional[str] = ...) -> None: ...
+    replica_pubkey: bytes
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., pod_name: _Optional[str] = ..., num_workers: _Optional[int] = ..., num_gpus: _Optional[int] = ..., agent_version: _Optional[str] = ..., spare: _Optional[bool] = ..., replica_buddy: _Optional[str] = ..., replica_pubkey: _Optional[bytes] = ...) -> None: ...
 
 class NodeLost(_message.Message):
     __slots__ = ("node_id", "epoch", "silent_ms", "reason")
@@ -671,7 +673,7 @@ class SchedulerCall(_message.Message):
     def __init__(self, action: _Optional[str] = ..., node_id: _Optional[str] = ..., ok: _Optional[bool] = ..., detail: _Optional[str] = ..., reason: _Optional[str] = ..., scheduler: _Optional[str] = ..., duration_s: _Optional[float] = ...) -> None: ...
 
 class NodeRecord(_message.Message):
-    __slots__ = ("node_id", "state", "epoch", "hostname", "ip", "num_workers", "registered_seq", "failures", "spare", "gone_seq", "replica_buddy", "fault_steps")
+    __slots__ = ("node_id", "state", "epoch", "hostname", "ip", "num_workers", "registered_seq", "failures", "spare", "gone_seq", "replica_buddy", "fault_steps", "replica_pubkey")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -684,6 +686,7 @@ class NodeRecord(_message.Message):
     GONE_SEQ_FIELD_NUMBER: _ClassVar[int]
     REPLICA_BUDDY_FIELD_NUMBER: _ClassVar[int]
     FAULT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_PUBKEY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     state: NodeState
     epoch: int
@@ -696,7 +699,8 @@ class NodeRecord(_message.Message):
     gone_seq: int
     replica_buddy: str
     fault_steps: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_seq: _Optional[int] = ..., failures: _Optional[int] = ..., spare: _Optional[bool] = ..., gone_seq: _Optional[int] = ..., replica_buddy: _Optional[str] = ..., fault_steps: _Optional[_Iterable[int]] = ...) -> None: ...
+    replica_pubkey: bytes
+    def __init__(self, node_id: _Optional[str] = ..., state: _Optional[_Union[NodeState, str]] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., num_workers: _Optional[int] = ..., registered_seq: _Optional[int] = ..., failures: _Optional[int] = ..., spare: _Optional[bool] = ..., gone_seq: _Optional[int] = ..., replica_buddy: _Optional[str] = ..., fault_steps: _Optional[_Iterable[int]] = ..., replica_pubkey: _Optional[bytes] = ...) -> None: ...
 
 class CheckpointRecord(_message.Message):
     __slots__ = ("step", "uri", "bytes", "seq", "world", "wall_time_unix_ns", "verified")

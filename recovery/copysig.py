@@ -16,9 +16,11 @@ the buddy's checksum anyway).
   SHA-256), and the record carries that certificate: the verifier checks that the CA it
   trusts issued it directly, that it is valid now, that its SAN URI is `node:X`, and the
   signature. Only the holder of X's key can sign a copy of X.
-- With the job's replica key (no TLS) the signature is an HMAC-SHA256 under that key: it
-  proves only that some holder of the job's key made the copy (the same limit the keyed
-  stream has; per-node rules need TLS).
+- Without TLS the record carries an HMAC-SHA256 under the job's replica key, which proves
+  only that some holder of the job's key made the copy, and, when the node has a key of its
+  own (recovery/nodekey.py, from its node token), an Ed25519 signature with it: a verifier
+  that was handed the node's public key (by the driver, StartWorkers) requires that one,
+  so no other node of the job can sign a copy as this node.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
+
+from unbroken.recovery import nodekey
+from unbroken.recovery.nodekey import NodeKey
 
 DOMAIN = b"unbroken-replica-copy-v1\0"
 MAX_RECORD = 3000  # bytes of one JSON record (a certificate and a signature)
@@ -59,6 +64,7 @@ class CopySigner:
     cert_pem: bytes = b""  # this node's certificate (TLS mode)
     private_key: Any = None  # its key (ec or rsa private key)
     ca: x509.Certificate | None = None  # the CA a signer's certificate must be issued by
+    node_key: NodeKey | None = None  # keyed mode: this node's own key (signs its copies too)
 
     @classmethod
     def tls(cls, cert: str, key: str, ca: str) -> CopySigner:
@@ -73,8 +79,8 @@ class CopySigner:
         )
 
     @classmethod
-    def keyed(cls, key: bytes) -> CopySigner:
-        return cls(key=key)
+    def keyed(cls, key: bytes, node_key: NodeKey | None = None) -> CopySigner:
+        return cls(key=key, node_key=node_key)
 
     def sign(self, node: str, manifest_sha256: bytes, data_sha256: bytes) -> dict[str, str]:
         """The origin record of a copy of `node` (this node's own copy)."""
@@ -92,12 +98,21 @@ class CopySigner:
                 )
             return {**rec, "sig": sig.hex(), "cert": self.cert_pem.decode()}
         assert self.key is not None
-        return {**rec, "mac": hmac.new(self.key, msg, hashlib.sha256).hexdigest()}
+        rec["mac"] = hmac.new(self.key, msg, hashlib.sha256).hexdigest()
+        if self.node_key is not None and self.node_key.node == node:
+            rec["ed25519"] = self.node_key.sign("copy", msg).hex()
+        return rec
 
     def verify(
-        self, node: str, manifest_sha256: bytes, data_sha256: bytes, rec: dict[str, Any]
+        self,
+        node: str,
+        manifest_sha256: bytes,
+        data_sha256: bytes,
+        rec: dict[str, Any],
+        pubkey: bytes = b"",
     ) -> None:
-        """Check that `rec` signs this copy (these hashes) of `node`.
+        """Check that `rec` signs this copy (these hashes) of `node` (without TLS, with
+        `node`'s own key when its public half `pubkey` is known, else the job key's MAC).
 
         Raises:
             BadSignature: it does not, saying why.
@@ -110,6 +125,17 @@ class CopySigner:
         if rec.get("data_sha256") != data_sha256.hex():
             raise BadSignature(f"the data of node {node!r}'s copy is not the data it signed")
         msg = message(node, manifest_sha256, data_sha256)
+        if self.ca is None and pubkey:
+            try:
+                sig = bytes.fromhex(str(rec.get("ed25519", "")))
+            except ValueError:
+                sig = b""
+            if not nodekey.verify(pubkey, "copy", msg, sig):
+                raise BadSignature(
+                    f"node {node!r}'s copy is not signed with node {node!r}'s own key (the "
+                    "one it registered with the driver): made by another holder of the job key"
+                )
+            return
         if self.ca is None:
             assert self.key is not None
             want = hmac.new(self.key, msg, hashlib.sha256).hexdigest()

@@ -19,11 +19,12 @@ cannot hold the buddy from its nodes.
 Who may talk to the buddy, and how a copy's origin is proven, is recovery/replicaauth.py;
 which copy is sent when, recovery/replicasend.py (`ReplicaSender`).
 
-Wire format (v5). The server speaks first: `{"v": 5, "nonce": hex}`. The client sends one
+Wire format (v6). The server speaks first: `{"v": 6, "nonce": hex}`. The client sends one
 JSON header line (`op`, `node`, `cnonce`, `as` for a get; `rank`, `manifest_len`,
-`data_len`, `manifest_sha256` for a put; plus `mac` with a key), then for a put the
-manifest, the data in chunks of `SEND_CHUNK` bytes, then one line `{"origin": record}`
-(the signature). The buddy answers one line (`ok`, `error`). A GET is answered by one
+`data_len`, `manifest_sha256` for a put; plus `mac` with a key, and `ident` with a node
+key), then for a put the manifest, the data in chunks of `SEND_CHUNK` bytes, then one line
+`{"origin": record}` (the signature). The buddy answers one line (`ok`, `error`; `ident`
+with a node key). A GET is answered by one
 header line per copy (`rank`, `manifest_len`, `data_len`, `manifest_sha256`), the
 manifest, the data chunks, its origin line, and finally `{"done": true}`; the fetcher
 verifies every line's MAC, the checksum and the origin signature while streaming a copy
@@ -36,7 +37,8 @@ third of the sender's CPU per copy, which spaced the replicas out and cost a los
 ranks a step or two more. v3 was v2 with 256 KiB chunks instead of 8 MiB: a copy's chunk
 went through three buffer copies of its whole size on each side; a 1.5 MB copy took 3.2 ms
 of the sender's CPU and 5.3 ms of the buddy's, about 2.1 and 3.5 ms in 256 KiB chunks. v4
-was v3 with the origin line. An older peer is refused with the version it speaks.)
+was v3 with the origin line; v5 had no node keys. An older peer is refused with the
+version it speaks.)
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from typing import Any
 
 import structlog
 
-from unbroken.recovery import copysig
+from unbroken.recovery import copysig, nodekey
 from unbroken.recovery.flashcopy import (
     CopyRef,
     CorruptCopyError,
@@ -76,7 +78,7 @@ log = structlog.get_logger(__name__)
 SEND_CHUNK = 256 << 10
 MAX_HEADER = 4096
 MAX_MANIFEST = 16 << 20  # a manifest lists tensors and small values: far below this
-PROTOCOL = 5
+PROTOCOL = 6
 
 
 class ReplicaRefused(ValueError):
@@ -121,6 +123,7 @@ class _Framing:
 
     def reset(self, key: bytes | None, snonce: bytes, cnonce: bytes, *, server: bool) -> None:
         self.key = key
+        self.snonce, self.cnonce = snonce, cnonce  # what the node keys' signatures bind to
         self.bind = snonce + cnonce
         self.out_dir, self.in_dir = (b"s2c", b"c2s") if server else (b"c2s", b"s2c")
         self.sent = 0
@@ -210,6 +213,7 @@ class _Origin:
     node: str
     manifest_sha256: bytes
     signer: copysig.CopySigner | None
+    pubkey: bytes = b""  # `node`'s own key, when the driver handed it out (keyed mode)
 
 
 async def _stream_into_slot(
@@ -267,7 +271,7 @@ async def _stream_into_slot(
         raise copysig.BadSignature("no replica credential here to check a copy's origin")
     if not isinstance(rec, dict):
         raise copysig.BadSignature(f"node {origin.node!r}'s copy: malformed origin record")
-    origin.signer.verify(origin.node, origin.manifest_sha256, sha.digest(), rec)
+    origin.signer.verify(origin.node, origin.manifest_sha256, sha.digest(), rec, origin.pubkey)
     tmp = rank_dir / f".slot-{slot}.origin.tmp"
     tmp.write_bytes(copysig.dump(rec))
     os.replace(tmp, copysig.record_path(rank_dir, slot))
@@ -461,13 +465,21 @@ class ReplicaServer:
                 f"a copy of node {node!r} may only come from node:{node} (the peer is "
                 f"{'node:' + peer if peer else 'no node'})"
             )
-        # (with TLS, where the peer proved it is `node`; a job key proves no node's name)
-        if auth.server_ssl is not None and self.senders is not None and node not in self.senders:
+        if auth.server_ssl is None:
+            if why := _ident_error(head.get("ident"), auth.pubkey(node), "client", framing, node):
+                raise ReplicaRefused(why)
+        # (where the peer proved it is `node`: with TLS, or with node keys; a job key alone
+        # proves no node's name)
+        proven = auth.server_ssl is not None or auth.node_key is not None
+        if proven and self.senders is not None and node not in self.senders:
             raise ReplicaRefused(
                 f"this buddy takes copies only of {sorted(self.senders) or 'no node'} (the "
                 f"nodes the driver paired with it), not of node {node!r}"
             )
-        return await self._receive(reader, head, framing)
+        reply = await self._receive(reader, head, framing)
+        if auth.node_key is not None and auth.server_ssl is None:  # who stored it
+            reply["ident"] = auth.node_key.sign_stream("server", framing.snonce, framing.cnonce)
+        return reply
 
     def _authorize_get(self, peer: str | None, node: str, head: dict[str, Any]) -> None:
         auth = self.config.auth
@@ -526,7 +538,7 @@ class ReplicaServer:
         manifest, msha = await _read_manifest(reader, mlen, dlen, rank, head.get("manifest_sha256"))
         rank_dir = self.owner.rank_dir(rank, replica_store(node))
         lock = self._locks.setdefault(rank_dir, asyncio.Lock())
-        origin = _Origin(node, msha, self.config.auth.signer)
+        origin = _Origin(node, msha, self.config.auth.signer, self.config.auth.pubkey(node))
         async with lock:
             ref = await _stream_into_slot(
                 reader, fr, rank_dir, manifest, self.config.headroom_bytes, origin
@@ -565,6 +577,18 @@ class ReplicaServer:
                 item, self._checking[rank_dir] = self._checking.get(rank_dir), None
         finally:
             self._checking.pop(rank_dir, None)
+
+
+def _ident_error(sig: object, pubkey: bytes, side: str, fr: _Framing, node: str) -> str:
+    """Why `sig` does not prove this stream's `side` is `node` ("": it does, or no key of
+    `node` is known to check it by; keyed mode, recovery/nodekey.py)."""
+    if nodekey.proves(sig, pubkey, side, fr.snonce, fr.cnonce, node):
+        return ""
+    who = "the sender" if side == "client" else "the replica server"
+    return (
+        f"{who} did not prove it is node {node!r} (no valid signature with the key node "
+        f"{node!r} registered with the driver): another holder of the job's replica key"
+    )
 
 
 def _peercert(writer: asyncio.StreamWriter) -> dict[str, Any] | None:
@@ -677,7 +701,7 @@ async def fetch_replica(
                 manifest, msha = await _read_manifest(
                     reader, mlen, dlen, rank, head.get("manifest_sha256")
                 )
-                origin = _Origin(node, msha, cfg.auth.signer)
+                origin = _Origin(node, msha, cfg.auth.signer, cfg.auth.pubkey(node))
                 try:
                     ref = await _stream_into_slot(
                         reader, fr, owner.rank_dir(rank, store), manifest, cfg.headroom_bytes,
@@ -744,6 +768,9 @@ async def send_copy(
                 "manifest_sha256": hashlib.sha256(head).hexdigest(),
                 "cnonce": cnonce,
             }
+            nk = cfg.auth.node_key if cfg.auth.client_ssl is None else None
+            if nk is not None and nk.node == node:  # this stream speaks for `node`: proven
+                hdr["ident"] = nk.sign_stream("client", fr.snonce, fr.cnonce)
             writer.write(fr.line(hdr) + head)
             data_sha = await _send_data(ref.data_path, m.data_nbytes, writer, flip_bit_at)
             rec = signer.sign(node, hashlib.sha256(head).digest(), data_sha)
@@ -752,6 +779,9 @@ async def send_copy(
         finally:
             writer.close()
         ok = bool(reply.get("ok"))
+        pub = cfg.auth.pubkey(buddy_node) if buddy_node else b""
+        if ok and (why := _ident_error(reply.get("ident"), pub, "server", fr, buddy_node)):
+            return SendResult(m.rank, m.step, False, f"{host}:{port}: {why}")  # not its buddy
         if read_manifest(ref.rank_dir, ref.slot) != m:
             return SendResult(m.rank, m.step, False, "slot overwritten during the send")
         return SendResult(

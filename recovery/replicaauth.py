@@ -11,15 +11,22 @@ PUT a forged replica, or make the agent allocate 64 GiB with one header):
   the replacement. The grant proves the operator's decision, nothing about the replacement.
 - Without TLS, every line and every data chunk carries an HMAC-SHA256 under the job's
   replica key, bound to both sides' nonces and a per-direction sequence number (no replay,
-  no reordering, no tampering). That proves only that the peer holds the job's key: any
-  agent of the job may then PUT or GET any node's copies. Per-node rules need TLS.
+  no reordering, no tampering). That proves only that the peer holds the job's key. So
+  each node also signs with a key of its own (recovery/nodekey.py, from its node token;
+  the driver hands its peers the public half): a sender's header carries its signature of
+  the stream's nonces (a buddy takes X's copies only from X, and only from the node the
+  driver paired with it), and the buddy's answer its own (a sender knows that the server
+  that stored its copy is the buddy it was given). A GET is still served to any holder of
+  the job key (the fetcher checks each copy's origin; without TLS nothing on the wire is
+  secret anyway), and a node with no token has no key (its peers fall back to the MAC).
 - A server with neither answers every request with an error (`ReplicaAuth.none()`).
 - Every copy carries its origin node's signature (`copysig`: its certificate key with TLS,
-  the job key without), made by the sender, checked by the buddy on receipt, kept beside
-  the copy and checked again by whoever fetches it: a buddy cannot serve a copy of its
-  own making as another node's. A sender given its buddy's node id sends only to a
-  server whose certificate is that node, and a buddy the driver paired takes copies only
-  of the node paired with it (`ReplicaServer.senders`).
+  its node key without, else the job key), made by the sender, checked by the buddy on
+  receipt, kept beside the copy and checked again by whoever fetches it: a buddy cannot
+  serve a copy of its own making as another node's. A sender given its buddy's node id
+  sends only to a server that proves it is that node (its certificate, or its node key's
+  signature), and a buddy the driver paired takes copies only of the node paired with it
+  (`ReplicaServer.senders`).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from typing import Any
 import structlog
 
 from unbroken.recovery import copysig
+from unbroken.recovery.nodekey import PUBLIC_BYTES, NodeKey
 
 log = structlog.get_logger(__name__)
 
@@ -65,10 +73,26 @@ class ReplicaAuth:
     grants_file: str | None = None
     # signs this node's copies and checks the origin of others' (recovery/copysig.py)
     signer: copysig.CopySigner | None = None
+    # keyed mode: this node's own signing key, and its peers' public keys as the driver
+    # handed them out (node id -> raw Ed25519 key; a node not here is checked by the MAC)
+    node_key: NodeKey | None = None
+    peers: dict[str, bytes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.signer is None and self.key is not None:
-            self.signer = copysig.CopySigner.keyed(self.key)
+            self.signer = copysig.CopySigner.keyed(self.key, self.node_key)
+        if self.node_key is not None:
+            self.peers[self.node_key.node] = self.node_key.public  # its own copies come back
+
+    def pubkey(self, node: str) -> bytes:
+        """`node`'s replica key as the driver handed it out (keyed mode; b"": none)."""
+        return self.peers.get(node, b"") if self.server_ssl is None else b""
+
+    def learn(self, node: str, public: bytes) -> None:
+        """Remember `node`'s public key (from StartWorkers); an empty one changes nothing:
+        a node keeps its key across restarts, and the driver sends none when it knows none."""
+        if node and len(public) == PUBLIC_BYTES:
+            self.peers[node] = bytes(public)
 
     @classmethod
     def tls(cls, cert: str, key: str, ca: str, *, grants_file: str | None = None) -> ReplicaAuth:
@@ -87,10 +111,10 @@ class ReplicaAuth:
         )
 
     @classmethod
-    def keyed(cls, key: bytes) -> ReplicaAuth:
+    def keyed(cls, key: bytes, node_key: NodeKey | None = None) -> ReplicaAuth:
         if len(key) < 16:
             raise ValueError("the replica key must be at least 16 bytes")
-        return cls(key=key)
+        return cls(key=key, node_key=node_key)
 
     @classmethod
     def none(cls) -> ReplicaAuth:

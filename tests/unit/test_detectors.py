@@ -236,6 +236,8 @@ def test_node_limit_refuses_a_registration_flood() -> None:
         (req(num_workers=5000), "num_workers"),
         (dpb.RegisterRequest(node_id="n", epoch=1, replica_buddy="nowhere"), "host:port"),
         (dpb.RegisterRequest(node_id="n", epoch=1, replica_buddy="h:99999"), "host:port"),
+        (dpb.RegisterRequest(node_id="n", epoch=1, replica_pubkey=b"k" * 31), "Ed25519"),
+        (dpb.RegisterRequest(node_id="n", epoch=1, replica_pubkey=b"k" * 33), "Ed25519"),
     ],
 )
 def test_registration_validation(r: dpb.RegisterRequest, msg: str) -> None:
@@ -246,6 +248,8 @@ def test_valid_registration_passes() -> None:
     assert detectors.validate_register(req(node="node-1.rack:2", hostname="h")) == ""
     ok = dpb.RegisterRequest(node_id="n", epoch=1, replica_buddy="10.0.0.2:29600")
     assert detectors.validate_register(ok) == ""
+    keyed = dpb.RegisterRequest(node_id="n", epoch=1, replica_pubkey=b"k" * 32)
+    assert detectors.validate_register(keyed) == ""
 
 
 @pytest.mark.parametrize(

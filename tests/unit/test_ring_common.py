@@ -134,3 +134,37 @@ def test_the_ring_map_and_the_buddy_index_agree_with_their_one_node_rules() -> N
             assert slot is not None
             expected = {x for x, b in buddy_of.items() if is_buddy(b, slot)}
             assert held_by(slot) == expected
+
+
+def test_a_start_hands_out_the_replica_keys_of_the_ring_neighbours_and_the_replaced_node() -> None:
+    """Without TLS each node checks its buddy, the node whose copies its server takes and
+    the node whose copies it takes over by the keys those nodes registered
+    (recovery/nodekey.py): StartWorkers carries them from the log's node records."""
+    from unbroken.driver.actions import Layout, StartWorkers
+    from unbroken.driver.buddies import start_messages
+    from unbroken.driver.config import LoopConfig
+    from unbroken.driver.liveview import LiveView, LiveViewConfig
+    from unbroken.proto import events_pb2 as ev
+
+    view = LiveView(LiveViewConfig())
+    for i, n in enumerate(("a", "b", "s")):
+        view.nodes[n] = _holder(f"127.0.0.1:{29600 + i}", node=n)
+    keys = {n: bytes([i + 1]) * 32 for i, n in enumerate(("a", "b", "c", "s"))}
+    records = {n: ev.NodeRecord(node_id=n, replica_pubkey=k) for n, k in keys.items()}
+    # spare s takes lost c's place between a and b
+    start = StartWorkers(Layout(3, 1, 1, ("a", "s", "b"), 1), (("a", 0), ("s", 1), ("b", 2)))
+    msgs = start_messages(
+        start, 29500, LoopConfig(), view, old=["a", "c", "b"], buddy_of=lambda n: "127.0.0.1:29602",
+        records=records, timeline=0, persist_every_s=1.0, shard_bytes=0,
+    )  # fmt: skip
+    got = {
+        n: (sw.buddy_node, sw.buddy_pubkey, sw.replicas_from, sw.replicas_from_pubkey,
+            sw.replaces, sw.replaces_pubkey)
+        for n, m in msgs.items()
+        for sw in [m.start_workers]
+    }  # fmt: skip
+    assert got == {
+        "a": ("s", keys["s"], "b", keys["b"], "", b""),
+        "s": ("b", keys["b"], "a", keys["a"], "c", keys["c"]),
+        "b": ("a", keys["a"], "s", keys["s"], "", b""),
+    }

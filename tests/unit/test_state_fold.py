@@ -35,3 +35,14 @@ def test_apply_does_not_mutate_its_input(events: list[ev.Event]) -> None:
         nxt = statelib.apply(s, e)
         assert s.SerializeToString(deterministic=True) == before
         s = nxt
+
+
+def test_a_nodes_record_keeps_the_replica_key_it_registered() -> None:
+    """The key a node registered is in its record (StartWorkers hands it to its peers; a
+    new leader has it from the log, for a node lost before it led)."""
+    reg = ev.Event(
+        seq=1,
+        node_registered=ev.NodeRegistered(node_id="n1", epoch=7, replica_pubkey=b"k" * 32),
+    )
+    s = statelib.fold([reg], statelib.initial("job"))
+    assert s.nodes["n1"].replica_pubkey == b"k" * 32
