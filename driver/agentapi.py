@@ -28,7 +28,7 @@ import structlog
 
 from unbroken.common import channel, reportmac
 from unbroken.driver import commits as commits_mod
-from unbroken.driver import detectors, paging
+from unbroken.driver import detectors, paging, principalquota
 from unbroken.driver.commits import Commits
 from unbroken.driver.config import ServiceConfig
 from unbroken.driver.leadership import Leadership
@@ -194,11 +194,13 @@ class AgentApi:
             if k == channel.RELAY_KEY:
                 relay = str(v)[:128]
         relay = relay if relay != request.node_id else ""
-        why = self._over_quota(
-            str(who) if who.identified else "", request.node_id, relay, event is not None, now
+        why, back = self._over_quota(
+            str(who) if who.identified else "", request, relay, event is not None, now
         )
         if why:
             await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+        if back and event is not None:
+            event.cause = principalquota.RETURNED  # not counted, nor by a later term
         slot = self._take(request, event, relay, context.peer(), now)
         st = self._lead.journal.state if self._lead.journal is not None else None
         return dpb.RegisterResponse(
@@ -256,20 +258,27 @@ class AgentApi:
             self.view.reopened(slot, now)  # back after closing its stream: not lost
         return slot
 
-    def _over_quota(self, who: str, node_id: str, relay: str, new: bool, now: float) -> str:
-        """Why `who`'s registration of `node_id` (through `relay`; `new`: a new epoch) is
-        past a per-principal quota ("": it is not; `who` "": no identified principal)."""
+    def _over_quota(
+        self, who: str, request: dpb.RegisterRequest, relay: str, new: bool, now: float
+    ) -> tuple[str, bool]:
+        """Why `who`'s registration (through `relay`; `new`: a new epoch's event) is past a
+        per-principal quota ("": it is not; `who` "": no identified principal), and whether
+        it is the node back with a new leader under its logged epoch (never counted)."""
+        node_id = request.node_id
 
         def still(n: str) -> bool:
             m = self.view.nodes.get(n)
             return m is not None and m.relay == relay and m.alive
 
         why = self.quotas.relay_member(node_id, relay, still)
-        if not why and new and who:
-            why = self.quotas.registration(who, now)
+        back = False
+        if not why:
+            back = self.quotas.returning(node_id, request.epoch)
+            if new and who and not back:
+                why = self.quotas.registration(who, now)
         if why:
             log.warning("registration over quota", node=node_id, reason=why)
-        return why
+        return why, back
 
     async def Session(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         if not self._lead.leader:

@@ -91,7 +91,7 @@ class ServiceConfig:
     max_watchers: int = field(default=64, metadata={"help": "WatchEvents calls streaming at once"})
     quotas: PrincipalQuotas = field(
         default_factory=PrincipalQuotas,
-        metadata={"flag": None, "why": "per-principal quotas (driver/principalquota.py)"},
+        metadata={"prefix": "quota-", "group": "per-principal quotas (driver/principalquota.py)"},
     )
     keep_checkpoints: int = field(
         default=3,

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
@@ -173,6 +173,7 @@ class DriverService(dgrpc.DriverServicer):
         *,
         decider: Decider | None = None,
         on_resync: Callable[[], None] | None = None,
+        recent: Iterable[ev.Event] = (),
     ) -> Journal:
         """Become the leader of a new term: `log_`'s journal records from now on.
 
@@ -181,14 +182,19 @@ class DriverService(dgrpc.DriverServicer):
             address: where agents reach this driver.
             state: `log_.replay()` (default: an empty job, for a fresh log).
             decider, on_resync: the journal's (driver/journal.py; a term's, driver/term.py).
+            recent: the log's registrations of the last minute
+                (`principalquota.read_recent`): the per-principal quotas start from them
+                and from `state`, not from zero, before the first agent call is taken.
 
         Returns:
             The term's journal (started; the previous term's unrecorded observations are
             queued in it).
         """
+        state = state if state is not None else statelib.initial(self.job_id)
+        self.agents.quotas.seed(state, recent, wall_ns=time.time_ns(), now=time.monotonic())
         journal = Journal(
             log_,
-            state if state is not None else statelib.initial(self.job_id),
+            state,
             config=self.config.journal,
             conditions=self.nodewatch.conditions,
             on_fenced=self._fenced,

@@ -1,6 +1,7 @@
 """A leader's term: what begins when this driver is elected and ends when it steps down.
 
-`Term` is the one place a term is assembled. `begin()` replays the log, opens the term's
+`Term` is the one place a term is assembled. `begin()` replays the log (and reads its last
+minute's registrations, where the per-principal quotas go on from), opens the term's
 journal with its decider (the recovery loop's when a job is configured, else record-only),
 expects the log's nodes back, records LeaderElected, then starts the scheduler bridge and
 the recovery loop. `end()` undoes it in reverse: the loop stops, the bridge closes, the
@@ -15,6 +16,7 @@ from typing import Any
 
 import structlog
 
+from unbroken.driver import principalquota
 from unbroken.driver.decider import Decision, RecordOnly
 from unbroken.driver.eventlog import EventLog, Leadership
 from unbroken.driver.journal import Journal
@@ -71,6 +73,8 @@ class Term:
     async def begin(self) -> Journal:
         """Replay, open the journal, record LeaderElected, start the bridge and the loop."""
         state = await self.log.replay()
+        # the per-principal quotas go on from the log's last minute, not from zero
+        recent = await principalquota.read_recent(self.log, state.last_seq, time.time_ns())
         host = self.host
         host.commits.timeline = timeline(state)  # rollbacks so far: older shards are stale
         recovers = bool(self.loop_config.nodes)
@@ -80,6 +84,7 @@ class Term:
             state,
             decider=self if recovers else RecordOnly(),
             on_resync=self._resync if recovers else None,
+            recent=recent,
         )
         self.journal = journal
         if recovers:

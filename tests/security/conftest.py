@@ -46,7 +46,8 @@ def driver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
 @contextlib.contextmanager
 def running_driver(tmp: Path, args: list[str], grace_s: float = 10.0) -> Iterator[dict[str, Any]]:
     """`unbroken driver --listen 127.0.0.1:0 ARGS` logging to tmp/driver.log; its port file
-    (grpc_port, metrics_port, ...) once written; stopped (SIGTERM, then SIGKILL) after."""
+    (grpc_port, metrics_port, ...) and its "pid" once written; stopped (SIGTERM, then
+    SIGKILL) after."""
     port_file = tmp / "driver.json"
     log = open(tmp / "driver.log", "wb")
     cmd = [*CLI, "driver", "--listen", "127.0.0.1:0", "--port-file", str(port_file), *args]
@@ -64,7 +65,7 @@ def running_driver(tmp: Path, args: list[str], grace_s: float = 10.0) -> Iterato
             assert proc.poll() is None, (tmp / "driver.log").read_text()
             assert time.monotonic() < deadline, "driver did not start within 60 s"
             time.sleep(0.1)
-        yield dict(json.loads(port_file.read_text()))
+        yield {**json.loads(port_file.read_text()), "pid": proc.pid}
     finally:
         proc.terminate()
         try:

@@ -1,20 +1,33 @@
 """One node's credential cannot wear out what the job shares: streams, registrations,
 relay capacity (the rendezvous' per-principal quotas are in test_rdzv_quota.py).
 
-Real gRPC against the driver service in-process, with per-node named tokens.
+Real gRPC against the driver service in-process, with per-node named tokens; across a
+failover, two real `unbroken driver` processes on the session's etcd, the leader SIGKILLed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.inproc import driver, session_md, until
+from tests.security.conftest import running_driver
 from unbroken.common import channel
+from unbroken.driver import etcdlog
+from unbroken.driver.etcd import EmbeddedEtcd
 from unbroken.driver.principalquota import PrincipalQuotas
 from unbroken.driver.security import RoleTokens
+from unbroken.driver.server import LEADER_HEALTH
 from unbroken.driver.service import ServiceConfig
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -126,3 +139,157 @@ def test_a_relay_carries_a_bounded_number_of_members() -> None:
                 assert svc.view.nodes["m3"].relay == "r0"
 
     asyncio.run(go())
+
+
+# ------------------------------------------------------------ across a failover
+OK = grpc.StatusCode.OK
+RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def _leads(address: str) -> bool:
+    """Whether the driver at `address` leads (its leader health check is SERVING)."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        try:
+            got = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=LEADER_HEALTH), timeout=2
+            )
+        except grpc.aio.AioRpcError:
+            return False
+    return got.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def _until_leads(address: str, what: str) -> None:
+    for _ in range(600):
+        if await _leads(address):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@contextlib.contextmanager
+def _two_drivers(
+    tmp: Path, etcd: EmbeddedEtcd, *quota_flags: str
+) -> Iterator[tuple[dict[str, Any], dict[str, Any], str]]:
+    """driver-a leading and driver-b standing by, one job on `etcd`, the module's node
+    tokens bound to their ids, `quota_flags` given to both; yields their port files (with
+    "address" their gRPC address, "pid" a's process) and the job id."""
+    bound = tmp / "bound-tokens"
+    bound.write_text("".join(f"{t} {n}\n" for n, t in TOKENS.items()))
+    bound.chmod(0o600)
+    job = f"quota-{uuid.uuid4().hex[:8]}"
+    with contextlib.ExitStack() as stack:
+        started = []
+        for name in ("driver-a", "driver-b"):
+            (tmp / name).mkdir()
+            args = [
+                "--etcd", etcd.endpoint, "--archive-url", "none", "--job-id", job,
+                "--driver-id", name, "--token-file", f"node={bound}", *quota_flags,
+            ]  # fmt: skip
+            ports = stack.enter_context(running_driver(tmp / name, args))
+            ports["address"] = f"127.0.0.1:{ports['grpc_port']}"
+            started.append(ports)
+            if name == "driver-a":  # b stands by behind it
+                asyncio.run(_until_leads(ports["address"], "driver-a to lead"))
+        yield started[0], started[1], job
+
+
+async def _register(address: str, node: str, epoch: int, *extra: tuple[str, str]) -> Any:
+    """Register `node` at `epoch` with the driver at `address`: OK, or the AioRpcError."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        try:
+            await dgrpc.DriverStub(ch).Register(
+                dpb.RegisterRequest(node_id=node, epoch=epoch),
+                metadata=md(node, *extra),
+                timeout=10,
+            )
+        except grpc.aio.AioRpcError as e:
+            return e
+    return OK
+
+
+def _code(got: Any) -> grpc.StatusCode:
+    return OK if got is OK else got.code()
+
+
+async def _logged(etcd: EmbeddedEtcd, job: str, registrations: int) -> None:
+    """Wait until the job's log holds `registrations` NodeRegistered events (an acknowledged
+    registration is appended just after its reply: a kill before that loses it)."""
+    client = await etcdlog.connect(etcd.config)
+    try:
+        log = etcdlog.EtcdEventLog(client, job, None, archive_url=etcdlog.NO_ARCHIVE)
+        for _ in range(300):
+            events = await log.read(1)
+            if sum(e.HasField("node_registered") for e in events) >= registrations:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"the log did not hold {registrations} registrations: {events}")
+    finally:
+        await client.close()
+
+
+def _fail_over(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """SIGKILL driver-a (nothing handed over but the log); wait for driver-b to lead."""
+    os.kill(a["pid"], signal.SIGKILL)
+    asyncio.run(_until_leads(b["address"], "driver-b to lead once driver-a died"))
+
+
+def test_a_new_leader_goes_on_with_the_quota_the_old_one_counted(
+    tmp_path: Path, etcd_server: EmbeddedEtcd
+) -> None:
+    """A principal that used its registrations just before a failover gets no fresh quota
+    from the new leader; its agent still comes back once under its live epoch."""
+    flags = ("--quota-registrations-per-minute", "3")
+    with _two_drivers(tmp_path, etcd_server, *flags) as (a, b, job):
+
+        async def with_a() -> None:
+            for epoch in (1, 2, 3):
+                assert await _register(a["address"], "a", epoch) is OK
+            assert _code(await _register(a["address"], "a", 4)) == RESOURCE_EXHAUSTED
+            await _logged(etcd_server, job, 3)
+
+        asyncio.run(with_a())
+        _fail_over(a, b)
+
+        async def with_b() -> None:
+            # its agent (epoch 3) registers with the new leader: back, not a new epoch
+            assert await _register(b["address"], "a", 3) is OK
+            refused = await _register(b["address"], "a", 4)
+            assert _code(refused) == RESOURCE_EXHAUSTED, (
+                "the new leader gave node:a a fresh registration quota"
+            )
+            detail = refused.details() or ""
+            assert "node:a" in detail and "registrations_per_minute=3" in detail, detail
+            assert await _register(b["address"], "b", 1) is OK  # others are not held back
+
+        asyncio.run(with_b())
+
+
+def test_a_plain_failover_refuses_none_of_the_nodes_coming_back(
+    tmp_path: Path, etcd_server: EmbeddedEtcd
+) -> None:
+    """Every node registered (its quota of one used, the relay full) registers once more
+    with the new leader: none is refused, and the quotas still hold after."""
+    flags = ("--quota-registrations-per-minute", "1", "--quota-max-relay-members", "2")
+    via = (channel.RELAY_KEY, "r0")
+    direct, relayed = ("a", "b", "r0"), ("m1", "m2")
+    with _two_drivers(tmp_path, etcd_server, *flags) as (a, b, job):
+
+        async def with_a() -> None:
+            for n in direct:
+                assert await _register(a["address"], n, 1) is OK
+            for n in relayed:
+                assert await _register(a["address"], n, 1, via) is OK
+            await _logged(etcd_server, job, len(direct) + len(relayed))
+
+        asyncio.run(with_a())
+        _fail_over(a, b)
+
+        async def with_b() -> None:
+            got = {n: await _register(b["address"], n, 1) for n in direct}
+            got |= {n: await _register(b["address"], n, 1, via) for n in relayed}
+            assert {n: _code(g) for n, g in got.items()} == dict.fromkeys(got, OK), got
+            # and nothing was handed out fresh: a new epoch, a third member of r0
+            assert _code(await _register(b["address"], "a", 2)) == RESOURCE_EXHAUSTED
+            assert _code(await _register(b["address"], "m3", 1, via)) == RESOURCE_EXHAUSTED
+
+        asyncio.run(with_b())
