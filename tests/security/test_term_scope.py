@@ -14,6 +14,10 @@ scope is checked against an embedded etcd.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -116,3 +120,117 @@ def test_a_real_election_names_its_cluster_and_the_jobs_incarnation(
         assert t3 == 1 and s3 != s1 and s3.split(".")[0] == s1.split(".")[0], (s3, s1)
 
     asyncio.run(go())
+
+
+def test_an_etcd_restored_from_a_snapshot_of_the_same_cluster_leads_above_the_agents_terms(
+    tmp_path: Path,
+) -> None:
+    """The usual disaster recovery: etcd restored from a snapshot with the old member's
+    name and peer URL (the same cluster id, the same creation of the term key). Plainly
+    restored, its next leader's term is below what the agents saw after the snapshot and
+    every command of it is dropped as a stale leader's; restored through
+    `driver/etcdrestore.py` the terms go on above them. Real etcd servers, real snapshot
+    and restore (etcdctl, etcdutl), real elections."""
+    from unbroken.agent.commands import _term_refusal
+    from unbroken.driver import election as electionlib
+    from unbroken.driver import etcdbin, etcdlog
+    from unbroken.driver.etcd import EmbeddedEtcd
+    from unbroken.driver.etcdrestore import RESTORE_TERM_RAISE, raise_terms, restore_snapshot
+
+    async def lead(etcd: EmbeddedEtcd) -> tuple[int, str]:
+        client = await etcdlog.connect(etcd.config)
+        election = electionlib.Election(client, "restored", "d1", ttl_s=2)
+        try:
+            won = await election.campaign(timeout_s=20)
+            return won.term, won.scope
+        finally:
+            await election.resign()
+            await client.close()
+
+    binary = etcdbin.resolve(None)
+    snap = tmp_path / "snap.db"
+    with EmbeddedEtcd(tmp_path / "old") as old:
+        peer = f"http://127.0.0.1:{old.peer_port}"
+        asyncio.run(lead(old))
+        asyncio.run(lead(old))
+        saved = subprocess.run(
+            [str(etcdbin.etcdctl_beside(binary)), "--endpoints", old.endpoint, "snapshot", "save",
+             str(snap)],
+            capture_output=True, text=True, env={**os.environ, "ETCDCTL_API": "3"}, check=False,
+        )  # fmt: skip
+        assert saved.returncode == 0, saved.stderr
+        seen, scope = asyncio.run(lead(old))  # two more elections after the snapshot
+        seen, scope = asyncio.run(lead(old))
+    assert seen == 4
+    agent = Agent(AgentConfig(drivers=["127.0.0.1:1"], node_id="node-a"))
+    agent.term_scope, agent.term_seen = scope, seen  # what the agents saw of the old history
+
+    def refusal(term: int, scope: str) -> str | None:
+        agent.session_term = term  # registered with the new leader
+        return _term_refusal(agent, dpb.DriverMessage(term=term, term_scope=scope))
+
+    etcdutl = etcdbin.etcdutl_beside(binary)
+    restore_snapshot(snap, tmp_path / "plain", etcdutl=etcdutl, peer_url=peer)
+    with EmbeddedEtcd(tmp_path / "plain") as plain:
+        term, same = asyncio.run(lead(plain))
+    assert same == scope and term == 3, (term, same, scope)  # the same cluster, terms back
+    assert "stale" in (refusal(term, same) or ""), "the gap this test is about is not there"
+
+    restore_snapshot(snap, tmp_path / "raised", etcdutl=etcdutl, peer_url=peer)
+    with EmbeddedEtcd(tmp_path / "raised") as raised:
+        assert asyncio.run(raise_terms(raised.config)) == {"restored": (2, 2 + RESTORE_TERM_RAISE)}
+        term, same = asyncio.run(lead(raised))
+    assert same == scope and term == 3 + RESTORE_TERM_RAISE
+    assert refusal(term, same) is None  # the new leader is obeyed
+    assert "stale" in (refusal(seen - 1, scope) or "")  # a stale leader of the old history is not
+
+
+def test_unbroken_etcd_restores_a_snapshot_raises_the_terms_and_serves_it(tmp_path: Path) -> None:
+    """`unbroken etcd --restore-from SNAPSHOT --data-dir DIR` as an operator runs it; a data
+    dir that already holds etcd data is refused, naming what to do."""
+    from unbroken.driver import election as electionlib
+    from unbroken.driver import etcdbin, etcdlog
+    from unbroken.driver.etcd import EmbeddedEtcd
+    from unbroken.driver.etcdrestore import RESTORE_TERM_RAISE
+
+    async def lead(config: object) -> int:
+        client = await etcdlog.connect(config)  # type: ignore[arg-type]
+        election = electionlib.Election(client, "cli-restored", "d1", ttl_s=2)
+        try:
+            return (await election.campaign(timeout_s=20)).term
+        finally:
+            await election.resign()
+            await client.close()
+
+    snap = tmp_path / "snap.db"
+    with EmbeddedEtcd(tmp_path / "old") as old:
+        asyncio.run(lead(old.config))
+        subprocess.run(
+            [str(etcdbin.etcdctl_beside(etcdbin.resolve(None))), "--endpoints", old.endpoint,
+             "snapshot", "save", str(snap)],
+            capture_output=True, env={**os.environ, "ETCDCTL_API": "3"}, check=True,
+        )  # fmt: skip
+    cli = [sys.executable, "-m", "unbroken.cli.main", "etcd", "--restore-from", str(snap)]
+    proc = subprocess.Popen(
+        [*cli, "--data-dir", str(tmp_path / "new")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        lines = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("etcd is up at"):
+                break
+        text = "".join(lines)
+        assert f"job cli-restored: leader term 1 -> {1 + RESTORE_TERM_RAISE}" in text, text
+        endpoint = text.split("etcd is up at ")[1].split()[0]
+        from unbroken.driver.etcd import EtcdConfig
+
+        assert asyncio.run(lead(EtcdConfig(endpoints=[endpoint]))) == 2 + RESTORE_TERM_RAISE
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    again = subprocess.run(
+        [*cli, "--data-dir", str(tmp_path / "new")], capture_output=True, text=True, timeout=60
+    )
+    assert again.returncode == 2 and "already holds etcd data" in again.stderr, again.stderr
