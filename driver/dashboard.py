@@ -27,7 +27,10 @@ the API require a *viewer* token (`--token-file viewer=PATH`; `Authorization: Be
 assets (code, no data) and `/healthz` are open. The dashboard binds loopback by default.
 
 Connections are capped; at the cap, the connection idle longest (waiting for a request) is
-closed to make room, so idle sockets cannot lock operators out.
+closed to make room, else the one stuck longest (over `STALL_S`) in writing an answer its
+client does not read: neither idle sockets nor slow readers (a client that pipelines
+requests for the open static script and reads nothing held the server's write for the idle
+deadline, and a handful of them, renewed, kept the page from everyone) lock operators out.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ STATIC_TYPES = {
     "style.css": "text/css; charset=utf-8",
 }
 MAX_REQUESTS_PER_CONN = 10_000
+# a write this long unfinished (its client reads nothing) may be closed to make room at the cap
+STALL_S = 0.5
 READ_CHUNK = 1000  # events folded per refresh at most (the next refresh takes the rest)
 SAMPLE_DUTY = 50  # the sampler sleeps at least this many times as long as a sample took
 
@@ -128,6 +133,7 @@ class Dashboard:
         self.port = 0
         self.requests = 0
         self.evicted_idle = 0  # idle connections closed to make room at the cap
+        self.evicted_stalled = 0  # connections stuck writing to a client that does not read
         self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=config.events)
         self._state: ev.JobState | None = None
         self._source: EventLog | None = None
@@ -141,6 +147,7 @@ class Dashboard:
         self._writers: set[asyncio.StreamWriter] = set()
         # connections waiting for a request head -> since when (the first to close at the cap)
         self._idle: dict[asyncio.StreamWriter, float] = {}
+        self._writing: dict[asyncio.StreamWriter, float] = {}  # in a drain since
         self._static = {name: (WEB_DIR / name).read_bytes() for name in STATIC_TYPES}
         self._index = (WEB_DIR / "index.html").read_bytes()
 
@@ -337,6 +344,17 @@ class Dashboard:
         return hm
 
     # ------------------------------------------------------------ HTTP
+    def _stalled(self) -> asyncio.StreamWriter | None:
+        """The connection stuck longest (over `STALL_S`) writing an answer, if any."""
+        since = time.monotonic() - STALL_S
+        stuck = [(t, id(w), w) for w, t in self._writing.items() if t <= since]
+        return min(stuck)[2] if stuck else None
+
+    def stalled_writers(self) -> int:
+        """How many connections are stuck (over `STALL_S`) writing to their client."""
+        since = time.monotonic() - STALL_S
+        return sum(t <= since for t in self._writing.values())
+
     async def _serve_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         full = self._conns >= self.config.max_connections
         if full and self._idle:
@@ -344,6 +362,10 @@ class Dashboard:
             self._idle.pop(oldest)
             oldest.close()  # its task ends (and frees its place) on its next read
             self.evicted_idle += 1
+        elif full and (stuck := self._stalled()):
+            self._writing.pop(stuck, None)
+            stuck.transport.abort()  # its drain fails at once (close would flush first)
+            self.evicted_stalled += 1
         elif full:
             with contextlib.suppress(ConnectionError):
                 writer.write(
@@ -381,7 +403,11 @@ class Dashboard:
                         extra=extra,
                     )
                 )
-                await asyncio.wait_for(writer.drain(), self.config.idle_timeout_s)
+                self._writing[writer] = time.monotonic()
+                try:
+                    await asyncio.wait_for(writer.drain(), self.config.idle_timeout_s)
+                finally:
+                    self._writing.pop(writer, None)
                 if not req.keep_alive:
                     return
         except HttpError as e:
