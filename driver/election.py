@@ -63,6 +63,14 @@ RENEW_MAX_S = 0.5
 # the cap: etcd may be short of a quorum for long, and the lease lives until it says not.
 DOUBT_RETRY_FIRST_S = 0.1
 DOUBT_RETRY_CAP_S = 1.0
+# A standby that finds the leader's address refusing connections this many times in a row,
+# `PROBE_EVERY_S` apart, revokes the leader's lease instead of waiting out its TTL: the
+# leader's process is gone (its host answered with a reset), and the TTL was all of a
+# failover's time (1.5-2.4 s in bench-recovery). A host that does not answer at all, or a
+# port some other process took, proves nothing: then the TTL decides, as before. Fenced
+# appends keep a revoked leader that was alive after all from writing (it steps down).
+PROBE_REFUSALS = 3
+PROBE_EVERY_S = 0.05
 
 
 def renew_every(ttl: float) -> float:
@@ -73,6 +81,23 @@ def renew_every(ttl: float) -> float:
 def term_scope(cluster_id: int, incarnation: int) -> str:
     """What a leader term counts in: the etcd cluster and the job's incarnation in it."""
     return f"{cluster_id:x}.{incarnation}"
+
+
+async def refuses(address: str, timeout_s: float) -> bool:
+    """Whether a TCP connection to `address` (host:port) is refused: the host answered and
+    nothing listens on the port. A timeout, an unknown host or any other error: False."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+        return False
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return False
 
 
 class Election:
@@ -93,6 +118,9 @@ class Election:
             `--failover-grace-ms`) and followed the leader's live view. In bench-recovery a
             killed leader respawned at once won half the races, and a node lost during that
             failover waited out the whole 10 s grace.
+        probe_leader: while another leads, probe its address and revoke its lease once
+            nothing listens there (`PROBE_REFUSALS`): a standby leads a fraction of a second
+            after the leader's process dies, not a TTL after.
     """
 
     def __init__(
@@ -106,6 +134,7 @@ class Election:
         op_timeout_s: float = 2.0,
         young_s: float = 10.0,
         defer_s: float = 0.3,
+        probe_leader: bool = False,
     ) -> None:
         if ttl_s < 1:
             raise ValueError(f"ttl_s must be >= 1 (etcd leases have whole seconds), got {ttl_s}")
@@ -125,6 +154,8 @@ class Election:
         self.born = time.monotonic()
         self.young_s = young_s
         self.defer_s = defer_s
+        self.probe_leader = probe_leader
+        self.revoked_dead = 0  # leases of leaders found dead (their address refused) revoked
         self.lost = asyncio.Event()
         self.leadership: Leadership | None = None
         self._lease: int = 0
@@ -209,7 +240,7 @@ class Election:
                 )
             # Re-check at least every TTL, in case a watch event was missed.
             step = self.ttl_s if remaining is None else min(self.ttl_s, remaining)
-            await self._wait_deleted(rev + 1, step)
+            await self._wait_leader_gone(rev + 1, step)
             if time.monotonic() - self.born < self.young_s:
                 await asyncio.sleep(self.defer_s)  # a waiting standby first (see the class)
 
@@ -323,6 +354,53 @@ class Election:
                 self.lost.set()
                 return
             rev = r.header.revision
+
+    async def _wait_leader_gone(self, start_revision: int, timeout_s: float) -> None:
+        """`_wait_deleted`, and meanwhile (with `probe_leader`) revoke the leader's lease
+        once its address refuses connections `PROBE_REFUSALS` times in a row."""
+        if not self.probe_leader:
+            await self._wait_deleted(start_revision, timeout_s)
+            return
+        tasks = [
+            asyncio.create_task(self._wait_deleted(start_revision, timeout_s)),
+            asyncio.create_task(self._revoke_if_dead()),
+        ]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _revoke_if_dead(self) -> None:
+        """Return once the current leader's lease is revoked because nothing listens at its
+        address any more; wait (until cancelled) while it may be alive."""
+        r = await self._call(self.client.kvstub.Range, rpc.RangeRequest(key=self.keys.leader))
+        if not r.kvs:
+            return
+        try:
+            doc = json.loads(r.kvs[0].value)
+            address, lease = str(doc.get("address", "")), int(doc.get("lease_id", 0))
+        except (ValueError, TypeError, AttributeError):
+            await asyncio.Event().wait()  # not ours to judge: the TTL decides
+            return
+        if not address or address == self.address or not lease:
+            await asyncio.Event().wait()
+        refusals = 0
+        while refusals < PROBE_REFUSALS:
+            await asyncio.sleep(PROBE_EVERY_S)
+            refusals = refusals + 1 if await refuses(address, self.op_timeout_s) else 0
+        # counted and said first: the watch sees the key go (and this task is cancelled)
+        # before the revoke's own answer comes back
+        self.revoked_dead += 1
+        self._log.warning(
+            "the leader's address refuses connections: revoking its lease",
+            leader=doc.get("driver_id"),
+            address=address,
+            lease=f"{lease:x}",
+        )
+        with contextlib.suppress(LogUnavailableError):  # gone already: the watch says so
+            await self._call(self.client.leasestub.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lease))
 
     async def _wait_deleted(self, start_revision: int, timeout_s: float) -> None:
         """Return when the leader key is deleted after `start_revision`, or after timeout_s."""

@@ -99,9 +99,20 @@ class EtcdConfig:
         default=LEASE_TTL_S,
         metadata={
             "help": "the leader driver's lease, whole seconds >= 1: a standby leads this long "
-            "after the leader dies. What is left of it after a keep-alive (one every 0.5 s) "
+            "after the leader dies (sooner when its port refuses connections: "
+            "--no-probe-leader). What is left of it after a keep-alive (one every 0.5 s) "
             "must outlast an etcd leader election (1-2 s) for the leader to keep leading "
             "when its etcd member dies: 4 with a 3-member etcd"
+        },
+    )
+
+    probe_leader: bool = field(
+        default=True,
+        metadata={
+            "negate": "--no-probe-leader",
+            "help": "as a standby, do not probe the leader's address: by default a standby "
+            "that finds it refusing connections (the process died, its host is up) revokes "
+            "the leader's lease at once instead of waiting out its TTL",
         },
     )
 

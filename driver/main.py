@@ -293,8 +293,9 @@ async def _lead_on_etcd(
     # e.g. while etcd elected a leader) it keeps the lease, and the next campaign takes the
     # same term back when etcd confirms it, instead of waiting for it to expire
     election = electionlib.Election(
-        client, cfg.job_id, cfg.driver_id, ttl_s=cfg.etcd.lease_ttl_s, address=address
-    )
+        client, cfg.job_id, cfg.driver_id, ttl_s=cfg.etcd.lease_ttl_s, address=address,
+        probe_leader=cfg.etcd.probe_leader,
+    )  # fmt: skip
     try:
         down_since: float | None = None
         while not stop.is_set():

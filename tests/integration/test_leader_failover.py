@@ -241,3 +241,68 @@ def test_a_waiting_standby_wins_over_a_driver_just_restarted(etcd_server: Embedd
             await client.close()
 
     asyncio.run(asyncio.wait_for(main(), 90))
+
+
+LISTENING_LEADER = r"""
+import asyncio, sys
+from unbroken.driver.etcd import EtcdConfig
+from unbroken.driver.etcdlog import connect
+from unbroken.driver.election import Election
+
+async def main(endpoint, job, ttl):
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = await connect(EtcdConfig(endpoints=[endpoint]))
+    election = Election(client, job, "old", ttl_s=ttl, address=f"127.0.0.1:{port}")
+    await election.campaign(timeout_s=10)
+    print("LEADING", flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main(sys.argv[1], sys.argv[2], float(sys.argv[3])))
+"""
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_standby_takes_a_dead_leaders_place_without_waiting_out_its_lease(
+    etcd_server: EmbeddedEtcd, fault: str
+) -> None:
+    """A leader whose process died leaves its address refusing connections: the standby
+    revokes its lease and leads, long before the lease's TTL (30 s here, the standby's
+    campaign gives up after 20). A frozen leader (SIGSTOP) still has its socket, whose
+    connections the kernel accepts: that proves nothing, and the standby waits for the
+    lease (3 s here) as before, revoking nothing."""
+    job = f"probe-{fault}-{uuid.uuid4().hex[:6]}"
+    ttl = "30" if fault == "kill" else "3"
+    old = subprocess.Popen(
+        [sys.executable, "-c", LISTENING_LEADER, etcd_server.endpoint, job, ttl],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        assert old.stdout is not None
+        while (line := old.stdout.readline()) and line.strip() != "LEADING":
+            pass  # the election's own log lines
+        assert line.strip() == "LEADING", "the leader process did not lead"
+
+        async def go() -> int:
+            client = await connect(etcd_server.config)
+            standby = Election(client, job, "new", ttl_s=TTL_S, address="new:1", probe_leader=True)
+            try:
+                campaign = asyncio.create_task(standby.campaign(timeout_s=20))
+                await asyncio.sleep(0.5)
+                assert not campaign.done(), "the standby led while the leader lived"
+                assert standby.revoked_dead == 0
+                old.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+                await campaign
+                assert await current_leader(client, job) == ("new", "new:1")
+                return standby.revoked_dead
+            finally:
+                await standby.resign()
+                await client.close()
+
+        assert asyncio.run(go()) == (1 if fault == "kill" else 0)
+    finally:
+        old.send_signal(signal.SIGCONT)
+        old.kill()
+        old.wait(10)
