@@ -401,6 +401,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="do not serve: raise every job's leader term in the etcd cluster at these "
         "client URLs (comma-separated), after restoring it from a snapshot by hand, then exit",
     )
+    for flag, what in (("--etcd-ca", "CA certificate"), ("--etcd-cert", "client certificate"),
+                       ("--etcd-key", "client key")):  # fmt: skip
+        parser.add_argument(flag, default=None, help=f"with --raise-terms-at: {what} for TLS")
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -427,7 +430,14 @@ def run(ns: argparse.Namespace) -> int:
         return 2
     restore = getattr(ns, "restore_from", None)
     if getattr(ns, "raise_terms_at", None):
-        return _raise_terms(EtcdConfig(endpoints=ns.raise_terms_at.split(",")))
+        return _raise_terms(
+            EtcdConfig(
+                endpoints=ns.raise_terms_at.split(","),
+                ca_cert=getattr(ns, "etcd_ca", None),
+                client_cert=getattr(ns, "etcd_cert", None),
+                client_key=getattr(ns, "etcd_key", None),
+            )
+        )
     if restore:
         from unbroken.driver.etcdrestore import restore_snapshot
 

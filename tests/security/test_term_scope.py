@@ -227,6 +227,12 @@ def test_unbroken_etcd_restores_a_snapshot_raises_the_terms_and_serves_it(tmp_pa
         from unbroken.driver.etcd import EtcdConfig
 
         assert asyncio.run(lead(EtcdConfig(endpoints=[endpoint]))) == 2 + RESTORE_TERM_RAISE
+        # the raise alone, as after restoring a cluster by hand
+        alone = subprocess.run(
+            [*cli[:4], "--raise-terms-at", endpoint], capture_output=True, text=True, timeout=60
+        )
+        raised = f"leader term {2 + RESTORE_TERM_RAISE} -> {2 + 2 * RESTORE_TERM_RAISE}"
+        assert alone.returncode == 0 and raised in alone.stdout, alone
     finally:
         proc.terminate()
         proc.wait(30)
