@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
-import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-import torch
 
+from tests.replicanodes import save_step, shm_owners
 from unbroken.recovery import copysig
-from unbroken.recovery.flash import FlashWriter
 from unbroken.recovery.flashcopy import list_copies, replica_store
-from unbroken.recovery.flashowner import FlashConfig, FlashOwner
+from unbroken.recovery.flashowner import FlashOwner
 from unbroken.recovery.nodekey import NodeKey
 from unbroken.recovery.replica import ReplicaServer, fetch_replica, send_copy
 from unbroken.recovery.replicaauth import ReplicaAuth, ReplicaConfig
@@ -35,12 +31,8 @@ JOB_KEY = b"test-job-replica-key-0123456789"
 
 @pytest.fixture
 def owners() -> Iterator[dict[str, FlashOwner]]:
-    roots = {n: Path(f"/dev/shm/ub-nodekey-{os.getpid()}-{n}") for n in NODES}
-    try:
-        yield {n: FlashOwner(FlashConfig(root=str(r), job="j")) for n, r in roots.items()}
-    finally:
-        for r in roots.values():
-            subprocess.run(["rm", "-rf", str(r)], check=False)
+    with shm_owners("ub-nodekey", NODES) as out:
+        yield out
 
 
 def _keys() -> dict[str, NodeKey]:
@@ -56,14 +48,6 @@ def _cfg(node: str, keys: dict[str, NodeKey], *, knows: tuple[str, ...] = ()) ->
     return ReplicaConfig(timeout_s=10, auth=auth)
 
 
-def _copy(owner: FlashOwner, step: int) -> None:
-    w = FlashWriter(0, owner)
-    try:
-        w.save({"w": torch.full((4096,), float(step))}, step).wait()  # type: ignore[union-attr]
-    finally:
-        w.close()
-
-
 def test_a_job_key_holder_cannot_store_copies_as_another_node(
     owners: dict[str, FlashOwner],
 ) -> None:
@@ -71,8 +55,8 @@ def test_a_job_key_holder_cannot_store_copies_as_another_node(
     copies. Before node keys, node-c's copy named node-a was stored as node-a's."""
     keys = _keys()
     a, b, c = owners["node-a"], owners["node-b"], owners["node-c"]
-    _copy(a, step=3)
-    _copy(c, step=66)  # the weights node-c would like node-a's replacement to run
+    save_step(a, step=3)
+    save_step(c, step=66)  # the weights node-c would like node-a's replacement to run
 
     async def go() -> None:
         srv = ReplicaServer(b, _cfg("node-b", keys, knows=("node-a",)))
@@ -120,7 +104,7 @@ def test_a_sender_knows_when_the_server_that_stored_its_copy_is_not_its_buddy(
     sends. Before node keys node-a counted the copy as at its buddy."""
     keys = _keys()
     a, c = owners["node-a"], owners["node-c"]
-    _copy(a, step=4)
+    save_step(a, step=4)
 
     async def go() -> None:
         impostor = ReplicaServer(c, _cfg("node-c", keys))
@@ -151,7 +135,7 @@ def test_a_restorer_refuses_a_copy_not_signed_with_the_lost_nodes_own_key(
     the MAC passed."""
     keys = _keys()
     a, b, a2 = owners["node-a"], owners["node-b"], owners["node-a2"]
-    _copy(a, step=1)
+    save_step(a, step=1)
 
     async def go() -> None:
         srv = ReplicaServer(b, _cfg("node-b", keys, knows=("node-a",)))

@@ -11,17 +11,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
+from tests.replicanodes import save_step, shm_owners
 from unbroken.driver.certs import issue, make_ca
-from unbroken.recovery.flash import FlashWriter
 from unbroken.recovery.flashcopy import (
     data_path,
     list_copies,
@@ -29,7 +26,7 @@ from unbroken.recovery.flashcopy import (
     seal,
     write_manifest,
 )
-from unbroken.recovery.flashowner import FlashConfig, FlashOwner
+from unbroken.recovery.flashowner import FlashOwner
 from unbroken.recovery.replica import ReplicaServer, fetch_replica, send_copy
 from unbroken.recovery.replicaauth import ReplicaAuth, ReplicaConfig
 
@@ -39,12 +36,8 @@ NODES = ("node-a", "node-b", "node-c", "node-a2")
 
 @pytest.fixture
 def owners() -> Iterator[dict[str, FlashOwner]]:
-    roots = {n: Path(f"/dev/shm/ub-origin-{os.getpid()}-{n}") for n in NODES}
-    try:
-        yield {n: FlashOwner(FlashConfig(root=str(r), job="j")) for n, r in roots.items()}
-    finally:
-        for r in roots.values():
-            subprocess.run(["rm", "-rf", str(r)], check=False)
+    with shm_owners("ub-origin", NODES) as out:
+        yield out
 
 
 @pytest.fixture
@@ -59,14 +52,6 @@ def pki(tmp_path: Path) -> dict[str, ReplicaConfig]:
         )
         out[n] = ReplicaConfig(timeout_s=10, auth=auth)
     return out
-
-
-def _copy(owner: FlashOwner, step: int) -> None:
-    w = FlashWriter(0, owner)
-    try:
-        w.save({"w": torch.full((4096,), float(step))}, step).wait()  # type: ignore[union-attr]
-    finally:
-        w.close()
 
 
 def _forge(buddy: FlashOwner, source: FlashOwner) -> None:
@@ -86,8 +71,8 @@ def test_a_buddy_cannot_serve_a_copy_the_lost_node_did_not_sign(
     owners: dict[str, FlashOwner], pki: dict[str, ReplicaConfig]
 ) -> None:
     a, b, c, a2 = (owners[n] for n in NODES)
-    _copy(a, step=1)
-    _copy(c, step=66)  # the buddy's own weights, as it would like node-a's replacement to run
+    save_step(a, step=1)
+    save_step(c, step=66)  # the buddy's own weights, as it would like node-a's replacement to run
 
     async def go() -> None:
         server = ReplicaServer(b, pki["node-b"])
@@ -138,8 +123,8 @@ def test_copies_go_only_to_the_paired_buddy_and_it_takes_only_its_pair(
     owners: dict[str, FlashOwner], pki: dict[str, ReplicaConfig]
 ) -> None:
     a, b, c = owners["node-a"], owners["node-b"], owners["node-c"]
-    _copy(a, step=3)
-    _copy(c, step=5)
+    save_step(a, step=3)
+    save_step(c, step=5)
 
     async def go() -> None:
         srv_b, srv_c = ReplicaServer(b, pki["node-b"]), ReplicaServer(c, pki["node-c"])

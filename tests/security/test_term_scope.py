@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -28,6 +29,21 @@ from unbroken.agent.daemon import Agent
 from unbroken.proto import driver_pb2 as dpb
 
 pytestmark = pytest.mark.integration
+
+
+async def _lead(config: Any, job: str) -> tuple[int, str]:
+    """Win `job`'s election once on the etcd of `config` and resign: (term, scope)."""
+    from unbroken.driver import election as electionlib
+    from unbroken.driver import etcdlog
+
+    client = await etcdlog.connect(config)
+    election = electionlib.Election(client, job, "d1", ttl_s=2)
+    try:
+        won = await election.campaign(timeout_s=20)
+        return won.term, won.scope
+    finally:
+        await election.resign()
+        await client.close()
 
 
 async def _session(svc: object, agent: Agent, term: int) -> None:
@@ -87,18 +103,7 @@ def test_a_real_election_names_its_cluster_and_the_jobs_incarnation(
     term's scope changes with either, and stays while the same job is led again."""
     from aetcd import rpc
 
-    from unbroken.driver import election as electionlib
     from unbroken.driver import etcdlog
-
-    async def lead(etcd: object, job: str) -> tuple[int, str]:
-        client = await etcdlog.connect(etcd.config)  # type: ignore[attr-defined]
-        election = electionlib.Election(client, job, "d1", ttl_s=2)
-        try:
-            won = await election.campaign(timeout_s=10)
-            return won.term, won.scope
-        finally:
-            await election.resign()
-            await client.close()
 
     async def wipe(etcd: object, job: str) -> None:
         client = await etcdlog.connect(etcd.config)  # type: ignore[attr-defined]
@@ -110,13 +115,13 @@ def test_a_real_election_names_its_cluster_and_the_jobs_incarnation(
             await client.close()
 
     async def go() -> None:
-        t1, s1 = await lead(etcd_server, "scoped")
-        t2, s2 = await lead(etcd_server, "scoped")
+        t1, s1 = await _lead(etcd_server.config, "scoped")  # type: ignore[attr-defined]
+        t2, s2 = await _lead(etcd_server.config, "scoped")  # type: ignore[attr-defined]
         assert (t2, s2) == (t1 + 1, s1)  # the same job led again: the same scope
-        _, other = await lead(fresh_etcd, "scoped")  # another etcd cluster
+        _, other = await _lead(fresh_etcd.config, "scoped")  # type: ignore[attr-defined]  # another cluster
         assert other.split(".")[0] != s1.split(".")[0], (other, s1)
         await wipe(etcd_server, "scoped")  # the job deleted and started again
-        t3, s3 = await lead(etcd_server, "scoped")
+        t3, s3 = await _lead(etcd_server.config, "scoped")  # type: ignore[attr-defined]
         assert t3 == 1 and s3 != s1 and s3.split(".")[0] == s1.split(".")[0], (s3, s1)
 
     asyncio.run(go())
@@ -132,35 +137,26 @@ def test_an_etcd_restored_from_a_snapshot_of_the_same_cluster_leads_above_the_ag
     `driver/etcdrestore.py` the terms go on above them. Real etcd servers, real snapshot
     and restore (etcdctl, etcdutl), real elections."""
     from unbroken.agent.commands import _term_refusal
-    from unbroken.driver import election as electionlib
-    from unbroken.driver import etcdbin, etcdlog
+    from unbroken.driver import etcdbin
     from unbroken.driver.etcd import EmbeddedEtcd
     from unbroken.driver.etcdrestore import RESTORE_TERM_RAISE, raise_terms, restore_snapshot
-
-    async def lead(etcd: EmbeddedEtcd) -> tuple[int, str]:
-        client = await etcdlog.connect(etcd.config)
-        election = electionlib.Election(client, "restored", "d1", ttl_s=2)
-        try:
-            won = await election.campaign(timeout_s=20)
-            return won.term, won.scope
-        finally:
-            await election.resign()
-            await client.close()
 
     binary = etcdbin.resolve(None)
     snap = tmp_path / "snap.db"
     with EmbeddedEtcd(tmp_path / "old") as old:
         peer = f"http://127.0.0.1:{old.peer_port}"
-        asyncio.run(lead(old))
-        asyncio.run(lead(old))
+        asyncio.run(_lead(old.config, "restored"))
+        asyncio.run(_lead(old.config, "restored"))
         saved = subprocess.run(
             [str(etcdbin.etcdctl_beside(binary)), "--endpoints", old.endpoint, "snapshot", "save",
              str(snap)],
             capture_output=True, text=True, env={**os.environ, "ETCDCTL_API": "3"}, check=False,
         )  # fmt: skip
         assert saved.returncode == 0, saved.stderr
-        seen, scope = asyncio.run(lead(old))  # two more elections after the snapshot
-        seen, scope = asyncio.run(lead(old))
+        seen, scope = asyncio.run(
+            _lead(old.config, "restored")
+        )  # two more elections after the snapshot
+        seen, scope = asyncio.run(_lead(old.config, "restored"))
     assert seen == 4
     agent = Agent(AgentConfig(drivers=["127.0.0.1:1"], node_id="node-a"))
     agent.term_scope, agent.term_seen = scope, seen  # what the agents saw of the old history
@@ -172,14 +168,14 @@ def test_an_etcd_restored_from_a_snapshot_of_the_same_cluster_leads_above_the_ag
     etcdutl = etcdbin.etcdutl_beside(binary)
     restore_snapshot(snap, tmp_path / "plain", etcdutl=etcdutl, peer_url=peer)
     with EmbeddedEtcd(tmp_path / "plain") as plain:
-        term, same = asyncio.run(lead(plain))
+        term, same = asyncio.run(_lead(plain.config, "restored"))
     assert same == scope and term == 3, (term, same, scope)  # the same cluster, terms back
     assert "stale" in (refusal(term, same) or ""), "the gap this test is about is not there"
 
     restore_snapshot(snap, tmp_path / "raised", etcdutl=etcdutl, peer_url=peer)
     with EmbeddedEtcd(tmp_path / "raised") as raised:
         assert asyncio.run(raise_terms(raised.config)) == {"restored": (2, 2 + RESTORE_TERM_RAISE)}
-        term, same = asyncio.run(lead(raised))
+        term, same = asyncio.run(_lead(raised.config, "restored"))
     assert same == scope and term == 3 + RESTORE_TERM_RAISE
     assert refusal(term, same) is None  # the new leader is obeyed
     assert "stale" in (refusal(seen - 1, scope) or "")  # a stale leader of the old history is not
@@ -188,23 +184,13 @@ def test_an_etcd_restored_from_a_snapshot_of_the_same_cluster_leads_above_the_ag
 def test_unbroken_etcd_restores_a_snapshot_raises_the_terms_and_serves_it(tmp_path: Path) -> None:
     """`unbroken etcd --restore-from SNAPSHOT --data-dir DIR` as an operator runs it; a data
     dir that already holds etcd data is refused, naming what to do."""
-    from unbroken.driver import election as electionlib
-    from unbroken.driver import etcdbin, etcdlog
+    from unbroken.driver import etcdbin
     from unbroken.driver.etcd import EmbeddedEtcd
     from unbroken.driver.etcdrestore import RESTORE_TERM_RAISE
 
-    async def lead(config: object) -> int:
-        client = await etcdlog.connect(config)  # type: ignore[arg-type]
-        election = electionlib.Election(client, "cli-restored", "d1", ttl_s=2)
-        try:
-            return (await election.campaign(timeout_s=20)).term
-        finally:
-            await election.resign()
-            await client.close()
-
     snap = tmp_path / "snap.db"
     with EmbeddedEtcd(tmp_path / "old") as old:
-        asyncio.run(lead(old.config))
+        asyncio.run(_lead(old.config, "cli-restored"))
         subprocess.run(
             [str(etcdbin.etcdctl_beside(etcdbin.resolve(None))), "--endpoints", old.endpoint,
              "snapshot", "save", str(snap)],
@@ -226,7 +212,8 @@ def test_unbroken_etcd_restores_a_snapshot_raises_the_terms_and_serves_it(tmp_pa
         endpoint = text.split("etcd is up at ")[1].split()[0]
         from unbroken.driver.etcd import EtcdConfig
 
-        assert asyncio.run(lead(EtcdConfig(endpoints=[endpoint]))) == 2 + RESTORE_TERM_RAISE
+        term, _ = asyncio.run(_lead(EtcdConfig(endpoints=[endpoint]), "cli-restored"))
+        assert term == 2 + RESTORE_TERM_RAISE
         # the raise alone, as after restoring a cluster by hand
         alone = subprocess.run(
             [*cli[:4], "--raise-terms-at", endpoint], capture_output=True, text=True, timeout=60
