@@ -188,3 +188,20 @@ def test_a_node_key_is_its_tokens_and_its_own() -> None:
     assert k.public != NodeKey.derive("tok-0123456789x", "n1").public
     with pytest.raises(ValueError, match="token"):
         NodeKey.derive("", "n1")
+
+
+def test_a_hostile_ident_is_no_proof_and_raises_nothing() -> None:
+    """Whatever a peer puts in a header's `ident` (no string, not hex, too long, another
+    stream's signature, a signature for another node) proves nothing, quietly: the stream is
+    refused with its error line, the server does not fail."""
+    from unbroken.recovery import nodekey
+
+    k = NodeKey.derive("tok-0123456789", "n1")
+    s, c = b"s" * 16, b"c" * 16
+    good = k.sign_stream("client", s, c)
+    assert nodekey.proves(good, k.public, "client", s, c, "n1")
+    for sig in (None, 7, ["x"], "zz", "ab" * 5000, good[:-2], k.sign_stream("server", s, c)):
+        assert not nodekey.proves(sig, k.public, "client", s, c, "n1"), sig
+    assert not nodekey.proves(good, k.public, "client", s, b"d" * 16, "n1")  # another stream
+    assert not nodekey.proves(good, k.public, "client", s, c, "n2")  # another node
+    assert not nodekey.proves(good, b"\x00" * 31, "client", s, c, "n1")  # a malformed key
