@@ -239,7 +239,9 @@ class FlashCheckpointer:
         runs during the next step, whose optimizer step waits for it (`guard`, installed
         here on the first save); the checksum is never waited for. A copy for memory only
         (`persist=False`) is skipped when the ring has no free slot (counted in
-        `writer.skipped_busy`); one the agent must persist always happens.
+        `writer.skipped_busy`); one the agent must persist always happens, and so does a
+        fingerprinted one (`sdc`): it is the step a silent corruption rolls back to (a
+        skipped step 15 under CI load sent a rollback to step 10).
 
         `sdc`: the step's fingerprints' plan over the copy's tensors (trainer/sdc.py
         `copy_meta`), so the buddy can recompute them from the copy.
@@ -264,7 +266,8 @@ class FlashCheckpointer:
             state = Snapshot(
                 key=key, full=lambda: {KEY: trainer}, fresh=lambda: flat_fresh(snap), flat=True
             )
-        handle = self.writer.save_async(state, step, meta=meta, skip_if_busy=not persist)
+        skip = not persist and sdc is None
+        handle = self.writer.save_async(state, step, meta=meta, skip_if_busy=skip)
         if handle is None:
             return False
         self._account()

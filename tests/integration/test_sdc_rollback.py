@@ -102,7 +102,12 @@ def test_a_flipped_bit_rolls_back_to_the_newest_verified_step(job: Job, tmp_path
     assert good and max(good) < flipped, (good, flipped)
     rollback = next(e.rollback for e in events[k:] if e.HasField("rollback"))
     assert rollback.from_step == sdc.step and rollback.skip_batches == 0
-    assert rollback.to_step == max(good), (rollback, good)
+    # the newest verified step every rank holds (a fingerprinted copy is never skipped for a
+    # busy ring, so on a quiet host that is the newest verified step itself)
+    held = set(sdc.memory_steps) | {
+        e.checkpoint_committed.step for e in events[:k] if e.HasField("checkpoint_committed")
+    }
+    assert rollback.to_step == max(set(good) & held), (rollback, good, sdc.memory_steps)
     resumed = next(e.training_resumed for e in events[k:] if e.HasField("training_resumed"))
     assert resumed.at_step == rollback.to_step, (resumed, rollback)
     for node in ("n0", "n1"):
