@@ -184,6 +184,7 @@ class Agent:
             replica_buddy=self.flash.buddy if self.flash is not None else "",
             replica_listen=self.flash.listen_address() if self.flash is not None else "",
             replica_pubkey=self.flash.replica_pubkey if self.flash is not None else b"",
+            relay_batches=self.relay is not None,
         )
 
     # ------------------------------------------------------------ lifecycle
@@ -311,6 +312,7 @@ class Agent:
         if self.relay is not None:
             self.relay.interval_s = self.interval_s
             self.relay.miss_limit = resp.miss_limit or 3
+            self.relay.batch_up = resp.relay_batches
 
     async def _fence(self) -> None:
         """The driver declared this node lost (it was silent: SIGSTOPped, partitioned) and
@@ -355,8 +357,13 @@ class Agent:
                 self.link.heard = time.monotonic()
                 if msg.WhichOneof("kind") is None:
                     continue  # a relay's tick: it is alive
-                if msg.WhichOneof("kind") == "relayed" and self.relay is not None:
+                kind = msg.WhichOneof("kind")
+                if kind == "relayed" and self.relay is not None:
                     self.relay.deliver(msg.relayed)
+                    continue
+                if kind == "relayed_batch" and self.relay is not None:
+                    for down in msg.relayed_batch.down:
+                        self.relay.deliver(down)
                     continue
                 self._spawn(self._command(call, msg))
         finally:

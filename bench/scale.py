@@ -517,6 +517,12 @@ def main() -> None:
         default=900.0,
         help="give up an end-to-end run whose join took longer (what it reached is recorded)",
     )
+    ap.add_argument(
+        "--e2e-no-relay-batches",
+        action="store_true",
+        help="the simulated relays take and send members' messages one by one (the baseline "
+        "of RelayedDownBatch / RelayedUpBatch)",
+    )
     ns = ap.parse_args()
     out: dict[str, Any] = {
         "python": sys.version.split()[0],
@@ -559,7 +565,9 @@ def main() -> None:
         # which levels this run reached (older keys of other levels stay in the file)
         out.setdefault("e2e_levels_ran", []).append(n)
         out[f"e2e_load_avg_1m_{n}"] = [round(os.getloadavg()[0], 2)]
-        scale_e2e.run(n, out, join_timeout_s=ns.e2e_join_timeout_s)
+        scale_e2e.run(
+            n, out, join_timeout_s=ns.e2e_join_timeout_s, batches=not ns.e2e_no_relay_batches
+        )
         out[f"e2e_load_avg_1m_{n}"].append(round(os.getloadavg()[0], 2))
     for n in ns.levels if ns.only in (None, "fold") else ():
         fold_costs(n, ns.reps, out)

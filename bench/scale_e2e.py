@@ -58,6 +58,7 @@ from typing import Any
 import grpc
 import psutil
 
+from unbroken.agent.relay import UP_WINDOW_S
 from unbroken.cli.cluster import stop_groups
 from unbroken.common import channel
 from unbroken.driver.etcd import EmbeddedEtcd
@@ -144,11 +145,14 @@ class Leader:
         self.i += 1
 
 
-async def register(lead: Leader, node: str, epoch: int, relay: str, spare: bool) -> None:
+async def register(
+    lead: Leader, node: str, epoch: int, relay: str, spare: bool, batches: bool = False
+) -> None:
     """Register `node`, retrying with jittered exponential backoff (a herd spreads out)."""
     md = ((channel.RELAY_KEY, relay),) if relay else ()
     req = dpb.RegisterRequest(node_id=node, epoch=epoch, hostname=node, num_workers=WORKERS)
     req.spare = spare
+    req.relay_batches = batches  # a relay that takes its members' commands batched
     for attempt in range(200):
         try:
             async with lead.registering:
@@ -182,6 +186,7 @@ class SimRelay:
         self.reconnects = 0
         self.live: set[str] = set()  # members registered at the driver this stream serves
         self.vouched: set[str] = set()  # named to the driver since this stream began
+        self.ups: list[dpb.RelayedUp] = []  # members' acks gathered for one RelayedUpBatch
 
     async def run(self) -> None:
         """Register the relay, open its stream, then its members (each in the batches
@@ -190,7 +195,7 @@ class SimRelay:
             t0 = time.monotonic()
             self.live = set()
             self.vouched = set()
-            await register(self.sim.lead, self.rid, self.epoch, "", self.spare)
+            await register(self.sim.lead, self.rid, self.epoch, "", self.spare, self.sim.batches)
             target = self.sim.lead.target
             rch = grpc.aio.insecure_channel(target, options=channel.CLIENT_OPTIONS)
             call = rch.stream_stream(
@@ -251,12 +256,13 @@ class SimRelay:
             if msg is grpc.aio.EOF:
                 raise RuntimeError("the driver closed the relay's stream")
             kind = msg.WhichOneof("kind")
-            if kind == "relayed":
-                down = msg.relayed
-                if down.end:
-                    self.sim.spawn(self._again(down.node_id))
-                    continue
-                self._ack(down.node_id, down.command)
+            if kind in ("relayed", "relayed_batch"):
+                downs = (msg.relayed,) if kind == "relayed" else msg.relayed_batch.down
+                for down in downs:
+                    if down.end:
+                        self.sim.spawn(self._again(down.node_id))
+                    else:
+                        self._ack(down.node_id, down.command)
             elif msg.command_id:
                 self._ack(self.rid, msg)
 
@@ -264,14 +270,27 @@ class SimRelay:
         if not cmd.command_id:
             return
         ack = dpb.AgentMessage(ack=dpb.CommandAck(command_id=cmd.command_id, ok=True))
-        if node != self.rid:
+        if node != self.rid and self.sim.batches:  # gathered, as agent/relay.py does
+            self.ups.append(dpb.RelayedUp(node_id=node, epoch=self.epoch, message=ack))
+            if len(self.ups) == 1:
+                asyncio.get_running_loop().call_later(UP_WINDOW_S, self._send_ups)
+        elif node != self.rid:
             ack = dpb.AgentMessage(
                 relayed=dpb.RelayedUp(node_id=node, epoch=self.epoch, message=ack)
             )
-        self.out.put_nowait((False, ack.SerializeToString()))
+            self.out.put_nowait((False, ack.SerializeToString()))
+        else:
+            self.out.put_nowait((False, ack.SerializeToString()))
         what = cmd.WhichOneof("kind")
         if what in ("start_workers", "stop_workers"):
             self.sim.acks.append((what, node, time.time_ns()))
+
+    def _send_ups(self) -> None:
+        ups, self.ups = self.ups, []
+        if ups:
+            msg = dpb.AgentMessage()
+            msg.relayed_batch.up.extend(ups)
+            self.out.put_nowait((False, msg.SerializeToString()))
 
     async def _again(self, node: str) -> None:
         """The driver ended `node`'s stream at this relay: it registers again."""
@@ -354,9 +373,10 @@ class SimRelay:
 
 class Sim:
     def __init__(self, targets: list[str], prefix: str, groups: int, spare: bool, logf: str,
-                 control: str, group: bool = True) -> None:  # fmt: skip
+                 control: str, group: bool = True, batches: bool = True) -> None:  # fmt: skip
         self.lead = Leader(targets)
         self.group = group  # relays vouch for their group (RelayBatch.group_alive)
+        self.batches = batches  # relays take and send members' messages batched
         self.relays = [
             SimRelay(self, f"{prefix}-{g * GROUP:05d}",
                      [f"{prefix}-{g * GROUP + i:05d}" for i in range(1, GROUP)], spare)
@@ -537,6 +557,7 @@ def run(
     per_sim: int = 40,
     join_timeout_s: float = 900.0,
     group: bool = True,
+    batches: bool = True,
 ) -> None:
     assert nodes % GROUP == 0, f"nodes must be a multiple of {GROUP}"
     groups = nodes // GROUP
@@ -549,6 +570,7 @@ def run(
         out.pop(k, None)
     out["e2e_nodes"] = nodes  # the keys without a node count (detection, false NodeLost)
     out[f"e2e_relays_vouch_for_groups{key}"] = group
+    out[f"e2e_relays_batch_members_messages{key}"] = batches
     with EmbeddedEtcd(tmp / "etcd") as etcd:
 
         def driver(name: str) -> tuple[subprocess.Popen[bytes], str]:
@@ -593,8 +615,8 @@ def run(
             t0 = time.monotonic()
             for i, start in enumerate(range(0, groups, per_sim)):
                 n = min(per_sim, groups - start)
-                sims.append(_sim(tmp, targets, f"n{i}", n, False, control, env, group))
-            sims.append(_sim(tmp, targets, "spare", 1, True, control, env, group))
+                sims.append(_sim(tmp, targets, f"n{i}", n, False, control, env, group, batches))
+            sims.append(_sim(tmp, targets, "spare", 1, True, control, env, group, batches))
             procs += sims
             # ---------------------------------------------------------- join
             while True:
@@ -749,12 +771,13 @@ def run(
 
 
 def _sim(tmp: Path, targets: list[str], prefix: str, groups: int, spare: bool, control: Path,
-         env: dict[str, str], group: bool) -> subprocess.Popen[bytes]:  # fmt: skip
+         env: dict[str, str], group: bool, batches: bool) -> subprocess.Popen[bytes]:  # fmt: skip
     return subprocess.Popen(
         [sys.executable, __file__, "--sim", ",".join(targets), "--prefix", prefix,
          "--groups", str(groups), *(["--spare"] if spare else []), "--log",
          str(tmp / f"sim-{prefix}.jsonl"), "--control", str(control),
-         *([] if group else ["--names-every-beat"])],
+         *([] if group else ["--names-every-beat"]),
+         *([] if batches else ["--no-relay-batches"])],
         env=env, stdout=open(tmp / f"sim-{prefix}.out", "ab"), stderr=subprocess.STDOUT,
         start_new_session=True,
     )  # fmt: skip
@@ -775,20 +798,26 @@ def main() -> None:
         action="store_true",
         help="relays name every member in every batch (no group_alive): the baseline",
     )
+    ap.add_argument(
+        "--no-relay-batches",
+        action="store_true",
+        help="relays take and send their members' messages one gRPC message each: the baseline",
+    )
     ns = ap.parse_args()
     if ns.sim:
 
         async def simulate() -> None:  # its channels belong to this event loop
             await Sim(
                 ns.sim.split(","), ns.prefix, ns.groups, ns.spare, ns.log, ns.control,
-                not ns.names_every_beat,
+                not ns.names_every_beat, not ns.no_relay_batches,
             ).main()  # fmt: skip
 
         asyncio.run(simulate())
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally stops the processes
     out: dict[str, Any] = {"cpus": os.cpu_count(), "load_avg_1m_before_e2e": os.getloadavg()[0]}
-    run(ns.nodes, out, join_timeout_s=ns.join_timeout_s, group=not ns.names_every_beat)
+    run(ns.nodes, out, join_timeout_s=ns.join_timeout_s, group=not ns.names_every_beat,
+        batches=not ns.no_relay_batches)  # fmt: skip
     old = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     RESULTS.write_text(json.dumps({**old, **out}, indent=1, sort_keys=True) + "\n")
     print(json.dumps(out, indent=1))

@@ -211,6 +211,7 @@ class AgentApi:
             leader_term=st.leader_term if st is not None else 0,
             term_scope=st.leader_scope if st is not None else "",
             report_key=slot.report_key,
+            relay_batches=True,
         )
 
     def _take(
@@ -312,7 +313,8 @@ class AgentApi:
         outbox = Outbox(self.config.stream_buffer)
         slot.outbox = outbox
         ending = self.sessions.opened(node_id)
-        pump = asyncio.create_task(self.sessions.pump(outbox, context, ending))
+        batch = slot.info.relay_batches  # a relay that takes its members' commands batched
+        pump = asyncio.create_task(self.sessions.pump(outbox, context, ending, batch=batch))
         reader = asyncio.create_task(self._read_loop(slot, context))
         stop = asyncio.create_task(ending.event.wait())
         try:
@@ -396,13 +398,14 @@ class AgentApi:
                         for e in detectors.flagged(slot, own):
                             self._emit(e, math.nan)
                 self._relay_batch(slot, batch, t0)
-            elif msg.WhichOneof("kind") == "relayed":
-                up = msg.relayed
+            elif (kind := msg.WhichOneof("kind")) in ("relayed", "relayed_batch"):
                 if slot.alive and slot.heartbeats:
                     self.view.relay_heard(slot, mono())  # its batch is behind it
-                member = self._member(slot, up.node_id, up.epoch)
-                if member is not None:
-                    self._on_message(member, up.message, relayed=True)
+                ups = (msg.relayed,) if kind == "relayed" else msg.relayed_batch.up
+                for up in ups:
+                    member = self._member(slot, up.node_id, up.epoch)
+                    if member is not None:
+                        self._on_message(member, up.message, relayed=True)
             else:
                 self._on_message(slot, msg)
 

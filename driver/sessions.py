@@ -25,6 +25,8 @@ from unbroken.proto import driver_pb2 as dpb
 log = structlog.get_logger(__name__)
 
 Trailer = tuple[tuple[str, str], ...]
+DOWN_BATCH_MAX = 256  # members' commands in one RelayedDownBatch
+DOWN_BATCH_BYTES = 1 << 20  # ...and about this many bytes (gRPC's limit is 4 MiB)
 
 
 class Ending:
@@ -204,14 +206,42 @@ class Sessions:
         outbox: asyncio.Queue[dpb.DriverMessage],
         context: grpc.aio.ServicerContext,
         ending: Ending,
+        *,
+        batch: bool = False,
     ) -> None:
-        """Write the outbox to the stream until the session ends."""
+        """Write the outbox to the stream until the session ends. `batch` (a relay that
+        takes `RelayedDownBatch`): the members' commands queued one after another go as
+        one message (a command to a 10,240-node world: 160 writes, not 10,240)."""
+        held: dpb.DriverMessage | None = None  # taken from the outbox, not a member's
         while not ending.event.is_set():
-            msg = await outbox.get()
+            msg, held = (held, None) if held is not None else (await outbox.get(), None)
             if ending.event.is_set():
                 return
+            if batch and not outbox.empty() and msg.WhichOneof("kind") == "relayed":
+                msg, held = _batched(msg, outbox)
             ending.writing = True
             try:
                 await context.write(msg)
             finally:
                 ending.writing = False
+
+
+def _batched(
+    first: dpb.DriverMessage, outbox: asyncio.Queue[dpb.DriverMessage]
+) -> tuple[dpb.DriverMessage, dpb.DriverMessage | None]:
+    """`first` (a member's command) and the members' commands queued right behind it, as
+    one `RelayedDownBatch` of at most `DOWN_BATCH_BYTES`; and the message taken after
+    them that is not a member's (None: none), which goes next, in order."""
+    out = dpb.DriverMessage()
+    downs = out.relayed_batch.down
+    downs.append(first.relayed)
+    size = first.relayed.ByteSize()
+    while not outbox.empty() and len(downs) < DOWN_BATCH_MAX:
+        nxt = outbox.get_nowait()
+        if nxt.WhichOneof("kind") != "relayed":
+            return out, nxt
+        size += nxt.relayed.ByteSize()
+        downs.append(nxt.relayed)
+        if size >= DOWN_BATCH_BYTES:
+            break
+    return out, None

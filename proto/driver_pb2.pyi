@@ -68,7 +68,7 @@ class HardwareInventory(_message.Message):
     def __init__(self, cpu_count: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., rdma_devices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("node_id", "epoch", "hostname", "ip", "pod_name", "inventory", "agent_version", "num_workers", "spare", "replica_buddy", "replica_listen", "replica_pubkey")
+    __slots__ = ("node_id", "epoch", "hostname", "ip", "pod_name", "inventory", "agent_version", "num_workers", "spare", "replica_buddy", "replica_listen", "replica_pubkey", "relay_batches")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class RegisterRequest(_message.Message):
     REPLICA_BUDDY_FIELD_NUMBER: _ClassVar[int]
     REPLICA_LISTEN_FIELD_NUMBER: _ClassVar[int]
     REPLICA_PUBKEY_FIELD_NUMBER: _ClassVar[int]
+    RELAY_BATCHES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     epoch: int
     hostname: str
@@ -93,10 +94,11 @@ class RegisterRequest(_message.Message):
     replica_buddy: str
     replica_listen: str
     replica_pubkey: bytes
-    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., pod_name: _Optional[str] = ..., inventory: _Optional[_Union[HardwareInventory, _Mapping]] = ..., agent_version: _Optional[str] = ..., num_workers: _Optional[int] = ..., spare: _Optional[bool] = ..., replica_buddy: _Optional[str] = ..., replica_listen: _Optional[str] = ..., replica_pubkey: _Optional[bytes] = ...) -> None: ...
+    relay_batches: bool
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., pod_name: _Optional[str] = ..., inventory: _Optional[_Union[HardwareInventory, _Mapping]] = ..., agent_version: _Optional[str] = ..., num_workers: _Optional[int] = ..., spare: _Optional[bool] = ..., replica_buddy: _Optional[str] = ..., replica_listen: _Optional[str] = ..., replica_pubkey: _Optional[bytes] = ..., relay_batches: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("driver_id", "heartbeat_interval_ms", "miss_limit", "job_id", "global_rank_base", "world_size", "leader_term", "term_scope", "report_key")
+    __slots__ = ("driver_id", "heartbeat_interval_ms", "miss_limit", "job_id", "global_rank_base", "world_size", "leader_term", "term_scope", "report_key", "relay_batches")
     DRIVER_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     MISS_LIMIT_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +108,7 @@ class RegisterResponse(_message.Message):
     LEADER_TERM_FIELD_NUMBER: _ClassVar[int]
     TERM_SCOPE_FIELD_NUMBER: _ClassVar[int]
     REPORT_KEY_FIELD_NUMBER: _ClassVar[int]
+    RELAY_BATCHES_FIELD_NUMBER: _ClassVar[int]
     driver_id: str
     heartbeat_interval_ms: int
     miss_limit: int
@@ -115,7 +118,8 @@ class RegisterResponse(_message.Message):
     leader_term: int
     term_scope: str
     report_key: bytes
-    def __init__(self, driver_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., miss_limit: _Optional[int] = ..., job_id: _Optional[str] = ..., global_rank_base: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_term: _Optional[int] = ..., term_scope: _Optional[str] = ..., report_key: _Optional[bytes] = ...) -> None: ...
+    relay_batches: bool
+    def __init__(self, driver_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., miss_limit: _Optional[int] = ..., job_id: _Optional[str] = ..., global_rank_base: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_term: _Optional[int] = ..., term_scope: _Optional[str] = ..., report_key: _Optional[bytes] = ..., relay_batches: _Optional[bool] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("local_rank", "global_rank", "pid", "state", "exit_code", "step", "loss", "step_time_ms", "since_progress_ms", "median_step_ms", "restarts", "has_loss", "has_peak", "peak_loss", "peak_step", "ring_steps", "hung", "hang_threshold_ms", "phase", "compute_ms", "compute_mad_ms", "wait_ms", "window_steps", "wait_mad_ms", "restored_step", "restored_from", "fingerprints", "loss_median", "loss_mad", "loss_window", "rejoins", "held", "checkpoint_save_share", "data_loading_share")
@@ -393,7 +397,7 @@ class SelfCheckReport(_message.Message):
     def __init__(self, command_id: _Optional[str] = ..., ok: _Optional[bool] = ..., failures: _Optional[_Iterable[str]] = ..., details_json: _Optional[str] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("heartbeat", "check_result", "ack", "shard_persisted", "self_check_report", "shards_persisted", "relay_batch", "relayed", "signed_report")
+    __slots__ = ("heartbeat", "check_result", "ack", "shard_persisted", "self_check_report", "shards_persisted", "relay_batch", "relayed", "relayed_batch", "signed_report")
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     CHECK_RESULT_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
@@ -402,6 +406,7 @@ class AgentMessage(_message.Message):
     SHARDS_PERSISTED_FIELD_NUMBER: _ClassVar[int]
     RELAY_BATCH_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_BATCH_FIELD_NUMBER: _ClassVar[int]
     SIGNED_REPORT_FIELD_NUMBER: _ClassVar[int]
     heartbeat: Heartbeat
     check_result: CheckResult
@@ -411,8 +416,9 @@ class AgentMessage(_message.Message):
     shards_persisted: ShardsPersisted
     relay_batch: RelayBatch
     relayed: RelayedUp
+    relayed_batch: RelayedUpBatch
     signed_report: SignedReport
-    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., check_result: _Optional[_Union[CheckResult, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., shard_persisted: _Optional[_Union[ShardPersisted, _Mapping]] = ..., self_check_report: _Optional[_Union[SelfCheckReport, _Mapping]] = ..., shards_persisted: _Optional[_Union[ShardsPersisted, _Mapping]] = ..., relay_batch: _Optional[_Union[RelayBatch, _Mapping]] = ..., relayed: _Optional[_Union[RelayedUp, _Mapping]] = ..., signed_report: _Optional[_Union[SignedReport, _Mapping]] = ...) -> None: ...
+    def __init__(self, heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., check_result: _Optional[_Union[CheckResult, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., shard_persisted: _Optional[_Union[ShardPersisted, _Mapping]] = ..., self_check_report: _Optional[_Union[SelfCheckReport, _Mapping]] = ..., shards_persisted: _Optional[_Union[ShardsPersisted, _Mapping]] = ..., relay_batch: _Optional[_Union[RelayBatch, _Mapping]] = ..., relayed: _Optional[_Union[RelayedUp, _Mapping]] = ..., relayed_batch: _Optional[_Union[RelayedUpBatch, _Mapping]] = ..., signed_report: _Optional[_Union[SignedReport, _Mapping]] = ...) -> None: ...
 
 class SignedReport(_message.Message):
     __slots__ = ("shards_persisted", "mac")
@@ -473,6 +479,18 @@ class RelayedUp(_message.Message):
     epoch: int
     message: AgentMessage
     def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., message: _Optional[_Union[AgentMessage, _Mapping]] = ...) -> None: ...
+
+class RelayedUpBatch(_message.Message):
+    __slots__ = ("up",)
+    UP_FIELD_NUMBER: _ClassVar[int]
+    up: _containers.RepeatedCompositeFieldContainer[RelayedUp]
+    def __init__(self, up: _Optional[_Iterable[_Union[RelayedUp, _Mapping]]] = ...) -> None: ...
+
+class RelayedDownBatch(_message.Message):
+    __slots__ = ("down",)
+    DOWN_FIELD_NUMBER: _ClassVar[int]
+    down: _containers.RepeatedCompositeFieldContainer[RelayedDown]
+    def __init__(self, down: _Optional[_Iterable[_Union[RelayedDown, _Mapping]]] = ...) -> None: ...
 
 class RelayedDown(_message.Message):
     __slots__ = ("node_id", "command", "end")
@@ -633,7 +651,7 @@ class SdcFault(_message.Message):
     def __init__(self, random_rank: _Optional[bool] = ..., tensor: _Optional[str] = ..., bit: _Optional[int] = ..., target: _Optional[str] = ..., size: _Optional[float] = ...) -> None: ...
 
 class DriverMessage(_message.Message):
-    __slots__ = ("command_id", "term", "term_scope", "start_workers", "stop_workers", "restart_workers", "pause", "resume", "flash_save", "run_check", "evict", "shutdown", "run_self_check", "inject_fault", "restore_point", "retention", "ring_keep", "relayed")
+    __slots__ = ("command_id", "term", "term_scope", "start_workers", "stop_workers", "restart_workers", "pause", "resume", "flash_save", "run_check", "evict", "shutdown", "run_self_check", "inject_fault", "restore_point", "retention", "ring_keep", "relayed", "relayed_batch")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
     TERM_SCOPE_FIELD_NUMBER: _ClassVar[int]
@@ -652,6 +670,7 @@ class DriverMessage(_message.Message):
     RETENTION_FIELD_NUMBER: _ClassVar[int]
     RING_KEEP_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_BATCH_FIELD_NUMBER: _ClassVar[int]
     command_id: str
     term: int
     term_scope: str
@@ -670,7 +689,8 @@ class DriverMessage(_message.Message):
     retention: Retention
     ring_keep: RingKeep
     relayed: RelayedDown
-    def __init__(self, command_id: _Optional[str] = ..., term: _Optional[int] = ..., term_scope: _Optional[str] = ..., start_workers: _Optional[_Union[StartWorkers, _Mapping]] = ..., stop_workers: _Optional[_Union[StopWorkers, _Mapping]] = ..., restart_workers: _Optional[_Union[RestartWorkers, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., flash_save: _Optional[_Union[FlashSave, _Mapping]] = ..., run_check: _Optional[_Union[RunCheck, _Mapping]] = ..., evict: _Optional[_Union[Evict, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., run_self_check: _Optional[_Union[RunSelfCheck, _Mapping]] = ..., inject_fault: _Optional[_Union[InjectFault, _Mapping]] = ..., restore_point: _Optional[_Union[RestorePoint, _Mapping]] = ..., retention: _Optional[_Union[Retention, _Mapping]] = ..., ring_keep: _Optional[_Union[RingKeep, _Mapping]] = ..., relayed: _Optional[_Union[RelayedDown, _Mapping]] = ...) -> None: ...
+    relayed_batch: RelayedDownBatch
+    def __init__(self, command_id: _Optional[str] = ..., term: _Optional[int] = ..., term_scope: _Optional[str] = ..., start_workers: _Optional[_Union[StartWorkers, _Mapping]] = ..., stop_workers: _Optional[_Union[StopWorkers, _Mapping]] = ..., restart_workers: _Optional[_Union[RestartWorkers, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., flash_save: _Optional[_Union[FlashSave, _Mapping]] = ..., run_check: _Optional[_Union[RunCheck, _Mapping]] = ..., evict: _Optional[_Union[Evict, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., run_self_check: _Optional[_Union[RunSelfCheck, _Mapping]] = ..., inject_fault: _Optional[_Union[InjectFault, _Mapping]] = ..., restore_point: _Optional[_Union[RestorePoint, _Mapping]] = ..., retention: _Optional[_Union[Retention, _Mapping]] = ..., ring_keep: _Optional[_Union[RingKeep, _Mapping]] = ..., relayed: _Optional[_Union[RelayedDown, _Mapping]] = ..., relayed_batch: _Optional[_Union[RelayedDownBatch, _Mapping]] = ...) -> None: ...
 
 class Retention(_message.Message):
     __slots__ = ("keep_steps", "below")

@@ -135,3 +135,76 @@ def test_a_member_whose_relay_went_down_before_carrying_it_waits_twice_the_grace
     assert set(found) == {"m1", "m2"}, found
     assert 0.55 <= found["m2"] < 1.1, found  # the grace (and a sweep or two)
     assert 1.15 <= found["m1"] < 1.9, found  # twice the grace
+
+
+def test_a_relay_that_batches_gets_a_broadcast_in_a_few_messages_and_acks_it_in_one() -> None:
+    """r0 registered with `relay_batches`: the 64 members' commands queued in one go come
+    down in order as a few `RelayedDownBatch` messages (the relay's own command, queued
+    first, alone before them), and one `RelayedUpBatch` of their 64 acks answers every
+    member's request. The driver says in its RegisterResponse that it takes the batches."""
+
+    async def go() -> None:
+        async with driver(ServiceConfig(stream_buffer=4)) as (svc, _store, addr):
+            async with grpc.aio.insecure_channel(addr) as ch:
+                stub = dgrpc.DriverStub(ch)
+                resp = await stub.Register(
+                    dpb.RegisterRequest(node_id="r0", epoch=1, relay_batches=True)
+                )
+                assert resp.relay_batches
+                for m in MEMBERS:
+                    await stub.Register(
+                        dpb.RegisterRequest(node_id=m, epoch=7),
+                        metadata=((channel.RELAY_KEY, "r0"),),
+                    )
+                call = stub.Session(metadata=session_md("r0", 1))
+                b = dpb.RelayBatch(own=dpb.Heartbeat(seq=1), group_alive=True)
+                b.alive.extend(MEMBERS)
+                await call.write(dpb.AgentMessage(relay_batch=b))
+                nodes = svc.view.nodes
+                await until(lambda: all(nodes[m].outbox for m in MEMBERS), 5, "every member")
+                replies = {
+                    n: svc.ask(n, dpb.DriverMessage(pause=dpb.Pause(reason="t")), 10)
+                    for n in ["r0", *MEMBERS]
+                }
+                messages = 0
+                order: list[str] = []
+                ids: dict[str, str] = {}
+                while len(order) < len(replies):
+                    down = await asyncio.wait_for(call.read(), 5)
+                    assert down != grpc.aio.EOF, "the driver ended the relay's stream"
+                    messages += 1
+                    kind = down.WhichOneof("kind")
+                    if kind == "relayed_batch":
+                        for d in down.relayed_batch.down:
+                            order.append(d.node_id)
+                            ids[d.node_id] = d.command.command_id
+                    else:
+                        assert kind == "pause" and not order, down  # r0's own, first
+                        order.append("r0")
+                        ids["r0"] = down.command_id
+                assert order == ["r0", *MEMBERS]
+                assert messages <= 3, messages  # r0's own, then the members' in one or two
+                assert svc.sessions.dropped_commands == 0
+                acks = dpb.AgentMessage()
+                for m in MEMBERS:
+                    ack = dpb.AgentMessage(ack=dpb.CommandAck(command_id=ids[m], ok=True))
+                    acks.relayed_batch.up.add(node_id=m, epoch=7, message=ack)
+                await call.write(acks)
+                await call.write(
+                    dpb.AgentMessage(ack=dpb.CommandAck(command_id=ids["r0"], ok=True))
+                )
+                got = await asyncio.wait_for(asyncio.gather(*replies.values()), 5)
+                assert all(r.ack.ok for r in got)
+                # a member's ack under another member's name answers nothing
+                wrong = svc.ask("m01", dpb.DriverMessage(pause=dpb.Pause(reason="t")), 1.0)
+                down = await asyncio.wait_for(call.read(), 5)
+                assert down.WhichOneof("kind") == "relayed"  # one command: as it is
+                cid = down.relayed.command.command_id
+                forged = dpb.AgentMessage()
+                ack = dpb.AgentMessage(ack=dpb.CommandAck(command_id=cid, ok=True))
+                forged.relayed_batch.up.add(node_id="m01", epoch=8, message=ack)  # not its epoch
+                await call.write(forged)
+                with pytest.raises(TimeoutError):
+                    await wrong
+
+    asyncio.run(go())

@@ -105,3 +105,39 @@ def test_agent_relay_flags() -> None:
         )
     with pytest.raises(ValueError, match="cleartext to the relay"):
         AgentConfig(drivers=["127.0.0.1:1"], node_id="n0", relay="r0@10.0.0.5:7000", token="x" * 32)
+
+
+@pytest.mark.parametrize("batch_up", [True, False])
+def test_members_replies_go_up_together_to_a_driver_that_takes_batches(batch_up: bool) -> None:
+    """Replies that arrive together go up as one RelayedUpBatch, in order, when the driver
+    said it takes them (`RegisterResponse.relay_batches`); one by one to one that did not.
+    A lone reply goes as itself."""
+    import asyncio
+
+    sent: list[dpb.AgentMessage] = []
+
+    async def send(msg: dpb.AgentMessage) -> None:
+        sent.append(msg)
+
+    async def go() -> None:
+        r = Relay(RelayConfig(listen="127.0.0.1:0"), "r0", 0.1)
+        r.batch_up = batch_up
+        task = asyncio.create_task(r._send_ups(send))
+        for i in range(10):
+            ack = dpb.AgentMessage(ack=dpb.CommandAck(command_id=f"c{i}", ok=True))
+            await r.ups.put(dpb.RelayedUp(node_id=f"m{i}", epoch=7, message=ack))
+        await asyncio.sleep(0.05)
+        await r.ups.put(dpb.RelayedUp(node_id="m0", epoch=7))
+        await asyncio.sleep(0.05)
+        task.cancel()
+
+    asyncio.run(go())
+    ups = [
+        list(m.relayed_batch.up) if m.WhichOneof("kind") == "relayed_batch" else [m.relayed]
+        for m in sent
+    ]
+    assert [u.node_id for group in ups for u in group] == [f"m{i}" for i in range(10)] + ["m0"]
+    if batch_up:
+        assert [len(g) for g in ups] == [10, 1] and sent[1].WhichOneof("kind") == "relayed"
+    else:
+        assert len(sent) == 11 and all(m.WhichOneof("kind") == "relayed" for m in sent)
