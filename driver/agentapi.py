@@ -46,6 +46,7 @@ log = structlog.get_logger(__name__)
 RING = 1 << 16  # latency samples kept for p50/p99
 MAX_SHARDS_PER_REPORT = 4096  # shards read from one ShardsPersisted (a node's ranks, many steps)
 LIVE_VIEW_MAX_PAGE = 10_000  # LiveView page_size cap
+RELAYED_BATCH_MAX = 1024  # members' messages read from one RelayedUpBatch (the rest refused)
 
 
 class _Ring:
@@ -402,6 +403,9 @@ class AgentApi:
                 if slot.alive and slot.heartbeats:
                     self.view.relay_heard(slot, mono())  # its batch is behind it
                 ups = (msg.relayed,) if kind == "relayed" else msg.relayed_batch.up
+                if len(ups) > RELAYED_BATCH_MAX:  # a relay gathers at most 256
+                    self.relay_refused += len(ups) - RELAYED_BATCH_MAX
+                    ups = ups[:RELAYED_BATCH_MAX]
                 for up in ups:
                     member = self._member(slot, up.node_id, up.epoch)
                     if member is not None:

@@ -19,6 +19,7 @@ import pytest
 
 from tests.inproc import driver, session_md, until
 from unbroken.common import channel
+from unbroken.driver.agentapi import RELAYED_BATCH_MAX
 from unbroken.driver.service import ServiceConfig
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
@@ -206,5 +207,12 @@ def test_a_relay_that_batches_gets_a_broadcast_in_a_few_messages_and_acks_it_in_
                 await call.write(forged)
                 with pytest.raises(TimeoutError):
                     await wrong
+                # a batch past the cap: the entries beyond it are refused, not read
+                refused = svc.agents.relay_refused
+                flood = dpb.AgentMessage()
+                for i in range(RELAYED_BATCH_MAX + 6):
+                    flood.relayed_batch.up.add(node_id=MEMBERS[i % 64], epoch=7)
+                await call.write(flood)
+                await until(lambda: svc.agents.relay_refused >= refused + 6, 5, "the cap")
 
     asyncio.run(go())
