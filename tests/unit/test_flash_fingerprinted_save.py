@@ -15,6 +15,8 @@ from unbroken.recovery.flash import FlashWriter
 from unbroken.recovery.flashcopy import list_copies
 from unbroken.trainer.flashckpt import FlashCheckpointer, FlashEnv
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def checkpointer() -> Iterator[FlashCheckpointer]:
