@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -286,7 +287,7 @@ class RecoveryLoop:
         action = machine.StartWorkers(
             layout, tuple((n, i * wpn) for i, n in enumerate(layout.node_ids))
         )
-        log.info("starting the job", world=list(world.node_ids), dp=world.dp)
+        log.info("starting the job", world=worldplan.few(world.node_ids), dp=world.dp)
         events = [resumed] if again else [started, resumed]
         return Decision(events, (action,), lambda: self._perform((action,)))
 
@@ -548,7 +549,9 @@ class RecoveryLoop:
             # ranks run it, so they are kept, and the Restore that follows watches them. A
             # restart here cost the recovery bench 5 s (MTBF 60 s: a driver killed 1.8 s
             # into an incident; its successor killed the just-resumed ranks and began again).
-            log.info("workers already started: adopted", world=list(nodes), start_id=start_id)
+            log.info(
+                "workers already started: adopted", world=worldplan.few(nodes), start_id=start_id
+            )
             marks = {n: self._beats(n) for n in nodes}
             self._started = _Started(gen, nodes, marks, time.monotonic(), (), deadline)
             return
@@ -567,7 +570,13 @@ class RecoveryLoop:
             log.info("workers start superseded by a newer decision", sent_before=sent)
             return
         errors = [e for e in results if e]
-        log.info("workers started", world=list(nodes), master_port=port, errors=errors)
+        log.info(
+            "workers started",
+            world=worldplan.few(nodes),
+            nodes=len(nodes),
+            master_port=port,
+            errors=worldplan.few(errors),
+        )
         self._started = _Started(gen, nodes, marks, t0, tuple(errors), deadline)
         if restore is None and not errors and self.state.goodput.startup_open:
             await self._report_stepping(gen, nodes, marks, t0, t0 + STARTUP_REPORT_S)
@@ -606,7 +615,8 @@ class RecoveryLoop:
             self.config,
             self.view,
             old=list(self.state.incident_world.node_ids),
-            buddy_of=self._buddy_of,
+            # the ring paired once: each replaced node's asked for it again (O(world) each)
+            buddy_of=functools.partial(self._buddy_of, paired=self._ring_map()),
             records=self.state.nodes,
             timeline=self._timeline,
             persist_every_s=self.service.persist_every_s(),

@@ -82,11 +82,11 @@ from unbroken.driver.faults import suspect_exit as suspect_exit
 from unbroken.driver.policy import IN_JOB, RESTART, Policy
 from unbroken.driver.policy import Reshape as Reshape
 from unbroken.driver.worldplan import (
-    _few,
     _inactive,
     _pool,
     _state_of,
     diagnosis_id,
+    few,
     plan_world,
     restore_sources,
     restore_started,
@@ -424,9 +424,9 @@ def _on_verdict(before: ev.JobState, d: _Draft, v: ev.DiagnosisVerdict, policy: 
     slow, kept = _slow_evicted(before, v, bad) if policy.evict_slow else ([], [])
     d.transition(
         ev.PHASE_DIAGNOSED,
-        f"diagnosis {v.diagnosis_id}: bad {_few(sorted(v.bad_nodes))}, "
-        f"slow {_few(sorted(v.slow_nodes))}"
-        + (f" (kept {_few(kept)}: no spare to take their ranks)" if kept else ""),
+        f"diagnosis {v.diagnosis_id}: bad {few(sorted(v.bad_nodes))}, "
+        f"slow {few(sorted(v.slow_nodes))}"
+        + (f" (kept {few(kept)}: no spare to take their ranks)" if kept else ""),
         bad=bad | set(slow),
         diagnose=False,
     )
@@ -515,7 +515,7 @@ def _on_sdc(before: ev.JobState, d: _Draft, p: ev.SdcSuspected, policy: Policy) 
     fault the checks do not see)."""
     if before.phase != ev.PHASE_RUNNING:
         return "recorded only: SDC suspected during recovery (the restore goes back anyway)"
-    where = f"ranks {_few(p.suspect_ranks)} on {_few(sorted(set(p.suspect_nodes)))}"
+    where = f"ranks {few(p.suspect_ranks)} on {few(sorted(set(p.suspect_nodes)))}"
     what = f"silent data corruption at step {p.step} ({where}"
     what += ")" if p.resolved else ", no majority)"
     named = sorted(set(p.suspect_nodes))
@@ -624,7 +624,7 @@ def _settle_running(d: _Draft, policy: Policy) -> bool:
     if gone:
         d.transition(
             ev.PHASE_SUSPECTED,
-            f"nodes {_few(gone)} left the world",
+            f"nodes {few(gone)} left the world",
             incident_id=_new_incident(d),
             suspects=[],
             bad=[],
@@ -700,7 +700,7 @@ def _reshape(d: _Draft, policy: Policy) -> None:
                         spare_assigned=ev.SpareAssigned(spare_node_id=now, replaces_node_id=was)
                     )
                 )
-    d.transition(ev.PHASE_RESHAPED, f"world: dp={target.dp} on {_few(target.node_ids)}")
+    d.transition(ev.PHASE_RESHAPED, f"world: dp={target.dp} on {few(target.node_ids)}")
 
 
 def phases(events: Sequence[ev.Event]) -> list[str]:

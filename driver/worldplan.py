@@ -56,7 +56,7 @@ def _reachable(s: ev.JobState) -> tuple[str, ...]:
     return tuple(n for n in s.world.node_ids if (r := nodes.get(n)) is not None and r.state in ok)
 
 
-def _few(items: Iterable[object], limit: int = 16) -> str:
+def few(items: Iterable[object], limit: int = 16) -> str:
     """`items` as a list's repr, the first `limit` of them and how many more: a reason
     names a few, never a 10,240-node world (bench-scale: a RESHAPED reason of 123 KB was
     over the event cap, its decision was dropped, and the incident never went on)."""

@@ -15,7 +15,7 @@ from unbroken.proto import driver_pb2 as dpb
 pytestmark = pytest.mark.unit
 
 # Handled by the session itself: a relay's members' messages, not a command to this node.
-NOT_COMMANDS = {"relayed"}
+NOT_COMMANDS = {"relayed", "relayed_batch"}
 
 
 class _Stream:
