@@ -63,6 +63,7 @@ class NodeWatch:
         self.mass_held = 0  # nodes a mass silence holds back now (0: none)
         self.relay_held = 0  # sweeps that held back a relayed node whose relay was lost
         self._starved_held: dict[str, float] = {}  # late nodes held as starved, since
+        self._crowd = 0  # the most nodes held late together since none was held (see _mass)
         self.starved_saved = 0  # ...that came back within their grace (losses avoided)
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -140,7 +141,9 @@ class NodeWatch:
     def _sweep_lost(self, now: float, slack_s: float) -> None:
         held: list[NodeSlot] = []
         lost = detectors.silent(self.view, now, slack_s, held)
+        crowd = self._crowd  # the crowd these losses come out of, before it is counted again
         self._note_held(held, now)
+        self._crowd = max(crowd, len(self._starved_held)) if self._starved_held else 0
         if lost:  # (a member never carried is in no relay's set yet)
             kept = [x for x in lost if not self._held_for_relay(x[0], now)]
             self.relay_held += len(lost) - len(kept)
@@ -152,7 +155,7 @@ class NodeWatch:
                 log.info("evicted node's agent left", node=slot.node_id)
             if left:
                 lost = [x for x in lost if not x[0].leaving]
-        if lost and self._mass(lost, now) and self._hold_mass(lost, now):
+        if lost and self._mass(lost, now, crowd) and self._hold_mass(lost, now):
             return
         self._mass_since, self.mass_held = 0.0, 0
         if not lost:
@@ -163,19 +166,25 @@ class NodeWatch:
                 "node lost", node=e.node_lost.node_id, silent_ms=round(e.node_lost.silent_ms, 1)
             )
 
-    def _mass(self, lost: list[tuple[NodeSlot, str]], now: float) -> bool:
+    def _mass(self, lost: list[tuple[NodeSlot, str]], now: float, crowd: int = 0) -> bool:
         """Whether `lost` is a mass silence: more than a `mass_loss_fraction` of the
         nodes; or more than `mass_loss_min` while nobody is heard (the driver's own
         silence: at 10,240 nodes the loop read no relay stream for 3 s and 640 members,
         a sixteenth of the world, were declared lost before a quarter was silent) or while
         a hold is under way (the rest of a silence that is coming back gets the rest of
-        the hold, not its loss at once)."""
-        if len(lost) > detectors.mass_limit(self.view):
+        the hold, not its loss at once); or more than `mass_loss_min` coming out of a
+        `crowd` of nodes held late together that was itself a mass silence. At 10,240 nodes
+        an incident's stop to every node kept the leader from reading the relays' streams
+        for 0.5-1.2 s: all 10,096 nodes were held late together, 9,000 came back within the
+        grace as their streams were read again, and the 500-2,000 read last were declared
+        lost at its end (fewer than a quarter, and others were heard), each a decision."""
+        limit = detectors.mass_limit(self.view)
+        if len(lost) > limit:
             return True
         live = self.config.live
         if len(lost) <= live.mass_loss_min:
             return False
-        return self._unheard(now) or bool(self._mass_since)
+        return crowd > limit or self._unheard(now) or bool(self._mass_since)
 
     def _unheard(self, now: float) -> bool:
         """Whether no node at all was heard for two heartbeat intervals."""

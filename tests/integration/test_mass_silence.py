@@ -177,3 +177,36 @@ def test_fewer_than_a_fraction_silent_while_nobody_is_heard_are_held() -> None:
             assert all(svc.view.nodes[n].alive for n in nodes)
 
     asyncio.run(go())
+
+
+def test_the_last_of_a_crowd_held_late_together_get_the_mass_hold_not_their_loss() -> None:
+    """All 20 nodes late together (the driver read none of their streams: an incident's
+    stop to every node at 10,240 did that for 0.5-1.2 s) are held as starved; 15 come
+    back within that grace, the last 5 after it. Those 5 are fewer than the mass fraction
+    and others are heard, but they come out of a crowd that was a mass silence: they get
+    the mass hold, and nobody is declared lost. Before, the 5 were lost at the grace's end
+    (at 10,240 nodes, 500-2,000 of them, each a decision of the incident)."""
+    nodes = [f"m{i:02d}" for i in range(20)]
+
+    async def go() -> None:
+        live = LiveViewConfig(
+            heartbeat_interval_ms=100,
+            mass_loss_min=2,
+            jitter_k=0,
+            starved_hold_ms=300,
+            mass_loss_hold_ms=3_000,
+            mass_loss_max_hold_ms=20_000,
+        )
+        async with world(live, nodes) as (svc, _stub, beats):
+            beats.stop(nodes)
+            t0 = time.monotonic()
+            await until(lambda: svc.nodewatch._starved_held, 5, "the crowd held")
+            beats.beating.update(nodes[:15])  # most come back within the grace
+            await asyncio.sleep(max(0.0, t0 + 1.2 - time.monotonic()))  # past timeout + grace
+            assert all(svc.view.nodes[n].alive for n in nodes), "the rest lost at the grace"
+            assert svc.nodewatch.mass_held == 5
+            beats.beating.update(nodes[15:])
+            await until(lambda: svc.nodewatch.mass_held == 0, 5, "the hold to end")
+            assert all(svc.view.nodes[n].alive for n in nodes)
+
+    asyncio.run(go())
