@@ -270,17 +270,14 @@ class SimRelay:
         if not cmd.command_id:
             return
         ack = dpb.AgentMessage(ack=dpb.CommandAck(command_id=cmd.command_id, ok=True))
+        up = dpb.RelayedUp(node_id=node, epoch=self.epoch, message=ack)
         if node != self.rid and self.sim.batches:  # gathered, as agent/relay.py does
-            self.ups.append(dpb.RelayedUp(node_id=node, epoch=self.epoch, message=ack))
+            self.ups.append(up)
             if len(self.ups) == 1:
                 asyncio.get_running_loop().call_later(UP_WINDOW_S, self._send_ups)
-        elif node != self.rid:
-            ack = dpb.AgentMessage(
-                relayed=dpb.RelayedUp(node_id=node, epoch=self.epoch, message=ack)
-            )
-            self.out.put_nowait((False, ack.SerializeToString()))
         else:
-            self.out.put_nowait((False, ack.SerializeToString()))
+            msg = ack if node == self.rid else dpb.AgentMessage(relayed=up)
+            self.out.put_nowait((False, msg.SerializeToString()))
         what = cmd.WhichOneof("kind")
         if what in ("start_workers", "stop_workers"):
             self.sim.acks.append((what, node, time.time_ns()))

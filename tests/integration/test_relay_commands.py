@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -29,18 +30,22 @@ pytestmark = pytest.mark.integration
 MEMBERS = [f"m{i:02d}" for i in range(64)]
 
 
+async def _full_group(stub: dgrpc.DriverStub, *, batches: bool = False) -> tuple[Any, Any]:
+    """Relay r0 (epoch 1; `batches`: it takes RelayedDownBatch) and its 64 members (epoch 7)
+    registered; r0's RegisterResponse and its open Session."""
+    resp = await stub.Register(dpb.RegisterRequest(node_id="r0", epoch=1, relay_batches=batches))
+    for m in MEMBERS:
+        await stub.Register(
+            dpb.RegisterRequest(node_id=m, epoch=7), metadata=((channel.RELAY_KEY, "r0"),)
+        )
+    return resp, stub.Session(metadata=session_md("r0", 1))
+
+
 def test_a_broadcast_to_a_full_group_fits_its_relays_stream() -> None:
     async def go() -> None:
         async with driver(ServiceConfig(stream_buffer=4)) as (svc, _store, addr):
             async with grpc.aio.insecure_channel(addr) as ch:
-                stub = dgrpc.DriverStub(ch)
-                await stub.Register(dpb.RegisterRequest(node_id="r0", epoch=1))
-                for m in MEMBERS:
-                    await stub.Register(
-                        dpb.RegisterRequest(node_id=m, epoch=7),
-                        metadata=((channel.RELAY_KEY, "r0"),),
-                    )
-                call = stub.Session(metadata=session_md("r0", 1))
+                _, call = await _full_group(dgrpc.DriverStub(ch))
                 b = dpb.RelayBatch(own=dpb.Heartbeat(seq=1), group_alive=True)
                 for m in MEMBERS:
                     b.beats.add(node_id=m, epoch=7).heartbeat.seq = 1
@@ -147,17 +152,8 @@ def test_a_relay_that_batches_gets_a_broadcast_in_a_few_messages_and_acks_it_in_
     async def go() -> None:
         async with driver(ServiceConfig(stream_buffer=4)) as (svc, _store, addr):
             async with grpc.aio.insecure_channel(addr) as ch:
-                stub = dgrpc.DriverStub(ch)
-                resp = await stub.Register(
-                    dpb.RegisterRequest(node_id="r0", epoch=1, relay_batches=True)
-                )
+                resp, call = await _full_group(dgrpc.DriverStub(ch), batches=True)
                 assert resp.relay_batches
-                for m in MEMBERS:
-                    await stub.Register(
-                        dpb.RegisterRequest(node_id=m, epoch=7),
-                        metadata=((channel.RELAY_KEY, "r0"),),
-                    )
-                call = stub.Session(metadata=session_md("r0", 1))
                 b = dpb.RelayBatch(own=dpb.Heartbeat(seq=1), group_alive=True)
                 b.alive.extend(MEMBERS)
                 await call.write(dpb.AgentMessage(relay_batch=b))
