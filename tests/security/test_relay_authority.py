@@ -141,3 +141,71 @@ def test_a_relay_cannot_forge_or_alter_its_members_shard_reports() -> None:
                 call.cancel()
 
     asyncio.run(go())
+
+
+def test_a_relays_batch_of_replies_speaks_only_for_its_members_at_their_epoch() -> None:
+    """The entries of a RelayedUpBatch are checked one by one as a RelayedUp is: m2 (which
+    did not choose r0) and m1 at a wrong epoch are refused, m1's own reply answers its
+    request; a batch past the driver's cap has the rest refused, not read."""
+    from unbroken.driver.agentapi import RELAYED_BATCH_MAX
+
+    tokens = RoleTokens({"node": [f"{t} {n}" for n, t in TOKENS.items()]})
+
+    async def go() -> None:
+        async with driver(ServiceConfig(tokens=tokens)) as (svc, _store, addr):
+            async with grpc.aio.insecure_channel(addr) as ch:
+                stub = dgrpc.DriverStub(ch)
+                await stub.Register(
+                    dpb.RegisterRequest(node_id="r0", epoch=1, relay_batches=True),
+                    metadata=md("r0"),
+                )
+                await stub.Register(
+                    dpb.RegisterRequest(node_id="m1", epoch=7),
+                    metadata=md("m1", (channel.RELAY_KEY, "r0")),
+                )
+                await stub.Register(dpb.RegisterRequest(node_id="m2", epoch=9), metadata=md("m2"))
+                m2 = stub.Session(metadata=md("m2", *session_md("m2", 9)))
+                await m2.write(dpb.AgentMessage(heartbeat=dpb.Heartbeat(seq=1)))
+                call = stub.Session(metadata=md("r0", *session_md("r0", 1)))
+                b = dpb.RelayBatch(own=dpb.Heartbeat(seq=1))
+                b.beats.add(node_id="m1", epoch=7).heartbeat.seq = 1
+                await call.write(dpb.AgentMessage(relay_batch=b))
+                nodes = svc.view.nodes
+                await until(lambda: nodes["m1"].outbox is not None, 5, "m1 carried by r0")
+                await until(lambda: nodes["m2"].outbox is not None, 5, "m2's own session")
+                mine = svc.ask("m1", dpb.DriverMessage(pause=dpb.Pause(reason="t")), 5)
+                theirs = svc.ask("m2", dpb.DriverMessage(pause=dpb.Pause(reason="t")), 1.0)
+                down = await asyncio.wait_for(call.read(), 5)
+                cid1 = down.relayed.command.command_id
+                cid2 = (await asyncio.wait_for(m2.read(), 5)).command_id
+                before = svc.agents.relay_refused
+                batch = dpb.AgentMessage()
+                ups = batch.relayed_batch.up
+
+                def ack(cid: str) -> dpb.AgentMessage:
+                    return dpb.AgentMessage(ack=dpb.CommandAck(command_id=cid, ok=True))
+
+                ups.add(node_id="m2", epoch=9, message=ack(cid2))  # not r0's member
+                ups.add(node_id="m1", epoch=6, message=ack(cid1))  # a wrong epoch
+                shard = dpb.ShardPersisted(step=5, rank=0, uri="x", world_size=1)
+                ups.add(node_id="m2", epoch=9, message=dpb.AgentMessage(shard_persisted=shard))
+                ups.add(node_id="m1", epoch=7, message=ack(cid1))  # its own, last
+                await call.write(batch)
+                assert (await asyncio.wait_for(mine, 5)).ack.ok
+                with pytest.raises(TimeoutError):
+                    await theirs
+                assert svc.agents.relay_refused == before + 3
+                assert svc.commits.ignored == 0
+                flood = dpb.AgentMessage()
+                for _ in range(RELAYED_BATCH_MAX + 5):
+                    flood.relayed_batch.up.add(node_id="m2", epoch=9)
+                await call.write(flood)
+                await until(
+                    lambda: svc.agents.relay_refused == before + 3 + RELAYED_BATCH_MAX + 5,
+                    5,
+                    "every entry of the flood refused: the cap's and m2's",
+                )
+                call.cancel()
+                m2.cancel()
+
+    asyncio.run(go())
