@@ -306,7 +306,9 @@ def _sup(agent: Agent) -> Supervisor:
 
 
 async def _restore_point(agent: Agent, msg: dpb.DriverMessage) -> str:
-    """For the next start (engineer "drill"; trainer/run.py)."""
+    """For the next start (engineer "drill"; trainer/run.py). Set before any await: the
+    driver sends the StartWorkers right behind it without waiting for this reply, and the
+    start's task reads the launch as soon as it runs."""
     sup, rp = _sup(agent), msg.restore_point
     point = WorkerEnv(
         restore_step=rp.step or None,

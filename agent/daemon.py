@@ -496,6 +496,8 @@ class Agent:
             hb.attached.extend(self.hooks.statuses(now))
         if sup is not None:
             hb.workers.extend(sup.statuses(now))
+            # said even when 0: the driver then skips this node's ranks in its fingerprint watch
+            hb.fingerprint_ranks = sum(1 for w in hb.workers if w.fingerprints)
             hb.start_id = sup.start_id
             if self.flash is not None:  # the steps each rank can restore from memory
                 self.flash.starved(now)

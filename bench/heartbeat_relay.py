@@ -117,7 +117,7 @@ async def serve(port_file: str, events_file: str) -> None:
 
 # ---------------------------------------------------------------- simulated relays
 def _heartbeat(step: int, seq: int) -> dpb.Heartbeat:
-    hb = dpb.Heartbeat(seq=seq)
+    hb = dpb.Heartbeat(seq=seq, fingerprint_ranks=0)  # as an agent says between fingerprints
     for r in range(WORKERS):
         hb.workers.add(
             local_rank=r,

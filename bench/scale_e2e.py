@@ -103,7 +103,7 @@ GROUP_ALIVE = _varint(540 << 3) + b"\x01"  # RelayBatch.group_alive = true
 
 
 def _heartbeat(step: int, seq: int) -> bytes:
-    hb = dpb.Heartbeat(seq=seq)
+    hb = dpb.Heartbeat(seq=seq, fingerprint_ranks=0)  # as an agent says between fingerprints
     for r in range(WORKERS):
         hb.workers.add(
             local_rank=r, global_rank=r, pid=1000 + r, state=dpb.WORKER_STATE_RUNNING,

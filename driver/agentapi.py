@@ -622,7 +622,7 @@ class AgentApi:
             cid = self._on_self_check(slot.node_id, msg.self_check_report)
             if not cid:
                 return
-        if self.sessions.reply(cid, msg):
+        if self.sessions.reply(cid, msg, slot.node_id):
             return
         # Fire-and-forget commands (retention, one per commit) are acked too: a success is
         # expected and not worth a line per commit; a failure is the only news they bring.

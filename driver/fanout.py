@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import structlog
@@ -40,6 +40,10 @@ class Requester(Protocol):
     def ask(
         self, node_id: str, msg: dpb.DriverMessage, timeout_s: float
     ) -> asyncio.Future[dpb.AgentMessage]: ...
+
+
+def _few(errors: dict[str, str]) -> dict[str, str]:
+    return dict(itertools.islice(errors.items(), LOGGED_ERRORS))
 
 
 def _seen(fut: asyncio.Future[dpb.AgentMessage]) -> None:
@@ -124,15 +128,57 @@ class Fanout:
                 if not ack.ok:
                     bad[n] = ack.detail or "refused"
         if bad:
-            first = dict(itertools.islice(bad.items(), LOGGED_ERRORS))
             log.warning(
                 "command not done everywhere",
                 kind=kind,
                 failed=len(bad),
                 of=len(nodes),
-                errors=first,
+                errors=_few(bad),
             )
         return {n: bad[n] for n in nodes if n in bad}
+
+    async def start(
+        self,
+        nodes: tuple[str, ...],
+        messages: Mapping[str, dpb.DriverMessage],
+        point: dpb.RestorePoint | None,
+        current: Callable[[], bool],
+    ) -> tuple[dict[str, str], list[str]]:
+        """Send each node its RestorePoint (when `point`) and its StartWorkers one after
+        the other, without waiting between them, and wait for the starts' replies; return
+        (node -> error, the nodes sent to). The agent takes its commands in the order they
+        come on its stream (agent/daemon.py), so the point is set before the start reads
+        it. Nobody waits for the point's reply: a refusal is logged as a failed command
+        (driver/agentapi.py) and the start goes on (an agent without one restores the
+        newest step). At 10,240 nodes a task per node waiting for the point's reply before
+        sending the start cost a round trip through the relays and 10,240 tasks.
+        `current`: asked before each node; once False (a newer decision) no more go."""
+        bad: dict[str, str] = {}
+        replies: dict[str, asyncio.Future[dpb.AgentMessage]] = {}
+        sent: list[str] = []
+        for i, n in enumerate(nodes):
+            if i and i % YIELD_EVERY == 0:
+                await asyncio.sleep(0)
+            if not current():
+                break
+            try:
+                if point is not None:  # its reply awaited by nobody: a refusal is logged
+                    self.host.send(n, dpb.DriverMessage(restore_point=point))
+                self.forget(n)  # its workers start: a later stop goes again
+                replies[n] = self._ask(n, messages[n])
+            except KeyError as e:
+                bad[n] = f"KeyError: {e}"
+            sent.append(n)
+        if replies:
+            await asyncio.wait(replies.values())
+        for n, fut in replies.items():
+            if fut.cancelled():
+                bad[n] = "CancelledError"
+            elif (failed := fut.exception()) is not None:
+                bad[n] = f"{type(failed).__name__}: {failed}"
+            elif not fut.result().ack.ok:
+                bad[n] = fut.result().ack.detail or "refused"
+        return bad, sent
 
     def forget(self, node: str) -> None:
         """`node`'s workers were started or resumed: its next stop is sent again."""

@@ -39,7 +39,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -69,7 +69,7 @@ from unbroken.driver.commits import Commits
 from unbroken.driver.config import LoopConfig, ServiceConfig
 from unbroken.driver.decider import Decision
 from unbroken.driver.eventkinds import OBSERVED
-from unbroken.driver.fanout import YIELD_EVERY, Fanout
+from unbroken.driver.fanout import Fanout
 from unbroken.driver.journal import Journal
 from unbroken.driver.liveview import LiveView
 from unbroken.proto import driver_pb2 as dpb
@@ -115,7 +115,6 @@ def timeline(state: ev.JobState) -> int:
     return int(state.event_counts.get("rollback", 0))
 
 
-SUPERSEDED = "superseded by a newer decision"  # a node's start skipped (`_start_workers`)
 #: How long a start waits for a world node's first heartbeat to this leader before deciding
 #: whether its workers already run the start (`_running_start`); then it starts them anyway.
 ADOPT_WAIT_S = 0.5
@@ -335,6 +334,7 @@ class RecoveryLoop:
         held in their processes), then report `Paused` with the steps every rank holds."""
         cfg = self.config
         acks: dict[str, dpb.CommandAck] = {}
+        t0 = time.monotonic()
         if a.in_job:
             replace: dict[str, list[int]] = {}  # once: per node it was O(world x ranks)
             for m, lr in a.replace:
@@ -361,7 +361,13 @@ class RecoveryLoop:
         if gen == self._gen:
             fresh = {n for n, ack in acks.items() if ack.ok and ack.ring_fresh}
             held = await self._ring_common(a.nodes, fresh)
-            log.info("workers paused", rings_fresh=sorted(fresh), held=sorted(held or ()))
+            log.info(
+                "workers paused",
+                rings_fresh=sorted(fresh)[:16],  # (the first few: a world is 10,240)
+                fresh=len(fresh),
+                held=sorted(held or ()),
+                acked_ms=round((time.monotonic() - t0) * 1e3),
+            )
             self.service.submit(
                 machine.Paused(
                     step=self._live_step(a.nodes),
@@ -558,36 +564,27 @@ class RecoveryLoop:
         port = free_port()
         marks = {n: self._beats(n) for n in nodes}
         t0 = time.monotonic()
-        messages = self._start_messages(a, port)
-        for msg in messages.values():
-            msg.start_workers.start_id = start_id
+        messages = self._start_messages(a, port, start_id)
         point = self._point if restore is not None else None
-        # each node's start is a task whose first step sends its RestorePoint: created all
-        # at once, the 10,240 first steps ran in one turn of the loop (a 1.2 s stall in
-        # bench-scale, the relays' streams unread meanwhile); the loop turns every
-        # YIELD_EVERY nodes, as a broadcast's does (driver/fanout.py)
-        starts: list[asyncio.Future[str]] = []
-        try:
-            for i, n in enumerate(nodes):
-                if i and i % YIELD_EVERY == 0:
-                    await asyncio.sleep(0)
-                starts.append(asyncio.ensure_future(self._start_one(gen, n, messages[n], point)))
-        except asyncio.CancelledError:  # (the gather below would have cancelled them)
-            for t in starts:
-                t.cancel()
-            raise
-        results = await asyncio.gather(*starts)
+        bad, sent = await self.fanout.start(
+            nodes, messages, point, current=lambda: gen == self._gen
+        )
         if gen != self._gen:
-            sent = [n for n, e in zip(nodes, results, strict=True) if e != SUPERSEDED]
-            log.info("workers start superseded by a newer decision", sent_before=sent)
+            log.info(
+                "workers start superseded by a newer decision", sent_before=worldplan.few(sent)
+            )
             return
-        errors = [e for e in results if e]
+        for n in nodes:
+            if n not in bad and messages[n].start_workers.buddy:
+                self._buddy[n] = messages[n].start_workers.buddy
+        errors = [f"{n}: {e}" for n, e in bad.items()]
         log.info(
             "workers started",
             world=worldplan.few(nodes),
             nodes=len(nodes),
             master_port=port,
             errors=worldplan.few(errors),
+            acked_ms=round((time.monotonic() - t0) * 1e3),
         )
         self._started = _Started(gen, nodes, marks, t0, tuple(errors), deadline)
         if restore is None and not errors and self.state.goodput.startup_open:
@@ -619,8 +616,10 @@ class RecoveryLoop:
             await asyncio.sleep(0.05)
         return gen == self._gen
 
-    def _start_messages(self, a: machine.StartWorkers, port: int) -> dict[str, dpb.DriverMessage]:
-        """Each world node's StartWorkers (`buddies.start_messages`)."""
+    def _start_messages(
+        self, a: machine.StartWorkers, port: int, start_id: str
+    ) -> Mapping[str, dpb.DriverMessage]:
+        """Each world node's StartWorkers, built as it is sent (`buddies.start_messages`)."""
         return start_messages(
             a,
             port,
@@ -634,35 +633,8 @@ class RecoveryLoop:
             persist_every_s=self.service.persist_every_s(),
             shard_bytes=self.service.commits.shard_bytes,
             sitting_out=[n for n in self.state.sitting_out if self._connected(n)],
+            start_id=start_id,
         )
-
-    async def _start_one(
-        self, gen: int, n: str, msg: dpb.DriverMessage, point: dpb.RestorePoint | None
-    ) -> str:
-        """Send one node its RestorePoint (before a restore) and its StartWorkers; the error
-        ("": none; SUPERSEDED: a newer decision came first)."""
-        timeout_s = self.config.command_timeout_s
-        # A newer decision may have come meanwhile (the node this start waited for
-        # registered and opened an incident of its own): its commands, not these. Seen
-        # after a failover in the recovery bench: the stale start's workers were killed
-        # ~40 ms later by the newer one's, warm standbys wasted.
-        if gen != self._gen:
-            return SUPERSEDED
-        if point is not None:  # an agent without RestorePoint restores the newest step
-            with contextlib.suppress(KeyError, TimeoutError):
-                r = await self.service.request(n, dpb.DriverMessage(restore_point=point), timeout_s)
-                if not r.ack.ok:
-                    log.warning("restore point refused", node=n, detail=r.ack.detail)
-        if gen != self._gen:
-            return SUPERSEDED
-        self.fanout.forget(n)  # its workers start: a later stop goes again
-        try:
-            r = await self.service.request(n, msg, timeout_s)
-            if r.ack.ok and msg.start_workers.buddy:
-                self._buddy[n] = msg.start_workers.buddy
-            return "" if r.ack.ok else r.ack.detail or "refused"
-        except (KeyError, TimeoutError) as e:
-            return f"{type(e).__name__}: {e}"
 
     async def _restore(self, gen: int, a: machine.Restore, restore: machine.Restore | None) -> None:
         """The restarted world's restore: once every rank reports a step (or the deadline

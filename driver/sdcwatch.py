@@ -127,6 +127,8 @@ def _feed(
                 continue
             fed[n] = hb  # (kept: its id is never reused while it is compared)
         changed.append((n, hb))
+        if hb.HasField("fingerprint_ranks") and not hb.fingerprint_ranks:
+            continue  # no rank's status carries one (an older agent does not say: read all)
         for ws in hb.workers:
             node_of[ws.global_rank] = n
             for fp in ws.fingerprints:
@@ -140,13 +142,25 @@ def _feed(
                 buddy_of = {x: ring[(i + 1) % len(ring)] for i, x in enumerate(ring)}
             fp = op.fingerprint
             # only the node's buddy speaks for its ranks, and only of this timeline
-            if buddy_of.get(op.node) != n or node_of.get(fp.global_rank) != op.node:
+            if buddy_of.get(op.node) != n or _foreign_rank(views, node_of, fp.global_rank, op.node):
                 continue
             if op.timeline < timeline or _opinion_key(op) in stale:
                 continue
             fps = {} if op.error else dict(zip(fp.keys, fp.hashes, strict=False))
             book.add_opinion(fp.global_rank, fp.step, fps)
     return node_of
+
+
+def _foreign_rank(views: Any, node_of: dict[int, str], rank: int, node: str) -> bool:
+    """Whether `rank` is not `node`'s: by the ranks fed so far, else by `node`'s newest
+    heartbeat (a node whose heartbeats carry no fingerprint is not walked by `_feed`)."""
+    if rank in node_of:
+        return node_of[rank] != node
+    slot = views.get(node)
+    if slot is None or not any(w.global_rank == rank for w in slot.hb.workers):
+        return True
+    node_of[rank] = node
+    return False
 
 
 def _suspected(

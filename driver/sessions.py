@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import uuid
 from collections.abc import Callable
 
@@ -27,6 +28,7 @@ log = structlog.get_logger(__name__)
 Trailer = tuple[tuple[str, str], ...]
 DOWN_BATCH_MAX = 256  # members' commands in one RelayedDownBatch
 DOWN_BATCH_BYTES = 1 << 20  # ...and about this many bytes (gRPC's limit is 4 MiB)
+EXPIRY_TICK_S = 0.05  # a reply's deadline is rounded up to this tick (one timer per tick)
 
 
 class Ending:
@@ -89,8 +91,12 @@ class Sessions:
         self.driver_id = driver_id
         self.dropped_commands = 0
         self._open: dict[str, Ending] = {}
-        self._replies: dict[str, asyncio.Future[dpb.AgentMessage]] = {}
+        # command id -> (the node asked, the future of its reply)
+        self._replies: dict[str, tuple[str, asyncio.Future[dpb.AgentMessage]]] = {}
+        # the replies' deadlines by EXPIRY_TICK_S tick: one timer per tick, not per command
+        self._expiry: dict[tuple[asyncio.AbstractEventLoop, int], list[str]] = {}
         self._ids = itertools.count(1)
+        self._nonce = uuid.uuid4().hex[:12]  # this driver's incarnation, in its command ids
         self._term = term  # the leader term stamped on every command
         self._scope = scope  # ...and what it counts in (the etcd cluster, the incarnation)
 
@@ -137,8 +143,8 @@ class Sessions:
         slot = self.view.nodes.get(node_id)
         if slot is None or slot.outbox is None:
             raise KeyError(f"node {node_id!r} has no open session")
-        if not msg.command_id:
-            msg.command_id = f"{self.driver_id}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        if not msg.command_id:  # (a uuid each was 0.3 s of a 10,240-node start)
+            msg.command_id = f"{self.driver_id}-{self._nonce}-{next(self._ids)}"
         msg.term = self._term()
         msg.term_scope = self._scope()
         outbox = slot.outbox
@@ -173,32 +179,38 @@ class Sessions:
         self, node_id: str, msg: dpb.DriverMessage, timeout_s: float
     ) -> asyncio.Future[dpb.AgentMessage]:
         """Send a command; the future of its reply, failed with TimeoutError after
-        `timeout_s` (KeyError at once: no session). No task or waiter of its own: a
-        broadcast to 10,240 nodes asks each this way."""
+        `timeout_s` (up to EXPIRY_TICK_S later; KeyError at once: no session). No task,
+        waiter or timer of its own: a broadcast to 10,240 nodes asks each this way."""
         cid = self.send(node_id, msg)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[dpb.AgentMessage] = loop.create_future()
-        self._replies[cid] = fut
-
-        def expire() -> None:
-            if not fut.done():
-                fut.set_exception(TimeoutError(f"no reply from {node_id} in {timeout_s} s"))
-
-        def done(_: object) -> None:  # replied, expired or cancelled: nothing waits on
-            handle.cancel()
-            if self._replies.get(cid) is fut:
-                del self._replies[cid]
-
-        handle = loop.call_later(timeout_s, expire)
-        fut.add_done_callback(done)
+        self._replies[cid] = (node_id, fut)
+        key = (loop, math.ceil((loop.time() + timeout_s) / EXPIRY_TICK_S))
+        due = self._expiry.get(key)
+        if due is None:
+            due = self._expiry[key] = []
+            loop.call_at(key[1] * EXPIRY_TICK_S, self._expire, key, timeout_s)
+        due.append(cid)
         return fut
 
-    def reply(self, command_id: str, msg: dpb.AgentMessage) -> bool:
-        """Hand an agent's reply to the request waiting for it; False when none waits."""
-        fut = self._replies.pop(command_id, None)
-        if fut is None or fut.done():
+    def _expire(self, key: tuple[asyncio.AbstractEventLoop, int], timeout_s: float) -> None:
+        """The replies due at this tick that did not come: each future fails."""
+        for cid in self._expiry.pop(key, ()):
+            entry = self._replies.pop(cid, None)
+            if entry is not None and not entry[1].done():
+                entry[1].set_exception(TimeoutError(f"no reply from {entry[0]} in {timeout_s:g} s"))
+
+    def reply(self, command_id: str, msg: dpb.AgentMessage, node_id: str) -> bool:
+        """Hand `node_id`'s reply to the request waiting for it; False when none waits
+        for that node's (a command id is a counter: a relay that guesses another node's
+        cannot answer for it)."""
+        entry = self._replies.get(command_id)
+        if entry is None or entry[0] != node_id:
             return False
-        fut.set_result(msg)
+        del self._replies[command_id]
+        if entry[1].done():
+            return False
+        entry[1].set_result(msg)
         return True
 
     @staticmethod

@@ -245,7 +245,7 @@ class LogAlertLine(_message.Message):
     def __init__(self, local_rank: _Optional[int] = ..., keyword: _Optional[str] = ..., line: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("seq", "flags", "workers", "host", "gpus", "alerts", "sent_mono_ns", "attached", "hang_stacks", "replicas", "timing", "persist_error", "persist_failures", "persist_failing_s", "loop_lag_ms", "late_ms", "cpu_pressure_pct", "runnable_per_cpu", "buddy_opinions", "start_id")
+    __slots__ = ("seq", "flags", "workers", "host", "gpus", "alerts", "sent_mono_ns", "attached", "hang_stacks", "replicas", "timing", "persist_error", "persist_failures", "persist_failing_s", "loop_lag_ms", "late_ms", "cpu_pressure_pct", "runnable_per_cpu", "buddy_opinions", "fingerprint_ranks", "start_id")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     FLAGS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +265,7 @@ class Heartbeat(_message.Message):
     CPU_PRESSURE_PCT_FIELD_NUMBER: _ClassVar[int]
     RUNNABLE_PER_CPU_FIELD_NUMBER: _ClassVar[int]
     BUDDY_OPINIONS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_RANKS_FIELD_NUMBER: _ClassVar[int]
     START_ID_FIELD_NUMBER: _ClassVar[int]
     seq: int
     flags: int
@@ -285,8 +286,9 @@ class Heartbeat(_message.Message):
     cpu_pressure_pct: float
     runnable_per_cpu: float
     buddy_opinions: _containers.RepeatedCompositeFieldContainer[BuddyOpinion]
+    fingerprint_ranks: int
     start_id: str
-    def __init__(self, seq: _Optional[int] = ..., flags: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., alerts: _Optional[_Iterable[_Union[LogAlertLine, _Mapping]]] = ..., sent_mono_ns: _Optional[int] = ..., attached: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., hang_stacks: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaHeld, _Mapping]]] = ..., timing: _Optional[_Union[NodeTiming, _Mapping]] = ..., persist_error: _Optional[str] = ..., persist_failures: _Optional[int] = ..., persist_failing_s: _Optional[float] = ..., loop_lag_ms: _Optional[float] = ..., late_ms: _Optional[float] = ..., cpu_pressure_pct: _Optional[float] = ..., runnable_per_cpu: _Optional[float] = ..., buddy_opinions: _Optional[_Iterable[_Union[BuddyOpinion, _Mapping]]] = ..., start_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., flags: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., host: _Optional[_Union[HostStats, _Mapping]] = ..., gpus: _Optional[_Iterable[_Union[GpuStats, _Mapping]]] = ..., alerts: _Optional[_Iterable[_Union[LogAlertLine, _Mapping]]] = ..., sent_mono_ns: _Optional[int] = ..., attached: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., hang_stacks: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaHeld, _Mapping]]] = ..., timing: _Optional[_Union[NodeTiming, _Mapping]] = ..., persist_error: _Optional[str] = ..., persist_failures: _Optional[int] = ..., persist_failing_s: _Optional[float] = ..., loop_lag_ms: _Optional[float] = ..., late_ms: _Optional[float] = ..., cpu_pressure_pct: _Optional[float] = ..., runnable_per_cpu: _Optional[float] = ..., buddy_opinions: _Optional[_Iterable[_Union[BuddyOpinion, _Mapping]]] = ..., fingerprint_ranks: _Optional[int] = ..., start_id: _Optional[str] = ...) -> None: ...
 
 class BuddyOpinion(_message.Message):
     __slots__ = ("node", "fingerprint", "timeline", "error")

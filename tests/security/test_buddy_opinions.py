@@ -82,3 +82,27 @@ def test_a_heartbeat_already_fed_is_not_read_again() -> None:
     _feed(loop, book, nodes, (), fed, node_of)  # type: ignore[arg-type]
     assert book.pending == {4: {0: {"k": 1}, 1: {"k": 1}}}
     assert book.opinions == {4: {0: {"k": 1}}}
+
+
+def test_a_node_that_says_none_of_its_ranks_has_a_fingerprint_is_not_walked() -> None:
+    """A heartbeat with `fingerprint_ranks` 0 is not read rank by rank (at 10,240 nodes that
+    walk was 44 % of the driver's samples); one from an older agent (unset) still is. The
+    buddy's opinion of a rank on a node never walked is checked against that node's
+    newest heartbeat: still only the ranks it runs."""
+    nodes = ("n0", "n1", "n2")
+    slots = {n: _slot(n, r, 9000 + r) for r, n in enumerate(nodes)}
+    loop = SimpleNamespace(view=SimpleNamespace(nodes=slots), _timeline=0)
+    for n in ("n0", "n1"):
+        slots[n].hb.fingerprint_ranks = 0
+    # n2's ranks carry a fingerprint and it does not say so (an older agent): read
+    slots["n2"].hb.workers[0].fingerprints.add(step=4, keys=["k"], hashes=[5], global_rank=2)
+    # n0 claims 0 yet carries one: it is not read (the count is the agent's word)
+    slots["n0"].hb.workers[0].fingerprints.add(step=4, keys=["k"], hashes=[9], global_rank=0)
+    # n1, n0's buddy: one opinion of a rank n0 runs, one of a rank it does not run
+    slots["n1"].hb.buddy_opinions.append(_opinion("n0", 0, 4, 1))
+    slots["n1"].hb.buddy_opinions.append(_opinion("n0", 2, 4, 1))
+    book = sdclib.FingerprintBook(3)
+    node_of = _feed(loop, book, nodes)  # type: ignore[arg-type]
+    assert node_of == {2: "n2", 0: "n0"}  # n2 walked; n0's rank 0 found for the opinion
+    assert book.pending == {4: {2: {"k": 5}}}
+    assert book.opinions == {4: {0: {"k": 1}}}

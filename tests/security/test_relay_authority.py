@@ -145,8 +145,8 @@ def test_a_relay_cannot_forge_or_alter_its_members_shard_reports() -> None:
 
 def test_a_relays_batch_of_replies_speaks_only_for_its_members_at_their_epoch() -> None:
     """The entries of a RelayedUpBatch are checked one by one as a RelayedUp is: m2 (which
-    did not choose r0) and m1 at a wrong epoch are refused, m1's own reply answers its
-    request; a batch past the driver's cap has the rest refused, not read."""
+    did not choose r0) and m1 at a wrong epoch are refused, m1's reply to m2's command
+    answers nothing, m1's own reply answers its request; a batch past the driver's cap has the rest refused, not read."""
     from unbroken.driver.agentapi import RELAYED_BATCH_MAX
 
     tokens = RoleTokens({"node": [f"{t} {n}" for n, t in TOKENS.items()]})
@@ -189,6 +189,9 @@ def test_a_relays_batch_of_replies_speaks_only_for_its_members_at_their_epoch() 
                 ups.add(node_id="m1", epoch=6, message=ack(cid1))  # a wrong epoch
                 shard = dpb.ShardPersisted(step=5, rank=0, uri="x", world_size=1)
                 ups.add(node_id="m2", epoch=9, message=dpb.AgentMessage(shard_persisted=shard))
+                # a command id is a counter now: m1 answering m2's (guessed) id answers
+                # nothing (Sessions.reply checks the node the command went to)
+                ups.add(node_id="m1", epoch=7, message=ack(cid2))
                 ups.add(node_id="m1", epoch=7, message=ack(cid1))  # its own, last
                 await call.write(batch)
                 assert (await asyncio.wait_for(mine, 5)).ack.ok

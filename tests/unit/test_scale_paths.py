@@ -4,6 +4,10 @@ large world, and a snapshot is stored compressed."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -258,3 +262,33 @@ def test_a_crowd_of_held_nodes_is_logged_in_a_few_lines_and_counted_whole() -> N
         s._note_held([], 2.6)
     assert s.starved_saved == 500 and len(logs) == svc.HELD_LOGS + 1
     assert logs[-1]["event"] == "more held nodes came back"
+
+
+def test_a_slow_node_lost_sweep_takes_at_most_a_fifth_of_the_loop() -> None:
+    """The node-lost sweep runs every interval/5; one that takes long (a whole world held
+    late together: every late node read) waits SWEEP_SHARE times its own duration before
+    the next, so the loop reads the streams that end the lateness."""
+    import time
+
+    from unbroken.driver import nodewatch, service
+
+    s = service.DriverService(service.ServiceConfig(), driver_id="d", job_id="j").nodewatch
+    s._lead = SimpleNamespace(leader=True)  # type: ignore[assignment]
+    calls: list[float] = []
+
+    def slow(now: float, slack_s: float) -> None:
+        calls.append(time.monotonic())
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.05:  # 50 ms of work: the sweep period is 20 ms
+            pass
+
+    s._sweep_lost = slow  # type: ignore[method-assign]
+
+    async def run() -> None:
+        task = asyncio.create_task(s._lost_loop())
+        await asyncio.sleep(1.2)
+        task.cancel()
+
+    asyncio.run(run())
+    gaps = [b - a for a, b in itertools.pairwise(calls)]
+    assert gaps and min(gaps) >= nodewatch.SWEEP_SHARE * 0.05 * 0.9, gaps

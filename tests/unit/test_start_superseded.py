@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from unbroken.driver import machine
+from unbroken.driver import fanout, machine
 from unbroken.driver.fanout import Fanout
 from unbroken.driver.liveview import NodeSlot
 from unbroken.driver.loop import RecoveryLoop
@@ -48,13 +48,21 @@ class FakeService:
     def submit(self, event: Any) -> None:
         self.submitted.append(event)
 
-    async def request(self, node: str, msg: dpb.DriverMessage, timeout_s: float) -> Any:
+    def send(self, node: str, msg: dpb.DriverMessage) -> str:
         self.sent.append((node, str(msg.WhichOneof("kind"))))
         self.start_ids.append(msg.start_workers.start_id)
         if self.bump_at is not None and len(self.sent) == self.bump_at:
             self.loop._gen += 1  # a newer decision is performed meanwhile
-        await asyncio.sleep(0)
-        return SimpleNamespace(ack=dpb.CommandAck(ok=True))
+        return str(len(self.sent))
+
+    def ask(self, node: str, msg: dpb.DriverMessage, timeout_s: float) -> asyncio.Future[Any]:
+        self.sent.append((node, str(msg.WhichOneof("kind"))))
+        self.start_ids.append(msg.start_workers.start_id)
+        if self.bump_at is not None and len(self.sent) == self.bump_at:
+            self.loop._gen += 1  # a newer decision is performed meanwhile
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        fut.set_result(SimpleNamespace(ack=dpb.CommandAck(ok=True)))
+        return fut
 
 
 def _loop(bump_at: int | None) -> tuple[RecoveryLoop, FakeService]:
@@ -97,11 +105,32 @@ def test_a_start_no_newer_decision_overtook_reaches_every_node() -> None:
     ]
 
 
-def test_a_newer_decision_stops_the_start_before_its_workers_start() -> None:
-    loop, svc = _loop(bump_at=1)  # the newer decision lands with the first restore point
+def test_a_newer_decision_stops_the_start_at_the_next_turn_of_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # each node's point and start go together, and the loop turns every YIELD_EVERY nodes
+    # (here 1): a newer decision landing with the first node's commands stops the rest
+    monkeypatch.setattr(fanout, "YIELD_EVERY", 1)
+    loop, svc = _loop(bump_at=1)
     _start(loop)
-    assert [kind for _, kind in svc.sent].count("start_workers") == 0, svc.sent
+    assert svc.sent == [("a", "restore_point"), ("a", "start_workers")]
     assert svc.submitted == []  # and no RestoreFinished for the stale restore
+
+
+def test_a_decision_newer_before_the_start_sends_nothing() -> None:
+    loop, svc = _loop(bump_at=None)
+    loop._gen = 2  # the start's decision (1) was overtaken while it waited its turn
+    _start(loop)
+    assert svc.sent == []
+
+
+def test_each_node_gets_its_restore_point_before_its_start() -> None:
+    # the agent applies its commands in the order they come: the point must come first
+    loop, svc = _loop(bump_at=None)
+    _start(loop)
+    for n in ("a", "b"):
+        kinds = [k for m, k in svc.sent if m == n]
+        assert kinds == ["restore_point", "start_workers"]
 
 
 def _running(svc: FakeService, node: str, start_id: str, state: int) -> None:
