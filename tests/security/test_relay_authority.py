@@ -146,7 +146,8 @@ def test_a_relay_cannot_forge_or_alter_its_members_shard_reports() -> None:
 def test_a_relays_batch_of_replies_speaks_only_for_its_members_at_their_epoch() -> None:
     """The entries of a RelayedUpBatch are checked one by one as a RelayedUp is: m2 (which
     did not choose r0) and m1 at a wrong epoch are refused, m1's reply to m2's command
-    answers nothing, m1's own reply answers its request; a batch past the driver's cap has the rest refused, not read."""
+    answers nothing, m1's own reply answers its request; a batch past the driver's cap has
+    the rest refused, not read."""
     from unbroken.driver.agentapi import RELAYED_BATCH_MAX
 
     tokens = RoleTokens({"node": [f"{t} {n}" for n, t in TOKENS.items()]})
