@@ -607,11 +607,24 @@ class RecoveryLoop:
         """Wait until every world node has a session (it is coming back, or about to be
         declared lost: then a newer decision replaces this one), up to `deadline`. False:
         a newer decision took over."""
-        while missing := [n for n in nodes if not self._connected(n)]:
+        # only the nodes still missing are looked at each turn, and the whole world once
+        # more at the end (all at once every 50 ms, a failover's 10,240 reconnecting nodes
+        # were 10 % of the new leader's samples)
+        missing = list(nodes)
+        while True:
+            missing = [n for n in missing if not self._connected(n)]
+            if not missing:
+                missing = [n for n in nodes if not self._connected(n)]
+                if not missing:
+                    break
             if gen != self._gen:
                 return False
             if time.monotonic() > deadline:
-                log.error("world nodes without a session", nodes=missing)
+                log.error(
+                    "world nodes without a session",
+                    nodes=worldplan.few(missing),
+                    missing=len(missing),
+                )
                 break
             await asyncio.sleep(0.05)
         return gen == self._gen
