@@ -99,9 +99,11 @@ def silent(
     limit, so each node is judged against its own rhythm.
 
     A node still connected whose last heartbeat said it was starved (`starved`), that has
-    sent none since it registered, or that is late while most nodes are (`late_together`),
-    gets `starved_hold_ms` more; such nodes are
-    appended to `held`. A disconnected node (a killed agent's stream closes at once) gets
+    sent none since it registered, that is late while most nodes are (`late_together`), or
+    while a failover's herd is coming back (`LiveView.herding`: at 10,240 nodes the
+    reconnecting sessions and registrations starved a simulator of 2,560 nodes 300 ms, and
+    its 40 relays and their members were declared lost), gets `starved_hold_ms` more; such
+    nodes are appended to `held`. A disconnected node (a killed agent's stream closes at once) gets
     neither that nor the jitter slack: it is lost at the timeout (plus the driver's slack),
     or at the closed timeout when its agent's side closed the stream (`LiveView.closed`).
     """
@@ -111,6 +113,7 @@ def silent(
     cap = c.jitter_cap * c.timeout_s
     hold = c.starved_hold_ms / 1000.0
     crowd: bool | None = None  # late_together, read once per sweep when needed
+    herd = view.herding(now)
     # a relay group quiet past the timeout: its members are judged one by one below
     view.expand_quiet(now, c.timeout_s + slack_s)
     for queue, timeout, reason, adaptive in (
@@ -145,7 +148,7 @@ def silent(
                 # registration proved it alive, and under load the first beat is start-up
                 # (bench overload, load 64: a spare registered and was lost 506 ms later,
                 # then registered again with the same epoch 200 ms after)
-                hungry = not slot.hb.seq or starved(slot.hb, c)
+                hungry = herd or not slot.hb.seq or starved(slot.hb, c)
                 if not hungry and crowd is None:
                     crowd = late_together(view, now)
                 if hungry or crowd:

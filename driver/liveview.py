@@ -460,6 +460,11 @@ class LiveView:
             return False
         return len(self.awaited) <= c.mass_loss_min
 
+    def herding(self, now: float) -> bool:
+        """A failover's herd is coming back: some awaited node came back and it has not
+        settled (`settled`)."""
+        return bool(self.back_at) and not self.settled(now)
+
     def refresh(self, slot: NodeSlot, now: float) -> None:
         """Alive `slot` heard at `now` (tracked alone: out of its group, if it was in one)."""
         slot.last_seen = self.heard_at = now
