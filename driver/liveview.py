@@ -340,6 +340,7 @@ class LiveView:
         # `settled`), else 0.0; `back_at`: when the last awaited node came back
         self.awaited: dict[str, float] = {}
         self.back_at = 0.0
+        self._joins, self._joins_last = 0, -math.inf  # the registrations' burst (`herding`)
         # when any node was last heard (a heartbeat, a relay's batch or reply, a
         # registration): a mass silence with nobody heard is the driver's own
         self.heard_at = 0.0
@@ -398,6 +399,10 @@ class LiveView:
 
     def mark_registered(self, slot: NodeSlot, now: float) -> None:
         """`slot` registered at `now`; it has `session_grace_ms` to open its session."""
+        if now - self._joins_last > self.config.failover_quiet_ms / 1e3:
+            self._joins = 0  # a new burst of registrations (`herding`)
+        self._joins += 1
+        self._joins_last = now
         self._back(slot, now)
         self._untrack(slot)
         slot.alive = True
@@ -461,8 +466,12 @@ class LiveView:
         return len(self.awaited) <= c.mass_loss_min
 
     def herding(self, now: float) -> bool:
-        """A failover's herd is coming back: some awaited node came back and it has not
-        settled (`settled`)."""
+        """A herd is coming in: a failover's, some awaited node came back and it has not
+        settled (`settled`); or a storm of registrations, more than `mass_loss_min` none
+        of them `failover_quiet_ms` apart, the last within that time (a cluster's join)."""
+        c = self.config
+        if self._joins > c.mass_loss_min and now - self._joins_last < c.failover_quiet_ms / 1e3:
+            return True
         return bool(self.back_at) and not self.settled(now)
 
     def refresh(self, slot: NodeSlot, now: float) -> None:

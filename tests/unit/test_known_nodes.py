@@ -168,3 +168,22 @@ def test_a_node_back_from_a_failover_and_late_while_the_herd_returns_is_held() -
     view.beat(view.nodes["a"], view.nodes["a"].hb, 103.1)
     view.beat(view.nodes["c"], view.nodes["c"].hb, 103.1)
     assert [s.node_id for s, _ in detectors.silent(view, 103.25)] == ["b"]  # 0.35 s: lost
+
+
+def test_a_node_late_during_a_storm_of_registrations_is_held() -> None:
+    """A cluster's join: 10,240 registrations within seconds starved a simulator of 2,560
+    nodes 300 ms in bench-scale, and its relays were declared lost. While more than
+    `mass_loss_min` registrations keep coming (none 1 s apart) a late node is held."""
+    view = LiveView(LiveViewConfig(miss_limit=3, jitter_k=0))  # timeout 0.3 s
+    a = view.slot("a")
+    view.mark_alive(a, 10.0)
+    a.connected, a.hb.seq = True, 1
+    for i in range(8):  # 8 is mass_loss_min: not a storm yet
+        view.mark_registered(view.slot(f"j{i}"), 10.0 + i * 0.01)
+    assert not view.herding(10.4)
+    assert [s.node_id for s, _ in detectors.silent(view, 10.4)] == ["a"]
+    view.mark_registered(view.slot("j8"), 10.35)
+    held: list[NodeSlot] = []
+    assert view.herding(10.4) and detectors.silent(view, 10.4, 0.0, held) == [] and held == [a]
+    assert not view.herding(11.4)  # 1 s without a registration: the storm passed
+    assert "a" in [s.node_id for s, _ in detectors.silent(view, 11.4)]
