@@ -100,11 +100,11 @@ def silent(
 
     A node still connected whose last heartbeat said it was starved (`starved`), that has
     sent none since it registered, that is late while most nodes are (`late_together`), or
-    while a failover's herd is coming back (`LiveView.herding`: at 10,240 nodes the
-    reconnecting sessions and registrations starved a simulator of 2,560 nodes 300 ms, and
-    its 40 relays and their members were declared lost), gets `starved_hold_ms` more; such
-    nodes are appended to `held`. A disconnected node (a killed agent's stream closes at once) gets
-    neither that nor the jitter slack: it is lost at the timeout (plus the driver's slack),
+    while a herd is coming in (`LiveView.herding`: a failover's reconnects or a join's
+    registrations; at 10,240 nodes they starved a simulator of 2,560 nodes 300 ms, and its
+    40 relays and their members were declared lost), gets `starved_hold_ms` more; such
+    nodes are appended to `held`. A disconnected node (a killed agent's stream closes at
+    once) gets neither that nor the jitter slack: it is lost at the timeout (plus the driver's slack),
     or at the closed timeout when its agent's side closed the stream (`LiveView.closed`).
     """
     out: list[tuple[NodeSlot, str]] = []

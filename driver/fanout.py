@@ -46,6 +46,28 @@ def _few(errors: dict[str, str]) -> dict[str, str]:
     return dict(itertools.islice(errors.items(), LOGGED_ERRORS))
 
 
+async def _settle(
+    replies: dict[str, asyncio.Future[dpb.AgentMessage]],
+    bad: dict[str, str],
+    acks: dict[str, dpb.CommandAck] | None = None,
+) -> None:
+    """Wait for every reply; each failure (no reply, a refusal) goes to `bad` by node, and
+    each ack to `acks`."""
+    if replies:
+        await asyncio.wait(replies.values())
+    for n, fut in replies.items():
+        if fut.cancelled():
+            bad[n] = "CancelledError"
+        elif (failed := fut.exception()) is not None:
+            bad[n] = f"{type(failed).__name__}: {failed}"
+        else:
+            ack = fut.result().ack
+            if acks is not None:
+                acks[n] = ack
+            if not ack.ok:
+                bad[n] = ack.detail or "refused"
+
+
 def _seen(fut: asyncio.Future[dpb.AgentMessage]) -> None:
     if not fut.cancelled():
         fut.exception()  # a reply nobody awaits any more: its timeout is no error to log
@@ -114,19 +136,7 @@ class Fanout:
                     replies[n] = self._ask(n, m)
             except KeyError as e:
                 bad[n] = f"KeyError: {e}"
-        if replies:
-            await asyncio.wait(replies.values())
-        for n, fut in replies.items():
-            if fut.cancelled():
-                bad[n] = "CancelledError"
-            elif (failed := fut.exception()) is not None:
-                bad[n] = f"{type(failed).__name__}: {failed}"
-            else:
-                ack = fut.result().ack
-                if acks is not None:
-                    acks[n] = ack
-                if not ack.ok:
-                    bad[n] = ack.detail or "refused"
+        await _settle(replies, bad, acks)
         if bad:
             log.warning(
                 "command not done everywhere",
@@ -169,15 +179,7 @@ class Fanout:
             except KeyError as e:
                 bad[n] = f"KeyError: {e}"
             sent.append(n)
-        if replies:
-            await asyncio.wait(replies.values())
-        for n, fut in replies.items():
-            if fut.cancelled():
-                bad[n] = "CancelledError"
-            elif (failed := fut.exception()) is not None:
-                bad[n] = f"{type(failed).__name__}: {failed}"
-            elif not fut.result().ack.ok:
-                bad[n] = fut.result().ack.detail or "refused"
+        await _settle(replies, bad)
         return bad, sent
 
     def forget(self, node: str) -> None:

@@ -94,7 +94,7 @@ class Sessions:
         # command id -> (the node asked, the future of its reply)
         self._replies: dict[str, tuple[str, asyncio.Future[dpb.AgentMessage]]] = {}
         # the replies' deadlines by EXPIRY_TICK_S tick: one timer per tick, not per command
-        self._expiry: dict[tuple[asyncio.AbstractEventLoop, int], list[str]] = {}
+        self._expiry: dict[tuple[asyncio.AbstractEventLoop, int], list[tuple[str, float]]] = {}
         self._ids = itertools.count(1)
         self._nonce = uuid.uuid4().hex[:12]  # this driver's incarnation, in its command ids
         self._term = term  # the leader term stamped on every command
@@ -189,13 +189,13 @@ class Sessions:
         due = self._expiry.get(key)
         if due is None:
             due = self._expiry[key] = []
-            loop.call_at(key[1] * EXPIRY_TICK_S, self._expire, key, timeout_s)
-        due.append(cid)
+            loop.call_at(key[1] * EXPIRY_TICK_S, self._expire, key)
+        due.append((cid, timeout_s))
         return fut
 
-    def _expire(self, key: tuple[asyncio.AbstractEventLoop, int], timeout_s: float) -> None:
+    def _expire(self, key: tuple[asyncio.AbstractEventLoop, int]) -> None:
         """The replies due at this tick that did not come: each future fails."""
-        for cid in self._expiry.pop(key, ()):
+        for cid, timeout_s in self._expiry.pop(key, ()):
             entry = self._replies.pop(cid, None)
             if entry is not None and not entry[1].done():
                 entry[1].set_exception(TimeoutError(f"no reply from {entry[0]} in {timeout_s:g} s"))
