@@ -104,8 +104,9 @@ def silent(
     registrations; at 10,240 nodes they starved a simulator of 2,560 nodes 300 ms, and its
     40 relays and their members were declared lost), gets `starved_hold_ms` more; such
     nodes are appended to `held`. A disconnected node (a killed agent's stream closes at
-    once) gets neither that nor the jitter slack: it is lost at the timeout (plus the driver's slack),
-    or at the closed timeout when its agent's side closed the stream (`LiveView.closed`).
+    once) gets neither that nor the jitter slack: it is lost at the timeout (plus the
+    driver's slack), or at the closed timeout when its agent's side closed the stream
+    (`LiveView.closed`).
     """
     out: list[tuple[NodeSlot, str]] = []
     c = view.config
