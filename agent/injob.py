@@ -81,13 +81,24 @@ def rejoinable(w: Worker) -> bool:
     )
 
 
-async def kill(w: Worker) -> None:
-    """SIGKILL `w`'s process group now and reap it (no grace: its peers must notice)."""
+async def kill(w: Worker, *, reap: bool = True) -> None:
+    """SIGKILL `w`'s process group now (no grace: its peers must notice) and, with `reap`,
+    wait for its exit.
+
+    The hold does not wait (`reap=False`): from the signal on the process runs no more of its
+    own code (the kernel marks its whole thread group exiting when SIGKILL is sent), but
+    tearing down its address space (0.5 GB for the bench's tiny worker, a CUDA context on a
+    GPU) runs at the worker's niceness, and on the 2-core host at load 7 it took 0.2-4.4 s:
+    the evicted node's pause waited all of it. A replacement for the same local rank waits
+    for the exit (`rejoin` kills, and reaps, any worker it does not rejoin), so its GPU memory
+    is free before the new process starts."""
     if w.proc is None or w.proc.returncode is not None:
         return
     w.state = dpb.WORKER_STATE_STOPPED  # stopped on command: no WorkerFailed for it
     with contextlib.suppress(ProcessLookupError):
         os.killpg(w.pid, signal.SIGKILL)
+    if not reap:
+        return
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(procexit.exit_code(w.proc), 5.0)
     for t in w.tasks:
@@ -116,7 +127,7 @@ async def hold(
         w for r, w in sup.workers.items() if r in replace or hooks is None or not rejoinable(w)
     ]
     keep = [w for w in sup.workers.values() if w not in doomed]
-    await asyncio.gather(*(kill(w) for w in doomed))
+    await asyncio.gather(*(kill(w, reap=False) for w in doomed))
     assert hooks is not None or not keep
     for w in keep:
         if w.phase != HELD_PHASE:
@@ -138,7 +149,7 @@ async def hold(
             local_ranks=sorted(w.local_rank for w in late),
             stacks=cap_stacks({w.local_rank: d for w, d in zip(late, dumps, strict=True)}),
         )
-    await asyncio.gather(*(kill(w) for w in late))
+    await asyncio.gather(*(kill(w, reap=False) for w in late))
     held = [w.local_rank for w in keep if w not in late]
     log.info(
         "in-job hold",

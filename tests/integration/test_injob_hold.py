@@ -6,6 +6,10 @@ reads a command, as a rank stuck in its teardown would be (seen once on an H200:
 survivor of a peer's crash stopped after its flash ring closed, and the agent's hold ran out).
 `injob.hold` must not wait past its limit, must say which rank it could not hold, must log
 that rank's Python stacks before it kills it, and must kill it.
+
+A rank the driver names as faulty is killed and not waited for: the hold answers while the
+killed process still tears down its memory, and the rank's replacement starts only once it
+has exited.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from unbroken.agent import injob
+from unbroken.agent import injob, procexit
 from unbroken.agent.hookserver import HookServer
 from unbroken.agent.launch import WorkerSpec
 from unbroken.agent.workers import Supervisor
@@ -62,7 +66,8 @@ def test_a_worker_not_held_in_time_has_its_stacks_logged_and_is_killed(tmp_path:
                 said = await injob.hold(sup, server, replace=(), timeout_s=1.0)
                 took = time.monotonic() - t0
             assert w.proc is not None
-            return said, took, w.proc.returncode, logs
+            code = await asyncio.wait_for(procexit.exit_code(w.proc), 10.0)  # killed, not reaped
+            return said, took, code, logs
         finally:
             await sup.close(grace_s=1.0)
             server.close()
@@ -77,3 +82,53 @@ def test_a_worker_not_held_in_time_has_its_stacks_logged_and_is_killed(tmp_path:
     assert "--- local rank 0 ---" in stacks and "stuck_in_teardown" in stacks, stacks
     (summary,) = [e for e in logs if e.get("event") == "in-job hold"]
     assert summary["not_held_in_time"] == [0]
+
+
+BIG = """
+import time
+from unbroken.trainer import hookchannel
+
+ballast = bytearray(1 << 30)  # touched: 1 GiB for the kernel to free at the exit
+for i in range(0, len(ballast), 4096):
+    ballast[i] = 1
+h = hookchannel.install()
+h.phase("train")
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_a_faulty_rank_is_killed_without_waiting_for_its_exit_and_replaced_after_it(
+    tmp_path: Path,
+) -> None:
+    async def run() -> tuple[str, int | None, int, int | None, int]:
+        spec = WorkerSpec(
+            cmd=[sys.executable, "-c", BIG], nproc=1, log_dir=str(tmp_path), warm=False, nice=19
+        )
+        sock = str(tmp_path / "agent.sock")
+        sup = Supervisor(spec, sock)
+        server = HookServer(sock, sup, node_id="n0")
+        await server.start()
+        try:
+            old = await sup.start(0, refill=False)
+            deadline = time.monotonic() + 60
+            while old.phase != "train":
+                assert time.monotonic() < deadline, "the worker never said hello"
+                assert old.proc is not None and old.proc.returncode is None, "the worker died"
+                await asyncio.sleep(0.05)
+            said = await injob.hold(sup, server, replace=(0,))
+            assert old.proc is not None
+            at_answer = old.proc.returncode  # the 1 GiB teardown at nice 19 is still running
+            await injob.rejoin(sup, server)
+            new = sup.workers[0]
+            assert new is not old and new.proc is not None
+            return said, at_answer, old.proc.returncode, new.proc.returncode, new.pid
+        finally:
+            await sup.close(grace_s=1.0)
+            server.close()
+
+    said, at_answer, code, new_code, new_pid = asyncio.run(run())
+    assert "stopped [0]" in said, said
+    assert at_answer is None, "the hold waited for the killed worker's exit"
+    assert code == -9, "the replacement started before the killed worker had exited"
+    assert new_code is None and new_pid > 0
