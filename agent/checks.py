@@ -16,8 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import sys
 
+from unbroken.agent import warm as warmlib
 from unbroken.agent.launch import exec_wrapper
 from unbroken.diagnostics.check import WARM_READY, WARM_SELFCHECK_KEY
 from unbroken.proto import driver_pb2 as dpb
@@ -44,11 +46,20 @@ class WarmCheck:
     (`python -m unbroken.diagnostics.check --warm`), so a diagnosis round does not pay
     torch's import (seconds) on every node. `take()` hands it over when it is ready;
     `refill()` starts the next one in the background (after the self-check, after each
-    check). It runs below the agent's priority and dies with the agent, like a check."""
+    check). It runs below the agent's priority and dies with the agent, like a check.
 
-    def __init__(self, module: str = CHECK_MODULE, nice: int = 5) -> None:
+    It waits at `wait_nice` (19: idle CPU only) where the agent may give it back the
+    check's `nice` when it is taken, as a warm standby does (agent/warm.py): the refill
+    after the registration self-check imports torch while the node's workers start, and
+    the one after a failed self-check while the job restores around the evicted node."""
+
+    def __init__(self, module: str = CHECK_MODULE, nice: int = 5, wait_nice: int = 19) -> None:
         self.module = module
         self.nice = nice
+        # absolute niceness of a taken check (`nice -n` adds to the agent's own)
+        self._target = min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+        low = wait_nice > nice and warmlib.may_raise_priority(self._target)
+        self.wait_nice = wait_nice if low else nice
         self._proc: asyncio.subprocess.Process | None = None
         self._ready: asyncio.Task[bool] | None = None
         self.taken = 0  # checks that ran warm
@@ -60,7 +71,7 @@ class WarmCheck:
 
     async def _spawn(self) -> bool:
         proc = await asyncio.create_subprocess_exec(
-            *exec_wrapper(nice=self.nice, die_with_agent=True),
+            *exec_wrapper(nice=self.wait_nice, die_with_agent=True),
             sys.executable,
             "-m",
             self.module,
@@ -82,6 +93,8 @@ class WarmCheck:
         ready = self._ready
         if ready is None:
             return None
+        if self._proc is not None and self.wait_nice != self.nice:
+            warmlib.renice_process(self._proc.pid, self._target)  # the check's own priority
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.shield(ready), wait_s)
         proc = self._proc
@@ -92,6 +105,8 @@ class WarmCheck:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             return None
+        if self.wait_nice != self.nice:  # (again: it may have started after the first)
+            warmlib.renice_process(proc.pid, self._target)
         self.taken += 1
         return proc
 

@@ -107,3 +107,35 @@ def test_self_checks_run_in_the_warm_process_and_report_as_a_cold_one(tmp_path: 
             assert not any("matmul" in f for f in good.failures), good
 
     asyncio.run(go())
+
+
+def _nice_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+def test_a_warm_check_waits_at_idle_priority_and_runs_at_the_checks() -> None:
+    """Its torch import takes idle CPU only (the node's workers start beside it); taken, it
+    has the niceness a cold check would have had."""
+
+    async def go() -> tuple[int, int, int]:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        warm = WarmCheck(nice=5, wait_nice=19)
+        if warm.wait_nice == warm.nice:
+            pytest.skip("this process may not lower a child's niceness again")
+        try:
+            warm.refill()
+            await _ready(warm)
+            assert warm._proc is not None
+            waiting = _nice_of(warm._proc.pid)
+            proc = await warm.take()
+            assert proc is not None
+            taken = _nice_of(proc.pid)
+            proc.kill()
+            await proc.wait()
+            return waiting, taken, os.getpriority(os.PRIO_PROCESS, 0)
+        finally:
+            await warm.close()
+
+    waiting, taken, ours = asyncio.run(go())
+    assert waiting == 19
+    assert taken == min(19, ours + 5)
