@@ -15,9 +15,12 @@ has exited.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
@@ -25,7 +28,7 @@ import structlog
 from unbroken.agent import injob, procexit
 from unbroken.agent.hookserver import HookServer
 from unbroken.agent.launch import WorkerSpec
-from unbroken.agent.workers import Supervisor
+from unbroken.agent.workers import Supervisor, Worker
 
 pytestmark = pytest.mark.integration
 
@@ -45,22 +48,39 @@ stuck_in_teardown()
 """
 
 
+@contextlib.asynccontextmanager
+async def _agent(
+    tmp_path: Path, code: str, **spec: Any
+) -> AsyncIterator[tuple[Supervisor, HookServer]]:
+    """A real Supervisor and HookServer running `code` as local rank 0's worker."""
+    ws = WorkerSpec(cmd=[sys.executable, "-c", code], nproc=1, log_dir=str(tmp_path), **spec)
+    sock = str(tmp_path / "agent.sock")
+    sup = Supervisor(ws, sock)
+    server = HookServer(sock, sup, node_id="n0")
+    await server.start()
+    try:
+        yield sup, server
+    finally:
+        await sup.close(grace_s=1.0)
+        server.close()
+
+
+async def _said_hello(w: Worker, ready: Callable[[Worker], bool]) -> None:
+    """Until `w` said hello through the SDK as `ready` wants it."""
+    deadline = time.monotonic() + 60
+    while not ready(w):
+        assert time.monotonic() < deadline, "the worker never said hello"
+        assert w.proc is not None and w.proc.returncode is None, "the worker died"
+        await asyncio.sleep(0.05)
+
+
 def test_a_worker_not_held_in_time_has_its_stacks_logged_and_is_killed(tmp_path: Path) -> None:
     async def run() -> tuple[str, float, int | None, list[dict[str, object]]]:
-        spec = WorkerSpec(
-            cmd=[sys.executable, "-c", STUCK], nproc=1, log_dir=str(tmp_path), warm=False
-        )
-        sock = str(tmp_path / "agent.sock")
-        sup = Supervisor(spec, sock)
-        server = HookServer(sock, sup, node_id="n0")
-        await server.start()
-        try:
+        async with _agent(tmp_path, STUCK, warm=False) as (sup, server):
             w = await sup.start(0, refill=False)
-            deadline = time.monotonic() + 60
-            while not (w.reply_socket and w.stack_signal and w.phase == "checkpoint"):
-                assert time.monotonic() < deadline, "the worker never said hello"
-                assert w.proc is not None and w.proc.returncode is None, "the worker died"
-                await asyncio.sleep(0.05)
+            await _said_hello(
+                w, lambda w: bool(w.reply_socket and w.stack_signal and w.phase == "checkpoint")
+            )
             with structlog.testing.capture_logs() as logs:
                 t0 = time.monotonic()
                 said = await injob.hold(sup, server, replace=(), timeout_s=1.0)
@@ -68,9 +88,6 @@ def test_a_worker_not_held_in_time_has_its_stacks_logged_and_is_killed(tmp_path:
             assert w.proc is not None
             code = await asyncio.wait_for(procexit.exit_code(w.proc), 10.0)  # killed, not reaped
             return said, took, code, logs
-        finally:
-            await sup.close(grace_s=1.0)
-            server.close()
 
     said, took, code, logs = asyncio.run(run())
     assert "stopped [0]" in said and "held local ranks []" in said, said
@@ -102,20 +119,9 @@ def test_a_faulty_rank_is_killed_without_waiting_for_its_exit_and_replaced_after
     tmp_path: Path,
 ) -> None:
     async def run() -> tuple[str, int | None, int, int | None, int]:
-        spec = WorkerSpec(
-            cmd=[sys.executable, "-c", BIG], nproc=1, log_dir=str(tmp_path), warm=False, nice=19
-        )
-        sock = str(tmp_path / "agent.sock")
-        sup = Supervisor(spec, sock)
-        server = HookServer(sock, sup, node_id="n0")
-        await server.start()
-        try:
+        async with _agent(tmp_path, BIG, warm=False, nice=19) as (sup, server):
             old = await sup.start(0, refill=False)
-            deadline = time.monotonic() + 60
-            while old.phase != "train":
-                assert time.monotonic() < deadline, "the worker never said hello"
-                assert old.proc is not None and old.proc.returncode is None, "the worker died"
-                await asyncio.sleep(0.05)
+            await _said_hello(old, lambda w: w.phase == "train")
             said = await injob.hold(sup, server, replace=(0,))
             assert old.proc is not None
             at_answer = old.proc.returncode  # the 1 GiB teardown at nice 19 is still running
@@ -123,9 +129,6 @@ def test_a_faulty_rank_is_killed_without_waiting_for_its_exit_and_replaced_after
             new = sup.workers[0]
             assert new is not old and new.proc is not None
             return said, at_answer, old.proc.returncode, new.proc.returncode, new.pid
-        finally:
-            await sup.close(grace_s=1.0)
-            server.close()
 
     said, at_answer, code, new_code, new_pid = asyncio.run(run())
     assert "stopped [0]" in said, said
