@@ -147,6 +147,13 @@ class Hooks:
         # `collective_entered`: when the rank entered its step's collective (None: it is
         # not in one, or the agent was told); a marker thread tells the agent if it lasts
         self._coll_since: float | None = None
+        # Held while a phase or step report is sent and `_coll_since` is looked at or
+        # cleared: the marker's late "collective" never follows a newer phase or step. It
+        # did: a rank whose peer died in the all-reduce said "held" and the marker, which
+        # had not seen the collective end, said "collective" after it; the agent's in-job
+        # hold then waited for "held" until the rank said it again a second later (bench
+        # recovery, node loss: 1.0 s of a 1.6 s resume).
+        self._say = threading.Lock()
         self._marker: threading.Thread | None = None
         self._marker_stop = threading.Event()
         self._sock: socket.socket | None = None
@@ -241,8 +248,10 @@ class Hooks:
         first "train" after a start: the step it restored (0: from scratch); `source` with
         it: where that state came from ("memory", "buddy", "storage").
         """
-        report = hpb.PhaseReport(name=name, step=step, source=source)
-        return self._send(hpb.WorkerReport(phase=report))
+        report = hpb.WorkerReport(phase=hpb.PhaseReport(name=name, step=step, source=source))
+        with self._say:
+            self._coll_since = None  # a newer phase: out of the step's collective wait
+            return self._send(report)
 
     def fingerprint(self, step: int, fingerprints: dict[str, int]) -> bool:
         """Send this rank's state fingerprints after `step` (trainer/sdc.py): one datagram,
@@ -267,10 +276,11 @@ class Hooks:
 
     def _mark_long_waits(self) -> None:
         while not self._marker_stop.wait(LAZY_COLLECTIVE_S / 2):
-            since = self._coll_since
-            if since is not None and time.monotonic() - since >= LAZY_COLLECTIVE_S:
-                self._coll_since = None
-                self.phase("collective")
+            with self._say:
+                since = self._coll_since
+                if since is not None and time.monotonic() - since >= LAZY_COLLECTIVE_S:
+                    self._coll_since = None
+                    self._send(hpb.WorkerReport(phase=hpb.PhaseReport(name="collective")))
 
     @contextlib.contextmanager
     def collective(self) -> Iterator[None]:
@@ -349,7 +359,9 @@ class Hooks:
         self._held, self._held_steps, self._held_ms, self._peak = None, 0, 0.0, None
         self._held_timings = {}
         self._sent_t = time.monotonic() if now is None else now
-        return self._send(hpb.WorkerReport(step=rep))
+        with self._say:
+            self._coll_since = None
+            return self._send(hpb.WorkerReport(step=rep))
 
     def wait(self, timeout_s: float) -> None:
         """Block until a command may be waiting or `timeout_s` passed (then read `commands`)."""

@@ -172,8 +172,8 @@ def hold(
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         now = time.monotonic()
-        if now - said >= 1.0:  # again now and then: a step report in flight may have
-            hooks.phase(HELD_PHASE)  # overwritten the agent's view of this rank's phase
+        if now - said >= 1.0:  # again now and then: a datagram lost to a full buffer (the
+            hooks.phase(HELD_PHASE)  # marker's late "collective" no longer follows it)
             said = now
         hooks.wait(0.2)
         for c in hooks.commands():

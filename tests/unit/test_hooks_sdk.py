@@ -390,7 +390,9 @@ def test_held_timings_are_averaged_and_a_long_collective_is_marked_a_short_one_n
     """The embedded engine's reports (coalesced, `collective_entered`): a coalesced report
     carries the mean compute and wait of its steps (the straggler detector's input); a
     collective left within `LAZY_COLLECTIVE_S` sends nothing, one that lasts is reported
-    as the "collective" phase once, by the marker thread, while the rank still waits."""
+    as the "collective" phase once, by the marker thread, while the rank still waits, and
+    never after a phase the rank said since (a rank that left a failed collective and said
+    "held")."""
     path = str(tmp_path / "agent.sock")
     rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     rx.bind(path)
@@ -424,6 +426,13 @@ def test_held_timings_are_averaged_and_a_long_collective_is_marked_a_short_one_n
         assert marked.WhichOneof("kind") == "phase" and marked.phase.name == "collective"
         time.sleep(3 * hookchannel.LAZY_COLLECTIVE_S)
         assert received() == []  # once per collective
+
+        # a peer died in the collective: the rank leaves it and says "held" before the
+        # marker's time; the marker says nothing after it (the agent's view stays "held")
+        h.collective_entered()
+        assert h.phase("held")
+        time.sleep(3 * hookchannel.LAZY_COLLECTIVE_S)
+        assert [r.phase.name for r in received(1.0)] == ["held"]
     finally:
         h.close()
         rx.close()
