@@ -152,8 +152,9 @@ class Hooks:
         # did: a rank whose peer died in the all-reduce said "held" and the marker, which
         # had not seen the collective end, said "collective" after it; the agent's in-job
         # hold then waited for "held" until the rank said it again a second later (bench
-        # recovery, node loss: 1.0 s of a 1.6 s resume).
-        self._say = threading.Lock()
+        # recovery, node loss: 1.0 s of a 1.6 s resume). Reentrant: a script's signal
+        # handler may say a phase while the main thread is inside a send.
+        self._say = threading.RLock()
         self._marker: threading.Thread | None = None
         self._marker_stop = threading.Event()
         self._sock: socket.socket | None = None

@@ -433,6 +433,12 @@ def test_held_timings_are_averaged_and_a_long_collective_is_marked_a_short_one_n
         assert h.phase("held")
         time.sleep(3 * hookchannel.LAZY_COLLECTIVE_S)
         assert [r.phase.name for r in received(1.0)] == ["held"]
+
+        # a signal handler of the script's may say a phase while its main thread is inside
+        # a send (the sends' lock held by this thread): it is said, not deadlocked
+        with h._say:
+            assert h.phase("checkpoint")
+        assert [r.phase.name for r in received(1.0)] == ["checkpoint"]
     finally:
         h.close()
         rx.close()
