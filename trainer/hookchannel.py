@@ -249,9 +249,15 @@ class Hooks:
         first "train" after a start: the step it restored (0: from scratch); `source` with
         it: where that state came from ("memory", "buddy", "storage").
         """
-        report = hpb.WorkerReport(phase=hpb.PhaseReport(name=name, step=step, source=source))
+        return self._send_past_wait(
+            hpb.WorkerReport(phase=hpb.PhaseReport(name=name, step=step, source=source))
+        )
+
+    def _send_past_wait(self, report: hpb.WorkerReport) -> bool:
+        """Send a phase or step report: the rank is out of its collective wait, so the
+        marker thread says nothing after it (`_say`)."""
         with self._say:
-            self._coll_since = None  # a newer phase: out of the step's collective wait
+            self._coll_since = None
             return self._send(report)
 
     def fingerprint(self, step: int, fingerprints: dict[str, int]) -> bool:
@@ -360,9 +366,7 @@ class Hooks:
         self._held, self._held_steps, self._held_ms, self._peak = None, 0, 0.0, None
         self._held_timings = {}
         self._sent_t = time.monotonic() if now is None else now
-        with self._say:
-            self._coll_since = None
-            return self._send(hpb.WorkerReport(step=rep))
+        return self._send_past_wait(hpb.WorkerReport(step=rep))
 
     def wait(self, timeout_s: float) -> None:
         """Block until a command may be waiting or `timeout_s` passed (then read `commands`)."""
