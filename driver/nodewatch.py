@@ -175,23 +175,25 @@ class NodeWatch:
 
     def _mass(self, lost: list[tuple[NodeSlot, str]], now: float, crowd: int = 0) -> bool:
         """Whether `lost` is a mass silence: more than a `mass_loss_fraction` of the
-        nodes; or more than `mass_loss_min` while nobody is heard (the driver's own
-        silence: at 10,240 nodes the loop read no relay stream for 3 s and 640 members,
-        a sixteenth of the world, were declared lost before a quarter was silent) or while
-        a hold is under way (the rest of a silence that is coming back gets the rest of
-        the hold, not its loss at once); or more than `mass_loss_min` coming out of a
-        `crowd` of nodes held late together that was itself a mass silence. At 10,240 nodes
-        an incident's stop to every node kept the leader from reading the relays' streams
-        for 0.5-1.2 s: all 10,096 nodes were held late together, 9,000 came back within the
+        nodes; or any part of one whose hold is under way (the rest of a silence that is
+        coming back gets the rest of the hold, not its loss at once: its nodes come back
+        one stream read at a time, and the last one or two of a crowd were declared lost
+        the moment they were no more than `mass_loss_min`); or more than `mass_loss_min`
+        while nobody is heard (the driver's own silence: at 10,240 nodes the loop read no
+        relay stream for 3 s and 640 members, a sixteenth of the world, were declared lost
+        before a quarter was silent); or more than `mass_loss_min` coming out of a `crowd`
+        of nodes held late together that was itself a mass silence. At 10,240 nodes an
+        incident's stop to every node kept the leader from reading the relays' streams for
+        0.5-1.2 s: all 10,096 nodes were held late together, 9,000 came back within the
         grace as their streams were read again, and the 500-2,000 read last were declared
         lost at its end (fewer than a quarter, and others were heard), each a decision."""
         limit = detectors.mass_limit(self.view)
-        if len(lost) > limit:
+        if len(lost) > limit or self._mass_since:
             return True
         live = self.config.live
         if len(lost) <= live.mass_loss_min:
             return False
-        return crowd > limit or self._unheard(now) or bool(self._mass_since)
+        return crowd > limit or self._unheard(now)
 
     def _unheard(self, now: float) -> bool:
         """Whether no node at all was heard for two heartbeat intervals."""

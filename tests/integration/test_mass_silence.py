@@ -210,3 +210,28 @@ def test_the_last_of_a_crowd_held_late_together_get_the_mass_hold_not_their_loss
             assert all(svc.view.nodes[n].alive for n in nodes)
 
     asyncio.run(go())
+
+
+def test_the_last_few_of_a_held_silence_to_come_back_get_the_rest_of_the_hold() -> None:
+    """A mass silence of ten held while three others are heard; eight come back, then
+    the last two (no more than `mass_loss_min`, 2 here) some sweeps later, as a relay's
+    members come back one stream read at a time. The two are still part of the silence
+    being held: they get the rest of its hold, not their loss at once (CI once declared
+    the last of a crowd lost the sweep after the others were read)."""
+
+    async def go() -> None:
+        live = config(mass_loss_hold_ms=3_000, mass_loss_max_hold_ms=20_000)
+        heard = ["h0", "h1", "h2"]
+        async with world(live, NODES + heard) as (svc, _stub, beats):
+            beats.stop(NODES)
+            await until(lambda: svc.nodewatch.mass_held == len(NODES), 5, "the ten held")
+            beats.beating.update(NODES[2:])
+            await until(lambda: svc.nodewatch.mass_held == 2, 5, "eight back, two held")
+            await asyncio.sleep(0.3)  # fifteen sweeps with the two alone in the hold
+            assert all(svc.view.nodes[n].alive for n in NODES), "the last two declared lost"
+            assert svc.nodewatch.mass_held == 2
+            beats.beating.update(NODES[:2])
+            await until(lambda: svc.nodewatch.mass_held == 0, 5, "the hold to end")
+            assert all(svc.view.nodes[n].alive for n in NODES + heard)
+
+    asyncio.run(go())
