@@ -475,15 +475,19 @@ class Agent:
         """After a stop: rescan the flash rings and send a heartbeat with them now, ahead
         of the ack (True). Without it the driver waited for two more heartbeats after the
         ack (~200 ms of every incident's pause; the recovery bench's worker crashes lost
-        1.0-1.6 s each). Not behind a relay, whose batches keep the interval (False)."""
+        1.0-1.6 s each). A relay sends it as its own heartbeat in a batch of its own,
+        vouching for nobody (its group's periodic batches keep their interval); a member's
+        relay sends it up ahead of the ack (agent/relay.py `_fresh_beats`)."""
         if self.flash is None or self.supervisor is None or not self.session_open:
-            return False
-        if self.relay is not None and self.relay.upstream is not None:
             return False
         await self.flash.rescan()
         hb = self._heartbeat(time.monotonic())
         hb.sent_mono_ns = time.monotonic_ns()
-        await self.write(call, dpb.AgentMessage(heartbeat=hb))
+        if self.relay is not None and self.relay.upstream is not None:
+            msg = dpb.AgentMessage(relay_batch=dpb.RelayBatch(own=hb))
+        else:
+            msg = dpb.AgentMessage(heartbeat=hb)
+        await self.write(call, msg)
         self.metrics.sent(hb)
         return True
 

@@ -45,7 +45,7 @@ import asyncio
 import contextlib
 import hmac
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -283,6 +283,8 @@ class Relay(dgrpc.DriverServicer):
             if self.upstream is None:
                 log.warning("member message dropped: no driver session", member=me.node_id)
                 continue
+            if msg.WhichOneof("kind") == "ack" and msg.ack.ring_fresh:
+                me.sent_sig = ()  # its rescanned rings go in full, whichever batch takes them
             await self.ups.put(dpb.RelayedUp(node_id=me.node_id, epoch=me.epoch, message=msg))
 
     # ------------------------------------------------------------ commands down
@@ -384,10 +386,13 @@ class Relay(dgrpc.DriverServicer):
 
     async def _send_ups(self, send: Send) -> None:
         """Members' messages up, in the order they came: with `batch_up`, those that came
-        within `UP_WINDOW_S` of the first as one `RelayedUpBatch`."""
+        within `UP_WINDOW_S` of the first as one `RelayedUpBatch`; each behind the fresh
+        heartbeats its acks speak for (`_fresh_beats`)."""
         while True:
             first = await self.ups.get()
             if not self.batch_up:
+                if beats := self._fresh_beats((first,)):
+                    await send(beats)
                 await send(dpb.AgentMessage(relayed=first))
                 continue
             await asyncio.sleep(UP_WINDOW_S)  # the other members' replies to the same command
@@ -396,7 +401,33 @@ class Relay(dgrpc.DriverServicer):
             batch.append(first)
             while not self.ups.empty() and len(batch) < UP_BATCH_MAX:
                 batch.append(self.ups.get_nowait())
+            if beats := self._fresh_beats(batch):
+                await send(beats)
             await send(out if len(batch) > 1 else dpb.AgentMessage(relayed=first))
+
+    def _fresh_beats(self, ups: Iterable[dpb.RelayedUp]) -> dpb.AgentMessage | None:
+        """One batch of the pending heartbeats of the members whose acks in `ups` say
+        `ring_fresh` (None: none), to go up ahead of those acks.
+
+        A member acks a stop with `ring_fresh` right after a heartbeat carrying its rings
+        rescanned (agent/daemon.py `ring_heartbeat`), and the driver then reads the steps
+        each rank holds from that heartbeat without waiting for more. Left to the periodic
+        batch it came after the ack, or never in full: a new copy in a ring changes no
+        step, so the signature is the same and the member was only counted alive; the
+        driver chose the restore step from the rings as they were a heartbeat earlier.
+        One batch for all of a window's acks: a world-wide stop is 64 acks a relay."""
+        out: dpb.RelayBatch | None = None
+        for up in ups:
+            if not (up.message.WhichOneof("kind") == "ack" and up.message.ack.ring_fresh):
+                continue
+            me = self.members.get(up.node_id)
+            if me is None or me.hb is None or me.epoch != up.epoch:
+                continue
+            out = out or dpb.RelayBatch()
+            out.beats.add(node_id=me.node_id, epoch=me.epoch).heartbeat.CopyFrom(me.hb)
+            me.sent_sig, me.hb, me.vouched = me.sig, None, True
+            self.forwarded += 1
+        return dpb.AgentMessage(relay_batch=out) if out is not None else None
 
 
 def _peaks(hb: dpb.Heartbeat) -> bool:

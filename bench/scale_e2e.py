@@ -187,6 +187,7 @@ class SimRelay:
         self.live: set[str] = set()  # members registered at the driver this stream serves
         self.vouched: set[str] = set()  # named to the driver since this stream began
         self.ups: list[dpb.RelayedUp] = []  # members' acks gathered for one RelayedUpBatch
+        self.last = (0, 0)  # the newest round's (step, round): what a fresh heartbeat says
 
     async def run(self) -> None:
         """Register the relay, open its stream, then its members (each in the batches
@@ -269,22 +270,43 @@ class SimRelay:
     def _ack(self, node: str, cmd: dpb.DriverMessage) -> None:
         if not cmd.command_id:
             return
-        ack = dpb.AgentMessage(ack=dpb.CommandAck(command_id=cmd.command_id, ok=True))
+        what = cmd.WhichOneof("kind")
+        # a member acks a stop as a real agent does: its rings rescanned and sent in a
+        # heartbeat just before (`ring_fresh`), which its relay sends up ahead of the ack
+        # (agent/relay.py `_fresh_beats`); the driver then does not wait for two more beats
+        # (a relay sends its own such heartbeat in a batch of its own: agent/daemon.py)
+        fresh = what == "stop_workers"
+        ack = dpb.AgentMessage(
+            ack=dpb.CommandAck(command_id=cmd.command_id, ok=True, ring_fresh=fresh)
+        )
         up = dpb.RelayedUp(node_id=node, epoch=self.epoch, message=ack)
         if node != self.rid and self.sim.batches:  # gathered, as agent/relay.py does
             self.ups.append(up)
             if len(self.ups) == 1:
                 asyncio.get_running_loop().call_later(UP_WINDOW_S, self._send_ups)
         else:
+            if fresh:
+                own = _field(40, _field(4, _heartbeat(*self.last)))
+                self.out.put_nowait((False, own if node == self.rid else self._beats([node])))
             msg = ack if node == self.rid else dpb.AgentMessage(relayed=up)
             self.out.put_nowait((False, msg.SerializeToString()))
-        what = cmd.WhichOneof("kind")
         if what in ("start_workers", "stop_workers"):
             self.sim.acks.append((what, node, time.time_ns()))
+
+    def _beats(self, nodes: list[str]) -> bytes:
+        """One RelayBatch with `nodes`' heartbeats in full (the newest round's)."""
+        hb = self.sim.hb(*self.last)
+        body = b"".join(
+            _field(1, _field(1, m.encode()) + b"\x10" + _varint(self.epoch) + hb) for m in nodes
+        )
+        return _field(40, body)
 
     def _send_ups(self) -> None:
         ups, self.ups = self.ups, []
         if ups:
+            fresh = [u.node_id for u in ups if u.message.ack.ring_fresh]
+            if fresh:
+                self.out.put_nowait((False, self._beats(fresh)))
             msg = dpb.AgentMessage()
             msg.relayed_batch.up.extend(ups)
             self.out.put_nowait((False, msg.SerializeToString()))
@@ -343,6 +365,7 @@ class SimRelay:
         )
 
     def tick(self, full: bool, step: int, rnd: int) -> None:
+        self.last = (step, rnd)
         if self.call is not None:
             if self._silent_due():  # goes at once, in order
                 self.out.put_nowait((False, self.batch(full, step, rnd)))

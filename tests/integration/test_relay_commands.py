@@ -212,3 +212,58 @@ def test_a_relay_that_batches_gets_a_broadcast_in_a_few_messages_and_acks_it_in_
                 await until(lambda: svc.agents.relay_refused >= refused + 6, 5, "the cap")
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("batch_up", [True, False])
+def test_a_members_rescanned_rings_go_up_before_its_stop_ack(batch_up: bool) -> None:
+    """A member acks a stop with `ring_fresh` right after a heartbeat with its rings
+    rescanned; the driver then reads the steps each rank holds without waiting for more
+    heartbeats. The relay (real gRPC, a real member stream) sends that heartbeat up ahead
+    of the ack. Before, it waited for the periodic batch, behind the ack, and since a new
+    copy in a ring changes no step the batch named the member only as alive: the driver
+    chose the restore step from rings a heartbeat old. With `batch_up` the members' acks
+    of one window go as one message, behind one batch of all their heartbeats."""
+    from unbroken.agent.relay import Relay, RelayConfig
+
+    def kinds(up: list[dpb.AgentMessage]) -> list[str]:
+        return [str(m.WhichOneof("kind")) for m in up]
+
+    def beat(ring: list[int]) -> dpb.AgentMessage:
+        hb = dpb.Heartbeat()
+        hb.workers.add(local_rank=0, state=dpb.WORKER_STATE_RUNNING, step=9, ring_steps=ring)
+        return dpb.AgentMessage(heartbeat=hb)
+
+    async def go() -> None:
+        relay = Relay(RelayConfig(listen="127.0.0.1:0"), "r0", 0.1)
+        relay.batch_up = batch_up
+        port = await relay.start()
+        up: list[dpb.AgentMessage] = []
+
+        async def send(msg: dpb.AgentMessage) -> None:
+            up.append(msg)
+
+        forward = asyncio.create_task(relay.forward(send))
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                call = dgrpc.DriverStub(ch).Session(metadata=session_md("m00", 7))
+                await call.write(beat([7, 8]))
+                members = relay.members
+                await until(
+                    lambda: "m00" in members and members["m00"].hb is not None, 5, "its beat"
+                )
+                batch = relay.batch(time.monotonic(), dpb.Heartbeat(seq=1))  # the periodic
+                assert [b.node_id for b in batch.beats] == ["m00"]
+                await call.write(beat([7, 8, 9]))  # the stop's rescan: step 9 saved
+                ack = dpb.CommandAck(command_id="c1", ok=True, ring_fresh=True)
+                await call.write(dpb.AgentMessage(ack=ack))
+                await until(lambda: kinds(up)[-1:] == ["relayed"], 5, "the ack up")
+                call.cancel()
+        finally:
+            forward.cancel()
+            await relay.close()
+        assert kinds(up) == ["relay_batch", "relayed"], kinds(up)
+        (b,) = up[0].relay_batch.beats
+        assert b.node_id == "m00" and list(b.heartbeat.workers[0].ring_steps) == [7, 8, 9]
+        assert up[1].relayed.message.ack.command_id == "c1"
+
+    asyncio.run(go())
