@@ -46,7 +46,7 @@ class Tokens(Dataset):  # type: ignore[type-arg]
 def train(args: argparse.Namespace) -> None:
     """Build the Trainer in the world the environment names, restore, train (once per world)."""
     training = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="hf-example-"), max_steps=args.steps,
+        output_dir=args.output_dir, max_steps=args.steps,
         per_device_train_batch_size=4, learning_rate=1e-3, warmup_steps=5,
         lr_scheduler_type="linear", logging_steps=1, save_strategy="no", report_to=[],
         use_cpu=True, seed=0, disable_tqdm=True, ddp_backend="gloo",
@@ -93,7 +93,11 @@ def train(args: argparse.Namespace) -> None:
 def main() -> None:
     args = example_parser(__doc__.split("\n")[0]).parse_args()
     hooks.init(save_budget=args.save_budget, persist_every_s=args.persist_every_s)
-    recovery_loop(lambda: train(args))
+    # the Trainer wants an output directory though it saves nothing there (save_strategy
+    # "no": the checkpoints are unbroken's); one per process, removed at its end
+    with tempfile.TemporaryDirectory(prefix="hf-example-") as scratch:
+        args.output_dir = scratch
+        recovery_loop(lambda: train(args))
 
 
 if __name__ == "__main__":
