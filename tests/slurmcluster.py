@@ -157,6 +157,26 @@ class SlurmCluster:
             timeout_s,
         )
 
+    def settle(self, timeout_s: float = 60.0) -> None:
+        """Every job cancelled and every node idle again: a node drained or downed is
+        resumed, also one drained after the cancel (a cancelled job's unbroken driver can
+        still drain the node whose agent the cancel ended first: CI once saw n3 drained
+        just after the resume pass, and the wait for idle timed out)."""
+
+        def idle() -> bool:
+            states = {n: self.state(n) for n in self.names}
+            for n, st in states.items():
+                if st.startswith(("drain", "drng", "down")):
+                    self.cmd("scontrol", "update", f"NodeName={n}", "State=RESUME", check=False)
+            return all(st.startswith("idle") for st in states.values())
+
+        self.cmd("scancel", "--full", "-u", "root", check=False)
+        self._until(
+            "the queue empty", lambda: not self.cmd("squeue", "-h", check=False).stdout.strip(),
+            timeout_s,
+        )  # fmt: skip
+        self._until(f"{self.names} idle", idle, timeout_s)
+
     def state(self, name: str) -> str:
         """sinfo's short state of one node (idle, drain, drng, down*, alloc, ...)."""
         r = self.cmd("sinfo", "-h", "-n", name, "-o", "%t", check=False)

@@ -59,11 +59,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
 def cluster(slurm: SlurmCluster) -> Iterator[SlurmCluster]:
     """The module's cluster, every node idle again after the test."""
     yield slurm
-    slurm.cmd("scancel", "--full", "-u", "root", check=False)
-    for n in slurm.names:
-        if slurm.state(n).startswith(("drain", "drng", "down")):
-            slurm.cmd("scontrol", "update", f"NodeName={n}", "State=RESUME", check=False)
-    slurm.wait_idle(slurm.names)
+    slurm.settle()
 
 
 def sched_of(c: SlurmCluster, **kw: object) -> SlurmScheduler:
