@@ -101,6 +101,14 @@ class AgentConfig:
             "help": "do not run the self-checks after registering (the driver can still ask)",
         },
     )
+    selfcheck_after_s: float = field(
+        default=0.0,
+        metadata={
+            "help": "run the registration self-check this long after the agent starts (0: at "
+            "once). For a spare on a host shared with the job's first start (several nodes on "
+            "a few cores), where its check competes with the workers' imports, e.g. 25",
+        },
+    )
     realtime: bool = field(
         default=True,
         metadata={

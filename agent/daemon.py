@@ -128,6 +128,7 @@ class Agent:
             sup.launch = sup.launch.with_env(**WorkerEnv(fault_file=str(self.fault_file)).to_env())
         # the registration self-check: pending until a session took its report
         self._selfcheck_due = config.selfcheck_at_register
+        self._selfcheck_at = time.monotonic() + max(0.0, config.selfcheck_after_s)
         self.warm_check = checks.WarmCheck() if config.warm_checks else None
         self._selfcheck_report: dpb.SelfCheckReport | None = None
         self._selfcheck_lock = asyncio.Lock()
@@ -595,8 +596,10 @@ class Agent:
         return rep
 
     async def _registration_selfcheck(self, call: Any) -> None:
-        """Run the self-check once and send it; a session that ends first leaves it due."""
+        """Run the self-check once (not before `selfcheck_after_s` from the agent's start)
+        and send it; a session that ends first leaves it due."""
         async with self._selfcheck_lock:  # a quick reconnect must not start a second run
+            await asyncio.sleep(max(0.0, self._selfcheck_at - time.monotonic()))
             if self._selfcheck_report is None:
                 self._selfcheck_report = await self.selfcheck("")
         if not self._selfcheck_due:

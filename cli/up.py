@@ -70,6 +70,7 @@ from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 
 EVENT_TAIL = 10
+SPARE_WARM_AFTER_S = 25  # a spare's standbys start this long after its agent (below)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -296,6 +297,7 @@ async def _main(c: LocalCluster, cfg: UpConfig) -> int:
         f.write(secrets.token_hex(32))
     for i, node in enumerate(names_of):
         # the buddy ring over the training nodes; a spare's buddy is node-0
+        warm_after = SPARE_WARM_AFTER_S if i >= cfg.nodes else 12
         c.start_agent(
             node,
             [
@@ -307,12 +309,18 @@ async def _main(c: LocalCluster, cfg: UpConfig) -> int:
                 "--hang-floor-ms", str(cfg.hang_floor_s * 1000.0),
                 "--token-file", str(c.node_token_file(node)),
                 # else the agent's default. A training node's standbys start once its workers
-                # step; those of an agent waiting for its workers (a spare, a node back
-                # from a loss) 12 s after it starts, about when the first step comes: at
-                # once they put it at 19-21 s, not 12-13 (2 cores; each agent is its own
-                # session, so its autogroup's share, and a standby's niceness, buys no
-                # idle-only CPU)
-                *(["--warm-workers", "--warm-after-s", "12"] if cfg.warm_workers else []),
+                # step; those of an agent waiting for its workers (a node back from a loss)
+                # 12 s after it starts: at once they put the first step at 19-21 s, not
+                # 12-13 (2 cores; each agent is its own session, so its autogroup's share,
+                # and a standby's niceness, buys no idle-only CPU). A spare's, there from
+                # the start, 25 s after: at 12 s they came during the first step (14.5 s
+                # after the start, the first step at 19.5 s); the drill waits for them
+                # before the faults that need them (cli/drill.py `WARM_SPARE_LIMIT_S`)
+                *(["--warm-workers", "--warm-after-s", str(warm_after)]
+                  if cfg.warm_workers else []),
+                # a spare's registration self-check likewise: at once, in an autogroup of
+                # its own, it took half the cores from the workers' imports
+                *(["--selfcheck-after-s", str(SPARE_WARM_AFTER_S)] if i >= cfg.nodes else []),
             ],
             buddy=names_of[(i + 1) % cfg.nodes] if i < cfg.nodes else names_of[0],
             spare=i >= cfg.nodes,

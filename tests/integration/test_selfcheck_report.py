@@ -122,3 +122,29 @@ def test_an_agent_without_a_registration_self_check_runs_its_first_one_warm(
     assert not n2.ok and any("matmul" in f for f in n2.failures), n2
     lines = [ln for ln in cluster.log("n2").splitlines() if "self-check" in ln]
     assert lines and "warm=True" in lines[-1], lines
+
+
+def test_a_spares_registration_self_check_can_wait(cluster: LocalCluster) -> None:
+    """`--selfcheck-after-s` (what `unbroken up` gives its spares, so their checks do not
+    take the cores from the workers' imports at the job's start): the agent registers at
+    once and runs its registration self-check that long after it started, then reports it
+    as any other."""
+    from datetime import datetime
+
+    cluster.start_agent("n3", ["--selfcheck-after-s", "6"])
+
+    def reported() -> bool:
+        return any(c.node_id == "n3" for c in cluster.payloads("self_check_reported"))
+
+    until(reported, WAIT_S, "n3's registration self-check in the log", cluster.logs)
+    log = cluster.log("n3")
+
+    def at(what: str) -> datetime:
+        line = next(x for x in log.splitlines() if f"] {what} " in x)
+        return datetime.fromisoformat(line.split()[0].rstrip("Z"))
+
+    # registered at once, checked no sooner than 6 s after the agent set itself up (which
+    # is just before it registers; 3 s leaves a loaded host's slow Register its time)
+    assert (at("self-check") - at("registered")).total_seconds() >= 3.0, log[-2000:]
+    (rep,) = [c for c in cluster.payloads("self_check_reported") if c.node_id == "n3"]
+    assert rep.ok and rep.trigger == "registration", rep
