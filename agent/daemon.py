@@ -83,6 +83,14 @@ def local_ip() -> str:
             return "127.0.0.1"
 
 
+def _relay_of(config: AgentConfig, interval_s: float) -> Relay | None:
+    """The relay this agent runs for its group's members, if it listens for them."""
+    if not config.relay_listen:
+        return None
+    relay_cfg = RelayConfig(listen=config.relay_listen, tls=config.tls, token=config.token)
+    return Relay(relay_cfg, config.node_id, interval_s)
+
+
 class Agent:
     """One node's daemon."""
 
@@ -149,17 +157,7 @@ class Agent:
         # under another scope starts the count afresh
         self.term_scope = ""
         self.report_key = b""  # our key for signed shard reports, from RegisterResponse
-        self.relay: Relay | None = None
-        if config.relay_listen:
-            self.relay = Relay(
-                RelayConfig(
-                    listen=config.relay_listen,
-                    tls=config.tls,
-                    token=config.token,
-                ),
-                config.node_id,
-                self.interval_s,
-            )
+        self.relay = _relay_of(config, self.interval_s)
         self.link = DriverLink(
             config,
             self.stop,

@@ -250,6 +250,42 @@ def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
+def _start_agents(
+    c: LocalCluster, cfg: UpConfig, names_of: list[str], worker_cmd: str, key_file: Path
+) -> None:
+    """Every node's agent: the training nodes, then the spares."""
+    for i, node in enumerate(names_of):
+        # the buddy ring over the training nodes; a spare's buddy is node-0
+        warm_after = SPARE_WARM_AFTER_S if i >= cfg.nodes else 12
+        c.start_agent(
+            node,
+            [
+                "--no-start", "--worker-cmd", worker_cmd,
+                "--nproc-per-node", str(cfg.workers_per_node),
+                # this run's own flash job: never restore another run's copies
+                "--flash-job", c.run.resolve().name,
+                "--replica-key-file", str(key_file),
+                "--hang-floor-ms", str(cfg.hang_floor_s * 1000.0),
+                "--token-file", str(c.node_token_file(node)),
+                # else the agent's default. A training node's standbys start once its workers
+                # step; those of an agent waiting for its workers (a node back from a loss)
+                # 12 s after it starts: at once they put the first step at 19-21 s, not
+                # 12-13 (2 cores; each agent is its own session, so its autogroup's share,
+                # and a standby's niceness, buys no idle-only CPU). A spare's, there from
+                # the start, 25 s after: at 12 s they came during the first step (14.5 s
+                # after the start, the first step at 19.5 s); the drill waits for them
+                # before the faults that need them (cli/drill.py `WARM_SPARE_LIMIT_S`)
+                *(["--warm-workers", "--warm-after-s", str(warm_after)]
+                  if cfg.warm_workers else []),
+                # a spare's registration self-check likewise: at once, in an autogroup of
+                # its own, it took half the cores from the workers' imports
+                *(["--selfcheck-after-s", str(SPARE_WARM_AFTER_S)] if i >= cfg.nodes else []),
+            ],
+            buddy=names_of[(i + 1) % cfg.nodes] if i < cfg.nodes else names_of[0],
+            spare=i >= cfg.nodes,
+        )  # fmt: skip
+
+
 async def _main(c: LocalCluster, cfg: UpConfig) -> int:
     from rich.console import Console
 
@@ -295,36 +331,7 @@ async def _main(c: LocalCluster, cfg: UpConfig) -> int:
     fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))
-    for i, node in enumerate(names_of):
-        # the buddy ring over the training nodes; a spare's buddy is node-0
-        warm_after = SPARE_WARM_AFTER_S if i >= cfg.nodes else 12
-        c.start_agent(
-            node,
-            [
-                "--no-start", "--worker-cmd", worker_cmd,
-                "--nproc-per-node", str(cfg.workers_per_node),
-                # this run's own flash job: never restore another run's copies
-                "--flash-job", c.run.resolve().name,
-                "--replica-key-file", str(key_file),
-                "--hang-floor-ms", str(cfg.hang_floor_s * 1000.0),
-                "--token-file", str(c.node_token_file(node)),
-                # else the agent's default. A training node's standbys start once its workers
-                # step; those of an agent waiting for its workers (a node back from a loss)
-                # 12 s after it starts: at once they put the first step at 19-21 s, not
-                # 12-13 (2 cores; each agent is its own session, so its autogroup's share,
-                # and a standby's niceness, buys no idle-only CPU). A spare's, there from
-                # the start, 25 s after: at 12 s they came during the first step (14.5 s
-                # after the start, the first step at 19.5 s); the drill waits for them
-                # before the faults that need them (cli/drill.py `WARM_SPARE_LIMIT_S`)
-                *(["--warm-workers", "--warm-after-s", str(warm_after)]
-                  if cfg.warm_workers else []),
-                # a spare's registration self-check likewise: at once, in an autogroup of
-                # its own, it took half the cores from the workers' imports
-                *(["--selfcheck-after-s", str(SPARE_WARM_AFTER_S)] if i >= cfg.nodes else []),
-            ],
-            buddy=names_of[(i + 1) % cfg.nodes] if i < cfg.nodes else names_of[0],
-            spare=i >= cfg.nodes,
-        )  # fmt: skip
+    _start_agents(c, cfg, names_of, worker_cmd, key_file)
     console.print(
         f"{cfg.nodes} nodes × {cfg.workers_per_node} workers (dp{cfg.dp}×pp{cfg.pp}×tp{cfg.tp}) "
         f"+ {cfg.spares} spare(s); training the {cfg.preset} model for {cfg.steps} steps"
