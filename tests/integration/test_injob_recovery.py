@@ -129,4 +129,7 @@ def test_a_killed_rank_in_a_pp2_tp2_world_is_replaced_in_job(job: Job) -> None:
     hangs = [e.hang_suspected for e in events if e.HasField("hang_suspected")]
     assert not hangs, hangs
     now = {p.pid for n in ("n0", "n1") for p in job.workers(n)}
-    assert kept <= now, (kept, now)
+    # (CI, once: n1's surviving worker was replaced too; whether it was not held in time or
+    # exited is in the agents' hold lines and its log)
+    why = [ln for n in ("n0", "n1") for ln in job.log(n).splitlines() if "in-job hold" in ln]
+    assert kept <= now, (kept, now, why, job.logs())
