@@ -24,8 +24,10 @@ Measured, in order, on the same nodes:
 - **steady**: the leader's CPU over 8 s of heartbeats (`driver_core_share_10240`, a share
   of one core) beside the simulators' own CPU.
 - **detection**: 30 spares stop beating one at a time at random phases (a spare's loss
-  opens no incident); their relay reports each silent after its timeout, as
-  agent/relay.py does. `detect_p99_ms`: the NodeLost event's wall time minus the stop's.
+  opens no incident); their relay reports each silent once its timeout has passed since
+  the member's last heartbeat, as agent/relay.py does (before 2026-12-03 the simulator
+  counted from the stop itself, up to one interval later than the real relay).
+  `detect_p99_ms`: the NodeLost event's wall time minus the stop's.
 - **incident**: one world node stops; the loop pauses the world, takes a spare in, and
   restarts. `incident_fanout_s_10240`: from the NodeLost event's wall time until the last
   of the new world's nodes acknowledged its StartWorkers.
@@ -177,7 +179,10 @@ class SimRelay:
     def __init__(self, sim: Sim, rid: str, members: list[str], spare: bool) -> None:
         self.sim, self.rid, self.members, self.spare = sim, rid, members, spare
         self.epoch = time.time_ns()
-        self.stopped: dict[str, float] = {}  # member -> monotonic time it stopped beating
+        # member -> monotonic time of its last heartbeat before it stopped: agent/relay.py
+        # counts a member's silence from its last heartbeat (`last_seen`), not from the fault
+        self.stopped: dict[str, float] = {}
+        self.beat_at = time.monotonic()  # the last round's heartbeats
         self.reported: set[str] = set()
         self.again: set[str] = set()  # members the driver sent away: register again
         # (periodic: its (full, step, rnd), built when sent; else the bytes to send)
@@ -366,6 +371,7 @@ class SimRelay:
 
     def tick(self, full: bool, step: int, rnd: int) -> None:
         self.last = (step, rnd)
+        self.beat_at = time.monotonic()
         if self.call is not None:
             if self._silent_due():  # goes at once, in order
                 self.out.put_nowait((False, self.batch(full, step, rnd)))
@@ -466,7 +472,9 @@ class Sim:
                 verb, _, node = line.partition(" ")
                 r = self.by_member.get(node)
                 if verb == "stop" and r is not None and node not in r.stopped:
-                    r.stopped[node] = time.monotonic()
+                    # silent since its last heartbeat, as the real relay sees it (the
+                    # fault came between two beats; the delay is timed from the fault)
+                    r.stopped[node] = r.beat_at
                     self.log({"kind": "stopped", "node": node, "wall_ns": time.time_ns()})
             seen = len(lines)
 
@@ -609,6 +617,8 @@ def run(
                  # the policy's default cap (1,024) shrank a larger world at its first
                  # incident instead of taking a spare in
                  "--max-nodes", str(nodes + GROUP),
+                 # the registration cap (20,000 by default) refused 20,480's last nodes
+                 "--max-registered-nodes", str(max(20_000, total + 4 * GROUP)),
                  "--log-format", "json"],
                 env=env, stdout=open(tmp / f"{name}.log", "ab"), stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -343,6 +343,16 @@ class DriverConfig:
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         svc = self.service
+        cap = svc.live.max_nodes
+        wanted = max(self.loop.nodes, self.loop.policy.max_nodes)
+        if wanted > cap:
+            # bench-scale at 20,480: the nodes past the cap were refused and retried for
+            # 900 s, and the join never finished
+            raise ValueError(
+                f"the job may hold {wanted} nodes (--nodes / --max-nodes) but the driver "
+                f"registers at most {cap}; raise --max-registered-nodes above {wanted} "
+                "(spares and replacements register too)"
+            )
         exposed = exposure_problems(
             self.listen,
             self.dashboard_host if self.dashboard_port is not None else None,

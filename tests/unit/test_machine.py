@@ -575,6 +575,20 @@ def test_a_world_over_1024_nodes_takes_a_spare_and_a_cap_below_nodes_is_refused(
         LoopConfig(nodes=8, policy=m.Policy(max_nodes=4))
 
 
+def test_a_world_past_the_registration_cap_is_refused_at_start():
+    """bench-scale at 20,480 nodes: the driver's registration cap (20,000) refused the last
+    nodes, which retried for 900 s; the driver now says so before it starts."""
+    from unbroken.driver.config import DriverConfig, ServiceConfig
+    from unbroken.driver.liveview import LiveViewConfig
+    from unbroken.driver.loop import LoopConfig
+
+    loop = LoopConfig(nodes=20_480, policy=m.Policy(max_nodes=20_544))
+    with pytest.raises(ValueError, match="--max-registered-nodes above 20544"):
+        DriverConfig(loop=loop, archive_url="none")
+    big = ServiceConfig(live=LiveViewConfig(max_nodes=21_000))
+    assert DriverConfig(loop=loop, service=big, archive_url="none").loop.nodes == 20_480
+
+
 # ---------------------------------------------------------------- exhaustive small cases
 FAULTS = {
     "lost": lost,
