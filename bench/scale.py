@@ -486,6 +486,40 @@ def prune_costs(n: int, out: dict[str, Any]) -> None:
     out[f"prune_speedup_{n}"] = out[f"prune_scan_ms_{n}"] / out[f"prune_indexed_ms_{n}"]
 
 
+def sustained(res: dict[str, Any]) -> dict[str, Any]:
+    """The largest end-to-end level in `res` that one driver core sustained: under a whole
+    core steady, and every phase reached with every detection made and no false NodeLost
+    (the simulators' share of the same 2 cores beside it)."""
+
+    def held(n: int) -> bool:
+        share = res.get(f"driver_core_share_{n}")
+        lost = [res.get(f"false_node_lost_{p}_{n}") for p in ("join", "incident", "failover")]
+        return (
+            share is not None
+            and share < 1.0
+            and res.get(f"detect_detected_{n}") == "30 of 30"
+            and res.get(f"failover_s_{n}") is not None
+            and lost == [0, 0, 0]
+        )
+
+    levels = sorted(int(k.rsplit("_", 1)[1]) for k in res if k.startswith("e2e_load_avg_1m_"))
+    ok = [n for n in levels if held(n)]
+    if not ok:
+        return {}
+    top = max(ok)
+    return {
+        "max_nodes_one_driver_core_sustained": top,
+        "max_nodes_one_driver_core_sustained_driver_share": res[f"driver_core_share_{top}"],
+        "max_nodes_one_driver_core_sustained_simulators_share": res.get(
+            f"simulators_core_share_{top}"
+        ),
+        # the smallest level above it that failed, if one ran: the ceiling lies between
+        "max_nodes_one_driver_core_failed_at": min(
+            (n for n in levels if n > top and not held(n)), default=None
+        ),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--levels", type=int, nargs="+", default=list(LEVELS))
@@ -588,6 +622,7 @@ def main() -> None:
     merged["e2e_levels_in_file"] = sorted(
         int(k.rsplit("_", 1)[1]) for k in merged if k.startswith("e2e_load_avg_1m_")
     )
+    merged.update(sustained(merged))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
     print(
