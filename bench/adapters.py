@@ -21,6 +21,10 @@ first `WARMUP` steps. Figures per run: the median step time of each mode and the
 per adapter the median of the runs' ratios (goal <= 1.03), their spread, and the saves per
 "on" step the workers reported (`adapter.save_stats`).
 
+Each adapter runs at every `--batch-sizes` (default 4, the examples' own, and 32): the same
+model and state, so the save costs the same while the step grows; a tiny step on a CPU is
+the worst case of a fixed per-step cost, a real model's step is longer still.
+
 Writes bench/results/adapters.json (with the load average) and prints a table. Run:
 `make bench-adapters` or `OMP_NUM_THREADS=1 .venv/bin/python bench/adapters.py [--steps
 300 --rounds 3 --block 6]` (minutes a run on a loaded host). Skips an adapter whose library
@@ -97,13 +101,16 @@ def _env(sock: Path) -> dict[str, str]:
     return e
 
 
-def _run(module: str, steps: int, block: int, sock: Path, cwd: Path) -> dict[str, Any]:
+def _run(
+    module: str, steps: int, block: int, sock: Path, cwd: Path, batch_size: int
+) -> dict[str, Any]:
     """One torchrun of the example: rank 0's step times in each mode, the saves made."""
     stamps_file = cwd / "stamps.json"
     stamps_file.unlink(missing_ok=True)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "--no-python", sys.executable, "-c", RUNNER.format(mod=module), "--steps", str(steps),
+        "--batch-size", str(batch_size),
     ]  # fmt: skip
     env = {**_env(sock), "BENCH_BLOCK": str(block), "BENCH_OUT": str(stamps_file)}
     proc = subprocess.run(
@@ -180,6 +187,7 @@ def _write(args: argparse.Namespace, load_before: Any, rows: dict[str, Any]) -> 
         "steps": args.steps,
         "rounds": args.rounds,
         "block": args.block,
+        "batch_sizes": args.batch_sizes,
         "save_budget": 0.5,
         "save_every_step": True,  # the pacer's skips overridden (see the docstring)
         "goal_ratio": 1.03,
@@ -195,6 +203,37 @@ def _write(args: argparse.Namespace, load_before: Any, rows: dict[str, Any]) -> 
     return result
 
 
+def _measure(
+    name: str, module: str, args: argparse.Namespace, batch_size: int, sock: Path, tmp: Path
+) -> dict[str, Any]:
+    """`args.rounds` runs of one adapter's example at `batch_size`: step times and ratios."""
+    runs = []
+    for _ in range(args.rounds):
+        _forget(tmp)  # each run starts afresh, not from the last one's copies
+        got = _run(module, args.steps, args.block, sock, tmp, batch_size)
+        if not got["saves"]:
+            raise RuntimeError(f"{name}: no flash saves reported:\n" + got["text"][-3000:])
+        runs.append(got)
+    ratios = [statistics.median(r["on"]) / statistics.median(r["off"]) for r in runs]
+    n_on = sum((s // args.block) % 2 == 0 for s in range(1, args.steps + 1))
+    return {
+        "batch_size": batch_size,
+        "median_step_ms_plain": round(
+            1000 * statistics.median(t for r in runs for t in r["off"]), 3
+        ),
+        "median_step_ms_unbroken": round(
+            1000 * statistics.median(t for r in runs for t in r["on"]), 3
+        ),
+        "ratio": round(statistics.median(ratios), 4),
+        "ratio_per_run": [round(x, 4) for x in ratios],
+        "steps_per_mode": sum(len(r["on"]) for r in runs),
+        # per worker process (2 a run): the saves it made over its "on" steps
+        "saves_per_on_step": round(
+            sum(sum(r["saves"]) for r in runs) / max(1, 2 * args.rounds * n_on), 3
+        ),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -202,6 +241,14 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=6, help="steps per on/off block")
     parser.add_argument("--only", nargs="*", default=list(ADAPTERS))
     parser.add_argument("--out", type=Path, default=RESULTS, help="the results file")
+    parser.add_argument(
+        "--batch-sizes",
+        type=int,
+        nargs="+",
+        default=[4, 32],
+        help="sequences per rank per step, one set of runs each (the first is the row's "
+        "headline: the examples' own 4)",
+    )
     args = parser.parse_args()
     load_before = os.getloadavg()
     rows: dict[str, Any] = {}
@@ -214,45 +261,27 @@ def main() -> None:
                 if missing:
                     rows[name] = {"skipped": f"not installed: {missing}"}
                     continue
-                runs = []
-                for _ in range(args.rounds):
-                    _forget(tmp)  # each run starts afresh, not from the last one's copies
-                    got = _run(module, args.steps, args.block, sock, tmp)
-                    if not got["saves"]:
-                        raise RuntimeError(
-                            f"{name}: no flash saves reported:\n" + got["text"][-3000:]
-                        )
-                    runs.append(got)
-                ratios = [statistics.median(r["on"]) / statistics.median(r["off"]) for r in runs]
-                on_steps = sum(len(r["on"]) for r in runs)
-                n_on = sum((s // args.block) % 2 == 0 for s in range(1, args.steps + 1))
-                rows[name] = {
-                    "median_step_ms_plain": round(
-                        1000 * statistics.median(t for r in runs for t in r["off"]), 3
-                    ),
-                    "median_step_ms_unbroken": round(
-                        1000 * statistics.median(t for r in runs for t in r["on"]), 3
-                    ),
-                    "ratio": round(statistics.median(ratios), 4),
-                    "ratio_per_run": [round(x, 4) for x in ratios],
-                    "steps_per_mode": on_steps,
-                    # per worker process (2 a run): the saves it made over its "on" steps
-                    "saves_per_on_step": round(
-                        sum(sum(r["saves"]) for r in runs) / max(1, 2 * args.rounds * n_on), 3
-                    ),
-                }
+                # the first batch size's figures are the row's own; every size's are
+                # under by_batch_size (the same model and state: the save costs the same,
+                # the step grows)
+                by_size = {}
+                for size in args.batch_sizes:
+                    by_size[str(size)] = _measure(name, module, args, size, sock, tmp)
+                    print(name, by_size[str(size)], flush=True)
+                rows[name] = {**by_size[str(args.batch_sizes[0])], "by_batch_size": by_size}
                 print(name, rows[name], flush=True)
                 _write(args, load_before, rows)
     result = _write(args, load_before, rows)
-    print("| adapter | plain ms/step | unbroken ms/step | ratio (median of runs) | runs |")
-    print("|---|---|---|---|---|")
+    print("| adapter | batch | plain ms/step | unbroken ms/step | ratio (median of runs) | runs |")
+    print("|---|---|---|---|---|---|")
     for name, r in rows.items():
         if "skipped" in r:
-            print(f"| {name} | skipped: {r['skipped']} | | | |")
-        else:
+            print(f"| {name} | skipped: {r['skipped']} | | | | |")
+            continue
+        for size, b in r["by_batch_size"].items():
             print(
-                f"| {name} | {r['median_step_ms_plain']} | {r['median_step_ms_unbroken']} "
-                f"| {r['ratio']} | {r['ratio_per_run']} |"
+                f"| {name} | {size} | {b['median_step_ms_plain']} | "
+                f"{b['median_step_ms_unbroken']} | {b['ratio']} | {b['ratio_per_run']} |"
             )
     print(f"load average {load_before} -> {result['loadavg_after']}; wrote {args.out}")
 

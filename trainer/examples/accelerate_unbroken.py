@@ -25,7 +25,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_w
 
 from unbroken.trainer import hooks
 from unbroken.trainer.adapters.accelerate import Unbroken, recovery_loop
-from unbroken.trainer.examples.args import example_parser
+from unbroken.trainer.examples.args import BATCH_SIZE, example_parser
 
 
 def tiny_gpt2() -> GPT2LMHeadModel:
@@ -37,7 +37,9 @@ def tiny_gpt2() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
-def token_data(n: int = 256, length: int = 16) -> TensorDataset:
+def token_data(n: int = 256, length: int = 16, *, batch_size: int = BATCH_SIZE) -> TensorDataset:
+    """`n` random rows of `length` tokens, or 64 batches' worth when `batch_size` asks more."""
+    n = max(n, 64 * batch_size)
     g = torch.Generator().manual_seed(1234)
     return TensorDataset(torch.randint(0, 64, (n, length), generator=g))
 
@@ -53,7 +55,9 @@ def train(args: argparse.Namespace) -> None:
     model = tiny_gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = get_linear_schedule_with_warmup(optimizer, 5, args.steps)
-    loader = DataLoader(token_data(), batch_size=4, shuffle=True)
+    loader = DataLoader(
+        token_data(batch_size=args.batch_size), batch_size=args.batch_size, shuffle=True
+    )
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
     ub = Unbroken(

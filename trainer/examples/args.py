@@ -1,4 +1,4 @@
-"""The flags every adapter example takes: the same five, so tests and the bench drive them alike."""
+"""The flags every adapter example takes: the same six, so tests and the bench drive them alike."""
 
 from __future__ import annotations
 
@@ -6,10 +6,13 @@ import argparse
 
 from unbroken.trainer.pacer import SAVE_BUDGET
 
+#: Sequences per rank per step, unless `--batch-size` says otherwise.
+BATCH_SIZE = 4
+
 
 def example_parser(description: str) -> argparse.ArgumentParser:
-    """A parser with `--steps`, `--persist-every-s`, `--save-budget`, `--step-delay-s` and
-    `--metrics-out`."""
+    """A parser with `--steps`, `--persist-every-s`, `--save-budget`, `--step-delay-s`,
+    `--metrics-out` and `--batch-size`."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--persist-every-s", type=float, default=30.0)
@@ -26,4 +29,11 @@ def example_parser(description: str) -> argparse.ArgumentParser:
         help="sleep this long in every step (to watch a run)",
     )
     parser.add_argument("--metrics-out", default="", help="rank 0's step losses (JSON lines)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=BATCH_SIZE,
+        help="sequences per rank per step (the same model and state: longer steps, the same "
+        "save; bench/adapters.py --batch-size)",
+    )
     return parser

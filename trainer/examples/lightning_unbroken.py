@@ -68,7 +68,12 @@ def train(args: argparse.Namespace) -> None:
         callbacks=[ub], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
-    loader = ResumableDataLoader(token_data(), batch_size=4, shuffle=True, unbroken=ub)
+    loader = ResumableDataLoader(
+        token_data(batch_size=args.batch_size),
+        batch_size=args.batch_size,
+        shuffle=True,
+        unbroken=ub,
+    )
     out = open(args.metrics_out, "a") if args.metrics_out else None
     try:
         trainer.fit(TinyLM(args.steps, args.step_delay_s, out), loader)

@@ -51,7 +51,7 @@ from torchtitan.trainer import Trainer
 
 from unbroken.trainer import hooks
 from unbroken.trainer.adapters.torchtitan import Unbroken, gloo_parallelize, use_cpu
-from unbroken.trainer.examples.args import example_parser
+from unbroken.trainer.examples.args import BATCH_SIZE, example_parser
 
 VOCAB = 64
 SEQ_LEN = 16
@@ -193,6 +193,7 @@ def job_config(
     persist_every_s: float,
     metrics_out: str = "",
     dump_folder: str = "",
+    batch_size: int = BATCH_SIZE,
 ) -> DemoTrainer.Config:
     spec = tiny_llama()
     return DemoTrainer.Config(
@@ -208,7 +209,7 @@ def job_config(
         optimizer=default_adamw(lr=1e-3),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=5, decay_type="linear"),
         training=TrainingConfig(
-            local_batch_size=4,
+            local_batch_size=batch_size,
             seq_len=SEQ_LEN,
             steps=steps,
             mixed_precision_param="float32",
@@ -229,7 +230,12 @@ def job_config(
 def train(args: argparse.Namespace) -> None:
     """Build the Trainer in the world the environment names, restore, train (once per world)."""
     config = job_config(
-        args.steps, args.step_delay_s, args.persist_every_s, args.metrics_out, args.dump_folder
+        args.steps,
+        args.step_delay_s,
+        args.persist_every_s,
+        args.metrics_out,
+        args.dump_folder,
+        args.batch_size,
     )
     trainer = config.build()
     try:

@@ -33,8 +33,8 @@ from unbroken.trainer.examples.args import example_parser
 
 
 class Tokens(Dataset):  # type: ignore[type-arg]
-    def __init__(self) -> None:
-        self.rows = token_data().tensors[0]
+    def __init__(self, batch_size: int) -> None:
+        self.rows = token_data(batch_size=batch_size).tensors[0]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -47,7 +47,7 @@ def train(args: argparse.Namespace) -> None:
     """Build the Trainer in the world the environment names, restore, train (once per world)."""
     training = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.steps,
-        per_device_train_batch_size=4, learning_rate=1e-3, warmup_steps=5,
+        per_device_train_batch_size=args.batch_size, learning_rate=1e-3, warmup_steps=5,
         lr_scheduler_type="linear", logging_steps=1, save_strategy="no", report_to=[],
         use_cpu=True, seed=0, disable_tqdm=True, ddp_backend="gloo",
     )  # fmt: skip
@@ -70,7 +70,7 @@ def train(args: argparse.Namespace) -> None:
 
     unbroken = UnbrokenCallback(persist_every_s=args.persist_every_s)
     trainer = Trainer(
-        model=model, args=training, train_dataset=Tokens(), callbacks=[unbroken],
+        model=model, args=training, train_dataset=Tokens(args.batch_size), callbacks=[unbroken],
         compute_loss_func=loss_fn,
     )  # fmt: skip
     holder["trainer"] = trainer
