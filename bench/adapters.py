@@ -269,7 +269,6 @@ def main() -> None:
                     by_size[str(size)] = _measure(name, module, args, size, sock, tmp)
                     print(name, by_size[str(size)], flush=True)
                 rows[name] = {**by_size[str(args.batch_sizes[0])], "by_batch_size": by_size}
-                print(name, rows[name], flush=True)
                 _write(args, load_before, rows)
     result = _write(args, load_before, rows)
     print("| adapter | batch | plain ms/step | unbroken ms/step | ratio (median of runs) | runs |")

@@ -34,6 +34,6 @@ def example_parser(description: str) -> argparse.ArgumentParser:
         type=int,
         default=BATCH_SIZE,
         help="sequences per rank per step (the same model and state: longer steps, the same "
-        "save; bench/adapters.py --batch-size)",
+        "save; bench/adapters.py --batch-sizes)",
     )
     return parser
