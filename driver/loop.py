@@ -368,10 +368,14 @@ class RecoveryLoop:
                 held=sorted(held or ()),
                 acked_ms=round((time.monotonic() - t0) * 1e3),
             )
+            newest = max(held) if held else None
+            # every rank's ring holds `newest`: the workers reached it even when the report
+            # of that step was lost (a step report is a datagram; a rank that exits right
+            # after its last step may never have it read: CI once restored 11 of 12 steps)
             self.service.submit(
                 machine.Paused(
-                    step=self._live_step(a.nodes),
-                    restorable_step=max(held) if held else None,
+                    step=max(self._live_step(a.nodes), newest or 0),
+                    restorable_step=newest,
                     memory_steps=frozenset(held or ()),
                 )
             )

@@ -71,7 +71,7 @@ def test_a_worker_killed_after_the_last_step_restores_there_and_the_job_finishes
     kinds = [e.WhichOneof("payload") for e in events]
     assert "worker_failed" in kinds and "restore_started" in kinds, kinds
     restored = [e.restore_started.step for e in events if e.HasField("restore_started")]
-    assert restored == [STEPS], restored  # the last step, from memory
+    assert restored == [STEPS], (restored, job.logs())  # the last step, from memory
     assert kinds.index("training_resumed", kinds.index("restore_started")) > 0, kinds
     finished = [e.job_finished for e in events if e.HasField("job_finished")]
     assert len(finished) == 1 and finished[0].ok and finished[0].step == STEPS, finished
