@@ -624,10 +624,27 @@ def _kill_rank1_keep_rank0(
         procs,
     )
     assert _script_worker(procs[keep], module).pid == survivor.pid
-    for p in procs:
-        p.wait(300)
+    _wait_ended(procs, tmp, 150)
     assert [p.returncode for p in procs] == [0, 0], _tail(tmp, "a", "b")
     return keep
+
+
+def _wait_ended(procs: list[Any], tmp: Path, timeout_s: float) -> None:
+    """Wait for both torchruns' end; if one outlives `timeout_s`, its workers' Python stacks
+    (the SDK's faulthandler signal, into the torchrun logs) say where they are. CI once saw
+    the kept rank 0 train its last step and never end: its peer passed the final barrier."""
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                with contextlib.suppress(psutil.Error):
+                    for c in psutil.Process(q.pid).children(recursive=True):
+                        if "python" in c.name():
+                            c.send_signal(signal.SIGUSR1)  # trainer/hookchannel.py STACK_SIGNAL
+            time.sleep(3.0)
+            pytest.fail(f"a torchrun did not end after training:\n{_tail(tmp, 'a', 'b')}")
 
 
 def test_in_job_torchrun_keeps_the_healthy_workers_process(
