@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -65,6 +66,22 @@ def nccl_keeps_process() -> None:
     faulty one and in-job recovery would have nothing to keep. 2 cleans up only; the guard
     does the rest. A value the user set wins. Called before the world's group is made."""
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+
+
+#: Set while the main thread itself waits for the agent's commands at a step boundary (no
+#: collective in flight: trainer/keepworld.py): a hold waiting then is the main thread's to
+#: read, and the world stays whole for it to keep.
+_boundary = threading.Event()
+
+
+@contextlib.contextmanager
+def at_boundary() -> Iterator[None]:
+    """The main thread waits at a step boundary: the guard leaves a waiting hold to it."""
+    _boundary.set()
+    try:
+        yield
+    finally:
+        _boundary.clear()
 
 
 def tripped() -> str:
@@ -113,7 +130,7 @@ class NcclGuard:
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
             why = self._backend_error() or (
-                "held by the agent" if self.hooks.hold_waiting() else ""
+                "held by the agent" if not _boundary.is_set() and self.hooks.hold_waiting() else ""
             )
             if why:
                 self.why = why  # `abort_world` will not abort the world again

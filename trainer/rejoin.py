@@ -62,10 +62,16 @@ def started_by_agent() -> bool:
 class Held(Exception):
     """This worker left its world: the agent said hold, or a peer's failure broke a collective."""
 
-    def __init__(self, why: str, step: int) -> None:
+    def __init__(self, why: str, step: int, *, boundary: bool = False) -> None:
         super().__init__(why)
         self.why = why
         self.step = step
+        #: held between steps, its collectives done: the world may be kept (keepworld.py)
+        self.boundary = boundary
+        #: the new world's Rejoin, when a rank that kept its world got one for another world
+        self.rejoin: Any = None
+        #: stopped while it kept its world (no Rejoin follows)
+        self.stopped = False
         mark("left", step=step, peer=not why.startswith("held by"))
 
 
@@ -169,6 +175,12 @@ def hold(
     hooks.phase(HELD_PHASE)
     said = time.monotonic()
     leave_world(h, world_since)
+    return await_rejoin(hooks, wait_s, said)
+
+
+def await_rejoin(hooks: Hooks, wait_s: float, said: float) -> Any:
+    """Wait for the agent's Rejoin (its message; None: a stop, or none within `wait_s`),
+    saying `HELD_PHASE` again each second from `said` (when it was last said)."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         now = time.monotonic()

@@ -62,7 +62,7 @@ from unbroken.common.faults import (
     parse_slow_factor,
 )
 from unbroken.common.workerenv import WorkerEnv
-from unbroken.trainer import ncclguard, spikewait
+from unbroken.trainer import keepworld, ncclguard, spikewait
 from unbroken.trainer.config import TrainConfig
 from unbroken.trainer.faultfile import FaultFile
 from unbroken.trainer.flags import add_arguments, to_config
@@ -79,6 +79,7 @@ from unbroken.trainer.rejoin import (
     apply_rejoin,
     forget_dry_run_caches,
     hold,
+    leave_world,
     open_sockets,
     peer_failure,
     started_by_agent,
@@ -313,7 +314,7 @@ def train(
             # only a rank an agent holds: its driver decides rollbacks
             spikes=spikewait.shared(requests.held, hooks.flush_steps) if hooks.replies else None,
         )
-        _run_steps(loop, step, config.steps, hooks, requests)
+        _run_kept(loop, step, config.steps, hooks, requests)
         if save_to:
             checkpoint.save(trainer, save_to)
     finally:
@@ -328,6 +329,34 @@ def train(
         if out is not None:
             out.close()
     return history
+
+
+def _run_kept(loop: _Loop, step: int, steps: int, hooks: Hooks, requests: SaveRequests) -> None:
+    """`_run_steps`, keeping the world through a rollback's hold where it can (`_keep`)."""
+    while True:
+        try:
+            _run_steps(loop, step, steps, hooks, requests)
+            return
+        except Held as h:
+            step = _keep(h, loop)  # the world kept (else `h` is raised again)
+
+
+def _keep(h: Held, lp: _Loop) -> int:
+    """Keep this world through the hold `h` and restore the Rejoin's step in place (see
+    trainer/keepworld.py); the step restored. Raises `h` again, with the Rejoin or the stop
+    it got, when the world is to be left."""
+    out = keepworld.hold_in_place(h, lp.hooks) if lp.flash is not None else None
+    if out is None:
+        raise h
+    if not out.kept:
+        h.rejoin, h.stopped = out.rejoin, out.stopped
+        raise h
+    lp.requests.hold, lp.spiked = None, False
+    lp.point = RestorePoint.from_env()
+    lp.hooks.phase("restore")
+    step, source = _restore(lp.trainer, lp.flash, lp.clock, lp.point, None)
+    lp.hooks.phase("train", step=step, source=source)
+    return step
 
 
 def _fingerprinter(config: TrainConfig, trainer: Any) -> Any:
@@ -417,8 +446,8 @@ def _run_steps(loop: _Loop, step: int, steps: int, hooks: Hooks, requests: SaveR
             if hooks.replies and started_by_agent() and (peer_failure(e) or ncclguard.tripped()):
                 raise Held(f"{type(e).__name__}: {e}", step) from e
             raise
-        if requests.hold is not None:
-            raise Held(f"held by the agent: {requests.hold}", step)
+        if requests.hold is not None:  # at a boundary when it came in a spike's wait
+            raise Held(f"held by the agent: {requests.hold}", step, boundary=loop.spiked)
 
 
 @dataclass(slots=True)
@@ -441,6 +470,7 @@ class _Loop:
     rank: int
     fingerprints: Any = None  # trainer/sdc.py Fingerprinter (None: off)
     spikes: spikewait.SpikeWait | None = None  # waits for the driver's verdict after a spiked loss
+    spiked: bool = False  # the last step's loss spiked and the agent held this rank after it
     copy_flip: Any = None  # an sdc flip waiting for the next fingerprinted copy
 
     def step(self, step: int) -> int:
@@ -511,8 +541,8 @@ def _one_step(lp: _Loop, step: int) -> int:
     history.append(m)
     _report(lp, step, m, stepped)
     requests.poll()
-    if lp.spikes is not None:
-        lp.spikes.after(step, m.get("loss"))  # a hold it waited for ends the loop
+    if lp.spikes is not None:  # a hold it waited for ends the loop
+        lp.spiked = lp.spikes.after(step, m.get("loss"))
     return step
 
 
@@ -671,6 +701,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     while True:
         before_world = open_sockets()  # what is not the world's: kept when it is left
         owns = init_distributed(config)
+        keepworld.new_world()
         mark("pg_init")
         guard = ncclguard.start_guard(hooks, before_world) if started_by_agent() else None
         try:
@@ -697,7 +728,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             mark("closed", step=h.step)
             if guard is not None:  # an abort it began ends before the world is left
                 guard.stop()
-            rejoin = hold(h, hooks, world_since=before_world)
+            rejoin = _leave(h, hooks, before_world)
             if rejoin is None:
                 return 1
             mark("rejoin")
@@ -715,6 +746,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             if owns and dist.is_initialized():
                 gc.collect()  # free DDP/FSDP state before the group goes away
                 dist.destroy_process_group()
+
+
+def _leave(h: Held, hooks: Hooks, world_since: frozenset[tuple[int, str]]) -> Any:
+    """Leave the world `h` ended and wait for the next: its Rejoin (None: a stop, or none
+    came). A rank that kept its world (trainer/keepworld.py) has its Rejoin or stop already."""
+    if h.stopped:
+        return None
+    if h.rejoin is not None:  # the Rejoin named another world than the one kept
+        leave_world(h, world_since)
+        return h.rejoin
+    return hold(h, hooks, world_since=world_since)
 
 
 if __name__ == "__main__":

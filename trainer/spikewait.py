@@ -24,6 +24,7 @@ from collections.abc import Callable
 import structlog
 
 from unbroken.recovery.spike import RESTORE_RESET_STEPS, SpikeConfig, SpikeDetector
+from unbroken.trainer.ncclguard import at_boundary
 
 log = structlog.get_logger(__name__)
 
@@ -83,10 +84,11 @@ class SpikeWait:
         )
         if self.flush is not None:
             self.flush()
-        while not self.held(min(POLL_S, max(0.0, t0 + self.wait_s - time.monotonic()))):
-            if time.monotonic() - t0 >= self.wait_s:
-                log.info("no hold came; training on", step=step)
-                return False
+        with at_boundary():  # no collective in flight: a hold is this thread's to read
+            while not self.held(min(POLL_S, max(0.0, t0 + self.wait_s - time.monotonic()))):
+                if time.monotonic() - t0 >= self.wait_s:
+                    log.info("no hold came; training on", step=step)
+                    return False
         self.holds += 1
         log.info("held after the spike", step=step, waited_s=round(time.monotonic() - t0, 3))
         return True

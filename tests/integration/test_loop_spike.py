@@ -172,6 +172,11 @@ def test_live_loss_spike_rolls_back_restores_the_committed_step_and_skips(
         read_storage += source == "storage"
         assert "batches skipped" in text, text[-3000:]
         assert text.count("fault applied") == 1, text[-3000:]  # not again after the restart
+    if all("held after the spike" in job.worker_log(n) for n in ("n0", "n1")):
+        # every rank was held at the spiked step, outside any collective: the world was
+        # kept (trainer/keepworld.py), no process group or trainer made again
+        for node in ("n0", "n1"):
+            assert "keeping the world" in job.worker_log(node), job.worker_log(node)[-3000:]
 
     finished = next(e.restore_finished for e in after if e.HasField("restore_finished"))
     assert finished.ok and finished.storage_ranks == read_storage, (finished, read_storage)

@@ -192,3 +192,32 @@ def test_the_sdks_recovery_loop_under_an_agent_keeps_the_process_on_nccl_failure
     monkeypatch.setenv(AGENT_PID, str(os.getppid()))
     assert hooks.recovery_loop(lambda: 8) == 8
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+
+
+def test_a_hold_at_a_step_boundary_is_the_main_threads_and_trips_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the main thread waits at a step boundary (a spike's wait: no collective in
+    flight, trainer/keepworld.py), a waiting hold is left to it: the world stays whole for
+    it to keep. Once it is past the boundary, a hold trips the guard again."""
+    aborted: list[int] = []
+    monkeypatch.setattr(ncclguard, "abort_groups", lambda: aborted.append(1) or 1)
+    agent, h = _agent_and_hooks(tmp_path)
+    g = ncclguard.NcclGuard(h, poll_s=0.01)
+    monkeypatch.setattr(ncclguard, "_active", g)
+    try:
+        g._thread.start()
+        with ncclguard.at_boundary():
+            agent.sendto(hpb.WorkerCommand(hold="rollback").SerializeToString(), _reply_path(h))
+            time.sleep(0.2)  # twenty looks of the guard
+            assert ncclguard.tripped() == "" and not aborted
+            assert [c.hold for c in h.commands()] == ["rollback"]
+        agent.sendto(hpb.WorkerCommand(hold="again").SerializeToString(), _reply_path(h))
+        deadline = time.monotonic() + 5
+        while not ncclguard.tripped() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ncclguard.tripped() == "held by the agent" and aborted == [1]
+    finally:
+        g.stop()
+        h.close()
+        agent.close()
