@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from unbroken.trainer import ncclguard
-from unbroken.trainer.rejoin import HELD_PHASE, HOLD_WAIT_S, Held, await_rejoin
+from unbroken.trainer.rejoin import HELD_PHASE, HOLD_WAIT_S, Held, apply_env, await_rejoin
 from unbroken.trainer.rtrace import mark
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ def same_place(rejoin: Any) -> bool:
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """What `hold_in_place` did: `kept` the world (the Rejoin's environment applied), or
-    got a `rejoin` for another world (leave this one for it), or was `stopped`."""
+    got the `rejoin` of another world (leave this one for it), or was `stopped`."""
 
     kept: bool = False
     rejoin: Any = None
@@ -130,9 +130,7 @@ def hold_in_place(h: Held, hooks: Hooks, wait_s: float = HOLD_WAIT_S) -> Outcome
     if not agree(store, key + "/rejoin", world, same_place(rejoin) and not ncclguard.tripped()):
         log.info("the new world is another one: leaving this one", step=h.step)
         return Outcome(rejoin=rejoin)
-    for k in rejoin.unset:  # the new world's environment (its restore point, its skip)
-        os.environ.pop(k, None)
-    os.environ.update(rejoin.env)
+    apply_env(rejoin)  # the new world's restore point and skip; the place is the same
     _count.kept += 1
     mark("rejoin", kept=True)
-    return Outcome(kept=True, rejoin=rejoin)
+    return Outcome(kept=True)

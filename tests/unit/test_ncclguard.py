@@ -44,6 +44,19 @@ def _reply_path(h: hookchannel.Hooks) -> str:
     return h._reply
 
 
+def _guard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[socket.socket, hookchannel.Hooks, ncclguard.NcclGuard, list[int]]:
+    """A fake agent, the worker's hooks, an active guard over them (started by the caller)
+    and the list its aborts append to."""
+    aborted: list[int] = []
+    monkeypatch.setattr(ncclguard, "abort_groups", lambda: aborted.append(1) or 1)
+    agent, h = _agent_and_hooks(tmp_path)
+    g = ncclguard.NcclGuard(h, poll_s=0.01)
+    monkeypatch.setattr(ncclguard, "_active", g)
+    return agent, h, g, aborted
+
+
 def test_a_waiting_hold_is_seen_and_still_read_by_the_main_thread(tmp_path: Path) -> None:
     agent, h = _agent_and_hooks(tmp_path)
     try:
@@ -100,11 +113,7 @@ def test_a_hold_trips_the_guard_which_aborts_every_group_and_says_why(
     thread would be blocked; the guard aborts the groups, and the step loop reads why."""
     import torch.distributed as dist
 
-    aborted: list[int] = []
-    monkeypatch.setattr(ncclguard, "abort_groups", lambda: aborted.append(1) or 1)
-    agent, h = _agent_and_hooks(tmp_path)
-    g = ncclguard.NcclGuard(h, poll_s=0.01)
-    monkeypatch.setattr(ncclguard, "_active", g)
+    agent, h, g, aborted = _guard(tmp_path, monkeypatch)
     try:
         g._thread.start()
         time.sleep(0.05)
@@ -200,11 +209,7 @@ def test_a_hold_at_a_step_boundary_is_the_main_threads_and_trips_nothing(
     """While the main thread waits at a step boundary (a spike's wait: no collective in
     flight, trainer/keepworld.py), a waiting hold is left to it: the world stays whole for
     it to keep. Once it is past the boundary, a hold trips the guard again."""
-    aborted: list[int] = []
-    monkeypatch.setattr(ncclguard, "abort_groups", lambda: aborted.append(1) or 1)
-    agent, h = _agent_and_hooks(tmp_path)
-    g = ncclguard.NcclGuard(h, poll_s=0.01)
-    monkeypatch.setattr(ncclguard, "_active", g)
+    agent, h, g, aborted = _guard(tmp_path, monkeypatch)
     try:
         g._thread.start()
         with ncclguard.at_boundary():
