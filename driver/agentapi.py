@@ -531,6 +531,8 @@ class AgentApi:
                 e.node_lost.silent_ms = s.silent_ms
                 self._emit(e, now - s.silent_ms / 1000.0)
                 log.warning("node lost (its relay)", node=m.node_id, relay=rid)
+        if batch.beats and view.any_beat is not None:  # a wait on what they say (next_beat)
+            view.any_beat.set()
         if n:
             self.handler.add((time.perf_counter_ns() - t0) / 1e3 / n)
 

@@ -471,7 +471,7 @@ class RecoveryLoop:
         marks = {n: self._beats(n) for n in waiting}
         deadline = time.monotonic() + RING_SETTLE_S
         while time.monotonic() < deadline and any(self._beats(n) < marks[n] + 2 for n in waiting):
-            await asyncio.sleep(0.02)
+            await self.view.next_beat(0.02)
         return self._ring_held(nodes)
 
     def _ring_held(self, nodes: tuple[str, ...]) -> set[int] | None:
@@ -666,7 +666,7 @@ class RecoveryLoop:
                 return
             if time.monotonic() > st.deadline:
                 error = f"not every rank reported a step within {self.config.restore_timeout_s} s"
-            await asyncio.sleep(0.05)
+            await self.view.next_beat(0.05)  # the last rank's first step: at once
         if gen != self._gen:
             return
         nodes, t0 = st.nodes, st.t0

@@ -277,3 +277,24 @@ def test_the_watched_nodes_heartbeat_wakes_the_watch() -> None:
         assert view.loss_beat.is_set()
 
     asyncio.run(run())
+
+
+def test_a_heartbeat_ends_a_wait_for_the_next_one() -> None:
+    """`LiveView.next_beat` returns at the next heartbeat of any node (a restore's end is
+    seen when its last rank's first step lands, not at a poll), else at its limit."""
+    import asyncio
+    import time
+
+    async def run() -> None:
+        view = LiveView(LiveViewConfig())
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, lambda: _beat(view, "n0", 1, 4.0, rank=0))
+        t0 = time.monotonic()
+        await view.next_beat(60.0)
+        assert time.monotonic() - t0 < 30.0  # the beat woke it, the limit did not
+        assert view.nodes["n0"].hb.workers[0].step == 1
+        t0 = time.monotonic()
+        await view.next_beat(0.05)  # nothing beats
+        assert time.monotonic() - t0 >= 0.04
+
+    asyncio.run(run())
