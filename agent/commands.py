@@ -334,13 +334,15 @@ async def _start_workers(agent: Agent, msg: dpb.DriverMessage) -> str:
         # whose copies its replica server takes
         keys = {p.buddy_node: p.buddy_pubkey, p.replicas_from: p.replicas_from_pubkey}
         flash.set_buddy(p.buddy, p.buddy_node, p.replicas_from, keys)
+    fetch = None
     if flash is not None and p.replaces:
         # the replaced node's newest copies, from the replica server that holds them
         # (the driver knows it from the node's registration; else this node's buddy);
-        # the workers look for them there
-        if await flash.take_over(
+        # the workers start meanwhile and look for them there once they are in
+        fetch = flash.begin_take_over(
             p.replaces, agent.config.node_id, p.replaces_from, p.replaces_pubkey
-        ):
+        )
+        if fetch is not None:
             launch = launch.with_env(**WorkerEnv(flash_node=p.replaces).to_env())
     if flash is not None:
         flash.world_size = launch.world_size
@@ -357,6 +359,9 @@ async def _start_workers(agent: Agent, msg: dpb.DriverMessage) -> str:
         await sup.start_all()
         done = f"started {len(sup.workers)} workers"
     sup.start_id = p.start_id  # heartbeats say which start runs (a new leader adopts it)
+    if fetch is not None:
+        took = await fetch
+        done += f"; {p.replaces}'s copies {'fetched' if took else 'not fetched'}"
     return done
 
 

@@ -50,6 +50,9 @@ FLASH_COPIES = 0  # the ring's size per rank; 0: from the tmpfs budget and the s
 # tiny state's agent spent ~6 % of a core sending and receiving replicas at k = 8).
 MAX_AUTO_COPIES = 16
 RING_SHARE = 0.25  # of the tmpfs, what the rings of one node's ranks may take together
+# In a store while its agent fetches copies into it (a spare taking a lost node's ranks from
+# their buddy, `FlashOwner.fetching`): the workers started meanwhile read the store after.
+FETCHING = ".fetching"
 
 
 # ---------------------------------------------------------------- owner side (agent)
@@ -186,6 +189,10 @@ class FlashOwner:
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
         return self.job_dir / store / f"rank-{rank:05d}"
+
+    def fetching(self, store: str) -> Path:
+        """The marker saying `store` is being filled from elsewhere (`FETCHING`)."""
+        return self.job_dir / store / FETCHING
 
     def reserve(self, rank: int, nbytes: int, store: str = LOCAL_STORE) -> str:
         """Size the ring of `rank` to `nbytes` per slot, allocating the memory now.

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -104,6 +105,10 @@ log = structlog.get_logger(__name__)
 KEY = "trainer"
 MAX_DECISIONS = 4  # re-decide at most this often when shards turn out corrupt
 REPLICATE_DIM = "dp_replicate"  # the mesh dimension along which ranks hold the same state
+# The longest a restore waits for its agent to finish fetching the copies it took over
+# (a spare: `FlashOwner.fetching`); the fetch's own limit is shorter, so this is a backstop
+# for a marker its agent left behind when it died.
+FETCH_WAIT_S = 30.0
 SPR = "stages_per_rank"
 
 
@@ -315,6 +320,20 @@ class FlashCheckpointer:
         sub = mesh[REPLICATE_DIM]
         return key, (sub.get_group() if sub.size() > 1 else None)
 
+    def _await_fetch(self, limit_s: float = FETCH_WAIT_S) -> None:
+        """Wait while the agent fetches the copies of the node this rank took over into
+        their replica store (a spare's workers start during that fetch)."""
+        marker = self.owner.fetching(replica_store(self.env.node))
+        if not marker.exists():
+            return
+        t0 = time.monotonic()
+        while marker.exists():
+            if time.monotonic() - t0 > limit_s:
+                log.warning("flash.fetch_wait_expired", marker=str(marker), waited_s=limit_s)
+                return
+            time.sleep(0.002)
+        mark("r_fetched")
+
     def _survey(self) -> Survey:
         mem = self.owner.rank_dir(self.rank)
         buddy = self.owner.rank_dir(self.rank, replica_store(self.env.node))
@@ -352,6 +371,7 @@ class FlashCheckpointer:
         """
         mark("r_begin")
         check_kept_caches()  # a rejoin's kept DTensor caches, checked before any state is read
+        self._await_fetch()
         layout = self.layout(trainer)
         own, wide = self._survey(), self._wide_survey()
         key, group = self._replicas(trainer)

@@ -99,3 +99,73 @@ def test_replacement_fetches_verified_replicas(
             await server.stop()
 
     asyncio.run(go())
+
+
+def test_a_spares_workers_start_during_the_fetch_and_read_the_copies_after_it(
+    owners: tuple[FlashOwner, FlashOwner, FlashOwner], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spare's agent fetches the lost node's copies while its workers start (not before):
+    the replica store is marked as being fetched until the fetch ends, and a worker's
+    restore reads the store only after that, so it finds every copy the fetch brought."""
+    import threading
+    import time
+
+    from unbroken.agent import flash as agentflash
+    from unbroken.agent.flash import NodeFlash, NodeFlashConfig
+    from unbroken.trainer.flashckpt import FlashCheckpointer, FlashEnv
+
+    a, b, replacement = owners
+    real_fetch = agentflash.fetch_replica
+
+    async def slow_fetch(*args: object, **kwargs: object) -> object:
+        await asyncio.sleep(0.3)  # a buddy far away: the workers start well before the end
+        return await real_fetch(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(agentflash, "fetch_replica", slow_fetch)
+    root = str(replacement.config.root)
+    node = NodeFlash(NodeFlashConfig(root=root, job="j", node="A2"), 1)
+    node.replica_cfg = CFG
+    worker = FlashCheckpointer(FlashEnv(root=root, job="j", node="A"), 0)
+    seen: dict[str, object] = {}
+
+    def restore_side() -> None:  # what a worker's restore does before its survey
+        t0 = time.monotonic()
+        worker._await_fetch()
+        seen["waited_s"] = time.monotonic() - t0
+        held = list_copies(replacement.rank_dir(0, replica_store("A")))
+        seen["steps"] = [r.manifest.step for r in held]
+
+    async def go() -> None:
+        server = ReplicaServer(b, CFG)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            _save(a, 0, 1)
+            sent = await ReplicaSender(a, "A", ("127.0.0.1", port), CFG).tick()
+            assert [r.ok for r in sent] == [True]
+            fetch = node.begin_take_over("A", "A2", f"127.0.0.1:{port}")
+            assert fetch is not None
+            marker = replacement.fetching(replica_store("A"))
+            assert marker.exists()
+            t = threading.Thread(target=restore_side)
+            t.start()
+            assert await fetch is True
+            await asyncio.to_thread(t.join, 30)
+            assert not marker.exists()
+        finally:
+            await server.stop()
+
+    try:
+        asyncio.run(go())
+        assert seen["steps"] == [1], seen  # read after the fetch, never an empty store
+        assert 0.1 < float(seen["waited_s"]) < 30  # type: ignore[arg-type]
+        # a marker its agent left behind (it died mid-fetch) holds a restore only so long
+        replacement.fetching(replica_store("A")).write_text("0\n")
+        t0 = time.monotonic()
+        worker._await_fetch(limit_s=0.1)
+        assert time.monotonic() - t0 < 10
+        # nothing to fetch from (no replica credentials): no task, no marker
+        node.replica_cfg = ReplicaConfig()
+        assert node.begin_take_over("B", "A2", "127.0.0.1:1") is None
+        assert not replacement.fetching(replica_store("B")).exists()
+    finally:
+        worker.close()
