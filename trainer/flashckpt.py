@@ -227,7 +227,7 @@ class FlashCheckpointer:
         """Size, map (and on CUDA pin) the ring for the trainer's state before training, so
         the first save pays no allocation, page-table building or host registration.
         Returns the bytes per copy."""
-        return self.writer.prepare({KEY: trainer})
+        return self.writer.prepare(self._state(trainer))
 
     def save(
         self,
@@ -262,23 +262,27 @@ class FlashCheckpointer:
         }
         if sdc is not None:
             meta[SDC_META] = dict(sdc)
-        state: Any = {KEY: trainer}
-        if self._snaps is None or self._snaps[0] is not trainer:  # a protocol check is
-            self._snaps = (trainer, isinstance(trainer, Snapshots))  # ~10 us: once
-        snap: Snapshots = trainer  # type: ignore[assignment]
-        key = snap.snapshot_key() if self._snaps[1] else None
-        if key is not None:
-            state = Snapshot(
-                key=key, full=lambda: {KEY: trainer}, fresh=lambda: flat_fresh(snap), flat=True
-            )
         skip = not persist and sdc is None
-        handle = self.writer.save_async(state, step, meta=meta, skip_if_busy=skip)
+        handle = self.writer.save_async(self._state(trainer), step, meta=meta, skip_if_busy=skip)
         if handle is None:
             return False
         self._account()
         self.saves += 1
         self._last = handle
         return True
+
+    def _state(self, trainer: Stateful) -> Any:
+        """What a save of `trainer` hands the writer: a `Snapshot` where the trainer takes
+        them (`Snapshots`, with a key now), else its state dict."""
+        if self._snaps is None or self._snaps[0] is not trainer:  # a protocol check is
+            self._snaps = (trainer, isinstance(trainer, Snapshots))  # ~10 us: once
+        snap: Snapshots = trainer  # type: ignore[assignment]
+        key = snap.snapshot_key() if self._snaps[1] else None
+        if key is None:
+            return {KEY: trainer}
+        return Snapshot(
+            key=key, full=lambda: {KEY: trainer}, fresh=lambda: flat_fresh(snap), flat=True
+        )
 
     def entry_names(self, tensors: list[Any]) -> list[str | None]:
         """The copy's entry name of each of `tensors` (local tensors of the saved state; None:

@@ -45,18 +45,28 @@ def _both_ways(cfg: TrainConfig, root: str) -> dict[str, Any]:
     ck = FlashCheckpointer(FlashEnv(root=root, job="snap", node=f"n{rank}"), rank)
     full = FlashWriter(rank + 100, ck.owner)  # another rank number: its own ring
     same = []
+
+    def step_both_ways() -> None:
+        trainer.train_step()
+        assert ck.save(trainer, trainer.step, persist=True)
+        assert ck._last is not None
+        a = ck._last.wait()
+        b = full.save_async({KEY: trainer}, trainer.step)
+        assert b is not None
+        mb = b.wait()
+        sa, sb = (seal(find_copy(ck.owner.rank_dir(r), a.step)) for r in (rank, rank + 100))
+        same.append((a.step, sa.checksum == sb.checksum, a.objects == mb.objects))
+
     try:
         for _ in range(STEPS):
-            trainer.train_step()
-            assert ck.save(trainer, trainer.step, persist=True)
-            assert ck._last is not None
-            a = ck._last.wait()
-            b = full.save_async({KEY: trainer}, trainer.step)
-            assert b is not None
-            mb = b.wait()
-            sa, sb = (seal(find_copy(ck.owner.rank_dir(r), a.step)) for r in (rank, rank + 100))
-            same.append((a.step, sa.checksum == sb.checksum, a.objects == mb.objects))
+            step_both_ways()
         hits = ck.writer.snapshot_hits
+        # as after a restore: the state loaded (a new snapshot key), then the ring prepared,
+        # which plans the first save (it reads no full state again), and it still equals
+        trainer.load_state_dict(trainer.state_dict())
+        ck.prepare(trainer)
+        step_both_ways()
+        prepared_hit = ck.writer.snapshot_hits == hits + 1
         # the fast path names every value as DCP's flattening does: each param-group
         # value once (`Shared`), standing for every parameter's key that holds it
         fast = flat_fresh(trainer)
@@ -74,7 +84,7 @@ def _both_ways(cfg: TrainConfig, root: str) -> dict[str, Any]:
         ck.close()
         full.close()
         trainer.close()
-    return {"same": same, "hits": hits, "keys_same": keys_same}
+    return {"same": same, "hits": hits, "keys_same": keys_same, "prepared_hit": prepared_hit}
 
 
 def test_snapshot_copies_equal_full_state_dict_copies_under_fsdp2() -> None:
@@ -93,8 +103,9 @@ def test_snapshot_copies_equal_full_state_dict_copies_under_fsdp2() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     for rank, r in enumerate(out):
-        assert [s for s, _, _ in r["same"]] == list(range(1, STEPS + 1)), r
+        assert [s for s, _, _ in r["same"]] == list(range(1, STEPS + 2)), r
         assert all(c and o for _, c, o in r["same"]), (rank, r)
         # planned at step 1 (optimizer state appears there), reused after
         assert r["hits"] == STEPS - 1, (rank, r)
         assert r["keys_same"], (rank, r)
+        assert r["prepared_hit"], (rank, r)  # the first save after `prepare` took its plan
