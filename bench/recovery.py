@@ -55,12 +55,17 @@ step); steps_lost from TrainingPaused's step reached minus RestoreFinished's res
 ETTR =
 productive time / wall time over the run, where productive time is the sum of the loop
 turns of the steps that count (the last run of each step number; rank 0's metrics): each
-turn is the step's `step_time_s` plus the loop's time after it (`host_s`: the flash save's
-blocking part, the report). The time the faults cost (detection, recovery, steps run
-again) is what is missing. `ettr_step_time` is the earlier definition, `step_time_s` alone
-(the loop's own time then counts as lost too: a fault-free run scored ~0.89 by it); what
-the flash saves cost is the ab phase's figure. The wall time starts at the run's first
-step. Medians over N = 5 runs.
+turn is the time from the loop's previous report to this step's (`turn_s`: the step, the
+flash save's blocking part, the report, and the loop's bookkeeping between two steps); the
+first turn after a start, a restore or a wait for a spike's verdict has no previous report
+and counts the step's `step_time_s` plus the loop's time after it (`host_s`). The time the
+faults cost (detection, recovery, steps run again) is what is missing.
+`ettr_to_report` is the definition before 2026-12-04, every turn counted as `step_time_s +
+host_s`: it left out the bookkeeping after the report (the metrics line, the command poll,
+the loss check, the next step's fault checks), 0.3 ms a step on a loaded host, so a
+fault-free run scored 0.996 by it. `ettr_step_time` is the one before that, `step_time_s`
+alone (a fault-free run scored ~0.89); what the flash saves cost is the ab phase's
+figure. The wall time starts at the run's first step. Medians over N = 5 runs.
 
 Run: ``.venv/bin/python bench/recovery.py [--quick] [--runs N] [--ettr-s S] [--phases ...]``
 or ``make bench-recovery``. The default (5 runs per fault, 10-minute ETTR runs) takes about
@@ -180,8 +185,9 @@ class Steps:
 
     path: Path
     offset: int = 0
-    # (t, step, step_s, its loop turn: step_s plus the loop's time after it, host_s)
-    lines: list[tuple[float, int, float, float]] = field(default_factory=list)
+    # (t, step, step_s, its loop turn to its report: step_s plus the loop's time after it,
+    # host_s, and its whole turn: turn_s where the line has one, else that)
+    lines: list[tuple[float, int, float, float, float]] = field(default_factory=list)
     # (t, the loop's time after the step, the flash save's part of it): the per-step
     # host time ETTR loses between steps
     host: list[tuple[float, float, float]] = field(default_factory=list)
@@ -202,7 +208,9 @@ class Steps:
             with contextlib.suppress(ValueError, KeyError):
                 m = json.loads(raw)
                 dt = float(m["step_time_s"])
-                self.lines.append((now, int(m["step"]), dt, dt + float(m.get("host_s", 0.0))))
+                to_report = dt + float(m.get("host_s", 0.0))
+                turn = float(m.get("turn_s", to_report))
+                self.lines.append((now, int(m["step"]), dt, to_report, turn))
                 if "host_s" in m:
                     self.host.append((now, float(m["host_s"]), float(m.get("flash_save_s", 0.0))))
                 if "flash_block" in m and "host_s" in m:
@@ -210,16 +218,17 @@ class Steps:
                     self.ab.append((now, int(m["step"]), wall, bool(m["flash_block"])))
 
     def max_step(self) -> int:
-        return max((s for _, s, _, _ in self.lines), default=0)
+        return max((line[1] for line in self.lines), default=0)
 
-    def productive_s(self, t0: float, t1: float, *, turns: bool = True) -> tuple[float, int]:
+    def productive_s(self, t0: float, t1: float, *, what: str = "turn") -> tuple[float, int]:
         """The time of the steps that count (the last run of each step) seen in [t0, t1]:
-        their loop turns (step time plus the loop's time after it), or with `turns=False`
-        their step time alone."""
+        their loop turns (`what="turn"`), their turns up to their reports ("to_report":
+        step time plus the loop's time after it) or their step time alone ("step")."""
+        pick = {"step": 2, "to_report": 3, "turn": 4}[what]
         last: dict[int, float] = {}
-        for t, step, dt, turn in self.lines:
-            if t0 <= t <= t1:
-                last[step] = turn if turns else dt
+        for line in self.lines:
+            if t0 <= line[0] <= t1:
+                last[line[1]] = line[pick]
         return sum(last.values()), len(last)
 
     def ab_rates(self, t0: float, t1: float, block: int) -> dict[str, Any]:
@@ -251,7 +260,7 @@ class Steps:
         """Per-step times in [t0, t1] (ms): the step's median, the loop's host time after
         it (mean, median) and the flash save's part of that (mean)."""
         seen = [(h, f) for t, h, f in self.host if t0 <= t <= t1]
-        steps = [dt for t, _, dt, _ in self.lines if t0 <= t <= t1]
+        steps = [line[2] for line in self.lines if t0 <= line[0] <= t1]
         return {
             "step_ms_median": 1000.0 * statistics.median(steps) if steps else None,
             "host_ms_mean": 1000.0 * statistics.fmean(h for h, _ in seen) if seen else None,
@@ -777,14 +786,17 @@ class Bench:
 
     def _ettr(self, t0: float, t1: float, faults: list[Fault]) -> dict[str, Any]:
         productive, nsteps = self.steps.productive_s(t0, t1)
-        compute, _ = self.steps.productive_s(t0, t1, turns=False)
+        to_report, _ = self.steps.productive_s(t0, t1, what="to_report")
+        compute, _ = self.steps.productive_s(t0, t1, what="step")
         kinds: dict[str, int] = {}
         for f in faults:
             kinds[f.kind] = kinds.get(f.kind, 0) + 1
         wall0 = time.time_ns() - int((time.monotonic() - t0) * 1e9)  # t0 on the wall clock
         return {
             "ettr": productive / (t1 - t0),
-            # the earlier definition: step time alone (the loop's own time counts as lost)
+            # the definition before 2026-12-04: each turn only to its report
+            "ettr_to_report": to_report / (t1 - t0),
+            # the one before: step time alone (the loop's own time counts as lost)
             "ettr_step_time": compute / (t1 - t0),
             "wall_s": t1 - t0,
             "productive_s": productive,
@@ -1091,6 +1103,7 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
                 out[f"mtbf_{mtbf_s}s"] = r
                 out[f"ettr_mtbf_{mtbf_s}s"] = r["ettr"]
                 out[f"ettr_step_time_mtbf_{mtbf_s}s"] = r["ettr_step_time"]
+                out[f"ettr_to_report_mtbf_{mtbf_s}s"] = r["ettr_to_report"]
                 say(f"  ETTR at MTBF {mtbf_s} s: {r['ettr']:.3f} ({r['faults']} faults)")
 
             await in_cluster(f"mtbf-{mtbf_s}", True, ettr)

@@ -351,7 +351,7 @@ def _keep(h: Held, lp: _Loop) -> int:
     if not out.kept:
         h.rejoin, h.stopped = out.rejoin, out.stopped
         raise h
-    lp.requests.hold, lp.spiked = None, False
+    lp.requests.hold, lp.spiked, lp.turn_at = None, False, None
     lp.point = RestorePoint.from_env()
     lp.hooks.phase("restore")
     step, source = _restore(lp.trainer, lp.flash, lp.clock, lp.point, None)
@@ -472,6 +472,9 @@ class _Loop:
     spikes: spikewait.SpikeWait | None = None  # waits for the driver's verdict after a spiked loss
     spiked: bool = False  # the last step's loss spiked and the agent held this rank after it
     copy_flip: Any = None  # an sdc flip waiting for the next fingerprinted copy
+    # when the last loop turn ended (its report; `turn_s`); None: the next turn is the
+    # first of a run of steps (a start, a restore, a wait for a spike's verdict)
+    turn_at: float | None = None
 
     def step(self, step: int) -> int:
         """Run one step, save and report it; return the step reached."""
@@ -542,7 +545,10 @@ def _one_step(lp: _Loop, step: int) -> int:
     _report(lp, step, m, stepped)
     requests.poll()
     if lp.spikes is not None:  # a hold it waited for ends the loop
+        waits = lp.spikes.waits
         lp.spiked = lp.spikes.after(step, m.get("loss"))
+        if lp.spikes.waits != waits:  # it waited for a verdict: no training, not a turn
+            lp.turn_at = None
     return step
 
 
@@ -561,7 +567,14 @@ def _report(lp: _Loop, step: int, m: dict[str, Any], stepped: float) -> None:
     lp.hooks.step(step, m["loss"], m["step_time_s"] * 1000.0, **timings)
     # the loop's own time between this step and the next (the save, the report):
     # no training happens in it, so it is what the goodput figures lose per step
-    m["host_s"] = time.perf_counter() - stepped
+    now = time.perf_counter()
+    m["host_s"] = now - stepped
+    # the whole loop turn, from the last one's report to this one's: the step, the save,
+    # the report, and what host_s leaves out (the last turn's metrics line, its command
+    # poll and loss check, and this turn's fault checks); the first turn of a run has none
+    if lp.turn_at is not None:
+        m["turn_s"] = now - lp.turn_at
+    lp.turn_at = now
     m["end_unix_s"] = time.time()  # when this step's loop turn ended (an outside account)
     if lp.out is not None:
         lp.out.write(json.dumps(m) + "\n")

@@ -54,6 +54,12 @@ def test_torchrun_4_processes_trains_on_the_default_corpus(tmp_path: Path) -> No
     last = sum(r["loss"] for r in rows[-5:]) / 5
     assert first > 5.0 and last < first - 1.5, (first, last)
     assert all(r["tokens_per_s"] > 0 and r["flops_per_s"] > 0 and r["mfu"] is None for r in rows)
+    # the loop turns tile the run: each from the last report to this one (the first has
+    # none), holding the step and the loop's time after it, and together the whole span
+    assert "turn_s" not in rows[0] and all("turn_s" in r for r in rows[1:])
+    assert all(r["turn_s"] >= r["step_time_s"] + r["host_s"] for r in rows[1:])
+    span = rows[-1]["end_unix_s"] - rows[0]["end_unix_s"]
+    assert abs(sum(r["turn_s"] for r in rows[1:]) - span) < 0.01 * span + 0.05, span
 
 
 def test_unbroken_train_subcommand_and_bad_flags(tmp_path: Path) -> None:
