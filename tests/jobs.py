@@ -15,10 +15,11 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import grpc
+import psutil
 
 from tests.integration.trainenv import plain_worker_env
 from unbroken.cli.cluster import LocalCluster, read_metrics, until
@@ -111,13 +112,22 @@ class Job(LocalCluster):
         self.stop()
 
     def kill_peer_keep_survivor(
-        self, victim: str = "n1", survivor: str = "n0", *, past: int = 5, timeout_s: float = 180
+        self,
+        victim: str = "n1",
+        survivor: str = "n0",
+        *,
+        past: int = 5,
+        timeout_s: float = 180,
+        on_kill: Callable[[psutil.Process], object] | None = None,
     ) -> int:
         """SIGKILL `victim`'s worker, wait until a new one trained `past` steps beyond the
-        crash, and check `survivor`'s worker kept its process (in-job recovery); its pid."""
+        crash, and check `survivor`'s worker kept its process (in-job recovery); its pid.
+        `on_kill` is called with the killed worker at once."""
         kept, killed = self.worker(survivor), self.worker(victim)
         assert kept is not None and killed is not None
         killed.kill()
+        if on_kill is not None:
+            on_kill(killed)
         crash_step = self.max_step()
         until(
             lambda: (

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import re
 
+import psutil
 import pytest
 
 from tests.jobs import Job
 from unbroken.cli.cluster import until
 from unbroken.diagnostics.check import free_port
+from unbroken.recovery.flashcopy import LOCAL_STORE, list_copies
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +36,17 @@ def test_a_member_behind_a_relay_is_replaced_in_job_from_its_fresh_rings(job: Jo
     until(lambda: job.max_step() >= 5, 180, "training to start", job)
     assert "relay" in job.log("n1") and "n0" in job.log("n1")
 
-    job.kill_peer_keep_survivor(past=5)
+    # what the victim's ring held when it died: the copy of its last reported step may
+    # still have been in flight (it completes during the next step), and then the newest
+    # step every rank holds is the one before
+    held: list[int] = []
+    ring = job.tmp / "shm-n1" / job.job / LOCAL_STORE / "rank-00001"
+
+    def newest_copy(killed: psutil.Process) -> None:
+        psutil.wait_procs([killed], timeout=10)
+        held.extend(r.manifest.step for r in list_copies(ring)[:1])
+
+    job.kill_peer_keep_survivor(past=5, on_kill=newest_copy)
     assert "rejoining the new world in this process" in job.worker_log("n0")
     events = job.events()
     resumed = [e.training_resumed for e in events if e.HasField("training_resumed")]
@@ -45,4 +57,5 @@ def test_a_member_behind_a_relay_is_replaced_in_job_from_its_fresh_rings(job: Jo
     failed = next(e.worker_failed for e in events if e.HasField("worker_failed"))
     pause = next(e.training_paused for e in events if e.HasField("training_paused"))
     # every rank's last copy before the crash is in the rings the driver read
-    assert pause.restore_step >= failed.last_step, (pause, failed)
+    assert held and held[0] >= failed.last_step - 1, (held, failed)
+    assert pause.restore_step >= held[0], (pause, held, failed)
