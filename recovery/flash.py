@@ -329,8 +329,7 @@ class FlashWriter:
         (0.06 s per GiB); a save that takes a slot first maps and registers it itself.
 
         A `Snapshot` is planned as its first save would plan it, and the plan is kept for
-        that save: after a restore, the first save otherwise read the full state again
-        (15-30 ms of the first step, on the tiny model on a 2-core host).
+        that save (which read the full state again: 15-30 ms, tiny model, 2 cores).
 
         Returns:
             The bytes per slot.
