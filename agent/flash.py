@@ -600,7 +600,7 @@ class NodeFlash:
         (`FlashOwner.fetching`) until it ends, so a spare's workers start meanwhile and
         read that store once the copies are in (a spare's resume waited 25-40 ms for the
         fetch before its standby was released). None when there is nothing to fetch from."""
-        if not self.replica_cfg.auth.enabled or not (source or self.sender):
+        if not self._can_fetch(source):
             return None
         marker = self.owner.fetching(replica_store(node))
         try:
@@ -625,7 +625,7 @@ class NodeFlash:
         them; "": this node's buddy): a spare taking over `node`'s ranks; `pubkey`: `node`'s
         replica key (each copy must be signed with it). True when some copy came back;
         failures are logged (storage remains)."""
-        if not self.replica_cfg.auth.enabled or not (source or self.sender):
+        if not self._can_fetch(source):
             return False
         self.replica_cfg.auth.learn(node, pubkey)
         try:
@@ -646,6 +646,11 @@ class NodeFlash:
             return False
         log.info("flash.took_over", node=node, copies=len(refs), source=f"{host}:{port}")
         return bool(refs)
+
+    def _can_fetch(self, source: str) -> bool:
+        """Whether a take-over has credentials and somewhere to fetch from (`source`, else
+        this node's buddy)."""
+        return self.replica_cfg.auth.enabled and bool(source or self.sender)
 
     def replicas_held(self) -> list[tuple[str, int, list[int]]]:
         """(node, global rank, steps newest first) of the copies this node holds as a buddy,
