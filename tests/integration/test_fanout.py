@@ -28,16 +28,28 @@ STOP = dpb.DriverMessage(stop_workers=dpb.StopWorkers(grace_s=1.0))
 
 
 class Agent:
-    """One agent's Session stream, read into a queue by one task."""
+    """One agent's Session stream, read into a queue by one task, with a heartbeat every
+    100 ms as a real agent sends (a stream silent for 1.6 s is a lost node: CI at load once
+    took that long between two of this test's steps)."""
 
     def __init__(self, call: Any) -> None:
         self.call = call
         self.inbox: asyncio.Queue[dpb.DriverMessage] = asyncio.Queue()
+        self.writing = asyncio.Lock()  # one write at a time on a stream
         self.reader = asyncio.create_task(self._read())
+        self.beater = asyncio.create_task(self._beat())
 
     async def _read(self) -> None:
         while (msg := await self.call.read()) != grpc.aio.EOF:
             self.inbox.put_nowait(msg)
+
+    async def _beat(self) -> None:
+        seq = 1
+        while True:
+            async with self.writing:
+                await self.call.write(dpb.AgentMessage(heartbeat=dpb.Heartbeat(seq=seq)))
+            seq += 1
+            await asyncio.sleep(0.1)
 
     async def next(self) -> dpb.DriverMessage:
         return await asyncio.wait_for(self.inbox.get(), 5)
@@ -49,17 +61,17 @@ class Agent:
 
     async def ack(self, msg: dpb.DriverMessage) -> None:
         ack = dpb.CommandAck(command_id=msg.command_id, ok=True, ring_fresh=True)
-        await self.call.write(dpb.AgentMessage(ack=ack))
+        async with self.writing:
+            await self.call.write(dpb.AgentMessage(ack=ack))
 
     def close(self) -> None:
+        self.beater.cancel()
         self.reader.cancel()
         self.call.cancel()
 
 
 async def _open(stub: dgrpc.DriverStub, node: str, epoch: int) -> Agent:
-    call = stub.Session(metadata=session_md(node, epoch))
-    await call.write(dpb.AgentMessage(heartbeat=dpb.Heartbeat(seq=1)))
-    return Agent(call)
+    return Agent(stub.Session(metadata=session_md(node, epoch)))
 
 
 def test_a_stop_goes_once_per_session_and_command() -> None:
