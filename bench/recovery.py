@@ -93,7 +93,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -179,15 +179,23 @@ class Fault:
         return self.resume_s is not None
 
 
+class StepLine(NamedTuple):
+    """One metrics line of rank 0, as seen at `t` (monotonic)."""
+
+    t: float
+    step: int
+    step_s: float  # the step alone (`step_time_s`)
+    to_report: float  # its loop turn to its report: step_s plus the loop's time after it
+    turn: float  # its whole loop turn (`turn_s`), where the line has one, else to_report
+
+
 @dataclass(slots=True)
 class Steps:
     """Rank 0's metrics lines as they appear, with the time the bench saw them."""
 
     path: Path
     offset: int = 0
-    # (t, step, step_s, its loop turn to its report: step_s plus the loop's time after it,
-    # host_s, and its whole turn: turn_s where the line has one, else that)
-    lines: list[tuple[float, int, float, float, float]] = field(default_factory=list)
+    lines: list[StepLine] = field(default_factory=list)
     # (t, the loop's time after the step, the flash save's part of it): the per-step
     # host time ETTR loses between steps
     host: list[tuple[float, float, float]] = field(default_factory=list)
@@ -210,7 +218,7 @@ class Steps:
                 dt = float(m["step_time_s"])
                 to_report = dt + float(m.get("host_s", 0.0))
                 turn = float(m.get("turn_s", to_report))
-                self.lines.append((now, int(m["step"]), dt, to_report, turn))
+                self.lines.append(StepLine(now, int(m["step"]), dt, to_report, turn))
                 if "host_s" in m:
                     self.host.append((now, float(m["host_s"]), float(m.get("flash_save_s", 0.0))))
                 if "flash_block" in m and "host_s" in m:
@@ -218,17 +226,17 @@ class Steps:
                     self.ab.append((now, int(m["step"]), wall, bool(m["flash_block"])))
 
     def max_step(self) -> int:
-        return max((line[1] for line in self.lines), default=0)
+        return max((line.step for line in self.lines), default=0)
 
     def productive_s(self, t0: float, t1: float, *, what: str = "turn") -> tuple[float, int]:
         """The time of the steps that count (the last run of each step) seen in [t0, t1]:
         their loop turns (`what="turn"`), their turns up to their reports ("to_report":
         step time plus the loop's time after it) or their step time alone ("step")."""
-        pick = {"step": 2, "to_report": 3, "turn": 4}[what]
+        field_ = {"step": "step_s", "to_report": "to_report", "turn": "turn"}[what]
         last: dict[int, float] = {}
         for line in self.lines:
-            if t0 <= line[0] <= t1:
-                last[line[1]] = line[pick]
+            if t0 <= line.t <= t1:
+                last[line.step] = getattr(line, field_)
         return sum(last.values()), len(last)
 
     def ab_rates(self, t0: float, t1: float, block: int) -> dict[str, Any]:
@@ -260,7 +268,7 @@ class Steps:
         """Per-step times in [t0, t1] (ms): the step's median, the loop's host time after
         it (mean, median) and the flash save's part of that (mean)."""
         seen = [(h, f) for t, h, f in self.host if t0 <= t <= t1]
-        steps = [line[2] for line in self.lines if t0 <= line[0] <= t1]
+        steps = [line.step_s for line in self.lines if t0 <= line.t <= t1]
         return {
             "step_ms_median": 1000.0 * statistics.median(steps) if steps else None,
             "host_ms_mean": 1000.0 * statistics.fmean(h for h, _ in seen) if seen else None,
