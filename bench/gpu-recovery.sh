@@ -22,6 +22,9 @@
 # 3. (WAITED=1) the in-job mode again with UNBROKEN_NCCL_ASYNC_ABORT=0: the survivor waits for
 #    NCCL's abort of its old world before it leaves, as before 2026-11-30
 #    ($OUT/recovery-gpu-waited-abort.json).
+# 4. (UNWARMED=1) the in-job mode again with UNBROKEN_DEVICE_WARM=0: a new worker's first GPU
+#    calls are not made on a side thread while it joins the world (trainer/devicewarm.py),
+#    as before 2026-12-04 ($OUT/recovery-gpu-unwarmed.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-recovery-out}
@@ -97,6 +100,20 @@ if [ "${PROBE:-0}" = 1 ]; then  # about 45 s: the watchdog pair waits for its ti
 fi
 $PY -c "from torch.distributed import ProcessGroupNCCL as P; print('get_error', hasattr(P, 'get_error'))"
 
+echo "== is FSDP's group (dp = world) the default group in this torch? (gloo, 2 ranks)"
+cat >/tmp/meshprobe.py <<'EOF'
+import torch.distributed as dist
+from unbroken.trainer.config import ParallelConfig
+from unbroken.trainer.parallel import build_mesh
+dist.init_process_group("gloo")
+topo = build_mesh(ParallelConfig(dp=2), "cpu")
+if dist.get_rank() == 0:
+    print("fsdp group is the default group:",
+          topo.fsdp_mesh.get_group() is dist.distributed_c10d._get_default_group())
+dist.destroy_process_group()
+EOF
+timeout 60 $PY -m torch.distributed.run --nproc-per-node 2 /tmp/meshprobe.py 2>&1 | grep fsdp
+
 echo "== bench-recovery modes on cuda, $KINDS x$RUNS"
 timeout -s TERM "$BENCH_S" $PY bench/recovery.py --device cuda --phases modes --modes in_job,restart \
   --kinds "$KINDS" --runs "$RUNS" --out "$OUT/recovery-gpu.json" --run-dir /tmp/gpu-runs
@@ -108,8 +125,15 @@ if [ "${WAITED:-0}" = 1 ]; then
     --out "$OUT/recovery-gpu-waited-abort.json" --run-dir /tmp/gpu-runs-waited
   echo "bench exit $?"
 fi
+if [ "${UNWARMED:-0}" = 1 ]; then
+  echo "== in-job only, worker crash, no device warm-up"
+  UNBROKEN_DEVICE_WARM=0 timeout -s TERM "${UNWARMED_S:-150}" $PY bench/recovery.py \
+    --device cuda --phases modes --modes in_job --kinds worker_crash --runs "$RUNS" \
+    --out "$OUT/recovery-gpu-unwarmed.json" --run-dir /tmp/gpu-runs-unwarmed
+  echo "bench exit $?"
+fi
 # the runs' logs, in parts the device tool brings back (16 MiB each at most)
 tar czf /tmp/gpu-runs.tgz -C /tmp --exclude='*.db' --exclude='member' \
-  $(cd /tmp && ls -d gpu-runs gpu-runs-waited 2>/dev/null) 2>/dev/null
+  $(cd /tmp && ls -d gpu-runs gpu-runs-waited gpu-runs-unwarmed 2>/dev/null) 2>/dev/null
 split -b 15m /tmp/gpu-runs.tgz "$OUT/gpu-runs.tgz.part-"
 ls -la "$OUT"

@@ -39,6 +39,7 @@ from unbroken.trainer.config import OptimConfig, TrainConfig
 from unbroken.trainer.data import TextLoader, load_corpus
 from unbroken.trainer.model import Transformer, cross_entropy, moe_layers
 from unbroken.trainer.plugin import GroupValue
+from unbroken.trainer.rtrace import mark
 
 log = structlog.get_logger(__name__)
 
@@ -84,6 +85,8 @@ class GPT3DTrainer:
         self.step = 0
         self._owns_pg = False
         self.state_version = 0  # bumped whenever the state's tensors may be replaced
+        # set by the run loop before a world's first step: its phases are marked (rtrace)
+        self.trace_step = False
         # (flat optimizer key, param group, group key) of every param-group value
         self._groups: list[tuple[str, dict[str, Any], str]] | None = None
         self._shared: list[GroupValue] | None = None  # `_groups` by group and key
@@ -304,10 +307,12 @@ class GPT3DTrainer:
         # Straggler telemetry: what this rank waited for its peers (pipeline idle, the
         # final all-reduce) is not compute. Waits inside FSDP's collectives are not timed.
         pipe_wait = 0.0
+        self._trace("s_batch")
         if self.schedule is None:
             loss = self._accumulate(inputs, targets, c.parallel.microbatches)
         else:
             loss, idle, pipe_wait = self._pipeline_step(inputs, targets)
+        self._trace("s_fwd_bwd")
         if self.experts:
             parallel.sync_expert_grads(self.experts, self.topo, c.parallel)
         pp_group = self.topo.pp_group if c.parallel.pp > 1 else None
@@ -316,6 +321,7 @@ class GPT3DTrainer:
         )
         for opt in self.optimizers:
             opt.step()
+        self._trace("s_optim")
 
         # Every (dp, tp) coordinate holds the last stage once; average their losses.
         loss_sum = loss.detach().float().reshape(1).clone()
@@ -331,6 +337,8 @@ class GPT3DTrainer:
                 loss_sum.zero_()
             dist.all_reduce(loss_sum)
         wait = pipe_wait + time.perf_counter() - tw
+        self._trace("s_reduced")
+        self.trace_step = False
         mean_loss = float(loss_sum) / (c.parallel.dp * c.parallel.cp * c.parallel.tp)
         self.step += 1
         td = time.perf_counter()
@@ -377,6 +385,13 @@ class GPT3DTrainer:
         else:
             loss = torch.zeros((), device=self.device)
         return loss, idle, idle * (time.perf_counter() - ts)
+
+    def _trace(self, phase: str) -> None:
+        """Mark a phase of a world's first step (after the device's work so far)."""
+        if self.trace_step:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            mark(phase)
 
     def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor, m: int) -> torch.Tensor:
         """Forward/backward over `m` equal chunks of the local batch, gradients summed with

@@ -18,7 +18,11 @@ lines on an O_APPEND file are not interleaved between processes). The phases a w
   rank's read agreed, the trainer's state dict taken, the copy put into it, and loaded;
 - ``loaded``: the restore returned;
 - ``restored``: the agreed step is in place (`how`: ring, kept, none);
-- ``first_step``: the first step in this world finished.
+- ``s_batch``, ``s_fwd_bwd``, ``s_optim``, ``s_reduced`` (the embedded engine, after the
+  device's work so far): inside that first step, its batch on the device, forward and
+  backward (FSDP's collectives in them), the optimizer's step, the loss's all-reduce;
+- ``first_step``: the first step in this world finished;
+- ``device_warm``: a new worker's GPU warm-up (trainer/devicewarm.py) finished (`s`: took).
 """
 
 from __future__ import annotations

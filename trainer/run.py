@@ -62,7 +62,7 @@ from unbroken.common.faults import (
     parse_slow_factor,
 )
 from unbroken.common.workerenv import WorkerEnv
-from unbroken.trainer import keepworld, ncclguard, spikewait
+from unbroken.trainer import devicewarm, keepworld, ncclguard, spikewait
 from unbroken.trainer.config import TrainConfig
 from unbroken.trainer.faultfile import FaultFile
 from unbroken.trainer.flags import add_arguments, to_config
@@ -84,7 +84,7 @@ from unbroken.trainer.rejoin import (
     peer_failure,
     started_by_agent,
 )
-from unbroken.trainer.rtrace import mark
+from unbroken.trainer.rtrace import TRACE, mark
 
 if TYPE_CHECKING:
     from unbroken.trainer.flashckpt import FlashCheckpointer
@@ -436,6 +436,8 @@ def _run_steps(loop: _Loop, step: int, steps: int, hooks: Hooks, requests: SaveR
     first = True
     while step < steps:
         try:
+            if first and os.environ.get(TRACE) and hasattr(loop.trainer, "trace_step"):
+                loop.trainer.trace_step = True  # the embedded engine marks its phases
             step = loop.step(step)
             if first:
                 mark("first_step", step=step)
@@ -711,6 +713,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # what the trainer made, about 1 ms instead of 1.6-2 s on a loaded 2-core host.
     gc.freeze()
     forget_dry_run_caches()  # a warm standby's dry run may have guessed another rank
+    # the GPU's first calls, on a side thread while the world is joined (once a process)
+    devicewarm.start(config, int(os.environ.get("LOCAL_RANK", "0") or 0))
     while True:
         before_world = open_sockets()  # what is not the world's: kept when it is left
         owns = init_distributed(config)
