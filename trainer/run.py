@@ -291,6 +291,9 @@ def train(
         slow = SlowFile.from_env()
         hooks.phase("restore")  # judged by the phase limit, not the step rhythm
         step, source = _restore(trainer, flash, clock, point, resume_from)
+        on_gpu = getattr(getattr(trainer, "device", None), "type", "") == "cuda"
+        if on_gpu and dist.get_world_size() > 1:
+            keepworld.all_restored()  # no rank spins on the device while a peer restores
         # the step restored (what the restart really lost) and where it came from
         hooks.phase("train", step=step, source=source)
         if isinstance(trainer, Collectives):  # a waiting rank is judged as a victim
