@@ -141,9 +141,12 @@ def hold_in_place(h: Held, hooks: Hooks, wait_s: float = HOLD_WAIT_S) -> Outcome
 RESTORED_WAIT_S = 2.0
 
 
-def all_restored(wait_s: float = RESTORED_WAIT_S) -> bool:
-    """Wait, over the world's store, until every rank has its restored state in place (False:
-    not within `wait_s`, or the store failed; the caller goes on either way).
+def all_restored(
+    store: Any = None, world: int | None = None, wait_s: float = RESTORED_WAIT_S
+) -> bool:
+    """Wait, over the world's store (default: the default group's), until all `world` ranks
+    have their restored state in place (False: not within `wait_s`, or the store failed;
+    the caller goes on either way).
 
     Used on GPUs before a world's first step. A rank that enters the step first waits for
     the others inside its first collective, and NCCL waits by spinning a kernel on the
@@ -156,8 +159,9 @@ def all_restored(wait_s: float = RESTORED_WAIT_S) -> bool:
 
     key = f"unbroken/restored/{_count.kept}"
     try:
-        store = c10d._get_default_store()
-        if store.add(key, 1) >= dist.get_world_size():
+        store = c10d._get_default_store() if store is None else store
+        world = dist.get_world_size() if world is None else world
+        if store.add(key, 1) >= world:
             store.set(key + "/all", "1")
         end = time.monotonic() + wait_s
         while not store.check([key + "/all"]):

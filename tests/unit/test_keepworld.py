@@ -83,3 +83,37 @@ def test_same_place_compares_the_rank_and_the_world_size(monkeypatch: pytest.Mon
     assert not keepworld.same_place(hpb.Rejoin(env={"RANK": "0"}))
     assert not keepworld.same_place(hpb.Rejoin(env={"WORLD_SIZE": "3"}))
     assert not keepworld.same_place(hpb.Rejoin(unset=["RANK"]))  # back to rank 0
+
+
+def test_every_rank_waits_over_the_store_for_the_others_restores(store: Any) -> None:
+    out: list[Any] = [None] * 3
+    times: list[float] = [0.0] * 3
+
+    def one(i: int, delay: float) -> None:
+        time.sleep(delay)
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+        out[i] = keepworld.all_restored(client, 3, wait_s=5.0)
+        times[i] = time.monotonic()
+
+    threads = [threading.Thread(target=one, args=(i, 0.3 * i)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out == [True, True, True]
+    assert max(times) - min(times) < 0.2  # the first two waited for the last one
+
+
+def test_a_peer_that_never_restores_costs_at_most_the_wait(store: Any) -> None:
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+    t0 = time.monotonic()
+    assert keepworld.all_restored(client, 2, wait_s=0.3) is False
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+
+
+def test_a_dead_store_does_not_stop_the_first_step() -> None:
+    class Dead:
+        def add(self, *a: Any) -> int:
+            raise RuntimeError("Connection reset by peer")
+
+    assert keepworld.all_restored(Dead(), 2) is False
