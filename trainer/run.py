@@ -291,9 +291,6 @@ def train(
         slow = SlowFile.from_env()
         hooks.phase("restore")  # judged by the phase limit, not the step rhythm
         step, source = _restore(trainer, flash, clock, point, resume_from)
-        on_gpu = getattr(getattr(trainer, "device", None), "type", "") == "cuda"
-        if on_gpu and dist.get_world_size() > 1:
-            keepworld.all_restored()  # no rank spins on the device while a peer restores
         # the step restored (what the restart really lost) and where it came from
         hooks.phase("train", step=step, source=source)
         if isinstance(trainer, Collectives):  # a waiting rank is judged as a victim
@@ -430,6 +427,11 @@ def _restore(
             # a shrink rolled back to step 1, 447 steps)
             flash.save(trainer, step, persist=False)  # committed steps stay whole
     mark("restored", step=step, how=restored.source if restored is not None else "none")
+    if getattr(getattr(trainer, "device", None), "type", "") == "cuda":
+        import torch.distributed as dist
+
+        if dist.get_world_size() > 1:
+            keepworld.all_restored()  # no rank spins on the device while a peer restores
     return step, restored.source if restored is not None else ""
 
 
@@ -716,8 +718,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # what the trainer made, about 1 ms instead of 1.6-2 s on a loaded 2-core host.
     gc.freeze()
     forget_dry_run_caches()  # a warm standby's dry run may have guessed another rank
-    # the GPU's first calls, on a side thread while the world is joined (once a process)
-    devicewarm.start(config, int(os.environ.get("LOCAL_RANK", "0") or 0))
+    devicewarm.start(config, int(os.environ.get("LOCAL_RANK", "0") or 0))  # its own thread
     while True:
         before_world = open_sockets()  # what is not the world's: kept when it is left
         owns = init_distributed(config)

@@ -10,6 +10,8 @@ from unbroken.trainer import devicewarm
 from unbroken.trainer.config import TrainConfig
 from unbroken.trainer.flags import add_arguments, to_config
 
+pytestmark = pytest.mark.unit
+
 
 def _config(*argv: str) -> TrainConfig:
     import argparse
