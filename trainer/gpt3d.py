@@ -391,7 +391,7 @@ class GPT3DTrainer:
         if self.trace_step:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            mark(phase)
+            mark(phase, cpu_s=round(time.process_time(), 4))  # which rank computed, which waited
 
     def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor, m: int) -> torch.Tensor:
         """Forward/backward over `m` equal chunks of the local batch, gradients summed with
