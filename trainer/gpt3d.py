@@ -87,6 +87,10 @@ class GPT3DTrainer:
         self.state_version = 0  # bumped whenever the state's tensors may be replaced
         # set by the run loop before a world's first step: its phases are marked (rtrace)
         self.trace_step = False
+        # set before `setup` when a restore follows: the parameters are allocated, not
+        # filled (`uninitialized`), and `init_weights` fills them if nothing was restored
+        self.defer_init = False
+        self.uninitialized = False
         # (flat optimizer key, param group, group key) of every param-group value
         self._groups: list[tuple[str, dict[str, Any], str]] | None = None
         self._shared: list[GroupValue] | None = None  # `_groups` by group and key
@@ -199,8 +203,15 @@ class GPT3DTrainer:
             if p.dp > 1 or p.cp > 1 or bf16:
                 parallel.apply_fsdp(part, self.topo, p, torch.bfloat16 if bf16 else None)
             if meta:
-                init.materialize(part, self.device)
+                init.materialize(part, self.device, values=not self.defer_init)
+        self.uninitialized = meta and self.defer_init
         self.init_s = time.perf_counter() - t_init
+
+    def init_weights(self) -> None:
+        """The initial weights of a model set up with `defer_init` (nothing was restored)."""
+        for part in self.parts:
+            part.reset_parameters()
+        self.uninitialized = False
 
     @staticmethod
     def _optimizer(part: torch.nn.Module, o: OptimConfig) -> torch.optim.Optimizer:

@@ -104,14 +104,19 @@ def fill_(p: torch.Tensor, name: str, seed: int, n_layers: int) -> None:
     local.copy_(box.reshape(local.shape).to(local.dtype))
 
 
-def materialize(module: nn.Module, device: torch.device) -> None:
+def materialize(module: nn.Module, device: torch.device, values: bool = True) -> None:
     """Allocate a meta-device (stage) model's parameters on `device` and initialise them.
 
     Only the local shards are allocated (`to_empty` after tensor parallel and FSDP have
     replaced the parameters with sharded DTensors). The module's `reset_parameters` then
-    fills every parameter by name and rebuilds its non-persistent buffers.
+    fills every parameter by name and rebuilds its non-persistent buffers; with `values`
+    False only the buffers (a restore is about to overwrite every parameter: the caller
+    fills them, `reset_parameters()`, if it does not).
     """
     module.to_empty(device=device)
     reset = getattr(module, "reset_parameters", None)
     assert callable(reset), "the engine's Transformer knows how to initialise itself"
-    reset()
+    if values:
+        reset()
+    else:
+        reset(values=False)

@@ -163,16 +163,17 @@ class Transformer(nn.Module):
         )
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, values: bool = True) -> None:
         """Deterministic init from `seed` and each parameter's name (init.py), and the rotary
-        table; a module on the meta device is left alone (`init.materialize` fills it)."""
+        table (only the table when not `values`); a module on the meta device is left alone
+        (`init.materialize` fills it)."""
         rope = self.rope
         assert isinstance(rope, torch.Tensor)
         if rope.is_meta:
             return
         with torch.no_grad():
             rope.copy_(rope_table(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta))
-            for name, p in self.named_parameters():
+            for name, p in self.named_parameters() if values else ():
                 init.fill_(p, name, self.seed, self.cfg.n_layers)
 
     def set_activation_checkpointing(self, mode: str | bool, every: int = 1) -> None:

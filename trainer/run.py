@@ -283,8 +283,7 @@ def train(
     flash, clock, flash_every = _flash_store(config, rank)
     requests = SaveRequests(hooks)
     try:
-        trainer.setup(config)
-        mark("setup")
+        _setup(trainer, config, flash)
         fingerprints = _fingerprinter(config, trainer)
         point = RestorePoint.from_env()
         faults = FaultFile.from_env(rank)
@@ -329,6 +328,16 @@ def train(
         if out is not None:
             out.close()
     return history
+
+
+def _setup(trainer: Any, config: TrainConfig, flash: FlashCheckpointer | None) -> None:
+    """Set the trainer up for `config`. With a flash store a restore is likely to overwrite
+    the weights: the embedded engine then allocates them without computing their initial
+    values (`defer_init`; `_restore` fills them when nothing was restored)."""
+    if flash is not None and hasattr(trainer, "defer_init"):
+        trainer.defer_init = True
+    trainer.setup(config)
+    mark("setup")
 
 
 def _run_kept(loop: _Loop, step: int, steps: int, hooks: Hooks, requests: SaveRequests) -> None:
@@ -403,6 +412,8 @@ def _restore(
 
     step = 0
     restored = flash.restore(trainer, not_after=point.step) if flash is not None else None
+    if restored is None and getattr(trainer, "uninitialized", False):
+        trainer.init_weights()  # nothing restored: the initial weights after all
     mark("loaded")
     if restored is not None:
         step = restored.step

@@ -36,6 +36,22 @@ def test_meta_model_materialises_to_the_same_weights_and_residuals_are_scaled() 
     assert wo.std() < wq.std() / 2  # 0.02 / sqrt(2 L)
 
 
+def test_a_deferred_init_fills_only_the_buffers_until_the_weights_are_asked_for() -> None:
+    cfg = preset("tiny")
+    with torch.device("meta"):
+        lazy = Transformer(cfg, seed=5)
+    init.materialize(lazy, torch.device("cpu"), values=False)
+    eager = Transformer(cfg, seed=5)
+    assert torch.equal(lazy.rope, eager.rope)  # the non-persistent buffer is built at once
+    with torch.no_grad():
+        for p in lazy.parameters():
+            p.fill_(7.0)  # what a restore would have written
+    assert all(bool((p == 7.0).all()) for p in lazy.parameters())
+    lazy.reset_parameters()  # nothing was restored: the initial weights after all
+    for (name, a), b in zip(lazy.state_dict().items(), eager.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_context_chunks_balance_the_causal_mask_and_cover_the_sequence() -> None:
     cp, seq = 4, 32
     pos = [context.positions(seq, cp, r) for r in range(cp)]
