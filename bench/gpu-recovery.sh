@@ -132,6 +132,8 @@ if [ "${UNWARMED:-0}" = 1 ]; then
     --out "$OUT/recovery-gpu-unwarmed.json" --run-dir /tmp/gpu-runs-unwarmed
   echo "bench exit $?"
 fi
+echo "== tests/gpu"
+timeout 180 $PY -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -5
 # the runs' logs, in parts the device tool brings back (16 MiB each at most)
 tar czf /tmp/gpu-runs.tgz -C /tmp --exclude='*.db' --exclude='member' \
   $(cd /tmp && ls -d gpu-runs gpu-runs-waited gpu-runs-unwarmed 2>/dev/null) 2>/dev/null
