@@ -17,7 +17,7 @@ import psutil
 
 from tests.chaos import checks
 from tests.chaos.driverprobe import read_acks, read_states
-from tests.chaos.faults import KINDS, Injector, plan
+from tests.chaos.faults import ETCD_STOP_S, KINDS, Injector, plan
 from tests.chaos.harness import ChaosCluster, ChaosError
 from unbroken.cli.cluster import until
 
@@ -39,9 +39,10 @@ def run_chaos(
     test: str = "",
     settle_timeout_s: float = 900.0,
     stall_s: float = 180.0,
+    etcd_stop_s: float = ETCD_STOP_S,
 ) -> dict[str, Any]:
     """Run one seeded chaos experiment in `tmp`; return its report (raise on failure)."""
-    faults = plan(seed, n_faults, kinds)
+    faults = plan(seed, n_faults, kinds, etcd_stop_s=etcd_stop_s)
     print(f"chaos seed {seed}: {', '.join(f.describe() for f in faults)}", flush=True)
     c = ChaosCluster(tmp)
     inj = Injector(c, settle_timeout_s, stall_s)
