@@ -521,7 +521,10 @@ def test_torchrun_on_an_evicted_node_is_refused(driver: dict[str, Any], tmp_path
 
 # ---------------------------------------------------------------- in-job rounds (in_job=1)
 
-INJOB_STEPS = 1500
+# the job's steps (and its reference run's): the kill comes once 100 are seen, and the 700
+# left are ~6 s of training on 2 quiet cores (120 steps/s) for the test to kill in; 1,500
+# cost ~12 s more of CI in the job and its reference run, and checked nothing more
+INJOB_STEPS = 800
 INJOB_SCRIPT = ["-m", "unbroken.trainer.examples.ddp_in_job"]
 
 
