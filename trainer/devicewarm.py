@@ -109,7 +109,7 @@ def warm(config: TrainConfig, device: object) -> None:
     with torch.device("meta"):  # nn's default init would draw from the global RNG
         model = Transformer(block, seed=c.seed)
     materialize(model, dev)  # by name, from private generators
-    fp32 = list(model.parameters())
+    fp32: list[torch.Tensor] = list(model.parameters())
     model_c = model.to(dtype) if dtype != torch.float32 else model
     ids = torch.arange(batch * seq, device=dev).remainder(block.vocab_size).reshape(batch, seq)
     loss = cross_entropy(model_c(ids), ids)
