@@ -549,6 +549,12 @@ class TrainConfig:
         the rate is set for (linear scaling; 1 unless data.replica_batch is set)."""
         return self.step_batch / self.data.global_batch
 
+    def uses_cuda(self) -> bool:
+        """Whether this job runs on CUDA: asked for, or `auto` with a GPU present."""
+        import torch
+
+        return self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+
     def check_world(self, world_size: int) -> None:
         """Check that dp × cp × pp × tp equals the number of processes.
 

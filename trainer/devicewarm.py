@@ -59,8 +59,7 @@ def start(config: TrainConfig, device_index: int) -> threading.Thread | None:
         return None
     import torch
 
-    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    if not use_cuda:
+    if not config.uses_cuda():
         return None
     _started = True
     device = torch.device("cuda", device_index)

@@ -120,7 +120,7 @@ class GPT3DTrainer:
         config.check_world(world)
         self.config = c = config
         p = c.parallel
-        use_cuda = c.device == "cuda" or (c.device == "auto" and torch.cuda.is_available())
+        use_cuda = c.uses_cuda()
         if use_cuda:
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:

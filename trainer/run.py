@@ -227,7 +227,7 @@ def init_distributed(config: TrainConfig) -> bool:
 
     if dist.is_initialized():
         return False
-    use_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    use_cuda = config.uses_cuda()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     world = int(os.environ.get("WORLD_SIZE", "1"))
