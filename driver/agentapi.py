@@ -203,14 +203,14 @@ class AgentApi:
         if back and event is not None:
             event.cause = principalquota.RETURNED  # not counted, nor by a later term
         slot = self._take(request, event, relay, context.peer(), now)
-        st = self._lead.journal.state if self._lead.journal is not None else None
+        term, scope = self._lead.journal.term if self._lead.journal is not None else (0, "")
         return dpb.RegisterResponse(
             driver_id=self.driver_id,
             job_id=self.job_id,
             heartbeat_interval_ms=self.config.live.heartbeat_interval_ms,
             miss_limit=self.config.live.miss_limit,
-            leader_term=st.leader_term if st is not None else 0,
-            term_scope=st.leader_scope if st is not None else "",
+            leader_term=term,
+            term_scope=scope,
             report_key=slot.report_key,
             relay_batches=True,
         )

@@ -192,6 +192,8 @@ class Journal:
         decider: what to record for an observation, and the actions after it
             (driver/decider.py; default `RecordOnly`: each observation as it is).
         on_resync: called when events landed unseen (an append that reported failure).
+        term: the leader term and its scope this journal writes under (the election's),
+            known before its `LeaderElected` is recorded; None: the state's.
     """
 
     def __init__(
@@ -205,8 +207,10 @@ class Journal:
         decider: Decider | None = None,
         on_resync: Callable[[], None] | None = None,
         clock: Callable[[], int] = time.time_ns,
+        term: tuple[int, str] | None = None,
     ) -> None:
         self.log = log_
+        self._term = term
         self._clock = clock  # wall time (ns) for the events' stamps
         self._last_wall = 0  # the newest stamp of this term
         self.config = config or JournalConfig()
@@ -243,6 +247,16 @@ class Journal:
         changes under a reader that keeps it across an await; `snapshot()` is a copy.
         """
         return self._state
+
+    @property
+    def term(self) -> tuple[int, str]:
+        """The leader term and scope this journal writes under: the term agents register
+        under and commands carry. The election's from the start, so an agent that
+        registers while `LeaderElected` is being written is not told the previous term's
+        scope (every later command of this term would be refused as of another scope)."""
+        if self._term is not None:
+            return self._term
+        return self._state.leader_term, self._state.leader_scope
 
     def snapshot(self) -> ev.JobState:
         """A copy of the folded state that later records do not change."""

@@ -103,8 +103,8 @@ class DriverService(dgrpc.DriverServicer):
         self.sessions = Sessions(
             self.view,
             driver_id,
-            term=lambda: self.journal.state.leader_term if self.journal is not None else 0,
-            scope=lambda: self.journal.state.leader_scope if self.journal is not None else "",
+            term=lambda: self.journal.term[0] if self.journal is not None else 0,
+            scope=lambda: self.journal.term[1] if self.journal is not None else "",
         )
         self.stopping = asyncio.Event()
         self.keeper = CheckpointKeeper(config, self.leadership, self.view, self.commits, self.send)
@@ -174,6 +174,7 @@ class DriverService(dgrpc.DriverServicer):
         decider: Decider | None = None,
         on_resync: Callable[[], None] | None = None,
         recent: Iterable[ev.Event] = (),
+        term: tuple[int, str] | None = None,
     ) -> Journal:
         """Become the leader of a new term: `log_`'s journal records from now on.
 
@@ -185,6 +186,7 @@ class DriverService(dgrpc.DriverServicer):
             recent: the log's registrations of the last minute
                 (`principalquota.read_recent`): the per-principal quotas start from them
                 and from `state`, not from zero, before the first agent call is taken.
+            term: the election's leader term and scope (driver/journal.py `Journal.term`).
 
         Returns:
             The term's journal (started; the previous term's unrecorded observations are
@@ -200,6 +202,7 @@ class DriverService(dgrpc.DriverServicer):
             on_fenced=self._fenced,
             decider=decider,
             on_resync=on_resync,
+            term=term,
         )
         journal.subscribers.append(self._on_recorded)
         self.leadership.journal = journal

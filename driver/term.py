@@ -85,6 +85,7 @@ class Term:
             decider=self if recovers else RecordOnly(),
             on_resync=self._resync if recovers else None,
             recent=recent,
+            term=(self.leadership.term, self.leadership.scope),
         )
         self.journal = journal
         if recovers:

@@ -14,19 +14,26 @@ scope is checked against an embedded etcd.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
-from tests.inproc import driver
+from tests.inproc import driver, until
 from unbroken.agent.config import AgentConfig
 from unbroken.agent.daemon import Agent
+from unbroken.driver.config import LoopConfig, ServiceConfig
+from unbroken.driver.eventlog import InMemoryEventLog, InMemoryStore, Leadership
+from unbroken.driver.service import DriverService, build_server
+from unbroken.driver.term import Term
 from unbroken.proto import driver_pb2 as dpb
+from unbroken.proto import events_pb2 as ev
 
 pytestmark = pytest.mark.integration
 
@@ -92,6 +99,64 @@ def test_terms_of_another_etcd_cluster_or_incarnation_neither_silence_nor_steer(
             finally:
                 agent.stop.set()
                 await asyncio.wait_for(run, 30)
+
+    asyncio.run(go())
+
+
+class _HeldElection(InMemoryEventLog):
+    """A log whose first append (the term's `LeaderElected`) waits for `release`: the
+    window in which an agent can register with a leader whose election is not yet
+    recorded (an etcd append under load)."""
+
+    def __init__(self, store: InMemoryStore, grant: Leadership) -> None:
+        super().__init__(store, "job", grant)
+        self.release = asyncio.Event()
+
+    async def append_many(self, events: Iterable[ev.Event]) -> list[ev.Event]:
+        events = list(events)
+        if any(e.HasField("leader_elected") for e in events):
+            await self.release.wait()
+        return await super().append_many(events)
+
+
+def test_an_agent_registering_before_the_election_is_recorded_obeys_the_new_leader() -> None:
+    """CI saw an agent register while the new leader's `LeaderElected` was being written:
+    its registration carried the log's previous scope ('') and every command of the term
+    was refused as of another scope until the job gave up. The registration now carries
+    the election's own term and scope."""
+
+    async def go() -> None:
+        store = InMemoryStore()
+        grant = dataclasses.replace(store.elect("d1"), scope="c9.2")
+        store.leader = grant  # the election's grant names its scope, as etcd's does
+        svc = DriverService(ServiceConfig(), driver_id="d1", job_id="job")
+        svc.start()
+        server, port, _ = await build_server(svc, "127.0.0.1:0")
+        log_ = _HeldElection(store, grant)
+        term = Term(svc, log_, grant, f"127.0.0.1:{port}", loop=LoopConfig())
+        begun = asyncio.create_task(term.begin())
+        agent = Agent(AgentConfig(drivers=[f"127.0.0.1:{port}"], node_id="node-a"))
+        run = asyncio.create_task(agent.run())
+        try:
+            await until(lambda: svc.journal is not None, 10, "the term to lead")
+            await _session(svc, agent, grant.term)
+            assert not store.events, "registered after the election was recorded"
+            assert agent.term_scope == "c9.2", agent.term_scope
+            log_.release.set()
+            await asyncio.wait_for(begun, 10)
+            assert svc.journal is not None and svc.journal.state.leader_scope == "c9.2"
+            r = await svc.request("node-a", dpb.DriverMessage(pause=dpb.Pause()), 10)
+            # obeyed past the term check (this agent runs no workers: it says so)
+            assert "scope" not in r.ack.detail and agent.term_seen == grant.term, r
+        finally:
+            log_.release.set()
+            agent.stop.set()
+            await asyncio.wait_for(run, 30)
+            if not begun.done():
+                begun.cancel()
+            await term.end()
+            await server.stop(0)
+            await svc.close()
 
     asyncio.run(go())
 
