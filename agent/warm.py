@@ -357,6 +357,9 @@ def standby_main(argv: Sequence[str] | None = None) -> int:
         renice_process(0, int(job["nice"]))
     os.environ.clear()
     os.environ.update(env)
+    from unbroken.trainer.rtrace import mark  # (json, os and time only)
+
+    mark("handoff")
     module, script, args = str(job["module"]), str(job["script"]), list(job["args"])
     if module:
         # Imported as a plain module by the preload: run it afresh as __main__, as -m would.

@@ -4,9 +4,11 @@ Off unless `UNBROKEN_RECOVERY_TRACE` names a file (bench/recovery.py sets it). E
 one line, `{"t_ns": wall ns, "pid", "rank", "phase", ...}`, appended with one `write` (short
 lines on an O_APPEND file are not interleaved between processes). The phases a worker marks:
 
+- ``handoff``: a warm standby got its worker's environment (agent/warm.py);
 - ``start``: the worker's entry point runs (a cold process after its imports, a warm standby
   at its hand-off);
 - ``left``: a survivor left its step (the agent's hold, or a peer's failed collective);
+- ``flash_closed``: a leaving worker finished its flash copy in flight;
 - ``severed``: it shut the old world's connections down (`sockets`: how many);
 - ``held``: it dropped its process groups and told the agent so;
 - ``rejoin``: the agent's Rejoin (the new world) arrived;
@@ -17,6 +19,7 @@ lines on an O_APPEND file are not interleaved between processes). The phases a w
   same-layout load: the copies surveyed, every rank's gathered, this rank's opened, every
   rank's read agreed, the trainer's state dict taken, the copy put into it, and loaded;
 - ``loaded``: the restore returned;
+- ``prepared``: the flash ring is sized and mapped for the restored state;
 - ``restored``: the agreed step is in place (`how`: ring, kept, none);
 - ``s_batch``, ``s_fwd_bwd``, ``s_optim``, ``s_reduced`` (the embedded engine, after the
   device's work so far): inside that first step, its batch on the device, forward and

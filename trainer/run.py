@@ -322,6 +322,7 @@ def train(
         hooks.phase("checkpoint")
         if flash is not None:
             flash.close()
+            mark("flash_closed")
         if _MATMUL is not None:  # an injected compute fault ends with this run's training
             _MATMUL.set(0.0)
         trainer.close()
@@ -337,7 +338,7 @@ def _setup(trainer: Any, config: TrainConfig, flash: FlashCheckpointer | None) -
     if flash is not None and hasattr(trainer, "defer_init"):
         trainer.defer_init = True
     trainer.setup(config)
-    mark("setup")
+    mark("setup", cpu_s=round(time.process_time(), 4))
 
 
 def _run_kept(loop: _Loop, step: int, steps: int, hooks: Hooks, requests: SaveRequests) -> None:
@@ -414,7 +415,7 @@ def _restore(
     restored = flash.restore(trainer, not_after=point.step) if flash is not None else None
     if restored is None and getattr(trainer, "uninitialized", False):
         trainer.init_weights()  # nothing restored: the initial weights after all
-    mark("loaded")
+    mark("loaded", cpu_s=round(time.process_time(), 4))
     if restored is not None:
         step = restored.step
         if clock is not None:
@@ -430,6 +431,7 @@ def _restore(
         flash.guard(trainer)  # once: every optimizer step waits for the copy in flight
         if restored is not None:  # the state is whole (optimizer state included): size
             flash.prepare(trainer)  # and map the ring now, not inside the first save
+            mark("prepared", cpu_s=round(time.process_time(), 4))
         if restored is not None and restored.resharded:
             # The restored step, in the new layout, into the ring at once: the old layout's
             # copies do not stay (each rank's ring is sized anew), and without it a rollback
