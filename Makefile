@@ -5,7 +5,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
-export PYTHONDONTWRITEBYTECODE = 1
+# Python caches the package's bytecode (in __pycache__, git-ignored): a host or image that
+# turns that off made every worker, agent, driver and CLI start compile the package again
+# (0.17 CPU-s a process here), and a warm standby's hand-off compile the worker's module.
+unexport PYTHONDONTWRITEBYTECODE
 export NO_MKDOCS_2_WARNING = 1
 
 # CI runs the subset that fits in its budget; `make test-all` runs every test.

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from unbroken.common.workerenv import AGENT_PID
-from unbroken.trainer.ncclguard import abort_world
+from unbroken.trainer.ncclguard import abort_world, drop_gloo_world
 from unbroken.trainer.rtrace import mark
 
 if TYPE_CHECKING:
@@ -209,9 +209,11 @@ def leave_world(h: Held, world_since: frozenset[tuple[int, str]] | None = None) 
         mark("severed", sockets=sever(world_since))
     drop_frames(h)
     gc.collect()  # DDP/FSDP state may still hold the group: free it, so it really closes
+    mark("collected")
     _left.groups = world_groups()
-    abort_world()
-    if dist.is_initialized():
+    abort_world()  # NCCL
+    drop_gloo_world()  # gloo: its groups are destroyed on a side thread
+    if dist.is_initialized():  # (another backend, or a torch without what those need)
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
     mark("held")

@@ -180,6 +180,39 @@ def test_leaving_forgets_the_world_at_once_while_its_abort_ends_on_a_side_thread
             dist.destroy_process_group()
 
 
+def test_a_gloo_world_is_left_at_once_and_its_groups_freed_on_a_side_thread() -> None:
+    """`drop_gloo_world` (a survivor leaving its gloo world): the process forgets its world at
+    once and makes the next one while a side thread shuts the old groups down and frees them;
+    the old groups are not used again."""
+    import threading
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    assert not ncclguard.drop_gloo_world()  # no world: nothing to do
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    old = dist.new_group([0])
+    gone = weakref.ref(old)
+    t = torch.ones(3)
+    dist.all_reduce(t, group=old)
+    try:
+        assert ncclguard.drop_gloo_world()
+        assert not dist.is_initialized()
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        group = dist.new_group([0])
+        dist.all_reduce(t, group=group)  # the next world works at once
+        assert t.tolist() == [1.0, 1.0, 1.0] and group is not old
+        for th in [t for t in threading.enumerate() if t.name == "unbroken-gloo-drop"]:
+            th.join(timeout=10)
+            assert not th.is_alive()
+        del old
+        assert gone() is None  # freed: the side thread held the last reference
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_nccls_own_texts_are_peer_failures() -> None:
     assert peer_failure(RuntimeError(NCCL_REMOTE))
     assert peer_failure(RuntimeError(NCCL_ABORTED))
