@@ -5,12 +5,15 @@ one line, `{"t_ns": wall ns, "pid", "rank", "phase", ...}`, appended with one `w
 lines on an O_APPEND file are not interleaved between processes). The phases a worker marks:
 
 - ``handoff``: a warm standby got its worker's environment (agent/warm.py);
+- ``main``: the engine's `main()` was entered (after a hand-off, the module ran afresh);
 - ``start``: the worker's entry point runs (a cold process after its imports, a warm standby
   at its hand-off);
 - ``left``: a survivor left its step (the agent's hold, or a peer's failed collective);
 - ``flash_closed``: a leaving worker finished its flash copy in flight;
 - ``severed``: it shut the old world's connections down (`sockets`: how many);
+- ``collected``: the leaving rank's collection freed the old world's trainer;
 - ``held``: it dropped its process groups and told the agent so;
+- ``dropped``: a side thread freed the old gloo world's groups (trainer/ncclguard.py);
 - ``rejoin``: the agent's Rejoin (the new world) arrived;
 - ``pg_init``: torch.distributed joined the new world;
 - ``setup``: the trainer is built (or kept, `kept=1`);
