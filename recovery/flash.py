@@ -748,11 +748,7 @@ class FlashWriter:
         return ref.manifest
 
     def close(self, timeout_s: float = 600.0) -> None:
-        """Finish the saves in flight and unmap the slots (the files stay: the owner's).
-
-        The writer's threads are not joined: every save is valid once `_drain` returns,
-        and they run at idle priority, so on a busy host a thread woken only to exit waited
-        for an idle core, on a leaving rank's way to its hold (in-job recovery)."""
+        """Finish the saves; unmap the slots (files stay); idle-priority threads not joined."""
         self._drain(timeout_s)
         self._pool.shutdown(wait=False)
         self._sums.shutdown(wait=False)

@@ -5,7 +5,6 @@ one line, `{"t_ns": wall ns, "pid", "rank", "phase", ...}`, appended with one `w
 lines on an O_APPEND file are not interleaved between processes). The phases a worker marks:
 
 - ``handoff``: a warm standby got its worker's environment (agent/warm.py);
-- ``main``: the engine's `main()` was entered (after a hand-off, the module ran afresh);
 - ``start``: the worker's entry point runs (a cold process after its imports, a warm standby
   at its hand-off);
 - ``left``: a survivor left its step (the agent's hold, or a peer's failed collective);

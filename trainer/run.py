@@ -706,7 +706,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m unbroken.trainer.run", description=__doc__.split("\n")[0]
     )
     add_arguments(parser)
-    mark("main")
     args = parser.parse_args(argv)
     if not structlog.is_configured():  # per-step debug lines (flash saves) would flood logs
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
