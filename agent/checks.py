@@ -21,6 +21,7 @@ import sys
 
 from unbroken.agent import warm as warmlib
 from unbroken.agent.launch import exec_wrapper
+from unbroken.common import aio
 from unbroken.diagnostics.check import WARM_READY, WARM_SELFCHECK_KEY
 from unbroken.proto import driver_pb2 as dpb
 
@@ -96,7 +97,7 @@ class WarmCheck:
         if self._proc is not None and self.wait_nice != self.nice:
             warmlib.renice_process(self._proc.pid, self._target)  # the check's own priority
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(ready), wait_s)
+            await aio.wait_for(asyncio.shield(ready), wait_s)
         proc = self._proc
         if not ready.done() or proc is None:
             return None
@@ -157,9 +158,7 @@ async def run_check(
     if warm is not None:
         warm.refill()  # the next check of this diagnosis runs warm
     try:
-        out, err = await asyncio.wait_for(
-            proc.communicate(stdin), timeout_s if timeout_s > 0 else 300
-        )
+        out, err = await aio.wait_for(proc.communicate(stdin), timeout_s if timeout_s > 0 else 300)
     except TimeoutError:
         proc.kill()
         out, err = await proc.communicate()
@@ -227,7 +226,7 @@ async def run_selfcheck(
             stderr=asyncio.subprocess.PIPE,
         )
     try:
-        out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_s)
+        out, err = await aio.wait_for(proc.communicate(stdin), timeout_s)
     except TimeoutError:
         proc.kill()
         await proc.communicate()

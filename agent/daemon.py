@@ -46,7 +46,7 @@ from unbroken.agent.link import AgentExit, DriverLink
 from unbroken.agent.metrics import AgentMetrics
 from unbroken.agent.relay import Relay, RelayConfig
 from unbroken.agent.workers import Supervisor
-from unbroken.common import channel, reportmac
+from unbroken.common import aio, channel, reportmac
 from unbroken.common.faults import FAULT_FILE
 from unbroken.common.paths import group_id
 from unbroken.common.timing import node_timing
@@ -250,7 +250,7 @@ class Agent:
                 # and a reply the driver's loop had not read yet went with it (a clean-clone
                 # CI run: "no reply from n0 in 20 s" to a shutdown whose agent exited 0)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(connect), ENDING_GRACE_S)
+                    await aio.wait_for(asyncio.shield(connect), ENDING_GRACE_S)
             if connect.done():
                 connect.result()
             else:
@@ -456,7 +456,7 @@ class Agent:
         """Wait up to `timeout_s` for a worker's first step (True) or the next slot (False)."""
         if timeout_s > 0:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._beat_soon.wait(), timeout_s)
+                await aio.wait_for(self._beat_soon.wait(), timeout_s)
         kicked = self._beat_soon.is_set()
         self._beat_soon.clear()
         return kicked

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import structlog
 
+from unbroken.common import aio
 from unbroken.common.loopthread import LoopThread
 from unbroken.common.tls import TlsConfig
 from unbroken.common.workerenv import WorkerEnv
@@ -686,7 +687,7 @@ class NodeFlash:
         assert wake is not None, "set by _start before the loop runs"
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), interval)
+                await aio.wait_for(wake.wait(), interval)
             wake.clear()
             try:
                 await self.tick()

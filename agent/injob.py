@@ -34,7 +34,7 @@ from unbroken.agent import procexit
 from unbroken.agent.hang import cap_stacks
 from unbroken.agent.hookserver import HookServer
 from unbroken.agent.workers import Supervisor, Worker, process_stopped
-from unbroken.common import workerenv
+from unbroken.common import aio, workerenv
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import hooks_pb2 as hpb
 
@@ -100,10 +100,10 @@ async def kill(w: Worker, *, reap: bool = True) -> None:
     if not reap:
         return
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(procexit.exit_code(w.proc), 5.0)
+        await aio.wait_for(procexit.exit_code(w.proc), 5.0)
     for t in w.tasks:
         with contextlib.suppress(BaseException):
-            await asyncio.wait_for(t, 2.0)
+            await aio.wait_for(t, 2.0)
 
 
 def hold_limit_s(w: Worker, timeout_s: float = HOLD_TIMEOUT_S) -> float:

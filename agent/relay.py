@@ -52,7 +52,7 @@ from typing import Any
 import grpc
 import structlog
 
-from unbroken.common import channel
+from unbroken.common import aio, channel
 from unbroken.common.serving import MalformedRequests
 from unbroken.common.tls import TlsConfig, server_credentials, token_metadata
 from unbroken.proto import driver_pb2 as dpb
@@ -260,7 +260,7 @@ class Relay(dgrpc.DriverServicer):
     async def _pump(self, me: Member, context: grpc.aio.ServicerContext) -> None:
         while True:
             try:
-                msg = await asyncio.wait_for(me.outbox.get(), TICK_S)
+                msg = await aio.wait_for(me.outbox.get(), TICK_S)
             except TimeoutError:
                 msg = dpb.DriverMessage()  # no command: "this relay is alive"
             await context.write(msg)
@@ -367,7 +367,7 @@ class Relay(dgrpc.DriverServicer):
             tick = self.interval_s / 5  # silence is looked for 5x per interval
             while True:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.flush.wait(), tick)
+                    await aio.wait_for(self.flush.wait(), tick)
                 now = time.monotonic()
                 if not self.flush.is_set():
                     timeout = self.interval_s * self.miss_limit

@@ -58,6 +58,8 @@ from typing import Any
 
 import structlog
 
+from unbroken.common import aio
+
 log = structlog.get_logger(__name__)
 
 #: Environment variables that may differ between a standby's start and its hand-off.
@@ -234,7 +236,7 @@ class Standby:
         job["args"] = list(target.args)
         job["nice"] = self.nice
         loop = asyncio.get_running_loop()
-        await asyncio.wait_for(loop.sock_sendall(self.sock, json.dumps(job).encode() + b"\n"), 5)
+        await aio.wait_for(loop.sock_sendall(self.sock, json.dumps(job).encode() + b"\n"), 5)
         self.close_socket()
         return self.proc
 
@@ -249,7 +251,7 @@ class Standby:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.proc.wait(), 5)
+            await aio.wait_for(self.proc.wait(), 5)
 
 
 async def spawn_standby(

@@ -58,6 +58,7 @@ from unbroken.agent import hang as hanglib
 from unbroken.agent import procexit
 from unbroken.agent import warm as warmlib
 from unbroken.agent.launch import WorkerLaunch, WorkerSpec, exec_wrapper
+from unbroken.common import aio
 from unbroken.common.workerenv import STACKS_END, WARM_ARGV
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
@@ -623,7 +624,7 @@ class Supervisor:
                 stderr=asyncio.subprocess.STDOUT,
             )
             try:
-                out, _ = await asyncio.wait_for(p.communicate(), timeout_s)
+                out, _ = await aio.wait_for(p.communicate(), timeout_s)
                 if p.returncode == 0:
                     return out.decode("utf-8", "replace")
             except TimeoutError:
@@ -721,13 +722,13 @@ class Supervisor:
                 if sig == signal.SIGTERM:
                     os.killpg(w.pid, signal.SIGCONT)
             try:
-                await asyncio.wait_for(procexit.exit_code(w.proc), wait_s)
+                await aio.wait_for(procexit.exit_code(w.proc), wait_s)
                 break
             except TimeoutError:
                 continue
         for t in w.tasks:
             with contextlib.suppress(BaseException):
-                await asyncio.wait_for(t, 2.0)
+                await aio.wait_for(t, 2.0)
         return stacks
 
     async def stop_all(self, grace_s: float = 5.0, *, dump: bool = False) -> dict[int, str]:

@@ -37,6 +37,7 @@ import grpc
 import psutil
 
 from unbroken.agent.checks import CHECK_MODULE
+from unbroken.common import aio
 from unbroken.common.loopthread import LoopThread
 from unbroken.driver import worldsplit
 from unbroken.driver.etcd import (
@@ -608,7 +609,7 @@ class LogWatch:
 
         async def go() -> list[ev.Event]:
             log = await self._open()
-            return list(await asyncio.wait_for(log.read(from_seq), timeout_s))
+            return list(await aio.wait_for(log.read(from_seq), timeout_s))
 
         try:
             return self._loop.call_sync(go(), timeout_s + 5)

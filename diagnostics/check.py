@@ -74,6 +74,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
+from unbroken.common import aio
 from unbroken.common.faults import FaultSpec
 from unbroken.diagnostics.schema import CheckResult, CheckSpec
 
@@ -386,7 +387,7 @@ async def run_spec_process(
         env=env,
     )
     try:
-        out, err = await asyncio.wait_for(proc.communicate(), spec.timeout_s + grace_s)
+        out, err = await aio.wait_for(proc.communicate(), spec.timeout_s + grace_s)
     except TimeoutError:
         proc.kill()
         await proc.wait()

@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 import grpc
 import structlog
 
-from unbroken.common import channel, reportmac
+from unbroken.common import aio, channel, reportmac
 from unbroken.driver import commits as commits_mod
 from unbroken.driver import detectors, paging, principalquota
 from unbroken.driver.commits import Commits
@@ -330,7 +330,7 @@ class AgentApi:
                 # a write cancelled mid-flight would hold back the status: let it finish
                 if ending.writing:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(asyncio.shield(pump), 2.0)
+                        await aio.wait_for(asyncio.shield(pump), 2.0)
                 pump.cancel()
                 code, details, trailing = ending.status
                 await abort(context, code, details, trailing_metadata=trailing)

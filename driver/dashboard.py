@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from unbroken.common import aio
 from unbroken.driver import loghealth
 from unbroken.driver import state as statelib
 from unbroken.driver.dashview import Series, event_json, rank_nodes, state_json, stragglers_json
@@ -189,7 +190,7 @@ class Dashboard:
             for w in list(self._writers):
                 w.close()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+                await aio.wait_for(self._server.wait_closed(), 2.0)
 
     # ------------------------------------------------------------ sampler
     async def _sample_loop(self) -> None:
@@ -237,12 +238,12 @@ class Dashboard:
             if elog is self._source and time.monotonic() - self._read_at < period:
                 return
             try:
-                await asyncio.wait_for(self._read(elog), self.config.read_timeout_s)
+                await aio.wait_for(self._read(elog), self.config.read_timeout_s)
                 self._error = ""
                 if journal is not None and journal is self.service.journal:
                     have = self._follow(journal)
                     if journal.state.last_seq > have:  # recorded while the read was awaited
-                        missed = await asyncio.wait_for(
+                        missed = await aio.wait_for(
                             elog.read(have + 1, journal.state.last_seq),
                             self.config.read_timeout_s,
                         )
@@ -373,7 +374,7 @@ class Dashboard:
                         503, b"too many dashboard connections\n", "text/plain", keep_alive=False
                     )
                 )
-                await asyncio.wait_for(writer.drain(), 2.0)
+                await aio.wait_for(writer.drain(), 2.0)
             writer.close()
             return
         self._conns += 1
@@ -382,7 +383,7 @@ class Dashboard:
             for _ in range(MAX_REQUESTS_PER_CONN):
                 self._idle[writer] = time.monotonic()
                 try:
-                    head = await asyncio.wait_for(
+                    head = await aio.wait_for(
                         reader.readuntil(b"\r\n\r\n"), self.config.idle_timeout_s
                     )
                 except asyncio.IncompleteReadError:
@@ -405,7 +406,7 @@ class Dashboard:
                 )
                 self._writing[writer] = time.monotonic()
                 try:
-                    await asyncio.wait_for(writer.drain(), self.config.idle_timeout_s)
+                    await aio.wait_for(writer.drain(), self.config.idle_timeout_s)
                 finally:
                     self._writing.pop(writer, None)
                 if not req.keep_alive:
@@ -417,7 +418,7 @@ class Dashboard:
                         e.status, f"{e}\n".encode(), "text/plain; charset=utf-8", keep_alive=False
                     )
                 )
-                await asyncio.wait_for(writer.drain(), 2.0)
+                await aio.wait_for(writer.drain(), 2.0)
         except (TimeoutError, ConnectionError):
             pass  # idle or gone: just close
         except Exception:

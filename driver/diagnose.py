@@ -31,6 +31,7 @@ from typing import Protocol
 
 import structlog
 
+from unbroken.common import aio
 from unbroken.diagnostics.check import free_port, group_specs
 from unbroken.diagnostics.runner import (
     Diagnosis,
@@ -394,7 +395,7 @@ async def diagnose_incident(
             on_round(round_event(diagnosis_id, r))
 
     try:
-        d = await asyncio.wait_for(
+        d = await aio.wait_for(
             diagnose(
                 list(suspects),
                 run_group=AgentRunGroup(service, config),

@@ -37,6 +37,7 @@ import grpc
 import structlog
 from aetcd import rpc
 
+from unbroken.common import aio
 from unbroken.driver.etcd import LEASE_TTL_S
 from unbroken.driver.etcdclient import (
     EtcdClient,
@@ -91,7 +92,7 @@ async def refuses(address: str, timeout_s: float) -> bool:
     if not host or not port.isdigit():
         return False
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
+        _, writer = await aio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
     except ConnectionRefusedError:
         return True
     except (OSError, TimeoutError):
@@ -370,7 +371,15 @@ class Election:
         finally:
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # bounded: a task that did not take its cancel must not hold the campaign
+            ended, stuck = await asyncio.wait(tasks, timeout=self.op_timeout_s)
+            for t in ended:  # retrieved, so none is reported as never retrieved
+                _ = t.cancelled() or t.exception()
+            if stuck:
+                self._log.warning(
+                    "a leader watch task ignored its cancel; left behind",
+                    tasks=[t.get_coro().__qualname__ for t in stuck],  # type: ignore[union-attr]
+                )
 
     async def _revoke_if_dead(self) -> None:
         """Return once the current leader's lease is revoked because nothing listens at its

@@ -26,6 +26,7 @@ import grpc
 import structlog
 from aetcd import rpc
 
+from unbroken.common import aio
 from unbroken.driver.etcdcalls import LogCalls
 from unbroken.driver.etcdclient import classify, cmp_op, endpoint_of, first_kv, get_op, put_op
 from unbroken.driver.eventlog import (
@@ -103,7 +104,7 @@ class GroupCommit:
         taken = 0
         try:
             for _ in events:  # room for the whole group before any of it is queued
-                await asyncio.wait_for(self._slots.acquire(), self.calls.timeout_s)
+                await aio.wait_for(self._slots.acquire(), self.calls.timeout_s)
                 taken += 1
         except TimeoutError as err:
             for _ in range(taken):

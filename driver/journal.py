@@ -56,6 +56,7 @@ from typing import Any
 
 import structlog
 
+from unbroken.common import aio
 from unbroken.driver import fold as foldlib
 from unbroken.driver import worldsplit
 from unbroken.driver.decider import Decider, RecordOnly
@@ -322,7 +323,7 @@ class Journal:
         """
         if self._closed:
             raise JournalClosedError("this driver's term has ended; it is not the leader")
-        await asyncio.wait_for(self._lock.acquire(), wait_s)
+        await aio.wait_for(self._lock.acquire(), wait_s)
         try:
             return await self._record_locked(list(events))
         finally:
@@ -401,7 +402,7 @@ class Journal:
         fut: asyncio.Future[list[ev.Event]] = asyncio.get_running_loop().create_future()
         if self._enqueue(Pending(obj, math.nan, fut)) is None:
             raise JournalClosedError("the journal refused the observation (term ended)")
-        return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+        return await aio.wait_for(asyncio.shield(fut), timeout_s)
 
     def _enqueue(self, p: Pending) -> Pending | None:
         if self._closed:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import grpc
 import structlog
 
+from unbroken.common import aio
 from unbroken.driver.detectors import node_id_problem
 from unbroken.driver.eventlog import EventLogError, new_event_id
 from unbroken.driver.journal import Journal
@@ -361,7 +362,7 @@ class LauncherApi:
             )
         if request.report_id:
             try:
-                seen = await asyncio.wait_for(
+                seen = await aio.wait_for(
                     journal.log.find(report_event_id(request.report_id)), self._read_timeout_s
                 )
             except (EventLogError, TimeoutError) as e:
@@ -418,7 +419,7 @@ class LauncherApi:
             return got[0] if got else None
 
         try:
-            events = await asyncio.wait_for(
+            events = await aio.wait_for(
                 asyncio.gather(*(event_of(r.seq) for r in records)), self._read_timeout_s
             )
         except (TimeoutError, EventLogError) as e:
@@ -441,7 +442,7 @@ class LauncherApi:
                 info.shards_error = outside
                 continue
             try:
-                shards = await asyncio.wait_for(
+                shards = await aio.wait_for(
                     asyncio.to_thread(list_shards, rec.uri), self._read_timeout_s
                 )
             except PrunedError:
@@ -515,7 +516,7 @@ class LauncherApi:
                 return resp
             wait_s = request.timeout_s or DEFAULT_WAIT_S
             try:
-                got = await asyncio.wait_for(asyncio.shield(committed), wait_s)
+                got = await aio.wait_for(asyncio.shield(committed), wait_s)
                 resp.committed_step = got.checkpoint_committed.step
                 resp.uri = got.checkpoint_committed.uri
                 return resp

@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from unbroken.common import aio
 from unbroken.proto import driver_pb2 as dpb
 
 # a node that asked this driver for the leader this recently before it won retries fast
@@ -600,7 +601,7 @@ class LiveView:
         await asyncio.sleep(min(floor_s, limit_s))
         if not beat.is_set() and limit_s > floor_s:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(beat.wait(), limit_s - floor_s)
+                await aio.wait_for(beat.wait(), limit_s - floor_s)
 
     def mark_lost(self, slot: NodeSlot) -> None:
         """Stop tracking `slot` (it was declared lost)."""

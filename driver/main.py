@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from unbroken.common import reaper
+from unbroken.common import aio, reaper
 from unbroken.common.config import add_config_flags
 from unbroken.common.config import config_from_args as build
 from unbroken.common.logsetup import setup_logging
@@ -394,7 +394,7 @@ async def _etcd_down(since: float | None, error: Exception, stop: asyncio.Event)
         raise error
     log.warning("etcd unavailable while taking the lead; retrying", error=str(error))
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), ETCD_RETRY_S)
+        await aio.wait_for(stop.wait(), ETCD_RETRY_S)
     return since
 
 
@@ -404,7 +404,7 @@ async def _follow_leader(client: Any, job_id: str, service: DriverService) -> No
 
     while True:
         try:
-            cur = await asyncio.wait_for(electionlib.current_leader(client, job_id), 2.0)
+            cur = await aio.wait_for(electionlib.current_leader(client, job_id), 2.0)
             service.leader_address = cur[1] if cur else ""
         except Exception as e:
             log.warning("could not read the current leader", error=str(e))

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import structlog
 
-from unbroken.common import channel
+from unbroken.common import aio, channel
 from unbroken.common.faults import RuntimeFault
 from unbroken.diagnostics.runner import verdict_event
 from unbroken.driver import goodput as goodputlib
@@ -308,7 +308,7 @@ class OperatorApi:
         last = journal.state.last_seq
         while nxt <= last:
             try:
-                chunk = await asyncio.wait_for(
+                chunk = await aio.wait_for(
                     journal.log.read(nxt, min(last, nxt + READ_CHUNK - 1)),
                     self._read_timeout_s,
                 )

@@ -70,7 +70,7 @@ from typing import Any, TypeVar
 import grpc
 import structlog
 
-from unbroken.common import channel
+from unbroken.common import aio, channel
 from unbroken.driver.etcdclient import Keys
 from unbroken.driver.eventlog import (
     EventLog,
@@ -245,7 +245,7 @@ class RendezvousService(rgrpc.RendezvousServicer):
 
         async def run() -> None:
             try:
-                await asyncio.wait_for(work, self.config.etcd_timeout_s * 2)
+                await aio.wait_for(work, self.config.etcd_timeout_s * 2)
             except (TimeoutError, EventLogError, ValueError) as e:
                 log.warning("rendezvous background work failed", what=what, error=str(e) or repr(e))
 
@@ -338,7 +338,7 @@ class RendezvousService(rgrpc.RendezvousServicer):
             if got is not None or left <= 0:
                 return got
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), min(left, 1.0))
+                await aio.wait_for(changed.wait(), min(left, 1.0))
 
     # ------------------------------------------------------------ state
     async def GetState(

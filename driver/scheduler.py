@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from unbroken.common import aio
 from unbroken.proto import events_pb2 as ev
 
 log = structlog.get_logger(__name__)
@@ -418,7 +419,7 @@ class SchedulerBridge:
         return the answer as stored (with its seq) or, when the log refused it, as made."""
         t0 = time.monotonic()
         try:
-            detail = str(await asyncio.wait_for(coro, self.timeout_s))
+            detail = str(await aio.wait_for(coro, self.timeout_s))
             ok = True
         except TimeoutError:
             detail, ok = f"no answer within {self.timeout_s} s", False
@@ -461,7 +462,7 @@ class SchedulerBridge:
         while not self.journal.closed:  # the term ended: the next leader watches
             await asyncio.sleep(self.config.poll_s)
             try:
-                infos = await asyncio.wait_for(self.scheduler.nodes(), self.timeout_s)
+                infos = await aio.wait_for(self.scheduler.nodes(), self.timeout_s)
                 await self._look(infos)
             except asyncio.CancelledError:
                 raise

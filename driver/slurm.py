@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from unbroken.common import aio
 from unbroken.driver.scheduler import REASON_PREFIX, NodeHealth, NodeInfo, SchedulerError
 
 log = structlog.get_logger(__name__)
@@ -233,7 +234,7 @@ class SlurmScheduler:
                 "the Slurm bin dir"
             ) from e
         try:
-            out, err = await asyncio.wait_for(proc.communicate(), self.config.timeout_s)
+            out, err = await aio.wait_for(proc.communicate(), self.config.timeout_s)
         except TimeoutError as e:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()

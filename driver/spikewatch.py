@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from unbroken.common import aio
 from unbroken.driver import detectors
 from unbroken.proto import events_pb2 as ev
 
@@ -42,7 +43,7 @@ async def watch(loop: RecoveryLoop) -> None:
     beat = view.loss_beat = asyncio.Event()
     while True:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(beat.wait(), period)
+            await aio.wait_for(beat.wait(), period)
         beat.clear()
         s = loop.state
         if s.phase != ev.PHASE_RUNNING or s.last_seq <= spiked_at:

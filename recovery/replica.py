@@ -56,6 +56,7 @@ from typing import Any
 
 import structlog
 
+from unbroken.common import aio
 from unbroken.recovery import copysig, nodekey
 from unbroken.recovery.flashcopy import (
     CopyRef,
@@ -378,9 +379,8 @@ class ReplicaServer:
         else:
             self._active += 1
             try:
-                reply = await asyncio.wait_for(
-                    self._serve(reader, writer, framing, *req), self.config.timeout_s
-                )
+                serving = self._serve(reader, writer, framing, *req)
+                reply = await aio.wait_for(serving, self.config.timeout_s)
             except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
                 reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
             except (ReplicaRefused, ValueError, ssl.SSLError, OSError) as e:
@@ -413,7 +413,7 @@ class ReplicaServer:
         self._pending[writer] = None
         deadline = min(self.config.header_timeout_s, self.config.timeout_s)
         try:
-            return await asyncio.wait_for(self._header(reader, writer, framing), deadline)
+            return await aio.wait_for(self._header(reader, writer, framing), deadline)
         except TimeoutError:
             raise ReplicaRefused(f"no authenticated header within {deadline} s") from None
         finally:
@@ -718,7 +718,7 @@ async def fetch_replica(
         finally:
             writer.close()
 
-    return await asyncio.wait_for(go(), cfg.timeout_s)
+    return await aio.wait_for(go(), cfg.timeout_s)
 
 
 async def send_copy(
@@ -789,7 +789,7 @@ async def send_copy(
         )
 
     try:
-        return await asyncio.wait_for(go(), cfg.timeout_s)
+        return await aio.wait_for(go(), cfg.timeout_s)
     except (TimeoutError, ConnectionError, OSError, CorruptCopyError, ValueError) as e:
         return SendResult(m.rank, m.step, False, f"{type(e).__name__}: {e}")
 
