@@ -233,7 +233,7 @@ async def _inject_fault(agent: Agent, msg: dpb.DriverMessage) -> str:
     if sup is None or agent.fault_file is None:
         raise ValueError(f"{f.kind}: this agent runs no workers (no --worker-cmd)")
     if f.kind == "slow-train":
-        # the trainer reads it each step (trainer/run.py SlowFile)
+        # the trainer reads it each step (trainer/faultfile.py SlowFile)
         write_slow_factor(agent.fault_file.with_name(SLOW_FILE), f.factor or 2.0)
         return f"slow-train: the workers compute {f.factor or 2.0:g}x slower"
     if f.kind in WORKER_FILE_FAULTS:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import structlog
 
-from unbroken.common.faults import WorkerFault
+from unbroken.common.faults import SLOW_FILE, WorkerFault, parse_slow_factor
 from unbroken.common.workerenv import WorkerEnv
 
 log = structlog.get_logger(__name__)
@@ -85,3 +85,39 @@ class FaultFile:
         with contextlib.suppress(OSError), open(self._marks(), "a") as out:
             out.write(f.id + "\n")
         return f
+
+
+@dataclass(slots=True)
+class SlowFile:
+    """The node's injected compute slowdown (`unbroken inject slow-train --factor F`).
+
+    The agent writes `{"factor": F}` atomically next to the fault file; unlike the one-shot
+    faults it lasts (a slow machine stays slow) until a factor of 1 is written. One
+    `os.stat` per step.
+    """
+
+    path: Path
+    factor: float = 1.0
+    _seen: tuple[int, int, int] | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> SlowFile | None:
+        """The slow file beside the one `UNBROKEN_FAULT_FILE` names, or None."""
+        raw = WorkerEnv.from_env(os.environ if env is None else env).fault_file
+        return cls(path=Path(raw).with_name(SLOW_FILE)) if raw else None
+
+    def current(self) -> float:
+        """The factor now in force (1.0: none)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            self._seen, self.factor = None, 1.0
+            return self.factor
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if key != self._seen:
+            self._seen = key
+            try:
+                self.factor = parse_slow_factor(self.path.read_text())
+            except (OSError, ValueError) as e:
+                log.warning("slow file ignored", path=str(self.path), error=str(e))
+        return self.factor

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from unbroken.trainer import context, init, parallel
+from unbroken.trainer import context, init, keeptrainer, parallel
 from unbroken.trainer.config import OptimConfig, TrainConfig
 from unbroken.trainer.data import TextLoader, load_corpus
 from unbroken.trainer.model import Transformer, cross_entropy, moe_layers
@@ -98,6 +98,10 @@ class GPT3DTrainer:
         self.slow_factor = 1.0  # an injected slowdown of this rank's compute (drills)
         # called as the step's timed collective begins (the hooks' "collective" phase)
         self.on_collective: Callable[[], object] | None = None
+        # (rank, world size) it was set up in, and its groups' ranks as it left a world
+        # (trainer/keeptrainer.py: kept across an in-job recovery)
+        self._place: tuple[int, int] = (-1, -1)
+        self._left_groups: dict[str, tuple[int, ...]] | None = None
         # On a GPU, the next batch drawn and copied to the device at the end of a step:
         # (the loader's draw it came from, the loader's position before it, inputs, targets)
         self._prefetched: tuple[Any, dict[str, Any], torch.Tensor, torch.Tensor] | None = None
@@ -127,6 +131,7 @@ class GPT3DTrainer:
             self.device = torch.device("cpu")
         bf16 = c.dtype == "bf16" or (c.dtype == "auto" and use_cuda)
         self.topo = parallel.build_mesh(p, self.device.type)
+        self._place = (dist.get_rank(), world)
         self.log = log.bind(rank=dist.get_rank(), dp=self.topo.dp_rank, pp=self.topo.pp_rank)
 
         self._build_parts(c, bf16)
@@ -512,6 +517,48 @@ class GPT3DTrainer:
         self.state_version += 1
         self._groups = self._shared = None
         self.log.info("trainer state loaded", step=self.step)
+
+    # ---- kept across an in-job recovery (trainer/keeptrainer.py) ----------------------
+    def _meshes(self) -> list[DeviceMesh]:
+        t = self.topo
+        return [m for m in (t.mesh, t.fsdp_mesh, t.expert_replicas) if m is not None]
+
+    def leave_world(self) -> str | None:
+        """Reset what a failed step left half done (FSDP2's `reset_iter_state`), drop the
+        gradients and note the groups' ranks; None: the trainer can be kept."""
+        p = self.config.parallel if self.config is not None else None
+        if p is None or not self.parts:
+            return "not set up"
+        if p.pp > 1 or p.cp > 1 or p.ep > 1 or p.compile or self._owns_pg:
+            return "pipelining, context or expert parallelism, or compilation hold groups"
+        from torch.distributed.fsdp import FSDPModule
+
+        self._left_groups = None
+        for part in self.parts:
+            if isinstance(part, FSDPModule):
+                part.reset_iter_state()  # the root: every group of the part
+        keeptrainer.drop_step_grads(self.parts)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        self._prefetched = None
+        self._left_groups = keeptrainer.group_ranks(self._meshes())
+        return None
+
+    def rejoin_world(self, config: TrainConfig) -> str | None:
+        """Make this layout's groups in the new world and point the kept meshes and FSDP2
+        at them; None when done, else why not (before any group is made)."""
+        if self._left_groups is None:
+            return "left no world"
+        if config != self.config:
+            return "another configuration"
+        if (dist.get_rank(), dist.get_world_size()) != self._place:
+            return f"another place: rank {dist.get_rank()} of {dist.get_world_size()}"
+        assert self.config is not None
+        parallel.build_mesh(self.config.parallel, self.device.type)  # the same groups, made
+        keeptrainer.repoint(self._meshes(), self.parts, self._left_groups)
+        self._left_groups = None
+        self.state_version += 1  # its tensors are restored into next
+        return None
 
     def close(self) -> None:
         """Drop the schedule, stages and optimizers; destroy the group only if we made it."""

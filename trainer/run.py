@@ -48,7 +48,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -57,14 +56,12 @@ from unbroken.common.faults import (
     LOSS_SPIKE,
     SDC,
     SDC_FAULTS,
-    SLOW_FILE,
     WorkerFault,
-    parse_slow_factor,
 )
 from unbroken.common.workerenv import WorkerEnv
-from unbroken.trainer import devicewarm, keepworld, ncclguard, spikewait
+from unbroken.trainer import devicewarm, keeptrainer, keepworld, ncclguard, spikewait
 from unbroken.trainer.config import TrainConfig
-from unbroken.trainer.faultfile import FaultFile
+from unbroken.trainer.faultfile import FaultFile, SlowFile
 from unbroken.trainer.flags import add_arguments, to_config
 from unbroken.trainer.plugin import (
     Batches,
@@ -118,42 +115,6 @@ class RestorePoint:
         w = WorkerEnv.from_env(os.environ if env is None else env)
         skip_from, skip = w.skip_batches or (0, 0)
         return cls(step=w.restore_step, skip_from_step=skip_from, skip_batches=skip)
-
-
-@dataclass(slots=True)
-class SlowFile:
-    """The node's injected compute slowdown (`unbroken inject slow-train --factor F`).
-
-    The agent writes `{"factor": F}` atomically next to the fault file; unlike the one-shot
-    faults it lasts (a slow machine stays slow) until a factor of 1 is written. One
-    `os.stat` per step.
-    """
-
-    path: Path
-    factor: float = 1.0
-    _seen: tuple[int, int, int] | None = None
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> SlowFile | None:
-        """The slow file beside the one `UNBROKEN_FAULT_FILE` names, or None."""
-        raw = WorkerEnv.from_env(os.environ if env is None else env).fault_file
-        return cls(path=Path(raw).with_name(SLOW_FILE)) if raw else None
-
-    def current(self) -> float:
-        """The factor now in force (1.0: none)."""
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            self._seen, self.factor = None, 1.0
-            return self.factor
-        key = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if key != self._seen:
-            self._seen = key
-            try:
-                self.factor = parse_slow_factor(self.path.read_text())
-            except (OSError, ValueError) as e:
-                log.warning("slow file ignored", path=str(self.path), error=str(e))
-        return self.factor
 
 
 @contextlib.contextmanager
@@ -270,26 +231,24 @@ def train(
 
     from unbroken.trainer import checkpoint
     from unbroken.trainer.hookchannel import install
-    from unbroken.trainer.plugin import load_trainer
 
     hooks = install()
     # steps shorter than this ride along in the next report (their mean step time and
     # timings, their peak loss): a datagram per short step would wake the agent each time
     hooks.coalesce_s = STEP_REPORT_EVERY_S
     rank = dist.get_rank()
-    trainer = load_trainer(config.trainer)
     history: list[dict[str, Any]] = []
     out = open(metrics_out, "a") if metrics_out and rank == 0 else None
     flash, clock, flash_every = _flash_store(config, rank)
     requests = SaveRequests(hooks)
+    trainer, kept = _trainer(config, flash)
     try:
-        _setup(trainer, config, flash)
         fingerprints = _fingerprinter(config, trainer)
-        point = RestorePoint.from_env()
-        faults = FaultFile.from_env(rank)
-        slow = SlowFile.from_env()
+        point, faults, slow = RestorePoint.from_env(), FaultFile.from_env(rank), SlowFile.from_env()
         hooks.phase("restore")  # judged by the phase limit, not the step rhythm
         step, source = _restore(trainer, flash, clock, point, resume_from)
+        if kept and not source:  # its live state and a fresh peer's would differ
+            raise RuntimeError("the trainer kept from the last world found no step to restore")
         # the step restored (what the restart really lost) and where it came from
         hooks.phase("train", step=step, source=source)
         if isinstance(trainer, Collectives):  # a waiting rank is judged as a victim
@@ -325,10 +284,25 @@ def train(
             mark("flash_closed")
         if _MATMUL is not None:  # an injected compute fault ends with this run's training
             _MATMUL.set(0.0)
-        trainer.close()
+        # (in `finally`, exc_info is the exception on its way out, if any)
+        if not keeptrainer.keep(trainer, sys.exc_info()[0] is Held and flash is not None):
+            trainer.close()
         if out is not None:
             out.close()
     return history
+
+
+def _trainer(config: TrainConfig, flash: FlashCheckpointer | None) -> tuple[Any, bool]:
+    """This world's trainer and whether it was kept from the last (trainer/keeptrainer.py;
+    only under a flash store, whose restore brings every rank to one step), else a new one."""
+    from unbroken.trainer.plugin import load_trainer
+
+    kept = keeptrainer.take(config) if flash is not None else None
+    if kept is not None:
+        return kept, True
+    trainer = load_trainer(config.trainer)
+    _setup(trainer, config, flash)
+    return trainer, False
 
 
 def _setup(trainer: Any, config: TrainConfig, flash: FlashCheckpointer | None) -> None:

@@ -46,6 +46,8 @@ def test_a_killed_peer_is_replaced_in_job_and_a_suspect_crash_restarts_every_pro
     job.kill_peer_keep_survivor(past=5)
     log = job.worker_log("n0")
     assert "rejoining the new world in this process" in log, log[-3000:]
+    # its model, optimizer and data loader too (trainer/keeptrainer.py)
+    assert "trainer kept across worlds" in log, log[-3000:]
     resumed = _resumes(job)
     assert resumed[-1].mode == "in_job", resumed
     events = job.events()

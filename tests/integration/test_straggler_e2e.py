@@ -3,7 +3,7 @@
 `unbroken driver --nodes 2 --dp 2` runs the tiny trainer on two `unbroken agent --no-start`
 processes plus a spare. Once both nodes have a full window of steps, `InjectFault
 slow-train --factor 1.3` makes n1's trainer spend 30 % more time computing each step (a
-fault the trainer applies, trainer/run.py SlowFile). Nothing else is sent by the test:
+fault the trainer applies, trainer/faultfile.py SlowFile). Nothing else is sent by the test:
 
 - each worker reports its compute and collective-wait time per step; n0 now waits for n1
   in the all-reduce, so only n1's compute grows;

@@ -1,0 +1,84 @@
+"""One rank of tests/integration/test_keep_trainer.py (run under torch.distributed.run).
+
+Trains the embedded engine 5 steps in a gloo world, keeps a copy of its state, trains 3 more
+(the reference), then fails a step in the middle of its backward on every rank (a backward
+hook raises a peer's error, after autograd put gradients into some of FSDP2's unsharded
+parameters), leaves that world as a survivor does (`keeptrainer.keep`, the registry dropped as
+`ncclguard.drop_gloo_world` does), joins a second world on the same store, takes the kept
+trainer, loads the copy and trains 3 steps. Prints one
+JSON line on rank 0: the reference's and the second world's (loss, grad norm) per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from unbroken.trainer import keeptrainer, ncclguard
+from unbroken.trainer.flags import add_arguments, to_config
+from unbroken.trainer.plugin import load_trainer
+
+
+def _clone(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _clone(x) for k, x in v.items()}
+    if isinstance(v, DTensor):
+        return DTensor.from_local(
+            v.to_local().clone(), v.device_mesh, v.placements, shape=v.shape, stride=v.stride()
+        )
+    return v.clone() if torch.is_tensor(v) else v
+
+
+def main() -> None:
+    flags = sys.argv[1:]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    port = int(os.environ["MASTER_PORT"]) + 1
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("w1", store), rank=rank, world_size=world
+    )
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = to_config(parser.parse_args(["--preset", "tiny", "--flash-every", "0", *flags]))
+    trainer = load_trainer(config.trainer)
+    trainer.setup(config)
+    for _ in range(5):
+        trainer.train_step()
+    saved = _clone(trainer.state_dict())
+    ref = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(3))]
+
+    block = list(trainer.parts[0].layers.values())[1]  # type: ignore[attr-defined]
+
+    def peer_failed(*_: Any) -> None:
+        raise RuntimeError("Connection closed by peer (injected in the backward)")
+
+    hook = block.register_full_backward_hook(peer_failed)
+    try:
+        trainer.train_step()
+        raise AssertionError("the step did not fail")
+    except RuntimeError as e:
+        assert "Connection closed by peer" in str(e), e
+    hook.remove()
+    assert keeptrainer.keep(trainer, leaving=True), "the engine's trainer was not kept"
+    ncclguard._forget_registry()  # the world left (its groups stay alive here)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("w2", store), rank=rank, world_size=world
+    )
+    assert keeptrainer.take(config) is trainer, "the kept trainer was not taken"
+    trainer.state_dict()  # as the flash restore does first
+    trainer.load_state_dict(saved)
+    got = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(3))]
+    if rank == 0:
+        print(json.dumps({"ref": ref, "got": got}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""A survivor's kept trainer trains on exactly (trainer/keeptrainer.py).
+
+Two real processes (torch.distributed.run, gloo, the embedded engine's tiny model): a step
+fails in the middle of its backward on every rank; each rank keeps its trainer, joins a new
+world, loads the state of 3 steps before and trains those 3 steps again. Loss and gradient
+norm equal the first time's, bitwise, for FSDP2's sharded and replicated data parallelism.
+Before FSDP2's unsharded gradients were dropped on leaving, the first step after had the
+same loss and another gradient norm (the failed backward's partial gradients added in).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from unbroken.diagnostics.check import free_port
+
+pytestmark = pytest.mark.integration
+
+
+def _run(*flags: str) -> dict[str, list[list[float]]]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+        f"--master-port={free_port()}", "-m", "tests.integration.keeprun",
+        "--dp", "2", *flags,
+    ]  # fmt: skip
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-4000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("{"))
+    result: dict[str, list[list[float]]] = json.loads(line)
+    return result
+
+
+@pytest.mark.parametrize("dp_mode", ["zero3", "replicate"])
+def test_a_kept_trainer_repeats_the_steps_exactly_after_a_failed_backward(dp_mode: str) -> None:
+    r = _run("--dp-mode", dp_mode)
+    assert r["got"] == r["ref"], r
