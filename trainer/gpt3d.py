@@ -98,9 +98,10 @@ class GPT3DTrainer:
         self.slow_factor = 1.0  # an injected slowdown of this rank's compute (drills)
         # called as the step's timed collective begins (the hooks' "collective" phase)
         self.on_collective: Callable[[], object] | None = None
-        # (rank, world size) it was set up in, and its groups' ranks as it left a world
+        # (rank, world size, group counter) it was set up in, and its groups' ranks as it
+        # left a world
         # (trainer/keeptrainer.py: kept across an in-job recovery)
-        self._place: tuple[int, int] = (-1, -1)
+        self._place: tuple[int, int, int] = (-1, -1, -1)
         self._left_groups: dict[str, tuple[int, ...]] | None = None
         # On a GPU, the next batch drawn and copied to the device at the end of a step:
         # (the loader's draw it came from, the loader's position before it, inputs, targets)
@@ -130,8 +131,9 @@ class GPT3DTrainer:
         else:
             self.device = torch.device("cpu")
         bf16 = c.dtype == "bf16" or (c.dtype == "auto" and use_cuda)
+        # the group counter its meshes' names start from (a kept trainer's rejoin checks it)
+        self._place = (dist.get_rank(), world, dist.distributed_c10d._world.group_count)
         self.topo = parallel.build_mesh(p, self.device.type)
-        self._place = (dist.get_rank(), world)
         self.log = log.bind(rank=dist.get_rank(), dp=self.topo.dp_rank, pp=self.topo.pp_rank)
 
         self._build_parts(c, bf16)
@@ -551,8 +553,9 @@ class GPT3DTrainer:
             return "left no world"
         if config != self.config:
             return "another configuration"
-        if (dist.get_rank(), dist.get_world_size()) != self._place:
-            return f"another place: rank {dist.get_rank()} of {dist.get_world_size()}"
+        place = (dist.get_rank(), dist.get_world_size(), dist.distributed_c10d._world.group_count)
+        if place != self._place:  # the counter too: other names, and no group made yet
+            return f"another place: rank, world size, groups before {place} (was {self._place})"
         assert self.config is not None
         parallel.build_mesh(self.config.parallel, self.device.type)  # the same groups, made
         keeptrainer.repoint(self._meshes(), self.parts, self._left_groups)
