@@ -533,6 +533,8 @@ class GPT3DTrainer:
             return "not set up"
         if p.pp > 1 or p.cp > 1 or p.ep > 1 or p.compile or self._owns_pg:
             return "pipelining, context or expert parallelism, or compilation hold groups"
+        if self.device.type != "cpu":  # an aborted NCCL step's events: not tried on a GPU yet
+            return f"not kept on {self.device.type} yet"
         from torch.distributed.fsdp import FSDPModule
 
         self._left_groups = None
