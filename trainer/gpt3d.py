@@ -16,6 +16,7 @@ saved under one mesh loads under another.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import time
@@ -60,6 +61,11 @@ def _clean_fqn(name: str) -> str:
     for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
         name = name.replace(wrapper, "")
     return name
+
+
+def _on_cpu(c: TrainConfig | None) -> TrainConfig | None:
+    """`c` with its device "cpu" when it runs on the CPU ("auto" without a GPU too)."""
+    return dataclasses.replace(c, device="cpu") if c is not None and not c.uses_cuda() else c
 
 
 def _peak_flops(device: torch.device) -> float | None:
@@ -553,7 +559,7 @@ class GPT3DTrainer:
         at them; None when done, else why not (before any group is made)."""
         if self._left_groups is None:
             return "left no world"
-        if config != self.config:
+        if _on_cpu(config) != _on_cpu(self.config):  # a standby's dry run says "cpu"
             return "another configuration"
         place = (dist.get_rank(), dist.get_world_size(), dist.distributed_c10d._world.group_count)
         if place != self._place:  # the counter too: other names, and no group made yet

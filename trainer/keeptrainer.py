@@ -76,6 +76,13 @@ def keep(trainer: Any, leaving: bool) -> bool:
     return True
 
 
+def drop() -> None:
+    """Close a kept trainer nobody will take (a worker without a flash store)."""
+    while _kept:
+        with contextlib.suppress(Exception):
+            _kept.pop().close()
+
+
 def take(config: Any) -> Any | None:
     """The kept trainer, pointed at the current world; None when there is none or it
     cannot be (then it is closed and the caller builds a new one)."""

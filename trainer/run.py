@@ -297,6 +297,8 @@ def _trainer(config: TrainConfig, flash: FlashCheckpointer | None) -> tuple[Any,
     only under a flash store, whose restore brings every rank to one step), else a new one."""
     from unbroken.trainer.plugin import load_trainer
 
+    if flash is None:
+        keeptrainer.drop()
     kept = keeptrainer.take(config) if flash is not None else None
     if kept is not None:
         return kept, True

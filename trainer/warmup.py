@@ -25,10 +25,16 @@ dry run's meshes, which carry its rank's coordinate and group names: the worker'
 forgets them where the real world gives it another place (trainer/rejoin.py
 `forget_dry_run_caches`).
 
-What it leaves is the caches of the calls it made, and its seeded global RNG state, which
-every worker's set-up seeds again. It always runs on the CPU (a standby claims no
-accelerator before it has a rank), and a model of more than `MAX_DRY_RUN_PARAMS` is not
-built: the default model is, in the job's world size. Its log lines are discarded.
+What it leaves is the caches of the calls it made, its seeded global RNG state, which
+every worker's set-up seeds again, and (pp 1) its trainer, kept as a survivor of an in-job
+recovery keeps its own (trainer/keeptrainer.py): a worker whose place (rank, world size)
+and flags are the dry run's, under a flash store, points it at the real world instead of
+building one; its restore then overwrites every tensor the dry run's step touched. A
+restore that finds no step at all then ends the worker (the driver restarts every process),
+which only a job that never saved can meet: standbys are started once the workers step.
+It always runs on the CPU (a standby claims no accelerator before it has a rank), and a
+model of more than `MAX_DRY_RUN_PARAMS` is not built: the default model is, in the job's
+world size. Its log lines are discarded.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ def __unbroken_warm__() -> None:
     except ImportError:
         return
 
+    from unbroken.trainer import keeptrainer
     from unbroken.trainer.flags import add_arguments, to_config
     from unbroken.trainer.gpt3d import GPT3DTrainer
     from unbroken.trainer.rejoin import note_dry_run
@@ -110,7 +117,7 @@ def __unbroken_warm__() -> None:
         # to rank 2 ran rank 0's cached tp mesh, whose group ("19") rank 2 does not have.
         note_dry_run(rank, world)
         try:
-            trainer = GPT3DTrainer()
+            trainer, kept = GPT3DTrainer(), False
             try:
                 trainer.setup(config)
                 # a restore's path: the state of an optimizer that has not stepped, a load
@@ -122,8 +129,11 @@ def __unbroken_warm__() -> None:
                 if p.pp == 1:
                     trainer.train_step()
                     trainer.load_state_dict(trainer.state_dict())
+                    # the worker takes it where its place and flags are these (see above)
+                    kept = keeptrainer.keep(trainer, leaving=True)
             finally:
-                trainer.close()
+                if not kept:
+                    trainer.close()
         finally:
             dist.destroy_process_group()
             sys.excepthook = hook

@@ -281,6 +281,10 @@ def test_crashed_worker_restarts_warm_and_training_continues(
         assert kids[0].is_running() and "in-job rejoin" in agent_log(), agent_log()[-3000:]
         log0 = (tmp_path / "workers" / "worker-0.log").read_text(errors="replace")
         assert "flash.restored" in log0, log0[-2000:]
+        # the survivor its own trainer, the standby its dry run's (trainer/keeptrainer.py)
+        for rank in (0, 1):
+            log = (tmp_path / "workers" / f"worker-{rank}.log").read_text(errors="replace")
+            assert "trainer kept across worlds" in log, log[-2000:]
     except AssertionError as e:
         raise AssertionError(f"{e}\n{logs()}") from None
     finally:
