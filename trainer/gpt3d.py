@@ -141,7 +141,12 @@ class GPT3DTrainer:
         self._place = (dist.get_rank(), world, dist.distributed_c10d._world.group_count)
         self.topo = parallel.build_mesh(p, self.device.type)
         self.log = log.bind(rank=dist.get_rank(), dp=self.topo.dp_rank, pp=self.topo.pp_rank)
+        self._bf16 = bf16
+        self._build(c, bf16)
 
+    def _build(self, c: TrainConfig, bf16: bool) -> None:
+        """Everything of `setup` on the meshes it made (no group is made here)."""
+        p = c.parallel
         self._build_parts(c, bf16)
         self.experts = [prm for part in self.parts for prm in parallel.expert_params(part)]
         self.moes = [m for part in self.parts for m in moe_layers(part)]
@@ -553,6 +558,14 @@ class GPT3DTrainer:
         self._prefetched = None
         self._left_groups = keeptrainer.group_ranks(self._meshes())
         return None
+
+    def start_afresh(self) -> None:
+        """Nothing was restored into this kept trainer: become what a new one is before its
+        first step (model, optimizer, loader built again, weights left to `init_weights`),
+        on the meshes it has: its peers made their groups once."""
+        assert self.config is not None, "set up"
+        self.defer_init, self.step = True, 0
+        self._build(self.config, self._bf16)
 
     def rejoin_world(self, config: TrainConfig) -> str | None:
         """Make this layout's groups in the new world and point the kept meshes and FSDP2

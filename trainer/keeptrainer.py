@@ -21,7 +21,9 @@ or compilation) is kept instead:
 Anything else (another world size or rank, another configuration, a check that fails)
 closes the kept trainer and the worker builds a new one, as before. A check that fails
 after the new groups were made cannot fall back that way (its peers made them once): the
-worker then exits and the driver restarts every process (the fallback of the issue).
+worker then exits and the driver restarts every process (the fallback of the issue). A
+restore that finds no step (every rank starts afresh) rebuilds the kept trainer's model,
+optimizer and loader on its meshes (`restored`): its weights are then a new trainer's.
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ class Rejoinable(Protocol):
         None when it can be; else why not (it is closed as before)."""
         ...
 
+    def start_afresh(self) -> None:
+        """Its first restore in the new world found no step (no rank holds one): become
+        what a new trainer is before its first step, without making any group."""
+        ...
+
     def rejoin_world(self, config: Any) -> str | None:
         """In the new world, before any restore: make its process groups again and point
         the trainer at them. None when done; else why not (called before any group is
@@ -57,6 +64,7 @@ class Rejoinable(Protocol):
 
 
 _kept: list[Any] = []  # at most one: the trainer of the world this rank left
+_taken: list[Any] = []  # the trainer `take` gave, until its first restore
 
 
 def keep(trainer: Any, leaving: bool) -> bool:
@@ -93,6 +101,7 @@ def take(config: Any) -> Any | None:
     if why is None:
         mark("rebound")
         log.info("trainer kept across worlds")
+        _taken[:] = [trainer]
         return trainer
     log.info("trainer rebuilt in the new world", why=why)
     with contextlib.suppress(Exception):
@@ -117,6 +126,17 @@ def drop_step_grads(modules: list[Any]) -> None:
                         unsharded = getattr(p, "_unsharded_param", None)
                         if unsharded is not None:
                             unsharded.grad = None
+
+
+def restored(trainer: Any, found: bool) -> None:
+    """After the first restore in a world: a taken trainer for which no step was found
+    (every rank starts afresh) becomes a new one (`start_afresh`), so its weights are the
+    initial weights every new trainer computes, not what it held."""
+    if _taken and _taken[0] is trainer:
+        _taken.clear()
+        if not found:
+            trainer.start_afresh()
+            log.info("kept trainer started afresh: no rank holds a step")
 
 
 def group_ranks(meshes: list[Any]) -> dict[str, tuple[int, ...]]:

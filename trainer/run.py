@@ -241,14 +241,12 @@ def train(
     out = open(metrics_out, "a") if metrics_out and rank == 0 else None
     flash, clock, flash_every = _flash_store(config, rank)
     requests = SaveRequests(hooks)
-    trainer, kept = _trainer(config, flash)
+    trainer = _trainer(config, flash)
     try:
         fingerprints = _fingerprinter(config, trainer)
         point, faults, slow = RestorePoint.from_env(), FaultFile.from_env(rank), SlowFile.from_env()
         hooks.phase("restore")  # judged by the phase limit, not the step rhythm
         step, source = _restore(trainer, flash, clock, point, resume_from)
-        if kept and not source:  # its live state and a fresh peer's would differ
-            raise RuntimeError("the trainer kept from the last world found no step to restore")
         # the step restored (what the restart really lost) and where it came from
         hooks.phase("train", step=step, source=source)
         if isinstance(trainer, Collectives):  # a waiting rank is judged as a victim
@@ -292,19 +290,19 @@ def train(
     return history
 
 
-def _trainer(config: TrainConfig, flash: FlashCheckpointer | None) -> tuple[Any, bool]:
-    """This world's trainer and whether it was kept from the last (trainer/keeptrainer.py;
-    only under a flash store, whose restore brings every rank to one step), else a new one."""
+def _trainer(config: TrainConfig, flash: FlashCheckpointer | None) -> Any:
+    """This world's trainer: the one kept from the last (trainer/keeptrainer.py; only under
+    a flash store, whose restore brings every rank to one step), else a new one, set up."""
     from unbroken.trainer.plugin import load_trainer
 
     if flash is None:
         keeptrainer.drop()
     kept = keeptrainer.take(config) if flash is not None else None
     if kept is not None:
-        return kept, True
+        return kept
     trainer = load_trainer(config.trainer)
     _setup(trainer, config, flash)
-    return trainer, False
+    return trainer
 
 
 def _setup(trainer: Any, config: TrainConfig, flash: FlashCheckpointer | None) -> None:
@@ -389,6 +387,7 @@ def _restore(
 
     step = 0
     restored = flash.restore(trainer, not_after=point.step) if flash is not None else None
+    keeptrainer.restored(trainer, restored is not None)  # a kept one, if nothing: afresh
     if restored is None and getattr(trainer, "uninitialized", False):
         trainer.init_weights()  # nothing restored: the initial weights after all
     mark("loaded", cpu_s=round(time.process_time(), 4))

@@ -29,9 +29,8 @@ What it leaves is the caches of the calls it made, its seeded global RNG state, 
 every worker's set-up seeds again, and (pp 1) its trainer, kept as a survivor of an in-job
 recovery keeps its own (trainer/keeptrainer.py): a worker whose place (rank, world size)
 and flags are the dry run's, under a flash store, points it at the real world instead of
-building one; its restore then overwrites every tensor the dry run's step touched. A
-restore that finds no step at all then ends the worker (the driver restarts every process),
-which only a job that never saved can meet: standbys are started once the workers step.
+building one; its restore then overwrites every tensor the dry run's step touched (or,
+when no rank holds a step, it is built again on its meshes: a new trainer's weights).
 It always runs on the CPU (a standby claims no accelerator before it has a rank), and a
 model of more than `MAX_DRY_RUN_PARAMS` is not built: the default model is, in the job's
 world size. Its log lines are discarded.

@@ -1,11 +1,13 @@
 """One rank of tests/integration/test_keep_trainer.py (run under torch.distributed.run).
 
-Trains the embedded engine 5 steps in a gloo world, keeps a copy of its state, trains 3 more
-(the reference), then fails a step in the middle of its backward on every rank (a backward
+Trains the embedded engine from its initial weights 5 steps in a gloo world (the first 3
+are the `afresh` reference), keeps a copy of its state, trains 3 more (the `load`
+reference), then fails a step in the middle of its backward on every rank (a backward
 hook raises a peer's error, after autograd put gradients into some of FSDP2's unsharded
 parameters), leaves that world as a survivor does (`keeptrainer.keep`, the registry dropped as
 `ncclguard.drop_gloo_world` does), joins a second world on the same store, takes the kept
-trainer, loads the copy and trains 3 steps. Prints one
+trainer, and either loads the copy (`load`) or, as when the restore finds no step on any
+rank, lets it start afresh (`afresh`), and trains 3 steps. Prints one
 JSON line on rank 0: the reference's and the second world's (loss, grad norm) per step.
 """
 
@@ -37,7 +39,7 @@ def _clone(v: Any) -> Any:
 
 
 def main() -> None:
-    flags = sys.argv[1:]
+    mode, flags = sys.argv[1], sys.argv[2:]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     port = int(os.environ["MASTER_PORT"]) + 1
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
@@ -48,8 +50,11 @@ def main() -> None:
     add_arguments(parser)
     config = to_config(parser.parse_args(["--preset", "tiny", "--flash-every", "0", *flags]))
     trainer = load_trainer(config.trainer)
+    trainer.defer_init = True  # as under a flash store (trainer/run.py `_setup`)
     trainer.setup(config)
-    for _ in range(5):
+    trainer.init_weights()  # nothing restored: a fresh start
+    first = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(3))]
+    for _ in range(2):
         trainer.train_step()
     saved = _clone(trainer.state_dict())
     ref = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(3))]
@@ -72,8 +77,14 @@ def main() -> None:
         "gloo", store=dist.PrefixStore("w2", store), rank=rank, world_size=world
     )
     assert keeptrainer.take(config) is trainer, "the kept trainer was not taken"
-    trainer.state_dict()  # as the flash restore does first
-    trainer.load_state_dict(saved)
+    if mode == "afresh":  # the restore found no step on any rank
+        keeptrainer.restored(trainer, False)
+        trainer.init_weights()
+        ref = first
+    else:
+        keeptrainer.restored(trainer, True)
+        trainer.state_dict()  # as the flash restore does first
+        trainer.load_state_dict(saved)
     got = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(3))]
     if rank == 0:
         print(json.dumps({"ref": ref, "got": got}), flush=True)

@@ -3,7 +3,8 @@
 Two real processes (torch.distributed.run, gloo, the embedded engine's tiny model): a step
 fails in the middle of its backward on every rank; each rank keeps its trainer, joins a new
 world, loads the state of 3 steps before and trains those 3 steps again. Loss and gradient
-norm equal the first time's, bitwise, for FSDP2's sharded and replicated data parallelism.
+norm equal the first time's, bitwise, for FSDP2's sharded and replicated data parallelism;
+and when no step is found, the kept trainer starts as a new one would.
 Before FSDP2's unsharded gradients were dropped on leaving, the first step after had the
 same loss and another gradient norm (the failed backward's partial gradients added in).
 """
@@ -22,11 +23,11 @@ from unbroken.diagnostics.check import free_port
 pytestmark = pytest.mark.integration
 
 
-def _run(*flags: str) -> dict[str, list[list[float]]]:
+def _run(mode: str, *flags: str) -> dict[str, list[list[float]]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-        f"--master-port={free_port()}", "-m", "tests.integration.keeprun",
+        f"--master-port={free_port()}", "-m", "tests.integration.keeprun", mode,
         "--dp", "2", *flags,
     ]  # fmt: skip
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
@@ -38,5 +39,12 @@ def _run(*flags: str) -> dict[str, list[list[float]]]:
 
 @pytest.mark.parametrize("dp_mode", ["zero3", "replicate"])
 def test_a_kept_trainer_repeats_the_steps_exactly_after_a_failed_backward(dp_mode: str) -> None:
-    r = _run("--dp-mode", dp_mode)
+    r = _run("load", "--dp-mode", dp_mode)
+    assert r["got"] == r["ref"], r
+
+
+def test_a_kept_trainer_whose_restore_finds_nothing_starts_as_a_new_one() -> None:
+    """No rank holds a step: the kept trainer is built again on its meshes, and its first
+    three steps are a new trainer's, bitwise (not the steps of the weights it held)."""
+    r = _run("afresh")
     assert r["got"] == r["ref"], r

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.unit
 class _Trainer:
     def __init__(self, leave: str | None = None, rejoin: str | None = None) -> None:
         self.leave, self.rejoin = leave, rejoin
-        self.closed = False
+        self.closed = self.afresh = False
         self.rejoined_with: Any = None
 
     def leave_world(self) -> str | None:
@@ -26,6 +26,9 @@ class _Trainer:
     def rejoin_world(self, config: Any) -> str | None:
         self.rejoined_with = config
         return self.rejoin
+
+    def start_afresh(self) -> None:
+        self.afresh = True
 
     def close(self) -> None:
         self.closed = True
@@ -68,3 +71,15 @@ def test_a_rejoin_whose_groups_differ_ends_the_worker() -> None:
     assert keeptrainer.keep(Mismatch(), leaving=True)
     with pytest.raises(RuntimeError, match="groups differ"):
         keeptrainer.take("config")
+
+
+def test_a_taken_trainer_starts_afresh_when_its_first_restore_found_nothing() -> None:
+    t, other = _Trainer(), _Trainer()
+    assert keeptrainer.keep(t, leaving=True) and keeptrainer.take("config") is t
+    keeptrainer.restored(other, False)  # not the taken one: nothing happens
+    assert not other.afresh and not t.afresh
+    keeptrainer.restored(t, False)
+    assert t.afresh
+    t.afresh = False
+    keeptrainer.restored(t, False)  # its first restore only
+    assert not t.afresh
