@@ -105,8 +105,7 @@ class GPT3DTrainer:
         # called as the step's timed collective begins (the hooks' "collective" phase)
         self.on_collective: Callable[[], object] | None = None
         # (rank, world size, group counter) it was set up in, and its groups' ranks as it
-        # left a world
-        # (trainer/keeptrainer.py: kept across an in-job recovery)
+        # left a world (trainer/keeptrainer.py: kept across an in-job recovery)
         self._place: tuple[int, int, int] = (-1, -1, -1)
         self._left_groups: dict[str, tuple[int, ...]] | None = None
         # On a GPU, the next batch drawn and copied to the device at the end of a step:

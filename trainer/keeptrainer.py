@@ -29,6 +29,7 @@ optimizer and loader on its meshes (`restored`): its weights are then a new trai
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import structlog
@@ -115,17 +116,22 @@ def drop_step_grads(modules: list[Any]) -> None:
     accumulated gradient. `reset_iter_state` reshards but leaves both, and the next
     backward added to them (a test's first step after a rollback had the same loss and
     another gradient norm)."""
+    for g in _fsdp_groups(modules):
+        for p in g.fsdp_params:
+            p.unsharded_accumulated_grad = None
+            unsharded = getattr(p, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+
+
+def _fsdp_groups(modules: list[Any]) -> Iterator[Any]:
+    """Every FSDP2 parameter group under `modules`."""
     from torch.distributed.fsdp import FSDPModule
 
     for root in modules:
         for m in root.modules():
             if isinstance(m, FSDPModule):
-                for g in m._get_fsdp_state()._fsdp_param_groups:
-                    for p in g.fsdp_params:
-                        p.unsharded_accumulated_grad = None
-                        unsharded = getattr(p, "_unsharded_param", None)
-                        if unsharded is not None:
-                            unsharded.grad = None
+                yield from m._get_fsdp_state()._fsdp_param_groups
 
 
 def restored(trainer: Any, found: bool) -> None:
@@ -161,7 +167,6 @@ def repoint(meshes: list[Any], modules: list[Any], before: dict[str, tuple[int, 
         RuntimeError: a group is missing or holds other ranks than `before` says.
     """
     from torch.distributed.distributed_c10d import _resolve_process_group
-    from torch.distributed.fsdp import FSDPModule
 
     now = group_ranks(meshes)
     if now != before:
@@ -172,17 +177,13 @@ def repoint(meshes: list[Any], modules: list[Any], before: dict[str, tuple[int, 
         for name in list(reg):
             reg[name] = _resolve_process_group(name)
     seen: set[int] = set()
-    for root in modules:
-        for m in root.modules():
-            if not isinstance(m, FSDPModule):
-                continue
-            for g in m._get_fsdp_state()._fsdp_param_groups:
-                infos = [g.mesh_info, g.post_forward_mesh_info]
-                infos += [i for p in g.fsdp_params for i in (p.mesh_info, p.post_forward_mesh_info)]
-                for info in infos:
-                    if info is not None and id(info) not in seen:
-                        seen.add(id(info))
-                        _repoint_info(info)
+    for g in _fsdp_groups(modules):
+        infos = [g.mesh_info, g.post_forward_mesh_info]
+        infos += [i for p in g.fsdp_params for i in (p.mesh_info, p.post_forward_mesh_info)]
+        for info in infos:
+            if info is not None and id(info) not in seen:
+                seen.add(id(info))
+                _repoint_info(info)
 
 
 def _repoint_info(info: Any) -> None:
