@@ -84,6 +84,11 @@ def at_boundary() -> Iterator[None]:
         _boundary.clear()
 
 
+def active() -> NcclGuard | None:
+    """The guard watching this process's world (None: none runs)."""
+    return _active
+
+
 def tripped() -> str:
     """Why the running guard aborted the world ("" when it did not, or none runs)."""
     g = _active

@@ -59,7 +59,7 @@ from unbroken.common.faults import (
     WorkerFault,
 )
 from unbroken.common.workerenv import WorkerEnv
-from unbroken.trainer import devicewarm, keeptrainer, keepworld, ncclguard, spikewait
+from unbroken.trainer import devicewarm, keeptrainer, keepworld, ncclguard, spikewait, stepthread
 from unbroken.trainer.config import TrainConfig
 from unbroken.trainer.faultfile import FaultFile, SlowFile
 from unbroken.trainer.flags import add_arguments, to_config
@@ -283,7 +283,9 @@ def train(
         if _MATMUL is not None:  # an injected compute fault ends with this run's training
             _MATMUL.set(0.0)
         # (in `finally`, exc_info is the exception on its way out, if any)
-        if not keeptrainer.keep(trainer, sys.exc_info()[0] is Held and flash is not None):
+        # (a step left on its thread may still touch the trainer: trainer/stepthread.py)
+        held = sys.exc_info()[0] is Held and not stepthread.stepping(trainer)
+        if not keeptrainer.keep(trainer, held and flash is not None):
             trainer.close()
         if out is not None:
             out.close()
@@ -496,9 +498,9 @@ def _one_step(lp: _Loop, step: int) -> int:
     if fault is not None:
         log.warning("fault applied", kind=fault.kind, step=step + 1, id=fault.id)
         with applied_fault(trainer, fault):
-            m = trainer.train_step()
+            m = stepthread.run(trainer.train_step, trainer)
     else:
-        m = trainer.train_step()
+        m = stepthread.run(trainer.train_step, trainer)
     if ncclguard.tripped():  # the step ran on an aborted (NCCL) or shut (gloo) world
         raise Held(f"world aborted by its guard: {ncclguard.tripped()}", step)
     stepped = time.perf_counter()
