@@ -203,6 +203,15 @@ class SpikeDetector:
             level = min(level, median(islice(self._window, len(self._window) - n, None)))
         return level > 0 and loss >= self.config.instant_ratio * level
 
+    def history(self) -> list[float]:
+        """The accepted losses of the baseline, oldest first."""
+        return list(self._window)
+
+    def adopt(self, losses: list[float]) -> None:
+        """Take `losses` (another detector's `history`) as this baseline."""
+        self._window = deque(losses[-self.config.window :])
+        self._pending.clear()
+
     def reset(self) -> None:
         """Forget the baseline (e.g. after a change of learning-rate schedule)."""
         self._window.clear()

@@ -247,6 +247,7 @@ def train(
         point, faults, slow = RestorePoint.from_env(), FaultFile.from_env(rank), SlowFile.from_env()
         hooks.phase("restore")  # judged by the phase limit, not the step rhythm
         step, source = _restore(trainer, flash, clock, point, resume_from)
+        spikes = _spike_wait(hooks, requests)
         # the step restored (what the restart really lost) and where it came from
         hooks.phase("train", step=step, source=source)
         if isinstance(trainer, Collectives):  # a waiting rank is judged as a victim
@@ -267,8 +268,7 @@ def train(
             out=out,
             rank=rank,
             fingerprints=fingerprints,
-            # only a rank an agent holds: its driver decides rollbacks
-            spikes=spikewait.shared(requests.held, hooks.flush_steps) if hooks.replies else None,
+            spikes=spikes,
         )
         _run_kept(loop, step, config.steps, hooks, requests)
         if save_to:
@@ -290,6 +290,19 @@ def train(
         if out is not None:
             out.close()
     return history
+
+
+def _spike_wait(hooks: Hooks, requests: SaveRequests) -> spikewait.SpikeWait | None:
+    """The spike wait of a rank an agent holds (its driver decides rollbacks; None for any
+    other), its baseline agreed with the world's (a new process takes its peers')."""
+    import torch.distributed as dist
+
+    if not hooks.replies:
+        return None
+    spikes = spikewait.shared(requests.held, hooks.flush_steps)
+    if dist.get_world_size() > 1:
+        spikes.agree()
+    return spikes
 
 
 def _trainer(config: TrainConfig, flash: FlashCheckpointer | None) -> Any:

@@ -10,7 +10,8 @@ itself, one step past the step the rollback restores.
 
 The baseline outlives a world: an in-job recovery's rejoin starts the step loop again in
 the same process, with the losses before it still the curve (`shared`; a restore more than
-`RESTORE_RESET_STEPS` back starts a new baseline, as the driver's does).
+`RESTORE_RESET_STEPS` back starts a new baseline, as the driver's does). A new process
+takes its peers' baseline as its world starts (`agree`).
 
 The wait is bounded (`WAIT_S`, under the agent's 1 s hang floor): when no hold comes (the
 driver judged otherwise, or this rank's baseline was not the driver's) training goes on.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 
@@ -92,6 +94,24 @@ class SpikeWait:
         self.holds += 1
         log.info("held after the spike", step=step, waited_s=round(time.monotonic() - t0, 3))
         return True
+
+    def agree(self) -> None:
+        """Take the longest baseline of the world's ranks (a collective: every rank calls it
+        as the world starts). A replaced rank's process is new and its baseline empty; it
+        did not judge the next spike (too little history), went on into the next step's
+        collectives while its peers waited at the spiked one, and the rollback, finding the
+        world not held at one boundary, waited out its agreement and left it (`make run`,
+        2026-12-04: the loss spike resumed in 3.2 s). Every rank sees the same all-reduced
+        losses, so a survivor's baseline is the newcomer's too."""
+        import torch.distributed as dist
+
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (self.last_step, self.detector.history()))
+        last_step, losses = max(everyone, key=lambda e: len(e[1]))
+        if len(losses) > len(self.detector.history()):
+            self.detector.adopt(losses)
+            self.last_step = last_step
+            log.info("spike baseline taken from a peer", losses=len(losses), step=last_step)
 
 
 _shared: SpikeWait | None = None
