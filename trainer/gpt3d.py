@@ -541,8 +541,8 @@ class GPT3DTrainer:
         p = self.config.parallel if self.config is not None else None
         if p is None or not self.parts:
             return "not set up"
-        if p.pp > 1 or p.cp > 1 or p.ep > 1 or p.compile or self._owns_pg:
-            return "pipelining, context or expert parallelism, or compilation hold groups"
+        if p.cp > 1 or p.ep > 1 or p.compile or self._owns_pg:
+            return "context or expert parallelism, or compilation hold groups"
         if self.device.type != "cpu":  # an aborted NCCL step's events: not tried on a GPU yet
             return f"not kept on {self.device.type} yet"
         from torch.distributed.fsdp import FSDPModule
@@ -551,6 +551,13 @@ class GPT3DTrainer:
         for part in self.parts:
             if isinstance(part, FSDPModule):
                 part.reset_iter_state()  # the root: every group of the part
+                if p.pp > 1:  # as pipelining leaves them after a whole step (its last
+                    part.set_is_last_backward(True)  # reduction), not a failed one
+                    part.set_reshard_after_backward(True)
+                    part.set_requires_gradient_sync(True)
+        # pipelining's stages hold the old pp group and the failed step's buffers: made
+        # again on the kept parts in the next world (`rejoin_world`), as a new trainer's are
+        self.schedule, self.stages, self.timer = None, [], None
         keeptrainer.drop_step_grads(self.parts)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
@@ -577,9 +584,14 @@ class GPT3DTrainer:
         if place != self._place:  # the counter too: other names, and no group made yet
             return f"another place: rank, world size, groups before {place} (was {self._place})"
         assert self.config is not None
-        parallel.build_mesh(self.config.parallel, self.device.type)  # the same groups, made
+        p = self.config.parallel
+        parallel.build_mesh(p, self.device.type)  # the same groups, made
         keeptrainer.repoint(self._meshes(), self.parts, self._left_groups)
         self._left_groups = None
+        if p.pp > 1:  # new stages on the kept parts: the first step infers their shapes
+            self.schedule, self.stages, self.timer = parallel.build_schedule(  # as a new
+                self.parts, self.stage_ids, p, self.topo, self.device, cross_entropy
+            )  # trainer's do (and its peers' stages, new or kept, exchange them alike)
         self.state_version += 1  # its tensors are restored into next
         return None
 

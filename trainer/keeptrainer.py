@@ -4,8 +4,8 @@ A rank whose peer failed leaves its world (trainer/rejoin.py) and, until now, cl
 trainer and built a new one in the next world: the model, its FSDP wrapping, the optimizer,
 the data loader, then `state_dict()` once to size the restore, about 0.06-0.12 s of CPU
 on a loaded 2-core host, run while the replacement does the same. A trainer that can
-(`Rejoinable`: the embedded engine without pipelining, context or expert parallelism,
-or compilation) is kept instead:
+(`Rejoinable`: the embedded engine without context or expert parallelism or compilation;
+with pipelining it makes new stages on the kept parts) is kept instead:
 
 - leaving (`keep`, as `train` ends by `Held`): the trainer resets what the failed step
   left half done (FSDP2's own `reset_iter_state`: pending all-gathers and reductions,

@@ -26,7 +26,7 @@ forgets them where the real world gives it another place (trainer/rejoin.py
 `forget_dry_run_caches`).
 
 What it leaves is the caches of the calls it made, its seeded global RNG state, which
-every worker's set-up seeds again, and (pp 1) its trainer, kept as a survivor of an in-job
+every worker's set-up seeds again, and its trainer, kept as a survivor of an in-job
 recovery keeps its own (trainer/keeptrainer.py): a worker whose place (rank, world size)
 and flags are the dry run's, under a flash store, points it at the real world instead of
 building one; its restore then overwrites every tensor the dry run's step touched (or,
@@ -128,8 +128,9 @@ def __unbroken_warm__() -> None:
                 if p.pp == 1:
                     trainer.train_step()
                     trainer.load_state_dict(trainer.state_dict())
-                    # the worker takes it where its place and flags are these (see above)
-                    kept = keeptrainer.keep(trainer, leaving=True)
+                # the worker takes it where its place and flags are these (see above); with
+                # pp > 1 its pipeline stages are made in the real world, as a survivor's are
+                kept = keeptrainer.keep(trainer, leaving=True)
             finally:
                 if not kept:
                     trainer.close()

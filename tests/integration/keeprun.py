@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from unbroken.trainer import keeptrainer, ncclguard
 from unbroken.trainer.flags import add_arguments, to_config
 from unbroken.trainer.plugin import load_trainer
+from unbroken.trainer.rejoin import open_sockets, peer_failure, sever
 
 
 def _clone(v: Any) -> Any:
@@ -43,6 +44,7 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     port = int(os.environ["MASTER_PORT"]) + 1
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
+    before = open_sockets()  # the first world's pairs are what a leaving rank shuts down
     dist.init_process_group(
         "gloo", store=dist.PrefixStore("w1", store), rank=rank, world_size=world
     )
@@ -59,7 +61,7 @@ def main() -> None:
     saved = _clone(trainer.state_dict())
     ref = [(m["loss"], m["grad_norm"]) for m in (trainer.train_step() for _ in range(3))]
 
-    block = list(trainer.parts[0].layers.values())[1]  # type: ignore[attr-defined]
+    block = list(trainer.parts[0].layers.values())[-1]  # type: ignore[attr-defined]
 
     def peer_failed(*_: Any) -> None:
         raise RuntimeError("Connection closed by peer (injected in the backward)")
@@ -69,7 +71,9 @@ def main() -> None:
         trainer.train_step()
         raise AssertionError("the step did not fail")
     except RuntimeError as e:
-        assert "Connection closed by peer" in str(e), e
+        assert peer_failure(e), repr(e)  # the whole chain (pipelining wraps it)
+        if config.parallel.pp > 1:  # the last stage failed; the first waits for its grads
+            sever(before)  # as a leaving rank does (trainer/rejoin.py): its peer's wait fails
     hook.remove()
     assert keeptrainer.keep(trainer, leaving=True), "the engine's trainer was not kept"
     ncclguard._forget_registry()  # the world left (its groups stay alive here)

@@ -103,8 +103,8 @@ def test_a_killed_rank_in_a_pp2_tp2_world_is_replaced_in_job(job: Job) -> None:
     is SIGKILLed. Its tp peer fails inside pipelining's backward (a bare RuntimeError raised
     from gloo's), and rank 0 is blocked in its optimizer's collective with rank 1, which
     only a closed connection ends. Every survivor must leave the world and rejoin in its own
-    process: the recovery stays in-job, with no hang suspected and no process but the
-    killed one replaced."""
+    process, keeping its trainer: the recovery stays in-job, with no hang suspected and no
+    process but the killed one replaced."""
     cmd = f"{job.worker_cmd(1)} --pp 2 --tp 2"  # the last --dp wins: dp1×pp2×tp2
     job.start_driver(
         "--workers-per-node", "2", "--dp", "1", "--pp", "2", "--tp", "2",
@@ -135,3 +135,8 @@ def test_a_killed_rank_in_a_pp2_tp2_world_is_replaced_in_job(job: Job) -> None:
     # exited is in the agents' hold lines and its log)
     why = [ln for n in ("n0", "n1") for ln in job.log(n).splitlines() if "in-job hold" in ln]
     assert kept <= now, (kept, now, why, job.logs())
+    # and their trainers (new pipeline stages on the kept parts), but for a rank whose step
+    # gloo lost and which left it on its thread (trainer/stepthread.py)
+    for node, i in (("n0", 0), ("n0", 1), ("n1", 0)):
+        log = (job.tmp / "workers" / node / f"worker-{i}.log").read_text(errors="replace")
+        assert "trainer kept across worlds" in log or "step left on its thread" in log, log

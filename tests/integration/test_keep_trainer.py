@@ -48,3 +48,11 @@ def test_a_kept_trainer_whose_restore_finds_nothing_starts_as_a_new_one() -> Non
     three steps are a new trainer's, bitwise (not the steps of the weights it held)."""
     r = _run("afresh")
     assert r["got"] == r["ref"], r
+
+
+def test_a_kept_pipeline_stage_trainer_repeats_the_steps_exactly() -> None:
+    """pp2 (one stage per rank): the last stage fails in its backward and shuts its world
+    down, the first stage's wait for its gradients fails; each keeps its trainer, and new
+    pipeline stages on the kept parts train the 3 steps again bitwise."""
+    r = _run("load", "--dp", "1", "--pp", "2")
+    assert r["got"] == r["ref"], r
