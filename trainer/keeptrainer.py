@@ -85,6 +85,11 @@ def keep(trainer: Any, leaving: bool) -> bool:
     return True
 
 
+def holding() -> bool:
+    """Whether a trainer is kept for the next world (`keep` said so, nobody took it yet)."""
+    return bool(_kept)
+
+
 def drop() -> None:
     """Close a kept trainer nobody will take (a worker without a flash store)."""
     while _kept:

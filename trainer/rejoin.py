@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from unbroken.common.workerenv import AGENT_PID
+from unbroken.trainer import keeptrainer
 from unbroken.trainer.ncclguard import abort_world, drop_gloo_world
 from unbroken.trainer.rtrace import mark
 
@@ -208,7 +209,11 @@ def leave_world(h: Held, world_since: frozenset[tuple[int, str]] | None = None) 
     if world_since is not None:
         mark("severed", sockets=sever(world_since))
     drop_frames(h)
-    gc.collect()  # DDP/FSDP state may still hold the group: free it, so it really closes
+    # DDP/FSDP state may still hold the group: free it, so it really closes. A kept trainer
+    # holds its model and optimizer on (trainer/keeptrainer.py): what is garbage then is
+    # the failed step's, young, and the full collection cost 0.15-0.3 s at `make run`'s
+    # load (2026-12-05: the slowest survivor's, on the path to the new world's rendezvous)
+    gc.collect(1 if keeptrainer.holding() else 2)
     mark("collected")
     _left.groups = world_groups()
     abort_world()  # NCCL
