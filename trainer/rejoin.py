@@ -314,12 +314,14 @@ def forget_world_caches() -> None:
     rank 2's tp group is "20"). The redistribution planners are keyed by a weak reference to
     their mesh, which an equal mesh matches while the old one lives (a frozen cycle lives
     for good), and plan with its coordinate. Torch's own clears where it has them; each is
-    skipped where this torch lacks it.
+    skipped where this torch lacks it. The sharding cache is per thread: it is cleared on the
+    step thread too where one runs (trainer/stepthread.py).
     """
-    with contextlib.suppress(Exception):
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    from unbroken.trainer import stepthread
 
-        _clear_sharding_prop_cache()
+    _clear_sharding_cache()
+    if stepthread.started():
+        stepthread.call(_clear_sharding_cache)
     with contextlib.suppress(Exception):
         from torch.distributed.tensor._api import DTensor
 
@@ -341,6 +343,15 @@ def forget_world_caches() -> None:
         from unbroken.recovery.flashplan import _shard_layout  # the old world's meshes
 
         _shard_layout.cache_clear()
+
+
+def _clear_sharding_cache() -> None:
+    """DTensor's sharding propagation caches of the calling thread (its Python one is per
+    thread; its native fast path's too, as far as can be told: both are cleared)."""
+    with contextlib.suppress(Exception):
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
 
 
 def apply_env(rejoin: Any) -> None:

@@ -26,6 +26,7 @@ aborts the communicators, which does end their waits.
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -72,9 +73,49 @@ class _Step:
             self.done.set()
 
 
+class _Runner:
+    """The thread that runs the steps, one after the other. One for the process (a new
+    thread per step made every step 15-40 % slower on the bench's tiny model: torch's
+    per-thread state started cold each time), and a new one after a step was left behind."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[tuple[_Step, Callable[[], Any], bool]] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="unbroken-step", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self.jobs.get()
+            job[0].run(job[1], job[2])
+            del job  # no reference to the trainer between steps (one not kept is freed)
+
+
+_runner: _Runner | None = None
 #: The threads left behind, by the id of what they step (see `stepping`; an id is not reused
 #: while its thread runs: the thread holds the object).
 _left: dict[int, threading.Thread] = {}
+
+
+def call(fn: Callable[[], T]) -> T:
+    """`fn()` on the step thread, now, whether or not steps run there yet: what must reach
+    that thread's own state (DTensor's sharding cache is per thread: a standby's dry run
+    warms it, a rejoin at another place clears it; trainer/warmup.py, trainer/rejoin.py)."""
+    global _runner
+    import torch
+
+    if _runner is None:
+        _runner = _Runner()
+    step = _Step()
+    _runner.jobs.put((step, fn, torch.is_grad_enabled()))
+    step.done.wait()
+    if step.error is not None:
+        raise step.error
+    return step.result  # type: ignore[no-any-return]
+
+
+def started() -> bool:
+    """Whether the step thread runs (`call` or a guarded `run` made it)."""
+    return _runner is not None
 
 
 def guarded() -> bool:
@@ -83,21 +124,21 @@ def guarded() -> bool:
 
 
 def run(fn: Callable[[], T], owner: Any) -> T:
-    """`fn()` (a step of `owner`), on a side thread where `guarded`, else here. Raises what
-    it raises, or `LeftBehind` when the guard shut the world down and it did not end."""
+    """`fn()` (a step of `owner`), on the step thread where `guarded`, else here. Raises
+    what it raises, or `LeftBehind` when the guard shut the world down and it did not end."""
+    global _runner
     if not guarded():
         return fn()
     import torch
 
+    if _runner is None:
+        _runner = _Runner()
     step = _Step()
-    t = threading.Thread(
-        target=step.run, args=(fn, torch.is_grad_enabled()), name="unbroken-step", daemon=True
-    )
-    t.start()
+    _runner.jobs.put((step, fn, torch.is_grad_enabled()))
     while not step.done.wait(POLL_S):
         why = ncclguard.tripped()
         if why and not step.done.wait(GRACE_S):
-            _left[id(owner)] = t
+            _left[id(owner)], _runner = _runner.thread, None
             log.warning(
                 "step left on its thread: it did not end after the world was shut down",
                 why=why,

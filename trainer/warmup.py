@@ -79,7 +79,9 @@ def __unbroken_warm__() -> None:
     except ImportError:
         return
 
-    from unbroken.trainer import keeptrainer
+    import torch
+
+    from unbroken.trainer import keeptrainer, stepthread
     from unbroken.trainer.flags import add_arguments, to_config
     from unbroken.trainer.gpt3d import GPT3DTrainer
     from unbroken.trainer.rejoin import note_dry_run
@@ -105,6 +107,7 @@ def __unbroken_warm__() -> None:
             return
         p = config.parallel
         world = p.dp * p.cp * p.pp * p.tp
+        cpu_job = not torch.cuda.is_available()  # its worker's steps run on a gloo world
         rank = int(os.environ.get("RANK", "0") or 0)
         rank = rank if 0 <= rank < world else 0
         hook = sys.excepthook  # the group wraps it: "[rank0]: " on the worker's tracebacks
@@ -126,7 +129,9 @@ def __unbroken_warm__() -> None:
                 # read uninitialised memory as a size and a pickle (stage 0 asked for
                 # 140 TB and raised; a smaller garbage size could allocate it).
                 if p.pp == 1:
-                    trainer.train_step()
+                    # on the thread the worker's steps will run on (a gloo worker under an
+                    # agent: trainer/stepthread.py), whose sharding cache is its own
+                    stepthread.call(trainer.train_step) if cpu_job else trainer.train_step()
                     trainer.load_state_dict(trainer.state_dict())
                 # the worker takes it where its place and flags are these (see above); with
                 # pp > 1 its pipeline stages are made in the real world, as a survivor's are
