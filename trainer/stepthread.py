@@ -72,6 +72,12 @@ class _Step:
         finally:
             self.done.set()
 
+    def outcome(self) -> Any:
+        """What the ended run returned; raises what it raised."""
+        if self.error is not None:
+            raise self.error
+        return self.result
+
 
 class _Runner:
     """The thread that runs the steps, one after the other. One for the process (a new
@@ -96,10 +102,8 @@ _runner: _Runner | None = None
 _left: dict[int, threading.Thread] = {}
 
 
-def call(fn: Callable[[], T]) -> T:
-    """`fn()` on the step thread, now, whether or not steps run there yet: what must reach
-    that thread's own state (DTensor's sharding cache is per thread: a standby's dry run
-    warms it, a rejoin at another place clears it; trainer/warmup.py, trainer/rejoin.py)."""
+def _submit(fn: Callable[[], Any]) -> tuple[_Runner, _Step]:
+    """Queue `fn` on the step thread (made if none runs), with the caller's grad mode."""
     global _runner
     import torch
 
@@ -107,10 +111,16 @@ def call(fn: Callable[[], T]) -> T:
         _runner = _Runner()
     step = _Step()
     _runner.jobs.put((step, fn, torch.is_grad_enabled()))
+    return _runner, step
+
+
+def call(fn: Callable[[], T]) -> T:
+    """`fn()` on the step thread, now, whether or not steps run there yet: what must reach
+    that thread's own state (DTensor's sharding cache is per thread: a standby's dry run
+    warms it, a rejoin at another place clears it; trainer/warmup.py, trainer/rejoin.py)."""
+    _, step = _submit(fn)
     step.done.wait()
-    if step.error is not None:
-        raise step.error
-    return step.result  # type: ignore[no-any-return]
+    return step.outcome()  # type: ignore[no-any-return]
 
 
 def started() -> bool:
@@ -129,16 +139,11 @@ def run(fn: Callable[[], T], owner: Any) -> T:
     global _runner
     if not guarded():
         return fn()
-    import torch
-
-    if _runner is None:
-        _runner = _Runner()
-    step = _Step()
-    _runner.jobs.put((step, fn, torch.is_grad_enabled()))
+    runner, step = _submit(fn)
     while not step.done.wait(POLL_S):
         why = ncclguard.tripped()
         if why and not step.done.wait(GRACE_S):
-            _left[id(owner)], _runner = _runner.thread, None
+            _left[id(owner)], _runner = runner.thread, None
             log.warning(
                 "step left on its thread: it did not end after the world was shut down",
                 why=why,
@@ -146,9 +151,7 @@ def run(fn: Callable[[], T], owner: Any) -> T:
             )
             mark("step_left")
             raise LeftBehind(f"step still running {GRACE_S}s after its world was shut ({why})")
-    if step.error is not None:
-        raise step.error
-    return step.result  # type: ignore[no-any-return]
+    return step.outcome()  # type: ignore[no-any-return]
 
 
 def stepping(owner: Any) -> bool:

@@ -17,16 +17,12 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import structlog
 
-from unbroken.agent import injob
-from unbroken.agent.hookserver import HookServer
-from unbroken.agent.launch import WorkerSpec
-from unbroken.agent.workers import Supervisor
+from tests.integration.agenthold import hold_worker
+from unbroken.agent.workers import Worker
 from unbroken.driver.etcd import free_port
 
 pytestmark = pytest.mark.integration
@@ -81,37 +77,14 @@ def _hold(tmp_path: Path, guarded: bool) -> tuple[str, float, list[dict[str, obj
         stderr=subprocess.STDOUT,
     )
 
-    async def run() -> tuple[str, float, list[dict[str, object]]]:
-        spec = WorkerSpec(
-            cmd=[sys.executable, str(script), str(port), "0", "1" if guarded else "0"],
-            nproc=1,
-            log_dir=str(tmp_path),
-            warm=False,
-            extra_env={"OMP_NUM_THREADS": "1"},
-        )
-        sock = str(tmp_path / "agent.sock")
-        sup = Supervisor(spec, sock)
-        server = HookServer(sock, sup, node_id="n0")
-        await server.start()
-        try:
-            w = await sup.start(0, refill=False)
-            deadline = time.monotonic() + 90
-            while not (w.reply_socket and w.phase == "train"):
-                assert time.monotonic() < deadline, "the worker never joined its world"
-                assert w.proc is not None and w.proc.returncode is None, "the worker died"
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.3)  # well inside its recv
-            with structlog.testing.capture_logs() as logs:
-                t0 = time.monotonic()
-                said = await injob.hold(sup, server, replace=(), timeout_s=HOLD_LIMIT_S)
-                took = time.monotonic() - t0
-            return said, took, logs
-        finally:
-            await sup.close(grace_s=1.0)
-            server.close()
+    async def inside_its_recv(_: Worker) -> None:
+        await asyncio.sleep(0.3)
 
+    cmd = [sys.executable, str(script), str(port), "0", "1" if guarded else "0"]
     try:
-        said, took, logs = asyncio.run(run())
+        said, took, logs = asyncio.run(
+            hold_worker(tmp_path, cmd, HOLD_LIMIT_S, "train", inside_its_recv)
+        )
     finally:
         peer.kill()
         peer.wait()

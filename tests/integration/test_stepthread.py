@@ -26,12 +26,9 @@ import time
 from pathlib import Path
 
 import pytest
-import structlog
 
-from unbroken.agent import injob
-from unbroken.agent.hookserver import HookServer
-from unbroken.agent.launch import WorkerSpec
-from unbroken.agent.workers import Supervisor
+from tests.integration.agenthold import hold_worker
+from unbroken.agent.workers import Worker
 from unbroken.driver.etcd import free_port
 
 pytestmark = pytest.mark.integration
@@ -92,46 +89,24 @@ def _hold(tmp_path: Path, threaded: bool) -> tuple[str, float, list[dict[str, ob
     argv = [str(port), "1", "0", str(tmp_path)]
     peer = subprocess.Popen([sys.executable, str(script), *argv], env=env)
 
-    async def run() -> tuple[str, float, list[dict[str, object]]]:
-        spec = WorkerSpec(
-            cmd=[sys.executable, str(script), str(port), "0", str(int(threaded)), str(tmp_path)],
-            nproc=1,
-            log_dir=str(tmp_path),
-            warm=False,
-            extra_env={"OMP_NUM_THREADS": "1"},
-        )
-        sock = str(tmp_path / "agent.sock")
-        sup = Supervisor(spec, sock)
-        server = HookServer(sock, sup, node_id="n0")
-        await server.start()
-        try:
-            w = await sup.start(0, refill=False)
-            deadline = time.monotonic() + 90
-            while not (w.reply_socket and w.phase == "train"):
-                assert time.monotonic() < deadline, "the worker never posted its receive"
-                assert w.proc is not None and w.proc.returncode is None, "the worker died"
-                await asyncio.sleep(0.05)
-            os.kill(w.pid, signal.SIGSTOP)  # it reads nothing while the peer sends
-            (tmp_path / "go").touch()
-            while not (tmp_path / "sending").exists():
-                assert time.monotonic() < deadline, "the peer never sent"
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(1.0)  # the sockets' buffers are full: the send blocks
-            peer.kill()
-            peer.wait()
-            os.kill(w.pid, signal.SIGCONT)
-            await asyncio.sleep(1.0)  # the worker reads part of the payload, then the close
-            with structlog.testing.capture_logs() as logs:
-                t0 = time.monotonic()
-                said = await injob.hold(sup, server, replace=(), timeout_s=HOLD_LIMIT_S)
-                took = time.monotonic() - t0
-            return said, took, logs
-        finally:
-            await sup.close(grace_s=1.0)
-            server.close()
+    async def cut_its_transfer(w: Worker) -> None:
+        deadline = time.monotonic() + 90
+        os.kill(w.pid, signal.SIGSTOP)  # it reads nothing while the peer sends
+        (tmp_path / "go").touch()
+        while not (tmp_path / "sending").exists():
+            assert time.monotonic() < deadline, "the peer never sent"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)  # the sockets' buffers are full: the send blocks
+        peer.kill()
+        peer.wait()
+        os.kill(w.pid, signal.SIGCONT)
+        await asyncio.sleep(1.0)  # the worker reads part of the payload, then the close
 
+    cmd = [sys.executable, str(script), str(port), "0", str(int(threaded)), str(tmp_path)]
     try:
-        said, took, logs = asyncio.run(run())
+        said, took, logs = asyncio.run(
+            hold_worker(tmp_path, cmd, HOLD_LIMIT_S, "train", cut_its_transfer)
+        )
     finally:
         peer.kill()
         peer.wait()
