@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from unbroken.trainer import context, init, keeptrainer, parallel
+from unbroken.trainer import context, init, keeptrainer, optimstate, parallel
 from unbroken.trainer.config import OptimConfig, TrainConfig
 from unbroken.trainer.data import TextLoader, load_corpus
 from unbroken.trainer.model import Transformer, cross_entropy, moe_layers
@@ -451,6 +451,7 @@ class GPT3DTrainer:
         optim: dict[str, Any] = {}
         for part, opt in zip(self.parts, self.optimizers, strict=True):
             model.update(get_model_state_dict(part, options=_SAVE_OPTS))
+            optimstate.create_adam_state(opt)  # not torch's zero step (trainer/optimstate.py)
             optim.update(get_optimizer_state_dict(part, opt, options=_SAVE_OPTS))
         return {
             "model": model,
@@ -500,6 +501,7 @@ class GPT3DTrainer:
                     groups.extend(
                         (f"param_groups.{fqn}.{k}", group, k) for k in group if k != "params"
                     )
+            optimstate.create_adam_state(opt)
             dcp.update(get_optimizer_state_dict(part, opt, options=_SAVE_OPTS))
         want = {k: v for k, v in dcp.items() if k.startswith("param_groups.")}
         mine = {key: group[k] for key, group, k in groups}
