@@ -122,6 +122,11 @@ def __unbroken_warm__() -> None:
             trainer, kept = GPT3DTrainer(), False
             try:
                 trainer.setup(config)
+                if p.pp > 1:  # no step below: torch's zero step warms the optimizer's ops
+                    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+                    for opt in trainer.optimizers:
+                        _init_optim_state(opt)
                 # a restore's path: the state of an optimizer that has not stepped, a load
                 trainer.load_state_dict(trainer.state_dict())
                 # No step with pp > 1: the stages first swap their activations' shapes

@@ -80,3 +80,29 @@ def test_a_worker_killed_after_the_last_step_restores_there_and_the_job_finishes
     assert kinds.index("training_resumed", kinds.index("restore_started")) > 0, kinds
     finished = [e.job_finished for e in events if e.HasField("job_finished")]
     assert len(finished) == 1 and finished[0].ok and finished[0].step == STEPS, finished
+
+
+def test_a_job_recovered_in_job_finishes_with_its_survivor_exiting_0(job: Job) -> None:
+    """A peer SIGKILLed mid-training is replaced in-job (the survivor keeps its process and
+    its trainer across worlds); at the last step both workers exit 0, the survivor too,
+    and the job FINISHES: a process that left a world and joined another ends cleanly."""
+    steps = 120
+    job.start_driver("--exit-when-finished", steps=steps)
+    job.start_agent("n0", buddy="n1")
+    job.start_agent("n1", buddy="n0")
+    until(lambda: job.max_step() >= 5, 180, "training to start", job)
+    job.kill_peer_keep_survivor(past=3)  # asserts the survivor kept its pid
+    assert "trainer kept across worlds" in job.worker_log("n0"), job.worker_log("n0")[-3000:]
+    driver = job.procs["driver"]
+    until(lambda: driver.poll() is not None, 300, "the driver to exit after the last step", job)
+    assert driver.returncode == 0, job.logs()
+    events = job.events()
+    resumed = [e.training_resumed for e in events if e.HasField("training_resumed")]
+    assert resumed and resumed[-1].mode == "in_job", resumed
+    finished = [e.job_finished for e in events if e.HasField("job_finished")]
+    assert len(finished) == 1 and finished[0].ok, finished
+    assert finished[0].step == steps and "exited 0" in finished[0].reason, finished[0]
+    assert job.max_step() == steps
+    # n0's worker never failed: the survivor ran to the end and exited 0
+    failed = [e.worker_failed for e in events if e.HasField("worker_failed")]
+    assert all(f.node_id != "n0" for f in failed), failed
