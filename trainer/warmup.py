@@ -12,9 +12,10 @@ module. That function runs the restore path of the job's own layout once: it bui
 trainer from the worker's flags (which the agent passes in `UNBROKEN_WARM_ARGV`; the tiny
 preset when it does not) in a private world of the job's size on torch's fake process
 group (no peers, no traffic: its collectives only pretend), takes the state of the fresh
-optimizer (torch's state-dict API creates it by a step of zeros), loads it back, runs one
-step (not with pp > 1: a pipeline's step cannot run on the fake group) and round-trips the
-state again. Then it drops the world, so the worker starts as if nothing had run: no
+optimizer (made without a step: trainer/optimstate.py), loads it back, runs one step (not
+with pp > 1: a pipeline's step cannot run on the fake group, so there torch's zero step
+warms the optimizer's ops instead) and round-trips the state again. Then it drops the
+world, so the worker starts as if nothing had run: no
 process group, no trainer, and no "[rank0]" prefix on its tracebacks (the group's hook).
 
 The world's size matters: DTensor caches its sharding decisions per mesh, and a mesh of
