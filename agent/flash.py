@@ -36,6 +36,7 @@ from pathlib import Path
 
 import structlog
 
+from unbroken.agent.ringwake import RingWake
 from unbroken.common import aio
 from unbroken.common.loopthread import LoopThread
 from unbroken.common.tls import TlsConfig
@@ -65,15 +66,14 @@ from unbroken.recovery.sdcbuddy import BuddyOpinions
 from unbroken.recovery.sources import PERSIST_EVERY_S
 
 log = structlog.get_logger(__name__)
-# The flash thread's nice value. A synchronous job on busy cores runs at the pace of its
-# slowest rank: a replica send (a few ms of hashing and copying per 1.5 MB on each side) at
-# the workers' priority delays whichever rank shares its core. At nice 19 its work fills idle
-# time; `--replica-duty` bounds the sends' CPU time at any nice value. In alternating runs of
-# bench-recovery's ab phase (2026-12-02, load 3-5) the steps with flash saves ran at 0.894 and
-# 0.899 of those without at nice 19, 0.902 and 0.905 at 10, 0.933 and 0.899 at 5: no cost
-# resolved; the in-job node loss resumed in 1.04 s at 19 and 1.26 s at 5 (median of 5 each,
-# run after run at load 6-8): not lowered. Persistence runs at 19 whatever this is.
-IO_NICE = 19
+# The flash thread's nice value: the workers' (`--worker-nice` 5), not 19, where on busy
+# cores it waited for idle time and a lost node's ranks went back with its buddy's lagging
+# copy. `--replica-duty` bounds the sends' CPU time at any nice value. Same-run ab phases
+# (2026-12-05, load 6-8): flash saves cost nothing resolved at 5 against 19 (0.872, 0.878
+# against 0.877, 0.850), and in-job node losses went back 0.75 steps on average at 5 (16
+# losses, never more than 1) against 1.13 at 19 (up to 3). Persistence runs at 19 whatever
+# this is.
+IO_NICE = 5
 # The persister's thread: writing and reading back whole copies is bulk work that waits for
 # idle CPU time on every setting of the flash thread's.
 PERSIST_NICE = 19
@@ -208,9 +208,9 @@ class NodeFlashConfig:
             "flag": "--flash-nice",
             "group": "flash checkpoints",
             "help": "nice value of the agent's flash thread (replication to the buddy, ring "
-            "scans), 0-19: above the workers' so that on a node whose cores train, this work "
-            "fills idle time instead of delaying a step (persistence runs at 19 whatever this "
-            "is); 0: the agent's own",
+            "scans), 0-19: the workers' by default, so a lost node's copies are fresh at its "
+            "buddy (19: idle time only, the replicas then lag on busy cores; persistence "
+            "runs at 19 whatever this is); 0: the agent's own",
         },
     )
     replica_key: bytes | None = field(
@@ -306,6 +306,7 @@ class NodeFlash:
         self._task: asyncio.Task[None] | None = None
         self._io: LoopThread | None = None
         self._wake: asyncio.Event | None = None  # set from any thread by `poke` (flash loop's)
+        self.ring_wake: RingWake | None = None  # sets `_wake` when a copy is whole
         self.persisted: list[Persisted] = []
         # Verified shards not yet reported to the driver (appended by the persister thread,
         # taken by the agent's session; deque ends are thread-safe). Bounded: when the
@@ -395,6 +396,7 @@ class NodeFlash:
             self._on_persist_error,
         )
         self._wake = asyncio.Event()
+        self.ring_wake = RingWake(self._wake, self._send_wait)
         self._task = asyncio.create_task(self._loop())
 
     def _sender(self, buddy: tuple[str, int], buddy_node: str = "") -> ReplicaSender:
@@ -414,6 +416,10 @@ class NodeFlash:
         if io is not None and wake is not None and not wake.is_set():
             with contextlib.suppress(RuntimeError):  # the flash loop is closing
                 io.loop.call_soon_threadsafe(wake.set)
+
+    def _send_wait(self) -> float:
+        """Seconds until the sender may send again (`RingWake` waits that long)."""
+        return self.sender.cheap_in(time.monotonic()) if self.sender is not None else 0.0
 
     def _on_persist_error(self, rank_dir: Path, e: Exception) -> None:
         """Persister thread: a write failed (storage full, permission denied, ...); the
@@ -672,10 +678,14 @@ class NodeFlash:
 
     async def rescan(self) -> None:
         """Look at every local rank's ring now (after its workers stopped: their last
-        copies are in), for `ring_steps`; persisting and replicating wait for `tick`."""
+        copies are in), for `ring_steps`, and at the copies held for other nodes, for
+        `replicas_held` (a lost node's last copy, come in after the last poll, was left out
+        of the heartbeat the driver picks the restore step from); the rest waits for `tick`."""
         for rank in self.owner.ranks():
             refs = await asyncio.to_thread(list_copies, self.owner.rank_dir(rank))
             self._ring[rank] = [r.manifest.step for r in refs]
+        if self.replica_cfg.auth.enabled:
+            self._held = await asyncio.to_thread(self._poll_replicas)
 
     def ring_steps(self, rank: int) -> list[int]:
         """The steps `rank`'s ring holds (complete copies, newest first), as last polled."""
@@ -727,6 +737,9 @@ class NodeFlash:
         # the tmpfs, and the hop to a pool thread and back cost more CPU than the listing
         # (two agents with a worker saving every 65 ms: 49 -> 39 ms of CPU a second each)
         listed: dict[int, list[CopyRef]] = {}
+        if self.ring_wake is not None:  # a copy for the buddy wakes this loop when whole
+            rings = self.owner.ranks() if self.sender is not None else []
+            self.ring_wake.watch(self.owner.rank_dir(r) for r in rings)
         for rank in self.owner.ranks():
             rank_dir = self.owner.rank_dir(rank)
             refs = listed[rank] = list_copies(rank_dir)
@@ -759,6 +772,8 @@ class NodeFlash:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self.ring_wake is not None:
+            self.ring_wake.close()
         await self.server.stop()
         self.opinions.close()
         if self.persister is not None:

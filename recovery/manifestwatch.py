@@ -22,6 +22,8 @@ _IN_CLOSE_WRITE, _IN_MOVED_FROM, _IN_MOVED_TO = 0x8, 0x40, 0x80
 _IN_CREATE, _IN_DELETE = 0x100, 0x200
 _IN_DELETE_SELF, _IN_MOVE_SELF, _IN_Q_OVERFLOW, _IN_IGNORED = 0x400, 0x800, 0x4000, 0x8000
 _IN_CHANGES = _IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO | _IN_CREATE | _IN_DELETE
+#: The events of a copy made whole: its manifest renamed into place (`write_manifest`).
+MADE_WHOLE = _IN_MOVED_TO
 _IN_LOST = _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_Q_OVERFLOW | _IN_IGNORED
 _IN_NONBLOCK, _IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
 _IN_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of name)
@@ -54,7 +56,9 @@ class ManifestWatch:
         self.keep_events = 0  # events that named the keep mark (`flashcopy.KEEP_MARK`)
 
     @classmethod
-    def open(cls, rank_dir: Path) -> ManifestWatch | None:
+    def open(cls, rank_dir: Path, events: int = _IN_CHANGES) -> ManifestWatch | None:
+        """A watch of `rank_dir` for `events` (every change of a manifest by default;
+        `MADE_WHOLE`: only copies made whole)."""
         if not sys.platform.startswith("linux"):
             return None
         try:
@@ -63,7 +67,7 @@ class ManifestWatch:
             if fd < 0:
                 return None
             path = os.fsencode(os.fspath(rank_dir))
-            if libc.inotify_add_watch(fd, path, _IN_CHANGES | _IN_DELETE_SELF | _IN_MOVE_SELF) < 0:
+            if libc.inotify_add_watch(fd, path, events | _IN_DELETE_SELF | _IN_MOVE_SELF) < 0:
                 os.close(fd)
                 return None
         except (OSError, AttributeError):
@@ -100,6 +104,10 @@ class ManifestWatch:
                         named.add(int(number))
             if len(raw) <= _IN_READ // 2:  # the queue was drained (a save's few events):
                 return named  # no second read only to be told so (a system call, a raise)
+
+    def fileno(self) -> int:
+        """The inotify descriptor (readable when events wait: for an event loop's reader)."""
+        return self._fd
 
     def keep_changes(self) -> int:
         """How many events named the keep mark (as of the last `changed()`), or -1 when

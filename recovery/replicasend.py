@@ -178,6 +178,13 @@ class ReplicaSender:
         cost, at = self._send_cost_s, self._picked_at
         return cost is not None and at is not None and now - at >= cost / self.duty
 
+    def cheap_in(self, now: float) -> float:
+        """Seconds until `cheap` holds (0: now, or no send booked yet)."""
+        cost, at = self._send_cost_s, self._picked_at
+        if cost is None or at is None:
+            return 0.0
+        return max(0.0, at + cost / self.duty - now)
+
     def picks(self, by_rank: dict[int, list[CopyRef]], now: float) -> dict[int, CopyRef]:
         """The copies to send now: when any rank's copy is due, every rank's copy of the
         same step (`same_step`) not acknowledged yet. Decided per rank, the ranks' counts

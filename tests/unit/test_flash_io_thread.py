@@ -21,7 +21,7 @@ import pytest
 import structlog
 
 from unbroken.agent import flash as flashmod
-from unbroken.agent.flash import NodeFlash, NodeFlashConfig
+from unbroken.agent.flash import IO_NICE, NodeFlash, NodeFlashConfig
 from unbroken.common.loopthread import LoopThread, lower_this_thread
 
 pytestmark = pytest.mark.unit
@@ -62,8 +62,17 @@ def test_work_runs_on_its_own_thread_at_its_nice_value_and_its_helpers_inherit_i
     assert not io.alive
 
 
+def test_the_flash_thread_runs_at_the_workers_nice_by_default() -> None:
+    """At 19 the flash thread waited for idle time on busy cores and the buddy's copy of a
+    lost node lagged (agent/flash.py `IO_NICE`)."""
+    from unbroken.agent.launch import WorkerSpec
+
+    cfg = NodeFlashConfig(node="n0", persist_url="/tmp/x")
+    assert cfg.io_nice == IO_NICE == WorkerSpec(cmd=["true"]).nice == 5
+
+
 def test_nice_19_is_a_nice_value_never_sched_idle() -> None:
-    """The default `--flash-nice` 19 stays SCHED_OTHER: at SCHED_IDLE the flash thread, once
+    """`--flash-nice 19` stays SCHED_OTHER: at SCHED_IDLE the flash thread, once
     preempted holding the GIL on a busy host, kept it until a core fell idle and the agent's
     heartbeats stalled past the miss limit (false node losses in a bench-recovery run)."""
     io = LoopThread("flash-t", 19)
