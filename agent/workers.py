@@ -59,7 +59,6 @@ from unbroken.agent import procexit
 from unbroken.agent import warm as warmlib
 from unbroken.agent.launch import WorkerLaunch, WorkerSpec, exec_wrapper
 from unbroken.common import aio
-from unbroken.common.timing import WINDOW_STEPS, StepWindow, median_mad
 from unbroken.common.workerenv import STACKS_END, WARM_ARGV
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
@@ -81,6 +80,7 @@ PEAK_BEATS = 3  # heartbeats a loss peak is repeated in (see Worker.status)
 FINGERPRINTS_KEPT = 3  # a rank's newest fingerprinted steps...
 FINGERPRINT_BEATS = 20  # ...each repeated in this many heartbeats (the driver looks each beat)
 MAX_FINGERPRINT_KEYS = 16  # replica keys of one rank's fingerprint passed on
+WINDOW_STEPS = 128  # steps the reported compute / wait medians stand for
 LOSS_WINDOW = 100  # recent losses the reported loss median / MAD stand for (SpikeConfig.window)
 # A reported loss this many times the recent median (or not finite) heartbeats at once: the
 # driver's smallest spike (`factor` spreads, each floored at `min_rel_spread` of the median:
@@ -125,7 +125,8 @@ class Worker:
         self.restored_step: int | None = None  # the step this process started from, once said
         self.restored_from = ""  # ...and where its state came from (RESTORE_SOURCES)
         # per-step compute and collective-wait times (the straggler detector's input)
-        self.timings = StepWindow()
+        self.compute_times: collections.deque[float] = collections.deque(maxlen=WINDOW_STEPS)
+        self.wait_times: collections.deque[float] = collections.deque(maxlen=WINDOW_STEPS)
         # per report: the wall time since the one before and what of it the loop spent on
         # checkpoint saves and data loading (goodput's in-step badput)
         self.in_step: collections.deque[tuple[float, float, float]] = collections.deque(
@@ -175,7 +176,8 @@ class Worker:
             self.last_progress = now
             self.phase = "train"  # a step ends a restore / checkpoint / collective phase
         if timings_ms and "compute" in timings_ms:
-            self.timings.add(now, timings_ms["compute"], timings_ms.get("collective_wait", 0.0))
+            self.compute_times.append(timings_ms["compute"])
+            self.wait_times.append(timings_ms.get("collective_wait", 0.0))
         if self._last_report_t is not None and step > self.step:
             t = timings_ms or {}
             n = max(1, steps)
@@ -249,7 +251,8 @@ class Worker:
         peak = self._peak()
         since_ms = (now - self.last_progress) * 1000.0
         phase, threshold = self._judge_hang(since_ms, hang or hanglib.HangConfig(), stops_watched)
-        mid, mad, wait, wait_mad, window = self.timings.summary(now)
+        mid, mad = median_mad(self.compute_times)
+        wait, wait_mad = median_mad(self.wait_times)
         save_share, data_share = in_step_shares(self.in_step)
         if self._loss_stats_stale:  # sorted once per new loss, not per beat
             self._loss_stats, self._loss_stats_stale = median_mad(self.losses), False
@@ -276,7 +279,7 @@ class Worker:
             compute_mad_ms=mad,
             wait_ms=wait,
             wait_mad_ms=wait_mad,
-            window_steps=window,
+            window_steps=len(self.compute_times),
             restored_step=self.restored_step,
             restored_from=self.restored_from,
             loss_median=self._loss_stats[0],
@@ -361,6 +364,16 @@ def in_step_shares(window: Iterable[tuple[float, float, float]]) -> tuple[float,
     if wall <= 0:
         return 0.0, 0.0
     return min(1.0, save / wall), min(1.0, data / wall)
+
+
+def median_mad(xs: Iterable[float]) -> tuple[float, float]:
+    """The (upper) median of `xs` and their median absolute deviation from it; zeros when
+    empty."""
+    ordered = sorted(xs)
+    if not ordered:
+        return 0.0, 0.0
+    mid = ordered[len(ordered) // 2]
+    return mid, statistics.median(abs(x - mid) for x in ordered)
 
 
 class Supervisor:

@@ -2,9 +2,9 @@
 
 Each agent reports, per rank, the median compute time per step and its median absolute
 deviation over a window of recent steps (compute = the step minus the time spent waiting
-for peers in collectives; agent/workers.py; the window: common/timing.py `StepWindow`).
-In a synchronous job a slow rank computes longer and waits least; its peers' step time
-grows with it, so the step time alone cannot name it, but compute time can.
+for peers in collectives; agent/workers.py). In a synchronous job a slow rank computes
+longer and waits least; its peers' step time grows with it, so the step time alone cannot
+name it, but compute time can.
 
 Two tests, each a change point against what the node did while healthy, each normalised
 by the rest of the world at the same sweep (a load that slows every node moves every value
@@ -90,12 +90,7 @@ class StragglerConfig:
     )
     sweep_ms: float = field(default=2_000.0, metadata={"help": "between straggler sweeps"})
     min_steps: int = field(
-        default=32,
-        metadata={
-            "help": "window steps a node needs before it is judged (an agent's window is "
-            "its ranks' steps of the last 8 s, at least 32 of them: more than 32 asks for "
-            "steps shorter than 8 s / this)"
-        },
+        default=32, metadata={"help": "window steps a node needs before it is judged"}
     )
     settle_sweeps: int = field(
         default=5,
