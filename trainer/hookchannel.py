@@ -7,9 +7,10 @@ when the agent is gone or its buffer is full the report is dropped rather than s
 step. The agent's commands (pause, resume, flash-save, stop) come back on a reply socket
 in this user's private runtime directory. `install()` also registers a faulthandler stack
 dump on SIGUSR1 so the agent can dump a hung worker's Python stacks before it kills it,
-and ties the worker's life to its agent's (`die_with_agent`: PR_SET_PDEATHSIG, then a
+ties the worker's life to its agent's (`die_with_agent`: PR_SET_PDEATHSIG, then a
 check that the parent is still the agent named in `UNBROKEN_AGENT_PID`, which closes the
-race of an agent dying before the prctl). Outside an agent (no env variable) every call is
+race of an agent dying before the prctl), and has a fatal signal leave the Python stacks in
+the worker's log (`crash_stacks`). Outside an agent (no env variable) every call is
 a no-op.
 
 The hooks SDK for scripts the agent did not start (`unbroken.trainer.hooks`) attaches
@@ -432,12 +433,32 @@ def install(*, stack_signal: bool = True) -> Hooks:
             warnings.warn(f"unbroken hooks: {_default.reply_error}", RuntimeWarning, stacklevel=2)
         if _default.enabled:
             die_with_agent()
+            crash_stacks()
         restop = False
         if stack_signal and _default.enabled:
             faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
             restop = _install_restop()
         _default.hello(stack_signal=stack_signal and _default.enabled, restop_signal=restop)
     return _default
+
+
+def crash_stacks() -> bool:
+    """Have a fatal signal (a crashed extension's SIGSEGV, SIGBUS, SIGFPE, SIGILL, or an
+    abort) write every thread's Python stack to stderr, the worker's log, before the process
+    dies. Without it a worker that segfaulted left nothing in its log but its exit code
+    (a drill on 2026-12-05: one gloo rank exited -11 after 3 minutes of steady training).
+    A process that enabled faulthandler itself keeps its own settings.
+
+    Returns:
+        True when this call enabled it.
+    """
+    if faulthandler.is_enabled():
+        return False
+    try:
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+    except (AttributeError, ValueError, RuntimeError, OSError):  # no usable stderr
+        return False
+    return True
 
 
 def _dump_and_stop(signum: int, frame: Any) -> None:
