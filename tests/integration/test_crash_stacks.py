@@ -13,7 +13,7 @@ import pytest
 
 from unbroken.trainer import hookchannel
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration
 
 # a worker that installs the hooks, then dies in native code (a read of address 0)
 CRASH = """
