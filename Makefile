@@ -11,8 +11,10 @@ export OMP_NUM_THREADS ?= 1
 unexport PYTHONDONTWRITEBYTECODE
 export NO_MKDOCS_2_WARNING = 1
 
-# CI runs the subset that fits in its budget; `make test-all` runs every test.
-PYTEST_ARGS ?= -m "not slow" -x --durations=15
+# CI runs the subset that fits in its budget; `make test-all` runs every test. `-n auto`:
+# two test files at a time on a host with two cores to spare (tests/conftest.py says when);
+# `make test PYTEST_ARGS=...` without it runs one at a time.
+PYTEST_ARGS ?= -m "not slow" -x --durations=15 -n auto --dist loadfile
 
 .PHONY: run test test-all chaos proto lint bench bench-% clean venv docs docs-api docs-bench dist
 

@@ -115,13 +115,17 @@ def start_agent(
     env: Mapping[str, str] | None = None,
     selfcheck: bool = False,
 ) -> subprocess.Popen[bytes]:
-    """An agent of `node` reaching `addr`, its socket, worker logs and storage under the run
-    folder; without the GPU self-check (it imports torch on start) unless `selfcheck`."""
+    """An agent of `node` reaching `addr`, its socket, worker logs, flash copies and storage
+    under the run folder; without the GPU self-check (it imports torch on start) unless
+    `selfcheck`."""
     argv = [
         "agent", "--driver", addr, "--node-id", node,
         "--socket", str(procs.tmp / f"{node}.sock"),
         "--log-dir", str(procs.tmp / f"logs-{node}"),
         "--persist-url", str(procs.tmp / "storage"),
+        # not the default /dev/shm/unbroken/<node>: tests running side by side (pytest-xdist)
+        # name their nodes alike; a later --flash-dir in `extra` wins
+        "--flash-dir", str(procs.tmp / f"shm-{node}"),
     ]  # fmt: skip
     if not selfcheck:
         argv.append("--no-selfcheck")

@@ -65,16 +65,8 @@ def test_up_trains_drills_and_stops_everything(tmp_path: Path) -> None:
     assert "resumed in" in text and "steps lost" in text and "continued" in text
     assert re.search(r"first step \d+\.\d s after start", text), text[-2000:]  # the goal's 15 s
     assert "spare_assigned×1" in text and "world_resized×1" in text and "job_started×1" in text
-    # nothing it started is left running: agents and drivers (their flags name the run dir)
-    # and the workers (their command line is this run's trainer command)
-    worker_cmd = "unbroken.trainer.run --preset tiny --dp 1 --pp 2 --tp 1 --steps 5000"
-    leftovers = [
-        p.info["pid"]
-        for p in psutil.process_iter(["pid", "cmdline"])
-        if str(run_dir) in " ".join(p.info["cmdline"] or [])
-        or worker_cmd in " ".join(p.info["cmdline"] or [])
-    ]
-    assert leftovers == []
+    # nothing it started is left running: etcd, drivers, agents, workers and standbys
+    assert _ours(run_dir, os.getpid()) == []
 
 
 def test_up_rejects_a_layout_that_does_not_fit() -> None:
@@ -88,17 +80,23 @@ def test_up_rejects_a_layout_that_does_not_fit() -> None:
     assert "dp × pp × tp" in out.stderr and "--dp/--pp/--tp" in out.stderr
 
 
-def _ours(run_dir: Path, worker_cmd: str, but: int) -> list[int]:
-    """Processes of an `up` run: their flags name the run dir, or they run its trainer."""
-    return [
-        p.info["pid"]
-        for p in psutil.process_iter(["pid", "cmdline"])
-        if p.info["pid"] != but
-        and (
-            str(run_dir) in " ".join(p.info["cmdline"] or [])
-            or worker_cmd in " ".join(p.info["cmdline"] or [])
-        )
-    ]
+def _ours(run_dir: Path, but: int) -> list[int]:
+    """Processes of an `up` run: their flags name the run dir (etcd, drivers, agents), or
+    their agent's socket in their environment does (workers and warm standbys). Matching a
+    worker by its command line also matched another test's `up` beside this one (xdist)."""
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if p.info["pid"] == but:
+            continue
+        try:
+            ours = str(run_dir) in " ".join(p.info["cmdline"] or []) or str(run_dir) in (
+                p.environ().get("UNBROKEN_AGENT_SOCKET", "")
+            )
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue  # gone meanwhile, or another user's
+        if ours:
+            out.append(p.info["pid"])
+    return out
 
 
 @pytest.mark.parametrize(
@@ -116,7 +114,6 @@ def test_a_stop_signal_stops_the_whole_cluster(tmp_path: Path, sig: signal.Signa
     killed `up` alone and left the rest running as orphans). A SIGKILLed `up` cannot stop
     anything itself: its reaper (common/reaper.py) does, within its grace period."""
     run_dir = tmp_path / "run"
-    worker_cmd = "unbroken.trainer.run --preset tiny --dp 2 --pp 1 --tp 1 --steps 99999"
     argv = (
         "up --no-live --no-drill --nodes 2 --workers-per-node 1 --dp 2 --pp 1 --tp 1 --steps 99999"
     )
@@ -140,17 +137,17 @@ def test_a_stop_signal_stops_the_whole_cluster(tmp_path: Path, sig: signal.Signa
     while not (run_dir / "storage").exists():  # a step was saved: everything runs
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
         time.sleep(0.5)
-    assert len(_ours(run_dir, worker_cmd, proc.pid)) >= 5  # etcd, 2 drivers, 2 agents, ...
+    assert len(_ours(run_dir, proc.pid)) >= 5  # etcd, 2 drivers, 2 agents, ...
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
     if sig == signal.SIGKILL:
         deadline = time.monotonic() + 30  # the reaper's 10 s grace, plus slack
-        while _ours(run_dir, worker_cmd, proc.pid) and time.monotonic() < deadline:
+        while _ours(run_dir, proc.pid) and time.monotonic() < deadline:
             time.sleep(0.5)
     else:
         assert proc.returncode == 130, out[-3000:]
         assert "stopped every process" in out
-    assert _ours(run_dir, worker_cmd, proc.pid) == []
+    assert _ours(run_dir, proc.pid) == []
 
 
 def test_a_sigkilled_driver_takes_its_embedded_etcd_with_it(tmp_path: Path) -> None:
@@ -166,15 +163,15 @@ def test_a_sigkilled_driver_takes_its_embedded_etcd_with_it(tmp_path: Path) -> N
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 90
-        while not [p for p in _ours(data, "\0", drv.pid) if p != drv.pid]:  # its etcd runs
+        while not [p for p in _ours(data, drv.pid) if p != drv.pid]:  # its etcd runs
             assert drv.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
         drv.kill()
         drv.wait()
         deadline = time.monotonic() + 20
-        while _ours(data, "\0", drv.pid) and time.monotonic() < deadline:
+        while _ours(data, drv.pid) and time.monotonic() < deadline:
             time.sleep(0.3)
-        assert _ours(data, "\0", drv.pid) == []
+        assert _ours(data, drv.pid) == []
     finally:
         if drv.poll() is None:
             drv.kill()
