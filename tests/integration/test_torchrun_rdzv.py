@@ -617,6 +617,7 @@ def _kill_rank1_keep_rank0(
     survivor, victim = workers[keep], workers[1 - keep]
     killed_at = max(read_metrics(metrics))
     victim.kill()
+    _stacks_unless_held(survivor, tmp / f"torchrun-{'ab'[keep]}.log", 20.0)
     _wait_for(
         "training past the kill in a new world",
         lambda: (
@@ -626,10 +627,25 @@ def _kill_rank1_keep_rank0(
         300,
         procs,
     )
-    assert _script_worker(procs[keep], module).pid == survivor.pid
+    kept = _script_worker(procs[keep], module).pid == survivor.pid
+    assert kept, f"rank 0's worker was restarted:\n{_tail(tmp, 'a', 'b')}"
     _wait_ended(procs, tmp, 150)
     assert [p.returncode for p in procs] == [0, 0], _tail(tmp, "a", "b")
     return keep
+
+
+def _stacks_unless_held(survivor: psutil.Process, log: Path, within_s: float) -> None:
+    """Wait up to `within_s` for the survivor's torchrun to say its workers hold in place (in
+    well under a second normally; the in-job timeout is 30 s); past it, have the survivor
+    write its Python stacks into that log (the SDK's faulthandler signal) and go on. CI once
+    saw the survivor never hold, under load, with nothing in its log to say where it was."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if "hold in place" in log.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(psutil.Error):
+        survivor.send_signal(signal.SIGUSR1)  # trainer/hookchannel.py STACK_SIGNAL
 
 
 def _wait_ended(procs: list[Any], tmp: Path, timeout_s: float) -> None:
