@@ -442,6 +442,18 @@ def install(*, stack_signal: bool = True) -> Hooks:
     return _default
 
 
+def stacks_on_signal() -> bool:
+    """Have SIGUSR1 write every thread's Python stack to stderr (the process goes on), where
+    the signal still has its default action (which ends the process): a script that claimed
+    it (Lightning's SLURM requeue, its own handler) keeps it. For a process that attached
+    to an agent it did not start (torchrun's workers): a hung one's stacks, `kill -USR1`
+    away. True when registered."""
+    if signal.getsignal(STACK_SIGNAL) is not signal.SIG_DFL:
+        return False
+    faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
+    return True
+
+
 def crash_stacks() -> bool:
     """Have a fatal signal (a crashed extension's SIGSEGV, SIGBUS, SIGFPE, SIGILL, or an
     abort) write every thread's Python stack to stderr, the worker's log, before the process

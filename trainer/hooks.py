@@ -37,7 +37,7 @@ from unbroken.common.paths import DEFAULT_SOCKET, SYSTEM_SOCKET, trusted_socket
 from unbroken.common.workerenv import AGENT_SOCKET as ENV_SOCKET
 from unbroken.proto import hooks_pb2 as hpb
 from unbroken.trainer import ncclguard, torchrunhold
-from unbroken.trainer.hookchannel import Hooks, install
+from unbroken.trainer.hookchannel import Hooks, install, stacks_on_signal
 from unbroken.trainer.pacer import PERSIST_EVERY_S, SAVE_BUDGET, Pacer
 from unbroken.trainer.plugin import Stateful
 from unbroken.trainer.rejoin import (
@@ -377,6 +377,7 @@ def _attach(path: str, timeout_s: float) -> Session | None:
             if c.WhichOneof("kind") == "welcome":
                 session = Session(hooks, c.welcome)
                 session.pending = early
+                stacks_on_signal()  # a hung worker's stacks, as the agent's own workers give
                 import structlog  # here, not at import: importing this module stays cheap
 
                 structlog.get_logger(__name__).info(

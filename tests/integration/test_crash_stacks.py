@@ -64,3 +64,36 @@ def test_a_process_that_set_faulthandler_itself_keeps_it() -> None:
     finally:
         if not was:
             faulthandler.disable()
+
+
+STACKS = """
+import os, signal, sys
+from unbroken.trainer import hookchannel
+
+if sys.argv[1] == "claimed":
+    signal.signal(signal.SIGUSR1, lambda *_: print("the script's own handler", flush=True))
+
+def a_hung_step():
+    print(hookchannel.stacks_on_signal(), flush=True)
+    os.kill(os.getpid(), signal.SIGUSR1)
+
+a_hung_step()
+print("still running", flush=True)
+"""
+
+
+@pytest.mark.parametrize("claimed", [False, True], ids=["default", "claimed"])
+def test_sigusr1_dumps_the_stacks_unless_the_script_claimed_it(claimed: bool) -> None:
+    """An attached worker (torchrun's, not the agent's child) registers the stack dump on
+    SIGUSR1 where the signal still ends the process; a script's own handler stays."""
+    done = subprocess.run(
+        [sys.executable, "-c", STACKS, "claimed" if claimed else "default"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "still running" in done.stdout
+    if claimed:
+        assert done.stdout.startswith("False") and "the script's own handler" in done.stdout
+        assert "a_hung_step" not in done.stderr
+    else:
+        assert done.stdout.startswith("True") and "a_hung_step" in done.stderr
