@@ -14,7 +14,9 @@ export NO_MKDOCS_2_WARNING = 1
 # CI runs the subset that fits in its budget; `make test-all` runs every test. `-n auto`:
 # two test files at a time on a host with two cores to spare (tests/conftest.py says when);
 # `make test PYTEST_ARGS=...` without it runs one at a time.
-PYTEST_ARGS ?= -m "not slow" -x --durations=15 -n auto --dist loadfile
+# The tests marked `alone` then run by themselves (PYTEST_ALONE= skips them).
+PYTEST_ARGS ?= -m "not slow and not alone" -x --durations=15 -n auto --dist loadfile
+PYTEST_ALONE ?= -m "alone and not slow" -x --durations=5
 
 .PHONY: run test test-all chaos proto lint bench bench-% clean venv docs docs-api docs-bench dist
 
@@ -38,6 +40,7 @@ test: $(STAMP)
 	$(PY) proto/generate.py --check
 	$(PY) -m mkdocs build --strict --quiet
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(if $(strip $(PYTEST_ALONE)),$(PY) -m pytest $(PYTEST_ALONE))
 
 # The docs site (into site/), warnings (broken links, missing pages and anchors) as errors.
 docs: $(STAMP)

@@ -44,7 +44,11 @@ from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import driver_pb2_grpc as dgrpc
 from unbroken.proto import events_pb2 as ev
 
-pytestmark = pytest.mark.integration
+# `alone`: make test runs this file after the others, with nothing beside it. With a second
+# test file running beside it (pytest-xdist), the in-job test's kept rank hung twice in about
+# ten runs (once before it held, once after its last step: docs/testing.md); one at a time,
+# under stress-ng -c 2 too, it did not.
+pytestmark = [pytest.mark.integration, pytest.mark.alone]
 
 CLI = [sys.executable, "-m", "unbroken.cli"]
 TOKEN = "rdzv-test-token-0123456789"  # the nodes' (torchrun agents') role token
