@@ -12,8 +12,7 @@ unexport PYTHONDONTWRITEBYTECODE
 export NO_MKDOCS_2_WARNING = 1
 
 # CI runs the subset that fits in its budget; `make test-all` runs every test. `-n auto`:
-# two test files at a time on a host with two cores to spare (tests/conftest.py says when);
-# `make test PYTEST_ARGS=...` without it runs one at a time.
+# one test file at a time unless PYTEST_XDIST_AUTO_NUM_WORKERS=2 (tests/conftest.py says why).
 # The tests marked `alone` then run by themselves (PYTEST_ALONE= skips them).
 PYTEST_ARGS ?= -m "not slow and not alone" -x --durations=15 -n auto --dist loadfile
 PYTEST_ALONE ?= -m "alone and not slow" -x --durations=5

@@ -19,12 +19,12 @@ os.environ.setdefault(
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """How many files `-n auto` (make test) runs at once: two where the host has two cores
-    and its load is under its core count, else none side by side (0: no workers). The tests
-    start 2-4 processes each that spend much of their time waiting (a CI run used about one
-    core on average), so two at once took the suite from 24 to 19 minutes on 2 cores; on a
-    host already busy, a second file only adds to the load the tests' timing must survive.
-    PYTEST_XDIST_AUTO_NUM_WORKERS sets the number, as in pytest-xdist."""
+    """How many files `-n auto` (make test) runs at once: none side by side unless
+    PYTEST_XDIST_AUTO_NUM_WORKERS says (e.g. 2). Two at a time took the suite from 24 to 19
+    minutes on 2 cores (the tests' processes spend much of their time waiting), but 2 of 4
+    such CI runs failed where one at a time passes: a kept in-job rank hung under the second
+    file's load, and a test's fixed port offset met another test's (docs/testing.md).
+    Files side by side share no folder, flash directory or process lookup."""
     forced = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").strip()
     if forced:
         try:
@@ -33,10 +33,8 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
             raise pytest.UsageError(
                 f"PYTEST_XDIST_AUTO_NUM_WORKERS must be a whole number, got {forced!r}"
             ) from None
-    cpus, load = len(os.sched_getaffinity(0)), os.getloadavg()[0]
-    n = 2 if cpus >= 2 and load < cpus else 0
-    _WORKERS.append(f"-n auto: {n or 'no'} workers ({cpus} cores, load {load:.1f})")
-    return n
+    _WORKERS.append("-n auto: one file at a time (PYTEST_XDIST_AUTO_NUM_WORKERS=2: two)")
+    return 0
 
 
 _WORKERS: list[str] = []  # what `-n auto` chose and why, for the report header

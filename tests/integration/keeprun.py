@@ -42,7 +42,7 @@ def _clone(v: Any) -> Any:
 def main() -> None:
     mode, flags = sys.argv[1], sys.argv[2:]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    port = int(os.environ["MASTER_PORT"]) + 1
+    port = int(os.environ.get("KEEPRUN_STORE_PORT") or int(os.environ["MASTER_PORT"]) + 1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
     before = open_sockets()  # the first world's pairs are what a leaving rank shuts down
     dist.init_process_group(

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.integration
 
 
 def _run(mode: str, *flags: str) -> dict[str, list[list[float]]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # the workers' own store gets a free port too, not torchrun's port + 1 (another test's)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KEEPRUN_STORE_PORT": str(free_port())}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
         f"--master-port={free_port()}", "-m", "tests.integration.keeprun", mode,
