@@ -88,11 +88,11 @@ def _send(path: str, data: bytes) -> str:
 def test_another_user_cannot_send_to_the_agent_socket(agent: _Agent) -> None:
     path = agent.server.path
     assert os.stat(path).st_mode & 0o777 == 0o600
-    got = as_nobody(lambda: _send(path, _hello()))
+    got = as_nobody("send", path, _hello().hex())
     assert got.startswith("PermissionError"), got
     # a socket someone made world-writable: the kernel's credentials still give nobody away
     os.chmod(path, 0o666)
-    assert as_nobody(lambda: _send(path, _hello())) == "sent"
+    assert as_nobody("send", path, _hello().hex()) == "sent"
     deadline = time.monotonic() + 5
     while agent.server.foreign < 1 and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -114,19 +114,8 @@ def test_sdk_refuses_a_squatted_agent_socket(open_dir: Path) -> None:
     shared.chmod(0o1777)  # like /tmp
     squat = str(shared / "unbroken-agent.sock")
 
-    def squatter() -> str:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        s.bind(squat)
-        os.chmod(squat, 0o666)
-        s.settimeout(3)
-        try:
-            data = s.recv(65536)  # a Hello would land here; the squatter would answer it
-            return f"got {len(data)} bytes"
-        except TimeoutError:
-            return "nothing"
-
     result: list[str] = []
-    t = threading.Thread(target=lambda: result.append(as_nobody(squatter)))
+    t = threading.Thread(target=lambda: result.append(as_nobody("squat", squat, 3.0)))
     t.start()
     deadline = time.monotonic() + 10
     while not os.path.exists(squat) and time.monotonic() < deadline:
@@ -152,7 +141,7 @@ def test_worker_reply_socket_refuses_another_users_stop(tmp_path: Path) -> None:
         assert reply.startswith("/") and not reply.startswith("\0")  # a path, not abstract
         assert os.stat(os.path.dirname(reply)).st_mode & 0o777 == 0o700
         stop = hpb.WorkerCommand(command_id="x", stop="evict").SerializeToString()
-        got = as_nobody(lambda: _send(reply, stop))
+        got = as_nobody("send", reply, stop.hex())
         assert got.startswith("PermissionError"), got
         assert list(h.commands()) == []  # nothing arrived
     finally:

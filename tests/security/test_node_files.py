@@ -47,7 +47,7 @@ def test_flash_copies_are_closed_to_other_users(shm: Path) -> None:
         mode = p.stat().st_mode & 0o777
         assert mode == (0o700 if p.is_dir() else 0o600), (p, oct(mode))
     data = str(ref.data_path)
-    got = as_nobody(lambda: str(len(open(data, "rb").read())))
+    got = as_nobody("read", data)
     assert got.startswith("PermissionError"), got
 
 
