@@ -103,8 +103,7 @@ class WarmCheck:
             return None
         self._ready, self._proc = None, None
         if ready.cancelled() or ready.exception() is not None or not ready.result():
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+            await aio.reap(proc)
             return None
         if self.wait_nice != self.nice:  # (again: it may have started after the first)
             warmlib.renice_process(proc.pid, self._target)
@@ -115,11 +114,8 @@ class WarmCheck:
         if self._ready is not None:
             self._ready.cancel()
         proc, self._proc, self._ready = self._proc, None, None
-        if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            with contextlib.suppress(Exception):
-                await proc.wait()
+        if proc is not None:
+            await aio.reap(proc)
 
 
 async def run_check(
@@ -158,12 +154,10 @@ async def run_check(
     if warm is not None:
         warm.refill()  # the next check of this diagnosis runs warm
     try:
-        out, err = await aio.wait_for(proc.communicate(stdin), timeout_s if timeout_s > 0 else 300)
-    except TimeoutError:
-        proc.kill()
-        out, err = await proc.communicate()
+        out, err = await aio.communicate(proc, stdin, timeout_s if timeout_s > 0 else 300)
+    except TimeoutError:  # (killed and reaped: its output up to now is lost with it)
         res.exit_code = -9
-        res.stderr_tail = f"check timed out after {timeout_s} s; " + err.decode()[-2000:]
+        res.stderr_tail = f"check timed out after {timeout_s} s"
         return res
     res.exit_code = proc.returncode if proc.returncode is not None else -1
     res.stderr_tail = err.decode("utf-8", "replace")[-4000:]
@@ -226,10 +220,8 @@ async def run_selfcheck(
             stderr=asyncio.subprocess.PIPE,
         )
     try:
-        out, err = await aio.wait_for(proc.communicate(stdin), timeout_s)
+        out, err = await aio.communicate(proc, stdin, timeout_s)
     except TimeoutError:
-        proc.kill()
-        await proc.communicate()
         rep.failures.append(f"selfcheck: timed out after {timeout_s:g} s")
         return rep
     for line in reversed(out.decode("utf-8", "replace").splitlines()):

@@ -67,6 +67,8 @@ F_STALLED = dpb.HEARTBEAT_FLAG_STALLED
 # a driver's shutdown / evict: how long the agent lets the session end by itself (the driver
 # reading the reply) before it closes the channel
 ENDING_GRACE_S = 2.0
+# how long a stopping agent waits for its cancelled side tasks to finish their cleanup
+TASKS_GRACE_S = 5.0
 # The most often a worker's outlying losses send an extra heartbeat (and a ring rescan): the
 # SDK reports at most this often anyway; a worker flipping its loss high and low at every
 # datagram gets no more heartbeats than that
@@ -262,8 +264,11 @@ class Agent:
             self.exit_code = e.code
         finally:
             self.loop_lag.stop()
-            for t in list(self._tasks):
+            tasks = list(self._tasks)
+            for t in tasks:
                 t.cancel()
+            if tasks:  # their own cleanup (a self-check's child killed and reaped) runs now
+                await asyncio.wait(tasks, timeout=TASKS_GRACE_S)
             if self.warm_check is not None:
                 await self.warm_check.close()
             if self.supervisor is not None:

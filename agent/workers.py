@@ -624,12 +624,11 @@ class Supervisor:
                 stderr=asyncio.subprocess.STDOUT,
             )
             try:
-                out, _ = await aio.wait_for(p.communicate(), timeout_s)
+                out, _ = await aio.communicate(p, None, timeout_s)
                 if p.returncode == 0:
                     return out.decode("utf-8", "replace")
             except TimeoutError:
-                p.kill()
-                await p.wait()
+                pass  # (killed and reaped) the SDK's own dump below
         if restop and process_stopped(w.pid):
             return await self._dump_stopped(w, timeout_s)
         if not w.stack_signal:

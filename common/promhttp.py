@@ -11,9 +11,9 @@ collector (`process_cpu_seconds_total`, `process_resident_memory_bytes`,
 from __future__ import annotations
 
 import platform
+import queue
 import threading
 from importlib import metadata
-from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -70,8 +70,8 @@ class Endpoint:
     ) -> int:
         """Start the HTTP endpoint; return the bound port.
 
-        At most `max_connections` are served at a time (one thread each; one over the cap
-        is closed at once) and a connection that sends or reads nothing for
+        At most `max_connections` are served at a time, by as many threads at most (one
+        over the cap is closed at once) and a connection that sends or reads nothing for
         `idle_timeout_s` is dropped, so idle or slow clients cannot pile up threads or hold
         the port from Prometheus for longer than that.
         """
@@ -87,6 +87,11 @@ class Endpoint:
         self._server = server
         self.port = int(server.server_port)
         return self.port
+
+    @property
+    def serving(self) -> int:
+        """Connections being served (or handed to a thread) now: at most `max_connections`."""
+        return int(self._server.busy) if self._server is not None else 0
 
     @property
     def refused(self) -> int:
@@ -108,33 +113,53 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-class _CappedServer(ThreadingMixIn, WSGIServer):
-    """A thread per connection, at most `cap` at once; one over the cap is closed at once."""
+class _CappedServer(WSGIServer):
+    """At most `cap` connections served at once, each by one of at most `cap` threads
+    (started as needed and kept, so the cap holds for threads too: a thread-per-connection
+    server's finished thread lingers a moment after it frees its slot); a connection over
+    the cap is closed at once."""
 
-    daemon_threads = True
     cap = MAX_CONNECTIONS
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._slots = threading.BoundedSemaphore(self.cap)
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[Any, Any] | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self.busy = 0  # connections taken and not yet done with
         self.refused = 0
         super().__init__(*args, **kwargs)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.refused += 1
+        with self._lock:
+            over = self.busy >= self.cap
+            if over:
+                self.refused += 1
+            else:
+                self.busy += 1
+                if len(self._threads) < self.busy:  # every taken connection has a thread
+                    name = f"metrics-conn-{len(self._threads)}"
+                    t = threading.Thread(target=self._serve_connections, daemon=True, name=name)
+                    self._threads.append(t)
+                    t.start()
+        if over:
             self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
+        else:
+            self._queue.put((request, client_address))
 
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
+    def _serve_connections(self) -> None:
+        while (item := self._queue.get()) is not None:
+            request, client_address = item
+            try:
+                self.finish_request(request, client_address)
+            except Exception:
+                pass  # a dropped (idle, slow) client is no error worth a traceback
+            finally:
+                self.shutdown_request(request)
+                with self._lock:
+                    self.busy -= 1
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        pass  # a dropped (idle, slow) client is no error worth a traceback
+    def server_close(self) -> None:
+        super().server_close()
+        with self._lock:
+            for _ in self._threads:
+                self._queue.put(None)

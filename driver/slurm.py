@@ -234,11 +234,8 @@ class SlurmScheduler:
                 "the Slurm bin dir"
             ) from e
         try:
-            out, err = await aio.wait_for(proc.communicate(), self.config.timeout_s)
-        except TimeoutError as e:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
+            out, err = await aio.communicate(proc, None, self.config.timeout_s)
+        except TimeoutError as e:  # (killed and reaped)
             raise SchedulerError(
                 f"{shlex.join(argv)}: no answer from Slurm within {self.config.timeout_s} s "
                 "(is slurmctld up? `scontrol ping`)"

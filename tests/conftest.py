@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import pathlib
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import pytest
 
@@ -42,6 +43,22 @@ _WORKERS: list[str] = []  # what `-n auto` chose and why, for the report header
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     return _WORKERS
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None]:
+    """Build each report with the garbage collector paused. Python 3.11's `ast.parse` is
+    not reentrant (CPython gh-106905; this machine's 3.11.7 has it): a collection during
+    pytest's parse of a failing test's source ran a finalizer whose unraisable exception
+    pytest formats at once (that parses too), and a CI run ended in an INTERNALERROR
+    ("AST constructor recursion depth mismatch") instead of showing the failure."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return (yield)
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @pytest.fixture(scope="session")

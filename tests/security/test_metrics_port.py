@@ -39,10 +39,15 @@ def test_a_public_metrics_host_needs_an_explicit_opt_in(command: str) -> None:
     assert "--metrics-public" in run.stderr
 
 
+def _conn_threads() -> int:
+    """The endpoint's connection threads alive now. (Not `threading.active_count()`: in a
+    test run's process, threads of earlier tests come and go meanwhile.)"""
+    return sum(t.name.startswith("metrics-conn") for t in threading.enumerate())
+
+
 def test_idle_connections_neither_pile_up_threads_nor_hold_the_port() -> None:
     ep = Endpoint(CollectorRegistry(), "driver")
     port = ep.serve(0, max_connections=8, idle_timeout_s=1.0)
-    before = threading.active_count()
     idle = []
     try:
         for _ in range(64):  # connect and say nothing
@@ -50,7 +55,7 @@ def test_idle_connections_neither_pile_up_threads_nor_hold_the_port() -> None:
                 idle.append(socket.create_connection(("127.0.0.1", port), timeout=1))
             except OSError:
                 pass  # the listen backlog is full: the kernel holds back the rest
-            assert threading.active_count() - before <= 8  # one thread per served connection
+            assert ep.serving <= 8 and _conn_threads() <= 8  # one thread per served connection
         assert len(idle) > 8
         # over the cap: closed at once, no thread. The server's accept loop takes the
         # kernel's backlog at its own pace; asked at once, a loaded CI host saw none yet
@@ -58,7 +63,7 @@ def test_idle_connections_neither_pile_up_threads_nor_hold_the_port() -> None:
         while ep.refused == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert ep.refused > 0
-        assert threading.active_count() - before <= 8
+        assert ep.serving <= 8 and _conn_threads() <= 8
         # within the idle timeout the held ones are dropped and a scrape is served
         deadline = time.monotonic() + 20
         while True:
@@ -73,3 +78,8 @@ def test_idle_connections_neither_pile_up_threads_nor_hold_the_port() -> None:
         for s in idle:
             s.close()
         ep.close()
+    # closed: its threads end (an idle one at once, a serving one at its idle timeout)
+    deadline = time.monotonic() + 5
+    while _conn_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _conn_threads() == 0
