@@ -603,6 +603,10 @@ class Supervisor:
         for t in pending:  # a child still writes into the dead worker's pipes: stop reading
             t.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
+        if pending:  # and close them (its writes fail), not left to a closed loop's finalizer
+            transport = getattr(w.proc, "_transport", None)  # (asyncio has no public close)
+            if transport is not None:
+                transport.close()
         logf.close()  # type: ignore[attr-defined]
 
     async def dump_stacks(self, w: Worker, timeout_s: float = 2.0, *, restop: bool = False) -> str:
