@@ -13,10 +13,12 @@ export NO_MKDOCS_2_WARNING = 1
 
 # CI runs the subset that fits in its budget; `make test-all` runs every test. `-n auto`:
 # one test file at a time unless PYTEST_XDIST_AUTO_NUM_WORKERS=2 (tests/conftest.py says why).
-# The tests marked `alone` then run by themselves (PYTEST_ALONE= skips them); not when
-# PYTEST_ARGS was given (`make test PYTEST_ARGS=tests/unit` runs what it names, nothing more).
-PYTEST_ARGS ?= -m "not slow and not alone" -x --durations=15 -n auto --dist loadfile
-PYTEST_ALONE ?= $(if $(filter file,$(origin PYTEST_ARGS)),-m "alone and not slow" -x --durations=5)
+# Files side by side: the tests marked `alone` then run by themselves (PYTEST_ALONE= skips
+# them); one at a time they are in the one pass. Not when PYTEST_ARGS was given (`make test
+# PYTEST_ARGS=tests/unit` runs what it names, nothing more).
+SIDE_BY_SIDE := $(filter-out 0 1,$(strip $(PYTEST_XDIST_AUTO_NUM_WORKERS)))
+PYTEST_ARGS ?= -m "not slow$(if $(SIDE_BY_SIDE), and not alone)" -x --durations=15 -n auto --dist loadfile
+PYTEST_ALONE ?= $(if $(and $(SIDE_BY_SIDE),$(filter file,$(origin PYTEST_ARGS))),-m "alone and not slow" -x --durations=5)
 
 .PHONY: run test test-all chaos proto lint bench bench-% clean venv docs docs-api docs-bench dist
 
