@@ -38,7 +38,7 @@ pytestmark = pytest.mark.integration
 
 EVERY = 5
 LEAD = 8  # steps between the injection and the flip: the agent writes the file first
-RING = ("--flash-copies", "16")  # a verified step (every 5) stays in every ring
+RING = ("--flash-copies", "16")  # a verified step (every 5) stays in every ring, mostly
 
 
 def _inject(address: str, node: str, step: int, matmul: bool = False) -> str:
@@ -125,7 +125,12 @@ def _run(job: Job, mode: str, matmul: bool = False) -> None:
     until(lambda: rolled_back() is not None, 120, "the rollback", job)
     rollback = rolled_back()
     assert rollback is not None and rollback.from_step == sdc.step
-    assert rollback.to_step == max(good), (rollback, good)
+    # the newest verified step every ring still held: the driver's RingKeep of a newer one
+    # can come after its copy was overwritten (a loaded host, 2026-12-05: verified 50, held
+    # 40), and the ring then keeps the older verified copy (agent/flash.py `keep`)
+    assert rollback.to_step in good, (rollback, good)
+    newer = [s for s in good if s > rollback.to_step]
+    assert not set(newer) & set(sdc.memory_steps), (rollback, good, sdc)
     print(f"{mode}: named in {time.monotonic() - t0:.1f} s from the driver's start")
 
 
