@@ -172,7 +172,14 @@ def test_live_loss_spike_rolls_back_restores_the_committed_step_and_skips(
         read_storage += source == "storage"
         assert "batches skipped" in text, text[-3000:]
         assert text.count("fault applied") == 1, text[-3000:]  # not again after the restart
-    if all("held after the spike" in job.worker_log(n) for n in ("n0", "n1")):
+    logs = [job.worker_log(n) for n in ("n0", "n1")]
+    held = all("held after the spike" in text for text in logs)
+    # A rank still short of its boundary when the agent's hold came (its peer reported the
+    # spike first, and the driver and agent answered before this rank, on a loaded host,
+    # got through its optimizer step and save) cannot tell that from a collective: its guard
+    # shuts its gloo world down, and the world is left (in-job recovery) rather than kept.
+    severed = any("shut this rank's gloo world down" in text for text in logs)
+    if held and not severed:
         # every rank was held at the spiked step, outside any collective: the world was
         # kept (trainer/keepworld.py), no process group or trainer made again
         for node in ("n0", "n1"):
