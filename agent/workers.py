@@ -135,6 +135,9 @@ class Worker:
         self._last_report_t: float | None = None
         # this process's recent finite losses, one per step (a new leader's spike baseline)
         self.losses: collections.deque[float] = collections.deque(maxlen=LOSS_WINDOW)
+        # the step of the newest of them: an in-job rejoin sets `step` to 0, and a restore
+        # far back must still be seen as one (else the old curve stays the baseline)
+        self.loss_step = 0
         self._loss_stats = (0.0, 0.0)  # their median and MAD...
         self._loss_stats_stale = False  # ...recomputed at the next heartbeat after a new loss
         self.outlier = False  # the last step report's loss stood out (`OUTLIER_RATIO`)
@@ -187,11 +190,12 @@ class Worker:
                 t.get("data_loading", 0.0) * n,
             ))  # fmt: skip
         self._last_report_t = now
-        if step + RESTORE_RESET_STEPS < self.step:
+        if step + RESTORE_RESET_STEPS < max(self.step, self.loss_step):
             # a restore far back (an older commit): the window's losses are of later
             # training, and as the baseline of a driver that learns the curve again
             # (`LossWatch`) they flagged every restored loss as a spike, restore after restore
             self.losses.clear()
+            self.loss_step = 0
             self._loss_stats, self._loss_stats_stale = (0.0, 0.0), False
         median = self._loss_stats[0]  # as of the last heartbeat: before this loss
         was = self.outlier
@@ -203,6 +207,7 @@ class Worker:
         self.beat_now = self.outlier and not was
         if loss is not None and math.isfinite(loss) and step != self.step:
             self.losses.append(loss)
+            self.loss_step = step
             self._loss_stats_stale = True
         self.step, self.step_time_ms = step, step_time_ms
         self.has_loss = loss is not None

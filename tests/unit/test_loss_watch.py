@@ -213,14 +213,17 @@ def test_a_report_standing_for_several_steps_brings_their_peak() -> None:
     assert s.peak_step == 12 and math.isinf(s.peak_loss)
 
 
+@pytest.mark.parametrize("rejoined", [False, True])
 def test_a_restore_far_back_in_the_same_process_starts_a_new_baseline_on_both_sides(
-    tmp_path: Path,
+    tmp_path: Path, rejoined: bool
 ) -> None:
     """An in-job restore far back (an older commit) keeps the worker's process, so its
     agent kept the loss window of the later training, and the driver, which learns the curve
     again after such a restore, took it as the baseline: every restored loss was a spike,
     restore after restore (bench-recovery, the replica mode: step 1 restored, 5.4 against
-    2.3). The agent's window now starts again too."""
+    2.3). The agent's window now starts again too, also when the in-job rejoin had set the
+    worker's step to 0 (agent/injob.py; a side-by-side CI run, 2026-12-05: an SDC rollback
+    from step 96 to 5, then step 6 called a spike against 2.92 and 200 batches skipped)."""
     from unbroken.agent.workers import Worker
 
     w = Worker(0, 0, tmp_path / "w.log")
@@ -236,6 +239,8 @@ def test_a_restore_far_back_in_the_same_process_starts_a_new_baseline_on_both_si
             recent=(w.status(float(step)).loss_median, 0.01, len(w.losses)),
         )
         assert watch.sweep(view, ["n0"]) is None
+    if rejoined:
+        w.step = 0  # what the agent's in-job rejoin does (the process is kept)
     for i, step in enumerate(range(2, 12)):  # restored step 1: the fresh model's losses
         w.on_step(step, 5.4 - 0.01 * i, 50.0, now=200.0 + i)
         st = w.status(200.0 + i)
