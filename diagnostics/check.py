@@ -387,15 +387,9 @@ async def run_spec_process(
         env=env,
     )
     try:
-        out, err = await aio.wait_for(proc.communicate(), spec.timeout_s + grace_s)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
+        out, err = await aio.communicate(proc, None, spec.timeout_s + grace_s)
+    except TimeoutError:  # (killed and reaped)
         return CheckResult.missing(spec, f"process still running {grace_s:g}s after its deadline")
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
     lines = [ln for ln in out.decode(errors="replace").splitlines() if ln.startswith("{")]
     if not lines:
         tail = err.decode(errors="replace").strip().splitlines()[-3:]
