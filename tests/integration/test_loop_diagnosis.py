@@ -57,7 +57,10 @@ def unbroken(j: Job, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 class FaultyJob(Job):
-    """test_recovery_loop's Job whose agents can be started with extra flags."""
+    """test_recovery_loop's Job whose agents can be started with extra flags, and run their
+    registration self-check (what these tests are about)."""
+
+    selfcheck = True
 
     def __init__(self, tmp: Path, endpoint: str) -> None:
         super().__init__(tmp, endpoint)
