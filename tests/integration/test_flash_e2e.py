@@ -157,6 +157,8 @@ class Cluster:
             "--persist-every-s", "0.001",  # every copy after the first agreement (8 steps)
             "--replica-listen", f"127.0.0.1:{self.replica_port(node)}",
             "--buddy", f"127.0.0.1:{self.replica_port(buddy)}",
+            # not under test here: its child's torch import would compete with the start
+            "--no-selfcheck",
         ]  # fmt: skip
         if not start:
             args.append("--no-start")
