@@ -560,6 +560,8 @@ class Supervisor:
             with contextlib.suppress(BaseException):
                 await self._refill
         await self.stop_all(grace_s)
+        # an exited worker's reaper may still wait for pipes a child holds: end it now
+        await aio.cancel_all([t for w in self.workers.values() for t in w.tasks])
         standbys, self.standbys = self.standbys, []
         await asyncio.gather(*(s.kill() for s in standbys))
 
@@ -604,15 +606,17 @@ class Supervisor:
             if code != 0 and self.on_failure is not None:
                 self.on_failure()
         log.info("worker exited", local_rank=w.local_rank, pid=w.pid, code=code)
-        _, pending = await asyncio.wait(readers, timeout=2.0)
-        for t in pending:  # a child still writes into the dead worker's pipes: stop reading
-            t.cancel()
+        try:
+            await asyncio.wait(readers, timeout=2.0)
+        finally:  # also when cancelled (the agent closing): the pipes must not outlive the loop
+            if pending := [t for t in readers if not t.done()]:
+                for t in pending:  # a child still writes into the dead worker's pipes: stop
+                    t.cancel()  # reading, and close them (its writes fail), not left to a
+                transport = getattr(w.proc, "_transport", None)  # closed loop's finalizer
+                if transport is not None:  # (asyncio has no public close)
+                    transport.close()
+            logf.close()  # type: ignore[attr-defined]
         await asyncio.gather(*readers, return_exceptions=True)
-        if pending:  # and close them (its writes fail), not left to a closed loop's finalizer
-            transport = getattr(w.proc, "_transport", None)  # (asyncio has no public close)
-            if transport is not None:
-                transport.close()
-        logf.close()  # type: ignore[attr-defined]
 
     async def dump_stacks(self, w: Worker, timeout_s: float = 2.0, *, restop: bool = False) -> str:
         """The worker's Python stacks (py-spy, else faulthandler via SIGUSR1), or "".

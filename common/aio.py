@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import Awaitable, Iterable
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -57,3 +57,11 @@ async def reap(proc: asyncio.subprocess.Process, timeout: float = 10.0) -> None:
             proc.kill()
     with contextlib.suppress(Exception):
         await asyncio.shield(wait_for(proc.wait(), timeout))
+
+
+async def cancel_all(tasks: Iterable[asyncio.Future[Any]]) -> None:
+    """Cancel those of `tasks` not done and wait until each has ended (its `finally` ran)."""
+    left = [t for t in tasks if not t.done()]
+    for t in left:
+        t.cancel()
+    await asyncio.gather(*left, return_exceptions=True)

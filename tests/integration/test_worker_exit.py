@@ -27,6 +27,8 @@ pytestmark = pytest.mark.integration
 def test_a_worker_whose_child_holds_its_pipes_is_reported_when_it_exits(tmp_path: Path) -> None:
     script = "sleep 60 & echo 'RuntimeError: the last words'; exit 3"
 
+    left: list[asyncio.Task[None]] = []
+
     async def run() -> tuple[int, int | None, str]:
         spec = WorkerSpec(cmd=["sh", "-c", script], nproc=1, log_dir=str(tmp_path), warm=False)
         sup = Supervisor(spec, str(tmp_path / "agent.sock"))
@@ -41,7 +43,12 @@ def test_a_worker_whose_child_holds_its_pipes_is_reported_when_it_exits(tmp_path
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(w.pid, signal.SIGKILL)  # the child, in the worker's group
             await sup.close(grace_s=1.0)
+            # nothing of the dead worker's is left to the loop's end: its reaper, still
+            # waiting for the pipes, used to be cancelled there with them open, and their
+            # finalizer raised later ("Event loop is closed") wherever the collector ran
+            left.extend(t for t in w.tasks if not t.done())
 
     state, code, alerts = asyncio.run(run())
     assert state == dpb.WORKER_STATE_EXITED and code == 3
     assert "the last words" in alerts
+    assert not left, left
