@@ -330,6 +330,9 @@ class Drill:
             if f.over:
                 self.next_at = now + GAP_S
             return  # one fault at a time
+        if not self.plan and self.faults:  # the last one is over: no gap to wait out
+            self.done = True
+            return
         if now < self.next_at or self.w.step() < 10 or not self._running():
             return
         if not self.plan:
