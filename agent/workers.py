@@ -609,8 +609,8 @@ class Supervisor:
         try:
             await asyncio.wait(readers, timeout=2.0)
         finally:  # also when cancelled (the agent closing): the pipes must not outlive the loop
-            if pending := [t for t in readers if not t.done()]:
-                for t in pending:  # a child still writes into the dead worker's pipes: stop
+            if cut := [t for t in readers if not t.done() or t.cancelled()]:
+                for t in cut:  # a child still writes into the dead worker's pipes: stop
                     t.cancel()  # reading, and close them (its writes fail), not left to a
                 transport = getattr(w.proc, "_transport", None)  # closed loop's finalizer
                 if transport is not None:  # (asyncio has no public close)
