@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -152,3 +153,22 @@ def wait_nodes(stub: dgrpc.DriverStub, nodes: list[str], what: str, timeout_s: f
         )
 
     until(ready, timeout_s, f"nodes {nodes} {what}", lambda: str(got), poll_s=0.3)
+
+
+def native_stacks(pid: int, timeout_s: float = 30.0) -> str:
+    """Every thread's stack of process `pid`, native frames too (py-spy, a dev dependency):
+    what a process stuck in C++ is waiting on, which Python's own stack dump cannot show.
+    A line saying why instead when py-spy is missing or cannot attach."""
+    spy = Path(sys.executable).parent / "py-spy"  # the venv's scripts, PATH or not
+    if not spy.exists():
+        return f"(no native stacks of {pid}: py-spy is not installed beside {sys.executable})"
+    try:
+        r = subprocess.run(
+            [str(spy), "dump", "--native", "--pid", str(pid)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"(no native stacks of {pid}: {e})"
+    return (r.stdout + r.stderr).strip()

@@ -36,6 +36,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 
 from tests.integration.rdzvscript import TRAIN
 from tests.jobs import reference
+from tests.procs import native_stacks
 from unbroken.agent import rdzv
 from unbroken.cli.cluster import read_metrics, stop_groups
 from unbroken.diagnostics.check import free_port
@@ -653,21 +654,28 @@ def _stacks_unless_held(survivor: psutil.Process, log: Path, within_s: float) ->
 
 
 def _wait_ended(procs: list[Any], tmp: Path, timeout_s: float) -> None:
-    """Wait for both torchruns' end; if one outlives `timeout_s`, its workers' Python stacks
-    (the SDK's faulthandler signal, into the torchrun logs) say where they are. CI once saw
+    """Wait for both torchruns' end; if one outlives `timeout_s`, its workers' stacks say
+    where they are: native ones (py-spy) and Python's (the SDK's faulthandler signal, into
+    the torchrun logs). CI once saw
     the kept rank 0 train its last step and never end: its peer passed the final barrier."""
     deadline = time.monotonic() + timeout_s
     for p in procs:
         try:
             p.wait(max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            native = []
             for q in procs:
                 with contextlib.suppress(psutil.Error):
                     for c in psutil.Process(q.pid).children(recursive=True):
                         if "python" in c.name():
+                            native.append(native_stacks(c.pid))  # C++ frames too (py-spy)
                             c.send_signal(signal.SIGUSR1)  # trainer/hookchannel.py STACK_SIGNAL
             time.sleep(3.0)
-            pytest.fail(f"a torchrun did not end after training:\n{_tail(tmp, 'a', 'b')}")
+            (tmp / "native-stacks.txt").write_text("\n\n".join(native))
+            pytest.fail(
+                f"a torchrun did not end after training:\n{_tail(tmp, 'a', 'b')}\n"
+                + "\n\n".join(native)
+            )
 
 
 # `make test-all` only for now: two clean-clone CIs in a row (2026-12-06 01:02 and 01:53)

