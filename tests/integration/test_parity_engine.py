@@ -61,6 +61,8 @@ def _assert_parity(reference: list[float], runs: list[list[float]]) -> None:
         assert diff < TOL, f"rank {rank}: max |Δ(loss, grad norm)| {diff:.3g}: {reference}"
 
 
+# `make test-all` only (CI budget): cp2 x tp2 below checks context parallelism too
+@pytest.mark.slow
 def test_context_parallel_cp2(dense: list[float]) -> None:
     _assert_parity(dense, curves(config(cp=2)))
 
