@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from unbroken.common.paths import DEFAULT_SOCKET, SYSTEM_SOCKET, trusted_socket
 from unbroken.common.workerenv import AGENT_SOCKET as ENV_SOCKET
 from unbroken.proto import hooks_pb2 as hpb
-from unbroken.trainer import ncclguard, torchrunhold
+from unbroken.trainer import ncclguard, torchrunhold, worldpin
 from unbroken.trainer.hookchannel import Hooks, install, stacks_on_signal
 from unbroken.trainer.pacer import PERSIST_EVERY_S, SAVE_BUDGET, Pacer
 from unbroken.trainer.plugin import Stateful
@@ -123,6 +123,8 @@ def _require_dist(what: str) -> None:
         )
     _dist_ready = True
     s = _get()
+    if _in_recovery_loop:  # this world's groups are freed once it is over (trainer/worldpin.py)
+        worldpin.pin()
     if _in_recovery_loop and s is not None and _guard is None and started_by_agent():
         _guard = ncclguard.NcclGuard.start_if_nccl(s.hooks)  # NCCL: see trainer/ncclguard.py
 
@@ -733,6 +735,7 @@ def recovery_loop(body: Callable[[], T], *, hold_s: float = HOLD_WAIT_S) -> T:
     _torchrun_dir = torchrunhold.directory()  # under torchrun with the backend's in_job=1
     if started_by_agent() or _torchrun_dir:  # an NCCL peer's failure must not end this process
         ncclguard.nccl_keeps_process()
+        worldpin.import_early()  # no world's group held for ever by torch's defaults
     # What exists now (the imports) lives as long as the process: out of the collector's
     # sight, the full collections of a recovery (freeing the old world's groups) are cheap.
     gc.freeze()
@@ -740,7 +743,7 @@ def recovery_loop(body: Callable[[], T], *, hold_s: float = HOLD_WAIT_S) -> T:
         s = _get()
         _in_recovery_loop = True
         try:
-            return body()
+            out = body()
         except Exception as e:
             by_agent = s is not None and s.hooks.replies and started_by_agent()
             if not by_agent and not _torchrun_dir:
@@ -751,6 +754,10 @@ def recovery_loop(body: Callable[[], T], *, hold_s: float = HOLD_WAIT_S) -> T:
                 held = Held(f"{type(e).__name__}: {e}", -1)
             else:
                 raise
+        else:  # the world's groups are freed here, not by a DDP Reducer (GIL held), even
+            gc.collect()  # when a cycle holds the model (trainer/worldpin.py)
+            worldpin.release()
+            return out
         finally:
             _in_recovery_loop = False
             if _guard is not None:  # an abort it began ends before the world is left
@@ -768,6 +775,7 @@ def recovery_loop(body: Callable[[], T], *, hold_s: float = HOLD_WAIT_S) -> T:
             rejoin = hold(held, s.hooks, hold_s)  # type: ignore[union-attr]
         else:
             rejoin = torchrunhold.hold(held, hold_s)
+        worldpin.release()  # the old world's groups: left and forgotten by now
         if rejoin is None:
             raise SystemExit(1)
         apply_rejoin(rejoin)

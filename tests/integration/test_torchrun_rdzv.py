@@ -678,10 +678,9 @@ def _wait_ended(procs: list[Any], tmp: Path, timeout_s: float) -> None:
             )
 
 
-# `make test-all` only for now: two clean-clone CIs in a row (2026-12-06 01:02 and 01:53)
-# saw its kept rank 0 train to its last step and never exit (stuck in native code as
-# `train`'s frame was torn down, after its destroy_process_group); open, docs/testing.md
-@pytest.mark.slow
+# Two clean-clone CIs in a row (2026-12-06) saw its kept rank 0 train to its last step and
+# never exit: DDP's Reducer freed the world's gloo group holding the GIL, which gloo's
+# worker thread waited for (trainer/worldpin.py; tests/integration/test_world_end.py)
 def test_in_job_torchrun_keeps_the_healthy_workers_process(
     driver: dict[str, Any], tmp_path: Path
 ) -> None:
