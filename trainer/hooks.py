@@ -775,7 +775,7 @@ def recovery_loop(body: Callable[[], T], *, hold_s: float = HOLD_WAIT_S) -> T:
             rejoin = hold(held, s.hooks, hold_s)  # type: ignore[union-attr]
         else:
             rejoin = torchrunhold.hold(held, hold_s)
-        worldpin.release()  # the old world's groups: left and forgotten by now
+        worldpin.release(background=True)  # the old world's groups, left and forgotten
         if rejoin is None:
             raise SystemExit(1)
         apply_rejoin(rejoin)

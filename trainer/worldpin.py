@@ -26,6 +26,7 @@ that unsafe or leaky, and this module takes both out of the script's way:
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 _pinned: list[Any] = []  # the Python ProcessGroup objects of the current world
@@ -48,10 +49,21 @@ def pin() -> int:
     return len(_pinned)
 
 
-def release() -> None:
-    """Drop what `pin` held: the groups no longer referenced elsewhere are destroyed here,
-    their worker threads joined with the GIL released."""
+def release(*, background: bool = False) -> None:
+    """Drop what `pin` held: the groups no longer referenced elsewhere are destroyed, their
+    worker threads joined with the GIL released; on a side thread with `background` (a
+    rank going on into its next world does not wait for the old world's destructors, as
+    `ncclguard.drop_gloo_world` does not)."""
+    if not background:
+        _pinned.clear()
+        return
+    held = _pinned[:]
     _pinned.clear()
+
+    def drop() -> None:
+        held.clear()  # the last references, for the groups nothing else holds
+
+    threading.Thread(target=drop, name="unbroken-world-release", daemon=True).start()
 
 
 def pinned() -> int:

@@ -55,3 +55,17 @@ def test_a_pinned_group_outlives_the_reducer_and_goes_on_release() -> None:
 def test_release_without_a_pin_is_harmless() -> None:
     worldpin.release()
     assert worldpin.pinned() == 0
+
+
+def test_a_background_release_frees_the_groups_on_a_side_thread() -> None:
+    before = _tasks()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with_group = _tasks()
+        assert worldpin.pin() == 1
+    finally:
+        dist.destroy_process_group()
+    assert _tasks() == with_group  # pinned
+    worldpin.release(background=True)
+    assert worldpin.pinned() == 0
+    assert _settles(before), (before, _tasks())
