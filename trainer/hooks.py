@@ -536,6 +536,8 @@ def save(step: int, state_dict: dict[str, Any], *, force: bool = False) -> bool:
     _require_dist("save")
     if ncclguard.tripped():  # the step ran on an aborted NCCL world: nothing of it is kept
         raise Held(f"NCCL world aborted: {ncclguard.tripped()}", step)
+    if _in_recovery_loop:  # a group made since the world was first seen (trainer/worldpin.py)
+        worldpin.refresh()
     s.poll()  # a FlashSave request counts even when the script never asks should_save()
     requested = s.save_at is not None and step >= s.save_at
     due = s.pacer.due(step) or force or requested

@@ -26,6 +26,7 @@ that unsafe or leaky, and this module takes both out of the script's way:
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from typing import Any
 
@@ -47,6 +48,14 @@ def pin() -> int:
 
         _pinned[:] = list(c10d._world.pg_names)
     return len(_pinned)
+
+
+def refresh() -> None:
+    """`pin` again when the world has groups it did not have then (one made after the
+    first save, a DDP on a subgroup): a dictionary's length, every step."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    if c10d is not None and len(c10d._world.pg_names) != len(_pinned):
+        pin()
 
 
 def release(*, background: bool = False) -> None:

@@ -69,3 +69,17 @@ def test_a_background_release_frees_the_groups_on_a_side_thread() -> None:
     worldpin.release(background=True)
     assert worldpin.pinned() == 0
     assert _settles(before), (before, _tasks())
+
+
+def test_refresh_pins_a_group_made_after_the_first_pin() -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert worldpin.pin() == 1
+        worldpin.refresh()
+        assert worldpin.pinned() == 1  # nothing new: nothing done
+        dist.new_group([0])
+        worldpin.refresh()
+        assert worldpin.pinned() == 2
+    finally:
+        dist.destroy_process_group()
+        worldpin.release()
