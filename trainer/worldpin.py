@@ -8,10 +8,11 @@ that unsafe or leaky, and this module takes both out of the script's way:
   frees a Reducer with the GIL held. When the Reducer is the group's last holder (the
   script's `destroy_process_group()` dropped the registry's), the gloo group's destructor
   runs there and joins its worker threads with the GIL held; a worker thread still
-  finishing a collective whose tensors had Python objects needs the GIL to free them: a
-  deadlock, in the frame teardown of the script's training function. CI saw exactly that
-  twice (2026-12-06: the kept rank trained its last step and never returned, with a thread
-  waiting that had no Python frame). torch frees the Python `ProcessGroup` object with the
+  finishing a collective that calls into Python (a `Future.then` callback; freeing tensors
+  that had Python objects) waits for the GIL: a deadlock, in the frame teardown of the
+  script's training function (tests/integration/test_world_end.py). CI saw such a hang
+  twice (2026-12-06: the kept rank trained its last step and never returned, a thread with
+  no Python frame waiting beside it). torch frees the Python `ProcessGroup` object with the
   GIL released, so `pin` holds those objects while the body runs and `release` drops them
   after it returned or left its world: the last holder is then a Python object, and the
   destructor joins its threads with the GIL free.
