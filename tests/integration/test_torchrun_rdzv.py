@@ -655,9 +655,9 @@ def _stacks_unless_held(survivor: psutil.Process, log: Path, within_s: float) ->
 
 def _wait_ended(procs: list[Any], tmp: Path, timeout_s: float) -> None:
     """Wait for both torchruns' end; if one outlives `timeout_s`, its workers' stacks say
-    where they are: native ones (py-spy) and Python's (the SDK's faulthandler signal, into
-    the torchrun logs). CI once saw
-    the kept rank 0 train its last step and never end: its peer passed the final barrier."""
+    where they are: native ones (py-spy, in the failure) and Python's (the SDK's
+    faulthandler signal, into the torchrun logs). CI once saw the kept rank 0 train its
+    last step and never end: its peer passed the final barrier."""
     deadline = time.monotonic() + timeout_s
     for p in procs:
         try:
@@ -671,7 +671,6 @@ def _wait_ended(procs: list[Any], tmp: Path, timeout_s: float) -> None:
                             native.append(native_stacks(c.pid))  # C++ frames too (py-spy)
                             c.send_signal(signal.SIGUSR1)  # trainer/hookchannel.py STACK_SIGNAL
             time.sleep(3.0)
-            (tmp / "native-stacks.txt").write_text("\n\n".join(native))
             pytest.fail(
                 f"a torchrun did not end after training:\n{_tail(tmp, 'a', 'b')}\n"
                 + "\n\n".join(native)
