@@ -79,7 +79,13 @@ class LiveViewConfig:
         default=0.25,
         metadata={"help": "silence of more than this fraction of the nodes at once is held back"},
     )
-    mass_loss_min: int = field(default=8, metadata={"help": "...and of more than this many nodes"})
+    mass_loss_min: int = field(
+        default=8,
+        metadata={
+            "help": "...and of more than this many nodes (while nobody at all is heard, "
+            "any silent nodes of a world of two or more, their streams open)"
+        },
+    )
     mass_loss_hold_ms: int = field(
         default=3_000,
         metadata={"help": "how long such a mass silence is held back while others are heard"},

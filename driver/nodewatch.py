@@ -181,7 +181,8 @@ class NodeWatch:
         the moment they were no more than `mass_loss_min`); or more than `mass_loss_min`
         while nobody is heard (the driver's own silence: at 10,240 nodes the loop read no
         relay stream for 3 s and 640 members, a sixteenth of the world, were declared lost
-        before a quarter was silent); or more than `mass_loss_min` coming out of a `crowd`
+        before a quarter was silent), or however few while nobody is heard (`_everyone`); or
+        more than `mass_loss_min` coming out of a `crowd`
         of nodes held late together that was itself a mass silence. At 10,240 nodes an
         incident's stop to every node kept the leader from reading the relays' streams for
         0.5-1.2 s: all 10,096 nodes were held late together, 9,000 came back within the
@@ -192,8 +193,19 @@ class NodeWatch:
             return True
         live = self.config.live
         if len(lost) <= live.mass_loss_min:
-            return False
+            return self._everyone(lost, now)
         return crowd > limit or self._unheard(now)
+
+    def _everyone(self, lost: list[tuple[NodeSlot, str]], now: float) -> bool:
+        """Whether nobody at all is heard in a world of two nodes alive or more, and each
+        node of `lost` still has its stream open: a small world's mass silence (the others
+        are silent too, some not yet past their timeout). A CI host stalled the three
+        agents of a chaos job 3-4 s at once (their streams open); each was declared lost and,
+        below --min-nodes, the job failed while the three came back. A killed agent's stream
+        closes: such a silence is the node's own, never held here."""
+        if self.view.alive_count() < 2 or not self._unheard(now):
+            return False
+        return all(slot.connected and why != detectors.STREAM_CLOSED for slot, why in lost)
 
     def _unheard(self, now: float) -> bool:
         """Whether no node at all was heard for two heartbeat intervals."""

@@ -122,6 +122,34 @@ def test_a_world_silent_at_once_is_held_while_nobody_is_heard_and_kept_when_it_r
     asyncio.run(go())
 
 
+def test_a_small_world_silent_at_once_is_held_and_one_node_silent_alone_is_lost() -> None:
+    """Three nodes, fewer than --mass-loss-min (8): silent together while nobody is heard
+    (a stalled host: a chaos job's three agents 3-4 s in CI), none is lost; then one silent
+    while the other two are heard is lost at its timeout, as before."""
+    nodes = ["a", "b", "c"]
+
+    async def go() -> None:
+        live = dataclasses.replace(
+            config(mass_loss_hold_ms=500, mass_loss_max_hold_ms=20_000),
+            mass_loss_min=LiveViewConfig().mass_loss_min,
+        )
+        async with world(live, nodes) as (svc, _stub, beats):
+            beats.stop(nodes)
+            await asyncio.sleep(1.5)  # 5x the timeout, 3x the hold
+            assert all(svc.view.nodes[n].alive for n in nodes), "declared lost while unheard"
+            assert svc.nodewatch.mass_held == len(nodes)
+            beats.beating.update(nodes)
+            await until(lambda: svc.nodewatch.mass_held == 0, 5, "the hold to end")
+            assert all(svc.view.nodes[n].alive for n in nodes)
+            beats.stop(["c"])
+            t0 = time.monotonic()
+            await until(lambda: not svc.view.nodes["c"].alive, 5, "c lost")
+            assert time.monotonic() - t0 < 1.0
+            assert svc.view.nodes["a"].alive and svc.view.nodes["b"].alive
+
+    asyncio.run(go())
+
+
 def test_a_mass_silence_while_others_are_heard_is_declared_after_the_hold() -> None:
     """Three nodes still heard: the silence of the other ten is theirs, not the driver's,
     and they are lost once the hold has run (0.5 s) past the timeout (0.3 s)."""
