@@ -136,6 +136,8 @@ def run(ns: argparse.Namespace) -> int:
             phase += "`unbroken resume`"
         elif st.finished_reason:
             phase += f": {escape(st.finished_reason)}"
+        if st.awaiting_nodes:
+            phase += f" [bold yellow]WAITING FOR NODES[/]: {escape(st.awaiting_nodes)}"
         t.add_row("phase", phase)
         t.add_row("step", f"{st.step} (live {st.live_step})")
         t.add_row(

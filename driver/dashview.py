@@ -277,6 +277,7 @@ def state_json(
             "failed_restores": st.failed_restores,
         },
         "finished_reason": st.finished_reason,
+        "awaiting_nodes": st.awaiting_nodes,
         "world": world_json(st.world),
         "trainer": st.trainer,
         "counts": counts,

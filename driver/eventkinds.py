@@ -66,6 +66,7 @@ KINDS: dict[str, Kind] = {
     "diagnosis_verdict": Kind(observed=True, cause=True),
     "restore_finished": Kind(observed=True),
     "replica_ready": Kind(observed=True),
+    "node_wait_expired": Kind(observed=True),
     "node_evicted": Kind(cause=True),
     "world_resized": Kind(cause=True),
 }

@@ -49,6 +49,7 @@ from unbroken.diagnostics.check import free_port
 from unbroken.driver import (
     completion,
     machine,
+    nodewait,
     replicapolicy,
     sdcwatch,
     spikewatch,
@@ -139,6 +140,7 @@ class LoopHost(Protocol):
     config: ServiceConfig
     commits: Commits
     view: LiveView  # what a diagnosis reads (driver/diagnose.py)
+    node_wait: nodewait.NodeWait  # below min_nodes: the wait for nodes (`unbroken status`)
 
     def submit(self, item: Any, detected: float = ...) -> bool: ...
 
@@ -194,6 +196,8 @@ class RecoveryLoop:
         self._spawn(completion.watch(self))
         if self.policy.keep_training:
             self._spawn(replicapolicy.watch(self))
+        if self.policy.await_nodes_s:
+            self._spawn(nodewait.watch(self))
         if self.state.phase == ev.PHASE_STARTING:
             self._spawn(self._wait_for_world())
         else:

@@ -44,11 +44,13 @@ it never turns back to in-job.
 
 World rules: each removed node is replaced by a healthy spare in its rank position (same
 world); with too few spares dp shrinks to the largest dp with dp x pp x tp <= available
-workers (pp x tp fixed, whole nodes), never below `min_nodes` (then JobFinished ok=false
-with the reason); dp grows back, up to the configured world, when nodes return. The replica
-policy (`Policy.keep_training`, driver/replicapolicy.py) sits the faulty replica out instead:
-the world shrinks at once without it and no spare, and no grow-back takes nodes until the
-leader releases it (`ReplicaReady`).
+workers (pp x tp fixed, whole nodes), never below `min_nodes`: then the reshape waits
+(`JobState.awaiting_nodes`, DIAGNOSED) for lost nodes to come back or nodes to join, and
+plans again at each registration; after `Policy.await_nodes_s` (driver/nodewait.py) the job
+fails (JobFinished ok=false with the reason); dp grows back, up to the configured world,
+when nodes return. The replica policy (`Policy.keep_training`, driver/replicapolicy.py)
+sits the faulty replica out instead: the world shrinks at once without it and no spare, and
+no grow-back takes nodes until the leader releases it (`ReplicaReady`).
 """
 
 from __future__ import annotations
@@ -134,6 +136,7 @@ class _Draft:
         mode: str | None = None,
         replace: Iterable[int] | None = None,
         sit_out: Iterable[str] = (),
+        awaiting: str = "",
     ) -> None:
         s = self.state
         self.add(
@@ -151,6 +154,7 @@ class _Draft:
                     mode=s.recovery_mode if mode is None else mode,
                     replace_ranks=sorted(set(s.replace_ranks if replace is None else replace)),
                     sit_out=list(sit_out),
+                    awaiting_nodes=awaiting,
                 )
             )
         )
@@ -246,6 +250,8 @@ def _react(before: ev.JobState, d: _Draft, obs: Observation, policy: Policy) -> 
         return _on_restored(before, d, obs.restore_finished)
     if kind == "replica_ready":
         return ""  # the sat-out nodes are free again: the settle grows back if it can
+    if kind == "node_wait_expired":
+        return _on_wait_expired(before, d, obs.node_wait_expired)
     if kind == "loss_spike":
         return _on_spike(before, d, obs.loss_spike, policy)
     if kind == "sdc_suspected":
@@ -306,6 +312,19 @@ def _on_resume(before: ev.JobState, d: _Draft, op: ev.OperatorAction) -> str:
         mode=RESTART,  # the workers of a failed job are stopped: start every one
         replace=[],
     )
+    return ""
+
+
+def _on_wait_expired(before: ev.JobState, d: _Draft, p: ev.NodeWaitExpired) -> str:
+    """The wait for nodes below min_nodes ran out (driver/nodewait.py): the job fails."""
+    if not before.awaiting_nodes or p.incident_id != before.incident_id:
+        return "ignored: the incident it was for no longer waits for nodes"
+    reason = (
+        f"incident {before.incident_id}: {before.awaiting_nodes}; no node came back or "
+        f"joined in {p.waited_s:.0f} s (--await-nodes-s): add nodes or spares, then "
+        "`unbroken resume`"
+    )
+    d.add(ev.Event(job_finished=ev.JobFinished(step=before.step, ok=False, reason=reason)))
     return ""
 
 
@@ -598,6 +617,8 @@ def _settle_once(d: _Draft, policy: Policy) -> bool:
         d.transition(ev.PHASE_DIAGNOSED, "the cause is known: no diagnosis needed")
         return True
     if phase == ev.PHASE_DIAGNOSED:
+        if s.awaiting_nodes and isinstance(plan_world(s, policy), str):
+            return False  # still too few nodes: the wait goes on (driver/nodewait.py ends it)
         _reshape(d, policy)
         return True
     if phase == ev.PHASE_RESHAPED:
@@ -673,7 +694,15 @@ def _reshape(d: _Draft, policy: Policy) -> None:
     s = d.state
     target = plan_world(s, policy)
     if isinstance(target, str):
-        d.add(ev.Event(job_finished=ev.JobFinished(step=s.step, ok=False, reason=target)))
+        if policy.await_nodes_s > 0:  # lost nodes may come back, new ones may join
+            d.transition(
+                ev.PHASE_DIAGNOSED,
+                f"waiting up to {policy.await_nodes_s:g} s (--await-nodes-s) for nodes: {target}",
+                awaiting=target,
+            )
+            return
+        why = f"{target}: add nodes or spares, then `unbroken resume`"
+        d.add(ev.Event(job_finished=ev.JobFinished(step=s.step, ok=False, reason=why)))
         return
     old = Layout.of(s.world)
     if target != old or _inactive(s, target.node_ids):

@@ -146,6 +146,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         (),
         "1 while etcd refuses writes for lack of space (NOSPACE alarm), else 0",
     ),
+    "unbroken_awaiting_nodes": (
+        "gauge",
+        (),
+        "1 while the open incident waits for nodes below --min-nodes (the job fails after "
+        "--await-nodes-s unless nodes come back or join), else 0",
+    ),
     "unbroken_mass_silence_nodes": (
         "gauge",
         (),
@@ -225,6 +231,9 @@ class _LiveCollector(Collector):
         g = GaugeMetricFamily("unbroken_phase", METRICS["unbroken_phase"][2], labels=["phase"])
         for p in PHASES:
             g.add_metric([p], 1.0 if p == name else 0.0)
+        yield g
+        g = GaugeMetricFamily("unbroken_awaiting_nodes", METRICS["unbroken_awaiting_nodes"][2])
+        g.add_metric([], 1.0 if v.get("awaiting_nodes") else 0.0)
         yield g
         yield from _health(v)
         if v.get("newest_commit_age_s", -1.0) >= 0:

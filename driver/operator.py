@@ -6,9 +6,8 @@ object built with what it needs (who leads, the agent sessions, the config). Onl
 leader answers: a standby has no journal and says where the leader is
 (FAILED_PRECONDITION plus the `x-unbroken-leader` trailer). Reads come from the journal's
 folded state in memory, joined with the live view; writes go through the journal (an
-eviction is an observation the recovery loop decides on at once). Diagnose runs
-as a task of the driver, not of the call: a client that goes away does not leave the
-workers paused; the call only watches the task through a bounded queue.
+eviction is an observation the recovery loop decides on at once). Diagnose runs as a task
+of the driver, not of the call (a client that goes away does not leave the workers paused).
 """
 
 from __future__ import annotations
@@ -240,6 +239,7 @@ class OperatorApi:
         st.faults_unrecorded = h["faults_unrecorded"]
         held = self._cmd.mass_silence()
         st.mass_silence_nodes, st.mass_silence_held_s, st.mass_silence_unheard_s = held
+        st.awaiting_nodes = self._cmd.awaiting_nodes(state)
         return st
 
     async def ListNodes(

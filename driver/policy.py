@@ -33,7 +33,22 @@ class Reshape(enum.Enum):
 class Policy:
     """How the machine recovers. The limits are the job's (JobStarted carries the same)."""
 
-    min_nodes: int = field(default=1, metadata={"help": "fail below this many nodes"})
+    min_nodes: int = field(
+        default=1,
+        metadata={"help": "fail below this many nodes (after --await-nodes-s)"},
+    )
+    # Below min_nodes the reshape waits for nodes before the job fails: lost nodes that come
+    # back (a host stall, a network partition, a rebooted machine) or new ones that join, as
+    # a launcher's rendezvous waits for its minimum. A job failed on the spot is only
+    # resumed by hand (a CI host stalled all three nodes of a chaos job 3-4 s at once: each
+    # was declared lost, the job FAILED, and the three came back a moment later).
+    await_nodes_s: float = field(
+        default=300.0,
+        metadata={
+            "help": "below --min-nodes, wait this long for lost nodes to come back or new "
+            "nodes or spares to join before the job fails (0: fail at once)"
+        },
+    )
     max_nodes: int = field(
         default=0,
         metadata={
@@ -169,6 +184,10 @@ class Policy:
                 f"Policy.self_check_evicts has unknown self-check items {sorted(unknown)}; "
                 f"choose from {sorted(selfchecklib.ITEM_NAMES)}, or none (every failed "
                 "self-check then follows diagnose_kinds)"
+            )
+        if not 0 <= self.await_nodes_s <= 86_400:  # NaN too
+            raise ValueError(
+                f"Policy.await_nodes_s must be a number in [0, 86400], got {self.await_nodes_s}"
             )
         if not self.replica_rejoin_s >= 0:  # NaN too
             raise ValueError(

@@ -40,6 +40,7 @@ from unbroken.driver.launcher_api import LauncherApi
 from unbroken.driver.leadership import Leadership
 from unbroken.driver.liveview import LiveView
 from unbroken.driver.metrics import DriverMetrics
+from unbroken.driver.nodewait import NodeWait
 from unbroken.driver.nodewatch import NodeWatch
 from unbroken.driver.operator import OperatorApi
 from unbroken.driver.retention import CheckpointKeeper
@@ -92,6 +93,7 @@ class DriverService(dgrpc.DriverServicer):
         self.job_id = job_id
         self.leadership = Leadership(driver_id, job_id, leader_address)
         self.view = LiveView(config.live)
+        self.node_wait = NodeWait()  # below min_nodes: the wait for nodes (driver/nodewait.py)
         # observations of an ended term, for the next one (a failure once detected stays)
         self._carry: list[Pending] = []
         # fault event id -> (fault began, detected): latency histograms once it is durable
@@ -383,7 +385,7 @@ class DriverService(dgrpc.DriverServicer):
             "faults_pending": j.faults_pending() if j else 0,
             **({"goodput": self.goodput(), "persist_every_s": self.persist_every_s()} if j else {}),
             "snapshots_too_large": getattr(j.log, "snapshots_too_large", 0) if j else 0,
-            **({"phase": j.state.phase} if j else {}),
+            **({"phase": j.state.phase, "awaiting_nodes": j.state.awaiting_nodes} if j else {}),
             "newest_commit_age_s": self.newest_commit()[1],
             "event_log": loghealth.summary(j),
             "mass_silence": self.mass_silence(),
@@ -395,6 +397,10 @@ class DriverService(dgrpc.DriverServicer):
     def mass_silence(self) -> tuple[int, float, float]:
         """The mass silence the node watch holds back now (nodes, held s, unheard s)."""
         return self.nodewatch.mass_silence(time.monotonic())
+
+    def awaiting_nodes(self, state: ev.JobState) -> str:
+        """What the open incident waits for below min_nodes, and how long it still may."""
+        return self.node_wait.line(state, time.monotonic())
 
     def persist_failing(self) -> list[dpb.PersistFailure]:
         return self.keeper.persist_failing()

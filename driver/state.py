@@ -512,6 +512,7 @@ def _close_incident(s: ev.JobState) -> None:
     s.ClearField("incident_world")
     s.recovery_mode = ""
     del s.replace_ranks[:]
+    s.awaiting_nodes = ""
 
 
 def _training_paused(s: ev.JobState, e: ev.Event) -> None:
@@ -567,6 +568,7 @@ def _recovery_transition(s: ev.JobState, e: ev.Event) -> None:
     del s.replace_ranks[:]
     s.replace_ranks.extend(p.replace_ranks)
     s.sitting_out.extend(n for n in p.sit_out if n not in s.sitting_out)
+    s.awaiting_nodes = p.awaiting_nodes
 
 
 def _replica_ready(s: ev.JobState, e: ev.Event) -> None:
@@ -580,6 +582,7 @@ def _job_finished(s: ev.JobState, e: ev.Event) -> None:
     s.phase = ev.PHASE_FINISHED if e.job_finished.ok else ev.PHASE_FAILED
     s.step = e.job_finished.step
     s.finished_reason = e.job_finished.reason
+    s.awaiting_nodes = ""
 
 
 _HANDLERS: dict[str, Callable[[ev.JobState, ev.Event], None]] = {

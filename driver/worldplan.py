@@ -127,8 +127,7 @@ def plan_world(s: ev.JobState, policy: Policy) -> Layout | str:
         have = len(survivors) + len(everyone)
         return (
             f"only {have} healthy node(s) of {w.workers_per_node} worker(s) remain; "
-            f"pp x tp = {w.pp * w.tp} needs whole nodes and min_nodes is {policy.min_nodes}: "
-            "add nodes or spares and start the job again"
+            f"pp x tp = {w.pp * w.tp} needs whole nodes and min_nodes is {policy.min_nodes}"
         )
     need = dp * w.pp * w.tp // w.workers_per_node
     if dp == w.dp and len(w.node_ids) == need:

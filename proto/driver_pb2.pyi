@@ -713,7 +713,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("job_id", "driver_id", "leader_address", "leader_term", "phase", "step", "live_step", "nodes_total", "nodes_active", "nodes_spare", "nodes_lost", "nodes_evicted", "nodes_alive", "last_seq", "incident_id", "last_diagnosis_id", "diagnosis_running", "goodput", "training_wall_s", "lost_s_by_cause", "lost_s_by_category", "persist_every_s", "persist_cost_s", "storage_mtbf_s", "persist_failing", "newest_commit_step", "newest_commit_age_s", "incident_cause", "failed_restores", "finished_reason", "log_error", "log_failing_s", "log_full", "faults_unrecorded", "mass_silence_nodes", "mass_silence_held_s", "mass_silence_unheard_s")
+    __slots__ = ("job_id", "driver_id", "leader_address", "leader_term", "phase", "step", "live_step", "nodes_total", "nodes_active", "nodes_spare", "nodes_lost", "nodes_evicted", "nodes_alive", "last_seq", "incident_id", "last_diagnosis_id", "diagnosis_running", "goodput", "training_wall_s", "lost_s_by_cause", "lost_s_by_category", "persist_every_s", "persist_cost_s", "storage_mtbf_s", "persist_failing", "newest_commit_step", "newest_commit_age_s", "incident_cause", "failed_restores", "finished_reason", "log_error", "log_failing_s", "log_full", "faults_unrecorded", "mass_silence_nodes", "mass_silence_held_s", "mass_silence_unheard_s", "awaiting_nodes")
     class LostSByCauseEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -765,6 +765,7 @@ class GetStatusResponse(_message.Message):
     MASS_SILENCE_NODES_FIELD_NUMBER: _ClassVar[int]
     MASS_SILENCE_HELD_S_FIELD_NUMBER: _ClassVar[int]
     MASS_SILENCE_UNHEARD_S_FIELD_NUMBER: _ClassVar[int]
+    AWAITING_NODES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     driver_id: str
     leader_address: str
@@ -802,7 +803,8 @@ class GetStatusResponse(_message.Message):
     mass_silence_nodes: int
     mass_silence_held_s: float
     mass_silence_unheard_s: float
-    def __init__(self, job_id: _Optional[str] = ..., driver_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., leader_term: _Optional[int] = ..., phase: _Optional[_Union[_events_pb2.Phase, str]] = ..., step: _Optional[int] = ..., live_step: _Optional[int] = ..., nodes_total: _Optional[int] = ..., nodes_active: _Optional[int] = ..., nodes_spare: _Optional[int] = ..., nodes_lost: _Optional[int] = ..., nodes_evicted: _Optional[int] = ..., nodes_alive: _Optional[int] = ..., last_seq: _Optional[int] = ..., incident_id: _Optional[str] = ..., last_diagnosis_id: _Optional[str] = ..., diagnosis_running: _Optional[str] = ..., goodput: _Optional[float] = ..., training_wall_s: _Optional[float] = ..., lost_s_by_cause: _Optional[_Mapping[str, float]] = ..., lost_s_by_category: _Optional[_Mapping[str, float]] = ..., persist_every_s: _Optional[float] = ..., persist_cost_s: _Optional[float] = ..., storage_mtbf_s: _Optional[float] = ..., persist_failing: _Optional[_Iterable[_Union[PersistFailure, _Mapping]]] = ..., newest_commit_step: _Optional[int] = ..., newest_commit_age_s: _Optional[float] = ..., incident_cause: _Optional[str] = ..., failed_restores: _Optional[int] = ..., finished_reason: _Optional[str] = ..., log_error: _Optional[str] = ..., log_failing_s: _Optional[float] = ..., log_full: _Optional[bool] = ..., faults_unrecorded: _Optional[int] = ..., mass_silence_nodes: _Optional[int] = ..., mass_silence_held_s: _Optional[float] = ..., mass_silence_unheard_s: _Optional[float] = ...) -> None: ...
+    awaiting_nodes: str
+    def __init__(self, job_id: _Optional[str] = ..., driver_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., leader_term: _Optional[int] = ..., phase: _Optional[_Union[_events_pb2.Phase, str]] = ..., step: _Optional[int] = ..., live_step: _Optional[int] = ..., nodes_total: _Optional[int] = ..., nodes_active: _Optional[int] = ..., nodes_spare: _Optional[int] = ..., nodes_lost: _Optional[int] = ..., nodes_evicted: _Optional[int] = ..., nodes_alive: _Optional[int] = ..., last_seq: _Optional[int] = ..., incident_id: _Optional[str] = ..., last_diagnosis_id: _Optional[str] = ..., diagnosis_running: _Optional[str] = ..., goodput: _Optional[float] = ..., training_wall_s: _Optional[float] = ..., lost_s_by_cause: _Optional[_Mapping[str, float]] = ..., lost_s_by_category: _Optional[_Mapping[str, float]] = ..., persist_every_s: _Optional[float] = ..., persist_cost_s: _Optional[float] = ..., storage_mtbf_s: _Optional[float] = ..., persist_failing: _Optional[_Iterable[_Union[PersistFailure, _Mapping]]] = ..., newest_commit_step: _Optional[int] = ..., newest_commit_age_s: _Optional[float] = ..., incident_cause: _Optional[str] = ..., failed_restores: _Optional[int] = ..., finished_reason: _Optional[str] = ..., log_error: _Optional[str] = ..., log_failing_s: _Optional[float] = ..., log_full: _Optional[bool] = ..., faults_unrecorded: _Optional[int] = ..., mass_silence_nodes: _Optional[int] = ..., mass_silence_held_s: _Optional[float] = ..., mass_silence_unheard_s: _Optional[float] = ..., awaiting_nodes: _Optional[str] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ("page_size", "after")

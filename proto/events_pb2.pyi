@@ -51,7 +51,7 @@ NODE_STATE_LOST: NodeState
 NODE_STATE_EVICTED: NodeState
 
 class Event(_message.Message):
-    __slots__ = ("seq", "event_id", "wall_time_unix_ns", "job_id", "schema_version", "cause", "writer", "job_started", "node_registered", "node_lost", "worker_failed", "hang_suspected", "log_alert", "diagnosis_round", "diagnosis_verdict", "node_evicted", "spare_assigned", "world_resized", "checkpoint_committed", "restore_started", "restore_finished", "loss_spike", "rollback", "training_paused", "training_resumed", "leader_elected", "recovery_transition", "node_refused", "self_check_reported", "job_finished", "operator_action", "rendezvous_round", "rendezvous_refused", "scheduler_call", "straggler_suspected", "training_stepping", "world_nodes", "sdc_suspected", "step_verified", "replica_ready")
+    __slots__ = ("seq", "event_id", "wall_time_unix_ns", "job_id", "schema_version", "cause", "writer", "job_started", "node_registered", "node_lost", "worker_failed", "hang_suspected", "log_alert", "diagnosis_round", "diagnosis_verdict", "node_evicted", "spare_assigned", "world_resized", "checkpoint_committed", "restore_started", "restore_finished", "loss_spike", "rollback", "training_paused", "training_resumed", "leader_elected", "recovery_transition", "node_refused", "self_check_reported", "job_finished", "operator_action", "rendezvous_round", "rendezvous_refused", "scheduler_call", "straggler_suspected", "training_stepping", "world_nodes", "sdc_suspected", "step_verified", "replica_ready", "node_wait_expired")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     WALL_TIME_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class Event(_message.Message):
     SDC_SUSPECTED_FIELD_NUMBER: _ClassVar[int]
     STEP_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     REPLICA_READY_FIELD_NUMBER: _ClassVar[int]
+    NODE_WAIT_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     seq: int
     event_id: str
     wall_time_unix_ns: int
@@ -132,7 +133,8 @@ class Event(_message.Message):
     sdc_suspected: SdcSuspected
     step_verified: StepVerified
     replica_ready: ReplicaReady
-    def __init__(self, seq: _Optional[int] = ..., event_id: _Optional[str] = ..., wall_time_unix_ns: _Optional[int] = ..., job_id: _Optional[str] = ..., schema_version: _Optional[int] = ..., cause: _Optional[str] = ..., writer: _Optional[str] = ..., job_started: _Optional[_Union[JobStarted, _Mapping]] = ..., node_registered: _Optional[_Union[NodeRegistered, _Mapping]] = ..., node_lost: _Optional[_Union[NodeLost, _Mapping]] = ..., worker_failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., hang_suspected: _Optional[_Union[HangSuspected, _Mapping]] = ..., log_alert: _Optional[_Union[LogAlert, _Mapping]] = ..., diagnosis_round: _Optional[_Union[DiagnosisRound, _Mapping]] = ..., diagnosis_verdict: _Optional[_Union[DiagnosisVerdict, _Mapping]] = ..., node_evicted: _Optional[_Union[NodeEvicted, _Mapping]] = ..., spare_assigned: _Optional[_Union[SpareAssigned, _Mapping]] = ..., world_resized: _Optional[_Union[WorldResized, _Mapping]] = ..., checkpoint_committed: _Optional[_Union[CheckpointCommitted, _Mapping]] = ..., restore_started: _Optional[_Union[RestoreStarted, _Mapping]] = ..., restore_finished: _Optional[_Union[RestoreFinished, _Mapping]] = ..., loss_spike: _Optional[_Union[LossSpike, _Mapping]] = ..., rollback: _Optional[_Union[Rollback, _Mapping]] = ..., training_paused: _Optional[_Union[TrainingPaused, _Mapping]] = ..., training_resumed: _Optional[_Union[TrainingResumed, _Mapping]] = ..., leader_elected: _Optional[_Union[LeaderElected, _Mapping]] = ..., recovery_transition: _Optional[_Union[RecoveryTransition, _Mapping]] = ..., node_refused: _Optional[_Union[NodeRefused, _Mapping]] = ..., self_check_reported: _Optional[_Union[SelfCheckReported, _Mapping]] = ..., job_finished: _Optional[_Union[JobFinished, _Mapping]] = ..., operator_action: _Optional[_Union[OperatorAction, _Mapping]] = ..., rendezvous_round: _Optional[_Union[RendezvousRound, _Mapping]] = ..., rendezvous_refused: _Optional[_Union[RendezvousRefused, _Mapping]] = ..., scheduler_call: _Optional[_Union[SchedulerCall, _Mapping]] = ..., straggler_suspected: _Optional[_Union[StragglerSuspected, _Mapping]] = ..., training_stepping: _Optional[_Union[TrainingStepping, _Mapping]] = ..., world_nodes: _Optional[_Union[WorldNodes, _Mapping]] = ..., sdc_suspected: _Optional[_Union[SdcSuspected, _Mapping]] = ..., step_verified: _Optional[_Union[StepVerified, _Mapping]] = ..., replica_ready: _Optional[_Union[ReplicaReady, _Mapping]] = ...) -> None: ...
+    node_wait_expired: NodeWaitExpired
+    def __init__(self, seq: _Optional[int] = ..., event_id: _Optional[str] = ..., wall_time_unix_ns: _Optional[int] = ..., job_id: _Optional[str] = ..., schema_version: _Optional[int] = ..., cause: _Optional[str] = ..., writer: _Optional[str] = ..., job_started: _Optional[_Union[JobStarted, _Mapping]] = ..., node_registered: _Optional[_Union[NodeRegistered, _Mapping]] = ..., node_lost: _Optional[_Union[NodeLost, _Mapping]] = ..., worker_failed: _Optional[_Union[WorkerFailed, _Mapping]] = ..., hang_suspected: _Optional[_Union[HangSuspected, _Mapping]] = ..., log_alert: _Optional[_Union[LogAlert, _Mapping]] = ..., diagnosis_round: _Optional[_Union[DiagnosisRound, _Mapping]] = ..., diagnosis_verdict: _Optional[_Union[DiagnosisVerdict, _Mapping]] = ..., node_evicted: _Optional[_Union[NodeEvicted, _Mapping]] = ..., spare_assigned: _Optional[_Union[SpareAssigned, _Mapping]] = ..., world_resized: _Optional[_Union[WorldResized, _Mapping]] = ..., checkpoint_committed: _Optional[_Union[CheckpointCommitted, _Mapping]] = ..., restore_started: _Optional[_Union[RestoreStarted, _Mapping]] = ..., restore_finished: _Optional[_Union[RestoreFinished, _Mapping]] = ..., loss_spike: _Optional[_Union[LossSpike, _Mapping]] = ..., rollback: _Optional[_Union[Rollback, _Mapping]] = ..., training_paused: _Optional[_Union[TrainingPaused, _Mapping]] = ..., training_resumed: _Optional[_Union[TrainingResumed, _Mapping]] = ..., leader_elected: _Optional[_Union[LeaderElected, _Mapping]] = ..., recovery_transition: _Optional[_Union[RecoveryTransition, _Mapping]] = ..., node_refused: _Optional[_Union[NodeRefused, _Mapping]] = ..., self_check_reported: _Optional[_Union[SelfCheckReported, _Mapping]] = ..., job_finished: _Optional[_Union[JobFinished, _Mapping]] = ..., operator_action: _Optional[_Union[OperatorAction, _Mapping]] = ..., rendezvous_round: _Optional[_Union[RendezvousRound, _Mapping]] = ..., rendezvous_refused: _Optional[_Union[RendezvousRefused, _Mapping]] = ..., scheduler_call: _Optional[_Union[SchedulerCall, _Mapping]] = ..., straggler_suspected: _Optional[_Union[StragglerSuspected, _Mapping]] = ..., training_stepping: _Optional[_Union[TrainingStepping, _Mapping]] = ..., world_nodes: _Optional[_Union[WorldNodes, _Mapping]] = ..., sdc_suspected: _Optional[_Union[SdcSuspected, _Mapping]] = ..., step_verified: _Optional[_Union[StepVerified, _Mapping]] = ..., replica_ready: _Optional[_Union[ReplicaReady, _Mapping]] = ..., node_wait_expired: _Optional[_Union[NodeWaitExpired, _Mapping]] = ...) -> None: ...
 
 class RankFingerprint(_message.Message):
     __slots__ = ("step", "keys", "hashes", "global_rank")
@@ -185,6 +187,16 @@ class ReplicaReady(_message.Message):
     node_ids: _containers.RepeatedScalarFieldContainer[str]
     reason: str
     def __init__(self, node_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class NodeWaitExpired(_message.Message):
+    __slots__ = ("incident_id", "waited_s", "reason")
+    INCIDENT_ID_FIELD_NUMBER: _ClassVar[int]
+    WAITED_S_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    incident_id: str
+    waited_s: float
+    reason: str
+    def __init__(self, incident_id: _Optional[str] = ..., waited_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class JobStarted(_message.Message):
     __slots__ = ("trainer", "world", "min_nodes", "max_nodes", "config_json", "reports_startup")
@@ -555,7 +567,7 @@ class LeaderElected(_message.Message):
     def __init__(self, driver_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., term: _Optional[int] = ..., address: _Optional[str] = ..., scope: _Optional[str] = ...) -> None: ...
 
 class RecoveryTransition(_message.Message):
-    __slots__ = ("from_phase", "to_phase", "incident_id", "reason", "suspects", "bad_nodes", "diagnose", "by_operator", "rearm", "mode", "replace_ranks", "sit_out")
+    __slots__ = ("from_phase", "to_phase", "incident_id", "reason", "suspects", "bad_nodes", "diagnose", "by_operator", "rearm", "mode", "replace_ranks", "sit_out", "awaiting_nodes")
     FROM_PHASE_FIELD_NUMBER: _ClassVar[int]
     TO_PHASE_FIELD_NUMBER: _ClassVar[int]
     INCIDENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -568,6 +580,7 @@ class RecoveryTransition(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     REPLACE_RANKS_FIELD_NUMBER: _ClassVar[int]
     SIT_OUT_FIELD_NUMBER: _ClassVar[int]
+    AWAITING_NODES_FIELD_NUMBER: _ClassVar[int]
     from_phase: Phase
     to_phase: Phase
     incident_id: str
@@ -580,7 +593,8 @@ class RecoveryTransition(_message.Message):
     mode: str
     replace_ranks: _containers.RepeatedScalarFieldContainer[int]
     sit_out: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, from_phase: _Optional[_Union[Phase, str]] = ..., to_phase: _Optional[_Union[Phase, str]] = ..., incident_id: _Optional[str] = ..., reason: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., diagnose: _Optional[bool] = ..., by_operator: _Optional[bool] = ..., rearm: _Optional[bool] = ..., mode: _Optional[str] = ..., replace_ranks: _Optional[_Iterable[int]] = ..., sit_out: _Optional[_Iterable[str]] = ...) -> None: ...
+    awaiting_nodes: str
+    def __init__(self, from_phase: _Optional[_Union[Phase, str]] = ..., to_phase: _Optional[_Union[Phase, str]] = ..., incident_id: _Optional[str] = ..., reason: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., diagnose: _Optional[bool] = ..., by_operator: _Optional[bool] = ..., rearm: _Optional[bool] = ..., mode: _Optional[str] = ..., replace_ranks: _Optional[_Iterable[int]] = ..., sit_out: _Optional[_Iterable[str]] = ..., awaiting_nodes: _Optional[str] = ...) -> None: ...
 
 class NodeRefused(_message.Message):
     __slots__ = ("node_id", "epoch", "reason")
@@ -721,7 +735,7 @@ class CheckpointRecord(_message.Message):
     def __init__(self, step: _Optional[int] = ..., uri: _Optional[str] = ..., bytes: _Optional[int] = ..., seq: _Optional[int] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., wall_time_unix_ns: _Optional[int] = ..., verified: _Optional[bool] = ...) -> None: ...
 
 class JobState(_message.Message):
-    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "leader_scope", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id", "bad_nodes", "needs_diagnosis", "restore_step", "configured_world", "incident_world", "restore_attempts", "rollback_to", "rollback_diagnose", "recovery_mode", "replace_ranks", "rollback_steps", "last_rollback_to", "gone_nodes", "pruned_nodes", "prune_mark", "last_skip_from", "last_skip_batches", "goodput", "persist_cost_s", "failed_restores", "finished_reason", "verified_steps", "sdc_suspected", "last_sdc_step", "sdc_by_node", "sitting_out")
+    __slots__ = ("job_id", "last_seq", "phase", "nodes", "world", "checkpoints", "step", "leader", "leader_term", "leader_scope", "incident_id", "incident_cause", "suspects", "event_counts", "skipped_batches", "trainer", "min_nodes", "max_nodes", "last_diagnosis_id", "bad_nodes", "needs_diagnosis", "restore_step", "configured_world", "incident_world", "restore_attempts", "rollback_to", "rollback_diagnose", "recovery_mode", "replace_ranks", "rollback_steps", "last_rollback_to", "gone_nodes", "pruned_nodes", "prune_mark", "last_skip_from", "last_skip_batches", "goodput", "persist_cost_s", "failed_restores", "finished_reason", "verified_steps", "sdc_suspected", "last_sdc_step", "sdc_by_node", "sitting_out", "awaiting_nodes")
     class NodesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -788,6 +802,7 @@ class JobState(_message.Message):
     LAST_SDC_STEP_FIELD_NUMBER: _ClassVar[int]
     SDC_BY_NODE_FIELD_NUMBER: _ClassVar[int]
     SITTING_OUT_FIELD_NUMBER: _ClassVar[int]
+    AWAITING_NODES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     last_seq: int
     phase: Phase
@@ -833,7 +848,8 @@ class JobState(_message.Message):
     last_sdc_step: int
     sdc_by_node: _containers.ScalarMap[str, int]
     sitting_out: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., leader_scope: _Optional[str] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., needs_diagnosis: _Optional[bool] = ..., restore_step: _Optional[int] = ..., configured_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., incident_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., restore_attempts: _Optional[int] = ..., rollback_to: _Optional[int] = ..., rollback_diagnose: _Optional[_Iterable[str]] = ..., recovery_mode: _Optional[str] = ..., replace_ranks: _Optional[_Iterable[int]] = ..., rollback_steps: _Optional[_Iterable[int]] = ..., last_rollback_to: _Optional[int] = ..., gone_nodes: _Optional[int] = ..., pruned_nodes: _Optional[int] = ..., prune_mark: _Optional[int] = ..., last_skip_from: _Optional[int] = ..., last_skip_batches: _Optional[int] = ..., goodput: _Optional[_Union[GoodputLedger, _Mapping]] = ..., persist_cost_s: _Optional[float] = ..., failed_restores: _Optional[int] = ..., finished_reason: _Optional[str] = ..., verified_steps: _Optional[_Iterable[int]] = ..., sdc_suspected: _Optional[int] = ..., last_sdc_step: _Optional[int] = ..., sdc_by_node: _Optional[_Mapping[str, int]] = ..., sitting_out: _Optional[_Iterable[str]] = ...) -> None: ...
+    awaiting_nodes: str
+    def __init__(self, job_id: _Optional[str] = ..., last_seq: _Optional[int] = ..., phase: _Optional[_Union[Phase, str]] = ..., nodes: _Optional[_Mapping[str, NodeRecord]] = ..., world: _Optional[_Union[WorldLayout, _Mapping]] = ..., checkpoints: _Optional[_Iterable[_Union[CheckpointRecord, _Mapping]]] = ..., step: _Optional[int] = ..., leader: _Optional[str] = ..., leader_term: _Optional[int] = ..., leader_scope: _Optional[str] = ..., incident_id: _Optional[str] = ..., incident_cause: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., event_counts: _Optional[_Mapping[str, int]] = ..., skipped_batches: _Optional[int] = ..., trainer: _Optional[str] = ..., min_nodes: _Optional[int] = ..., max_nodes: _Optional[int] = ..., last_diagnosis_id: _Optional[str] = ..., bad_nodes: _Optional[_Iterable[str]] = ..., needs_diagnosis: _Optional[bool] = ..., restore_step: _Optional[int] = ..., configured_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., incident_world: _Optional[_Union[WorldLayout, _Mapping]] = ..., restore_attempts: _Optional[int] = ..., rollback_to: _Optional[int] = ..., rollback_diagnose: _Optional[_Iterable[str]] = ..., recovery_mode: _Optional[str] = ..., replace_ranks: _Optional[_Iterable[int]] = ..., rollback_steps: _Optional[_Iterable[int]] = ..., last_rollback_to: _Optional[int] = ..., gone_nodes: _Optional[int] = ..., pruned_nodes: _Optional[int] = ..., prune_mark: _Optional[int] = ..., last_skip_from: _Optional[int] = ..., last_skip_batches: _Optional[int] = ..., goodput: _Optional[_Union[GoodputLedger, _Mapping]] = ..., persist_cost_s: _Optional[float] = ..., failed_restores: _Optional[int] = ..., finished_reason: _Optional[str] = ..., verified_steps: _Optional[_Iterable[int]] = ..., sdc_suspected: _Optional[int] = ..., last_sdc_step: _Optional[int] = ..., sdc_by_node: _Optional[_Mapping[str, int]] = ..., sitting_out: _Optional[_Iterable[str]] = ..., awaiting_nodes: _Optional[str] = ...) -> None: ...
 
 class GoodputLedger(_message.Message):
     __slots__ = ("started_ns", "incident_began_ns", "incident_cause", "lost_s_by_cause", "steps_redone", "last_fault", "incidents", "storage_incidents", "lost_s_by_category", "segment_began_ns", "segment_category", "pending_detect_s", "running_since_ns", "startup_open", "resumed_before_s")

@@ -17,7 +17,11 @@ from unbroken.proto import events_pb2 as ev
 
 
 def driver_metrics(
-    *, leader: bool = True, phase: int = ev.PHASE_RUNNING, lost_node: bool = False
+    *,
+    leader: bool = True,
+    phase: int = ev.PHASE_RUNNING,
+    lost_node: bool = False,
+    awaiting: bool = False,
 ) -> DriverMetrics:
     """A driver's registry over a live view of one node with two workers (and, with
     `lost_node`, a second node lost), after a few recorded events."""
@@ -40,6 +44,7 @@ def driver_metrics(
             "events": 4,
             "dropped": 0,
             "phase": phase,
+            "awaiting_nodes": awaiting,
             "goodput": Goodput(0.9, 100.0, {"node_lost": 10.0}, {"restore": 10.0}),
             "persist_every_s": 182.0,
             "newest_commit_age_s": 41.0,

@@ -94,6 +94,10 @@ function renderHeader(s) {
     banner(`The job FAILED at step ${s.step}: ${s.finished_reason || inc.cause || "see the events"}. ` +
       "Its workers are stopped. Fix the cause, then run `unbroken resume` " +
       "(a new incident with a fresh restore budget).", "failed");
+  } else if (s.awaiting_nodes) {
+    banner(`Training is stopped, waiting for nodes (incident ${inc.id || "?"}): ` +
+      `${s.awaiting_nodes}. It goes on once lost nodes come back or nodes or spares join; ` +
+      "the job fails after --await-nodes-s.", "recovering");
   } else if (RECOVERING.includes(s.phase)) {
     banner(`Training is stopped: recovering (${s.phase}) from incident ${inc.id || "?"}: ` +
       `${inc.cause || "?"}` + (inc.failed_restores ? `; ${inc.failed_restores} restore(s) failed` : ""),

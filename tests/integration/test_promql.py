@@ -60,17 +60,20 @@ def _series(registry: CollectorRegistry, job: str, instance: str) -> list[dict[s
     return out
 
 
-def _driver(*, leader: bool, phase: int = ev.PHASE_RUNNING) -> DriverMetrics:
+def _driver(
+    *, leader: bool, phase: int = ev.PHASE_RUNNING, awaiting: bool = False
+) -> DriverMetrics:
     """A driver's registry (tests/metricsdata.py), with a lost node beside an alive one."""
-    m = driver_metrics(leader=leader, phase=phase, lost_node=True)
+    m = driver_metrics(leader=leader, phase=phase, lost_node=True, awaiting=awaiting)
     m.fault_durable.observe(0.1)
     return m
 
 
-def _scrape(*, phase: int = ev.PHASE_RUNNING, leaders: int = 1) -> list[dict[str, str]]:
-    series = _series(
-        _driver(leader=leaders > 0, phase=phase).registry, "unbroken-driver", "driver-1:9400"
-    )
+def _scrape(
+    *, phase: int = ev.PHASE_RUNNING, leaders: int = 1, awaiting: bool = False
+) -> list[dict[str, str]]:
+    leader = _driver(leader=leaders > 0, phase=phase, awaiting=awaiting)
+    series = _series(leader.registry, "unbroken-driver", "driver-1:9400")
     series += _series(_driver(leader=False).registry, "unbroken-driver", "driver-2:9400")
     for i in range(2):
         series += _series(agent_metrics().registry, "unbroken-agent", f"node-{i}:9401")
@@ -201,6 +204,7 @@ def test_the_alerts_fire_when_they_should(tmp_path: Path) -> None:
         "UnbrokenJobFailed": False,
         "UnbrokenNoLeader": False,
         "UnbrokenRecoveryStuck": False,
+        "UnbrokenAwaitingNodes": False,
         "UnbrokenFlashStarved": False,
         "UnbrokenWorkerRestarting": True,
     }
@@ -210,6 +214,10 @@ def test_the_alerts_fire_when_they_should(tmp_path: Path) -> None:
         case(_scrape(phase=ev.PHASE_FAILED), {**quiet, "UnbrokenJobFailed": True}),
         case(_scrape(phase=ev.PHASE_PAUSED), {**quiet, "UnbrokenRecoveryStuck": True}),
         case(_scrape(leaders=0), {**quiet, "UnbrokenNoLeader": True}),
+        case(
+            _scrape(phase=ev.PHASE_DIAGNOSED, awaiting=True),
+            {**quiet, "UnbrokenAwaitingNodes": True, "UnbrokenRecoveryStuck": True},
+        ),
     ]
     out = _promtool(tmp_path, rules, tests)
     assert not out, out[-4000:]

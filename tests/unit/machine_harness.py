@@ -212,6 +212,10 @@ class Sim:
             self.feed(restored(rest[0].step))
         elif s.phase == ev.PHASE_RUNNING:
             self.training_step += 7
+        elif s.phase == ev.PHASE_DIAGNOSED and s.awaiting_nodes:  # too few nodes: nobody comes
+            assert not acts and not feasible(s, self.policy), acts
+            wait = ev.NodeWaitExpired(incident_id=s.incident_id, waited_s=300.0)
+            self.feed(ev.Event(node_wait_expired=wait))
 
 
 def check_world(s: ev.JobState, policy: m.Policy) -> None:

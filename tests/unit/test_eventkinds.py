@@ -37,6 +37,7 @@ def test_the_columns_select_what_the_driver_treats_specially() -> None:
         "restore_finished",
         "node_registered",
         "replica_ready",
+        "node_wait_expired",
     }
     assert k.DIAGNOSABLE == {"worker_failed", "hang_suspected", "log_alert", "self_check_reported"}
     assert k.STALE_KINDS == {"worker_failed", "hang_suspected", "straggler_suspected"}

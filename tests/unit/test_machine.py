@@ -130,15 +130,86 @@ def test_shrink_keeps_whole_pipeline_replicas() -> None:
     assert (w.dp, w.pp, list(w.node_ids)) == (1, 2, ["n1", "n2"])
 
 
-def test_below_min_nodes_the_job_fails_with_a_reason() -> None:
-    sim = start(m.Policy(min_nodes=3), nodes=3)
+def test_below_min_nodes_with_no_wait_the_job_fails_with_a_reason() -> None:
+    sim = start(m.Policy(min_nodes=3, await_nodes_s=0), nodes=3)
     sim.feed(lost("n0"))
     d = sim.feed(m.Paused(step=5))
     assert d.phase == ev.PHASE_FAILED
     (fin,) = [e.job_finished for e in d.events if e.WhichOneof("payload") == "job_finished"]
-    assert not fin.ok and "min_nodes is 3" in fin.reason
+    assert not fin.ok and "min_nodes is 3" in fin.reason and "unbroken resume" in fin.reason
     assert d.actions == (m.StopAll(("n1", "n2")),)
     assert sim.feed(crash("n1")).note.startswith("recorded only")
+
+
+def _waiting(sim: Sim) -> m.Decision:
+    """n0 of a 3-node job with min_nodes 3 is lost: the reshape waits for nodes."""
+    sim.feed(lost("n0"))
+    d = sim.feed(m.Paused(step=5, restorable_step=5))
+    assert d.phase == ev.PHASE_DIAGNOSED and d.actions == ()
+    assert "min_nodes is 3" in sim.state.awaiting_nodes
+    (t,) = [e.recovery_transition for e in d.events if e.HasField("recovery_transition")][-1:]
+    assert t.awaiting_nodes == sim.state.awaiting_nodes and "--await-nodes-s" in t.reason
+    assert not [e for e in d.events if e.HasField("job_finished")]
+    return d
+
+
+def test_below_min_nodes_the_reshape_waits_and_a_returning_node_ends_the_wait() -> None:
+    """A CI host once stalled all three nodes of a job 3-4 s: each was declared lost and the
+    job FAILED on the spot, though all three came back a moment later."""
+    sim = start(m.Policy(min_nodes=3), nodes=3)
+    _waiting(sim)
+    # a worker's crash while it waits: stop the workers, then wait again
+    assert sim.feed(crash("n1")).phase == ev.PHASE_SUSPECTED
+    assert sim.feed(m.Paused(step=5, restorable_step=5)).phase == ev.PHASE_DIAGNOSED
+    assert sim.state.awaiting_nodes
+    d = sim.feed(register("n0", 2))  # n0's agent is back (a new epoch)
+    assert d.phase == ev.PHASE_RESTORING, m.phases(d.events)
+    assert not sim.state.awaiting_nodes
+    assert [r.step for r in only(d.actions, m.Restore)] == [5]
+    assert list(sim.state.world.node_ids) == ["n0", "n1", "n2"]
+    sim.feed(restored(5))
+    assert sim.state.phase == ev.PHASE_RUNNING and not sim.state.awaiting_nodes
+
+
+def test_a_new_node_that_joins_ends_the_wait_in_the_lost_nodes_place() -> None:
+    sim = start(m.Policy(min_nodes=3), nodes=3)
+    _waiting(sim)
+    d = sim.feed(register("n9", 1))
+    assert d.phase == ev.PHASE_RESTORING, m.phases(d.events)
+    assert list(sim.state.world.node_ids) == ["n9", "n1", "n2"]
+
+
+def test_a_wait_for_nodes_that_runs_out_fails_the_job_and_resume_waits_again() -> None:
+    sim = start(m.Policy(min_nodes=3), nodes=3)
+    _waiting(sim)
+    incident = sim.state.incident_id
+    stale = ev.Event(node_wait_expired=ev.NodeWaitExpired(incident_id="i1", waited_s=300))
+    assert sim.feed(stale).note.startswith("ignored"), incident
+    expired = ev.Event(node_wait_expired=ev.NodeWaitExpired(incident_id=incident, waited_s=300.2))
+    d = sim.feed(expired)
+    assert d.phase == ev.PHASE_FAILED and not sim.state.awaiting_nodes
+    reason = d.events[-1].job_finished.reason
+    assert "300 s (--await-nodes-s)" in reason and "min_nodes is 3" in reason, reason
+    assert sim.feed(expired).note.startswith("recorded only")  # a second one: nothing
+    # `unbroken resume` opens a new incident, which waits again while n0 is away
+    sim.feed(operator(m.RESUME))
+    assert sim.state.phase in (ev.PHASE_SUSPECTED, ev.PHASE_PAUSED), sim.state.phase
+    sim.feed(m.Paused(step=5, restorable_step=5))
+    assert sim.state.phase == ev.PHASE_DIAGNOSED and sim.state.awaiting_nodes
+    assert sim.state.incident_id != incident
+
+
+def test_a_fault_while_waiting_for_nodes_reopens_the_incident_and_waits_again() -> None:
+    sim = start(m.Policy(min_nodes=3), nodes=3)
+    _waiting(sim)
+    sim.feed(lost("n1"))
+    assert sim.state.phase in (ev.PHASE_SUSPECTED, ev.PHASE_PAUSED, ev.PHASE_DIAGNOSED)
+    sim.feed(m.Paused(step=5, restorable_step=5))
+    assert sim.state.phase == ev.PHASE_DIAGNOSED and sim.state.awaiting_nodes
+    sim.feed(register("n0", 2))
+    assert sim.state.phase == ev.PHASE_DIAGNOSED  # two of three: still too few
+    d = sim.feed(register("n1", 2))
+    assert d.phase == ev.PHASE_RESTORING, m.phases(d.events)
 
 
 def test_hang_is_diagnosed_then_the_bad_node_is_evicted_and_replaced() -> None:
