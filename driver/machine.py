@@ -695,10 +695,12 @@ def _reshape(d: _Draft, policy: Policy) -> None:
     target = plan_world(s, policy)
     if isinstance(target, str):
         if policy.await_nodes_s > 0:  # lost nodes may come back, new ones may join
+            away = [n for n in _inactive(s, s.world.node_ids) if n not in s.bad_nodes]
+            why = f"{target}; away: {few(away)}" if away else target
             d.transition(
                 ev.PHASE_DIAGNOSED,
-                f"waiting up to {policy.await_nodes_s:g} s (--await-nodes-s) for nodes: {target}",
-                awaiting=target,
+                f"waiting up to {policy.await_nodes_s:g} s (--await-nodes-s) for nodes: {why}",
+                awaiting=why,
             )
             return
         why = f"{target}: add nodes or spares, then `unbroken resume`"

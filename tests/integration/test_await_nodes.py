@@ -41,6 +41,7 @@ def _lose_n1(job: Job) -> int:
     )
     assert st.phase == ev.PHASE_DIAGNOSED, st
     assert "min_nodes is 2" in st.awaiting_nodes and "--await-nodes-s" in st.awaiting_nodes
+    assert "away: ['n1']" in st.awaiting_nodes, st.awaiting_nodes
     return int(st.step)
 
 

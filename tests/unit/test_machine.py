@@ -147,6 +147,7 @@ def _waiting(sim: Sim) -> m.Decision:
     d = sim.feed(m.Paused(step=5, restorable_step=5))
     assert d.phase == ev.PHASE_DIAGNOSED and d.actions == ()
     assert "min_nodes is 3" in sim.state.awaiting_nodes
+    assert sim.state.awaiting_nodes.endswith("away: ['n0']"), sim.state.awaiting_nodes
     (t,) = [e.recovery_transition for e in d.events if e.HasField("recovery_transition")][-1:]
     assert t.awaiting_nodes == sim.state.awaiting_nodes and "--await-nodes-s" in t.reason
     assert not [e for e in d.events if e.HasField("job_finished")]
