@@ -476,6 +476,9 @@ class Sim:
                     # fault came between two beats; the delay is timed from the fault)
                     r.stopped[node] = r.beat_at
                     self.log({"kind": "stopped", "node": node, "wall_ns": time.time_ns()})
+                    # ...and looks again the moment its timeout passes (agent/relay.py)
+                    due = r.beat_at + RELAY_TIMEOUT_S + 0.001 - time.monotonic()
+                    asyncio.get_running_loop().call_later(max(0.0, due), r.check_silence)
             seen = len(lines)
 
     async def _flush_acks(self) -> None:
