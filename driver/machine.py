@@ -617,8 +617,9 @@ def _settle_once(d: _Draft, policy: Policy) -> bool:
         d.transition(ev.PHASE_DIAGNOSED, "the cause is known: no diagnosis needed")
         return True
     if phase == ev.PHASE_DIAGNOSED:
-        if s.awaiting_nodes and isinstance(plan_world(s, policy), str):
+        if s.awaiting_nodes and policy.await_nodes_s and isinstance(plan_world(s, policy), str):
             return False  # still too few nodes: the wait goes on (driver/nodewait.py ends it)
+        # (a leader started with --await-nodes-s 0 fails a job it finds waiting: no timer)
         _reshape(d, policy)
         return True
     if phase == ev.PHASE_RESHAPED:

@@ -200,6 +200,16 @@ def test_a_wait_for_nodes_that_runs_out_fails_the_job_and_resume_waits_again() -
     assert sim.state.incident_id != incident
 
 
+def test_a_leader_without_a_wait_fails_a_job_it_finds_waiting() -> None:
+    """A driver restarted with --await-nodes-s 0 runs no timer: the settle after its
+    replay fails the job at once instead of leaving it waiting for ever."""
+    sim = start(m.Policy(min_nodes=3), nodes=3)
+    _waiting(sim)
+    d = m.settle(sim.state, m.Policy(min_nodes=3, await_nodes_s=0))
+    assert d.phase == ev.PHASE_FAILED, m.phases(d.events)
+    assert "min_nodes is 3" in d.events[-1].job_finished.reason
+
+
 def test_a_fault_while_waiting_for_nodes_reopens_the_incident_and_waits_again() -> None:
     sim = start(m.Policy(min_nodes=3), nodes=3)
     _waiting(sim)
