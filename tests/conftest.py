@@ -21,11 +21,11 @@ os.environ.setdefault(
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """How many files `-n auto` (make test) runs at once: none side by side unless
-    PYTEST_XDIST_AUTO_NUM_WORKERS says (.ci/run says 2). Two at a time took the suite from
-    26 to 19 minutes on 2 cores (the tests' processes spend much of their time waiting);
-    the failures runs that way once had were faults the load exposed, since fixed
-    (docs/testing.md). Files side by side share no folder, flash directory or process
-    lookup."""
+    PYTEST_XDIST_AUTO_NUM_WORKERS says (e.g. 2). Two at a time took the suite from 26 to 19
+    minutes on 2 cores (the tests' processes spend much of their time waiting), but such
+    runs still fail now and then where one at a time passes: the second file's load
+    exposes tests that assume a quick host (docs/testing.md keeps the record). Files side
+    by side share no folder, flash directory or process lookup."""
     forced = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").strip()
     if forced:
         try:
