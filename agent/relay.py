@@ -366,12 +366,12 @@ class Relay(dgrpc.DriverServicer):
         ups = asyncio.create_task(self._send_ups(send))
         try:
             tick = self.interval_s / 5  # silence is looked for 5x per interval at least...
-            timeout = self.interval_s * self.miss_limit
             wait = tick
             while True:
                 with contextlib.suppress(TimeoutError):
                     await aio.wait_for(self.flush.wait(), wait)
                 now = time.monotonic()
+                timeout = self.interval_s * self.miss_limit  # (a registration may change it)
                 # ...and at the moment the quietest member's timeout passes, not up to a
                 # tick later (bench-scale's detection p99 was the timeout plus ~80 ms)
                 oldest = min((m.last_seen for m in self.members.values()), default=now)

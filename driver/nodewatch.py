@@ -182,8 +182,8 @@ class NodeWatch:
         while nobody is heard (the driver's own silence: at 10,240 nodes the loop read no
         relay stream for 3 s and 640 members, a sixteenth of the world, were declared lost
         before a quarter was silent), or however few while nobody is heard (`_everyone`); or
-        more than `mass_loss_min` coming out of a `crowd`
-        of nodes held late together that was itself a mass silence. At 10,240 nodes an
+        more than `mass_loss_min` coming out of a `crowd` of nodes held late together that
+        was itself a mass silence. At 10,240 nodes an
         incident's stop to every node kept the leader from reading the relays' streams for
         0.5-1.2 s: all 10,096 nodes were held late together, 9,000 came back within the
         grace as their streams were read again, and the 500-2,000 read last were declared
