@@ -38,7 +38,7 @@ from typing import Any
 
 import structlog
 
-from unbroken.agent import checks, commands, probes, starvation
+from unbroken.agent import checks, commands, loopguard, probes, starvation
 from unbroken.agent.config import AgentConfig
 from unbroken.agent.flash import NodeFlash
 from unbroken.agent.hookserver import HookServer
@@ -151,8 +151,11 @@ class Agent:
         self._write_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.loop_lag = starvation.LoopLag()  # our own loop's lateness, in every heartbeat
-        # ...and while it lags at real-time priority, our other threads at its priority
-        self.gil_boost = starvation.GilBoost() if self.config.realtime else None
+        # ...and while it lags at real-time priority, our other threads at its priority: from
+        # the loop guard's process (at once), or from the loop once it runs again (no guard)
+        self.gil_boost = loopguard.GilBoost() if self.config.realtime else None
+        self.loop_guard: loopguard.LoopGuard | None = None
+        self._guard_boosts = 0  # ...by a guard that exited
         self.term_seen = 0  # the newest leader term a command came with (older ones dropped)
         self.session_term = 0  # the leader term our registration was answered under
         # what terms count in (the etcd cluster and the job's incarnation): a registration
@@ -223,6 +226,10 @@ class Agent:
         sup = self.supervisor
         if sup is not None:
             v["warm_starts"], v["cold_starts"] = sup.warm_starts, sup.cold_starts
+        guard, boost = self.loop_guard, self.gil_boost
+        v["loop_boosts"] = (guard.boosts if guard else self._guard_boosts) + (
+            boost.boosts if boost else 0
+        )
         return v
 
     async def run(self) -> int:
@@ -235,6 +242,7 @@ class Agent:
             await self.hooks.start()
         if self.relay is not None:
             await self.relay.start()
+        self.loop_guard = self._start_loop_guard()
         try:
             if self.flash is not None:
                 await self.flash.start()
@@ -264,6 +272,8 @@ class Agent:
             self.exit_code = e.code
         finally:
             self.loop_lag.stop()
+            if self.loop_guard is not None:
+                self.loop_guard.stop()
             tasks = list(self._tasks)
             for t in tasks:
                 t.cancel()
@@ -383,6 +393,19 @@ class Agent:
         # a clean end of stream: driver shutting down; reconnect
         log.info("session ended by the driver")
 
+    def _start_loop_guard(self) -> loopguard.LoopGuard | None:
+        """The loop guard (agent/loopguard.py), when this loop runs at real-time priority."""
+        if self.gil_boost is None or not starvation.loop_is_realtime():
+            return None
+        try:
+            guard = loopguard.LoopGuard.start(self.loop_lag.period_s)
+        except OSError as e:
+            log.warning("no loop guard: the loop's waits for the GIL end later", error=str(e))
+            return None
+        self.loop_lag.stamp = guard.stamp
+        self.loop_lag.start()
+        return guard
+
     def _spawn(self, coro: Any) -> None:
         t = asyncio.create_task(coro)
         self._tasks.add(t)
@@ -416,6 +439,7 @@ class Agent:
         while True:
             if self.config.realtime and beats % 50 == 0:  # gRPC may start threads any time
                 starvation.realtime_grpc_threads()
+                self._check_loop_guard()
             beats += 1
             now = time.monotonic()
             hb = self._heartbeat(now)
@@ -424,7 +448,7 @@ class Agent:
             self.loop_lag.note(late_ms)
             hb.late_ms = late_ms
             hb.loop_lag_ms = self.loop_lag.take()
-            if self.gil_boost is not None:  # a real-time loop that lags waits for the GIL
+            if self.gil_boost is not None and self.loop_guard is None:  # waits for the GIL
                 self.gil_boost.note(max(hb.loop_lag_ms, late_ms), now)
             hb.cpu_pressure_pct = starvation.cpu_pressure_pct()
             hb.runnable_per_cpu = starvation.runnable_per_cpu(cpus=cpus)
@@ -456,6 +480,17 @@ class Agent:
                     self._rescan_due = False
                     await self.flash.rescan()
                 await self._extra_heartbeat(call)
+
+    def _check_loop_guard(self) -> None:
+        """A guard that exited leaves the boosts to the loop itself (said once)."""
+        guard = self.loop_guard
+        if guard is not None and guard.proc.poll() is not None:
+            log.warning("loop guard exited: the loop boosts its threads itself, later",
+                        code=guard.proc.returncode)  # fmt: skip
+            self.loop_lag.stamp = None
+            guard.stop()
+            self._guard_boosts = guard.boosts
+            self.loop_guard = None
 
     async def _kicked(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for a worker's first step (True) or the next slot (False)."""

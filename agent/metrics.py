@@ -75,6 +75,12 @@ AGENT_METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         (),
         "Replica connections or copies refused (authentication, size, checksum)",
     ),
+    "unbroken_agent_loop_boosts_total": (
+        "counter",
+        (),
+        "Times the agent's background threads were raised to its loop's real-time priority "
+        "because the loop waited for the GIL they held (agent/loopguard.py)",
+    ),
     "unbroken_agent_worker_starts_total": (
         "counter",
         ("kind",),
@@ -156,6 +162,7 @@ class _AgentCollector(Collector):
             ("unbroken_agent_replica_send_failures_total", "replica_send_failures"),
             ("unbroken_agent_replicas_received_total", "replicas_received"),
             ("unbroken_agent_replicas_refused_total", "replicas_refused"),
+            ("unbroken_agent_loop_boosts_total", "loop_boosts"),
         ):
             yield counter(name, v.get(key, 0))
         starts = CounterMetricFamily(

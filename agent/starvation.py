@@ -32,8 +32,10 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Callable
 
-RT_PRIORITY = 1  # SCHED_RR's lowest: above every normal task, below the kernel's own
+from unbroken.agent.loopguard import RT_PRIORITY
+
 PRESSURE_PATH = "/proc/pressure/cpu"
 STAT_PATH = "/proc/stat"
 
@@ -43,6 +45,8 @@ class LoopLag:
 
     def __init__(self, period_s: float = 0.02) -> None:
         self.period_s = period_s
+        # each wake-up's time goes here too: the loop guard's page (agent/loopguard.py)
+        self.stamp: Callable[[float], None] | None = None
         self._max_ms = 0.0
         self._task: asyncio.Task[None] | None = None
 
@@ -59,6 +63,8 @@ class LoopLag:
         while True:
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             now = time.monotonic()
+            if self.stamp is not None:
+                self.stamp(now)
             late_ms = (now - due) * 1000.0
             if late_ms > self._max_ms:
                 self._max_ms = late_ms
@@ -86,6 +92,17 @@ def realtime_loop(priority: int = RT_PRIORITY) -> str:
     except OSError as e:
         return f"{e.strerror or e} (needs CAP_SYS_NICE or RLIMIT_RTPRIO >= {priority})"
     return ""
+
+
+def loop_is_realtime() -> bool:
+    """Whether the calling thread runs at SCHED_RR (`realtime_loop` took)."""
+    policy = getattr(os, "SCHED_RR", None)
+    if policy is None:
+        return False
+    try:
+        return os.sched_getscheduler(0) & ~getattr(os, "SCHED_RESET_ON_FORK", 0) == policy
+    except OSError:
+        return False
 
 
 #: gRPC's own threads that carry the agent's heartbeats: its I/O ("event_engine", with the
@@ -126,68 +143,6 @@ def realtime_grpc_threads(priority: int = RT_PRIORITY) -> int:
         except OSError:
             continue
     return moved
-
-
-class GilBoost:
-    """The agent's other threads at the loop's real-time priority while its loop lags.
-
-    A real-time loop still needs the GIL to run a line of Python, and the agent's other
-    threads hold it now and then: its flash thread (replication, persistence, ring scans)
-    runs at nice 19 so that this work fills the cores' idle time. Preempted while it holds
-    the GIL on an overloaded host, such a thread keeps it until the scheduler gives it a
-    core again, and the loop waits that long: in a 20-minute run under `stress-ng --stream
-    8` at load 60-70 a world agent whose last heartbeat said its loop lagged 89 ms was then
-    silent 2.5 s (the flash thread, persisting a checkpoint, took 8 s for 1.5 MB) and was
-    declared lost. A loop lag of `lag_ms` at real-time priority is that inversion's sign (a
-    real-time thread waits for no normal task's CPU), so `note` moves every normal thread of
-    the process (children reset) to SCHED_RR `priority` until `hold_s` pass without one;
-    they then get their own policy and nice back. Their work then runs ahead of the
-    workers only while the agent's own loop is being held up."""
-
-    def __init__(self, lag_ms: float = 50.0, hold_s: float = 10.0, priority: int = RT_PRIORITY):
-        self.lag_ms, self.hold_s, self.priority = lag_ms, hold_s, priority
-        self.until = 0.0  # boosted until then (monotonic; 0: not boosted)
-        self.saved: dict[int, tuple[int, int]] = {}  # tid -> (policy, nice) before the boost
-        self.boosts = 0
-
-    def note(self, lag_ms: float, now: float) -> None:
-        """One heartbeat's loop lag at monotonic `now`: boost, keep, or restore."""
-        if lag_ms >= self.lag_ms:
-            if not self.until:
-                self.boosts += 1
-            self.until = now + self.hold_s
-            self._boost()  # again each time: threads started since are boosted too
-        elif self.until and now >= self.until:
-            self.restore()
-
-    def _boost(self) -> None:
-        policy = getattr(os, "SCHED_RR", None)
-        reset = getattr(os, "SCHED_RESET_ON_FORK", None)
-        if policy is None or reset is None:
-            return
-        try:
-            tids = [int(t) for t in os.listdir("/proc/self/task")]
-        except OSError:
-            return
-        for tid in tids:
-            try:
-                was = os.sched_getscheduler(tid) & ~reset
-                if was in (policy, getattr(os, "SCHED_FIFO", -1)):
-                    continue  # real-time already (the loop, gRPC's threads)
-                nice = os.getpriority(os.PRIO_PROCESS, tid)
-                os.sched_setscheduler(tid, policy | reset, os.sched_param(self.priority))
-                self.saved[tid] = (was, nice)
-            except OSError:
-                continue  # gone, or not permitted: it stays as it was
-
-    def restore(self) -> None:
-        """Every boosted thread back to its own policy and nice."""
-        for tid, (policy, nice) in self.saved.items():
-            with contextlib.suppress(OSError):
-                os.sched_setscheduler(tid, policy, os.sched_param(0))
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
-        self.saved.clear()
-        self.until = 0.0
 
 
 def parse_pressure(text: str) -> float:

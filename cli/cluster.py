@@ -99,13 +99,19 @@ def until(
 
 
 #: What a helper of the agent's own runs (recovery/sdcbuddy.py: the SDC opinion helper, a
-#: `concurrent.futures` process, and the resource tracker multiprocessing starts with it).
-HELPER_MODULES = ("multiprocessing.spawn", "multiprocessing.resource_tracker")
+#: `concurrent.futures` process, and the resource tracker multiprocessing starts with it;
+#: agent/loopguard.py: the loop guard).
+HELPER_MODULES = (
+    "multiprocessing.spawn",
+    "multiprocessing.resource_tracker",
+    "unbroken.agent.loopguard",
+)
 
 
 def is_agent_helper(p: psutil.Process) -> bool:
     """Whether an agent's child is one of its helpers, not a worker: a check process
-    (`unbroken.diagnostics.check`, the warm one included) or the SDC opinion helper."""
+    (`unbroken.diagnostics.check`, the warm one included), the SDC opinion helper or the
+    loop guard."""
     try:
         cmd = p.cmdline()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):

@@ -122,7 +122,7 @@ def test_grpc_threads_carrying_heartbeats_are_made_real_time_too() -> None:
 
 BOOST_PROBE = r"""
 import os, threading, time
-from unbroken.agent import starvation
+from unbroken.agent import loopguard, starvation
 
 why = starvation.realtime_loop()
 if why:
@@ -137,7 +137,7 @@ ready.wait()
 def state():
     policy = os.sched_getscheduler(tid[0]) & ~os.SCHED_RESET_ON_FORK
     return policy, os.getpriority(os.PRIO_PROCESS, tid[0])
-b = starvation.GilBoost(lag_ms=50, hold_s=10)
+b = loopguard.GilBoost(lag_ms=50, hold_s=10)
 b.note(10.0, 100.0); calm = state()
 b.note(80.0, 101.0); boosted = state()
 b.note(0.0, 105.0); held = state()
