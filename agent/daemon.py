@@ -155,7 +155,7 @@ class Agent:
         # the loop guard's process (at once), or from the loop once it runs again (no guard)
         self.gil_boost = loopguard.GilBoost() if self.config.realtime else None
         self.loop_guard: loopguard.LoopGuard | None = None
-        self._guard_boosts = 0  # ...by a guard that exited
+        self._guard_boosts = 0  # the guard's boosts as of the last look
         self.term_seen = 0  # the newest leader term a command came with (older ones dropped)
         self.session_term = 0  # the leader term our registration was answered under
         # what terms count in (the etcd cluster and the job's incarnation): a registration
@@ -482,8 +482,13 @@ class Agent:
                 await self._extra_heartbeat(call)
 
     def _check_loop_guard(self) -> None:
-        """A guard that exited leaves the boosts to the loop itself (said once)."""
+        """Say when the guard lifted our threads since the last look; a guard that exited
+        leaves the boosts to the loop itself (said once)."""
         guard = self.loop_guard
+        if guard is not None and guard.boosts > self._guard_boosts:
+            log.info("loop guard: the loop waited for the GIL; its threads were lifted",
+                     boosts=guard.boosts)  # fmt: skip
+            self._guard_boosts = guard.boosts
         if guard is not None and guard.proc.poll() is not None:
             log.warning("loop guard exited: the loop boosts its threads itself, later",
                         code=guard.proc.returncode)  # fmt: skip
