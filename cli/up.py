@@ -51,6 +51,7 @@ import secrets
 import signal
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -340,6 +341,14 @@ async def _main(c: LocalCluster, cfg: UpConfig) -> int:
         return await _supervise(c, cfg, watch, console, t0)
 
 
+def trained_step(live_step: int, events: Iterable[ev.Event]) -> int:
+    """The newest step trained: the live view's, or the job's end when the workers exited
+    before the live view polled their last report (a clean-clone CI run printed "trained
+    to step 29" for a job that finished at step 30)."""
+    ended = (e.job_finished.step for e in events if e.HasField("job_finished"))
+    return max(live_step, *ended, 0)
+
+
 def commits_line(events: list[ev.Event], steps: int) -> str:
     """How many checkpoints were committed per 1,000 steps, and why: the job's first save
     (persisted so storage is proven one step in: committed before any incident) and the
@@ -482,12 +491,13 @@ async def _summary(c: LocalCluster, cfg: UpConfig, w: LogWatch, console: Any) ->
     for e in w.events:
         k = e.WhichOneof("payload") or "?"
         counts[k] = counts.get(k, 0) + 1
+    step = trained_step(w.step(), w.events)
     console.print(
-        f"trained to step {w.step()}, last loss {w.loss()}; {len(w.events)} events in etcd: "
+        f"trained to step {step}, last loss {w.loss()}; {len(w.events)} events in etcd: "
         + ", ".join(f"{k}×{v}" for k, v in sorted(counts.items()))
     )
-    if w.step():
-        console.print(commits_line(w.events, w.step()), markup=False, highlight=False)
+    if step:
+        console.print(commits_line(w.events, step), markup=False, highlight=False)
     if status is not None:
         from unbroken.cli.status import persistence_line
 

@@ -11,7 +11,7 @@ from rich.console import Console
 from unbroken.cli.drill import FaultRecord, fault_table, judge_load, rank0_restores
 from unbroken.cli.events import line
 from unbroken.cli.status import persistence_line
-from unbroken.cli.up import _render, commits_line, drill_verdict
+from unbroken.cli.up import _render, commits_line, drill_verdict, trained_step
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
 
@@ -143,3 +143,10 @@ def test_rank0_restores_are_ordered_by_their_own_time_not_their_files(tmp_path: 
         + line.format(t="2026-11-29 16:14:34", r=2, s=60)
     )
     assert rank0_restores(tmp_path) == [10, 19, 60]
+
+
+def test_the_trained_step_is_the_jobs_end_when_the_live_view_missed_the_last_report() -> None:
+    done = ev.Event(seq=12, job_finished=ev.JobFinished(step=30, ok=True))
+    assert trained_step(29, [ev.Event(seq=1), done]) == 30
+    assert trained_step(29, [ev.Event(seq=1)]) == 29
+    assert trained_step(0, []) == 0
