@@ -395,7 +395,7 @@ class Agent:
 
     def _start_loop_guard(self) -> loopguard.LoopGuard | None:
         """The loop guard (agent/loopguard.py), when this loop runs at real-time priority."""
-        if self.gil_boost is None or not starvation.loop_is_realtime():
+        if self.gil_boost is None or not loopguard.is_realtime():  # `realtime_loop` took?
             return None
         try:
             guard = loopguard.LoopGuard.start(self.loop_lag.period_s)

@@ -44,6 +44,14 @@ LAG_MS = 50.0
 HOLD_S = 10.0
 
 
+def is_realtime(pid: int = 0) -> bool:
+    """Whether process `pid` (0: the calling thread) runs at SCHED_RR."""
+    try:
+        return SCHED_RR >= 0 and os.sched_getscheduler(pid) & ~RESET == SCHED_RR
+    except OSError:
+        return False
+
+
 class GilBoost:
     """The agent's other threads at the loop's real-time priority while its loop lags.
 
@@ -86,9 +94,7 @@ class GilBoost:
             self.restore()
 
     def _boost(self) -> None:
-        policy = getattr(os, "SCHED_RR", None)
-        reset = getattr(os, "SCHED_RESET_ON_FORK", None)
-        if policy is None or reset is None:
+        if SCHED_RR < 0 or not RESET:
             return
         try:
             tids = [int(t) for t in os.listdir(self.tasks)]
@@ -96,11 +102,11 @@ class GilBoost:
             return
         for tid in tids:
             try:
-                was = os.sched_getscheduler(tid) & ~reset
-                if was in (policy, getattr(os, "SCHED_FIFO", -1)):
+                was = os.sched_getscheduler(tid) & ~RESET
+                if was in (SCHED_RR, getattr(os, "SCHED_FIFO", -1)):
                     continue  # real-time already (the loop, gRPC's threads)
                 nice = os.getpriority(os.PRIO_PROCESS, tid)
-                os.sched_setscheduler(tid, policy | reset, os.sched_param(self.priority))
+                os.sched_setscheduler(tid, SCHED_RR | RESET, os.sched_param(self.priority))
                 self.saved[tid] = (was, nice)
             except OSError:
                 continue  # gone, or not permitted: it stays as it was
@@ -163,10 +169,7 @@ class LoopGuard:
 
     def ready(self) -> bool:
         """Whether the guard runs at its real-time priority (it sets that itself)."""
-        try:
-            return os.sched_getscheduler(self.proc.pid) & ~RESET == SCHED_RR
-        except OSError:
-            return False
+        return is_realtime(self.proc.pid)
 
     @property
     def boosts(self) -> int:

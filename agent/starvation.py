@@ -94,17 +94,6 @@ def realtime_loop(priority: int = RT_PRIORITY) -> str:
     return ""
 
 
-def loop_is_realtime() -> bool:
-    """Whether the calling thread runs at SCHED_RR (`realtime_loop` took)."""
-    policy = getattr(os, "SCHED_RR", None)
-    if policy is None:
-        return False
-    try:
-        return os.sched_getscheduler(0) & ~getattr(os, "SCHED_RESET_ON_FORK", 0) == policy
-    except OSError:
-        return False
-
-
 #: gRPC's own threads that carry the agent's heartbeats: its I/O ("event_engine", with the
 #: "lifeguard" that watches them), its timers, and the asyncio poller (a Python thread).
 GRPC_THREADS = frozenset({"event_engine", "lifeguard", "grpc_global_tim"})
