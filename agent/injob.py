@@ -185,6 +185,10 @@ async def rejoin(sup: Supervisor, hooks: HookServer | None) -> str:
                 w.phase = "startup"
                 w.last_progress = time.monotonic()
                 w.step_times.clear()
+                # its step timings were of its old place (another stage, other peers): the
+                # straggler sweep learns its new role from the new world's steps only
+                w.compute_times.clear()
+                w.wait_times.clear()
                 w.rejoins += 1
                 rejoined.append(r)
                 continue

@@ -15,8 +15,9 @@ from unbroken.proto import driver_pb2 as dpb
 
 def node_timing(workers: Iterable[dpb.WorkerStatus]) -> dpb.NodeTiming | None:
     """The upper medians over the running ranks with a window of each rank's compute and
-    wait and their MADs, the shortest window and a generation that changes with any rank's restart;
-    None when no rank has a window."""
+    wait and their MADs, the shortest window and a generation that changes with any rank's restart
+    or in-job rejoin (a new place in a new world: a new baseline); None when no rank has a
+    window."""
     compute, mad, wait, wait_mad = [], [], [], []
     generation, steps = 0, 1 << 30
     running = dpb.WORKER_STATE_RUNNING
@@ -26,7 +27,7 @@ def node_timing(workers: Iterable[dpb.WorkerStatus]) -> dpb.NodeTiming | None:
             mad.append(w.compute_mad_ms)
             wait.append(w.wait_ms)
             wait_mad.append(w.wait_mad_ms)
-            generation += w.restarts * 1_000_003 + w.pid
+            generation += w.pid + 1_000_003 * (w.restarts + 65_537 * w.rejoins)
             steps = min(steps, w.window_steps)
     if not compute:
         return None

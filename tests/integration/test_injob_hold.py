@@ -135,3 +135,44 @@ def test_a_faulty_rank_is_killed_without_waiting_for_its_exit_and_replaced_after
     assert at_answer is None, "the hold waited for the killed worker's exit"
     assert code == -9, "the replacement started before the killed worker had exited"
     assert new_code is None and new_pid > 0
+
+
+TIMED = """
+import time
+from unbroken.trainer import hookchannel
+
+h = hookchannel.install()
+h.coalesce_s = 0.0  # one report per step
+h.phase("train")
+for step in range(1, 41):
+    h.step(step, loss=2.0, step_time_ms=12.0, compute=9.0, collective_wait=3.0)
+    time.sleep(0.01)  # the SDK drops a report the agent's socket has no room for
+h.phase("held")  # as the in-job hold leaves it: at a step boundary, out of its world
+while True:
+    h.commands()
+    time.sleep(0.02)
+"""
+
+
+def test_a_rejoined_worker_starts_a_new_timing_window_and_generation(tmp_path: Path) -> None:
+    """A rank that rejoins a new world in its process takes a new place (another stage, other
+    peers): its step timings of the old place must not be judged against the new one's role,
+    so its window starts empty (and its node's timing generation changes with `rejoins`:
+    tests/unit/test_straggler.py)."""
+    from unbroken.common.timing import node_timing
+
+    async def run() -> tuple[int, int, int, bool]:
+        async with _agent(tmp_path, TIMED, warm=False) as (sup, server):
+            w = await sup.start(0, refill=False)
+            await _said_hello(w, lambda w: w.phase == injob.HELD_PHASE and w.step == 40)
+            before = node_timing([w.status(time.monotonic())])
+            assert before is not None and before.window_steps > 10
+            said = await injob.rejoin(sup, server)
+            assert "rejoined local ranks [0]" in said, said
+            assert sup.workers[0] is w, "the held worker was replaced, not rejoined"
+            after = node_timing([w.status(time.monotonic())])
+            return len(w.compute_times), len(w.wait_times), w.rejoins, after is None
+
+    computes, waits, rejoins, no_window = asyncio.run(run())
+    assert (computes, waits, rejoins) == (0, 0, 1)
+    assert no_window, "the node's summary still carried the old world's window"

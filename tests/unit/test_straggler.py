@@ -215,6 +215,23 @@ def test_sample_takes_the_running_ranks_medians() -> None:
     assert sample("n0", dpb.Heartbeat(workers=ws, timing=summary)).compute_ms == 80.0  # type: ignore[union-attr]
 
 
+def test_generation_changes_with_a_restart_or_an_in_job_rejoin() -> None:
+    """A new baseline whenever a rank's place may have changed: a restart (a new process) or
+    an in-job rejoin of the same process (a new world: another stage, other peers)."""
+
+    def gen(**kw: int) -> int:
+        w = dpb.WorkerStatus(
+            state=dpb.WORKER_STATE_RUNNING, pid=4242, compute_ms=50.0, window_steps=8, **kw
+        )
+        t = node_timing([w])
+        assert t is not None
+        return t.generation
+
+    first = gen()
+    assert gen() == first  # steady: the same baseline heartbeat after heartbeat
+    assert len({first, gen(restarts=1), gen(rejoins=1), gen(rejoins=2)}) == 4
+
+
 def test_config_validation_names_the_field() -> None:
     with pytest.raises(ValueError, match="policy"):
         StragglerConfig(policy="kill")
