@@ -53,6 +53,7 @@ until it recovers or its workers restart. Nothing here reads a clock or the netw
 from __future__ import annotations
 
 import bisect
+import collections
 import math
 import statistics
 from collections.abc import Sequence
@@ -101,14 +102,19 @@ class StragglerConfig:
         },
     )
     baseline_sweeps: int = field(
-        default=3, metadata={"help": "sweeps whose median relative cost is a node's role"}
+        default=6,
+        metadata={
+            "help": "healthy sweeps before its current window a node needs before it is "
+            "judged: their medians are its baseline (its usual relative cost and wait gap)"
+        },
     )
     drift_sweeps: int = field(
-        default=60,
+        default=30,
         metadata={
-            "help": "then its role follows it (and learns how much it wanders) over about this "
-            "many healthy sweeps: a slow drift is not a straggler, and a node whose ratios "
-            "wander (a loaded host) must move further (0: the first sweeps' role for good)"
+            "help": "its baseline is drawn from at most this many of its latest healthy "
+            "sweeps before its current window, so a slow drift is followed, and how much they "
+            "scatter (a loaded host's wander) is the noise a slowdown must stand out of "
+            "(0: its first baseline_sweeps for good)"
         },
     )
 
@@ -182,23 +188,46 @@ def median_without(ordered: Sequence[float], x: float) -> float:
     return (rest(m // 2 - 1) + rest(m // 2)) / 2.0
 
 
-DRIFT_WINDOWS = 6  # a role follows a drift no faster than over this many windows
 SE_MEDIAN = 1.2533 * 1.4826  # a median's standard error per MAD, times sqrt(n)
+MAD_SD = 1.4826  # a normal spread's standard deviation per MAD
+MAX_LAG = 64  # sweeps a window may span that its baseline leaves out, at most
 
 
 @dataclass(slots=True)
 class _Track:
     generation: int
     settled: int = 0  # sweeps seen since its workers (re)started, up to settle_sweeps
-    rels: list[float] = field(default_factory=list)  # its first relative windows
-    gaps: list[float] = field(default_factory=list)  # ...and wait gaps
-    role: float = 0.0  # its usual compute relative to the others (0: not known yet)
-    gap: float = 0.0  # how much longer the others usually wait than it does (ms)
-    role_var: float = 0.0  # how much both wander from sweep to sweep while healthy
-    gap_var: float = 0.0
+    # (relative cost, wait gap) of its healthy sweeps, newest last: its baseline is drawn
+    # from those before its current window
+    history: collections.deque[tuple[float, float]] = field(default_factory=collections.deque)
+    first: list[tuple[float, float]] = field(default_factory=list)  # drift_sweeps == 0
     streak: int = 0
     reported: bool = False
-    hold: int = 0  # sweeps its role holds still after a finding (its window's slow steps)
+    hold: int = 0  # sweeps its baseline holds still after a finding (its window's slow steps)
+
+
+@dataclass(frozen=True, slots=True)
+class _Baseline:
+    """What a node did while healthy, before its current window: the medians of its
+    relative cost and wait gap over those sweeps, and how much each scattered (a standard
+    deviation from their MAD: drift and a loaded host's wander both raise it)."""
+
+    role: float
+    gap: float
+    role_sd: float
+    gap_sd: float
+
+    @staticmethod
+    def of(sweeps: Sequence[tuple[float, float]]) -> _Baseline:
+        rels = [r for r, _ in sweeps]
+        gaps = [g for _, g in sweeps]
+        role, gap = statistics.median(rels), statistics.median(gaps)
+        return _Baseline(
+            role=role,
+            gap=gap,
+            role_sd=MAD_SD * statistics.median(abs(r - role) for r in rels),
+            gap_sd=MAD_SD * statistics.median(abs(g - gap) for g in gaps),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +258,7 @@ class _Peers:
 
 @dataclass(slots=True)
 class StragglerWatch:
-    """Per-node roles (baselines) and streaks across sweeps."""
+    """Per-node baselines and streaks across sweeps."""
 
     config: StragglerConfig
     tracks: dict[str, _Track] = field(default_factory=dict)
@@ -248,23 +277,32 @@ class StragglerWatch:
         for s in ready:
             t = self.tracks.get(s.node_id)
             if t is None or t.generation != s.generation:
-                t = self.tracks[s.node_id] = _Track(s.generation)
+                history: collections.deque[tuple[float, float]] = collections.deque(
+                    maxlen=4 * MAX_LAG + c.drift_sweeps
+                )
+                t = self.tracks[s.node_id] = _Track(s.generation, history=history)
+            if t.settled < c.settle_sweeps:  # a restart's transients pass first
+                t.settled += 1
+                continue
             # its compute relative to the others' now: a load on every node cancels out
             others = median_without(peers.computes, s.compute_ms)
             rel = s.compute_ms / others
             others_wait = median_without(peers.waits, s.wait_ms)
             gap = others_wait - s.wait_ms
-            if not t.role:
-                self._learn(t, rel, gap)
-                continue
-            slowdown = rel / t.role
-            found = self._judge(s, t, peers, slowdown, others, others_wait, gap)
             window_sweeps = s.steps * (s.compute_ms + s.wait_ms) / c.sweep_ms
+            # the sweeps whose windows overlap the newer half of the current one: a
+            # straggler's onset is in them, so they are no baseline for it
+            lag = min(MAX_LAG, math.ceil(window_sweeps / 2))
+            base = self._baseline(t, lag)
+            found = None if base is None else self._judge(s, base, peers, rel, others_wait, gap)
             if found is None:
-                self._healthy(t, rel, gap, window_sweeps)
+                self._healthy(t, rel, gap)
                 continue
             t.streak += 1
-            t.hold = 2 * math.ceil(window_sweeps) + 1  # ...and its window's turnover after it
+            if not t.hold:  # a new finding: its onset's sweeps never become a baseline
+                for _ in range(min(lag, len(t.history))):
+                    t.history.pop()
+            t.hold = 2 * math.ceil(window_sweeps) + 1  # ...nor its window's turnover after it
             if t.streak < c.confirm or t.reported:
                 continue
             t.reported = True
@@ -282,75 +320,72 @@ class StragglerWatch:
                         window_steps=s.steps,
                         policy=c.policy,
                         evidence=found.evidence,
-                        compute_slowdown=slowdown,
+                        compute_slowdown=rel / base.role,  # type: ignore[union-attr]
                     )
                 )
             )
         return out
 
-    def _learn(self, t: _Track, rel: float, gap: float) -> None:
-        """A node without a role yet: let a restart's transients pass, then take its usual
-        relative cost (and wait gap) as the median of its first windows."""
+    def _baseline(self, t: _Track, lag: int) -> _Baseline | None:
+        """Its healthy sweeps before the current window (the most recent `drift_sweeps`, or
+        its first `baseline_sweeps` for good), when there are `baseline_sweeps` of them."""
         c = self.config
-        if t.settled < c.settle_sweeps:  # a restart's transients pass first
-            t.settled += 1
-            return
-        t.rels.append(rel)
-        t.gaps.append(gap)
-        if len(t.rels) >= c.baseline_sweeps:  # its role: the usual relative cost
-            t.role = statistics.median(t.rels)
-            t.gap = statistics.median(t.gaps)
+        if not c.drift_sweeps:
+            return _Baseline.of(t.first) if len(t.first) >= c.baseline_sweeps else None
+        # ...over at least three lags: the median of a steady drift then lags it by less
+        # than 3 of its scatter's standard deviations, however slow the steps
+        usable = list(t.history)[: len(t.history) - lag][-max(c.drift_sweeps, 3 * lag) :]
+        return _Baseline.of(usable) if len(usable) >= c.baseline_sweeps else None
 
     def _judge(
         self,
         s: Sample,
-        t: _Track,
+        base: _Baseline,
         peers: _Peers,
-        slowdown: float,
-        others: float,
+        rel: float,
         others_wait: float,
         gap: float,
     ) -> _Finding | None:
-        """Whether `s` is slow against its role, with its evidence (None: not slow)."""
+        """Whether `s` is slow against its baseline, with its evidence (None: not slow)."""
         c = self.config
+        slowdown = rel / base.role
         if others_wait > 0 or s.wait_ms > 0:  # the job reports its collective waits
-            extra = gap - t.gap
-            gap_se = math.hypot(
+            extra = gap - base.gap
+            # the window medians' own error, or how much the gap scattered while healthy
+            gap_se = max(
                 SE_MEDIAN
                 * math.hypot(s.wait_mad_ms, median_without(peers.wait_mads, s.wait_mad_ms))
                 / math.sqrt(s.steps),
-                math.sqrt(t.gap_var),
+                base.gap_sd,
             )
             wait_slowdown = s.compute_ms / max(s.compute_ms - extra, 0.1 * s.compute_ms)
             wait_z = extra / max(gap_se, 1e-3)
             if wait_slowdown >= c.min_slowdown and wait_z >= c.k and slowdown > 1.0:
                 return _Finding("wait", wait_slowdown, wait_z)
         elif slowdown >= c.min_slowdown:  # no waits: compute alone
-            # the relative errors of its median and of the others' (their typical
-            # MAD), and how much its ratio wandered while healthy
-            se = math.hypot(
+            others = median_without(peers.computes, s.compute_ms)
+            # the relative errors of its median and of the others' (their typical MAD),
+            # or how much its ratio scattered while healthy
+            se = max(
                 SE_MEDIAN
                 * math.hypot(s.mad_ms / s.compute_ms, median_without(peers.mads, s.mad_ms) / others)
                 / math.sqrt(s.steps),
-                math.sqrt(t.role_var) / t.role,
+                base.role_sd / base.role,
             )
             z = (slowdown - 1.0) / max(se, 1e-6)
             if z >= c.k:
                 return _Finding("compute", slowdown, z)
         return None
 
-    def _healthy(self, t: _Track, rel: float, gap: float, window_sweeps: float) -> None:
-        """A sweep without a finding: the streak ends, and the role follows a slow drift."""
+    def _healthy(self, t: _Track, rel: float, gap: float) -> None:
+        """A sweep without a finding: the streak ends, and the sweep joins its history
+        (unless its window still holds a finding's slow steps)."""
         c = self.config
         t.streak, t.reported = 0, False
-        if t.hold > 0:  # its window still holds a finding's slow steps
+        if t.hold > 0:
             t.hold -= 1
-        elif c.drift_sweeps:  # healthy: its role follows a slow drift
-            # ...slower than its window can shift: a change within a few windows
-            # (a straggler's, however slow its steps) is not absorbed as drift
-            a = 2.0 / (max(c.drift_sweeps, DRIFT_WINDOWS * window_sweeps) + 1)
-            d, g = rel - t.role, gap - t.gap
-            t.role += a * d
-            t.role_var = (1.0 - a) * (t.role_var + a * d * d)
-            t.gap += a * g
-            t.gap_var = (1.0 - a) * (t.gap_var + a * g * g)
+        elif not c.drift_sweeps:
+            if len(t.first) < c.baseline_sweeps:
+                t.first.append((rel, gap))
+        else:
+            t.history.append((rel, gap))

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import math
 import random
+from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -50,9 +54,16 @@ def samples(
 BASE = {"n0": 50.0, "n1": 80.0, "n2": 50.0, "n3": 80.0}  # two roles (pipeline stages)
 
 
+def learn(w: StragglerWatch, batch: list[Sample], sweeps: int = 16) -> None:
+    """Healthy sweeps, enough of them before the current window for a baseline (a window
+    spans a few sweeps, and those are left out of it)."""
+    for _ in range(sweeps):
+        assert w.sweep(batch) == []
+
+
 def test_a_slowed_node_is_named_after_confirm_sweeps_and_only_once() -> None:
     w = StragglerWatch(StragglerConfig(settle_sweeps=0, baseline_sweeps=1, confirm=3))
-    assert w.sweep(samples(BASE)) == []  # baselines
+    learn(w, samples(BASE))
     slow = {**BASE, "n1": 80.0 * 1.10}
     assert w.sweep(samples(slow, slow="n1", extra=8.0)) == []
     assert w.sweep(samples(slow, slow="n1", extra=8.0)) == []
@@ -71,7 +82,7 @@ def test_the_wait_gap_names_a_small_slowdown_the_compute_noise_hides() -> None:
         StragglerConfig(settle_sweeps=0, baseline_sweeps=1, confirm=1, min_slowdown=1.025)
     )
     base = {n: 60.0 for n in ("n0", "n1", "n2")}
-    w.sweep(samples(base, mad=6.0, steps=128, wait_mad=0.5))
+    learn(w, samples(base, mad=6.0, steps=128, wait_mad=0.5))
     slow = {**base, "n2": 60.0 * 1.03}
     (e,) = w.sweep(samples(slow, mad=6.0, steps=128, slow="n2", extra=1.8, wait_mad=0.5))
     s = e.straggler_suspected
@@ -79,7 +90,7 @@ def test_the_wait_gap_names_a_small_slowdown_the_compute_noise_hides() -> None:
     no_waits = StragglerWatch(
         StragglerConfig(settle_sweeps=0, baseline_sweeps=1, confirm=1, min_slowdown=1.025)
     )
-    no_waits.sweep([Sample(n, 1, c, 6.0, 0.0, 128) for n, c in base.items()])
+    learn(no_waits, [Sample(n, 1, c, 6.0, 0.0, 128) for n, c in base.items()])
     quiet = [Sample(n, 1, c, 6.0, 0.0, 128) for n, c in slow.items()]
     assert no_waits.sweep(quiet) == []  # without waits only the (too noisy) compute test
     much = [Sample(n, 1, c * (1.3 if n == "n2" else 1.0), 6.0, 0.0, 128) for n, c in base.items()]
@@ -94,20 +105,20 @@ def test_computing_longer_under_a_local_load_is_not_enough_when_nobody_waits_lon
     no longer than before. With waits reported, the wait test decides."""
     w = StragglerWatch(StragglerConfig(settle_sweeps=0, baseline_sweeps=1, confirm=1))
     pipe = {"n0": 355.0, "n1": 350.0}
-    w.sweep(samples(pipe, mad=20.0, steps=128, slow="n0", extra=20.0, wait_mad=8.0))
+    learn(w, samples(pipe, mad=20.0, steps=128, slow="n0", extra=20.0, wait_mad=8.0), 40)
     loaded = {**pipe, "n0": 355.0 * 1.09}
     assert w.sweep(samples(loaded, mad=20.0, steps=128, slow="n0", extra=20.0, wait_mad=8.0)) == []
 
 
 def test_others_waiting_longer_is_not_enough_if_its_compute_did_not_grow() -> None:
     w = StragglerWatch(StragglerConfig(settle_sweeps=0, baseline_sweeps=1, confirm=1))
-    w.sweep(samples(BASE, mad=1.0))
+    learn(w, samples(BASE, mad=1.0))
     assert w.sweep(samples(BASE, mad=1.0, slow="n1", extra=8.0)) == []
 
 
 def test_a_node_that_computes_longer_but_makes_nobody_wait_is_not_named() -> None:
     w = StragglerWatch(StragglerConfig(settle_sweeps=0, baseline_sweeps=1, confirm=1))
-    w.sweep(samples(BASE))
+    learn(w, samples(BASE))
     assert w.sweep(samples({**BASE, "n1": 80.0 * 1.2})) == []  # waits as much as the rest
 
 
@@ -119,7 +130,7 @@ def test_roles_differ_but_nobody_is_a_straggler() -> None:
 
 def test_a_load_that_slows_every_node_alike_is_not_a_straggler() -> None:
     w = StragglerWatch(StragglerConfig(settle_sweeps=0, baseline_sweeps=1, confirm=1))
-    w.sweep(samples(BASE))
+    learn(w, samples(BASE))
     assert w.sweep(samples({n: c * 1.5 for n, c in BASE.items()})) == []
 
 
@@ -127,14 +138,14 @@ def test_a_small_difference_within_the_noise_is_not_a_straggler() -> None:
     w = StragglerWatch(
         StragglerConfig(settle_sweeps=0, baseline_sweeps=1, confirm=1, min_slowdown=1.04, k=4.0)
     )
-    w.sweep(samples(BASE, mad=10.0, steps=16))
+    learn(w, samples(BASE, mad=10.0, steps=16))
     # 6 % slower, but the standard error of a 16-step median with MAD 10 ms is ~9 %
     assert w.sweep(samples({**BASE, "n1": 80.0 * 1.06}, mad=10.0, steps=16)) == []
 
 
 def test_a_restart_sets_a_new_baseline() -> None:
     w = StragglerWatch(StragglerConfig(settle_sweeps=0, baseline_sweeps=1, confirm=1))
-    w.sweep(samples(BASE))
+    learn(w, samples(BASE))
     moved = [
         Sample(
             node_id=s.node_id,
@@ -336,8 +347,9 @@ def test_a_restart_transient_is_not_taken_for_a_role(settle: int) -> None:
     """After a restart one node's warm standby imports torch beside its new worker for a few
     sweeps: that node computes 8 % longer and its peer waits for it. A role taken from those
     sweeps holds the peer 8 % cheaper than it is; once the import is over the peer looks
-    8 % slow (2026-11-24: a healthy node evicted 20 s after a loss-spike restart). The
-    settle sweeps let the transient pass before the role is taken."""
+    8 % slow (2026-11-24: a healthy node evicted 20 s after a loss-spike restart, with a role
+    taken from 3 sweeps). The settle sweeps let the transient pass, and the baseline is the
+    median of many sweeps, so a few transient ones do not set it even without them."""
     w = StragglerWatch(StragglerConfig(settle_sweeps=settle, confirm=3))
     base = {"n0": 50.0, "n1": 50.0}
 
@@ -349,8 +361,7 @@ def test_a_restart_transient_is_not_taken_for_a_role(settle: int) -> None:
         found += w.sweep(at_generation(samples({**base, "n0": 54.0}, slow="n0", extra=4.0)))
     for _ in range(20):
         found += w.sweep(at_generation(samples(base)))
-    named = [e.straggler_suspected.node_id for e in found]
-    assert named == (["n1"] if settle == 0 else []), named
+    assert [e.straggler_suspected.node_id for e in found] == []
 
 
 FIELDS = ("compute_ms", "mad_ms", "wait_ms", "steps", "wait_mad_ms")
@@ -358,19 +369,52 @@ FIELDS = ("compute_ms", "mad_ms", "wait_ms", "steps", "wait_mad_ms")
 
 def test_a_finding_s_tail_is_not_learnt_as_the_node_s_role() -> None:
     """Once a straggler recovers, its window still holds slow steps for a turnover: the
-    sweeps of that tail do not move its role or its wander (learnt, they had lifted the bar
-    for the next small straggler: the detector bench's 1.05x after its 1.10x)."""
+    sweeps of that tail, and those of its onset, do not join its baseline (learnt, they had
+    lifted the bar for the next small straggler: the detector bench's 1.05x after its
+    1.10x)."""
     w = StragglerWatch(StragglerConfig(settle_sweeps=0, baseline_sweeps=1, confirm=1))
     for _ in range(10):
         assert w.sweep(_pair(60.0, 0.0, wait_mad=3.0)) == []
+    t = w.tracks["n1"]
+    healthy = list(t.history)
     (e,) = w.sweep(_pair(66.0, 6.0, wait_mad=3.0))
     assert e.straggler_suspected.node_id == "n1"
-    t = w.tracks["n1"]
-    gap, var = t.gap, t.gap_var
-    window_sweeps = 128 * 61.0 / 2000.0
+    lag = math.ceil(128 * 67.0 / 2000.0 / 2)  # the sweeps the newer half of its window spans
+    assert list(t.history) == healthy[:-lag]  # its onset's sweeps left out
     for extra in (1.5, 1.0, 0.5, 0.0, 0.0, 0.0):  # the slow steps leave its window
         assert w.sweep(_pair(60.0 + extra, extra, wait_mad=3.0)) == []
-    assert (t.gap, t.gap_var) == (gap, var) and t.hold > 0
-    for _ in range(2 * int(window_sweeps) + 2):  # ...then it follows its drift again
+    assert list(t.history) == healthy[:-lag] and t.hold > 0
+    for _ in range(2 * math.ceil(128 * 61.0 / 2000.0) + 2):  # ...then it learns again
         w.sweep(_pair(60.0, 0.2, wait_mad=3.0))
-    assert t.hold == 0 and t.gap != gap
+    assert t.hold == 0 and len(t.history) > len(healthy) - lag
+
+
+TRACES = Path(__file__).parent / "data" / "straggler_drill_traces.json"
+
+
+def _replay(sweeps: list[list[list[Any]]]) -> list[tuple[int, str]]:
+    w = StragglerWatch(StragglerConfig())
+    return [
+        (i, e.straggler_suspected.node_id)
+        for i, batch in enumerate(sweeps)
+        for e in w.sweep([Sample(*x) for x in batch])
+    ]
+
+
+def test_recorded_drills_a_slowed_node_is_named_within_seconds_and_nothing_else() -> None:
+    """Two `unbroken up` drills' recorded per-step compute and wait times, summarised as the
+    agents do (64-step windows) at every 2 s sweep (tests/unit/data, what it holds in its
+    `about`). One slowed node-0 by 20 % after the job had trained a minute: named within
+    10 sweeps, and nothing named before it (the baseline before the change: in that run the
+    first minute's ratios wandered 10-15 % as standbys imported and the first checkpoints
+    were written, and the baseline taken then, with the wander learnt from it, left the
+    straggler unnamed for the run's 140 s). The other drilled every other fault (restarts,
+    rejoins, a lost node, a driver kill) and no straggler: nothing named."""
+    data = json.loads(TRACES.read_text())
+    slowed = data["slowed"]
+    named = _replay(slowed["sweeps"])
+    assert named, "the slowed node was never named"
+    first, node = named[0]
+    assert node == slowed["node"]
+    assert slowed["slowed_at"] < first <= slowed["slowed_at"] + 10, (first, slowed["slowed_at"])
+    assert _replay(data["faults"]["sweeps"]) == []
