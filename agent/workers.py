@@ -80,11 +80,7 @@ PEAK_BEATS = 3  # heartbeats a loss peak is repeated in (see Worker.status)
 FINGERPRINTS_KEPT = 3  # a rank's newest fingerprinted steps...
 FINGERPRINT_BEATS = 20  # ...each repeated in this many heartbeats (the driver looks each beat)
 MAX_FINGERPRINT_KEYS = 16  # replica keys of one rank's fingerprint passed on
-# steps the reported compute / wait medians stand for: a straggler's slow steps fill half
-# of it in 32 steps, and the driver's baseline leaves out the sweeps that half spans (128
-# took ~30 s at the drill's ~0.25 s steps, 64 about 14 s, in a replay of a drill's recorded
-# steps; docs/detection.md)
-WINDOW_STEPS = 64
+WINDOW_STEPS = 64  # steps the reported compute / wait medians stand for (docs/detection.md)
 LOSS_WINDOW = 100  # recent losses the reported loss median / MAD stand for (SpikeConfig.window)
 # A reported loss this many times the recent median (or not finite) heartbeats at once: the
 # driver's smallest spike (`factor` spreads, each floored at `min_rel_spread` of the median:

@@ -48,8 +48,8 @@ SPIKE_AHEAD = 1  # the loss-spike fault hits the next step ("detected in" includ
 # ... and waits for this step: the detector's baseline needs the early descent behind it
 SPIKE_MIN_STEP = 30
 STRAGGLER_FACTOR = 1.2  # the straggler fault: one world node computes 20 % slower
-STRAGGLER_WARM_STEPS = 64  # steps in every worker's window before the straggler is injected
-# and the detector's roles taken: its settle and baseline sweeps at the defaults, plus one
+STRAGGLER_WARM_STEPS = 64  # steps in every worker's window (a full one) before it is injected
+# and the detector's baselines taken: its settle and baseline sweeps at the defaults, plus one
 STRAGGLER_ROLE_S = StragglerConfig().role_s
 STRAGGLER_DETECT_LIMIT_S = 180.0  # its windows must fill and shift first (driver/straggler.py)
 RESPAWN_DRIVER_S = 8.0  # a killed driver restarts this long after (its lease is 2 s)
