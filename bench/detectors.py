@@ -442,6 +442,7 @@ def main() -> None:
         if "straggler" in parts:
             (base / "straggler").mkdir()
             out["straggler"] = straggler_part(base / "straggler", etcd, ns.straggler_timeout)
+            out["straggler"]["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
             out["straggler_detect_s"] = {
                 k: v["detect_s"] for k, v in out["straggler"]["straggler_detect_s"].items()
             }
@@ -466,6 +467,7 @@ def main() -> None:
     if "false_positives" in parts:
         (base / "fp").mkdir()
         out["false_positive_run"] = fp_part(base / "fp", ns.minutes, ns.hog)
+        out["false_positive_run"]["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         out["false_positives"] = out["false_positive_run"]["false_positives"]
     out["load1_end"] = os.getloadavg()[0]
     out["logs"] = str(base)
