@@ -17,8 +17,8 @@ transients: warm standbys import torch beside the new workers). How far those sw
 scatter (1.4826 x their MAD) is the noise a change must stand out of, when larger than
 the window medians' own error: a loaded host's wander and a slow drift raise the bar, and a
 drift is followed as it moves the median. A sweep that finds the node slow does not join
-its baseline, nor do its onset's sweeps, nor the sweeps of its window's turnover after the
-finding ends: its slow steps are leaving the window, and a baseline learnt from them had
+its baseline; once a finding is confirmed, nor do its onset's sweeps, nor the sweeps of its
+window's turnover after the finding ends: its slow steps are leaving the window, and a baseline learnt from them had
 moved half-way to the next small straggler's level before it was named (a simulation of the
 detector bench's 1.20, 1.10, 1.05x sequence: the 1.05x unnamed in 120 s in 2 of 8 runs
 without the hold). Until 2026-12-06 the baseline was the median of the first 3 sweeps,
@@ -301,12 +301,14 @@ class StragglerWatch:
             if found is None:
                 self._healthy(t, rel, gap)
                 continue
-            t.streak += 1
-            if not t.hold:  # a new finding: its onset's sweeps never become a baseline
+            t.streak += 1  # a slow sweep does not join its baseline
+            if t.streak < c.confirm:
+                continue
+            if not t.hold:  # a confirmed finding: its onset's sweeps never join it either...
                 for _ in range(min(lag, len(t.history))):
                     t.history.pop()
             t.hold = 2 * math.ceil(window_sweeps) + 1  # ...nor its window's turnover after it
-            if t.streak < c.confirm or t.reported:
+            if t.reported:
                 continue
             t.reported = True
             rest = [x for x in ready if x.node_id != s.node_id]
