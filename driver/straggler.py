@@ -6,26 +6,27 @@ for peers in collectives; agent/workers.py). In a synchronous job a slow rank co
 longer and waits least; its peers' step time grows with it, so the step time alone cannot
 name it, but compute time can.
 
-Two tests, each a change point against what the node did while healthy, each normalised
-by the rest of the world at the same sweep (a load that slows every node moves every value
+Two tests, each a change point against what the node did while healthy, each normalised by
+the rest of the world at the same sweep (a load that slows every node moves every value
 alike). What it did while healthy, its *baseline*: the medians of its relative cost and wait
 gap over its latest `drift_sweeps` healthy sweeps (or three lags, if more) *before its
-current window* (the sweeps whose windows overlap the newer half of the current one are
-left out: a straggler's onset is in them), once `baseline_sweeps` of them exist, after
+current window* (the sweeps whose windows overlap the newer half of the current one are left
+out: a straggler's onset is in them), once `baseline_sweeps` of them exist, after
 `settle_sweeps` more passed since its workers (re)started or rejoined (a restart's
-transients: warm standbys import torch beside the new workers). How far those sweeps
-scatter (1.4826 x their MAD) is the noise a change must stand out of, when larger than
-the window medians' own error: a loaded host's wander and a slow drift raise the bar, and a
-drift is followed as it moves the median. A sweep that finds the node slow does not join
-its baseline; once a finding is confirmed, nor do its onset's sweeps, nor the sweeps of its
-window's turnover after the finding ends: its slow steps are leaving the window, and a baseline learnt from them had
-moved half-way to the next small straggler's level before it was named (a simulation of the
-detector bench's 1.20, 1.10, 1.05x sequence: the 1.05x unnamed in 120 s in 2 of 8 runs
-without the hold). Until 2026-12-06 the baseline was the median of the first 3 sweeps,
-then an exponentially weighted mean and variance over 60: in a drill whose first minute's
-ratios wandered 10-15 % (standbys importing, first checkpoints), the variance learnt then,
-and the straggler's own shift learnt as wander, left a 20 % straggler unnamed for the
-run's 140 s; the same recorded steps replayed now name it in 14 s (tests/unit/data).
+transients: warm standbys import torch beside the new workers). How far those sweeps scatter
+(1.4826 x their MAD) is the noise a change must stand out of, when larger than the window
+medians' own error: a loaded host's wander and a slow drift raise the bar, and a drift is
+followed as it moves the median. A sweep that finds the node slow does not join its
+baseline; once a finding is confirmed, nor do its onset's sweeps, nor the sweeps of its
+window's turnover after the finding ends: its slow steps are leaving the window, and a
+baseline learnt from them had moved half-way to the next small straggler's level before it
+was named (a simulation of the detector bench's 1.20, 1.10, 1.05x sequence: the 1.05x
+unnamed in 120 s in 2 of 8 runs without the hold). Until 2026-12-06 the baseline was the
+median of the first 3 sweeps, then an exponentially weighted mean and variance over 60: in a
+drill whose first minute's ratios wandered 10-15 % (standbys importing, first checkpoints),
+the variance learnt then, and the straggler's own shift learnt as wander, left a 20 %
+straggler unnamed for the run's 140 s; the same recorded steps replayed now name it in 14 s
+(tests/unit/data).
 
 * wait (the precise one, when the job reports collective waits): in a synchronous job
   the others wait for a slow node in every collective, so its *gap*, the others' median
