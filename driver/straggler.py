@@ -197,41 +197,85 @@ MAD_SD = 1.4826  # a normal spread's standard deviation per MAD
 MAX_LAG = 64  # sweeps a window may span that its baseline leaves out, at most
 
 
+def _mid(ordered: Sequence[float]) -> float:
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2.0
+
+
+def _sd(ordered: Sequence[float], mid: float) -> float:
+    """A standard deviation from the MAD of `ordered` about its median `mid`."""
+    return MAD_SD * _mid(sorted(abs(x - mid) for x in ordered))
+
+
+@dataclass(slots=True)
+class _History:
+    """A node's healthy sweeps, (relative cost, wait gap) each: the newest `lag` wait
+    (their windows overlap the current one's newer half, where a straggler's onset would
+    be), and the ones before them are its baseline, kept sorted for their medians. O(log n)
+    a sweep: at 10,000 nodes the sweep must not re-sort every node's history."""
+
+    size: int  # drift_sweeps: the baseline's most recent sweeps (0: its first, for good)
+    least: int  # baseline_sweeps: how many it needs
+    lag: int = 0  # the newest sweeps that wait (the current window's newer half)
+    pending: collections.deque[tuple[float, float]] = field(default_factory=collections.deque)
+    kept: collections.deque[tuple[float, float]] = field(default_factory=collections.deque)
+    rels: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+
+    def add(self, x: tuple[float, float]) -> None:
+        self.pending.append(x)
+
+    def settle(self, lag: int) -> None:
+        """The sweeps older than `lag` join the baseline, newer ones wait (the lag follows
+        the window's length in sweeps); it keeps its latest max(size, 3 x lag): the median
+        of a steady drift then lags it by less than 3 of its scatter's deviations."""
+        grew, self.lag = (lag - self.lag if self.size else 0), lag
+        for _ in range(min(grew, len(self.kept))):  # its newest baseline sweeps wait again
+            x = self.kept.pop()
+            self._drop(x)
+            self.pending.appendleft(x)
+        while len(self.pending) > lag:
+            self._keep(self.pending.popleft(), lag)
+
+    def _keep(self, x: tuple[float, float], lag: int) -> None:
+        if not self.size and len(self.kept) >= self.least:
+            return  # the first sweeps' baseline, for good
+        self.kept.append(x)
+        bisect.insort(self.rels, x[0])
+        bisect.insort(self.gaps, x[1])
+        while self.size and len(self.kept) > max(self.size, 3 * lag):
+            self._drop(self.kept.popleft())
+
+    def _drop(self, x: tuple[float, float]) -> None:
+        del self.rels[bisect.bisect_left(self.rels, x[0])]
+        del self.gaps[bisect.bisect_left(self.gaps, x[1])]
+
+    def ready(self) -> bool:
+        return len(self.kept) >= self.least
+
+    @property
+    def role(self) -> float:  # its usual relative cost
+        return _mid(self.rels)
+
+    @property
+    def gap(self) -> float:  # how much longer the others usually wait than it does
+        return _mid(self.gaps)
+
+    def role_sd(self) -> float:  # computed only for a node already slow by its window
+        return _sd(self.rels, self.role)
+
+    def gap_sd(self) -> float:
+        return _sd(self.gaps, self.gap)
+
+
 @dataclass(slots=True)
 class _Track:
     generation: int
+    history: _History
     settled: int = 0  # sweeps seen since its workers (re)started, up to settle_sweeps
-    # (relative cost, wait gap) of its healthy sweeps, newest last: its baseline is drawn
-    # from those before its current window
-    history: collections.deque[tuple[float, float]] = field(default_factory=collections.deque)
-    first: list[tuple[float, float]] = field(default_factory=list)  # drift_sweeps == 0
     streak: int = 0
     reported: bool = False
     hold: int = 0  # sweeps its baseline holds still after a finding (its window's slow steps)
-
-
-@dataclass(frozen=True, slots=True)
-class _Baseline:
-    """What a node did while healthy, before its current window: the medians of its
-    relative cost and wait gap over those sweeps, and how much each scattered (a standard
-    deviation from their MAD: drift and a loaded host's wander both raise it)."""
-
-    role: float
-    gap: float
-    role_sd: float
-    gap_sd: float
-
-    @staticmethod
-    def of(sweeps: Sequence[tuple[float, float]]) -> _Baseline:
-        rels = [r for r, _ in sweeps]
-        gaps = [g for _, g in sweeps]
-        role, gap = statistics.median(rels), statistics.median(gaps)
-        return _Baseline(
-            role=role,
-            gap=gap,
-            role_sd=MAD_SD * statistics.median(abs(r - role) for r in rels),
-            gap_sd=MAD_SD * statistics.median(abs(g - gap) for g in gaps),
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,10 +325,8 @@ class StragglerWatch:
         for s in ready:
             t = self.tracks.get(s.node_id)
             if t is None or t.generation != s.generation:
-                history: collections.deque[tuple[float, float]] = collections.deque(
-                    maxlen=4 * MAX_LAG + c.drift_sweeps
-                )
-                t = self.tracks[s.node_id] = _Track(s.generation, history=history)
+                history = _History(size=c.drift_sweeps, least=c.baseline_sweeps)
+                t = self.tracks[s.node_id] = _Track(s.generation, history)
             if t.settled < c.settle_sweeps:  # a restart's transients pass first
                 t.settled += 1
                 continue
@@ -297,8 +339,9 @@ class StragglerWatch:
             # the sweeps whose windows overlap the newer half of the current one: a
             # straggler's onset is in them, so they are no baseline for it
             lag = min(MAX_LAG, math.ceil(window_sweeps / 2))
-            base = self._baseline(t, lag)
-            found = None if base is None else self._judge(s, base, peers, rel, others_wait, gap)
+            t.history.settle(lag)
+            base = t.history
+            found = self._judge(s, base, peers, rel, others_wait, gap) if base.ready() else None
             if found is None:
                 self._healthy(t, rel, gap)
                 continue
@@ -306,8 +349,7 @@ class StragglerWatch:
             if t.streak < c.confirm:
                 continue
             if not t.hold:  # a confirmed finding: its onset's sweeps never join it either...
-                for _ in range(min(lag, len(t.history))):
-                    t.history.pop()
+                t.history.pending.clear()
             t.hold = 2 * math.ceil(window_sweeps) + 1  # ...nor its window's turnover after it
             if t.reported:
                 continue
@@ -326,27 +368,16 @@ class StragglerWatch:
                         window_steps=s.steps,
                         policy=c.policy,
                         evidence=found.evidence,
-                        compute_slowdown=rel / base.role,  # type: ignore[union-attr]
+                        compute_slowdown=rel / base.role,
                     )
                 )
             )
         return out
 
-    def _baseline(self, t: _Track, lag: int) -> _Baseline | None:
-        """Its healthy sweeps before the current window (the most recent `drift_sweeps`, or
-        its first `baseline_sweeps` for good), when there are `baseline_sweeps` of them."""
-        c = self.config
-        if not c.drift_sweeps:
-            return _Baseline.of(t.first) if len(t.first) >= c.baseline_sweeps else None
-        # ...over at least three lags: the median of a steady drift then lags it by less
-        # than 3 of its scatter's standard deviations, however slow the steps
-        usable = list(t.history)[: len(t.history) - lag][-max(c.drift_sweeps, 3 * lag) :]
-        return _Baseline.of(usable) if len(usable) >= c.baseline_sweeps else None
-
     def _judge(
         self,
         s: Sample,
-        base: _Baseline,
+        base: _History,
         peers: _Peers,
         rel: float,
         others_wait: float,
@@ -357,28 +388,32 @@ class StragglerWatch:
         slowdown = rel / base.role
         if others_wait > 0 or s.wait_ms > 0:  # the job reports its collective waits
             extra = gap - base.gap
+            wait_slowdown = s.compute_ms / max(s.compute_ms - extra, 0.1 * s.compute_ms)
+            if wait_slowdown < c.min_slowdown or slowdown <= 1.0:
+                return None
             # the window medians' own error, or how much the gap scattered while healthy
-            gap_se = max(
+            window_se = (
                 SE_MEDIAN
                 * math.hypot(s.wait_mad_ms, median_without(peers.wait_mads, s.wait_mad_ms))
-                / math.sqrt(s.steps),
-                base.gap_sd,
+                / math.sqrt(s.steps)
             )
-            wait_slowdown = s.compute_ms / max(s.compute_ms - extra, 0.1 * s.compute_ms)
-            wait_z = extra / max(gap_se, 1e-3)
-            if wait_slowdown >= c.min_slowdown and wait_z >= c.k and slowdown > 1.0:
+            if extra < c.k * window_se:
+                return None
+            wait_z = extra / max(window_se, base.gap_sd(), 1e-3)
+            if wait_z >= c.k:
                 return _Finding("wait", wait_slowdown, wait_z)
         elif slowdown >= c.min_slowdown:  # no waits: compute alone
             others = median_without(peers.computes, s.compute_ms)
             # the relative errors of its median and of the others' (their typical MAD),
             # or how much its ratio scattered while healthy
-            se = max(
+            window_se = (
                 SE_MEDIAN
                 * math.hypot(s.mad_ms / s.compute_ms, median_without(peers.mads, s.mad_ms) / others)
-                / math.sqrt(s.steps),
-                base.role_sd / base.role,
+                / math.sqrt(s.steps)
             )
-            z = (slowdown - 1.0) / max(se, 1e-6)
+            if slowdown - 1.0 < c.k * window_se:
+                return None
+            z = (slowdown - 1.0) / max(window_se, base.role_sd() / base.role, 1e-6)
             if z >= c.k:
                 return _Finding("compute", slowdown, z)
         return None
@@ -386,12 +421,8 @@ class StragglerWatch:
     def _healthy(self, t: _Track, rel: float, gap: float) -> None:
         """A sweep without a finding: the streak ends, and the sweep joins its history
         (unless its window still holds a finding's slow steps)."""
-        c = self.config
         t.streak, t.reported = 0, False
         if t.hold > 0:
             t.hold -= 1
-        elif not c.drift_sweeps:
-            if len(t.first) < c.baseline_sweeps:
-                t.first.append((rel, gap))
         else:
-            t.history.append((rel, gap))
+            t.history.add((rel, gap))

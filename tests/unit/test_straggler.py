@@ -376,18 +376,19 @@ def test_a_finding_s_tail_is_not_learnt_as_the_node_s_role() -> None:
     w = StragglerWatch(StragglerConfig(settle_sweeps=0, baseline_sweeps=1, confirm=1))
     for _ in range(10):
         assert w.sweep(_pair(60.0, 0.0, wait_mad=3.0)) == []
-    t = w.tracks["n1"]
-    healthy = list(t.history)
+    h = w.tracks["n1"].history
+    assert h.pending, "the newest sweeps wait out the window before they join the baseline"
+    kept = list(h.kept)
     (e,) = w.sweep(_pair(66.0, 6.0, wait_mad=3.0))
     assert e.straggler_suspected.node_id == "n1"
-    lag = math.ceil(128 * 67.0 / 2000.0 / 2)  # the sweeps the newer half of its window spans
-    assert list(t.history) == healthy[:-lag]  # its onset's sweeps left out
+    t = w.tracks["n1"]
+    assert not h.pending and list(h.kept) == kept  # its onset's sweeps left out
     for extra in (1.5, 1.0, 0.5, 0.0, 0.0, 0.0):  # the slow steps leave its window
         assert w.sweep(_pair(60.0 + extra, extra, wait_mad=3.0)) == []
-    assert list(t.history) == healthy[:-lag] and t.hold > 0
-    for _ in range(2 * math.ceil(128 * 61.0 / 2000.0) + 2):  # ...then it learns again
+    assert not h.pending and list(h.kept) == kept and t.hold > 0
+    for _ in range(2 * math.ceil(128 * 61.0 / 2000.0) + 6):  # ...then it learns again
         w.sweep(_pair(60.0, 0.2, wait_mad=3.0))
-    assert t.hold == 0 and len(t.history) > len(healthy) - lag
+    assert t.hold == 0 and list(h.kept) != kept
 
 
 TRACES = Path(__file__).parent / "data" / "straggler_drill_traces.json"
@@ -419,3 +420,38 @@ def test_recorded_drills_a_slowed_node_is_named_within_seconds_and_nothing_else(
     assert node == slowed["node"]
     assert slowed["slowed_at"] < first <= slowed["slowed_at"] + 10, (first, slowed["slowed_at"])
     assert _replay(data["faults"]["sweeps"]) == []
+
+
+@settings(max_examples=200)
+@given(
+    st.lists(
+        st.tuples(st.floats(0.5, 2.0), st.floats(-50.0, 50.0), st.integers(0, 12)),
+        min_size=1,
+        max_size=120,
+    ),
+    st.sampled_from([0, 5, 30]),
+)
+def test_a_history_keeps_its_baseline_sorted_and_its_newest_waiting(
+    sweeps: list[tuple[float, float, int]], size: int
+) -> None:
+    """The incremental history (O(log n) a sweep) against its definition: the newest `lag`
+    sweeps wait, the baseline is the latest max(size, 3 x lag) before them (or the first
+    `least`, for good, with size 0), and its sorted values are its sweeps'."""
+    from unbroken.driver.straggler import _History
+
+    h = _History(size=size, least=4)
+    for rel, gap, lag in sweeps:
+        h.add((rel, gap))
+        h.settle(lag)
+        assert len(h.pending) <= lag
+        assert h.rels == sorted(r for r, _ in h.kept)
+        assert h.gaps == sorted(g for _, g in h.kept)
+        if size:
+            assert len(h.kept) <= max(size, 3 * lag)
+        else:
+            assert len(h.kept) <= 4
+    if size and all(lag == 0 for _, _, lag in sweeps):
+        # no sweep waits: the baseline is the latest sweeps
+        pairs = [(r, g) for r, g, _ in sweeps]
+        assert list(h.pending) == pairs[len(pairs) - len(h.pending) :]
+        assert list(h.kept) == pairs[: len(pairs) - len(h.pending)][-len(h.kept) :]
