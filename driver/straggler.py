@@ -179,6 +179,13 @@ def sample(node_id: str, hb: dpb.Heartbeat) -> Sample | None:
     )
 
 
+def _plausible(s: Sample) -> bool:
+    """Timings a sweep can judge: finite, a positive compute, no negative time (an agent's
+    heartbeat is input: a NaN or an infinity would break the sorted baselines)."""
+    values = (s.compute_ms, s.mad_ms, s.wait_ms, s.wait_mad_ms)
+    return all(math.isfinite(v) and v >= 0.0 for v in values) and s.compute_ms > 0.0
+
+
 def median_without(ordered: Sequence[float], x: float) -> float:
     """The median of sorted `ordered` with one element equal to `x` left out: O(log n)."""
     i = bisect.bisect_left(ordered, x)
@@ -314,7 +321,7 @@ class StragglerWatch:
     def sweep(self, samples: Sequence[Sample]) -> list[ev.Event]:
         """`StragglerSuspected` for each node that just became a confirmed straggler."""
         c = self.config
-        ready = [s for s in samples if s.steps >= c.min_steps and s.compute_ms > 0]
+        ready = [s for s in samples if s.steps >= c.min_steps and _plausible(s)]
         seen = {s.node_id for s in samples}
         for gone in [n for n in self.tracks if n not in seen]:
             del self.tracks[gone]

@@ -455,3 +455,24 @@ def test_a_history_keeps_its_baseline_sorted_and_its_newest_waiting(
         pairs = [(r, g) for r, g, _ in sweeps]
         assert list(h.pending) == pairs[len(pairs) - len(h.pending) :]
         assert list(h.kept) == pairs[: len(pairs) - len(h.pending)][-len(h.kept) :]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, -5.0])
+@pytest.mark.parametrize("field_name", ["compute_ms", "mad_ms", "wait_ms", "wait_mad_ms"])
+def test_an_agent_s_impossible_timings_are_not_judged(bad: float, field_name: str) -> None:
+    """A heartbeat is input: a NaN, an infinity or a negative time in one node's summary
+    never reaches the sorted baselines (a NaN breaks their order), is never named, and the
+    other nodes are still judged."""
+    w = StragglerWatch(StragglerConfig(settle_sweeps=0, baseline_sweeps=1, confirm=1))
+    nodes = {"n0": 60.0, "n1": 60.0, "n2": 60.0}
+
+    def batch(n1: float, extra: float) -> list[Sample]:
+        out = samples({**nodes, "n1": n1}, steps=128, slow="n1" if extra else "", extra=extra)
+        bad_one = Sample(**{**{f: getattr(out[2], f) for f in Sample.__slots__}, field_name: bad})
+        return [out[0], out[1], bad_one]
+
+    for _ in range(20):
+        assert w.sweep(batch(60.0, 0.0)) == []
+    assert "n2" not in w.tracks
+    (e,) = w.sweep(batch(66.0, 6.0))  # n1 slowed 10 %: still named beside the bad node
+    assert e.straggler_suspected.node_id == "n1"
