@@ -242,15 +242,15 @@ class _History:
             self._drop(x)
             self.pending.appendleft(x)
         while len(self.pending) > lag:
-            self._keep(self.pending.popleft(), lag)
+            self._keep(self.pending.popleft())
 
-    def _keep(self, x: tuple[float, float], lag: int) -> None:
+    def _keep(self, x: tuple[float, float]) -> None:
         if not self.size and len(self.kept) >= self.least:
             return  # the first sweeps' baseline, for good
         self.kept.append(x)
         bisect.insort(self.rels, x[0])
         bisect.insort(self.gaps, x[1])
-        while self.size and len(self.kept) > max(self.size, 3 * lag):
+        while self.size and len(self.kept) > max(self.size, 3 * self.lag):
             self._drop(self.kept.popleft())
 
     def _drop(self, x: tuple[float, float]) -> None:
@@ -346,8 +346,8 @@ class StragglerWatch:
             # the sweeps whose windows overlap the newer half of the current one: a
             # straggler's onset is in them, so they are no baseline for it
             lag = min(MAX_LAG, math.ceil(window_sweeps / 2))
-            t.history.settle(lag)
             base = t.history
+            base.settle(lag)
             found = self._judge(s, base, peers, rel, others_wait, gap) if base.ready() else None
             if found is None:
                 self._healthy(t, rel, gap)
@@ -356,7 +356,7 @@ class StragglerWatch:
             if t.streak < c.confirm:
                 continue
             if not t.hold:  # a confirmed finding: its onset's sweeps never join it either...
-                t.history.pending.clear()
+                base.pending.clear()
             t.hold = 2 * math.ceil(window_sweeps) + 1  # ...nor its window's turnover after it
             if t.reported:
                 continue
