@@ -214,7 +214,7 @@ def straggler_part(run: Path, etcd: EmbeddedEtcd, timeout_s: float) -> dict[str,
         until(lambda: step() >= 150, 600, "training past its first windows", poll_s=1.0)
         # ...and the detector past its settle and baseline sweeps (a slowdown before the
         # nodes' roles are taken would be taken for their roles)
-        time.sleep(StragglerConfig().role_s)
+        time.sleep(StragglerConfig().role_s(w for n in live(address) for w in n.workers))
         out: dict[str, Any] = {}
         for f in FACTORS:
             before = len([e for e in p.events() if e.HasField("straggler_suspected")])

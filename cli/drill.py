@@ -49,8 +49,8 @@ SPIKE_AHEAD = 1  # the loss-spike fault hits the next step ("detected in" includ
 SPIKE_MIN_STEP = 30
 STRAGGLER_FACTOR = 1.2  # the straggler fault: one world node computes 20 % slower
 STRAGGLER_WARM_STEPS = 64  # steps in every worker's window (a full one) before it is injected
-# and the detector's baselines taken: its settle and baseline sweeps at the defaults, plus one
-STRAGGLER_ROLE_S = StragglerConfig().role_s
+# and the detector's baselines taken (its settle sweeps, a window's lag, its baseline sweeps:
+# `StragglerConfig.role_s`)
 STRAGGLER_DETECT_LIMIT_S = 180.0  # its windows must fill and shift first (driver/straggler.py)
 RESPAWN_DRIVER_S = 8.0  # a killed driver restarts this long after (its lease is 2 s)
 # A fault whose ranks go to an idle node (a node loss, a bad node) waits up to this long for
@@ -457,7 +457,9 @@ class Drill:
             return None
         if self._windows_full_at is None:
             self._windows_full_at = now
-        if now - self._windows_full_at < STRAGGLER_ROLE_S:
+        if now - self._windows_full_at < StragglerConfig().role_s(
+            w for n in world for w in n.workers
+        ):
             # ...once a restart's transients have passed (`--straggler-settle-sweeps`)
             self.plan.insert(0, "straggler")
             return None

@@ -11,22 +11,25 @@ the rest of the world at the same sweep (a load that slows every node moves ever
 alike). What it did while healthy, its *baseline*: the medians of its relative cost and wait
 gap over its latest `drift_sweeps` healthy sweeps (or three lags, if more) *before its
 current window* (the sweeps whose windows overlap the newer half of the current one are left
-out: a straggler's onset is in them), once `baseline_sweeps` of them exist, after
-`settle_sweeps` more passed since its workers (re)started or rejoined (a restart's
-transients: warm standbys import torch beside the new workers). How far those sweeps scatter
-(1.4826 x their MAD) is the noise a change must stand out of, when larger than the window
-medians' own error: a loaded host's wander and a slow drift raise the bar, and a drift is
-followed as it moves the median. A sweep that finds the node slow does not join its
-baseline; once a finding is confirmed, nor do its onset's sweeps, nor the sweeps of its
-window's turnover after the finding ends: its slow steps are leaving the window, and a
-baseline learnt from them had moved half-way to the next small straggler's level before it
-was named (a simulation of the detector bench's 1.20, 1.10, 1.05x sequence: the 1.05x
-unnamed in 120 s in 2 of 8 runs without the hold). Until 2026-12-06 the baseline was the
-median of the first 3 sweeps, then an exponentially weighted mean and variance over 60: in a
-drill whose first minute's ratios wandered 10-15 % (standbys importing, first checkpoints),
-the variance learnt then, and the straggler's own shift learnt as wander, left a 20 %
-straggler unnamed for the run's 140 s; the same recorded steps replayed now name it in 14 s
-(tests/unit/data).
+out: a straggler's onset is in them), once `baseline_sweeps` of them exist and they span a
+window's length at least (SPAN lags: overlapping windows are nearly one sample, and their
+scatter is none; under load a 6-sweep baseline taken right after a world change named a
+healthy node 1.2x slow when its peer's own transient passed, a recorded drill in
+tests/unit/data), after `settle_sweeps` more passed since its workers (re)started or
+rejoined (a restart's transients: warm standbys import torch beside the new workers). How
+far those sweeps scatter (1.4826 x their MAD) is the noise a change must stand out of, when
+larger than the window medians' own error: a loaded host's wander and a slow drift raise the
+bar, and a drift is followed as it moves the median. A sweep that finds the node slow does
+not join its baseline; once a finding is confirmed, nor do its onset's sweeps, nor the
+sweeps of its window's turnover after the finding ends: its slow steps are leaving the
+window, and a baseline learnt from them had moved half-way to the next small straggler's
+level before it was named (a simulation of the detector bench's 1.20, 1.10, 1.05x sequence:
+the 1.05x unnamed in 120 s in 2 of 8 runs without the hold). Until 2026-12-06 the baseline
+was the median of the first 3 sweeps, then an exponentially weighted mean and variance over
+60: in a drill whose first minute's ratios wandered 10-15 % (standbys importing, first
+checkpoints), the variance learnt then, and the straggler's own shift learnt as wander, left
+a 20 % straggler unnamed for the run's 140 s; the same recorded steps replayed now name it
+in 14 s (tests/unit/data).
 
 * wait (the precise one, when the job reports collective waits): in a synchronous job
   the others wait for a slow node in every collective, so its *gap*, the others' median
@@ -60,7 +63,7 @@ import bisect
 import collections
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from unbroken.common.timing import node_timing
@@ -122,11 +125,15 @@ class StragglerConfig:
         },
     )
 
-    @property
-    def role_s(self) -> float:
-        """Seconds from a node's first judged window until its role is taken (its settle and
-        baseline sweeps, plus one): slow a node before that and the slowdown is its role."""
-        return (self.settle_sweeps + self.baseline_sweeps + 1) * self.sweep_ms / 1000.0
+    def role_s(self, workers: Iterable[dpb.WorkerStatus] = ()) -> float:
+        """Seconds from a node's first judged window until its baseline is taken: its settle
+        sweeps, the lag of the longest of `workers`' windows (the sweeps overlapping its
+        newer half wait), its baseline sweeps (at least SPAN lags), plus one. Slow a node
+        before that and the slowdown is its role."""
+        window_ms = max((w.window_steps * (w.compute_ms + w.wait_ms) for w in workers), default=0)
+        lag = min(MAX_LAG, max(1, math.ceil(window_ms / self.sweep_ms / 2)))
+        baseline = max(self.baseline_sweeps, SPAN * lag)
+        return (self.settle_sweeps + lag + baseline + 1) * self.sweep_ms / 1000.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -202,6 +209,7 @@ def median_without(ordered: Sequence[float], x: float) -> float:
 SE_MEDIAN = 1.2533 * 1.4826  # a median's standard error per MAD, times sqrt(n)
 MAD_SD = 1.4826  # a normal spread's standard deviation per MAD
 MAX_LAG = 64  # sweeps a window may span that its baseline leaves out, at most
+SPAN = 2  # lags (a window's length) a baseline spans at least
 
 
 def _mid(ordered: Sequence[float]) -> float:
@@ -244,8 +252,13 @@ class _History:
         while len(self.pending) > lag:
             self._keep(self.pending.popleft())
 
+    def _least(self) -> int:
+        """The sweeps a baseline needs: `least`, and at least SPAN lags (a window's length):
+        overlapping windows are nearly one sample, and a scatter taken from them is none."""
+        return max(self.least, SPAN * self.lag)
+
     def _keep(self, x: tuple[float, float]) -> None:
-        if not self.size and len(self.kept) >= self.least:
+        if not self.size and len(self.kept) >= self._least():
             return  # the first sweeps' baseline, for good
         self.kept.append(x)
         bisect.insort(self.rels, x[0])
@@ -258,7 +271,7 @@ class _History:
         del self.gaps[bisect.bisect_left(self.gaps, x[1])]
 
     def ready(self) -> bool:
-        return len(self.kept) >= self.least
+        return len(self.kept) >= self._least()
 
     @property
     def role(self) -> float:  # its usual relative cost

@@ -41,14 +41,17 @@ def slow(address: str, node: str, factor: float) -> str:
     return resp.detail
 
 
-def live_timings(address: str) -> list[tuple[str, float, float, float, int]]:
-    """(node, compute, MAD, wait, window) per worker from the driver's live view."""
-
+def live_nodes(address: str) -> list[dpb.NodeLive]:
     async def call() -> dpb.LiveViewResponse:
         async with grpc.aio.insecure_channel(address) as ch:
             return await dgrpc.DriverStub(ch).LiveView(dpb.LiveViewRequest(), timeout=10)
 
-    nodes = asyncio.run(call()).nodes
+    return list(asyncio.run(call()).nodes)
+
+
+def live_timings(address: str) -> list[tuple[str, float, float, float, int]]:
+    """(node, compute, MAD, wait, window) per worker from the driver's live view."""
+    nodes = live_nodes(address)
     return [
         (n.node_id, w.compute_ms, w.compute_mad_ms, w.wait_ms, w.window_steps)
         for n in nodes
@@ -68,7 +71,7 @@ def test_slowed_node_is_named_evicted_and_replaced_by_the_spare(job: Job) -> Non
     until(lambda: job.max_step() >= 70, 240, "training to start", job)  # windows filled
     # the roles learnt once the restart's settle sweeps have passed (a slowdown before
     # that would be taken for n1's role)
-    time.sleep(StragglerConfig().role_s)
+    time.sleep(StragglerConfig().role_s(w for n in live_nodes(job.address) for w in n.workers))
 
     slow(job.address, "n1", 1.3)
     t0 = time.monotonic()

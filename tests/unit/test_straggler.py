@@ -437,10 +437,12 @@ def test_a_history_keeps_its_baseline_sorted_and_its_newest_waiting(
     """The incremental history (O(log n) a sweep) against its definition: the newest `lag`
     sweeps wait, the baseline is the latest max(size, 3 x lag) before them (or the first
     `least`, for good, with size 0), and its sorted values are its sweeps'."""
-    from unbroken.driver.straggler import _History
+    from unbroken.driver.straggler import SPAN, _History
 
     h = _History(size=size, least=4)
+    most = 0
     for rel, gap, lag in sweeps:
+        most = max(most, lag)
         h.add((rel, gap))
         h.settle(lag)
         assert len(h.pending) <= lag
@@ -449,7 +451,7 @@ def test_a_history_keeps_its_baseline_sorted_and_its_newest_waiting(
         if size:
             assert len(h.kept) <= max(size, 3 * lag)
         else:
-            assert len(h.kept) <= 4
+            assert len(h.kept) <= max(4, SPAN * most)
     if size and all(lag == 0 for _, _, lag in sweeps):
         # no sweep waits: the baseline is the latest sweeps
         pairs = [(r, g) for r, g, _ in sweeps]
@@ -476,3 +478,20 @@ def test_an_agent_s_impossible_timings_are_not_judged(bad: float, field_name: st
     assert "n2" not in w.tracks
     (e,) = w.sweep(batch(66.0, 6.0))  # n1 slowed 10 %: still named beside the bad node
     assert e.straggler_suspected.node_id == "n1"
+
+
+def test_a_loaded_drill_a_new_world_s_wander_is_not_named_and_its_straggler_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The driver's own sweeps recorded in a drill beside `stress-ng -c 1` (load 12-15):
+    node-1 joined the world as the bad node's replacement, and its peer's compute fell 25 %
+    over the next minute as its own transient passed. A baseline of node-1's first 6 sweeps
+    (its window spans 8) took that wander for its level and named node-1 1.2x slow at sweep
+    95; one spanning a window's length at least names nothing there, and names spare-0,
+    slowed 20 % at sweep 131, 10 sweeps later."""
+    import unbroken.driver.straggler as straggler
+
+    loaded = json.loads(TRACES.read_text())["loaded"]
+    assert _replay(loaded["sweeps"]) == [(loaded["slowed_at"] + 10, loaded["node"])]
+    monkeypatch.setattr(straggler, "SPAN", 1)  # the baseline's least: 6 sweeps, as before
+    assert _replay(loaded["sweeps"])[0] == (95, "node-1")
