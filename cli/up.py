@@ -444,6 +444,7 @@ async def _watch(
 
     first_step_at: float | None = None
     done_at: float | None = None
+    ended = False  # JobFinished is in the log: nothing more will train
     live_ctx: Any = (
         Live(console=console, refresh_per_second=4) if cfg.live else contextlib.nullcontext()
     )
@@ -451,6 +452,7 @@ async def _watch(
         while True:
             new = await asyncio.to_thread(w.poll)
             now = time.monotonic()
+            ended = ended or any(e.HasField("job_finished") for e in new)
             if drill is not None:
                 drill.observe(new, now)
             if not cfg.live:
@@ -464,8 +466,10 @@ async def _watch(
             if live is not None:
                 live.update(_render(w, faults, now - t0, console.width, console.height))
             # with a drill, the run lasts until the drill is over and --until-step reached
-            # (or the duration ends)
-            finished = (
+            # (or the duration ends); a job that finished is over either way (its workers may
+            # exit before the live view shows their last step: a clean-clone CI run's 30-step
+            # job then ran to its whole --duration, 120 s instead of 20)
+            finished = ended or (
                 drill.done and w.step() >= cfg.until_step
                 if drill is not None
                 else w.step() >= cfg.steps
