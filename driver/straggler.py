@@ -112,7 +112,8 @@ class StragglerConfig:
         default=6,
         metadata={
             "help": "healthy sweeps before its current window a node needs before it is "
-            "judged: their medians are its baseline (its usual relative cost and wait gap)"
+            "judged, and at least a window's length of them: their medians are its baseline "
+            "(its usual relative cost and wait gap)"
         },
     )
     drift_sweeps: int = field(
