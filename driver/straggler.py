@@ -132,8 +132,8 @@ class StragglerConfig:
         newer half wait), its baseline sweeps (at least SPAN lags), plus one. Slow a node
         before that and the slowdown is its role."""
         window_ms = max((w.window_steps * (w.compute_ms + w.wait_ms) for w in workers), default=0)
-        lag = min(MAX_LAG, max(1, math.ceil(window_ms / self.sweep_ms / 2)))
-        baseline = max(self.baseline_sweeps, SPAN * lag)
+        lag = lag_sweeps(window_ms / self.sweep_ms)
+        baseline = least_sweeps(self.baseline_sweeps, lag)
         return (self.settle_sweeps + lag + baseline + 1) * self.sweep_ms / 1000.0
 
     def __post_init__(self) -> None:
@@ -213,6 +213,18 @@ MAX_LAG = 64  # sweeps a window may span that its baseline leaves out, at most
 SPAN = 2  # lags (a window's length) a baseline spans at least
 
 
+def lag_sweeps(window_sweeps: float) -> int:
+    """The newest sweeps that wait to join a baseline: those whose windows overlap the
+    newer half of the current one (a straggler's onset is in them)."""
+    return min(MAX_LAG, max(1, math.ceil(window_sweeps / 2)))
+
+
+def least_sweeps(least: int, lag: int) -> int:
+    """The sweeps a baseline needs: `least`, and at least SPAN lags (a window's length):
+    overlapping windows are nearly one sample, and a scatter taken from them is none."""
+    return max(least, SPAN * lag)
+
+
 def _mid(ordered: Sequence[float]) -> float:
     n = len(ordered)
     return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2.0
@@ -253,13 +265,8 @@ class _History:
         while len(self.pending) > lag:
             self._keep(self.pending.popleft())
 
-    def _least(self) -> int:
-        """The sweeps a baseline needs: `least`, and at least SPAN lags (a window's length):
-        overlapping windows are nearly one sample, and a scatter taken from them is none."""
-        return max(self.least, SPAN * self.lag)
-
     def _keep(self, x: tuple[float, float]) -> None:
-        if not self.size and len(self.kept) >= self._least():
+        if not self.size and len(self.kept) >= least_sweeps(self.least, self.lag):
             return  # the first sweeps' baseline, for good
         self.kept.append(x)
         bisect.insort(self.rels, x[0])
@@ -272,7 +279,7 @@ class _History:
         del self.gaps[bisect.bisect_left(self.gaps, x[1])]
 
     def ready(self) -> bool:
-        return len(self.kept) >= self._least()
+        return len(self.kept) >= least_sweeps(self.least, self.lag)
 
     @property
     def role(self) -> float:  # its usual relative cost
@@ -359,7 +366,7 @@ class StragglerWatch:
             window_sweeps = s.steps * (s.compute_ms + s.wait_ms) / c.sweep_ms
             # the sweeps whose windows overlap the newer half of the current one: a
             # straggler's onset is in them, so they are no baseline for it
-            lag = min(MAX_LAG, math.ceil(window_sweeps / 2))
+            lag = lag_sweeps(window_sweeps)
             base = t.history
             base.settle(lag)
             found = self._judge(s, base, peers, rel, others_wait, gap) if base.ready() else None
