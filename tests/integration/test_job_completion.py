@@ -23,6 +23,7 @@ pytestmark = pytest.mark.integration
 STEPS = 12
 
 
+@pytest.mark.slow  # CI: the in-job test below finishes the same way, with these checks too
 def test_a_job_whose_workers_all_exit_0_finishes_and_its_driver_exits(job: Job) -> None:
     job.start_driver("--exit-when-finished", steps=STEPS)
     job.start_agent("n0", buddy="n1")
@@ -106,3 +107,7 @@ def test_a_job_recovered_in_job_finishes_with_its_survivor_exiting_0(job: Job) -
     # n0's worker never failed: the survivor ran to the end and exited 0
     failed = [e.worker_failed for e in events if e.HasField("worker_failed")]
     assert all(f.node_id != "n0" for f in failed), failed
+    # nothing after the end (the agents losing their driver) opens an incident
+    kinds = [e.WhichOneof("payload") for e in events]
+    after = kinds[kinds.index("job_finished") + 1 :]
+    assert "recovery_transition" not in after and "node_lost" not in after, after
