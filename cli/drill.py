@@ -156,7 +156,10 @@ def fault_table(faults: list[FaultRecord], width: int = WIDE_TABLE, *, rows: boo
         cols += ["loss continued", "events", "event (seq)"]
     for col in cols:
         t.add_column(col, no_wrap=True)
-    t.add_column("note", no_wrap=rows, overflow="ellipsis" if rows else "fold", ratio=1)
+    # a note column only when a fault has one: empty, it took the last columns' width
+    noted = any(f.skipped or f.note for f in faults)
+    if noted:
+        t.add_column("note", no_wrap=rows, overflow="ellipsis" if rows else "fold", ratio=1)
     for f in faults:
         if f.skipped:
             note = f"[yellow]skipped[/]: {f.note}"
@@ -184,7 +187,9 @@ def fault_table(faults: list[FaultRecord], width: int = WIDE_TABLE, *, rows: boo
             row += [cont, evs, f"{f.expect} ({f.event_seq or '-'})"]
         elif f.recovers and f.continued is False:
             row[-1] += " [red]loss jumped[/]"
-        t.add_row(*row, f"[yellow]{f.note}[/]" if f.unjudged else f.note)
+        if noted:
+            row.append(f"[yellow]{f.note}[/]" if f.unjudged else f.note)
+        t.add_row(*row)
     return t
 
 

@@ -71,6 +71,15 @@ def test_the_drill_table_fits_80_columns_and_keeps_every_fault() -> None:
     assert "loss continued" in wide.export_text()
 
 
+def test_a_drill_without_notes_gives_its_width_to_the_other_columns() -> None:
+    (done, _) = _drilled()
+    done.note = ""
+    console = Console(width=160, record=True, force_terminal=False)
+    console.print(fault_table([done], 160))
+    text = console.export_text()
+    assert "note" not in text and "worker_failed (120)" in text, text
+
+
 def test_the_live_view_fits_80_by_24() -> None:
     class Watch:  # what _render reads of a LogWatch
         leader = "driver-a"
