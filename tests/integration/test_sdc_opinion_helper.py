@@ -35,7 +35,6 @@ _AGENT_SIDE = """
 import json, os, signal, sys
 from pathlib import Path
 from unbroken.recovery.flashcopy import find_copy
-from unbroken.recovery import sdcbuddy
 from unbroken.recovery.sdcbuddy import BuddyOpinions
 ref = find_copy(Path(sys.argv[1]), int(sys.argv[2]))
 b = BuddyOpinions(helper=True)
@@ -51,7 +50,7 @@ print(json.dumps({"torch": "torch" in sys.modules, "first": first.fingerprints,
 """
 
 
-# at nice 19 beside CPU hogs the helper's torch import alone took over a minute, twice here
+# at nice 19 beside CPU hogs each helper's torch import (two here) took over a minute
 @pytest.mark.timeout(900)
 def test_an_agents_opinions_come_from_a_helper_process_and_outlive_its_death(
     owner: FlashOwner,
