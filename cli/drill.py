@@ -69,7 +69,7 @@ _PID = re.compile(r"\bpid=(\d+)")
 # heartbeat takes minutes, and the drill's limits measure the host, not the recovery.
 OVERLOAD_PER_CORE = 4.0
 RESTORED = re.compile(
-    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\S*.*flash\.restored.*\brank=0\b.*\bstep=(\d+)", re.M
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\S*).*flash\.restored.*\brank=0\b.*\bstep=(\d+)", re.M
 )
 
 

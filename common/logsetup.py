@@ -27,3 +27,22 @@ def setup_logging(fmt: str = "console", level: int = logging.INFO) -> None:
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
     )
+
+
+#: a worker's line times: structlog's default layout, to the microsecond, in UTC (the
+#: default's whole seconds could not order a recovery's steps against its agent's lines)
+WORKER_TIME_FMT = "%Y-%m-%d %H:%M:%S.%f"
+
+
+def setup_worker_logging(level: int = logging.INFO) -> None:
+    """A worker's structlog: the default console lines (what `cli/drill.py` reads from
+    worker logs), timestamps to the microsecond, `level` and above."""
+    processors = [
+        structlog.processors.TimeStamper(fmt=WORKER_TIME_FMT, utc=True)
+        if isinstance(p, structlog.processors.TimeStamper)
+        else p
+        for p in structlog.get_config()["processors"]
+    ]
+    structlog.configure(
+        processors=processors, wrapper_class=structlog.make_filtering_bound_logger(level)
+    )

@@ -301,12 +301,11 @@ class Session:
 
             import structlog
 
+            from unbroken.common.logsetup import setup_worker_logging
             from unbroken.trainer.flashckpt import FlashCheckpointer, FlashEnv
 
             if not structlog.is_configured():  # a debug line per save would flood the output
-                structlog.configure(
-                    wrapper_class=structlog.make_filtering_bound_logger(logging.INFO)
-                )
+                setup_worker_logging(logging.INFO)
 
             w = self.welcome
             root = own_flash_root(w.flash_root)

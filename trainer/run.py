@@ -58,6 +58,7 @@ from unbroken.common.faults import (
     SDC_FAULTS,
     WorkerFault,
 )
+from unbroken.common.logsetup import setup_worker_logging
 from unbroken.common.workerenv import WorkerEnv
 from unbroken.trainer import devicewarm, keeptrainer, keepworld, ncclguard, spikewait, stepthread
 from unbroken.trainer.config import TrainConfig
@@ -698,7 +699,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     if not structlog.is_configured():  # per-step debug lines (flash saves) would flood logs
-        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+        setup_worker_logging(logging.INFO)
     try:
         config = to_config(args)
     except ValueError as e:

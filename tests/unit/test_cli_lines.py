@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import ClassVar
 
@@ -159,3 +160,27 @@ def test_the_trained_step_is_the_jobs_end_when_the_live_view_missed_the_last_rep
     assert trained_step(29, [ev.Event(seq=1), done]) == 30
     assert trained_step(29, [ev.Event(seq=1)]) == 29
     assert trained_step(0, []) == 0
+
+
+def test_a_workers_lines_carry_microseconds_and_the_drill_reads_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Workers log structlog's default lines with the time to the microsecond (whole seconds
+    could not order a recovery's worker lines against its agent's); the drill still finds
+    rank 0's restores in them."""
+    import structlog
+
+    from unbroken.cli.drill import RESTORED
+    from unbroken.common.logsetup import setup_worker_logging
+
+    try:
+        setup_worker_logging()
+        structlog.get_logger("w").info("flash.restored", rank=0, read=True, step=7)
+        structlog.get_logger("w").debug("flash.saved", step=8)  # below INFO: not shown
+    finally:
+        structlog.reset_defaults()
+    out = capsys.readouterr().out
+    (line,) = out.splitlines()
+    m = RESTORED.search(line)
+    assert m is not None and m.group(2) == "7", line
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}", m.group(1)), line
