@@ -29,9 +29,9 @@ def setup_logging(fmt: str = "console", level: int = logging.INFO) -> None:
     )
 
 
-#: a worker's line times: structlog's default layout, to the microsecond, in UTC (the
+#: a worker's line times: structlog's default layout, to the microsecond, in UTC (Z; the
 #: default's whole seconds could not order a recovery's steps against its agent's lines)
-WORKER_TIME_FMT = "%Y-%m-%d %H:%M:%S.%f"
+WORKER_TIME_FMT = "%Y-%m-%d %H:%M:%S.%fZ"
 
 
 def setup_worker_logging(level: int = logging.INFO) -> None:

@@ -183,4 +183,4 @@ def test_a_workers_lines_carry_microseconds_and_the_drill_reads_them(
     (line,) = out.splitlines()
     m = RESTORED.search(line)
     assert m is not None and m.group(2) == "7", line
-    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}", m.group(1)), line
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}Z", m.group(1)), line
