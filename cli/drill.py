@@ -128,19 +128,27 @@ class FaultRecord:
 
 #: below this many columns the drill's table drops its wide columns (loss, events, proof)
 WIDE_TABLE = 120
+#: a note column narrower than this is no column: the notes go under the table instead
+MIN_NOTE_WIDTH = 30
 
 
 def fault_table(faults: list[FaultRecord], width: int = WIDE_TABLE, *, rows: bool = False) -> Any:
     """The drill's table (rich); on a terminal narrower than `WIDE_TABLE` columns, only
-    fault, target, detected, resumed, steps lost and the note (fits 80 columns).
+    fault, target, detected, resumed, steps lost and the note (fits 80 columns). Where the
+    other columns leave the notes less than `MIN_NOTE_WIDTH`, they follow the table, one
+    line per fault (at 160 columns the wide table left them none: a log showed no note).
 
     Args:
         faults: the drilled faults.
         width: the terminal's width.
-        rows: one line per fault (the live view: notes cut short), else notes wrap.
+        rows: one line per fault (the live view: notes cut short, always in the table),
+            else notes wrap.
     """
     from rich import box
+    from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
     wide = width >= WIDE_TABLE
     t = Table(
@@ -154,43 +162,48 @@ def fault_table(faults: list[FaultRecord], width: int = WIDE_TABLE, *, rows: boo
         cols = ["fault", "target", "detected", "resumed", "mode", "lost"]
     if wide:
         cols += ["loss continued", "events", "event (seq)"]
+    body = [_cells(f, len(cols), wide) for f in faults]
+    noted = any(note for _, note in body)
+    used = sum(
+        max(Text.from_markup(c).cell_len for c in [col, *(cells[i] for cells, _ in body)])
+        for i, col in enumerate(cols)
+    )
+    inline = noted and (rows or width - used - 3 * (len(cols) + 1) >= MIN_NOTE_WIDTH)
     for col in cols:
         t.add_column(col, no_wrap=True)
-    # a note column only when a fault has one: empty, it took the last columns' width
-    noted = any(f.skipped or f.note for f in faults)
-    if noted:
+    if inline:
         t.add_column("note", no_wrap=rows, overflow="ellipsis" if rows else "fold", ratio=1)
-    for f in faults:
-        if f.skipped:
-            note = f"[yellow]skipped[/]: {f.note}"
-            t.add_row(f.fault, f.target, *["-"] * (len(cols) - 2), note)
-            continue
-        det = f"{f.detected_s:.2f} s" if f.detected_s is not None else "[red]not yet[/]"
-        res = lost = cont = mode = "-"
-        if f.recovers:
-            mode = f.mode.replace("_", "-") or "-"
-            res = f"{f.resumed_s:.2f} s" if f.resumed_s is not None else "[red]not yet[/]"
-            lost = str(f.steps_lost) if f.steps_lost is not None else "?"
-            restored, paused = f.log_restore, f.paused_at
-            if (
-                restored is not None
-                and paused is not None
-                and f.worker_restore not in (None, restored)
-            ):
-                lost += f" [yellow](log said {paused - restored})[/]"
-            c = f.continued
-            if c is not None and f.loss_before is not None and f.loss_after is not None:
-                cont = f"{'yes' if c else '[red]no[/]'} ({f.loss_before:.2f} → {f.loss_after:.2f})"
-        row = [f.fault, f.target, det, res, mode, lost]
-        if wide:
-            evs = str(f.events_written) if f.events_written is not None else "-"
-            row += [cont, evs, f"{f.expect} ({f.event_seq or '-'})"]
-        elif f.recovers and f.continued is False:
-            row[-1] += " [red]loss jumped[/]"
-        if noted:
-            row.append(f"[yellow]{f.note}[/]" if f.unjudged else f.note)
-        t.add_row(*row)
-    return t
+    for cells, note in body:
+        t.add_row(*cells, *([note] if inline else []))
+    if inline or not noted:
+        return t
+    below = [Text.from_markup(f"{escape(cells[0])}: {note}") for cells, note in body if note]
+    return Group(t, *below)
+
+
+def _cells(f: FaultRecord, ncols: int, wide: bool) -> tuple[list[str], str]:
+    """One fault's table cells (rich markup) and its note."""
+    if f.skipped:
+        return [f.fault, f.target, *["-"] * (ncols - 2)], f"[yellow]skipped[/]: {f.note}"
+    det = f"{f.detected_s:.2f} s" if f.detected_s is not None else "[red]not yet[/]"
+    res = lost = cont = mode = "-"
+    if f.recovers:
+        mode = f.mode.replace("_", "-") or "-"
+        res = f"{f.resumed_s:.2f} s" if f.resumed_s is not None else "[red]not yet[/]"
+        lost = str(f.steps_lost) if f.steps_lost is not None else "?"
+        restored, paused = f.log_restore, f.paused_at
+        if restored is not None and paused is not None and f.worker_restore not in (None, restored):
+            lost += f" [yellow](log said {paused - restored})[/]"
+        c = f.continued
+        if c is not None and f.loss_before is not None and f.loss_after is not None:
+            cont = f"{'yes' if c else '[red]no[/]'} ({f.loss_before:.2f} → {f.loss_after:.2f})"
+    row = [f.fault, f.target, det, res, mode, lost]
+    if wide:
+        evs = str(f.events_written) if f.events_written is not None else "-"
+        row += [cont, evs, f"{f.expect} ({f.event_seq or '-'})"]
+    elif f.recovers and f.continued is False:
+        row[-1] += " [red]loss jumped[/]"
+    return row, (f"[yellow]{f.note}[/]" if f.unjudged and f.note else f.note)
 
 
 def rank0_restores(run: Path) -> list[int]:

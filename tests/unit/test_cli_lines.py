@@ -81,6 +81,29 @@ def test_a_drill_without_notes_gives_its_width_to_the_other_columns() -> None:
     assert "note" not in text and "worker_failed (120)" in text, text
 
 
+def _header(table: str) -> str:
+    return next(x for x in table.splitlines() if "fault" in x and "target" in x)
+
+
+def test_notes_the_wide_table_has_no_room_for_follow_it_whole() -> None:
+    """At 160 columns the wide table's other columns left the notes no width: `make run`'s
+    log showed none. They follow the table then, one line per fault."""
+    (done, skipped) = _drilled()
+    done.fault = "silently bad node (wrong matmul)"  # the drill's widest cells
+    done.target, done.expect = "spare-1 pid 2314", "self_check_reported"
+    done.note = "rollback to the newest step before it every rank holds (ring, else a commit)"
+    console = Console(width=160, record=True, force_terminal=False)
+    console.print(fault_table([done, skipped], 160))
+    text = console.export_text()
+    assert max(len(x) for x in text.splitlines()) <= 160, text
+    assert "note" not in _header(text), text  # no column for them
+    assert f"silently bad node (wrong matmul): {done.note}" in text, text
+    assert "straggler 1.05x: skipped: this host is too busy" in text, text
+    wider = Console(width=260, record=True, force_terminal=False)
+    wider.print(fault_table([done, skipped], 260))
+    assert "note" in _header(wider.export_text())  # room enough: a column again
+
+
 def test_the_live_view_fits_80_by_24() -> None:
     class Watch:  # what _render reads of a LogWatch
         leader = "driver-a"
