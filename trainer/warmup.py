@@ -89,6 +89,16 @@ def __unbroken_warm__() -> None:
 
     if dist.is_initialized():
         return
+    # the worker's log format (its main() would set it): the trainer kept from here binds
+    # its logger now, and kept structlog's default whole seconds
+    import logging
+
+    import structlog
+
+    from unbroken.common.logsetup import setup_worker_logging
+
+    if not structlog.is_configured():
+        setup_worker_logging(logging.INFO)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         parser = argparse.ArgumentParser()
         add_arguments(parser)
