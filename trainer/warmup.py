@@ -69,6 +69,19 @@ def dry_run_argv(env: dict[str, str] | None = None) -> list[str]:
     return [*argv, "--device", "cpu"]
 
 
+def _worker_logging() -> None:
+    """The worker's log format, as its main() would set it: the trainer kept from the dry
+    run binds its logger there, and kept structlog's default whole seconds."""
+    import logging
+
+    import structlog
+
+    from unbroken.common.logsetup import setup_worker_logging
+
+    if not structlog.is_configured():
+        setup_worker_logging(logging.INFO)
+
+
 def __unbroken_warm__() -> None:
     """One dry restore and step of the embedded engine in a private world (see the module)."""
     import argparse
@@ -89,16 +102,7 @@ def __unbroken_warm__() -> None:
 
     if dist.is_initialized():
         return
-    # the worker's log format (its main() would set it): the trainer kept from here binds
-    # its logger now, and kept structlog's default whole seconds
-    import logging
-
-    import structlog
-
-    from unbroken.common.logsetup import setup_worker_logging
-
-    if not structlog.is_configured():
-        setup_worker_logging(logging.INFO)
+    _worker_logging()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         parser = argparse.ArgumentParser()
         add_arguments(parser)
