@@ -108,10 +108,15 @@ def _unchanged(ref: CopyRef) -> bool:
     return now is not None and now.generation == ref.manifest.generation
 
 
+def _procs(pool: concurrent.futures.ProcessPoolExecutor) -> list[Any]:
+    """`pool`'s processes (its process table is private, hence the guard)."""
+    return list((getattr(pool, "_processes", None) or {}).values())
+
+
 def _helper_cpu_s(pool: concurrent.futures.ProcessPoolExecutor) -> float | None:
     """The CPU seconds `pool`'s helper process used so far (None: it has none, or it is
-    gone; its process table is private, hence the guard)."""
-    procs = list((getattr(pool, "_processes", None) or {}).values())
+    gone)."""
+    procs = _procs(pool)
     if not procs:
         return None
     try:
@@ -142,8 +147,8 @@ def _result(
 def _stop(pool: concurrent.futures.ProcessPoolExecutor) -> None:
     """Shut `pool` down without waiting, its process killed: a helper that hangs in a
     recomputation would outlive a plain shutdown (this Python's executor has no
-    `terminate_workers`; its process table is private, hence the guard)."""
-    procs = list((getattr(pool, "_processes", None) or {}).values())
+    `terminate_workers`)."""
+    procs = _procs(pool)
     pool.shutdown(wait=False, cancel_futures=True)
     for p in procs:
         with contextlib.suppress(Exception):
