@@ -326,6 +326,7 @@ class Agent:
         if self.relay is not None:
             self.relay.interval_s = self.interval_s
             self.relay.miss_limit = resp.miss_limit or 3
+            self.relay.closed_timeout_s = resp.closed_timeout_ms / 1000.0  # 0: the timeout
             self.relay.batch_up = resp.relay_batches
 
     async def _fence(self) -> None:

@@ -17,7 +17,10 @@ heartbeat interval up its own Session to the driver, with the relay's own heartb
 - `late`: a member named before without a heartbeat this interval (the driver tracks it
   alone until it is named again);
 - `silent`: members silent for the relay's timeout (detected here, where the heartbeats
-  arrive): the driver declares them lost at once.
+  arrive): the driver declares them lost at once. A member whose stream its side closed (a
+  killed agent's closes at once) is silent after the driver's closed timeout
+  (`RegisterResponse.closed_timeout_ms`, 200 ms) unless it comes back first, as the driver
+  treats its own direct streams.
 A batch goes at once (not at the next interval) when a member's heartbeat carries flags or
 a member went silent. Members' other messages (acks, check results, shard and self-check
 reports) go up as `RelayedUp` as they arrive; commands come down as `RelayedDown`. With a
@@ -44,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -106,6 +110,7 @@ class Member:
     """One member's stream at this relay."""
 
     __slots__ = (
+        "closed",
         "end",
         "ending",
         "epoch",
@@ -131,6 +136,7 @@ class Member:
         self.outbox: asyncio.Queue[dpb.DriverMessage] = asyncio.Queue(MEMBER_BUFFER)
         self.ending = asyncio.Event()
         self.end = ""  # the driver sent this member away: the reason (it registers again)
+        self.closed = False  # its side ended its stream: the closed timeout applies
 
 
 def signature(hb: dpb.Heartbeat) -> tuple[Any, ...]:
@@ -149,6 +155,7 @@ class Relay(dgrpc.DriverServicer):
         self.node_id = node_id
         self.interval_s = interval_s
         self.miss_limit = 3
+        self.closed_timeout_s = 0.0  # the driver's (RegisterResponse); 0: the timeout
         self.members: dict[str, Member] = {}
         self.upstream: Send | None = None
         self.batch_up = False  # the driver takes RelayedUpBatch (RegisterResponse)
@@ -254,9 +261,13 @@ class Relay(dgrpc.DriverServicer):
             for t in (pump, reader, stop):
                 t.cancel()
             # a stream that broke stays a member until it comes back or the batcher finds
-            # it silent (and tells the driver); one the relay ended leaves at once
-            if self.members.get(node_id) is me and me.ending.is_set():
-                del self.members[node_id]
+            # it silent (and tells the driver), after the closed timeout when its side
+            # ended it (a dead agent's stream ends at once); one the relay ended leaves now
+            if self.members.get(node_id) is me:
+                if me.ending.is_set():
+                    del self.members[node_id]
+                else:
+                    me.closed = True
 
     async def _pump(self, me: Member, context: grpc.aio.ServicerContext) -> None:
         while True:
@@ -313,6 +324,12 @@ class Relay(dgrpc.DriverServicer):
             me.ending.set()
 
     # ------------------------------------------------------------ batches up
+    def timeouts(self) -> tuple[float, float]:
+        """Silence after which a member is reported: (stream open, stream its side closed)."""
+        timeout = self.interval_s * self.miss_limit  # (a registration may change them)
+        closed = min(timeout, self.closed_timeout_s) if self.closed_timeout_s > 0 else timeout
+        return timeout, closed
+
     def batch(self, now: float, own: dpb.Heartbeat | None = None) -> dpb.RelayBatch:
         """The next batch: the periodic one carries the relay's `own` heartbeat (and every
         `full_every`-th every member's full heartbeat); members silent past the timeout
@@ -321,7 +338,7 @@ class Relay(dgrpc.DriverServicer):
         if own is not None:
             self.batches += 1
             full = self.batches % self.config.full_every == 0
-        timeout = self.interval_s * self.miss_limit
+        timeout, closed = self.timeouts()
         out = dpb.RelayBatch()
         periodic = own is not None
         quiet = 0
@@ -330,7 +347,7 @@ class Relay(dgrpc.DriverServicer):
             out.group_alive = True
         for me in list(self.members.values()):
             silent = now - me.last_seen
-            if silent > timeout:
+            if silent > (closed if me.closed else timeout):
                 out.silent.add(node_id=me.node_id, epoch=me.epoch, silent_ms=silent * 1000.0)
                 del self.members[me.node_id]
                 me.ending.set()
@@ -371,14 +388,17 @@ class Relay(dgrpc.DriverServicer):
                 with contextlib.suppress(TimeoutError):
                     await aio.wait_for(self.flush.wait(), wait)
                 now = time.monotonic()
-                timeout = self.interval_s * self.miss_limit  # (a registration may change it)
-                # ...and at the moment the quietest member's timeout passes, not up to a
-                # tick later (bench-scale's detection p99 was the timeout plus ~80 ms)
-                oldest = min((m.last_seen for m in self.members.values()), default=now)
-                wait = min(tick, max(SILENCE_SLACK_S, oldest + timeout - now + SILENCE_SLACK_S))
-                if not self.flush.is_set():
-                    if now - oldest <= timeout:
-                        continue
+                timeout, closed = self.timeouts()
+                # ...and at the moment the first member's timeout passes, not up to a tick
+                # later (bench-scale's detection p99 was the timeout plus ~80 ms)
+                members = self.members.values()
+                due = min(
+                    (m.last_seen + (closed if m.closed else timeout) for m in members),
+                    default=math.inf,
+                )
+                wait = min(tick, max(SILENCE_SLACK_S, due - now + SILENCE_SLACK_S))
+                if not self.flush.is_set() and now <= due:
+                    continue
                 self.flush.clear()
                 b = self.batch(now)
                 if b.beats or b.alive or b.silent:

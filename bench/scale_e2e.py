@@ -23,11 +23,14 @@ Measured, in order, on the same nodes:
   `false_node_lost_join`: NodeLost events meanwhile.
 - **steady**: the leader's CPU over 8 s of heartbeats (`driver_core_share_10240`, a share
   of one core) beside the simulators' own CPU.
-- **detection**: 30 spares stop beating one at a time at random phases (a spare's loss
-  opens no incident); their relay reports each silent once its timeout has passed since
-  the member's last heartbeat, as agent/relay.py does (before 2026-12-03 the simulator
-  counted from the stop itself, up to one interval later than the real relay).
-  `detect_p99_ms`: the NodeLost event's wall time minus the stop's.
+- **detection**: 30 spares' agents are killed one at a time at random phases (a spare's
+  loss opens no incident): each one's stream closes, and their relay reports it silent once
+  the driver's closed timeout (200 ms) has passed since its last heartbeat, as agent/relay.py
+  does. `detect_p99_ms`: the NodeLost event's wall time minus the kill's. Then 30 more
+  stop beating with their streams open (a hung or cut-off host): reported once the whole
+  timeout (300 ms) has passed, `detect_p99_ms_silent` (before 2026-12-03 the simulator
+  counted from the stop itself, up to one interval later than the real relay; until
+  2026-12-06 the relay gave a killed member the whole timeout too).
 - **incident**: one world node stops; the loop pauses the world, takes a spare in, and
   restarts. `incident_fanout_s_10240`: from the NodeLost event's wall time until the last
   of the new world's nodes acknowledged its StartWorkers.
@@ -80,6 +83,9 @@ UNSUFFIXED = (  # keys written without the node count (also written with it)
     "detect_detected",
     "detect_p50_ms",
     "detect_p99_ms",
+    "detect_detected_silent",
+    "detect_p50_ms_silent",
+    "detect_p99_ms_silent",
     "false_node_lost_detection",
     "false_node_lost_failover",
 )
@@ -149,7 +155,7 @@ class Leader:
 
 async def register(
     lead: Leader, node: str, epoch: int, relay: str, spare: bool, batches: bool = False
-) -> None:
+) -> dpb.RegisterResponse:
     """Register `node`, retrying with jittered exponential backoff (a herd spreads out)."""
     md = ((channel.RELAY_KEY, relay),) if relay else ()
     req = dpb.RegisterRequest(node_id=node, epoch=epoch, hostname=node, num_workers=WORKERS)
@@ -158,8 +164,7 @@ async def register(
     for attempt in range(200):
         try:
             async with lead.registering:
-                await lead.stubs[lead.target].Register(req, metadata=md, timeout=10)
-            return
+                return await lead.stubs[lead.target].Register(req, metadata=md, timeout=10)
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 if (
@@ -182,6 +187,10 @@ class SimRelay:
         # member -> monotonic time of its last heartbeat before it stopped: agent/relay.py
         # counts a member's silence from its last heartbeat (`last_seen`), not from the fault
         self.stopped: dict[str, float] = {}
+        # ...reported silent past this (the timeout; a killed member's stream closed: the
+        # driver's closed timeout, as agent/relay.py applies it)
+        self.timeout_of: dict[str, float] = {}
+        self.closed_s = RELAY_TIMEOUT_S  # (the driver's RegisterResponse.closed_timeout_ms)
         self.beat_at = time.monotonic()  # the last round's heartbeats
         self.reported: set[str] = set()
         self.again: set[str] = set()  # members the driver sent away: register again
@@ -201,7 +210,11 @@ class SimRelay:
             t0 = time.monotonic()
             self.live = set()
             self.vouched = set()
-            await register(self.sim.lead, self.rid, self.epoch, "", self.spare, self.sim.batches)
+            resp = await register(
+                self.sim.lead, self.rid, self.epoch, "", self.spare, self.sim.batches
+            )
+            if resp.closed_timeout_ms:
+                self.closed_s = min(RELAY_TIMEOUT_S, resp.closed_timeout_ms / 1000.0)
             target = self.sim.lead.target
             rch = grpc.aio.insecure_channel(target, options=channel.CLIENT_OPTIONS)
             call = rch.stream_stream(
@@ -334,7 +347,7 @@ class SimRelay:
         live = [m for m in self.members if m in self.live and m not in self.stopped]
         silent = b""
         for m, since in self.stopped.items():
-            if m not in self.reported and now - since > RELAY_TIMEOUT_S:
+            if m not in self.reported and now - since > self.timeout_of[m]:
                 self.reported.add(m)
                 silent += _field(3, dpb.RelaySilent(node_id=m, epoch=self.epoch,
                                                     silent_ms=(now - since) * 1e3)
@@ -366,7 +379,7 @@ class SimRelay:
     def _silent_due(self) -> bool:
         now = time.monotonic()
         return any(
-            m not in self.reported and now - t > RELAY_TIMEOUT_S for m, t in self.stopped.items()
+            m not in self.reported and now - t > self.timeout_of[m] for m, t in self.stopped.items()
         )
 
     def tick(self, full: bool, step: int, rnd: int) -> None:
@@ -384,12 +397,12 @@ class SimRelay:
             return
         now = time.monotonic()
         if any(
-            m not in self.reported and now - t > RELAY_TIMEOUT_S for m, t in self.stopped.items()
+            m not in self.reported and now - t > self.timeout_of[m] for m, t in self.stopped.items()
         ):
             own = b""
             silent = b""
             for m, since in self.stopped.items():
-                if m not in self.reported and now - since > RELAY_TIMEOUT_S:
+                if m not in self.reported and now - since > self.timeout_of[m]:
                     self.reported.add(m)
                     silent += _field(3, dpb.RelaySilent(node_id=m, epoch=self.epoch,
                                                         silent_ms=(now - since) * 1e3)
@@ -461,7 +474,9 @@ class Sim:
             await asyncio.sleep(max(0.0, t0 + rnd * INTERVAL_S - time.monotonic()))
 
     async def _control(self) -> None:
-        """Lines `stop NODE` in the control file: that member stops beating now."""
+        """Lines `stop NODE` in the control file: that member stops beating now, its stream
+        open (a hung or cut-off host); `kill NODE`: ...and its stream closes (a killed agent's
+        closes at once, agent/relay.py: the closed timeout)."""
         seen = 0
         while True:
             await asyncio.sleep(0.01)
@@ -471,13 +486,14 @@ class Sim:
             for line in lines[seen:]:
                 verb, _, node = line.partition(" ")
                 r = self.by_member.get(node)
-                if verb == "stop" and r is not None and node not in r.stopped:
+                if verb in ("stop", "kill") and r is not None and node not in r.stopped:
                     # silent since its last heartbeat, as the real relay sees it (the
                     # fault came between two beats; the delay is timed from the fault)
                     r.stopped[node] = r.beat_at
+                    r.timeout_of[node] = r.closed_s if verb == "kill" else RELAY_TIMEOUT_S
                     self.log({"kind": "stopped", "node": node, "wall_ns": time.time_ns()})
                     # ...and looks again the moment its timeout passes (agent/relay.py)
-                    due = r.beat_at + RELAY_TIMEOUT_S + 0.001 - time.monotonic()
+                    due = r.beat_at + r.timeout_of[node] + 0.001 - time.monotonic()
                     asyncio.get_running_loop().call_later(max(0.0, due), r.check_silence)
             seen = len(lines)
 
@@ -701,28 +717,12 @@ def run(
             print(f"steady: driver {out[f'driver_core_share{key}']} core, simulators "
                   f"{out[f'simulators_core_share{key}']}", flush=True)  # fmt: skip
             # ---------------------------------------------------------- detection (spares)
+            victims = [f"spare-{i:05d}" for i in range(1, 61)]
             lost0 = len(watch.of("node_lost"))
-            victims = [f"spare-{i:05d}" for i in range(1, 31)]
-            for v in victims:
-                time.sleep(random.uniform(0.25, 0.45))
-                with control.open("a") as f:
-                    f.write(f"stop {v}\n")
-            time.sleep(1.5)
-            logs = _read_logs(tmp)
-            stopped = {d["node"]: d["wall_ns"] for d in logs if d["kind"] == "stopped"}
-            lost = {e[1]: e[2] for e in watch.of("node_lost")}
-            delays = sorted(
-                (lost[v] - stopped[v]) / 1e6 for v in victims if v in lost and v in stopped
-            )
-            out["detect_detected"] = f"{len(delays)} of {len(victims)}"
-            if delays:
-                out["detect_p50_ms"] = round(delays[len(delays) // 2], 1)
-                out["detect_p99_ms"] = round(
-                    delays[min(len(delays) - 1, int(0.99 * len(delays)))], 1
-                )
-            out["false_node_lost_detection"] = len(watch.of("node_lost")) - lost0 - len(delays)
-            print(f"detection: {out.get('detect_p50_ms')} / {out.get('detect_p99_ms')} ms "
-                  f"({out['detect_detected']})", flush=True)  # fmt: skip
+            _detect(out, tmp, control, watch, "kill", victims[:30], "")
+            _detect(out, tmp, control, watch, "stop", victims[30:], "_silent")
+            found = sum(int(out[f"detect_detected{s}"].split()[0]) for s in ("", "_silent"))
+            out["false_node_lost_detection"] = len(watch.of("node_lost")) - lost0 - found
             # ---------------------------------------------------------- incident
             time.sleep(1.0)
             victim = "n0-00005"
@@ -786,7 +786,7 @@ def run(
                 # out the lease meanwhile: the CPU is the replay and the reconnect herd)
                 out[f"failover_standby_cpu_s{key}"] = round(_cpu([standby]) - f0, 2)
                 t_check = time.monotonic()
-                expect = total - len(victims) - 1  # the stopped ones are lost
+                expect = total - len(victims) - 1  # the stopped and killed ones are lost
                 while _heartbeating(a2, expect) < expect and time.monotonic() - t_check < 60:
                     time.sleep(0.2)
                 out[f"failover_all_heartbeating_s{key}"] = round(time.monotonic() - kill_mono, 2)
@@ -807,6 +807,31 @@ def run(
                 if k in out:
                     out[f"{k}{key}"] = out[k]
     print(f"logs in {tmp}")
+
+
+def _detect(out: dict[str, Any], tmp: Path, control: Path, watch: Any, verb: str,
+            victims: list[str], suffix: str) -> None:  # fmt: skip
+    """Detection: `verb` (kill: the agent's stream closes; stop: it stays open) each of
+    `victims` in turn at a random phase; `detect_*{suffix}`: its NodeLost's wall time minus
+    the fault's."""
+    for v in victims:
+        time.sleep(random.uniform(0.25, 0.45))
+        with control.open("a") as f:
+            f.write(f"{verb} {v}\n")
+    time.sleep(1.5)
+    logs = _read_logs(tmp)
+    stopped = {d["node"]: d["wall_ns"] for d in logs if d["kind"] == "stopped"}
+    lost = {e[1]: e[2] for e in watch.of("node_lost")}
+    delays = sorted((lost[v] - stopped[v]) / 1e6 for v in victims if v in lost and v in stopped)
+    out[f"detect_detected{suffix}"] = f"{len(delays)} of {len(victims)}"
+    if delays:
+        out[f"detect_p50_ms{suffix}"] = round(delays[len(delays) // 2], 1)
+        out[f"detect_p99_ms{suffix}"] = round(
+            delays[min(len(delays) - 1, int(0.99 * len(delays)))], 1
+        )
+    print(f"detection ({verb}): {out.get(f'detect_p50_ms{suffix}')} / "
+          f"{out.get(f'detect_p99_ms{suffix}')} ms ({out[f'detect_detected{suffix}']})",
+          flush=True)  # fmt: skip
 
 
 def _sim(tmp: Path, targets: list[str], prefix: str, groups: int, spare: bool, control: Path,

@@ -213,6 +213,7 @@ class AgentApi:
             term_scope=scope,
             report_key=slot.report_key,
             relay_batches=True,
+            closed_timeout_ms=round(self.config.live.closed_timeout_s * 1000),
         )
 
     def _take(

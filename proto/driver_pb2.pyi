@@ -98,7 +98,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., hostname: _Optional[str] = ..., ip: _Optional[str] = ..., pod_name: _Optional[str] = ..., inventory: _Optional[_Union[HardwareInventory, _Mapping]] = ..., agent_version: _Optional[str] = ..., num_workers: _Optional[int] = ..., spare: _Optional[bool] = ..., replica_buddy: _Optional[str] = ..., replica_listen: _Optional[str] = ..., replica_pubkey: _Optional[bytes] = ..., relay_batches: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("driver_id", "heartbeat_interval_ms", "miss_limit", "job_id", "global_rank_base", "world_size", "leader_term", "term_scope", "report_key", "relay_batches")
+    __slots__ = ("driver_id", "heartbeat_interval_ms", "miss_limit", "job_id", "global_rank_base", "world_size", "leader_term", "term_scope", "report_key", "relay_batches", "closed_timeout_ms")
     DRIVER_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     MISS_LIMIT_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class RegisterResponse(_message.Message):
     TERM_SCOPE_FIELD_NUMBER: _ClassVar[int]
     REPORT_KEY_FIELD_NUMBER: _ClassVar[int]
     RELAY_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     driver_id: str
     heartbeat_interval_ms: int
     miss_limit: int
@@ -119,7 +120,8 @@ class RegisterResponse(_message.Message):
     term_scope: str
     report_key: bytes
     relay_batches: bool
-    def __init__(self, driver_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., miss_limit: _Optional[int] = ..., job_id: _Optional[str] = ..., global_rank_base: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_term: _Optional[int] = ..., term_scope: _Optional[str] = ..., report_key: _Optional[bytes] = ..., relay_batches: _Optional[bool] = ...) -> None: ...
+    closed_timeout_ms: int
+    def __init__(self, driver_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., miss_limit: _Optional[int] = ..., job_id: _Optional[str] = ..., global_rank_base: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_term: _Optional[int] = ..., term_scope: _Optional[str] = ..., report_key: _Optional[bytes] = ..., relay_batches: _Optional[bool] = ..., closed_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("local_rank", "global_rank", "pid", "state", "exit_code", "step", "loss", "step_time_ms", "since_progress_ms", "median_step_ms", "restarts", "has_loss", "has_peak", "peak_loss", "peak_step", "ring_steps", "hung", "hang_threshold_ms", "phase", "compute_ms", "compute_mad_ms", "wait_ms", "window_steps", "wait_mad_ms", "restored_step", "restored_from", "fingerprints", "loss_median", "loss_mad", "loss_window", "rejoins", "held", "checkpoint_save_share", "data_loading_share")

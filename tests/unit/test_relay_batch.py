@@ -51,6 +51,25 @@ def test_news_in_full_the_rest_as_ids_silence_at_the_timeout() -> None:
     assert not r.batch(10.25, own=own).alive
 
 
+def test_a_member_whose_stream_closed_is_silent_after_the_closed_timeout() -> None:
+    """A killed member's stream closes at once: the relay reports it after the driver's
+    closed timeout (RegisterResponse.closed_timeout_ms), not the whole timeout; one whose
+    stream is still open (a hung host) keeps the timeout; 0 or more than the timeout: the
+    timeout for both."""
+    r = Relay(RelayConfig(listen="127.0.0.1:0"), "r0", 0.1)
+    r.closed_timeout_s = 0.2
+    assert r.timeouts() == pytest.approx((0.3, 0.2))
+    member(r, "open", beat(1), 10.0)
+    member(r, "closed", beat(1), 10.0).closed = True
+    assert [s.node_id for s in r.batch(10.15).silent] == []
+    assert [s.node_id for s in r.batch(10.21).silent] == ["closed"]
+    assert "closed" not in r.members and "open" in r.members
+    assert [s.node_id for s in r.batch(10.31).silent] == ["open"]
+    for setting in (0.0, 0.5):
+        r.closed_timeout_s = setting
+        assert r.timeouts() == pytest.approx((0.3, 0.3))
+
+
 def test_a_vouched_member_without_a_beat_is_named_late_then_once_alive_again() -> None:
     """The periodic batch vouches for the members it named before; one that sent nothing
     this interval is named late (the driver tracks it alone) and, when it beats again,
