@@ -38,6 +38,9 @@ def _run(cmd: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+# 21 s of CI's 25 minutes on 2 cores: in `make test-all`; CI's torchrun runs are the
+# README's (test_torchrun_readme.py), the backend's (test_torchrun_rdzv.py) and the SDK's
+@pytest.mark.slow
 def test_torchrun_4_processes_trains_on_the_default_corpus(tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.jsonl"
     cmd = [
