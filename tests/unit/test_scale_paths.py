@@ -292,3 +292,17 @@ def test_a_slow_node_lost_sweep_takes_at_most_a_fifth_of_the_loop() -> None:
     asyncio.run(run())
     gaps = [b - a for a, b in itertools.pairwise(calls)]
     assert gaps and min(gaps) >= nodewatch.SWEEP_SHARE * 0.05 * 0.9, gaps
+
+
+def test_the_loops_busy_share_is_its_cpu_over_the_wall_time_between_samples() -> None:
+    """nodewatch.busy_share: (wall, CPU) samples of the event loop's thread."""
+    import collections
+
+    from unbroken.driver.nodewatch import busy_share
+
+    assert busy_share(collections.deque()) == 0.0
+    assert busy_share(collections.deque([(1.0, 5.0)])) == 0.0
+    assert busy_share(collections.deque([(1.0, 5.0), (1.0, 5.1)])) == 0.0  # no wall time
+    assert busy_share(collections.deque([(1.0, 5.0), (1.1, 5.02), (1.3, 5.24)])) == (
+        pytest.approx(0.8)
+    )
