@@ -162,6 +162,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         (),
         "While a mass silence is held: how long no node at all was heard (0: none held)",
     ),
+    "unbroken_driver_loop_busy_ratio": (
+        "gauge",
+        (),
+        "The driver's event loop's own CPU over the last timeout window, as a share of it "
+        "(at 0.8 or more, more than --mass-loss-min nodes silent together are held back)",
+    ),
 }
 # Per-worker series come from each agent's own endpoint (agent/metrics.py AGENT_METRICS),
 # not from the driver: at 10,000 nodes x 8 workers the driver would build ~320k series per
@@ -177,6 +183,7 @@ def _health(v: dict[str, Any]) -> Iterator[Any]:
         ("unbroken_event_log_full", health.get("full", 0)),
         ("unbroken_mass_silence_nodes", held),
         ("unbroken_mass_silence_unheard_seconds", unheard),
+        ("unbroken_driver_loop_busy_ratio", v.get("loop_busy", 0.0)),
     ):
         g = GaugeMetricFamily(name, METRICS[name][2])
         g.add_metric([], float(value))

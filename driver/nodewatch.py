@@ -137,7 +137,12 @@ class NodeWatch:
             lag = now - due
             lags.append(lag)
             cpu.append((now, time.thread_time()))
-            self.busy = busy_share(cpu)
+            busy = busy_share(cpu)
+            if busy >= BUSY_SHARE > self.busy:  # once an episode
+                log.warning("driver event loop busy: large silences held", busy=round(busy, 2))
+            elif self.busy >= BUSY_SHARE > busy:
+                log.info("driver event loop no longer busy", busy=round(busy, 2))
+            self.busy = busy
             if lag > 0.1:
                 log.warning("driver event loop stalled", stall_ms=round(lag * 1000))
             took = 0.0

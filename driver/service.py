@@ -389,6 +389,7 @@ class DriverService(dgrpc.DriverServicer):
             "newest_commit_age_s": self.newest_commit()[1],
             "event_log": loghealth.summary(j),
             "mass_silence": self.mass_silence(),
+            "loop_busy": round(self.nodewatch.busy, 3),
         }
 
     def newest_commit(self) -> tuple[int, float]:

@@ -290,6 +290,9 @@ def test_a_silence_while_the_drivers_loop_is_busy_is_held_and_one_while_idle_is_
             await until(lambda: svc.nodewatch.busy >= 0.8, 5, "the loop busy")
             beats.stop(nodes[:4])
             await until(lambda: svc.nodewatch.mass_held == 4, 5, "the four held")
+            reg = svc.metrics.registry
+            assert reg.get_sample_value("unbroken_driver_loop_busy_ratio") >= 0.8
+            assert reg.get_sample_value("unbroken_mass_silence_nodes") == 4
             await asyncio.sleep(0.4)
             assert all(svc.view.nodes[n].alive for n in nodes), "declared lost while busy"
             beats.beating.update(nodes[:4])
