@@ -93,6 +93,19 @@ class Fanout:
         acks: dict[str, dpb.CommandAck] | None = None,
         current: Callable[[], bool] | None = None,
     ) -> dict[str, str]:
+        """`_broadcast`, marked as a wide command on the live view while it is out."""
+        with self.view.fanning_out(len(nodes)):
+            return await self._broadcast(nodes, msg, wait=wait, acks=acks, current=current)
+
+    async def _broadcast(
+        self,
+        nodes: tuple[str, ...],
+        msg: Message,
+        *,
+        wait: bool = True,
+        acks: dict[str, dpb.CommandAck] | None = None,
+        current: Callable[[], bool] | None = None,
+    ) -> dict[str, str]:
         """Send `msg` (or `msg(node)`: each node its own) to every node with a session;
         return node -> error for failures. `acks`: filled with each node's ack (with
         `wait`). A StopWorkers goes once per session (see the module).
@@ -148,6 +161,17 @@ class Fanout:
         return {n: bad[n] for n in nodes if n in bad}
 
     async def start(
+        self,
+        nodes: tuple[str, ...],
+        messages: Mapping[str, dpb.DriverMessage],
+        point: dpb.RestorePoint | None,
+        current: Callable[[], bool],
+    ) -> tuple[dict[str, str], list[str]]:
+        """`_start`, marked as a wide command on the live view while it is out."""
+        with self.view.fanning_out(len(nodes)):
+            return await self._start(nodes, messages, point, current)
+
+    async def _start(
         self,
         nodes: tuple[str, ...],
         messages: Mapping[str, dpb.DriverMessage],

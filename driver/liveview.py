@@ -23,7 +23,7 @@ import bisect
 import contextlib
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from unbroken.common import aio
@@ -355,6 +355,8 @@ class LiveView:
         # when any node was last heard (a heartbeat, a relay's batch or reply, a
         # registration): a mass silence with nobody heard is the driver's own
         self.heard_at = 0.0
+        self.fanning = 0  # commands to many nodes out now (`fanning_out`)
+        self.fanned_at = -math.inf  # ...when the last one came back (monotonic)
         # the node whose heartbeats carry the job's loss curve (`detectors.LossWatch`) and
         # what its direct heartbeat sets: the spike detector reads it then, not up to a
         # whole sweep interval later
@@ -362,6 +364,24 @@ class LiveView:
         self.loss_beat: asyncio.Event | None = None
         # set by every heartbeat once something waited for one (`next_beat`)
         self.any_beat: asyncio.Event | None = None
+
+    @contextlib.contextmanager
+    def fanning_out(self, nodes: int) -> Iterator[None]:
+        """While a command to more than `mass_loss_min` nodes is out (the recovery loop's
+        stops and starts, driver/fanout.py): the node watch takes a large silence then, and
+        for one timeout after, for the driver's backlog of replies (driver/nodewatch.py)."""
+        wide = nodes > self.config.mass_loss_min
+        self.fanning += wide
+        try:
+            yield
+        finally:
+            if wide:
+                self.fanning -= 1
+                self.fanned_at = time.monotonic()
+
+    def fanned_out(self, now: float) -> bool:
+        """Whether a wide command is out, or one came back less than a timeout ago."""
+        return self.fanning > 0 or now - self.fanned_at < self.config.timeout_s
 
     def slot(self, node_id: str) -> NodeSlot:
         """The slot of `node_id`, created on first use."""

@@ -305,3 +305,28 @@ def test_a_silence_while_the_drivers_loop_is_busy_is_held_and_one_while_idle_is_
             assert all(svc.view.nodes[n].alive for n in nodes[:4] + nodes[8:])
 
     asyncio.run(go())
+
+
+def test_a_silence_while_a_command_to_many_nodes_is_out_is_held() -> None:
+    """Four of twenty silent while a command to every node is out (an incident's stops,
+    whose replies the driver reads as they come: its backlog): held, and kept when they
+    beat again. One timeout after it came back, the same silence is theirs: lost."""
+    nodes = [f"m{i:02d}" for i in range(20)]
+
+    async def go() -> None:
+        live = config(mass_loss_hold_ms=800, mass_loss_max_hold_ms=20_000)
+        async with world(live, nodes) as (svc, _stub, beats):
+            with svc.view.fanning_out(len(nodes)):
+                beats.stop(nodes[:4])
+                await until(lambda: svc.nodewatch.mass_held == 4, 5, "the four held")
+                await asyncio.sleep(0.4)
+                assert all(svc.view.nodes[n].alive for n in nodes), "declared lost"
+                beats.beating.update(nodes[:4])
+                await until(lambda: svc.nodewatch.mass_held == 0, 5, "the hold to end")
+            await asyncio.sleep(live.timeout_s + 0.05)
+            assert all(svc.view.nodes[n].alive for n in nodes)
+            beats.stop(nodes[4:8])
+            await until(lambda: not any(svc.view.nodes[n].alive for n in nodes[4:8]), 5, "lost")
+            assert all(svc.view.nodes[n].alive for n in nodes[:4] + nodes[8:])
+
+    asyncio.run(go())

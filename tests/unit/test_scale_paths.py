@@ -306,3 +306,22 @@ def test_the_loops_busy_share_is_its_cpu_over_the_wall_time_between_samples() ->
     assert busy_share(collections.deque([(1.0, 5.0), (1.1, 5.02), (1.3, 5.24)])) == (
         pytest.approx(0.8)
     )
+
+
+def test_a_command_to_many_nodes_marks_the_view_until_a_timeout_after_it() -> None:
+    """LiveView.fanning_out: a command to more than mass_loss_min nodes is out (nested
+    ones counted), and `fanned_out` holds for one timeout after the last came back; one to
+    a few nodes marks nothing."""
+    import math
+    import time
+
+    from unbroken.driver.liveview import LiveView, LiveViewConfig
+
+    view = LiveView(LiveViewConfig(heartbeat_interval_ms=100, mass_loss_min=8))
+    with view.fanning_out(8):
+        assert view.fanning == 0 and view.fanned_at == -math.inf
+    assert not view.fanned_out(time.monotonic())
+    with view.fanning_out(9), view.fanning_out(10_240):
+        assert view.fanning == 2 and view.fanned_out(time.monotonic() + 60)
+    assert view.fanning == 0
+    assert view.fanned_out(view.fanned_at + 0.29) and not view.fanned_out(view.fanned_at + 0.31)

@@ -18,7 +18,7 @@ import pytest
 
 from unbroken.driver import fanout, machine
 from unbroken.driver.fanout import Fanout
-from unbroken.driver.liveview import NodeSlot
+from unbroken.driver.liveview import LiveView, LiveViewConfig, NodeSlot
 from unbroken.driver.loop import RecoveryLoop
 from unbroken.proto import driver_pb2 as dpb
 
@@ -32,7 +32,7 @@ class FakeService:
         self.loop = loop
         self.sent: list[tuple[str, str]] = []
         self.bump_at = bump_at
-        self.view = SimpleNamespace(nodes={})
+        self.view = LiveView(LiveViewConfig())
         for n in nodes:
             slot = NodeSlot(n)
             slot.alive, slot.outbox, slot.peer_host = True, object(), "127.0.0.1"
