@@ -177,7 +177,7 @@ class NodeWatch:
                 log.info("evicted node's agent left", node=slot.node_id)
             if left:
                 lost = [x for x in lost if not x[0].leaving]
-        if lost and self._mass(lost, now, crowd) and self._hold_mass(lost, now):
+        if lost and (why := self._mass(lost, now, crowd)) and self._hold_mass(lost, now, why):
             return
         self._mass_since, self.mass_held = 0.0, 0
         if not lost:
@@ -188,8 +188,8 @@ class NodeWatch:
                 "node lost", node=e.node_lost.node_id, silent_ms=round(e.node_lost.silent_ms, 1)
             )
 
-    def _mass(self, lost: list[tuple[NodeSlot, str]], now: float, crowd: int = 0) -> bool:
-        """Whether `lost` is a mass silence: more than a `mass_loss_fraction` of the
+    def _mass(self, lost: list[tuple[NodeSlot, str]], now: float, crowd: int = 0) -> str:
+        """Why `lost` is a mass silence ("": it is not): more than a `mass_loss_fraction` of the
         nodes; or any part of one whose hold is under way (the rest of a silence that is
         coming back gets the rest of the hold, not its loss at once: its nodes come back
         one stream read at a time, and the last one or two of a crowd were declared lost
@@ -212,17 +212,22 @@ class NodeWatch:
         than a timeout ago (`LiveView.fanned_out`): their replies are the driver's backlog
         (in a later run the loop's own CPU stayed under `BUSY_SHARE` through the stops)."""
         limit = detectors.mass_limit(self.view)
-        if len(lost) > limit or self._mass_since:
-            return True
+        if self._mass_since:
+            return "held already"
+        if len(lost) > limit:
+            return "over the fraction"
         live = self.config.live
         if len(lost) <= live.mass_loss_min:
-            return self._everyone(lost, now)
-        return (
-            crowd > limit
-            or self._unheard(now)
-            or self.busy >= BUSY_SHARE
-            or self.view.fanned_out(now)
-        )
+            return "nobody heard" if self._everyone(lost, now) else ""
+        for why, holds in (
+            ("out of a held crowd", crowd > limit),
+            ("nobody heard", self._unheard(now)),
+            ("driver loop busy", self.busy >= BUSY_SHARE),
+            ("command to many nodes out", self.view.fanned_out(now)),
+        ):
+            if holds:
+                return why
+        return ""
 
     def _everyone(self, lost: list[tuple[NodeSlot, str]], now: float) -> bool:
         """Whether nobody at all is heard in a world of two nodes alive or more, and each
@@ -239,7 +244,7 @@ class NodeWatch:
         """Whether no node at all was heard for two heartbeat intervals."""
         return now - self.view.heard_at > 2 * self.config.live.heartbeat_interval_ms / 1e3
 
-    def _hold_mass(self, lost: list[tuple[NodeSlot, str]], now: float) -> bool:
+    def _hold_mass(self, lost: list[tuple[NodeSlot, str]], now: float, why: str = "") -> bool:
         """Whether the mass silence `lost` is still held back.
 
         The hold (`mass_loss_hold_ms`) runs only while some node is heard: a world silent
@@ -255,6 +260,7 @@ class NodeWatch:
             log.error(
                 "mass silence: holding NodeLost back (driver overloaded or partitioned?)",
                 silent=len(lost),
+                why=why,
                 hold_ms=live.mass_loss_hold_ms,
                 unheard_ms=round((now - self.view.heard_at) * 1000),
                 alive=self.view.alive_count(),
