@@ -93,19 +93,6 @@ class Fanout:
         acks: dict[str, dpb.CommandAck] | None = None,
         current: Callable[[], bool] | None = None,
     ) -> dict[str, str]:
-        """`_broadcast`, marked as a wide command on the live view while it is out."""
-        with self.view.fanning_out(len(nodes)):
-            return await self._broadcast(nodes, msg, wait=wait, acks=acks, current=current)
-
-    async def _broadcast(
-        self,
-        nodes: tuple[str, ...],
-        msg: Message,
-        *,
-        wait: bool = True,
-        acks: dict[str, dpb.CommandAck] | None = None,
-        current: Callable[[], bool] | None = None,
-    ) -> dict[str, str]:
         """Send `msg` (or `msg(node)`: each node its own) to every node with a session;
         return node -> error for failures. `acks`: filled with each node's ack (with
         `wait`). A StopWorkers goes once per session (see the module).
@@ -128,28 +115,29 @@ class Fanout:
         kind = "" if callable(msg) else str(msg.WhichOneof("kind"))
         # one command for all: its stop key serialized once, not once per node
         same = None if callable(msg) else msg.SerializeToString(deterministic=True)
-        for i, n in enumerate(nodes):
-            if i and i % YIELD_EVERY == 0:
-                await asyncio.sleep(0)
-                if current is not None and not current():
-                    break
-            if wait and same is not None and kind == "stop_workers":
-                _, held = self._held(n, same)
-                if held is not None:  # (built and sent only when not: most, in a storm)
-                    replies[n] = held
-                    continue
-            m = build(n)
-            kind = kind or str(m.WhichOneof("kind"))
-            try:
-                if not wait:
-                    self.host.send(n, m)
-                elif kind == "stop_workers":
-                    replies[n] = self._stop(n, m)
-                else:
-                    replies[n] = self._ask(n, m)
-            except KeyError as e:
-                bad[n] = f"KeyError: {e}"
-        await _settle(replies, bad, acks)
+        with self.view.fanning_out(len(nodes)):  # (the node watch: our backlog)
+            for i, n in enumerate(nodes):
+                if i and i % YIELD_EVERY == 0:
+                    await asyncio.sleep(0)
+                    if current is not None and not current():
+                        break
+                if wait and same is not None and kind == "stop_workers":
+                    _, held = self._held(n, same)
+                    if held is not None:  # (built and sent only when not: most, in a storm)
+                        replies[n] = held
+                        continue
+                m = build(n)
+                kind = kind or str(m.WhichOneof("kind"))
+                try:
+                    if not wait:
+                        self.host.send(n, m)
+                    elif kind == "stop_workers":
+                        replies[n] = self._stop(n, m)
+                    else:
+                        replies[n] = self._ask(n, m)
+                except KeyError as e:
+                    bad[n] = f"KeyError: {e}"
+            await _settle(replies, bad, acks)
         if bad:
             log.warning(
                 "command not done everywhere",
@@ -161,17 +149,6 @@ class Fanout:
         return {n: bad[n] for n in nodes if n in bad}
 
     async def start(
-        self,
-        nodes: tuple[str, ...],
-        messages: Mapping[str, dpb.DriverMessage],
-        point: dpb.RestorePoint | None,
-        current: Callable[[], bool],
-    ) -> tuple[dict[str, str], list[str]]:
-        """`_start`, marked as a wide command on the live view while it is out."""
-        with self.view.fanning_out(len(nodes)):
-            return await self._start(nodes, messages, point, current)
-
-    async def _start(
         self,
         nodes: tuple[str, ...],
         messages: Mapping[str, dpb.DriverMessage],
@@ -190,20 +167,21 @@ class Fanout:
         bad: dict[str, str] = {}
         replies: dict[str, asyncio.Future[dpb.AgentMessage]] = {}
         sent: list[str] = []
-        for i, n in enumerate(nodes):
-            if i and i % YIELD_EVERY == 0:
-                await asyncio.sleep(0)
-            if not current():
-                break
-            try:
-                if point is not None:  # its reply awaited by nobody: a refusal is logged
-                    self.host.send(n, dpb.DriverMessage(restore_point=point))
-                self.forget(n)  # its workers start: a later stop goes again
-                replies[n] = self._ask(n, messages[n])
-            except KeyError as e:
-                bad[n] = f"KeyError: {e}"
-            sent.append(n)
-        await _settle(replies, bad)
+        with self.view.fanning_out(len(nodes)):  # (the node watch: our backlog)
+            for i, n in enumerate(nodes):
+                if i and i % YIELD_EVERY == 0:
+                    await asyncio.sleep(0)
+                if not current():
+                    break
+                try:
+                    if point is not None:  # its reply awaited by nobody: a refusal is logged
+                        self.host.send(n, dpb.DriverMessage(restore_point=point))
+                    self.forget(n)  # its workers start: a later stop goes again
+                    replies[n] = self._ask(n, messages[n])
+                except KeyError as e:
+                    bad[n] = f"KeyError: {e}"
+                sent.append(n)
+            await _settle(replies, bad)
         return bad, sent
 
     def forget(self, node: str) -> None:
