@@ -22,11 +22,13 @@ starts one when it runs an embedded etcd, and `unbroken agent` one for its worke
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 
 import psutil
 
@@ -52,11 +54,37 @@ def start(parent: int | None = None, grace_s: float = 10.0) -> subprocess.Popen[
         return None
 
 
-def _key(p: psutil.Process) -> tuple[int, float] | None:
-    try:
-        return p.pid, p.create_time()
-    except psutil.Error:
-        return None
+def _table() -> dict[int, psutil.Process]:
+    """Every process, from one pass over the process table (its parent, status and start
+    time read together; psutil keeps the objects, so a known pid's start time is not read
+    again)."""
+    return {p.pid: p for p in psutil.process_iter(["ppid", "status", "create_time"])}
+
+
+def _alive_in(table: dict[int, psutil.Process], pid: int, created: float) -> bool:
+    p = table.get(pid)
+    return (
+        p is not None
+        and p.info.get("create_time") == created
+        and p.info.get("status") != psutil.STATUS_ZOMBIE
+    )
+
+
+def _descendants(table: dict[int, psutil.Process], roots: Iterable[int]) -> set[int]:
+    """The pids below `roots` in `table` (the roots themselves not included)."""
+    kids: dict[int, list[int]] = collections.defaultdict(list)
+    for pid, p in table.items():
+        ppid = p.info.get("ppid")
+        if ppid is not None and ppid != pid:
+            kids[ppid].append(pid)
+    out: set[int] = set()
+    stack = list(roots)
+    while stack:
+        for k in kids.get(stack.pop(), ()):
+            if k not in out:
+                out.add(k)
+                stack.append(k)
+    return out
 
 
 def _alive(pid: int, created: float) -> psutil.Process | None:
@@ -70,38 +98,30 @@ def _alive(pid: int, created: float) -> psutil.Process | None:
 
 
 def watch(parent: int, grace_s: float, poll_s: float = POLL_S) -> int:
-    """Note `parent`'s descendants until it exits, then stop them; how many were stopped."""
+    """Note `parent`'s descendants until it exits, then stop them; how many were stopped.
+
+    One pass over the process table a poll: asking each noted process for its children
+    walked the whole table once per process (psutil reads every process's parent to find
+    one's children), and `unbroken up`'s reaper, noting ~30, took 7 % of a core of the
+    2-core drill host (a /proc sampler, 2026-12-07)."""
     me = os.getpid()
     try:
-        root = psutil.Process(parent)
-        root_created = root.create_time()
+        root_created = psutil.Process(parent).create_time()
     except psutil.Error:
         return 0
     seen: dict[int, float] = {}
     while True:
-        if _alive(parent, root_created) is None:
+        table = _table()
+        if not _alive_in(table, parent, root_created):
             break
-        try:
-            kids = root.children(recursive=True)
-        except psutil.Error:
-            kids = []
-        for k in kids:
-            key = _key(k)
-            if key is not None and key[0] != me:
-                seen[key[0]] = key[1]
-        # descendants of processes already noted (re-parented ones included)
-        for pid, created in list(seen.items()):
-            p = _alive(pid, created)
-            if p is None:
+        for pid in list(seen):  # gone, or its pid reused
+            if not _alive_in(table, pid, seen[pid]):
                 del seen[pid]
-                continue
-            try:
-                for k in p.children(recursive=True):
-                    key = _key(k)
-                    if key is not None and key[0] != me:
-                        seen.setdefault(key[0], key[1])
-            except psutil.Error:
-                pass
+        # its descendants, and those of processes already noted (re-parented ones included)
+        for pid in _descendants(table, [parent, *seen]):
+            created = table[pid].info.get("create_time")
+            if pid != me and created is not None:
+                seen.setdefault(pid, created)
         time.sleep(poll_s)
     left = [p for pid, c in seen.items() if (p := _alive(pid, c)) is not None]
     for p in left:
