@@ -250,6 +250,9 @@ class Agent:
                 await self.supervisor.start_all()
             elif self.supervisor is not None:
                 self.supervisor.warm_up()  # standbys import torch while we wait for the job
+                spec = self.supervisor.spec
+                if self.flash is not None and spec.warm:  # ...and the SDC helper likewise
+                    self._spawn(self._prestart(self.flash, spec.warm_after_s))
             connect = asyncio.create_task(self.link.run(self.register_request()))
             stopped = asyncio.create_task(self.stop.wait())
             done, _ = await asyncio.wait({connect, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -406,6 +409,15 @@ class Agent:
         self.loop_lag.stamp = guard.stamp
         self.loop_lag.start()
         return guard
+
+    @staticmethod
+    async def _prestart(flash: NodeFlash, after_s: float) -> None:
+        """Start the SDC buddy's helper process with the standbys (recovery/sdcbuddy.py
+        `prestart`): at the first fingerprinted copy, its torch import ran beside a promoted
+        spare's first step. Only where standbys are wanted (`--warm-workers`): memory spent
+        to shorten a recovery."""
+        await asyncio.sleep(after_s)
+        await asyncio.to_thread(flash.opinions.prestart)
 
     def _spawn(self, coro: Any) -> None:
         t = asyncio.create_task(coro)

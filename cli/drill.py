@@ -461,7 +461,8 @@ class Drill:
         self.inject.worker_stop(victim[0], pid=victim[1])
         return self._record(
             "hang (worker SIGSTOP)", f"{victim[0]} pid {victim[1]}", "hang", now, victim[0],
-            note=f"no progress for max({self.hang_floor_s:g} s, 5 steps); the world restarts",
+            note=f"found stopped (else: no progress for max({self.hang_floor_s:g} s, 5 steps)); "
+            "it is replaced, the others rejoin in place",
             recovers=True,
         )  # fmt: skip
 

@@ -13,14 +13,15 @@ The copy is read while the replica server holds the rank's slot lock, so no newe
 overwrites it meanwhile.
 
 In an agent the recomputation runs in a helper process (`BuddyOpinions(helper=True)`: one
-`concurrent.futures` process, spawned at the first fingerprinted copy, at nice 19, which
-imports torch itself), never in the agent's own, which imports no torch. The first opinion
-used to import it in a thread of the agent, and an import holds the interpreter's lock for
-hundreds of milliseconds at a time (the shared libraries load under it). A spare's first
-copy arrives just after it is promoted into the world, so its heartbeats stopped for
-0.5-1.1 s at every node loss of a bench run: the driver held the node as starved rather
-than losing it, and the resume waited (bench-recovery, node loss: 0.48 s of 1.31 between
-the first step and the resume; 0.03 s of 0.72 with the helper).
+`concurrent.futures` process at nice 19, which imports torch itself; spawned when the agent
+waiting for its job starts its standbys (`prestart`), else at the first fingerprinted copy),
+never in the agent's own, which imports no torch. The first opinion used to import it in a
+thread of the agent, and an import holds the interpreter's lock for hundreds of milliseconds
+at a time (the shared libraries load under it). A spare's first copy arrives just after it
+is promoted into the world, so its heartbeats stopped for 0.5-1.1 s at every node loss of a
+bench run: the driver held the node as starved rather than losing it, and the resume waited
+(bench-recovery, node loss: 0.48 s of 1.31 between the first step and the resume; 0.03 s of
+0.72 with the helper).
 """
 
 from __future__ import annotations
@@ -88,15 +89,37 @@ def recompute(ref: CopyRef, meta: dict[str, Any], device: str) -> tuple[dict[str
     return fps, ""
 
 
+AUTOGROUP = "/proc/self/autogroup"
+
+
+def _lower_priority() -> None:
+    """Make this process wait for idle CPU: nice 19, in a session of its own whose autogroup
+    is nice 19 too. Linux's autogroup scheduling (on by default) shares the CPU among
+    sessions first and applies a process's niceness only within its session: in the agent's
+    session a nice-19 helper took the session's share, and importing torch beside a
+    promoted spare's first step it ran at 20 % of a core (a /proc sampler, `make run`,
+    2026-12-07). Two busy loops in sessions of their own and a third beside them got 2.1 s
+    of a 3 s run at nice 19 and 0.11 s at autogroup nice 19 (this VM)."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, HELPER_NICE)
+    with contextlib.suppress(OSError):
+        os.setsid()  # its own autogroup; the agent still kills it (its parent and reaper)
+        with open(AUTOGROUP, "w") as f:
+            f.write(str(HELPER_NICE))
+
+
 def _helper_start() -> None:
     """The helper process's start: low priority, one thread, torch imported now rather than
     at the first copy."""
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, 0, HELPER_NICE)
+    _lower_priority()
     import torch
 
     torch.set_num_threads(1)
     from unbroken.recovery import statehash  # noqa: F401  (imported for the first copy)
+
+
+def _noop() -> None:
+    """A task for the helper that only makes its pool start it (`BuddyOpinions.prestart`)."""
 
 
 def _unchanged(ref: CopyRef) -> bool:
@@ -195,6 +218,31 @@ class BuddyOpinions:
                 initializer=_helper_start,
             )
         return self._pool
+
+    def prestart(self) -> bool:
+        """Start the helper now, if it is to be one and none runs: its torch import then
+        happens while this agent idles, not when the first fingerprinted copy arrives.
+        A spare's first copies arrive right after its promotion, and the import (~3 s of
+        CPU) ran beside the new world's first step: in `make run`'s node loss the helper
+        took 0.29 s of CPU during that 0.68 s step (a /proc sampler, 2026-12-07). Returns
+        whether it started one."""
+        if not self.helper:
+            return False
+        with self._lock:
+            if self._pool is not None:
+                return False
+            pool = self._helper()
+        try:
+            pool.submit(_noop)  # a process pool spawns its process at the first task
+        except (BrokenProcessPool, RuntimeError, OSError) as e:
+            log.warning("sdc.helper_not_started", error=str(e))  # the first copy retries
+            with self._lock:
+                if self._pool is pool:
+                    self._pool = None
+            _stop(pool)
+            return False
+        log.info("sdc.helper_started", why="prestarted while the agent idles")
+        return True
 
     def close(self) -> None:
         """Stop the helper process (the agent is going away)."""

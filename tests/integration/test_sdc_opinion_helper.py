@@ -90,3 +90,58 @@ def test_a_slow_helper_is_waited_for_and_a_hung_one_is_not(
             sdcbuddy._result(pool, pool.submit(time.sleep, 30))
         assert time.monotonic() - t0 < 20
         sdcbuddy._stop(pool)
+
+
+# An agent's prestart (with its standbys): the helper imports torch before any copy comes,
+# and the first copy's opinion is formed by that same process.
+_PRESTART = """
+import json, sys, time
+from pathlib import Path
+from unbroken.recovery.flashcopy import find_copy
+from unbroken.recovery.sdcbuddy import BuddyOpinions
+b = BuddyOpinions(helper=True)
+started, again = b.prestart(), b.prestart()
+pids = sorted(p.pid for p in b._pool._processes.values())
+def loaded(pid):
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+deadline = time.monotonic() + 600
+while not all(loaded(p) for p in pids) and time.monotonic() < deadline:
+    time.sleep(0.1)
+before_copy = all(loaded(p) for p in pids)
+op = b.form("n0", find_copy(Path(sys.argv[1]), int(sys.argv[2])))
+after = sorted(p.pid for p in b._pool._processes.values())
+b.close()
+print(json.dumps({"torch": "torch" in sys.modules, "started": started, "again": again,
+                  "pids": pids, "after": after, "before_copy": before_copy,
+                  "fingerprints": op.fingerprints, "error": op.error}))
+"""
+
+
+@pytest.mark.timeout(900)
+def test_a_prestarted_helper_has_torch_before_the_first_copy_and_forms_its_opinion(
+    owner: FlashOwner,
+) -> None:
+    """A spare's agent starts its helper with its standbys: the helper's torch import
+    used to run beside a promoted spare's first step (its first copies arrive then)."""
+    t = Trainer()
+    _, ref = save_fingerprinted(owner, t, 10)
+    inline = BuddyOpinions().form("n0", ref)
+    assert inline is not None and not inline.error
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", _PRESTART, str(owner.rank_dir(0)), "10"],
+        capture_output=True, text=True, timeout=840, env=env, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["torch"] is False  # still none in the agent's own process
+    assert (got["started"], got["again"]) == (True, False)  # one helper, started once
+    assert len(got["pids"]) == 1 and got["after"] == got["pids"]
+    assert got["before_copy"] is True
+    assert not got["error"] and got["fingerprints"] == inline.fingerprints
+
+
+def test_prestart_is_a_no_op_without_a_helper() -> None:
+    """Tools and tests form opinions in their own process: nothing to start."""
+    assert BuddyOpinions().prestart() is False
