@@ -309,6 +309,11 @@ class Drill:
                     f.resumed_step = e.training_resumed.at_step
                     f.mode = e.training_resumed.mode
                     f.events_written = e.seq - f.seq_at_inject
+                    if f.kind == "straggler" and f.detected_s is not None:  # it never stopped
+                        f.note += (
+                            f"; resumed {f.resumed_s - f.detected_s:.2f} s after it was named"
+                            " (the job trained on, slower, until then)"
+                        )
 
     def _measure_after_resume(self, f: FaultRecord) -> None:
         if f.resumed_step is None or f.loss_after is not None:

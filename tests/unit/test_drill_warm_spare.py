@@ -1,4 +1,5 @@
-"""The drill waits for a warm spare before a fault whose ranks go to an idle node.
+"""The drill's bookkeeping: it waits for a warm spare before a fault whose ranks go to an
+idle node, and a straggler's note says how soon after its naming training resumed.
 
 `Drill._spare_warm` reads the leader's live view (which nodes are idle, how many workers a
 world node runs) and the idle agents' own logs (`standby ready` since their last start or
@@ -87,3 +88,32 @@ def test_the_wait_is_bounded_and_nothing_is_awaited_without_standbys(tmp_path: P
     (tmp_path / "node-0.log").write_text("flash.ready\nworker started pid=5\n")
     (tmp_path / "spare-0.log").write_text("flash.ready\nregistered\n")
     assert _drill(run)._spare_warm(0.0)
+
+
+def test_a_stragglers_note_says_how_soon_after_its_naming_training_resumed() -> None:
+    """A straggler never stops the job: its row's "resumed in" counts from the slowdown,
+    and its note gives the resume after the naming (the eviction's own cost)."""
+    from unbroken.cli.drill import FaultRecord
+    from unbroken.proto import events_pb2 as ev
+
+    t0 = 1_000_000_000_000
+    f = FaultRecord(
+        fault="straggler (node 20% slower)", target="n1", injected_at=0.0,
+        expect="straggler_suspected", kind="straggler", node="n1", recovers=True,
+        injected_wall_ns=t0, seq_at_inject=10, note="named by the straggler sweep",
+    )  # fmt: skip
+    d = Drill.__new__(Drill)
+    d.faults = [f]
+    named = ev.Event(
+        seq=11, wall_time_unix_ns=t0 + 12_500_000_000,
+        straggler_suspected=ev.StragglerSuspected(node_id="n1", slowdown=1.2),
+    )  # fmt: skip
+    resumed = ev.Event(
+        seq=19, wall_time_unix_ns=t0 + 13_750_000_000,
+        training_resumed=ev.TrainingResumed(at_step=500, mode="in_job"),
+    )  # fmt: skip
+    d.observe([named, resumed], now=0.0)
+    assert f.detected_s == pytest.approx(12.5) and f.resumed_s == pytest.approx(13.75)
+    assert f.note.endswith(
+        "; resumed 1.25 s after it was named (the job trained on, slower, until then)"
+    )
