@@ -61,6 +61,15 @@ class WarmCheck:
         self._target = min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice)
         low = wait_nice > nice and warmlib.may_raise_priority(self._target)
         self.wait_nice = wait_nice if low else nice
+        # It waits in a session of its own whose autogroup is nice `wait_nice` too: in the
+        # agent's session its niceness bought no idle-only CPU, and its torch import took
+        # 0.35 s of CPU during a 0.65 s first step after a worker crash (`make run`, a
+        # /proc sampler, 2026-12-07). Only where the autogroup can be given back its
+        # niceness when the check is taken (`_group_back`).
+        self._group_back = warmlib.autogroup_nice()
+        self._own_group = (
+            low and self._group_back is not None and warmlib.may_raise_priority(self._group_back)
+        )
         self._proc: asyncio.subprocess.Process | None = None
         self._ready: asyncio.Task[bool] | None = None
         self.taken = 0  # checks that ran warm
@@ -80,7 +89,10 @@ class WarmCheck:
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
+            start_new_session=self._own_group,
         )
+        if self._own_group:
+            warmlib.set_autogroup_nice(proc.pid, self.wait_nice)
         self._proc = proc
         assert proc.stdout is not None
         line = await proc.stdout.readline()  # EOF (a crash) reads b""
@@ -95,7 +107,7 @@ class WarmCheck:
         if ready is None:
             return None
         if self._proc is not None and self.wait_nice != self.nice:
-            warmlib.renice_process(self._proc.pid, self._target)  # the check's own priority
+            self._give_back(self._proc.pid)  # the check's own priority
         with contextlib.suppress(Exception):
             await aio.wait_for(asyncio.shield(ready), wait_s)
         proc = self._proc
@@ -106,9 +118,16 @@ class WarmCheck:
             await aio.reap(proc)
             return None
         if self.wait_nice != self.nice:  # (again: it may have started after the first)
-            warmlib.renice_process(proc.pid, self._target)
+            self._give_back(proc.pid)
         self.taken += 1
         return proc
+
+    def _give_back(self, pid: int) -> None:
+        """The taken check's priority: the check's niceness, and its session's autogroup
+        the agent's own niceness."""
+        warmlib.renice_process(pid, self._target)
+        if self._own_group and self._group_back is not None:
+            warmlib.set_autogroup_nice(pid, self._group_back)
 
     async def close(self) -> None:
         if self._ready is not None:

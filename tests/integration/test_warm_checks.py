@@ -16,10 +16,12 @@ import json
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from unbroken.agent.checks import WarmCheck, run_check, run_selfcheck
+from unbroken.agent.warm import autogroup_nice
 from unbroken.diagnostics.check import free_port
 
 pytestmark = pytest.mark.integration
@@ -123,25 +125,34 @@ def test_a_warm_check_waits_at_idle_priority_and_runs_at_the_checks() -> None:
     """Its torch import takes idle CPU only (the node's workers start beside it); taken, it
     has the niceness a cold check would have had."""
 
-    async def go() -> tuple[int, int, int]:
+    async def go() -> tuple[int, int, int, dict[str, Any]]:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         warm = WarmCheck(nice=5, wait_nice=19)
         if warm.wait_nice == warm.nice:
             pytest.skip("this process may not lower a child's niceness again")
+        group: dict[str, Any] = {"own": warm._own_group}
         try:
             warm.refill()
             await _ready(warm)
             assert warm._proc is not None
             waiting = _nice_of(warm._proc.pid)
+            group["sid"] = os.getsid(warm._proc.pid) == warm._proc.pid
+            group["waiting"] = autogroup_nice(warm._proc.pid)
             proc = await warm.take()
             assert proc is not None
             taken = _nice_of(proc.pid)
+            group["taken"] = autogroup_nice(proc.pid)
             proc.kill()
             await proc.wait()
-            return waiting, taken, os.getpriority(os.PRIO_PROCESS, 0)
+            return waiting, taken, os.getpriority(os.PRIO_PROCESS, 0), group
         finally:
             await warm.close()
 
-    waiting, taken, ours = asyncio.run(go())
+    waiting, taken, ours, group = asyncio.run(go())
     assert waiting == 19
     assert taken == min(19, ours + 5)
+    # where autogroups exist and can be given back: it waits in a session of its own, its
+    # autogroup nice 19 (the niceness alone bought nothing outside the agent's session)
+    if group["own"]:
+        assert group["sid"] is True
+        assert (group["waiting"], group["taken"]) == (19, autogroup_nice())
