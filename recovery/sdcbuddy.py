@@ -108,9 +108,20 @@ def _lower_priority() -> None:
             f.write(str(HELPER_NICE))
 
 
-def _helper_start() -> None:
-    """The helper process's start: low priority, one thread, torch imported now rather than
-    at the first copy."""
+def _orphan_watch(parent: int, every_s: float = 1.0) -> None:
+    """Exit once this process is re-parented (its agent died): a pool's process waits for
+    its next task for ever, and an agent SIGKILLed without its reaper (one that started no
+    workers) left its helper, torch and all, running (found after a test's SIGKILL)."""
+    while os.getppid() == parent:
+        time.sleep(every_s)
+    os._exit(0)
+
+
+def _helper_start(parent: int) -> None:
+    """The helper process's start: gone with its agent (`parent`, passed in: it may have
+    died before this runs), low priority, one thread, torch imported now rather than at the
+    first copy."""
+    threading.Thread(target=_orphan_watch, args=(parent,), daemon=True, name="orphan").start()
     _lower_priority()
     import torch
 
@@ -216,6 +227,7 @@ class BuddyOpinions:
                 max_workers=1,
                 mp_context=multiprocessing.get_context("spawn"),  # not a fork of the agent
                 initializer=_helper_start,
+                initargs=(os.getpid(),),
             )
         return self._pool
 

@@ -11,7 +11,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.sdcharness import Trainer, save_fingerprinted, shm_owner
@@ -145,3 +147,42 @@ def test_a_prestarted_helper_has_torch_before_the_first_copy_and_forms_its_opini
 def test_prestart_is_a_no_op_without_a_helper() -> None:
     """Tools and tests form opinions in their own process: nothing to start."""
     assert BuddyOpinions().prestart() is False
+
+
+_ORPHANED = """
+import sys, time
+from unbroken.recovery.sdcbuddy import BuddyOpinions
+if __name__ == "__main__":
+    b = BuddyOpinions(helper=True)
+    b.prestart()
+    print("helper", *[p.pid for p in b._pool._processes.values()], flush=True)
+    time.sleep(300)
+"""
+
+
+def test_a_helper_whose_agent_was_sigkilled_exits(tmp_path: Path) -> None:
+    """No reaper, no shutdown: the helper notices it was re-parented and exits."""
+    script = tmp_path / "agent_side.py"  # spawn re-imports the main module: a file
+    script.write_text(_ORPHANED)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agent = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert agent.stdout is not None
+    line = ""
+    while not line.startswith("helper "):  # (its log lines come first)
+        line = agent.stdout.readline()
+        assert line, "the agent's side exited before its helper started"
+    (helper,) = (int(x) for x in line.split()[1:])
+    agent.kill()
+    agent.wait(10)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:  # gone, or a zombie of whichever process reaps orphans here
+            if psutil.Process(helper).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.2)
+    os.kill(helper, 9)
+    raise AssertionError("the orphaned helper still ran 60 s after its agent's SIGKILL")
