@@ -21,7 +21,7 @@ import sys
 
 from unbroken.agent import warm as warmlib
 from unbroken.agent.launch import exec_wrapper
-from unbroken.common import aio
+from unbroken.common import aio, autogroup
 from unbroken.diagnostics.check import WARM_READY, WARM_SELFCHECK_KEY
 from unbroken.proto import driver_pb2 as dpb
 
@@ -66,7 +66,7 @@ class WarmCheck:
         # 0.35 s of CPU during a 0.65 s first step after a worker crash (`make run`, a
         # /proc sampler, 2026-12-07). Only where the autogroup can be given back its
         # niceness when the check is taken (`_group_back`).
-        self._group_back = warmlib.autogroup_nice()
+        self._group_back = autogroup.nice()
         self._own_group = (
             low and self._group_back is not None and warmlib.may_raise_priority(self._group_back)
         )
@@ -92,7 +92,7 @@ class WarmCheck:
             start_new_session=self._own_group,
         )
         if self._own_group:
-            warmlib.set_autogroup_nice(proc.pid, self.wait_nice)
+            autogroup.set_nice(proc.pid, self.wait_nice)
         self._proc = proc
         assert proc.stdout is not None
         line = await proc.stdout.readline()  # EOF (a crash) reads b""
@@ -127,7 +127,7 @@ class WarmCheck:
         the agent's own niceness."""
         warmlib.renice_process(pid, self._target)
         if self._own_group and self._group_back is not None:
-            warmlib.set_autogroup_nice(pid, self._group_back)
+            autogroup.set_nice(pid, self._group_back)
 
     async def close(self) -> None:
         if self._ready is not None:

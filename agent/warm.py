@@ -188,30 +188,6 @@ def renice_process(pid: int, nice: int) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, nice)
 
 
-def autogroup_nice(pid: int = 0) -> int | None:
-    """The niceness of process `pid`'s autogroup (0: this one's); None where the kernel
-    has no autogroup (`/proc/PID/autogroup` reads `/autogroup-N nice K`)."""
-    try:
-        with open(f"/proc/{pid or 'self'}/autogroup") as f:
-            return int(f.read().split()[-1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def set_autogroup_nice(pid: int, nice: int) -> bool:
-    """Set the niceness of the autogroup of process `pid`, a session leader's own (Linux's
-    autogroup scheduling shares the CPU among sessions first, then applies a process's
-    niceness only within its session: a nice-19 process in a session of its own competes
-    with the others as their equal unless its autogroup is nice too). False where it
-    cannot (no autogroup, or lowering it without CAP_SYS_NICE or RLIMIT_NICE)."""
-    try:
-        with open(f"/proc/{pid}/autogroup", "w") as f:
-            f.write(str(nice))
-        return True
-    except OSError:
-        return False
-
-
 # ---------------------------------------------------------------- the agent's side
 class Standby:
     """One waiting process and the agent's end of its socketpair."""

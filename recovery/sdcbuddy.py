@@ -40,6 +40,7 @@ from typing import Any
 import psutil
 import structlog
 
+from unbroken.common import autogroup
 from unbroken.common.sdckeys import MASK64, SDC_META
 from unbroken.proto import driver_pb2 as dpb
 from unbroken.proto import events_pb2 as ev
@@ -89,23 +90,16 @@ def recompute(ref: CopyRef, meta: dict[str, Any], device: str) -> tuple[dict[str
     return fps, ""
 
 
-AUTOGROUP = "/proc/self/autogroup"
-
-
 def _lower_priority() -> None:
     """Make this process wait for idle CPU: nice 19, in a session of its own whose autogroup
-    is nice 19 too. Linux's autogroup scheduling (on by default) shares the CPU among
-    sessions first and applies a process's niceness only within its session: in the agent's
-    session a nice-19 helper took the session's share, and importing torch beside a
-    promoted spare's first step it ran at 20 % of a core (a /proc sampler, `make run`,
-    2026-12-07). Two busy loops in sessions of their own and a third beside them got 2.1 s
-    of a 3 s run at nice 19 and 0.11 s at autogroup nice 19 (this VM)."""
+    is nice 19 too (common/autogroup.py): in the agent's session a nice-19 helper took the
+    session's share, and importing torch beside a promoted spare's first step it ran at 20 %
+    of a core (a /proc sampler, `make run`, 2026-12-07)."""
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, 0, HELPER_NICE)
     with contextlib.suppress(OSError):
         os.setsid()  # its own autogroup; the agent still kills it (its parent and reaper)
-        with open(AUTOGROUP, "w") as f:
-            f.write(str(HELPER_NICE))
+        autogroup.set_nice(0, HELPER_NICE)
 
 
 def _orphan_watch(parent: int, every_s: float = 1.0) -> None:

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -52,6 +53,21 @@ print(json.dumps({"torch": "torch" in sys.modules, "first": first.fingerprints,
 """
 
 
+def _agent_side(owner: FlashOwner, script: str) -> tuple[dict[str, int], dict[str, Any]]:
+    """A fingerprinted copy's opinion formed in this process, and what `script` (an agent's
+    side, in a process of its own, given the copy's rank directory and step) printed last."""
+    _, ref = save_fingerprinted(owner, Trainer(), 10)
+    inline = BuddyOpinions().form("n0", ref)
+    assert inline is not None and not inline.error
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(owner.rank_dir(0)), "10"],
+        capture_output=True, text=True, timeout=840, env=env, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return inline.fingerprints, json.loads(out.stdout.strip().splitlines()[-1])
+
+
 # at nice 19 beside CPU hogs each helper's torch import (two here) took over a minute
 @pytest.mark.timeout(900)
 def test_an_agents_opinions_come_from_a_helper_process_and_outlive_its_death(
@@ -60,19 +76,9 @@ def test_an_agents_opinions_come_from_a_helper_process_and_outlive_its_death(
     """The agent imports no torch: its first opinion used to import it in one of its
     threads, holding the interpreter's lock long enough to stop its heartbeats for 0.5-1.1 s
     (a promoted spare, at every node loss of a bench run)."""
-    t = Trainer()
-    _, ref = save_fingerprinted(owner, t, 10)
-    inline = BuddyOpinions().form("n0", ref)
-    assert inline is not None and not inline.error
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", _AGENT_SIDE, str(owner.rank_dir(0)), "10"],
-        capture_output=True, text=True, timeout=840, env=env, check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    inline, got = _agent_side(owner, _AGENT_SIDE)
     assert got["torch"] is False  # nothing in the agent's process imported it
-    assert got["first"] == inline.fingerprints
+    assert got["first"] == inline
     assert "the opinion helper failed" in got["broken"], got["broken"]
     assert got["again"] == got["first"]
 
@@ -126,22 +132,12 @@ def test_a_prestarted_helper_has_torch_before_the_first_copy_and_forms_its_opini
 ) -> None:
     """A spare's agent starts its helper with its standbys: the helper's torch import
     used to run beside a promoted spare's first step (its first copies arrive then)."""
-    t = Trainer()
-    _, ref = save_fingerprinted(owner, t, 10)
-    inline = BuddyOpinions().form("n0", ref)
-    assert inline is not None and not inline.error
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", _PRESTART, str(owner.rank_dir(0)), "10"],
-        capture_output=True, text=True, timeout=840, env=env, check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    inline, got = _agent_side(owner, _PRESTART)
     assert got["torch"] is False  # still none in the agent's own process
     assert (got["started"], got["again"]) == (True, False)  # one helper, started once
     assert len(got["pids"]) == 1 and got["after"] == got["pids"]
     assert got["before_copy"] is True
-    assert not got["error"] and got["fingerprints"] == inline.fingerprints
+    assert not got["error"] and got["fingerprints"] == inline
 
 
 def test_prestart_is_a_no_op_without_a_helper() -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from unbroken.agent.checks import WarmCheck, run_check, run_selfcheck
-from unbroken.agent.warm import autogroup_nice
+from unbroken.common.autogroup import nice as autogroup_nice
 from unbroken.diagnostics.check import free_port
 
 pytestmark = pytest.mark.integration
