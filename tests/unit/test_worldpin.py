@@ -1,15 +1,17 @@
 """trainer/worldpin.py: a world's groups outlive DDP's Reducer while pinned, and go on release.
 
-A world of one gloo rank in this process: its group's worker threads are counted in
-/proc/self/task. With the group pinned, `destroy_process_group()` and freeing the DDP model
-(its Reducer) leave the group alive (the Reducer is not its last holder, so its destructor
+A world of one gloo rank in this process: its group's threads are counted in
+/proc/self/task, by name. With the group pinned, `destroy_process_group()` and freeing the
+DDP model (its Reducer) leave the group alive (the Reducer is not its last holder, so its destructor
 does not run there with the GIL held); `release` then destroys it and its threads end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +24,13 @@ pytestmark = pytest.mark.unit
 
 
 def _tasks() -> int:
-    return len(os.listdir("/proc/self/task"))
+    """This process's gloo threads (a group's worker loops and its transport's event loop),
+    by name: other threads an earlier test left may end at any time."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            names.append(Path(f"/proc/self/task/{task}/comm").read_text().strip())
+    return sum(name.startswith(("pt_gloo", "gloo")) for name in names)
 
 
 def _settles(n: int, timeout_s: float = 5.0) -> bool:
