@@ -736,7 +736,10 @@ def recovery_loop(body: Callable[[], T], *, hold_s: float = HOLD_WAIT_S) -> T:
     _torchrun_dir = torchrunhold.directory()  # under torchrun with the backend's in_job=1
     if started_by_agent() or _torchrun_dir:  # an NCCL peer's failure must not end this process
         ncclguard.nccl_keeps_process()
-        worldpin.import_early()  # no world's group held for ever by torch's defaults
+    # no world's group held for ever by torch's defaults: with none held, the last world's
+    # group is freed (its threads joined) before the interpreter ends, where a gloo thread
+    # still wanting the GIL would abort the process
+    worldpin.import_early()
     # What exists now (the imports) lives as long as the process: out of the collector's
     # sight, the full collections of a recovery (freeing the old world's groups) are cheap.
     gc.freeze()

@@ -15,9 +15,11 @@ addresses from the shared store and hang in init_process_group (pytorch#135712).
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # before any group: see the end
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from unbroken.trainer import hooks
@@ -62,12 +64,18 @@ def main() -> None:
         final = torch.nn.functional.mse_loss(model(x), y).item()
     if rank == 0:
         print(f"final loss {final!r}", flush=True)
-    # every rank done with its last collective before the teardown (the engine's own
-    # practice): without it the reference run under plain torchrun aborted at exit, twice in
-    # many CI runs ("terminate called without an active exception", exit -6)
-    dist.barrier()
-    dist.destroy_process_group()
+    dist.barrier()  # every rank done with its last collective before the teardown
 
 
 if __name__ == "__main__":
     main()
+    # Free the model before its group, and the group before the interpreter ends. Under load
+    # a gloo worker thread can still be releasing its last collective at exit; it then wants
+    # the GIL while Python shuts down and the process aborts ("terminate called without an
+    # active exception", exit -6; CI saw it, a core under stress-ng showed that thread). DDP's
+    # reducer holds the group (freed here with main's frame, a cycle needs the collector), and
+    # torch.distributed.nn.functional, imported by DDP, would keep the first world's group as
+    # its functions' default argument (imported above, before any group, it keeps None). With
+    # neither holding it, destroy_process_group frees the group and joins those threads.
+    gc.collect()
+    dist.destroy_process_group()
