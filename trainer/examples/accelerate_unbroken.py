@@ -25,13 +25,13 @@ from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_w
 
 from unbroken.trainer import hooks
 from unbroken.trainer.adapters.accelerate import Unbroken, recovery_loop
-from unbroken.trainer.examples.args import BATCH_SIZE, example_parser
+from unbroken.trainer.examples.args import BATCH_SIZE, WIDTH, example_parser
 
 
-def tiny_gpt2() -> GPT2LMHeadModel:
-    """A two-layer GPT-2 of width 32 over 64 tokens (no download)."""
+def tiny_gpt2(width: int = WIDTH) -> GPT2LMHeadModel:
+    """A two-layer GPT-2 of width `width` (32) over 64 tokens (no download)."""
     config = GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+        n_layer=2, n_embd=width, n_head=2, vocab_size=64, n_positions=32,
         bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     return GPT2LMHeadModel(config)
@@ -52,7 +52,7 @@ def train(args: argparse.Namespace) -> None:
         cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True)
     )
     set_seed(0)
-    model = tiny_gpt2()
+    model = tiny_gpt2(args.width)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = get_linear_schedule_with_warmup(optimizer, 5, args.steps)
     loader = DataLoader(

@@ -1,4 +1,4 @@
-"""The flags every adapter example takes: the same six, so tests and the bench drive them alike."""
+"""The flags every adapter example takes, the same seven: tests and the bench drive them alike."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ from unbroken.trainer.pacer import SAVE_BUDGET
 
 #: Sequences per rank per step, unless `--batch-size` says otherwise.
 BATCH_SIZE = 4
+#: The model's width (GPT-2's n_embd, Llama's dim), unless `--width` says otherwise.
+WIDTH = 32
 
 
 def example_parser(description: str) -> argparse.ArgumentParser:
     """A parser with `--steps`, `--persist-every-s`, `--save-budget`, `--step-delay-s`,
-    `--metrics-out` and `--batch-size`."""
+    `--metrics-out`, `--batch-size` and `--width`."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--persist-every-s", type=float, default=30.0)
@@ -35,5 +37,12 @@ def example_parser(description: str) -> argparse.ArgumentParser:
         default=BATCH_SIZE,
         help="sequences per rank per step (the same model and state: longer steps, the same "
         "save; bench/adapters.py --batch-sizes)",
+    )
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=WIDTH,
+        help="the model's width, two layers either way (a larger state to save and a longer "
+        "step; bench/adapters.py --widths); even",
     )
     return parser

@@ -26,16 +26,18 @@ from transformers import get_linear_schedule_with_warmup
 from unbroken.trainer import hooks
 from unbroken.trainer.adapters.lightning import ResumableDataLoader, Unbroken
 from unbroken.trainer.examples.accelerate_unbroken import tiny_gpt2, token_data
-from unbroken.trainer.examples.args import example_parser
+from unbroken.trainer.examples.args import WIDTH, example_parser
 
 
 class TinyLM(pl.LightningModule):
-    def __init__(self, steps: int, step_delay_s: float = 0.0, metrics_out: Any = None) -> None:
+    def __init__(
+        self, steps: int, step_delay_s: float = 0.0, metrics_out: Any = None, width: int = WIDTH
+    ) -> None:
         super().__init__()
         self.steps = steps
         self.step_delay_s = step_delay_s
         self.metrics_out = metrics_out  # an open file for rank 0's losses, or None
-        self.model = tiny_gpt2()
+        self.model = tiny_gpt2(width)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (tokens,) = batch
@@ -76,7 +78,7 @@ def train(args: argparse.Namespace) -> None:
     )
     out = open(args.metrics_out, "a") if args.metrics_out else None
     try:
-        trainer.fit(TinyLM(args.steps, args.step_delay_s, out), loader)
+        trainer.fit(TinyLM(args.steps, args.step_delay_s, out, args.width), loader)
     finally:
         if out is not None:
             out.close()

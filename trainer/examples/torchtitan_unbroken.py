@@ -51,14 +51,14 @@ from torchtitan.trainer import Trainer
 
 from unbroken.trainer import hooks
 from unbroken.trainer.adapters.torchtitan import Unbroken, gloo_parallelize, use_cpu
-from unbroken.trainer.examples.args import BATCH_SIZE, example_parser
+from unbroken.trainer.examples.args import BATCH_SIZE, WIDTH, example_parser
 
 VOCAB = 64
 SEQ_LEN = 16
 
 
-def tiny_llama(dim: int = 32, n_layers: int = 2, n_heads: int = 2) -> ModelSpec:
-    """A two-layer Llama 3 of width 32 over 64 tokens, SDPA attention (no download)."""
+def tiny_llama(dim: int = WIDTH, n_layers: int = 2, n_heads: int = 2) -> ModelSpec:
+    """A two-layer Llama 3 of width `dim` (32) over 64 tokens, SDPA attention (no download)."""
     linear = {
         "weight": partial(torch.nn.init.trunc_normal_, std=0.02),
         "bias": torch.nn.init.zeros_,
@@ -194,8 +194,9 @@ def job_config(
     metrics_out: str = "",
     dump_folder: str = "",
     batch_size: int = BATCH_SIZE,
+    width: int = WIDTH,
 ) -> DemoTrainer.Config:
-    spec = tiny_llama()
+    spec = tiny_llama(width)
     return DemoTrainer.Config(
         model_spec=spec,
         hf_assets_path="",
@@ -236,6 +237,7 @@ def train(args: argparse.Namespace) -> None:
         args.metrics_out,
         args.dump_folder,
         args.batch_size,
+        args.width,
     )
     trainer = config.build()
     try:

@@ -52,7 +52,7 @@ def train(args: argparse.Namespace) -> None:
         use_cpu=True, seed=0, disable_tqdm=True, ddp_backend="gloo",
     )  # fmt: skip
     torch.manual_seed(0)
-    model = tiny_gpt2()
+    model = tiny_gpt2(args.width)
     holder: dict[str, Trainer] = {}
     out = open(args.metrics_out, "a") if args.metrics_out else None
 
