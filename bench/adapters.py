@@ -23,7 +23,11 @@ per adapter the median of the runs' ratios (goal <= 1.03), their spread, and the
 
 Each adapter runs at every `--batch-sizes` (default 4, the examples' own, and 32): the same
 model and state, so the save costs the same while the step grows; a tiny step on a CPU is
-the worst case of a fixed per-step cost, a real model's step is longer still.
+the worst case of a fixed per-step cost, a real model's step is longer still. And at every
+`--widths` (the examples' `--width`, default 32 and 256): two layers either way, so the
+same tensors to save while their bytes and the step's compute grow (width 256: 54 times the
+state, 19 MB a rank). The headline figures are the first width's at the first batch size; every
+combination is under `by_width`.
 
 Writes bench/results/adapters.json (with the load average) and prints a table. Run:
 `make bench-adapters` or `OMP_NUM_THREADS=1 .venv/bin/python bench/adapters.py [--steps
@@ -60,6 +64,7 @@ ADAPTERS = {  # name -> (example module, libraries it needs)
     "torchtitan": ("unbroken.trainer.examples.torchtitan_unbroken", ["torchtitan"]),
 }
 WARMUP = 12
+NO_DRIVER_S = 7 * 24 * 3600.0  # the agent's patience without a driver: the bench has none
 SAVES = re.compile(r"adapter\.save_stats.*?saves=(\d+)")
 # Attach, make every save call save; in the "off" blocks skip the SDK's report, save and
 # spike check (the adapters call them through the module, so the patch reaches them);
@@ -102,7 +107,14 @@ def _env(sock: Path) -> dict[str, str]:
 
 
 def _run(
-    module: str, steps: int, block: int, sock: Path, cwd: Path, batch_size: int
+    module: str,
+    steps: int,
+    block: int,
+    sock: Path,
+    cwd: Path,
+    shm: Path,
+    batch_size: int,
+    width: int,
 ) -> dict[str, Any]:
     """One torchrun of the example: rank 0's step times in each mode, the saves made."""
     stamps_file = cwd / "stamps.json"
@@ -110,7 +122,7 @@ def _run(
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "--no-python", sys.executable, "-c", RUNNER.format(mod=module), "--steps", str(steps),
-        "--batch-size", str(batch_size),
+        "--batch-size", str(batch_size), "--width", str(width),
     ]  # fmt: skip
     env = {**_env(sock), "BENCH_BLOCK": str(block), "BENCH_OUT": str(stamps_file)}
     proc = subprocess.run(
@@ -131,12 +143,25 @@ def _run(
         if on(s - 1) == on(s - 2):
             times[on(s - 1)].append(at[s] - at[s - 1])
     saves = [int(n) for n in SAVES.findall(text)]
-    return {"on": times[True], "off": times[False], "saves": saves, "text": text}
+    return {
+        "on": times[True],
+        "off": times[False],
+        "saves": saves,
+        "state_bytes": _copy_bytes(shm),
+        "text": text,
+    }
 
 
-def _forget(tmp: Path) -> None:
+def _copy_bytes(shm: Path) -> int:
+    """The largest file in the agent's flash store: one rank's copy of one step."""
+    job = shm / "bench"
+    sizes = [p.stat().st_size for p in job.rglob("*") if p.is_file()] if job.is_dir() else []
+    return max(sizes, default=0)
+
+
+def _forget(tmp: Path, shm: Path) -> None:
     """Drop the flash copies and persisted steps of the runs before."""
-    job = tmp / "shm" / "bench"
+    job = shm / "bench"
     if job.is_dir():
         for p in job.iterdir():
             if p.is_dir():
@@ -145,13 +170,16 @@ def _forget(tmp: Path) -> None:
 
 
 @contextlib.contextmanager
-def _agent(tmp: Path) -> Any:
+def _agent(tmp: Path, shm: Path) -> Any:
     sock, log = tmp / "agent.sock", tmp / "agent.log"
     args = [
         "--driver", f"127.0.0.1:{_free_port()}", "--node-id", "n0", "--worker-cmd", "true",
         "--nproc-per-node", "2", "--no-start", "--socket", str(sock),
-        "--log-dir", str(tmp / "logs"), "--flash-dir", str(tmp / "shm"),
+        "--log-dir", str(tmp / "logs"), "--flash-dir", str(shm),
         "--flash-job", "bench", "--persist-url", str(tmp / "persist"),
+        # no driver here: without this the agent gives up after 600 s, and a longer bench's
+        # later runs found no agent and saved nothing
+        "--max-disconnected-s", str(NO_DRIVER_S),
     ]  # fmt: skip
     with open(log, "wb") as f:
         proc = subprocess.Popen(
@@ -188,6 +216,7 @@ def _write(args: argparse.Namespace, load_before: Any, rows: dict[str, Any]) -> 
         "rounds": args.rounds,
         "block": args.block,
         "batch_sizes": args.batch_sizes,
+        "widths": args.widths,
         "save_budget": 0.5,
         "save_every_step": True,  # the pacer's skips overridden (see the docstring)
         "goal_ratio": 1.03,
@@ -204,20 +233,33 @@ def _write(args: argparse.Namespace, load_before: Any, rows: dict[str, Any]) -> 
 
 
 def _measure(
-    name: str, module: str, args: argparse.Namespace, batch_size: int, sock: Path, tmp: Path
+    name: str,
+    module: str,
+    args: argparse.Namespace,
+    batch_size: int,
+    width: int,
+    sock: Path,
+    tmp: Path,
+    shm: Path,
 ) -> dict[str, Any]:
-    """`args.rounds` runs of one adapter's example at `batch_size`: step times and ratios."""
+    """`args.rounds` runs of one adapter's example at `batch_size` and `width`: step times
+    and ratios."""
     runs = []
     for _ in range(args.rounds):
-        _forget(tmp)  # each run starts afresh, not from the last one's copies
-        got = _run(module, args.steps, args.block, sock, tmp, batch_size)
-        if not got["saves"]:
-            raise RuntimeError(f"{name}: no flash saves reported:\n" + got["text"][-3000:])
+        _forget(tmp, shm)  # each run starts afresh, not from the last one's copies
+        got = _run(module, args.steps, args.block, sock, tmp, shm, batch_size, width)
+        if len(got["saves"]) != 2 or not all(got["saves"]):  # each worker saved
+            raise RuntimeError(
+                f"{name}: a worker made no flash saves ({got['saves']}: did the agent go?):\n"
+                + got["text"][-3000:]
+            )
         runs.append(got)
     ratios = [statistics.median(r["on"]) / statistics.median(r["off"]) for r in runs]
     n_on = sum((s // args.block) % 2 == 0 for s in range(1, args.steps + 1))
     return {
         "batch_size": batch_size,
+        "width": width,
+        "state_bytes_per_rank": max(r["state_bytes"] for r in runs),
         "median_step_ms_plain": round(
             1000 * statistics.median(t for r in runs for t in r["off"]), 3
         ),
@@ -249,39 +291,68 @@ def main() -> None:
         help="sequences per rank per step, one set of runs each (the first is the row's "
         "headline: the examples' own 4)",
     )
+    parser.add_argument(
+        "--widths",
+        type=int,
+        nargs="+",
+        default=[32, 256],
+        help="the examples' model widths, one set of runs each (the first is the row's "
+        "headline: the examples' own 32)",
+    )
     args = parser.parse_args()
     load_before = os.getloadavg()
     rows: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-adapters-") as d:
-        tmp = Path(d)
-        with _agent(tmp) as sock:
+    # the flash store on tmpfs, as the agent's default (/dev/shm): on a disk's file system
+    # every save's copy dirtied page-cache pages the kernel then wrote back (at 76 MB a rank
+    # and batch 4 the DDP adapters' ratio was 1.36-1.44 on disk, 1.06-1.10 on tmpfs)
+    shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-adapters-") as d,
+        tempfile.TemporaryDirectory(prefix="bench-adapters-", dir=shm_root) as flash,
+    ):
+        tmp, shm = Path(d), Path(flash)
+        with _agent(tmp, shm) as sock:
             for name in args.only:
                 module, libs = ADAPTERS[name]
                 missing = [lib for lib in libs if importlib.util.find_spec(lib) is None]
                 if missing:
                     rows[name] = {"skipped": f"not installed: {missing}"}
                     continue
-                # the first batch size's figures are the row's own; every size's are
-                # under by_batch_size (the same model and state: the save costs the same,
-                # the step grows)
-                by_size = {}
-                for size in args.batch_sizes:
-                    by_size[str(size)] = _measure(name, module, args, size, sock, tmp)
-                    print(name, by_size[str(size)], flush=True)
-                rows[name] = {**by_size[str(args.batch_sizes[0])], "by_batch_size": by_size}
-                _write(args, load_before, rows)
+                # the first width's and batch size's figures are the row's own; the first
+                # width's every size under by_batch_size (the same model and state: the save
+                # costs the same, the step grows), every width's under by_width
+                by_width: dict[str, dict[str, Any]] = {}
+                for width in args.widths:
+                    by_size = by_width.setdefault(str(width), {})
+                    for size in args.batch_sizes:
+                        by_size[str(size)] = _measure(
+                            name, module, args, size, width, sock, tmp, shm
+                        )
+                        print(name, by_size[str(size)], flush=True)
+                    first = by_width[str(args.widths[0])]
+                    rows[name] = {
+                        **first[str(args.batch_sizes[0])],
+                        "by_batch_size": first,
+                        "by_width": {w: {"by_batch_size": b} for w, b in by_width.items()},
+                    }
+                    _write(args, load_before, rows)
     result = _write(args, load_before, rows)
-    print("| adapter | batch | plain ms/step | unbroken ms/step | ratio (median of runs) | runs |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| adapter | width | batch | state MB/rank | plain ms/step | unbroken ms/step "
+        "| ratio (median of runs) | runs |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         if "skipped" in r:
-            print(f"| {name} | skipped: {r['skipped']} | | | | |")
+            print(f"| {name} | skipped: {r['skipped']} | | | | | | |")
             continue
-        for size, b in r["by_batch_size"].items():
-            print(
-                f"| {name} | {size} | {b['median_step_ms_plain']} | "
-                f"{b['median_step_ms_unbroken']} | {b['ratio']} | {b['ratio_per_run']} |"
-            )
+        for width, w in r["by_width"].items():
+            for size, b in w["by_batch_size"].items():
+                print(
+                    f"| {name} | {width} | {size} | {b['state_bytes_per_rank'] / 1e6:.2f} | "
+                    f"{b['median_step_ms_plain']} | {b['median_step_ms_unbroken']} | "
+                    f"{b['ratio']} | {b['ratio_per_run']} |"
+                )
     print(f"load average {load_before} -> {result['loadavg_after']}; wrote {args.out}")
 
 

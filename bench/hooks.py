@@ -200,6 +200,7 @@ def run(steps: int, rounds: int) -> dict[str, Any]:
         "--worker-cmd", "true", "--nproc-per-node", "2", "--no-start",
         "--socket", str(sock), "--log-dir", str(tmp / "logs"),
         "--flash-dir", str(shm), "--persist-url", str(tmp / "persist"),
+        "--max-disconnected-s", str(7 * 24 * 3600),  # no driver: the agent must not give up
     ]  # fmt: skip
     with open(agent_log, "wb") as f:
         agent = subprocess.Popen(
