@@ -12,6 +12,25 @@ BATCH_SIZE = 4
 WIDTH = 32
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text}")
+    return value
+
+
+def _width(text: str) -> int:
+    value = _positive(text)
+    if value % 2:
+        raise argparse.ArgumentTypeError(
+            f"must be even (the models have 2 attention heads), got {text}"
+        )
+    return value
+
+
 def example_parser(description: str) -> argparse.ArgumentParser:
     """A parser with `--steps`, `--persist-every-s`, `--save-budget`, `--step-delay-s`,
     `--metrics-out`, `--batch-size` and `--width`."""
@@ -33,14 +52,14 @@ def example_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--metrics-out", default="", help="rank 0's step losses (JSON lines)")
     parser.add_argument(
         "--batch-size",
-        type=int,
+        type=_positive,
         default=BATCH_SIZE,
         help="sequences per rank per step (the same model and state: longer steps, the same "
         "save; bench/adapters.py --batch-sizes)",
     )
     parser.add_argument(
         "--width",
-        type=int,
+        type=_width,
         default=WIDTH,
         help="the model's width, two layers either way (a larger state to save and a longer "
         "step; bench/adapters.py --widths); even",
