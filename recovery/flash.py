@@ -73,7 +73,7 @@ from torch.utils.hooks import RemovableHandle
 
 from unbroken.common.loopthread import current_cpu, lower_this_thread, pin_this_thread
 from unbroken.common.sdckeys import SDC_META
-from unbroken.recovery import cudacopy
+from unbroken.recovery import cudacopy, stepguard
 from unbroken.recovery.cudacopy import CudaCopier
 from unbroken.recovery.flashcopy import (
     PERSIST_META,
@@ -419,7 +419,8 @@ class FlashWriter:
         """Make `optimizer.step()` wait first for the copy in flight (`save_async`).
 
         Install once, in loops that call `step()` inside code you do not control (the
-        embedded trainer's `train_step`, a plugin trainer).
+        embedded trainer's `train_step`, a plugin trainer). A step given a closure by one
+        of torch's optimizers waits after the closure instead (recovery/stepguard.py).
 
         Args:
             optimizers: the optimizers to guard; None guards every optimizer in the process
@@ -428,10 +429,7 @@ class FlashWriter:
         Returns:
             The hook handles (`.remove()` uninstalls them).
         """
-
-        def wait_before_step(*_: Any) -> None:
-            self.wait_copied()
-
+        wait_before_step = stepguard.pre_hook(lambda: self._pending)
         if optimizers is None:
             return [register_optimizer_step_pre_hook(wait_before_step)]
         return [opt.register_step_pre_hook(wait_before_step) for opt in optimizers]
