@@ -60,7 +60,15 @@ from unbroken.common.faults import (
 )
 from unbroken.common.logsetup import setup_worker_logging
 from unbroken.common.workerenv import WorkerEnv
-from unbroken.trainer import devicewarm, keeptrainer, keepworld, ncclguard, spikewait, stepthread
+from unbroken.trainer import (
+    devicewarm,
+    keeptrainer,
+    keepworld,
+    ncclguard,
+    spikewait,
+    stepthread,
+    worldpin,
+)
 from unbroken.trainer.config import TrainConfig
 from unbroken.trainer.faultfile import FaultFile, SlowFile
 from unbroken.trainer.flags import add_arguments, to_config
@@ -189,6 +197,9 @@ def init_distributed(config: TrainConfig) -> bool:
 
     if dist.is_initialized():
         return False
+    # before the group: imported later, torch.distributed.nn.functional keeps the world as a
+    # default argument, its gloo threads outlive destroy_process_group (trainer/worldpin.py)
+    worldpin.import_early()
     use_cuda = config.uses_cuda()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -1,4 +1,5 @@
-"""The DDP examples free their process group, and its threads, before the interpreter ends.
+"""The DDP examples and the engine's worker free their process group, and its threads,
+before the interpreter ends.
 
 Under load a gloo worker thread can still be releasing its last collective when Python shuts
 down; it then wants the GIL and the process aborts ("terminate called without an active
@@ -25,14 +26,25 @@ pytestmark = pytest.mark.integration
 RUN = """
 import json, os, runpy, sys
 sys.argv = [sys.argv[1], "--steps", "3"]
-runpy.run_module(sys.argv[0], run_name="__main__")
+try:
+    runpy.run_module(sys.argv[0], run_name="__main__")
+except SystemExit as e:
+    assert not e.code, e.code
 tasks = os.listdir("/proc/self/task")
 print(json.dumps([open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks]))
 """
 
 
-@pytest.mark.parametrize("example", ["ddp_plain", "ddp_unbroken"])
-def test_the_example_leaves_no_thread_of_its_group(example: str, tmp_path: object) -> None:
+@pytest.mark.parametrize(
+    "module",
+    [
+        "unbroken.trainer.examples.ddp_plain",
+        "unbroken.trainer.examples.ddp_unbroken",
+        "unbroken.trainer.run",
+    ],
+    ids=["ddp_plain", "ddp_unbroken", "engine"],
+)
+def test_the_script_leaves_no_thread_of_its_group(module: str, tmp_path: object) -> None:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -44,7 +56,7 @@ def test_the_example_leaves_no_thread_of_its_group(example: str, tmp_path: objec
         "UNBROKEN_AGENT_SOCKET": os.path.join(str(tmp_path), "no-agent.sock"),
     }
     out = subprocess.run(
-        [sys.executable, "-c", RUN, f"unbroken.trainer.examples.{example}"],
+        [sys.executable, "-c", RUN, module],
         env=env,
         capture_output=True,
         text=True,
